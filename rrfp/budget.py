@@ -1,0 +1,68 @@
+"""In-flight budget: how many microbatches (or bytes) a stage may hold activations for.
+
+Readiness needs headroom over 1F1B's memory, so the default is ``2x``: twice
+1F1B's in-flight count, which is S - s on stage s.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_BUDGET = "2x"
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg]i?b|b)", re.IGNORECASE)
+_MULT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*x", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Exactly one of ``count``, ``multiple`` (of 1F1B's S - s) or ``bytes``."""
+
+    count: int | None = None
+    multiple: float | None = None
+    bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [v for v in (self.count, self.multiple, self.bytes) if v is not None]
+        if len(given) != 1:
+            raise ValueError("a budget is exactly one of a count, a multiple 'Nx' or a byte size")
+        if self.count is not None and self.count < 1:
+            raise ValueError(f"budget {self.count} is below 1 microbatch")
+        if self.multiple is not None and self.multiple <= 0:
+            raise ValueError(f"budget {self.multiple}x must be above 0x")
+        if self.bytes is not None and self.bytes < 1:
+            raise ValueError(f"budget of {self.bytes} bytes is below 1 byte")
+
+    @classmethod
+    def parse(cls, spec: "str | int | Budget") -> "Budget":
+        """``4`` -> 4 microbatches; ``"2x"`` -> 2*(S-s); ``"512MiB"`` -> bytes."""
+        if isinstance(spec, Budget):
+            return spec
+        if isinstance(spec, bool):
+            raise ValueError(f"not a budget: {spec!r}")
+        if isinstance(spec, int):
+            return cls(count=spec)
+        text = str(spec).strip()
+        if re.fullmatch(r"-?\d+", text):
+            return cls(count=int(text))
+        if m := _MULT_RE.fullmatch(text):
+            return cls(multiple=float(m.group(1)))
+        if m := _BYTES_RE.fullmatch(text):
+            return cls(bytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
+        raise ValueError(f"not a budget: {text!r} (expected e.g. 4, 2x or 512MiB)")
+
+    def microbatches(self, num_stages: int, stage: int) -> int | None:
+        """The count limit on ``stage``; None for a byte budget."""
+        if self.count is not None:
+            return self.count
+        if self.multiple is not None:
+            return max(1, int(self.multiple * (num_stages - stage) + 1e-9))
+        return None
+
+    def __str__(self) -> str:
+        if self.count is not None:
+            return str(self.count)
+        if self.multiple is not None:
+            return f"{self.multiple:g}x"
+        return f"{self.bytes}B"

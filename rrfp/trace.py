@@ -1,0 +1,54 @@
+"""Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    process: str  # e.g. "ready bfw" or "rank 2"
+    lane: int  # stage
+    name: str  # task, e.g. "F3"
+    start: float  # seconds
+    end: float
+    args: dict = field(default_factory=dict)
+
+
+def chrome_trace(spans: Iterable[Span], lane_name: str = "stage") -> dict:
+    events: list[dict] = []
+    pids: dict[str, int] = {}
+    lanes: set[tuple[int, int]] = set()
+    for sp in spans:
+        pid = pids.setdefault(sp.process, len(pids))
+        if (pid, sp.lane) not in lanes:
+            lanes.add((pid, sp.lane))
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sp.lane,
+                           "args": {"name": f"{lane_name} {sp.lane}"}})
+        events.append({"ph": "X", "name": sp.name, "cat": sp.name[:1], "pid": pid, "tid": sp.lane,
+                       "ts": sp.start * 1e6, "dur": max(0.0, sp.end - sp.start) * 1e6, "args": sp.args})
+    for name, pid in pids.items():
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_atomic(path: str | Path, text: str | bytes) -> None:
+    """Write to a temporary file beside ``path``, then rename: never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode() if isinstance(text, str) else text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=1))
