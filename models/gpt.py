@@ -1,0 +1,198 @@
+"""A nanoGPT-style GPT whose linears are SplitLinear, and its pipeline split.
+
+The full model is built once from a seed (same init whatever the split), then
+`make_stage` keeps a stage's part of it, torchtitan style: the stage is the full
+model with the other layers removed, so parameter names stay those of the full
+model (``transformer.h.3.mlp.c_fc.weight``) and gradients compare by name.
+
+Under pipeline parallelism rrfp keeps the lm head untied from the token embedding:
+they live on different stages, and tying would need an extra gradient exchange.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from rrfp.split_linear import SplitLinear
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = SplitLinear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = SplitLinear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = SplitLinear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = SplitLinear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+def _embed(transformer: nn.ModuleDict, idx: torch.Tensor, block_size: int) -> torch.Tensor:
+    t = idx.size(1)
+    if t > block_size:
+        raise ValueError(f"sequence length {t} exceeds block_size {block_size}")
+    pos = torch.arange(t, device=idx.device)
+    return transformer.drop(transformer.wte(idx) + transformer.wpe(pos))
+
+
+class GPT(nn.Module):
+    """The whole model on one process: idx [b, T] -> logits [b, T, vocab]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+        ))
+        self.lm_head = SplitLinear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # GPT-2: scale residual projections by depth
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        log.debug("GPT with %d parameters", sum(p.numel() for p in self.parameters()))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, SplitLinear)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = _embed(self.transformer, idx, self.config.block_size)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all tokens of a microbatch."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def split_layers(n_layer: int, num_stages: int) -> list[range]:
+    """Balanced contiguous block ranges; the first n_layer % num_stages stages get one more."""
+    if not 1 <= num_stages <= n_layer:
+        raise ValueError(f"num_stages must be in [1, n_layer={n_layer}], got {num_stages}")
+    base, extra = divmod(n_layer, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        end = start + base + (1 if s < extra else 0)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
+
+
+class GPTStage(nn.Module):
+    """Stage `stage` of `num_stages`: the full model with the other layers removed.
+
+    First stage: idx [b, T] -> hidden [b, T, C] (embeddings + its blocks).
+    Middle stages: hidden -> hidden. Last stage: hidden -> logits (ln_f + lm_head).
+    Blocks sit in a ModuleDict keyed by their index in the full model, so names match.
+    """
+
+    def __init__(self, model: GPT, stage: int, num_stages: int) -> None:
+        super().__init__()
+        cfg = model.config
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        if num_stages > 1 and cfg.tie_embeddings:
+            raise ValueError("tied embeddings across pipeline stages are not supported; "
+                             "set tie_embeddings=false")
+        self.config, self.stage, self.num_stages = cfg, stage, num_stages
+        self.layers = split_layers(cfg.n_layer, num_stages)[stage]
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        src = model.transformer
+        keep: dict[str, nn.Module] = {"h": nn.ModuleDict({str(i): src.h[i] for i in self.layers})}
+        if self.is_first:
+            keep.update(wte=src.wte, wpe=src.wpe, drop=src.drop)
+        if self.is_last:
+            keep.update(ln_f=src.ln_f, lm_head=model.lm_head)
+        keep = copy.deepcopy(keep)  # one memo: weights tied on one process stay tied
+        lm_head = keep.pop("lm_head", None)
+        self.transformer = nn.ModuleDict(keep)
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = _embed(self.transformer, x, self.config.block_size)
+        for block in self.transformer.h.values():
+            x = block(x)
+        if self.is_last:
+            x = self.lm_head(self.transformer.ln_f(x))
+        return x
+
+
+def make_stage(model: GPT, stage: int, num_stages: int) -> GPTStage:
+    """An independent copy of `model`'s part for `stage`; `model` is left untouched."""
+    return GPTStage(model, stage, num_stages)

@@ -1,0 +1,136 @@
+"""A linear layer whose backward is split into B (input grad) and W (weight grad).
+
+Zero-bubble schedules run the weight-gradient half of a backward later (task W)
+so that the input gradient (task B) reaches the previous stage sooner. The layer
+returns the input gradient at once and appends a closure computing the weight and
+bias gradients to the WeightGradQueue that was active when its *forward* ran.
+
+The queue is captured at forward time (a ContextVar read in forward), not looked
+up at backward time: on GPU the autograd engine runs backward on its own device
+threads, where no thread-local or context variable set by the caller is visible.
+
+With no active queue the layer is exactly nn.Linear (F.linear, grads in backward);
+the single-process reference runs that way.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_ACTIVE: contextvars.ContextVar["WeightGradQueue | None"] = contextvars.ContextVar(
+    "rrfp_weight_grad_queue", default=None
+)
+
+
+class WeightGradQueue:
+    """Deferred weight-gradient closures of one microbatch, run in order by W."""
+
+    def __init__(self) -> None:
+        self._closures: list[Callable[[], None]] = []
+
+    def append(self, fn: Callable[[], None]) -> None:
+        self._closures.append(fn)
+
+    def run(self) -> None:
+        """Run every closure in queue order, then forget them (and the tensors they hold)."""
+        closures, self._closures = self._closures, []
+        for fn in closures:
+            fn()
+
+    def __len__(self) -> int:
+        return len(self._closures)
+
+
+@contextlib.contextmanager
+def collect_weight_grads(queue: WeightGradQueue | None) -> Iterator[WeightGradQueue | None]:
+    """Forwards run inside defer their weight grads to `queue` (None: compute them in backward)."""
+    token = _ACTIVE.set(queue)
+    try:
+        yield queue
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_queue() -> WeightGradQueue | None:
+    return _ACTIVE.get()
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` into `param.grad`, never overwrite it.
+
+    A parameter may be shared (tied weights, or used by several layers): its other
+    uses may already have put a gradient there, in B or in an earlier closure.
+    """
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        ctx.save_for_backward(x, weight)
+        ctx.params = (weight, bias)  # leaf parameters: referencing them makes no cycle
+        ctx.queue = queue
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        param_w, param_b = ctx.params
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if need_w or need_b:
+            ctx.queue.append(_weight_grad_closure(x, grad_out, param_w if need_w else None,
+                                                  param_b if need_b else None))
+        return grad_x, None, None, None
+
+
+def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
+    def run() -> None:
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        with torch.no_grad():
+            if weight is not None:
+                accumulate_grad(weight, g.t().mm(x.reshape(-1, x.shape[-1])))
+            if bias is not None:
+                accumulate_grad(bias, g.sum(0))
+
+    return run
+
+
+class SplitLinear(nn.Module):
+    """nn.Linear (same parameters, same init) whose weight grad can be deferred to W."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        if in_features <= 0 or out_features <= 0:
+            raise ValueError(f"SplitLinear sizes must be positive, got {in_features}x{out_features}")
+        kw = {"device": device, "dtype": dtype}
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Same as nn.Linear.reset_parameters."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        queue = _ACTIVE.get()
+        if queue is None or not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        return _SplitLinearFn.apply(x, self.weight, self.bias, queue)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

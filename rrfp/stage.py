@@ -1,0 +1,176 @@
+"""F, B and W of one pipeline stage on its model chunk, with no communication.
+
+The executor decides what runs when and moves tensors between stages; this
+module only computes, keeps each microbatch's activations from its F until its
+last backward task, and refuses tasks that come out of order, naming the stage
+and the task. One StageWorker is driven by one thread at a time (the compute lane).
+
+With split=True, F runs under `collect_weight_grads` with a queue per
+microbatch: B computes input gradients (and the gradients of parameters outside
+split-aware layers), W runs the queued weight-gradient closures.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from rrfp.split_linear import WeightGradQueue, collect_weight_grads
+from rrfp.tasks import Kind, Task
+
+log = logging.getLogger(__name__)
+
+
+class _State(enum.Enum):
+    F_DONE = "F done"
+    B_DONE = "B done"
+    FINISHED = "finished"
+
+
+@dataclass
+class _Slot:
+    """What one microbatch holds between its F and its last backward task."""
+
+    state: _State
+    input: torch.Tensor | None
+    output: torch.Tensor | None  # stage output, or the scaled loss on the last stage
+    queue: WeightGradQueue
+    nbytes: int
+
+
+class StageWorker:
+    """Runs F(mb), B(mb), W(mb) of stage `stage` of `num_stages` on `module`."""
+
+    def __init__(self, module: nn.Module, stage: int, num_stages: int, num_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], split: bool) -> None:
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        if num_microbatches <= 0:
+            raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
+        self.module, self.stage, self.num_stages = module, stage, num_stages
+        self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.losses: dict[int, float] = {}  # last stage: unscaled loss of each microbatch
+        self._slots: dict[int, _Slot] = {}
+
+    # -- tasks ---------------------------------------------------------------
+
+    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | float:
+        """F(mb). Returns the detached output to send, or the loss value on the last stage."""
+        self._check(Task(Kind.F, mb), None)
+        if self.is_last and targets is None:
+            raise RuntimeError(f"stage {self.stage}: F{mb} on the last stage needs targets")
+        if not self.is_first:
+            x = x.detach().requires_grad_(True)
+        queue = WeightGradQueue()
+        counter = _SavedBytes(self.module)
+        with torch.enable_grad(), collect_weight_grads(queue if self.split else None), \
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+            out = self.module(x)
+            if self.is_last:
+                loss = self.loss_fn(out, targets)
+                out = loss / self.num_microbatches
+        counter.add(out)
+        self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, counter.total)
+        if self.is_last:
+            self.losses[mb] = loss.item()
+            return self.losses[mb]
+        return out.detach()
+
+    def backward(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """B(mb). Returns the gradient for the stage input (None on the first stage)."""
+        slot = self._check(Task(Kind.B, mb), _State.F_DONE)
+        if self.is_last:
+            if grad_output is not None:
+                raise RuntimeError(f"stage {self.stage}: B{mb} on the last stage takes no grad_output")
+            torch.autograd.backward(slot.output)
+        else:
+            if grad_output is None:
+                raise RuntimeError(f"stage {self.stage}: B{mb} needs grad_output from stage {self.stage + 1}")
+            if grad_output.shape != slot.output.shape:
+                raise RuntimeError(f"stage {self.stage}: B{mb} grad_output shape {tuple(grad_output.shape)} "
+                                   f"!= output shape {tuple(slot.output.shape)}")
+            torch.autograd.backward(slot.output, grad_output)
+        grad_input = None if slot.input is None else slot.input.grad
+        slot.input = slot.output = None
+        if self.split:
+            slot.state = _State.B_DONE
+        else:
+            self._finish(mb, slot)
+        return grad_input
+
+    def weight(self, mb: int) -> None:
+        """W(mb): run the weight-gradient closures B queued."""
+        if not self.split:
+            raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
+                               "(split=False: B computes all gradients)")
+        slot = self._check(Task(Kind.W, mb), _State.B_DONE)
+        slot.queue.run()
+        self._finish(mb, slot)
+
+    def reset(self) -> None:
+        """Start a new iteration: every microbatch must have finished its last backward."""
+        if self.inflight:
+            raise RuntimeError(f"stage {self.stage}: reset with microbatches in flight {list(self.inflight)}")
+        self._slots.clear()
+        self.losses.clear()
+
+    # -- state ---------------------------------------------------------------
+
+    @property
+    def inflight(self) -> tuple[int, ...]:
+        """Microbatches whose F is done and whose last backward task (W if split, else B) is not."""
+        return tuple(sorted(m for m, s in self._slots.items() if s.state is not _State.FINISHED))
+
+    def activation_bytes(self, mb: int) -> int:
+        """Bytes the autograd graph saved for mb in F, plus its output (parameters excluded)."""
+        slot = self._slots.get(mb)
+        return 0 if slot is None or slot.state is _State.FINISHED else slot.nbytes
+
+    def _check(self, task: Task, want: _State | None) -> _Slot | None:
+        mb = task.mb
+        if not 0 <= mb < self.num_microbatches:
+            raise RuntimeError(f"stage {self.stage}: {task} out of range (num_microbatches={self.num_microbatches})")
+        slot = self._slots.get(mb)
+        have = None if slot is None else slot.state
+        if have is want:
+            return slot
+        if want is None:
+            raise RuntimeError(f"stage {self.stage}: {task} twice in one iteration (call reset() between iterations)")
+        if have is None:
+            raise RuntimeError(f"stage {self.stage}: {task} before F{mb}")
+        if want is _State.B_DONE and have is _State.F_DONE:
+            raise RuntimeError(f"stage {self.stage}: {task} before B{mb}")
+        raise RuntimeError(f"stage {self.stage}: {task} twice in one iteration")
+
+    def _finish(self, mb: int, slot: _Slot) -> None:
+        slot.state, slot.queue, slot.nbytes = _State.FINISHED, WeightGradQueue(), 0
+
+
+class _SavedBytes:
+    """Counts the storage autograd keeps for backward, once per storage, parameters excluded."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._seen = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.total = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested): not counted
+            return
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.total += storage.nbytes()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.add(t)
+        return t.detach()  # keeping t itself could tie a saved output to its own grad_fn (a cycle)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

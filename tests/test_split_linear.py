@@ -1,0 +1,141 @@
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from rrfp.split_linear import SplitLinear, WeightGradQueue, accumulate_grad, collect_weight_grads
+
+
+def _pair(bias=True, in_f=5, out_f=7):
+    torch.manual_seed(0)
+    ref = nn.Linear(in_f, out_f, bias=bias, dtype=torch.float64)
+    torch.manual_seed(0)
+    lin = SplitLinear(in_f, out_f, bias=bias, dtype=torch.float64)
+    return ref, lin
+
+
+def _grads(m):
+    return [p.grad for p in m.parameters()]
+
+
+def test_same_init_as_nn_linear():
+    ref, lin = _pair()
+    assert torch.equal(ref.weight, lin.weight) and torch.equal(ref.bias, lin.bias)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(4, 5), (2, 3, 5), (2, 3, 2, 5)])
+def test_immediate_matches_nn_linear(bias, shape):
+    ref, lin = _pair(bias)
+    x = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], 7, dtype=torch.float64)
+    xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, ys = ref(xr), lin(xs)
+    assert torch.equal(yr, ys)
+    yr.backward(g)
+    ys.backward(g)
+    assert torch.equal(xr.grad, xs.grad)
+    for a, b in zip(_grads(ref), _grads(lin)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_deferred_matches_nn_linear(bias, x_requires_grad):
+    ref, lin = _pair(bias)
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    g = torch.randn(2, 3, 7, dtype=torch.float64)
+    xr, xs = x.clone().requires_grad_(x_requires_grad), x.clone().requires_grad_(x_requires_grad)
+    ref(xr).backward(g)
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue):
+        ys = lin(xs)
+    ys.backward(g)
+    # B is done: input grad is there, weight grads are not
+    assert len(queue) == 1
+    assert lin.weight.grad is None and (lin.bias is None or lin.bias.grad is None)
+    if x_requires_grad:
+        torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=1e-13)
+    else:
+        assert xs.grad is None
+    queue.run()
+    assert len(queue) == 0
+    for a, b in zip(_grads(ref), _grads(lin)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-13)
+
+
+def test_accumulates_over_two_microbatches():
+    ref, lin = _pair()
+    xs = [torch.randn(2, 3 + i, 5, dtype=torch.float64) for i in range(2)]
+    queues = [WeightGradQueue(), WeightGradQueue()]
+    outs = []
+    for x, q in zip(xs, queues):
+        with collect_weight_grads(q):
+            outs.append(lin(x))
+    for x, y in zip(xs, outs):
+        ref(x).pow(2).sum().backward()
+        y.pow(2).sum().backward()
+    assert lin.weight.grad is None
+    queues[1].run()  # W out of microbatch order is fine
+    after_one = lin.weight.grad.clone()
+    queues[0].run()
+    assert not torch.allclose(after_one, lin.weight.grad)
+    for a, b in zip(_grads(ref), _grads(lin)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+def test_queue_captured_at_forward_not_backward():
+    """Backward in another thread and another context still feeds the forward's queue."""
+    _, lin = _pair()
+    queue, other = WeightGradQueue(), WeightGradQueue()
+    with collect_weight_grads(queue):
+        y = lin(torch.randn(3, 5, dtype=torch.float64))
+
+    def bwd():
+        with collect_weight_grads(other):
+            y.sum().backward()
+
+    t = threading.Thread(target=bwd)
+    t.start()
+    t.join()
+    assert len(queue) == 1 and len(other) == 0
+
+
+def test_no_queue_after_context_exit():
+    _, lin = _pair()
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue):
+        pass
+    lin(torch.randn(3, 5, dtype=torch.float64)).sum().backward()
+    assert len(queue) == 0 and lin.weight.grad is not None
+
+
+def test_shared_weight_accumulates():
+    """Tied weight used by two layers: deferred and immediate grads add up."""
+    torch.manual_seed(1)
+    a = SplitLinear(4, 4, bias=False, dtype=torch.float64)
+    b = SplitLinear(4, 4, bias=False, dtype=torch.float64)
+    b.weight = a.weight
+    x = torch.randn(2, 4, dtype=torch.float64)
+    ref_w = a.weight.detach().clone().requires_grad_()
+    (x @ ref_w.t() @ ref_w.t()).sum().backward()
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue):
+        h = a(x)
+    b(h).sum().backward()  # b immediate, a deferred
+    assert a.weight.grad is not None
+    queue.run()
+    torch.testing.assert_close(a.weight.grad, ref_w.grad, rtol=0, atol=1e-13)
+
+
+def test_accumulate_grad_adds():
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    accumulate_grad(p, torch.ones(3, dtype=torch.float64))
+    accumulate_grad(p, torch.ones(3, dtype=torch.float64))
+    assert torch.equal(p.grad, torch.full((3,), 2.0, dtype=torch.float64))
+
+
+def test_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="positive"):
+        SplitLinear(0, 3)
