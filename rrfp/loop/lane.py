@@ -1,0 +1,151 @@
+"""The compute lane: where a stage's F, B and W run (DESIGN fact 7).
+
+A stage computes in one lane, one task after the other, while its event loop
+keeps receiving, sending and deciding. On GPU the lane is a CUDA stream; on
+CPU it is one worker thread. Emulated device time (the variability model's
+duration, ``units * unit_s`` seconds) is spent inside the lane, so a CPU
+stage that "computes" leaves its loop free, as a GPU stage does.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rrfp.loop.completions import CompletionPoller
+
+logger = logging.getLogger("rrfp.loop")
+
+
+class ComputeLane:
+    """One worker thread that runs compute calls in submission order.
+
+    ``await lane.run(fn, *args, units=u)`` returns ``fn(*args)`` once the call
+    has held the lane for at least ``u * unit_s`` seconds: after ``fn`` returns
+    the thread sleeps off the rest, and does not sleep when ``fn`` alone took
+    longer. A call that raises spends no emulated time; its exception reaches
+    the awaiter. Cancelling the awaiter drops a queued call; a running call
+    finishes and its result is dropped.
+    """
+
+    def __init__(self, unit_s: float = 0.0, name: str = "compute") -> None:
+        self.unit_s = unit_s
+        self.name = name
+        self.busy_s = 0.0  # wall time the lane spent on calls, emulation included
+        self.tasks_run = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
+
+    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
+        """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s`` seconds at least."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._hold_lane, fn, args, units)
+
+    def close(self) -> None:
+        """Refuse new calls; calls already submitted still run, without blocking the caller."""
+        self._executor.shutdown(wait=False)
+
+    async def __aenter__(self) -> ComputeLane:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _hold_lane(self, fn: Callable[..., Any], args: tuple, units: float) -> Any:
+        start = time.perf_counter()
+        try:
+            result = fn(*args)
+            remaining = start + units * self.unit_s - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+            return result
+        finally:
+            # Only the lane thread writes these; readers on the loop see a
+            # slightly stale value at worst.
+            self.busy_s += time.perf_counter() - start
+            self.tasks_run += 1
+
+
+class CudaComputeLane:
+    """A CUDA stream as the compute lane; completion comes from the loop's poller.
+
+    ``fn`` runs on the loop thread with ``self.stream`` current, so it only
+    enqueues kernels; the awaiter resumes when a ``torch.cuda.Event`` recorded
+    after them reports done through :class:`CompletionPoller` (DESIGN fact 2).
+    Emulated time is a ``torch.cuda._sleep`` spin enqueued after ``fn``'s
+    kernels, calibrated once per lane: unlike the CPU lane it adds to the real
+    kernel time rather than padding up to it, because the CPU cannot know the
+    kernels' duration when it enqueues them. Tensors ``fn`` returns belong to
+    this stream: a consumer on another stream must wait on it (or call
+    ``record_stream``).
+    """
+
+    def __init__(self, poller: CompletionPoller, device: Any, unit_s: float = 0.0,
+                 name: str = "compute") -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaComputeLane needs CUDA; use ComputeLane on CPU")
+        self._torch = torch
+        self.poller = poller
+        self.device = torch.device(device)
+        self.unit_s = unit_s
+        self.name = name
+        self.busy_s = 0.0  # GPU time between start and end events of each call
+        self.tasks_run = 0
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
+
+    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
+        """Enqueue ``fn(*args)`` and ``units * unit_s`` seconds of spin on the lane's stream."""
+        torch = self._torch
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            started = torch.cuda.Event(enable_timing=True)
+            finished = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
+            result = fn(*args)
+            cycles = int(units * self.unit_s * self._sleep_cycles_per_s)
+            if cycles > 0:
+                torch.cuda._sleep(cycles)
+            finished.record(self.stream)
+        await self.poller.watch(finished)
+        self.busy_s += started.elapsed_time(finished) / 1e3
+        self.tasks_run += 1
+        return result
+
+    def close(self) -> None:
+        """Nothing to release: kernels already enqueued finish on their own."""
+
+    async def __aenter__(self) -> CudaComputeLane:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _calibrate_sleep(self) -> float:
+        """Clock cycles per second of ``torch.cuda._sleep`` on this device (blocking, start-up only)."""
+        torch = self._torch
+        probe_cycles = 20_000_000
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            torch.cuda._sleep(probe_cycles // 10)  # warm-up
+            started = torch.cuda.Event(enable_timing=True)
+            finished = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
+            torch.cuda._sleep(probe_cycles)
+            finished.record(self.stream)
+        finished.synchronize()
+        cycles_per_s = probe_cycles / (started.elapsed_time(finished) / 1e3)
+        logger.info("lane %s: torch.cuda._sleep runs %.3g cycles/s on %s", self.name, cycles_per_s, self.device)
+        return cycles_per_s
+
+
+def make_lane(device: Any = "cpu", unit_s: float = 0.0,
+              poller: CompletionPoller | None = None, name: str = "compute") -> ComputeLane | CudaComputeLane:
+    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise."""
+    if device is None or not str(device).startswith("cuda"):
+        return ComputeLane(unit_s, name=name)
+    if poller is None:
+        raise ValueError("a CUDA lane needs the loop's CompletionPoller")
+    return CudaComputeLane(poller, device, unit_s, name=name)
