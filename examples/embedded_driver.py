@@ -1,0 +1,71 @@
+"""An async training driver that embeds rrfp: its own model chunk and loss,
+one awaited pipeline iteration per step, and its own coroutine (a metrics
+heartbeat standing in for data prefetch or checkpoint upload) on the same loop.
+
+    .venv/bin/torchrun --standalone --nproc-per-node 2 examples/embedded_driver.py
+"""
+import asyncio
+import os
+
+import torch
+from torch import nn
+
+import rrfp
+from rrfp.split_linear import SplitLinear
+
+
+def make_chunk(stage: int, num_stages: int) -> nn.Module:
+    """Stage s of a small MLP regressor: 16 -> 32 -> ... -> 1."""
+    torch.manual_seed(stage)
+    layers = [SplitLinear(16 if stage == 0 else 32, 32), nn.Tanh()]
+    if stage == num_stages - 1:
+        layers.append(SplitLinear(32, 1))
+    return nn.Sequential(*layers)
+
+
+def loss_fn(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(pred, target)
+
+
+def batches(step: int, microbatches: int):
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for _ in range(microbatches):
+        x = torch.randn(8, 16, generator=g)
+        out.append((x, x.sum(dim=1, keepdim=True).sin()))
+    return out
+
+
+async def heartbeat(stop: asyncio.Event, ticks: list) -> None:
+    while not stop.is_set():
+        ticks.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.01)
+
+
+async def main() -> None:
+    torch.set_num_threads(1)
+    rt = rrfp.PipelineRuntime.start(unit_ms=5.0)  # 5 ms of emulated device time per task
+    chunk = make_chunk(rt.stage, rt.num_stages)
+    pipe = rt.executor(chunk, loss_fn, microbatches=8, executor="ready", hint="bfw")
+    opt = torch.optim.SGD(chunk.parameters(), lr=0.05)
+    stop, ticks = asyncio.Event(), []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(heartbeat(stop, ticks))
+            for step in range(20):
+                result = await pipe.run_iteration(step, batches(step, 8))
+                opt.step()
+                opt.zero_grad()
+                if result.loss is not None and step % 5 == 0:
+                    print(f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.bubble:.0%}")
+            stop.set()
+    finally:
+        await rt.aclose()
+    print(f"[rank {rt.rank}] heartbeat ticked {len(ticks)} times while the pipeline ran; "
+          f"stats {pipe.statistics()}")
+
+
+if __name__ == "__main__":
+    rrfp.run(main())
+    if "RANK" in os.environ:
+        torch.distributed.destroy_process_group()

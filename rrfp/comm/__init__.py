@@ -1,0 +1,1 @@
+"""Process-group topology, pipeline channels and their message format."""

@@ -1,0 +1,193 @@
+"""Self-describing pipeline messages (DESIGN fact 4).
+
+A message is a fixed-size int64 header followed by its payload tensors. The
+header carries the iteration, microbatch, kind and the dtype and shape of every
+tensor, so the receiver can allocate buffers for variable sequence lengths or
+image counts without padding and without knowing the schedule.
+
+Header layout (``HEADER_LEN`` int64 values)::
+
+    magic, version, iteration, microbatch, kind, tensor count,
+    then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims
+
+Unused slots and dims are zero. Decoding checks everything, so a stream that
+got out of step fails loudly instead of allocating garbage.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..tasks import Kind
+
+MAGIC = 0x52524650  # b"RRFP"
+VERSION = 1
+MAX_TENSORS = 8
+MAX_DIMS = 6
+MAX_KIND = 1 << 16
+MAX_ELEMENTS = 1 << 40  # per tensor; anything larger is a corrupt header, not an activation
+
+_PREFIX = 6  # magic, version, iteration, microbatch, kind, count
+_SLOT = 2 + MAX_DIMS  # dtype code, ndim, dims
+HEADER_LEN = _PREFIX + MAX_TENSORS * _SLOT
+
+# Code 0 marks an unused slot, so a zeroed header never decodes as a tensor.
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.uint8: 7,
+    torch.bool: 8,
+}
+DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class MessageError(ValueError):
+    """A message cannot be encoded, or a received header is not valid."""
+
+
+def kind_name(kind: int) -> str:
+    """``F``/``B``/``W`` for task kinds, ``kind N`` for anything else."""
+    try:
+        return Kind(kind).name
+    except ValueError:
+        return f"kind {kind}"
+
+
+@dataclass
+class Message:
+    """One pipeline message: which (iteration, microbatch, kind) and its tensors."""
+
+    iteration: int
+    microbatch: int
+    kind: int
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    def label(self) -> str:
+        return _label(self.iteration, self.microbatch, self.kind)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The dtype and shape of one payload tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded header: enough to allocate the payload buffers."""
+
+    iteration: int
+    microbatch: int
+    kind: int
+    specs: tuple[TensorSpec, ...]
+
+    def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
+        """Receive buffers, one per payload tensor, in payload order."""
+        return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.specs]
+
+    def label(self) -> str:
+        return _label(self.iteration, self.microbatch, self.kind)
+
+
+def _label(iteration: int, microbatch: int, kind: int) -> str:
+    return f"{kind_name(kind)} message (iteration {iteration}, microbatch {microbatch})"
+
+
+def _check_index(what: str, value: object, limit: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise MessageError(f"message {what} must be an int, got {value!r}")
+    if value < 0 or (limit is not None and value >= limit):
+        bound = f" and < {limit}" if limit is not None else ""
+        raise MessageError(f"message {what} must be >= 0{bound}, got {value}")
+
+
+def encode_header(msg: Message, device: torch.device | str | None = None) -> torch.Tensor:
+    """The int64 header describing ``msg``; raises MessageError if it cannot be described."""
+    _check_index("iteration", msg.iteration)
+    _check_index("microbatch", msg.microbatch)
+    _check_index("kind", msg.kind, MAX_KIND)
+    if len(msg.tensors) > MAX_TENSORS:
+        raise MessageError(f"{msg.label()} has {len(msg.tensors)} tensors; at most {MAX_TENSORS} fit in a header")
+    values = [MAGIC, VERSION, msg.iteration, msg.microbatch, msg.kind, len(msg.tensors)]
+    for i, t in enumerate(msg.tensors):
+        if not isinstance(t, torch.Tensor):
+            raise MessageError(f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor")
+        code = DTYPE_CODES.get(t.dtype)
+        if code is None:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
+            raise MessageError(f"{msg.label()}: payload {i} has dtype {t.dtype}, which messages do not "
+                               f"support (supported: {supported})")
+        if t.dim() > MAX_DIMS:
+            raise MessageError(f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header")
+        values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
+    values += [0] * (HEADER_LEN - len(values))
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def empty_header(device: torch.device | str | None = None) -> torch.Tensor:
+    """A buffer to receive a header into."""
+    return torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+
+
+def decode_header(header: torch.Tensor) -> Header:
+    """Check and decode a received header; raises MessageError describing the first problem."""
+    if not isinstance(header, torch.Tensor) or header.dtype != torch.int64 or tuple(header.shape) != (HEADER_LEN,):
+        got = f"{header.dtype} {list(header.shape)}" if isinstance(header, torch.Tensor) else type(header).__name__
+        raise MessageError(f"a header is an int64 tensor of shape [{HEADER_LEN}], got {got}")
+    v = header.tolist()
+    magic, version, iteration, microbatch, kind, count = v[:_PREFIX]
+    if magic != MAGIC:
+        raise MessageError(f"bad header magic {magic:#x} (expected {MAGIC:#x}): not an rrfp message, "
+                           f"or the stream is out of step")
+    if version != VERSION:
+        raise MessageError(f"unknown header version {version} (this build reads version {VERSION})")
+    if iteration < 0 or microbatch < 0:
+        raise MessageError(f"header has negative iteration {iteration} or microbatch {microbatch}")
+    if not 0 <= kind < MAX_KIND:
+        raise MessageError(f"header kind {kind} is outside 0..{MAX_KIND - 1}")
+    if not 0 <= count <= MAX_TENSORS:
+        raise MessageError(f"header claims {count} tensors; expected 0..{MAX_TENSORS}")
+    where = _label(iteration, microbatch, kind)
+    specs = []
+    for i in range(MAX_TENSORS):
+        slot = v[_PREFIX + i * _SLOT:_PREFIX + (i + 1) * _SLOT]
+        if i >= count:
+            if any(slot):
+                raise MessageError(f"{where}: header slot {i} is beyond its {count} tensor(s) but not zero: "
+                                   f"corrupt header")
+            continue
+        code, ndim, dims = slot[0], slot[1], slot[2:]
+        dtype = DTYPES_BY_CODE.get(code)
+        if dtype is None:
+            raise MessageError(f"{where}: tensor {i} has unknown dtype code {code}")
+        if not 0 <= ndim <= MAX_DIMS:
+            raise MessageError(f"{where}: tensor {i} has {ndim} dims; expected 0..{MAX_DIMS}")
+        shape, padding = tuple(dims[:ndim]), dims[ndim:]
+        if any(d < 0 for d in shape):
+            raise MessageError(f"{where}: tensor {i} has a negative dim in shape {list(shape)}")
+        if any(padding):
+            raise MessageError(f"{where}: tensor {i} has nonzero dims past its ndim {ndim}: corrupt header")
+        if any(d > MAX_ELEMENTS for d in shape) or math.prod(shape) > MAX_ELEMENTS:
+            raise MessageError(f"{where}: tensor {i} of shape {list(shape)} has more than {MAX_ELEMENTS} "
+                               f"elements: corrupt header")
+        specs.append(TensorSpec(dtype, shape))
+    return Header(iteration, microbatch, kind, tuple(specs))

@@ -1,0 +1,33 @@
+"""Observability hooks. The executor reports task spans and waits to an
+``Instrument``; nothing is recorded unless one is attached."""
+from __future__ import annotations
+
+from .tasks import Task
+from .trace import Span
+
+
+class Instrument:
+    """No-op base: override what you need. Times are ``time.time()`` seconds,
+    so spans from ranks on one machine line up."""
+
+    def task(self, stage: int, iteration: int, task: Task, start: float, end: float) -> None:
+        pass
+
+    def wait(self, stage: int, iteration: int, start: float, end: float, waiting_for: str) -> None:
+        pass
+
+
+class TraceRecorder(Instrument):
+    """Keeps every span, for a Chrome trace of real per-rank timings."""
+
+    def __init__(self, process: str) -> None:
+        self.process = process
+        self.spans: list[Span] = []
+
+    def task(self, stage, iteration, task, start, end) -> None:
+        self.spans.append(Span(self.process, stage, str(task), start, end, {"iteration": iteration}))
+
+    def wait(self, stage, iteration, start, end, waiting_for) -> None:
+        if end - start > 1e-4:
+            self.spans.append(Span(self.process, stage, "wait", start, end,
+                                   {"iteration": iteration, "for": waiting_for}))

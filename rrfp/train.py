@@ -1,0 +1,137 @@
+"""stage_main: train a model on this rank's pipeline stage, and `rrfp train`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from models.data import batches as make_batches
+from models.gpt import GPT, loss_fn, make_stage
+
+from .config import ConfigError, TrainConfig
+from .errors import PipelineError
+from .instrument import TraceRecorder
+from .runtime import PipelineRuntime
+from .trace import chrome_trace, write_json
+from .variability import Variability
+
+log = logging.getLogger("rrfp.train")
+
+
+@dataclass
+class StepReport:
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+    bubble: float
+    wall_s: float
+
+
+@dataclass
+class TrainSummary:
+    losses: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    statistics: dict = field(default_factory=dict)
+
+
+async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
+    """Run ``cfg.run.steps`` optimizer steps on this rank's stage. Every rank
+    returns the per-step mean losses (all-reduced from the last stage)."""
+    run = cfg.run
+    torch.set_num_threads(run.threads)
+    rt = PipelineRuntime.start(pp=run.pp, tp=run.tp, dp=run.dp, backend=run.backend,
+                               timeout_s=run.timeout_s, unit_ms=run.unit_ms)
+    try:
+        if cfg.model.n_layer < rt.num_stages:
+            raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {rt.num_stages} pipeline stages")
+        torch.manual_seed(run.seed)
+        module = make_stage(GPT(cfg.model), rt.stage, rt.num_stages)
+        recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
+        ex = rt.executor(module, loss_fn, microbatches=run.microbatches, executor=run.executor, hint=run.hint,
+                         budget=run.budget, split=run.split, variability=Variability.preset(run.preset),
+                         seed=run.seed, instrument=recorder)
+        opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+        summary = TrainSummary()
+        for step in range(run.steps):
+            res = await ex.run_iteration(step, make_batches(cfg.data, step, run.microbatches))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            vec = torch.tensor([res.loss or 0.0, res.busy_s, res.wall_s, float(res.tokens if rt.stage == 0 else 0)],
+                               dtype=torch.float64)
+            await rt.all_reduce(vec)
+            world = rt.layout.world_size
+            loss, busy, wall, tokens = vec.tolist()
+            report = StepReport(step, run.steps, loss, tokens / (wall / world), 1 - busy / wall, wall / world)
+            summary.losses.append(loss)
+            summary.wall_s.append(report.wall_s)
+            if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
+                on_step(report)
+        summary.statistics = ex.statistics()
+        if recorder is not None:
+            gathered = await rt.gather_object(recorder.spans)
+            if rt.rank == 0:
+                write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
+                log.info("wrote trace %s", run.trace)
+        return summary
+    finally:
+        await rt.aclose()
+
+
+def _print_step(r: StepReport) -> None:
+    eta = (r.steps - r.step - 1) * r.wall_s
+    print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
+          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s", flush=True)
+
+
+def train_command(args) -> int:
+    """`rrfp train`: run stage_main on this rank; print on rank 0; one line on error."""
+    from .cli import UsageError
+    from .loop import run as run_loop
+
+    logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    try:
+        cfg = TrainConfig.load(args.config, args.set)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    if args.dry_run:
+        from .comm.topology import Layout
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            layout = Layout(world, cfg.run.pp or world // (cfg.run.tp * cfg.run.dp), cfg.run.tp, cfg.run.dp)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(layout.describe())
+            print(cfg.as_dict())
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        summary = run_loop(stage_main(cfg, _print_step))
+    except (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError, NotImplementedError) as e:
+        print(f"rrfp: error: rank {rank}: {_root_message(e)}", file=sys.stderr, flush=True)
+        # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
+        os._exit(1)
+    if rank == 0:
+        print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
+              f"decision cost {summary.statistics.get('decision_us', 0):.1f} us", flush=True)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
+        dist.destroy_process_group()
+    return 0
+
+
+def _root_message(e: BaseException) -> str:
+    """The first leaf of an exception group: TaskGroup wraps the real cause."""
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)

@@ -1,0 +1,60 @@
+"""Start real gloo process groups from a test: spawned processes, a free
+loopback port, results through a queue, and a deadline so a hang fails fast."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict[int, object]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
+    Raises AssertionError with the child's traceback, or on timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    import queue as q
+
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except q.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(world)) - results.keys() - errors.keys())} "
+                                     f"did not finish within {timeout} s") from None
+            (results if status == "ok" else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank, tb = next(iter(errors.items()))
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    return results
