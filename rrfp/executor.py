@@ -64,8 +64,10 @@ class StageExecutor:
     """
 
     def __init__(self, worker: StageWorker, channels, lane, settings: ExecutorSettings, rank: int = 0,
-                 instrument: Instrument | None = None, unit_s: float = 0.0) -> None:
+                 instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None) -> None:
         self.worker, self.channels, self.lane, self.settings = worker, channels, lane, settings
+        # TP agreement (tp > 1, ready executor only): the fixed order needs none.
+        self.agreement = agreement if settings.executor is Executor.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument or Instrument(), unit_s
         S, s, M = worker.num_stages, worker.stage, settings.num_microbatches
         self.S, self.s, self.M = S, s, M
@@ -109,6 +111,7 @@ class _Iteration:
         self.decisions = 0
         self.decision_s = 0.0
         self.arrived: dict[Kind, int] = {Kind.F: 0, Kind.B: 0}
+        self.version = 0  # bumped on every arrival
         self.out_queues: dict[str, asyncio.Queue] = {}
         if ex.s == 0:
             self.ready.update(Task(Kind.F, m) for m in range(ex.M))
@@ -148,11 +151,19 @@ class _Iteration:
         size_of = self.size_of if ex.limit.bytes is not None else None
         while len(self.ran) < len(ex.order):
             c0 = time.perf_counter()
-            task = choose(st.executor, self.ready, ex.rank_of, ex.order, self.state, ex.limit, size_of)
+            version = self.version
+            if ex.agreement is None:
+                task = choose(st.executor, self.ready, ex.rank_of, ex.order, self.state, ex.limit, size_of)
+            else:
+                everywhere, somewhere = await ex.agreement.agree(self.ready)
+                task = choose(st.executor, everywhere, ex.rank_of, ex.order, self.state, ex.limit, size_of)
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
             if task is None:
-                await self._wait_for_change()
+                if ex.agreement is not None and (self.version != version or
+                                                 (self.ready >= somewhere and somewhere != everywhere)):
+                    continue  # something arrived meanwhile, or only a peer lags: agree again now
+                await self._wait_for_change(version)
                 continue
             self.ready.discard(task)
             self.state.next_index += 1
@@ -162,8 +173,10 @@ class _Iteration:
     def settings(self) -> ExecutorSettings:
         return self.ex.settings
 
-    async def _wait_for_change(self) -> None:
+    async def _wait_for_change(self, version: int) -> None:
         self.changed.clear()
+        if self.version != version:
+            return
         start = time.time()
         try:
             async with asyncio.timeout(self.settings.peer_timeout_s):
@@ -250,6 +263,7 @@ class _Iteration:
                 raise ProtocolError(f"{where}: microbatch {mb} arrived twice in iteration {self.it}")
             inbox[mb] = msg.tensors[0]
             self.arrived[kind] += 1
+            self.version += 1
             if kind is Kind.F:
                 self.ready.add(Task(Kind.F, mb))
             elif mb in self.f_done:

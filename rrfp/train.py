@@ -46,13 +46,18 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     returns the per-step mean losses (all-reduced from the last stage)."""
     run = cfg.run
     torch.set_num_threads(run.threads)
+    check_model(cfg)
     rt = PipelineRuntime.start(pp=run.pp, tp=run.tp, dp=run.dp, backend=run.backend,
                                timeout_s=run.timeout_s, unit_ms=run.unit_ms)
     try:
         if cfg.model.n_layer < rt.num_stages:
             raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {rt.num_stages} pipeline stages")
         torch.manual_seed(run.seed)
-        module = make_stage(GPT(cfg.model), rt.stage, rt.num_stages)
+        full = GPT(cfg.model)
+        module = (make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group) if run.tp > 1
+                  else make_stage(full, rt.stage, rt.num_stages))
+        del full
+        sync = rt.grad_sync(module)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
         ex = rt.executor(module, loss_fn, microbatches=run.microbatches, executor=run.executor, hint=run.hint,
                          budget=run.budget, split=run.split, variability=Variability.preset(run.preset),
@@ -60,7 +65,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         for step in range(run.steps):
-            res = await ex.run_iteration(step, make_batches(cfg.data, step, run.microbatches))
+            # DP replica d trains on its own M microbatches of a global batch of dp * M
+            data = make_batches(cfg.data, step, run.microbatches * run.dp)
+            res = await ex.run_iteration(step, data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches])
+            await sync.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)
             vec = torch.tensor([res.loss or 0.0, res.busy_s, res.wall_s, float(res.tokens if rt.stage == 0 else 0)],
@@ -68,6 +76,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             await rt.all_reduce(vec)
             world = rt.layout.world_size
             loss, busy, wall, tokens = vec.tolist()
+            loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
+            tokens /= run.tp
             report = StepReport(step, run.steps, loss, tokens / (wall / world), 1 - busy / wall, wall / world)
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
@@ -82,6 +92,17 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         return summary
     finally:
         await rt.aclose()
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Model checks that need no process group, so bad input fails before one exists."""
+    if cfg.run.tp > 1:
+        from models.gpt import validate_tp
+
+        try:
+            validate_tp(cfg.model, cfg.run.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _print_step(r: StepReport) -> None:
