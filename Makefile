@@ -16,13 +16,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
+# Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
 run: $(VENV)/.installed
-	@if [ -f rrfp/train.py ]; then \
-		$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) -m rrfp train --config $(CONFIG) && \
-		$(PY) benchmarks/compare_executors.py --quick; \
-	else \
-		$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20; \
-	fi
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
+		-m rrfp train --config $(CONFIG) --set log_every=5
+	$(PY) benchmarks/compare_executors.py --quick
 
 sim: $(VENV)/.installed
 	$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20
@@ -32,6 +30,7 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/sim_scale.py
+	$(PY) benchmarks/compare_executors.py --also-none
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -25,6 +25,7 @@ PAIRS = {"A": ("fixed", "1f1b"), "B": ("ready", "bfw")}
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (world = pp * tp)")
     p.add_argument("--mb", type=int, default=16)
     p.add_argument("--preset", default="lang")
     p.add_argument("--reps", type=int, default=5, help="iterations per executor (alternating)")
@@ -47,17 +48,19 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)
     model_cfg = GPTConfig(n_layer=a.pp, n_embd=32, n_head=4, block_size=64)
+    # the TP group's collectives and the agreement run on gloo here
     data_cfg = DataConfig(seed=0, microbatch_size=2, min_seq_len=16, max_seq_len=48)
     plans = [(a.preset, PAIRS)]
     if a.also_none:
         plans.append(("none", {"A": ("fixed", "1f1b"), "B": ("ready", "1f1b")}))
 
     async def main():
-        rt = PipelineRuntime.start(pp=a.pp, timeout_s=120, unit_ms=a.unit_ms)
+        rt = PipelineRuntime.start(pp=a.pp, tp=a.tp, timeout_s=120, unit_ms=a.unit_ms)
         out = []
         try:
             torch.manual_seed(0)
-            module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
+            module = (make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group) if a.tp > 1
+                      else make_stage(GPT(model_cfg), rt.stage, rt.num_stages))
             for preset, pairs in plans:
                 var = Variability.preset(preset)
                 exs = {k: rt.executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=a.budget,
@@ -87,7 +90,7 @@ def report(a, rows) -> None:
     from rrfp.sim import SimConfig, simulate
     from rrfp.variability import Variability
 
-    print(f"PP={a.pp} M={a.mb} budget={a.budget} unit={a.unit_ms:g} ms of emulated device time per average "
+    print(f"PP={a.pp} TP={a.tp} M={a.mb} budget={a.budget} unit={a.unit_ms:g} ms of emulated device time per average "
           f"forward (CPU machine: the compute lane emulates device time); {a.reps} iterations each, alternating")
     for preset in dict.fromkeys(r["preset"] for r in rows):
         rs = [r for r in rows if r["preset"] == preset]
@@ -108,7 +111,8 @@ def report(a, rows) -> None:
             print(f"  {names[k]:<11} median {med * 1000:7.1f} ms/iteration; measured vs simulated: "
                   f"median {statistics.median(errs):+.1%} (range {min(errs):+.1%} .. {max(errs):+.1%})")
         dec = [r["decision_us_max_rank"] for r in rs if r["executor"] == "ready"]
-        print(f"  arbitration decision cost (ready, slowest rank): median {statistics.median(dec):.1f} us")
+        what = "decision cost incl. TP agreement all-reduce on gloo" if a.tp > 1 else "arbitration decision cost"
+        print(f"  {what} (ready, slowest rank): median {statistics.median(dec):.1f} us")
 
 
 def main() -> None:
@@ -119,8 +123,8 @@ def main() -> None:
         a.reps = min(a.reps, 3)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.pp}",
-               os.path.abspath(__file__), "--worker", out, "--pp", str(a.pp), "--mb", str(a.mb),
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.pp * a.tp}",
+               os.path.abspath(__file__), "--worker", out, "--pp", str(a.pp), "--tp", str(a.tp), "--mb", str(a.mb),
                "--preset", a.preset, "--reps", str(a.reps), "--unit-ms", str(a.unit_ms), "--budget", a.budget]
         if a.also_none:
             cmd.append("--also-none")

@@ -7,12 +7,21 @@ model (``transformer.h.3.mlp.c_fc.weight``) and gradients compare by name.
 
 Under pipeline parallelism rrfp keeps the lm head untied from the token embedding:
 they live on different stages, and tying would need an extra gradient exchange.
+
+Tensor parallelism (``make_stage(..., tp_group=g)``, Megatron style): in every
+block of the stage, attn.c_attn and mlp.c_fc become column-parallel, attn.c_proj
+and mlp.c_proj row-parallel, and attention runs on n_head/tp local heads. The
+fused q|k|v weight [3C, C] is sharded per block, so a rank holds the q, k and v
+rows of its own heads. Embeddings, layernorms and the lm head stay replicated
+(whole on every TP rank, with identical gradients). Sharded parameters keep the
+full model's names; `full_grad_slice` gives the matching slice of a full tensor.
 """
 from __future__ import annotations
 
 import copy
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from rrfp.split_linear import SplitLinear
+from rrfp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +64,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        qkv = self.c_attn(x)  # [b, t, 3 * c_local]; c_local = n_embd / tp, n_head the local heads
+        c_local = qkv.size(-1) // 3
+        q, k, v = qkv.split(c_local, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c_local // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        y = y.transpose(1, 2).contiguous().view(b, t, c_local)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -152,19 +164,73 @@ def split_layers(n_layer: int, num_stages: int) -> list[range]:
     return ranges
 
 
+# -- tensor parallelism -----------------------------------------------------------
+
+# block-relative module path -> (TP layer class, chunks along the sharded dim)
+_TP_PLAN: dict[str, tuple[type, int]] = {
+    "attn.c_attn": (ColumnParallelLinear, 3),  # fused q|k|v: each rank its heads' q, k, v rows
+    "attn.c_proj": (RowParallelLinear, 1),
+    "mlp.c_fc": (ColumnParallelLinear, 1),
+    "mlp.c_proj": (RowParallelLinear, 1),
+}
+_TP_NAME = re.compile(r"(?:^|\.)h\.\d+\.(" + "|".join(re.escape(k) for k in _TP_PLAN) + r")\.(weight|bias)$")
+
+
+def validate_tp(cfg: GPTConfig, tp: int) -> None:
+    """Raise ValueError unless the model can be split over `tp` tensor-parallel ranks."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if cfg.n_head % tp:
+        raise ValueError(f"tp={tp} does not divide n_head={cfg.n_head}")
+    if (4 * cfg.n_embd) % tp:
+        raise ValueError(f"tp={tp} does not divide 4*n_embd={4 * cfg.n_embd}")
+
+
+def tp_shard_spec(name: str) -> tuple[int, int] | None:
+    """(sharded dim, chunks) of a full-model parameter name under TP; None if replicated."""
+    m = _TP_NAME.search(name)
+    if m is None:
+        return None
+    cls, chunks = _TP_PLAN[m.group(1)]
+    dim = cls.shard_dims[m.group(2)]
+    return None if dim is None else (dim, chunks)
+
+
+def full_grad_slice(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """The part of full-model tensor `name` (a parameter or its gradient) that TP rank
+    `tp_rank` of `tp` holds: a slice for sharded parameters, the whole for replicated."""
+    spec = tp_shard_spec(name)
+    if spec is None or tp == 1:
+        return full
+    dim, chunks = spec
+    return shard_from_full(full, dim, tp_rank, tp, chunks)
+
+
+def _to_tensor_parallel(block: "Block", index: int, group, n_head: int, tp: int) -> None:
+    for path, (cls, chunks) in _TP_PLAN.items():
+        parent_name, attr = path.split(".")
+        parent = getattr(block, parent_name)
+        full = getattr(parent, attr)
+        setattr(parent, attr, cls.from_full(full, group, chunks=chunks, name=f"transformer.h.{index}.{path}"))
+    block.attn.n_head = n_head // tp
+
+
 class GPTStage(nn.Module):
     """Stage `stage` of `num_stages`: the full model with the other layers removed.
 
     First stage: idx [b, T] -> hidden [b, T, C] (embeddings + its blocks).
     Middle stages: hidden -> hidden. Last stage: hidden -> logits (ln_f + lm_head).
     Blocks sit in a ModuleDict keyed by their index in the full model, so names match.
+    With a `tp_group` of size > 1 the blocks are tensor-parallel (see the module doc).
     """
 
-    def __init__(self, model: GPT, stage: int, num_stages: int) -> None:
+    def __init__(self, model: GPT, stage: int, num_stages: int, tp_group=None) -> None:
         super().__init__()
         cfg = model.config
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        self.tp, self.tp_rank = group_size_rank(tp_group)
+        validate_tp(cfg, self.tp)
         if num_stages > 1 and cfg.tie_embeddings:
             raise ValueError("tied embeddings across pipeline stages are not supported; "
                              "set tie_embeddings=false")
@@ -178,6 +244,9 @@ class GPTStage(nn.Module):
         if self.is_last:
             keep.update(ln_f=src.ln_f, lm_head=model.lm_head)
         keep = copy.deepcopy(keep)  # one memo: weights tied on one process stay tied
+        if self.tp > 1:
+            for i, block in keep["h"].items():
+                _to_tensor_parallel(block, int(i), tp_group, cfg.n_head, self.tp)
         lm_head = keep.pop("lm_head", None)
         self.transformer = nn.ModuleDict(keep)
         if lm_head is not None:
@@ -193,6 +262,10 @@ class GPTStage(nn.Module):
         return x
 
 
-def make_stage(model: GPT, stage: int, num_stages: int) -> GPTStage:
-    """An independent copy of `model`'s part for `stage`; `model` is left untouched."""
-    return GPTStage(model, stage, num_stages)
+def make_stage(model: GPT, stage: int, num_stages: int, tp_group=None) -> GPTStage:
+    """An independent copy of `model`'s part for `stage`; `model` is left untouched.
+
+    `tp_group` (a process group of size > 1): the stage's blocks become tensor-parallel
+    over it, each rank keeping its slice of the full parameters (size 1 or None: no TP).
+    """
+    return GPTStage(model, stage, num_stages, tp_group)

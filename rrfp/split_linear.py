@@ -75,11 +75,14 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, queue):
+    def forward(ctx, x, weight, bias, queue, reduce):
         ctx.save_for_backward(x, weight)
         ctx.params = (weight, bias)  # leaf parameters: referencing them makes no cycle
         ctx.queue = queue
-        return F.linear(x, weight, bias)
+        if reduce is None:
+            return F.linear(x, weight, bias)
+        out = reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -90,7 +93,20 @@ class _SplitLinearFn(torch.autograd.Function):
         if need_w or need_b:
             ctx.queue.append(_weight_grad_closure(x, grad_out, param_w if need_w else None,
                                                   param_b if need_b else None))
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 queue: WeightGradQueue,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` whose backward returns the input gradient and
+    appends the weight/bias-gradient closure to ``queue`` (the split-aware core).
+
+    ``reduce``, if given, is applied to ``x @ weight.T`` before the bias is added
+    and is treated as identity in backward (a tensor-parallel "reduce from the TP
+    region": an all-reduce SUM of partial products, see rrfp.tensor_parallel).
+    """
+    return _SplitLinearFn.apply(x, weight, bias, queue, reduce)
 
 
 def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
@@ -130,7 +146,7 @@ class SplitLinear(nn.Module):
         queue = _ACTIVE.get()
         if queue is None or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return _SplitLinearFn.apply(x, self.weight, self.bias, queue)
+        return split_linear(x, self.weight, self.bias, queue)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -121,3 +121,20 @@ def test_tp2_pp2_replicated_agreement_under_skew():
     rounds = [out[("ready", "bfw")]["rounds"] for out, _ in results.values()]
     assert min(rounds) >= 3 * M, "every ready decision is agreed"
     assert all(out[("fixed", "bfw")]["rounds"] == 0 for out, _ in results.values()), "fixed needs no agreement"
+
+
+@pytest.mark.timeout(300)
+def test_tp2_pp2_tensor_parallel_layers_under_skew():
+    """Megatron TP layers (collectives inside F and B) with skewed arrivals:
+    TP ranks agree on every task, so their collectives pair up and training
+    matches the reference; without agreement they would deadlock or diverge."""
+    results = run_ranks(_parallel, 4, 2, 2, 1, CONFIGS, True, True, timeout=240)
+    _check(results, 2, 2, 1)
+
+
+@pytest.mark.timeout(400)
+def test_tp2_pp2_dp2_matches_reference():
+    results = run_ranks(_parallel, 8, 2, 2, 2, [("ready", "bfw"), ("fixed", "bfw")], False, True, timeout=360)
+    for cfg in [("ready", "bfw"), ("fixed", "bfw")]:
+        for rank, (out, _) in results.items():
+            assert out[cfg]["grad_err"] < 1e-10, f"{cfg} rank {rank}: {out[cfg]['grad_err']}"
