@@ -76,6 +76,17 @@ def worker(a) -> None:
                             out.append({"preset": preset, "key": key, "executor": pairs[key][0],
                                         "hint": pairs[key][1], "iteration": it, "wall_s": vec[0].item(),
                                         "decision_us_max_rank": vec[1].item() * 1e6})
+            if a.tp > 1:  # agreement alone: back-to-back rounds, TP ranks entering together
+                import time
+
+                agreement = next(e for e in exs.values() if e.agreement is not None).agreement
+                ready = {t for t in exs["B"].order[: a.mb]}
+                rounds = []
+                for _ in range(300):
+                    t0 = time.perf_counter()
+                    await agreement.agree(ready)
+                    rounds.append(time.perf_counter() - t0)
+                out.append({"agreement_us": [r * 1e6 for r in rounds[50:]]})
         finally:
             await rt.aclose()
         return out
@@ -89,6 +100,9 @@ def worker(a) -> None:
 def report(a, rows) -> None:
     from rrfp.sim import SimConfig, simulate
     from rrfp.variability import Variability
+
+    agreement = [r for r in rows if "agreement_us" in r]
+    rows = [r for r in rows if "agreement_us" not in r]
 
     print(f"PP={a.pp} TP={a.tp} M={a.mb} budget={a.budget} unit={a.unit_ms:g} ms of emulated device time per average "
           f"forward (CPU machine: the compute lane emulates device time); {a.reps} iterations each, alternating")
@@ -113,6 +127,12 @@ def report(a, rows) -> None:
         dec = [r["decision_us_max_rank"] for r in rs if r["executor"] == "ready"]
         what = "decision cost incl. TP agreement all-reduce on gloo" if a.tp > 1 else "arbitration decision cost"
         print(f"  {what} (ready, slowest rank): median {statistics.median(dec):.1f} us")
+    for r in agreement:
+        us = sorted(r["agreement_us"])
+        print(f"\nTP agreement alone (one MIN all-reduce of the ready vector on gloo, {len(us)} back-to-back "
+              f"rounds): median {statistics.median(us):.0f} us, p10 {us[len(us) // 10]:.0f}, "
+              f"p90 {us[len(us) * 9 // 10]:.0f}; in-iteration decision times above include waiting for the "
+              f"slower TP peer")
 
 
 def main() -> None:
