@@ -87,8 +87,10 @@ def worker(a) -> None:
                     await agreement.agree(ready)
                     rounds.append(time.perf_counter() - t0)
                 out.append({"agreement_us": [r * 1e6 for r in rounds[50:]]})
-        finally:
+        except BaseException:
             await rt.aclose()
+            raise
+        await rt.finish()
         return out
 
     rows = run(main())

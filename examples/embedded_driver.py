@@ -5,7 +5,6 @@ heartbeat standing in for data prefetch or checkpoint upload) on the same loop.
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/embedded_driver.py
 """
 import asyncio
-import os
 
 import torch
 from torch import nn
@@ -59,13 +58,13 @@ async def main() -> None:
                 if result.loss is not None and step % 5 == 0:
                     print(f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.bubble:.0%}")
             stop.set()
-    finally:
+    except BaseException:
         await rt.aclose()
+        raise
+    await rt.finish()
     print(f"[rank {rt.rank}] heartbeat ticked {len(ticks)} times while the pipeline ran; "
           f"stats {pipe.statistics()}")
 
 
 if __name__ == "__main__":
     rrfp.run(main())
-    if "RANK" in os.environ:
-        torch.distributed.destroy_process_group()

@@ -115,6 +115,15 @@ class PipelineRuntime:
         await asyncio.to_thread(dist.gather_object, obj, out, 0)
         return out
 
+    async def finish(self) -> None:
+        """Clean end of a run: wait for every rank, then take the groups down.
+        A rank that tears down gloo pairs while a peer still uses them makes
+        gloo abort that peer, so nobody leaves before everybody is done."""
+        await self.aclose()
+        if dist.is_initialized():
+            await asyncio.to_thread(dist.barrier)
+            dist.destroy_process_group()
+
     async def aclose(self) -> None:
         for close in self._closers:
             close()
