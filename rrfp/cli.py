@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rrfp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def entry() -> None:

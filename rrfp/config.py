@@ -29,7 +29,7 @@ class RunConfig:
     steps: int = 50
     executor: str = "ready"
     hint: str = "bfw"
-    budget: str = "2x"
+    budget: str | int = "2x"  # N microbatches, "Nx" (N x 1F1B's), or bytes like "512MiB"
     split: bool | None = None  # None: the hint's default (split for zbh1 and bfw)
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -145,5 +145,7 @@ def _check_type(where: str, value, annotation) -> None:
         ok = isinstance(value, bool)
     elif ann == "str":
         ok = isinstance(value, str)
+    elif ann == "str | int":
+        ok = isinstance(value, (str, int)) and not isinstance(value, bool)
     if not ok:
         raise ConfigError(f"{where} = {value!r} has the wrong type (expected {ann})")

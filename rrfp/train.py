@@ -14,6 +14,7 @@ import torch
 from models.data import batches as make_batches
 from models.gpt import GPT, loss_fn, make_stage
 
+from .comm.channels import describe_failure
 from .config import ConfigError, TrainConfig
 from .errors import PipelineError
 from .instrument import TraceRecorder
@@ -73,7 +74,11 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             opt.zero_grad(set_to_none=True)
             vec = torch.tensor([res.loss or 0.0, res.busy_s, res.wall_s, float(res.tokens if rt.stage == 0 else 0)],
                                dtype=torch.float64)
-            await rt.all_reduce(vec)
+            try:
+                await rt.all_reduce(vec)
+            except RuntimeError as e:  # gloo names no rank: say which collective, and why if known
+                raise PipelineError(f"rank {rt.rank}: step {step + 1}: world all-reduce of the step statistics "
+                                    f"(ranks 0-{rt.layout.world_size - 1}) failed{describe_failure(e)}") from e
             world = rt.layout.world_size
             loss, busy, wall, tokens = vec.tolist()
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
@@ -121,14 +126,17 @@ def train_command(args) -> int:
         cfg = TrainConfig.load(args.config, args.set)
     except ConfigError as e:
         raise UsageError(str(e)) from None
-    if args.dry_run:
-        from .comm.topology import Layout
-
+    if args.dry_run or "WORLD_SIZE" in os.environ:
+        # Layout and model checks need no process group: bad input exits 2 before any rank joins one
         world = int(os.environ.get("WORLD_SIZE", "1"))
         try:
-            layout = Layout(world, cfg.run.pp or world // (cfg.run.tp * cfg.run.dp), cfg.run.tp, cfg.run.dp)
+            layout = PipelineRuntime.plan_layout(world, cfg.run.pp, cfg.run.tp, cfg.run.dp)
+            check_model(cfg)
+            if cfg.model.n_layer < layout.pp:
+                raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {layout.pp} pipeline stages")
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.dry_run:
         if int(os.environ.get("RANK", "0")) == 0:
             print(layout.describe())
             print(cfg.as_dict())
@@ -136,8 +144,15 @@ def train_command(args) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         summary = run_loop(stage_main(cfg, _print_step))
-    except (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError, NotImplementedError) as e:
-        print(f"rrfp: error: rank {rank}: {_root_message(e)}", file=sys.stderr, flush=True)
+    except Exception as e:
+        # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
+        if not isinstance(_root(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
+                                     NotImplementedError)):
+            raise  # a bug, not a failure of the run: keep its traceback
+        line = " ".join(_root_message(e).split())  # one line, whatever the cause's text
+        if line.split(":")[0].split()[:2] != ["rank", str(rank)]:  # most causes name their rank already
+            line = f"rank {rank}: {line}"
+        print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
         # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
         os._exit(1)
     if rank == 0:
@@ -151,8 +166,13 @@ def train_command(args) -> int:
     return 0
 
 
-def _root_message(e: BaseException) -> str:
+def _root(e: BaseException) -> BaseException:
     """The first leaf of an exception group: TaskGroup wraps the real cause."""
     while isinstance(e, BaseExceptionGroup):
         e = e.exceptions[0]
+    return e
+
+
+def _root_message(e: BaseException) -> str:
+    e = _root(e)
     return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+import re
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,16 @@ def _hint(cause: BaseException) -> str:
     if "Timed out" in text:
         return " (nothing within the process-group timeout: the peer is hung, too slow, or not sending)"
     return ""
+
+
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*:\d+\] ")  # "[/__w/pytorch/.../pair.cc:553] "
+
+
+def describe_failure(cause: BaseException) -> str:
+    """' (the likely reason): Type: text' for a transport error, one line, without
+    gloo's source location and its generic advice ("This is typically caused by ...")."""
+    text = _GLOO_SOURCE.sub("", " ".join(str(cause).split())).split(" This is typically caused by")[0]
+    return f"{_hint(cause)}: {type(cause).__name__}: {text}"
 
 
 class Channel:
@@ -164,7 +175,7 @@ class Channel:
     # -- waiter thread side ------------------------------------------------------
 
     def _peer_error(self, what: str, cause: BaseException) -> PeerError:
-        return PeerError(f"{self.where}: {what} failed{_hint(cause)}: {type(cause).__name__}: {cause}")
+        return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}")
 
     def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor], label: str) -> None:
         what = f"send of the header of {label} to rank {self.peer}"

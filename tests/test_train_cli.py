@@ -1,0 +1,123 @@
+"""`rrfp train` on bad input: one line that names the problem, exit code 2, no
+traceback, and no process group (nothing waits for peers that never come)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/gpt-tiny.toml"
+
+
+def rrfp(*args: str, world: int | None = None, rank: int = 0) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")}
+    env["OMP_NUM_THREADS"] = "1"
+    if world is not None:
+        # a torchrun-like environment whose rendezvous nobody serves: joining a
+        # process group would fail or hang, so a pass proves none was joined
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT="9")
+    return subprocess.run([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=45)
+
+
+def assert_usage_error(res: subprocess.CompletedProcess, *needles: str) -> str:
+    """Exit 2, stderr exactly one `rrfp: error:` line containing every needle."""
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rrfp: error: "), f"exit {res.returncode}:\n{res.stderr}"
+    assert res.returncode == 2, f"exit {res.returncode}: {lines[0]}"
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
+    assert res.stdout == "", res.stdout
+    return lines[0]
+
+
+BAD_OVERRIDES = [
+    (["foo=1"], ["unknown key run.foo", "known: pp, tp"]),
+    (["model.n_embdd=32"], ["unknown key model.n_embdd"]),
+    (["steps=abc"], ["run.steps", "'abc'", "wrong type", "int"]),
+    (["model.n_embd=1.5"], ["model.n_embd", "wrong type"]),
+    (["lr=fast"], ["run.lr", "wrong type", "float"]),
+    (["hint=nope"], ["unknown hint 'nope'", "gpipe, 1f1b"]),
+    (['budget="0"'], ["run.budget", "budget 0 is below 1 microbatch"]),
+    (["budget=0x"], ["run.budget", "must be above 0x"]),
+    (["budget=lots"], ["run.budget", "not a budget: 'lots'"]),
+    (["executor=eager"], ["run.executor", "'eager'"]),
+    (["steps=0"], ["run.steps must be >= 1, got 0"]),
+    (["steps"], ["override 'steps' is not KEY=VALUE"]),
+]
+
+
+@pytest.mark.parametrize("sets,needles", BAD_OVERRIDES, ids=[" ".join(s) for s, _ in BAD_OVERRIDES])
+def test_bad_override(sets, needles):
+    args = [a for s in sets for a in ("--set", s)]
+    assert_usage_error(rrfp("--config", CONFIG, *args, "--dry-run"), *needles)
+
+
+def test_integer_budget_is_a_count():
+    assert rrfp("--config", CONFIG, "--set", "budget=4", "--dry-run", world=4).returncode == 0
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "budget=0", "--dry-run"), "budget 0 is below 1")
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.toml"
+    assert_usage_error(rrfp("--config", str(missing), "--dry-run"), "cannot read config", str(missing),
+                       "No such file")
+
+
+def test_bad_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[run]\nsteps = 5\nhint = bfw\n")  # an unquoted string
+    assert_usage_error(rrfp("--config", str(bad), "--dry-run"), str(bad), "not valid TOML", "line 3")
+
+
+def test_bad_key_and_type_in_file(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nsteps = "many"\n')
+    assert_usage_error(rrfp("--config", str(cfg), "--dry-run"), str(cfg), "run.steps", "wrong type")
+    cfg.write_text("[runn]\nsteps = 5\n")
+    assert_usage_error(rrfp("--config", str(cfg), "--dry-run"), "unknown section [runn]")
+
+
+def test_missing_config_argument():
+    assert_usage_error(rrfp(), "--config")
+
+
+def test_dry_run_prints_the_layout():
+    res = rrfp("--config", CONFIG, "--dry-run", world=4)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[:6] == ["layout pp=4 x tp=1 x dp=1 (world size 4)", "rank  stage  tp  dp",
+                         "   0      0   0   0", "   1      1   0   0", "   2      2   0   0",
+                         "   3      3   0   0"], res.stdout
+    assert "'hint': 'bfw'" in res.stdout  # then the resolved config
+    # every rank checks, only rank 0 prints
+    other = rrfp("--config", CONFIG, "--dry-run", world=4, rank=2)
+    assert (other.returncode, other.stdout, other.stderr) == (0, "", "")
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_layout_that_does_not_fit_the_world(dry_run):
+    extra = ["--dry-run"] if dry_run else []
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "pp=3", *extra, world=4),
+                       "pp=3", "does not match world size 4")
+
+
+def test_more_stages_than_layers():
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "model.n_layer=2", world=4),
+                       "model.n_layer=2 is fewer than the 4 pipeline stages")
+
+
+def test_no_launcher_environment():
+    """Without torchrun's environment the run cannot start; it says how to start it."""
+    res = rrfp("--config", CONFIG)
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torchrun" in lines[0] and lines[0].startswith("rrfp: error:"), res.stderr
+    assert res.returncode != 0
