@@ -50,9 +50,11 @@ def worker(a) -> None:
     model_cfg = GPTConfig(n_layer=a.pp, n_embd=32, n_head=4, block_size=64)
     # the TP group's collectives and the agreement run on gloo here
     data_cfg = DataConfig(seed=0, microbatch_size=2, min_seq_len=16, max_seq_len=48)
-    plans = [(a.preset, PAIRS)]
+    plans = [(a.preset, PAIRS, a.budget)]
     if a.also_none:
-        plans.append(("none", {"A": ("fixed", "1f1b"), "B": ("ready", "1f1b")}))
+        # same hint; at 1x, ready has fixed 1F1B's memory, so only dispatch differs
+        plans.append(("none", {"A": ("fixed", "1f1b"), "B": ("ready", "1f1b")}, a.budget))
+        plans.append(("none", {"A": ("fixed", "1f1b"), "B": ("ready", "1f1b")}, "1x"))
 
     async def main():
         rt = PipelineRuntime.start(pp=a.pp, tp=a.tp, timeout_s=120, unit_ms=a.unit_ms)
@@ -61,9 +63,9 @@ def worker(a) -> None:
             torch.manual_seed(0)
             module = (make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group) if a.tp > 1
                       else make_stage(GPT(model_cfg), rt.stage, rt.num_stages))
-            for preset, pairs in plans:
+            for preset, pairs, budget in plans:
                 var = Variability.preset(preset)
-                exs = {k: rt.executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=a.budget,
+                exs = {k: rt.executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=budget,
                                       variability=var) for k, (e, h) in pairs.items()}
                 for it in range(a.reps + 1):  # iteration 0 warms up
                     data = batches(data_cfg, it, a.mb)
@@ -73,7 +75,7 @@ def worker(a) -> None:
                         vec = torch.tensor([res.wall_s, res.decision_s / max(1, res.decisions)], dtype=torch.float64)
                         await rt.all_reduce(vec, torch.distributed.ReduceOp.MAX)
                         if it > 0:
-                            out.append({"preset": preset, "key": key, "executor": pairs[key][0],
+                            out.append({"preset": preset, "budget": budget, "key": key, "executor": pairs[key][0],
                                         "hint": pairs[key][1], "iteration": it, "wall_s": vec[0].item(),
                                         "decision_us_max_rank": vec[1].item() * 1e6})
             if a.tp > 1:  # agreement alone: back-to-back rounds, TP ranks entering together
@@ -108,19 +110,19 @@ def report(a, rows) -> None:
 
     print(f"PP={a.pp} TP={a.tp} M={a.mb} budget={a.budget} unit={a.unit_ms:g} ms of emulated device time per average "
           f"forward (CPU machine: the compute lane emulates device time); {a.reps} iterations each, alternating")
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        rs = [r for r in rows if r["preset"] == preset]
+    for preset, budget in dict.fromkeys((r["preset"], r["budget"]) for r in rows):
+        rs = [r for r in rows if (r["preset"], r["budget"]) == (preset, budget)]
         var = Variability.preset(preset)
         by = {k: {r["iteration"]: r for r in rs if r["key"] == k} for k in "AB"}
         names = {k: f"{next(iter(by[k].values()))['executor']} {next(iter(by[k].values()))['hint']}" for k in "AB"}
         ratios = [by["A"][i]["wall_s"] / by["B"][i]["wall_s"] for i in by["A"]]
-        print(f"\npreset {preset}: {names['B']} vs {names['A']}: median speedup {statistics.median(ratios):.3f}x "
+        print(f"\npreset {preset}, ready budget {budget}: {names['B']} vs {names['A']}: median speedup {statistics.median(ratios):.3f}x "
               f"(min {min(ratios):.3f}, max {max(ratios):.3f}, n={len(ratios)})")
         for k in "AB":
             errs = []
             for i, r in sorted(by[k].items()):
                 ex, hint = r["executor"], r["hint"]
-                pred = simulate(SimConfig(a.pp, a.mb, hint, ex, a.budget, var, seed=0, iteration=i)).makespan
+                pred = simulate(SimConfig(a.pp, a.mb, hint, ex, budget, var, seed=0, iteration=i)).makespan
                 pred_s = pred * a.unit_ms / 1000
                 errs.append(r["wall_s"] / pred_s - 1)
             med = statistics.median(r["wall_s"] for r in by[k].values())

@@ -121,3 +121,21 @@ def test_no_launcher_environment():
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "torchrun" in lines[0] and lines[0].startswith("rrfp: error:"), res.stderr
     assert res.returncode != 0
+
+
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_tp_that_does_not_divide_the_heads(dry_run):
+    extra = ["--dry-run"] if dry_run else []
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "tp=3", "--set", "pp=1", *extra, world=3),
+                       "tp=3 does not divide n_head=4")
+
+
+def test_tp_dp_that_do_not_divide_the_world():
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--dry-run", world=6),
+                       "does not divide world size 6")
+
+
+def test_dry_run_shows_a_tp_dp_layout():
+    res = rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--set", "pp=2", "--dry-run", world=8)
+    assert res.returncode == 0, res.stderr
+    assert "layout pp=2 x tp=2 x dp=2 (world size 8)" in res.stdout
