@@ -75,12 +75,14 @@ class StageExecutor:
         self.rank_of = settings.hint.rank(S, s, M, settings.split)
         self.limit = Limit(count=settings.budget.microbatches(S, s), bytes=settings.budget.bytes)
         self._bytes_per_token = 0.0
-        self.totals = {"iterations": 0, "decisions": 0, "decision_s": 0.0, "peak_inflight": 0}
+        self.totals = {"iterations": 0, "decisions": 0, "decision_s": 0.0, "peak_inflight": 0,
+                       "busy_s": 0.0, "wall_s": 0.0}
 
     def statistics(self) -> dict:
         """Snapshot across iterations so far."""
         t = dict(self.totals)
         t["decision_us"] = 1e6 * t["decision_s"] / t["decisions"] if t["decisions"] else 0.0
+        t["bubble"] = max(0.0, 1.0 - t["busy_s"] / t["wall_s"]) if t["wall_s"] > 0 else 0.0
         return t
 
     async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -140,6 +142,8 @@ class _Iteration:
         tot["decisions"] += self.decisions
         tot["decision_s"] += self.decision_s
         tot["peak_inflight"] = max(tot["peak_inflight"], self.state.peak_inflight)
+        tot["busy_s"] += self.busy
+        tot["wall_s"] += wall
         tokens = sum(int(b[1].numel()) for b in self.batches)
         return IterationResult(self.it, self.losses, wall, self.busy, self.state.peak_inflight,
                                self.decisions, self.decision_s, self.ran, tokens)

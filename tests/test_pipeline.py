@@ -20,7 +20,7 @@ def _model_and_data():
             DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40))
 
 
-def _one_iteration(rank, world, configs):
+def _one_iteration(rank, world, configs, budget="2x"):
     import torch
 
     from models.data import batches as make_batches
@@ -44,13 +44,14 @@ def _one_iteration(rank, world, configs):
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-                e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint)
+                e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget)
                 res = await e.run_iteration(0, batches)
                 diffs = [(n, (p.grad - ref_grads[n]).abs().max().item()) for n, p in module.named_parameters()]
                 missing = [n for n, p in module.named_parameters() if p.grad is None]
                 assert not missing, missing
                 loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
-                out[(ex, hint)] = (max(d for _, d in diffs), loss_err, [str(t) for t in res.order])
+                out[(ex, hint)] = (max(d for _, d in diffs), loss_err, [str(t) for t in res.order],
+                                   res.peak_inflight, e.limit.count)
         finally:
             await rt.aclose()
         return out
@@ -64,11 +65,13 @@ def test_one_iteration_matches_reference(pp):
     results = run_ranks(_one_iteration, pp, CONFIGS, timeout=240)
     for cfg in CONFIGS:
         for rank in range(pp):
-            grad_err, loss_err, order = results[rank][cfg]
+            grad_err, loss_err, order, peak, limit = results[rank][cfg]
             assert grad_err < 1e-10, f"{cfg} rank {rank}: gradient differs by {grad_err}"
             if rank == pp - 1:
                 assert loss_err < 1e-12, f"{cfg}: loss differs by {loss_err}"
             assert len(order) == M * (3 if cfg[1] in ("zbh1", "bfw") else 2)
+            if cfg[0] == "ready":
+                assert peak <= limit == 2 * (pp - rank), f"{cfg} rank {rank}: in-flight {peak} > {limit}"
     # the fixed executor runs exactly the hint's order
     from rrfp.hints import default_split, resolve
 
@@ -118,3 +121,14 @@ def test_twenty_steps_match_reference(pp):
         assert len(losses) == 20
         worst = max(abs(a - b) for a, b in zip(losses, ref))
         assert worst < 1e-4, f"{cfg} PP{pp}: losses differ from the reference by up to {worst}"
+
+
+@pytest.mark.timeout(120)
+def test_byte_budget_runs_each_microbatch_alone():
+    """A 1-byte budget admits a microbatch only when none is in flight: peak 1,
+    and the result is still the reference's."""
+    results = run_ranks(_one_iteration, 2, [("ready", "bfw"), ("ready", "1f1b")], "1B", timeout=100)
+    for rank in range(2):
+        for cfg in [("ready", "bfw"), ("ready", "1f1b")]:
+            grad_err, loss_err, order, peak, limit = results[rank][cfg]
+            assert grad_err < 1e-10 and peak == 1 and limit is None, (cfg, rank, grad_err, peak)
