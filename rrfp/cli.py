@@ -117,7 +117,7 @@ def _sim(args) -> int:
     for r in rows:
         lo, hi = r.spread
         print(f"{r.executor:<8} {r.hint:<12} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{float(__import__('numpy').median(r.efficiencies)):>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}")
+              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}")
     if args.json:
         doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": str(budget), "seeds": args.seeds,
                "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
+from .policy import Executor, Limit, StageState, choose
 from .tasks import Kind, Task, stage_tasks
 
 HintFn = Callable[[int, int, int, bool], Sequence["Task | str"]]
@@ -76,8 +77,6 @@ def nominal_orders(priority: HintFn, S: int, M: int, split: bool, multiple: floa
     This turns a class priority (which ranks B0 above F0) into an executable
     order for the fixed executor. It calls the one policy function.
     """
-    from .policy import Executor, Limit, StageState, choose
-
     ranking = [{t: i for i, t in enumerate(priority(S, s, M, split))} for s in range(S)]
     state = [StageState() for _ in range(S)]
     limit = [Limit(count=max(1, int(multiple * (S - s) + 1e-9))) for s in range(S)]

@@ -21,7 +21,8 @@ def plot_timelines(path: str | Path, runs: Sequence[tuple[str, Sequence[Span]]],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 0.35 * _stages(runs)[0] * len(runs)),
+    stages = max((sp.lane for _, spans in runs for sp in spans), default=0) + 1
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 0.35 * stages * len(runs)),
                              squeeze=False, sharex=True)
     for ax, (title, spans) in zip(axes[:, 0], runs):
         rows: dict[tuple[int, str], list] = defaultdict(list)
@@ -41,7 +42,3 @@ def plot_timelines(path: str | Path, runs: Sequence[tuple[str, Sequence[Span]]],
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
-
-
-def _stages(runs) -> tuple[int]:
-    return (max((sp.lane for _, spans in runs for sp in spans), default=0) + 1,)

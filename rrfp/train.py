@@ -1,11 +1,9 @@
 """stage_main: train a model on this rank's pipeline stage, and `rrfp train`."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 

@@ -37,7 +37,7 @@ def check_invariants(r):
     eps = 1e-9
     for s in range(S):
         spans = sorted(v for k, v in at.items() if k[0] == s)
-        for (a0, b0), (a1, b1) in zip(spans, spans[1:]):
+        for (_, b0), (a1, _) in zip(spans, spans[1:]):
             assert a1 >= b0 - eps, "a stage runs one task at a time"
         for m in range(M):
             fa, fb = at[(s, 0, m)]

@@ -26,6 +26,10 @@ class Row:
         return float(np.median(self.speedups))
 
     @property
+    def median_efficiency(self) -> float:
+        return float(np.median(self.efficiencies))
+
+    @property
     def spread(self) -> tuple[float, float]:
         """10th and 90th percentile of per-seed speedups."""
         return float(np.percentile(self.speedups, 10)), float(np.percentile(self.speedups, 90))
@@ -33,7 +37,7 @@ class Row:
     def as_dict(self) -> dict:
         lo, hi = self.spread
         return {"executor": self.executor, "hint": self.hint, "median_speedup": self.median,
-                "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": float(np.median(self.efficiencies)),
+                "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": self.median_efficiency,
                 "peak_inflight": self.peak_inflight, "mean_bubble": self.bubble,
                 "speedups": self.speedups}
 
