@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..errors import PipelineError
 from ..loop.completions import BlockingWaiter
 from ..tasks import Kind, Task
 
@@ -23,6 +24,7 @@ class TPAgreement:
 
     def __init__(self, group, num_microbatches: int, name: str = "tp-agree") -> None:
         self.group = group
+        self.ranks = dist.get_process_group_ranks(group)
         self.M = num_microbatches
         self.waiter = BlockingWaiter(name)
         self.rounds = 0
@@ -40,7 +42,13 @@ class TPAgreement:
     async def agree(self, ready: Iterable[Task]) -> tuple[set[Task], set[Task]]:
         """(ready on every TP rank, ready on some TP rank)."""
         v = self._vector(ready)
-        await self.waiter.call(dist.all_reduce, v, dist.ReduceOp.MIN, self.group)
+        try:
+            await self.waiter.call(dist.all_reduce, v, dist.ReduceOp.MIN, self.group)
+        except RuntimeError as e:
+            from .channels import describe_failure
+
+            raise PipelineError(f"rank {dist.get_rank()}: TP agreement over ranks {self.ranks} (round "
+                                f"{self.rounds + 1}) failed{describe_failure(e)}") from e
         self.rounds += 1
         return self._tasks(v[0]), self._tasks(-v[1])
 
