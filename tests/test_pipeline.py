@@ -45,6 +45,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False):
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
                 e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget)
+                assert e.agreement is None, "tp = 1 needs no TP agreement collective"
                 res = await e.run_iteration(0, batches)
                 diffs = [(n, (p.grad - ref_grads[n]).abs().max().item()) for n, p in module.named_parameters()]
                 missing = [n for n, p in module.named_parameters() if p.grad is None]

@@ -152,6 +152,7 @@ def test_cli_outputs(tmp_path):
     rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
     assert rows[("fixed", "1f1b")]["median_speedup"] == 1.0
     assert len(rows[("ready", "bfw")]["speedups"]) == 3
+    assert len(rows[("ready", "bfw")]["stage_bubble"]) == 4 and all(0 <= b < 1 for b in rows[("ready", "bfw")]["stage_bubble"])
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"][:1] for e in events if e["ph"] == "X"} == {"F", "B", "W"}
     assert png.read_bytes()[:4] == b"\x89PNG"

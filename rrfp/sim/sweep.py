@@ -20,6 +20,8 @@ class Row:
     efficiencies: list[float]
     peak_inflight: int
     bubble: float
+    stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
+    makespans: list[float]
 
     @property
     def median(self) -> float:
@@ -39,7 +41,7 @@ class Row:
         return {"executor": self.executor, "hint": self.hint, "median_speedup": self.median,
                 "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": self.median_efficiency,
                 "peak_inflight": self.peak_inflight, "mean_bubble": self.bubble,
-                "speedups": self.speedups}
+                "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans}
 
 
 def sweep(base: SimConfig, executors: Iterable[str], hints: Iterable[str], seeds: int,
@@ -57,5 +59,6 @@ def sweep(base: SimConfig, executors: Iterable[str], hints: Iterable[str], seeds
     for (ex, hint), rs in results.items():
         ms = np.array([r.makespan for r in rs])
         rows.append(Row(ex, hint, (base_ms / ms).tolist(), [r.efficiency for r in rs],
-                        max(max(r.peak_inflight) for r in rs), float(np.mean([r.bubble_ratio for r in rs]))))
+                        max(max(r.peak_inflight) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
+                        np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist()))
     return rows
