@@ -1,0 +1,23 @@
+"""The embedding example runs under torchrun: the pipeline trains while the
+driver's own coroutine keeps ticking on the same loop."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(180)
+def test_embedded_driver_example():
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "examples/embedded_driver.py"], cwd=ROOT, capture_output=True, text=True, timeout=170,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], p.stdout
+    ticks = [int(x) for x in re.findall(r"heartbeat ticked (\d+) times", p.stdout)]
+    assert len(ticks) == 2 and min(ticks) > 20, p.stdout
