@@ -20,7 +20,7 @@ def _model_and_data():
             DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40))
 
 
-def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False):
+def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, preset="none", unit_ms=0.0):
     import torch
 
     from models.data import batches as make_batches
@@ -38,13 +38,16 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     async def main():
-        rt = PipelineRuntime.start(pp=world, timeout_s=60)
+        from rrfp.variability import Variability
+
+        rt = PipelineRuntime.start(pp=world, timeout_s=60, unit_ms=unit_ms)
         out = {}
         try:
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-                e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget)
+                e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget,
+                                variability=Variability.preset(preset), seed=0)
                 assert e.agreement is None, "tp = 1 needs no TP agreement collective"
                 res = await e.run_iteration(0, batches)
                 diffs = [(n, (p.grad - ref_grads[n]).abs().max().item()) for n, p in module.named_parameters()]
@@ -138,3 +141,21 @@ def test_byte_budget_runs_each_microbatch_alone():
         for cfg in [("ready", "bfw"), ("ready", "1f1b")]:
             grad_err, loss_err, order, peak, limit = results[rank][cfg]
             assert grad_err < 1e-10 and peak == 1 and limit is None, (cfg, rank, grad_err, peak)
+
+
+@pytest.mark.timeout(120)
+def test_variable_timing_reorders_tasks_but_not_results():
+    """Emulated lang durations (stragglers, long microbatches) make the ready
+    executor leave the nominal order; results must not move."""
+    cfgs = [("ready", "bfw"), ("ready", "bf"), ("fixed", "1f1b")]
+    results = run_ranks(_one_iteration, 4, cfgs, "2x", False, "lang", 3.0, timeout=100)
+    from rrfp.hints import resolve
+
+    left_nominal = 0
+    for rank in range(4):
+        for cfg in cfgs:
+            grad_err, loss_err, order, peak, limit = results[rank][cfg]
+            assert grad_err < 1e-10, (cfg, rank, grad_err)
+        nominal = [str(t) for t in resolve("bfw").order(4, rank, M, True)]
+        left_nominal += results[rank][("ready", "bfw")][2] != nominal
+    assert left_nominal >= 1, "variable timing should change some stage's order"
