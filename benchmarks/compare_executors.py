@@ -61,8 +61,7 @@ def worker(a) -> None:
         out = []
         try:
             torch.manual_seed(0)
-            module = (make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group) if a.tp > 1
-                      else make_stage(GPT(model_cfg), rt.stage, rt.num_stages))
+            module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group)
             for preset, pairs, budget in plans:
                 var = Variability.preset(preset)
                 exs = {k: rt.executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=budget,

@@ -26,6 +26,16 @@ from .variability import Variability
 log = logging.getLogger("rrfp.runtime")
 
 
+def leave_process_group() -> None:
+    """Clean end of a run: wait for every rank, then take the groups down. A rank
+    that tears down gloo pairs while a peer still uses them makes gloo abort that
+    peer, so nobody leaves before everybody is done. Not for error paths: a dead
+    peer would hang the barrier."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class PipelineRuntime:
     """Owns this rank's process group membership, channels and compute lane.
 
@@ -116,13 +126,9 @@ class PipelineRuntime:
         return out
 
     async def finish(self) -> None:
-        """Clean end of a run: wait for every rank, then take the groups down.
-        A rank that tears down gloo pairs while a peer still uses them makes
-        gloo abort that peer, so nobody leaves before everybody is done."""
+        """Close, then ``leave_process_group`` off the loop thread."""
         await self.aclose()
-        if dist.is_initialized():
-            await asyncio.to_thread(dist.barrier)
-            dist.destroy_process_group()
+        await asyncio.to_thread(leave_process_group)
 
     async def aclose(self) -> None:
         for close in self._closers:

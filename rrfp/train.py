@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from models.data import batches as make_batches
 from models.gpt import GPT, loss_fn, make_stage
@@ -16,7 +17,7 @@ from .comm.channels import describe_failure
 from .config import ConfigError, TrainConfig
 from .errors import PipelineError
 from .instrument import TraceRecorder
-from .runtime import PipelineRuntime
+from .runtime import PipelineRuntime, leave_process_group
 from .trace import chrome_trace, write_json
 from .variability import Variability
 
@@ -45,17 +46,13 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     returns the per-step mean losses (all-reduced from the last stage)."""
     run = cfg.run
     torch.set_num_threads(run.threads)
-    check_model(cfg)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    check_model(cfg, PipelineRuntime.plan_layout(world, run.pp, run.tp, run.dp).pp)  # before any group exists
     rt = PipelineRuntime.start(pp=run.pp, tp=run.tp, dp=run.dp, backend=run.backend,
                                timeout_s=run.timeout_s, unit_ms=run.unit_ms)
     try:
-        if cfg.model.n_layer < rt.num_stages:
-            raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {rt.num_stages} pipeline stages")
         torch.manual_seed(run.seed)
-        full = GPT(cfg.model)
-        module = (make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group) if run.tp > 1
-                  else make_stage(full, rt.stage, rt.num_stages))
-        del full
+        module = make_stage(GPT(cfg.model), rt.stage, rt.num_stages, tp_group=rt.tp_group)
         sync = rt.grad_sync(module)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
         ex = rt.executor(module, loss_fn, microbatches=run.microbatches, executor=run.executor, hint=run.hint,
@@ -97,8 +94,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         await rt.aclose()
 
 
-def check_model(cfg: TrainConfig) -> None:
-    """Model checks that need no process group, so bad input fails before one exists."""
+def check_model(cfg: TrainConfig, num_stages: int) -> None:
+    """Model checks that need no process group, so bad input can fail before one exists."""
+    if cfg.model.n_layer < num_stages:
+        raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {num_stages} pipeline stages")
     if cfg.run.tp > 1:
         from models.gpt import validate_tp
 
@@ -129,9 +128,7 @@ def train_command(args) -> int:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         try:
             layout = PipelineRuntime.plan_layout(world, cfg.run.pp, cfg.run.tp, cfg.run.dp)
-            check_model(cfg)
-            if cfg.model.n_layer < layout.pp:
-                raise ConfigError(f"model.n_layer={cfg.model.n_layer} is fewer than the {layout.pp} pipeline stages")
+            check_model(cfg, layout.pp)
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.dry_run:
@@ -156,11 +153,7 @@ def train_command(args) -> int:
     if rank == 0:
         print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.get('decision_us', 0):.1f} us", flush=True)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
-        dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 
