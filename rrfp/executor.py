@@ -68,7 +68,7 @@ class StageExecutor:
         self.worker, self.channels, self.lane, self.settings = worker, channels, lane, settings
         # TP agreement (tp > 1, ready executor only): the fixed order needs none.
         self.agreement = agreement if settings.executor is Executor.READY else None
-        self.rank, self.instrument, self.unit_s = rank, instrument or Instrument(), unit_s
+        self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
         S, s, M = worker.num_stages, worker.stage, settings.num_microbatches
         self.S, self.s, self.M = S, s, M
         self.order = settings.hint.order(S, s, M, settings.split)
@@ -113,10 +113,14 @@ class _Iteration:
         self.decisions = 0
         self.decision_s = 0.0
         self.arrived: dict[Kind, int] = {Kind.F: 0, Kind.B: 0}
-        self.version = 0  # bumped on every arrival
         self.out_queues: dict[str, asyncio.Queue] = {}
         if ex.s == 0:
             self.ready.update(Task(Kind.F, m) for m in range(ex.M))
+
+    @property
+    def version(self) -> int:
+        """Grows with every arrival: tells the arbiter whether anything came in."""
+        return self.arrived[Kind.F] + self.arrived[Kind.B]
 
     def size_of(self, mb: int) -> int:
         return int(self.batches[mb][0].numel() * self.ex._bytes_per_token)
@@ -188,7 +192,8 @@ class _Iteration:
         except TimeoutError:
             raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived for "
                               f"{self.settings.peer_timeout_s:g} s while waiting for {self._waiting_for()}") from None
-        self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
+        if self.ex.instrument is not None:
+            self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
 
     def _waiting_for(self) -> str:
         ex, ch = self.ex, self.ex.channels
@@ -215,9 +220,9 @@ class _Iteration:
             targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
             out = await ex.lane.run(w.forward, mb, x, targets, units=units)
             self.f_done.add(mb)
-            tokens = self.batches[mb][0].numel()
-            measured = w.activation_bytes(mb) / max(1, tokens)
-            ex._bytes_per_token = max(ex._bytes_per_token, measured)
+            if ex.limit.bytes is not None:
+                measured = w.activation_bytes(mb) / max(1, self.batches[mb][0].numel())
+                ex._bytes_per_token = max(ex._bytes_per_token, measured)
             if ex.s == ex.S - 1:
                 self.losses[mb] = out
                 self.ready.add(Task(Kind.B, mb))
@@ -236,7 +241,8 @@ class _Iteration:
             self.state.release(self.sizes.pop(mb))
         self.busy += time.perf_counter() - c0
         self.ran.append(task)
-        ex.instrument.task(ex.s, self.it, task, start, time.time())
+        if ex.instrument is not None:
+            ex.instrument.task(ex.s, self.it, task, start, time.time())
 
     # -- communication -------------------------------------------------------
 
@@ -267,7 +273,6 @@ class _Iteration:
                 raise ProtocolError(f"{where}: microbatch {mb} arrived twice in iteration {self.it}")
             inbox[mb] = msg.tensors[0]
             self.arrived[kind] += 1
-            self.version += 1
             if kind is Kind.F:
                 self.ready.add(Task(Kind.F, mb))
             elif mb in self.f_done:

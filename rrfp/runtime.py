@@ -101,7 +101,8 @@ class PipelineRuntime:
         split = default_split(h.name) if split is None else split
         settings = ExecutorSettings(Executor(executor), h, Budget.parse(budget), split, microbatches,
                                     variability or Variability(), seed, self.timeout_s)
-        worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split)
+        worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
+                             measure_activations=settings.budget.bytes is not None)
         agreement = None
         if self.tp_control is not None:
             agreement = TPAgreement(self.tp_control, microbatches, name=f"tp-agree-r{self.rank}")

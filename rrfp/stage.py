@@ -11,6 +11,7 @@ split-aware layers), W runs the queued weight-gradient closures.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 from collections.abc import Callable
@@ -46,7 +47,8 @@ class StageWorker:
     """Runs F(mb), B(mb), W(mb) of stage `stage` of `num_stages` on `module`."""
 
     def __init__(self, module: nn.Module, stage: int, num_stages: int, num_microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], split: bool) -> None:
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], split: bool,
+                 measure_activations: bool = True) -> None:
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if num_microbatches <= 0:
@@ -54,6 +56,7 @@ class StageWorker:
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
         self.losses: dict[int, float] = {}  # last stage: unscaled loss of each microbatch
         self._slots: dict[int, _Slot] = {}
 
@@ -67,15 +70,18 @@ class StageWorker:
         if not self.is_first:
             x = x.detach().requires_grad_(True)
         queue = WeightGradQueue()
-        counter = _SavedBytes(self.module)
-        with torch.enable_grad(), collect_weight_grads(queue if self.split else None), \
-                torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack):
+        counter = _SavedBytes(self.module) if self.measure_activations else None
+        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack) if counter is not None
+                 else contextlib.nullcontext())
+        with torch.enable_grad(), collect_weight_grads(queue if self.split else None), hooks:
             out = self.module(x)
             if self.is_last:
                 loss = self.loss_fn(out, targets)
                 out = loss / self.num_microbatches
-        counter.add(out)
-        self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, counter.total)
+        if counter is not None:
+            counter.add(out)
+        nbytes = counter.total if counter is not None else 0
+        self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes)
         if self.is_last:
             self.losses[mb] = loss.item()
             return self.losses[mb]
