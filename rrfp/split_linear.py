@@ -109,6 +109,44 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _SplitLinearFn.apply(x, weight, bias, queue, reduce)
 
 
+class _ReduceIdentityBackward(torch.autograd.Function):
+    """``reduce`` in forward (on a copy: it may work in place), identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, reduce):
+        return reduce(x.clone(memory_format=torch.contiguous_format))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """What every split-aware layer computes: ``reduce(x @ weight.T) + bias``.
+
+    Under an active queue (and grad mode) the weight and bias gradients are
+    deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
+    ``F.linear`` when there is no ``reduce``.
+    """
+    queue = _ACTIVE.get()
+    if queue is not None and torch.is_grad_enabled():
+        return split_linear(x, weight, bias, queue, reduce)
+    if reduce is None:
+        return F.linear(x, weight, bias)
+    y = _ReduceIdentityBackward.apply(F.linear(x, weight), reduce)
+    return y if bias is None else y + bias
+
+
+def init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """nn.Linear.reset_parameters on full-shape tensors (fan-in from ``weight``)."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in = weight.shape[1]
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)
+
+
 def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
     def run() -> None:
         g = grad_out.reshape(-1, grad_out.shape[-1])
@@ -137,16 +175,10 @@ class SplitLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         """Same as nn.Linear.reset_parameters."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
-            nn.init.uniform_(self.bias, -bound, bound)
+        init_like_linear(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        queue = _ACTIVE.get()
-        if queue is None or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        return split_linear(x, self.weight, self.bias, queue)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -9,7 +9,7 @@ region": all-reduce forward, identity backward), and its bias (whole, replicated
 is added once after the reduce.
 
 Both defer their weight and bias gradients to W exactly like SplitLinear: they
-run through ``rrfp.split_linear.split_linear`` with the queue captured at forward
+run through ``rrfp.split_linear.linear`` with the queue captured at forward
 time (``collect_weight_grads``); without an active queue they are plain autograd.
 The input-gradient all-reduce is part of B. W launches no collective.
 
@@ -26,15 +26,13 @@ nn.Linear / SplitLinear is that layer's exact slice. ``load_full`` (or
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from rrfp.split_linear import active_queue, split_linear
+from rrfp.split_linear import init_like_linear, linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_from_full", "group_size_rank"]
 
@@ -85,18 +83,6 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce SUM forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone(memory_format=torch.contiguous_format), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _TPLinear(nn.Module):
@@ -170,12 +156,8 @@ class _TPLinear(nn.Module):
         """nn.Linear's init drawn on the full shape, then sliced (same draws as nn.Linear)."""
         dev, dt = self.weight.device, self.weight.dtype
         w = torch.empty(self._full_shape("weight"), device=dev, dtype=dt)
-        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-        b = None
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features)
-            b = torch.empty(self._full_shape("bias"), device=dev, dtype=dt)
-            nn.init.uniform_(b, -bound, bound)
+        b = None if self.bias is None else torch.empty(self._full_shape("bias"), device=dev, dtype=dt)
+        init_like_linear(w, b)
         if dev.type != "meta":
             self.load_full(w, b)
 
@@ -203,10 +185,7 @@ class ColumnParallelLinear(_TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             x = _CopyToTP.apply(x, self.group)
-        queue = active_queue()
-        if queue is None or not torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        return split_linear(x, self.weight, self.bias, queue)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_TPLinear):
@@ -222,11 +201,5 @@ class RowParallelLinear(_TPLinear):
                              f"the tensor-parallel size {self.tp}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        queue = active_queue()
-        if queue is None or not torch.is_grad_enabled():
-            if self.group is None:
-                return F.linear(x, self.weight, self.bias)
-            y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
-            return y if self.bias is None else y + self.bias
         reduce = None if self.group is None else partial(_all_reduce, group=self.group)
-        return split_linear(x, self.weight, self.bias, queue, reduce)
+        return linear(x, self.weight, self.bias, reduce)
