@@ -13,7 +13,7 @@ import torch.distributed as dist
 from models.data import batches as make_batches
 from models.gpt import GPT, loss_fn, make_stage
 
-from .comm.channels import describe_failure
+from .comm.channels import named_collective
 from .config import ConfigError, TrainConfig
 from .errors import PipelineError
 from .instrument import TraceRecorder
@@ -69,11 +69,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             opt.zero_grad(set_to_none=True)
             vec = torch.tensor([res.loss or 0.0, res.busy_s, res.wall_s, float(res.tokens if rt.stage == 0 else 0)],
                                dtype=torch.float64)
-            try:
+            with named_collective(f"step {step + 1}: world all-reduce of the step statistics "
+                                  f"(ranks 0-{rt.layout.world_size - 1})"):
                 await rt.all_reduce(vec)
-            except RuntimeError as e:  # gloo names no rank: say which collective, and why if known
-                raise PipelineError(f"rank {rt.rank}: step {step + 1}: world all-reduce of the step statistics "
-                                    f"(ranks 0-{rt.layout.world_size - 1}) failed{describe_failure(e)}") from e
             world = rt.layout.world_size
             loss, busy, wall, tokens = vec.tolist()
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss

@@ -13,9 +13,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..errors import PipelineError
 from ..loop.completions import BlockingWaiter
 from ..tasks import Kind, Task
+from .channels import named_collective
 
 
 class TPAgreement:
@@ -42,13 +42,8 @@ class TPAgreement:
     async def agree(self, ready: Iterable[Task]) -> tuple[set[Task], set[Task]]:
         """(ready on every TP rank, ready on some TP rank)."""
         v = self._vector(ready)
-        try:
+        with named_collective(f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})"):
             await self.waiter.call(dist.all_reduce, v, dist.ReduceOp.MIN, self.group)
-        except RuntimeError as e:
-            from .channels import describe_failure
-
-            raise PipelineError(f"rank {dist.get_rank()}: TP agreement over ranks {self.ranks} (round "
-                                f"{self.rounds + 1}) failed{describe_failure(e)}") from e
         self.rounds += 1
         return self._tasks(v[0]), self._tasks(-v[1])
 

@@ -22,6 +22,7 @@ wait for the other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import re
@@ -59,6 +60,18 @@ def describe_failure(cause: BaseException) -> str:
     gloo's source location and its generic advice ("This is typically caused by ...")."""
     text = _GLOO_SOURCE.sub("", " ".join(str(cause).split())).split(" This is typically caused by")[0]
     return f"{_hint(cause)}: {type(cause).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def named_collective(what: str):
+    """gloo's collective errors name no rank or group: re-raise one as a one-line
+    PipelineError saying which collective (``what``) failed on this rank, and why."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except RuntimeError as e:
+        raise PipelineError(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
 
 
 class Channel:

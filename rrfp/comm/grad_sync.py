@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import PipelineError
 from ..loop.completions import BlockingWaiter
+from .channels import named_collective
 
 
 class GradSync:
@@ -41,14 +41,8 @@ class GradSync:
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
         if self.waiter is not None:
-            try:
+            with named_collective(f"DP gradient all-reduce over ranks {dist.get_process_group_ranks(self.group)}"):
                 await self.waiter.call(self._reduce)
-            except RuntimeError as e:
-                from .channels import describe_failure
-
-                ranks = dist.get_process_group_ranks(self.group)
-                raise PipelineError(f"rank {dist.get_rank()}: DP gradient all-reduce over ranks {ranks} "
-                                    f"failed{describe_failure(e)}") from e
 
     def close(self) -> None:
         if self.waiter is not None:
