@@ -134,6 +134,7 @@ def test_survivors_end_with_one_named_error(tmp_path, sig, victim):
         times = ", ".join(f"rank {r}: {elapsed[r]:.2f} s" if r in elapsed else f"rank {r}: still running"
                           for r in survivors)
         summary = f"{sig} rank {victim} after {startup:.1f} s of start-up; survivors ended after {times}"
+        print(summary)  # shown by `pytest -rP`: the measured times-to-error
         hung = [r for r in survivors if r not in elapsed]
         assert not hung, f"{summary}: rank(s) {hung} hang past timeout_s={TIMEOUT_S} + {SLACK_S} s\n" + ranks.tails()
         lines = {}
