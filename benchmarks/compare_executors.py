@@ -43,8 +43,8 @@ def worker(a) -> None:
     from models.data import DataConfig, batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.loop import run
-    from rrfp.runtime import PipelineRuntime
-    from rrfp.variability import Variability
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.core.variability import Variability
 
     torch.set_num_threads(1)
     model_cfg = GPTConfig(n_layer=a.pp, n_embd=32, n_head=4, block_size=64)
@@ -64,14 +64,14 @@ def worker(a) -> None:
             module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group)
             for preset, pairs, budget in plans:
                 var = Variability.preset(preset)
-                exs = {k: rt.executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=budget,
+                exs = {k: rt.stage_executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=budget,
                                       variability=var) for k, (e, h) in pairs.items()}
                 for it in range(a.reps + 1):  # iteration 0 warms up
                     data = batches(data_cfg, it, a.mb)
                     for key in ("AB" if it % 2 == 0 else "BA"):
                         res = await exs[key].run_iteration(it, data)
                         module.zero_grad(set_to_none=True)
-                        vec = torch.tensor([res.wall_s, res.decision_s / max(1, res.decisions)], dtype=torch.float64)
+                        vec = torch.tensor([res.stats.wall, res.stats.decision_s / max(1, res.stats.decisions)], dtype=torch.float64)
                         await rt.all_reduce(vec, torch.distributed.ReduceOp.MAX)
                         if it > 0:
                             out.append({"preset": preset, "budget": budget, "key": key, "executor": pairs[key][0],
@@ -102,7 +102,7 @@ def worker(a) -> None:
 
 def report(a, rows) -> None:
     from rrfp.sim import SimConfig, simulate
-    from rrfp.variability import Variability
+    from rrfp.core.variability import Variability
 
     agreement = [r for r in rows if "agreement_us" in r]
     rows = [r for r in rows if "agreement_us" not in r]

@@ -8,7 +8,7 @@ import statistics
 import time
 
 from rrfp.sim import SimConfig, simulate
-from rrfp.variability import Variability
+from rrfp.core.variability import Variability
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import rrfp
-from rrfp.split_linear import SplitLinear
+from rrfp.nn.split_linear import SplitLinear
 
 
 def make_chunk(stage: int, num_stages: int) -> nn.Module:
@@ -43,12 +43,12 @@ async def heartbeat(stop: asyncio.Event, ticks: list) -> None:
 
 async def main() -> None:
     torch.set_num_threads(1)
-    rt = rrfp.PipelineRuntime.start(unit_ms=5.0)  # 5 ms of emulated device time per task
-    chunk = make_chunk(rt.stage, rt.num_stages)
-    pipe = rt.executor(chunk, loss_fn, microbatches=8, executor="ready", hint="bfw")
-    opt = torch.optim.SGD(chunk.parameters(), lr=0.05)
-    stop, ticks = asyncio.Event(), []
-    try:
+    # 5 ms of emulated device time per task; leaving the block cleanly waits for every rank
+    async with rrfp.PipelineRuntime.start(unit_ms=5.0) as rt:
+        chunk = make_chunk(rt.stage, rt.num_stages)
+        pipe = rt.stage_executor(chunk, loss_fn, microbatches=8, executor="ready", hint="bfw")
+        opt = torch.optim.SGD(chunk.parameters(), lr=0.05)
+        stop, ticks = asyncio.Event(), []
         async with asyncio.TaskGroup() as tg:
             tg.create_task(heartbeat(stop, ticks))
             for step in range(20):
@@ -56,14 +56,11 @@ async def main() -> None:
                 opt.step()
                 opt.zero_grad()
                 if result.loss is not None and step % 5 == 0:
-                    print(f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.bubble:.0%}")
+                    print(f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.stats.bubble:.0%}")
             stop.set()
-    except BaseException:
-        await rt.aclose()
-        raise
-    await rt.finish()
+    stats = pipe.statistics()
     print(f"[rank {rt.rank}] heartbeat ticked {len(ticks)} times while the pipeline ran; "
-          f"stats {pipe.statistics()}")
+          f"bubble {stats.bubble:.1%}, {stats.decisions} decisions at {stats.decision_us:.1f} us each")
 
 
 if __name__ == "__main__":

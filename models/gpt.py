@@ -28,8 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rrfp.split_linear import SplitLinear
-from rrfp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
+from models.data import DataConfig, batches
+from rrfp.nn.split_linear import SplitLinear
+from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
+from rrfp.pipeline.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -269,3 +271,22 @@ def make_stage(model: GPT, stage: int, num_stages: int, tp_group=None) -> GPTSta
     over it, each rank keeping its slice of the full parameters (size 1 or None: no TP).
     """
     return GPTStage(model, stage, num_stages, tp_group)
+
+
+# -- the workload rrfp train finds by name (model = "gpt") -------------------------
+
+
+def check(cfg: GPTConfig, data: DataConfig, num_stages: int, tp: int) -> None:
+    """Layout checks that need no process group: ValueError names the mismatch."""
+    if cfg.n_layer < num_stages:
+        raise ValueError(f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages")
+    if tp > 1:
+        validate_tp(cfg, tp)
+
+
+def build_stage(cfg: GPTConfig, stage: int, num_stages: int, tp_group=None) -> GPTStage:
+    """The full model from the current torch seed, cut down to ``stage``."""
+    return make_stage(GPT(cfg), stage, num_stages, tp_group=tp_group)
+
+
+workload = Workload("gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check)

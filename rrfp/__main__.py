@@ -1,3 +1,3 @@
-from .cli import entry
+from rrfp.app.cli import entry
 
 entry()

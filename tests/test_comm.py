@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAGIC, MAX_DIMS, MAX_ELEMENTS, MAX_KIND, MAX_TENSORS,
                                Message, MessageError, TensorSpec, decode_header, encode_header)
-from rrfp.comm.topology import Coords, Layout
+from rrfp.core.layout import Coords, Layout
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2)]
 

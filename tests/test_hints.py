@@ -1,9 +1,10 @@
 import pytest
 
-from rrfp.budget import Budget
-from rrfp.hints import BUILTIN, HintError, csv_hint, default_split, resolve, validate
-from rrfp.policy import Executor, Limit, StageState, choose
-from rrfp.tasks import B, F, Kind, Task, W, stage_tasks
+from rrfp.core.budget import Budget
+from rrfp.core.hints import BUILTIN, HintError, csv_hint, default_split, resolve, validate
+from rrfp.core.budget import InFlight, Limit
+from rrfp.core.policy import Dispatch, choose
+from rrfp.core.tasks import B, F, Kind, Task, W, stage_tasks
 
 
 def test_task_text_round_trip():
@@ -37,10 +38,10 @@ def test_gpipe_shape():
 
 
 def test_class_hints_rank_by_kind():
-    r = resolve("bfw").rank(4, 0, 4, True)
+    r = resolve("bfw").priority(4, 0, 4, True)
     assert max(r[B(m)] for m in range(4)) < min(r[F(m)] for m in range(4))
     assert max(r[F(m)] for m in range(4)) < min(r[W(m)] for m in range(4))
-    r = resolve("bf").rank(4, 0, 4, False)
+    r = resolve("bf").priority(4, 0, 4, False)
     assert r[B(3)] < r[F(0)]
 
 
@@ -97,7 +98,7 @@ def test_csv_hint(tmp_path):
 def test_callable_hint():
     h = resolve(lambda S, s, M, split: [f"F{m}" for m in range(M)] + [f"B{m}" for m in reversed(range(M))])
     assert h.order(2, 0, 2, False) == [F(0), F(1), B(1), B(0)]
-    assert resolve("rrfp.hints:gpipe").order(2, 0, 2, False) == resolve("gpipe").order(2, 0, 2, False)
+    assert resolve("rrfp.core.hints:gpipe").order(2, 0, 2, False) == resolve("gpipe").order(2, 0, 2, False)
 
 
 def test_budget_parse():
@@ -113,22 +114,21 @@ def test_budget_parse():
 
 
 def test_policy_ready_and_fixed():
-    rank = {t: i for i, t in enumerate([B(0), F(1), F(2), W(0)])}
+    prio = {t: i for i, t in enumerate([B(0), F(1), F(2), W(0)])}
     order = [F(1), B(0), W(0), F(2)]
-    st = StageState(inflight=1)
-    assert choose(Executor.READY, {F(1), F(2), W(0)}, rank, order, st, Limit(count=2)) == F(1)
-    assert choose(Executor.READY, {F(1), W(0)}, rank, order, st, Limit(count=1)) == W(0)  # budget full
-    assert choose(Executor.READY, {F(2)}, rank, order, st, Limit(count=1)) is None
-    assert choose(Executor.READY, {B(0), F(1)}, rank, order, st, Limit(count=5)) == B(0)
-    st.next_index = 1
-    assert choose(Executor.FIXED, {F(2), W(0)}, rank, order, st, Limit(count=1)) is None  # waits for B0
-    assert choose(Executor.FIXED, {B(0)}, rank, order, st, Limit(count=1)) == B(0)
-    # bytes: the best-ranked F does not fit, so no F runs (head of line)
+    held = InFlight(count=1)
+    assert choose(Dispatch.READY, {F(1), F(2), W(0)}, prio, order, 0, held, Limit(count=2)) == F(1)
+    assert choose(Dispatch.READY, {F(1), W(0)}, prio, order, 0, held, Limit(count=1)) == W(0)  # budget full
+    assert choose(Dispatch.READY, {F(2)}, prio, order, 0, held, Limit(count=1)) is None
+    assert choose(Dispatch.READY, {B(0), F(1)}, prio, order, 0, held, Limit(count=5)) == B(0)
+    assert choose(Dispatch.FIXED, {F(2), W(0)}, prio, order, 1, held, Limit(count=1)) is None  # waits for B0
+    assert choose(Dispatch.FIXED, {B(0)}, prio, order, 1, held, Limit(count=1)) == B(0)
+    # bytes: the best F does not fit, so no F runs (head of line)
     sizes = {1: 100, 2: 1}
-    st = StageState(inflight=1, inflight_bytes=50)
-    assert choose(Executor.READY, {F(1), F(2)}, rank, order, st, Limit(bytes=120), sizes.__getitem__) is None
+    held = InFlight(count=1, bytes=50)
+    assert choose(Dispatch.READY, {F(1), F(2)}, prio, order, 0, held, Limit(bytes=120), sizes.__getitem__) is None
     # a microbatch larger than the whole budget runs alone
-    assert choose(Executor.READY, {F(1)}, rank, order, StageState(), Limit(bytes=10), sizes.__getitem__) == F(1)
+    assert choose(Dispatch.READY, {F(1)}, prio, order, 0, InFlight(), Limit(bytes=10), sizes.__getitem__) == F(1)
 
 
 def test_default_split():

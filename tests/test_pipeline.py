@@ -26,7 +26,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
     from models.data import batches as make_batches
     from models.gpt import GPT, loss_fn, make_stage
     from rrfp.loop import run
-    from rrfp.runtime import PipelineRuntime
+    from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfg = _model_and_data()
@@ -38,7 +38,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     async def main():
-        from rrfp.variability import Variability
+        from rrfp.core.variability import Variability
 
         rt = PipelineRuntime.start(pp=world, timeout_s=60, unit_ms=unit_ms)
         out = {}
@@ -46,7 +46,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-                e = rt.executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget,
+                e = rt.stage_executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget,
                                 variability=Variability.preset(preset), seed=0)
                 assert e.agreement is None, "tp = 1 needs no TP agreement collective"
                 res = await e.run_iteration(0, batches)
@@ -55,7 +55,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
                 assert not missing, missing
                 loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
                 out[(ex, hint)] = (max(d for _, d in diffs), loss_err, [str(t) for t in res.order],
-                                   res.peak_inflight, e.limit.count)
+                                   res.stats.peak_inflight, e.limit.count)
         finally:
             await rt.aclose()
         return out
@@ -82,7 +82,7 @@ def test_one_iteration_matches_reference(pp):
             if cfg[0] == "ready":
                 assert peak <= limit == 2 * (pp - rank), f"{cfg} rank {rank}: in-flight {peak} > {limit}"
     # the fixed executor runs exactly the hint's order
-    from rrfp.hints import default_split, resolve
+    from rrfp.core.hints import default_split, resolve
 
     for hint in HINTS:
         for rank in range(pp):
@@ -95,9 +95,9 @@ def _twenty_steps(rank, world, configs):
 
     from models.data import batches as make_batches
     from models.gpt import GPT, loss_fn
-    from rrfp.config import RunConfig, TrainConfig
+    from rrfp.app.config import RunConfig, TrainConfig
     from rrfp.loop import run
-    from rrfp.train import stage_main
+    from rrfp.app.train import stage_main
 
     model_cfg, data_cfg = _model_and_data()
     steps, lr = 20, 3e-3
@@ -113,11 +113,75 @@ def _twenty_steps(rank, world, configs):
             opt.zero_grad()
             ref_losses.append(loss.item())
     out = {}
+    # several runs in one process: the test owns the process group, so stage_main keeps it
+    # (gloo cannot re-create a default group on the same store in one process)
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for ex, hint in configs:
-        cfg = TrainConfig(RunConfig(pp=world, microbatches=M, steps=steps, executor=ex, hint=hint, lr=lr,
+        cfg = TrainConfig(RunConfig(pp=world, microbatches=M, steps=steps, dispatch=ex, hint=hint, lr=lr,
                                     seed=0, timeout_s=60), model_cfg, data_cfg)
         out[(ex, hint)] = run(stage_main(cfg)).losses
+        assert dist.is_initialized(), "stage_main destroyed a process group it did not create"
+    dist.destroy_process_group()
     return ref_losses, out
+
+
+def _stage_main_once(rank, world):
+    import asyncio
+
+    import torch.distributed as dist
+
+    from rrfp.app.config import RunConfig, TrainConfig
+    from rrfp.app.train import stage_main
+
+    model_cfg, data_cfg = _model_and_data()
+    cfg = TrainConfig(RunConfig(microbatches=M, steps=2, timeout_s=60), model_cfg, data_cfg)
+    losses = asyncio.run(stage_main(cfg)).losses
+    return losses, dist.is_initialized()
+
+
+@pytest.mark.timeout(120)
+def test_stage_main_leaves_no_process_group():
+    """`asyncio.run(rrfp.stage_main(cfg))` on plain asyncio creates the process
+    group, trains, and takes every group down again on every rank."""
+    results = run_ranks(_stage_main_once, 2, timeout=100)
+    for rank, (losses, initialized) in results.items():
+        assert len(losses) == 2 and not initialized, (rank, losses, initialized)
+
+
+def _runtime_closes_on_error(rank, world):
+    import asyncio
+
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    async def main():
+        try:
+            async with PipelineRuntime.start(pp=world, timeout_s=30) as rt:
+                raise KeyError("boom")
+        except KeyError:
+            pass
+        try:
+            await rt.lane.run(lambda: None)
+        except RuntimeError:
+            lane_closed = True
+        else:
+            lane_closed = False
+        channel_closed = bool(rt.channels.all()) and all(c._closed for c in rt.channels.all())
+        return lane_closed, channel_closed, rt.owns_process_group
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_runtime_context_closes_on_error():
+    """An error inside `async with PipelineRuntime.start()` propagates after the
+    rank's lane and channels are closed (no barrier that a dead peer would hang)."""
+    results = run_ranks(_runtime_closes_on_error, 2, timeout=100)
+    for rank, (lane_closed, channel_closed, owns) in results.items():
+        assert lane_closed and channel_closed and owns, (rank, lane_closed, channel_closed, owns)
 
 
 @pytest.mark.timeout(400)
@@ -149,7 +213,7 @@ def test_variable_timing_reorders_tasks_but_not_results():
     executor leave the nominal order; results must not move."""
     cfgs = [("ready", "bfw"), ("ready", "bf"), ("fixed", "1f1b")]
     results = run_ranks(_one_iteration, 4, cfgs, "2x", False, "lang", 3.0, timeout=100)
-    from rrfp.hints import resolve
+    from rrfp.core.hints import resolve
 
     left_nominal = 0
     for rank in range(4):

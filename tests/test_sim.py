@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rrfp.budget import Budget
-from rrfp.hints import BUILTIN
+from rrfp.core.budget import Budget
+from rrfp.core.hints import BUILTIN
 from rrfp.sim import SimConfig, SimDeadlock, simulate
-from rrfp.tasks import Kind
-from rrfp.variability import Variability
+from rrfp.core.tasks import Kind
+from rrfp.core.variability import Variability
 
 variabilities = st.builds(
     Variability,
@@ -49,7 +49,7 @@ def check_invariants(r):
                 assert ba >= at[(s + 1, 1, m)][1] + var.latency(seed, 0, s + 1, m, Kind.B) - eps
             if split:
                 assert at[(s, 2, m)][0] >= bb - eps
-    if str(cfg.executor) == "ready" and cfg.budget.bytes is None:
+    if str(cfg.dispatch) == "ready" and cfg.budget.bytes is None:
         last = 2 if split else 1
         for s in range(S):
             limit = cfg.budget.microbatches(S, s)
@@ -102,7 +102,7 @@ def test_fixed_deadlock_is_reported():
     def hint(S, s, M, split):
         return ["F0", "B0", "F1", "B1"] if s == 0 else ["F1", "F0", "B0", "B1"]
 
-    with pytest.raises(SimDeadlock, match="stage 1 waits for F1"):
+    with pytest.raises(SimDeadlock, match="stage 1 waits for F1 in its fixed order, which needs its input"):
         simulate(SimConfig(2, 2, hint, "fixed", variability=Variability.preset("none")))
     # the ready executor is not fooled by the same hint
     simulate(SimConfig(2, 2, hint, "ready", budget=1, variability=Variability.preset("none")))
@@ -156,3 +156,12 @@ def test_cli_outputs(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"][:1] for e in events if e["ph"] == "X"} == {"F", "B", "W"}
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_json_to_stdout_is_json_alone():
+    """`rrfp sim --json -` pipes into jq: stdout is one JSON document, the table goes to stderr."""
+    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "1f1b,bfw", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {("fixed", "1f1b"), ("ready", "bfw")}
+    assert "speedup vs fixed 1f1b" in p.stderr and "speedup" not in p.stdout.split("{", 1)[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from rrfp.split_linear import SplitLinear, WeightGradQueue, accumulate_grad, collect_weight_grads
+from rrfp.nn.split_linear import SplitLinear, WeightGradQueue, accumulate_grad, collect_weight_grads
 
 
 def _pair(bias=True, in_f=5, out_f=7):

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage, tp_shard_spec, validate_tp
-from rrfp.split_linear import SplitLinear, WeightGradQueue, collect_weight_grads
-from rrfp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_from_full
+from rrfp.nn.split_linear import SplitLinear, WeightGradQueue, collect_weight_grads
+from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_from_full
 
 D = torch.float64
 TOL = dict(rtol=0, atol=1e-10)
@@ -197,7 +197,7 @@ GPT_CFG = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=16
 def _gpt_ranks(rank, world):
     import torch.distributed as dist
 
-    from rrfp.stage import StageWorker
+    from rrfp.pipeline.worker import StageWorker
 
     dist.init_process_group("gloo")
     group = dist.new_group(list(range(world)))

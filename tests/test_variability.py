@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from rrfp.tasks import Kind
-from rrfp.variability import PRESETS, Variability
+from rrfp.core.tasks import Kind
+from rrfp.core.variability import PRESETS, Variability
 
 
 @pytest.mark.parametrize("preset", PRESETS)

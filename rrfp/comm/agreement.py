@@ -1,5 +1,5 @@
 """TP agreement: every TP rank of a stage must run the same task sequence,
-because the tasks launch collectives (DESIGN fact 5).
+because the tasks launch collectives (docs/design.md, fact 5).
 
 Each decision all-reduces the stage's ready vector over a TP control group:
 MIN gives the tasks ready everywhere, MAX those ready somewhere. One MIN
@@ -13,9 +13,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..loop.completions import BlockingWaiter
-from ..tasks import Kind, Task
-from .channels import named_collective
+from rrfp.loop.completions import BlockingWaiter
+from rrfp.core.tasks import Kind, Task
+from rrfp.comm.channels import named_collective
 
 
 class TPAgreement:

@@ -1,7 +1,7 @@
 """Pipeline channels: one FIFO, one direction, one process group each.
 
 Every (neighbour pair, direction) gets its own process group, created eagerly
-at start-up in the same order on every rank (DESIGN fact 3): a shared group
+at start-up in the same order on every rank (docs/design.md, fact 3): a shared group
 would let a posted receive block a later send on NCCL, and lazy creation
 deadlocks. A channel carries self-describing messages (``message.py``).
 
@@ -30,10 +30,10 @@ import re
 import torch
 import torch.distributed as dist
 
-from ..errors import PipelineError
-from ..loop.completions import BlockingWaiter
-from .message import Message, MessageError, decode_header, empty_header, encode_header
-from .topology import Layout
+from rrfp.core.errors import PipelineError
+from rrfp.loop.completions import BlockingWaiter
+from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
+from rrfp.core.layout import Layout
 
 logger = logging.getLogger("rrfp.comm")
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..loop.completions import BlockingWaiter
-from .channels import named_collective
+from rrfp.loop.completions import BlockingWaiter
+from rrfp.comm.channels import named_collective
 
 
 class GradSync:

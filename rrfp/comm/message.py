@@ -1,4 +1,4 @@
-"""Self-describing pipeline messages (DESIGN fact 4).
+"""Self-describing pipeline messages (docs/design.md, fact 4).
 
 A message is a fixed-size int64 header followed by its payload tensors. The
 header carries the iteration, microbatch, kind and the dtype and shape of every
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tasks import Kind
+from rrfp.core.tasks import Kind
 
 MAGIC = 0x52524650  # b"RRFP"
 VERSION = 1

@@ -1,7 +1,7 @@
 """Turning communication completions into asyncio futures.
 
 Two back ends can report that a message or a kernel is done, and they need
-opposite treatments (DESIGN facts 1, 2 and 8):
+opposite treatments (docs/design.md, facts 1, 2 and 8):
 
 - gloo point-to-point ``Work`` only completes inside a blocking ``wait()``, so
   a :class:`BlockingWaiter` owns a thread that makes those calls one after the
@@ -60,7 +60,7 @@ class BlockingWaiter:
     """One daemon thread that runs blocking callables in submission order.
 
     This is how a gloo channel waits: ``work.wait()`` on a gloo ``irecv`` never
-    completes otherwise (DESIGN fact 1). Results come back to the awaiting loop
+    completes otherwise (docs/design.md, fact 1). Results come back to the awaiting loop
     through ``loop.call_soon_threadsafe``.
 
     Cancelling the awaiting task cancels its future; the call itself cannot be
@@ -68,7 +68,7 @@ class BlockingWaiter:
     loses the message, so channels cancel only when they are torn down.
     :meth:`close` likewise stops the thread only after the current call
     returns: what unblocks a stuck ``wait()`` is the process-group timeout
-    (``init_process_group(timeout=...)``, DESIGN fact 8), never a short timed
+    (``init_process_group(timeout=...)``, docs/design.md, fact 8), never a short timed
     wait. The thread is a daemon so a stuck call cannot hold the process open.
     """
 
@@ -204,7 +204,7 @@ class _Watch:
 
 
 class CompletionPoller:
-    """One task per loop that polls non-blocking completion handles (DESIGN fact 2).
+    """One task per loop that polls non-blocking completion handles (docs/design.md, fact 2).
 
     :meth:`watch` returns a future that is done when the handle reports
     completion, with the handle as result, or with the error it reported.

@@ -1,4 +1,4 @@
-"""The compute lane: where a stage's F, B and W run (DESIGN fact 7).
+"""The compute lane: where a stage's F, B and W run (docs/design.md, fact 7).
 
 A stage computes in one lane, one task after the other, while its event loop
 keeps receiving, sending and deciding. On GPU the lane is a CUDA stream; on
@@ -73,7 +73,7 @@ class CudaComputeLane:
 
     ``fn`` runs on the loop thread with ``self.stream`` current, so it only
     enqueues kernels; the awaiter resumes when a ``torch.cuda.Event`` recorded
-    after them reports done through :class:`CompletionPoller` (DESIGN fact 2).
+    after them reports done through :class:`CompletionPoller` (docs/design.md, fact 2).
     Emulated time is a ``torch.cuda._sleep`` spin enqueued after ``fn``'s
     kernels, calibrated once per lane: unlike the CPU lane it adds to the real
     kernel time rather than padding up to it, because the CPU cannot know the

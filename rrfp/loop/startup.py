@@ -1,7 +1,7 @@
 """Event-loop start-up: uvloop when it is installed, plain asyncio otherwise.
 
 The loop is chosen through a loop factory rather than ``uvloop.install()`` or
-an event-loop policy, both deprecated (DESIGN fact 9). ``asyncio.Runner`` is
+an event-loop policy, both deprecated (docs/design.md, fact 9). ``asyncio.Runner`` is
 used because ``asyncio.run`` only takes ``loop_factory`` from Python 3.12.
 Nothing else in rrfp depends on uvloop: embedding drivers bring their own loop.
 """

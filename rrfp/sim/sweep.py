@@ -7,9 +7,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .engine import SimConfig, SimResult, simulate
+from rrfp.core.hints import Hint, resolve
+from rrfp.core.policy import Dispatch
+from rrfp.sim.engine import SimConfig, SimResult, simulate
 
-BASELINE = ("fixed", "1f1b")
+BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
 
 @dataclass
@@ -44,21 +46,21 @@ class Row:
                 "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans}
 
 
-def sweep(base: SimConfig, executors: Iterable[str], hints: Iterable[str], seeds: int,
+def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint], seeds: int,
           progress: Callable[[Iterable], Iterable] = lambda x: x) -> list[Row]:
     """Every (executor, hint) on the same durations for each seed; speedup is
     fixed 1F1B's makespan over the configuration's, seed by seed."""
-    combos = list(dict.fromkeys([BASELINE, *itertools.product(executors, hints)]))
-    results: dict[tuple[str, str], list[SimResult]] = {c: [] for c in combos}
+    combos = list(dict.fromkeys([(d, h.name) for d, h in [BASELINE, *itertools.product(dispatches, hints)]]))
+    by_name = {h.name: h for h in [BASELINE[1], *hints]}
+    results: dict[tuple[Dispatch, str], list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
-    for seed, (ex, hint) in progress(jobs):
-        cfg = replace(base, executor=ex, hint=hint, seed=seed)
-        results[(ex, hint)].append(simulate(cfg))
-    base_ms = np.array([r.makespan for r in results[BASELINE]])
+    for seed, (dispatch, name) in progress(jobs):
+        results[(dispatch, name)].append(simulate(replace(base, dispatch=dispatch, hint=by_name[name], seed=seed)))
+    base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name)]])
     rows = []
-    for (ex, hint), rs in results.items():
+    for (dispatch, name), rs in results.items():
         ms = np.array([r.makespan for r in rs])
-        rows.append(Row(ex, hint, (base_ms / ms).tolist(), [r.efficiency for r in rs],
+        rows.append(Row(str(dispatch), name, (base_ms / ms).tolist(), [r.efficiency for r in rs],
                         max(max(r.peak_inflight) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
                         np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist()))
     return rows

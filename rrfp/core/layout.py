@@ -1,7 +1,7 @@
 """Where each rank sits in a pp x tp x dp layout.
 
 Every rank computes the same layout from the same numbers, so process groups
-can be created in the same order everywhere without talking (DESIGN fact 3).
+can be created in the same order everywhere without talking (docs/design.md, fact 3).
 Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (they talk
 most), then data-parallel replicas, then pipeline stages:
 ``rank = pp * (dp_size * tp_size) + dp * tp_size + tp``.
@@ -81,3 +81,11 @@ class Layout:
             c = self.coords(rank)
             lines.append(f"{rank:4d}  {c.pp:5d}  {c.tp:2d}  {c.dp:2d}")
         return "\n".join(lines)
+
+
+def plan_layout(world: int, pp: int = 0, tp: int = 1, dp: int = 1) -> Layout:
+    """The one layout planner: ``pp = 0`` means world / (tp * dp). ValueError
+    names the numbers that do not fit."""
+    if pp == 0 and world % (tp * dp):
+        raise ValueError(f"tp={tp} x dp={dp} does not divide world size {world}")
+    return Layout(world, pp or world // (tp * dp), tp, dp)

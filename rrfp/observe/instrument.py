@@ -2,8 +2,8 @@
 ``Instrument``; nothing is recorded unless one is attached."""
 from __future__ import annotations
 
-from .tasks import Task
-from .trace import Span
+from rrfp.core.tasks import Task
+from rrfp.observe.trace import Span
 
 
 class Instrument:

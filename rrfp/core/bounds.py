@@ -1,4 +1,4 @@
-"""Lower bound on an iteration's time for given task durations (DESIGN.md):
+"""Lower bound on an iteration's time for given task durations (docs/design.md):
 max(busiest stage's total work, longest microbatch chain with its sends)."""
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from rrfp.split_linear import WeightGradQueue, collect_weight_grads
-from rrfp.tasks import Kind, Task
+from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
+from rrfp.core.tasks import Kind, Task
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,14 @@
 """A rank's place in the pipeline: process group, layout and channels, created
-eagerly and in the same order on every rank. Embedding drivers start here."""
+eagerly and in the same order on every rank. Embedding drivers start here:
+
+    async with PipelineRuntime.start(pp=4) as rt:
+        pipe = rt.stage_executor(module, loss_fn, microbatches=8)
+        result = await pipe.run_iteration(step, batches)
+
+Leaving the block normally waits for every rank, then takes down the process
+groups this runtime created; leaving it on an error only closes this rank's
+channels and lane (a dead peer would hang a barrier).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -10,20 +19,20 @@ import os
 import torch
 import torch.distributed as dist
 
-from .budget import Budget
-from .comm.agreement import TPAgreement
-from .comm.channels import create_pipeline_channels
-from .comm.grad_sync import GradSync
-from .comm.topology import Layout
-from .executor import ExecutorSettings, StageExecutor
-from .hints import default_split, resolve
-from .instrument import Instrument
-from .loop import make_lane
-from .policy import Executor
-from .stage import StageWorker
-from .variability import Variability
+from rrfp.comm.agreement import TPAgreement
+from rrfp.comm.channels import create_pipeline_channels
+from rrfp.comm.grad_sync import GradSync
+from rrfp.core.budget import Budget
+from rrfp.core.hints import Hint, default_split, resolve
+from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.policy import Dispatch
+from rrfp.core.variability import Variability
+from rrfp.loop import make_lane
+from rrfp.observe.instrument import Instrument
+from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.worker import StageWorker
 
-log = logging.getLogger("rrfp.runtime")
+log = logging.getLogger("rrfp.pipeline.runtime")
 
 
 def leave_process_group() -> None:
@@ -39,13 +48,13 @@ def leave_process_group() -> None:
 class PipelineRuntime:
     """Owns this rank's process group membership, channels and compute lane.
 
-    ``PipelineRuntime.start(pp=4)`` under torchrun; then build this stage's
-    module (``runtime.stage`` of ``runtime.num_stages``), get a StageExecutor
-    with ``runtime.executor(...)`` and await ``run_iteration`` per step.
+    ``async with PipelineRuntime.start(pp=4) as rt:`` under torchrun; then build
+    this stage's module (``rt.stage`` of ``rt.num_stages``), get a StageExecutor
+    with ``rt.stage_executor(...)`` and await ``run_iteration`` per step.
     """
 
     def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float,
-                 device: str = "cpu", groups: dict | None = None) -> None:
+                 device: str = "cpu", groups: dict | None = None, owns_process_group: bool = False) -> None:
         self.layout, self.rank, self.channels, self.timeout_s = layout, rank, channels, timeout_s
         coords = layout.coords(rank)
         self.stage, self.num_stages = coords.pp, layout.pp
@@ -57,27 +66,28 @@ class PipelineRuntime:
         self._closers: list = []
         self.lane = make_lane(device, unit_s, name=f"stage{self.stage}")
         self.unit_s = unit_s
-
-    @staticmethod
-    def plan_layout(world: int, pp: int = 0, tp: int = 1, dp: int = 1) -> Layout:
-        """The layout for a world size; ValueError names the numbers that don't fit."""
-        if pp == 0 and world % (tp * dp):
-            raise ValueError(f"tp={tp} x dp={dp} does not divide world size {world}")
-        return Layout(world, pp or world // (tp * dp), tp, dp)
+        self.owns_process_group = owns_process_group  # finish() destroys only what start() created
 
     @classmethod
-    def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, backend: str = "gloo", timeout_s: float = 60.0,
-              unit_ms: float = 0.0) -> "PipelineRuntime":
+    def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, layout: Layout | None = None, backend: str = "gloo",
+              timeout_s: float = 60.0, unit_ms: float = 0.0) -> "PipelineRuntime":
         """Join (or reuse) the default process group and build every group and
-        channel, eagerly and in one order on all ranks (DESIGN fact 3)."""
-        if not dist.is_initialized():
+        channel, eagerly and in one order on all ranks (docs/design.md).
+        ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp."""
+        owns = not dist.is_initialized()
+        if owns:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise RuntimeError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
                                    "(torchrun --nproc-per-node N -m rrfp train ...)")
-            cls.plan_layout(int(os.environ["WORLD_SIZE"]), pp, tp, dp)  # fail before any group exists
+            world = int(os.environ["WORLD_SIZE"])
+        else:
+            world = dist.get_world_size()
+        layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
+        if layout.world_size != world:
+            raise ValueError(f"{layout.short()} does not match world size {world}")
+        if owns:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        world, rank = dist.get_world_size(), dist.get_rank()
-        layout = cls.plan_layout(world, pp, tp, dp)
+        rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
         channels = create_pipeline_channels(layout, rank, timeout)
         groups: dict = {}
@@ -91,15 +101,18 @@ class PipelineRuntime:
                     groups[key] = g
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
                  layout.coords(rank).tp, layout.coords(rank).dp)
-        return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, groups=groups)
+        return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, groups=groups, owns_process_group=owns)
 
-    def executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int, executor: str = "ready",
-                 hint: str = "bfw", budget: str = "2x", split: bool | None = None,
-                 variability: Variability | None = None, seed: int = 0,
-                 instrument: Instrument | None = None) -> StageExecutor:
+    def stage_executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int,
+                       executor: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
+                       budget: Budget | str | int = "2x", split: bool | None = None,
+                       variability: Variability | None = None, seed: int = 0,
+                       instrument: Instrument | None = None) -> StageExecutor:
+        """This stage's executor. Strings are accepted here, at the public edge;
+        TrainConfig passes resolved objects."""
         h = resolve(hint)
         split = default_split(h.name) if split is None else split
-        settings = ExecutorSettings(Executor(executor), h, Budget.parse(budget), split, microbatches,
+        settings = ExecutorSettings(Dispatch.parse(executor), h, Budget.parse(budget), split, microbatches,
                                     variability or Variability(), seed, self.timeout_s)
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)
@@ -127,9 +140,19 @@ class PipelineRuntime:
         return out
 
     async def finish(self) -> None:
-        """Close, then ``leave_process_group`` off the loop thread."""
+        """Close, wait for every rank, then take down the process groups if
+        this runtime created them (off the loop thread)."""
         await self.aclose()
-        await asyncio.to_thread(leave_process_group)
+        await asyncio.to_thread(leave_process_group if self.owns_process_group else dist.barrier)
+
+    async def __aenter__(self) -> "PipelineRuntime":
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            await self.finish()
+        else:
+            await self.aclose()
 
     async def aclose(self) -> None:
         for close in self._closers:

@@ -1,7 +1,7 @@
-"""Hints: a ranking of one stage's tasks, from a classic schedule or a class rule.
+"""Hints: a priority over one stage's tasks, from a classic schedule or a class rule.
 
-A hint is an order over the stage's tasks; the ready executor runs the
-best-ranked ready task, the fixed executor runs them in exactly this order.
+A hint is an order over the stage's tasks; ready dispatch runs the ready task
+of best priority, fixed dispatch runs them in exactly this order.
 Every hint validates itself: each task once, and F before B before W per
 microbatch.
 """
@@ -10,12 +10,14 @@ from __future__ import annotations
 import csv
 import importlib
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .policy import Executor, Limit, StageState, choose
-from .tasks import Kind, Task, stage_tasks
+from rrfp.core.budget import Budget
+from rrfp.core.nominal import nominal_orders
+from rrfp.core.policy import Dispatch
+from rrfp.core.tasks import Kind, Task, stage_tasks
+from rrfp.core.tracker import StageSpec
 
 HintFn = Callable[[int, int, int, bool], Sequence["Task | str"]]
 """(num_stages, stage, num_microbatches, split) -> the stage's task order."""
@@ -69,47 +71,6 @@ def zbh1(S: int, s: int, M: int, split: bool) -> list[Task]:
     return list(nominal_orders(bfw, S, M, split, 1.0)[s])
 
 
-@lru_cache(maxsize=16)
-def nominal_orders(priority: HintFn, S: int, M: int, split: bool, multiple: float) -> tuple[tuple[Task, ...], ...]:
-    """Per-stage orders that the ready executor follows under ``priority`` when
-    F = B = W = 1, messages are free and the budget is ``multiple`` x 1F1B's.
-
-    This turns a class priority (which ranks B0 above F0) into an executable
-    order for the fixed executor. It calls the one policy function.
-    """
-    ranking = [{t: i for i, t in enumerate(priority(S, s, M, split))} for s in range(S)]
-    state = [StageState() for _ in range(S)]
-    limit = [Limit(count=max(1, int(multiple * (S - s) + 1e-9))) for s in range(S)]
-    ready: list[set[Task]] = [{Task(Kind.F, m) for m in range(M)} if s == 0 else set() for s in range(S)]
-    out: list[list[Task]] = [[] for _ in range(S)]
-    total = len(stage_tasks(M, split)) * S
-    while sum(map(len, out)) < total:
-        finished = []
-        for s in range(S):
-            t = choose(Executor.READY, ready[s], ranking[s], (), state[s], limit[s])
-            if t is not None:
-                ready[s].discard(t)
-                if t.kind is Kind.F:
-                    state[s].admit()
-                out[s].append(t)
-                finished.append((s, t))
-        if not finished:
-            raise AssertionError("nominal order stalled")  # unreachable with budget >= 1
-        for s, t in finished:
-            if t.kind is Kind.F:
-                ready[s + 1 if s + 1 < S else s].add(t if s + 1 < S else Task(Kind.B, t.mb))
-            elif t.kind is Kind.B:
-                if split:
-                    ready[s].add(Task(Kind.W, t.mb))
-                else:
-                    state[s].release()
-                if s > 0:
-                    ready[s - 1].add(t)
-            else:
-                state[s].release()
-    return tuple(tuple(o) for o in out)
-
-
 BUILTIN: dict[str, HintFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "bf": bf, "bfw": bfw}
 SPLIT_BY_DEFAULT = {"zbh1", "bfw"}
 CLASS_HINTS = {"bf", "bfw"}
@@ -145,8 +106,8 @@ def validate(order: Sequence[Task], M: int, split: bool, where: str = "hint") ->
 class Hint:
     """A named hint.
 
-    ``rank`` is what the ready executor compares; ``order`` is what the fixed
-    executor follows. For a schedule hint (gpipe, 1f1b, zbh1, user orders) they
+    ``priority`` is what ready dispatch compares (lower first); ``order`` is
+    what fixed dispatch follows. For a schedule hint (gpipe, 1f1b, zbh1, user orders) they
     are the same list. A class hint (bf, bfw) ranks by kind, which is no
     executable order (B0 ranks above F0), so its ``order`` is the nominal one:
     what ready does with it when every task takes its average time.
@@ -164,16 +125,23 @@ class Hint:
         validate(tasks, M, split, where=f"hint {self.name} stage {s}")
         return tasks
 
-    def rank(self, S: int, s: int, M: int, split: bool) -> dict[Task, int]:
+    def priority(self, S: int, s: int, M: int, split: bool) -> dict[Task, int]:
         if not self.is_class:
             return {t: i for i, t in enumerate(self.order(S, s, M, split))}
-        ranking = {t: i for i, t in enumerate(self.fn(S, s, M, split))}
-        if ranking.keys() != set(stage_tasks(M, split)) or len(ranking) != len(stage_tasks(M, split)):
+        prio = {t: i for i, t in enumerate(self.fn(S, s, M, split))}
+        if prio.keys() != set(stage_tasks(M, split)) or len(prio) != len(stage_tasks(M, split)):
             raise HintError(f"hint {self.name} stage {s}: does not rank every task exactly once")
-        return ranking
+        return prio
+
+    def spec(self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget) -> StageSpec:
+        """Everything stage ``s`` needs to track an iteration under this hint."""
+        order = self.order(S, s, M, split)
+        prio = {t: i for i, t in enumerate(order)} if not self.is_class else self.priority(S, s, M, split)
+        return StageSpec(S, s, M, split, dispatch, prio, order, budget.limit(S, s))
 
 
 NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
+
 
 
 def csv_hint(path: str | Path) -> Hint:

@@ -1,7 +1,9 @@
 """In-flight budget: how many microbatches (or bytes) a stage may hold activations for.
 
-Readiness needs headroom over 1F1B's memory, so the default is ``2x``: twice
-1F1B's in-flight count, which is S - s on stage s.
+``Budget`` is what the user writes; ``Limit`` is its value on one stage;
+``InFlight`` counts what a stage holds now. Readiness needs headroom over
+1F1B's memory, so the default is ``2x``: twice 1F1B's in-flight count, which
+is S - s on stage s.
 """
 from __future__ import annotations
 
@@ -52,6 +54,10 @@ class Budget:
             return cls(bytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
         raise ValueError(f"not a budget: {text!r} (expected e.g. 4, 2x or 512MiB)")
 
+    def limit(self, num_stages: int, stage: int) -> "Limit":
+        """This budget on ``stage`` of ``num_stages``."""
+        return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
+
     def microbatches(self, num_stages: int, stage: int) -> int | None:
         """The count limit on ``stage``; None for a byte budget."""
         if self.count is not None:
@@ -66,3 +72,36 @@ class Budget:
         if self.multiple is not None:
             return f"{self.multiple:g}x"
         return f"{self.bytes}B"
+
+
+@dataclass(slots=True)
+class InFlight:
+    """Microbatches a stage holds activations for: F started, last backward not done."""
+
+    count: int = 0
+    bytes: int = 0
+    peak: int = 0
+
+    def admit(self, size: int = 0) -> None:
+        self.count += 1
+        self.bytes += size
+        self.peak = max(self.peak, self.count)
+
+    def release(self, size: int = 0) -> None:
+        self.count -= 1
+        self.bytes -= size
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """A stage's resolved budget. A microbatch larger than ``bytes`` runs alone."""
+
+    count: int | None = None
+    bytes: int | None = None
+
+    def admits(self, held: InFlight, size: int) -> bool:
+        if self.count is not None and held.count >= self.count:
+            return False
+        if self.bytes is not None and held.count > 0 and held.bytes + size > self.bytes:
+            return False
+        return True

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from .tasks import Kind
+from rrfp.core.tasks import Kind
 
 PRESETS = ("none", "jitter", "lang", "mm")
 MM_IMAGES = np.array([0, 1, 2, 4, 8], dtype=np.float64)

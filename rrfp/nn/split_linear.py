@@ -104,7 +104,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     ``reduce``, if given, is applied to ``x @ weight.T`` before the bias is added
     and is treated as identity in backward (a tensor-parallel "reduce from the TP
-    region": an all-reduce SUM of partial products, see rrfp.tensor_parallel).
+    region": an all-reduce SUM of partial products, see rrfp.nn.tensor_parallel).
     """
     return _SplitLinearFn.apply(x, weight, bias, queue, reduce)
 

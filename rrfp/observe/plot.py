@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
-from .trace import Span, write_atomic
+from rrfp.observe.trace import Span, write_atomic
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 

@@ -9,13 +9,13 @@ region": all-reduce forward, identity backward), and its bias (whole, replicated
 is added once after the reduce.
 
 Both defer their weight and bias gradients to W exactly like SplitLinear: they
-run through ``rrfp.split_linear.linear`` with the queue captured at forward
+run through ``rrfp.nn.split_linear.linear`` with the queue captured at forward
 time (``collect_weight_grads``); without an active queue they are plain autograd.
 The input-gradient all-reduce is part of B. W launches no collective.
 
 Collectives are synchronous ``torch.distributed.all_reduce(t, group=group)``
 calls, made by whichever thread runs F and B (the compute lane). TP ranks must
-therefore run the same task sequence (DESIGN fact 5), and the group should be
+therefore run the same task sequence (docs/design.md, fact 5), and the group should be
 used for nothing else concurrently (the TP agreement has its own control group).
 With ``group=None`` or a group of size 1 no collective is ever launched.
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from rrfp.split_linear import init_like_linear, linear
+from rrfp.nn.split_linear import init_like_linear, linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_from_full", "group_size_rank"]
 

@@ -1,0 +1,88 @@
+"""The `rrfp` command. The library logs; this module is the one that prints."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rrfp.app.errors import UsageError
+from rrfp.core.budget import DEFAULT_BUDGET
+from rrfp.core.hints import BUILTIN
+from rrfp.core.variability import PRESETS
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage + traceback
+        raise UsageError(message)
+
+
+def _positive(name: str):
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return conv
+
+
+def _csv_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="rrfp", description="Readiness-driven pipeline-parallel training.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
+    sim.add_argument("--pp", type=_positive("--pp"), default=8, help="pipeline stages (default 8)")
+    sim.add_argument("--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)")
+    sim.add_argument("--preset", default="lang", choices=PRESETS, help="variability preset (default lang)")
+    sim.add_argument("--seeds", type=_positive("--seeds"), default=20, help="seeds to run (default 20)")
+    sim.add_argument("--budget", default=DEFAULT_BUDGET,
+                     help="ready executor's in-flight budget: N, Nx (N times 1F1B's) or bytes like 512MiB (default 2x)")
+    sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"])
+    sim.add_argument("--hints", type=_csv_list, default=list(BUILTIN),
+                     help="comma list: builtin names, .csv files or module:function")
+    sim.add_argument("--comm", type=float, default=None, help="latency per message (default 0.05)")
+    sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
+    sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")
+    sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
+    sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")
+    sim.add_argument("--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint")
+    sim.add_argument("--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row")
+
+    train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
+    train.add_argument("--config", required=True, help="TOML run config")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set executor=fixed")
+    train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "sim":
+            from rrfp.app.sim_command import sim_command
+
+            return sim_command(args)
+        from rrfp.app.train_command import train_command
+
+        return train_command(args)
+    except UsageError as e:
+        print(f"rrfp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rrfp: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def entry() -> None:
+    sys.exit(main())

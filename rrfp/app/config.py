@@ -1,0 +1,191 @@
+"""Run configuration: TOML sections [run], [model], [data] into dataclasses
+that validate themselves, plus ``--set key=value`` overrides.
+
+Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the
+Dispatch mode, the Variability, the Layout and the Workload), and everything
+below the app takes those objects. The [model] and [data] sections belong to
+the workload named by ``run.model``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rrfp.app.errors import ConfigError
+from rrfp.app.registry import find_workload
+from rrfp.core.budget import Budget
+from rrfp.core.hints import Hint, resolve
+from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.policy import Dispatch
+from rrfp.core.variability import PRESETS, Variability
+from rrfp.pipeline.workload import Workload
+
+ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    pp: int = 0  # 0: world size / (tp * dp)
+    tp: int = 1
+    dp: int = 1
+    microbatches: int = 8
+    steps: int = 50
+    dispatch: Dispatch | str = Dispatch.READY  # the executor: "ready" or "fixed"
+    hint: Hint | str = "bfw"
+    budget: Budget | str | int = "2x"  # N microbatches, "Nx" (N x 1F1B's), or bytes like "512MiB"
+    split: bool | None = None  # None: the hint's default (split for zbh1 and bfw)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    seed: int = 0
+    preset: str = "none"  # variability model for emulated device time
+    unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
+    timeout_s: float = 60.0  # peer deadline and process-group timeout
+    backend: str = "gloo"
+    threads: int = 1  # torch intra-op threads per rank
+    trace: str = ""  # merged Chrome trace written by rank 0 at the end
+    log_every: int = 1
+    model: str = "gpt"  # a workload: models/<name>.py, a dotted module, or module:attribute
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "dp", "microbatches", "steps", "threads", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pp < 0:
+            raise ConfigError(f"run.pp must be >= 1 (or 0 for world size / (tp*dp)), got {self.pp}")
+        for name, parse in (("dispatch", Dispatch.parse), ("hint", resolve), ("budget", Budget.parse)):
+            try:
+                object.__setattr__(self, name, parse(getattr(self, name)))
+            except ValueError as e:  # HintError included
+                raise ConfigError(f"run.{name}: {e}") from None
+        if self.preset not in PRESETS:
+            raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
+            raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
+        if self.backend != "gloo":
+            raise ConfigError(f"run.backend {self.backend!r} is not supported yet: only gloo (CPU); the "
+                              "CUDA lane and NCCL poller exist but are not wired into training")
+
+    @property
+    def variability(self) -> Variability:
+        return Variability.preset(self.preset)
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole run. ``world_size`` defaults to torchrun's WORLD_SIZE (1 outside
+    torchrun); the layout and the model checks are done here, before any
+    process group exists, so bad input fails on every rank at once."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: Any = None  # the workload's model config; None: its defaults
+    data: Any = None  # the workload's data config; None: its defaults
+    world_size: int = field(default_factory=_world_size)
+
+    def __post_init__(self) -> None:
+        wl = self.workload
+        if self.model is None:
+            object.__setattr__(self, "model", wl.model_config())
+        if self.data is None:
+            object.__setattr__(self, "data", wl.data_config())
+        try:
+            layout = plan_layout(self.world_size, self.run.pp, self.run.tp, self.run.dp)
+            wl.check(self.model, self.data, layout.pp, layout.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "_layout", layout)
+
+    @property
+    def workload(self) -> Workload:
+        return find_workload(self.run.model)
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @classmethod
+    def from_dict(cls, doc: dict, source: str = "config", world_size: int | None = None) -> "TrainConfig":
+        for key in doc:
+            if key not in ("run", "model", "data"):
+                raise ConfigError(f"{source}: unknown section [{key}] (expected run, model, data)")
+        run = _section(source, "run", RunConfig, doc.get("run", {}))
+        wl = find_workload(run.model)
+        parts = {name: _section(source, name, kind, doc.get(name, {}))
+                 for name, kind in (("model", wl.model_config), ("data", wl.data_config))}
+        return cls(run, **parts, **({} if world_size is None else {"world_size": world_size}))
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] = (), world_size: int | None = None
+             ) -> "TrainConfig":
+        doc: dict = {}
+        source = str(path) if path else "defaults"
+        if path:
+            try:
+                doc = tomllib.loads(Path(path).read_text())
+            except OSError as e:
+                raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"override {item!r} is not KEY=VALUE")
+            section, _, name = key.strip().rpartition(".")
+            if not section:  # a bare key: the section that has it, run first
+                model = doc.get("run", {}).get("model", RunConfig.model)
+                wl = find_workload(model)
+                kinds = {"run": RunConfig, "model": wl.model_config, "data": wl.data_config}
+                section = next((s for s, k in kinds.items()
+                                if ALIASES.get(name, name) in {f.name for f in dataclasses.fields(k)}), "run")
+            doc.setdefault(section, {})[name] = _parse_value(raw.strip())
+        return cls.from_dict(doc, source, world_size)
+
+    def as_dict(self) -> dict:
+        """Plain values, as a TOML file would give them."""
+        run = {f.name: getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
+        run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget))
+        return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
+
+
+def _section(source: str, name: str, kind: type, values) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table")
+    known = {f.name: f for f in dataclasses.fields(kind)}
+    values = {ALIASES.get(k, k) if name == "run" else k: v for k, v in values.items()}
+    for k, v in values.items():
+        if k not in known:
+            raise ConfigError(f"{source}: unknown key {name}.{k} (known: {', '.join(known)})")
+        _check_type(f"{source}: {name}.{k}", v, known[k].type)
+    try:
+        return kind(**values)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{source}: [{name}] {e}") from None
+
+
+def _parse_value(raw: str):
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare string such as executor=fixed
+
+
+_SIMPLE = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "bool | None": (bool,),
+           "str | int": (str, int), "Budget | str | int": (str, int), "Hint | str": (str,),
+           "Dispatch | str": (str,)}
+
+
+def _check_type(where: str, value, annotation) -> None:
+    ok_types = _SIMPLE.get(str(annotation))
+    if ok_types is None:
+        return
+    if isinstance(value, bool) and bool not in ok_types or not isinstance(value, ok_types):
+        raise ConfigError(f"{where} = {value!r} has the wrong type (expected {annotation})")

@@ -1,0 +1,97 @@
+"""`rrfp sim`: executors x hints on many seeds, as a table, JSON, a trace or a plot.
+
+Flags are resolved here, once, into a Budget, Dispatch modes and Hints; the
+simulator only sees those objects.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+from rrfp.app.errors import UsageError
+from rrfp.core.budget import Budget
+from rrfp.core.hints import HintError, resolve
+from rrfp.core.policy import Dispatch
+from rrfp.core.variability import Variability
+from rrfp.observe.trace import chrome_trace, write_json
+from rrfp.sim import SimConfig, simulate
+from rrfp.sim.sweep import BASELINE, Row, sweep
+
+
+def _resolve(args) -> tuple[Budget, list[Dispatch], list, Variability]:
+    try:
+        budget = Budget.parse(args.budget)
+        dispatches = [Dispatch.parse(e) for e in args.executors]
+        hints = [resolve(h) for h in args.hints]
+    except ValueError as e:  # HintError included
+        raise UsageError(str(e)) from None
+    over = {k: v for k, v in {"comm": args.comm, "comm_jitter": args.comm_jitter}.items() if v is not None}
+    if args.slow_stage is not None:
+        if not 0 <= args.slow_stage < args.pp:
+            raise UsageError(f"--slow-stage {args.slow_stage} is not a stage of --pp {args.pp}")
+        over.update(slow_stage=args.slow_stage, slow_factor=args.slow_factor)
+    try:
+        var = Variability.preset(args.preset, **over)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return budget, dispatches, hints, var
+
+
+def _progress(jobs):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return jobs
+    return tqdm(jobs, desc="simulating", unit="run", disable=not sys.stderr.isatty(), leave=False)
+
+
+def _table(args, budget: Budget, var: Variability, rows: list[Row], out) -> None:
+    print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={budget} (ready only) "
+          f"seeds={args.seeds}; time in average-forward units, comm {var.comm}/message", file=out)
+    print(f"{'executor':<8} {'hint':<12} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} {'efficiency':>10} "
+          f"{'peak in-flight':>14} {'bubble':>7}", file=out)
+    for r in rows:
+        lo, hi = r.spread
+        print(f"{r.executor:<8} {r.hint:<12} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
+              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}", file=out)
+
+
+def sim_command(args) -> int:
+    budget, dispatches, hints, var = _resolve(args)
+    base = SimConfig(args.pp, args.mb, budget=budget, variability=var)
+    try:
+        rows = sweep(base, dispatches, hints, args.seeds, _progress)
+    except HintError as e:
+        raise UsageError(str(e)) from None
+    rows.sort(key=lambda r: -r.median)
+    json_to_stdout = args.json == "-"
+    _table(args, budget, var, rows, sys.stderr if json_to_stdout else sys.stdout)
+    if args.json:
+        doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": str(budget), "seeds": args.seeds,
+               "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}
+        if json_to_stdout:
+            json.dump(doc, sys.stdout, indent=1)
+            print()
+        else:
+            write_json(args.json, doc)
+    if args.trace or args.plot:
+        _timelines(args, base, {h.name: h for h in [BASELINE[1], *hints]}, rows)
+    return 0
+
+
+def _timelines(args, base: SimConfig, hints: dict, rows: list[Row]) -> None:
+    """Seed 0 of every row (fixed 1F1B first) as a Chrome trace, and the first two as a PNG."""
+    baseline = (str(BASELINE[0]), BASELINE[1].name)
+    runs = []
+    for r in sorted(rows, key=lambda r: (r.executor, r.hint) != baseline):
+        res = simulate(replace(base, dispatch=r.executor, hint=hints[r.hint], seed=0, record=True))
+        runs.append((f"{r.executor} {r.hint}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}", res))
+    if args.trace:
+        spans = [sp for title, res in runs for sp in res.spans(title.split(":")[0])]
+        write_json(args.trace, chrome_trace(spans))
+    if args.plot:
+        from rrfp.observe.plot import plot_timelines
+
+        picked = runs[:2]  # fixed 1F1B and the best-ranked row
+        plot_timelines(args.plot, [(t, res.spans(t)) for t, res in picked], unit="average forwards")

@@ -1,0 +1,86 @@
+"""stage_main: train the configured workload on this rank's pipeline stage.
+
+A library function: it logs and never prints (``rrfp train`` prints, through
+``on_step``). ``asyncio.run(stage_main(cfg))`` leaves no process group behind
+when it created one.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rrfp.app.config import TrainConfig
+from rrfp.comm.channels import named_collective
+from rrfp.core.stats import StageStats
+from rrfp.observe.instrument import TraceRecorder
+from rrfp.observe.trace import chrome_trace, write_json
+from rrfp.pipeline.runtime import PipelineRuntime
+
+log = logging.getLogger("rrfp.app.train")
+
+
+@dataclass
+class StepReport:
+    step: int
+    steps: int
+    loss: float
+    tokens_per_s: float
+    bubble: float
+    wall_s: float
+
+
+@dataclass
+class TrainSummary:
+    losses: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    statistics: StageStats = field(default_factory=StageStats)
+
+
+async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
+    """Run ``cfg.run.steps`` optimizer steps on this rank's stage. Every rank
+    returns the per-step mean losses (all-reduced from the last stage)."""
+    run, wl = cfg.run, cfg.workload
+    torch.set_num_threads(run.threads)
+    async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
+                                     unit_ms=run.unit_ms) as rt:
+        torch.manual_seed(run.seed)
+        module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
+        sync = rt.grad_sync(module)
+        recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
+        ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, executor=run.dispatch,
+                               hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
+                               seed=run.seed, instrument=recorder)
+        opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+        summary = TrainSummary()
+        world = rt.layout.world_size
+        for step in range(run.steps):
+            # DP replica d trains on its own M microbatches of a global batch of dp * M
+            data = wl.batches(cfg.data, step, run.microbatches * run.dp)
+            res = await ex.run_iteration(step, data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches])
+            await sync.sync()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            vec = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
+                                float(res.tokens if rt.stage == 0 else 0)], dtype=torch.float64)
+            with named_collective(f"step {step + 1}: world all-reduce of the step statistics "
+                                  f"(ranks 0-{world - 1})"):
+                await rt.all_reduce(vec)
+            loss, busy, wall, tokens = vec.tolist()
+            loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
+            tokens /= run.tp
+            report = StepReport(step, run.steps, loss, tokens / (wall / world), StageStats(busy, wall).bubble,
+                                wall / world)
+            summary.losses.append(loss)
+            summary.wall_s.append(report.wall_s)
+            if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
+                on_step(report)
+        summary.statistics = ex.statistics()
+        if recorder is not None:
+            gathered = await rt.gather_object(recorder.spans)
+            if rt.rank == 0:
+                write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
+                log.info("wrote trace %s", run.trace)
+    return summary

@@ -1,0 +1,62 @@
+"""`rrfp train`: run stage_main on this rank; print on rank 0; one line on error."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from rrfp.app.config import TrainConfig
+from rrfp.app.errors import ConfigError, UsageError
+from rrfp.app.train import StepReport, stage_main
+from rrfp.core.errors import PipelineError
+from rrfp.loop import run as run_loop
+
+
+def _print_step(r: StepReport) -> None:
+    eta = (r.steps - r.step - 1) * r.wall_s
+    print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
+          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s", flush=True)
+
+
+def train_command(args) -> int:
+    logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    if not args.dry_run and "WORLD_SIZE" not in os.environ:
+        raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
+                         "(torchrun --nproc-per-node N -m rrfp train ...)")
+    # the layout and model checks run here, before any process group: bad input exits 2 on every rank
+    cfg = TrainConfig.load(args.config, args.set)
+    rank = int(os.environ.get("RANK", "0"))
+    if args.dry_run:
+        if rank == 0:
+            print(cfg.layout.describe())
+            print(cfg.as_dict())
+        return 0
+    try:
+        summary = run_loop(stage_main(cfg, _print_step))
+    except Exception as e:
+        # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
+        if not isinstance(_root(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
+                                     NotImplementedError)):
+            raise  # a bug, not a failure of the run: keep its traceback
+        line = " ".join(_root_message(e).split())  # one line, whatever the cause's text
+        if line.split(":")[0].split()[:2] != ["rank", str(rank)]:  # most causes name their rank already
+            line = f"rank {rank}: {line}"
+        print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
+        # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
+        os._exit(1)
+    if rank == 0:
+        print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
+              f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
+    return 0
+
+
+def _root(e: BaseException) -> BaseException:
+    """The first leaf of an exception group: TaskGroup wraps the real cause."""
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
+
+
+def _root_message(e: BaseException) -> str:
+    e = _root(e)
+    return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)

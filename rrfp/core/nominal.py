@@ -1,0 +1,46 @@
+"""Nominal orders: what ready dispatch does with a class priority when every
+task takes its average time and messages are free.
+
+A class priority (BF, BFW) ranks B0 above F0, so it is no executable order;
+its nominal order is one, for fixed dispatch and for ZB-H1. It is computed by
+driving one ``StageTracker`` per stage in lock-step rounds, so it follows the
+same readiness rules and policy as the runtime and the simulator.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Sequence
+
+from rrfp.core.budget import Budget
+from rrfp.core.policy import Dispatch
+from rrfp.core.tasks import Task
+from rrfp.core.tracker import StageSpec, StageTracker
+
+
+@lru_cache(maxsize=16)
+def nominal_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], S: int, M: int, split: bool,
+                   multiple: float) -> tuple[tuple[Task, ...], ...]:
+    """Per-stage orders under ``priority`` (a function giving stage s's tasks,
+    best first) when F = B = W = 1, messages are free and the budget is
+    ``multiple`` x 1F1B's."""
+    budget = Budget(multiple=multiple)
+    trackers = [StageTracker(StageSpec(S, s, M, split, Dispatch.READY,
+                                       {t: i for i, t in enumerate(priority(S, s, M, split))}, (),
+                                       budget.limit(S, s)))
+                for s in range(S)]
+    out: list[list[Task]] = [[] for _ in range(S)]
+    while not all(tr.done for tr in trackers):
+        started = []
+        for s, tr in enumerate(trackers):
+            task = tr.next()
+            if task is not None:
+                tr.start(task)
+                out[s].append(task)
+                started.append((s, task))
+        if not started:  # unreachable with budget >= 1 (the last stage can always run B after F)
+            raise AssertionError("nominal order stalled: " + "; ".join(f"stage {s} {tr.blocked()}" for s, tr in enumerate(trackers)))
+        for s, task in started:
+            dest = trackers[s].finish(task)
+            if dest is not None:
+                trackers[dest].arrive(task.kind, task.mb)
+    return tuple(tuple(o) for o in out)

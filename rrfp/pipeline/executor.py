@@ -1,0 +1,242 @@
+"""One stage's pipeline iteration: receivers, senders and the arbiter, all owned
+by one TaskGroup.
+
+The arbiter drives a ``StageTracker`` (rrfp/core/tracker.py), which holds every
+readiness rule; this module only moves tensors and spends time. Ready and fixed
+dispatch differ inside the tracker's policy call, nowhere here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from rrfp.comm.message import Message
+from rrfp.core.budget import Budget
+from rrfp.core.errors import PeerTimeout, ProtocolError
+from rrfp.core.hints import Hint
+from rrfp.core.policy import Dispatch
+from rrfp.core.stats import StageStats
+from rrfp.core.tasks import Kind, Task
+from rrfp.core.tracker import StageTracker, TrackerError
+from rrfp.core.variability import Variability
+from rrfp.observe.instrument import Instrument
+from rrfp.pipeline.worker import StageWorker
+
+log = logging.getLogger("rrfp.pipeline.executor")
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    dispatch: Dispatch
+    hint: Hint
+    budget: Budget
+    split: bool
+    num_microbatches: int
+    variability: Variability = field(default_factory=Variability)
+    seed: int = 0
+    peer_timeout_s: float = 60.0
+
+
+@dataclass
+class IterationResult:
+    iteration: int
+    losses: dict[int, float]  # last stage only
+    stats: StageStats  # busy and wall in seconds
+    order: list[Task]  # tasks in the order this stage ran them
+    tokens: int
+
+    @property
+    def loss(self) -> float | None:
+        return sum(self.losses.values()) / len(self.losses) if self.losses else None
+
+
+class StageExecutor:
+    """Runs one stage of the pipeline, one iteration per ``run_iteration`` call.
+
+    ``channels`` has ``fwd_in``, ``fwd_out``, ``bwd_in``, ``bwd_out`` (None at the
+    ends); ``lane`` has ``async run(fn, *args, units=)``.
+    """
+
+    def __init__(self, worker: StageWorker, channels, lane, settings: ExecutorSettings, rank: int = 0,
+                 instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None) -> None:
+        self.worker, self.channels, self.lane, self.settings = worker, channels, lane, settings
+        # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
+        self.agreement = agreement if settings.dispatch is Dispatch.READY else None
+        self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
+        S, s, M = worker.num_stages, worker.stage, settings.num_microbatches
+        self.S, self.s, self.M = S, s, M
+        self.spec = settings.hint.spec(S, s, M, settings.split, settings.dispatch, settings.budget)
+        self._bytes_per_token = 0.0
+        self.totals = StageStats()
+
+    @property
+    def order(self) -> Sequence[Task]:
+        """The hint's order for this stage (what fixed dispatch runs)."""
+        return self.spec.order
+
+    @property
+    def limit(self):
+        return self.spec.limit
+
+    def statistics(self) -> StageStats:
+        """Totals across iterations so far."""
+        return self.totals
+
+    async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                            ) -> IterationResult:
+        """Run every task of this stage for one iteration. Gradients accumulate
+        in the stage's parameters (mean over microbatches); the caller steps."""
+        if len(batches) != self.M:
+            raise ValueError(f"stage {self.s}: got {len(batches)} microbatches, configured for {self.M}")
+        run = _Iteration(self, iteration, batches)
+        return await run.execute()
+
+
+class _Iteration:
+    """One iteration on one stage: the tracker, the tensors in transit, the timings."""
+
+    def __init__(self, ex: StageExecutor, iteration: int, batches) -> None:
+        self.ex, self.it, self.batches = ex, iteration, batches
+        self.tracker = StageTracker(ex.spec, self.size_of)
+        self.changed = asyncio.Event()
+        self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
+        self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
+        self.ran: list[Task] = []
+        self.losses: dict[int, float] = {}
+        self.busy = 0.0
+        self.decisions = 0
+        self.decision_s = 0.0
+        self.out_queues: dict[Kind, asyncio.Queue] = {}
+
+    def size_of(self, mb: int) -> int:
+        return int(self.batches[mb][0].numel() * self.ex._bytes_per_token)
+
+    async def execute(self) -> IterationResult:
+        ex, ch = self.ex, self.ex.channels
+        ex.worker.reset()
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for kind, channel in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)):
+                if channel is not None:
+                    tg.create_task(self._receive(channel, kind), name=f"rrfp-recv-{channel.name}")
+            for kind, channel in ((Kind.F, ch.fwd_out), (Kind.B, ch.bwd_out)):
+                if channel is not None:
+                    self.out_queues[kind] = asyncio.Queue()
+                    tg.create_task(self._send(channel, self.out_queues[kind]), name=f"rrfp-send-{channel.name}")
+            await self._arbitrate()
+        stats = StageStats(self.busy, time.perf_counter() - t0, self.decisions, self.decision_s,
+                           self.tracker.held.peak, iterations=1)
+        ex.totals = ex.totals + stats
+        tokens = sum(int(b[1].numel()) for b in self.batches)
+        return IterationResult(self.it, self.losses, stats, self.ran, tokens)
+
+    # -- the arbiter ---------------------------------------------------------
+
+    async def _arbitrate(self) -> None:
+        ex, tr = self.ex, self.tracker
+        while not tr.done:
+            c0 = time.perf_counter()
+            arrivals = tr.arrivals
+            if ex.agreement is None:
+                task = tr.next()
+            else:
+                everywhere, somewhere = await ex.agreement.agree(tr.ready_tasks())
+                task = tr.next(among=everywhere)
+            self.decision_s += time.perf_counter() - c0
+            self.decisions += 1
+            if task is None:
+                if ex.agreement is not None and (tr.arrivals != arrivals or
+                                                 (tr.ready_tasks() >= somewhere and somewhere != everywhere)):
+                    continue  # something arrived meanwhile, or only a peer lags: agree again now
+                await self._wait_for_change(arrivals)
+                continue
+            tr.start(task)
+            await self._run(task)
+            tr.finish(task)
+            self.ran.append(task)
+
+    async def _wait_for_change(self, arrivals: int) -> None:
+        self.changed.clear()
+        if self.tracker.arrivals != arrivals:
+            return
+        start = time.time()
+        timeout_s = self.ex.settings.peer_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.changed.wait()
+        except TimeoutError:
+            raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived for "
+                              f"{timeout_s:g} s; the stage {self._waiting_for()}") from None
+        if self.ex.instrument is not None:
+            self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
+
+    def _waiting_for(self) -> str:
+        """The tracker's reason, with the channels and peers that owe an arrival."""
+        tr, ch = self.tracker, self.ex.channels
+        owed = [f"channel {c.name} (peer rank {c.peer})" for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in))
+                if c is not None and tr.outstanding(kind)]
+        return tr.blocked() + (f"; owed by {' and '.join(owed)}" if owed else "")
+
+    async def _run(self, task: Task) -> None:
+        """Compute ``task`` on the lane and post what it sends."""
+        ex, st, w, mb = self.ex, self.ex.settings, self.ex.worker, task.mb
+        units = st.variability.duration(st.seed, self.it, ex.s, mb, task.kind, st.split) if ex.unit_s else 0.0
+        start = time.time()
+        c0 = time.perf_counter()
+        if task.kind is Kind.F:
+            x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
+            targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
+            out = await ex.lane.run(w.forward, mb, x, targets, units=units)
+            if ex.spec.limit.bytes is not None:
+                measured = w.activation_bytes(mb) / max(1, self.batches[mb][0].numel())
+                ex._bytes_per_token = max(ex._bytes_per_token, measured)
+            if ex.s == ex.S - 1:
+                self.losses[mb] = out
+            else:
+                self._post(Message(self.it, mb, int(Kind.F), [out]))
+        elif task.kind is Kind.B:
+            grad = None if ex.s == ex.S - 1 else self.grads.pop(mb)
+            grad_in = await ex.lane.run(w.backward, mb, grad, units=units)
+            if ex.s > 0:
+                self._post(Message(self.it, mb, int(Kind.B), [grad_in]))
+        else:
+            await ex.lane.run(w.weight, mb, units=units)
+        self.busy += time.perf_counter() - c0
+        if ex.instrument is not None:
+            ex.instrument.task(ex.s, self.it, task, start, time.time())
+
+    # -- communication -------------------------------------------------------
+
+    def _post(self, msg: Message) -> None:
+        st = self.ex.settings
+        latency = st.variability.latency(st.seed, self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
+        self.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
+
+    async def _send(self, channel, queue: asyncio.Queue) -> None:
+        for _ in range(self.ex.M):
+            due, msg = await queue.get()
+            delay = due - time.perf_counter()
+            if delay > 0:  # emulated link latency
+                await asyncio.sleep(delay)
+            await channel.send(msg)
+
+    async def _receive(self, channel, kind: Kind) -> None:
+        where = f"rank {self.ex.rank} stage {self.ex.s}: channel {channel.name} (peer rank {channel.peer})"
+        for _ in range(self.ex.M):
+            msg = await channel.recv()
+            mb = msg.microbatch
+            if msg.iteration != self.it or msg.kind != int(kind) or len(msg.tensors) != 1:
+                raise ProtocolError(f"{where}: expected a {kind.name} message of iteration {self.it}, got "
+                                    f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
+                                    f"with {len(msg.tensors)} tensor(s)")
+            try:
+                self.tracker.arrive(kind, mb)
+            except TrackerError as e:
+                raise ProtocolError(f"{where}: iteration {self.it}: {e}") from None
+            (self.inputs if kind is Kind.F else self.grads)[mb] = msg.tensors[0]
+            self.changed.set()

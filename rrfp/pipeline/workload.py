@@ -1,0 +1,35 @@
+"""The contract between rrfp and a model: what ``rrfp train`` needs to train it.
+
+A model module (``models/gpt.py``) exposes ``workload = Workload(...)``; the
+app finds it by name (``[run] model = "gpt"``), so adding a model needs no
+edit to rrfp. Splitting stays model-agnostic: ``build_stage`` returns this
+stage's chunk as an ``nn.Module``, whatever the model is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one microbatch
+
+
+def _no_check(model_cfg: Any, data_cfg: Any, num_stages: int, tp: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model_config: type  # dataclass for the [model] section; validates itself
+    data_config: type  # dataclass for the [data] section; validates itself
+    # (model_cfg, stage, num_stages, tp_group) -> this stage's module, from the current torch seed
+    build_stage: Callable[[Any, int, int, Any], nn.Module]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # (data_cfg, step, num_microbatches) -> that step's microbatches, the same on every rank
+    batches: Callable[[Any, int, int], Sequence[Batch]]
+    # (model_cfg, data_cfg, num_stages, tp): ValueError when the layout cannot fit the model,
+    # called before any process group exists
+    check: Callable[[Any, Any, int, int], None] = _no_check

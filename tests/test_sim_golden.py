@@ -1,0 +1,22 @@
+"""The simulator's per-seed makespans are pinned: a refactor that changes one
+decision of any executor x hint fails here. The file comes from
+tests/golden/make_sim_golden.py, run on the commit before the state-machine
+refactor; regenerate it only for an intended behaviour change."""
+import json
+from pathlib import Path
+
+import pytest
+
+from rrfp.app.cli import main
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "sim_makespans.json").read_text())
+
+
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda c: " ".join(c["args"][1::2]))
+def test_makespans_match_golden(case, tmp_path):
+    out = tmp_path / "r.json"
+    assert main([*["sim"], *case["args"], "--json", str(out)]) == 0
+    rows = {f"{r['executor']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]}
+    assert rows.keys() == case["makespans"].keys()
+    for key, want in case["makespans"].items():
+        assert rows[key] == pytest.approx(want, abs=1e-9, rel=0), key
