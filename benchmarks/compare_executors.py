@@ -64,7 +64,7 @@ def worker(a) -> None:
             module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages, tp_group=rt.tp_group)
             for preset, pairs, budget in plans:
                 var = Variability.preset(preset)
-                exs = {k: rt.stage_executor(module, loss_fn, microbatches=a.mb, executor=e, hint=h, budget=budget,
+                exs = {k: rt.stage_executor(module, loss_fn, microbatches=a.mb, dispatch=e, hint=h, budget=budget,
                                       variability=var) for k, (e, h) in pairs.items()}
                 for it in range(a.reps + 1):  # iteration 0 warms up
                     data = batches(data_cfg, it, a.mb)

@@ -46,7 +46,7 @@ async def main() -> None:
     # 5 ms of emulated device time per task; leaving the block cleanly waits for every rank
     async with rrfp.PipelineRuntime.start(unit_ms=5.0) as rt:
         chunk = make_chunk(rt.stage, rt.num_stages)
-        pipe = rt.stage_executor(chunk, loss_fn, microbatches=8, executor="ready", hint="bfw")
+        pipe = rt.stage_executor(chunk, loss_fn, microbatches=8, dispatch="ready", hint="bfw")
         opt = torch.optim.SGD(chunk.parameters(), lr=0.05)
         stop, ticks = asyncio.Event(), []
         async with asyncio.TaskGroup() as tg:

@@ -68,7 +68,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
                 torch.manual_seed(0)
                 full = GPT(model_cfg)
                 module = make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None)
-                e = rt.stage_executor(module, loss_fn, microbatches=M, executor=ex, hint=hint)
+                e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint)
                 sync = rt.grad_sync(module)
                 mine = data[rt.dp_rank * M:(rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)

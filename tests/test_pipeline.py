@@ -46,7 +46,7 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-                e = rt.stage_executor(module, loss_fn, microbatches=M, executor=ex, hint=hint, budget=budget,
+                e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget=budget,
                                 variability=Variability.preset(preset), seed=0)
                 assert e.agreement is None, "tp = 1 needs no TP agreement collective"
                 res = await e.run_iteration(0, batches)

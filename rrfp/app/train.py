@@ -50,7 +50,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
         sync = rt.grad_sync(module)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
-        ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, executor=run.dispatch,
+        ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, dispatch=run.dispatch,
                                hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
                                seed=run.seed, instrument=recorder)
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)

@@ -26,6 +26,9 @@ class Task:
     def __str__(self) -> str:
         return f"{self.kind.name}{self.mb}"
 
+    def __hash__(self) -> int:  # hot in the policy's priority lookup; equal tasks hash equal
+        return self.mb * 3 + self.kind
+
     __repr__ = __str__
 
     @classmethod

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Iterator, Mapping, Sequence
 
 from rrfp.core.budget import InFlight, Limit
@@ -55,6 +56,12 @@ class StageSpec:
         return self.num_microbatches * (3 if self.split else 2)
 
 
+@lru_cache(maxsize=8)
+def _task_table(num_microbatches: int) -> tuple[tuple[Task, ...], ...]:
+    """Every task object of an iteration, shared by all stages: ``table[kind][mb]``."""
+    return tuple(tuple(Task(k, m) for m in range(num_microbatches)) for k in Kind)
+
+
 class _ReadySet:
     """Ready tasks as one heap per kind keyed by priority, plus membership flags.
 
@@ -66,7 +73,7 @@ class _ReadySet:
     def __init__(self, num_microbatches: int) -> None:
         self.heaps: list[list[tuple[int, int]]] = [[], [], []]
         self.flags = [bytearray(num_microbatches) for _ in range(3)]
-        self.tasks = [[Task(k, m) for m in range(num_microbatches)] for k in Kind]
+        self.tasks = _task_table(num_microbatches)
 
     def add(self, kind: Kind, mb: int, priority: int) -> None:
         self.flags[kind][mb] = 1
@@ -113,6 +120,8 @@ class StageTracker:
         self._f_done = bytearray(M)
         self._sizes = [0] * M
         self._last = last_backward(spec.split)
+        self._first_stage, self._last_stage, self._split = spec.is_first, spec.is_last, spec.split
+        self._policy_args = (spec.dispatch, spec.priority, spec.order)
         self.held = InFlight()
         self.position = 0  # tasks started: fixed dispatch's place in its order
         self.finished = 0
@@ -131,11 +140,12 @@ class StageTracker:
         if kind is Kind.W or not 0 <= mb < spec.num_microbatches:
             raise TrackerError(f"stage {spec.stage}: no {kind.name} arrival for microbatch {mb} "
                                f"(M={spec.num_microbatches})")
-        if (spec.is_first if kind is Kind.F else spec.is_last):
+        if (self._first_stage if kind is Kind.F else self._last_stage):
             raise TrackerError(f"stage {spec.stage} of {spec.num_stages} receives no {kind.name} messages")
-        if self._arrived[kind][mb]:
+        arrived = self._arrived[kind]
+        if arrived[mb]:
             raise TrackerError(f"stage {spec.stage}: {kind.name} message for microbatch {mb} arrived twice")
-        self._arrived[kind][mb] = 1
+        arrived[mb] = 1
         self.arrivals += 1
         if kind is Kind.F or self._f_done[mb]:
             self._ready.add(kind, mb, self._prio[kind][mb])
@@ -145,14 +155,14 @@ class StageTracker:
         (TP agreement passes the tasks ready on every TP rank)."""
         if self.running is not None:
             return None
-        spec = self.spec
-        return choose(spec.dispatch, self._ready if among is None else among, spec.priority, spec.order,
-                      self.position, self.held, spec.limit, self._policy_size_of)
+        dispatch, priority, order = self._policy_args
+        return choose(dispatch, self._ready if among is None else among, priority, order,
+                      self.position, self.held, self.spec.limit, self._policy_size_of)
 
     def start(self, task: Task) -> None:
         if self.running is not None:
             raise TrackerError(f"stage {self.spec.stage}: {task} started while {self.running} runs")
-        if task not in self._ready:
+        if not self._ready.flags[task.kind][task.mb]:
             raise TrackerError(f"stage {self.spec.stage}: {task} started but it is not ready")
         self._ready.remove(task)
         self.running = task
@@ -165,23 +175,22 @@ class StageTracker:
     def finish(self, task: Task) -> int | None:
         """``task`` is done. Returns the stage its output goes to (F: the next
         stage, B: the previous one), or None when it sends nothing."""
-        if task != self.running:
+        if task is not self.running and task != self.running:
             raise TrackerError(f"stage {self.spec.stage}: {task} finished but {self.running} runs")
         self.running = None
         self.finished += 1
-        spec, mb = self.spec, task.mb
-        if task.kind is Kind.F:
-            self._f_done[mb] = 1
-            if spec.is_last or self._arrived[Kind.B][mb]:
-                self._ready.add(Kind.B, mb, self._prio[Kind.B][mb])
-        elif task.kind is Kind.B and spec.split:
-            self._ready.add(Kind.W, mb, self._prio[Kind.W][mb])
-        if task.kind is self._last:
+        kind, mb = task.kind, task.mb
+        if kind is self._last:
             self.held.release(self._sizes[mb])
-        if task.kind is Kind.F and not spec.is_last:
-            return spec.stage + 1
-        if task.kind is Kind.B and not spec.is_first:
-            return spec.stage - 1
+        if kind is Kind.F:
+            self._f_done[mb] = 1
+            if self._last_stage or self._arrived[Kind.B][mb]:
+                self._ready.add(Kind.B, mb, self._prio[Kind.B][mb])
+            return None if self._last_stage else self.spec.stage + 1
+        if kind is Kind.B:
+            if self._split:
+                self._ready.add(Kind.W, mb, self._prio[Kind.W][mb])
+            return None if self._first_stage else self.spec.stage - 1
         return None
 
     # -- questions -----------------------------------------------------------

@@ -36,16 +36,16 @@ class ComputeLane:
         self.name = name
         self.busy_s = 0.0  # wall time the lane spent on calls, emulation included
         self.tasks_run = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
 
     async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s`` seconds at least."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._hold_lane, fn, args, units)
+        return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units)
 
     def close(self) -> None:
         """Refuse new calls; calls already submitted still run, without blocking the caller."""
-        self._executor.shutdown(wait=False)
+        self._thread.shutdown(wait=False)
 
     async def __aenter__(self) -> ComputeLane:
         return self

@@ -21,16 +21,16 @@ def plot_timelines(path: str | Path, runs: Sequence[tuple[str, Sequence[Span]]],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = max((sp.lane for _, spans in runs for sp in spans), default=0) + 1
+    stages = max((sp.stage for _, spans in runs for sp in spans), default=0) + 1
     fig, axes = plt.subplots(len(runs), 1, figsize=(12, 1.2 + 0.35 * stages * len(runs)),
                              squeeze=False, sharex=True)
     for ax, (title, spans) in zip(axes[:, 0], runs):
         rows: dict[tuple[int, str], list] = defaultdict(list)
         for sp in spans:
-            rows[(sp.lane, sp.name[:1])].append((sp.start, sp.end - sp.start))
-        for (lane, kind), bars in rows.items():
-            ax.broken_barh(bars, (lane - 0.4, 0.8), facecolors=COLORS.get(kind, "grey"), edgecolor="none")
-        n = max((sp.lane for sp in spans), default=0) + 1
+            rows[(sp.stage, sp.name[:1])].append((sp.start, sp.end - sp.start))
+        for (stage, kind), bars in rows.items():
+            ax.broken_barh(bars, (stage - 0.4, 0.8), facecolors=COLORS.get(kind, "grey"), edgecolor="none")
+        n = max((sp.stage for sp in spans), default=0) + 1
         ax.set_yticks(range(n), [f"s{i}" for i in range(n)])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")

@@ -12,24 +12,25 @@ from typing import Iterable
 @dataclass(frozen=True, slots=True)
 class Span:
     process: str  # e.g. "ready bfw" or "rank 2"
-    lane: int  # stage
+    stage: int
     name: str  # task, e.g. "F3"
     start: float  # seconds
     end: float
     args: dict = field(default_factory=dict)
 
 
-def chrome_trace(spans: Iterable[Span], lane_name: str = "stage") -> dict:
+def chrome_trace(spans: Iterable[Span]) -> dict:
+    """One process per ``Span.process``, one thread row per stage."""
     events: list[dict] = []
     pids: dict[str, int] = {}
-    lanes: set[tuple[int, int]] = set()
+    rows: set[tuple[int, int]] = set()
     for sp in spans:
         pid = pids.setdefault(sp.process, len(pids))
-        if (pid, sp.lane) not in lanes:
-            lanes.add((pid, sp.lane))
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sp.lane,
-                           "args": {"name": f"{lane_name} {sp.lane}"}})
-        events.append({"ph": "X", "name": sp.name, "cat": sp.name[:1], "pid": pid, "tid": sp.lane,
+        if (pid, sp.stage) not in rows:
+            rows.add((pid, sp.stage))
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sp.stage,
+                           "args": {"name": f"stage {sp.stage}"}})
+        events.append({"ph": "X", "name": sp.name, "cat": sp.name[:1], "pid": pid, "tid": sp.stage,
                        "ts": sp.start * 1e6, "dur": max(0.0, sp.end - sp.start) * 1e6, "args": sp.args})
     for name, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})

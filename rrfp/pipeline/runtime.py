@@ -104,7 +104,7 @@ class PipelineRuntime:
         return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, groups=groups, owns_process_group=owns)
 
     def stage_executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int,
-                       executor: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
+                       dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
                        instrument: Instrument | None = None) -> StageExecutor:
@@ -112,7 +112,7 @@ class PipelineRuntime:
         TrainConfig passes resolved objects."""
         h = resolve(hint)
         split = default_split(h.name) if split is None else split
-        settings = ExecutorSettings(Dispatch.parse(executor), h, Budget.parse(budget), split, microbatches,
+        settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,
                                     variability or Variability(), seed, self.timeout_s)
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)

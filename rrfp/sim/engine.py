@@ -161,7 +161,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     last = 0.0
     while events:
         now, _, event = heapq.heappop(events)
-        if isinstance(event, TaskDone):
+        if type(event) is TaskDone:
             last = now
             task = event.task
             dest = trackers[event.stage].finish(task)
