@@ -69,7 +69,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
                 full = GPT(model_cfg)
                 module = make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None)
                 e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint)
-                sync = rt.grad_sync(module)
+                sync = rt.grad_sync(module, e)
                 mine = data[rt.dp_rank * M:(rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)
                 await sync.sync()
@@ -83,7 +83,8 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
                     errs[n] = (p.grad - want).abs().max().item()
                 out[(ex, hint)] = {"grad_err": max(errs.values()), "order": [str(t) for t in res.order],
                                    "loss": res.loss, "coords": (rt.stage, rt.tp_rank, rt.dp_rank),
-                                   "rounds": e.agreement.rounds if e.agreement else 0}
+                                   "rounds": e.agreement.rounds if e.agreement else 0,
+                                   "launched_early": sync.launched_early}
         finally:
             await rt.aclose()
         return out, ref_loss.item()
@@ -109,6 +110,8 @@ def _check(results, pp, tp, dp):
 def test_dp2_pp2_matches_reference():
     results = run_ranks(_parallel, 4, 2, 1, 2, CONFIGS, False, False, timeout=240)
     _check(results, 2, 1, 2)
+    # every bucket's all-reduce was launched from inside the iteration, as its gradients became final
+    assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
 
 
 @pytest.mark.timeout(300)

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 from rrfp.app.config import TrainConfig
-from rrfp.comm.channels import named_collective
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
@@ -48,11 +47,11 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                      unit_ms=run.unit_ms) as rt:
         torch.manual_seed(run.seed)
         module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
-        sync = rt.grad_sync(module)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
         ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, dispatch=run.dispatch,
                                hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
                                seed=run.seed, instrument=recorder)
+        sync = rt.grad_sync(module, ex)
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         world = rt.layout.world_size
@@ -65,9 +64,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             opt.zero_grad(set_to_none=True)
             vec = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
                                 float(res.tokens if rt.stage == 0 else 0)], dtype=torch.float64)
-            with named_collective(f"step {step + 1}: world all-reduce of the step statistics "
-                                  f"(ranks 0-{world - 1})"):
-                await rt.all_reduce(vec)
+            await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
             loss, busy, wall, tokens = vec.tolist()
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
             tokens /= run.tp

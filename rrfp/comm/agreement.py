@@ -4,7 +4,8 @@ because the tasks launch collectives (docs/design.md, fact 5).
 Each decision all-reduces the stage's ready vector over a TP control group:
 MIN gives the tasks ready everywhere, MAX those ready somewhere. One MIN
 all-reduce of [v, -v] yields both. The pick is then a deterministic function
-of the agreed vector, so every TP rank picks the same task.
+of the agreed vector, so every TP rank picks the same task. The all-reduce is
+async and awaited through the loop's poller: no thread per round.
 """
 from __future__ import annotations
 
@@ -13,20 +14,20 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from rrfp.loop.completions import BlockingWaiter
+from rrfp.comm.collectives import all_reduce
 from rrfp.core.tasks import Kind, Task
-from rrfp.comm.channels import named_collective
+from rrfp.loop.completions import CompletionPoller
 
 
 class TPAgreement:
     """Agrees on ready sets over ``group`` (a control group used only for this,
     so it never interleaves with the layers' TP collectives on the lane)."""
 
-    def __init__(self, group, num_microbatches: int, name: str = "tp-agree") -> None:
+    def __init__(self, group, num_microbatches: int, poller: CompletionPoller) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.M = num_microbatches
-        self.waiter = BlockingWaiter(name)
+        self.poller = poller
         self.rounds = 0
 
     def _vector(self, ready: Iterable[Task]) -> torch.Tensor:
@@ -42,10 +43,7 @@ class TPAgreement:
     async def agree(self, ready: Iterable[Task]) -> tuple[set[Task], set[Task]]:
         """(ready on every TP rank, ready on some TP rank)."""
         v = self._vector(ready)
-        with named_collective(f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})"):
-            await self.waiter.call(dist.all_reduce, v, dist.ReduceOp.MIN, self.group)
+        await all_reduce(self.poller, v, f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})",
+                         dist.ReduceOp.MIN, self.group)
         self.rounds += 1
         return self._tasks(v[0]), self._tasks(-v[1])
-
-    def close(self) -> None:
-        self.waiter.close()

@@ -1,49 +1,96 @@
 """Data-parallel gradient averaging over a stage's DP group, in flat buckets
-(as DDP does) so a model with many small parameters costs a few collectives."""
+(as DDP does), each bucket's all-reduce launched as soon as its gradients are final.
+
+Under a split backward, the parameters of split-aware layers
+(``defers_weight_grad``) get their last gradient from the stage's last W, the
+others from its last B; otherwise every gradient is final after the last B.
+Buckets never mix the two, so B-buckets go out while the stage still runs its
+final Ws. Every replica launches the same buckets in the same order (the last
+B always precedes the last W), and the all-reduces are async Work awaited
+through the loop's poller: no thread per collective.
+"""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rrfp.loop.completions import BlockingWaiter
-from rrfp.comm.channels import named_collective
+from rrfp.comm.collectives import completed
+from rrfp.core.tasks import Kind, Task
+from rrfp.loop.completions import CompletionPoller
 
 
 class GradSync:
-    def __init__(self, module: nn.Module, group, size: int, bucket_bytes: int = 4 << 20) -> None:
-        self.group, self.size = group, size
+    def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller,
+                 bucket_bytes: int = 4 << 20) -> None:
+        self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[list[nn.Parameter]] = []
-        current, nbytes = [], 0
-        for p in self.params:
-            if current and (nbytes + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0].dtype):
-                self.buckets.append(current)
-                current, nbytes = [], 0
-            current.append(p)
-            nbytes += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(current)
-        self.waiter = BlockingWaiter("dp-sync") if size > 1 else None
+        self._deferred = {id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
+                          for p in m.parameters(recurse=False)}
+        self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
+        self._arrange(split=False, num_microbatches=0)
+        self.launched_early = 0  # buckets launched before sync() was called, over all iterations
 
-    def _reduce(self) -> None:
-        for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            flat /= self.size
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
-                offset += n
+    def _arrange(self, split: bool, num_microbatches: int) -> None:
+        """Buckets per kind of task that finalises their gradients, in parameter order."""
+        self._split, self._M = split, num_microbatches
+        self.buckets: dict[Kind, list[list[nn.Parameter]]] = {Kind.B: [], Kind.W: []}
+        for kind in (Kind.B, Kind.W):
+            current, nbytes = [], 0
+            for p in self.params:
+                if (Kind.W if split and id(p) in self._deferred else Kind.B) is not kind:
+                    continue
+                size = p.numel() * p.element_size()
+                if current and (nbytes + size > self.bucket_bytes or p.dtype != current[0].dtype):
+                    self.buckets[kind].append(current)
+                    current, nbytes = [], 0
+                current.append(p)
+                nbytes += size
+            if current:
+                self.buckets[kind].append(current)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._finished = {Kind.B: 0, Kind.W: 0}
+        self._launched: set[Kind] = set()
+        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+
+    def attach(self, executor) -> None:
+        """Launch buckets from inside ``executor``'s iterations, as their gradients become final."""
+        if self.size > 1:
+            self._arrange(executor.settings.split, executor.M)
+            executor.on_task_done.append(self._task_done)
+
+    def _task_done(self, task: Task) -> None:
+        if task.kind is Kind.F:
+            return
+        self._finished[task.kind] += 1
+        if self._finished[task.kind] == self._M:
+            self.launched_early += len(self.buckets[task.kind])
+            self._launch(task.kind)
+
+    def _launch(self, kind: Kind) -> None:
+        if kind in self._launched:
+            return
+        self._launched.add(kind)
+        for bucket in self.buckets[kind]:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+            self._inflight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
-        if self.waiter is not None:
-            with named_collective(f"DP gradient all-reduce over ranks {dist.get_process_group_ranks(self.group)}"):
-                await self.waiter.call(self._reduce)
-
-    def close(self) -> None:
-        if self.waiter is not None:
-            self.waiter.close()
+        if self.size == 1:
+            return
+        for kind in (Kind.B, Kind.W):
+            self._launch(kind)  # buckets no executor hook launched yet
+        try:
+            for bucket, flat, work in self._inflight:
+                await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}")
+                flat /= self.size
+                offset = 0
+                for p in bucket:
+                    n = p.numel()
+                    p.grad = flat[offset:offset + n].view_as(p).clone()
+                    offset += n
+        finally:
+            self._reset()

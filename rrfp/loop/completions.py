@@ -208,6 +208,9 @@ class CompletionPoller:
 
     :meth:`watch` returns a future that is done when the handle reports
     completion, with the handle as result, or with the error it reported.
+    The first ``watch`` on a running loop starts the polling task, so a
+    runtime can own a poller before its loop exists; after ``aclose`` the
+    poller refuses new handles.
     While handles are pending the task re-polls after ``asyncio.sleep(0)``;
     after ``spin_rounds`` rounds with no progress it sleeps between rounds,
     starting at ``backoff_s`` and doubling up to ``max_backoff_s``. The
@@ -230,6 +233,7 @@ class CompletionPoller:
         self._work_arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     @property
     def pending(self) -> int:
@@ -237,6 +241,8 @@ class CompletionPoller:
 
     def watch(self, handle: Any) -> asyncio.Future:
         """A future for ``handle``'s completion; must be called on the poller's loop."""
+        if self._task is None and not self._closed:
+            self._begin()
         if self._task is None or self._task.done():
             raise RuntimeError("CompletionPoller is not running; use 'async with CompletionPoller()'")
         watch = _Watch(handle, self._loop.create_future())
@@ -247,11 +253,15 @@ class CompletionPoller:
     async def start(self) -> None:
         if self._task is not None:
             raise RuntimeError("CompletionPoller already started")
+        self._begin()
+
+    def _begin(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._poll_until_cancelled(), name="rrfp-completion-poller")
+        self._task = self._loop.create_task(self._poll_until_cancelled(), name="rrfp-completion-poller")
 
     async def aclose(self) -> None:
         """Stop the polling task and cancel every future still pending."""
+        self._closed = True
         task, self._task = self._task, None
         try:
             if task is not None:

@@ -162,6 +162,8 @@ def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
 class SplitLinear(nn.Module):
     """nn.Linear (same parameters, same init) whose weight grad can be deferred to W."""
 
+    defers_weight_grad = True  # under a split backward its parameters' gradients are final after W
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device=None, dtype=None) -> None:
         super().__init__()

@@ -89,6 +89,7 @@ class _TPLinear(nn.Module):
     """Shared parts: sizes, full-shape init, slicing. Subclasses set ``shard_dims``."""
 
     shard_dims: dict[str, int | None]  # parameter name -> sharded dim of the full tensor (None: whole)
+    defers_weight_grad = True  # under a split backward its parameters' gradients are final after W
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True, *,
                  chunks: int = 1, name: str | None = None, device=None, dtype=None) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -73,6 +73,7 @@ class StageExecutor:
         self.spec = settings.hint.spec(S, s, M, settings.split, settings.dispatch, settings.budget)
         self._bytes_per_token = 0.0
         self.totals = StageStats()
+        self.on_task_done: list[Callable[[Task], None]] = []  # e.g. DP sync launching finished buckets
 
     @property
     def order(self) -> Sequence[Task]:
@@ -159,6 +160,8 @@ class _Iteration:
             await self._run(task)
             tr.finish(task)
             self.ran.append(task)
+            for hook in ex.on_task_done:
+                hook(task)
 
     async def _wait_for_change(self, arrivals: int) -> None:
         self.changed.clear()

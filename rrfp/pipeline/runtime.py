@@ -11,7 +11,6 @@ channels and lane (a dead peer would hang a barrier).
 """
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import os
@@ -19,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
@@ -27,22 +27,12 @@ from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
-from rrfp.loop import make_lane
+from rrfp.loop import CompletionPoller, make_lane
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.runtime")
-
-
-def leave_process_group() -> None:
-    """Clean end of a run: wait for every rank, then take the groups down. A rank
-    that tears down gloo pairs while a peer still uses them makes gloo abort that
-    peer, so nobody leaves before everybody is done. Not for error paths: a dead
-    peer would hang the barrier."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 class PipelineRuntime:
@@ -63,7 +53,7 @@ class PipelineRuntime:
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
-        self._closers: list = []
+        self.poller = CompletionPoller()  # every collective's Work is awaited through it
         self.lane = make_lane(device, unit_s, name=f"stage{self.stage}")
         self.unit_s = unit_s
         self.owns_process_group = owns_process_group  # finish() destroys only what start() created
@@ -116,34 +106,40 @@ class PipelineRuntime:
                                     variability or Variability(), seed, self.timeout_s)
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)
-        agreement = None
-        if self.tp_control is not None:
-            agreement = TPAgreement(self.tp_control, microbatches, name=f"tp-agree-r{self.rank}")
-            self._closers.append(agreement.close)
+        agreement = TPAgreement(self.tp_control, microbatches, self.poller) if self.tp_control is not None else None
         return StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s,
                              agreement)
 
-    def grad_sync(self, module: torch.nn.Module) -> GradSync:
-        """Averages gradients over this stage's DP replicas; a no-op when dp = 1."""
-        sync = GradSync(module, self.dp_group, self.layout.dp)
-        self._closers.append(sync.close)
+    def grad_sync(self, module: torch.nn.Module, executor: StageExecutor | None = None) -> GradSync:
+        """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
+        With ``executor``, each bucket's all-reduce starts inside the iteration,
+        as soon as its gradients are final."""
+        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller)
+        if executor is not None:
+            sync.attach(executor)
         return sync
 
-    async def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """A world all-reduce off the loop thread (gloo collectives block)."""
-        await asyncio.to_thread(dist.all_reduce, tensor, op)
-        return tensor
+    async def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "world all-reduce"
+                         ) -> torch.Tensor:
+        """A world all-reduce, awaited through the poller; a failure names ``what``."""
+        return await collectives.all_reduce(self.poller, tensor, f"{what} (ranks 0-{self.layout.world_size - 1})",
+                                            op)
 
     async def gather_object(self, obj) -> list | None:
-        out = [None] * dist.get_world_size() if self.rank == 0 else None
-        await asyncio.to_thread(dist.gather_object, obj, out, 0)
-        return out
+        """Every rank's ``obj`` on rank 0 (None elsewhere)."""
+        gathered = await collectives.all_gather_object(self.poller, obj, "world gather of objects")
+        return gathered if self.rank == 0 else None
 
     async def finish(self) -> None:
-        """Close, wait for every rank, then take down the process groups if
-        this runtime created them (off the loop thread)."""
+        """Clean end of a run: wait for every rank, close, then take down the
+        process groups if this runtime created them. A rank that tears down gloo
+        pairs while a peer still uses them makes gloo abort that peer, so nobody
+        leaves before everybody is done. Not for error paths: a dead peer would
+        fail the barrier only after the process-group timeout."""
+        await collectives.completed(self.poller, dist.barrier(async_op=True), "final barrier of every rank")
         await self.aclose()
-        await asyncio.to_thread(leave_process_group if self.owns_process_group else dist.barrier)
+        if self.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     async def __aenter__(self) -> "PipelineRuntime":
         return self
@@ -155,7 +151,6 @@ class PipelineRuntime:
             await self.aclose()
 
     async def aclose(self) -> None:
-        for close in self._closers:
-            close()
+        await self.poller.aclose()
         self.lane.close()
         await self.channels.aclose()
