@@ -340,6 +340,56 @@ async def test_poller_drops_cancelled_watches_and_cancels_pending_on_close(loop_
     assert loop_errors == []
 
 
+class FutureWork:
+    """A Work that completes on another thread after ``delay_s`` and then
+    completes its torch-style future there too (as a gloo collective does)."""
+
+    def __init__(self, delay_s: float, error: BaseException | None = None) -> None:
+        import concurrent.futures
+
+        self.done, self.error, self.waited = False, error, 0
+        self._future = concurrent.futures.Future()
+        threading.Timer(delay_s, self._finish).start()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._future.set_result(None)
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        self.waited += 1
+        if self.error is not None:
+            raise self.error
+
+    def get_future(self):
+        return self._future
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("loop_factory", LOOP_FACTORIES)
+def test_future_wakes_the_poller_out_of_its_back_off(loop_factory):
+    """A long back-off (50 ms) would be the latency without the wake-up."""
+    async def go():
+        async with CompletionPoller(spin_rounds=0, backoff_s=0.05, max_backoff_s=0.05) as poller:
+            slow = FutureWork(0.02)
+            t0 = time.perf_counter()
+            await poller.watch(slow, wait_after=True, wake_on_future=True)
+            woken = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            await poller.watch(FutureWork(0.02), wait_after=True)  # no wake-up: waits out the nap
+            napped = time.perf_counter() - t0
+            failing = FutureWork(0.001, error=RuntimeError("peer gone"))
+            with pytest.raises(RuntimeError, match="peer gone"):
+                await poller.watch(failing, wait_after=True, wake_on_future=True)
+        return woken, napped, slow.waited
+
+    woken, napped, waited = run_on(loop_factory, go())
+    assert woken < 0.045 <= napped, (woken, napped)
+    assert waited == 1  # the outcome is read with wait() once complete
+
+
 # ---------------------------------------------------------------- ComputeLane
 
 

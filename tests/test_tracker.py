@@ -114,3 +114,20 @@ def test_done_after_every_task():
     while not tr.done:
         run(tr, tr.next())
     assert tr.finished == 4 and tr.blocked() == "has nothing left to run"
+
+
+def test_unlocked_by_predicts_finish():
+    last = tracker(s=2)
+    last.arrive(Kind.F, 0)
+    last.start(F(0))
+    assert last.unlocked_by(F(0)) == {B(0)}  # the loss is here
+    last.finish(F(0))
+    mid = tracker(s=1)
+    mid.arrive(Kind.F, 0)
+    mid.start(F(0))
+    assert mid.unlocked_by(F(0)) == set()  # its gradient has not arrived
+    mid.finish(F(0))
+    mid.arrive(Kind.B, 0)
+    mid.start(B(0))
+    assert mid.unlocked_by(B(0)) == {W(0)}
+    assert mid.finish(B(0)) == 0 and mid.ready_tasks() == {W(0)}

@@ -20,7 +20,7 @@ from rrfp.loop.completions import CompletionPoller
 async def completed(poller: CompletionPoller, work, what: str) -> None:
     """Wait for an async ``Work``; a failure becomes one PipelineError naming ``what``."""
     with named_collective(what):
-        await poller.watch(work)
+        await poller.watch(work, wait_after=True, wake_on_future=True)
 
 
 async def all_reduce(poller: CompletionPoller, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM,

@@ -203,6 +203,14 @@ class StageTracker:
         """Every task whose dependencies are met (before the budget applies)."""
         return self._ready.all()
 
+    def unlocked_by(self, task: Task) -> set[Task]:
+        """What finishing ``task`` will make ready, given the arrivals so far."""
+        if task.kind is Kind.F and (self._last_stage or self._arrived[Kind.B][task.mb]):
+            return {Task(Kind.B, task.mb)}
+        if task.kind is Kind.B and self._split:
+            return {Task(Kind.W, task.mb)}
+        return set()
+
     def outstanding(self, kind: Kind) -> int:
         """How many F inputs (or B gradients) have not arrived yet."""
         if kind is Kind.W or (self.spec.is_first if kind is Kind.F else self.spec.is_last):

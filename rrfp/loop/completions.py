@@ -77,6 +77,7 @@ class BlockingWaiter:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._nap: asyncio.Future | None = None  # the back-off sleep in progress
         self._thread = threading.Thread(
             target=self._serve, name=f"rrfp-waiter-{name}", daemon=True)
         self._thread.start()
@@ -195,12 +196,13 @@ def _reported_error(handle: Any) -> BaseException | None:
 
 
 class _Watch:
-    __slots__ = ("handle", "probe", "future")
+    __slots__ = ("handle", "probe", "future", "wait_after")
 
-    def __init__(self, handle: Any, future: asyncio.Future) -> None:
+    def __init__(self, handle: Any, future: asyncio.Future, wait_after: bool) -> None:
         self.handle = handle
         self.probe = _completion_probe(handle)
         self.future = future
+        self.wait_after = wait_after
 
 
 class CompletionPoller:
@@ -218,6 +220,16 @@ class CompletionPoller:
     uvloop rounds it down to 0, which would be a busy spin. Any progress or
     new handle resets the back-off. With nothing pending the task sleeps on
     an event, so an idle poller costs nothing.
+
+    ``watch(..., wake_on_future=True)`` also cuts a back-off sleep short when
+    the handle's torch future completes (its callback runs on the backend's
+    own thread and only schedules a wake-up). gloo collectives complete their
+    future when they finish, so they are noticed at once instead of after up
+    to ``max_backoff_s``, which matters because collectives run in lockstep:
+    a rank asleep in its poller delays the next round for every peer (2 gloo
+    ranks, back-to-back TP agreement rounds: 1.27 ms a round without the
+    wake-up). NCCL completes that future at enqueue time; the extra wake-up
+    then costs one poll.
 
     Not for gloo point-to-point work, which never reports completion by
     itself (use :class:`BlockingWaiter`).
@@ -239,16 +251,34 @@ class CompletionPoller:
     def pending(self) -> int:
         return len(self._watches)
 
-    def watch(self, handle: Any) -> asyncio.Future:
-        """A future for ``handle``'s completion; must be called on the poller's loop."""
+    def watch(self, handle: Any, *, wait_after: bool = False, wake_on_future: bool = False) -> asyncio.Future:
+        """A future for ``handle``'s completion; must be called on the poller's loop.
+
+        ``wait_after``: once complete, read the outcome with ``handle.wait()``
+        instead of ``exception()``. For a completed c10d collective that is
+        immediate on gloo and only orders the current stream on NCCL, and it
+        avoids torch's deprecation warning for ``Work.exception``."""
         if self._task is None and not self._closed:
             self._begin()
         if self._task is None or self._task.done():
             raise RuntimeError("CompletionPoller is not running; use 'async with CompletionPoller()'")
-        watch = _Watch(handle, self._loop.create_future())
+        watch = _Watch(handle, self._loop.create_future(), wait_after)
         self._watches.append(watch)
         self._work_arrived.set()
+        if wake_on_future:
+            handle.get_future().add_done_callback(self._wake_threadsafe)
         return watch.future
+
+    def _wake_threadsafe(self, _done: Any) -> None:
+        """Runs on whichever thread completed the handle: only schedules a wake-up."""
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody is waiting
+            pass
+
+    def _wake(self) -> None:
+        if self._nap is not None and not self._nap.done():
+            self._nap.set_result(None)
 
     async def start(self) -> None:
         if self._task is not None:
@@ -314,7 +344,17 @@ class CompletionPoller:
             if backoff_rounds < 0:
                 await asyncio.sleep(0)
             else:
-                await asyncio.sleep(min(self.backoff_s * 2 ** min(backoff_rounds, 32), self.max_backoff_s))
+                await self._sleep(min(self.backoff_s * 2 ** min(backoff_rounds, 32), self.max_backoff_s))
+
+    async def _sleep(self, seconds: float) -> None:
+        """``asyncio.sleep`` that ``_wake`` can cut short."""
+        self._nap = self._loop.create_future()
+        timer = self._loop.call_later(seconds, _settle, self._nap, None, None)
+        try:
+            await self._nap
+        finally:
+            timer.cancel()
+            self._nap = None
 
     def _poll_once(self) -> bool:
         """Poll every watch once; True when at least one future was settled or dropped."""
@@ -327,7 +367,11 @@ class CompletionPoller:
                 continue
             try:
                 completed = watch.probe()
-                error = _reported_error(watch.handle) if completed else None
+                error = None
+                if completed and watch.wait_after:
+                    watch.handle.wait()  # raises the error the Work carries
+                elif completed:
+                    error = _reported_error(watch.handle)
             except Exception as exc:  # noqa: BLE001 - belongs to this handle's awaiter
                 watch.future.set_exception(exc)
                 progressed = True

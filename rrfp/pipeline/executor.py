@@ -129,7 +129,7 @@ class _Iteration:
                 if channel is not None:
                     self.out_queues[kind] = asyncio.Queue()
                     tg.create_task(self._send(channel, self.out_queues[kind]), name=f"rrfp-send-{channel.name}")
-            await self._arbitrate()
+            await self._arbitrate(tg)
         stats = StageStats(self.busy, time.perf_counter() - t0, self.decisions, self.decision_s,
                            self.tracker.held.peak, iterations=1)
         ex.totals = ex.totals + stats
@@ -138,15 +138,21 @@ class _Iteration:
 
     # -- the arbiter ---------------------------------------------------------
 
-    async def _arbitrate(self) -> None:
+    async def _arbitrate(self, tg: asyncio.TaskGroup) -> None:
         ex, tr = self.ex, self.tracker
+        agreed: asyncio.Task | None = None  # TP: the next decision's round, started while a task runs
+        arrivals = tr.arrivals  # what the ready set in use has seen
         while not tr.done:
             c0 = time.perf_counter()
-            arrivals = tr.arrivals
             if ex.agreement is None:
+                arrivals = tr.arrivals
                 task = tr.next()
             else:
-                everywhere, somewhere = await ex.agreement.agree(tr.ready_tasks())
+                if agreed is None:
+                    arrivals = tr.arrivals
+                    agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks()), name="rrfp-tp-agree")
+                everywhere, somewhere = await agreed
+                agreed = None
                 task = tr.next(among=everywhere)
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
@@ -157,6 +163,13 @@ class _Iteration:
                 await self._wait_for_change(arrivals)
                 continue
             tr.start(task)
+            if ex.agreement is not None and tr.finished + 1 < tr.spec.num_tasks:
+                # Agree on the next decision while this task runs, off the critical path. Every TP
+                # rank runs the same task, so every rank starts this round; arrivals during the task
+                # count from the decision after (docs/design.md, the one state machine).
+                arrivals = tr.arrivals
+                agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(task)),
+                                        name="rrfp-tp-agree")
             await self._run(task)
             tr.finish(task)
             self.ran.append(task)
