@@ -74,6 +74,19 @@ def named_collective(what: str):
         raise PipelineError(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
 
 
+def refuse_unusable(channel, action: str, *, outbound: bool) -> None:
+    """One line saying why ``channel`` cannot ``action``: closed, wrong direction, or failed earlier."""
+    where = channel.where
+    if channel._closed:
+        raise RuntimeError(f"{where}: cannot {action}: the channel is closed")
+    if outbound != channel.outbound:
+        role = "sends" if channel.outbound else "receives"
+        raise RuntimeError(f"{where}: cannot {action}: this rank only {role} on this channel")
+    if channel._failure is not None:
+        first = str(channel._failure).removeprefix(f"{where}: ")
+        raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}") from channel._failure
+
+
 class Channel:
     """One direction between two neighbouring ranks; FIFO, one consumer.
 
@@ -167,14 +180,7 @@ class Channel:
         logger.debug("%s closed after %d message(s)", self.where, self.messages)
 
     def _check_usable(self, action: str, *, outbound: bool) -> None:
-        if self._closed:
-            raise RuntimeError(f"{self.where}: cannot {action}: the channel is closed")
-        if outbound != self.outbound:
-            role = "sends" if self.outbound else "receives"
-            raise RuntimeError(f"{self.where}: cannot {action}: this rank only {role} on this channel")
-        if self._failure is not None:
-            first = str(self._failure).removeprefix(f"{self.where}: ")
-            raise PeerError(f"{self.where}: cannot {action}: the channel failed earlier: {first}") from self._failure
+        refuse_unusable(self, action, outbound=outbound)
 
     def _note_failure(self, job: asyncio.Future) -> None:
         # Also marks the exception as retrieved when nobody awaits the job any more.
