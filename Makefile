@@ -7,7 +7,7 @@ NPROC ?= 4
 CONFIG ?= configs/gpt-tiny.toml
 PY := $(VENV)/bin/python
 
-.PHONY: run test sim bench clean
+.PHONY: run test sim bench gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ sim: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
+gpu-check: $(VENV)/.installed
+	$(PY) scripts/gpu_check.py
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/sim_scale.py

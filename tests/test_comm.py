@@ -279,7 +279,7 @@ def _pipeline_scenario(rank, world, pg_timeout_s):
     import uvloop
 
     import torch.distributed as dist
-    from rrfp.comm.channels import create_pipeline_channels
+    from rrfp.comm.pipeline_channels import create_pipeline_channels
 
     layout = Layout(world, world)
     channels = create_pipeline_channels(layout, rank, pg_timeout_s)
@@ -357,7 +357,8 @@ DEAD_EXIT_CODE = 17
 
 def _peer_failure_scenario(rank, world, pg_timeout_s, *, dies: bool):
     import torch.distributed as dist
-    from rrfp.comm.channels import PeerError, create_pipeline_channels
+    from rrfp.comm.channels import PeerError
+    from rrfp.comm.pipeline_channels import create_pipeline_channels
 
     channels = create_pipeline_channels(Layout(world, world), rank, pg_timeout_s)
     dist.barrier()

@@ -139,3 +139,33 @@ def test_dry_run_shows_a_tp_dp_layout():
     res = rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--set", "pp=2", "--dry-run", world=8)
     assert res.returncode == 0, res.stderr
     assert "layout pp=2 x tp=2 x dp=2 (world size 8)" in res.stdout
+
+
+DEVICE_ERRORS = [
+    (["backend=nccl"], ["run.backend = nccl needs CUDA", "run.backend = gloo"]),  # this machine has no CUDA
+    (["backend=nccl", "device=cpu"], ["carries CUDA tensors only"]),
+    (["device=cuda"], ["run.device = cuda needs run.backend = nccl"]),
+    (["device=tpu"], ["run.device must be auto, cpu or cuda"]),
+    (["backend=mpi"], ["run.backend must be gloo or nccl"]),
+]
+
+
+@pytest.mark.parametrize("sets,needles", DEVICE_ERRORS, ids=[" ".join(s) for s, _ in DEVICE_ERRORS])
+def test_device_and_backend_errors_exit_2_before_any_group(sets, needles):
+    args = [a for s in sets for a in ("--set", s)]
+    assert_usage_error(rrfp("--config", CONFIG, *args, "--dry-run"), *needles)
+
+
+def test_more_ranks_than_gpus_is_refused(monkeypatch):
+    """Checked without a GPU: CUDA is reported present with one device, and two ranks share the node."""
+    import torch
+
+    from rrfp.app.config import ConfigError, TrainConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 ranks on this node but only 1 GPU"):
+        TrainConfig.load(CONFIG, ["backend=nccl"], world_size=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).run.device_type == "cuda"

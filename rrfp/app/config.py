@@ -44,7 +44,8 @@ class RunConfig:
     preset: str = "none"  # variability model for emulated device time
     unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
     timeout_s: float = 60.0  # peer deadline and process-group timeout
-    backend: str = "gloo"
+    backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
+    device: str = "auto"  # auto, cpu or cuda; auto: cuda when backend = nccl
     threads: int = 1  # torch intra-op threads per rank
     trace: str = ""  # merged Chrome trace written by rank 0 at the end
     log_every: int = 1
@@ -65,9 +66,21 @@ class RunConfig:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
             raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
-        if self.backend != "gloo":
-            raise ConfigError(f"run.backend {self.backend!r} is not supported yet: only gloo (CPU); the "
-                              "CUDA lane and NCCL poller exist but are not wired into training")
+        if self.backend not in ("gloo", "nccl"):
+            raise ConfigError(f"run.backend must be gloo or nccl, got {self.backend!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"run.device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ConfigError("run.backend = nccl carries CUDA tensors only: set run.device = cuda (or auto), "
+                              "or run.backend = gloo")
+        if self.device == "cuda" and self.backend == "gloo":
+            raise ConfigError("run.device = cuda needs run.backend = nccl: rrfp's gloo channels carry CPU "
+                              "tensors only")
+
+    @property
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``, once ``auto`` is decided."""
+        return "cuda" if self.backend == "nccl" else "cpu"
 
     @property
     def variability(self) -> Variability:
@@ -101,6 +114,8 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
+        if self.run.device_type == "cuda":
+            _check_cuda(self.world_size)
 
     @property
     def workload(self) -> Workload:
@@ -152,6 +167,21 @@ class TrainConfig:
         run = {f.name: getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
         run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget))
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
+
+
+def _check_cuda(world_size: int) -> None:
+    """CUDA runs need CUDA, and a GPU for every rank on this node."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"run.backend = nccl needs CUDA, but torch {torch.__version__} sees none "
+                          "(a CPU build or no GPU); use run.backend = gloo, or install a CUDA build "
+                          "(make test TORCH_SPEC=torch)")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count()
+    if local > gpus:
+        raise ConfigError(f"{local} ranks on this node but only {gpus} GPU(s): each rank needs its own "
+                          "(use --nproc-per-node <= the GPU count)")
 
 
 def _section(source: str, name: str, kind: type, values) -> Any:

@@ -44,9 +44,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     run, wl = cfg.run, cfg.workload
     torch.set_num_threads(run.threads)
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
-                                     unit_ms=run.unit_ms) as rt:
+                                     unit_ms=run.unit_ms) as rt:  # nccl: this rank's GPU is rt.device
         torch.manual_seed(run.seed)
-        module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
+        module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group).to(rt.device)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
         ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, dispatch=run.dispatch,
                                hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
@@ -58,7 +58,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         for step in range(run.steps):
             # DP replica d trains on its own M microbatches of a global batch of dp * M
             data = wl.batches(cfg.data, step, run.microbatches * run.dp)
-            res = await ex.run_iteration(step, data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches])
+            mine = data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches]
+            if rt.device.type != "cpu":
+                mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
+            res = await ex.run_iteration(step, mine)
             await sync.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import logging
 import re
 
@@ -33,7 +32,6 @@ import torch.distributed as dist
 from rrfp.core.errors import PipelineError
 from rrfp.loop.completions import BlockingWaiter
 from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
-from rrfp.core.layout import Layout
 
 logger = logging.getLogger("rrfp.comm")
 
@@ -234,75 +232,3 @@ class Channel:
 
 def _spec(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-
-
-class PipelineChannels:
-    """This rank's channels to its pipeline neighbours; None where there is no neighbour.
-
-    ``fwd_in`` carries activations from stage s-1, ``fwd_out`` to s+1, ``bwd_in``
-    gradients from s+1, ``bwd_out`` to s-1.
-    """
-
-    def __init__(self, rank: int, fwd_in: Channel | None = None, fwd_out: Channel | None = None,
-                 bwd_in: Channel | None = None, bwd_out: Channel | None = None) -> None:
-        self.rank = rank
-        self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out = fwd_in, fwd_out, bwd_in, bwd_out
-
-    def all(self) -> list[Channel]:
-        return [c for c in (self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out) if c is not None]
-
-    def __repr__(self) -> str:
-        return f"<PipelineChannels rank {self.rank}: {', '.join(c.name for c in self.all()) or 'none'}>"
-
-    async def aclose(self) -> None:
-        for channel in self.all():
-            await channel.aclose()
-
-    async def __aenter__(self) -> PipelineChannels:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
-                             device: torch.device | str = "cpu") -> PipelineChannels:
-    """Create every pipeline process group on every rank; return this rank's channels.
-
-    Must be called by all ranks, with the same layout, after
-    ``init_process_group``: ``new_group`` is collective over the world even for
-    non-members, so the groups are created in one fixed global order (replica
-    (dp, tp), then stage pair s -> s+1, forward before backward). ``timeout``
-    (a timedelta or seconds) becomes each group's timeout: the dead-peer
-    detector, and the longest a receive may wait for its message.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
-                           "create_pipeline_channels")
-    if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"{layout.short()} does not match the process group's world size "
-                         f"{dist.get_world_size()}")
-    if dist.get_rank() != rank:
-        raise ValueError(f"create_pipeline_channels was given rank {rank}, but this process is "
-                         f"rank {dist.get_rank()}")
-    if not isinstance(timeout, datetime.timedelta):
-        timeout = datetime.timedelta(seconds=timeout)
-    found: dict[str, Channel] = {}
-    for dp in range(layout.dp):
-        for tp in range(layout.tp):
-            for s in range(layout.pp - 1):
-                a, b = layout.rank_of(s, tp, dp), layout.rank_of(s + 1, tp, dp)
-                fwd = dist.new_group([a, b], timeout=timeout)
-                bwd = dist.new_group([b, a], timeout=timeout)
-                fwd_name = f"fwd {s}->{s + 1} (rank {a} -> rank {b})"
-                bwd_name = f"bwd {s + 1}->{s} (rank {b} -> rank {a})"
-                if rank == a:
-                    found["fwd_out"] = Channel(fwd_name, rank, b, fwd, outbound=True, device=device)
-                    found["bwd_in"] = Channel(bwd_name, rank, b, bwd, outbound=False, device=device)
-                elif rank == b:
-                    found["fwd_in"] = Channel(fwd_name, rank, a, fwd, outbound=False, device=device)
-                    found["bwd_out"] = Channel(bwd_name, rank, a, bwd, outbound=True, device=device)
-    channels = PipelineChannels(rank, **found)
-    logger.info("rank %d: %d pipeline channel(s): %s", rank, len(channels.all()),
-                ", ".join(c.name for c in channels.all()) or "none")
-    return channels

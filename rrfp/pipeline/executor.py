@@ -108,7 +108,7 @@ class _Iteration:
         self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
         self.ran: list[Task] = []
-        self.losses: dict[int, float] = {}
+        self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.busy = 0.0
         self.decisions = 0
         self.decision_s = 0.0
@@ -130,6 +130,9 @@ class _Iteration:
                     self.out_queues[kind] = asyncio.Queue()
                     tg.create_task(self._send(channel, self.out_queues[kind]), name=f"rrfp-send-{channel.name}")
             await self._arbitrate(tg)
+        if self.losses:  # one device-to-host read per iteration, after the last task
+            values = torch.stack([self.losses[mb] for mb in sorted(self.losses)]).tolist()
+            self.losses = dict(zip(sorted(self.losses), values))
         stats = StageStats(self.busy, time.perf_counter() - t0, self.decisions, self.decision_s,
                            self.tracker.held.peak, iterations=1)
         ex.totals = ex.totals + stats

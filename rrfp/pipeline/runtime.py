@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
-from rrfp.comm.channels import create_pipeline_channels
+from rrfp.comm.pipeline_channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
 from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint, default_split, resolve
@@ -43,8 +43,9 @@ class PipelineRuntime:
     with ``rt.stage_executor(...)`` and await ``run_iteration`` per step.
     """
 
-    def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float,
-                 device: str = "cpu", groups: dict | None = None, owns_process_group: bool = False) -> None:
+    def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float, lane, poller,
+                 groups: dict | None = None, owns_process_group: bool = False,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.layout, self.rank, self.channels, self.timeout_s = layout, rank, channels, timeout_s
         coords = layout.coords(rank)
         self.stage, self.num_stages = coords.pp, layout.pp
@@ -53,8 +54,10 @@ class PipelineRuntime:
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
-        self.poller = CompletionPoller()  # every collective's Work is awaited through it
-        self.lane = make_lane(device, unit_s, name=f"stage{self.stage}")
+        self.cpu_group = groups.get("cpu")  # control plane (stats, gather, barrier); None: the default group
+        self.poller = poller  # every collective's and NCCL message's Work is awaited through it
+        self.lane = lane
+        self.device = device
         self.unit_s = unit_s
         self.owns_process_group = owns_process_group  # finish() destroys only what start() created
 
@@ -63,7 +66,21 @@ class PipelineRuntime:
               timeout_s: float = 60.0, unit_ms: float = 0.0) -> "PipelineRuntime":
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
-        ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp."""
+        ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp.
+
+        ``backend = "nccl"``: this rank computes on ``cuda:LOCAL_RANK`` in a
+        CUDA-stream lane, pipeline messages and DP sync go over NCCL (each
+        communicator created eagerly with ``device_id``), and the control plane
+        (TP agreement, statistics, barrier) stays on gloo CPU groups, so that
+        reading a decision never waits for the device."""
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
+        device = torch.device("cpu")
+        if backend == "nccl":
+            if not torch.cuda.is_available():
+                raise RuntimeError("backend nccl needs CUDA, and this torch has none")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         owns = not dist.is_initialized()
         if owns:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -76,22 +93,30 @@ class PipelineRuntime:
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         if owns:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
         rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
-        channels = create_pipeline_channels(layout, rank, timeout)
+        poller = CompletionPoller()
+        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}")
+        channels = create_pipeline_channels(layout, rank, timeout, device=device, poller=poller,
+                                            compute_stream=getattr(lane, "stream", None))
         groups: dict = {}
-        for key, lists in (("tp", layout.tp_groups()), ("tp_control", layout.tp_groups()),
-                           ("dp", layout.dp_groups())):
+        control = "gloo"  # TP agreement reads its result on the host: never through the device
+        for key, lists, group_backend in (("tp", layout.tp_groups(), None), ("tp_control", layout.tp_groups(), control),
+                                          ("dp", layout.dp_groups(), None)):
             for ranks in lists:
                 if len(ranks) == 1:
                     continue  # a group of one needs no process group
-                g = dist.new_group(ranks, timeout=timeout)
+                g = dist.new_group(ranks, timeout=timeout, backend=group_backend)
                 if rank in ranks:
                     groups[key] = g
+        if backend == "nccl":
+            groups["cpu"] = dist.new_group(timeout=timeout, backend="gloo")
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
                  layout.coords(rank).tp, layout.coords(rank).dp)
-        return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, groups=groups, owns_process_group=owns)
+        return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, lane, poller, groups=groups,
+                   owns_process_group=owns, device=device)
 
     def stage_executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int,
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
@@ -123,11 +148,11 @@ class PipelineRuntime:
                          ) -> torch.Tensor:
         """A world all-reduce, awaited through the poller; a failure names ``what``."""
         return await collectives.all_reduce(self.poller, tensor, f"{what} (ranks 0-{self.layout.world_size - 1})",
-                                            op)
+                                            op, self.cpu_group)
 
     async def gather_object(self, obj) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        gathered = await collectives.all_gather_object(self.poller, obj, "world gather of objects")
+        gathered = await collectives.all_gather_object(self.poller, obj, "world gather of objects", self.cpu_group)
         return gathered if self.rank == 0 else None
 
     async def finish(self) -> None:
@@ -136,7 +161,8 @@ class PipelineRuntime:
         pairs while a peer still uses them makes gloo abort that peer, so nobody
         leaves before everybody is done. Not for error paths: a dead peer would
         fail the barrier only after the process-group timeout."""
-        await collectives.completed(self.poller, dist.barrier(async_op=True), "final barrier of every rank")
+        await collectives.completed(self.poller, dist.barrier(self.cpu_group, async_op=True),
+                                    "final barrier of every rank")
         await self.aclose()
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -57,13 +57,13 @@ class StageWorker:
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
-        self.losses: dict[int, float] = {}  # last stage: unscaled loss of each microbatch
+        self.losses: dict[int, torch.Tensor] = {}  # last stage: unscaled loss of each microbatch
         self._slots: dict[int, _Slot] = {}
 
     # -- tasks ---------------------------------------------------------------
 
-    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor | float:
-        """F(mb). Returns the detached output to send, or the loss value on the last stage."""
+    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """F(mb). Returns the detached output to send, or the (unscaled) loss on the last stage."""
         self._check(Task(Kind.F, mb), None)
         if self.is_last and targets is None:
             raise RuntimeError(f"stage {self.stage}: F{mb} on the last stage needs targets")
@@ -83,7 +83,7 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes)
         if self.is_last:
-            self.losses[mb] = loss.item()
+            self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
             return self.losses[mb]
         return out.detach()
 

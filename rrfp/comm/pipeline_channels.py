@@ -1,0 +1,110 @@
+"""This rank's pipeline channels, created for every rank in one global order.
+
+gloo ``Channel`` on CPU, ``NcclChannel`` on CUDA; either way one process group
+per (neighbour pair, direction), created eagerly (docs/design.md, fact 3).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from rrfp.comm.channels import Channel
+from rrfp.comm.device_ops import CudaOps
+from rrfp.comm.nccl_channel import NcclChannel
+from rrfp.core.layout import Layout
+
+logger = logging.getLogger("rrfp.comm")
+
+
+class PipelineChannels:
+    """This rank's channels to its pipeline neighbours; None where there is no neighbour.
+
+    ``fwd_in`` carries activations from stage s-1, ``fwd_out`` to s+1, ``bwd_in``
+    gradients from s+1, ``bwd_out`` to s-1.
+    """
+
+    def __init__(self, rank: int, fwd_in: Channel | None = None, fwd_out: Channel | None = None,
+                 bwd_in: Channel | None = None, bwd_out: Channel | None = None) -> None:
+        self.rank = rank
+        self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out = fwd_in, fwd_out, bwd_in, bwd_out
+
+    def all(self) -> list[Channel]:
+        return [c for c in (self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out) if c is not None]
+
+    def __repr__(self) -> str:
+        return f"<PipelineChannels rank {self.rank}: {', '.join(c.name for c in self.all()) or 'none'}>"
+
+    async def aclose(self) -> None:
+        for channel in self.all():
+            await channel.aclose()
+
+    async def __aenter__(self) -> PipelineChannels:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
+                             device: torch.device | str = "cpu", poller=None, compute_stream=None
+                             ) -> PipelineChannels:
+    """Create every pipeline process group on every rank; return this rank's channels.
+
+    Must be called by all ranks, with the same layout, after
+    ``init_process_group``: ``new_group`` is collective over the world even for
+    non-members, so the groups are created in one fixed global order (replica
+    (dp, tp), then stage pair s -> s+1, forward before backward). ``timeout``
+    (a timedelta or seconds) becomes each group's timeout: the dead-peer
+    detector, and the longest a receive may wait for its message.
+
+    A CUDA ``device`` makes NCCL channels: each group gets ``device_id`` so its
+    communicator is created now, not at first use, and the loop's ``poller``
+    watches every send and receive; ``compute_stream`` is the lane's stream.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
+                           "create_pipeline_channels")
+    if dist.get_world_size() != layout.world_size:
+        raise ValueError(f"{layout.short()} does not match the process group's world size "
+                         f"{dist.get_world_size()}")
+    if dist.get_rank() != rank:
+        raise ValueError(f"create_pipeline_channels was given rank {rank}, but this process is "
+                         f"rank {dist.get_rank()}")
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if poller is None or compute_stream is None:
+            raise ValueError("NCCL channels need the loop's CompletionPoller and the lane's CUDA stream")
+        ops = CudaOps(device)
+
+        def make(name, peer, group, outbound):
+            return NcclChannel(name, rank, peer, group, outbound=outbound, ops=ops, poller=poller,
+                               compute_stream=compute_stream)
+        group_kw = {"backend": "nccl", "device_id": device}
+    else:
+        def make(name, peer, group, outbound):
+            return Channel(name, rank, peer, group, outbound=outbound, device=device)
+        group_kw = {}
+    found: dict[str, Channel] = {}
+    for dp in range(layout.dp):
+        for tp in range(layout.tp):
+            for s in range(layout.pp - 1):
+                a, b = layout.rank_of(s, tp, dp), layout.rank_of(s + 1, tp, dp)
+                fwd = dist.new_group([a, b], timeout=timeout, **group_kw)
+                bwd = dist.new_group([b, a], timeout=timeout, **group_kw)
+                fwd_name = f"fwd {s}->{s + 1} (rank {a} -> rank {b})"
+                bwd_name = f"bwd {s + 1}->{s} (rank {b} -> rank {a})"
+                if rank == a:
+                    found["fwd_out"] = make(fwd_name, b, fwd, True)
+                    found["bwd_in"] = make(bwd_name, b, bwd, False)
+                elif rank == b:
+                    found["fwd_in"] = make(fwd_name, a, fwd, False)
+                    found["bwd_out"] = make(bwd_name, a, bwd, True)
+    channels = PipelineChannels(rank, **found)
+    logger.info("rank %d: %d pipeline channel(s): %s", rank, len(channels.all()),
+                ", ".join(c.name for c in channels.all()) or "none")
+    return channels

@@ -1,0 +1,140 @@
+"""`make gpu-check`: the CUDA/NCCL path on a real device, with a line for every
+check saying whether it ran, passed or was skipped (and why).
+
+It is a script, not part of `make test`: CI machines have no GPU, and a test
+that only ever skips proves nothing. Exit status is non-zero when a check that
+ran failed.
+
+    .venv/bin/python scripts/gpu_check.py [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "gpt-tiny.toml")
+results: list[tuple[str, str, str]] = []  # (check, RAN-ok | FAILED | SKIPPED, detail)
+
+
+def report(name: str, status: str, detail: str) -> None:
+    results.append((name, status, detail))
+    print(f"[{status:>7}] {name}: {detail}", flush=True)
+
+
+def check(name: str, fn) -> None:
+    try:
+        report(name, "ok", fn())
+    except Exception as e:  # a failed check is reported, and the others still run
+        report(name, "FAILED", f"{type(e).__name__}: {e}")
+
+
+def lane_and_poller() -> str:
+    """A CUDA lane's task completes through an event the poller watches, while the loop keeps running."""
+    import torch
+
+    from rrfp.loop import CompletionPoller, CudaComputeLane
+
+    async def main():
+        async with CompletionPoller() as poller:
+            lane = CudaComputeLane(poller, "cuda:0", unit_s=0.05)
+            ticks = 0
+
+            async def heartbeat():
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0.001)
+
+            beat = asyncio.ensure_future(heartbeat())
+            a = torch.randn(512, 512, device="cuda:0")
+            t0 = time.perf_counter()
+            out = await lane.run(lambda: a @ a, units=1.0)  # 50 ms of emulated device time after the matmul
+            took = time.perf_counter() - t0
+            beat.cancel()
+            torch.cuda.synchronize()
+            assert torch.allclose(out, a @ a, atol=1e-3), "lane result differs"
+            assert took >= 0.04, f"the lane returned after {took * 1e3:.1f} ms, before its emulated 50 ms"
+            assert ticks >= 10, f"the loop ticked {ticks} times during a 50 ms task: it was blocked"
+            return f"task took {took * 1e3:.1f} ms (50 ms emulated), loop ticked {ticks} times, GPU busy " \
+                   f"{lane.busy_s * 1e3:.1f} ms"
+
+    return asyncio.run(main())
+
+
+def train(nproc: int, steps: int, *sets: str) -> list[float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "rrfp",
+           "train", "--config", CONFIG, "--set", f"steps={steps}", "--set", "log_every=1"]
+    for s in sets:
+        cmd += ["--set", s]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if p.returncode != 0:
+        raise RuntimeError(f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)][:steps]
+
+
+def reference_losses(steps: int) -> list[float]:
+    """The same model, data and optimizer in one process on cuda:0."""
+    import torch
+
+    from rrfp.app.config import TrainConfig
+
+    cfg = TrainConfig.load(CONFIG, [f"steps={steps}"], world_size=1)
+    wl = cfg.workload
+    torch.manual_seed(cfg.run.seed)
+    model = wl.build_stage(cfg.model, 0, 1, None).to("cuda:0")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+    losses = []
+    for step in range(steps):
+        batch = wl.batches(cfg.data, step, cfg.run.microbatches)
+        loss = sum(wl.loss_fn(model(x.cuda()), y.cuda()) for x, y in batch) / len(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def compare(got: list[float], want: list[float]) -> str:
+    assert len(got) == len(want), f"{len(got)} losses printed, expected {len(want)}"
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    assert worst < 2e-3, f"losses differ from the single-process reference by up to {worst:.2e}"
+    return f"{len(got)} steps, loss {got[0]:.4f} -> {got[-1]:.4f}, max |diff| vs reference {worst:.1e}"
+
+
+def main() -> int:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--steps", type=int, default=20)
+    args = a.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {gpus}", flush=True)
+    if gpus == 0:
+        for name in ("CUDA lane + poller", "rrfp train pp=1 on CUDA", "rrfp train pp=2 over NCCL"):
+            report(name, "SKIPPED", "no GPU on this machine")
+        return 0
+    check("CUDA lane + poller", lane_and_poller)
+    reference = reference_losses(args.steps)
+    check("rrfp train pp=1 on CUDA",
+          lambda: compare(train(1, args.steps, "backend=nccl", "pp=1"), reference))
+    if gpus >= 2:
+        check("rrfp train pp=2 over NCCL",
+              lambda: compare(train(2, args.steps, "backend=nccl", "pp=2"), reference))
+    else:
+        report("rrfp train pp=2 over NCCL", "SKIPPED", "needs 2 GPUs, this machine has 1")
+    failed = [r for r in results if r[1] == "FAILED"]
+    print(f"gpu-check: {sum(r[1] == 'ok' for r in results)} ok, {len(failed)} failed, "
+          f"{sum(r[1] == 'SKIPPED' for r in results)} skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
