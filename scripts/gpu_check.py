@@ -56,14 +56,23 @@ def lane_and_poller() -> str:
             a = torch.randn(512, 512, device="cuda:0")
             t0 = time.perf_counter()
             out = await lane.run(lambda: a @ a, units=1.0)  # 50 ms of emulated device time after the matmul
+            enqueued = time.perf_counter() - t0
+            await lane.drain()
             took = time.perf_counter() - t0
             beat.cancel()
             torch.cuda.synchronize()
             assert torch.allclose(out, a @ a, atol=1e-3), "lane result differs"
-            assert took >= 0.04, f"the lane returned after {took * 1e3:.1f} ms, before its emulated 50 ms"
+            assert took >= 0.04, f"the task finished after {took * 1e3:.1f} ms, before its emulated 50 ms"
             assert ticks >= 10, f"the loop ticked {ticks} times during a 50 ms task: it was blocked"
-            return f"task took {took * 1e3:.1f} ms (50 ms emulated), loop ticked {ticks} times, GPU busy " \
-                   f"{lane.busy_s * 1e3:.1f} ms"
+            for _ in range(20):  # 10 ms tasks with 2 ms of "deciding" between them
+                await lane.run(lambda: a @ a, units=0.2)
+                await asyncio.sleep(0.002)
+            await lane.drain()
+            gap = sorted(lane.gaps_s)[len(lane.gaps_s) // 2]
+            assert gap < 1e-3, f"the GPU idled a median {gap * 1e6:.0f} us between tasks"
+            return (f"run() returned after {enqueued * 1e3:.2f} ms (enqueued), the task ended after "
+                    f"{took * 1e3:.1f} ms (50 ms emulated), loop ticked {ticks} times; median device gap "
+                    f"between tasks with 2 ms decisions: {gap * 1e6:.0f} us")
 
     return asyncio.run(main())
 

@@ -469,6 +469,75 @@ def test_make_lane_picks_by_device():
         make_lane("cuda:0", unit_s=0.01)
 
 
+class FakeCudaClock:
+    """A torch stand-in for CudaComputeLane: one stream whose kernels take wall-clock time.
+
+    ``kernel(d)`` enqueues d seconds of work behind whatever the stream holds;
+    events complete when the stream's clock passes them, as CUDA events do."""
+
+    def __init__(self) -> None:
+        import contextlib as _cl
+        import types
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                self.busy_until = 0.0
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.t = None
+
+            def record(self, stream) -> None:
+                self.t = max(time.perf_counter(), stream.busy_until)
+
+            def query(self) -> bool:
+                return time.perf_counter() >= self.t
+
+            def elapsed_time(self, other) -> float:
+                return (other.t - self.t) * 1e3
+
+        self.stream = None
+        self.cuda = types.SimpleNamespace(
+            is_available=lambda: True, Stream=self._remember(Stream), Event=Event,
+            device=lambda d: _cl.nullcontext(), stream=lambda s: _cl.nullcontext(), _sleep=lambda cycles: None)
+        self.device = __import__("torch").device
+
+    def _remember(self, cls):
+        def make(device=None):
+            self.stream = cls(device)
+            return self.stream
+        return make
+
+    def kernel(self, seconds: float) -> None:
+        s = self.stream
+        s.busy_until = max(time.perf_counter(), s.busy_until) + seconds
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_cuda_lane_keeps_the_next_task_enqueued_behind_the_running_one():
+    """20 ms tasks, 5 ms of deciding between them: with one task enqueued ahead the
+    device never waits for the loop; waiting for each task leaves a gap per decision."""
+    from rrfp.loop import CudaComputeLane
+
+    gaps = {}
+    for ahead in (1, 0):
+        fake = FakeCudaClock()
+        async with CompletionPoller(spin_rounds=4, backoff_s=1e-4, max_backoff_s=5e-4) as poller:
+            lane = CudaComputeLane(poller, "cuda:0", max_ahead=ahead, torch_module=fake)
+            for i in range(8):
+                t0 = time.perf_counter()
+                assert await lane.run(fake.kernel, 0.02) is None
+                returned_after = time.perf_counter() - t0
+                if ahead and i == 0:
+                    assert returned_after < 0.01, "the first task is only enqueued: run() returns at once"
+                await asyncio.sleep(0.005)  # the loop deciding what comes next
+            await lane.drain()
+        assert lane.tasks_run == 8 and lane.busy_s == pytest.approx(8 * 0.02, rel=0.2)
+        gaps[ahead] = sorted(lane.gaps_s)[len(lane.gaps_s) // 2]
+    assert gaps[1] < 0.001 and gaps[0] > 0.003, gaps
+
+
 # ---------------------------------------------------------------- start-up
 
 

@@ -11,6 +11,8 @@ through the loop's poller: no thread per collective.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,9 +23,10 @@ from rrfp.loop.completions import CompletionPoller
 
 
 class GradSync:
-    def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller,
+    def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller, lane=None,
                  bucket_bytes: int = 4 << 20) -> None:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
+        self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
         self.params = [p for p in module.parameters() if p.requires_grad]
         self._deferred = {id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
                           for p in m.parameters(recurse=False)}
@@ -73,9 +76,14 @@ class GradSync:
         if kind in self._launched:
             return
         self._launched.add(kind)
-        for bucket in self.buckets[kind]:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-            self._inflight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        with self._in_lane_order():
+            for bucket in self.buckets[kind]:
+                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                                  for p in bucket])
+                self._inflight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def _in_lane_order(self):
+        return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
 
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
@@ -86,11 +94,14 @@ class GradSync:
         try:
             for bucket, flat, work in self._inflight:
                 await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}")
-                flat /= self.size
-                offset = 0
-                for p in bucket:
-                    n = p.numel()
-                    p.grad = flat[offset:offset + n].view_as(p).clone()
-                    offset += n
+                with self._in_lane_order():
+                    flat /= self.size
+                    offset = 0
+                    for p in bucket:
+                        n = p.numel()
+                        p.grad = flat[offset:offset + n].view_as(p).clone()
+                        offset += n
+            if self.lane is not None:
+                self.lane.caller_waits()  # the optimizer step runs after the averaged gradients exist
         finally:
             self._reset()

@@ -9,6 +9,8 @@ stage that "computes" leaves its loop free, as a GPU stage does.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -47,6 +49,20 @@ class ComputeLane:
         """Refuse new calls; calls already submitted still run, without blocking the caller."""
         self._thread.shutdown(wait=False)
 
+    # On CPU every call has finished when ``run`` returns: there is nothing to drain or order.
+    async def drain(self) -> None:
+        """Wait until every call made so far has finished (they have)."""
+
+    def follow_caller(self) -> None:
+        """Later lane work runs after the caller's work so far (e.g. the optimizer step)."""
+
+    def caller_waits(self) -> None:
+        """The caller's later work runs after the lane's work so far."""
+
+    def stream_context(self) -> contextlib.AbstractContextManager:
+        """Work issued inside runs in the lane's order (its stream on GPU)."""
+        return contextlib.nullcontext()
+
     async def __aenter__(self) -> ComputeLane:
         return self
 
@@ -72,20 +88,28 @@ class CudaComputeLane:
     """A CUDA stream as the compute lane; completion comes from the loop's poller.
 
     ``fn`` runs on the loop thread with ``self.stream`` current, so it only
-    enqueues kernels; the awaiter resumes when a ``torch.cuda.Event`` recorded
-    after them reports done through :class:`CompletionPoller` (docs/design.md, fact 2).
+    enqueues kernels. ``await run(...)`` returns as soon as at most
+    ``max_ahead`` earlier tasks are still unfinished on the device (default
+    1): the next decided task is enqueued behind the running one, so the GPU
+    does not idle while the loop decides. What a task returns is then a value
+    the stream will produce: later work on this stream, and NCCL sends that
+    wait on an event recorded after it, see it in order. ``drain()`` waits for
+    everything enqueued; ``max_ahead = 0`` waits for each task. A task's
+    completion reaches the loop through a ``torch.cuda.Event`` the
+    :class:`CompletionPoller` watches (docs/design.md, fact 2).
+
     Emulated time is a ``torch.cuda._sleep`` spin enqueued after ``fn``'s
     kernels, calibrated once per lane: unlike the CPU lane it adds to the real
     kernel time rather than padding up to it, because the CPU cannot know the
-    kernels' duration when it enqueues them. Tensors ``fn`` returns belong to
-    this stream: a consumer on another stream must wait on it (or call
-    ``record_stream``).
+    kernels' duration when it enqueues them. ``gaps_s`` records the device's
+    idle time between consecutive tasks.
     """
 
     def __init__(self, poller: CompletionPoller, device: Any, unit_s: float = 0.0,
-                 name: str = "compute") -> None:
-        import torch
-
+                 name: str = "compute", max_ahead: int = 1, torch_module: Any = None) -> None:
+        torch = torch_module
+        if torch is None:
+            import torch
         if not torch.cuda.is_available():
             raise RuntimeError("CudaComputeLane needs CUDA; use ComputeLane on CPU")
         self._torch = torch
@@ -93,9 +117,13 @@ class CudaComputeLane:
         self.device = torch.device(device)
         self.unit_s = unit_s
         self.name = name
-        self.busy_s = 0.0  # GPU time between start and end events of each call
+        self.max_ahead = max_ahead
+        self.busy_s = 0.0  # GPU time between start and end events of each finished call
         self.tasks_run = 0
+        self.gaps_s: list[float] = []
         self.stream = torch.cuda.Stream(device=self.device)
+        self._pending: collections.deque = collections.deque()  # (started, finished) events, oldest first
+        self._last_finished = None
         self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
 
     async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
@@ -110,13 +138,39 @@ class CudaComputeLane:
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             finished.record(self.stream)
-        await self.poller.watch(finished)
-        self.busy_s += started.elapsed_time(finished) / 1e3
-        self.tasks_run += 1
+        self._pending.append((started, finished))
+        while len(self._pending) > self.max_ahead:
+            await self._retire_oldest()
         return result
+
+    async def drain(self) -> None:
+        """Wait until every task enqueued so far has finished on the device."""
+        while self._pending:
+            await self._retire_oldest()
+
+    async def _retire_oldest(self) -> None:
+        started, finished = self._pending[0]
+        await self.poller.watch(finished)
+        self._pending.popleft()
+        self.busy_s += started.elapsed_time(finished) / 1e3
+        if self._last_finished is not None:
+            self.gaps_s.append(max(0.0, self._last_finished.elapsed_time(started) / 1e3))
+        self._last_finished = finished
+        self.tasks_run += 1
 
     def close(self) -> None:
         """Nothing to release: kernels already enqueued finish on their own."""
+
+    def follow_caller(self) -> None:
+        """The lane's stream waits (device side) for the caller's current stream."""
+        self.stream.wait_stream(self._torch.cuda.current_stream(self.device))
+
+    def caller_waits(self) -> None:
+        """The caller's current stream waits (device side) for the lane's stream."""
+        self._torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def stream_context(self) -> contextlib.AbstractContextManager:
+        return self._torch.cuda.stream(self.stream)
 
     async def __aenter__(self) -> CudaComputeLane:
         return self

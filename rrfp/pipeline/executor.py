@@ -109,7 +109,6 @@ class _Iteration:
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
         self.ran: list[Task] = []
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
-        self.busy = 0.0
         self.decisions = 0
         self.decision_s = 0.0
         self.out_queues: dict[Kind, asyncio.Queue] = {}
@@ -120,7 +119,8 @@ class _Iteration:
     async def execute(self) -> IterationResult:
         ex, ch = self.ex, self.ex.channels
         ex.worker.reset()
-        t0 = time.perf_counter()
+        ex.lane.follow_caller()  # on GPU: after the caller's optimizer step and input copies
+        t0, lane_busy = time.perf_counter(), ex.lane.busy_s
         async with asyncio.TaskGroup() as tg:
             for kind, channel in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)):
                 if channel is not None:
@@ -130,10 +130,13 @@ class _Iteration:
                     self.out_queues[kind] = asyncio.Queue()
                     tg.create_task(self._send(channel, self.out_queues[kind]), name=f"rrfp-send-{channel.name}")
             await self._arbitrate(tg)
+        await ex.lane.drain()  # on GPU: tasks may still be enqueued behind each other
+        ex.lane.caller_waits()  # on GPU: the caller's optimizer step sees every gradient
         if self.losses:  # one device-to-host read per iteration, after the last task
             values = torch.stack([self.losses[mb] for mb in sorted(self.losses)]).tolist()
             self.losses = dict(zip(sorted(self.losses), values))
-        stats = StageStats(self.busy, time.perf_counter() - t0, self.decisions, self.decision_s,
+        # busy: the lane's own account (device time on GPU, where run() returns before the work ends)
+        stats = StageStats(ex.lane.busy_s - lane_busy, time.perf_counter() - t0, self.decisions, self.decision_s,
                            self.tracker.held.peak, iterations=1)
         ex.totals = ex.totals + stats
         tokens = sum(int(b[1].numel()) for b in self.batches)
@@ -206,7 +209,6 @@ class _Iteration:
         ex, st, w, mb = self.ex, self.ex.settings, self.ex.worker, task.mb
         units = st.variability.duration(st.seed, self.it, ex.s, mb, task.kind, st.split) if ex.unit_s else 0.0
         start = time.time()
-        c0 = time.perf_counter()
         if task.kind is Kind.F:
             x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
             targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
@@ -225,7 +227,6 @@ class _Iteration:
                 self._post(Message(self.it, mb, int(Kind.B), [grad_in]))
         else:
             await ex.lane.run(w.weight, mb, units=units)
-        self.busy += time.perf_counter() - c0
         if ex.instrument is not None:
             ex.instrument.task(ex.s, self.it, task, start, time.time())
 

@@ -139,7 +139,7 @@ class PipelineRuntime:
         """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
         With ``executor``, each bucket's all-reduce starts inside the iteration,
         as soon as its gradients are final."""
-        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller)
+        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller, self.lane)
         if executor is not None:
             sync.attach(executor)
         return sync
