@@ -72,3 +72,17 @@ def test_collectives_are_futures_without_threads(tp, dp):
             assert out["grad"] == pytest.approx(0.5 + ROUNDS - 1)  # mean of rank + i over ranks 0, 1
     assert results[0]["gathered"] == [{"rank": 0, "data": [0, 1]}, {"rank": 1, "data": [0, 1, 2]}]
     assert results[1]["gathered"] is None
+
+
+def test_nccl_runtime_refused_without_cuda():
+    """Before any process group: a CPU-only torch cannot start an NCCL runtime."""
+    import torch
+
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; scripts/gpu_check.py covers the NCCL runtime")
+    with pytest.raises(RuntimeError, match="backend nccl needs CUDA"):
+        PipelineRuntime.start(backend="nccl")
+    with pytest.raises(ValueError, match="backend 'mpi' is not supported"):
+        PipelineRuntime.start(backend="mpi")
