@@ -55,6 +55,16 @@ class IterationResult:
         return sum(self.losses.values()) / len(self.losses) if self.losses else None
 
 
+def numel(inputs) -> int:
+    """Elements of a microbatch's inputs: a tensor, or a tuple or list of them (None counts 0).
+    The first stage's inputs never travel, so a workload may pass several (e.g. images and text)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.numel()
+    if isinstance(inputs, (tuple, list)):
+        return sum(numel(x) for x in inputs)
+    return 0
+
+
 class StageExecutor:
     """Runs one stage of the pipeline, one iteration per ``run_iteration`` call.
 
@@ -114,7 +124,7 @@ class _Iteration:
         self.out_queues: dict[Kind, asyncio.Queue] = {}
 
     def size_of(self, mb: int) -> int:
-        return int(self.batches[mb][0].numel() * self.ex._bytes_per_token)
+        return int(numel(self.batches[mb][0]) * self.ex._bytes_per_token)
 
     async def execute(self) -> IterationResult:
         ex, ch = self.ex, self.ex.channels
@@ -139,7 +149,7 @@ class _Iteration:
         stats = StageStats(ex.lane.busy_s - lane_busy, time.perf_counter() - t0, self.decisions, self.decision_s,
                            self.tracker.held.peak, iterations=1)
         ex.totals = ex.totals + stats
-        tokens = sum(int(b[1].numel()) for b in self.batches)
+        tokens = sum(numel(b[1]) for b in self.batches)
         return IterationResult(self.it, self.losses, stats, self.ran, tokens)
 
     # -- the arbiter ---------------------------------------------------------
@@ -214,7 +224,7 @@ class _Iteration:
             targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
             out = await ex.lane.run(w.forward, mb, x, targets, units=units)
             if ex.spec.limit.bytes is not None:
-                measured = w.activation_bytes(mb) / max(1, self.batches[mb][0].numel())
+                measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
             if ex.s == ex.S - 1:
                 self.losses[mb] = out
