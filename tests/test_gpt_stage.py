@@ -240,10 +240,10 @@ def test_weight_grads_wait_for_w(data):
     pipe.run_orders([[t for t in _gpipe(s, S, True) if t.kind is not Kind.W] for s in range(S)])
     for w in pipe.workers:
         assert w.inflight == tuple(range(M))
-        mod = w.module
-        for name, p in mod.named_parameters():
-            split_weight = any(k in name for k in ("c_attn", "c_proj", "c_fc", "lm_head"))
-            assert (p.grad is None) == split_weight, name
+        # every weight gradient waits for W: split-aware layers queue theirs, autograd defers the rest
+        # (embeddings, layer norms) to capture points
+        assert all(p.grad is None for p in w.module.parameters()), [n for n, p in w.module.named_parameters()
+                                                                    if p.grad is not None]
         assert w.activation_bytes(0) > 0
     pipe.workers[1].weight(2)
     assert pipe.workers[1].inflight == (0, 1, 3)

@@ -1,13 +1,12 @@
 """Data-parallel gradient averaging over a stage's DP group, in flat buckets
-(as DDP does), each bucket's all-reduce launched as soon as its gradients are final.
+(as DDP does), the all-reduces launched as soon as the gradients are final.
 
-Under a split backward, the parameters of split-aware layers
-(``defers_weight_grad``) get their last gradient from the stage's last W, the
-others from its last B; otherwise every gradient is final after the last B.
-Buckets never mix the two, so B-buckets go out while the stage still runs its
-final Ws. Every replica launches the same buckets in the same order (the last
-B always precedes the last W), and the all-reduces are async Work awaited
-through the loop's poller: no thread per collective.
+With a split backward every weight gradient is computed in W (split-aware
+layers queue theirs, the rest are split with autograd), so the buckets go out
+when the stage's last W finishes; otherwise when its last B does. That is
+inside the iteration, before the executor returns, and every replica
+launches the same buckets in the same order. The all-reduces are async Work
+awaited through the loop's poller: no thread per collective.
 """
 from __future__ import annotations
 
@@ -28,21 +27,17 @@ class GradSync:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
         self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self._deferred = {id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
-                          for p in m.parameters(recurse=False)}
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
         self._arrange(split=False, num_microbatches=0)
         self.launched_early = 0  # buckets launched before sync() was called, over all iterations
 
     def _arrange(self, split: bool, num_microbatches: int) -> None:
-        """Buckets per kind of task that finalises their gradients, in parameter order."""
+        """Buckets, in parameter order, under the kind of task whose last one finalises them."""
         self._split, self._M = split, num_microbatches
         self.buckets: dict[Kind, list[list[nn.Parameter]]] = {Kind.B: [], Kind.W: []}
-        for kind in (Kind.B, Kind.W):
+        for kind in ((Kind.W,) if split else (Kind.B,)):
             current, nbytes = [], 0
             for p in self.params:
-                if (Kind.W if split and id(p) in self._deferred else Kind.B) is not kind:
-                    continue
                 size = p.numel() * p.element_size()
                 if current and (nbytes + size > self.bucket_bytes or p.dtype != current[0].dtype):
                     self.buckets[kind].append(current)
