@@ -33,7 +33,7 @@ from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
 from models.shapes import VLMDataConfig, VLMInputs, batches, max_seq_len
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.nn.tensor_parallel import group_size_rank
-from rrfp.pipeline.workload import Workload
+from rrfp.pipeline.workload import Workload, token_features
 
 log = logging.getLogger(__name__)
 
@@ -246,4 +246,11 @@ def build_stage(cfg: VLMConfig, stage: int, num_stages: int, tp_group=None) -> V
     return st
 
 
-workload = Workload("vlm", VLMConfig, VLMDataConfig, build_stage, loss_fn, batches, check)
+def features(batch) -> dict:
+    """Tokens and attention over the whole sequence, plus the image patches the encoder embeds."""
+    feats = token_features(batch)
+    feats["patches"] = float((batch[1] == -100).sum())  # one target is ignored per image token
+    return feats
+
+
+workload = Workload("vlm", VLMConfig, VLMDataConfig, build_stage, loss_fn, batches, check, features)

@@ -55,6 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint")
     sim.add_argument("--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row")
 
+    cal = sub.add_parser("calibrate", help="measure each stage's F/B/W on sample data and fit the cost model")
+    cal.add_argument("--config", required=True, help="TOML run config (its model and data)")
+    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
+    cal.add_argument("--pp", type=_positive("--pp"), default=4, help="pipeline stages to split into (default 4)")
+    cal.add_argument("--samples", type=_positive("--samples"), default=16,
+                     help="microbatches to fit on; as many more are held out to judge the fit (default 16)")
+    cal.add_argument("--out", help="where to write the model (default runs/cost-MODEL-ppN.json)")
+
     train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
     train.add_argument("--config", required=True, help="TOML run config")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -70,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
             from rrfp.app.sim_command import sim_command
 
             return sim_command(args)
+        if args.command == "calibrate":
+            from rrfp.app.calibrate_command import calibrate_command
+
+            return calibrate_command(args)
         from rrfp.app.train_command import train_command
 
         return train_command(args)

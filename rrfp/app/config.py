@@ -18,6 +18,7 @@ from typing import Any
 from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
 from rrfp.core.budget import Budget
+from rrfp.core.cost import CostModel
 from rrfp.core.hints import Hint, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.policy import Dispatch
@@ -48,6 +49,8 @@ class RunConfig:
     device: str = "auto"  # auto, cpu or cuda; auto: cuda when backend = nccl
     threads: int = 1  # torch intra-op threads per rank
     trace: str = ""  # merged Chrome trace written by rank 0 at the end
+    cost: CostModel | str | None = None  # a cost model file (rrfp calibrate): emulated time from the data
+    sizes: str = ""  # rank 0 writes every iteration's microbatch features and step time here, for rrfp sim
     log_every: int = 1
     model: str = "gpt"  # a workload: models/<name>.py, a dotted module, or module:attribute
 
@@ -62,6 +65,8 @@ class RunConfig:
                 object.__setattr__(self, name, parse(getattr(self, name)))
             except ValueError as e:  # HintError included
                 raise ConfigError(f"run.{name}: {e}") from None
+        if isinstance(self.cost, str):
+            object.__setattr__(self, "cost", _load_cost(self.cost) if self.cost else None)
         if self.preset not in PRESETS:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
@@ -116,6 +121,9 @@ class TrainConfig:
         object.__setattr__(self, "_layout", layout)
         if self.run.device_type == "cuda":
             _check_cuda(self.world_size)
+        if self.run.cost is not None and self.run.cost.num_stages != layout.pp:
+            raise ConfigError(f"run.cost was calibrated for {self.run.cost.num_stages} stages, this layout has "
+                              f"{layout.pp}: rerun rrfp calibrate --pp {layout.pp}")
 
     @property
     def workload(self) -> Workload:
@@ -165,8 +173,18 @@ class TrainConfig:
     def as_dict(self) -> dict:
         """Plain values, as a TOML file would give them."""
         run = {f.name: getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
-        run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget))
+        run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget),
+                   cost="(calibrated)" if self.run.cost is not None else "")
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
+
+
+def _load_cost(path: str) -> CostModel:
+    try:
+        return CostModel.from_json(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"run.cost: cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"run.cost: {path} is not a cost model from rrfp calibrate: {e}") from None
 
 
 def _check_cuda(world_size: int) -> None:

@@ -36,6 +36,7 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     statistics: StageStats = field(default_factory=StageStats)
+    features: list[list[dict]] = field(default_factory=list)  # per step, per microbatch (this replica's)
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
@@ -50,7 +51,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
         ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, dispatch=run.dispatch,
                                hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
-                               seed=run.seed, instrument=recorder)
+                               seed=run.seed, instrument=recorder, cost=run.cost)
         sync = rt.grad_sync(module, ex)
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
@@ -61,7 +62,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             mine = data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches]
             if rt.device.type != "cpu":
                 mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
-            res = await ex.run_iteration(step, mine)
+            feats = [wl.features(b) for b in mine]
+            res = await ex.run_iteration(step, mine, feats)
             await sync.sync()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -75,9 +77,16 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                 wall / world)
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
+            summary.features.append(feats)
             if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
                 on_step(report)
         summary.statistics = ex.statistics()
+        if run.sizes and rt.rank == 0:
+            write_json(run.sizes, {"pp": rt.num_stages, "microbatches": run.microbatches, "seed": run.seed,
+                                   "preset": run.preset, "hint": run.hint.name, "dispatch": str(run.dispatch),
+                                   "budget": str(run.budget), "split": ex.settings.split, "unit_ms": run.unit_ms,
+                                   "features": summary.features, "step_wall_s": summary.wall_s})
+            log.info("wrote microbatch sizes %s", run.sizes)
         if recorder is not None:
             gathered = await rt.gather_object(recorder.spans)
             if rt.rank == 0:

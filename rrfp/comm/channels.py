@@ -122,7 +122,7 @@ class Channel:
     # -- loop side -------------------------------------------------------------
 
     async def send(self, msg: Message) -> None:
-        """Send ``msg`` (header, then each payload tensor).
+        """Send ``msg`` (header, then each payload tensor; a None payload is in the header alone).
 
         Returns once the peer has taken it: gloo point-to-point is a rendezvous,
         so each part completes only after the peer posted the matching receive.
@@ -134,6 +134,9 @@ class Channel:
             raise MessageError(f"{self.where}: cannot send: {e}") from None
         payload = []
         for i, t in enumerate(msg.tensors):
+            if t is None:
+                payload.append(None)
+                continue
             if t.device.type != self.device.type:
                 raise ValueError(f"{self.where}: payload {i} of {msg.label()} is on {t.device}, "
                                  f"but the channel sends from {self.device}")
@@ -194,12 +197,12 @@ class Channel:
     def _peer_error(self, what: str, cause: BaseException) -> PeerError:
         return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}")
 
-    def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor], label: str) -> None:
+    def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str) -> None:
         what = f"send of the header of {label} to rank {self.peer}"
         try:
             dist.send(header, self.peer, group=self.group)
             for i, t in enumerate(payload):
-                if t.numel() == 0:  # the header says it all; gloo cannot move 0 bytes
+                if t is None or t.numel() == 0:  # the header says it all; gloo cannot move 0 bytes
                     continue
                 what = (f"send of tensor {i + 1}/{len(payload)} ({_spec(t)}) of {label} "
                         f"to rank {self.peer}")
@@ -220,7 +223,7 @@ class Channel:
             raise MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}") from e
         tensors = header.empty_tensors(self.device)
         for i, t in enumerate(tensors):
-            if t.numel() == 0:
+            if t is None or t.numel() == 0:  # None and empty payloads are in the header alone
                 continue
             try:
                 dist.recv(t, self.peer, group=self.group)

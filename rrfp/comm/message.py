@@ -10,8 +10,12 @@ Header layout (``HEADER_LEN`` int64 values)::
     magic, version, iteration, microbatch, kind, tensor count,
     then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims
 
-Unused slots and dims are zero. Decoding checks everything, so a stream that
-got out of step fails loudly instead of allocating garbage.
+Unused slots and dims are zero. A ``None`` payload (a stage output or input
+gradient that does not exist, e.g. the gradient of an int mask) takes a slot
+with dtype code ``NONE_CODE``, ndim 0 and zero dims, and no bytes on the wire:
+the header alone says where it goes, so the receiver rebuilds the same
+positions. Decoding checks everything, so a stream that got out of step fails
+loudly instead of allocating garbage.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
     torch.bool: 8,
 }
 DTYPES_BY_CODE: dict[int, torch.dtype] = {code: dtype for dtype, code in DTYPE_CODES.items()}
+NONE_CODE = 9  # a None payload: a slot of its own, so positions survive without padding
 
 
 class MessageError(ValueError):
@@ -66,7 +71,7 @@ class Message:
     iteration: int
     microbatch: int
     kind: int
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor | None] = field(default_factory=list)  # None: a payload that does not exist
 
     def label(self) -> str:
         return _label(self.iteration, self.microbatch, self.kind)
@@ -74,21 +79,28 @@ class Message:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The dtype and shape of one payload tensor."""
+    """The dtype and shape of one payload tensor; ``NONE_SPEC`` (dtype None) for a None payload."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     shape: tuple[int, ...]
 
     @property
+    def is_none(self) -> bool:
+        return self.dtype is None
+
+    @property
     def numel(self) -> int:
-        return math.prod(self.shape)
+        return 0 if self.is_none else math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return 0 if self.is_none else self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def __str__(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        return "None" if self.is_none else f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+NONE_SPEC = TensorSpec(None, ())
 
 
 @dataclass(frozen=True)
@@ -100,9 +112,9 @@ class Header:
     kind: int
     specs: tuple[TensorSpec, ...]
 
-    def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor]:
-        """Receive buffers, one per payload tensor, in payload order."""
-        return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.specs]
+    def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor | None]:
+        """Receive buffers, one per payload tensor, in payload order; None where the payload is None."""
+        return [None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.specs]
 
     def label(self) -> str:
         return _label(self.iteration, self.microbatch, self.kind)
@@ -129,8 +141,11 @@ def encode_header(msg: Message, device: torch.device | str | None = None) -> tor
         raise MessageError(f"{msg.label()} has {len(msg.tensors)} tensors; at most {MAX_TENSORS} fit in a header")
     values = [MAGIC, VERSION, msg.iteration, msg.microbatch, msg.kind, len(msg.tensors)]
     for i, t in enumerate(msg.tensors):
+        if t is None:
+            values += [NONE_CODE, 0, *[0] * MAX_DIMS]
+            continue
         if not isinstance(t, torch.Tensor):
-            raise MessageError(f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor")
+            raise MessageError(f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor or None")
         code = DTYPE_CODES.get(t.dtype)
         if code is None:
             supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
@@ -176,6 +191,12 @@ def decode_header(header: torch.Tensor) -> Header:
                                    f"corrupt header")
             continue
         code, ndim, dims = slot[0], slot[1], slot[2:]
+        if code == NONE_CODE:
+            if ndim or any(dims):
+                raise MessageError(f"{where}: tensor {i} is None (dtype code {NONE_CODE}) but has ndim {ndim} "
+                                   f"and dims {dims}: corrupt header")
+            specs.append(NONE_SPEC)
+            continue
         dtype = DTYPES_BY_CODE.get(code)
         if dtype is None:
             raise MessageError(f"{where}: tensor {i} has unknown dtype code {code}")

@@ -66,7 +66,7 @@ class NcclChannel:
             ops.wait_event(self.stream, produced)  # everything below runs after the producing kernels
             works = [(ops.isend(header_dev, self.peer, self.group), f"send of the header of {msg.label()}")]
             for i, t in enumerate(msg.tensors):
-                if t.numel():
+                if t is not None and t.numel():  # None and empty payloads are in the header alone
                     works.append((ops.isend(t.detach().contiguous(), self.peer, self.group),
                                   f"send of tensor {i + 1}/{len(msg.tensors)} of {msg.label()}"))
         for work, what in works:  # awaiting keeps every tensor alive until NCCL has read it
@@ -92,8 +92,9 @@ class NcclChannel:
         except MessageError as e:
             raise self._fail(MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}"))
         with ops.stream(self.stream):
-            tensors = [ops.empty(s.shape, s.dtype) for s in header.specs]
-            works = [(ops.irecv(t, self.peer, self.group), i) for i, t in enumerate(tensors) if t.numel()]
+            tensors = [None if s.is_none else ops.empty(s.shape, s.dtype) for s in header.specs]
+            works = [(ops.irecv(t, self.peer, self.group), i) for i, t in enumerate(tensors)
+                     if t is not None and t.numel()]
         for work, i in works:
             await self._completed(work, f"receive of tensor {i + 1}/{len(tensors)} of {header.label()} "
                                         f"from rank {self.peer}")
@@ -101,7 +102,8 @@ class NcclChannel:
             for work, _ in works:
                 ops.wait_work(work)
         for t in tensors:
-            ops.record_stream(t, self.compute_stream)
+            if t is not None:
+                ops.record_stream(t, self.compute_stream)
         self.messages += 1
         self._last = header.label()
         return Message(header.iteration, header.microbatch, header.kind, tensors)

@@ -116,6 +116,19 @@ class Variability:
             t = t * np.where(stage == self.slow_stage, self.slow_factor, 1.0)
         return t
 
+    def noise(self, seed, iteration, stage, mb, kind: Kind | int, split: bool = True):
+        """What cannot be known from the data: jitter, stragglers and a slow stage, as a
+        factor (mean about one). Data-driven durations multiply their predicted cost by it."""
+        kind = int(kind)
+        stage = np.asarray(stage)
+        t = lognormal(self.jitter, seed, iteration, stage, mb, kind, _S_JITTER_A)
+        if self.straggler_p > 0:
+            hit = uniform(seed, iteration, stage, mb, kind, _S_STRAGGLE) < self.straggler_p
+            t = t * np.where(hit, self.straggler_x, 1.0)
+        if self.slow_stage >= 0:
+            t = t * np.where(stage == self.slow_stage, self.slow_factor, 1.0)
+        return float(t) if np.ndim(t) == 0 else t
+
     def duration(self, seed, iteration, stage, mb, kind: Kind | int, split: bool = True):
         """Time of one task (or a broadcast array of them). Unsplit B is B + W."""
         kind = int(kind)

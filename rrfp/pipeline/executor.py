@@ -17,6 +17,7 @@ import torch
 
 from rrfp.comm.message import Message
 from rrfp.core.budget import Budget
+from rrfp.core.cost import CostModel
 from rrfp.core.errors import PeerTimeout, ProtocolError
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
@@ -40,6 +41,7 @@ class ExecutorSettings:
     variability: Variability = field(default_factory=Variability)
     seed: int = 0
     peer_timeout_s: float = 60.0
+    cost: CostModel | None = None  # with features: emulated durations from the data, times the preset's noise
 
 
 @dataclass
@@ -98,21 +100,22 @@ class StageExecutor:
         """Totals across iterations so far."""
         return self.totals
 
-    async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                            ) -> IterationResult:
+    async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                            features: Sequence[dict] | None = None) -> IterationResult:
         """Run every task of this stage for one iteration. Gradients accumulate
-        in the stage's parameters (mean over microbatches); the caller steps."""
+        in the stage's parameters (mean over microbatches); the caller steps.
+        ``features`` (one dict per microbatch) lets a cost model set emulated durations."""
         if len(batches) != self.M:
             raise ValueError(f"stage {self.s}: got {len(batches)} microbatches, configured for {self.M}")
-        run = _Iteration(self, iteration, batches)
+        run = _Iteration(self, iteration, batches, features)
         return await run.execute()
 
 
 class _Iteration:
     """One iteration on one stage: the tracker, the tensors in transit, the timings."""
 
-    def __init__(self, ex: StageExecutor, iteration: int, batches) -> None:
-        self.ex, self.it, self.batches = ex, iteration, batches
+    def __init__(self, ex: StageExecutor, iteration: int, batches, features=None) -> None:
+        self.ex, self.it, self.batches, self.features = ex, iteration, batches, features
         self.tracker = StageTracker(ex.spec, self.size_of)
         self.changed = asyncio.Event()
         self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
@@ -217,7 +220,7 @@ class _Iteration:
     async def _run(self, task: Task) -> None:
         """Compute ``task`` on the lane and post what it sends."""
         ex, st, w, mb = self.ex, self.ex.settings, self.ex.worker, task.mb
-        units = st.variability.duration(st.seed, self.it, ex.s, mb, task.kind, st.split) if ex.unit_s else 0.0
+        units = self._units(task) if ex.unit_s else 0.0
         start = time.time()
         if task.kind is Kind.F:
             x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
@@ -229,16 +232,27 @@ class _Iteration:
             if ex.s == ex.S - 1:
                 self.losses[mb] = out
             else:
-                self._post(Message(self.it, mb, int(Kind.F), [out]))
+                # a tuple/list output travels as that many tensors; a lone tensor as one
+                self._post(Message(self.it, mb, int(Kind.F), list(out) if isinstance(out, (tuple, list)) else [out]))
         elif task.kind is Kind.B:
             grad = None if ex.s == ex.S - 1 else self.grads.pop(mb)
             grad_in = await ex.lane.run(w.backward, mb, grad, units=units)
             if ex.s > 0:
-                self._post(Message(self.it, mb, int(Kind.B), [grad_in]))
+                grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
+                self._post(Message(self.it, mb, int(Kind.B), grads))
         else:
             await ex.lane.run(w.weight, mb, units=units)
         if ex.instrument is not None:
             ex.instrument.task(ex.s, self.it, task, start, time.time())
+
+    def _units(self, task: Task) -> float:
+        """Emulated device time: the cost model's prediction for this microbatch's data times the
+        preset's noise, or the preset's duration alone without a cost model."""
+        st, s = self.ex.settings, self.ex.s
+        if st.cost is not None and self.features is not None:
+            return (st.cost.units(s, task.kind, self.features[task.mb], st.split)
+                    * st.variability.noise(st.seed, self.it, s, task.mb, task.kind))
+        return st.variability.duration(st.seed, self.it, s, task.mb, task.kind, st.split)
 
     # -- communication -------------------------------------------------------
 
@@ -260,7 +274,7 @@ class _Iteration:
         for _ in range(self.ex.M):
             msg = await channel.recv()
             mb = msg.microbatch
-            if msg.iteration != self.it or msg.kind != int(kind) or len(msg.tensors) != 1:
+            if msg.iteration != self.it or msg.kind != int(kind) or not msg.tensors:
                 raise ProtocolError(f"{where}: expected a {kind.name} message of iteration {self.it}, got "
                                     f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
                                     f"with {len(msg.tensors)} tensor(s)")
@@ -268,5 +282,7 @@ class _Iteration:
                 self.tracker.arrive(kind, mb)
             except TrackerError as e:
                 raise ProtocolError(f"{where}: iteration {self.it}: {e}") from None
-            (self.inputs if kind is Kind.F else self.grads)[mb] = msg.tensors[0]
+            # one tensor stays a tensor (what single-tensor models expect); several arrive as a tuple
+            (self.inputs if kind is Kind.F else self.grads)[mb] = (msg.tensors[0] if len(msg.tensors) == 1
+                                                                   else tuple(msg.tensors))
             self.changed.set()

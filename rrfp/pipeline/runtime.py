@@ -122,13 +122,13 @@ class PipelineRuntime:
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
-                       instrument: Instrument | None = None) -> StageExecutor:
+                       instrument: Instrument | None = None, cost=None) -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects."""
         h = resolve(hint)
         split = default_split(h.name) if split is None else split
         settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,
-                                    variability or Variability(), seed, self.timeout_s)
+                                    variability or Variability(), seed, self.timeout_s, cost)
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)
         agreement = TPAgreement(self.tp_control, microbatches, self.poller) if self.tp_control is not None else None

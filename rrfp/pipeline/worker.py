@@ -13,6 +13,12 @@ queue their weight-gradient closures during F and splits only the other
 parameters with autograd. The autograd split is the default because it
 measured faster (benchmarks/weight_split.py, GPT middle stage, CPU: B 21.8 ms
 vs 28.3 ms, F 19.2 vs 25.7, W 19.9 vs 12.1 per microbatch).
+
+A stage boundary may carry several tensors: a stage may return a tuple or list
+of tensors and None, and the next stage gets them as one tuple argument (a
+lone tensor stays a lone tensor, so single-tensor models see no difference).
+Only floating-point tensors carry gradients; int masks and None travel along
+with a None gradient.
 """
 from __future__ import annotations
 
@@ -44,8 +50,8 @@ class _Slot:
     """What one microbatch holds between its F and its last backward task."""
 
     state: _State
-    input: torch.Tensor | None
-    output: torch.Tensor | None  # stage output, or the scaled loss on the last stage
+    input: torch.Tensor | tuple | None  # as the module got it: a tensor, or a tuple of tensors and None
+    output: torch.Tensor | tuple | list | None  # stage output, or the scaled loss on the last stage
     queue: WeightGradQueue
     nbytes: int
     weights: WeightPlan | None = None  # split backward: what W computes with autograd
@@ -73,13 +79,14 @@ class StageWorker:
 
     # -- tasks ---------------------------------------------------------------
 
-    def forward(self, mb: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """F(mb). Returns the detached output to send, or the (unscaled) loss on the last stage."""
+    def forward(self, mb: int, x, targets: torch.Tensor | None = None):
+        """F(mb). Returns the detached output to send (a tensor, or a tuple/list as the module
+        returned it), or the (unscaled) loss on the last stage."""
         self._check(Task(Kind.F, mb), None)
         if self.is_last and targets is None:
             raise RuntimeError(f"stage {self.stage}: F{mb} on the last stage needs targets")
         if not self.is_first:
-            x = x.detach().requires_grad_(True)
+            x = self._grad_leaves(mb, x)
         queue = WeightGradQueue()
         counter = _SavedBytes(self.module) if self.measure_activations else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack) if counter is not None
@@ -90,38 +97,63 @@ class StageWorker:
             if self.is_last:
                 loss = self.loss_fn(out, targets)
                 out = loss / self.num_microbatches
+        outputs = _flat(out)
+        if not self.is_last:
+            self._check_output(mb, out, outputs)
         if counter is not None:
-            counter.add(out)
+            for t in outputs:
+                if t is not None:
+                    counter.add(t)
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split:
             modules = self.module if use_queue else _AllParameters(self.module)
-            weights = weight_split.plan(modules, [out], [] if self.is_first else [x])
+            weights = weight_split.plan(modules, [t for t in outputs if _carries_grad(t)],
+                                        [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)])
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
         if self.is_last:
             self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
             return self.losses[mb]
-        return out.detach()
+        if isinstance(out, torch.Tensor):
+            return out.detach()
+        detached = [None if t is None else t.detach() for t in out]
+        return detached if isinstance(out, list) else tuple(detached)
 
-    def backward(self, mb: int, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
-        """B(mb). Returns the gradient for the stage input (None on the first stage)."""
+    def backward(self, mb: int, grad_output=None):
+        """B(mb). Returns the gradient for the stage input in the input's structure: a tensor (or
+        None) for a lone tensor, else a tuple with None where no gradient exists; None on the first stage.
+
+        ``grad_output`` matches the output: a tensor, or a tuple/list with None for outputs that
+        carry no gradient. Only floating outputs that require grad and got a gradient take part."""
         slot = self._check(Task(Kind.B, mb), _State.F_DONE)
+        outputs = _flat(slot.output)
         if self.is_last:
             if grad_output is not None:
                 raise RuntimeError(f"stage {self.stage}: B{mb} on the last stage takes no grad_output")
+            pairs = [(slot.output, None)]  # the scaled loss: autograd seeds it with 1
         else:
-            if grad_output is None:
+            if grad_output is None and any(_carries_grad(t) for t in outputs):
                 raise RuntimeError(f"stage {self.stage}: B{mb} needs grad_output from stage {self.stage + 1}")
-            if grad_output.shape != slot.output.shape:
-                raise RuntimeError(f"stage {self.stage}: B{mb} grad_output shape {tuple(grad_output.shape)} "
-                                   f"!= output shape {tuple(slot.output.shape)}")
-        if slot.weights is not None:  # input gradient only; W does the weights
-            inputs = [] if slot.input is None else [slot.input]
-            grads = weight_split.backward_input(slot.weights, [slot.output], [grad_output], inputs)
-            grad_input = grads[0] if grads else None
+            grads = _flat(grad_output) if grad_output is not None else [None] * len(outputs)
+            if len(grads) != len(outputs):
+                raise RuntimeError(f"stage {self.stage}: B{mb} got {len(grads)} grad_output tensor(s) "
+                                   f"for {len(outputs)} output(s)")
+            for i, (o, g) in enumerate(zip(outputs, grads)):
+                if o is not None and g is not None and g.shape != o.shape:
+                    which = " " if len(outputs) == 1 else f" {i} "
+                    raise RuntimeError(f"stage {self.stage}: B{mb} grad_output{which}shape {tuple(g.shape)} "
+                                       f"!= output{which}shape {tuple(o.shape)}")
+            pairs = [(o, g) for o, g in zip(outputs, grads) if _carries_grad(o) and g is not None]
+        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        inputs = [] if slot.input is None else [t for t in _flat(slot.input) if _carries_grad(t)]
+        if not pairs:  # no gradient reaches this stage's outputs: nothing to do in B or W
+            found = []
+        elif slot.weights is not None:  # input gradient only; W does the weights
+            found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
-            torch.autograd.backward(slot.output, grad_output)
-            grad_input = None if slot.input is None else slot.input.grad
+            torch.autograd.backward(outs, grads)
+            found = [t.grad for t in inputs]
+        grad_input = None if slot.input is None else _in_structure(slot.input, inputs, found)
         slot.input = slot.output = None
         if self.split:
             slot.state = _State.B_DONE
@@ -177,6 +209,52 @@ class StageWorker:
 
     def _finish(self, mb: int, slot: _Slot) -> None:
         slot.state, slot.queue, slot.nbytes, slot.weights = _State.FINISHED, WeightGradQueue(), 0, None
+
+    def _grad_leaves(self, mb: int, x):
+        """A received input as autograd leaves: floats require grad, other tensors and None pass."""
+        if isinstance(x, torch.Tensor):
+            return _leaf(x)
+        if not isinstance(x, (tuple, list)) or not all(t is None or isinstance(t, torch.Tensor) for t in x):
+            raise RuntimeError(f"stage {self.stage}: F{mb} input must be a tensor or a tuple of tensors and None, "
+                               f"got {_describe(x)}")
+        return tuple(_leaf(t) for t in x)
+
+    def _check_output(self, mb: int, out, outputs: list) -> None:
+        """What a stage sends on must fit a message: tensors and None, at least one entry."""
+        if (not isinstance(out, (torch.Tensor, tuple, list)) or not outputs
+                or not all(t is None or isinstance(t, torch.Tensor) for t in outputs)):
+            raise RuntimeError(f"stage {self.stage}: F{mb} output must be a tensor or a non-empty tuple/list "
+                               f"of tensors and None, got {_describe(out)}")
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.detach()
+    return t.requires_grad_(True) if t.is_floating_point() else t
+
+
+def _flat(value) -> list:
+    """A tensor (or None) as a one-element list; a tuple or list as a list."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _carries_grad(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+
+
+def _in_structure(x, inputs: list, grads: list):
+    """The gradients of ``inputs`` (the grad-carrying entries of ``x``) laid out like ``x``."""
+    by_id = {id(t): g for t, g in zip(inputs, grads)}
+    if isinstance(x, torch.Tensor):
+        return by_id.get(id(x))
+    return tuple(None if t is None else by_id.get(id(t)) for t in x)
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__} of ({', '.join(type(t).__name__ for t in value)})"
+    return type(value).__name__
 
 
 class _AllParameters(nn.Module):

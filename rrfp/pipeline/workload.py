@@ -20,6 +20,14 @@ def _no_check(model_cfg: Any, data_cfg: Any, num_stages: int, tp: int) -> None:
     return None
 
 
+def token_features(batch: Batch) -> dict:
+    """What a microbatch of token sequences costs: its targets' tokens and the attention
+    term (rows x length squared). The cost model (rrfp.core.cost) turns these into time."""
+    targets = batch[1]
+    rows, length = (targets.shape[0], targets.shape[-1]) if targets.dim() > 1 else (1, targets.numel())
+    return {"tokens": float(targets.numel()), "attn": float(rows * length * length), "patches": 0.0}
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -33,3 +41,5 @@ class Workload:
     # (model_cfg, data_cfg, num_stages, tp): ValueError when the layout cannot fit the model,
     # called before any process group exists
     check: Callable[[Any, Any, int, int], None] = _no_check
+    # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
+    features: Callable[[Batch], dict] = token_features

@@ -1,0 +1,108 @@
+"""`rrfp calibrate`: measure every stage's real F, B and W on sample microbatches
+in one process, fit the cost model, print the fit, and save it for `run.cost`.
+
+The fit is judged on microbatches it was not fitted on (every other sample),
+so the printed errors are what a run will see.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from rrfp.app.config import TrainConfig
+from rrfp.core.cost import CostModel, ranking_agreement
+from rrfp.observe.trace import write_atomic
+from rrfp.pipeline.worker import StageWorker
+
+KINDS = "FBW"
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
+    """(stage, kind, features, seconds) for every task of ``samples`` microbatches, split backward."""
+    wl, S = cfg.workload, cfg.layout.pp
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    stages = [wl.build_stage(cfg.model, s, S, None) for s in range(S)]
+    workers = [StageWorker(m, s, S, 1, wl.loss_fn, split=True) for s, m in enumerate(stages)]
+    out = []
+    for i in range(samples + 2):  # the first two warm up
+        batch = wl.batches(cfg.data, 10_000 + i, 1)[0]
+        feats = wl.features(batch)
+        times = []
+        x = batch[0]
+        for s, w in enumerate(workers):
+            x, t = _timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
+            times.append((s, 0, t))
+        grad = None
+        for s in reversed(range(S)):
+            grad, t = _timed(workers[s].backward, 0, grad)
+            times.append((s, 1, t))
+        for s in range(S):
+            _, t = _timed(workers[s].weight, 0)
+            times.append((s, 2, t))
+            workers[s].reset()
+            stages[s].zero_grad(set_to_none=True)
+        if i >= 2:
+            out += [(s, k, feats, t) for s, k, t in times]
+        if progress is not None:
+            progress(i + 1, samples + 2)
+    return out
+
+
+def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: int, file=sys.stdout) -> dict:
+    """Median |error| and rank agreement per stage and kind, on samples the fit never saw."""
+    summary = {}
+    print(f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + b*tokens + "
+          f"c*attn + d*patches", file=file)
+    errors_all = []
+    for s in range(S):
+        for k in range(3):
+            rows = [(f, t) for ss, kk, f, t in held_out if ss == s and kk == k]
+            pred = [model.seconds(s, k, f) for f, _ in rows]
+            meas = [t for _, t in rows]
+            errs = [abs(p - m) / m for p, m in zip(pred, meas) if m > 0]
+            errors_all += errs
+            med, rank = statistics.median(errs), ranking_agreement(pred, meas)
+            summary[f"{s}{KINDS[k]}"] = {"median_error": med, "rank_agreement": rank}
+            c = model.coef[s][k]
+            print(f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.3g} us*tok "
+                  f"+ {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch", file=file)
+    summary["median_error"] = statistics.median(errors_all)
+    return summary
+
+
+def calibrate_command(args) -> int:
+    cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
+    S = cfg.layout.pp
+    samples = measure(cfg, 2 * args.samples)
+    per_micro = 3 * S
+    fit_rows, check_rows = [], []
+    for i in range(0, len(samples), per_micro):  # alternate microbatches: fit on half, judge on the rest
+        (fit_rows if (i // per_micro) % 2 == 0 else check_rows).extend(samples[i:i + per_micro])
+    model = CostModel.fit(fit_rows)
+    print(f"rrfp calibrate: {cfg.run.model}, {S} stages, {args.samples} microbatches to fit and "
+          f"{args.samples} held out; real compute on this CPU ({torch.get_num_threads()} thread(s))")
+    summary = report(model, check_rows, S)
+    f_meas = [t for _, k, _, t in check_rows if k == 0]
+    f_pred = [model.seconds(s, 0, f) for s, k, f, _ in check_rows if k == 0]
+    per_mb = [sum(t for s, k, f, t in check_rows[i:i + per_micro]) for i in range(0, len(check_rows), per_micro)]
+    per_mb_pred = [sum(model.seconds(s, k, f) for s, k, f, _ in check_rows[i:i + per_micro])
+                   for i in range(0, len(check_rows), per_micro)]
+    print(f"all tasks: median |error| {summary['median_error']:.1%}; microbatch totals: rank agreement "
+          f"{ranking_agreement(per_mb_pred, per_mb):.2f}; one emulated unit = {model.reference_s * 1e3:.3f} ms "
+          f"(mean F); F spread over microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
+          f"{np.std(f_pred) / np.mean(f_pred):.0%} predicted")
+    out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
+    write_atomic(out, model.to_json())
+    print(f"wrote {out}: train with --set cost={out} --set unit_ms=...")
+    return 0

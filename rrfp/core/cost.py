@@ -1,0 +1,89 @@
+"""Task costs from the data: each stage's F, B and W time as a linear function
+of what a microbatch holds (tokens, the attention term that grows with length
+squared, image patches).
+
+Fitted by least squares on measured times (``rrfp calibrate``), so emulated
+device time stretches the real relative costs of the data being trained, and
+the simulator can replay the same work. Pure numpy.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+FEATURES = ("tokens", "attn", "patches")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``coef[stage][kind]`` = [intercept, one weight per feature], in seconds."""
+
+    coef: tuple[tuple[tuple[float, ...], ...], ...]
+    reference_s: float  # mean F time of the calibration microbatches over stages: one emulated unit
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.coef)
+
+    def seconds(self, stage: int, kind: int, feats: dict) -> float:
+        c = self.coef[stage][kind]
+        return max(0.0, c[0] + sum(w * float(feats.get(f, 0.0)) for w, f in zip(c[1:], FEATURES)))
+
+    def units(self, stage: int, kind: int, feats: dict, split: bool = True) -> float:
+        """Emulated units (one = the average forward). Unsplit B is B + W."""
+        t = self.seconds(stage, kind, feats)
+        if kind == 1 and not split:
+            t += self.seconds(stage, 2, feats)
+        return t / self.reference_s
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, dict, float]]) -> "CostModel":
+        """Least squares per (stage, kind) over samples of (stage, kind, features, seconds);
+        features that never vary are dropped from that fit."""
+        stages = 1 + max(s for s, *_ in samples)
+        coef = []
+        for s in range(stages):
+            per_kind = []
+            for k in range(3):
+                rows = [(f, t) for ss, kk, f, t in samples if ss == s and kk == k]
+                if not rows:
+                    per_kind.append((0.0,) * (1 + len(FEATURES)))
+                    continue
+                X = np.array([[1.0] + [float(f.get(name, 0.0)) for name in FEATURES] for f, _ in rows])
+                y = np.array([t for _, t in rows])
+                used = [0] + [j for j in range(1, X.shape[1]) if np.ptp(X[:, j]) > 0]
+                w, *_ = np.linalg.lstsq(X[:, used] / _scale(X[:, used]), y, rcond=None)
+                full = np.zeros(X.shape[1])
+                full[used] = w / _scale(X[:, used])
+                per_kind.append(tuple(float(v) for v in full))
+            coef.append(tuple(per_kind))
+        model = cls(tuple(coef), 1.0)
+        f_times = [model.seconds(s, 0, f) for s, k, f, _ in samples if k == 0]
+        return cls(tuple(coef), float(np.mean(f_times)) if f_times else 1.0)
+
+    def to_json(self) -> str:
+        return json.dumps({"features": FEATURES, "coef": self.coef, "reference_s": self.reference_s}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        doc = json.loads(text)
+        if tuple(doc.get("features", ())) != FEATURES:
+            raise ValueError(f"cost model features {doc.get('features')} are not {list(FEATURES)}")
+        return cls(tuple(tuple(tuple(c) for c in kinds) for kinds in doc["coef"]), float(doc["reference_s"]))
+
+
+def _scale(X: np.ndarray) -> np.ndarray:
+    """Column scales that keep the least-squares problem well conditioned."""
+    s = np.abs(X).max(axis=0)
+    return np.where(s > 0, s, 1.0)
+
+
+def ranking_agreement(predicted: list[float], measured: list[float]) -> float:
+    """Spearman rank correlation: 1 when the predicted order of costs is the measured one."""
+    if len(predicted) < 2:
+        return 1.0
+    rp = np.argsort(np.argsort(predicted))
+    rm = np.argsort(np.argsort(measured))
+    return float(np.corrcoef(rp, rm)[0, 1])
