@@ -563,3 +563,15 @@ def test_run_falls_back_to_asyncio_without_uvloop(monkeypatch, caplog):
         assert not isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_a_wake_up_before_any_back_off_is_harmless(loop_errors):
+    """A collective that completes while the poller has not slept yet still wakes it cleanly."""
+    async with CompletionPoller() as poller:
+        work = FutureWork(0.0)
+        await asyncio.sleep(0.01)  # completed before it is watched: the callback runs at once
+        await poller.watch(work, wait_after=True, wake_on_future=True)
+        poller._wake()
+    assert loop_errors == []

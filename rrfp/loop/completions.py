@@ -77,7 +77,6 @@ class BlockingWaiter:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._nap: asyncio.Future | None = None  # the back-off sleep in progress
         self._thread = threading.Thread(
             target=self._serve, name=f"rrfp-waiter-{name}", daemon=True)
         self._thread.start()
@@ -246,6 +245,7 @@ class CompletionPoller:
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._nap: asyncio.Future | None = None  # the back-off sleep in progress
 
     @property
     def pending(self) -> int:
