@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
     sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
+    sim.add_argument("--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead")
+    sim.add_argument("--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay")
     sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")
     sim.add_argument("--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint")
     sim.add_argument("--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row")

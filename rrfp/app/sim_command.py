@@ -57,7 +57,44 @@ def _table(args, budget: Budget, var: Variability, rows: list[Row], out) -> None
               f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}", file=out)
 
 
+def replay_command(args) -> int:
+    """`rrfp sim --replay SIZES --cost COST`: each recorded step simulated on its own microbatches."""
+    import statistics
+    from pathlib import Path
+
+    from rrfp.core.cost import CostModel
+    from rrfp.sim.replay import replay
+
+    if not args.cost:
+        raise UsageError("--replay needs --cost: the cost model the run used (rrfp calibrate)")
+    try:
+        doc = json.loads(Path(args.replay).read_text())
+        cost = CostModel.from_json(Path(args.cost).read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read {e.filename}: {e.strerror}") from None
+    except (ValueError, KeyError) as e:
+        raise UsageError(f"--replay/--cost: not a sizes file and a cost model: {e}") from None
+    if not doc.get("unit_ms"):
+        raise UsageError(f"{args.replay}: the run had unit_ms = 0 (no emulated time to compare with)")
+    rows = replay(doc, cost)
+    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {doc['pp']} stages, "
+          f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)")
+    print(f"{'step':>4} {'simulated ms':>13} {'measured ms':>12} {'error':>7}")
+    errs = []
+    for step, sim_ms, meas_ms in rows:
+        err = meas_ms / sim_ms - 1
+        if step > 0:  # step 1 warms up
+            errs.append(err)
+        print(f"{step + 1:>4} {sim_ms:>13.1f} {meas_ms:>12.1f} {err:>+7.1%}")
+    if errs:
+        print(f"measured vs simulated after step 1: median {statistics.median(errs):+.1%} "
+              f"(range {min(errs):+.1%} .. {max(errs):+.1%})")
+    return 0
+
+
 def sim_command(args) -> int:
+    if args.replay:
+        return replay_command(args)
     budget, dispatches, hints, var = _resolve(args)
     base = SimConfig(args.pp, args.mb, budget=budget, variability=var)
     try:

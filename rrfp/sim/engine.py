@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -46,6 +46,7 @@ class SimConfig:
     split: bool | None = None  # None: the hint's default
     mb_bytes: int = 1 << 20  # activation bytes of a mean-size microbatch, for byte budgets
     record: bool = False  # keep the timeline
+    durations: Any = None  # [S][M][3] task durations to replay instead of drawing them (rrfp.sim.replay)
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -115,11 +116,14 @@ def _durations(cfg: SimConfig):
     """dur[s, m, kind], message latencies lat_f/lat_b[s, m] and activation sizes, all drawn at once."""
     S, M, split, var = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.variability
     s_idx, m_idx, key = np.arange(S)[:, None], np.arange(M)[None, :], (cfg.seed, cfg.iteration)
-    dur = np.zeros((S, M, 3))
-    dur[:, :, 0] = var.duration(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
-    dur[:, :, 1] = var.duration(*key, s_idx, m_idx, Kind.B, split) * np.ones((S, M))
-    if split:
-        dur[:, :, 2] = var.duration(*key, s_idx, m_idx, Kind.W) * np.ones((S, M))
+    if cfg.durations is not None:
+        dur = np.array(cfg.durations, dtype=np.float64).reshape(S, M, 3)
+    else:
+        dur = np.zeros((S, M, 3))
+        dur[:, :, 0] = var.duration(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
+        dur[:, :, 1] = var.duration(*key, s_idx, m_idx, Kind.B, split) * np.ones((S, M))
+        if split:
+            dur[:, :, 2] = var.duration(*key, s_idx, m_idx, Kind.W) * np.ones((S, M))
     lat_f = var.latency(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
     lat_b = var.latency(*key, s_idx, m_idx, Kind.B) * np.ones((S, M))
     sizes = (var.length(*key, np.arange(M)) * cfg.mb_bytes).astype(np.int64).tolist()

@@ -1,0 +1,38 @@
+"""Replay a run's real microbatches in the simulator.
+
+A run with ``run.cost`` and ``run.sizes`` keeps every step's microbatch
+features; the same cost model and the same noise (seed, step, stage,
+microbatch, kind) give the durations the run's lane emulated, so the
+simulated and the measured iteration describe the same work.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rrfp.core.cost import CostModel
+from rrfp.core.variability import Variability
+from rrfp.sim.engine import SimConfig, simulate
+
+
+def replay_durations(cost: CostModel, var: Variability, features: list[dict], seed: int, step: int,
+                     split: bool) -> np.ndarray:
+    """[S, M, 3] durations in emulated units, as the runtime's lane held them."""
+    S, M = cost.num_stages, len(features)
+    dur = np.zeros((S, M, 3))
+    for s in range(S):
+        for m, feats in enumerate(features):
+            for k in range(3 if split else 2):
+                dur[s, m, k] = cost.units(s, k, feats, split) * var.noise(seed, step, s, m, k)
+    return dur
+
+
+def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
+    """(step, simulated ms, measured ms) for every step of a sizes file."""
+    var = Variability.preset(doc["preset"])
+    out = []
+    for step, (feats, wall) in enumerate(zip(doc["features"], doc["step_wall_s"])):
+        dur = replay_durations(cost, var, feats, doc["seed"], step, doc["split"])
+        cfg = SimConfig(doc["pp"], len(feats), doc["hint"], doc["dispatch"], doc["budget"], var, seed=doc["seed"],
+                        iteration=step, split=doc["split"], durations=dur.tolist())
+        out.append((step, simulate(cfg).makespan * doc["unit_ms"], wall * 1e3))
+    return out
