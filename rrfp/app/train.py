@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.core.stats import StageStats
@@ -36,7 +37,8 @@ class TrainSummary:
     losses: list[float] = field(default_factory=list)
     wall_s: list[float] = field(default_factory=list)
     statistics: StageStats = field(default_factory=StageStats)
-    features: list[list[dict]] = field(default_factory=list)  # per step, per microbatch (this replica's)
+    features: list[list[dict]] = field(default_factory=list)  # with run.sizes: per step, per microbatch
+    slowest_s: list[float] = field(default_factory=list)  # with run.sizes: per step, the slowest rank's iteration
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
@@ -77,7 +79,11 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                 wall / world)
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
-            summary.features.append(feats)
+            if run.sizes:  # the iteration ends when its slowest stage does: that is what a replay simulates
+                longest = torch.tensor([res.stats.wall], dtype=torch.float64)
+                await rt.all_reduce(longest, dist.ReduceOp.MAX, what=f"step {step + 1}: world max of iteration time")
+                summary.features.append(feats)
+                summary.slowest_s.append(longest.item())
             if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
                 on_step(report)
         summary.statistics = ex.statistics()
@@ -85,7 +91,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             write_json(run.sizes, {"pp": rt.num_stages, "microbatches": run.microbatches, "seed": run.seed,
                                    "preset": run.preset, "hint": run.hint.name, "dispatch": str(run.dispatch),
                                    "budget": str(run.budget), "split": ex.settings.split, "unit_ms": run.unit_ms,
-                                   "features": summary.features, "step_wall_s": summary.wall_s})
+                                   "features": summary.features, "step_wall_s": summary.slowest_s})
             log.info("wrote microbatch sizes %s", run.sizes)
         if recorder is not None:
             gathered = await rt.gather_object(recorder.spans)
