@@ -34,26 +34,28 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None) for s in range(S)]
     workers = [StageWorker(m, s, S, 1, wl.loss_fn, split=True) for s, m in enumerate(stages)]
+    def one_pass(batch) -> dict:
+        times = {}
+        x = batch[0]
+        for s, w in enumerate(workers):
+            x, times[s, 0] = _timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
+        grad = None
+        for s in reversed(range(S)):
+            grad, times[s, 1] = _timed(workers[s].backward, 0, grad)
+        for s in range(S):
+            _, times[s, 2] = _timed(workers[s].weight, 0)
+            workers[s].reset()
+            stages[s].zero_grad(set_to_none=True)
+        return times
+
     out = []
     for i in range(samples + 2):  # the first two warm up
         batch = wl.batches(cfg.data, 10_000 + i, 1)[0]
         feats = wl.features(batch)
-        times = []
-        x = batch[0]
-        for s, w in enumerate(workers):
-            x, t = _timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
-            times.append((s, 0, t))
-        grad = None
-        for s in reversed(range(S)):
-            grad, t = _timed(workers[s].backward, 0, grad)
-            times.append((s, 1, t))
-        for s in range(S):
-            _, t = _timed(workers[s].weight, 0)
-            times.append((s, 2, t))
-            workers[s].reset()
-            stages[s].zero_grad(set_to_none=True)
+        # each task's best of two passes: a shape seen for the first time pays one-off costs
+        first, second = one_pass(batch), one_pass(batch)
         if i >= 2:
-            out += [(s, k, feats, t) for s, k, t in times]
+            out += [(s, k, feats, min(first[s, k], second[s, k])) for s in range(S) for k in range(3)]
         if progress is not None:
             progress(i + 1, samples + 2)
     return out
