@@ -165,3 +165,36 @@ def test_cli_json_to_stdout_is_json_alone():
     doc = json.loads(p.stdout)
     assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {("fixed", "1f1b"), ("ready", "bfw")}
     assert "speedup vs fixed 1f1b" in p.stderr and "speedup" not in p.stdout.split("{", 1)[0]
+
+
+def test_plot_draws_any_rrfp_trace(tmp_path):
+    """`rrfp plot` reads a Chrome trace back into spans and draws one timeline per process."""
+    from rrfp.observe.plot import spans_from_chrome
+
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    assert run_cli("sim", "--pp", "3", "--mb", "4", "--seeds", "1", "--hints", "bfw", "--trace",
+                   str(trace)).returncode == 0
+    runs = spans_from_chrome(json.loads(trace.read_text()))
+    by_name = dict(runs)
+    assert runs[0][0] == "fixed 1f1b" and set(by_name) == {"fixed 1f1b", "ready bfw", "fixed bfw"}
+    assert sorted({sp.name[0] for sp in by_name["ready bfw"]}) == ["B", "F", "W"]
+    assert len(by_name["ready bfw"]) == 3 * 4 * 3 and len(by_name["fixed 1f1b"]) == 3 * 4 * 2
+    p = run_cli("plot", str(trace), "--out", str(png))
+    assert p.returncode == 0 and "3 timeline(s), 96 tasks" in p.stdout, p.stderr
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.json").write_text("{")
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        p = run_cli("plot", str(bad))
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_plot_merges_the_ranks_of_a_measured_run():
+    """Ranks share one clock: one timeline with every stage, starting at the first task (not a wait)."""
+    from rrfp.observe.plot import spans_from_chrome
+    from rrfp.observe.trace import Span, chrome_trace
+
+    spans = [Span("rank 0", 0, "wait", 9.0, 10.0), Span("rank 0", 0, "F0", 10.0, 10.5),
+             Span("rank 1", 1, "F0", 10.6, 11.0), Span("rank 1", 1, "B0", 11.0, 11.2)]
+    (title, got), = spans_from_chrome(chrome_trace(spans))
+    assert title == "measured (all ranks)"
+    assert [(sp.stage, sp.name, round(sp.start, 6)) for sp in got] == [(0, "F0", 0.0), (1, "F0", 0.6), (1, "B0", 1.0)]

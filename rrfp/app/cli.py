@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint")
     sim.add_argument("--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row")
 
+    plot = sub.add_parser("plot", help="draw a timeline PNG from an rrfp Chrome trace (real or simulated)")
+    plot.add_argument("trace", help="a trace from rrfp sim --trace or rrfp train --set trace=...")
+    plot.add_argument("--out", help="PNG to write (default: the trace's name with .png)")
+
     cal = sub.add_parser("calibrate", help="measure each stage's F/B/W on sample data and fit the cost model")
     cal.add_argument("--config", required=True, help="TOML run config (its model and data)")
     cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
@@ -73,6 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plot(args) -> int:
+    import json
+    from pathlib import Path
+
+    from rrfp.observe.plot import plot_timelines, spans_from_chrome
+
+    try:
+        runs = spans_from_chrome(json.loads(Path(args.trace).read_text()))
+    except OSError as e:
+        raise UsageError(f"cannot read trace {args.trace}: {e.strerror}") from None
+    except ValueError as e:  # bad JSON included
+        raise UsageError(f"{args.trace}: {e}") from None
+    out = args.out or str(Path(args.trace).with_suffix(".png"))
+    plot_timelines(out, runs, unit="from the first task: seconds, or average forwards for rrfp sim traces")
+    print(f"wrote {out}: {len(runs)} timeline(s), {sum(len(s) for _, s in runs)} tasks")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -80,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             from rrfp.app.sim_command import sim_command
 
             return sim_command(args)
+        if args.command == "plot":
+            return _plot(args)
         if args.command == "calibrate":
             from rrfp.app.calibrate_command import calibrate_command
 
