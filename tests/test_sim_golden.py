@@ -17,6 +17,6 @@ def test_makespans_match_golden(case, tmp_path):
     out = tmp_path / "r.json"
     assert main([*["sim"], *case["args"], "--json", str(out)]) == 0
     rows = {f"{r['executor']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]}
-    assert rows.keys() == case["makespans"].keys()
+    assert case["makespans"].keys() <= rows.keys()  # rows added since (the planned hint) are new, not changed
     for key, want in case["makespans"].items():
         assert rows[key] == pytest.approx(want, abs=1e-9, rel=0), key

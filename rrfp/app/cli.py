@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--budget", default=DEFAULT_BUDGET,
                      help="ready executor's in-flight budget: N, Nx (N times 1F1B's) or bytes like 512MiB (default 2x)")
     sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"])
-    sim.add_argument("--hints", type=_csv_list, default=list(BUILTIN),
-                     help="comma list: builtin names, .csv files or module:function")
+    sim.add_argument("--hints", type=_csv_list, default=[*BUILTIN, "plan"],
+                     help="comma list: builtin names, plan (planned per seed from known costs), .csv files "
+                          "or module:function")
     sim.add_argument("--comm", type=float, default=None, help="latency per message (default 0.05)")
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
     sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")

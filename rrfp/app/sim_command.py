@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import sys
+
+import numpy as np
 from dataclasses import replace
 
 from rrfp.app.errors import UsageError
@@ -53,8 +55,9 @@ def _table(args, budget: Budget, var: Variability, rows: list[Row], out) -> None
           f"{'peak in-flight':>14} {'bubble':>7}", file=out)
     for r in rows:
         lo, hi = r.spread
+        planned = f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
         print(f"{r.executor:<8} {r.hint:<12} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}", file=out)
+              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}{planned}", file=out)
 
 
 def replay_command(args) -> int:

@@ -72,7 +72,7 @@ def zbh1(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 
 BUILTIN: dict[str, HintFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "bf": bf, "bfw": bfw}
-SPLIT_BY_DEFAULT = {"zbh1", "bfw"}
+SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan"}
 CLASS_HINTS = {"bf", "bfw"}
 
 
@@ -116,6 +116,7 @@ class Hint:
     name: str
     fn: HintFn
     is_class: bool = False
+    planned: bool = False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
         if self.is_class:
@@ -184,6 +185,8 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
     if callable(spec):
         return Hint(getattr(spec, "__name__", "user"), spec)
     name = str(spec).strip()
+    if name.lower() == "plan":  # BFW until a planner gives it this iteration's entry order
+        return Hint("plan", bfw, is_class=True, planned=True)
     if name.lower() in BUILTIN:
         return Hint(name.lower(), BUILTIN[name.lower()], is_class=name.lower() in CLASS_HINTS)
     if name.lower().endswith(".csv"):
@@ -197,4 +200,5 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
         if not callable(fn):
             raise HintError(f"hint {name!r} is not callable")
         return Hint(name, fn)
-    raise HintError(f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, a .csv file or module:function)")
+    raise HintError(f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, plan, a .csv file or "
+                    "module:function)")

@@ -10,6 +10,7 @@ import numpy as np
 from rrfp.core.hints import Hint, resolve
 from rrfp.core.policy import Dispatch
 from rrfp.sim.engine import SimConfig, SimResult, simulate
+from rrfp.sim.planning import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
@@ -24,6 +25,7 @@ class Row:
     bubble: float
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
+    plan_s: list[float]  # planning time per seed ("plan" rows only)
 
     @property
     def median(self) -> float:
@@ -43,7 +45,8 @@ class Row:
         return {"executor": self.executor, "hint": self.hint, "median_speedup": self.median,
                 "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": self.median_efficiency,
                 "peak_inflight": self.peak_inflight, "mean_bubble": self.bubble,
-                "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans}
+                "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans,
+                **({"median_plan_ms": 1e3 * float(np.median(self.plan_s))} if self.plan_s else {})}
 
 
 def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint], seeds: int,
@@ -54,13 +57,18 @@ def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint]
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
     results: dict[tuple[Dispatch, str], list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
+    plan_s: dict[tuple[Dispatch, str], list[float]] = {c: [] for c in combos}
     for seed, (dispatch, name) in progress(jobs):
-        results[(dispatch, name)].append(simulate(replace(base, dispatch=dispatch, hint=by_name[name], seed=seed)))
+        cfg = replace(base, dispatch=dispatch, hint=by_name[name], seed=seed)
+        if by_name[name].planned:
+            cfg, made = planned_config(cfg)
+            plan_s[(dispatch, name)].append(made.seconds)
+        results[(dispatch, name)].append(simulate(cfg))
     base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name)]])
     rows = []
     for (dispatch, name), rs in results.items():
         ms = np.array([r.makespan for r in rs])
         rows.append(Row(str(dispatch), name, (base_ms / ms).tolist(), [r.efficiency for r in rs],
                         max(max(r.peak_inflight) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
-                        np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist()))
+                        np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist(), plan_s[(dispatch, name)]))
     return rows
