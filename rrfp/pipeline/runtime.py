@@ -11,6 +11,7 @@ channels and lane (a dead peer would hang a barrier).
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
@@ -165,6 +166,9 @@ class PipelineRuntime:
                                     "final barrier of every rank")
         await self.aclose()
         if self.owns_process_group and dist.is_initialized():
+            # a second, blocking barrier: no rank tears its gloo pairs down while a peer's async
+            # barrier is still finishing its last exchange on them
+            await asyncio.to_thread(dist.barrier, self.cpu_group)
             dist.destroy_process_group()
 
     async def __aenter__(self) -> "PipelineRuntime":
