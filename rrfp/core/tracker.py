@@ -184,13 +184,21 @@ class StageTracker:
             self.held.release(self._sizes[mb])
         if kind is Kind.F:
             self._f_done[mb] = 1
-            if self._last_stage or self._arrived[Kind.B][mb]:
-                self._ready.add(Kind.B, mb, self._prio[Kind.B][mb])
+        nxt = self._unlocks(kind, mb)
+        if nxt is not None:
+            self._ready.add(nxt, mb, self._prio[nxt][mb])
+        if kind is Kind.F:
             return None if self._last_stage else self.spec.stage + 1
         if kind is Kind.B:
-            if self._split:
-                self._ready.add(Kind.W, mb, self._prio[Kind.W][mb])
             return None if self._first_stage else self.spec.stage - 1
+        return None
+
+    def _unlocks(self, kind: Kind, mb: int) -> Kind | None:
+        """The task of ``mb`` that finishing its ``kind`` makes ready, given the arrivals so far."""
+        if kind is Kind.F and (self._last_stage or self._arrived[Kind.B][mb]):
+            return Kind.B
+        if kind is Kind.B and self._split:
+            return Kind.W
         return None
 
     # -- questions -----------------------------------------------------------
@@ -205,11 +213,8 @@ class StageTracker:
 
     def unlocked_by(self, task: Task) -> set[Task]:
         """What finishing ``task`` will make ready, given the arrivals so far."""
-        if task.kind is Kind.F and (self._last_stage or self._arrived[Kind.B][task.mb]):
-            return {Task(Kind.B, task.mb)}
-        if task.kind is Kind.B and self._split:
-            return {Task(Kind.W, task.mb)}
-        return set()
+        nxt = self._unlocks(task.kind, task.mb)
+        return set() if nxt is None else {Task(nxt, task.mb)}
 
     def outstanding(self, kind: Kind) -> int:
         """How many F inputs (or B gradients) have not arrived yet."""
