@@ -35,14 +35,16 @@ class WeightPlan:
     in_b: list = field(default_factory=list)  # parameters whose gradient B computes (not splittable)
 
 
-def _owner_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): name.rpartition(".")[0] or name for name, p in module.named_parameters()}
+def queued_parameters(module: nn.Module) -> frozenset[int]:
+    """Ids of the parameters whose split-aware layers queue their own W (computed once per stage)."""
+    return frozenset(id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
+                     for p in m.parameters(recurse=False))
 
 
-def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> WeightPlan:
-    """Analyse one microbatch's graph once its forward is done."""
-    deferred = {id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
-                for p in m.parameters(recurse=False)}
+def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+         deferred: frozenset[int] = frozenset()) -> WeightPlan:
+    """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
+    left to their layer's own W queue (``queued_parameters``)."""
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
     input_nodes = {get_gradient_edge(x).node for x in inputs}
     reaches_input: dict = {}
@@ -83,13 +85,12 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
             for p in below[r].values():  # split-aware layers too, which then queue their W (None here)
                 owner.setdefault(id(p), []).append(r)
     by_id = {id(p): p for p in params.values()}
-    names = _owner_names(module)
     for pid, nodes in owner.items():
         if len(set(nodes)) == 1:
             result.points.setdefault(nodes[0], []).append(by_id[pid])
         else:
             result.in_b.append(by_id[pid])
-            name = names.get(pid, "?")
+            name = next((n.rpartition(".")[0] or n for n, q in module.named_parameters() if id(q) == pid), "?")
             if name not in _warned:
                 _warned.add(name)
                 log.warning("module %s cannot split its weight gradient from B (a parameter is used %d times); "

@@ -34,7 +34,7 @@ import torch.nn as nn
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline import weight_split
-from rrfp.pipeline.weight_split import WeightPlan
+from rrfp.pipeline.weight_split import WeightPlan, queued_parameters
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class StageWorker:
         if weight_split not in ("layers", "autograd"):
             raise ValueError(f"weight_split must be 'layers' or 'autograd', got {weight_split!r}")
         self.weight_split = weight_split
+        self._queued = queued_parameters(module)  # left to split-aware layers' own W queue (mode "layers")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if num_microbatches <= 0:
@@ -107,9 +108,9 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split:
-            modules = self.module if use_queue else _AllParameters(self.module)
-            weights = weight_split.plan(modules, [t for t in outputs if _carries_grad(t)],
-                                        [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)])
+            weights = weight_split.plan(self.module, [t for t in outputs if _carries_grad(t)],
+                                        [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
+                                        self._queued if use_queue else frozenset())
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
         if self.is_last:
             self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
@@ -256,22 +257,6 @@ def _describe(value) -> str:
         return f"{type(value).__name__} of ({', '.join(type(t).__name__ for t in value)})"
     return type(value).__name__
 
-
-class _AllParameters(nn.Module):
-    """``module`` as seen by weight_split with no split-aware layer: every parameter split by autograd."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.inner = [module]  # a list: not registered as a child, so names stay the module's own
-
-    def named_parameters(self, *args, **kwargs):
-        return self.inner[0].named_parameters(*args, **kwargs)
-
-    def parameters(self, *args, **kwargs):
-        return self.inner[0].parameters(*args, **kwargs)
-
-    def modules(self):
-        return iter(())
 
 
 class _SavedBytes:
