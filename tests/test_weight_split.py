@@ -150,3 +150,23 @@ def test_plain_model_under_bfw_matches_reference():
             assert err < 1e-12, (rank, cfg, err)
             if cfg[1] == "bfw":
                 assert sum(t.startswith("W") for t in order) == 4, order
+
+
+def test_split_linear_queue_and_autograd_split_agree():
+    """weight_split='layers' (SplitLinear's queue + autograd for the rest) gives the autograd split's gradients."""
+    from models.gpt import GPT, GPTConfig, make_stage
+
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(n_layer=3, n_embd=16, n_head=2, block_size=16)).double()
+    x, g = torch.randn(2, 8, 16, dtype=torch.float64), torch.randn(2, 8, 16, dtype=torch.float64)
+    grads = {}
+    for mode in ("layers", "autograd"):
+        stage = make_stage(full, 1, 3)
+        w = StageWorker(stage, 1, 3, 1, None, split=True, weight_split=mode)
+        w.forward(0, x)
+        gin = w.backward(0, g)
+        w.weight(0)
+        grads[mode] = (gin, {n: p.grad for n, p in stage.named_parameters()})
+    assert torch.allclose(grads["layers"][0], grads["autograd"][0], atol=1e-12)
+    for n, v in grads["layers"][1].items():
+        assert v is not None and torch.allclose(v, grads["autograd"][1][n], atol=1e-12), n
