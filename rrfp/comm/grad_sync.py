@@ -28,51 +28,48 @@ class GradSync:
         self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
-        self._arrange(split=False, num_microbatches=0)
+        self.buckets = self._bucket()
+        self._final, self._M = Kind.B, 0  # attach() sets them from the executor
+        self._reset()
         self.launched_early = 0  # buckets launched before sync() was called, over all iterations
 
-    def _arrange(self, split: bool, num_microbatches: int) -> None:
-        """Buckets, in parameter order, under the kind of task whose last one finalises them."""
-        self._split, self._M = split, num_microbatches
-        self.buckets: dict[Kind, list[list[nn.Parameter]]] = {Kind.B: [], Kind.W: []}
-        for kind in ((Kind.W,) if split else (Kind.B,)):
-            current, nbytes = [], 0
-            for p in self.params:
-                size = p.numel() * p.element_size()
-                if current and (nbytes + size > self.bucket_bytes or p.dtype != current[0].dtype):
-                    self.buckets[kind].append(current)
-                    current, nbytes = [], 0
-                current.append(p)
-                nbytes += size
-            if current:
-                self.buckets[kind].append(current)
-        self._reset()
+    def _bucket(self) -> list[list[nn.Parameter]]:
+        """Flat buckets in parameter order, by size and dtype."""
+        buckets, current, nbytes = [], [], 0
+        for p in self.params:
+            size = p.numel() * p.element_size()
+            if current and (nbytes + size > self.bucket_bytes or p.dtype != current[0].dtype):
+                buckets.append(current)
+                current, nbytes = [], 0
+            current.append(p)
+            nbytes += size
+        return buckets + ([current] if current else [])
 
     def _reset(self) -> None:
-        self._finished = {Kind.B: 0, Kind.W: 0}
-        self._launched: set[Kind] = set()
+        self._finished = 0  # tasks of the finalising kind done this iteration
+        self._launched = False
         self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
 
     def attach(self, executor) -> None:
-        """Launch buckets from inside ``executor``'s iterations, as their gradients become final."""
+        """Launch the buckets from inside ``executor``'s iterations, once the gradients are final:
+        after the last W with a split backward, after the last B otherwise."""
         if self.size > 1:
-            self._arrange(executor.settings.split, executor.M)
+            self._final, self._M = (Kind.W if executor.settings.split else Kind.B), executor.M
             executor.on_task_done.append(self._task_done)
 
     def _task_done(self, task: Task) -> None:
-        if task.kind is Kind.F:
-            return
-        self._finished[task.kind] += 1
-        if self._finished[task.kind] == self._M:
-            self.launched_early += len(self.buckets[task.kind])
-            self._launch(task.kind)
+        if task.kind is self._final:
+            self._finished += 1
+            if self._finished == self._M and not self._launched:
+                self.launched_early += len(self.buckets)
+                self._launch()
 
-    def _launch(self, kind: Kind) -> None:
-        if kind in self._launched:
+    def _launch(self) -> None:
+        if self._launched:
             return
-        self._launched.add(kind)
+        self._launched = True
         with self._in_lane_order():
-            for bucket in self.buckets[kind]:
+            for bucket in self.buckets:
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for p in bucket])
                 self._inflight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
@@ -84,8 +81,7 @@ class GradSync:
         """Average every gradient across the replicas (no-op when dp = 1)."""
         if self.size == 1:
             return
-        for kind in (Kind.B, Kind.W):
-            self._launch(kind)  # buckets no executor hook launched yet
+        self._launch()  # if no executor hook launched them yet
         try:
             for bucket, flat, work in self._inflight:
                 await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}")
