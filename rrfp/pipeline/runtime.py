@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
+from rrfp.comm.channels import named_collective
 from rrfp.comm.pipeline_channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
 from rrfp.core.budget import Budget
@@ -162,14 +163,17 @@ class PipelineRuntime:
         pairs while a peer still uses them makes gloo abort that peer, so nobody
         leaves before everybody is done. Not for error paths: a dead peer would
         fail the barrier only after the process-group timeout."""
-        await collectives.completed(self.poller, dist.barrier(self.cpu_group, async_op=True),
-                                    "final barrier of every rank")
+        if not self.owns_process_group:
+            await collectives.completed(self.poller, dist.barrier(self.cpu_group, async_op=True),
+                                        "final barrier of every rank")
+            await self.aclose()
+            return
         await self.aclose()
-        if self.owns_process_group and dist.is_initialized():
-            # a second, blocking barrier: no rank tears its gloo pairs down while a peer's async
-            # barrier is still finishing its last exchange on them
+        # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes its
+        # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
+        with named_collective("final barrier of every rank"):
             await asyncio.to_thread(dist.barrier, self.cpu_group)
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
     async def __aenter__(self) -> "PipelineRuntime":
         return self
