@@ -55,8 +55,13 @@ def bf(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 def bfw(S: int, s: int, M: int, split: bool) -> list[Task]:
     """Class priority: B, then F, then W (W only exists with a split backward)."""
-    order = [Task(Kind.B, m) for m in range(M)] + [Task(Kind.F, m) for m in range(M)]
-    return order + ([Task(Kind.W, m) for m in range(M)] if split else [])
+    return bfw_ranked(range(M), split)
+
+
+def bfw_ranked(microbatches, split: bool) -> list[Task]:
+    """B, then F, then W, each kind in the given microbatch order (the planner's entry order)."""
+    order = [Task(Kind.B, m) for m in microbatches] + [Task(Kind.F, m) for m in microbatches]
+    return order + ([Task(Kind.W, m) for m in microbatches] if split else [])
 
 
 def zbh1(S: int, s: int, M: int, split: bool) -> list[Task]:

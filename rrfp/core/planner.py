@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from rrfp.core.tasks import Kind, Task
+from rrfp.core.hints import bfw_ranked
+from rrfp.core.tasks import Task
 
 
 def entry_order_hint(order: Sequence[int]) -> Callable[[int, int, int, bool], list[Task]]:
@@ -25,9 +26,7 @@ def entry_order_hint(order: Sequence[int]) -> Callable[[int, int, int, bool], li
     order = tuple(order)
 
     def planned(S: int, s: int, M: int, split: bool) -> list[Task]:
-        ranked = order if len(order) == M else tuple(range(M))
-        tasks = [Task(Kind.B, m) for m in ranked] + [Task(Kind.F, m) for m in ranked]
-        return tasks + ([Task(Kind.W, m) for m in ranked] if split else [])
+        return bfw_ranked(order if len(order) == M else range(M), split)
 
     planned.__name__ = "plan"
     return planned
