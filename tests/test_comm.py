@@ -163,12 +163,17 @@ def test_corrupt_header_raises_message_error(corrupt, match):
         decode_header(corrupt(_valid_header()))
 
 
+def _header_with_none() -> torch.Tensor:
+    return encode_header(Message(3, 4, 0, [torch.zeros(2, 5), None, torch.zeros(7, dtype=torch.int64)]))
+
+
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", [_valid_header, _header_with_none], ids=["tensors", "with-none"])
 @settings(max_examples=200, deadline=None)
 @given(index=st.integers(0, HEADER_LEN - 1), value=st.integers(-(1 << 63), (1 << 63) - 1))
-def test_any_single_corruption_decodes_or_raises_message_error(index, value):
+def test_any_single_corruption_decodes_or_raises_message_error(make, index, value):
     try:
-        decode_header(_set(index, value)(_valid_header()))
+        decode_header(_set(index, value)(make()))
     except MessageError:
         pass
 
