@@ -85,6 +85,7 @@ def train(nproc: int, steps: int, *sets: str) -> list[float]:
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode != 0:
+        print("\n".join(p.stderr.strip().splitlines()[-40:]), flush=True)  # the whole story, for a one-shot device run
         raise RuntimeError(f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)][:steps]
 
