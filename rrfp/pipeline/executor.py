@@ -18,6 +18,7 @@ import torch
 from rrfp.comm.message import Message
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
+from rrfp.core.emulation import task_units
 from rrfp.core.errors import PeerTimeout, ProtocolError
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
@@ -248,11 +249,9 @@ class _Iteration:
     def _units(self, task: Task) -> float:
         """Emulated device time: the cost model's prediction for this microbatch's data times the
         preset's noise, or the preset's duration alone without a cost model."""
-        st, s = self.ex.settings, self.ex.s
-        if st.cost is not None and self.features is not None:
-            return (st.cost.units(s, task.kind, self.features[task.mb], st.split)
-                    * st.variability.noise(st.seed, self.it, s, task.mb, task.kind))
-        return st.variability.duration(st.seed, self.it, s, task.mb, task.kind, st.split)
+        st = self.ex.settings
+        return task_units(st.variability, st.seed, self.it, self.ex.s, task.mb, task.kind, st.split, st.cost,
+                          self.features)
 
     # -- communication -------------------------------------------------------
 
