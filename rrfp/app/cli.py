@@ -75,6 +75,30 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set executor=fixed")
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
+    bench = sub.add_parser("bench", help="every executor side by side on real gloo ranks, into a results folder",
+                           description="Run the benchmark suite: each workload's iterations on every executor, "
+                                       "alternating, on PP local gloo ranks in one torchrun job. Device time is "
+                                       "emulated on CPU by the compute lane.")
+    bench.add_argument("--workloads", type=_csv_list, default=None,
+                       help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
+    bench.add_argument("--executors", type=_csv_list, default=None,
+                       help="comma list of ENGINE-HINT: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, ready-plan, "
+                            "torch-1f1b, torch-zb (the default: all of them that this build runs)")
+    bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
+    bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
+    bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")
+    bench.add_argument("--reps", type=_positive("--reps"), default=None,
+                       help="measured iterations per executor, after one warm-up (default 5)")
+    bench.add_argument("--unit-ms", type=float, default=None,
+                       help="ms of emulated device time per unit, one average forward (default 20)")
+    bench.add_argument("--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)")
+    bench.add_argument("--preset", choices=PRESETS, default=None,
+                       help="variability preset for every workload (default: gpt lang, vlm jitter)")
+    bench.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units")
+    bench.add_argument("--timeout", type=_positive("--timeout"), default=3600,
+                       help="seconds before the job is stopped (default 3600); a dead rank fails it sooner")
     return p
 
 
@@ -109,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             from rrfp.app.calibrate_command import calibrate_command
 
             return calibrate_command(args)
+        if args.command == "bench":
+            from rrfp.app.bench_command import bench_command
+
+            return bench_command(args)
         from rrfp.app.train_command import train_command
 
         return train_command(args)

@@ -6,7 +6,7 @@ import os
 import sys
 
 from rrfp.app.config import TrainConfig
-from rrfp.app.errors import ConfigError, UsageError
+from rrfp.app.errors import ConfigError, UsageError, one_line, root_cause
 from rrfp.app.train import StepReport, stage_main
 from rrfp.core.errors import PipelineError
 from rrfp.loop import run as run_loop
@@ -35,12 +35,10 @@ def train_command(args) -> int:
         summary = run_loop(stage_main(cfg, _print_step))
     except Exception as e:
         # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
-        if not isinstance(_root(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
-                                     NotImplementedError)):
+        if not isinstance(root_cause(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
+                                          NotImplementedError)):
             raise  # a bug, not a failure of the run: keep its traceback
-        line = " ".join(_root_message(e).split())  # one line, whatever the cause's text
-        if line.split(":")[0].split()[:2] != ["rank", str(rank)]:  # most causes name their rank already
-            line = f"rank {rank}: {line}"
+        line = one_line(e, rank)
         print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
         # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
         os._exit(1)
@@ -55,14 +53,3 @@ def train_command(args) -> int:
     sys.stderr.flush()
     os._exit(0)
 
-
-def _root(e: BaseException) -> BaseException:
-    """The first leaf of an exception group: TaskGroup wraps the real cause."""
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e
-
-
-def _root_message(e: BaseException) -> str:
-    e = _root(e)
-    return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)

@@ -1,0 +1,93 @@
+"""One interface over every contender of `rrfp bench`, on one rank: run an
+iteration on given microbatches, say how long it took, keep its task spans.
+
+rrfp's executors and torch's schedules differ in everything else; the bench
+only sees ``Runner.run(iteration, batches, features) -> Measured`` and
+``Runner.spans``, and every runner spends the same emulated time per task
+(``rrfp.core.emulation.task_units``).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from rrfp.app.bench.suite import BenchSpec, Executor
+from rrfp.core.cost import CostModel
+from rrfp.core.emulation import task_units
+from rrfp.core.variability import Variability
+from rrfp.observe.instrument import TraceRecorder
+from rrfp.observe.trace import Span
+from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.workload import Workload
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One iteration on this rank; what a runner cannot know stays None."""
+
+    wall_s: float
+    peak_inflight: int | None = None
+    decision_us: float | None = None  # mean time per dispatch decision
+    plan_s: float | None = None  # time spent planning the hint for this iteration
+
+
+class Runner(Protocol):
+    name: str
+
+    @property
+    def spans(self) -> list[Span]: ...
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured: ...
+
+
+class RrfpRunner:
+    """A StageExecutor (fixed or ready dispatch, any hint), traced."""
+
+    def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
+                 variability: Variability, cost: CostModel | None) -> None:
+        self.name = ex.name
+        self._recorder = TraceRecorder(ex.name)
+        self._executor = rt.stage_executor(module, workload.loss_fn, microbatches=spec.mb, dispatch=ex.engine,
+                                           hint=ex.hint, budget=spec.budget, variability=variability,
+                                           seed=spec.seed, instrument=self._recorder, cost=cost)
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._recorder.spans
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        res = await self._executor.run_iteration(iteration, batches, features)
+        st = res.stats
+        return Measured(st.wall, st.peak_inflight, st.decision_us, getattr(res, "plan_s", None))
+
+
+class TorchRunner:
+    """torch.distributed.pipelining's schedule (rrfp.pipeline.torch_schedules), the anchor."""
+
+    def __init__(self, rt: PipelineRuntime, ex: Executor, build_stage, workload: Workload, spec: BenchSpec,
+                 variability: Variability, cost: CostModel | None) -> None:
+        from rrfp.pipeline.torch_schedules import TorchScheduleRunner
+
+        self.name = ex.name
+        self._spec, self._var, self._cost = spec, variability, cost
+        self._runner = TorchScheduleRunner(ex.hint, build_stage, workload.loss_fn, rt.rank, rt.layout.world_size,
+                                           spec.mb, rt.unit_s)
+        self._spans: list[Span] = []
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._spans
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        spec, var, cost = self._spec, self._var, self._cost
+
+        def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
+            return task_units(var, spec.seed, iteration, stage, mb, kind, True, cost, features)
+
+        res = self._runner.run_iteration(iteration, batches, units)
+        if inspect.isawaitable(res):
+            res = await res
+        self._spans += [Span(self.name, sp.stage, sp.name, sp.start, sp.end, {**sp.args, "iteration": iteration})
+                        for sp in res.spans]
+        return Measured(res.wall_s, getattr(res, "peak_inflight", None))
