@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from rrfp.app.bench.analysis import annotate, summarize
@@ -36,25 +37,9 @@ def _progress(total: int, desc: str):
                 dynamic_ncols=True)
 
 
-def _executors(args, tp: int) -> tuple[list[Executor], dict[str, str]]:
-    """The executors to run, and those of the default set that cannot run here (with why)."""
-    explicit = args.executors is not None
-    wanted = list(dict.fromkeys(Executor.parse(e) for e in (args.executors or DEFAULT_EXECUTORS)))
-    if not wanted:
-        raise UsageError("--executors: no executor given")
-    run, skipped = [], {}
-    for ex in wanted:
-        why = unavailable(ex, tp)
-        if why is None:
-            run.append(ex)
-        elif explicit:
-            raise UsageError(f"--executors: {ex.name} cannot run: {why}")
-        else:
-            skipped[ex.name] = why
-    return run, skipped
-
-
-def build_spec(args) -> tuple[BenchSpec, dict[str, str]]:
+def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
+    """The job, and per workload the executors of the default set that cannot run it here (with why).
+    An executor asked for by name that cannot run is an error instead."""
     base = QUICK if args.quick else FULL
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
     if pick["unit_ms"] <= 0:
@@ -63,30 +48,40 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, str]]:
         budget = str(Budget.parse(args.budget))
     except ValueError as e:
         raise UsageError(f"--budget: {e}") from None
-    cases = [parse_case(w, args.preset) for w in pick["workloads"]]
-    if not cases:
-        raise UsageError("--workloads: no workload given")
+    cases = [parse_case(w, args.preset, args.set) for w in pick["workloads"]]
     names = [c.name for c in cases]
-    if len(set(names)) != len(names):
-        raise UsageError(f"--workloads: a workload is named twice ({', '.join(names)})")
-    executors, skipped = _executors(args, args.tp)
-    spec = BenchSpec(tuple(cases), tuple(executors), pick["pp"], args.tp, pick["mb"], pick["reps"],
-                     pick["unit_ms"], budget)
+    if not cases or len(set(names)) != len(names):
+        raise UsageError(f"--workloads: give each workload once ({', '.join(names) or 'none given'})")
+    explicit = args.executors is not None
+    wanted = list(dict.fromkeys(Executor.parse(e) for e in (args.executors or DEFAULT_EXECUTORS)))
+    if not wanted:
+        raise UsageError("--executors: no executor given")
+    spec = BenchSpec(tuple(cases), pick["pp"], args.tp, pick["mb"], pick["reps"], pick["unit_ms"], budget)
+    ready, skipped = [], {}
     for case in cases:
         case.train_config(spec)  # ConfigError (exit 2) when the workload cannot take these sizes
-    return spec, skipped
+        runs = []
+        for ex in wanted:
+            why = unavailable(ex, case, spec)
+            if why is None:
+                runs.append(ex)
+            elif explicit:
+                raise UsageError(f"--executors: {ex.name} cannot run {case.name}: {why}")
+            else:
+                skipped.setdefault(case.name, {})[ex.name] = why
+        ready.append(replace(case, executors=tuple(runs)))
+    return replace(spec, cases=tuple(ready)), skipped
 
 
 def _calibrate(spec: BenchSpec, out: Path) -> dict[str, str]:
     """Fit a cost model on this machine for each workload whose task times come from its data."""
     from rrfp.app.calibrate_command import measure
-    from rrfp.app.config import TrainConfig
 
     paths = {}
     for case in spec.cases:
         if not case.calibrate:
             continue
-        cfg = TrainConfig.load(case.config, [f"pp={spec.pp}", f"seed={spec.seed}"], world_size=spec.pp)
+        cfg = case.train_config(spec, tp=1)  # whole stages: the vlm has no tensor parallelism
         with _progress(CALIBRATION_SAMPLES + 2, f"calibrating {case.name}") as bar:
             samples = measure(cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n))
         path = out / f"cost-{case.name}.json"
@@ -111,9 +106,8 @@ def bench_command(args) -> int:
         raise UsageError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     cost = _calibrate(spec, out)
-    total = len(spec.cases) * (spec.reps + 1) * len(spec.executors)
     try:
-        with tempfile.TemporaryDirectory() as tmp, _progress(total, "rrfp bench") as bar:
+        with tempfile.TemporaryDirectory() as tmp, _progress(spec.runs, "rrfp bench") as bar:
             job = run_job(spec, Path(tmp), out / "job.log", cost, args.timeout, bar)
     except JobFailed as e:
         print(f"rrfp: error: bench job failed: {e}", file=sys.stderr)
@@ -122,11 +116,11 @@ def bench_command(args) -> int:
     for case, got in zip(spec.cases, job["cases"]):
         cfg = case.train_config(spec)
         model = CostModel.from_json(Path(cost[case.name]).read_text()) if case.name in cost else cfg.run.cost
-        annotate(spec, cfg.run.variability, model, got["rows"], got["iterations"])
+        annotate(spec, case, cfg.run.variability, model, got["rows"], got["iterations"])
         spans = [Span(*sp) for sp in got["spans"]]
         results.append(CaseResult(case, got["rows"], got["iterations"], spans,
-                                  summarize(got["rows"], [e.name for e in spec.executors]),
-                                  cost.get(case.name), skipped))
+                                  summarize(got["rows"], [e.name for e in case.executors]),
+                                  cost.get(case.name), skipped.get(case.name, {})))
     text = write_results(out, spec, results, machine())
     print(text)
     print(f"results: {out}/ (results.md, results.json, timeline-*.png, trace-*.json, job.log)")

@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)")
     bench.add_argument("--preset", choices=PRESETS, default=None,
                        help="variability preset for every workload (default: gpt lang, vlm jitter)")
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a value of every workload's config, e.g. --set model.n_layer=16")
     bench.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units")

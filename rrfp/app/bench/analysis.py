@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rrfp.app.bench.suite import BASELINE, BenchSpec, Executor
+from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Executor
 from rrfp.core.bounds import lower_bound
 from rrfp.core.cost import CostModel
 from rrfp.core.emulation import iteration_units
@@ -55,11 +55,11 @@ def simulated_s(spec: BenchSpec, var: Variability, ex: Executor, iteration: int,
     return simulate(cfg).makespan * work.unit_s
 
 
-def annotate(spec: BenchSpec, var: Variability, cost: CostModel | None, rows: list[dict],
+def annotate(spec: BenchSpec, case: Case, var: Variability, cost: CostModel | None, rows: list[dict],
              iterations: list[dict]) -> None:
     """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place."""
     feats = {it["iteration"]: it["features"] for it in iterations}
-    executors = {e.name: e for e in spec.executors}
+    executors = {e.name: e for e in case.executors}
     works: dict[tuple[int, bool], IterationWork] = {}
     for r in rows:
         ex, it = executors[r["executor"]], r["iteration"]

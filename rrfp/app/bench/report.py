@@ -49,7 +49,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
         c = res.case
         source = (f"task times from its data (cost model calibrated here: {res.cost_model}) x the {c.preset} "
                   f"preset's noise" if res.cost_model else f"task times from the {c.preset} preset")
-        lines += [f"## {c.name}", "", f"{Path(c.config).name}: {source}.", "",
+        sets = f" with {', '.join(c.overrides)}" if c.overrides else ""
+        lines += [f"## {c.name}", "", f"{Path(c.config).name}{sets}: {source}.", "",
                   "| executor | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max | efficiency "
                   "| vs simulator | peak in-flight | decision µs | plan ms |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

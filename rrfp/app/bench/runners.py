@@ -8,7 +8,7 @@ only sees ``Runner.run(iteration, batches, features) -> Measured`` and
 """
 from __future__ import annotations
 
-import inspect
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -63,16 +63,17 @@ class RrfpRunner:
 
 
 class TorchRunner:
-    """torch.distributed.pipelining's schedule (rrfp.pipeline.torch_schedules), the anchor."""
+    """torch.distributed.pipelining's schedule (rrfp.pipeline.torch_schedules), the anchor. Its task
+    spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp spans' clock."""
 
-    def __init__(self, rt: PipelineRuntime, ex: Executor, build_stage, workload: Workload, spec: BenchSpec,
+    def __init__(self, rt: PipelineRuntime, ex: Executor, workload: Workload, model_cfg, spec: BenchSpec,
                  variability: Variability, cost: CostModel | None) -> None:
-        from rrfp.pipeline.torch_schedules import TorchScheduleRunner
+        from rrfp.pipeline.torch_schedules import TorchScheduleRunner, workload_stage_builder
 
         self.name = ex.name
-        self._spec, self._var, self._cost = spec, variability, cost
-        self._runner = TorchScheduleRunner(ex.hint, build_stage, workload.loss_fn, rt.rank, rt.layout.world_size,
-                                           spec.mb, rt.unit_s)
+        self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
+        self._runner = TorchScheduleRunner(ex.hint, workload_stage_builder(workload, model_cfg, spec.seed),
+                                           workload.loss_fn, rt.rank, rt.layout.world_size, spec.mb, rt.unit_s)
         self._spans: list[Span] = []
 
     @property
@@ -80,14 +81,14 @@ class TorchRunner:
         return self._spans
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
-        spec, var, cost = self._spec, self._var, self._cost
+        spec, var, cost, split = self._spec, self._var, self._cost, self._runner.split
 
         def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
-            return task_units(var, spec.seed, iteration, stage, mb, kind, True, cost, features)
+            return task_units(var, spec.seed, iteration, stage, mb, kind, split, cost, features)
 
+        # torch's schedule blocks; nothing else of this rank runs meanwhile
         res = self._runner.run_iteration(iteration, batches, units)
-        if inspect.isawaitable(res):
-            res = await res
-        self._spans += [Span(self.name, sp.stage, sp.name, sp.start, sp.end, {**sp.args, "iteration": iteration})
-                        for sp in res.spans]
-        return Measured(res.wall_s, getattr(res, "peak_inflight", None))
+        to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
+        self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
+                             {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]
+        return Measured(res.wall_s)

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.errors import ConfigError, UsageError
-from rrfp.core.hints import HintError, default_split, resolve
+from rrfp.core.hints import default_split, resolve
 from rrfp.core.policy import Dispatch
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
-TORCH_SCHEDULES = {"1f1b": False, "zb": True}  # torch anchor -> whether its backward is split into B and W
 TORCH_MODULE = "rrfp.pipeline.torch_schedules"
 BASELINE = "fixed 1f1b"
 DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "ready plan", "torch 1f1b", "torch zb")
@@ -31,12 +30,19 @@ def file_slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._" else "-" for c in name)
 
 
+def _torch_schedules():
+    """rrfp.pipeline.torch_schedules, or None where this build lacks it."""
+    if importlib.util.find_spec(TORCH_MODULE) is None:
+        return None
+    return importlib.import_module(TORCH_MODULE)
+
+
 @dataclass(frozen=True)
 class Executor:
     """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint, or a torch schedule."""
 
     engine: str  # "fixed", "ready" or "torch"
-    hint: str  # an rrfp hint, or a torch schedule in TORCH_SCHEDULES
+    hint: str  # an rrfp hint, or a torch schedule (rrfp.pipeline.torch_schedules)
 
     @property
     def name(self) -> str:
@@ -49,19 +55,20 @@ class Executor:
     @property
     def split(self) -> bool:
         """Whether this executor runs B and W as separate tasks (what its durations and bound use)."""
-        return TORCH_SCHEDULES[self.hint] if self.is_torch else default_split(resolve(self.hint).name)
+        if self.is_torch:
+            ts = _torch_schedules()
+            return ts.SCHEDULES[ts.resolve_schedule(self.hint)][3]
+        return default_split(resolve(self.hint).name)
 
     @classmethod
     def parse(cls, text: str) -> "Executor":
-        words = text.strip().lower().replace("-", " ").split()
-        if len(words) != 2:
+        engine, _, hint = text.strip().lower().replace("-", " ", 1).partition(" ")
+        hint = hint.strip()
+        if not hint:
             raise UsageError(f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
                              f"'torch zb')")
-        engine, hint = words
         if engine == "torch":
-            if hint not in TORCH_SCHEDULES:
-                raise UsageError(f"--executors: torch schedule {hint!r} is not one of {', '.join(TORCH_SCHEDULES)}")
-            return cls(engine, hint)
+            return cls(engine, hint.replace(" ", "-"))  # checked by unavailable(): the module may be missing
         try:
             Dispatch.parse(engine)
             resolve(hint)
@@ -72,31 +79,37 @@ class Executor:
 
 @dataclass(frozen=True)
 class Case:
-    """One workload of the suite: its config, its variability preset, and where task times come from."""
+    """One workload of the suite: its config and overrides, its variability preset, where task times
+    come from, and the executors that run on it."""
 
     name: str
     config: str  # TOML run config (absolute path)
     preset: str
     calibrate: bool  # durations from the data: fit a cost model on this machine first
+    overrides: tuple[str, ...] = ()  # KEY=VALUE on top of the config, as `rrfp train --set`
+    executors: tuple[Executor, ...] = ()
 
-    def train_config(self, spec: "BenchSpec") -> TrainConfig:
+    def train_config(self, spec: "BenchSpec", pp: int | None = None, tp: int | None = None) -> TrainConfig:
         """The run config every rank builds this workload from: ConfigError names what does not fit."""
-        return TrainConfig.load(self.config, [f"pp={spec.pp}", f"tp={spec.tp}", f"microbatches={spec.mb}",
+        pp, tp = pp or spec.pp, tp or spec.tp
+        return TrainConfig.load(self.config, [*self.overrides, f"pp={pp}", f"tp={tp}", f"microbatches={spec.mb}",
                                               f"preset={self.preset}", f"budget={spec.budget}",
                                               f"unit_ms={spec.unit_ms}", f"seed={spec.seed}"],
-                                world_size=spec.pp * spec.tp)
+                                world_size=pp * tp)
 
 
 # Default suite: the tiny GPT under the `lang` preset, and the VLM whose task times come from its data
-# (a cost model calibrated here) times the `jitter` preset's noise.
-SUITE = {"gpt": ("configs/gpt-tiny.toml", "lang", False), "vlm": ("configs/vlm-tiny.toml", "jitter", True)}
+# (a cost model calibrated here) times the `jitter` preset's noise. Eight layers, so that torch's
+# zero-bubble schedule (two stages per rank) can split them over 2 x 4 stages.
+SUITE = {"gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
+         "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",))}
 
 
-def parse_case(text: str, preset: str | None) -> Case:
+def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
     """A suite name (gpt, vlm) or a TOML config path (its own preset and run.cost)."""
     if text in SUITE:
-        config, default_preset, calibrate = SUITE[text]
-        return Case(text, str(ROOT / config), preset or default_preset, calibrate)
+        config, default_preset, calibrate, own = SUITE[text]
+        return Case(text, str(ROOT / config), preset or default_preset, calibrate, (*own, *overrides))
     path = Path(text)
     if path.suffix != ".toml":
         raise UsageError(f"--workloads: {text!r} is neither {' nor '.join(SUITE)} nor a .toml config")
@@ -106,7 +119,7 @@ def parse_case(text: str, preset: str | None) -> Case:
         own = tomllib.loads(path.read_text()).get("run", {}).get("preset", RunConfig.preset)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{text}: not valid TOML: {e}") from None
-    return Case(path.stem, str(path.resolve()), preset or own, False)
+    return Case(path.stem, str(path.resolve()), preset or own, False, tuple(overrides))
 
 
 @dataclass(frozen=True)
@@ -114,7 +127,6 @@ class BenchSpec:
     """Everything the ranks need to run the suite; travels to them as JSON."""
 
     cases: tuple[Case, ...]
-    executors: tuple[Executor, ...]
     pp: int = 4
     tp: int = 1
     mb: int = 16
@@ -128,16 +140,23 @@ class BenchSpec:
     def world(self) -> int:
         return self.pp * self.tp
 
+    @property
+    def runs(self) -> int:
+        """Iterations the job runs, warm-ups included."""
+        return sum(len(c.executors) for c in self.cases) * (self.reps + 1)
+
     def as_dict(self) -> dict:
         doc = dataclasses.asdict(self)
-        doc["executors"] = [e.name for e in self.executors]
+        for c in doc["cases"]:
+            c["executors"] = [f"{e['engine']} {e['hint']}" for e in c["executors"]]
         return doc
 
     @classmethod
     def from_dict(cls, doc: dict) -> "BenchSpec":
         doc = dict(doc)
-        doc["cases"] = tuple(Case(**c) for c in doc["cases"])
-        doc["executors"] = tuple(Executor.parse(e) for e in doc["executors"])
+        doc["cases"] = tuple(Case(**{**c, "overrides": tuple(c["overrides"]),
+                                     "executors": tuple(Executor.parse(e) for e in c["executors"])})
+                             for c in doc["cases"])
         return cls(**doc)
 
 
@@ -150,18 +169,25 @@ def runtime_plans() -> bool:
     return True
 
 
-def unavailable(ex: Executor, tp: int) -> str | None:
-    """Why this executor cannot run here, or None."""
-    if ex.is_torch:
-        if importlib.util.find_spec(TORCH_MODULE) is None:
-            return f"the torch anchors ({TORCH_MODULE}) are not in this build yet"
-        if tp != 1:
-            return "the torch anchors run pipeline parallelism alone (--tp 1)"
+def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
+    """Why this executor cannot run this workload here, or None."""
+    if not ex.is_torch:
+        if resolve(ex.hint).planned and not runtime_plans():
+            return "the runtime does not plan the hint each iteration yet (hint = plan is simulator-only)"
         return None
+    ts = _torch_schedules()
+    if ts is None:
+        return f"the torch anchors ({TORCH_MODULE}) are not in this build"
     try:
-        planned = resolve(ex.hint).planned
-    except HintError as e:
+        per_rank = ts.stages_per_rank(ex.hint)
+    except ValueError as e:
         return str(e)
-    if planned and not runtime_plans():
-        return "the runtime does not plan the hint each iteration yet (hint = plan is simulator-only)"
+    if spec.tp != 1:
+        return "the torch anchors run pipeline parallelism alone (--tp 1)"
+    if per_rank > 1:
+        try:
+            case.train_config(spec, pp=spec.pp * per_rank, tp=1)
+        except ConfigError as e:
+            return (f"it splits the model into {per_rank} x {spec.pp} stages, and {e} "
+                    f"(more layers: --set model.n_layer=...)")
     return None

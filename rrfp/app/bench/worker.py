@@ -57,9 +57,9 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
 
     module = build(rt.stage, rt.num_stages)
     runners: dict[str, Runner] = {}
-    for ex in spec.executors:
+    for ex in case.executors:
         if ex.is_torch:
-            runners[ex.name] = TorchRunner(rt, ex, build, wl, spec, var, cost)
+            runners[ex.name] = TorchRunner(rt, ex, wl, cfg.model, spec, var, cost)
         else:
             runners[ex.name] = RrfpRunner(rt, ex, module, wl, spec, var, cost)
     rows, iterations = [], []
