@@ -26,10 +26,13 @@ class JobFailed(Exception):
 
 
 def _first_error(log: Path) -> str:
+    """The first rank's error line (ranks share the log, so lines keep their order), and how many
+    ranks failed after it, mostly of its consequences; else the log's last line."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    for line in lines:
-        if line.startswith("rrfp: error: "):
-            return line.removeprefix("rrfp: error: ")
+    errors = [ln.split("rrfp: error: ", 1)[1] for ln in lines if "rrfp: error: " in ln]
+    if errors:
+        more = len(errors) - 1
+        return errors[0] + (f" (then {more} more rank error(s))" if more else "")
     tail = [ln.strip() for ln in lines if ln.strip()]
     return tail[-1] if tail else "no output"
 
