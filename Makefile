@@ -32,9 +32,10 @@ test: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	$(PY) scripts/gpu_check.py
 
+# The suite side by side (rrfp and torch executors, gpt and vlm, device time emulated): results/bench-<timestamp>/
 bench: $(VENV)/.installed
 	$(PY) benchmarks/sim_scale.py
-	$(PY) benchmarks/compare_executors.py --also-none
+	$(PY) -m rrfp bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
