@@ -38,7 +38,8 @@ class Runner(Protocol):
     @property
     def spans(self) -> list[Span]: ...
 
-    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured: ...
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
 
 
 class RrfpRunner:
@@ -58,6 +59,7 @@ class RrfpRunner:
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         res = await self._executor.run_iteration(iteration, batches, features)
+        self._executor.worker.module.zero_grad(set_to_none=True)
         st = res.stats
         return Measured(st.wall, st.peak_inflight, st.decision_us, getattr(res, "plan_s", None))
 
@@ -88,6 +90,8 @@ class TorchRunner:
 
         # torch's schedule blocks; nothing else of this rank runs meanwhile
         res = self._runner.run_iteration(iteration, batches, units)
+        for p in self._runner.parameters():
+            p.grad = None
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
         self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
                              {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]

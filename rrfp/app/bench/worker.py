@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rrfp.app.bench.runners import Measured, Runner, RrfpRunner, TorchRunner
+from rrfp.app.bench.runners import Runner, RrfpRunner, TorchRunner
 from rrfp.app.bench.suite import BenchSpec, Case
 from rrfp.app.errors import one_line
 from rrfp.core.cost import CostModel
@@ -41,21 +41,14 @@ def rotated(items: list, k: int) -> list:
     return items[k % len(items):] + items[:k % len(items)]
 
 
-def _reduced(values: Measured) -> list:
-    return [None if v == _NONE else v for v in values]
-
-
 async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
     cfg = case.train_config(spec)
     wl = cfg.workload
     cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.run.cost
     var = cfg.run.variability
 
-    def build(stage: int, num_stages: int):  # the same weights for every runner
-        torch.manual_seed(spec.seed)
-        return wl.build_stage(cfg.model, stage, num_stages, rt.tp_group)
-
-    module = build(rt.stage, rt.num_stages)
+    torch.manual_seed(spec.seed)  # the rrfp executors share this stage's module; torch's runners build their own
+    module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
     runners: dict[str, Runner] = {}
     for ex in case.executors:
         if ex.is_torch:
@@ -71,10 +64,9 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
             iterations.append({"iteration": it, "features": feats})
         for position, name in enumerate(rotated(names, it)):
             m = await runners[name].run(it, data, feats)
-            module.zero_grad(set_to_none=True)
             vec = torch.tensor([_NONE if v is None else float(v) for v in astuple(m)], dtype=torch.float64)
             await rt.all_reduce(vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics")
-            wall, peak, decision_us, plan_s = _reduced(vec.tolist())
+            wall, peak, decision_us, plan_s = [None if v == _NONE else v for v in vec.tolist()]
             if it > 0:
                 rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
                              "peak_inflight": None if peak is None else int(peak), "decision_us": decision_us,
