@@ -53,7 +53,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     skipped = wl["skipped"]
     # every executor of the default set either ran or says why not; the rrfp and torch ones run here
     assert set(ran) | set(skipped) == set(DEFAULT_EXECUTORS) and not set(ran) & set(skipped)
-    assert {"fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "torch 1f1b", "torch zb"} <= set(ran)
+    assert set(ran) == set(DEFAULT_EXECUTORS)  # all of them run in this build
     for name in ran:  # one measured iteration each, the same one, with a positive time and bound
         [row] = [r for r in wl["rows"] if r["executor"] == name]
         assert row["iteration"] == 1 and row["wall_s"] > 0 and 0 < row["efficiency"]
@@ -62,6 +62,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     assert len({r["position"] for r in wl["rows"]}) == len(ran)
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
+        assert (s["plan_s"] is not None) == s["executor"].endswith(" plan")
     base = next(s for s in wl["summary"] if s["executor"] == "fixed 1f1b")
     assert base["speedup"]["median"] == pytest.approx(1.0)
 

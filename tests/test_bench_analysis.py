@@ -8,8 +8,9 @@ from rrfp.app.bench.analysis import annotate, paired_ratios, summarize
 from rrfp.app.bench.suite import BenchSpec, Case, Executor
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
+from rrfp.sim.planning import planned_config
 
-EXECUTORS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "torch 1f1b")
+EXECUTORS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan", "torch 1f1b")
 
 
 def spec() -> BenchSpec:
@@ -21,10 +22,11 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
     sp, var = spec(), Variability.preset("lang")
     rows = []
     for it in (1, 2, 3):
-        for name in ("fixed 1f1b", "fixed zbh1", "ready bfw"):
+        for name in ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan"):
             ex = Executor.parse(name)
-            # the simulator draws its own durations here: the bench must rebuild the same ones
-            res = simulate(SimConfig(4, 8, ex.hint, ex.engine, "2x", var, seed=0, iteration=it))
+            # the simulator draws its own durations (and plans from them): the bench must rebuild the same
+            cfg = SimConfig(4, 8, ex.hint, ex.engine, "2x", var, seed=0, iteration=it)
+            res = simulate(planned_config(cfg)[0] if ex.hint == "plan" else cfg)
             rows.append({"executor": name, "iteration": it, "wall_s": res.makespan * 0.01, "peak_inflight": None,
                          "decision_us": None, "plan_s": None, "sim_lb": res.lower_bound * 0.01})
         rows.append({"executor": "torch 1f1b", "iteration": it, "wall_s": 1.0, "peak_inflight": None,

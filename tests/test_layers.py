@@ -19,7 +19,7 @@ ALLOWED = {
     "rrfp.loop": set(),
     "rrfp.comm": {"rrfp.core", "rrfp.loop"},
     "rrfp.nn": set(),
-    "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.loop", "rrfp.comm", "rrfp.nn"},
+    "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn"},  # sim: planning
     "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
     "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
              "rrfp.app"},  # the package's own __init__ and __main__: the public surface

@@ -28,11 +28,19 @@ def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(S, M, pre
     simulate(planned)  # the real durations (jitter, stragglers): runs to the end, no deadlock
 
 
-def test_candidates_cover_the_cost_orders():
+def test_candidates_start_plain_then_put_long_microbatches_in_the_middle():
     import numpy as np
 
-    cands = candidate_orders(np.array([1.0, 5.0, 3.0]))
-    assert cands[0] == (0, 1, 2) and (1, 2, 0) in cands and (0, 2, 1) in cands
+    from rrfp.core.planner import pyramid
+
+    cost = np.array([1.0, 5.0, 3.0, 4.0, 2.0])
+    cands = candidate_orders(cost)
+    assert cands[0] == (0, 1, 2, 3, 4)
+    assert (0, 2, 1, 3, 4) in cands and pyramid(cost, 0.5) == (0, 2, 1, 3, 4)
+    for order in cands[1:]:  # a pyramid: costs rise to the peak, then fall
+        c = cost[list(order)]
+        top = int(np.argmax(c))
+        assert all(np.diff(c[:top + 1]) > 0) and all(np.diff(c[top:]) < 0), order
     hint = Hint("plan", entry_order_hint((2, 0, 1)), is_class=True)
     assert [str(t) for t in hint.fn(2, 0, 3, True)][:3] == ["B2", "B0", "B1"]
 
@@ -47,3 +55,29 @@ def test_sim_shows_the_planned_row_with_its_planning_time():
     assert p.returncode == 0, p.stderr
     rows = {(r["executor"], r["hint"]): r for r in json.loads(p.stdout)["rows"]}
     assert rows[("ready", "plan")]["median_plan_ms"] > 0 and "plan" in p.stderr
+
+
+def test_train_plans_each_step_one_ahead_and_matches_bfw_losses():
+    """`rrfp train` with hint = plan under lang: every step follows its own plan (made in a
+    thread one step ahead), and the losses are BFW's: the order moves, the results do not."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def train(hint: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rrfp",
+             "train", "--config", "configs/gpt-tiny.toml", "--set", "pp=2", "--set", f"hint={hint}",
+             "--set", "preset=lang", "--set", "unit_ms=2", "--set", "steps=4", "--set", "log_every=1",
+             "--set", "model.n_layer=2"],
+            cwd=root, capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    planned, plain = train("plan"), train("bfw")
+    assert planned.returncode == 0 and plain.returncode == 0, planned.stderr[-2000:] + plain.stderr[-2000:]
+    assert re.search(r"plan: \d+\.\d ms per step", planned.stdout), planned.stdout
+    losses = [[float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)] for p in (planned, plain)]
+    assert len(losses[0]) == 5 and losses[0] == losses[1], losses  # 4 steps and the done line

@@ -198,3 +198,19 @@ def test_plot_merges_the_ranks_of_a_measured_run():
     (title, got), = spans_from_chrome(chrome_trace(spans))
     assert title == "measured (all ranks)"
     assert [(sp.stage, sp.name, round(sp.start, 6)) for sp in got] == [(0, "F0", 0.0), (1, "F0", 0.6), (1, "B0", 1.0)]
+
+
+@pytest.mark.parametrize("S,M", [(4, 16), (8, 32)])
+@pytest.mark.parametrize("hint,budget", [("1f1b", "1x"), ("zbh1", "1x"), ("bfw", "2x"), ("plan", "2x")])
+def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, budget):
+    """Readiness costs nothing when nothing varies: ready runs the hint's order as fast as fixed."""
+    from rrfp.sim.planning import planned_config
+
+    var = Variability.preset("none")
+    runs = {}
+    for dispatch in ("ready", "fixed"):
+        cfg = SimConfig(S, M, hint, dispatch, budget, var)
+        if cfg.hint.planned:
+            cfg, _ = planned_config(cfg)
+        runs[dispatch] = simulate(cfg).makespan
+    assert runs["ready"] <= runs["fixed"] * 1.01, runs

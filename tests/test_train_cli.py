@@ -45,7 +45,6 @@ BAD_OVERRIDES = [
     (["model.n_embd=1.5"], ["model.n_embd", "wrong type"]),
     (["lr=fast"], ["run.lr", "wrong type", "float"]),
     (["hint=nope"], ["unknown hint 'nope'", "gpipe, 1f1b"]),
-    (["hint=plan"], ["run.hint = plan is simulator-only"]),
     (['budget="0"'], ["run.budget", "budget 0 is below 1 microbatch"]),
     (["budget=0x"], ["run.budget", "must be above 0x"]),
     (["budget=lots"], ["run.budget", "not a budget: 'lots'"]),

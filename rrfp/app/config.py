@@ -65,9 +65,6 @@ class RunConfig:
                 object.__setattr__(self, name, parse(getattr(self, name)))
             except ValueError as e:  # HintError included
                 raise ConfigError(f"run.{name}: {e}") from None
-        if self.hint.planned:
-            raise ConfigError("run.hint = plan is simulator-only so far (rrfp sim): the runtime does not plan "
-                              "each iteration yet; use bfw")
         if isinstance(self.cost, str):
             object.__setattr__(self, "cost", _load_cost(self.cost) if self.cost else None)
         if self.preset not in PRESETS:

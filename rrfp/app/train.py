@@ -39,6 +39,8 @@ class TrainSummary:
     statistics: StageStats = field(default_factory=StageStats)
     features: list[list[dict]] = field(default_factory=list)  # with run.sizes: per step, per microbatch
     slowest_s: list[float] = field(default_factory=list)  # with run.sizes: per step, the slowest rank's iteration
+    plan_s: list[float] = field(default_factory=list)  # hint = plan: planning time per step (in a thread)
+    plan_waited_s: list[float] = field(default_factory=list)  # ... and how long each step waited for its plan
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
@@ -58,13 +60,22 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         world = rt.layout.world_size
-        for step in range(run.steps):
+
+        def my_batches(step: int):
             # DP replica d trains on its own M microbatches of a global batch of dp * M
             data = wl.batches(cfg.data, step, run.microbatches * run.dp)
             mine = data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches]
+            return mine, [wl.features(b) for b in mine]
+
+        upcoming = my_batches(0)
+        ex.prepare(0, upcoming[1])  # hint = plan: planned in a thread, one iteration ahead
+        for step in range(run.steps):
+            mine, feats = upcoming
+            if step + 1 < run.steps:
+                upcoming = my_batches(step + 1)
+                ex.prepare(step + 1, upcoming[1])  # planned while this step runs
             if rt.device.type != "cpu":
                 mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
-            feats = [wl.features(b) for b in mine]
             res = await ex.run_iteration(step, mine, feats)
             await sync.sync()
             opt.step()
@@ -79,6 +90,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                 wall / world)
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
+            if res.plan is not None:
+                summary.plan_s.append(res.plan.plan.seconds)
+                summary.plan_waited_s.append(res.plan.waited_s)
             if run.sizes:  # the iteration ends when its slowest stage does: that is what a replay simulates
                 longest = torch.tensor([res.stats.wall], dtype=torch.float64)
                 await rt.all_reduce(longest, dist.ReduceOp.MAX, what=f"step {step + 1}: world max of iteration time")

@@ -45,6 +45,11 @@ def train_command(args) -> int:
     if rank == 0:
         print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
+        if summary.plan_s:
+            waits = sorted(summary.plan_waited_s[1:]) or [0.0]  # step 1's plan cannot be made ahead
+            print(f"plan: {1e3 * sorted(summary.plan_s)[len(summary.plan_s) // 2]:.1f} ms per step (median, "
+                  f"in a thread, one step ahead); steps after the first waited for it {1e3 * waits[len(waits) // 2]:.2f} "
+                  f"ms (median), {1e3 * waits[-1]:.2f} ms at most", flush=True)
     # Everything is written and every group is down. Leave now: letting the interpreter tear down
     # torch's C++ state after gloo async collectives sometimes aborts ("terminate called without an
     # active exception", about 1 run in 7 on 4 CPU ranks), which would turn a finished run into exit 134.

@@ -122,9 +122,12 @@ class Hint:
     fn: HintFn
     is_class: bool = False
     planned: bool = False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
+    fixed_orders: tuple[tuple[Task, ...], ...] | None = None  # a plan's per-stage orders, for fixed dispatch
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
-        if self.is_class:
+        if self.fixed_orders is not None:
+            tasks = list(self.fixed_orders[s])
+        elif self.is_class:
             tasks = list(nominal_orders(self.fn, S, M, split, NOMINAL_BUDGET)[s])
         else:
             tasks = [t if isinstance(t, Task) else Task.parse(str(t)) for t in self.fn(S, s, M, split)]
@@ -140,7 +143,10 @@ class Hint:
         return prio
 
     def spec(self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget) -> StageSpec:
-        """Everything stage ``s`` needs to track an iteration under this hint."""
+        """Everything stage ``s`` needs to track an iteration under this hint. Ready dispatch
+        with a class hint needs no order, so none is built (it costs a nominal run)."""
+        if self.is_class and dispatch is Dispatch.READY:
+            return StageSpec(S, s, M, split, dispatch, self.priority(S, s, M, split), (), budget.limit(S, s))
         order = self.order(S, s, M, split)
         prio = {t: i for i, t in enumerate(order)} if not self.is_class else self.priority(S, s, M, split)
         return StageSpec(S, s, M, split, dispatch, prio, order, budget.limit(S, s))

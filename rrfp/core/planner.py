@@ -3,11 +3,19 @@ microbatches entering the pipeline in a planned order.
 
 Before an iteration starts, every microbatch's content is known, so its
 predicted cost is too (the cost model; in the simulator, the preset's
-per-microbatch factors, with jitter and stragglers hidden). The planner tries
-a few entry orders, scores each by simulating the predicted durations with the
-one state machine, and keeps the best; ready dispatch then absorbs what was
-not predicted. Deterministic in its inputs, so every rank and TP peer computes
-the same plan without talking.
+per-microbatch factors, with jitter and stragglers hidden). The planner scores
+a few entry orders by simulating the predicted durations with the one state
+machine and keeps the best; ready dispatch then absorbs what was not
+predicted.
+
+Why these orders: a pipeline fills at the pace of its first microbatches and
+drains at the pace of its last ones, while the middle is hidden by the steady
+state. So the candidates are "pyramids": short microbatches at both
+ends, long ones in the middle, with the peak at a few places. The plain order
+is always scored first, so the plan is never worse than BFW on what it knows.
+
+Deterministic in its inputs (no clock, no randomness), so every rank and TP
+peer computes the same plan without talking.
 """
 from __future__ import annotations
 
@@ -20,10 +28,12 @@ import numpy as np
 from rrfp.core.hints import bfw_ranked
 from rrfp.core.tasks import Task
 
+PEAKS = (0.5, 0.35, 0.65)  # where the pyramid's longest microbatches sit, as a fraction of M
+
 
 def entry_order_hint(order: Sequence[int]) -> Callable[[int, int, int, bool], list[Task]]:
     """The BFW class priority, with microbatches ranked by their place in ``order``."""
-    order = tuple(order)
+    order = tuple(int(m) for m in order)
 
     def planned(S: int, s: int, M: int, split: bool) -> list[Task]:
         return bfw_ranked(order if len(order) == M else range(M), split)
@@ -41,15 +51,21 @@ class Plan:
     seconds: float  # planning time
 
 
+def pyramid(cost: np.ndarray, peak: float) -> tuple[int, ...]:
+    """Shortest microbatches at both ends, longest at ``peak`` (a fraction of the way in)."""
+    left: list[int] = []
+    right: list[int] = []
+    for i, m in enumerate(np.argsort(cost, kind="stable")):
+        (left if len(left) < peak * (i + 1) else right).append(int(m))
+    return tuple(left + right[::-1])
+
+
 def candidate_orders(cost: np.ndarray) -> list[tuple[int, ...]]:
-    """Entry orders worth scoring, from each microbatch's predicted total cost: as given
-    (plain BFW), longest first, shortest first, and long and short alternating."""
-    M = len(cost)
-    by_cost = [int(m) for m in np.argsort(-cost, kind="stable")]
-    alternating = [by_cost[(i // 2) if i % 2 == 0 else M - 1 - i // 2] for i in range(M)]
-    seen: dict[tuple[int, ...], None] = {}
-    for order in (tuple(range(M)), tuple(by_cost), tuple(reversed(by_cost)), tuple(alternating)):
-        seen.setdefault(order, None)
+    """Entry orders worth scoring, from each microbatch's predicted total cost: as
+    given (plain BFW) first, then one pyramid per peak. Duplicates are dropped."""
+    seen: dict[tuple[int, ...], None] = {tuple(range(len(cost))): None}
+    for peak in PEAKS:
+        seen.setdefault(pyramid(cost, peak), None)
     return list(seen)
 
 

@@ -18,7 +18,7 @@ import torch
 from rrfp.comm.message import Message
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.emulation import task_units
+from rrfp.core.durations import TaskTimes
 from rrfp.core.errors import PeerTimeout, ProtocolError
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
@@ -27,6 +27,7 @@ from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker, TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
+from rrfp.pipeline.planning import IterationPlanner, PlanReport
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.executor")
@@ -52,6 +53,7 @@ class IterationResult:
     stats: StageStats  # busy and wall in seconds
     order: list[Task]  # tasks in the order this stage ran them
     tokens: int
+    plan: PlanReport | None = None  # hint = plan: the plan this iteration followed
 
     @property
     def loss(self) -> float | None:
@@ -83,6 +85,10 @@ class StageExecutor:
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
         S, s, M = worker.num_stages, worker.stage, settings.num_microbatches
         self.S, self.s, self.M = S, s, M
+        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost)
+        self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
+        if settings.hint.planned:
+            self.planner = IterationPlanner(self.times, S, M, settings.budget, settings.dispatch)
         self.spec = settings.hint.spec(S, s, M, settings.split, settings.dispatch, settings.budget)
         self._bytes_per_token = 0.0
         self.totals = StageStats()
@@ -90,8 +96,8 @@ class StageExecutor:
 
     @property
     def order(self) -> Sequence[Task]:
-        """The hint's order for this stage (what fixed dispatch runs)."""
-        return self.spec.order
+        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order)."""
+        return self.spec.order or self.settings.hint.order(self.S, self.s, self.M, self.settings.split)
 
     @property
     def limit(self):
@@ -108,16 +114,33 @@ class StageExecutor:
         ``features`` (one dict per microbatch) lets a cost model set emulated durations."""
         if len(batches) != self.M:
             raise ValueError(f"stage {self.s}: got {len(batches)} microbatches, configured for {self.M}")
-        run = _Iteration(self, iteration, batches, features)
-        return await run.execute()
+        spec, report = self.spec, None
+        if self.planner is not None:
+            hint, report = await self.planner.hint(iteration, features)
+            st = self.settings
+            spec = hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
+        run = _Iteration(self, spec, iteration, batches, features)
+        result = await run.execute()
+        result.plan = report
+        return result
+
+    def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
+        """With hint = plan: start planning ``iteration`` now, while the current one runs.
+        ``features`` must be those ``run_iteration`` will get. A no-op for other hints."""
+        if self.planner is not None:
+            self.planner.prepare(iteration, features)
+
+    def close(self) -> None:
+        if self.planner is not None:
+            self.planner.close()
 
 
 class _Iteration:
     """One iteration on one stage: the tracker, the tensors in transit, the timings."""
 
-    def __init__(self, ex: StageExecutor, iteration: int, batches, features=None) -> None:
-        self.ex, self.it, self.batches, self.features = ex, iteration, batches, features
-        self.tracker = StageTracker(ex.spec, self.size_of)
+    def __init__(self, ex: StageExecutor, spec, iteration: int, batches, features=None) -> None:
+        self.ex, self.spec, self.it, self.batches, self.features = ex, spec, iteration, batches, features
+        self.tracker = StageTracker(spec, self.size_of)
         self.changed = asyncio.Event()
         self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
@@ -227,7 +250,7 @@ class _Iteration:
             x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
             targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
             out = await ex.lane.run(w.forward, mb, x, targets, units=units)
-            if ex.spec.limit.bytes is not None:
+            if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
             if ex.s == ex.S - 1:
@@ -247,17 +270,13 @@ class _Iteration:
             ex.instrument.task(ex.s, self.it, task, start, time.time())
 
     def _units(self, task: Task) -> float:
-        """Emulated device time: the cost model's prediction for this microbatch's data times the
-        preset's noise, or the preset's duration alone without a cost model."""
-        st = self.ex.settings
-        return task_units(st.variability, st.seed, self.it, self.ex.s, task.mb, task.kind, st.split, st.cost,
-                          self.features)
+        """Emulated device time (``rrfp.core.durations``)."""
+        return self.ex.times.units(self.it, self.ex.s, task.mb, task.kind, self.features)
 
     # -- communication -------------------------------------------------------
 
     def _post(self, msg: Message) -> None:
-        st = self.ex.settings
-        latency = st.variability.latency(st.seed, self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
+        latency = self.ex.times.latency(self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
         self.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
 
     async def _send(self, channel, queue: asyncio.Queue) -> None:

@@ -57,6 +57,7 @@ class PipelineRuntime:
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
         self.cpu_group = groups.get("cpu")  # control plane (stats, gather, barrier); None: the default group
+        self._executors: list[StageExecutor] = []  # closed with the runtime (their planning threads)
         self.poller = poller  # every collective's and NCCL message's Work is awaited through it
         self.lane = lane
         self.device = device
@@ -134,8 +135,9 @@ class PipelineRuntime:
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)
         agreement = TPAgreement(self.tp_control, microbatches, self.poller) if self.tp_control is not None else None
-        return StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s,
-                             agreement)
+        ex = StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s, agreement)
+        self._executors.append(ex)
+        return ex
 
     def grad_sync(self, module: torch.nn.Module, executor: StageExecutor | None = None) -> GradSync:
         """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
@@ -185,6 +187,8 @@ class PipelineRuntime:
             await self.aclose()
 
     async def aclose(self) -> None:
+        for ex in self._executors:
+            ex.close()
         await self.poller.aclose()
         self.lane.close()
         await self.channels.aclose()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from rrfp.core.cost import CostModel
-from rrfp.core.emulation import iteration_units
+from rrfp.core.durations import TaskTimes
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, simulate
 
@@ -18,7 +18,7 @@ from rrfp.sim.engine import SimConfig, simulate
 def replay_durations(cost: CostModel, var: Variability, features: list[dict], seed: int, step: int,
                      split: bool) -> np.ndarray:
     """[S, M, 3] durations in emulated units, as the runtime's lane held them."""
-    return iteration_units(var, seed, step, cost.num_stages, len(features), split, cost, features)
+    return TaskTimes(var, seed, split, cost).realized(step, cost.num_stages, len(features), features)
 
 
 def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:

@@ -6,6 +6,7 @@ its efficiency against the bound.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass
 
@@ -13,11 +14,17 @@ import numpy as np
 
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Executor
 from rrfp.core.bounds import lower_bound
+from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.emulation import iteration_units
+from rrfp.core.durations import TaskTimes
+from rrfp.core.hints import resolve
+from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
+from rrfp.sim.planning import make_plan
+
+log = logging.getLogger("rrfp.app.bench.analysis")
 
 
 @dataclass(frozen=True)
@@ -38,19 +45,30 @@ class IterationWork:
 def iteration_work(spec: BenchSpec, var: Variability, cost: CostModel | None, iteration: int,
                    features: list[dict] | None, split: bool) -> IterationWork:
     S, M, seed = spec.pp, spec.mb, spec.seed
-    dur = iteration_units(var, seed, iteration, S, M, split, cost, features)
+    dur = TaskTimes(var, seed, split, cost).realized(iteration, S, M, features)
     s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
     lat_f = var.latency(seed, iteration, s_idx, m_idx, Kind.F) * np.ones((S, M))
     lat_b = var.latency(seed, iteration, s_idx, m_idx, Kind.B) * np.ones((S, M))
     return IterationWork(dur, lat_f, lat_b, split, spec.unit_ms / 1000)
 
 
-def simulated_s(spec: BenchSpec, var: Variability, ex: Executor, iteration: int, work: IterationWork) -> float | None:
-    """The simulator's time for this rrfp executor on the same durations; None for torch's schedules
-    and planned hints (the simulator does not run those from given durations)."""
-    if ex.is_torch or ex.hint == "plan":
+def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: Executor, iteration: int,
+                work: IterationWork, features: list[dict] | None, plan_order: list[int] | None = None
+                ) -> float | None:
+    """The simulator's time for this rrfp executor on the same durations (None for torch's schedules).
+    A planned hint is planned again here from the same inputs: the planner is deterministic, so it is
+    the plan the ranks followed (``plan_order``, theirs, is checked; None if it differs)."""
+    if ex.is_torch:
         return None
-    cfg = SimConfig(spec.pp, spec.mb, ex.hint, ex.engine, spec.budget, var, seed=spec.seed, iteration=iteration,
+    hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
+    if hint.planned:
+        predicted = TaskTimes(var, spec.seed, work.split, cost).predicted(iteration, spec.pp, spec.mb, features)
+        hint, made = make_plan(predicted, budget, var, work.split, dispatch)
+        if plan_order is not None and list(made.order) != list(plan_order):
+            log.warning("%s iteration %d: the ranks planned %s, the parent %s: not simulated", ex.name,
+                        iteration, plan_order, list(made.order))
+            return None
+    cfg = SimConfig(spec.pp, spec.mb, hint, dispatch, budget, var, seed=spec.seed, iteration=iteration,
                     split=work.split, durations=work.durations.tolist())
     return simulate(cfg).makespan * work.unit_s
 
@@ -63,13 +81,14 @@ def annotate(spec: BenchSpec, case: Case, var: Variability, cost: CostModel | No
     works: dict[tuple[int, bool], IterationWork] = {}
     for r in rows:
         ex, it = executors[r["executor"]], r["iteration"]
+        features = feats.get(it) if cost else None
         key = (it, ex.split)
         if key not in works:
-            works[key] = iteration_work(spec, var, cost, it, feats.get(it) if cost else None, ex.split)
+            works[key] = iteration_work(spec, var, cost, it, features, ex.split)
         work = works[key]
         r["lower_bound_s"] = work.lower_bound_s
         r["efficiency"] = work.lower_bound_s / r["wall_s"]
-        r["simulated_s"] = simulated_s(spec, var, ex, it, work)
+        r["simulated_s"] = simulated_s(spec, var, cost, ex, it, work, features, r.get("plan_order"))
 
 
 @dataclass(frozen=True)
@@ -99,9 +118,11 @@ class Summary:
     peak_inflight: int | None
     decision_us: float | None
     plan_s: float | None
+    plan_waited_s: float | None
 
     def as_dict(self) -> dict:
-        doc = {k: getattr(self, k) for k in ("executor", "iterations", "peak_inflight", "decision_us", "plan_s")}
+        doc = {k: getattr(self, k) for k in ("executor", "iterations", "peak_inflight", "decision_us", "plan_s",
+                                         "plan_waited_s")}
         for k in ("wall_s", "speedup", "efficiency", "vs_simulated"):
             doc[k] = None if getattr(self, k) is None else getattr(self, k).as_dict()
         return doc
@@ -131,5 +152,5 @@ def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
                            Spread.of(paired_ratios(rows, BASELINE, name)),
                            Spread.of([r["efficiency"] for r in mine]), Spread.of(sims),
                            max(peaks) if peaks else None, _median([r["decision_us"] for r in mine]),
-                           _median([r["plan_s"] for r in mine])))
+                           _median([r["plan_s"] for r in mine]), _median([r.get("plan_waited_s") for r in mine])))
     return out

@@ -17,7 +17,9 @@ from rrfp.observe.trace import Span, chrome_trace, write_atomic, write_json
 EMULATED = ("Device time is emulated on CPU: each task holds its stage's compute lane for its emulated "
             "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the figures "
             "compare schedules and dispatch, not hardware.")
-ABLATION = ("ready bfw", "fixed bfw")  # same order and memory: the difference is dispatch alone
+# (headline, its ablation): each pair differs in dispatch alone
+ABLATIONS = (("ready bfw", "fixed bfw", "same order and memory"),
+             ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"))
 
 
 @dataclass
@@ -62,11 +64,16 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 f"| {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} | {_fmt(s.peak_inflight, 'd')} "
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |")
         lines.append("")
-        ablation = paired_ratios(res.rows, ABLATION[1], ABLATION[0])
-        if ablation:
-            lines.append(f"Ablation, dispatch alone ({ABLATION[0]} vs {ABLATION[1]}: same order and memory): "
-                         f"median {statistics.median(ablation):.3f}x (min {min(ablation):.3f}, "
-                         f"max {max(ablation):.3f}).")
+        for headline, ablation, what in ABLATIONS:
+            ratios = paired_ratios(res.rows, ablation, headline)
+            if ratios:
+                lines.append(f"Ablation, dispatch alone: {headline} vs {ablation} ({what}): median "
+                             f"{statistics.median(ratios):.3f}x (min {min(ratios):.3f}, max {max(ratios):.3f}).")
+        for s in res.summaries:
+            if s.plan_s is not None:
+                lines.append(f"{s.executor}: each iteration planned one ahead in a thread while the previous ran: "
+                             f"median {s.plan_s * 1e3:.2f} ms of planning, {s.plan_waited_s * 1e3:.2f} ms waited "
+                             f"at the iteration's start.")
         if not any(s.executor == BASELINE for s in res.summaries):
             lines.append(f"No speedups: {BASELINE} did not run.")
         for name, why in res.skipped.items():

@@ -4,7 +4,7 @@ iteration on given microbatches, say how long it took, keep its task spans.
 rrfp's executors and torch's schedules differ in everything else; the bench
 only sees ``Runner.run(iteration, batches, features) -> Measured`` and
 ``Runner.spans``, and every runner spends the same emulated time per task
-(``rrfp.core.emulation.task_units``).
+(``rrfp.core.durations.TaskTimes``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 from rrfp.app.bench.suite import BenchSpec, Executor
 from rrfp.core.cost import CostModel
-from rrfp.core.emulation import task_units
+from rrfp.core.durations import TaskTimes
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
@@ -29,7 +29,14 @@ class Measured:
     wall_s: float
     peak_inflight: int | None = None
     decision_us: float | None = None  # mean time per dispatch decision
-    plan_s: float | None = None  # time spent planning the hint for this iteration
+    plan_s: float | None = None  # hint = plan: time spent planning this iteration (in a thread, ahead)
+    plan_waited_s: float | None = None  # ... and how long the iteration waited for its plan
+    plan_order: tuple[int, ...] | None = None  # ... and the microbatches' planned entry order
+
+    def reduced(self) -> list[float]:
+        """The figures every rank all-reduces (MAX), with -1 for unknown."""
+        return [-1.0 if v is None else float(v) for v in (self.wall_s, self.peak_inflight, self.decision_us,
+                                                            self.plan_s, self.plan_waited_s)]
 
 
 class Runner(Protocol):
@@ -37,6 +44,9 @@ class Runner(Protocol):
 
     @property
     def spans(self) -> list[Span]: ...
+
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        """Get ready for ``iteration`` (e.g. plan it) while the current one runs."""
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
@@ -57,11 +67,15 @@ class RrfpRunner:
     def spans(self) -> list[Span]:
         return self._recorder.spans
 
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        self._executor.prepare(iteration, features)  # hint = plan: planned in a thread, as rrfp train does
+
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         res = await self._executor.run_iteration(iteration, batches, features)
         self._executor.worker.module.zero_grad(set_to_none=True)
-        st = res.stats
-        return Measured(st.wall, st.peak_inflight, st.decision_us, getattr(res, "plan_s", None))
+        st, plan = res.stats, res.plan
+        return Measured(st.wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds,
+                        plan and plan.waited_s, plan and tuple(plan.plan.order))
 
 
 class TorchRunner:
@@ -82,11 +96,14 @@ class TorchRunner:
     def spans(self) -> list[Span]:
         return self._spans
 
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        pass  # torch's schedules are fixed
+
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
-        spec, var, cost, split = self._spec, self._var, self._cost, self._runner.split
+        times = TaskTimes(self._var, self._spec.seed, self._runner.split, self._cost)
 
         def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
-            return task_units(var, spec.seed, iteration, stage, mb, kind, split, cost, features)
+            return times.units(iteration, stage, mb, kind, features)
 
         # torch's schedule blocks; nothing else of this rank runs meanwhile
         res = self._runner.run_iteration(iteration, batches, units)

@@ -22,7 +22,10 @@ from rrfp.core.policy import Dispatch
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
 TORCH_MODULE = "rrfp.pipeline.torch_schedules"
 BASELINE = "fixed 1f1b"
-DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "ready plan", "torch 1f1b", "torch zb")
+# fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
+# predicted run replayed as a fixed order): each pair differs in dispatch alone
+DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixed plan", "ready plan", "torch 1f1b",
+                     "torch zb")
 
 
 def file_slug(name: str) -> str:
@@ -160,20 +163,9 @@ class BenchSpec:
         return cls(**doc)
 
 
-def runtime_plans() -> bool:
-    """Whether the runtime plans ``hint = plan`` each iteration (its config accepts the hint)."""
-    try:
-        RunConfig(hint="plan")
-    except ConfigError:
-        return False
-    return True
-
-
 def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
     """Why this executor cannot run this workload here, or None."""
     if not ex.is_torch:
-        if resolve(ex.hint).planned and not runtime_plans():
-            return "the runtime does not plan the hint each iteration yet (hint = plan is simulator-only)"
         return None
     ts = _torch_schedules()
     if ts is None:

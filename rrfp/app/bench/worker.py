@@ -34,7 +34,6 @@ from rrfp.pipeline.runtime import PipelineRuntime
 
 PROGRESS = "@rrfp-bench-progress "  # prefix of the progress lines rank 0 prints for the parent
 log = logging.getLogger("rrfp.app.bench.worker")
-_NONE = -1.0  # "not known" inside an all-reduced vector (every real value is >= 0)
 
 
 def rotated(items: list, k: int) -> list:
@@ -57,20 +56,32 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
             runners[ex.name] = RrfpRunner(rt, ex, module, wl, spec, var, cost)
     rows, iterations = [], []
     names = list(runners)
-    for it in range(spec.reps + 1):  # iteration 0 warms up
+
+    def inputs(it: int):
         data = wl.batches(cfg.data, it, spec.mb)
-        feats = [wl.features(b) for b in data]
+        return data, [wl.features(b) for b in data]
+
+    upcoming = inputs(0)
+    for r in runners.values():
+        r.prepare(0, upcoming[1])
+    for it in range(spec.reps + 1):  # iteration 0 warms up
+        data, feats = upcoming
+        if it < spec.reps:  # e.g. planned while this iteration runs, as rrfp train does
+            upcoming = inputs(it + 1)
+            for r in runners.values():
+                r.prepare(it + 1, upcoming[1])
         if it > 0:
             iterations.append({"iteration": it, "features": feats})
         for position, name in enumerate(rotated(names, it)):
             m = await runners[name].run(it, data, feats)
-            vec = torch.tensor([_NONE if v is None else float(v) for v in astuple(m)], dtype=torch.float64)
+            vec = torch.tensor(m.reduced(), dtype=torch.float64)
             await rt.all_reduce(vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics")
-            wall, peak, decision_us, plan_s = [None if v == _NONE else v for v in vec.tolist()]
+            wall, peak, decision_us, plan_s, plan_waited_s = [None if v < 0 else v for v in vec.tolist()]
             if it > 0:
                 rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
                              "peak_inflight": None if peak is None else int(peak), "decision_us": decision_us,
-                             "plan_s": plan_s})
+                             "plan_s": plan_s, "plan_waited_s": plan_waited_s,
+                             "plan_order": None if m.plan_order is None else list(m.plan_order)})
             progress(f"{case.name} iteration {it} {name}")
     spans = [list(astuple(sp)) for r in runners.values() for sp in r.spans if sp.args.get("iteration", 0) > 0]
     gathered = await rt.gather_object(spans)

@@ -1,0 +1,79 @@
+"""Where a task's emulated device time comes from, and what of it can be known
+before the iteration runs.
+
+Two sources: the variability preset alone, or a cost model of the
+microbatch's data times the preset's noise. The runtime's lane, the bench's
+torch anchors and the planner all read task times here, so every executor
+runs the same durations and the planner sees exactly their predictable part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+from rrfp.core.cost import CostModel
+from rrfp.core.tasks import Kind
+from rrfp.core.variability import Variability
+
+
+def known(variability: Variability) -> Variability:
+    """What a planner may know of a preset: per-microbatch size factors and a
+    persistently slow stage. Jitter, stragglers and link jitter stay hidden."""
+    return replace(variability, jitter=0.0, straggler_p=0.0, comm_jitter=0.0)
+
+
+@dataclass(frozen=True)
+class TaskTimes:
+    """Task durations in units of the average forward, for one run's settings."""
+
+    variability: Variability
+    seed: int = 0
+    split: bool = True
+    cost: CostModel | None = None  # with features: the data's predicted cost times the preset's noise
+
+    def units(self, iteration: int, stage: int, mb: int, kind: Kind | int,
+              features: Sequence[dict] | None = None) -> float:
+        """The realized duration of one task."""
+        var = self.variability
+        if self.cost is not None and features is not None:
+            return (self.cost.units(stage, int(kind), features[mb], self.split)
+                    * var.noise(self.seed, iteration, stage, mb, kind))
+        return var.duration(self.seed, iteration, stage, mb, kind, self.split)
+
+    def realized(self, iteration: int, stages: int, microbatches: int,
+                 features: Sequence[dict] | None = None) -> np.ndarray:
+        """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
+        split backward: B holds it); what the bench bounds and the simulator replays."""
+        out = np.zeros((stages, microbatches, 3))
+        kinds = (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B)
+        for s in range(stages):
+            for m in range(microbatches):
+                for k in kinds:
+                    out[s, m, k] = self.units(iteration, s, m, k, features)
+        return out
+
+    def predicted(self, iteration: int, stages: int, microbatches: int,
+                  features: Sequence[dict] | None = None) -> np.ndarray:
+        """``[stage, mb, kind]``: the part of every duration that is known before the
+        iteration starts (W is zero without a split backward: B holds it)."""
+        S, M, split = stages, microbatches, self.split
+        out = np.zeros((S, M, 3))
+        var = known(self.variability)
+        kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+        if self.cost is not None and features is not None:
+            for s in range(S):
+                for m in range(M):
+                    for k in kinds:
+                        out[s, m, k] = (self.cost.units(s, int(k), features[m], split)
+                                        * var.noise(self.seed, iteration, s, m, k))
+            return out
+        s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
+        for k in kinds:
+            out[:, :, k] = var.duration(self.seed, iteration, s_idx, m_idx, k, split) * np.ones((S, M))
+        return out
+
+    def latency(self, iteration: int, stage: int, mb: int, kind: Kind | int) -> float:
+        """Link latency of the message a task of ``kind`` on ``stage`` sends."""
+        return self.variability.latency(self.seed, iteration, stage, mb, kind)
