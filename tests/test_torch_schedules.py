@@ -99,6 +99,9 @@ def test_two_iterations_match_single_process_reference(schedule):
         assert o["counts"] == {(k, kind): M for k in o["stages"] for kind in kinds}, o["counts"]
 
 
+VARIABILITY = dict(slow_stage=1, slow_factor=2.0, comm=1.0)  # rank 1 twice as slow; one unit per message
+
+
 def _emulated(rank, world, schedule, unit_s):
     import torch.distributed as dist
 
@@ -106,7 +109,7 @@ def _emulated(rank, world, schedule, unit_s):
     from models.gpt import GPTConfig, loss_fn, workload
     from rrfp.core.variability import Variability
 
-    var = Variability.preset("none", slow_stage=1, slow_factor=2.0)
+    var = Variability.preset("none", **VARIABILITY)
     model_cfg = GPTConfig(n_layer=8, n_embd=16, n_head=2, block_size=32)
     data_cfg = DataConfig(seed=0, microbatch_size=1, min_seq_len=8, max_seq_len=16)
     dist.init_process_group("gloo")
@@ -119,9 +122,12 @@ def _emulated(rank, world, schedule, unit_s):
             calls.append((stage, mb, kind))
             return var.duration(0, 1, stage, mb, kind, split=runner.split)
 
-        runner.run_iteration(0, make_batches(data_cfg, 0, M), units)  # warm-up: groups and buffers
+        def latency(stage, mb, kind):
+            return var.latency(0, 1, stage, mb, kind)
+
+        runner.run_iteration(0, make_batches(data_cfg, 0, M), units, latency)  # warm-up: groups and buffers
         dist.barrier()
-        res = runner.run_iteration(1, make_batches(data_cfg, 1, M), units)
+        res = runner.run_iteration(1, make_batches(data_cfg, 1, M), units, latency)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -129,19 +135,20 @@ def _emulated(rank, world, schedule, unit_s):
                 asked=sorted({s for s, _, _ in calls}), split=runner.split)
 
 
-def _lower_bound(S: int, per_rank: int, placement, split: bool, dur) -> float:
-    """Units no schedule can beat: a rank's own work plus the forwards before its first task and,
-    unsplit, the backwards after its last; and microbatch 0's chain through every stage and back."""
-    share = 1.0 / per_rank
-    d = {(k, kind): dur(k, kind) * share for k in range(S) for kind in Kind}
+def _lower_bound(S: int, rank_of: dict[int, int], per_rank: int, split: bool, dur, lat: float) -> float:
+    """Units no schedule can beat: a rank's own work, plus microbatch 0's forwards (and messages)
+    before its first task and, unsplit, the backwards after its last; and microbatch 0's chain
+    through every stage and back."""
+    d = {(k, kind): dur(k, kind) / per_rank for k in range(S) for kind in Kind}
+    hop = [lat if rank_of[k] != rank_of[k + 1] else 0.0 for k in range(S - 1)]  # message k -> k+1
     bound = 0.0
-    for r in range(S // per_rank):
-        mine = placement(r, S // per_rank)
+    for r in set(rank_of.values()):
+        mine = [k for k in range(S) if rank_of[k] == r]
         work = sum(d[(k, kind)] for k in mine for kind in ((Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)))
-        head = min(sum(d[(j, Kind.F)] for j in range(k)) for k in mine)
-        tail = 0.0 if split else min(sum(d[(j, Kind.B)] for j in range(k)) for k in mine)
+        head = min(sum(d[(j, Kind.F)] + hop[j] for j in range(k)) for k in mine)
+        tail = 0.0 if split else min(sum(d[(j, Kind.B)] + hop[j] for j in range(k)) for k in mine)
         bound = max(bound, head + M * work + tail)
-    chain = sum(d[(k, Kind.F)] + d[(k, Kind.B)] for k in range(S)) + (d[(0, Kind.W)] if split else 0.0)
+    chain = sum(d[(k, Kind.F)] + d[(k, Kind.B)] for k in range(S)) + 2 * sum(hop) + (d[(0, Kind.W)] if split else 0)
     return max(bound, chain)
 
 
@@ -151,9 +158,8 @@ def test_emulated_time_bounds_the_iteration(schedule):
 
     unit_s = 0.01
     out = run_ranks(_emulated, WORLD, schedule, unit_s, timeout=90)
-    var = Variability.preset("none", slow_stage=1, slow_factor=2.0)
-    name = ts.resolve_schedule(schedule)
-    _, per_rank, placement, split = ts.SCHEDULES[name]
+    var = Variability.preset("none", **VARIABILITY)
+    _, per_rank, _, split = ts.SCHEDULES[ts.resolve_schedule(schedule)]
     S = WORLD * per_rank
     rank_of = {k: r for r, o in out.items() for k in o["stages"]}
 
@@ -167,9 +173,18 @@ def test_emulated_time_bounds_the_iteration(schedule):
                 want = var.duration(0, 1, r, int(sp.name[1:]), Kind.F) / per_rank * unit_s
                 assert sp.end - sp.start >= want, (r, sp, want)
     start = min(o["start"] for o in out.values())
+    spans = {(sp.stage, sp.name): (o["start"] + sp.start - start, o["start"] + sp.end - start)
+             for o in out.values() for sp in o["spans"]}
     makespan = max(o["start"] + o["wall"] for o in out.values()) - start
-    bound = _lower_bound(S, per_rank, placement, split, dur) * unit_s
+    lat = var.comm * unit_s
+    bound = _lower_bound(S, rank_of, per_rank, split, dur, var.comm) * unit_s
     assert makespan >= bound, (makespan, bound)
+    # a message to another rank leaves the link latency after its task ends
+    for k in range(S - 1):
+        gap = lat if rank_of[k] != rank_of[k + 1] else 0.0
+        for mb in range(M):
+            assert spans[(k + 1, f"F{mb}")][0] >= spans[(k, f"F{mb}")][1] + gap, (k, mb)
+            assert spans[(k, f"B{mb}")][0] >= spans[(k + 1, f"B{mb}")][1] + gap, (k, mb)
     # the slow rank (1) spends twice the emulated time of rank 0 in its tasks
     busy = {r: sum(sp.end - sp.start for sp in o["spans"]) for r, o in out.items()}
     assert busy[1] >= 2 * M * 3 * unit_s and busy[1] > 1.5 * busy[0], busy
