@@ -21,6 +21,13 @@ payload of fixed ``capacity`` elements, zero-padded, plus a small int64 header
 with their shapes. The receiving stage unpacks views of the payload, so the
 model computes on exactly the tensors rrfp's stage gets and gradients flow
 back through the views unchanged.
+
+Link latency, as rrfp's senders add it: a stage's sends to another rank go to
+one FIFO thread per peer, which issues them ``latency * unit_s`` after the
+task ends; torch then has no send of its own to wait on. ``run_iteration``
+drives the schedule through ``_step_microbatches`` (what ``step()`` calls
+after splitting one batch, which variable-length microbatches cannot be);
+checked against torch 2.13.
 """
 from __future__ import annotations
 
@@ -151,9 +158,9 @@ def probe_capacity(build_stage: Callable[[int, int], torch.nn.Module], num_stage
                    batches: Sequence[tuple[Any, Any]], modules: list[torch.nn.Module] | None = None) -> int:
     """The largest stage-boundary payload (elements) over ``batches``, from a local no-grad forward
     through every stage. ``modules``: stages built before, reused (shapes do not depend on weights)."""
-    modules = modules if modules is not None else [build_stage(k, num_stages) for k in range(num_stages)]
     most = 0
-    with torch.no_grad():
+    with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays untouched
+        modules = modules if modules is not None else [build_stage(k, num_stages) for k in range(num_stages)]
         for x, _ in batches:
             for module in modules[:-1]:
                 x = module(x)
@@ -410,7 +417,8 @@ class TorchScheduleRunner:
                 self._build_schedule(self.capacity)
             return
         if self._probe_modules is None:
-            self._probe_modules = [self.build_stage(k, self.num_stages) for k in range(self.num_stages)]
+            with torch.random.fork_rng():
+                self._probe_modules = [self.build_stage(k, self.num_stages) for k in range(self.num_stages)]
         needed = probe_capacity(self.build_stage, self.num_stages, batches, self._probe_modules)
         if self._schedule_obj is None or needed > self.capacity:
             self._build_schedule(needed)  # every rank probes the same data: all rebuild together
