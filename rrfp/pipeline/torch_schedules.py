@@ -21,10 +21,19 @@ payload of fixed ``capacity`` elements, zero-padded, plus a small int64 header
 with their shapes. The receiving stage unpacks views of the payload, so the
 model computes on exactly the tensors rrfp's stage gets and gradients flow
 back through the views unchanged.
+
+Link latency, as rrfp's senders add it: a stage's sends to another rank go to
+one FIFO thread per peer, which issues them ``latency * unit_s`` after the
+task ends; torch then has no send of its own to wait on. ``run_iteration``
+drives the schedule through ``_step_microbatches`` (what ``step()`` calls
+after splitting one batch, which variable-length microbatches cannot be);
+checked against torch 2.13.
 """
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -149,14 +158,71 @@ def probe_capacity(build_stage: Callable[[int, int], torch.nn.Module], num_stage
                    batches: Sequence[tuple[Any, Any]], modules: list[torch.nn.Module] | None = None) -> int:
     """The largest stage-boundary payload (elements) over ``batches``, from a local no-grad forward
     through every stage. ``modules``: stages built before, reused (shapes do not depend on weights)."""
-    modules = modules if modules is not None else [build_stage(k, num_stages) for k in range(num_stages)]
     most = 0
-    with torch.no_grad():
+    with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays untouched
+        modules = modules if modules is not None else [build_stage(k, num_stages) for k in range(num_stages)]
         for x, _ in batches:
             for module in modules[:-1]:
                 x = module(x)
                 most = max(most, boundary_numel(x))
     return max(1, most)
+
+
+# -- link latency: sends held back, as rrfp's senders hold them ------------------------------
+
+
+class _DelayedSends:
+    """Sends that leave after their emulated link latency: one FIFO thread per peer rank, as
+    rrfp has one sender per channel. Order per peer is kept, which is all gloo's matching needs."""
+
+    def __init__(self) -> None:
+        self._queues: dict[int, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def post(self, peer: int, due: float, ops: list) -> None:
+        q = self._queues.get(peer)
+        if q is None:
+            q = self._queues[peer] = queue.Queue()
+            thread = threading.Thread(target=self._run, args=(q,), name=f"rrfp-torch-send-{peer}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        q.put((due, ops))
+
+    def _run(self, q: queue.Queue) -> None:
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                due, ops = item
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                # as torch's _batch_p2p issues a batch of sends, then wait (gloo completes in wait)
+                works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # surfaces in flush(), on the schedule's thread
+                self._errors.append(e)
+            finally:
+                q.task_done()
+
+    def flush(self) -> None:
+        """Wait until every posted send has left and completed."""
+        for q in list(self._queues.values()):
+            q.join()
+        if self._errors:
+            raise RuntimeError(f"a delayed pipeline send failed: {self._errors[0]}") from self._errors[0]
+
+    def close(self) -> None:
+        """End the sender threads once their queues are empty."""
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._queues.clear()
+        self._threads.clear()
 
 
 # -- timing: the lane's hold, per task ------------------------------------------------------
@@ -172,6 +238,8 @@ class _Clock:
     split: bool
     t0: float = 0.0
     units: Callable[[int, int, Kind], float] | None = None
+    latency: Callable[[int, int, Kind], float] | None = None
+    sends: _DelayedSends = field(default_factory=_DelayedSends)
     spans: list[Span] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     loss_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -189,6 +257,18 @@ class _Clock:
             time.sleep(remaining)
         self.spans.append(Span(f"rank {self.rank}", stage, f"{name}{mb}", start - self.t0,
                                time.perf_counter() - self.t0))
+
+    def delay(self, ops: list, mb: int, kind: Kind) -> list:
+        """Hand ``ops`` (sends of one task) to the delayed senders; torch gets none to issue."""
+        if not ops or not self.unit_s or self.latency is None:
+            return ops
+        due = time.perf_counter() + self.latency(self.rank, mb, kind) * self.unit_s
+        by_peer: dict[int, list] = {}
+        for op in ops:
+            by_peer.setdefault(op.peer, []).append(op)
+        for peer, mine in by_peer.items():
+            self.sends.post(peer, due, mine)
+        return []
 
 
 class _TimedStage(PipelineStage):
@@ -217,6 +297,13 @@ class _TimedStage(PipelineStage):
         start = time.perf_counter()
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         self.clock.hold(self.stage_index, "W", bwd_chunk_id, start, (Kind.W,))
+
+    # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send nothing)
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self.clock.delay(super().get_fwd_send_ops(fwd_chunk_id), fwd_chunk_id, Kind.F)
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self.clock.delay(super().get_bwd_send_ops(bwd_chunk_id), bwd_chunk_id, Kind.B)
 
 
 @dataclass(frozen=True)
@@ -330,21 +417,27 @@ class TorchScheduleRunner:
                 self._build_schedule(self.capacity)
             return
         if self._probe_modules is None:
-            self._probe_modules = [self.build_stage(k, self.num_stages) for k in range(self.num_stages)]
+            with torch.random.fork_rng():
+                self._probe_modules = [self.build_stage(k, self.num_stages) for k in range(self.num_stages)]
         needed = probe_capacity(self.build_stage, self.num_stages, batches, self._probe_modules)
         if self._schedule_obj is None or needed > self.capacity:
             self._build_schedule(needed)  # every rank probes the same data: all rebuild together
 
     def run_iteration(self, iteration: int, batches: Sequence[tuple[Any, Any]],
-                      units: Callable[[int, int, Kind], float] | None = None) -> TorchIterationResult:
+                      units: Callable[[int, int, Kind], float] | None = None,
+                      latency: Callable[[int, int, Kind], float] | None = None) -> TorchIterationResult:
         """Run torch's schedule over ``batches`` (M (inputs, targets) microbatches, the same on every
         rank). Gradients accumulate in the stage parameters (mean over microbatches, as rrfp's
-        executor leaves them); the caller steps and zeroes them."""
+        executor leaves them); the caller steps and zeroes them.
+
+        ``latency(stage, mb, kind)``: units of link latency of the message that task sends (rrfp's
+        ``Variability.latency`` with this rank's stage), added before each send to another rank."""
         if len(batches) != self.M:
             raise ValueError(f"rank {self.rank}: got {len(batches)} microbatches, configured for {self.M}")
         self._ensure_capacity(batches)
         clock = self.clock
-        clock.units, clock.spans, clock.loss_tensors, clock.forward_started = units, [], {}, {}
+        clock.units, clock.latency = units, latency
+        clock.spans, clock.loss_tensors, clock.forward_started = [], {}, {}
         sched = self._schedule_obj
         for stage in self._stages:  # what schedule.step() does before _step_microbatches
             stage.has_backward = True
@@ -354,6 +447,8 @@ class TorchScheduleRunner:
         clock.t0 = time.perf_counter()
         with torch.enable_grad():
             sched._step_microbatches(args, None, targets, None, return_outputs=False)
+        clock.sends.flush()  # torch waits for its own sends before returning; the delayed ones too
+        clock.sends.close()  # the sender threads live for one iteration: none outlives the process group
         wall = time.perf_counter() - clock.t0
         losses = {}
         if clock.loss_tensors:
