@@ -105,8 +105,11 @@ class TorchRunner:
         def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
             return times.units(iteration, stage, mb, kind, features)
 
+        def latency(stage: int, mb: int, kind) -> float:  # and their link latencies
+            return times.latency(iteration, stage, mb, kind)
+
         # torch's schedule blocks; nothing else of this rank runs meanwhile
-        res = self._runner.run_iteration(iteration, batches, units)
+        res = self._runner.run_iteration(iteration, batches, units, latency)
         for p in self._runner.parameters():
             p.grad = None
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
