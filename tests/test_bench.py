@@ -132,3 +132,11 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
                     lines[0]), lines[0]
     assert "Traceback" not in res.stderr
     assert "injected failure" in (out / "job.log").read_text()  # the traceback stays in the job's log
+
+
+def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
+    res = rrfp_bench("--quick", "--timeout", "2", "--out", str(tmp_path / "out"), timeout=90)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rrfp: error: bench job failed: it did not finish within 2 s (--timeout)"), lines[0]
+    assert not (tmp_path / "out" / "results.json").exists()

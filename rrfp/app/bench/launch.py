@@ -25,16 +25,19 @@ class JobFailed(Exception):
     """The torchrun job exited non-zero or ran past its deadline; the message is one line."""
 
 
-def _first_error(log: Path) -> str:
+def _rank_error(log: Path) -> str | None:
     """The first rank's error line (ranks share the log, so lines keep their order), and how many
-    ranks failed after it, mostly of its consequences; else the log's last line."""
+    ranks failed after it, mostly of its consequences."""
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     errors = [ln.split("rrfp: error: ", 1)[1] for ln in lines if "rrfp: error: " in ln]
-    if errors:
-        more = len(errors) - 1
-        return errors[0] + (f" (then {more} more rank error(s))" if more else "")
-    tail = [ln.strip() for ln in lines if ln.strip()]
-    return tail[-1] if tail else "no output"
+    if not errors:
+        return None
+    return errors[0] + (f" (then {len(errors) - 1} more rank error(s))" if len(errors) > 1 else "")
+
+
+def _last_line(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    return lines[-1] if lines else "no output"
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -83,9 +86,10 @@ def run_job(spec: BenchSpec, job_dir: Path, log: Path, cost: dict[str, str], tim
             raise
         finally:
             timer.cancel()
+    first = _rank_error(log)
     if expired.is_set():
-        raise JobFailed(f"the bench job did not finish within {timeout_s:g} s and was stopped "
-                        f"(last error: {_first_error(log)}; log: {log})")
+        raise JobFailed(f"it did not finish within {timeout_s:g} s (--timeout) and was stopped"
+                        f"{f'; first rank error: {first}' if first else ''} (log: {log})")
     if rc != 0:
-        raise JobFailed(f"{_first_error(log)} (torchrun exit {rc}; log: {log})")
+        raise JobFailed(f"{first or _last_line(log)} (torchrun exit {rc}; log: {log})")
     return json.loads(rows.read_text())
