@@ -80,8 +80,9 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             lines.append(f"Not run: {name}: {why}.")
         lines += ["Efficiency: the lower bound of the iteration's realized durations (busiest stage, or longest "
                   "microbatch chain) over the measured time. vs simulator: measured over the simulator's time "
-                  "for the same durations, minus one (rrfp executors only). Speedups are medians of "
-                  "per-iteration ratios.", ""]
+                  "for the same durations, minus one (rrfp executors only); well above zero, real compute "
+                  "(sharing this machine's CPUs) outlasted the emulated durations, and a larger --unit-ms "
+                  "separates the schedules from the CPU load. Speedups are medians of per-iteration ratios.", ""]
     return "\n".join(lines)
 
 
