@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
@@ -241,7 +242,6 @@ class _Clock:
     latency: Callable[[int, int, Kind], float] | None = None
     sends: _DelayedSends = field(default_factory=_DelayedSends)
     spans: list[Span] = field(default_factory=list)
-    losses: dict[int, float] = field(default_factory=dict)
     loss_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     forward_started: dict[int, float] = field(default_factory=dict)  # last stage: F waits for its loss
 
@@ -368,6 +368,9 @@ class TorchScheduleRunner:
         self._cls = getattr(torch_schedules, cls_name, None)
         if self._cls is None:
             raise ValueError(f"this torch ({torch.__version__}) has no {cls_name}")
+        if dist.is_initialized() and (dist.get_rank(group), dist.get_world_size(group)) != (rank, world):
+            raise ValueError(f"rank {rank} of {world} does not match the process group "
+                             f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
         self.rank, self.world, self.M, self.unit_s, self.group = rank, world, microbatches, unit_s, group
         self.num_stages = world * per_rank
         self.stage_indices = placement(rank, world)
