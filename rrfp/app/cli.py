@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--reps", type=_positive("--reps"), default=None,
                        help="measured iterations per executor, after one warm-up (default 5)")
     bench.add_argument("--unit-ms", type=float, default=None,
-                       help="ms of emulated device time per unit, one average forward (default 20)")
+                       help="ms of emulated device time per unit, one average forward (default 40: it must stay well above "
+                            "the real compute of a task, about 9 ms for the vlm on 2 shared cores)")
     bench.add_argument("--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)")
     bench.add_argument("--preset", choices=PRESETS, default=None,
                        help="variability preset for every workload (default: gpt lang, vlm jitter)")
