@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from rrfp.core.bounds import lower_bound
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
-from rrfp.sim.engine import SimConfig, SimResult, _durations, simulate
+from rrfp.sim.engine import SimConfig, SimDeadlock, SimResult, _durations, simulate
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,34 @@ def require_ortools():
     return cp_model
 
 
-def _kinds(split: bool) -> tuple[Kind, ...]:
-    return (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+import os
+RELAXED_SHARE = float(os.environ.get("RS", "0.5"))  # of the time limit, for the solve without the budget when the budget can bind
+
+
+@dataclass(frozen=True)
+class _Instance:
+    """One iteration in CP-SAT's integers: times times ``scale``, rounded down."""
+
+    cfg: SimConfig
+    kinds: tuple[Kind, ...]
+    dur: np.ndarray  # real durations [S, M, 3], as the simulator draws them
+    d: np.ndarray  # integer durations
+    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1
+    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1
+    sizes: list[int]
+    horizon: int
+    scale: int
+    cheap_bound: float  # rrfp.core.bounds.lower_bound on the real durations
+
+
+def _instance(cfg: SimConfig, scale: int) -> _Instance:
+    dur, lat_f, lat_b, sizes = _durations(cfg)
+    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a lower bound
+    lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
+    horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
+    split = cfg.split_backward
+    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+    return _Instance(cfg, kinds, dur, d, lf, lb, sizes, horizon, scale, lower_bound(dur, lat_f, lat_b, split))
 
 
 def as_split(order: Sequence[Task], split: bool) -> list[Task]:
@@ -88,124 +114,196 @@ def as_split(order: Sequence[Task], split: bool) -> list[Task]:
 
 
 def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int = 1000,
-          hints: Iterable[SimResult] = ()) -> OracleResult:
+          hints: Iterable[SimResult] = (), params: Mapping[str, object] | None = None) -> OracleResult:
     """Minimum makespan of ``cfg``'s iteration (its S, M, split, budget and
     seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
 
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
-    is the solver's first incumbent. ``time_limit`` is wall seconds; a solve
-    that hits it reports its best schedule and proven bound, not an optimum.
-    ``workers`` is fixed so that a solve that finishes is reproducible."""
-    cp_model = require_ortools()
-    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
-    dur, lat_f, lat_b, sizes = _durations(cfg)
-    kinds = _kinds(split)
-    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a lower bound
-    lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
-    horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
+    is the solver's first incumbent. When the budget can bind, the problem
+    without it is solved first, for up to half the time: its bound is a bound
+    of the real problem, and its schedule (or the ready executor following
+    its order under the budget) is one more incumbent.
 
+    ``time_limit`` is wall seconds for everything; a solve that hits it
+    reports its best schedule and proven bound, not an optimum. ``workers``
+    is fixed so that a solve that finishes is reproducible; ``params`` sets
+    further CP-SAT parameters by name."""
+    cp_model = require_ortools()
+    inst = _instance(cfg, scale)
+    t0 = time.perf_counter()
+    candidates = list(hints)
+    lower = 0
+    if RELAXED_SHARE > 0 and _budget_can_bind(inst):
+        relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates, inst), RELAXED_SHARE * time_limit, workers,
+                       params)
+        lower = relaxed.bound
+        if relaxed.orders is not None:
+            as_is = replay(cfg, relaxed.orders, record=True)
+            if holds_budget(cfg, as_is):
+                if relaxed.optimal:  # the optimum without the budget holds it: nothing can be shorter
+                    return _result(inst, relaxed, as_is, [], time.perf_counter() - t0)
+                candidates.append(as_is)
+            elif (repaired := _repair(cfg, relaxed.orders)) is not None:
+                candidates.append(repaired)
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    hint = _best_hint(candidates, inst)
+    main = _run(cp_model, inst, True, lower, hint, left, workers, params)
+    best = replay(cfg, main.orders, record=False) if main.orders is not None else None
+    return _result(inst, main, best, candidates, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class _Solve:
+    status: str
+    optimal: bool
+    bound: int  # proven, in integer units
+    orders: tuple[tuple[Task, ...], ...] | None  # per-stage order of the best solution
+
+
+def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResult | None, seconds: float,
+         workers: int, params: Mapping[str, object] | None) -> _Solve:
+    """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
+    cfg = inst.cfg
+    S, M, split, d, kinds = cfg.stages, cfg.microbatches, cfg.split_backward, inst.d, inst.kinds
     model = cp_model.CpModel()
-    start = {(s, m, k): model.new_int_var(0, horizon, f"start_{k.name}{m}_s{s}")
+    start = {(s, m, k): model.new_int_var(0, inst.horizon, f"start_{k.name}{m}_s{s}")
              for s in range(S) for m in range(M) for k in kinds}
-    end = {key: v + int(d[key[0], key[1], key[2]]) for key, v in start.items()}
+    end = {key: v + int(d[key]) for key, v in start.items()}
     for s in range(S):
         model.add_no_overlap([model.new_fixed_size_interval_var(start[s, m, k], int(d[s, m, k]), f"{k.name}{m}_s{s}")
                               for m in range(M) for k in kinds])
         for m in range(M):
             if s > 0:  # F needs its input: the previous stage's F and the message's latency
-                model.add(start[s, m, Kind.F] >= end[s - 1, m, Kind.F] + int(lf[s - 1, m]))
+                model.add(start[s, m, Kind.F] >= end[s - 1, m, Kind.F] + int(inst.lf[s - 1, m]))
             model.add(start[s, m, Kind.B] >= end[s, m, Kind.F])
             if s < S - 1:  # B needs the gradient from the next stage's B
-                model.add(start[s, m, Kind.B] >= end[s + 1, m, Kind.B] + int(lb[s + 1, m]))
+                model.add(start[s, m, Kind.B] >= end[s + 1, m, Kind.B] + int(inst.lb[s + 1, m]))
             if split:
                 model.add(start[s, m, Kind.W] >= end[s, m, Kind.B])
-        _budget(model, cfg, s, start, end, sizes, split, horizon)
-    makespan = model.new_int_var(0, horizon, "makespan")
-    for key, e in end.items():
+        if with_budget:
+            _budget(model, inst, s, start, end)
+    makespan = model.new_int_var(lower, inst.horizon, "makespan")
+    for e in end.values():
         model.add(makespan >= e)
     model.minimize(makespan)
-
-    hinted = _best_hint(hints, dur, split)
-    if hinted is not None:
-        for (s, m, k), v in start.items():
-            model.add_hint(v, int(np.floor(hinted[1][s, m, k] * scale)))
+    if hint is not None:
+        starts = _hint_starts(hint, inst)
+        for key, v in start.items():
+            model.add_hint(v, int(starts[key]))
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = 0
-    t0 = time.perf_counter()
+    for key, value in (params or {}).items():
+        setattr(solver.parameters, key, value)
     status = solver.solve(model)
-    seconds = time.perf_counter() - t0
     name = solver.status_name(status)
-    cheap = lower_bound(dur, lat_f, lat_b, split)
-    if status == cp_model.INFEASIBLE or status == cp_model.MODEL_INVALID:
+    if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
         raise RuntimeError(f"oracle model is {name} for S={S} M={M} budget {cfg.budget}: a bug in the model")
-    bound = max(solver.best_objective_bound / scale, cheap)  # both are proven; keep the tighter
-    best: tuple[float, tuple[tuple[Task, ...], ...]] | None = None
+    orders = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         orders = tuple(tuple(Task(k, m) for _, k, m in sorted((solver.value(start[s, m, k]), k, m)
                                                                for m in range(M) for k in kinds))
                        for s in range(S))
-        best = (replay(cfg, orders).makespan, orders)
-    if hinted is not None and (best is None or hinted[0] < best[0]):
-        best = (hinted[0], hinted[2])  # rounding can make the solver's pick a hair longer in real time
-    log.info("oracle S=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", S, M, cfg.seed, name, seconds,
-             None if best is None else f"{best[0]:.4f}", bound)
-    return OracleResult(None if best is None else best[0], bound, status == cp_model.OPTIMAL, seconds, name,
-                        None if best is None else best[1])
+    return _Solve(name, status == cp_model.OPTIMAL, max(lower, int(np.floor(solver.best_objective_bound))), orders)
 
 
-def _budget(model, cfg: SimConfig, s: int, start, end, sizes: list[int], split: bool, horizon: int) -> None:
+def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates: list[SimResult],
+            seconds: float) -> OracleResult:
+    """The shortest of the solver's schedule and the incumbents: rounding can
+    make the solver's pick a hair longer in real time than a hint it started from."""
+    pool = [r for r in [best, *candidates] if r is not None]
+    top = min(pool, key=lambda r: r.makespan) if pool else None
+    orders = None if top is None else solved.orders if top is best else _orders(top, inst.cfg.split_backward)
+    bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
+    cfg = inst.cfg
+    log.info("oracle S=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.microbatches,
+             cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
+    return OracleResult(None if top is None else top.makespan, bound, solved.optimal, seconds, solved.status, orders)
+
+
+def _budget_can_bind(inst: _Instance) -> bool:
+    cfg = inst.cfg
+    for s in range(cfg.stages):
+        limit = cfg.budget.limit(cfg.stages, s)
+        if limit.count is not None and limit.count < cfg.microbatches:
+            return True
+        if limit.bytes is not None and sum(min(x, limit.bytes) for x in inst.sizes) > limit.bytes:
+            return True
+    return False
+
+
+def _budget(model, inst: _Instance, s: int, start, end) -> None:
     """The tracker's in-flight rule on stage ``s``: microbatch m is held from
     the start of F(m) to the end of its last backward, and a stage holds at
     most its count, or its bytes (a microbatch larger than the byte limit is
     held alone)."""
+    cfg = inst.cfg
     limit = cfg.budget.limit(cfg.stages, s)
-    M, last = cfg.microbatches, last_backward(split)
-    if limit.count is None and limit.bytes is None:
-        return
-    held = []
-    for m in range(M):
-        size = model.new_int_var(0, horizon, f"held{m}_s{s}")
-        held.append(model.new_interval_var(start[s, m, Kind.F], size, end[s, m, last], f"held{m}_s{s}"))
+    M, last = cfg.microbatches, last_backward(cfg.split_backward)
+    held = [model.new_interval_var(start[s, m, Kind.F], model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
+                                   end[s, m, last], f"held{m}_s{s}") for m in range(M)]
     if limit.count is not None and limit.count < M:
         model.add_cumulative(held, [1] * M, limit.count)
     if limit.bytes is not None:
-        demand = [min(int(sizes[m]), limit.bytes) for m in range(M)]
+        demand = [min(int(x), limit.bytes) for x in inst.sizes]
         if sum(demand) > limit.bytes:
             model.add_cumulative(held, demand, limit.bytes)
 
 
-def _best_hint(results: Iterable[SimResult], dur: np.ndarray, split: bool):
-    """(makespan, starts[s, m, k], orders) of the shortest recorded result. An
-    unsplit result becomes a split schedule: W(m) right after B(m), whose split
-    duration is ``dur[s, m, B]``."""
-    best = None
+def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
+    """Whether a schedule held ``cfg``'s count budget on every stage; None
+    for a byte budget, which a peak count cannot tell."""
+    if cfg.budget.bytes is not None:
+        return None
+    return all(p <= cfg.budget.microbatches(cfg.stages, s) for s, p in enumerate(result.peak_inflight))
+
+
+def _repair(cfg: SimConfig, orders) -> SimResult | None:
+    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
+    frozen = tuple(tuple(o) for o in orders)
+    try:
+        return simulate(replace(cfg, hint=Hint("oracle", lambda S, s, M, split: frozen[s]),
+                                dispatch=Dispatch.READY, record=True))
+    except SimDeadlock:
+        return None
+
+
+def _orders(result: SimResult, split: bool) -> tuple[tuple[Task, ...], ...]:
+    """Each stage's tasks in the order ``result`` started them, as a split schedule if ``split``."""
+    per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(result.config.stages)]
+    for s, task, a, _ in result.timeline:
+        per_stage[s].append((a, task))
+    return tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
+                 for ts in per_stage)
+
+
+def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
+    """Start times [S, M, 3] of a recorded schedule in integer units, rounded
+    down, which keeps it feasible in the rounded model. An unsplit schedule
+    becomes a split one: W(m) right after B(m)."""
+    unsplit = inst.cfg.split_backward and not result.config.split_backward
+    starts = np.zeros(inst.dur.shape)
+    for s, task, a, _ in result.timeline:
+        starts[s, task.mb, task.kind] = a
+        if unsplit and task.kind is Kind.B:
+            starts[s, task.mb, Kind.W] = a + inst.dur[s, task.mb, Kind.B]
+    return np.floor(starts * inst.scale).astype(np.int64)
+
+
+def _best_hint(results: list[SimResult], inst: _Instance) -> SimResult | None:
+    """The shortest recorded result: the solver's first incumbent."""
     for r in results:
         if not r.timeline:
             raise ValueError("an oracle hint must be a recorded simulation (SimConfig(record=True))")
-        if best is None or r.makespan < best.makespan:
-            best = r
-    if best is None:
-        return None
-    unsplit = split and not best.config.split_backward
-    starts = np.zeros(dur.shape)
-    per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(best.config.stages)]
-    for s, task, a, _ in best.timeline:
-        starts[s, task.mb, task.kind] = a
-        if unsplit and task.kind is Kind.B:
-            starts[s, task.mb, Kind.W] = a + dur[s, task.mb, Kind.B]
-        per_stage[s].append((a, task))
-    orders = tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
-                   for ts in per_stage)
-    return best.makespan, starts, orders
+    return min(results, key=lambda r: r.makespan, default=None)
 
 
-def replay(cfg: SimConfig, orders: Sequence[Sequence[Task]]) -> SimResult:
+def replay(cfg: SimConfig, orders: Sequence[Sequence[Task]], record: bool = False) -> SimResult:
     """The simulator running ``orders`` as a fixed order on ``cfg``'s durations:
     the earliest timing of that schedule, checked by the same tracker rules."""
     frozen = tuple(tuple(o) for o in orders)
     hint = Hint("oracle", lambda S, s, M, split: frozen[s])
-    return simulate(replace(cfg, hint=hint, dispatch=Dispatch.FIXED, record=False))
+    return simulate(replace(cfg, hint=hint, dispatch=Dispatch.FIXED, record=record))
