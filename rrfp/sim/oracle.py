@@ -34,6 +34,7 @@ from rrfp.sim.engine import SimConfig, SimDeadlock, SimResult, _durations, simul
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "the optimum needs OR-Tools: pip install 'rrfp[oracle]'"
+RELAXED_SHARE = 0.5  # of the time limit, for the solve without the budget when the budget can bind
 
 
 class OracleUnavailable(ImportError):
@@ -48,7 +49,8 @@ class OracleResult:
     is the best schedule found (None if none was), exactly timed by the
     simulator. ``optimal`` means CP-SAT proved its integer optimum, so the
     real optimum lies in [bound, makespan], a gap of at most one rounding
-    step (1/scale) per task on the critical path."""
+    step (1/scale) per task and message on the critical path; or that the
+    best schedule meets the proven bound."""
 
     makespan: float | None
     bound: float
@@ -76,13 +78,9 @@ def require_ortools():
     return cp_model
 
 
-import os
-RELAXED_SHARE = float(os.environ.get("RS", "0.5"))  # of the time limit, for the solve without the budget when the budget can bind
-
-
 @dataclass(frozen=True)
 class _Instance:
-    """One iteration in CP-SAT's integers: times times ``scale``, rounded down."""
+    """One iteration in CP-SAT's integers: every time multiplied by ``scale`` and rounded down."""
 
     cfg: SimConfig
     kinds: tuple[Kind, ...]
@@ -127,14 +125,15 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
     reports its best schedule and proven bound, not an optimum. ``workers``
-    is fixed so that a solve that finishes is reproducible; ``params`` sets
-    further CP-SAT parameters by name."""
+    is CP-SAT's thread count, fixed: a proven optimum does not depend on it
+    or on the machine, while what a timed-out solve reaches does. ``params``
+    sets further CP-SAT parameters by name."""
     cp_model = require_ortools()
     inst = _instance(cfg, scale)
     t0 = time.perf_counter()
     candidates = list(hints)
     lower = 0
-    if RELAXED_SHARE > 0 and _budget_can_bind(inst):
+    if _budget_can_bind(inst):
         relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates, inst), RELAXED_SHARE * time_limit, workers,
                        params)
         lower = relaxed.bound
@@ -218,10 +217,11 @@ def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates:
     top = min(pool, key=lambda r: r.makespan) if pool else None
     orders = None if top is None else solved.orders if top is best else _orders(top, inst.cfg.split_backward)
     bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
+    optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)  # a schedule meets a bound
     cfg = inst.cfg
     log.info("oracle S=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.microbatches,
              cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
-    return OracleResult(None if top is None else top.makespan, bound, solved.optimal, seconds, solved.status, orders)
+    return OracleResult(None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders)
 
 
 def _budget_can_bind(inst: _Instance) -> bool:
