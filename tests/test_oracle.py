@@ -210,3 +210,27 @@ def test_cli_column_and_json():
     assert rows[("ready", "bfw")]["vs_optimum"]["holds_budget"] is True
     assert "vs optimum" in p.stderr and "2 of 2 seeds solved to optimality" in p.stderr
     assert "x*" in p.stderr  # fixed gpipe is marked as over the budget
+
+
+def test_unsplit_optimum_skips_split_hints():
+    """A split schedule is no schedule when B stays whole: it must not become the answer."""
+    base = SimConfig(3, 4, variability=Variability.preset("lang"), seed=3, split=False)
+    split_hint = simulate(replace(base, hint="bfw", dispatch="ready", split=True, record=True))
+    r = solve(base, hints=[split_hint])
+    assert r.optimal and all(t.kind is not Kind.W for order in r.orders for t in order)
+    assert replay(base, r.orders).makespan == pytest.approx(r.makespan)
+    for name in BUILTIN:
+        assert r.makespan <= simulate(replace(base, hint=name)).makespan + tolerance(base)
+
+
+def test_cli_timed_out_seed_is_an_upper_limit():
+    p = run_cli("sim", "--pp", "4", "--mb", "16", "--seeds", "1", "--hints", "bfw", "--oracle",
+                "--oracle-time-limit", "0.2", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    seed, = doc["oracle"]["seeds"]
+    assert not seed["optimal"] and seed["bound"] <= seed["makespan"] and doc["oracle"]["solved"] == 0
+    for row in doc["rows"]:
+        d = row["vs_optimum"]
+        assert d["upper_limit"] and d["per_seed"] == pytest.approx([row["makespans"][0] / seed["bound"]])
+    assert "<=" in p.stderr and "hit the 0.2 s limit" in p.stderr and "0 of 1 seeds solved" in p.stderr

@@ -76,8 +76,8 @@ class OracleColumn:
             gaps = [r.gap for r in open_ if r.gap is not None]
             found = (f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
                      if gaps else "; no schedule found")
-            lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by their proven "
-                         f"lower bound, so '<=' marks an upper limit on the distance{found}")
+            lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by their "
+                         f"proven lower bound, so '<=' marks an upper limit on the distance{found}")
         if any(d.holds_budget is False for d in self.rows.values()):
             lines.append("* held more microbatches than the budget on some stage (fixed dispatch ignores it); "
                          "the optimum keeps the budget, so such a row can come out below 1")

@@ -62,7 +62,9 @@ class OracleResult:
     @property
     def gap(self) -> float | None:
         """How far the best schedule found may be from the optimum, relative to the bound."""
-        return None if self.makespan is None else self.makespan / self.bound - 1 if self.bound > 0 else 0.0
+        if self.makespan is None:
+            return None
+        return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
 
     def as_dict(self) -> dict:
         return {"makespan": self.makespan, "bound": self.bound, "optimal": self.optimal,
@@ -118,7 +120,8 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
 
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
-    is the solver's first incumbent. When the budget can bind, the problem
+    is the solver's first incumbent (split ones are skipped when ``cfg``
+    keeps B whole; unsplit ones become split with W right after B). When the budget can bind, the problem
     without it is solved first, for up to half the time: its bound is a bound
     of the real problem, and its schedule (or the ready executor following
     its order under the budget) is one more incumbent.
@@ -131,10 +134,10 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
     cp_model = require_ortools()
     inst = _instance(cfg, scale)
     t0 = time.perf_counter()
-    candidates = list(hints)
+    candidates = _usable(hints, cfg.split_backward)
     lower = 0
     if _budget_can_bind(inst):
-        relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates, inst), RELAXED_SHARE * time_limit, workers,
+        relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates), RELAXED_SHARE * time_limit, workers,
                        params)
         lower = relaxed.bound
         if relaxed.orders is not None:
@@ -146,7 +149,7 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
             elif (repaired := _repair(cfg, relaxed.orders)) is not None:
                 candidates.append(repaired)
     left = max(0.0, time_limit - (time.perf_counter() - t0))
-    hint = _best_hint(candidates, inst)
+    hint = _best_hint(candidates)
     main = _run(cp_model, inst, True, lower, hint, left, workers, params)
     best = replay(cfg, main.orders, record=False) if main.orders is not None else None
     return _result(inst, main, best, candidates, time.perf_counter() - t0)
@@ -293,11 +296,19 @@ def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
     return np.floor(starts * inst.scale).astype(np.int64)
 
 
-def _best_hint(results: list[SimResult], inst: _Instance) -> SimResult | None:
-    """The shortest recorded result: the solver's first incumbent."""
+def _usable(results: Iterable[SimResult], split: bool) -> list[SimResult]:
+    """Recorded results that are schedules of the problem: a split schedule is none when B stays whole."""
+    out = []
     for r in results:
         if not r.timeline:
             raise ValueError("an oracle hint must be a recorded simulation (SimConfig(record=True))")
+        if split or not r.config.split_backward:
+            out.append(r)
+    return out
+
+
+def _best_hint(results: list[SimResult]) -> SimResult | None:
+    """The shortest recorded result: the solver's first incumbent."""
     return min(results, key=lambda r: r.makespan, default=None)
 
 
