@@ -29,6 +29,19 @@ def _positive(name: str):
     return conv
 
 
+def _seconds(name: str):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0 seconds, got {text}")
+        return v
+
+    return conv
+
+
 def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -52,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
     sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
+    sim.add_argument("--oracle", action="store_true",
+                     help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') and "
+                          "show each row's distance to it")
+    sim.add_argument("--oracle-time-limit", type=_seconds("--oracle-time-limit"), default=10.0, metavar="SECONDS",
+                     help="CP-SAT time per seed (default 10); a seed that hits it is compared with its proven bound")
     sim.add_argument("--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead")
     sim.add_argument("--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay")
     sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")
