@@ -16,30 +16,26 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(name: str):
-    def conv(text: str) -> int:
+def _number(name: str, kind: type, what: str, ok, rule: str):
+    """An argparse type: ``kind(text)`` that ``ok`` accepts, else one line naming the flag."""
+    def conv(text: str):
         try:
-            v = int(text)
+            v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{name} must be {rule}, got {text}")
         return v
 
     return conv
+
+
+def _positive(name: str):
+    return _number(name, int, "an integer", lambda v: v >= 1, ">= 1")
 
 
 def _seconds(name: str):
-    def conv(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0 seconds, got {text}")
-        return v
-
-    return conv
+    return _number(name, float, "a number of seconds", lambda v: v > 0, "> 0 seconds")
 
 
 def _csv_list(text: str) -> list[str]:
