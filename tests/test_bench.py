@@ -76,6 +76,10 @@ def test_quick_run_writes_a_well_formed_folder(quick):
         assert float(cells[1]) > 0
     for name in skipped:
         assert f"Not run: {name}: " in md
+    for line in ("Ablation, dispatch alone: ready plan vs fixed plan", "Against torch: ready plan vs torch 1f1b",
+                 "Against torch: ready plan vs torch zb"):
+        found = re.search(re.escape(line) + r".*: median (\d+\.\d+)x", md)
+        assert found and float(found.group(1)) > 0, line
 
     for name in ran:
         png = out / f"timeline-gpt-{file_slug(name)}.png"

@@ -20,6 +20,8 @@ EMULATED = ("Device time is emulated on CPU: each task holds its stage's compute
 # (headline, its ablation): each pair differs in dispatch alone
 ABLATIONS = (("ready bfw", "fixed bfw", "same order and memory"),
              ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"))
+# (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the rest
+AGAINST_TORCH = (("ready plan", "torch 1f1b"), ("ready plan", "torch zb"), ("ready bfw", "torch zb"))
 
 
 @dataclass
@@ -64,11 +66,13 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 f"| {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} | {_fmt(s.peak_inflight, 'd')} "
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |")
         lines.append("")
-        for headline, ablation, what in ABLATIONS:
-            ratios = paired_ratios(res.rows, ablation, headline)
+        pairs = [(h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS]
+        pairs += [(ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH]
+        for headline, other, title in pairs:
+            ratios = paired_ratios(res.rows, other, headline)
             if ratios:
-                lines.append(f"Ablation, dispatch alone: {headline} vs {ablation} ({what}): median "
-                             f"{statistics.median(ratios):.3f}x (min {min(ratios):.3f}, max {max(ratios):.3f}).")
+                lines.append(f"{title}: median {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
+                             f"max {max(ratios):.3f}).")
         for s in res.summaries:
             if s.plan_s is not None:
                 lines.append(f"{s.executor}: each iteration planned one ahead in a thread while the previous ran: "
