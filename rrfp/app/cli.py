@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set executor=fixed")
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)")
     return p
 
 
