@@ -181,6 +181,19 @@ def saved(tmp_path_factory) -> Path:
     return tmp / "ck"
 
 
+def resume_error(ckdir: Path, *sets: str) -> str:
+    """The ConfigError that ``rrfp train`` prints for this run, from the check it runs before any group."""
+    from rrfp.app.checkpoints import resume_point
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.errors import ConfigError
+
+    cfg = TrainConfig.load(SMALL[1], [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint_dir={ckdir}", *sets],
+                           world_size=2)
+    with pytest.raises(ConfigError) as e:
+        resume_point(cfg)
+    return str(e.value)
+
+
 MISMATCHES = [
     (["pp=1", "tp=2"], ["run.pp: checkpoint 2, this run 1", "run.tp: checkpoint 1, this run 2"]),
     (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
@@ -189,32 +202,35 @@ MISMATCHES = [
 ]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(120)
 def test_resume_with_another_config_is_one_error_line(saved):
-    for sets, needles in MISMATCHES:
-        args = [a for s in sets for a in ("--set", s)]
-        res = rrfp_alone(*args, "--set", "steps=4", "--set", f"checkpoint_dir={saved}", "--resume")
-        assert res.returncode == 2, (sets, res.returncode, res.stderr)
-        one_error_line(res.stderr, "cannot resume from", "step-00000002", "saved with a different config",
-                       *needles)
-        assert res.stdout == "", res.stdout
+    # the command: exit 2 and one line, with a rendezvous nobody serves (so no group was joined)
+    res = rrfp_alone("--set", "pp=1", "--set", "tp=2", "--set", "steps=4", "--set", f"checkpoint_dir={saved}",
+                     "--resume")
+    assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
+    one_error_line(res.stderr, "cannot resume from", str(saved / "step-00000002"), "saved with a different config",
+                   *MISMATCHES[0][1])
+    for sets, needles in MISMATCHES:  # the check the command ran, on each kind of difference
+        message = resume_error(saved, "steps=4", "resume=required", *sets)
+        assert "saved with a different config" in message and "\n" not in message, message
+        for needle in needles:
+            assert needle in message, message
 
 
-@pytest.mark.timeout(150)
 def test_resume_problems_found_before_any_process_group(saved, tmp_path):
-    cases = [
-        (["--resume"], tmp_path / "empty", ["--resume: no complete checkpoint in", "empty"]),
-        ([], saved, ["already holds checkpoints (the latest at step 2)", "--resume"]),  # a fresh run would prune them
-        (["--resume", "--set", "steps=2"], saved, ["it is at step 2 and run.steps = 2: nothing left"]),
-    ]
     broken = tmp_path / "broken"
     shutil.copytree(saved, broken)
     (broken / "step-00000002" / ".metadata").write_bytes(b"not a pickle")
-    cases.append((["--resume", "--set", "steps=4"], broken, ["cannot read checkpoint", "UnpicklingError"]))
-    for args, ckdir, needles in cases:
-        res = rrfp_alone("--set", f"checkpoint_dir={ckdir}", *args)
-        assert res.returncode == 2, (args, res.returncode, res.stderr)
-        one_error_line(res.stderr, *needles)
+    cases = [
+        (tmp_path / "empty", ["resume=required"], ["--resume: no complete checkpoint in", "empty"]),
+        (saved, [], ["already holds checkpoints (the latest at step 2)", "--resume"]),  # a fresh run would prune them
+        (saved, ["resume=auto", "steps=2"], ["it is at step 2 and run.steps = 2: nothing left"]),
+        (broken, ["resume=required", "steps=4"], ["cannot read checkpoint", "UnpicklingError"]),
+    ]
+    for ckdir, sets, needles in cases:
+        message = resume_error(ckdir, *sets)
+        for needle in needles:
+            assert needle in message, (sets, message)
     assert [c.step for c in CheckpointDir(saved).complete()] == [2], "a failed start touched the checkpoints"
 
 
