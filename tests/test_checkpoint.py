@@ -232,6 +232,11 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
         for needle in needles:
             assert needle in message, (sets, message)
     assert [c.step for c in CheckpointDir(saved).complete()] == [2], "a failed start touched the checkpoints"
+    from rrfp.app.checkpoints import resume_point
+    from rrfp.app.config import TrainConfig
+
+    fresh = TrainConfig.load(SMALL[1], [f"checkpoint_dir={tmp_path / 'empty'}", "resume=auto"], world_size=2)
+    assert resume_point(fresh) is None  # auto with nothing to resume: step 0
 
 
 @pytest.mark.timeout(120)
@@ -292,3 +297,40 @@ def test_sigterm_stops_every_rank_after_a_saved_step(tmp_path):
     assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("step")] == [
         f"{step + 1}/{step + 2}", f"{step + 2}/{step + 2}"], out
     assert CheckpointDir(ckdir).latest().step == step + 2
+
+
+def test_second_sigterm_leaves_at_once():
+    """The first SIGTERM is a request (the run stops after its step); a second one ends the process, 143."""
+    code = ("import os, signal, time\n"
+            "from rrfp.app.train_command import StopOnSigterm\n"
+            "stop = StopOnSigterm().install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+            "print('requested', stop.requested, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)\n"
+            "print('still here', flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout) == (143, "requested True\n"), (res.returncode, res.stdout, res.stderr)
+    assert res.stderr.strip() == "rrfp: second SIGTERM: leaving now; the last committed checkpoint stays"
+
+
+def test_only_committed_directories_are_checkpoints(tmp_path):
+    store = CheckpointDir(tmp_path)
+    for step in (1, 2, 3):
+        store.partial_path(step).mkdir()
+        (store.partial_path(step) / "__0_0.distcp").write_text("data")
+        assert store.latest() is None or store.latest().step == step - 1  # not before its commit
+        store.commit(step, {"config": {}})
+    store.partial_path(4).mkdir()  # a crash while step 4 was written
+    store.final_path(5).mkdir()  # a step directory without the marker
+    (tmp_path / ".trash-step-00000000").mkdir()  # a crash while deleting
+    assert [c.step for c in store.complete()] == [1, 2, 3]
+    assert store.latest().meta() == {"config": {}, "step": 3}
+    assert {p.name for p in store.incomplete()} == {".partial-step-00000004", "step-00000005",
+                                                    ".trash-step-00000000"}
+    removed = store.prune(keep=2)
+    assert [p.name for p in removed] == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    store.partial_path(3).mkdir()
+    with pytest.raises(OSError):  # a second step 3 is never mixed into the committed one
+        store.commit(3, {"config": {"other": 1}})
+    assert store.latest().meta() == {"config": {}, "step": 3}
