@@ -113,12 +113,23 @@ class RunCheckpoints:
 
     async def save(self, done: int) -> Checkpoint:
         """Collective: every rank writes its part into the partial directory; after
-        a barrier rank 0 commits it and deletes checkpoints beyond checkpoint_keep."""
+        a barrier rank 0 commits it, and every rank learns that it did (so a line
+        saying "saved" is true on every rank); then rank 0 deletes checkpoints
+        beyond checkpoint_keep."""
         await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
         await self.rt.all_reduce(torch.zeros(1), what=f"step {done}: barrier after writing the checkpoint")
-        if self.rt.rank != 0:
-            return Checkpoint(done, self.store.final_path(done))
-        ckpt = self.store.commit(done, {"config": fingerprint(self.cfg), "world_size": self.rt.layout.world_size,
-                                        "torch": torch.__version__})
-        self.store.prune(self.cfg.run.checkpoint_keep)
-        return ckpt
+        committed, failure = torch.zeros(1), None
+        if self.rt.rank == 0:
+            try:
+                self.store.commit(done, {"config": fingerprint(self.cfg),
+                                         "world_size": self.rt.layout.world_size, "torch": torch.__version__})
+                committed += 1
+            except OSError as e:
+                failure = e
+        await self.rt.all_reduce(committed, what=f"step {done}: world all-reduce of the checkpoint commit")
+        if not committed.item():
+            raise CheckpointError(f"rank 0 could not commit checkpoint {self.store.final_path(done)}"
+                                  + (f": {failure}" if failure else ""))
+        if self.rt.rank == 0:
+            self.store.prune(self.cfg.run.checkpoint_keep)
+        return Checkpoint(done, self.store.final_path(done))
