@@ -8,7 +8,7 @@ import sys
 
 from rrfp.app.checkpoints import resume_point
 from rrfp.app.config import TrainConfig
-from rrfp.app.errors import ConfigError, UsageError
+from rrfp.app.errors import ConfigError, UsageError, one_line, root_cause
 from rrfp.app.train import StepReport, stage_main
 from rrfp.core.errors import PipelineError
 from rrfp.loop import run as run_loop
@@ -64,15 +64,13 @@ def train_command(args) -> int:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
     except Exception as e:
         # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
-        if not isinstance(_root(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
-                                     NotImplementedError)):
+        if not isinstance(root_cause(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
+                                          NotImplementedError)):
             raise  # a bug, not a failure of the run: keep its traceback
-        line = " ".join(_root_message(e).split())  # one line, whatever the cause's text
-        if line.split(":")[0].split()[:2] != ["rank", str(rank)]:  # most causes name their rank already
-            line = f"rank {rank}: {line}"
+        line = one_line(e, rank)
         print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
         # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
-        os._exit(2 if isinstance(_root(e), UsageError) else 1)  # e.g. a checkpoint that does not load: exit 2
+        os._exit(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: exit 2
     if summary.stopped_at is not None:
         saved = (f"checkpoint {summary.checkpoint} saved; continue with --resume" if summary.checkpoint else
                  "no checkpoint saved (run.checkpoint_dir is not set)")
@@ -100,14 +98,3 @@ def _leave(code: int) -> None:
     sys.stderr.flush()
     os._exit(code)
 
-
-def _root(e: BaseException) -> BaseException:
-    """The first leaf of an exception group: TaskGroup wraps the real cause."""
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e
-
-
-def _root_message(e: BaseException) -> str:
-    e = _root(e)
-    return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)
