@@ -25,6 +25,10 @@ SMALL = ["--config", "configs/gpt-tiny.toml", "--set", "model.n_layer=2", "--set
          "--set", "microbatches=4"]
 
 
+# executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by timing
+VARIANTS = {"fixed": ("fixed", {}), "ready": ("ready", {}), "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2})}
+
+
 def _config(steps: int, dispatch: str, **run):
     from rrfp.app.config import TrainConfig
 
@@ -47,11 +51,11 @@ def _interrupted_and_whole(rank, world, root):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     out = {}
-    for dispatch in ("fixed", "ready"):
-        ckdir = Path(root) / dispatch
-        whole = [run(stage_main(_config(STEPS, dispatch))).losses for _ in range(2)]
+    for variant, (dispatch, extra) in VARIANTS.items():
+        ckdir = Path(root) / variant
+        whole = [run(stage_main(_config(STEPS, dispatch, **extra))).losses for _ in range(2)]
         first = run(stage_main(_config(STOP_AT, dispatch, checkpoint_dir=str(ckdir), checkpoint_every=1,
-                                        checkpoint_keep=2)))
+                                        checkpoint_keep=2, **extra)))
         dist.barrier()
         kept = sorted(p.name for p in ckdir.iterdir())
         dist.barrier()
@@ -61,20 +65,20 @@ def _interrupted_and_whole(rank, world, root):
             shutil.copytree(store.final_path(STOP_AT), store.final_path(STOP_AT + 2))
             (store.final_path(STOP_AT + 2) / MARKER).unlink()
         dist.barrier()
-        second = run(stage_main(_config(STEPS, dispatch, checkpoint_dir=str(ckdir), resume="required")))
+        second = run(stage_main(_config(STEPS, dispatch, checkpoint_dir=str(ckdir), resume="required", **extra)))
         dist.barrier()
-        out[dispatch] = dict(whole=whole, first=first.losses, second=second.losses, resumed_from=second.first_step,
+        out[variant] = dict(whole=whole, first=first.losses, second=second.losses, resumed_from=second.first_step,
                              kept=kept, after=sorted(p.name for p in ckdir.iterdir()))
     dist.destroy_process_group()
     return out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
-    results = run_ranks(_interrupted_and_whole, 2, str(tmp_path), timeout=130)
+    results = run_ranks(_interrupted_and_whole, 2, str(tmp_path), timeout=180)
     for rank, out in results.items():
         for dispatch, r in out.items():
-            where = f"rank {rank}, executor={dispatch}"
+            where = f"rank {rank}, {dispatch}"
             assert r["kept"] == ["step-00000002", "step-00000003"], f"{where}: keep-last-2 left {r['kept']}"
             assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
             # the resumed run committed its last step (no checkpoint_every) and cleaned the debris up
@@ -92,7 +96,8 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
             assert resumed == whole, f"{where}: not bit-exact"
             assert r["whole"][1] == whole, f"{where}: two uninterrupted runs differ"
         assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], "ranks report different losses"
-        assert out["ready"]["whole"][0] == out["fixed"]["whole"][0], "ready and fixed BFW sum differently"
+        for variant in ("ready", "ready-lang"):
+            assert out[variant]["whole"][0] == out["fixed"]["whole"][0], f"{variant} and fixed BFW sum differently"
 
 
 # ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
