@@ -117,9 +117,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 summary.slowest_s.append(longest.item())
             if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
                 on_step(report)
-            if ckpts is not None and ckpts.due(step + 1, stops > 0):
+            stopping = stops > 0 and step + 1 < run.steps  # a stop during the last step: the run is complete
+            if ckpts is not None and ckpts.due(step + 1, stopping):
                 summary.checkpoint = str((await ckpts.save(step + 1)).path)
-            if stops:
+            if stopping:
                 summary.stopped_at, summary.stop_requests = step + 1, int(stops)
                 log.info("rank %d: stopping after step %d: a stop was requested on %d rank(s)", rt.rank,
                             step + 1, int(stops))

@@ -50,15 +50,15 @@ def train_command(args) -> int:
     # the layout and model checks run here, before any process group: bad input exits 2 on every rank
     cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
     rank = int(os.environ.get("RANK", "0"))
+    start = resume_point(cfg)  # a missing or mismatched checkpoint exits 2 here, before any process group
+    if rank == 0 and cfg.run.resume != "off":
+        print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
+              f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
     if args.dry_run:
         if rank == 0:
             print(cfg.layout.describe())
             print(cfg.as_dict())
         return 0
-    start = resume_point(cfg)  # a missing or mismatched checkpoint exits 2 here, before any process group
-    if rank == 0 and cfg.run.resume != "off":
-        print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
-              f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
     sigterm = StopOnSigterm().install()
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
