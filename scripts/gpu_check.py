@@ -119,6 +119,25 @@ def compare(got: list[float], want: list[float]) -> str:
     return f"{len(got)} steps, loss {got[0]:.4f} -> {got[-1]:.4f}, max |diff| vs reference {worst:.1e}"
 
 
+def checkpoint_resume() -> str:
+    """pp=1 on CUDA with dropout: 3 steps, a checkpoint, 3 more after --resume, against 6 in one go.
+    The CUDA RNG state must be saved and restored for the dropout masks to repeat."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    sets = ("backend=nccl", "pp=1", "model.dropout=0.1")
+    whole = train(1, 6, *sets)
+    with tempfile.TemporaryDirectory() as d:
+        first = train(1, 3, *sets, f"checkpoint_dir={d}")
+        second = train(1, 6, *sets, f"checkpoint_dir={d}", "resume=required")[:3]  # steps 4-6
+        keys = dcp.FileSystemReader(f"{d}/step-00000006").read_metadata().state_dict_metadata
+    assert any(k.startswith("rank0.rng.cuda") for k in keys), "no CUDA RNG state in the checkpoint"
+    worst = max(abs(a - b) for a, b in zip(first + second, whole))
+    assert len(first + second) == 6 and worst < 2e-4, f"resumed {first + second} vs uninterrupted {whole}"
+    return f"6 steps with dropout 0.1, resumed after 3: max |diff| of the printed losses {worst:.1e}"
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--steps", type=int, default=20)
@@ -128,13 +147,15 @@ def main() -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {gpus}", flush=True)
     if gpus == 0:
-        for name in ("CUDA lane + poller", "rrfp train pp=1 on CUDA", "rrfp train pp=2 over NCCL"):
+        for name in ("CUDA lane + poller", "rrfp train pp=1 on CUDA", "checkpoint resume on CUDA",
+                     "rrfp train pp=2 over NCCL"):
             report(name, "SKIPPED", "no GPU on this machine")
         return 0
     check("CUDA lane + poller", lane_and_poller)
     reference = reference_losses(args.steps)
     check("rrfp train pp=1 on CUDA",
           lambda: compare(train(1, args.steps, "backend=nccl", "pp=1"), reference))
+    check("checkpoint resume on CUDA", checkpoint_resume)
     if gpus >= 2:
         check("rrfp train pp=2 over NCCL",
               lambda: compare(train(2, args.steps, "backend=nccl", "pp=2"), reference))

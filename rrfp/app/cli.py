@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set executor=fixed")
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)")
     bench = sub.add_parser("bench", help="every executor side by side on real gloo ranks, into a results folder",
                            description="Run the benchmark suite: each workload's iterations on every executor, "
                                        "alternating, on PP local gloo ranks in one torchrun job. Device time is "

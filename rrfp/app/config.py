@@ -26,6 +26,7 @@ from rrfp.core.variability import PRESETS, Variability
 from rrfp.pipeline.workload import Workload
 
 ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
+RESUME_MODES = ("off", "auto", "required")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class RunConfig:
     sizes: str = ""  # rank 0 writes every iteration's microbatch features and step time here, for rrfp sim
     log_every: int = 1
     model: str = "gpt"  # a workload: models/<name>.py, a dotted module, or module:attribute
+    checkpoint_dir: str = ""  # where checkpoints go; "" = none (also none on SIGTERM)
+    checkpoint_every: int = 0  # save every N steps (and at the end, and on SIGTERM); 0 = only those two
+    checkpoint_keep: int = 2  # complete checkpoints kept; older ones go once a newer one is committed
+    resume: str = "off"  # off | auto (the latest checkpoint, if any) | required (rrfp train --resume)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatches", "steps", "threads", "log_every"):
@@ -78,6 +83,16 @@ class RunConfig:
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("run.backend = nccl carries CUDA tensors only: set run.device = cuda (or auto), "
                               "or run.backend = gloo")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
+            raise ConfigError(f"run.checkpoint_every must be >= 0 and run.checkpoint_keep >= 1, got "
+                              f"{self.checkpoint_every} and {self.checkpoint_keep}")
+        if self.resume not in RESUME_MODES:
+            raise ConfigError(f"run.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        if not self.checkpoint_dir and (self.checkpoint_every or self.resume != "off"):
+            what = "--resume" if self.resume == "required" else (
+                f"run.resume = {self.resume}" if self.resume != "off" else
+                f"run.checkpoint_every = {self.checkpoint_every}")
+            raise ConfigError(f"{what} needs run.checkpoint_dir")
         if self.device == "cuda" and self.backend == "gloo":
             raise ConfigError("run.device = cuda needs run.backend = nccl: rrfp's gloo channels carry CPU "
                               "tensors only")

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from rrfp.app.checkpoints import RunCheckpoints, resume_point
 from rrfp.app.config import TrainConfig
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
@@ -41,12 +42,23 @@ class TrainSummary:
     slowest_s: list[float] = field(default_factory=list)  # with run.sizes: per step, the slowest rank's iteration
     plan_s: list[float] = field(default_factory=list)  # hint = plan: planning time per step (in a thread)
     plan_waited_s: list[float] = field(default_factory=list)  # ... and how long each step waited for its plan
+    first_step: int = 0  # the step this run started from: a resumed checkpoint's, or 0
+    checkpoint: str | None = None  # the last checkpoint this run saved
+    stopped_at: int | None = None  # a stop request ended the run after this many steps
+    stop_requests: int = 0  # ... made on this many ranks
 
 
-async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None) -> TrainSummary:
-    """Run ``cfg.run.steps`` optimizer steps on this rank's stage. Every rank
-    returns the per-step mean losses (all-reduced from the last stage)."""
+async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None,
+                     stop: Callable[[], bool] | None = None) -> TrainSummary:
+    """Run optimizer steps up to ``cfg.run.steps`` on this rank's stage, from the
+    checkpoint ``run.resume`` picks (or step 0). Every rank returns the per-step
+    mean losses (all-reduced from the last stage) of the steps it ran.
+
+    ``stop()`` true on any rank (``rrfp train`` sets it on SIGTERM) ends the run
+    on every rank after the current step, which is saved first when
+    ``run.checkpoint_dir`` is set: the ranks agree on it in the step's all-reduce."""
     run, wl = cfg.run, cfg.workload
+    start = resume_point(cfg)  # before any process group: a mismatch fails every rank the same way
     torch.set_num_threads(run.threads)
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
                                      unit_ms=run.unit_ms) as rt:  # nccl: this rank's GPU is rt.device
@@ -60,6 +72,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         world = rt.layout.world_size
+        ckpts = RunCheckpoints(cfg, rt, module, opt) if run.checkpoint_dir else None
+        if start is not None:
+            await ckpts.load(start)
+            summary.first_step = start.step
 
         def my_batches(step: int):
             # DP replica d trains on its own M microbatches of a global batch of dp * M
@@ -67,9 +83,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             mine = data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches]
             return mine, [wl.features(b) for b in mine]
 
-        upcoming = my_batches(0)
-        ex.prepare(0, upcoming[1])  # hint = plan: planned in a thread, one iteration ahead
-        for step in range(run.steps):
+        upcoming = my_batches(summary.first_step)
+        ex.prepare(summary.first_step, upcoming[1])  # hint = plan: planned in a thread, one iteration ahead
+        for step in range(summary.first_step, run.steps):
             mine, feats = upcoming
             if step + 1 < run.steps:
                 upcoming = my_batches(step + 1)
@@ -81,9 +97,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             opt.step()
             opt.zero_grad(set_to_none=True)
             vec = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
-                                float(res.tokens if rt.stage == 0 else 0)], dtype=torch.float64)
+                                float(res.tokens if rt.stage == 0 else 0), float(stop is not None and stop())],
+                               dtype=torch.float64)
             await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
-            loss, busy, wall, tokens = vec.tolist()
+            loss, busy, wall, tokens, stops = vec.tolist()
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
             tokens /= run.tp
             report = StepReport(step, run.steps, loss, tokens / (wall / world), StageStats(busy, wall).bubble,
@@ -100,6 +117,14 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 summary.slowest_s.append(longest.item())
             if on_step is not None and rt.rank == 0 and (step % run.log_every == 0 or step == run.steps - 1):
                 on_step(report)
+            stopping = stops > 0 and step + 1 < run.steps  # a stop during the last step: the run is complete
+            if ckpts is not None and ckpts.due(step + 1, stopping):
+                summary.checkpoint = str((await ckpts.save(step + 1)).path)
+            if stopping:
+                summary.stopped_at, summary.stop_requests = step + 1, int(stops)
+                log.info("rank %d: stopping after step %d: a stop was requested on %d rank(s)", rt.rank,
+                            step + 1, int(stops))
+                break
         summary.statistics = ex.statistics()
         if run.sizes and rt.rank == 0:
             write_json(run.sizes, {"pp": rt.num_stages, "microbatches": run.microbatches, "seed": run.seed,

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
+from rrfp.app.checkpoints import resume_point
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError, UsageError, one_line, root_cause
 from rrfp.app.train import StepReport, stage_main
@@ -18,21 +20,48 @@ def _print_step(r: StepReport) -> None:
           f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s", flush=True)
 
 
+STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
+
+
+class StopOnSigterm:
+    """The first SIGTERM asks the run to stop after the current step (every rank
+    learns of it in that step's all-reduce, saves, and exits 143); a second one
+    leaves at once, keeping the last committed checkpoint."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> "StopOnSigterm":
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            os.write(2, b"rrfp: second SIGTERM: leaving now; the last committed checkpoint stays\n")
+            os._exit(STOPPED_EXIT)
+        self.requested = True
+
+
 def train_command(args) -> int:
     logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
     if not args.dry_run and "WORLD_SIZE" not in os.environ:
         raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
                          "(torchrun --nproc-per-node N -m rrfp train ...)")
     # the layout and model checks run here, before any process group: bad input exits 2 on every rank
-    cfg = TrainConfig.load(args.config, args.set)
+    cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
     rank = int(os.environ.get("RANK", "0"))
+    start = resume_point(cfg)  # a missing or mismatched checkpoint exits 2 here, before any process group
+    if rank == 0 and cfg.run.resume != "off":
+        print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
+              f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
     if args.dry_run:
         if rank == 0:
             print(cfg.layout.describe())
             print(cfg.as_dict())
         return 0
+    sigterm = StopOnSigterm().install()
     try:
-        summary = run_loop(stage_main(cfg, _print_step))
+        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
     except Exception as e:
         # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
         if not isinstance(root_cause(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
@@ -41,20 +70,31 @@ def train_command(args) -> int:
         line = one_line(e, rank)
         print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
         # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
-        os._exit(1)
+        os._exit(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: exit 2
+    if summary.stopped_at is not None:
+        saved = (f"checkpoint {summary.checkpoint} saved; continue with --resume" if summary.checkpoint else
+                 "no checkpoint saved (run.checkpoint_dir is not set)")
+        print(f"rrfp: stopped: rank {rank}: SIGTERM on {summary.stop_requests} rank(s), the run stopped after "
+              f"step {summary.stopped_at} of {cfg.run.steps}; {saved}", file=sys.stderr, flush=True)
+        _leave(STOPPED_EXIT)
     if rank == 0:
-        print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
+        resumed = f" after step {summary.first_step}" if summary.first_step else ""
+        print(f"done: {len(summary.losses)} steps{resumed}, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
         if summary.plan_s:
             waits = sorted(summary.plan_waited_s[1:]) or [0.0]  # step 1's plan cannot be made ahead
             print(f"plan: {1e3 * sorted(summary.plan_s)[len(summary.plan_s) // 2]:.1f} ms per step (median, "
                   f"in a thread, one step ahead); steps after the first waited for it {1e3 * waits[len(waits) // 2]:.2f} "
                   f"ms (median), {1e3 * waits[-1]:.2f} ms at most", flush=True)
-    # Everything is written and every group is down. Leave now: letting the interpreter tear down
-    # torch's C++ state after gloo async collectives sometimes aborts ("terminate called without an
-    # active exception", about 1 run in 7 on 4 CPU ranks), which would turn a finished run into exit 134.
+    _leave(0)
+
+
+def _leave(code: int) -> None:
+    """Everything is written and every group is down. Leave now: letting the interpreter tear down
+    torch's C++ state after gloo async collectives sometimes aborts ("terminate called without an
+    active exception", about 1 run in 7 on 4 CPU ranks), which would turn a finished run into exit 134."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 

@@ -1,0 +1,90 @@
+"""A stage's training state in a checkpoint, written and read with
+``torch.distributed.checkpoint`` (DCP).
+
+Each stage holds a different module, so the state dict is keyed by where it
+lives: ``stage{s}.tp{t}`` holds that chunk's model and optimizer state (DP
+replicas hold the same values under the same keys, and DCP writes one copy),
+``rank{r}`` holds that rank's RNG states. Every rank writes its own file in
+parallel and DCP's coordinator writes ``.metadata`` once all have finished.
+The directory protocol around it (partial directory, marker, rename) is
+``checkpoint_dir.py``.
+
+rrfp draws no numbers from Python's or numpy's global generators (batches use
+a generator seeded by (seed, step, microbatch), emulated durations a
+counter-based hash), so the torch generators are the only RNG state there is.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+log = logging.getLogger("rrfp.pipeline.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded into this stage; the message says why."""
+
+
+def stage_key(stage: int, tp_rank: int) -> str:
+    return f"stage{stage}.tp{tp_rank}"
+
+
+def _state(module: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, stage: int, tp_rank: int,
+           device: torch.device) -> dict:
+    model_sd, optim_sd = get_state_dict(module, opt)  # FQN-keyed; a fresh optimizer's state is created
+    rng = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return {stage_key(stage, tp_rank): {"model": model_sd, "optim": optim_sd}, f"rank{rank}": {"rng": rng}}
+
+
+def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
+               tp_rank: int, device: torch.device, process_group=None) -> None:
+    """Collective over ``process_group`` (every rank calls it); blocking, so the
+    caller runs it off the event loop. Returns once every rank's files and the
+    metadata are written."""
+    state = _state(module, opt, rank, stage, tp_rank, device)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=process_group)
+    except dcp.CheckpointException as e:
+        raise CheckpointError(f"cannot write checkpoint {path}: {_causes(e)}") from None
+
+
+def load_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
+               tp_rank: int, device: torch.device, process_group=None) -> None:
+    """Collective, blocking: load this stage's model, optimizer and this rank's
+    RNG state in place. A failure on any rank raises CheckpointError on every rank."""
+    state = _state(module, opt, rank, stage, tp_rank, device)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
+    except dcp.CheckpointException as e:  # a BaseException in torch: turn it into an error the CLI reports
+        raise CheckpointError(f"cannot load checkpoint {path}: {_causes(e)}") from None
+    chunk = state[stage_key(stage, tp_rank)]
+    set_state_dict(module, opt, model_state_dict=chunk["model"], optim_state_dict=chunk["optim"])
+    rng = state[f"rank{rank}"]["rng"]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _causes(e: dcp.CheckpointException) -> str:
+    """Each failed rank's error on one line (DCP pairs each error with its stack)."""
+    excs = {r: x[0] if isinstance(x, tuple) else x for r, x in sorted(e.failures.items())}
+    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
+
+
+def check_readable(path: Path, keys: list[str]) -> None:
+    """Without any process group: the checkpoint's DCP metadata reads and holds
+    the state these ``keys`` (stage_key / rank prefixes) need."""
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # a missing or truncated .metadata: any error of the unpickling
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
+    saved = metadata.state_dict_metadata
+    missing = [k for k in keys if not any(s.startswith(k + ".") for s in saved)]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} holds no state for {', '.join(missing)}")

@@ -1,0 +1,341 @@
+"""Checkpoint and resume: a resumed run repeats the losses of an uninterrupted
+one; a checkpoint is complete or ignored; a mismatched config is one error line
+(exit 2) before any process group; SIGTERM stops every rank after a saved step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distributed import free_port, run_ranks
+from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, STOP_AT = 6, 3
+SMALL = ["--config", "configs/gpt-tiny.toml", "--set", "model.n_layer=2", "--set", "model.n_embd=32",
+         "--set", "model.block_size=64", "--set", "data.min_seq_len=16", "--set", "data.max_seq_len=64",
+         "--set", "microbatches=4", "--set", "model.dropout=0.1"]  # dropout: the resumed RNG state matters
+
+
+# executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by timing
+VARIANTS = {"fixed": ("fixed", {}), "ready": ("ready", {}), "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2})}
+
+
+def _config(steps: int, dispatch: str, **run):
+    from rrfp.app.config import TrainConfig
+
+    sets = [s for s in SMALL[2:] if s != "--set"] + [f"steps={steps}", f"executor={dispatch}", "timeout_s=60",
+                                                       "lr=3e-3"]
+    sets += [f"{k}={json.dumps(v)}" for k, v in run.items()]
+    return TrainConfig.load(SMALL[1], sets)
+
+
+def _interrupted_and_whole(rank, world, root):
+    """In one process group: per executor, an uninterrupted STEPS-step run, a run of
+    STOP_AT steps that saves every step (keeping 2), and a run that resumes it to
+    STEPS after a crash left debris beside the checkpoints."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from rrfp.app.train import stage_main
+    from rrfp.loop import run
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    out = {}
+    for variant, (dispatch, extra) in VARIANTS.items():
+        ckdir = Path(root) / variant
+        whole = [run(stage_main(_config(STEPS, dispatch, **extra))).losses for _ in range(2)]
+        first = run(stage_main(_config(STOP_AT, dispatch, checkpoint_dir=str(ckdir), checkpoint_every=1,
+                                        checkpoint_keep=2, **extra)))
+        dist.barrier()
+        kept = sorted(p.name for p in ckdir.iterdir())
+        dist.barrier()
+        if rank == 0:  # a crash mid-write: a partial directory, and a newer step without its marker
+            store = CheckpointDir(ckdir)
+            shutil.copytree(store.final_path(STOP_AT), store.partial_path(STOP_AT + 1))
+            shutil.copytree(store.final_path(STOP_AT), store.final_path(STOP_AT + 2))
+            (store.final_path(STOP_AT + 2) / MARKER).unlink()
+        dist.barrier()
+        second = run(stage_main(_config(STEPS, dispatch, checkpoint_dir=str(ckdir), resume="required", **extra)))
+        dist.barrier()
+        out[variant] = dict(whole=whole, first=first.losses, second=second.losses, resumed_from=second.first_step,
+                             kept=kept, after=sorted(p.name for p in ckdir.iterdir()))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
+    results = run_ranks(_interrupted_and_whole, 2, str(tmp_path), timeout=180)
+    for rank, out in results.items():
+        for dispatch, r in out.items():
+            where = f"rank {rank}, {dispatch}"
+            assert r["kept"] == ["step-00000002", "step-00000003"], f"{where}: keep-last-2 left {r['kept']}"
+            assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
+            # the resumed run committed its last step (no checkpoint_every) and cleaned the debris up
+            assert r["after"] == ["step-00000003", "step-00000006"], f"{where}: {r['after']}"
+            resumed = r["first"] + r["second"]
+            whole = r["whole"][0]
+            assert len(resumed) == len(whole) == STEPS, where
+            print(f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted run "
+                  f"{r['whole'][1]}; largest difference to the resumed run "
+                  f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}")
+            # bit-exact for both executors: readiness changes how F, B and W interleave, but on every
+            # stage each kind still runs in microbatch order (B(m) needs B(m-1)'s gradient from
+            # downstream, and the hint ranks W by microbatch), so every parameter's gradient is summed
+            # in the same order, and the loss is summed over microbatches in index order
+            assert resumed == whole, f"{where}: not bit-exact"
+            assert r["whole"][1] == whole, f"{where}: two uninterrupted runs differ"
+        assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], "ranks report different losses"
+        for variant in ("ready", "ready-lang"):
+            assert out[variant]["whole"][0] == out["fixed"]["whole"][0], f"{variant} and fixed BFW sum differently"
+
+
+# ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
+
+def _env(rank: int, world: int, port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))}
+    env.pop("RRFP_LOG", None)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+class Ranks:
+    """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun
+    would end a rank's siblings itself, hiding whether each ends on its own)."""
+
+    def __init__(self, tmp: Path, *args: str, world: int = 2) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.tmp, self.files, self.procs = tmp, [], []
+        for rank in range(world):
+            out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
+            self.files += [out, err]
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT,
+                                               env=_env(rank, world, port), stdin=subprocess.DEVNULL,
+                                               stdout=out, stderr=err))
+
+    def out(self, rank: int) -> str:
+        return (self.tmp / f"out{rank}").read_text(errors="replace")
+
+    def err(self, rank: int) -> str:
+        return (self.tmp / f"err{rank}").read_text(errors="replace")
+
+    def wait(self, limit_s: float) -> list[int | None]:
+        t0 = time.monotonic()
+        while any(p.poll() is None for p in self.procs) and time.monotonic() - t0 < limit_s:
+            time.sleep(0.05)
+        return [p.poll() for p in self.procs]
+
+    def tails(self) -> str:
+        return "\n".join(f"--- rank {r}:\n{self.out(r)[-800:]}\n{self.err(r)[-1500:]}"
+                         for r in range(len(self.procs)))
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        for f in self.files:
+            f.close()
+
+
+def train(tmp: Path, *args: str, limit_s: float = 90) -> Ranks:
+    ranks = Ranks(tmp, *SMALL, "--set", "timeout_s=20", *args)
+    try:
+        codes = ranks.wait(limit_s)
+        assert None not in codes, f"still running after {limit_s} s\n" + ranks.tails()
+    finally:
+        ranks.close()
+    return ranks
+
+
+def rrfp_alone(*args: str) -> subprocess.CompletedProcess:
+    """One rank of 2 whose rendezvous nobody serves: exiting 2 proves the check ran before any group."""
+    env = _env(0, 2, 9)
+    return subprocess.run([sys.executable, "-m", "rrfp", "train", *SMALL, *args], cwd=ROOT, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+
+
+def one_error_line(stderr: str, *needles: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rrfp: error: "), stderr
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint directory from a real 2-step run (pp=2, 4 microbatches)."""
+    tmp = tmp_path_factory.mktemp("saved")
+    ranks = train(tmp / "logs", "--set", "steps=2", "--set", f"checkpoint_dir={tmp / 'ck'}")
+    assert [p.returncode for p in ranks.procs] == [0, 0], ranks.tails()
+    assert [c.step for c in CheckpointDir(tmp / "ck").complete()] == [2]
+    return tmp / "ck"
+
+
+def resume_error(ckdir: Path, *sets: str) -> str:
+    """The ConfigError that ``rrfp train`` prints for this run, from the check it runs before any group."""
+    from rrfp.app.checkpoints import resume_point
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.errors import ConfigError
+
+    cfg = TrainConfig.load(SMALL[1], [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint_dir={ckdir}", *sets],
+                           world_size=2)
+    with pytest.raises(ConfigError) as e:
+        resume_point(cfg)
+    return str(e.value)
+
+
+MISMATCHES = [
+    (["pp=1", "tp=2"], ["run.pp: checkpoint 2, this run 1", "run.tp: checkpoint 1, this run 2"]),
+    (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
+    (["microbatches=8"], ["run.microbatches: checkpoint 4, this run 8"]),
+    (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
+]
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_another_config_is_one_error_line(saved):
+    # the command: exit 2 and one line, with a rendezvous nobody serves (so no group was joined)
+    res = rrfp_alone("--set", "pp=1", "--set", "tp=2", "--set", "steps=4", "--set", f"checkpoint_dir={saved}",
+                     "--resume")
+    assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
+    one_error_line(res.stderr, "cannot resume from", str(saved / "step-00000002"), "saved with a different config",
+                   *MISMATCHES[0][1])
+    for sets, needles in MISMATCHES:  # the check the command ran, on each kind of difference
+        message = resume_error(saved, "steps=4", "resume=required", *sets)
+        assert "saved with a different config" in message and "\n" not in message, message
+        for needle in needles:
+            assert needle in message, message
+
+
+def test_resume_problems_found_before_any_process_group(saved, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    (broken / "step-00000002" / ".metadata").write_bytes(b"not a pickle")
+    cases = [
+        (tmp_path / "empty", ["resume=required"], ["--resume: no complete checkpoint in", "empty"]),
+        (saved, [], ["already holds checkpoints (the latest at step 2)", "--resume"]),  # a fresh run would prune them
+        (saved, ["resume=auto", "steps=2"], ["it is at step 2 and run.steps = 2: nothing left"]),
+        (broken, ["resume=required", "steps=4"], ["cannot read checkpoint", "UnpicklingError"]),
+    ]
+    for ckdir, sets, needles in cases:
+        message = resume_error(ckdir, *sets)
+        for needle in needles:
+            assert needle in message, (sets, message)
+    assert [c.step for c in CheckpointDir(saved).complete()] == [2], "a failed start touched the checkpoints"
+    from rrfp.app.checkpoints import resume_point
+    from rrfp.app.config import TrainConfig
+
+    fresh = TrainConfig.load(SMALL[1], [f"checkpoint_dir={tmp_path / 'empty'}", "resume=auto"], world_size=2)
+    assert resume_point(fresh) is None  # auto with nothing to resume: step 0
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
+    broken = tmp_path / "ck"
+    shutil.copytree(saved, broken)
+    data = broken / "step-00000002" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])  # a file cut short: only loading finds it
+    ranks = train(tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint_dir={broken}", "--resume")
+    for r, p in enumerate(ranks.procs):
+        assert p.returncode == 2, f"rank {r} exited {p.returncode}\n" + ranks.tails()
+        one_error_line(ranks.err(r), "cannot load checkpoint", str(broken / "step-00000002"))
+
+
+TIMEOUT_S = 10
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_every_rank_after_a_saved_step(tmp_path):
+    ckdir = tmp_path / "ck"
+    ranks = Ranks(tmp_path / "logs", *SMALL, "--set", "steps=100000", "--set", "unit_ms=20",
+                  "--set", f"timeout_s={TIMEOUT_S}", "--set", f"checkpoint_dir={ckdir}", "--set", "checkpoint_every=4")
+    try:
+        t0 = time.monotonic()
+        while sum(ln.startswith("step") for ln in ranks.out(0).splitlines()) < 2:
+            assert all(p.poll() is None for p in ranks.procs), "a rank exited early\n" + ranks.tails()
+            assert time.monotonic() - t0 < 60, "no steps within 60 s\n" + ranks.tails()
+            time.sleep(0.05)
+        os.kill(ranks.procs[1].pid, signal.SIGTERM)
+        t_sig = time.monotonic()
+        codes = ranks.wait(TIMEOUT_S + 10)
+        elapsed = time.monotonic() - t_sig
+        assert None not in codes, f"rank(s) still running {elapsed:.1f} s after SIGTERM: {codes}\n" + ranks.tails()
+        assert codes == [143, 143], f"exit codes {codes}\n" + ranks.tails()
+        print(f"every rank ended {elapsed:.2f} s after SIGTERM on rank 1")
+        stopped = []
+        for r in range(2):
+            err = ranks.err(r)
+            assert "Traceback" not in err, err
+            lines = [ln for ln in err.splitlines() if ln.startswith("rrfp: ")]
+            assert len(lines) == 1 and lines[0].startswith(f"rrfp: stopped: rank {r}: SIGTERM on 1 rank(s)"), err
+            stopped.append(int(lines[0].split("stopped after step ")[1].split()[0]))
+        assert stopped[0] == stopped[1], stopped
+        step = stopped[0]
+        assert f"checkpoint {ckdir / f'step-{step:08d}'} saved" in lines[0], lines[0]
+        printed = sum(ln.startswith("step") for ln in ranks.out(0).splitlines())
+        assert printed == step, f"rank 0 printed {printed} steps, stopped after {step}"
+    finally:
+        ranks.close()
+    assert CheckpointDir(ckdir).latest().step == step
+    assert not CheckpointDir(ckdir).incomplete(), list(ckdir.iterdir())
+    # the stopped run's checkpoint continues: two more steps
+    resumed = train(tmp_path / "resumed", "--set", f"steps={step + 2}", "--set", f"checkpoint_dir={ckdir}",
+                    "--resume")
+    assert [p.returncode for p in resumed.procs] == [0, 0], resumed.tails()
+    out = resumed.out(0)
+    assert f"resume: from {ckdir / f'step-{step:08d}'} (step {step} of {step + 2})" in out, out
+    assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("step")] == [
+        f"{step + 1}/{step + 2}", f"{step + 2}/{step + 2}"], out
+    assert CheckpointDir(ckdir).latest().step == step + 2
+
+
+def test_second_sigterm_leaves_at_once():
+    """The first SIGTERM is a request (the run stops after its step); a second one ends the process, 143."""
+    code = ("import os, signal, time\n"
+            "from rrfp.app.train_command import StopOnSigterm\n"
+            "stop = StopOnSigterm().install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+            "print('requested', stop.requested, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)\n"
+            "print('still here', flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout) == (143, "requested True\n"), (res.returncode, res.stdout, res.stderr)
+    assert res.stderr.strip() == "rrfp: second SIGTERM: leaving now; the last committed checkpoint stays"
+
+
+def test_only_committed_directories_are_checkpoints(tmp_path):
+    store = CheckpointDir(tmp_path)
+    for step in (1, 2, 3):
+        store.partial_path(step).mkdir()
+        (store.partial_path(step) / "__0_0.distcp").write_text("data")
+        assert store.latest() is None or store.latest().step == step - 1  # not before its commit
+        store.commit(step, {"config": {}})
+    store.partial_path(4).mkdir()  # a crash while step 4 was written
+    store.final_path(5).mkdir()  # a step directory without the marker
+    (tmp_path / ".trash-step-00000000").mkdir()  # a crash while deleting
+    assert [c.step for c in store.complete()] == [1, 2, 3]
+    assert store.latest().meta() == {"config": {}, "step": 3}
+    assert {p.name for p in store.incomplete()} == {".partial-step-00000004", "step-00000005",
+                                                    ".trash-step-00000000"}
+    removed = store.prune(keep=2)
+    assert [p.name for p in removed] == ["step-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    store.partial_path(3).mkdir()
+    with pytest.raises(OSError):  # a second step 3 is never mixed into the committed one
+        store.commit(3, {"config": {"other": 1}})
+    assert store.latest().meta() == {"config": {}, "step": 3}
