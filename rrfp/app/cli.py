@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set executor=fixed")
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
+    train.add_argument("--debug", action="store_true",
+                       help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)")
     return p
 
 

@@ -1,21 +1,24 @@
-"""`rrfp train`: run stage_main on this rank; print on rank 0; one line on error."""
+"""`rrfp train`: run stage_main on this rank; print on rank 0; one line on error
+(rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import traceback
 
 from rrfp.app.config import TrainConfig
-from rrfp.app.errors import ConfigError, UsageError
+from rrfp.app.errors import UsageError
+from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.train import StepReport, stage_main
-from rrfp.core.errors import PipelineError
 from rrfp.loop import run as run_loop
 
 
 def _print_step(r: StepReport) -> None:
     eta = (r.steps - r.step - 1) * r.wall_s
+    skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
     print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
-          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s", flush=True)
+          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}", flush=True)
 
 
 def train_command(args) -> int:
@@ -34,16 +37,7 @@ def train_command(args) -> int:
     try:
         summary = run_loop(stage_main(cfg, _print_step))
     except Exception as e:
-        # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
-        if not isinstance(_root(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
-                                     NotImplementedError)):
-            raise  # a bug, not a failure of the run: keep its traceback
-        line = " ".join(_root_message(e).split())  # one line, whatever the cause's text
-        if line.split(":")[0].split()[:2] != ["rank", str(rank)]:  # most causes name their rank already
-            line = f"rank {rank}: {line}"
-        print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
-        # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
-        os._exit(1)
+        _fail(e, cfg, rank, getattr(args, "debug", False))
     if rank == 0:
         print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
@@ -61,13 +55,15 @@ def train_command(args) -> int:
     os._exit(0)
 
 
-def _root(e: BaseException) -> BaseException:
-    """The first leaf of an exception group: TaskGroup wraps the real cause."""
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e
-
-
-def _root_message(e: BaseException) -> str:
-    e = _root(e)
-    return f"{type(e).__name__}: {e}" if not isinstance(e, (PipelineError, ConfigError)) else str(e)
+def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
+    """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
+    failure = Failure.of(e)
+    path = write_traceback(e, cfg.run.log_dir, rank)
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    stage = cfg.layout.coords(rank).pp
+    print(f"rrfp: error: {failure.line(rank, stage, path, debug)}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
+    os._exit(1)

@@ -1,0 +1,85 @@
+"""One error line per failure: which rank saw it first, and where the traceback went.
+
+When one rank fails, every other rank fails too, a moment later, because its
+peer is gone. The error types tell them apart: a ``PeerFailure`` (a dead or
+silent peer, a broken group) is secondary, so its line points at the peer;
+any other ``PipelineError`` (a protocol error, a corrupt header, a NaN, an
+injected fault) or a ``MessageError`` was raised by this rank's own checks and
+is primary; anything else is an internal error (a bug), said as such. Every
+line says where the full traceback is.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from rrfp.app.errors import ConfigError
+from rrfp.comm.message import MessageError
+from rrfp.core.errors import PeerFailure, PipelineError
+
+PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
+
+
+def leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
+    return [e]
+
+
+def kind_of(e: BaseException) -> str:
+    if isinstance(e, PeerFailure):
+        return SECONDARY
+    if isinstance(e, (PipelineError, MessageError, ConfigError)):
+        return PRIMARY
+    return INTERNAL
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The cause that explains a rank's failure, and how this rank was involved."""
+
+    kind: str
+    cause: BaseException
+
+    @classmethod
+    def of(cls, e: BaseException) -> "Failure":
+        """An internal error or this rank's own failure wins over a peer failure it caused
+        (the peer's channel fails as a consequence, in the same TaskGroup)."""
+        found = leaves(e)
+        rank = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
+        best = min(found, key=lambda leaf: rank[kind_of(leaf)])
+        return cls(kind_of(best), best)
+
+    def line(self, rank: int, stage: int, log_path: str, debug: bool) -> str:
+        """The one line this rank prints (without the ``rrfp: error:`` prefix)."""
+        text = " ".join(str(self.cause).split())
+        if self.kind == INTERNAL:
+            text = f"{type(self.cause).__name__}: {text}"
+        text = text.removeprefix(f"rank {rank}: ")  # most causes name their rank already
+        where = "traceback above" if debug else f"traceback in {log_path}"
+        if self.kind == SECONDARY:
+            peer = getattr(self.cause, "peer", None)
+            who = f"peer rank {peer}" if peer is not None else "another rank"
+            return (f"rank {rank}: stopped: {who} failed or stopped first (see its line, if it wrote one): {text} "
+                    f"({where})")
+        if self.kind == INTERNAL:
+            return f"rank {rank} (stage {stage}): internal error, please report it ({where}): {text}"
+        return f"rank {rank} (stage {stage}): {text} ({where})"
+
+
+def write_traceback(e: BaseException, log_dir: str, rank: int) -> str:
+    """Write ``e``'s full traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the path."""
+    text = "".join(traceback.format_exception(e))
+    for folder in (log_dir, tempfile.gettempdir()):
+        path = Path(folder) / f"rank-{rank}.log"
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path.write_text(text)
+            return str(path)
+        except OSError:
+            continue
+    return "(nowhere: the log directory is not writable)"
