@@ -9,6 +9,7 @@ the workload named by ``run.model``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class RunConfig:
             raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.preset not in PRESETS:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        for name in ("lr", "weight_decay", "unit_ms", "timeout_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
             raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
         if self.backend not in ("gloo", "nccl"):
@@ -178,6 +182,9 @@ class TrainConfig:
                 raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for name, table in doc.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: [{name}] must be a table (one [{name}] section)")
         for item in overrides:
             key, sep, raw = item.partition("=")
             if not sep:
@@ -185,6 +192,7 @@ class TrainConfig:
             section, _, name = key.strip().rpartition(".")
             if not section:  # a bare key: the section that has it, run first
                 model = doc.get("run", {}).get("model", RunConfig.model)
+                model = model if isinstance(model, str) else RunConfig.model  # a wrong type is refused below
                 wl = find_workload(model)
                 kinds = {"run": RunConfig, "model": wl.model_config, "data": wl.data_config}
                 section = next((s for s, k in kinds.items()
@@ -270,7 +278,7 @@ def _parse_value(raw: str):
 
 _SIMPLE = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "bool | None": (bool,),
            "str | int": (str, int), "Budget | str | int": (str, int), "Hint | str": (str,),
-           "Dispatch | str": (str,), "Fault | str | None": (str,)}
+           "Dispatch | str": (str,), "Fault | str | None": (str,), "CostModel | str | None": (str,)}
 
 
 def _check_type(where: str, value, annotation) -> None:
