@@ -11,6 +11,7 @@ line says where the full traceback is.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -57,9 +58,9 @@ class Failure:
     def line(self, rank: int, stage: int, log_path: str, debug: bool) -> str:
         """The one line this rank prints (without the ``rrfp: error:`` prefix)."""
         text = " ".join(str(self.cause).split())
+        text = re.sub(rf"^rank {rank}( stage {stage})?: ", "", text)  # most causes name their rank already
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
-        text = text.removeprefix(f"rank {rank}: ")  # most causes name their rank already
         where = "traceback above" if debug else f"traceback in {log_path}"
         if self.kind == SECONDARY:
             peer = getattr(self.cause, "peer", None)

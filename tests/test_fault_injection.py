@@ -1,0 +1,134 @@
+"""Fault injection (run.fault) end to end: one rank fails at a chosen (step,
+stage, task) and the run ends with one line per failure.
+
+The failing rank's line names the cause (or there is none: SIGKILL leaves no
+time to write one); every other rank stops with a short line that points at
+its peer, within run.timeout_s + 10 s, with a non-zero exit code; nothing of
+the run is left alive. The ranks are plain processes (rank_procs.py).
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from rank_procs import RankProcs
+
+TIMEOUT_S = 5  # run.timeout_s: the peer deadline and the process-group timeout
+SLACK_S = 10
+STARTUP_S = 90  # imports and rendezvous of every rank on a loaded 2-core machine
+
+
+def _args(tmp: Path, world: int, *sets: str) -> list[str]:
+    sets = ("steps=1000", f"timeout_s={TIMEOUT_S}", f"log_dir={tmp / 'logs'}", "unit_ms=1", "microbatches=4",
+            "model.n_embd=32", "model.block_size=64", f"model.n_layer={world}", "data.min_seq_len=16",
+            "data.max_seq_len=64", *sets)
+    return ["--config", "configs/gpt-tiny.toml", *(a for s in sets for a in ("--set", s))]
+
+
+def _wait_for_fault(ranks: RankProcs, victim: int, what: str) -> float:
+    """Until the victim logged that it injects the fault; the others must still be running."""
+    t0 = time.monotonic()
+    while "injecting fault" not in ranks.err(victim):
+        early = {r: p.returncode for r, p in enumerate(ranks.procs) if r != victim and p.poll() is not None}
+        assert not early, f"rank(s) ended before the fault: {early}\n{ranks.tails()}"
+        assert time.monotonic() - t0 < STARTUP_S, f"no fault injected within {STARTUP_S} s\n{ranks.tails()}"
+        time.sleep(0.05)
+    assert what in ranks.err(victim), ranks.err(victim)
+    return time.monotonic() - t0
+
+
+def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
+    err = ranks.err(rank)
+    assert "Traceback" not in err, f"rank {rank} printed a traceback:\n{err}"
+    lines = ranks.error_lines(rank)
+    assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{err}"
+    line = lines[0]
+    assert line.startswith(f"rrfp: error: rank {rank}: stopped: peer rank {peer} failed or stopped first"), line
+    log = re.search(r"traceback in (\S+)\)$", line)
+    assert log and "Traceback" in Path(log.group(1)).read_text(), line
+    return line
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["kill", "stop"])
+def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
+    world, victim = 3, 1  # the middle stage: both neighbours lose it
+    fault = f"{kind}:step=3:stage=1:task=B2"
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}"))
+    survivors = [0, 2]
+    try:
+        _wait_for_fault(ranks, victim, f"rank 1 stage 1: step 3 task B2: injecting fault {fault}")
+        limit = TIMEOUT_S + SLACK_S
+        ended = ranks.wait(survivors, limit)
+        assert sorted(ended) == survivors, f"still running {limit} s after the {kind}: " \
+                                           f"{set(survivors) - set(ended)}\n{ranks.tails()}"
+        lines = [_survivor_line(ranks, r, victim) for r in survivors]
+        assert all(ranks.procs[r].returncode == 1 for r in survivors), ranks.tails()
+        assert ranks.error_lines(victim) == [], "the victim had no time to write a line"
+        if kind == "kill":
+            assert ranks.procs[victim].wait(5) == -9
+            assert any("the peer process probably died" in ln for ln in lines), lines
+        else:
+            assert ranks.procs[victim].poll() is None, "the stopped rank is still there, stopped"
+            assert min(ended.values()) > TIMEOUT_S / 2, f"ended before the deadline could pass: {ended}"
+            assert any("nothing" in ln and ("timeout" in ln or f"{TIMEOUT_S} s" in ln) for ln in lines), lines
+        print(f"{kind}: survivors ended after " + ", ".join(f"rank {r}: {t:.1f} s" for r, t in ended.items()))
+        assert ranks.alive() == ([victim] if kind == "stop" else []), "an orphan is left"
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == [], "processes of the run are left after the cleanup"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,debug", [("bug:step=2:stage=1:task=F0", False), ("bug:step=2:stage=1:task=F0", True),
+                                         ("raise:step=2:stage=0:task=B3", False)],
+                         ids=["internal-error", "internal-error-debug", "run-failure"])
+def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, debug):
+    world = 2
+    victim = int(fault.split("stage=")[1][0])
+    other = 1 - victim
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}") + (["--debug"] if debug else []))
+    try:
+        ended = ranks.wait([0, 1], STARTUP_S + TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == [0, 1], ranks.tails()
+        assert [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
+        (line,) = ranks.error_lines(victim)
+        where = f"traceback above" if debug else f"traceback in {tmp_path / 'logs'}/rank-{victim}.log"
+        if fault.startswith("bug"):
+            assert line.startswith(f"rrfp: error: rank {victim} (stage {victim}): internal error, please report "
+                                   f"it ({where}): RuntimeError: "), line
+        else:
+            assert line.startswith(f"rrfp: error: rank {victim} (stage {victim}): step 2 task B3: injected fault")
+            assert line.endswith(f"({where})"), line
+        assert ("Traceback" in ranks.err(victim)) == debug, ranks.err(victim)
+        assert "Traceback" in (tmp_path / "logs" / f"rank-{victim}.log").read_text()
+        (pointer,) = ranks.error_lines(other)
+        # a channel names its peer; a world collective (the step's all-reduce) cannot say which rank left
+        assert re.match(rf"rrfp: error: rank {other}: stopped: (peer rank {victim}|another rank) failed or "
+                        rf"stopped first \(see its line", pointer), pointer
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == []
+
+
+@pytest.mark.timeout(120)
+def test_nan_with_on_nonfinite_stop_ends_every_rank_with_one_line(tmp_path):
+    world = 2
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, "fault=nan:step=2:stage=0", "on_nonfinite=stop"))
+    try:
+        ended = ranks.wait([0, 1], STARTUP_S + TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == [0, 1], ranks.tails()
+        assert [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
+        for r in range(world):
+            assert "Traceback" not in ranks.err(r)
+            (line,) = ranks.error_lines(r)
+            assert line.startswith(f"rrfp: error: rank {r} (stage {r}): stopped: step 2: NaN or Inf in the loss "
+                                   f"or the gradients (first on rank 0, stage 0); no update was made"), line
+        steps = [ln for ln in ranks.out(0).splitlines() if ln.startswith("step")]
+        assert len(steps) == 1, "step 1 ran, step 2 stopped"
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == []
