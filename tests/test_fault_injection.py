@@ -46,7 +46,7 @@ def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
     lines = ranks.error_lines(rank)
     assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{err}"
     line = lines[0]
-    assert line.startswith(f"rrfp: error: rank {rank}: stopped: peer rank {peer} failed or stopped first"), line
+    assert line.startswith(f"rrfp: error: rank {rank}: stopped: peer rank {peer} failed or left first"), line
     log = re.search(r"traceback in (\S+)\)$", line)
     assert log and "Traceback" in Path(log.group(1)).read_text(), line
     return line
@@ -108,7 +108,7 @@ def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, deb
         (pointer,) = ranks.error_lines(other)
         # a channel names its peer; a world collective (the step's all-reduce) cannot say which rank left
         assert re.match(rf"rrfp: error: rank {other}: stopped: (peer rank {victim}|another rank) failed or "
-                        rf"stopped first \(see its line", pointer), pointer
+                        rf"left first \(the cause is on the line without 'stopped'", pointer), pointer
     finally:
         ranks.kill_all()
     assert ranks.alive() == []
@@ -125,8 +125,9 @@ def test_nan_with_on_nonfinite_stop_ends_every_rank_with_one_line(tmp_path):
         for r in range(world):
             assert "Traceback" not in ranks.err(r)
             (line,) = ranks.error_lines(r)
-            assert line.startswith(f"rrfp: error: rank {r} (stage {r}): stopped: step 2: NaN or Inf in the loss "
-                                   f"or the gradients (first on rank 0, stage 0); no update was made"), line
+            assert line.startswith(f"rrfp: error: rank {r} (stage {r}): step 2: NaN or Inf in the loss or the "
+                                   f"gradients (first on rank 0, stage 0); every rank ends here, no update was "
+                                   f"made"), line
         steps = [ln for ln in ranks.out(0).splitlines() if ln.startswith("step")]
         assert len(steps) == 1, "step 1 ran, step 2 stopped"
     finally:

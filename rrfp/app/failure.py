@@ -65,8 +65,9 @@ class Failure:
         if self.kind == SECONDARY:
             peer = getattr(self.cause, "peer", None)
             who = f"peer rank {peer}" if peer is not None else "another rank"
-            return (f"rank {rank}: stopped: {who} failed or stopped first (see its line, if it wrote one): {text} "
-                    f"({where})")
+            # that peer may itself have stopped because of another: point at the line that is not "stopped"
+            return (f"rank {rank}: stopped: {who} failed or left first (the cause is on the line without "
+                    f"'stopped', if one was written): {text} ({where})")
         if self.kind == INTERNAL:
             return f"rank {rank} (stage {stage}): internal error, please report it ({where}): {text}"
         return f"rank {rank} (stage {stage}): {text} ({where})"

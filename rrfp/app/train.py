@@ -150,6 +150,6 @@ async def _nonfinite(rt: PipelineRuntime, policy: str, step: int, bad: bool) -> 
     stage = rt.layout.coords(where).pp
     what = f"step {step + 1}: NaN or Inf in the loss or the gradients (first on rank {where}, stage {stage})"
     if policy == "stop":
-        raise NonFiniteError(f"rank {rt.rank}: stopped: {what}; no update was made "
+        raise NonFiniteError(f"rank {rt.rank}: {what}; every rank ends here, no update was made "
                              f"(run.on_nonfinite = stop; \"skip\" skips such steps)")
     log.warning("rank %d: %s: skipped the optimizer step on every rank", rt.rank, what)
