@@ -22,6 +22,9 @@ VLM = "configs/vlm-tiny.toml"
 # world=4 with a rendezvous nobody serves, and no --dry-run: exiting 2 proves no group was joined
 REFUSED = [
     (["data.max_seq_len=200"], ["data.max_seq_len=200 is above model.block_size=128", "model's context"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100 is below the data's 256 byte tokens"]),
+    (["pp=8"], ["pp=8", "does not match world size 4"]),
+    (["model.n_layer=2"], ["model.n_layer=2 is fewer than the 4 pipeline stages"]),
     (["dispatch=fixed", "budget=1x"], ["run.dispatch = fixed with hint bfw", "built for a 2x budget",
                                        "stage 0 holds up to 8 microbatches", "run.budget = 1x (4 there)"]),
     (["dispatch=fixed", "hint=bf", "budget=64MiB"], ["hint bf", "a byte budget"]),
