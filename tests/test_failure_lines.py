@@ -7,7 +7,7 @@ from __future__ import annotations
 from rrfp.app.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_traceback
 from rrfp.comm.channels import PeerError
 from rrfp.comm.message import MessageError
-from rrfp.core.errors import NonFiniteError, PeerFailure, PeerTimeout, ProtocolError
+from rrfp.core.errors import NonFiniteError, PeerFailure, PeerTimeout, ProtocolError, StartupError
 
 
 def _group(*errors):
@@ -42,8 +42,9 @@ def test_peer_failures_point_at_the_peer():
         "rank 3: stopped: another rank failed or left first")
 
 
-def test_message_and_nonfinite_errors_are_this_ranks_own():
+def test_message_nonfinite_and_startup_errors_are_this_ranks_own():
     assert Failure.of(MessageError("rank 1: channel fwd 0->1: bad header magic")).kind == PRIMARY
+    assert Failure.of(StartupError("rank 1: start-up failed while joining the process group")).kind == PRIMARY
     assert Failure.of(NonFiniteError("rank 0: step 2: NaN")).kind == PRIMARY
     assert Failure.of(ValueError("x")).kind == INTERNAL
 
@@ -61,3 +62,17 @@ def test_multiline_causes_become_one_line(tmp_path):
     blocked.write_text("")  # a log_dir that is a file: the traceback still lands somewhere, and says where
     fallback = write_traceback(RuntimeError("x"), str(blocked), 3)
     assert fallback != str(blocked / "rank-3.log") and "RuntimeError" in open(fallback).read()
+
+
+def test_a_rank_that_cannot_join_says_start_up_failed(tmp_path):
+    """Rendezvous on a port nobody serves: a start-up failure, not an internal error."""
+    from test_train_cli import rrfp
+
+    res = rrfp("--config", "configs/gpt-tiny.toml", "--set", "pp=2", "--set", "model.n_layer=2", "--set",
+               "timeout_s=2", "--set", f"log_dir={tmp_path}", world=2, rank=1)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback (most recent call last)" not in res.stderr  # torch's own C++ log lines may precede
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("rrfp: error:")]
+    assert len(lines) == 1 and lines[0].startswith("rrfp: error: rank 1 (stage 1): start-up failed while joining "
+                                                   "the process group"), res.stderr[-2000:]
+    assert lines[0].endswith(f"(traceback in {tmp_path}/rank-1.log)")

@@ -29,6 +29,10 @@ class ProtocolError(PipelineError):
     """A message that is not what the pipeline expects at this point."""
 
 
+class StartupError(PipelineError):
+    """The process groups could not be set up: rendezvous, store or group creation failed."""
+
+
 class NonFiniteError(PipelineError):
     """A NaN or Inf in the loss or the gradients, with ``run.on_nonfinite = "stop"``."""
 
