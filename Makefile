@@ -13,7 +13,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,oracle]"
 	touch $@
 
 # Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
@@ -32,9 +32,10 @@ test: $(VENV)/.installed
 gpu-check: $(VENV)/.installed
 	$(PY) scripts/gpu_check.py
 
+# The suite side by side (rrfp and torch executors, gpt and vlm, device time emulated): results/bench-<timestamp>/
 bench: $(VENV)/.installed
 	$(PY) benchmarks/sim_scale.py
-	$(PY) benchmarks/compare_executors.py --also-none
+	$(PY) -m rrfp bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

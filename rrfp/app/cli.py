@@ -29,6 +29,19 @@ def _positive(name: str):
     return conv
 
 
+def _seconds(name: str):
+    def conv(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0 seconds, got {text}")
+        return v
+
+    return conv
+
+
 def _csv_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
@@ -52,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
     sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
+    sim.add_argument("--oracle", action="store_true",
+                     help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') and "
+                          "show each row's distance to it")
+    sim.add_argument("--oracle-time-limit", type=_seconds("--oracle-time-limit"), default=10.0, metavar="SECONDS",
+                     help="CP-SAT time per seed (default 10); a seed that hits it is compared with its proven bound")
     sim.add_argument("--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead")
     sim.add_argument("--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay")
     sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")
@@ -77,6 +95,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
     train.add_argument("--debug", action="store_true",
                        help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)")
+    bench = sub.add_parser("bench", help="every executor side by side on real gloo ranks, into a results folder",
+                           description="Run the benchmark suite: each workload's iterations on every executor, "
+                                       "alternating, on PP local gloo ranks in one torchrun job. Device time is "
+                                       "emulated on CPU by the compute lane.")
+    bench.add_argument("--workloads", type=_csv_list, default=None,
+                       help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
+    bench.add_argument("--executors", type=_csv_list, default=None,
+                       help="comma list of ENGINE-HINT: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, ready-plan, "
+                            "torch-1f1b, torch-zb (the default: all of them that this build runs)")
+    bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
+    bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
+    bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")
+    bench.add_argument("--reps", type=_positive("--reps"), default=None,
+                       help="measured iterations per executor, after one warm-up (default 5)")
+    bench.add_argument("--unit-ms", type=float, default=None,
+                       help="ms of emulated device time per unit, one average forward (default 40: it must stay well above "
+                            "the real compute of a task, about 9 ms for the vlm on 2 shared cores)")
+    bench.add_argument("--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)")
+    bench.add_argument("--preset", choices=PRESETS, default=None,
+                       help="variability preset for every workload (default: gpt lang, vlm jitter)")
+    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a value of every workload's config, e.g. --set model.n_layer=16")
+    bench.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units")
+    bench.add_argument("--timeout", type=_positive("--timeout"), default=3600,
+                       help="seconds before the job is stopped (default 3600); a dead rank fails it sooner")
     return p
 
 
@@ -111,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             from rrfp.app.calibrate_command import calibrate_command
 
             return calibrate_command(args)
+        if args.command == "bench":
+            from rrfp.app.bench_command import bench_command
+
+            return bench_command(args)
         from rrfp.app.train_command import train_command
 
         return train_command(args)

@@ -40,24 +40,27 @@ def _resolve(args) -> tuple[Budget, list[Dispatch], list, Variability]:
     return budget, dispatches, hints, var
 
 
-def _progress(jobs):
+def _progress(jobs, desc: str = "simulating", unit: str = "run"):
     try:
         from tqdm import tqdm
     except ImportError:
         return jobs
-    return tqdm(jobs, desc="simulating", unit="run", disable=not sys.stderr.isatty(), leave=False)
+    return tqdm(jobs, desc=desc, unit=unit, disable=not sys.stderr.isatty(), leave=False)
 
 
-def _table(args, budget: Budget, var: Variability, rows: list[Row], out) -> None:
+def _table(args, budget: Budget, var: Variability, rows: list[Row], out, oracle=None) -> None:
     print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={budget} (ready only) "
           f"seeds={args.seeds}; time in average-forward units, comm {var.comm}/message", file=out)
     print(f"{'executor':<8} {'hint':<12} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} {'efficiency':>10} "
-          f"{'peak in-flight':>14} {'bubble':>7}", file=out)
+          f"{'peak in-flight':>14} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""), file=out)
     for r in rows:
         lo, hi = r.spread
         planned = f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
         print(f"{r.executor:<8} {r.hint:<12} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}{planned}", file=out)
+              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}"
+              + (f" {oracle.cell(r):>11}" if oracle else "") + planned, file=out)
+    for line in oracle.summary(budget) if oracle else ():
+        print(line, file=out)
 
 
 def replay_command(args) -> int:
@@ -99,17 +102,30 @@ def sim_command(args) -> int:
     if args.replay:
         return replay_command(args)
     budget, dispatches, hints, var = _resolve(args)
+    if args.oracle:
+        from rrfp.app import sim_oracle
+
+        sim_oracle.check(args)
     base = SimConfig(args.pp, args.mb, budget=budget, variability=var)
     try:
         rows = sweep(base, dispatches, hints, args.seeds, _progress)
     except HintError as e:
         raise UsageError(str(e)) from None
     rows.sort(key=lambda r: -r.median)
+    oracle = None
+    if args.oracle:
+        print(f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to {args.oracle_time_limit:g} s each",
+              file=sys.stderr)
+        oracle = sim_oracle.oracle_column(args, base, {h.name: h for h in [BASELINE[1], *hints]}, rows, _progress)
     json_to_stdout = args.json == "-"
-    _table(args, budget, var, rows, sys.stderr if json_to_stdout else sys.stdout)
+    _table(args, budget, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle)
     if args.json:
         doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": str(budget), "seeds": args.seeds,
                "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}
+        if oracle:
+            doc["oracle"] = oracle.as_dict()
+            for r, d in zip(rows, doc["rows"]):
+                d["vs_optimum"] = oracle.rows[(r.executor, r.hint)].as_dict()
         if json_to_stdout:
             json.dump(doc, sys.stdout, indent=1)
             print()

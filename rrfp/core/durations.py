@@ -42,6 +42,18 @@ class TaskTimes:
                     * var.noise(self.seed, iteration, stage, mb, kind))
         return var.duration(self.seed, iteration, stage, mb, kind, self.split)
 
+    def realized(self, iteration: int, stages: int, microbatches: int,
+                 features: Sequence[dict] | None = None) -> np.ndarray:
+        """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
+        split backward: B holds it); what the bench bounds and the simulator replays."""
+        out = np.zeros((stages, microbatches, 3))
+        kinds = (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B)
+        for s in range(stages):
+            for m in range(microbatches):
+                for k in kinds:
+                    out[s, m, k] = self.units(iteration, s, m, k, features)
+        return out
+
     def predicted(self, iteration: int, stages: int, microbatches: int,
                   features: Sequence[dict] | None = None) -> np.ndarray:
         """``[stage, mb, kind]``: the part of every duration that is known before the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from rrfp.core.cost import CostModel
+from rrfp.core.durations import TaskTimes
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, simulate
 
@@ -17,13 +18,7 @@ from rrfp.sim.engine import SimConfig, simulate
 def replay_durations(cost: CostModel, var: Variability, features: list[dict], seed: int, step: int,
                      split: bool) -> np.ndarray:
     """[S, M, 3] durations in emulated units, as the runtime's lane held them."""
-    S, M = cost.num_stages, len(features)
-    dur = np.zeros((S, M, 3))
-    for s in range(S):
-        for m, feats in enumerate(features):
-            for k in range(3 if split else 2):
-                dur[s, m, k] = cost.units(s, k, feats, split) * var.noise(seed, step, s, m, k)
-    return dur
+    return TaskTimes(var, seed, split, cost).realized(step, cost.num_stages, len(features), features)
 
 
 def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:

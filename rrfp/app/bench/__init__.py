@@ -1,0 +1,3 @@
+"""`rrfp bench`'s parts: the suite (suite), one interface over every executor on a rank (runners), the
+rank's job (worker), its launch from the parent (launch), the figures (analysis) and the results folder
+(report). The command itself is rrfp/app/bench_command.py."""

@@ -1,0 +1,156 @@
+"""From measured iterations to the bench's figures: each iteration's lower
+bound and the simulator's prediction for the same durations, then per
+executor the median and spread of its time, its speedup over fixed 1F1B
+(the median of per-iteration ratios: alternated iterations are paired), and
+its efficiency against the bound.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Executor
+from rrfp.core.bounds import lower_bound
+from rrfp.core.budget import Budget
+from rrfp.core.cost import CostModel
+from rrfp.core.durations import TaskTimes
+from rrfp.core.hints import resolve
+from rrfp.core.policy import Dispatch
+from rrfp.core.tasks import Kind
+from rrfp.core.variability import Variability
+from rrfp.sim import SimConfig, simulate
+from rrfp.sim.planning import make_plan
+
+log = logging.getLogger("rrfp.app.bench.analysis")
+
+
+@dataclass(frozen=True)
+class IterationWork:
+    """What an iteration's tasks cost, in seconds of emulated device time: one per (iteration, split)."""
+
+    durations: np.ndarray  # [S, M, 3] units
+    lat_fwd: np.ndarray  # [S, M] units
+    lat_bwd: np.ndarray
+    split: bool
+    unit_s: float
+
+    @property
+    def lower_bound_s(self) -> float:
+        return lower_bound(self.durations, self.lat_fwd, self.lat_bwd, self.split) * self.unit_s
+
+
+def iteration_work(spec: BenchSpec, var: Variability, cost: CostModel | None, iteration: int,
+                   features: list[dict] | None, split: bool) -> IterationWork:
+    S, M, seed = spec.pp, spec.mb, spec.seed
+    dur = TaskTimes(var, seed, split, cost).realized(iteration, S, M, features)
+    s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
+    lat_f = var.latency(seed, iteration, s_idx, m_idx, Kind.F) * np.ones((S, M))
+    lat_b = var.latency(seed, iteration, s_idx, m_idx, Kind.B) * np.ones((S, M))
+    return IterationWork(dur, lat_f, lat_b, split, spec.unit_ms / 1000)
+
+
+def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: Executor, iteration: int,
+                work: IterationWork, features: list[dict] | None, plan_order: list[int] | None = None
+                ) -> float | None:
+    """The simulator's time for this rrfp executor on the same durations (None for torch's schedules).
+    A planned hint is planned again here from the same inputs: the planner is deterministic, so it is
+    the plan the ranks followed (``plan_order``, theirs, is checked; None if it differs)."""
+    if ex.is_torch:
+        return None
+    hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
+    if hint.planned:
+        predicted = TaskTimes(var, spec.seed, work.split, cost).predicted(iteration, spec.pp, spec.mb, features)
+        hint, made = make_plan(predicted, budget, var, work.split, dispatch)
+        if plan_order is not None and list(made.order) != list(plan_order):
+            log.warning("%s iteration %d: the ranks planned %s, the parent %s: not simulated", ex.name,
+                        iteration, plan_order, list(made.order))
+            return None
+    cfg = SimConfig(spec.pp, spec.mb, hint, dispatch, budget, var, seed=spec.seed, iteration=iteration,
+                    split=work.split, durations=work.durations.tolist())
+    return simulate(cfg).makespan * work.unit_s
+
+
+def annotate(spec: BenchSpec, case: Case, var: Variability, cost: CostModel | None, rows: list[dict],
+             iterations: list[dict]) -> None:
+    """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place."""
+    feats = {it["iteration"]: it["features"] for it in iterations}
+    executors = {e.name: e for e in case.executors}
+    works: dict[tuple[int, bool], IterationWork] = {}
+    for r in rows:
+        ex, it = executors[r["executor"]], r["iteration"]
+        features = feats.get(it) if cost else None
+        key = (it, ex.split)
+        if key not in works:
+            works[key] = iteration_work(spec, var, cost, it, features, ex.split)
+        work = works[key]
+        r["lower_bound_s"] = work.lower_bound_s
+        r["efficiency"] = work.lower_bound_s / r["wall_s"]
+        r["simulated_s"] = simulated_s(spec, var, cost, ex, it, work, features, r.get("plan_order"))
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Spread | None":
+        return cls(statistics.median(values), min(values), max(values)) if values else None
+
+    def as_dict(self) -> dict:
+        return {"median": self.median, "min": self.low, "max": self.high}
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One executor on one workload, over its measured iterations."""
+
+    executor: str
+    iterations: int
+    wall_s: Spread
+    speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
+    efficiency: Spread
+    vs_simulated: Spread | None  # measured / simulated - 1
+    peak_inflight: int | None
+    decision_us: float | None
+    plan_s: float | None
+    plan_waited_s: float | None
+
+    def as_dict(self) -> dict:
+        doc = {k: getattr(self, k) for k in ("executor", "iterations", "peak_inflight", "decision_us", "plan_s",
+                                         "plan_waited_s")}
+        for k in ("wall_s", "speedup", "efficiency", "vs_simulated"):
+            doc[k] = None if getattr(self, k) is None else getattr(self, k).as_dict()
+        return doc
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def paired_ratios(rows: list[dict], numerator: str, denominator: str) -> list[float]:
+    """``numerator``'s time over ``denominator``'s, iteration by iteration (both ran it)."""
+    a = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == numerator}
+    b = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == denominator}
+    return [a[i] / b[i] for i in sorted(a.keys() & b.keys())]
+
+
+def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
+    out = []
+    for name in executors:
+        mine = [r for r in rows if r["executor"] == name]
+        if not mine:
+            continue
+        sims = [r["wall_s"] / r["simulated_s"] - 1 for r in mine if r.get("simulated_s")]
+        peaks = [r["peak_inflight"] for r in mine if r["peak_inflight"] is not None]
+        out.append(Summary(name, len(mine), Spread.of([r["wall_s"] for r in mine]),
+                           Spread.of(paired_ratios(rows, BASELINE, name)),
+                           Spread.of([r["efficiency"] for r in mine]), Spread.of(sims),
+                           max(peaks) if peaks else None, _median([r["decision_us"] for r in mine]),
+                           _median([r["plan_s"] for r in mine]), _median([r.get("plan_waited_s") for r in mine])))
+    return out

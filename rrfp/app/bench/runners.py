@@ -1,0 +1,118 @@
+"""One interface over every contender of `rrfp bench`, on one rank: run an
+iteration on given microbatches, say how long it took, keep its task spans.
+
+rrfp's executors and torch's schedules differ in everything else; the bench
+only sees ``Runner.run(iteration, batches, features) -> Measured`` and
+``Runner.spans``, and every runner spends the same emulated time per task
+(``rrfp.core.durations.TaskTimes``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from rrfp.app.bench.suite import BenchSpec, Executor
+from rrfp.core.cost import CostModel
+from rrfp.core.durations import TaskTimes
+from rrfp.core.variability import Variability
+from rrfp.observe.instrument import TraceRecorder
+from rrfp.observe.trace import Span
+from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.workload import Workload
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One iteration on this rank; what a runner cannot know stays None."""
+
+    wall_s: float
+    peak_inflight: int | None = None
+    decision_us: float | None = None  # mean time per dispatch decision
+    plan_s: float | None = None  # hint = plan: time spent planning this iteration (in a thread, ahead)
+    plan_waited_s: float | None = None  # ... and how long the iteration waited for its plan
+    plan_order: tuple[int, ...] | None = None  # ... and the microbatches' planned entry order
+
+    def reduced(self) -> list[float]:
+        """The figures every rank all-reduces (MAX), with -1 for unknown."""
+        return [-1.0 if v is None else float(v) for v in (self.wall_s, self.peak_inflight, self.decision_us,
+                                                            self.plan_s, self.plan_waited_s)]
+
+
+class Runner(Protocol):
+    name: str
+
+    @property
+    def spans(self) -> list[Span]: ...
+
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        """Get ready for ``iteration`` (e.g. plan it) while the current one runs."""
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
+
+
+class RrfpRunner:
+    """A StageExecutor (fixed or ready dispatch, any hint), traced."""
+
+    def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
+                 variability: Variability, cost: CostModel | None) -> None:
+        self.name = ex.name
+        self._recorder = TraceRecorder(ex.name)
+        self._executor = rt.stage_executor(module, workload.loss_fn, microbatches=spec.mb, dispatch=ex.engine,
+                                           hint=ex.hint, budget=spec.budget, variability=variability,
+                                           seed=spec.seed, instrument=self._recorder, cost=cost)
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._recorder.spans
+
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        self._executor.prepare(iteration, features)  # hint = plan: planned in a thread, as rrfp train does
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        res = await self._executor.run_iteration(iteration, batches, features)
+        self._executor.worker.module.zero_grad(set_to_none=True)
+        st, plan = res.stats, res.plan
+        return Measured(st.wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds,
+                        plan and plan.waited_s, plan and tuple(plan.plan.order))
+
+
+class TorchRunner:
+    """torch.distributed.pipelining's schedule (rrfp.pipeline.torch_schedules), the anchor. Its task
+    spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp spans' clock."""
+
+    def __init__(self, rt: PipelineRuntime, ex: Executor, workload: Workload, model_cfg, spec: BenchSpec,
+                 variability: Variability, cost: CostModel | None) -> None:
+        from rrfp.pipeline.torch_schedules import TorchScheduleRunner, workload_stage_builder
+
+        self.name = ex.name
+        self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
+        self._runner = TorchScheduleRunner(ex.hint, workload_stage_builder(workload, model_cfg, spec.seed),
+                                           workload.loss_fn, rt.rank, rt.layout.world_size, spec.mb, rt.unit_s)
+        self._spans: list[Span] = []
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._spans
+
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        pass  # torch's schedules are fixed
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        times = TaskTimes(self._var, self._spec.seed, self._runner.split, self._cost)
+
+        def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
+            return times.units(iteration, stage, mb, kind, features)
+
+        def latency(stage: int, mb: int, kind) -> float:  # and their link latencies
+            return times.latency(iteration, stage, mb, kind)
+
+        # torch's schedule blocks; nothing else of this rank runs meanwhile
+        res = self._runner.run_iteration(iteration, batches, units, latency)
+        for p in self._runner.parameters():
+            p.grad = None
+        to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
+        self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
+                             {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]
+        return Measured(res.wall_s)

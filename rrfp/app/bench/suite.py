@@ -1,0 +1,185 @@
+"""What `rrfp bench` runs: the workloads, the executors and the sizes, checked
+once in the parent so that bad input exits 2 before any rank starts.
+
+An executor is named ``ENGINE HINT``: ``fixed 1f1b`` and ``ready bfw`` are
+rrfp's dispatch modes with a hint; ``torch 1f1b`` and ``torch zb`` are
+torch.distributed.pipelining's schedules, the anchors. Dashes may stand for
+the space on a command line (``ready-bfw``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.errors import ConfigError, UsageError
+from rrfp.core.hints import default_split, resolve
+from rrfp.core.policy import Dispatch
+
+ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
+TORCH_MODULE = "rrfp.pipeline.torch_schedules"
+BASELINE = "fixed 1f1b"
+# fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
+# predicted run replayed as a fixed order): each pair differs in dispatch alone
+DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixed plan", "ready plan", "torch 1f1b",
+                     "torch zb")
+
+
+def file_slug(name: str) -> str:
+    """An executor's name as a file name part: ``ready bfw`` -> ``ready-bfw``."""
+    return "".join(c if c.isalnum() or c in "._" else "-" for c in name)
+
+
+def _torch_schedules():
+    """rrfp.pipeline.torch_schedules, or None where this build lacks it."""
+    if importlib.util.find_spec(TORCH_MODULE) is None:
+        return None
+    return importlib.import_module(TORCH_MODULE)
+
+
+@dataclass(frozen=True)
+class Executor:
+    """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint, or a torch schedule."""
+
+    engine: str  # "fixed", "ready" or "torch"
+    hint: str  # an rrfp hint, or a torch schedule (rrfp.pipeline.torch_schedules)
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.hint}"
+
+    @property
+    def is_torch(self) -> bool:
+        return self.engine == "torch"
+
+    @property
+    def split(self) -> bool:
+        """Whether this executor runs B and W as separate tasks (what its durations and bound use)."""
+        if self.is_torch:
+            ts = _torch_schedules()
+            return ts.SCHEDULES[ts.resolve_schedule(self.hint)][3]
+        return default_split(resolve(self.hint).name)
+
+    @classmethod
+    def parse(cls, text: str) -> "Executor":
+        engine, _, hint = text.strip().lower().replace("-", " ", 1).partition(" ")
+        hint = hint.strip()
+        if not hint:
+            raise UsageError(f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
+                             f"'torch zb')")
+        if engine == "torch":
+            return cls(engine, hint.replace(" ", "-"))  # checked by unavailable(): the module may be missing
+        try:
+            Dispatch.parse(engine)
+            resolve(hint)
+        except ValueError as e:  # HintError included
+            raise UsageError(f"--executors: {text!r}: {e}") from None
+        return cls(engine, hint)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One workload of the suite: its config and overrides, its variability preset, where task times
+    come from, and the executors that run on it."""
+
+    name: str
+    config: str  # TOML run config (absolute path)
+    preset: str
+    calibrate: bool  # durations from the data: fit a cost model on this machine first
+    overrides: tuple[str, ...] = ()  # KEY=VALUE on top of the config, as `rrfp train --set`
+    executors: tuple[Executor, ...] = ()
+
+    def train_config(self, spec: "BenchSpec", pp: int | None = None, tp: int | None = None) -> TrainConfig:
+        """The run config every rank builds this workload from: ConfigError names what does not fit."""
+        pp, tp = pp or spec.pp, tp or spec.tp
+        return TrainConfig.load(self.config, [*self.overrides, f"pp={pp}", f"tp={tp}", f"microbatches={spec.mb}",
+                                              f"preset={self.preset}", f"budget={spec.budget}",
+                                              f"unit_ms={spec.unit_ms}", f"seed={spec.seed}"],
+                                world_size=pp * tp)
+
+
+# Default suite: the tiny GPT under the `lang` preset, and the VLM whose task times come from its data
+# (a cost model calibrated here) times the `jitter` preset's noise. Eight layers, so that torch's
+# zero-bubble schedule (two stages per rank) can split them over 2 x 4 stages.
+SUITE = {"gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
+         "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",))}
+
+
+def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
+    """A suite name (gpt, vlm) or a TOML config path (its own preset and run.cost)."""
+    if text in SUITE:
+        config, default_preset, calibrate, own = SUITE[text]
+        return Case(text, str(ROOT / config), preset or default_preset, calibrate, (*own, *overrides))
+    path = Path(text)
+    if path.suffix != ".toml":
+        raise UsageError(f"--workloads: {text!r} is neither {' nor '.join(SUITE)} nor a .toml config")
+    if not path.is_file():
+        raise UsageError(f"--workloads: no config file {text}")
+    try:
+        own = tomllib.loads(path.read_text()).get("run", {}).get("preset", RunConfig.preset)
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{text}: not valid TOML: {e}") from None
+    return Case(path.stem, str(path.resolve()), preset or own, False, tuple(overrides))
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything the ranks need to run the suite; travels to them as JSON."""
+
+    cases: tuple[Case, ...]
+    pp: int = 4
+    tp: int = 1
+    mb: int = 16
+    reps: int = 5  # measured iterations per executor, after one warm-up
+    unit_ms: float = 20.0
+    budget: str = "2x"
+    seed: int = 0
+    peer_timeout_s: float = 120.0
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def runs(self) -> int:
+        """Iterations the job runs, warm-ups included."""
+        return sum(len(c.executors) for c in self.cases) * (self.reps + 1)
+
+    def as_dict(self) -> dict:
+        doc = dataclasses.asdict(self)
+        for c in doc["cases"]:
+            c["executors"] = [f"{e['engine']} {e['hint']}" for e in c["executors"]]
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: dict) -> "BenchSpec":
+        doc = dict(doc)
+        doc["cases"] = tuple(Case(**{**c, "overrides": tuple(c["overrides"]),
+                                     "executors": tuple(Executor.parse(e) for e in c["executors"])})
+                             for c in doc["cases"])
+        return cls(**doc)
+
+
+def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
+    """Why this executor cannot run this workload here, or None."""
+    if not ex.is_torch:
+        return None
+    ts = _torch_schedules()
+    if ts is None:
+        return f"the torch anchors ({TORCH_MODULE}) are not in this build"
+    try:
+        per_rank = ts.stages_per_rank(ex.hint)
+    except ValueError as e:
+        return str(e)
+    if spec.tp != 1:
+        return "the torch anchors run pipeline parallelism alone (--tp 1)"
+    if per_rank > 1:
+        try:
+            case.train_config(spec, pp=spec.pp * per_rank, tp=1)
+        except ConfigError as e:
+            return (f"it splits the model into {per_rank} x {spec.pp} stages, and {e} "
+                    f"(more layers: --set model.n_layer=...)")
+    return None

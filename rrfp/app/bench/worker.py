@@ -1,0 +1,128 @@
+"""One rank of the `rrfp bench` torchrun job:
+
+    python -m torch.distributed.run --nproc-per-node W -m rrfp.app.bench.worker JOB.json ROWS.json
+
+Every workload of the job runs every executor on the same iterations: one
+warm-up, then ``reps`` measured ones, the executors' order rotated each
+iteration so that none always goes first. After each run the ranks all-reduce
+its wall time (the slowest rank's is the iteration's). Rank 0 prints one
+progress line per run on stdout for the parent's bar and writes every row and
+span to ROWS.json. A failure prints one ``rrfp: error: rank R: ...`` line
+(after its traceback) on stderr and exits 1 at once: torchrun then stops the
+other ranks, and the parent reports that line.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rrfp.app.bench.runners import Runner, RrfpRunner, TorchRunner
+from rrfp.app.bench.suite import BenchSpec, Case
+from rrfp.app.errors import one_line
+from rrfp.core.cost import CostModel
+from rrfp.loop import run as run_loop
+from rrfp.observe.trace import write_json
+from rrfp.pipeline.runtime import PipelineRuntime
+
+PROGRESS = "@rrfp-bench-progress "  # prefix of the progress lines rank 0 prints for the parent
+log = logging.getLogger("rrfp.app.bench.worker")
+
+
+def rotated(items: list, k: int) -> list:
+    return items[k % len(items):] + items[:k % len(items)]
+
+
+async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
+    cfg = case.train_config(spec)
+    wl = cfg.workload
+    cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.run.cost
+    var = cfg.run.variability
+
+    torch.manual_seed(spec.seed)  # the rrfp executors share this stage's module; torch's runners build their own
+    module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
+    runners: dict[str, Runner] = {}
+    for ex in case.executors:
+        if ex.is_torch:
+            runners[ex.name] = TorchRunner(rt, ex, wl, cfg.model, spec, var, cost)
+        else:
+            runners[ex.name] = RrfpRunner(rt, ex, module, wl, spec, var, cost)
+    rows, iterations = [], []
+    names = list(runners)
+
+    def inputs(it: int):
+        data = wl.batches(cfg.data, it, spec.mb)
+        return data, [wl.features(b) for b in data]
+
+    upcoming = inputs(0)
+    for r in runners.values():
+        r.prepare(0, upcoming[1])
+    for it in range(spec.reps + 1):  # iteration 0 warms up
+        data, feats = upcoming
+        if it < spec.reps:  # e.g. planned while this iteration runs, as rrfp train does
+            upcoming = inputs(it + 1)
+            for r in runners.values():
+                r.prepare(it + 1, upcoming[1])
+        if it > 0:
+            iterations.append({"iteration": it, "features": feats})
+        for position, name in enumerate(rotated(names, it)):
+            m = await runners[name].run(it, data, feats)
+            vec = torch.tensor(m.reduced(), dtype=torch.float64)
+            await rt.all_reduce(vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics")
+            wall, peak, decision_us, plan_s, plan_waited_s = [None if v < 0 else v for v in vec.tolist()]
+            if it > 0:
+                rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
+                             "peak_inflight": None if peak is None else int(peak), "decision_us": decision_us,
+                             "plan_s": plan_s, "plan_waited_s": plan_waited_s,
+                             "plan_order": None if m.plan_order is None else list(m.plan_order)})
+            progress(f"{case.name} iteration {it} {name}")
+    spans = [list(astuple(sp)) for r in runners.values() for sp in r.spans if sp.args.get("iteration", 0) > 0]
+    gathered = await rt.gather_object(spans)
+    return {"name": case.name, "rows": rows, "iterations": iterations,
+            "spans": None if gathered is None else [sp for part in gathered for sp in part]}
+
+
+async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list[dict]:
+    torch.set_num_threads(1)
+    async with PipelineRuntime.start(pp=spec.pp, tp=spec.tp, timeout_s=spec.peer_timeout_s,
+                                     unit_ms=spec.unit_ms) as rt:
+        return [await run_case(rt, spec, case, cost_paths.get(case.name), progress) for case in spec.cases]
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    job_path, rows_path = argv
+    rank = int(os.environ.get("RANK", "0"))
+    job = json.loads(Path(job_path).read_text())
+    done = 0
+
+    def progress(label: str) -> None:
+        nonlocal done
+        done += 1
+        if rank == 0:
+            print(PROGRESS + json.dumps({"done": done, "label": label}), flush=True)
+
+    try:
+        cases = run_loop(run_job(BenchSpec.from_dict(job["spec"]), job.get("cost", {}), progress))
+        if rank == 0:
+            write_json(rows_path, {"cases": cases})
+    except Exception as e:
+        traceback.print_exc()  # the job's log keeps it; the parent shows the line below
+        print(f"rrfp: error: {one_line(e, rank)}", file=sys.stderr, flush=True)
+        os._exit(1)  # a peer may be dead and gloo threads blocked on it: no teardown
+    # As in `rrfp train`: every group is down; leave before torch's C++ teardown can abort the process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

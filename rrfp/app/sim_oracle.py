@@ -1,0 +1,120 @@
+"""`rrfp sim --oracle`: each seed's clairvoyant optimum, and each row's distance to it.
+
+The optimum is solved on the seed's realized durations with a split backward
+(the most freedom the runtime has; an unsplit schedule is one of its
+schedules) under the sweep's budget. A seed that hits the time limit is
+compared with its proven lower bound instead, so its ratio is an upper limit
+on the row's distance to the optimum, and the column says so with ``<=``.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+
+from rrfp.app.errors import UsageError
+from rrfp.core.policy import Dispatch
+from rrfp.sim import SimConfig, simulate
+from rrfp.sim.planning import planned_config
+from rrfp.sim.sweep import Row
+
+MAX_TASKS = 512  # S * M above which one seed's model is too large to solve in seconds
+
+
+def check(args) -> None:
+    """Refuse, before the sweep runs, what the oracle cannot do here."""
+    if args.pp * args.mb > MAX_TASKS:
+        raise UsageError(f"--oracle is for small S and M (S*M <= {MAX_TASKS}, here {args.pp * args.mb}); "
+                         "use the efficiency column (the lower bound) for large runs")
+    from rrfp.sim.oracle import OracleUnavailable, require_ortools
+
+    try:
+        require_ortools()
+    except OracleUnavailable as e:
+        raise UsageError(f"--oracle: {e}") from None
+
+
+@dataclass
+class Distance:
+    """One row against the optimum, seed by seed."""
+
+    per_seed: list[float]  # row makespan / optimum (or / proven bound where the solve timed out)
+    upper_limit: bool  # some seed used the bound: the true distance is at most this
+    holds_budget: bool | None  # False: the row held more than the budget (fixed dispatch ignores it); None: unknown
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.per_seed))
+
+    def cell(self) -> str:
+        return f"{'<=' if self.upper_limit else ''}{self.median:.3f}x{'*' if self.holds_budget is False else ''}"
+
+    def as_dict(self) -> dict:
+        return {"median": self.median, "per_seed": self.per_seed, "upper_limit": self.upper_limit,
+                "holds_budget": self.holds_budget}
+
+
+@dataclass
+class OracleColumn:
+    results: list  # OracleResult per seed
+    rows: dict[tuple[str, str], Distance]
+    time_limit: float
+
+    def cell(self, row: Row) -> str:
+        return self.rows[(row.executor, row.hint)].cell()
+
+    def summary(self, budget) -> list[str]:
+        solved = [r for r in self.results if r.optimal]
+        secs = [r.seconds for r in self.results]
+        lines = [f"optimum: CP-SAT on each seed's durations, backward split, budget {budget}; "
+                 f"{len(solved)} of {len(self.results)} seeds solved to optimality "
+                 f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)"]
+        open_ = [r for r in self.results if not r.optimal]
+        if open_:
+            gaps = [r.gap for r in open_ if r.gap is not None]
+            found = (f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
+                     if gaps else "; no schedule found")
+            lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by their "
+                         f"proven lower bound, so '<=' marks an upper limit on the distance{found}")
+        if any(d.holds_budget is False for d in self.rows.values()):
+            lines.append("* held more microbatches than the budget on some stage (fixed dispatch ignores it); "
+                         "the optimum keeps the budget, so such a row can come out below 1")
+        return lines
+
+    def as_dict(self) -> dict:
+        return {"time_limit_s": self.time_limit, "split_backward": True,
+                "solved": sum(r.optimal for r in self.results),
+                "seeds": [{"seed": i, **r.as_dict()} for i, r in enumerate(self.results)]}
+
+
+def oracle_column(args, base: SimConfig, hints: dict, rows: list[Row],
+                  progress: Callable) -> OracleColumn:
+    """Solve every seed's optimum; every row's recorded schedules that hold the
+    budget are the solver's first incumbents."""
+    from rrfp.sim.oracle import holds_budget, solve
+
+    results = []
+    holds: dict[tuple[str, str], set] = {(r.executor, r.hint): set() for r in rows}
+    for seed in progress(range(args.seeds), desc="solving the optimum", unit="seed"):
+        incumbents = []
+        for r in rows:
+            cfg = replace(base, dispatch=r.executor, hint=hints[r.hint], seed=seed, record=True)
+            if cfg.hint.planned:
+                cfg, _ = planned_config(cfg)
+            res = simulate(cfg)
+            ok = True if cfg.dispatch is Dispatch.READY else holds_budget(cfg, res)
+            holds[(r.executor, r.hint)].add(ok)
+            if ok:
+                incumbents.append(res)
+        results.append(solve(replace(base, seed=seed, split=True), time_limit=args.oracle_time_limit,
+                             hints=incumbents))
+    refs = [(o.makespan, False) if o.optimal else (o.bound, True) for o in results]
+    dist = {}
+    for r in rows:
+        seen = holds[(r.executor, r.hint)]
+        dist[(r.executor, r.hint)] = Distance([m / ref for m, (ref, _) in zip(r.makespans, refs)],
+                                              any(up for _, up in refs),
+                                              False if False in seen else None if None in seen else True)
+    return OracleColumn(results, dist, args.oracle_time_limit)

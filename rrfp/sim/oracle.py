@@ -1,0 +1,320 @@
+"""The clairvoyant optimum: the shortest iteration any schedule could reach on
+one seed's realized durations, solved with OR-Tools CP-SAT.
+
+Executors decide online; the oracle knows every duration and latency in
+advance, so its makespan is what no executor can beat under the same budget.
+It tells how much of the gap to the cheap lower bound is left to win.
+
+The model (docs/design.md, "The clairvoyant optimum"): one interval per task,
+one no-overlap per stage, the tracker's dependencies with the simulator's
+message latencies, and one "held" interval per (stage, microbatch) from the
+start of F to the end of the last backward, under a cumulative with the
+stage's budget. CP-SAT works in integers: times are multiplied by ``scale``
+and rounded down, so the integer optimum is a valid lower bound on the real
+one. The best schedule found is replayed by the simulator (fixed dispatch on
+its per-stage orders), so ``makespan`` is an achievable, exactly timed
+iteration. OR-Tools is an optional extra (``pip install 'rrfp[oracle]'``),
+imported only when a solve starts.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from rrfp.core.bounds import lower_bound
+from rrfp.core.hints import Hint
+from rrfp.core.policy import Dispatch
+from rrfp.core.tasks import Kind, Task, last_backward
+from rrfp.sim.engine import SimConfig, SimDeadlock, SimResult, _durations, simulate
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "the optimum needs OR-Tools: pip install 'rrfp[oracle]'"
+RELAXED_SHARE = 0.5  # of the time limit, for the solve without the budget when the budget can bind
+
+
+class OracleUnavailable(ImportError):
+    """OR-Tools is not installed."""
+
+
+@dataclass(frozen=True)
+class OracleResult:
+    """One solve, in the simulator's time units (average forwards).
+
+    ``bound`` is proven: no schedule under the budget is shorter. ``makespan``
+    is the best schedule found (None if none was), exactly timed by the
+    simulator. ``optimal`` means CP-SAT proved its integer optimum, so the
+    real optimum lies in [bound, makespan], a gap of at most one rounding
+    step (1/scale) per task and message on the critical path; or that the
+    best schedule meets the proven bound."""
+
+    makespan: float | None
+    bound: float
+    optimal: bool
+    seconds: float
+    status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
+    orders: tuple[tuple[Task, ...], ...] | None = None  # per-stage task order of the best schedule
+
+    @property
+    def gap(self) -> float | None:
+        """How far the best schedule found may be from the optimum, relative to the bound."""
+        if self.makespan is None:
+            return None
+        return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"makespan": self.makespan, "bound": self.bound, "optimal": self.optimal,
+                "seconds": self.seconds, "status": self.status}
+
+
+def require_ortools():
+    """CP-SAT's module, or OracleUnavailable naming the extra to install."""
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        raise OracleUnavailable(INSTALL_HINT) from None
+    return cp_model
+
+
+@dataclass(frozen=True)
+class _Instance:
+    """One iteration in CP-SAT's integers: every time multiplied by ``scale`` and rounded down."""
+
+    cfg: SimConfig
+    kinds: tuple[Kind, ...]
+    dur: np.ndarray  # real durations [S, M, 3], as the simulator draws them
+    d: np.ndarray  # integer durations
+    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1
+    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1
+    sizes: list[int]
+    horizon: int
+    scale: int
+    cheap_bound: float  # rrfp.core.bounds.lower_bound on the real durations
+
+
+def _instance(cfg: SimConfig, scale: int) -> _Instance:
+    dur, lat_f, lat_b, sizes = _durations(cfg)
+    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a lower bound
+    lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
+    horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
+    split = cfg.split_backward
+    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+    return _Instance(cfg, kinds, dur, d, lf, lb, sizes, horizon, scale, lower_bound(dur, lat_f, lat_b, split))
+
+
+def as_split(order: Sequence[Task], split: bool) -> list[Task]:
+    """A stage's order for a split backward: an unsplit B(m) becomes B(m) then W(m)."""
+    if not split or any(t.kind is Kind.W for t in order):
+        return list(order)
+    return [x for t in order for x in ((t, Task(Kind.W, t.mb)) if t.kind is Kind.B else (t,))]
+
+
+def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int = 1000,
+          hints: Iterable[SimResult] = (), params: Mapping[str, object] | None = None) -> OracleResult:
+    """Minimum makespan of ``cfg``'s iteration (its S, M, split, budget and
+    seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
+
+    ``hints``: recorded simulations on the same durations whose schedules
+    hold the budget (ready dispatch does by construction); the shortest one
+    is the solver's first incumbent (split ones are skipped when ``cfg``
+    keeps B whole; unsplit ones become split with W right after B). When the budget can bind, the problem
+    without it is solved first, for up to half the time: its bound is a bound
+    of the real problem, and its schedule (or the ready executor following
+    its order under the budget) is one more incumbent.
+
+    ``time_limit`` is wall seconds for everything; a solve that hits it
+    reports its best schedule and proven bound, not an optimum. ``workers``
+    is CP-SAT's thread count, fixed: a proven optimum does not depend on it
+    or on the machine, while what a timed-out solve reaches does. ``params``
+    sets further CP-SAT parameters by name."""
+    cp_model = require_ortools()
+    inst = _instance(cfg, scale)
+    t0 = time.perf_counter()
+    candidates = _usable(hints, cfg.split_backward)
+    lower = 0
+    if _budget_can_bind(inst):
+        relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates), RELAXED_SHARE * time_limit, workers,
+                       params)
+        lower = relaxed.bound
+        if relaxed.orders is not None:
+            as_is = replay(cfg, relaxed.orders, record=True)
+            if holds_budget(cfg, as_is):
+                if relaxed.optimal:  # the optimum without the budget holds it: nothing can be shorter
+                    return _result(inst, relaxed, as_is, [], time.perf_counter() - t0)
+                candidates.append(as_is)
+            elif (repaired := _repair(cfg, relaxed.orders)) is not None:
+                candidates.append(repaired)
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    hint = _best_hint(candidates)
+    main = _run(cp_model, inst, True, lower, hint, left, workers, params)
+    best = replay(cfg, main.orders, record=False) if main.orders is not None else None
+    return _result(inst, main, best, candidates, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class _Solve:
+    status: str
+    optimal: bool
+    bound: int  # proven, in integer units
+    orders: tuple[tuple[Task, ...], ...] | None  # per-stage order of the best solution
+
+
+def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResult | None, seconds: float,
+         workers: int, params: Mapping[str, object] | None) -> _Solve:
+    """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
+    cfg = inst.cfg
+    S, M, split, d, kinds = cfg.stages, cfg.microbatches, cfg.split_backward, inst.d, inst.kinds
+    model = cp_model.CpModel()
+    start = {(s, m, k): model.new_int_var(0, inst.horizon, f"start_{k.name}{m}_s{s}")
+             for s in range(S) for m in range(M) for k in kinds}
+    end = {key: v + int(d[key]) for key, v in start.items()}
+    for s in range(S):
+        model.add_no_overlap([model.new_fixed_size_interval_var(start[s, m, k], int(d[s, m, k]), f"{k.name}{m}_s{s}")
+                              for m in range(M) for k in kinds])
+        for m in range(M):
+            if s > 0:  # F needs its input: the previous stage's F and the message's latency
+                model.add(start[s, m, Kind.F] >= end[s - 1, m, Kind.F] + int(inst.lf[s - 1, m]))
+            model.add(start[s, m, Kind.B] >= end[s, m, Kind.F])
+            if s < S - 1:  # B needs the gradient from the next stage's B
+                model.add(start[s, m, Kind.B] >= end[s + 1, m, Kind.B] + int(inst.lb[s + 1, m]))
+            if split:
+                model.add(start[s, m, Kind.W] >= end[s, m, Kind.B])
+        if with_budget:
+            _budget(model, inst, s, start, end)
+    makespan = model.new_int_var(lower, inst.horizon, "makespan")
+    for e in end.values():
+        model.add(makespan >= e)
+    model.minimize(makespan)
+    if hint is not None:
+        starts = _hint_starts(hint, inst)
+        for key, v in start.items():
+            model.add_hint(v, int(starts[key]))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
+    solver.parameters.num_workers = int(workers)
+    solver.parameters.random_seed = 0
+    for key, value in (params or {}).items():
+        setattr(solver.parameters, key, value)
+    status = solver.solve(model)
+    name = solver.status_name(status)
+    if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
+        raise RuntimeError(f"oracle model is {name} for S={S} M={M} budget {cfg.budget}: a bug in the model")
+    orders = None
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        orders = tuple(tuple(Task(k, m) for _, k, m in sorted((solver.value(start[s, m, k]), k, m)
+                                                               for m in range(M) for k in kinds))
+                       for s in range(S))
+    return _Solve(name, status == cp_model.OPTIMAL, max(lower, int(np.floor(solver.best_objective_bound))), orders)
+
+
+def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates: list[SimResult],
+            seconds: float) -> OracleResult:
+    """The shortest of the solver's schedule and the incumbents: rounding can
+    make the solver's pick a hair longer in real time than a hint it started from."""
+    pool = [r for r in [best, *candidates] if r is not None]
+    top = min(pool, key=lambda r: r.makespan) if pool else None
+    orders = None if top is None else solved.orders if top is best else _orders(top, inst.cfg.split_backward)
+    bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
+    optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)  # a schedule meets a bound
+    cfg = inst.cfg
+    log.info("oracle S=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.microbatches,
+             cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
+    return OracleResult(None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders)
+
+
+def _budget_can_bind(inst: _Instance) -> bool:
+    cfg = inst.cfg
+    for s in range(cfg.stages):
+        limit = cfg.budget.limit(cfg.stages, s)
+        if limit.count is not None and limit.count < cfg.microbatches:
+            return True
+        if limit.bytes is not None and sum(min(x, limit.bytes) for x in inst.sizes) > limit.bytes:
+            return True
+    return False
+
+
+def _budget(model, inst: _Instance, s: int, start, end) -> None:
+    """The tracker's in-flight rule on stage ``s``: microbatch m is held from
+    the start of F(m) to the end of its last backward, and a stage holds at
+    most its count, or its bytes (a microbatch larger than the byte limit is
+    held alone)."""
+    cfg = inst.cfg
+    limit = cfg.budget.limit(cfg.stages, s)
+    M, last = cfg.microbatches, last_backward(cfg.split_backward)
+    held = [model.new_interval_var(start[s, m, Kind.F], model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
+                                   end[s, m, last], f"held{m}_s{s}") for m in range(M)]
+    if limit.count is not None and limit.count < M:
+        model.add_cumulative(held, [1] * M, limit.count)
+    if limit.bytes is not None:
+        demand = [min(int(x), limit.bytes) for x in inst.sizes]
+        if sum(demand) > limit.bytes:
+            model.add_cumulative(held, demand, limit.bytes)
+
+
+def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
+    """Whether a schedule held ``cfg``'s count budget on every stage; None
+    for a byte budget, which a peak count cannot tell."""
+    if cfg.budget.bytes is not None:
+        return None
+    return all(p <= cfg.budget.microbatches(cfg.stages, s) for s, p in enumerate(result.peak_inflight))
+
+
+def _repair(cfg: SimConfig, orders) -> SimResult | None:
+    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
+    frozen = tuple(tuple(o) for o in orders)
+    try:
+        return simulate(replace(cfg, hint=Hint("oracle", lambda S, s, M, split: frozen[s]),
+                                dispatch=Dispatch.READY, record=True))
+    except SimDeadlock:
+        return None
+
+
+def _orders(result: SimResult, split: bool) -> tuple[tuple[Task, ...], ...]:
+    """Each stage's tasks in the order ``result`` started them, as a split schedule if ``split``."""
+    per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(result.config.stages)]
+    for s, task, a, _ in result.timeline:
+        per_stage[s].append((a, task))
+    return tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
+                 for ts in per_stage)
+
+
+def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
+    """Start times [S, M, 3] of a recorded schedule in integer units, rounded
+    down, which keeps it feasible in the rounded model. An unsplit schedule
+    becomes a split one: W(m) right after B(m)."""
+    unsplit = inst.cfg.split_backward and not result.config.split_backward
+    starts = np.zeros(inst.dur.shape)
+    for s, task, a, _ in result.timeline:
+        starts[s, task.mb, task.kind] = a
+        if unsplit and task.kind is Kind.B:
+            starts[s, task.mb, Kind.W] = a + inst.dur[s, task.mb, Kind.B]
+    return np.floor(starts * inst.scale).astype(np.int64)
+
+
+def _usable(results: Iterable[SimResult], split: bool) -> list[SimResult]:
+    """Recorded results that are schedules of the problem: a split schedule is none when B stays whole."""
+    out = []
+    for r in results:
+        if not r.timeline:
+            raise ValueError("an oracle hint must be a recorded simulation (SimConfig(record=True))")
+        if split or not r.config.split_backward:
+            out.append(r)
+    return out
+
+
+def _best_hint(results: list[SimResult]) -> SimResult | None:
+    """The shortest recorded result: the solver's first incumbent."""
+    return min(results, key=lambda r: r.makespan, default=None)
+
+
+def replay(cfg: SimConfig, orders: Sequence[Sequence[Task]], record: bool = False) -> SimResult:
+    """The simulator running ``orders`` as a fixed order on ``cfg``'s durations:
+    the earliest timing of that schedule, checked by the same tracker rules."""
+    frozen = tuple(tuple(o) for o in orders)
+    hint = Hint("oracle", lambda S, s, M, split: frozen[s])
+    return simulate(replace(cfg, hint=hint, dispatch=Dispatch.FIXED, record=record))

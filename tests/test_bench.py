@@ -1,0 +1,142 @@
+"""`rrfp bench`: the quick suite runs every executor on real gloo ranks and leaves a well-formed
+results folder; bad flags exit 2 with one line before any rank starts; a rank that fails mid-job
+comes back as one line, not a hang."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rrfp.app.bench.suite import DEFAULT_EXECUTORS, file_slug
+from rrfp.pipeline.torch_schedules import stages_per_rank
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")}
+    return subprocess.run([sys.executable, "-m", "rrfp", "bench", *args], cwd=ROOT, env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    """executor -> its table cells, from results.md."""
+    rows = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("executor",) and not cells[0].startswith("---"):
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("bench") / "results"
+    return out, rrfp_bench("--quick", "--out", str(out), timeout=240)
+
+
+def test_quick_run_writes_a_well_formed_folder(quick):
+    out, res = quick
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert {"cpus", "torch", "hostname", "date"} <= doc["machine"].keys()
+    assert doc["config"]["pp"] == 2 and doc["config"]["mb"] == 4 and doc["config"]["reps"] == 1
+    [wl] = doc["workloads"]
+    ran = [s["executor"] for s in wl["summary"]]
+    skipped = wl["skipped"]
+    # every executor of the default set either ran or says why not; the rrfp and torch ones run here
+    assert set(ran) | set(skipped) == set(DEFAULT_EXECUTORS) and not set(ran) & set(skipped)
+    assert set(ran) == set(DEFAULT_EXECUTORS)  # all of them run in this build
+    for name in ran:  # one measured iteration each, the same one, with a positive time and bound
+        [row] = [r for r in wl["rows"] if r["executor"] == name]
+        assert row["iteration"] == 1 and row["wall_s"] > 0 and 0 < row["efficiency"]
+        assert row["lower_bound_s"] > 0
+    # the order rotates: the executors took different positions in the iteration
+    assert len({r["position"] for r in wl["rows"]}) == len(ran)
+    for s in wl["summary"]:
+        assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
+        assert (s["plan_s"] is not None) == s["executor"].endswith(" plan")
+    base = next(s for s in wl["summary"] if s["executor"] == "fixed 1f1b")
+    assert base["speedup"]["median"] == pytest.approx(1.0)
+
+    md = (out / "results.md").read_text()
+    assert "emulated on CPU" in md
+    rows = table_rows(md)
+    assert set(rows) == set(ran)
+    for name, cells in rows.items():
+        speedup = float(cells[3].rstrip("x"))
+        assert speedup > 0, (name, cells)
+        assert float(cells[1]) > 0
+    for name in skipped:
+        assert f"Not run: {name}: " in md
+
+    for name in ran:
+        png = out / f"timeline-gpt-{file_slug(name)}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000, png
+    trace = json.loads((out / "trace-gpt.json").read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert processes == set(ran)
+    tasks = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != "wait"]
+    # every executor ran every task of its iteration on both ranks: 4 microbatches x (F, B[, W]) per
+    # stage, and torch's zero-bubble schedule holds two stages per rank
+    per = {p: sum(1 for e in tasks if trace_process(trace, e) == p) for p in ran}
+    for name, count in per.items():
+        split = name not in ("fixed 1f1b", "torch 1f1b")
+        stages = 2 * (stages_per_rank(name.split()[1]) if name.startswith("torch") else 1)
+        assert count == stages * 4 * (3 if split else 2), (name, count)
+    assert str(out) in res.stdout and "| executor |" in res.stdout
+
+
+def trace_process(trace: dict, event: dict) -> str:
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    return names[event["pid"]]
+
+
+BAD = [
+    (["--pp", "0"], "--pp must be >= 1"),
+    (["--executors", "ready-nope"], "unknown hint 'nope'"),
+    (["--executors", "eager-bfw"], "unknown executor"),
+    (["--executors", "torch-gpipe"], "torch gpipe cannot run gpt"),
+    (["--workloads", "bert"], "'bert' is neither gpt nor vlm"),
+    (["--unit-ms", "0"], "--unit-ms must be > 0"),
+    (["--budget", "lots"], "--budget"),
+    (["--pp", "16"], "n_layer=8"),
+    (["--set", "model.n_embdd=3"], "unknown key model.n_embdd"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    res = rrfp_bench("--quick", "--out", str(tmp_path / "out"), *args, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("rrfp: error: "), res.stderr
+    assert needle in lines[0] and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
+def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
+    out = tmp_path / "out"
+    res = rrfp_bench("--workloads", "tests/fixtures/failing_stage.toml", "--executors", "fixed-1f1b,ready-bfw",
+                     "--pp", "2", "--mb", "2", "--reps", "1", "--unit-ms", "1", "--out", str(out), timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert re.match(r"rrfp: error: bench job failed: rank 1: RuntimeError: injected failure in stage 1's forward",
+                    lines[0]), lines[0]
+    assert "Traceback" not in res.stderr
+    assert "injected failure" in (out / "job.log").read_text()  # the traceback stays in the job's log
+
+
+def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
+    res = rrfp_bench("--quick", "--timeout", "2", "--out", str(tmp_path / "out"), timeout=90)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert lines[0].startswith("rrfp: error: bench job failed: it did not finish within 2 s (--timeout)"), lines[0]
+    assert not (tmp_path / "out" / "results.json").exists()
