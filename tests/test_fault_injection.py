@@ -83,9 +83,8 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault,debug", [("bug:step=2:stage=1:task=F0", False), ("bug:step=2:stage=1:task=F0", True),
-                                         ("raise:step=2:stage=0:task=B3", False)],
-                         ids=["internal-error", "internal-error-debug", "run-failure"])
+@pytest.mark.parametrize("fault,debug", [("bug:step=2:stage=1:task=F0", True), ("raise:step=2:stage=0:task=B3", False)],
+                         ids=["internal-error-debug", "run-failure"])
 def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, debug):
     world = 2
     victim = int(fault.split("stage=")[1][0])

@@ -19,7 +19,6 @@ from rrfp.pipeline.faults import Fault
 
 VLM = "configs/vlm-tiny.toml"
 
-# world=4 with a rendezvous nobody serves, and no --dry-run: exiting 2 proves no group was joined
 REFUSED = [
     (["data.max_seq_len=200"], ["data.max_seq_len=200 is above model.block_size=128", "model's context"]),
     (["model.vocab_size=100"], ["model.vocab_size=100 is below the data's 256 byte tokens"]),
@@ -35,9 +34,18 @@ REFUSED = [
 ]
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,needles", REFUSED, ids=[" ".join(s) for s, _ in REFUSED])
+def test_refused_with_one_line(sets, needles):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(CONFIG, sets, world_size=4)
+    line = str(info.value)
+    assert "\n" not in line and all(n in line for n in needles), line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets,needles", [REFUSED[0], REFUSED[4]], ids=["context", "fixed-budget"])
 def test_refused_before_any_process_group(sets, needles):
+    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves was never joined."""
     args = [a for s in sets for a in ("--set", s)]
     assert_usage_error(rrfp("--config", CONFIG, *args, world=4), *needles)
 

@@ -39,7 +39,8 @@ def train_command(args) -> int:
     except Exception as e:
         _fail(e, cfg, rank, getattr(args, "debug", False))
     if rank == 0:
-        print(f"done: {len(summary.losses)} steps, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
+        skipped = f" ({len(summary.skipped)} skipped: NaN/Inf)" if summary.skipped else ""
+        print(f"done: {len(summary.losses)} steps{skipped}, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
         if summary.plan_s:
             waits = sorted(summary.plan_waited_s[1:]) or [0.0]  # step 1's plan cannot be made ahead
