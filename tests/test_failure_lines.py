@@ -40,6 +40,11 @@ def test_peer_failures_point_at_the_peer():
     assert line.startswith("rank 2: stopped: peer rank 1 failed or left first") and "nothing arrived" in line
     assert Failure.of(PeerFailure("rank 3: world all-reduce failed")).line(3, 1, "x.log", False).startswith(
         "rank 3: stopped: another rank failed or left first")
+    died = PeerError("rank 2: channel bwd 2->1 (rank 2 -> rank 1): send of the header of B message (iteration 2, "
+                     "microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: Connection "
+                     "reset by peer [127.0.0.1]:2967", peer=1)
+    assert Failure.of(died).line(2, 2, "x.log", False).endswith(
+        "to rank 1 failed (the peer process probably died) (traceback in x.log)"), "gloo's own text stays in the log"
 
 
 def test_message_nonfinite_and_startup_errors_are_this_ranks_own():

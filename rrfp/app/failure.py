@@ -63,6 +63,8 @@ class Failure:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"
         if self.kind == SECONDARY:
+            # short: the transport's own text (after the likely reason) stays in the log
+            text = re.sub(r"(\((the peer|nothing)[^)]*\)): \w+: .*$", r"\1", text)
             peer = getattr(self.cause, "peer", None)
             who = f"peer rank {peer}" if peer is not None else "another rank"
             # that peer may itself have stopped because of another: point at the line that is not "stopped"
