@@ -55,8 +55,18 @@ class Failure:
         best = min(found, key=lambda leaf: rank[kind_of(leaf)])
         return cls(kind_of(best), best)
 
-    def line(self, rank: int, stage: int, log_path: str, debug: bool) -> str:
-        """The one line this rank prints (without the ``rrfp: error:`` prefix)."""
+    @property
+    def note(self) -> str:
+        """What this rank posts on the failure board (failure_board.py)."""
+        if self.kind != SECONDARY:
+            return "primary"
+        peer = getattr(self.cause, "peer", None)
+        return f"secondary {'?' if peer is None else peer}"
+
+    def line(self, rank: int, stage: int, log_path: str, debug: bool,
+             origin: tuple[int, bool] | None = None) -> str:
+        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``origin``: the rank
+        that failed first and whether it wrote a line, when the failure board could tell."""
         text = " ".join(str(self.cause).split())
         text = re.sub(rf"^rank {rank}( stage {stage})?: ", "", text)  # most causes name their rank already
         if self.kind == INTERNAL:
@@ -65,11 +75,15 @@ class Failure:
         if self.kind == SECONDARY:
             # short: the transport's own text (after the likely reason) stays in the log
             text = re.sub(r"(\((the peer|nothing)[^)]*\)): \w+: .*$", r"\1", text)
-            peer = getattr(self.cause, "peer", None)
-            who = f"peer rank {peer}" if peer is not None else "another rank"
-            # that peer may itself have stopped because of another: point at the line that is not "stopped"
-            return (f"rank {rank}: stopped: {who} failed or left first (the cause is on the line without "
-                    f"'stopped', if one was written): {text} ({where})")
+            if origin is not None and origin[1]:
+                first = f"rank {origin[0]} failed first (see its line)"
+            elif origin is not None:
+                first = f"rank {origin[0]} left first without a word (killed, or hung)"
+            else:  # that peer may itself have stopped because of another: point at the line that is not "stopped"
+                peer = getattr(self.cause, "peer", None)
+                who = f"peer rank {peer}" if peer is not None else "another rank"
+                first = f"{who} failed or left first (the cause is on the line without 'stopped', if one was written)"
+            return f"rank {rank}: stopped: {first}: {text} ({where})"
         if self.kind == INTERNAL:
             return f"rank {rank} (stage {stage}): internal error, please report it ({where}): {text}"
         return f"rank {rank} (stage {stage}): {text} ({where})"

@@ -9,7 +9,8 @@ import traceback
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import UsageError
-from rrfp.app.failure import Failure, write_traceback
+from rrfp.app.failure import SECONDARY, Failure, write_traceback
+from rrfp.app.failure_board import FailureBoard
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
 
@@ -59,11 +60,17 @@ def train_command(args) -> int:
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
     failure = Failure.of(e)
+    board = FailureBoard.connect()  # best effort: tells the others how this rank failed
+    origin = None
+    if board is not None:
+        board.post(rank, failure.note)
+        if failure.kind == SECONDARY:
+            origin = board.origin(rank, getattr(failure.cause, "peer", None))
     path = write_traceback(e, cfg.run.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.layout.coords(rank).pp
-    print(f"rrfp: error: {failure.line(rank, stage, path, debug)}", file=sys.stderr, flush=True)
+    print(f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}", file=sys.stderr, flush=True)
     logging.shutdown()
     sys.stdout.flush()
     # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
