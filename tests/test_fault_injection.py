@@ -139,3 +139,41 @@ def test_nan_with_on_nonfinite_stop_ends_every_rank_with_one_line(tmp_path):
     finally:
         ranks.kill_all()
     assert ranks.alive() == []
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(tmp_path):
+    """The user's path: torchrun's agent holds the store, so the failure board works even after
+    rank 0 is gone; rank 0 lost rank 1, yet names rank 2, whose line has the cause."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rank_procs import ROOT
+
+    world = 3
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                             "-m", "rrfp", "train", *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1")],
+                            cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=STARTUP_S)
+        left = True
+        try:
+            os.killpg(proc.pid, 0)  # torchrun has exited: is any rank it started still there?
+        except ProcessLookupError:
+            left = False
+        assert not left, "a process of the run outlived torchrun"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0
+    lines = sorted(ln for ln in err.splitlines() if ln.startswith("rrfp: error:"))
+    assert len(lines) == world, err[-3000:]
+    assert lines[2].startswith("rrfp: error: rank 2 (stage 2): internal error, please report it"), lines[2]
+    for r in (0, 1):
+        assert lines[r].startswith(f"rrfp: error: rank {r}: stopped: rank 2 failed first (see its line): "), lines[r]
