@@ -144,7 +144,9 @@ def test_nan_with_on_nonfinite_stop_ends_every_rank_with_one_line(tmp_path):
 @pytest.mark.timeout(120)
 def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(tmp_path):
     """The user's path: torchrun's agent holds the store, so the failure board works even after
-    rank 0 is gone; rank 0 lost rank 1, yet names rank 2, whose line has the cause."""
+    rank 0 is gone; rank 0 lost rank 1, yet names rank 2, whose line has the cause. The agent
+    SIGTERMs the other ranks as soon as it sees one exit: --monitor-interval 3 lets them finish
+    their lines first (with the default 0.1 s, rank 0, still waiting, would end silently)."""
     import os
     import signal
     import subprocess
@@ -154,26 +156,39 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
 
     world = 3
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "--monitor-interval=3",
                              "-m", "rrfp", "train", *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1")],
                             cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=STARTUP_S)
-        left = True
-        try:
-            os.killpg(proc.pid, 0)  # torchrun has exited: is any rank it started still there?
-        except ProcessLookupError:
-            left = False
-        assert not left, "a process of the run outlived torchrun"
+        # torchrun has exited; its ranks run in sessions of their own: find them by this test's log dir
+        assert _processes_naming(tmp_path) == [], "a process of the run outlived torchrun"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [proc.pid, *_processes_naming(tmp_path)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert proc.returncode != 0
     lines = sorted(ln for ln in err.splitlines() if ln.startswith("rrfp: error:"))
     assert len(lines) == world, err[-3000:]
     assert lines[2].startswith("rrfp: error: rank 2 (stage 2): internal error, please report it"), lines[2]
     for r in (0, 1):
         assert lines[r].startswith(f"rrfp: error: rank {r}: stopped: rank 2 failed first (see its line): "), lines[r]
+
+
+def _processes_naming(text) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(text) in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found

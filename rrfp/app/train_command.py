@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import traceback
 
@@ -59,6 +60,9 @@ def train_command(args) -> int:
 
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
+    # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
+    # or two at most, then os._exit below; the agent waits far longer before its SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     failure = Failure.of(e)
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None
