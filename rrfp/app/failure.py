@@ -6,7 +6,8 @@ silent peer, a broken group) is secondary, so its line points at the peer;
 any other ``PipelineError`` (a protocol error, a corrupt header, a NaN, an
 injected fault) or a ``MessageError`` was raised by this rank's own checks and
 is primary; anything else is an internal error (a bug), said as such. Every
-line says where the full traceback is.
+line says where the full traceback is. A secondary line names the rank that
+failed first when the failure board (failure_board.py) can tell.
 """
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ class Failure:
     def of(cls, e: BaseException) -> "Failure":
         """An internal error or this rank's own failure wins over a peer failure it caused
         (the peer's channel fails as a consequence, in the same TaskGroup)."""
-        found = leaves(e)
-        rank = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
-        best = min(found, key=lambda leaf: rank[kind_of(leaf)])
+        order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
+        best = min(leaves(e), key=lambda leaf: order[kind_of(leaf)])
         return cls(kind_of(best), best)
 
     @property
