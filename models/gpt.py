@@ -280,6 +280,11 @@ def check(cfg: GPTConfig, data: DataConfig, num_stages: int, tp: int) -> None:
     """Layout checks that need no process group: ValueError names the mismatch."""
     if cfg.n_layer < num_stages:
         raise ValueError(f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages")
+    if cfg.vocab_size < 256:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256")
+    if data.max_seq_len > cfg.block_size:
+        raise ValueError(f"data.max_seq_len={data.max_seq_len} is above model.block_size={cfg.block_size}, the "
+                         f"model's context: raise model.block_size or lower data.max_seq_len")
     if tp > 1:
         validate_tp(cfg, tp)
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAGIC, MAX_DIMS, MAX_ELEMENTS, MAX_KIND, MAX_TENSORS,
-                               Message, MessageError, TensorSpec, decode_header, encode_header)
+                               VERSION, Message, MessageError, TensorSpec, checksum, decode_header, encode_header)
 from rrfp.core.layout import Coords, Layout
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2)]
@@ -126,10 +126,14 @@ def _valid_header() -> torch.Tensor:
     return encode_header(Message(3, 4, 0, [torch.zeros(2, 5), torch.zeros(7, dtype=torch.int64)]))
 
 
-def _set(index: int, value: int):
+def _set(index: int, value: int, seal: bool = True):
+    """Set one header word; ``seal``: recompute the checksum, as a buggy sender would (it reaches
+    the field checks); without it, as corruption in transit would (the checksum catches it)."""
     def corrupt(h: torch.Tensor) -> torch.Tensor:
         h = h.clone()
         h[index] = value
+        if seal and index != HEADER_LEN - 1:
+            h[-1] = checksum(h[:-1].tolist())
         return h
     return corrupt
 
@@ -140,7 +144,10 @@ _SLOT0, _SLOT1, _SLOT2 = 6, 6 + 2 + MAX_DIMS, 6 + 2 * (2 + MAX_DIMS)
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("corrupt,match", [
     (_set(0, 0x1234), "bad header magic 0x1234"),
-    (_set(1, 2), "unknown header version 2"),
+    (_set(1, VERSION + 1), f"unknown header version {VERSION + 1}"),
+    (_set(3, 5, seal=False), "checksum mismatch"),  # a microbatch number that is still valid
+    (_set(_SLOT0 + 2, 3, seal=False), "checksum mismatch"),  # a dim that is still valid
+    (_set(HEADER_LEN - 1, 0), "checksum mismatch"),
     (_set(2, -1), "negative iteration -1"),
     (_set(4, MAX_KIND), f"kind {MAX_KIND} is outside"),
     (_set(5, MAX_TENSORS + 1), f"claims {MAX_TENSORS + 1} tensors"),
@@ -172,10 +179,14 @@ def _header_with_none() -> torch.Tensor:
 @settings(max_examples=200, deadline=None)
 @given(index=st.integers(0, HEADER_LEN - 1), value=st.integers(-(1 << 63), (1 << 63) - 1))
 def test_any_single_corruption_decodes_or_raises_message_error(make, index, value):
-    try:
+    try:  # re-sealed: a sender that wrote a bad value
         decode_header(_set(index, value)(make()))
     except MessageError:
         pass
+    original = make()
+    if original[index].item() != value:  # in transit: any changed word is an error
+        with pytest.raises(MessageError):
+            decode_header(_set(index, value, seal=False)(original))
 
 
 @pytest.mark.timeout(10)

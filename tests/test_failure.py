@@ -53,7 +53,8 @@ class Ranks:
             env.pop("RRFP_LOG", None)
             out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
             self.files += [out, err]
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *ARGS], cwd=ROOT, env=env,
+            args = [*ARGS, "--set", f"log_dir={tmp / 'logs'}"]  # where each survivor's traceback goes
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT, env=env,
                                                stdin=subprocess.DEVNULL, stdout=out, stderr=err))
 
     def out(self, rank: int) -> str:
@@ -118,6 +119,8 @@ def _check_line(rank: int, stderr: str) -> str:
     else:
         assert ALL_REDUCE in line, f"rank {rank}'s error names neither a channel nor the all-reduce: {line}"
     assert DIED in line or any(t in line for t in TIMED_OUT), f"rank {rank}'s error gives no cause: {line}"
+    assert line.startswith(f"rrfp: error: rank {rank}: stopped: "), f"a peer's failure is not this rank's: {line}"
+    assert line.endswith(f"/logs/rank-{rank}.log)"), f"rank {rank}'s line does not say where its traceback is: {line}"
     return line
 
 

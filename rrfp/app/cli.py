@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
     train.add_argument("--resume", action="store_true",
                        help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)")
+    train.add_argument("--debug", action="store_true",
+                       help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)")
     bench = sub.add_parser("bench", help="every executor side by side on real gloo ranks, into a results folder",
                            description="Run the benchmark suite: each workload's iterations on every executor, "
                                        "alternating, on PP local gloo ranks in one torchrun job. Device time is "

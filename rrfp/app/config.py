@@ -9,6 +9,7 @@ the workload named by ``run.model``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -19,9 +20,10 @@ from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import Hint, resolve
+from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, peak_in_flight, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.policy import Dispatch
+from rrfp.pipeline.faults import Fault
 from rrfp.core.variability import PRESETS, Variability
 from rrfp.pipeline.workload import Workload
 
@@ -58,6 +60,10 @@ class RunConfig:
     checkpoint_every: int = 0  # save every N steps (and at the end, and on SIGTERM); 0 = only those two
     checkpoint_keep: int = 2  # complete checkpoints kept; older ones go once a newer one is committed
     resume: str = "off"  # off | auto (the latest checkpoint, if any) | required (rrfp train --resume)
+    on_nonfinite: str = "stop"  # NaN/Inf in the loss or gradients: "stop" the run, or "skip" the step everywhere
+    log_dir: str = "runs/logs"  # a failing rank writes its traceback to LOG_DIR/rank-N.log
+    # testing aid: make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py)
+    fault: Fault | str | None = field(default_factory=lambda: os.environ.get("RRFP_FAULT", ""))
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "microbatches", "steps", "threads", "log_every"):
@@ -72,8 +78,18 @@ class RunConfig:
                 raise ConfigError(f"run.{name}: {e}") from None
         if isinstance(self.cost, str):
             object.__setattr__(self, "cost", _load_cost(self.cost) if self.cost else None)
+        if isinstance(self.fault, str):
+            try:
+                object.__setattr__(self, "fault", Fault.parse(self.fault) if self.fault.strip() else None)
+            except ValueError as e:
+                raise ConfigError(f"run.fault (or RRFP_FAULT): {e}") from None
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.preset not in PRESETS:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
+        for name in ("lr", "weight_decay", "unit_ms", "timeout_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
             raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
         if self.backend not in ("gloo", "nccl"):
@@ -134,6 +150,16 @@ class TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
+        _check_fixed_budget(self.run, layout.pp)
+        fault = self.run.fault
+        if fault is not None and (fault.stage is not None and fault.stage >= layout.pp or
+                                  fault.rank is not None and fault.rank >= self.world_size):
+            raise ConfigError(f"run.fault {fault}: no such stage or rank in {layout.short()}")
+        if fault is not None and fault.task is not None:
+            split = default_split(self.run.hint.name) if self.run.split is None else self.run.split
+            if fault.task.mb >= self.run.microbatches or (fault.task.kind.name == "W" and not split):
+                raise ConfigError(f"run.fault {fault}: no task {fault.task} with {self.run.microbatches} "
+                                  f"microbatches, split = {split}")
         if self.run.device_type == "cuda":
             _check_cuda(self.world_size)
         if self.run.cost is not None and self.run.cost.num_stages != layout.pp:
@@ -171,6 +197,9 @@ class TrainConfig:
                 raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for name, table in doc.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{source}: [{name}] must be a table (one [{name}] section)")
         for item in overrides:
             key, sep, raw = item.partition("=")
             if not sep:
@@ -178,6 +207,7 @@ class TrainConfig:
             section, _, name = key.strip().rpartition(".")
             if not section:  # a bare key: the section that has it, run first
                 model = doc.get("run", {}).get("model", RunConfig.model)
+                model = model if isinstance(model, str) else RunConfig.model  # a wrong type is refused below
                 wl = find_workload(model)
                 kinds = {"run": RunConfig, "model": wl.model_config, "data": wl.data_config}
                 section = next((s for s, k in kinds.items()
@@ -189,8 +219,28 @@ class TrainConfig:
         """Plain values, as a TOML file would give them."""
         run = {f.name: getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
         run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget),
-                   cost="(calibrated)" if self.run.cost is not None else "")
+                   cost="(calibrated)" if self.run.cost is not None else "", fault=str(self.run.fault or ""))
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
+
+
+def _check_fixed_budget(run: RunConfig, num_stages: int) -> None:
+    """Fixed dispatch follows its order and applies no budget. A class hint's order is its
+    nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently."""
+    if run.dispatch is not Dispatch.FIXED or not run.hint.is_class or run.hint.planned:
+        return
+    split = default_split(run.hint.name) if run.split is None else run.split
+    why = (f"run.dispatch = fixed with hint {run.hint.name} follows the hint's nominal order, built for a "
+           f"{NOMINAL_BUDGET:g}x budget, and applies no budget of its own")
+    if run.budget.bytes is not None:
+        raise ConfigError(f"{why}: a byte budget (run.budget = {run.budget}) cannot hold it; use a count "
+                          f"or Nx budget, or run.dispatch = ready")
+    for s in range(num_stages):
+        needs = peak_in_flight(run.hint.order(num_stages, s, run.microbatches, split), split)
+        allowed = run.budget.microbatches(num_stages, s)
+        if needs > allowed:
+            raise ConfigError(f"{why}: stage {s} holds up to {needs} microbatches, above run.budget = "
+                              f"{run.budget} ({allowed} there); raise run.budget to {NOMINAL_BUDGET:g}x, or use "
+                              f"run.dispatch = ready, or a schedule hint (1f1b, zbh1)")
 
 
 def _load_cost(path: str) -> CostModel:
@@ -243,7 +293,7 @@ def _parse_value(raw: str):
 
 _SIMPLE = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "bool | None": (bool,),
            "str | int": (str, int), "Budget | str | int": (str, int), "Hint | str": (str,),
-           "Dispatch | str": (str,)}
+           "Dispatch | str": (str,), "Fault | str | None": (str,), "CostModel | str | None": (str,)}
 
 
 def _check_type(where: str, value, annotation) -> None:

@@ -7,6 +7,7 @@ when it created one.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -15,9 +16,11 @@ import torch.distributed as dist
 
 from rrfp.app.checkpoints import RunCheckpoints, resume_point
 from rrfp.app.config import TrainConfig
+from rrfp.core.errors import NonFiniteError
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
+from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
 
 log = logging.getLogger("rrfp.app.train")
@@ -31,6 +34,7 @@ class StepReport:
     tokens_per_s: float
     bubble: float
     wall_s: float
+    skipped: bool = False  # a NaN/Inf somewhere: no rank stepped (run.on_nonfinite = "skip")
 
 
 @dataclass
@@ -46,6 +50,7 @@ class TrainSummary:
     checkpoint: str | None = None  # the last checkpoint this run saved
     stopped_at: int | None = None  # a stop request ended the run after this many steps
     stop_requests: int = 0  # ... made on this many ranks
+    skipped: list[int] = field(default_factory=list)  # steps (0-based) whose update was skipped: NaN/Inf
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None,
@@ -69,6 +74,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
                                seed=run.seed, instrument=recorder, cost=run.cost)
         sync = rt.grad_sync(module, ex)
+        injector = FaultInjector.for_rank(run.fault, rt.rank, rt.stage)  # testing aid, normally None
+        if injector is not None:
+            ex.on_task_done.append(injector.task_done)
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         world = rt.layout.world_size
@@ -92,19 +100,30 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 ex.prepare(step + 1, upcoming[1])  # planned while this step runs
             if rt.device.type != "cpu":
                 mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
+            if injector is not None:
+                injector.begin_step(step)
             res = await ex.run_iteration(step, mine, feats)
+            if injector is not None:
+                injector.iteration_done(module)
             await sync.sync()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            # the statistics all-reduce also counts the ranks that saw a NaN/Inf, so every rank
+            # steps, skips or stops alike
+            bad = not _finite(module, res.loss)
             vec = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
-                                float(res.tokens if rt.stage == 0 else 0), float(stop is not None and stop())],
-                               dtype=torch.float64)
+                                float(res.tokens if rt.stage == 0 else 0), float(bad),
+                                float(stop is not None and stop())], dtype=torch.float64)
             await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
-            loss, busy, wall, tokens, stops = vec.tolist()
+            loss, busy, wall, tokens, nonfinite, stops = vec.tolist()
+            if nonfinite:
+                await _nonfinite(rt, run.on_nonfinite, step, bad)
+                summary.skipped.append(step)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
             tokens /= run.tp
             report = StepReport(step, run.steps, loss, tokens / (wall / world), StageStats(busy, wall).bubble,
-                                wall / world)
+                                wall / world, skipped=bool(nonfinite))
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
             if res.plan is not None:
@@ -138,3 +157,24 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
                 log.info("wrote trace %s", run.trace)
     return summary
+
+
+def _finite(module: torch.nn.Module, loss: float | None) -> bool:
+    """No NaN or Inf in this rank's loss (last stage) or in its gradients."""
+    if loss is not None and not math.isfinite(loss):
+        return False
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return not grads or bool(torch.nn.utils.get_total_norm(grads).isfinite())
+
+
+async def _nonfinite(rt: PipelineRuntime, policy: str, step: int, bad: bool) -> None:
+    """Every rank gets here together. Name the first rank that saw it; skip the update, or stop."""
+    first = torch.tensor([float(rt.rank if bad else rt.layout.world_size)], dtype=torch.float64)
+    await rt.all_reduce(first, dist.ReduceOp.MIN, what=f"step {step + 1}: world min of the non-finite ranks")
+    where = int(first.item())
+    stage = rt.layout.coords(where).pp
+    what = f"step {step + 1}: NaN or Inf in the loss or the gradients (first on rank {where}, stage {stage})"
+    if policy == "stop":
+        raise NonFiniteError(f"rank {rt.rank}: {what}; every rank ends here, no update was made "
+                             f"(run.on_nonfinite = stop; \"skip\" skips such steps)")
+    log.warning("rank %d: %s: skipped the optimizer step on every rank", rt.rank, what)

@@ -1,23 +1,27 @@
-"""`rrfp train`: run stage_main on this rank; print on rank 0; one line on error."""
+"""`rrfp train`: run stage_main on this rank; print on rank 0; one line on error
+(rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
 import sys
+import traceback
 
 from rrfp.app.checkpoints import resume_point
 from rrfp.app.config import TrainConfig
-from rrfp.app.errors import ConfigError, UsageError, one_line, root_cause
+from rrfp.app.errors import UsageError, root_cause
+from rrfp.app.failure import SECONDARY, Failure, write_traceback
+from rrfp.app.failure_board import FailureBoard
 from rrfp.app.train import StepReport, stage_main
-from rrfp.core.errors import PipelineError
 from rrfp.loop import run as run_loop
 
 
 def _print_step(r: StepReport) -> None:
     eta = (r.steps - r.step - 1) * r.wall_s
+    skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
     print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
-          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s", flush=True)
+          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}", flush=True)
 
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
@@ -63,14 +67,7 @@ def train_command(args) -> int:
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
     except Exception as e:
-        # TaskGroup wraps a stage's error in an ExceptionGroup: judge (and print) its first leaf
-        if not isinstance(root_cause(e), (PipelineError, ConfigError, ConnectionError, RuntimeError, ValueError,
-                                          NotImplementedError)):
-            raise  # a bug, not a failure of the run: keep its traceback
-        line = one_line(e, rank)
-        print(f"rrfp: error: {line}", file=sys.stderr, flush=True)
-        # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
-        os._exit(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: exit 2
+        _fail(e, cfg, rank, getattr(args, "debug", False))
     if summary.stopped_at is not None:
         saved = (f"checkpoint {summary.checkpoint} saved; continue with --resume" if summary.checkpoint else
                  "no checkpoint saved (run.checkpoint_dir is not set)")
@@ -79,7 +76,9 @@ def train_command(args) -> int:
         _leave(STOPPED_EXIT)
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""
-        print(f"done: {len(summary.losses)} steps{resumed}, loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}, "
+        skipped = f" ({len(summary.skipped)} skipped: NaN/Inf)" if summary.skipped else ""
+        print(f"done: {len(summary.losses)} steps{resumed}{skipped}, loss {summary.losses[0]:.4f} -> "
+              f"{summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
         if summary.plan_s:
             waits = sorted(summary.plan_waited_s[1:]) or [0.0]  # step 1's plan cannot be made ahead
@@ -98,3 +97,25 @@ def _leave(code: int) -> None:
     sys.stderr.flush()
     os._exit(code)
 
+
+def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
+    """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
+    # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
+    # or two at most, then os._exit below; the agent waits far longer before its SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    failure = Failure.of(e)
+    board = FailureBoard.connect()  # best effort: tells the others how this rank failed
+    origin = None
+    if board is not None:
+        board.post(rank, failure.note)
+        if failure.kind == SECONDARY:
+            origin = board.origin(rank, getattr(failure.cause, "peer", None))
+    path = write_traceback(e, cfg.run.log_dir, rank)
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    stage = cfg.layout.coords(rank).pp
+    print(f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
+    os._exit(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: 2

@@ -29,14 +29,14 @@ import re
 import torch
 import torch.distributed as dist
 
-from rrfp.core.errors import PipelineError
+from rrfp.core.errors import PeerFailure, PipelineError
 from rrfp.loop.completions import BlockingWaiter
 from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
 
 logger = logging.getLogger("rrfp.comm")
 
 
-class PeerError(PipelineError):
+class PeerError(PeerFailure):
     """A send or receive failed in the transport: the peer died, hung past the
     process-group timeout, or the group broke. Names rank, channel and peer."""
 
@@ -63,13 +63,13 @@ def describe_failure(cause: BaseException) -> str:
 @contextlib.contextmanager
 def named_collective(what: str):
     """gloo's collective errors name no rank or group: re-raise one as a one-line
-    PipelineError saying which collective (``what``) failed on this rank, and why."""
+    PeerFailure saying which collective (``what``) failed on this rank, and why."""
     try:
         yield
     except PipelineError:
         raise
     except RuntimeError as e:
-        raise PipelineError(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
+        raise PeerFailure(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
 
 
 def refuse_unusable(channel, action: str, *, outbound: bool) -> None:
@@ -82,7 +82,8 @@ def refuse_unusable(channel, action: str, *, outbound: bool) -> None:
         raise RuntimeError(f"{where}: cannot {action}: this rank only {role} on this channel")
     if channel._failure is not None:
         first = str(channel._failure).removeprefix(f"{where}: ")
-        raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}") from channel._failure
+        raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}",
+                        getattr(channel._failure, "peer", channel.peer)) from channel._failure
 
 
 class Channel:
@@ -195,7 +196,7 @@ class Channel:
     # -- waiter thread side ------------------------------------------------------
 
     def _peer_error(self, what: str, cause: BaseException) -> PeerError:
-        return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}")
+        return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}", self.peer)
 
     def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str) -> None:
         what = f"send of the header of {label} to rank {self.peer}"

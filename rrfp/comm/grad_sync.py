@@ -7,6 +7,11 @@ when the stage's last W finishes; otherwise when its last B does. That is
 inside the iteration, before the executor returns, and every replica
 launches the same buckets in the same order. The all-reduces are async Work
 awaited through the loop's poller: no thread per collective.
+
+A parameter without a gradient (unused this step) counts as zeros, so every
+replica keeps the same flat layout; each bucket also carries one presence
+count per parameter, so a parameter unused on every replica keeps
+``grad = None`` (and the optimizer leaves it alone), as it would without DP.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ class GradSync:
     def _reset(self) -> None:
         self._finished = 0  # tasks of the finalising kind done this iteration
         self._launched = False
-        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, object]] = []
+        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], object]] = []
 
     def attach(self, executor) -> None:
         """Launch the buckets from inside ``executor``'s iterations, once the gradients are final:
@@ -70,9 +75,14 @@ class GradSync:
         self._launched = True
         with self._in_lane_order():
             for bucket in self.buckets:
+                # the gradients, then one presence count per parameter (1: this replica has a gradient)
+                present = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype,
+                                       device=bucket[0].device)
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in bucket])
-                self._inflight.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+                                  for p in bucket] + [present])
+                missing = {i for i, p in enumerate(bucket) if p.grad is None}
+                self._inflight.append((bucket, flat, missing,
+                                       dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def _in_lane_order(self):
         return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
@@ -83,14 +93,16 @@ class GradSync:
             return
         self._launch()  # if no executor hook launched them yet
         try:
-            for bucket, flat, work in self._inflight:
+            for bucket, flat, missing, work in self._inflight:
                 await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}")
                 with self._in_lane_order():
+                    # read the presence counts only where this replica had no gradient (a device sync)
+                    present = flat[-len(bucket):].tolist() if missing else [1] * len(bucket)
                     flat /= self.size
                     offset = 0
-                    for p in bucket:
+                    for p, used in zip(bucket, present):
                         n = p.numel()
-                        p.grad = flat[offset:offset + n].view_as(p).clone()
+                        p.grad = flat[offset:offset + n].view_as(p).clone() if used else None
                         offset += n
             if self.lane is not None:
                 self.lane.caller_waits()  # the optimizer step runs after the averaged gradients exist

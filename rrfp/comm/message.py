@@ -8,18 +8,24 @@ image counts without padding and without knowing the schedule.
 Header layout (``HEADER_LEN`` int64 values)::
 
     magic, version, iteration, microbatch, kind, tensor count,
-    then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims
+    then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims,
+    then a checksum of everything before it
 
 Unused slots and dims are zero. A ``None`` payload (a stage output or input
 gradient that does not exist, e.g. the gradient of an int mask) takes a slot
 with dtype code ``NONE_CODE``, ndim 0 and zero dims, and no bytes on the wire:
 the header alone says where it goes, so the receiver rebuilds the same
 positions. Decoding checks everything, so a stream that got out of step fails
-loudly instead of allocating garbage.
+loudly instead of allocating garbage. The checksum (8 bytes of BLAKE2b) catches
+what the field checks cannot: a corrupted dim that is still a valid dim, and a
+truncated header (gloo delivers a shorter message into a longer buffer, whose
+tail then stays zero).
 """
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +33,7 @@ import torch
 from rrfp.core.tasks import Kind
 
 MAGIC = 0x52524650  # b"RRFP"
-VERSION = 1
+VERSION = 2  # 2: a checksum word at the end
 MAX_TENSORS = 8
 MAX_DIMS = 6
 MAX_KIND = 1 << 16
@@ -35,7 +41,13 @@ MAX_ELEMENTS = 1 << 40  # per tensor; anything larger is a corrupt header, not a
 
 _PREFIX = 6  # magic, version, iteration, microbatch, kind, count
 _SLOT = 2 + MAX_DIMS  # dtype code, ndim, dims
-HEADER_LEN = _PREFIX + MAX_TENSORS * _SLOT
+HEADER_LEN = _PREFIX + MAX_TENSORS * _SLOT + 1  # + the checksum
+
+
+def checksum(words) -> int:
+    """The header's last word: a signed 64-bit BLAKE2b digest of the words before it."""
+    digest = hashlib.blake2b(array("q", words).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 # Code 0 marks an unused slot, so a zeroed header never decodes as a tensor.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -154,8 +166,8 @@ def encode_header(msg: Message, device: torch.device | str | None = None) -> tor
         if t.dim() > MAX_DIMS:
             raise MessageError(f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header")
         values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
-    values += [0] * (HEADER_LEN - len(values))
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    values += [0] * (HEADER_LEN - 1 - len(values))
+    return torch.tensor(values + [checksum(values)], dtype=torch.int64, device=device)
 
 
 def empty_header(device: torch.device | str | None = None) -> torch.Tensor:
@@ -175,6 +187,8 @@ def decode_header(header: torch.Tensor) -> Header:
                            f"or the stream is out of step")
     if version != VERSION:
         raise MessageError(f"unknown header version {version} (this build reads version {VERSION})")
+    if v[-1] != checksum(v[:-1]):
+        raise MessageError("header checksum mismatch: corrupted or truncated in transit")
     if iteration < 0 or microbatch < 0:
         raise MessageError(f"header has negative iteration {iteration} or microbatch {microbatch}")
     if not 0 <= kind < MAX_KIND:

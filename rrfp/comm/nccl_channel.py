@@ -116,7 +116,7 @@ class NcclChannel:
         try:
             await self.poller.watch(work)
         except Exception as e:
-            raise self._fail(PeerError(f"{self.where}: {what} failed{describe_failure(e)}")) from e
+            raise self._fail(PeerError(f"{self.where}: {what} failed{describe_failure(e)}", self.peer)) from e
 
     def _fail(self, error: BaseException) -> BaseException:
         if self._failure is None:

@@ -1,14 +1,41 @@
 """Errors a stage raises when a peer or the protocol fails. Each names the
-rank, the channel or peer, and what was expected, in one line."""
+rank, the channel or peer, and what was expected, in one line.
+
+Two families, so the CLI can tell which rank saw a failure first: a
+``PeerFailure`` means this rank is fine and another one died, hung or broke
+the group (a secondary failure); any other ``PipelineError`` was raised by this
+rank's own checks (a primary one).
+"""
 
 
 class PipelineError(RuntimeError):
     """Base of errors that end a stage."""
 
 
-class PeerTimeout(PipelineError):
+class PeerFailure(PipelineError):
+    """This rank stopped because a peer died, went silent or broke a group.
+    ``peer`` is that peer's global rank where one is known, else None."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class PeerTimeout(PeerFailure):
     """Nothing arrived from a peer within the deadline."""
 
 
 class ProtocolError(PipelineError):
     """A message that is not what the pipeline expects at this point."""
+
+
+class StartupError(PipelineError):
+    """The process groups could not be set up: rendezvous, store or group creation failed."""
+
+
+class NonFiniteError(PipelineError):
+    """A NaN or Inf in the loss or the gradients, with ``run.on_nonfinite = "stop"``."""
+
+
+class InjectedFault(PipelineError):
+    """A failure asked for by fault injection (``run.fault``), for testing."""

@@ -107,6 +107,17 @@ def validate(order: Sequence[Task], M: int, split: bool, where: str = "hint") ->
             raise HintError(f"{where}: W{m} comes before B{m}")
 
 
+def peak_in_flight(order: Sequence[Task], split: bool) -> int:
+    """Most microbatches ``order`` holds activations for at once: F started, last backward not done
+    (what fixed dispatch needs, since it follows the order whatever the budget)."""
+    last = Kind.W if split else Kind.B
+    held = peak = 0
+    for t in order:
+        held += (t.kind is Kind.F) - (t.kind is last)
+        peak = max(peak, held)
+    return peak
+
+
 @dataclass(frozen=True)
 class Hint:
     """A named hint.

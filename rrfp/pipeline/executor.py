@@ -230,9 +230,15 @@ class _Iteration:
                 await self.changed.wait()
         except TimeoutError:
             raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived for "
-                              f"{timeout_s:g} s; the stage {self._waiting_for()}") from None
+                              f"{timeout_s:g} s; the stage {self._waiting_for()}", self._owing_peer()) from None
         if self.ex.instrument is not None:
             self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
+
+    def _owing_peer(self) -> int | None:
+        """The first peer that owes this stage an arrival, if any."""
+        tr, ch = self.tracker, self.ex.channels
+        return next((c.peer for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in))
+                     if c is not None and tr.outstanding(kind)), None)
 
     def _waiting_for(self) -> str:
         """The tracker's reason, with the channels and peers that owe an arrival."""

@@ -12,6 +12,7 @@ channels and lane (a dead peer would hang a barrier).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import os
@@ -21,10 +22,11 @@ import torch.distributed as dist
 
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
-from rrfp.comm.channels import named_collective
+from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.pipeline_channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
 from rrfp.core.budget import Budget
+from rrfp.core.errors import StartupError
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.policy import Dispatch
@@ -35,6 +37,20 @@ from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.runtime")
+
+
+@contextlib.contextmanager
+def _startup(owns: bool):
+    """A rendezvous, store or group-creation failure (a RuntimeError from torch) becomes one
+    StartupError line naming this rank, not something that reads like a bug."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, StartupError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
+        what = "joining the process group" if owns and not dist.is_initialized() else "creating the process groups"
+        raise StartupError(f"rank {rank}: start-up failed while {what}{describe_failure(e)}") from e
 
 
 class PipelineRuntime:
@@ -95,9 +111,15 @@ class PipelineRuntime:
         layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
-        if owns:
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+        with _startup(owns):
+            if owns:
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                        device_id=device if device.type == "cuda" else None)
+            return cls._build(layout, device, backend, timeout_s, unit_ms, owns)
+
+    @classmethod
+    def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
+               owns: bool) -> "PipelineRuntime":
         rank = dist.get_rank()
         timeout = datetime.timedelta(seconds=timeout_s)
         poller = CompletionPoller()

@@ -1,0 +1,103 @@
+"""One error line per failure: which rank saw it first, and where the traceback went.
+
+When one rank fails, every other rank fails too, a moment later, because its
+peer is gone. The error types tell them apart: a ``PeerFailure`` (a dead or
+silent peer, a broken group) is secondary, so its line points at the peer;
+any other ``PipelineError`` (a protocol error, a corrupt header, a NaN, an
+injected fault) or a ``MessageError`` was raised by this rank's own checks and
+is primary; anything else is an internal error (a bug), said as such. Every
+line says where the full traceback is. A secondary line names the rank that
+failed first when the failure board (failure_board.py) can tell.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from rrfp.app.errors import ConfigError
+from rrfp.comm.message import MessageError
+from rrfp.core.errors import PeerFailure, PipelineError
+
+PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
+
+
+def leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
+    return [e]
+
+
+def kind_of(e: BaseException) -> str:
+    if isinstance(e, PeerFailure):
+        return SECONDARY
+    if isinstance(e, (PipelineError, MessageError, ConfigError)):
+        return PRIMARY
+    return INTERNAL
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The cause that explains a rank's failure, and how this rank was involved."""
+
+    kind: str
+    cause: BaseException
+
+    @classmethod
+    def of(cls, e: BaseException) -> "Failure":
+        """An internal error or this rank's own failure wins over a peer failure it caused
+        (the peer's channel fails as a consequence, in the same TaskGroup)."""
+        order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
+        best = min(leaves(e), key=lambda leaf: order[kind_of(leaf)])
+        return cls(kind_of(best), best)
+
+    @property
+    def note(self) -> str:
+        """What this rank posts on the failure board (failure_board.py)."""
+        if self.kind != SECONDARY:
+            return "primary"
+        peer = getattr(self.cause, "peer", None)
+        return f"secondary {'?' if peer is None else peer}"
+
+    def line(self, rank: int, stage: int, log_path: str, debug: bool,
+             origin: tuple[int, bool] | None = None) -> str:
+        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``origin``: the rank
+        that failed first and whether it wrote a line, when the failure board could tell."""
+        text = " ".join(str(self.cause).split())
+        text = re.sub(rf"^rank {rank}( stage {stage})?: ", "", text)  # most causes name their rank already
+        if self.kind == INTERNAL:
+            text = f"{type(self.cause).__name__}: {text}"
+        where = "traceback above" if debug else f"traceback in {log_path}"
+        if self.kind == SECONDARY:
+            # short: the transport's own text (after the likely reason) stays in the log
+            text = re.sub(r"(\((the peer|nothing)[^)]*\)): \w+: .*$", r"\1", text)
+            if origin is not None and origin[1]:
+                first = f"rank {origin[0]} failed first (see its line)"
+            elif origin is not None:
+                first = f"rank {origin[0]} left first without a word (killed, or hung)"
+            else:  # that peer may itself have stopped because of another: point at the line that is not "stopped"
+                peer = getattr(self.cause, "peer", None)
+                who = f"peer rank {peer}" if peer is not None else "another rank"
+                first = f"{who} failed or left first (the cause is on the line without 'stopped', if one was written)"
+            return f"rank {rank}: stopped: {first}: {text} ({where})"
+        if self.kind == INTERNAL:
+            return f"rank {rank} (stage {stage}): internal error, please report it ({where}): {text}"
+        return f"rank {rank} (stage {stage}): {text} ({where})"
+
+
+def write_traceback(e: BaseException, log_dir: str, rank: int) -> str:
+    """Write ``e``'s full traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the path."""
+    text = "".join(traceback.format_exception(e))
+    for folder in (log_dir, tempfile.gettempdir()):
+        path = Path(folder) / f"rank-{rank}.log"
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path.write_text(text)
+            return str(path)
+        except OSError:
+            continue
+    return "(nowhere: the log directory is not writable)"

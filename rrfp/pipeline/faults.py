@@ -1,0 +1,119 @@
+"""Fault injection, a testing aid (in the spirit of torchft's failure injector):
+make one rank fail at a chosen (step, stage, task) to check how the others end.
+
+A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T]``, in ``run.fault``
+or the ``RRFP_FAULT`` environment variable. ``step`` counts from 1, as
+``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail (every
+rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``) fires
+right after that task finishes, otherwise at the end of the step's iteration.
+
+Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
+alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
+``bug`` (a plain RuntimeError: what an internal error looks like) and ``nan``
+(the stage's gradients become NaN at the end of the step's backward; no task).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from rrfp.core.errors import InjectedFault
+from rrfp.core.tasks import Task
+
+log = logging.getLogger("rrfp.pipeline.faults")
+
+KINDS = ("kill", "stop", "raise", "bug", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int  # 1-based, as printed
+    stage: int | None = None
+    rank: int | None = None
+    task: Task | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        """``kill:step=3:stage=1:task=B2``; ValueError names what is wrong."""
+        kind, *fields = [p.strip() for p in spec.strip().split(":")]
+        if kind not in KINDS:
+            raise ValueError(f"fault {spec!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        values: dict = {}
+        for f in fields:
+            key, sep, raw = f.partition("=")
+            if not sep or key not in ("step", "stage", "rank", "task") or key in values:
+                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T (once each)")
+            if key == "task":
+                values[key] = Task.parse(raw)
+                continue
+            try:
+                values[key] = int(raw)
+            except ValueError:
+                raise ValueError(f"fault {spec!r}: {key} must be an integer, got {raw!r}") from None
+            if values[key] < (1 if key == "step" else 0):
+                raise ValueError(f"fault {spec!r}: {key}={values[key]} is out of range")
+        if "step" not in values:
+            raise ValueError(f"fault {spec!r}: step=N is required")
+        if "stage" not in values and "rank" not in values:
+            raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
+        if kind == "nan" and "task" in values:
+            raise ValueError(f"fault {spec!r}: nan poisons the step's gradients; it takes no task")
+        return cls(kind, **values)
+
+    def __str__(self) -> str:
+        where = [f"{k}={v}" for k, v in (("step", self.step), ("stage", self.stage), ("rank", self.rank),
+                                          ("task", self.task)) if v is not None]
+        return ":".join([self.kind, *where])
+
+    def hits(self, rank: int, stage: int) -> bool:
+        return (self.stage is None or self.stage == stage) and (self.rank is None or self.rank == rank)
+
+
+class FaultInjector:
+    """Fires ``fault`` on this rank; ``train`` calls ``begin_step`` before each step,
+    the executor calls ``task_done`` after each task, and ``train`` calls
+    ``iteration_done`` between the backward and the gradient sync."""
+
+    def __init__(self, fault: Fault, rank: int, stage: int) -> None:
+        self.fault, self.rank, self.stage = fault, rank, stage
+        self.step = 0  # 1-based step now running
+
+    @classmethod
+    def for_rank(cls, spec: "Fault | None", rank: int, stage: int) -> "FaultInjector | None":
+        return cls(spec, rank, stage) if spec is not None and spec.hits(rank, stage) else None
+
+    def begin_step(self, step: int) -> None:
+        self.step = step + 1
+
+    def task_done(self, task: Task) -> None:
+        if self.fault.task is not None and task == self.fault.task and self.step == self.fault.step:
+            self._fire()
+
+    def iteration_done(self, module: torch.nn.Module) -> None:
+        if self.fault.task is None and self.step == self.fault.step:
+            self._fire(module)
+
+    def _fire(self, module: torch.nn.Module | None = None) -> None:
+        where = f"rank {self.rank} stage {self.stage}: step {self.step}"
+        if self.fault.task is not None:
+            where += f" task {self.fault.task}"
+        log.warning("%s: injecting fault %s", where, self.fault)
+        kind = self.fault.kind
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "raise":
+            raise InjectedFault(f"{where}: injected fault ({self.fault})")
+        elif kind == "bug":
+            raise RuntimeError(f"{where}: injected internal error ({self.fault})")
+        elif kind == "nan" and module is not None:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            if grads:
+                grads[0].view(-1)[0] = math.nan

@@ -1,0 +1,83 @@
+"""Which line a failing rank prints: its own failure names the cause, a peer's
+failure points at the peer, a bug says internal error. Unit tests of
+rrfp/app/failure.py on constructed errors (the multi-process ones are in
+test_fault_injection.py and test_failure.py)."""
+from __future__ import annotations
+
+from rrfp.app.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_traceback
+from rrfp.comm.channels import PeerError
+from rrfp.comm.message import MessageError
+from rrfp.core.errors import NonFiniteError, PeerFailure, PeerTimeout, ProtocolError, StartupError
+
+
+def _group(*errors):
+    return ExceptionGroup("unhandled errors in a TaskGroup", [ExceptionGroup("inner", list(errors))])
+
+
+def test_own_failure_wins_over_the_peer_failures_it_caused():
+    peer = PeerError("rank 1: channel fwd 1->2 (rank 1 -> rank 2): send failed", peer=2)
+    own = ProtocolError("rank 1 stage 1: channel bwd 2->1 (peer rank 2): expected a B message of iteration 3")
+    f = Failure.of(_group(peer, own))
+    assert (f.kind, f.cause) == (PRIMARY, own)
+    line = f.line(1, 1, "runs/logs/rank-1.log", debug=False)
+    assert line == ("rank 1 (stage 1): channel bwd 2->1 (peer rank 2): expected a B message of iteration 3 "
+                    "(traceback in runs/logs/rank-1.log)")
+
+
+def test_a_bug_is_an_internal_error_never_a_peer_failure():
+    bug = KeyError("w_q")
+    f = Failure.of(_group(PeerError("rank 0: channel x: failed", peer=1), bug))
+    assert (f.kind, f.cause) == (INTERNAL, bug)
+    assert f.line(0, 0, "/tmp/rank-0.log", debug=False) == (
+        "rank 0 (stage 0): internal error, please report it (traceback in /tmp/rank-0.log): KeyError: 'w_q'")
+    assert "traceback above" in f.line(0, 0, "/tmp/rank-0.log", debug=True)
+
+
+def test_peer_failures_point_at_the_peer():
+    f = Failure.of(PeerTimeout("rank 2 stage 2: iteration 4: nothing arrived for 5 s", peer=1))
+    assert f.kind == SECONDARY
+    line = f.line(2, 2, "x.log", debug=False)
+    assert line.startswith("rank 2: stopped: peer rank 1 failed or left first") and "nothing arrived" in line
+    assert Failure.of(PeerFailure("rank 3: world all-reduce failed")).line(3, 1, "x.log", False).startswith(
+        "rank 3: stopped: another rank failed or left first")
+    died = PeerError("rank 2: channel bwd 2->1 (rank 2 -> rank 1): send of the header of B message (iteration 2, "
+                     "microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: Connection "
+                     "reset by peer [127.0.0.1]:2967", peer=1)
+    assert Failure.of(died).line(2, 2, "x.log", False).endswith(
+        "to rank 1 failed (the peer process probably died) (traceback in x.log)"), "gloo's own text stays in the log"
+
+
+def test_message_nonfinite_and_startup_errors_are_this_ranks_own():
+    assert Failure.of(MessageError("rank 1: channel fwd 0->1: bad header magic")).kind == PRIMARY
+    assert Failure.of(StartupError("rank 1: start-up failed while joining the process group")).kind == PRIMARY
+    assert Failure.of(NonFiniteError("rank 0: step 2: NaN")).kind == PRIMARY
+    assert Failure.of(ValueError("x")).kind == INTERNAL
+
+
+def test_multiline_causes_become_one_line(tmp_path):
+    f = Failure.of(RuntimeError("first\n  second\tthird"))
+    assert "\n" not in f.line(0, 0, "p", False) and "first second third" in f.line(0, 0, "p", False)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as e:
+        path = write_traceback(e, str(tmp_path / "logs"), 3)
+    assert path == str(tmp_path / "logs" / "rank-3.log")
+    assert "Traceback" in open(path).read() and "boom" in open(path).read()
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a log_dir that is a file: the traceback still lands somewhere, and says where
+    fallback = write_traceback(RuntimeError("x"), str(blocked), 3)
+    assert fallback != str(blocked / "rank-3.log") and "RuntimeError" in open(fallback).read()
+
+
+def test_a_rank_that_cannot_join_says_start_up_failed(tmp_path):
+    """Rendezvous on a port nobody serves: a start-up failure, not an internal error."""
+    from test_train_cli import rrfp
+
+    res = rrfp("--config", "configs/gpt-tiny.toml", "--set", "pp=2", "--set", "model.n_layer=2", "--set",
+               "timeout_s=2", "--set", f"log_dir={tmp_path}", world=2, rank=1)
+    assert res.returncode == 1, res.stderr
+    assert "Traceback (most recent call last)" not in res.stderr  # torch's own C++ log lines may precede
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("rrfp: error:")]
+    assert len(lines) == 1 and lines[0].startswith("rrfp: error: rank 1 (stage 1): start-up failed while joining "
+                                                   "the process group"), res.stderr[-2000:]
+    assert lines[0].endswith(f"(traceback in {tmp_path}/rank-1.log)")

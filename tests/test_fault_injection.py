@@ -1,0 +1,194 @@
+"""Fault injection (run.fault) end to end: one rank fails at a chosen (step,
+stage, task) and the run ends with one line per failure.
+
+The failing rank's line names the cause (or there is none: SIGKILL leaves no
+time to write one); every other rank stops with a short line that points at
+the rank that failed first (rrfp/app/failure_board.py), within run.timeout_s
++ 10 s, with a non-zero exit code; nothing of the run is left alive. The ranks
+are plain processes (rank_procs.py).
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from rank_procs import RankProcs
+
+TIMEOUT_S = 5  # run.timeout_s: the peer deadline and the process-group timeout
+SLACK_S = 10
+STARTUP_S = 90  # imports and rendezvous of every rank on a loaded 2-core machine
+
+
+def _args(tmp: Path, world: int, *sets: str) -> list[str]:
+    sets = ("steps=1000", f"timeout_s={TIMEOUT_S}", f"log_dir={tmp / 'logs'}", "unit_ms=1", "microbatches=4",
+            "model.n_embd=32", "model.block_size=64", f"model.n_layer={world}", "data.min_seq_len=16",
+            "data.max_seq_len=64", *sets)
+    return ["--config", "configs/gpt-tiny.toml", *(a for s in sets for a in ("--set", s))]
+
+
+def _wait_for_fault(ranks: RankProcs, victim: int, what: str) -> float:
+    """Until the victim logged that it injects the fault; the others must still be running."""
+    t0 = time.monotonic()
+    while "injecting fault" not in ranks.err(victim):
+        early = {r: p.returncode for r, p in enumerate(ranks.procs) if r != victim and p.poll() is not None}
+        assert not early, f"rank(s) ended before the fault: {early}\n{ranks.tails()}"
+        assert time.monotonic() - t0 < STARTUP_S, f"no fault injected within {STARTUP_S} s\n{ranks.tails()}"
+        time.sleep(0.05)
+    assert what in ranks.err(victim), ranks.err(victim)
+    return time.monotonic() - t0
+
+
+def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
+    err = ranks.err(rank)
+    assert "Traceback" not in err, f"rank {rank} printed a traceback:\n{err}"
+    lines = ranks.error_lines(rank)
+    assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{err}"
+    line = lines[0]
+    # the failure board names the rank that left; without it (its store was in a rank that is gone) a
+    # channel names its peer, and a world collective (the step's all-reduce) cannot say which rank left
+    assert re.match(rf"rrfp: error: rank {rank}: stopped: (rank {peer} left first without a word \(killed, or "
+                    rf"hung\)|peer rank {peer} failed or left first|another rank failed or left first)", line), line
+    log = re.search(r"traceback in (\S+)\)$", line)
+    assert log and "Traceback" in Path(log.group(1)).read_text(), line
+    return line
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["kill", "stop"])
+def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
+    world, victim = 3, 1  # the middle stage: both neighbours lose it
+    fault = f"{kind}:step=3:stage=1:task=B2"
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}"))
+    survivors = [0, 2]
+    try:
+        _wait_for_fault(ranks, victim, f"rank 1 stage 1: step 3 task B2: injecting fault {fault}")
+        limit = TIMEOUT_S + SLACK_S
+        ended = ranks.wait(survivors, limit)
+        assert sorted(ended) == survivors, f"still running {limit} s after the {kind}: " \
+                                           f"{set(survivors) - set(ended)}\n{ranks.tails()}"
+        lines = [_survivor_line(ranks, r, victim) for r in survivors]
+        assert any(f"stopped: rank {victim} left first without a word" in ln for ln in lines), lines
+        assert all(ranks.procs[r].returncode == 1 for r in survivors), ranks.tails()
+        assert ranks.error_lines(victim) == [], "the victim had no time to write a line"
+        if kind == "kill":
+            assert ranks.procs[victim].wait(5) == -9
+            assert any("the peer process probably died" in ln for ln in lines), lines
+        else:
+            assert ranks.procs[victim].poll() is None, "the stopped rank is still there, stopped"
+            assert min(ended.values()) > TIMEOUT_S / 2, f"ended before the deadline could pass: {ended}"
+            assert any("nothing" in ln and ("timeout" in ln or f"{TIMEOUT_S} s" in ln) for ln in lines), lines
+        print(f"{kind}: survivors ended after " + ", ".join(f"rank {r}: {t:.1f} s" for r, t in ended.items()))
+        assert ranks.alive() == ([victim] if kind == "stop" else []), "an orphan is left"
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == [], "processes of the run are left after the cleanup"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault,debug", [("bug:step=2:stage=1:task=F0", True), ("raise:step=2:stage=1:task=B3", False)],
+                         ids=["internal-error-debug", "run-failure"])
+def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, debug):
+    """The victim is rank 1: rank 0 holds the store (plain processes, no torchrun agent), and the
+    failure board needs it alive to tell rank 0 who failed first."""
+    world = 2
+    victim = int(fault.split("stage=")[1][0])
+    other = 1 - victim
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}") + (["--debug"] if debug else []))
+    try:
+        ended = ranks.wait([0, 1], STARTUP_S + TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == [0, 1], ranks.tails()
+        assert [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
+        (line,) = ranks.error_lines(victim)
+        where = f"traceback above" if debug else f"traceback in {tmp_path / 'logs'}/rank-{victim}.log"
+        if fault.startswith("bug"):
+            assert line.startswith(f"rrfp: error: rank {victim} (stage {victim}): internal error, please report "
+                                   f"it ({where}): RuntimeError: "), line
+        else:
+            assert line.startswith(f"rrfp: error: rank {victim} (stage {victim}): step 2 task B3: injected fault")
+            assert line.endswith(f"({where})"), line
+        assert ("Traceback" in ranks.err(victim)) == debug, ranks.err(victim)
+        assert "Traceback" in (tmp_path / "logs" / f"rank-{victim}.log").read_text()
+        (pointer,) = ranks.error_lines(other)
+        # the failure board names the rank whose line has the cause
+        assert pointer.startswith(f"rrfp: error: rank {other}: stopped: rank {victim} failed first (see its "
+                                  f"line): "), pointer
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == []
+
+
+@pytest.mark.timeout(120)
+def test_nan_with_on_nonfinite_stop_ends_every_rank_with_one_line(tmp_path):
+    world = 2
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, "fault=nan:step=2:stage=0", "on_nonfinite=stop"))
+    try:
+        ended = ranks.wait([0, 1], STARTUP_S + TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == [0, 1], ranks.tails()
+        assert [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
+        for r in range(world):
+            assert "Traceback" not in ranks.err(r)
+            (line,) = ranks.error_lines(r)
+            assert line.startswith(f"rrfp: error: rank {r} (stage {r}): step 2: NaN or Inf in the loss or the "
+                                   f"gradients (first on rank 0, stage 0); every rank ends here, no update was "
+                                   f"made"), line
+        steps = [ln for ln in ranks.out(0).splitlines() if ln.startswith("step")]
+        assert len(steps) == 1, "step 1 ran, step 2 stopped"
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == []
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(tmp_path):
+    """The user's path: torchrun's agent holds the store, so the failure board works even after
+    rank 0 is gone; rank 0 lost rank 1, yet names rank 2, whose line has the cause. The agent
+    SIGTERMs the other ranks as soon as it sees one exit: --monitor-interval 3 lets them finish
+    their lines first (with the default 0.1 s, rank 0, still waiting, would end silently)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rank_procs import ROOT
+
+    world = 3
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "--monitor-interval=3",
+                             "-m", "rrfp", "train", *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1")],
+                            cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=STARTUP_S)
+        # torchrun has exited; its ranks run in sessions of their own: find them by this test's log dir
+        assert _processes_naming(tmp_path) == [], "a process of the run outlived torchrun"
+    finally:
+        for pid in [proc.pid, *_processes_naming(tmp_path)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0
+    lines = sorted(ln for ln in err.splitlines() if ln.startswith("rrfp: error:"))
+    assert len(lines) == world, err[-3000:]
+    assert lines[2].startswith("rrfp: error: rank 2 (stage 2): internal error, please report it"), lines[2]
+    for r in (0, 1):
+        assert lines[r].startswith(f"rrfp: error: rank {r}: stopped: rank 2 failed first (see its line): "), lines[r]
+
+
+def _processes_naming(text) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(text) in cmdline and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found

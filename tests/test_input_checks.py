@@ -1,0 +1,144 @@
+"""Input that cannot run is refused before any process group exists, in one
+line with exit code 2: data longer than the model's context, a fixed class-hint
+order that holds more than the budget, a fault spec that names nothing, and a
+config loader that never fails with anything but a one-line ConfigError."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from test_train_cli import CONFIG, assert_usage_error, rrfp
+from rrfp.app.config import ConfigError, TrainConfig
+from rrfp.app.errors import UsageError
+from rrfp.core.hints import peak_in_flight, resolve
+from rrfp.core.tasks import Task
+from rrfp.pipeline.faults import Fault
+
+VLM = "configs/vlm-tiny.toml"
+
+REFUSED = [
+    (["data.max_seq_len=200"], ["data.max_seq_len=200 is above model.block_size=128", "model's context"]),
+    (["model.vocab_size=100"], ["model.vocab_size=100 is below the data's 256 byte tokens"]),
+    (["pp=8"], ["pp=8", "does not match world size 4"]),
+    (["model.n_layer=2"], ["model.n_layer=2 is fewer than the 4 pipeline stages"]),
+    (["dispatch=fixed", "budget=1x"], ["run.dispatch = fixed with hint bfw", "built for a 2x budget",
+                                       "stage 0 holds up to 8 microbatches", "run.budget = 1x (4 there)"]),
+    (["dispatch=fixed", "hint=bf", "budget=64MiB"], ["hint bf", "a byte budget"]),
+    (["fault=kill:step=3:stage=7"], ["run.fault kill:step=3:stage=7", "no such stage or rank"]),
+    (["fault=kill:step=3:stage=1:task=W2", "hint=1f1b"], ["no task W2", "split = False"]),
+    (["fault=explode:step=1:stage=0"], ["run.fault", "kind must be one of kill, stop"]),
+    (["on_nonfinite=ignore"], ["run.on_nonfinite must be stop or skip"]),
+]
+
+
+@pytest.mark.parametrize("sets,needles", REFUSED, ids=[" ".join(s) for s, _ in REFUSED])
+def test_refused_with_one_line(sets, needles):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(CONFIG, sets, world_size=4)
+    line = str(info.value)
+    assert "\n" not in line and all(n in line for n in needles), line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sets,needles", [REFUSED[0], REFUSED[4]], ids=["context", "fixed-budget"])
+def test_refused_before_any_process_group(sets, needles):
+    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves was never joined."""
+    args = [a for s in sets for a in ("--set", s)]
+    assert_usage_error(rrfp("--config", CONFIG, *args, world=4), *needles)
+
+
+def test_vlm_context_is_checked_too():
+    with pytest.raises(ConfigError, match="model.block_size=100 is below the longest sequence"):
+        TrainConfig.load(VLM, ["model.block_size=100"], world_size=2)
+
+
+def test_fixed_class_hint_within_its_budget_is_accepted():
+    for sets in (["dispatch=fixed"], ["dispatch=fixed", "budget=3x"], ["dispatch=fixed", "hint=1f1b", "budget=1"],
+                 ["dispatch=ready", "budget=1"], ["dispatch=fixed", "hint=plan", "budget=1x"]):
+        TrainConfig.load(CONFIG, sets, world_size=4)
+
+
+def test_peak_in_flight_of_schedules():
+    one_f_one_b, gpipe = resolve("1f1b"), resolve("gpipe")
+    assert [peak_in_flight(one_f_one_b.order(4, s, 8, False), False) for s in range(4)] == [4, 3, 2, 1]
+    assert peak_in_flight(gpipe.order(4, 0, 8, True), True) == 8
+    # with a split backward a microbatch is held until its W
+    assert peak_in_flight([Task.parse(t) for t in "F0 B0 F1 W0 B1 W1".split()], True) == 2
+    assert peak_in_flight([Task.parse(t) for t in "F0 B0 F1 W0 B1 W1".split()], False) == 1
+
+
+def test_fault_spec_round_trip_and_errors():
+    f = Fault.parse("kill:step=3:stage=1:task=B2")
+    assert (f.kind, f.step, f.stage, f.rank, f.task) == ("kill", 3, 1, None, Task.parse("B2"))
+    assert str(f) == "kill:step=3:stage=1:task=B2" and Fault.parse(str(f)) == f
+    assert f.hits(rank=5, stage=1) and not f.hits(rank=5, stage=0)
+    assert Fault.parse("stop:step=1:rank=2").hits(rank=2, stage=0)
+    for bad, match in [("kill:stage=1", "step=N is required"), ("kill:step=1", "stage=S or rank=R"),
+                       ("kill:step=0:stage=1", "out of range"), ("kill:step=x:stage=1", "must be an integer"),
+                       ("kill:step=1:stage=1:step=2", "once each"), ("nan:step=1:stage=0:task=F0", "no task"),
+                       ("kill:step=1:stage=0:task=X9", "not a task")]:
+        with pytest.raises(ValueError, match=match):
+            Fault.parse(bad)
+
+
+def test_rrfp_fault_environment_variable(monkeypatch):
+    monkeypatch.setenv("RRFP_FAULT", "stop:step=2:stage=3")
+    assert str(TrainConfig.load(CONFIG, [], world_size=4).run.fault) == "stop:step=2:stage=3"
+    monkeypatch.setenv("RRFP_FAULT", "stop:step=2")
+    with pytest.raises(ConfigError, match="RRFP_FAULT"):
+        TrainConfig.load(CONFIG, [], world_size=4)
+
+
+# -- fuzz: the TOML file and --set overrides ------------------------------------------
+
+_KEYS = ["pp", "tp", "dp", "microbatches", "steps", "dispatch", "executor", "hint", "budget", "split", "lr",
+         "seed", "preset", "unit_ms", "timeout_s", "backend", "device", "threads", "log_every", "model",
+         "on_nonfinite", "fault", "cost", "weight_decay", "model.n_layer", "model.n_embd", "model.block_size",
+         "model.n_head", "data.max_seq_len", "data.min_seq_len", "data.microbatch_size", "run.nope", "nope.x",
+         "model.x"]
+_WORDS = ["fixed", "ready", "bfw", "bf", "1f1b", "plan", "2x", "0x", "1x", "64MiB", "lang", "none", "gpt", "vlm",
+          "kill:step=1:stage=0", "nan:step=2", "nope:x", "os:getcwd", "", "gloo", "nccl", "cuda", "stop", "skip"]
+# values as TOML writes them: most documents parse, so the checks behind the parser get exercised
+_LITERAL = st.one_of(st.integers(-3, 300).map(str),
+                     st.sampled_from(["0.5", "1e-3", "-2.0", "nan", "inf", "-inf", "1e400", "true", "false",
+                                      "[1, 2]", "{a = 1}", "[]"]),
+                     st.sampled_from(_WORDS).map(lambda w: f'"{w}"'))
+_VALUES = st.one_of(_LITERAL, st.sampled_from(_WORDS), st.text(max_size=8))  # --set also takes bare words
+_OVERRIDES = st.lists(st.one_of(st.tuples(st.sampled_from(_KEYS), _VALUES).map("=".join), st.text(max_size=10)),
+                      max_size=4)
+_TABLE = st.dictionaries(st.sampled_from(sorted({k.rpartition(".")[2] for k in _KEYS})), _LITERAL, max_size=5)
+
+
+def _render(tables: dict, trailer: str) -> list[str]:
+    return [line for name, table in tables.items()
+            for line in [f"[{name}]", *(f"{k} = {v}" for k, v in table.items())]] + [trailer]
+
+
+_TOML_LINES = st.builds(_render, st.dictionaries(st.sampled_from(["run", "model", "data", "other"]), _TABLE,
+                                                 max_size=3),
+                        st.sampled_from(["", "", "", "", "", "[run", "x = ", "\x00", "[[run]]\nx = 1", "y = 1"]))
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=_TOML_LINES, overrides=_OVERRIDES, world=st.sampled_from([1, 2, 4]))
+@example(lines=[], overrides=["cost=5"], world=4)  # once an AttributeError
+@example(lines=["[run]", "lr = nan"], overrides=[], world=4)  # once accepted
+@example(lines=[], overrides=["timeout_s=inf"], world=4)  # once accepted, to fail in timedelta later
+@example(lines=["[model]", "block_size = 8"], overrides=["model=vlm"], world=2)
+@example(lines=["[[run]]", "x = 1"], overrides=["steps=2"], world=4)  # once an AttributeError
+@example(lines=["[run]", "model = [1, 2]"], overrides=["steps=2"], world=4)  # once a TypeError
+def test_config_loader_raises_only_config_errors(tmp_path, lines, overrides, world):
+    path = tmp_path / "fuzz.toml"
+    path.write_text("\n".join(lines), errors="surrogateescape")
+    try:
+        TrainConfig.load(path, overrides, world_size=world)
+    except UsageError as e:  # ConfigError included
+        text = str(e)
+        assert text and "\n" not in text.strip() and "Traceback" not in text, repr(text)
+    else:
+        run = TrainConfig.load(path, overrides, world_size=world).run
+        assert all(math.isfinite(v) for v in (run.lr, run.unit_ms, run.timeout_s, run.weight_decay))
