@@ -56,12 +56,13 @@ def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
     return line
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["kill", "stop"])
 def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
     world, victim = 3, 1  # the middle stage: both neighbours lose it
     fault = f"{kind}:step=3:stage=1:task=B2"
-    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}"))
+    ckpt = (f"checkpoint_dir={tmp_path / 'ck'}", "checkpoint_every=1")  # steps 1 and 2 commit before the fault
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}", *ckpt))
     survivors = [0, 2]
     try:
         _wait_for_fault(ranks, victim, f"rank 1 stage 1: step 3 task B2: injecting fault {fault}")
@@ -85,6 +86,18 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
     finally:
         ranks.kill_all()
     assert ranks.alive() == [], "processes of the run are left after the cleanup"
+    # the last committed checkpoint survived the failure: a resumed run loads it and finishes step 3
+    assert sorted(d.name for d in (tmp_path / "ck").iterdir() if not d.name.startswith(".")) == ["step-00000001", "step-00000002"]
+    again = tmp_path / "resume"
+    again.mkdir()
+    resumed = RankProcs(again, world, _args(tmp_path, world, *ckpt, "resume=required", "steps=3"))
+    try:
+        assert sorted(resumed.wait(range(world), STARTUP_S)) == list(range(world)), resumed.tails()
+        assert [p.returncode for p in resumed.procs] == [0] * world, resumed.tails()
+        assert "resume: from" in resumed.out(0) and "step 2 of 3" in resumed.out(0), resumed.out(0)
+        assert re.search(r"done: 1 steps after step 2", resumed.out(0)), resumed.out(0)
+    finally:
+        resumed.kill_all()
 
 
 @pytest.mark.timeout(120)
