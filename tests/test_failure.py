@@ -10,16 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from distributed import free_port
+from rank_procs import RankProcs
 
-ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
 TIMEOUT_S = 10  # run.timeout_s: the peer deadline and the process-group timeout
 SLACK_S = 35  # on a loaded 2-core machine; a hang still fails well inside the test timeout
@@ -37,31 +34,11 @@ DIED = "the peer process probably died"
 TIMED_OUT = ("nothing within the process-group timeout", f"nothing arrived for {TIMEOUT_S} s")
 
 
-class Ranks:
+class Ranks(RankProcs):
     """WORLD `rrfp train` processes, stdout and stderr in files."""
 
     def __init__(self, tmp: Path) -> None:
-        port = free_port()
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen] = []
-        self.files = []
-        for rank in range(WORLD):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))}
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-                       PYTHONUNBUFFERED="1")
-            env.pop("RRFP_LOG", None)
-            out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
-            self.files += [out, err]
-            args = [*ARGS, "--set", f"log_dir={tmp / 'logs'}"]  # where each survivor's traceback goes
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT, env=env,
-                                               stdin=subprocess.DEVNULL, stdout=out, stderr=err))
-
-    def out(self, rank: int) -> str:
-        return (self.tmp / f"out{rank}").read_text(errors="replace")
-
-    def err(self, rank: int) -> str:
-        return (self.tmp / f"err{rank}").read_text(errors="replace")
+        super().__init__(tmp, WORLD, [*ARGS, "--set", f"log_dir={tmp / 'logs'}"])  # where tracebacks go
 
     def wait_for_steps(self, n: int) -> float:
         t0 = time.monotonic()
@@ -73,32 +50,6 @@ class Ranks:
                 pytest.fail(f"rank 0 printed fewer than {n} steps within {STARTUP_S} s\n" + self.tails())
             time.sleep(0.1)
         return time.monotonic() - t0
-
-    def wait_all(self, ranks: list[int], limit_s: float) -> dict[int, float]:
-        """Seconds from now until each rank exited; a rank still running after limit_s is missing."""
-        t0 = time.monotonic()
-        done: dict[int, float] = {}
-        while len(done) < len(ranks) and time.monotonic() - t0 < limit_s:
-            for r in ranks:
-                if r not in done and self.procs[r].poll() is not None:
-                    done[r] = time.monotonic() - t0
-            time.sleep(0.02)
-        return done
-
-    def tails(self) -> str:
-        return "\n".join(f"--- rank {r} stderr:\n{self.err(r)[-1500:]}" for r in range(WORLD))
-
-    def kill_all(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()  # SIGKILL also ends a SIGSTOPped process
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for f in self.files:
-            f.close()
 
 
 def _check_line(rank: int, stderr: str) -> str:
@@ -133,7 +84,7 @@ def test_survivors_end_with_one_named_error(tmp_path, sig, victim):
     try:
         startup = ranks.wait_for_steps(STEPS_BEFORE_FAULT)
         os.kill(ranks.procs[victim].pid, getattr(signal, sig))
-        elapsed = ranks.wait_all(survivors, TIMEOUT_S + SLACK_S)
+        elapsed = ranks.wait(survivors, TIMEOUT_S + SLACK_S)
         times = ", ".join(f"rank {r}: {elapsed[r]:.2f} s" if r in elapsed else f"rank {r}: still running"
                           for r in survivors)
         summary = f"{sig} rank {victim} after {startup:.1f} s of start-up; survivors ended after {times}"
