@@ -45,34 +45,24 @@ class TaskTimes:
     def realized(self, iteration: int, stages: int, microbatches: int,
                  features: Sequence[dict] | None = None) -> np.ndarray:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
-        split backward: B holds it); what the bench bounds and the simulator replays."""
-        out = np.zeros((stages, microbatches, 3))
-        kinds = (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B)
-        for s in range(stages):
-            for m in range(microbatches):
-                for k in kinds:
-                    out[s, m, k] = self.units(iteration, s, m, k, features)
+        split backward: B holds it); what the simulator draws, the bench bounds and a replay runs."""
+        S, M, var = stages, microbatches, self.variability
+        out = np.zeros((S, M, 3))
+        s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
+        for k in (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B):
+            if self.cost is not None and features is not None:
+                cost = [[self.cost.units(s, int(k), features[m], self.split) for m in range(M)] for s in range(S)]
+                out[:, :, k] = np.array(cost) * var.noise(self.seed, iteration, s_idx, m_idx, k)
+            else:
+                out[:, :, k] = var.duration(self.seed, iteration, s_idx, m_idx, k, self.split)
         return out
 
     def predicted(self, iteration: int, stages: int, microbatches: int,
                   features: Sequence[dict] | None = None) -> np.ndarray:
         """``[stage, mb, kind]``: the part of every duration that is known before the
-        iteration starts (W is zero without a split backward: B holds it)."""
-        S, M, split = stages, microbatches, self.split
-        out = np.zeros((S, M, 3))
-        var = known(self.variability)
-        kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
-        if self.cost is not None and features is not None:
-            for s in range(S):
-                for m in range(M):
-                    for k in kinds:
-                        out[s, m, k] = (self.cost.units(s, int(k), features[m], split)
-                                        * var.noise(self.seed, iteration, s, m, k))
-            return out
-        s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
-        for k in kinds:
-            out[:, :, k] = var.duration(self.seed, iteration, s_idx, m_idx, k, split) * np.ones((S, M))
-        return out
+        iteration starts: ``realized`` with what cannot be known taken out."""
+        return replace(self, variability=known(self.variability)).realized(iteration, stages, microbatches,
+                                                                           features)
 
     def latency(self, iteration: int, stage: int, mb: int, kind: Kind | int) -> float:
         """Link latency of the message a task of ``kind`` on ``stage`` sends."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
+from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.policy import Dispatch
 from rrfp.core.stats import StageStats
@@ -119,11 +120,7 @@ def _durations(cfg: SimConfig):
     if cfg.durations is not None:
         dur = np.array(cfg.durations, dtype=np.float64).reshape(S, M, 3)
     else:
-        dur = np.zeros((S, M, 3))
-        dur[:, :, 0] = var.duration(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
-        dur[:, :, 1] = var.duration(*key, s_idx, m_idx, Kind.B, split) * np.ones((S, M))
-        if split:
-            dur[:, :, 2] = var.duration(*key, s_idx, m_idx, Kind.W) * np.ones((S, M))
+        dur = TaskTimes(var, cfg.seed, split).realized(cfg.iteration, S, M)
     lat_f = var.latency(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
     lat_b = var.latency(*key, s_idx, m_idx, Kind.B) * np.ones((S, M))
     sizes = (var.length(*key, np.arange(M)) * cfg.mb_bytes).astype(np.int64).tolist()
