@@ -5,6 +5,7 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rrfp.core.durations import known
 from rrfp.core.hints import Hint, resolve, validate
 from rrfp.core.planner import candidate_orders, entry_order_hint
 from rrfp.core.variability import Variability
@@ -20,15 +21,15 @@ def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(S, M, pre
     cfg = SimConfig(S, M, resolve("plan"), dispatch, budget, Variability.preset(preset), seed=seed)
     planned, made = planned_config(cfg)
     if dispatch == "fixed":  # plan, then replay: on the predicted durations the replay is the plan
-        known = replace(cfg.variability, jitter=0.0, straggler_p=0.0, comm_jitter=0.0)
-        replayed = simulate(replace(planned, variability=known)).makespan
+        seen = known(cfg.variability)
+        replayed = simulate(replace(planned, variability=seen)).makespan
         assert abs(replayed - made.predicted_makespan) < 1e-9, (replayed, made.predicted_makespan)
     assert sorted(made.order) == list(range(M))
     for s in range(S):
         validate(planned.hint.order(S, s, M, True), M, True, where=f"plan stage {s}")
     assert made.predicted_makespan <= made.bfw_makespan + 1e-9
-    known = replace(cfg.variability, jitter=0.0, straggler_p=0.0, comm_jitter=0.0)
-    bfw = simulate(replace(cfg, hint=resolve("bfw"), dispatch="ready", variability=known)).makespan
+    seen = known(cfg.variability)
+    bfw = simulate(replace(cfg, hint=resolve("bfw"), dispatch="ready", variability=seen)).makespan
     assert abs(made.bfw_makespan - bfw) < 1e-9, "the first candidate is plain BFW (scored under ready dispatch)"
     simulate(planned)  # the real durations (jitter, stragglers): runs to the end, no deadlock
 

@@ -47,7 +47,6 @@ class Plan:
     order: tuple[int, ...]  # microbatches in entry order
     predicted_makespan: float
     bfw_makespan: float  # the plain BFW order on the same predicted durations
-    candidates: int
     seconds: float  # planning time
 
 
@@ -77,4 +76,4 @@ def plan(predicted: np.ndarray, score: Callable[[Sequence[int]], float]) -> Plan
     cands = candidate_orders(predicted.sum(axis=(0, 2)))
     scored = [(score(o), i, o) for i, o in enumerate(cands)]
     best, _, order = min(scored)
-    return Plan(order, best, scored[0][0], len(cands), time.perf_counter() - t0)
+    return Plan(order, best, scored[0][0], time.perf_counter() - t0)

@@ -234,18 +234,18 @@ class _Iteration:
         if self.ex.instrument is not None:
             self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
 
-    def _owing_peer(self) -> int | None:
-        """The first peer that owes this stage an arrival, if any."""
+    def _owing(self) -> list:
+        """The incoming channels whose peers still owe this stage an arrival."""
         tr, ch = self.tracker, self.ex.channels
-        return next((c.peer for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in))
-                     if c is not None and tr.outstanding(kind)), None)
+        return [c for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)) if c is not None and tr.outstanding(kind)]
+
+    def _owing_peer(self) -> int | None:
+        return next((c.peer for c in self._owing()), None)
 
     def _waiting_for(self) -> str:
         """The tracker's reason, with the channels and peers that owe an arrival."""
-        tr, ch = self.tracker, self.ex.channels
-        owed = [f"channel {c.name} (peer rank {c.peer})" for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in))
-                if c is not None and tr.outstanding(kind)]
-        return tr.blocked() + (f"; owed by {' and '.join(owed)}" if owed else "")
+        owed = [f"channel {c.name} (peer rank {c.peer})" for c in self._owing()]
+        return self.tracker.blocked() + (f"; owed by {' and '.join(owed)}" if owed else "")
 
     async def _run(self, task: Task) -> None:
         """Compute ``task`` on the lane and post what it sends."""

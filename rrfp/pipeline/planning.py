@@ -26,8 +26,7 @@ from rrfp.sim.planning import make_plan
 @dataclass(frozen=True)
 class PlanReport:
     plan: Plan
-    ahead: bool  # made before the iteration started (off the critical path)
-    waited_s: float  # how long the iteration waited for it
+    waited_s: float  # how long the iteration waited for it (about zero when it was made ahead)
 
 
 class IterationPlanner:
@@ -48,12 +47,10 @@ class IterationPlanner:
     async def hint(self, iteration: int, features: Sequence[dict] | None = None) -> tuple[Hint, PlanReport]:
         for old in [i for i in self._pending if i < iteration]:  # prepared but never run
             self._pending.pop(old).cancel()
-        ahead = iteration in self._pending
         fut = self._pending.pop(iteration, None) or self._pool.submit(self._make, iteration, features)
-        ahead = ahead and fut.done()
         t0 = time.perf_counter()
         made_hint, made = await asyncio.wrap_future(fut)
-        return made_hint, PlanReport(made, ahead, time.perf_counter() - t0)
+        return made_hint, PlanReport(made, time.perf_counter() - t0)
 
     def close(self) -> None:
         for fut in self._pending.values():
