@@ -76,11 +76,13 @@ class GradSync:
         with self._in_lane_order():
             for bucket in self.buckets:
                 # the gradients, then one presence count per parameter (1: this replica has a gradient)
-                present = torch.tensor([p.grad is not None for p in bucket], dtype=bucket[0].dtype,
-                                       device=bucket[0].device)
+                # filled on the device: a host list copied there would wait for the lane's queued work
+                missing = {i for i, p in enumerate(bucket) if p.grad is None}
+                present = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                for i in missing:
+                    present[i] = 0
                 flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                                   for p in bucket] + [present])
-                missing = {i for i, p in enumerate(bucket) if p.grad is None}
                 self._inflight.append((bucket, flat, missing,
                                        dist.all_reduce(flat, group=self.group, async_op=True)))
 
