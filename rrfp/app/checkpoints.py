@@ -112,12 +112,12 @@ class RunCheckpoints:
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
     async def save(self, done: int) -> Checkpoint:
-        """Collective: every rank writes its part into the partial directory; after
-        a barrier rank 0 commits it, and every rank learns that it did (so a line
-        saying "saved" is true on every rank); then rank 0 deletes checkpoints
-        beyond checkpoint_keep."""
+        """Collective: every rank writes its part into the partial directory (DCP's save
+        returns on any rank only once every rank's files and the metadata are written);
+        then rank 0 commits it, and every rank learns that it did (so a line saying
+        "saved" is true on every rank); then rank 0 deletes checkpoints beyond
+        checkpoint_keep."""
         await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
-        await self.rt.all_reduce(torch.zeros(1), what=f"step {done}: barrier after writing the checkpoint")
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
