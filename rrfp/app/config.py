@@ -156,7 +156,7 @@ class TrainConfig:
                                   fault.rank is not None and fault.rank >= self.world_size):
             raise ConfigError(f"run.fault {fault}: no such stage or rank in {layout.short()}")
         if fault is not None and fault.task is not None:
-            split = default_split(self.run.hint.name) if self.run.split is None else self.run.split
+            split = default_split(self.run.hint.name, self.run.split)
             if fault.task.mb >= self.run.microbatches or (fault.task.kind.name == "W" and not split):
                 raise ConfigError(f"run.fault {fault}: no task {fault.task} with {self.run.microbatches} "
                                   f"microbatches, split = {split}")
@@ -228,7 +228,7 @@ def _check_fixed_budget(run: RunConfig, num_stages: int) -> None:
     nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently."""
     if run.dispatch is not Dispatch.FIXED or not run.hint.is_class or run.hint.planned:
         return
-    split = default_split(run.hint.name) if run.split is None else run.split
+    split = default_split(run.hint.name, run.split)
     why = (f"run.dispatch = fixed with hint {run.hint.name} follows the hint's nominal order, built for a "
            f"{NOMINAL_BUDGET:g}x budget, and applies no budget of its own")
     if run.budget.bytes is not None:

@@ -81,8 +81,11 @@ SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan"}
 CLASS_HINTS = {"bf", "bfw"}
 
 
-def default_split(name: str) -> bool:
-    """Hints that exist to move W get a split backward; the others keep B whole."""
+def default_split(name: str, split: bool | None = None) -> bool:
+    """A split backward where asked for; otherwise the hints that exist to move W
+    get one and the others keep B whole."""
+    if split is not None:
+        return split
     return name in SPLIT_BY_DEFAULT
 
 

@@ -151,7 +151,7 @@ class PipelineRuntime:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects."""
         h = resolve(hint)
-        split = default_split(h.name) if split is None else split
+        split = default_split(h.name, split)
         settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,
                                     variability or Variability(), seed, self.timeout_s, cost)
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,

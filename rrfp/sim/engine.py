@@ -60,7 +60,7 @@ class SimConfig:
 
     @property
     def split_backward(self) -> bool:
-        return default_split(self.hint.name) if self.split is None else self.split
+        return default_split(self.hint.name, self.split)
 
 
 @dataclass
