@@ -18,18 +18,11 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from rrfp.app.errors import ConfigError
+from rrfp.app.errors import ConfigError, leaves
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import PeerFailure, PipelineError
 
 PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
-
-
-def leaves(e: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
-    if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
-    return [e]
 
 
 def kind_of(e: BaseException) -> str:

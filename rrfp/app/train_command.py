@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import statistics
 import sys
 import traceback
 
 from rrfp.app.checkpoints import resume_point
 from rrfp.app.config import TrainConfig
-from rrfp.app.errors import UsageError, root_cause
+from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import SECONDARY, Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.train import StepReport, stage_main
@@ -73,7 +74,7 @@ def train_command(args) -> int:
                  "no checkpoint saved (run.checkpoint_dir is not set)")
         print(f"rrfp: stopped: rank {rank}: SIGTERM on {summary.stop_requests} rank(s), the run stopped after "
               f"step {summary.stopped_at} of {cfg.run.steps}; {saved}", file=sys.stderr, flush=True)
-        _leave(STOPPED_EXIT)
+        exit_now(STOPPED_EXIT)
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""
         skipped = f" ({len(summary.skipped)} skipped: NaN/Inf)" if summary.skipped else ""
@@ -81,27 +82,17 @@ def train_command(args) -> int:
               f"{summary.losses[-1]:.4f}, "
               f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
         if summary.plan_s:
-            waits = sorted(summary.plan_waited_s[1:]) or [0.0]  # step 1's plan cannot be made ahead
-            print(f"plan: {1e3 * sorted(summary.plan_s)[len(summary.plan_s) // 2]:.1f} ms per step (median, "
-                  f"in a thread, one step ahead); steps after the first waited for it {1e3 * waits[len(waits) // 2]:.2f} "
-                  f"ms (median), {1e3 * waits[-1]:.2f} ms at most", flush=True)
-    _leave(0)
-
-
-def _leave(code: int) -> None:
-    """Everything is written and every group is down. Leave now: letting the interpreter tear down
-    torch's C++ state after gloo async collectives sometimes aborts ("terminate called without an
-    active exception", about 1 run in 7 on 4 CPU ranks), which would turn a finished run into exit 134."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+            waits = summary.plan_waited_s[1:] or [0.0]  # step 1's plan cannot be made ahead
+            print(f"plan: {1e3 * statistics.median_high(summary.plan_s):.1f} ms per step (median, "
+                  f"in a thread, one step ahead); steps after the first waited for it "
+                  f"{1e3 * statistics.median_high(waits):.2f} ms (median), {1e3 * max(waits):.2f} ms at most", flush=True)
+    exit_now(0)
 
 
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
     # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
-    # or two at most, then os._exit below; the agent waits far longer before its SIGKILL)
+    # or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     failure = Failure.of(e)
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
@@ -115,7 +106,4 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.layout.coords(rank).pp
     print(f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}", file=sys.stderr, flush=True)
-    logging.shutdown()
-    sys.stdout.flush()
-    # A peer may be dead and gloo threads blocked in it: leave at once, not through teardown.
-    os._exit(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: 2
+    exit_now(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: 2

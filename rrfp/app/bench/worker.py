@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rrfp.app.bench.runners import Runner, RrfpRunner, TorchRunner
 from rrfp.app.bench.suite import BenchSpec, Case
-from rrfp.app.errors import one_line
+from rrfp.app.errors import exit_now, one_line
 from rrfp.core.cost import CostModel
 from rrfp.loop import run as run_loop
 from rrfp.observe.trace import write_json
@@ -116,12 +116,8 @@ def main(argv: list[str]) -> None:
     except Exception as e:
         traceback.print_exc()  # the job's log keeps it; the parent shows the line below
         print(f"rrfp: error: {one_line(e, rank)}", file=sys.stderr, flush=True)
-        os._exit(1)  # a peer may be dead and gloo threads blocked on it: no teardown
-    # As in `rrfp train`: every group is down; leave before torch's C++ teardown can abort the process.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        exit_now(1)
+    exit_now(0)  # as in `rrfp train`: every group is down; leave before torch's C++ teardown
 
 
 if __name__ == "__main__":
