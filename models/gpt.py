@@ -58,6 +58,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    is_causal = True  # a vision encoder's attention (models/vlm.py) sees every patch
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
@@ -72,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split(c_local, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c_local // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.is_causal)
         y = y.transpose(1, 2).contiguous().view(b, t, c_local)
         return self.resid_dropout(self.c_proj(y))
 
@@ -149,7 +151,7 @@ class GPT(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all tokens of a microbatch."""
+    """Mean cross-entropy over the tokens of a microbatch (targets of -100, e.g. image tokens, are ignored)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 

@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig
-from models.shapes import VLMDataConfig, VLMInputs, batches, max_seq_len
+from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
+from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, max_seq_len
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.nn.tensor_parallel import group_size_rank
 from rrfp.pipeline.workload import Workload, token_features
@@ -81,11 +80,7 @@ class VLMConfig:
 class Attention(CausalSelfAttention):
     """models.gpt's attention without the causal mask: every patch sees every patch."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in self.c_attn(x).split(c, 2))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(b, t, c)))
+    is_causal = False
 
 
 class EncoderBlock(Block):
@@ -156,11 +151,6 @@ class VLM(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the text tokens of a microbatch (image tokens are -100)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
 def split_blocks(cfg: VLMConfig, num_stages: int) -> list[range]:
@@ -249,7 +239,7 @@ def build_stage(cfg: VLMConfig, stage: int, num_stages: int, tp_group=None) -> V
 def features(batch) -> dict:
     """Tokens and attention over the whole sequence, plus the image patches the encoder embeds."""
     feats = token_features(batch)
-    feats["patches"] = float((batch[1] == -100).sum())  # one target is ignored per image token
+    feats["patches"] = float((batch[1] == IGNORE).sum())  # one target is ignored per image token
     return feats
 
 
