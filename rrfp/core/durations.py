@@ -64,6 +64,12 @@ class TaskTimes:
         return replace(self, variability=known(self.variability)).realized(iteration, stages, microbatches,
                                                                            features)
 
+    def latencies(self, iteration: int, stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+        """``[stage, mb]`` link latencies of every F message and every B message."""
+        s_idx, m_idx = np.arange(stages)[:, None], np.arange(microbatches)[None, :]
+        return tuple(self.variability.latency(self.seed, iteration, s_idx, m_idx, k) * np.ones((stages, microbatches))
+                     for k in (Kind.F, Kind.B))
+
     def latency(self, iteration: int, stage: int, mb: int, kind: Kind | int) -> float:
         """Link latency of the message a task of ``kind`` on ``stage`` sends."""
         return self.variability.latency(self.seed, iteration, stage, mb, kind)

@@ -115,15 +115,14 @@ class Arrival(NamedTuple):
 
 def _durations(cfg: SimConfig):
     """dur[s, m, kind], message latencies lat_f/lat_b[s, m] and activation sizes, all drawn at once."""
-    S, M, split, var = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.variability
-    s_idx, m_idx, key = np.arange(S)[:, None], np.arange(M)[None, :], (cfg.seed, cfg.iteration)
+    S, M, var = cfg.stages, cfg.microbatches, cfg.variability
+    times = TaskTimes(var, cfg.seed, cfg.split_backward)
     if cfg.durations is not None:
         dur = np.array(cfg.durations, dtype=np.float64).reshape(S, M, 3)
     else:
-        dur = TaskTimes(var, cfg.seed, split).realized(cfg.iteration, S, M)
-    lat_f = var.latency(*key, s_idx, m_idx, Kind.F) * np.ones((S, M))
-    lat_b = var.latency(*key, s_idx, m_idx, Kind.B) * np.ones((S, M))
-    sizes = (var.length(*key, np.arange(M)) * cfg.mb_bytes).astype(np.int64).tolist()
+        dur = times.realized(cfg.iteration, S, M)
+    lat_f, lat_b = times.latencies(cfg.iteration, S, M)
+    sizes = (var.length(cfg.seed, cfg.iteration, np.arange(M)) * cfg.mb_bytes).astype(np.int64).tolist()
     return dur, lat_f, lat_b, sizes
 
 

@@ -19,7 +19,6 @@ from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import resolve
 from rrfp.core.policy import Dispatch
-from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
 from rrfp.sim.planning import make_plan
@@ -45,11 +44,9 @@ class IterationWork:
 def iteration_work(spec: BenchSpec, var: Variability, cost: CostModel | None, iteration: int,
                    features: list[dict] | None, split: bool) -> IterationWork:
     S, M, seed = spec.pp, spec.mb, spec.seed
-    dur = TaskTimes(var, seed, split, cost).realized(iteration, S, M, features)
-    s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
-    lat_f = var.latency(seed, iteration, s_idx, m_idx, Kind.F) * np.ones((S, M))
-    lat_b = var.latency(seed, iteration, s_idx, m_idx, Kind.B) * np.ones((S, M))
-    return IterationWork(dur, lat_f, lat_b, split, spec.unit_ms / 1000)
+    times = TaskTimes(var, seed, split, cost)
+    return IterationWork(times.realized(iteration, S, M, features), *times.latencies(iteration, S, M), split,
+                         spec.unit_ms / 1000)
 
 
 def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: Executor, iteration: int,
