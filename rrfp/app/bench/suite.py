@@ -9,7 +9,6 @@ the space on a command line (``ready-bfw``).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,6 @@ from rrfp.core.hints import default_split, resolve
 from rrfp.core.policy import Dispatch
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
-TORCH_MODULE = "rrfp.pipeline.torch_schedules"
 BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
 # predicted run replayed as a fixed order): each pair differs in dispatch alone
@@ -31,13 +29,6 @@ DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixe
 def file_slug(name: str) -> str:
     """An executor's name as a file name part: ``ready bfw`` -> ``ready-bfw``."""
     return "".join(c if c.isalnum() or c in "._" else "-" for c in name)
-
-
-def _torch_schedules():
-    """rrfp.pipeline.torch_schedules, or None where this build lacks it."""
-    if importlib.util.find_spec(TORCH_MODULE) is None:
-        return None
-    return importlib.import_module(TORCH_MODULE)
 
 
 @dataclass(frozen=True)
@@ -59,7 +50,8 @@ class Executor:
     def split(self) -> bool:
         """Whether this executor runs B and W as separate tasks (what its durations and bound use)."""
         if self.is_torch:
-            ts = _torch_schedules()
+            from rrfp.pipeline import torch_schedules as ts
+
             return ts.SCHEDULES[ts.resolve_schedule(self.hint)][3]
         return default_split(resolve(self.hint).name)
 
@@ -167,9 +159,8 @@ def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
     """Why this executor cannot run this workload here, or None."""
     if not ex.is_torch:
         return None
-    ts = _torch_schedules()
-    if ts is None:
-        return f"the torch anchors ({TORCH_MODULE}) are not in this build"
+    from rrfp.pipeline import torch_schedules as ts
+
     try:
         per_rank = ts.stages_per_rank(ex.hint)
     except ValueError as e:
