@@ -21,6 +21,7 @@ from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import DEFAULT_EXECUTORS, BenchSpec, Executor, parse_case, unavailable
 from rrfp.app.errors import UsageError
+from rrfp.app.progress import progress
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.observe.trace import Span, write_atomic
@@ -28,13 +29,6 @@ from rrfp.observe.trace import Span, write_atomic
 QUICK = {"workloads": ["gpt"], "pp": 2, "mb": 4, "reps": 1, "unit_ms": 2.0}  # --quick: a smoke run of seconds
 FULL = {"workloads": ["gpt", "vlm"], "pp": 4, "mb": 16, "reps": 5, "unit_ms": 40.0}  # 4x the vlm's real F on 2 cores
 CALIBRATION_SAMPLES = 16
-
-
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, disable=not sys.stderr.isatty(),
-                dynamic_ncols=True)
 
 
 def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
@@ -82,7 +76,7 @@ def _calibrate(spec: BenchSpec, out: Path) -> dict[str, str]:
         if not case.calibrate:
             continue
         cfg = case.train_config(spec, tp=1)  # whole stages: the vlm has no tensor parallelism
-        with _progress(CALIBRATION_SAMPLES + 2, f"calibrating {case.name}") as bar:
+        with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {case.name}") as bar:
             samples = measure(cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n))
         path = out / f"cost-{case.name}.json"
         write_atomic(path, CostModel.fit(samples).to_json())
@@ -107,7 +101,7 @@ def bench_command(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost = _calibrate(spec, out)
     try:
-        with tempfile.TemporaryDirectory() as tmp, _progress(spec.runs, "rrfp bench") as bar:
+        with tempfile.TemporaryDirectory() as tmp, progress(total=spec.runs, desc="rrfp bench") as bar:
             job = run_job(spec, Path(tmp), out / "job.log", cost, args.timeout, bar)
     except JobFailed as e:
         print(f"rrfp: error: bench job failed: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ import numpy as np
 from dataclasses import replace
 
 from rrfp.app.errors import UsageError
+from rrfp.app.progress import progress
 from rrfp.core.budget import Budget
 from rrfp.core.hints import HintError, resolve
 from rrfp.core.policy import Dispatch
@@ -41,11 +42,7 @@ def _resolve(args) -> tuple[Budget, list[Dispatch], list, Variability]:
 
 
 def _progress(jobs, desc: str = "simulating", unit: str = "run"):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return jobs
-    return tqdm(jobs, desc=desc, unit=unit, disable=not sys.stderr.isatty(), leave=False)
+    return progress(jobs, desc=desc, unit=unit, leave=False)
 
 
 def _table(args, budget: Budget, var: Variability, rows: list[Row], out, oracle=None) -> None:
