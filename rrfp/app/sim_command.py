@@ -105,7 +105,8 @@ def sim_command(args) -> int:
         sim_oracle.check(args)
     base = SimConfig(args.pp, args.mb, budget=budget, variability=var)
     try:
-        rows = sweep(base, dispatches, hints, args.seeds, _progress)
+        runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
+        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs)
     except HintError as e:
         raise UsageError(str(e)) from None
     rows.sort(key=lambda r: -r.median)
@@ -113,7 +114,7 @@ def sim_command(args) -> int:
     if args.oracle:
         print(f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to {args.oracle_time_limit:g} s each",
               file=sys.stderr)
-        oracle = sim_oracle.oracle_column(args, base, {h.name: h for h in [BASELINE[1], *hints]}, rows, _progress)
+        oracle = sim_oracle.oracle_column(args, base, runs, rows, _progress)
     json_to_stdout = args.json == "-"
     _table(args, budget, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle)
     if args.json:

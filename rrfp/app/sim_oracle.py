@@ -16,8 +16,7 @@ import numpy as np
 
 from rrfp.app.errors import UsageError
 from rrfp.core.policy import Dispatch
-from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim import SimConfig
 from rrfp.sim.sweep import Row
 
 MAX_TASKS = 512  # S * M above which one seed's model is too large to solve in seconds
@@ -89,10 +88,10 @@ class OracleColumn:
                 "seeds": [{"seed": i, **r.as_dict()} for i, r in enumerate(self.results)]}
 
 
-def oracle_column(args, base: SimConfig, hints: dict, rows: list[Row],
+def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
                   progress: Callable) -> OracleColumn:
-    """Solve every seed's optimum; every row's recorded schedules that hold the
-    budget are the solver's first incumbents."""
+    """Solve every seed's optimum; every row's recorded schedules (``runs``, from the
+    sweep) that hold the budget are the solver's first incumbents."""
     from rrfp.sim.oracle import holds_budget, solve
 
     results = []
@@ -100,10 +99,7 @@ def oracle_column(args, base: SimConfig, hints: dict, rows: list[Row],
     for seed in progress(range(args.seeds), desc="solving the optimum", unit="seed"):
         incumbents = []
         for r in rows:
-            cfg = replace(base, dispatch=r.executor, hint=hints[r.hint], seed=seed, record=True)
-            if cfg.hint.planned:
-                cfg, _ = planned_config(cfg)
-            res = simulate(cfg)
+            cfg, res = runs[(r.executor, r.hint)][seed]
             ok = True if cfg.dispatch is Dispatch.READY else holds_budget(cfg, res)
             holds[(r.executor, r.hint)].add(ok)
             if ok:

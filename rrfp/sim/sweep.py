@@ -50,20 +50,25 @@ class Row:
 
 
 def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint], seeds: int,
-          progress: Callable[[Iterable], Iterable] = lambda x: x) -> list[Row]:
+          progress: Callable[[Iterable], Iterable] = lambda x: x,
+          runs: dict[tuple[str, str], list[tuple[SimConfig, SimResult]]] | None = None) -> list[Row]:
     """Every (executor, hint) on the same durations for each seed; speedup is
-    fixed 1F1B's makespan over the configuration's, seed by seed."""
+    fixed 1F1B's makespan over the configuration's, seed by seed. ``runs``, when
+    given, receives every (config as run, recorded result) by (executor, hint), seed
+    by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
     combos = list(dict.fromkeys([(d, h.name) for d, h in [BASELINE, *itertools.product(dispatches, hints)]]))
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
     results: dict[tuple[Dispatch, str], list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
     plan_s: dict[tuple[Dispatch, str], list[float]] = {c: [] for c in combos}
     for seed, (dispatch, name) in progress(jobs):
-        cfg = replace(base, dispatch=dispatch, hint=by_name[name], seed=seed)
+        cfg = replace(base, dispatch=dispatch, hint=by_name[name], seed=seed, record=runs is not None)
         if by_name[name].planned:
             cfg, made = planned_config(cfg)
             plan_s[(dispatch, name)].append(made.seconds)
         results[(dispatch, name)].append(simulate(cfg))
+        if runs is not None:
+            runs.setdefault((str(dispatch), name), []).append((cfg, results[(dispatch, name)][-1]))
     base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name)]])
     rows = []
     for (dispatch, name), rs in results.items():
