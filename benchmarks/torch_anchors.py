@@ -48,6 +48,7 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from rrfp.app.config import TrainConfig
+    from rrfp.core.durations import TaskTimes
     from rrfp.core.variability import Variability
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime
@@ -80,11 +81,10 @@ def worker(a) -> None:
                     v = variants[name]
                     dist.barrier()
                     if name.startswith("torch"):
-                        split = v.split
+                        times = TaskTimes(var, seed, v.split)  # what the rrfp executors' lanes hold
                         latency = None if a.torch_sends == "native" else (
-                            lambda s, m, k: var.latency(seed, it, s, m, k))
-                        res = v.run_iteration(it, data, lambda s, m, k: var.duration(seed, it, s, m, k, split),
-                                              latency)
+                            lambda s, m, k: times.latency(it, s, m, k))
+                        res = v.run_iteration(it, data, lambda s, m, k: times.units(it, s, m, k), latency)
                         wall, params = res.wall_s, list(v.parameters())
                     else:
                         res = await v.run_iteration(it, data)
