@@ -32,6 +32,7 @@ checked against torch 2.13.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -109,26 +110,26 @@ def pack(out, capacity: int, dtype: torch.dtype, stage: int = -1) -> tuple[torch
     entries = list(out) if isinstance(out, (tuple, list)) else [out]
     if not entries or len(entries) > _MAX_TENSORS:
         raise RuntimeError(f"stage {stage}: a boundary carries 1 to {_MAX_TENSORS} tensors, got {len(entries)}")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = int(isinstance(out, (tuple, list))), len(entries)
+    h = [0] * _HEADER  # built in Python, one tensor at the end: this runs for every F and B sent
+    h[0], h[1] = int(isinstance(out, (tuple, list))), len(entries)
     flat, total = [], 0
     for i, t in enumerate(entries):
         at = 2 + i * (2 + _MAX_DIMS)
         if t is None:
-            header[at] = -1
+            h[at] = -1
             continue
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() > _MAX_DIMS:
             raise RuntimeError(f"stage {stage}: boundary entry {i} must be None or a floating tensor of at most "
                                f"{_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}")
-        header[at], header[at + 1] = t.dim(), _FLOAT_DTYPES.index(t.dtype)
-        header[at + 2:at + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        h[at], h[at + 1] = t.dim(), _FLOAT_DTYPES.index(t.dtype)
+        h[at + 2:at + 2 + t.dim()] = t.shape
         flat.append(t.reshape(-1).to(dtype))
         total += t.numel()
     if total > capacity:
         raise RuntimeError(f"stage {stage}: its outputs have {total} elements, more than the envelope's capacity "
                            f"{capacity}; pass a larger capacity to TorchScheduleRunner (or None to probe)")
     payload = torch.cat(flat + [torch.zeros(capacity - total, dtype=dtype)])
-    return payload, header
+    return payload, torch.tensor(h, dtype=torch.int64)
 
 
 def unpack(payload: torch.Tensor, header: torch.Tensor):
@@ -141,9 +142,7 @@ def unpack(payload: torch.Tensor, header: torch.Tensor):
             entries.append(None)
             continue
         shape = h[at + 2:at + 2 + h[at]]
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         entries.append(payload[offset:offset + n].view(shape).to(_FLOAT_DTYPES[h[at + 1]]))
         offset += n
     return tuple(entries) if h[0] else entries[0]
