@@ -67,11 +67,12 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     return replace(spec, cases=tuple(ready)), skipped
 
 
-def _calibrate(spec: BenchSpec, out: Path) -> dict[str, str]:
-    """Fit a cost model on this machine for each workload whose task times come from its data."""
+def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, CostModel]]:
+    """Fit a cost model on this machine for each workload whose task times come from its data;
+    its file (what the ranks load) and the model itself, by workload."""
     from rrfp.app.calibrate_command import measure
 
-    paths = {}
+    paths, models = {}, {}
     for case in spec.cases:
         if not case.calibrate:
             continue
@@ -79,9 +80,10 @@ def _calibrate(spec: BenchSpec, out: Path) -> dict[str, str]:
         with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {case.name}") as bar:
             samples = measure(cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n))
         path = out / f"cost-{case.name}.json"
-        write_atomic(path, CostModel.fit(samples).to_json())
+        models[case.name] = CostModel.fit(samples)
+        write_atomic(path, models[case.name].to_json())
         paths[case.name] = str(path)
-    return paths
+    return paths, models
 
 
 def machine() -> dict:
@@ -99,7 +101,7 @@ def bench_command(args) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
-    cost = _calibrate(spec, out)
+    cost, models = _calibrate(spec, out)
     try:
         with tempfile.TemporaryDirectory() as tmp, progress(total=spec.runs, desc="rrfp bench") as bar:
             job = run_job(spec, Path(tmp), out / "job.log", cost, args.timeout, bar)
@@ -109,8 +111,8 @@ def bench_command(args) -> int:
     results = []
     for case, got in zip(spec.cases, job["cases"]):
         cfg = case.train_config(spec)
-        model = CostModel.from_json(Path(cost[case.name]).read_text()) if case.name in cost else cfg.run.cost
-        annotate(spec, case, cfg.run.variability, model, got["rows"], got["iterations"])
+        annotate(spec, case, cfg.run.variability, models.get(case.name, cfg.run.cost), got["rows"],
+                 got["iterations"])
         spans = [Span(*sp) for sp in got["spans"]]
         results.append(CaseResult(case, got["rows"], got["iterations"], spans,
                                   summarize(got["rows"], [e.name for e in case.executors]),
