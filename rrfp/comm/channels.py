@@ -72,21 +72,44 @@ def named_collective(what: str):
         raise PeerFailure(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
 
 
-def refuse_unusable(channel, action: str, *, outbound: bool) -> None:
-    """One line saying why ``channel`` cannot ``action``: closed, wrong direction, or failed earlier."""
-    where = channel.where
-    if channel._closed:
-        raise RuntimeError(f"{where}: cannot {action}: the channel is closed")
-    if outbound != channel.outbound:
-        role = "sends" if channel.outbound else "receives"
-        raise RuntimeError(f"{where}: cannot {action}: this rank only {role} on this channel")
-    if channel._failure is not None:
-        first = str(channel._failure).removeprefix(f"{where}: ")
-        raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}",
-                        getattr(channel._failure, "peer", channel.peer)) from channel._failure
+class ChannelEnd:
+    """What the gloo and the NCCL channel share: their name in errors, refusing use
+    once closed, failed or in the wrong direction, and a peer's failure as one line.
+    Subclasses set ``name``, ``rank``, ``peer``, ``outbound``, ``_failure``, ``_closed``."""
+
+    name: str
+    rank: int
+    peer: int
+    outbound: bool
+    _failure: BaseException | None
+    _closed: bool
+
+    def __repr__(self) -> str:
+        role = "send" if self.outbound else "receive"
+        return f"<{type(self).__name__} {self.name} ({role} on rank {self.rank})>"
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank}: channel {self.name}"
+
+    def _check_usable(self, action: str, *, outbound: bool) -> None:
+        """One line saying why this channel cannot ``action``: closed, wrong direction, or failed earlier."""
+        where = self.where
+        if self._closed:
+            raise RuntimeError(f"{where}: cannot {action}: the channel is closed")
+        if outbound != self.outbound:
+            role = "sends" if self.outbound else "receives"
+            raise RuntimeError(f"{where}: cannot {action}: this rank only {role} on this channel")
+        if self._failure is not None:
+            first = str(self._failure).removeprefix(f"{where}: ")
+            raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}",
+                            getattr(self._failure, "peer", self.peer)) from self._failure
+
+    def _peer_error(self, what: str, cause: BaseException) -> PeerError:
+        return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}", self.peer)
 
 
-class Channel:
+class Channel(ChannelEnd):
     """One direction between two neighbouring ranks; FIFO, one consumer.
 
     ``send`` and ``recv`` are cancel-safe: a cancelled ``send`` still goes out,
@@ -111,14 +134,6 @@ class Channel:
         self._last: str | None = None
         self._failure: BaseException | None = None
         self._closed = False
-
-    def __repr__(self) -> str:
-        role = "send" if self.outbound else "receive"
-        return f"<Channel {self.name} ({role} on rank {self.rank})>"
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank}: channel {self.name}"
 
     # -- loop side -------------------------------------------------------------
 
@@ -181,9 +196,6 @@ class Channel:
         self._waiter.close()
         logger.debug("%s closed after %d message(s)", self.where, self.messages)
 
-    def _check_usable(self, action: str, *, outbound: bool) -> None:
-        refuse_unusable(self, action, outbound=outbound)
-
     def _note_failure(self, job: asyncio.Future) -> None:
         # Also marks the exception as retrieved when nobody awaits the job any more.
         if job.cancelled():
@@ -194,9 +206,6 @@ class Channel:
             logger.debug("%s", error)
 
     # -- waiter thread side ------------------------------------------------------
-
-    def _peer_error(self, what: str, cause: BaseException) -> PeerError:
-        return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}", self.peer)
 
     def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str) -> None:
         what = f"send of the header of {label} to rank {self.peer}"

@@ -24,14 +24,14 @@ import logging
 
 import torch
 
-from rrfp.comm.channels import PeerError, describe_failure, refuse_unusable
+from rrfp.comm.channels import ChannelEnd
 from rrfp.comm.message import HEADER_LEN, Message, MessageError, decode_header, encode_header
 from rrfp.loop.completions import CompletionPoller
 
 logger = logging.getLogger("rrfp.comm")
 
 
-class NcclChannel:
+class NcclChannel(ChannelEnd):
     """Same surface as the gloo ``Channel``: ``send``, ``recv``, ``aclose``, ``name``, ``peer``."""
 
     def __init__(self, name: str, rank: int, peer: int, group, *, outbound: bool, ops, poller: CompletionPoller,
@@ -44,13 +44,6 @@ class NcclChannel:
         self._last: str | None = None
         self._failure: BaseException | None = None
         self._closed = False
-
-    def __repr__(self) -> str:
-        return f"<NcclChannel {self.name} ({'send' if self.outbound else 'receive'} on rank {self.rank})>"
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank}: channel {self.name}"
 
     async def send(self, msg: Message) -> None:
         """Issue header and payload after the kernels that produced them; return when NCCL is done."""
@@ -116,12 +109,9 @@ class NcclChannel:
         try:
             await self.poller.watch(work)
         except Exception as e:
-            raise self._fail(PeerError(f"{self.where}: {what} failed{describe_failure(e)}", self.peer)) from e
+            raise self._fail(self._peer_error(what, e)) from e
 
     def _fail(self, error: BaseException) -> BaseException:
         if self._failure is None:
             self._failure = error
         return error
-
-    def _check_usable(self, action: str, *, outbound: bool) -> None:
-        refuse_unusable(self, action, outbound=outbound)
