@@ -7,7 +7,7 @@ NPROC ?= 4
 CONFIG ?= configs/gpt-tiny.toml
 PY := $(VENV)/bin/python
 
-.PHONY: run test sim bench gpu-check clean
+.PHONY: run test test-quick sim bench gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ sim: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The quick tier for everyday work: every test that starts no second process (tests/conftest.py marks the rest slow).
+test-quick: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from distributed import run_ranks
+from rrfp.pipeline import weight_split
 from rrfp.pipeline.worker import StageWorker
 
 
@@ -84,7 +85,10 @@ def test_first_stage_b_is_free_and_w_is_the_backward():
     assert all(p.grad is not None for p in w.module.parameters())
 
 
-def test_a_weight_used_twice_is_computed_in_b_and_named_once(caplog):
+def test_a_weight_used_twice_is_gathered_in_w_and_its_bias_named_once(caplog):
+    """The weight reaches W through one transpose per use, so W gathers every use. The bias
+    goes straight into its accumulator from both uses, the outer one above the inner: B
+    computes it, and the module says so once, with that reason."""
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -100,14 +104,19 @@ def test_a_weight_used_twice_is_computed_in_b_and_named_once(caplog):
     x, g = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
     ref(x.clone().requires_grad_(True)).backward(g)
     caplog.set_level(logging.WARNING, logger="rrfp.pipeline.weight_split")
+    weight_split._warned.clear()
     w = StageWorker(module, 1, 3, 2, None, split=True)
     for mb in (0, 1):
         w.forward(mb, x)
         w.backward(mb, g / 2)
+        if mb == 0:
+            assert module.shared.weight.grad is None, "B computed the shared weight's gradient"
         w.weight(mb)
     assert torch.allclose(module.shared.weight.grad, ref.shared.weight.grad, atol=1e-12)
-    lines = [r.getMessage() for r in caplog.records if "cannot split" in r.getMessage()]
-    assert len(lines) == 1 and "shared" in lines[0], lines
+    assert torch.allclose(module.shared.bias.grad, ref.shared.bias.grad, atol=1e-12)
+    lines = [r.getMessage() for r in caplog.records if "in B, not W" in r.getMessage()]
+    assert len(lines) == 1 and "shared.bias" in lines[0] and "shared.weight" not in lines[0], lines
+    assert "accumulator" in lines[0] and "used 2 times" not in lines[0], lines
 
 
 def _plain_pipeline(rank, world, configs):

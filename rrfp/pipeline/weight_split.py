@@ -1,17 +1,31 @@
 """B/W split for any module, with torch.autograd on the stage's own graph.
 
-B asks autograd for the stage input's gradient only, keeping the graph. On the
-way it captures the gradient arriving at every *capture point*: a node that B
-runs (it lies on a path to the input) with an edge into a part of the graph
-that leads only to parameters. W later starts autograd at each capture point
-with its captured gradient and asks for that point's parameters only, so the
-work B skipped is done once, in W, and nothing B did is repeated.
+*B nodes* are the graph nodes on a path from an output to a stage input; B asks
+autograd for the inputs' gradients only, so it runs exactly these, and keeps
+the graph. A *frontier edge* leaves a B node for a node that leads only to
+parameters: the gradient along it is weight work that B skipped. A pre-hook
+captures the whole gradient arriving at each B node with frontier edges (from
+every output, so a root that another output also feeds gets the sum). W
+restarts autograd at that node with that gradient and asks only for what lies
+behind its frontier edges, so nothing of B runs twice.
 
-On the first stage nothing leads to an input, so B does nothing and W is the
-whole backward. A parameter reached from two capture points (a weight used
-twice) would be counted twice this way: such parameters get their gradient in
-B, and the module that owns them is logged once. Parameters of split-aware
-layers (``defers_weight_grad``) are left to their own W queue.
+A restart must not run another B node, or that node's part would count twice:
+
+- a parameter behind the frontier of one B node only is asked for directly:
+  no other B node leads to it, so the engine cannot reach one on the way;
+- a parameter behind several (a recurrent weight used at every step, a weight
+  used twice) is gathered per use: each restart asks for the gradient arriving
+  on its own frontier edges, and a second call carries that through the
+  parameter-only part of the graph, which holds no B node. Every use adds in.
+  This fails only where a B node *below* the restarted one feeds the same
+  frontier node (an RNN bias added at every step straight into its one
+  accumulator), or one node feeds it twice: that parameter's gradient is
+  computed in B, and its module is named once with that reason.
+
+Outputs whose node is not a B node (every output of the first stage, whose
+input needs no gradient) are restarted from the output with the gradient
+handed in. Parameters of split-aware layers (``defers_weight_grad``, mode
+"layers") are left to their own W queue.
 """
 from __future__ import annotations
 
@@ -24,15 +38,30 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
+_OUTPUTS = "outputs"  # the owner of work reached from outputs that are not B nodes
+
+
+@dataclass
+class Restart:
+    """W's work at one B node: parameters asked for directly, and frontier edges whose
+    gradient a second call carries to parameters that other B nodes also reach."""
+
+    params: list = field(default_factory=list)
+    edges: list = field(default_factory=list)  # (node, input number) behind this node's frontier
+    shared: list = field(default_factory=list)  # parameters the second call asks for
 
 
 @dataclass
 class WeightPlan:
-    """Where W starts, for one microbatch: capture nodes, their parameters and captured gradients."""
+    """What W computes for one microbatch; ``captured`` is filled in B."""
 
-    points: dict = field(default_factory=dict)  # node -> list of parameters it alone leads to
-    captured: dict = field(default_factory=dict)  # node -> {output number: incoming gradient}, filled in B
-    in_b: list = field(default_factory=list)  # parameters whose gradient B computes (not splittable)
+    points: dict = field(default_factory=dict)  # B node -> Restart
+    captured: dict = field(default_factory=dict)  # B node -> gradients arriving at it, filled in B
+    from_outputs: list = field(default_factory=list)  # parameters W computes from non-B outputs
+    output_nodes: set = field(default_factory=set)  # nodes of the outputs that are not B nodes
+    outputs: list = field(default_factory=list)  # (edge, gradient) of those outputs, set in B
+    in_b: list = field(default_factory=list)  # parameters whose gradient B computes
+    reasons: dict = field(default_factory=dict)  # id(parameter in in_b) -> why it is in B
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
@@ -41,98 +70,230 @@ def queued_parameters(module: nn.Module) -> frozenset[int]:
                      for p in m.parameters(recurse=False))
 
 
+class _Graph:
+    """One microbatch's autograd graph, walked once from the outputs."""
+
+    def __init__(self, params: dict, input_nodes: set, roots: list) -> None:
+        self.params = params  # AccumulateGrad node -> parameter
+        self.in_b: dict = {}  # node -> whether it lies on a path to an input
+        self.below: dict = {}  # node -> {id: parameter} it leads to
+        for r in roots:
+            self._visit(r, input_nodes)
+
+    def _visit(self, node, input_nodes) -> None:  # iterative post-order: graphs can outgrow the recursion limit
+        stack = [(node, False)]
+        while stack:
+            n, done = stack.pop()
+            if n in self.in_b:
+                continue
+            children = self.children(n)
+            if not done:
+                stack.append((n, True))
+                stack.extend((c, False) for c in children if c not in self.in_b)
+                continue
+            self.in_b[n] = n in input_nodes or any(self.in_b[c] for c in children)
+            found = {id(self.params[n]): self.params[n]} if n in self.params else {}
+            for c in children:
+                found.update(self.below[c])
+            self.below[n] = found
+
+    @staticmethod
+    def children(node) -> list:
+        return [c for c, _ in node.next_functions if c is not None]
+
+    def between(self, start, targets: set) -> int:
+        """How many B nodes below ``start`` lie on a path to one of ``targets`` (targets included)."""
+        on_path: dict = {}
+        stack = [(c, False) for c in self.children(start) if self.in_b[c]]
+        while stack:
+            n, done = stack.pop()
+            if n in on_path:
+                continue
+            kids = [c for c in self.children(n) if self.in_b[c]]
+            if not done:
+                stack.append((n, True))
+                stack.extend((c, False) for c in kids if c not in on_path)
+                continue
+            on_path[n] = n in targets or any(on_path[c] for c in kids)
+        return sum(on_path.values())
+
+    def reaches_below(self, start, targets: set) -> bool:
+        """Whether a B node below ``start`` (not ``start`` itself) is one of ``targets``."""
+        seen, stack = set(), [c for c in self.children(start) if self.in_b[c]]
+        while stack:
+            n = stack.pop()
+            if n in targets:
+                return True
+            if n not in seen:
+                seen.add(n)
+                stack.extend(c for c in self.children(n) if self.in_b[c])
+        return False
+
+
 def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
          deferred: frozenset[int] = frozenset()) -> WeightPlan:
     """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
     left to their layer's own W queue (``queued_parameters``)."""
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
-    input_nodes = {get_gradient_edge(x).node for x in inputs}
-    reaches_input: dict = {}
-    below: dict = {}  # node -> parameters reachable from it
+    roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
+    g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
+    by_id = {id(p): p for p in params.values()}
 
-    def visit(node) -> None:  # iterative post-order: graphs can be deeper than the recursion limit
-        stack = [(node, False)]
-        while stack:
-            n, done = stack.pop()
-            if n in reaches_input:
-                continue
-            children = [c for c, _ in n.next_functions if c is not None]
-            if not done:
-                stack.append((n, True))
-                stack.extend((c, False) for c in children if c not in reaches_input)
-                continue
-            reaches_input[n] = n in input_nodes or any(reaches_input[c] for c in children)
-            found = {id(params[n]): params[n]} if n in params else {}
-            for c in children:
-                found.update(below[c])
-            below[n] = found
-
-    roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    for r in roots:
-        visit(r)
-    result = WeightPlan()
-    owner: dict[int, list] = {}
-    for n, on_path in reaches_input.items():
+    # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or _OUTPUTS) reaching pid
+    frontier: dict = {}
+    owners: dict[int, list] = {}
+    for n, on_path in g.in_b.items():
         if not on_path:
             continue
-        for c, _ in n.next_functions:
-            if c is not None and not reaches_input[c] and below[c]:
-                for p in below[c].values():
-                    if id(p) not in deferred:  # B runs this layer, which queues its own W
-                        owner.setdefault(id(p), []).append(n)
-    for r in roots:
-        if not reaches_input[r]:  # nothing of B runs here: W starts at the output itself, and runs the
-            for p in below[r].values():  # split-aware layers too, which then queue their W (None here)
-                owner.setdefault(id(p), []).append(r)
-    by_id = {id(p): p for p in params.values()}
-    for pid, nodes in owner.items():
-        if len(set(nodes)) == 1:
-            result.points.setdefault(nodes[0], []).append(by_id[pid])
-        else:
-            result.in_b.append(by_id[pid])
-            name = next((n.rpartition(".")[0] or n for n, q in module.named_parameters() if id(q) == pid), "?")
-            if name not in _warned:
-                _warned.add(name)
-                log.warning("module %s cannot split its weight gradient from B (a parameter is used %d times); "
-                            "B computes it", name, len(set(nodes)))
+        for c, nr in n.next_functions:
+            if c is None or g.in_b[c]:
+                continue
+            pids = [pid for pid in g.below[c] if pid not in deferred]  # B runs a split-aware layer, which queues W
+            if not pids:
+                continue
+            edges = frontier.setdefault(n, {})
+            if (c, nr) in edges:  # two edges into one slot: one capture there holds both
+                continue
+            edges[(c, nr)] = pids
+            for pid in pids:
+                owners.setdefault(pid, []).append(n)
+    out_pids = list(dict.fromkeys(pid for r in roots if not g.in_b[r] for pid in g.below[r]))
+    for pid in out_pids:
+        owners.setdefault(pid, []).append(_OUTPUTS)
+
+    result = WeightPlan()
+    for pid, who in owners.items():
+        who = list(dict.fromkeys(who))
+        if len(who) > 1:
+            reason = _why_not_gathered(g, frontier, who, pid, 0 if deferred else RERUN_LIMIT)
+            if reason:
+                result.in_b.append(by_id[pid])
+                result.reasons[pid] = reason
+        owners[pid] = who
+    in_b = {id(p) for p in result.in_b}
+    result.from_outputs = [by_id[pid] for pid in out_pids if pid not in in_b]
+    result.output_nodes = {r for r in roots if not g.in_b[r]}
+    for n, edges in frontier.items():
+        work = Restart()
+        for pid in dict.fromkeys(pid for pids in edges.values() for pid in pids):
+            if pid in in_b:
+                continue
+            if owners[pid] == [n]:
+                work.params.append(by_id[pid])
+            else:
+                work.shared.append(by_id[pid])
+        if work.shared:
+            wanted = {id(p) for p in work.shared}
+            work.edges = [edge for edge, pids in edges.items() if wanted.intersection(pids)]
+        if work.params or work.shared:
+            result.points[n] = work
+    _announce(module, result)
     return result
+
+
+RERUN_LIMIT = 16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
+
+
+def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limit: int) -> str | None:
+    """Why W cannot gather, use by use, a parameter that several B nodes reach; None if it can.
+
+    A restart at n captures the gradient arriving on n's frontier edges toward the parameter.
+    It holds n's part alone unless a B node below n feeds one of those very edges too (or one of
+    n's edges lies below another). A B node below n that feeds another input of the same node is
+    harmless but runs again, with the B nodes between: a few are allowed, more stay in B."""
+    nodes = [n for n in who if n is not _OUTPUTS]
+    reach_nodes, reach_edges = {}, {}
+    for m in nodes:
+        starts = [(c, nr) for (c, nr), pids in frontier[m].items() if pid in pids]
+        below = set().union(*({c} | _nodes_below(c) for c, _ in starts))
+        reach_nodes[m] = below
+        reach_edges[m] = set(starts) | {(c, nr) for x in below for c, nr in x.next_functions if c is not None}
+    for n in nodes:
+        edges = [(c, nr) for (c, nr), pids in frontier[n].items() if pid in pids]
+        targets = {c for c, _ in edges}
+        if any(c2 in _nodes_below(c1) for c1 in targets for c2 in targets if c1 is not c2):
+            return f"{n.name()} reaches it along two of its own edges, one below the other"
+        rivals = {m for m in nodes if m is not n and reach_nodes[m] & targets}
+        if not rivals or not g.reaches_below(n, rivals):
+            continue
+        same = {m for m in rivals if reach_edges[m].intersection(edges)}
+        if same and g.reaches_below(n, same):
+            m = next(m for m in same if g.reaches_below(n, {m}))
+            fed = next(c for c, nr in edges if (c, nr) in reach_edges[m])
+            fed = "its gradient accumulator" if fed in g.params else f"the same input of {fed.name()}"
+            return f"it is used at {n.name()} and at {m.name()} below it, and both feed {fed}"
+        rerun = g.between(n, rivals)
+        if rerun > rerun_limit:
+            return (f"gathering its uses at {n.name()} would run {rerun} nodes of B again "
+                    f"(more than {rerun_limit})")
+    return None
+
+
+def _nodes_below(node) -> set:
+    seen, stack = set(), [c for c, _ in node.next_functions if c is not None]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(c for c, _ in n.next_functions if c is not None)
+    return seen
+
+
+def _announce(module: nn.Module, result: WeightPlan) -> None:
+    """Log once per module the parameters whose gradient stays in B, and why."""
+    names = {id(q): n for n, q in module.named_parameters()}
+    by_module: dict[str, list[str]] = {}
+    for p in result.in_b:
+        name = names.get(id(p), "?")
+        if name not in _warned:
+            _warned.add(name)
+            by_module.setdefault(name.rpartition(".")[0] or "(root)", []).append(
+                f"{name}: {result.reasons[id(p)]}")
+    for owner, lines in by_module.items():
+        log.warning("module %s computes %d weight gradient(s) in B, not W: %s", owner, len(lines), "; ".join(lines))
 
 
 def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
-    """B: the inputs' gradients, capturing what W needs; the graph is kept for W."""
-    roots = {o.grad_fn for o in outputs}
-    handles = [node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, dict(enumerate(g))))
-               for node in weights.points if node not in roots]
+    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W."""
+    handles = [node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
+               for node in weights.points]
     try:
-        for o, g in zip(outputs, grads):  # an output's own node receives the gradient given here
-            if o.grad_fn in weights.points:
-                weights.captured.setdefault(o.grad_fn, {})[o.output_nr] = g if g is not None else torch.ones_like(o)
-        if not inputs:
-            result = []
-        else:
-            result = list(torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True))
-        if weights.in_b:
-            extra = torch.autograd.grad(outputs, weights.in_b, grads, retain_graph=True, allow_unused=True)
-            _accumulate(weights.in_b, extra)
+        weights.outputs = [(edge, g if g is not None else torch.ones_like(o))
+                           for o, g in zip(outputs, grads) if (edge := get_gradient_edge(o)).node in weights.output_nodes]
+        asked = list(inputs) + weights.in_b
+        found = list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True)) if asked else []
+        _accumulate(weights.in_b, found[len(inputs):])
     finally:
         for h in handles:
             h.remove()
-    return result
+    return found[:len(inputs)]
 
 
 def backward_weight(weights: WeightPlan) -> None:
-    """W: each capture point's parameters from its captured gradient, then drop the graph."""
-    points = list(weights.points.items())
-    for i, (node, params) in enumerate(points):
-        grads = weights.captured.get(node)
-        if grads is None:
-            continue  # no gradient reached this point (an output that did not matter)
-        edges = [(GradientEdge(node, k), g) for k, g in grads.items() if g is not None]
-        out = torch.autograd.grad([e for e, _ in edges], params, [g for _, g in edges],
-                                  retain_graph=i < len(points) - 1, allow_unused=True)
-        _accumulate(params, out)
+    """W: every restart's parameters from its captured gradient, then drop the graph."""
+    if weights.from_outputs:
+        _grad_into(weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs])
+    for node, work in weights.points.items():
+        captured = weights.captured.get(node)
+        if captured is None or all(g is None for g in captured):
+            continue  # no gradient reached this node (an output that did not matter)
+        seeds = [(GradientEdge(node, k), g) for k, g in enumerate(captured) if g is not None]
+        asked = work.params + [GradientEdge(c, nr) for c, nr in work.edges]
+        found = torch.autograd.grad([e for e, _ in seeds], asked, [g for _, g in seeds],
+                                    retain_graph=True, allow_unused=True)
+        _accumulate(work.params, found[:len(work.params)])
+        flows = [(GradientEdge(c, nr), f) for (c, nr), f in zip(work.edges, found[len(work.params):])
+                 if f is not None]
+        if flows:  # the parameter-only part of the graph: no B node runs here
+            _grad_into(work.shared, [e for e, _ in flows], [f for _, f in flows])
     weights.points.clear()
     weights.captured.clear()
+    weights.outputs.clear()
+
+
+def _grad_into(params: list, edges: list, grads: list) -> None:
+    if edges:
+        _accumulate(params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True))
 
 
 def _accumulate(params, grads) -> None:

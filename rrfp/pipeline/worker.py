@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
@@ -57,6 +58,19 @@ class _Slot:
     weights: WeightPlan | None = None  # split backward: what W computes with autograd
 
 
+@dataclass(frozen=True)
+class SplitSummary:
+    """How much of a stage's weight-gradient work its W tasks carry.
+
+    ``w_share`` is measured in FLOPs (torch.utils.flop_counter: matmuls, convolutions and
+    attention; elementwise work is not counted) on the first microbatch whose backward
+    was split: W's FLOPs over all weight-gradient FLOPs, those B computed included."""
+
+    in_b: dict  # parameter name -> why its gradient is computed in B
+    params: int  # parameters the split covers (split-aware layers' own queue excluded)
+    w_share: float | None  # None until a split microbatch has run W (or nothing to measure)
+
+
 class StageWorker:
     """Runs F(mb), B(mb), W(mb) of stage `stage` of `num_stages` on `module`."""
 
@@ -77,6 +91,9 @@ class StageWorker:
         self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
         self.losses: dict[int, torch.Tensor] = {}  # last stage: unscaled loss of each microbatch
         self._slots: dict[int, _Slot] = {}
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._in_b: dict[str, str] = {}  # parameter name -> why B computes its gradient
+        self._flops: dict | None = None  # first split microbatch: {"mb", "input", "b", "w"}
 
     # -- tasks ---------------------------------------------------------------
 
@@ -111,6 +128,8 @@ class StageWorker:
             weights = weight_split.plan(self.module, [t for t in outputs if _carries_grad(t)],
                                         [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
                                         self._queued if use_queue else frozenset())
+            for p in weights.in_b:
+                self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
         if self.is_last:
             self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
@@ -150,7 +169,11 @@ class StageWorker:
         if not pairs:  # no gradient reaches this stage's outputs: nothing to do in B or W
             found = []
         elif slot.weights is not None:  # input gradient only; W does the weights
-            found = weight_split.backward_input(slot.weights, outs, grads, inputs)
+            if self._measured(mb) and slot.weights.in_b and not self._queued_mode:  # B without them, once
+                self._flops["input"] = _flops(lambda: torch.autograd.grad(
+                    outs, inputs, grads, retain_graph=True, allow_unused=True) if inputs else None)
+            with self._counting(mb, "b"):
+                found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
             torch.autograd.backward(outs, grads)
             found = [t.grad for t in inputs]
@@ -168,10 +191,44 @@ class StageWorker:
             raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
                                "(split=False: B computes all gradients)")
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
-        if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
-            weight_split.backward_weight(slot.weights)
-        slot.queue.run()
+        with self._counting(mb, "w"):
+            if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
+                weight_split.backward_weight(slot.weights)
+            slot.queue.run()
         self._finish(mb, slot)
+
+    def split_summary(self) -> SplitSummary:
+        """Which weight gradients stay in B and why, and the measured share of that work in W."""
+        share = None
+        f = self._flops
+        if f is not None and "w" in f:
+            in_b = f.get("b", 0) - f.get("input", f.get("b", 0))
+            share = f["w"] / (f["w"] + in_b) if f["w"] + in_b > 0 else None
+        params = sum(1 for p in self.module.parameters() if p.requires_grad and id(p) not in self._split_queue())
+        return SplitSummary(dict(self._in_b), params, share)
+
+    @property
+    def _queued_mode(self) -> bool:
+        return self.weight_split == "layers"
+
+    def _split_queue(self) -> frozenset[int]:
+        return self._queued if self._queued_mode else frozenset()
+
+    def _measured(self, mb: int) -> bool:
+        """Whether mb is the microbatch whose split backward split_summary measures (the first)."""
+        if self._flops is None:
+            self._flops = {"mb": mb}
+        return self._flops["mb"] == mb
+
+    @contextlib.contextmanager
+    def _counting(self, mb: int, what: str):
+        """Count the FLOPs of ``what`` ("b" or "w") when mb is the measured microbatch."""
+        if not self._measured(mb) or what in self._flops:
+            yield
+            return
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self._flops[what] = counter.get_total_flops()
 
     def reset(self) -> None:
         """Start a new iteration: every microbatch must have finished its last backward."""
@@ -226,6 +283,12 @@ class StageWorker:
                 or not all(t is None or isinstance(t, torch.Tensor) for t in outputs)):
             raise RuntimeError(f"stage {self.stage}: F{mb} output must be a tensor or a non-empty tuple/list "
                                f"of tensors and None, got {_describe(out)}")
+
+
+def _flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
