@@ -5,15 +5,21 @@ patch) plus a learned position per patch, runs enc_layers non-causal blocks and
 projects to n_embd. The LM (models.gpt's blocks) reads [image tokens; text]
 causally, with learned positions over the whole sequence.
 
-Split: one tensor travels between stages, the hidden sequence [b, n*patches + T,
-n_embd], so stage 0 holds the encoder, its projection and the text embeddings,
-the last stage ln_f and lm_head. `split_blocks` spreads the LM blocks with a
-per-token cost in units of one block (12 n_embd^2 multiply-adds): the encoder
-(patch embedding, enc_layers * 12 enc_embd^2, projection) weighs on stage 0,
-lm_head (256 n_embd) on the last. Every stage but the first gets one block, then
-each further block goes to the least loaded stage (lowest index on a tie), which
-minimises the heaviest stage. The encoder sees only image tokens, so this leans
-to fewer blocks on stage 0. The split depends on the config alone.
+Split: stage 0 holds the encoder, its projection and the text embeddings, the
+last stage ln_f and lm_head. Between stages travels a `Boundary`: the image
+tokens' hidden states, the text's, and each sample's number of image tokens
+(int64, no gradient). With no images the image part is empty, not None, so the
+encoder stays in the graph and gets zero gradients as in the full model (AdamW
+would skip a None gradient). A stage runs its blocks on [image; text] joined,
+so each weight is used once and the B/W split can move its gradient to W.
+
+`split_blocks` spreads the LM blocks with a per-token cost in units of one block
+(12 n_embd^2 multiply-adds): the encoder (patch embedding, enc_layers * 12
+enc_embd^2, projection) weighs on stage 0, lm_head (256 n_embd) on the last.
+Every stage but the first gets one block, then each further block goes to the
+least loaded stage (lowest index on a tie), which minimises the heaviest stage.
+The encoder sees only image tokens, so this leans to fewer blocks on stage 0.
+The split depends on the config alone.
 
 As in models.gpt, a stage is the full model with the other layers removed, so
 parameter names stay the full model's. No tensor parallelism: `check` refuses tp > 1.
@@ -24,6 +30,7 @@ import copy
 import logging
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -124,6 +131,14 @@ def _embed(vision: VisionEncoder, transformer: nn.ModuleDict, inputs: VLMInputs,
     return transformer.drop(x + transformer.wpe(torch.arange(x.size(1), device=x.device)))
 
 
+class Boundary(NamedTuple):
+    """What one stage sends the next: the hidden sequence cut into its image and text tokens."""
+
+    image: torch.Tensor  # [b, n * patches, n_embd]; n may be 0
+    text: torch.Tensor  # [b, T, n_embd]
+    image_tokens: torch.Tensor  # int64 [b]: each sample's number of image tokens
+
+
 class VLM(nn.Module):
     """The whole model on one process: (images, ids) -> logits [b, n * patches + T, 256]."""
 
@@ -172,7 +187,7 @@ def split_blocks(cfg: VLMConfig, num_stages: int) -> list[range]:
 
 class VLMStage(nn.Module):
     """Stage `stage` of `num_stages`, the full model with the other layers removed: (images, ids)
-    or hidden -> hidden, or logits on the last stage. Blocks keep their full-model index."""
+    or a Boundary -> a Boundary, or logits on the last stage. Blocks keep their full-model index."""
 
     def __init__(self, model: VLM, stage: int, num_stages: int) -> None:
         super().__init__()
@@ -194,14 +209,21 @@ class VLMStage(nn.Module):
             self.lm_head = keep.pop("lm_head")
         self.transformer = nn.ModuleDict(keep)
 
-    def forward(self, x) -> torch.Tensor:
+    def forward(self, x: VLMInputs | Boundary) -> Boundary | torch.Tensor:
         if self.is_first:
-            x = _embed(self.vision, self.transformer, x, self.config.block_size)
+            n = x.images.size(1) * self.config.patches
+            h = _embed(self.vision, self.transformer, x, self.config.block_size)
+            image_tokens = torch.full((h.size(0),), n, dtype=torch.int64, device=h.device)
+        else:
+            image, text, image_tokens = x
+            n = image.size(1)  # a shape: reading image_tokens would wait for the device
+            h = torch.cat([image, text], dim=1)
         for block in self.transformer.h.values():
-            x = block(x)
+            h = block(h)  # on the whole sequence, so each weight is used once (and its gradient can go to W)
         if self.is_last:
-            x = self.lm_head(self.transformer.ln_f(x))
-        return x
+            return self.lm_head(self.transformer.ln_f(h))
+        image, text = h.split([n, h.size(1) - n], dim=1)
+        return Boundary(image, text, image_tokens)
 
 
 def make_stage(model: VLM, stage: int, num_stages: int) -> VLMStage:

@@ -204,8 +204,25 @@ def test_envelope_round_trip_carries_gradients():
     assert isinstance(ts.unpack(lone, _), torch.Tensor)
     with pytest.raises(RuntimeError, match="capacity"):
         ts.pack(a, capacity=5, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="floating"):
-        ts.pack(torch.ones(2, dtype=torch.int64), capacity=5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="floating, integer or bool"):
+        ts.pack([a, "mask"], capacity=20, dtype=torch.float64)
+
+
+def test_envelope_carries_integer_and_bool_tensors_exactly():
+    """A mask or lengths beside the activations (as the VLM sends) arrive with their dtype and values."""
+    h = torch.randn(2, 3, requires_grad=True)
+    lengths = torch.tensor([[0, 7], [16777216, -3]])  # 2**24: the largest float32 holds exactly
+    mask = torch.tensor([True, False, True])
+    payload, header = ts.pack((h, lengths, mask), capacity=16, dtype=torch.float32)
+    leaf = payload.detach().requires_grad_(True)
+    x, got_lengths, got_mask = ts.unpack(leaf, header)
+    assert got_lengths.dtype == torch.int64 and torch.equal(got_lengths, lengths)
+    assert got_mask.dtype == torch.bool and torch.equal(got_mask, mask)
+    assert not got_lengths.requires_grad and x.requires_grad and torch.equal(x, h)
+    with pytest.raises(RuntimeError, match="cannot carry exactly"):
+        ts.pack((h, torch.tensor([16777217])), capacity=16, dtype=torch.float32)
+    payload, header = ts.pack((h, torch.tensor([16777217])), capacity=16, dtype=torch.float64)
+    assert ts.unpack(payload, header)[1].item() == 16777217
 
 
 def test_schedule_names():

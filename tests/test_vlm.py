@@ -7,7 +7,7 @@ import torch
 
 from distributed import run_ranks
 from models.shapes import COLOURS, PLACES, SHAPES, VLMDataConfig, VLMInputs, _masks, batches, max_seq_len
-from models.vlm import VLM, VLMConfig, check, loss_fn, make_stage, split_blocks
+from models.vlm import VLM, Boundary, VLMConfig, check, loss_fn, make_stage, split_blocks
 
 CFG = VLMConfig(image_size=16, patch_size=4, enc_layers=1, enc_embd=16, n_layer=4, n_head=4, n_embd=32,
                 block_size=320)
@@ -135,12 +135,32 @@ def test_stages_chain_to_full_model(cfg, S):
         for n, p in st.named_parameters():
             assert torch.equal(p, full[n]) and p is not full[n]
     for (x, _) in batches(DATA, 0, 4):
-        h = x
+        h, n, T = x, x.images.size(1) * cfg.patches, x.ids.size(1)
         for st in stages:
             h = st(h)
+            if not st.is_last:  # image and text travel apart, with the image token count beside them
+                assert isinstance(h, Boundary)
+                b = x.ids.size(0)
+                assert h.image.shape == (b, n, cfg.n_embd) and h.text.shape == (b, T, cfg.n_embd)
+                assert h.image.requires_grad and h.text.requires_grad
+                assert h.image_tokens.dtype == torch.int64 and h.image_tokens.tolist() == [n] * b
         ref = model(x)
         assert h.shape == ref.shape == (x.ids.size(0), x.images.size(1) * CFG.patches + x.ids.size(1), 256)
         assert torch.equal(h, ref)
+
+
+@pytest.mark.timeout(30)
+def test_a_microbatch_without_images_keeps_the_encoder_in_the_graph():
+    """The image part is empty, not None: the encoder gets zero gradients as in the full model."""
+    (x, _), = [(x, y) for x, y in batches(DATA, 0, M) if x.images.size(1) == 0][:1]
+    stage = make_stage(_model(), 0, 2)
+    out = stage(VLMInputs(x.images.double(), x.ids))
+    assert out.image.shape == (x.ids.size(0), 0, CFG.n_embd) and out.image_tokens.tolist() == [0] * x.ids.size(0)
+    (out.image.sum() + out.text.sum()).backward()
+    grads = {n: p.grad for n, p in stage.named_parameters()}
+    assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
+    assert all(not g.any() for n, g in grads.items() if n.startswith("vision."))
+    assert grads["transformer.wte.weight"].any()
 
 
 # -- pipelined on gloo, against the single-process reference ------------------------
@@ -166,13 +186,16 @@ def _one_iteration(rank, world, configs):
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(VLM(CFG), rt.stage, rt.num_stages)
+                received = []  # what the runtime hands this stage: a tuple of tensors, not a joined sequence
+                module.register_forward_pre_hook(lambda _, args: received.append(
+                    None if rt.stage == 0 else [(t.dtype, tuple(t.shape), t.requires_grad) for t in args[0]]))
                 e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget="2x")
                 res = await e.run_iteration(0, data)
                 missing = [n for n, p in module.named_parameters() if p.grad is None]
                 assert not missing, missing
                 grad_err = max((p.grad - ref_grads[n]).abs().max().item() for n, p in module.named_parameters())
                 loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
-                out[(ex, hint)] = grad_err, loss_err, len(res.order)
+                out[(ex, hint)] = grad_err, loss_err, len(res.order), received
         finally:
             await rt.aclose()
         return out
@@ -187,9 +210,15 @@ def test_one_iteration_matches_reference(pp):
     assert len(set(counts)) >= 3 and 0 in counts, counts  # differing image counts, one microbatch with none
     configs = [("ready", "bfw"), ("fixed", "1f1b")]
     results = run_ranks(_one_iteration, pp, configs, timeout=100)
+    data = batches(DATA, 0, M)
+    b, C = DATA.microbatch_size, CFG.n_embd
     for cfg in configs:
         for rank in range(pp):
-            grad_err, loss_err, tasks = results[rank][cfg]
+            grad_err, loss_err, tasks, received = results[rank][cfg]
+            if rank > 0:  # F runs in microbatch order on every stage, under both executors
+                assert received == [[(torch.float64, (b, x.images.size(1) * CFG.patches, C), True),
+                                     (torch.float64, (b, x.ids.size(1), C), True),
+                                     (torch.int64, (b,), False)] for x, _ in data], received
             assert grad_err < 1e-10, f"{cfg} rank {rank}: gradient differs by {grad_err}"
             assert tasks == M * (3 if cfg[1] == "bfw" else 2)
             if rank == pp - 1:

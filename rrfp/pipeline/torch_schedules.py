@@ -18,7 +18,9 @@ Microbatches vary in length, but torch receives into buffers of one shape,
 fixed when the schedule first runs. Every stage boundary therefore travels in
 an envelope (:class:`_Envelope`): the stage's outputs flattened into one float
 payload of fixed ``capacity`` elements, zero-padded, plus a small int64 header
-with their shapes. The receiving stage unpacks views of the payload, so the
+with their shapes and dtypes. Integer and bool outputs (a mask, lengths) travel
+in the payload as float values, refused unless the payload dtype holds them
+exactly. The receiving stage unpacks views of the payload, so the
 model computes on exactly the tensors rrfp's stage gets and gradients flow
 back through the views unchanged.
 
@@ -60,7 +62,8 @@ ALIASES = {"zb": "zbv"}  # torch's best zero-bubble schedule that runs here (see
 
 _MAX_TENSORS = 8  # tensors (or None) one stage boundary may carry
 _MAX_DIMS = 6
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,  # index = the header's dtype code
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _HEADER = 2 + _MAX_TENSORS * (2 + _MAX_DIMS)  # [is tuple, count, then per entry: ndim, dtype, dims...]
 
 
@@ -106,7 +109,8 @@ class _Envelope(torch.nn.Module):
 
 
 def pack(out, capacity: int, dtype: torch.dtype, stage: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A tensor, or a tuple/list of floating tensors and None, as (payload, header); differentiable."""
+    """A tensor, or a tuple/list of tensors and None, as (payload, header); differentiable in the
+    floating tensors."""
     entries = list(out) if isinstance(out, (tuple, list)) else [out]
     if not entries or len(entries) > _MAX_TENSORS:
         raise RuntimeError(f"stage {stage}: a boundary carries 1 to {_MAX_TENSORS} tensors, got {len(entries)}")
@@ -118,12 +122,15 @@ def pack(out, capacity: int, dtype: torch.dtype, stage: int = -1) -> tuple[torch
         if t is None:
             h[at] = -1
             continue
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() > _MAX_DIMS:
-            raise RuntimeError(f"stage {stage}: boundary entry {i} must be None or a floating tensor of at most "
-                               f"{_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}")
-        h[at], h[at + 1] = t.dim(), _FLOAT_DTYPES.index(t.dtype)
+        if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+            raise RuntimeError(f"stage {stage}: boundary entry {i} must be None or a floating, integer or bool "
+                               f"tensor of at most {_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}")
+        h[at], h[at + 1] = t.dim(), _DTYPES.index(t.dtype)
         h[at + 2:at + 2 + t.dim()] = t.shape
         flat.append(t.reshape(-1).to(dtype))
+        if not t.is_floating_point() and not torch.equal(flat[-1].to(t.dtype), t.reshape(-1)):
+            raise RuntimeError(f"stage {stage}: boundary entry {i} ({t.dtype}) holds values that the {dtype} "
+                               f"payload cannot carry exactly")
         total += t.numel()
     if total > capacity:
         raise RuntimeError(f"stage {stage}: its outputs have {total} elements, more than the envelope's capacity "
@@ -143,7 +150,7 @@ def unpack(payload: torch.Tensor, header: torch.Tensor):
             continue
         shape = h[at + 2:at + 2 + h[at]]
         n = math.prod(shape)
-        entries.append(payload[offset:offset + n].view(shape).to(_FLOAT_DTYPES[h[at + 1]]))
+        entries.append(payload[offset:offset + n].view(shape).to(_DTYPES[h[at + 1]]))
         offset += n
     return tuple(entries) if h[0] else entries[0]
 
