@@ -11,9 +11,8 @@ agreement included) in a results folder.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
-
-from rrfp.app.cli import main
 
 
 def parse():
@@ -35,4 +34,4 @@ if __name__ == "__main__":
     argv = ["bench", "--workloads", "gpt", "--executors", "fixed-1f1b,ready-bfw", "--pp", a.pp, "--tp", a.tp,
             "--mb", a.mb, "--preset", a.preset, "--reps", "3" if a.quick else a.reps, "--unit-ms", a.unit_ms,
             "--budget", a.budget, *(["--out", a.out] if a.out else [])]
-    sys.exit(main(argv))
+    sys.exit(subprocess.run([sys.executable, "-m", "rrfp", *argv]).returncode)

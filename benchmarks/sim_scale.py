@@ -7,8 +7,7 @@ import argparse
 import statistics
 import time
 
-from rrfp.sim import SimConfig, simulate
-from rrfp.core.variability import Variability
+from rrfp import SimConfig, Variability, simulate
 
 
 def main() -> None:

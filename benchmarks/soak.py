@@ -45,9 +45,7 @@ def worker(a) -> None:
 
     from models.data import DataConfig, batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
-    from rrfp.core.variability import Variability
-    from rrfp.loop import run
-    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp import PipelineRuntime, Variability, run
 
     torch.set_num_threads(1)
     model_cfg = GPTConfig(n_layer=a.pp, n_embd=32, n_head=4, block_size=64)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from models.gpt import GPT, GPTConfig, loss_fn, make_stage
-from rrfp.pipeline.worker import StageWorker
+from rrfp import StageWorker
 
 
 def one(mode: str, stage, x, g) -> tuple[float, float, float]:

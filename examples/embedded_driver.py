@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import rrfp
-from rrfp.nn.split_linear import SplitLinear
+from rrfp import SplitLinear
 
 
 def make_chunk(stage: int, num_stages: int) -> nn.Module:

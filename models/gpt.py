@@ -29,9 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.data import DataConfig, batches
-from rrfp.nn.split_linear import SplitLinear
-from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
-from rrfp.pipeline.workload import Workload
+from rrfp import ColumnParallelLinear, RowParallelLinear, SplitLinear, Workload, group_size_rank, shard_from_full
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,7 @@ import torch.nn as nn
 
 from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
 from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, max_seq_len
-from rrfp.nn.split_linear import SplitLinear
-from rrfp.nn.tensor_parallel import group_size_rank
-from rrfp.pipeline.workload import Workload, token_features
+from rrfp import SplitLinear, Workload, group_size_rank, token_features
 
 log = logging.getLogger(__name__)
 

@@ -1,34 +1,88 @@
 """rrfp: a readiness-driven runtime for pipeline-parallel training.
 
-Entry points: ``stage_main(cfg)`` under torchrun, ``PipelineRuntime`` and
-``StageExecutor.run_iteration`` for drivers that embed a pipeline iteration,
-and ``rrfp.sim`` for what-if questions without a cluster. The layers are
+This module is the public surface, the names a driver needs to embed a
+pipeline: ``PipelineRuntime`` and its ``StageExecutor`` (``run_iteration``
+returns an ``IterationResult``), ``stage_main(cfg)`` under torchrun, the model
+contract ``Workload``, the split-aware and tensor-parallel layers, and
+``simulate`` for what-if questions without a cluster. ``models/``,
+``examples/``, ``benchmarks/`` and ``scripts/`` use nothing else
+(tests/test_layers.py); tests/test_exports.py pins the list. The layers are
 folders: ``core`` (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``,
 ``pipeline`` and ``app``; docs/design.md draws the map.
+
+Every name loads on first use, so ``import rrfp`` loads no torch, and the
+simulator and the pure core answer without it.
 """
-from rrfp.core.policy import Dispatch, choose
-from rrfp.core.tracker import StageTracker
-from rrfp.loop import run
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["run", "choose", "Dispatch", "StageTracker", "stage_main", "PipelineRuntime", "StageExecutor",
-           "TrainConfig"]
+if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads on first use (__getattr__)
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.train import StepReport, TrainSummary, stage_main
+    from rrfp.core.cost import CostModel
+    from rrfp.core.errors import PeerFailure, PipelineError
+    from rrfp.core.policy import Dispatch, choose
+    from rrfp.core.tracker import StageTracker
+    from rrfp.core.variability import Variability
+    from rrfp.loop import run
+    from rrfp.nn.split_linear import SplitLinear
+    from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
+    from rrfp.pipeline.executor import IterationResult, StageExecutor
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.worker import StageWorker
+    from rrfp.pipeline.workload import Workload, token_features
+    from rrfp.sim import SimConfig, SimResult, simulate
+
+# public name -> the module that defines it
+_HOMES = {
+    # running a pipeline: the runtime, one stage's executor and what it returns, its settings
+    "PipelineRuntime": "rrfp.pipeline.runtime",
+    "StageExecutor": "rrfp.pipeline.executor",
+    "IterationResult": "rrfp.pipeline.executor",
+    "StageWorker": "rrfp.pipeline.worker",
+    "Dispatch": "rrfp.core.policy",
+    "Variability": "rrfp.core.variability",
+    "CostModel": "rrfp.core.cost",
+    "run": "rrfp.loop",
+    "PipelineError": "rrfp.core.errors",
+    "PeerFailure": "rrfp.core.errors",
+    # training a workload, as `rrfp train` does
+    "stage_main": "rrfp.app.train",
+    "TrainConfig": "rrfp.app.config",
+    "TrainSummary": "rrfp.app.train",
+    "StepReport": "rrfp.app.train",
+    "Workload": "rrfp.pipeline.workload",
+    "token_features": "rrfp.pipeline.workload",
+    # layers that defer weight gradients to W, and tensor parallelism
+    "SplitLinear": "rrfp.nn.split_linear",
+    "ColumnParallelLinear": "rrfp.nn.tensor_parallel",
+    "RowParallelLinear": "rrfp.nn.tensor_parallel",
+    "group_size_rank": "rrfp.nn.tensor_parallel",
+    "shard_from_full": "rrfp.nn.tensor_parallel",
+    # the simulator and the policy it shares with the runtime
+    "simulate": "rrfp.sim",
+    "SimConfig": "rrfp.sim",
+    "SimResult": "rrfp.sim",
+    "choose": "rrfp.core.policy",
+    "StageTracker": "rrfp.core.tracker",
+}
+
+__all__ = [
+    "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
+    "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "StageExecutor", "StageTracker",
+    "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
+    "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
+]
 
 
-def __getattr__(name):  # torch.distributed parts load on first use; the pure core stays light
-    if name == "stage_main":
-        from rrfp.app.train import stage_main
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'rrfp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup finds it without this function
+    return value
 
-        return stage_main
-    if name == "PipelineRuntime":
-        from rrfp.pipeline.runtime import PipelineRuntime
 
-        return PipelineRuntime
-    if name == "StageExecutor":
-        from rrfp.pipeline.executor import StageExecutor
-
-        return StageExecutor
-    if name == "TrainConfig":
-        from rrfp.app.config import TrainConfig
-
-        return TrainConfig
-    raise AttributeError(name)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -36,14 +36,23 @@ def check(name: str, fn) -> None:
 
 
 def lane_and_poller() -> str:
-    """A CUDA lane's task completes through an event the poller watches, while the loop keeps running."""
+    """A CUDA lane's task completes through an event the poller watches, while the loop keeps running.
+    The lane is the one rrfp train gets: a one-rank NCCL PipelineRuntime's, 50 ms per unit."""
+    import socket
+
     import torch
 
-    from rrfp.loop import CompletionPoller, CudaComputeLane
+    import rrfp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}
 
     async def main():
-        async with CompletionPoller() as poller:
-            lane = CudaComputeLane(poller, "cuda:0", unit_s=0.05)
+        async with rrfp.PipelineRuntime.start(pp=1, backend="nccl", unit_ms=50.0) as rt:
+            lane = rt.lane
             ticks = 0
 
             async def heartbeat():
@@ -53,7 +62,7 @@ def lane_and_poller() -> str:
                     await asyncio.sleep(0.001)
 
             beat = asyncio.ensure_future(heartbeat())
-            a = torch.randn(512, 512, device="cuda:0")
+            a = torch.randn(512, 512, device=rt.device)
             t0 = time.perf_counter()
             out = await lane.run(lambda: a @ a, units=1.0)  # 50 ms of emulated device time after the matmul
             enqueued = time.perf_counter() - t0
@@ -61,6 +70,7 @@ def lane_and_poller() -> str:
             took = time.perf_counter() - t0
             beat.cancel()
             torch.cuda.synchronize()
+            assert type(lane).__name__ == "CudaComputeLane", f"a {type(lane).__name__} on {rt.device}"
             assert torch.allclose(out, a @ a, atol=1e-3), "lane result differs"
             assert took >= 0.04, f"the task finished after {took * 1e3:.1f} ms, before its emulated 50 ms"
             assert ticks >= 10, f"the loop ticked {ticks} times during a 50 ms task: it was blocked"
@@ -74,7 +84,16 @@ def lane_and_poller() -> str:
                     f"{took * 1e3:.1f} ms (50 ms emulated), loop ticked {ticks} times; median device gap "
                     f"between tasks with 2 ms decisions: {gap * 1e6:.0f} us")
 
-    return asyncio.run(main())
+    saved = {k: os.environ.get(k) for k in one_rank}
+    os.environ.update(one_rank)
+    try:
+        return asyncio.run(main())
+    finally:  # the rrfp train checks below start their own ranks under torchrun
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def train(nproc: int, steps: int, *sets: str) -> list[float]:
@@ -94,7 +113,7 @@ def reference_losses(steps: int) -> list[float]:
     """The same model, data and optimizer in one process on cuda:0."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp import TrainConfig
 
     cfg = TrainConfig.load(CONFIG, [f"steps={steps}"], world_size=1)
     wl = cfg.workload

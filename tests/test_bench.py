@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rrfp.app.bench.suite import DEFAULT_EXECUTORS, file_slug
-from rrfp.pipeline.torch_schedules import stages_per_rank
+from rrfp.app.bench.torch_schedules import stages_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 

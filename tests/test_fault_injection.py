@@ -1,5 +1,5 @@
 """Fault injection (run.fault) end to end: one rank fails at a chosen (step,
-stage, task) and the run ends with one line per failure.
+stage, task), or its model raises, and the run ends with one line per failure.
 
 The failing rank's line names the cause (or there is none: SIGKILL leaves no
 time to write one); every other rank stops with a short line that points at
@@ -128,6 +128,33 @@ def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, deb
         # the failure board names the rank whose line has the cause
         assert pointer.startswith(f"rrfp: error: rank {other}: stopped: rank {victim} failed first (see its "
                                   f"line): "), pointer
+    finally:
+        ranks.kill_all()
+    assert ranks.alive() == []
+
+
+@pytest.mark.timeout(120)
+def test_an_error_of_the_models_own_is_one_line_and_its_task_is_in_the_log(tmp_path):
+    """The model itself raises (tests/fixtures/failing_stage.py: stage 1's third forward, F0 of step 2).
+    The iteration raises that error, not an ExceptionGroup, so `rrfp train` still ranks it and prints
+    one line; rrfp's note on it (which task, microbatch, iteration) is in the traceback's log."""
+    sets = ("pp=2", "steps=5", "microbatches=2", f"timeout_s={TIMEOUT_S}", f"log_dir={tmp_path / 'logs'}",
+            "unit_ms=1")
+    ranks = RankProcs(tmp_path, 2, ["--config", "tests/fixtures/failing_stage.toml",
+                                    *(a for s in sets for a in ("--set", s))])
+    try:
+        ended = ranks.wait([0, 1], STARTUP_S + TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == [0, 1] and [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
+        assert "Traceback" not in ranks.err(1), ranks.err(1)
+        log = tmp_path / "logs" / "rank-1.log"
+        assert ranks.error_lines(1) == [f"rrfp: error: rank 1 (stage 1): internal error, please report it "
+                                        f"(traceback in {log}): RuntimeError: injected failure in stage 1's "
+                                        f"forward"], ranks.err(1)
+        text = log.read_text()
+        assert "rrfp: raised in task F0 (microbatch 0) of iteration 1, on stage 1 of 2 (rank 1)" in text, text
+        assert "ExceptionGroup" not in text, text
+        (pointer,) = ranks.error_lines(0)
+        assert pointer.startswith("rrfp: error: rank 0: stopped: rank 1 failed first (see its line): "), pointer
     finally:
         ranks.kill_all()
     assert ranks.alive() == []

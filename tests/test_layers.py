@@ -1,4 +1,6 @@
-"""Imports point down the layers, and no module imports itself in a circle.
+"""Imports point down the layers, no module imports itself in a circle, and
+what sits on top of rrfp (models/, examples/, benchmarks/, scripts/) uses only
+its public surface, ``rrfp/__init__.py``.
 
 Every import in rrfp/ and models/ is read with ast (function-level ones
 included), so a lazy import cannot hide an upward edge. The layers and what
@@ -23,8 +25,9 @@ ALLOWED = {
     "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
     "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
              "rrfp.app"},  # the package's own __init__ and __main__: the public surface
-    "models": {"rrfp.core", "rrfp.nn", "rrfp.pipeline"},
+    "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
 }
+TOP = ("models", "examples", "benchmarks", "scripts")  # code on top of rrfp: the public surface only
 
 
 def module_name(path: Path) -> str:
@@ -119,11 +122,60 @@ def test_the_checks_can_fail():
     assert layer_of("models.gpt") == "models" and layer_of("rrfp.app.cli") == "rrfp.app"
 
 
+def public_names() -> set[str]:
+    """``rrfp.__all__``, read from the source (no import)."""
+    tree = ast.parse(ROOT.joinpath("rrfp", "__init__.py").read_text())
+    return next(set(ast.literal_eval(node.value)) for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+
+
+def deep_uses(source: str, public: set[str]) -> list[str]:
+    """Where ``source`` reaches past rrfp's public surface: ``import rrfp.x``, ``from rrfp.x import y``,
+    ``from rrfp import name`` for a name not in ``public``, and ``rrfp.name`` for one not in it."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            found += [(line, f"import {a.name}") for a in node.names if a.name.startswith("rrfp.")]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "rrfp":
+            if node.module != "rrfp":
+                found.append((line, f"from {node.module} import ..."))
+            else:
+                found += [(line, f"from rrfp import {a.name}") for a in node.names if a.name not in public]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rrfp"
+              and node.attr not in public and not node.attr.startswith("__")):
+            found.append((line, f"rrfp.{node.attr}"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+TOP_SOURCES = sorted(p for folder in TOP for p in ROOT.joinpath(folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", TOP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_top_uses_only_the_public_surface(path):
+    """Models, examples, benchmarks and scripts use ``import rrfp; rrfp.X`` or ``from rrfp import X``, X in
+    ``rrfp.__all__``: what they need is what an embedding user gets, and the internals stay free to move."""
+    deep = deep_uses(path.read_text(), public_names())
+    assert not deep, f"{path.relative_to(ROOT)} reaches past rrfp's public surface: {deep}"
+
+
+def test_the_surface_check_can_fail():
+    public = public_names()
+    assert {"SplitLinear", "PipelineRuntime", "simulate"} <= public
+    assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= set(TOP)
+    deep = deep_uses("import rrfp\nimport rrfp.sim\nfrom rrfp.nn.split_linear import SplitLinear\n"
+                     "from rrfp import SplitLinear, _HOMES\nx = rrfp.pipeline.worker\ny = rrfp.simulate\n"
+                     "z = rrfp.__file__\n", public)
+    assert deep == ["line 2: import rrfp.sim", "line 3: from rrfp.nn.split_linear import ...",
+                    "line 4: from rrfp import _HOMES", "line 5: rrfp.pipeline"], deep
+
+
 def test_core_and_sim_load_without_torch():
     """The pure core and the simulator answer what-if questions on a machine without torch."""
     import subprocess
     import sys
 
-    code = "import sys, rrfp.core, rrfp.sim; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    code = ("import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, rrfp.choose; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,7 +1,8 @@
 """Stage boundaries that carry several tensors: headers with None and mixed
 dtypes, channels that skip None payloads, StageWorker with tuple inputs and
 outputs, and a two-stage pipeline over real gloo that matches a
-single-process reference whose boundary is (hidden, int64 mask, None, summary).
+single-process reference whose boundary is (hidden, int64 mask, None, summary),
+the receiving stage taking it as one tuple, as separate arguments or as *args.
 """
 from __future__ import annotations
 
@@ -118,6 +119,8 @@ class First(nn.Module):
 
 
 class Second(nn.Module):
+    """Takes the boundary as one tuple argument."""
+
     def __init__(self) -> None:
         super().__init__()
         self.out, self.mix = nn.Linear(C, C), nn.Linear(D, C)
@@ -128,13 +131,29 @@ class Second(nn.Module):
         return self.out(h) * (1 + mask.unsqueeze(-1)) + self.mix(s).unsqueeze(1)
 
 
+class SecondArgs(Second):
+    """Takes the boundary as separate positional arguments, as torch.distributed.pipelining calls a stage."""
+
+    def forward(self, h, mask, nothing, s):
+        return super().forward((h, mask, nothing, s))
+
+
+class SecondStar(Second):
+    def forward(self, *inputs):
+        assert len(inputs) == 4, f"{len(inputs)} arguments"
+        return super().forward(inputs)
+
+
+SECONDS = {"tuple": Second, "args": SecondArgs, "star": SecondStar}
+
+
 def loss_fn(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _model() -> nn.Sequential:
+def _model(second: str = "tuple") -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(First(), Second()).double()
+    return nn.Sequential(First(), SECONDS[second]()).double()
 
 
 def _batches() -> list:
@@ -144,11 +163,13 @@ def _batches() -> list:
             for t in (3, 5, 7, 4)]  # sequence length differs per microbatch
 
 
-def _reference() -> tuple[float, dict]:
-    model = _model()
-    loss = sum(loss_fn(model(x), y) for x, y in _batches()) / M
+def _reference(second: str = "tuple") -> tuple[float, dict]:
+    """One process, plain autograd, each stage called the way its forward is written."""
+    first, last = _model(second)
+    call = (lambda out: last(out)) if second == "tuple" else (lambda out: last(*out))
+    loss = sum(loss_fn(call(first(x)), y) for x, y in _batches()) / M
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.item(), {f"{i}.{n}": p.grad for i, m in enumerate((first, last)) for n, p in m.named_parameters()}
 
 
 def _grad_error(stage: int, module: nn.Module, ref: dict) -> float:
@@ -164,10 +185,11 @@ def _through_a_header(tensors) -> tuple:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("second", list(SECONDS))
 @pytest.mark.parametrize("split", [False, True])
-def test_worker_tuple_boundary_matches_reference(split):
-    ref_loss, ref = _reference()
-    model = _model()
+def test_worker_tuple_boundary_matches_reference(split, second):
+    ref_loss, ref = _reference(second)
+    model = _model(second)
     w0 = StageWorker(model[0], 0, 2, M, loss_fn, split)
     w1 = StageWorker(model[1], 1, 2, M, loss_fn, split)
     losses = []
@@ -190,6 +212,33 @@ def test_worker_tuple_boundary_matches_reference(split):
 
 
 @pytest.mark.timeout(30)
+def test_first_stage_takes_a_tuple_input_as_separate_arguments():
+    """The first stage's own inputs (the batch's first element) follow the same rule as a received boundary."""
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(C, C)
+
+        def forward(self, x, mask):
+            return self.lin(x) * mask.unsqueeze(-1)
+
+    torch.manual_seed(0)
+    module = Masked().double()
+    x, y = _batches()[0]
+    mask = (x[..., 0] > 0).double()
+    w = StageWorker(module, 0, 1, 1, loss_fn, split=True)
+    loss = w.forward(0, (x, mask), y)
+    w.backward(0)
+    w.weight(0)
+    got = {n: p.grad.clone() for n, p in module.named_parameters()}
+    module.zero_grad()
+    want = loss_fn(module(x, mask), y)
+    want.backward()
+    assert loss.item() == want.item()
+    assert all(torch.equal(got[n], p.grad) for n, p in module.named_parameters())
+
+
+@pytest.mark.timeout(30)
 def test_worker_tuple_boundary_checks_grad_output():
     model = _model()
     w0 = StageWorker(model[0], 0, 2, M, loss_fn, split=False)
@@ -208,7 +257,8 @@ def test_worker_tuple_boundary_checks_grad_output():
 
 # -- over real gloo ----------------------------------------------------------------
 
-CONFIGS = [("ready", "bfw"), ("fixed", "1f1b")]
+CONFIGS = [("ready", "bfw", "tuple"), ("fixed", "1f1b", "tuple"), ("ready", "bfw", "args"),
+           ("fixed", "1f1b", "args"), ("ready", "bfw", "star")]
 
 
 def _pipeline_rank(rank, world):
@@ -218,18 +268,18 @@ def _pipeline_rank(rank, world):
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    ref_loss, ref = _reference()
     batches = _batches()
 
     async def main():
         out = {}
         async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
-            for dispatch, hint in CONFIGS:
-                module = _model()[rt.stage]
+            for dispatch, hint, second in CONFIGS:
+                ref_loss, ref = _reference(second)
+                module = _model(second)[rt.stage]
                 ex = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=dispatch, hint=hint)
                 res = await ex.run_iteration(0, batches)
                 loss_err = abs(res.loss - ref_loss) if res.loss is not None else None
-                out[(dispatch, hint)] = (_grad_error(rt.stage, module, ref), loss_err, ex.settings.split)
+                out[(dispatch, hint, second)] = (_grad_error(rt.stage, module, ref), loss_err, ex.settings.split)
         return out
 
     return run(main())
@@ -237,6 +287,7 @@ def _pipeline_rank(rank, world):
 
 @pytest.mark.timeout(180)
 def test_pipeline_boundary_with_several_tensors_matches_reference():
+    """The receiving stage takes the boundary as one tuple, as separate arguments, or as *args."""
     results = run_ranks(_pipeline_rank, 2, timeout=150)
     for cfg in CONFIGS:
         for rank in range(2):

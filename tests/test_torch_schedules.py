@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining anchors (rrfp/pipeline/torch_schedules.py) on real gloo ranks:
+"""torch.distributed.pipelining anchors (rrfp/app/bench/torch_schedules.py) on real gloo ranks:
 torch's schedules train the same parameters as a single-process reference, and hold every
 task for its emulated time, so an iteration lasts at least what its durations allow."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_ranks
 from rrfp.core.tasks import Kind
-from rrfp.pipeline import torch_schedules as ts
+from rrfp.app.bench import torch_schedules as ts
 
 WORLD = 4
 M = 8

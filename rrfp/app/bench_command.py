@@ -50,7 +50,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     wanted = list(dict.fromkeys(Executor.parse(e) for e in (args.executors or DEFAULT_EXECUTORS)))
     if not wanted:
         raise UsageError("--executors: no executor given")
-    spec = BenchSpec(tuple(cases), pick["pp"], args.tp, pick["mb"], pick["reps"], pick["unit_ms"], budget)
+    spec = BenchSpec(tuple(cases), pick["pp"], args.tp, pick["mb"], pick["reps"], pick["unit_ms"], budget,
+                     torch_sends=args.torch_sends)
     ready, skipped = [], {}
     for case in cases:
         case.train_config(spec)  # ConfigError (exit 2) when the workload cannot take these sizes

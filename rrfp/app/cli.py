@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="variability preset for every workload (default: gpt lang, vlm jitter)")
     bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a value of every workload's config, e.g. --set model.n_layer=16")
+    bench.add_argument("--torch-sends", choices=("delayed", "native"), default="delayed",
+                       help="torch anchors' sends: delayed (after the emulated link latency, from sender threads, "
+                            "as rrfp's senders; the default) or native (torch issues and waits its own, no latency)")
     bench.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units")

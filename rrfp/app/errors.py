@@ -4,7 +4,7 @@ import logging
 import os
 import sys
 
-from rrfp.core.errors import PipelineError
+from rrfp.core.errors import PipelineError, leaves
 
 
 class UsageError(Exception):
@@ -13,13 +13,6 @@ class UsageError(Exception):
 
 class ConfigError(UsageError, ValueError):
     """A config file or override that cannot be used; the message says which key."""
-
-
-def leaves(e: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
-    if isinstance(e, BaseExceptionGroup):
-        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
-    return [e]
 
 
 def root_cause(e: BaseException) -> BaseException:

@@ -39,3 +39,10 @@ class NonFiniteError(PipelineError):
 
 class InjectedFault(PipelineError):
     """A failure asked for by fault injection (``run.fault``), for testing."""
+
+
+def leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for sub in e.exceptions for leaf in leaves(sub)]
+    return [e]

@@ -15,11 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from rrfp.comm.message import Message
+from rrfp.comm.message import Message, MessageError
 from rrfp.core.budget import Budget
-from rrfp.core.cost import CostModel
+from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
-from rrfp.core.errors import PeerTimeout, ProtocolError
+from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolError, leaves
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.stats import StageStats
@@ -70,6 +70,22 @@ def numel(inputs) -> int:
     return 0
 
 
+def the_cause(group: BaseExceptionGroup) -> BaseException:
+    """The one error an iteration raises for its TaskGroup's: this rank's own failure (the model's
+    error, a bug, a protocol or message check) before a peer's that it caused, first come first.
+    The others are noted on it. A caller then catches what the model raised (``except TypeError``),
+    not an ExceptionGroup; rrfp/app/failure.py ranks the same way."""
+    def rank(e: BaseException) -> int:
+        return 2 if isinstance(e, PeerFailure) else 1 if isinstance(e, (PipelineError, MessageError)) else 0
+
+    errors = leaves(group)
+    cause = min(errors, key=rank)
+    for other in errors:
+        if other is not cause:
+            cause.add_note(f"rrfp: meanwhile, in the same iteration: {type(other).__name__}: {other}")
+    return cause
+
+
 class StageExecutor:
     """Runs one stage of the pipeline, one iteration per ``run_iteration`` call.
 
@@ -114,21 +130,44 @@ class StageExecutor:
         ``features`` (one dict per microbatch) lets a cost model set emulated durations."""
         if len(batches) != self.M:
             raise ValueError(f"stage {self.s}: got {len(batches)} microbatches, configured for {self.M}")
+        self._check_features(features)
         spec, report = self.spec, None
         if self.planner is not None:
             hint, report = await self.planner.hint(iteration, features)
             st = self.settings
             spec = hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
-        run = _Iteration(self, spec, iteration, batches, features)
-        result = await run.execute()
+        failed = None
+        try:
+            result = await _Iteration(self, spec, iteration, batches, features).execute()
+        except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
+            failed = the_cause(group)
+        if failed is not None:  # raised outside the handler, so that it does not chain the group it was in
+            raise failed
         result.plan = report
         return result
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """With hint = plan: start planning ``iteration`` now, while the current one runs.
         ``features`` must be those ``run_iteration`` will get. A no-op for other hints."""
+        self._check_features(features)
         if self.planner is not None:
             self.planner.prepare(iteration, features)
+
+    def _check_features(self, features: Sequence[dict] | None) -> None:
+        """A cost model prices microbatches by their features: without them it would be ignored."""
+        if self.settings.cost is None:
+            return
+        if features is None:
+            raise ValueError(f"stage {self.s}: the executor has a cost model (cost=) but got no features: pass "
+                             f"features=[workload.features(b) for b in batches], one dict per microbatch "
+                             f"({', '.join(FEATURES)})")
+        if len(features) != self.M:
+            raise ValueError(f"stage {self.s}: got features for {len(features)} microbatches, configured for {self.M}")
+        for mb, feats in enumerate(features):
+            missing = [k for k in FEATURES if k not in feats]
+            if missing:
+                raise ValueError(f"stage {self.s}: the features of microbatch {mb} lack {', '.join(missing)} "
+                                 f"(the cost model needs {', '.join(FEATURES)})")
 
     def close(self) -> None:
         if self.planner is not None:
@@ -213,7 +252,12 @@ class _Iteration:
                 arrivals = tr.arrivals
                 agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(task)),
                                         name="rrfp-tp-agree")
-            await self._run(task)
+            try:
+                await self._run(task)
+            except Exception as e:  # the model's own error keeps its type; this says where it happened
+                e.add_note(f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
+                           f"on stage {ex.s} of {ex.S} (rank {ex.rank})")
+                raise
             tr.finish(task)
             self.ran.append(task)
             for hook in ex.on_task_done:

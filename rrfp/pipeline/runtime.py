@@ -149,7 +149,9 @@ class PipelineRuntime:
                        variability: Variability | None = None, seed: int = 0,
                        instrument: Instrument | None = None, cost=None) -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
-        TrainConfig passes resolved objects."""
+        TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
+        ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
+        microbatches' ``features``: without them it is a ValueError."""
         h = resolve(hint)
         split = default_split(h.name, split)
         settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,

@@ -15,8 +15,10 @@ measured faster (benchmarks/weight_split.py, GPT middle stage, CPU: B 21.8 ms
 vs 28.3 ms, F 19.2 vs 25.7, W 19.9 vs 12.1 per microbatch).
 
 A stage boundary may carry several tensors: a stage may return a tuple or list
-of tensors and None, and the next stage gets them as one tuple argument (a
-lone tensor stays a lone tensor, so single-tensor models see no difference).
+of tensors and None, and the next stage gets them as separate arguments when
+its forward takes several (``forward(self, h, mask)`` or ``*args``), else as
+one tuple (a lone tensor stays a lone tensor, so single-tensor models see no
+difference). The first stage's inputs follow the same rule.
 Only floating-point tensors carry gradients; int masks and None travel along
 with a None gradient.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +89,7 @@ class StageWorker:
         if num_microbatches <= 0:
             raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
         self.module, self.stage, self.num_stages = module, stage, num_stages
+        self._splat = _takes_several(module)  # a tuple input becomes separate arguments
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
@@ -111,7 +115,7 @@ class StageWorker:
                  else contextlib.nullcontext())
         use_queue = self.split and self.weight_split == "layers"
         with torch.enable_grad(), collect_weight_grads(queue if use_queue else None), hooks:
-            out = self.module(x)
+            out = self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
             if self.is_last:
                 loss = self.loss_fn(out, targets)
                 out = loss / self.num_microbatches
@@ -313,6 +317,18 @@ def _in_structure(x, inputs: list, grads: list):
     if isinstance(x, torch.Tensor):
         return by_id.get(id(x))
     return tuple(None if t is None else by_id.get(id(t)) for t in x)
+
+
+def _takes_several(module: nn.Module) -> bool:
+    """Whether ``module.forward`` takes a stage's several input tensors as separate positional arguments
+    (``forward(self, h, mask)`` or ``*args``, as torch.distributed.pipelining calls it) rather than one
+    tuple (``forward(self, x)``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the tuple, as before
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 def _describe(value) -> str:

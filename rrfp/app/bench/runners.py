@@ -79,12 +79,12 @@ class RrfpRunner:
 
 
 class TorchRunner:
-    """torch.distributed.pipelining's schedule (rrfp.pipeline.torch_schedules), the anchor. Its task
+    """torch.distributed.pipelining's schedule (rrfp.app.bench.torch_schedules), the anchor. Its task
     spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp spans' clock."""
 
     def __init__(self, rt: PipelineRuntime, ex: Executor, workload: Workload, model_cfg, spec: BenchSpec,
                  variability: Variability, cost: CostModel | None) -> None:
-        from rrfp.pipeline.torch_schedules import TorchScheduleRunner, workload_stage_builder
+        from rrfp.app.bench.torch_schedules import TorchScheduleRunner, workload_stage_builder
 
         self.name = ex.name
         self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
@@ -108,8 +108,10 @@ class TorchRunner:
         def latency(stage: int, mb: int, kind) -> float:  # and their link latencies
             return times.latency(iteration, stage, mb, kind)
 
+        native = self._spec.torch_sends == "native"  # torch issues and waits its own sends, with no latency
+
         # torch's schedule blocks; nothing else of this rank runs meanwhile
-        res = self._runner.run_iteration(iteration, batches, units, latency)
+        res = self._runner.run_iteration(iteration, batches, units, None if native else latency)
         for p in self._runner.parameters():
             p.grad = None
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start

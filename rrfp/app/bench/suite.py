@@ -36,7 +36,7 @@ class Executor:
     """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint, or a torch schedule."""
 
     engine: str  # "fixed", "ready" or "torch"
-    hint: str  # an rrfp hint, or a torch schedule (rrfp.pipeline.torch_schedules)
+    hint: str  # an rrfp hint, or a torch schedule (rrfp.app.bench.torch_schedules)
 
     @property
     def name(self) -> str:
@@ -50,7 +50,7 @@ class Executor:
     def split(self) -> bool:
         """Whether this executor runs B and W as separate tasks (what its durations and bound use)."""
         if self.is_torch:
-            from rrfp.pipeline import torch_schedules as ts
+            from rrfp.app.bench import torch_schedules as ts
 
             return ts.SCHEDULES[ts.resolve_schedule(self.hint)][3]
         return default_split(resolve(self.hint).name)
@@ -130,6 +130,7 @@ class BenchSpec:
     budget: str = "2x"
     seed: int = 0
     peer_timeout_s: float = 120.0
+    torch_sends: str = "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
 
     @property
     def world(self) -> int:
@@ -159,7 +160,7 @@ def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
     """Why this executor cannot run this workload here, or None."""
     if not ex.is_torch:
         return None
-    from rrfp.pipeline import torch_schedules as ts
+    from rrfp.app.bench import torch_schedules as ts
 
     try:
         per_rank = ts.stages_per_rank(ex.hint)

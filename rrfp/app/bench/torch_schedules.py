@@ -49,7 +49,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from rrfp.core.tasks import Kind
 from rrfp.observe.trace import Span
 
-log = logging.getLogger("rrfp.pipeline.torch_schedules")
+log = logging.getLogger("rrfp.app.bench.torch_schedules")
 
 # name -> (torch schedule class name, stages per rank, stage indices of rank r of world w, split backward)
 SCHEDULES: dict[str, tuple[str, int, Callable[[int, int], tuple[int, ...]], bool]] = {
