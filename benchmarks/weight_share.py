@@ -20,7 +20,6 @@ from torch import nn
 
 import rrfp
 from models import gpt, vlm
-from rrfp.pipeline.worker import StageWorker
 
 STAGES = 4
 
@@ -70,7 +69,7 @@ def plain_stages():
 
 def share(module, stage, x, targets, loss_fn):
     last = stage == STAGES - 1
-    w = StageWorker(module, stage, STAGES, 1, loss_fn, split=True, measure_activations=False)
+    w = rrfp.StageWorker(module, stage, STAGES, 1, loss_fn, split=True, measure_activations=False)
     out = w.forward(0, x, targets if last else None)
     grad = None if last else (tuple(None if t is None or not t.is_floating_point() else torch.randn_like(t)
                                     for t in out) if isinstance(out, tuple) else torch.randn_like(out))

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
     from rrfp.pipeline.executor import IterationResult, StageExecutor
     from rrfp.pipeline.runtime import PipelineRuntime
-    from rrfp.pipeline.worker import StageWorker
+    from rrfp.pipeline.worker import SplitSummary, StageWorker
     from rrfp.pipeline.workload import Workload, token_features
     from rrfp.sim import SimConfig, SimResult, simulate
 
@@ -40,6 +40,7 @@ _HOMES = {
     "StageExecutor": "rrfp.pipeline.executor",
     "IterationResult": "rrfp.pipeline.executor",
     "StageWorker": "rrfp.pipeline.worker",
+    "SplitSummary": "rrfp.pipeline.worker",
     "Dispatch": "rrfp.core.policy",
     "Variability": "rrfp.core.variability",
     "CostModel": "rrfp.core.cost",
@@ -69,8 +70,8 @@ _HOMES = {
 
 __all__ = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "StageExecutor", "StageTracker",
-    "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
+    "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
+    "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
     "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
 ]
 

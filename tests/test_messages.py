@@ -296,3 +296,21 @@ def test_pipeline_boundary_with_several_tensors_matches_reference():
             assert grad_err < 1e-12, f"{cfg} rank {rank}: gradient differs by {grad_err}"
             if rank == 1:
                 assert loss_err < 1e-12, f"{cfg}: loss differs by {loss_err}"
+
+
+def test_received_inputs_count_in_activation_bytes():
+    """A stage keeps what it received until B, even when autograd saves none of it (here it
+    saves only the joined tensor's shape): the byte budget must count it."""
+    from torch import nn
+
+    from rrfp.pipeline.worker import StageWorker
+
+    class Join(nn.Module):
+        def forward(self, inputs):
+            a, b = inputs
+            return torch.cat([a, b], 1) * 2
+
+    w = StageWorker(Join(), 1, 3, 1, None, split=False)
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    out = w.forward(0, (a, b))
+    assert w.activation_bytes(0) == a.nbytes + b.nbytes + out.nbytes

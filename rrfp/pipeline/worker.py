@@ -122,9 +122,9 @@ class StageWorker:
         outputs = _flat(out)
         if not self.is_last:
             self._check_output(mb, out, outputs)
-        if counter is not None:
-            for t in outputs:
-                if t is not None:
+        if counter is not None:  # what the slot keeps until B: the received inputs and the outputs
+            for t in outputs + ([] if self.is_first else _flat(x)):
+                if isinstance(t, torch.Tensor):
                     counter.add(t)
         nbytes = counter.total if counter is not None else 0
         weights = None
