@@ -140,7 +140,7 @@ def _variable_length_data(world):
     return model, [batch(10 + i, length, rows=BATCH) for i, length in enumerate((3, 7, 5, 9))]
 
 
-def _variable_lengths(rank, world):
+def _variable_lengths(rank, world, csv_path):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
@@ -156,12 +156,20 @@ def _variable_lengths(rank, world):
             losses = []
             merged = schedule.step(arg_mbs=[(x,) for x, _ in mbs] if first else None,
                                    target_mbs=[y for _, y in mbs] if last else None, losses=losses)
+        # torch's schedule CSV as the hint, followed exactly under fixed dispatch
+        stage = PipelineStage(copy.deepcopy(model[rank]), rank, world, torch.device("cpu"))
+        with ScheduleReady(stage, M, loss_fn=loss_fn, dispatch="fixed") as schedule:
+            schedule._load_csv(csv_path)
+            schedule.step(arg_mbs=[(x,) for x, _ in mbs] if first else None,
+                          target_mbs=[y for _, y in mbs] if last else None)
+            csv_order = [str(t) for t in schedule.last_result.order]
     finally:
         dist.destroy_process_group()
     ref_losses, ref = reference_grads(model, rank, mbs)
-    res = dict(ref=max_diff(ref, grads_of(chunk)))
+    res = dict(ref=max_diff(ref, grads_of(chunk)), csv_order=csv_order)
     if last:
-        res.update(loss=max(abs(a - b.item()) for a, b in zip(ref_losses, losses)), merged=merged)
+        res.update(loss=max(abs(a - b.item()) for a, b in zip(ref_losses, losses)),
+                   merged=[tuple(o.shape) for o in merged])  # shapes: tensors would need the child alive
     return res
 
 
@@ -183,15 +191,75 @@ def _torch_variable_lengths(rank, world):
     return "ran"
 
 
-def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd):
-    results = run_ranks(_variable_lengths, 2, timeout=60)
+def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd, tmp_path):
+    (tmp_path / "1f1b.csv").write_text(ONE_F_ONE_B_CSV)
+    results = run_ranks(_variable_lengths, 2, str(tmp_path / "1f1b.csv"), timeout=60)
     for rank, res in results.items():
         assert res["ref"] < 1e-12, (rank, res)
+        row = [c for c in ONE_F_ONE_B_CSV.splitlines()[rank].split(",") if c]
+        assert res["csv_order"] == [c[1:] for c in row], (rank, res["csv_order"])
     last = results[1]
     assert last["loss"] < 1e-12
     # outputs of different lengths cannot be concatenated: the last stage gets one per microbatch
-    assert [tuple(o.shape) for o in last["merged"]] == [(BATCH, n, VOCAB) for n in (3, 7, 5, 9)]
+    assert last["merged"] == [(BATCH, n, VOCAB) for n in (3, 7, 5, 9)]
     # torch's receiver aborts the process (gloo: received size != expected), its peer then fails
     with pytest.raises(AssertionError, match="failed|did not finish"):
         run_ranks(_torch_variable_lengths, 2, timeout=40)
     assert "Received data size doesn't match expected size" in capfd.readouterr().err
+
+
+# -- what is not supported says so; torch's schedule CSV read as a hint ---------------------------
+
+ONE_F_ONE_B_CSV = "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"  # torch's compute_only
+
+
+def test_several_stages_and_non_stages_are_refused():
+    from rrfp import ScheduleReady
+
+    with pytest.raises(NotImplementedError, match="one stage per rank; got 2 stages.*virtual stages"):
+        ScheduleReady([object(), object()], M)
+    with pytest.raises(TypeError, match="takes a torch.distributed.pipelining PipelineStage, got Linear"):
+        ScheduleReady(nn.Linear(2, 2), M)
+    with pytest.raises(NotImplementedError, match="custom functions"):
+        ScheduleReady.register_custom_function(None, "F", print)
+
+
+def test_torch_csv_reads_as_the_stage_order(tmp_path):
+    from torch.distributed.pipelining.schedules import _Action
+
+    from rrfp.core.hints import validate
+    from rrfp.core.tasks import Kind, Task
+    from rrfp.pipelining import read_torch_csv
+
+    path = tmp_path / "1f1b.csv"
+    path.write_text(ONE_F_ONE_B_CSV)
+    hint, split = read_torch_csv(path)
+    assert not split
+    for s, row in enumerate(ONE_F_ONE_B_CSV.splitlines()):
+        order = hint.fn(2, s, M, False)
+        validate(order, M, False)
+        # each cell as torch itself parses it
+        actions = [_Action.from_str(c) for c in row.split(",") if c]
+        assert [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions] == \
+            [(s, t.kind.name, t.mb) for t in order]
+    assert hint.fn(2, 1, M, False)[:2] == [Task(Kind.F, 0), Task(Kind.B, 0)]
+    path.write_text("0F0,0I0,0W0\n")
+    hint, split = read_torch_csv(path)
+    assert split and hint.fn(1, 0, 1, True) == [Task(Kind.F, 0), Task(Kind.B, 0), Task(Kind.W, 0)]
+
+
+@pytest.mark.parametrize("text, error", [
+    ("0F0,0SEND_F0,1RECV_F0\n", "'0SEND_F0' is an action rrfp runs itself"),
+    ("0F0,0UNSHARD\n", "'0UNSHARD' is an action rrfp runs itself"),
+    ("0F0,bogus\n", "'bogus' is not an action"),
+    ("0F0,0B0,0I1,0W1\n", "mixes full backwards"),
+    ("\n", "no actions"),
+])
+def test_torch_csv_refuses_what_rrfp_cannot_follow(tmp_path, text, error):
+    from rrfp.core.hints import HintError
+    from rrfp.pipelining import read_torch_csv
+
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    with pytest.raises(HintError, match=error):
+        read_torch_csv(path)
