@@ -263,3 +263,24 @@ def test_torch_csv_refuses_what_rrfp_cannot_follow(tmp_path, text, error):
     path.write_text(text)
     with pytest.raises(HintError, match=error):
         read_torch_csv(path)
+
+
+@pytest.mark.timeout(180)
+def test_the_example_prints_equal_losses_under_torchrun():
+    """examples/torch_pipelining.py: one training loop, both schedules, the same losses."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "examples/torch_pipelining.py"], cwd=root, capture_output=True, text=True, timeout=170,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = re.findall(r"^\s*\d+\s+(\d+\.\d+)\s+(\d+\.\d+)$", p.stdout, re.M)
+    assert len(rows) == 3 and all(a == b for a, b in rows), p.stdout
+    assert "equal losses: True" in p.stdout
+    varied = re.search(r"ScheduleReady only\): (.*)$", p.stdout, re.M)
+    assert varied and len(varied.group(1).split(", ")) == 4, p.stdout
