@@ -4,7 +4,8 @@ This module is the public surface, the names a driver needs to embed a
 pipeline: ``PipelineRuntime`` and its ``StageExecutor`` (``run_iteration``
 returns an ``IterationResult``), ``stage_main(cfg)`` under torchrun, the model
 contract ``Workload``, the split-aware and tensor-parallel layers, and
-``simulate`` for what-if questions without a cluster. ``models/``,
+``simulate`` for what-if questions without a cluster, and ``ScheduleReady``, a
+drop-in for torch.distributed.pipelining's ``Schedule1F1B``. ``models/``,
 ``examples/``, ``benchmarks/`` and ``scripts/`` use nothing else
 (tests/test_layers.py); tests/test_exports.py pins the list. The layers are
 folders: ``core`` (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.pipeline.runtime import PipelineRuntime
     from rrfp.pipeline.worker import SplitSummary, StageWorker
     from rrfp.pipeline.workload import Workload, token_features
+    from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
 
 # public name -> the module that defines it
@@ -66,11 +68,13 @@ _HOMES = {
     "SimResult": "rrfp.sim",
     "choose": "rrfp.core.policy",
     "StageTracker": "rrfp.core.tracker",
+    # a drop-in for torch.distributed.pipelining's schedules
+    "ScheduleReady": "rrfp.pipelining",
 }
 
 __all__ = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
+    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
     "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
     "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
 ]

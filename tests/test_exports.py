@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
+    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
     "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
     "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
 ]

@@ -23,8 +23,10 @@ ALLOWED = {
     "rrfp.nn": set(),
     "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn"},  # sim: planning
     "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
+    # torch.distributed.pipelining's schedule surface over the runtime: user-facing glue beside app
+    "rrfp.pipelining": {"rrfp.core", "rrfp.loop", "rrfp.comm", "rrfp.pipeline"},
     "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
-             "rrfp.app"},  # the package's own __init__ and __main__: the public surface
+             "rrfp.app", "rrfp.pipelining"},  # the package's own __init__ and __main__: the public surface
     "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
 }
 TOP = ("models", "examples", "benchmarks", "scripts")  # code on top of rrfp: the public surface only

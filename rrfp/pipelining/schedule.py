@@ -1,0 +1,408 @@
+"""``ScheduleReady``: rrfp's runtime behind torch.distributed.pipelining's schedule surface.
+
+A training loop written for ``Schedule1F1B`` switches by one line::
+
+    schedule = ScheduleReady(stage, n_microbatches, loss_fn=loss_fn)   # was Schedule1F1B(...)
+    schedule.step(x, target=y, losses=losses)                          # unchanged
+
+The semantics are torch 2.13's (torch/distributed/pipelining/schedules.py,
+``PipelineScheduleSingle.step`` and ``Schedule1F1B._step_microbatches``): the
+first stage splits the whole batch with ``split_args_kwargs_into_chunks`` and
+the chunk specs, the target is split along dim 0, the last stage computes
+``loss_fn(output, target)`` per microbatch and replaces the contents of
+``losses`` with them, and ``step`` returns the merged output on the last stage.
+Gradients end as torch leaves them: with ``scale_grads`` the whole ``.grad``
+(what was there before the step included) is divided by the number of
+microbatches after the step, without it the microbatch gradients are summed.
+
+Underneath, the stage's module runs in an rrfp ``StageExecutor`` (readiness,
+the hint, the budget) over rrfp's own channels, so nothing needs torch's shape
+inference: microbatches may differ in shape (pass them pre-split, as torch 2.14
+does, with ``arg_mbs``/``kwarg_mbs``/``target_mbs``), and a stage may send
+several tensors and None. The runtime lives on a loop in a thread of its own
+(rrfp/loop/background.py) that persists across steps; ``step`` blocks.
+``last_result`` is rrfp's ``IterationResult`` of the last step: busy and wall
+time (the bubble), the order the stage ran its tasks in.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from rrfp.comm.message import Message
+from rrfp.core.errors import ProtocolError
+from rrfp.core.hints import resolve
+from rrfp.core.layout import plan_layout
+from rrfp.core.tasks import Kind
+from rrfp.loop.background import BackgroundLoop
+from rrfp.pipeline.executor import IterationResult
+from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipelining.torch_csv import read_torch_csv
+
+log = logging.getLogger("rrfp.pipelining")
+
+_TARGET_SPEC = (TensorChunkSpec(0),)  # torch splits the target along the batch dimension
+
+
+class _Kwargs(dict):
+    """A first-stage microbatch's keyword arguments, riding as the last positional entry: the
+    StageWorker passes a microbatch's inputs as positional arguments only."""
+
+
+class _StageCall(torch.nn.Module):
+    """The stage module as torch calls it: ``submod(*args, **kwargs)``. Registered as
+    ``submod``, so parameter names read as on torch's PipelineStage."""
+
+    def __init__(self, submod: torch.nn.Module) -> None:
+        super().__init__()
+        self.submod = submod
+
+    def forward(self, *args):
+        if args and isinstance(args[-1], _Kwargs):
+            return self.submod(*args[:-1], **args[-1])
+        return self.submod(*args)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A microbatch's target and index: rrfp's last stage hands the target to the loss untouched."""
+
+    value: Any
+    mb: int
+
+
+class _Loss:
+    """torch's ``loss_fn(output, target, **loss_kwargs)``; keeps each microbatch's output for
+    ``step`` to merge when asked to."""
+
+    def __init__(self, loss_fn) -> None:
+        self.loss_fn = loss_fn
+        self.kwargs: dict = {}
+        self.outputs: dict[int, Any] | None = None
+
+    def __call__(self, output, target: _Target) -> torch.Tensor:
+        if self.outputs is not None:
+            self.outputs[target.mb] = _detached(output)
+        return self.loss_fn(output, target.value, **self.kwargs)
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+class ScheduleReady:
+    """A drop-in for torch's single-stage schedules (``Schedule1F1B``, ``ScheduleGPipe``) that runs
+    rrfp's readiness-driven executor on ``stage``'s module, rank and process group.
+
+    Positional arguments are torch's. ``hint`` (a builtin name such as ``"bfw"``, ``"1f1b"``,
+    ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
+    and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
+    waits on a silent peer before it names it. Every rank must construct it, in the same order
+    relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
+    (or use ``with``) before destroying the process group.
+    """
+
+    def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
+                 output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
+                 dispatch: str = "ready", timeout_s: float = 60.0) -> None:
+        stage = _one_stage(stage)
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
+            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+        _check_module(stage.submod)
+        self._stage, self._n_microbatches, self._loss_fn = stage, n_microbatches, loss_fn
+        self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
+        self._has_backward = loss_fn is not None
+        self._settings = dict(budget=budget, dispatch=dispatch)
+        self._hint, self._split = resolve(hint), None  # split None: the hint's default
+        layout = _layout_of(stage)
+        self._module = _StageCall(stage.submod)
+        self._loss = _Loss(loss_fn)
+        self._iteration = 0
+        self.last_result: IterationResult | None = None
+        backend = "nccl" if torch.device(stage.device).type == "cuda" else "gloo"
+        self._loop = BackgroundLoop(f"rrfp-stage{stage.stage_index}")
+        try:
+            self._runtime = self._loop.call(_start(layout, backend, timeout_s))
+        except BaseException:
+            self._loop.close()
+            raise
+        if self._runtime.stage != stage.stage_index:
+            self.close(wait_for_peers=False)
+            raise ValueError(f"rank {self._runtime.rank} holds torch stage {stage.stage_index}, but rrfp places "
+                             f"stage {self._runtime.stage} there: ScheduleReady needs stage i on rank i of the group")
+        self._executor = self._new_executor() if loss_fn is not None else None
+        self._closed = False
+
+    # -- torch's surface -----------------------------------------------------
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
+        """One iteration over the whole batch ``args``/``kwargs`` (split here), or over pre-split
+        microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
+        one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage."""
+        if self._closed:
+            raise RuntimeError("ScheduleReady.step after close()")
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError("step() requires gradients to be enabled for backward computation; it should not "
+                               "be used under torch.no_grad() context. Please call eval() instead.")
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses)}")
+        presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
+        arg_mbs, kwarg_mbs, target_mbs = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        keep = return_outputs and self._stage.is_last
+        if self._has_backward:
+            outputs, mb_losses = self._train(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep)
+        else:
+            outputs, mb_losses = self._loop.call(self._forward_only(self._iteration, arg_mbs, kwarg_mbs, target_mbs,
+                                                                    loss_kwargs or {}, torch.is_grad_enabled()))
+        self._iteration += 1
+        if self._stage.is_last and losses is not None and self._loss_fn is not None:
+            losses.clear()
+            losses.extend(mb_losses)
+        if keep:
+            return self._merge(outputs, presplit)
+        return None
+
+    def eval(self, *args, target=None, losses: list | None = None, **kwargs):
+        """Forward only, as torch's ``eval``: the last stage still computes the losses when it has a loss_fn.
+        Gradients are left alone (torch 2.13's eval divides ``.grad`` by M once more, in
+        ``perform_reduce_grad``; that is not copied)."""
+        has_backward = self._has_backward
+        try:
+            self._has_backward = False
+            return self.step(*args, target=target, losses=losses, **kwargs)
+        finally:
+            self._has_backward = has_backward
+
+    # -- what torch's multi-stage schedules have and this one has not (yet) ----
+
+    def register_custom_function(self, *args, **kwargs):
+        raise NotImplementedError("ScheduleReady does not take custom functions (torch's register_custom_function "
+                                  "on _PipelineScheduleRuntime): rrfp's executor decides what runs when; use "
+                                  "hint= to change its priorities")
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """torch's schedule CSV as this schedule's hint: this stage's row becomes its priority order
+        (rrfp/pipelining/torch_csv.py). Only ``compute_only`` schedules are read."""
+        if format != "compute_only":
+            raise NotImplementedError(f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
+                                      f"{format!r}: rrfp does its own communication")
+        self._hint, self._split = read_torch_csv(filename)
+        if self._executor is not None:
+            self._executor = self._new_executor()
+
+    load_csv = _load_csv
+
+    # -- lifetime ------------------------------------------------------------
+
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Wait for every rank, close rrfp's channels and lane, stop the loop. Collective: every
+        rank calls it (``wait_for_peers=False`` after an error skips the barrier)."""
+        if getattr(self, "_loop", None) is None:
+            return
+        try:
+            if wait_for_peers:
+                self._loop.call(self._runtime.finish())
+            else:
+                self._loop.call(self._runtime.aclose())
+        finally:
+            self._loop.close()
+            self._loop, self._closed = None, True
+
+    def __enter__(self) -> "ScheduleReady":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait_for_peers=exc_type is None)
+
+    # -- internals -----------------------------------------------------------
+
+    def _new_executor(self):
+        return self._runtime.stage_executor(self._module, self._loss, microbatches=self._n_microbatches,
+                                            hint=self._hint, split=self._split, **self._settings)
+
+    def _merge(self, outputs: list, presplit: bool):
+        """torch's merge_chunks; pre-split microbatches whose outputs differ in shape cannot be
+        concatenated, and come back as the list of outputs, one per microbatch."""
+        if presplit:
+            shapes = {tuple(t.shape[1:]) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
+            if len(shapes) > 1 and self._output_merge_spec is None:
+                return outputs
+        return merge_chunks(outputs, self._output_merge_spec)
+
+    def _microbatches(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
+        M, stage = self._n_microbatches, self._stage
+        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
+            if args or kwargs or target is not None:
+                raise ValueError("pass either the whole batch (args, kwargs, target=) or pre-split microbatches "
+                                 "(arg_mbs=, kwarg_mbs=, target_mbs=), not both")
+            for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
+                if mbs is not None and not isinstance(mbs, list):
+                    raise TypeError(f"{name} must be a list but got a {type(mbs)}")
+                if mbs is not None and len(mbs) != M:
+                    raise ValueError(f"Expecting {M} {name} but got {len(mbs)}")
+            arg_mbs = [a if isinstance(a, tuple) else (a,) for a in arg_mbs] if arg_mbs is not None else [()] * M
+            kwarg_mbs = kwarg_mbs if kwarg_mbs is not None else [{}] * M
+            bad = [i for i, k in enumerate(kwarg_mbs) if not isinstance(k, dict)]
+            if bad:
+                raise TypeError(f"kwarg_mbs entries must be dicts; entry {bad[0]} is a {type(kwarg_mbs[bad[0]])}")
+        else:
+            if args or kwargs:
+                arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, M, self._args_chunk_spec,
+                                                                   self._kwargs_chunk_spec)
+            else:
+                arg_mbs, kwarg_mbs = [()] * M, [{}] * M
+            if target is not None:
+                target_mbs = [t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]]
+        if not stage.is_first and any(kwarg_mbs):
+            raise NotImplementedError(f"stage {stage.stage_index}: keyword arguments to a stage other than the "
+                                      f"first are not supported by ScheduleReady yet; pass them on the first stage "
+                                      f"and send what later stages need as outputs")
+        return arg_mbs, kwarg_mbs, target_mbs
+
+    def _train(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool):
+        stage, M = self._stage, self._n_microbatches
+        batches = []
+        for mb in range(M):
+            x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb]) if stage.is_first else None
+            y = _Target(None if target_mbs is None else target_mbs[mb], mb) if stage.is_last else None
+            batches.append((x, y))
+        self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
+        held = _take_grads(self._module)
+        try:
+            self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches))
+        finally:
+            _scale_grads(self._module, held, M, self.scale_grads)
+        losses = [self._executor.worker.losses[mb] for mb in range(M)] if stage.is_last else []
+        outputs = [self._loss.outputs[mb] for mb in range(M)] if keep else []
+        self._loss.outputs = None
+        return outputs, losses
+
+    async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool):
+        """Forward only (eval, or no loss_fn), microbatches in order; every stage runs it in the
+        same step, so one message per microbatch and channel suffices."""
+        rt, stage = self._runtime, self._stage
+        ch = rt.channels
+        outputs, losses = [], []
+
+        def forward(x, mb):
+            with torch.set_grad_enabled(grad):
+                out = self._module(*x) if isinstance(x, tuple) else self._module(x)
+                loss = None
+                if stage.is_last and self._loss_fn is not None:
+                    loss = self._loss_fn(out, None if target_mbs is None else target_mbs[mb], **loss_kwargs)
+            return out, loss
+
+        for mb in range(self._n_microbatches):
+            if stage.is_first:
+                x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb])
+            else:
+                msg = await ch.fwd_in.recv()
+                if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
+                    raise ProtocolError(f"rank {rt.rank} stage {stage.stage_index}: expected the forward message "
+                                        f"of microbatch {mb}, iteration {it}; got {msg.label()}")
+                x = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
+            out, loss = await rt.lane.run(forward, x, mb)
+            if stage.is_last:
+                outputs.append(_detached(out) if not grad else out)
+                if loss is not None:
+                    losses.append(loss)
+            else:
+                tensors = list(out) if isinstance(out, (tuple, list)) else [out]
+                await ch.fwd_out.send(Message(it, mb, int(Kind.F), [_detached(t) for t in tensors]))
+        return outputs, losses
+
+
+def _first_inputs(args: tuple, kwargs: dict):
+    """A first-stage microbatch as the StageWorker passes it on: positional arguments, kwargs last."""
+    return tuple(args) + ((_Kwargs(kwargs),) if kwargs else ())
+
+
+def _take_grads(module: torch.nn.Module) -> dict:
+    """Take the gradients already there off the parameters, so the step's own are seen alone."""
+    held = {}
+    for p in module.parameters():
+        if p.grad is not None:
+            held[p], p.grad = p.grad, None
+    return held
+
+
+def _scale_grads(module: torch.nn.Module, held: dict, M: int, scale: bool) -> None:
+    """rrfp's worker backpropagates loss / M, so a step leaves the mean of the microbatch gradients.
+    torch leaves ``(held + sum) / M`` with scale_grads (``PipelineStage.scale_grads`` divides the
+    whole ``.grad`` after the last backward), ``held + sum`` without."""
+    for p in module.parameters():
+        g, old = p.grad, held.get(p)
+        if g is not None and not scale:
+            g.mul_(M)
+        if old is not None:
+            if scale:
+                old.div_(M)
+            p.grad = old if g is None else old.add_(g)
+
+
+def _one_stage(stage):
+    if isinstance(stage, (list, tuple)):
+        if len(stage) != 1:
+            raise NotImplementedError(f"ScheduleReady runs one stage per rank; got {len(stage)} stages. Several "
+                                      f"stages per rank (virtual stages, PipelineScheduleMulti: interleaved, "
+                                      f"looped, ZB-V, DualPipeV) are not supported yet")
+        stage = stage[0]
+    if not isinstance(stage, _PipelineStageBase):
+        raise TypeError(f"ScheduleReady takes a torch.distributed.pipelining PipelineStage, got "
+                        f"{type(stage).__name__}")
+    return stage
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """Data parallelism wrapped around the stage module needs torch's no_sync and post-backward calls,
+    which rrfp's worker does not make: refused rather than silently synced once per microbatch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = isinstance(module, DistributedDataParallel)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        wrapped = wrapped or isinstance(module, FSDPModule)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    if wrapped:
+        raise NotImplementedError(f"ScheduleReady does not support a stage module wrapped in "
+                                  f"{type(module).__name__} (data parallelism inside the stage) yet")
+
+
+def _layout_of(stage):
+    """rrfp's layout for the stage's group: the whole world as one pipeline, or one pipeline of a
+    pp x dp layout whose stage s of replica d is rank ``s * dp + d``."""
+    if not dist.is_initialized():
+        raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
+                           "PipelineStage does")
+    world, pp = dist.get_world_size(), stage.group_size
+    if stage.num_stages != pp:
+        raise NotImplementedError(f"the pipeline has {stage.num_stages} stages on {pp} ranks: ScheduleReady runs "
+                                  f"one stage per rank (virtual stages are not supported yet)")
+    if world % pp:
+        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
+    layout = plan_layout(world, pp, 1, world // pp)
+    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
+    if ranks not in layout.pp_groups():
+        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
+                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
+    return layout
+
+
+async def _start(layout, backend: str, timeout_s: float) -> PipelineRuntime:
+    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s)
