@@ -74,8 +74,8 @@ _HOMES = {
 
 __all__ = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
-    "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
+    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
+    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
     "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
 ]
 
