@@ -45,6 +45,11 @@ class ComputeLane:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units)
 
+    @property
+    def last_task_done(self) -> None:
+        """None: on CPU a task's results exist when ``run`` returns (see CudaComputeLane)."""
+        return None
+
     def close(self) -> None:
         """Refuse new calls; calls already submitted still run, without blocking the caller."""
         self._thread.shutdown(wait=False)
@@ -123,7 +128,8 @@ class CudaComputeLane:
         self.gaps_s: list[float] = []
         self.stream = torch.cuda.Stream(device=self.device)
         self._pending: collections.deque = collections.deque()  # (started, finished) events, oldest first
-        self._last_finished = None
+        self._last_finished = None  # the finished event of the last task retired
+        self._last_enqueued = None  # the finished event of the last task enqueued
         self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
 
     async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
@@ -139,9 +145,21 @@ class CudaComputeLane:
                 torch.cuda._sleep(cycles)
             finished.record(self.stream)
         self._pending.append((started, finished))
+        self._last_enqueued = finished
         while len(self._pending) > self.max_ahead:
             await self._retire_oldest()
         return result
+
+    @property
+    def last_task_done(self):
+        """The event the last task enqueued ends with, recorded right after its kernels.
+
+        What gates a message that task produced: an event recorded on the
+        stream later (say when the send coroutine runs) would also cover every
+        task enqueued meanwhile, and the message would wait for them
+        (docs/design.md, "Sends on time"). Read it when ``run`` returns, before
+        anything else is enqueued on the lane."""
+        return self._last_enqueued
 
     async def drain(self) -> None:
         """Wait until every task enqueued so far has finished on the device."""

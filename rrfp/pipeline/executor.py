@@ -282,6 +282,9 @@ class _Iteration:
     # -- communication -------------------------------------------------------
 
     def _post(self, msg: Message) -> None:
+        """Queue what the task just enqueued on the lane produced; on GPU it carries that task's end
+        event, so its send waits for the producer and not for tasks enqueued later."""
+        msg.ready = getattr(self.ex.lane, "last_task_done", None)
         latency = self.ex.times.latency(self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
         self.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
 
