@@ -630,20 +630,23 @@ def run_ranks_in_threads(world: FakeWorld, main, timeout: float = 60.0) -> dict[
     for t in threads:
         t.join(max(0.0, deadline - now()))
     if errors:
-        hangs = {r: e for r, e in errors.items() if isinstance(e, FakeHang) or _caused_by_hang(e)}
-        rank, error = min((hangs or errors).items())
-        raise error
+        hangs = {r: h for r, e in errors.items() if (h := _hang_in(e)) is not None}
+        if hangs:
+            rank, hang = min(hangs.items())
+            raise hang from errors[rank]
+        raise min(errors.items())[1]
     alive = [t.name for t in threads if t.is_alive()]
     if alive:
         raise AssertionError(f"{alive} still running after {timeout} s")
     return results
 
 
-def _caused_by_hang(e: BaseException) -> bool:
+def _hang_in(e: BaseException | None) -> FakeHang | None:
+    """The FakeHang that ``e`` is, contains or was caused by, if any."""
     while e is not None:
         if isinstance(e, FakeHang):
-            return True
+            return e
         if isinstance(e, BaseExceptionGroup):
-            return any(_caused_by_hang(x) for x in e.exceptions)
+            return next((h for x in e.exceptions if (h := _hang_in(x)) is not None), None)
         e = e.__cause__ or e.__context__
-    return False
+    return None

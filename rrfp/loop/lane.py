@@ -213,11 +213,12 @@ class CudaComputeLane:
         return cycles_per_s
 
 
-def make_lane(device: Any = "cpu", unit_s: float = 0.0,
-              poller: CompletionPoller | None = None, name: str = "compute") -> ComputeLane | CudaComputeLane:
-    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise."""
+def make_lane(device: Any = "cpu", unit_s: float = 0.0, poller: CompletionPoller | None = None,
+              name: str = "compute", torch_module: Any = None) -> ComputeLane | CudaComputeLane:
+    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise.
+    ``torch_module``: what the CUDA lane calls torch (tests pass a fake device)."""
     if device is None or not str(device).startswith("cuda"):
         return ComputeLane(unit_s, name=name)
     if poller is None:
         raise ValueError("a CUDA lane needs the loop's CompletionPoller")
-    return CudaComputeLane(poller, device, unit_s, name=name)
+    return CudaComputeLane(poller, device, unit_s, name=name, torch_module=torch_module)

@@ -128,12 +128,16 @@ class PipelineRuntime:
 
     @classmethod
     def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
-               owns: bool, pg_timeout_s: float | None = None) -> "PipelineRuntime":
+               owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None) -> "PipelineRuntime":
+        """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
+        of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
         pg_timeout_s = pg_timeout_s or timeout_s  # NCCL's watchdog; gloo's groups detect dead peers in timeout_s
         poller = CompletionPoller()
-        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}")
-        ops = CudaOps(device) if backend == "nccl" else None
+        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}",
+                         torch_module=torch_module)
+        if backend == "nccl":
+            ops = ops or CudaOps(device)
         channels = create_pipeline_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), device=device,
                                             poller=poller, compute_stream=getattr(lane, "stream", None), ops=ops,
                                             deadline_s=timeout_s)
