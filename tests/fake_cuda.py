@@ -449,6 +449,7 @@ class FakeWorld:
     def _enqueue(self, rank: int, comm: Comm, op: Op) -> FakeWork:
         """As ProcessGroupNCCL: the communicator's stream waits for the issuing stream, then runs the op."""
         issuing, nccl = self.current[rank], comm.streams[rank]
+        op.gated_by = issuing.waited[-1] if issuing.waited else None  # the last event its stream waited for
         n = self._issued[(rank, op.kind)]
         self._issued[(rank, op.kind)] += 1
         op.error = self.failures.get((rank, op.kind, n))  # e.g. the peer's process is gone

@@ -97,10 +97,11 @@ def run_pipeline(world: FakeWorld, pp: int, tp: int = 1, dp: int = 1, *, unit_ms
     return run_ranks_in_threads(world, rank_main, timeout=timeout), ref_loss
 
 
-def hop_delays(world: FakeWorld, results: dict) -> list[tuple[str, str, float]]:
-    """(message, the task enqueued after its producer, send start - producer end) for every
-    message of the last iteration (the first one also pays one-time host costs, such as a
-    first backward through an embedding: 0.3 s here)."""
+def hop_delays(world: FakeWorld, results: dict) -> list[tuple[str, str, float, float]]:
+    """(message, the task enqueued after its producer, send start - producer end, gate - producer
+    end) for every message of the last iteration (the first one also pays one-time host costs,
+    such as a first backward through an embedding: 0.3 s here). The gate is the event the send
+    waited for: unlike the send's start, host stalls on this shared machine cannot move it."""
     out = []
     for rank, r in results.items():
         order = r["order"]
@@ -114,7 +115,8 @@ def hop_delays(world: FakeWorld, results: dict) -> list[tuple[str, str, float]]:
         for task, header in zip(producers, headers):
             i = order.index(task)
             after = str(order[i + 1]) if i + 1 < len(order) else "none"
-            out.append((f"{task} of stage {r['stage']}", after, header.posted_at - ends[task]))
+            out.append((f"{task} of stage {r['stage']}", after, header.posted_at - ends[task],
+                        header.gated_by.done_at - ends[task]))
     return out
 
 
@@ -123,15 +125,29 @@ def test_sends_leave_when_their_producer_ends(fake_dist, monkeypatch, capsys):
     """Per-hop send delay under the fake clock (F 20 ms, unsplit B 40 ms), before and after."""
     from rrfp.comm.nccl_channel import NcclChannel
 
+    import asyncio
+    import types
+
+    import rrfp.pipeline.executor as executor_module
+
     measured = {}
     for variant in ("producer's event", "recorded when the send runs (before)"):
-        if variant.startswith("recorded"):
+        if variant.startswith("recorded"):  # the code before the fix, rebuilt by two mutations
             original = NcclChannel.send
 
-            async def send_recording_late(self, msg):  # today's fault: the gate is "the compute stream now"
+            async def send_recording_late(self, msg):  # the gate: "the compute stream now", at send time
                 msg.ready = None
                 await original(self, msg)
             monkeypatch.setattr(NcclChannel, "send", send_recording_late)
+
+            async def sleep_without_yield(delay, result=None):  # no yield after a task: the send
+                if delay > 0:  # coroutine runs only once the next task was enqueued
+                    return await real_sleep(delay, result)
+            real_sleep = asyncio.sleep
+            without_yield = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio)
+                                                     if not k.startswith("__")})
+            without_yield.sleep = sleep_without_yield
+            monkeypatch.setattr(executor_module, "asyncio", without_yield)
         world = fake_dist(FakeWorld(2))
         results, ref_loss = run_pipeline(world, pp=2, iterations=2)
         assert max(r["err"] for r in results.values()) < 1e-5
@@ -140,16 +156,16 @@ def test_sends_leave_when_their_producer_ends(fake_dist, monkeypatch, capsys):
     with capsys.disabled():
         for variant, rows in measured.items():
             print(f"\nper-hop send delay, gate = {variant}:")
-            for msg, after, d in rows:
-                print(f"  {msg:<16} next task {after:<4} send starts {d * 1e3:+6.1f} ms after its producer ends")
-    # fixed: a send leaves when its producer ends (a few ms at most, when the receiver is slow to
-    # post its payload receive); before: several wait for the whole task enqueued after the producer
-    after_fix = sorted(d for _, _, d in measured["producer's event"])
-    assert after_fix[0] > -1e-4 and after_fix[len(after_fix) // 2] < 0.002 and after_fix[-1] < 0.015, after_fix
+            for msg, after, d, gate in rows:
+                print(f"  {msg:<16} next task {after:<4} send starts {d * 1e3:+6.1f} ms after its producer ends "
+                      f"(its gate {gate * 1e3:+6.1f} ms)")
+    # fixed: every send is gated by its producer's own end; before: several by the end of the task
+    # enqueued after the producer (the send starts no earlier than its gate)
+    assert all(gate == 0.0 for *_, gate in measured["producer's event"]), measured["producer's event"]
     duration = {"F": 0.020, "B": 0.040}
     before = measured["recorded when the send runs (before)"]
-    behind_next = [(msg, after, d) for msg, after, d in before if after != "none" and d >= 0.9 * duration[after[0]]]
-    assert len(behind_next) >= 3, before
+    behind_next = [row for row in before if row[1] != "none" and row[3] >= 0.9 * duration[row[1][0]]]
+    assert len(behind_next) >= 2 and all(row[2] >= row[3] for row in before), before
 
 
 @pytest.mark.timeout(180)

@@ -107,7 +107,8 @@ class CudaComputeLane:
     kernels, calibrated once per lane: unlike the CPU lane it adds to the real
     kernel time rather than padding up to it, because the CPU cannot know the
     kernels' duration when it enqueues them. ``gaps_s`` records the device's
-    idle time between consecutive tasks.
+    idle time between consecutive tasks, ``task_s`` each task's device time,
+    ``enqueue_s`` the host time spent issuing them.
     """
 
     def __init__(self, poller: CompletionPoller, device: Any, unit_s: float = 0.0,
@@ -124,8 +125,10 @@ class CudaComputeLane:
         self.name = name
         self.max_ahead = max_ahead
         self.busy_s = 0.0  # GPU time between start and end events of each finished call
+        self.enqueue_s = 0.0  # host time spent issuing calls (fn included): what the device must not wait for
         self.tasks_run = 0
         self.gaps_s: list[float] = []
+        self.task_s: list[float] = []  # each finished call's device time, in order
         self.stream = torch.cuda.Stream(device=self.device)
         self._pending: collections.deque = collections.deque()  # (started, finished) events, oldest first
         self._last_finished = None  # the finished event of the last task retired
@@ -135,6 +138,7 @@ class CudaComputeLane:
     async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
         """Enqueue ``fn(*args)`` and ``units * unit_s`` seconds of spin on the lane's stream."""
         torch = self._torch
+        issued = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             started = torch.cuda.Event(enable_timing=True)
             finished = torch.cuda.Event(enable_timing=True)
@@ -144,6 +148,7 @@ class CudaComputeLane:
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             finished.record(self.stream)
+        self.enqueue_s += time.perf_counter() - issued
         self._pending.append((started, finished))
         self._last_enqueued = finished
         while len(self._pending) > self.max_ahead:
@@ -170,7 +175,8 @@ class CudaComputeLane:
         started, finished = self._pending[0]
         await self.poller.watch(finished)
         self._pending.popleft()
-        self.busy_s += started.elapsed_time(finished) / 1e3
+        self.task_s.append(started.elapsed_time(finished) / 1e3)
+        self.busy_s += self.task_s[-1]
         if self._last_finished is not None:
             self.gaps_s.append(max(0.0, self._last_finished.elapsed_time(started) / 1e3))
         self._last_finished = finished

@@ -272,6 +272,7 @@ class _Iteration:
                 self._post(Message(self.it, mb, int(Kind.B), grads))
         else:
             await ex.lane.run(w.weight, mb, units=units)
+        await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             ex.instrument.task(ex.s, self.it, task, start, time.time())
 
