@@ -455,6 +455,7 @@ class FakeWorld:
         op.error = self.failures.get((rank, op.kind, n))  # e.g. the peer's process is gone
         gate = FakeEvent(self)
         gate.record(issuing)
+        op.gate = gate  # the issuing stream as it was when the op was issued
         with self.lock:
             nccl.wait_event(gate)
             if op.kind == "coll":
