@@ -353,9 +353,8 @@ class LoopbackOps:
 
 
 async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: int = 4, iterations: int = 2,
-                           late_gate: bool = False, n_embd: int = 64, n_layer: int = 4) -> dict:
-    """Stages 0 and 1 of a GPT on one device, over NcclChannel with LoopbackOps. ``late_gate``:
-    the fault that was fixed (the send's gate recorded when the send coroutine runs)."""
+                           n_embd: int = 64, n_layer: int = 4) -> dict:
+    """Stages 0 and 1 of a GPT on one device, over NcclChannel with LoopbackOps."""
     import torch
 
     from models.data import DataConfig, batches as make_batches
@@ -384,12 +383,13 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
                 send = ch.send
 
                 async def timed_send(msg):
-                    if late_gate or msg.ready is None:  # recorded now, as the send coroutine used to
+                    from_producer = msg.ready is not None  # the producing task's own end event
+                    if not from_producer:  # what the channel would do: the compute stream as it is now
                         msg.ready = dev.new_event()
                         msg.ready.record(ch.compute_stream)
                     ready = msg.ready
                     await send(msg)
-                    hops.append((f"{name} {msg.label()}", ready, ops.copies[name][-1]))
+                    hops.append((f"{name} {msg.label()}", ready, ops.copies[name][-1], from_producer))
                 ch.send = timed_send
             return ch
 
@@ -410,11 +410,13 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
         for lane in lanes:
             await lane.drain()
     err = max((p.grad.float().cpu() - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters())
-    return {"grad_err": err, "hops_ms": [(label, ready.elapsed_time(done)) for label, ready, done in hops]}
+    return {"grad_err": err, "hops_ms": [(label, ready.elapsed_time(done)) for label, ready, done, _ in hops],
+            "gated_by_producer": all(from_producer for *_, from_producer in hops)}
 
 
 def loopback_line(f: dict) -> str:
     hops = [ms for _, ms in f["hops_ms"]]
+    assert f["gated_by_producer"], "a send was not gated by its producer's end event"
     return (f"{len(hops)} hops: producer end -> consumer data p50 {quantile(hops, 0.5):.3f} ms, max "
             f"{max(hops):.3f} ms; gradients vs single-process reference: max |diff| {f['grad_err']:.2e}")
 

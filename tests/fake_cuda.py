@@ -652,3 +652,21 @@ def _hang_in(e: BaseException | None) -> FakeHang | None:
             return next((h for x in e.exceptions if (h := _hang_in(x)) is not None), None)
         e = e.__cause__ or e.__context__
     return None
+
+
+def restore_late_sends(monkeypatch) -> None:
+    """Mutation: rebuild the send timing from before the fix. The lane hands no producer event, so
+    the channel records its gate when the send coroutine runs, and the executor does not yield
+    after a task, so that coroutine runs only once the next task has been enqueued."""
+    import rrfp.pipeline.executor as executor_module
+    from rrfp.loop.lane import CudaComputeLane
+
+    monkeypatch.setattr(CudaComputeLane, "last_task_done", property(lambda self: None))
+    real_sleep = asyncio.sleep
+
+    async def sleep_without_yield(delay, result=None):
+        if delay > 0:
+            return await real_sleep(delay, result)
+    without_yield = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")})
+    without_yield.sleep = sleep_without_yield
+    monkeypatch.setattr(executor_module, "asyncio", without_yield)

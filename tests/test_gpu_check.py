@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fake_cuda import FakeCudaOps, FakeEvent, FakeWorld
+from fake_cuda import FakeCudaOps, FakeEvent, FakeWorld, restore_late_sends
 from rrfp.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,17 +58,19 @@ def test_poller_figures_on_the_fake_device():
 
 
 @pytest.mark.timeout(60)
-def test_two_stages_over_the_loopback_match_the_reference_and_send_on_time():
-    """The loopback check on the fake; with the old late gate, hops wait for the next task."""
-    dev, world = fake_device()
+def test_two_stages_over_the_loopback_match_the_reference_and_send_on_time(monkeypatch):
+    """The loopback check on the fake: gradients, and every hop timed from its producer's own end
+    event; with the send timing from before the fix no hop is (its gate is "the stream now")."""
     small = dict(unit_ms=10.0, n_embd=16, n_layer=2)
-    f = run(gpu_check.loopback_figures(dev, **small))
-    late = run(gpu_check.loopback_figures(fake_device()[0], late_gate=True, **small))
-    print(gpu_check.loopback_line(f), "| late gate:", gpu_check.loopback_line(late))
-    assert f["grad_err"] < 1e-5 and late["grad_err"] < 1e-5
-    hops, late_hops = sorted(ms for _, ms in f["hops_ms"]), sorted(ms for _, ms in late["hops_ms"])
-    assert len(hops) == len(late_hops) == 8 and hops[0] >= 0
-    assert sum(ms >= 9.0 for ms in late_hops) >= 2, late_hops  # behind the next (10 ms) task
+    f = run(gpu_check.loopback_figures(fake_device()[0], **small))
+    print(gpu_check.loopback_line(f))
+    assert f["grad_err"] < 1e-5 and len(f["hops_ms"]) == 8 and f["gated_by_producer"]
+    assert all(ms >= 0 for _, ms in f["hops_ms"])
+    restore_late_sends(monkeypatch)
+    late = run(gpu_check.loopback_figures(fake_device()[0], **small))
+    assert late["grad_err"] < 1e-5 and not late["gated_by_producer"]
+    with pytest.raises(AssertionError, match="not gated by its producer"):
+        gpu_check.loopback_line(late)
 
 
 def test_nccl_inits_are_counted_before_and_after_startup():

@@ -19,7 +19,7 @@ import threading
 import pytest
 import torch
 
-from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, run_ranks_in_threads
+from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, restore_late_sends, run_ranks_in_threads
 from rrfp.comm.message import HEADER_LEN
 from rrfp.core.layout import plan_layout
 from rrfp.core.tasks import Kind, Task
@@ -123,31 +123,10 @@ def hop_delays(world: FakeWorld, results: dict) -> list[tuple[str, str, float, f
 @pytest.mark.timeout(120)
 def test_sends_leave_when_their_producer_ends(fake_dist, monkeypatch):
     """Per-hop send delay under the fake clock (F 20 ms, unsplit B 40 ms), before and after."""
-    from rrfp.comm.nccl_channel import NcclChannel
-
-    import asyncio
-    import types
-
-    import rrfp.pipeline.executor as executor_module
-
     measured = {}
     for variant in ("producer's event", "recorded when the send runs (before)"):
-        if variant.startswith("recorded"):  # the code before the fix, rebuilt by two mutations
-            original = NcclChannel.send
-
-            async def send_recording_late(self, msg):  # the gate: "the compute stream now", at send time
-                msg.ready = None
-                await original(self, msg)
-            monkeypatch.setattr(NcclChannel, "send", send_recording_late)
-
-            async def sleep_without_yield(delay, result=None):  # no yield after a task: the send
-                if delay > 0:  # coroutine runs only once the next task was enqueued
-                    return await real_sleep(delay, result)
-            real_sleep = asyncio.sleep
-            without_yield = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio)
-                                                     if not k.startswith("__")})
-            without_yield.sleep = sleep_without_yield
-            monkeypatch.setattr(executor_module, "asyncio", without_yield)
+        if variant.startswith("recorded"):
+            restore_late_sends(monkeypatch)  # the code before the fix
         world = fake_dist(FakeWorld(2))
         results, ref_loss = run_pipeline(world, pp=2, iterations=2)
         assert max(r["err"] for r in results.values()) < 1e-5
