@@ -417,6 +417,7 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
 def loopback_line(f: dict) -> str:
     hops = [ms for _, ms in f["hops_ms"]]
     assert f["gated_by_producer"], "a send was not gated by its producer's end event"
+    assert f["grad_err"] < 1e-3, f"gradients differ from the single-process reference by {f['grad_err']:.2e}"
     return (f"{len(hops)} hops: producer end -> consumer data p50 {quantile(hops, 0.5):.3f} ms, max "
             f"{max(hops):.3f} ms; gradients vs single-process reference: max |diff| {f['grad_err']:.2e}")
 
@@ -435,25 +436,26 @@ def nccl_inits(log: str, mark: str = STARTUP_MARK) -> tuple[int, int]:
 
 
 RUN_MARKED = f"""
-import os, sys
-from rrfp.app import train
+import ctypes, os, sys
+from rrfp.app.config import TrainConfig
+from rrfp.app.train import stage_main
+from rrfp.loop import run
 from rrfp.pipeline.runtime import PipelineRuntime
 start = PipelineRuntime.start
 def marked(*a, **k):
     rt = start(*a, **k)
     sys.stdout.flush()
+    ctypes.CDLL(None).fflush(None)  # what NCCL printed so far lands before the mark
     os.write(1, b"{STARTUP_MARK}\\n")
     return rt
-train.PipelineRuntime.start = marked
-from rrfp.app.cli import main
-sys.exit(main())
+PipelineRuntime.start = marked
+run(stage_main(TrainConfig.load(sys.argv[1], sys.argv[2:])))
 """
 
 
-def nccl_init_check(steps: int) -> str:
+def nccl_init_check(steps: int, backend: str = "nccl") -> str:
     env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
-    out = run_rank_zero(["-c", RUN_MARKED, "train", "--config", CONFIG, "--set", f"steps={steps}",
-                         "--set", "backend=nccl", "--set", "pp=1", "--set", "log_every=1000"], env)
+    out = run_rank_zero(["-c", RUN_MARKED, CONFIG, f"steps={steps}", f"backend={backend}", "pp=1"], env)
     at_start, later = nccl_inits(out)
     assert at_start >= 1, "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
     assert later == 0, f"{later} NCCL communicator(s) initialized after start-up"
@@ -535,8 +537,8 @@ async def memory_figures(dev: Device, *, n_embd: int = 512, n_layer: int = 4, mi
 def memory_line(f: dict) -> str:
     mib = 2 ** 20
     ratio = f["allocated"] / f["predicted"]
-    assert ratio < 1.5, (f"peak allocated {f['allocated'] / mib:.0f} MiB is {ratio:.2f}x the prediction: the "
-                         f"budget would let a stage run out of memory")
+    assert ratio < 2.0, (f"peak allocated {f['allocated'] / mib:.0f} MiB is {ratio:.2f}x the prediction: a "
+                         f"budget set from it would let a stage run out of memory")
     return (f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; predicted "
             f"{f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, {f['inflight']} microbatches of "
             f"{f['activation'] / mib:.0f} MiB in flight): allocated/predicted {ratio:.2f}")
@@ -554,9 +556,9 @@ print("LOSSES " + json.dumps(summary.losses))
 """
 
 
-def train_losses(*sets: str) -> list[float]:
-    """`stage_main` at pp=1 on cuda:0; its losses as exact floats (json round-trips them)."""
-    out = run_rank_zero(["-c", RUN_LOSSES, CONFIG, "backend=nccl", "pp=1", *sets])
+def train_losses(*sets: str, backend: str = "nccl") -> list[float]:
+    """`stage_main` at pp=1 (on cuda:0 with nccl); its losses as exact floats (json round-trips them)."""
+    out = run_rank_zero(["-c", RUN_LOSSES, CONFIG, f"backend={backend}", "pp=1", *sets])
     return json.loads(out.rsplit("LOSSES ", 1)[1].splitlines()[0])
 
 

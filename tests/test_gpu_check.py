@@ -85,6 +85,19 @@ def test_nccl_inits_are_counted_before_and_after_startup():
         gpu_check.nccl_inits(log.replace(gpu_check.STARTUP_MARK, ""))
 
 
+@pytest.mark.timeout(120)
+def test_the_runs_the_gpu_checks_start_work_on_gloo():
+    """nccl-init's marked run and train's exact losses, here on gloo: the start-up mark is in the
+    output (and no NCCL init around it), and the losses come back as floats, the same twice."""
+    marked = gpu_check.run_rank_zero(["-c", gpu_check.RUN_MARKED, gpu_check.CONFIG, "steps=2", "backend=gloo",
+                                      "pp=1"])
+    assert gpu_check.nccl_inits(marked) == (0, 0)
+    with pytest.raises(AssertionError, match="no NCCL communicator was initialized at start-up"):
+        gpu_check.nccl_init_check(2, backend="gloo")
+    first, again = (gpu_check.train_losses("steps=2", backend="gloo") for _ in range(2))
+    assert len(first) == 2 and all(isinstance(x, float) for x in first) and first == again
+
+
 @pytest.mark.timeout(60)
 def test_memory_prediction_counts_weights_optimizer_and_the_budget():
     dev, world = fake_device()
