@@ -33,7 +33,6 @@ import collections
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time

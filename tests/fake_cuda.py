@@ -37,7 +37,7 @@ import contextlib
 import threading
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

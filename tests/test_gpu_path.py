@@ -22,7 +22,7 @@ import torch
 from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, restore_late_sends, run_ranks_in_threads
 from rrfp.comm.message import HEADER_LEN
 from rrfp.core.layout import plan_layout
-from rrfp.core.tasks import Kind, Task
+from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 
 DEVICE = torch.device("cuda", 0)

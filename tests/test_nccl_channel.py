@@ -14,7 +14,7 @@ import torch
 
 from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, run_ranks_in_threads
 from rrfp.comm.channels import PeerError
-from rrfp.comm.message import HEADER_LEN, Message
+from rrfp.comm.message import Message
 from rrfp.comm.nccl_channel import NcclChannel
 from rrfp.comm.nccl_groups import require_eager
 from rrfp.core.errors import StartupError
