@@ -34,7 +34,7 @@ test-quick: $(VENV)/.installed
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed
-	$(PY) scripts/gpu_check.py
+	$(PY) tests/gpu_check.py
 
 # The suite side by side (rrfp and torch executors, gpt and vlm, device time emulated): results/bench-<timestamp>/
 bench: $(VENV)/.installed

@@ -81,7 +81,7 @@ def test_nccl_runtime_refused_without_cuda():
     from rrfp.pipeline.runtime import PipelineRuntime
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; scripts/gpu_check.py covers the NCCL runtime")
+        pytest.skip("this machine has CUDA; tests/gpu_check.py covers the NCCL runtime")
     with pytest.raises(RuntimeError, match="backend nccl needs CUDA"):
         PipelineRuntime.start(backend="nccl")
     with pytest.raises(ValueError, match="backend 'mpi' is not supported"):

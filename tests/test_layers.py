@@ -1,5 +1,5 @@
 """Imports point down the layers, no module imports itself in a circle, and
-what sits on top of rrfp (models/, examples/, benchmarks/, scripts/) uses only
+what sits on top of rrfp (models/, examples/, benchmarks/) uses only
 its public surface, ``rrfp/__init__.py``.
 
 Every import in rrfp/ and models/ is read with ast (function-level ones
@@ -29,7 +29,7 @@ ALLOWED = {
              "rrfp.app", "rrfp.pipelining"},  # the package's own __init__ and __main__: the public surface
     "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
 }
-TOP = ("models", "examples", "benchmarks", "scripts")  # code on top of rrfp: the public surface only
+TOP = ("models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
 
 
 def module_name(path: Path) -> str:
@@ -155,7 +155,7 @@ TOP_SOURCES = sorted(p for folder in TOP for p in ROOT.joinpath(folder).rglob("*
 
 @pytest.mark.parametrize("path", TOP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_top_uses_only_the_public_surface(path):
-    """Models, examples, benchmarks and scripts use ``import rrfp; rrfp.X`` or ``from rrfp import X``, X in
+    """Models, examples and benchmarks use ``import rrfp; rrfp.X`` or ``from rrfp import X``, X in
     ``rrfp.__all__``: what they need is what an embedding user gets, and the internals stay free to move."""
     deep = deep_uses(path.read_text(), public_names())
     assert not deep, f"{path.relative_to(ROOT)} reaches past rrfp's public surface: {deep}"

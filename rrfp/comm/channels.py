@@ -41,11 +41,16 @@ class PeerError(PeerFailure):
     process-group timeout, or the group broke. Names rank, channel and peer."""
 
 
+_DIED = ("Connection closed by peer", "Connection reset", "Broken pipe",  # gloo
+         "remote process exited", "ncclRemoteError")  # NCCL, as its watchdog reports it on the Work
+_HUNG = ("Timed out", "Watchdog caught collective operation timeout")  # gloo, NCCL
+
+
 def _hint(cause: BaseException) -> str:
     text = str(cause)
-    if "Connection closed by peer" in text or "Connection reset" in text or "Broken pipe" in text:
+    if any(s in text for s in _DIED):
         return " (the peer process probably died)"
-    if "Timed out" in text:
+    if any(s in text for s in _HUNG):
         return " (nothing within the process-group timeout: the peer is hung, too slow, or not sending)"
     return ""
 

@@ -8,19 +8,27 @@ needs a thread of its own. Only gloo point-to-point keeps waiter threads.
 """
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import torch
 import torch.distributed as dist
 
 from rrfp.comm.channels import named_collective
+from rrfp.core.errors import PeerFailure
 from rrfp.loop.completions import CompletionPoller
 
 
-async def completed(poller: CompletionPoller, work, what: str) -> None:
-    """Wait for an async ``Work``; a failure becomes one PipelineError naming ``what``."""
-    with named_collective(what):
-        await poller.watch(work, wait_after=True, wake_on_future=True)
+async def completed(poller: CompletionPoller, work, what: str, deadline_s: float | None = None) -> None:
+    """Wait for an async ``Work``; a failure becomes one PipelineError naming ``what``.
+    ``deadline_s`` (NCCL, whose watchdog only fires later): how long a peer may keep it waiting."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            with named_collective(what):
+                await poller.watch(work, wait_after=True, wake_on_future=True)
+    except TimeoutError:
+        raise PeerFailure(f"rank {dist.get_rank()}: {what} failed (nothing within {deadline_s:g} s: a peer is "
+                          f"hung, too slow, or gone)") from None
 
 
 async def all_reduce(poller: CompletionPoller, tensor: torch.Tensor, what: str, op=dist.ReduceOp.SUM,

@@ -1,23 +1,33 @@
 """The few CUDA and NCCL calls an NCCL channel makes, behind one small object.
 
-``CudaOps`` is the real thing; tests pass a fake with the same methods that
-records the order of operations, so the channel's ordering logic (producer
-event before send, consumer stream after receive, buffers from headers, no
-host sync) is checked on machines without a GPU. Nothing here blocks the host:
-every copy is ``non_blocking`` between pinned host memory and the device, and
-every wait is a stream waiting on an event or a Work.
+``CudaOps`` is the real thing. Tests subclass it with a fake device (tests/fake_cuda.py)
+and hand it a fake ``torch.distributed`` that models NCCL's communicators, so the
+channel's ordering logic and the choice of NCCL calls below are checked on machines
+without a GPU. Nothing here blocks the host after start-up: every copy is
+``non_blocking`` between pinned host memory and the device, and every wait is a
+stream waiting on an event or a Work (``synchronize`` is for start-up only).
+
+Point-to-point goes through ``batch_isend_irecv``, a batch of one, never a bare
+``isend``/``irecv``: in every torch rrfp supports, ``ProcessGroupNCCL::pointToPoint``
+runs a batched P2P on the group's own communicator, the one ``new_group(device_id=...)``
+created at start-up. A bare one does so only on torch >= 2.9 and only for an eagerly
+initialized group; before that it creates a two-rank communicator on first use,
+blocking the calling thread (the event loop) until the peer creates it too
+(docs/design.md, "No communicator created on the loop").
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 
 class CudaOps:
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, dist_module=None) -> None:
         self.device = torch.device(device)
+        if dist_module is None:
+            import torch.distributed as dist_module
+        self.dist = dist_module
 
     def new_stream(self):
         return torch.cuda.Stream(device=self.device)
@@ -42,6 +52,10 @@ class CudaOps:
         """``tensor`` is used on ``stream``: the caching allocator must not reuse it before that work ends."""
         tensor.record_stream(stream)
 
+    def synchronize(self, stream) -> None:
+        """Block the host until ``stream`` has run everything issued on it. Start-up only."""
+        stream.synchronize()
+
     def pinned(self, host: torch.Tensor) -> torch.Tensor:
         return host.pin_memory()
 
@@ -55,7 +69,12 @@ class CudaOps:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def isend(self, tensor: torch.Tensor, peer: int, group):
-        return dist.isend(tensor, peer, group=group)
+        return self._batch_of_one(self.dist.isend, tensor, peer, group)
 
     def irecv(self, tensor: torch.Tensor, peer: int, group):
-        return dist.irecv(tensor, peer, group=group)
+        return self._batch_of_one(self.dist.irecv, tensor, peer, group)
+
+    def _batch_of_one(self, op, tensor: torch.Tensor, peer: int, group):
+        """One P2P op as a batch: on the group's own communicator in every supported torch."""
+        works = self.dist.batch_isend_irecv([self.dist.P2POp(op, tensor, peer, group)])
+        return works[0]

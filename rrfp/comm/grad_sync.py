@@ -28,8 +28,9 @@ from rrfp.loop.completions import CompletionPoller
 
 class GradSync:
     def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller, lane=None,
-                 bucket_bytes: int = 4 << 20) -> None:
+                 bucket_bytes: int = 4 << 20, deadline_s: float | None = None) -> None:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
+        self.deadline_s = deadline_s  # NCCL: rrfp's peer deadline, before the watchdog's
         self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
@@ -96,7 +97,7 @@ class GradSync:
         self._launch()  # if no executor hook launched them yet
         try:
             for bucket, flat, missing, work in self._inflight:
-                await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}")
+                await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
                 with self._in_lane_order():
                     # read the presence counts only where this replica had no gradient (a device sync)
                     present = flat[-len(bucket):].tolist() if missing else [1] * len(bucket)

@@ -27,6 +27,7 @@ import hashlib
 import math
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -84,6 +85,10 @@ class Message:
     microbatch: int
     kind: int
     tensors: list[torch.Tensor | None] = field(default_factory=list)  # None: a payload that does not exist
+    # On GPU: the event the producing task's kernels end with, recorded when that task was
+    # enqueued, so a send waits for its producer and nothing enqueued after it (docs/design.md,
+    # "Sends on time"). None: the tensors are ready now (CPU), or the sender records it.
+    ready: Any = field(default=None, compare=False, repr=False)
 
     def label(self) -> str:
         return _label(self.iteration, self.microbatch, self.kind)

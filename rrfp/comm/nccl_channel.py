@@ -12,19 +12,22 @@ between two ranks in posting order (docs/design.md, fact 3), which is why
 each direction has its own communicator.
 
 Ordering without host syncs:
-- send: an event recorded on the compute stream after the producing kernels;
-  the channel's stream waits on it before the sends are issued;
+- send: the event the producing task ends with (``Message.ready``, recorded by
+  the lane when that task was enqueued, not when the send runs: by then later
+  tasks are on the compute stream too); the channel's stream waits on it
+  before the sends are issued;
 - receive: once the payload's Works complete, the compute stream waits on
   them and every buffer is ``record_stream``-ed to it, so the caching
   allocator cannot hand the memory out while compute still reads it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
 
-from rrfp.comm.channels import ChannelEnd
+from rrfp.comm.channels import ChannelEnd, PeerError
 from rrfp.comm.message import HEADER_LEN, Message, MessageError, decode_header, encode_header
 from rrfp.loop.completions import CompletionPoller
 
@@ -35,9 +38,12 @@ class NcclChannel(ChannelEnd):
     """Same surface as the gloo ``Channel``: ``send``, ``recv``, ``aclose``, ``name``, ``peer``."""
 
     def __init__(self, name: str, rank: int, peer: int, group, *, outbound: bool, ops, poller: CompletionPoller,
-                 compute_stream) -> None:
+                 compute_stream, deadline_s: float | None = None) -> None:
         self.name, self.rank, self.peer, self.group, self.outbound = name, rank, peer, group, outbound
         self.ops, self.poller, self.compute_stream = ops, poller, compute_stream
+        # how long a send, or a payload after its header, may take: rrfp's peer deadline, shorter
+        # than NCCL's watchdog timeout, so a dead or hung peer ends this rank with one line
+        self.deadline_s = deadline_s
         self.stream = ops.new_stream()  # the channel's own stream: copies and NCCL calls are issued here
         self.messages = 0
         self._header_host = ops.pinned(torch.zeros(HEADER_LEN, dtype=torch.int64))
@@ -53,7 +59,7 @@ class NcclChannel(ChannelEnd):
         except MessageError as e:
             raise MessageError(f"{self.where}: cannot send: {e}") from None
         ops = self.ops
-        produced = ops.record_event(self.compute_stream)
+        produced = msg.ready if msg.ready is not None else ops.record_event(self.compute_stream)
         with ops.stream(self.stream):
             header_dev = ops.to_device(header)
             ops.wait_event(self.stream, produced)  # everything below runs after the producing kernels
@@ -78,7 +84,8 @@ class NcclChannel(ChannelEnd):
             ops.wait_work(work)
             ops.to_host(header_dev, self._header_host)
             header_copied = ops.record_event(self.stream)
-        await self._completed(work, f"receive of header ({after}) from rank {self.peer}")
+        # no deadline here: the peer may compute for long; the executor's wait for an arrival has one
+        await self._completed(work, f"receive of header ({after}) from rank {self.peer}", deadline=False)
         await self.poller.watch(header_copied)
         try:
             header = decode_header(self._header_host)
@@ -105,9 +112,27 @@ class NcclChannel(ChannelEnd):
         """Refuse further use. Work already issued finishes or fails with its communicator."""
         self._closed = True
 
-    async def _completed(self, work, what: str) -> None:
+    def warm_up(self) -> None:
+        """Start-up only, blocking: one element over this channel, so that NCCL connects the pair
+        now. NCCL sets up a pair's P2P connection at their first send or receive, and that call
+        blocks its thread until the peer makes the matching one (nccl_groups.py); after start-up
+        that thread would be the event loop. Every rank calls this for its channels in one
+        global order, so the calls meet."""
+        ops = self.ops
+        with ops.stream(self.stream):
+            one = ops.empty((1,), torch.int64)
+            work = ops.isend(one, self.peer, self.group) if self.outbound else ops.irecv(one, self.peer, self.group)
+            ops.wait_work(work)
+        ops.synchronize(self.stream)
+
+    async def _completed(self, work, what: str, deadline: bool = True) -> None:
+        limit = self.deadline_s if deadline else None
         try:
-            await self.poller.watch(work)
+            async with asyncio.timeout(limit):
+                await self.poller.watch(work)
+        except TimeoutError:
+            raise self._fail(PeerError(f"{self.where}: {what} failed (nothing within {limit:g} s: the peer is "
+                                       f"hung, too slow, or not receiving)", self.peer)) from None
         except Exception as e:
             raise self._fail(self._peer_error(what, e)) from e
 

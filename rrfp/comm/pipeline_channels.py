@@ -1,7 +1,10 @@
 """This rank's pipeline channels, created for every rank in one global order.
 
 gloo ``Channel`` on CPU, ``NcclChannel`` on CUDA; either way one process group
-per (neighbour pair, direction), created eagerly (docs/design.md, fact 3).
+per (neighbour pair, direction), created eagerly (docs/design.md, fact 3). On
+CUDA each group's communicator is created by ``new_group`` (checked), and each
+channel carries one element at start-up, in the same global order, so that
+nothing is created or connected on the event loop later (nccl_groups.py).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch.distributed as dist
 from rrfp.comm.channels import Channel
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.nccl_channel import NcclChannel
+from rrfp.comm.nccl_groups import require_eager
 from rrfp.core.layout import Layout
 
 logger = logging.getLogger("rrfp.comm")
@@ -49,8 +53,8 @@ class PipelineChannels:
 
 
 def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
-                             device: torch.device | str = "cpu", poller=None, compute_stream=None
-                             ) -> PipelineChannels:
+                             device: torch.device | str = "cpu", poller=None, compute_stream=None,
+                             ops=None, deadline_s: float | None = None) -> PipelineChannels:
     """Create every pipeline process group on every rank; return this rank's channels.
 
     Must be called by all ranks, with the same layout, after
@@ -61,8 +65,11 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
     detector, and the longest a receive may wait for its message.
 
     A CUDA ``device`` makes NCCL channels: each group gets ``device_id`` so its
-    communicator is created now, not at first use, and the loop's ``poller``
-    watches every send and receive; ``compute_stream`` is the lane's stream.
+    communicator is created now, not at first use (refused otherwise), every
+    channel is warmed up before this returns, and the loop's ``poller`` watches
+    every send and receive; ``compute_stream`` is the lane's stream, ``ops`` the
+    CUDA calls (``CudaOps``; tests pass a fake), ``deadline_s`` how long a send
+    may take (rrfp's peer deadline; ``timeout`` is then NCCL's watchdog's).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
@@ -79,17 +86,19 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
     if device.type == "cuda":
         if poller is None or compute_stream is None:
             raise ValueError("NCCL channels need the loop's CompletionPoller and the lane's CUDA stream")
-        ops = CudaOps(device)
+        ops = ops or CudaOps(device)
 
         def make(name, peer, group, outbound):
+            require_eager(group, device, f"channel {name}", rank)
             return NcclChannel(name, rank, peer, group, outbound=outbound, ops=ops, poller=poller,
-                               compute_stream=compute_stream)
+                               compute_stream=compute_stream, deadline_s=deadline_s)
         group_kw = {"backend": "nccl", "device_id": device}
     else:
         def make(name, peer, group, outbound):
             return Channel(name, rank, peer, group, outbound=outbound, device=device)
         group_kw = {}
     found: dict[str, Channel] = {}
+    in_order: list = []  # this rank's channels in the global order of their groups
     for dp in range(layout.dp):
         for tp in range(layout.tp):
             for s in range(layout.pp - 1):
@@ -101,9 +110,14 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
                 if rank == a:
                     found["fwd_out"] = make(fwd_name, b, fwd, True)
                     found["bwd_in"] = make(bwd_name, b, bwd, False)
+                    in_order += [found["fwd_out"], found["bwd_in"]]
                 elif rank == b:
                     found["fwd_in"] = make(fwd_name, a, fwd, False)
                     found["bwd_out"] = make(bwd_name, a, bwd, True)
+                    in_order += [found["fwd_in"], found["bwd_out"]]
+    if device.type == "cuda":
+        for channel in in_order:  # both ends of every channel reach it in this one order: the calls meet
+            channel.warm_up()
     channels = PipelineChannels(rank, **found)
     logger.info("rank %d: %d pipeline channel(s): %s", rank, len(channels.all()),
                 ", ".join(c.name for c in channels.all()) or "none")

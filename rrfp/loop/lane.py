@@ -45,6 +45,11 @@ class ComputeLane:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units)
 
+    @property
+    def last_task_done(self) -> None:
+        """None: on CPU a task's results exist when ``run`` returns (see CudaComputeLane)."""
+        return None
+
     def close(self) -> None:
         """Refuse new calls; calls already submitted still run, without blocking the caller."""
         self._thread.shutdown(wait=False)
@@ -102,7 +107,8 @@ class CudaComputeLane:
     kernels, calibrated once per lane: unlike the CPU lane it adds to the real
     kernel time rather than padding up to it, because the CPU cannot know the
     kernels' duration when it enqueues them. ``gaps_s`` records the device's
-    idle time between consecutive tasks.
+    idle time between consecutive tasks, ``task_s`` each task's device time,
+    ``enqueue_s`` the host time spent issuing them.
     """
 
     def __init__(self, poller: CompletionPoller, device: Any, unit_s: float = 0.0,
@@ -119,16 +125,20 @@ class CudaComputeLane:
         self.name = name
         self.max_ahead = max_ahead
         self.busy_s = 0.0  # GPU time between start and end events of each finished call
+        self.enqueue_s = 0.0  # host time spent issuing calls (fn included): what the device must not wait for
         self.tasks_run = 0
         self.gaps_s: list[float] = []
+        self.task_s: list[float] = []  # each finished call's device time, in order
         self.stream = torch.cuda.Stream(device=self.device)
         self._pending: collections.deque = collections.deque()  # (started, finished) events, oldest first
-        self._last_finished = None
+        self._last_finished = None  # the finished event of the last task retired
+        self._last_enqueued = None  # the finished event of the last task enqueued
         self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
 
     async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
         """Enqueue ``fn(*args)`` and ``units * unit_s`` seconds of spin on the lane's stream."""
         torch = self._torch
+        issued = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             started = torch.cuda.Event(enable_timing=True)
             finished = torch.cuda.Event(enable_timing=True)
@@ -138,10 +148,23 @@ class CudaComputeLane:
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             finished.record(self.stream)
+        self.enqueue_s += time.perf_counter() - issued
         self._pending.append((started, finished))
+        self._last_enqueued = finished
         while len(self._pending) > self.max_ahead:
             await self._retire_oldest()
         return result
+
+    @property
+    def last_task_done(self):
+        """The event the last task enqueued ends with, recorded right after its kernels.
+
+        What gates a message that task produced: an event recorded on the
+        stream later (say when the send coroutine runs) would also cover every
+        task enqueued meanwhile, and the message would wait for them
+        (docs/design.md, "Sends on time"). Read it when ``run`` returns, before
+        anything else is enqueued on the lane."""
+        return self._last_enqueued
 
     async def drain(self) -> None:
         """Wait until every task enqueued so far has finished on the device."""
@@ -152,7 +175,8 @@ class CudaComputeLane:
         started, finished = self._pending[0]
         await self.poller.watch(finished)
         self._pending.popleft()
-        self.busy_s += started.elapsed_time(finished) / 1e3
+        self.task_s.append(started.elapsed_time(finished) / 1e3)
+        self.busy_s += self.task_s[-1]
         if self._last_finished is not None:
             self.gaps_s.append(max(0.0, self._last_finished.elapsed_time(started) / 1e3))
         self._last_finished = finished
@@ -195,11 +219,12 @@ class CudaComputeLane:
         return cycles_per_s
 
 
-def make_lane(device: Any = "cpu", unit_s: float = 0.0,
-              poller: CompletionPoller | None = None, name: str = "compute") -> ComputeLane | CudaComputeLane:
-    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise."""
+def make_lane(device: Any = "cpu", unit_s: float = 0.0, poller: CompletionPoller | None = None,
+              name: str = "compute", torch_module: Any = None) -> ComputeLane | CudaComputeLane:
+    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise.
+    ``torch_module``: what the CUDA lane calls torch (tests pass a fake device)."""
     if device is None or not str(device).startswith("cuda"):
         return ComputeLane(unit_s, name=name)
     if poller is None:
         raise ValueError("a CUDA lane needs the loop's CompletionPoller")
-    return CudaComputeLane(poller, device, unit_s, name=name)
+    return CudaComputeLane(poller, device, unit_s, name=name, torch_module=torch_module)

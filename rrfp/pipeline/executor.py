@@ -316,6 +316,7 @@ class _Iteration:
                 self._post(Message(self.it, mb, int(Kind.B), grads))
         else:
             await ex.lane.run(w.weight, mb, units=units)
+        await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             ex.instrument.task(ex.s, self.it, task, start, time.time())
 
@@ -326,6 +327,9 @@ class _Iteration:
     # -- communication -------------------------------------------------------
 
     def _post(self, msg: Message) -> None:
+        """Queue what the task just enqueued on the lane produced; on GPU it carries that task's end
+        event, so its send waits for the producer and not for tasks enqueued later."""
+        msg.ready = getattr(self.ex.lane, "last_task_done", None)
         latency = self.ex.times.latency(self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
         self.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
 

@@ -23,8 +23,11 @@ import torch.distributed as dist
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
+from rrfp.comm.device_ops import CudaOps
+from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
+from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import StartupError
 from rrfp.core.hints import Hint, default_split, resolve
@@ -89,9 +92,11 @@ class PipelineRuntime:
 
         ``backend = "nccl"``: this rank computes on ``cuda:LOCAL_RANK`` in a
         CUDA-stream lane, pipeline messages and DP sync go over NCCL (each
-        communicator created eagerly with ``device_id``), and the control plane
-        (TP agreement, statistics, barrier) stays on gloo CPU groups, so that
-        reading a decision never waits for the device."""
+        communicator created and connected here, at start-up: nccl_groups.py),
+        and the control plane (TP agreement, statistics, barrier) stays on gloo
+        CPU groups, so that reading a decision never waits for the device.
+        NCCL's watchdog gets a longer timeout than ``timeout_s``, rrfp's own
+        deadline, which therefore fires first and names the peer."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -111,33 +116,32 @@ class PipelineRuntime:
         layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
+        pg_timeout_s = timeout_s
+        if backend == "nccl":
+            check_torch()
+            pg_timeout_s = configure_watchdog(timeout_s)  # before the NCCL process group exists
         with _startup(owns):
             if owns:
-                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
                                         device_id=device if device.type == "cuda" else None)
-            return cls._build(layout, device, backend, timeout_s, unit_ms, owns)
+            return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s)
 
     @classmethod
     def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
-               owns: bool) -> "PipelineRuntime":
+               owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None) -> "PipelineRuntime":
+        """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
+        of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
-        timeout = datetime.timedelta(seconds=timeout_s)
+        pg_timeout_s = pg_timeout_s or timeout_s  # NCCL's watchdog; gloo's groups detect dead peers in timeout_s
         poller = CompletionPoller()
-        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}")
-        channels = create_pipeline_channels(layout, rank, timeout, device=device, poller=poller,
-                                            compute_stream=getattr(lane, "stream", None))
-        groups: dict = {}
-        control = "gloo"  # TP agreement reads its result on the host: never through the device
-        for key, lists, group_backend in (("tp", layout.tp_groups(), None), ("tp_control", layout.tp_groups(), control),
-                                          ("dp", layout.dp_groups(), None)):
-            for ranks in lists:
-                if len(ranks) == 1:
-                    continue  # a group of one needs no process group
-                g = dist.new_group(ranks, timeout=timeout, backend=group_backend)
-                if rank in ranks:
-                    groups[key] = g
+        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}",
+                         torch_module=torch_module)
         if backend == "nccl":
-            groups["cpu"] = dist.new_group(timeout=timeout, backend="gloo")
+            ops = ops or CudaOps(device)
+        channels = create_pipeline_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), device=device,
+                                            poller=poller, compute_stream=getattr(lane, "stream", None), ops=ops,
+                                            deadline_s=timeout_s)
+        groups = create_stage_groups(layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s)
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
                  layout.coords(rank).tp, layout.coords(rank).dp)
         return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, lane, poller, groups=groups,
@@ -167,7 +171,8 @@ class PipelineRuntime:
         """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
         With ``executor``, each bucket's all-reduce starts inside the iteration,
         as soon as its gradients are final."""
-        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller, self.lane)
+        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller, self.lane,
+                        deadline_s=self.timeout_s if self.device.type == "cuda" else None)
         if executor is not None:
             sync.attach(executor)
         return sync
