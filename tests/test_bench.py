@@ -63,6 +63,15 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
         assert (s["plan_s"] is not None) == s["executor"].endswith(" plan")
+    # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step that
+    # spent some (small) time outside the executor's iteration
+    for name in ("drop-in ready bfw", "drop-in ready plan"):
+        [row] = [r for r in wl["rows"] if r["executor"] == name]
+        direct = next(r for r in wl["rows"] if r["executor"] == name.removeprefix("drop-in "))
+        assert 1 <= row["peak_inflight"] <= 4 and row["decision_us"] > 0  # rrfp's figures; torch has none
+        assert 0 < row["overhead_s"] < row["wall_s"], row
+        assert row["simulated_s"] == pytest.approx(direct["simulated_s"])  # the same durations and hint
+    assert all(r["overhead_s"] is None for r in wl["rows"] if not r["executor"].startswith("drop-in"))
     base = next(s for s in wl["summary"] if s["executor"] == "fixed 1f1b")
     assert base["speedup"]["median"] == pytest.approx(1.0)
 
@@ -77,9 +86,15 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     for name in skipped:
         assert f"Not run: {name}: " in md
     for line in ("Ablation, dispatch alone: ready plan vs fixed plan", "Against torch: ready plan vs torch 1f1b",
-                 "Against torch: ready plan vs torch zb"):
+                 "Against torch: ready plan vs torch zb", "Against torch: drop-in ready plan vs torch 1f1b",
+                 "Against torch: drop-in ready bfw vs torch zb"):
         found = re.search(re.escape(line) + r".*: median (\d+\.\d+)x", md)
         assert found and float(found.group(1)) > 0, line
+    for dropin, direct in (("drop-in ready bfw", "ready bfw"), ("drop-in ready plan", "ready plan")):
+        found = re.search(f"Drop-in, the surface alone: {dropin} took (\\d+\\.\\d+)x the time of {direct} .* "
+                          f"its step spent (\\d+\\.\\d+) ms", md)
+        assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, dropin
+    assert "drop-in ready plan: each iteration planned when its step started" in md
 
     for name in ran:
         png = out / f"timeline-gpt-{file_slug(name)}.png"
@@ -92,7 +107,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     # stage, and torch's zero-bubble schedule holds two stages per rank
     per = {p: sum(1 for e in tasks if trace_process(trace, e) == p) for p in ran}
     for name, count in per.items():
-        split = name not in ("fixed 1f1b", "torch 1f1b")
+        split = name not in ("fixed 1f1b", "torch 1f1b")  # the drop-in rows' hints split, as bfw and plan do
         stages = 2 * (stages_per_rank(name.split()[1]) if name.startswith("torch") else 1)
         assert count == stages * 4 * (3 if split else 2), (name, count)
     assert str(out) in res.stdout and "| executor |" in res.stdout
@@ -114,6 +129,9 @@ BAD = [
     (["--pp", "16"], "n_layer=8"),
     (["--set", "model.n_embdd=3"], "unknown key model.n_embdd"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--executors", "drop-in-torch-zb"], "the drop-in runs rrfp's executor"),
+    (["--executors", "drop-in-ready-nope"], "unknown hint 'nope'"),
+    (["--tp", "2", "--executors", "drop-in-ready-bfw"], "drop-in ready bfw cannot run gpt: ScheduleReady runs"),
 ]
 
 

@@ -22,7 +22,8 @@ ALLOWED = {
     "rrfp.comm": {"rrfp.core", "rrfp.loop"},
     "rrfp.nn": set(),
     "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn"},  # sim: planning
-    "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
+    "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
+                 "rrfp.pipelining"},  # pipelining: the bench runs ScheduleReady beside the executors
     # torch.distributed.pipelining's schedule surface over the runtime: user-facing glue beside app
     "rrfp.pipelining": {"rrfp.core", "rrfp.loop", "rrfp.comm", "rrfp.pipeline"},
     "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",

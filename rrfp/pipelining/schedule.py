@@ -113,6 +113,18 @@ class ScheduleReady:
     (or use ``with``) before destroying the process group.
     """
 
+    # Emulated device time, for `rrfp bench`'s drop-in rows (rrfp/app/bench/dropin.py): ms of lane time
+    # per unit of task duration, and the executor's durations. Users run real time: 0 and none.
+    _unit_ms: float = 0.0
+
+    def _emulation(self) -> dict:
+        """The executor's emulated-duration settings (variability, seed, cost, instrument)."""
+        return {}
+
+    def _features(self) -> list[dict] | None:
+        """This step's microbatch features, for a cost model's emulated durations."""
+        return None
+
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0) -> None:
@@ -134,7 +146,7 @@ class ScheduleReady:
         backend = "nccl" if torch.device(stage.device).type == "cuda" else "gloo"
         self._loop = BackgroundLoop(f"rrfp-stage{stage.stage_index}")
         try:
-            self._runtime = self._loop.call(_start(layout, backend, timeout_s))
+            self._runtime = self._loop.call(_start(layout, backend, timeout_s, self._unit_ms))
         except BaseException:
             self._loop.close()
             raise
@@ -232,7 +244,8 @@ class ScheduleReady:
 
     def _new_executor(self):
         return self._runtime.stage_executor(self._module, self._loss, microbatches=self._n_microbatches,
-                                            hint=self._hint, split=self._split, **self._settings)
+                                            hint=self._hint, split=self._split, **self._settings,
+                                            **self._emulation())
 
     def _merge(self, outputs: list, presplit: bool):
         """torch's merge_chunks; pre-split microbatches whose outputs differ in shape cannot be
@@ -283,7 +296,8 @@ class ScheduleReady:
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
         held = _take_grads(self._module)
         try:
-            self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches))
+            self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches,
+                                                                                 self._features()))
         finally:
             _scale_grads(self._module, held, M, self.scale_grads)
         losses = [self._executor.worker.losses[mb] for mb in range(M)] if stage.is_last else []
@@ -404,5 +418,5 @@ def _layout_of(stage):
     return layout
 
 
-async def _start(layout, backend: str, timeout_s: float) -> PipelineRuntime:
-    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s)
+async def _start(layout, backend: str, timeout_s: float, unit_ms: float) -> PipelineRuntime:
+    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s, unit_ms=unit_ms)

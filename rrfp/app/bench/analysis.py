@@ -116,11 +116,12 @@ class Summary:
     decision_us: float | None
     plan_s: float | None
     plan_waited_s: float | None
+    overhead_s: Spread | None = None  # drop-in: the step's time outside the executor's iteration and plan
 
     def as_dict(self) -> dict:
         doc = {k: getattr(self, k) for k in ("executor", "iterations", "peak_inflight", "decision_us", "plan_s",
                                          "plan_waited_s")}
-        for k in ("wall_s", "speedup", "efficiency", "vs_simulated"):
+        for k in ("wall_s", "speedup", "efficiency", "vs_simulated", "overhead_s"):
             doc[k] = None if getattr(self, k) is None else getattr(self, k).as_dict()
         return doc
 
@@ -130,11 +131,21 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _paired(rows: list[dict], first: str, second: str) -> list[tuple[float, float]]:
+    """Both executors' times, iteration by iteration (both ran it)."""
+    a = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == first}
+    b = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == second}
+    return [(a[i], b[i]) for i in sorted(a.keys() & b.keys())]
+
+
 def paired_ratios(rows: list[dict], numerator: str, denominator: str) -> list[float]:
     """``numerator``'s time over ``denominator``'s, iteration by iteration (both ran it)."""
-    a = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == numerator}
-    b = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == denominator}
-    return [a[i] / b[i] for i in sorted(a.keys() & b.keys())]
+    return [a / b for a, b in _paired(rows, numerator, denominator)]
+
+
+def paired_differences(rows: list[dict], first: str, second: str) -> list[float]:
+    """``first``'s time minus ``second``'s in seconds, iteration by iteration."""
+    return [a - b for a, b in _paired(rows, first, second)]
 
 
 def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
@@ -149,5 +160,6 @@ def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
                            Spread.of(paired_ratios(rows, BASELINE, name)),
                            Spread.of([r["efficiency"] for r in mine]), Spread.of(sims),
                            max(peaks) if peaks else None, _median([r["decision_us"] for r in mine]),
-                           _median([r["plan_s"] for r in mine]), _median([r.get("plan_waited_s") for r in mine])))
+                           _median([r["plan_s"] for r in mine]), _median([r.get("plan_waited_s") for r in mine]),
+                           Spread.of([r["overhead_s"] for r in mine if r.get("overhead_s") is not None])))
     return out

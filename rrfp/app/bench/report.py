@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rrfp.app.bench.analysis import Spread, Summary, paired_ratios
+from rrfp.app.bench.analysis import Spread, Summary, paired_differences, paired_ratios
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, file_slug
 from rrfp.observe.plot import plot_timelines
 from rrfp.observe.trace import Span, chrome_trace, write_atomic, write_json
@@ -21,7 +21,11 @@ EMULATED = ("Device time is emulated on CPU: each task holds its stage's compute
 ABLATIONS = (("ready bfw", "fixed bfw", "same order and memory"),
              ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"))
 # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the rest
-AGAINST_TORCH = (("ready plan", "torch 1f1b"), ("ready plan", "torch zb"), ("ready bfw", "torch zb"))
+AGAINST_TORCH = (("ready plan", "torch 1f1b"), ("ready plan", "torch zb"), ("ready bfw", "torch zb"),
+                 ("drop-in ready plan", "torch 1f1b"), ("drop-in ready plan", "torch zb"),
+                 ("drop-in ready bfw", "torch zb"))
+# (through ScheduleReady, the executor directly): each pair differs in the surface alone
+DROP_IN_PAIRS = (("drop-in ready bfw", "ready bfw"), ("drop-in ready plan", "ready plan"))
 
 
 @dataclass
@@ -73,11 +77,22 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             if ratios:
                 lines.append(f"{title}: median {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
                              f"max {max(ratios):.3f}).")
+        for dropin, direct in DROP_IN_PAIRS:
+            ratios = paired_ratios(res.rows, dropin, direct)
+            extra = next((s.overhead_s for s in res.summaries if s.executor == dropin), None)
+            if ratios and extra is not None:
+                lines.append(f"Drop-in, the surface alone: {dropin} took {statistics.median(ratios):.3f}x the time "
+                             f"of {direct} (paired median, min {min(ratios):.3f}, max {max(ratios):.3f}), "
+                             f"{statistics.median(paired_differences(res.rows, dropin, direct)) * 1e3:+.1f} ms per "
+                             f"iteration (median); its step spent {extra.median * 1e3:.2f} ms (median, "
+                             f"{extra.low * 1e3:.2f}..{extra.high * 1e3:.2f}) outside the executor's iteration "
+                             f"and plan.")
         for s in res.summaries:
             if s.plan_s is not None:
-                lines.append(f"{s.executor}: each iteration planned one ahead in a thread while the previous ran: "
-                             f"median {s.plan_s * 1e3:.2f} ms of planning, {s.plan_waited_s * 1e3:.2f} ms waited "
-                             f"at the iteration's start.")
+                when = ("planned when its step started (ScheduleReady has no prepare)" if s.overhead_s is not None
+                        else "planned one ahead in a thread while the previous ran")
+                lines.append(f"{s.executor}: each iteration {when}: median {s.plan_s * 1e3:.2f} ms of planning, "
+                             f"{s.plan_waited_s * 1e3:.2f} ms waited at the iteration's start.")
         if not any(s.executor == BASELINE for s in res.summaries):
             lines.append(f"No speedups: {BASELINE} did not run.")
         for name, why in res.skipped.items():

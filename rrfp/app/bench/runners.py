@@ -32,11 +32,12 @@ class Measured:
     plan_s: float | None = None  # hint = plan: time spent planning this iteration (in a thread, ahead)
     plan_waited_s: float | None = None  # ... and how long the iteration waited for its plan
     plan_order: tuple[int, ...] | None = None  # ... and the microbatches' planned entry order
+    overhead_s: float | None = None  # drop-in: the step's time outside the executor's iteration and plan
 
     def reduced(self) -> list[float]:
         """The figures every rank all-reduces (MAX), with -1 for unknown."""
         return [-1.0 if v is None else float(v) for v in (self.wall_s, self.peak_inflight, self.decision_us,
-                                                            self.plan_s, self.plan_waited_s)]
+                                                            self.plan_s, self.plan_waited_s, self.overhead_s)]
 
 
 class Runner(Protocol):
@@ -50,6 +51,9 @@ class Runner(Protocol):
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
+
+    def close(self) -> None:
+        """Release what the runner holds beyond the rank's runtime (collective: every rank calls it)."""
 
 
 class RrfpRunner:
@@ -76,6 +80,9 @@ class RrfpRunner:
         st, plan = res.stats, res.plan
         return Measured(st.wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds,
                         plan and plan.waited_s, plan and tuple(plan.plan.order))
+
+    def close(self) -> None:
+        pass  # the executor belongs to the rank's runtime
 
 
 class TorchRunner:
@@ -118,3 +125,57 @@ class TorchRunner:
         self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
                              {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]
         return Measured(res.wall_s)
+
+    def close(self) -> None:
+        pass  # its sender threads end with each iteration
+
+
+class DropInRunner:
+    """The same stage module behind torch's PipelineStage, run by ``rrfp.ScheduleReady``
+    (rrfp.app.bench.dropin) with the rrfp executors' durations. Its time is the whole ``step()``, as
+    a training loop sees it; ``overhead_s`` is what the step spent outside the executor's iteration
+    and its plan. Planning happens inside the step: the public surface has no ``prepare``."""
+
+    def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
+                 variability: Variability, cost: CostModel | None) -> None:
+        import torch
+        from torch.distributed.pipelining import PipelineStage
+
+        from rrfp.app.bench.dropin import EmulatedScheduleReady, TorchCall
+
+        self.name = ex.name
+        self._recorder = TraceRecorder(ex.name)
+        self._first, self._last = rt.stage == 0, rt.stage == rt.num_stages - 1
+        stage = PipelineStage(TorchCall(module), rt.stage, rt.num_stages, torch.device("cpu"))
+        self._module = module
+        self._schedule = EmulatedScheduleReady(stage, spec.mb, workload.loss_fn, unit_ms=spec.unit_ms,
+                                               variability=variability, seed=spec.seed, cost=cost,
+                                               instrument=self._recorder, hint=ex.hint, budget=spec.budget,
+                                               dispatch=ex.engine, timeout_s=spec.peer_timeout_s)
+
+    @property
+    def spans(self) -> list[Span]:
+        return self._recorder.spans
+
+    def prepare(self, iteration: int, features: Sequence[dict]) -> None:
+        pass  # ScheduleReady plans when its step starts
+
+    async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
+        sched = self._schedule
+        if sched.steps != iteration:  # its executor numbers iterations by step: the durations' key
+            raise RuntimeError(f"{self.name}: step {sched.steps} would run as iteration {iteration}")
+        sched.features = features
+        t0 = time.perf_counter()
+        # torch's blocking step; nothing else of this rank runs meanwhile
+        sched.step(arg_mbs=[(x,) for x, _ in batches] if self._first else None,
+                   target_mbs=[y for _, y in batches] if self._last else None, return_outputs=False)
+        wall = time.perf_counter() - t0
+        self._module.zero_grad(set_to_none=True)
+        res = sched.last_result
+        st, plan = res.stats, res.plan
+        waited = plan.waited_s if plan else 0.0
+        return Measured(wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds, plan and plan.waited_s,
+                        plan and tuple(plan.plan.order), overhead_s=wall - st.wall - waited)
+
+    def close(self) -> None:
+        self._schedule.close()

@@ -3,8 +3,10 @@ once in the parent so that bad input exits 2 before any rank starts.
 
 An executor is named ``ENGINE HINT``: ``fixed 1f1b`` and ``ready bfw`` are
 rrfp's dispatch modes with a hint; ``torch 1f1b`` and ``torch zb`` are
-torch.distributed.pipelining's schedules, the anchors. Dashes may stand for
-the space on a command line (``ready-bfw``).
+torch.distributed.pipelining's schedules, the anchors. ``drop-in ready bfw``
+is rrfp's executor reached through ``rrfp.ScheduleReady``, torch's schedule
+surface (rrfp.app.bench.dropin). Dashes may stand for the spaces on a command
+line (``ready-bfw``, ``drop-in-ready-bfw``).
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and model
 BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
 # predicted run replayed as a fixed order): each pair differs in dispatch alone
+# drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path costs)
 DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixed plan", "ready plan", "torch 1f1b",
-                     "torch zb")
+                     "torch zb", "drop-in ready bfw", "drop-in ready plan")
+DROP_IN = "drop-in"
 
 
 def file_slug(name: str) -> str:
@@ -33,14 +37,16 @@ def file_slug(name: str) -> str:
 
 @dataclass(frozen=True)
 class Executor:
-    """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint, or a torch schedule."""
+    """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint (directly, or through
+    ScheduleReady when ``drop_in``), or a torch schedule."""
 
     engine: str  # "fixed", "ready" or "torch"
     hint: str  # an rrfp hint, or a torch schedule (rrfp.app.bench.torch_schedules)
+    drop_in: bool = False  # rrfp's executor behind torch's schedule surface (rrfp.ScheduleReady)
 
     @property
     def name(self) -> str:
-        return f"{self.engine} {self.hint}"
+        return f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
 
     @property
     def is_torch(self) -> bool:
@@ -57,7 +63,14 @@ class Executor:
 
     @classmethod
     def parse(cls, text: str) -> "Executor":
-        engine, _, hint = text.strip().lower().replace("-", " ", 1).partition(" ")
+        rest = text.strip().lower()
+        if rest.startswith(DROP_IN) and rest[len(DROP_IN):len(DROP_IN) + 1] in (" ", "-"):
+            ex = cls.parse(rest[len(DROP_IN) + 1:])
+            if ex.is_torch:
+                raise UsageError(f"--executors: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
+                                 f"not a torch schedule")
+            return cls(ex.engine, ex.hint, drop_in=True)
+        engine, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
         if not hint:
             raise UsageError(f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
@@ -144,7 +157,7 @@ class BenchSpec:
     def as_dict(self) -> dict:
         doc = dataclasses.asdict(self)
         for c in doc["cases"]:
-            c["executors"] = [f"{e['engine']} {e['hint']}" for e in c["executors"]]
+            c["executors"] = [Executor(**e).name for e in c["executors"]]
         return doc
 
     @classmethod
@@ -158,6 +171,8 @@ class BenchSpec:
 
 def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
     """Why this executor cannot run this workload here, or None."""
+    if ex.drop_in and spec.tp != 1:
+        return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
     if not ex.is_torch:
         return None
     from rrfp.app.bench import torch_schedules as ts

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rrfp.app.bench.runners import Runner, RrfpRunner, TorchRunner
+from rrfp.app.bench.runners import DropInRunner, Runner, RrfpRunner, TorchRunner
 from rrfp.app.bench.suite import BenchSpec, Case
 from rrfp.app.errors import exit_now, one_line
 from rrfp.core.cost import CostModel
@@ -52,6 +52,8 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
     for ex in case.executors:
         if ex.is_torch:
             runners[ex.name] = TorchRunner(rt, ex, wl, cfg.model, spec, var, cost)
+        elif ex.drop_in:  # the rrfp executors' module again, behind torch's PipelineStage
+            runners[ex.name] = DropInRunner(rt, ex, module, wl, spec, var, cost)
         else:
             runners[ex.name] = RrfpRunner(rt, ex, module, wl, spec, var, cost)
     rows, iterations = [], []
@@ -76,13 +78,16 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
             m = await runners[name].run(it, data, feats)
             vec = torch.tensor(m.reduced(), dtype=torch.float64)
             await rt.all_reduce(vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics")
-            wall, peak, decision_us, plan_s, plan_waited_s = [None if v < 0 else v for v in vec.tolist()]
+            wall, peak, decision_us, plan_s, plan_waited_s, overhead_s = [None if v < 0 else v
+                                                                          for v in vec.tolist()]
             if it > 0:
                 rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
                              "peak_inflight": None if peak is None else int(peak), "decision_us": decision_us,
-                             "plan_s": plan_s, "plan_waited_s": plan_waited_s,
+                             "plan_s": plan_s, "plan_waited_s": plan_waited_s, "overhead_s": overhead_s,
                              "plan_order": None if m.plan_order is None else list(m.plan_order)})
             progress(f"{case.name} iteration {it} {name}")
+    for r in runners.values():
+        r.close()
     spans = [list(astuple(sp)) for r in runners.values() for sp in r.spans if sp.args.get("iteration", 0) > 0]
     gathered = await rt.gather_object(spans)
     return {"name": case.name, "rows": rows, "iterations": iterations,
