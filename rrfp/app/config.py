@@ -29,6 +29,7 @@ from rrfp.pipeline.workload import Workload
 
 ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
 RESUME_MODES = ("off", "auto", "required")
+ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class RunConfig:
     checkpoint_every: int = 0  # save every N steps (and at the end, and on SIGTERM); 0 = only those two
     checkpoint_keep: int = 2  # complete checkpoints kept; older ones go once a newer one is committed
     resume: str = "off"  # off | auto (the latest checkpoint, if any) | required (rrfp train --resume)
+    # a latest checkpoint that fails verification: resume from the newest that verifies, or stop (exit 2)
+    on_corrupt_checkpoint: str = "fallback"
     on_nonfinite: str = "stop"  # NaN/Inf in the loss or gradients: "stop" the run, or "skip" the step everywhere
     log_dir: str = "runs/logs"  # a failing rank writes its traceback to LOG_DIR/rank-N.log
     # testing aid: make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py)
@@ -104,6 +107,9 @@ class RunConfig:
                               f"{self.checkpoint_every} and {self.checkpoint_keep}")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"run.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        if self.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
+            raise ConfigError(f"run.on_corrupt_checkpoint must be one of {', '.join(ON_CORRUPT_CHECKPOINT)}, "
+                              f"got {self.on_corrupt_checkpoint!r}")
         if not self.checkpoint_dir and (self.checkpoint_every or self.resume != "off"):
             what = "--resume" if self.resume == "required" else (
                 f"run.resume = {self.resume}" if self.resume != "off" else

@@ -9,7 +9,7 @@ import statistics
 import sys
 import traceback
 
-from rrfp.app.checkpoints import resume_point
+from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import SECONDARY, Failure, write_traceback
@@ -55,7 +55,10 @@ def train_command(args) -> int:
     # the layout and model checks run here, before any process group: bad input exits 2 on every rank
     cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
     rank = int(os.environ.get("RANK", "0"))
-    start = resume_point(cfg)  # a missing or mismatched checkpoint exits 2 here, before any process group
+    resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+    start = resume.start
+    if rank == 0 and resume.fallback_line():
+        print(f"rrfp: warning: {resume.fallback_line()}", file=sys.stderr, flush=True)
     if rank == 0 and cfg.run.resume != "off":
         print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
               f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
@@ -66,7 +69,7 @@ def train_command(args) -> int:
         return 0
     sigterm = StopOnSigterm().install()
     try:
-        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
+        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested, resume=resume))
     except Exception as e:
         _fail(e, cfg, rank, getattr(args, "debug", False))
     if summary.stopped_at is not None:
