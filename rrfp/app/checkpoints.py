@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.comm.channels import named_collective
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -196,7 +197,8 @@ class RunCheckpoints:
 
     async def load(self, ckpt: Checkpoint) -> None:
         try:
-            await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
+            with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)"):
+                await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         for group in self.opt.param_groups:  # the config's, not the checkpoint's
@@ -209,7 +211,8 @@ class RunCheckpoints:
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep."""
-        await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
+        with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
+            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
