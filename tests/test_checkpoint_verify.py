@@ -141,22 +141,27 @@ def test_debris_never_blocks_a_commit(tmp_path):
     store = CheckpointDir(tmp_path)
 
     def write(step: int) -> None:
-        store.clear_partial(step)
         store.partial_path(step).mkdir()
         (store.partial_path(step) / "__0_0.distcp").write_text(f"data {step}")
 
     (tmp_path / "notes.txt").write_text("the user's")  # not ours: left alone
+    # in the way of a commit: a plain file named like a checkpoint, an unmarked step directory with files
     store.final_path(1).write_text("a plain file named like a checkpoint")
+    (tmp_path / ".trash-step-00000001").write_text("earlier trash, in the way of a new one")
+    write(1)
+    assert store.commit(1, {"config": {}}).problem() is None
     store.final_path(2).mkdir()
     (store.final_path(2) / "__0_0.distcp").write_text("an unmarked step directory with files")
+    write(2)
+    assert store.commit(2, {"config": {}}).problem() is None
+    # left by a crash where the next writes go: cleared at the run's start (RunCheckpoints.begin)
     store.partial_path(3).write_text("a plain file where a partial directory goes")
     store.partial_path(4).mkdir()
     (store.partial_path(4) / "__7_0.distcp").write_text("a stale file of a crashed write")
-    (tmp_path / ".trash-step-00000001").write_text("earlier trash, in the way of a new one")
-    for step in (1, 2, 3, 4):
+    store.clear_debris()
+    for step in (3, 4):
         write(step)
-        c = store.commit(step, {"config": {}})
-        assert c.problem() is None, (step, c.problem())
+        assert store.commit(step, {"config": {}}).problem() is None
         store.prune(keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-00000003", "step-00000004"]
     assert not (store.final_path(4) / "__7_0.distcp").exists(), "a stale file was mixed into a checkpoint"

@@ -8,6 +8,7 @@ prints it, and a test checks that the document says what rrfp prints.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -204,21 +205,6 @@ ROWS = [
 
 
 @contextlib.contextmanager
-def _stderr_to(path: Path):
-    """fd 2 into ``path`` (rrfp writes its lines with os.write(2, ...))."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(path, "wb") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-@contextlib.contextmanager
 def _launcher_env(row: Row):
     """A torchrun-like rank 0 of 2 whose rendezvous nobody serves (nothing may join a group)."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
@@ -250,10 +236,10 @@ def printed(row: Row, tmp: Path) -> tuple[int, str]:
     from rrfp.app.cli import main
 
     argv = row.make(tmp)
-    out = tmp / "stderr"
-    with _launcher_env(row), _stderr_to(out):
+    err = io.StringIO()
+    with _launcher_env(row), contextlib.redirect_stderr(err):
         code = main(argv)
-    return code, out.read_text(errors="replace").replace(str(tmp), "TMP")
+    return code, err.getvalue().replace(str(tmp), "TMP")
 
 
 def table() -> str:

@@ -19,13 +19,12 @@ REFUSAL_WAIT_S = 5.0
 
 
 def say(line: str) -> None:
-    """``line`` and its newline on stderr in one write(2), so the lines of ranks that share
-    a terminal or a pipe never run together (``print`` writes the text and the newline
-    apart when stderr is unbuffered, as under ``python -u``)."""
-    data = (line.rstrip("\n") + "\n").encode(errors="replace")
+    """``line`` and its newline on stderr in one write call, which reaches the file as one
+    write(2), so the lines of ranks that share a terminal or a pipe never run together
+    (``print`` writes the text and the newline apart, two write(2)s when stderr is
+    unbuffered, as under ``python -u``)."""
+    sys.stderr.write(line.rstrip("\n") + "\n")
     sys.stderr.flush()
-    while data:
-        data = data[os.write(2, data):]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -119,13 +119,6 @@ class CheckpointDir:
         """Where every rank writes the checkpoint of ``step`` before it is committed."""
         return self.root / f".partial-step-{step:08d}"
 
-    def clear_partial(self, step: int) -> None:
-        """Rank 0, before every rank writes ``step``: whatever an earlier crash left at the
-        partial path goes, so no stale file is mixed into the new checkpoint."""
-        partial = self.partial_path(step)
-        if os.path.lexists(partial):
-            self._remove(self._set_aside(partial))
-
     def commit(self, step: int, meta: dict) -> Checkpoint:
         """Rank 0, once every rank has written its part: meta.json, then the commit record of
         every file's size and SHA-256 (the marker, last), then the rename. A committed
