@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 
-REFUSAL_WAIT_S = 5.0
+REFUSAL_WAIT_S = 10.0  # rank 0 may check for longer (a loaded machine, a big checkpoint)
 
 
 def say(line: str) -> None:
@@ -43,12 +43,14 @@ def refuse_once(text: str, line: str, board=None) -> None:
         from rrfp.app.failure_board import FailureBoard  # imports torch: only when it can help
 
         board = FailureBoard.connect()
+    if board is not None:
+        # torchrun's agent SIGTERMs every rank once one has exited: each still ends with its
+        # line written (or known to be rank 0's) and exit code 2, not killed by the signal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if rank == 0 or world <= 1 or board is None:
         say(line)
         if rank == 0 and board is not None:
             board.post_refusal(text)
         return
-    # torchrun's agent SIGTERMs this rank once rank 0 has exited: finish deciding first
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if board.refusal(REFUSAL_WAIT_S) != text:
         say(line)
