@@ -21,8 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAGIC, MAX_DIMS, MAX_ELEMENTS, MAX_KIND, MAX_TENSORS,
-                               VERSION, Message, MessageError, TensorSpec, checksum, decode_header, encode_header)
+from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAGIC, MAX_DIMS, MAX_ELEMENTS, MAX_KIND,
+                               MAX_MESSAGE_BYTES, MAX_TENSORS, VERSION, Message, MessageError, TensorSpec, checksum, decode_header, encode_header)
 from rrfp.core.layout import Coords, Layout
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2)]
@@ -92,8 +92,8 @@ def test_layout_describe_lists_every_rank():
 
 # -- message headers -------------------------------------------------------------
 
-_shapes = st.one_of(st.lists(st.integers(0, 64), max_size=MAX_DIMS),  # 64**6 < MAX_ELEMENTS
-                    st.lists(st.integers(0, MAX_ELEMENTS), max_size=1)).map(tuple)
+_shapes = st.one_of(st.lists(st.integers(0, 64), max_size=MAX_DIMS),  # 8 * 64**6 * 8 bytes < MAX_MESSAGE_BYTES
+                    st.lists(st.integers(0, MAX_MESSAGE_BYTES // (8 * MAX_TENSORS)), max_size=1)).map(tuple)
 _specs = st.lists(st.tuples(st.sampled_from(list(DTYPE_CODES)), _shapes), max_size=MAX_TENSORS)
 
 
@@ -111,6 +111,21 @@ def test_header_round_trip(iteration, microbatch, kind, specs):
     assert decoded.specs == tuple(TensorSpec(dtype, shape) for dtype, shape in specs)
     buffers = decoded.empty_tensors(device="meta")
     assert [(b.dtype, tuple(b.shape)) for b in buffers] == [(d, s) for d, s in specs]
+
+
+@pytest.mark.timeout(10)
+def test_header_total_size_is_bounded_before_any_allocation():
+    """Each tensor within the per-tensor limit, checksum valid, yet 8 of them claim far more than a
+    message may carry: refused by decoding, before a buffer is made."""
+    big = [torch.empty(MAX_ELEMENTS, dtype=torch.float64, device="meta") for _ in range(MAX_TENSORS)]
+    with pytest.raises(MessageError, match=f"claim {8 * MAX_TENSORS * MAX_ELEMENTS} bytes in all, more than the "
+                                           f"{MAX_MESSAGE_BYTES}"):
+        decode_header(encode_header(Message(1, 0, 0, big)))
+    fits = [torch.empty(MAX_MESSAGE_BYTES // 8, dtype=torch.uint8, device="meta") for _ in range(8)]
+    assert decode_header(encode_header(Message(1, 0, 0, fits))).specs[0].numel == MAX_MESSAGE_BYTES // 8
+    one_more = [*fits[:-1], torch.empty(MAX_MESSAGE_BYTES // 8 + 1, dtype=torch.uint8, device="meta")]
+    with pytest.raises(MessageError, match="in all"):  # one byte more than the bound
+        decode_header(encode_header(Message(1, 0, 0, one_more)))
 
 
 @pytest.mark.timeout(10)

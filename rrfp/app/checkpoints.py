@@ -2,6 +2,12 @@
 process group exists, so a mismatch is one error line on every rank), and
 saving one when the run asks (every N steps, at the end, on SIGTERM).
 
+Every checkpoint is verified against its commit record (each file's SHA-256)
+before anything of it is read: a latest checkpoint that fails is named, and
+the run falls back to the newest one that verifies, or stops, as
+``run.on_corrupt_checkpoint`` says. Those it passed over are deleted at the
+run's start (rank 0), so they neither block its commits nor count as kept.
+
 A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
 different value in any of them is refused: the saved tensors would not fit, or
@@ -14,11 +20,17 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.comm.channels import named_collective
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -47,31 +59,71 @@ def differences(saved: dict, now: dict) -> list[str]:
     return out
 
 
-def resume_point(cfg: TrainConfig) -> Checkpoint | None:
-    """The checkpoint this run starts from, or None to start fresh. Reads files
-    only; raises ConfigError when the run cannot start as configured."""
+@dataclass(frozen=True)
+class Resume:
+    """Where a run starts (``start``; None: step 0), and the newer checkpoints it passed
+    over because they failed verification, newest first, each with what is wrong."""
+
+    start: Checkpoint | None
+    rejected: tuple[tuple[Checkpoint, str], ...] = ()
+
+    def fallback_line(self) -> str | None:
+        """The one line that names what was passed over, and where the run resumes instead."""
+        if not self.rejected:
+            return None
+        bad = "; ".join(f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected)
+        return (f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
+                f"(run.on_corrupt_checkpoint = fallback; it is deleted at this run's start)")
+
+
+def plan_resume(cfg: TrainConfig) -> Resume:
+    """Where this run starts. Reads files only (every checkpoint it considers, in full, to
+    verify it); raises ConfigError when the run cannot start as configured."""
     run = cfg.run
     if not run.checkpoint_dir:
-        return None
+        return Resume(None)
     store = CheckpointDir(run.checkpoint_dir)
-    latest = store.latest()
+    try:
+        store.probe_writable(f"{os.getpid()}-{socket.gethostname()}")
+    except OSError as e:
+        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: "
+                          f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
+    done = store.complete()
     if run.resume == "off":
-        if latest is not None:  # a fresh run would prune them as older than its own
+        if done:  # a fresh run would prune them as older than its own
             raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} already holds checkpoints (the latest "
-                              f"at step {latest.step}): continue with --resume (or run.resume = auto), or "
+                              f"at step {done[-1].step}): continue with --resume (or run.resume = auto), or "
                               "choose another directory")
-        return None
-    if latest is None:
+        return Resume(None)
+    if not done:
         if run.resume == "required":
             partial = len(store.incomplete())
             raise ConfigError(f"--resume: no complete checkpoint in {run.checkpoint_dir}"
                               + (f" ({partial} incomplete one(s) ignored)" if partial else ""))
-        return None  # auto: start fresh
+        return Resume(None)  # auto: start fresh
+    rejected = []
+    for latest in reversed(done):
+        problem = latest.problem()
+        if problem is None:
+            break
+        rejected.append((latest, problem))
+        if run.on_corrupt_checkpoint == "stop":
+            raise ConfigError(f"checkpoint {latest.path} failed verification: {problem}; nothing was loaded "
+                              "(run.on_corrupt_checkpoint = stop; \"fallback\" resumes from the newest "
+                              "checkpoint that verifies)")
+    else:
+        raise ConfigError(f"no checkpoint in {run.checkpoint_dir} verifies, nothing was loaded: "
+                          + "; ".join(f"{c.path.name}: {why}" for c, why in rejected)
+                          + " (move them away to start at step 0)")
     where = f"cannot resume from {latest.path}"
     try:
         meta = latest.meta()
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: its meta.json cannot be read: {e}") from None
+    if not (isinstance(meta, dict) and isinstance(meta.get("config", {}), dict)
+            and all(isinstance(v, dict) for v in meta.get("config", {}).values())):
+        raise ConfigError(f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
+                          "\"config\" is an object of sections)")
     diffs = differences(meta.get("config", {}), fingerprint(cfg))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
@@ -84,7 +136,12 @@ def resume_point(cfg: TrainConfig) -> Checkpoint | None:
                        + [f"rank{r}" for r in range(lay.world_size)])
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
-    return latest
+    return Resume(latest, tuple(rejected))
+
+
+def resume_point(cfg: TrainConfig) -> Checkpoint | None:
+    """The checkpoint this run starts from, or None to start fresh (``plan_resume``'s start)."""
+    return plan_resume(cfg).start
 
 
 class RunCheckpoints:
@@ -97,6 +154,42 @@ class RunCheckpoints:
         self.where = dict(rank=rt.rank, stage=rt.stage, tp_rank=rt.tp_rank, device=rt.device,
                           process_group=rt.cpu_group)  # DCP's collectives: gloo, the control plane
 
+    async def begin(self, resume: Resume) -> None:
+        """Collective, at the run's start: every rank decided to resume from the same step,
+        and sees a file rank 0 writes into the checkpoint directory (one file system for
+        every rank). Then rank 0 deletes the checkpoints passed over and any debris, so
+        nothing of an earlier crash is mixed into, or blocks, this run's commits."""
+        rt, world = self.rt, self.rt.layout.world_size
+        step = float(resume.start.step if resume.start is not None else -1)
+        token = secrets.randbelow(2 ** 50) + 1 if rt.rank == 0 else 0
+        probe = self.store.root / f".partial-probe-{token}"
+        if rt.rank == 0:
+            probe.write_text(str(token))
+        agreed = torch.tensor([float(token), step, -step], dtype=torch.float64)
+        await rt.all_reduce(agreed, dist.ReduceOp.MAX, what="checkpoint: world agreement on the resume step")
+        token, high, low = int(agreed[0].item()), agreed[1].item(), -agreed[2].item()
+        probe = self.store.root / f".partial-probe-{token}"
+        try:
+            seen = probe.read_text() == str(token)
+        except OSError:
+            seen = False
+        blind = torch.zeros(world, dtype=torch.float64)
+        blind[rt.rank] = float(not seen)
+        await rt.all_reduce(blind, what="checkpoint: world check of one shared checkpoint directory")
+        if rt.rank == 0:
+            probe.unlink(missing_ok=True)
+        missing = [r for r in range(world) if blind[r].item()]
+        if missing:
+            raise ConfigError(f"run.checkpoint_dir {self.store.root} is not one file system for every rank: "
+                              f"rank(s) {', '.join(map(str, missing))} do not see a file rank 0 wrote there "
+                              "(use a directory every rank shares, such as a shared mount)")
+        if high != low:
+            raise ConfigError(f"the ranks found different checkpoints to resume from in {self.store.root} "
+                              f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every rank?")
+        if rt.rank == 0:
+            self.store.discard([c for c, _ in resume.rejected])
+            self.store.clear_debris()
+
     def due(self, done: int, stopping: bool) -> bool:
         """Save after ``done`` steps? Every checkpoint_every steps, at the end, and on a stop."""
         every = self.cfg.run.checkpoint_every
@@ -104,7 +197,8 @@ class RunCheckpoints:
 
     async def load(self, ckpt: Checkpoint) -> None:
         try:
-            await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
+            with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)"):
+                await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         for group in self.opt.param_groups:  # the config's, not the checkpoint's
@@ -117,7 +211,8 @@ class RunCheckpoints:
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep."""
-        await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
+        with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
+            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:

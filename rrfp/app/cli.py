@@ -6,6 +6,7 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError
+from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
 from rrfp.core.variability import PRESETS
@@ -164,11 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         from rrfp.app.train_command import train_command
 
         return train_command(args)
-    except UsageError as e:
-        print(f"rrfp: error: {e}", file=sys.stderr)
+    except UsageError as e:  # every rank of a job checks its input alike: one line per job
+        text = " ".join(str(e).split())
+        rank, world = rank_and_world()
+        refuse_once(text, f"rrfp: error: {text}" if rank == 0 or world <= 1 else f"rrfp: error: rank {rank}: {text}")
         return 2
     except KeyboardInterrupt:
-        print("rrfp: interrupted", file=sys.stderr)
+        say("rrfp: interrupted")
         return 130
     except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

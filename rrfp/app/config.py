@@ -28,7 +28,14 @@ from rrfp.core.variability import PRESETS, Variability
 from rrfp.pipeline.workload import Workload
 
 ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
+# [run]'s numbers, within what a run can mean (and torch, numpy and timedelta can hold): (lowest, highest)
+RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "microbatches": (1, 65536),
+              "steps": (1, 10**9), "threads": (1, 1024), "log_every": (1, 10**9), "seed": (0, 2**63 - 1),
+              "lr": (0, 100), "weight_decay": (0, 100), "unit_ms": (0, 600_000), "timeout_s": (0, 604_800),
+              "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6)}
+SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 RESUME_MODES = ("off", "auto", "required")
+ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class RunConfig:
     checkpoint_every: int = 0  # save every N steps (and at the end, and on SIGTERM); 0 = only those two
     checkpoint_keep: int = 2  # complete checkpoints kept; older ones go once a newer one is committed
     resume: str = "off"  # off | auto (the latest checkpoint, if any) | required (rrfp train --resume)
+    # a latest checkpoint that fails verification: resume from the newest that verifies, or stop (exit 2)
+    on_corrupt_checkpoint: str = "fallback"
     on_nonfinite: str = "stop"  # NaN/Inf in the loss or gradients: "stop" the run, or "skip" the step everywhere
     log_dir: str = "runs/logs"  # a failing rank writes its traceback to LOG_DIR/rank-N.log
     # testing aid: make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py)
@@ -99,11 +108,18 @@ class RunConfig:
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError("run.backend = nccl carries CUDA tensors only: set run.device = cuda (or auto), "
                               "or run.backend = gloo")
+        for name, (lo, hi) in RUN_BOUNDS.items():
+            if not lo <= getattr(self, name) <= hi:
+                raise ConfigError(f"run.{name} = {getattr(self, name)} is out of bounds: it must be within "
+                                  f"[{lo}, {hi}]")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
             raise ConfigError(f"run.checkpoint_every must be >= 0 and run.checkpoint_keep >= 1, got "
                               f"{self.checkpoint_every} and {self.checkpoint_keep}")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"run.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
+        if self.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
+            raise ConfigError(f"run.on_corrupt_checkpoint must be one of {', '.join(ON_CORRUPT_CHECKPOINT)}, "
+                              f"got {self.on_corrupt_checkpoint!r}")
         if not self.checkpoint_dir and (self.checkpoint_every or self.resume != "off"):
             what = "--resume" if self.resume == "required" else (
                 f"run.resume = {self.resume}" if self.resume != "off" else
@@ -192,9 +208,12 @@ class TrainConfig:
         source = str(path) if path else "defaults"
         if path:
             try:
-                doc = tomllib.loads(Path(path).read_text())
+                doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
             except OSError as e:
                 raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}): "
+                                  "a TOML file is UTF-8") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"{path}: not valid TOML: {e}") from None
         for name, table in doc.items():
@@ -276,6 +295,9 @@ def _section(source: str, name: str, kind: type, values) -> Any:
         if k not in known:
             raise ConfigError(f"{source}: unknown key {name}.{k} (known: {', '.join(known)})")
         _check_type(f"{source}: {name}.{k}", v, known[k].type)
+        if name != "run" and isinstance(v, int) and not isinstance(v, bool) and abs(v) > SECTION_INT_BOUND:
+            raise ConfigError(f"{source}: {name}.{k} = {v} is out of bounds: it must be within "
+                              f"[{-SECTION_INT_BOUND}, {SECTION_INT_BOUND}]")
     try:
         return kind(**values)
     except ConfigError:

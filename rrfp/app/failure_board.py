@@ -47,6 +47,29 @@ class FailureBoard:
         except RuntimeError:
             pass
 
+    def post_refusal(self, text: str) -> None:
+        """Rank 0: the bad-input error it printed for the job (job_lines.py)."""
+        try:
+            with _quiet():
+                self.store.set(f"{self.prefix}/refused", text)
+        except RuntimeError:
+            pass
+
+    def refusal(self, wait_s: float) -> str | None:
+        """Rank 0's posted refusal, waiting up to ``wait_s`` for it; None if none came."""
+        deadline = time.monotonic() + wait_s
+        key = f"{self.prefix}/refused"
+        while True:
+            try:
+                with _quiet():
+                    if self.store.check([key]):
+                        return self.store.get(key).decode(errors="replace")
+            except RuntimeError:
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def read(self, rank: int) -> str | None:
         try:
             key = f"{self.prefix}/{rank}"

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from rrfp.app.checkpoints import RunCheckpoints, resume_point
+from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
 from rrfp.app.config import TrainConfig
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.stats import StageStats
@@ -54,16 +54,19 @@ class TrainSummary:
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None,
-                     stop: Callable[[], bool] | None = None) -> TrainSummary:
+                     stop: Callable[[], bool] | None = None, resume: Resume | None = None) -> TrainSummary:
     """Run optimizer steps up to ``cfg.run.steps`` on this rank's stage, from the
     checkpoint ``run.resume`` picks (or step 0). Every rank returns the per-step
     mean losses (all-reduced from the last stage) of the steps it ran.
 
     ``stop()`` true on any rank (``rrfp train`` sets it on SIGTERM) ends the run
     on every rank after the current step, which is saved first when
-    ``run.checkpoint_dir`` is set: the ranks agree on it in the step's all-reduce."""
+    ``run.checkpoint_dir`` is set: the ranks agree on it in the step's all-reduce.
+    ``resume``: where to start, when the caller has already decided (``plan_resume``)."""
     run, wl = cfg.run, cfg.workload
-    start = resume_point(cfg)  # before any process group: a mismatch fails every rank the same way
+    if resume is None:  # before any process group: a mismatch fails every rank the same way
+        resume = plan_resume(cfg)
+    start = resume.start
     torch.set_num_threads(run.threads)
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
                                      unit_ms=run.unit_ms) as rt:  # nccl: this rank's GPU is rt.device
@@ -81,6 +84,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         summary = TrainSummary()
         world = rt.layout.world_size
         ckpts = RunCheckpoints(cfg, rt, module, opt) if run.checkpoint_dir else None
+        if ckpts is not None:
+            await ckpts.begin(resume)
         if start is not None:
             await ckpts.load(start)
             summary.first_step = start.step

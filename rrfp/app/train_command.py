@@ -9,11 +9,12 @@ import statistics
 import sys
 import traceback
 
-from rrfp.app.checkpoints import resume_point
-from rrfp.app.config import TrainConfig
+from rrfp.app.checkpoints import plan_resume
+from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import SECONDARY, Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
+from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
 
@@ -33,8 +34,9 @@ class StopOnSigterm:
     learns of it in that step's all-reduce, saves, and exits 143); a second one
     leaves at once, keeping the last committed checkpoint."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: str = "the last committed checkpoint stays") -> None:
         self.requested = False
+        self._last_words = f"rrfp: second SIGTERM: leaving now; {kept}\n".encode()
 
     def install(self) -> "StopOnSigterm":
         signal.signal(signal.SIGTERM, self._handle)
@@ -42,7 +44,7 @@ class StopOnSigterm:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            os.write(2, b"rrfp: second SIGTERM: leaving now; the last committed checkpoint stays\n")
+            os.write(2, self._last_words)
             os._exit(STOPPED_EXIT)
         self.requested = True
 
@@ -52,10 +54,21 @@ def train_command(args) -> int:
     if not args.dry_run and "WORLD_SIZE" not in os.environ:
         raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
                          "(torchrun --nproc-per-node N -m rrfp train ...)")
-    # the layout and model checks run here, before any process group: bad input exits 2 on every rank
-    cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
-    rank = int(os.environ.get("RANK", "0"))
-    start = resume_point(cfg)  # a missing or mismatched checkpoint exits 2 here, before any process group
+    rank, _ = rank_and_world()
+    try:
+        # the layout and model checks run here, before any process group: bad input exits 2 on every rank
+        cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
+        resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+    except UsageError:
+        raise
+    except Exception as e:  # a bug in a check: one line per job, the traceback to the log
+        path = write_traceback(e, RunConfig.log_dir, rank)
+        text = f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
+        refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+        exit_now(1)
+    start = resume.start
+    if rank == 0 and resume.fallback_line():
+        say(f"rrfp: warning: {resume.fallback_line()}")
     if rank == 0 and cfg.run.resume != "off":
         print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
               f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
@@ -64,16 +77,17 @@ def train_command(args) -> int:
             print(cfg.layout.describe())
             print(cfg.as_dict())
         return 0
-    sigterm = StopOnSigterm().install()
+    sigterm = StopOnSigterm(*([] if cfg.run.checkpoint_dir else
+                              ["no checkpoint is kept (run.checkpoint_dir is not set)"])).install()
     try:
-        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested))
+        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested, resume=resume))
     except Exception as e:
         _fail(e, cfg, rank, getattr(args, "debug", False))
     if summary.stopped_at is not None:
         saved = (f"checkpoint {summary.checkpoint} saved; continue with --resume" if summary.checkpoint else
                  "no checkpoint saved (run.checkpoint_dir is not set)")
-        print(f"rrfp: stopped: rank {rank}: SIGTERM on {summary.stop_requests} rank(s), the run stopped after "
-              f"step {summary.stopped_at} of {cfg.run.steps}; {saved}", file=sys.stderr, flush=True)
+        say(f"rrfp: stopped: rank {rank}: SIGTERM on {summary.stop_requests} rank(s), the run stopped after "
+            f"step {summary.stopped_at} of {cfg.run.steps}; {saved}")
         exit_now(STOPPED_EXIT)
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""
@@ -105,5 +119,9 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.layout.coords(rank).pp
-    print(f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}", file=sys.stderr, flush=True)
+    line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}"
+    if isinstance(root_cause(e), UsageError):  # e.g. the ranks found different checkpoints: alike on every rank
+        refuse_once(" ".join(str(root_cause(e)).split()), line, board)
+    else:
+        say(line)
     exit_now(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: 2

@@ -39,6 +39,7 @@ MAX_TENSORS = 8
 MAX_DIMS = 6
 MAX_KIND = 1 << 16
 MAX_ELEMENTS = 1 << 40  # per tensor; anything larger is a corrupt header, not an activation
+MAX_MESSAGE_BYTES = 1 << 36  # 64 GiB, all of a message's tensors together: checked before any buffer exists
 
 _PREFIX = 6  # magic, version, iteration, microbatch, kind, count
 _SLOT = 2 + MAX_DIMS  # dtype code, ndim, dims
@@ -230,4 +231,8 @@ def decode_header(header: torch.Tensor) -> Header:
             raise MessageError(f"{where}: tensor {i} of shape {list(shape)} has more than {MAX_ELEMENTS} "
                                f"elements: corrupt header")
         specs.append(TensorSpec(dtype, shape))
+    total = sum(s.nbytes for s in specs)
+    if total > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} bytes "
+                           f"in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header")
     return Header(iteration, microbatch, kind, tuple(specs))

@@ -22,11 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from rrfp.core.errors import PipelineError
+
 log = logging.getLogger("rrfp.pipeline.checkpoint")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this stage; the message says why."""
+class CheckpointError(PipelineError):
+    """A checkpoint that cannot be written or loaded into this stage; the message says why
+    (a PipelineError: this rank's own failure, such as a full disk, not a bug)."""
 
 
 def stage_key(stage: int, tp_rank: int) -> str:

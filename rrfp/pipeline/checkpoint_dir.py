@@ -12,10 +12,19 @@ system. A directory without the marker, or with a partial name, is not a
 checkpoint. Deleting an old one first renames it out of the complete names,
 so a crash mid-delete never leaves a half-deleted "complete" checkpoint.
 
+The marker is the commit record: the size and SHA-256 of every file of the
+checkpoint (and a SHA-256 of the record itself), so a resume can tell a
+checkpoint whose bytes changed after the commit (a flipped bit, a truncated
+copy) from a good one before it loads any state (``problem``). Anything in
+the way of a commit (an unmarked ``step-N``, a plain file of that name, a
+left-over partial directory) is debris: it is moved aside, never an error.
+
 Plain files, no torch: what a stage puts inside is ``checkpoint.py``'s business.
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import os
@@ -43,10 +52,40 @@ class Checkpoint:
         """Its meta.json: the step and the config that shaped the saved state."""
         return json.loads((self.path / META).read_text())
 
+    def problem(self) -> str | None:
+        """None when every file its commit record lists is there with the recorded size
+        and SHA-256; else what is wrong, naming the file. Reads every byte of the checkpoint."""
+        try:
+            files = _read_record(self.path / MARKER)
+        except ValueError as e:
+            return f"its commit record {MARKER} {e}"
+        for name, want in sorted(files.items()):
+            path = self.path / name
+            try:
+                size = path.stat().st_size
+                if size != want["bytes"]:
+                    return f"{name} has {size} bytes, its commit record says {want['bytes']} (cut short or grown)"
+                if _sha256(path) != want["sha256"]:
+                    return f"{name} does not match its SHA-256 in the commit record (its bytes changed)"
+            except FileNotFoundError:
+                return f"{name} is missing"
+            except OSError as e:
+                return f"{name} cannot be read: {e.strerror or e}"
+        return None
+
 
 class CheckpointDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+
+    def probe_writable(self, who: str) -> None:
+        """Create the directory and a file in it, synced, then delete it: at a run's start, so a
+        directory that cannot hold a checkpoint fails there, not at the first save. ``who``
+        makes the name unique among the ranks probing at once."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        probe = self.root / f".partial-probe-{who}"
+        _write_synced(probe, "probe\n")
+        probe.unlink()
 
     def complete(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first. Anything else in the directory is ignored."""
@@ -64,11 +103,13 @@ class CheckpointDir:
         return done[-1] if done else None
 
     def incomplete(self) -> list[Path]:
-        """Directories that are not (or no longer) checkpoints: partial writes, unmarked, half-deleted."""
+        """What is not (or no longer) a checkpoint under a checkpoint's names: partial writes,
+        unmarked or half-deleted directories, plain files named like them. Other files are the
+        user's and are left alone."""
         if not self.root.is_dir():
             return []
         complete = {c.path for c in self.complete()}
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and p not in complete
+        return sorted(p for p in self.root.iterdir() if p not in complete
                       and (p.name.startswith(_PARTIAL_PREFIXES) or _COMPLETE.fullmatch(p.name)))
 
     def final_path(self, step: int) -> Path:
@@ -79,30 +120,107 @@ class CheckpointDir:
         return self.root / f".partial-step-{step:08d}"
 
     def commit(self, step: int, meta: dict) -> Checkpoint:
-        """Rank 0, once every rank has written its part: the marker last, then the rename."""
+        """Rank 0, once every rank has written its part: meta.json, then the commit record of
+        every file's size and SHA-256 (the marker, last), then the rename. A committed
+        checkpoint of the same step is never replaced (FileExistsError); debris there is set
+        aside first."""
         partial, final = self.partial_path(step), self.final_path(step)
         _write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
-        _write_synced(partial / MARKER, f"step {step}\n")
+        files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(partial.rglob("*")) if p.is_file() and p.name != MARKER}
+        _write_synced(partial / MARKER, _record_text(step, files))
         _fsync_dir(partial)
-        os.rename(partial, final)  # fails, rather than mixing, if a step-N directory is already there
+        if os.path.lexists(final):
+            if final.is_dir() and not final.is_symlink() and (final / MARKER).is_file():
+                raise FileExistsError(f"{final} is already a committed checkpoint")
+            self._set_aside(final)  # an unmarked step-N directory, or a plain file of that name
+        os.rename(partial, final)
         _fsync_dir(self.root)
         log.info("committed checkpoint %s", final)
         return Checkpoint(step, final)
 
+    def discard(self, checkpoints: list[Checkpoint]) -> None:
+        """Delete these checkpoints (rank 0: those that failed verification when the run
+        started, before its first save, so none blocks the commit of its own step)."""
+        for c in checkpoints:
+            if c.path.is_dir():
+                self._remove(self._set_aside(c.path))  # no longer a checkpoint, before any of its files goes
+        if checkpoints:
+            log.info("deleted checkpoints that failed verification: %s", ", ".join(c.path.name for c in checkpoints))
+
     def prune(self, keep: int) -> list[Path]:
         """Delete all but the ``keep`` newest complete checkpoints, and every incomplete
-        directory. Rank 0 only, after a commit: no rank of this run writes here then."""
+        entry. Rank 0 only, after a commit: no rank of this run writes here then."""
         removed = []
         for c in self.complete()[:-keep]:
-            trash = self.root / f".trash-{c.path.name}"
-            os.rename(c.path, trash)  # no longer a checkpoint, before any of its files goes
+            self._set_aside(c.path)  # no longer a checkpoint, before any of its files goes
             removed.append(c.path)
         _fsync_dir(self.root)
-        for p in self.incomplete():
-            shutil.rmtree(p, ignore_errors=True)
+        self.clear_debris()
         if removed:
             log.info("deleted old checkpoints %s", ", ".join(p.name for p in removed))
         return removed
+
+    def clear_debris(self) -> None:
+        """Delete every incomplete entry (rank 0, when no rank of this run writes here)."""
+        for p in self.incomplete():
+            self._remove(p)
+
+    def _set_aside(self, path: Path) -> Path:
+        """Rename ``path`` to an unused trash name (renaming never needs the name to be free of
+        a directory's contents, and a unique name never collides with earlier trash)."""
+        names = (f".trash-{path.name}" + (f".{n}" if n else "") for n in itertools.count())
+        trash = next(self.root / name for name in names if not os.path.lexists(self.root / name))
+        os.rename(path, trash)
+        return trash
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _record_text(step: int, files: dict) -> str:
+    """The commit record: the files, and the SHA-256 of their listing (so a damaged record
+    is told apart from a damaged data file)."""
+    body = json.dumps({"step": step, "files": files}, sort_keys=True)
+    return json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
+
+
+def _read_record(path: Path) -> dict:
+    """The files a commit record lists: {name: {"bytes", "sha256"}}; ValueError saying what is
+    wrong with it otherwise."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot be read: {e.strerror or e}") from None
+    try:
+        outer = json.loads(raw)
+    except ValueError:  # bad UTF-8 included
+        if raw.startswith(b"step "):
+            raise ValueError("holds no checksums (written by an rrfp that did not record them), so the "
+                             "checkpoint cannot be verified") from None
+        raise ValueError("is not valid JSON (damaged)") from None
+    if not (isinstance(outer, dict) and isinstance(outer.get("record"), str)
+            and isinstance(outer.get("sha256"), str)):
+        raise ValueError("is not a commit record (damaged)")
+    if hashlib.sha256(outer["record"].encode()).hexdigest() != outer["sha256"]:
+        raise ValueError("does not match its own SHA-256 (damaged)")
+    files = json.loads(outer["record"])["files"]
+    if not files or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
+                            and isinstance(v.get("sha256"), str) for v in files.values()):
+        raise ValueError("lists no files")
+    return files
 
 
 def _write_synced(path: Path, text: str) -> None:

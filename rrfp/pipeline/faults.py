@@ -1,11 +1,14 @@
 """Fault injection, a testing aid (in the spirit of torchft's failure injector):
 make one rank fail at a chosen (step, stage, task) to check how the others end.
 
-A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T]``, in ``run.fault``
-or the ``RRFP_FAULT`` environment variable. ``step`` counts from 1, as
-``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail (every
-rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``) fires
-right after that task finishes, otherwise at the end of the step's iteration.
+A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T][:attempt=A]``, in
+``run.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
+1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
+(every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
+fires right after that task finishes, otherwise at the end of the step's
+iteration; ``attempt`` fires only in that attempt of a torchrun job
+(``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
+``--max-restarts`` runs on after it.
 
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
 alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
@@ -37,6 +40,7 @@ class Fault:
     stage: int | None = None
     rank: int | None = None
     task: Task | None = None
+    attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
@@ -47,8 +51,9 @@ class Fault:
         values: dict = {}
         for f in fields:
             key, sep, raw = f.partition("=")
-            if not sep or key not in ("step", "stage", "rank", "task") or key in values:
-                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T (once each)")
+            if not sep or key not in ("step", "stage", "rank", "task", "attempt") or key in values:
+                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A "
+                                 "(once each)")
             if key == "task":
                 values[key] = Task.parse(raw)
                 continue
@@ -68,11 +73,13 @@ class Fault:
 
     def __str__(self) -> str:
         where = [f"{k}={v}" for k, v in (("step", self.step), ("stage", self.stage), ("rank", self.rank),
-                                          ("task", self.task)) if v is not None]
+                                          ("task", self.task), ("attempt", self.attempt)) if v is not None]
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
-        return (self.stage is None or self.stage == stage) and (self.rank is None or self.rank == rank)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        return ((self.stage is None or self.stage == stage) and (self.rank is None or self.rank == rank)
+                and (self.attempt is None or self.attempt == attempt))
 
 
 class FaultInjector:

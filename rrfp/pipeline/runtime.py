@@ -56,6 +56,22 @@ def _startup(owns: bool):
         raise StartupError(f"rank {rank}: start-up failed while {what}{describe_failure(e)}") from e
 
 
+def _attempt_store(world: int, timeout_s: float) -> dict:
+    """Under torchrun's agent store, the process group's store keys of this attempt only.
+    torch 2.13's torchrun keeps one store for every attempt of a job (its rendezvous shares
+    one TCPStore server across rounds: torch/distributed/elastic/rendezvous/
+    dynamic_rendezvous.py, next_rendezvous), and a worker joining with ``env://`` uses the
+    same keys in each attempt: after ``--max-restarts`` restarted it, gloo read the dead
+    attempt's addresses and failed to connect. Elsewhere: {} (init_process_group's own)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dict(store=dist.PrefixStore(f"rrfp/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+                world_size=world)
+
+
 class PipelineRuntime:
     """Owns this rank's process group membership, channels and compute lane.
 
@@ -123,7 +139,8 @@ class PipelineRuntime:
         with _startup(owns):
             if owns:
                 dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
-                                        device_id=device if device.type == "cuda" else None)
+                                        device_id=device if device.type == "cuda" else None,
+                                        **_attempt_store(world, timeout_s))
             return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s)
 
     @classmethod
