@@ -157,6 +157,20 @@ def checkpoint_resume() -> str:
     return f"6 steps with dropout 0.1, resumed after 3: max |diff| of the printed losses {worst:.1e}"
 
 
+def calibrate_on_cuda() -> str:
+    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not on the CPU."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cost.json"
+        p = subprocess.run([sys.executable, "-m", "rrfp", "calibrate", "--config", CONFIG, "--pp", "2", "--samples",
+                            "4", "--set", "backend=nccl", "--out", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        if p.returncode != 0 or "real compute on cuda" not in p.stdout or not out.exists():
+            raise RuntimeError(f"exit {p.returncode}: {(p.stdout + p.stderr)[-800:]}")
+        return p.stdout.splitlines()[0]
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--steps", type=int, default=20)
@@ -167,7 +181,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {gpus}", flush=True)
     if gpus == 0:
         for name in ("CUDA lane + poller", "rrfp train pp=1 on CUDA", "checkpoint resume on CUDA",
-                     "rrfp train pp=2 over NCCL"):
+                     "rrfp calibrate on CUDA", "rrfp train pp=2 over NCCL"):
             report(name, "SKIPPED", "no GPU on this machine")
         return 0
     check("CUDA lane + poller", lane_and_poller)
@@ -175,6 +189,7 @@ def main() -> int:
     check("rrfp train pp=1 on CUDA",
           lambda: compare(train(1, args.steps, "backend=nccl", "pp=1"), reference))
     check("checkpoint resume on CUDA", checkpoint_resume)
+    check("rrfp calibrate on CUDA", calibrate_on_cuda)
     if gpus >= 2:
         check("rrfp train pp=2 over NCCL",
               lambda: compare(train(2, args.steps, "backend=nccl", "pp=2"), reference))
