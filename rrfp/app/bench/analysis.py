@@ -112,7 +112,7 @@ class Summary:
     speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
     efficiency: Spread
     vs_simulated: Spread | None  # measured / simulated - 1
-    peak_inflight: int | None
+    peak_inflight: float | None  # microbatches one stage held at once (the max over ranks and iterations)
     decision_us: float | None
     plan_s: float | None
     plan_waited_s: float | None
