@@ -24,7 +24,8 @@ from rrfp.core.hints import Hint
 from rrfp.core.planner import Plan, entry_order_hint, plan
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
-from rrfp.sim.engine import SimConfig, simulate
+from rrfp.sim.engine import SimConfig, _durations, simulate
+from rrfp.sim.ranked import RankedPipeline, ranking_of
 
 
 def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, split: bool,
@@ -37,9 +38,19 @@ def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, s
                      split=split, durations=predicted)
 
     def hint(order) -> Hint:
-        return Hint("plan", entry_order_hint(order), is_class=True)
+        return Hint("plan", entry_order_hint(order), is_class=True, uniform=True)
 
-    made = plan(predicted, lambda order: simulate(replace(base, hint=hint(order))).makespan)
+    dur, lat_f, lat_b, sizes = _durations(base)
+    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits)
+    if RankedPipeline.fits(lat_f, lat_b):
+        pipeline = RankedPipeline(dur, lat_f, lat_b, [budget.limit(S, s) for s in range(S)], sizes, split)
+
+    def score(order) -> float:  # the candidates share durations, latencies and sizes: set up once
+        ranking = ranking_of(hint(order).priority(S, 0, M, split), M, split) if pipeline else None
+        run = pipeline.run(ranking) if ranking is not None else None
+        return run.makespan if run is not None else simulate(replace(base, hint=hint(order))).makespan
+
+    made = plan(predicted, score)
     if dispatch is not Dispatch.FIXED:
         return hint(made.order), made
     run = simulate(replace(base, hint=hint(made.order), record=True))
