@@ -1,0 +1,165 @@
+"""Does planning beside the arbiter slow its decisions? Decision latency on 4 CPU ranks.
+
+A benchmark, not a test: run it and read the numbers (they move with the machine's load,
+which it prints).
+    .venv/bin/python benchmarks/decision_latency.py [--iters 6 --mb 32 --unit-ms 4]
+
+Each rank runs the tiny GPT's stage with ready dispatch under `lang`, M microbatches, in
+emulated time, in three modes:
+
+- `bfw`: no planning;
+- `plan`: hint = plan, each iteration planned one ahead in the executor's thread (its own
+  4xM plan), as `rrfp train` does;
+- `bfw + 8x32 planning`: no plan of its own, but a thread plans 8x32 iterations back to back
+  for the whole run: planning that never stops, beside the arbiter.
+
+Two latencies per decision, over every rank and every iteration after the first:
+- policy: the tracker's ``next()`` call, what the executor's ``decision_us`` averages;
+- reaction: from the end of a task on the stage's lane (in the lane thread) to the start of
+  the next one, when the next one was already decided without waiting for an arrival. It
+  holds everything between two tasks: the loop waking (the GIL), finish, next, start, and the
+  lane thread waking. It is what a stage loses per task to deciding.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import threading
+import time
+
+MODES = ("bfw", "plan", "bfw + 8x32 planning")
+
+
+def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit_ms: float, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+
+    from rrfp.app.config import TrainConfig
+    from rrfp.core.tracker import StageTracker
+    from rrfp.core.variability import Variability
+    from rrfp.loop import ComputeLane, run
+    from rrfp.observe.instrument import Instrument
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.sim import SimConfig
+    from rrfp.sim.planning import planned_config
+
+    torch.set_num_threads(1)
+    policy: list[float] = []
+    lane: list[tuple[float, float]] = []  # (start, end) of every task in the lane thread, time.time()
+    waits: list[tuple[float, float]] = []
+
+    next_call = StageTracker.next
+
+    def timed_next(self, among=None):  # this process only: time every policy call
+        t0 = time.perf_counter()
+        out = next_call(self, among)
+        policy.append(time.perf_counter() - t0)
+        return out
+
+    StageTracker.next = timed_next
+    hold = ComputeLane._hold_lane
+
+    def timed_hold(self, fn, args, units):
+        start = time.time()
+        try:
+            return hold(self, fn, args, units)
+        finally:
+            lane.append((start, time.time()))
+
+    ComputeLane._hold_lane = timed_hold
+
+    class Waits(Instrument):
+        def wait(self, stage, iteration, start, end, waiting_for):
+            waits.append((start, end))
+
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [f"microbatches={mb}"], world_size=world)
+    wl = cfg.workload
+    stop = threading.Event()
+    planned = [0]
+
+    def plan_beside():  # 8x32 plans back to back, as a thread beside the arbiter
+        k = 0
+        while not stop.is_set():
+            planned_config(SimConfig(8, 32, "plan", "ready", "2x", Variability.preset("lang"), seed=k))
+            k += 1
+        planned[0] = k
+
+    async def main():
+        async with PipelineRuntime.start(pp=world, backend="gloo", unit_ms=unit_ms) as rt:
+            torch.manual_seed(0)
+            module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, None)
+            ex = rt.stage_executor(module, wl.loss_fn, microbatches=mb, hint="plan" if mode == "plan" else "bfw",
+                                   budget="2x", variability=Variability.preset("lang"), seed=0, instrument=Waits())
+            beside = threading.Thread(target=plan_beside, daemon=True) if "8x32" in mode else None
+            if beside is not None:
+                beside.start()
+            data = [wl.batches(cfg.data, it, mb) for it in range(iters)]
+            feats = [[wl.features(b) for b in batches] for batches in data]
+            ex.prepare(0, feats[0])
+            marks = []
+            for it in range(iters):
+                if it + 1 < iters:
+                    ex.prepare(it + 1, feats[it + 1])
+                marks.append((time.time(), len(policy)))
+                await ex.run_iteration(it, data[it], feats[it])
+                module.zero_grad(set_to_none=True)
+            stop.set()
+            if beside is not None:
+                beside.join()
+            return marks
+
+    marks = run(main())
+    t1, p1 = marks[1]  # the first iteration warms up
+    ordered = sorted(x for x in lane if x[0] >= t1)
+    reaction = []
+    for (_, end), (start, _) in zip(ordered, ordered[1:]):
+        if not any(w0 < start and w1 > end for w0, w1 in waits):  # it did not wait for an arrival
+            reaction.append(start - end)
+    queue.put((rank, policy[p1:], reaction, planned[0]))
+
+
+def measure(mode: str, iters: int, mb: int, unit_ms: float, world: int = 4) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, mode, iters, mb, unit_ms, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    policy = sorted(x for _, pol, _, _ in got for x in pol)
+    reaction = sorted(x for _, _, rea, _ in got for x in rea)
+    return {"policy": policy, "reaction": reaction, "planned": sum(n for *_, n in got)}
+
+
+def pct(xs: list[float], q: float) -> float:
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    a = argparse.ArgumentParser()
+    a.add_argument("--iters", type=int, default=6)
+    a.add_argument("--mb", type=int, default=32)
+    a.add_argument("--unit-ms", type=float, default=4.0)
+    args = a.parse_args()
+    print(f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, {args.unit_ms:g} ms units, "
+          f"{args.iters} iterations (the first not counted); load average before: {os.getloadavg()[0]:.2f}")
+    print(f"{'mode':<22} {'decisions':>9} {'policy p50':>11} {'p99':>8} {'reaction p50':>13} {'p99':>8}  µs")
+    for mode in MODES:
+        r = measure(mode, args.iters, args.mb, args.unit_ms)
+        pol, rea = r["policy"], r["reaction"]
+        extra = f"  ({r['planned']} 8x32 plans made beside, over 4 ranks)" if r["planned"] else ""
+        print(f"{mode:<22} {len(pol):>9} {1e6 * statistics.median(pol):>11.1f} {1e6 * pct(pol, 0.99):>8.1f} "
+              f"{1e6 * statistics.median(rea):>13.1f} {1e6 * pct(rea, 0.99):>8.1f}{extra}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
