@@ -10,8 +10,10 @@ emulated time, in three modes:
 - `bfw`: no planning;
 - `plan`: hint = plan, each iteration planned one ahead in the executor's thread (its own
   4xM plan), as `rrfp train` does;
-- `bfw + 8x32 planning`: no plan of its own, but a thread plans 8x32 iterations back to back
-  for the whole run: planning that never stops, beside the arbiter.
+- `bfw + 8x32 plan/iter`: no plan of its own, but a thread makes one 8x32 plan at the start of
+  every iteration: the planner's load at 8x32 (a run of 8 stages), beside this arbiter;
+- `bfw + 8x32 nonstop`: the same thread plans 8x32 iterations back to back for the whole run:
+  planning that never stops, a stress far beyond what a run does.
 
 Two latencies per decision, over every rank and every iteration after the first:
 - policy: the tracker's ``next()`` call, what the executor's ``decision_us`` averages;
@@ -30,7 +32,7 @@ import statistics
 import threading
 import time
 
-MODES = ("bfw", "plan", "bfw + 8x32 planning")
+MODES = ("bfw", "plan", "bfw + 8x32 plan/iter", "bfw + 8x32 nonstop")
 
 
 def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit_ms: float, queue) -> None:
@@ -81,9 +83,13 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
     stop = threading.Event()
     planned = [0]
 
-    def plan_beside():  # 8x32 plans back to back, as a thread beside the arbiter
+    requested = threading.Semaphore(0)
+
+    def plan_beside():  # 8x32 plans, as a thread beside the arbiter: one per request, or back to back
         k = 0
         while not stop.is_set():
+            if "nonstop" not in mode and not requested.acquire(timeout=0.05):
+                continue
             planned_config(SimConfig(8, 32, "plan", "ready", "2x", Variability.preset("lang"), seed=k))
             k += 1
         planned[0] = k
@@ -105,6 +111,7 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
                 if it + 1 < iters:
                     ex.prepare(it + 1, feats[it + 1])
                 marks.append((time.time(), len(policy)))
+                requested.release()  # bfw + 8x32 plan/iter: this iteration's plan, beside it
                 await ex.run_iteration(it, data[it], feats[it])
                 module.zero_grad(set_to_none=True)
             stop.set()
