@@ -25,6 +25,7 @@ Two latencies per decision, over every rank and every iteration after the first:
 from __future__ import annotations
 
 import argparse
+import bisect
 import multiprocessing as mp
 import os
 import socket
@@ -40,43 +41,46 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.core.tracker import StageTracker
-    from rrfp.core.variability import Variability
-    from rrfp.loop import ComputeLane, run
-    from rrfp.observe.instrument import Instrument
-    from rrfp.pipeline.runtime import PipelineRuntime
-    from rrfp.sim import SimConfig
-    from rrfp.sim.planning import planned_config
+    from rrfp import PipelineRuntime, SimConfig, StageTracker, TrainConfig, Variability, planned_config, run
 
     torch.set_num_threads(1)
     policy: list[float] = []
+    idle: list[float] = []  # when a policy call found nothing to run: the arbiter then waits for an arrival
     lane: list[tuple[float, float]] = []  # (start, end) of every task in the lane thread, time.time()
-    waits: list[tuple[float, float]] = []
 
     next_call = StageTracker.next
 
-    def timed_next(self, among=None):  # this process only: time every policy call
+    def timed_next(self, among=None):  # this process only: time the arbiter's policy calls (the loop's thread)
+        if threading.current_thread() is not threading.main_thread():
+            return next_call(self, among)
         t0 = time.perf_counter()
         out = next_call(self, among)
         policy.append(time.perf_counter() - t0)
+        if out is None:
+            idle.append(time.time())
         return out
 
     StageTracker.next = timed_next
-    hold = ComputeLane._hold_lane
 
-    def timed_hold(self, fn, args, units):
-        start = time.time()
-        try:
-            return hold(self, fn, args, units)
-        finally:
-            lane.append((start, time.time()))
+    def time_the_lane(rt) -> None:
+        """Wrap the lane's ``run`` so that each task notes, in the lane thread, when it started and
+        when its hold of the lane ended. The wrapper sleeps off the emulated time itself, as the lane
+        would (then the lane finds none left), so the end it notes is the real one."""
+        lane_run = rt.lane.run
 
-    ComputeLane._hold_lane = timed_hold
+        async def timed_run(fn, *args, units=0.0):
+            def timed_fn(*a):
+                start, t0 = time.time(), time.perf_counter()
+                out = fn(*a)
+                remaining = t0 + units * rt.unit_s - time.perf_counter()
+                if remaining > 0:
+                    time.sleep(remaining)
+                lane.append((start, time.time()))
+                return out
 
-    class Waits(Instrument):
-        def wait(self, stage, iteration, start, end, waiting_for):
-            waits.append((start, end))
+            return await lane_run(timed_fn, *args, units=units)
+
+        rt.lane.run = timed_run
 
     cfg = TrainConfig.load("configs/gpt-tiny.toml", [f"microbatches={mb}"], world_size=world)
     wl = cfg.workload
@@ -98,8 +102,9 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
         async with PipelineRuntime.start(pp=world, backend="gloo", unit_ms=unit_ms) as rt:
             torch.manual_seed(0)
             module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, None)
+            time_the_lane(rt)
             ex = rt.stage_executor(module, wl.loss_fn, microbatches=mb, hint="plan" if mode == "plan" else "bfw",
-                                   budget="2x", variability=Variability.preset("lang"), seed=0, instrument=Waits())
+                                   budget="2x", variability=Variability.preset("lang"), seed=0)
             beside = threading.Thread(target=plan_beside, daemon=True) if "8x32" in mode else None
             if beside is not None:
                 beside.start()
@@ -122,9 +127,11 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
     marks = run(main())
     t1, p1 = marks[1]  # the first iteration warms up
     ordered = sorted(x for x in lane if x[0] >= t1)
+    idle.sort()
     reaction = []
     for (_, end), (start, _) in zip(ordered, ordered[1:]):
-        if not any(w0 < start and w1 > end for w0, w1 in waits):  # it did not wait for an arrival
+        waited = bisect.bisect_left(idle, end) < bisect.bisect_right(idle, start)
+        if not waited:  # decided without waiting for an arrival
             reaction.append(start - end)
     queue.put((rank, policy[p1:], reaction, planned[0]))
 

@@ -13,8 +13,7 @@ import os
 import statistics
 import time
 
-from rrfp import SimConfig, Variability
-from rrfp.sim.planning import planned_config
+from rrfp import SimConfig, Variability, planned_config
 
 
 def main() -> None:

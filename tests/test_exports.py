@@ -19,7 +19,7 @@ PUBLIC = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
     "PipelineRuntime", "RowParallelLinear", "SimConfig", "SimResult", "SplitLinear", "SplitSummary", "StageExecutor",
     "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
-    "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
+    "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main", "token_features",
 ]
 
 

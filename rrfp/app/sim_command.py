@@ -69,7 +69,7 @@ def _label(row: Row, budgets: list[Budget]) -> str:
 def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, oracle=None) -> None:
     print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
           f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
-          f"peak in-flight: the most microbatches a stage held (fixed 1F1B: {args.pp})", file=out)
+          f"peak in-flight: the most microbatches a stage held (fixed 1F1B's is the 1x memory)", file=out)
     print(f"{'executor':<8} {'hint':<12} {'budget':>6} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
           f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""),
           file=out)
