@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.pipeline.workload import Workload, token_features
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
+    from rrfp.sim.planning import planned_config
 
 # public name -> the module that defines it
 _HOMES = {
@@ -66,6 +67,7 @@ _HOMES = {
     "simulate": "rrfp.sim",
     "SimConfig": "rrfp.sim",
     "SimResult": "rrfp.sim",
+    "planned_config": "rrfp.sim.planning",  # hint = "plan" made for a simulated iteration (simulate alone runs BFW)
     "choose": "rrfp.core.policy",
     "StageTracker": "rrfp.core.tracker",
     # a drop-in for torch.distributed.pipelining's schedules
@@ -75,8 +77,9 @@ _HOMES = {
 __all__ = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
     "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
-    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
-    "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
+    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
+    "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
+    "token_features",
 ]
 
 

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = [
     "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
     "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
-    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability", "Workload", "choose",
-    "group_size_rank", "run", "shard_from_full", "simulate", "stage_main", "token_features",
+    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
+    "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
+    "token_features",
 ]
 
 

@@ -57,7 +57,7 @@ def test_vlm_context_is_checked_too():
 
 def test_fixed_class_hint_within_its_budget_is_accepted():
     for sets in (["dispatch=fixed"], ["dispatch=fixed", "budget=3x"], ["dispatch=fixed", "hint=1f1b", "budget=1"],
-                 ["dispatch=ready", "budget=1"], ["dispatch=fixed", "hint=plan", "budget=1x"]):
+                 ["dispatch=ready", "budget=1"], ["dispatch=fixed", "hint=plan", "budget=1x", "unit_ms=1"]):
         TrainConfig.load(CONFIG, sets, world_size=4)
 
 

@@ -121,8 +121,10 @@ def _twenty_steps(rank, world, configs):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for ex, hint in configs:
+        # a plan needs task costs: emulated time (0.1 ms units) here, as rrfp train refuses one in real time
         cfg = TrainConfig(RunConfig(pp=world, microbatches=M, steps=steps, dispatch=ex, hint=hint, lr=lr,
-                                    seed=0, timeout_s=60), model_cfg, data_cfg)
+                                    seed=0, timeout_s=60, unit_ms=0.1 if hint == "plan" else 0.0),
+                          model_cfg, data_cfg)
         out[(ex, hint)] = run(stage_main(cfg)).losses
         assert dist.is_initialized(), "stage_main destroyed a process group it did not create"
     dist.destroy_process_group()

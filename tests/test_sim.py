@@ -172,7 +172,7 @@ def test_plot_draws_any_rrfp_trace(tmp_path):
     from rrfp.observe.plot import spans_from_chrome
 
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
-    assert run_cli("sim", "--pp", "3", "--mb", "4", "--seeds", "1", "--hints", "bfw", "--trace",
+    assert run_cli("sim", "--pp", "3", "--mb", "4", "--seeds", "1", "--hints", "bfw", "--budget", "2x", "--trace",
                    str(trace)).returncode == 0
     runs = spans_from_chrome(json.loads(trace.read_text()))
     by_name = dict(runs)
@@ -214,3 +214,24 @@ def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, 
             cfg, _ = planned_config(cfg)
         runs[dispatch] = simulate(cfg).makespan
     assert runs["ready"] <= runs["fixed"] * 1.01, runs
+
+
+def test_default_table_shows_every_speedup_beside_its_memory():
+    """Without --budget, ready rows and plans run at 2x and at 1x (1F1B's memory), and every row
+    says how many microbatches it held: ready plan at 1x holds no more than fixed 1F1B."""
+    p = run_cli("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "1f1b,plan", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    rows = {(r["executor"], r["hint"], r["budget"]): r for r in doc["rows"]}
+    assert doc["budgets"] == ["2x", "1x"]
+    assert set(rows) == {("fixed", "1f1b", None), ("ready", "1f1b", "2x"), ("ready", "1f1b", "1x"),
+                         ("fixed", "plan", "2x"), ("fixed", "plan", "1x"), ("ready", "plan", "2x"),
+                         ("ready", "plan", "1x")}
+    one_f_one_b = rows[("fixed", "1f1b", None)]["peak_inflight"]
+    assert one_f_one_b == 4
+    assert rows[("ready", "plan", "1x")]["peak_inflight"] <= one_f_one_b < rows[("ready", "plan", "2x")]["peak_inflight"]
+    header = next(line for line in p.stderr.splitlines() if "speedup" in line)
+    assert header.index("speedup") < header.index("peak in-flight") < header.index("efficiency")
+    assert sum(" plan " in line and " 1x " in line for line in p.stderr.splitlines()) == 2  # ready and fixed
+    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--oracle", "--budget", "2x,1x")
+    assert p.returncode == 2 and "--oracle solves one budget" in p.stderr, p.stderr

@@ -188,6 +188,15 @@ def test_emulated_time_bounds_the_iteration(schedule):
     # the slow rank (1) spends twice the emulated time of rank 0 in its tasks
     busy = {r: sum(sp.end - sp.start for sp in o["spans"]) for r, o in out.items()}
     assert busy[1] >= 2 * M * 3 * unit_s and busy[1] > 1.5 * busy[0], busy
+    # the memory the bench reports beside torch's speedups, read off the spans: 1F1B holds S - r
+    from rrfp.app.bench.runners import held_peak
+
+    for r, o in out.items():
+        peak = held_peak(o["spans"], 1.0 / per_rank)
+        if schedule == "1f1b":
+            assert peak == min(M, WORLD - r), (r, peak)
+        else:
+            assert 0 < peak <= M and peak * 2 == int(peak * 2), (r, peak)  # ZB-V: two half stages
 
 
 def test_envelope_round_trip_carries_gradients():

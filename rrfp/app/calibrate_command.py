@@ -1,19 +1,24 @@
 """`rrfp calibrate`: measure every stage's real F, B and W on sample microbatches
 in one process, fit the cost model, print the fit, and save it for `run.cost`.
 
-The fit is judged on microbatches it was not fitted on (every other sample),
-so the printed errors are what a run will see.
+It measures where the run will compute: on the GPU when the config's run is on
+CUDA (``backend = nccl``), with each stage built by the same workload call the
+run makes (so in the run's dtype), every task timed to the end of its device
+work. The fit is judged on microbatches it was not fitted on (every other
+sample), so the printed errors are what a run will see.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.worker import StageWorker
@@ -21,29 +26,56 @@ from rrfp.pipeline.worker import StageWorker
 KINDS = "FBW"
 
 
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
+def calibration_device(run: RunConfig) -> torch.device:
+    """Where the run computes, so where to measure: the GPU when it runs on CUDA, else this CPU."""
+    return torch.device(run.device_type)
+
+
+def _timer(device: torch.device) -> Callable:
+    """``timed(fn, *args) -> (out, seconds)``; on a GPU the seconds run to the end of the task's device work
+    (kernels are queued asynchronously, so the host's clock alone would time their launch)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn, *args):
+        sync()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        sync()
+        return out, time.perf_counter() - t0
+
+    return timed
+
+
+def _on(device: torch.device, x):
+    """A microbatch's inputs on ``device``, as the run moves them (a tensor, or a tuple/list of them)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_on(device, t) for t in x)
+    return x
 
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
-    """(stage, kind, features, seconds) for every task of ``samples`` microbatches, split backward."""
+    """(stage, kind, features, seconds) for every task of ``samples`` microbatches, split backward,
+    on the run's device (``calibration_device``)."""
     wl, S = cfg.workload, cfg.layout.pp
+    device = calibration_device(cfg.run)
+    timed = _timer(device)
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
-    stages = [wl.build_stage(cfg.model, s, S, None) for s in range(S)]
+    stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
     workers = [StageWorker(m, s, S, 1, wl.loss_fn, split=True) for s, m in enumerate(stages)]
     def one_pass(batch) -> dict:
         times = {}
+        batch = (_on(device, batch[0]), _on(device, batch[1]))
         x = batch[0]
         for s, w in enumerate(workers):
-            x, times[s, 0] = _timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
+            x, times[s, 0] = timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
         grad = None
         for s in reversed(range(S)):
-            grad, times[s, 1] = _timed(workers[s].backward, 0, grad)
+            grad, times[s, 1] = timed(workers[s].backward, 0, grad)
         for s in range(S):
-            _, times[s, 2] = _timed(workers[s].weight, 0)
+            _, times[s, 2] = timed(workers[s].weight, 0)
             workers[s].reset()
             stages[s].zero_grad(set_to_none=True)
         return times
@@ -84,8 +116,12 @@ def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: in
 
 
 def calibrate_command(args) -> int:
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one process measures every stage, on one GPU at most
     cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
     S = cfg.layout.pp
+    device = calibration_device(cfg.run)
+    where = (f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
+             if device.type == "cuda" else f"on this CPU ({torch.get_num_threads()} thread(s))")
     samples = measure(cfg, 2 * args.samples)
     per_micro = 3 * S
     fit_rows, check_rows = [], []
@@ -93,7 +129,7 @@ def calibrate_command(args) -> int:
         (fit_rows if (i // per_micro) % 2 == 0 else check_rows).extend(samples[i:i + per_micro])
     model = CostModel.fit(fit_rows)
     print(f"rrfp calibrate: {cfg.run.model}, {S} stages, {args.samples} microbatches to fit and "
-          f"{args.samples} held out; real compute on this CPU ({torch.get_num_threads()} thread(s))")
+          f"{args.samples} held out; real compute {where}")
     summary = report(model, check_rows, S)
     f_meas = [t for _, k, _, t in check_rows if k == 0]
     f_pred = [model.seconds(s, 0, f) for s, k, f, _ in check_rows if k == 0]

@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)")
     sim.add_argument("--preset", default="lang", choices=PRESETS, help="variability preset (default lang)")
     sim.add_argument("--seeds", type=_positive("--seeds"), default=20, help="seeds to run (default 20)")
-    sim.add_argument("--budget", default=DEFAULT_BUDGET,
-                     help="ready executor's in-flight budget: N, Nx (N times 1F1B's) or bytes like 512MiB (default 2x)")
+    sim.add_argument("--budget", default=None,
+                     help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
+                          "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)")
     sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"])
     sim.add_argument("--hints", type=_csv_list, default=[*BUILTIN, "plan"],
                      help="comma list: builtin names, plan (planned per seed from known costs), .csv files "

@@ -101,6 +101,10 @@ class RunConfig:
                 raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
         if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
             raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
+        if self.hint.planned and self.unit_ms == 0 and self.cost is None:  # the preset's lengths are made up
+            raise ConfigError("run.hint = plan in real time (run.unit_ms = 0) has no task costs to plan on: run "
+                              "`rrfp calibrate` and give run.cost = FILE, or set run.unit_ms > 0 to emulate "
+                              "the preset's times")
         if self.backend not in ("gloo", "nccl"):
             raise ConfigError(f"run.backend must be gloo or nccl, got {self.backend!r}")
         if self.device not in ("auto", "cpu", "cuda"):

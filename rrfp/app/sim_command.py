@@ -13,18 +13,34 @@ from dataclasses import replace
 
 from rrfp.app.errors import UsageError
 from rrfp.app.progress import progress
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import HintError, resolve
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.sim import SimConfig, simulate
+from rrfp.sim.planning import planned_config
 from rrfp.sim.sweep import BASELINE, Row, sweep
 
 
-def _resolve(args) -> tuple[Budget, list[Dispatch], list, Variability]:
+DEFAULT_BUDGETS = "2x,1x"  # the headline's memory, and 1F1B's: every speedup is shown at equal memory too
+
+
+def _budgets(args) -> list[Budget]:
+    """``--budget`` as a list, without repeats. Without it: 2x and 1x (2x alone with --oracle,
+    which solves one budget)."""
+    text = args.budget or (DEFAULT_BUDGET if args.oracle else DEFAULT_BUDGETS)
+    budgets = list(dict.fromkeys(Budget.parse(b) for b in text.split(",") if b.strip()))
+    if not budgets:
+        raise ValueError(f"--budget: no budget given in {text!r}")
+    if args.oracle and len(budgets) > 1:
+        raise ValueError(f"--oracle solves one budget at a time; give --budget once, not {text}")
+    return budgets
+
+
+def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability]:
     try:
-        budget = Budget.parse(args.budget)
+        budgets = _budgets(args)
         dispatches = [Dispatch.parse(e) for e in args.executors]
         hints = [resolve(h) for h in args.hints]
     except ValueError as e:  # HintError included
@@ -38,25 +54,32 @@ def _resolve(args) -> tuple[Budget, list[Dispatch], list, Variability]:
         var = Variability.preset(args.preset, **over)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return budget, dispatches, hints, var
+    return budgets, dispatches, hints, var
 
 
 def _progress(jobs, desc: str = "simulating", unit: str = "run"):
     return progress(jobs, desc=desc, unit=unit, leave=False)
 
 
-def _table(args, budget: Budget, var: Variability, rows: list[Row], out, oracle=None) -> None:
-    print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={budget} (ready only) "
-          f"seeds={args.seeds}; time in average-forward units, comm {var.comm}/message", file=out)
-    print(f"{'executor':<8} {'hint':<12} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} {'efficiency':>10} "
-          f"{'peak in-flight':>14} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""), file=out)
+def _label(row: Row, budgets: list[Budget]) -> str:
+    """A row's name where several budgets share a table, a trace or a plot."""
+    return f"{row.executor} {row.hint}" + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
+
+
+def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, oracle=None) -> None:
+    print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
+          f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
+          f"peak in-flight: the most microbatches a stage held (fixed 1F1B's is the 1x memory)", file=out)
+    print(f"{'executor':<8} {'hint':<12} {'budget':>6} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
+          f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""),
+          file=out)
     for r in rows:
         lo, hi = r.spread
         planned = f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
-        print(f"{r.executor:<8} {r.hint:<12} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{r.median_efficiency:>10.3f} {r.peak_inflight:>14d} {r.bubble:>7.1%}"
+        print(f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
+              f"{r.peak_inflight:>14d} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
               + (f" {oracle.cell(r):>11}" if oracle else "") + planned, file=out)
-    for line in oracle.summary(budget) if oracle else ():
+    for line in oracle.summary(budgets[0]) if oracle else ():
         print(line, file=out)
 
 
@@ -98,15 +121,15 @@ def replay_command(args) -> int:
 def sim_command(args) -> int:
     if args.replay:
         return replay_command(args)
-    budget, dispatches, hints, var = _resolve(args)
+    budgets, dispatches, hints, var = _resolve(args)
     if args.oracle:
         from rrfp.app import sim_oracle
 
         sim_oracle.check(args)
-    base = SimConfig(args.pp, args.mb, budget=budget, variability=var)
+    base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)
     try:
         runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
-        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs)
+        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs, budgets)
     except HintError as e:
         raise UsageError(str(e)) from None
     rows.sort(key=lambda r: -r.median)
@@ -116,31 +139,36 @@ def sim_command(args) -> int:
               file=sys.stderr)
         oracle = sim_oracle.oracle_column(args, base, runs, rows, _progress)
     json_to_stdout = args.json == "-"
-    _table(args, budget, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle)
+    _table(args, budgets, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle)
     if args.json:
-        doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": str(budget), "seeds": args.seeds,
+        doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": ",".join(map(str, budgets)),
+               "budgets": [str(b) for b in budgets], "seeds": args.seeds,
                "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}
         if oracle:
             doc["oracle"] = oracle.as_dict()
             for r, d in zip(rows, doc["rows"]):
-                d["vs_optimum"] = oracle.rows[(r.executor, r.hint)].as_dict()
+                d["vs_optimum"] = oracle.rows[r.key].as_dict()
         if json_to_stdout:
             json.dump(doc, sys.stdout, indent=1)
             print()
         else:
             write_json(args.json, doc)
     if args.trace or args.plot:
-        _timelines(args, base, {h.name: h for h in [BASELINE[1], *hints]}, rows)
+        _timelines(args, base, {h.name: h for h in [BASELINE[1], *hints]}, rows, budgets)
     return 0
 
 
-def _timelines(args, base: SimConfig, hints: dict, rows: list[Row]) -> None:
+def _timelines(args, base: SimConfig, hints: dict, rows: list[Row], budgets: list[Budget]) -> None:
     """Seed 0 of every row (fixed 1F1B first) as a Chrome trace, and the first two as a PNG."""
     baseline = (str(BASELINE[0]), BASELINE[1].name)
     runs = []
     for r in sorted(rows, key=lambda r: (r.executor, r.hint) != baseline):
-        res = simulate(replace(base, dispatch=r.executor, hint=hints[r.hint], seed=0, record=True))
-        runs.append((f"{r.executor} {r.hint}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}", res))
+        cfg = replace(base, dispatch=r.executor, hint=hints[r.hint], budget=r.budget or base.budget, seed=0,
+                      record=True)
+        if cfg.hint.planned:  # the plan it ran, not the unplanned BFW it starts from
+            cfg = planned_config(cfg)[0]
+        res = simulate(cfg)
+        runs.append((f"{_label(r, budgets)}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}", res))
     if args.trace:
         spans = [sp for title, res in runs for sp in res.spans(title.split(":")[0])]
         write_json(args.trace, chrome_trace(spans))

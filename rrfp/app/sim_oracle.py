@@ -58,11 +58,11 @@ class Distance:
 @dataclass
 class OracleColumn:
     results: list  # OracleResult per seed
-    rows: dict[tuple[str, str], Distance]
+    rows: dict[tuple[str, str, str | None], Distance]  # by Row.key
     time_limit: float
 
     def cell(self, row: Row) -> str:
-        return self.rows[(row.executor, row.hint)].cell()
+        return self.rows[row.key].cell()
 
     def summary(self, budget) -> list[str]:
         solved = [r for r in self.results if r.optimal]
@@ -95,13 +95,13 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
     from rrfp.sim.oracle import holds_budget, solve
 
     results = []
-    holds: dict[tuple[str, str], set] = {(r.executor, r.hint): set() for r in rows}
+    holds: dict[tuple[str, str, str | None], set] = {r.key: set() for r in rows}
     for seed in progress(range(args.seeds), desc="solving the optimum", unit="seed"):
         incumbents = []
         for r in rows:
-            cfg, res = runs[(r.executor, r.hint)][seed]
+            cfg, res = runs[r.key][seed]
             ok = True if cfg.dispatch is Dispatch.READY else holds_budget(cfg, res)
-            holds[(r.executor, r.hint)].add(ok)
+            holds[r.key].add(ok)
             if ok:
                 incumbents.append(res)
         results.append(solve(replace(base, seed=seed, split=True), time_limit=args.oracle_time_limit,
@@ -109,8 +109,8 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
     refs = [(o.makespan, False) if o.optimal else (o.bound, True) for o in results]
     dist = {}
     for r in rows:
-        seen = holds[(r.executor, r.hint)]
-        dist[(r.executor, r.hint)] = Distance([m / ref for m, (ref, _) in zip(r.makespans, refs)],
+        seen = holds[r.key]
+        dist[r.key] = Distance([m / ref for m, (ref, _) in zip(r.makespans, refs)],
                                               any(up for _, up in refs),
                                               False if False in seen else None if None in seen else True)
     return OracleColumn(results, dist, args.oracle_time_limit)

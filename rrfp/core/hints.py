@@ -136,6 +136,7 @@ class Hint:
     fn: HintFn
     is_class: bool = False
     planned: bool = False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
+    uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
     fixed_orders: tuple[tuple[Task, ...], ...] | None = None  # a plan's per-stage orders, for fixed dispatch
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
@@ -211,9 +212,10 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
         return Hint(getattr(spec, "__name__", "user"), spec)
     name = str(spec).strip()
     if name.lower() == "plan":  # BFW until a planner gives it this iteration's entry order
-        return Hint("plan", bfw, is_class=True, planned=True)
+        return Hint("plan", bfw, is_class=True, planned=True, uniform=True)
     if name.lower() in BUILTIN:
-        return Hint(name.lower(), BUILTIN[name.lower()], is_class=name.lower() in CLASS_HINTS)
+        is_class = name.lower() in CLASS_HINTS
+        return Hint(name.lower(), BUILTIN[name.lower()], is_class=is_class, uniform=is_class)
     if name.lower().endswith(".csv"):
         return csv_hint(name)
     if ":" in name:

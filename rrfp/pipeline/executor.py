@@ -105,6 +105,9 @@ class StageExecutor:
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
             self.planner = IterationPlanner(self.times, S, M, settings.budget, settings.dispatch)
+            if settings.cost is None and unit_s == 0:  # rrfp train refuses this (run.cost); a library caller is told
+                log.warning("stage %d: hint plan in real time without a cost model plans on the preset's made-up "
+                            "lengths, not the compute; pass cost= (rrfp calibrate)", s)
         self.spec = settings.hint.spec(S, s, M, settings.split, settings.dispatch, settings.budget)
         self._bytes_per_token = 0.0
         self.totals = StageStats()

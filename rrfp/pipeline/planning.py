@@ -20,7 +20,7 @@ from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import Hint
 from rrfp.core.planner import Plan
 from rrfp.core.policy import Dispatch
-from rrfp.sim.planning import make_plan
+from rrfp.sim.planning import plan_iteration
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,7 @@ class IterationPlanner:
         self._pending: dict[int, concurrent.futures.Future] = {}
 
     def _make(self, iteration: int, features) -> tuple[Hint, Plan]:
-        predicted = self.times.predicted(iteration, self.S, self.M, features)
-        return make_plan(predicted, self.budget, self.times.variability, self.times.split, self.dispatch)
+        return plan_iteration(self.times, iteration, self.S, self.M, self.budget, self.dispatch, features)
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """Start planning ``iteration`` now; it must later run with the same features."""

@@ -25,6 +25,7 @@ from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import Span
+from rrfp.sim.ranked import RankedPipeline, ranking_of
 
 
 class SimDeadlock(RuntimeError):
@@ -126,9 +127,32 @@ def _durations(cfg: SimConfig):
     return dur, lat_f, lat_b, sizes
 
 
-def simulate(cfg: SimConfig) -> SimResult:
+def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
+    """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
+    that ranks every stage alike by one order, one latency per link."""
+    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
+    if cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform or not RankedPipeline.fits(lat_f, lat_b):
+        return None
+    ranking = ranking_of(cfg.hint.priority(S, 0, M, split), M, split)
+    if ranking is None:
+        return None
+    limits = [cfg.budget.limit(S, s) for s in range(S)]
+    run = RankedPipeline(dur, lat_f, lat_b, limits, sizes, split).run(ranking, cfg.record)
+    if run is None:
+        return None
+    stats = [StageStats(busy=run.busy[s], wall=run.makespan, decisions=run.decisions[s],
+                        peak_inflight=run.peaks[s], iterations=1) for s in range(S)]
+    return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline)
+
+
+def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
+    """One iteration. Ready dispatch of bf, bfw and plan takes the fast path, which makes the
+    trackers' every decision without stepping them; ``reference=True`` always steps them."""
     S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
     dur, lat_f, lat_b, sizes = _durations(cfg)
+    fast = None if reference else _ranked(cfg, dur, lat_f, lat_b, sizes)
+    if fast is not None:
+        return fast
     D, latency = dur.tolist(), {Kind.F: lat_f.tolist(), Kind.B: lat_b.tolist()}
     trackers = [StageTracker(cfg.hint.spec(S, s, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__)
                 for s in range(S)]

@@ -1,39 +1,56 @@
 """The planned hint: score entry orders by simulating the predicted durations,
 and turn the best into a hint.
 
-The simulator and the runtime both plan through ``make_plan``. What the
-planner knows is the predictable part of each task's time
-(``rrfp.core.durations``); the run it is judged by has jitter, stragglers and
-link jitter on top. Fixed dispatch with a plan replays what ready dispatch
-would do on the predicted durations (plan, then replay a fixed order, as
-planners that do not adapt at run time do): the ablation beside ready plan.
+The simulator, the runtime, the bench and ``rrfp sim --replay`` all plan
+through ``plan_iteration``. What the planner knows is the predictable part of
+each task's time (``TaskTimes.predicted``: the cost model's prediction, or the
+preset's size factors, and a slow stage); the run it is judged by has jitter,
+stragglers and link jitter on top, and the planner never sees them, whatever
+durations a caller's config carries. Fixed dispatch with a plan replays what
+ready dispatch would do on the predicted durations (plan, then replay a fixed
+order, as planners that do not adapt at run time do): the ablation beside
+ready plan.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
 from rrfp.core.budget import Budget
-from rrfp.core.durations import known
+from rrfp.core.durations import TaskTimes, known
 from rrfp.core.hints import Hint
 from rrfp.core.planner import Plan, entry_order_hint, plan
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, _durations, simulate
+from rrfp.sim.ranked import RankedPipeline, ranking_of
 
 
 def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, split: bool,
-              dispatch: Dispatch = Dispatch.READY) -> tuple[Hint, Plan]:
-    """The hint for one iteration from ``predicted[s, m, kind]``; ``variability``
-    gives the link latency the planner assumes (its jitter is hidden)."""
+              dispatch: Dispatch = Dispatch.READY, *, seed: int = 0, iteration: int = 0) -> tuple[Hint, Plan]:
+    """The hint for one iteration from ``predicted[s, m, kind]``; ``variability`` gives the link
+    latency the planner assumes (its jitter is hidden) and, with ``seed`` and ``iteration``, the
+    microbatch sizes a byte budget weighs."""
     S, M, _ = predicted.shape
-    base = SimConfig(S, M, "bfw", Dispatch.READY, budget, known(variability), split=split, durations=predicted)
+    base = SimConfig(S, M, "bfw", Dispatch.READY, budget, known(variability), seed=seed, iteration=iteration,
+                     split=split, durations=predicted)
 
     def hint(order) -> Hint:
-        return Hint("plan", entry_order_hint(order), is_class=True)
+        return Hint("plan", entry_order_hint(order), is_class=True, uniform=True)
 
-    made = plan(predicted, lambda order: simulate(replace(base, hint=hint(order))).makespan)
+    dur, lat_f, lat_b, sizes = _durations(base)
+    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits)
+    if RankedPipeline.fits(lat_f, lat_b):
+        pipeline = RankedPipeline(dur, lat_f, lat_b, [budget.limit(S, s) for s in range(S)], sizes, split)
+
+    def score(order) -> float:  # the candidates share durations, latencies and sizes: set up once
+        ranking = ranking_of(hint(order).priority(S, 0, M, split), M, split) if pipeline else None
+        run = pipeline.run(ranking) if ranking is not None else None
+        return run.makespan if run is not None else simulate(replace(base, hint=hint(order))).makespan
+
+    made = plan(predicted, score)
     if dispatch is not Dispatch.FIXED:
         return hint(made.order), made
     run = simulate(replace(base, hint=hint(made.order), record=True))
@@ -41,9 +58,24 @@ def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, s
     return replace(hint(made.order), fixed_orders=orders), made
 
 
+def plan_iteration(times: TaskTimes, iteration: int, stages: int, microbatches: int, budget: Budget,
+                   dispatch: Dispatch, features: Sequence[dict] | None = None) -> tuple[Hint, Plan]:
+    """One iteration's plan from what is known before it runs: ``times.predicted`` (the cost model
+    on ``features``, or the preset's size factors), never the realized durations."""
+    predicted = times.predicted(iteration, stages, microbatches, features)
+    return make_plan(predicted, budget, times.variability, times.split, dispatch, seed=times.seed,
+                     iteration=iteration)
+
+
 def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
     """``cfg`` with its hint replaced by this seed's plan, made from the preset's
-    predictable part (per-microbatch factors, a slow stage)."""
-    predicted = _durations(replace(cfg, variability=known(cfg.variability), record=False))[0]
-    made_hint, made = make_plan(predicted, cfg.budget, cfg.variability, cfg.split_backward, cfg.dispatch)
+    predictable part (per-microbatch factors, a slow stage). A config that carries
+    durations (a replay's realized ones) is refused: plan it with ``plan_iteration``
+    from the run's TaskTimes and features instead."""
+    if cfg.durations is not None:
+        raise ValueError("planned_config plans from the preset, but this config carries its own durations "
+                         "(realized ones, which the planner must not see): use plan_iteration with the "
+                         "run's TaskTimes and features")
+    times = TaskTimes(cfg.variability, cfg.seed, cfg.split_backward)
+    made_hint, made = plan_iteration(times, cfg.iteration, cfg.stages, cfg.microbatches, cfg.budget, cfg.dispatch)
     return replace(cfg, hint=made_hint), made

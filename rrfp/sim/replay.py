@@ -3,16 +3,22 @@
 A run with ``run.cost`` and ``run.sizes`` keeps every step's microbatch
 features; the same cost model and the same noise (seed, step, stage,
 microbatch, kind) give the durations the run's lane emulated, so the
-simulated and the measured iteration describe the same work.
+simulated and the measured iteration describe the same work. A planned run
+is replayed with each step's plan, made as the run made it: from the
+predicted durations of the step's features, not the realized ones.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
+from rrfp.core.hints import resolve
+from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, simulate
+from rrfp.sim.planning import plan_iteration
 
 
 def replay_durations(cost: CostModel, var: Variability, features: list[dict], seed: int, step: int,
@@ -24,10 +30,15 @@ def replay_durations(cost: CostModel, var: Variability, features: list[dict], se
 def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
     """(step, simulated ms, measured ms) for every step of a sizes file."""
     var = Variability.preset(doc["preset"])
+    hint, dispatch, budget = resolve(doc["hint"]), Dispatch.parse(doc["dispatch"]), Budget.parse(doc["budget"])
     out = []
     for step, (feats, wall) in enumerate(zip(doc["features"], doc["step_wall_s"])):
         dur = replay_durations(cost, var, feats, doc["seed"], step, doc["split"])
-        cfg = SimConfig(doc["pp"], len(feats), doc["hint"], doc["dispatch"], doc["budget"], var, seed=doc["seed"],
+        followed = hint
+        if hint.planned:  # this step's plan, from what the run knew before the step
+            times = TaskTimes(var, doc["seed"], doc["split"], cost)
+            followed, _ = plan_iteration(times, step, doc["pp"], len(feats), budget, dispatch, feats)
+        cfg = SimConfig(doc["pp"], len(feats), followed, dispatch, budget, var, seed=doc["seed"],
                         iteration=step, split=doc["split"], durations=dur.tolist())
         out.append((step, simulate(cfg).makespan * doc["unit_ms"], wall * 1e3))
     return out

@@ -21,7 +21,7 @@ from rrfp.core.hints import resolve
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import make_plan
+from rrfp.sim.planning import plan_iteration
 
 log = logging.getLogger("rrfp.app.bench.analysis")
 
@@ -59,8 +59,8 @@ def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: E
         return None
     hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
     if hint.planned:
-        predicted = TaskTimes(var, spec.seed, work.split, cost).predicted(iteration, spec.pp, spec.mb, features)
-        hint, made = make_plan(predicted, budget, var, work.split, dispatch)
+        hint, made = plan_iteration(TaskTimes(var, spec.seed, work.split, cost), iteration, spec.pp, spec.mb, budget,
+                                    dispatch, features)
         if plan_order is not None and list(made.order) != list(plan_order):
             log.warning("%s iteration %d: the ranks planned %s, the parent %s: not simulated", ex.name,
                         iteration, plan_order, list(made.order))
@@ -112,7 +112,7 @@ class Summary:
     speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
     efficiency: Spread
     vs_simulated: Spread | None  # measured / simulated - 1
-    peak_inflight: int | None
+    peak_inflight: float | None  # microbatches one stage held at once (the max over ranks and iterations)
     decision_us: float | None
     plan_s: float | None
     plan_waited_s: float | None

@@ -59,15 +59,15 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                   f"preset's noise" if res.cost_model else f"task times from the {c.preset} preset")
         sets = f" with {', '.join(c.overrides)}" if c.overrides else ""
         lines += [f"## {c.name}", "", f"{Path(c.config).name}{sets}: {source}.", "",
-                  "| executor | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max | efficiency "
-                  "| vs simulator | peak in-flight | decision µs | plan ms |",
+                  "| executor | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max | peak in-flight "
+                  "| efficiency | vs simulator | decision µs | plan ms |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for s in res.summaries:
             sim = None if s.vs_simulated is None else s.vs_simulated.median
             lines.append(
                 f"| {s.executor} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} "
                 f"| {_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
-                f"| {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} | {_fmt(s.peak_inflight, 'd')} "
+                f"| {_fmt(s.peak_inflight, 'g')} | {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} "
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |")
         lines.append("")
         pairs = [(h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS]
@@ -97,7 +97,9 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             lines.append(f"No speedups: {BASELINE} did not run.")
         for name, why in res.skipped.items():
             lines.append(f"Not run: {name}: {why}.")
-        lines += ["Efficiency: the lower bound of the iteration's realized durations (busiest stage, or longest "
+        lines += ["Peak in-flight: the most microbatches one stage (rank) held activations for, the memory a "
+                  "speedup was bought with (fixed 1F1B holds PP; torch's ZB-V counts its two half stages as halves). "
+                  "Efficiency: the lower bound of the iteration's realized durations (busiest stage, or longest "
                   "microbatch chain) over the measured time. vs simulator: measured over the simulator's time "
                   "for the same durations, minus one (rrfp executors only); well above zero, real compute "
                   "(sharing this machine's CPUs) outlasted the emulated durations, and a larger --unit-ms "

@@ -27,7 +27,7 @@ class Measured:
     """One iteration on this rank; what a runner cannot know stays None."""
 
     wall_s: float
-    peak_inflight: int | None = None
+    peak_inflight: float | None = None  # microbatches of this rank's stage held at once (torch's ZB-V: halves)
     decision_us: float | None = None  # mean time per dispatch decision
     plan_s: float | None = None  # hint = plan: time spent planning this iteration (in a thread, ahead)
     plan_waited_s: float | None = None  # ... and how long the iteration waited for its plan
@@ -124,7 +124,7 @@ class TorchRunner:
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
         self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
                              {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]
-        return Measured(res.wall_s)
+        return Measured(res.wall_s, held_peak(res.spans, self._runner.clock.share))
 
     def close(self) -> None:
         pass  # its sender threads end with each iteration
@@ -179,3 +179,23 @@ class DropInRunner:
 
     def close(self) -> None:
         self._schedule.close()
+
+
+def held_peak(spans: Sequence[Span], share: float) -> float:
+    """The most microbatches a rank held at once, from its task spans: each (torch stage, microbatch)
+    from its F's start to its last backward's end, weighing ``share`` of the rank's layers (torch's
+    ZB-V puts two half stages on a rank), so the count is in rrfp's unit, one stage's microbatch."""
+    start: dict[tuple[int, str], float] = {}
+    end: dict[tuple[int, str], float] = {}
+    for sp in spans:
+        key = (sp.stage, sp.name[1:])
+        if sp.name[0] == "F":
+            start[key] = sp.start
+        else:
+            end[key] = max(end.get(key, sp.end), sp.end)
+    events = sorted([(t, share) for t in start.values()] + [(t, -share) for t in end.values()])
+    held = peak = 0.0
+    for _, delta in events:  # at equal times a release comes first (negative sorts first)
+        held += delta
+        peak = max(peak, held)
+    return round(peak, 6)

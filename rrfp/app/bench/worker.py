@@ -82,7 +82,8 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
                                                                           for v in vec.tolist()]
             if it > 0:
                 rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
-                             "peak_inflight": None if peak is None else int(peak), "decision_us": decision_us,
+                             "peak_inflight": None if peak is None else int(peak) if peak.is_integer() else peak,
+                             "decision_us": decision_us,
                              "plan_s": plan_s, "plan_waited_s": plan_waited_s, "overhead_s": overhead_s,
                              "plan_order": None if m.plan_order is None else list(m.plan_order)})
             progress(f"{case.name} iteration {it} {name}")

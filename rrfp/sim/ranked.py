@@ -1,0 +1,184 @@
+"""The simulator's fast path: ready dispatch of a hint that ranks each kind of task by
+one microbatch order, the same on every stage (bf, bfw, plan), when every message on
+a link takes the same time (no link jitter).
+
+Why it is exact. Stage 0 has all its inputs at once, so its best ready forward is
+always the first in rank order not yet run. Stage s receives its inputs in the order
+s-1 ran them, and with one latency per link they arrive in that order: rank order
+again. The last stage's B(m) is ready once F(m) ends, so in rank order; its gradients
+reach s-1 in that order, and B(m) there needs the gradient and F(m), both of which
+come in rank order. W(m) needs B(m). So on every stage the ready tasks of each kind
+are the next ones of that kind in rank order, and choosing among them is choosing
+among three heads: the best priority (``rrfp.core.policy.choose``), a forward only
+if the budget admits it. Arrivals are counters and the heads are indices, where the
+tracker keeps sets and heaps.
+
+``StageTracker`` (rrfp/core/tracker.py) stays the one definition of the rules; this
+restates them for heads, and ``tests/test_sim_ranked.py`` holds the two to the same
+timeline, busy time, peaks and decision counts. ``simulate(cfg, reference=True)``
+always steps the trackers. Events and instants are the tracker path's: everything
+that happens at one instant is applied before any idle stage decides, and the
+touched stages decide in stage order.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from rrfp.core.budget import Limit
+from rrfp.core.tasks import Kind, Task
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A priority as one microbatch order: ``priority[kind][i]`` is the priority of kind's task
+    of microbatch ``order[i]``, increasing in ``i`` for every kind."""
+
+    order: tuple[int, ...]
+    priority: tuple[tuple[int, ...], ...]
+
+
+def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool) -> Ranking | None:
+    """``priority`` (one stage's) as a Ranking, or None when some kind ranks its microbatches in
+    another order than the forwards do (then only the trackers can run it)."""
+    M = num_microbatches
+    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+    try:
+        by_kind = [[priority[Task(k, m)] for m in range(M)] for k in kinds]
+    except KeyError:
+        return None
+    order = tuple(sorted(range(M), key=by_kind[0].__getitem__))
+    ranked = [tuple(p[m] for m in order) for p in by_kind] + ([] if split else [(0,) * M])
+    if any(a >= b for p in ranked[:len(kinds)] for a, b in zip(p, p[1:])):
+        return None
+    return Ranking(order, tuple(ranked))
+
+
+@dataclass
+class RankedRun:
+    makespan: float
+    busy: list[float]
+    decisions: list[int]
+    peaks: list[int]
+    timeline: list[tuple[int, Task, float, float]]  # (stage, task, start, end), when recorded
+
+
+class RankedPipeline:
+    """One iteration's durations, link latencies, microbatch sizes and budget, ready to run under
+    many rankings (the planner scores several entry orders on the same durations)."""
+
+    def __init__(self, dur: np.ndarray, lat_f: np.ndarray, lat_b: np.ndarray, limits: Sequence[Limit],
+                 sizes: Sequence[int], split: bool) -> None:
+        self.dur, self.split = np.asarray(dur, dtype=np.float64), split
+        self.lat_f = [float(x) for x in np.asarray(lat_f)[:, 0]]
+        self.lat_b = [float(x) for x in np.asarray(lat_b)[:, 0]]
+        self.limits, self.sizes = list(limits), list(sizes)
+
+    @staticmethod
+    def fits(lat_f: np.ndarray, lat_b: np.ndarray) -> bool:
+        """Every message on a link takes the same time, so arrivals keep the order of sends."""
+        return all(bool((lat == lat[:, :1]).all()) for lat in (np.asarray(lat_f), np.asarray(lat_b)))
+
+    def run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
+        """The iteration under ``ranking``; None if it stalls (the trackers then say why)."""
+        S, M, _ = self.dur.shape
+        split = self.split
+        o = np.asarray(ranking.order, dtype=np.int64)
+        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
+        pF, pB, pW = ranking.priority
+        LF, LB = self.lat_f, self.lat_b
+        sizes = [self.sizes[m] for m in ranking.order]
+        lim = [M + 1 if lm.count is None else lm.count for lm in self.limits]
+        blim = [lm.bytes for lm in self.limits]
+        by_bytes = any(b is not None for b in blim)
+        nF, nB, nW = [0] * S, [0] * S, [0] * S  # next of each kind to start, as an index into the order
+        arrF = [0] * S  # inputs arrived (stage 0: all)
+        arrF[0] = M
+        arrB = [0] * S  # gradients arrived (the last stage needs none)
+        arrB[S - 1] = M
+        fdone, bdone = [0] * S, [0] * S
+        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S
+        running = [-1] * S  # kind of the running task, -1 when idle
+        busy, decisions = [0.0] * S, [0] * S
+        timeline: list[tuple[int, Task, float, float]] = []
+        events: list[tuple[float, int]] = []  # (time, code): s finished, S+s input or 2S+s gradient reached s
+        push, pop = heapq.heappush, heapq.heappop
+        S2 = 2 * S
+        now, last = 0.0, 0.0
+        deciding: Sequence[int] = range(S)
+        while True:
+            for s in deciding:  # the policy, on the three heads
+                if running[s] >= 0:
+                    continue
+                decisions[s] += 1
+                j = nB[s]
+                k = -1
+                if j < fdone[s] and j < arrB[s]:
+                    k, best = 1, pB[j]
+                if split:
+                    w = nW[s]
+                    if w < bdone[s] and (k < 0 or pW[w] < best):
+                        k, best = 2, pW[w]
+                i = nF[s]
+                if (i < arrF[s] and (k < 0 or pF[i] < best) and held[s] < lim[s]
+                        and (not by_bytes or blim[s] is None or held[s] == 0 or held_bytes[s] + sizes[i] <= blim[s])):
+                    nF[s] = i + 1
+                    held[s] += 1
+                    held_bytes[s] += sizes[i]
+                    if held[s] > peaks[s]:
+                        peaks[s] = held[s]
+                    running[s], mb, end = 0, i, now + DF[s][i]
+                elif k == 1:
+                    nB[s] = j + 1
+                    running[s], mb, end = 1, j, now + DB[s][j]
+                elif k == 2:
+                    nW[s] = w + 1
+                    running[s], mb, end = 2, w, now + DW[s][w]
+                else:
+                    continue
+                busy[s] += end - now
+                if record:
+                    timeline.append((s, Task(Kind(running[s]), ranking.order[mb]), now, end))
+                push(events, (end, s))
+            if not events:
+                break
+            now, code = pop(events)
+            deciding = []
+            while True:  # everything that happens at this instant
+                if code < S:
+                    s, last = code, now
+                    k, running[s] = running[s], -1
+                    if k == 0:
+                        fdone[s] += 1
+                        if s + 1 < S:
+                            push(events, (now + LF[s], S + s + 1))
+                    elif k == 1:
+                        i = bdone[s]
+                        bdone[s] = i + 1
+                        if not split:
+                            held[s] -= 1
+                            held_bytes[s] -= sizes[i]
+                        if s:
+                            push(events, (now + LB[s], S2 + s - 1))
+                    else:
+                        held[s] -= 1
+                        held_bytes[s] -= sizes[nW[s] - 1]
+                elif code < S2:
+                    s = code - S
+                    arrF[s] += 1
+                else:
+                    s = code - S2
+                    arrB[s] += 1
+                deciding.append(s)
+                if not events or events[0][0] > now:
+                    break
+                now, code = pop(events)
+            if len(deciding) > 1:
+                deciding = sorted(set(deciding))
+        if any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW)) or \
+                any(r >= 0 for r in running):
+            return None
+        return RankedRun(last, busy, decisions, peaks, timeline)
