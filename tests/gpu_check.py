@@ -43,7 +43,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = str(ROOT / "configs" / "gpt-tiny.toml")
-CHECKS = ("lane", "poller", "loopback", "nccl-init", "memory", "train", "pp=2")
+CHECKS = ("lane", "poller", "loopback", "nccl-init", "memory", "train", "calibrate", "pp=2")
 CPU_PART = {  # where each check's device-independent part runs in the suite
     "lane": "tests/test_gpu_check.py, on the fake CUDA",
     "poller": "tests/test_gpu_check.py, on the fake CUDA",
@@ -52,6 +52,7 @@ CPU_PART = {  # where each check's device-independent part runs in the suite
                  "start-up, fake NCCL)",
     "memory": "tests/test_gpu_check.py (the prediction)",
     "train": "tests/test_checkpoint.py (a resumed run repeats the losses bit for bit, gloo)",
+    "calibrate": "tests/test_plan_inputs.py (the device a CUDA run calibrates on)",
     "pp=2": "tests/test_gpu_path.py (pp=2 over the fake NCCL) and the gloo suite",
 }
 STARTUP_MARK = "RRFP-GPU-CHECK: start-up done"
@@ -623,6 +624,20 @@ def pp2_check(steps: int) -> str:
     return f"{steps} steps over NCCL between two GPUs, max |diff| of the printed losses vs reference {worst:.1e}"
 
 
+def calibrate_check() -> str:
+    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not on the CPU."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cost.json")
+        p = subprocess.run([sys.executable, "-m", "rrfp", "calibrate", "--config", CONFIG, "--pp", "2", "--samples",
+                            "4", "--set", "backend=nccl", "--out", out], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+        if p.returncode != 0 or "real compute on cuda" not in p.stdout or not os.path.exists(out):
+            raise RuntimeError(f"exit {p.returncode}: {(p.stdout + p.stderr)[-800:]}")
+        return p.stdout.splitlines()[0]
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> int:
@@ -658,6 +673,8 @@ def main() -> int:
             check(name, lambda: memory_line(run(memory_figures(cuda_device(torch.float32)))))
         elif name == "train":
             check(name, lambda: train_check(args.steps))
+        elif name == "calibrate":
+            check(name, calibrate_check)
         elif name == "pp=2" and gpus < 2:
             report(name, "SKIPPED", f"needs 2 GPUs, this machine has {gpus} (NCCL refuses two ranks on one GPU)")
         elif name == "pp=2":
