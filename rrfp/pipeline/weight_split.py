@@ -202,16 +202,23 @@ def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limi
     n's edges lies below another). A B node below n that feeds another input of the same node is
     harmless but runs again, with the B nodes between: a few are allowed, more stay in B."""
     nodes = [n for n in who if n is not _OUTPUTS]
+    walked: dict = {}  # node -> the nodes below it, each walked once
+
+    def nodes_below(node) -> set:
+        if node not in walked:
+            walked[node] = _nodes_below(node)
+        return walked[node]
+
     reach_nodes, reach_edges = {}, {}
     for m in nodes:
         starts = [(c, nr) for (c, nr), pids in frontier[m].items() if pid in pids]
-        below = set().union(*({c} | _nodes_below(c) for c, _ in starts))
+        below = set().union(*({c} | nodes_below(c) for c, _ in starts))
         reach_nodes[m] = below
         reach_edges[m] = set(starts) | {(c, nr) for x in below for c, nr in x.next_functions if c is not None}
     for n in nodes:
         edges = [(c, nr) for (c, nr), pids in frontier[n].items() if pid in pids]
         targets = {c for c, _ in edges}
-        if any(c2 in _nodes_below(c1) for c1 in targets for c2 in targets if c1 is not c2):
+        if any(c2 in nodes_below(c1) for c1 in targets for c2 in targets if c1 is not c2):
             return f"{n.name()} reaches it along two of its own edges, one below the other"
         rivals = {m for m in nodes if m is not n and reach_nodes[m] & targets}
         if not rivals or not g.reaches_below(n, rivals):
@@ -230,17 +237,19 @@ def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limi
 
 
 def _nodes_below(node) -> set:
-    seen, stack = set(), [c for c, _ in node.next_functions if c is not None]
+    seen, stack = set(), _Graph.children(node)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(c for c, _ in n.next_functions if c is not None)
+            stack.extend(_Graph.children(n))
     return seen
 
 
 def _announce(module: nn.Module, result: WeightPlan) -> None:
     """Log once per module the parameters whose gradient stays in B, and why."""
+    if not result.in_b:  # the common case, on every forward: no name lookup
+        return
     names = {id(q): n for n, q in module.named_parameters()}
     by_module: dict[str, list[str]] = {}
     for p in result.in_b:
