@@ -171,15 +171,19 @@ NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
 
 
 
+def csv_rows(path: str | Path, what: str) -> list[list[str]]:
+    """The rows of the CSV file at ``path``; an unreadable file is a HintError naming ``what`` it is."""
+    try:
+        return list(csv.reader(Path(path).read_text().splitlines()))
+    except OSError as e:
+        raise HintError(f"{what} {path}: {e.strerror}") from None
+
+
 def csv_hint(path: str | Path) -> Hint:
     """A user hint from CSV rows ``stage,task`` in order (a header row is allowed)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise HintError(f"hint file {path}: {e.strerror}") from None
     per_stage: dict[int, list[Task]] = {}
-    for lineno, row in enumerate(csv.reader(text.splitlines()), start=1):
+    for lineno, row in enumerate(csv_rows(path, "hint file"), start=1):
         row = [c.strip() for c in row]
         if not row or not any(row) or row[0].startswith("#"):
             continue

@@ -11,11 +11,10 @@ communication ("compute_comms": SEND_F, RECV_B, ...) or with FSDP actions
 """
 from __future__ import annotations
 
-import csv
 import re
 from pathlib import Path
 
-from rrfp.core.hints import Hint, HintError
+from rrfp.core.hints import Hint, HintError, csv_rows
 from rrfp.core.tasks import Kind, Task
 
 _ACTION = re.compile(r"(\d+)([A-Z_]+)(\d*)")
@@ -25,13 +24,9 @@ _KINDS = {"F": Kind.F, "B": Kind.B, "I": Kind.B, "W": Kind.W}
 def read_torch_csv(path: str | Path) -> tuple[Hint, bool]:
     """The hint that torch's CSV at ``path`` describes, and whether its backward is split (I/W)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise HintError(f"torch schedule CSV {path}: {e.strerror}") from None
     per_stage: dict[int, list[Task]] = {}
     types: set[str] = set()
-    for rank, row in enumerate(csv.reader(text.splitlines())):
+    for rank, row in enumerate(csv_rows(path, "torch schedule CSV")):
         for cell in (c.strip() for c in row):
             if not cell:
                 continue  # an idle slot
