@@ -131,7 +131,7 @@ class StageWorker:
         if self.split:
             weights = weight_split.plan(self.module, [t for t in outputs if _carries_grad(t)],
                                         [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
-                                        self._queued if use_queue else frozenset())
+                                        self._deferred)
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
@@ -173,7 +173,8 @@ class StageWorker:
         if not pairs:  # no gradient reaches this stage's outputs: nothing to do in B or W
             found = []
         elif slot.weights is not None:  # input gradient only; W does the weights
-            if self._measured(mb) and slot.weights.in_b and not self._queued_mode:  # B without them, once
+            if self._measured(mb) and slot.weights.in_b and not self._deferred:  # B without them, once
+                # (not with split-aware layers: an extra backward would queue their W twice)
                 self._flops["input"] = _flops(lambda: torch.autograd.grad(
                     outs, inputs, grads, retain_graph=True, allow_unused=True) if inputs else None)
             with self._counting(mb, "b"):
@@ -208,15 +209,13 @@ class StageWorker:
         if f is not None and "w" in f:
             in_b = f.get("b", 0) - f.get("input", f.get("b", 0))
             share = f["w"] / (f["w"] + in_b) if f["w"] + in_b > 0 else None
-        params = sum(1 for p in self.module.parameters() if p.requires_grad and id(p) not in self._split_queue())
+        params = sum(1 for p in self.module.parameters() if p.requires_grad and id(p) not in self._deferred)
         return SplitSummary(dict(self._in_b), params, share)
 
     @property
-    def _queued_mode(self) -> bool:
-        return self.weight_split == "layers"
-
-    def _split_queue(self) -> frozenset[int]:
-        return self._queued if self._queued_mode else frozenset()
+    def _deferred(self) -> frozenset[int]:
+        """Parameters left to split-aware layers' own W queue: none unless weight_split = "layers"."""
+        return self._queued if self.weight_split == "layers" else frozenset()
 
     def _measured(self, mb: int) -> bool:
         """Whether mb is the microbatch whose split backward split_summary measures (the first)."""
