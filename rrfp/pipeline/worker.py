@@ -229,7 +229,7 @@ class StageWorker:
         if not self._measured(mb) or what in self._flops:
             yield
             return
-        with FlopCounterMode(display=False) as counter:
+        with StageFlopCounter() as counter:
             yield
         self._flops[what] = counter.get_total_flops()
 
@@ -288,8 +288,32 @@ class StageWorker:
                                f"of tensors and None, got {_describe(out)}")
 
 
+class _GlobalOnly:
+    """Stands in for FlopCounterMode's module tracker: every FLOP counts under "Global" only."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> "_GlobalOnly":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class StageFlopCounter(FlopCounterMode):
+    """torch's FLOP counter without its module tracker. The tracker (torch/utils/module_tracker.py)
+    installs process-wide module forward hooks that put multi-grad hooks on the tensors of every
+    forward any thread runs meanwhile; a later ``autograd.grad`` through such a tensor fails with
+    "A leaf node was passed to _will_engine_execute_node". Ranks run as threads in one process, a
+    user's own threads, or the drop-in's background loop would hit it. Only the total is used."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _GlobalOnly()
+
+
 def _flops(fn) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with StageFlopCounter() as counter:
         fn()
     return counter.get_total_flops()
 

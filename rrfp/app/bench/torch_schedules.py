@@ -54,6 +54,7 @@ log = logging.getLogger("rrfp.app.bench.torch_schedules")
 # name -> (torch schedule class name, stages per rank, stage indices of rank r of world w, split backward)
 SCHEDULES: dict[str, tuple[str, int, Callable[[int, int], tuple[int, ...]], bool]] = {
     "1f1b": ("Schedule1F1B", 1, lambda r, w: (r,), False),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, lambda r, w: (r, r + w), False),
     "zbv": ("ScheduleZBVZeroBubble", 2, lambda r, w: (r, 2 * w - 1 - r), True),
     "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, lambda r, w: (r, r + w), True),
     "dualpipev": ("ScheduleDualPipeV", 2, lambda r, w: (r, 2 * w - 1 - r), True),
@@ -354,7 +355,7 @@ class TorchScheduleRunner:
     """One rank's torch.distributed.pipelining schedule over a Workload's stage modules.
 
     ``schedule``: ``"1f1b"`` (Schedule1F1B, one stage per rank), ``"zb"`` (torch's best
-    zero-bubble schedule that runs here, ``"zbv"``), ``"zbv"``, ``"interleaved-zb"`` or
+    zero-bubble schedule that runs here, ``"zbv"``), ``"zbv"``, ``"interleaved-1f1b"``, ``"interleaved-zb"`` or
     ``"dualpipev"`` (two stages per rank: the model splits into ``2 * world`` stages).
 
     ``units(stage, mb, kind)`` gives emulated durations in rrfp's numbering: ``stage`` is this
