@@ -204,7 +204,7 @@ def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd, t
     assert last["merged"] == [(BATCH, n, VOCAB) for n in (3, 7, 5, 9)]
     # torch's receiver aborts the process (gloo: received size != expected), its peer then fails
     with pytest.raises(AssertionError, match="failed|did not finish"):
-        run_ranks(_torch_variable_lengths, 2, timeout=40)
+        run_ranks(_torch_variable_lengths, 2, timeout=40, spawn=True)
     assert "Received data size doesn't match expected size" in capfd.readouterr().err
 
 
