@@ -34,6 +34,12 @@ def _spawns(fn, module, depth: int = 2) -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (gloo ranks, torchrun); `make test-quick` skips it")
+    # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the ranks and
+    # other jobs for the 2 cores. tests/test_vlm.py::test_loss_falls took 24-39 s with 2 threads at
+    # load 7 and 2-4 s with 1 (the spawned ranks already run with 1).
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
