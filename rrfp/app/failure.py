@@ -49,6 +49,12 @@ class Failure:
         return cls(kind_of(best), best)
 
     @property
+    def follows_peer(self) -> bool:
+        """A secondary failure whose cause is elsewhere: the failure board says where. A silent
+        peer (PeerSilent) is named by the heartbeat already, and posts nothing to wait for."""
+        return self.kind == SECONDARY and not isinstance(self.cause, PeerSilent)
+
+    @property
     def note(self) -> str:
         """What this rank posts on the failure board (failure_board.py)."""
         if self.kind != SECONDARY:

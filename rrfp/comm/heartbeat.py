@@ -176,7 +176,7 @@ class Heartbeat:
         quiet = now - beat.changed_at
         if beat.seq < 0:
             return f"no heartbeat yet ({quiet:.0f} s)"
-        if quiet > 2 * self.period_s + 0.5:
+        if quiet > 3 * self.period_s:  # three beats missed
             return f"no heartbeat for {quiet:.1f} s"
         if not beat.activity:
             return "alive"
