@@ -178,7 +178,7 @@ class PipelineRuntime:
                                             deadline_s=timeout_s, wait=BACKSTOP if beat is not None else None)
         groups = create_stage_groups(layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s)
         if beat is not None:  # created with timeout_s (startup stays bounded); from now on silence is the beat's
-            for group in [None, *(g for k, g in groups.items() if k != "tp")]:  # tp: the model's own collectives
+            for group in [None, *groups.values()]:  # collectives only: p2p waits get it in Channel.wait
                 dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
             beat.start()
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
