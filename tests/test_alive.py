@@ -123,23 +123,29 @@ def test_a_rank_stopped_and_continued_within_timeout_s_is_not_reported_failed(tm
 
 
 @pytest.mark.timeout(180)
-def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path):
-    timeout_s = 3
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-store-host"])
+def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, victim):
+    """Rank 0's process holds the store here: stopped, it takes the heartbeats with it, and the
+    other rank names the store and rank 0 (its failure board then gives up within 2 s)."""
+    timeout_s, other = 3, 1 - victim
     ranks = RankProcs(tmp_path, 2, _args(tmp_path, "steps=100000", f"timeout_s={timeout_s}", "unit_ms=2"))
     try:
         _wait_for(ranks, 0, "step    3/", "third step")
-        os.kill(ranks.procs[1].pid, signal.SIGSTOP)
-        ended = ranks.wait([0], timeout_s + SLACK_S)
-        assert 0 in ended, f"rank 0 still runs {timeout_s + SLACK_S} s after the stop\n{ranks.tails()}"
-        assert ended[0] >= timeout_s - 1, f"rank 0 ended {ended[0]:.1f} s after the stop: before timeout_s"
-        assert ranks.procs[0].returncode == 1, ranks.tails()
-        assert "Traceback" not in ranks.err(0), ranks.err(0)
-        (line,) = ranks.error_lines(0)
-        assert re.fullmatch(rf"rrfp: error: rank 0: stopped: rank 1 went silent: no heartbeat for [\d.]+ s "
-                            rf"\(run.timeout_s = {timeout_s}\): it is stopped, hung or cut off "
-                            rf"\(traceback in {re.escape(str(tmp_path / 'logs' / 'rank-0.log'))}\)", line), line
-        assert ranks.procs[1].poll() is None, "the stopped rank is still there, stopped"
-        print(f"SIGSTOP rank 1: rank 0 named it {ended[0]:.1f} s later (timeout_s = {timeout_s})")
+        os.kill(ranks.procs[victim].pid, signal.SIGSTOP)
+        ended = ranks.wait([other], timeout_s + SLACK_S)
+        assert other in ended, f"rank {other} still runs {timeout_s + SLACK_S} s after the stop\n{ranks.tails()}"
+        assert ended[other] >= timeout_s - 1, f"rank {other} ended {ended[other]:.1f} s after the stop: too early"
+        assert ranks.procs[other].returncode == 1, ranks.tails()
+        assert "Traceback" not in ranks.err(other), ranks.err(other)
+        (line,) = ranks.error_lines(other)
+        silent = (rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {timeout_s}\): it is stopped, "
+                  rf"hung or cut off" if victim == 1 else
+                  rf"the rendezvous store at 127.0.0.1:\d+ \(in rank 0's process\) stopped answering: no heartbeat "
+                  rf"read for [\d.]+ s \(run.timeout_s = {timeout_s}\): rank 0 is stopped, hung or gone")
+        log = re.escape(str(tmp_path / "logs" / f"rank-{other}.log"))
+        assert re.fullmatch(rf"rrfp: error: rank {other}: stopped: {silent} \(traceback in {log}\)", line), line
+        assert ranks.procs[victim].poll() is None, "the stopped rank is still there, stopped"
+        print(f"SIGSTOP rank {victim}: rank {other} named it {ended[other]:.1f} s later (timeout_s = {timeout_s})")
     finally:
         ranks.kill_all()
     assert ranks.alive() == []
