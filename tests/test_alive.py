@@ -101,7 +101,7 @@ def test_a_rank_busy_for_three_timeouts_is_not_reported_failed(tmp_path, where):
 def test_a_rank_stopped_and_continued_within_timeout_s_is_not_reported_failed(tmp_path):
     """SIGSTOP rank 1 for 3.5 s (more than half of timeout_s = 6: rank 1 itself, continued, sees an
     old beat of rank 0 and must not blame it), then SIGCONT: the run finishes."""
-    steps, timeout_s, stopped_s = 30, 6, 3.5
+    steps, timeout_s, stopped_s = 12, 6, 3.5
     ranks = RankProcs(tmp_path, 2, _args(tmp_path, f"steps={steps}", f"timeout_s={timeout_s}", "unit_ms=2"))
     try:
         _wait_for(ranks, 0, "step    3/", "third step")

@@ -18,6 +18,11 @@ Hence the verdict (``silent``) is never a store call: it is taken from the
 times of the last reads, by whoever asks, and a reader stuck on the store is
 itself a finding ("the store stopped answering").
 
+Cost: per beat, one ``set`` and one ``multi_get`` of every peer's key, so
+the store serves 2 x world requests per ``period_s`` (world^2 keys read):
+fine for tens of ranks, to be narrowed to the ranks one talks to before
+thousands.
+
 Times are this process's monotonic clock, and only spans between two
 consecutive checks count: when this rank was itself stopped or starved (a gap
 between checks over half of ``timeout_s``), every peer gets a fresh
@@ -138,17 +143,20 @@ class Heartbeat:
         self.store.set(self._key(self.rank), f"{self._seq} {time.monotonic() - since:.3f} {what}")
 
     def _read(self) -> None:
-        for r in self.peers:
-            key = self._key(r)
-            if not self.store.check([key]):  # not started yet: its changed_at stays at our start
-                continue
-            seq, age, what = (self.store.get(key).decode(errors="replace").split(" ", 2) + ["", ""])[:3]
-            now = time.monotonic()
+        """Every peer's beat: one ``multi_get`` round trip once each has beaten (it waits for missing
+        keys), until then a ``check`` of each key first."""
+        peers = self.peers
+        if any(self.beats[r].seq < 0 for r in peers):  # not started yet: its changed_at stays at our start
+            peers = [r for r in peers if self.store.check([self._key(r)])]
+        values = self.store.multi_get([self._key(r) for r in peers]) if peers else []
+        now = time.monotonic()
+        for r, value in zip(peers, values):
+            seq, age, what = (value.decode(errors="replace").split(" ", 2) + ["", ""])[:3]
             beat = self.beats[r]
             if int(seq) != beat.seq:
                 beat.seq, beat.changed_at = int(seq), now
             beat.activity, beat.activity_s, beat.read_at = what, float(age or 0), now
-        self.last_read = time.monotonic()
+        self.last_read = now
 
     # -- the verdict --------------------------------------------------------------
 
