@@ -187,3 +187,37 @@ def test_a_peer_killed_during_a_checkpoint_write_is_one_line_that_says_what_stay
         _assert_reference(resumed.out(0), 3, first=2)
     finally:
         resumed.kill_all()
+
+
+@pytest.mark.parametrize("text,lost", [("rank 1: RuntimeError: [pair.cc:553] Connection closed by peer", True),
+                                       ("rank 0: OSError: [Errno 28] No space left on device", False)],
+                         ids=["transport-error", "full-disk"])
+def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(tmp_path, monkeypatch, text, lost):
+    """DCP gathers every rank's exception into one CheckpointException: a peer's transport error in it is
+    the same lost peer as a failed collective (secondary, names what stays); a full disk stays this run's
+    own CheckpointError (primary)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rrfp.app import checkpoints
+    from rrfp.app.config import TrainConfig
+    from rrfp.core.errors import PeerFailure
+    from rrfp.pipeline.checkpoint import CheckpointError
+
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"checkpoint_dir={tmp_path}"], world_size=2)
+    rt = SimpleNamespace(rank=0, stage=0, tp_rank=0, device=torch.device("cpu"), cpu_group=None)
+
+    def fail(path, *args, **kw):
+        raise CheckpointError(f"cannot write checkpoint {path}: {text}")
+
+    monkeypatch.setattr(checkpoints, "save_stage", fail)
+    ckpts = checkpoints.RunCheckpoints(cfg, rt, torch.nn.Linear(1, 1), None)
+    with pytest.raises(PeerFailure if lost else CheckpointError) as caught:
+        asyncio.run(ckpts.save(2))
+    line = str(caught.value)
+    if lost:
+        assert line.startswith("rank 0: step 2: checkpoint step-00000002 was not saved, and no checkpoint was "
+                               "committed before it (a resume starts at step 0): a peer was lost while writing it "
+                               "(the peer process probably died): "), line
+    else:
+        assert not isinstance(caught.value, PeerFailure) and "No space left on device" in line, line
