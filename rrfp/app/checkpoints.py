@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.comm.channels import named_collective
+from rrfp.comm.channels import lost_peer_reason, named_collective
+from rrfp.core.errors import PeerFailure
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -153,6 +154,7 @@ class RunCheckpoints:
         self.store = CheckpointDir(cfg.run.checkpoint_dir)
         self.where = dict(rank=rt.rank, stage=rt.stage, tp_rank=rt.tp_rank, device=rt.device,
                           process_group=rt.cpu_group)  # DCP's collectives: gloo, the control plane
+        self.on_write: list = []  # called with the step before this rank writes (fault injection)
 
     async def begin(self, resume: Resume) -> None:
         """Collective, at the run's start: every rank decided to resume from the same step,
@@ -210,7 +212,32 @@ class RunCheckpoints:
         returns on any rank only once every rank's files and the metadata are written);
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
-        checkpoint_keep."""
+        checkpoint_keep. A peer lost on the way is a PeerFailure whose line says which
+        checkpoint stays (the partial one is debris, cleared at the next run's start)."""
+        for hook in self.on_write:
+            hook(done)
+        try:
+            return await self._save(done)
+        except PeerFailure as e:
+            raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
+                              f"was not saved, {self._kept()}: "
+                              f"{str(e).removeprefix(f'rank {self.rt.rank}: ').removeprefix(f'step {done}: ')}",
+                              e.peer) from e
+        except CheckpointError as e:
+            if not lost_peer_reason(str(e)):
+                raise
+            raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
+                              f"was not saved, {self._kept()}: a peer was lost while writing it"
+                              f"{lost_peer_reason(str(e))}: {e}") from e
+
+    def _kept(self) -> str:
+        """Which checkpoint a resume would use now, in words (none, when none was committed)."""
+        latest = self.store.latest()
+        if latest is None:
+            return "and no checkpoint was committed before it (a resume starts at step 0)"
+        return f"the newest committed checkpoint stays ({latest.path})"
+
+    async def _save(self, done: int) -> Checkpoint:
         with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
             await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
         committed, failure = torch.zeros(1), None

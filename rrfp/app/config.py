@@ -54,7 +54,9 @@ class RunConfig:
     seed: int = 0
     preset: str = "none"  # variability model for emulated device time
     unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
-    timeout_s: float = 60.0  # peer deadline and process-group timeout
+    # how long a peer may stay silent (no heartbeat) before it is named and the run ends; a peer that
+    # beats may compute for longer (gloo). Also bounds start-up, and on nccl every wait
+    timeout_s: float = 60.0
     backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
     device: str = "auto"  # auto, cpu or cuda; auto: cuda when backend = nccl
     threads: int = 1  # torch intra-op threads per rank

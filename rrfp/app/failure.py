@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rrfp.app.errors import ConfigError, leaves
 from rrfp.comm.message import MessageError
-from rrfp.core.errors import PeerFailure, PipelineError
+from rrfp.core.errors import PeerFailure, PeerSilent, PipelineError
 
 PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
 
@@ -49,6 +49,12 @@ class Failure:
         return cls(kind_of(best), best)
 
     @property
+    def follows_peer(self) -> bool:
+        """A secondary failure whose cause is elsewhere: the failure board says where. A silent
+        peer (PeerSilent) is named by the heartbeat already, and posts nothing to wait for."""
+        return self.kind == SECONDARY and not isinstance(self.cause, PeerSilent)
+
+    @property
     def note(self) -> str:
         """What this rank posts on the failure board (failure_board.py)."""
         if self.kind != SECONDARY:
@@ -65,6 +71,8 @@ class Failure:
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"
+        if isinstance(self.cause, PeerSilent):  # the cause itself: the silent peer, not a chain to follow
+            return f"rank {rank}: stopped: {text} ({where})"
         if self.kind == SECONDARY:
             # short: the transport's own text (after the likely reason) stays in the log
             text = re.sub(r"(\((the peer|nothing)[^)]*\)): \w+: .*$", r"\1", text)

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -30,14 +31,27 @@ class FailureBoard:
 
     @classmethod
     def connect(cls, timeout_s: float = 1.0) -> "FailureBoard | None":
-        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached."""
+        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached
+        within about ``timeout_s``. In a thread: TCPStore's constructor pings the server and reads
+        the reply with no timeout, so a stopped store (in a SIGSTOPped rank 0) would hang it."""
+        found: list = []
+
+        def connect() -> None:
+            try:
+                found.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                                           wait_for_workers=False))
+            except (KeyError, ValueError, RuntimeError):
+                pass
         try:
-            with _quiet():
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                      timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-            return cls(store, int(os.environ["WORLD_SIZE"]))
-        except (KeyError, ValueError, RuntimeError):
+            world = int(os.environ["WORLD_SIZE"])
+        except (KeyError, ValueError):
             return None
+        with _quiet():
+            thread = threading.Thread(target=connect, name="rrfp-failure-board", daemon=True)
+            thread.start()
+            thread.join(timeout_s + 1.0)
+        return cls(found[0], world) if found else None
 
     def post(self, rank: int, note: str) -> None:
         """``primary`` or ``secondary P`` (P: the lost peer, or ``?``)."""

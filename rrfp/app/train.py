@@ -68,8 +68,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         resume = plan_resume(cfg)
     start = resume.start
     torch.set_num_threads(run.threads)
+    # a heartbeat (gloo): timeout_s bounds a peer's silence, not how long a step may take
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
-                                     unit_ms=run.unit_ms) as rt:  # nccl: this rank's GPU is rt.device
+                                     unit_ms=run.unit_ms, heartbeat=True) as rt:  # nccl: this rank's GPU is rt.device
         torch.manual_seed(run.seed)
         module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group).to(rt.device)
         recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
@@ -86,6 +87,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         ckpts = RunCheckpoints(cfg, rt, module, opt) if run.checkpoint_dir else None
         if ckpts is not None:
             await ckpts.begin(resume)
+        if ckpts is not None and injector is not None:
+            ckpts.on_write.append(injector.checkpoint_write)
         if start is not None:
             await ckpts.load(start)
             summary.first_step = start.step

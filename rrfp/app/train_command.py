@@ -12,7 +12,7 @@ import traceback
 from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
-from rrfp.app.failure import SECONDARY, Failure, write_traceback
+from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.train import StepReport, stage_main
@@ -113,7 +113,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     origin = None
     if board is not None:
         board.post(rank, failure.note)
-        if failure.kind == SECONDARY:
+        if failure.follows_peer:
             origin = board.origin(rank, getattr(failure.cause, "peer", None))
     path = write_traceback(e, cfg.run.log_dir, rank)
     if debug:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import re
 
@@ -47,7 +48,11 @@ _HUNG = ("Timed out", "Watchdog caught collective operation timeout")  # gloo, N
 
 
 def _hint(cause: BaseException) -> str:
-    text = str(cause)
+    return lost_peer_reason(str(cause))
+
+
+def lost_peer_reason(text: str) -> str:
+    """' (the likely reason)' when a transport error's text says a peer died or hung; else ''."""
     if any(s in text for s in _DIED):
         return " (the peer process probably died)"
     if any(s in text for s in _HUNG):
@@ -125,8 +130,11 @@ class Channel(ChannelEnd):
     """
 
     def __init__(self, name: str, rank: int, peer: int, group: dist.ProcessGroup, *, outbound: bool,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", wait: datetime.timedelta | None = None) -> None:
         self.name = name
+        # how long one send or receive may wait for the peer; None: the group's timeout. gloo gives a
+        # point-to-point op the timeout its group was created with unless its wait() is given one
+        self.wait = wait
         self.rank = rank
         self.peer = peer
         self.group = group
@@ -215,13 +223,13 @@ class Channel(ChannelEnd):
     def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str) -> None:
         what = f"send of the header of {label} to rank {self.peer}"
         try:
-            dist.send(header, self.peer, group=self.group)
+            self._p2p(dist.send, dist.isend, header)
             for i, t in enumerate(payload):
                 if t is None or t.numel() == 0:  # the header says it all; gloo cannot move 0 bytes
                     continue
                 what = (f"send of tensor {i + 1}/{len(payload)} ({_spec(t)}) of {label} "
                         f"to rank {self.peer}")
-                dist.send(t, self.peer, group=self.group)
+                self._p2p(dist.send, dist.isend, t)
         except Exception as e:
             raise self._peer_error(what, e) from e
 
@@ -229,7 +237,7 @@ class Channel(ChannelEnd):
         after = f"after {last}" if last else "first message"
         buf = empty_header(self.device)
         try:
-            dist.recv(buf, self.peer, group=self.group)
+            self._p2p(dist.recv, dist.irecv, buf)
         except Exception as e:
             raise self._peer_error(f"receive of header ({after}) from rank {self.peer}", e) from e
         try:
@@ -241,11 +249,19 @@ class Channel(ChannelEnd):
             if t is None or t.numel() == 0:  # None and empty payloads are in the header alone
                 continue
             try:
-                dist.recv(t, self.peer, group=self.group)
+                self._p2p(dist.recv, dist.irecv, t)
             except Exception as e:
                 raise self._peer_error(f"receive of tensor {i + 1}/{len(tensors)} ({_spec(t)}) of "
                                        f"{header.label()} from rank {self.peer}", e) from e
         return Message(header.iteration, header.microbatch, header.kind, tensors)
+
+
+    def _p2p(self, blocking, posted, t: torch.Tensor) -> None:
+        """One send or receive of ``t``, waiting ``self.wait`` when set (else the group's timeout)."""
+        if self.wait is None:
+            blocking(t, self.peer, group=self.group)
+        else:
+            posted(t, self.peer, group=self.group).wait(self.wait)
 
 
 def _spec(t: torch.Tensor) -> str:

@@ -54,7 +54,8 @@ class PipelineChannels:
 
 def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
                              device: torch.device | str = "cpu", poller=None, compute_stream=None,
-                             ops=None, deadline_s: float | None = None) -> PipelineChannels:
+                             ops=None, deadline_s: float | None = None,
+                             wait: datetime.timedelta | None = None) -> PipelineChannels:
     """Create every pipeline process group on every rank; return this rank's channels.
 
     Must be called by all ranks, with the same layout, after
@@ -69,7 +70,8 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
     channel is warmed up before this returns, and the loop's ``poller`` watches
     every send and receive; ``compute_stream`` is the lane's stream, ``ops`` the
     CUDA calls (``CudaOps``; tests pass a fake), ``deadline_s`` how long a send
-    may take (rrfp's peer deadline; ``timeout`` is then NCCL's watchdog's).
+    may take (rrfp's peer deadline; ``timeout`` is then NCCL's watchdog's). ``wait`` (gloo): how
+    long one send or receive may wait, when not ``timeout`` (a heartbeat bounds silence instead).
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
@@ -95,7 +97,7 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
         group_kw = {"backend": "nccl", "device_id": device}
     else:
         def make(name, peer, group, outbound):
-            return Channel(name, rank, peer, group, outbound=outbound, device=device)
+            return Channel(name, rank, peer, group, outbound=outbound, device=device, wait=wait)
         group_kw = {}
     found: dict[str, Channel] = {}
     in_order: list = []  # this rank's channels in the global order of their groups

@@ -25,6 +25,12 @@ class PeerTimeout(PeerFailure):
     """Nothing arrived from a peer within the deadline."""
 
 
+class PeerSilent(PeerFailure):
+    """A peer's heartbeat stopped for the deadline (rrfp/comm/heartbeat.py): it is
+    stopped, hung or cut off. The cause itself, not a consequence of another failure.
+    ``peer`` is None when the store that carries the heartbeats stopped answering."""
+
+
 class ProtocolError(PipelineError):
     """A message that is not what the pipeline expects at this point."""
 

@@ -94,7 +94,7 @@ class StageExecutor:
     """
 
     def __init__(self, worker: StageWorker, channels, lane, settings: ExecutorSettings, rank: int = 0,
-                 instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None) -> None:
+                 instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None, liveness=None) -> None:
         self.worker, self.channels, self.lane, self.settings = worker, channels, lane, settings
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
@@ -112,6 +112,10 @@ class StageExecutor:
         self._bytes_per_token = 0.0
         self.totals = StageStats()
         self.on_task_done: list[Callable[[Task], None]] = []  # e.g. DP sync launching finished buckets
+        # the runtime's Heartbeat (rrfp/comm/heartbeat.py), or None: with one, a wait for a peer has no
+        # deadline (a silent peer is the heartbeat's to name); it is told which task runs, and says how
+        # the peers this stage waits for are doing
+        self.liveness = liveness
 
     @property
     def order(self) -> Sequence[Task]:
@@ -255,6 +259,7 @@ class _Iteration:
                 arrivals = tr.arrivals
                 agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(task)),
                                         name="rrfp-tp-agree")
+            self._doing(f"task {task}")
             try:
                 await self._run(task)
             except Exception as e:  # the model's own error keeps its type; this says where it happened
@@ -265,6 +270,7 @@ class _Iteration:
             self.ran.append(task)
             for hook in ex.on_task_done:
                 hook(task)
+            self._doing("")
 
     async def _wait_for_change(self, arrivals: int) -> None:
         self.changed.clear()
@@ -272,14 +278,39 @@ class _Iteration:
             return
         start = time.time()
         timeout_s = self.ex.settings.peer_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.changed.wait()
-        except TimeoutError:
-            raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived for "
-                              f"{timeout_s:g} s; the stage {self._waiting_for()}", self._owing_peer()) from None
+        hb = self.ex.liveness
+        if hb is None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.changed.wait()
+            except TimeoutError:
+                raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived "
+                                  f"for {timeout_s:g} s; the stage {self._waiting_for()}", self._owing_peer()) from None
+        else:
+            await self._wait_alive(hb, timeout_s, start)
         if self.ex.instrument is not None:
             self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
+
+    async def _wait_alive(self, hb, every_s: float, start: float) -> None:
+        """Wait for as long as the peers beat (a silent one ends the run through the runtime);
+        every ``every_s`` say what this stage waits for and how its peers are doing."""
+        peers = [c.peer for c in self._owing()]
+        self._doing(f"waiting for rank {' and '.join(map(str, peers))}" if peers else "waiting")
+        while True:
+            try:
+                async with asyncio.timeout(every_s):
+                    await self.changed.wait()
+                break
+            except TimeoutError:
+                how = "; ".join(f"rank {p}: {hb.describe(p)}" for p in peers)
+                log.warning("rank %d stage %d: iteration %d: waiting for %.0f s (%s); the stage %s", self.ex.rank,
+                            self.ex.s, self.it, time.time() - start, how or "no peer owes an arrival",
+                            self._waiting_for())
+        self._doing("")
+
+    def _doing(self, what: str) -> None:
+        if self.ex.liveness is not None:
+            self.ex.liveness.doing(what)
 
     def _owing(self) -> list:
         """The incoming channels whose peers still owe this stage an arrival."""

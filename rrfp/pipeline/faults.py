@@ -1,19 +1,22 @@
 """Fault injection, a testing aid (in the spirit of torchft's failure injector):
 make one rank fail at a chosen (step, stage, task) to check how the others end.
 
-A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T][:attempt=A]``, in
+A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=save][:attempt=A][:seconds=X]``, in
 ``run.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
 1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
 (every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
-fires right after that task finishes, otherwise at the end of the step's
+fires right after that task finishes, ``during=save`` as this rank starts
+writing the checkpoint saved after step N, otherwise at the end of the step's
 iteration; ``attempt`` fires only in that attempt of a torchrun job
 (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
 ``--max-restarts`` runs on after it.
 
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
 alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
-``bug`` (a plain RuntimeError: what an internal error looks like) and ``nan``
-(the stage's gradients become NaN at the end of the step's backward; no task).
+``bug`` (a plain RuntimeError: what an internal error looks like), ``nan``
+(the stage's gradients become NaN at the end of the step's backward; no task)
+and ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in
+turns as Python code does: alive but slow, e.g. longer than run.timeout_s).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import logging
 import math
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +34,7 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan")
+KINDS = ("kill", "stop", "raise", "bug", "nan", "busy")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,8 @@ class Fault:
     rank: int | None = None
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
+    seconds: float | None = None  # busy: how long
+    during: str | None = None  # "save": as this rank starts writing the step's checkpoint
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
@@ -51,11 +57,24 @@ class Fault:
         values: dict = {}
         for f in fields:
             key, sep, raw = f.partition("=")
-            if not sep or key not in ("step", "stage", "rank", "task", "attempt") or key in values:
-                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A "
-                                 "(once each)")
+            if not sep or key not in ("step", "stage", "rank", "task", "attempt", "seconds", "during") or key in values:
+                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
+                                 "seconds=X, during=save (once each)")
             if key == "task":
                 values[key] = Task.parse(raw)
+                continue
+            if key == "during":
+                if raw != "save":
+                    raise ValueError(f"fault {spec!r}: during must be save, got {raw!r}")
+                values[key] = raw
+                continue
+            if key == "seconds":
+                try:
+                    values[key] = float(raw)
+                except ValueError:
+                    raise ValueError(f"fault {spec!r}: seconds must be a number, got {raw!r}") from None
+                if not 0 < values[key] <= 3600:
+                    raise ValueError(f"fault {spec!r}: seconds={raw} is out of range (0, 3600]")
                 continue
             try:
                 values[key] = int(raw)
@@ -67,13 +86,18 @@ class Fault:
             raise ValueError(f"fault {spec!r}: step=N is required")
         if "stage" not in values and "rank" not in values:
             raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
+        if (kind == "busy") != ("seconds" in values):
+            raise ValueError(f"fault {spec!r}: seconds=X goes with busy, and only with busy")
+        if "during" in values and ("task" in values or kind == "nan"):
+            raise ValueError(f"fault {spec!r}: during=save takes no task, and no nan")
         if kind == "nan" and "task" in values:
             raise ValueError(f"fault {spec!r}: nan poisons the step's gradients; it takes no task")
         return cls(kind, **values)
 
     def __str__(self) -> str:
         where = [f"{k}={v}" for k, v in (("step", self.step), ("stage", self.stage), ("rank", self.rank),
-                                          ("task", self.task), ("attempt", self.attempt)) if v is not None]
+                                          ("task", self.task), ("attempt", self.attempt),
+                                          ("seconds", self.seconds), ("during", self.during)) if v is not None]
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
@@ -103,13 +127,20 @@ class FaultInjector:
             self._fire()
 
     def iteration_done(self, module: torch.nn.Module) -> None:
-        if self.fault.task is None and self.step == self.fault.step:
+        if self.fault.task is None and self.fault.during is None and self.step == self.fault.step:
             self._fire(module)
+
+    def checkpoint_write(self, done: int) -> None:
+        """Before this rank writes its part of the checkpoint saved after ``done`` steps."""
+        if self.fault.during == "save" and done == self.fault.step:
+            self._fire()
 
     def _fire(self, module: torch.nn.Module | None = None) -> None:
         where = f"rank {self.rank} stage {self.stage}: step {self.step}"
         if self.fault.task is not None:
             where += f" task {self.fault.task}"
+        if self.fault.during is not None:
+            where += " during the checkpoint write"
         log.warning("%s: injecting fault %s", where, self.fault)
         kind = self.fault.kind
         if kind == "kill":
@@ -120,6 +151,11 @@ class FaultInjector:
             raise InjectedFault(f"{where}: injected fault ({self.fault})")
         elif kind == "bug":
             raise RuntimeError(f"{where}: injected internal error ({self.fault})")
+        elif kind == "busy":
+            end = time.monotonic() + self.fault.seconds
+            while time.monotonic() < end:  # pure Python: the heartbeat thread gets the GIL only in turns
+                pass
+            log.warning("%s: busy for %g s, done", where, self.fault.seconds)
         elif kind == "nan" and module is not None:
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             if grads:

@@ -27,9 +27,10 @@ from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import create_pipeline_channels
 from rrfp.comm.grad_sync import GradSync
+from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
-from rrfp.core.errors import StartupError
+from rrfp.core.errors import PeerSilent, StartupError
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.policy import Dispatch
@@ -40,6 +41,10 @@ from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.runtime")
+
+# With a heartbeat, how long gloo lets one operation wait: a backstop, for a peer that beats but never
+# sends (a deadlock; the executor logs it every timeout_s). Silence is the heartbeat's to find.
+BACKSTOP = datetime.timedelta(days=1)
 
 
 @contextlib.contextmanager
@@ -82,7 +87,7 @@ class PipelineRuntime:
 
     def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float, lane, poller,
                  groups: dict | None = None, owns_process_group: bool = False,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), heartbeat: Heartbeat | None = None) -> None:
         self.layout, self.rank, self.channels, self.timeout_s = layout, rank, channels, timeout_s
         coords = layout.coords(rank)
         self.stage, self.num_stages = coords.pp, layout.pp
@@ -98,10 +103,15 @@ class PipelineRuntime:
         self.device = device
         self.unit_s = unit_s
         self.owns_process_group = owns_process_group  # finish() destroys only what start() created
+        self.heartbeat = heartbeat  # None: every wait is bounded by timeout_s, as the groups' timeout
+        self._watched: asyncio.Task | None = None  # the task inside ``async with``, cancelled on silence
+        self._watcher: asyncio.Task | None = None
+        self._silence: PeerSilent | None = None
+        self._closed = False
 
     @classmethod
     def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, layout: Layout | None = None, backend: str = "gloo",
-              timeout_s: float = 60.0, unit_ms: float = 0.0) -> "PipelineRuntime":
+              timeout_s: float = 60.0, unit_ms: float = 0.0, heartbeat: bool = False) -> "PipelineRuntime":
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
         ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp.
@@ -112,7 +122,12 @@ class PipelineRuntime:
         and the control plane (TP agreement, statistics, barrier) stays on gloo
         CPU groups, so that reading a decision never waits for the device.
         NCCL's watchdog gets a longer timeout than ``timeout_s``, rrfp's own
-        deadline, which therefore fires first and names the peer."""
+        deadline, which therefore fires first and names the peer.
+
+        ``heartbeat`` (gloo): ``timeout_s`` bounds a peer's silence, not a wait. Every rank beats
+        on the rendezvous store from a thread (rrfp/comm/heartbeat.py); a rank waits for a peer
+        that beats however long its step takes, and names one silent for ``timeout_s`` (a
+        PeerSilent raised in the ``async with`` block). Startup is still bounded by ``timeout_s``."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -141,11 +156,13 @@ class PipelineRuntime:
                 dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
                                         device_id=device if device.type == "cuda" else None,
                                         **_attempt_store(world, timeout_s))
-            return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s)
+            return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s,
+                              heartbeat=heartbeat and backend == "gloo")
 
     @classmethod
     def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
-               owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None) -> "PipelineRuntime":
+               owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None,
+               heartbeat: bool = False) -> "PipelineRuntime":
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
@@ -155,14 +172,19 @@ class PipelineRuntime:
                          torch_module=torch_module)
         if backend == "nccl":
             ops = ops or CudaOps(device)
+        beat = Heartbeat.connect(rank, layout.world_size, timeout_s) if heartbeat else None
         channels = create_pipeline_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), device=device,
                                             poller=poller, compute_stream=getattr(lane, "stream", None), ops=ops,
-                                            deadline_s=timeout_s)
+                                            deadline_s=timeout_s, wait=BACKSTOP if beat is not None else None)
         groups = create_stage_groups(layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s)
+        if beat is not None:  # created with timeout_s (startup stays bounded); from now on silence is the beat's
+            for group in [None, *groups.values()]:  # collectives only: p2p waits get it in Channel.wait
+                dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
+            beat.start()
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
                  layout.coords(rank).tp, layout.coords(rank).dp)
         return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, lane, poller, groups=groups,
-                   owns_process_group=owns, device=device)
+                   owns_process_group=owns, device=device, heartbeat=beat)
 
     def stage_executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int,
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
@@ -180,7 +202,8 @@ class PipelineRuntime:
         worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
                              measure_activations=settings.budget.bytes is not None)
         agreement = TPAgreement(self.tp_control, microbatches, self.poller) if self.tp_control is not None else None
-        ex = StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s, agreement)
+        ex = StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s, agreement,
+                           liveness=self.heartbeat)
         self._executors.append(ex)
         return ex
 
@@ -221,18 +244,64 @@ class PipelineRuntime:
         # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
         with named_collective("final barrier of every rank"):
             await asyncio.to_thread(dist.barrier, self.cpu_group)
+        self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group
         dist.destroy_process_group()
 
     async def __aenter__(self) -> "PipelineRuntime":
+        if self.heartbeat is not None:
+            self._watched = asyncio.current_task()
+            self._watcher = asyncio.create_task(self._watch(), name="rrfp-heartbeat-watch")
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            await self.finish()
-        else:
+        try:
+            if exc_type is None:
+                await self.finish()
+            else:
+                await self.aclose()
+        except asyncio.CancelledError:
+            if self._silence is None:
+                raise
+        finally:
+            self._stop_watching()
+        if self._silence is not None:  # the block was cancelled for it (as asyncio.timeout does)
+            self._watched.uncancel()
             await self.aclose()
+            raise self._silence from None
+
+    async def _watch(self) -> None:
+        """Ask the heartbeat every beat; on a silent peer, cancel the block with PeerSilent as the
+        cause. On the loop: while this rank computes, nothing of it waits for a peer."""
+        hb = self.heartbeat
+        while True:
+            await asyncio.sleep(hb.period_s)
+            found = hb.check()
+            if found is None:
+                continue
+            if found.rank is None:
+                host0 = "rank 0's process" in hb.where
+                self._silence = PeerSilent(
+                    f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for {found.seconds:.1f} s "
+                    f"(run.timeout_s = {self.timeout_s:g}): {'rank 0 is' if host0 else 'it is'} stopped, hung or "
+                    "gone", 0 if host0 else None)
+            else:
+                self._silence = PeerSilent(
+                    f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for {found.seconds:.1f} s "
+                    f"(run.timeout_s = {self.timeout_s:g}): it is stopped, hung or cut off", found.rank)
+            log.info("%s", self._silence)
+            self._watched.cancel()
+            return
+
+    def _stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self.heartbeat is not None:
+            self.heartbeat.close()
 
     async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for ex in self._executors:
             ex.close()
         await self.poller.aclose()

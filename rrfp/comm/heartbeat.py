@@ -1,0 +1,192 @@
+"""A heartbeat on the control plane, so that a rank waiting on a peer can tell a
+peer that is busy (or was stopped and continued) from one that went silent.
+
+Each rank's daemon thread writes ``SEQ AGE ACTIVITY`` under its key in the
+rendezvous store every ``period_s`` (SEQ counts up; ACTIVITY is what the rank
+said it is doing, e.g. ``task F3``, for AGE seconds), and reads its peers'
+keys. A peer whose SEQ has not moved for ``timeout_s`` went silent: stopped
+(SIGSTOP), hung without the GIL, or cut off. A thread, not an asyncio task:
+it must beat while the main thread computes one long task.
+
+Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
+2.13): one client's calls are serialized under one mutex (``activeOpLock_``),
+so the heartbeat has its own client connection and never queues behind, or
+holds up, the process group's store calls; ``set`` sends without waiting for
+a reply; ``check`` and ``get`` read the reply with no timeout (only a
+``wait`` is bounded), so a store whose server is stopped blocks the reader.
+Hence the verdict (``silent``) is never a store call: it is taken from the
+times of the last reads, by whoever asks, and a reader stuck on the store is
+itself a finding ("the store stopped answering").
+
+Cost: per beat, one ``set`` and one ``multi_get`` of every peer's key, so
+the store serves 2 x world requests per ``period_s`` (world^2 keys read):
+fine for tens of ranks, to be narrowed to the ranks one talks to before
+thousands.
+
+Times are this process's monotonic clock, and only spans between two
+consecutive checks count: when this rank was itself stopped or starved (a gap
+between checks over half of ``timeout_s``), every peer gets a fresh
+``timeout_s`` (``check``), so a rank that was stopped and continued does not
+blame the peers that kept beating while it slept.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+log = logging.getLogger("rrfp.comm.heartbeat")
+
+PREFIX = "rrfp/heartbeat"
+
+
+def period_for(timeout_s: float) -> float:
+    """How often a rank beats: ten beats per ``timeout_s``, between 20 ms and 1 s."""
+    return min(1.0, max(0.02, timeout_s / 10))
+
+
+@dataclass
+class PeerBeat:
+    """What this rank last read of a peer's heartbeat."""
+
+    seq: int = -1  # -1: nothing read yet
+    activity: str = ""
+    activity_s: float = 0.0  # how long the peer had been at it when it wrote the beat
+    read_at: float = 0.0  # when that beat was read (monotonic)
+    changed_at: float = 0.0  # when SEQ last moved, as seen here (monotonic)
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A peer (``rank``; None: the store itself) with no heartbeat for ``seconds``."""
+
+    rank: int | None
+    seconds: float
+
+
+class Heartbeat:
+    """This rank's beat and its view of every peer's; ``start`` it, ``close`` it before the store goes."""
+
+    def __init__(self, store, rank: int, world: int, timeout_s: float, period_s: float | None = None,
+                 prefix: str = PREFIX, where: str = "the rendezvous store") -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout_s, self.period_s = timeout_s, period_s or period_for(timeout_s)
+        self.prefix, self.where = prefix, where
+        self.peers = [r for r in range(world) if r != rank]
+        now = time.monotonic()
+        self.beats = {r: PeerBeat(changed_at=now, read_at=now) for r in self.peers}
+        self.last_read = now  # the last round that read every peer's key
+        self.last_check = now
+        self._activity: tuple[str, float] = ("", now)
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"rrfp-heartbeat-{rank}", daemon=True)
+        self.error: BaseException | None = None  # the store failed the thread (it then stops beating)
+
+    @classmethod
+    def connect(cls, rank: int, world: int, timeout_s: float) -> "Heartbeat | None":
+        """A heartbeat on its own client of this job's store (MASTER_ADDR:MASTER_PORT, as torchrun
+        and ``env://`` set them), one key space per torchrun attempt; None without that store."""
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
+        except (KeyError, ValueError, RuntimeError) as e:
+            log.warning("rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts as "
+                        "silent after the process-group timeout", rank, e)
+            return None
+        owner = ("torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                 else "rank 0's process")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(store, rank, world, timeout_s, prefix=f"{PREFIX}/{attempt}",
+                   where=f"the rendezvous store at {host}:{port} (in {owner})")
+
+    # -- this rank --------------------------------------------------------------
+
+    def doing(self, what: str = "") -> None:
+        """What this rank does from now on (``task F3``, ``waiting for rank 2``; "": between things).
+        Called from the loop thread; the beat carries it to the peers."""
+        if what != self._activity[0]:
+            self._activity = (what, time.monotonic())
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop beating (the thread ends after its current store call)."""
+        self._stop.set()
+
+    # -- the thread -------------------------------------------------------------
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._beat()
+                self._read()
+                self._stop.wait(self.period_s)
+        except Exception as e:  # the store is gone (its host exited): the verdict comes from the times
+            self.error = e
+            log.info("rank %d: heartbeat stopped: %s", self.rank, e)
+
+    def _beat(self) -> None:
+        self._seq += 1
+        what, since = self._activity
+        self.store.set(self._key(self.rank), f"{self._seq} {time.monotonic() - since:.3f} {what}")
+
+    def _read(self) -> None:
+        """Every peer's beat: one ``multi_get`` round trip once each has beaten (it waits for missing
+        keys), until then a ``check`` of each key first."""
+        peers = self.peers
+        if any(self.beats[r].seq < 0 for r in peers):  # not started yet: its changed_at stays at our start
+            peers = [r for r in peers if self.store.check([self._key(r)])]
+        values = self.store.multi_get([self._key(r) for r in peers]) if peers else []
+        now = time.monotonic()
+        for r, value in zip(peers, values):
+            seq, age, what = (value.decode(errors="replace").split(" ", 2) + ["", ""])[:3]
+            beat = self.beats[r]
+            if int(seq) != beat.seq:
+                beat.seq, beat.changed_at = int(seq), now
+            beat.activity, beat.activity_s, beat.read_at = what, float(age or 0), now
+        self.last_read = now
+
+    # -- the verdict --------------------------------------------------------------
+
+    def check(self, now: float | None = None) -> Silence | None:
+        """The peer (or the store) silent for ``timeout_s`` or more, the longest-silent first; None
+        if none. Call it every ``period_s`` or so: a longer gap since the last call means this rank
+        was itself stopped or starved, and every peer gets a fresh ``timeout_s``."""
+        now = time.monotonic() if now is None else now
+        if now - self.last_check > self.timeout_s / 2:
+            for beat in self.beats.values():
+                beat.changed_at = max(beat.changed_at, now)
+            self.last_read = max(self.last_read, now)
+        self.last_check = now
+        if now - self.last_read >= self.timeout_s:
+            return Silence(None, now - self.last_read)
+        quiet = max(self.peers, key=lambda r: now - self.beats[r].changed_at, default=None)
+        if quiet is not None and now - self.beats[quiet].changed_at >= self.timeout_s:
+            return Silence(quiet, now - self.beats[quiet].changed_at)
+        return None
+
+    def describe(self, rank: int, now: float | None = None) -> str:
+        """A peer's state in words: ``alive, in task F3 for 75 s`` or ``no heartbeat for 3 s``."""
+        now = time.monotonic() if now is None else now
+        beat = self.beats[rank]
+        quiet = now - beat.changed_at
+        if beat.seq < 0:
+            return f"no heartbeat yet ({quiet:.0f} s)"
+        if quiet > 3 * self.period_s:  # three beats missed
+            return f"no heartbeat for {quiet:.1f} s"
+        if not beat.activity:
+            return "alive"
+        return f"alive, {'in ' if beat.activity.startswith('task') else ''}{beat.activity} for " \
+               f"{beat.activity_s + (now - beat.read_at):.0f} s"

@@ -1,0 +1,101 @@
+"""The heartbeat (rrfp/comm/heartbeat.py) on a real TCPStore in this process: a peer
+that beats is never silent, one that stops is named within timeout_s, a rank that
+was itself stopped gives its peers a fresh timeout_s, and a stuck store is a
+finding of its own."""
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch.distributed as dist
+
+from rrfp.comm.heartbeat import Heartbeat
+
+TIMEOUT_S = 0.6
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=5))
+    yield store
+
+
+def _pair(server, timeout_s: float = TIMEOUT_S) -> list[Heartbeat]:
+    beats = []
+    for rank in range(2):
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=5))
+        beats.append(Heartbeat(client, rank, 2, timeout_s, prefix=f"test/{id(server)}"))
+    return beats
+
+
+def _watch(hb: Heartbeat, seconds: float):
+    """Check every beat for ``seconds`` (as the runtime's watcher does); the first silence found."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        found = hb.check()
+        if found is not None:
+            return found
+        time.sleep(hb.period_s)
+    return None
+
+
+def test_a_beating_peer_is_never_silent_and_says_what_it_does(server):
+    a, b = _pair(server)
+    a.start(), b.start()
+    try:
+        b.doing("task F3")
+        assert _watch(a, 3 * TIMEOUT_S) is None, "a peer that beats was called silent"
+        assert a.describe(1).startswith("alive, in task F3 for "), a.describe(1)
+        assert b.describe(0) == "alive", b.describe(0)
+    finally:
+        a.close(), b.close()
+
+
+def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
+    a, b = _pair(server)
+    a.start(), b.start()
+    try:
+        assert _watch(a, 2 * TIMEOUT_S) is None
+        b.close()  # what SIGSTOP does to its thread
+        t0 = time.monotonic()
+        found = _watch(a, 5 * TIMEOUT_S)
+        took = time.monotonic() - t0
+        assert found is not None and found.rank == 1, found
+        assert TIMEOUT_S - 2 * a.period_s <= took <= TIMEOUT_S + 0.5, f"named after {took:.2f} s"
+        assert found.seconds >= TIMEOUT_S
+        assert a.describe(1).startswith("no heartbeat for "), a.describe(1)
+    finally:
+        a.close()
+
+
+def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
+    a, b = _pair(server)
+    a.start(), b.start()
+    try:
+        assert _watch(a, 2 * TIMEOUT_S) is None
+        b.close()
+        # this rank's own checks stopped for longer than timeout_s (as a SIGSTOP of it does): the peer's
+        # old beat is no evidence, so nobody is blamed at once ...
+        assert a.check(time.monotonic() + 3 * TIMEOUT_S) is None
+        # ... only after timeout_s of checks that saw nothing new
+        found = _watch(a, 5 * TIMEOUT_S)
+        assert found is not None and found.rank == 1, found
+    finally:
+        a.close()
+
+
+def test_a_store_that_stops_answering_is_named_as_the_store(server):
+    a, b = _pair(server)
+    a.start(), b.start()
+    try:
+        assert _watch(a, 2 * TIMEOUT_S) is None
+        a.close()  # no read any more, as when its store.get blocks on a stopped server
+        time.sleep(2 * a.period_s)  # the thread's last round ends
+        b.close()
+        found = _watch(a, 5 * TIMEOUT_S)
+        assert found is not None and found.rank is None, found
+    finally:
+        a.close(), b.close()
