@@ -205,14 +205,15 @@ class RunCheckpoints:
             group.update(lr=self.cfg.run.lr, weight_decay=self.cfg.run.weight_decay)
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
-    async def save(self, done: int) -> Checkpoint:
+    async def save(self, done: int, rng: dict | None = None) -> Checkpoint:
         """Collective: every rank writes its part into the partial directory (DCP's save
         returns on any rank only once every rank's files and the metadata are written);
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
-        checkpoint_keep."""
+        checkpoint_keep. ``rng``: the generators to record, when not the current ones."""
         with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
-            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
+            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
+                                    rng=rng)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:

@@ -1,7 +1,7 @@
 """Fault injection, a testing aid (in the spirit of torchft's failure injector):
 make one rank fail at a chosen (step, stage, task) to check how the others end.
 
-A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T][:attempt=A]``, in
+A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T][:attempt=A][:seconds=X]``, in
 ``run.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
 1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
 (every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
@@ -13,7 +13,9 @@ iteration; ``attempt`` fires only in that attempt of a torchrun job
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
 alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
 ``bug`` (a plain RuntimeError: what an internal error looks like) and ``nan``
-(the stage's gradients become NaN at the end of the step's backward; no task).
+(the stage's gradients become NaN at the end of the step's backward; no task)
+and ``slow`` (task T holds its compute lane ``seconds`` longer, as a long kernel
+would: a step longer than any grace period, to test a stop that does not wait).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan")
+KINDS = ("kill", "stop", "raise", "bug", "nan", "slow")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Fault:
     rank: int | None = None
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
+    seconds: int | None = None  # slow: how much longer the task holds its lane
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
@@ -51,9 +54,9 @@ class Fault:
         values: dict = {}
         for f in fields:
             key, sep, raw = f.partition("=")
-            if not sep or key not in ("step", "stage", "rank", "task", "attempt") or key in values:
-                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A "
-                                 "(once each)")
+            if not sep or key not in ("step", "stage", "rank", "task", "attempt", "seconds") or key in values:
+                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
+                                 "seconds=X (once each)")
             if key == "task":
                 values[key] = Task.parse(raw)
                 continue
@@ -61,7 +64,7 @@ class Fault:
                 values[key] = int(raw)
             except ValueError:
                 raise ValueError(f"fault {spec!r}: {key} must be an integer, got {raw!r}") from None
-            if values[key] < (1 if key == "step" else 0):
+            if values[key] < (1 if key == "step" else 0) or key == "seconds" and values[key] > 604_800:
                 raise ValueError(f"fault {spec!r}: {key}={values[key]} is out of range")
         if "step" not in values:
             raise ValueError(f"fault {spec!r}: step=N is required")
@@ -69,11 +72,15 @@ class Fault:
             raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
         if kind == "nan" and "task" in values:
             raise ValueError(f"fault {spec!r}: nan poisons the step's gradients; it takes no task")
+        if (kind == "slow") != ("seconds" in values) or (kind == "slow" and "task" not in values):
+            raise ValueError(f"fault {spec!r}: slow takes task=T and seconds=X (how much longer T holds its "
+                             "lane); other kinds take no seconds")
         return cls(kind, **values)
 
     def __str__(self) -> str:
         where = [f"{k}={v}" for k, v in (("step", self.step), ("stage", self.stage), ("rank", self.rank),
-                                          ("task", self.task), ("attempt", self.attempt)) if v is not None]
+                                          ("task", self.task), ("attempt", self.attempt),
+                                          ("seconds", self.seconds)) if v is not None]
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
@@ -84,7 +91,7 @@ class Fault:
 
 class FaultInjector:
     """Fires ``fault`` on this rank; ``train`` calls ``begin_step`` before each step,
-    the executor calls ``task_done`` after each task, and ``train`` calls
+    the executor calls ``hold_s`` before and ``task_done`` after each task, and ``train`` calls
     ``iteration_done`` between the backward and the gradient sync."""
 
     def __init__(self, fault: Fault, rank: int, stage: int) -> None:
@@ -98,12 +105,21 @@ class FaultInjector:
     def begin_step(self, step: int) -> None:
         self.step = step + 1
 
+    def hold_s(self, task: Task) -> float:
+        """Seconds ``task`` holds the lane beyond its own time: the executor asks before it runs it."""
+        if self.fault.kind == "slow" and task == self.fault.task and self.step == self.fault.step:
+            log.warning("rank %d stage %d: step %d task %s: injecting fault %s", self.rank, self.stage, self.step,
+                        task, self.fault)
+            return float(self.fault.seconds)
+        return 0.0
+
     def task_done(self, task: Task) -> None:
-        if self.fault.task is not None and task == self.fault.task and self.step == self.fault.step:
+        if (self.fault.kind != "slow" and self.fault.task is not None and task == self.fault.task
+                and self.step == self.fault.step):
             self._fire()
 
     def iteration_done(self, module: torch.nn.Module) -> None:
-        if self.fault.task is None and self.step == self.fault.step:
+        if self.fault.kind != "slow" and self.fault.task is None and self.step == self.fault.step:
             self._fire(module)
 
     def _fire(self, module: torch.nn.Module | None = None) -> None:
