@@ -15,6 +15,7 @@ from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import SECONDARY, Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.start_checks import check_memory, check_timeout
 from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
@@ -83,6 +84,10 @@ def train_command(args) -> int:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+        slow_timeout = None
+        if not args.dry_run:  # both need the model (built on the meta device): not for a dry run
+            check_memory(cfg)  # exits 2 when the config cannot fit this machine
+            slow_timeout = check_timeout(cfg)
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
@@ -93,6 +98,8 @@ def train_command(args) -> int:
     start = resume.start
     if rank == 0 and resume.fallback_line():
         say(f"rrfp: warning: {resume.fallback_line()}")
+    if rank == 0 and slow_timeout:
+        say(f"rrfp: warning: {slow_timeout}")
     if rank == 0 and cfg.run.resume != "off":
         print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
               f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
