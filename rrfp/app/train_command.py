@@ -84,10 +84,9 @@ def train_command(args) -> int:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
-        slow_timeout = None
-        if not args.dry_run:  # both need the model (built on the meta device): not for a dry run
+        if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
             check_memory(cfg)  # exits 2 when the config cannot fit this machine
-            slow_timeout = check_timeout(cfg)
+        slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound, the run may work
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
