@@ -22,6 +22,8 @@ import pytest
 from test_restart import _flat, losses
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's own, the same job shape)
 STEPS, SLOW_STEP, SLOW_S, SAVED_WITHIN_S = 6, 3, 60, 5.0
 SETS = ["model.n_layer=2", "model.n_embd=32", "model.block_size=64", "data.min_seq_len=16", "data.max_seq_len=64",
         "microbatches=4", "model.dropout=0.1", f"steps={STEPS}", "timeout_s=200"]
@@ -43,20 +45,6 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
     if wait:
         p.wait(timeout=150)
     return p
-
-
-def workers(agent: int) -> list[int]:
-    """The pids of torchrun's worker processes (its children)."""
-    kids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == agent:
-                kids.append(int(d.name))
-    return sorted(kids)
 
 
 def final_state(ck: Path) -> dict:
