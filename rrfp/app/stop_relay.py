@@ -63,12 +63,13 @@ class StopRelay:
                 if store is None:
                     store = connect_store()
                     if store is None:
-                        continue
+                        log.debug("stop relay: the rendezvous store cannot be reached; relaying nothing")
+                        return
                 if self._posted and not told:
                     store.add(self.key, 1)
                     told = True
                 if store.add(self.key, 0) > 0:  # adding 0: an atomic read, 0 when nobody posted
                     self.seen.set()
-            except RuntimeError as e:  # the store went away (the run is ending)
-                log.debug("stop relay: %s", e)
-                store = None
+            except RuntimeError as e:  # the store went away (its host rank died, or the run is ending):
+                log.debug("stop relay: %s", e)  # no reconnecting, whose every failed try torch logs on stderr
+                return
