@@ -1,6 +1,6 @@
 """Checkpoint and resume: a resumed run repeats the losses of an uninterrupted
 one; a checkpoint is complete or ignored; a mismatched config is one error line
-(exit 2) before any process group; SIGTERM stops every rank after a saved step.
+(exit 2) before any process group; SIGTERM on one rank stops every rank with a saved step.
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ TIMEOUT_S = 10
 
 
 @pytest.mark.timeout(180)
-def test_sigterm_stops_every_rank_after_a_saved_step(tmp_path):
+def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     ckdir = tmp_path / "ck"
     ranks = Ranks(tmp_path / "logs", *SMALL, "--set", "steps=100000", "--set", "unit_ms=20",
                   "--set", f"timeout_s={TIMEOUT_S}", "--set", f"checkpoint_dir={ckdir}", "--set", "checkpoint_every=4")
@@ -287,11 +287,12 @@ def test_sigterm_stops_every_rank_after_a_saved_step(tmp_path):
             err = ranks.err(r)
             assert "Traceback" not in err, err
             lines = [ln for ln in err.splitlines() if ln.startswith("rrfp: ")]
-            assert len(lines) == 1 and lines[0].startswith(f"rrfp: stopped: rank {r}: SIGTERM on 1 rank(s)"), err
-            stopped.append(int(lines[0].split("stopped after step ")[1].split()[0]))
+            where = "on this rank" if r == 1 else "on another rank"  # rank 0 learns of it through the store
+            assert len(lines) == 1 and lines[0].startswith(f"rrfp: stopped: rank {r}: SIGTERM {where}; "), err
+            stopped.append(int(lines[0].split(" is saved;")[0].rsplit("(step ", 1)[1].rstrip(")")))
         assert stopped[0] == stopped[1], stopped
         step = stopped[0]
-        assert f"checkpoint {ckdir / f'step-{step:08d}'} saved" in lines[0], lines[0]
+        assert f"checkpoint {ckdir / f'step-{step:08d}'} (step {step}) is saved" in lines[0], lines[0]
         printed = sum(ln.startswith("step") for ln in ranks.out(0).splitlines())
         assert printed == step, f"rank 0 printed {printed} steps, stopped after {step}"
     finally:
@@ -309,18 +310,25 @@ def test_sigterm_stops_every_rank_after_a_saved_step(tmp_path):
     assert CheckpointDir(ckdir).latest().step == step + 2
 
 
-def test_second_sigterm_leaves_at_once():
-    """The first SIGTERM is a request (the run stops after its step); a second one ends the process, 143."""
+@pytest.mark.parametrize("committed", [False, True])
+def test_second_sigterm_leaves_at_once(tmp_path, committed):
+    """The first SIGTERM is a request (the run stops without waiting for its step); a second one ends the
+    process, 143, saying which checkpoint is left: none when none was committed, not "the last one stays"."""
+    if committed:
+        CheckpointDir(tmp_path).partial_path(4).mkdir()
+        CheckpointDir(tmp_path).commit(4, {})
     code = ("import os, signal, time\n"
-            "from rrfp.app.train_command import StopOnSigterm\n"
-            "stop = StopOnSigterm().install()\n"
+            "from rrfp.app.train_command import StopOnSigterm, kept_checkpoint\n"
+            f"stop = StopOnSigterm(lambda: kept_checkpoint({str(tmp_path)!r})).install()\n"
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
             "print('requested', stop.requested, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)\n"
             "print('still here', flush=True)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (res.returncode, res.stdout) == (143, "requested True\n"), (res.returncode, res.stdout, res.stderr)
-    assert res.stderr.strip() == "rrfp: second SIGTERM: leaving now; the last committed checkpoint stays"
+    kept = (f"the last committed checkpoint, {tmp_path / 'step-00000004'} (step 4), stays" if committed else
+            f"no checkpoint has been committed in {tmp_path}: nothing of this run is kept")
+    assert res.stderr.strip() == f"rrfp: second SIGTERM: leaving now; {kept}"
 
 
 def test_only_committed_directories_are_checkpoints(tmp_path):

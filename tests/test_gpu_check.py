@@ -119,3 +119,23 @@ def test_gpu_check_on_a_cpu_machine_skips_every_check_and_says_why():
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[")]
     assert [ln.split("]")[1].split(":")[0].strip() for ln in lines] == list(gpu_check.CHECKS)
     assert all(ln.startswith("[SKIPPED]") and "no CUDA device" in ln and "tests/" in ln for ln in lines), lines
+
+
+@pytest.mark.timeout(60)
+def test_cuda_lane_holds_a_slow_tasks_seconds_without_emulated_time():
+    """The slow fault's hold_s on the CUDA lane: a spin kernel even when unit_s = 0 (the spin is
+    calibrated on first use), so the stream is busy that long; abandon() is there and recalls nothing."""
+    from rrfp.loop import CompletionPoller, CudaComputeLane
+
+    dev, world = fake_device()
+
+    async def go():
+        async with CompletionPoller() as poller:
+            lane = CudaComputeLane(poller, dev.device, 0.0, torch_module=dev.torch)
+            await lane.run(lambda: None, hold_s=0.2)
+            lane.abandon()
+            await lane.drain()
+            return lane.task_s
+
+    task_s = run(go())
+    assert len(task_s) == 1 and task_s[0] >= 0.19, task_s

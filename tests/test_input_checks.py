@@ -79,9 +79,28 @@ def test_fault_spec_round_trip_and_errors():
     for bad, match in [("kill:stage=1", "step=N is required"), ("kill:step=1", "stage=S or rank=R"),
                        ("kill:step=0:stage=1", "out of range"), ("kill:step=x:stage=1", "must be an integer"),
                        ("kill:step=1:stage=1:step=2", "once each"), ("nan:step=1:stage=0:task=F0", "no task"),
-                       ("kill:step=1:stage=0:task=X9", "not a task")]:
+                       ("kill:step=1:stage=0:task=X9", "not a task"),
+                       ("slow:step=1:stage=0:task=F0", "slow takes task=T and seconds=X"),
+                       ("slow:step=1:stage=0:seconds=5", "slow takes task=T and seconds=X"),
+                       ("kill:step=1:stage=0:seconds=5", "other kinds take no seconds"),
+                       ("slow:step=1:stage=0:task=F0:seconds=999999999", "out of range")]:
         with pytest.raises(ValueError, match=match):
             Fault.parse(bad)
+
+
+def test_slow_fault_holds_one_task_of_one_step():
+    """The slow task's extra lane time: only its task, only in its step, only where it hits."""
+    from rrfp.pipeline.faults import FaultInjector
+
+    f = Fault.parse("slow:step=2:stage=1:task=W1:seconds=60")
+    assert str(f) == "slow:step=2:stage=1:task=W1:seconds=60" and Fault.parse(str(f)) == f
+    inj = FaultInjector.for_rank(f, rank=1, stage=1)
+    assert FaultInjector.for_rank(f, rank=0, stage=0) is None
+    inj.begin_step(0)
+    assert inj.hold_s(Task.parse("W1")) == 0.0
+    inj.begin_step(1)
+    assert inj.hold_s(Task.parse("W1")) == 60.0 and inj.hold_s(Task.parse("W0")) == 0.0
+    inj.task_done(Task.parse("W1"))  # it fires nothing else (no kill, no raise)
 
 
 def test_rrfp_fault_environment_variable(monkeypatch):

@@ -451,6 +451,31 @@ async def test_loop_stays_responsive_while_lane_computes():
 
 @pytest.mark.timeout(30)
 @pytest.mark.asyncio
+async def test_abandon_ends_emulated_time_held_now_and_later():
+    """A stop that does not wait for the step: the lane's emulated hold (here 30 s, and hold_s, the
+    slow fault's) ends at once on abandon(); the thread is free for the next call."""
+    async with ComputeLane(unit_s=1.0) as lane:
+        held = asyncio.ensure_future(lane.run(lambda: "done", units=30))
+        await asyncio.sleep(0.2)
+        started = time.perf_counter()
+        lane.abandon()
+        assert await held == "done"
+        assert await lane.run(lambda: "next", units=30, hold_s=30) == "next"
+        elapsed = time.perf_counter() - started
+    assert elapsed < 5, f"the held lane took {elapsed:.1f} s to let go"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
+async def test_hold_s_adds_to_emulated_time():
+    async with ComputeLane(unit_s=0.0) as lane:
+        started = time.perf_counter()
+        await lane.run(lambda: None, hold_s=0.1)
+        assert time.perf_counter() - started >= 0.1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.asyncio
 async def test_lane_propagates_exceptions():
     def fail() -> None:
         raise FloatingPointError("loss is nan")

@@ -207,17 +207,18 @@ class RunCheckpoints:
             group.update(lr=self.cfg.run.lr, weight_decay=self.cfg.run.weight_decay)
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
-    async def save(self, done: int) -> Checkpoint:
+    async def save(self, done: int, rng: dict | None = None) -> Checkpoint:
         """Collective: every rank writes its part into the partial directory (DCP's save
         returns on any rank only once every rank's files and the metadata are written);
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep. A peer lost on the way is a PeerFailure whose line says which
-        checkpoint stays (the partial one is debris, cleared at the next run's start)."""
+        checkpoint stays (the partial one is debris, cleared at the next run's start).
+        ``rng``: the generators to record, when not the current ones."""
         for hook in self.on_write:
             hook(done)
         try:
-            return await self._save(done)
+            return await self._save(done, rng)
         except PeerFailure as e:
             raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
                               f"was not saved, {self._kept()}: "
@@ -237,9 +238,10 @@ class RunCheckpoints:
             return "and no checkpoint was committed before it (a resume starts at step 0)"
         return f"the newest committed checkpoint stays ({latest.path})"
 
-    async def _save(self, done: int) -> Checkpoint:
+    async def _save(self, done: int, rng: dict | None) -> Checkpoint:
         with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
-            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where)
+            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
+                                    rng=rng)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:

@@ -27,31 +27,17 @@ GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before
 class FailureBoard:
     def __init__(self, store, world: int) -> None:
         self.store, self.world = store, world
-        self.prefix = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.prefix = f"{PREFIX}/{attempt()}"
 
     @classmethod
     def connect(cls, timeout_s: float = 1.0) -> "FailureBoard | None":
-        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached
-        within about ``timeout_s``. In a thread: TCPStore's constructor pings the server and reads
-        the reply with no timeout, so a stopped store (in a SIGSTOPped rank 0) would hang it."""
-        found: list = []
-
-        def connect() -> None:
-            try:
-                found.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                           is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                                           wait_for_workers=False))
-            except (KeyError, ValueError, RuntimeError):
-                pass
+        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached."""
+        with _quiet():
+            store = connect_store(timeout_s)
         try:
-            world = int(os.environ["WORLD_SIZE"])
+            return cls(store, int(os.environ["WORLD_SIZE"])) if store is not None else None
         except (KeyError, ValueError):
             return None
-        with _quiet():
-            thread = threading.Thread(target=connect, name="rrfp-failure-board", daemon=True)
-            thread.start()
-            thread.join(timeout_s + 1.0)
-        return cls(found[0], world) if found else None
 
     def post(self, rank: int, note: str) -> None:
         """``primary`` or ``secondary P`` (P: the lost peer, or ``?``)."""
@@ -124,6 +110,31 @@ class FailureBoard:
             nxt = note.removeprefix("secondary ")
             peer = int(nxt) if nxt.isdigit() else None
         return None
+
+
+def attempt() -> str:
+    """This attempt of a torchrun job ("0" outside one): torchrun's agent keeps one store for all."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def connect_store(timeout_s: float = 1.0):
+    """A new client of this run's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent's, or
+    rank 0's); None if it cannot be reached within about ``timeout_s``. In a thread: TCPStore's
+    constructor pings the server and reads the reply with no timeout, so a stopped store (in a
+    SIGSTOPped rank 0) would hang it. torch logs each failed attempt on stderr (see _quiet)."""
+    found: list = []
+
+    def connect() -> None:
+        try:
+            found.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False))
+        except (KeyError, ValueError, RuntimeError):
+            pass
+
+    thread = threading.Thread(target=connect, name="rrfp-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    return found[0] if found else None
 
 
 @contextlib.contextmanager

@@ -6,10 +6,12 @@ when it created one.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, Coroutine, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,10 +22,12 @@ from rrfp.core.errors import NonFiniteError
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
+from rrfp.pipeline.checkpoint import rng_state
 from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
 
 log = logging.getLogger("rrfp.app.train")
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,9 +51,10 @@ class TrainSummary:
     plan_s: list[float] = field(default_factory=list)  # hint = plan: planning time per step (in a thread)
     plan_waited_s: list[float] = field(default_factory=list)  # ... and how long each step waited for its plan
     first_step: int = 0  # the step this run started from: a resumed checkpoint's, or 0
-    checkpoint: str | None = None  # the last checkpoint this run saved
+    checkpoint: str | None = None  # the last checkpoint this run saved (or resumed from, after a stop)
     stopped_at: int | None = None  # a stop request ended the run after this many steps
-    stop_requests: int = 0  # ... made on this many ranks
+    stop_requests: int = 0  # ... seen on this many ranks when they agreed to stop
+    abandoned: bool = False  # ... abandoning step stopped_at + 1 midway, its gradients discarded
     skipped: list[int] = field(default_factory=list)  # steps (0-based) whose update was skipped: NaN/Inf
 
 
@@ -59,10 +64,19 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     checkpoint ``run.resume`` picks (or step 0). Every rank returns the per-step
     mean losses (all-reduced from the last stage) of the steps it ran.
 
-    ``stop()`` true on any rank (``rrfp train`` sets it on SIGTERM) ends the run
-    on every rank after the current step, which is saved first when
-    ``run.checkpoint_dir`` is set: the ranks agree on it in the step's all-reduce.
-    ``resume``: where to start, when the caller has already decided (``plan_resume``)."""
+    ``stop()`` (``rrfp train``: a SIGTERM on any rank) ends the run without
+    waiting for the current step: polled every ``STOP_POLL_S`` while the step
+    computes, it cancels this rank's iteration and gradient sync (the lane's
+    emulated time ends too; a real kernel runs on, unwaited for), and the rank
+    goes on to the step's all-reduce saying so. There every rank learns that
+    the step was abandoned somewhere: none steps its optimizer, and the state
+    of the last completed step is saved (when ``run.checkpoint_dir`` is set)
+    with the generators of the abandoned step's start, so a resumed run repeats
+    it exactly. Every rank must see ``stop()`` turn true (``rrfp train`` relays
+    it through the rendezvous store): a rank it did not reach would wait for its
+    peers' messages until ``run.timeout_s``. A stop seen only once the step's
+    computation is done keeps that step, as before. ``resume``: where to start,
+    when the caller has already decided (``plan_resume``)."""
     run, wl = cfg.run, cfg.workload
     if resume is None:  # before any process group: a mismatch fails every rank the same way
         resume = plan_resume(cfg)
@@ -81,6 +95,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         injector = FaultInjector.for_rank(run.fault, rt.rank, rt.stage)  # testing aid, normally None
         if injector is not None:
             ex.on_task_done.append(injector.task_done)
+            ex.task_hold_s.append(injector.hold_s)
         opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
         summary = TrainSummary()
         world = rt.layout.world_size
@@ -89,9 +104,11 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             await ckpts.begin(resume)
         if ckpts is not None and injector is not None:
             ckpts.on_write.append(injector.checkpoint_write)
+        saved_at = None  # the step of the checkpoint this run last saved or resumed from
         if start is not None:
             await ckpts.load(start)
             summary.first_step = start.step
+            summary.checkpoint, saved_at = str(start.path), start.step
 
         def my_batches(step: int):
             # DP replica d trains on its own M microbatches of a global batch of dp * M
@@ -110,18 +127,38 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
             if injector is not None:
                 injector.begin_step(step)
-            res = await ex.run_iteration(step, mine, feats)
-            if injector is not None:
-                injector.iteration_done(module)
-            await sync.sync()
-            # the statistics all-reduce also counts the ranks that saw a NaN/Inf, so every rank
-            # steps, skips or stops alike
-            bad = not _finite(module, res.loss)
-            vec = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
-                                float(res.tokens if rt.stage == 0 else 0), float(bad),
-                                float(stop is not None and stop())], dtype=torch.float64)
+            at_start = rng_state(rt.device)  # what a stop that abandons this step saves
+
+            async def compute(step=step, mine=mine, feats=feats):
+                res = await ex.run_iteration(step, mine, feats)
+                if injector is not None:
+                    injector.iteration_done(module)
+                await sync.sync()
+                return res
+
+            res = await _unless_stopped(stop, compute())
+            if res is None:
+                ex.lane.abandon()
+                log.info("rank %d: step %d abandoned midway: a stop was requested", rt.rank, step + 1)
+            # the statistics all-reduce also counts the ranks that saw a NaN/Inf or abandoned the
+            # step, so every rank steps, skips or stops alike. It is on the control-plane group, which
+            # the abandoned iteration never used: its pending P2P transfers and DP all-reduces are on
+            # their own groups (docs/design.md, "A stop that does not wait for the step")
+            bad = res is not None and not _finite(module, res.loss)
+            vec = torch.tensor([0.0, 0.0, 0.0, 0.0, float(bad), float(stop is not None and stop()),
+                                float(res is None)], dtype=torch.float64)
+            if res is not None:
+                vec[:4] = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
+                                        float(res.tokens if rt.stage == 0 else 0)], dtype=torch.float64)
             await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
-            loss, busy, wall, tokens, nonfinite, stops = vec.tolist()
+            loss, busy, wall, tokens, nonfinite, stops, abandoned = vec.tolist()
+            if abandoned:  # no rank steps: the state is still that of `step` completed steps
+                opt.zero_grad(set_to_none=True)
+                summary.stopped_at, summary.stop_requests, summary.abandoned = step, int(stops), True
+                if ckpts is not None and saved_at != step:
+                    summary.checkpoint = str((await ckpts.save(step, rng=at_start)).path)
+                rt.abandoned = True
+                break
             if nonfinite:
                 await _nonfinite(rt, run.on_nonfinite, step, bad)
                 summary.skipped.append(step)
@@ -147,6 +184,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             stopping = stops > 0 and step + 1 < run.steps  # a stop during the last step: the run is complete
             if ckpts is not None and ckpts.due(step + 1, stopping):
                 summary.checkpoint = str((await ckpts.save(step + 1)).path)
+                saved_at = step + 1
             if stopping:
                 summary.stopped_at, summary.stop_requests = step + 1, int(stops)
                 log.info("rank %d: stopping after step %d: a stop was requested on %d rank(s)", rt.rank,
@@ -165,6 +203,26 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
                 log.info("wrote trace %s", run.trace)
     return summary
+
+
+STOP_POLL_S = 0.05  # how often a step in progress looks at stop(): a loop wake-up, microseconds of work
+
+
+async def _unless_stopped(stop: Callable[[], bool] | None, work: Coroutine[Any, Any, T]) -> T | None:
+    """``work``'s result, or None once ``stop()`` turned true before it finished (it is then
+    cancelled, and this returns when its cancellation has run: nothing of it is awaited after)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while stop is not None and not task.done():
+            if stop():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return None
+            await asyncio.wait([task], timeout=STOP_POLL_S)
+        return await task
+    finally:
+        task.cancel()  # when this itself is cancelled: no orphan left running
 
 
 def _finite(module: torch.nn.Module, loss: float | None) -> bool:

@@ -15,8 +15,11 @@ from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.start_checks import check_memory, check_timeout
+from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
+from rrfp.pipeline.checkpoint_dir import CheckpointDir
 
 
 def _print_step(r: StepReport) -> None:
@@ -30,23 +33,45 @@ STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended
 
 
 class StopOnSigterm:
-    """The first SIGTERM asks the run to stop after the current step (every rank
-    learns of it in that step's all-reduce, saves, and exits 143); a second one
-    leaves at once, keeping the last committed checkpoint."""
+    """The first SIGTERM asks the run to stop without waiting for its step: every rank
+    learns of it through the store (``stop_relay.py``), abandons the step, saves the last
+    completed one and exits 143. A second SIGTERM leaves at once; its line says which
+    checkpoint is left, read when it comes (``kept()``)."""
 
-    def __init__(self, kept: str = "the last committed checkpoint stays") -> None:
-        self.requested = False
-        self._last_words = f"rrfp: second SIGTERM: leaving now; {kept}\n".encode()
+    def __init__(self, kept=lambda: kept_checkpoint(""), relay: StopRelay | None = None) -> None:
+        self.signalled = False  # a SIGTERM reached this rank
+        self._kept = kept if callable(kept) else (lambda: kept)
+        self.relay = relay
+
+    @property
+    def requested(self) -> bool:
+        """A SIGTERM reached this rank, or another one (through the relay)."""
+        return self.signalled or (self.relay is not None and self.relay.seen.is_set())
 
     def install(self) -> "StopOnSigterm":
         signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.requested:
-            os.write(2, self._last_words)
+        if self.signalled:
+            os.write(2, f"rrfp: second SIGTERM: leaving now; {self._kept()}\n".encode())
             os._exit(STOPPED_EXIT)
-        self.requested = True
+        self.signalled = True
+        if self.relay is not None:
+            self.relay.post()
+
+
+def kept_checkpoint(checkpoint_dir: str) -> str:
+    """What a run that ends now leaves behind, as the second SIGTERM's line says it."""
+    if not checkpoint_dir:
+        return "no checkpoint is kept (run.checkpoint_dir is not set)"
+    try:
+        latest = CheckpointDir(checkpoint_dir).latest()
+    except OSError as e:
+        return f"cannot list {checkpoint_dir}: {e.strerror or e}"
+    if latest is None:
+        return f"no checkpoint has been committed in {checkpoint_dir}: nothing of this run is kept"
+    return f"the last committed checkpoint, {latest.path} (step {latest.step}), stays"
 
 
 def train_command(args) -> int:
@@ -59,6 +84,9 @@ def train_command(args) -> int:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+        if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
+            check_memory(cfg)  # exits 2 when the config cannot fit this machine
+        slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound, the run may work
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
@@ -69,6 +97,8 @@ def train_command(args) -> int:
     start = resume.start
     if rank == 0 and resume.fallback_line():
         say(f"rrfp: warning: {resume.fallback_line()}")
+    if rank == 0 and slow_timeout:
+        say(f"rrfp: warning: {slow_timeout}")
     if rank == 0 and cfg.run.resume != "off":
         print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
               f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
@@ -77,17 +107,24 @@ def train_command(args) -> int:
             print(cfg.layout.describe())
             print(cfg.as_dict())
         return 0
-    sigterm = StopOnSigterm(*([] if cfg.run.checkpoint_dir else
-                              ["no checkpoint is kept (run.checkpoint_dir is not set)"])).install()
+    relay = StopRelay().start()
+    sigterm = StopOnSigterm(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay).install()
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested, resume=resume))
     except Exception as e:
+        relay.close()
         _fail(e, cfg, rank, getattr(args, "debug", False))
+    relay.close()
     if summary.stopped_at is not None:
-        saved = (f"checkpoint {summary.checkpoint} saved; continue with --resume" if summary.checkpoint else
-                 "no checkpoint saved (run.checkpoint_dir is not set)")
-        say(f"rrfp: stopped: rank {rank}: SIGTERM on {summary.stop_requests} rank(s), the run stopped after "
-            f"step {summary.stopped_at} of {cfg.run.steps}; {saved}")
+        # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once one
+        # has exited, and that is no second SIGTERM to leave on before this rank's line is out
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
+                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)")
+        where = "on this rank" if sigterm.signalled else "on another rank"
+        ended = (f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
+                 if summary.abandoned else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}")
+        say(f"rrfp: stopped: rank {rank}: SIGTERM {where}; {ended}; {saved}")
         exit_now(STOPPED_EXIT)
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""

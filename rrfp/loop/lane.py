@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,10 @@ class ComputeLane:
     the thread sleeps off the rest, and does not sleep when ``fn`` alone took
     longer. A call that raises spends no emulated time; its exception reaches
     the awaiter. Cancelling the awaiter drops a queued call; a running call
-    finishes and its result is dropped.
+    finishes and its result is dropped. ``abandon()`` (a stop that does not
+    wait for the step) also cuts short the emulated time being held, and any
+    later: emulated time stands for a kernel that the device would still be
+    running, and nobody waits for it any more.
     """
 
     def __init__(self, unit_s: float = 0.0, name: str = "compute") -> None:
@@ -39,11 +43,18 @@ class ComputeLane:
         self.busy_s = 0.0  # wall time the lane spent on calls, emulation included
         self.tasks_run = 0
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
+        self._abandoned = threading.Event()  # set: emulated time ends at once
 
-    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
-        """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s`` seconds at least."""
+    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0) -> Any:
+        """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at least
+        (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units)
+        return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units * self.unit_s + hold_s)
+
+    def abandon(self) -> None:
+        """Nobody waits for the lane's work any more: emulated time held now or later ends at once.
+        A real computation in the thread runs to its end (Python cannot interrupt it); its result is dropped."""
+        self._abandoned.set()
 
     @property
     def last_task_done(self) -> None:
@@ -74,13 +85,13 @@ class ComputeLane:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _hold_lane(self, fn: Callable[..., Any], args: tuple, units: float) -> Any:
+    def _hold_lane(self, fn: Callable[..., Any], args: tuple, hold_s: float) -> Any:
         start = time.perf_counter()
         try:
             result = fn(*args)
-            remaining = start + units * self.unit_s - time.perf_counter()
+            remaining = start + hold_s - time.perf_counter()
             if remaining > 0:
-                time.sleep(remaining)
+                self._abandoned.wait(remaining)
             return result
         finally:
             # Only the lane thread writes these; readers on the loop see a
@@ -135,16 +146,18 @@ class CudaComputeLane:
         self._last_enqueued = None  # the finished event of the last task enqueued
         self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
 
-    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0) -> Any:
-        """Enqueue ``fn(*args)`` and ``units * unit_s`` seconds of spin on the lane's stream."""
+    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0) -> Any:
+        """Enqueue ``fn(*args)`` and ``units * unit_s + hold_s`` seconds of spin on the lane's stream."""
         torch = self._torch
+        if hold_s > 0 and not self._sleep_cycles_per_s:
+            self._sleep_cycles_per_s = self._calibrate_sleep()
         issued = time.perf_counter()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             started = torch.cuda.Event(enable_timing=True)
             finished = torch.cuda.Event(enable_timing=True)
             started.record(self.stream)
             result = fn(*args)
-            cycles = int(units * self.unit_s * self._sleep_cycles_per_s)
+            cycles = int((units * self.unit_s + hold_s) * self._sleep_cycles_per_s)
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             finished.record(self.stream)
@@ -184,6 +197,10 @@ class CudaComputeLane:
 
     def close(self) -> None:
         """Nothing to release: kernels already enqueued finish on their own."""
+
+    def abandon(self) -> None:
+        """Nobody waits for the stream any more. Kernels already enqueued (a spin included) cannot be
+        recalled; they run on, and only work that waits on this stream waits for them."""
 
     def follow_caller(self) -> None:
         """The lane's stream waits (device side) for the caller's current stream."""

@@ -36,21 +36,28 @@ def stage_key(stage: int, tp_rank: int) -> str:
     return f"stage{stage}.tp{tp_rank}"
 
 
-def _state(module: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, stage: int, tp_rank: int,
-           device: torch.device) -> dict:
-    model_sd, optim_sd = get_state_dict(module, opt)  # FQN-keyed; a fresh optimizer's state is created
+def rng_state(device: torch.device) -> dict:
+    """This process's torch generators now (the CPU's, and ``device``'s on CUDA)."""
     rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
-    return {stage_key(stage, tp_rank): {"model": model_sd, "optim": optim_sd}, f"rank{rank}": {"rng": rng}}
+    return rng
+
+
+def _state(module: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, stage: int, tp_rank: int,
+           device: torch.device, rng: dict | None = None) -> dict:
+    model_sd, optim_sd = get_state_dict(module, opt)  # FQN-keyed; a fresh optimizer's state is created
+    return {stage_key(stage, tp_rank): {"model": model_sd, "optim": optim_sd},
+            f"rank{rank}": {"rng": rng if rng is not None else rng_state(device)}}
 
 
 def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
-               tp_rank: int, device: torch.device, process_group=None) -> None:
+               tp_rank: int, device: torch.device, process_group=None, rng: dict | None = None) -> None:
     """Collective over ``process_group`` (every rank calls it); blocking, so the
     caller runs it off the event loop. Returns once every rank's files and the
-    metadata are written."""
-    state = _state(module, opt, rank, stage, tp_rank, device)
+    metadata are written. ``rng``: the generators to record (``rng_state``) when
+    not the current ones, e.g. those of the start of a step a stop abandoned."""
+    state = _state(module, opt, rank, stage, tp_rank, device, rng)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=process_group)
     except dcp.CheckpointException as e:

@@ -116,6 +116,7 @@ class StageExecutor:
         # deadline (a silent peer is the heartbeat's to name); it is told which task runs, and says how
         # the peers this stage waits for are doing
         self.liveness = liveness
+        self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
 
     @property
     def order(self) -> Sequence[Task]:
@@ -329,11 +330,13 @@ class _Iteration:
         """Compute ``task`` on the lane and post what it sends."""
         ex, st, w, mb = self.ex, self.ex.settings, self.ex.worker, task.mb
         units = self._units(task) if ex.unit_s else 0.0
+        hold = sum(h(task) for h in ex.task_hold_s)
+        lane = {"units": units, **({"hold_s": hold} if hold else {})}
         start = time.time()
         if task.kind is Kind.F:
             x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
             targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
-            out = await ex.lane.run(w.forward, mb, x, targets, units=units)
+            out = await ex.lane.run(w.forward, mb, x, targets, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
@@ -344,12 +347,12 @@ class _Iteration:
                 self._post(Message(self.it, mb, int(Kind.F), list(out) if isinstance(out, (tuple, list)) else [out]))
         elif task.kind is Kind.B:
             grad = None if ex.s == ex.S - 1 else self.grads.pop(mb)
-            grad_in = await ex.lane.run(w.backward, mb, grad, units=units)
+            grad_in = await ex.lane.run(w.backward, mb, grad, **lane)
             if ex.s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(Message(self.it, mb, int(Kind.B), grads))
         else:
-            await ex.lane.run(w.weight, mb, units=units)
+            await ex.lane.run(w.weight, mb, **lane)
         await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             ex.instrument.task(ex.s, self.it, task, start, time.time())

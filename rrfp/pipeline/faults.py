@@ -14,9 +14,11 @@ iteration; ``attempt`` fires only in that attempt of a torchrun job
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
 alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
 ``bug`` (a plain RuntimeError: what an internal error looks like), ``nan``
-(the stage's gradients become NaN at the end of the step's backward; no task)
-and ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in
-turns as Python code does: alive but slow, e.g. longer than run.timeout_s).
+(the stage's gradients become NaN at the end of the step's backward; no task),
+``busy`` (the main thread computes for ``seconds=X``, holding the GIL in
+turns as Python code does: alive but slow, e.g. longer than run.timeout_s)
+and ``slow`` (task T holds its compute lane ``seconds`` longer, as a long kernel
+would: a step longer than any grace period, to test a stop that does not wait).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan", "busy")
+KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class Fault:
     rank: int | None = None
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
-    seconds: float | None = None  # busy: how long
+    seconds: float | None = None  # busy: how long; slow: how much longer the task holds its lane
     during: str | None = None  # "save": as this rank starts writing the step's checkpoint
 
     @classmethod
@@ -80,14 +82,17 @@ class Fault:
                 values[key] = int(raw)
             except ValueError:
                 raise ValueError(f"fault {spec!r}: {key} must be an integer, got {raw!r}") from None
-            if values[key] < (1 if key == "step" else 0):
+            if values[key] < (1 if key == "step" else 0) or key == "seconds" and values[key] > 604_800:
                 raise ValueError(f"fault {spec!r}: {key}={values[key]} is out of range")
         if "step" not in values:
             raise ValueError(f"fault {spec!r}: step=N is required")
         if "stage" not in values and "rank" not in values:
             raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
-        if (kind == "busy") != ("seconds" in values):
-            raise ValueError(f"fault {spec!r}: seconds=X goes with busy, and only with busy")
+        if kind == "slow" and ("task" not in values or "seconds" not in values):
+            raise ValueError(f"fault {spec!r}: slow takes task=T and seconds=X (how much longer T holds its "
+                             "lane)")
+        if (kind in ("busy", "slow")) != ("seconds" in values):
+            raise ValueError(f"fault {spec!r}: seconds=X goes with busy and slow; other kinds take no seconds")
         if "during" in values and ("task" in values or kind == "nan"):
             raise ValueError(f"fault {spec!r}: during=save takes no task, and no nan")
         if kind == "nan" and "task" in values:
@@ -95,9 +100,9 @@ class Fault:
         return cls(kind, **values)
 
     def __str__(self) -> str:
-        where = [f"{k}={v}" for k, v in (("step", self.step), ("stage", self.stage), ("rank", self.rank),
-                                          ("task", self.task), ("attempt", self.attempt),
-                                          ("seconds", self.seconds), ("during", self.during)) if v is not None]
+        fields = (("step", self.step), ("stage", self.stage), ("rank", self.rank), ("task", self.task),
+                  ("attempt", self.attempt), ("seconds", self.seconds), ("during", self.during))
+        where = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields if v is not None]
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
@@ -108,7 +113,7 @@ class Fault:
 
 class FaultInjector:
     """Fires ``fault`` on this rank; ``train`` calls ``begin_step`` before each step,
-    the executor calls ``task_done`` after each task, and ``train`` calls
+    the executor calls ``hold_s`` before and ``task_done`` after each task, and ``train`` calls
     ``iteration_done`` between the backward and the gradient sync."""
 
     def __init__(self, fault: Fault, rank: int, stage: int) -> None:
@@ -122,12 +127,22 @@ class FaultInjector:
     def begin_step(self, step: int) -> None:
         self.step = step + 1
 
+    def hold_s(self, task: Task) -> float:
+        """Seconds ``task`` holds the lane beyond its own time: the executor asks before it runs it."""
+        if self.fault.kind == "slow" and task == self.fault.task and self.step == self.fault.step:
+            log.warning("rank %d stage %d: step %d task %s: injecting fault %s", self.rank, self.stage, self.step,
+                        task, self.fault)
+            return float(self.fault.seconds)
+        return 0.0
+
     def task_done(self, task: Task) -> None:
-        if self.fault.task is not None and task == self.fault.task and self.step == self.fault.step:
+        if (self.fault.kind != "slow" and self.fault.task is not None and task == self.fault.task
+                and self.step == self.fault.step):
             self._fire()
 
     def iteration_done(self, module: torch.nn.Module) -> None:
-        if self.fault.task is None and self.fault.during is None and self.step == self.fault.step:
+        if self.fault.kind != "slow" and self.fault.task is None and self.fault.during is None \
+                and self.step == self.fault.step:
             self._fire(module)
 
     def checkpoint_write(self, done: int) -> None:

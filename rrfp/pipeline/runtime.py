@@ -6,8 +6,9 @@ eagerly and in the same order on every rank. Embedding drivers start here:
         result = await pipe.run_iteration(step, batches)
 
 Leaving the block normally waits for every rank, then takes down the process
-groups this runtime created; leaving it on an error only closes this rank's
-channels and lane (a dead peer would hang a barrier).
+groups this runtime created; leaving it on an error, or after an abandoned
+iteration (``abandoned``), only closes this rank's channels and lane (a dead
+peer would hang a barrier; a pending transfer, a teardown).
 """
 from __future__ import annotations
 
@@ -108,6 +109,9 @@ class PipelineRuntime:
         self._watcher: asyncio.Task | None = None
         self._silence: PeerSilent | None = None
         self._closed = False
+        # a stop abandoned an iteration: its P2P transfers may still be pending in the channels' groups, so
+        # leaving the block only closes this rank's side (no barrier, no teardown); the process then exits
+        self.abandoned = False
 
     @classmethod
     def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, layout: Layout | None = None, backend: str = "gloo",
@@ -255,7 +259,7 @@ class PipelineRuntime:
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
         try:
-            if exc_type is None:
+            if exc_type is None and not self.abandoned:
                 await self.finish()
             else:
                 await self.aclose()

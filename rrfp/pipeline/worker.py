@@ -89,7 +89,7 @@ class StageWorker:
         if num_microbatches <= 0:
             raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
         self.module, self.stage, self.num_stages = module, stage, num_stages
-        self._splat = _takes_several(module)  # a tuple input becomes separate arguments
+        self._splat = takes_several(module)  # a tuple input becomes separate arguments
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
@@ -342,7 +342,7 @@ def _in_structure(x, inputs: list, grads: list):
     return tuple(None if t is None else by_id.get(id(t)) for t in x)
 
 
-def _takes_several(module: nn.Module) -> bool:
+def takes_several(module: nn.Module) -> bool:
     """Whether ``module.forward`` takes a stage's several input tensors as separate positional arguments
     (``forward(self, h, mask)`` or ``*args``, as torch.distributed.pipelining calls it) rather than one
     tuple (``forward(self, x)``)."""

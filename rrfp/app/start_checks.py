@@ -1,0 +1,261 @@
+"""Two checks before any process group (issue 17, point 2): the config's memory
+fits the machine, and ``run.timeout_s`` is well above the predicted step.
+
+Memory: a rank holds its stage's parameters, gradients and AdamW's two moments
+(4 x the parameter bytes), the activations of the microbatches it keeps in
+flight (the budget's count on its stage, or a byte budget, at most all of a
+step's microbatches), and two steps of its replica's batches (the one running
+and the next one, made ahead). Parameters and activations are measured, not
+guessed: each stage is built on the meta device (no memory, no compute) and
+one real microbatch goes through it there, counting what autograd saves, of
+which half is counted (``ACTIVATION_SHARE``: the meta device may choose other
+kernels than the real one). Every term is meant as a lower bound of what the
+run uses (no allocator slack, no temporaries, the smallest sampled
+microbatch), so a refusal is a config that cannot fit: false refusals are
+worse than no check. A
+workload whose model does not run on the meta device is not checked (logged).
+
+Step time: only where it is known without running: emulated device time
+(``run.unit_ms``) or a calibrated cost model (``run.cost``); real compute
+without a cost model has no prediction, and nothing is checked. The predicted
+step is its busiest stage's work, a lower bound of the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rrfp.app.config import TrainConfig
+from rrfp.app.errors import ConfigError
+from rrfp.core.durations import TaskTimes
+from rrfp.core.hints import default_split, peak_in_flight
+from rrfp.core.policy import Dispatch
+from rrfp.pipeline.worker import takes_several
+
+log = logging.getLogger("rrfp.app.start_checks")
+
+TIMEOUT_FACTOR = 3  # a peer may wait a whole step and more: a straggling task is 3x ("lang" preset)
+SAMPLE = 8  # microbatches measured for activations and features
+# counted: half of what the meta forward saves. The meta device may pick other kernels than the real one
+# (attention, dropout): on gpt-tiny it saved 2% more than the CPU forward of the same microbatch
+ACTIVATION_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One rank's lower-bound memory, in bytes, by what holds it."""
+
+    state: int  # parameters, gradients, AdamW moments
+    activations: int  # microbatches in flight x activation bytes each
+    batches: int  # two steps of this replica's input microbatches
+    in_flight: int
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.batches
+
+
+def check_memory(cfg: TrainConfig, available: int | None = None) -> None:
+    """ConfigError when the ranks of this node need more than it has (``available``: bytes;
+    default: MemAvailable on CPU, the device's free memory on CUDA)."""
+    prints = footprints(cfg)
+    if prints is None:
+        return
+    lay = cfg.layout
+    if cfg.run.device_type == "cuda":  # one device per rank: this rank's stage against its device
+        rank = int(os.environ.get("RANK", "0"))
+        need, mine = prints[lay.coords(rank).pp].total, [prints[lay.coords(rank).pp]]
+        where = f"free on cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        if available is None:
+            available = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))[0]
+    else:  # every rank of this node shares its RAM
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", lay.world_size))
+        first = int(os.environ.get("RANK", "0")) - int(os.environ.get("LOCAL_RANK", "0"))
+        mine = [prints[lay.coords(r).pp] for r in range(first, min(first + local, lay.world_size))]
+        need = sum(f.total for f in mine)
+        where = f"available on this machine for its {len(mine)} rank(s)"
+        if available is None:
+            available = _mem_available()
+    if available is None or need <= available:
+        return
+    act = max(mine, key=lambda f: f.activations)
+    raise ConfigError(
+        f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
+        f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
+        f"{act.in_flight} microbatch(es) in flight per stage; {_gib(sum(f.batches for f in mine))} input "
+        f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
+        f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)")
+
+
+def footprints(cfg: TrainConfig) -> list[Footprint] | None:
+    """Each stage's Footprint; None when the model cannot be measured on the meta device."""
+    run, wl, lay = cfg.run, cfg.workload, cfg.layout
+    S, M = lay.pp, run.microbatches
+    sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
+    smallest = min(sample, key=lambda b: _nbytes(b))
+    batch_bytes = sum(_nbytes(b) for b in sample) / len(sample) * M * 2  # this replica's, this step's and the next
+    try:
+        measured = _measure(cfg, smallest)
+    except Exception as e:  # the workload's own model: not measurable is not an error of the config
+        log.info("memory check skipped: %s does not run on the meta device: %s: %s", run.model,
+                 type(e).__name__, e)
+        return None
+    split = default_split(run.hint.name, run.split)
+    out = []
+    for s, (params, acts) in enumerate(measured):
+        if run.dispatch is Dispatch.FIXED and run.hint.is_class and not run.hint.planned:
+            held = peak_in_flight(run.hint.order(S, s, M, split), split)
+        else:
+            held = run.budget.microbatches(S, s) or M
+        held = max(1, min(held, M))
+        acts = int(acts * ACTIVATION_SHARE)
+        activations = held * acts
+        if run.budget.bytes is not None:
+            activations = min(activations, max(run.budget.bytes, acts))
+        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held))
+    return out
+
+
+def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
+    """(parameter bytes, activation bytes of ``batch``) of every stage, on the meta device."""
+    wl, S = cfg.workload, cfg.layout.pp
+    x, y = _to_meta(batch[0]), _to_meta(batch[1])
+    out = []
+    with torch.device("meta"), _fork_rng():
+        stages = [wl.build_stage(cfg.model, s, S, None) for s in range(S)]
+    for s, module in enumerate(stages):
+        saved = _SavedOnMeta()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _SkipInit():
+            x = module(*x) if isinstance(x, (tuple, list)) and takes_several(module) else module(x)
+            if s == S - 1:
+                wl.loss_fn(x, y)
+        for t in (x if isinstance(x, (tuple, list)) else [x]):  # the output the stage keeps until B
+            if isinstance(t, torch.Tensor):
+                saved.pack(t)
+        x = _detached(x)
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        out.append((params, saved.total))
+    return out
+
+
+class _SavedOnMeta:
+    """Bytes autograd saves, once per storage (meta tensors have no data pointer: the storage's identity)."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return t
+        key = t.untyped_storage()._cdata
+        if key not in self.seen:
+            self.seen.add(key)
+            self.total += t.untyped_storage().nbytes()
+        return t
+
+
+def check_timeout(cfg: TrainConfig, bounds_waits: bool | None = None) -> str | None:
+    """A warning line when ``run.timeout_s`` is below TIMEOUT_FACTOR x the predicted step; None otherwise
+    (or when no step time can be predicted without running). Only where timeout_s bounds every wait
+    (``bounds_waits``; default: on nccl): on gloo the heartbeat tells a busy peer from a silent one,
+    so timeout_s bounds silence, not a step (rrfp/comm/heartbeat.py)."""
+    if not (cfg.run.backend == "nccl" if bounds_waits is None else bounds_waits):
+        return None
+    step = predicted_step_s(cfg)
+    if step is None or cfg.run.timeout_s >= TIMEOUT_FACTOR * step:
+        return None
+    return (f"run.timeout_s = {cfg.run.timeout_s:g} is below {TIMEOUT_FACTOR} x the predicted step of {step:.3g} s: "
+            f"on nccl it bounds every wait, so a peer that waits a slow step out would be reported as failed; "
+            f"raise run.timeout_s to "
+            f"{math.ceil(TIMEOUT_FACTOR * step)} or more")
+
+
+def predicted_step_s(cfg: TrainConfig) -> float | None:
+    """The busiest stage's task time in one step (a lower bound of the step), in seconds; None
+    without emulated time or a cost model. An injected slow task (run.fault) counts."""
+    run, wl, lay = cfg.run, cfg.workload, cfg.layout
+    fault = run.fault
+    slow = fault is not None and fault.kind == "slow"
+    busy = np.zeros(lay.pp)
+    unit_s = run.unit_ms / 1000 if run.unit_ms > 0 else run.cost.reference_s if run.cost is not None else None
+    if unit_s is None and not slow:
+        return None
+    if unit_s is not None:
+        M = run.microbatches
+        m = min(M, SAMPLE)
+        feats = [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if run.cost is not None else None
+        times = TaskTimes(run.variability, run.seed, default_split(run.hint.name, run.split), run.cost)
+        busy += times.predicted(0, lay.pp, m, feats).sum(axis=(1, 2)) * (M / m) * unit_s
+    if slow:
+        busy[fault.stage if fault.stage is not None else lay.coords(fault.rank).pp] += fault.seconds
+    return float(busy.max())
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        items = [_to_meta(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, (tuple, list)):
+        return tuple(_detached(v) for v in value)
+    return value
+
+
+@contextlib.contextmanager
+def _fork_rng():
+    """Building a stage draws its initial weights: the run's generator must not move."""
+    with torch.random.fork_rng(devices=[]), _SkipInit():
+        yield
+
+
+class _SkipInit(TorchFunctionMode):
+    """Random initialisation and dropout on the meta device are no-ops (it has no values), but torch
+    runs them through a Python decomposition that first imports torch._dynamo: seconds at every start."""
+
+    NAMES = frozenset({"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "random_",
+                       "dropout"})  # dropout's mask goes uncounted: a lower bound still
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))  # torch.nn.init: by keyword
+        if getattr(func, "__name__", "") in self.NAMES and getattr(target, "is_meta", False):
+            return target
+        return func(*args, **kwargs)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

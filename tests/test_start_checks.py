@@ -1,0 +1,87 @@
+"""The checks at start (issue 17, point 2): the memory estimate is a lower bound
+of what a run really holds (so it refuses only what cannot fit), every config in
+configs/ passes both checks, and a timeout below 3 x the predicted step gets a
+line that says what to raise it to."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rrfp.app.config import TrainConfig
+from rrfp.app.errors import ConfigError
+from rrfp.app.start_checks import check_memory, check_timeout, footprints, predicted_step_s
+from rrfp.pipeline.worker import StageWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_passes_both_checks(path):
+    cfg = TrainConfig.load(path, [], world_size=4)
+    prints = footprints(cfg)
+    assert prints is not None and all(f.state > 0 and f.activations > 0 for f in prints), prints
+    check_memory(cfg)  # this machine's memory: no refusal
+    assert check_timeout(cfg) is None
+    emulated = TrainConfig.load(path, ["unit_ms=20"], world_size=4)  # as the examples emulate time
+    assert predicted_step_s(emulated) is not None and check_timeout(emulated) is None
+
+
+def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
+    """Parameters: exactly the real stages'. Activations of one microbatch: at most what the
+    worker measures on the real CPU forward of that microbatch (the run's own count)."""
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=2", "microbatches=4",
+                                                             "model.dropout=0.1"], world_size=2)
+    prints = footprints(cfg)
+    wl, S = cfg.workload, cfg.layout.pp
+    sample = wl.batches(cfg.data, 0, 4)
+    smallest = min(range(4), key=lambda m: sample[m][0].numel())
+    x, y = sample[smallest]
+    torch.manual_seed(0)
+    for s in range(S):
+        module = wl.build_stage(cfg.model, s, S, None)
+        assert 4 * sum(p.numel() * p.element_size() for p in module.parameters()) == prints[s].state
+        worker = StageWorker(module, s, S, 4, wl.loss_fn, split=True, measure_activations=True)
+        out = worker.forward(smallest, x, y if s == S - 1 else None)
+        real = worker.activation_bytes(smallest)
+        estimate = prints[s].activations // prints[s].in_flight
+        assert 0.3 * real <= estimate <= real, (s, estimate, real)
+        x = out
+    assert [f.in_flight for f in prints] == [4, 2]  # budget 2x: 2 * (S - s), at most the 4 microbatches
+
+
+def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)
+    need = sum(f.total for f in footprints(cfg))
+    check_memory(cfg, available=need)  # exactly enough: no refusal
+    with pytest.raises(ConfigError) as e:
+        check_memory(cfg, available=need - 1)
+    line = str(e.value)
+    assert "\n" not in line and "above the" in line and "lower run.microbatches, run.budget" in line, line
+    assert f"{need / 2**20:.1f} MiB of memory" in line, line
+
+
+def test_timeout_below_three_steps_says_what_to_raise_it_to():
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["unit_ms=1000", "timeout_s=5", "microbatches=4"],
+                           world_size=4)
+    assert predicted_step_s(cfg) == pytest.approx(12.0)  # 4 microbatches x (F + B + W) of 1 unit each
+    assert "raise run.timeout_s to 36 or more" in check_timeout(cfg, bounds_waits=True)
+    assert check_timeout(cfg) is None, "on gloo the heartbeat bounds silence, not the step"
+    assert check_timeout(TrainConfig.load(ROOT / "configs/gpt-tiny.toml",
+                                          ["unit_ms=1000", "timeout_s=36", "microbatches=4"], world_size=4),
+                         bounds_waits=True) is None
+    # real compute without a cost model: no prediction, no line; an injected slow task is a known part
+    assert predicted_step_s(TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)) is None
+    slow = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["fault=slow:step=2:stage=1:task=F0:seconds=60"],
+                            world_size=4)
+    assert predicted_step_s(slow) == 60.0 and "raise run.timeout_s to 180" in check_timeout(slow, bounds_waits=True)
+
+
+def test_measuring_leaves_the_run_generator_alone():
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    footprints(cfg)
+    assert torch.equal(before, torch.get_rng_state())
