@@ -58,6 +58,20 @@ class Budget:
         """This budget on ``stage`` of ``num_stages``."""
         return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
 
+    def rank_limit(self, ranks: int, rank: int, virtual: int = 1) -> "Limit":
+        """This budget on pipeline ``rank`` of ``ranks`` holding ``virtual`` stages (chunks), in
+        chunk-microbatches: each chunk holds 1/V of a microbatch's activations on that rank, so
+        ``Nx`` is V * N * (S - r) chunk-microbatches, the memory of V = 1 at the same N (and a
+        count budget is microbatches of the rank's whole model). At least V, one microbatch through
+        every chunk. V = 1 is ``limit``."""
+        if virtual == 1:
+            return self.limit(ranks, rank)
+        if self.multiple is not None:
+            count = max(virtual, int(virtual * self.multiple * (ranks - rank) + 1e-9))
+        else:
+            count = None if self.count is None else max(virtual, virtual * self.count)
+        return Limit(count=count, bytes=self.bytes)
+
     def microbatches(self, num_stages: int, stage: int) -> int | None:
         """The count limit on ``stage``; None for a byte budget."""
         if self.count is not None:
