@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.comm.collectives import all_reduce
+from rrfp.core.rank_tracker import StageTask
 from rrfp.core.tasks import Kind, Task
 from rrfp.loop.completions import CompletionPoller
 
@@ -43,7 +44,7 @@ class TPAgreement:
     def _item(self, i: int):
         chunk, rest = divmod(i, 3 * self.M)
         task = Task(Kind(rest // self.M), rest % self.M)
-        return task if self.stages is None else (self.stages[chunk], task)
+        return task if self.stages is None else StageTask(self.stages[chunk], task)
 
     def _vector(self, ready: Iterable) -> torch.Tensor:
         v = torch.zeros(2, 3 * self.M * len(self.stages or (0,)), dtype=torch.int32)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -21,7 +21,9 @@ from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolError, leaves
 from rrfp.core.hints import Hint
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.core.rank_tracker import RankTracker
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker, TrackerError
@@ -29,9 +31,6 @@ from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.planning import IterationPlanner, PlanReport
 from rrfp.pipeline.worker import StageWorker
-
-if TYPE_CHECKING:
-    from rrfp.core.placement import VirtualLayout
 
 log = logging.getLogger("rrfp.pipeline.executor")
 
@@ -133,19 +132,30 @@ class StageExecutor:
         self.on_task_done: list[Callable[[Task], None]] = []  # e.g. DP sync launching finished buckets
 
     def _spec(self, hint: Hint):
+        """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
         st = self.settings
+        if self.stages is not None:
+            return hint.rank_spec(self.stages, self.stages.rank_of(self.s), self.M, st.split, st.dispatch,
+                                  st.budget)
         return hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
 
     def tracker(self, spec, size_of):
-        """The arbiter's state for one iteration under ``spec``."""
+        """The arbiter's state for one iteration under ``spec``: a RankTracker over the rank's
+        stages, or the one StageTracker (exactly today's decisions and messages)."""
+        if self.stages is not None:
+            return RankTracker(spec, size_of)
         return SingleStage(StageTracker(spec, size_of))
 
     def channels_of(self, stage: int):
         return self.channels if self.stages is None else self.channels.of(stage)
 
     @property
-    def order(self) -> Sequence[Task]:
-        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order)."""
+    def order(self) -> Sequence:
+        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order); with
+        virtual stages the rank's, over (stage, task) pairs."""
+        if self.stages is not None:
+            return self.spec.order or self.settings.hint.rank_order(self.stages, self.stages.rank_of(self.s),
+                                                                    self.M, self.settings.split)
         return self.spec.order or self.settings.hint.order(self.S, self.s, self.M, self.settings.split)
 
     @property
@@ -210,8 +220,8 @@ class SingleStage:
     """A StageTracker seen as a rank's tracker with one stage: events and picks carry the stage."""
 
     def __init__(self, tracker: StageTracker) -> None:
-        self.t, self.s = tracker, tracker.spec.stage
-        self.held, self.num_tasks = tracker.held, tracker.spec.num_tasks
+        self.t, self.s, self.spec = tracker, tracker.spec.stage, tracker.spec
+        self.held, self.trackers = tracker.held, {tracker.spec.stage: tracker}
 
     arrivals = property(lambda self: self.t.arrivals)
     finished = property(lambda self: self.t.finished)
@@ -235,9 +245,6 @@ class SingleStage:
 
     def unlocked_by(self, stage: int, task: Task) -> set[Task]:
         return self.t.unlocked_by(task)
-
-    def outstanding(self, stage: int, kind: Kind) -> int:
-        return self.t.outstanding(kind)
 
     def blocked(self) -> str:
         return self.t.blocked()
@@ -328,7 +335,7 @@ class _Iteration:
                 continue
             stage, task = picked
             tr.start(stage, task)
-            if ex.agreement is not None and tr.finished + 1 < tr.num_tasks:
+            if ex.agreement is not None and tr.finished + 1 < tr.spec.num_tasks:
                 # Agree on the next decision while this task runs, off the critical path. Every TP
                 # rank runs the same task, so every rank starts this round; arrivals during the task
                 # count from the decision after (docs/design.md, the one state machine).
@@ -379,7 +386,7 @@ class _Iteration:
         tr = self.tracker
         return [c for s, io in self.io.items()
                 for kind, c in ((Kind.F, io.channels.fwd_in), (Kind.B, io.channels.bwd_in))
-                if c is not None and tr.outstanding(s, kind)]
+                if c is not None and tr.trackers[s].outstanding(kind)]
 
     def _owing_peer(self) -> int | None:
         return next((c.peer for c in self._owing()), None)
