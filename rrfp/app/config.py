@@ -22,6 +22,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, peak_in_flight, resolve
 from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.faults import Fault
 from rrfp.core.variability import PRESETS, Variability
@@ -35,7 +36,6 @@ RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "virtual": (
               "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6)}
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 RESUME_MODES = ("off", "auto", "required")
-PLACEMENTS = ("interleaved", "v")
 ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 
 
@@ -95,11 +95,10 @@ class RunConfig:
                 object.__setattr__(self, "fault", Fault.parse(self.fault) if self.fault.strip() else None)
             except ValueError as e:
                 raise ConfigError(f"run.fault (or RRFP_FAULT): {e}") from None
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(f"run.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
-        if self.placement == "v" and self.virtual != 2:
-            raise ConfigError(f"run.placement = v puts two stages on each rank (r and 2pp-1-r): it needs "
-                              f"run.virtual = 2, got {self.virtual}")
+        try:
+            object.__setattr__(self, "placement", str(VirtualLayout(1, self.virtual, self.placement).placement))
+        except ValueError as e:
+            raise ConfigError(f"run.virtual = {self.virtual}, run.placement = {self.placement!r}: {e}") from None
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.preset not in PRESETS:
@@ -213,6 +212,11 @@ class TrainConfig:
     def num_stages(self) -> int:
         """How many pieces the model is split into: pp x virtual."""
         return self._layout.pp * self.run.virtual
+
+    @property
+    def stages(self) -> VirtualLayout:
+        """Which of the num_stages stages each pipeline rank holds."""
+        return VirtualLayout(self._layout.pp, self.run.virtual, self.run.placement)
 
     @classmethod
     def from_dict(cls, doc: dict, source: str = "config", world_size: int | None = None) -> "TrainConfig":
