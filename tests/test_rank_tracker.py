@@ -155,7 +155,7 @@ def test_rank_budget_holds_and_tight_budgets_finish(S, M, seed, placement, V, hi
         V = 2
     lay, b = VirtualLayout(S, V, placement), Budget.parse(budget)
     ranks = rank_trackers(resolve(hint), lay, M, hint != "bf", Dispatch.READY, b)
-    limits = [b.rank_limit(S, r, V).count for r in range(S)]
+    limits = [b.rank_limit(lay, r).count for r in range(S)]
 
     def check(r, item):
         assert ranks[r].held.count <= limits[r]
