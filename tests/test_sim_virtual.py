@@ -165,3 +165,55 @@ def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
+    from rrfp.observe.plot import spans_from_chrome
+    from rrfp.observe.trace import chrome_trace
+
+    r = simulate(SimConfig(2, 2, "bfw", variability=Variability.preset("none"), virtual=2, placement="v",
+                           record=True))
+    doc = chrome_trace(r.spans("ready bfw"))
+    rows = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert rows == {0: "stage 0 (rank 0)", 1: "stage 1 (rank 1)", 2: "stage 2 (rank 1)", 3: "stage 3 (rank 0)"}
+    (title, spans), = spans_from_chrome(json.loads(json.dumps(doc)))
+    assert {sp.stage: sp.args["rank"] for sp in spans} == {0: 0, 1: 1, 2: 1, 3: 0}
+    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--hints", "bfw", "--virtual", "2", "--placement",
+                "v", "--plot", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e.get("name") == "thread_name"}
+    assert "stage 3 (rank 0)" in names and "stage 0" in names  # the V = 1 baseline keeps its plain rows
+
+
+def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
+    """A run with V = 2 records virtual and placement; its cost model has one entry per global stage,
+    and each step is simulated on that layout (a planned run with each step's plan)."""
+    from rrfp.core.budget import Budget
+    from rrfp.core.cost import CostModel
+    from rrfp.core.policy import Dispatch
+    from rrfp.sim.planning import plan_iteration
+    from rrfp.sim.replay import replay
+    from test_cost import synthetic
+
+    model = CostModel.fit(synthetic(stages=4)[1])
+    var, lay = Variability.preset("lang"), VirtualLayout(2, 2, "v")
+    feats = [{"tokens": float(t), "attn": float(t * t), "patches": 0.0} for t in (64, 512, 32, 480, 96, 400)]
+    doc = {"pp": 2, "virtual": 2, "placement": "v", "microbatches": 6, "seed": 3, "preset": "lang", "hint": "plan",
+           "dispatch": "ready", "budget": "2x", "split": True, "unit_ms": 10.0, "features": [feats],
+           "step_wall_s": [1.0]}
+    (step, sim_ms, _), = replay(doc, model)
+    times = TaskTimes(var, 3, True, model, lay)
+    hint, _ = plan_iteration(times, 0, 2, 6, Budget.parse("2x"), Dispatch.READY, feats)
+    want = simulate(SimConfig(2, 6, hint, "ready", "2x", var, seed=3, durations=times.realized(0, 4, 6, feats).tolist(),
+                              virtual=2, placement="v")).makespan * 10.0
+    assert sim_ms == pytest.approx(want, rel=1e-12)
+    assert times.realized(0, 4, 6, feats)[1, 2, 0] == pytest.approx(model.units(1, 0, feats[2])
+                                                                    * var.noise(3, 0, 1, 2, 0))  # no 1/V: fitted per chunk
+    sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
+    sizes.write_text(json.dumps({**doc, "virtual": 1, "placement": "interleaved"}))
+    cost.write_text(model.to_json())
+    p = run_cli("sim", "--replay", str(sizes), "--cost", str(cost))
+    assert p.returncode == 2 and "the cost model has 4 stage(s) but the run had 2" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1

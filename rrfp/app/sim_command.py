@@ -137,8 +137,13 @@ def replay_command(args) -> int:
         raise UsageError(f"--replay/--cost: not a sizes file and a cost model: {e}") from None
     if not doc.get("unit_ms"):
         raise UsageError(f"{args.replay}: the run had unit_ms = 0 (no emulated time to compare with)")
-    rows = replay(doc, cost)
-    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {doc['pp']} stages, "
+    try:
+        rows = replay(doc, cost)
+    except (ValueError, KeyError) as e:  # a layout the cost model does not fit, a missing field
+        raise UsageError(f"--replay {args.replay}: {e}") from None
+    stages = f"{doc['pp']} stages" if int(doc.get("virtual", 1)) == 1 else \
+        f"{doc['pp']} ranks x {doc['virtual']} stages ({doc.get('placement', 'interleaved')})"
+    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {stages}, "
           f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)")
     print(f"{'step':>4} {'simulated ms':>13} {'measured ms':>12} {'error':>7}")
     errs = []
