@@ -190,6 +190,8 @@ def test_byte_budget_over_the_rank_finishes_and_holds():
 def test_the_v_turn_is_local_and_named():
     lay = VirtualLayout(2, 2, "v")  # rank 1 holds stages 1 and 2
     rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 2, True, Dispatch.READY, Budget.parse("2x")))
+    assert rk.blocked().startswith("has nothing ready (stage 1: 2 input(s) and 2 gradient(s) not arrived; "
+                                   "stage 2: 2 input(s) and 2 gradient(s) not arrived)")
     rk.arrive(1, Kind.F, 0)
     item = rk.next()
     assert item == StageTask(1, Task(Kind.F, 0))
