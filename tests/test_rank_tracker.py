@@ -155,7 +155,7 @@ def test_rank_budget_holds_and_tight_budgets_finish(S, M, seed, placement, V, hi
         V = 2
     lay, b = VirtualLayout(S, V, placement), Budget.parse(budget)
     ranks = rank_trackers(resolve(hint), lay, M, hint != "bf", Dispatch.READY, b)
-    limits = [b.rank_limit(S, r, V).count for r in range(S)]
+    limits = [b.rank_limit(lay, r).count for r in range(S)]
 
     def check(r, item):
         assert ranks[r].held.count <= limits[r]
@@ -190,6 +190,8 @@ def test_byte_budget_over_the_rank_finishes_and_holds():
 def test_the_v_turn_is_local_and_named():
     lay = VirtualLayout(2, 2, "v")  # rank 1 holds stages 1 and 2
     rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 2, True, Dispatch.READY, Budget.parse("2x")))
+    assert rk.blocked().startswith("has nothing ready (stage 1: 2 input(s) and 2 gradient(s) not arrived; "
+                                   "stage 2: 2 input(s) and 2 gradient(s) not arrived)")
     rk.arrive(1, Kind.F, 0)
     item = rk.next()
     assert item == StageTask(1, Task(Kind.F, 0))
@@ -219,3 +221,23 @@ def test_later_chunk_has_room_reserved():
     assert "budget full" in rk.blocked()
     rk.arrive(2, Kind.F, 0)
     assert rk.next() == StageTask(2, Task(Kind.F, 0))
+
+
+def test_nx_generalises_1f1b_by_need():
+    """Nx at V stages per rank: N times the chunk-microbatches the rank's stages need, 1F1B's S - r
+    at V = 1; balanced in the v shape; the same total memory as V = 1 to within S/2 microbatches."""
+    from rrfp.core.budget import rank_need
+
+    S = 8
+    assert [rank_need(VirtualLayout(S, 1), r) for r in range(S)] == [S - r for r in range(S)]
+    assert {rank_need(VirtualLayout(S, 2, "v"), r) for r in range(S)} == {S + 0.5}
+    assert [rank_need(VirtualLayout(S, 2), r) for r in range(S)] == [(3 * S - 2 * r) / 2 for r in range(S)]
+    for lay in (VirtualLayout(S, 2), VirtualLayout(S, 2, "v"), VirtualLayout(S, 4)):
+        total_mb = sum(rank_need(lay, r) for r in range(S)) / lay.virtual  # a chunk is 1/V of a microbatch
+        assert abs(total_mb - S * (S + 1) / 2) <= S / 2
+    two = Budget.parse("2x")
+    assert [two.rank_limit(VirtualLayout(S, 2, "v"), r).count for r in range(S)] == [2 * S + 1] * S
+    assert two.rank_limit(VirtualLayout(S, 1), 3) == two.limit(S, 3)
+    assert Budget.parse("0.1x").rank_limit(VirtualLayout(S, 2, "v"), 0).count == 2  # one microbatch through both
+    assert Budget.parse("3").rank_limit(VirtualLayout(S, 2), 0).count == 6  # 3 microbatches = 6 chunks
+    assert two.rank_limit(4, 0, 2) == two.rank_limit(VirtualLayout(4, 2), 0)  # the int form of the first commit

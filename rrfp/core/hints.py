@@ -224,7 +224,7 @@ class Hint:
             st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
             return RankSpec(layout, rank, M, split, dispatch, {(rank, t): p for t, p in st.priority.items()},
                             tuple((rank, t) for t in st.order), st.limit)
-        limit = budget.rank_limit(layout.ranks, rank, layout.virtual)
+        limit = budget.rank_limit(layout, rank)
         if self.is_class and dispatch is Dispatch.READY:
             return RankSpec(layout, rank, M, split, dispatch, self.rank_priority(layout, rank, M, split), (), limit)
         order = tuple(self.rank_order(layout, rank, M, split))

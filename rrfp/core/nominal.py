@@ -59,7 +59,7 @@ def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]
     for r in range(layout.ranks):
         per_stage = {s: {t: i for i, t in enumerate(priority(S, s, M, split))} for s in layout.stages_of(r)}
         trackers.append(RankTracker(RankSpec(layout, r, M, split, Dispatch.READY, chunked_priority(per_stage), (),
-                                             budget.rank_limit(layout.ranks, r, layout.virtual))))
+                                             budget.rank_limit(layout, r))))
     out: list[list[tuple[int, Task]]] = [[] for _ in trackers]
     while not all(tr.done for tr in trackers):
         started = []

@@ -246,5 +246,6 @@ class RankTracker:
                 f"{', '.join(map(str, self.stages))} (limit {spec.limit.count or spec.limit.bytes})")
         if ready:
             return f"has its budget full: {held}; only {', '.join(map(str, ready[:4]))} ready"
-        waits = "; ".join(f"stage {s} {tr.blocked()}" for s, tr in self.trackers.items() if not tr.done)
-        return f"has nothing ready: {waits}; {held}"
+        waits = "; ".join(f"stage {s}: {tr.outstanding(Kind.F)} input(s) and {tr.outstanding(Kind.B)} gradient(s) "
+                          "not arrived" for s, tr in self.trackers.items() if not tr.done)
+        return f"has nothing ready ({waits}); {held}"
