@@ -119,10 +119,12 @@ class StageExecutor:
             raise ValueError(f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}")
         self.where = f"stage {s}" if len(mine) == 1 else f"stages {', '.join(map(str, mine))}"
         self.what = "stage" if len(mine) == 1 else "rank"
-        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost)
+        # virtual stages: a chunk's task takes 1/V of a stage's time under the preset (TaskTimes.layout)
+        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages)
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
-            self.planner = IterationPlanner(self.times, S, M, settings.budget, settings.dispatch)
+            ranks = S if self.stages is None else self.stages.ranks
+            self.planner = IterationPlanner(self.times, ranks, M, settings.budget, settings.dispatch)
             if settings.cost is None and unit_s == 0:  # rrfp train refuses this (run.cost); a library caller is told
                 log.warning("%s: hint plan in real time without a cost model plans on the preset's made-up "
                             "lengths, not the compute; pass cost= (rrfp calibrate)", self.where)
