@@ -76,7 +76,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             torch.manual_seed(run.seed)
             modules.append(wl.build_stage(cfg.model, stage, rt.num_stages, rt.tp_group).to(rt.device))
         module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)  # the rank's parameters
-        recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
+        recorder = TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None) if run.trace else None
         ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,
                                dispatch=run.dispatch, hint=run.hint, budget=run.budget, split=run.split,
                                variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost)
