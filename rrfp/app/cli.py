@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
     bench.add_argument("--executors", type=_csv_list, default=None,
                        help="comma list of ENGINE-HINT: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, ready-plan, "
-                            "torch-1f1b, torch-zb (the default: all of them that this build runs)")
+                            "torch-1f1b, torch-zb, torch-dualpipev; -v2 on an rrfp one runs it on two virtual "
+                            "stages per rank in the v shape (ready-plan-v2), -i2 interleaved (the default: all "
+                            "of them that this build runs)")
     bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
     bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
     bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")
