@@ -77,3 +77,16 @@ def test_ports_match_torch(S, M):
         got = [(s, t) for s, t in interleaved_1f1b(inter, r, M, False)]
         assert got == _torch_order("ScheduleInterleaved1F1B", S, 2, M, r)
         assert zbv(v, r, M, True) == _torch_order("ScheduleZBVZeroBubble", S, 2, M, r)
+
+
+def test_a_csv_hint_orders_each_rank_by_its_stages_rows_in_file_order(tmp_path):
+    lay = VirtualLayout(2, 2, "v")
+    orders = {r: zbv(lay, r, 4, True) for r in range(2)}
+    rows = [f"{s},{t}" for r in (1, 0) for s, t in orders[r]]  # ranks' rows one after the other
+    path = tmp_path / "zbv.csv"
+    path.write_text("stage,task\n" + "\n".join(rows) + "\n")
+    h = resolve(str(path))
+    assert [h.rank_order(lay, r, 4, True) for r in range(2)] == [orders[0], orders[1]]
+    path.write_text("stage,task\n" + "\n".join(r for r in rows if not r.startswith("2,")) + "\n")
+    with pytest.raises(HintError, match="no rows for stage 2 of 4"):
+        resolve(str(path)).rank_order(lay, 1, 4, True)
