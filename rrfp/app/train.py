@@ -71,10 +71,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
                                      unit_ms=run.unit_ms, virtual=run.virtual,
                                      placement=run.placement) as rt:  # nccl: this rank's GPU is rt.device
-        modules = []
-        for stage in rt.stages:  # virtual stages: each the full model from the seed, cut down to its stage
-            torch.manual_seed(run.seed)
-            modules.append(wl.build_stage(cfg.model, stage, rt.num_stages, rt.tp_group).to(rt.device))
+        modules = [m.to(rt.device) for m in wl.build_stages(cfg.model, rt.stages, rt.num_stages, run.seed,
+                                                             rt.tp_group)]
         module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)  # the rank's parameters
         recorder = TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None) if run.trace else None
         ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,

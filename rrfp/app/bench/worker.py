@@ -41,15 +41,6 @@ def rotated(items: list, k: int) -> list:
     return items[k % len(items):] + items[:k % len(items)]
 
 
-def stage_modules(rt: PipelineRuntime, wl, model_cfg, seed: int) -> list:
-    """This rank's stage modules, each the full model from ``seed`` cut down to its stage."""
-    modules = []
-    for stage in rt.stages:
-        torch.manual_seed(seed)
-        modules.append(wl.build_stage(model_cfg, stage, rt.num_stages, rt.tp_group))
-    return modules
-
-
 async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
     """``runtimes``: by (virtual, placement), the rank's runtime of each layout the executors use."""
     rt = runtimes[(1, "interleaved")]
@@ -59,7 +50,8 @@ async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str |
     var = cfg.run.variability
 
     # the rrfp executors of one layout share its stage modules; torch's runners build their own
-    modules = {key: stage_modules(r, wl, cfg.model, spec.seed) for key, r in runtimes.items()}
+    modules = {key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
+               for key, r in runtimes.items()}
     module = modules[(1, "interleaved")][0]
     runners: dict[str, Runner] = {}
     for ex in case.executors:
