@@ -62,7 +62,16 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     assert len({r["position"] for r in wl["rows"]}) == len(ran)
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
-        assert (s["plan_s"] is not None) == s["executor"].endswith(" plan")
+        assert (s["plan_s"] is not None) == (" plan" in s["executor"])
+    # two virtual stages per rank (v shape): every task of both chunks ran, peaks in the rank's microbatches
+    for name in ("ready bfw v2", "ready plan v2"):
+        [row] = [r for r in wl["rows"] if r["executor"] == name]
+        assert 0.5 <= row["peak_inflight"] <= 4 and row["lower_bound_s"] > 0 and row["simulated_s"] > 0
+    trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]
+    pid = next(e["pid"] for e in trace if e["ph"] == "M" and e["name"] == "process_name"
+               and e["args"]["name"] == "ready bfw v2")
+    rows = {e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid}
+    assert rows == {"stage 0 (rank 0)", "stage 1 (rank 1)", "stage 2 (rank 1)", "stage 3 (rank 0)"}, rows
     # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step that
     # spent some (small) time outside the executor's iteration
     for name in ("drop-in ready bfw", "drop-in ready plan"):
@@ -87,6 +96,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
         assert f"Not run: {name}: " in md
     for line in ("Ablation, dispatch alone: ready plan vs fixed plan", "Against torch: ready plan vs torch 1f1b",
                  "Against torch: ready plan vs torch zb", "Against torch: drop-in ready plan vs torch 1f1b",
+                 "Against torch: ready plan v2 vs torch zb", "Against torch: ready plan v2 vs torch dualpipev",
                  "Against torch: drop-in ready bfw vs torch zb"):
         found = re.search(re.escape(line) + r".*: median (\d+\.\d+)x", md)
         assert found and float(found.group(1)) > 0, line
@@ -105,10 +115,13 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     tasks = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != "wait"]
     # every executor ran every task of its iteration on both ranks: 4 microbatches x (F, B[, W]) per
     # stage, and torch's zero-bubble schedule holds two stages per rank
-    per = {p: sum(1 for e in tasks if trace_process(trace, e) == p) for p in ran}
+    per = {p: sum(1 for e in tasks if trace_process(trace, e) == p and (p != "torch dualpipev" or e["name"][0] != "W"))
+           for p in ran}
+    per["torch dualpipev"] *= 1.5  # torch's DualPipeV runs some backwards whole (its W inside B): F and B counted
     for name, count in per.items():
         split = name not in ("fixed 1f1b", "torch 1f1b")  # the drop-in rows' hints split, as bfw and plan do
-        stages = 2 * (stages_per_rank(name.split()[1]) if name.startswith("torch") else 1)
+        stages = 2 * (stages_per_rank(name.split()[1]) if name.startswith("torch") else
+                      2 if name.endswith(" v2") else 1)
         assert count == stages * 4 * (3 if split else 2), (name, count)
     assert str(out) in res.stdout and "| executor |" in res.stdout
 

@@ -26,7 +26,9 @@ SMALL = ["--config", "configs/gpt-tiny.toml", "--set", "model.n_layer=2", "--set
 
 
 # executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by timing
-VARIANTS = {"fixed": ("fixed", {}), "ready": ("ready", {}), "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2})}
+# and ready BFW on two virtual stages per rank (v placement: the turn is local), each saved under its stage key
+VARIANTS = {"fixed": ("fixed", {}), "ready": ("ready", {}), "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2}),
+            "ready-v2": ("ready", {"virtual": 2, "placement": "v", "n_layer": 4})}
 
 
 def _config(steps: int, dispatch: str, **run):
@@ -206,6 +208,8 @@ MISMATCHES = [
     (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
     (["microbatches=8"], ["run.microbatches: checkpoint 4, this run 8"]),
     (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
+    (["virtual=2", "placement=v", "model.n_layer=4"], ["run.virtual: checkpoint 1, this run 2",
+                                                       "run.placement: checkpoint 'interleaved', this run 'v'"]),
 ]
 
 

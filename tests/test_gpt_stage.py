@@ -73,6 +73,21 @@ def test_stage_params_partition_model(S):
         assert names[2] == {n for n in full if n.startswith("transformer.h.2.")}
 
 
+@pytest.mark.parametrize("stages", [(0, 3), (1, 2), (0, 2)])
+def test_a_ranks_virtual_stages_are_pieces_of_one_model(stages):
+    """Workload.build_stages: each of a rank's stages is built from the seed, so that, whichever
+    stages a rank holds (v: 0 and 3 of 4; interleaved: 0 and 2), they are the one model's pieces."""
+    from models.gpt import workload
+
+    full = dict(_model(seed=5).named_parameters())
+    modules = workload.build_stages(CFG, stages, 4, seed=5)
+    for s, m in zip(stages, modules):
+        params = dict(m.double().named_parameters())
+        assert params.keys() == set(dict(make_stage(_model(seed=5), s, 4).named_parameters()))
+        for n, p in params.items():
+            assert torch.equal(p, full[n]), (s, n)
+
+
 def test_stage_is_a_copy():
     model = _model()
     st = make_stage(model, 0, 2)

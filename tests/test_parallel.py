@@ -33,7 +33,7 @@ class DelayedChannel:
         await self.inner.aclose()
 
 
-def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
+def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
     import random
 
     import torch
@@ -54,34 +54,38 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     async def main():
-        rt = PipelineRuntime.start(pp=pp, tp=tp, dp=dp, timeout_s=60, unit_ms=2.0 if skew else 0.0)
+        rt = PipelineRuntime.start(pp=pp, tp=tp, dp=dp, timeout_s=60, unit_ms=2.0 if skew else 0.0, virtual=virtual,
+                                   placement="v" if virtual == 2 else "interleaved")
         if skew and rt.tp_rank == 1:
             rng = random.Random(rank)
-            for name in ("fwd_in", "bwd_in"):
-                ch = getattr(rt.channels, name)
-                if ch is not None:
-                    setattr(rt.channels, name, DelayedChannel(ch, [rng.choice([0, 0.002, 0.01, 0.03])
-                                                                   for _ in range(17)]))
+            for channels in rt.rank_channels.stages.values():  # every stage's, with virtual stages
+                for name in ("fwd_in", "bwd_in"):
+                    ch = getattr(channels, name)
+                    if ch is not None:
+                        setattr(channels, name, DelayedChannel(ch, [rng.choice([0, 0.002, 0.01, 0.03])
+                                                                    for _ in range(17)]))
         out = {}
         try:
             for ex, hint in configs:
                 torch.manual_seed(0)
                 full = GPT(model_cfg)
-                module = make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None)
-                e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint)
+                modules = [make_stage(full, s, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None)
+                           for s in rt.stages]
+                module = modules[0] if virtual == 1 else torch.nn.ModuleList(modules)
+                e = rt.stage_executor(modules, loss_fn, microbatches=M, dispatch=ex, hint=hint)
                 sync = rt.grad_sync(module, e)
                 mine = data[rt.dp_rank * M:(rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)
                 await sync.sync()
                 errs = {}
-                for n, p in module.named_parameters():
+                for n, p in (p for m in modules for p in m.named_parameters()):
                     want = ref_grads[n]
                     if p.shape != want.shape:
                         from models.gpt import full_grad_slice
 
                         want = full_grad_slice(n, want, rt.tp_rank, tp)
                     errs[n] = (p.grad - want).abs().max().item()
-                out[(ex, hint)] = {"grad_err": max(errs.values()), "order": [str(t) for t in res.order],
+                out[(ex, hint)] = {"grad_err": max(errs.values()), "order": [f"{t}@{s}" for s, t in res.ran],
                                    "loss": res.loss, "coords": (rt.stage, rt.tp_rank, rt.dp_rank),
                                    "rounds": e.agreement.rounds if e.agreement else 0,
                                    "launched_early": sync.launched_early}
@@ -92,8 +96,8 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers):
     return run(main())
 
 
-def _check(results, pp, tp, dp):
-    for cfg in CONFIGS:
+def _check(results, pp, tp, dp, configs=CONFIGS):
+    for cfg in configs:
         per_stage = {}
         for rank, (out, ref_loss) in results.items():
             r = out[cfg]
@@ -140,3 +144,20 @@ def test_tp2_pp2_dp2_matches_reference():
     for cfg in [("ready", "bfw"), ("fixed", "bfw")]:
         for rank, (out, _) in results.items():
             assert out[cfg]["grad_err"] < 1e-10, f"{cfg} rank {rank}: {out[cfg]['grad_err']}"
+
+
+V_CONFIGS = [("ready", "bfw"), ("fixed", "zbv")]
+
+
+@pytest.mark.timeout(300)
+def test_virtual_stages_tp2_dp_and_agreement():
+    """Two stages per rank (v placement, the turn local) with Megatron TP layers and skewed
+    arrivals on pp=2 x tp=2, then DP buckets on pp=2 x dp=2: the TP ranks agree on every
+    (stage, task) and run one sequence, DP averages both stages' gradients, and every
+    gradient matches the one-process model."""
+    results = run_ranks(_parallel, 4, 2, 2, 1, V_CONFIGS, True, True, 2, timeout=240)
+    _check(results, 2, 2, 1, V_CONFIGS)
+    assert all(out[("ready", "bfw")]["rounds"] >= 2 * 3 * M for out, _ in results.values())
+    results = run_ranks(_parallel, 4, 2, 1, 2, V_CONFIGS, False, False, 2, timeout=240)
+    _check(results, 2, 1, 2, V_CONFIGS)
+    assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())

@@ -114,6 +114,30 @@ def test_more_stages_than_layers():
                        "model.n_layer=2 is fewer than the 4 pipeline stages")
 
 
+VIRTUAL_ERRORS = [
+    (["virtual=3", "placement=v"], ["run.virtual = 3", "placement v needs exactly 2 stages per rank"]),
+    (["virtual=0"], ["run.virtual must be >= 1, got 0"]),
+    (["placement=w"], ["unknown placement 'w'", "interleaved, v"]),
+    (["virtual=2"], ["model.n_layer=4 is fewer than the 8 pipeline stages",
+                     "run.virtual = 2 stages on each of 4 pipeline ranks"]),
+]
+
+
+@pytest.mark.parametrize("sets,needles", VIRTUAL_ERRORS, ids=[" ".join(s) for s, _ in VIRTUAL_ERRORS])
+def test_virtual_stage_errors(sets, needles):
+    """Virtual stages that cannot be placed, or a model too shallow for pp x V stages: one line, exit 2."""
+    args = [a for s in sets for a in ("--set", s)]
+    assert_usage_error(rrfp("--config", CONFIG, *args, world=4), *needles)
+
+
+def test_dry_run_shows_the_virtual_stages():
+    res = rrfp("--config", CONFIG, "--set", "virtual=2", "--set", "placement=v", "--set", "model.n_layer=8",
+               "--dry-run", world=4)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert ("stages: 4 rank(s) x 2 stage(s) per rank (v): rank 0: 0, 7; rank 1: 1, 6; rank 2: 2, 5; "
+            "rank 3: 3, 4") in res.stdout.splitlines(), res.stdout
+
+
 def test_no_launcher_environment():
     """Without torchrun's environment the run cannot start; it says how to start it."""
     res = rrfp("--config", CONFIG)

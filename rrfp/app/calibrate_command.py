@@ -58,7 +58,7 @@ def _on(device: torch.device, x):
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
     """(stage, kind, features, seconds) for every task of ``samples`` microbatches, split backward,
     on the run's device (``calibration_device``)."""
-    wl, S = cfg.workload, cfg.layout.pp
+    wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.run)
     timed = _timer(device)
     torch.set_num_threads(cfg.run.threads)
@@ -118,7 +118,7 @@ def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: in
 def calibrate_command(args) -> int:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one process measures every stage, on one GPU at most
     cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
-    S = cfg.layout.pp
+    S = cfg.num_stages
     device = calibration_device(cfg.run)
     where = (f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
              if device.type == "cuda" else f"on this CPU ({torch.get_num_threads()} thread(s))")

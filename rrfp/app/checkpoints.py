@@ -44,7 +44,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
     lay = cfg.layout
     return json.loads(json.dumps({
         "run": {"model": cfg.run.model, "pp": lay.pp, "tp": lay.tp, "dp": lay.dp,
-                "microbatches": cfg.run.microbatches},
+                "microbatches": cfg.run.microbatches, "virtual": cfg.run.virtual, "placement": cfg.run.placement},
         "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data)}))
 
 
@@ -125,7 +125,7 @@ def plan_resume(cfg: TrainConfig) -> Resume:
             and all(isinstance(v, dict) for v in meta.get("config", {}).values())):
         raise ConfigError(f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
                           "\"config\" is an object of sections)")
-    diffs = differences(meta.get("config", {}), fingerprint(cfg))
+    diffs = differences(_before_virtual(meta.get("config", {})), fingerprint(cfg))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
     if latest.step >= run.steps:
@@ -133,11 +133,19 @@ def plan_resume(cfg: TrainConfig) -> Resume:
                           "to train (raise run.steps)")
     lay = cfg.layout
     try:
-        check_readable(latest.path, [stage_key(s, t) for s in range(lay.pp) for t in range(lay.tp)]
+        check_readable(latest.path, [stage_key(s, t) for s in range(cfg.num_stages) for t in range(lay.tp)]
                        + [f"rank{r}" for r in range(lay.world_size)])
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
     return Resume(latest, tuple(rejected))
+
+
+def _before_virtual(saved: dict) -> dict:
+    """A checkpoint saved before run.virtual existed had one stage per rank."""
+    run = saved.get("run")
+    if not isinstance(run, dict) or "virtual" in run:
+        return saved
+    return {**saved, "run": {**run, "virtual": 1, "placement": "interleaved"}}
 
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
@@ -146,13 +154,17 @@ def resume_point(cfg: TrainConfig) -> Checkpoint | None:
 
 
 class RunCheckpoints:
-    """One rank's side of saving and loading its stage's state during a run."""
+    """One rank's side of saving and loading its stages' state during a run: ``modules`` and
+    ``opts`` hold one entry per stage of the rank (``rt.stages``)."""
 
-    def __init__(self, cfg: TrainConfig, rt: PipelineRuntime, module: torch.nn.Module,
-                 opt: torch.optim.Optimizer) -> None:
-        self.cfg, self.rt, self.module, self.opt = cfg, rt, module, opt
+    def __init__(self, cfg: TrainConfig, rt: PipelineRuntime, modules: list[torch.nn.Module],
+                 opts: list[torch.optim.Optimizer]) -> None:
+        self.cfg, self.rt = cfg, rt
+        one = len(modules) == 1  # the single-stage form: save_stage's keys and calls as before
+        self.module, self.opt = (modules[0], opts[0]) if one else (list(modules), list(opts))
         self.store = CheckpointDir(cfg.run.checkpoint_dir)
-        self.where = dict(rank=rt.rank, stage=rt.stage, tp_rank=rt.tp_rank, device=rt.device,
+        self.where = dict(rank=rt.rank, stage=rt.stage if one else list(rt.stages), tp_rank=rt.tp_rank,
+                          device=rt.device,
                           process_group=rt.cpu_group)  # DCP's collectives: gloo, the control plane
         self.on_write: list = []  # called with the step before this rank writes (fault injection)
 
@@ -203,8 +215,9 @@ class RunCheckpoints:
                 await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
-        for group in self.opt.param_groups:  # the config's, not the checkpoint's
-            group.update(lr=self.cfg.run.lr, weight_decay=self.cfg.run.weight_decay)
+        for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
+            for group in opt.param_groups:  # the config's, not the checkpoint's
+                group.update(lr=self.cfg.run.lr, weight_decay=self.cfg.run.weight_decay)
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
     async def save(self, done: int, rng: dict | None = None) -> Checkpoint:

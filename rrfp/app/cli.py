@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
-    sim.add_argument("--pp", type=_positive("--pp"), default=8, help="pipeline stages (default 8)")
+    sim.add_argument("--pp", type=_positive("--pp"), default=8,
+                     help="pipeline ranks (default 8); each holds --virtual stages")
     sim.add_argument("--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)")
     sim.add_argument("--preset", default="lang", choices=PRESETS, help="variability preset (default lang)")
     sim.add_argument("--seeds", type=_positive("--seeds"), default=20, help="seeds to run (default 20)")
@@ -56,12 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
                           "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)")
     sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"])
-    sim.add_argument("--hints", type=_csv_list, default=[*BUILTIN, "plan"],
-                     help="comma list: builtin names, plan (planned per seed from known costs), .csv files "
-                          "or module:function")
+    sim.add_argument("--hints", type=_csv_list, default=None,
+                     help="comma list: builtin names, plan (planned per seed from known costs), zbv, .csv files "
+                          f"or module:function (default {','.join(BUILTIN)},plan, and zbv with --placement v)")
+    sim.add_argument("--virtual", type=_csv_list, default=["1"], metavar="V",
+                     help="stages per rank, a comma list (default 1); the model splits into pp x V stages")
+    sim.add_argument("--placement", type=_csv_list, default=["interleaved"],
+                     help="where a rank's stages sit, a comma list of interleaved (r, r+S, ...) and v "
+                          "(r and 2S-1-r, V = 2 only) (default interleaved)")
     sim.add_argument("--comm", type=float, default=None, help="latency per message (default 0.05)")
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
-    sim.add_argument("--slow-stage", type=int, default=None, help="stage that runs slower")
+    sim.add_argument("--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
     sim.add_argument("--oracle", action="store_true",
                      help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') and "
@@ -103,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
     bench.add_argument("--executors", type=_csv_list, default=None,
                        help="comma list of ENGINE-HINT: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, ready-plan, "
-                            "torch-1f1b, torch-zb (the default: all of them that this build runs)")
+                            "torch-1f1b, torch-zb, torch-dualpipev; -v2 on an rrfp one runs it on two virtual "
+                            "stages per rank in the v shape (ready-plan-v2), -i2 interleaved (the default: all "
+                            "of them that this build runs)")
     bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
     bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
     bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")

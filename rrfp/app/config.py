@@ -22,6 +22,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, peak_in_flight, resolve
 from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.faults import Fault
 from rrfp.core.variability import PRESETS, Variability
@@ -29,7 +30,7 @@ from rrfp.pipeline.workload import Workload
 
 ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
 # [run]'s numbers, within what a run can mean (and torch, numpy and timedelta can hold): (lowest, highest)
-RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "microbatches": (1, 65536),
+RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "virtual": (1, 64), "microbatches": (1, 65536),
               "steps": (1, 10**9), "threads": (1, 1024), "log_every": (1, 10**9), "seed": (0, 2**63 - 1),
               "lr": (0, 100), "weight_decay": (0, 100), "unit_ms": (0, 600_000), "timeout_s": (0, 604_800),
               "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6)}
@@ -43,6 +44,8 @@ class RunConfig:
     pp: int = 0  # 0: world size / (tp * dp)
     tp: int = 1
     dp: int = 1
+    virtual: int = 1  # V stages per pipeline rank: the model is split into pp x V stages
+    placement: str = "interleaved"  # with virtual > 1: "interleaved" (r, r+pp, ...) or "v" (r and 2pp-1-r)
     microbatches: int = 8
     steps: int = 50
     dispatch: Dispatch | str = Dispatch.READY  # the executor: "ready" or "fixed"
@@ -77,7 +80,7 @@ class RunConfig:
     fault: Fault | str | None = field(default_factory=lambda: os.environ.get("RRFP_FAULT", ""))
 
     def __post_init__(self) -> None:
-        for name in ("tp", "dp", "microbatches", "steps", "threads", "log_every"):
+        for name in ("tp", "dp", "virtual", "microbatches", "steps", "threads", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         if self.pp < 0:
@@ -94,6 +97,10 @@ class RunConfig:
                 object.__setattr__(self, "fault", Fault.parse(self.fault) if self.fault.strip() else None)
             except ValueError as e:
                 raise ConfigError(f"run.fault (or RRFP_FAULT): {e}") from None
+        try:
+            object.__setattr__(self, "placement", str(VirtualLayout(1, self.virtual, self.placement).placement))
+        except ValueError as e:
+            raise ConfigError(f"run.virtual = {self.virtual}, run.placement = {self.placement!r}: {e}") from None
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.preset not in PRESETS:
@@ -168,13 +175,19 @@ class TrainConfig:
             object.__setattr__(self, "data", wl.data_config())
         try:
             layout = plan_layout(self.world_size, self.run.pp, self.run.tp, self.run.dp)
-            wl.check(self.model, self.data, layout.pp, layout.tp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
+        stages = self.num_stages
+        try:
+            wl.check(self.model, self.data, stages, layout.tp)
+        except ValueError as e:
+            split = f" (run.virtual = {self.run.virtual} stages on each of {layout.pp} pipeline ranks)" \
+                if self.run.virtual > 1 else ""
+            raise ConfigError(f"{e}{split}") from None
         _check_fixed_budget(self.run, layout.pp)
         fault = self.run.fault
-        if fault is not None and (fault.stage is not None and fault.stage >= layout.pp or
+        if fault is not None and (fault.stage is not None and fault.stage >= stages or
                                   fault.rank is not None and fault.rank >= self.world_size):
             raise ConfigError(f"run.fault {fault}: no such stage or rank in {layout.short()}")
         if fault is not None and fault.task is not None:
@@ -184,9 +197,10 @@ class TrainConfig:
                                   f"microbatches, split = {split}")
         if self.run.device_type == "cuda":
             _check_cuda(self.world_size)
-        if self.run.cost is not None and self.run.cost.num_stages != layout.pp:
-            raise ConfigError(f"run.cost was calibrated for {self.run.cost.num_stages} stages, this layout has "
-                              f"{layout.pp}: rerun rrfp calibrate --pp {layout.pp}")
+        if self.run.cost is not None and self.run.cost.num_stages != stages:
+            raise ConfigError(f"run.cost was calibrated for {self.run.cost.num_stages} stages, this run has "
+                              f"{stages}: rerun rrfp calibrate --pp {layout.pp}"
+                              + (f" with run.virtual = {self.run.virtual}" if self.run.virtual > 1 else ""))
 
     @property
     def workload(self) -> Workload:
@@ -195,6 +209,16 @@ class TrainConfig:
     @property
     def layout(self) -> Layout:
         return self._layout
+
+    @property
+    def num_stages(self) -> int:
+        """How many pieces the model is split into: pp x virtual."""
+        return self._layout.pp * self.run.virtual
+
+    @property
+    def stages(self) -> VirtualLayout:
+        """Which of the num_stages stages each pipeline rank holds."""
+        return VirtualLayout(self._layout.pp, self.run.virtual, self.run.placement)
 
     @classmethod
     def from_dict(cls, doc: dict, source: str = "config", world_size: int | None = None) -> "TrainConfig":

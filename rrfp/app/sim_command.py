@@ -14,7 +14,8 @@ from dataclasses import replace
 from rrfp.app.errors import UsageError
 from rrfp.app.progress import progress
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
-from rrfp.core.hints import HintError, resolve
+from rrfp.core.hints import BUILTIN, HintError, resolve
+from rrfp.core.placement import Placement, VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import chrome_trace, write_json
@@ -38,11 +39,36 @@ def _budgets(args) -> list[Budget]:
     return budgets
 
 
-def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability]:
+def _layouts(args) -> list[VirtualLayout]:
+    """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with V = 2.
+    A pair that cannot be is refused when it is the only one asked for, else left out."""
+    try:
+        virtuals = [int(v) for v in args.virtual]
+    except ValueError:
+        raise ValueError(f"--virtual: not a list of integers: {','.join(args.virtual)}") from None
+    placements = [Placement.parse(p) for p in args.placement]
+    if not virtuals or not placements:
+        raise ValueError("--virtual and --placement need at least one value each")
+    out, errors = [], []
+    for v in dict.fromkeys(virtuals):
+        for p in placements if v > 1 else [Placement.INTERLEAVED]:
+            try:
+                out.append(VirtualLayout(args.pp, v, p))
+            except ValueError as e:
+                errors.append(f"--virtual {v} --placement {p}: {e}")
+    if not out:
+        raise ValueError("; ".join(errors))
+    return list(dict.fromkeys(out))
+
+
+def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, list[VirtualLayout]]:
     try:
         budgets = _budgets(args)
+        layouts = _layouts(args)
         dispatches = [Dispatch.parse(e) for e in args.executors]
-        hints = [resolve(h) for h in args.hints]
+        names = args.hints or [*BUILTIN, "plan"] + (["zbv"] if any(lay.placement is Placement.V for lay in layouts)
+                                                    else [])
+        hints = [resolve(h) for h in names]
     except ValueError as e:  # HintError included
         raise UsageError(str(e)) from None
     over = {k: v for k, v in {"comm": args.comm, "comm_jitter": args.comm_jitter}.items() if v is not None}
@@ -54,7 +80,7 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability]:
         var = Variability.preset(args.preset, **over)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return budgets, dispatches, hints, var
+    return budgets, dispatches, hints, var, layouts
 
 
 def _progress(jobs, desc: str = "simulating", unit: str = "run"):
@@ -62,23 +88,32 @@ def _progress(jobs, desc: str = "simulating", unit: str = "run"):
 
 
 def _label(row: Row, budgets: list[Budget]) -> str:
-    """A row's name where several budgets share a table, a trace or a plot."""
-    return f"{row.executor} {row.hint}" + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
+    """A row's name where several budgets or layouts share a table, a trace or a plot."""
+    return (f"{row.executor} {row.hint}" + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
+            + (f" {row.layout}" if row.layout else ""))
 
 
-def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, oracle=None) -> None:
+def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, oracle=None,
+           skipped: list[str] = ()) -> None:
+    virtual = any(r.virtual > 1 for r in rows)
     print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
           f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
-          f"peak in-flight: the most microbatches a stage held (fixed 1F1B's is the 1x memory)", file=out)
-    print(f"{'executor':<8} {'hint':<12} {'budget':>6} {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
+          f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
+          + ("; with V stages per rank a chunk holds 1/V of a microbatch, and Nx is N times the rank's need "
+             "(docs/design.md)" if virtual else ""), file=out)
+    print(f"{'executor':<8} {'hint':<12} {'budget':>6}" + (f" {'layout':<15}" if virtual else "")
+          + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
           f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""),
           file=out)
     for r in rows:
         lo, hi = r.spread
         planned = f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
-        print(f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6} {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{r.peak_inflight:>14d} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
+        print(f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6}" + (f" {r.layout or 'V1':<15}" if virtual else "")
+              + f" {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
+              f"{r.peak_inflight:>14g} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
               + (f" {oracle.cell(r):>11}" if oracle else "") + planned, file=out)
+    for why in skipped:
+        print(f"not run: {why}", file=out)
     for line in oracle.summary(budgets[0]) if oracle else ():
         print(line, file=out)
 
@@ -102,8 +137,13 @@ def replay_command(args) -> int:
         raise UsageError(f"--replay/--cost: not a sizes file and a cost model: {e}") from None
     if not doc.get("unit_ms"):
         raise UsageError(f"{args.replay}: the run had unit_ms = 0 (no emulated time to compare with)")
-    rows = replay(doc, cost)
-    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {doc['pp']} stages, "
+    try:
+        rows = replay(doc, cost)
+    except (ValueError, KeyError) as e:  # a layout the cost model does not fit, a missing field
+        raise UsageError(f"--replay {args.replay}: {e}") from None
+    stages = f"{doc['pp']} stages" if int(doc.get("virtual", 1)) == 1 else \
+        f"{doc['pp']} ranks x {doc['virtual']} stages ({doc.get('placement', 'interleaved')})"
+    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {stages}, "
           f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)")
     print(f"{'step':>4} {'simulated ms':>13} {'measured ms':>12} {'error':>7}")
     errs = []
@@ -121,15 +161,18 @@ def replay_command(args) -> int:
 def sim_command(args) -> int:
     if args.replay:
         return replay_command(args)
-    budgets, dispatches, hints, var = _resolve(args)
+    budgets, dispatches, hints, var, layouts = _resolve(args)
     if args.oracle:
         from rrfp.app import sim_oracle
 
         sim_oracle.check(args)
+        if any(lay.virtual > 1 for lay in layouts):
+            raise UsageError("--oracle solves one stage per rank only; drop --virtual or run it with --virtual 1")
     base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)
+    skipped: list[str] = []
     try:
         runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
-        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs, budgets)
+        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs, budgets, layouts, skipped)
     except HintError as e:
         raise UsageError(str(e)) from None
     rows.sort(key=lambda r: -r.median)
@@ -139,9 +182,11 @@ def sim_command(args) -> int:
               file=sys.stderr)
         oracle = sim_oracle.oracle_column(args, base, runs, rows, _progress)
     json_to_stdout = args.json == "-"
-    _table(args, budgets, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle)
+    _table(args, budgets, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle, skipped)
     if args.json:
         doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": ",".join(map(str, budgets)),
+               "layouts": [{"virtual": lay.virtual, "placement": str(lay.placement)} for lay in layouts],
+               "not_run": skipped,
                "budgets": [str(b) for b in budgets], "seeds": args.seeds,
                "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}
         if oracle:
@@ -164,7 +209,7 @@ def _timelines(args, base: SimConfig, hints: dict, rows: list[Row], budgets: lis
     runs = []
     for r in sorted(rows, key=lambda r: (r.executor, r.hint) != baseline):
         cfg = replace(base, dispatch=r.executor, hint=hints[r.hint], budget=r.budget or base.budget, seed=0,
-                      record=True)
+                      record=True, virtual=r.virtual, placement=r.placement)
         if cfg.hint.planned:  # the plan it ran, not the unplanned BFW it starts from
             cfg = planned_config(cfg)[0]
         res = simulate(cfg)

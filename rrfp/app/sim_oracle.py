@@ -58,7 +58,7 @@ class Distance:
 @dataclass
 class OracleColumn:
     results: list  # OracleResult per seed
-    rows: dict[tuple[str, str, str | None], Distance]  # by Row.key
+    rows: dict[tuple, Distance]  # by Row.key
     time_limit: float
 
     def cell(self, row: Row) -> str:
@@ -95,7 +95,7 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
     from rrfp.sim.oracle import holds_budget, solve
 
     results = []
-    holds: dict[tuple[str, str, str | None], set] = {r.key: set() for r in rows}
+    holds: dict[tuple, set] = {r.key: set() for r in rows}
     for seed in progress(range(args.seeds), desc="solving the optimum", unit="seed"):
         incumbents = []
         for r in rows:

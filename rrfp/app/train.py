@@ -84,22 +84,27 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
     torch.set_num_threads(run.threads)
     # a heartbeat (gloo): timeout_s bounds a peer's silence, not how long a step may take
     async with PipelineRuntime.start(layout=cfg.layout, backend=run.backend, timeout_s=run.timeout_s,
-                                     unit_ms=run.unit_ms, heartbeat=True) as rt:  # nccl: this rank's GPU is rt.device
-        torch.manual_seed(run.seed)
-        module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group).to(rt.device)
-        recorder = TraceRecorder(f"rank {rt.rank}") if run.trace else None
-        ex = rt.stage_executor(module, wl.loss_fn, microbatches=run.microbatches, dispatch=run.dispatch,
-                               hint=run.hint, budget=run.budget, split=run.split, variability=run.variability,
-                               seed=run.seed, instrument=recorder, cost=run.cost)
+                                     unit_ms=run.unit_ms, heartbeat=True, virtual=run.virtual,
+                                     placement=run.placement) as rt:  # nccl: this rank's GPU is rt.device
+        modules = [m.to(rt.device) for m in wl.build_stages(cfg.model, rt.stages, rt.num_stages, run.seed,
+                                                             rt.tp_group)]
+        module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)  # the rank's parameters
+        recorder = TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None) if run.trace else None
+        ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,
+                               dispatch=run.dispatch, hint=run.hint, budget=run.budget, split=run.split,
+                               variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost)
         sync = rt.grad_sync(module, ex)
-        injector = FaultInjector.for_rank(run.fault, rt.rank, rt.stage)  # testing aid, normally None
+        fault_stage = run.fault.stage if run.fault is not None and run.fault.stage in rt.stages else rt.stage
+        injector = FaultInjector.for_rank(run.fault, rt.rank, fault_stage)  # testing aid, normally None
         if injector is not None:
             ex.on_task_done.append(injector.task_done)
             ex.task_hold_s.append(injector.hold_s)
-        opt = torch.optim.AdamW(module.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+        # one optimizer per stage: the same update as one over all (AdamW is per parameter), and each
+        # stage's state goes to its own checkpoint key
+        opts = [torch.optim.AdamW(m.parameters(), lr=run.lr, weight_decay=run.weight_decay) for m in modules]
         summary = TrainSummary()
         world = rt.layout.world_size
-        ckpts = RunCheckpoints(cfg, rt, module, opt) if run.checkpoint_dir else None
+        ckpts = RunCheckpoints(cfg, rt, modules, opts) if run.checkpoint_dir else None
         if ckpts is not None:
             await ckpts.begin(resume)
         if ckpts is not None and injector is not None:
@@ -149,11 +154,12 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                                 float(res is None)], dtype=torch.float64)
             if res is not None:
                 vec[:4] = torch.tensor([res.loss or 0.0, res.stats.busy, res.stats.wall,
-                                        float(res.tokens if rt.stage == 0 else 0)], dtype=torch.float64)
+                                        float(res.tokens if 0 in rt.stages else 0)], dtype=torch.float64)
             await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
             loss, busy, wall, tokens, nonfinite, stops, abandoned = vec.tolist()
             if abandoned:  # no rank steps: the state is still that of `step` completed steps
-                opt.zero_grad(set_to_none=True)
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
                 summary.stopped_at, summary.stop_requests, summary.abandoned = step, int(stops), True
                 if ckpts is not None and saved_at != step:
                     summary.checkpoint = str((await ckpts.save(step, rng=at_start)).path)
@@ -163,8 +169,10 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 await _nonfinite(rt, run.on_nonfinite, step, bad)
                 summary.skipped.append(step)
             else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+                for opt in opts:
+                    opt.step()
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
             tokens /= run.tp
             report = StepReport(step, run.steps, loss, tokens / (wall / world), StageStats(busy, wall).bubble,
@@ -192,8 +200,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 break
         summary.statistics = ex.statistics()
         if run.sizes and rt.rank == 0:
-            write_json(run.sizes, {"pp": rt.num_stages, "microbatches": run.microbatches, "seed": run.seed,
-                                   "preset": run.preset, "hint": run.hint.name, "dispatch": str(run.dispatch),
+            virtual = {"virtual": run.virtual, "placement": run.placement} if run.virtual > 1 else {}
+            write_json(run.sizes, {"pp": rt.layout.pp, **virtual, "microbatches": run.microbatches,
+                                   "seed": run.seed, "preset": run.preset, "hint": run.hint.name, "dispatch": str(run.dispatch),
                                    "budget": str(run.budget), "split": ex.settings.split, "unit_ms": run.unit_ms,
                                    "features": summary.features, "step_wall_s": summary.slowest_s})
             log.info("wrote microbatch sizes %s", run.sizes)
@@ -238,8 +247,9 @@ async def _nonfinite(rt: PipelineRuntime, policy: str, step: int, bad: bool) -> 
     first = torch.tensor([float(rt.rank if bad else rt.layout.world_size)], dtype=torch.float64)
     await rt.all_reduce(first, dist.ReduceOp.MIN, what=f"step {step + 1}: world min of the non-finite ranks")
     where = int(first.item())
-    stage = rt.layout.coords(where).pp
-    what = f"step {step + 1}: NaN or Inf in the loss or the gradients (first on rank {where}, stage {stage})"
+    stages = rt.virtual.stages_of(rt.layout.coords(where).pp)
+    stage = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+    what = f"step {step + 1}: NaN or Inf in the loss or the gradients (first on rank {where}, {stage})"
     if policy == "stop":
         raise NonFiniteError(f"rank {rt.rank}: {what}; every rank ends here, no update was made "
                              f"(run.on_nonfinite = stop; \"skip\" skips such steps)")

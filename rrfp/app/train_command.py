@@ -105,6 +105,8 @@ def train_command(args) -> int:
     if args.dry_run:
         if rank == 0:
             print(cfg.layout.describe())
+            if cfg.run.virtual > 1:
+                print(f"stages: {cfg.stages.describe()}")
             print(cfg.as_dict())
         return 0
     relay = StopRelay().start()

@@ -9,38 +9,54 @@ async and awaited through the loop's poller: no thread per round.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from rrfp.comm.collectives import all_reduce
+from rrfp.core.rank_tracker import StageTask
 from rrfp.core.tasks import Kind, Task
 from rrfp.loop.completions import CompletionPoller
 
 
 class TPAgreement:
     """Agrees on ready sets over ``group`` (a control group used only for this,
-    so it never interleaves with the layers' TP collectives on the lane)."""
+    so it never interleaves with the layers' TP collectives on the lane).
+    With virtual stages (``stages``: the rank's global stages) the ready sets hold
+    (stage, task) pairs, one vector slot each."""
 
-    def __init__(self, group, num_microbatches: int, poller: CompletionPoller) -> None:
+    def __init__(self, group, num_microbatches: int, poller: CompletionPoller,
+                 stages: Sequence[int] | None = None) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.M = num_microbatches
         self.poller = poller
+        self.stages = tuple(stages) if stages is not None else None
         self.rounds = 0
 
-    def _vector(self, ready: Iterable[Task]) -> torch.Tensor:
-        v = torch.zeros(2, 3 * self.M, dtype=torch.int32)
-        for t in ready:
-            v[0, int(t.kind) * self.M + t.mb] = 1
+    def _slot(self, item) -> int:
+        if self.stages is None:
+            return int(item.kind) * self.M + item.mb
+        stage, t = item
+        return (self.stages.index(stage) * 3 + int(t.kind)) * self.M + t.mb
+
+    def _item(self, i: int):
+        chunk, rest = divmod(i, 3 * self.M)
+        task = Task(Kind(rest // self.M), rest % self.M)
+        return task if self.stages is None else StageTask(self.stages[chunk], task)
+
+    def _vector(self, ready: Iterable) -> torch.Tensor:
+        v = torch.zeros(2, 3 * self.M * len(self.stages or (0,)), dtype=torch.int32)
+        for item in ready:
+            v[0, self._slot(item)] = 1
         v[1] = -v[0]
         return v
 
-    def _tasks(self, row: torch.Tensor) -> set[Task]:
-        return {Task(Kind(i // self.M), i % self.M) for i in row.nonzero().flatten().tolist()}
+    def _tasks(self, row: torch.Tensor) -> set:
+        return {self._item(i) for i in row.nonzero().flatten().tolist()}
 
-    async def agree(self, ready: Iterable[Task]) -> tuple[set[Task], set[Task]]:
+    async def agree(self, ready: Iterable) -> tuple[set, set]:
         """(ready on every TP rank, ready on some TP rank)."""
         v = self._vector(ready)
         await all_reduce(self.poller, v, f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})",

@@ -58,9 +58,11 @@ class GradSync:
 
     def attach(self, executor) -> None:
         """Launch the buckets from inside ``executor``'s iterations, once the gradients are final:
-        after the last W with a split backward, after the last B otherwise."""
+        after the last W with a split backward, after the last B otherwise (of every stage of the
+        rank, with virtual stages)."""
         if self.size > 1:
-            self._final, self._M = (Kind.W if executor.settings.split else Kind.B), executor.M
+            self._final = Kind.W if executor.settings.split else Kind.B
+            self._M = executor.M * len(executor.workers)
             executor.on_task_done.append(self._task_done)
 
     def _task_done(self, task: Task) -> None:

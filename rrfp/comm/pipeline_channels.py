@@ -52,11 +52,34 @@ class PipelineChannels:
         await self.aclose()
 
 
+class RankChannels:
+    """This rank's channels for each of its stages (virtual stages: several per rank), keyed by
+    global stage: ``of(stage)`` is that stage's ``PipelineChannels``. A neighbour on this same
+    rank (the V turn) has no channel: the executor hands the tensors over locally."""
+
+    def __init__(self, rank: int, stages: dict[int, PipelineChannels]) -> None:
+        self.rank, self.stages = rank, stages
+
+    def of(self, stage: int) -> PipelineChannels:
+        return self.stages[stage]
+
+    def all(self) -> list[Channel]:
+        return [c for ch in self.stages.values() for c in ch.all()]
+
+    def __repr__(self) -> str:
+        return f"<RankChannels rank {self.rank}: {', '.join(c.name for c in self.all()) or 'none'}>"
+
+    async def aclose(self) -> None:
+        for ch in self.stages.values():
+            await ch.aclose()
+
+
 def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
                              device: torch.device | str = "cpu", poller=None, compute_stream=None,
                              ops=None, deadline_s: float | None = None,
                              wait: datetime.timedelta | None = None) -> PipelineChannels:
-    """Create every pipeline process group on every rank; return this rank's channels.
+    """Create every pipeline process group on every rank; return this rank's channels (one
+    stage per rank; ``create_rank_channels`` for several).
 
     Must be called by all ranks, with the same layout, after
     ``init_process_group``: ``new_group`` is collective over the world even for
@@ -73,6 +96,22 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
     may take (rrfp's peer deadline; ``timeout`` is then NCCL's watchdog's). ``wait`` (gloo): how
     long one send or receive may wait, when not ``timeout`` (a heartbeat bounds silence instead).
     """
+    channels = create_rank_channels(layout, rank, timeout, device=device, poller=poller,
+                                    compute_stream=compute_stream, ops=ops, deadline_s=deadline_s, wait=wait)
+    return channels.of(layout.coords(rank).pp)
+
+
+def create_rank_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
+                         stages=None, device: torch.device | str = "cpu", poller=None, compute_stream=None,
+                         ops=None, deadline_s: float | None = None,
+                         wait: datetime.timedelta | None = None) -> RankChannels:
+    """``create_pipeline_channels`` for ``stages`` (a ``VirtualLayout``: global stage ->
+    pipeline rank; None: one stage per rank). One process group per (stage boundary,
+    direction) whose two stages sit on different ranks, so that two stages of one rank never
+    share a channel and every message is keyed by its global stage without a header field;
+    the global order is replica (dp, tp), then boundary g -> g+1 over all pp x V stages,
+    forward before backward. With one stage per rank: exactly ``create_pipeline_channels``'s
+    groups, in its order."""
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
                            "create_pipeline_channels")
@@ -99,28 +138,35 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
         def make(name, peer, group, outbound):
             return Channel(name, rank, peer, group, outbound=outbound, device=device, wait=wait)
         group_kw = {}
-    found: dict[str, Channel] = {}
+    num_stages = layout.pp if stages is None else stages.num_stages
+    pp_of = (lambda g: g) if stages is None else stages.rank_of
+    mine = layout.coords(rank).pp
+    found: dict[int, dict[str, Channel]] = {g: {} for g in range(num_stages) if pp_of(g) == mine}
     in_order: list = []  # this rank's channels in the global order of their groups
     for dp in range(layout.dp):
         for tp in range(layout.tp):
-            for s in range(layout.pp - 1):
-                a, b = layout.rank_of(s, tp, dp), layout.rank_of(s + 1, tp, dp)
+            for s in range(num_stages - 1):
+                if pp_of(s) == pp_of(s + 1):
+                    continue  # the V turn: one rank holds both stages, nothing travels
+                a, b = layout.rank_of(pp_of(s), tp, dp), layout.rank_of(pp_of(s + 1), tp, dp)
                 fwd = dist.new_group([a, b], timeout=timeout, **group_kw)
                 bwd = dist.new_group([b, a], timeout=timeout, **group_kw)
                 fwd_name = f"fwd {s}->{s + 1} (rank {a} -> rank {b})"
                 bwd_name = f"bwd {s + 1}->{s} (rank {b} -> rank {a})"
                 if rank == a:
-                    found["fwd_out"] = make(fwd_name, b, fwd, True)
-                    found["bwd_in"] = make(bwd_name, b, bwd, False)
-                    in_order += [found["fwd_out"], found["bwd_in"]]
+                    here = found[s]
+                    here["fwd_out"] = make(fwd_name, b, fwd, True)
+                    here["bwd_in"] = make(bwd_name, b, bwd, False)
+                    in_order += [here["fwd_out"], here["bwd_in"]]
                 elif rank == b:
-                    found["fwd_in"] = make(fwd_name, a, fwd, False)
-                    found["bwd_out"] = make(bwd_name, a, bwd, True)
-                    in_order += [found["fwd_in"], found["bwd_out"]]
+                    here = found[s + 1]
+                    here["fwd_in"] = make(fwd_name, a, fwd, False)
+                    here["bwd_out"] = make(bwd_name, a, bwd, True)
+                    in_order += [here["fwd_in"], here["bwd_out"]]
     if device.type == "cuda":
         for channel in in_order:  # both ends of every channel reach it in this one order: the calls meet
             channel.warm_up()
-    channels = PipelineChannels(rank, **found)
+    channels = RankChannels(rank, {g: PipelineChannels(rank, **ends) for g, ends in found.items()})
     logger.info("rank %d: %d pipeline channel(s): %s", rank, len(channels.all()),
                 ", ".join(c.name for c in channels.all()) or "none")
     return channels

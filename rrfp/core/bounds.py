@@ -1,15 +1,23 @@
 """Lower bound on an iteration's time for given task durations (docs/design.md):
-max(busiest stage's total work, longest microbatch chain with its sends)."""
+max(busiest rank's total work, longest microbatch chain with its sends)."""
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 
-def lower_bound(dur: np.ndarray, lat_fwd: np.ndarray, lat_bwd: np.ndarray, split: bool) -> float:
+def lower_bound(dur: np.ndarray, lat_fwd: np.ndarray, lat_bwd: np.ndarray, split: bool,
+                rank_of: Sequence[int] | None = None) -> float:
     """``dur[s, m, k]`` for k in F, B, W (B already whole when unsplit, W then 0);
-    ``lat_fwd[s, m]``: latency of F(s,m)'s send to s+1; ``lat_bwd[s, m]``: of B(s,m)'s to s-1."""
+    ``lat_fwd[s, m]``: latency of F(s,m)'s send to s+1; ``lat_bwd[s, m]``: of B(s,m)'s to s-1.
+    ``rank_of[s]``: the rank that runs stage s (virtual stages; default: one stage per rank),
+    whose total work bounds it since a rank runs one task at a time."""
     S, M, _ = dur.shape
-    work = float(dur.sum(axis=(1, 2)).max())
+    per_stage = dur.sum(axis=(1, 2))
+    if rank_of is not None:
+        per_stage = np.bincount(np.asarray(rank_of), weights=per_stage)
+    work = float(per_stage.max())
     fwd = dur[:, :, 0].sum(axis=0) + lat_fwd[: S - 1].sum(axis=0)  # end of F on the last stage
     # Backward chain from the last stage down to stage s, then that stage's W.
     b_suffix = np.cumsum(dur[::-1, :, 1], axis=0)[::-1]  # sum of B over stages s..S-1

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rrfp.core.placement import VirtualLayout
+
 DEFAULT_BUDGET = "2x"
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -58,6 +60,23 @@ class Budget:
         """This budget on ``stage`` of ``num_stages``."""
         return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
 
+    def rank_limit(self, layout: "VirtualLayout | int", rank: int, virtual: int = 1) -> "Limit":
+        """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
+        interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's activations.
+        ``Nx`` is N times what the rank's stages need to keep the pipeline full (``rank_need``),
+        which with V = 1 is 1F1B's S - r; a count budget is microbatches of the rank's whole model.
+        At least V: one microbatch through every chunk."""
+        if not isinstance(layout, VirtualLayout):
+            layout = VirtualLayout(layout, virtual)
+        V = layout.virtual
+        if V == 1:
+            return self.limit(layout.ranks, rank)
+        if self.multiple is not None:
+            count = max(V, int(self.multiple * rank_need(layout, rank) + 1e-9))
+        else:
+            count = None if self.count is None else max(V, V * self.count)
+        return Limit(count=count, bytes=self.bytes)
+
     def microbatches(self, num_stages: int, stage: int) -> int | None:
         """The count limit on ``stage``; None for a byte budget."""
         if self.count is not None:
@@ -72,6 +91,16 @@ class Budget:
         if self.multiple is not None:
             return f"{self.multiple:g}x"
         return f"{self.bytes}B"
+
+
+def rank_need(layout: VirtualLayout, rank: int) -> float:
+    """Chunk-microbatches ``rank`` holds in a full pipeline, as 1F1B's S - s generalises: global
+    stage g of S*V keeps a chunk's activations while the microbatch crosses the SV - g stages from
+    g to the loss and back, each 1/V of a stage's time, so it holds (SV - g) / V of them. V = 1:
+    S - r. Summed over ranks it is the memory of V = 1 to within S/2 microbatches, but spread by
+    need: in the v placement every rank needs about S/2 microbatches (S + 1/2 chunks)."""
+    N, V = layout.num_stages, layout.virtual
+    return sum(N - g for g in layout.stages_of(rank)) / V
 
 
 @dataclass(slots=True)

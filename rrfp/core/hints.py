@@ -14,13 +14,18 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from rrfp.core.budget import Budget
-from rrfp.core.nominal import nominal_orders
-from rrfp.core.policy import Dispatch
+from rrfp.core.nominal import nominal_orders, nominal_rank_orders
+from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import Dispatch, chunked_priority
+from rrfp.core.rank_tracker import RankSpec
 from rrfp.core.tasks import Kind, Task, stage_tasks
 from rrfp.core.tracker import StageSpec
+from rrfp.core.virtual_orders import VIRTUAL_SCHEDULES
 
 HintFn = Callable[[int, int, int, bool], Sequence["Task | str"]]
 """(num_stages, stage, num_microbatches, split) -> the stage's task order."""
+RankHintFn = Callable[[VirtualLayout, int, int, bool], Sequence[tuple[int, Task]]]
+"""(layout, rank, num_microbatches, split) -> the rank's order over (stage, task) pairs."""
 
 
 class HintError(ValueError):
@@ -76,9 +81,26 @@ def zbh1(S: int, s: int, M: int, split: bool) -> list[Task]:
     return list(nominal_orders(bfw, S, M, split, 1.0)[s])
 
 
+def zbv_stage(S: int, s: int, M: int, split: bool) -> list[Task]:
+    """ZB-V is an order over a rank's two stages: it has no one-stage form."""
+    raise HintError("hint zbv is an order over virtual stages: it needs virtual = 2 and placement v")
+
+
 BUILTIN: dict[str, HintFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "bf": bf, "bfw": bfw}
-SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan"}
+VIRTUAL_ONLY: dict[str, HintFn] = {"zbv": zbv_stage}  # orders over virtual stages alone
+SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan", "zbv"}
 CLASS_HINTS = {"bf", "bfw"}
+
+
+def gpipe_virtual(layout: VirtualLayout, rank: int, M: int, split: bool) -> list[tuple[int, Task]]:
+    """GPipe over a rank's stages: every forward (earlier stage first, each by microbatch), then
+    every backward (later stage first, each by microbatch), each W right after its B."""
+    stages = layout.stages_of(rank)
+    fwd = [(s, Task(Kind.F, m)) for s in stages for m in range(M)]
+    return fwd + [(s, t) for s in reversed(stages) for m in range(M) for t in _backward(m, split)]
+
+
+RANK_BUILTIN: dict[str, RankHintFn] = {**VIRTUAL_SCHEDULES, "gpipe": gpipe_virtual}
 
 
 def default_split(name: str, split: bool | None = None) -> bool:
@@ -110,6 +132,18 @@ def validate(order: Sequence[Task], M: int, split: bool, where: str = "hint") ->
             raise HintError(f"{where}: W{m} comes before B{m}")
 
 
+def validate_rank(order: Sequence[tuple[int, Task]], layout: VirtualLayout, rank: int, M: int, split: bool,
+                  where: str = "hint") -> None:
+    """Every pair on one of the rank's stages, and each stage's tasks a valid order (``validate``)."""
+    stages = layout.stages_of(rank)
+    for s, t in order:
+        if s not in stages:
+            raise HintError(f"{where}: {t} of stage {s} is not on rank {rank}, which holds stages "
+                            f"{', '.join(map(str, stages))}")
+    for s in stages:
+        validate([t for st, t in order if st == s], M, split, where=f"{where} stage {s}")
+
+
 def peak_in_flight(order: Sequence[Task], split: bool) -> int:
     """Most microbatches ``order`` holds activations for at once: F started, last backward not done
     (what fixed dispatch needs, since it follows the order whatever the budget)."""
@@ -138,6 +172,8 @@ class Hint:
     planned: bool = False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
     uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
     fixed_orders: tuple[tuple[Task, ...], ...] | None = None  # a plan's per-stage orders, for fixed dispatch
+    rank_fn: RankHintFn | None = None  # its order over a rank's virtual stages (V > 1), if it has one
+    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = None  # a plan's per-rank orders (V > 1)
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
         if self.fixed_orders is not None:
@@ -148,6 +184,52 @@ class Hint:
             tasks = [t if isinstance(t, Task) else Task.parse(str(t)) for t in self.fn(S, s, M, split)]
         validate(tasks, M, split, where=f"hint {self.name} stage {s}")
         return tasks
+
+    def rank_order(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> list[tuple[int, Task]]:
+        """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With V = 1
+        it is ``order`` on the rank's one stage."""
+        if layout.virtual == 1:
+            return [(rank, t) for t in self.order(layout.ranks, rank, M, split)]
+        where = f"hint {self.name} rank {rank}"
+        if self.fixed_rank_orders is not None:
+            pairs = list(self.fixed_rank_orders[rank])
+        elif self.is_class:
+            pairs = list(nominal_rank_orders(self.fn, layout, M, split, NOMINAL_BUDGET)[rank])
+        elif self.rank_fn is not None:
+            try:
+                pairs = [(int(s), t if isinstance(t, Task) else Task.parse(str(t)))
+                         for s, t in self.rank_fn(layout, rank, M, split)]
+            except ValueError as e:
+                raise HintError(f"{where}: {e}") from None
+        else:
+            raise HintError(f"hint {self.name} has no order over virtual stages (virtual = {layout.virtual}); "
+                            f"use {', '.join(VIRTUAL_SCHEDULES)}, gpipe, bf, bfw, plan or a stage,task CSV file")
+        validate_rank(pairs, layout, rank, M, split, where)
+        return pairs
+
+    def rank_priority(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> dict[tuple[int, Task], int]:
+        """What ready dispatch compares on ``rank`` (lower first), over (stage, task) pairs. A class
+        hint ranks each stage's tasks by its own rule, and across the rank's stages by place in that
+        rule, then the later stage first (``chunked_priority``); with V = 1 that is ``priority``."""
+        if not self.is_class:
+            return {p: i for i, p in enumerate(self.rank_order(layout, rank, M, split))}
+        S = layout.num_stages
+        return chunked_priority({s: self.priority(S, s, M, split) for s in layout.stages_of(rank)})
+
+    def rank_spec(self, layout: VirtualLayout, rank: int, M: int, split: bool, dispatch: Dispatch,
+                  budget: Budget) -> RankSpec:
+        """Everything ``rank`` needs to track an iteration over its stages under this hint and budget
+        (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order and limit."""
+        if layout.virtual == 1:
+            st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
+            return RankSpec(layout, rank, M, split, dispatch, {(rank, t): p for t, p in st.priority.items()},
+                            tuple((rank, t) for t in st.order), st.limit)
+        limit = budget.rank_limit(layout, rank)
+        if self.is_class and dispatch is Dispatch.READY:
+            return RankSpec(layout, rank, M, split, dispatch, self.rank_priority(layout, rank, M, split), (), limit)
+        order = tuple(self.rank_order(layout, rank, M, split))
+        prio = self.rank_priority(layout, rank, M, split) if self.is_class else {p: i for i, p in enumerate(order)}
+        return RankSpec(layout, rank, M, split, dispatch, prio, order, limit)
 
     def priority(self, S: int, s: int, M: int, split: bool) -> dict[Task, int]:
         if not self.is_class:
@@ -183,6 +265,7 @@ def csv_hint(path: str | Path) -> Hint:
     """A user hint from CSV rows ``stage,task`` in order (a header row is allowed)."""
     path = Path(path)
     per_stage: dict[int, list[Task]] = {}
+    rows: list[tuple[int, Task]] = []  # in file order: a rank's order over its stages
     for lineno, row in enumerate(csv_rows(path, "hint file"), start=1):
         row = [c.strip() for c in row]
         if not row or not any(row) or row[0].startswith("#"):
@@ -199,13 +282,21 @@ def csv_hint(path: str | Path) -> Hint:
         if stage < 0:
             raise HintError(f"hint file {path}:{lineno}: stage {stage} is negative")
         per_stage.setdefault(stage, []).append(task)
+        rows.append((stage, task))
 
     def order(S: int, s: int, M: int, split: bool) -> list[Task]:
         if s not in per_stage:
             raise HintError(f"hint file {path}: no rows for stage {s} of {S}")
         return per_stage[s]
 
-    return Hint(f"csv:{path.name}", order)
+    def rank_order(layout: VirtualLayout, rank: int, M: int, split: bool) -> list[tuple[int, Task]]:
+        stages = layout.stages_of(rank)
+        for s in stages:
+            if s not in per_stage:
+                raise HintError(f"hint file {path}: no rows for stage {s} of {layout.num_stages}")
+        return [(s, t) for s, t in rows if s in stages]
+
+    return Hint(f"csv:{path.name}", order, rank_fn=rank_order)
 
 
 def resolve(spec: "str | Hint | HintFn") -> Hint:
@@ -217,9 +308,10 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
     name = str(spec).strip()
     if name.lower() == "plan":  # BFW until a planner gives it this iteration's entry order
         return Hint("plan", bfw, is_class=True, planned=True, uniform=True)
-    if name.lower() in BUILTIN:
+    if name.lower() in BUILTIN or name.lower() in VIRTUAL_ONLY:
         is_class = name.lower() in CLASS_HINTS
-        return Hint(name.lower(), BUILTIN[name.lower()], is_class=is_class, uniform=is_class)
+        fn = BUILTIN.get(name.lower()) or VIRTUAL_ONLY[name.lower()]
+        return Hint(name.lower(), fn, is_class=is_class, uniform=is_class, rank_fn=RANK_BUILTIN.get(name.lower()))
     if name.lower().endswith(".csv"):
         return csv_hint(name)
     if ":" in name:
@@ -231,5 +323,5 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
         if not callable(fn):
             raise HintError(f"hint {name!r} is not callable")
         return Hint(name, fn)
-    raise HintError(f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, plan, a .csv file or "
+    raise HintError(f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, plan, zbv, a .csv file or "
                     "module:function)")

@@ -8,7 +8,7 @@ tracker, so there is one policy and one set of readiness rules.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Container, Iterable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.tasks import Kind, Task
@@ -45,14 +45,21 @@ def choose(
     held: InFlight,
     limit: Limit,
     size_of: Callable[[int], int] | None = None,
+    admit: Callable[[Any], bool] | None = None,
 ) -> Task | None:
-    """Pick the task a stage runs next (lower priority value runs first).
+    """Pick the task a stage (or a rank's stages) runs next (lower priority value runs first).
 
     ``ready`` holds tasks whose dependencies are met; the budget is applied
     here. ``READY`` runs the best task the budget allows. Forwards are
     admitted in priority order: if the best F does not fit, no F runs, which
     keeps large microbatches from starving. ``FIXED`` runs ``order[position]``
     when it is ready and ignores the budget: its memory is what its order implies.
+
+    A rank with several stages (rrfp.core.rank_tracker) passes items with
+    ``stage``, ``kind`` and ``mb`` and its own ``admit`` (which reserves room
+    for later stages' forwards, see docs/design.md); then an F the budget
+    refuses blocks the Fs ranked below it on the same or earlier stages only,
+    so a microbatch already inside the rank can always move on.
     """
     if dispatch is Dispatch.FIXED:
         if position >= len(order):
@@ -63,15 +70,48 @@ def choose(
     best_p = 0
     best_f: Task | None = None
     best_f_p = 0
+    more_f: list | None = None  # the other stages' best forwards (a rank of several stages)
     for task in ready:
         p = priority[task]
         if task.kind is Kind.F:
-            if best_f is None or p < best_f_p:
+            if best_f is None:
                 best_f, best_f_p = task, p
+                continue
+            if more_f is None:
+                more_f = []
+            if p < best_f_p:
+                more_f.append((best_f_p, best_f))
+                best_f, best_f_p = task, p
+            else:
+                more_f.append((p, task))
         elif best is None or p < best_p:
             best, best_p = task, p
-    if best_f is not None and (best is None or best_f_p < best_p):
+    if best_f is None or (best is not None and best_f_p >= best_p):
+        return best
+    if admit is None:
         size = size_of(best_f.mb) if size_of is not None else 0
-        if limit.admits(held, size):
-            return best_f
+        return best_f if limit.admits(held, size) else best
+    if admit(best_f):
+        return best_f
+    if more_f is not None:
+        refused = best_f.stage
+        for p, f in sorted(more_f, key=_first):
+            if best is not None and p >= best_p:
+                break
+            if f.stage > refused and admit(f):
+                return f
+            refused = max(refused, f.stage)
     return best
+
+
+def _first(pair):
+    return pair[0]
+
+
+def chunked_priority(per_stage: dict[int, dict[Task, int]]) -> dict[tuple[int, Task], int]:
+    """One rank's priority from each of its stages' (lower first): tasks by their place in their
+    stage's rule, and at the same place the later stage first. For BFW: B of the oldest microbatch
+    first, on the later chunk first (nearer the loss), then F the same way, then W; a rank of one
+    stage keeps its stage's order."""
+    ranked = sorted(((p, -s), (s, t)) for s, prio in per_stage.items() for t, p in prio.items())
+    return {pair: i for i, (_, pair) in enumerate(ranked)}

@@ -204,6 +204,12 @@ class StageTracker:
     # -- questions -----------------------------------------------------------
 
     @property
+    def ready(self) -> _ReadySet:
+        """The ready tasks as the policy reads them: membership of all, iteration over each kind's
+        best (a RankTracker merges its stages' through this)."""
+        return self._ready
+
+    @property
     def done(self) -> bool:
         return self.finished == self.spec.num_tasks
 

@@ -18,16 +18,18 @@ class Instrument:
 
 
 class TraceRecorder(Instrument):
-    """Keeps every span, for a Chrome trace of real per-rank timings."""
+    """Keeps every span, for a Chrome trace of real per-rank timings. ``rank`` (virtual stages: a
+    rank runs several stages) goes into every span, so each stage's row names its rank."""
 
-    def __init__(self, process: str) -> None:
+    def __init__(self, process: str, rank: int | None = None) -> None:
         self.process = process
         self.spans: list[Span] = []
+        self._where = {} if rank is None else {"rank": rank}
 
     def task(self, stage, iteration, task, start, end) -> None:
-        self.spans.append(Span(self.process, stage, str(task), start, end, {"iteration": iteration}))
+        self.spans.append(Span(self.process, stage, str(task), start, end, {"iteration": iteration, **self._where}))
 
     def wait(self, stage, iteration, start, end, waiting_for) -> None:
         if end - start > 1e-4:
             self.spans.append(Span(self.process, stage, "wait", start, end,
-                                   {"iteration": iteration, "for": waiting_for}))
+                                   {"iteration": iteration, "for": waiting_for, **self._where}))

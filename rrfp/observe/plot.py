@@ -37,7 +37,8 @@ def plot_timelines(path: str | Path, runs: Sequence[tuple[str, Sequence[Span]]],
                 ax.text((sp.start + sp.end) / 2, sp.stage, sp.name[1:], ha="center", va="center", fontsize=6,
                         color="white", clip_on=True)
         n = max((sp.stage for sp in spans), default=0) + 1
-        ax.set_yticks(range(n), [f"s{i}" for i in range(n)])
+        ranks = {sp.stage: sp.args["rank"] for sp in spans if "rank" in sp.args}  # virtual stages
+        ax.set_yticks(range(n), [f"s{i}" + (f" r{ranks[i]}" if i in ranks else "") for i in range(n)])
         ax.invert_yaxis()
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1, 0].set_xlabel(f"time ({unit})")
@@ -63,7 +64,7 @@ def spans_from_chrome(doc: dict) -> list[tuple[str, list[Span]]]:
             try:
                 start = e["ts"] / 1e6
                 runs[e["pid"]].append(Span(names.get(e["pid"], str(e["pid"])), int(e["tid"]), str(e["name"]),
-                                           start, start + e["dur"] / 1e6))
+                                           start, start + e["dur"] / 1e6, dict(e.get("args") or {})))
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"trace event {e!r} lacks a usable {err}") from None
     if not runs:
@@ -78,5 +79,5 @@ def spans_from_chrome(doc: dict) -> list[tuple[str, list[Span]]]:
     for title, spans in groups.items():
         tasks = [sp for sp in spans if sp.name != "wait"]
         t0 = min((sp.start for sp in tasks), default=0.0)
-        out.append((title, [Span(sp.process, sp.stage, sp.name, sp.start - t0, sp.end - t0) for sp in tasks]))
+        out.append((title, [Span(sp.process, sp.stage, sp.name, sp.start - t0, sp.end - t0, sp.args) for sp in tasks]))
     return out

@@ -20,7 +20,8 @@ class Span:
 
 
 def chrome_trace(spans: Iterable[Span]) -> dict:
-    """One process per ``Span.process``, one thread row per stage."""
+    """One process per ``Span.process``, one thread row per stage (named with its rank when a span
+    carries ``args["rank"]``)."""
     events: list[dict] = []
     pids: dict[str, int] = {}
     rows: set[tuple[int, int]] = set()
@@ -28,8 +29,9 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
         pid = pids.setdefault(sp.process, len(pids))
         if (pid, sp.stage) not in rows:
             rows.add((pid, sp.stage))
+            rank = f" (rank {sp.args['rank']})" if "rank" in sp.args else ""  # virtual stages: a rank holds several
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sp.stage,
-                           "args": {"name": f"stage {sp.stage}"}})
+                           "args": {"name": f"stage {sp.stage}{rank}"}})
         events.append({"ph": "X", "name": sp.name, "cat": sp.name[:1], "pid": pid, "tid": sp.stage,
                        "ts": sp.start * 1e6, "dur": max(0.0, sp.end - sp.start) * 1e6, "args": sp.args})
     for name, pid in pids.items():

@@ -44,11 +44,19 @@ def rng_state(device: torch.device) -> dict:
     return rng
 
 
-def _state(module: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, stage: int, tp_rank: int,
-           device: torch.device, rng: dict | None = None) -> dict:
-    model_sd, optim_sd = get_state_dict(module, opt)  # FQN-keyed; a fresh optimizer's state is created
-    return {stage_key(stage, tp_rank): {"model": model_sd, "optim": optim_sd},
-            f"rank{rank}": {"rng": rng if rng is not None else rng_state(device)}}
+def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.Optimizer]]:
+    """(stage, module, optimizer) for each stage of the rank: virtual stages pass lists of all three."""
+    if isinstance(module, (list, tuple)):
+        return list(zip(stage, module, opt, strict=True))
+    return [(stage, module, opt)]
+
+
+def _state(module, opt, rank: int, stage, tp_rank: int, device: torch.device, rng: dict | None = None) -> dict:
+    state = {}
+    for s, m, o in _parts(module, opt, stage):
+        model_sd, optim_sd = get_state_dict(m, o)  # FQN-keyed; a fresh optimizer's state is created
+        state[stage_key(s, tp_rank)] = {"model": model_sd, "optim": optim_sd}
+    return {**state, f"rank{rank}": {"rng": rng if rng is not None else rng_state(device)}}
 
 
 def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
@@ -56,7 +64,9 @@ def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, 
     """Collective over ``process_group`` (every rank calls it); blocking, so the
     caller runs it off the event loop. Returns once every rank's files and the
     metadata are written. ``rng``: the generators to record (``rng_state``) when
-    not the current ones, e.g. those of the start of a step a stop abandoned."""
+    not the current ones, e.g. those of the start of a step a stop abandoned. Virtual
+    stages: ``module``, ``opt`` and ``stage`` are lists, one entry per stage of the rank,
+    each saved under its own stage key."""
     state = _state(module, opt, rank, stage, tp_rank, device, rng)
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=process_group)
@@ -67,14 +77,15 @@ def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, 
 def load_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
                tp_rank: int, device: torch.device, process_group=None) -> None:
     """Collective, blocking: load this stage's model, optimizer and this rank's
-    RNG state in place. A failure on any rank raises CheckpointError on every rank."""
+    RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises CheckpointError on every rank."""
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
     except dcp.CheckpointException as e:  # a BaseException in torch: turn it into an error the CLI reports
         raise CheckpointError(f"cannot load checkpoint {path}: {_causes(e)}") from None
-    chunk = state[stage_key(stage, tp_rank)]
-    set_state_dict(module, opt, model_state_dict=chunk["model"], optim_state_dict=chunk["optim"])
+    for s, m, o in _parts(module, opt, stage):
+        chunk = state[stage_key(s, tp_rank)]
+        set_state_dict(m, o, model_state_dict=chunk["model"], optim_state_dict=chunk["optim"])
     rng = state[f"rank{rank}"]["rng"]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:

@@ -21,7 +21,9 @@ from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolError, leaves
 from rrfp.core.hints import Hint
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.core.rank_tracker import RankTracker
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker, TrackerError
@@ -51,9 +53,10 @@ class IterationResult:
     iteration: int
     losses: dict[int, float]  # last stage only
     stats: StageStats  # busy and wall in seconds
-    order: list[Task]  # tasks in the order this stage ran them
+    order: list[Task]  # tasks in the order this rank ran them
     tokens: int
     plan: PlanReport | None = None  # hint = plan: the plan this iteration followed
+    ran: list[tuple[int, Task]] = field(default_factory=list)  # (stage, task) in that order: which stage ran it
 
     @property
     def loss(self) -> float | None:
@@ -87,28 +90,45 @@ def the_cause(group: BaseExceptionGroup) -> BaseException:
 
 
 class StageExecutor:
-    """Runs one stage of the pipeline, one iteration per ``run_iteration`` call.
+    """Runs this rank's stage of the pipeline, one iteration per ``run_iteration`` call; with
+    virtual stages, all of the rank's stages under one arbiter.
 
     ``channels`` has ``fwd_in``, ``fwd_out``, ``bwd_in``, ``bwd_out`` (None at the
-    ends); ``lane`` has ``async run(fn, *args, units=)``.
+    ends); ``lane`` has ``async run(fn, *args, units=)``. Virtual stages: ``worker`` is a
+    list (one per stage of ``stages.stages_of(rank)``, a ``VirtualLayout``), ``channels`` a
+    ``RankChannels``, and the stages share the one lane.
     """
 
-    def __init__(self, worker: StageWorker, channels, lane, settings: ExecutorSettings, rank: int = 0,
-                 instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None, liveness=None) -> None:
-        self.worker, self.channels, self.lane, self.settings = worker, channels, lane, settings
+    def __init__(self, worker: StageWorker | Sequence[StageWorker], channels, lane, settings: ExecutorSettings,
+                 rank: int = 0, instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None,
+                 stages: VirtualLayout | None = None, liveness=None) -> None:
+        self.workers = list(worker) if isinstance(worker, (list, tuple)) else [worker]
+        self.worker = self.workers[0]  # the rank's first stage (its only one without virtual stages)
+        self.channels, self.lane, self.settings = channels, lane, settings
+        self.stages = stages if stages is not None and stages.virtual > 1 else None
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
-        S, s, M = worker.num_stages, worker.stage, settings.num_microbatches
+        S, s, M = self.worker.num_stages, self.worker.stage, settings.num_microbatches
         self.S, self.s, self.M = S, s, M
-        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost)
+        mine = tuple(w.stage for w in self.workers)
+        if self.stages is None and len(mine) != 1:
+            raise ValueError(f"rank {rank}: {len(mine)} stage workers need a VirtualLayout (stages=)")
+        if self.stages is not None and (mine != self.stages.stages_of(self.stages.rank_of(s))
+                                        or S != self.stages.num_stages):
+            raise ValueError(f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}")
+        self.where = f"stage {s}" if len(mine) == 1 else f"stages {', '.join(map(str, mine))}"
+        self.what = "stage" if len(mine) == 1 else "rank"
+        # virtual stages: a chunk's task takes 1/V of a stage's time under the preset (TaskTimes.layout)
+        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages)
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
-            self.planner = IterationPlanner(self.times, S, M, settings.budget, settings.dispatch)
+            ranks = S if self.stages is None else self.stages.ranks
+            self.planner = IterationPlanner(self.times, ranks, M, settings.budget, settings.dispatch)
             if settings.cost is None and unit_s == 0:  # rrfp train refuses this (run.cost); a library caller is told
-                log.warning("stage %d: hint plan in real time without a cost model plans on the preset's made-up "
-                            "lengths, not the compute; pass cost= (rrfp calibrate)", s)
-        self.spec = settings.hint.spec(S, s, M, settings.split, settings.dispatch, settings.budget)
+                log.warning("%s: hint plan in real time without a cost model plans on the preset's made-up "
+                            "lengths, not the compute; pass cost= (rrfp calibrate)", self.where)
+        self.spec = self._spec(settings.hint)
         self._bytes_per_token = 0.0
         self.totals = StageStats()
         self.on_task_done: list[Callable[[Task], None]] = []  # e.g. DP sync launching finished buckets
@@ -118,9 +138,31 @@ class StageExecutor:
         self.liveness = liveness
         self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
 
+    def _spec(self, hint: Hint):
+        """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
+        st = self.settings
+        if self.stages is not None:
+            return hint.rank_spec(self.stages, self.stages.rank_of(self.s), self.M, st.split, st.dispatch,
+                                  st.budget)
+        return hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
+
+    def tracker(self, spec, size_of):
+        """The arbiter's state for one iteration under ``spec``: a RankTracker over the rank's
+        stages, or the one StageTracker (exactly today's decisions and messages)."""
+        if self.stages is not None:
+            return RankTracker(spec, size_of)
+        return SingleStage(StageTracker(spec, size_of))
+
+    def channels_of(self, stage: int):
+        return self.channels if self.stages is None else self.channels.of(stage)
+
     @property
-    def order(self) -> Sequence[Task]:
-        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order)."""
+    def order(self) -> Sequence:
+        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order); with
+        virtual stages the rank's, over (stage, task) pairs."""
+        if self.stages is not None:
+            return self.spec.order or self.settings.hint.rank_order(self.stages, self.stages.rank_of(self.s),
+                                                                    self.M, self.settings.split)
         return self.spec.order or self.settings.hint.order(self.S, self.s, self.M, self.settings.split)
 
     @property
@@ -137,13 +179,12 @@ class StageExecutor:
         in the stage's parameters (mean over microbatches); the caller steps.
         ``features`` (one dict per microbatch) lets a cost model set emulated durations."""
         if len(batches) != self.M:
-            raise ValueError(f"stage {self.s}: got {len(batches)} microbatches, configured for {self.M}")
+            raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
         self._check_features(features)
         spec, report = self.spec, None
         if self.planner is not None:
             hint, report = await self.planner.hint(iteration, features)
-            st = self.settings
-            spec = hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
+            spec = self._spec(hint)
         failed = None
         try:
             result = await _Iteration(self, spec, iteration, batches, features).execute()
@@ -166,15 +207,15 @@ class StageExecutor:
         if self.settings.cost is None:
             return
         if features is None:
-            raise ValueError(f"stage {self.s}: the executor has a cost model (cost=) but got no features: pass "
+            raise ValueError(f"{self.where}: the executor has a cost model (cost=) but got no features: pass "
                              f"features=[workload.features(b) for b in batches], one dict per microbatch "
                              f"({', '.join(FEATURES)})")
         if len(features) != self.M:
-            raise ValueError(f"stage {self.s}: got features for {len(features)} microbatches, configured for {self.M}")
+            raise ValueError(f"{self.where}: got features for {len(features)} microbatches, configured for {self.M}")
         for mb, feats in enumerate(features):
             missing = [k for k in FEATURES if k not in feats]
             if missing:
-                raise ValueError(f"stage {self.s}: the features of microbatch {mb} lack {', '.join(missing)} "
+                raise ValueError(f"{self.where}: the features of microbatch {mb} lack {', '.join(missing)} "
                                  f"(the cost model needs {', '.join(FEATURES)})")
 
     def close(self) -> None:
@@ -182,37 +223,84 @@ class StageExecutor:
             self.planner.close()
 
 
+class SingleStage:
+    """A StageTracker seen as a rank's tracker with one stage: events and picks carry the stage."""
+
+    def __init__(self, tracker: StageTracker) -> None:
+        self.t, self.s, self.spec = tracker, tracker.spec.stage, tracker.spec
+        self.held, self.trackers = tracker.held, {tracker.spec.stage: tracker}
+
+    arrivals = property(lambda self: self.t.arrivals)
+    finished = property(lambda self: self.t.finished)
+    done = property(lambda self: self.t.done)
+
+    def arrive(self, stage: int, kind: Kind, mb: int) -> None:
+        self.t.arrive(kind, mb)
+
+    def next(self, among=None) -> tuple[int, Task] | None:
+        task = self.t.next(among)
+        return None if task is None else (self.s, task)
+
+    def start(self, stage: int, task: Task) -> None:
+        self.t.start(task)
+
+    def finish(self, stage: int, task: Task) -> int | None:
+        return self.t.finish(task)
+
+    def ready_tasks(self) -> set[Task]:
+        return self.t.ready_tasks()
+
+    def unlocked_by(self, stage: int, task: Task) -> set[Task]:
+        return self.t.unlocked_by(task)
+
+    def blocked(self) -> str:
+        return self.t.blocked()
+
+
+class _StageIO:
+    """One of this rank's stages during an iteration: its worker and channels, and the tensors
+    that arrived for it (from a peer rank, or handed over by the rank's own previous stage)."""
+
+    def __init__(self, worker: StageWorker, channels) -> None:
+        self.worker, self.channels, self.s = worker, channels, worker.stage
+        self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
+        self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
+        self.out_queues: dict[Kind, asyncio.Queue] = {}
+
+
 class _Iteration:
-    """One iteration on one stage: the tracker, the tensors in transit, the timings."""
+    """One iteration on one rank: the tracker, the tensors in transit, the timings."""
 
     def __init__(self, ex: StageExecutor, spec, iteration: int, batches, features=None) -> None:
         self.ex, self.spec, self.it, self.batches, self.features = ex, spec, iteration, batches, features
-        self.tracker = StageTracker(spec, self.size_of)
+        self.tracker = ex.tracker(spec, self.size_of)
+        self.io = {w.stage: _StageIO(w, ex.channels_of(w.stage)) for w in ex.workers}
         self.changed = asyncio.Event()
-        self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
-        self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
-        self.ran: list[Task] = []
+        self.ran: list[tuple[int, Task]] = []
+        self.handed: dict[tuple[int, Kind, int], object] = {}  # the V turn: produced, not yet delivered
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0
         self.decision_s = 0.0
-        self.out_queues: dict[Kind, asyncio.Queue] = {}
 
     def size_of(self, mb: int) -> int:
         return int(numel(self.batches[mb][0]) * self.ex._bytes_per_token)
 
     async def execute(self) -> IterationResult:
-        ex, ch = self.ex, self.ex.channels
-        ex.worker.reset()
+        ex = self.ex
+        for w in ex.workers:
+            w.reset()
         ex.lane.follow_caller()  # on GPU: after the caller's optimizer step and input copies
         t0, lane_busy = time.perf_counter(), ex.lane.busy_s
         async with asyncio.TaskGroup() as tg:
-            for kind, channel in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)):
-                if channel is not None:
-                    tg.create_task(self._receive(channel, kind), name=f"rrfp-recv-{channel.name}")
-            for kind, channel in ((Kind.F, ch.fwd_out), (Kind.B, ch.bwd_out)):
-                if channel is not None:
-                    self.out_queues[kind] = asyncio.Queue()
-                    tg.create_task(self._send(channel, self.out_queues[kind]), name=f"rrfp-send-{channel.name}")
+            for io in self.io.values():
+                ch = io.channels
+                for kind, channel in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)):
+                    if channel is not None:
+                        tg.create_task(self._receive(io, channel, kind), name=f"rrfp-recv-{channel.name}")
+                for kind, channel in ((Kind.F, ch.fwd_out), (Kind.B, ch.bwd_out)):
+                    if channel is not None:
+                        io.out_queues[kind] = asyncio.Queue()
+                        tg.create_task(self._send(channel, io.out_queues[kind]), name=f"rrfp-send-{channel.name}")
             await self._arbitrate(tg)
         await ex.lane.drain()  # on GPU: tasks may still be enqueued behind each other
         ex.lane.caller_waits()  # on GPU: the caller's optimizer step sees every gradient
@@ -224,7 +312,7 @@ class _Iteration:
                            self.tracker.held.peak, iterations=1)
         ex.totals = ex.totals + stats
         tokens = sum(numel(b[1]) for b in self.batches)
-        return IterationResult(self.it, self.losses, stats, self.ran, tokens)
+        return IterationResult(self.it, self.losses, stats, [t for _, t in self.ran], tokens, ran=self.ran)
 
     # -- the arbiter ---------------------------------------------------------
 
@@ -236,42 +324,54 @@ class _Iteration:
             c0 = time.perf_counter()
             if ex.agreement is None:
                 arrivals = tr.arrivals
-                task = tr.next()
+                picked = tr.next()
             else:
                 if agreed is None:
                     arrivals = tr.arrivals
                     agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks()), name="rrfp-tp-agree")
                 everywhere, somewhere = await agreed
                 agreed = None
-                task = tr.next(among=everywhere)
+                picked = tr.next(among=everywhere)
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
-            if task is None:
+            if picked is None:
                 if ex.agreement is not None and (tr.arrivals != arrivals or
                                                  (tr.ready_tasks() >= somewhere and somewhere != everywhere)):
                     continue  # something arrived meanwhile, or only a peer lags: agree again now
                 await self._wait_for_change(arrivals)
                 continue
-            tr.start(task)
+            stage, task = picked
+            tr.start(stage, task)
             if ex.agreement is not None and tr.finished + 1 < tr.spec.num_tasks:
                 # Agree on the next decision while this task runs, off the critical path. Every TP
                 # rank runs the same task, so every rank starts this round; arrivals during the task
                 # count from the decision after (docs/design.md, the one state machine).
                 arrivals = tr.arrivals
-                agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(task)),
+                agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(stage, task)),
                                         name="rrfp-tp-agree")
             self._doing(f"task {task}")
             try:
-                await self._run(task)
+                await self._run(self.io[stage], task)
             except Exception as e:  # the model's own error keeps its type; this says where it happened
                 e.add_note(f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
-                           f"on stage {ex.s} of {ex.S} (rank {ex.rank})")
+                           f"on stage {stage} of {ex.S} (rank {ex.rank})")
                 raise
-            tr.finish(task)
-            self.ran.append(task)
+            to = tr.finish(stage, task)
+            if to is not None and to in self.io:  # the V turn: the rank's own next stage, no message
+                self._hand_over(to, task)
+            self.ran.append(picked)
             for hook in ex.on_task_done:
                 hook(task)
             self._doing("")
+
+    def _hand_over(self, to: int, task: Task) -> None:
+        """What ``task`` produced arrives at once at stage ``to`` of this same rank, shaped as a
+        message would deliver it: a lone tensor (or None) as itself, several as a tuple."""
+        value = self.handed.pop((to, task.kind, task.mb))
+        if isinstance(value, list):
+            value = tuple(value)
+        (self.io[to].inputs if task.kind is Kind.F else self.io[to].grads)[task.mb] = value
+        self.tracker.arrive(to, task.kind, task.mb)
 
     async def _wait_for_change(self, arrivals: int) -> None:
         self.changed.clear()
@@ -285,12 +385,14 @@ class _Iteration:
                 async with asyncio.timeout(timeout_s):
                     await self.changed.wait()
             except TimeoutError:
-                raise PeerTimeout(f"rank {self.ex.rank} stage {self.ex.s}: iteration {self.it}: nothing arrived "
-                                  f"for {timeout_s:g} s; the stage {self._waiting_for()}", self._owing_peer()) from None
+                raise PeerTimeout(f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived for "
+                                  f"{timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
+                                  self._owing_peer()) from None
         else:
             await self._wait_alive(hb, timeout_s, start)
         if self.ex.instrument is not None:
-            self.ex.instrument.wait(self.ex.s, self.it, start, time.time(), self._waiting_for())
+            for s in self.io:  # one row per stage: each of them waited
+                self.ex.instrument.wait(s, self.it, start, time.time(), self._waiting_for())
 
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
         """Wait for as long as the peers beat (a silent one ends the run through the runtime);
@@ -304,9 +406,9 @@ class _Iteration:
                 break
             except TimeoutError:
                 how = "; ".join(f"rank {p}: {hb.describe(p)}" for p in peers)
-                log.warning("rank %d stage %d: iteration %d: waiting for %.0f s (%s); the stage %s", self.ex.rank,
-                            self.ex.s, self.it, time.time() - start, how or "no peer owes an arrival",
-                            self._waiting_for())
+                log.warning("rank %d %s: iteration %d: waiting for %.0f s (%s); the %s %s", self.ex.rank,
+                            self.ex.where, self.it, time.time() - start, how or "no peer owes an arrival",
+                            self.ex.what, self._waiting_for())
         self._doing("")
 
     def _doing(self, what: str) -> None:
@@ -314,9 +416,11 @@ class _Iteration:
             self.ex.liveness.doing(what)
 
     def _owing(self) -> list:
-        """The incoming channels whose peers still owe this stage an arrival."""
-        tr, ch = self.tracker, self.ex.channels
-        return [c for kind, c in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)) if c is not None and tr.outstanding(kind)]
+        """The incoming channels whose peers still owe this rank an arrival."""
+        tr = self.tracker
+        return [c for s, io in self.io.items()
+                for kind, c in ((Kind.F, io.channels.fwd_in), (Kind.B, io.channels.bwd_in))
+                if c is not None and tr.trackers[s].outstanding(kind)]
 
     def _owing_peer(self) -> int | None:
         return next((c.peer for c in self._owing()), None)
@@ -326,49 +430,54 @@ class _Iteration:
         owed = [f"channel {c.name} (peer rank {c.peer})" for c in self._owing()]
         return self.tracker.blocked() + (f"; owed by {' and '.join(owed)}" if owed else "")
 
-    async def _run(self, task: Task) -> None:
-        """Compute ``task`` on the lane and post what it sends."""
-        ex, st, w, mb = self.ex, self.ex.settings, self.ex.worker, task.mb
-        units = self._units(task) if ex.unit_s else 0.0
+    async def _run(self, io: _StageIO, task: Task) -> None:
+        """Compute ``task`` of ``io``'s stage on the lane and post what it sends."""
+        ex, w, mb, s = self.ex, io.worker, task.mb, io.s
+        units = self._units(s, task) if ex.unit_s else 0.0
         hold = sum(h(task) for h in ex.task_hold_s)
         lane = {"units": units, **({"hold_s": hold} if hold else {})}
         start = time.time()
         if task.kind is Kind.F:
-            x = self.batches[mb][0] if ex.s == 0 else self.inputs.pop(mb)
-            targets = self.batches[mb][1] if ex.s == ex.S - 1 else None
+            x = self.batches[mb][0] if s == 0 else io.inputs.pop(mb)
+            targets = self.batches[mb][1] if s == ex.S - 1 else None
             out = await ex.lane.run(w.forward, mb, x, targets, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
-            if ex.s == ex.S - 1:
+            if s == ex.S - 1:
                 self.losses[mb] = out
             else:
                 # a tuple/list output travels as that many tensors; a lone tensor as one
-                self._post(Message(self.it, mb, int(Kind.F), list(out) if isinstance(out, (tuple, list)) else [out]))
+                self._post(io, s + 1, Message(self.it, mb, int(Kind.F),
+                                              list(out) if isinstance(out, (tuple, list)) else [out]), out)
         elif task.kind is Kind.B:
-            grad = None if ex.s == ex.S - 1 else self.grads.pop(mb)
+            grad = None if s == ex.S - 1 else io.grads.pop(mb)
             grad_in = await ex.lane.run(w.backward, mb, grad, **lane)
-            if ex.s > 0:
+            if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
-                self._post(Message(self.it, mb, int(Kind.B), grads))
+                self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
             await ex.lane.run(w.weight, mb, **lane)
         await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
-            ex.instrument.task(ex.s, self.it, task, start, time.time())
+            ex.instrument.task(s, self.it, task, start, time.time())
 
-    def _units(self, task: Task) -> float:
+    def _units(self, stage: int, task: Task) -> float:
         """Emulated device time (``rrfp.core.durations``)."""
-        return self.ex.times.units(self.it, self.ex.s, task.mb, task.kind, self.features)
+        return self.ex.times.units(self.it, stage, task.mb, task.kind, self.features)
 
     # -- communication -------------------------------------------------------
 
-    def _post(self, msg: Message) -> None:
-        """Queue what the task just enqueued on the lane produced; on GPU it carries that task's end
-        event, so its send waits for the producer and not for tasks enqueued later."""
+    def _post(self, io: _StageIO, to: int, msg: Message, value) -> None:
+        """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it carries
+        that task's end event, so its send waits for the producer and not for tasks enqueued later.
+        A stage of this same rank gets ``value`` itself once the tracker has the task finished."""
+        if to in self.io:
+            self.handed[(to, Kind(msg.kind), msg.microbatch)] = value
+            return
         msg.ready = getattr(self.ex.lane, "last_task_done", None)
-        latency = self.ex.times.latency(self.it, self.ex.s, msg.microbatch, msg.kind) * self.ex.unit_s
-        self.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
+        latency = self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
+        io.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
 
     async def _send(self, channel, queue: asyncio.Queue) -> None:
         for _ in range(self.ex.M):
@@ -378,8 +487,8 @@ class _Iteration:
                 await asyncio.sleep(delay)
             await channel.send(msg)
 
-    async def _receive(self, channel, kind: Kind) -> None:
-        where = f"rank {self.ex.rank} stage {self.ex.s}: channel {channel.name} (peer rank {channel.peer})"
+    async def _receive(self, io: _StageIO, channel, kind: Kind) -> None:
+        where = f"rank {self.ex.rank} stage {io.s}: channel {channel.name} (peer rank {channel.peer})"
         for _ in range(self.ex.M):
             msg = await channel.recv()
             mb = msg.microbatch
@@ -388,10 +497,10 @@ class _Iteration:
                                     f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
                                     f"with {len(msg.tensors)} tensor(s)")
             try:
-                self.tracker.arrive(kind, mb)
+                self.tracker.arrive(io.s, kind, mb)
             except TrackerError as e:
                 raise ProtocolError(f"{where}: iteration {self.it}: {e}") from None
             # one tensor stays a tensor (what single-tensor models expect); several arrive as a tuple
-            (self.inputs if kind is Kind.F else self.grads)[mb] = (msg.tensors[0] if len(msg.tensors) == 1
-                                                                   else tuple(msg.tensors))
+            (io.inputs if kind is Kind.F else io.grads)[mb] = (msg.tensors[0] if len(msg.tensors) == 1
+                                                               else tuple(msg.tensors))
             self.changed.set()

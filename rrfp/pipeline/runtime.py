@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import logging
 import os
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
-from rrfp.comm.pipeline_channels import create_pipeline_channels
+from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.stage_groups import create_stage_groups
@@ -34,6 +35,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerSilent, StartupError
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
@@ -83,15 +85,22 @@ class PipelineRuntime:
 
     ``async with PipelineRuntime.start(pp=4) as rt:`` under torchrun; then build
     this stage's module (``rt.stage`` of ``rt.num_stages``), get a StageExecutor
-    with ``rt.stage_executor(...)`` and await ``run_iteration`` per step.
+    with ``rt.stage_executor(...)`` and await ``run_iteration`` per step. With
+    virtual stages (``start(virtual=2)``) the rank holds the stages ``rt.stages``
+    of ``rt.num_stages`` (pp x V): build one module for each, in that order.
     """
 
     def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float, lane, poller,
                  groups: dict | None = None, owns_process_group: bool = False,
-                 device: torch.device = torch.device("cpu"), heartbeat: Heartbeat | None = None) -> None:
-        self.layout, self.rank, self.channels, self.timeout_s = layout, rank, channels, timeout_s
+                 device: torch.device = torch.device("cpu"), heartbeat: Heartbeat | None = None,
+                 virtual: VirtualLayout | None = None) -> None:
+        self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
         coords = layout.coords(rank)
-        self.stage, self.num_stages = coords.pp, layout.pp
+        self.virtual = virtual or VirtualLayout(layout.pp)  # which global stages each pipeline rank holds
+        self.stages = self.virtual.stages_of(coords.pp)  # this rank's, in model order
+        self.stage, self.num_stages = self.stages[0], self.virtual.num_stages
+        self.rank_channels = channels  # RankChannels: every stage's
+        self.channels = channels.of(self.stage)  # the first (without virtual stages, the only) stage's
         self.tp_rank, self.dp_rank = coords.tp, coords.dp
         groups = groups or {}
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
@@ -115,10 +124,12 @@ class PipelineRuntime:
 
     @classmethod
     def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, layout: Layout | None = None, backend: str = "gloo",
-              timeout_s: float = 60.0, unit_ms: float = 0.0, heartbeat: bool = False) -> "PipelineRuntime":
+              timeout_s: float = 60.0, unit_ms: float = 0.0, heartbeat: bool = False, virtual: int = 1,
+              placement: str = "interleaved") -> "PipelineRuntime":
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
         ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp.
+        ``virtual`` stages per pipeline rank, placed ``interleaved`` or ``v`` (VirtualLayout).
 
         ``backend = "nccl"``: this rank computes on ``cuda:LOCAL_RANK`` in a
         CUDA-stream lane, pipeline messages and DP sync go over NCCL (each
@@ -151,6 +162,7 @@ class PipelineRuntime:
         layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
+        stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists
         pg_timeout_s = timeout_s
         if backend == "nccl":
             check_torch()
@@ -161,12 +173,12 @@ class PipelineRuntime:
                                         device_id=device if device.type == "cuda" else None,
                                         **_attempt_store(world, timeout_s))
             return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s,
-                              heartbeat=heartbeat and backend == "gloo")
+                              heartbeat=heartbeat and backend == "gloo", stages=stages)
 
     @classmethod
     def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
                owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None,
-               heartbeat: bool = False) -> "PipelineRuntime":
+               heartbeat: bool = False, stages: VirtualLayout | None = None) -> "PipelineRuntime":
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
@@ -177,9 +189,9 @@ class PipelineRuntime:
         if backend == "nccl":
             ops = ops or CudaOps(device)
         beat = Heartbeat.connect(rank, layout.world_size, timeout_s) if heartbeat else None
-        channels = create_pipeline_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), device=device,
-                                            poller=poller, compute_stream=getattr(lane, "stream", None), ops=ops,
-                                            deadline_s=timeout_s, wait=BACKSTOP if beat is not None else None)
+        channels = create_rank_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), stages=stages,
+                                        device=device, poller=poller, compute_stream=getattr(lane, "stream", None),
+                                        ops=ops, deadline_s=timeout_s, wait=BACKSTOP if beat is not None else None)
         groups = create_stage_groups(layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s)
         if beat is not None:  # created with timeout_s (startup stays bounded); from now on silence is the beat's
             for group in [None, *groups.values()]:  # collectives only: p2p waits get it in Channel.wait
@@ -187,10 +199,12 @@ class PipelineRuntime:
             beat.start()
         log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
                  layout.coords(rank).tp, layout.coords(rank).dp)
+        if stages is not None and stages.virtual > 1:
+            log.info("rank %d holds stages %s: %s", rank, stages.stages_of(layout.coords(rank).pp), stages.describe())
         return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, lane, poller, groups=groups,
-                   owns_process_group=owns, device=device, heartbeat=beat)
+                   owns_process_group=owns, device=device, heartbeat=beat, virtual=stages)
 
-    def stage_executor(self, module: torch.nn.Module, loss_fn, *, microbatches: int,
+    def stage_executor(self, module: torch.nn.Module | Sequence[torch.nn.Module], loss_fn, *, microbatches: int,
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
@@ -198,16 +212,28 @@ class PipelineRuntime:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
-        microbatches' ``features``: without them it is a ValueError."""
+        microbatches' ``features``: without them it is a ValueError. With virtual stages,
+        ``module`` is a list: one module for each of ``rt.stages``, in that order."""
+        modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        if len(modules) != len(self.stages):
+            raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
+                             f"for each, got {len(modules)}")
         h = resolve(hint)
         split = default_split(h.name, split)
         settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,
                                     variability or Variability(), seed, self.timeout_s, cost)
-        worker = StageWorker(module, self.stage, self.num_stages, microbatches, loss_fn, split,
-                             measure_activations=settings.budget.bytes is not None)
-        agreement = TPAgreement(self.tp_control, microbatches, self.poller) if self.tp_control is not None else None
-        ex = StageExecutor(worker, self.channels, self.lane, settings, self.rank, instrument, self.unit_s, agreement,
-                           liveness=self.heartbeat)
+        workers = [StageWorker(m, s, self.num_stages, microbatches, loss_fn, split,
+                               measure_activations=settings.budget.bytes is not None)
+                   for m, s in zip(modules, self.stages)]
+        agreement = (TPAgreement(self.tp_control, microbatches, self.poller,
+                                 self.stages if len(self.stages) > 1 else None)
+                     if self.tp_control is not None else None)
+        if len(workers) == 1:
+            ex = StageExecutor(workers[0], self.channels, self.lane, settings, self.rank, instrument, self.unit_s,
+                               agreement, liveness=self.heartbeat)
+        else:
+            ex = StageExecutor(workers, self.rank_channels, self.lane, settings, self.rank, instrument, self.unit_s,
+                               agreement, stages=self.virtual, liveness=self.heartbeat)
         self._executors.append(ex)
         return ex
 
@@ -310,4 +336,4 @@ class PipelineRuntime:
             ex.close()
         await self.poller.aclose()
         self.lane.close()
-        await self.channels.aclose()
+        await self.rank_channels.aclose()

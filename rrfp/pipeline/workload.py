@@ -43,3 +43,14 @@ class Workload:
     check: Callable[[Any, Any, int, int], None] = _no_check
     # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
     features: Callable[[Batch], dict] = token_features
+
+    def build_stages(self, model_cfg: Any, stages: Sequence[int], num_stages: int, seed: int,
+                     tp_group: Any = None) -> list[nn.Module]:
+        """One module per stage in ``stages`` (a rank's virtual stages), each built from ``seed`` as
+        ``build_stage`` builds one: the full model from the seed, cut down to that stage, so that
+        the pieces on every rank are pieces of one model."""
+        modules = []
+        for stage in stages:
+            torch.manual_seed(seed)
+            modules.append(self.build_stage(model_cfg, stage, num_stages, tp_group))
+        return modules

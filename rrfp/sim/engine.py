@@ -1,8 +1,9 @@
 """Discrete-event simulator of one pipeline iteration.
 
-Each stage is a ``StageTracker``, the same state machine the runtime drives.
-Tasks take their durations from the variability model and messages their
-latency; whenever time is about to move on, every idle stage that something
+Each rank is a ``RankTracker`` over its stages' ``StageTracker``s, the state
+machine the runtime drives. Tasks take their durations from the variability
+model and messages their latency (the V turn between two stages of one rank
+has none); whenever time is about to move on, every idle rank that something
 happened to asks its tracker what to run. The simulator checks what the
 runtime promises: each task once, dependencies and latencies respected, the
 budget held, no deadlock.
@@ -19,10 +20,11 @@ from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import Hint, default_split, resolve
+from rrfp.core.placement import Placement, VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.core.rank_tracker import RankTracker
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
-from rrfp.core.tracker import StageTracker
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import Span
 from rrfp.sim.ranked import RankedPipeline, ranking_of
@@ -37,7 +39,7 @@ class SimConfig:
     """One simulated iteration. Strings are accepted here, at the edge, and
     resolved once: ``replace(cfg, hint=...)`` with a resolved Hint costs nothing."""
 
-    stages: int
+    stages: int  # pipeline ranks (S); with virtual stages the model has S x V stages
     microbatches: int
     hint: str | Hint = "1f1b"
     dispatch: Dispatch | str = Dispatch.READY  # the executor: ready or fixed
@@ -48,7 +50,9 @@ class SimConfig:
     split: bool | None = None  # None: the hint's default
     mb_bytes: int = 1 << 20  # activation bytes of a mean-size microbatch, for byte budgets
     record: bool = False  # keep the timeline
-    durations: Any = None  # [S][M][3] task durations to replay instead of drawing them (rrfp.sim.replay)
+    durations: Any = None  # [S*V][M][3] task durations to replay instead of drawing them (rrfp.sim.replay)
+    virtual: int = 1  # stages per rank (V)
+    placement: Placement | str = Placement.INTERLEAVED
 
     def __post_init__(self) -> None:
         if self.stages < 1:
@@ -58,19 +62,37 @@ class SimConfig:
         object.__setattr__(self, "dispatch", Dispatch.parse(self.dispatch))
         object.__setattr__(self, "budget", Budget.parse(self.budget))
         object.__setattr__(self, "hint", resolve(self.hint))
+        object.__setattr__(self, "placement", self.layout.placement)
 
     @property
     def split_backward(self) -> bool:
         return default_split(self.hint.name, self.split)
+
+    @property
+    def layout(self) -> VirtualLayout:
+        return VirtualLayout(self.stages, self.virtual, self.placement)
+
+    @property
+    def num_stages(self) -> int:
+        """Global stages: S x V."""
+        return self.stages * self.virtual
 
 
 @dataclass
 class SimResult:
     config: SimConfig
     makespan: float
-    stats: list[StageStats]  # per stage, in average-forward units
+    stats: list[StageStats]  # per rank (a stage when V = 1), in average-forward units; peaks in chunk-microbatches
     lower_bound: float
-    timeline: list[tuple[int, Task, float, float]]  # (stage, task, start, end) when recorded
+    timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end) when recorded
+    stage_stats: list[StageStats] | None = None  # per global stage when V > 1 (V = 1: ``stats``)
+
+    @property
+    def peak_microbatches(self) -> list[float]:
+        """Per rank, the most memory held at once in microbatches of the rank's whole model (1F1B's
+        unit: 1x holds S - r); with V = 1 the same as ``peak_inflight``."""
+        V = self.config.virtual
+        return [st.peak_inflight / V if V > 1 else st.peak_inflight for st in self.stats]
 
     @property
     def busy(self) -> list[float]:
@@ -98,7 +120,11 @@ class SimResult:
         return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
 
     def spans(self, process: str) -> list[Span]:
-        return [Span(process, s, str(t), a, b) for s, t, a, b in self.timeline]
+        """One row per global stage; with V > 1 each span names its rank."""
+        if self.config.virtual == 1:
+            return [Span(process, s, str(t), a, b) for s, t, a, b in self.timeline]
+        rank_of = self.config.layout.rank_of
+        return [Span(process, s, str(t), a, b, {"rank": rank_of(s)}) for s, t, a, b in self.timeline]
 
 
 class TaskDone(NamedTuple):
@@ -115,15 +141,22 @@ class Arrival(NamedTuple):
 
 
 def _durations(cfg: SimConfig):
-    """dur[s, m, kind], message latencies lat_f/lat_b[s, m] and activation sizes, all drawn at once."""
-    S, M, var = cfg.stages, cfg.microbatches, cfg.variability
-    times = TaskTimes(var, cfg.seed, cfg.split_backward)
+    """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
+    which is no message) and one chunk's activation sizes (a microbatch's over V), all drawn at once."""
+    N, M, V, var = cfg.num_stages, cfg.microbatches, cfg.virtual, cfg.variability
+    times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=cfg.layout if V > 1 else None)
     if cfg.durations is not None:
-        dur = np.array(cfg.durations, dtype=np.float64).reshape(S, M, 3)
+        dur = np.array(cfg.durations, dtype=np.float64).reshape(N, M, 3)
     else:
-        dur = times.realized(cfg.iteration, S, M)
-    lat_f, lat_b = times.latencies(cfg.iteration, S, M)
-    sizes = (var.length(cfg.seed, cfg.iteration, np.arange(M)) * cfg.mb_bytes).astype(np.int64).tolist()
+        dur = times.realized(cfg.iteration, N, M)
+    lat_f, lat_b = times.latencies(cfg.iteration, N, M)
+    if V > 1:
+        lay = cfg.layout
+        for s in range(N):
+            if s + 1 < N and lay.is_local(s, s + 1):
+                lat_f[s] = 0.0
+                lat_b[s + 1] = 0.0
+    sizes = (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V)).astype(np.int64).tolist()
     return dur, lat_f, lat_b, sizes
 
 
@@ -131,7 +164,8 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
     S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
-    if cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform or not RankedPipeline.fits(lat_f, lat_b):
+    if (cfg.virtual > 1 or cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform
+            or not RankedPipeline.fits(lat_f, lat_b)):
         return None
     ranking = ranking_of(cfg.hint.priority(S, 0, M, split), M, split)
     if ranking is None:
@@ -146,17 +180,19 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
 
 
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
-    """One iteration. Ready dispatch of bf, bfw and plan takes the fast path, which makes the
-    trackers' every decision without stepping them; ``reference=True`` always steps them."""
-    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
+    """One iteration. Ready dispatch of bf, bfw and plan with V = 1 takes the fast path, which makes
+    the trackers' every decision without stepping them; ``reference=True`` always steps them."""
+    S, M, split, lay = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.layout
     dur, lat_f, lat_b, sizes = _durations(cfg)
     fast = None if reference else _ranked(cfg, dur, lat_f, lat_b, sizes)
     if fast is not None:
         return fast
+    N = cfg.num_stages
     D, latency = dur.tolist(), {Kind.F: lat_f.tolist(), Kind.B: lat_b.tolist()}
-    trackers = [StageTracker(cfg.hint.spec(S, s, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__)
-                for s in range(S)]
-    busy, decisions = [0.0] * S, [0] * S
+    trackers = [RankTracker(cfg.hint.rank_spec(lay, r, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__)
+                for r in range(S)]
+    rank_of = [lay.rank_of(s) for s in range(N)]
+    busy, decisions, stage_busy = [0.0] * S, [0] * S, [0.0] * N
     timeline: list[tuple[int, Task, float, float]] = []
     events: list[tuple[float, int, TaskDone | Arrival]] = []  # (time, sequence, event)
     seq = 0
@@ -166,44 +202,55 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
         seq += 1
         heapq.heappush(events, (time, seq, event))
 
-    def dispatch(s: int, now: float) -> None:
-        tr = trackers[s]
-        task = tr.next()
-        decisions[s] += 1
-        if task is None:
+    def dispatch(r: int, now: float) -> None:
+        tr = trackers[r]
+        item = tr.next()
+        decisions[r] += 1
+        if item is None:
             return
-        tr.start(task)
+        s, task = item
+        tr.start(s, task)
         end = now + D[s][task.mb][task.kind]
-        busy[s] += end - now
+        busy[r] += end - now
+        stage_busy[s] += end - now
         if cfg.record:
             timeline.append((s, task, now, end))
         push(end, TaskDone(s, task))
 
-    for s in range(S):
-        dispatch(s, 0.0)
+    for r in range(S):
+        dispatch(r, 0.0)
     touched: set[int] = set()
     last = 0.0
     while events:
         now, _, event = heapq.heappop(events)
+        r = rank_of[event.stage]
         if type(event) is TaskDone:
             last = now
             task = event.task
-            dest = trackers[event.stage].finish(task)
+            dest = trackers[r].finish(event.stage, task)
             if dest is not None:
-                push(now + latency[task.kind][event.stage][task.mb], Arrival(dest, task.kind, task.mb))
+                if rank_of[dest] == r:  # the V turn: no message
+                    trackers[r].arrive(dest, task.kind, task.mb)
+                else:
+                    push(now + latency[task.kind][event.stage][task.mb], Arrival(dest, task.kind, task.mb))
         else:
-            trackers[event.stage].arrive(event.kind, event.mb)
-        touched.add(event.stage)
-        if not events or events[0][0] > now:  # time moves on: idle stages decide
-            for s in sorted(touched):
-                if trackers[s].running is None:
-                    dispatch(s, now)
+            trackers[r].arrive(event.stage, event.kind, event.mb)
+        touched.add(r)
+        if not events or events[0][0] > now:  # time moves on: idle ranks decide
+            for t in sorted(touched):
+                if trackers[t].running is None:
+                    dispatch(t, now)
             touched.clear()
 
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
+        where = "stage" if cfg.virtual == 1 else "rank"
         raise SimDeadlock(f"{cfg.dispatch} executor with hint {cfg.hint.name} stalled with {left} tasks left: "
-                          + "; ".join(f"stage {s} {tr.blocked()}" for s, tr in enumerate(trackers)))
-    stats = [StageStats(busy=busy[s], wall=last, decisions=decisions[s], peak_inflight=tr.held.peak, iterations=1)
-             for s, tr in enumerate(trackers)]
-    return SimResult(cfg, last, stats, lower_bound(dur, lat_f, lat_b, split), timeline)
+                          + "; ".join(f"{where} {r} {tr.blocked()}" for r, tr in enumerate(trackers)))
+    stats = [StageStats(busy=busy[r], wall=last, decisions=decisions[r], peak_inflight=tr.held.peak, iterations=1)
+             for r, tr in enumerate(trackers)]
+    per_stage = None
+    if cfg.virtual > 1:
+        per_stage = [StageStats(busy=stage_busy[s], wall=last, peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
+                                iterations=1) for s in range(N)]
+    return SimResult(cfg, last, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), timeline, per_stage)

@@ -21,6 +21,7 @@ import numpy as np
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes, known
 from rrfp.core.hints import Hint
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.planner import Plan, entry_order_hint, plan
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
@@ -29,20 +30,23 @@ from rrfp.sim.ranked import RankedPipeline, ranking_of
 
 
 def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, split: bool,
-              dispatch: Dispatch = Dispatch.READY, *, seed: int = 0, iteration: int = 0) -> tuple[Hint, Plan]:
-    """The hint for one iteration from ``predicted[s, m, kind]``; ``variability`` gives the link
-    latency the planner assumes (its jitter is hidden) and, with ``seed`` and ``iteration``, the
-    microbatch sizes a byte budget weighs."""
-    S, M, _ = predicted.shape
+              dispatch: Dispatch = Dispatch.READY, *, seed: int = 0, iteration: int = 0,
+              layout: VirtualLayout | None = None) -> tuple[Hint, Plan]:
+    """The hint for one iteration from ``predicted[s, m, kind]`` (global stages of ``layout``, default
+    one per rank); ``variability`` gives the link latency the planner assumes (its jitter is hidden)
+    and, with ``seed`` and ``iteration``, the microbatch sizes a byte budget weighs."""
+    N, M, _ = predicted.shape
+    layout = layout or VirtualLayout(N)
+    S = layout.ranks
     base = SimConfig(S, M, "bfw", Dispatch.READY, budget, known(variability), seed=seed, iteration=iteration,
-                     split=split, durations=predicted)
+                     split=split, durations=predicted, virtual=layout.virtual, placement=layout.placement)
 
     def hint(order) -> Hint:
         return Hint("plan", entry_order_hint(order), is_class=True, uniform=True)
 
     dur, lat_f, lat_b, sizes = _durations(base)
-    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits)
-    if RankedPipeline.fits(lat_f, lat_b):
+    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits; V = 1 only)
+    if layout.virtual == 1 and RankedPipeline.fits(lat_f, lat_b):
         pipeline = RankedPipeline(dur, lat_f, lat_b, [budget.limit(S, s) for s in range(S)], sizes, split)
 
     def score(order) -> float:  # the candidates share durations, latencies and sizes: set up once
@@ -54,17 +58,23 @@ def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, s
     if dispatch is not Dispatch.FIXED:
         return hint(made.order), made
     run = simulate(replace(base, hint=hint(made.order), record=True))
-    orders = tuple(tuple(t for st, t, *_ in sorted(run.timeline, key=lambda e: e[2]) if st == s) for s in range(S))
+    timeline = sorted(run.timeline, key=lambda e: e[2])
+    if layout.virtual > 1:
+        rank_orders = tuple(tuple((st, t) for st, t, *_ in timeline if layout.rank_of(st) == r) for r in range(S))
+        return replace(hint(made.order), fixed_rank_orders=rank_orders), made
+    orders = tuple(tuple(t for st, t, *_ in timeline if st == s) for s in range(S))
     return replace(hint(made.order), fixed_orders=orders), made
 
 
 def plan_iteration(times: TaskTimes, iteration: int, stages: int, microbatches: int, budget: Budget,
                    dispatch: Dispatch, features: Sequence[dict] | None = None) -> tuple[Hint, Plan]:
     """One iteration's plan from what is known before it runs: ``times.predicted`` (the cost model
-    on ``features``, or the preset's size factors), never the realized durations."""
-    predicted = times.predicted(iteration, stages, microbatches, features)
+    on ``features``, or the preset's size factors), never the realized durations. ``stages`` counts
+    ranks; with virtual stages ``times.layout`` says how many stages each holds."""
+    layout = times.layout or VirtualLayout(stages)
+    predicted = times.predicted(iteration, layout.num_stages, microbatches, features)
     return make_plan(predicted, budget, times.variability, times.split, dispatch, seed=times.seed,
-                     iteration=iteration)
+                     iteration=iteration, layout=layout)
 
 
 def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
@@ -76,6 +86,6 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
         raise ValueError("planned_config plans from the preset, but this config carries its own durations "
                          "(realized ones, which the planner must not see): use plan_iteration with the "
                          "run's TaskTimes and features")
-    times = TaskTimes(cfg.variability, cfg.seed, cfg.split_backward)
+    times = TaskTimes(cfg.variability, cfg.seed, cfg.split_backward, layout=cfg.layout if cfg.virtual > 1 else None)
     made_hint, made = plan_iteration(times, cfg.iteration, cfg.stages, cfg.microbatches, cfg.budget, cfg.dispatch)
     return replace(cfg, hint=made_hint), made

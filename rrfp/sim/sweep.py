@@ -8,7 +8,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from rrfp.core.budget import Budget
-from rrfp.core.hints import Hint, resolve
+from rrfp.core.hints import Hint, HintError, resolve
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.sim.engine import SimConfig, SimResult, simulate
 from rrfp.sim.planning import planned_config
@@ -22,16 +23,24 @@ class Row:
     hint: str
     speedups: list[float]
     efficiencies: list[float]
-    peak_inflight: int  # the most microbatches any stage held, over every seed: the row's memory
+    peak_inflight: float  # the most microbatches any rank held (of its whole model: V chunks make one), over every
+    # seed: the row's memory
     bubble: float
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
     plan_s: list[float]  # planning time per seed ("plan" rows only)
     budget: str | None = None  # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
+    virtual: int = 1  # stages per rank
+    placement: str = "interleaved"
 
     @property
-    def key(self) -> tuple[str, str, str | None]:
-        return self.executor, self.hint, self.budget
+    def layout(self) -> str:
+        """``V2 v``, ``V2 interleaved``; empty with one stage per rank."""
+        return f"V{self.virtual} {self.placement}" if self.virtual > 1 else ""
+
+    @property
+    def key(self) -> tuple[str, str, str | None, str]:
+        return self.executor, self.hint, self.budget, self.layout
 
     @property
     def median(self) -> float:
@@ -50,6 +59,7 @@ class Row:
         lo, hi = self.spread
         return {"executor": self.executor, "hint": self.hint, "budget": self.budget, "median_speedup": self.median,
                 "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": self.median_efficiency,
+                "virtual": self.virtual, "placement": self.placement,
                 "peak_inflight": self.peak_inflight, "mean_bubble": self.bubble,
                 "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans,
                 **({"median_plan_ms": 1e3 * float(np.median(self.plan_s))} if self.plan_s else {})}
@@ -61,39 +71,67 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
     return dispatch is Dispatch.READY or hint.planned
 
 
+def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
+    """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual order)."""
+    if hint.is_class:
+        return None
+    try:
+        hint.rank_order(layout, 0, microbatches, split)
+    except HintError as e:
+        return str(e)
+    return None
+
+
 def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint], seeds: int,
           progress: Callable[[Iterable], Iterable] = lambda x: x,
-          runs: dict[tuple[str, str, str | None], list[tuple[SimConfig, SimResult]]] | None = None,
-          budgets: Sequence[Budget] = ()) -> list[Row]:
-    """Every (executor, hint, budget) on the same durations for each seed; speedup is fixed
-    1F1B's makespan over the configuration's, seed by seed. ``budgets`` (default: the base
-    config's) are run by every row they apply to (``budget_applies``); the others run once.
+          runs: dict[tuple, list[tuple[SimConfig, SimResult]]] | None = None,
+          budgets: Sequence[Budget] = (), layouts: Sequence[VirtualLayout] = (),
+          skipped: list[str] | None = None) -> list[Row]:
+    """Every (executor, hint, budget, layout) on the same durations for each seed; speedup is fixed
+    1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets`` (default:
+    the base config's) are run by every row they apply to (``budget_applies``); the others run once.
+    ``layouts`` (default: the base config's) are the virtual-stage layouts to run; a hint with no
+    form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and ``skipped`` receives why.
     ``runs``, when given, receives every (config as run, recorded result) by ``Row.key``, seed
     by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
     budgets = list(budgets) or [base.budget]
+    layouts = list(dict.fromkeys(layouts or [base.layout]))
+    base = replace(base, virtual=1, placement="interleaved")
+    one = VirtualLayout(base.stages)
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
-    pairs = list(dict.fromkeys([(d, h.name) for d, h in [BASELINE, *itertools.product(dispatches, hints)]]))
-    combos = [(d, name, b if budget_applies(d, by_name[name]) else None)
-              for d, name in pairs for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])]
+    pairs = list(dict.fromkeys([(d, h.name, lay) for d, h, lay in [(*BASELINE, one),
+                                                                  *itertools.product(dispatches, hints, layouts)]]))
+    usable = []
+    for d, name, lay in pairs:
+        why = applies(by_name[name], lay, base.microbatches, replace(base, hint=by_name[name]).split_backward)
+        if why is None:
+            usable.append((d, name, lay))
+        elif skipped is not None and why not in skipped:
+            skipped.append(why)
+    combos = [(d, name, b if budget_applies(d, by_name[name]) else None, lay)
+              for d, name, lay in usable for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])]
     results: dict[tuple, list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
     plan_s: dict[tuple, list[float]] = {c: [] for c in combos}
-    for seed, (dispatch, name, budget) in progress(jobs):
+    for seed, combo in progress(jobs):
+        dispatch, name, budget, lay = combo
         cfg = replace(base, dispatch=dispatch, hint=by_name[name], budget=budget or budgets[0], seed=seed,
-                      record=runs is not None)
+                      record=runs is not None, virtual=lay.virtual, placement=lay.placement)
         if by_name[name].planned:
             cfg, made = planned_config(cfg)
-            plan_s[(dispatch, name, budget)].append(made.seconds)
-        results[(dispatch, name, budget)].append(simulate(cfg))
+            plan_s[combo].append(made.seconds)
+        results[combo].append(simulate(cfg))
         if runs is not None:
-            key = (str(dispatch), name, None if budget is None else str(budget))
-            runs.setdefault(key, []).append((cfg, results[(dispatch, name, budget)][-1]))
-    base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name, None)]])
+            key = (str(dispatch), name, None if budget is None else str(budget),
+                   f"V{lay.virtual} {lay.placement}" if lay.virtual > 1 else "")
+            runs.setdefault(key, []).append((cfg, results[combo][-1]))
+    base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name, None, one)]])
     rows = []
-    for (dispatch, name, budget), rs in results.items():
+    for (dispatch, name, budget, lay), rs in results.items():
         ms = np.array([r.makespan for r in rs])
         rows.append(Row(str(dispatch), name, (base_ms / ms).tolist(), [r.efficiency for r in rs],
-                        max(max(r.peak_inflight) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
+                        max(max(r.peak_microbatches) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
                         np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist(),
-                        plan_s[(dispatch, name, budget)], None if budget is None else str(budget)))
+                        plan_s[(dispatch, name, budget, lay)], None if budget is None else str(budget),
+                        lay.virtual, str(lay.placement)))
     return rows

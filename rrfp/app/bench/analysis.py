@@ -18,6 +18,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import resolve
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
@@ -30,23 +31,39 @@ log = logging.getLogger("rrfp.app.bench.analysis")
 class IterationWork:
     """What an iteration's tasks cost, in seconds of emulated device time: one per (iteration, split)."""
 
-    durations: np.ndarray  # [S, M, 3] units
-    lat_fwd: np.ndarray  # [S, M] units
+    durations: np.ndarray  # [S, M, 3] units (S x V global stages with virtual stages)
+    lat_fwd: np.ndarray  # [S, M] units (zero on the V turn: no message)
     lat_bwd: np.ndarray
     split: bool
     unit_s: float
+    rank_of: tuple[int, ...] | None = None  # virtual stages: the rank of each global stage
 
     @property
     def lower_bound_s(self) -> float:
-        return lower_bound(self.durations, self.lat_fwd, self.lat_bwd, self.split) * self.unit_s
+        return lower_bound(self.durations, self.lat_fwd, self.lat_bwd, self.split, self.rank_of) * self.unit_s
+
+
+def virtual_layout(spec: BenchSpec, ex: Executor | None) -> VirtualLayout | None:
+    """The executor's virtual stages (None: one stage per rank, or a torch schedule)."""
+    if ex is None or ex.is_torch or ex.virtual == 1:
+        return None
+    return VirtualLayout(spec.pp, ex.virtual, ex.placement)
 
 
 def iteration_work(spec: BenchSpec, var: Variability, cost: CostModel | None, iteration: int,
-                   features: list[dict] | None, split: bool) -> IterationWork:
-    S, M, seed = spec.pp, spec.mb, spec.seed
-    times = TaskTimes(var, seed, split, cost)
-    return IterationWork(times.realized(iteration, S, M, features), *times.latencies(iteration, S, M), split,
-                         spec.unit_ms / 1000)
+                   features: list[dict] | None, split: bool, ex: Executor | None = None) -> IterationWork:
+    """The durations ``ex``'s ranks spent (TaskTimes, with its virtual layout's chunk times)."""
+    layout = virtual_layout(spec, ex)
+    S, M, seed = spec.pp if layout is None else layout.num_stages, spec.mb, spec.seed
+    times = TaskTimes(var, seed, split, cost, layout=layout)
+    lat_f, lat_b = times.latencies(iteration, S, M)
+    if layout is None:
+        return IterationWork(times.realized(iteration, S, M, features), lat_f, lat_b, split, spec.unit_ms / 1000)
+    for g in range(S - 1):
+        if layout.is_local(g, g + 1):  # the V turn sends nothing
+            lat_f[g] = lat_b[g + 1] = 0.0
+    return IterationWork(times.realized(iteration, S, M, features), lat_f, lat_b, split, spec.unit_ms / 1000,
+                         tuple(layout.rank_of(g) for g in range(S)))
 
 
 def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: Executor, iteration: int,
@@ -58,15 +75,16 @@ def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: E
     if ex.is_torch:
         return None
     hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
+    layout = virtual_layout(spec, ex)
     if hint.planned:
-        hint, made = plan_iteration(TaskTimes(var, spec.seed, work.split, cost), iteration, spec.pp, spec.mb, budget,
-                                    dispatch, features)
+        hint, made = plan_iteration(TaskTimes(var, spec.seed, work.split, cost, layout=layout), iteration, spec.pp,
+                                    spec.mb, budget, dispatch, features)
         if plan_order is not None and list(made.order) != list(plan_order):
             log.warning("%s iteration %d: the ranks planned %s, the parent %s: not simulated", ex.name,
                         iteration, plan_order, list(made.order))
             return None
     cfg = SimConfig(spec.pp, spec.mb, hint, dispatch, budget, var, seed=spec.seed, iteration=iteration,
-                    split=work.split, durations=work.durations.tolist())
+                    split=work.split, durations=work.durations.tolist(), virtual=ex.virtual, placement=ex.placement)
     return simulate(cfg).makespan * work.unit_s
 
 
@@ -79,9 +97,9 @@ def annotate(spec: BenchSpec, case: Case, var: Variability, cost: CostModel | No
     for r in rows:
         ex, it = executors[r["executor"]], r["iteration"]
         features = feats.get(it) if cost else None
-        key = (it, ex.split)
+        key = (it, ex.split, virtual_layout(spec, ex))
         if key not in works:
-            works[key] = iteration_work(spec, var, cost, it, features, ex.split)
+            works[key] = iteration_work(spec, var, cost, it, features, ex.split, ex)
         work = works[key]
         r["lower_bound_s"] = work.lower_bound_s
         r["efficiency"] = work.lower_bound_s / r["wall_s"]

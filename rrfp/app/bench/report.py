@@ -22,8 +22,10 @@ ABLATIONS = (("ready bfw", "fixed bfw", "same order and memory"),
              ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"))
 # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the rest
 AGAINST_TORCH = (("ready plan", "torch 1f1b"), ("ready plan", "torch zb"), ("ready bfw", "torch zb"),
+                 ("ready plan v2", "torch zb"), ("ready plan v2", "torch dualpipev"), ("ready bfw v2", "torch zb"),
                  ("drop-in ready plan", "torch 1f1b"), ("drop-in ready plan", "torch zb"),
                  ("drop-in ready bfw", "torch zb"))
+EQUAL_MEMORY_TO = "torch zb"  # the table marks the rows that hold no more than this one (ZB-V)
 # (through ScheduleReady, the executor directly): each pair differs in the surface alone
 DROP_IN_PAIRS = (("drop-in ready bfw", "ready bfw"), ("drop-in ready plan", "ready plan"))
 
@@ -62,14 +64,19 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                   "| executor | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max | peak in-flight "
                   "| efficiency | vs simulator | decision µs | plan ms |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        zb = next((s.peak_inflight for s in res.summaries if s.executor == EQUAL_MEMORY_TO), None)
         for s in res.summaries:
             sim = None if s.vs_simulated is None else s.vs_simulated.median
+            mark = " ≤" if zb is not None and s.peak_inflight is not None and s.peak_inflight <= zb + 1e-9 else ""
             lines.append(
                 f"| {s.executor} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} "
                 f"| {_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
-                f"| {_fmt(s.peak_inflight, 'g')} | {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} "
+                f"| {_fmt(s.peak_inflight, 'g')}{mark} | {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} "
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |")
         lines.append("")
+        if zb is not None:
+            lines.append(f"≤: peak in-flight at or below {EQUAL_MEMORY_TO}'s ({zb:g}): equal or lower memory than "
+                         f"torch's ZB-V.")
         pairs = [(h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS]
         pairs += [(ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH]
         for headline, other, title in pairs:

@@ -57,12 +57,14 @@ class Runner(Protocol):
 
 
 class RrfpRunner:
-    """A StageExecutor (fixed or ready dispatch, any hint), traced."""
+    """A StageExecutor (fixed or ready dispatch, any hint), traced. With virtual stages ``module`` is
+    the list of the rank's stage modules and ``rt`` the runtime of that layout."""
 
     def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
                  variability: Variability, cost: CostModel | None) -> None:
         self.name = ex.name
-        self._recorder = TraceRecorder(ex.name)
+        self._virtual = ex.virtual
+        self._recorder = TraceRecorder(ex.name, rt.rank if ex.virtual > 1 else None)
         self._executor = rt.stage_executor(module, workload.loss_fn, microbatches=spec.mb, dispatch=ex.engine,
                                            hint=ex.hint, budget=spec.budget, variability=variability,
                                            seed=spec.seed, instrument=self._recorder, cost=cost)
@@ -76,9 +78,11 @@ class RrfpRunner:
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         res = await self._executor.run_iteration(iteration, batches, features)
-        self._executor.worker.module.zero_grad(set_to_none=True)
+        for w in self._executor.workers:
+            w.module.zero_grad(set_to_none=True)
         st, plan = res.stats, res.plan
-        return Measured(st.wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds,
+        peak = st.peak_inflight / self._virtual  # chunk-microbatches -> microbatches of the rank's layers
+        return Measured(st.wall, peak, st.decision_us, plan and plan.plan.seconds,
                         plan and plan.waited_s, plan and tuple(plan.plan.order))
 
     def close(self) -> None:

@@ -2,7 +2,8 @@
 once in the parent so that bad input exits 2 before any rank starts.
 
 An executor is named ``ENGINE HINT``: ``fixed 1f1b`` and ``ready bfw`` are
-rrfp's dispatch modes with a hint; ``torch 1f1b`` and ``torch zb`` are
+rrfp's dispatch modes with a hint (``ready bfw v2``: on two virtual stages per
+rank in the v placement, ``fixed 1f1b i2``: interleaved); ``torch 1f1b`` and ``torch zb`` are
 torch.distributed.pipelining's schedules, the anchors. ``drop-in ready bfw``
 is rrfp's executor reached through ``rrfp.ScheduleReady``, torch's schedule
 surface (rrfp.app.bench.dropin). Dashes may stand for the spaces on a command
@@ -11,13 +12,15 @@ line (``ready-bfw``, ``drop-in-ready-bfw``).
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.errors import ConfigError, UsageError
 from rrfp.core.hints import default_split, resolve
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
@@ -25,8 +28,11 @@ BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
 # predicted run replayed as a fixed order): each pair differs in dispatch alone
 # drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path costs)
+# v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb, dualpipev)
 DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixed plan", "ready plan", "torch 1f1b",
-                     "torch zb", "drop-in ready bfw", "drop-in ready plan")
+                     "torch zb", "drop-in ready bfw", "drop-in ready plan", "ready bfw v2", "ready plan v2",
+                     "torch dualpipev")
+VIRTUAL_SUFFIX = re.compile(r"(?P<placement>[vi])(?P<virtual>\d+)")  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
 
 
@@ -43,10 +49,13 @@ class Executor:
     engine: str  # "fixed", "ready" or "torch"
     hint: str  # an rrfp hint, or a torch schedule (rrfp.app.bench.torch_schedules)
     drop_in: bool = False  # rrfp's executor behind torch's schedule surface (rrfp.ScheduleReady)
+    virtual: int = 1  # rrfp's stages per rank (the model splits into pp x virtual)
+    placement: str = "interleaved"  # with virtual > 1: "interleaved" or "v"
 
     @property
     def name(self) -> str:
-        return f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
+        base = f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
+        return base if self.virtual == 1 else f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
 
     @property
     def is_torch(self) -> bool:
@@ -69,9 +78,17 @@ class Executor:
             if ex.is_torch:
                 raise UsageError(f"--executors: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
                                  f"not a torch schedule")
-            return cls(ex.engine, ex.hint, drop_in=True)
+            return replace(ex, drop_in=True)
         engine, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
+        head, _, last = hint.replace("-", " ").rpartition(" ")
+        if head and engine != "torch" and (m := VIRTUAL_SUFFIX.fullmatch(last)):
+            placement = "v" if m["placement"] == "v" else "interleaved"
+            try:
+                VirtualLayout(1, int(m["virtual"]), placement)
+            except ValueError as e:
+                raise UsageError(f"--executors: {text!r}: {e}") from None
+            return replace(cls.parse(f"{engine} {head}"), virtual=int(m["virtual"]), placement=placement)
         if not hint:
             raise UsageError(f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
                              f"'torch zb')")
@@ -97,12 +114,15 @@ class Case:
     overrides: tuple[str, ...] = ()  # KEY=VALUE on top of the config, as `rrfp train --set`
     executors: tuple[Executor, ...] = ()
 
-    def train_config(self, spec: "BenchSpec", pp: int | None = None, tp: int | None = None) -> TrainConfig:
-        """The run config every rank builds this workload from: ConfigError names what does not fit."""
+    def train_config(self, spec: "BenchSpec", pp: int | None = None, tp: int | None = None,
+                     ex: "Executor | None" = None) -> TrainConfig:
+        """The run config every rank builds this workload from (for ``ex``'s virtual stages, if
+        given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
+        stages = [] if ex is None or ex.virtual == 1 else [f"virtual={ex.virtual}", f"placement={ex.placement}"]
         return TrainConfig.load(self.config, [*self.overrides, f"pp={pp}", f"tp={tp}", f"microbatches={spec.mb}",
                                               f"preset={self.preset}", f"budget={spec.budget}",
-                                              f"unit_ms={spec.unit_ms}", f"seed={spec.seed}"],
+                                              f"unit_ms={spec.unit_ms}", f"seed={spec.seed}", *stages],
                                 world_size=pp * tp)
 
 
@@ -173,6 +193,16 @@ def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
     """Why this executor cannot run this workload here, or None."""
     if ex.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
+    if ex.virtual > 1:
+        if ex.drop_in:
+            return "ScheduleReady runs one stage per rank"
+        if case.calibrate:
+            return (f"its cost model is calibrated for {spec.pp} stages, and {ex.virtual} stages per rank need "
+                    f"one for {spec.pp * ex.virtual}")
+        try:
+            case.train_config(spec, ex=ex)
+        except ConfigError as e:
+            return f"{e} (more layers: --set model.n_layer=...)"
     if not ex.is_torch:
         return None
     from rrfp.app.bench import torch_schedules as ts

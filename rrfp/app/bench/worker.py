@@ -13,6 +13,7 @@ other ranks, and the parent reports that line.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,14 +41,18 @@ def rotated(items: list, k: int) -> list:
     return items[k % len(items):] + items[:k % len(items)]
 
 
-async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
+async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
+    """``runtimes``: by (virtual, placement), the rank's runtime of each layout the executors use."""
+    rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
     wl = cfg.workload
     cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.run.cost
     var = cfg.run.variability
 
-    torch.manual_seed(spec.seed)  # the rrfp executors share this stage's module; torch's runners build their own
-    module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, rt.tp_group)
+    # the rrfp executors of one layout share its stage modules; torch's runners build their own
+    modules = {key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
+               for key, r in runtimes.items()}
+    module = modules[(1, "interleaved")][0]
     runners: dict[str, Runner] = {}
     for ex in case.executors:
         if ex.is_torch:
@@ -55,7 +60,9 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
         elif ex.drop_in:  # the rrfp executors' module again, behind torch's PipelineStage
             runners[ex.name] = DropInRunner(rt, ex, module, wl, spec, var, cost)
         else:
-            runners[ex.name] = RrfpRunner(rt, ex, module, wl, spec, var, cost)
+            key = (ex.virtual, ex.placement)
+            runners[ex.name] = RrfpRunner(runtimes[key], ex, modules[key] if ex.virtual > 1 else module, wl, spec,
+                                          var, cost)
     rows, iterations = [], []
     names = list(runners)
 
@@ -96,10 +103,18 @@ async def run_case(rt: PipelineRuntime, spec: BenchSpec, case: Case, cost_path: 
 
 
 async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list[dict]:
+    """One runtime per layout the executors use (one stage per rank, and each virtual layout), all on
+    the first one's process group, started in one order on every rank and finished in reverse."""
     torch.set_num_threads(1)
-    async with PipelineRuntime.start(pp=spec.pp, tp=spec.tp, timeout_s=spec.peer_timeout_s,
-                                     unit_ms=spec.unit_ms) as rt:
-        return [await run_case(rt, spec, case, cost_paths.get(case.name), progress) for case in spec.cases]
+    layouts = dict.fromkeys([(1, "interleaved")] + [(ex.virtual, ex.placement) for c in spec.cases
+                                                    for ex in c.executors if not ex.is_torch])
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes = {}
+        for virtual, placement in layouts:
+            runtimes[(virtual, placement)] = await stack.enter_async_context(PipelineRuntime.start(
+                pp=spec.pp, tp=spec.tp, timeout_s=spec.peer_timeout_s, unit_ms=spec.unit_ms, virtual=virtual,
+                placement=placement))
+        return [await run_case(runtimes, spec, case, cost_paths.get(case.name), progress) for case in spec.cases]
 
 
 def main(argv: list[str]) -> None:

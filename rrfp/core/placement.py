@@ -1,0 +1,81 @@
+"""Virtual stages: which of the S x V global stages each of the S pipeline ranks holds.
+
+A rank holds V model chunks ("virtual stages") so the pipeline fills and
+drains in chunk-sized steps. ``interleaved`` (Megatron, torch's
+ScheduleInterleaved1F1B): rank r holds r, r+S, r+2S, ... ``v`` (ZB-V,
+DualPipeV; V = 2 only): rank r holds r and 2S-1-r, so the last rank holds
+S-1 and S, and that turn is local: no message. V = 1 is the plain pipeline.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Placement(str, enum.Enum):
+    """How a rank's V stages sit in the global stage order."""
+
+    INTERLEAVED = "interleaved"
+    V = "v"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, spec: "str | Placement") -> "Placement":
+        try:
+            return cls(str(spec).strip().lower()) if not isinstance(spec, Placement) else spec
+        except ValueError:
+            raise ValueError(f"unknown placement {spec!r} (choose from interleaved, v)") from None
+
+
+@dataclass(frozen=True)
+class VirtualLayout:
+    """S ranks x V stages per rank; global stages 0..S*V-1 in model order."""
+
+    ranks: int
+    virtual: int = 1
+    placement: Placement | str = Placement.INTERLEAVED
+
+    def __post_init__(self) -> None:
+        for name in ("ranks", "virtual"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"virtual layout needs {name} >= 1, got {value!r}")
+        object.__setattr__(self, "placement", Placement.parse(self.placement))
+        if self.placement is Placement.V and self.virtual != 2:
+            raise ValueError(f"placement v needs exactly 2 stages per rank (virtual = 2), got virtual = {self.virtual}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * self.virtual
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The global stages ``rank`` holds, in model order (its chunk 0 first)."""
+        S = self.ranks
+        if not 0 <= rank < S:
+            raise ValueError(f"rank {rank} is outside 0..{S - 1}")
+        if self.placement is Placement.V:
+            return (rank, 2 * S - 1 - rank)
+        return tuple(rank + c * S for c in range(self.virtual))
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds global ``stage``."""
+        S = self.ranks
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"stage {stage} is outside 0..{self.num_stages - 1}")
+        if self.placement is Placement.V and stage >= S:
+            return 2 * S - 1 - stage
+        return stage % S
+
+    def chunk_of(self, stage: int) -> int:
+        """Which of its rank's V stages ``stage`` is (0: the one nearest the model's input)."""
+        return stage // self.ranks
+
+    def is_local(self, a: int, b: int) -> bool:
+        """Stages ``a`` and ``b`` sit on one rank: what passes between them is no message."""
+        return self.rank_of(a) == self.rank_of(b)
+
+    def describe(self) -> str:
+        return (f"{self.ranks} rank(s) x {self.virtual} stage(s) per rank ({self.placement}): "
+                + "; ".join(f"rank {r}: {', '.join(map(str, self.stages_of(r)))}" for r in range(self.ranks)))

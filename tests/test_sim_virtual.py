@@ -1,0 +1,219 @@
+"""The simulator with virtual stages: each task once, dependencies with their latencies (none on
+the V turn), one task at a time per rank, the rank budget held, no deadlock, chunk durations."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rrfp.core.durations import TaskTimes
+from rrfp.core.placement import VirtualLayout
+from rrfp.core.tasks import Kind
+from rrfp.core.variability import Variability
+from rrfp.sim import SimConfig, simulate
+from rrfp.sim.engine import _durations
+from rrfp.sim.planning import planned_config
+
+LAYOUTS = [(2, "interleaved"), (2, "v"), (3, "interleaved")]
+ORDERS = {"interleaved": "1f1b", "v": "zbv"}  # each placement's classic schedule
+
+
+def check_virtual_invariants(r):
+    cfg = r.config
+    lay, M, split = cfg.layout, cfg.microbatches, cfg.split_backward
+    N = lay.num_stages
+    dur, lat_f, lat_b, sizes = _durations(cfg)
+    at = {}
+    for s, t, a, b in r.timeline:
+        key = (s, int(t.kind), t.mb)
+        assert key not in at, f"{t} ran twice on stage {s}"
+        at[key] = (a, b)
+        assert b - a == pytest.approx(dur[s, t.mb, t.kind])
+    kinds = (0, 1, 2) if split else (0, 1)
+    assert len(at) == N * M * len(kinds), "every task runs exactly once"
+    eps = 1e-9
+    for rank in range(lay.ranks):
+        spans = sorted(v for k, v in at.items() if lay.rank_of(k[0]) == rank)
+        for (_, b0), (a1, _) in zip(spans, spans[1:]):
+            assert a1 >= b0 - eps, "a rank runs one task at a time"
+    for s in range(N):
+        for m in range(M):
+            fa, fb = at[(s, 0, m)]
+            ba, bb = at[(s, 1, m)]
+            if s > 0:
+                lat = 0.0 if lay.is_local(s - 1, s) else cfg.variability.latency(cfg.seed, 0, s - 1, m, Kind.F)
+                assert fa >= at[(s - 1, 0, m)][1] + lat - eps
+            assert ba >= fb - eps
+            if s < N - 1:
+                lat = 0.0 if lay.is_local(s, s + 1) else cfg.variability.latency(cfg.seed, 0, s + 1, m, Kind.B)
+                assert ba >= at[(s + 1, 1, m)][1] + lat - eps
+            if split:
+                assert at[(s, 2, m)][0] >= bb - eps
+    if str(cfg.dispatch) == "ready" and cfg.budget.bytes is None:
+        last = 2 if split else 1
+        for rank in range(lay.ranks):
+            limit = cfg.budget.rank_limit(lay, rank).count
+            mine = [(s, m) for s in lay.stages_of(rank) for m in range(M)]
+            for s0, m0 in mine:  # chunk-microbatches held when each F starts, itself included
+                t0 = at[(s0, 0, m0)][0]
+                held = sum(1 for s, m in mine if (s, m) == (s0, m0)
+                           or at[(s, 0, m)][0] <= t0 and at[(s, last, m)][1] > t0 + eps)
+                assert held <= limit, f"rank {rank} holds {held} > budget {limit} at F{m0} of stage {s0}"
+            assert r.stats[rank].peak_inflight <= limit
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(S=st.integers(1, 5), M=st.integers(1, 12), layout=st.sampled_from(LAYOUTS),
+       hint=st.sampled_from(["bfw", "bf", "gpipe", "plan", "order"]), executor=st.sampled_from(["ready", "fixed"]),
+       budget=st.sampled_from(["1x", "2x", "0.5x", "3"]), preset=st.sampled_from(["lang", "jitter", "mm"]),
+       comm=st.sampled_from([0.0, 0.05, 0.5]), seed=st.integers(0, 2**31))
+def test_invariants_at_virtual_stages(S, M, layout, hint, executor, budget, preset, comm, seed):
+    V, placement = layout
+    hint = ORDERS[placement] if hint == "order" else hint
+    if hint == "1f1b":
+        M = S * max(1, M // S)  # torch's interleaved 1F1B takes whole rounds of microbatches
+    var = Variability.preset(preset, comm=comm, comm_jitter=0.3)
+    cfg = SimConfig(S, M, hint, executor, budget, var, seed=seed, record=True, virtual=V, placement=placement)
+    if cfg.hint.planned:
+        cfg = planned_config(cfg)[0]
+    r = simulate(cfg)
+    check_virtual_invariants(r)
+    assert r.makespan >= r.lower_bound - 1e-9
+    assert len(r.stats) == S and len(r.stage_stats) == S * V
+    assert sum(st.busy for st in r.stats) == pytest.approx(sum(st.busy for st in r.stage_stats))
+
+
+def test_the_v_turn_is_local_and_other_hops_pay_latency():
+    var = Variability.preset("none", comm=5.0)
+    for placement in ("v", "interleaved"):
+        r = simulate(SimConfig(4, 4, "bfw", "ready", "2x", var, virtual=2, placement=placement, record=True))
+        at = {(s, str(t)): (a, b) for s, t, a, b in r.timeline}
+        gap = at[(4, "F0")][0] - at[(3, "F0")][1]
+        assert gap == (0.0 if placement == "v" else 5.0)
+        assert at[(3, "B0")][0] - at[(4, "B0")][1] == gap
+
+
+def test_a_chunk_takes_one_vth_of_the_stage_and_draws_are_keyed_by_global_stage():
+    var = Variability.preset("lang", slow_stage=1, slow_factor=2.0)
+    lay = VirtualLayout(4, 2, "v")
+    chunk = TaskTimes(var, 7, True, layout=lay).realized(0, 8, 6)
+    flat = TaskTimes(Variability.preset("lang"), 7, True).realized(0, 8, 6)  # 8 plain stages, no slow one
+    slow = np.array([2.0 if lay.rank_of(s) == 1 else 1.0 for s in range(8)])[:, None, None]
+    assert np.allclose(chunk, flat * slow / 2)  # rank 1's both chunks are slow, stage 1 alone is not
+    assert TaskTimes(var, 7, True, layout=lay).units(0, 6, 3, Kind.B) == pytest.approx(chunk[6, 3, 1])
+    one = SimConfig(4, 6, variability=Variability.preset("none", comm=0.0), virtual=2)
+    assert simulate(one).stats[0].busy == pytest.approx(3.0 * 6)  # F + B + W per microbatch, over 2 chunks
+
+
+def test_virtual_stages_beat_one_stage_per_rank_under_lang_in_their_classic_schedules():
+    """Halving the fill and drain: fixed interleaved 1F1B and fixed ZB-V beat fixed 1F1B (V = 1)."""
+    var = Variability.preset("lang")
+    for seed in range(3):
+        base = simulate(SimConfig(8, 32, "1f1b", "fixed", variability=var, seed=seed)).makespan
+        for placement, hint in ORDERS.items():
+            r = simulate(SimConfig(8, 32, hint, "fixed", variability=var, seed=seed, virtual=2, placement=placement))
+            assert r.makespan < base
+    r = simulate(SimConfig(4, 8, "zbv", "fixed", variability=var, virtual=2, placement="v"))
+    assert max(r.peak_microbatches) == 4  # ZB-V holds 1F1B's rank-0 memory (S microbatches) on every rank
+    assert r.peak_microbatches == [4.0] * 4
+
+
+@pytest.mark.parametrize("placement,hint", [("v", "bfw"), ("v", "zbv"), ("v", "plan"), ("interleaved", "bfw"),
+                                            ("interleaved", "1f1b"), ("interleaved", "plan")])
+def test_without_variability_or_latency_ready_is_fixed_at_the_same_hint(placement, hint):
+    """Nothing varies and messages are free: ready dispatch runs the fixed order's schedule (the
+    nominal order of a class hint is what ready does then), to the last digit."""
+    var = Variability.preset("none", comm=0.0)
+    runs = {}
+    for dispatch in ("ready", "fixed"):
+        cfg = SimConfig(8, 32, hint, dispatch, "2x", var, virtual=2, placement=placement)
+        if cfg.hint.planned:
+            cfg, _ = planned_config(cfg)
+        runs[dispatch] = simulate(cfg).makespan
+    assert runs["ready"] == pytest.approx(runs["fixed"], rel=1e-12), runs
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
+    p = run_cli("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "bfw,zbv,1f1b", "--budget", "2x",
+                "--virtual", "1,2", "--placement", "interleaved,v", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    rows = {(r["executor"], r["hint"], r["virtual"], r["placement"]) for r in doc["rows"]}
+    assert ("fixed", "zbv", 2, "v") in rows and ("fixed", "1f1b", 2, "interleaved") in rows
+    assert ("ready", "bfw", 2, "v") in rows and ("ready", "bfw", 1, "interleaved") in rows
+    assert ("fixed", "1f1b", 2, "v") not in rows and ("fixed", "zbv", 1, "interleaved") not in rows
+    assert any("ZB-V needs the v placement" in why for why in doc["not_run"])
+    base = next(r for r in doc["rows"] if (r["executor"], r["hint"], r["virtual"]) == ("fixed", "1f1b", 1))
+    assert base["median_speedup"] == 1.0  # the baseline stays fixed 1F1B with one stage per rank
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
+    (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
+    (["--virtual", "two"], "--virtual: not a list of integers"),
+    (["--virtual", "2", "--oracle"], "--oracle solves one stage per rank only"),
+])
+def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
+    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", *args)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
+    from rrfp.observe.plot import spans_from_chrome
+    from rrfp.observe.trace import chrome_trace
+
+    r = simulate(SimConfig(2, 2, "bfw", variability=Variability.preset("none"), virtual=2, placement="v",
+                           record=True))
+    doc = chrome_trace(r.spans("ready bfw"))
+    rows = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert rows == {0: "stage 0 (rank 0)", 1: "stage 1 (rank 1)", 2: "stage 2 (rank 1)", 3: "stage 3 (rank 0)"}
+    (title, spans), = spans_from_chrome(json.loads(json.dumps(doc)))
+    assert {sp.stage: sp.args["rank"] for sp in spans} == {0: 0, 1: 1, 2: 1, 3: 0}
+    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--hints", "bfw", "--virtual", "2", "--placement",
+                "v", "--plot", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e.get("name") == "thread_name"}
+    assert "stage 3 (rank 0)" in names and "stage 0" in names  # the V = 1 baseline keeps its plain rows
+
+
+def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
+    """A run with V = 2 records virtual and placement; its cost model has one entry per global stage,
+    and each step is simulated on that layout (a planned run with each step's plan)."""
+    from rrfp.core.budget import Budget
+    from rrfp.core.cost import CostModel
+    from rrfp.core.policy import Dispatch
+    from rrfp.sim.planning import plan_iteration
+    from rrfp.sim.replay import replay
+    from test_cost import synthetic
+
+    model = CostModel.fit(synthetic(stages=4)[1])
+    var, lay = Variability.preset("lang"), VirtualLayout(2, 2, "v")
+    feats = [{"tokens": float(t), "attn": float(t * t), "patches": 0.0} for t in (64, 512, 32, 480, 96, 400)]
+    doc = {"pp": 2, "virtual": 2, "placement": "v", "microbatches": 6, "seed": 3, "preset": "lang", "hint": "plan",
+           "dispatch": "ready", "budget": "2x", "split": True, "unit_ms": 10.0, "features": [feats],
+           "step_wall_s": [1.0]}
+    (step, sim_ms, _), = replay(doc, model)
+    times = TaskTimes(var, 3, True, model, lay)
+    hint, _ = plan_iteration(times, 0, 2, 6, Budget.parse("2x"), Dispatch.READY, feats)
+    want = simulate(SimConfig(2, 6, hint, "ready", "2x", var, seed=3, durations=times.realized(0, 4, 6, feats).tolist(),
+                              virtual=2, placement="v")).makespan * 10.0
+    assert sim_ms == pytest.approx(want, rel=1e-12)
+    assert times.realized(0, 4, 6, feats)[1, 2, 0] == pytest.approx(model.units(1, 0, feats[2])
+                                                                    * var.noise(3, 0, 1, 2, 0))  # no 1/V: fitted per chunk
+    sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
+    sizes.write_text(json.dumps({**doc, "virtual": 1, "placement": "interleaved"}))
+    cost.write_text(model.to_json())
+    p = run_cli("sim", "--replay", str(sizes), "--cost", str(cost))
+    assert p.returncode == 2 and "the cost model has 4 stage(s) but the run had 2" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
