@@ -211,7 +211,7 @@ def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(
         raise CheckpointError(f"cannot write checkpoint {path}: {text}")
 
     monkeypatch.setattr(checkpoints, "save_stage", fail)
-    ckpts = checkpoints.RunCheckpoints(cfg, rt, torch.nn.Linear(1, 1), None)
+    ckpts = checkpoints.RunCheckpoints(cfg, rt, [torch.nn.Linear(1, 1)], [None])
     with pytest.raises(PeerFailure if lost else CheckpointError) as caught:
         asyncio.run(ckpts.save(2))
     line = str(caught.value)

@@ -238,3 +238,31 @@ def test_schedule_names():
     assert ts.resolve_schedule("ZB") == "zbv" and ts.stages_per_rank("1f1b") == 1 and ts.stages_per_rank("zb") == 2
     with pytest.raises(ValueError, match="1f1b"):
         ts.resolve_schedule("gpipe-ish")
+
+
+def test_two_stages_per_rank_hold_the_chunk_draws_of_rrfps_virtual_stages():
+    """torch's V-shape and interleaved rows (by_stage) hold each stage for rrfp's chunk draw at that
+    global stage (and wait its latency), as rrfp's executor at V = 2 of the same placement does;
+    one stage per rank keeps the rank's draw times the share."""
+    from rrfp.core.durations import TaskTimes
+    from rrfp.core.placement import VirtualLayout
+    from rrfp.core.variability import Variability
+
+    assert [ts.placement_of(s) for s in ("zbv", "dualpipev", "interleaved-zb", "interleaved-1f1b")] == \
+        ["v", "v", "interleaved", "interleaved"]
+    for schedule in ("zbv", "interleaved-1f1b"):
+        layout = VirtualLayout(4, 2, ts.placement_of(schedule))
+        _, _, stages_of, _ = ts.SCHEDULES[schedule]
+        assert all(tuple(layout.stages_of(r)) == stages_of(r, 4) for r in range(4)), "one numbering"
+    times = TaskTimes(Variability.preset("lang"), 3, True, layout=VirtualLayout(4, 2, "v"))
+    asked = []
+
+    def units(stage, mb, kind):
+        asked.append(stage)
+        return times.units(5, stage, mb, kind)
+
+    clock = ts._Clock(rank=1, unit_s=0.01, share=0.5, split=True, units=units, by_stage=True)
+    assert clock.duration(6, 2, (Kind.B, Kind.W)) == times.units(5, 6, 2, Kind.B) + times.units(5, 6, 2, Kind.W)
+    assert asked == [6, 6]
+    old = ts._Clock(rank=1, unit_s=0.01, share=0.5, split=True, units=lambda st, mb, k: 4.0 if st == 1 else 0.0)
+    assert old.duration(6, 2, (Kind.F,)) == 2.0, "one stage per rank: the rank's draw, halved"

@@ -76,6 +76,14 @@ def resolve_schedule(name: str) -> str:
     return key
 
 
+def placement_of(schedule: str) -> str:
+    """The rrfp placement (rrfp.core.placement) that numbers ``schedule``'s stages as torch does."""
+    _, per_rank, stages_of, _ = SCHEDULES[resolve_schedule(schedule)]
+    if per_rank == 1:
+        return "interleaved"
+    return "v" if stages_of(0, 2) == (0, 3) else "interleaved"
+
+
 def stages_per_rank(schedule: str) -> int:
     """Pipeline stages each rank holds under ``schedule`` (the model must split into world x this)."""
     return SCHEDULES[resolve_schedule(schedule)][1]
@@ -252,24 +260,28 @@ class _Clock:
     loss_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     forward_started: dict[int, float] = field(default_factory=dict)  # last stage: F waits for its loss
 
-    def duration(self, mb: int, kinds: tuple[Kind, ...]) -> float:
+    by_stage: bool = False  # units and latency asked with torch's stage index (a chunk's own), share 1
+
+    def duration(self, stage: int, mb: int, kinds: tuple[Kind, ...]) -> float:
         if not self.unit_s or self.units is None:
             return 0.0
+        if self.by_stage:
+            return sum(self.units(stage, mb, k) for k in kinds)
         return sum(self.units(self.rank, mb, k) for k in kinds) * self.share
 
     def hold(self, stage: int, name: str, mb: int, start: float, kinds: tuple[Kind, ...]) -> None:
         """Sleep off the rest of the task's emulated time (as ComputeLane._hold_lane), record its span."""
-        remaining = start + self.duration(mb, kinds) * self.unit_s - time.perf_counter()
+        remaining = start + self.duration(stage, mb, kinds) * self.unit_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         self.spans.append(Span(f"rank {self.rank}", stage, f"{name}{mb}", start - self.t0,
                                time.perf_counter() - self.t0))
 
-    def delay(self, ops: list, mb: int, kind: Kind) -> list:
+    def delay(self, ops: list, stage: int, mb: int, kind: Kind) -> list:
         """Hand ``ops`` (sends of one task) to the delayed senders; torch gets none to issue."""
         if not ops or not self.unit_s or self.latency is None:
             return ops
-        due = time.perf_counter() + self.latency(self.rank, mb, kind) * self.unit_s
+        due = time.perf_counter() + self.latency(stage if self.by_stage else self.rank, mb, kind) * self.unit_s
         by_peer: dict[int, list] = {}
         for op in ops:
             by_peer.setdefault(op.peer, []).append(op)
@@ -307,10 +319,10 @@ class _TimedStage(PipelineStage):
 
     # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send nothing)
     def get_fwd_send_ops(self, fwd_chunk_id):
-        return self.clock.delay(super().get_fwd_send_ops(fwd_chunk_id), fwd_chunk_id, Kind.F)
+        return self.clock.delay(super().get_fwd_send_ops(fwd_chunk_id), self.stage_index, fwd_chunk_id, Kind.F)
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        return self.clock.delay(super().get_bwd_send_ops(bwd_chunk_id), bwd_chunk_id, Kind.B)
+        return self.clock.delay(super().get_bwd_send_ops(bwd_chunk_id), self.stage_index, bwd_chunk_id, Kind.B)
 
 
 @dataclass(frozen=True)
@@ -379,7 +391,7 @@ class TorchScheduleRunner:
             raise ValueError(f"rank {rank} of {world} does not match the process group "
                              f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
         self.rank, self.world, self.M, self.unit_s, self.group = rank, world, microbatches, unit_s, group
-        self.num_stages = world * per_rank
+        self.num_stages, self.per_rank = world * per_rank, per_rank
         self.stage_indices = placement(rank, world)
         self.build_stage, self.loss_fn = build_stage, loss_fn
         self.dtype = dtype or torch.get_default_dtype()
@@ -435,18 +447,22 @@ class TorchScheduleRunner:
 
     def run_iteration(self, iteration: int, batches: Sequence[tuple[Any, Any]],
                       units: Callable[[int, int, Kind], float] | None = None,
-                      latency: Callable[[int, int, Kind], float] | None = None) -> TorchIterationResult:
+                      latency: Callable[[int, int, Kind], float] | None = None,
+                      by_stage: bool = False) -> TorchIterationResult:
         """Run torch's schedule over ``batches`` (M (inputs, targets) microbatches, the same on every
         rank). Gradients accumulate in the stage parameters (mean over microbatches, as rrfp's
         executor leaves them); the caller steps and zeroes them.
 
         ``latency(stage, mb, kind)``: units of link latency of the message that task sends (rrfp's
-        ``Variability.latency`` with this rank's stage), added before each send to another rank."""
+        ``Variability.latency`` with this rank's stage), added before each send to another rank.
+        ``by_stage``: both are asked with torch's stage index instead (which numbers stages as
+        rrfp's virtual layout of the same placement does) and give a chunk's own time, with no
+        share: what rrfp's executor at V = 2 draws, task for task."""
         if len(batches) != self.M:
             raise ValueError(f"rank {self.rank}: got {len(batches)} microbatches, configured for {self.M}")
         self._ensure_capacity(batches)
         clock = self.clock
-        clock.units, clock.latency = units, latency
+        clock.units, clock.latency, clock.by_stage = units, latency, by_stage
         clock.spans, clock.loss_tensors, clock.forward_started = [], {}, {}
         sched = self._schedule_obj
         for stage in self._stages:  # what schedule.step() does before _step_microbatches
