@@ -25,12 +25,14 @@ run: $(VENV)/.installed
 sim: $(VENV)/.installed
 	$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20
 
+# Two test processes (pytest-xdist), each file's tests in one of them: most multi-rank tests wait on
+# emulated device time and timeouts, so two of them share 2 cores well.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The quick tier for everyday work: every test that starts no second process (tests/conftest.py marks the rest slow).
 test-quick: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed

@@ -187,7 +187,7 @@ def test_runtime_context_closes_on_error():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("pp", [4])  # pp = 2 is in every other pipeline test; this one is about drift over steps
 def test_twenty_steps_match_reference(pp):
     results = run_ranks(_twenty_steps, pp, CONFIGS, timeout=360)
     ref, runs = results[0]

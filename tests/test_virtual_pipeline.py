@@ -136,3 +136,21 @@ def test_virtual_stages_match_one_process(world):
             assert messages == 2 * M * len(remote), (rank, placement, messages)
             if placement == "v" and rank == world - 1:
                 assert not any(f"{world - 1}->{world} " in n or f"{world}->{world - 1} " in n for n in names)
+
+
+def test_each_forward_of_several_stages_draws_from_its_own_seed():
+    """With several stages per rank, how their forwards interleave depends on timing; dropout must
+    not: a forward seeded for (iteration, stage, microbatch) draws the same whatever ran before it,
+    and leaves the rank's generator where it was (a resumed run found them differing by 9e-5)."""
+    from rrfp.pipeline.executor import _seeded
+
+    cpu = torch.device("cpu")
+    drop = lambda x: torch.nn.functional.dropout(x, 0.5, True)  # noqa: E731
+    x = torch.ones(256)
+    first = _seeded(drop, 7, cpu)(x)
+    torch.rand(1000)  # another stage's forward ran in between
+    state = torch.get_rng_state()
+    again = _seeded(drop, 7, cpu)(x)
+    assert torch.equal(first, again)
+    assert torch.equal(state, torch.get_rng_state()), "the rank's generator is left as it was"
+    assert not torch.equal(first, _seeded(drop, 8, cpu)(x)), "another microbatch, another mask"

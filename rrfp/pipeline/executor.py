@@ -278,6 +278,9 @@ class _Iteration:
         self.changed = asyncio.Event()
         self.ran: list[tuple[int, Task]] = []
         self.handed: dict[tuple[int, Kind, int], object] = {}  # the V turn: produced, not yet delivered
+        # several stages per rank: how their forwards interleave depends on timing, so each draws its
+        # randomness (dropout) from its own seed, not from where the rank's generator happens to be
+        self.rng_base = int(torch.randint(0, 2**62, ())) if len(ex.workers) > 1 else None
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0
         self.decision_s = 0.0
@@ -440,7 +443,9 @@ class _Iteration:
         if task.kind is Kind.F:
             x = self.batches[mb][0] if s == 0 else io.inputs.pop(mb)
             targets = self.batches[mb][1] if s == ex.S - 1 else None
-            out = await ex.lane.run(w.forward, mb, x, targets, **lane)
+            forward = w.forward if self.rng_base is None else _seeded(w.forward, self.rng_base + s * ex.M + mb,
+                                                                       _device_of(w.module))
+            out = await ex.lane.run(forward, mb, x, targets, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
@@ -504,3 +509,17 @@ class _Iteration:
             (io.inputs if kind is Kind.F else io.grads)[mb] = (msg.tensors[0] if len(msg.tensors) == 1
                                                                else tuple(msg.tensors))
             self.changed.set()
+
+
+def _seeded(fn: Callable, seed: int, device: torch.device) -> Callable:
+    """``fn`` under its own generator state seeded with ``seed``, leaving the rank's generators as they
+    were: the same draws whatever ran before it (torch.random.fork_rng)."""
+    def run(*args):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            return fn(*args)
+    return run
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
