@@ -3,7 +3,7 @@ task takes its average time and messages are free.
 
 A class priority (BF, BFW) ranks B0 above F0, so it is no executable order;
 its nominal order is one, for fixed dispatch and for ZB-H1. It is computed by
-driving one ``StageTracker`` per stage in lock-step rounds, so it follows the
+driving one ``RankTracker`` per rank in lock-step rounds, so it follows the
 same readiness rules and policy as the runtime and the simulator.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, chunked_priority
 from rrfp.core.rank_tracker import RankSpec, RankTracker
 from rrfp.core.tasks import Task
-from rrfp.core.tracker import StageSpec, StageTracker
 
 
 @lru_cache(maxsize=16)
@@ -24,28 +23,9 @@ def nominal_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], S:
                    multiple: float) -> tuple[tuple[Task, ...], ...]:
     """Per-stage orders under ``priority`` (a function giving stage s's tasks,
     best first) when F = B = W = 1, messages are free and the budget is
-    ``multiple`` x 1F1B's."""
-    budget = Budget(multiple=multiple)
-    trackers = [StageTracker(StageSpec(S, s, M, split, Dispatch.READY,
-                                       {t: i for i, t in enumerate(priority(S, s, M, split))}, (),
-                                       budget.limit(S, s)))
-                for s in range(S)]
-    out: list[list[Task]] = [[] for _ in range(S)]
-    while not all(tr.done for tr in trackers):
-        started = []
-        for s, tr in enumerate(trackers):
-            task = tr.next()
-            if task is not None:
-                tr.start(task)
-                out[s].append(task)
-                started.append((s, task))
-        if not started:  # unreachable with budget >= 1 (the last stage can always run B after F)
-            raise AssertionError("nominal order stalled: " + "; ".join(f"stage {s} {tr.blocked()}" for s, tr in enumerate(trackers)))
-        for s, task in started:
-            dest = trackers[s].finish(task)
-            if dest is not None:
-                trackers[dest].arrive(task.kind, task.mb)
-    return tuple(tuple(o) for o in out)
+    ``multiple`` x 1F1B's: the rank orders of one stage per rank."""
+    return tuple(tuple(t for _, t in order)
+                 for order in nominal_rank_orders(priority, VirtualLayout(S), M, split, multiple))
 
 
 @lru_cache(maxsize=16)

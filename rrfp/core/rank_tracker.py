@@ -114,22 +114,16 @@ class RankTracker:
 
     def __init__(self, spec: RankSpec, size_of: Callable[[int], int] | None = None) -> None:
         self.spec = spec
-        M, V = spec.num_microbatches, spec.layout.virtual
         self._size_of = size_of
         self.stages = spec.stages
         self.trackers: dict[int, StageTracker] = {s: StageTracker(spec.stage_spec(s), size_of) for s in self.stages}
         self._chunk = {s: c for c, s in enumerate(self.stages)}
-        tables: dict[int, list[list[int]]] = {s: [[0] * M for _ in range(3)] for s in self.stages}
-        for (s, task), p in spec.priority.items():
-            if s in tables:
-                tables[s][task.kind][task.mb] = p
         self._ready = _RankReady(self.trackers)
-        self._priority = _RankPriority(tables)
+        # each stage's tracker holds the rank's priority restricted to it (RankSpec.stage_spec)
+        self._priority = _RankPriority({s: tr.priority_table for s, tr in self.trackers.items()})
         self._order = tuple(StageTask(s, t) for s, t in spec.order)
         self._last = last_backward(spec.split)
         self._sizes: dict[tuple[int, int], int] = {}
-        self._by_chunk = [0] * V  # chunk-microbatches held, per chunk
-        self._bytes_by_chunk = [0] * V
         self.held = InFlight()  # over the rank, in chunk-microbatches
         self.position = 0
         self.finished = 0
@@ -161,9 +155,6 @@ class RankTracker:
         if task.kind is Kind.F:
             size = self._size_of(task.mb) if self._size_of is not None else 0
             self._sizes[(stage, task.mb)] = size
-            c = self._chunk[stage]
-            self._by_chunk[c] += 1
-            self._bytes_by_chunk[c] += size
             self.held.admit(size)
 
     def finish(self, stage: int, task: Task) -> int | None:
@@ -176,11 +167,7 @@ class RankTracker:
         self.running = None
         self.finished += 1
         if task.kind is self._last:
-            size = self._sizes.pop((stage, task.mb))
-            c = self._chunk[stage]
-            self._by_chunk[c] -= 1
-            self._bytes_by_chunk[c] -= size
-            self.held.release(size)
+            self.held.release(self._sizes.pop((stage, task.mb)))
         return dest
 
     def _admits(self, item) -> bool:
@@ -192,7 +179,7 @@ class RankTracker:
         reserve = self.spec.layout.virtual - 1 - c
         if limit.count is not None and held.count + reserve >= limit.count:
             return False
-        if limit.bytes is not None and any(self._by_chunk[c:]):
+        if limit.bytes is not None and any(self.trackers[s].held.count for s in self.stages[c:]):
             size = self._size_of(item[1].mb) if self._size_of is not None else 0
             if held.bytes + size * (1 + reserve) > limit.bytes:
                 return False

@@ -204,6 +204,11 @@ class StageTracker:
     # -- questions -----------------------------------------------------------
 
     @property
+    def priority_table(self) -> list[list[int]]:
+        """``table[kind][mb]``: each task's priority, as the policy compares them (read-only)."""
+        return self._prio
+
+    @property
     def ready(self) -> _ReadySet:
         """The ready tasks as the policy reads them: membership of all, iteration over each kind's
         best (a RankTracker merges its stages' through this)."""

@@ -8,13 +8,18 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from rrfp.core.budget import Budget
-from rrfp.core.hints import Hint, HintError, resolve
+from rrfp.core.hints import Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.sim.engine import SimConfig, SimResult, simulate
 from rrfp.sim.planning import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
+
+
+def layout_label(virtual: int, placement: str) -> str:
+    """``V2 v``, ``V2 interleaved``; empty with one stage per rank (a row's ``layout``, part of its key)."""
+    return f"V{virtual} {placement}" if virtual > 1 else ""
 
 
 @dataclass
@@ -35,8 +40,7 @@ class Row:
 
     @property
     def layout(self) -> str:
-        """``V2 v``, ``V2 interleaved``; empty with one stage per rank."""
-        return f"V{self.virtual} {self.placement}" if self.virtual > 1 else ""
+        return layout_label(self.virtual, self.placement)
 
     @property
     def key(self) -> tuple[str, str, str | None, str]:
@@ -103,7 +107,7 @@ def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint]
                                                                   *itertools.product(dispatches, hints, layouts)]]))
     usable = []
     for d, name, lay in pairs:
-        why = applies(by_name[name], lay, base.microbatches, replace(base, hint=by_name[name]).split_backward)
+        why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
         if why is None:
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:
@@ -123,7 +127,7 @@ def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint]
         results[combo].append(simulate(cfg))
         if runs is not None:
             key = (str(dispatch), name, None if budget is None else str(budget),
-                   f"V{lay.virtual} {lay.placement}" if lay.virtual > 1 else "")
+                   layout_label(lay.virtual, lay.placement))
             runs.setdefault(key, []).append((cfg, results[combo][-1]))
     base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name, None, one)]])
     rows = []
