@@ -33,13 +33,14 @@ class TPAgreement:
         self.M = num_microbatches
         self.poller = poller
         self.stages = tuple(stages) if stages is not None else None
+        self._chunk = {s: c for c, s in enumerate(self.stages or ())}  # global stage -> its slot block
         self.rounds = 0
 
     def _slot(self, item) -> int:
         if self.stages is None:
             return int(item.kind) * self.M + item.mb
         stage, t = item
-        return (self.stages.index(stage) * 3 + int(t.kind)) * self.M + t.mb
+        return (self._chunk[stage] * 3 + int(t.kind)) * self.M + t.mb
 
     def _item(self, i: int):
         chunk, rest = divmod(i, 3 * self.M)

@@ -47,10 +47,6 @@ _DIED = ("Connection closed by peer", "Connection reset", "Broken pipe",  # gloo
 _HUNG = ("Timed out", "Watchdog caught collective operation timeout")  # gloo, NCCL
 
 
-def _hint(cause: BaseException) -> str:
-    return lost_peer_reason(str(cause))
-
-
 def lost_peer_reason(text: str) -> str:
     """' (the likely reason)' when a transport error's text says a peer died or hung; else ''."""
     if any(s in text for s in _DIED):
@@ -67,7 +63,7 @@ def describe_failure(cause: BaseException) -> str:
     """' (the likely reason): Type: text' for a transport error, one line, without
     gloo's source location and its generic advice ("This is typically caused by ...")."""
     text = _GLOO_SOURCE.sub("", " ".join(str(cause).split())).split(" This is typically caused by")[0]
-    return f"{_hint(cause)}: {type(cause).__name__}: {text}"
+    return f"{lost_peer_reason(str(cause))}: {type(cause).__name__}: {text}"
 
 
 @contextlib.contextmanager

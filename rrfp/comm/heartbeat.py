@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from rrfp.comm.job_store import attempt
+
 log = logging.getLogger("rrfp.comm.heartbeat")
 
 PREFIX = "rrfp/heartbeat"
@@ -102,8 +104,7 @@ class Heartbeat:
             return None
         owner = ("torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
                  else "rank 0's process")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(store, rank, world, timeout_s, prefix=f"{PREFIX}/{attempt}",
+        return cls(store, rank, world, timeout_s, prefix=f"{PREFIX}/{attempt()}",
                    where=f"the rendezvous store at {host}:{port} (in {owner})")
 
     # -- this rank --------------------------------------------------------------

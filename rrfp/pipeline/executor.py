@@ -281,6 +281,7 @@ class _Iteration:
         # several stages per rank: how their forwards interleave depends on timing, so each draws its
         # randomness (dropout) from its own seed, not from where the rank's generator happens to be
         self.rng_base = int(torch.randint(0, 2**62, ())) if len(ex.workers) > 1 else None
+        self.rng_device = _device_of(ex.worker.module) if self.rng_base is not None else None  # the rank's one device
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0
         self.decision_s = 0.0
@@ -394,8 +395,9 @@ class _Iteration:
         else:
             await self._wait_alive(hb, timeout_s, start)
         if self.ex.instrument is not None:
+            end, why = time.time(), self._waiting_for()
             for s in self.io:  # one row per stage: each of them waited
-                self.ex.instrument.wait(s, self.it, start, time.time(), self._waiting_for())
+                self.ex.instrument.wait(s, self.it, start, end, why)
 
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
         """Wait for as long as the peers beat (a silent one ends the run through the runtime);
@@ -444,7 +446,7 @@ class _Iteration:
             x = self.batches[mb][0] if s == 0 else io.inputs.pop(mb)
             targets = self.batches[mb][1] if s == ex.S - 1 else None
             forward = w.forward if self.rng_base is None else _seeded(w.forward, self.rng_base + s * ex.M + mb,
-                                                                       _device_of(w.module))
+                                                                       self.rng_device)
             out = await ex.lane.run(forward, mb, x, targets, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rrfp.comm.job_store import attempt
 from rrfp.core.errors import InjectedFault
 from rrfp.core.tasks import Task
 
@@ -82,7 +83,7 @@ class Fault:
                 values[key] = int(raw)
             except ValueError:
                 raise ValueError(f"fault {spec!r}: {key} must be an integer, got {raw!r}") from None
-            if values[key] < (1 if key == "step" else 0) or key == "seconds" and values[key] > 604_800:
+            if values[key] < (1 if key == "step" else 0):
                 raise ValueError(f"fault {spec!r}: {key}={values[key]} is out of range")
         if "step" not in values:
             raise ValueError(f"fault {spec!r}: step=N is required")
@@ -106,9 +107,8 @@ class Fault:
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         return ((self.stage is None or self.stage == stage) and (self.rank is None or self.rank == rank)
-                and (self.attempt is None or self.attempt == attempt))
+                and (self.attempt is None or self.attempt == int(attempt() or 0)))
 
 
 class FaultInjector:

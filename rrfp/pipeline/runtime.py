@@ -30,6 +30,7 @@ from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
+from rrfp.comm.job_store import attempt
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerSilent, StartupError
@@ -75,8 +76,7 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
         return {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dict(store=dist.PrefixStore(f"rrfp/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+    return dict(store=dist.PrefixStore(f"rrfp/attempt-{attempt()}", store), rank=int(os.environ["RANK"]),
                 world_size=world)
 
 
@@ -228,12 +228,8 @@ class PipelineRuntime:
         agreement = (TPAgreement(self.tp_control, microbatches, self.poller,
                                  self.stages if len(self.stages) > 1 else None)
                      if self.tp_control is not None else None)
-        if len(workers) == 1:
-            ex = StageExecutor(workers[0], self.channels, self.lane, settings, self.rank, instrument, self.unit_s,
-                               agreement, liveness=self.heartbeat)
-        else:
-            ex = StageExecutor(workers, self.rank_channels, self.lane, settings, self.rank, instrument, self.unit_s,
-                               agreement, stages=self.virtual, liveness=self.heartbeat)
+        ex = StageExecutor(workers, self.channels if len(workers) == 1 else self.rank_channels, self.lane, settings,
+                           self.rank, instrument, self.unit_s, agreement, stages=self.virtual, liveness=self.heartbeat)
         self._executors.append(ex)
         return ex
 
