@@ -250,9 +250,9 @@ def test_two_stages_per_rank_hold_the_chunk_draws_of_rrfps_virtual_stages():
 
     assert [ts.placement_of(s) for s in ("zbv", "dualpipev", "interleaved-zb", "interleaved-1f1b")] == \
         ["v", "v", "interleaved", "interleaved"]
-    for schedule in ("zbv", "interleaved-1f1b"):
+    torch_numbering = {"zbv": lambda r, w: (r, 2 * w - 1 - r), "interleaved-1f1b": lambda r, w: (r, r + w)}
+    for schedule, stages_of in torch_numbering.items():  # torch's stage_index of rank r's stages
         layout = VirtualLayout(4, 2, ts.placement_of(schedule))
-        _, _, stages_of, _ = ts.SCHEDULES[schedule]
         assert all(tuple(layout.stages_of(r)) == stages_of(r, 4) for r in range(4)), "one numbering"
     times = TaskTimes(Variability.preset("lang"), 3, True, layout=VirtualLayout(4, 2, "v"))
     asked = []

@@ -125,9 +125,6 @@ class RunConfig:
             if not lo <= getattr(self, name) <= hi:
                 raise ConfigError(f"run.{name} = {getattr(self, name)} is out of bounds: it must be within "
                                   f"[{lo}, {hi}]")
-        if self.checkpoint_every < 0 or self.checkpoint_keep < 1:
-            raise ConfigError(f"run.checkpoint_every must be >= 0 and run.checkpoint_keep >= 1, got "
-                              f"{self.checkpoint_every} and {self.checkpoint_keep}")
         if self.resume not in RESUME_MODES:
             raise ConfigError(f"run.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}")
         if self.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:

@@ -20,6 +20,8 @@ import time
 
 import torch.distributed as dist
 
+from rrfp.comm.job_store import attempt
+
 PREFIX = "rrfp/failed"
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
 
@@ -39,8 +41,8 @@ class FailureBoard:
         except (KeyError, ValueError):
             return None
 
-    def post(self, rank: int, note: str) -> None:
-        """``primary`` or ``secondary P`` (P: the lost peer, or ``?``)."""
+    def post(self, rank: "int | str", note: str) -> None:
+        """``primary`` or ``secondary P`` (P: the lost peer, or ``?``) under a rank's key."""
         try:
             with _quiet():
                 self.store.set(f"{self.prefix}/{rank}", note)
@@ -49,11 +51,7 @@ class FailureBoard:
 
     def post_refusal(self, text: str) -> None:
         """Rank 0: the bad-input error it printed for the job (job_lines.py)."""
-        try:
-            with _quiet():
-                self.store.set(f"{self.prefix}/refused", text)
-        except RuntimeError:
-            pass
+        self.post("refused", text)
 
     def refusal(self, wait_s: float) -> str | None:
         """Rank 0's posted refusal, waiting up to ``wait_s`` for it; None if none came."""
@@ -110,11 +108,6 @@ class FailureBoard:
             nxt = note.removeprefix("secondary ")
             peer = int(nxt) if nxt.isdigit() else None
         return None
-
-
-def attempt() -> str:
-    """This attempt of a torchrun job ("0" outside one): torchrun's agent keeps one store for all."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def connect_store(timeout_s: float = 1.0):

@@ -18,7 +18,8 @@ import threading
 
 import torch.distributed as dist
 
-from rrfp.app.failure_board import attempt, connect_store
+from rrfp.app.failure_board import connect_store
+from rrfp.comm.job_store import attempt
 
 log = logging.getLogger("rrfp.app.stop_relay")
 

@@ -132,7 +132,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 mine = [(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)) for x, y in mine]
             if injector is not None:
                 injector.begin_step(step)
-            at_start = rng_state(rt.device)  # what a stop that abandons this step saves
+            # what a stop that abandons this step saves (only a run that can stop and save needs it)
+            at_start = rng_state(rt.device) if ckpts is not None and stop is not None else None
 
             async def compute(step=step, mine=mine, feats=feats):
                 res = await ex.run_iteration(step, mine, feats)

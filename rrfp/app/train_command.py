@@ -8,6 +8,7 @@ import signal
 import statistics
 import sys
 import traceback
+from collections.abc import Callable
 
 from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import RunConfig, TrainConfig
@@ -38,9 +39,10 @@ class StopOnSigterm:
     completed one and exits 143. A second SIGTERM leaves at once; its line says which
     checkpoint is left, read when it comes (``kept()``)."""
 
-    def __init__(self, kept=lambda: kept_checkpoint(""), relay: StopRelay | None = None) -> None:
+    def __init__(self, kept: Callable[[], str] = lambda: kept_checkpoint(""),
+                 relay: StopRelay | None = None) -> None:
         self.signalled = False  # a SIGTERM reached this rank
-        self._kept = kept if callable(kept) else (lambda: kept)
+        self._kept = kept
         self.relay = relay
 
     @property

@@ -15,7 +15,6 @@ from typing import Protocol, Sequence
 from rrfp.app.bench.suite import BenchSpec, Executor
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
-from rrfp.core.placement import VirtualLayout
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
@@ -102,6 +101,9 @@ class TorchRunner:
         self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
         self._runner = TorchScheduleRunner(ex.hint, workload_stage_builder(workload, model_cfg, spec.seed),
                                            workload.loss_fn, rt.rank, rt.layout.world_size, spec.mb, rt.unit_s)
+        # two stages per rank, with the preset: each torch stage takes its chunk's own draw, as rrfp's
+        # executor at V = 2 of the same placement does (a cost model is fitted per rrfp stage: halves)
+        self._by_stage = self._runner.per_rank > 1 and cost is None
         self._spans: list[Span] = []
 
     @property
@@ -112,14 +114,8 @@ class TorchRunner:
         pass  # torch's schedules are fixed
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
-        from rrfp.app.bench.torch_schedules import placement_of
-
-        # two stages per rank, with the preset: each torch stage takes its chunk's own draw, as rrfp's
-        # executor at V = 2 of the same placement does (a cost model is fitted per rrfp stage: halves)
-        by_stage = self._runner.per_rank > 1 and self._cost is None
-        layout = (VirtualLayout(self._runner.world, self._runner.per_rank, placement_of(self._runner.schedule))
-                  if by_stage else None)
-        times = TaskTimes(self._var, self._spec.seed, self._runner.split, self._cost, layout=layout)
+        times = TaskTimes(self._var, self._spec.seed, self._runner.split, self._cost,
+                          layout=self._runner.layout if self._by_stage else None)
 
         def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
             return times.units(iteration, stage, mb, kind, features)
@@ -130,7 +126,8 @@ class TorchRunner:
         native = self._spec.torch_sends == "native"  # torch issues and waits its own sends, with no latency
 
         # torch's schedule blocks; nothing else of this rank runs meanwhile
-        res = self._runner.run_iteration(iteration, batches, units, None if native else latency, by_stage=by_stage)
+        res = self._runner.run_iteration(iteration, batches, units, None if native else latency,
+                                         by_stage=self._by_stage)
         for p in self._runner.parameters():
             p.grad = None
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start

@@ -46,18 +46,20 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.observe.trace import Span
 
 log = logging.getLogger("rrfp.app.bench.torch_schedules")
 
-# name -> (torch schedule class name, stages per rank, stage indices of rank r of world w, split backward)
-SCHEDULES: dict[str, tuple[str, int, Callable[[int, int], tuple[int, ...]], bool]] = {
-    "1f1b": ("Schedule1F1B", 1, lambda r, w: (r,), False),
-    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, lambda r, w: (r, r + w), False),
-    "zbv": ("ScheduleZBVZeroBubble", 2, lambda r, w: (r, 2 * w - 1 - r), True),
-    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, lambda r, w: (r, r + w), True),
-    "dualpipev": ("ScheduleDualPipeV", 2, lambda r, w: (r, 2 * w - 1 - r), True),
+# name -> (torch schedule class name, stages per rank, the rrfp placement that numbers its stages as torch
+# does: interleaved r, r + w; v r, 2w - 1 - r (rrfp.core.placement), split backward)
+SCHEDULES: dict[str, tuple[str, int, str, bool]] = {
+    "1f1b": ("Schedule1F1B", 1, "interleaved", False),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "interleaved", False),
+    "zbv": ("ScheduleZBVZeroBubble", 2, "v", True),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "interleaved", True),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v", True),
 }
 ALIASES = {"zb": "zbv"}  # torch's best zero-bubble schedule that runs here (see docs/design.md)
 
@@ -78,10 +80,7 @@ def resolve_schedule(name: str) -> str:
 
 def placement_of(schedule: str) -> str:
     """The rrfp placement (rrfp.core.placement) that numbers ``schedule``'s stages as torch does."""
-    _, per_rank, stages_of, _ = SCHEDULES[resolve_schedule(schedule)]
-    if per_rank == 1:
-        return "interleaved"
-    return "v" if stages_of(0, 2) == (0, 3) else "interleaved"
+    return SCHEDULES[resolve_schedule(schedule)][2]
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -392,7 +391,8 @@ class TorchScheduleRunner:
                              f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
         self.rank, self.world, self.M, self.unit_s, self.group = rank, world, microbatches, unit_s, group
         self.num_stages, self.per_rank = world * per_rank, per_rank
-        self.stage_indices = placement(rank, world)
+        self.layout = VirtualLayout(world, per_rank, placement)  # torch's stage numbering, in rrfp's terms
+        self.stage_indices = tuple(self.layout.stages_of(rank))
         self.build_stage, self.loss_fn = build_stage, loss_fn
         self.dtype = dtype or torch.get_default_dtype()
         self.modules = [build_stage(k, self.num_stages) for k in self.stage_indices]
