@@ -81,3 +81,14 @@ def test_a_rank_that_cannot_join_says_start_up_failed(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("rrfp: error: rank 1 (stage 1): start-up failed while joining "
                                                    "the process group"), res.stderr[-2000:]
     assert lines[0].endswith(f"(traceback in {tmp_path}/rank-1.log)")
+
+
+def test_a_rank_with_virtual_stages_names_all_it_holds():
+    """With virtual stages a pipeline rank holds several stages: its line names them, not the
+    rank's pipeline index as if it were a stage."""
+    own = ProtocolError("rank 1 stages 1, 6: channel bwd 2->1 (peer rank 2): expected a B message")
+    f = Failure.of(own)
+    line = f.line(1, (1, 6), "x.log", debug=False)
+    assert line == "rank 1 (stages 1, 6): channel bwd 2->1 (peer rank 2): expected a B message (traceback in x.log)"
+    assert Failure.of(KeyError("w")).line(1, (1, 6), "x.log", debug=False).startswith(
+        "rank 1 (stages 1, 6): internal error")

@@ -99,3 +99,49 @@ def test_a_store_that_stops_answering_is_named_as_the_store(server):
         assert found is not None and found.rank is None, found
     finally:
         a.close(), b.close()
+
+
+class StallingStore:
+    """A client whose server stops answering when ``stall`` is set, as a SIGSTOPped store host does
+    (TCPStore.cpp, torch 2.13): ``set`` only sends, so it returns; ``check`` and ``multi_get`` wait
+    for a reply with no timeout, so they block until ``release``."""
+
+    def __init__(self, client) -> None:
+        import threading
+        self.client, self.stall, self.release = client, threading.Event(), threading.Event()
+
+    def set(self, key, value):
+        if not self.stall.is_set():
+            self.client.set(key, value)
+
+    def _reply(self, call, *args):
+        if self.stall.is_set():
+            self.release.wait()
+            raise RuntimeError("the store's connection was closed")
+        return call(*args)
+
+    def check(self, keys):
+        return self._reply(self.client.check, keys)
+
+    def multi_get(self, keys):
+        return self._reply(self.client.multi_get, keys)
+
+
+def test_a_store_that_stops_after_a_read_without_a_new_beat_is_still_named_as_the_store(server):
+    """The race seen with a stopped store host: this rank's last good read saw no new beat from the
+    peer, so the peer's beat looked older than the last read. Its silence must count only up to
+    the stuck read, or the peer is blamed for what the store did not deliver."""
+    a, b = _pair(server)
+    a.store = stalling = StallingStore(a.store)
+    a.start(), b.start()
+    try:
+        assert _watch(a, 2 * TIMEOUT_S) is None
+        b.close()  # the peer's beat stops moving ...
+        time.sleep(3 * a.period_s)  # ... for reads that still work ...
+        assert a.last_read - a.beats[1].changed_at >= 2 * a.period_s
+        stalling.stall.set()  # ... and then the store stops answering
+        found = _watch(a, 5 * TIMEOUT_S)
+        assert found is not None and found.rank is None, found
+    finally:
+        stalling.release.set()
+        a.close(), b.close()

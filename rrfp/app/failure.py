@@ -16,11 +16,13 @@ import re
 import tempfile
 import traceback
 from dataclasses import dataclass
+from typing import Sequence
 from pathlib import Path
 
 from rrfp.app.errors import ConfigError, leaves
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import PeerFailure, PeerSilent, PipelineError
+from rrfp.core.placement import stages_label
 
 PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
 
@@ -62,12 +64,14 @@ class Failure:
         peer = getattr(self.cause, "peer", None)
         return f"secondary {'?' if peer is None else peer}"
 
-    def line(self, rank: int, stage: int, log_path: str, debug: bool,
+    def line(self, rank: int, stage: int | Sequence[int], log_path: str, debug: bool,
              origin: tuple[int, bool] | None = None) -> str:
-        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``origin``: the rank
-        that failed first and whether it wrote a line, when the failure board could tell."""
+        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``stage``: what the rank
+        holds (several stages with virtual stages). ``origin``: the rank that failed first and whether
+        it wrote a line, when the failure board could tell."""
+        holds = stages_label((stage,) if isinstance(stage, int) else stage)
         text = " ".join(str(self.cause).split())
-        text = re.sub(rf"^rank {rank}( stage {stage})?: ", "", text)  # most causes name their rank already
+        text = re.sub(rf"^rank {rank}( {holds})?: ", "", text)  # most causes name their rank already
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"
@@ -86,8 +90,8 @@ class Failure:
                 first = f"{who} failed or left first (the cause is on the line without 'stopped', if one was written)"
             return f"rank {rank}: stopped: {first}: {text} ({where})"
         if self.kind == INTERNAL:
-            return f"rank {rank} (stage {stage}): internal error, please report it ({where}): {text}"
-        return f"rank {rank} (stage {stage}): {text} ({where})"
+            return f"rank {rank} ({holds}): internal error, please report it ({where}): {text}"
+        return f"rank {rank} ({holds}): {text} ({where})"
 
 
 def write_traceback(e: BaseException, log_dir: str, rank: int) -> str:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
 from rrfp.app.config import TrainConfig
 from rrfp.core.errors import NonFiniteError
+from rrfp.core.placement import stages_label
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
@@ -248,8 +249,7 @@ async def _nonfinite(rt: PipelineRuntime, policy: str, step: int, bad: bool) -> 
     first = torch.tensor([float(rt.rank if bad else rt.layout.world_size)], dtype=torch.float64)
     await rt.all_reduce(first, dist.ReduceOp.MIN, what=f"step {step + 1}: world min of the non-finite ranks")
     where = int(first.item())
-    stages = rt.virtual.stages_of(rt.layout.coords(where).pp)
-    stage = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+    stage = stages_label(rt.virtual.stages_of(rt.layout.coords(where).pp))
     what = f"step {step + 1}: NaN or Inf in the loss or the gradients (first on rank {where}, {stage})"
     if policy == "stop":
         raise NonFiniteError(f"rank {rt.rank}: {what}; every rank ends here, no update was made "

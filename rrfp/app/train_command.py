@@ -159,7 +159,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     path = write_traceback(e, cfg.run.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    stage = cfg.layout.coords(rank).pp
+    stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
     line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}"
     if isinstance(root_cause(e), UsageError):  # e.g. the ranks found different checkpoints: alike on every rank
         refuse_once(" ".join(str(root_cause(e)).split()), line, board)

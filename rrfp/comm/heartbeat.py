@@ -16,7 +16,11 @@ a reply; ``check`` and ``get`` read the reply with no timeout (only a
 ``wait`` is bounded), so a store whose server is stopped blocks the reader.
 Hence the verdict (``silent``) is never a store call: it is taken from the
 times of the last reads, by whoever asks, and a reader stuck on the store is
-itself a finding ("the store stopped answering").
+itself a finding ("the store stopped answering"). Once a round has been stuck
+for ``stall_s``, a peer's silence counts only up to that round's start: what
+the store did not deliver is no evidence against the peer. Without that cap,
+a stopped store host was named as a silent peer or as the store depending on
+whether this rank's last good read happened to see a new beat.
 
 Cost: per beat, one ``set`` and one ``multi_get`` of every peer's key, so
 the store serves 2 x world requests per ``period_s`` (world^2 keys read):
@@ -83,6 +87,8 @@ class Heartbeat:
         now = time.monotonic()
         self.beats = {r: PeerBeat(changed_at=now, read_at=now) for r in self.peers}
         self.last_read = now  # the last round that read every peer's key
+        self.round_at = now  # when the thread's current (or last) round of store calls began
+        self.stall_s = min(3 * self.period_s, timeout_s / 2)  # a round this long: the store is stuck
         self.last_check = now
         self._activity: tuple[str, float] = ("", now)
         self._seq = 0
@@ -131,6 +137,7 @@ class Heartbeat:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self.round_at = time.monotonic()
                 self._beat()
                 self._read()
                 self._stop.wait(self.period_s)
@@ -173,9 +180,11 @@ class Heartbeat:
         self.last_check = now
         if now - self.last_read >= self.timeout_s:
             return Silence(None, now - self.last_read)
-        quiet = max(self.peers, key=lambda r: now - self.beats[r].changed_at, default=None)
-        if quiet is not None and now - self.beats[quiet].changed_at >= self.timeout_s:
-            return Silence(quiet, now - self.beats[quiet].changed_at)
+        stuck = self.round_at > self.last_read and now - self.round_at >= self.stall_s
+        seen = self.round_at if stuck else now  # a peer is silent only as far as the store answered
+        quiet = max(self.peers, key=lambda r: seen - self.beats[r].changed_at, default=None)
+        if quiet is not None and seen - self.beats[quiet].changed_at >= self.timeout_s:
+            return Silence(quiet, seen - self.beats[quiet].changed_at)
         return None
 
     def describe(self, rank: int, now: float | None = None) -> str:

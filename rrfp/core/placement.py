@@ -79,3 +79,9 @@ class VirtualLayout:
     def describe(self) -> str:
         return (f"{self.ranks} rank(s) x {self.virtual} stage(s) per rank ({self.placement}): "
                 + "; ".join(f"rank {r}: {', '.join(map(str, self.stages_of(r)))}" for r in range(self.ranks)))
+
+
+def stages_label(stages) -> str:
+    """``stage 3`` or ``stages 3, 4``: how errors and logs name what a rank holds."""
+    stages = tuple(stages)
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"

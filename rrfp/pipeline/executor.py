@@ -21,7 +21,7 @@ from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolError, leaves
 from rrfp.core.hints import Hint
-from rrfp.core.placement import VirtualLayout
+from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.policy import Dispatch
 from rrfp.core.rank_tracker import RankTracker
 from rrfp.core.stats import StageStats
@@ -117,7 +117,7 @@ class StageExecutor:
         if self.stages is not None and (mine != self.stages.stages_of(self.stages.rank_of(s))
                                         or S != self.stages.num_stages):
             raise ValueError(f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}")
-        self.where = f"stage {s}" if len(mine) == 1 else f"stages {', '.join(map(str, mine))}"
+        self.where = stages_label(mine)
         self.what = "stage" if len(mine) == 1 else "rank"
         # virtual stages: a chunk's task takes 1/V of a stage's time under the preset (TaskTimes.layout)
         self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages)
