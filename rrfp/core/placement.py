@@ -72,6 +72,14 @@ class VirtualLayout:
         """Which of its rank's V stages ``stage`` is (0: the one nearest the model's input)."""
         return stage // self.ranks
 
+    def leads(self, rank: int) -> tuple[int, ...]:
+        """How many stages a microbatch crosses from each of ``rank``'s chunks to its next: the most
+        forwards chunk c may run ahead of chunk c + 1 there (RankTracker). Of one microbatch's way
+        from chunk c to c + 1, the rank can fill that many forward slots and no more, so a further
+        forward of chunk c only delays the next chunk's forward that is in flight to the rank."""
+        stages = self.stages_of(rank)
+        return tuple(b - a for a, b in zip(stages, stages[1:]))
+
     def is_local(self, a: int, b: int) -> bool:
         """Stages ``a`` and ``b`` sit on one rank: what passes between them is no message."""
         return self.rank_of(a) == self.rank_of(b)
