@@ -90,3 +90,20 @@ def test_a_csv_hint_orders_each_rank_by_its_stages_rows_in_file_order(tmp_path):
     path.write_text("stage,task\n" + "\n".join(r for r in rows if not r.startswith("2,")) + "\n")
     with pytest.raises(HintError, match="no rows for stage 2 of 4"):
         resolve(str(path)).rank_order(lay, 1, 4, True)
+
+
+@pytest.mark.parametrize("S,M,V,placement,hint", [
+    (8, 32, 2, "interleaved", "1f1b"), (4, 16, 3, "interleaved", "1f1b"), (8, 32, 2, "interleaved", "bfw"),
+    (4, 16, 3, "interleaved", "bfw"), (8, 32, 2, "v", "zbv"), (4, 16, 2, "v", "bfw")])
+def test_every_nominal_order_leads_its_next_chunk_by_exactly_the_layouts_lead(S, M, V, placement, hint):
+    """The ready lead limit (RankTracker) takes nothing from these schedules: each order's chunk c
+    runs at most, and at some point exactly, layout.leads(rank)[c] forwards ahead of chunk c + 1."""
+    lay = VirtualLayout(S, V, placement)
+    for r in range(S):
+        stages = lay.stages_of(r)
+        count, most = [0] * V, [0] * (V - 1)
+        for s, t in resolve(hint).rank_order(lay, r, M, True):
+            if t.kind is Kind.F:
+                count[stages.index(s)] += 1
+                most = [max(m, count[c] - count[c + 1]) for c, m in enumerate(most)]
+        assert tuple(most) == lay.leads(r), (r, most)
