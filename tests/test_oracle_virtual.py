@@ -48,13 +48,14 @@ def test_one_rank_holding_every_stage_is_never_idle():
     assert replay(cfg, r.orders).peak_inflight == [2]  # budget 1 is one microbatch: its 2 chunks
 
 
-CASES = [  # (S, M, placement, budget, seed): small V = 2 shapes CP-SAT proves in seconds on 2 cores
+CASES = [  # (S, M, placement, budget, seed): small V = 2 shapes CP-SAT proved in 0.2-8 s on 2 loaded cores
+    # (others of these sizes can take over 30 s to prove: 3 x 4 interleaved seed 0, most 1x budgets)
     (2, 4, "v", "2x", 0),
     (2, 6, "v", "2x", 1),
     (3, 4, "v", "2x", 0),
     (2, 4, "interleaved", "2x", 0),
     (2, 4, "interleaved", "1x", 2),
-    (3, 4, "interleaved", "2x", 1),
+    (3, 4, "interleaved", "2x", 3),
 ]
 
 
@@ -64,7 +65,7 @@ def test_optimum_is_below_every_executor_and_holds_the_rank_budget(S, M, placeme
     lay = cfg.layout
     ready = [simulate(replace(cfg, hint=h, dispatch="ready", record=True)) for h in ("bfw", CLASSIC[placement])]
     ready.append(simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0]))
-    r = solve(cfg, time_limit=30, hints=ready)
+    r = solve(cfg, time_limit=60, hints=ready)  # room for a loaded CI machine
     assert r.optimal and r.status == "OPTIMAL", r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
     dur, lat_f, lat_b, _ = _durations(cfg)

@@ -12,7 +12,7 @@ dependencies with the simulator's message latencies (none on the V turn
 between two stages of one rank), and one "held" interval per (stage,
 microbatch) from the start of F to the end of the last backward, under a
 cumulative per rank with the rank's limit (``Budget.rank_limit``: chunk-
-microbatches and bytes over all its stages). CP-SAT works in integers: times
+microbatches over all its stages; bytes with V = 1). CP-SAT works in integers: times
 are multiplied by ``scale`` and rounded down, so the integer optimum is a
 valid lower bound on the real one. The best schedule found is replayed by the
 simulator (fixed dispatch on its per-stage orders, per-rank orders of (stage,
@@ -25,12 +25,11 @@ leaves out: room reserved for later chunks' forwards (an F on chunk c needs
 V-1-c units free after it) and a bound on how far chunk c's forwards lead
 chunk c + 1's. Both only forbid schedules, so the optimum without them is a
 relaxation of what the ready executor may do under the same count budget:
-still a valid lower bound on it. A byte budget is held as at V = 1 (a chunk
-larger than the limit is held alone) with V = 1 only: with V > 1 the tracker
-lets a chunk with nothing held at it or later start past the bytes, so a rank
-may hold more than its limit, and holding it to the limit would be no
-relaxation (it can be infeasible where the runtime runs); ``solve`` refuses
-a byte budget with V > 1 (``UnsupportedBudget``).
+still a valid lower bound on it. A byte budget is refused with V > 1
+(``UnsupportedBudget``): the tracker lets a chunk with nothing held at it or
+later start past the bytes, so a rank may hold more than its limit, and
+capping it at the limit would be no relaxation (it can be infeasible where
+the runtime runs).
 """
 from __future__ import annotations
 
