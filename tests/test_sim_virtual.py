@@ -198,13 +198,36 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
     (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
     (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
     (["--virtual", "two"], "--virtual: not a list of integers"),
-    (["--virtual", "2", "--oracle"], "--oracle solves one stage per rank only"),
+    (["--virtual", "2", "--oracle", "--budget", "1MiB"], "takes a count or Nx budget, not bytes"),
+    (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
 ])
 def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
     p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", *args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_cli_oracle_compares_each_row_with_its_own_layouts_optimum():
+    pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
+    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--hints", "zbv,bfw", "--virtual", "2",
+                "--placement", "v", "--oracle", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    optimum = {s["layout"]: s for s in doc["oracle"]["seeds"]}
+    assert set(optimum) == {"V2 v", "V1"} and all(s["optimal"] for s in optimum.values())
+    assert doc["oracle"]["solved"] == 2
+    assert optimum["V2 v"]["makespan"] < optimum["V1"]["makespan"]  # the V halves the fill and drain
+    for row in doc["rows"]:
+        ref = optimum["V2 v" if row["virtual"] == 2 else "V1"]["makespan"]
+        d = row["vs_optimum"]
+        assert d["per_seed"] == pytest.approx([row["makespans"][0] / ref]) and not d["upper_limit"]
+        if d["holds_budget"]:
+            assert d["per_seed"][0] >= 1 - 3 * 3 * 4 * 4 / 1000
+    rows = {(r["executor"], r["hint"], r["virtual"]) for r in doc["rows"]}
+    assert {("ready", "bfw", 2), ("fixed", "zbv", 2), ("fixed", "1f1b", 1)} <= rows
+    assert "optimum V2 v:" in p.stderr and "1 of 1 seeds solved to optimality" in p.stderr
+    assert "vs optimum" in p.stderr
 
 
 def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):

@@ -70,10 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
     sim.add_argument("--oracle", action="store_true",
-                     help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') and "
-                          "show each row's distance to it")
+                     help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') for every "
+                          "layout among the rows, and show each row's distance to its layout's")
     sim.add_argument("--oracle-time-limit", type=_seconds("--oracle-time-limit"), default=10.0, metavar="SECONDS",
-                     help="CP-SAT time per seed (default 10); a seed that hits it is compared with its proven bound")
+                     help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound")
     sim.add_argument("--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead")
     sim.add_argument("--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay")
     sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")

@@ -165,9 +165,7 @@ def sim_command(args) -> int:
     if args.oracle:
         from rrfp.app import sim_oracle
 
-        sim_oracle.check(args)
-        if any(lay.virtual > 1 for lay in layouts):
-            raise UsageError("--oracle solves one stage per rank only; drop --virtual or run it with --virtual 1")
+        sim_oracle.check(args, layouts, budgets[0])
     base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)
     skipped: list[str] = []
     try:

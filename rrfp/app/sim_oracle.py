@@ -5,30 +5,45 @@ The optimum is solved on the seed's realized durations with a split backward
 schedules) under the sweep's budget. A seed that hits the time limit is
 compared with its proven lower bound instead, so its ratio is an upper limit
 on the row's distance to the optimum, and the column says so with ``<=``.
+With virtual stages each layout is its own problem (its stages, durations and
+rank budgets): every layout among the rows is solved, and each row is compared
+with its own layout's optimum (the fixed 1F1B baseline with V = 1's).
 """
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from rrfp.app.errors import UsageError
 from rrfp.core.policy import Dispatch
+from rrfp.core.budget import Budget
+from rrfp.core.placement import VirtualLayout
 from rrfp.sim import SimConfig
-from rrfp.sim.sweep import Row
+from rrfp.sim.sweep import Row, layout_label
 
-MAX_TASKS = 512  # S * M above which one seed's model is too large to solve in seconds
+MAX_TASKS = 512  # S * V * M above which one seed's model is too large to solve in seconds
 
 
-def check(args) -> None:
+def check(args, layouts: Sequence[VirtualLayout] = (), budget: Budget | None = None) -> None:
     """Refuse, before the sweep runs, what the oracle cannot do here."""
-    if args.pp * args.mb > MAX_TASKS:
-        raise UsageError(f"--oracle is for small S and M (S*M <= {MAX_TASKS}, here {args.pp * args.mb}); "
+    V = max((lay.virtual for lay in layouts), default=1)
+    if args.pp * V * args.mb > MAX_TASKS:
+        size = f"S*V*M <= {MAX_TASKS}, here {args.pp * V * args.mb}" if V > 1 else \
+            f"S*M <= {MAX_TASKS}, here {args.pp * args.mb}"
+        raise UsageError(f"--oracle is for small S and M ({size}); "
                          "use the efficiency column (the lower bound) for large runs")
-    from rrfp.sim.oracle import OracleUnavailable, require_ortools
+    from rrfp.sim.oracle import OracleUnavailable, UnsupportedBudget, check_budget, require_ortools
 
+    if budget is not None:
+        try:
+            for lay in layouts:
+                check_budget(SimConfig(args.pp, args.mb, budget=budget, virtual=lay.virtual,
+                                       placement=lay.placement))
+        except UnsupportedBudget as e:
+            raise UsageError(f"--oracle: {e}") from None
     try:
         require_ortools()
     except OracleUnavailable as e:
@@ -57,7 +72,7 @@ class Distance:
 
 @dataclass
 class OracleColumn:
-    results: list  # OracleResult per seed
+    results: dict[str, list]  # OracleResult per seed, by layout label ("" with one stage per rank)
     rows: dict[tuple, Distance]  # by Row.key
     time_limit: float
 
@@ -65,18 +80,22 @@ class OracleColumn:
         return self.rows[row.key].cell()
 
     def summary(self, budget) -> list[str]:
-        solved = [r for r in self.results if r.optimal]
-        secs = [r.seconds for r in self.results]
-        lines = [f"optimum: CP-SAT on each seed's durations, backward split, budget {budget}; "
-                 f"{len(solved)} of {len(self.results)} seeds solved to optimality "
-                 f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)"]
-        open_ = [r for r in self.results if not r.optimal]
-        if open_:
-            gaps = [r.gap for r in open_ if r.gap is not None]
-            found = (f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
-                     if gaps else "; no schedule found")
-            lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by their "
-                         f"proven lower bound, so '<=' marks an upper limit on the distance{found}")
+        lines = []
+        for label, results in self.results.items():
+            solved = [r for r in results if r.optimal]
+            secs = [r.seconds for r in results]
+            lines.append(f"optimum{' ' + label if label else ''}: CP-SAT on each seed's durations, backward split, "
+                         f"budget {budget}; {len(solved)} of {len(results)} seeds solved to optimality "
+                         f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)")
+            open_ = [r for r in results if not r.optimal]
+            if open_:
+                gaps = [r.gap for r in open_ if r.gap is not None]
+                found = (f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
+                         if gaps else "; no schedule found")
+                lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by "
+                             f"their proven lower bound, so '<=' marks an upper limit on the distance{found}")
+        if len(self.results) > 1:
+            lines.append("each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b baseline)")
         if any(d.holds_budget is False for d in self.rows.values()):
             lines.append("* held more microbatches than the budget on some stage (fixed dispatch ignores it); "
                          "the optimum keeps the budget, so such a row can come out below 1")
@@ -84,33 +103,39 @@ class OracleColumn:
 
     def as_dict(self) -> dict:
         return {"time_limit_s": self.time_limit, "split_backward": True,
-                "solved": sum(r.optimal for r in self.results),
-                "seeds": [{"seed": i, **r.as_dict()} for i, r in enumerate(self.results)]}
+                "solved": sum(r.optimal for results in self.results.values() for r in results),
+                "seeds": [{"seed": i, "layout": label or "V1", **r.as_dict()}
+                          for label, results in self.results.items() for i, r in enumerate(results)]}
 
 
 def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
                   progress: Callable) -> OracleColumn:
-    """Solve every seed's optimum; every row's recorded schedules (``runs``, from the
-    sweep) that hold the budget are the solver's first incumbents."""
+    """Solve every seed's optimum for every layout among ``rows``; every row's recorded schedules
+    (``runs``, from the sweep) that hold the budget are the solver's first incumbents on their layout."""
     from rrfp.sim.oracle import holds_budget, solve
 
-    results = []
+    layouts = list(dict.fromkeys((r.virtual, r.placement) for r in rows))
     holds: dict[tuple, set] = {r.key: set() for r in rows}
-    for seed in progress(range(args.seeds), desc="solving the optimum", unit="seed"):
+    results: dict[str, list] = {}
+    jobs = [(seed, lay) for seed in range(args.seeds) for lay in layouts]
+    for seed, (virtual, placement) in progress(jobs, desc="solving the optimum", unit="solve"):
         incumbents = []
         for r in rows:
+            if (r.virtual, r.placement) != (virtual, placement):
+                continue
             cfg, res = runs[r.key][seed]
             ok = True if cfg.dispatch is Dispatch.READY else holds_budget(cfg, res)
             holds[r.key].add(ok)
             if ok:
                 incumbents.append(res)
-        results.append(solve(replace(base, seed=seed, split=True), time_limit=args.oracle_time_limit,
-                             hints=incumbents))
-    refs = [(o.makespan, False) if o.optimal else (o.bound, True) for o in results]
+        cfg = replace(base, seed=seed, split=True, virtual=virtual, placement=placement)
+        results.setdefault(layout_label(virtual, placement), []).append(
+            solve(cfg, time_limit=args.oracle_time_limit, hints=incumbents))
     dist = {}
     for r in rows:
+        refs = [(o.makespan, False) if o.optimal else (o.bound, True) for o in results[r.layout]]
         seen = holds[r.key]
         dist[r.key] = Distance([m / ref for m, (ref, _) in zip(r.makespans, refs)],
-                                              any(up for _, up in refs),
-                                              False if False in seen else None if None in seen else True)
+                               any(up for _, up in refs),
+                               False if False in seen else None if None in seen else True)
     return OracleColumn(results, dist, args.oracle_time_limit)

@@ -5,16 +5,31 @@ Executors decide online; the oracle knows every duration and latency in
 advance, so its makespan is what no executor can beat under the same budget.
 It tells how much of the gap to the cheap lower bound is left to win.
 
-The model (docs/design.md, "The clairvoyant optimum"): one interval per task,
-one no-overlap per stage, the tracker's dependencies with the simulator's
-message latencies, and one "held" interval per (stage, microbatch) from the
-start of F to the end of the last backward, under a cumulative with the
-stage's budget. CP-SAT works in integers: times are multiplied by ``scale``
-and rounded down, so the integer optimum is a valid lower bound on the real
-one. The best schedule found is replayed by the simulator (fixed dispatch on
-its per-stage orders), so ``makespan`` is an achievable, exactly timed
+The model (docs/design.md, "The clairvoyant optimum"): one interval per task
+of every global stage, one no-overlap per rank over all its stages' tasks (a
+rank runs one task at a time; with V = 1 a rank is a stage), the tracker's
+dependencies with the simulator's message latencies (none on the V turn
+between two stages of one rank), and one "held" interval per (stage,
+microbatch) from the start of F to the end of the last backward, under a
+cumulative per rank with the rank's limit (``Budget.rank_limit``: chunk-
+microbatches over all its stages; bytes with V = 1). CP-SAT works in integers: times
+are multiplied by ``scale`` and rounded down, so the integer optimum is a
+valid lower bound on the real one. The best schedule found is replayed by the
+simulator (fixed dispatch on its per-stage orders, per-rank orders of (stage,
+task) pairs with V > 1), so ``makespan`` is an achievable, exactly timed
 iteration. OR-Tools is an optional extra (``pip install 'rrfp[oracle]'``),
 imported only when a solve starts.
+
+With V > 1 the runtime's rank tracker adds two policy devices the model
+leaves out: room reserved for later chunks' forwards (an F on chunk c needs
+V-1-c units free after it) and a bound on how far chunk c's forwards lead
+chunk c + 1's. Both only forbid schedules, so the optimum without them is a
+relaxation of what the ready executor may do under the same count budget:
+still a valid lower bound on it. A byte budget is refused with V > 1
+(``UnsupportedBudget``): the tracker lets a chunk with nothing held at it or
+later start past the bytes, so a rank may hold more than its limit, and
+capping it at the limit would be no relaxation (it can be infeasible where
+the runtime runs).
 """
 from __future__ import annotations
 
@@ -41,6 +56,18 @@ class OracleUnavailable(ImportError):
     """OR-Tools is not installed."""
 
 
+class UnsupportedBudget(ValueError):
+    """A byte budget with virtual stages: the model would not bound what the runtime may do."""
+
+
+def check_budget(cfg: SimConfig) -> None:
+    """Refuse what the model cannot bound: a byte budget with V > 1 (see the module docstring)."""
+    if cfg.virtual > 1 and cfg.budget.bytes is not None:
+        raise UnsupportedBudget(f"the optimum with virtual stages (V = {cfg.virtual}) takes a count or Nx budget, "
+                                f"not bytes ({cfg.budget}): a rank may start a chunk past its bytes when nothing "
+                                "is held at that chunk or later, which the model does not bound")
+
+
 @dataclass(frozen=True)
 class OracleResult:
     """One solve, in the simulator's time units (average forwards).
@@ -57,7 +84,8 @@ class OracleResult:
     optimal: bool
     seconds: float
     status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
-    orders: tuple[tuple[Task, ...], ...] | None = None  # per-stage task order of the best schedule
+    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with V > 1.
+    orders: tuple[tuple, ...] | None = None
 
     @property
     def gap(self) -> float | None:
@@ -86,10 +114,10 @@ class _Instance:
 
     cfg: SimConfig
     kinds: tuple[Kind, ...]
-    dur: np.ndarray  # real durations [S, M, 3], as the simulator draws them
+    dur: np.ndarray  # real durations [S*V, M, 3] over global stages, as the simulator draws them
     d: np.ndarray  # integer durations
-    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1
-    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1
+    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
+    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
     sizes: list[int]
     horizon: int
     scale: int
@@ -103,7 +131,14 @@ def _instance(cfg: SimConfig, scale: int) -> _Instance:
     horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
     split = cfg.split_backward
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
-    return _Instance(cfg, kinds, dur, d, lf, lb, sizes, horizon, scale, lower_bound(dur, lat_f, lat_b, split))
+    rank_of = None if cfg.virtual == 1 else [cfg.layout.rank_of(g) for g in range(cfg.num_stages)]
+    return _Instance(cfg, kinds, dur, d, lf, lb, sizes, horizon, scale,
+                     lower_bound(dur, lat_f, lat_b, split, rank_of))
+
+
+def _limit(cfg: SimConfig, rank: int):
+    """The budget on ``rank`` over all its stages (a stage's own limit with V = 1)."""
+    return cfg.budget.rank_limit(cfg.layout, rank)
 
 
 def as_split(order: Sequence[Task], split: bool) -> list[Task]:
@@ -113,10 +148,17 @@ def as_split(order: Sequence[Task], split: bool) -> list[Task]:
     return [x for t in order for x in ((t, Task(Kind.W, t.mb)) if t.kind is Kind.B else (t,))]
 
 
+def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple[int, Task]]:
+    """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its W(m)."""
+    if not split or any(t.kind is Kind.W for _, t in order):
+        return [(s, t) for s, t in order]
+    return [x for s, t in order for x in (((s, t), (s, Task(Kind.W, t.mb))) if t.kind is Kind.B else ((s, t),))]
+
+
 def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int = 1000,
           hints: Iterable[SimResult] = (), params: Mapping[str, object] | None = None) -> OracleResult:
-    """Minimum makespan of ``cfg``'s iteration (its S, M, split, budget and
-    seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
+    """Minimum makespan of ``cfg``'s iteration (its S, M, V and placement, split,
+    budget and seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
 
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
@@ -131,10 +173,12 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
     is CP-SAT's thread count, fixed: a proven optimum does not depend on it
     or on the machine, while what a timed-out solve reaches does. ``params``
     sets further CP-SAT parameters by name."""
+    check_budget(cfg)
     cp_model = require_ortools()
+    cfg = replace(cfg, split=cfg.split_backward)  # the replay's hint must not change the split
     inst = _instance(cfg, scale)
     t0 = time.perf_counter()
-    candidates = _usable(hints, cfg.split_backward)
+    candidates = _usable(hints, cfg)
     lower = 0
     if _budget_can_bind(inst):
         relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates), RELAXED_SHARE * time_limit, workers,
@@ -160,31 +204,34 @@ class _Solve:
     status: str
     optimal: bool
     bound: int  # proven, in integer units
-    orders: tuple[tuple[Task, ...], ...] | None  # per-stage order of the best solution
+    orders: tuple[tuple, ...] | None  # the best solution's order: per stage (V = 1) or per rank (V > 1)
 
 
 def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResult | None, seconds: float,
          workers: int, params: Mapping[str, object] | None) -> _Solve:
     """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
     cfg = inst.cfg
-    S, M, split, d, kinds = cfg.stages, cfg.microbatches, cfg.split_backward, inst.d, inst.kinds
+    S, M, N, split, d, kinds = cfg.stages, cfg.microbatches, cfg.num_stages, cfg.split_backward, inst.d, inst.kinds
+    lay = cfg.layout
     model = cp_model.CpModel()
     start = {(s, m, k): model.new_int_var(0, inst.horizon, f"start_{k.name}{m}_s{s}")
-             for s in range(S) for m in range(M) for k in kinds}
+             for s in range(N) for m in range(M) for k in kinds}
     end = {key: v + int(d[key]) for key, v in start.items()}
-    for s in range(S):
+    for r in range(S):
+        stages = lay.stages_of(r)
         model.add_no_overlap([model.new_fixed_size_interval_var(start[s, m, k], int(d[s, m, k]), f"{k.name}{m}_s{s}")
-                              for m in range(M) for k in kinds])
-        for m in range(M):
-            if s > 0:  # F needs its input: the previous stage's F and the message's latency
-                model.add(start[s, m, Kind.F] >= end[s - 1, m, Kind.F] + int(inst.lf[s - 1, m]))
-            model.add(start[s, m, Kind.B] >= end[s, m, Kind.F])
-            if s < S - 1:  # B needs the gradient from the next stage's B
-                model.add(start[s, m, Kind.B] >= end[s + 1, m, Kind.B] + int(inst.lb[s + 1, m]))
-            if split:
-                model.add(start[s, m, Kind.W] >= end[s, m, Kind.B])
+                              for s in stages for m in range(M) for k in kinds])
+        for s in stages:
+            for m in range(M):
+                if s > 0:  # F needs its input: the previous stage's F and the message's latency
+                    model.add(start[s, m, Kind.F] >= end[s - 1, m, Kind.F] + int(inst.lf[s - 1, m]))
+                model.add(start[s, m, Kind.B] >= end[s, m, Kind.F])
+                if s < N - 1:  # B needs the gradient from the next stage's B
+                    model.add(start[s, m, Kind.B] >= end[s + 1, m, Kind.B] + int(inst.lb[s + 1, m]))
+                if split:
+                    model.add(start[s, m, Kind.W] >= end[s, m, Kind.B])
         if with_budget:
-            _budget(model, inst, s, start, end)
+            _budget(model, inst, r, start, end)
     makespan = model.new_int_var(lower, inst.horizon, "makespan")
     for e in end.values():
         model.add(makespan >= e)
@@ -203,12 +250,18 @@ def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResu
     status = solver.solve(model)
     name = solver.status_name(status)
     if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
-        raise RuntimeError(f"oracle model is {name} for S={S} M={M} budget {cfg.budget}: a bug in the model")
+        raise RuntimeError(f"oracle model is {name} for S={S} V={cfg.virtual} M={M} budget {cfg.budget}: "
+                           "a bug in the model")
     orders = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        orders = tuple(tuple(Task(k, m) for _, k, m in sorted((solver.value(start[s, m, k]), k, m)
-                                                               for m in range(M) for k in kinds))
-                       for s in range(S))
+        if cfg.virtual == 1:
+            orders = tuple(tuple(Task(k, m) for _, k, m in sorted((solver.value(start[s, m, k]), k, m)
+                                                                   for m in range(M) for k in kinds))
+                           for s in range(S))
+        else:  # ties (tasks floored to no time) in dependency order: F up the stages, B down, F < B < W
+            orders = tuple(tuple((s, Task(k, m)) for *_, s, k, m in sorted(
+                (solver.value(start[s, m, k]), k, s if k is Kind.F else -s, m, s, k, m)
+                for s in lay.stages_of(r) for m in range(M) for k in kinds)) for r in range(S))
     return _Solve(name, status == cp_model.OPTIMAL, max(lower, int(np.floor(solver.best_objective_bound))), orders)
 
 
@@ -222,69 +275,92 @@ def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates:
     bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
     optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)  # a schedule meets a bound
     cfg = inst.cfg
-    log.info("oracle S=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.microbatches,
-             cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
+    log.info("oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.virtual,
+             cfg.microbatches, cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
     return OracleResult(None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders)
 
 
 def _budget_can_bind(inst: _Instance) -> bool:
+    """Whether some rank's limit is below what its stages would hold with every microbatch in flight."""
     cfg = inst.cfg
-    for s in range(cfg.stages):
-        limit = cfg.budget.limit(cfg.stages, s)
-        if limit.count is not None and limit.count < cfg.microbatches:
+    held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
+    for r in range(cfg.stages):
+        limit = _limit(cfg, r)
+        if limit.count is not None and limit.count < held:
             return True
-        if limit.bytes is not None and sum(min(x, limit.bytes) for x in inst.sizes) > limit.bytes:
+        if limit.bytes is not None and cfg.virtual * sum(min(x, limit.bytes) for x in inst.sizes) > limit.bytes:
             return True
     return False
 
 
-def _budget(model, inst: _Instance, s: int, start, end) -> None:
-    """The tracker's in-flight rule on stage ``s``: microbatch m is held from
-    the start of F(m) to the end of its last backward, and a stage holds at
-    most its count, or its bytes (a microbatch larger than the byte limit is
-    held alone)."""
+def _budget(model, inst: _Instance, rank: int, start, end) -> None:
+    """The tracker's in-flight rule on ``rank``: (stage, microbatch) is held
+    from the start of F to the end of its last backward, and the rank's stages
+    together hold at most its count of chunks, or its bytes (a chunk larger
+    than the byte limit is held alone). With V = 1 that is the stage's rule."""
     cfg = inst.cfg
-    limit = cfg.budget.limit(cfg.stages, s)
+    limit = _limit(cfg, rank)
     M, last = cfg.microbatches, last_backward(cfg.split_backward)
+    stages = cfg.layout.stages_of(rank)
     held = [model.new_interval_var(start[s, m, Kind.F], model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
-                                   end[s, m, last], f"held{m}_s{s}") for m in range(M)]
-    if limit.count is not None and limit.count < M:
-        model.add_cumulative(held, [1] * M, limit.count)
+                                   end[s, m, last], f"held{m}_s{s}") for s in stages for m in range(M)]
+    if limit.count is not None and limit.count < len(held):
+        model.add_cumulative(held, [1] * len(held), limit.count)
     if limit.bytes is not None:
-        demand = [min(int(x), limit.bytes) for x in inst.sizes]
+        demand = [min(int(x), limit.bytes) for _ in stages for x in inst.sizes]
         if sum(demand) > limit.bytes:
             model.add_cumulative(held, demand, limit.bytes)
 
 
 def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
-    """Whether a schedule held ``cfg``'s count budget on every stage; None
-    for a byte budget, which a peak count cannot tell."""
+    """Whether a schedule held ``cfg``'s count budget on every rank (every
+    stage with V = 1; chunk-microbatches over a rank's stages with V > 1, as
+    ``Budget.rank_limit`` counts them); None for a byte budget, which a peak
+    count cannot tell."""
     if cfg.budget.bytes is not None:
         return None
-    return all(p <= cfg.budget.microbatches(cfg.stages, s) for s, p in enumerate(result.peak_inflight))
+    return all(p <= _limit(cfg, r).count for r, p in enumerate(result.peak_inflight))
+
+
+def _order_hint(cfg: SimConfig, orders) -> Hint:
+    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with V > 1."""
+    frozen = tuple(tuple(o) for o in orders)
+    if cfg.virtual == 1:
+        return Hint("oracle", lambda S, s, M, split: frozen[s])
+    return Hint("oracle", _no_stage_order, fixed_rank_orders=frozen)
+
+
+def _no_stage_order(S: int, s: int, M: int, split: bool):
+    raise ValueError("the oracle's order with virtual stages is per rank")
 
 
 def _repair(cfg: SimConfig, orders) -> SimResult | None:
     """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
-    frozen = tuple(tuple(o) for o in orders)
     try:
-        return simulate(replace(cfg, hint=Hint("oracle", lambda S, s, M, split: frozen[s]),
-                                dispatch=Dispatch.READY, record=True))
+        return simulate(replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True))
     except SimDeadlock:
         return None
 
 
-def _orders(result: SimResult, split: bool) -> tuple[tuple[Task, ...], ...]:
-    """Each stage's tasks in the order ``result`` started them, as a split schedule if ``split``."""
-    per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(result.config.stages)]
+def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
+    """The order ``result`` started its tasks in, as a split schedule if ``split``: per stage with
+    V = 1, per rank over (stage, task) pairs with V > 1."""
+    cfg = result.config
+    if cfg.virtual == 1:
+        per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(cfg.stages)]
+        for s, task, a, _ in result.timeline:
+            per_stage[s].append((a, task))
+        return tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
+                     for ts in per_stage)
+    per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.stages)]
     for s, task, a, _ in result.timeline:
-        per_stage[s].append((a, task))
-    return tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
-                 for ts in per_stage)
+        per_rank[cfg.layout.rank_of(s)].append((a, s, task))
+    return tuple(tuple(as_split_pairs([(s, t) for a, s, t in sorted(ts, key=lambda x: x[0])], split))
+                 for ts in per_rank)
 
 
 def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
-    """Start times [S, M, 3] of a recorded schedule in integer units, rounded
+    """Start times [S*V, M, 3] of a recorded schedule in integer units, rounded
     down, which keeps it feasible in the rounded model. An unsplit schedule
     becomes a split one: W(m) right after B(m)."""
     unsplit = inst.cfg.split_backward and not result.config.split_backward
@@ -296,13 +372,16 @@ def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
     return np.floor(starts * inst.scale).astype(np.int64)
 
 
-def _usable(results: Iterable[SimResult], split: bool) -> list[SimResult]:
+def _usable(results: Iterable[SimResult], cfg: SimConfig) -> list[SimResult]:
     """Recorded results that are schedules of the problem: a split schedule is none when B stays whole."""
     out = []
     for r in results:
         if not r.timeline:
             raise ValueError("an oracle hint must be a recorded simulation (SimConfig(record=True))")
-        if split or not r.config.split_backward:
+        if r.config.layout != cfg.layout:
+            raise ValueError(f"an oracle hint must run the solved layout ({cfg.layout.describe()}), "
+                             f"not {r.config.layout.describe()}")
+        if cfg.split_backward or not r.config.split_backward:
             out.append(r)
     return out
 
@@ -312,9 +391,9 @@ def _best_hint(results: list[SimResult]) -> SimResult | None:
     return min(results, key=lambda r: r.makespan, default=None)
 
 
-def replay(cfg: SimConfig, orders: Sequence[Sequence[Task]], record: bool = False) -> SimResult:
-    """The simulator running ``orders`` as a fixed order on ``cfg``'s durations:
-    the earliest timing of that schedule, checked by the same tracker rules."""
-    frozen = tuple(tuple(o) for o in orders)
-    hint = Hint("oracle", lambda S, s, M, split: frozen[s])
-    return simulate(replace(cfg, hint=hint, dispatch=Dispatch.FIXED, record=record))
+def replay(cfg: SimConfig, orders: Sequence[Sequence], record: bool = False) -> SimResult:
+    """The simulator running ``orders`` as a fixed order on ``cfg``'s durations (per stage with
+    V = 1, per rank over (stage, task) pairs with V > 1): the earliest timing of that schedule,
+    checked by the same tracker rules."""
+    return simulate(replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.FIXED, record=record,
+                            split=cfg.split_backward))
