@@ -92,3 +92,7 @@ def test_a_rank_with_virtual_stages_names_all_it_holds():
     assert line == "rank 1 (stages 1, 6): channel bwd 2->1 (peer rank 2): expected a B message (traceback in x.log)"
     assert Failure.of(KeyError("w")).line(1, (1, 6), "x.log", debug=False).startswith(
         "rank 1 (stages 1, 6): internal error")
+    # the executor's channel errors name the one stage of the rank they happened at: it stays
+    chan = ProtocolError("rank 1 stage 6: channel fwd 5->6 (peer rank 2): expected an F message")
+    assert Failure.of(chan).line(1, (1, 6), "x.log", debug=False) == (
+        "rank 1 (stages 1, 6): stage 6: channel fwd 5->6 (peer rank 2): expected an F message (traceback in x.log)")

@@ -71,7 +71,8 @@ class Failure:
         it wrote a line, when the failure board could tell."""
         holds = stages_label((stage,) if isinstance(stage, int) else stage)
         text = " ".join(str(self.cause).split())
-        text = re.sub(rf"^rank {rank}( {holds})?: ", "", text)  # most causes name their rank already
+        # most causes name their rank already (and, with virtual stages, often the one stage of it)
+        text = re.sub(rf"^rank {rank}(?: {holds}| (stage \d+))?: ", lambda m: f"{m[1]}: " if m[1] else "", text)
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"

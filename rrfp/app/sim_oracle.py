@@ -22,12 +22,12 @@ from rrfp.core.policy import Dispatch
 from rrfp.core.budget import Budget
 from rrfp.core.placement import VirtualLayout
 from rrfp.sim import SimConfig
-from rrfp.sim.sweep import Row, layout_label
+from rrfp.sim.sweep import Row
 
 MAX_TASKS = 512  # S * V * M above which one seed's model is too large to solve in seconds
 
 
-def check(args, layouts: Sequence[VirtualLayout] = (), budget: Budget | None = None) -> None:
+def check(args, layouts: Sequence[VirtualLayout], budget: Budget) -> None:
     """Refuse, before the sweep runs, what the oracle cannot do here."""
     V = max((lay.virtual for lay in layouts), default=1)
     if args.pp * V * args.mb > MAX_TASKS:
@@ -37,13 +37,10 @@ def check(args, layouts: Sequence[VirtualLayout] = (), budget: Budget | None = N
                          "use the efficiency column (the lower bound) for large runs")
     from rrfp.sim.oracle import OracleUnavailable, UnsupportedBudget, check_budget, require_ortools
 
-    if budget is not None:
-        try:
-            for lay in layouts:
-                check_budget(SimConfig(args.pp, args.mb, budget=budget, virtual=lay.virtual,
-                                       placement=lay.placement))
-        except UnsupportedBudget as e:
-            raise UsageError(f"--oracle: {e}") from None
+    try:
+        check_budget(V, budget)
+    except UnsupportedBudget as e:
+        raise UsageError(f"--oracle: {e}") from None
     try:
         require_ortools()
     except OracleUnavailable as e:
@@ -114,14 +111,15 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
     (``runs``, from the sweep) that hold the budget are the solver's first incumbents on their layout."""
     from rrfp.sim.oracle import holds_budget, solve
 
-    layouts = list(dict.fromkeys((r.virtual, r.placement) for r in rows))
+    layouts = {r.layout: (r.virtual, r.placement) for r in rows}  # one key for a layout: its label
     holds: dict[tuple, set] = {r.key: set() for r in rows}
     results: dict[str, list] = {}
-    jobs = [(seed, lay) for seed in range(args.seeds) for lay in layouts]
-    for seed, (virtual, placement) in progress(jobs, desc="solving the optimum", unit="solve"):
+    jobs = [(seed, label) for seed in range(args.seeds) for label in layouts]
+    for seed, label in progress(jobs, desc="solving the optimum", unit="solve"):
+        virtual, placement = layouts[label]
         incumbents = []
         for r in rows:
-            if (r.virtual, r.placement) != (virtual, placement):
+            if r.layout != label:
                 continue
             cfg, res = runs[r.key][seed]
             ok = True if cfg.dispatch is Dispatch.READY else holds_budget(cfg, res)
@@ -129,7 +127,7 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
             if ok:
                 incumbents.append(res)
         cfg = replace(base, seed=seed, split=True, virtual=virtual, placement=placement)
-        results.setdefault(layout_label(virtual, placement), []).append(
+        results.setdefault(label, []).append(
             solve(cfg, time_limit=args.oracle_time_limit, hints=incumbents))
     dist = {}
     for r in rows:

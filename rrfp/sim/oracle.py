@@ -41,6 +41,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
+from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
@@ -60,11 +61,11 @@ class UnsupportedBudget(ValueError):
     """A byte budget with virtual stages: the model would not bound what the runtime may do."""
 
 
-def check_budget(cfg: SimConfig) -> None:
+def check_budget(virtual: int, budget: Budget) -> None:
     """Refuse what the model cannot bound: a byte budget with V > 1 (see the module docstring)."""
-    if cfg.virtual > 1 and cfg.budget.bytes is not None:
-        raise UnsupportedBudget(f"the optimum with virtual stages (V = {cfg.virtual}) takes a count or Nx budget, "
-                                f"not bytes ({cfg.budget}): a rank may start a chunk past its bytes when nothing "
+    if virtual > 1 and budget.bytes is not None:
+        raise UnsupportedBudget(f"the optimum with virtual stages (V = {virtual}) takes a count or Nx budget, "
+                                f"not bytes ({budget}): a rank may start a chunk past its bytes when nothing "
                                 "is held at that chunk or later, which the model does not bound")
 
 
@@ -173,7 +174,7 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
     is CP-SAT's thread count, fixed: a proven optimum does not depend on it
     or on the machine, while what a timed-out solve reaches does. ``params``
     sets further CP-SAT parameters by name."""
-    check_budget(cfg)
+    check_budget(cfg.virtual, cfg.budget)
     cp_model = require_ortools()
     cfg = replace(cfg, split=cfg.split_backward)  # the replay's hint must not change the split
     inst = _instance(cfg, scale)
