@@ -1,0 +1,121 @@
+"""ScheduleReady with several stages per rank (virtual stages) on real gloo ranks: given the list
+of the rank's PipelineStages, as torch's PipelineScheduleMulti takes it, it must give the losses,
+gradients and outputs of torch's own multi-stage schedule on the same stages
+(ScheduleInterleaved1F1B for the interleaved placement, ScheduleZBVZeroBubble for v), and of a
+single-process run of the same model and data; stage sets that are neither placement, and stages
+on different devices, are refused in one line."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from test_pipelining import BATCH, M, VOCAB, batch, full_model, grads_of, loss_fn, max_diff
+
+V = 2
+TOL = 1e-10
+TORCH_SCHEDULE = {"interleaved": "ScheduleInterleaved1F1B", "v": "ScheduleZBVZeroBubble"}
+RRFP_HINTS = {"interleaved": ("bfw", "1f1b"), "v": ("bfw", "zbv")}
+
+
+def held_stages(rank: int, world: int, placement: str) -> tuple[int, ...]:
+    """The global stages torch's schedule puts on ``rank``: interleaved r, r + S; v r, 2S - 1 - r."""
+    return (rank, rank + world) if placement == "interleaved" else (rank, 2 * world - 1 - rank)
+
+
+def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict]:
+    """One process: per-microbatch losses and the mean loss's gradients of ``stages``, keyed (stage, name)."""
+    model = full_model(num_stages)
+    losses = [loss_fn(model(x[i * BATCH:(i + 1) * BATCH]), y[i * BATCH:(i + 1) * BATCH]) for i in range(M)]
+    (sum(losses) / M).backward()
+    return [l.item() for l in losses], {(s, n): p.grad.clone() for s in stages
+                                        for n, p in model[s].named_parameters()}
+
+
+def _run(cls, stages, chunks, first: bool, last: bool, data, **options):
+    """One step, a second one without zero_grad (torch divides the accumulated .grad by M), and an eval."""
+    (x, y), (x2, y2) = data
+    schedule = cls(stages, M, loss_fn=loss_fn, **options)
+    losses, eval_losses = [], []
+    merged = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+    grads1 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
+    schedule.step(*((x2,) if first else ()), target=y2 if last else None)
+    grads2 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
+    evaluated = schedule.eval(*((x,) if first else ()), target=y if last else None, losses=eval_losses)
+    out = dict(losses=[l.item() for l in losses], grads1=grads1, grads2=grads2, merged=merged,
+               eval_losses=[l.item() for l in eval_losses], evaluated=evaluated)
+    return schedule, out
+
+
+def _virtual_parity(rank, world, placement):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    from rrfp import ScheduleReady
+
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    S = world * V
+    mine = held_stages(rank, world, placement)
+    first, last = 0 in mine, S - 1 in mine
+    model = full_model(S)
+    data = (batch(1, 5), batch(2, 5))
+    runs, result = {}, {}
+    try:
+        for name, cls, options in [("torch", getattr(torch_schedules, TORCH_SCHEDULE[placement]), {}),
+                                   *[(f"rrfp {h}", ScheduleReady, {"hint": h}) for h in RRFP_HINTS[placement]]]:
+            chunks = [copy.deepcopy(model[s]) for s in mine]
+            # given out of model order: torch takes the rank's stages in any order, so must ScheduleReady
+            stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in reversed(list(zip(mine, chunks)))]
+            schedule, runs[name] = _run(cls, stages, chunks[::-1], first, last, data, **options)
+            if cls is ScheduleReady:
+                result[f"{name} runtime stages"] = (tuple(schedule._runtime.stages),
+                                                    str(schedule._runtime.virtual.placement))
+                schedule.close()
+    finally:
+        dist.destroy_process_group()
+    ref_losses, ref = reference(S, mine, *data[0])
+    t = runs["torch"]
+    for name, r in runs.items():
+        if name == "torch":
+            continue
+        res = dict(torch_grad1=max_diff(t["grads1"], r["grads1"]), torch_grad2=max_diff(t["grads2"], r["grads2"]),
+                   ref_grad=max_diff(ref, r["grads1"]), names=len(r["grads1"]))
+        if last:
+            res.update(n_losses=len(r["losses"]), torch_loss=max(abs(a - b) for a, b in zip(t["losses"], r["losses"])),
+                       ref_loss=max(abs(a - b) for a, b in zip(ref_losses, r["losses"])),
+                       eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
+                       n_eval=len(r["eval_losses"]),
+                       merged=(t["merged"] - r["merged"]).abs().max().item(), shape=tuple(r["merged"].shape),
+                       evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
+        else:
+            res.update(merged=r["merged"], losses=r["losses"], evaluated=r["evaluated"])
+        result[name] = res
+    result["torch losses"] = len(t["losses"])
+    return result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("placement", ["interleaved", "v"])
+def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placement, world):
+    results = run_ranks(_virtual_parity, world, placement, timeout=240)
+    holder = 0 if placement == "v" else world - 1  # the rank holding the last global stage
+    assert results[holder]["torch losses"] == M  # torch's losses are on this rank, as ScheduleReady's
+    for rank, res in sorted(results.items()):
+        for hint in RRFP_HINTS[placement]:
+            r = res[f"rrfp {hint}"]
+            print(f"{placement} world {world} rank {rank} hint {hint}: {r}")
+            assert res[f"rrfp {hint} runtime stages"] == (held_stages(rank, world, placement), placement)
+            assert r["names"] > 0
+            assert r["torch_grad1"] < TOL and r["torch_grad2"] < TOL, (rank, hint, r)
+            assert r["ref_grad"] < TOL, (rank, hint, r)
+            if rank == holder:
+                assert r["n_losses"] == M and r["n_eval"] == M, (rank, hint, r)
+                assert r["torch_loss"] < TOL and r["ref_loss"] < TOL and r["eval_loss"] < TOL, (rank, hint, r)
+                assert r["merged"] < TOL and r["evaluated"] < TOL and r["shape"] == (BATCH * M, 5, VOCAB), r
+            else:  # only the last stage's rank gets an output and losses, as in torch
+                assert r["merged"] is None and r["evaluated"] is None and r["losses"] == [], (rank, hint, r)
