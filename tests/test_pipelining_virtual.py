@@ -25,17 +25,19 @@ def held_stages(rank: int, world: int, placement: str) -> tuple[int, ...]:
     return (rank, rank + world) if placement == "interleaved" else (rank, 2 * world - 1 - rank)
 
 
-def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict]:
-    """One process: per-microbatch losses and the mean loss's gradients of ``stages``, keyed (stage, name)."""
+def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict, torch.Tensor]:
+    """One process: per-microbatch losses, the mean loss's gradients of ``stages`` keyed (stage, name),
+    and the output."""
     model = full_model(num_stages)
     losses = [loss_fn(model(x[i * BATCH:(i + 1) * BATCH]), y[i * BATCH:(i + 1) * BATCH]) for i in range(M)]
     (sum(losses) / M).backward()
     return [l.item() for l in losses], {(s, n): p.grad.clone() for s in stages
-                                        for n, p in model[s].named_parameters()}
+                                        for n, p in model[s].named_parameters()}, model(x).detach()
 
 
-def _run(cls, stages, chunks, first: bool, last: bool, data, **options):
-    """One step, a second one without zero_grad (torch divides the accumulated .grad by M), and an eval."""
+def _run(cls, stages, chunks, first: bool, last: bool, data, evaluate: bool = True, **options):
+    """One step, a second one without zero_grad (torch divides the accumulated .grad by M), and an eval
+    (the parameters have not moved: the first step's losses and output again)."""
     (x, y), (x2, y2) = data
     schedule = cls(stages, M, loss_fn=loss_fn, **options)
     losses, eval_losses = [], []
@@ -43,7 +45,9 @@ def _run(cls, stages, chunks, first: bool, last: bool, data, **options):
     grads1 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
     schedule.step(*((x2,) if first else ()), target=y2 if last else None)
     grads2 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
-    evaluated = schedule.eval(*((x,) if first else ()), target=y if last else None, losses=eval_losses)
+    evaluated = None
+    if evaluate:
+        evaluated = schedule.eval(*((x,) if first else ()), target=y if last else None, losses=eval_losses)
     out = dict(losses=[l.item() for l in losses], grads1=grads1, grads2=grads2, merged=merged,
                eval_losses=[l.item() for l in eval_losses], evaluated=evaluated)
     return schedule, out
@@ -65,19 +69,22 @@ def _virtual_parity(rank, world, placement):
     data = (batch(1, 5), batch(2, 5))
     runs, result = {}, {}
     try:
-        for name, cls, options in [("torch", getattr(torch_schedules, TORCH_SCHEDULE[placement]), {}),
+        # torch 2.13's ZB-V cannot eval ("can't steal_bwd_input if this stage doesn't have backward")
+        torch_options = {"evaluate": placement != "v"}
+        for name, cls, options in [("torch", getattr(torch_schedules, TORCH_SCHEDULE[placement]), torch_options),
                                    *[(f"rrfp {h}", ScheduleReady, {"hint": h}) for h in RRFP_HINTS[placement]]]:
             chunks = [copy.deepcopy(model[s]) for s in mine]
-            # given out of model order: torch takes the rank's stages in any order, so must ScheduleReady
-            stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in reversed(list(zip(mine, chunks)))]
-            schedule, runs[name] = _run(cls, stages, chunks[::-1], first, last, data, **options)
+            stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in zip(mine, chunks)]
+            if cls is ScheduleReady:  # torch needs them in model order (its warm-up hangs otherwise); rrfp sorts
+                stages, chunks = stages[::-1], chunks[::-1]
+            schedule, runs[name] = _run(cls, stages, chunks, first, last, data, **options)
             if cls is ScheduleReady:
                 result[f"{name} runtime stages"] = (tuple(schedule._runtime.stages),
                                                     str(schedule._runtime.virtual.placement))
                 schedule.close()
     finally:
         dist.destroy_process_group()
-    ref_losses, ref = reference(S, mine, *data[0])
+    ref_losses, ref, ref_out = reference(S, mine, *data[0])
     t = runs["torch"]
     for name, r in runs.items():
         if name == "torch":
@@ -87,10 +94,14 @@ def _virtual_parity(rank, world, placement):
         if last:
             res.update(n_losses=len(r["losses"]), torch_loss=max(abs(a - b) for a, b in zip(t["losses"], r["losses"])),
                        ref_loss=max(abs(a - b) for a, b in zip(ref_losses, r["losses"])),
-                       eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
+                       eval_loss=max(abs(a - b) for a, b in zip(ref_losses, r["eval_losses"])),
                        n_eval=len(r["eval_losses"]),
                        merged=(t["merged"] - r["merged"]).abs().max().item(), shape=tuple(r["merged"].shape),
-                       evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
+                       ref_merged=(ref_out - r["merged"]).abs().max().item(),
+                       evaluated=(ref_out - r["evaluated"]).abs().max().item())
+            if t["evaluated"] is not None:
+                res.update(torch_eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
+                           torch_evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
         else:
             res.update(merged=r["merged"], losses=r["losses"], evaluated=r["evaluated"])
         result[name] = res
@@ -116,6 +127,9 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
             if rank == holder:
                 assert r["n_losses"] == M and r["n_eval"] == M, (rank, hint, r)
                 assert r["torch_loss"] < TOL and r["ref_loss"] < TOL and r["eval_loss"] < TOL, (rank, hint, r)
-                assert r["merged"] < TOL and r["evaluated"] < TOL and r["shape"] == (BATCH * M, 5, VOCAB), r
+                assert r["merged"] < TOL and r["ref_merged"] < TOL and r["evaluated"] < TOL, (rank, hint, r)
+                assert r["shape"] == (BATCH * M, 5, VOCAB), r
+                if placement == "interleaved":  # torch's eval, where it runs
+                    assert r["torch_eval_loss"] < TOL and r["torch_evaluated"] < TOL, (rank, hint, r)
             else:  # only the last stage's rank gets an output and losses, as in torch
                 assert r["merged"] is None and r["evaluated"] is None and r["losses"] == [], (rank, hint, r)
