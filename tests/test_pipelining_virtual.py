@@ -133,3 +133,50 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
                     assert r["torch_eval_loss"] < TOL and r["torch_evaluated"] < TOL, (rank, hint, r)
             else:  # only the last stage's rank gets an output and losses, as in torch
                 assert r["merged"] is None and r["evaluated"] is None and r["losses"] == [], (rank, hint, r)
+
+
+# -- refusals: one line naming the problem, on every rank, before any schedule runs -----------------
+
+REFUSALS = {
+    # looped placement (ScheduleLoopedBFS's): rank r holds r * V .. r * V + V - 1
+    "looped": ({0: (0, 1), 1: (2, 3)}, ValueError,
+               r"group rank 0 holds stages \[0, 1\] of 4: ScheduleReady places a rank's stages interleaved "
+               r"\[0, 2\] or v \[0, 3\], not otherwise"),  # on every rank: rank 0's stages are checked there too
+    "uneven": ({0: (0,), 1: (1, 2, 3)}, ValueError, r"group rank 0 holds stages \[0\] of 4 on 2 ranks: ScheduleReady "
+                                                      r"needs the same number of stages on every rank \(4 / 2 each\)"),
+    "mixed devices": ({0: (0, 2), 1: (1, 3)}, ValueError,
+                      r"this rank's stages \[{r}, {i}\] are on different devices \['cpu', 'cuda:0'\]"),
+    # each rank's own stages are a placement, but not the same one: rank 0 interleaved, rank 1 v
+    "ranks disagree": ({0: (0, 2), 1: (1, 2)}, ValueError, r"the ranks' stages are not one placement: rank 0 holds "
+                                                          r"\[0, 2\] \(interleaved\), rank 1 holds \[1, 2\] \(v\)"),
+}
+
+
+def _refused(rank, world, case):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp import ScheduleReady
+
+    held, error, pattern = REFUSALS[case]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    model = full_model(4)
+    stages = [PipelineStage(model[s], s, 4, torch.device("cpu")) for s in held[rank]]
+    if case == "mixed devices":
+        stages[-1].device = torch.device("cuda", 0)  # as a stage built for the GPU reads; no GPU needed to refuse
+    try:
+        with pytest.raises(error) as caught:
+            ScheduleReady(stages, M, loss_fn=loss_fn, timeout_s=20)
+    finally:
+        dist.destroy_process_group()
+    return str(caught.value), pattern.replace("{r}", str(rank)).replace("{i}", str(rank + world))
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_stage_sets_that_are_no_placement_are_refused_on_every_rank(case):
+    import re
+
+    for rank, (message, pattern) in run_ranks(_refused, 2, case, timeout=60).items():
+        assert "\n" not in message and re.search(pattern, message), (rank, message, pattern)

@@ -42,7 +42,6 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp.comm.collectives import all_gather_object
 from rrfp.comm.message import Message
 from rrfp.core.errors import ProtocolError
 from rrfp.core.hints import resolve
@@ -152,7 +151,7 @@ class ScheduleReady:
         self._has_backward = loss_fn is not None
         self._settings = dict(budget=budget, dispatch=dispatch)
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
-        layout, virtual, placement = _layout_of(stages)
+        layout, virtual, placement = _layout_of(stages, device)
         self._modules = [_StageCall(s.submod) for s in stages]
         self._loss = _Loss(loss_fn)
         self._iteration = 0
@@ -165,11 +164,11 @@ class ScheduleReady:
         except BaseException:
             self._loop.close()
             raise
-        try:
-            self._loop.call(_check_placement(self._runtime, indices))
-        except BaseException:
+        if tuple(self._runtime.stages) != indices:
             self.close(wait_for_peers=False)
-            raise
+            raise ValueError(f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places stages "
+                             f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of the "
+                             f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)")
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
 
@@ -439,10 +438,12 @@ def _check_module(module: torch.nn.Module) -> None:
                                   f"{type(module).__name__} (data parallelism inside the stage) yet")
 
 
-def _layout_of(stages: list):
+def _layout_of(stages: list, device: torch.device):
     """rrfp's layout for the stages' group (the whole world as one pipeline, or one pipeline of a
     pp x dp layout whose stage s of replica d is rank ``s * dp + d``), and the virtual stages per
-    rank and their placement, read off the stage indices this rank holds."""
+    rank and their placement, read off the stage indices each rank holds. Every rank's are gathered
+    and checked alike, so a bad set fails every rank with the same error, before rrfp's groups exist
+    (ranks that start different layouts would wait on each other's groups until the timeout)."""
     if not dist.is_initialized():
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
@@ -453,7 +454,15 @@ def _layout_of(stages: list):
     if mixed:
         raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
                          f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
-    virtual, placement = _placement_of([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, ([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank))
+    placed = [(indices, *_placement_of(indices, n, size, r)) for indices, n, size, r in everyone]
+    if len({(len(everyone[q][0]), p) for q, (_, _, p) in enumerate(placed)}) > 1:
+        raise ValueError("the ranks' stages are not one placement: " + ", ".join(
+            f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
+    _, virtual, placement = placed[dist.get_rank()]
     if world % pp:
         raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
     layout = plan_layout(world, pp, 1, world // pp)
@@ -478,18 +487,6 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
                      f"stages interleaved {list(VirtualLayout(pp, virtual).stages_of(rank))}"
                      + (f" or v {list(VirtualLayout(pp, 2, 'v').stages_of(rank))}" if virtual == 2 else "")
                      + ", not otherwise")
-
-
-async def _check_placement(rt: PipelineRuntime, indices: tuple[int, ...]) -> None:
-    """Every rank's torch stage indices against the stages rrfp put there, gathered so that a rank
-    whose stages disagree fails every rank with the same error instead of leaving its peers waiting."""
-    held = await all_gather_object(rt.poller, indices, "ScheduleReady's stage indices", rt.cpu_group)
-    for rank, mine in enumerate(held):
-        want = rt.virtual.stages_of(rt.layout.coords(rank).pp)
-        if tuple(mine) != tuple(want):
-            raise ValueError(f"rank {rank} holds torch stages {list(mine)}, but rrfp places stages {list(want)} "
-                             f"there ({rt.virtual.describe() if rt.virtual.virtual > 1 else 'one per rank'}): "
-                             f"ScheduleReady needs every rank's stages placed alike")
 
 
 async def _start(layout, backend: str, timeout_s: float, unit_ms: float, virtual: int = 1,
