@@ -81,6 +81,8 @@ def _virtual_parity(rank, world, placement):
             if cls is ScheduleReady:
                 result[f"{name} runtime stages"] = (tuple(schedule._runtime.stages),
                                                     str(schedule._runtime.virtual.placement))
+                # the hint reached the executor: 1f1b runs whole backwards, bfw and zbv split off W
+                result[f"{name} kinds"] = sorted({t.kind.name for t in schedule.last_result.order})
                 schedule.close()
     finally:
         dist.destroy_process_group()
@@ -121,6 +123,7 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
             r = res[f"rrfp {hint}"]
             print(f"{placement} world {world} rank {rank} hint {hint}: {r}")
             assert res[f"rrfp {hint} runtime stages"] == (held_stages(rank, world, placement), placement)
+            assert res[f"rrfp {hint} kinds"] == (["B", "F"] if hint == "1f1b" else ["B", "F", "W"]), (rank, hint)
             assert r["names"] > 0
             assert r["torch_grad1"] < TOL and r["torch_grad2"] < TOL, (rank, hint, r)
             assert r["ref_grad"] < TOL, (rank, hint, r)
