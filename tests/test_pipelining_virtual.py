@@ -145,6 +145,8 @@ REFUSALS = {
     "looped": ({0: (0, 1), 1: (2, 3)}, ValueError,
                r"group rank 0 holds stages \[0, 1\] of 4: ScheduleReady places a rank's stages interleaved "
                r"\[0, 2\] or v \[0, 3\], not otherwise"),  # on every rank: rank 0's stages are checked there too
+    "one stage, another rank's": ({0: (1,), 1: (0,)}, ValueError,
+                                  r"group rank 0 holds stage 1 of 2: ScheduleReady needs stage i on rank i of the group"),
     "uneven": ({0: (0,), 1: (1, 2, 3)}, ValueError, r"group rank 0 holds stages \[0\] of 4 on 2 ranks: ScheduleReady "
                                                       r"needs the same number of stages on every rank \(4 / 2 each\)"),
     "mixed devices": ({0: (0, 2), 1: (1, 3)}, ValueError,
@@ -165,8 +167,9 @@ def _refused(rank, world, case):
 
     held, error, pattern = REFUSALS[case]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
-    model = full_model(4)
-    stages = [PipelineStage(model[s], s, 4, torch.device("cpu")) for s in held[rank]]
+    n = sum(map(len, held.values()))
+    model = full_model(n)
+    stages = [PipelineStage(model[s], s, n, torch.device("cpu")) for s in held[rank]]
     if case == "mixed devices":
         stages[-1].device = torch.device("cuda", 0)  # as a stage built for the GPU reads; no GPU needed to refuse
     try:

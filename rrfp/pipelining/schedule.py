@@ -483,6 +483,9 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
     for placement in ("interleaved", "v") if virtual == 2 else ("interleaved",):  # v is for V = 2 only
         if tuple(indices) == VirtualLayout(pp, virtual, placement).stages_of(rank):
             return virtual, placement
+    if virtual == 1:
+        raise ValueError(f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs stage i "
+                         f"on rank i of the group")
     raise ValueError(f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "
                      f"stages interleaved {list(VirtualLayout(pp, virtual).stages_of(rank))}"
                      + (f" or v {list(VirtualLayout(pp, 2, 'v').stages_of(rank))}" if virtual == 2 else "")
