@@ -2,8 +2,8 @@
 of the rank's PipelineStages, as torch's PipelineScheduleMulti takes it, it must give the losses,
 gradients and outputs of torch's own multi-stage schedule on the same stages
 (ScheduleInterleaved1F1B for the interleaved placement, ScheduleZBVZeroBubble for v), and of a
-single-process run of the same model and data; stage sets that are neither placement, and stages
-on different devices, are refused in one line."""
+single-process run of the same model and data; stage sets that are neither placement, stages on
+different devices, and keyword arguments with several stages per rank are refused in one line."""
 from __future__ import annotations
 
 import copy
@@ -79,6 +79,10 @@ def _virtual_parity(rank, world, placement):
                 stages, chunks = stages[::-1], chunks[::-1]
             schedule, runs[name] = _run(cls, stages, chunks, first, last, data, **options)
             if cls is ScheduleReady:
+                # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on every rank
+                # alike (before any message), rather than give them to the first stage alone
+                with pytest.raises(NotImplementedError, match="keyword arguments.*several stages per rank"):
+                    schedule.step(*((data[0][0],) if first else ()), target=data[0][1] if last else None, scale=0.5)
                 result[f"{name} runtime stages"] = (tuple(schedule._runtime.stages),
                                                     str(schedule._runtime.virtual.placement))
                 # the hint reached the executor: 1f1b runs whole backwards, bfw and zbv split off W
