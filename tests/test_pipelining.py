@@ -213,12 +213,16 @@ def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd, t
 ONE_F_ONE_B_CSV = "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"  # torch's compute_only
 
 
-def test_several_stages_and_non_stages_are_refused():
+def test_non_stages_are_refused():
+    """Several stages per rank are taken (tests/test_pipelining_virtual.py); what is not a stage is not."""
     from rrfp import ScheduleReady
 
-    with pytest.raises(NotImplementedError, match="one stage per rank; got 2 stages.*virtual stages"):
+    with pytest.raises(ValueError, match="at least one PipelineStage, got an empty list"):
+        ScheduleReady([], M)
+    with pytest.raises(TypeError, match=r"takes a torch.distributed.pipelining PipelineStage \(or a list of them\), "
+                                        r"got object"):
         ScheduleReady([object(), object()], M)
-    with pytest.raises(TypeError, match="takes a torch.distributed.pipelining PipelineStage, got Linear"):
+    with pytest.raises(TypeError, match="takes a torch.distributed.pipelining PipelineStage.*got Linear"):
         ScheduleReady(nn.Linear(2, 2), M)
     with pytest.raises(NotImplementedError, match="custom functions"):
         ScheduleReady.register_custom_function(None, "F", print)

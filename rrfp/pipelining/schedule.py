@@ -15,6 +15,12 @@ Gradients end as torch leaves them: with ``scale_grads`` the whole ``.grad``
 (what was there before the step included) is divided by the number of
 microbatches after the step, without it the microbatch gradients are summed.
 
+Several stages per rank (virtual stages) are given as torch's ``PipelineScheduleMulti`` takes
+them, a list of the rank's PipelineStages: the stage indices say how many and where (interleaved
+r, r + S, ... or v r, 2S - 1 - r), and rrfp's runtime is started with that placement. As in
+torch, the rank holding stage 0 passes the inputs, and the rank holding the last stage (rank 0
+under v, S - 1 interleaved) the target; it gets the losses and the merged output.
+
 Underneath, the stage's module runs in an rrfp ``StageExecutor`` (readiness,
 the hint, the budget) over rrfp's own channels, so nothing needs torch's shape
 inference: microbatches may differ in shape (pass them pre-split, as torch 2.14
@@ -40,6 +46,7 @@ from rrfp.comm.message import Message
 from rrfp.core.errors import ProtocolError
 from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.loop.background import BackgroundLoop
 from rrfp.pipeline.executor import IterationResult
@@ -103,7 +110,9 @@ def _detached(value):
 
 class ScheduleReady:
     """A drop-in for torch's single-stage schedules (``Schedule1F1B``, ``ScheduleGPipe``) that runs
-    rrfp's readiness-driven executor on ``stage``'s module, rank and process group.
+    rrfp's readiness-driven executor on ``stage``'s module, rank and process group; and, given the
+    list of the rank's stages, for its multi-stage ones (``ScheduleInterleaved1F1B``,
+    ``ScheduleZBVZeroBubble``, ...): the stage indices say the placement, interleaved or v.
 
     Positional arguments are torch's. ``hint`` (a builtin name such as ``"bfw"``, ``"1f1b"``,
     ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
@@ -128,32 +137,38 @@ class ScheduleReady:
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0) -> None:
-        stage = _one_stage(stage)
+        stages = _stages_of(stage)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
             raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
-        _check_module(stage.submod)
-        self._stage, self._n_microbatches, self._loss_fn = stage, n_microbatches, loss_fn
+        for s in stages:
+            _check_module(s.submod)
+        device = _device_of(stages)
+        self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
+        self._holds_first = any(s.is_first for s in stages)
+        self._holds_last = any(s.is_last for s in stages)
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
         self._settings = dict(budget=budget, dispatch=dispatch)
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
-        layout = _layout_of(stage)
-        self._module = _StageCall(stage.submod)
+        layout, virtual, placement = _layout_of(stages, device)
+        self._modules = [_StageCall(s.submod) for s in stages]
         self._loss = _Loss(loss_fn)
         self._iteration = 0
         self.last_result: IterationResult | None = None
-        backend = "nccl" if torch.device(stage.device).type == "cuda" else "gloo"
-        self._loop = BackgroundLoop(f"rrfp-stage{stage.stage_index}")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        indices = tuple(s.stage_index for s in stages)
+        self._loop = BackgroundLoop(f"rrfp-stage{'-'.join(map(str, indices))}")
         try:
-            self._runtime = self._loop.call(_start(layout, backend, timeout_s, self._unit_ms))
+            self._runtime = self._loop.call(_start(layout, backend, timeout_s, self._unit_ms, virtual, placement))
         except BaseException:
             self._loop.close()
             raise
-        if self._runtime.stage != stage.stage_index:
+        if tuple(self._runtime.stages) != indices:
             self.close(wait_for_peers=False)
-            raise ValueError(f"rank {self._runtime.rank} holds torch stage {stage.stage_index}, but rrfp places "
-                             f"stage {self._runtime.stage} there: ScheduleReady needs stage i on rank i of the group")
+            raise ValueError(f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places stages "
+                             f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of the "
+                             f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)")
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
 
@@ -174,14 +189,14 @@ class ScheduleReady:
             raise TypeError(f"losses must be a list but got a {type(losses)}")
         presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
         arg_mbs, kwarg_mbs, target_mbs = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
-        keep = return_outputs and self._stage.is_last
+        keep = return_outputs and self._holds_last
         if self._has_backward:
             outputs, mb_losses = self._train(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep)
         else:
             outputs, mb_losses = self._loop.call(self._forward_only(self._iteration, arg_mbs, kwarg_mbs, target_mbs,
                                                                     loss_kwargs or {}, torch.is_grad_enabled()))
         self._iteration += 1
-        if self._stage.is_last and losses is not None and self._loss_fn is not None:
+        if self._holds_last and losses is not None and self._loss_fn is not None:
             losses.clear()
             losses.extend(mb_losses)
         if keep:
@@ -243,7 +258,7 @@ class ScheduleReady:
     # -- internals -----------------------------------------------------------
 
     def _new_executor(self):
-        return self._runtime.stage_executor(self._module, self._loss, microbatches=self._n_microbatches,
+        return self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
                                             hint=self._hint, split=self._split, **self._settings,
                                             **self._emulation())
 
@@ -257,7 +272,7 @@ class ScheduleReady:
         return merge_chunks(outputs, self._output_merge_spec)
 
     def _microbatches(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
-        M, stage = self._n_microbatches, self._stage
+        M = self._n_microbatches
         if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
             if args or kwargs or target is not None:
                 raise ValueError("pass either the whole batch (args, kwargs, target=) or pre-split microbatches "
@@ -280,63 +295,76 @@ class ScheduleReady:
                 arg_mbs, kwarg_mbs = [()] * M, [{}] * M
             if target is not None:
                 target_mbs = [t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]]
-        if not stage.is_first and any(kwarg_mbs):
-            raise NotImplementedError(f"stage {stage.stage_index}: keyword arguments to a stage other than the "
-                                      f"first are not supported by ScheduleReady yet; pass them on the first stage "
-                                      f"and send what later stages need as outputs")
+        if any(kwarg_mbs) and (not self._holds_first or len(self._stages) > 1):
+            # torch's multi-stage schedules pass a rank's kwargs to every stage it holds (forward_one_chunk)
+            raise NotImplementedError(f"stages {[s.stage_index for s in self._stages]}: keyword arguments to a "
+                                      f"stage other than the first are not supported by ScheduleReady yet (with "
+                                      f"several stages per rank torch passes them to every one); pass them on the "
+                                      f"first stage of a one-stage rank and send what later stages need as outputs")
         return arg_mbs, kwarg_mbs, target_mbs
 
     def _train(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool):
-        stage, M = self._stage, self._n_microbatches
+        M = self._n_microbatches
         batches = []
         for mb in range(M):
-            x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb]) if stage.is_first else None
-            y = _Target(None if target_mbs is None else target_mbs[mb], mb) if stage.is_last else None
+            x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb]) if self._holds_first else None
+            y = _Target(None if target_mbs is None else target_mbs[mb], mb) if self._holds_last else None
             batches.append((x, y))
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
-        held = _take_grads(self._module)
+        held = _take_grads(self._modules)
         try:
             self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches,
                                                                                  self._features()))
         finally:
-            _scale_grads(self._module, held, M, self.scale_grads)
-        losses = [self._executor.worker.losses[mb] for mb in range(M)] if stage.is_last else []
+            _scale_grads(self._modules, held, M, self.scale_grads)
+        last = [w for w in self._executor.workers if w.is_last]
+        losses = [last[0].losses[mb] for mb in range(M)] if last else []
         outputs = [self._loss.outputs[mb] for mb in range(M)] if keep else []
         self._loss.outputs = None
         return outputs, losses
 
     async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool):
-        """Forward only (eval, or no loss_fn), microbatches in order; every stage runs it in the
-        same step, so one message per microbatch and channel suffices."""
-        rt, stage = self._runtime, self._stage
-        ch = rt.channels
+        """Forward only (eval, or no loss_fn): microbatches in order, each through this rank's stages
+        in model order. Every rank runs it in the same step, in the one global order (microbatch,
+        then stage), so one message per microbatch and channel suffices and no rank waits on a
+        peer that waits on it; a neighbour on this rank (the V turn) gets the output directly."""
+        rt = self._runtime
+        held = {s.stage_index: m for s, m in zip(self._stages, self._modules)}
         outputs, losses = [], []
 
-        def forward(x, mb):
+        def forward(module, x, last: bool, mb: int):
             with torch.set_grad_enabled(grad):
-                out = self._module(*x) if isinstance(x, tuple) else self._module(x)
+                out = module(*x) if isinstance(x, tuple) else module(x)
                 loss = None
-                if stage.is_last and self._loss_fn is not None:
+                if last and self._loss_fn is not None:
                     loss = self._loss_fn(out, None if target_mbs is None else target_mbs[mb], **loss_kwargs)
             return out, loss
 
         for mb in range(self._n_microbatches):
-            if stage.is_first:
-                x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb])
-            else:
-                msg = await ch.fwd_in.recv()
-                if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
-                    raise ProtocolError(f"rank {rt.rank} stage {stage.stage_index}: expected the forward message "
-                                        f"of microbatch {mb}, iteration {it}; got {msg.label()}")
-                x = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
-            out, loss = await rt.lane.run(forward, x, mb)
-            if stage.is_last:
-                outputs.append(_detached(out) if not grad else out)
-                if loss is not None:
-                    losses.append(loss)
-            else:
-                tensors = list(out) if isinstance(out, (tuple, list)) else [out]
-                await ch.fwd_out.send(Message(it, mb, int(Kind.F), [_detached(t) for t in tensors]))
+            handed = None
+            for s, module in held.items():
+                last = s == rt.num_stages - 1
+                if s == 0:
+                    x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb])
+                elif s - 1 in held:
+                    x = handed
+                else:
+                    msg = await rt.rank_channels.of(s).fwd_in.recv()
+                    if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
+                        raise ProtocolError(f"rank {rt.rank} stage {s}: expected the forward message of "
+                                            f"microbatch {mb}, iteration {it}; got {msg.label()}")
+                    x = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
+                out, loss = await rt.lane.run(forward, module, x, last, mb)
+                if last:
+                    outputs.append(_detached(out) if not grad else out)
+                    if loss is not None:
+                        losses.append(loss)
+                elif s + 1 in held:
+                    handed = tuple(_detached(out)) if isinstance(out, (tuple, list)) else _detached(out)
+                else:
+                    tensors = list(out) if isinstance(out, (tuple, list)) else [out]
+                    await rt.rank_channels.of(s).fwd_out.send(Message(it, mb, int(Kind.F),
+                                                                      [_detached(t) for t in tensors]))
         return outputs, losses
 
 
@@ -345,20 +373,25 @@ def _first_inputs(args: tuple, kwargs: dict):
     return tuple(args) + ((_Kwargs(kwargs),) if kwargs else ())
 
 
-def _take_grads(module: torch.nn.Module) -> dict:
+def _parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """The rank's stages' parameters, each once (a tied weight held by two stages is one .grad)."""
+    return list(torch.nn.ModuleList(modules).parameters())
+
+
+def _take_grads(modules: list[torch.nn.Module]) -> dict:
     """Take the gradients already there off the parameters, so the step's own are seen alone."""
     held = {}
-    for p in module.parameters():
+    for p in _parameters(modules):
         if p.grad is not None:
             held[p], p.grad = p.grad, None
     return held
 
 
-def _scale_grads(module: torch.nn.Module, held: dict, M: int, scale: bool) -> None:
+def _scale_grads(modules: list[torch.nn.Module], held: dict, M: int, scale: bool) -> None:
     """rrfp's worker backpropagates loss / M, so a step leaves the mean of the microbatch gradients.
     torch leaves ``(held + sum) / M`` with scale_grads (``PipelineStage.scale_grads`` divides the
     whole ``.grad`` after the last backward), ``held + sum`` without."""
-    for p in module.parameters():
+    for p in _parameters(modules):
         g, old = p.grad, held.get(p)
         if g is not None and not scale:
             g.mul_(M)
@@ -368,17 +401,24 @@ def _scale_grads(module: torch.nn.Module, held: dict, M: int, scale: bool) -> No
             p.grad = old if g is None else old.add_(g)
 
 
-def _one_stage(stage):
-    if isinstance(stage, (list, tuple)):
-        if len(stage) != 1:
-            raise NotImplementedError(f"ScheduleReady runs one stage per rank; got {len(stage)} stages. Several "
-                                      f"stages per rank (virtual stages, PipelineScheduleMulti: interleaved, "
-                                      f"looped, ZB-V, DualPipeV) are not supported yet")
-        stage = stage[0]
-    if not isinstance(stage, _PipelineStageBase):
-        raise TypeError(f"ScheduleReady takes a torch.distributed.pipelining PipelineStage, got "
-                        f"{type(stage).__name__}")
-    return stage
+def _stages_of(stage) -> list:
+    """The rank's PipelineStages (one, or a list as torch's PipelineScheduleMulti takes), in model order."""
+    stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
+    if not stages:
+        raise ValueError("ScheduleReady needs at least one PipelineStage, got an empty list")
+    for s in stages:
+        if not isinstance(s, _PipelineStageBase):
+            raise TypeError(f"ScheduleReady takes a torch.distributed.pipelining PipelineStage (or a list of "
+                            f"them), got {type(s).__name__}")
+    return sorted(stages, key=lambda s: s.stage_index)
+
+
+def _device_of(stages: list) -> torch.device:
+    devices = {torch.device(s.device) for s in stages}
+    if len(devices) != 1:
+        raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} are on different devices "
+                         f"{sorted(map(str, devices))}: ScheduleReady runs a rank's stages on one device")
+    return devices.pop()
 
 
 def _check_module(module: torch.nn.Module) -> None:
@@ -398,16 +438,31 @@ def _check_module(module: torch.nn.Module) -> None:
                                   f"{type(module).__name__} (data parallelism inside the stage) yet")
 
 
-def _layout_of(stage):
-    """rrfp's layout for the stage's group: the whole world as one pipeline, or one pipeline of a
-    pp x dp layout whose stage s of replica d is rank ``s * dp + d``."""
+def _layout_of(stages: list, device: torch.device):
+    """rrfp's layout for the stages' group (the whole world as one pipeline, or one pipeline of a
+    pp x dp layout whose stage s of replica d is rank ``s * dp + d``), and the virtual stages per
+    rank and their placement, read off the stage indices each rank holds. Every rank's are gathered
+    and checked alike, so a bad set fails every rank with the same error, before rrfp's groups exist
+    (ranks that start different layouts would wait on each other's groups until the timeout)."""
     if not dist.is_initialized():
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
+    stage = stages[0]
     world, pp = dist.get_world_size(), stage.group_size
-    if stage.num_stages != pp:
-        raise NotImplementedError(f"the pipeline has {stage.num_stages} stages on {pp} ranks: ScheduleReady runs "
-                                  f"one stage per rank (virtual stages are not supported yet)")
+    mixed = [s.stage_index for s in stages if (s.num_stages, s.group_size, s.group_rank) !=
+             (stage.num_stages, pp, stage.group_rank)]
+    if mixed:
+        raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
+                         f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, ([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank))
+    placed = [(indices, *_placement_of(indices, n, size, r)) for indices, n, size, r in everyone]
+    if len({(len(everyone[q][0]), p) for q, (_, _, p) in enumerate(placed)}) > 1:
+        raise ValueError("the ranks' stages are not one placement: " + ", ".join(
+            f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
+    _, virtual, placement = placed[dist.get_rank()]
     if world % pp:
         raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
     layout = plan_layout(world, pp, 1, world // pp)
@@ -415,8 +470,29 @@ def _layout_of(stage):
     if ranks not in layout.pp_groups():
         raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
                                   f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
-    return layout
+    return layout, virtual, placement
 
 
-async def _start(layout, backend: str, timeout_s: float, unit_ms: float) -> PipelineRuntime:
-    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s, unit_ms=unit_ms)
+def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tuple[int, str]:
+    """(stages per rank, placement) that put exactly ``indices`` on group rank ``rank``: interleaved
+    (r, r + pp, ...: ScheduleInterleaved1F1B's) or v (r, 2pp - 1 - r: ZB-V's, DualPipeV's)."""
+    virtual = len(indices)
+    if num_stages != pp * virtual:
+        raise ValueError(f"group rank {rank} holds stages {indices} of {num_stages} on {pp} ranks: ScheduleReady "
+                         f"needs the same number of stages on every rank ({num_stages} / {pp} each)")
+    for placement in ("interleaved", "v") if virtual == 2 else ("interleaved",):  # v is for V = 2 only
+        if tuple(indices) == VirtualLayout(pp, virtual, placement).stages_of(rank):
+            return virtual, placement
+    if virtual == 1:
+        raise ValueError(f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs stage i "
+                         f"on rank i of the group")
+    raise ValueError(f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "
+                     f"stages interleaved {list(VirtualLayout(pp, virtual).stages_of(rank))}"
+                     + (f" or v {list(VirtualLayout(pp, 2, 'v').stages_of(rank))}" if virtual == 2 else "")
+                     + ", not otherwise")
+
+
+async def _start(layout, backend: str, timeout_s: float, unit_ms: float, virtual: int = 1,
+                 placement: str = "interleaved") -> PipelineRuntime:
+    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s, unit_ms=unit_ms,
+                                 virtual=virtual, placement=placement)
