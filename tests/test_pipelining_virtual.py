@@ -149,8 +149,9 @@ REFUSALS = {
     "looped": ({0: (0, 1), 1: (2, 3)}, ValueError,
                r"group rank 0 holds stages \[0, 1\] of 4: ScheduleReady places a rank's stages interleaved "
                r"\[0, 2\] or v \[0, 3\], not otherwise"),  # on every rank: rank 0's stages are checked there too
+    # one stage per rank: each rank checks its own, with no collective (both are wrong here)
     "one stage, another rank's": ({0: (1,), 1: (0,)}, ValueError,
-                                  r"group rank 0 holds stage 1 of 2: ScheduleReady needs stage i on rank i of the group"),
+                                  r"group rank {r} holds stage {h} of 2: ScheduleReady needs stage i on rank i of the group"),
     "uneven": ({0: (0,), 1: (1, 2, 3)}, ValueError, r"group rank 0 holds stages \[0\] of 4 on 2 ranks: ScheduleReady "
                                                       r"needs the same number of stages on every rank \(4 / 2 each\)"),
     "mixed devices": ({0: (0, 2), 1: (1, 3)}, ValueError,
@@ -181,7 +182,8 @@ def _refused(rank, world, case):
             ScheduleReady(stages, M, loss_fn=loss_fn, timeout_s=20)
     finally:
         dist.destroy_process_group()
-    return str(caught.value), pattern.replace("{r}", str(rank)).replace("{i}", str(rank + world))
+    return str(caught.value), pattern.replace("{r}", str(rank)).replace("{i}", str(rank + world)).replace(
+        "{h}", str(held[rank][0]))
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))

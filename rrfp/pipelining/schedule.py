@@ -441,9 +441,10 @@ def _check_module(module: torch.nn.Module) -> None:
 def _layout_of(stages: list, device: torch.device):
     """rrfp's layout for the stages' group (the whole world as one pipeline, or one pipeline of a
     pp x dp layout whose stage s of replica d is rank ``s * dp + d``), and the virtual stages per
-    rank and their placement, read off the stage indices each rank holds. Every rank's are gathered
-    and checked alike, so a bad set fails every rank with the same error, before rrfp's groups exist
-    (ranks that start different layouts would wait on each other's groups until the timeout)."""
+    rank and their placement, read off the stage indices each rank holds. With several stages per
+    rank every rank's are gathered and checked alike, so a bad set fails every rank with the same
+    error before rrfp's groups exist (ranks that start different layouts would wait on each other's
+    groups until the timeout); one stage per rank is checked locally, as before, with no collective."""
     if not dist.is_initialized():
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
@@ -454,15 +455,19 @@ def _layout_of(stages: list, device: torch.device):
     if mixed:
         raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
                          f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, ([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank))
-    placed = [(indices, *_placement_of(indices, n, size, r)) for indices, n, size, r in everyone]
-    if len({(len(everyone[q][0]), p) for q, (_, _, p) in enumerate(placed)}) > 1:
-        raise ValueError("the ranks' stages are not one placement: " + ", ".join(
-            f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
-    _, virtual, placement = placed[dist.get_rank()]
+    mine = ([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank)
+    if stage.num_stages == pp:  # one stage per rank: nothing two ranks could disagree on
+        _, virtual, placement = (mine[0], *_placement_of(*mine))
+    else:
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
+        placed = [(indices, *_placement_of(indices, n, size, r)) for indices, n, size, r in everyone]
+        if len({(len(everyone[q][0]), p) for q, (_, _, p) in enumerate(placed)}) > 1:
+            raise ValueError("the ranks' stages are not one placement: " + ", ".join(
+                f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
+        _, virtual, placement = placed[dist.get_rank()]
     if world % pp:
         raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
     layout = plan_layout(world, pp, 1, world // pp)
