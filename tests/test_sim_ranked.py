@@ -1,8 +1,8 @@
 """The simulator's fast path (rrfp/sim/ranked.py) makes exactly the trackers' decisions:
 the same timeline, busy time, peak in-flight and decision count as stepping every
-StageTracker (``simulate(cfg, reference=True)``), for every hint, budget and preset it
-takes, zero-length tasks and tied instants included; and it declines what it cannot
-run exactly."""
+StageTracker, or every RankTracker with virtual stages (``simulate(cfg, reference=True)``),
+for every hint, budget, layout and preset it takes, zero-length tasks and tied instants
+included; and it declines what it cannot run exactly."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,6 +32,7 @@ def _same(cfg: SimConfig) -> None:
     assert fast.peak_inflight == ref.peak_inflight
     assert [st.decisions for st in fast.stats] == [st.decisions for st in ref.stats]
     assert fast.lower_bound == ref.lower_bound
+    assert fast.stage_stats == ref.stage_stats  # V > 1: busy and peak per global stage
 
 
 def _plan_hint(order) -> Hint:
@@ -65,15 +66,59 @@ def test_fast_path_at_scale_and_with_ties():
         _same(SimConfig(S, M, "bfw", "ready", budget, Variability.preset("lang"), seed=3))
 
 
-def test_what_the_fast_path_declines():
+@pytest.mark.parametrize("layout", [(1, "interleaved"), (2, "v"), (3, "interleaved")])
+def test_what_the_fast_path_declines(layout):
+    V, placement = layout
     lang = Variability.preset("lang")
-    base = SimConfig(4, 8, "bfw", "ready", "2x", lang, seed=1)
+    base = SimConfig(4, 8, "bfw", "ready", "2x", lang, seed=1, virtual=V, placement=placement)
     assert _ranked(base, *_durations(base)) is not None
-    for cfg in (replace(base, dispatch="fixed"), replace(base, hint=resolve("1f1b")),
+    schedule = "zbv" if placement == "v" else "1f1b"  # a schedule hint: no class rule
+    for cfg in (replace(base, dispatch="fixed"), replace(base, hint=resolve(schedule)),
+                replace(base, hint=resolve("gpipe")),
                 replace(base, variability=replace(lang, comm_jitter=0.3)),  # arrivals can overtake each other
                 replace(base, hint=Hint("bfw", resolve("bfw").fn, is_class=True))):  # not known to be uniform
         assert _ranked(cfg, *_durations(cfg)) is None
         assert simulate(cfg).makespan == simulate(cfg, reference=True).makespan
+
+
+VIRTUAL_BUDGETS = ["0.5x", "1x", "1.5x", "2x", "3x", "4x", "1", "3", "3000B", "1B"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(S=st.integers(1, 5), M=st.integers(1, 12), layout=st.sampled_from([(2, "interleaved"), (2, "v"),
+                                                                          (3, "interleaved")]),
+       preset=st.sampled_from(["none", "lang"]), comm=st.sampled_from([0.0, 0.05, 0.5]),
+       seed=st.integers(0, 10_000), budget=st.sampled_from(VIRTUAL_BUDGETS),
+       hint=st.sampled_from(["bfw", "bf", "plan"]), split=st.sampled_from([True, False]), zeros=st.booleans())
+def test_fast_path_makes_the_rank_trackers_decisions(S, M, layout, preset, comm, seed, budget, hint, split, zeros):
+    """V > 1: the rank's choice among its stages' heads (chunked priority, the lead limit, the
+    reserve, bytes, later chunks past a refused forward), the V turn delivered at once."""
+    from rrfp.sim.planning import planned_config
+
+    V, placement = layout
+    var = Variability.preset(preset, comm=comm)
+    cfg = SimConfig(S, M, hint, "ready", budget, var, seed=seed, split=split, mb_bytes=1000 * V, virtual=V,
+                    placement=placement)
+    if hint == "plan":
+        cfg = planned_config(cfg)[0]
+    if zeros:  # zero-length tasks: events at one instant in several rounds, and turns at one instant
+        dur = _durations(cfg)[0]
+        dur[np.random.default_rng(seed).random(dur.shape) < 0.4] = 0.0
+        cfg = replace(cfg, durations=dur.tolist())
+    _same(cfg)
+
+
+@pytest.mark.parametrize("placement", ["interleaved", "v"])
+def test_fast_path_at_scale_with_virtual_stages(placement):
+    """8 x 32 at V = 2, the benchmark's shape: unit tasks (many ties) and lang; the planned hint."""
+    from rrfp.sim.planning import planned_config
+
+    for budget in ("2x", "1x", "4x", "8"):
+        _same(SimConfig(8, 32, "bfw", "ready", budget, Variability.preset("none"), virtual=2, placement=placement))
+        lang = SimConfig(8, 32, "plan", "ready", budget, Variability.preset("lang"), seed=5, virtual=2,
+                         placement=placement)
+        _same(planned_config(lang)[0])
+    _same(SimConfig(8, 32, "bf", "ready", "2x", Variability.preset("lang"), seed=2, split=False, virtual=3))
 
 
 def test_ranking_needs_one_order_for_every_kind():
@@ -89,14 +134,16 @@ def test_ranking_needs_one_order_for_every_kind():
 
 
 @pytest.mark.parametrize("budget", ["2x", "1x"])
-def test_plans_are_scored_on_the_fast_path_as_on_the_trackers(budget):
+@pytest.mark.parametrize("layout", [(1, "interleaved"), (2, "v"), (2, "interleaved")])
+def test_plans_are_scored_on_the_fast_path_as_on_the_trackers(budget, layout):
     """make_plan's candidates, scored on the fast path, get the makespans the trackers give them."""
     from rrfp.core.durations import known
     from rrfp.sim.planning import planned_config
 
+    V, placement = layout
     var = Variability.preset("lang")
     for seed in range(3):
-        cfg = SimConfig(8, 24, resolve("plan"), "ready", budget, var, seed=seed)
+        cfg = SimConfig(8, 24, resolve("plan"), "ready", budget, var, seed=seed, virtual=V, placement=placement)
         planned, made = planned_config(cfg)
         seen = replace(planned, variability=known(var))
         assert simulate(seen, reference=True).makespan == made.predicted_makespan

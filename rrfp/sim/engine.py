@@ -163,24 +163,29 @@ def _durations(cfg: SimConfig):
 def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
-    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
-    if (cfg.virtual > 1 or cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform
-            or not RankedPipeline.fits(lat_f, lat_b)):
+    S, M, N, split, lay = cfg.stages, cfg.microbatches, cfg.num_stages, cfg.split_backward, cfg.layout
+    if cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform or not RankedPipeline.fits(lat_f, lat_b):
         return None
-    ranking = ranking_of(cfg.hint.priority(S, 0, M, split), M, split)
+    ranking = ranking_of(cfg.hint.priority(N, 0, M, split), M, split)
     if ranking is None:
         return None
-    limits = [cfg.budget.limit(S, s) for s in range(S)]
-    run = RankedPipeline(dur, lat_f, lat_b, limits, sizes, split).run(ranking, cfg.record)
+    limits = [cfg.budget.rank_limit(lay, r) for r in range(S)]
+    run = RankedPipeline(dur, lat_f, lat_b, limits, sizes, split, lay).run(ranking, cfg.record)
     if run is None:
         return None
-    stats = [StageStats(busy=run.busy[s], wall=run.makespan, decisions=run.decisions[s],
-                        peak_inflight=run.peaks[s], iterations=1) for s in range(S)]
-    return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline)
+    stats = [StageStats(busy=run.busy[r], wall=run.makespan, decisions=run.decisions[r],
+                        peak_inflight=run.peaks[r], iterations=1) for r in range(S)]
+    if cfg.virtual == 1:
+        return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline)
+    per_stage = [StageStats(busy=run.stage_busy[g], wall=run.makespan, peak_inflight=run.stage_peaks[g],
+                            iterations=1) for g in range(N)]
+    rank_of = [lay.rank_of(g) for g in range(N)]
+    return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), run.timeline,
+                     per_stage)
 
 
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
-    """One iteration. Ready dispatch of bf, bfw and plan with V = 1 takes the fast path, which makes
+    """One iteration. Ready dispatch of bf, bfw and plan takes the fast path (any V), which makes
     the trackers' every decision without stepping them; ``reference=True`` always steps them."""
     S, M, split, lay = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.layout
     dur, lat_f, lat_b, sizes = _durations(cfg)

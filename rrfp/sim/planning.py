@@ -45,12 +45,13 @@ def make_plan(predicted: np.ndarray, budget: Budget, variability: Variability, s
         return Hint("plan", entry_order_hint(order), is_class=True, uniform=True)
 
     dur, lat_f, lat_b, sizes = _durations(base)
-    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits; V = 1 only)
-    if layout.virtual == 1 and RankedPipeline.fits(lat_f, lat_b):
-        pipeline = RankedPipeline(dur, lat_f, lat_b, [budget.limit(S, s) for s in range(S)], sizes, split)
+    pipeline = None  # the simulator's fast path (known latencies have no jitter, so it fits)
+    if RankedPipeline.fits(lat_f, lat_b):
+        pipeline = RankedPipeline(dur, lat_f, lat_b, [budget.rank_limit(layout, r) for r in range(S)], sizes, split,
+                                  layout)
 
     def score(order) -> float:  # the candidates share durations, latencies and sizes: set up once
-        ranking = ranking_of(hint(order).priority(S, 0, M, split), M, split) if pipeline else None
+        ranking = ranking_of(hint(order).priority(N, 0, M, split), M, split) if pipeline else None
         run = pipeline.run(ranking) if ranking is not None else None
         return run.makespan if run is not None else simulate(replace(base, hint=hint(order))).makespan
 

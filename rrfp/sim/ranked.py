@@ -29,6 +29,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from rrfp.core.budget import Limit
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind, Task
 
 
@@ -60,10 +61,12 @@ def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool)
 @dataclass
 class RankedRun:
     makespan: float
-    busy: list[float]
+    busy: list[float]  # per rank (a stage when V = 1)
     decisions: list[int]
     peaks: list[int]
-    timeline: list[tuple[int, Task, float, float]]  # (stage, task, start, end), when recorded
+    timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end), when recorded
+    stage_busy: list[float] | None = None  # per global stage when V > 1
+    stage_peaks: list[int] | None = None
 
 
 class RankedPipeline:
@@ -71,11 +74,14 @@ class RankedPipeline:
     many rankings (the planner scores several entry orders on the same durations)."""
 
     def __init__(self, dur: np.ndarray, lat_f: np.ndarray, lat_b: np.ndarray, limits: Sequence[Limit],
-                 sizes: Sequence[int], split: bool) -> None:
+                 sizes: Sequence[int], split: bool, layout: VirtualLayout | None = None) -> None:
+        """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank (``Budget.rank_limit``
+        when V > 1); ``sizes`` a chunk's bytes per microbatch."""
         self.dur, self.split = np.asarray(dur, dtype=np.float64), split
         self.lat_f = [float(x) for x in np.asarray(lat_f)[:, 0]]
         self.lat_b = [float(x) for x in np.asarray(lat_b)[:, 0]]
         self.limits, self.sizes = list(limits), list(sizes)
+        self.layout = layout if layout is not None and layout.virtual > 1 else None
 
     @staticmethod
     def fits(lat_f: np.ndarray, lat_b: np.ndarray) -> bool:
@@ -84,6 +90,8 @@ class RankedPipeline:
 
     def run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
         """The iteration under ``ranking``; None if it stalls (the trackers then say why)."""
+        if self.layout is not None:
+            return self._run_ranks(ranking, record)
         S, M, _ = self.dur.shape
         split = self.split
         o = np.asarray(ranking.order, dtype=np.int64)
@@ -182,3 +190,161 @@ class RankedPipeline:
                 any(r >= 0 for r in running):
             return None
         return RankedRun(last, busy, decisions, peaks, timeline)
+
+    def _run_ranks(self, ranking: Ranking, record: bool) -> RankedRun | None:
+        """V > 1: ``RankTracker``'s rules on heads. A rank decides among its stages' heads by
+        ``chunked_priority`` (the stage rule's place, then the later chunk first: key p*V + V-1-c),
+        and ``choose``'s rule for a rank: the best non-F, else the best F if ``_admits`` it, else a
+        better F of a later chunk than every refused one. The V turn arrives at once."""
+        lay = self.layout
+        N, M, _ = self.dur.shape
+        S, V, split = lay.ranks, lay.virtual, self.split
+        stages = [lay.stages_of(r) for r in range(S)]
+        rank_of = [lay.rank_of(g) for g in range(N)]
+        local_next = [g + 1 < N and rank_of[g + 1] == rank_of[g] for g in range(N)]  # the V turn after g
+        leads = [lay.leads(r) for r in range(S)]
+        o = np.asarray(ranking.order, dtype=np.int64)
+        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
+        pF, pB, pW = ranking.priority
+        LF, LB = self.lat_f, self.lat_b
+        sizes = [self.sizes[m] for m in ranking.order]
+        lim = [lm.count for lm in self.limits]
+        blim = [lm.bytes for lm in self.limits]
+        nF, nB, nW = [0] * N, [0] * N, [0] * N  # per global stage: next of each kind, an index into the order
+        arrF, arrB = [0] * N, [0] * N
+        arrF[0] = M
+        arrB[N - 1] = M
+        fdone, bdone = [0] * N, [0] * N
+        sheld, speaks, stage_busy = [0] * N, [0] * N, [0.0] * N  # per global stage
+        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S  # per rank, in chunk-microbatches
+        forwards = [[0] * V for _ in range(S)]  # forwards started per chunk
+        running = [-1] * S  # kind of the rank's running task, -1 when idle
+        busy, decisions = [0.0] * S, [0] * S
+        timeline: list[tuple[int, Task, float, float]] = []
+        events: list[tuple[float, int]] = []  # (time, code): g finished, N+g input or 2N+g gradient reached g
+        push, pop = heapq.heappush, heapq.heappop
+        N2 = 2 * N
+
+        def admits(r: int, c: int, i: int) -> bool:  # RankTracker._admits
+            reserve = V - 1 - c
+            fw = forwards[r]
+            if reserve and fw[c] - fw[c + 1] >= leads[r][c]:
+                return False
+            if lim[r] is not None and held[r] + reserve >= lim[r]:
+                return False
+            if blim[r] is not None and any(sheld[g] for g in stages[r][c:]):
+                if held_bytes[r] + sizes[i] * (1 + reserve) > blim[r]:
+                    return False
+            return True
+
+        now, last = 0.0, 0.0
+        deciding: Sequence[int] = range(S)
+        while True:
+            for r in deciding:  # the policy, on each stage's three heads
+                if running[r] >= 0:
+                    continue
+                decisions[r] += 1
+                k, best, bg, bi, bc = -1, 0, 0, 0, 0  # the best non-F: kind, key, stage, index
+                fs = []  # F heads: (key, chunk, stage, index)
+                for c, g in enumerate(stages[r]):
+                    vc = V - 1 - c
+                    j = nB[g]
+                    if j < fdone[g] and j < arrB[g]:
+                        key = pB[j] * V + vc
+                        if k < 0 or key < best:
+                            k, best, bg, bi = 1, key, g, j
+                    if split:
+                        w = nW[g]
+                        if w < bdone[g]:
+                            key = pW[w] * V + vc
+                            if k < 0 or key < best:
+                                k, best, bg, bi = 2, key, g, w
+                    i = nF[g]
+                    if i < arrF[g]:
+                        fs.append((pF[i] * V + vc, c, g, i))
+                if fs:
+                    if len(fs) > 1:
+                        fs.sort()
+                    refused = -1
+                    for key, c, g, i in fs:
+                        if k >= 0 and key >= best:
+                            break
+                        if c > refused and admits(r, c, i):
+                            k, bg, bi, bc = 0, g, i, c
+                            break
+                        if c > refused:
+                            refused = c
+                if k == 0:
+                    g, i = bg, bi
+                    nF[g] = i + 1
+                    forwards[r][bc] += 1
+                    held[r] += 1
+                    held_bytes[r] += sizes[i]
+                    sheld[g] += 1
+                    if held[r] > peaks[r]:
+                        peaks[r] = held[r]
+                    if sheld[g] > speaks[g]:
+                        speaks[g] = sheld[g]
+                    end = now + DF[g][i]
+                elif k == 1:
+                    nB[bg] = bi + 1
+                    end = now + DB[bg][bi]
+                elif k == 2:
+                    nW[bg] = bi + 1
+                    end = now + DW[bg][bi]
+                else:
+                    continue
+                running[r] = k
+                busy[r] += end - now
+                stage_busy[bg] += end - now
+                if record:
+                    timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
+                push(events, (end, bg))
+            if not events:
+                break
+            now, code = pop(events)
+            deciding = []
+            while True:  # everything that happens at this instant
+                if code < N:
+                    g, last = code, now
+                    r = rank_of[g]
+                    k, running[r] = running[r], -1
+                    if k == 0:
+                        fdone[g] += 1
+                        if local_next[g]:
+                            arrF[g + 1] += 1
+                        elif g + 1 < N:
+                            push(events, (now + LF[g], N + g + 1))
+                    elif k == 1:
+                        i = bdone[g]
+                        bdone[g] = i + 1
+                        if not split:
+                            held[r] -= 1
+                            held_bytes[r] -= sizes[i]
+                            sheld[g] -= 1
+                        if g and local_next[g - 1]:
+                            arrB[g - 1] += 1
+                        elif g:
+                            push(events, (now + LB[g], N2 + g - 1))
+                    else:
+                        held[r] -= 1
+                        held_bytes[r] -= sizes[nW[g] - 1]
+                        sheld[g] -= 1
+                elif code < N2:
+                    g = code - N
+                    arrF[g] += 1
+                    r = rank_of[g]
+                else:
+                    g = code - N2
+                    arrB[g] += 1
+                    r = rank_of[g]
+                deciding.append(r)
+                if not events or events[0][0] > now:
+                    break
+                now, code = pop(events)
+            if len(deciding) > 1:
+                deciding = sorted(set(deciding))
+        if any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW)) or \
+                any(r >= 0 for r in running):
+            return None
+        return RankedRun(last, busy, decisions, peaks, timeline, stage_busy, speaks)
