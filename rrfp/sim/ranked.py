@@ -13,12 +13,23 @@ among three heads: the best priority (``rrfp.core.policy.choose``), a forward on
 if the budget admits it. Arrivals are counters and the heads are indices, where the
 tracker keeps sets and heaps.
 
-``StageTracker`` (rrfp/core/tracker.py) stays the one definition of the rules; this
-restates them for heads, and ``tests/test_sim_ranked.py`` holds the two to the same
-timeline, busy time, peaks and decision counts. ``simulate(cfg, reference=True)``
-always steps the trackers. Events and instants are the tracker path's: everything
-that happens at one instant is applied before any idle stage decides, and the
-touched stages decide in stage order.
+With virtual stages (V > 1) the argument holds per global stage: a stage's inputs come
+in the order its predecessor ran them, over a link of one latency or the V turn, which
+is no message and arrives at once. A rank then chooses among the heads of its V stages
+as ``RankTracker`` does: by ``chunked_priority`` (the stage rule's place, then the later
+chunk first), the best non-F, else the best F if ``RankTracker._admits`` lets it in (the
+lead over the next chunk, the reserve for later chunks, bytes), else a better F of a
+later chunk than every refused one. (Under one order a later chunk's F always ranks
+first, since its microbatch came through the earlier chunk, so that last rule never
+finds one; it is kept as ``choose`` has it.) The budget is the rank's, in
+chunk-microbatches over all its stages, released at a chunk's last backward.
+
+``StageTracker`` (rrfp/core/tracker.py) and ``RankTracker`` (rrfp/core/rank_tracker.py)
+stay the one definition of the rules; this restates them for heads, and
+``tests/test_sim_ranked.py`` holds the two to the same timeline, busy time, peaks and
+decision counts. ``simulate(cfg, reference=True)`` always steps the trackers. Events
+and instants are the tracker path's: everything that happens at one instant is
+applied before any idle rank decides, and the touched ranks decide in rank order.
 """
 from __future__ import annotations
 
