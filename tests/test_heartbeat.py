@@ -88,16 +88,19 @@ def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
 
 
 def test_a_store_that_stops_answering_is_named_as_the_store(server):
+    """This rank's reads block (the server is stopped) while the peer goes on beating behind it:
+    the store is named, not the peer whose beats it can no longer read."""
     a, b = _pair(server)
+    a.store = stalling = StallingStore(a.store)
     a.start(), b.start()
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
-        a.close()  # no read any more, as when its store.get blocks on a stopped server
-        time.sleep(2 * a.period_s)  # the thread's last round ends
-        b.close()
+        stalling.stall.set()
         found = _watch(a, 5 * TIMEOUT_S)
         assert found is not None and found.rank is None, found
+        assert found.seconds >= TIMEOUT_S
     finally:
+        stalling.release.set()
         a.close(), b.close()
 
 
