@@ -66,6 +66,25 @@ def test_fast_path_at_scale_and_with_ties():
         _same(SimConfig(S, M, "bfw", "ready", budget, Variability.preset("lang"), seed=3))
 
 
+@pytest.mark.parametrize("budget", ["2x", "1x", "3", "4000B"])
+def test_one_stage_per_rank_loop_makes_the_rank_loops_decisions(budget):
+    """RankedPipeline keeps a faster loop for V = 1 beside the rank loop; at V = 1 the two decide
+    alike (the same timeline, busy time, decisions and peaks), so the copy cannot drift."""
+    from rrfp.core.placement import VirtualLayout
+    from rrfp.sim.ranked import RankedPipeline
+
+    for S, M, preset in ((4, 16, "lang"), (8, 32, "none"), (3, 7, "lang")):
+        cfg = SimConfig(S, M, "bfw", "ready", budget, Variability.preset(preset), seed=S)
+        dur, lat_f, lat_b, sizes = _durations(cfg)
+        limits = [cfg.budget.rank_limit(cfg.layout, r) for r in range(S)]
+        ranking = ranking_of(cfg.hint.priority(S, 0, M, True), M, True)
+        plain = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True).run(ranking, record=True)
+        ranks = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True, VirtualLayout(S))._run_ranks(ranking, True)
+        assert plain is not None and ranks is not None
+        assert (plain.makespan, plain.timeline, plain.busy, plain.decisions, plain.peaks) == \
+            (ranks.makespan, ranks.timeline, ranks.busy, ranks.decisions, ranks.peaks)
+
+
 @pytest.mark.parametrize("layout", [(1, "interleaved"), (2, "v"), (3, "interleaved")])
 def test_what_the_fast_path_declines(layout):
     V, placement = layout
