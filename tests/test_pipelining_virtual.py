@@ -145,20 +145,27 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
 # -- refusals: one line naming the problem, on every rank, before any schedule runs -----------------
 
 REFUSALS = {
-    # looped placement (ScheduleLoopedBFS's): rank r holds r * V .. r * V + V - 1
+    # looped placement (ScheduleLoopedBFS's): rank r holds r * V .. r * V + V - 1; each rank names its own
     "looped": ({0: (0, 1), 1: (2, 3)}, ValueError,
-               r"group rank 0 holds stages \[0, 1\] of 4: ScheduleReady places a rank's stages interleaved "
-               r"\[0, 2\] or v \[0, 3\], not otherwise"),  # on every rank: rank 0's stages are checked there too
-    # one stage per rank: each rank checks its own, with no collective (both are wrong here)
+               r"group rank {r} holds stages \[\d, \d\] of 4: ScheduleReady places a rank's stages interleaved "
+               r"\[{r}, {i}\] or v \[{r}, \d\], not otherwise"),
+    # one stage per rank: each rank checks its own (both are wrong here)
     "one stage, another rank's": ({0: (1,), 1: (0,)}, ValueError,
                                   r"group rank {r} holds stage {h} of 2: ScheduleReady needs stage i on rank i of the group"),
-    "uneven": ({0: (0,), 1: (1, 2, 3)}, ValueError, r"group rank 0 holds stages \[0\] of 4 on 2 ranks: ScheduleReady "
+    "uneven": ({0: (0,), 1: (1, 2, 3)}, ValueError, r"group rank {r} holds stages \[.*\] of 4 on 2 ranks: ScheduleReady "
                                                       r"needs the same number of stages on every rank \(4 / 2 each\)"),
     "mixed devices": ({0: (0, 2), 1: (1, 3)}, ValueError,
                       r"this rank's stages \[{r}, {i}\] are on different devices \['cpu', 'cuda:0'\]"),
     # each rank's own stages are a placement, but not the same one: rank 0 interleaved, rank 1 v
     "ranks disagree": ({0: (0, 2), 1: (1, 2)}, ValueError, r"the ranks' stages are not one placement: rank 0 holds "
                                                           r"\[0, 2\] \(interleaved\), rank 1 holds \[1, 2\] \(v\)"),
+    # one rank alone refuses its arguments: the other fails at once with that rank's error, not after
+    # waiting in group creation (whose timeout, 120 s here, is past the test's)
+    "one rank's module is wrapped (V = 1)": ({0: (0,), 1: (1,)}, NotImplementedError,
+                                             r"^{who}ScheduleReady does not support a stage module wrapped in "
+                                             r"DistributedDataParallel \(data parallelism inside the stage\) yet$"),
+    "one rank's microbatch count (V = 2)": ({0: (0, 2), 1: (1, 3)}, ValueError,
+                                            r"^{who}n_microbatches must be a positive int, got 0$"),
 }
 
 
@@ -171,24 +178,29 @@ def _refused(rank, world, case):
     from rrfp import ScheduleReady
 
     held, error, pattern = REFUSALS[case]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     n = sum(map(len, held.values()))
     model = full_model(n)
-    stages = [PipelineStage(model[s], s, n, torch.device("cpu")) for s in held[rank]]
+    modules = {s: model[s] for s in held[rank]}
+    alone = dist.new_group([1])  # every rank creates it; rank 1 wraps its stage in DDP over itself
+    if case.startswith("one rank's module") and rank == 1:
+        modules = {s: torch.nn.parallel.DistributedDataParallel(m, process_group=alone) for s, m in modules.items()}
+    stages = [PipelineStage(modules[s], s, n, torch.device("cpu")) for s in held[rank]]
     if case == "mixed devices":
         stages[-1].device = torch.device("cuda", 0)  # as a stage built for the GPU reads; no GPU needed to refuse
+    count = 0 if case.startswith("one rank's microbatch") and rank == 1 else M
     try:
         with pytest.raises(error) as caught:
-            ScheduleReady(stages, M, loss_fn=loss_fn, timeout_s=20)
+            ScheduleReady(stages, count, loss_fn=loss_fn, timeout_s=120)
     finally:
         dist.destroy_process_group()
     return str(caught.value), pattern.replace("{r}", str(rank)).replace("{i}", str(rank + world)).replace(
-        "{h}", str(held[rank][0]))
+        "{h}", str(held[rank][0])).replace("{who}", "" if rank == 1 else "rank 1: ")
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
-def test_stage_sets_that_are_no_placement_are_refused_on_every_rank(case):
+def test_refusals_fail_every_rank_at_once_in_one_line(case):
     import re
 
-    for rank, (message, pattern) in run_ranks(_refused, 2, case, timeout=60).items():
+    for rank, (message, pattern) in run_ranks(_refused, 2, case, timeout=60).items():  # 60 s: before any timeout
         assert "\n" not in message and re.search(pattern, message), (rank, message, pattern)

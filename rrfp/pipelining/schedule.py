@@ -138,11 +138,7 @@ class ScheduleReady:
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0) -> None:
         stages = _stages_of(stage)
-        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
-            raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
-        for s in stages:
-            _check_module(s.submod)
-        device = _device_of(stages)
+        layout, virtual, placement, device = _layout_of(stages, n_microbatches)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
         self._holds_last = any(s.is_last for s in stages)
@@ -151,7 +147,6 @@ class ScheduleReady:
         self._has_backward = loss_fn is not None
         self._settings = dict(budget=budget, dispatch=dispatch)
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
-        layout, virtual, placement = _layout_of(stages, device)
         self._modules = [_StageCall(s.submod) for s in stages]
         self._loss = _Loss(loss_fn)
         self._iteration = 0
@@ -438,44 +433,66 @@ def _check_module(module: torch.nn.Module) -> None:
                                   f"{type(module).__name__} (data parallelism inside the stage) yet")
 
 
-def _layout_of(stages: list, device: torch.device):
+def _layout_of(stages: list, n_microbatches) -> tuple:
     """rrfp's layout for the stages' group (the whole world as one pipeline, or one pipeline of a
-    pp x dp layout whose stage s of replica d is rank ``s * dp + d``), and the virtual stages per
-    rank and their placement, read off the stage indices each rank holds. With several stages per
-    rank every rank's are gathered and checked alike, so a bad set fails every rank with the same
-    error before rrfp's groups exist (ranks that start different layouts would wait on each other's
-    groups until the timeout); one stage per rank is checked locally, as before, with no collective."""
+    pp x dp layout whose stage s of replica d is rank ``s * dp + d``), the virtual stages per rank,
+    their placement (read off the stage indices each rank holds) and the rank's device.
+
+    Every rank's own checks end in one gather of their outcomes, before rrfp's groups exist: a rank
+    that refuses its arguments would otherwise leave the others waiting in group creation until the
+    timeout. So a refusal fails every rank at once: a rank raises its own error, or, when its own
+    arguments are fine, the first refusing rank's, naming that rank. With several stages per rank
+    the ranks' stage sets must also be one placement."""
     if not dist.is_initialized():
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
+    device = torch.device(stages[0].device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
+    try:
+        mine, error = _checked(stages, n_microbatches), None
+    except (ValueError, TypeError, NotImplementedError) as e:
+        mine, error = None, e
+    world = dist.get_world_size()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (mine, error))
+    if error is not None:
+        raise error
+    q, first = next(((q, e) for q, (_, e) in enumerate(everyone) if e is not None), (None, None))
+    if first is not None:
+        raise type(first)(f"rank {q}: {first}")
+    placed = [placed for placed, _ in everyone]
+    if len({(len(indices), p) for indices, _, p in placed}) > 1:
+        raise ValueError("the ranks' stages are not one placement: " + ", ".join(
+            f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
+    stage, (_, virtual, placement) = stages[0], mine
+    layout = plan_layout(world, stage.group_size, 1, world // stage.group_size)
+    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
+    if ranks not in layout.pp_groups():
+        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
+                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
+    return layout, virtual, placement, device
+
+
+def _checked(stages: list, n_microbatches) -> tuple[list[int], int, str]:
+    """This rank's own checks: (its stage indices, V, placement), or the error that names what is wrong."""
+    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
+        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+    for s in stages:
+        _check_module(s.submod)
+    _device_of(stages)
     stage = stages[0]
-    world, pp = dist.get_world_size(), stage.group_size
+    pp = stage.group_size
     mixed = [s.stage_index for s in stages if (s.num_stages, s.group_size, s.group_rank) !=
              (stage.num_stages, pp, stage.group_rank)]
     if mixed:
         raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
                          f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
-    mine = ([s.stage_index for s in stages], stage.num_stages, pp, stage.group_rank)
-    if stage.num_stages == pp:  # one stage per rank: nothing two ranks could disagree on
-        _, virtual, placement = (mine[0], *_placement_of(*mine))
-    else:
-        if device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
-        placed = [(indices, *_placement_of(indices, n, size, r)) for indices, n, size, r in everyone]
-        if len({(len(everyone[q][0]), p) for q, (_, _, p) in enumerate(placed)}) > 1:
-            raise ValueError("the ranks' stages are not one placement: " + ", ".join(
-                f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
-        _, virtual, placement = placed[dist.get_rank()]
-    if world % pp:
-        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
-    layout = plan_layout(world, pp, 1, world // pp)
-    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
-    if ranks not in layout.pp_groups():
-        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
-                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
-    return layout, virtual, placement
+    if dist.get_world_size() % pp:
+        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size "
+                         f"{dist.get_world_size()}")
+    indices = [s.stage_index for s in stages]
+    return (indices, *_placement_of(indices, stage.num_stages, pp, stage.group_rank))
 
 
 def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tuple[int, str]:
