@@ -96,3 +96,32 @@ def test_a_rank_with_virtual_stages_names_all_it_holds():
     chan = ProtocolError("rank 1 stage 6: channel fwd 5->6 (peer rank 2): expected an F message")
     assert Failure.of(chan).line(1, (1, 6), "x.log", debug=False) == (
         "rank 1 (stages 1, 6): stage 6: channel fwd 5->6 (peer rank 2): expected an F message (traceback in x.log)")
+
+
+def test_a_waiting_rank_names_a_peer_that_owes_it_on_two_channels_once(caplog):
+    """With virtual stages one peer can owe a rank on two channels (rank 2 of three, interleaved,
+    waits for rank 1's F into stage 5 and its B into stage 2); the heartbeat's activity and the
+    periodic warning name it once ("waiting for rank 1 and 0", not "1 and 0 and 1")."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from rrfp.pipeline.executor import _Iteration
+
+    doing: list[str] = []
+    hb = SimpleNamespace(doing=doing.append, describe=lambda p: f"peer {p} ok")
+    it = _Iteration.__new__(_Iteration)
+    it.ex = SimpleNamespace(liveness=hb, rank=2, where="stages 2, 5", what="rank", instrument=None)
+    it.it, it.changed = 1, asyncio.Event()
+    it._owing = lambda: [SimpleNamespace(peer=1), SimpleNamespace(peer=0), SimpleNamespace(peer=1)]
+    it._waiting_for = lambda: "nothing ready"
+
+    async def go():
+        asyncio.get_running_loop().call_later(0.05, it.changed.set)
+        await it._wait_alive(hb, 0.02, 0.0)
+
+    with caplog.at_level(logging.WARNING, logger="rrfp.pipeline.executor"):
+        asyncio.run(go())
+    assert doing == ["waiting for rank 1 and 0", ""], doing
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned and all("(rank 1: peer 1 ok; rank 0: peer 0 ok)" in w for w in warned), warned

@@ -402,7 +402,7 @@ class _Iteration:
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
         """Wait for as long as the peers beat (a silent one ends the run through the runtime);
         every ``every_s`` say what this stage waits for and how its peers are doing."""
-        peers = [c.peer for c in self._owing()]
+        peers = list(dict.fromkeys(c.peer for c in self._owing()))  # a peer owing on two channels is named once
         self._doing(f"waiting for rank {' and '.join(map(str, peers))}" if peers else "waiting")
         while True:
             try:
