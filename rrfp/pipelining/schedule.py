@@ -33,6 +33,7 @@ time (the bubble), the order the stage ran its tasks in.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -447,8 +448,8 @@ def _layout_of(stages: list, n_microbatches) -> tuple:
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
     device = torch.device(stages[0].device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)  # an NCCL default group gathers objects on the current device
+    if device.type == "cuda":  # an NCCL default group gathers objects on the current device: one per rank
+        torch.cuda.set_device(device if device.index is not None else int(os.environ.get("LOCAL_RANK", "0")))
     try:
         mine, error = _checked(stages, n_microbatches), None
     except (ValueError, TypeError, NotImplementedError) as e:
