@@ -1,9 +1,10 @@
 """ScheduleReady with several stages per rank (virtual stages) on real gloo ranks: given the list
 of the rank's PipelineStages, as torch's PipelineScheduleMulti takes it, it must give the losses,
-gradients and outputs of torch's own multi-stage schedule on the same stages
-(ScheduleInterleaved1F1B for the interleaved placement, ScheduleZBVZeroBubble for v), and of a
-single-process run of the same model and data; stage sets that are neither placement, stages on
-different devices, and keyword arguments with several stages per rank are refused in one line."""
+gradients and outputs of each of torch's multi-stage schedules of that placement on the same stages
+(ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble for the interleaved placement,
+ScheduleZBVZeroBubble and ScheduleDualPipeV for v), and of a single-process run of the same model and
+data; stage sets that are neither placement, stages on different devices, and keyword arguments with
+several stages per rank are refused in one line."""
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,15 @@ from test_pipelining import BATCH, M, VOCAB, batch, full_model, grads_of, loss_f
 
 V = 2
 TOL = 1e-10
-TORCH_SCHEDULE = {"interleaved": "ScheduleInterleaved1F1B", "v": "ScheduleZBVZeroBubble"}
+# torch's multi-stage schedules of each placement; ScheduleDualPipeV needs M >= S * V microbatches
+# (schedules.py, ScheduleDualPipeV.__init__: "DualPipeV requires at least as many microbatches as stages"),
+# so at 4 ranks (8 stages, M = 4) it is not among them
+TORCH_SCHEDULES = {"interleaved": ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"),
+                   "v": ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")}
+# torch 2.13's v schedules cannot eval: they still run the B of the stage whose predecessor is on the same rank,
+# whose hand-off (schedules.py _perform_action, get_local_bwd_output) fails with "can't steal_bwd_input if this
+# stage doesn't have backward" (stage.py), as eval's stages have none
+TORCH_CANNOT_EVAL = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 RRFP_HINTS = {"interleaved": ("bfw", "1f1b"), "v": ("bfw", "zbv")}
 
 
@@ -53,6 +62,16 @@ def _run(cls, stages, chunks, first: bool, last: bool, data, evaluate: bool = Tr
     return schedule, out
 
 
+def loss_diff(a: list[float], b: list[float]) -> float:
+    """The largest difference of two runs' losses; infinite when one has losses the other lacks."""
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")
+
+
+def torch_schedules_for(placement: str, world: int) -> tuple[str, ...]:
+    """torch's schedules of ``placement`` that take ``world`` ranks of V stages and M microbatches."""
+    return tuple(n for n in TORCH_SCHEDULES[placement] if n != "ScheduleDualPipeV" or M >= world * V)
+
+
 def _virtual_parity(rank, world, placement):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
@@ -69,9 +88,13 @@ def _virtual_parity(rank, world, placement):
     data = (batch(1, 5), batch(2, 5))
     runs, result = {}, {}
     try:
-        # torch 2.13's ZB-V cannot eval ("can't steal_bwd_input if this stage doesn't have backward")
-        torch_options = {"evaluate": placement != "v"}
-        for name, cls, options in [("torch", getattr(torch_schedules, TORCH_SCHEDULE[placement]), torch_options),
+        for name in sorted(set(TORCH_SCHEDULES[placement]) - set(torch_schedules_for(placement, world))):
+            stages = [PipelineStage(copy.deepcopy(model[s]), s, S, torch.device("cpu")) for s in mine]
+            with pytest.raises(ValueError) as refused:  # the reason torch_schedules_for leaves it out
+                getattr(torch_schedules, name)(stages, M, loss_fn=loss_fn)
+            result[f"{name} refused"] = str(refused.value)
+        for name, cls, options in [*[(n, getattr(torch_schedules, n), {"evaluate": n not in TORCH_CANNOT_EVAL})
+                                     for n in torch_schedules_for(placement, world)],
                                    *[(f"rrfp {h}", ScheduleReady, {"hint": h}) for h in RRFP_HINTS[placement]]]:
             chunks = [copy.deepcopy(model[s]) for s in mine]
             stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in zip(mine, chunks)]
@@ -91,27 +114,30 @@ def _virtual_parity(rank, world, placement):
     finally:
         dist.destroy_process_group()
     ref_losses, ref, ref_out = reference(S, mine, *data[0])
-    t = runs["torch"]
     for name, r in runs.items():
-        if name == "torch":
-            continue
-        res = dict(torch_grad1=max_diff(t["grads1"], r["grads1"]), torch_grad2=max_diff(t["grads2"], r["grads2"]),
-                   ref_grad=max_diff(ref, r["grads1"]), names=len(r["grads1"]))
+        res = dict(ref_grad=max_diff(ref, r["grads1"]), names=len(r["grads1"]), n_losses=len(r["losses"]))
         if last:
-            res.update(n_losses=len(r["losses"]), torch_loss=max(abs(a - b) for a, b in zip(t["losses"], r["losses"])),
-                       ref_loss=max(abs(a - b) for a, b in zip(ref_losses, r["losses"])),
-                       eval_loss=max(abs(a - b) for a, b in zip(ref_losses, r["eval_losses"])),
-                       n_eval=len(r["eval_losses"]),
-                       merged=(t["merged"] - r["merged"]).abs().max().item(), shape=tuple(r["merged"].shape),
-                       ref_merged=(ref_out - r["merged"]).abs().max().item(),
-                       evaluated=(ref_out - r["evaluated"]).abs().max().item())
-            if t["evaluated"] is not None:
-                res.update(torch_eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
-                           torch_evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
+            res.update(ref_loss=loss_diff(ref_losses, r["losses"]),
+                       ref_merged=(ref_out - r["merged"]).abs().max().item(), shape=tuple(r["merged"].shape))
+        if not name.startswith("rrfp"):
+            result[name] = res
+            continue
+        if last:
+            res.update(eval_loss=loss_diff(ref_losses, r["eval_losses"]),
+                       n_eval=len(r["eval_losses"]), evaluated=(ref_out - r["evaluated"]).abs().max().item())
         else:
             res.update(merged=r["merged"], losses=r["losses"], evaluated=r["evaluated"])
+        for t_name in torch_schedules_for(placement, world):  # ScheduleReady against each of torch's
+            t = runs[t_name]
+            vs = dict(grad1=max_diff(t["grads1"], r["grads1"]), grad2=max_diff(t["grads2"], r["grads2"]))
+            if last:
+                vs.update(loss=loss_diff(t["losses"], r["losses"]),
+                          merged=(t["merged"] - r["merged"]).abs().max().item())
+                if t["evaluated"] is not None:
+                    vs.update(eval_loss=loss_diff(t["eval_losses"], r["eval_losses"]),
+                              evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
+            res[t_name] = vs
         result[name] = res
-    result["torch losses"] = len(t["losses"])
     return result
 
 
@@ -121,23 +147,39 @@ def _virtual_parity(rank, world, placement):
 def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placement, world):
     results = run_ranks(_virtual_parity, world, placement, timeout=240)
     holder = 0 if placement == "v" else world - 1  # the rank holding the last global stage
-    assert results[holder]["torch losses"] == M  # torch's losses are on this rank, as ScheduleReady's
+    schedules = torch_schedules_for(placement, world)
+    left_out = sorted(set(TORCH_SCHEDULES[placement]) - set(schedules))
+    assert left_out == (["ScheduleDualPipeV"] if (placement, world) == ("v", 4) else []), left_out
     for rank, res in sorted(results.items()):
+        for name in left_out:  # torch refuses that shape itself, on every rank
+            assert res[f"{name} refused"] == (f"DualPipeV requires at least as many microbatches as stages, but got "
+                                              f"{M} microbatches and {world * V} stages."), res[f"{name} refused"]
+        for t_name in schedules:  # torch's own run against one process, and where it puts the losses
+            t = res[t_name]
+            print(f"{placement} world {world} rank {rank} {t_name}: {t}")
+            assert t["names"] > 0 and t["n_losses"] == (M if rank == holder else 0), (rank, t_name, t)
+            assert t["ref_grad"] < TOL, (rank, t_name, t)
+            if rank == holder:
+                assert t["ref_loss"] < TOL and t["ref_merged"] < TOL, (rank, t_name, t)
         for hint in RRFP_HINTS[placement]:
             r = res[f"rrfp {hint}"]
             print(f"{placement} world {world} rank {rank} hint {hint}: {r}")
             assert res[f"rrfp {hint} runtime stages"] == (held_stages(rank, world, placement), placement)
             assert res[f"rrfp {hint} kinds"] == (["B", "F"] if hint == "1f1b" else ["B", "F", "W"]), (rank, hint)
             assert r["names"] > 0
-            assert r["torch_grad1"] < TOL and r["torch_grad2"] < TOL, (rank, hint, r)
             assert r["ref_grad"] < TOL, (rank, hint, r)
+            for t_name in schedules:
+                vs = r[t_name]
+                assert vs["grad1"] < TOL and vs["grad2"] < TOL, (rank, hint, t_name, vs)
+                if rank == holder:
+                    assert vs["loss"] < TOL and vs["merged"] < TOL, (rank, hint, t_name, vs)
+                    if t_name not in TORCH_CANNOT_EVAL:
+                        assert vs["eval_loss"] < TOL and vs["evaluated"] < TOL, (rank, hint, t_name, vs)
             if rank == holder:
                 assert r["n_losses"] == M and r["n_eval"] == M, (rank, hint, r)
-                assert r["torch_loss"] < TOL and r["ref_loss"] < TOL and r["eval_loss"] < TOL, (rank, hint, r)
-                assert r["merged"] < TOL and r["ref_merged"] < TOL and r["evaluated"] < TOL, (rank, hint, r)
+                assert r["ref_loss"] < TOL and r["eval_loss"] < TOL, (rank, hint, r)
+                assert r["ref_merged"] < TOL and r["evaluated"] < TOL, (rank, hint, r)
                 assert r["shape"] == (BATCH * M, 5, VOCAB), r
-                if placement == "interleaved":  # torch's eval, where it runs
-                    assert r["torch_eval_loss"] < TOL and r["torch_evaluated"] < TOL, (rank, hint, r)
             else:  # only the last stage's rank gets an output and losses, as in torch
                 assert r["merged"] is None and r["evaluated"] is None and r["losses"] == [], (rank, hint, r)
 
