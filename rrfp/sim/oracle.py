@@ -42,7 +42,6 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
-from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
