@@ -187,6 +187,35 @@ def test_byte_budget_over_the_rank_finishes_and_holds():
     assert max(rk.held.peak for rk in ranks) >= 3  # the budget let several chunks in at once
 
 
+@settings(max_examples=40, deadline=None)
+@given(S=st.integers(1, 4), M=st.integers(1, 10), V=st.integers(2, 3), placement=st.sampled_from(["interleaved", "v"]),
+       limit=st.integers(20, 120), sizes=st.lists(st.integers(1, 150), min_size=10, max_size=10),
+       hint=st.sampled_from(["bf", "bfw", "plan"]), seed=st.integers(0, 10**6))
+def test_byte_budget_holds_the_caps_the_oracle_models(S, M, V, placement, limit, sizes, hint, seed):
+    """What the oracle's model caps by bytes at V > 1 (``byte_caps``) is what the tracker holds:
+    chunks 0..c of a rank, each counted at min(size, limit), at most limit + c * the largest,
+    chunks larger than the limit included. The model is a floor only if this holds for every run."""
+    from rrfp.sim.oracle import byte_caps
+
+    if placement == "v":
+        V = 2
+    lay = VirtualLayout(S, V, placement)
+    ranks = rank_trackers(resolve(hint), lay, M, hint != "bf", Dispatch.READY, Budget(bytes=limit), sizes.__getitem__)
+    demand, caps = byte_caps(V, limit, sizes[:M])
+    over = []
+
+    def check(r, item):
+        rk = ranks[r]  # checked after every start: only an F's start adds to what a rank holds
+        prefix = 0
+        for c, s in enumerate(rk.stages):
+            prefix += sum(demand[m] for g, m in rk._sizes if g == s)  # the (stage, mb) chunks held now
+            if prefix > caps[c]:
+                over.append((r, c, prefix, caps[c]))
+
+    drive(lay, ranks, seed, on_start=check)
+    assert not over
+
+
 def test_the_v_turn_is_local_and_named():
     lay = VirtualLayout(2, 2, "v")  # rank 1 holds stages 1 and 2
     rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 2, True, Dispatch.READY, Budget.parse("2x")))

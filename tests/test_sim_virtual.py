@@ -198,7 +198,6 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
     (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
     (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
     (["--virtual", "two"], "--virtual: not a list of integers"),
-    (["--virtual", "2", "--oracle", "--budget", "1MiB"], "takes a count or Nx budget, not bytes"),
     (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
 ])
 def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
@@ -280,3 +279,21 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
     p = run_cli("sim", "--replay", str(sizes), "--cost", str(cost))
     assert p.returncode == 2 and "the cost model has 4 stage(s) but the run had 2" in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
+    """V = 2 with a byte budget: both layouts solved, every ready row at or above its optimum, and a
+    fixed row that held more than the rank limit marked, not compared as a schedule of the problem."""
+    pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
+    p = run_cli("sim", "--pp", "2", "--mb", "3", "--seeds", "2", "--hints", "zbv,bfw", "--virtual", "2",
+                "--placement", "v", "--budget", "1MiB", "--oracle", "--json", "-")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert {s["layout"] for s in doc["oracle"]["seeds"]} == {"V2 v", "V1"}
+    assert doc["oracle"]["solved"] == 4  # 2 seeds x 2 layouts, each proven
+    rows = {(r["executor"], r["hint"], r["virtual"]): r["vs_optimum"] for r in doc["rows"]}
+    for key in (("ready", "bfw", 2), ("ready", "zbv", 2)):
+        assert rows[key]["holds_budget"] is True
+        assert min(rows[key]["per_seed"]) >= 1 - 1e-3, key  # within the optimum's rounding (1/1000 per task)
+    assert rows[("fixed", "zbv", 2)]["holds_budget"] is False  # it runs its order past the rank limit
+    assert "held more bytes than the optimum's rank limit" in p.stderr

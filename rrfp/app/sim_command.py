@@ -165,7 +165,7 @@ def sim_command(args) -> int:
     if args.oracle:
         from rrfp.app import sim_oracle
 
-        sim_oracle.check(args, layouts, budgets[0])
+        sim_oracle.check(args, layouts)
     base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)
     skipped: list[str] = []
     try:

@@ -19,7 +19,6 @@ import numpy as np
 
 from rrfp.app.errors import UsageError
 from rrfp.core.policy import Dispatch
-from rrfp.core.budget import Budget
 from rrfp.core.placement import VirtualLayout
 from rrfp.sim import SimConfig
 from rrfp.sim.sweep import Row
@@ -27,7 +26,7 @@ from rrfp.sim.sweep import Row
 MAX_TASKS = 512  # S * V * M above which one seed's model is too large to solve in seconds
 
 
-def check(args, layouts: Sequence[VirtualLayout], budget: Budget) -> None:
+def check(args, layouts: Sequence[VirtualLayout]) -> None:
     """Refuse, before the sweep runs, what the oracle cannot do here."""
     V = max((lay.virtual for lay in layouts), default=1)
     if args.pp * V * args.mb > MAX_TASKS:
@@ -35,12 +34,8 @@ def check(args, layouts: Sequence[VirtualLayout], budget: Budget) -> None:
             f"S*M <= {MAX_TASKS}, here {args.pp * args.mb}"
         raise UsageError(f"--oracle is for small S and M ({size}); "
                          "use the efficiency column (the lower bound) for large runs")
-    from rrfp.sim.oracle import OracleUnavailable, UnsupportedBudget, check_budget, require_ortools
+    from rrfp.sim.oracle import OracleUnavailable, require_ortools
 
-    try:
-        check_budget(V, budget)
-    except UnsupportedBudget as e:
-        raise UsageError(f"--oracle: {e}") from None
     try:
         require_ortools()
     except OracleUnavailable as e:
@@ -94,8 +89,10 @@ class OracleColumn:
         if len(self.results) > 1:
             lines.append("each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b baseline)")
         if any(d.holds_budget is False for d in self.rows.values()):
-            lines.append("* held more microbatches than the budget on some stage (fixed dispatch ignores it); "
-                         "the optimum keeps the budget, so such a row can come out below 1")
+            held = ("bytes than the optimum's rank limit (docs/design.md §8)" if budget.bytes is not None
+                    else "microbatches than the budget")
+            lines.append(f"* held more {held} on some rank (fixed dispatch ignores the budget); "
+                         "the optimum keeps it, so such a row can come out below 1")
         return lines
 
     def as_dict(self) -> dict:

@@ -12,7 +12,7 @@ dependencies with the simulator's message latencies (none on the V turn
 between two stages of one rank), and one "held" interval per (stage,
 microbatch) from the start of F to the end of the last backward, under a
 cumulative per rank with the rank's limit (``Budget.rank_limit``: chunk-
-microbatches over all its stages; bytes with V = 1). CP-SAT works in integers: times
+microbatches over all its stages; bytes, as below). CP-SAT works in integers: times
 are multiplied by ``scale`` and rounded down, so the integer optimum is a
 valid lower bound on the real one. The best schedule found is replayed by the
 simulator (fixed dispatch on its per-stage orders, per-rank orders of (stage,
@@ -25,11 +25,12 @@ leaves out: room reserved for later chunks' forwards (an F on chunk c needs
 V-1-c units free after it) and a bound on how far chunk c's forwards lead
 chunk c + 1's. Both only forbid schedules, so the optimum without them is a
 relaxation of what the ready executor may do under the same count budget:
-still a valid lower bound on it. A byte budget is refused with V > 1
-(``UnsupportedBudget``): the tracker lets a chunk with nothing held at it or
-later start past the bytes, so a rank may hold more than its limit, and
-capping it at the limit would be no relaxation (it can be infeasible where
-the runtime runs).
+still a valid lower bound on it. A byte budget at V > 1 is not a cap at the
+limit: the tracker lets a chunk with nothing held at it or later start past
+the bytes, so a rank may hold up to V - 1 chunks more. The model caps what
+it provably holds instead (``byte_caps``): chunks 0..c of a rank, each
+counted at min(size, limit), at most limit + c * the largest, for every c.
+Every ready schedule holds these, so the optimum stays a floor under it.
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
-from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
@@ -55,18 +55,6 @@ RELAXED_SHARE = 0.5  # of the time limit, for the solve without the budget when 
 
 class OracleUnavailable(ImportError):
     """OR-Tools is not installed."""
-
-
-class UnsupportedBudget(ValueError):
-    """A byte budget with virtual stages: the model would not bound what the runtime may do."""
-
-
-def check_budget(virtual: int, budget: Budget) -> None:
-    """Refuse what the model cannot bound: a byte budget with V > 1 (see the module docstring)."""
-    if virtual > 1 and budget.bytes is not None:
-        raise UnsupportedBudget(f"the optimum with virtual stages (V = {virtual}) takes a count or Nx budget, "
-                                f"not bytes ({budget}): a rank may start a chunk past its bytes when nothing "
-                                "is held at that chunk or later, which the model does not bound")
 
 
 @dataclass(frozen=True)
@@ -174,7 +162,6 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
     is CP-SAT's thread count, fixed: a proven optimum does not depend on it
     or on the machine, while what a timed-out solve reaches does. ``params``
     sets further CP-SAT parameters by name."""
-    check_budget(cfg.virtual, cfg.budget)
     cp_model = require_ortools()
     cfg = replace(cfg, split=cfg.split_backward)  # the replay's hint must not change the split
     inst = _instance(cfg, scale)
@@ -281,6 +268,20 @@ def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates:
     return OracleResult(None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders)
 
 
+def byte_caps(virtual: int, limit: int, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
+    """What a rank's tracker provably holds under a byte ``limit`` (rrfp.core.rank_tracker): each
+    microbatch's chunk counted at min(size, limit), and ``caps[c]`` on its chunks 0..c together.
+
+    An F admitted with something held at its chunk or later leaves at most the limit on the rank;
+    one admitted with nothing there adds one chunk to what chunks before it hold. By induction
+    chunks 0..c hold at most limit + c * (the largest counted chunk). With V = 1 that is the
+    stage's rule exactly (a chunk larger than the limit is held alone); with V > 1 it is the
+    simplest bound the tracker guarantees, looser than its rule, so a relaxation of it."""
+    demand = [min(int(x), limit) for x in sizes]
+    largest = max(demand, default=0)
+    return demand, [limit + c * largest for c in range(virtual)]
+
+
 def _budget_can_bind(inst: _Instance) -> bool:
     """Whether some rank's limit is below what its stages would hold with every microbatch in flight."""
     cfg = inst.cfg
@@ -289,38 +290,69 @@ def _budget_can_bind(inst: _Instance) -> bool:
         limit = _limit(cfg, r)
         if limit.count is not None and limit.count < held:
             return True
-        if limit.bytes is not None and cfg.virtual * sum(min(x, limit.bytes) for x in inst.sizes) > limit.bytes:
-            return True
+        if limit.bytes is not None:
+            demand, caps = byte_caps(cfg.virtual, limit.bytes, inst.sizes)
+            if any((c + 1) * sum(demand) > cap for c, cap in enumerate(caps)):
+                return True
     return False
 
 
 def _budget(model, inst: _Instance, rank: int, start, end) -> None:
     """The tracker's in-flight rule on ``rank``: (stage, microbatch) is held
     from the start of F to the end of its last backward, and the rank's stages
-    together hold at most its count of chunks, or its bytes (a chunk larger
-    than the byte limit is held alone). With V = 1 that is the stage's rule."""
+    together hold at most its count of chunks; by bytes, its chunks 0..c hold at
+    most ``byte_caps``'s c-th cap (a chunk larger than the limit counts as the
+    limit). With V = 1 that is the stage's rule."""
     cfg = inst.cfg
     limit = _limit(cfg, rank)
     M, last = cfg.microbatches, last_backward(cfg.split_backward)
-    stages = cfg.layout.stages_of(rank)
+    stages = cfg.layout.stages_of(rank)  # in chunk order, as the rank tracker numbers them
     held = [model.new_interval_var(start[s, m, Kind.F], model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
                                    end[s, m, last], f"held{m}_s{s}") for s in stages for m in range(M)]
     if limit.count is not None and limit.count < len(held):
         model.add_cumulative(held, [1] * len(held), limit.count)
     if limit.bytes is not None:
-        demand = [min(int(x), limit.bytes) for _ in stages for x in inst.sizes]
-        if sum(demand) > limit.bytes:
-            model.add_cumulative(held, demand, limit.bytes)
+        demand, caps = byte_caps(cfg.virtual, limit.bytes, inst.sizes)
+        for c, cap in enumerate(caps):
+            if (c + 1) * sum(demand) > cap:
+                model.add_cumulative(held[:(c + 1) * M], demand * (c + 1), cap)
 
 
 def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
-    """Whether a schedule held ``cfg``'s count budget on every rank (every
-    stage with V = 1; chunk-microbatches over a rank's stages with V > 1, as
-    ``Budget.rank_limit`` counts them); None for a byte budget, which a peak
-    count cannot tell."""
-    if cfg.budget.bytes is not None:
+    """Whether a schedule is one of the optimum's problem: it held ``cfg``'s count
+    budget on every rank (every stage with V = 1; chunk-microbatches over a rank's
+    stages with V > 1, as ``Budget.rank_limit`` counts them), or by bytes
+    ``byte_caps`` on every rank (the limit itself with V = 1). None for a byte
+    budget and a result not recorded, whose peak count cannot tell."""
+    if cfg.budget.bytes is None:
+        return all(p <= _limit(cfg, r).count for r, p in enumerate(result.peak_inflight))
+    if not result.timeline:
         return None
-    return all(p <= _limit(cfg, r).count for r, p in enumerate(result.peak_inflight))
+    last = last_backward(result.config.split_backward)
+    demand, caps = byte_caps(cfg.virtual, cfg.budget.bytes, _durations(cfg)[3])
+    held: dict[tuple[int, int], list[float]] = {}  # (stage, mb) -> [start of F, end of its last backward]
+    for s, task, a, b in result.timeline:
+        if task.kind is Kind.F:
+            held.setdefault((s, task.mb), [a, b])[0] = a
+        if task.kind is last:
+            held.setdefault((s, task.mb), [a, b])[1] = b
+    for r in range(cfg.stages):
+        stages = cfg.layout.stages_of(r)
+        for c, cap in enumerate(caps):
+            spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[:c + 1]]
+            if _peak(spans) > cap:
+                return False
+    return True
+
+
+def _peak(spans: Iterable[tuple[float, float, int]]) -> int:
+    """The most demand held at once over half-open [start, end) spans: a release at t admits at t."""
+    events = sorted((t, d) for a, b, x in spans for t, d in ((a, x), (b, -x)))  # at one t, releases first
+    now = peak = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    return peak
 
 
 def _order_hint(cfg: SimConfig, orders) -> Hint:
