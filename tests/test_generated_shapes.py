@@ -1,7 +1,7 @@
-"""Virtual stages on real gloo ranks over generated shapes, against one process.
+"""The runtime on real gloo ranks over generated shapes, against one process.
 
-tests/test_virtual_pipeline.py checks the shapes our models have (M = 4, V = 2, default budgets).
-Users bring others: V = 3, a handful of microbatches of different sizes, budgets far below what the
+tests/test_pipeline.py and tests/test_virtual_pipeline.py check the shapes our models have (M = 4,
+default budgets). Users bring others: one stage per rank or V = 2 and 3, a handful of microbatches of different sizes, budgets far below what the
 pipeline needs, count and byte budgets, split and whole backwards, every hint with a form on the
 layout, ready and fixed dispatch. The shapes are drawn from a seeded generator (one process group
 runs them all; hypothesis cannot drive examples across processes): set ``RRFP_SHAPES_SEED`` to
@@ -20,13 +20,14 @@ from distributed import run_ranks
 from test_virtual_pipeline import build
 
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
-HINTS = {"interleaved": ("bfw", "bf", "plan", "gpipe", "1f1b"), "v": ("bfw", "bf", "plan", "gpipe", "zbv")}
+HINTS = {"interleaved": ("bfw", "bf", "plan", "gpipe", "1f1b", "zbh1"), "v": ("bfw", "bf", "plan", "gpipe", "zbv")}
 BUDGETS = ("0.5x", "1x", "2x", "1", "2", "3", "200B", "600B", "2KiB")
 D = 6  # the Piece model's width (test_virtual_pipeline.D)
 
 
 def shapes(world: int, n: int, seed: int) -> list[dict]:
-    """``n`` shapes that have a form on their layout (zbv only on v, 1f1b's rounds dividing M, ...)."""
+    """``n`` shapes that have a form on their layout (zbv only on v, zbh1 only at V = 1, 1f1b's rounds
+    dividing M, ...)."""
     from rrfp.core.placement import VirtualLayout
     from rrfp.core.hints import default_split, resolve
     from rrfp.sim.sweep import applies
@@ -34,7 +35,7 @@ def shapes(world: int, n: int, seed: int) -> list[dict]:
     rng, out = random.Random(seed), []
     while len(out) < n:
         placement = rng.choice(["interleaved", "v"])
-        V = 2 if placement == "v" else rng.choice([2, 3])
+        V = 2 if placement == "v" else rng.choice([1, 2, 3])
         M = rng.randint(1, 7)
         hint = rng.choice(HINTS[placement])
         split = rng.choice([None, True, False])
@@ -98,7 +99,7 @@ def _ranks(rank, world, todo):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,n", [(2, 16), (3, 8)])
-def test_generated_virtual_shapes_match_one_process(world, n):
+def test_generated_shapes_match_one_process(world, n):
     todo = shapes(world, n, SEED + world)
     results = run_ranks(_ranks, world, todo, timeout=240)
     for rank, out in sorted(results.items()):
