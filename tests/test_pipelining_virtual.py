@@ -208,6 +208,8 @@ REFUSALS = {
                                              r"DistributedDataParallel \(data parallelism inside the stage\) yet$"),
     "one rank's microbatch count (V = 2)": ({0: (0, 2), 1: (1, 3)}, ValueError,
                                             r"^{who}n_microbatches must be a positive int, got 0$"),
+    # an error no check meant to raise (here planted in rank 1's module check) reaches the others too
+    "one rank's unexpected error": ({0: (0,), 1: (1,)}, RuntimeError, r"^{who}planted: rank 1 cannot inspect its stage$"),
 }
 
 
@@ -231,6 +233,13 @@ def _refused(rank, world, case):
     if case == "mixed devices":
         stages[-1].device = torch.device("cuda", 0)  # as a stage built for the GPU reads; no GPU needed to refuse
     count = 0 if case.startswith("one rank's microbatch") and rank == 1 else M
+    if case == "one rank's unexpected error" and rank == 1:
+        import rrfp.pipelining.schedule as schedule
+
+        def planted(module):
+            raise RuntimeError("planted: rank 1 cannot inspect its stage")
+
+        schedule._check_module = planted
     try:
         with pytest.raises(error) as caught:
             ScheduleReady(stages, count, loss_fn=loss_fn, timeout_s=120)

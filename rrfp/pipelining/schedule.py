@@ -452,16 +452,17 @@ def _layout_of(stages: list, n_microbatches) -> tuple:
         torch.cuda.set_device(device if device.index is not None else int(os.environ.get("LOCAL_RANK", "0")))
     try:
         mine, error = _checked(stages, n_microbatches), None
-    except (ValueError, TypeError, NotImplementedError) as e:
+    except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
     world = dist.get_world_size()
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (mine, error))
+    dist.all_gather_object(everyone, (mine, None if error is None else (type(error).__name__, str(error))))
     if error is not None:
         raise error
     q, first = next(((q, e) for q, (_, e) in enumerate(everyone) if e is not None), (None, None))
     if first is not None:
-        raise type(first)(f"rank {q}: {first}")
+        name, text = first
+        raise _REFUSALS.get(name, RuntimeError)(f"rank {q}: {text}")
     placed = [placed for placed, _ in everyone]
     if len({(len(indices), p) for indices, _, p in placed}) > 1:
         raise ValueError("the ranks' stages are not one placement: " + ", ".join(
@@ -473,6 +474,9 @@ def _layout_of(stages: list, n_microbatches) -> tuple:
         raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
                                   f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
     return layout, virtual, placement, device
+
+
+_REFUSALS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError)}  # another rank's, by name
 
 
 def _checked(stages: list, n_microbatches) -> tuple[list[int], int, str]:
