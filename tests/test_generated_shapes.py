@@ -20,7 +20,7 @@ from distributed import run_ranks
 from test_virtual_pipeline import build
 
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
-HINTS = {"interleaved": ("bfw", "bf", "plan", "gpipe", "1f1b", "zbh1"), "v": ("bfw", "bf", "plan", "gpipe", "zbv")}
+HINTS = ("bfw", "bf", "plan", "gpipe", "1f1b", "zbh1", "zbv")  # taken in turn: every one runs in every run
 BUDGETS = ("0.5x", "1x", "2x", "1", "2", "3", "200B", "600B", "2KiB")
 D = 6  # the Piece model's width (test_virtual_pipeline.D)
 
@@ -34,13 +34,13 @@ def shapes(world: int, n: int, seed: int) -> list[dict]:
 
     rng, out = random.Random(seed), []
     while len(out) < n:
+        hint = HINTS[len(out) % len(HINTS)]
         placement = rng.choice(["interleaved", "v"])
         V = 2 if placement == "v" else rng.choice([1, 2, 3])
         M = rng.randint(1, 7)
-        hint = rng.choice(HINTS[placement])
         split = rng.choice([None, True, False])
         if applies(resolve(hint), VirtualLayout(world, V, placement), M, default_split(hint, split)) is not None:
-            continue
+            continue  # drawn again for the same hint
         out.append(dict(placement=placement, V=V, M=M, hint=hint, split=split,
                         dispatch=rng.choice(["ready", "fixed"]), budget=rng.choice(BUDGETS),
                         sizes=[rng.randint(1, 3) for _ in range(M)], data=rng.randrange(1 << 30)))
@@ -100,7 +100,10 @@ def _ranks(rank, world, todo):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,n", [(2, 16), (3, 8)])
 def test_generated_shapes_match_one_process(world, n):
+    from rrfp.core.hints import default_split
+
     todo = shapes(world, n, SEED + world)
+    assert {s["hint"] for s in todo} == set(HINTS)
     results = run_ranks(_ranks, world, todo, timeout=240)
     for rank, out in sorted(results.items()):
         assert sorted(i for i, *_ in out) == list(range(n)), rank
@@ -108,6 +111,7 @@ def test_generated_shapes_match_one_process(world, n):
             shape = todo[i]
             where = (rank, stages, shape)
             assert err < 1e-12, where
+            assert split == default_split(shape["hint"], shape["split"]), where  # the executor took the split
             kinds = "FBW" if split else "FB"
             assert ran == sorted((s, f"{k}{m}") for s in stages for k in kinds for m in range(shape["M"])), where
             last = world * shape["V"] - 1

@@ -210,7 +210,15 @@ REFUSALS = {
                                             r"^{who}n_microbatches must be a positive int, got 0$"),
     # an error no check meant to raise (here planted in rank 1's module check) reaches the others too
     "one rank's unexpected error": ({0: (0,), 1: (1,)}, RuntimeError, r"^{who}planted: rank 1 cannot inspect its stage$"),
+    "one rank passes no stage": ({0: (0,), 1: (1,)}, ValueError,
+                                 r"^{who}ScheduleReady needs at least one PipelineStage, got an empty list$"),
+    # 4 ranks, pp 2 x dp 2: rank 0's stage group is [0, 1], not a pipeline of the layout ([0, 2], [1, 3])
+    "one rank's group": ({0: (0,), 1: (0,), 2: (1,), 3: (1,)}, NotImplementedError,
+                         r"^{who}the stage's group has ranks \[0, 1\]; ScheduleReady supports the whole world or "
+                         r"the pipelines of .*\(\[\[0, 2\], \[1, 3\]\]\)$"),
 }
+# (the refusing rank, what the others' errors start with) where it is not rank 1 and "rank 1: "
+WHO = {"one rank's unexpected error": (1, "rank 1: RuntimeError: "), "one rank's group": (0, "rank 0: ")}
 
 
 def _refused(rank, world, case):
@@ -222,14 +230,22 @@ def _refused(rank, world, case):
     from rrfp import ScheduleReady
 
     held, error, pattern = REFUSALS[case]
+    refuser, others = WHO.get(case, (1, "rank 1: "))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    n = sum(map(len, held.values()))
+    n = len({s for stages in held.values() for s in stages}) if case == "one rank's group" else \
+        sum(map(len, held.values()))
     model = full_model(n)
     modules = {s: model[s] for s in held[rank]}
     alone = dist.new_group([1])  # every rank creates it; rank 1 wraps its stage in DDP over itself
     if case.startswith("one rank's module") and rank == 1:
         modules = {s: torch.nn.parallel.DistributedDataParallel(m, process_group=alone) for s, m in modules.items()}
-    stages = [PipelineStage(modules[s], s, n, torch.device("cpu")) for s in held[rank]]
+    group = None
+    if case == "one rank's group":  # every rank creates every group, in one order
+        groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 2), (1, 3), (0, 1))}
+        group = groups[{0: (0, 1), 1: (1, 3), 2: (0, 2), 3: (1, 3)}[rank]]
+    stages = [PipelineStage(modules[s], s, n, torch.device("cpu"), group=group) for s in held[rank]]
+    if case == "one rank passes no stage" and rank == 1:
+        stages = []
     if case == "mixed devices":
         stages[-1].device = torch.device("cuda", 0)  # as a stage built for the GPU reads; no GPU needed to refuse
     count = 0 if case.startswith("one rank's microbatch") and rank == 1 else M
@@ -246,12 +262,15 @@ def _refused(rank, world, case):
     finally:
         dist.destroy_process_group()
     return str(caught.value), pattern.replace("{r}", str(rank)).replace("{i}", str(rank + world)).replace(
-        "{h}", str(held[rank][0])).replace("{who}", "" if rank == 1 else "rank 1: ")
+        "{h}", str(held[rank][0])).replace("{who}", "" if rank == refuser else others)
 
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_refusals_fail_every_rank_at_once_in_one_line(case):
     import re
 
-    for rank, (message, pattern) in run_ranks(_refused, 2, case, timeout=60).items():  # 60 s: before any timeout
+    world = len(REFUSALS[case][0])
+    results = run_ranks(_refused, world, case, timeout=60)  # 60 s: before any timeout
+    assert sorted(results) == list(range(world))
+    for rank, (message, pattern) in results.items():
         assert "\n" not in message and re.search(pattern, message), (rank, message, pattern)

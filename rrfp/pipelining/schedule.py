@@ -138,8 +138,7 @@ class ScheduleReady:
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0) -> None:
-        stages = _stages_of(stage)
-        layout, virtual, placement, device = _layout_of(stages, n_microbatches)
+        stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
         self._holds_last = any(s.is_last for s in stages)
@@ -434,70 +433,75 @@ def _check_module(module: torch.nn.Module) -> None:
                                   f"{type(module).__name__} (data parallelism inside the stage) yet")
 
 
-def _layout_of(stages: list, n_microbatches) -> tuple:
-    """rrfp's layout for the stages' group (the whole world as one pipeline, or one pipeline of a
-    pp x dp layout whose stage s of replica d is rank ``s * dp + d``), the virtual stages per rank,
-    their placement (read off the stage indices each rank holds) and the rank's device.
+def _layout_of(stage, n_microbatches) -> tuple:
+    """The rank's stages in model order; rrfp's layout for the stages' group (the whole world as one
+    pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp + d``);
+    the virtual stages per rank and their placement (read off the stage indices each rank holds);
+    and the rank's device.
 
     Every rank's own checks end in one gather of their outcomes, before rrfp's groups exist: a rank
     that refuses its arguments would otherwise leave the others waiting in group creation until the
     timeout. So a refusal fails every rank at once: a rank raises its own error, or, when its own
-    arguments are fine, the first refusing rank's, naming that rank. With several stages per rank
-    the ranks' stage sets must also be one placement."""
+    arguments are fine, the first refusing rank's, naming that rank (an error of a type other than
+    ValueError, TypeError and NotImplementedError arrives as a RuntimeError naming the type). With
+    several stages per rank the ranks' stage sets must also be one placement."""
     if not dist.is_initialized():
+        _stages_of(stage)  # what is not a stage is named before the missing process group
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
                            "PipelineStage does")
-    device = torch.device(stages[0].device)
-    if device.type == "cuda":  # an NCCL default group gathers objects on the current device: one per rank
-        torch.cuda.set_device(device if device.index is not None else int(os.environ.get("LOCAL_RANK", "0")))
     try:
+        stages = _stages_of(stage)
+        device = torch.device(stages[0].device)
+        if device.type == "cuda":  # an NCCL default group gathers objects on the current device: one per rank
+            torch.cuda.set_device(device if device.index is not None else int(os.environ.get("LOCAL_RANK", "0")))
         mine, error = _checked(stages, n_microbatches), None
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
-    world = dist.get_world_size()
-    everyone: list = [None] * world
+    everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (mine, None if error is None else (type(error).__name__, str(error))))
     if error is not None:
         raise error
     q, first = next(((q, e) for q, (_, e) in enumerate(everyone) if e is not None), (None, None))
     if first is not None:
         name, text = first
-        raise _REFUSALS.get(name, RuntimeError)(f"rank {q}: {text}")
+        if name in _REFUSALS:
+            raise _REFUSALS[name](f"rank {q}: {text}")
+        raise RuntimeError(f"rank {q}: {name}: {text}")
     placed = [placed for placed, _ in everyone]
-    if len({(len(indices), p) for indices, _, p in placed}) > 1:
+    if len({(len(indices), p) for indices, _, p, _ in placed}) > 1:
         raise ValueError("the ranks' stages are not one placement: " + ", ".join(
-            f"rank {q} holds {indices} ({p})" for q, (indices, _, p) in enumerate(placed)))
-    stage, (_, virtual, placement) = stages[0], mine
-    layout = plan_layout(world, stage.group_size, 1, world // stage.group_size)
-    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
-    if ranks not in layout.pp_groups():
-        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
-                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
-    return layout, virtual, placement, device
+            f"rank {q} holds {indices} ({p})" for q, (indices, _, p, _) in enumerate(placed)))
+    _, virtual, placement, layout = mine
+    return stages, layout, virtual, placement, device
 
 
 _REFUSALS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError)}  # another rank's, by name
 
 
-def _checked(stages: list, n_microbatches) -> tuple[list[int], int, str]:
-    """This rank's own checks: (its stage indices, V, placement), or the error that names what is wrong."""
+def _checked(stages: list, n_microbatches) -> tuple:
+    """This rank's own checks: (its stage indices, V, placement, rrfp's layout), or the error that names
+    what is wrong."""
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
     for s in stages:
         _check_module(s.submod)
     _device_of(stages)
-    stage = stages[0]
+    stage, world = stages[0], dist.get_world_size()
     pp = stage.group_size
     mixed = [s.stage_index for s in stages if (s.num_stages, s.group_size, s.group_rank) !=
              (stage.num_stages, pp, stage.group_rank)]
     if mixed:
         raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
                          f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
-    if dist.get_world_size() % pp:
-        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size "
-                         f"{dist.get_world_size()}")
+    if world % pp:
+        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
+    layout = plan_layout(world, pp, 1, world // pp)
+    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
+    if ranks not in layout.pp_groups():
+        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
+                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
     indices = [s.stage_index for s in stages]
-    return (indices, *_placement_of(indices, stage.num_stages, pp, stage.group_rank))
+    return (indices, *_placement_of(indices, stage.num_stages, pp, stage.group_rank), layout)
 
 
 def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tuple[int, str]:
