@@ -274,3 +274,38 @@ def test_refusals_fail_every_rank_at_once_in_one_line(case):
     assert sorted(results) == list(range(world))
     for rank, (message, pattern) in results.items():
         assert "\n" not in message and re.search(pattern, message), (rank, message, pattern)
+
+
+def _absent(rank, world, flag):
+    import os
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp import ScheduleReady
+    from rrfp.core.errors import StartupError
+
+    dist.init_process_group("gloo")  # the default timeout (30 min): the schedule's own must govern
+    try:
+        if rank == 1:  # never constructs the schedule; stays up until rank 0 has its error
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return None
+        stage = PipelineStage(full_model(2)[0], 0, 2, torch.device("cpu"))
+        try:
+            with pytest.raises(StartupError) as caught:
+                ScheduleReady(stage, M, loss_fn=loss_fn, timeout_s=2)
+        finally:
+            open(flag, "w").close()
+        return str(caught.value)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_never_constructs_the_schedule_is_an_error_after_timeout_s(tmp_path):
+    message = run_ranks(_absent, 2, str(tmp_path / "done"), timeout=60)[0]  # 60 s: far below the group's 30 min
+    assert "\n" not in message, message
+    assert message.startswith("rank 0: not every rank reached ScheduleReady's start within timeout_s = 2 s "
+                              "(every rank constructs it, in the same order): "), message

@@ -32,8 +32,8 @@ time (the bubble), the order the stage ran its tasks in.
 """
 from __future__ import annotations
 
+import datetime
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunk
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp.comm.message import Message
-from rrfp.core.errors import ProtocolError
+from rrfp.core.errors import ProtocolError, StartupError
 from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
@@ -138,7 +138,7 @@ class ScheduleReady:
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0) -> None:
-        stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches)
+        stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
         self._holds_last = any(s.is_last for s in stages)
@@ -433,7 +433,7 @@ def _check_module(module: torch.nn.Module) -> None:
                                   f"{type(module).__name__} (data parallelism inside the stage) yet")
 
 
-def _layout_of(stage, n_microbatches) -> tuple:
+def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
     """The rank's stages in model order; rrfp's layout for the stages' group (the whole world as one
     pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp + d``);
     the virtual stages per rank and their placement (read off the stage indices each rank holds);
@@ -443,8 +443,9 @@ def _layout_of(stage, n_microbatches) -> tuple:
     that refuses its arguments would otherwise leave the others waiting in group creation until the
     timeout. So a refusal fails every rank at once: a rank raises its own error, or, when its own
     arguments are fine, the first refusing rank's, naming that rank (an error of a type other than
-    ValueError, TypeError and NotImplementedError arrives as a RuntimeError naming the type). With
-    several stages per rank the ranks' stage sets must also be one placement."""
+    ValueError, TypeError and NotImplementedError arrives as a RuntimeError naming the type); a rank
+    that does not come within ``timeout_s`` is a StartupError. With several stages per rank the ranks'
+    stage sets must also be one placement."""
     if not dist.is_initialized():
         _stages_of(stage)  # what is not a stage is named before the missing process group
         raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
@@ -452,22 +453,19 @@ def _layout_of(stage, n_microbatches) -> tuple:
     try:
         stages = _stages_of(stage)
         device = torch.device(stages[0].device)
-        if device.type == "cuda":  # an NCCL default group gathers objects on the current device: one per rank
-            torch.cuda.set_device(device if device.index is not None else int(os.environ.get("LOCAL_RANK", "0")))
         mine, error = _checked(stages, n_microbatches), None
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (mine, None if error is None else (type(error).__name__, str(error))))
+    everyone = _gather(mine if error is None else (type(error).__name__, str(error)), error is None, timeout_s)
     if error is not None:
         raise error
-    q, first = next(((q, e) for q, (_, e) in enumerate(everyone) if e is not None), (None, None))
-    if first is not None:
-        name, text = first
+    refused = [(q, outcome) for q, (ok, outcome) in enumerate(everyone) if not ok]
+    if refused:
+        q, (name, text) = refused[0]
         if name in _REFUSALS:
             raise _REFUSALS[name](f"rank {q}: {text}")
         raise RuntimeError(f"rank {q}: {name}: {text}")
-    placed = [placed for placed, _ in everyone]
+    placed = [placed for _, placed in everyone]
     if len({(len(indices), p) for indices, _, p, _ in placed}) > 1:
         raise ValueError("the ranks' stages are not one placement: " + ", ".join(
             f"rank {q} holds {indices} ({p})" for q, (indices, _, p, _) in enumerate(placed)))
@@ -476,6 +474,23 @@ def _layout_of(stage, n_microbatches) -> tuple:
 
 
 _REFUSALS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError)}  # another rank's, by name
+
+
+def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
+    """Every rank's (ok, outcome), on a gloo group of the world made for it (on CPU under NCCL too) with
+    ``timeout_s``: a rank that never constructs the schedule is then an error after ``timeout_s``, not a
+    wait as long as the default group's timeout (30 minutes for gloo by default)."""
+    try:
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (ok, outcome), group=group)
+    except Exception as e:  # torch's DistStoreError / DistNetworkError / RuntimeError: a rank did not come
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise StartupError(f"rank {dist.get_rank()}: not every rank reached ScheduleReady's start within "
+                           f"timeout_s = {timeout_s:g} s (every rank constructs it, in the same order): "
+                           f"{type(e).__name__}: {first_line}") from None
+    dist.destroy_process_group(group)
+    return everyone
 
 
 def _checked(stages: list, n_microbatches) -> tuple:
