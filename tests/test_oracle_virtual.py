@@ -49,6 +49,18 @@ def test_one_rank_holding_every_stage_is_never_idle():
     assert replay(cfg, r.orders).peak_inflight == [2]  # budget 1 is one microbatch: its 2 chunks
 
 
+def v2_config(S: int, M: int, placement: str, budget: str, seed: int) -> SimConfig:
+    """A case of the tables below: V = 2, lang durations, split backward."""
+    return SimConfig(S, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement)
+
+
+def ready_runs(cfg):
+    """Every ready row of the sweep on ``cfg``'s layout: bfw, the placement's classic order, plan."""
+    runs = [simulate(replace(cfg, hint=h, dispatch="ready", record=True)) for h in ("bfw", CLASSIC[cfg.placement])]
+    runs.append(simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0]))
+    return runs
+
+
 CASES = [  # (S, M, placement, budget, seed): small V = 2 shapes CP-SAT proved in 0.2-8 s on 2 loaded cores
     # (others of these sizes can take over 30 s to prove: 3 x 4 interleaved seed 0, most 1x budgets)
     (2, 4, "v", "2x", 0),
@@ -62,10 +74,9 @@ CASES = [  # (S, M, placement, budget, seed): small V = 2 shapes CP-SAT proved i
 
 @pytest.mark.parametrize("S,M,placement,budget,seed", CASES)
 def test_optimum_is_below_every_executor_and_holds_the_rank_budget(S, M, placement, budget, seed):
-    cfg = SimConfig(S, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement)
+    cfg = v2_config(S, M, placement, budget, seed)
     lay = cfg.layout
-    ready = [simulate(replace(cfg, hint=h, dispatch="ready", record=True)) for h in ("bfw", CLASSIC[placement])]
-    ready.append(simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0]))
+    ready = ready_runs(cfg)
     r = solve(cfg, time_limit=60, hints=ready)  # room for a loaded CI machine
     assert r.optimal and r.status == "OPTIMAL", r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
@@ -125,13 +136,6 @@ def held_bytes_peaks(result, sizes):
     return peaks
 
 
-def ready_runs(cfg):
-    """Every ready row of the sweep on ``cfg``'s layout: bfw, the placement's classic order, plan."""
-    runs = [simulate(replace(cfg, hint=h, dispatch="ready", record=True)) for h in ("bfw", CLASSIC[cfg.placement])]
-    runs.append(simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0]))
-    return runs
-
-
 BYTE_CASES = [  # (S, M, placement, budget, seed): chunks of 0.15..0.65 MiB, CP-SAT proves each in about 1 s
     (2, 3, "v", "1MiB", 0),
     (2, 3, "v", "768KiB", 1),
@@ -144,7 +148,7 @@ BYTE_CASES = [  # (S, M, placement, budget, seed): chunks of 0.15..0.65 MiB, CP-
 def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(S, M, placement, budget, seed):
     """A byte budget at V = 2: the rank may hold up to the limit plus one chunk (rank_tracker), which
     the model allows; it still binds, and nothing the ready executor does is shorter."""
-    cfg = SimConfig(S, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement)
+    cfg = v2_config(S, M, placement, budget, seed)
     limit, sizes = cfg.budget.bytes, _durations(cfg)[3]
     assert max(sizes) <= limit  # so the relaxed rank limit below is the limit plus the largest chunk
     r = solve(cfg, time_limit=60)  # no hints: the optimum below the ready runs is the solver's own

@@ -452,7 +452,7 @@ def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
                            "PipelineStage does")
     try:
         stages = _stages_of(stage)
-        device = torch.device(stages[0].device)
+        device = _device_of(stages)
         mine, error = _checked(stages, n_microbatches), None
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
@@ -494,13 +494,12 @@ def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
 
 
 def _checked(stages: list, n_microbatches) -> tuple:
-    """This rank's own checks: (its stage indices, V, placement, rrfp's layout), or the error that names
-    what is wrong."""
+    """This rank's own checks past its stages and device: (its stage indices, V, placement, rrfp's
+    layout), or the error that names what is wrong."""
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
     for s in stages:
         _check_module(s.submod)
-    _device_of(stages)
     stage, world = stages[0], dist.get_world_size()
     pp = stage.group_size
     mixed = [s.stage_index for s in stages if (s.num_stages, s.group_size, s.group_rank) !=

@@ -140,8 +140,8 @@ def as_split(order: Sequence[Task], split: bool) -> list[Task]:
 def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple[int, Task]]:
     """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its W(m)."""
     if not split or any(t.kind is Kind.W for _, t in order):
-        return [(s, t) for s, t in order]
-    return [x for s, t in order for x in (((s, t), (s, Task(Kind.W, t.mb))) if t.kind is Kind.B else ((s, t),))]
+        return list(order)
+    return [(s, x) for s, t in order for x in as_split([t], split)]
 
 
 def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int = 1000,

@@ -207,8 +207,7 @@ class RankedPipeline:
                 now, code = pop(events)
             if len(deciding) > 1:
                 deciding = sorted(set(deciding))
-        if any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW)) or \
-                any(r >= 0 for r in running):
+        if not _complete(M, split, nF, nB, nW, running):
             return None
         return RankedRun(last, busy, decisions, peaks, timeline)
 
@@ -363,7 +362,12 @@ class RankedPipeline:
                 now, code = pop(events)
             if len(deciding) > 1:
                 deciding = sorted(set(deciding))
-        if any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW)) or \
-                any(r >= 0 for r in running):
+        if not _complete(M, split, nF, nB, nW, running):
             return None
         return RankedRun(last, busy, decisions, peaks, timeline, stage_busy, speaks)
+
+
+def _complete(M: int, split: bool, nF, nB, nW, running) -> bool:
+    """Every stage ran all its tasks and no rank is still running one: else the run stalled."""
+    return not (any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW))
+                or any(r >= 0 for r in running))
