@@ -19,7 +19,7 @@ V = 2
 TOL = 1e-10
 # torch's multi-stage schedules of each placement; ScheduleDualPipeV needs M >= S * V microbatches
 # (schedules.py, ScheduleDualPipeV.__init__: "DualPipeV requires at least as many microbatches as stages"),
-# so at 4 ranks (8 stages, M = 4) it is not among them
+# so at 4 ranks (8 stages) it runs only in the case with M = 8, and refuses M = 4
 TORCH_SCHEDULES = {"interleaved": ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"),
                    "v": ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")}
 # torch 2.13's v schedules cannot eval: they still run the B of the stage whose predecessor is on the same rank,
@@ -35,20 +35,20 @@ def held_stages(rank: int, world: int, placement: str) -> tuple[int, ...]:
 
 
 def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict, torch.Tensor]:
-    """One process: per-microbatch losses, the mean loss's gradients of ``stages`` keyed (stage, name),
-    and the output."""
+    """One process: per-microbatch losses (of BATCH rows each), the mean loss's gradients of ``stages``
+    keyed (stage, name), and the output."""
     model = full_model(num_stages)
-    losses = [loss_fn(model(x[i * BATCH:(i + 1) * BATCH]), y[i * BATCH:(i + 1) * BATCH]) for i in range(M)]
-    (sum(losses) / M).backward()
+    losses = [loss_fn(model(x[i:i + BATCH]), y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
+    (sum(losses) / len(losses)).backward()
     return [l.item() for l in losses], {(s, n): p.grad.clone() for s in stages
                                         for n, p in model[s].named_parameters()}, model(x).detach()
 
 
-def _run(cls, stages, chunks, first: bool, last: bool, data, evaluate: bool = True, **options):
-    """One step, a second one without zero_grad (torch divides the accumulated .grad by M), and an eval
-    (the parameters have not moved: the first step's losses and output again)."""
+def _run(cls, stages, chunks, first: bool, last: bool, data, m: int, evaluate: bool = True, **options):
+    """One step of ``m`` microbatches, a second one without zero_grad (torch divides the accumulated .grad
+    by m), and an eval (the parameters have not moved: the first step's losses and output again)."""
     (x, y), (x2, y2) = data
-    schedule = cls(stages, M, loss_fn=loss_fn, **options)
+    schedule = cls(stages, m, loss_fn=loss_fn, **options)
     losses, eval_losses = [], []
     merged = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
     grads1 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
@@ -67,12 +67,12 @@ def loss_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) else float("inf")
 
 
-def torch_schedules_for(placement: str, world: int) -> tuple[str, ...]:
-    """torch's schedules of ``placement`` that take ``world`` ranks of V stages and M microbatches."""
-    return tuple(n for n in TORCH_SCHEDULES[placement] if n != "ScheduleDualPipeV" or M >= world * V)
+def torch_schedules_for(placement: str, world: int, m: int) -> tuple[str, ...]:
+    """torch's schedules of ``placement`` that take ``world`` ranks of V stages and ``m`` microbatches."""
+    return tuple(n for n in TORCH_SCHEDULES[placement] if n != "ScheduleDualPipeV" or m >= world * V)
 
 
-def _virtual_parity(rank, world, placement):
+def _virtual_parity(rank, world, placement, m):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
@@ -85,22 +85,22 @@ def _virtual_parity(rank, world, placement):
     mine = held_stages(rank, world, placement)
     first, last = 0 in mine, S - 1 in mine
     model = full_model(S)
-    data = (batch(1, 5), batch(2, 5))
+    data = (batch(1, 5, rows=BATCH * m), batch(2, 5, rows=BATCH * m))
     runs, result = {}, {}
     try:
-        for name in sorted(set(TORCH_SCHEDULES[placement]) - set(torch_schedules_for(placement, world))):
+        for name in sorted(set(TORCH_SCHEDULES[placement]) - set(torch_schedules_for(placement, world, m))):
             stages = [PipelineStage(copy.deepcopy(model[s]), s, S, torch.device("cpu")) for s in mine]
             with pytest.raises(ValueError) as refused:  # the reason torch_schedules_for leaves it out
-                getattr(torch_schedules, name)(stages, M, loss_fn=loss_fn)
+                getattr(torch_schedules, name)(stages, m, loss_fn=loss_fn)
             result[f"{name} refused"] = str(refused.value)
         for name, cls, options in [*[(n, getattr(torch_schedules, n), {"evaluate": n not in TORCH_CANNOT_EVAL})
-                                     for n in torch_schedules_for(placement, world)],
+                                     for n in torch_schedules_for(placement, world, m)],
                                    *[(f"rrfp {h}", ScheduleReady, {"hint": h}) for h in RRFP_HINTS[placement]]]:
             chunks = [copy.deepcopy(model[s]) for s in mine]
             stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in zip(mine, chunks)]
             if cls is ScheduleReady:  # torch needs them in model order (its warm-up hangs otherwise); rrfp sorts
                 stages, chunks = stages[::-1], chunks[::-1]
-            schedule, runs[name] = _run(cls, stages, chunks, first, last, data, **options)
+            schedule, runs[name] = _run(cls, stages, chunks, first, last, data, m, **options)
             if cls is ScheduleReady:
                 # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on every rank
                 # alike (before any message), rather than give them to the first stage alone
@@ -127,7 +127,7 @@ def _virtual_parity(rank, world, placement):
                        n_eval=len(r["eval_losses"]), evaluated=(ref_out - r["evaluated"]).abs().max().item())
         else:
             res.update(merged=r["merged"], losses=r["losses"], evaluated=r["evaluated"])
-        for t_name in torch_schedules_for(placement, world):  # ScheduleReady against each of torch's
+        for t_name in torch_schedules_for(placement, world, m):  # ScheduleReady against each of torch's
             t = runs[t_name]
             vs = dict(grad1=max_diff(t["grads1"], r["grads1"]), grad2=max_diff(t["grads2"], r["grads2"]))
             if last:
@@ -142,28 +142,29 @@ def _virtual_parity(rank, world, placement):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("placement", ["interleaved", "v"])
-def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placement, world):
-    results = run_ranks(_virtual_parity, world, placement, timeout=240)
+# M = 4 everywhere, where DualPipeV refuses 4 ranks (8 stages); and v at 4 ranks with DualPipeV's least M, S * V = 8
+@pytest.mark.parametrize("placement, world, m", [("interleaved", 2, M), ("interleaved", 4, M), ("v", 2, M),
+                                                 ("v", 4, M), ("v", 4, 4 * V)])
+def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placement, world, m):
+    results = run_ranks(_virtual_parity, world, placement, m, timeout=240)
     holder = 0 if placement == "v" else world - 1  # the rank holding the last global stage
-    schedules = torch_schedules_for(placement, world)
+    schedules = torch_schedules_for(placement, world, m)
     left_out = sorted(set(TORCH_SCHEDULES[placement]) - set(schedules))
-    assert left_out == (["ScheduleDualPipeV"] if (placement, world) == ("v", 4) else []), left_out
+    assert left_out == (["ScheduleDualPipeV"] if (placement, world, m) == ("v", 4, M) else []), left_out
     for rank, res in sorted(results.items()):
         for name in left_out:  # torch refuses that shape itself, on every rank
             assert res[f"{name} refused"] == (f"DualPipeV requires at least as many microbatches as stages, but got "
-                                              f"{M} microbatches and {world * V} stages."), res[f"{name} refused"]
+                                              f"{m} microbatches and {world * V} stages."), res[f"{name} refused"]
         for t_name in schedules:  # torch's own run against one process, and where it puts the losses
             t = res[t_name]
-            print(f"{placement} world {world} rank {rank} {t_name}: {t}")
-            assert t["names"] > 0 and t["n_losses"] == (M if rank == holder else 0), (rank, t_name, t)
+            print(f"{placement} world {world} M {m} rank {rank} {t_name}: {t}")
+            assert t["names"] > 0 and t["n_losses"] == (m if rank == holder else 0), (rank, t_name, t)
             assert t["ref_grad"] < TOL, (rank, t_name, t)
             if rank == holder:
                 assert t["ref_loss"] < TOL and t["ref_merged"] < TOL, (rank, t_name, t)
         for hint in RRFP_HINTS[placement]:
             r = res[f"rrfp {hint}"]
-            print(f"{placement} world {world} rank {rank} hint {hint}: {r}")
+            print(f"{placement} world {world} M {m} rank {rank} hint {hint}: {r}")
             assert res[f"rrfp {hint} runtime stages"] == (held_stages(rank, world, placement), placement)
             assert res[f"rrfp {hint} kinds"] == (["B", "F"] if hint == "1f1b" else ["B", "F", "W"]), (rank, hint)
             assert r["names"] > 0
@@ -176,10 +177,10 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
                     if t_name not in TORCH_CANNOT_EVAL:
                         assert vs["eval_loss"] < TOL and vs["evaluated"] < TOL, (rank, hint, t_name, vs)
             if rank == holder:
-                assert r["n_losses"] == M and r["n_eval"] == M, (rank, hint, r)
+                assert r["n_losses"] == m and r["n_eval"] == m, (rank, hint, r)
                 assert r["ref_loss"] < TOL and r["eval_loss"] < TOL, (rank, hint, r)
                 assert r["ref_merged"] < TOL and r["evaluated"] < TOL, (rank, hint, r)
-                assert r["shape"] == (BATCH * M, 5, VOCAB), r
+                assert r["shape"] == (BATCH * m, 5, VOCAB), r
             else:  # only the last stage's rank gets an output and losses, as in torch
                 assert r["merged"] is None and r["evaluated"] is None and r["losses"] == [], (rank, hint, r)
 
