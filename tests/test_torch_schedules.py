@@ -156,7 +156,7 @@ def _lower_bound(S: int, rank_of: dict[int, int], per_rank: int, split: bool, du
 def test_emulated_time_bounds_the_iteration(schedule):
     from rrfp.core.variability import Variability
 
-    unit_s = 0.01
+    unit_s = 0.02  # emulated time well above the per-task cost on a loaded 2-core machine
     out = run_ranks(_emulated, WORLD, schedule, unit_s, timeout=90)
     var = Variability.preset("none", **VARIABILITY)
     _, per_rank, _, split = ts.SCHEDULES[ts.resolve_schedule(schedule)]
@@ -185,9 +185,10 @@ def test_emulated_time_bounds_the_iteration(schedule):
         for mb in range(M):
             assert spans[(k + 1, f"F{mb}")][0] >= spans[(k, f"F{mb}")][1] + gap, (k, mb)
             assert spans[(k, f"B{mb}")][0] >= spans[(k + 1, f"B{mb}")][1] + gap, (k, mb)
-    # the slow rank (1) spends twice the emulated time of rank 0 in its tasks
+    # the slow rank (1) spends twice the emulated time of rank 0 in its tasks: M x 3 units more (half of it
+    # asked, so that real compute slowed by other jobs on the machine cannot make up the rest)
     busy = {r: sum(sp.end - sp.start for sp in o["spans"]) for r, o in out.items()}
-    assert busy[1] >= 2 * M * 3 * unit_s and busy[1] > 1.5 * busy[0], busy
+    assert busy[1] >= 2 * M * 3 * unit_s and busy[1] - busy[0] >= 0.5 * M * 3 * unit_s, busy
     # the memory the bench reports beside torch's speedups, read off the spans: 1F1B holds S - r
     from rrfp.app.bench.runners import held_peak
 
