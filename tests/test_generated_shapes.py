@@ -21,7 +21,7 @@ from test_virtual_pipeline import build
 
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
 HINTS = ("bfw", "bf", "plan", "gpipe", "1f1b", "zbh1", "zbv")  # taken in turn: every one runs in every run
-BUDGETS = ("0.5x", "1x", "2x", "1", "2", "3", "200B", "600B", "2KiB")
+BUDGETS = ("0.25x", "0.5x", "1x", "2x", "1", "2", "3", "200B", "600B", "2KiB")
 D = 6  # the Piece model's width (test_virtual_pipeline.D)
 
 

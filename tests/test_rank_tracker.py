@@ -149,7 +149,7 @@ def test_virtual_runs_every_task_once_after_its_dependencies(placement, hint):
 @settings(max_examples=40, deadline=None)
 @given(S=st.integers(1, 5), M=st.integers(1, 12), seed=st.integers(0, 10**6),
        placement=st.sampled_from(["interleaved", "v"]), V=st.integers(2, 3),
-       hint=st.sampled_from(["bf", "bfw", "plan"]), budget=st.sampled_from(["1x", "2x", "1", "0.5x"]))
+       hint=st.sampled_from(["bf", "bfw", "plan"]), budget=st.sampled_from(["1x", "2x", "1", "0.5x", "0.25x"]))
 def test_rank_budget_holds_and_tight_budgets_finish(S, M, seed, placement, V, hint, budget):
     if placement == "v":
         V = 2
@@ -237,10 +237,10 @@ def test_the_v_turn_is_local_and_named():
 
 
 def test_later_chunk_has_room_reserved():
-    """At 1x on the last rank (2 chunk units): a chunk-0 F is refused once one unit is held, so the
+    """With room for one microbatch (2 chunk units): a chunk-0 F is refused once one unit is held, so the
     microbatch's own chunk-1 F always fits; without the reserve the rank would deadlock."""
     lay = VirtualLayout(2, 2, "v")
-    rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 3, True, Dispatch.READY, Budget.parse("1x")))
+    rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 3, True, Dispatch.READY, Budget.parse("1")))
     assert rk.spec.limit.count == 2
     rk.arrive(1, Kind.F, 0)
     rk.arrive(1, Kind.F, 1)
@@ -252,20 +252,31 @@ def test_later_chunk_has_room_reserved():
     assert rk.next() == StageTask(2, Task(Kind.F, 0))
 
 
-def test_nx_generalises_1f1b_by_need():
-    """Nx at V stages per rank: N times the chunk-microbatches the rank's stages need, 1F1B's S - r
-    at V = 1; balanced in the v shape; the same total memory as V = 1 to within S/2 microbatches."""
+def test_nx_gives_every_layout_1f1bs_peak_per_device_spread_by_need():
+    """Nx at V stages per rank: the fullest rank gets N times 1F1B's peak (S microbatches of its
+    layers), every rank the same share of its need (1F1B's S - r at V = 1; balanced in the v shape),
+    so at the same N every layout has the same peak per device."""
     from rrfp.core.budget import rank_need
 
     S = 8
     assert [rank_need(VirtualLayout(S, 1), r) for r in range(S)] == [S - r for r in range(S)]
     assert {rank_need(VirtualLayout(S, 2, "v"), r) for r in range(S)} == {S + 0.5}
     assert [rank_need(VirtualLayout(S, 2), r) for r in range(S)] == [(3 * S - 2 * r) / 2 for r in range(S)]
-    for lay in (VirtualLayout(S, 2), VirtualLayout(S, 2, "v"), VirtualLayout(S, 4)):
-        total_mb = sum(rank_need(lay, r) for r in range(S)) / lay.virtual  # a chunk is 1/V of a microbatch
-        assert abs(total_mb - S * (S + 1) / 2) <= S / 2
+    layouts = (VirtualLayout(S, 1), VirtualLayout(S, 2), VirtualLayout(S, 2, "v"), VirtualLayout(S, 3),
+               VirtualLayout(S, 4))
+    for n in ("0.5x", "1x", "1.5x", "2x", "4x"):
+        budget = Budget.parse(n)
+        for lay in layouts:
+            counts = [budget.rank_limit(lay, r).count for r in range(S)]
+            assert max(counts) == budget.multiple * S * lay.virtual, (n, lay, counts)  # 1F1B's peak x N
+            needs = [rank_need(lay, r) for r in range(S)]  # spread by need: less need, never more room
+            by_need = [c for _, c in sorted(zip(needs, counts), reverse=True)]
+            assert by_need == sorted(by_need, reverse=True), (n, lay, counts)
+    # interleaved, 1x: rank r gets 16 x (24 - 2r) / 24 chunks, rounded down (rank 0: 1F1B's 8 microbatches)
+    assert [Budget.parse("1x").rank_limit(VirtualLayout(S, 2), r).count for r in range(S)] == [16, 14, 13, 12, 10,
+                                                                                                 9, 8, 6]
     two = Budget.parse("2x")
-    assert [two.rank_limit(VirtualLayout(S, 2, "v"), r).count for r in range(S)] == [2 * S + 1] * S
+    assert [two.rank_limit(VirtualLayout(S, 2, "v"), r).count for r in range(S)] == [4 * S] * S  # ZB-V's x 2
     assert two.rank_limit(VirtualLayout(S, 1), 3) == two.limit(S, 3)
     assert Budget.parse("0.1x").rank_limit(VirtualLayout(S, 2, "v"), 0).count == 2  # one microbatch through both
     assert Budget.parse("3").rank_limit(VirtualLayout(S, 2), 0).count == 6  # 3 microbatches = 6 chunks

@@ -99,8 +99,8 @@ def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, 
     print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
           f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
           f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
-          + ("; with V stages per rank a chunk holds 1/V of a microbatch, and Nx is N times the rank's need "
-             "(docs/design.md)" if virtual else ""), file=out)
+          + ("; with V stages per rank a chunk holds 1/V of a microbatch, and Nx gives the fullest rank N times "
+             "1F1B's peak, the others by need (docs/design.md §4b)" if virtual else ""), file=out)
     print(f"{'executor':<8} {'hint':<12} {'budget':>6}" + (f" {'layout':<15}" if virtual else "")
           + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
           f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""),

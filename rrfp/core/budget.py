@@ -63,16 +63,18 @@ class Budget:
     def rank_limit(self, layout: "VirtualLayout | int", rank: int, virtual: int = 1) -> "Limit":
         """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
         interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's activations.
-        ``Nx`` is N times what the rank's stages need to keep the pipeline full (``rank_need``),
-        which with V = 1 is 1F1B's S - r; a count budget is microbatches of the rank's whole model.
-        At least V: one microbatch through every chunk."""
+        ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its layers, what a device
+        must fit for 1F1B) and every other rank the same share of its need (``rank_need``), so with
+        V = 1 it is N(S - r), and at the same N every V has the same peak per device. A count budget
+        is microbatches of the rank's whole model. At least V: one microbatch through every chunk."""
         if not isinstance(layout, VirtualLayout):
             layout = VirtualLayout(layout, virtual)
         V = layout.virtual
         if V == 1:
             return self.limit(layout.ranks, rank)
         if self.multiple is not None:
-            count = max(V, int(self.multiple * rank_need(layout, rank) + 1e-9))
+            share = rank_need(layout, rank) / max(rank_need(layout, q) for q in range(layout.ranks))
+            count = max(V, int(self.multiple * layout.ranks * V * share + 1e-9))
         else:
             count = None if self.count is None else max(V, V * self.count)
         return Limit(count=count, bytes=self.bytes)
@@ -94,11 +96,12 @@ class Budget:
 
 
 def rank_need(layout: VirtualLayout, rank: int) -> float:
-    """Chunk-microbatches ``rank`` holds in a full pipeline, as 1F1B's S - s generalises: global
-    stage g of S*V keeps a chunk's activations while the microbatch crosses the SV - g stages from
-    g to the loss and back, each 1/V of a stage's time, so it holds (SV - g) / V of them. V = 1:
-    S - r. Summed over ranks it is the memory of V = 1 to within S/2 microbatches, but spread by
-    need: in the v placement every rank needs about S/2 microbatches (S + 1/2 chunks)."""
+    """Chunk-microbatches ``rank`` holds in a full pipeline with no waits, as 1F1B's S - s
+    generalises: global stage g of S*V keeps a chunk's activations while the microbatch crosses the
+    SV - g stages from g to the loss and back, each 1/V of a stage's time, so it holds (SV - g) / V
+    of them. V = 1: S - r. It sets how a budget is spread over ranks, not its size: with V > 1 a
+    microbatch also waits at each rank for the other chunks' work, and the layout's own schedules
+    hold about twice this (ZB-V: S microbatches on every rank, 1F1B's rank-0 peak)."""
     N, V = layout.num_stages, layout.virtual
     return sum(N - g for g in layout.stages_of(rank)) / V
 
