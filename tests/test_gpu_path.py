@@ -10,11 +10,14 @@ What is shown here, and the mutation that shows each check can fail:
   on any path: pipeline channels, TP layers and agreement, DP buckets (mutation: a TP group
   left lazy: its communicator appears on the event loop in iteration 0);
 - the lazy paths of real torch/NCCL deadlock, and the fake catches it by a timeout
-  (mutations: bare isend/irecv on torch 2.8 without the warm-up; no warm-up at all).
+  (mutations: bare isend/irecv on torch 2.8 without the warm-up; no warm-up at all);
+- with two stages per rank (both placements, with TP) every channel of every chunk is a group
+  of its own, created and connected at start-up (mutation: only each rank's first two
+  channels warmed up: rank 0 blocks connecting 2->0 in the run, a FakeHang).
 """
 from __future__ import annotations
 
-import threading
+import copy
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ import torch
 from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, restore_late_sends, run_ranks_in_threads
 from rrfp.comm.message import HEADER_LEN
 from rrfp.core.layout import plan_layout
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 
@@ -54,37 +58,44 @@ def _reference(model_cfg, data):
 
 
 def run_pipeline(world: FakeWorld, pp: int, tp: int = 1, dp: int = 1, *, unit_ms: float = 20.0, split=False,
-                 hint="1f1b", iterations: int = 1, timeout: float = 120.0, peer_timeout_s: float = 30.0):
-    """``iterations`` iterations (no optimizer step) on every rank of a pp x tp x dp layout; per
-    rank: the last one's gradient error against the reference, task order and loss, the stage."""
+                 hint="1f1b", iterations: int = 1, timeout: float = 120.0, peer_timeout_s: float = 30.0,
+                 virtual: int = 1, placement: str = "interleaved"):
+    """``iterations`` iterations (no optimizer step) on every rank of a pp x tp x dp layout, with
+    ``virtual`` stages per pipeline rank; per rank: the last one's gradient error against the
+    reference, task order and loss, the (first) stage."""
     from models.data import DataConfig, batches
     from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     layout = plan_layout(world.size, pp, tp, dp)
-    model_cfg = GPTConfig(n_layer=2 * pp, n_embd=16, n_head=2, block_size=32)
+    stages = VirtualLayout(pp, virtual, placement)
+    model_cfg = GPTConfig(n_layer=2 * pp * virtual, n_embd=16, n_head=2, block_size=32)
     data = batches(DataConfig(seed=3, microbatch_size=2, min_seq_len=6, max_seq_len=24), 0, M * dp)
     ref_grads, ref_loss = _reference(model_cfg, data)
-    seeded = threading.Lock()
+    torch.manual_seed(0)
+    # built before the ranks start: they are threads sharing torch's one RNG, which an executor with virtual stages
+    # seeds around every task (executor.py, fork_rng), so a model built in a rank could draw another rank's seed
+    template = GPT(model_cfg)
 
     async def rank_main(rank):
         rt = PipelineRuntime._build(layout, DEVICE, "nccl", peer_timeout_s, unit_ms, False, 2 * peer_timeout_s + 30,
-                                    ops=FakeCudaOps(world, rank), torch_module=world.torch_for(rank))
+                                    ops=FakeCudaOps(world, rank), torch_module=world.torch_for(rank),
+                                    stages=stages)
         world.started(rank)
         try:
-            with seeded:  # the ranks are threads: one global RNG
-                torch.manual_seed(0)
-                full = GPT(model_cfg)
-            module = make_stage(full, rt.stage, rt.num_stages, tp_group=rt.tp_group)
-            ex = rt.stage_executor(module, loss_fn, microbatches=M, hint=hint, split=split,
-                                   variability=Variability(comm=0.0))
-            sync = rt.grad_sync(module, ex)
+            full = copy.deepcopy(template)
+            chunks = torch.nn.ModuleList([make_stage(full, s, rt.num_stages, tp_group=rt.tp_group)
+                                          for s in rt.stages])
+            ex = rt.stage_executor(list(chunks) if virtual > 1 else chunks[0], loss_fn, microbatches=M, hint=hint,
+                                   split=split, variability=Variability(comm=0.0))
+            sync = rt.grad_sync(chunks if virtual > 1 else chunks[0], ex)
             for it in range(iterations):
-                module.zero_grad(set_to_none=True)
+                chunks.zero_grad(set_to_none=True)
                 res = await ex.run_iteration(it, data[rt.dp_rank * M:(rt.dp_rank + 1) * M])
                 await sync.sync()
             err = 0.0
-            for n, p in module.named_parameters():
+            for n, p in chunks.named_parameters():
+                n = n.split(".", 1)[1]  # ModuleList's index first
                 want = ref_grads[n]
                 if p.shape != want.shape:
                     want = full_grad_slice(n, want, rt.tp_rank, tp)
@@ -165,6 +176,28 @@ def test_no_communicator_or_host_sync_after_startup_on_any_path(fake_dist):
                             if op.rank == rank and op.tensor.numel() > 1)
         assert first_bucket.gate.done_at >= last_w.end
         assert not [k for k in kernels if last_w.end < k.end <= first_bucket.gate.done_at]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("placement", ["interleaved", "v"])
+def test_virtual_stages_create_and_connect_nothing_after_startup(fake_dist, placement):
+    """Two stages per rank, pp 2 x tp 2: every boundary between ranks is a channel with its own
+    group (the v turn none), all warmed up at start-up in one global order, with TP layers and
+    agreement over both chunks; gradients and loss as one process."""
+    world = fake_dist(FakeWorld(4, hang_s=5.0))
+    results, ref_loss = run_pipeline(world, pp=2, tp=2, unit_ms=2.0, split=True, hint="bfw", virtual=2,
+                                     placement=placement)
+    assert max(r["err"] for r in results.values()) < 1e-5
+    last = VirtualLayout(2, 2, placement).rank_of(3)  # the pipeline rank that holds the loss (its first stage)
+    losses = [r["loss"] for r in results.values() if r["stage"] == last]
+    assert len(losses) == 2 and all(abs(loss - ref_loss) < 1e-5 for loss in losses), losses
+    assert world.inits and all(i.phase == "startup" for i in world.inits), world.after_startup(world.inits)
+    assert world.after_startup(world.host_syncs) == []
+    # a channel's group joins two pipeline ranks; interleaved: boundaries 0-1, 1-2, 2-3 all cross ranks; v: 0-1 and
+    # 2-3 (1-2 is the local turn); two groups (fwd, bwd) each, per TP rank
+    pp_of = plan_layout(4, 2, 2, 1).coords
+    channels = [g for g in world.groups if g.backend == "nccl" and len({pp_of(r).pp for r in g.ranks}) == 2]
+    assert len(channels) == 2 * 2 * (3 if placement == "interleaved" else 2), len(channels)
 
 
 @pytest.mark.timeout(120)
