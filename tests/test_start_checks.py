@@ -11,6 +11,7 @@ import torch
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.core.placement import VirtualLayout
 from rrfp.app.start_checks import check_memory, check_timeout, footprints, predicted_step_s
 from rrfp.pipeline.worker import StageWorker
 
@@ -50,6 +51,22 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
         assert 0.3 * real <= estimate <= real, (s, estimate, real)
         x = out
     assert [f.in_flight for f in prints] == [4, 2]  # budget 2x: 2 * (S - s), at most the 4 microbatches
+
+
+def test_with_virtual_stages_a_rank_counts_its_chunks():
+    """V = 2, v: a rank's parameters are exactly its two chunks', its activations the rank limit's
+    chunks at its smaller chunk's size (a lower bound), in flight the rank limit in chunks."""
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=4", "virtual=2",
+                                                             "placement=v"], world_size=2)
+    one = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=4"], world_size=2)
+    prints, wl, lay = footprints(cfg), cfg.workload, VirtualLayout(2, 2, "v")
+    chunk_params = [4 * sum(p.numel() * p.element_size() for p in wl.build_stage(cfg.model, g, 4, None).parameters())
+                    for g in range(4)]
+    for r, f in enumerate(prints):
+        assert f.state == sum(chunk_params[g] for g in lay.stages_of(r)), (r, f)
+        assert f.in_flight == min(cfg.run.budget.rank_limit(lay, r).count, 4 * 2) == 8  # 2x: 2 x S x V, at most M x V
+    # the two ranks hold all the layers between them, as with one stage per rank
+    assert sum(f.state for f in prints) == sum(f.state for f in footprints(one))
 
 
 def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():

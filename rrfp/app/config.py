@@ -269,9 +269,10 @@ class TrainConfig:
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
 
 
-def _check_fixed_budget(run: RunConfig, num_stages: int) -> None:
+def _check_fixed_budget(run: RunConfig, pp: int) -> None:
     """Fixed dispatch follows its order and applies no budget. A class hint's order is its
-    nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently."""
+    nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently.
+    With virtual stages the order is the rank's, over its chunks (``Budget.rank_limit``)."""
     if run.dispatch is not Dispatch.FIXED or not run.hint.is_class or run.hint.planned:
         return
     split = default_split(run.hint.name, run.split)
@@ -280,11 +281,15 @@ def _check_fixed_budget(run: RunConfig, num_stages: int) -> None:
     if run.budget.bytes is not None:
         raise ConfigError(f"{why}: a byte budget (run.budget = {run.budget}) cannot hold it; use a count "
                           f"or Nx budget, or run.dispatch = ready")
-    for s in range(num_stages):
-        needs = peak_in_flight(run.hint.order(num_stages, s, run.microbatches, split), split)
-        allowed = run.budget.microbatches(num_stages, s)
+    layout = VirtualLayout(pp, run.virtual, run.placement)
+    for r in range(pp):
+        needs = peak_in_flight([t for _, t in run.hint.rank_order(layout, r, run.microbatches, split)], split)
+        allowed = run.budget.rank_limit(layout, r).count
         if needs > allowed:
-            raise ConfigError(f"{why}: stage {s} holds up to {needs} microbatches, above run.budget = "
+            where, unit = ((f"stage {r}", "microbatches") if layout.virtual == 1 else
+                           (f"pipeline rank {r} (stages {', '.join(map(str, layout.stages_of(r)))})",
+                            f"chunks (1/{layout.virtual} of a microbatch each)"))
+            raise ConfigError(f"{why}: {where} holds up to {needs} {unit}, above run.budget = "
                               f"{run.budget} ({allowed} there); raise run.budget to {NOMINAL_BUDGET:g}x, or use "
                               f"run.dispatch = ready, or a schedule hint (1f1b, zbh1)")
 

@@ -36,6 +36,7 @@ from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import default_split, peak_in_flight
+from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
 
@@ -89,43 +90,47 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> None:
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
         f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
-        f"{act.in_flight} microbatch(es) in flight per stage; {_gib(sum(f.batches for f in mine))} input "
+        f"{act.in_flight} {'microbatch(es)' if cfg.run.virtual == 1 else 'chunk(s)'} in flight per rank; {_gib(sum(f.batches for f in mine))} input "
         f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
         f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)")
 
 
 def footprints(cfg: TrainConfig) -> list[Footprint] | None:
-    """Each stage's Footprint; None when the model cannot be measured on the meta device."""
+    """Each pipeline rank's Footprint; None when the model cannot be measured on the meta device.
+    With virtual stages a rank holds its chunks' parameters and up to its rank limit of chunk
+    activations (``Budget.rank_limit``), each at least its smallest chunk's."""
     run, wl, lay = cfg.run, cfg.workload, cfg.layout
     S, M = lay.pp, run.microbatches
+    layout = VirtualLayout(S, run.virtual, run.placement)
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = sum(_nbytes(b) for b in sample) / len(sample) * M * 2  # this replica's, this step's and the next
     try:
-        measured = _measure(cfg, smallest)
+        measured = _measure(cfg, smallest, layout.num_stages)
     except Exception as e:  # the workload's own model: not measurable is not an error of the config
         log.info("memory check skipped: %s does not run on the meta device: %s: %s", run.model,
                  type(e).__name__, e)
         return None
     split = default_split(run.hint.name, run.split)
     out = []
-    for s, (params, acts) in enumerate(measured):
+    for r in range(S):
+        chunks = [measured[g] for g in layout.stages_of(r)]
         if run.dispatch is Dispatch.FIXED and run.hint.is_class and not run.hint.planned:
-            held = peak_in_flight(run.hint.order(S, s, M, split), split)
+            held = peak_in_flight([t for _, t in run.hint.rank_order(layout, r, M, split)], split)
         else:
-            held = run.budget.microbatches(S, s) or M
-        held = max(1, min(held, M))
-        acts = int(acts * ACTIVATION_SHARE)
+            held = run.budget.rank_limit(layout, r).count or M * layout.virtual
+        held = max(1, min(held, M * layout.virtual))  # chunks (microbatches with one stage per rank)
+        acts = int(min(a for _, a in chunks) * ACTIVATION_SHARE)
         activations = held * acts
         if run.budget.bytes is not None:
             activations = min(activations, max(run.budget.bytes, acts))
-        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held))
+        out.append(Footprint(4 * sum(p for p, _ in chunks) // run.tp, activations // run.tp, int(batch_bytes), held))
     return out
 
 
-def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
-    """(parameter bytes, activation bytes of ``batch``) of every stage, on the meta device."""
-    wl, S = cfg.workload, cfg.layout.pp
+def _measure(cfg: TrainConfig, batch, num_stages: int) -> list[tuple[int, int]]:
+    """(parameter bytes, activation bytes of ``batch``) of each of ``num_stages`` stages, on the meta device."""
+    wl, S = cfg.workload, num_stages
     x, y = _to_meta(batch[0]), _to_meta(batch[1])
     out = []
     with torch.device("meta"), _fork_rng():

@@ -3,7 +3,7 @@
 ``Budget`` is what the user writes; ``Limit`` is its value on one stage;
 ``InFlight`` counts what a stage holds now. Readiness needs headroom over
 1F1B's memory, so the default is ``2x``: twice 1F1B's in-flight count, which
-is S - s on stage s.
+is S - s on stage s. With virtual stages see ``Budget.rank_limit``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ _MULT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*x", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class Budget:
-    """Exactly one of ``count``, ``multiple`` (of 1F1B's S - s) or ``bytes``."""
+    """Exactly one of ``count``, ``multiple`` (of 1F1B's S - s; with virtual stages, ``rank_limit``)
+    or ``bytes``."""
 
     count: int | None = None
     multiple: float | None = None
