@@ -90,7 +90,8 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> None:
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
         f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
-        f"{act.in_flight} {'microbatch(es)' if cfg.run.virtual == 1 else 'chunk(s)'} in flight per rank; {_gib(sum(f.batches for f in mine))} input "
+        f"{act.in_flight} {'microbatch(es)' if cfg.run.virtual == 1 else 'chunk(s)'} in flight per rank; "
+        f"{_gib(sum(f.batches for f in mine))} input "
         f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
         f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)")
 
@@ -124,7 +125,8 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
         activations = held * acts
         if run.budget.bytes is not None:
             activations = min(activations, max(run.budget.bytes, acts))
-        out.append(Footprint(4 * sum(p for p, _ in chunks) // run.tp, activations // run.tp, int(batch_bytes), held))
+        params = sum(p for p, _ in chunks)
+        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held))
     return out
 
 
