@@ -17,7 +17,10 @@ NCCL refuses two ranks on one device, so the checks are what one device allows:
                the model, the optimizer and the in-flight budget;
 6. train       `rrfp train` pp=1 on CUDA against a single-process reference, and a run resumed
                from a checkpoint against an uninterrupted one, losses compared as exact floats;
-7. pp=2        over NCCL, on a machine with two GPUs.
+7. virtual     `rrfp train` pp=1 with two stages on the one rank (virtual = 2: the CUDA lane runs
+               both, the hand-off between them is local) against the same reference;
+8. pp=2        over NCCL, on a machine with two GPUs, with one stage per rank and with two in
+               the v shape.
 
 It is a script, not part of `make test`: a test that only ever skips proves nothing. What each
 check computes also runs in the suite on the fake CUDA/NCCL of tests/fake_cuda.py
@@ -43,7 +46,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = str(ROOT / "configs" / "gpt-tiny.toml")
-CHECKS = ("lane", "poller", "loopback", "nccl-init", "memory", "train", "calibrate", "pp=2")
+CHECKS = ("lane", "poller", "loopback", "nccl-init", "memory", "train", "calibrate", "virtual", "pp=2")
 CPU_PART = {  # where each check's device-independent part runs in the suite
     "lane": "tests/test_gpu_check.py, on the fake CUDA",
     "poller": "tests/test_gpu_check.py, on the fake CUDA",
@@ -53,7 +56,8 @@ CPU_PART = {  # where each check's device-independent part runs in the suite
     "memory": "tests/test_gpu_check.py (the prediction)",
     "train": "tests/test_checkpoint.py (a resumed run repeats the losses bit for bit, gloo)",
     "calibrate": "tests/test_plan_inputs.py (the device a CUDA run calibrates on)",
-    "pp=2": "tests/test_gpu_path.py (pp=2 over the fake NCCL) and the gloo suite",
+    "virtual": "tests/test_gpu_check.py (the same run on gloo) and tests/test_virtual_pipeline.py",
+    "pp=2": "tests/test_gpu_path.py (pp=2, and V = 2 in both placements, over the fake NCCL) and the gloo suite",
 }
 STARTUP_MARK = "RRFP-GPU-CHECK: start-up done"
 results: list[tuple[str, str, str]] = []  # (check, ok | FAILED | SKIPPED, detail)
@@ -609,19 +613,30 @@ def resume_check() -> str:
     return "resumed after 3 of 6 steps with dropout 0.1: losses identical as floats"
 
 
-def pp2_check(steps: int) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rrfp",
-           "train", "--config", CONFIG, "--set", f"steps={steps}", "--set", "log_every=1", "--set", "backend=nccl",
-           "--set", "pp=2"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if p.returncode != 0:
-        raise RuntimeError(f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
-    got = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)][:steps]
-    want = reference_losses(steps)
+def virtual_check(steps: int, backend: str = "nccl") -> str:
+    """Two stages on the one rank: the same losses as the single-process reference."""
+    got, want = train_losses(f"steps={steps}", "virtual=2", backend=backend), reference_losses(steps)
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert len(got) == steps and worst < 2e-3, f"losses {got} vs reference {want}"
-    return f"{steps} steps over NCCL between two GPUs, max |diff| of the printed losses vs reference {worst:.1e}"
+    return f"{steps} steps with two stages on one rank, max |diff| vs reference {worst:.1e}"
+
+
+def pp2_check(steps: int) -> str:
+    want, out = reference_losses(steps), []
+    for label, sets in (("one stage per rank", []), ("two per rank, v shape", ["virtual=2", "placement=v"])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rrfp",
+               "train", "--config", CONFIG, "--set", f"steps={steps}", "--set", "log_every=1", "--set",
+               "backend=nccl", "--set", "pp=2", *[a for s in sets for a in ("--set", s)]]
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if p.returncode != 0:
+            raise RuntimeError(f"{label}: exit {p.returncode}: "
+                               f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
+        got = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)][:steps]
+        worst = max(abs(a - b) for a, b in zip(got, want))
+        assert len(got) == steps and worst < 2e-3, f"{label}: losses {got} vs reference {want}"
+        out.append(f"{label} {worst:.1e}")
+    return f"{steps} steps over NCCL between two GPUs, max |diff| of the printed losses vs reference: " + ", ".join(out)
 
 
 def calibrate_check() -> str:
@@ -675,6 +690,8 @@ def main() -> int:
             check(name, lambda: train_check(args.steps))
         elif name == "calibrate":
             check(name, calibrate_check)
+        elif name == "virtual":
+            check(name, lambda: virtual_check(args.steps))
         elif name == "pp=2" and gpus < 2:
             report(name, "SKIPPED", f"needs 2 GPUs, this machine has {gpus} (NCCL refuses two ranks on one GPU)")
         elif name == "pp=2":
