@@ -566,8 +566,8 @@ def train_losses(*sets: str, backend: str = "nccl") -> list[float]:
     return json.loads(out.rsplit("LOSSES ", 1)[1].splitlines()[0])
 
 
-def reference_losses(steps: int) -> list[float]:
-    """The same model, data and optimizer in one process on cuda:0."""
+def reference_losses(steps: int, device: str = "cuda:0") -> list[float]:
+    """The same model, data and optimizer in one process on ``device``."""
     import torch
 
     from rrfp.app.config import TrainConfig
@@ -575,12 +575,12 @@ def reference_losses(steps: int) -> list[float]:
     cfg = TrainConfig.load(CONFIG, [f"steps={steps}"], world_size=1)
     wl = cfg.workload
     torch.manual_seed(cfg.run.seed)
-    model = wl.build_stage(cfg.model, 0, 1, None).to("cuda:0")
+    model = wl.build_stage(cfg.model, 0, 1, None).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
     losses = []
     for step in range(steps):
         batch = wl.batches(cfg.data, step, cfg.run.microbatches)
-        loss = sum(wl.loss_fn(model(x.cuda()), y.cuda()) for x, y in batch) / len(batch)
+        loss = sum(wl.loss_fn(model(x.to(device)), y.to(device)) for x, y in batch) / len(batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -613,9 +613,9 @@ def resume_check() -> str:
     return "resumed after 3 of 6 steps with dropout 0.1: losses identical as floats"
 
 
-def virtual_check(steps: int, backend: str = "nccl") -> str:
+def virtual_check(steps: int, backend: str = "nccl", device: str = "cuda:0") -> str:
     """Two stages on the one rank: the same losses as the single-process reference."""
-    got, want = train_losses(f"steps={steps}", "virtual=2", backend=backend), reference_losses(steps)
+    got, want = train_losses(f"steps={steps}", "virtual=2", backend=backend), reference_losses(steps, device)
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert len(got) == steps and worst < 2e-3, f"losses {got} vs reference {want}"
     return f"{steps} steps with two stages on one rank, max |diff| vs reference {worst:.1e}"

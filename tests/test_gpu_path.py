@@ -73,8 +73,9 @@ def run_pipeline(world: FakeWorld, pp: int, tp: int = 1, dp: int = 1, *, unit_ms
     data = batches(DataConfig(seed=3, microbatch_size=2, min_seq_len=6, max_seq_len=24), 0, M * dp)
     ref_grads, ref_loss = _reference(model_cfg, data)
     torch.manual_seed(0)
-    # built before the ranks start: they are threads sharing torch's one RNG, which an executor with virtual stages
-    # seeds around every task (executor.py, fork_rng), so a model built in a rank could draw another rank's seed
+    # built before the ranks start: they are threads sharing torch's one RNG, from which an executor with virtual
+    # stages draws a seed every iteration and which it seeds around every forward (executor.py), so a model built
+    # in a rank could draw another rank's seed
     template = GPT(model_cfg)
 
     async def rank_main(rank):

@@ -54,19 +54,38 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
 
 
 def test_with_virtual_stages_a_rank_counts_its_chunks():
-    """V = 2, v: a rank's parameters are exactly its two chunks', its activations the rank limit's
-    chunks at its smaller chunk's size (a lower bound), in flight the rank limit in chunks."""
-    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=4", "virtual=2",
-                                                             "placement=v"], world_size=2)
-    one = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=4"], world_size=2)
+    """V = 2, v: a rank's parameters are exactly its two chunks', in flight its rank limit in chunks
+    (2x: 2 x S x V = 8, of the M x V = 16 it could hold), each chunk's activations at most its
+    smaller chunk's real ones; under fixed dispatch, its order's peak (fixed applies no budget)."""
+    from rrfp.core.hints import peak_in_flight
+
+    sets = ["model.n_layer=4", "microbatches=8", "virtual=2", "placement=v"]
+    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets, world_size=2)
+    one = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=8"], world_size=2)
     prints, wl, lay = footprints(cfg), cfg.workload, VirtualLayout(2, 2, "v")
-    chunk_params = [4 * sum(p.numel() * p.element_size() for p in wl.build_stage(cfg.model, g, 4, None).parameters())
-                    for g in range(4)]
+    sample = wl.batches(cfg.data, 0, 8)
+    smallest = min(range(8), key=lambda m: sample[m][0].numel())
+    x, y = sample[smallest]
+    params, real = [], []  # per global stage: the real chunk's parameter bytes (x 4: AdamW) and saved activations
+    torch.manual_seed(0)
+    for g in range(4):
+        module = wl.build_stage(cfg.model, g, 4, None)
+        params.append(4 * sum(p.numel() * p.element_size() for p in module.parameters()))
+        worker = StageWorker(module, g, 4, 8, wl.loss_fn, split=True, measure_activations=True)
+        x = worker.forward(smallest, x, y if g == 3 else None)
+        real.append(worker.activation_bytes(smallest))
     for r, f in enumerate(prints):
-        assert f.state == sum(chunk_params[g] for g in lay.stages_of(r)), (r, f)
-        assert f.in_flight == min(cfg.run.budget.rank_limit(lay, r).count, 4 * 2) == 8  # 2x: 2 x S x V, at most M x V
+        mine = lay.stages_of(r)
+        assert f.state == sum(params[g] for g in mine), (r, f)
+        assert f.in_flight == cfg.run.budget.rank_limit(lay, r).count == 8, (r, f)
+        smaller = min(real[g] for g in mine)
+        assert 0.3 * smaller <= f.activations // f.in_flight <= smaller, (r, f, real)
     # the two ranks hold all the layers between them, as with one stage per rank
     assert sum(f.state for f in prints) == sum(f.state for f in footprints(one))
+    fixed = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets + ["dispatch=fixed", "hint=zbv"], world_size=2)
+    orders = [fixed.run.hint.rank_order(lay, r, 8, True) for r in range(2)]
+    assert [f.in_flight for f in footprints(fixed)] == [peak_in_flight([t for _, t in o], True) for o in orders] \
+        == [4, 4]
 
 
 def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():

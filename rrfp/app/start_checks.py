@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.durations import TaskTimes
-from rrfp.core.hints import default_split, peak_in_flight
+from rrfp.core.hints import HintError, default_split, peak_in_flight
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
@@ -116,10 +116,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     out = []
     for r in range(S):
         chunks = [measured[g] for g in layout.stages_of(r)]
-        if run.dispatch is Dispatch.FIXED and run.hint.is_class and not run.hint.planned:
-            held = peak_in_flight([t for _, t in run.hint.rank_order(layout, r, M, split)], split)
-        else:
-            held = run.budget.rank_limit(layout, r).count or M * layout.virtual
+        held = _fixed_peak(run, layout, r, split) or run.budget.rank_limit(layout, r).count or M * layout.virtual
         held = max(1, min(held, M * layout.virtual))  # chunks (microbatches with one stage per rank)
         acts = int(min(a for _, a in chunks) * ACTIVATION_SHARE)
         activations = held * acts
@@ -128,6 +125,17 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
         params = sum(p for p, _ in chunks)
         out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held))
     return out
+
+
+def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | None:
+    """What fixed dispatch holds on ``rank``: its order's peak, in chunks, for it applies no budget
+    (None under ready dispatch, or for a plan, whose orders are made per step within the budget)."""
+    if run.dispatch is not Dispatch.FIXED or run.hint.planned:
+        return None
+    try:
+        return peak_in_flight([t for _, t in run.hint.rank_order(layout, rank, run.microbatches, split)], split)
+    except HintError:  # refused with its own message elsewhere
+        return None
 
 
 def _measure(cfg: TrainConfig, batch, num_stages: int) -> list[tuple[int, int]]:
