@@ -20,7 +20,7 @@ from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, peak_in_flight, resolve
+from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -182,7 +182,7 @@ class TrainConfig:
             split = f" (run.virtual = {self.run.virtual} stages on each of {layout.pp} pipeline ranks)" \
                 if self.run.virtual > 1 else ""
             raise ConfigError(f"{e}{split}") from None
-        _check_fixed_budget(self.run, layout.pp)
+        _check_fixed_budget(self.run, self.stages)
         fault = self.run.fault
         if fault is not None and (fault.stage is not None and fault.stage >= stages or
                                   fault.rank is not None and fault.rank >= self.world_size):
@@ -269,7 +269,7 @@ class TrainConfig:
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
 
 
-def _check_fixed_budget(run: RunConfig, pp: int) -> None:
+def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:
     """Fixed dispatch follows its order and applies no budget. A class hint's order is its
     nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently.
     With virtual stages the order is the rank's, over its chunks (``Budget.rank_limit``)."""
@@ -281,9 +281,8 @@ def _check_fixed_budget(run: RunConfig, pp: int) -> None:
     if run.budget.bytes is not None:
         raise ConfigError(f"{why}: a byte budget (run.budget = {run.budget}) cannot hold it; use a count "
                           f"or Nx budget, or run.dispatch = ready")
-    layout = VirtualLayout(pp, run.virtual, run.placement)
-    for r in range(pp):
-        needs = peak_in_flight([t for _, t in run.hint.rank_order(layout, r, run.microbatches, split)], split)
+    for r in range(layout.ranks):
+        needs = run.hint.rank_peak(layout, r, run.microbatches, split)
         allowed = run.budget.rank_limit(layout, r).count
         if needs > allowed:
             where, unit = ((f"stage {r}", "microbatches") if layout.virtual == 1 else

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.durations import TaskTimes
-from rrfp.core.hints import HintError, default_split, peak_in_flight
+from rrfp.core.hints import HintError, default_split
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
@@ -102,7 +102,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     activations (``Budget.rank_limit``), each at least its smallest chunk's."""
     run, wl, lay = cfg.run, cfg.workload, cfg.layout
     S, M = lay.pp, run.microbatches
-    layout = VirtualLayout(S, run.virtual, run.placement)
+    layout = cfg.stages
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = sum(_nbytes(b) for b in sample) / len(sample) * M * 2  # this replica's, this step's and the next
@@ -133,7 +133,7 @@ def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | Non
     if run.dispatch is not Dispatch.FIXED or run.hint.planned:
         return None
     try:
-        return peak_in_flight([t for _, t in run.hint.rank_order(layout, rank, run.microbatches, split)], split)
+        return run.hint.rank_peak(layout, rank, run.microbatches, split)
     except HintError:  # refused with its own message elsewhere
         return None
 

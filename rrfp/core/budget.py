@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable
 
 from rrfp.core.placement import VirtualLayout
 
@@ -74,7 +76,7 @@ class Budget:
         if V == 1:
             return self.limit(layout.ranks, rank)
         if self.multiple is not None:
-            share = rank_need(layout, rank) / max(rank_need(layout, q) for q in range(layout.ranks))
+            share = rank_need(layout, rank) / _fullest_need(layout)
             count = max(V, int(self.multiple * layout.ranks * V * share + 1e-9))
         else:
             count = None if self.count is None else max(V, V * self.count)
@@ -105,6 +107,23 @@ def rank_need(layout: VirtualLayout, rank: int) -> float:
     hold about twice this (ZB-V: S microbatches on every rank, 1F1B's rank-0 peak)."""
     N, V = layout.num_stages, layout.virtual
     return sum(N - g for g in layout.stages_of(rank)) / V
+
+
+@lru_cache(maxsize=64)
+def _fullest_need(layout: VirtualLayout) -> float:
+    """The largest ``rank_need`` of the layout: computed once per layout, not once per rank."""
+    return max(rank_need(layout, q) for q in range(layout.ranks))
+
+
+def peak_held(spans: Iterable[tuple[float, float, float]]) -> float:
+    """The most weight held at once over ``(start, end, weight)`` spans, each held on [start, end):
+    at one time a release comes before an admission."""
+    events = sorted((t, d) for a, b, x in spans for t, d in ((a, x), (b, -x)))  # at one t, negative first
+    now = peak = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    return peak
 
 
 @dataclass(slots=True)

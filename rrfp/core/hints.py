@@ -207,6 +207,11 @@ class Hint:
         validate_rank(pairs, layout, rank, M, split, where)
         return pairs
 
+    def rank_peak(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> int:
+        """Most chunk-microbatches fixed dispatch holds on ``rank`` (``peak_in_flight`` of its rank
+        order): what it needs, since it applies no budget."""
+        return peak_in_flight([t for _, t in self.rank_order(layout, rank, M, split)], split)
+
     def rank_priority(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> dict[tuple[int, Task], int]:
         """What ready dispatch compares on ``rank`` (lower first), over (stage, task) pairs. A class
         hint ranks each stage's tasks by its own rule, and across the rank's stages by place in that

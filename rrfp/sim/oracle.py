@@ -42,6 +42,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
+from rrfp.core.budget import peak_held
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
@@ -340,19 +341,9 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
         stages = cfg.layout.stages_of(r)
         for c, cap in enumerate(caps):
             spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[:c + 1]]
-            if _peak(spans) > cap:
+            if peak_held(spans) > cap:
                 return False
     return True
-
-
-def _peak(spans: Iterable[tuple[float, float, int]]) -> int:
-    """The most demand held at once over half-open [start, end) spans: a release at t admits at t."""
-    events = sorted((t, d) for a, b, x in spans for t, d in ((a, x), (b, -x)))  # at one t, releases first
-    now = peak = 0
-    for _, d in events:
-        now += d
-        peak = max(peak, now)
-    return peak
 
 
 def _order_hint(cfg: SimConfig, orders) -> Hint:

@@ -8,11 +8,13 @@ only sees ``Runner.run(iteration, batches, features) -> Measured`` and
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from rrfp.app.bench.suite import BenchSpec, Executor
+from rrfp.core.budget import peak_held
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.variability import Variability
@@ -202,9 +204,4 @@ def held_peak(spans: Sequence[Span], share: float) -> float:
             start[key] = sp.start
         else:
             end[key] = max(end.get(key, sp.end), sp.end)
-    events = sorted([(t, share) for t in start.values()] + [(t, -share) for t in end.values()])
-    held = peak = 0.0
-    for _, delta in events:  # at equal times a release comes first (negative sorts first)
-        held += delta
-        peak = max(peak, held)
-    return round(peak, 6)
+    return round(peak_held((t, end.get(key, math.inf), share) for key, t in start.items()), 6)  # no B: still held
