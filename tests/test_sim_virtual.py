@@ -124,11 +124,13 @@ def test_virtual_stages_beat_one_stage_per_rank_under_lang_in_their_classic_sche
 
 @pytest.mark.parametrize("placement,hint,comm", [("v", "zbv", 0.0), ("v", "plan", 0.0), ("interleaved", "1f1b", 0.0),
                                                  ("interleaved", "plan", 0.0), ("v", "bfw", VIRTUAL_LATENCY),
-                                                 ("interleaved", "bfw", VIRTUAL_LATENCY)])
+                                                 ("interleaved", "bfw", VIRTUAL_LATENCY), ("v", "bf", VIRTUAL_LATENCY),
+                                                 ("interleaved", "bf", VIRTUAL_LATENCY)])
 def test_without_variability_ready_is_fixed_at_the_same_hint(placement, hint, comm):
     """Nothing varies: ready dispatch runs the fixed order's schedule to the last digit. A schedule
     hint's order holds with free messages; a plan is replayed from ready's own run; a class hint's
-    nominal order over virtual stages is what ready does when messages take the nominal latency."""
+    nominal order over virtual stages is what ready does when messages take the nominal latency
+    (bf: the backward unsplit, a B as long as B + W)."""
     var = Variability.preset("none", comm=comm)
     runs = {}
     for dispatch in ("ready", "fixed"):

@@ -1,5 +1,11 @@
 """`rrfp train` on bad input: one line that names the problem, exit code 2, no
-traceback, and no process group (nothing waits for peers that never come)."""
+traceback, and no process group (nothing waits for peers that never come).
+
+Every config error is a ConfigError from ``TrainConfig.load``, which ``rrfp
+train`` prints as that one line before any group exists. So the tables of
+errors check each message in this process (``config_error``), and one case of
+each table runs the command under a torchrun-like environment: a process
+costs about 3 s here, most of it importing torch."""
 from __future__ import annotations
 
 import os
@@ -8,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rrfp.app.config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/gpt-tiny.toml"
@@ -38,6 +46,21 @@ def assert_usage_error(res: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
+def config_error(sets: list[str], *needles: str, world: int | None = None) -> str:
+    """The one-line ConfigError that ``TrainConfig.load`` raises for ``sets``, with every needle."""
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(ROOT / CONFIG, sets, world_size=world)
+    line = str(info.value)
+    assert "\n" not in line, line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in: {line}"
+    return line
+
+
+def sets_args(sets: list[str]) -> list[str]:
+    return [a for s in sets for a in ("--set", s)]
+
+
 BAD_OVERRIDES = [
     (["foo=1"], ["unknown key run.foo", "known: pp, tp"]),
     (["model.n_embdd=32"], ["unknown key model.n_embdd"]),
@@ -56,8 +79,12 @@ BAD_OVERRIDES = [
 
 @pytest.mark.parametrize("sets,needles", BAD_OVERRIDES, ids=[" ".join(s) for s, _ in BAD_OVERRIDES])
 def test_bad_override(sets, needles):
-    args = [a for s in sets for a in ("--set", s)]
-    assert_usage_error(rrfp("--config", CONFIG, *args, "--dry-run"), *needles)
+    config_error(sets, *needles)
+
+
+@pytest.mark.parametrize("sets,needles", [BAD_OVERRIDES[2], BAD_OVERRIDES[-1]], ids=["wrong type", "not KEY=VALUE"])
+def test_bad_override_on_the_command_line(sets, needles):
+    assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), "--dry-run"), *needles)
 
 
 def test_integer_budget_is_a_count():
@@ -125,9 +152,13 @@ VIRTUAL_ERRORS = [
 
 @pytest.mark.parametrize("sets,needles", VIRTUAL_ERRORS, ids=[" ".join(s) for s, _ in VIRTUAL_ERRORS])
 def test_virtual_stage_errors(sets, needles):
-    """Virtual stages that cannot be placed, or a model too shallow for pp x V stages: one line, exit 2."""
-    args = [a for s in sets for a in ("--set", s)]
-    assert_usage_error(rrfp("--config", CONFIG, *args, world=4), *needles)
+    """Virtual stages that cannot be placed, or a model too shallow for pp x V stages: one line."""
+    config_error(sets, *needles, world=4)
+
+
+def test_virtual_stage_error_on_the_command_line():
+    sets, needles = VIRTUAL_ERRORS[-1]
+    assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), world=4), *needles)
 
 
 def test_dry_run_shows_the_virtual_stages():
@@ -175,9 +206,13 @@ DEVICE_ERRORS = [
 
 
 @pytest.mark.parametrize("sets,needles", DEVICE_ERRORS, ids=[" ".join(s) for s, _ in DEVICE_ERRORS])
-def test_device_and_backend_errors_exit_2_before_any_group(sets, needles):
-    args = [a for s in sets for a in ("--set", s)]
-    assert_usage_error(rrfp("--config", CONFIG, *args, "--dry-run"), *needles)
+def test_device_and_backend_errors(sets, needles):
+    config_error(sets, *needles)
+
+
+def test_device_error_exits_2_before_any_group():
+    sets, needles = DEVICE_ERRORS[0]
+    assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), world=2), *needles)
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):

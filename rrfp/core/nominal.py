@@ -24,7 +24,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, chunked_priority
 from rrfp.core.rank_tracker import RankSpec, RankTracker
-from rrfp.core.tasks import Task
+from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 
 VIRTUAL_LATENCY = Variability().comm  # a message's time in nominal orders over virtual stages, in stage forwards
@@ -44,12 +44,15 @@ def nominal_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], S:
 def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], layout: VirtualLayout, M: int,
                         split: bool, multiple: float) -> tuple[tuple[tuple[int, Task], ...], ...]:
     """Per-rank orders over (stage, task) pairs under the class ``priority`` generalised to the
-    rank's stages (``rrfp.core.policy.chunked_priority``), every chunk's task taking 1/V of a forward, the
-    budget ``multiple`` x 1F1B's over the rank (``Budget.rank_limit``). A message between ranks
-    takes ``VIRTUAL_LATENCY`` with virtual stages and nothing with one stage per rank."""
+    rank's stages (``rrfp.core.policy.chunked_priority``), the budget ``multiple`` x 1F1B's over the
+    rank (``Budget.rank_limit``). With one stage per rank every task takes one round and messages are
+    free. With virtual stages a chunk's task takes 1/V of a forward (an unsplit B, which is B + W,
+    2/V) and a message between ranks ``VIRTUAL_LATENCY``, in the simulator's float arithmetic, so
+    that fixed dispatch of the order repeats ready dispatch when nothing varies."""
     budget, S = Budget(multiple=multiple), layout.num_stages
     unit = 1.0 / layout.virtual  # a chunk does 1/V of a stage's work, as in the simulator
     latency = VIRTUAL_LATENCY if layout.virtual > 1 else 0.0
+    whole_b = 2 * unit if layout.virtual > 1 and not split else unit  # an unsplit B is B + W
     trackers = []
     for r in range(layout.ranks):
         per_stage = {s: {t: i for i, t in enumerate(priority(S, s, M, split))} for s in layout.stages_of(r)}
@@ -64,7 +67,7 @@ def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]
         if item is not None:
             trackers[r].start(*item)
             out[r].append((item.stage, item.task))
-            heapq.heappush(events, (now + unit, next(seq), r, item, None))
+            heapq.heappush(events, (now + (whole_b if item.kind is Kind.B else unit), next(seq), r, item, None))
 
     for r in range(layout.ranks):
         start(r, 0.0)
