@@ -457,10 +457,15 @@ run(stage_main(TrainConfig.load(sys.argv[1], sys.argv[2:])))
 """
 
 
-def nccl_init_check(steps: int, backend: str = "nccl") -> str:
+def marked_run(steps: int, backend: str = "nccl") -> str:
+    """A pp=1 run's output with NCCL's init lines and the start-up mark (RUN_MARKED)."""
     env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
-    out = run_rank_zero(["-c", RUN_MARKED, CONFIG, f"steps={steps}", f"backend={backend}", "pp=1"], env)
-    at_start, later = nccl_inits(out)
+    return run_rank_zero(["-c", RUN_MARKED, CONFIG, f"steps={steps}", f"backend={backend}", "pp=1"], env)
+
+
+def nccl_init_check(steps: int, out: str | None = None) -> str:
+    """Communicators are made at start-up and never after it, in ``out`` (default: a new marked run)."""
+    at_start, later = nccl_inits(marked_run(steps) if out is None else out)
     assert at_start >= 1, "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
     assert later == 0, f"{later} NCCL communicator(s) initialized after start-up"
     return f"{at_start} communicator init(s) at start-up, {later} after it ({steps} steps)"

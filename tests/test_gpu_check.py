@@ -91,11 +91,10 @@ def test_nccl_inits_are_counted_before_and_after_startup():
 def test_the_runs_the_gpu_checks_start_work_on_gloo():
     """nccl-init's marked run and train's exact losses, here on gloo: the start-up mark is in the
     output (and no NCCL init around it), and the losses come back as floats, the same twice."""
-    marked = gpu_check.run_rank_zero(["-c", gpu_check.RUN_MARKED, gpu_check.CONFIG, "steps=2", "backend=gloo",
-                                      "pp=1"])
-    assert gpu_check.nccl_inits(marked) == (0, 0)
+    marked = gpu_check.marked_run(2, backend="gloo")
+    assert gpu_check.STARTUP_MARK in marked and gpu_check.nccl_inits(marked) == (0, 0)
     with pytest.raises(AssertionError, match="no NCCL communicator was initialized at start-up"):
-        gpu_check.nccl_init_check(2, backend="gloo")
+        gpu_check.nccl_init_check(2, marked)
     first, again = (gpu_check.train_losses("steps=2", backend="gloo") for _ in range(2))
     assert len(first) == 2 and all(isinstance(x, float) for x in first) and first == again
     # the virtual check, on gloo and the CPU: two stages on the one rank give the one-process losses
