@@ -149,6 +149,20 @@ BAD = [
 
 
 @pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_usage_error(tmp_path, args, needle):
+    """Every flag and config is checked by the parser and ``build_spec`` before anything starts; the
+    command prints their UsageError as its one line (two cases below run it: each costs a process)."""
+    from rrfp.app.bench_command import build_spec
+    from rrfp.app.cli import build_parser
+    from rrfp.app.errors import UsageError
+
+    with pytest.raises(UsageError) as info:
+        build_spec(build_parser().parse_args(["bench", "--quick", "--out", str(tmp_path / "out"), *args]))
+    assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args,needle", [BAD[0], BAD[7]], ids=["flag", "config"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     res = rrfp_bench("--quick", "--out", str(tmp_path / "out"), *args, timeout=60)
     lines = res.stderr.strip().splitlines()
