@@ -100,21 +100,19 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     """Each pipeline rank's Footprint; None when the model cannot be measured on the meta device.
     With virtual stages a rank holds its chunks' parameters and up to its rank limit of chunk
     activations (``Budget.rank_limit``), each at least its smallest chunk's."""
-    run, wl, lay = cfg.run, cfg.workload, cfg.layout
-    S, M = lay.pp, run.microbatches
-    layout = cfg.stages
+    run, wl, layout, M = cfg.run, cfg.workload, cfg.stages, cfg.run.microbatches
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = sum(_nbytes(b) for b in sample) / len(sample) * M * 2  # this replica's, this step's and the next
     try:
-        measured = _measure(cfg, smallest, layout.num_stages)
+        measured = _measure(cfg, smallest)
     except Exception as e:  # the workload's own model: not measurable is not an error of the config
         log.info("memory check skipped: %s does not run on the meta device: %s: %s", run.model,
                  type(e).__name__, e)
         return None
     split = default_split(run.hint.name, run.split)
     out = []
-    for r in range(S):
+    for r in range(layout.ranks):
         chunks = [measured[g] for g in layout.stages_of(r)]
         held = _fixed_peak(run, layout, r, split) or run.budget.rank_limit(layout, r).count or M * layout.virtual
         held = max(1, min(held, M * layout.virtual))  # chunks (microbatches with one stage per rank)
@@ -138,9 +136,9 @@ def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | Non
         return None
 
 
-def _measure(cfg: TrainConfig, batch, num_stages: int) -> list[tuple[int, int]]:
-    """(parameter bytes, activation bytes of ``batch``) of each of ``num_stages`` stages, on the meta device."""
-    wl, S = cfg.workload, num_stages
+def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
+    """(parameter bytes, activation bytes of ``batch``) of every stage (pp x virtual), on the meta device."""
+    wl, S = cfg.workload, cfg.num_stages
     x, y = _to_meta(batch[0]), _to_meta(batch[1])
     out = []
     with torch.device("meta"), _fork_rng():

@@ -3,8 +3,9 @@ task takes its average time.
 
 A class priority (BF, BFW) ranks B0 above F0, so it is no executable order;
 its nominal order is one, for fixed dispatch and for ZB-H1. It is computed by
-driving one ``RankTracker`` per rank through a small event loop, so it follows
-the same readiness rules and policy as the runtime and the simulator.
+driving one ``RankTracker`` per rank through the simulator's event rule
+(``rrfp.core.event_driver``), so it follows the same readiness rules and policy
+as the runtime and the simulator.
 
 With one stage per rank messages are free (every rank's next task starts on a
 round): the V = 1 orders, and the figures made with them, stay what they were.
@@ -15,12 +16,11 @@ that order by up to 6.6% with nothing varying (docs/benchmarks.md §2a).
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 from functools import lru_cache
 from typing import Callable, Sequence
 
 from rrfp.core.budget import Budget
+from rrfp.core.event_driver import drive
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, chunked_priority
 from rrfp.core.rank_tracker import RankSpec, RankTracker
@@ -59,37 +59,13 @@ def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]
         trackers.append(RankTracker(RankSpec(layout, r, M, split, Dispatch.READY, chunked_priority(per_stage), (),
                                              budget.rank_limit(layout, r))))
     out: list[list[tuple[int, Task]]] = [[] for _ in trackers]
-    events: list = []  # (time, seq, rank, item, destination stage of an arriving message or None)
-    seq = itertools.count()
 
-    def start(r: int, now: float) -> None:
-        item = trackers[r].next()
+    def decided(r: int, item, now: float, end: float) -> None:
         if item is not None:
-            trackers[r].start(*item)
             out[r].append((item.stage, item.task))
-            heapq.heappush(events, (now + (whole_b if item.kind is Kind.B else unit), next(seq), r, item, None))
 
-    for r in range(layout.ranks):
-        start(r, 0.0)
-    touched: set[int] = set()
-    while events:  # as the simulator: apply all events at one time, then idle ranks decide in rank order
-        now, _, r, item, dest = heapq.heappop(events)
-        if dest is None:
-            dest = trackers[r].finish(*item)
-            to = None if dest is None else layout.rank_of(dest)
-            if to is not None and (to == r or latency == 0):  # the V turn, or a free message
-                trackers[to].arrive(dest, item.kind, item.mb)
-                touched.add(to)
-            elif to is not None:
-                heapq.heappush(events, (now + latency, next(seq), to, item, dest))
-        else:
-            trackers[r].arrive(dest, item.kind, item.mb)
-        touched.add(r)
-        if not events or events[0][0] > now:
-            for t in sorted(touched):
-                if trackers[t].running is None:
-                    start(t, now)
-            touched.clear()
+    drive(trackers, [layout.rank_of(g) for g in range(S)], lambda g, t: whole_b if t.kind is Kind.B else unit,
+          lambda g, t: latency, decided)
     if not all(tr.done for tr in trackers):
         raise AssertionError("nominal rank order stalled: "
                              + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers)))

@@ -10,15 +10,15 @@ budget held, no deadlock.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes
+from rrfp.core.event_driver import drive
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.placement import Placement, VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -127,19 +127,6 @@ class SimResult:
         return [Span(process, s, str(t), a, b, {"rank": rank_of(s)}) for s, t, a, b in self.timeline]
 
 
-class TaskDone(NamedTuple):
-    stage: int
-    task: Task
-
-
-class Arrival(NamedTuple):
-    """The input of F(mb) (kind F) or the gradient for B(mb) (kind B) reaches ``stage``."""
-
-    stage: int
-    kind: Kind
-    mb: int
-
-
 def _durations(cfg: SimConfig):
     """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
     which is no message) and one chunk's activation sizes (a microbatch's over V), all drawn at once."""
@@ -199,53 +186,16 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     rank_of = [lay.rank_of(s) for s in range(N)]
     busy, decisions, stage_busy = [0.0] * S, [0] * S, [0.0] * N
     timeline: list[tuple[int, Task, float, float]] = []
-    events: list[tuple[float, int, TaskDone | Arrival]] = []  # (time, sequence, event)
-    seq = 0
 
-    def push(time: float, event: TaskDone | Arrival) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (time, seq, event))
-
-    def dispatch(r: int, now: float) -> None:
-        tr = trackers[r]
-        item = tr.next()
+    def decided(r: int, item, now: float, end: float) -> None:
         decisions[r] += 1
-        if item is None:
-            return
-        s, task = item
-        tr.start(s, task)
-        end = now + D[s][task.mb][task.kind]
-        busy[r] += end - now
-        stage_busy[s] += end - now
-        if cfg.record:
-            timeline.append((s, task, now, end))
-        push(end, TaskDone(s, task))
+        if item is not None:
+            busy[r] += end - now
+            stage_busy[item.stage] += end - now
+            if cfg.record:
+                timeline.append((item.stage, item.task, now, end))
 
-    for r in range(S):
-        dispatch(r, 0.0)
-    touched: set[int] = set()
-    last = 0.0
-    while events:
-        now, _, event = heapq.heappop(events)
-        r = rank_of[event.stage]
-        if type(event) is TaskDone:
-            last = now
-            task = event.task
-            dest = trackers[r].finish(event.stage, task)
-            if dest is not None:
-                if rank_of[dest] == r:  # the V turn: no message
-                    trackers[r].arrive(dest, task.kind, task.mb)
-                else:
-                    push(now + latency[task.kind][event.stage][task.mb], Arrival(dest, task.kind, task.mb))
-        else:
-            trackers[r].arrive(event.stage, event.kind, event.mb)
-        touched.add(r)
-        if not events or events[0][0] > now:  # time moves on: idle ranks decide
-            for t in sorted(touched):
-                if trackers[t].running is None:
-                    dispatch(t, now)
-            touched.clear()
+    last = drive(trackers, rank_of, lambda s, t: D[s][t.mb][t.kind], lambda s, t: latency[t.kind][s][t.mb], decided)
 
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
