@@ -135,6 +135,23 @@ def test_cli_bad_input(args, needle):
     assert len(lines) == 1 and needle in lines[0], p.stderr
 
 
+def test_cli_jitter_replaces_the_presets_and_is_checked():
+    """`--jitter` sets the per-task sigma over any preset's (0.01 on `none`: a real machine's noise);
+    a negative one is the CLI's one-line usage error."""
+    from rrfp.app.cli import build_parser
+    from rrfp.app.errors import UsageError
+    from rrfp.app.sim_command import _resolve
+
+    def var(*flags):
+        return _resolve(build_parser().parse_args(["sim", *flags]))[3]
+
+    assert var("--preset", "none", "--jitter", "0.01").jitter == 0.01
+    assert var("--preset", "lang", "--jitter", "0").jitter == 0.0
+    assert var("--preset", "lang").jitter == Variability.preset("lang").jitter
+    with pytest.raises(UsageError, match="jitter=-1.0"):
+        var("--jitter", "-1")
+
+
 def test_cli_bad_csv(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("stage,task\n0,F0\n0,BX\n")

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(r and 2S-1-r, V = 2 only) (default interleaved)")
     sim.add_argument("--comm", type=float, default=None, help="latency per message (default 0.05)")
     sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
+    sim.add_argument("--jitter", type=float, default=None,
+                     help="lognormal sigma on each task's time, in place of the preset's (e.g. 0.01 with --preset "
+                          "none: how a real machine's noise moves a schedule made without variability)")
     sim.add_argument("--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)")
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
     sim.add_argument("--oracle", action="store_true",

@@ -71,7 +71,7 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
         hints = [resolve(h) for h in names]
     except ValueError as e:  # HintError included
         raise UsageError(str(e)) from None
-    over = {k: v for k, v in {"comm": args.comm, "comm_jitter": args.comm_jitter}.items() if v is not None}
+    over = {k: v for k, v in {"comm": args.comm, "comm_jitter": args.comm_jitter, "jitter": args.jitter}.items() if v is not None}
     if args.slow_stage is not None:
         if not 0 <= args.slow_stage < args.pp:
             raise UsageError(f"--slow-stage {args.slow_stage} is not a stage of --pp {args.pp}")
