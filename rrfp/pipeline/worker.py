@@ -377,10 +377,19 @@ class _SavedBytes:
             self._seen.add(storage.data_ptr())
             self.total += storage.nbytes()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         self.add(t)
-        return t.detach()  # keeping t itself could tie a saved output to its own grad_fn (a cycle)
+        kept = t.detach()  # keeping t itself could tie a saved output to its own grad_fn (a cycle)
+        return kept, kept._version  # a detached tensor shares t's version counter
 
 
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """Autograd skips its in-place check for tensors that went through saved-tensor hooks, so it is
+    made here: a saved tensor modified in place after F would give silently wrong gradients."""
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                           f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                           f"expected version {version} instead (the stage's forward changed a tensor in "
+                           f"place after autograd saved it, as plain PyTorch also refuses)")
     return t
