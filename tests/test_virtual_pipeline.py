@@ -154,3 +154,52 @@ def test_each_forward_of_several_stages_draws_from_its_own_seed():
     assert torch.equal(first, again)
     assert torch.equal(state, torch.get_rng_state()), "the rank's generator is left as it was"
     assert not torch.equal(first, _seeded(drop, 8, cpu)(x)), "another microbatch, another mask"
+
+
+class ToComplex(nn.Module):
+    """Sends a complex tensor on: no link carries one, so the V turn must not either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.lin(x), dim=-1)
+
+
+class FromComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, 2)
+
+    def forward(self, z):
+        return self.lin(torch.fft.irfft(z, n=D, dim=-1))
+
+
+def _complex_turn(rank, world, placement):
+    import asyncio
+
+    from rrfp.comm.message import MessageError
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    async def main():
+        async with PipelineRuntime.start(pp=1, timeout_s=30, virtual=V, placement=placement) as rt:
+            chunks = [ToComplex().double(), FromComplex().double()]
+            ex = rt.stage_executor(chunks, nn.functional.mse_loss, microbatches=M, hint="bfw")
+            try:
+                await ex.run_iteration(0, batches(0))
+            except MessageError as e:
+                return str(e), chunks[0].lin.weight.grad
+            return None, chunks[0].lin.weight.grad
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("placement", ["interleaved", "v"])
+def test_the_v_turn_refuses_what_no_link_carries(placement):
+    """Two stages of one rank hand tensors over without a message; a complex one used to pass
+    and, autograd's leaf being made for floats only, leave the first stage without gradients."""
+    error, grad = run_ranks(_complex_turn, 1, placement, timeout=90)[0]
+    assert error is not None and "complex128" in error and "do not support" in error, error
+    assert grad is None  # refused at F0, before any backward

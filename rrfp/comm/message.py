@@ -152,6 +152,12 @@ def _check_index(what: str, value: object, limit: int | None = None) -> None:
 
 def encode_header(msg: Message, device: torch.device | str | None = None) -> torch.Tensor:
     """The int64 header describing ``msg``; raises MessageError if it cannot be described."""
+    return torch.tensor(header_words(msg), dtype=torch.int64, device=device)
+
+
+def header_words(msg: Message) -> list[int]:
+    """The header's words, checksum last; raises MessageError if ``msg`` cannot be described. A hand-off
+    between two stages of one rank checks it too, so the V turn accepts only what a link would."""
     _check_index("iteration", msg.iteration)
     _check_index("microbatch", msg.microbatch)
     _check_index("kind", msg.kind, MAX_KIND)
@@ -173,7 +179,7 @@ def encode_header(msg: Message, device: torch.device | str | None = None) -> tor
             raise MessageError(f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header")
         values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
     values += [0] * (HEADER_LEN - 1 - len(values))
-    return torch.tensor(values + [checksum(values)], dtype=torch.int64, device=device)
+    return values + [checksum(values)]
 
 
 def empty_header(device: torch.device | str | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from rrfp.comm.message import Message, MessageError
+from rrfp.comm.message import Message, MessageError, header_words
 from rrfp.core.budget import Budget
 from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
@@ -480,6 +480,7 @@ class _Iteration:
         that task's end event, so its send waits for the producer and not for tasks enqueued later.
         A stage of this same rank gets ``value`` itself once the tracker has the task finished."""
         if to in self.io:
+            header_words(msg)  # what no link could carry is refused here too, not silently cut from the graph
             self.handed[(to, Kind(msg.kind), msg.microbatch)] = value
             return
         msg.ready = getattr(self.ex.lane, "last_task_done", None)
