@@ -6,7 +6,10 @@ layers queue theirs, the rest are split with autograd), so the buckets go out
 when the stage's last W finishes; otherwise when its last B does. That is
 inside the iteration, before the executor returns, and every replica
 launches the same buckets in the same order. The all-reduces are async Work
-awaited through the loop's poller: no thread per collective.
+awaited through the loop's poller: no thread per collective. When several
+iterations accumulate gradients before one ``sync()``, the first one's buckets
+went out stale: ``sync()`` waits for them (every replica launched them) and
+averages afresh, one wasted all-reduce per step.
 
 A parameter without a gradient (unused this step) counts as zeros, so every
 replica keeps the same flat layout; each bucket also carries one presence
@@ -82,6 +85,7 @@ class GradSync:
     def _reset(self) -> None:
         self._finished = 0  # tasks of the finalising kind done this iteration
         self._launched = False
+        self._stale = False  # a final task finished after the launch: the buckets miss its gradients
         self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], object]] = []
 
     def attach(self, executor) -> None:
@@ -95,6 +99,9 @@ class GradSync:
 
     def _task_done(self, task: Task) -> None:
         if task.kind is self._final:
+            if self._launched:  # another iteration before sync(): gradients accumulate past the launch
+                self._stale = True
+                return
             self._finished += 1
             if self._finished == self._M and not self._launched:
                 self._launch()
@@ -127,14 +134,22 @@ class GradSync:
     def _in_lane_order(self):
         return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
 
+    async def _completed(self, work) -> None:
+        await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
+
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
         if self.size == 1:
             return
         self._launch()  # if no executor hook launched them yet
         try:
+            if self._stale:  # every replica ran the same iterations, so every one relaunches alike
+                for *_, work in self._inflight:
+                    await self._completed(work)
+                self._inflight, self._launched = [], False
+                self._launch()
             for bucket, flat, missing, sparse, work in self._inflight:
-                await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
+                await self._completed(work)
                 with self._in_lane_order():
                     n = len(bucket)
                     if missing:  # read the counts only where this replica had no gradient (a device sync)
