@@ -7,35 +7,9 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_ranks
+from dp_mlp import M, data, model, reference
 
-M, ITERATIONS = 2, 2
-
-
-def _data(replica, iteration):
-    import torch
-
-    g = torch.Generator().manual_seed(100 * iteration + replica)
-    return [(torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, generator=g, dtype=torch.float64))
-            for _ in range(M)]
-
-
-def _model():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-
-
-def _reference(world):
-    """Each iteration's mean loss over all replicas' microbatches, the gradients summed over iterations."""
-    from torch import nn
-
-    ref = _model()
-    for it in range(ITERATIONS):
-        batches = [b for r in range(world) for b in _data(r, it)]
-        (sum(nn.functional.mse_loss(ref(x), y) for x, y in batches) / len(batches)).backward()
-    return {n: p.grad.tolist() for n, p in ref.named_parameters()}
+ITERATIONS = 2
 
 
 def _accumulate(rank, world, hint):
@@ -47,13 +21,13 @@ def _accumulate(rank, world, hint):
 
     async def main():
         async with PipelineRuntime.start(pp=1, dp=world, timeout_s=30) as rt:
-            m = _model()
+            m = model()
             ex = rt.stage_executor(m, nn.functional.mse_loss, microbatches=M, hint=hint)
             sync = rt.grad_sync(m, ex)
             for step in range(2):  # the second step shows the first left no stale state behind
                 m.zero_grad(set_to_none=True)
                 for it in range(ITERATIONS):
-                    await ex.run_iteration(step * ITERATIONS + it, _data(rt.dp_rank, it))
+                    await ex.run_iteration(step * ITERATIONS + it, data(rt.dp_rank, it))
                 await sync.sync()
             return {n: p.grad.tolist() for n, p in m.named_parameters()}, sync.launched_early
 
@@ -66,7 +40,7 @@ def test_gradients_accumulated_over_iterations_are_all_averaged(hint):
     import torch
 
     results = run_ranks(_accumulate, 2, hint, timeout=75)
-    ref = _reference(2)
+    ref = reference(2, ITERATIONS)
     for rank, (grads, launched_early) in results.items():
         for name, want in ref.items():
             assert torch.allclose(torch.tensor(grads[name]), torch.tensor(want), rtol=0, atol=1e-12), \

@@ -7,34 +7,7 @@ from __future__ import annotations
 import pytest
 
 from distributed import run_ranks
-
-M = 2
-
-
-def _data(replica):
-    import torch
-
-    g = torch.Generator().manual_seed(10 + replica)
-    return [(torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, generator=g, dtype=torch.float64))
-            for _ in range(M)]
-
-
-def _model():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
-
-
-def _reference(world):
-    """Every parameter's gradient of the mean loss over all replicas' microbatches, in one process."""
-    from torch import nn
-
-    ref = _model()
-    batches = [b for r in range(world) for b in _data(r)]
-    (sum(nn.functional.mse_loss(ref(x), y) for x, y in batches) / len(batches)).backward()
-    return {n: p.grad.tolist() for n, p in ref.named_parameters()}
+from dp_mlp import M, data, model, reference
 
 
 def _steps(rank, world):
@@ -61,7 +34,7 @@ def _steps(rank, world):
 
     async def main():
         async with PipelineRuntime.start(pp=1, dp=world, timeout_s=30) as rt:
-            m = _model()
+            m = model()
             m[0].requires_grad_(False)  # frozen when the sync is built
             ex = rt.stage_executor(m, nn.functional.mse_loss, microbatches=M, hint="bfw")
             sync = rt.grad_sync(m, ex)
@@ -73,7 +46,7 @@ def _steps(rank, world):
                     m[2].requires_grad_(False)  # and the last layer frozen, a stale gradient left on it
                     for p in m[2].parameters():
                         p.grad = torch.full_like(p, float(rank + 1))
-                await ex.run_iteration(step, _data(rt.dp_rank))
+                await ex.run_iteration(step, data(rt.dp_rank))
                 await sync.sync()
                 # plain lists: tensors would travel back through shared memory, gone with the process
                 steps.append({n: None if p.grad is None else p.grad.tolist() for n, p in m.named_parameters()})
@@ -86,7 +59,7 @@ def _steps(rank, world):
 @pytest.mark.timeout(90)
 def test_buckets_follow_requires_grad_across_steps():
     results = run_ranks(_steps, 2, timeout=75)
-    ref = _reference(2)
+    ref = reference(2)
 
     def close(got, name):
         import torch
