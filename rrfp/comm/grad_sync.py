@@ -6,16 +6,29 @@ layers queue theirs, the rest are split with autograd), so the buckets go out
 when the stage's last W finishes; otherwise when its last B does. That is
 inside the iteration, before the executor returns, and every replica
 launches the same buckets in the same order. The all-reduces are async Work
-awaited through the loop's poller: no thread per collective.
+awaited through the loop's poller: no thread per collective. When several
+iterations accumulate gradients before one ``sync()``, the first one's buckets
+went out stale: ``sync()`` waits for them (every replica launched them) and
+averages afresh, one wasted all-reduce per step.
 
 A parameter without a gradient (unused this step) counts as zeros, so every
 replica keeps the same flat layout; each bucket also carries one presence
 count per parameter, so a parameter unused on every replica keeps
 ``grad = None`` (and the optimizer leaves it alone), as it would without DP.
+
+The buckets hold the parameters that require grad; when that set changes
+(progressive unfreezing, freezing) they are rebuilt at the next launch. The
+layout is decided from ``requires_grad``, which the same user code sets alike
+on every replica, never from which gradients exist, which differs between
+replicas: replicas with different layouts would pair all-reduces of different
+sizes. A sparse gradient (``nn.Embedding(sparse=True)``) is averaged dense and
+handed back sparse, as sparse optimizers (``SparseAdam``) need; its rows that
+average to exactly zero are left out.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
@@ -25,6 +38,8 @@ from rrfp.comm.collectives import completed
 from rrfp.core.tasks import Kind, Task
 from rrfp.loop.completions import CompletionPoller
 
+log = logging.getLogger("rrfp.comm.grad_sync")
+
 
 class GradSync:
     def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller, lane=None,
@@ -32,12 +47,28 @@ class GradSync:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
         self.deadline_s = deadline_s  # NCCL: rrfp's peer deadline, before the watchdog's
         self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.module = module
+        self.params = self._trainable()
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
         self.buckets = self._bucket()
         self._final, self._M = Kind.B, 0  # attach() sets them from the executor
         self._reset()
         self.launched_early = 0  # buckets launched before sync() was called, over all iterations
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _refresh(self) -> None:
+        """Rebuild the buckets if the parameters requiring grad changed since they were made: an
+        unfrozen one would otherwise never be averaged, a frozen one's stale gradient would be."""
+        now = self._trainable()
+        if len(now) == len(self.params) and all(a is b for a, b in zip(now, self.params)):
+            return
+        before = len(self.params)
+        self.params = now
+        self.buckets = self._bucket()
+        log.info("DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d before), "
+                 "%d buckets", self.ranks, len(now), before, len(self.buckets))
 
     def _bucket(self) -> list[list[nn.Parameter]]:
         """Flat buckets in parameter order, by size and dtype."""
@@ -54,6 +85,7 @@ class GradSync:
     def _reset(self) -> None:
         self._finished = 0  # tasks of the finalising kind done this iteration
         self._launched = False
+        self._stale = False  # a final task finished after the launch: the buckets miss its gradients
         self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], object]] = []
 
     def attach(self, executor) -> None:
@@ -67,30 +99,43 @@ class GradSync:
 
     def _task_done(self, task: Task) -> None:
         if task.kind is self._final:
+            if self._launched:  # another iteration before sync(): gradients accumulate past the launch
+                self._stale = True
+                return
             self._finished += 1
             if self._finished == self._M and not self._launched:
-                self.launched_early += len(self.buckets)
                 self._launch()
+                self.launched_early += len(self.buckets)
 
     def _launch(self) -> None:
         if self._launched:
             return
         self._launched = True
+        self._refresh()
         with self._in_lane_order():
             for bucket in self.buckets:
                 # the gradients, then one presence count per parameter (1: this replica has a gradient)
-                # filled on the device: a host list copied there would wait for the lane's queued work
-                missing = {i for i, p in enumerate(bucket) if p.grad is None}
-                present = torch.ones(len(bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                # and one sparse_dim per parameter (0: dense or none), filled on the device: a host list
+                # copied there would wait for the lane's queued work
+                n = len(bucket)
+                grads = [p.grad for p in bucket]
+                missing = {i for i, g in enumerate(grads) if g is None}
+                sparse = {i: g.sparse_dim() for i, g in enumerate(grads) if g is not None and g.is_sparse}
+                tail = torch.zeros(2 * n, dtype=bucket[0].dtype, device=bucket[0].device)
+                tail[:n] = 1
                 for i in missing:
-                    present[i] = 0
-                flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                                  for p in bucket] + [present])
-                self._inflight.append((bucket, flat, missing,
+                    tail[i] = 0
+                for i, dims in sparse.items():
+                    tail[n + i] = dims
+                flat = torch.cat([_dense(g, p).reshape(-1) for g, p in zip(grads, bucket)] + [tail])
+                self._inflight.append((bucket, flat, missing, sparse,
                                        dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def _in_lane_order(self):
         return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
+
+    async def _completed(self, work) -> None:
+        await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
 
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
@@ -98,18 +143,37 @@ class GradSync:
             return
         self._launch()  # if no executor hook launched them yet
         try:
-            for bucket, flat, missing, work in self._inflight:
-                await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
+            if self._stale:  # every replica ran the same iterations, so every one relaunches alike
+                for *_, work in self._inflight:
+                    await self._completed(work)
+                self._inflight, self._launched = [], False
+                self._launch()
+            for bucket, flat, missing, sparse, work in self._inflight:
+                await self._completed(work)
                 with self._in_lane_order():
-                    # read the presence counts only where this replica had no gradient (a device sync)
-                    present = flat[-len(bucket):].tolist() if missing else [1] * len(bucket)
+                    n = len(bucket)
+                    if missing:  # read the counts only where this replica had no gradient (a device sync)
+                        tail = flat[-2 * n:].tolist()
+                        present = tail[:n]
+                        sparse = {i: round(dims / used) for i, (used, dims) in enumerate(zip(present, tail[n:]))
+                                  if used and dims}
+                    else:
+                        present = [1] * n
                     flat /= self.size
                     offset = 0
-                    for p, used in zip(bucket, present):
-                        n = p.numel()
-                        p.grad = flat[offset:offset + n].view_as(p).clone() if used else None
-                        offset += n
+                    for i, (p, used) in enumerate(zip(bucket, present)):
+                        size = p.numel()
+                        mean = flat[offset:offset + size].view_as(p)
+                        p.grad = None if not used else mean.to_sparse(sparse[i]) if i in sparse else mean.clone()
+                        offset += size
             if self.lane is not None:
                 self.lane.caller_waits()  # the optimizer step runs after the averaged gradients exist
         finally:
             self._reset()
+
+
+def _dense(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor:
+    """What this replica adds to the all-reduce: zeros for a missing gradient, a sparse one densified."""
+    if grad is None:
+        return torch.zeros_like(param)
+    return grad.to_dense() if grad.is_sparse else grad
