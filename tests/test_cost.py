@@ -83,3 +83,16 @@ def test_calibrate_fits_this_machine(tmp_path):
                         f"cost={out}", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60,
                        env={**__import__("os").environ, "WORLD_SIZE": "4", "RANK": "0"})
     assert r.returncode == 2 and "calibrated for 2 stages" in r.stderr, r.stderr
+
+
+def test_calibrate_measures_named_tuple_inputs():
+    """The vlm's first-stage inputs are a named tuple (images, ids): calibration moves them as the run
+    does and times every task of every stage, image patches counted."""
+    from rrfp.app.calibrate_command import measure
+    from rrfp.app.config import TrainConfig
+
+    cfg = TrainConfig.load(str(ROOT / "configs/vlm-tiny.toml"), ["pp=2"], world_size=2)
+    rows = measure(cfg, samples=2)  # after two warm-ups: a sample with images and one without
+    assert {(stage, kind) for stage, kind, _, _ in rows} == {(s, k) for s in range(2) for k in range(3)}
+    assert all(seconds > 0 for *_, seconds in rows)
+    assert any(features["patches"] > 0 for _, _, features, _ in rows)

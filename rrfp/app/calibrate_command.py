@@ -22,6 +22,7 @@ from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.worker import StageWorker
+from rrfp.pipeline.workload import map_tensors
 
 KINDS = "FBW"
 
@@ -47,12 +48,8 @@ def _timer(device: torch.device) -> Callable:
 
 
 def _on(device: torch.device, x):
-    """A microbatch's inputs on ``device``, as the run moves them (a tensor, or a tuple/list of them)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(_on(device, t) for t in x)
-    return x
+    """A microbatch's inputs on ``device`` (a tensor, or tuples, named tuples and lists of them)."""
+    return map_tensors(lambda t: t.to(device), x)
 
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:

@@ -39,6 +39,7 @@ from rrfp.core.hints import HintError, default_split
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
+from rrfp.pipeline.workload import map_tensors
 
 log = logging.getLogger("rrfp.app.start_checks")
 
@@ -232,12 +233,7 @@ def _nbytes(value) -> int:
 
 
 def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, (tuple, list)):
-        items = [_to_meta(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
+    return map_tensors(lambda t: t.to("meta"), value)
 
 
 def _detached(value):

@@ -16,6 +16,17 @@ from torch import nn
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one microbatch
 
 
+def map_tensors(fn: Callable[[torch.Tensor], Any], value):
+    """``fn`` on every tensor of a microbatch's inputs or a stage's outputs: a tensor, or (nested) tuples,
+    named tuples (``VLMInputs``) and lists of them, rebuilt as they came; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [map_tensors(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
 def _no_check(model_cfg: Any, data_cfg: Any, num_stages: int, tp: int) -> None:
     return None
 

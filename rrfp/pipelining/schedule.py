@@ -52,6 +52,7 @@ from rrfp.core.tasks import Kind
 from rrfp.loop.background import BackgroundLoop
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.workload import map_tensors
 from rrfp.pipelining.torch_csv import read_torch_csv
 
 log = logging.getLogger("rrfp.pipelining")
@@ -102,11 +103,7 @@ class _Loss:
 
 
 def _detached(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value
+    return map_tensors(torch.Tensor.detach, value)
 
 
 class ScheduleReady:
