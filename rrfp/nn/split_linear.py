@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rrfp.nn.grad_accumulation import accumulate_grad, one_pass  # accumulate_grad: also imported from here
+
 _ACTIVE: contextvars.ContextVar["WeightGradQueue | None"] = contextvars.ContextVar(
     "rrfp_weight_grad_queue", default=None
 )
@@ -38,10 +40,12 @@ class WeightGradQueue:
         self._closures.append(fn)
 
     def run(self) -> None:
-        """Run every closure in queue order, then forget them (and the tensors they hold)."""
+        """Run every closure in queue order, then forget them (and the tensors they hold). One
+        backward pass: each parameter's post-accumulate-grad hooks run once, at the end."""
         closures, self._closures = self._closures, []
-        for fn in closures:
-            fn()
+        with one_pass():
+            for fn in closures:
+                fn()
 
     def __len__(self) -> int:
         return len(self._closures)
@@ -59,18 +63,6 @@ def collect_weight_grads(queue: WeightGradQueue | None) -> Iterator[WeightGradQu
 
 def active_queue() -> WeightGradQueue | None:
     return _ACTIVE.get()
-
-
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add `grad` into `param.grad`, never overwrite it.
-
-    A parameter may be shared (tied weights, or used by several layers): its other
-    uses may already have put a gradient there, in B or in an earlier closure.
-    """
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad.add_(grad)
 
 
 class _SplitLinearFn(torch.autograd.Function):
