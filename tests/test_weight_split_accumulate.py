@@ -172,3 +172,13 @@ def test_accumulate_grad_owns_then_adds_in_place():
     accumulate_grad(p, g)
     assert p.grad is first and torch.equal(p.grad, torch.full((3,), 2.0, dtype=torch.float64))
     assert torch.equal(g, torch.ones(3, dtype=torch.float64))
+
+
+def test_a_hook_that_returns_a_value_is_refused_as_torch_refuses_it():
+    p = nn.Parameter(torch.zeros(3))
+    p.register_post_accumulate_grad_hook(lambda p: p.grad)
+    with pytest.raises(RuntimeError, match="hooks should return None"):  # plain autograd
+        p.sum().backward()
+    p.grad = None
+    with pytest.raises(RuntimeError, match="hooks should return None"):
+        accumulate_grad(p, torch.ones(3))

@@ -62,4 +62,5 @@ def one_pass() -> Iterator[None]:
     with torch.no_grad():
         for param in touched.values():
             for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                hook(param)
+                if hook(param) is not None:  # as torch refuses it (torch/csrc/autograd/python_hook.cpp)
+                    raise RuntimeError(f"Tensor post accumulate grad hooks should return None (got one from {hook!r}).")
