@@ -64,6 +64,7 @@ class WeightPlan:
     outputs: list = field(default_factory=list)  # (edge, gradient) of those outputs, set in B
     in_b: list = field(default_factory=list)  # parameters whose gradient B computes
     reasons: dict = field(default_factory=dict)  # id(parameter in in_b) -> why it is in B
+    whole: str | None = None  # why B runs the whole backward (and W nothing), if it must
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
@@ -139,6 +140,8 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
     roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
+    if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
+        return WeightPlan(whole=WHOLE_REENTRANT)
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or _OUTPUTS) reaching pid
@@ -192,6 +195,13 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     _announce(module, result)
     return result
 
+
+# torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside the
+# engine, which torch refuses under torch.autograd.grad (the split's B and W): such a graph is not split.
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+WHOLE_REENTRANT = ("its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
+                   "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
+                   "use_reentrant=False lets it split")
 
 RERUN_LIMIT = 16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
 
@@ -265,7 +275,11 @@ def _announce(module: nn.Module, result: WeightPlan) -> None:
 
 
 def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
-    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W."""
+    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W.
+    With ``whole`` set, the plain backward: every gradient, the graph freed."""
+    if weights.whole:
+        torch.autograd.backward(outputs, grads)
+        return [x.grad for x in inputs]
     handles = [node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
                for node in weights.points]
     try:

@@ -97,6 +97,7 @@ class StageWorker:
         self._slots: dict[int, _Slot] = {}
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._in_b: dict[str, str] = {}  # parameter name -> why B computes its gradient
+        self._said_unsplit = False  # logged that the stage's graph cannot be split
         self._flops: dict | None = None  # first split microbatch: {"mb", "input", "b", "w"}
 
     # -- tasks ---------------------------------------------------------------
@@ -134,6 +135,8 @@ class StageWorker:
                                         self._deferred)
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
+            if weights.whole:
+                self._unsplit(weights.whole)
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
         if self.is_last:
             self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
@@ -201,6 +204,15 @@ class StageWorker:
                 weight_split.backward_weight(slot.weights)
             slot.queue.run()
         self._finish(mb, slot)
+
+    def _unsplit(self, why: str) -> None:
+        """The stage's graph cannot be split: say so once, and count all its parameters as computed in B."""
+        if not self._said_unsplit:
+            self._said_unsplit = True
+            log.warning("stage %d: %s", self.stage, why)
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in self._deferred:
+                self._in_b[name] = why
 
     def split_summary(self) -> SplitSummary:
         """Which weight gradients stay in B and why, and the measured share of that work in W."""
