@@ -71,8 +71,8 @@ class _SplitLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.params = (weight, bias)  # leaf parameters: referencing them makes no cycle
         ctx.queue = queue
-        if reduce is None:
-            return F.linear(x, weight, bias)
+        if reduce is None:  # on 2-D rows: the result is no view (see split_linear)
+            return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         out = reduce(F.linear(x, weight))
         return out if bias is None else out + bias
 
@@ -80,7 +80,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         param_w, param_b = ctx.params
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_x = (grad_out @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if need_w or need_b:
             ctx.queue.append(_weight_grad_closure(x, grad_out, param_w if need_w else None,
@@ -98,7 +98,10 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     and is treated as identity in backward (a tensor-parallel "reduce from the TP
     region": an all-reduce SUM of partial products, see rrfp.nn.tensor_parallel).
     """
-    return _SplitLinearFn.apply(x, weight, bias, queue, reduce)
+    # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of its
+    # matmul, and a view made inside a custom Function cannot be modified in place (``layer(x).relu_()``)
+    rows = _SplitLinearFn.apply(x, weight, bias, queue, reduce)
+    return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
 class _ReduceIdentityBackward(torch.autograd.Function):

@@ -153,7 +153,7 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
         for c, nr in n.next_functions:
             if c is None or g.in_b[c]:
                 continue
-            pids = [pid for pid in g.below[c] if pid not in deferred]  # B runs a split-aware layer, which queues W
+            pids = list(g.below[c])
             if not pids:
                 continue
             edges = frontier.setdefault(n, {})
@@ -167,9 +167,10 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
         owners.setdefault(pid, []).append(_OUTPUTS)
 
     result = WeightPlan()
+    queuing = {n for n in frontier if deferred and n.name() == _QUEUES_OWN_W}  # B ran these: they queued W
     for pid, who in owners.items():
         who = list(dict.fromkeys(who))
-        if len(who) > 1:
+        if len(who) > 1 and not (pid in deferred and queuing.issuperset(who)):  # all queued: nothing to gather
             reason = _why_not_gathered(g, frontier, who, pid, 0 if deferred else RERUN_LIMIT)
             if reason:
                 result.in_b.append(by_id[pid])
@@ -181,7 +182,7 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     for n, edges in frontier.items():
         work = Restart()
         for pid in dict.fromkeys(pid for pids in edges.values() for pid in pids):
-            if pid in in_b:
+            if pid in in_b or (n in queuing and pid in deferred):
                 continue
             if owners[pid] == [n]:
                 work.params.append(by_id[pid])
@@ -202,6 +203,10 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 WHOLE_REENTRANT = ("its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
                    "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
                    "use_reentrant=False lets it split")
+
+# rrfp.nn.split_linear's node: its backward queues its weights' W. W must not run it again, but its
+# use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
+_QUEUES_OWN_W = "_SplitLinearFnBackward"
 
 RERUN_LIMIT = 16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
 
