@@ -225,9 +225,10 @@ class StageWorker:
 
     def _unsplit(self, why: str) -> None:
         """The stage's graph cannot be split: say so once, and count all its parameters as computed in B."""
-        if not self._said_unsplit:
-            self._said_unsplit = True
-            log.warning("stage %d: %s", self.stage, why)
+        if self._said_unsplit:
+            return
+        self._said_unsplit = True
+        log.warning("stage %d: %s", self.stage, why)
         for name, p in self.module.named_parameters():
             if p.requires_grad and id(p) not in self._deferred:
                 self._in_b[name] = why
