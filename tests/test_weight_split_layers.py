@@ -59,6 +59,18 @@ class InPlace(nn.Module):
         return self.l2(self.l1(x).relu_())
 
 
+class WeightNormed(nn.Module):
+    """A split-aware layer whose weight is computed (a parametrization): it has no .grad to queue into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.weight_norm(SplitLinear(D, D))
+        self.out = SplitLinear(D, D)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.lin(x)))
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -98,7 +110,7 @@ def run_both(make, position: int):
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])
-@pytest.mark.parametrize("make", [OnBuffer, TiedTranspose, Twice, InPlace])
+@pytest.mark.parametrize("make", [OnBuffer, TiedTranspose, Twice, InPlace, WeightNormed])
 def test_layers_mode_matches_autograd(make, position, caplog):
     caplog.set_level(logging.WARNING, logger="rrfp.pipeline.weight_split")
     weight_split._warned.clear()

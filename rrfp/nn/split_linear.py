@@ -120,12 +120,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """What every split-aware layer computes: ``reduce(x @ weight.T) + bias``.
 
-    Under an active queue (and grad mode) the weight and bias gradients are
-    deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
+    Under an active queue (and grad mode), with a leaf weight and bias, their gradients
+    are deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
     ``F.linear`` when there is no ``reduce``.
     """
     queue = _ACTIVE.get()
-    if queue is not None and torch.is_grad_enabled():
+    # a computed weight (a parametrization: weight_norm, orthogonal) has no .grad of its own to queue
+    # into, so only leaves are deferred; autograd carries the rest to the parameters they come from
+    leaves = weight.grad_fn is None and (bias is None or bias.grad_fn is None)
+    if queue is not None and torch.is_grad_enabled() and leaves:
         return split_linear(x, weight, bias, queue, reduce)
     if reduce is None:
         return F.linear(x, weight, bias)
