@@ -228,6 +228,7 @@ def _before_15():
     def plan_with_reasons(*args, **kwargs):  # the worker now reads why a parameter stays in B
         result = plan(*args, **kwargs)
         result.reasons = {id(p): "used more than once" for p in result.in_b}
+        result.whole = None  # and whether the whole backward stays in B (a reentrant checkpoint)
         return result
 
     module.plan = plan_with_reasons

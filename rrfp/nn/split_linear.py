@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rrfp.nn.grad_accumulation import accumulate_grad, one_pass  # accumulate_grad: also imported from here
+
 _ACTIVE: contextvars.ContextVar["WeightGradQueue | None"] = contextvars.ContextVar(
     "rrfp_weight_grad_queue", default=None
 )
@@ -38,10 +40,12 @@ class WeightGradQueue:
         self._closures.append(fn)
 
     def run(self) -> None:
-        """Run every closure in queue order, then forget them (and the tensors they hold)."""
+        """Run every closure in queue order, then forget them (and the tensors they hold). One
+        backward pass: each parameter's post-accumulate-grad hooks run once, at the end."""
         closures, self._closures = self._closures, []
-        for fn in closures:
-            fn()
+        with one_pass():
+            for fn in closures:
+                fn()
 
     def __len__(self) -> int:
         return len(self._closures)
@@ -61,26 +65,14 @@ def active_queue() -> WeightGradQueue | None:
     return _ACTIVE.get()
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add `grad` into `param.grad`, never overwrite it.
-
-    A parameter may be shared (tied weights, or used by several layers): its other
-    uses may already have put a gradient there, in B or in an earlier closure.
-    """
-    if param.grad is None:
-        param.grad = grad.to(param.dtype)
-    else:
-        param.grad.add_(grad)
-
-
 class _SplitLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue, reduce):
         ctx.save_for_backward(x, weight)
         ctx.params = (weight, bias)  # leaf parameters: referencing them makes no cycle
         ctx.queue = queue
-        if reduce is None:
-            return F.linear(x, weight, bias)
+        if reduce is None:  # on 2-D rows: the result is no view (see split_linear)
+            return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         out = reduce(F.linear(x, weight))
         return out if bias is None else out + bias
 
@@ -88,7 +80,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         param_w, param_b = ctx.params
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        grad_x = (grad_out @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if need_w or need_b:
             ctx.queue.append(_weight_grad_closure(x, grad_out, param_w if need_w else None,
@@ -106,7 +98,10 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     and is treated as identity in backward (a tensor-parallel "reduce from the TP
     region": an all-reduce SUM of partial products, see rrfp.nn.tensor_parallel).
     """
-    return _SplitLinearFn.apply(x, weight, bias, queue, reduce)
+    # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of its
+    # matmul, and a view made inside a custom Function cannot be modified in place (``layer(x).relu_()``)
+    rows = _SplitLinearFn.apply(x, weight, bias, queue, reduce)
+    return rows.view(*x.shape[:-1], rows.shape[-1])
 
 
 class _ReduceIdentityBackward(torch.autograd.Function):
@@ -125,12 +120,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """What every split-aware layer computes: ``reduce(x @ weight.T) + bias``.
 
-    Under an active queue (and grad mode) the weight and bias gradients are
-    deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
+    Under an active queue (and grad mode), with a leaf weight and bias, their gradients
+    are deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
     ``F.linear`` when there is no ``reduce``.
     """
     queue = _ACTIVE.get()
-    if queue is not None and torch.is_grad_enabled():
+    # a computed weight (a parametrization: weight_norm, orthogonal) has no .grad of its own to queue
+    # into, so only leaves are deferred; autograd carries the rest to the parameters they come from
+    leaves = weight.grad_fn is None and (bias is None or bias.grad_fn is None)
+    if queue is not None and torch.is_grad_enabled() and leaves:
         return split_linear(x, weight, bias, queue, reduce)
     if reduce is None:
         return F.linear(x, weight, bias)

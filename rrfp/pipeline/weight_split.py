@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from rrfp.nn.grad_accumulation import accumulate_grad, one_pass
+
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 _OUTPUTS = "outputs"  # the owner of work reached from outputs that are not B nodes
@@ -62,6 +64,7 @@ class WeightPlan:
     outputs: list = field(default_factory=list)  # (edge, gradient) of those outputs, set in B
     in_b: list = field(default_factory=list)  # parameters whose gradient B computes
     reasons: dict = field(default_factory=dict)  # id(parameter in in_b) -> why it is in B
+    whole: str | None = None  # why B runs the whole backward (and W nothing), if it must
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
@@ -137,6 +140,8 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
     roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
+    if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
+        return WeightPlan(whole=WHOLE_REENTRANT)
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or _OUTPUTS) reaching pid
@@ -148,7 +153,7 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
         for c, nr in n.next_functions:
             if c is None or g.in_b[c]:
                 continue
-            pids = [pid for pid in g.below[c] if pid not in deferred]  # B runs a split-aware layer, which queues W
+            pids = list(g.below[c])
             if not pids:
                 continue
             edges = frontier.setdefault(n, {})
@@ -162,9 +167,10 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
         owners.setdefault(pid, []).append(_OUTPUTS)
 
     result = WeightPlan()
+    queuing = {n for n in frontier if deferred and n.name() == _QUEUES_OWN_W}  # B ran these: they queued W
     for pid, who in owners.items():
         who = list(dict.fromkeys(who))
-        if len(who) > 1:
+        if len(who) > 1 and not (pid in deferred and queuing.issuperset(who)):  # all queued: nothing to gather
             reason = _why_not_gathered(g, frontier, who, pid, 0 if deferred else RERUN_LIMIT)
             if reason:
                 result.in_b.append(by_id[pid])
@@ -176,7 +182,7 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     for n, edges in frontier.items():
         work = Restart()
         for pid in dict.fromkeys(pid for pids in edges.values() for pid in pids):
-            if pid in in_b:
+            if pid in in_b or (n in queuing and pid in deferred):
                 continue
             if owners[pid] == [n]:
                 work.params.append(by_id[pid])
@@ -190,6 +196,17 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
     _announce(module, result)
     return result
 
+
+# torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside the
+# engine, which torch refuses under torch.autograd.grad (the split's B and W): such a graph is not split.
+_REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+WHOLE_REENTRANT = ("its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
+                   "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
+                   "use_reentrant=False lets it split")
+
+# rrfp.nn.split_linear's node: its backward queues its weights' W. W must not run it again, but its
+# use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
+_QUEUES_OWN_W = "_SplitLinearFnBackward"
 
 RERUN_LIMIT = 16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
 
@@ -263,7 +280,11 @@ def _announce(module: nn.Module, result: WeightPlan) -> None:
 
 
 def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
-    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W."""
+    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W.
+    With ``whole`` set, the plain backward: every gradient, the graph freed."""
+    if weights.whole:
+        torch.autograd.backward(outputs, grads)
+        return [x.grad for x in inputs]
     handles = [node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
                for node in weights.points]
     try:
@@ -271,7 +292,8 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
                            for o, g in zip(outputs, grads) if (edge := get_gradient_edge(o)).node in weights.output_nodes]
         asked = list(inputs) + weights.in_b
         found = list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True)) if asked else []
-        _accumulate(weights.in_b, found[len(inputs):])
+        with one_pass():
+            _accumulate(weights.in_b, found[len(inputs):])
     finally:
         for h in handles:
             h.remove()
@@ -279,7 +301,16 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
 
 
 def backward_weight(weights: WeightPlan) -> None:
-    """W: every restart's parameters from its captured gradient, then drop the graph."""
+    """W: every restart's parameters from its captured gradient, then drop the graph. One backward
+    pass: a parameter several restarts reach gets its post-accumulate-grad hooks called once."""
+    with one_pass():
+        _backward_weight(weights)
+    weights.points.clear()
+    weights.captured.clear()
+    weights.outputs.clear()
+
+
+def _backward_weight(weights: WeightPlan) -> None:
     if weights.from_outputs:
         _grad_into(weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs])
     for node, work in weights.points.items():
@@ -295,9 +326,6 @@ def backward_weight(weights: WeightPlan) -> None:
                  if f is not None]
         if flows:  # the parameter-only part of the graph: no B node runs here
             _grad_into(work.shared, [e for e, _ in flows], [f for _, f in flows])
-    weights.points.clear()
-    weights.captured.clear()
-    weights.outputs.clear()
 
 
 def _grad_into(params: list, edges: list, grads: list) -> None:
@@ -308,4 +336,4 @@ def _grad_into(params: list, edges: list, grads: list) -> None:
 def _accumulate(params, grads) -> None:
     for p, g in zip(params, grads):
         if g is not None:
-            p.grad = g.detach() if p.grad is None else p.grad + g
+            accumulate_grad(p, g)

@@ -8,7 +8,9 @@ and the task. One StageWorker is driven by one thread at a time (the compute lan
 With split=True, B computes only the input gradient and W the weight
 gradients, split with torch.autograd on the stage's own graph
 (``weight_split.py``), so any module gets a real W. ``weight_split =
-"layers"`` instead lets split-aware layers (``SplitLinear``, the TP linears)
+"layers"`` (experimental: the runtime never selects it; not with
+torch.utils.checkpoint(use_reentrant=False) around split-aware layers)
+instead lets split-aware layers (``SplitLinear``, the TP linears)
 queue their weight-gradient closures during F and splits only the other
 parameters with autograd. The autograd split is the default because it
 measured faster (benchmarks/weight_split.py, GPT middle stage, CPU: B 21.8 ms
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointError
 from torch.utils.flop_counter import FlopCounterMode
 
 from rrfp.core.tasks import Kind, Task
@@ -97,6 +100,7 @@ class StageWorker:
         self._slots: dict[int, _Slot] = {}
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._in_b: dict[str, str] = {}  # parameter name -> why B computes its gradient
+        self._said_unsplit = False  # logged that the stage's graph cannot be split
         self._flops: dict | None = None  # first split microbatch: {"mb", "input", "b", "w"}
 
     # -- tasks ---------------------------------------------------------------
@@ -134,6 +138,8 @@ class StageWorker:
                                         self._deferred)
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
+            if weights.whole:
+                self._unsplit(weights.whole)
         self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
         if self.is_last:
             self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
@@ -177,7 +183,7 @@ class StageWorker:
                 # (not with split-aware layers: an extra backward would queue their W twice)
                 self._flops["input"] = _flops(lambda: torch.autograd.grad(
                     outs, inputs, grads, retain_graph=True, allow_unused=True) if inputs else None)
-            with self._counting(mb, "b"):
+            with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)):
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
             torch.autograd.backward(outs, grads)
@@ -196,11 +202,36 @@ class StageWorker:
             raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
                                "(split=False: B computes all gradients)")
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
-        with self._counting(mb, "w"):
+        with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)):
             if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
                 weight_split.backward_weight(slot.weights)
             slot.queue.run()
         self._finish(mb, slot)
+
+    @contextlib.contextmanager
+    def _layers_checkpoint(self, task: Task):
+        """Mode "layers" and torch.utils.checkpoint(use_reentrant=False): the recomputation runs the
+        split-aware layers outside the W queue, so its saved tensors differ from the forward's."""
+        try:
+            yield
+        except CheckpointError as e:
+            if self.weight_split != "layers":
+                raise
+            raise RuntimeError(
+                f"stage {self.stage}: {task}: weight_split='layers' cannot run split-aware layers inside "
+                "torch.utils.checkpoint(use_reentrant=False): its recomputation runs them outside the W "
+                "queue; use weight_split='autograd' (the default). torch said: "
+                f"{str(e).splitlines()[0]}") from e
+
+    def _unsplit(self, why: str) -> None:
+        """The stage's graph cannot be split: say so once, and count all its parameters as computed in B."""
+        if self._said_unsplit:
+            return
+        self._said_unsplit = True
+        log.warning("stage %d: %s", self.stage, why)
+        for name, p in self.module.named_parameters():
+            if p.requires_grad and id(p) not in self._deferred:
+                self._in_b[name] = why
 
     def split_summary(self) -> SplitSummary:
         """Which weight gradients stay in B and why, and the measured share of that work in W."""

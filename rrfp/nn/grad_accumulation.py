@@ -1,0 +1,66 @@
+"""Adding a gradient computed outside autograd's own accumulation into ``.grad``.
+
+The split backward (B and W) and the split-aware layers' W closures compute
+parameter gradients themselves, so torch's AccumulateGrad node never runs for
+those parameters. It does two things that users rely on, and this module does
+them too (torch/csrc/autograd/functions/accumulate_grad.{h,cpp}):
+
+- the first gradient becomes a tensor the parameter owns. Autograd may hand
+  one tensor to several parameters (``F.linear(x, a + b)``), and an in-place
+  grad op (``clip_grad_norm_``) on a shared one would act twice;
+- after accumulating, it calls the parameter's post-accumulate-grad hooks
+  (``Tensor.register_post_accumulate_grad_hook``, torch's optimizer-in-backward
+  recipe), once per backward pass that reaches the parameter.
+
+Inside ``one_pass()`` (a B or a W of one microbatch) each touched parameter's
+hooks run once, when the pass ends, in no-grad mode as in backward; outside
+one, at once. torch offers no public way to read or run those hooks: like
+torch's FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+``foreach_reduce``), which assigns ``.grad`` itself, this reads the tensor's
+``_post_accumulate_grad_hooks`` dict, guarded so a torch without it runs none.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+
+_PASS: contextvars.ContextVar["dict[int, torch.Tensor] | None"] = contextvars.ContextVar(
+    "rrfp_grad_accumulation_pass", default=None)
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.grad`` (never overwrite it: a shared parameter's other uses
+    may be there already); the first gradient is copied, so the parameter owns it."""
+    with one_pass():
+        grad = grad.detach()
+        if param.grad is None:
+            param.grad = grad.to(param.dtype, copy=True)
+        elif param.grad.is_sparse and not grad.is_sparse:  # as AccumulateGrad: the sum is dense
+            param.grad = grad.to(param.grad.dtype) + param.grad
+        else:
+            param.grad.add_(grad)
+        touched = _PASS.get()
+        touched.setdefault(id(param), param)
+
+
+@contextlib.contextmanager
+def one_pass() -> Iterator[None]:
+    """One backward pass of accumulations: each parameter touched inside gets its post-accumulate-grad
+    hooks called once at the end. Nested passes join the outer one."""
+    if _PASS.get() is not None:
+        yield
+        return
+    touched: dict[int, torch.Tensor] = {}
+    token = _PASS.set(touched)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+    with torch.no_grad():
+        for param in touched.values():
+            for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                if hook(param) is not None:  # as torch refuses it (torch/csrc/autograd/python_hook.cpp)
+                    raise RuntimeError(f"Tensor post accumulate grad hooks should return None (got one from {hook!r}).")
