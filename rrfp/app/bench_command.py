@@ -20,7 +20,7 @@ from rrfp.app.bench.analysis import annotate, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import DEFAULT_EXECUTORS, BenchSpec, Executor, parse_case, unavailable
-from rrfp.app.errors import UsageError
+from rrfp.app.errors import UsageError, check_output
 from rrfp.app.progress import progress
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
@@ -101,7 +101,7 @@ def bench_command(args) -> int:
     out = Path(args.out or f"results/bench-{stamp}")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file, not a folder")
-    out.mkdir(parents=True, exist_ok=True)
+    check_output("--out", out, folder=True)
     cost, models = _calibrate(spec, out)
     try:
         with tempfile.TemporaryDirectory() as tmp, progress(total=spec.runs, desc="rrfp bench") as bar:

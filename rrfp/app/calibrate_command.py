@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.errors import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.worker import StageWorker
@@ -116,6 +117,8 @@ def calibrate_command(args) -> int:
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one process measures every stage, on one GPU at most
     cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
     S = cfg.num_stages
+    out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
+    check_output("--out", out)  # before minutes of measuring
     device = calibration_device(cfg.run)
     where = (f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
              if device.type == "cuda" else f"on this CPU ({torch.get_num_threads()} thread(s))")
@@ -137,7 +140,6 @@ def calibrate_command(args) -> int:
           f"{ranking_agreement(per_mb_pred, per_mb):.2f}; one emulated unit = {model.reference_s * 1e3:.3f} ms "
           f"(mean F); F spread over microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
           f"{np.std(f_pred) / np.mean(f_pred):.0%} predicted")
-    out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
     write_atomic(out, model.to_json())
     print(f"wrote {out}: train with --set cost={out} --set unit_ms=...")
     return 0

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from rrfp.app.errors import UsageError
+from rrfp.app.errors import UsageError, check_output
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
@@ -152,6 +152,7 @@ def _plot(args) -> int:
     except ValueError as e:  # bad JSON included
         raise UsageError(f"{args.trace}: {e}") from None
     out = args.out or str(Path(args.trace).with_suffix(".png"))
+    check_output("--out", out)
     plot_timelines(out, runs, unit="from the first task: seconds, or average forwards for rrfp sim traces")
     print(f"wrote {out}: {len(runs)} timeline(s), {sum(len(s) for _, s in runs)} tasks")
     return 0
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a file the commands' own checks did not foresee: one line, not a traceback
+        say(f"rrfp: error: {e.filename or 'file'}: {e.strerror or e}")
+        return 1
 
 
 def entry() -> None:

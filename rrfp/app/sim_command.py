@@ -11,7 +11,7 @@ import sys
 import numpy as np
 from dataclasses import replace
 
-from rrfp.app.errors import UsageError
+from rrfp.app.errors import UsageError, check_output
 from rrfp.app.progress import progress
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import BUILTIN, HintError, resolve
@@ -162,6 +162,9 @@ def sim_command(args) -> int:
     if args.replay:
         return replay_command(args)
     budgets, dispatches, hints, var, layouts = _resolve(args)
+    for flag, path in (("--json", args.json), ("--trace", args.trace), ("--plot", args.plot)):
+        if path and path != "-":
+            check_output(flag, path)
     if args.oracle:
         from rrfp.app import sim_oracle
 

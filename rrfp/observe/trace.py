@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -40,17 +40,32 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:
-    """Write to a temporary file beside ``path``, then rename: never half-written."""
+    """Write to a temporary file beside ``path``, then rename: never half-written. The file gets the
+    mode any new file gets (0666 less the umask), as ``open`` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _temporary(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(text.encode() if isinstance(text, str) else text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def check_writable(path: str | Path) -> None:
+    """Make ``path``'s folder and a file in it, then remove the file: a command that writes ``path`` at
+    its end fails at its start instead (raises OSError)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(path)
+    open(tmp, "xb").close()
+    tmp.unlink()
+
+
+def _temporary(path: Path) -> Path:
+    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
 
 
 def write_json(path: str | Path, obj) -> None:
