@@ -189,3 +189,17 @@ def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert lines[0].startswith("rrfp: error: bench job failed: it did not finish within 2 s (--timeout)"), lines[0]
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_help_names_the_default_executors_and_each_one_parses():
+    """`rrfp bench --help` lists the default suite as it is, in the names the flag takes."""
+    import re
+
+    from rrfp.app.bench.suite import DEFAULT_EXECUTORS, Executor, file_slug
+    from rrfp.app.cli import build_parser
+
+    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+                 if "--executors" in a.option_strings)
+    listed = re.search(r"default: (.*): those", bench.help)[1].split(", ")
+    assert listed == [file_slug(e) for e in DEFAULT_EXECUTORS]
+    assert [Executor.parse(e).name for e in listed] == list(DEFAULT_EXECUTORS)

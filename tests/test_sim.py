@@ -152,6 +152,22 @@ def test_cli_jitter_replaces_the_presets_and_is_checked():
         var("--jitter", "-1")
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["plot", "configs/gpt-tiny.toml"], "configs/gpt-tiny.toml: not a Chrome trace (not JSON)"),
+    (["sim", "--cost", "/nonexistent.json"], "--cost is the cost model a recorded run used"),
+    (["sim", "--pp", "100000", "--mb", "100000"], "is 10,000,000,000 stage-microbatches per simulation"),
+])
+def test_cli_refuses_in_one_line_in_process(argv, needle, capsys, monkeypatch):
+    from pathlib import Path
+
+    from rrfp.app.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+
+
 def test_cli_bad_csv(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("stage,task\n0,F0\n0,BX\n")

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--budget", default=None,
                      help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
                           "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)")
-    sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"])
+    sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"],
+                     help="comma list of fixed (the hint's order, run as a list) and ready (the best-ranked "
+                          "ready task) (default fixed,ready)")
     sim.add_argument("--hints", type=_csv_list, default=None,
                      help="comma list: builtin names, plan (planned per seed from known costs), zbv, .csv files "
                           f"or module:function (default {','.join(BUILTIN)},plan, and zbv with --placement v)")
@@ -111,10 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", type=_csv_list, default=None,
                        help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
     bench.add_argument("--executors", type=_csv_list, default=None,
-                       help="comma list of ENGINE-HINT: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, ready-plan, "
-                            "torch-1f1b, torch-zb, torch-dualpipev; -v2 on an rrfp one runs it on two virtual "
-                            "stages per rank in the v shape (ready-plan-v2), -i2 interleaved (the default: all "
-                            "of them that this build runs)")
+                       help="comma list of ENGINE-HINT: fixed-HINT or ready-HINT with any rrfp hint (1f1b, "
+                            "zbh1, bf, bfw, plan, gpipe; zbv with -v2), e.g. ready-plan, fixed-bfw; "
+                            "torch-SCHEDULE for torch.distributed.pipelining's 1f1b, zb (= zbv), "
+                            "interleaved-1f1b, interleaved-zb or dualpipev; drop-in-ready-HINT runs ready "
+                            "dispatch behind torch's schedule surface. A -v2 suffix on an rrfp one runs it on "
+                            "two virtual stages per rank in the v shape (ready-plan-v2, fixed-zbv-v2), -i2 "
+                            "interleaved (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, fixed-plan, "
+                            "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
+                            "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)")
     bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
     bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
     bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")
@@ -146,10 +153,17 @@ def _plot(args) -> int:
     from rrfp.observe.plot import plot_timelines, spans_from_chrome
 
     try:
-        runs = spans_from_chrome(json.loads(Path(args.trace).read_text()))
+        text = Path(args.trace).read_text()
     except OSError as e:
         raise UsageError(f"cannot read trace {args.trace}: {e.strerror}") from None
-    except ValueError as e:  # bad JSON included
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise UsageError(f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
+                         f"rrfp sim --trace or rrfp bench") from None
+    try:
+        runs = spans_from_chrome(doc)
+    except ValueError as e:
         raise UsageError(f"{args.trace}: {e}") from None
     out = args.out or str(Path(args.trace).with_suffix(".png"))
     check_output("--out", out)

@@ -39,6 +39,9 @@ def _budgets(args) -> list[Budget]:
     return budgets
 
 
+MAX_STAGE_MICROBATCHES = 1 << 22  # minutes per simulation; far larger looks like a hang that eats memory
+
+
 def _layouts(args) -> list[VirtualLayout]:
     """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with V = 2.
     A pair that cannot be is refused when it is the only one asked for, else left out."""
@@ -71,7 +74,13 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
         hints = [resolve(h) for h in names]
     except ValueError as e:  # HintError included
         raise UsageError(str(e)) from None
-    over = {k: v for k, v in {"comm": args.comm, "comm_jitter": args.comm_jitter, "jitter": args.jitter}.items() if v is not None}
+    size = args.pp * max(lay.virtual for lay in layouts) * args.mb
+    if size > MAX_STAGE_MICROBATCHES:
+        raise UsageError(f"--pp {args.pp} x --virtual x --mb {args.mb} is {size:,} stage-microbatches per "
+                         f"simulation; rrfp sim takes at most {MAX_STAGE_MICROBATCHES:,} (64 x 4096 takes "
+                         f"about 12 s on one core, and time and memory grow with it)")
+    flags = {"comm": args.comm, "comm_jitter": args.comm_jitter, "jitter": args.jitter}
+    over = {k: v for k, v in flags.items() if v is not None}
     if args.slow_stage is not None:
         if not 0 <= args.slow_stage < args.pp:
             raise UsageError(f"--slow-stage {args.slow_stage} is not a stage of --pp {args.pp}")
@@ -161,6 +170,8 @@ def replay_command(args) -> int:
 def sim_command(args) -> int:
     if args.replay:
         return replay_command(args)
+    if args.cost:
+        raise UsageError("--cost is the cost model a recorded run used: it goes with --replay FILE")
     budgets, dispatches, hints, var, layouts = _resolve(args)
     for flag, path in (("--json", args.json), ("--trace", args.trace), ("--plot", args.plot)):
         if path and path != "-":
