@@ -27,7 +27,8 @@ def _cases(blocked: Path):
 
 
 @pytest.mark.parametrize("case", range(5))
-def test_an_unwritable_output_is_one_line_at_the_start(tmp_path, capsys, case):
+def test_an_unwritable_output_is_one_line_at_the_start(tmp_path, capsys, monkeypatch, case):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # calibrate sets it for its one process: not for later tests
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder\n")
     argv, flag = _cases(blocked)[case]
