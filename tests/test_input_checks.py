@@ -71,6 +71,44 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
         "above run.budget = 1x (8 there)" in line, line
 
 
+# a hint with no order on some rank of the layout: found by the config, not by the ranks once their groups exist
+HINT_LAYOUT = [
+    (["steps=2", "hint=zbv", "executor=fixed"], ["run.hint = zbv does not fit 4 pipeline rank(s), run.virtual = 1",
+                                                 "it needs virtual = 2 and placement v"]),
+    (["hint=zbv"], ["run.hint = zbv", "it needs virtual = 2 and placement v"]),  # ready dispatch builds it too
+    (["virtual=2", "model.n_layer=8", "hint=zbh1", "executor=fixed"],
+     ["run.hint = zbh1", "run.virtual = 2, run.placement = interleaved", "has no order over virtual stages"]),
+    (["virtual=2", "model.n_layer=8", "hint=1f1b", "microbatches=9"],
+     ["run.hint = 1f1b", "run.microbatches = 9", "a multiple"]),
+    (["hint=os:getcwd"], ["run.hint = os:getcwd", "rank 0: TypeError"]),  # a user function that cannot order
+]
+
+
+@pytest.mark.parametrize("sets,needles", HINT_LAYOUT, ids=[" ".join(s) for s, _ in HINT_LAYOUT])
+def test_hint_that_does_not_fit_the_layout_is_refused(sets, needles):
+    config_error(sets, *needles, world=4)
+
+
+def _csv_of_stage_0(tmp_path):
+    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): stages 1-3 have none."""
+    path = tmp_path / "stage0.csv"
+    path.write_text("stage,task\n" + "".join(f"0,F{m}\n" for m in range(8)) + "".join(f"0,B{m}\n" for m in range(8)))
+    return path
+
+
+def test_csv_hint_without_rows_for_a_later_stage_is_refused(tmp_path):
+    """Rank 0's order is complete: only a check over every rank finds stage 1's missing rows."""
+    path = _csv_of_stage_0(tmp_path)
+    TrainConfig.load(CONFIG, [f"hint={path}", "pp=1", "model.n_layer=1"], world_size=1)  # one stage: it fits
+    config_error([f"hint={path}"], "run.hint = csv:stage0.csv", "no rows for stage 1 of 4", world=4)
+
+
+@pytest.mark.timeout(60)
+def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
+    assert_usage_error(rrfp("--config", CONFIG, "--set", f"hint={_csv_of_stage_0(tmp_path)}", world=4),
+                       "run.hint = csv:stage0.csv", "no rows for stage 1 of 4")
+
+
 def test_peak_in_flight_of_schedules():
     one_f_one_b, gpipe = resolve("1f1b"), resolve("gpipe")
     assert [peak_in_flight(one_f_one_b.order(4, s, 8, False), False) for s in range(4)] == [4, 3, 2, 1]
