@@ -109,6 +109,38 @@ def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
                        "run.hint = csv:stage0.csv", "no rows for stage 1 of 4")
 
 
+def _end_file_error(sets: list[str], *needles: str) -> str:
+    from rrfp.app.run_outputs import check_end_files
+
+    with pytest.raises(ConfigError) as info:
+        check_end_files(TrainConfig.load(CONFIG, sets, world_size=4).run)
+    line = str(info.value)
+    assert "\n" not in line and all(n in line for n in needles), line
+    return line
+
+
+def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_path):
+    """run.trace and run.sizes are written when the run ends: a folder that cannot hold them is
+    found before it starts, as run.checkpoint_dir's is."""
+    from rrfp.app.run_outputs import check_end_files
+
+    (tmp_path / "a-file").write_text("")
+    _end_file_error(["trace=/proc/trace.json"], "run.trace = /proc/trace.json cannot be written",
+                    "cannot create a file in /proc")
+    _end_file_error([f"sizes={tmp_path}/a-file/sizes.json"], "run.sizes", "a-file is a file, not a folder")
+    _end_file_error([f"trace={tmp_path}/a-file/deeper/t.json"], "run.trace", "Not a directory")
+    _end_file_error([f"trace={tmp_path}"], "run.trace", "is a folder")
+    check_end_files(TrainConfig.load(CONFIG, [f"trace={tmp_path}/new/t.json", f"sizes={tmp_path}/s.json"],
+                                     world_size=4).run)
+    assert (tmp_path / "new").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "new"]
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_trace_exits_2_before_any_process_group():
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "trace=/proc/trace.json", world=4),
+                       "run.trace = /proc/trace.json cannot be written")
+
+
 def test_peak_in_flight_of_schedules():
     one_f_one_b, gpipe = resolve("1f1b"), resolve("gpipe")
     assert [peak_in_flight(one_f_one_b.order(4, s, 8, False), False) for s in range(4)] == [4, 3, 2, 1]

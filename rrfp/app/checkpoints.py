@@ -20,9 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import secrets
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
@@ -84,11 +83,9 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     if not run.checkpoint_dir:
         return Resume(None)
     store = CheckpointDir(run.checkpoint_dir)
-    try:
-        store.probe_writable(f"{os.getpid()}-{socket.gethostname()}")
-    except OSError as e:
-        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: "
-                          f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
+    problem = folder_problem(run.checkpoint_dir)
+    if problem is not None:
+        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: {problem}")
     done = store.complete()
     if run.resume == "off":
         if done:  # a fresh run would prune them as older than its own

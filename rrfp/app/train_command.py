@@ -16,6 +16,7 @@ from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.run_outputs import check_end_files
 from rrfp.app.start_checks import check_memory, check_timeout
 from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import StepReport, stage_main
@@ -85,6 +86,7 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
+        check_end_files(cfg.run)  # run.trace and run.sizes are written at the end: their folders are probed now
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
             check_memory(cfg)  # exits 2 when the config cannot fit this machine
