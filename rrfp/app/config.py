@@ -108,8 +108,11 @@ class RunConfig:
         for name in ("lr", "weight_decay", "unit_ms", "timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
-        if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
-            raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
+        for name, positive in (("lr", True), ("timeout_s", True), ("unit_ms", False)):
+            value = getattr(self, name)
+            if value < 0 or (positive and value == 0):
+                raise ConfigError(f"run.{name} must be {'> 0' if positive else '>= 0 (0: no emulated time)'}, "
+                                  f"got {value:g}")
         if self.hint.planned and self.unit_ms == 0 and self.cost is None:  # the preset's lengths are made up
             raise ConfigError("run.hint = plan in real time (run.unit_ms = 0) has no task costs to plan on: run "
                               "`rrfp calibrate` and give run.cost = FILE, or set run.unit_ms > 0 to emulate "
