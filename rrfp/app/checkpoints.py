@@ -122,7 +122,7 @@ def plan_resume(cfg: TrainConfig) -> Resume:
             and all(isinstance(v, dict) for v in meta.get("config", {}).values())):
         raise ConfigError(f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
                           "\"config\" is an object of sections)")
-    diffs = differences(_before_virtual(meta.get("config", {})), fingerprint(cfg))
+    diffs = differences(*_comparable(meta.get("config", {}), fingerprint(cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
     if latest.step >= run.steps:
@@ -137,12 +137,16 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     return Resume(latest, tuple(rejected))
 
 
-def _before_virtual(saved: dict) -> dict:
-    """A checkpoint saved before run.virtual existed had one stage per rank."""
-    run = saved.get("run")
-    if not isinstance(run, dict) or "virtual" in run:
-        return saved
-    return {**saved, "run": {**run, "virtual": 1, "placement": "interleaved"}}
+def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
+    """The saved and the current fingerprint, as far as they mean something: a checkpoint saved
+    before run.virtual existed had one stage per rank, and run.placement says nothing about a side
+    with one stage per rank, so it is compared only where both have several."""
+    if "run" not in saved:
+        return saved, now
+    saved_run, now_run = {"virtual": 1, **saved["run"]}, now["run"]
+    if saved_run["virtual"] == 1 or now_run["virtual"] == 1:
+        saved_run, now_run = ({k: v for k, v in r.items() if k != "placement"} for r in (saved_run, now_run))
+    return {**saved, "run": saved_run}, {**now, "run": now_run}
 
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
