@@ -153,7 +153,7 @@ def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | Non
         return None
     try:
         return run.hint.rank_peak(layout, rank, run.microbatches, split)
-    except HintError:  # refused with its own message elsewhere
+    except HintError:  # refused with its own message by the config (config._check_hint_layout)
         return None
 
 
