@@ -208,9 +208,9 @@ MISMATCHES = [
     (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
     (["microbatches=8"], ["run.microbatches: checkpoint 4, this run 8"]),
     (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
-    (["virtual=2", "placement=v", "model.n_layer=4"], ["run.virtual: checkpoint 1, this run 2",
-                                                       "run.placement: checkpoint 'interleaved', this run 'v'"]),
+    (["virtual=2", "placement=v", "model.n_layer=4"], ["run.virtual: checkpoint 1, this run 2"]),
 ]
+MEANINGLESS = {4: "run.placement"}  # the checkpoint has one stage per rank: its placement says nothing
 
 
 @pytest.mark.timeout(120)
@@ -221,11 +221,31 @@ def test_resume_with_another_config_is_one_error_line(saved):
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
     one_error_line(res.stderr, "cannot resume from", str(saved / "step-00000002"), "saved with a different config",
                    *MISMATCHES[0][1])
-    for sets, needles in MISMATCHES:  # the check the command ran, on each kind of difference
+    for i, (sets, needles) in enumerate(MISMATCHES):  # the check the command ran, on each kind of difference
         message = resume_error(saved, "steps=4", "resume=required", *sets)
         assert "saved with a different config" in message and "\n" not in message, message
         for needle in needles:
             assert needle in message, message
+        assert MEANINGLESS.get(i, "\0") not in message, message
+
+
+def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
+    """run.placement means something only where both the checkpoint and the run have virtual > 1:
+    resuming a V = 2 checkpoint at V = 1 names run.virtual alone (it once named the placement too)."""
+    from rrfp.app.checkpoints import _comparable, differences, fingerprint
+    from rrfp.app.config import TrainConfig
+
+    def fp(*sets):
+        return fingerprint(TrainConfig.load(SMALL[1], ["model.n_layer=4", *sets], world_size=2))
+
+    v2_v, v2_inter, v1 = fp("virtual=2", "placement=v"), fp("virtual=2"), fp()
+    assert differences(*_comparable(v2_v, v1)) == ["run.virtual: checkpoint 2, this run 1"]
+    assert differences(*_comparable(v1, v2_v)) == ["run.virtual: checkpoint 1, this run 2"]
+    assert differences(*_comparable(v2_v, v2_inter)) == ["run.placement: checkpoint 'v', this run 'interleaved'"]
+    assert differences(*_comparable(v1, v1)) == []
+    before_virtual = {**v1, "run": {k: v for k, v in v1["run"].items() if k not in ("virtual", "placement")}}
+    assert differences(*_comparable(before_virtual, v1)) == []  # saved before run.virtual existed: V = 1
+    assert differences(*_comparable(before_virtual, v2_v)) == ["run.virtual: checkpoint 1, this run 2"]
 
 
 def test_resume_problems_found_before_any_process_group(saved, tmp_path):

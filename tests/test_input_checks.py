@@ -71,6 +71,76 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
         "above run.budget = 1x (8 there)" in line, line
 
 
+# a hint with no order on some rank of the layout: found by the config, not by the ranks once their groups exist
+HINT_LAYOUT = [
+    (["steps=2", "hint=zbv", "executor=fixed"], ["run.hint = zbv does not fit 4 pipeline rank(s), run.virtual = 1",
+                                                 "it needs virtual = 2 and placement v"]),
+    (["hint=zbv"], ["run.hint = zbv", "it needs virtual = 2 and placement v"]),  # ready dispatch builds it too
+    (["virtual=2", "model.n_layer=8", "hint=zbh1", "executor=fixed"],
+     ["run.hint = zbh1", "run.virtual = 2, run.placement = interleaved", "has no order over virtual stages"]),
+    (["virtual=2", "model.n_layer=8", "hint=1f1b", "microbatches=9"],
+     ["run.hint = 1f1b", "run.microbatches = 9", "a multiple"]),
+    (["hint=os:getcwd"], ["run.hint = os:getcwd", "rank 0: TypeError"]),  # a user function that cannot order
+]
+
+
+@pytest.mark.parametrize("sets,needles", HINT_LAYOUT, ids=[" ".join(s) for s, _ in HINT_LAYOUT])
+def test_hint_that_does_not_fit_the_layout_is_refused(sets, needles):
+    config_error(sets, *needles, world=4)
+
+
+def _csv_of_stage_0(tmp_path):
+    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): stages 1-3 have none."""
+    path = tmp_path / "stage0.csv"
+    path.write_text("stage,task\n" + "".join(f"0,F{m}\n" for m in range(8)) + "".join(f"0,B{m}\n" for m in range(8)))
+    return path
+
+
+def test_csv_hint_without_rows_for_a_later_stage_is_refused(tmp_path):
+    """Rank 0's order is complete: only a check over every rank finds stage 1's missing rows."""
+    path = _csv_of_stage_0(tmp_path)
+    TrainConfig.load(CONFIG, [f"hint={path}", "pp=1", "model.n_layer=1"], world_size=1)  # one stage: it fits
+    config_error([f"hint={path}"], "run.hint = csv:stage0.csv", "no rows for stage 1 of 4", world=4)
+
+
+@pytest.mark.timeout(60)
+def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
+    assert_usage_error(rrfp("--config", CONFIG, "--set", f"hint={_csv_of_stage_0(tmp_path)}", world=4),
+                       "run.hint = csv:stage0.csv", "no rows for stage 1 of 4")
+
+
+def _end_file_error(sets: list[str], *needles: str) -> str:
+    from rrfp.app.run_outputs import check_end_files
+
+    with pytest.raises(ConfigError) as info:
+        check_end_files(TrainConfig.load(CONFIG, sets, world_size=4).run)
+    line = str(info.value)
+    assert "\n" not in line and all(n in line for n in needles), line
+    return line
+
+
+def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_path):
+    """run.trace and run.sizes are written when the run ends: a folder that cannot hold them is
+    found before it starts, as run.checkpoint_dir's is."""
+    from rrfp.app.run_outputs import check_end_files
+
+    (tmp_path / "a-file").write_text("")
+    _end_file_error(["trace=/proc/trace.json"], "run.trace = /proc/trace.json cannot be written",
+                    "cannot create a file in /proc")
+    _end_file_error([f"sizes={tmp_path}/a-file/sizes.json"], "run.sizes", "a-file is a file, not a folder")
+    _end_file_error([f"trace={tmp_path}/a-file/deeper/t.json"], "run.trace", "Not a directory")
+    _end_file_error([f"trace={tmp_path}"], "run.trace", "is a folder")
+    check_end_files(TrainConfig.load(CONFIG, [f"trace={tmp_path}/new/t.json", f"sizes={tmp_path}/s.json"],
+                                     world_size=4).run)
+    assert (tmp_path / "new").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "new"]
+
+
+@pytest.mark.timeout(60)
+def test_unwritable_trace_exits_2_before_any_process_group():
+    assert_usage_error(rrfp("--config", CONFIG, "--set", "trace=/proc/trace.json", world=4),
+                       "run.trace = /proc/trace.json cannot be written")
+
+
 def test_peak_in_flight_of_schedules():
     one_f_one_b, gpipe = resolve("1f1b"), resolve("gpipe")
     assert [peak_in_flight(one_f_one_b.order(4, s, 8, False), False) for s in range(4)] == [4, 3, 2, 1]

@@ -12,7 +12,7 @@ import torch
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.placement import VirtualLayout
-from rrfp.app.start_checks import check_memory, check_timeout, footprints, predicted_step_s
+from rrfp.app.start_checks import check_byte_budget, check_memory, check_timeout, footprints, predicted_step_s
 from rrfp.pipeline.worker import StageWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +121,26 @@ def test_measuring_leaves_the_run_generator_alone():
     before = torch.get_rng_state()
     footprints(cfg)
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_byte_budget_below_one_microbatch_gets_a_warning():
+    """budget = 1B (one byte, not a billion) runs, one microbatch at a time (a microbatch larger than
+    the budget runs alone), so it is no error; the start says so, where the budget applies."""
+    tiny = ROOT / "configs/gpt-tiny.toml"
+    cfg = TrainConfig.load(tiny, ["budget=1B"], world_size=4)
+    prints = check_memory(cfg)  # what rrfp train passes on; one microbatch's bytes do not depend on the budget
+
+    def line(*sets):
+        return check_byte_budget(TrainConfig.load(tiny, list(sets), world_size=4), prints)
+
+    warning = check_byte_budget(cfg, prints)
+    assert warning.startswith("run.budget = 1B is a byte budget below one microbatch's activations on every rank")
+    assert "runs alone" in warning and "\n" not in warning
+    smallest = min(f.one for f in prints)
+    assert smallest > 0 and line(f"budget={smallest}B") is None and line(f"budget={smallest - 1}B") is not None
+    for sets in (["budget=64MiB"], ["budget=2x"], ["budget=1"], ["budget=1B", "dispatch=fixed", "hint=1f1b"]):
+        assert line(*sets) is None, sets  # enough, a count, or fixed dispatch, which applies no budget
+    assert line("budget=1B", "dispatch=fixed", "hint=plan", "unit_ms=1") is not None  # a plan keeps the budget
+    assert check_byte_budget(cfg, None) is None  # not measurable: no claim
+    virtual = TrainConfig.load(tiny, ["budget=1B", "virtual=2", "model.n_layer=8"], world_size=4)
+    assert "one chunk's activations" in check_byte_budget(virtual, footprints(virtual))

@@ -76,6 +76,16 @@ BAD_OVERRIDES = [
     (["steps"], ["override 'steps' is not KEY=VALUE"]),
 ]
 
+# each names its own key and value, and no other (they once shared one line naming all three)
+SIGN_ERRORS = [(["timeout_s=0"], "run.timeout_s must be > 0, got 0"), (["lr=0"], "run.lr must be > 0, got 0"),
+               (["unit_ms=-1"], "run.unit_ms must be >= 0 (0: no emulated time), got -1"),
+               (["lr=-0.5"], "run.lr must be > 0, got -0.5")]
+
+
+@pytest.mark.parametrize("sets,message", SIGN_ERRORS, ids=[" ".join(s) for s, _ in SIGN_ERRORS])
+def test_sign_errors_name_the_key_and_its_value(sets, message):
+    assert config_error(sets) == message
+
 
 @pytest.mark.parametrize("sets,needles", BAD_OVERRIDES, ids=[" ".join(s) for s, _ in BAD_OVERRIDES])
 def test_bad_override(sets, needles):

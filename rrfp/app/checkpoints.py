@@ -20,9 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import secrets
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
@@ -84,11 +83,9 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     if not run.checkpoint_dir:
         return Resume(None)
     store = CheckpointDir(run.checkpoint_dir)
-    try:
-        store.probe_writable(f"{os.getpid()}-{socket.gethostname()}")
-    except OSError as e:
-        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: "
-                          f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from None
+    problem = folder_problem(run.checkpoint_dir)
+    if problem is not None:
+        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: {problem}")
     done = store.complete()
     if run.resume == "off":
         if done:  # a fresh run would prune them as older than its own
@@ -125,7 +122,7 @@ def plan_resume(cfg: TrainConfig) -> Resume:
             and all(isinstance(v, dict) for v in meta.get("config", {}).values())):
         raise ConfigError(f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
                           "\"config\" is an object of sections)")
-    diffs = differences(_before_virtual(meta.get("config", {})), fingerprint(cfg))
+    diffs = differences(*_comparable(meta.get("config", {}), fingerprint(cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
     if latest.step >= run.steps:
@@ -140,12 +137,16 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     return Resume(latest, tuple(rejected))
 
 
-def _before_virtual(saved: dict) -> dict:
-    """A checkpoint saved before run.virtual existed had one stage per rank."""
-    run = saved.get("run")
-    if not isinstance(run, dict) or "virtual" in run:
-        return saved
-    return {**saved, "run": {**run, "virtual": 1, "placement": "interleaved"}}
+def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
+    """The saved and the current fingerprint, as far as they mean something: a checkpoint saved
+    before run.virtual existed had one stage per rank, and run.placement says nothing about a side
+    with one stage per rank, so it is compared only where both have several."""
+    if "run" not in saved:
+        return saved, now
+    saved_run, now_run = {"virtual": 1, **saved["run"]}, now["run"]
+    if saved_run["virtual"] == 1 or now_run["virtual"] == 1:
+        saved_run, now_run = ({k: v for k, v in r.items() if k != "placement"} for r in (saved_run, now_run))
+    return {**saved, "run": saved_run}, {**now, "run": now_run}
 
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:

@@ -20,7 +20,7 @@ from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import NOMINAL_BUDGET, Hint, default_split, resolve
+from rrfp.core.hints import NOMINAL_BUDGET, Hint, HintError, default_split, resolve
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -108,8 +108,11 @@ class RunConfig:
         for name in ("lr", "weight_decay", "unit_ms", "timeout_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
-        if self.lr <= 0 or self.unit_ms < 0 or self.timeout_s <= 0:
-            raise ConfigError("run.lr and run.timeout_s must be > 0 and run.unit_ms >= 0")
+        for name, positive in (("lr", True), ("timeout_s", True), ("unit_ms", False)):
+            value = getattr(self, name)
+            if value < 0 or (positive and value == 0):
+                raise ConfigError(f"run.{name} must be {'> 0' if positive else '>= 0 (0: no emulated time)'}, "
+                                  f"got {value:g}")
         if self.hint.planned and self.unit_ms == 0 and self.cost is None:  # the preset's lengths are made up
             raise ConfigError("run.hint = plan in real time (run.unit_ms = 0) has no task costs to plan on: run "
                               "`rrfp calibrate` and give run.cost = FILE, or set run.unit_ms > 0 to emulate "
@@ -182,6 +185,7 @@ class TrainConfig:
             split = f" (run.virtual = {self.run.virtual} stages on each of {layout.pp} pipeline ranks)" \
                 if self.run.virtual > 1 else ""
             raise ConfigError(f"{e}{split}") from None
+        _check_hint_layout(self.run, self.stages)
         _check_fixed_budget(self.run, self.stages)
         fault = self.run.fault
         if fault is not None and (fault.stage is not None and fault.stage >= stages or
@@ -267,6 +271,18 @@ class TrainConfig:
         run.update(dispatch=str(self.run.dispatch), hint=self.run.hint.name, budget=str(self.run.budget),
                    cost="(calibrated)" if self.run.cost is not None else "", fault=str(self.run.fault or ""))
         return {"run": run, "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data)}
+
+
+def _check_hint_layout(run: RunConfig, layout: VirtualLayout) -> None:
+    """The hint has an order on every rank of the layout (``Hint.check_layout``, as rrfp sim asks):
+    checked once here, for a rank that finds none fails after the process groups exist."""
+    try:
+        run.hint.check_layout(layout, run.microbatches, default_split(run.hint.name, run.split))
+    except HintError as e:
+        shape = f"run.virtual = {layout.virtual}" + (f", run.placement = {layout.placement}"
+                                                     if layout.virtual > 1 else "")
+        raise ConfigError(f"run.hint = {run.hint.name} does not fit {layout.ranks} pipeline rank(s), {shape}, "
+                          f"run.microbatches = {run.microbatches}: {e}") from None
 
 
 def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:

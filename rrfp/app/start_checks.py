@@ -1,5 +1,6 @@
 """Two checks before any process group (issue 17, point 2): the config's memory
-fits the machine, and ``run.timeout_s`` is well above the predicted step.
+fits the machine, and ``run.timeout_s`` is well above the predicted step; and a
+warning for a byte budget that holds not even one microbatch.
 
 Memory: a rank holds its stage's parameters, gradients and AdamW's two moments
 (4 x the parameter bytes), the activations of the microbatches it keeps in
@@ -58,18 +59,20 @@ class Footprint:
     activations: int  # microbatches in flight x activation bytes each
     batches: int  # two steps of this replica's input microbatches
     in_flight: int
+    one: int = 0  # activations of one microbatch (a chunk, with virtual stages) on the rank, as counted
 
     @property
     def total(self) -> int:
         return self.state + self.activations + self.batches
 
 
-def check_memory(cfg: TrainConfig, available: int | None = None) -> None:
+def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footprint] | None:
     """ConfigError when the ranks of this node need more than it has (``available``: bytes;
-    default: MemAvailable on CPU, the device's free memory on CUDA)."""
+    default: MemAvailable on CPU, the device's free memory on CUDA). Returns the footprints it
+    checked (None: not measurable), for ``check_byte_budget``."""
     prints = footprints(cfg)
     if prints is None:
-        return
+        return None
     lay = cfg.layout
     if cfg.run.device_type == "cuda":  # one device per rank: this rank's stage against its device
         rank = int(os.environ.get("RANK", "0"))
@@ -86,7 +89,7 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> None:
         if available is None:
             available = _mem_available()
     if available is None or need <= available:
-        return
+        return prints
     act = max(mine, key=lambda f: f.activations)
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
@@ -122,8 +125,26 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
         if run.budget.bytes is not None:
             activations = min(activations, max(run.budget.bytes, acts))
         params = sum(p for p, _ in chunks)
-        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held))
+        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held, acts // run.tp))
     return out
+
+
+def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str | None:
+    """A warning line when a byte ``run.budget`` is below one microbatch's activations on some rank:
+    such a microbatch runs alone (docs/design.md), so that rank holds one at a time and the pipeline
+    barely overlaps; a run that works, but likely not what "1B" (1 byte, not a billion) meant. None
+    otherwise. ``prints``: ``check_memory``'s (``one`` is a lower bound, so no false warning)."""
+    limit = cfg.run.budget.bytes
+    if limit is None or prints is None or (cfg.run.dispatch is not Dispatch.READY and not cfg.run.hint.planned):
+        return None
+    rank, fp = min(enumerate(prints), key=lambda p: p[1].one)
+    if limit >= fp.one:
+        return None
+    what = "microbatch" if cfg.run.virtual == 1 else "chunk"
+    return (f"run.budget = {cfg.run.budget} is a byte budget below one {what}'s activations on every rank "
+            f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
+            f"so the microbatches go through the pipeline about one at a time; give a budget in MiB or GiB "
+            f"(e.g. 2GiB), a count or Nx")
 
 
 def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | None:
@@ -133,7 +154,7 @@ def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | Non
         return None
     try:
         return run.hint.rank_peak(layout, rank, run.microbatches, split)
-    except HintError:  # refused with its own message elsewhere
+    except HintError:  # refused with its own message by the config (config._check_hint_layout)
         return None
 
 

@@ -16,7 +16,8 @@ from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
-from rrfp.app.start_checks import check_memory, check_timeout
+from rrfp.app.run_outputs import check_end_files
+from rrfp.app.start_checks import check_byte_budget, check_memory, check_timeout
 from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
@@ -85,9 +86,12 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
+        check_end_files(cfg.run)  # run.trace and run.sizes are written at the end: their folders are probed now
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+        small_budget = None
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
-            check_memory(cfg)  # exits 2 when the config cannot fit this machine
+            # exits 2 when the config cannot fit this machine; a warning when a byte budget holds no microbatch
+            small_budget = check_byte_budget(cfg, check_memory(cfg))
         slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound, the run may work
     except UsageError:
         raise
@@ -101,6 +105,8 @@ def train_command(args) -> int:
         say(f"rrfp: warning: {resume.fallback_line()}")
     if rank == 0 and slow_timeout:
         say(f"rrfp: warning: {slow_timeout}")
+    if rank == 0 and small_budget:
+        say(f"rrfp: warning: {small_budget}")
     if rank == 0 and cfg.run.resume != "off":
         print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
               f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)

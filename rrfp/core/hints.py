@@ -207,6 +207,20 @@ class Hint:
         validate_rank(pairs, layout, rank, M, split, where)
         return pairs
 
+    def check_layout(self, layout: VirtualLayout, M: int, split: bool) -> None:
+        """HintError unless every rank of ``layout`` has an order under this hint (zbh1 has none over
+        virtual stages, zbv none at V = 1, a CSV file may lack a stage's rows): what the ranks would
+        otherwise find only once they build their specs. A class rule ranks any stage's tasks."""
+        if self.is_class:
+            return
+        for rank in range(layout.ranks):
+            try:
+                self.rank_order(layout, rank, M, split)
+            except HintError:
+                raise
+            except Exception as e:  # a user's function (module:function) that cannot make the order
+                raise HintError(f"hint {self.name} rank {rank}: {type(e).__name__}: {e}") from None
+
     def rank_peak(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> int:
         """Most chunk-microbatches fixed dispatch holds on ``rank`` (``peak_in_flight`` of its rank
         order): what it needs, since it applies no budget."""

@@ -1,4 +1,5 @@
-"""Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically."""
+"""Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically into a
+folder a run probes at its start."""
 from __future__ import annotations
 
 import json
@@ -37,6 +38,20 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
     for name, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def probe_folder(folder: str | Path, who: str) -> None:
+    """Make ``folder`` and write a file in it, synced, then delete it: at a run's start, so a folder
+    that cannot hold what the run writes (a checkpoint, its trace at the end) fails there. ``who``
+    makes the file's name unique among the ranks probing at once. OSError when it cannot."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".partial-probe-{who}"
+    with open(probe, "w") as f:
+        f.write("probe\n")
+        f.flush()
+        os.fsync(f.fileno())
+    probe.unlink()
 
 
 def write_atomic(path: str | Path, text: str | bytes) -> None:

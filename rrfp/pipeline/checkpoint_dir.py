@@ -78,15 +78,6 @@ class CheckpointDir:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
 
-    def probe_writable(self, who: str) -> None:
-        """Create the directory and a file in it, synced, then delete it: at a run's start, so a
-        directory that cannot hold a checkpoint fails there, not at the first save. ``who``
-        makes the name unique among the ranks probing at once."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        probe = self.root / f".partial-probe-{who}"
-        _write_synced(probe, "probe\n")
-        probe.unlink()
-
     def complete(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first. Anything else in the directory is ignored."""
         if not self.root.is_dir():

@@ -77,10 +77,8 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
 
 def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
     """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual order)."""
-    if hint.is_class:
-        return None
     try:
-        hint.rank_order(layout, 0, microbatches, split)
+        hint.check_layout(layout, microbatches, split)
     except HintError as e:
         return str(e)
     return None

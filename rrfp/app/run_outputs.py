@@ -1,0 +1,42 @@
+"""The files a run writes only at its end (``run.trace``, ``run.sizes``) and its checkpoint folder:
+checked at its start, before any process group, so a path that cannot be written costs one
+line (exit 2), not the trace of hours of training."""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from rrfp.app.config import RunConfig
+from rrfp.app.errors import ConfigError
+from rrfp.observe.trace import probe_folder
+
+END_FILES = ("trace", "sizes")  # run.* keys naming a file rank 0 writes when the run ends
+
+
+def folder_problem(folder: str | Path) -> str | None:
+    """Why ``folder`` (made if missing) cannot hold a file, or None. Every rank probes under its own name."""
+    try:
+        probe_folder(folder, f"{os.getpid()}-{socket.gethostname()}")
+    except FileExistsError as e:  # mkdir of a path that is a plain file
+        return f"{e.filename} is a file, not a folder"
+    except OSError as e:
+        if e.filename and Path(e.filename).parent == Path(folder):  # the folder is there; a file in it is not
+            return f"cannot create a file in {folder}: {e.strerror or e}"
+        return f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
+    return None
+
+
+def check_end_files(run: RunConfig) -> None:
+    """ConfigError when ``run.trace`` or ``run.sizes`` names a folder, or a file in a folder that
+    cannot be made or written."""
+    for key in END_FILES:
+        path = getattr(run, key)
+        if not path:
+            continue
+        if Path(path).is_dir():
+            raise ConfigError(f"run.{key} = {path} is a folder: give the path of the file to write")
+        problem = folder_problem(Path(path).parent)
+        if problem is not None:
+            raise ConfigError(f"run.{key} = {path} cannot be written: {problem} (checked at the start: "
+                              f"it is written when the run ends)")
