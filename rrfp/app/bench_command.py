@@ -20,7 +20,8 @@ from rrfp.app.bench.analysis import annotate, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import DEFAULT_EXECUTORS, BenchSpec, Executor, parse_case, unavailable
-from rrfp.app.errors import UsageError, check_output
+from rrfp.app.errors import UsageError
+from rrfp.app.run_outputs import check_output
 from rrfp.app.progress import progress
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel

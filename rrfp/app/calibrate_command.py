@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rrfp.app.config import RunConfig, TrainConfig
-from rrfp.app.errors import check_output
+from rrfp.app.run_outputs import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.worker import StageWorker

@@ -5,7 +5,8 @@ import argparse
 import os
 import sys
 
-from rrfp.app.errors import UsageError, check_output
+from rrfp.app.errors import UsageError
+from rrfp.app.run_outputs import check_output
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN

@@ -3,10 +3,8 @@
 import logging
 import os
 import sys
-from pathlib import Path
 
 from rrfp.core.errors import PipelineError, leaves
-from rrfp.observe.trace import check_writable
 
 
 class UsageError(Exception):
@@ -15,17 +13,6 @@ class UsageError(Exception):
 
 class ConfigError(UsageError, ValueError):
     """A config file or override that cannot be used; the message says which key."""
-
-
-def check_output(what: str, path, folder: bool = False) -> None:
-    """Refuse, at a command's start, an output ``path`` (a file, or a ``folder`` of files) it could not
-    write at its end; ``what`` names the flag or key that gave it (``--json``, ``run.trace``)."""
-    try:
-        check_writable(Path(path) / "probe" if folder else path)
-    except FileExistsError as e:  # a folder on the way is a file
-        raise UsageError(f"{what} {path}: cannot write there: {e.filename} is a file, not a folder") from None
-    except OSError as e:
-        raise UsageError(f"{what} {path}: cannot write there: {e.strerror or e}") from None
 
 
 def root_cause(e: BaseException) -> BaseException:

@@ -1,15 +1,19 @@
-"""The files a run writes only at its end (``run.trace``, ``run.sizes``) and its checkpoint folder:
-checked at its start, before any process group, so a path that cannot be written costs one
-line (exit 2), not the trace of hours of training."""
+"""The files a run writes only at its end (``run.trace``, ``run.sizes``), its checkpoint folder, and
+what the other commands write when they finish (``--json``, ``--out``): checked at the start, so a
+path that cannot be written costs one line (exit 2), not hours of training or minutes of work."""
 from __future__ import annotations
 
 import os
 import socket
 from pathlib import Path
 
-from rrfp.app.config import RunConfig
-from rrfp.app.errors import ConfigError
+from typing import TYPE_CHECKING
+
+from rrfp.app.errors import ConfigError, UsageError
 from rrfp.observe.trace import probe_folder
+
+if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
+    from rrfp.app.config import RunConfig
 
 END_FILES = ("trace", "sizes")  # run.* keys naming a file rank 0 writes when the run ends
 
@@ -40,3 +44,11 @@ def check_end_files(run: RunConfig) -> None:
         if problem is not None:
             raise ConfigError(f"run.{key} = {path} cannot be written: {problem} (checked at the start: "
                               f"it is written when the run ends)")
+
+
+def check_output(what: str, path, folder: bool = False) -> None:
+    """UsageError when a command could not write ``path`` (a file, or a ``folder`` of files) at its end;
+    ``what`` names the flag that gave it (``--json``, ``--out``)."""
+    problem = folder_problem(Path(path) if folder else Path(path).parent)
+    if problem is not None:
+        raise UsageError(f"{what} {path}: cannot write there: {problem}")

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 from dataclasses import replace
 
-from rrfp.app.errors import UsageError, check_output
+from rrfp.app.errors import UsageError
+from rrfp.app.run_outputs import check_output
 from rrfp.app.progress import progress
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import BUILTIN, HintError, resolve

@@ -69,16 +69,6 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
         raise
 
 
-def check_writable(path: str | Path) -> None:
-    """Make ``path``'s folder and a file in it, then remove the file: a command that writes ``path`` at
-    its end fails at its start instead (raises OSError)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(path)
-    open(tmp, "xb").close()
-    tmp.unlink()
-
-
 def _temporary(path: Path) -> Path:
     return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
 
