@@ -268,3 +268,17 @@ def test_default_table_shows_every_speedup_beside_its_memory():
     assert sum(" plan " in line and " 1x " in line for line in p.stderr.splitlines()) == 2  # ready and fixed
     p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--oracle", "--budget", "2x,1x")
     assert p.returncode == 2 and "--oracle solves one budget" in p.stderr, p.stderr
+
+
+def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
+    """`not run` lines beside other rows are information; when nothing the user named could run, it is an error."""
+    from rrfp.app.cli import main
+
+    order = tmp_path / "stage0.csv"
+    order.write_text("stage,task\n0,F0\n")
+    argv = ["sim", "--pp", "4", "--mb", "4", "--seeds", "1", "--executors", "fixed", "--hints", str(order)]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "stage0.csv" in lines[0] and "missing 7 task(s)" in lines[0], lines
+    assert main(argv[:-1] + [f"{order},bfw"]) == 0
+    assert "not run: hint csv:stage0.csv" in capsys.readouterr().out

@@ -188,6 +188,8 @@ def sim_command(args) -> int:
         rows = sweep(base, dispatches, hints, args.seeds, _progress, runs, budgets, layouts, skipped)
     except HintError as e:
         raise UsageError(str(e)) from None
+    if skipped and not {h.name for h in hints} & {r.hint for r in rows}:  # nothing asked for could run
+        raise UsageError("; ".join(skipped))
     rows.sort(key=lambda r: -r.median)
     oracle = None
     if args.oracle:
