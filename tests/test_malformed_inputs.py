@@ -112,6 +112,17 @@ def _unwritable(tmp: Path) -> list[str]:
     return ["train", *SMALL, "--set", f"checkpoint_dir={tmp / 'a-file' / 'ck'}", "--dry-run"]
 
 
+def _below_a_file(where: str, name: str) -> Callable[[Path], list[str]]:
+    """A path below a plain file, for a run key (``trace``) or an ``rrfp sim`` flag (``--json``)."""
+    def make(tmp: Path) -> list[str]:
+        (tmp / "a-file").write_text("")
+        path = tmp / "a-file" / name
+        if where.startswith("--"):
+            return ["sim", "--pp", "2", "--mb", "2", "--seeds", "1", where, str(path)]
+        return ["train", *SMALL, "--set", f"{where}={path}", "--dry-run"]
+    return make
+
+
 # ---- message headers: the words a broken sender or link delivers (decoded by the receiving rank) ----
 
 def _header(change: Callable[[list], None], seal: bool = True) -> Callable[[Path], list]:
@@ -175,6 +186,10 @@ ROWS = [
     Row("config", "a section that is not a table", _file(b"run = 5\n"), "[run] must be a table"),
     Row("config", "`checkpoint_dir` that cannot be written (below a file)", _unwritable,
         "cannot hold checkpoints"),
+    Row("config", "`trace` that cannot be written (below a file)", _below_a_file("trace", "t.json"),
+        "cannot be written"),
+    Row("config", "a hint that does not fit the layout (`hint = \"zbv\"` at one stage per rank)",
+        _sets("hint=zbv", "executor=fixed"), "needs virtual = 2 and placement v"),
     # not a dry run (the memory check builds the model on the meta device): refused before any process group
     Row("config", "a model too big for this machine's memory (1.6 TB of parameters and AdamW state)",
         _sets("model.n_embd=65536", dry_run=False), "lower run.microbatches, run.budget, data.microbatch_size"),
@@ -183,6 +198,11 @@ ROWS = [
     Row("CLI", "no command", lambda tmp: [], "the following arguments are required: command"),
     Row("CLI", "`rrfp sim --pp 0`", lambda tmp: ["sim", "--pp", "0"], "--pp must be >= 1"),
     Row("CLI", "`rrfp train` outside torchrun", lambda tmp: ["train", *SMALL], "torchrun"),
+    Row("CLI", "`rrfp sim --pp 100000 --mb 100000`", lambda tmp: ["sim", "--pp", "100000", "--mb", "100000"],
+        "rrfp sim takes at most"),
+    Row("CLI", "`rrfp sim --cost` without `--replay`", lambda tmp: ["sim", "--cost", "c.json"], "goes with --replay"),
+    Row("CLI", "`rrfp sim --json` below a file", _below_a_file("--json", "r.json"), "is a file, not a folder"),
+    Row("CLI", "`rrfp plot` of a file that is not JSON", lambda tmp: ["plot", CONFIG], "not a Chrome trace"),
     Row("checkpoint", "`--resume` with no checkpoint",
         lambda tmp: ["train", *SMALL, "--set", f"checkpoint_dir={tmp / 'empty'}", "--resume", "--dry-run"],
         "no complete checkpoint"),
