@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.pipeline import weight_split
 from rrfp.pipeline.worker import StageWorker
+from test_weight_split_accumulate import count_hooks
 
 D, M = 4, 2
 
@@ -92,6 +93,9 @@ def run_both(make, position: int):
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(2, 3, D, generator=gen, dtype=torch.float64) for _ in range(M)]
     gs = [torch.randn(2, 3, D, generator=gen, dtype=torch.float64) for _ in range(M)]
+    calls, ref_calls = {}, {}  # post-accumulate-grad hooks: once per microbatch, as plain autograd runs them
+    count_hooks(module, calls)
+    count_hooks(ref, ref_calls)
     w = StageWorker(module, position, 3, M, mse, split=True, weight_split="layers")
     for mb in range(M):
         w.forward(mb, xs[mb], gs[mb] if position == 2 else None)
@@ -107,6 +111,7 @@ def run_both(make, position: int):
     for (name, p), q in zip(module.named_parameters(), ref.parameters()):
         assert p.grad is not None, f"{name}: no gradient"
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    assert calls == ref_calls, (calls, ref_calls)
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])

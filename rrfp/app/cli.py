@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:  # a file the commands' own checks did not foresee: one line, not a traceback
-        say(f"rrfp: error: {e.filename or 'file'}: {e.strerror or e}")
+        say(f"rrfp: error: {e.filename or type(e).__name__}: {e.strerror or e}")
         return 1
 
 

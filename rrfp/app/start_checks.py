@@ -258,6 +258,8 @@ def _to_meta(value):
 
 
 def _detached(value):
+    """Not map_tensors: the stage's input arrives as a tuple (as messages carry it) with float leaves
+    that require grad, as the worker makes them."""
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.is_floating_point())
     if isinstance(value, (tuple, list)):

@@ -86,7 +86,8 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
-        check_end_files(cfg.run)  # run.trace and run.sizes are written at the end: their folders are probed now
+        if rank == 0:  # rank 0 writes run.trace and run.sizes at the end: it probes their folders now
+            check_end_files(cfg.run)
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         small_budget = None
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run

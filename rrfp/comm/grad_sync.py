@@ -86,7 +86,8 @@ class GradSync:
         self._finished = 0  # tasks of the finalising kind done this iteration
         self._launched = False
         self._stale = False  # a final task finished after the launch: the buckets miss its gradients
-        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], object]] = []
+        # (bucket, flat gradients and tail, missing indices, sparse_dim by index, the all-reduce's Work)
+        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], dict[int, int], object]] = []
 
     def attach(self, executor) -> None:
         """Launch the buckets from inside ``executor``'s iterations, once the gradients are final:

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointError
 from torch.utils.flop_counter import FlopCounterMode
 
 from rrfp.core.tasks import Kind, Task
+from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline import weight_split
 from rrfp.pipeline.weight_split import WeightPlan, queued_parameters
@@ -202,7 +203,8 @@ class StageWorker:
             raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
                                "(split=False: B computes all gradients)")
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
-        with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)):
+        # one pass: a weight both gathered here and queued by its layer gets its hooks once
+        with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)), one_pass():
             if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
                 weight_split.backward_weight(slot.weights)
             slot.queue.run()
