@@ -28,13 +28,15 @@ PREFIX = "rrfp/stop"
 
 
 class StopRelay:
-    """``post()`` (from a signal handler: it only sets flags) tells every rank; ``seen`` is set
-    once any rank has posted, this one included."""
+    """``post(name)`` (from a signal handler: it only sets flags) tells every rank; ``seen`` is set
+    once any rank has posted, this one included; ``signal``: the name of the signal a rank posted
+    (the first one, whichever rank), once known."""
 
     def __init__(self) -> None:
         self.key = f"{PREFIX}/{attempt()}"
         self.seen = threading.Event()
         self._posted = False  # this rank asked (read by the thread)
+        self.signal = ""
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="rrfp-stop-relay", daemon=True)
@@ -43,7 +45,8 @@ class StopRelay:
         self._thread.start()
         return self
 
-    def post(self) -> None:
+    def post(self, signal: str = "SIGTERM") -> None:
+        self.signal = self.signal or signal
         self._posted = True
         self.seen.set()
         self._wake.set()
@@ -67,9 +70,11 @@ class StopRelay:
                         log.debug("stop relay: the rendezvous store cannot be reached; relaying nothing")
                         return
                 if self._posted and not told:
+                    store.compare_set(f"{self.key}/signal", "", self.signal)  # the first rank's name stays
                     store.add(self.key, 1)
                     told = True
                 if store.add(self.key, 0) > 0:  # adding 0: an atomic read, 0 when nobody posted
+                    self.signal = self.signal or store.get(f"{self.key}/signal").decode(errors="replace")
                     self.seen.set()
             except RuntimeError as e:  # the store went away (its host rank died, or the run is ending):
                 log.debug("stop relay: %s", e)  # no reconnecting, whose every failed try torch logs on stderr
