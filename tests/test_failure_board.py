@@ -76,3 +76,31 @@ def test_no_store_is_no_board_and_no_noise(monkeypatch, capfd):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert FailureBoard.connect(timeout_s=0.5) is None
     assert capfd.readouterr().err == "", "torch's C++ store log is kept off the terminal"
+
+
+def test_with_no_post_naming_it_the_rank_whose_alive_counter_stood_still_is_named(board):
+    """A kill during a world collective (DCP's save): every survivor failed in it, naming no peer, and
+    rank 0, blocked in it until a ring neighbour leaves, has not posted yet: its stop relay still
+    ticks, the killed rank 2's does not."""
+    import threading
+
+    from rrfp.app.failure_board import alive_key
+
+    board.post(1, "secondary ?")
+    board.post(4, "secondary ?")
+    assert board.origin(3, peer=None) is None, "no counter moved: nothing tells 0 from 2"
+    done = threading.Event()
+
+    def tick():
+        while not done.wait(0.1):
+            board.store.add(alive_key(0), 1)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        t0 = time.monotonic()
+        assert board.origin(3, peer=None) == (2, False)
+        assert time.monotonic() - t0 < GRACE_S + 0.5
+    finally:
+        done.set()
+        ticker.join()

@@ -7,7 +7,10 @@ because of its own peer. Before it prints, a failing rank posts ``primary``
 secondary rank then looks for a primary post, or follows the ``secondary``
 posts to the rank that posted nothing (killed or hung), from its own lost
 peer and from those the other ranks' posts name (a world collective's
-failure names no peer). Everything here is
+failure names no peer). When no post names one, the ``alive`` counters
+tell a killed rank from one still blocked in the broken collective (gloo
+fails it only once a neighbour in the ring has left): the killed one's
+stops moving. Everything here is
 best effort with a short deadline: the store lives in torchrun's agent, or in
 rank 0, which may be the rank that died.
 """
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from rrfp.comm.job_store import attempt
 
 PREFIX = "rrfp/failed"
+ALIVE = "rrfp/alive"  # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
 
 
@@ -70,6 +74,14 @@ class FailureBoard:
                 return None
             time.sleep(0.02)
 
+    def ticks(self, ranks) -> dict[int, int]:
+        """Each rank's alive counter (0: none, or the store is gone)."""
+        try:
+            with _quiet():
+                return {r: self.store.add(alive_key(r), 0) for r in ranks}
+        except RuntimeError:
+            return dict.fromkeys(ranks, 0)
+
     def read(self, rank: int) -> str | None:
         try:
             key = f"{self.prefix}/{rank}"
@@ -83,9 +95,11 @@ class FailureBoard:
         they tell nothing. A primary post anywhere wins. Else follow the lost peers from ``peer``,
         and from every peer another rank's post names, to a rank that posted nothing (killed or
         hung), giving it GRACE_S to post; with no ``peer`` (a world collective), a lone silent
-        rank is the one at once."""
+        rank is the one at once; else, after GRACE_S, the one silent rank whose alive counter
+        stood still while the others' moved."""
         notes = {r: self.read(r) for r in range(self.world) if r != rank}
         deadline = time.monotonic() + GRACE_S
+        ticks = self.ticks(notes)
         while True:
             primary = sorted(r for r, n in notes.items() if n == "primary")
             if primary:
@@ -95,7 +109,11 @@ class FailureBoard:
                 return silent[0], False
             ends = self._silent_ends(rank, peer, notes)
             if not silent or time.monotonic() >= deadline:
-                return (ends[0], False) if ends else None
+                if ends:
+                    return ends[0], False
+                now = self.ticks(silent)
+                still = [r for r in silent if now[r] == ticks[r]]
+                return (still[0], False) if len(still) == 1 and len(silent) > 1 else None
             time.sleep(GRACE_S / GRACE_POLLS)  # a silent rank may have failed a moment after us, and be posting
             notes.update({r: self.read(r) for r in silent})
 
@@ -118,6 +136,10 @@ class FailureBoard:
                 nxt = note.removeprefix("secondary ")
                 at = int(nxt) if nxt.isdigit() else None
         return ends
+
+
+def alive_key(rank: int) -> str:
+    return f"{ALIVE}/{attempt()}/{rank}"
 
 
 def connect_store(timeout_s: float = 1.0):

@@ -9,7 +9,8 @@ one small TCP round trip off the event loop. The thread starts polling only
 once this process has joined its process group, so the store exists by then
 and no failed connection is logged. Best effort, like the failure board: with
 no store, a SIGTERM stops the ranks it reached, and the others fail their
-peer deadline, naming the rank.
+peer deadline, naming the rank. Each poll also adds 1 to this rank's alive
+counter, which the failure board reads to tell a killed rank from a blocked one.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import threading
 
 import torch.distributed as dist
 
-from rrfp.app.failure_board import connect_store
+from rrfp.app.failure_board import alive_key, connect_store
 from rrfp.comm.job_store import attempt
 
 log = logging.getLogger("rrfp.app.stop_relay")
@@ -69,6 +70,7 @@ class StopRelay:
                     if store is None:
                         log.debug("stop relay: the rendezvous store cannot be reached; relaying nothing")
                         return
+                store.add(alive_key(dist.get_rank()), 1)  # for the failure board: this rank lives
                 if self._posted and not told:
                     store.compare_set(f"{self.key}/signal", "", self.signal)  # the first rank's name stays
                     store.add(self.key, 1)
