@@ -62,3 +62,20 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
     (step,) = steps
     assert CheckpointDir(ckdir).latest().step == step
     assert json.loads(trace.read_text())["traceEvents"], "the trace has no events"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank):
+    """A SIGINT before `rrfp train` installs its handler (while it loads the config) is Python's
+    KeyboardInterrupt: rank 0 alone says so (the agent sent it to every rank), and the rank leaves
+    through exit_now, not the interpreter's teardown."""
+    code = ("import rrfp.app.train_command as t, rrfp.app.cli as cli, sys\n"
+            "def interrupted(args): raise KeyboardInterrupt\n"
+            "t.train_command = interrupted\n"
+            "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
+            "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n")
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 130, (res.returncode, res.stderr)
+    assert res.stderr.splitlines() == (["rrfp: interrupted"] if rank == 0 else []), res.stderr
+    assert "teardown ran" not in res.stdout, "left through the interpreter's teardown"
