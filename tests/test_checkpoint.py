@@ -334,25 +334,30 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     assert CheckpointDir(ckdir).latest().step == step + 2
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("committed", [False, True])
-def test_second_sigterm_leaves_at_once(tmp_path, committed):
-    """The first SIGTERM is a request (the run stops without waiting for its step); a second one ends the
-    process, 143, saying which checkpoint is left: none when none was committed, not "the last one stays"."""
+def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):
+    """The first SIGTERM or SIGINT (Ctrl-C) is a request (the run stops without waiting for its step); a
+    second one ends the process, 128 + the signal, saying which checkpoint is left: none when none was
+    committed, not "the last one stays". One within SAME_REQUEST_S of the first is the same request
+    (torchrun's agent, signalled twice, sends SIGINT then SIGTERM at once)."""
     if committed:
         CheckpointDir(tmp_path).partial_path(4).mkdir()
         CheckpointDir(tmp_path).commit(4, {})
     code = ("import os, signal, time\n"
-            "from rrfp.app.train_command import StopOnSigterm, kept_checkpoint\n"
+            "from rrfp.app.train_command import SAME_REQUEST_S, StopOnSigterm, kept_checkpoint\n"
             f"stop = StopOnSigterm(lambda: kept_checkpoint({str(tmp_path)!r})).install()\n"
-            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
-            "print('requested', stop.requested, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)\n"
+            f"os.kill(os.getpid(), signal.{sig}); time.sleep(0.05)\n"
+            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(SAME_REQUEST_S + 0.2)\n"
+            "print('requested', stop.requested, stop.signal, flush=True)\n"
+            f"os.kill(os.getpid(), signal.{sig}); time.sleep(10)\n"
             "print('still here', flush=True)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert (res.returncode, res.stdout) == (143, "requested True\n"), (res.returncode, res.stdout, res.stderr)
+    code = 128 + getattr(signal, sig)
+    assert (res.returncode, res.stdout) == (code, f"requested True {sig}\n"), (res.returncode, res.stdout, res.stderr)
     kept = (f"the last committed checkpoint, {tmp_path / 'step-00000004'} (step 4), stays" if committed else
             f"no checkpoint has been committed in {tmp_path}: nothing of this run is kept")
-    assert res.stderr.strip() == f"rrfp: second SIGTERM: leaving now; {kept}"
+    assert res.stderr.strip() == f"rrfp: second {sig}: leaving now; {kept}"
 
 
 def test_only_committed_directories_are_checkpoints(tmp_path):

@@ -125,3 +125,17 @@ def test_a_waiting_rank_names_a_peer_that_owes_it_on_two_channels_once(caplog):
     assert doing == ["waiting for rank 1 and 0", ""], doing
     warned = [r.getMessage() for r in caplog.records]
     assert warned and all("(rank 1: peer 1 ok; rank 0: peer 0 ok)" in w for w in warned), warned
+
+
+def test_a_model_collective_that_lost_its_peer_is_a_peer_failure_not_a_bug():
+    """A TP layer's all-reduce (rrfp/nn/tensor_parallel.py) raises gloo's own RuntimeError: a lost
+    peer, whose line points at the rank the failure board names, not "internal error"."""
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:8068: Connection reset by peer. This is typically caused by a remote worker")
+    gloo.add_note("rrfp: raised in task B3 (microbatch 3) of iteration 6, on stage 0 of 2 (rank 0)")
+    f = Failure.of(_group(gloo))
+    assert f.kind == SECONDARY and f.note == "secondary ?"
+    assert f.line(0, 0, "x.log", False, origin=(1, False)) == (
+        "rank 0: stopped: rank 1 left first without a word (killed, or hung): a collective in task B3 (microbatch "
+        "3) of iteration 6, on stage 0 of 2 (rank 0) failed (the peer process probably died) (traceback in x.log)")
+    assert Failure.of(RuntimeError("Connection reset by my own code")).kind == INTERNAL, "not gloo's: a bug"

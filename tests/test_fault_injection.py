@@ -102,6 +102,29 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
         resumed.kill_all()
 
 
+@pytest.mark.timeout(240)
+def test_a_kill_during_a_save_is_named_by_every_survivor(tmp_path):
+    """Every survivor fails in DCP's world collective, which names no peer, and gloo fails it at once
+    only on the killed rank's ring neighbours (1 and 3): rank 0 stays blocked in it, posting nothing,
+    until one of them exits. The neighbours still name rank 2, whose alive counter stood still."""
+    world, victim = 4, 2
+    fault = "kill:step=3:stage=2:during=save"
+    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}", f"checkpoint_dir={tmp_path / 'ck'}",
+                                             "checkpoint_every=1"))
+    survivors = [0, 1, 3]
+    try:
+        _wait_for_fault(ranks, victim, "injecting fault")
+        ended = ranks.wait(survivors, TIMEOUT_S + SLACK_S)
+        assert sorted(ended) == survivors, ranks.tails()
+        for r in survivors:
+            line = _survivor_line(ranks, r, victim)
+            assert f"stopped: rank {victim} left first without a word" in line, line
+            assert "checkpoint step-00000003 was not saved" in line, line
+        print("survivors ended after " + ", ".join(f"rank {r}: {t:.1f} s" for r, t in ended.items()))
+    finally:
+        ranks.kill_all()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault,debug", [("bug:step=2:stage=1:task=F0", True), ("raise:step=2:stage=1:task=B3", False)],
                          ids=["internal-error-debug", "run-failure"])

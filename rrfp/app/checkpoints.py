@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.run_outputs import folder_problem
-from rrfp.comm.channels import lost_peer_reason, named_collective
+from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
@@ -212,7 +212,7 @@ class RunCheckpoints:
 
     async def load(self, ckpt: Checkpoint) -> None:
         try:
-            with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)"):
+            with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group):
                 await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
@@ -243,7 +243,7 @@ class RunCheckpoints:
                 raise
             raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
                               f"was not saved, {self._kept()}: a peer was lost while writing it"
-                              f"{lost_peer_reason(str(e))}: {e}") from e
+                              f"{lost_peer_reason(str(e))}: {e}", lone_peer(self.rt.cpu_group)) from e
 
     def _kept(self) -> str:
         """Which checkpoint a resume would use now, in words (none, when none was committed)."""
@@ -253,7 +253,8 @@ class RunCheckpoints:
         return f"the newest committed checkpoint stays ({latest.path})"
 
     async def _save(self, done: int, rng: dict | None) -> Checkpoint:
-        with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)"):
+        with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)",
+                              self.rt.cpu_group):
             await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
                                     rng=rng)
         committed, failure = torch.zeros(1), None

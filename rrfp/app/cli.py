@@ -198,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = rank_and_world()
         refuse_once(text, f"rrfp: error: {text}" if rank == 0 or world <= 1 else f"rrfp: error: rank {rank}: {text}")
         return 2
-    except KeyboardInterrupt:
-        say("rrfp: interrupted")
+    except KeyboardInterrupt:  # before `rrfp train` handles SIGINT (train_command.py), or another command
+        rank, world = rank_and_world()
+        if rank == 0 or world <= 1:  # torchrun's agent forwards Ctrl-C to every rank: one line per job
+            say("rrfp: interrupted")
+        if "WORLD_SIZE" in os.environ:  # a rank: torch's C++ teardown may abort (exit_now says why)
+            from rrfp.app.errors import exit_now
+
+            exit_now(130)
         return 130
     except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -20,6 +20,7 @@ from typing import Sequence
 from pathlib import Path
 
 from rrfp.app.errors import ConfigError, leaves
+from rrfp.comm.channels import describe_failure, lost_peer_reason
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import PeerFailure, PeerSilent, PipelineError
 from rrfp.core.placement import stages_label
@@ -28,11 +29,19 @@ PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
 
 
 def kind_of(e: BaseException) -> str:
-    if isinstance(e, PeerFailure):
+    if isinstance(e, PeerFailure) or _lost_transport(e):
         return SECONDARY
     if isinstance(e, (PipelineError, MessageError, ConfigError)):
         return PRIMARY
     return INTERNAL
+
+
+def _lost_transport(e: BaseException) -> bool:
+    """A gloo or NCCL error that says a peer died or hung, raised where no rrfp wrapper named it (a
+    collective a model's layer calls, rrfp/nn/tensor_parallel.py): a lost peer, not a bug."""
+    text = str(e)
+    return (type(e) is RuntimeError and ("gloo" in text or "NCCL" in text or "nccl" in text)
+            and bool(lost_peer_reason(text)))
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class Failure:
         (the peer's channel fails as a consequence, in the same TaskGroup)."""
         order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
         best = min(leaves(e), key=lambda leaf: order[kind_of(leaf)])
+        if _lost_transport(best):  # a collective inside the model (a TP layer's): say so, as a PeerFailure
+            task = next((n.removeprefix("rrfp: raised in ") for n in getattr(best, "__notes__", ())
+                         if n.startswith("rrfp: raised in ")), "the model")
+            best = PeerFailure(f"a collective in {task} failed{describe_failure(best)}")
         return cls(kind_of(best), best)
 
     @property

@@ -5,7 +5,12 @@ A neighbour only sees that its peer left; that peer may itself have left
 because of its own peer. Before it prints, a failing rank posts ``primary``
 (its own failure) or ``secondary P`` (it lost peer P) under its rank; a
 secondary rank then looks for a primary post, or follows the ``secondary``
-posts to the rank that posted nothing (killed or hung). Everything here is
+posts to the rank that posted nothing (killed or hung), from its own lost
+peer and from those the other ranks' posts name (a world collective's
+failure names no peer). When no post names one, the ``alive`` counters
+tell a killed rank from one still blocked in the broken collective (gloo
+fails it only once a neighbour in the ring has left): the killed one's
+stops moving. Everything here is
 best effort with a short deadline: the store lives in torchrun's agent, or in
 rank 0, which may be the rank that died.
 """
@@ -23,6 +28,7 @@ import torch.distributed as dist
 from rrfp.comm.job_store import attempt
 
 PREFIX = "rrfp/failed"
+ALIVE = "rrfp/alive"  # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
 
 
@@ -68,6 +74,14 @@ class FailureBoard:
                 return None
             time.sleep(0.02)
 
+    def ticks(self, ranks) -> dict[int, int]:
+        """Each rank's alive counter (0: none, or the store is gone)."""
+        try:
+            with _quiet():
+                return {r: self.store.add(alive_key(r), 0) for r in ranks}
+        except RuntimeError:
+            return dict.fromkeys(ranks, 0)
+
     def read(self, rank: int) -> str | None:
         try:
             key = f"{self.prefix}/{rank}"
@@ -78,36 +92,54 @@ class FailureBoard:
 
     def origin(self, rank: int, peer: int | None) -> tuple[int, bool] | None:
         """(the rank that failed first, whether it wrote a line), as far as the posts tell; None if
-        they tell nothing. A primary post anywhere wins; else follow the lost peers from ``peer``."""
+        they tell nothing. A primary post anywhere wins. Else follow the lost peers from ``peer``,
+        and from every peer another rank's post names, to a rank that posted nothing (killed or
+        hung), giving it GRACE_S to post; with no ``peer`` (a world collective), a lone silent
+        rank is the one at once; else, after GRACE_S, the one silent rank whose alive counter
+        stood still while the others' moved."""
         notes = {r: self.read(r) for r in range(self.world) if r != rank}
-        primary = sorted(r for r, n in notes.items() if n == "primary")
-        if primary:
-            return primary[0], True
-        if peer is None:  # a world collective failed: if exactly one rank stays silent, that is the one
-            for _ in range(GRACE_POLLS):
-                silent = [r for r, n in notes.items() if n is None]
-                if len(silent) <= 1:
-                    break
-                time.sleep(GRACE_S / GRACE_POLLS)
-                notes.update({r: self.read(r) for r in silent})
+        deadline = time.monotonic() + GRACE_S
+        ticks = self.ticks(notes)
+        while True:
+            primary = sorted(r for r, n in notes.items() if n == "primary")
+            if primary:
+                return primary[0], True
             silent = [r for r, n in notes.items() if n is None]
-            if any(n == "primary" for n in notes.values()):
-                return min(r for r, n in notes.items() if n == "primary"), True
-            return (silent[0], False) if len(silent) == 1 else None
-        seen = {rank}
-        while peer is not None and peer not in seen:
-            seen.add(peer)
-            note = notes.get(peer)
-            for _ in range(GRACE_POLLS):  # it may have timed out a moment after us, and be posting
-                if note is not None:
+            if peer is None and len(silent) == 1:
+                return silent[0], False
+            ends = self._silent_ends(rank, peer, notes)
+            if not silent or time.monotonic() >= deadline:
+                if ends:
+                    return ends[0], False
+                now = self.ticks(silent)
+                still = [r for r in silent if now[r] == ticks[r]]
+                return (still[0], False) if len(still) == 1 and len(silent) > 1 else None
+            time.sleep(GRACE_S / GRACE_POLLS)  # a silent rank may have failed a moment after us, and be posting
+            notes.update({r: self.read(r) for r in silent})
+
+    @staticmethod
+    def _silent_ends(rank: int, peer: int | None, notes: dict[int, str | None]) -> list[int]:
+        """The silent ranks that the chains of lost peers lead to: from ``peer`` first, then from
+        each peer a post names (``secondary P``), most named first."""
+        named = [int(n.split()[1]) for n in notes.values() if n and n.split()[-1].isdigit()]
+        starts = ([peer] if peer is not None else []) + sorted(set(named), key=lambda p: (-named.count(p), p))
+        ends: list[int] = []
+        for start in starts:
+            seen, at = {rank}, start
+            while at is not None and at not in seen and at in notes:
+                seen.add(at)
+                note = notes[at]
+                if note is None:
+                    if at not in ends:
+                        ends.append(at)
                     break
-                time.sleep(GRACE_S / GRACE_POLLS)
-                note = self.read(peer)
-            if note is None:
-                return peer, False  # it posted nothing: killed, or alive and silent
-            nxt = note.removeprefix("secondary ")
-            peer = int(nxt) if nxt.isdigit() else None
-        return None
+                nxt = note.removeprefix("secondary ")
+                at = int(nxt) if nxt.isdigit() else None
+        return ends
+
+
+def alive_key(rank: int) -> str:
+    return f"{ALIVE}/{attempt()}/{rank}"
 
 
 def connect_store(timeout_s: float = 1.0):

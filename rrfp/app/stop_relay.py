@@ -9,7 +9,8 @@ one small TCP round trip off the event loop. The thread starts polling only
 once this process has joined its process group, so the store exists by then
 and no failed connection is logged. Best effort, like the failure board: with
 no store, a SIGTERM stops the ranks it reached, and the others fail their
-peer deadline, naming the rank.
+peer deadline, naming the rank. Each poll also adds 1 to this rank's alive
+counter, which the failure board reads to tell a killed rank from a blocked one.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import threading
 
 import torch.distributed as dist
 
-from rrfp.app.failure_board import connect_store
+from rrfp.app.failure_board import alive_key, connect_store
 from rrfp.comm.job_store import attempt
 
 log = logging.getLogger("rrfp.app.stop_relay")
@@ -28,13 +29,15 @@ PREFIX = "rrfp/stop"
 
 
 class StopRelay:
-    """``post()`` (from a signal handler: it only sets flags) tells every rank; ``seen`` is set
-    once any rank has posted, this one included."""
+    """``post(name)`` (from a signal handler: it only sets flags) tells every rank; ``seen`` is set
+    once any rank has posted, this one included; ``signal``: the name of the signal a rank posted
+    (the first one, whichever rank), once known."""
 
     def __init__(self) -> None:
         self.key = f"{PREFIX}/{attempt()}"
         self.seen = threading.Event()
         self._posted = False  # this rank asked (read by the thread)
+        self.signal = ""
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="rrfp-stop-relay", daemon=True)
@@ -43,7 +46,8 @@ class StopRelay:
         self._thread.start()
         return self
 
-    def post(self) -> None:
+    def post(self, signal: str = "SIGTERM") -> None:
+        self.signal = self.signal or signal
         self._posted = True
         self.seen.set()
         self._wake.set()
@@ -66,10 +70,13 @@ class StopRelay:
                     if store is None:
                         log.debug("stop relay: the rendezvous store cannot be reached; relaying nothing")
                         return
+                store.add(alive_key(dist.get_rank()), 1)  # for the failure board: this rank lives
                 if self._posted and not told:
+                    store.compare_set(f"{self.key}/signal", "", self.signal)  # the first rank's name stays
                     store.add(self.key, 1)
                     told = True
                 if store.add(self.key, 0) > 0:  # adding 0: an atomic read, 0 when nobody posted
+                    self.signal = self.signal or store.get(f"{self.key}/signal").decode(errors="replace")
                     self.seen.set()
             except RuntimeError as e:  # the store went away (its host rank died, or the run is ending):
                 log.debug("stop relay: %s", e)  # no reconnecting, whose every failed try torch logs on stderr

@@ -7,6 +7,7 @@ import os
 import signal
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -32,40 +33,69 @@ def _print_step(r: StepReport) -> None:
 
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # SIGINT: Ctrl-C, which torchrun's agent forwards to every rank
+SAME_REQUEST_S = 0.5  # a second stop signal this soon after the first is the same request, not "leave now"
 
 
-class StopOnSigterm:
-    """The first SIGTERM asks the run to stop without waiting for its step: every rank
-    learns of it through the store (``stop_relay.py``), abandons the step, saves the last
-    completed one and exits 143. A second SIGTERM leaves at once; its line says which
-    checkpoint is left, read when it comes (``kept()``)."""
+def stopped_exit(name: str) -> int:
+    """The exit code of a run ended by the stop signal ``name``: 143 (SIGTERM), 130 (SIGINT)."""
+    return 128 + signal.Signals[name]
+
+
+class StopOnSignal:
+    """The first SIGTERM or SIGINT asks the run to stop without waiting for its step: every
+    rank learns of it through the store (``stop_relay.py``), abandons the step, saves the last
+    completed one and exits 128 + the signal. A second one leaves at once; its line says which
+    checkpoint is left, read when it comes (``kept()``). A second one within ``SAME_REQUEST_S``
+    is the same request: torchrun's agent, signalled twice at once (a wrapper such as
+    ``timeout`` forwards the terminal's Ctrl-C that reached it too), sends SIGINT and then,
+    from its ``finally``, SIGTERM (docs/design.md, "Ctrl-C")."""
 
     def __init__(self, kept: Callable[[], str] = lambda: kept_checkpoint(""),
                  relay: StopRelay | None = None) -> None:
-        self.signalled = False  # a SIGTERM reached this rank
+        self.signalled = False  # a stop signal reached this rank
+        self.signal = ""  # ... its name (SIGTERM, SIGINT)
+        self._at = 0.0
         self._kept = kept
         self.relay = relay
 
     @property
     def requested(self) -> bool:
-        """A SIGTERM reached this rank, or another one (through the relay)."""
+        """A stop signal reached this rank, or another one (through the relay)."""
         return self.signalled or (self.relay is not None and self.relay.seen.is_set())
 
-    def install(self) -> "StopOnSigterm":
-        signal.signal(signal.SIGTERM, self._handle)
+    @property
+    def name(self) -> str:
+        """The signal that asked for the stop: this rank's, else the one another rank relayed."""
+        return self.signal or (self.relay.signal if self.relay is not None else "") or "SIGTERM"
+
+    def install(self) -> "StopOnSignal":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
         return self
 
+    def ignore(self) -> None:
+        """From now on the stop signals change nothing (this rank is writing its last line)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
     def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.signalled:
-            os.write(2, f"rrfp: second SIGTERM: leaving now; {self._kept()}\n".encode())
-            os._exit(STOPPED_EXIT)
-        self.signalled = True
+            if time.monotonic() - self._at < SAME_REQUEST_S:
+                return
+            os.write(2, f"rrfp: second {name}: leaving now; {self._kept()}\n".encode())
+            os._exit(128 + signum)
+        self.signalled, self.signal, self._at = True, name, time.monotonic()
         if self.relay is not None:
-            self.relay.post()
+            self.relay.post(name)
+
+
+StopOnSigterm = StopOnSignal  # the name before SIGINT stopped a run too
 
 
 def kept_checkpoint(checkpoint_dir: str) -> str:
-    """What a run that ends now leaves behind, as the second SIGTERM's line says it."""
+    """What a run that ends now leaves behind, as the second stop signal's line says it."""
     if not checkpoint_dir:
         return "no checkpoint is kept (run.checkpoint_dir is not set)"
     try:
@@ -119,24 +149,24 @@ def train_command(args) -> int:
             print(cfg.as_dict())
         return 0
     relay = StopRelay().start()
-    sigterm = StopOnSigterm(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay).install()
+    stop = StopOnSignal(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay).install()
     try:
-        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: sigterm.requested, resume=resume))
+        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: stop.requested, resume=resume))
     except Exception as e:
         relay.close()
         _fail(e, cfg, rank, getattr(args, "debug", False))
     relay.close()
     if summary.stopped_at is not None:
         # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once one
-        # has exited, and that is no second SIGTERM to leave on before this rank's line is out
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # has exited, and that is no second stop signal to leave on before this rank's line is out
+        stop.ignore()
         saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
                  if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)")
-        where = "on this rank" if sigterm.signalled else "on another rank"
+        where = "on this rank" if stop.signalled else "on another rank"
         ended = (f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
                  if summary.abandoned else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}")
-        say(f"rrfp: stopped: rank {rank}: SIGTERM {where}; {ended}; {saved}")
-        exit_now(STOPPED_EXIT)
+        say(f"rrfp: stopped: rank {rank}: {stop.name} {where}; {ended}; {saved}")
+        exit_now(stopped_exit(stop.name))
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""
         skipped = f" ({len(summary.skipped)} skipped: NaN/Inf)" if summary.skipped else ""
@@ -155,7 +185,8 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
     # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
     # or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:  # Ctrl-C: the agent's SIGINT reaches every rank too
+        signal.signal(sig, signal.SIG_IGN)
     failure = Failure.of(e)
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None

@@ -66,16 +66,28 @@ def describe_failure(cause: BaseException) -> str:
     return f"{lost_peer_reason(str(cause))}: {type(cause).__name__}: {text}"
 
 
+def lone_peer(group=None) -> int | None:
+    """The other member of a two-member ``group`` (the world when None): the one peer a failed
+    collective over it can have lost. None in a larger group, or with no process group."""
+    try:
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        others = [r for r in ranks if r != dist.get_rank()]
+    except (RuntimeError, ValueError):
+        return None
+    return others[0] if len(others) == 1 else None
+
+
 @contextlib.contextmanager
-def named_collective(what: str):
+def named_collective(what: str, group=None):
     """gloo's collective errors name no rank or group: re-raise one as a one-line
-    PeerFailure saying which collective (``what``) failed on this rank, and why."""
+    PeerFailure saying which collective (``what``, over ``group``) failed on this rank, and
+    why; its ``peer`` is the other member when the group has two (``lone_peer``)."""
     try:
         yield
     except PipelineError:
         raise
     except RuntimeError as e:
-        raise PeerFailure(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}") from e
+        raise PeerFailure(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}", lone_peer(group)) from e
 
 
 class ChannelEnd:

@@ -136,7 +136,8 @@ class GradSync:
         return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
 
     async def _completed(self, work) -> None:
-        await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s)
+        await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s,
+                        self.group)
 
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""

@@ -262,13 +262,13 @@ class PipelineRuntime:
         fail the barrier only after the process-group timeout."""
         if not self.owns_process_group:
             await collectives.completed(self.poller, dist.barrier(self.cpu_group, async_op=True),
-                                        "final barrier of every rank")
+                                        "final barrier of every rank", group=self.cpu_group)
             await self.aclose()
             return
         await self.aclose()
         # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes its
         # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
-        with named_collective("final barrier of every rank"):
+        with named_collective("final barrier of every rank", self.cpu_group):
             await asyncio.to_thread(dist.barrier, self.cpu_group)
         self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group
         dist.destroy_process_group()
