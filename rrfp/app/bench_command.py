@@ -100,9 +100,7 @@ def bench_command(args) -> int:
     spec, skipped = build_spec(args)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"results/bench-{stamp}")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file, not a folder")
-    check_output("--out", out, folder=True)
+    check_output("--out", out, folder=True)  # a file there is refused as "... is a file, not a folder"
     cost, models = _calibrate(spec, out)
     try:
         with tempfile.TemporaryDirectory() as tmp, progress(total=spec.runs, desc="rrfp bench") as bar:

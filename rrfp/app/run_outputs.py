@@ -6,11 +6,10 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from rrfp.app.errors import ConfigError, UsageError
-from rrfp.observe.trace import probe_folder
+from rrfp.pipeline.checkpoint_dir import write_synced
 
 if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
     from rrfp.app.config import RunConfig
@@ -19,9 +18,13 @@ END_FILES = ("trace", "sizes")  # run.* keys naming a file rank 0 writes when th
 
 
 def folder_problem(folder: str | Path) -> str | None:
-    """Why ``folder`` (made if missing) cannot hold a file, or None. Every rank probes under its own name."""
+    """Why ``folder`` (made if missing) cannot hold a file, or None: it is made, and a file is written in
+    it, synced, and deleted. Every rank probes under its own name."""
     try:
-        probe_folder(folder, f"{os.getpid()}-{socket.gethostname()}")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe = Path(folder) / f".partial-probe-{os.getpid()}-{socket.gethostname()}"
+        write_synced(probe, "probe\n")
+        probe.unlink()
     except FileExistsError as e:  # mkdir of a path that is a plain file
         return f"{e.filename} is a file, not a folder"
     except OSError as e:

@@ -37,6 +37,13 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # SIGINT: Ctrl-C, which torchrun
 SAME_REQUEST_S = 0.5  # a second stop signal this soon after the first is the same request, not "leave now"
 
 
+def ignore_stop_signals() -> None:
+    """From now on SIGTERM and SIGINT change nothing: this rank is writing its last line, and torchrun's
+    agent signals the ranks still running once one has exited (Ctrl-C's SIGINT reaches every rank too)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def stopped_exit(name: str) -> int:
     """The exit code of a run ended by the stop signal ``name``: 143 (SIGTERM), 130 (SIGINT)."""
     return 128 + signal.Signals[name]
@@ -73,11 +80,6 @@ class StopOnSignal:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self
-
-    def ignore(self) -> None:
-        """From now on the stop signals change nothing (this rank is writing its last line)."""
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -159,7 +161,7 @@ def train_command(args) -> int:
     if summary.stopped_at is not None:
         # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once one
         # has exited, and that is no second stop signal to leave on before this rank's line is out
-        stop.ignore()
+        ignore_stop_signals()
         saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
                  if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)")
         where = "on this rank" if stop.signalled else "on another rank"
@@ -185,8 +187,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
     # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
     # or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
-    for sig in STOP_SIGNALS:  # Ctrl-C: the agent's SIGINT reaches every rank too
-        signal.signal(sig, signal.SIG_IGN)
+    ignore_stop_signals()
     failure = Failure.of(e)
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None

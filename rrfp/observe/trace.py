@@ -1,5 +1,4 @@
-"""Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically into a
-folder a run probes at its start."""
+"""Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically."""
 from __future__ import annotations
 
 import json
@@ -40,26 +39,12 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def probe_folder(folder: str | Path, who: str) -> None:
-    """Make ``folder`` and write a file in it, synced, then delete it: at a run's start, so a folder
-    that cannot hold what the run writes (a checkpoint, its trace at the end) fails there. ``who``
-    makes the file's name unique among the ranks probing at once. OSError when it cannot."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    probe = folder / f".partial-probe-{who}"
-    with open(probe, "w") as f:
-        f.write("probe\n")
-        f.flush()
-        os.fsync(f.fileno())
-    probe.unlink()
-
-
 def write_atomic(path: str | Path, text: str | bytes) -> None:
     """Write to a temporary file beside ``path``, then rename: never half-written. The file gets the
     mode any new file gets (0666 less the umask), as ``open`` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     try:
         with open(tmp, "xb") as f:
             f.write(text.encode() if isinstance(text, str) else text)
@@ -67,10 +52,6 @@ def write_atomic(path: str | Path, text: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _temporary(path: Path) -> Path:
-    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
 
 
 def write_json(path: str | Path, obj) -> None:

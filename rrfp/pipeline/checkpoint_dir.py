@@ -116,10 +116,10 @@ class CheckpointDir:
         checkpoint of the same step is never replaced (FileExistsError); debris there is set
         aside first."""
         partial, final = self.partial_path(step), self.final_path(step)
-        _write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
+        write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
         files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(partial.rglob("*")) if p.is_file() and p.name != MARKER}
-        _write_synced(partial / MARKER, _record_text(step, files))
+        write_synced(partial / MARKER, _record_text(step, files))
         _fsync_dir(partial)
         if os.path.lexists(final):
             if final.is_dir() and not final.is_symlink() and (final / MARKER).is_file():
@@ -214,7 +214,8 @@ def _read_record(path: Path) -> dict:
     return files
 
 
-def _write_synced(path: Path, text: str) -> None:
+def write_synced(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it: what a commit record, or a probe of a folder, needs."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from rrfp.nn.grad_accumulation import accumulate_grad, one_pass
+from rrfp.nn.grad_accumulation import accumulate_grad
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -292,8 +292,7 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
                            for o, g in zip(outputs, grads) if (edge := get_gradient_edge(o)).node in weights.output_nodes]
         asked = list(inputs) + weights.in_b
         found = list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True)) if asked else []
-        with one_pass():
-            _accumulate(weights.in_b, found[len(inputs):])
+        _accumulate(weights.in_b, found[len(inputs):])
     finally:
         for h in handles:
             h.remove()
@@ -301,16 +300,9 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
 
 
 def backward_weight(weights: WeightPlan) -> None:
-    """W: every restart's parameters from its captured gradient, then drop the graph. One backward
-    pass: a parameter several restarts reach gets its post-accumulate-grad hooks called once."""
-    with one_pass():
-        _backward_weight(weights)
-    weights.points.clear()
-    weights.captured.clear()
-    weights.outputs.clear()
-
-
-def _backward_weight(weights: WeightPlan) -> None:
+    """W: every restart's parameters from its captured gradient, then drop the graph. Run it in one
+    ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
+    post-accumulate-grad hooks called once."""
     if weights.from_outputs:
         _grad_into(weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs])
     for node, work in weights.points.items():
@@ -326,6 +318,9 @@ def _backward_weight(weights: WeightPlan) -> None:
                  if f is not None]
         if flows:  # the parameter-only part of the graph: no B node runs here
             _grad_into(work.shared, [e for e, _ in flows], [f for _, f in flows])
+    weights.points.clear()
+    weights.captured.clear()
+    weights.outputs.clear()
 
 
 def _grad_into(params: list, edges: list, grads: list) -> None:

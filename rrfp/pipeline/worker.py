@@ -184,7 +184,7 @@ class StageWorker:
                 # (not with split-aware layers: an extra backward would queue their W twice)
                 self._flops["input"] = _flops(lambda: torch.autograd.grad(
                     outs, inputs, grads, retain_graph=True, allow_unused=True) if inputs else None)
-            with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)):
+            with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)), one_pass():
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
             torch.autograd.backward(outs, grads)
@@ -203,7 +203,8 @@ class StageWorker:
             raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
                                "(split=False: B computes all gradients)")
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
-        # one pass: a weight both gathered here and queued by its layer gets its hooks once
+        # one pass per task (B or W of a microbatch): each parameter's post-accumulate-grad hooks run once,
+        # also for a weight both gathered by the split and queued by its layer
         with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)), one_pass():
             if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
                 weight_split.backward_weight(slot.weights)
