@@ -92,12 +92,8 @@ class Ties:
         self.uncounted = {id(p) for t in ties for i, (_, p) in enumerate(t.params) if i > 0 or not t.counted}
 
     @classmethod
-    def setup(cls, rt, modules: Sequence[nn.Module], tied, *, prefix: str = "") -> "Ties":
-        """Exchange every rank's ties over ``rt``'s world, create their groups and make the copies equal.
-        ``prefix``: put before every qualified name (ScheduleReady's stage wrapper)."""
-        if prefix and tied is not None:
-            tied = ([{k: prefix + v for k, v in d.items()} for d in tied] if isinstance(tied, (list, tuple))
-                    else {k: prefix + v for k, v in tied.items()} if isinstance(tied, Mapping) else tied)
+    def setup(cls, rt, modules: Sequence[nn.Module], tied) -> "Ties":
+        """Exchange every rank's ties over ``rt``'s world, create their groups and make the copies equal."""
         stages = list(rt.stages)
         found = _declared(modules, stages, tied)
         coords = rt.layout.coords(rt.rank)
