@@ -53,6 +53,7 @@ from rrfp.loop.background import BackgroundLoop
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.workload import map_tensors
+from rrfp.pipeline.wrapped import refuse_wrapped
 from rrfp.pipelining.torch_csv import read_torch_csv
 
 log = logging.getLogger("rrfp.pipelining")
@@ -414,20 +415,8 @@ def _device_of(stages: list) -> torch.device:
 
 
 def _check_module(module: torch.nn.Module) -> None:
-    """Data parallelism wrapped around the stage module needs torch's no_sync and post-backward calls,
-    which rrfp's worker does not make: refused rather than silently synced once per microbatch."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = isinstance(module, DistributedDataParallel)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        wrapped = wrapped or isinstance(module, FSDPModule)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    if wrapped:
-        raise NotImplementedError(f"ScheduleReady does not support a stage module wrapped in "
-                                  f"{type(module).__name__} (data parallelism inside the stage) yet")
+    """Data parallelism wrapped around (or inside) the stage module is refused (rrfp/pipeline/wrapped.py)."""
+    refuse_wrapped(module, "ScheduleReady")
 
 
 def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
