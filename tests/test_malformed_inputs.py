@@ -174,6 +174,8 @@ ROWS = [
     Row("config", "`resume = \"maybe\"`", _sets("resume=maybe"), "run.resume must be one of"),
     Row("config", "`on_corrupt_checkpoint = \"ignore\"`", _sets("on_corrupt_checkpoint=ignore"),
         "run.on_corrupt_checkpoint"),
+    Row("config", "`autocast = \"fp8\"`", _sets("autocast=fp8"),
+        "run.autocast must be one of off, bfloat16, float16, got 'fp8'"),
     Row("config", "`checkpoint_every` without `checkpoint_dir`", _sets("checkpoint_every=5"),
         "needs run.checkpoint_dir"),
     Row("config", "a fault spec of an unknown kind", _sets("fault=explode:step=1:stage=0"), "run.fault"),
