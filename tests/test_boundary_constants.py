@@ -1,7 +1,8 @@
 """Constants between stages stay constants: a stage that sends (h, cos, sin, float mask) with only h
 requiring grad has the next stage receive cos, sin and the mask without requires_grad, compute no
 gradient for them and send None in their slots of the B message; gradients equal one process
-(float64). Over real gloo at V = 1, and at V = 2 (v placement) across the V turn on rank 1."""
+(float64). Over real gloo at V = 1, and at V = 2 (v placement) across the V turn on rank 1; and
+ScheduleReady's forward-only path keeps the same bits, over messages and its V turn hand-off."""
 from __future__ import annotations
 
 import pytest
@@ -142,3 +143,43 @@ def test_constants_arrive_as_constants_and_get_no_gradient():
             assert len(r["produced_b"]) == produced and all(b == no_grad_for_constants for b in r["produced_b"]), \
                 f"{where}: B outputs {r['produced_b']}"
     assert results[1][2]["stages"] == (1, 2), "the V turn is between stages 1 and 2 on rank 1"
+
+
+class Args(nn.Module):
+    """A chunk as torch.distributed.pipelining calls a stage: the boundary as separate arguments."""
+
+    def __init__(self, chunk: nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, *inputs):
+        return self.chunk(inputs[0] if len(inputs) == 1 else inputs)
+
+
+def _forward_only(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp import ScheduleReady
+
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group("gloo")
+    every = chunks()
+    held = {0: (0, 3), 1: (1, 2)}[rank]  # v: the hand-off between stages 1 and 2 is rank 1's V turn
+    stages = [PipelineStage(Args(every[s]), s, 4, torch.device("cpu")) for s in held]
+    x = torch.cat([b[0] for b in batches()])
+    try:
+        with ScheduleReady(stages, M) as schedule:  # no loss_fn: forward only, here with grad enabled
+            schedule.step(*((x,) if 0 in held else ()))
+    finally:
+        dist.destroy_process_group()
+    return {s: every[s].seen for s in held if s > 0}
+
+
+@pytest.mark.timeout(120)
+def test_forward_only_keeps_the_bits_across_messages_and_the_v_turn():
+    results = run_ranks(_forward_only, 2, timeout=100)
+    seen = {s: v for r in results.values() for s, v in r.items()}
+    assert sorted(seen) == [1, 2, 3]
+    for s, records in seen.items():
+        assert len(records) == M and all(r == (True, False, False, False) for r in records), (s, records)
