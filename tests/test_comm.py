@@ -104,11 +104,13 @@ _specs = st.lists(st.tuples(st.sampled_from(list(DTYPE_CODES)), _shapes), max_si
 def test_header_round_trip(iteration, microbatch, kind, specs):
     # meta tensors: headers only read dtype and shape, so huge shapes cost nothing
     tensors = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in specs]
-    header = encode_header(Message(iteration, microbatch, kind, tensors))
+    grads = [dtype.is_floating_point and (microbatch >> i) & 1 == 1 for i, (dtype, _) in enumerate(specs)]
+    header = encode_header(Message(iteration, microbatch, kind, tensors, grads))
     assert header.dtype == torch.int64 and tuple(header.shape) == (HEADER_LEN,)
     decoded = decode_header(header)
     assert (decoded.iteration, decoded.microbatch, decoded.kind) == (iteration, microbatch, kind)
-    assert decoded.specs == tuple(TensorSpec(dtype, shape) for dtype, shape in specs)
+    assert decoded.specs == tuple(TensorSpec(dtype, shape, g) for (dtype, shape), g in zip(specs, grads))
+    assert decoded.requires_grad == (grads if any(grads) else None)
     buffers = decoded.empty_tensors(device="meta")
     assert [(b.dtype, tuple(b.shape)) for b in buffers] == [(d, s) for d, s in specs]
 
@@ -153,7 +155,8 @@ def _set(index: int, value: int, seal: bool = True):
     return corrupt
 
 
-_SLOT0, _SLOT1, _SLOT2 = 6, 6 + 2 + MAX_DIMS, 6 + 2 * (2 + MAX_DIMS)
+_SLOT0, _SLOT1, _SLOT2 = 6, 6 + 3 + MAX_DIMS, 6 + 2 * (3 + MAX_DIMS)  # a slot: code, ndim, dims, flags
+_FLAGS0, _FLAGS1 = _SLOT1 - 1, _SLOT2 - 1
 
 
 @pytest.mark.timeout(10)
@@ -176,6 +179,10 @@ _SLOT0, _SLOT1, _SLOT2 = 6, 6 + 2 + MAX_DIMS, 6 + 2 * (2 + MAX_DIMS)
     (_set(_SLOT0 + 2, 1 << 41), "more than"),
     (_set(_SLOT0 + 5, 1), "nonzero dims past its ndim 2"),
     (_set(_SLOT2, 1), "slot 2 is beyond"),
+    (_set(_FLAGS0, 2), r"tensor 0 \(float32\) has flags 2; expected 0 or, for a floating tensor, 1"),
+    (_set(_FLAGS0, -1), "tensor 0 .* has flags -1"),
+    (_set(_FLAGS1, 1), r"tensor 1 \(int64\) has flags 1"),  # only floats carry gradients
+    (_set(_FLAGS0, 1, seal=False), "checksum mismatch"),  # a bit flipped in transit
     (lambda h: h[:-1], f"shape \\[{HEADER_LEN}\\]"),
     (lambda h: h.to(torch.int32), "int64 tensor"),
 ])
@@ -214,6 +221,12 @@ def test_encode_rejects_what_a_header_cannot_describe():
         encode_header(Message(0, 0, 0, [torch.zeros([1] * 7)]))
     with pytest.raises(MessageError, match="microbatch must be >= 0"):
         encode_header(Message(0, -1, 0, []))
+    with pytest.raises(MessageError, match="payload 0 has dtype torch.int64 but is marked as requiring grad"):
+        encode_header(Message(0, 0, 0, [torch.zeros(1, dtype=torch.int64)], [True]))
+    with pytest.raises(MessageError, match="payload 1 is None but marked as requiring grad"):
+        encode_header(Message(0, 0, 0, [torch.zeros(1), None], [True, True]))
+    with pytest.raises(MessageError, match=r"requires_grad must be one bool per tensor \(2\), got \[True\]"):
+        encode_header(Message(0, 0, 0, [torch.zeros(1), None], [True]))
     assert isinstance(MessageError("x"), ValueError)
     assert decode_header(encode_header(Message(0, 0, 0, []))).specs == ()
     assert _valid_header()[0].item() == MAGIC

@@ -144,7 +144,7 @@ def _huge(words: list) -> None:
 
     words[5] = MAX_TENSORS
     for i in range(MAX_TENSORS):  # 8 float64 tensors of 2**40 elements: each within the per-tensor limit
-        words[6 + i * (2 + MAX_DIMS):6 + (i + 1) * (2 + MAX_DIMS)] = [2, 1, 1 << 40] + [0] * (MAX_DIMS - 1)
+        words[6 + i * (3 + MAX_DIMS):6 + (i + 1) * (3 + MAX_DIMS)] = [2, 1, 1 << 40] + [0] * MAX_DIMS  # flags 0
 
 
 def _put(index: int, value: int) -> Callable[[list], None]:
@@ -176,6 +176,8 @@ ROWS = [
     Row("config", "`resume = \"maybe\"`", _sets("resume=maybe"), "run.resume must be one of"),
     Row("config", "`on_corrupt_checkpoint = \"ignore\"`", _sets("on_corrupt_checkpoint=ignore"),
         "run.on_corrupt_checkpoint"),
+    Row("config", "`autocast = \"fp8\"`", _sets("autocast=fp8"),
+        "run.autocast must be one of off, bfloat16, float16, got 'fp8'"),
     Row("config", "`checkpoint_every` without `checkpoint_dir`", _sets("checkpoint_every=5"),
         "needs run.checkpoint_dir"),
     Row("config", "a fault spec of an unknown kind", _sets("fault=explode:step=1:stage=0"), "run.fault"),
@@ -227,6 +229,7 @@ ROWS = [
     Row("header", "8 tensors of 2^40 float64 elements each", _header(_huge), "bytes in all"),
     Row("header", "an unknown dtype code", _header(_put(6, 99)), "unknown dtype code 99"),
     Row("header", "more tensors than a header holds", _header(_put(5, 9)), "claims 9 tensors"),
+    Row("header", "an unknown flag bit", _header(_put(14, 2)), "has flags 2"),  # tensor 0's flags word
 ]
 
 

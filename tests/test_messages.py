@@ -20,7 +20,7 @@ from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAX_DIMS, MAX_TENSORS, N
                                MessageError, TensorSpec, decode_header, encode_header)
 from rrfp.pipeline.worker import StageWorker
 
-_SLOT = 2 + MAX_DIMS
+_SLOT = 3 + MAX_DIMS  # dtype code, ndim, dims, flags
 _SLOT0 = 6
 
 
@@ -51,7 +51,7 @@ def test_header_round_trip_with_none_and_mixed_dtypes(entries, microbatch):
 def test_none_takes_a_self_describing_slot():
     h = _header_with_none()
     assert h[5].item() == 3, "None counts as a payload"
-    assert h[_slot(1):_slot(2)].tolist() == [NONE_CODE] + [0] * (1 + MAX_DIMS)
+    assert h[_slot(1):_slot(2)].tolist() == [NONE_CODE] + [0] * (2 + MAX_DIMS)
     specs = decode_header(h).specs
     assert specs[1].is_none and specs[1].numel == 0 and specs[1].nbytes == 0 and str(specs[1]) == "None"
     assert not specs[0].is_none and str(specs[2]) == "int64[7]"
@@ -66,6 +66,7 @@ def test_none_takes_a_self_describing_slot():
     (_set(_slot(1) + 1, 1), f"tensor 1 is None \\(dtype code {NONE_CODE}\\) but has ndim 1"),
     (_set(_slot(1) + 2, 4), "tensor 1 is None .* dims \\[4, 0"),
     (_set(_slot(1) + 2 + MAX_DIMS - 1, -1), "tensor 1 is None"),
+    (_set(_slot(1) + 2 + MAX_DIMS, 1), "tensor 1 is None .* and flags 1"),  # a None requires no gradient
     (_set(_slot(1), NONE_CODE + 1), f"tensor 1 has unknown dtype code {NONE_CODE + 1}"),
     (_set(_slot(1), 0), "tensor 1 has unknown dtype code 0"),
     (_set(_slot(3), NONE_CODE), "slot 3 is beyond its 3 tensor"),  # a None past the count is not padding

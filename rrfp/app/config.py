@@ -36,6 +36,7 @@ RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "virtual": (
               "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6)}
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 RESUME_MODES = ("off", "auto", "required")
+AUTOCAST_MODES = ("off", "bfloat16", "float16")
 ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 
 
@@ -76,6 +77,9 @@ class RunConfig:
     # a latest checkpoint that fails verification: resume from the newest that verifies, or stop (exit 2)
     on_corrupt_checkpoint: str = "fallback"
     on_nonfinite: str = "stop"  # NaN/Inf in the loss or gradients: "stop" the run, or "skip" the step everywhere
+    # torch.autocast on the run's device type around every iteration (its F, B and W); parameters and the
+    # optimizer stay float32. float16 has no loss scaling here: its small gradients may underflow
+    autocast: str = "off"  # off | bfloat16 | float16
     log_dir: str = "runs/logs"  # a failing rank writes its traceback to LOG_DIR/rank-N.log
     # testing aid: make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py)
     fault: Fault | str | None = field(default_factory=lambda: os.environ.get("RRFP_FAULT", ""))
@@ -104,6 +108,8 @@ class RunConfig:
             raise ConfigError(f"run.virtual = {self.virtual}, run.placement = {self.placement!r}: {e}") from None
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
+        if self.autocast not in AUTOCAST_MODES:
+            raise ConfigError(f"run.autocast must be one of {', '.join(AUTOCAST_MODES)}, got {self.autocast!r}")
         if self.preset not in PRESETS:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         for name in ("lr", "weight_decay", "unit_ms", "timeout_s", "clip_grad_norm"):

@@ -26,6 +26,7 @@ from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.pipeline.checkpoint import rng_state
 from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.thread_state import Autocast, ThreadState
 
 log = logging.getLogger("rrfp.app.train")
 T = TypeVar("T")
@@ -125,6 +126,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             mine = data[rt.dp_rank * run.microbatches:(rt.dp_rank + 1) * run.microbatches]
             return mine, [wl.features(b) for b in mine]
 
+        # run.autocast: every task of every iteration under it, on this rank's device type (None: the caller's own)
+        amp = (ThreadState((Autocast(rt.device.type, getattr(torch, run.autocast), True),))
+               if run.autocast != "off" else None)
         upcoming = my_batches(summary.first_step)
         ex.prepare(summary.first_step, upcoming[1])  # hint = plan: planned in a thread, one iteration ahead
         for step in range(summary.first_step, run.steps):
@@ -140,7 +144,7 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             at_start = rng_state(rt.device) if ckpts is not None and stop is not None else None
 
             async def compute(step=step, mine=mine, feats=feats):
-                res = await ex.run_iteration(step, mine, feats)
+                res = await ex.run_iteration(step, mine, feats, thread_state=amp)
                 if injector is not None:
                     injector.iteration_done(module)
                 await sync.sync()

@@ -261,7 +261,7 @@ class Channel(ChannelEnd):
             except Exception as e:
                 raise self._peer_error(f"receive of tensor {i + 1}/{len(tensors)} ({_spec(t)}) of "
                                        f"{header.label()} from rank {self.peer}", e) from e
-        return Message(header.iteration, header.microbatch, header.kind, tensors)
+        return Message(header.iteration, header.microbatch, header.kind, tensors, header.requires_grad)
 
 
     def _p2p(self, blocking, posted, t: torch.Tensor) -> None:

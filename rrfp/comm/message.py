@@ -8,14 +8,19 @@ image counts without padding and without knowing the schedule.
 Header layout (``HEADER_LEN`` int64 values)::
 
     magic, version, iteration, microbatch, kind, tensor count,
-    then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims,
+    then MAX_TENSORS slots of: dtype code, ndim, MAX_DIMS dims, flags,
     then a checksum of everything before it
 
 Unused slots and dims are zero. A ``None`` payload (a stage output or input
 gradient that does not exist, e.g. the gradient of an int mask) takes a slot
 with dtype code ``NONE_CODE``, ndim 0 and zero dims, and no bytes on the wire:
 the header alone says where it goes, so the receiver rebuilds the same
-positions. Decoding checks everything, so a stream that got out of step fails
+positions. A slot's flags say what the tensor is beyond its dtype and shape:
+bit 0 (``REQUIRES_GRAD``) that the sending stage produced it requiring grad, so
+the receiver makes it an autograd leaf and sends a gradient back; a constant
+(rotary cos/sin, an additive float mask, positions) arrives without it, and its
+gradient slot in the B message is None. Only a floating tensor may carry the bit.
+Decoding checks everything, so a stream that got out of step fails
 loudly instead of allocating garbage. The checksum (8 bytes of BLAKE2b) catches
 what the field checks cannot: a corrupted dim that is still a valid dim, and a
 truncated header (gloo delivers a shorter message into a longer buffer, whose
@@ -34,7 +39,7 @@ import torch
 from rrfp.core.tasks import Kind
 
 MAGIC = 0x52524650  # b"RRFP"
-VERSION = 2  # 2: a checksum word at the end
+VERSION = 3  # 2: a checksum word at the end; 3: a flags word per tensor
 MAX_TENSORS = 8
 MAX_DIMS = 6
 MAX_KIND = 1 << 16
@@ -42,7 +47,9 @@ MAX_ELEMENTS = 1 << 40  # per tensor; anything larger is a corrupt header, not a
 MAX_MESSAGE_BYTES = 1 << 36  # 64 GiB, all of a message's tensors together: checked before any buffer exists
 
 _PREFIX = 6  # magic, version, iteration, microbatch, kind, count
-_SLOT = 2 + MAX_DIMS  # dtype code, ndim, dims
+_SLOT = 3 + MAX_DIMS  # dtype code, ndim, dims, flags
+REQUIRES_GRAD = 1  # flags bit 0: the sender's tensor required grad
+_FLAGS = REQUIRES_GRAD  # every bit a header may set
 HEADER_LEN = _PREFIX + MAX_TENSORS * _SLOT + 1  # + the checksum
 
 
@@ -86,6 +93,8 @@ class Message:
     microbatch: int
     kind: int
     tensors: list[torch.Tensor | None] = field(default_factory=list)  # None: a payload that does not exist
+    # per tensor, whether the sending stage produced it requiring grad (F messages); None: none did
+    requires_grad: list[bool] | None = None
     # On GPU: the event the producing task's kernels end with, recorded when that task was
     # enqueued, so a send waits for its producer and nothing enqueued after it (docs/design.md,
     # "Sends on time"). None: the tensors are ready now (CPU), or the sender records it.
@@ -97,10 +106,12 @@ class Message:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """The dtype and shape of one payload tensor; ``NONE_SPEC`` (dtype None) for a None payload."""
+    """The dtype and shape of one payload tensor, and whether its sender had it require grad;
+    ``NONE_SPEC`` (dtype None) for a None payload."""
 
     dtype: torch.dtype | None
     shape: tuple[int, ...]
+    requires_grad: bool = False
 
     @property
     def is_none(self) -> bool:
@@ -134,6 +145,13 @@ class Header:
         """Receive buffers, one per payload tensor, in payload order; None where the payload is None."""
         return [None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.specs]
 
+    @property
+    def requires_grad(self) -> list[bool] | None:
+        """Per payload tensor, whether its sender produced it requiring grad; None when none did
+        (as Message.requires_grad)."""
+        bits = [s.requires_grad for s in self.specs]
+        return bits if any(bits) else None
+
     def label(self) -> str:
         return _label(self.iteration, self.microbatch, self.kind)
 
@@ -163,10 +181,16 @@ def header_words(msg: Message) -> list[int]:
     _check_index("kind", msg.kind, MAX_KIND)
     if len(msg.tensors) > MAX_TENSORS:
         raise MessageError(f"{msg.label()} has {len(msg.tensors)} tensors; at most {MAX_TENSORS} fit in a header")
+    grads = msg.requires_grad if msg.requires_grad is not None else [False] * len(msg.tensors)
+    if len(grads) != len(msg.tensors) or not all(isinstance(g, bool) for g in grads):
+        raise MessageError(f"{msg.label()}: requires_grad must be one bool per tensor ({len(msg.tensors)}), "
+                           f"got {grads!r}")
     values = [MAGIC, VERSION, msg.iteration, msg.microbatch, msg.kind, len(msg.tensors)]
-    for i, t in enumerate(msg.tensors):
+    for i, (t, grad) in enumerate(zip(msg.tensors, grads)):
         if t is None:
-            values += [NONE_CODE, 0, *[0] * MAX_DIMS]
+            if grad:
+                raise MessageError(f"{msg.label()}: payload {i} is None but marked as requiring grad")
+            values += [NONE_CODE, 0, *[0] * MAX_DIMS, 0]
             continue
         if not isinstance(t, torch.Tensor):
             raise MessageError(f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor or None")
@@ -177,7 +201,10 @@ def header_words(msg: Message) -> list[int]:
                                f"support (supported: {supported})")
         if t.dim() > MAX_DIMS:
             raise MessageError(f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header")
-        values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim())]
+        if grad and not t.is_floating_point():
+            raise MessageError(f"{msg.label()}: payload {i} has dtype {t.dtype} but is marked as requiring grad "
+                               f"(only floating tensors carry gradients)")
+        values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim()), REQUIRES_GRAD if grad else 0]
     values += [0] * (HEADER_LEN - 1 - len(values))
     return values + [checksum(values)]
 
@@ -216,11 +243,11 @@ def decode_header(header: torch.Tensor) -> Header:
                 raise MessageError(f"{where}: header slot {i} is beyond its {count} tensor(s) but not zero: "
                                    f"corrupt header")
             continue
-        code, ndim, dims = slot[0], slot[1], slot[2:]
+        code, ndim, dims, flags = slot[0], slot[1], slot[2:-1], slot[-1]
         if code == NONE_CODE:
-            if ndim or any(dims):
-                raise MessageError(f"{where}: tensor {i} is None (dtype code {NONE_CODE}) but has ndim {ndim} "
-                                   f"and dims {dims}: corrupt header")
+            if ndim or any(dims) or flags:
+                raise MessageError(f"{where}: tensor {i} is None (dtype code {NONE_CODE}) but has ndim {ndim}, "
+                                   f"dims {dims} and flags {flags}: corrupt header")
             specs.append(NONE_SPEC)
             continue
         dtype = DTYPES_BY_CODE.get(code)
@@ -236,7 +263,11 @@ def decode_header(header: torch.Tensor) -> Header:
         if any(d > MAX_ELEMENTS for d in shape) or math.prod(shape) > MAX_ELEMENTS:
             raise MessageError(f"{where}: tensor {i} of shape {list(shape)} has more than {MAX_ELEMENTS} "
                                f"elements: corrupt header")
-        specs.append(TensorSpec(dtype, shape))
+        if flags & ~_FLAGS or (flags & REQUIRES_GRAD and not dtype.is_floating_point):
+            raise MessageError(f"{where}: tensor {i} ({str(dtype).removeprefix('torch.')}) has flags {flags}; "
+                               f"expected 0 or, for a floating tensor, {REQUIRES_GRAD} (requires grad): "
+                               f"corrupt header")
+        specs.append(TensorSpec(dtype, shape, bool(flags & REQUIRES_GRAD)))
     total = sum(s.nbytes for s in specs)
     if total > MAX_MESSAGE_BYTES:
         raise MessageError(f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} bytes "

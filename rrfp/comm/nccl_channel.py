@@ -106,7 +106,7 @@ class NcclChannel(ChannelEnd):
                 ops.record_stream(t, self.compute_stream)
         self.messages += 1
         self._last = header.label()
-        return Message(header.iteration, header.microbatch, header.kind, tensors)
+        return Message(header.iteration, header.microbatch, header.kind, tensors, header.requires_grad)
 
     async def aclose(self) -> None:
         """Refuse further use. Work already issued finishes or fails with its communicator."""

@@ -30,6 +30,7 @@ from rrfp.core.tracker import StageTracker, TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.planning import IterationPlanner, PlanReport
+from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.executor")
@@ -175,20 +176,24 @@ class StageExecutor:
         return self.totals
 
     async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                            features: Sequence[dict] | None = None) -> IterationResult:
+                            features: Sequence[dict] | None = None, *,
+                            thread_state: ThreadState | None = None) -> IterationResult:
         """Run every task of this stage for one iteration. Gradients accumulate
         in the stage's parameters (mean over microbatches); the caller steps.
-        ``features`` (one dict per microbatch) lets a cost model set emulated durations."""
+        ``features`` (one dict per microbatch) lets a cost model set emulated durations.
+        Every task runs under the caller's autocast (``thread_state``: read on the thread that
+        called; None: read here, when called, on the caller's loop thread)."""
         if len(batches) != self.M:
             raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
         self._check_features(features)
+        state = thread_state if thread_state is not None else ThreadState.capture(f"{self.where}: run_iteration")
         spec, report = self.spec, None
         if self.planner is not None:
             hint, report = await self.planner.hint(iteration, features)
             spec = self._spec(hint)
         failed = None
         try:
-            result = await _Iteration(self, spec, iteration, batches, features).execute()
+            result = await _Iteration(self, spec, iteration, batches, features, state).execute()
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
             failed = the_cause(group)
         if failed is not None:  # raised outside the handler, so that it does not chain the group it was in
@@ -266,7 +271,7 @@ class _StageIO:
 
     def __init__(self, worker: StageWorker, channels) -> None:
         self.worker, self.channels, self.s = worker, channels, worker.stage
-        self.inputs: dict[int, torch.Tensor] = {}  # F inputs that arrived
+        self.inputs: dict[int, tuple] = {}  # F inputs that arrived: (tensors, their requires-grad bits)
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
         self.out_queues: dict[Kind, asyncio.Queue] = {}
 
@@ -274,8 +279,10 @@ class _StageIO:
 class _Iteration:
     """One iteration on one rank: the tracker, the tensors in transit, the timings."""
 
-    def __init__(self, ex: StageExecutor, spec, iteration: int, batches, features=None) -> None:
+    def __init__(self, ex: StageExecutor, spec, iteration: int, batches, features=None,
+                 state: ThreadState = ThreadState()) -> None:
         self.ex, self.spec, self.it, self.batches, self.features = ex, spec, iteration, batches, features
+        self.state = state  # the caller's autocast: every F, B and W runs under it
         self.tracker = ex.tracker(spec, self.size_of)
         self.io = {w.stage: _StageIO(w, ex.channels_of(w.stage)) for w in ex.workers}
         self.changed = asyncio.Event()
@@ -373,11 +380,15 @@ class _Iteration:
 
     def _hand_over(self, to: int, task: Task) -> None:
         """What ``task`` produced arrives at once at stage ``to`` of this same rank, shaped as a
-        message would deliver it: a lone tensor (or None) as itself, several as a tuple."""
-        value = self.handed.pop((to, task.kind, task.mb))
+        message would deliver it: a lone tensor (or None) as itself, several as a tuple; a forward's
+        with the requires-grad bits its message would carry."""
+        value, bits = self.handed.pop((to, task.kind, task.mb))
         if isinstance(value, list):
             value = tuple(value)
-        (self.io[to].inputs if task.kind is Kind.F else self.io[to].grads)[task.mb] = value
+        if task.kind is Kind.F:
+            self.io[to].inputs[task.mb] = (value, bits)
+        else:
+            self.io[to].grads[task.mb] = value
         self.tracker.arrive(to, task.kind, task.mb)
 
     async def _wait_for_change(self, arrivals: int) -> None:
@@ -446,28 +457,31 @@ class _Iteration:
         lane = {"units": units, **({"hold_s": hold} if hold else {})}
         start = time.time()
         if task.kind is Kind.F:
-            x = self.batches[mb][0] if s == 0 else io.inputs.pop(mb)
+            x, bits = (self.batches[mb][0], None) if s == 0 else io.inputs.pop(mb)
             targets = self.batches[mb][1] if s == ex.S - 1 else None
             forward = w.forward if self.rng_base is None else _seeded(w.forward, self.rng_base + s * ex.M + mb,
                                                                        self.rng_device)
-            out = await ex.lane.run(forward, mb, x, targets, **lane)
+            out = await ex.lane.run(self.state.wrap(forward), mb, x, targets, bits, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
             if s == ex.S - 1:
                 self.losses[mb] = out
             else:
-                # a tuple/list output travels as that many tensors; a lone tensor as one
+                # a tuple/list output travels as that many tensors; a lone tensor as one; each says
+                # whether it carries a gradient, so a constant arrives as one
+                bits = w.output_requires_grad(mb)
                 self._post(io, s + 1, Message(self.it, mb, int(Kind.F),
-                                              list(out) if isinstance(out, (tuple, list)) else [out]), out)
+                                              list(out) if isinstance(out, (tuple, list)) else [out],
+                                              bits), out)
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
-            grad_in = await ex.lane.run(w.backward, mb, grad, **lane)
+            grad_in = await ex.lane.run(self.state.wrap(w.backward), mb, grad, **lane)
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
-            await ex.lane.run(w.weight, mb, **lane)
+            await ex.lane.run(self.state.wrap(w.weight), mb, **lane)
         await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             ex.instrument.task(s, self.it, task, start, time.time())
@@ -484,7 +498,8 @@ class _Iteration:
         A stage of this same rank gets ``value`` itself once the tracker has the task finished."""
         if to in self.io:
             header_words(msg)  # what no link could carry is refused here too, not silently cut from the graph
-            self.handed[(to, Kind(msg.kind), msg.microbatch)] = value
+            bits = msg.requires_grad or [False] * len(msg.tensors)
+            self.handed[(to, Kind(msg.kind), msg.microbatch)] = (value, bits)
             return
         msg.ready = getattr(self.ex.lane, "last_task_done", None)
         latency = self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
@@ -512,8 +527,11 @@ class _Iteration:
             except TrackerError as e:
                 raise ProtocolError(f"{where}: iteration {self.it}: {e}") from None
             # one tensor stays a tensor (what single-tensor models expect); several arrive as a tuple
-            (io.inputs if kind is Kind.F else io.grads)[mb] = (msg.tensors[0] if len(msg.tensors) == 1
-                                                               else tuple(msg.tensors))
+            value = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
+            if kind is Kind.F:
+                io.inputs[mb] = (value, msg.requires_grad or [False] * len(msg.tensors))
+            else:
+                io.grads[mb] = value
             self.changed.set()
 
 

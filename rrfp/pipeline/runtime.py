@@ -46,6 +46,7 @@ from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.worker import StageWorker
+from rrfp.pipeline.wrapped import refuse_wrapped
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
@@ -226,6 +227,8 @@ class PipelineRuntime:
         if len(modules) != len(self.stages):
             raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
                              f"for each, got {len(modules)}")
+        for m in modules:
+            refuse_wrapped(m, "PipelineRuntime.stage_executor")
         h = resolve(hint)
         split = default_split(h.name, split)
         settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,

@@ -22,7 +22,9 @@ its forward takes several (``forward(self, h, mask)`` or ``*args``), else as
 one tuple (a lone tensor stays a lone tensor, so single-tensor models see no
 difference). The first stage's inputs follow the same rule.
 Only floating-point tensors carry gradients; int masks and None travel along
-with a None gradient.
+with a None gradient. A received floating tensor requires grad when the sending
+stage produced it requiring grad (``requires_grad`` of F, from the message
+header; rrfp/pipeline/boundary.py): constants stay constants.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline import weight_split
+from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.weight_split import WeightPlan, queued_parameters
 
 log = logging.getLogger(__name__)
@@ -106,14 +109,15 @@ class StageWorker:
 
     # -- tasks ---------------------------------------------------------------
 
-    def forward(self, mb: int, x, targets: torch.Tensor | None = None):
+    def forward(self, mb: int, x, targets: torch.Tensor | None = None, requires_grad: list[bool] | None = None):
         """F(mb). Returns the detached output to send (a tensor, or a tuple/list as the module
-        returned it), or the (unscaled) loss on the last stage."""
+        returned it), or the (unscaled) loss on the last stage. ``requires_grad``: per received
+        tensor, whether its sender produced it requiring grad (None: every floating one did)."""
         self._check(Task(Kind.F, mb), None)
         if self.is_last and targets is None:
             raise RuntimeError(f"stage {self.stage}: F{mb} on the last stage needs targets")
         if not self.is_first:
-            x = self._grad_leaves(mb, x)
+            x = self._grad_leaves(mb, x, requires_grad)
         queue = WeightGradQueue()
         counter = _SavedBytes(self.module) if self.measure_activations else None
         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack) if counter is not None
@@ -149,6 +153,12 @@ class StageWorker:
             return out.detach()
         detached = [None if t is None else t.detach() for t in out]
         return detached if isinstance(out, list) else tuple(detached)
+
+    def output_requires_grad(self, mb: int) -> list[bool]:
+        """Between F(mb) and B(mb): which of F(mb)'s outputs carry a gradient, known before F detached
+        them. The message to the next stage says so per tensor, so a constant arrives as one."""
+        slot = self._check(Task(Kind.B, mb), _State.F_DONE)
+        return requires_grad_bits(slot.output)
 
     def backward(self, mb: int, grad_output=None):
         """B(mb). Returns the gradient for the stage input in the input's structure: a tensor (or
@@ -305,14 +315,17 @@ class StageWorker:
     def _finish(self, mb: int, slot: _Slot) -> None:
         slot.state, slot.queue, slot.nbytes, slot.weights = _State.FINISHED, WeightGradQueue(), 0, None
 
-    def _grad_leaves(self, mb: int, x):
-        """A received input as autograd leaves: floats require grad, other tensors and None pass."""
-        if isinstance(x, torch.Tensor):
-            return _leaf(x)
-        if not isinstance(x, (tuple, list)) or not all(t is None or isinstance(t, torch.Tensor) for t in x):
+    def _grad_leaves(self, mb: int, x, bits: list[bool] | None):
+        """A received input as autograd leaves: floats its sender had require grad require it (all
+        floats when ``bits`` is None); other tensors and None pass."""
+        if not isinstance(x, torch.Tensor) and (not isinstance(x, (tuple, list))
+                                                or not all(t is None or isinstance(t, torch.Tensor) for t in x)):
             raise RuntimeError(f"stage {self.stage}: F{mb} input must be a tensor or a tuple of tensors and None, "
                                f"got {_describe(x)}")
-        return tuple(_leaf(t) for t in x)
+        try:
+            return received(x, bits)
+        except ValueError as e:
+            raise RuntimeError(f"stage {self.stage}: F{mb}: {e}") from None
 
     def _check_output(self, mb: int, out, outputs: list) -> None:
         """What a stage sends on must fit a message: tensors and None, at least one entry."""
@@ -350,13 +363,6 @@ def _flops(fn) -> int:
     with StageFlopCounter() as counter:
         fn()
     return counter.get_total_flops()
-
-
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    t = t.detach()
-    return t.requires_grad_(True) if t.is_floating_point() else t
 
 
 def _flat(value) -> list:

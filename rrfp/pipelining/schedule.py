@@ -50,9 +50,12 @@ from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.loop.background import BackgroundLoop
+from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.workload import map_tensors
+from rrfp.pipeline.wrapped import refuse_wrapped
 from rrfp.pipelining.torch_csv import read_torch_csv
 
 log = logging.getLogger("rrfp.pipelining")
@@ -188,14 +191,18 @@ class ScheduleReady:
                                "be used under torch.no_grad() context. Please call eval() instead.")
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses)}")
+        # the caller's autocast, read on its thread: the stages run on rrfp's loop and lane threads
+        state = ThreadState.capture("ScheduleReady.step" if self._has_backward else "ScheduleReady.eval",
+                                    trains=self._has_backward)
         presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
         arg_mbs, kwarg_mbs, target_mbs = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
         keep = return_outputs and self._holds_last
         if self._has_backward:
-            outputs, mb_losses = self._train(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep)
+            outputs, mb_losses = self._train(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep, state)
         else:
             outputs, mb_losses = self._loop.call(self._forward_only(self._iteration, arg_mbs, kwarg_mbs, target_mbs,
-                                                                    loss_kwargs or {}, torch.is_grad_enabled()))
+                                                                    loss_kwargs or {}, torch.is_grad_enabled(),
+                                                                    state))
         self._iteration += 1
         if self._holds_last and losses is not None and self._loss_fn is not None:
             losses.clear()
@@ -312,7 +319,7 @@ class ScheduleReady:
                                       f"first stage of a one-stage rank and send what later stages need as outputs")
         return arg_mbs, kwarg_mbs, target_mbs
 
-    def _train(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool):
+    def _train(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool, state: ThreadState):
         M = self._n_microbatches
         batches = []
         for mb in range(M):
@@ -323,7 +330,7 @@ class ScheduleReady:
         held = _take_grads(self._modules)
         try:
             self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches,
-                                                                                 self._features()))
+                                                                                 self._features(), thread_state=state))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
         last = [w for w in self._executor.workers if w.is_last]
@@ -332,7 +339,8 @@ class ScheduleReady:
         self._loss.outputs = None
         return outputs, losses
 
-    async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool):
+    async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool,
+                            state: ThreadState):
         """Forward only (eval, or no loss_fn): microbatches in order, each through this rank's stages
         in model order. Every rank runs it in the same step, in the one global order (microbatch,
         then stage), so one message per microbatch and channel suffices and no rank waits on a
@@ -362,18 +370,21 @@ class ScheduleReady:
                     if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
                         raise ProtocolError(f"rank {rt.rank} stage {s}: expected the forward message of "
                                             f"microbatch {mb}, iteration {it}; got {msg.label()}")
-                    x = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
-                out, loss = await rt.lane.run(forward, module, x, last, mb)
+                    bits = msg.requires_grad or [False] * len(msg.tensors)
+                    x = received(msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors), bits)
+                out, loss = await rt.lane.run(state.wrap(forward), module, x, last, mb)
                 if last:
                     outputs.append(_detached(out) if not grad else out)
                     if loss is not None:
                         losses.append(loss)
-                elif s + 1 in held:
-                    handed = tuple(_detached(out)) if isinstance(out, (tuple, list)) else _detached(out)
+                elif s + 1 in held:  # as a message would deliver it, requires-grad bits included
+                    handed = received(_detached(tuple(out) if isinstance(out, (tuple, list)) else out),
+                                      requires_grad_bits(out))
                 else:
                     tensors = list(out) if isinstance(out, (tuple, list)) else [out]
                     await rt.rank_channels.of(s).fwd_out.send(Message(it, mb, int(Kind.F),
-                                                                      [_detached(t) for t in tensors]))
+                                                                      [_detached(t) for t in tensors],
+                                                                      requires_grad_bits(out)))
         return outputs, losses
 
 
@@ -431,20 +442,8 @@ def _device_of(stages: list) -> torch.device:
 
 
 def _check_module(module: torch.nn.Module) -> None:
-    """Data parallelism wrapped around the stage module needs torch's no_sync and post-backward calls,
-    which rrfp's worker does not make: refused rather than silently synced once per microbatch."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    wrapped = isinstance(module, DistributedDataParallel)
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        wrapped = wrapped or isinstance(module, FSDPModule)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    if wrapped:
-        raise NotImplementedError(f"ScheduleReady does not support a stage module wrapped in "
-                                  f"{type(module).__name__} (data parallelism inside the stage) yet")
+    """Data parallelism wrapped around (or inside) the stage module is refused (rrfp/pipeline/wrapped.py)."""
+    refuse_wrapped(module, "ScheduleReady")
 
 
 def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
