@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -73,6 +74,21 @@ def _declared(modules: Sequence[nn.Module], stages: Sequence[int], tied) -> dict
     return found
 
 
+def _exchange(obj, rank: int, world: int, group) -> list:
+    """Every rank's ``obj`` (blocking, at setup), from two all-reduces over the world: the sizes, then each
+    rank's pickled bytes in its own row."""
+    if world == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.zeros(world, dtype=torch.int64)
+    sizes[rank] = data.numel()
+    dist.all_reduce(sizes, group=group)
+    rows = torch.zeros(world, int(sizes.max()), dtype=torch.uint8)
+    rows[rank, :data.numel()] = data
+    dist.all_reduce(rows, group=group)
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
+
+
 def _fingerprint(p: torch.Tensor) -> str | None:
     """A hash of the values, for the forgotten-tie hint; None for a constant tensor (ones, zeros), which
     matches by accident."""
@@ -101,10 +117,7 @@ class Ties:
         mine = {"rank": rt.rank, "tp": coords.tp, "dp": coords.dp,
                 "ties": {t: (held[0][0], tuple(held[0][1].shape)) for t, held in found.items()},
                 "ends": {s: [(n, tuple(p.shape)) for n, p in named] for s, named in ends.items()}}
-        everyone = [mine]
-        if rt.layout.world_size > 1:
-            everyone = [None] * rt.layout.world_size
-            dist.all_gather_object(everyone, mine, group=rt.cpu_group)
+        everyone = _exchange(mine, rt.rank, rt.layout.world_size, rt.cpu_group)
         ties = []
         timeout = datetime.timedelta(seconds=rt.timeout_s)
         for tie in sorted({t for r in everyone for t in r["ties"]}):
@@ -170,10 +183,7 @@ class Ties:
                     prints[(0, a)] = _fingerprint(named[0][a])
                 if last in named:
                     prints[(last, b)] = _fingerprint(named[last][b])
-        everyone_prints = [prints]
-        if rt.layout.world_size > 1:
-            everyone_prints = [None] * rt.layout.world_size
-            dist.all_gather_object(everyone_prints, prints, group=rt.cpu_group)
+        everyone_prints = _exchange(prints, rt.rank, rt.layout.world_size, rt.cpu_group)
         if not (0 in named and coords.tp == 0 and coords.dp == 0):
             return
         seen: dict[tuple[int, str], str | None] = {}
