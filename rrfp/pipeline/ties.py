@@ -4,10 +4,11 @@ gets the whole gradient and, stepped by the same optimizer, the copies stay equa
 
 A tie is declared per stage module, ``{tie name: qualified parameter name}``. At setup (collective:
 every rank calls it, in the same order) every rank learns every rank's ties from one exchange over
-the world; each tie held by several ranks gets one process group per (tp, dp) coordinate over the
-ranks that hold it (``new_group`` on every rank in one order, members or not), and its copies are made
-equal by a broadcast from the holder of its lowest stage. Copies on one rank that are different
-Parameter objects are summed locally; one Parameter object in two stage modules needs nothing.
+the world (two all-reduces of the pickled declarations); each tie held by several ranks gets one
+process group per (tp, dp) coordinate over the ranks that hold it (``new_group`` on every rank in one
+order, members or not), and its copies are made equal by a broadcast from the holder of its lowest
+stage. Copies on one rank that are different Parameter objects are summed locally; one Parameter
+object in two stage modules needs nothing.
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def _declared(modules: Sequence[nn.Module], stages: Sequence[int], tied) -> dict
     for tie, held in found.items():
         shapes = {tuple(p.shape) for _, p in held}
         if len(shapes) > 1:
-            raise ValueError(f"tie {tie!r}: the copies on stages {[s for s, _ in held]} differ in shape {sorted(shapes)}")
+            raise ValueError(f"tie {tie!r}: the copies on stages {[s for s, _ in held]} differ in shape "
+                             f"{sorted(shapes)}")
     return found
 
 
@@ -206,7 +208,8 @@ class Ties:
                 await completed(self.poller, work, f"sum of tie {t.name!r}'s gradients over ranks {t.ranks}",
                                 group=t.group)
             for i, (_, p) in enumerate(t.params):
-                p.grad = total if i == 0 else total.clone()
+                if p.requires_grad:  # a frozen copy keeps no gradient; the sum still runs, as on its peers
+                    p.grad = total if i == 0 else total.clone()
 
     @staticmethod
     def _launch(t: _Tie) -> tuple[_Tie, torch.Tensor, object]:
