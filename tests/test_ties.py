@@ -205,3 +205,30 @@ def test_schedule_ready_tied_and_clip_grad_norm():
         assert r["err"] < 1e-10, (rank, r)
         assert all(n > 0.05 for n in r["ref_norms"]), "the test must clip"
         assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (rank, r)
+
+
+def test_declarations_are_looked_up_in_the_rank_s_modules():
+    import torch
+    from torch import nn
+
+    from rrfp.pipeline.ties import _declared
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight  # one Parameter object in two modules: one copy, nothing to sum
+    assert [s for s, _ in _declared([a, b], [0, 3], {"t": "weight"})["t"]] == [0]
+    head = nn.Module()
+    head.proj = nn.Linear(2, 2)
+    found = _declared([a, head], [0, 3], [{"t": "weight"}, {"t": "proj.weight"}])["t"]
+    assert [s for s, _ in found] == [0, 3] and found[1][1] is head.proj.weight
+    assert list(_declared([a, head], [0, 3], {"t": "proj.weight"})) == ["t"]  # found in one of them
+    with pytest.raises(ValueError, match=r"tie 't': no parameter 'nope' in stage\(s\) \[0, 3\]"):
+        _declared([a, head], [0, 3], {"t": "nope"})
+    with pytest.raises(ValueError, match="tie 't': stage 1 has no parameter 'proj.weight'"):
+        _declared([a], [1], {"t": "proj.weight"})
+    with pytest.raises(ValueError, match="one dict per stage module, got 1"):
+        _declared([a, head], [0, 3], [{"t": "weight"}])
+    with pytest.raises(TypeError, match="tie names and parameter names are strings"):
+        _declared([a], [0], {"t": 3})
+    with pytest.raises(ValueError, match="differ in shape"):
+        _declared([a, nn.Linear(3, 3)], [0, 3], {"t": "weight"})
+    assert torch.equal(a.weight, b.weight)
