@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from models.data import DataConfig, batches, corpus
-from models.gpt import GPT, GPTConfig, loss_fn, make_stage, split_layers
+from models.gpt import GPT, GPTConfig, loss_fn, make_stage, split_layers, tied
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.pipeline.worker import StageWorker
 from rrfp.core.tasks import Kind, Task
@@ -109,8 +109,11 @@ def test_tied_embeddings():
     assert model.lm_head.weight is model.transformer.wte.weight
     st = make_stage(model, 0, 1)
     assert st.lm_head.weight is st.transformer.wte.weight
-    with pytest.raises(ValueError, match="tie_embeddings=false"):
-        make_stage(model, 0, 2)
+    first, last = make_stage(model, 0, 2), make_stage(model, 1, 2)  # under PP: one copy each, declared
+    assert torch.equal(first.transformer.wte.weight, last.lm_head.weight)
+    assert tied(cfg, 0, 2) == {"embedding": "transformer.wte.weight"}
+    assert tied(cfg, 1, 2) == {"embedding": "lm_head.weight"}
+    assert tied(cfg, 0, 1) == {} and tied(GPTConfig(), 0, 2) == {}
 
 
 def test_too_long_sequence_rejected():

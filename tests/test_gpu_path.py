@@ -32,7 +32,8 @@ from rrfp.core.variability import Variability
 DEVICE = torch.device("cuda", 0)
 M = 4
 PATCHED = ["rrfp.pipeline.runtime", "rrfp.comm.pipeline_channels", "rrfp.comm.stage_groups", "rrfp.comm.grad_sync",
-           "rrfp.comm.collectives", "rrfp.comm.agreement", "rrfp.comm.channels", "rrfp.nn.tensor_parallel"]
+           "rrfp.comm.collectives", "rrfp.comm.agreement", "rrfp.comm.channels", "rrfp.nn.tensor_parallel",
+           "rrfp.pipeline.ties"]
 
 
 @pytest.fixture

@@ -136,3 +136,99 @@ def test_forgotten_tie_is_one_warning_naming_both():
     assert results[1]["warnings"] == []
     (line,) = results[0]["warnings"]
     assert "transformer.wte.weight" in line and "lm_head.weight" in line, line
+
+
+def _schedule_tied(rank, world):
+    import copy
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp import ScheduleReady
+
+    torch.set_default_dtype(torch.float64)
+    vocab, dim, clip = 11, 8, 0.05
+
+    class Chunk(nn.Module):
+        def __init__(self, first, last):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim) if first else None
+            self.body = nn.Linear(dim, dim)
+            self.head = nn.Linear(dim, vocab, bias=False) if last else None
+
+        def forward(self, h):
+            h = torch.tanh(self.body(self.embed(h) if self.embed is not None else h))
+            return self.head(h) if self.head is not None else h
+
+    def loss_fn(logits, target):
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Chunk(True, False), Chunk(False, True))
+    chunk = copy.deepcopy(model[rank])  # this stage's own copy of the shared weight
+    model[1].head.weight = model[0].embed.weight  # the truly tied reference
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randint(0, vocab, (2 * M, 5), generator=g), torch.randint(0, vocab, (2 * M, 5), generator=g))
+            for _ in range(STEPS)]
+    ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_norms = []
+    for x, y in data:
+        (sum(loss_fn(model(a), b) for a, b in zip(x.chunk(M), y.chunk(M))) / M).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        stage = PipelineStage(chunk, rank, world, torch.device("cpu"))
+        tied = {"shared": "embed.weight"} if rank == 0 else {"shared": "head.weight"}
+        opt = torch.optim.AdamW(chunk.parameters(), lr=1e-2)
+        norms = []
+        with ScheduleReady(stage, M, loss_fn=loss_fn, tied=tied) as schedule:
+            for x, y in data:
+                schedule.step(x) if rank == 0 else schedule.step(target=y)
+                norms.append(schedule.clip_grad_norm_(clip))
+                opt.step()
+                opt.zero_grad()
+        want = model[rank].state_dict()
+        err = max((p - want[n]).abs().max().item() for n, p in chunk.named_parameters())
+    finally:
+        dist.destroy_process_group()
+    return {"err": err, "norms": norms, "ref_norms": ref_norms}
+
+
+def test_schedule_ready_tied_and_clip_grad_norm():
+    for rank, r in run_ranks(_schedule_tied, 2, timeout=120).items():
+        assert r["err"] < 1e-10, (rank, r)
+        assert all(n > 0.05 for n in r["ref_norms"]), "the test must clip"
+        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (rank, r)
+
+
+def test_declarations_are_looked_up_in_the_rank_s_modules():
+    import torch
+    from torch import nn
+
+    from rrfp.pipeline.ties import _declared
+
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight  # one Parameter object in two modules: one copy, nothing to sum
+    assert [s for s, _ in _declared([a, b], [0, 3], {"t": "weight"})["t"]] == [0]
+    head = nn.Module()
+    head.proj = nn.Linear(2, 2)
+    found = _declared([a, head], [0, 3], [{"t": "weight"}, {"t": "proj.weight"}])["t"]
+    assert [s for s, _ in found] == [0, 3] and found[1][1] is head.proj.weight
+    assert list(_declared([a, head], [0, 3], {"t": "proj.weight"})) == ["t"]  # found in one of them
+    with pytest.raises(ValueError, match=r"tie 't': no parameter 'nope' in stage\(s\) \[0, 3\]"):
+        _declared([a, head], [0, 3], {"t": "nope"})
+    with pytest.raises(ValueError, match="tie 't': stage 1 has no parameter 'proj.weight'"):
+        _declared([a], [1], {"t": "proj.weight"})
+    with pytest.raises(ValueError, match="one dict per stage module, got 1"):
+        _declared([a, head], [0, 3], [{"t": "weight"}])
+    with pytest.raises(TypeError, match="tie names and parameter names are strings"):
+        _declared([a], [0], {"t": 3})
+    with pytest.raises(ValueError, match="differ in shape"):
+        _declared([a, nn.Linear(3, 3)], [0, 3], {"t": "weight"})
+    assert torch.equal(a.weight, b.weight)

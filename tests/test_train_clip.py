@@ -1,6 +1,7 @@
 """``rrfp train`` with run.clip_grad_norm, on real gloo ranks in float64: each step's reported gradient
 norm and every loss match one process training the whole model with torch.nn.utils.clip_grad_norm_
-and AdamW; a NaN step (run.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on."""
+and AdamW; a NaN step (run.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on.
+With model.tie_embeddings the GPT declares its tie (Workload.tied) and trains as the truly tied model."""
 from __future__ import annotations
 
 import math
@@ -15,13 +16,13 @@ SETS = [f"steps={STEPS}", "microbatches=2", "timeout_s=30", "model.n_embd=16", "
         "data.max_seq_len=16", f"clip_grad_norm={CLIP}", "on_nonfinite=skip"]
 
 
-def _reference(world: int, dp: int, nan_step: int | None):
+def _reference(world: int, dp: int, nan_step: int | None, extra=()):
     """The whole model in this process: (losses, norms), norm NaN and no update at ``nan_step`` (1-based)."""
     import torch
 
     from rrfp.app.config import TrainConfig
 
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}"], world_size=world)
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *extra], world_size=world)
     wl, run = cfg.workload, cfg.run
     torch.manual_seed(run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None)
@@ -41,7 +42,7 @@ def _reference(world: int, dp: int, nan_step: int | None):
     return losses, norms
 
 
-def _train(rank, world, dp, nan_step):
+def _train(rank, world, dp, nan_step, extra=()):
     import torch
 
     from rrfp.app.config import TrainConfig
@@ -50,9 +51,9 @@ def _train(rank, world, dp, nan_step):
 
     torch.set_default_dtype(torch.float64)
     fault = [f"fault=nan:step={nan_step}:stage=1"] if nan_step else []
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault], world_size=world)
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault, *extra], world_size=world)
     summary = run(stage_main(cfg))
-    return summary.losses, summary.grad_norms, summary.skipped, _reference(world, dp, nan_step)
+    return summary.losses, summary.grad_norms, summary.skipped, _reference(world, dp, nan_step, extra)
 
 
 def _check(results, nan_step=None):
@@ -75,3 +76,10 @@ def test_train_pp2_dp2_clips_by_the_global_norm():
 @pytest.mark.timeout(200)
 def test_train_nonfinite_step_reports_nan_norm_and_goes_on():
     _check(run_ranks(_train, 2, 1, 2, timeout=180), nan_step=2)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("placement", ["interleaved", "v"])  # the two copies on two ranks, or both on rank 0
+def test_train_tied_embeddings_v2_match_the_tied_model(placement):
+    extra = ["model.tie_embeddings=true", "virtual=2", f"placement={placement}", "model.n_layer=4"]
+    _check(run_ranks(_train, 2, 1, None, extra, timeout=180))

@@ -4,10 +4,11 @@ gets the whole gradient and, stepped by the same optimizer, the copies stay equa
 
 A tie is declared per stage module, ``{tie name: qualified parameter name}``. At setup (collective:
 every rank calls it, in the same order) every rank learns every rank's ties from one exchange over
-the world; each tie held by several ranks gets one process group per (tp, dp) coordinate over the
-ranks that hold it (``new_group`` on every rank in one order, members or not), and its copies are made
-equal by a broadcast from the holder of its lowest stage. Copies on one rank that are different
-Parameter objects are summed locally; one Parameter object in two stage modules needs nothing.
+the world (two all-reduces of the pickled declarations); each tie held by several ranks gets one
+process group per (tp, dp) coordinate over the ranks that hold it (``new_group`` on every rank in one
+order, members or not), and its copies are made equal by a broadcast from the holder of its lowest
+stage. Copies on one rank that are different Parameter objects are summed locally; one Parameter
+object in two stage modules needs nothing.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -69,8 +71,24 @@ def _declared(modules: Sequence[nn.Module], stages: Sequence[int], tied) -> dict
     for tie, held in found.items():
         shapes = {tuple(p.shape) for _, p in held}
         if len(shapes) > 1:
-            raise ValueError(f"tie {tie!r}: the copies on stages {[s for s, _ in held]} differ in shape {sorted(shapes)}")
+            raise ValueError(f"tie {tie!r}: the copies on stages {[s for s, _ in held]} differ in shape "
+                             f"{sorted(shapes)}")
     return found
+
+
+def _exchange(obj, rank: int, world: int, group) -> list:
+    """Every rank's ``obj`` (blocking, at setup), from two all-reduces over the world: the sizes, then each
+    rank's pickled bytes in its own row."""
+    if world == 1:
+        return [obj]
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.zeros(world, dtype=torch.int64)
+    sizes[rank] = data.numel()
+    dist.all_reduce(sizes, group=group)
+    rows = torch.zeros(world, int(sizes.max()), dtype=torch.uint8)
+    rows[rank, :data.numel()] = data
+    dist.all_reduce(rows, group=group)
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
 
 
 def _fingerprint(p: torch.Tensor) -> str | None:
@@ -101,10 +119,7 @@ class Ties:
         mine = {"rank": rt.rank, "tp": coords.tp, "dp": coords.dp,
                 "ties": {t: (held[0][0], tuple(held[0][1].shape)) for t, held in found.items()},
                 "ends": {s: [(n, tuple(p.shape)) for n, p in named] for s, named in ends.items()}}
-        everyone = [mine]
-        if rt.layout.world_size > 1:
-            everyone = [None] * rt.layout.world_size
-            dist.all_gather_object(everyone, mine, group=rt.cpu_group)
+        everyone = _exchange(mine, rt.rank, rt.layout.world_size, rt.cpu_group)
         ties = []
         timeout = datetime.timedelta(seconds=rt.timeout_s)
         for tie in sorted({t for r in everyone for t in r["ties"]}):
@@ -170,10 +185,7 @@ class Ties:
                     prints[(0, a)] = _fingerprint(named[0][a])
                 if last in named:
                     prints[(last, b)] = _fingerprint(named[last][b])
-        everyone_prints = [prints]
-        if rt.layout.world_size > 1:
-            everyone_prints = [None] * rt.layout.world_size
-            dist.all_gather_object(everyone_prints, prints, group=rt.cpu_group)
+        everyone_prints = _exchange(prints, rt.rank, rt.layout.world_size, rt.cpu_group)
         if not (0 in named and coords.tp == 0 and coords.dp == 0):
             return
         seen: dict[tuple[int, str], str | None] = {}
@@ -196,7 +208,8 @@ class Ties:
                 await completed(self.poller, work, f"sum of tie {t.name!r}'s gradients over ranks {t.ranks}",
                                 group=t.group)
             for i, (_, p) in enumerate(t.params):
-                p.grad = total if i == 0 else total.clone()
+                if p.requires_grad:  # a frozen copy keeps no gradient; the sum still runs, as on its peers
+                    p.grad = total if i == 0 else total.clone()
 
     @staticmethod
     def _launch(t: _Tie) -> tuple[_Tie, torch.Tensor, object]:

@@ -127,7 +127,8 @@ class ScheduleReady:
     Positional arguments are torch's. ``hint`` (a builtin name such as ``"bfw"``, ``"1f1b"``,
     ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
-    waits on a silent peer before it names it. Every rank must construct it, in the same order
+    waits on a silent peer before it names it; ``tied`` declares parameters shared with other
+    stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor). Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
     """
