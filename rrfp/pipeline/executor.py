@@ -29,6 +29,7 @@ from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker, TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
+from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.planning import IterationPlanner, PlanReport
 from rrfp.pipeline.worker import StageWorker
 
@@ -194,6 +195,30 @@ class StageExecutor:
             raise failed
         result.plan = report
         return result
+
+    async def run_eval(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> IterationResult:
+        """Forward only (evaluation): the last stage's losses, no backward task, no graph kept,
+        gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
+        as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py)."""
+        if len(batches) != self.M:
+            raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
+        workers = {w.stage: w for w in self.workers}
+
+        def forward(s: int, x, mb: int):
+            return workers[s].evaluate(x, batches[mb][1] if s == self.S - 1 else None)
+
+        self.lane.follow_caller()
+        t0, busy = time.perf_counter(), self.lane.busy_s
+        _, losses = await forward_only(self.lane, self.channels_of, list(workers), self.S, self.rank, iteration,
+                                       self.M, lambda mb: batches[mb][0], forward)
+        await self.lane.drain()
+        self.lane.caller_waits()
+        values = torch.stack(losses).tolist() if losses else []  # one device-to-host read
+        ran = [(s, Task(Kind.F, mb)) for mb in range(self.M) for s in sorted(workers)]
+        stats = StageStats(self.lane.busy_s - busy, time.perf_counter() - t0, iterations=1)
+        return IterationResult(iteration, dict(enumerate(values)), stats, [t for _, t in ran],
+                               sum(numel(b[1]) for b in batches), ran=ran)
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """With hint = plan: start planning ``iteration`` now, while the current one runs.

@@ -43,14 +43,13 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp.comm.message import Message
-from rrfp.core.errors import ProtocolError, StartupError
+from rrfp.core.errors import StartupError
 from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.tasks import Kind
 from rrfp.loop.background import BackgroundLoop
 from rrfp.pipeline.executor import IterationResult
+from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.workload import map_tensors
 from rrfp.pipelining.torch_csv import read_torch_csv
@@ -316,48 +315,21 @@ class ScheduleReady:
         return outputs, losses
 
     async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool):
-        """Forward only (eval, or no loss_fn): microbatches in order, each through this rank's stages
-        in model order. Every rank runs it in the same step, in the one global order (microbatch,
-        then stage), so one message per microbatch and channel suffices and no rank waits on a
-        peer that waits on it; a neighbour on this rank (the V turn) gets the output directly."""
+        """Forward only (eval, or no loss_fn), in rrfp/pipeline/forward_pass.py's one global order."""
         rt = self._runtime
         held = {s.stage_index: m for s, m in zip(self._stages, self._modules)}
-        outputs, losses = [], []
 
-        def forward(module, x, last: bool, mb: int):
+        def forward(s: int, x, mb: int):
             with torch.set_grad_enabled(grad):
-                out = module(*x) if isinstance(x, tuple) else module(x)
+                out = held[s](*x) if isinstance(x, tuple) else held[s](x)
                 loss = None
-                if last and self._loss_fn is not None:
+                if s == rt.num_stages - 1 and self._loss_fn is not None:
                     loss = self._loss_fn(out, None if target_mbs is None else target_mbs[mb], **loss_kwargs)
             return out, loss
 
-        for mb in range(self._n_microbatches):
-            handed = None
-            for s, module in held.items():
-                last = s == rt.num_stages - 1
-                if s == 0:
-                    x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb])
-                elif s - 1 in held:
-                    x = handed
-                else:
-                    msg = await rt.rank_channels.of(s).fwd_in.recv()
-                    if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
-                        raise ProtocolError(f"rank {rt.rank} stage {s}: expected the forward message of "
-                                            f"microbatch {mb}, iteration {it}; got {msg.label()}")
-                    x = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
-                out, loss = await rt.lane.run(forward, module, x, last, mb)
-                if last:
-                    outputs.append(_detached(out) if not grad else out)
-                    if loss is not None:
-                        losses.append(loss)
-                elif s + 1 in held:
-                    handed = tuple(_detached(out)) if isinstance(out, (tuple, list)) else _detached(out)
-                else:
-                    tensors = list(out) if isinstance(out, (tuple, list)) else [out]
-                    await rt.rank_channels.of(s).fwd_out.send(Message(it, mb, int(Kind.F),
-                                                                      [_detached(t) for t in tensors]))
-        return outputs, losses
+        return await forward_only(rt.lane, rt.rank_channels.of, list(held), rt.num_stages, rt.rank, it,
+                                  self._n_microbatches, lambda mb: _first_inputs(arg_mbs[mb], kwarg_mbs[mb]),
+                                  forward, keep_graph=grad)
 
 
 def _first_inputs(args: tuple, kwargs: dict):
