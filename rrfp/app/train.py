@@ -93,7 +93,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         recorder = TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None) if run.trace else None
         ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,
                                dispatch=run.dispatch, hint=run.hint, budget=run.budget, split=run.split,
-                               variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost)
+                               variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost,
+                               on_nonfinite=None)  # the step statistics' all-reduce agrees (_nonfinite)
         sync = rt.grad_sync(module, ex)
         fault_stage = run.fault.stage if run.fault is not None and run.fault.stage in rt.stages else rt.stage
         injector = FaultInjector.for_rank(run.fault, rt.rank, fault_stage)  # testing aid, normally None

@@ -58,6 +58,7 @@ class IterationResult:
     tokens: int
     plan: PlanReport | None = None  # hint = plan: the plan this iteration followed
     ran: list[tuple[int, Task]] = field(default_factory=list)  # (stage, task) in that order: which stage ran it
+    skipped: bool = False  # on_nonfinite = "skip" met a NaN/Inf: every rank's gradients are None
 
     @property
     def loss(self) -> float | None:
@@ -138,6 +139,7 @@ class StageExecutor:
         # the peers this stage waits for are doing
         self.liveness = liveness
         self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
+        self.nonfinite = None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
 
     def _spec(self, hint: Hint):
         """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
@@ -194,6 +196,8 @@ class StageExecutor:
         if failed is not None:  # raised outside the handler, so that it does not chain the group it was in
             raise failed
         result.plan = report
+        if self.nonfinite is not None:
+            result.skipped = await self.nonfinite.check(iteration, self.workers, result.losses)
         return result
 
     async def run_eval(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]

@@ -42,6 +42,7 @@ from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.runtime")
@@ -208,12 +209,20 @@ class PipelineRuntime:
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
-                       instrument: Instrument | None = None, cost=None) -> StageExecutor:
+                       instrument: Instrument | None = None, cost=None,
+                       on_nonfinite: str | None = "stop") -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
         microbatches' ``features``: without them it is a ValueError. With virtual stages,
-        ``module`` is a list: one module for each of ``rt.stages``, in that order."""
+        ``module`` is a list: one module for each of ``rt.stages``, in that order.
+        ``on_nonfinite`` (a NaN or Inf in a loss or gradient, agreed by every rank after each
+        iteration): "stop" raises NonFiniteError naming the stage and microbatch on every rank;
+        "skip" sets every rank's ``.grad`` to None (``optimizer.step()`` then moves nothing) and
+        marks the result ``skipped``; None checks nothing (rrfp/pipeline/nonfinite.py: its cost)."""
+        guard = None if on_nonfinite is None else NonFiniteGuard(
+            on_nonfinite, self.rank, self.layout.world_size,
+            lambda t: self.all_reduce(t, dist.ReduceOp.MIN, "world all-reduce of the iteration's non-finite values"))
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         if len(modules) != len(self.stages):
             raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
@@ -230,6 +239,7 @@ class PipelineRuntime:
                      if self.tp_control is not None else None)
         ex = StageExecutor(workers, self.channels if len(workers) == 1 else self.rank_channels, self.lane, settings,
                            self.rank, instrument, self.unit_s, agreement, stages=self.virtual, liveness=self.heartbeat)
+        ex.nonfinite = guard
         self._executors.append(ex)
         return ex
 

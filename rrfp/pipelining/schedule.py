@@ -114,7 +114,9 @@ class ScheduleReady:
     Positional arguments are torch's. ``hint`` (a builtin name such as ``"bfw"``, ``"1f1b"``,
     ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
-    waits on a silent peer before it names it. Every rank must construct it, in the same order
+    waits on a silent peer before it names it; ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
+    ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
+    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
     """
@@ -133,7 +135,7 @@ class ScheduleReady:
 
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
-                 dispatch: str = "ready", timeout_s: float = 60.0) -> None:
+                 dispatch: str = "ready", timeout_s: float = 60.0, on_nonfinite: str | None = "stop") -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -141,7 +143,7 @@ class ScheduleReady:
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
-        self._settings = dict(budget=budget, dispatch=dispatch)
+        self._settings = dict(budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite)
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
         self._modules = [_StageCall(s.submod) for s in stages]
         self._loss = _Loss(loss_fn)
@@ -308,6 +310,9 @@ class ScheduleReady:
                                                                                  self._features()))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
+        if self.last_result.skipped:  # on_nonfinite = "skip": no gradient at all, the held ones included
+            for p in _parameters(self._modules):
+                p.grad = None
         last = [w for w in self._executor.workers if w.is_last]
         losses = [last[0].losses[mb] for mb in range(M)] if last else []
         outputs = [self._loss.outputs[mb] for mb in range(M)] if keep else []
