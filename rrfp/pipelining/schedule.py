@@ -116,7 +116,10 @@ class ScheduleReady:
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
     waits on a silent peer before it names it; ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
     ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
-    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). Every rank must construct it, in the same order
+    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``: when
+    the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the gradients
+    over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients are final), so
+    they equal one process's over the whole batch of every replica; a no-op when dp = 1. Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
     """
@@ -135,7 +138,8 @@ class ScheduleReady:
 
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
-                 dispatch: str = "ready", timeout_s: float = 60.0, on_nonfinite: str | None = "stop") -> None:
+                 dispatch: str = "ready", timeout_s: float = 60.0, on_nonfinite: str | None = "stop",
+                 dp_sync: bool = False) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -146,6 +150,7 @@ class ScheduleReady:
         self._settings = dict(budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite)
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
         self._modules = [_StageCall(s.submod) for s in stages]
+        self._dp_sync, self._sync = dp_sync, None
         self._loss = _Loss(loss_fn)
         self._iteration = 0
         self.last_result: IterationResult | None = None
@@ -251,9 +256,19 @@ class ScheduleReady:
     # -- internals -----------------------------------------------------------
 
     def _new_executor(self):
-        return self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
-                                            hint=self._hint, split=self._split, **self._settings,
-                                            **self._emulation())
+        ex = self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
+                                          hint=self._hint, split=self._split, **self._settings, **self._emulation())
+        if self._dp_sync:
+            held = self._modules[0] if len(self._modules) == 1 else torch.nn.ModuleList(self._modules)
+            self._sync = self._runtime.grad_sync(held, ex)
+        return ex
+
+    async def _iterate(self, batches):
+        """One iteration, then (dp_sync) the gradients averaged over the replicas."""
+        result = await self._executor.run_iteration(self._iteration, batches, self._features())
+        if self._sync is not None:
+            await self._sync.sync()
+        return result
 
     def _merge(self, outputs: list, presplit: bool):
         """torch's merge_chunks; pre-split microbatches whose outputs differ in shape cannot be
@@ -306,8 +321,7 @@ class ScheduleReady:
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
         held = _take_grads(self._modules)
         try:
-            self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches,
-                                                                                 self._features()))
+            self.last_result = self._loop.call(self._iterate(batches))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
         if self.last_result.skipped:  # on_nonfinite = "skip": no gradient at all, the held ones included
