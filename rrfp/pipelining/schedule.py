@@ -119,7 +119,10 @@ class ScheduleReady:
     rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``: when
     the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the gradients
     over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients are final), so
-    they equal one process's over the whole batch of every replica; a no-op when dp = 1. Every rank must construct it, in the same order
+    they equal one process's over the whole batch of every replica; a no-op when dp = 1. ``split``
+    (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``)
+    are ``stage_executor``'s; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
+    microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
     """
@@ -133,13 +136,13 @@ class ScheduleReady:
         return {}
 
     def _features(self) -> list[dict] | None:
-        """This step's microbatch features, for a cost model's emulated durations."""
-        return None
+        """This step's microbatch features (``step(cost_features=)``), for the cost model."""
+        return self._step_features
 
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
                  dispatch: str = "ready", timeout_s: float = 60.0, on_nonfinite: str | None = "stop",
-                 dp_sync: bool = False) -> None:
+                 dp_sync: bool = False, split: bool | None = None, cost=None) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -148,7 +151,10 @@ class ScheduleReady:
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
         self._settings = dict(budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite)
-        self._hint, self._split = resolve(hint), None  # split None: the hint's default
+        self._hint, self._split = resolve(hint), split  # split None: the hint's default
+        if cost is not None:
+            self._settings["cost"] = cost
+        self._step_features: list[dict] | None = None
         self._modules = [_StageCall(s.submod) for s in stages]
         self._dp_sync, self._sync = dp_sync, None
         self._loss = _Loss(loss_fn)
@@ -174,10 +180,16 @@ class ScheduleReady:
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
-             target_mbs: list | None = None, **kwargs):
+             target_mbs: list | None = None, cost_features: list | None = None, **kwargs):
         """One iteration over the whole batch ``args``/``kwargs`` (split here), or over pre-split
         microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
-        one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage."""
+        one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage.
+        ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every rank."""
+        if self._has_backward and "cost" in self._settings and cost_features is None:
+            raise ValueError(f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
+                             f"cost_features=[rrfp.token_features(b) for b in microbatches], one dict per "
+                             f"microbatch ({self._n_microbatches}), the same list on every rank")
+        self._step_features = cost_features
         if self._closed:
             raise RuntimeError("ScheduleReady.step after close()")
         if self._has_backward and not torch.is_grad_enabled():
