@@ -97,7 +97,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,
                                dispatch=run.dispatch, hint=run.hint, budget=run.budget, split=run.split,
                                variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost,
-                               tied=[wl.tied(cfg.model, s, rt.num_stages) for s in rt.stages] if wl.tied else None)
+                               tied=[wl.tied(cfg.model, s, rt.num_stages) for s in rt.stages] if wl.tied else None,
+                               on_nonfinite=None)  # the step statistics' all-reduce agrees (_nonfinite)
         sync = rt.grad_sync(module, ex)
         fault_stage = run.fault.stage if run.fault is not None and run.fault.stage in rt.stages else rt.stage
         injector = FaultInjector.for_rank(run.fault, rt.rank, fault_stage)  # testing aid, normally None

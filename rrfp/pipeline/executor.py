@@ -29,6 +29,7 @@ from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import StageTracker, TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
+from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.planning import IterationPlanner, PlanReport
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.worker import StageWorker
@@ -58,6 +59,7 @@ class IterationResult:
     tokens: int
     plan: PlanReport | None = None  # hint = plan: the plan this iteration followed
     ran: list[tuple[int, Task]] = field(default_factory=list)  # (stage, task) in that order: which stage ran it
+    skipped: bool = False  # on_nonfinite = "skip" met a NaN/Inf: every rank's gradients are None
 
     @property
     def loss(self) -> float | None:
@@ -139,6 +141,7 @@ class StageExecutor:
         self.liveness = liveness
         self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
         self.ties = None  # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
+        self.nonfinite = None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
 
     def _spec(self, hint: Hint):
         """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
@@ -201,7 +204,35 @@ class StageExecutor:
         if self.ties is not None and not self.ties.deferred:  # with DP, GradSync.sync sums them after averaging
             await self.ties.sum_grads()
         result.plan = report
+        if self.nonfinite is not None:
+            result.skipped = await self.nonfinite.check(iteration, self.workers, result.losses)
         return result
+
+    async def run_eval(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> IterationResult:
+        """Forward only (evaluation): the last stage's losses, no backward task, no graph kept,
+        gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
+        as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py)."""
+        if len(batches) != self.M:
+            raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
+        workers = {w.stage: w for w in self.workers}
+        state = ThreadState.capture(f"{self.where}: run_eval", trains=False)  # the caller's autocast
+
+        @state.wrap
+        def forward(s: int, x, mb: int):
+            return workers[s].evaluate(x, batches[mb][1] if s == self.S - 1 else None)
+
+        self.lane.follow_caller()
+        t0, busy = time.perf_counter(), self.lane.busy_s
+        _, losses = await forward_only(self.lane, self.channels_of, list(workers), self.S, self.rank, iteration,
+                                       self.M, lambda mb: batches[mb][0], forward)
+        await self.lane.drain()
+        self.lane.caller_waits()
+        values = torch.stack(losses).tolist() if losses else []  # one device-to-host read
+        ran = [(s, Task(Kind.F, mb)) for mb in range(self.M) for s in sorted(workers)]
+        stats = StageStats(self.lane.busy_s - busy, time.perf_counter() - t0, iterations=1)
+        return IterationResult(iteration, dict(enumerate(values)), stats, [t for _, t in ran],
+                               sum(numel(b[1]) for b in batches), ran=ran)
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """With hint = plan: start planning ``iteration`` now, while the current one runs.

@@ -45,6 +45,7 @@ from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.ties import Ties
+from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
 
@@ -212,7 +213,8 @@ class PipelineRuntime:
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
-                       instrument: Instrument | None = None, cost=None, tied=None) -> StageExecutor:
+                       instrument: Instrument | None = None, cost=None, tied=None,
+                       on_nonfinite: str | None = "stop") -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
@@ -222,7 +224,16 @@ class PipelineRuntime:
         ``tied``: parameters shared with other stages, ``{tie name: qualified parameter name}``
         (one dict looked up in each module, or a list of one per module); the copies are made
         equal here and their gradients summed after every iteration (rrfp/pipeline/ties.py).
-        Collective: every rank calls it, in the same order, ties or not."""
+        Collective: every rank calls it, in the same order, ties or not.
+
+
+        ``on_nonfinite`` (a NaN or Inf in a loss or gradient, agreed by every rank after each
+        iteration): "stop" raises NonFiniteError naming the stage and microbatch on every rank;
+        "skip" sets every rank's ``.grad`` to None (``optimizer.step()`` then moves nothing) and
+        marks the result ``skipped``; None checks nothing (rrfp/pipeline/nonfinite.py: its cost)."""
+        guard = None if on_nonfinite is None else NonFiniteGuard(
+            on_nonfinite, self.rank, self.layout.world_size,
+            lambda t: self.all_reduce(t, dist.ReduceOp.MIN, "world all-reduce of the iteration's non-finite values"))
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         if len(modules) != len(self.stages):
             raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
@@ -243,6 +254,7 @@ class PipelineRuntime:
         ex = StageExecutor(workers, self.channels if len(workers) == 1 else self.rank_channels, self.lane, settings,
                            self.rank, instrument, self.unit_s, agreement, stages=self.virtual, liveness=self.heartbeat)
         ex.ties = ties if ties.ties else None
+        ex.nonfinite = guard
         self._executors.append(ex)
         return ex
 

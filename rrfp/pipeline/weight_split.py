@@ -26,6 +26,16 @@ Outputs whose node is not a B node (every output of the first stage, whose
 input needs no gradient) are restarted from the output with the gradient
 handed in. Parameters of split-aware layers (``defers_weight_grad``, mode
 "layers") are left to their own W queue.
+
+A non-reentrant checkpoint recomputes its region once per autograd call, and
+W makes one call per restart; W's calls therefore share one
+``torch.utils.checkpoint.GraphExecGroup``, which recomputes each region once
+for all of them. The group needs the calls to run disjoint parts of the graph
+where checkpointed saved tensors live: restarts of parameters with one owner
+are disjoint, gathering is not (a frontier node runs once per use, and B nodes
+may run again). A stage whose gathering would run a checkpointed node runs its
+backward unsplit. B stays outside the group: a restart node runs in B and again
+in W.
 """
 from __future__ import annotations
 
@@ -35,8 +45,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.checkpoint import GraphExecGroup
 
 from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.pipeline.checkpointed_nodes import is_checkpointed
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -193,8 +205,36 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
             work.edges = [edge for edge, pids in edges.items() if wanted.intersection(pids)]
         if work.params or work.shared:
             result.points[n] = work
+    if any(is_checkpointed(x) for x in _gathering_runs(g, result.points)):
+        return WeightPlan(whole=WHOLE_CHECKPOINT_GATHERED)
     _announce(module, result)
     return result
+
+
+def _gathering_runs(g: _Graph, points: dict) -> set:
+    """The nodes that W's gathering may run more than once: for each restart that gathers, those on a
+    path from it to its gathered edges (B nodes run again among them) and everything below those edges."""
+    runs: set = set()
+    for n, work in points.items():
+        if not work.shared:
+            continue
+        targets = {c for c, _ in work.edges}
+        leads: dict = {}  # node below n -> whether it lies on a path to one of targets
+        stack = [(c, False) for c in g.children(n)]
+        while stack:
+            x, done = stack.pop()
+            if x in leads:
+                continue
+            kids = g.children(x)
+            if not done:
+                stack.append((x, True))
+                stack.extend((c, False) for c in kids if c not in leads)
+                continue
+            leads[x] = x in targets or any(leads[c] for c in kids)
+        runs.update(x for x, on_path in leads.items() if on_path)
+        for c in targets:
+            runs.update(_nodes_below(c))
+    return runs
 
 
 # torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside the
@@ -203,6 +243,11 @@ _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 WHOLE_REENTRANT = ("its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
                    "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
                    "use_reentrant=False lets it split")
+
+WHOLE_CHECKPOINT_GATHERED = (
+    "W would gather a parameter's uses through a non-reentrant checkpoint's region (a parameter used more "
+    "than once there), running its nodes twice, which W's one recomputation per region "
+    "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing")
 
 # rrfp.nn.split_linear's node: its backward queues its weights' W. W must not run it again, but its
 # use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
@@ -302,7 +347,16 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
 def backward_weight(weights: WeightPlan) -> None:
     """W: every restart's parameters from its captured gradient, then drop the graph. Run it in one
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
-    post-accumulate-grad hooks called once."""
+    post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
+    once for all of W's calls, not once per call."""
+    with GraphExecGroup():
+        _restart_all(weights)
+    weights.points.clear()
+    weights.captured.clear()
+    weights.outputs.clear()
+
+
+def _restart_all(weights: WeightPlan) -> None:
     if weights.from_outputs:
         _grad_into(weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs])
     for node, work in weights.points.items():
@@ -318,9 +372,6 @@ def backward_weight(weights: WeightPlan) -> None:
                  if f is not None]
         if flows:  # the parameter-only part of the graph: no B node runs here
             _grad_into(work.shared, [e for e, _ in flows], [f for _, f in flows])
-    weights.points.clear()
-    weights.captured.clear()
-    weights.outputs.clear()
 
 
 def _grad_into(params: list, edges: list, grads: list) -> None:

@@ -160,6 +160,13 @@ class StageWorker:
         slot = self._check(Task(Kind.B, mb), _State.F_DONE)
         return requires_grad_bits(slot.output)
 
+    def evaluate(self, x, targets=None):
+        """F without a graph (evaluation): (output, unscaled loss on the last stage, else None). Keeps
+        nothing and checks no task order: it is no part of a training iteration."""
+        with torch.no_grad():
+            out = self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
+            return out, self.loss_fn(out, targets) if self.is_last and targets is not None else None
+
     def backward(self, mb: int, grad_output=None):
         """B(mb). Returns the gradient for the stage input in the input's structure: a tensor (or
         None) for a lone tensor, else a tuple with None where no gradient exists; None on the first stage.

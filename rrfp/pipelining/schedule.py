@@ -43,15 +43,13 @@ import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
-from rrfp.comm.message import Message
-from rrfp.core.errors import ProtocolError, StartupError
+from rrfp.core.errors import StartupError
 from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.tasks import Kind
 from rrfp.loop.background import BackgroundLoop
-from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.executor import IterationResult
+from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.workload import map_tensors
@@ -128,7 +126,16 @@ class ScheduleReady:
     ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
     waits on a silent peer before it names it; ``tied`` declares parameters shared with other
-    stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor). Every rank must construct it, in the same order
+    stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor);
+    ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
+    ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
+    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``: when
+    the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the gradients
+    over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients are final), so
+    they equal one process's over the whole batch of every replica; a no-op when dp = 1. ``split``
+    (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``)
+    are ``stage_executor``'s; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
+    microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
     """
@@ -142,12 +149,13 @@ class ScheduleReady:
         return {}
 
     def _features(self) -> list[dict] | None:
-        """This step's microbatch features, for a cost model's emulated durations."""
-        return None
+        """This step's microbatch features (``step(cost_features=)``), for the cost model."""
+        return self._step_features
 
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
-                 dispatch: str = "ready", timeout_s: float = 60.0, tied=None) -> None:
+                 dispatch: str = "ready", timeout_s: float = 60.0, tied=None, on_nonfinite: str | None = "stop",
+                 dp_sync: bool = False, split: bool | None = None, cost=None) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -155,9 +163,14 @@ class ScheduleReady:
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
-        self._settings = dict(budget=budget, dispatch=dispatch, tied=_under_submod(tied))
-        self._hint, self._split = resolve(hint), None  # split None: the hint's default
+        self._settings = dict(budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite,
+                              tied=_under_submod(tied))
+        self._hint, self._split = resolve(hint), split  # split None: the hint's default
+        if cost is not None:
+            self._settings["cost"] = cost
+        self._step_features: list[dict] | None = None
         self._modules = [_StageCall(s.submod) for s in stages]
+        self._dp_sync, self._sync = dp_sync, None
         self._loss = _Loss(loss_fn)
         self._iteration = 0
         self.last_result: IterationResult | None = None
@@ -181,10 +194,16 @@ class ScheduleReady:
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
-             target_mbs: list | None = None, **kwargs):
+             target_mbs: list | None = None, cost_features: list | None = None, **kwargs):
         """One iteration over the whole batch ``args``/``kwargs`` (split here), or over pre-split
         microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
-        one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage."""
+        one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage.
+        ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every rank."""
+        if self._has_backward and "cost" in self._settings and cost_features is None:
+            raise ValueError(f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
+                             f"cost_features=[rrfp.token_features(b) for b in microbatches], one dict per "
+                             f"microbatch ({self._n_microbatches}), the same list on every rank")
+        self._step_features = cost_features
         if self._closed:
             raise RuntimeError("ScheduleReady.step after close()")
         if self._has_backward and not torch.is_grad_enabled():
@@ -275,9 +294,19 @@ class ScheduleReady:
     # -- internals -----------------------------------------------------------
 
     def _new_executor(self):
-        return self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
-                                            hint=self._hint, split=self._split, **self._settings,
-                                            **self._emulation())
+        ex = self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
+                                          hint=self._hint, split=self._split, **self._settings, **self._emulation())
+        if self._dp_sync:
+            held = self._modules[0] if len(self._modules) == 1 else torch.nn.ModuleList(self._modules)
+            self._sync = self._runtime.grad_sync(held, ex)
+        return ex
+
+    async def _iterate(self, batches, state: ThreadState):
+        """One iteration under the caller's thread state, then (dp_sync) the gradients averaged over the replicas."""
+        result = await self._executor.run_iteration(self._iteration, batches, self._features(), thread_state=state)
+        if self._sync is not None:
+            await self._sync.sync()
+        return result
 
     def _merge(self, outputs: list, presplit: bool):
         """torch's merge_chunks; pre-split microbatches whose outputs differ in shape cannot be
@@ -330,10 +359,12 @@ class ScheduleReady:
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
         held = _take_grads(self._modules)
         try:
-            self.last_result = self._loop.call(self._executor.run_iteration(self._iteration, batches,
-                                                                                 self._features(), thread_state=state))
+            self.last_result = self._loop.call(self._iterate(batches, state))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
+        if self.last_result.skipped:  # on_nonfinite = "skip": no gradient at all, the held ones included
+            for p in _parameters(self._modules):
+                p.grad = None
         last = [w for w in self._executor.workers if w.is_last]
         losses = [last[0].losses[mb] for mb in range(M)] if last else []
         outputs = [self._loss.outputs[mb] for mb in range(M)] if keep else []
@@ -342,51 +373,22 @@ class ScheduleReady:
 
     async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool,
                             state: ThreadState):
-        """Forward only (eval, or no loss_fn): microbatches in order, each through this rank's stages
-        in model order. Every rank runs it in the same step, in the one global order (microbatch,
-        then stage), so one message per microbatch and channel suffices and no rank waits on a
-        peer that waits on it; a neighbour on this rank (the V turn) gets the output directly."""
+        """Forward only (eval, or no loss_fn), in rrfp/pipeline/forward_pass.py's one global order,
+        under the caller's thread state."""
         rt = self._runtime
         held = {s.stage_index: m for s, m in zip(self._stages, self._modules)}
-        outputs, losses = [], []
 
-        def forward(module, x, last: bool, mb: int):
+        def forward(s: int, x, mb: int):
             with torch.set_grad_enabled(grad):
-                out = module(*x) if isinstance(x, tuple) else module(x)
+                out = held[s](*x) if isinstance(x, tuple) else held[s](x)
                 loss = None
-                if last and self._loss_fn is not None:
+                if s == rt.num_stages - 1 and self._loss_fn is not None:
                     loss = self._loss_fn(out, None if target_mbs is None else target_mbs[mb], **loss_kwargs)
             return out, loss
 
-        for mb in range(self._n_microbatches):
-            handed = None
-            for s, module in held.items():
-                last = s == rt.num_stages - 1
-                if s == 0:
-                    x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb])
-                elif s - 1 in held:
-                    x = handed
-                else:
-                    msg = await rt.rank_channels.of(s).fwd_in.recv()
-                    if (msg.iteration, msg.microbatch, msg.kind) != (it, mb, int(Kind.F)) or not msg.tensors:
-                        raise ProtocolError(f"rank {rt.rank} stage {s}: expected the forward message of "
-                                            f"microbatch {mb}, iteration {it}; got {msg.label()}")
-                    bits = msg.requires_grad or [False] * len(msg.tensors)
-                    x = received(msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors), bits)
-                out, loss = await rt.lane.run(state.wrap(forward), module, x, last, mb)
-                if last:
-                    outputs.append(_detached(out) if not grad else out)
-                    if loss is not None:
-                        losses.append(loss)
-                elif s + 1 in held:  # as a message would deliver it, requires-grad bits included
-                    handed = received(_detached(tuple(out) if isinstance(out, (tuple, list)) else out),
-                                      requires_grad_bits(out))
-                else:
-                    tensors = list(out) if isinstance(out, (tuple, list)) else [out]
-                    await rt.rank_channels.of(s).fwd_out.send(Message(it, mb, int(Kind.F),
-                                                                      [_detached(t) for t in tensors],
-                                                                      requires_grad_bits(out)))
-        return outputs, losses
+        return await forward_only(rt.lane, rt.rank_channels.of, list(held), rt.num_stages, rt.rank, it,
+                                  self._n_microbatches, lambda mb: _first_inputs(arg_mbs[mb], kwarg_mbs[mb]),
+                                  state.wrap(forward), keep_graph=grad)
 
 
 def _first_inputs(args: tuple, kwargs: dict):

@@ -69,7 +69,8 @@ class RrfpRunner:
         self._recorder = TraceRecorder(ex.name, rt.rank if ex.virtual > 1 else None)
         self._executor = rt.stage_executor(module, workload.loss_fn, microbatches=spec.mb, dispatch=ex.engine,
                                            hint=ex.hint, budget=spec.budget, variability=variability,
-                                           seed=spec.seed, instrument=self._recorder, cost=cost)
+                                           seed=spec.seed, instrument=self._recorder, cost=cost,
+                                           on_nonfinite=None)  # timed: no per-iteration agreement
 
     @property
     def spans(self) -> list[Span]:
