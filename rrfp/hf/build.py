@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from rrfp.hf.extra import require
+from rrfp.hf.families import check_config
 from rrfp.hf.layers import hf_layer_ranges
 from rrfp.hf.safetensors_load import load_stage_tensors
 from rrfp.hf.stage import HFStage
 
 log = logging.getLogger("rrfp.hf")
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 
 
@@ -33,15 +33,6 @@ def module_seed(seed: int, name: str) -> int:
     """The seed of module ``name``'s initial weights: a function of the run's seed and the name only."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def _check_config(config) -> None:
-    transformers = require("transformers")
-    if not isinstance(config, transformers.PretrainedConfig):
-        raise TypeError(f"expected a transformers config (LlamaConfig, Qwen3Config, ...), got {type(config).__name__}")
-    if config.model_type not in FAMILIES:
-        raise NotImplementedError(f"rrfp.hf splits the {', '.join(FAMILIES)} families, not model_type "
-                                  f"{config.model_type!r}")
 
 
 def _meta_model(config, dtype: torch.dtype | None, gradient_checkpointing: bool) -> nn.Module:
@@ -88,7 +79,7 @@ def build_hf_model(config, *, seed: int = 0, dtype: torch.dtype | None = None,
                    gradient_checkpointing: bool = False) -> nn.Module:
     """The whole ``*ForCausalLM`` on the CPU, initialised as ``build_hf_stage`` initialises its stages:
     the one-process reference of a pipeline built from the same seed."""
-    _check_config(config)
+    check_config(config)
     model = _meta_model(config, dtype, gradient_checkpointing)
     model.to_empty(device="cpu")
     if _tied(config):
@@ -109,7 +100,7 @@ def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | No
     ``model.safetensors.index.json``: only this stage's tensors are read. Without it the weights are
     the seeded init (``build_hf_model``'s). ``gradient_checkpointing``: HF's activation checkpointing
     on each decoder layer (non-reentrant)."""
-    _check_config(config)
+    check_config(config)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an integer in [0, {num_stages}), got {stage!r}")
     mine = hf_layer_ranges(config.num_hidden_layers, num_stages, layers)[stage]
