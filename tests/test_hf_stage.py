@@ -44,6 +44,7 @@ def test_first_stage_alone_equals_the_whole_models_slice():
                                                            "model.layers.1."))}
     for name, p in mine.items():
         assert p.dtype == torch.float64 and torch.equal(p, whole[name]), name
+    assert not torch.equal(mine["model.layers.0.mlp.up_proj.weight"], mine["model.layers.1.mlp.up_proj.weight"])
     other = params(build_hf_model(cfg, seed=8, dtype=torch.float64))
     assert not torch.equal(mine["model.layers.1.mlp.up_proj.weight"], other["model.layers.1.mlp.up_proj.weight"])
 
