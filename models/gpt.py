@@ -5,8 +5,9 @@ The full model is built once from a seed (same init whatever the split), then
 model with the other layers removed, so parameter names stay those of the full
 model (``transformer.h.3.mlp.c_fc.weight``) and gradients compare by name.
 
-Under pipeline parallelism rrfp keeps the lm head untied from the token embedding:
-they live on different stages, and tying would need an extra gradient exchange.
+With ``tie_embeddings`` the lm head and the token embedding are one parameter; under pipeline
+parallelism they live on different stages, each holding a copy, and ``tied`` declares the pair
+to rrfp, which keeps the copies equal (their gradients summed after every iteration).
 
 Tensor parallelism (``make_stage(..., tp_group=g)``, Megatron style): in every
 block of the stage, attn.c_attn and mlp.c_fc become column-parallel, attn.c_proj
@@ -233,9 +234,6 @@ class GPTStage(nn.Module):
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         self.tp, self.tp_rank = group_size_rank(tp_group)
         validate_tp(cfg, self.tp)
-        if num_stages > 1 and cfg.tie_embeddings:
-            raise ValueError("tied embeddings across pipeline stages are not supported; "
-                             "set tie_embeddings=false")
         self.config, self.stage, self.num_stages = cfg, stage, num_stages
         self.layers = split_layers(cfg.n_layer, num_stages)[stage]
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -294,4 +292,14 @@ def build_stage(cfg: GPTConfig, stage: int, num_stages: int, tp_group=None) -> G
     return make_stage(GPT(cfg), stage, num_stages, tp_group=tp_group)
 
 
-workload = Workload("gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check)
+def tied(cfg: GPTConfig, stage: int, num_stages: int) -> dict[str, str]:
+    """The tie ``stage`` holds: with ``tie_embeddings``, the token embedding on the first stage and the
+    lm head on the last are one parameter (nothing to declare when one stage holds both)."""
+    if not cfg.tie_embeddings or num_stages == 1:
+        return {}
+    if stage == 0:
+        return {"embedding": "transformer.wte.weight"}
+    return {"embedding": "lm_head.weight"} if stage == num_stages - 1 else {}
+
+
+workload = Workload("gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied)

@@ -161,6 +161,8 @@ ROWS = [
     Row("config", "`timeout_s = inf`", _sets("timeout_s=inf"), "run.timeout_s must be a finite number"),
     Row("config", "`lr = nan`", _sets("lr=nan"), "run.lr must be a finite number"),
     Row("config", "`weight_decay = -1`", _sets("weight_decay=-1"), "run.weight_decay"),
+    Row("config", "`clip_grad_norm = -1`", _sets("clip_grad_norm=-1"), "run.clip_grad_norm must be >= 0"),
+    Row("config", "`clip_grad_norm = inf`", _sets("clip_grad_norm=inf"), "run.clip_grad_norm must be a finite"),
     Row("config", "`threads = 100000`", _sets("threads=100000"), "[1, 1024]"),
     Row("config", "`model = \".gpt\"`", _sets('model=".gpt"'), "is not a workload name"),
     Row("config", "`model = \"../x\"`", _sets('model="../x"'), "is not a workload name"),

@@ -56,6 +56,7 @@ class RunConfig:
     # linear warmup: the learning rate rises from 0 at step 0 to lr at this step (0 = none), constant after
     warmup_steps: int = 0
     weight_decay: float = 0.0
+    clip_grad_norm: float = 0.0  # clip the whole model's gradient norm to this before each step; 0 = off
     seed: int = 0
     preset: str = "none"  # variability model for emulated device time
     unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
@@ -107,7 +108,7 @@ class RunConfig:
             raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
         if self.preset not in PRESETS:
             raise ConfigError(f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
-        for name in ("lr", "weight_decay", "unit_ms", "timeout_s"):
+        for name in ("lr", "weight_decay", "unit_ms", "timeout_s", "clip_grad_norm"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
         for name, positive in (("lr", True), ("timeout_s", True), ("unit_ms", False)):
@@ -115,6 +116,8 @@ class RunConfig:
             if value < 0 or (positive and value == 0):
                 raise ConfigError(f"run.{name} must be {'> 0' if positive else '>= 0 (0: no emulated time)'}, "
                                   f"got {value:g}")
+        if self.clip_grad_norm < 0:
+            raise ConfigError(f"run.clip_grad_norm must be >= 0 (0: no clipping), got {self.clip_grad_norm:g}")
         if self.hint.planned and self.unit_ms == 0 and self.cost is None:  # the preset's lengths are made up
             raise ConfigError("run.hint = plan in real time (run.unit_ms = 0) has no task costs to plan on: run "
                               "`rrfp calibrate` and give run.cost = FILE, or set run.unit_ms > 0 to emulate "

@@ -40,6 +40,7 @@ class StepReport:
     bubble: float
     wall_s: float
     skipped: bool = False  # a NaN/Inf somewhere: no rank stepped (run.on_nonfinite = "skip")
+    grad_norm: float | None = None  # with run.clip_grad_norm: the whole model's gradient norm before clipping
 
 
 @dataclass
@@ -57,6 +58,7 @@ class TrainSummary:
     stop_requests: int = 0  # ... seen on this many ranks when they agreed to stop
     abandoned: bool = False  # ... abandoning step stopped_at + 1 midway, its gradients discarded
     skipped: list[int] = field(default_factory=list)  # steps (0-based) whose update was skipped: NaN/Inf
+    grad_norms: list[float] = field(default_factory=list)  # with run.clip_grad_norm: each step's, before clipping
 
 
 async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | None = None,
@@ -93,7 +95,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
         recorder = TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None) if run.trace else None
         ex = rt.stage_executor(modules if len(modules) > 1 else module, wl.loss_fn, microbatches=run.microbatches,
                                dispatch=run.dispatch, hint=run.hint, budget=run.budget, split=run.split,
-                               variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost)
+                               variability=run.variability, seed=run.seed, instrument=recorder, cost=run.cost,
+                               tied=[wl.tied(cfg.model, s, rt.num_stages) for s in rt.stages] if wl.tied else None)
         sync = rt.grad_sync(module, ex)
         fault_stage = run.fault.stage if run.fault is not None and run.fault.stage in rt.stages else rt.stage
         injector = FaultInjector.for_rank(run.fault, rt.rank, fault_stage)  # testing aid, normally None
@@ -167,10 +170,14 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                     summary.checkpoint = str((await ckpts.save(step, rng=at_start)).path)
                 rt.abandoned = True
                 break
+            grad_norm = None
             if nonfinite:
                 await _nonfinite(rt, run.on_nonfinite, step, bad)
                 summary.skipped.append(step)
+                grad_norm = math.nan if run.clip_grad_norm else None
             else:
+                if run.clip_grad_norm:  # every rank is here together: none abandoned the step or saw a NaN
+                    grad_norm = await rt.clip_grad_norm_(run.clip_grad_norm)
                 for opt in opts:
                     for group in opt.param_groups:
                         group["lr"] = learning_rate(run.lr, run.warmup_steps, step)
@@ -180,9 +187,11 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
             loss /= run.tp * run.dp  # every TP rank of the last stage of every replica adds its loss
             tokens /= run.tp
             report = StepReport(step, run.steps, loss, tokens / (wall / world), StageStats(busy, wall).bubble,
-                                wall / world, skipped=bool(nonfinite))
+                                wall / world, skipped=bool(nonfinite), grad_norm=grad_norm)
             summary.losses.append(loss)
             summary.wall_s.append(report.wall_s)
+            if grad_norm is not None:
+                summary.grad_norms.append(grad_norm)
             if res.plan is not None:
                 summary.plan_s.append(res.plan.plan.seconds)
                 summary.plan_waited_s.append(res.plan.waited_s)

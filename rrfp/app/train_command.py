@@ -28,7 +28,8 @@ from rrfp.pipeline.checkpoint_dir import CheckpointDir
 def _print_step(r: StepReport) -> None:
     eta = (r.steps - r.step - 1) * r.wall_s
     skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
-    print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}  {r.tokens_per_s:,.0f} tok/s  "
+    norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""
+    print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}  {r.tokens_per_s:,.0f} tok/s  "
           f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}", flush=True)
 
 

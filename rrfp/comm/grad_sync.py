@@ -52,6 +52,7 @@ class GradSync:
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
         self.buckets = self._bucket()
         self._final, self._M = Kind.B, 0  # attach() sets them from the executor
+        self._ties = None  # the executor's tied parameters: summed after the averaging (attach)
         self._reset()
         self.launched_early = 0  # buckets launched before sync() was called, over all iterations
 
@@ -97,6 +98,9 @@ class GradSync:
             self._final = Kind.W if executor.settings.split else Kind.B
             self._M = executor.M * len(executor.workers)
             executor.on_task_done.append(self._task_done)
+            ties = getattr(executor, "ties", None)
+            if ties is not None:  # the buckets hold the gradients of before the tie sum: sum after averaging
+                ties.deferred, self._ties = True, ties
 
     def _task_done(self, task: Task) -> None:
         if task.kind is self._final:
@@ -168,6 +172,8 @@ class GradSync:
                         mean = flat[offset:offset + size].view_as(p)
                         p.grad = None if not used else mean.to_sparse(sparse[i]) if i in sparse else mean.clone()
                         offset += size
+            if self._ties is not None:  # the mean of the sums is the sum of the means
+                await self._ties.sum_grads()
             if self.lane is not None:
                 self.lane.caller_waits()  # the optimizer step runs after the averaged gradients exist
         finally:

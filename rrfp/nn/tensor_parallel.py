@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from rrfp.nn.split_linear import init_like_linear, linear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_from_full", "group_size_rank"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_from_full", "group_size_rank", "sharded_parameters"]
 
 
 def group_size_rank(group) -> tuple[int, int]:
@@ -204,3 +204,11 @@ class RowParallelLinear(_TPLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = None if self.group is None else partial(_all_reduce, group=self.group)
         return linear(x, self.weight, self.bias, reduce)
+
+
+def sharded_parameters(module: nn.Module) -> set[int]:
+    """The ids of ``module``'s parameters that are TP shards (each TP rank holds a different part);
+    every other parameter is replicated across the TP group, whole and with the same gradient."""
+    return {id(p) for m in module.modules() if isinstance(m, _TPLinear) and m.tp > 1
+            for name, dim in m.shard_dims.items() if dim is not None
+            for p in [getattr(m, name)] if p is not None}

@@ -137,6 +137,7 @@ class StageExecutor:
         # the peers this stage waits for are doing
         self.liveness = liveness
         self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
+        self.ties = None  # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
 
     def _spec(self, hint: Hint):
         """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
@@ -192,6 +193,8 @@ class StageExecutor:
             failed = the_cause(group)
         if failed is not None:  # raised outside the handler, so that it does not chain the group it was in
             raise failed
+        if self.ties is not None and not self.ties.deferred:  # with DP, GradSync.sync sums them after averaging
+            await self.ties.sum_grads()
         result.plan = report
         return result
 

@@ -28,6 +28,7 @@ from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import create_rank_channels
+from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt
@@ -40,8 +41,10 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
+from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.runtime")
@@ -208,12 +211,17 @@ class PipelineRuntime:
                        dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
                        budget: Budget | str | int = "2x", split: bool | None = None,
                        variability: Variability | None = None, seed: int = 0,
-                       instrument: Instrument | None = None, cost=None) -> StageExecutor:
+                       instrument: Instrument | None = None, cost=None, tied=None) -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
         microbatches' ``features``: without them it is a ValueError. With virtual stages,
-        ``module`` is a list: one module for each of ``rt.stages``, in that order."""
+        ``module`` is a list: one module for each of ``rt.stages``, in that order.
+
+        ``tied``: parameters shared with other stages, ``{tie name: qualified parameter name}``
+        (one dict looked up in each module, or a list of one per module); the copies are made
+        equal here and their gradients summed after every iteration (rrfp/pipeline/ties.py).
+        Collective: every rank calls it, in the same order, ties or not."""
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         if len(modules) != len(self.stages):
             raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
@@ -228,8 +236,10 @@ class PipelineRuntime:
         agreement = (TPAgreement(self.tp_control, microbatches, self.poller,
                                  self.stages if len(self.stages) > 1 else None)
                      if self.tp_control is not None else None)
+        ties = Ties.setup(self, modules, tied)
         ex = StageExecutor(workers, self.channels if len(workers) == 1 else self.rank_channels, self.lane, settings,
                            self.rank, instrument, self.unit_s, agreement, stages=self.virtual, liveness=self.heartbeat)
+        ex.ties = ties if ties.ties else None
         self._executors.append(ex)
         return ex
 
@@ -242,6 +252,29 @@ class PipelineRuntime:
         if executor is not None:
             sync.attach(executor)
         return sync
+
+    async def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by their
+        total ``norm_type`` norm, and return that norm, the same on every rank: each parameter counted
+        once (TP shards by their parts, a TP-replicated one and a tie once, DP replicas once), over the
+        modules of every executor this runtime made. Collective: every rank calls it. Call it after the
+        DP gradient sync (``rrfp train`` and ``grad_sync(module, executor)`` do it inside the iteration,
+        finished by ``sync()``), or the replicas' norms differ. A non-finite norm is returned and not
+        applied: the gradients stay as they are."""
+        counts, scaled, seen = [], [], set()
+        for ex in self._executors:
+            uncounted = ex.ties.uncounted if ex.ties is not None else set()
+            for w in ex.workers:
+                sharded = sharded_parameters(w.module)
+                for p in w.module.parameters():
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    scaled.append(p)
+                    if self.dp_rank == 0 and id(p) not in uncounted and (self.tp_rank == 0 or id(p) in sharded):
+                        counts.append(p)
+        return await clip_grad_norm(self.poller, counts, scaled, max_norm, norm_type, self.cpu_group,
+                                    what=f"gradient norm (ranks 0-{self.layout.world_size - 1})")
 
     async def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "world all-reduce"
                          ) -> torch.Tensor:

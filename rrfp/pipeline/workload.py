@@ -54,6 +54,9 @@ class Workload:
     check: Callable[[Any, Any, int, int], None] = _no_check
     # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
     features: Callable[[Batch], dict] = token_features
+    # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter name}:
+    # parameters shared between stages (a tied embedding and lm head), kept equal by rrfp
+    tied: Callable[[Any, int, int], dict[str, str]] | None = None
 
     def build_stages(self, model_cfg: Any, stages: Sequence[int], num_stages: int, seed: int,
                      tp_group: Any = None) -> list[nn.Module]:

@@ -102,6 +102,15 @@ class _Loss:
         return self.loss_fn(output, target.value, **self.kwargs)
 
 
+def _under_submod(tied):
+    """``tied=`` names relative to the user's stage module, as ScheduleReady registers it (``submod``)."""
+    if isinstance(tied, dict):
+        return {k: f"submod.{v}" if isinstance(v, str) else v for k, v in tied.items()}
+    if isinstance(tied, (list, tuple)):
+        return [_under_submod(d) for d in tied]
+    return tied
+
+
 def _detached(value):
     return map_tensors(torch.Tensor.detach, value)
 
@@ -134,7 +143,7 @@ class ScheduleReady:
 
     def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
                  output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
-                 dispatch: str = "ready", timeout_s: float = 60.0) -> None:
+                 dispatch: str = "ready", timeout_s: float = 60.0, tied=None) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -142,7 +151,7 @@ class ScheduleReady:
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
-        self._settings = dict(budget=budget, dispatch=dispatch)
+        self._settings = dict(budget=budget, dispatch=dispatch, tied=_under_submod(tied))
         self._hint, self._split = resolve(hint), None  # split None: the hint's default
         self._modules = [_StageCall(s.submod) for s in stages]
         self._loss = _Loss(loss_fn)
@@ -224,6 +233,14 @@ class ScheduleReady:
             self._executor = self._new_executor()
 
     load_csv = _load_csv
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the whole model's gradients (every stage of every rank) to ``max_norm`` by their total norm,
+        and return it, the same on every rank (``PipelineRuntime.clip_grad_norm_``). Collective: every rank
+        calls it, after ``step`` (and after any DP gradient sync); a non-finite norm is not applied."""
+        if self._closed:
+            raise RuntimeError("ScheduleReady.clip_grad_norm_ after close()")
+        return self._loop.call(self._runtime.clip_grad_norm_(max_norm, norm_type))
 
     # -- lifetime ------------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""Parameters shared between stages (``tied=``), on real gloo ranks in float64: a GPT whose token
+embedding and lm head are one parameter trains, over several AdamW steps, exactly as one process with
+the truly tied model, whichever ranks hold the two copies; the global norm counts a tie once; a tie
+that differs in shape is refused on every rank, and a forgotten one is hinted at."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distributed import run_ranks
+
+M, STEPS = 2, 3
+
+
+def _gpt_ties(stage, num_stages):
+    from models.gpt import GPTConfig, tied
+
+    return tied(GPTConfig(tie_embeddings=True), stage, num_stages)
+
+
+def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
+    import logging
+
+    import torch
+
+    from models.data import DataConfig, batches as make_batches
+    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
+    from rrfp.loop import run
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    torch.set_default_dtype(torch.float64)
+    cfg = GPTConfig(n_layer=pp * virtual, n_embd=16, n_head=2, block_size=32, vocab_size=256, tie_embeddings=True)
+    data_cfg = DataConfig(seed=7, microbatch_size=2, min_seq_len=4, max_seq_len=12)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("rrfp.pipeline.ties").addHandler(handler)
+
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    assert ref.lm_head.weight is ref.transformer.wte.weight
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    ref_losses, ref_norms = [], []
+    for step in range(STEPS):
+        data = make_batches(data_cfg, step, M * dp)
+        loss = sum(loss_fn(ref(x), y) for x, y in data) / len(data)
+        loss.backward()
+        if clip:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    want = ref.state_dict()  # lm_head.weight and transformer.wte.weight: the one tensor
+
+    async def main():
+        rt = PipelineRuntime.start(pp=pp, dp=dp, timeout_s=60, virtual=virtual, placement=placement)
+        try:
+            torch.manual_seed(0)
+            full = GPT(cfg)
+            modules = [make_stage(full, s, rt.num_stages) for s in rt.stages]
+            for m in modules:  # the last stage starts from other values: the setup makes the copies equal
+                for n, p in m.named_parameters():
+                    if n == "lm_head.weight" and declare == "ties":
+                        p.data.normal_()
+            tied = {"ties": [_gpt_ties(s, rt.num_stages) for s in rt.stages], "none": None,
+                    "shapes": [{"e": "transformer.wte.weight"} if s == 0 else
+                               {"e": "transformer.ln_f.weight"} if s == rt.num_stages - 1 else {}
+                               for s in rt.stages]}[declare]
+            ex = rt.stage_executor(modules, loss_fn, microbatches=M, tied=tied)
+            sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
+            params = list({id(p): p for m in modules for p in m.parameters()}.values())
+            opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
+            losses, norms = [], []
+            for step in range(STEPS):
+                mine = make_batches(data_cfg, step, M * dp)[rt.dp_rank * M:(rt.dp_rank + 1) * M]
+                res = await ex.run_iteration(step, mine)
+                await sync.sync()
+                if clip:
+                    norms.append(await rt.clip_grad_norm_(clip))
+                opt.step()
+                opt.zero_grad()
+                losses.append(res.loss)
+            err = max((p - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters())
+            # a DP replica's loss is over its own microbatches: with dp > 1 the parameters carry the check
+            return {"losses": losses if dp == 1 else [None] * STEPS, "norms": norms, "err": err,
+                    "warnings": warnings}
+        finally:
+            await rt.aclose()
+
+    try:
+        out = run(main())
+    except ValueError as e:
+        return {"error": str(e)}
+    out.update(ref_losses=ref_losses, ref_norms=ref_norms)
+    return out
+
+
+def _check(results):
+    for rank, r in results.items():
+        assert r["err"] < 1e-10, f"rank {rank}: parameters differ from the tied model by {r['err']}"
+        for got, want in zip(r["losses"], r["ref_losses"]):
+            assert got is None or abs(got - want) < 1e-10, (rank, r["losses"], r["ref_losses"])
+        assert len(r["norms"]) == len(r["ref_norms"])
+        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (rank, r)
+        assert not r["warnings"], r["warnings"]  # a declared tie is no forgotten one
+
+
+
+def test_tied_embedding_pp4_interleaved_v2_first_and_last_on_ranks_0_and_3():
+    _check(run_ranks(_tied, 4, 4, 1, 2, "interleaved", 0.0, timeout=180))
+
+
+def test_tied_embedding_pp2_clipping_counts_the_tie_once():
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.05, timeout=120)
+    _check(results)
+    assert all(n > 0.05 for n in results[0]["ref_norms"]), "the test must clip"
+
+
+def test_tied_embedding_v_placement_two_parameters_on_one_rank():
+    _check(run_ranks(_tied, 2, 2, 1, 2, "v", 0.0, timeout=120))
+
+
+def test_tied_embedding_pp2_dp2_sums_after_the_dp_average():
+    _check(run_ranks(_tied, 4, 2, 2, 1, "interleaved", 0.0, timeout=180))
+
+
+def test_tied_pair_of_different_shapes_is_refused_on_every_rank():
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "shapes", timeout=120)
+    for rank, r in results.items():
+        assert "tie 'e'" in r.get("error", "") and "differ in shape" in r["error"], (rank, r)
+
+
+def test_forgotten_tie_is_one_warning_naming_both():
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "none", timeout=120)
+    assert results[1]["warnings"] == []
+    (line,) = results[0]["warnings"]
+    assert "transformer.wte.weight" in line and "lm_head.weight" in line, line

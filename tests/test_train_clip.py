@@ -1,0 +1,77 @@
+"""``rrfp train`` with run.clip_grad_norm, on real gloo ranks in float64: each step's reported gradient
+norm and every loss match one process training the whole model with torch.nn.utils.clip_grad_norm_
+and AdamW; a NaN step (run.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from distributed import run_ranks
+
+STEPS, CLIP = 4, 0.05
+SETS = [f"steps={STEPS}", "microbatches=2", "timeout_s=30", "model.n_embd=16", "model.n_head=2",
+        "model.block_size=32", "model.n_layer=2", "data.microbatch_size=2", "data.min_seq_len=4",
+        "data.max_seq_len=16", f"clip_grad_norm={CLIP}", "on_nonfinite=skip"]
+
+
+def _reference(world: int, dp: int, nan_step: int | None):
+    """The whole model in this process: (losses, norms), norm NaN and no update at ``nan_step`` (1-based)."""
+    import torch
+
+    from rrfp.app.config import TrainConfig
+
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}"], world_size=world)
+    wl, run = cfg.workload, cfg.run
+    torch.manual_seed(run.seed)
+    model = wl.build_stage(cfg.model, 0, 1, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+    losses, norms = [], []
+    for step in range(STEPS):
+        batch = wl.batches(cfg.data, step, run.microbatches * dp)
+        loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
+        loss.backward()
+        if step + 1 == nan_step:
+            norms.append(math.nan)
+        else:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def _train(rank, world, dp, nan_step):
+    import torch
+
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.train import stage_main
+    from rrfp.loop import run
+
+    torch.set_default_dtype(torch.float64)
+    fault = [f"fault=nan:step={nan_step}:stage=1"] if nan_step else []
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault], world_size=world)
+    summary = run(stage_main(cfg))
+    return summary.losses, summary.grad_norms, summary.skipped, _reference(world, dp, nan_step)
+
+
+def _check(results, nan_step=None):
+    for rank, (losses, norms, skipped, (want_losses, want_norms)) in results.items():
+        assert all(n > CLIP for n in want_norms if not math.isnan(n)), "the test must clip"
+        assert skipped == ([nan_step - 1] if nan_step else []), (rank, skipped)
+        assert len(norms) == STEPS, (rank, norms)
+        for got, want in zip(norms, want_norms):
+            assert (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-10), \
+                (rank, norms, want_norms)
+        worst = max(abs(a - b) for a, b in zip(losses, want_losses))
+        assert worst < 1e-10, f"rank {rank}: losses differ from the reference by {worst}: {losses} {want_losses}"
+
+
+@pytest.mark.timeout(200)
+def test_train_pp2_dp2_clips_by_the_global_norm():
+    _check(run_ranks(_train, 4, 2, None, timeout=180))
+
+
+@pytest.mark.timeout(200)
+def test_train_nonfinite_step_reports_nan_norm_and_goes_on():
+    _check(run_ranks(_train, 2, 1, 2, timeout=180), nan_step=2)
