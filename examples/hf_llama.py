@@ -5,7 +5,9 @@ ScheduleReady on N gloo ranks, one pipeline stage each:
 
 Each rank builds only its stage (``rrfp.build_hf_stage``: its decoder layers, plus the embedding
 on the first rank and the final norm and LM head on the last), with HF's activation
-checkpointing, and trains with AdamW and a linear warmup of the learning rate. A step's
+checkpointing, and trains with AdamW, the whole model's gradient norm clipped, and a linear warmup
+of the learning rate. ``tied=module.ties`` declares a tied embedding and LM head (none for Llama's
+default config). A step's
 microbatches differ in length (17, 33, 25 and 40 tokens): only the hidden state travels, each
 stage rebuilds rotary and the causal mask from the positions. The last rank prints the losses.
 """
@@ -17,7 +19,7 @@ import rrfp
 from rrfp import ScheduleReady
 
 LENGTHS = (17, 33, 25, 40)  # one step's microbatches, in tokens
-ROWS, STEPS, LR, WARMUP = 2, 6, 3e-3, 2
+ROWS, STEPS, LR, WARMUP, CLIP = 2, 6, 3e-3, 2, 1.0
 
 
 def config():
@@ -47,12 +49,13 @@ def main() -> None:
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     opt = torch.optim.AdamW(module.parameters(), lr=LR)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
-    with ScheduleReady(stage, len(LENGTHS), loss_fn=loss_fn) as schedule:
+    with ScheduleReady(stage, len(LENGTHS), loss_fn=loss_fn, tied=module.ties) as schedule:
         for step in range(STEPS):
             mbs = microbatches(step)
             losses: list = []
             schedule.step(arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
                           target_mbs=[y for _, y in mbs] if rank == world - 1 else None, losses=losses)
+            schedule.clip_grad_norm_(CLIP)  # collective: every rank, after step
             opt.step()
             warmup.step()
             opt.zero_grad()

@@ -115,4 +115,9 @@ def build_model(cfg: HFConfig, seed: int) -> torch.nn.Module:
                                gradient_checkpointing=cfg.gradient_checkpointing)
 
 
-workload = rrfp.Workload("hf", HFConfig, DataConfig, build_stage, loss_fn, batches, check)
+def tied(cfg: HFConfig, stage: int, num_stages: int) -> dict[str, str]:
+    """With tie_word_embeddings: the first stage's embedding and the last stage's head are one weight."""
+    return rrfp.hf_ties(cfg, stage, num_stages)
+
+
+workload = rrfp.Workload("hf", HFConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied)

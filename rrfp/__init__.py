@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
     from rrfp.sim.planning import planned_config
-    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges
+    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges, hf_ties
 
 # public name -> the module that defines it
 _HOMES = {
@@ -79,6 +79,7 @@ _HOMES = {
     "build_hf_model": "rrfp.hf",
     "hf_layer_ranges": "rrfp.hf",
     "hf_config": "rrfp.hf",
+    "hf_ties": "rrfp.hf",
 }
 
 __all__ = [
@@ -87,7 +88,7 @@ __all__ = [
     "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
     "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
     "token_features",
-    "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges",
+    "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties",
 ]
 
 

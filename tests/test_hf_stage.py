@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 from safetensors.torch import save_file  # noqa: E402
 
-from rrfp.hf import build_hf_model, build_hf_stage, hf_layer_ranges  # noqa: E402
+from rrfp.hf import build_hf_model, build_hf_stage, hf_layer_ranges, hf_ties  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
@@ -204,3 +204,12 @@ def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "rrfp.hf needs transformers" in out.stdout and "pip install 'rrfp[hf]'" in out.stdout, out.stdout
+
+
+def test_ties_declare_the_embedding_and_head_across_stages_only():
+    cfg = qwen3(tie_word_embeddings=True)
+    assert [build_hf_stage(cfg, s, 3).ties for s in range(3)] == [
+        {"embedding": "model.embed_tokens.weight"}, {}, {"embedding": "lm_head.weight"}]
+    assert hf_ties(cfg, 0, 1) == {} and hf_ties(qwen3(tie_word_embeddings=False), 0, 2) == {}
+    alone = build_hf_stage(cfg, 0, 1)
+    assert alone.lm_head.weight is alone.model.embed_tokens.weight

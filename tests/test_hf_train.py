@@ -1,6 +1,7 @@
-"""rrfp train on HF causal LMs (model = "hf"): a tiny Llama and Qwen3 in float64, 4 stages on 2
-gloo ranks (virtual stages), HF activation checkpointing and a warmup of the learning rate,
-equal to the whole model trained on one process with the same seed and data."""
+"""rrfp train on HF causal LMs (model = "hf"): a tiny Llama and Qwen3 (its embedding and LM head tied
+across the first and last stage) in float64, 4 stages on 2 gloo ranks (virtual stages), HF activation
+checkpointing, gradient clipping and a warmup of the learning rate, equal to the whole model trained
+on one process with the same seed and data."""
 import tempfile
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 
 from distributed import run_ranks  # noqa: E402
-from hf_reference import LR, M, STEPS, WARMUP, data_config, model_config, reference  # noqa: E402
+from hf_reference import CLIP, LR, M, STEPS, WARMUP, data_config, model_config, reference  # noqa: E402
 
 
 def _train(rank, world, family, folder, steps=STEPS, resume="off"):
@@ -19,8 +20,9 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
     from rrfp.app.train import stage_main
 
     run = RunConfig(model="hf", pp=world, virtual=2, microbatches=M, steps=steps, lr=LR, warmup_steps=WARMUP,
-                    seed=0, timeout_s=60, checkpoint_dir=folder, resume=resume)
-    return asyncio.run(stage_main(TrainConfig(run, model_config(family), data_config(), world_size=world))).losses
+                    seed=0, timeout_s=60, checkpoint_dir=folder, resume=resume, clip_grad_norm=CLIP)
+    summary = asyncio.run(stage_main(TrainConfig(run, model_config(family), data_config(), world_size=world)))
+    return summary.losses, summary.grad_norms
 
 
 def _saved_parameters(folder: str) -> dict:
@@ -38,16 +40,20 @@ def _saved_parameters(folder: str) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rrfp_train_equals_one_process(family):
-    ref_losses, ref_params = reference(model_config(family), data_config())
+    ref_losses, ref_params, ref_norms = reference(model_config(family), data_config())
     with tempfile.TemporaryDirectory() as folder:
         results = run_ranks(_train, 2, family, folder, timeout=240)
         params = _saved_parameters(folder)
-    losses = results[0]
-    assert results[1] == losses and len(losses) == STEPS
+    losses, norms = results[0]
+    assert results[1] == results[0] and len(losses) == STEPS
+    assert max(ref_norms) > CLIP, f"clipping should act: norms {ref_norms}"
+    norm_diff = max(abs(a - b) for a, b in zip(norms, ref_norms))
+    assert norm_diff < 1e-12, (norms, ref_norms)
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     assert set(params) == set(ref_params)
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
-    print(f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}")
+    print(f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
+          f"norms {norms}, max |norm - ref| {norm_diff:.3g}")
     assert loss_diff < 1e-12 and param_diff < 1e-12, (loss_diff, param_diff)
     assert ref_losses[2] < ref_losses[0], "the reference should learn"
 
@@ -55,11 +61,11 @@ def test_rrfp_train_equals_one_process(family):
 @pytest.mark.timeout(300)
 def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
     """Stopped after step 1 of a 2-step warmup and resumed: steps 2 and 3 are the unbroken run's."""
-    ref_losses, _ = reference(model_config("llama"), data_config())
+    ref_losses = reference(model_config("llama"), data_config())[0]
     first = run_ranks(_train, 2, "llama", str(tmp_path), 1, timeout=240)
     resumed = run_ranks(_train, 2, "llama", str(tmp_path), STEPS, "auto", timeout=240)
-    assert first[0] == ref_losses[:1]
-    assert resumed[0] == ref_losses[1:], (resumed[0], ref_losses)
+    assert first[0][0] == ref_losses[:1]
+    assert resumed[0][0] == ref_losses[1:], (resumed[0][0], ref_losses)
 
 
 def test_learning_rate_warms_up_linearly_from_zero():

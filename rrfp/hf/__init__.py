@@ -9,6 +9,6 @@ given, is read only for the stage's tensors. transformers is the optional extra
 from rrfp.hf.build import build_hf_model, build_hf_stage
 from rrfp.hf.families import FAMILIES, hf_config
 from rrfp.hf.layers import hf_layer_ranges
-from rrfp.hf.stage import HFStage
+from rrfp.hf.stage import HFStage, hf_ties
 
-__all__ = ["FAMILIES", "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges"]
+__all__ = ["FAMILIES", "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties"]

@@ -29,6 +29,17 @@ def layer_types(config) -> list[str]:
     return [SLIDING if sliding else FULL] * config.num_hidden_layers
 
 
+def hf_ties(config, stage: int, num_stages: int) -> dict[str, str]:
+    """The tie ``stage`` holds, as ``tied=`` declares it (``ScheduleReady``, ``stage_executor``): with
+    ``tie_word_embeddings`` the first stage's embedding and the last stage's LM head are one weight
+    (nothing to declare when one stage holds both: it is one Parameter there)."""
+    if not getattr(config, "tie_word_embeddings", False) or num_stages == 1:
+        return {}
+    if stage == 0:
+        return {"embedding": "model.embed_tokens.weight"}
+    return {"embedding": "lm_head.weight"} if stage == num_stages - 1 else {}
+
+
 class HFStage(nn.Module):
     """Layers ``layers`` of a ``*ForCausalLM``. First stage: ``input_ids [b, T]`` in; others: the
     hidden state ``[b, T, C]``. Last stage: logits ``[b, T, vocab]`` out; others: the hidden state,
@@ -51,6 +62,11 @@ class HFStage(nn.Module):
         self.model = body
         if lm_head is not None:
             self.lm_head = lm_head
+
+    @property
+    def ties(self) -> dict[str, str]:
+        """This stage's ``tied=`` declaration (``hf_ties``)."""
+        return hf_ties(self.config, self.stage, self.num_stages)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None):
