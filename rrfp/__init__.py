@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
     from rrfp.sim.planning import planned_config
+    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges, hf_ties
 
 # public name -> the module that defines it
 _HOMES = {
@@ -72,6 +73,13 @@ _HOMES = {
     "StageTracker": "rrfp.core.tracker",
     # a drop-in for torch.distributed.pipelining's schedules
     "ScheduleReady": "rrfp.pipelining",
+    # HuggingFace causal LMs split into stages (the rrfp[hf] extra: transformers loads on first build)
+    "HFStage": "rrfp.hf",
+    "build_hf_stage": "rrfp.hf",
+    "build_hf_model": "rrfp.hf",
+    "hf_layer_ranges": "rrfp.hf",
+    "hf_config": "rrfp.hf",
+    "hf_ties": "rrfp.hf",
 }
 
 __all__ = [
@@ -80,6 +88,7 @@ __all__ = [
     "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
     "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
     "token_features",
+    "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties",
 ]
 
 

@@ -21,3 +21,14 @@ def test_embedded_driver_example():
     assert len(losses) == 4 and losses[-1] < losses[0], p.stdout
     ticks = [int(x) for x in re.findall(r"heartbeat ticked (\d+) times", p.stdout)]
     assert len(ticks) == 2 and min(ticks) > 20, p.stdout
+
+
+@pytest.mark.timeout(180)
+def test_hf_llama_example():
+    pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "examples/hf_llama.py"], cwd=ROOT, capture_output=True, text=True, timeout=170,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, p.stdout

@@ -22,12 +22,14 @@ ALLOWED = {
     "rrfp.comm": {"rrfp.core", "rrfp.loop"},
     "rrfp.nn": set(),
     "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn"},  # sim: planning
+    # HuggingFace causal LMs as stages: above the pipeline (nothing of it needed yet), below the app
+    "rrfp.hf": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
     "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
-                 "rrfp.pipelining"},  # pipelining: the bench runs ScheduleReady beside the executors
+                 "rrfp.pipelining", "rrfp.hf"},  # pipelining: the bench runs ScheduleReady beside the executors
     # torch.distributed.pipelining's schedule surface over the runtime: user-facing glue beside app
     "rrfp.pipelining": {"rrfp.core", "rrfp.loop", "rrfp.comm", "rrfp.pipeline"},
     "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
-             "rrfp.app", "rrfp.pipelining"},  # the package's own __init__ and __main__: the public surface
+             "rrfp.app", "rrfp.pipelining", "rrfp.hf"},  # the package's own __init__ and __main__: the public surface
     "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
 }
 TOP = ("models", "examples", "benchmarks")  # code on top of rrfp: the public surface only

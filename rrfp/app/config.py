@@ -33,7 +33,7 @@ ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed
 RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "virtual": (1, 64), "microbatches": (1, 65536),
               "steps": (1, 10**9), "threads": (1, 1024), "log_every": (1, 10**9), "seed": (0, 2**63 - 1),
               "lr": (0, 100), "weight_decay": (0, 100), "unit_ms": (0, 600_000), "timeout_s": (0, 604_800),
-              "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6)}
+              "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6), "warmup_steps": (0, 10**9)}
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 RESUME_MODES = ("off", "auto", "required")
 AUTOCAST_MODES = ("off", "bfloat16", "float16")
@@ -54,6 +54,8 @@ class RunConfig:
     budget: Budget | str | int = "2x"  # N microbatches, "Nx" (N x 1F1B's), or bytes like "512MiB"
     split: bool | None = None  # None: the hint's default (split for zbh1 and bfw)
     lr: float = 1e-3
+    # linear warmup: the learning rate rises from 0 at step 0 to lr at this step (0 = none), constant after
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     clip_grad_norm: float = 0.0  # clip the whole model's gradient norm to this before each step; 0 = off
     seed: int = 0

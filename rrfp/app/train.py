@@ -184,6 +184,8 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 if run.clip_grad_norm:  # every rank is here together: none abandoned the step or saw a NaN
                     grad_norm = await rt.clip_grad_norm_(run.clip_grad_norm)
                 for opt in opts:
+                    for group in opt.param_groups:
+                        group["lr"] = learning_rate(run.lr, run.warmup_steps, step)
                     opt.step()
             for opt in opts:
                 opt.zero_grad(set_to_none=True)
@@ -228,6 +230,12 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
                 log.info("wrote trace %s", run.trace)
     return summary
+
+
+def learning_rate(lr: float, warmup_steps: int, step: int) -> float:
+    """The learning rate of (0-based) ``step``: rising linearly from 0 over ``warmup_steps`` steps, then
+    ``lr``. A function of the step alone, so a resumed run continues the schedule exactly."""
+    return lr if step >= warmup_steps else lr * step / warmup_steps
 
 
 STOP_POLL_S = 0.05  # how often a step in progress looks at stop(): a loop wake-up, microseconds of work
