@@ -40,6 +40,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
+from rrfp.loop.blocking import in_daemon_thread
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.worker import StageWorker
@@ -269,7 +270,7 @@ class PipelineRuntime:
         # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes its
         # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
         with named_collective("final barrier of every rank", self.cpu_group):
-            await asyncio.to_thread(dist.barrier, self.cpu_group)
+            await in_daemon_thread(dist.barrier, self.cpu_group)
         self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group
         dist.destroy_process_group()
 
