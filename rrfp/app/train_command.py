@@ -163,7 +163,9 @@ def train_command(args) -> int:
         # has exited, and that is no second stop signal to leave on before this rank's line is out
         ignore_stop_signals()
         saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
-                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)")
+                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)"
+                 if not cfg.run.checkpoint_dir else "no checkpoint saved (no step was completed: a run starts at "
+                 "step 0 again)")
         where = "on this rank" if stop.signalled else "on another rank"
         ended = (f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
                  if summary.abandoned else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}")
