@@ -11,6 +11,8 @@ import time
 import traceback
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
@@ -83,6 +85,10 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if not dist.is_initialized():  # still in start-up: no peer waits for this rank, nothing to save
+            os.write(2, f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
+                        f"step; {self._kept()}\n".encode())
+            os._exit(128 + signum)
         if self.signalled:
             if time.monotonic() - self._at < SAME_REQUEST_S:
                 return
@@ -118,8 +124,9 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
-        if rank == 0:  # rank 0 writes run.trace and run.sizes at the end: it probes their folders now
-            check_end_files(cfg.run)
+        # rank 0 writes run.trace and run.sizes at the end, but every rank probes their folders now: a
+        # refusal on rank 0 alone would leave the others waiting for it in the rendezvous
+        check_end_files(cfg.run)
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         small_budget = None
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run

@@ -41,3 +41,25 @@ async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "rrfp-b
 
     threading.Thread(target=target, name=name, daemon=True).start()
     return await future
+
+
+def interruptible(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` in a daemon thread, while this thread waits in short joins: Python
+    runs signal handlers only in the main thread between bytecodes, so a main thread blocked in
+    one C++ call (a rendezvous waiting for a peer that is gone) would never act on SIGTERM."""
+    out: list = []
+
+    def target() -> None:
+        try:
+            out.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, e))
+
+    thread = threading.Thread(target=target, name="rrfp-interruptible", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value

@@ -40,7 +40,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
-from rrfp.loop.blocking import in_daemon_thread
+from rrfp.loop.blocking import in_daemon_thread, interruptible
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.worker import StageWorker
@@ -170,9 +170,10 @@ class PipelineRuntime:
             pg_timeout_s = configure_watchdog(timeout_s)  # before the NCCL process group exists
         with _startup(owns):
             if owns:
-                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
-                                        device_id=device if device.type == "cuda" else None,
-                                        **_attempt_store(world, timeout_s))
+                # the rendezvous waits for every peer: off this thread, so that a stop signal acts meanwhile
+                interruptible(lambda: dist.init_process_group(
+                    backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
+                    device_id=device if device.type == "cuda" else None, **_attempt_store(world, timeout_s)))
             return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s,
                               heartbeat=heartbeat and backend == "gloo", stages=stages)
 
