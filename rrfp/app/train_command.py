@@ -2,7 +2,6 @@
 (rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import statistics
@@ -15,6 +14,7 @@ import torch.distributed as dist
 
 from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.environment import check_launcher, configure_logging
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
@@ -116,7 +116,8 @@ def kept_checkpoint(checkpoint_dir: str) -> str:
 
 
 def train_command(args) -> int:
-    logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    configure_logging()
+    check_launcher()
     if not args.dry_run and "WORLD_SIZE" not in os.environ:
         raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
                          "(torchrun --nproc-per-node N -m rrfp train ...)")
@@ -136,9 +137,12 @@ def train_command(args) -> int:
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
-        path = write_traceback(e, RunConfig.log_dir, rank)
         text = f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
-        refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+        try:
+            path = write_traceback(e, RunConfig.log_dir, rank)
+            refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+        except BaseException:  # noqa: BLE001 - the report of a bug must not itself end in a traceback
+            os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
         exit_now(1)
     start = resume.start
     if rank == 0 and resume.fallback_line():

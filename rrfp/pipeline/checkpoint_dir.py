@@ -77,9 +77,10 @@ class Checkpoint:
             except OSError as e:
                 return f"{name} cannot be read: {e.strerror or e}"
         try:
-            saved = self.meta().get("step")
-        except (OSError, ValueError, AttributeError):
-            return f"its {META} cannot be read as a JSON object"
+            meta = self.meta()
+        except (OSError, ValueError):
+            return f"its {META} cannot be read as JSON"
+        saved = meta.get("step", self.step) if isinstance(meta, dict) else self.step  # else: plan_resume's to name
         if saved != self.step:
             return (f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name says "
                     "(renamed or copied from another checkpoint)")
