@@ -259,20 +259,25 @@ class RunCheckpoints:
                               self.rt.cpu_group):
             await in_daemon_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
                                    rng=rng)
-        for hook in self.on_write:
-            hook(done, "commit")
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
+                for hook in self.on_write:
+                    hook(done, "commit")
                 self.store.commit(done, {"config": fingerprint(self.cfg),
                                          "world_size": self.rt.layout.world_size, "torch": torch.__version__})
                 committed += 1
             except OSError as e:
                 failure = e
+        else:
+            for hook in self.on_write:
+                hook(done, "commit")
         await self.rt.all_reduce(committed, what=f"step {done}: world all-reduce of the checkpoint commit")
         if not committed.item():
-            raise CheckpointError(f"rank 0 could not commit checkpoint {self.store.final_path(done)}"
-                                  + (f": {failure}" if failure else ""))
+            final = self.store.final_path(done)
+            if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
+                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
+            raise PeerFailure(f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)", 0)
         if self.rt.rank == 0:
             self.store.prune(self.cfg.run.checkpoint_keep)
         return Checkpoint(done, self.store.final_path(done))

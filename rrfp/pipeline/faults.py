@@ -20,10 +20,13 @@ alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
 turns as Python code does: alive but slow, e.g. longer than run.timeout_s)
 and ``slow`` (task T holds its compute lane ``seconds`` longer, as a long kernel
 would: a step longer than any grace period, to test a stop that does not wait;
-with ``during``, the rank sleeps ``seconds`` there, as a slow file system would).
+with ``during``, the rank sleeps ``seconds`` there, as a slow file system would)
+and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on
+rank 0, the commit's own write fails).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -39,7 +42,7 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow")
+KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow", "full")
 PHASES = ("save", "commit")  # during=P: the checkpoint write, its commit
 
 
@@ -168,6 +171,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise InjectedFault(f"{where}: injected fault ({self.fault})")
+        elif kind == "full":
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: {where})")
         elif kind == "bug":
             raise RuntimeError(f"{where}: injected internal error ({self.fault})")
         elif kind == "busy":
