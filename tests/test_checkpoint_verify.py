@@ -194,3 +194,69 @@ def test_a_commit_record_without_checksums_is_not_trusted(tmp_path):
     assert "is not valid JSON" in c.problem()
     (c.path / MARKER).unlink()
     assert store.complete() == []  # no marker: not a checkpoint at all
+
+
+def _two_commits(root: Path) -> CheckpointDir:
+    root.mkdir(exist_ok=True)
+    store = CheckpointDir(root)
+    for step in (4, 7):
+        store.partial_path(step).mkdir()
+        (store.partial_path(step) / "__0_0.distcp").write_text(f"state of step {step}")
+        store.commit(step, {"config": {}})
+    return store
+
+
+def test_a_checkpoint_under_another_steps_name_is_caught_before_any_state_loads(tmp_path):
+    """Copied as a later step, or two swapped by name: the step its record and meta.json hold is not its
+    folder's, and it is treated as corrupt (passed over for the newest that is what its name says)."""
+    store = _two_commits(tmp_path / "copied")
+    shutil.rmtree(store.final_path(7))
+    shutil.copytree(store.final_path(4), store.final_path(7))
+    assert store.final_path(7).is_dir() and [c.step for c in store.complete()] == [4, 7]
+    assert "commit record is of step 4, not of step 7 as its folder's name says" in store.complete()[1].problem()
+    assert store.complete()[0].problem() is None
+    swapped = _two_commits(tmp_path / "swapped")
+    swapped.final_path(4).rename(tmp_path / "swapped" / "x")
+    swapped.final_path(7).rename(swapped.final_path(4))
+    (tmp_path / "swapped" / "x").rename(swapped.final_path(7))
+    problems = [c.problem() for c in swapped.complete()]
+    assert "is of step 7, not of step 4" in problems[0] and "is of step 4, not of step 7" in problems[1], problems
+
+
+def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
+    """A seal that matches its body, where the body is no object of files: one reason, no TypeError."""
+    import hashlib
+    import json
+
+    store = _two_commits(tmp_path)
+    c = store.complete()[0]
+    for body, why in [("[]", "lists no files"), ('{"step": 4}', "lists no files"),
+                      ('{"step": 4, "files": []}', "lists no files"), ("not json", "not valid JSON")]:
+        (c.path / MARKER).write_text(json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}))
+        assert why in c.problem(), (body, c.problem())
+
+
+def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
+    """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected and
+    the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line, nothing loaded."""
+    from rrfp.app.checkpoints import plan_resume
+    from rrfp.app.config import TrainConfig
+    from test_checkpoint import SMALL, resume_error
+
+    root, _ = corrupted
+    copied = tmp_path / "copied"
+    shutil.copytree(root / "pristine", copied)
+    shutil.copytree(copied / f"step-{LATEST:08d}", copied / f"step-{LATEST + 1:08d}")
+    cfg = TrainConfig.load(SMALL[1], [s for s in SMALL[2:] if s != "--set"]
+                           + [f"checkpoint_dir={copied}", f"steps={STEPS}", "resume=auto"], world_size=2)
+    plan = plan_resume(cfg)
+    assert plan.start.step == LATEST and [c.step for c, _ in plan.rejected] == [LATEST + 1], plan
+    assert "renamed or copied from another checkpoint" in plan.fallback_line(), plan.fallback_line()
+    swapped = tmp_path / "swapped"
+    shutil.copytree(root / "pristine", swapped)
+    (swapped / f"step-{SAVED_AT:08d}").rename(swapped / "x")
+    (swapped / f"step-{LATEST:08d}").rename(swapped / f"step-{SAVED_AT:08d}")
+    (swapped / "x").rename(swapped / f"step-{LATEST:08d}")
+    message = resume_error(swapped, f"steps={STEPS}", "resume=auto")
+    assert "verifies, nothing was loaded" in message and "\n" not in message, message
+    assert "not of step 4 as its folder's name says" in message and "not of step 2 as" in message, message

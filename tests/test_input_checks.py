@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from test_train_cli import CONFIG, assert_usage_error, config_error, rrfp, sets_args
 from rrfp.app.config import ConfigError, TrainConfig
 from rrfp.app.errors import UsageError
+from rrfp.core.errors import InjectedFault
 from rrfp.core.hints import peak_in_flight, resolve
 from rrfp.core.tasks import Task
 from rrfp.pipeline.faults import Fault
@@ -160,8 +161,10 @@ def test_fault_spec_round_trip_and_errors():
                        ("kill:step=0:stage=1", "out of range"), ("kill:step=x:stage=1", "must be an integer"),
                        ("kill:step=1:stage=1:step=2", "once each"), ("nan:step=1:stage=0:task=F0", "no task"),
                        ("kill:step=1:stage=0:task=X9", "not a task"),
-                       ("slow:step=1:stage=0:task=F0", "slow takes task=T and seconds=X"),
-                       ("slow:step=1:stage=0:seconds=5", "slow takes task=T and seconds=X"),
+                       ("slow:step=1:stage=0:task=F0", "slow takes task=T or during=P, and seconds=X"),
+                       ("slow:step=1:stage=0:seconds=5", "slow takes task=T or during=P, and seconds=X"),
+                       ("slow:step=1:stage=0:task=F0:during=save:seconds=5", "slow takes task=T or during=P"),
+                       ("stop:step=1:stage=0:during=load", "during must be one of save, commit"),
                        ("kill:step=1:stage=0:seconds=5", "other kinds take no seconds"),
                        ("slow:step=1:stage=0:task=F0:seconds=999999999", "out of range")]:
         with pytest.raises(ValueError, match=match):
@@ -181,6 +184,23 @@ def test_slow_fault_holds_one_task_of_one_step():
     inj.begin_step(1)
     assert inj.hold_s(Task.parse("W1")) == 60.0 and inj.hold_s(Task.parse("W0")) == 0.0
     inj.task_done(Task.parse("W1"))  # it fires nothing else (no kill, no raise)
+
+
+def test_a_fault_during_the_commit_fires_there_only():
+    """during=commit fires as the rank enters the commit of its step's checkpoint, not in its write."""
+    from rrfp.pipeline.faults import FaultInjector
+
+    f = Fault.parse("raise:step=2:rank=0:during=commit")
+    assert str(f) == "raise:step=2:rank=0:during=commit" and Fault.parse(str(f)) == f
+    inj = FaultInjector.for_rank(f, rank=0, stage=0)
+    inj.begin_step(1)  # step 2 runs, then its checkpoint is saved
+    inj.checkpoint_write(2, "save")
+    inj.checkpoint_write(1, "commit")
+    with pytest.raises(InjectedFault, match="step 2 during the checkpoint commit"):
+        inj.checkpoint_write(2, "commit")
+    slow = Fault.parse("slow:step=1:rank=1:during=save:seconds=0.01")
+    assert Fault.parse(str(slow)) == slow
+    FaultInjector.for_rank(slow, rank=1, stage=1).checkpoint_write(1, "save")  # sleeps, raises nothing
 
 
 def test_rrfp_fault_environment_variable(monkeypatch):

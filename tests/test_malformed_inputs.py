@@ -33,11 +33,12 @@ WORLD = 2
 
 @dataclass(frozen=True)
 class Row:
-    kind: str  # config, CLI, checkpoint, header
+    kind: str  # config, environment, CLI, checkpoint, header
     what: str
     make: Callable[[Path], list[str]]  # tmp -> argv of `rrfp` (a header row: -> the header words)
     needle: str  # in the line: what it must name
     code: int = 2  # the exit code (a warning: the run goes on, here a dry run that exits 0)
+    env: tuple[tuple[str, str], ...] = ()  # set for this row, over the launcher's (a rank started by hand)
 
 
 def _sets(*sets: str, dry_run: bool = True) -> Callable[[Path], list[str]]:
@@ -110,6 +111,35 @@ def _flip(name: str) -> Callable[[Path], None]:
 def _unwritable(tmp: Path) -> list[str]:
     (tmp / "a-file").write_text("")
     return ["train", *SMALL, "--set", f"checkpoint_dir={tmp / 'a-file' / 'ck'}", "--dry-run"]
+
+
+def _cost(doc) -> Callable[[Path], list[str]]:
+    """A run.cost file holding ``doc`` (JSON text when a str), for SMALL's two stages."""
+    def make(tmp: Path) -> list[str]:
+        (tmp / "cost.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        return ["train", *SMALL, "--set", f"cost={tmp / 'cost.json'}", "--dry-run"]
+    return make
+
+
+def _coef(first: list, reference_s=1.0) -> dict:
+    """A cost model whose first (stage, kind) has the coefficients ``first``, every other zeros."""
+    zeros = [0.0, 0.0, 0.0, 0.0]
+    return {"features": ["tokens", "attn", "patches"], "reference_s": reference_s,
+            "coef": [[first, zeros, zeros], [zeros, zeros, zeros]]}
+
+
+def _sealed(body: str) -> Callable[[Path], None]:
+    """A commit record whose seal matches ``body`` (so only what the body says can be wrong)."""
+    def prepare(ckpt: Path) -> None:
+        import hashlib
+
+        (ckpt / "COMMITTED").write_text(json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}))
+    return prepare
+
+
+def _hand() -> Callable[[Path], list[str]]:
+    """A real (not dry) run: a rank started by hand, whose environment the row sets."""
+    return lambda tmp: ["train", *SMALL]
 
 
 def _below_a_file(where: str, name: str) -> Callable[[Path], list[str]]:
@@ -197,6 +227,23 @@ ROWS = [
     # not a dry run (the memory check builds the model on the meta device): refused before any process group
     Row("config", "a model too big for this machine's memory (1.6 TB of parameters and AdamW state)",
         _sets("model.n_embd=65536", dry_run=False), "lower run.microbatches, run.budget, data.microbatch_size"),
+    Row("config", "a cost file of `[]`", _cost([]), "expected a JSON object"),
+    Row("config", "a cost file of a string", _cost('"fast"'), "expected a JSON object"),
+    Row("config", "a cost file with `reference_s = 0`", _cost(_coef([0.0] * 4, 0)), "reference_s must be"),
+    Row("config", "a cost file with too few coefficients", _cost(_coef([0.0, 0.0])), "coef[0][0] must be 4"),
+    Row("config", "a cost file with a coefficient of 1e308", _cost(_coef([1e308, 0, 0, 0])), "within +-1e+06"),
+    Row("config", "a cost file with a NaN coefficient", _cost('{"features": ["tokens", "attn", "patches"], '
+        '"reference_s": 1, "coef": [[[NaN, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], [[0, 0, 0, 0], [0, 0, 0, 0], '
+        '[0, 0, 0, 0]]]}'), "finite numbers"),
+    Row("config", "`timeout_s = 0.001` (too short for a rendezvous)", _sets("timeout_s=0.001"),
+        "run.timeout_s = 0.001 is out of bounds"),
+    Row("environment", "`RRFP_LOG=NOTALEVEL`", _sets(), "is not a log level", env=(("RRFP_LOG", "NOTALEVEL"),)),
+    Row("environment", "a rank started by hand with `WORLD_SIZE=abc`", _hand(), "WORLD_SIZE='abc' is not an integer",
+        env=(("WORLD_SIZE", "abc"),)),
+    Row("environment", "a rank started by hand with `MASTER_PORT=notaport`", _hand(),
+        "MASTER_PORT='notaport' is not an integer", env=(("MASTER_PORT", "notaport"),)),
+    Row("environment", "a rank started by hand with `RANK=3 WORLD_SIZE=2`", _hand(), "RANK=3 is outside WORLD_SIZE=2",
+        env=(("RANK", "3"),)),
     Row("CLI", "no `--config`", lambda tmp: ["train"], "--config"),
     Row("CLI", "an unknown flag", lambda tmp: ["train", *SMALL, "--bogus"], "unrecognized arguments: --bogus"),
     Row("CLI", "no command", lambda tmp: [], "the following arguments are required: command"),
@@ -224,6 +271,13 @@ ROWS = [
         _resume("resume=auto", prepare=_flip(".metadata")), "no checkpoint in"),
     Row("checkpoint", "a commit record without checksums (older rrfp)",
         _resume("resume=auto", prepare=lambda c: (c / "COMMITTED").write_text("step 2\n")), "holds no checksums"),
+    Row("checkpoint", "`COMMITTED` sealed over a body of `[]`", _resume("resume=auto", prepare=_sealed("[]")),
+        "COMMITTED lists no files"),
+    Row("checkpoint", "`COMMITTED` sealed over a body without `files`",
+        _resume("resume=auto", prepare=_sealed('{"step": 2}')), "COMMITTED lists no files"),
+    Row("checkpoint", "`step-2` copied as `step-3`, nothing older to fall back to",
+        _resume("resume=auto", prepare=lambda c: c.rename(c.parent / "step-00000003")),
+        "not of step 3 as its folder's name says"),
     Row("header", "bad magic", _header(_put(0, 0x1234)), "bad header magic"),
     Row("header", "a flipped dim (checksum not resealed)", _header(_put(8, 3), seal=False), "checksum mismatch"),
     Row("header", "8 tensors of 2^40 float64 elements each", _header(_huge), "bytes in all"),
@@ -237,11 +291,13 @@ ROWS = [
 def _launcher_env(row: Row):
     """A torchrun-like rank 0 of 2 whose rendezvous nobody serves (nothing may join a group)."""
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+    keys += tuple(k for k, _ in row.env if k not in keys)
     saved = {k: os.environ.get(k) for k in keys}
     for k in keys:
         os.environ.pop(k, None)
     if "outside torchrun" not in row.what:
         os.environ.update(RANK="0", WORLD_SIZE=str(WORLD), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    os.environ.update(row.env)
     try:
         yield
     finally:

@@ -31,6 +31,7 @@ from rrfp.app.errors import ConfigError
 from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
+from rrfp.loop.blocking import in_daemon_thread
 from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -167,7 +168,8 @@ class RunCheckpoints:
         self.where = dict(rank=rt.rank, stage=rt.stage if one else list(rt.stages), tp_rank=rt.tp_rank,
                           device=rt.device,
                           process_group=rt.cpu_group)  # DCP's collectives: gloo, the control plane
-        self.on_write: list = []  # called with the step before this rank writes (fault injection)
+        # called with the step and the phase (save, commit) as this rank enters it (fault injection)
+        self.on_write: list = []
 
     async def begin(self, resume: Resume) -> None:
         """Collective, at the run's start: every rank decided to resume from the same step,
@@ -213,7 +215,7 @@ class RunCheckpoints:
     async def load(self, ckpt: Checkpoint) -> None:
         try:
             with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group):
-                await asyncio.to_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
+                await in_daemon_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
@@ -230,7 +232,7 @@ class RunCheckpoints:
         checkpoint stays (the partial one is debris, cleared at the next run's start).
         ``rng``: the generators to record, when not the current ones."""
         for hook in self.on_write:
-            hook(done)
+            hook(done, "save")
         try:
             return await self._save(done, rng)
         except PeerFailure as e:
@@ -255,20 +257,27 @@ class RunCheckpoints:
     async def _save(self, done: int, rng: dict | None) -> Checkpoint:
         with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)",
                               self.rt.cpu_group):
-            await asyncio.to_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
-                                    rng=rng)
+            await in_daemon_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
+                                   rng=rng)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
+                for hook in self.on_write:
+                    hook(done, "commit")
                 self.store.commit(done, {"config": fingerprint(self.cfg),
                                          "world_size": self.rt.layout.world_size, "torch": torch.__version__})
                 committed += 1
             except OSError as e:
                 failure = e
+        else:
+            for hook in self.on_write:
+                hook(done, "commit")
         await self.rt.all_reduce(committed, what=f"step {done}: world all-reduce of the checkpoint commit")
         if not committed.item():
-            raise CheckpointError(f"rank 0 could not commit checkpoint {self.store.final_path(done)}"
-                                  + (f": {failure}" if failure else ""))
+            final = self.store.final_path(done)
+            if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
+                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
+            raise PeerFailure(f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)", 0)
         if self.rt.rank == 0:
             self.store.prune(self.cfg.run.checkpoint_keep)
         return Checkpoint(done, self.store.final_path(done))

@@ -32,7 +32,7 @@ ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed
 # [run]'s numbers, within what a run can mean (and torch, numpy and timedelta can hold): (lowest, highest)
 RUN_BOUNDS = {"pp": (0, 65536), "tp": (1, 65536), "dp": (1, 65536), "virtual": (1, 64), "microbatches": (1, 65536),
               "steps": (1, 10**9), "threads": (1, 1024), "log_every": (1, 10**9), "seed": (0, 2**63 - 1),
-              "lr": (0, 100), "weight_decay": (0, 100), "unit_ms": (0, 600_000), "timeout_s": (0, 604_800),
+              "lr": (0, 100), "weight_decay": (0, 100), "unit_ms": (0, 600_000), "timeout_s": (1, 604_800),
               "checkpoint_every": (0, 10**9), "checkpoint_keep": (1, 10**6), "warmup_steps": (0, 10**9)}
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 RESUME_MODES = ("off", "auto", "required")
@@ -62,7 +62,8 @@ class RunConfig:
     preset: str = "none"  # variability model for emulated device time
     unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
     # how long a peer may stay silent (no heartbeat) before it is named and the run ends; a peer that
-    # beats may compute for longer (gloo). Also bounds start-up, and on nccl every wait
+    # beats may compute for longer (gloo). Also bounds start-up, and on nccl every wait; at least 1 s, what a
+    # rendezvous's sockets need to connect at all
     timeout_s: float = 60.0
     backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
     device: str = "auto"  # auto, cpu or cuda; auto: cuda when backend = nccl

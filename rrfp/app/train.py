@@ -171,7 +171,9 @@ async def stage_main(cfg: TrainConfig, on_step: Callable[[StepReport], None] | N
                 for opt in opts:
                     opt.zero_grad(set_to_none=True)
                 summary.stopped_at, summary.stop_requests, summary.abandoned = step, int(stops), True
-                if ckpts is not None and saved_at != step:
+                # before any completed step there is nothing to keep: a fresh run is exact, while a save
+                # would hold the optimizer state that DCP's state dict makes up for a fresh AdamW (step 1)
+                if ckpts is not None and saved_at != step and step > 0:
                     summary.checkpoint = str((await ckpts.save(step, rng=at_start)).path)
                 rt.abandoned = True
                 break

@@ -2,7 +2,6 @@
 (rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import statistics
@@ -11,8 +10,11 @@ import time
 import traceback
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 from rrfp.app.checkpoints import plan_resume
 from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.environment import check_launcher, configure_logging
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
@@ -84,6 +86,10 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if not dist.is_initialized():  # still in start-up: no peer waits for this rank, nothing to save
+            os.write(2, f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
+                        f"step; {self._kept()}\n".encode())
+            os._exit(128 + signum)
         if self.signalled:
             if time.monotonic() - self._at < SAME_REQUEST_S:
                 return
@@ -111,7 +117,8 @@ def kept_checkpoint(checkpoint_dir: str) -> str:
 
 
 def train_command(args) -> int:
-    logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
+    configure_logging()
+    check_launcher()
     if not args.dry_run and "WORLD_SIZE" not in os.environ:
         raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
                          "(torchrun --nproc-per-node N -m rrfp train ...)")
@@ -119,8 +126,9 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
         cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
-        if rank == 0:  # rank 0 writes run.trace and run.sizes at the end: it probes their folders now
-            check_end_files(cfg.run)
+        # rank 0 writes run.trace and run.sizes at the end, but every rank probes their folders now: a
+        # refusal on rank 0 alone would leave the others waiting for it in the rendezvous
+        check_end_files(cfg.run)
         resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         small_budget = None
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
@@ -130,9 +138,12 @@ def train_command(args) -> int:
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
-        path = write_traceback(e, RunConfig.log_dir, rank)
         text = f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
-        refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+        try:
+            path = write_traceback(e, RunConfig.log_dir, rank)
+            refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+        except BaseException:  # noqa: BLE001 - the report of a bug must not itself end in a traceback
+            os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
         exit_now(1)
     start = resume.start
     if rank == 0 and resume.fallback_line():
@@ -164,7 +175,9 @@ def train_command(args) -> int:
         # has exited, and that is no second stop signal to leave on before this rank's line is out
         ignore_stop_signals()
         saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
-                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)")
+                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)"
+                 if not cfg.run.checkpoint_dir else "no checkpoint saved (no step was completed: a run starts at "
+                 "step 0 again)")
         where = "on this rank" if stop.signalled else "on another rank"
         ended = (f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
                  if summary.abandoned else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}")

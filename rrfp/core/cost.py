@@ -9,6 +9,7 @@ the simulator can replay the same work. Pure numpy.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,10 +69,35 @@ class CostModel:
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
+        """What ``to_json`` wrote; ValueError naming the first thing that is not (every number finite
+        and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per stage)."""
         doc = json.loads(text)
-        if tuple(doc.get("features", ())) != FEATURES:
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a JSON object with features, coef and reference_s, got {type(doc).__name__}")
+        if not isinstance(doc.get("features"), list) or tuple(doc["features"]) != FEATURES:
             raise ValueError(f"cost model features {doc.get('features')} are not {list(FEATURES)}")
-        return cls(tuple(tuple(tuple(c) for c in kinds) for kinds in doc["coef"]), float(doc["reference_s"]))
+        ref = doc.get("reference_s")
+        if not _number(ref) or not 0 < ref <= MAX_S:
+            raise ValueError(f"reference_s must be a number in (0, {MAX_S:g}] seconds, got {ref!r}")
+        coef = doc.get("coef")
+        if not isinstance(coef, list) or not coef:
+            raise ValueError(f"coef must be a list with one entry per stage, got {coef!r:.60}")
+        width = 1 + len(FEATURES)
+        for s, kinds in enumerate(coef):
+            if not isinstance(kinds, list) or len(kinds) != 3:
+                raise ValueError(f"coef[{s}] must hold 3 kinds (F, B, W), got {kinds!r:.60}")
+            for k, c in enumerate(kinds):
+                if not (isinstance(c, list) and len(c) == width and all(_number(v) and abs(v) <= MAX_S for v in c)):
+                    raise ValueError(f"coef[{s}][{k}] must be {width} finite numbers within +-{MAX_S:g} (an "
+                                     f"intercept and one weight per feature), got {c!r:.80}")
+        return cls(tuple(tuple(tuple(float(v) for v in c) for c in kinds) for kinds in coef), float(ref))
+
+
+MAX_S = 1e6  # seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _scale(X: np.ndarray) -> np.ndarray:

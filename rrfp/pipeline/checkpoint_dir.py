@@ -53,12 +53,17 @@ class Checkpoint:
         return json.loads((self.path / META).read_text())
 
     def problem(self) -> str | None:
-        """None when every file its commit record lists is there with the recorded size
-        and SHA-256; else what is wrong, naming the file. Reads every byte of the checkpoint."""
+        """None when the checkpoint is the one its folder's name says (the step in its commit record
+        and in its meta.json) and every file its commit record lists is there with the recorded size
+        and SHA-256; else what is wrong, naming the file. Reads every byte of the checkpoint. A folder
+        renamed or copied under another step's name is caught here, before any state loads."""
         try:
-            files = _read_record(self.path / MARKER)
+            step, files = _read_record(self.path / MARKER)
         except ValueError as e:
             return f"its commit record {MARKER} {e}"
+        if step != self.step:
+            return (f"its commit record is of step {step!r}, not of step {self.step} as its folder's name says "
+                    "(renamed or copied from another checkpoint)")
         for name, want in sorted(files.items()):
             path = self.path / name
             try:
@@ -71,6 +76,14 @@ class Checkpoint:
                 return f"{name} is missing"
             except OSError as e:
                 return f"{name} cannot be read: {e.strerror or e}"
+        try:
+            meta = self.meta()
+        except (OSError, ValueError):
+            return f"its {META} cannot be read as JSON"
+        saved = meta.get("step", self.step) if isinstance(meta, dict) else self.step  # else: plan_resume's to name
+        if saved != self.step:
+            return (f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name says "
+                    "(renamed or copied from another checkpoint)")
         return None
 
 
@@ -188,9 +201,9 @@ def _record_text(step: int, files: dict) -> str:
     return json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
 
 
-def _read_record(path: Path) -> dict:
-    """The files a commit record lists: {name: {"bytes", "sha256"}}; ValueError saying what is
-    wrong with it otherwise."""
+def _read_record(path: Path) -> tuple[object, dict]:
+    """The step a commit record is of, and the files it lists: {name: {"bytes", "sha256"}};
+    ValueError saying what is wrong with it otherwise."""
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -207,11 +220,16 @@ def _read_record(path: Path) -> dict:
         raise ValueError("is not a commit record (damaged)")
     if hashlib.sha256(outer["record"].encode()).hexdigest() != outer["sha256"]:
         raise ValueError("does not match its own SHA-256 (damaged)")
-    files = json.loads(outer["record"])["files"]
-    if not files or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
-                            and isinstance(v.get("sha256"), str) for v in files.values()):
+    try:
+        body = json.loads(outer["record"])
+    except ValueError:
+        raise ValueError("holds a sealed body that is not valid JSON (not written by rrfp)") from None
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()):
         raise ValueError("lists no files")
-    return files
+    return body.get("step"), files
 
 
 def write_synced(path: Path, text: str) -> None:

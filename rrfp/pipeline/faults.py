@@ -1,13 +1,14 @@
 """Fault injection, a testing aid (in the spirit of torchft's failure injector):
 make one rank fail at a chosen (step, stage, task) to check how the others end.
 
-A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=save][:attempt=A][:seconds=X]``, in
+A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=P][:attempt=A][:seconds=X]``, in
 ``run.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
 1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
 (every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
 fires right after that task finishes, ``during=save`` as this rank starts
-writing the checkpoint saved after step N, otherwise at the end of the step's
-iteration; ``attempt`` fires only in that attempt of a torchrun job
+writing the checkpoint saved after step N, ``during=commit`` once its part is
+written, as the checkpoint is committed (rank 0 commits, the others wait for
+it), otherwise at the end of the step's iteration; ``attempt`` fires only in that attempt of a torchrun job
 (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
 ``--max-restarts`` runs on after it.
 
@@ -18,10 +19,14 @@ alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
 ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in
 turns as Python code does: alive but slow, e.g. longer than run.timeout_s)
 and ``slow`` (task T holds its compute lane ``seconds`` longer, as a long kernel
-would: a step longer than any grace period, to test a stop that does not wait).
+would: a step longer than any grace period, to test a stop that does not wait;
+with ``during``, the rank sleeps ``seconds`` there, as a slow file system would)
+and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on
+rank 0, the commit's own write fails).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -37,7 +42,8 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow")
+KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow", "full")
+PHASES = ("save", "commit")  # during=P: the checkpoint write, its commit
 
 
 @dataclass(frozen=True)
@@ -49,7 +55,7 @@ class Fault:
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
     seconds: float | None = None  # busy: how long; slow: how much longer the task holds its lane
-    during: str | None = None  # "save": as this rank starts writing the step's checkpoint
+    during: str | None = None  # a PHASES entry: as this rank starts writing, or committing, the step's checkpoint
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
@@ -62,13 +68,13 @@ class Fault:
             key, sep, raw = f.partition("=")
             if not sep or key not in ("step", "stage", "rank", "task", "attempt", "seconds", "during") or key in values:
                 raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
-                                 "seconds=X, during=save (once each)")
+                                 "seconds=X, during=P (once each)")
             if key == "task":
                 values[key] = Task.parse(raw)
                 continue
             if key == "during":
-                if raw != "save":
-                    raise ValueError(f"fault {spec!r}: during must be save, got {raw!r}")
+                if raw not in PHASES:
+                    raise ValueError(f"fault {spec!r}: during must be one of {', '.join(PHASES)}, got {raw!r}")
                 values[key] = raw
                 continue
             if key == "seconds":
@@ -89,13 +95,13 @@ class Fault:
             raise ValueError(f"fault {spec!r}: step=N is required")
         if "stage" not in values and "rank" not in values:
             raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
-        if kind == "slow" and ("task" not in values or "seconds" not in values):
-            raise ValueError(f"fault {spec!r}: slow takes task=T and seconds=X (how much longer T holds its "
-                             "lane)")
+        if kind == "slow" and (("task" in values) == ("during" in values) or "seconds" not in values):
+            raise ValueError(f"fault {spec!r}: slow takes task=T or during=P, and seconds=X (how much longer T "
+                             "holds its lane, or the rank sleeps in P)")
         if (kind in ("busy", "slow")) != ("seconds" in values):
             raise ValueError(f"fault {spec!r}: seconds=X goes with busy and slow; other kinds take no seconds")
         if "during" in values and ("task" in values or kind == "nan"):
-            raise ValueError(f"fault {spec!r}: during=save takes no task, and no nan")
+            raise ValueError(f"fault {spec!r}: during=P takes no task, and no nan")
         if kind == "nan" and "task" in values:
             raise ValueError(f"fault {spec!r}: nan poisons the step's gradients; it takes no task")
         return cls(kind, **values)
@@ -145,9 +151,10 @@ class FaultInjector:
                 and self.step == self.fault.step:
             self._fire(module)
 
-    def checkpoint_write(self, done: int) -> None:
-        """Before this rank writes its part of the checkpoint saved after ``done`` steps."""
-        if self.fault.during == "save" and done == self.fault.step:
+    def checkpoint_write(self, done: int, phase: str = "save") -> None:
+        """Before this rank writes its part of the checkpoint saved after ``done`` steps (``save``), and
+        once it has, before the commit (``commit``)."""
+        if self.fault.during == phase and done == self.fault.step:
             self._fire()
 
     def _fire(self, module: torch.nn.Module | None = None) -> None:
@@ -155,7 +162,7 @@ class FaultInjector:
         if self.fault.task is not None:
             where += f" task {self.fault.task}"
         if self.fault.during is not None:
-            where += " during the checkpoint write"
+            where += f" during the checkpoint {'write' if self.fault.during == 'save' else 'commit'}"
         log.warning("%s: injecting fault %s", where, self.fault)
         kind = self.fault.kind
         if kind == "kill":
@@ -164,6 +171,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif kind == "raise":
             raise InjectedFault(f"{where}: injected fault ({self.fault})")
+        elif kind == "full":
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: {where})")
         elif kind == "bug":
             raise RuntimeError(f"{where}: injected internal error ({self.fault})")
         elif kind == "busy":
@@ -171,6 +180,9 @@ class FaultInjector:
             while time.monotonic() < end:  # pure Python: the heartbeat thread gets the GIL only in turns
                 pass
             log.warning("%s: busy for %g s, done", where, self.fault.seconds)
+        elif kind == "slow":  # during=P: the heartbeat thread beats on, as in a slow write
+            time.sleep(self.fault.seconds)
+            log.warning("%s: slow for %g s, done", where, self.fault.seconds)
         elif kind == "nan" and module is not None:
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             if grads:

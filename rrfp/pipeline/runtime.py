@@ -41,6 +41,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
+from rrfp.loop.blocking import in_daemon_thread, interruptible
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
@@ -174,9 +175,10 @@ class PipelineRuntime:
             pg_timeout_s = configure_watchdog(timeout_s)  # before the NCCL process group exists
         with _startup(owns):
             if owns:
-                dist.init_process_group(backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
-                                        device_id=device if device.type == "cuda" else None,
-                                        **_attempt_store(world, timeout_s))
+                # the rendezvous waits for every peer: off this thread, so that a stop signal acts meanwhile
+                interruptible(lambda: dist.init_process_group(
+                    backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
+                    device_id=device if device.type == "cuda" else None, **_attempt_store(world, timeout_s)))
             return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s,
                               heartbeat=heartbeat and backend == "gloo", stages=stages)
 
@@ -317,7 +319,7 @@ class PipelineRuntime:
         # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes its
         # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
         with named_collective("final barrier of every rank", self.cpu_group):
-            await asyncio.to_thread(dist.barrier, self.cpu_group)
+            await in_daemon_thread(dist.barrier, self.cpu_group)
         self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group
         dist.destroy_process_group()
 
