@@ -93,7 +93,8 @@ def build_hf_model(config, *, seed: int = 0, dtype: torch.dtype | None = None,
 def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | None = None, seed: int = 0,
                    dtype: torch.dtype | None = None, checkpoint: str | Path | None = None,
                    gradient_checkpointing: bool = False) -> HFStage:
-    """Stage ``stage`` of ``num_stages`` of the causal LM ``config`` describes, on the CPU.
+    """Stage ``stage`` of ``num_stages`` of the causal LM ``config`` describes, on the CPU (under
+    ``torch.device("meta")``: left on the meta device, uninitialised, for its sizes).
 
     ``layers``: one layer range per stage (``range`` or ``(start, stop)``); default balanced by count.
     ``checkpoint``: a ``.safetensors`` file, or a folder with one or with a sharded
@@ -110,6 +111,8 @@ def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | No
     module = HFStage(config, stage, num_stages, mine, embed_tokens=body.embed_tokens if first else None,
                      decoder_layers={i: body.layers[i] for i in mine}, norm=body.norm if last else None,
                      lm_head=full.lm_head if last else None, rotary_emb=body.rotary_emb)
+    if torch.get_default_device().type == "meta":  # sizes only (rrfp train's memory check): nothing to fill
+        return module.train()
     module.to_empty(device="cpu")
     tied_here = _tied(config) and first and last
     if tied_here:

@@ -76,8 +76,10 @@ class HFStage(nn.Module):
             torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0))
         mine = {self._types[i] for i in self.layers}
         build = {FULL: masking.create_causal_mask, SLIDING: masking.create_sliding_window_causal_mask}
+        # the given position ids only: HF looks into them for packed sequences, which 0..T-1 are not (and
+        # that look needs data, which rrfp train's memory check on the meta device has not)
         masks = {kind: build[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                   cache=None, position_ids=positions) for kind in mine}
+                                   cache=None, position_ids=position_ids) for kind in mine}
         rotary = self.model.rotary_emb(hidden, positions)
         for i, layer in self.model.layers.items():
             hidden = layer(hidden, attention_mask=masks[self._types[int(i)]], position_embeddings=rotary,
