@@ -21,8 +21,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+import torch.utils.checkpoint
+
 from rrfp import StageWorker
-from rrfp.pipeline import weight_split
 
 
 class LlamaStage(nn.Module):
@@ -43,9 +44,9 @@ def one(w: StageWorker, kind: str, x, g) -> tuple[float, float, float]:
     """One microbatch's F, B and W on a worker that has run one before (its first counts FLOPs)."""
     split = kind != "unsplit"
     w.reset()
-    group = weight_split.GraphExecGroup
+    group = torch.utils.checkpoint.GraphExecGroup  # the ablation: W's calls without it
     if kind == "ungrouped":
-        weight_split.GraphExecGroup = contextlib.nullcontext
+        torch.utils.checkpoint.GraphExecGroup = contextlib.nullcontext
     try:
         t0 = time.perf_counter()
         w.forward(0, x)
@@ -56,7 +57,7 @@ def one(w: StageWorker, kind: str, x, g) -> tuple[float, float, float]:
             w.weight(0)
         t3 = time.perf_counter()
     finally:
-        weight_split.GraphExecGroup = group
+        torch.utils.checkpoint.GraphExecGroup = group
     w.module.zero_grad(set_to_none=True)
     return t1 - t0, t2 - t1, t3 - t2
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils.checkpoint import GraphExecGroup
+import torch.utils.checkpoint
 
 from rrfp.nn.grad_accumulation import accumulate_grad
 from rrfp.pipeline.checkpointed_nodes import is_checkpointed
@@ -349,7 +349,7 @@ def backward_weight(weights: WeightPlan) -> None:
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
     post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
     once for all of W's calls, not once per call."""
-    with GraphExecGroup():
+    with torch.utils.checkpoint.GraphExecGroup():
         _restart_all(weights)
     weights.points.clear()
     weights.captured.clear()
