@@ -40,13 +40,19 @@ class LlamaStage(nn.Module):
 MODES = [(ckpt, kind) for ckpt in (False, True) for kind in ("unsplit", "split")] + [(True, "ungrouped")]
 
 
+class NoGroup(contextlib.nullcontext):
+    """The ablation: torch's GraphExecGroup that groups nothing (torch's own unpack hook still asks it)."""
+
+    _get_current_group = torch.utils.checkpoint.GraphExecGroup._get_current_group
+
+
 def one(w: StageWorker, kind: str, x, g) -> tuple[float, float, float]:
     """One microbatch's F, B and W on a worker that has run one before (its first counts FLOPs)."""
     split = kind != "unsplit"
     w.reset()
     group = torch.utils.checkpoint.GraphExecGroup  # the ablation: W's calls without it
     if kind == "ungrouped":
-        torch.utils.checkpoint.GraphExecGroup = contextlib.nullcontext
+        torch.utils.checkpoint.GraphExecGroup = NoGroup
     try:
         t0 = time.perf_counter()
         w.forward(0, x)
