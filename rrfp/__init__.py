@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.pipeline.executor import IterationResult, StageExecutor
     from rrfp.pipeline.runtime import PipelineRuntime
     from rrfp.pipeline.worker import SplitSummary, StageWorker
+    from rrfp.pipeline.calibration import calibrate
     from rrfp.pipeline.workload import Workload, token_features
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
@@ -58,6 +59,7 @@ _HOMES = {
     "StepReport": "rrfp.app.train",
     "Workload": "rrfp.pipeline.workload",
     "token_features": "rrfp.pipeline.workload",
+    "calibrate": "rrfp.pipeline.calibration",  # the cost model of any stage modules, without a Workload
     # layers that defer weight gradients to W, and tensor parallelism
     "SplitLinear": "rrfp.nn.split_linear",
     "ColumnParallelLinear": "rrfp.nn.tensor_parallel",
@@ -87,7 +89,7 @@ __all__ = [
     "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
     "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
     "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
-    "token_features",
+    "token_features", "calibrate",
     "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties",
 ]
 

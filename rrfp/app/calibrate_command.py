@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
-from typing import Callable
 
 import numpy as np
 import torch
@@ -22,8 +20,7 @@ from rrfp.app.config import RunConfig, TrainConfig
 from rrfp.app.run_outputs import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
-from rrfp.pipeline.worker import StageWorker
-from rrfp.pipeline.workload import map_tensors
+from rrfp.pipeline.calibration import measure_stages
 
 KINDS = "FBW"
 
@@ -33,62 +30,16 @@ def calibration_device(run: RunConfig) -> torch.device:
     return torch.device(run.device_type)
 
 
-def _timer(device: torch.device) -> Callable:
-    """``timed(fn, *args) -> (out, seconds)``; on a GPU the seconds run to the end of the task's device work
-    (kernels are queued asynchronously, so the host's clock alone would time their launch)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def timed(fn, *args):
-        sync()
-        t0 = time.perf_counter()
-        out = fn(*args)
-        sync()
-        return out, time.perf_counter() - t0
-
-    return timed
-
-
-def _on(device: torch.device, x):
-    """A microbatch's inputs on ``device`` (a tensor, or tuples, named tuples and lists of them)."""
-    return map_tensors(lambda t: t.to(device), x)
-
-
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
-    """(stage, kind, features, seconds) for every task of ``samples`` microbatches, split backward,
-    on the run's device (``calibration_device``)."""
+    """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload, split
+    backward, on the run's device (``calibration_device``), each stage built as the run builds it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.run)
-    timed = _timer(device)
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
-    workers = [StageWorker(m, s, S, 1, wl.loss_fn, split=True) for s, m in enumerate(stages)]
-    def one_pass(batch) -> dict:
-        times = {}
-        batch = (_on(device, batch[0]), _on(device, batch[1]))
-        x = batch[0]
-        for s, w in enumerate(workers):
-            x, times[s, 0] = timed(w.forward, 0, x, batch[1] if s == S - 1 else None)
-        grad = None
-        for s in reversed(range(S)):
-            grad, times[s, 1] = timed(workers[s].backward, 0, grad)
-        for s in range(S):
-            _, times[s, 2] = timed(workers[s].weight, 0)
-            workers[s].reset()
-            stages[s].zero_grad(set_to_none=True)
-        return times
-
-    out = []
-    for i in range(samples + 2):  # the first two warm up
-        batch = wl.batches(cfg.data, 10_000 + i, 1)[0]
-        feats = wl.features(batch)
-        # each task's best of two passes: a shape seen for the first time pays one-off costs
-        first, second = one_pass(batch), one_pass(batch)
-        if i >= 2:
-            out += [(s, k, feats, min(first[s, k], second[s, k])) for s in range(S) for k in range(3)]
-        if progress is not None:
-            progress(i + 1, samples + 2)
-    return out
+    batches = [wl.batches(cfg.data, 10_000 + i, 1)[0] for i in range(samples + 2)]  # the first two warm up
+    return measure_stages(stages, wl.loss_fn, batches, wl.features, device, warmup=2, progress=progress)
 
 
 def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: int, file=sys.stdout) -> dict:
