@@ -62,7 +62,10 @@ class StopOnSignal:
     from its ``finally``, SIGTERM (docs/design.md, "Ctrl-C")."""
 
     def __init__(self, kept: Callable[[], str] = lambda: kept_checkpoint(""),
-                 relay: StopRelay | None = None) -> None:
+                 relay: StopRelay | None = None, leave_in_startup: bool = False) -> None:
+        # rrfp train: before the process group exists no peer waits for this rank and nothing is to
+        # save, so a signal then ends the rank at once (a rank waiting in the rendezvous included)
+        self.leave_in_startup = leave_in_startup
         self.signalled = False  # a stop signal reached this rank
         self.signal = ""  # ... its name (SIGTERM, SIGINT)
         self._at = 0.0
@@ -86,7 +89,7 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if not dist.is_initialized():  # still in start-up: no peer waits for this rank, nothing to save
+        if self.leave_in_startup and not dist.is_initialized():  # still in start-up
             os.write(2, f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
                         f"step; {self._kept()}\n".encode())
             os._exit(128 + signum)
@@ -163,7 +166,7 @@ def train_command(args) -> int:
             print(cfg.as_dict())
         return 0
     relay = StopRelay().start()
-    stop = StopOnSignal(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay).install()
+    stop = StopOnSignal(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay, leave_in_startup=True).install()
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: stop.requested, resume=resume))
     except Exception as e:
