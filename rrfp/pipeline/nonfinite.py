@@ -63,6 +63,7 @@ class NonFiniteGuard:
 def _finite_grads(module: torch.nn.Module) -> bool:
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     dense = [g for g in grads if not g.is_sparse]
-    if not all(  # a sparse gradient (Embedding(sparse=True)): its stored valuesbool(torch.isfinite(g.coalesce().values()).all()) for g in grads if g.is_sparse):
+    # a sparse gradient (Embedding(sparse=True)): its stored values
+    if not all(bool(torch.isfinite(g.coalesce().values()).all()) for g in grads if g.is_sparse):
         return False
     return not dense or bool(torch.nn.utils.get_total_norm(dense).isfinite())
