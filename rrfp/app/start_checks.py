@@ -1,4 +1,4 @@
-"""Two checks before any process group (issue 17, point 2): the config's memory
+"""Two checks before any process group: the config's memory
 fits the machine, and ``run.timeout_s`` is well above the predicted step; and a
 warning for a byte budget that holds not even one microbatch.
 
