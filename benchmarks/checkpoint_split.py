@@ -10,6 +10,7 @@ shared GraphExecGroup: each call then recomputes the checkpointed regions it rea
 
     .venv/bin/python benchmarks/checkpoint_split.py [--hidden 256 --seq 128 --batch 4 --reps 11]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ class LlamaStage(nn.Module):
         return self.model(inputs_embeds=h, use_cache=False).last_hidden_state
 
 
-MODES = [(ckpt, kind) for ckpt in (False, True) for kind in ("unsplit", "split")] + [(True, "ungrouped")]
+MODES = [(ckpt, kind) for ckpt in (False, True) for kind in ("unsplit", "split")] + [
+    (True, "ungrouped")
+]
 
 
 class NoGroup(contextlib.nullcontext):
@@ -78,35 +81,52 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.hidden * 8 // 3, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, vocab_size=8, max_position_embeddings=a.seq,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=a.hidden,
+        intermediate_size=a.hidden * 8 // 3,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8,
+        max_position_embeddings=a.seq,
+        attn_implementation="sdpa",
+    )
     stages = {}
     for ckpt in (False, True):
         torch.manual_seed(0)
         model = LlamaModel(cfg).train()
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         stages[ckpt] = LlamaStage(model)
     x = torch.randn(a.batch, a.seq, a.hidden)
     g = torch.randn(a.batch, a.seq, a.hidden)
-    workers = {m: StageWorker(stages[m[0]], 1, 3, 1, None, split=m[1] != "unsplit", measure_activations=False)
-               for m in MODES}
+    workers = {
+        m: StageWorker(
+            stages[m[0]], 1, 3, 1, None, split=m[1] != "unsplit", measure_activations=False
+        )
+        for m in MODES
+    }
     times = {m: [] for m in MODES}
     for rep in range(a.reps + 1):  # the first repetition warms up
-        for m in (MODES if rep % 2 else MODES[::-1]):
+        for m in MODES if rep % 2 else MODES[::-1]:
             t = one(workers[m], m[1], x, g)
             if rep:
                 times[m].append(t)
-    print(f"LlamaModel stage: 2 decoder layers, hidden {a.hidden}, batch {a.batch} x {a.seq} tokens, CPU "
-          f"{a.threads} thread(s), wall time, median of {a.reps} alternating repetitions, per microbatch")
+    print(
+        f"LlamaModel stage: 2 decoder layers, hidden {a.hidden}, batch {a.batch} x {a.seq} tokens, CPU "
+        f"{a.threads} thread(s), wall time, median of {a.reps} alternating repetitions, per microbatch"
+    )
     print("| checkpointing | backward | F ms | B ms | W ms | B+W ms | B+W / unsplit |")
     print("|---|---|---|---|---|---|---|")
     for ckpt, kind in MODES:
         base = statistics.median(t[1] for t in times[(ckpt, "unsplit")])
         f, b, w = (statistics.median(t[i] for t in times[(ckpt, kind)]) for i in range(3))
-        print(f"| {'non-reentrant' if ckpt else 'none'} | {kind} | {f * 1e3:.1f} | {b * 1e3:.1f} | "
-              f"{w * 1e3:.1f} | {(b + w) * 1e3:.1f} | {(b + w) / base:.2f}x |")
+        print(
+            f"| {'non-reentrant' if ckpt else 'none'} | {kind} | {f * 1e3:.1f} | {b * 1e3:.1f} | "
+            f"{w * 1e3:.1f} | {(b + w) * 1e3:.1f} | {(b + w) / base:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

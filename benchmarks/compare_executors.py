@@ -8,6 +8,7 @@ agreement included) in a results folder.
 
     .venv/bin/python benchmarks/compare_executors.py [--pp 4 --tp 1 --mb 16 --preset lang --reps 5 --unit-ms 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,26 @@ def parse():
 
 if __name__ == "__main__":
     a = parse()
-    argv = ["bench", "--workloads", "gpt", "--executors", "fixed-1f1b,ready-bfw", "--pp", a.pp, "--tp", a.tp,
-            "--mb", a.mb, "--preset", a.preset, "--reps", "3" if a.quick else a.reps, "--unit-ms", a.unit_ms,
-            "--budget", a.budget, *(["--out", a.out] if a.out else [])]
+    argv = [
+        "bench",
+        "--workloads",
+        "gpt",
+        "--executors",
+        "fixed-1f1b,ready-bfw",
+        "--pp",
+        a.pp,
+        "--tp",
+        a.tp,
+        "--mb",
+        a.mb,
+        "--preset",
+        a.preset,
+        "--reps",
+        "3" if a.quick else a.reps,
+        "--unit-ms",
+        a.unit_ms,
+        "--budget",
+        a.budget,
+        *(["--out", a.out] if a.out else []),
+    ]
     sys.exit(subprocess.run([sys.executable, "-m", "rrfp", *argv]).returncode)

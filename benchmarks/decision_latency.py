@@ -22,6 +22,7 @@ Two latencies per decision, over every rank and every iteration after the first:
   holds everything between two tasks: the loop waking (the GIL), finish, next, start, and the
   lane thread waking. It is what a stage loses per task to deciding.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,21 +37,43 @@ import time
 MODES = ("bfw", "plan", "bfw + 8x32 plan/iter", "bfw + 8x32 nonstop")
 
 
-def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit_ms: float, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+def _rank(
+    rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit_ms: float, queue
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     import torch
 
-    from rrfp import PipelineRuntime, SimConfig, StageTracker, TrainConfig, Variability, planned_config, run
+    from rrfp import (
+        PipelineRuntime,
+        SimConfig,
+        StageTracker,
+        TrainConfig,
+        Variability,
+        planned_config,
+        run,
+    )
 
     torch.set_num_threads(1)
     policy: list[float] = []
-    idle: list[float] = []  # when a policy call found nothing to run: the arbiter then waits for an arrival
-    lane: list[tuple[float, float]] = []  # (start, end) of every task in the lane thread, time.time()
+    idle: list[
+        float
+    ] = []  # when a policy call found nothing to run: the arbiter then waits for an arrival
+    lane: list[
+        tuple[float, float]
+    ] = []  # (start, end) of every task in the lane thread, time.time()
 
     next_call = StageTracker.next
 
-    def timed_next(self, among=None):  # this process only: time the arbiter's policy calls (the loop's thread)
+    def timed_next(
+        self, among=None
+    ):  # this process only: time the arbiter's policy calls (the loop's thread)
         if threading.current_thread() is not threading.main_thread():
             return next_call(self, among)
         t0 = time.perf_counter()
@@ -94,7 +117,9 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
         while not stop.is_set():
             if "nonstop" not in mode and not requested.acquire(timeout=0.05):
                 continue
-            planned_config(SimConfig(8, 32, "plan", "ready", "2x", Variability.preset("lang"), seed=k))
+            planned_config(
+                SimConfig(8, 32, "plan", "ready", "2x", Variability.preset("lang"), seed=k)
+            )
             k += 1
         planned[0] = k
 
@@ -103,8 +128,15 @@ def _rank(rank: int, world: int, port: int, mode: str, iters: int, mb: int, unit
             torch.manual_seed(0)
             module = wl.build_stage(cfg.model, rt.stage, rt.num_stages, None)
             time_the_lane(rt)
-            ex = rt.stage_executor(module, wl.loss_fn, microbatches=mb, hint="plan" if mode == "plan" else "bfw",
-                                   budget="2x", variability=Variability.preset("lang"), seed=0)
+            ex = rt.stage_executor(
+                module,
+                wl.loss_fn,
+                microbatches=mb,
+                hint="plan" if mode == "plan" else "bfw",
+                budget="2x",
+                variability=Variability.preset("lang"),
+                seed=0,
+            )
             beside = threading.Thread(target=plan_beside, daemon=True) if "8x32" in mode else None
             if beside is not None:
                 beside.start()
@@ -142,7 +174,10 @@ def measure(mode: str, iters: int, mb: int, unit_ms: float, world: int = 4) -> d
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, mode, iters, mb, unit_ms, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, mode, iters, mb, unit_ms, queue))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = [queue.get(timeout=600) for _ in procs]
@@ -163,15 +198,22 @@ def main() -> None:
     a.add_argument("--mb", type=int, default=32)
     a.add_argument("--unit-ms", type=float, default=4.0)
     args = a.parse_args()
-    print(f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, {args.unit_ms:g} ms units, "
-          f"{args.iters} iterations (the first not counted); load average before: {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':<22} {'decisions':>9} {'policy p50':>11} {'p99':>8} {'reaction p50':>13} {'p99':>8}  µs")
+    print(
+        f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, {args.unit_ms:g} ms units, "
+        f"{args.iters} iterations (the first not counted); load average before: {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'mode':<22} {'decisions':>9} {'policy p50':>11} {'p99':>8} {'reaction p50':>13} {'p99':>8}  µs"
+    )
     for mode in MODES:
         r = measure(mode, args.iters, args.mb, args.unit_ms)
         pol, rea = r["policy"], r["reaction"]
         extra = f"  ({r['planned']} 8x32 plans made beside, over 4 ranks)" if r["planned"] else ""
-        print(f"{mode:<22} {len(pol):>9} {1e6 * statistics.median(pol):>11.1f} {1e6 * pct(pol, 0.99):>8.1f} "
-              f"{1e6 * statistics.median(rea):>13.1f} {1e6 * pct(rea, 0.99):>8.1f}{extra}", flush=True)
+        print(
+            f"{mode:<22} {len(pol):>9} {1e6 * statistics.median(pol):>11.1f} {1e6 * pct(pol, 0.99):>8.1f} "
+            f"{1e6 * statistics.median(rea):>13.1f} {1e6 * pct(rea, 0.99):>8.1f}{extra}",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

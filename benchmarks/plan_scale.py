@@ -8,6 +8,7 @@ part, every candidate entry order scored; time.process_time, which other jobs on
 disturb less than wall time), the predicted iteration in units, and the plan's share of that
 iteration at ``--unit-ms`` per unit: what planning one iteration ahead must stay well below.
 """
+
 import argparse
 import os
 import statistics
@@ -22,9 +23,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--unit-ms", type=float, default=20.0)
     a = p.parse_args()
-    print(f"lang, budget 2x, ready plan; CPU time of one plan (median of {a.repeat} seeds, min..max); "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'S x M':>9} {'plan CPU ms':>12} {'min..max':>17} {'predicted units':>16} {'share at ' + str(a.unit_ms) + ' ms':>15}")
+    print(
+        f"lang, budget 2x, ready plan; CPU time of one plan (median of {a.repeat} seeds, min..max); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'S x M':>9} {'plan CPU ms':>12} {'min..max':>17} {'predicted units':>16} {'share at ' + str(a.unit_ms) + ' ms':>15}"
+    )
     for size in a.sizes.split(","):
         S, M = (int(x) for x in size.lower().split("x"))
         secs, units = [], []
@@ -35,8 +40,11 @@ def main() -> None:
             secs.append(time.process_time() - c0)
             units.append(made.predicted_makespan)
         cpu, pred = statistics.median(secs), statistics.median(units)
-        print(f"{size:>9} {1e3 * cpu:>12.1f} {1e3 * min(secs):>8.1f}..{1e3 * max(secs):<8.1f} {pred:>16.1f} "
-              f"{cpu / (pred * a.unit_ms / 1e3):>15.2%}", flush=True)
+        print(
+            f"{size:>9} {1e3 * cpu:>12.1f} {1e3 * min(secs):>8.1f}..{1e3 * max(secs):<8.1f} {pred:>16.1f} "
+            f"{cpu / (pred * a.unit_ms / 1e3):>15.2%}",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -10,6 +10,7 @@ through the rendezvous store). The target is within 5 s.
 
     .venv/bin/python benchmarks/sigterm_stop.py [--to agent|all|one] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SETS = ["model.n_layer=2", "model.n_embd=32", "model.block_size=64", "data.min_seq_len=16", "data.max_seq_len=64",
-        "microbatches=4", "model.dropout=0.1", "steps=6", "timeout_s=200",
-        "fault=slow:step=3:stage=0:task=W1:seconds=60"]
+SETS = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.block_size=64",
+    "data.min_seq_len=16",
+    "data.max_seq_len=64",
+    "microbatches=4",
+    "model.dropout=0.1",
+    "steps=6",
+    "timeout_s=200",
+    "fault=slow:step=3:stage=0:task=W1:seconds=60",
+]
 
 
 def workers(agent: int) -> list[int]:
@@ -44,16 +54,36 @@ def workers(agent: int) -> list[int]:
 
 def once(tmp: Path, to: str) -> dict[int, float]:
     """Seconds from SIGTERM to each rank's "stopped" line."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_",
-                                                                    "TORCHELASTIC", "RRFP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     sets = [*SETS, f"checkpoint_dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}"]
     err = tmp / "err"
     with open(tmp / "out", "w") as out, open(err, "w") as errf:
-        job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                "2", "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml",
-                                *[a for s in sets for a in ("--set", s)]],
-                               cwd=ROOT, env=env, stdout=out, stderr=errf, start_new_session=True)
+        job = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "rrfp",
+                "train",
+                "--config",
+                "configs/gpt-tiny.toml",
+                *[a for s in sets for a in ("--set", s)],
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=errf,
+            start_new_session=True,
+        )
     try:
         t0 = time.monotonic()
         while "injecting fault slow" not in err.read_text():
@@ -87,7 +117,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             seen = once(Path(tmp), args.to)
         times = ", ".join(f"rank {r} {s:.2f} s" for r, s in sorted(seen.items()))
-        print(f"run {i + 1}: SIGTERM to {args.to}, 'stopped' lines after: {times or 'none within 90 s'}", flush=True)
+        print(
+            f"run {i + 1}: SIGTERM to {args.to}, 'stopped' lines after: {times or 'none within 90 s'}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Times are CPU seconds of this process (time.process_time), which other jobs on a
 machine disturb less than wall time; the wall time and the load average are printed beside.
 ``--reference`` steps every StageTracker instead of the fast path (rrfp/sim/ranked.py).
 """
+
 import argparse
 import os
 import statistics
@@ -21,19 +22,28 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=1024)
     p.add_argument("--preset", default="lang")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--reference", action="store_true", help="step the trackers (the fast path's reference)")
+    p.add_argument(
+        "--reference", action="store_true", help="step the trackers (the fast path's reference)"
+    )
     a = p.parse_args()
     times = []
     for seed in range(a.repeat):
-        cfg = SimConfig(a.pp, a.mb, "bfw", "ready", variability=Variability.preset(a.preset), seed=seed)
+        cfg = SimConfig(
+            a.pp, a.mb, "bfw", "ready", variability=Variability.preset(a.preset), seed=seed
+        )
         c0, w0 = time.process_time(), time.perf_counter()
         r = simulate(cfg, reference=a.reference)
         times.append(time.process_time() - c0)
-        print(f"seed {seed}: {times[-1]:.2f} s CPU ({time.perf_counter() - w0:.2f} s wall), {r.decisions} decisions, "
-              f"{a.pp * a.mb * 3} tasks, makespan {r.makespan:.0f}, efficiency {r.efficiency:.3f}", flush=True)
+        print(
+            f"seed {seed}: {times[-1]:.2f} s CPU ({time.perf_counter() - w0:.2f} s wall), {r.decisions} decisions, "
+            f"{a.pp * a.mb * 3} tasks, makespan {r.makespan:.0f}, efficiency {r.efficiency:.3f}",
+            flush=True,
+        )
     path = "reference (trackers)" if a.reference else "fast path"
-    print(f"S={a.pp} M={a.mb} ready bfw {a.preset}, {path}: median {statistics.median(times):.2f} s CPU "
-          f"(min {min(times):.2f}, max {max(times):.2f}) per simulated iteration; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"S={a.pp} M={a.mb} ready bfw {a.preset}, {path}: median {statistics.median(times):.2f} s CPU "
+        f"(min {min(times):.2f}, max {max(times):.2f}) per simulated iteration; load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

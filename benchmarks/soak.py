@@ -9,6 +9,7 @@ is an RSS growth below 5 % from iteration 20 to the end.
 
     .venv/bin/python benchmarks/soak.py [--iterations 200 --pp 4 --mb 8 --unit-ms 2 --comm-jitter 0.5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,16 @@ def parse():
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--pp", type=int, default=4)
     p.add_argument("--mb", type=int, default=8)
-    p.add_argument("--unit-ms", type=float, default=2.0, help="emulated device time of an average forward")
-    p.add_argument("--comm-jitter", type=float, default=0.5, help="lognormal sigma on each message's latency")
+    p.add_argument(
+        "--unit-ms", type=float, default=2.0, help="emulated device time of an average forward"
+    )
+    p.add_argument(
+        "--comm-jitter", type=float, default=0.5, help="lognormal sigma on each message's latency"
+    )
     p.add_argument("--hint", default="bfw")
-    p.add_argument("--deadline-s", type=float, default=900.0, help="no end by then counts as a deadlock")
+    p.add_argument(
+        "--deadline-s", type=float, default=900.0, help="no end by then counts as a deadlock"
+    )
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     return p.parse_args()
 
@@ -79,7 +86,9 @@ def worker(a) -> None:
         import rrfp
 
         with open(a.worker, "w") as f:
-            json.dump({"ranks": gathered, "losses": losses, "rrfp": os.path.dirname(rrfp.__file__)}, f)
+            json.dump(
+                {"ranks": gathered, "losses": losses, "rrfp": os.path.dirname(rrfp.__file__)}, f
+            )
 
 
 def main() -> None:
@@ -90,16 +99,40 @@ def main() -> None:
         sys.exit(f"soak: --iterations must be >= {WARM}")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "soak.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.pp}",
-               os.path.abspath(__file__), "--worker", out, "--pp", str(a.pp), "--mb", str(a.mb),
-               "--iterations", str(a.iterations), "--unit-ms", str(a.unit_ms), "--comm-jitter", str(a.comm_jitter),
-               "--hint", a.hint]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={a.pp}",
+            os.path.abspath(__file__),
+            "--worker",
+            out,
+            "--pp",
+            str(a.pp),
+            "--mb",
+            str(a.mb),
+            "--iterations",
+            str(a.iterations),
+            "--unit-ms",
+            str(a.unit_ms),
+            "--comm-jitter",
+            str(a.comm_jitter),
+            "--hint",
+            a.hint,
+        ]
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])  # this checkout's rrfp
+        path = os.pathsep.join(
+            [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+        )  # this checkout's rrfp
         t0 = time.monotonic()
         try:
-            done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-                                  timeout=a.deadline_s, cwd=root)
+            done = subprocess.run(
+                cmd,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+                timeout=a.deadline_s,
+                cwd=root,
+            )
         except subprocess.TimeoutExpired:
             sys.exit(f"soak: DEADLOCK? the run did not end within {a.deadline_s:g} s")
         if done.returncode != 0:
@@ -107,17 +140,21 @@ def main() -> None:
         with open(out) as f:
             doc = json.load(f)
     took = time.monotonic() - t0
-    print(f"soak: PP={a.pp}, M={a.mb}, ready {a.hint}, preset lang + comm_jitter={a.comm_jitter:g}, "
-          f"unit {a.unit_ms:g} ms: {a.iterations} iterations ended, no deadlock ({took:.0f} s with start-up); "
-          f"loss {doc['losses'][0]:.3f} -> {doc['losses'][-1]:.3f}; rrfp from {doc['rrfp']}")
+    print(
+        f"soak: PP={a.pp}, M={a.mb}, ready {a.hint}, preset lang + comm_jitter={a.comm_jitter:g}, "
+        f"unit {a.unit_ms:g} ms: {a.iterations} iterations ended, no deadlock ({took:.0f} s with start-up); "
+        f"loss {doc['losses'][0]:.3f} -> {doc['losses'][-1]:.3f}; rrfp from {doc['rrfp']}"
+    )
     worst = 0.0
     print(f"rank  RSS@{WARM} MiB  RSS@{a.iterations} MiB  growth")
     for r in sorted(doc["ranks"], key=lambda r: r["rank"]):
         warm, end = r["rss"][str(WARM)], r["rss"][str(a.iterations)]
         growth = (end - warm) / warm
         worst = max(worst, growth)
-        print(f"{r['rank']:4d}  {warm / 2**20:10.1f}  {end / 2**20:11.1f}  {growth:+6.2%}   "
-              f"({r['wall_s'] / a.iterations * 1e3:.0f} ms/iteration)")
+        print(
+            f"{r['rank']:4d}  {warm / 2**20:10.1f}  {end / 2**20:11.1f}  {growth:+6.2%}   "
+            f"({r['wall_s'] / a.iterations * 1e3:.0f} ms/iteration)"
+        )
     verdict = "within" if worst < 0.05 else "ABOVE"
     print(f"largest growth {worst:+.2%}: {verdict} the 5 % target")
 

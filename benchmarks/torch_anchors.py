@@ -11,6 +11,7 @@ folder.
 
     .venv/bin/python benchmarks/torch_anchors.py [--mb 16 --preset lang --unit-ms 20 --reps 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,26 @@ RRFP = ("fixed-1f1b", "ready-bfw")
 def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpt", help="gpt, vlm or a .toml config (default gpt)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config overrides (the suite's gpt already has model.n_layer=8)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides (the suite's gpt already has model.n_layer=8)",
+    )
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--mb", type=int, default=16)
     p.add_argument("--preset", default="lang")
     p.add_argument("--unit-ms", type=float, default=20.0)
     p.add_argument("--reps", type=int, default=5, help="measured iterations per variant")
     p.add_argument("--torch", default=",".join(TORCH), help="torch schedules, comma-separated")
-    p.add_argument("--torch-sends", choices=("delayed", "native"), default="delayed",
-                   help="delayed: torch's sends leave after the emulated link latency, from sender threads; "
-                        "native: torch issues and waits its own sends, with no latency")
+    p.add_argument(
+        "--torch-sends",
+        choices=("delayed", "native"),
+        default="delayed",
+        help="delayed: torch's sends leave after the emulated link latency, from sender threads; "
+        "native: torch issues and waits its own sends, with no latency",
+    )
     p.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
     return p.parse_args()
 
@@ -42,9 +52,26 @@ def parse():
 def main() -> int:
     a = parse()
     executors = [f"torch-{name}" for name in a.torch.split(",") if name] + list(RRFP)
-    argv = ["bench", "--workloads", a.config, "--executors", ",".join(executors), "--pp", str(a.world),
-            "--mb", str(a.mb), "--preset", a.preset, "--unit-ms", str(a.unit_ms), "--reps", str(a.reps),
-            "--torch-sends", a.torch_sends, *(["--out", a.out] if a.out else [])]
+    argv = [
+        "bench",
+        "--workloads",
+        a.config,
+        "--executors",
+        ",".join(executors),
+        "--pp",
+        str(a.world),
+        "--mb",
+        str(a.mb),
+        "--preset",
+        a.preset,
+        "--unit-ms",
+        str(a.unit_ms),
+        "--reps",
+        str(a.reps),
+        "--torch-sends",
+        a.torch_sends,
+        *(["--out", a.out] if a.out else []),
+    ]
     for s in a.set:
         argv += ["--set", s]
     return subprocess.run([sys.executable, "-m", "rrfp", *argv]).returncode

@@ -11,6 +11,7 @@ do not depend on the machine.
 
     .venv/bin/python benchmarks/weight_share.py
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,17 @@ def share(module, stage, x, targets, loss_fn):
     last = stage == STAGES - 1
     w = rrfp.StageWorker(module, stage, STAGES, 1, loss_fn, split=True, measure_activations=False)
     out = w.forward(0, x, targets if last else None)
-    grad = None if last else (tuple(None if t is None or not t.is_floating_point() else torch.randn_like(t)
-                                    for t in out) if isinstance(out, tuple) else torch.randn_like(out))
+    grad = (
+        None
+        if last
+        else (
+            tuple(
+                None if t is None or not t.is_floating_point() else torch.randn_like(t) for t in out
+            )
+            if isinstance(out, tuple)
+            else torch.randn_like(out)
+        )
+    )
     w.backward(0, grad)
     w.weight(0)
     return w.split_summary()
@@ -81,10 +91,20 @@ def share(module, stage, x, targets, loss_fn):
 def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(1)
-    rows = [*workload_stages("configs/gpt-tiny.toml"), *workload_stages("configs/vlm-tiny.toml"), *plain_stages()]
+    rows = [
+        *workload_stages("configs/gpt-tiny.toml"),
+        *workload_stages("configs/vlm-tiny.toml"),
+        *plain_stages(),
+    ]
     print(f"{'stage':<36} {'W share':>8}  parameters in B (of all)")
     for name, module, stage, x, y in rows:
-        loss_fn = gpt.loss_fn if name.startswith("gpt") else vlm.loss_fn if name.startswith("vlm") else None
+        loss_fn = (
+            gpt.loss_fn
+            if name.startswith("gpt")
+            else vlm.loss_fn
+            if name.startswith("vlm")
+            else None
+        )
         s = share(module, stage, x, y, loss_fn)
         pct = "n/a" if s.w_share is None else f"{s.w_share:.1%}"
         kept = ", ".join(f"{n} ({why})" for n, why in s.in_b.items()) or "none"

@@ -7,6 +7,7 @@ emulated device time).
 
     .venv/bin/python benchmarks/weight_split.py [--embd 128 --layers 2 --seq 128 --reps 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,9 @@ from rrfp import StageWorker
 
 def one(mode: str, stage, x, g) -> tuple[float, float, float]:
     split = mode != "unsplit"
-    w = StageWorker(stage, 1, 3, 1, loss_fn, split=split, weight_split="layers" if mode == "unsplit" else mode)
+    w = StageWorker(
+        stage, 1, 3, 1, loss_fn, split=split, weight_split="layers" if mode == "unsplit" else mode
+    )
     t0 = time.perf_counter()
     w.forward(0, x)
     t1 = time.perf_counter()
@@ -51,18 +54,26 @@ def main() -> None:
     modes = ["layers", "autograd", "unsplit"]
     times = {m: [] for m in modes}
     for rep in range(a.reps + 1):
-        for m in (modes if rep % 2 else modes[::-1]):
+        for m in modes if rep % 2 else modes[::-1]:
             t = one(m, stage, x, g)
             if rep:
                 times[m].append(t)
-    print(f"GPT middle stage: {a.layers} blocks, n_embd {a.embd}, batch {a.batch} x {a.seq} tokens, CPU 1 thread, "
-          f"{a.reps} alternating repetitions (median per microbatch)")
+    print(
+        f"GPT middle stage: {a.layers} blocks, n_embd {a.embd}, batch {a.batch} x {a.seq} tokens, CPU 1 thread, "
+        f"{a.reps} alternating repetitions (median per microbatch)"
+    )
     base = statistics.median(t[1] for t in times["unsplit"])
     for m in modes:
         f, b, w = (statistics.median(t[i] for t in times[m]) for i in range(3))
-        label = {"layers": "SplitLinear queue", "autograd": "autograd split", "unsplit": "unsplit backward"}[m]
-        print(f"  {label:<18} F {f * 1e3:7.2f} ms  B {b * 1e3:7.2f} ms  W {w * 1e3:7.2f} ms  "
-              f"B+W {(b + w) * 1e3:7.2f} ms ({(b + w) / base:.2f}x unsplit)  W share {w / (b + w):.0%}")
+        label = {
+            "layers": "SplitLinear queue",
+            "autograd": "autograd split",
+            "unsplit": "unsplit backward",
+        }[m]
+        print(
+            f"  {label:<18} F {f * 1e3:7.2f} ms  B {b * 1e3:7.2f} ms  W {w * 1e3:7.2f} ms  "
+            f"B+W {(b + w) * 1e3:7.2f} ms ({(b + w) / base:.2f}x unsplit)  W share {w / (b + w):.0%}"
+        )
 
 
 if __name__ == "__main__":

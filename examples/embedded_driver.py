@@ -4,6 +4,7 @@ heartbeat standing in for data prefetch or checkpoint upload) on the same loop.
 
     .venv/bin/torchrun --standalone --nproc-per-node 2 examples/embedded_driver.py
 """
+
 import asyncio
 
 import torch
@@ -56,11 +57,15 @@ async def main() -> None:
                 opt.step()
                 opt.zero_grad()
                 if result.loss is not None and step % 5 == 0:
-                    print(f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.stats.bubble:.0%}")
+                    print(
+                        f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.stats.bubble:.0%}"
+                    )
             stop.set()
     stats = pipe.statistics()
-    print(f"[rank {rt.rank}] heartbeat ticked {len(ticks)} times while the pipeline ran; "
-          f"bubble {stats.bubble:.1%}, {stats.decisions} decisions at {stats.decision_us:.1f} us each")
+    print(
+        f"[rank {rt.rank}] heartbeat ticked {len(ticks)} times while the pipeline ran; "
+        f"bubble {stats.bubble:.1%}, {stats.decisions} decisions at {stats.decision_us:.1f} us each"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ default config). A step's
 microbatches differ in length (17, 33, 25 and 40 tokens): only the hidden state travels, each
 stage rebuilds rotary and the causal mask from the positions. The last rank prints the losses.
 """
+
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -23,8 +24,16 @@ ROWS, STEPS, LR, WARMUP, CLIP = 2, 6, 3e-3, 2, 1.0
 
 
 def config():
-    return rrfp.hf_config("llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return rrfp.hf_config(
+        "llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
 
 
 def microbatches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -39,7 +48,9 @@ def microbatches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    )
 
 
 def main() -> None:
@@ -53,8 +64,11 @@ def main() -> None:
         for step in range(STEPS):
             mbs = microbatches(step)
             losses: list = []
-            schedule.step(arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
-                          target_mbs=[y for _, y in mbs] if rank == world - 1 else None, losses=losses)
+            schedule.step(
+                arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
+                target_mbs=[y for _, y in mbs] if rank == world - 1 else None,
+                losses=losses,
+            )
             schedule.clip_grad_norm_(CLIP)  # collective: every rank, after step
             opt.step()
             warmup.step()

@@ -9,6 +9,7 @@ last rank prints both schedules' losses (equal), then a step whose microbatches
 differ in sequence length, which only ScheduleReady runs (torch's receive
 buffers have one shape).
 """
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -75,16 +76,23 @@ def variable_lengths(rank: int, world: int) -> list[float]:
     mbs = [(x[:2], y[:2]) for x, y in mbs]
     losses = []
     with ScheduleReady(stage, MICROBATCHES, loss_fn=loss_fn) as schedule:
-        schedule.step(arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
-                      target_mbs=[y for _, y in mbs] if rank == world - 1 else None, losses=losses)
+        schedule.step(
+            arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
+            target_mbs=[y for _, y in mbs] if rank == world - 1 else None,
+            losses=losses,
+        )
     return [l.item() for l in losses]
 
 
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch_losses = train(lambda stage: Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn), rank, world)
-    rrfp_losses = train(lambda stage: ScheduleReady(stage, MICROBATCHES, loss_fn=loss_fn), rank, world)
+    torch_losses = train(
+        lambda stage: Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn), rank, world
+    )
+    rrfp_losses = train(
+        lambda stage: ScheduleReady(stage, MICROBATCHES, loss_fn=loss_fn), rank, world
+    )
     varied = variable_lengths(rank, world)
     if rank == world - 1:
         print("step  Schedule1F1B  ScheduleReady")
@@ -92,8 +100,10 @@ def main() -> None:
             print(f"{step:4d}  {a:12.6f}  {b:13.6f}")
         same = all(abs(a - b) < 1e-5 for a, b in zip(torch_losses, rrfp_losses))
         print(f"equal losses: {same}")
-        print("microbatches of 5, 9, 7, 12 tokens (ScheduleReady only): "
-              + ", ".join(f"{l:.6f}" for l in varied))
+        print(
+            "microbatches of 5, 9, 7, 12 tokens (ScheduleReady only): "
+            + ", ".join(f"{l:.6f}" for l in varied)
+        )
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ Microbatches have variable sequence lengths and no padding, which is the runtime
 variability rrfp is about. Each is a pure function of (seed, step, microbatch),
 so every rank draws the same batch without communicating.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,13 +37,19 @@ class DataConfig:
         if self.seed < 0:
             raise ValueError(f"DataConfig.seed must be >= 0, got {self.seed}")
         if self.microbatch_size <= 0:
-            raise ValueError(f"DataConfig.microbatch_size must be positive, got {self.microbatch_size}")
+            raise ValueError(
+                f"DataConfig.microbatch_size must be positive, got {self.microbatch_size}"
+            )
         if not 1 <= self.min_seq_len <= self.max_seq_len:
-            raise ValueError("DataConfig needs 1 <= min_seq_len <= max_seq_len, got "
-                             f"min_seq_len={self.min_seq_len}, max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                "DataConfig needs 1 <= min_seq_len <= max_seq_len, got "
+                f"min_seq_len={self.min_seq_len}, max_seq_len={self.max_seq_len}"
+            )
         if self.corpus_bytes <= self.max_seq_len + 1:
-            raise ValueError(f"DataConfig.corpus_bytes ({self.corpus_bytes}) must exceed "
-                             f"max_seq_len + 1 ({self.max_seq_len + 1})")
+            raise ValueError(
+                f"DataConfig.corpus_bytes ({self.corpus_bytes}) must exceed "
+                f"max_seq_len + 1 ({self.max_seq_len + 1})"
+            )
 
 
 def _stdlib_files(root: str):
@@ -77,7 +84,9 @@ def corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def batches(cfg: DataConfig, step: int, num_microbatches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    cfg: DataConfig, step: int, num_microbatches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Microbatches (idx, targets) of step `step`, each int64 [microbatch_size, T_m].
 
     T_m is drawn per microbatch in [min_seq_len, max_seq_len]; targets are idx

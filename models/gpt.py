@@ -17,6 +17,7 @@ rows of its own heads. Embeddings, layernorms and the lm head stay replicated
 (whole on every TP rank, with identical gradients). Sharded parameters keep the
 full model's names; `full_grad_slice` gives the matching slice of a full tensor.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,7 +31,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.data import DataConfig, batches
-from rrfp import ColumnParallelLinear, RowParallelLinear, SplitLinear, Workload, group_size_rank, shard_from_full
+from rrfp import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SplitLinear,
+    Workload,
+    group_size_rank,
+    shard_from_full,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +59,9 @@ class GPTConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(
+                f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -71,9 +81,12 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x)  # [b, t, 3 * c_local]; c_local = n_embd / tp, n_head the local heads
         c_local = qkv.size(-1) // 3
         q, k, v = qkv.split(c_local, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c_local // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k, v = (
+            z.view(b, t, self.n_head, c_local // self.n_head).transpose(1, 2) for z in (q, k, v)
+        )
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.is_causal)
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.is_causal
+        )
         y = y.transpose(1, 2).contiguous().view(b, t, c_local)
         return self.resid_dropout(self.c_proj(y))
 
@@ -117,13 +130,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
         self.lm_head = SplitLinear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -176,7 +191,9 @@ _TP_PLAN: dict[str, tuple[type, int]] = {
     "mlp.c_fc": (ColumnParallelLinear, 1),
     "mlp.c_proj": (RowParallelLinear, 1),
 }
-_TP_NAME = re.compile(r"(?:^|\.)h\.\d+\.(" + "|".join(re.escape(k) for k in _TP_PLAN) + r")\.(weight|bias)$")
+_TP_NAME = re.compile(
+    r"(?:^|\.)h\.\d+\.(" + "|".join(re.escape(k) for k in _TP_PLAN) + r")\.(weight|bias)$"
+)
 
 
 def validate_tp(cfg: GPTConfig, tp: int) -> None:
@@ -214,7 +231,11 @@ def _to_tensor_parallel(block: "Block", index: int, group, n_head: int, tp: int)
         parent_name, attr = path.split(".")
         parent = getattr(block, parent_name)
         full = getattr(parent, attr)
-        setattr(parent, attr, cls.from_full(full, group, chunks=chunks, name=f"transformer.h.{index}.{path}"))
+        setattr(
+            parent,
+            attr,
+            cls.from_full(full, group, chunks=chunks, name=f"transformer.h.{index}.{path}"),
+        )
     block.attn.n_head = n_head // tp
 
 
@@ -277,12 +298,18 @@ def make_stage(model: GPT, stage: int, num_stages: int, tp_group=None) -> GPTSta
 def check(cfg: GPTConfig, data: DataConfig, num_stages: int, tp: int) -> None:
     """Layout checks that need no process group: ValueError names the mismatch."""
     if cfg.n_layer < num_stages:
-        raise ValueError(f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages")
+        raise ValueError(
+            f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages"
+        )
     if cfg.vocab_size < 256:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256")
+        raise ValueError(
+            f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
+        )
     if data.max_seq_len > cfg.block_size:
-        raise ValueError(f"data.max_seq_len={data.max_seq_len} is above model.block_size={cfg.block_size}, the "
-                         f"model's context: raise model.block_size or lower data.max_seq_len")
+        raise ValueError(
+            f"data.max_seq_len={data.max_seq_len} is above model.block_size={cfg.block_size}, the "
+            f"model's context: raise model.block_size or lower data.max_seq_len"
+        )
     if tp > 1:
         validate_tp(cfg, tp)
 

@@ -7,6 +7,7 @@ the whole model on one process. ``checkpoint`` starts from a safetensors checkpo
 file, or a folder with a sharded index): each stage reads its own tensors. The data are
 models/data.py's byte tokens (vocab 256), microbatches of varying length.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -40,31 +41,56 @@ class HFConfig:
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # float32 | float64 | bfloat16
     gradient_checkpointing: bool = False  # HF's activation checkpointing on every decoder layer
-    stage_layers: list = field(default_factory=list)  # decoder layers per stage, e.g. [3, 3, 2]; []: balanced
+    stage_layers: list = field(
+        default_factory=list
+    )  # decoder layers per stage, e.g. [3, 3, 2]; []: balanced
     checkpoint: str = ""  # a safetensors file or folder to start from; "": the seeded init
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"HFConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+            raise ValueError(
+                f"HFConfig.family must be one of {', '.join(FAMILIES)}, got {self.family!r}"
+            )
         if self.dtype not in DTYPES:
-            raise ValueError(f"HFConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
+            raise ValueError(
+                f"HFConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HFConfig.{name} must be positive, got {getattr(self, name)}")
         if self.head_dim < 0:
-            raise ValueError(f"HFConfig.head_dim must be positive (or 0: hidden_size // heads), got {self.head_dim}")
+            raise ValueError(
+                f"HFConfig.head_dim must be positive (or 0: hidden_size // heads), got {self.head_dim}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"HFConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
-                             f"num_attention_heads ({self.num_attention_heads})")
+            raise ValueError(
+                f"HFConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"HFConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads}), or give head_dim")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.stage_layers):
-            raise ValueError(f"HFConfig.stage_layers must be positive layer counts, got {self.stage_layers!r}")
+            raise ValueError(
+                f"HFConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}), or give head_dim"
+            )
+        if not all(
+            isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.stage_layers
+        ):
+            raise ValueError(
+                f"HFConfig.stage_layers must be positive layer counts, got {self.stage_layers!r}"
+            )
         if self.stage_layers and sum(self.stage_layers) != self.num_hidden_layers:
-            raise ValueError(f"HFConfig.stage_layers {self.stage_layers} add up to {sum(self.stage_layers)} "
-                             f"layers, the model has num_hidden_layers = {self.num_hidden_layers}")
+            raise ValueError(
+                f"HFConfig.stage_layers {self.stage_layers} add up to {sum(self.stage_layers)} "
+                f"layers, the model has num_hidden_layers = {self.num_hidden_layers}"
+            )
 
     def hf(self):
         """The transformers config (LlamaConfig, Qwen3Config, ...)."""
@@ -85,15 +111,23 @@ def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
     if tp > 1:
         raise ValueError(f"run.tp = {tp}: rrfp.hf stages are not tensor-parallel; set run.tp = 1")
     if cfg.stage_layers and len(cfg.stage_layers) != num_stages:
-        raise ValueError(f"model.stage_layers has {len(cfg.stage_layers)} entries for {num_stages} pipeline stages")
+        raise ValueError(
+            f"model.stage_layers has {len(cfg.stage_layers)} entries for {num_stages} pipeline stages"
+        )
     if cfg.num_hidden_layers < num_stages:
-        raise ValueError(f"model.num_hidden_layers={cfg.num_hidden_layers} is fewer than the {num_stages} "
-                         "pipeline stages")
+        raise ValueError(
+            f"model.num_hidden_layers={cfg.num_hidden_layers} is fewer than the {num_stages} "
+            "pipeline stages"
+        )
     if cfg.vocab_size < 256:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256")
+        raise ValueError(
+            f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
+        )
     if data.max_seq_len > cfg.max_position_embeddings:
-        raise ValueError(f"data.max_seq_len={data.max_seq_len} is above model.max_position_embeddings="
-                         f"{cfg.max_position_embeddings}: raise it or lower data.max_seq_len")
+        raise ValueError(
+            f"data.max_seq_len={data.max_seq_len} is above model.max_position_embeddings="
+            f"{cfg.max_position_embeddings}: raise it or lower data.max_seq_len"
+        )
     if cfg.checkpoint and not Path(cfg.checkpoint).exists():
         raise ValueError(f"model.checkpoint {cfg.checkpoint} does not exist")
     try:
@@ -104,15 +138,26 @@ def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
 
 def build_stage(cfg: HFConfig, stage: int, num_stages: int, tp_group=None) -> torch.nn.Module:
     """This stage from the run's seed (Workload.build_stages seeds torch with it just before)."""
-    return rrfp.build_hf_stage(cfg.hf(), stage, num_stages, layers=cfg.ranges(num_stages),
-                               seed=torch.initial_seed(), dtype=DTYPES[cfg.dtype],
-                               checkpoint=cfg.checkpoint or None, gradient_checkpointing=cfg.gradient_checkpointing)
+    return rrfp.build_hf_stage(
+        cfg.hf(),
+        stage,
+        num_stages,
+        layers=cfg.ranges(num_stages),
+        seed=torch.initial_seed(),
+        dtype=DTYPES[cfg.dtype],
+        checkpoint=cfg.checkpoint or None,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
 
 
 def build_model(cfg: HFConfig, seed: int) -> torch.nn.Module:
     """The whole model on one process, as the stages of a run with ``run.seed = seed`` start."""
-    return rrfp.build_hf_model(cfg.hf(), seed=seed, dtype=DTYPES[cfg.dtype],
-                               gradient_checkpointing=cfg.gradient_checkpointing)
+    return rrfp.build_hf_model(
+        cfg.hf(),
+        seed=seed,
+        dtype=DTYPES[cfg.dtype],
+        gradient_checkpointing=cfg.gradient_checkpointing,
+    )
 
 
 def tied(cfg: HFConfig, stage: int, num_stages: int) -> dict[str, str]:
@@ -120,4 +165,6 @@ def tied(cfg: HFConfig, stage: int, num_stages: int) -> dict[str, str]:
     return rrfp.hf_ties(cfg, stage, num_stages)
 
 
-workload = rrfp.Workload("hf", HFConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied)
+workload = rrfp.Workload(
+    "hf", HFConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied
+)

@@ -18,6 +18,7 @@ microbatch are filled to the longest with trailing spaces, which are targets
 like any other byte. Each microbatch is a pure function of (seed, step,
 microbatch index), so every rank draws the same data without communicating.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,16 +48,24 @@ class VLMDataConfig:
             raise ValueError(f"VLMDataConfig.seed must be >= 0, got {self.seed}")
         for name in ("microbatch_size", "patch_size"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"VLMDataConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"VLMDataConfig.{name} must be positive, got {getattr(self, name)}"
+                )
         if self.image_size < 8 or self.image_size % 2:
-            raise ValueError(f"VLMDataConfig.image_size must be even and >= 8, got {self.image_size}")
+            raise ValueError(
+                f"VLMDataConfig.image_size must be even and >= 8, got {self.image_size}"
+            )
         if self.image_size % self.patch_size:
-            raise ValueError(f"VLMDataConfig.patch_size ({self.patch_size}) must divide "
-                             f"image_size ({self.image_size})")
+            raise ValueError(
+                f"VLMDataConfig.patch_size ({self.patch_size}) must divide "
+                f"image_size ({self.image_size})"
+            )
         if self.max_images < 0:
             raise ValueError(f"VLMDataConfig.max_images must be >= 0, got {self.max_images}")
         if not 1 <= self.max_shapes <= len(PLACES):
-            raise ValueError(f"VLMDataConfig.max_shapes must be in 1..{len(PLACES)}, got {self.max_shapes}")
+            raise ValueError(
+                f"VLMDataConfig.max_shapes must be in 1..{len(PLACES)}, got {self.max_shapes}"
+            )
 
     @property
     def tokens_per_image(self) -> int:
@@ -81,8 +90,13 @@ def caption(descriptions: list[str]) -> str:
 
 def max_text_len(cfg: VLMDataConfig) -> int:
     """An upper bound on len(ids) of any microbatch (for the model's block_size check)."""
-    longest = ", ".join(f"{max(COLOURS, key=len)} {max(SHAPES, key=len)} {max(PLACES, key=len)}"
-                        for _ in range(cfg.max_shapes)) + "."
+    longest = (
+        ", ".join(
+            f"{max(COLOURS, key=len)} {max(SHAPES, key=len)} {max(PLACES, key=len)}"
+            for _ in range(cfg.max_shapes)
+        )
+        + "."
+    )
     return len(BOS + caption([longest] * cfg.max_images)) - 1
 
 
@@ -96,10 +110,16 @@ def _masks(size: int) -> list[np.ndarray]:
     s = size // 2 - 2
     yy, xx = np.mgrid[:s, :s]
     c = (s - 1) / 2
-    return [np.ones((s, s), bool), (yy - c) ** 2 + (xx - c) ** 2 <= c * c + 1, xx <= yy]  # triangle: right-angled
+    return [
+        np.ones((s, s), bool),
+        (yy - c) ** 2 + (xx - c) ** 2 <= c * c + 1,
+        xx <= yy,
+    ]  # triangle: right-angled
 
 
-def batches(cfg: VLMDataConfig, step: int, num_microbatches: int) -> list[tuple[VLMInputs, torch.Tensor]]:
+def batches(
+    cfg: VLMDataConfig, step: int, num_microbatches: int
+) -> list[tuple[VLMInputs, torch.Tensor]]:
     """Microbatches ((images, ids), targets) of step `step`; targets int64 [b, n*P + T].
     Depends only on (cfg, step, microbatch index)."""
     if step < 0 or num_microbatches <= 0:
@@ -122,14 +142,25 @@ def batches(cfg: VLMDataConfig, step: int, num_microbatches: int) -> list[tuple[
             descriptions = []
             for j in range(n):
                 parts = []
-                for k in sorted(places[i, j, :counts[i, j]]):  # this image's quadrants, reading order
-                    y, x = (k // 2) * half + offsets[i, j, k, 0], (k % 2) * half + offsets[i, j, k, 1]
-                    images[i, j, colours[i, j, k], y:y + s, x:x + s][masks[shapes[i, j, k]]] = 1.0
-                    parts.append(f"{COLOURS[colours[i, j, k]]} {SHAPES[shapes[i, j, k]]} {PLACES[k]}")
+                for k in sorted(
+                    places[i, j, : counts[i, j]]
+                ):  # this image's quadrants, reading order
+                    y, x = (
+                        (k // 2) * half + offsets[i, j, k, 0],
+                        (k % 2) * half + offsets[i, j, k, 1],
+                    )
+                    images[i, j, colours[i, j, k], y : y + s, x : x + s][masks[shapes[i, j, k]]] = (
+                        1.0
+                    )
+                    parts.append(
+                        f"{COLOURS[colours[i, j, k]]} {SHAPES[shapes[i, j, k]]} {PLACES[k]}"
+                    )
                 descriptions.append(", ".join(parts) + ".")
             texts.append(BOS + caption(descriptions))
         width = max(map(len, texts))
         text = torch.tensor([list(t.ljust(width).encode()) for t in texts], dtype=torch.int64)
-        targets = torch.cat([torch.full((b, n * cfg.tokens_per_image), IGNORE, dtype=torch.int64), text[:, 1:]], 1)
+        targets = torch.cat(
+            [torch.full((b, n * cfg.tokens_per_image), IGNORE, dtype=torch.int64), text[:, 1:]], 1
+        )
         out.append((VLMInputs(torch.from_numpy(images), text[:, :-1].contiguous()), targets))
     return out

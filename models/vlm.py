@@ -24,6 +24,7 @@ The split depends on the config alone.
 As in models.gpt, a stage is the full model with the other layers removed, so
 parameter names stay the full model's. No tensor parallelism: `check` refuses tp > 1.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,16 +59,28 @@ class VLMConfig:
     bias: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("image_size", "patch_size", "enc_layers", "enc_embd", "n_layer", "n_head", "n_embd",
-                     "block_size"):
+        for name in (
+            "image_size",
+            "patch_size",
+            "enc_layers",
+            "enc_embd",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "block_size",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"VLMConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
-            raise ValueError(f"VLMConfig.patch_size ({self.patch_size}) must divide image_size ({self.image_size})")
+            raise ValueError(
+                f"VLMConfig.patch_size ({self.patch_size}) must divide image_size ({self.image_size})"
+            )
         for name in ("n_embd", "enc_embd"):
             if getattr(self, name) % self.n_head:
-                raise ValueError(f"VLMConfig.{name} ({getattr(self, name)}) must be divisible by "
-                                 f"n_head ({self.n_head})")
+                raise ValueError(
+                    f"VLMConfig.{name} ({getattr(self, name)}) must be divisible by "
+                    f"n_head ({self.n_head})"
+                )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"VLMConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -77,8 +90,11 @@ class VLMConfig:
 
     def gpt(self, encoder: bool = False) -> GPTConfig:
         """The GPTConfig of the LM, or of the encoder's blocks."""
-        width, layers, block = (self.enc_embd, self.enc_layers, self.patches) if encoder else \
-            (self.n_embd, self.n_layer, self.block_size)
+        width, layers, block = (
+            (self.enc_embd, self.enc_layers, self.patches)
+            if encoder
+            else (self.n_embd, self.n_layer, self.block_size)
+        )
         return GPTConfig(VOCAB, block, layers, self.n_head, width, self.dropout, self.bias)
 
 
@@ -109,23 +125,33 @@ class VisionEncoder(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         cfg, p = self.config, self.config.patch_size
         if images.dim() != 5 or images.shape[2:] != (3, cfg.image_size, cfg.image_size):
-            raise ValueError(f"images must be [b, n, 3, {cfg.image_size}, {cfg.image_size}], "
-                             f"got {tuple(images.shape)}")
+            raise ValueError(
+                f"images must be [b, n, 3, {cfg.image_size}, {cfg.image_size}], "
+                f"got {tuple(images.shape)}"
+            )
         b, n, g = images.size(0), images.size(1), cfg.image_size // p
         images = images.to(self.patch.weight.dtype)  # data is float32 whatever the model's dtype
-        x = images.reshape(b * n, 3, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(b * n, g * g, 3 * p * p)
+        x = (
+            images.reshape(b * n, 3, g, p, g, p)
+            .permute(0, 2, 4, 1, 3, 5)
+            .reshape(b * n, g * g, 3 * p * p)
+        )
         x = self.patch(x) + self.pos
         for block in self.h:
             x = block(x)
         return self.proj(self.ln(x)).reshape(b, n * g * g, cfg.n_embd)
 
 
-def _embed(vision: VisionEncoder, transformer: nn.ModuleDict, inputs: VLMInputs, block_size: int) -> torch.Tensor:
+def _embed(
+    vision: VisionEncoder, transformer: nn.ModuleDict, inputs: VLMInputs, block_size: int
+) -> torch.Tensor:
     """(images, ids) -> the LM's input sequence [b, n * patches + T, n_embd]."""
     images, ids = inputs
     x = torch.cat([vision(images), transformer.wte(ids)], dim=1)
     if x.size(1) > block_size:
-        raise ValueError(f"sequence length {x.size(1)} (image and text tokens) exceeds block_size {block_size}")
+        raise ValueError(
+            f"sequence length {x.size(1)} (image and text tokens) exceeds block_size {block_size}"
+        )
     return transformer.drop(x + transformer.wpe(torch.arange(x.size(1), device=x.device)))
 
 
@@ -144,13 +170,15 @@ class VLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.vision = VisionEncoder(cfg)
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, cfg.n_embd),
-            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            drop=nn.Dropout(cfg.dropout),
-            h=nn.ModuleList(Block(cfg.gpt()) for _ in range(cfg.n_layer)),
-            ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, cfg.n_embd),
+                wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(Block(cfg.gpt()) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.n_embd, bias=cfg.bias),
+            )
+        )
         self.lm_head = SplitLinear(cfg.n_embd, VOCAB, bias=False)
         self.apply(GPT._init_weights)
         nn.init.normal_(self.vision.pos, mean=0.0, std=0.02)
@@ -169,7 +197,9 @@ class VLM(nn.Module):
 def split_blocks(cfg: VLMConfig, num_stages: int) -> list[range]:
     """Contiguous LM block ranges per stage: stage 0 may get none, every other stage one or more."""
     if not 1 <= num_stages <= cfg.n_layer + 1:
-        raise ValueError(f"num_stages must be in [1, n_layer + 1 = {cfg.n_layer + 1}], got {num_stages}")
+        raise ValueError(
+            f"num_stages must be in [1, n_layer + 1 = {cfg.n_layer + 1}], got {num_stages}"
+        )
     e, c, p = cfg.enc_embd, cfg.n_embd, cfg.patch_size  # per-token multiply-adds, in LM blocks:
     encoder = (3 * p * p * e + cfg.enc_layers * 12 * e * e + e * c) / (12 * c * c)
     head = VOCAB / (12 * c)
@@ -217,7 +247,9 @@ class VLMStage(nn.Module):
             n = image.size(1)  # a shape: reading image_tokens would wait for the device
             h = torch.cat([image, text], dim=1)
         for block in self.transformer.h.values():
-            h = block(h)  # on the whole sequence, so each weight is used once (and its gradient can go to W)
+            h = block(
+                h
+            )  # on the whole sequence, so each weight is used once (and its gradient can go to W)
         if self.is_last:
             return self.lm_head(self.transformer.ln_f(h))
         image, text = h.split([n, h.size(1) - n], dim=1)
@@ -231,19 +263,28 @@ def make_stage(model: VLM, stage: int, num_stages: int) -> VLMStage:
 
 # -- the workload rrfp train finds by name (model = "vlm") -------------------------
 
+
 def check(cfg: VLMConfig, data: VLMDataConfig, num_stages: int, tp: int) -> None:
     """Layout and model/data agreement checks that need no process group."""
     if tp > 1:
-        raise ValueError(f"the vlm workload has no tensor parallelism: set run.tp = 1 (got tp={tp})")
+        raise ValueError(
+            f"the vlm workload has no tensor parallelism: set run.tp = 1 (got tp={tp})"
+        )
     if cfg.n_layer < num_stages - 1:
-        raise ValueError(f"model.n_layer={cfg.n_layer} is too few for {num_stages} pipeline stages: "
-                         f"stages 1..{num_stages - 1} need at least one LM block each")
+        raise ValueError(
+            f"model.n_layer={cfg.n_layer} is too few for {num_stages} pipeline stages: "
+            f"stages 1..{num_stages - 1} need at least one LM block each"
+        )
     for name in ("image_size", "patch_size"):
         if getattr(cfg, name) != getattr(data, name):
-            raise ValueError(f"model.{name}={getattr(cfg, name)} differs from data.{name}={getattr(data, name)}")
+            raise ValueError(
+                f"model.{name}={getattr(cfg, name)} differs from data.{name}={getattr(data, name)}"
+            )
     if max_seq_len(data) > cfg.block_size:
-        raise ValueError(f"model.block_size={cfg.block_size} is below the longest sequence the data can draw "
-                         f"({max_seq_len(data)} image and text tokens): raise it or lower data.max_images")
+        raise ValueError(
+            f"model.block_size={cfg.block_size} is below the longest sequence the data can draw "
+            f"({max_seq_len(data)} image and text tokens): raise it or lower data.max_images"
+        )
 
 
 def build_stage(cfg: VLMConfig, stage: int, num_stages: int, tp_group=None) -> VLMStage:
@@ -251,8 +292,14 @@ def build_stage(cfg: VLMConfig, stage: int, num_stages: int, tp_group=None) -> V
     if group_size_rank(tp_group)[0] > 1:
         raise ValueError("the vlm workload has no tensor parallelism (tp must be 1)")
     st = make_stage(VLM(cfg), stage, num_stages)
-    log.info("vlm stage %d/%d: LM blocks %s%s, %d parameters", stage, num_stages, list(st.layers),
-             " + encoder" if st.is_first else "", sum(p.numel() for p in st.parameters()))
+    log.info(
+        "vlm stage %d/%d: LM blocks %s%s, %d parameters",
+        stage,
+        num_stages,
+        list(st.layers),
+        " + encoder" if st.is_first else "",
+        sum(p.numel() for p in st.parameters()),
+    )
     return st
 
 

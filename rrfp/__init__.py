@@ -14,10 +14,13 @@ folders: ``core`` (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``,
 Every name loads on first use, so ``import rrfp`` loads no torch, and the
 simulator and the pure core answer without it.
 """
+
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads on first use (__getattr__)
+if (
+    TYPE_CHECKING
+):  # what static tools and IDEs see; at run time each name loads on first use (__getattr__)
     from rrfp.app.config import TrainConfig
     from rrfp.app.train import StepReport, TrainSummary, stage_main
     from rrfp.core.cost import CostModel
@@ -27,7 +30,12 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time each name loads
     from rrfp.core.variability import Variability
     from rrfp.loop import run
     from rrfp.nn.split_linear import SplitLinear
-    from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, group_size_rank, shard_from_full
+    from rrfp.nn.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        group_size_rank,
+        shard_from_full,
+    )
     from rrfp.pipeline.executor import IterationResult, StageExecutor
     from rrfp.pipeline.runtime import PipelineRuntime
     from rrfp.pipeline.worker import SplitSummary, StageWorker
@@ -85,12 +93,42 @@ _HOMES = {
 }
 
 __all__ = [
-    "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
-    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
-    "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
-    "token_features", "calibrate",
-    "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties",
+    "ColumnParallelLinear",
+    "CostModel",
+    "Dispatch",
+    "IterationResult",
+    "PeerFailure",
+    "PipelineError",
+    "PipelineRuntime",
+    "RowParallelLinear",
+    "ScheduleReady",
+    "SimConfig",
+    "SimResult",
+    "SplitLinear",
+    "SplitSummary",
+    "StageExecutor",
+    "StageTracker",
+    "StageWorker",
+    "StepReport",
+    "TrainConfig",
+    "TrainSummary",
+    "Variability",
+    "Workload",
+    "choose",
+    "group_size_rank",
+    "planned_config",
+    "run",
+    "shard_from_full",
+    "simulate",
+    "stage_main",
+    "token_features",
+    "calibrate",
+    "HFStage",
+    "build_hf_model",
+    "build_hf_stage",
+    "hf_config",
+    "hf_layer_ranges",
+    "hf_ties",
 ]
 
 

@@ -1,5 +1,6 @@
 """Start real gloo process groups from a test: spawned processes, a free
 loopback port, results through a queue, and a deadline so a hang fails fast."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -15,8 +16,14 @@ def free_port() -> int:
 
 
 def _child(fn, rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     try:
         import torch
 
@@ -37,11 +44,15 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "rrfp.pipeline.runtime", "models.gpt"])
+        _CONTEXT.set_forkserver_preload(
+            ["torch", "torch.distributed", "rrfp.pipeline.runtime", "models.gpt"]
+        )
     return _CONTEXT
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 120.0, spawn: bool = False) -> dict[int, object]:
+def run_ranks(
+    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False
+) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
     Raises AssertionError with the child's traceback, or on timeout. ``spawn=True`` starts fresh
     interpreters instead of forkserver children, whose stderr is the server's, not the test's
@@ -49,7 +60,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, spawn: bool = False
     ctx = mp.get_context("spawn") if spawn else _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, {}
@@ -60,8 +74,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, spawn: bool = False
             try:
                 rank, status, value = queue.get(timeout=timeout)
             except q.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world)) - results.keys() - errors.keys())} "
-                                     f"did not finish within {timeout} s") from None
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world)) - results.keys() - errors.keys())} "
+                    f"did not finish within {timeout} s"
+                ) from None
             (results if status == "ok" else errors)[rank] = value
             if errors:
                 break

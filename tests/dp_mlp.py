@@ -1,5 +1,6 @@
 """A small float64 MLP, each DP replica's microbatches, and the single-process reference
 gradients, shared by the DP gradient-sync tests (torch imported inside: the ranks import it)."""
+
 from __future__ import annotations
 
 M = 2  # microbatches per replica and iteration
@@ -17,8 +18,13 @@ def data(replica: int, iteration: int = 0):
     import torch
 
     g = torch.Generator().manual_seed(10 + replica + 100 * iteration)
-    return [(torch.randn(2, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, generator=g, dtype=torch.float64))
-            for _ in range(M)]
+    return [
+        (
+            torch.randn(2, 4, generator=g, dtype=torch.float64),
+            torch.randn(2, 2, generator=g, dtype=torch.float64),
+        )
+        for _ in range(M)
+    ]
 
 
 def reference(world: int, iterations: int = 1) -> dict[str, list]:

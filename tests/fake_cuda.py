@@ -28,6 +28,7 @@ A thread blocked longer than ``hang_s`` raises ``FakeHang``: a deadlock of the r
 becomes a test failure here. Every communicator creation and every host synchronization
 is recorded with the phase of its rank ("startup" until ``started(rank)``, then "run").
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -68,6 +69,7 @@ class Kernel:
 
 
 # ---------------------------------------------------------------- device side
+
 
 class FakeEvent:
     def __init__(self, world: "FakeWorld", enable_timing: bool = False) -> None:
@@ -122,9 +124,23 @@ class FakeStream:
 class Op:
     """One NCCL operation on a communicator: a send, a receive or a collective."""
 
-    def __init__(self, comm: "Comm", kind: str, rank: int, tensor: torch.Tensor, peer: int | None = None,
-                 reduce: str = "sum") -> None:
-        self.comm, self.kind, self.rank, self.tensor, self.peer, self.reduce = comm, kind, rank, tensor, peer, reduce
+    def __init__(
+        self,
+        comm: "Comm",
+        kind: str,
+        rank: int,
+        tensor: torch.Tensor,
+        peer: int | None = None,
+        reduce: str = "sum",
+    ) -> None:
+        self.comm, self.kind, self.rank, self.tensor, self.peer, self.reduce = (
+            comm,
+            kind,
+            rank,
+            tensor,
+            peer,
+            reduce,
+        )
         self.issued_at = now()
         self.posted_at: float | None = None  # reached the head of its stream: the NCCL kernel runs
         self.done_at: float | None = None
@@ -164,7 +180,9 @@ class Comm:
     def __init__(self, world: "FakeWorld", key: tuple, members: tuple[int, ...]) -> None:
         self.world, self.key, self.members = world, key, members
         self.streams = {r: FakeStream(world, r, f"nccl{key}@{r}") for r in members}
-        self.p2p: dict[tuple, list[list[Op]]] = collections.defaultdict(lambda: [[], []])  # (src, dst) -> sends, recvs
+        self.p2p: dict[tuple, list[list[Op]]] = collections.defaultdict(
+            lambda: [[], []]
+        )  # (src, dst) -> sends, recvs
         self.collectives: dict[int, list[Op]] = collections.defaultdict(list)
         self.coll_count = collections.Counter()
         self.connected: set = set()  # (src, dst) pairs and "coll"
@@ -175,6 +193,7 @@ class Comm:
 
 
 # ---------------------------------------------------------------- torch.distributed side
+
 
 class FakeGroup:
     def __init__(self, index: int, ranks: tuple[int, ...], backend: str, device_id) -> None:
@@ -247,8 +266,16 @@ class FakeDist:
     def get_process_group_ranks(self, group) -> list[int]:
         return list(group.ranks)
 
-    def new_group(self, ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
-                  group_desc=None, device_id=None):
+    def new_group(
+        self,
+        ranks=None,
+        timeout=None,
+        backend=None,
+        pg_options=None,
+        use_local_synchronization=False,
+        group_desc=None,
+        device_id=None,
+    ):
         return self.world.new_group(self._me(), ranks, backend, device_id)
 
     # -- point-to-point
@@ -276,12 +303,24 @@ class FakeDist:
 
 # ---------------------------------------------------------------- the world
 
+
 class FakeWorld:
     """Everything the fake ranks share. ``torch_version`` picks the P2P semantics it follows."""
 
-    def __init__(self, size: int, *, torch_version: tuple[int, int] = (2, 8), hang_s: float = 3.0,
-                 cycles_per_s: float = 1e10) -> None:
-        self.size, self.torch_version, self.hang_s, self.cycles_per_s = size, torch_version, hang_s, cycles_per_s
+    def __init__(
+        self,
+        size: int,
+        *,
+        torch_version: tuple[int, int] = (2, 8),
+        hang_s: float = 3.0,
+        cycles_per_s: float = 1e10,
+    ) -> None:
+        self.size, self.torch_version, self.hang_s, self.cycles_per_s = (
+            size,
+            torch_version,
+            hang_s,
+            cycles_per_s,
+        )
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.local = threading.local()  # the calling thread's rank, for FakeDist(world) without one
@@ -300,7 +339,9 @@ class FakeWorld:
         self._gloo: dict[tuple, dict] = {}
         self._gloo_count = collections.Counter()
         self._issued = collections.Counter()
-        self.failures: dict[tuple[int, str, int], BaseException] = {}  # (rank, kind, n-th op of it): its error
+        self.failures: dict[
+            tuple[int, str, int], BaseException
+        ] = {}  # (rank, kind, n-th op of it): its error
         self.dist = FakeDist(self)  # for module-level patches: the calling thread's rank
 
     def enter(self, rank: int) -> None:
@@ -365,8 +406,10 @@ class FakeWorld:
                 left = deadline - now()
                 if left <= 0:
                     missing = sorted(set(members) - arrived)
-                    raise FakeHang(f"rank {rank} blocked {self.hang_s:g} s {what}, waiting for rank(s) "
-                                   f"{missing} to do the same (phase {self.phase[rank]})")
+                    raise FakeHang(
+                        f"rank {rank} blocked {self.hang_s:g} s {what}, waiting for rank(s) "
+                        f"{missing} to do the same (phase {self.phase[rank]})"
+                    )
                 self.cond.wait(left)
 
     # -- groups and communicators
@@ -380,10 +423,17 @@ class FakeWorld:
                 self.groups.append(FakeGroup(k, ranks, backend, device_id))
             group = self.groups[k]
             if (group.ranks, group.backend) != (ranks, backend):
-                raise AssertionError(f"rank {rank}: new_group call {k} asks for {backend} {list(ranks)}, another "
-                                     f"rank's for {group.backend} {list(group.ranks)}: not one global order")
+                raise AssertionError(
+                    f"rank {rank}: new_group call {k} asks for {backend} {list(ranks)}, another "
+                    f"rank's for {group.backend} {list(group.ranks)}: not one global order"
+                )
         self._meet(rank, ("new_group", k), range(self.size), f"in new_group call {k}")
-        if backend == "nccl" and device_id is not None and group.supports_splitting and rank in ranks:
+        if (
+            backend == "nccl"
+            and device_id is not None
+            and group.supports_splitting
+            and rank in ranks
+        ):
             self._communicator(rank, ("group", k), ranks)  # eager_connect_single_device
         return group
 
@@ -401,7 +451,9 @@ class FakeWorld:
             self.inits.append(Init(rank, key, self.phase[rank]))
             return comm
 
-    def p2p(self, rank: int, kind: str, tensor: torch.Tensor, peer: int, group: FakeGroup) -> FakeWork:
+    def p2p(
+        self, rank: int, kind: str, tensor: torch.Tensor, peer: int, group: FakeGroup
+    ) -> FakeWork:
         assert group.backend == "nccl", f"{kind} on a {group.backend} group"
         batched = self._batching[rank] > 0
         if batched or (self.torch_version >= (2, 9) and group.bound_device_id is not None):
@@ -410,8 +462,17 @@ class FakeWorld:
             lo, hi = sorted((rank, peer))
             comm = self._communicator(rank, ("pair", group.index, lo, hi), (lo, hi))
         src, dst = (rank, peer) if kind == "send" else (peer, rank)
-        if (src, dst, rank) not in comm.connected:  # the pair's first P2P here: NCCL connects it, blocking
-            self._meet(rank, (comm.key, src, dst), (src, dst), f"connecting {src}->{dst} on NCCL {comm.key}")
+        if (
+            src,
+            dst,
+            rank,
+        ) not in comm.connected:  # the pair's first P2P here: NCCL connects it, blocking
+            self._meet(
+                rank,
+                (comm.key, src, dst),
+                (src, dst),
+                f"connecting {src}->{dst} on NCCL {comm.key}",
+            )
             comm.connected.add((src, dst, rank))
         return self._enqueue(rank, comm, Op(comm, kind, rank, tensor, peer))
 
@@ -420,8 +481,16 @@ class FakeWorld:
         if group.backend == "gloo":
             return self._gloo_all_reduce(rank, tensor, reduce, group, async_op)
         comm = self._communicator(rank, ("group", group.index), group.ranks)
-        if ("coll", rank) not in comm.connected:  # runtime connect: the first collective meets every member
-            self._meet(rank, (comm.key, "coll"), comm.members, f"connecting NCCL {comm.key} for collectives")
+        if (
+            "coll",
+            rank,
+        ) not in comm.connected:  # runtime connect: the first collective meets every member
+            self._meet(
+                rank,
+                (comm.key, "coll"),
+                comm.members,
+                f"connecting NCCL {comm.key} for collectives",
+            )
             comm.connected.add(("coll", rank))
         work = self._enqueue(rank, comm, Op(comm, "coll", rank, tensor, reduce=reduce))
         if not async_op:  # CPU code reads the result at once: the fake must produce it now
@@ -433,7 +502,9 @@ class FakeWorld:
         with self.lock:
             n = self._gloo_count[(group.index, rank)]
             self._gloo_count[(group.index, rank)] += 1
-            entry = self._gloo.setdefault((group.index, n), {"tensors": {}, "done": False, "futures": []})
+            entry = self._gloo.setdefault(
+                (group.index, n), {"tensors": {}, "done": False, "futures": []}
+            )
             entry["tensors"][rank] = tensor
             if len(entry["tensors"]) == len(group.ranks):
                 _reduce(list(entry["tensors"].values()), reduce)
@@ -449,7 +520,9 @@ class FakeWorld:
     def _enqueue(self, rank: int, comm: Comm, op: Op) -> FakeWork:
         """As ProcessGroupNCCL: the communicator's stream waits for the issuing stream, then runs the op."""
         issuing, nccl = self.current[rank], comm.streams[rank]
-        op.gated_by = issuing.waited[-1] if issuing.waited else None  # the last event its stream waited for
+        op.gated_by = (
+            issuing.waited[-1] if issuing.waited else None
+        )  # the last event its stream waited for
         n = self._issued[(rank, op.kind)]
         self._issued[(rank, op.kind)] += 1
         op.error = self.failures.get((rank, op.kind, n))  # e.g. the peer's process is gone
@@ -482,7 +555,9 @@ class FakeWorld:
             moved = True
             while moved:
                 moved = False
-                for s in self.streams + [st for c in self.comms.values() for st in c.streams.values()]:
+                for s in self.streams + [
+                    st for c in self.comms.values() for st in c.streams.values()
+                ]:
                     while s.items and self._step(s, t):
                         moved = True
 
@@ -537,8 +612,10 @@ class FakeWorld:
             return None
         send, recv = (op, other[op.seq]) if op.kind == "send" else (other[op.seq], op)
         if send.tensor.shape != recv.tensor.shape or send.tensor.dtype != recv.tensor.dtype:
-            err = RuntimeError(f"NCCL {comm.key}: send of {send.tensor.dtype}{list(send.tensor.shape)} met a "
-                               f"receive of {recv.tensor.dtype}{list(recv.tensor.shape)}")
+            err = RuntimeError(
+                f"NCCL {comm.key}: send of {send.tensor.dtype}{list(send.tensor.shape)} met a "
+                f"receive of {recv.tensor.dtype}{list(recv.tensor.shape)}"
+            )
             send.error = recv.error = err
         else:
             recv.tensor.copy_(send.tensor)
@@ -567,7 +644,9 @@ class FakeWorld:
 
 def _reduce(tensors: list[torch.Tensor], how: str) -> None:
     stacked = torch.stack([t.detach().clone() for t in tensors])
-    result = {"sum": stacked.sum(0), "min": stacked.min(0).values, "max": stacked.max(0).values}[how]
+    result = {"sum": stacked.sum(0), "min": stacked.min(0).values, "max": stacked.max(0).values}[
+        how
+    ]
     for t in tensors:
         t.copy_(result)
 
@@ -624,8 +703,10 @@ def run_ranks_in_threads(world: FakeWorld, main, timeout: float = 60.0) -> dict[
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors[rank] = e
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"fake-rank-{r}", daemon=True)
-               for r in range(world.size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"fake-rank-{r}", daemon=True)
+        for r in range(world.size)
+    ]
     for t in threads:
         t.start()
     deadline = now() + timeout
@@ -667,6 +748,9 @@ def restore_late_sends(monkeypatch) -> None:
     async def sleep_without_yield(delay, result=None):
         if delay > 0:
             return await real_sleep(delay, result)
-    without_yield = types.SimpleNamespace(**{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")})
+
+    without_yield = types.SimpleNamespace(
+        **{k: getattr(asyncio, k) for k in dir(asyncio) if not k.startswith("__")}
+    )
     without_yield.sleep = sleep_without_yield
     monkeypatch.setattr(executor_module, "asyncio", without_yield)

@@ -28,6 +28,7 @@ check computes also runs in the suite on the fake CUDA/NCCL of tests/fake_cuda.p
 
     .venv/bin/python tests/gpu_check.py [--steps 20] [--only lane,poller]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,23 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = str(ROOT / "configs" / "gpt-tiny.toml")
-CHECKS = ("lane", "poller", "loopback", "nccl-init", "memory", "train", "calibrate", "virtual", "pp=2")
+CHECKS = (
+    "lane",
+    "poller",
+    "loopback",
+    "nccl-init",
+    "memory",
+    "train",
+    "calibrate",
+    "virtual",
+    "pp=2",
+)
 CPU_PART = {  # where each check's device-independent part runs in the suite
     "lane": "tests/test_gpu_check.py, on the fake CUDA",
     "poller": "tests/test_gpu_check.py, on the fake CUDA",
     "loopback": "tests/test_gpu_check.py, on the fake CUDA",
     "nccl-init": "tests/test_gpu_check.py (the log count) and tests/test_gpu_path.py (no communicator after "
-                 "start-up, fake NCCL)",
+    "start-up, fake NCCL)",
     "memory": "tests/test_gpu_check.py (the prediction)",
     "train": "tests/test_checkpoint.py (a resumed run repeats the losses bit for bit, gloo)",
     "calibrate": "tests/test_plan_inputs.py (the device a CUDA run calibrates on)",
@@ -100,18 +111,37 @@ def cuda_device(dtype=None) -> Device:
     from rrfp.comm.device_ops import CudaOps
 
     device = torch.device("cuda", 0)
-    return Device(torch, device, CudaOps(device), dtype or torch.bfloat16,
-                  lambda: torch.cuda.Event(enable_timing=True), lambda x: x.to(device))
+    return Device(
+        torch,
+        device,
+        CudaOps(device),
+        dtype or torch.bfloat16,
+        lambda: torch.cuda.Event(enable_timing=True),
+        lambda x: x.to(device),
+    )
 
 
 # ---------------------------------------------------------------- 1. the lane
+
 
 def _squared_error(out, target):
     return (out.float() - target.float()).pow(2).mean()
 
 
-def stage_executor(module, stage: int, stages: int, lane, channels, microbatches: int, *, split: bool = True,
-                   hint: str = "bfw", unit_s: float = 0.0, loss_fn=_squared_error, measure_activations=False):
+def stage_executor(
+    module,
+    stage: int,
+    stages: int,
+    lane,
+    channels,
+    microbatches: int,
+    *,
+    split: bool = True,
+    hint: str = "bfw",
+    unit_s: float = 0.0,
+    loss_fn=_squared_error,
+    measure_activations=False,
+):
     from rrfp.core.budget import Budget
     from rrfp.core.hints import resolve
     from rrfp.core.policy import Dispatch
@@ -119,14 +149,31 @@ def stage_executor(module, stage: int, stages: int, lane, channels, microbatches
     from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
     from rrfp.pipeline.worker import StageWorker
 
-    worker = StageWorker(module, stage, stages, microbatches, loss_fn, split, measure_activations=measure_activations)
-    settings = ExecutorSettings(Dispatch.READY, resolve(hint), Budget.parse("2x"), split, microbatches,
-                                Variability(comm=0.0), 0, 60.0)
+    worker = StageWorker(
+        module, stage, stages, microbatches, loss_fn, split, measure_activations=measure_activations
+    )
+    settings = ExecutorSettings(
+        Dispatch.READY,
+        resolve(hint),
+        Budget.parse("2x"),
+        split,
+        microbatches,
+        Variability(comm=0.0),
+        0,
+        60.0,
+    )
     return StageExecutor(worker, channels, lane, settings, unit_s=unit_s)
 
 
-async def lane_figures(dev: Device, *, n_embd: int = 1024, n_head: int = 16, lengths=(128, 512, 1024, 2048, 4096,
-                       8192), iterations: int = 3, unit_ms: float = 0.0) -> dict:
+async def lane_figures(
+    dev: Device,
+    *,
+    n_embd: int = 1024,
+    n_head: int = 16,
+    lengths=(128, 512, 1024, 2048, 4096, 8192),
+    iterations: int = 3,
+    unit_ms: float = 0.0,
+) -> dict:
     """F, B and W of one GPT block, microbatches of the given lengths, through the ready executor."""
     import torch
 
@@ -135,15 +182,29 @@ async def lane_figures(dev: Device, *, n_embd: int = 1024, n_head: int = 16, len
     from rrfp.loop import CompletionPoller, CudaComputeLane
 
     torch.manual_seed(0)
-    block = dev.place(Block(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=max(lengths))).to(dev.dtype))
-    batches = [(dev.place(torch.randn(1, t, n_embd, dtype=dev.dtype)), dev.place(torch.zeros(1, t, n_embd)))
-               for t in lengths]
+    block = dev.place(
+        Block(GPTConfig(n_embd=n_embd, n_head=n_head, block_size=max(lengths))).to(dev.dtype)
+    )
+    batches = [
+        (
+            dev.place(torch.randn(1, t, n_embd, dtype=dev.dtype)),
+            dev.place(torch.zeros(1, t, n_embd)),
+        )
+        for t in lengths
+    ]
     async with CompletionPoller() as poller:
         lane = CudaComputeLane(poller, dev.device, unit_ms / 1e3, torch_module=dev.torch)
-        ex = stage_executor(block, 0, 1, lane, PipelineChannels(0), len(batches), unit_s=unit_ms / 1e3)
+        ex = stage_executor(
+            block, 0, 1, lane, PipelineChannels(0), len(batches), unit_s=unit_ms / 1e3
+        )
         for it in range(iterations):
             if it == 1:  # the first iteration pays one-time costs (kernel selection, allocator)
-                tasks, gaps, enqueue, decisions = len(lane.task_s), len(lane.gaps_s), lane.enqueue_s, ex.totals
+                tasks, gaps, enqueue, decisions = (
+                    len(lane.task_s),
+                    len(lane.gaps_s),
+                    lane.enqueue_s,
+                    ex.totals,
+                )
             res = await ex.run_iteration(it, batches)
             block.zero_grad(set_to_none=True)
         await lane.drain()
@@ -153,33 +214,43 @@ async def lane_figures(dev: Device, *, n_embd: int = 1024, n_head: int = 16, len
     kinds = collections.defaultdict(list)
     for task, d in zip(res.order * (iterations - 1), task_s):
         kinds[task.kind.name].append(d)
-    return {"tasks": len(task_s), "gap_p50_us": quantile(gaps_s, 0.5) * 1e6, "gap_p99_us": quantile(gaps_s, 0.99) * 1e6,
-            "idle_share": sum(gaps_s) / max(1e-12, sum(gaps_s) + sum(task_s)),
-            "kernel_ms_per_task": 1e3 * sum(task_s) / len(task_s),
-            "enqueue_ms_per_task": 1e3 * (lane.enqueue_s - enqueue) / len(task_s),
-            "decision_us": 1e6 * (stats.decision_s - decisions.decision_s) / max(1, n_decisions),
-            "kind_ms": {k: (1e3 * min(v), 1e3 * max(v)) for k, v in sorted(kinds.items())},
-            "loss": res.loss}
+    return {
+        "tasks": len(task_s),
+        "gap_p50_us": quantile(gaps_s, 0.5) * 1e6,
+        "gap_p99_us": quantile(gaps_s, 0.99) * 1e6,
+        "idle_share": sum(gaps_s) / max(1e-12, sum(gaps_s) + sum(task_s)),
+        "kernel_ms_per_task": 1e3 * sum(task_s) / len(task_s),
+        "enqueue_ms_per_task": 1e3 * (lane.enqueue_s - enqueue) / len(task_s),
+        "decision_us": 1e6 * (stats.decision_s - decisions.decision_s) / max(1, n_decisions),
+        "kind_ms": {k: (1e3 * min(v), 1e3 * max(v)) for k, v in sorted(kinds.items())},
+        "loss": res.loss,
+    }
 
 
 def lane_line(f: dict) -> str:
     kinds = ", ".join(f"{k} {lo:.2f}-{hi:.2f} ms" for k, (lo, hi) in f["kind_ms"].items())
-    return (f"{f['tasks']} tasks ({kinds}): device idle gaps p50 {f['gap_p50_us']:.0f} us, p99 "
-            f"{f['gap_p99_us']:.0f} us, idle share {f['idle_share']:.1%}; host per task: enqueue "
-            f"{f['enqueue_ms_per_task']:.2f} ms against {f['kernel_ms_per_task']:.2f} ms of kernels, decision "
-            f"{f['decision_us']:.0f} us")
+    return (
+        f"{f['tasks']} tasks ({kinds}): device idle gaps p50 {f['gap_p50_us']:.0f} us, p99 "
+        f"{f['gap_p99_us']:.0f} us, idle share {f['idle_share']:.1%}; host per task: enqueue "
+        f"{f['enqueue_ms_per_task']:.2f} ms against {f['kernel_ms_per_task']:.2f} ms of kernels, decision "
+        f"{f['decision_us']:.0f} us"
+    )
 
 
 # ---------------------------------------------------------------- 2. the poller
 
-async def poller_figures(dev: Device, delays_ms=(0.1, 0.3, 1.0, 3.0, 5.0), pending=(1, 8, 32),
-                         repeats: int = 10) -> dict:
+
+async def poller_figures(
+    dev: Device, delays_ms=(0.1, 0.3, 1.0, 3.0, 5.0), pending=(1, 8, 32), repeats: int = 10
+) -> dict:
     """Detection delay: host time at which the poller's future is done, minus the event's end
     (enqueue time plus the kernel's device time; the kernel starts at once on an idle stream)."""
     from rrfp.loop import CompletionPoller, CudaComputeLane
 
     async with CompletionPoller() as poller:
-        lane = CudaComputeLane(poller, dev.device, 1e-3, torch_module=dev.torch)  # calibrates the spin kernel
+        lane = CudaComputeLane(
+            poller, dev.device, 1e-3, torch_module=dev.torch
+        )  # calibrates the spin kernel
         cycles_per_s = lane._sleep_cycles_per_s
         cuda = dev.torch.cuda
         stream = cuda.Stream(device=dev.device)
@@ -215,24 +286,34 @@ async def poller_figures(dev: Device, delays_ms=(0.1, 0.3, 1.0, 3.0, 5.0), pendi
                 finally:
                     spent += time.perf_counter() - t
                     calls += 1
+
             poller._poll_once = timed
             one_ms = [await detection(1.0) for _ in range(repeats)]
             poller._poll_once = poll_once
             rounds[n] = (1e6 * spent / max(1, calls), quantile(one_ms, 0.5))
             await asyncio.gather(*watched)
-    return {"delay_us": {ms: (1e6 * quantile(v, 0.5), 1e6 * quantile(v, 0.99)) for ms, v in delays.items()},
-            "round_us": {n: r[0] for n, r in rounds.items()}, "delay_1ms_pending_us": {n: 1e6 * r[1]
-                                                                                         for n, r in rounds.items()}}
+    return {
+        "delay_us": {
+            ms: (1e6 * quantile(v, 0.5), 1e6 * quantile(v, 0.99)) for ms, v in delays.items()
+        },
+        "round_us": {n: r[0] for n, r in rounds.items()},
+        "delay_1ms_pending_us": {n: 1e6 * r[1] for n, r in rounds.items()},
+    }
 
 
 def poller_line(f: dict) -> str:
-    delays = ", ".join(f"{ms:g} ms: {p50:.0f}/{p99:.0f} us" for ms, (p50, p99) in f["delay_us"].items())
-    cost = ", ".join(f"{n}: {us:.1f} us/round ({f['delay_1ms_pending_us'][n]:.0f} us late)"
-                     for n, us in f["round_us"].items())
+    delays = ", ".join(
+        f"{ms:g} ms: {p50:.0f}/{p99:.0f} us" for ms, (p50, p99) in f["delay_us"].items()
+    )
+    cost = ", ".join(
+        f"{n}: {us:.1f} us/round ({f['delay_1ms_pending_us'][n]:.0f} us late)"
+        for n, us in f["round_us"].items()
+    )
     return f"detection delay p50/p99 after an event {delays}; with N handles pending {cost}"
 
 
 # ---------------------------------------------------------------- 3. two stages over a loopback
+
 
 class LoopbackWork:
     """A loopback send or receive: complete once the copy that matched it has run on the device."""
@@ -272,7 +353,9 @@ class LoopbackOps:
         self._recvs: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self._held: dict[int, list] = {}  # id(stream) -> operations waiting for a receive's data
         self._current = None
-        self.copies: dict[Any, list] = collections.defaultdict(list)  # group -> done events, in order
+        self.copies: dict[Any, list] = collections.defaultdict(
+            list
+        )  # group -> done events, in order
 
     def __getattr__(self, name):
         return getattr(self.base, name)
@@ -289,6 +372,7 @@ class LoopbackOps:
             def __exit__(self, *exc):
                 ops._current = self.before
                 return self.inner.__exit__(*exc)
+
         return _Current()
 
     def _later(self, stream, fn) -> bool:
@@ -306,7 +390,9 @@ class LoopbackOps:
         return self.base.record_event(stream)
 
     def wait_event(self, stream, event) -> None:
-        if not self._later(stream, lambda: self.base.wait_event(stream, getattr(event, "event", event))):
+        if not self._later(
+            stream, lambda: self.base.wait_event(stream, getattr(event, "event", event))
+        ):
             self.base.wait_event(stream, getattr(event, "event", event))
 
     def wait_work(self, work) -> None:
@@ -316,7 +402,9 @@ class LoopbackOps:
 
     def to_host(self, device_tensor, host) -> None:
         stream = self._current
-        if not self._later(stream, lambda: self._on(stream, lambda: self.base.to_host(device_tensor, host))):
+        if not self._later(
+            stream, lambda: self._on(stream, lambda: self.base.to_host(device_tensor, host))
+        ):
             self.base.to_host(device_tensor, host)
 
     def _on(self, stream, fn):
@@ -356,8 +444,15 @@ class LoopbackOps:
             fn()
 
 
-async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: int = 4, iterations: int = 2,
-                           n_embd: int = 64, n_layer: int = 4) -> dict:
+async def loopback_figures(
+    dev: Device,
+    *,
+    unit_ms: float = 0.0,
+    microbatches: int = 4,
+    iterations: int = 2,
+    n_embd: int = 64,
+    n_layer: int = 4,
+) -> dict:
     """Stages 0 and 1 of a GPT on one device, over NcclChannel with LoopbackOps."""
     import torch
 
@@ -368,7 +463,9 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
     from rrfp.loop import CompletionPoller, CudaComputeLane
 
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=64)
-    data = make_batches(DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=48), 0, microbatches)
+    data = make_batches(
+        DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=48), 0, microbatches
+    )
     torch.manual_seed(0)
     reference = GPT(cfg)
     (sum(loss_fn(reference(x), y) for x, y in data) / microbatches).backward()
@@ -377,23 +474,40 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
     ops = LoopbackOps(dev.ops, dev.new_event)
     hops: list[tuple[str, float]] = []
     async with CompletionPoller() as poller:
-        lanes = [CudaComputeLane(poller, dev.device, unit_ms / 1e3, name=f"stage{s}", torch_module=dev.torch)
-                 for s in (0, 1)]
+        lanes = [
+            CudaComputeLane(
+                poller, dev.device, unit_ms / 1e3, name=f"stage{s}", torch_module=dev.torch
+            )
+            for s in (0, 1)
+        ]
 
         def channel(name, src, dst, outbound):
-            ch = NcclChannel(name, src if outbound else dst, dst if outbound else src, name, outbound=outbound,
-                             ops=ops, poller=poller, compute_stream=lanes[src if outbound else dst].stream)
+            ch = NcclChannel(
+                name,
+                src if outbound else dst,
+                dst if outbound else src,
+                name,
+                outbound=outbound,
+                ops=ops,
+                poller=poller,
+                compute_stream=lanes[src if outbound else dst].stream,
+            )
             if outbound:
                 send = ch.send
 
                 async def timed_send(msg):
                     from_producer = msg.ready is not None  # the producing task's own end event
-                    if not from_producer:  # what the channel would do: the compute stream as it is now
+                    if (
+                        not from_producer
+                    ):  # what the channel would do: the compute stream as it is now
                         msg.ready = dev.new_event()
                         msg.ready.record(ch.compute_stream)
                     ready = msg.ready
                     await send(msg)
-                    hops.append((f"{name} {msg.label()}", ready, ops.copies[name][-1], from_producer))
+                    hops.append(
+                        (f"{name} {msg.label()}", ready, ops.copies[name][-1], from_producer)
+                    )
+
                 ch.send = timed_send
             return ch
 
@@ -402,10 +516,23 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
         torch.manual_seed(0)
         full = GPT(cfg)  # the reference's weights
         modules = [dev.place(make_stage(full, s, 2)) for s in (0, 1)]
-        exs = [stage_executor(modules[s], s, 2, lanes[s], PipelineChannels(s, **ends), microbatches, split=False,
-                              hint="1f1b", unit_s=unit_ms / 1e3, loss_fn=loss_fn)
-               for s, ends in enumerate(({"fwd_out": fwd_out, "bwd_in": bwd_in},
-                                         {"fwd_in": fwd_in, "bwd_out": bwd_out}))]
+        exs = [
+            stage_executor(
+                modules[s],
+                s,
+                2,
+                lanes[s],
+                PipelineChannels(s, **ends),
+                microbatches,
+                split=False,
+                hint="1f1b",
+                unit_s=unit_ms / 1e3,
+                loss_fn=loss_fn,
+            )
+            for s, ends in enumerate(
+                ({"fwd_out": fwd_out, "bwd_in": bwd_in}, {"fwd_in": fwd_in, "bwd_out": bwd_out})
+            )
+        ]
         for it in range(iterations):
             for m in modules:
                 m.zero_grad(set_to_none=True)
@@ -413,17 +540,28 @@ async def loopback_figures(dev: Device, *, unit_ms: float = 0.0, microbatches: i
             await asyncio.gather(*(ex.run_iteration(it, placed) for ex in exs))
         for lane in lanes:
             await lane.drain()
-    err = max((p.grad.float().cpu() - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters())
-    return {"grad_err": err, "hops_ms": [(label, ready.elapsed_time(done)) for label, ready, done, _ in hops],
-            "gated_by_producer": all(from_producer for *_, from_producer in hops)}
+    err = max(
+        (p.grad.float().cpu() - want[n]).abs().max().item()
+        for m in modules
+        for n, p in m.named_parameters()
+    )
+    return {
+        "grad_err": err,
+        "hops_ms": [(label, ready.elapsed_time(done)) for label, ready, done, _ in hops],
+        "gated_by_producer": all(from_producer for *_, from_producer in hops),
+    }
 
 
 def loopback_line(f: dict) -> str:
     hops = [ms for _, ms in f["hops_ms"]]
     assert f["gated_by_producer"], "a send was not gated by its producer's end event"
-    assert f["grad_err"] < 1e-3, f"gradients differ from the single-process reference by {f['grad_err']:.2e}"
-    return (f"{len(hops)} hops: producer end -> consumer data p50 {quantile(hops, 0.5):.3f} ms, max "
-            f"{max(hops):.3f} ms; gradients vs single-process reference: max |diff| {f['grad_err']:.2e}")
+    assert f["grad_err"] < 1e-3, (
+        f"gradients differ from the single-process reference by {f['grad_err']:.2e}"
+    )
+    return (
+        f"{len(hops)} hops: producer end -> consumer data p50 {quantile(hops, 0.5):.3f} ms, max "
+        f"{max(hops):.3f} ms; gradients vs single-process reference: max |diff| {f['grad_err']:.2e}"
+    )
 
 
 # ---------------------------------------------------------------- 4. NCCL inits
@@ -460,13 +598,17 @@ run(stage_main(TrainConfig.load(sys.argv[1], sys.argv[2:])))
 def marked_run(steps: int, backend: str = "nccl") -> str:
     """A pp=1 run's output with NCCL's init lines and the start-up mark (RUN_MARKED)."""
     env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
-    return run_rank_zero(["-c", RUN_MARKED, CONFIG, f"steps={steps}", f"backend={backend}", "pp=1"], env)
+    return run_rank_zero(
+        ["-c", RUN_MARKED, CONFIG, f"steps={steps}", f"backend={backend}", "pp=1"], env
+    )
 
 
 def nccl_init_check(steps: int, out: str | None = None) -> str:
     """Communicators are made at start-up and never after it, in ``out`` (default: a new marked run)."""
     at_start, later = nccl_inits(marked_run(steps) if out is None else out)
-    assert at_start >= 1, "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
+    assert at_start >= 1, (
+        "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
+    )
     assert later == 0, f"{later} NCCL communicator(s) initialized after start-up"
     return f"{at_start} communicator init(s) at start-up, {later} after it ({steps} steps)"
 
@@ -481,27 +623,43 @@ def _free_port() -> int:
 
 def run_rank_zero(args: list[str], env: dict | None = None, timeout: float = 300) -> str:
     """``python ARGS`` as the only rank of a world of one; its stdout (stderr shown on failure)."""
-    env = {**(env or os.environ), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **(env or os.environ),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    p = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
     if p.returncode != 0:
         out = (p.stdout + p.stderr).strip()
-        print("\n".join(out.splitlines()[-30:]), flush=True)  # the whole story, for a one-shot device run
+        print(
+            "\n".join(out.splitlines()[-30:]), flush=True
+        )  # the whole story, for a one-shot device run
         raise RuntimeError(f"exit {p.returncode}: {out.splitlines()[-1] if out else ''}")
     return p.stdout
 
 
 # ---------------------------------------------------------------- 5. memory
 
-def predicted_peak_bytes(module, inflight: int, activation_bytes: int, optimizer_states: int = 2) -> int:
+
+def predicted_peak_bytes(
+    module, inflight: int, activation_bytes: int, optimizer_states: int = 2
+) -> int:
     """Weights, their gradients and the optimizer's states (AdamW: two per weight), plus what the
     in-flight budget lets the stage hold: ``inflight`` microbatches of ``activation_bytes`` each."""
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     return weights * (2 + optimizer_states) + inflight * activation_bytes
 
 
-async def memory_figures(dev: Device, *, n_embd: int = 512, n_layer: int = 4, microbatches: int = 4,
-                         iterations: int = 3) -> dict:
+async def memory_figures(
+    dev: Device, *, n_embd: int = 512, n_layer: int = 4, microbatches: int = 4, iterations: int = 3
+) -> dict:
     """A pp=1 GPT stage trained a few steps under the default budget (2x: two microbatches in flight)."""
     import torch
 
@@ -514,8 +672,12 @@ async def memory_figures(dev: Device, *, n_embd: int = 512, n_layer: int = 4, mi
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=8, block_size=512)
     module = dev.place(make_stage(GPT(cfg), 0, 1))
-    data = [(dev.place(x), dev.place(y)) for x, y in
-            make_batches(DataConfig(seed=1, microbatch_size=8, min_seq_len=128, max_seq_len=512), 0, microbatches)]
+    data = [
+        (dev.place(x), dev.place(y))
+        for x, y in make_batches(
+            DataConfig(seed=1, microbatch_size=8, min_seq_len=128, max_seq_len=512), 0, microbatches
+        )
+    ]
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
     cuda = dev.torch.cuda
     if hasattr(cuda, "reset_peak_memory_stats"):
@@ -523,20 +685,34 @@ async def memory_figures(dev: Device, *, n_embd: int = 512, n_layer: int = 4, mi
         cuda.reset_peak_memory_stats()
     async with CompletionPoller() as poller:
         lane = CudaComputeLane(poller, dev.device, 0.0, torch_module=dev.torch)
-        ex = stage_executor(module, 0, 1, lane, PipelineChannels(0), microbatches, split=True, loss_fn=loss_fn,
-                            measure_activations=True)
+        ex = stage_executor(
+            module,
+            0,
+            1,
+            lane,
+            PipelineChannels(0),
+            microbatches,
+            split=True,
+            loss_fn=loss_fn,
+            measure_activations=True,
+        )
         measured = [0]
 
         def after_forward(task) -> None:  # what the worker holds for a microbatch once its F ran
             if task.kind is Kind.F:
                 measured.append(ex.worker.activation_bytes(task.mb))
+
         ex.on_task_done.append(after_forward)
         for it in range(iterations):
             await ex.run_iteration(it, data)
             opt.step()
             opt.zero_grad(set_to_none=True)
     inflight, act = ex.limit.count, max(measured)
-    out = {"predicted": predicted_peak_bytes(module, inflight, act), "inflight": inflight, "activation": act}
+    out = {
+        "predicted": predicted_peak_bytes(module, inflight, act),
+        "inflight": inflight,
+        "activation": act,
+    }
     if hasattr(cuda, "max_memory_allocated"):
         cuda.synchronize()
         out.update(allocated=cuda.max_memory_allocated(), reserved=cuda.max_memory_reserved())
@@ -544,13 +720,17 @@ async def memory_figures(dev: Device, *, n_embd: int = 512, n_layer: int = 4, mi
 
 
 def memory_line(f: dict) -> str:
-    mib = 2 ** 20
+    mib = 2**20
     ratio = f["allocated"] / f["predicted"]
-    assert ratio < 2.0, (f"peak allocated {f['allocated'] / mib:.0f} MiB is {ratio:.2f}x the prediction: a "
-                         f"budget set from it would let a stage run out of memory")
-    return (f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; predicted "
-            f"{f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, {f['inflight']} microbatches of "
-            f"{f['activation'] / mib:.0f} MiB in flight): allocated/predicted {ratio:.2f}")
+    assert ratio < 2.0, (
+        f"peak allocated {f['allocated'] / mib:.0f} MiB is {ratio:.2f}x the prediction: a "
+        f"budget set from it would let a stage run out of memory"
+    )
+    return (
+        f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; predicted "
+        f"{f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, {f['inflight']} microbatches of "
+        f"{f['activation'] / mib:.0f} MiB in flight): allocated/predicted {ratio:.2f}"
+    )
 
 
 # ---------------------------------------------------------------- 6. training and resume
@@ -598,7 +778,10 @@ def train_check(steps: int) -> str:
     assert len(got) == len(want) == steps, f"{len(got)} losses, expected {steps}"
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert worst < 2e-3, f"losses differ from the single-process reference by up to {worst:.2e}"
-    return f"{steps} steps, loss {got[0]:.4f} -> {got[-1]:.4f}, max |diff| vs reference {worst:.1e}; " + resume_check()
+    return (
+        f"{steps} steps, loss {got[0]:.4f} -> {got[-1]:.4f}, max |diff| vs reference {worst:.1e}; "
+        + resume_check()
+    )
 
 
 def resume_check() -> str:
@@ -620,7 +803,10 @@ def resume_check() -> str:
 
 def virtual_check(steps: int, backend: str = "nccl", device: str = "cuda:0") -> str:
     """Two stages on the one rank: the same losses as the single-process reference."""
-    got, want = train_losses(f"steps={steps}", "virtual=2", backend=backend), reference_losses(steps, device)
+    got, want = (
+        train_losses(f"steps={steps}", "virtual=2", backend=backend),
+        reference_losses(steps, device),
+    )
     worst = max(abs(a - b) for a, b in zip(got, want))
     assert len(got) == steps and worst < 2e-3, f"losses {got} vs reference {want}"
     return f"{steps} steps with two stages on one rank, max |diff| vs reference {worst:.1e}"
@@ -628,20 +814,52 @@ def virtual_check(steps: int, backend: str = "nccl", device: str = "cuda:0") -> 
 
 def pp2_check(steps: int) -> str:
     want, out = reference_losses(steps), []
-    for label, sets in (("one stage per rank", []), ("two per rank, v shape", ["virtual=2", "placement=v"])):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "rrfp",
-               "train", "--config", CONFIG, "--set", f"steps={steps}", "--set", "log_every=1", "--set",
-               "backend=nccl", "--set", "pp=2", *[a for s in sets for a in ("--set", s)]]
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for label, sets in (
+        ("one stage per rank", []),
+        ("two per rank, v shape", ["virtual=2", "placement=v"]),
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "rrfp",
+            "train",
+            "--config",
+            CONFIG,
+            "--set",
+            f"steps={steps}",
+            "--set",
+            "log_every=1",
+            "--set",
+            "backend=nccl",
+            "--set",
+            "pp=2",
+            *[a for s in sets for a in ("--set", s)],
+        ]
+        p = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         if p.returncode != 0:
-            raise RuntimeError(f"{label}: exit {p.returncode}: "
-                               f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}")
+            raise RuntimeError(
+                f"{label}: exit {p.returncode}: "
+                f"{p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}"
+            )
         got = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)][:steps]
         worst = max(abs(a - b) for a, b in zip(got, want))
         assert len(got) == steps and worst < 2e-3, f"{label}: losses {got} vs reference {want}"
         out.append(f"{label} {worst:.1e}")
-    return f"{steps} steps over NCCL between two GPUs, max |diff| of the printed losses vs reference: " + ", ".join(out)
+    return (
+        f"{steps} steps over NCCL between two GPUs, max |diff| of the printed losses vs reference: "
+        + ", ".join(out)
+    )
 
 
 def calibrate_check() -> str:
@@ -650,9 +868,28 @@ def calibrate_check() -> str:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "cost.json")
-        p = subprocess.run([sys.executable, "-m", "rrfp", "calibrate", "--config", CONFIG, "--pp", "2", "--samples",
-                            "4", "--set", "backend=nccl", "--out", out], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rrfp",
+                "calibrate",
+                "--config",
+                CONFIG,
+                "--pp",
+                "2",
+                "--samples",
+                "4",
+                "--set",
+                "backend=nccl",
+                "--out",
+                out,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if p.returncode != 0 or "real compute on cuda" not in p.stdout or not os.path.exists(out):
             raise RuntimeError(f"exit {p.returncode}: {(p.stdout + p.stderr)[-800:]}")
         return p.stdout.splitlines()[0]
@@ -660,22 +897,32 @@ def calibrate_check() -> str:
 
 # ---------------------------------------------------------------- main
 
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--steps", type=int, default=20)
-    a.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated, from {', '.join(CHECKS)}")
+    a.add_argument(
+        "--only", default=",".join(CHECKS), help=f"comma-separated, from {', '.join(CHECKS)}"
+    )
     args = a.parse_args()
     only = set(args.only.split(","))
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     nccl = torch.cuda.nccl.version() if gpus and hasattr(torch.cuda, "nccl") else None
-    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {gpus}"
-          + (f" ({torch.cuda.get_device_name(0)}), NCCL {'.'.join(map(str, nccl))}" if gpus else ""), flush=True)
+    print(
+        f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}, GPUs: {gpus}"
+        + (f" ({torch.cuda.get_device_name(0)}), NCCL {'.'.join(map(str, nccl))}" if gpus else ""),
+        flush=True,
+    )
     if gpus == 0:
         for name in CHECKS:
-            report(name, "SKIPPED", f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is "
-                                    f"False); its CPU part runs in {CPU_PART[name]}")
+            report(
+                name,
+                "SKIPPED",
+                f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is "
+                f"False); its CPU part runs in {CPU_PART[name]}",
+            )
         return 0
     from rrfp.loop import run
 
@@ -698,12 +945,18 @@ def main() -> int:
         elif name == "virtual":
             check(name, lambda: virtual_check(args.steps))
         elif name == "pp=2" and gpus < 2:
-            report(name, "SKIPPED", f"needs 2 GPUs, this machine has {gpus} (NCCL refuses two ranks on one GPU)")
+            report(
+                name,
+                "SKIPPED",
+                f"needs 2 GPUs, this machine has {gpus} (NCCL refuses two ranks on one GPU)",
+            )
         elif name == "pp=2":
             check(name, lambda: pp2_check(args.steps))
     failed = [r for r in results if r[1] == "FAILED"]
-    print(f"gpu-check: {sum(r[1] == 'ok' for r in results)} ok, {len(failed)} failed, "
-          f"{sum(r[1] == 'SKIPPED' for r in results)} skipped")
+    print(
+        f"gpu-check: {sum(r[1] == 'ok' for r in results)} ok, {len(failed)} failed, "
+        f"{sum(r[1] == 'SKIPPED' for r in results)} skipped"
+    )
     return 1 if failed else 0
 
 

@@ -2,12 +2,22 @@
 reference: gradient clipping and AdamW with the linear warmup rrfp train applies (torch's LambdaLR
 here), shared by
 tests/test_hf_train.py and tests/test_hf_schedule.py (torch imported inside: the ranks import it)."""
+
 from __future__ import annotations
 
 M, STEPS, LR, WARMUP, CLIP = 4, 3, 1e-2, 2, 0.5  # CLIP: below the first steps' gradient norms
-SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, dtype="float64",
-             gradient_checkpointing=True)
+SIZES = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    dtype="float64",
+    gradient_checkpointing=True,
+)
 
 
 def model_config(family: str, **kw):

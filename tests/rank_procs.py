@@ -6,6 +6,7 @@ children: torchrun's agent kills a failed rank's siblings, which would hide a
 survivor that hangs. Each rank leads its own process group, so the test can
 tell whether anything of it (a child included) is still alive.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,35 @@ class RankProcs:
         self.procs: list[subprocess.Popen] = []
         self.files = []
         for rank in range(world):
-            e = {k: v for k, v in os.environ.items()
-                 if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_", "RRFP_"))}
-            e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                     LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
-                     PYTHONUNBUFFERED="1", **(env or {}))
+            e = {
+                k: v
+                for k, v in os.environ.items()
+                if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_", "RRFP_"))
+            }
+            e.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1",
+                **(env or {}),
+            )
             out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
             self.files += [out, err]
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT, env=e,
-                                               stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rrfp", "train", *args],
+                    cwd=ROOT,
+                    env=e,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            )
 
     def out(self, rank: int) -> str:
         return (self.tmp / f"out{rank}").read_text(errors="replace")

@@ -3,6 +3,7 @@
 ``await stage_executor(...).run_iteration(...)``, and ``run.autocast = "bfloat16"`` for ``rrfp train``,
 match a one-process bfloat16 run of the same model and data within bfloat16 tolerance, and differ
 measurably from the float32 run, on real gloo ranks."""
+
 from __future__ import annotations
 
 import copy
@@ -15,13 +16,17 @@ from distributed import run_ranks
 
 M, DIM, BATCH = 2, 16, 4
 BF16 = torch.bfloat16
-CLOSE = 1e-3  # relative: pipeline vs one process, both bfloat16 (the same ops, summed in another order)
+CLOSE = (
+    1e-3  # relative: pipeline vs one process, both bfloat16 (the same ops, summed in another order)
+)
 APART = 3e-3  # relative: bfloat16 vs float32, which a run that dropped autocast would match instead
 
 
 def full_model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(2)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM)) for _ in range(2)]
+    )
 
 
 def loss_fn(out, target):
@@ -64,19 +69,26 @@ def _both_paths(rank, world):
     out = {}
     try:
         chunk = copy.deepcopy(full_model()[rank])
-        with ScheduleReady(PipelineStage(chunk, rank, world, torch.device("cpu")), M, loss_fn=loss_fn) as schedule:
+        with ScheduleReady(
+            PipelineStage(chunk, rank, world, torch.device("cpu")), M, loss_fn=loss_fn
+        ) as schedule:
             with torch.autocast("cpu", BF16):
                 schedule.step(*((x,) if first else ()), target=y if last else None)
             grads = {n: p.grad.numpy().copy() for n, p in chunk.named_parameters()}
             with torch.autocast("cpu", BF16), torch.no_grad():
                 evaluated = schedule.eval(*((x,) if first else ()), target=y if last else None)
         # plain arrays: a tensor through the result queue needs its sender alive
-        out["ScheduleReady"] = (grads, None if evaluated is None else (evaluated.dtype, evaluated.float().numpy()))
+        out["ScheduleReady"] = (
+            grads,
+            None if evaluated is None else (evaluated.dtype, evaluated.float().numpy()),
+        )
 
         async def embedded():
             async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
                 module = copy.deepcopy(full_model()[rt.stage])
-                ex = rt.stage_executor(module, loss_fn, microbatches=M, hint="bfw")  # split: B and W
+                ex = rt.stage_executor(
+                    module, loss_fn, microbatches=M, hint="bfw"
+                )  # split: B and W
                 batches = list(zip(x.chunk(M), y.chunk(M)))
                 with torch.autocast("cpu", BF16):
                     await ex.run_iteration(0, batches)
@@ -104,8 +116,12 @@ def test_autocast_around_the_call_reaches_every_task(pipelined, path):
         want = {n: p.grad for n, p in bf16[rank].named_parameters()}
         far = {n: p.grad for n, p in fp32[rank].named_parameters()}
         assert relative(far, want) > APART, "the model is one where bfloat16 shows"
-        assert relative(grads, want) < CLOSE, f"{path} rank {rank}: not the one-process bfloat16 gradients"
-        assert relative(grads, far) > APART, f"{path} rank {rank}: float32 gradients: autocast was dropped"
+        assert relative(grads, want) < CLOSE, (
+            f"{path} rank {rank}: not the one-process bfloat16 gradients"
+        )
+        assert relative(grads, far) > APART, (
+            f"{path} rank {rank}: float32 gradients: autocast was dropped"
+        )
         if path == "ScheduleReady" and rank == 1:  # eval (the forward-only path) under autocast too
             dtype, values = evaluated
             assert dtype == BF16, dtype
@@ -123,8 +139,18 @@ def _train(rank, world, autocast):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
-        cfg = TrainConfig(RunConfig(pp=world, microbatches=M, steps=STEPS, lr=LR, seed=0, timeout_s=60,
-                                    autocast=autocast), *_gpt())
+        cfg = TrainConfig(
+            RunConfig(
+                pp=world,
+                microbatches=M,
+                steps=STEPS,
+                lr=LR,
+                seed=0,
+                timeout_s=60,
+                autocast=autocast,
+            ),
+            *_gpt(),
+        )
         return run(stage_main(cfg)).losses
     finally:
         dist.destroy_process_group()
@@ -137,8 +163,10 @@ def _gpt():
     from models.data import DataConfig
     from models.gpt import GPTConfig
 
-    return (GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32),
-            DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=24))
+    return (
+        GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32),
+        DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=24),
+    )
 
 
 def _one_process_losses(bf16: bool) -> list[float]:

@@ -1,6 +1,7 @@
 """`rrfp bench`: the quick suite runs every executor on real gloo ranks and leaves a well-formed
 results folder; bad flags exit 2 with one line before any rank starts; a rank that fails mid-job
 comes back as one line, not a hang."""
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")}
-    return subprocess.run([sys.executable, "-m", "rrfp", "bench", *args], cwd=ROOT, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", "bench", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def table_rows(markdown: str) -> dict[str, list[str]]:
@@ -31,7 +42,11 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
     rows = {}
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] not in ("executor",) and not cells[0].startswith("---"):
+        if (
+            line.startswith("| ")
+            and cells[0] not in ("executor",)
+            and not cells[0].startswith("---")
+        ):
             rows[cells[0]] = cells
     return rows
 
@@ -66,21 +81,41 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     # two virtual stages per rank (v shape): every task of both chunks ran, peaks in the rank's microbatches
     for name in ("ready bfw v2", "ready plan v2"):
         [row] = [r for r in wl["rows"] if r["executor"] == name]
-        assert 0.5 <= row["peak_inflight"] <= 4 and row["lower_bound_s"] > 0 and row["simulated_s"] > 0
+        assert (
+            0.5 <= row["peak_inflight"] <= 4 and row["lower_bound_s"] > 0 and row["simulated_s"] > 0
+        )
     trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]
-    pid = next(e["pid"] for e in trace if e["ph"] == "M" and e["name"] == "process_name"
-               and e["args"]["name"] == "ready bfw v2")
-    rows = {e["args"]["name"] for e in trace if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid}
-    assert rows == {"stage 0 (rank 0)", "stage 1 (rank 1)", "stage 2 (rank 1)", "stage 3 (rank 0)"}, rows
+    pid = next(
+        e["pid"]
+        for e in trace
+        if e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"] == "ready bfw v2"
+    )
+    rows = {
+        e["args"]["name"]
+        for e in trace
+        if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid
+    }
+    assert rows == {
+        "stage 0 (rank 0)",
+        "stage 1 (rank 1)",
+        "stage 2 (rank 1)",
+        "stage 3 (rank 0)",
+    }, rows
     # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step that
     # spent some (small) time outside the executor's iteration
     for name in ("drop-in ready bfw", "drop-in ready plan"):
         [row] = [r for r in wl["rows"] if r["executor"] == name]
         direct = next(r for r in wl["rows"] if r["executor"] == name.removeprefix("drop-in "))
-        assert 1 <= row["peak_inflight"] <= 4 and row["decision_us"] > 0  # rrfp's figures; torch has none
+        assert (
+            1 <= row["peak_inflight"] <= 4 and row["decision_us"] > 0
+        )  # rrfp's figures; torch has none
         assert 0 < row["overhead_s"] < row["wall_s"], row
-        assert row["simulated_s"] == pytest.approx(direct["simulated_s"])  # the same durations and hint
-    assert all(r["overhead_s"] is None for r in wl["rows"] if not r["executor"].startswith("drop-in"))
+        assert row["simulated_s"] == pytest.approx(
+            direct["simulated_s"]
+        )  # the same durations and hint
+    assert all(
+        r["overhead_s"] is None for r in wl["rows"] if not r["executor"].startswith("drop-in")
+    )
     base = next(s for s in wl["summary"] if s["executor"] == "fixed 1f1b")
     assert base["speedup"]["median"] == pytest.approx(1.0)
 
@@ -94,15 +129,26 @@ def test_quick_run_writes_a_well_formed_folder(quick):
         assert float(cells[1]) > 0
     for name in skipped:
         assert f"Not run: {name}: " in md
-    for line in ("Ablation, dispatch alone: ready plan vs fixed plan", "Against torch: ready plan vs torch 1f1b",
-                 "Against torch: ready plan vs torch zb", "Against torch: drop-in ready plan vs torch 1f1b",
-                 "Against torch: ready plan v2 vs torch zb", "Against torch: ready plan v2 vs torch dualpipev",
-                 "Against torch: drop-in ready bfw vs torch zb"):
+    for line in (
+        "Ablation, dispatch alone: ready plan vs fixed plan",
+        "Against torch: ready plan vs torch 1f1b",
+        "Against torch: ready plan vs torch zb",
+        "Against torch: drop-in ready plan vs torch 1f1b",
+        "Against torch: ready plan v2 vs torch zb",
+        "Against torch: ready plan v2 vs torch dualpipev",
+        "Against torch: drop-in ready bfw vs torch zb",
+    ):
         found = re.search(re.escape(line) + r".*: median (\d+\.\d+)x", md)
         assert found and float(found.group(1)) > 0, line
-    for dropin, direct in (("drop-in ready bfw", "ready bfw"), ("drop-in ready plan", "ready plan")):
-        found = re.search(f"Drop-in, the surface alone: {dropin} took (\\d+\\.\\d+)x the time of {direct} .* "
-                          f"its step spent (\\d+\\.\\d+) ms", md)
+    for dropin, direct in (
+        ("drop-in ready bfw", "ready bfw"),
+        ("drop-in ready plan", "ready plan"),
+    ):
+        found = re.search(
+            f"Drop-in, the surface alone: {dropin} took (\\d+\\.\\d+)x the time of {direct} .* "
+            f"its step spent (\\d+\\.\\d+) ms",
+            md,
+        )
         assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, dropin
     assert "drop-in ready plan: each iteration planned when its step started" in md
 
@@ -115,19 +161,37 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     tasks = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != "wait"]
     # every executor ran every task of its iteration on both ranks: 4 microbatches x (F, B[, W]) per
     # stage, and torch's zero-bubble schedule holds two stages per rank
-    per = {p: sum(1 for e in tasks if trace_process(trace, e) == p and (p != "torch dualpipev" or e["name"][0] != "W"))
-           for p in ran}
-    per["torch dualpipev"] *= 1.5  # torch's DualPipeV runs some backwards whole (its W inside B): F and B counted
+    per = {
+        p: sum(
+            1
+            for e in tasks
+            if trace_process(trace, e) == p and (p != "torch dualpipev" or e["name"][0] != "W")
+        )
+        for p in ran
+    }
+    per["torch dualpipev"] *= (
+        1.5  # torch's DualPipeV runs some backwards whole (its W inside B): F and B counted
+    )
     for name, count in per.items():
-        split = name not in ("fixed 1f1b", "torch 1f1b")  # the drop-in rows' hints split, as bfw and plan do
-        stages = 2 * (stages_per_rank(name.split()[1]) if name.startswith("torch") else
-                      2 if name.endswith(" v2") else 1)
+        split = name not in (
+            "fixed 1f1b",
+            "torch 1f1b",
+        )  # the drop-in rows' hints split, as bfw and plan do
+        stages = 2 * (
+            stages_per_rank(name.split()[1])
+            if name.startswith("torch")
+            else 2
+            if name.endswith(" v2")
+            else 1
+        )
         assert count == stages * 4 * (3 if split else 2), (name, count)
     assert str(out) in res.stdout and "| executor |" in res.stdout
 
 
 def trace_process(trace: dict, event: dict) -> str:
-    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"
+    }
     return names[event["pid"]]
 
 
@@ -144,7 +208,10 @@ BAD = [
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--executors", "drop-in-torch-zb"], "the drop-in runs rrfp's executor"),
     (["--executors", "drop-in-ready-nope"], "unknown hint 'nope'"),
-    (["--tp", "2", "--executors", "drop-in-ready-bfw"], "drop-in ready bfw cannot run gpt: ScheduleReady runs"),
+    (
+        ["--tp", "2", "--executors", "drop-in-ready-bfw"],
+        "drop-in ready bfw cannot run gpt: ScheduleReady runs",
+    ),
 ]
 
 
@@ -157,7 +224,9 @@ def test_bad_input_is_one_usage_error(tmp_path, args, needle):
     from rrfp.app.errors import UsageError
 
     with pytest.raises(UsageError) as info:
-        build_spec(build_parser().parse_args(["bench", "--quick", "--out", str(tmp_path / "out"), *args]))
+        build_spec(
+            build_parser().parse_args(["bench", "--quick", "--out", str(tmp_path / "out"), *args])
+        )
     assert needle in str(info.value) and "\n" not in str(info.value), str(info.value)
     assert not (tmp_path / "out").exists()
 
@@ -166,28 +235,51 @@ def test_bad_input_is_one_usage_error(tmp_path, args, needle):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     res = rrfp_bench("--quick", "--out", str(tmp_path / "out"), *args, timeout=60)
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("rrfp: error: "), res.stderr
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("rrfp: error: "), (
+        res.stderr
+    )
     assert needle in lines[0] and "Traceback" not in res.stderr
     assert not (tmp_path / "out").exists()  # nothing started
 
 
 def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     out = tmp_path / "out"
-    res = rrfp_bench("--workloads", "tests/fixtures/failing_stage.toml", "--executors", "fixed-1f1b,ready-bfw",
-                     "--pp", "2", "--mb", "2", "--reps", "1", "--unit-ms", "1", "--out", str(out), timeout=120)
+    res = rrfp_bench(
+        "--workloads",
+        "tests/fixtures/failing_stage.toml",
+        "--executors",
+        "fixed-1f1b,ready-bfw",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--reps",
+        "1",
+        "--unit-ms",
+        "1",
+        "--out",
+        str(out),
+        timeout=120,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
-    assert re.match(r"rrfp: error: bench job failed: rank 1: RuntimeError: injected failure in stage 1's forward",
-                    lines[0]), lines[0]
+    assert re.match(
+        r"rrfp: error: bench job failed: rank 1: RuntimeError: injected failure in stage 1's forward",
+        lines[0],
+    ), lines[0]
     assert "Traceback" not in res.stderr
-    assert "injected failure" in (out / "job.log").read_text()  # the traceback stays in the job's log
+    assert (
+        "injected failure" in (out / "job.log").read_text()
+    )  # the traceback stays in the job's log
 
 
 def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
     res = rrfp_bench("--quick", "--timeout", "2", "--out", str(tmp_path / "out"), timeout=90)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
-    assert lines[0].startswith("rrfp: error: bench job failed: it did not finish within 2 s (--timeout)"), lines[0]
+    assert lines[0].startswith(
+        "rrfp: error: bench job failed: it did not finish within 2 s (--timeout)"
+    ), lines[0]
     assert not (tmp_path / "out" / "results.json").exists()
 
 
@@ -198,8 +290,11 @@ def test_help_names_the_default_executors_and_each_one_parses():
     from rrfp.app.bench.suite import DEFAULT_EXECUTORS, Executor, file_slug
     from rrfp.app.cli import build_parser
 
-    bench = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
-                 if "--executors" in a.option_strings)
+    bench = next(
+        a
+        for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+        if "--executors" in a.option_strings
+    )
     listed = re.search(r"default: (.*): those", bench.help)[1].split(", ")
     assert listed == [file_slug(e) for e in DEFAULT_EXECUTORS]
     assert [Executor.parse(e).name for e in listed] == list(DEFAULT_EXECUTORS)

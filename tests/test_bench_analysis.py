@@ -1,5 +1,6 @@
 """The bench's figures: bounds and predictions on the durations the simulator itself draws, and
 speedups paired by iteration."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ EXECUTORS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan"
 
 
 def spec() -> BenchSpec:
-    case = Case("gpt", "unused.toml", "lang", False, executors=tuple(Executor.parse(e) for e in EXECUTORS))
+    case = Case(
+        "gpt", "unused.toml", "lang", False, executors=tuple(Executor.parse(e) for e in EXECUTORS)
+    )
     return BenchSpec((case,), pp=4, mb=8, reps=3, unit_ms=10.0)
 
 
@@ -27,10 +30,27 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
             # the simulator draws its own durations (and plans from them): the bench must rebuild the same
             cfg = SimConfig(4, 8, ex.hint, ex.engine, "2x", var, seed=0, iteration=it)
             res = simulate(planned_config(cfg)[0] if ex.hint == "plan" else cfg)
-            rows.append({"executor": name, "iteration": it, "wall_s": res.makespan * 0.01, "peak_inflight": None,
-                         "decision_us": None, "plan_s": None, "sim_lb": res.lower_bound * 0.01})
-        rows.append({"executor": "torch 1f1b", "iteration": it, "wall_s": 1.0, "peak_inflight": None,
-                     "decision_us": None, "plan_s": None})
+            rows.append(
+                {
+                    "executor": name,
+                    "iteration": it,
+                    "wall_s": res.makespan * 0.01,
+                    "peak_inflight": None,
+                    "decision_us": None,
+                    "plan_s": None,
+                    "sim_lb": res.lower_bound * 0.01,
+                }
+            )
+        rows.append(
+            {
+                "executor": "torch 1f1b",
+                "iteration": it,
+                "wall_s": 1.0,
+                "peak_inflight": None,
+                "decision_us": None,
+                "plan_s": None,
+            }
+        )
     annotate(sp, sp.cases[0], var, None, rows, [])
     for r in rows:
         if r["executor"] == "torch 1f1b":
@@ -42,14 +62,26 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
     # the bound follows each executor's split: torch's 1F1B has fixed 1F1B's, and a split backward's
     # chain is no longer than the unsplit one's
     by = {(r["executor"], r["iteration"]): r["lower_bound_s"] for r in rows}
-    assert all(by["torch 1f1b", it] == by["fixed 1f1b", it] >= by["fixed zbh1", it] - 1e-12 for it in (1, 2, 3))
+    assert all(
+        by["torch 1f1b", it] == by["fixed 1f1b", it] >= by["fixed zbh1", it] - 1e-12
+        for it in (1, 2, 3)
+    )
 
 
 def test_speedups_are_paired_by_iteration():
-    rows = [{"executor": e, "iteration": i, "wall_s": w, "peak_inflight": p, "decision_us": 1.0, "plan_s": None,
-             "efficiency": 0.5}
-            for e, p, walls in (("fixed 1f1b", 4, (2.0, 4.0, 3.0)), ("ready bfw", 8, (1.0, 4.0, 2.0)))
-            for i, w in zip((1, 2, 3), walls)]
+    rows = [
+        {
+            "executor": e,
+            "iteration": i,
+            "wall_s": w,
+            "peak_inflight": p,
+            "decision_us": 1.0,
+            "plan_s": None,
+            "efficiency": 0.5,
+        }
+        for e, p, walls in (("fixed 1f1b", 4, (2.0, 4.0, 3.0)), ("ready bfw", 8, (1.0, 4.0, 2.0)))
+        for i, w in zip((1, 2, 3), walls)
+    ]
     assert paired_ratios(rows, "fixed 1f1b", "ready bfw") == [2.0, 1.0, 1.5]
     base, ready = summarize(rows, ["fixed 1f1b", "ready bfw", "not run"])
     assert base.speedup.median == 1.0 and ready.speedup.median == 1.5

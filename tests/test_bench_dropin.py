@@ -1,6 +1,7 @@
 """The bench's drop-in contender (rrfp/app/bench/dropin.py) holds every task of ScheduleReady's
 executor for the ready rows' emulated duration: the lane's unit and the executor's variability
 reach the runtime that ScheduleReady starts for itself. Two gloo ranks, a few seconds."""
+
 from __future__ import annotations
 
 import torch
@@ -28,14 +29,25 @@ def _durations(rank, world):
     var = Variability.preset("lang", slow_stage=1, slow_factor=3.0)
     recorder = TraceRecorder("drop-in")
     stage = PipelineStage(TorchCall(module), rank, world, torch.device("cpu"))
-    sched = EmulatedScheduleReady(stage, M, lambda out, y: ((out - y) ** 2).mean(), unit_ms=UNIT_MS,
-                                  variability=var, seed=0, cost=None, instrument=recorder, hint="bfw")
+    sched = EmulatedScheduleReady(
+        stage,
+        M,
+        lambda out, y: ((out - y) ** 2).mean(),
+        unit_ms=UNIT_MS,
+        variability=var,
+        seed=0,
+        cost=None,
+        instrument=recorder,
+        hint="bfw",
+    )
     try:
         for it in range(STEPS):
             assert sched.steps == it
             xs = [torch.randn(2, 8) for _ in range(M)]
-            sched.step(arg_mbs=[(x,) for x in xs] if rank == 0 else None,
-                       target_mbs=[torch.zeros(2, 8)] * M if rank == world - 1 else None)
+            sched.step(
+                arg_mbs=[(x,) for x in xs] if rank == 0 else None,
+                target_mbs=[torch.zeros(2, 8)] * M if rank == world - 1 else None,
+            )
     finally:
         sched.close()
     times = TaskTimes(var, 0, True, None)
@@ -45,8 +57,14 @@ def _durations(rank, world):
         if sp.name == "wait":
             continue
         kind, mb = kinds[sp.name[0]], int(sp.name[1:])
-        out.append((sp.args["iteration"], sp.name, sp.end - sp.start,
-                    times.units(sp.args["iteration"], rank, mb, kind) * UNIT_MS / 1000))
+        out.append(
+            (
+                sp.args["iteration"],
+                sp.name,
+                sp.end - sp.start,
+                times.units(sp.args["iteration"], rank, mb, kind) * UNIT_MS / 1000,
+            )
+        )
     dist.destroy_process_group()
     return out
 
@@ -55,7 +73,8 @@ def test_drop_in_tasks_hold_the_ready_executors_emulated_durations():
     results = run_ranks(_durations, 2, timeout=90)
     for rank, spans in results.items():
         assert sorted((it, name) for it, name, _, _ in spans) == sorted(
-            (it, f"{k}{mb}") for it in range(STEPS) for k in "FBW" for mb in range(M)), rank
+            (it, f"{k}{mb}") for it in range(STEPS) for k in "FBW" for mb in range(M)
+        ), rank
         for it, name, held, emulated in spans:
             # the lane holds a task for its emulated time (the tiny Linear computes in far less)
             assert held >= emulated - 1e-3, (rank, it, name, held, emulated)

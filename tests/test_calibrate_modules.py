@@ -1,4 +1,5 @@
 """`rrfp.calibrate` fits the cost model of any stage modules, without a Workload."""
+
 import pytest
 import torch
 from torch import nn
@@ -21,7 +22,10 @@ def _loss(out, y):
 
 def _batches(width: int, lengths):
     g = torch.Generator().manual_seed(0)
-    return [(torch.randn(1, n, width, generator=g), torch.randn(1, n, width, generator=g)) for n in lengths]
+    return [
+        (torch.randn(1, n, width, generator=g), torch.randn(1, n, width, generator=g))
+        for n in lengths
+    ]
 
 
 def test_a_plain_module_pipeline_gets_a_cost_model_that_prices_length():
@@ -30,11 +34,16 @@ def test_a_plain_module_pipeline_gets_a_cost_model_that_prices_length():
     lengths = [8, 8, 16, 512, 32, 384, 64, 256, 8, 448]
     model = rrfp.calibrate(stages, _loss, _batches(64, lengths))
     assert len(model.coef) == 2 and all(len(kinds) == 3 for kinds in model.coef)
-    short, long = rrfp.token_features(_batches(64, [16])[0]), rrfp.token_features(_batches(64, [512])[0])
+    short, long = (
+        rrfp.token_features(_batches(64, [16])[0]),
+        rrfp.token_features(_batches(64, [512])[0]),
+    )
     for s in range(2):
         for kind in range(3):  # F, B and W of a 32x longer microbatch cost more
             assert model.seconds(s, kind, long) > model.seconds(s, kind, short), (s, kind)
-    assert all(p.grad is None for m in stages for p in m.parameters())  # measuring leaves no gradient
+    assert all(
+        p.grad is None for m in stages for p in m.parameters()
+    )  # measuring leaves no gradient
 
 
 def test_too_few_microbatches_is_one_clear_error():

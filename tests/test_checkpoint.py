@@ -2,6 +2,7 @@
 one; a checkpoint is complete or ignored; a mismatched config is one error line
 (exit 2) before any process group; SIGTERM on one rank stops every rank with a saved step.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,22 +21,45 @@ from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, STOP_AT = 6, 3
-SMALL = ["--config", "configs/gpt-tiny.toml", "--set", "model.n_layer=2", "--set", "model.n_embd=32",
-         "--set", "model.block_size=64", "--set", "data.min_seq_len=16", "--set", "data.max_seq_len=64",
-         "--set", "microbatches=4", "--set", "model.dropout=0.1"]  # dropout: the resumed RNG state matters
+SMALL = [
+    "--config",
+    "configs/gpt-tiny.toml",
+    "--set",
+    "model.n_layer=2",
+    "--set",
+    "model.n_embd=32",
+    "--set",
+    "model.block_size=64",
+    "--set",
+    "data.min_seq_len=16",
+    "--set",
+    "data.max_seq_len=64",
+    "--set",
+    "microbatches=4",
+    "--set",
+    "model.dropout=0.1",
+]  # dropout: the resumed RNG state matters
 
 
 # executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by timing
 # and ready BFW on two virtual stages per rank (v placement: the turn is local), each saved under its stage key
-VARIANTS = {"fixed": ("fixed", {}), "ready": ("ready", {}), "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2}),
-            "ready-v2": ("ready", {"virtual": 2, "placement": "v", "n_layer": 4})}
+VARIANTS = {
+    "fixed": ("fixed", {}),
+    "ready": ("ready", {}),
+    "ready-lang": ("ready", {"preset": "lang", "unit_ms": 2}),
+    "ready-v2": ("ready", {"virtual": 2, "placement": "v", "n_layer": 4}),
+}
 
 
 def _config(steps: int, dispatch: str, **run):
     from rrfp.app.config import TrainConfig
 
-    sets = [s for s in SMALL[2:] if s != "--set"] + [f"steps={steps}", f"executor={dispatch}", "timeout_s=60",
-                                                       "lr=3e-3"]
+    sets = [s for s in SMALL[2:] if s != "--set"] + [
+        f"steps={steps}",
+        f"executor={dispatch}",
+        "timeout_s=60",
+        "lr=3e-3",
+    ]
     sets += [f"{k}={json.dumps(v)}" for k, v in run.items()]
     return TrainConfig.load(SMALL[1], sets)
 
@@ -56,12 +80,24 @@ def _interrupted_and_whole(rank, world, root):
     for variant, (dispatch, extra) in VARIANTS.items():
         ckdir = Path(root) / variant
         whole = [run(stage_main(_config(STEPS, dispatch, **extra))).losses for _ in range(2)]
-        first = run(stage_main(_config(STOP_AT, dispatch, checkpoint_dir=str(ckdir), checkpoint_every=1,
-                                        checkpoint_keep=2, **extra)))
+        first = run(
+            stage_main(
+                _config(
+                    STOP_AT,
+                    dispatch,
+                    checkpoint_dir=str(ckdir),
+                    checkpoint_every=1,
+                    checkpoint_keep=2,
+                    **extra,
+                )
+            )
+        )
         dist.barrier()
         kept = sorted(p.name for p in ckdir.iterdir())
         dist.barrier()
-        if rank == 0:  # a crash mid-write: a partial directory, and a newer step without its marker;
+        if (
+            rank == 0
+        ):  # a crash mid-write: a partial directory, and a newer step without its marker;
             # and a plain file where the resumed run commits its last step
             store = CheckpointDir(ckdir)
             shutil.copytree(store.final_path(STOP_AT), store.partial_path(STOP_AT + 1))
@@ -69,10 +105,20 @@ def _interrupted_and_whole(rank, world, root):
             (store.final_path(STOP_AT + 2) / MARKER).unlink()
             store.final_path(STEPS).write_text("debris")
         dist.barrier()
-        second = run(stage_main(_config(STEPS, dispatch, checkpoint_dir=str(ckdir), resume="required", **extra)))
+        second = run(
+            stage_main(
+                _config(STEPS, dispatch, checkpoint_dir=str(ckdir), resume="required", **extra)
+            )
+        )
         dist.barrier()
-        out[variant] = dict(whole=whole, first=first.losses, second=second.losses, resumed_from=second.first_step,
-                             kept=kept, after=sorted(p.name for p in ckdir.iterdir()))
+        out[variant] = dict(
+            whole=whole,
+            first=first.losses,
+            second=second.losses,
+            resumed_from=second.first_step,
+            kept=kept,
+            after=sorted(p.name for p in ckdir.iterdir()),
+        )
     dist.destroy_process_group()
     return out
 
@@ -83,34 +129,55 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
     for rank, out in results.items():
         for dispatch, r in out.items():
             where = f"rank {rank}, {dispatch}"
-            assert r["kept"] == ["step-00000002", "step-00000003"], f"{where}: keep-last-2 left {r['kept']}"
+            assert r["kept"] == ["step-00000002", "step-00000003"], (
+                f"{where}: keep-last-2 left {r['kept']}"
+            )
             assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
             # the resumed run committed its last step (no checkpoint_every) and cleaned the debris up
             assert r["after"] == ["step-00000003", "step-00000006"], f"{where}: {r['after']}"
             resumed = r["first"] + r["second"]
             whole = r["whole"][0]
             assert len(resumed) == len(whole) == STEPS, where
-            print(f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted run "
-                  f"{r['whole'][1]}; largest difference to the resumed run "
-                  f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}")
+            print(
+                f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted run "
+                f"{r['whole'][1]}; largest difference to the resumed run "
+                f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}"
+            )
             # bit-exact for both executors: readiness changes how F, B and W interleave, but on every
             # stage each kind still runs in microbatch order (B(m) needs B(m-1)'s gradient from
             # downstream, and the hint ranks W by microbatch), so every parameter's gradient is summed
             # in the same order, and the loss is summed over microbatches in index order
             assert resumed == whole, f"{where}: not bit-exact"
             assert r["whole"][1] == whole, f"{where}: two uninterrupted runs differ"
-        assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], "ranks report different losses"
+        assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], (
+            "ranks report different losses"
+        )
         for variant in ("ready", "ready-lang"):
-            assert out[variant]["whole"][0] == out["fixed"]["whole"][0], f"{variant} and fixed BFW sum differently"
+            assert out[variant]["whole"][0] == out["fixed"]["whole"][0], (
+                f"{variant} and fixed BFW sum differently"
+            )
 
 
 # ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
 
+
 def _env(rank: int, world: int, port: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))
+    }
     env.pop("RRFP_LOG", None)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
     return env
 
 
@@ -125,9 +192,16 @@ class Ranks:
         for rank in range(world):
             out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
             self.files += [out, err]
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT,
-                                               env=_env(rank, world, port), stdin=subprocess.DEVNULL,
-                                               stdout=out, stderr=err))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "rrfp", "train", *args],
+                    cwd=ROOT,
+                    env=_env(rank, world, port),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                )
+            )
 
     def out(self, rank: int) -> str:
         return (self.tmp / f"out{rank}").read_text(errors="replace")
@@ -142,8 +216,10 @@ class Ranks:
         return [p.poll() for p in self.procs]
 
     def tails(self) -> str:
-        return "\n".join(f"--- rank {r}:\n{self.out(r)[-800:]}\n{self.err(r)[-1500:]}"
-                         for r in range(len(self.procs)))
+        return "\n".join(
+            f"--- rank {r}:\n{self.out(r)[-800:]}\n{self.err(r)[-1500:]}"
+            for r in range(len(self.procs))
+        )
 
     def close(self) -> None:
         for p in self.procs:
@@ -167,8 +243,15 @@ def train(tmp: Path, *args: str, limit_s: float = 90) -> Ranks:
 def rrfp_alone(*args: str) -> subprocess.CompletedProcess:
     """One rank of 2 whose rendezvous nobody serves: exiting 2 proves the check ran before any group."""
     env = _env(0, 2, 9)
-    return subprocess.run([sys.executable, "-m", "rrfp", "train", *SMALL, *args], cwd=ROOT, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", "train", *SMALL, *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def one_error_line(stderr: str, *needles: str) -> str:
@@ -196,8 +279,11 @@ def resume_error(ckdir: Path, *sets: str) -> str:
     from rrfp.app.config import TrainConfig
     from rrfp.app.errors import ConfigError
 
-    cfg = TrainConfig.load(SMALL[1], [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint_dir={ckdir}", *sets],
-                           world_size=2)
+    cfg = TrainConfig.load(
+        SMALL[1],
+        [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint_dir={ckdir}", *sets],
+        world_size=2,
+    )
     with pytest.raises(ConfigError) as e:
         resume_point(cfg)
     return str(e.value)
@@ -210,18 +296,36 @@ MISMATCHES = [
     (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
     (["virtual=2", "placement=v", "model.n_layer=4"], ["run.virtual: checkpoint 1, this run 2"]),
 ]
-MEANINGLESS = {4: "run.placement"}  # the checkpoint has one stage per rank: its placement says nothing
+MEANINGLESS = {
+    4: "run.placement"
+}  # the checkpoint has one stage per rank: its placement says nothing
 
 
 @pytest.mark.timeout(120)
 def test_resume_with_another_config_is_one_error_line(saved):
     # the command: exit 2 and one line, with a rendezvous nobody serves (so no group was joined)
-    res = rrfp_alone("--set", "pp=1", "--set", "tp=2", "--set", "steps=4", "--set", f"checkpoint_dir={saved}",
-                     "--resume")
+    res = rrfp_alone(
+        "--set",
+        "pp=1",
+        "--set",
+        "tp=2",
+        "--set",
+        "steps=4",
+        "--set",
+        f"checkpoint_dir={saved}",
+        "--resume",
+    )
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
-    one_error_line(res.stderr, "cannot resume from", str(saved / "step-00000002"), "saved with a different config",
-                   *MISMATCHES[0][1])
-    for i, (sets, needles) in enumerate(MISMATCHES):  # the check the command ran, on each kind of difference
+    one_error_line(
+        res.stderr,
+        "cannot resume from",
+        str(saved / "step-00000002"),
+        "saved with a different config",
+        *MISMATCHES[0][1],
+    )
+    for i, (sets, needles) in enumerate(
+        MISMATCHES
+    ):  # the check the command ran, on each kind of difference
         message = resume_error(saved, "steps=4", "resume=required", *sets)
         assert "saved with a different config" in message and "\n" not in message, message
         for needle in needles:
@@ -241,11 +345,20 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
     v2_v, v2_inter, v1 = fp("virtual=2", "placement=v"), fp("virtual=2"), fp()
     assert differences(*_comparable(v2_v, v1)) == ["run.virtual: checkpoint 2, this run 1"]
     assert differences(*_comparable(v1, v2_v)) == ["run.virtual: checkpoint 1, this run 2"]
-    assert differences(*_comparable(v2_v, v2_inter)) == ["run.placement: checkpoint 'v', this run 'interleaved'"]
+    assert differences(*_comparable(v2_v, v2_inter)) == [
+        "run.placement: checkpoint 'v', this run 'interleaved'"
+    ]
     assert differences(*_comparable(v1, v1)) == []
-    before_virtual = {**v1, "run": {k: v for k, v in v1["run"].items() if k not in ("virtual", "placement")}}
-    assert differences(*_comparable(before_virtual, v1)) == []  # saved before run.virtual existed: V = 1
-    assert differences(*_comparable(before_virtual, v2_v)) == ["run.virtual: checkpoint 1, this run 2"]
+    before_virtual = {
+        **v1,
+        "run": {k: v for k, v in v1["run"].items() if k not in ("virtual", "placement")},
+    }
+    assert (
+        differences(*_comparable(before_virtual, v1)) == []
+    )  # saved before run.virtual existed: V = 1
+    assert differences(*_comparable(before_virtual, v2_v)) == [
+        "run.virtual: checkpoint 1, this run 2"
+    ]
 
 
 def test_resume_problems_found_before_any_process_group(saved, tmp_path):
@@ -254,20 +367,35 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     (broken / "step-00000002" / ".metadata").write_bytes(b"not a pickle")
     cases = [
         (tmp_path / "empty", ["resume=required"], ["--resume: no complete checkpoint in", "empty"]),
-        (saved, [], ["already holds checkpoints (the latest at step 2)", "--resume"]),  # a fresh run would prune them
+        (
+            saved,
+            [],
+            ["already holds checkpoints (the latest at step 2)", "--resume"],
+        ),  # a fresh run would prune them
         (saved, ["resume=auto", "steps=2"], ["it is at step 2 and run.steps = 2: nothing left"]),
-        (broken, ["resume=required", "steps=4"], ["no checkpoint in", "verifies, nothing was loaded",
-                                                  "step-00000002: .metadata has 12 bytes"]),
+        (
+            broken,
+            ["resume=required", "steps=4"],
+            [
+                "no checkpoint in",
+                "verifies, nothing was loaded",
+                "step-00000002: .metadata has 12 bytes",
+            ],
+        ),
     ]
     for ckdir, sets, needles in cases:
         message = resume_error(ckdir, *sets)
         for needle in needles:
             assert needle in message, (sets, message)
-    assert [c.step for c in CheckpointDir(saved).complete()] == [2], "a failed start touched the checkpoints"
+    assert [c.step for c in CheckpointDir(saved).complete()] == [2], (
+        "a failed start touched the checkpoints"
+    )
     from rrfp.app.checkpoints import resume_point
     from rrfp.app.config import TrainConfig
 
-    fresh = TrainConfig.load(SMALL[1], [f"checkpoint_dir={tmp_path / 'empty'}", "resume=auto"], world_size=2)
+    fresh = TrainConfig.load(
+        SMALL[1], [f"checkpoint_dir={tmp_path / 'empty'}", "resume=auto"], world_size=2
+    )
     assert resume_point(fresh) is None  # auto with nothing to resume: step 0
 
 
@@ -276,13 +404,20 @@ def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
     broken = tmp_path / "ck"
     shutil.copytree(saved, broken)
     data = broken / "step-00000002" / "__1_0.distcp"
-    data.write_bytes(data.read_bytes()[:100])  # a file cut short: its commit record says how long it was
-    ranks = train(tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint_dir={broken}", "--resume")
+    data.write_bytes(
+        data.read_bytes()[:100]
+    )  # a file cut short: its commit record says how long it was
+    ranks = train(
+        tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint_dir={broken}", "--resume"
+    )
     for r, p in enumerate(ranks.procs):
         assert p.returncode == 2, f"rank {r} exited {p.returncode}\n" + ranks.tails()
         # no rendezvous store outside torchrun: each rank prints (under torchrun rank 0 alone does)
-        one_error_line(ranks.err(r), f"no checkpoint in {broken} verifies, nothing was loaded",
-                       "step-00000002: __1_0.distcp has 100 bytes")
+        one_error_line(
+            ranks.err(r),
+            f"no checkpoint in {broken} verifies, nothing was loaded",
+            "step-00000002: __1_0.distcp has 100 bytes",
+        )
 
 
 TIMEOUT_S = 10
@@ -291,19 +426,35 @@ TIMEOUT_S = 10
 @pytest.mark.timeout(180)
 def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     ckdir = tmp_path / "ck"
-    ranks = Ranks(tmp_path / "logs", *SMALL, "--set", "steps=100000", "--set", "unit_ms=20",
-                  "--set", f"timeout_s={TIMEOUT_S}", "--set", f"checkpoint_dir={ckdir}", "--set", "checkpoint_every=4")
+    ranks = Ranks(
+        tmp_path / "logs",
+        *SMALL,
+        "--set",
+        "steps=100000",
+        "--set",
+        "unit_ms=20",
+        "--set",
+        f"timeout_s={TIMEOUT_S}",
+        "--set",
+        f"checkpoint_dir={ckdir}",
+        "--set",
+        "checkpoint_every=4",
+    )
     try:
         t0 = time.monotonic()
         while sum(ln.startswith("step") for ln in ranks.out(0).splitlines()) < 2:
-            assert all(p.poll() is None for p in ranks.procs), "a rank exited early\n" + ranks.tails()
+            assert all(p.poll() is None for p in ranks.procs), (
+                "a rank exited early\n" + ranks.tails()
+            )
             assert time.monotonic() - t0 < 60, "no steps within 60 s\n" + ranks.tails()
             time.sleep(0.05)
         os.kill(ranks.procs[1].pid, signal.SIGTERM)
         t_sig = time.monotonic()
         codes = ranks.wait(TIMEOUT_S + 10)
         elapsed = time.monotonic() - t_sig
-        assert None not in codes, f"rank(s) still running {elapsed:.1f} s after SIGTERM: {codes}\n" + ranks.tails()
+        assert None not in codes, (
+            f"rank(s) still running {elapsed:.1f} s after SIGTERM: {codes}\n" + ranks.tails()
+        )
         assert codes == [143, 143], f"exit codes {codes}\n" + ranks.tails()
         print(f"every rank ended {elapsed:.2f} s after SIGTERM on rank 1")
         stopped = []
@@ -311,12 +462,18 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
             err = ranks.err(r)
             assert "Traceback" not in err, err
             lines = [ln for ln in err.splitlines() if ln.startswith("rrfp: ")]
-            where = "on this rank" if r == 1 else "on another rank"  # rank 0 learns of it through the store
-            assert len(lines) == 1 and lines[0].startswith(f"rrfp: stopped: rank {r}: SIGTERM {where}; "), err
+            where = (
+                "on this rank" if r == 1 else "on another rank"
+            )  # rank 0 learns of it through the store
+            assert len(lines) == 1 and lines[0].startswith(
+                f"rrfp: stopped: rank {r}: SIGTERM {where}; "
+            ), err
             stopped.append(int(lines[0].split(" is saved;")[0].rsplit("(step ", 1)[1].rstrip(")")))
         assert stopped[0] == stopped[1], stopped
         step = stopped[0]
-        assert f"checkpoint {ckdir / f'step-{step:08d}'} (step {step}) is saved" in lines[0], lines[0]
+        assert f"checkpoint {ckdir / f'step-{step:08d}'} (step {step}) is saved" in lines[0], lines[
+            0
+        ]
         printed = sum(ln.startswith("step") for ln in ranks.out(0).splitlines())
         assert printed == step, f"rank 0 printed {printed} steps, stopped after {step}"
     finally:
@@ -324,13 +481,21 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     assert CheckpointDir(ckdir).latest().step == step
     assert not CheckpointDir(ckdir).incomplete(), list(ckdir.iterdir())
     # the stopped run's checkpoint continues: two more steps
-    resumed = train(tmp_path / "resumed", "--set", f"steps={step + 2}", "--set", f"checkpoint_dir={ckdir}",
-                    "--resume")
+    resumed = train(
+        tmp_path / "resumed",
+        "--set",
+        f"steps={step + 2}",
+        "--set",
+        f"checkpoint_dir={ckdir}",
+        "--resume",
+    )
     assert [p.returncode for p in resumed.procs] == [0, 0], resumed.tails()
     out = resumed.out(0)
     assert f"resume: from {ckdir / f'step-{step:08d}'} (step {step} of {step + 2})" in out, out
     assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("step")] == [
-        f"{step + 1}/{step + 2}", f"{step + 2}/{step + 2}"], out
+        f"{step + 1}/{step + 2}",
+        f"{step + 2}/{step + 2}",
+    ], out
     assert CheckpointDir(ckdir).latest().step == step + 2
 
 
@@ -344,19 +509,30 @@ def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):
     if committed:
         CheckpointDir(tmp_path).partial_path(4).mkdir()
         CheckpointDir(tmp_path).commit(4, {})
-    code = ("import os, signal, time\n"
-            "from rrfp.app.train_command import SAME_REQUEST_S, StopOnSigterm, kept_checkpoint\n"
-            f"stop = StopOnSigterm(lambda: kept_checkpoint({str(tmp_path)!r})).install()\n"
-            f"os.kill(os.getpid(), signal.{sig}); time.sleep(0.05)\n"
-            "os.kill(os.getpid(), signal.SIGTERM); time.sleep(SAME_REQUEST_S + 0.2)\n"
-            "print('requested', stop.requested, stop.signal, flush=True)\n"
-            f"os.kill(os.getpid(), signal.{sig}); time.sleep(10)\n"
-            "print('still here', flush=True)\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    code = (
+        "import os, signal, time\n"
+        "from rrfp.app.train_command import SAME_REQUEST_S, StopOnSigterm, kept_checkpoint\n"
+        f"stop = StopOnSigterm(lambda: kept_checkpoint({str(tmp_path)!r})).install()\n"
+        f"os.kill(os.getpid(), signal.{sig}); time.sleep(0.05)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(SAME_REQUEST_S + 0.2)\n"
+        "print('requested', stop.requested, stop.signal, flush=True)\n"
+        f"os.kill(os.getpid(), signal.{sig}); time.sleep(10)\n"
+        "print('still here', flush=True)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     code = 128 + getattr(signal, sig)
-    assert (res.returncode, res.stdout) == (code, f"requested True {sig}\n"), (res.returncode, res.stdout, res.stderr)
-    kept = (f"the last committed checkpoint, {tmp_path / 'step-00000004'} (step 4), stays" if committed else
-            f"no checkpoint has been committed in {tmp_path}: nothing of this run is kept")
+    assert (res.returncode, res.stdout) == (code, f"requested True {sig}\n"), (
+        res.returncode,
+        res.stdout,
+        res.stderr,
+    )
+    kept = (
+        f"the last committed checkpoint, {tmp_path / 'step-00000004'} (step 4), stays"
+        if committed
+        else f"no checkpoint has been committed in {tmp_path}: nothing of this run is kept"
+    )
     assert res.stderr.strip() == f"rrfp: second {sig}: leaving now; {kept}"
 
 
@@ -372,8 +548,11 @@ def test_only_committed_directories_are_checkpoints(tmp_path):
     (tmp_path / ".trash-step-00000000").mkdir()  # a crash while deleting
     assert [c.step for c in store.complete()] == [1, 2, 3]
     assert store.latest().meta() == {"config": {}, "step": 3}
-    assert {p.name for p in store.incomplete()} == {".partial-step-00000004", "step-00000005",
-                                                    ".trash-step-00000000"}
+    assert {p.name for p in store.incomplete()} == {
+        ".partial-step-00000004",
+        "step-00000005",
+        ".trash-step-00000000",
+    }
     removed = store.prune(keep=2)
     assert [p.name for p in removed] == ["step-00000001"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]

@@ -5,6 +5,7 @@ checkpoint that verifies and repeats an uninterrupted run's losses, or exits 2
 (run.on_corrupt_checkpoint = stop). The checkpoints passed over are deleted,
 the good one it resumed from is kept, and debris never blocks a commit.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -30,10 +31,13 @@ def _largest(path: Path, part: str) -> tuple[str, int]:
 
 def flip(ckpt: Path, kind: str) -> str:
     """Flip one byte of ``kind``'s file in checkpoint ``ckpt``; return that file's name."""
-    name, offset = {"model shard": lambda: _largest(ckpt, "model"),
-                    "optimizer shard": lambda: _largest(ckpt, "optim.state"),
-                    ".metadata": lambda: (".metadata", 100), "meta.json": lambda: (META, 10),
-                    "commit record": lambda: (MARKER, 40)}[kind]()
+    name, offset = {
+        "model shard": lambda: _largest(ckpt, "model"),
+        "optimizer shard": lambda: _largest(ckpt, "optim.state"),
+        ".metadata": lambda: (".metadata", 100),
+        "meta.json": lambda: (META, 10),
+        "commit record": lambda: (MARKER, 40),
+    }[kind]()
     data = bytearray((ckpt / name).read_bytes())
     data[offset] ^= 0x40
     (ckpt / name).write_bytes(bytes(data))
@@ -60,7 +64,11 @@ def _resume_after_corruption(rank, world, root):
     root = Path(root)
     pristine = root / "pristine"
     out = {"whole": run(stage_main(_config(STEPS, "ready"))).losses}
-    run(stage_main(_config(LATEST, "ready", checkpoint_dir=str(pristine), checkpoint_every=SAVED_AT)))
+    run(
+        stage_main(
+            _config(LATEST, "ready", checkpoint_dir=str(pristine), checkpoint_every=SAVED_AT)
+        )
+    )
     dist.barrier()
     for kind in KINDS:
         ckdir = root / kind.replace(" ", "-")
@@ -74,11 +82,16 @@ def _resume_after_corruption(rank, world, root):
         summary = run(stage_main(cfg, resume=resume))
         dist.barrier()
         good = f"step-{SAVED_AT:08d}"
-        out[kind] = dict(start=resume.start.step, rejected=[(c.step, why) for c, why in resume.rejected],
-                         line=resume.fallback_line(), first_step=summary.first_step, losses=summary.losses,
-                         after=sorted(p.name for p in ckdir.iterdir()),
-                         good_untouched=(ckdir / good).is_dir()
-                         and not filecmp.dircmp(pristine / good, ckdir / good).diff_files)
+        out[kind] = dict(
+            start=resume.start.step,
+            rejected=[(c.step, why) for c, why in resume.rejected],
+            line=resume.fallback_line(),
+            first_step=summary.first_step,
+            losses=summary.losses,
+            after=sorted(p.name for p in ckdir.iterdir()),
+            good_untouched=(ckdir / good).is_dir()
+            and not filecmp.dircmp(pristine / good, ckdir / good).diff_files,
+        )
     dist.destroy_process_group()
     return out
 
@@ -98,15 +111,26 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corr
         for kind in KINDS:
             r, where = out[kind], f"rank {rank}, {kind}"
             name = results[0]["flipped"][kind]
-            assert r["start"] == SAVED_AT and r["first_step"] == SAVED_AT, f"{where}: resumed from {r['start']}"
-            assert len(r["rejected"]) == 1 and r["rejected"][0][0] == LATEST, f"{where}: {r['rejected']}"
-            assert name in r["rejected"][0][1], f"{where}: {name} not named in {r['rejected'][0][1]!r}"
-            assert f"step-{LATEST:08d} failed verification" in r["line"] and "resuming from" in r["line"], r["line"]
+            assert r["start"] == SAVED_AT and r["first_step"] == SAVED_AT, (
+                f"{where}: resumed from {r['start']}"
+            )
+            assert len(r["rejected"]) == 1 and r["rejected"][0][0] == LATEST, (
+                f"{where}: {r['rejected']}"
+            )
+            assert name in r["rejected"][0][1], (
+                f"{where}: {name} not named in {r['rejected'][0][1]!r}"
+            )
+            assert (
+                f"step-{LATEST:08d} failed verification" in r["line"]
+                and "resuming from" in r["line"]
+            ), r["line"]
             assert "\n" not in r["line"]
             # never continued from the corrupt state: the losses after step 2 are an uninterrupted run's
             assert r["losses"] == whole[SAVED_AT:], f"{where}: {r['losses']} != {whole[SAVED_AT:]}"
             # the corrupt step 4 was deleted, the good step 2 kept as it was, step 6 committed
-            assert r["after"] == [f"step-{SAVED_AT:08d}", f"step-{STEPS:08d}"], f"{where}: {r['after']}"
+            assert r["after"] == [f"step-{SAVED_AT:08d}", f"step-{STEPS:08d}"], (
+                f"{where}: {r['after']}"
+            )
             assert r["good_untouched"], where
 
 
@@ -119,12 +143,23 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
         shutil.copytree(root / "pristine", ckdir)
         name = flip(ckdir / f"step-{LATEST:08d}", kind)
         message = resume_error(ckdir, f"steps={STEPS}", "resume=auto", "on_corrupt_checkpoint=stop")
-        assert f"checkpoint {ckdir / f'step-{LATEST:08d}'} failed verification: " in message, message
+        assert f"checkpoint {ckdir / f'step-{LATEST:08d}'} failed verification: " in message, (
+            message
+        )
         assert name in message and "nothing was loaded" in message and "\n" not in message, message
-        assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000002", "step-00000004"], "a refusal deleted files"
+        assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000002", "step-00000004"], (
+            "a refusal deleted files"
+        )
     # through the command: exit 2 and one line, before any process group (a rendezvous nobody serves)
-    res = rrfp_alone("--set", f"steps={STEPS}", "--set", f"checkpoint_dir={tmp_path / 'model-shard'}",
-                     "--set", "on_corrupt_checkpoint=stop", "--resume")
+    res = rrfp_alone(
+        "--set",
+        f"steps={STEPS}",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'model-shard'}",
+        "--set",
+        "on_corrupt_checkpoint=stop",
+        "--resume",
+    )
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
     one_error_line(res.stderr, "failed verification", "does not match its SHA-256")
     # no checkpoint that verifies: exit 2 in either mode, every problem named
@@ -134,7 +169,10 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
     (both / f"step-{SAVED_AT:08d}" / "__0_0.distcp").write_bytes(b"cut")
     message = resume_error(both, f"steps={STEPS}", "resume=auto")
     assert "no checkpoint in" in message and "verifies, nothing was loaded" in message, message
-    assert "step-00000004: meta.json does not match" in message and "step-00000002: __0_0.distcp has 3 bytes" in message
+    assert (
+        "step-00000004: meta.json does not match" in message
+        and "step-00000002: __0_0.distcp has 3 bytes" in message
+    )
 
 
 def test_debris_never_blocks_a_commit(tmp_path):
@@ -163,8 +201,14 @@ def test_debris_never_blocks_a_commit(tmp_path):
         write(step)
         assert store.commit(step, {"config": {}}).problem() is None
         store.prune(keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step-00000003", "step-00000004"]
-    assert not (store.final_path(4) / "__7_0.distcp").exists(), "a stale file was mixed into a checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.txt",
+        "step-00000003",
+        "step-00000004",
+    ]
+    assert not (store.final_path(4) / "__7_0.distcp").exists(), (
+        "a stale file was mixed into a checkpoint"
+    )
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
@@ -213,14 +257,20 @@ def test_a_checkpoint_under_another_steps_name_is_caught_before_any_state_loads(
     shutil.rmtree(store.final_path(7))
     shutil.copytree(store.final_path(4), store.final_path(7))
     assert store.final_path(7).is_dir() and [c.step for c in store.complete()] == [4, 7]
-    assert "commit record is of step 4, not of step 7 as its folder's name says" in store.complete()[1].problem()
+    assert (
+        "commit record is of step 4, not of step 7 as its folder's name says"
+        in store.complete()[1].problem()
+    )
     assert store.complete()[0].problem() is None
     swapped = _two_commits(tmp_path / "swapped")
     swapped.final_path(4).rename(tmp_path / "swapped" / "x")
     swapped.final_path(7).rename(swapped.final_path(4))
     (tmp_path / "swapped" / "x").rename(swapped.final_path(7))
     problems = [c.problem() for c in swapped.complete()]
-    assert "is of step 7, not of step 4" in problems[0] and "is of step 4, not of step 7" in problems[1], problems
+    assert (
+        "is of step 7, not of step 4" in problems[0]
+        and "is of step 4, not of step 7" in problems[1]
+    ), problems
 
 
 def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
@@ -230,9 +280,15 @@ def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
 
     store = _two_commits(tmp_path)
     c = store.complete()[0]
-    for body, why in [("[]", "lists no files"), ('{"step": 4}', "lists no files"),
-                      ('{"step": 4, "files": []}', "lists no files"), ("not json", "not valid JSON")]:
-        (c.path / MARKER).write_text(json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}))
+    for body, why in [
+        ("[]", "lists no files"),
+        ('{"step": 4}', "lists no files"),
+        ('{"step": 4, "files": []}', "lists no files"),
+        ("not json", "not valid JSON"),
+    ]:
+        (c.path / MARKER).write_text(
+            json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()})
+        )
         assert why in c.problem(), (body, c.problem())
 
 
@@ -247,8 +303,12 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     copied = tmp_path / "copied"
     shutil.copytree(root / "pristine", copied)
     shutil.copytree(copied / f"step-{LATEST:08d}", copied / f"step-{LATEST + 1:08d}")
-    cfg = TrainConfig.load(SMALL[1], [s for s in SMALL[2:] if s != "--set"]
-                           + [f"checkpoint_dir={copied}", f"steps={STEPS}", "resume=auto"], world_size=2)
+    cfg = TrainConfig.load(
+        SMALL[1],
+        [s for s in SMALL[2:] if s != "--set"]
+        + [f"checkpoint_dir={copied}", f"steps={STEPS}", "resume=auto"],
+        world_size=2,
+    )
     plan = plan_resume(cfg)
     assert plan.start.step == LATEST and [c.step for c, _ in plan.rejected] == [LATEST + 1], plan
     assert "renamed or copied from another checkpoint" in plan.fallback_line(), plan.fallback_line()
@@ -259,4 +319,6 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     (swapped / "x").rename(swapped / f"step-{LATEST:08d}")
     message = resume_error(swapped, f"steps={STEPS}", "resume=auto")
     assert "verifies, nothing was loaded" in message and "\n" not in message, message
-    assert "not of step 4 as its folder's name says" in message and "not of step 2 as" in message, message
+    assert "not of step 4 as its folder's name says" in message and "not of step 2 as" in message, (
+        message
+    )

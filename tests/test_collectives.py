@@ -1,6 +1,7 @@
 """Collectives as futures on gloo: TP agreement, DP gradient sync and the
 runtime's own all-reduce and gather are async Work awaited through the
 loop's one poller, with no thread started per collective."""
+
 from __future__ import annotations
 
 import pytest
@@ -69,7 +70,9 @@ def test_collectives_are_futures_without_threads(tp, dp):
         if tp > 1:
             assert out["agreed"] == (["B1", "F0"], ["B1", "F0", "W0", "W1"])
         if dp > 1:
-            assert out["grad"] == pytest.approx(0.5 + ROUNDS - 1)  # mean of rank + i over ranks 0, 1
+            assert out["grad"] == pytest.approx(
+                0.5 + ROUNDS - 1
+            )  # mean of rank + i over ranks 0, 1
     assert results[0]["gathered"] == [{"rank": 0, "data": [0, 1]}, {"rank": 1, "data": [0, 1, 2]}]
     assert results[1]["gathered"] is None
 

@@ -5,6 +5,7 @@ loopback port; each child reports through a queue and the parent kills any
 child still running at the deadline, so a hang fails the test instead of the
 whole run.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,14 +22,30 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAGIC, MAX_DIMS, MAX_ELEMENTS, MAX_KIND,
-                               MAX_MESSAGE_BYTES, MAX_TENSORS, VERSION, Message, MessageError, TensorSpec, checksum, decode_header, encode_header)
+from rrfp.comm.message import (
+    DTYPE_CODES,
+    HEADER_LEN,
+    MAGIC,
+    MAX_DIMS,
+    MAX_ELEMENTS,
+    MAX_KIND,
+    MAX_MESSAGE_BYTES,
+    MAX_TENSORS,
+    VERSION,
+    Message,
+    MessageError,
+    TensorSpec,
+    checksum,
+    decode_header,
+    encode_header,
+)
 from rrfp.core.layout import Coords, Layout
 
 LAYOUTS = [(1, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2), (2, 3, 4), (1, 4, 2)]
 
 
 # -- layout --------------------------------------------------------------------
+
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("pp,tp,dp", LAYOUTS)
@@ -49,15 +66,22 @@ def test_layout_rank_coords_round_trip(pp, tp, dp):
 def test_layout_groups_partition_ranks(pp, tp, dp):
     layout = Layout(pp * tp * dp, pp, tp, dp)
     world = list(range(layout.world_size))
-    for groups, size, axis in ((layout.tp_groups(), tp, "tp"), (layout.dp_groups(), dp, "dp"),
-                               (layout.pp_groups(), pp, "pp")):
+    for groups, size, axis in (
+        (layout.tp_groups(), tp, "tp"),
+        (layout.dp_groups(), dp, "dp"),
+        (layout.pp_groups(), pp, "pp"),
+    ):
         assert sorted(r for g in groups for r in g) == world
         assert all(len(g) == size for g in groups)
         for g in groups:  # members differ only along their own axis
-            others = {tuple(v for k, v in layout.coords(r)._asdict().items() if k != axis) for r in g}
+            others = {
+                tuple(v for k, v in layout.coords(r)._asdict().items() if k != axis) for r in g
+            }
             assert len(others) == 1
             assert [getattr(layout.coords(r), axis) for r in g] == list(range(size))
-        assert groups == getattr(layout, f"{axis}_groups")()  # deterministic: same call, same answer
+        assert (
+            groups == getattr(layout, f"{axis}_groups")()
+        )  # deterministic: same call, same answer
     assert layout.pp_groups()[0] == [layout.rank_of(s, 0, 0) for s in range(pp)]
 
 
@@ -86,30 +110,46 @@ def test_layout_describe_lists_every_rank():
     lines = text.splitlines()
     assert "pp=2 x tp=2 x dp=1" in lines[0]
     assert lines[1].split() == ["rank", "stage", "tp", "dp"]
-    assert [line.split() for line in lines[2:]] == [["0", "0", "0", "0"], ["1", "0", "1", "0"],
-                                                   ["2", "1", "0", "0"], ["3", "1", "1", "0"]]
+    assert [line.split() for line in lines[2:]] == [
+        ["0", "0", "0", "0"],
+        ["1", "0", "1", "0"],
+        ["2", "1", "0", "0"],
+        ["3", "1", "1", "0"],
+    ]
 
 
 # -- message headers -------------------------------------------------------------
 
-_shapes = st.one_of(st.lists(st.integers(0, 24), max_size=MAX_DIMS),  # 8 tensors * 24**6 * 8 bytes < MAX_MESSAGE_BYTES
-                    st.lists(st.integers(0, MAX_MESSAGE_BYTES // (8 * MAX_TENSORS)), max_size=1)).map(tuple)
+_shapes = st.one_of(
+    st.lists(
+        st.integers(0, 24), max_size=MAX_DIMS
+    ),  # 8 tensors * 24**6 * 8 bytes < MAX_MESSAGE_BYTES
+    st.lists(st.integers(0, MAX_MESSAGE_BYTES // (8 * MAX_TENSORS)), max_size=1),
+).map(tuple)
 _specs = st.lists(st.tuples(st.sampled_from(list(DTYPE_CODES)), _shapes), max_size=MAX_TENSORS)
 
 
 @pytest.mark.timeout(60)
 @settings(max_examples=150, deadline=None)
-@given(iteration=st.integers(0, 1 << 40), microbatch=st.integers(0, 1 << 20), kind=st.integers(0, MAX_KIND - 1),
-       specs=_specs)
+@given(
+    iteration=st.integers(0, 1 << 40),
+    microbatch=st.integers(0, 1 << 20),
+    kind=st.integers(0, MAX_KIND - 1),
+    specs=_specs,
+)
 def test_header_round_trip(iteration, microbatch, kind, specs):
     # meta tensors: headers only read dtype and shape, so huge shapes cost nothing
     tensors = [torch.empty(shape, dtype=dtype, device="meta") for dtype, shape in specs]
-    grads = [dtype.is_floating_point and (microbatch >> i) & 1 == 1 for i, (dtype, _) in enumerate(specs)]
+    grads = [
+        dtype.is_floating_point and (microbatch >> i) & 1 == 1 for i, (dtype, _) in enumerate(specs)
+    ]
     header = encode_header(Message(iteration, microbatch, kind, tensors, grads))
     assert header.dtype == torch.int64 and tuple(header.shape) == (HEADER_LEN,)
     decoded = decode_header(header)
     assert (decoded.iteration, decoded.microbatch, decoded.kind) == (iteration, microbatch, kind)
-    assert decoded.specs == tuple(TensorSpec(dtype, shape, g) for (dtype, shape), g in zip(specs, grads))
+    assert decoded.specs == tuple(
+        TensorSpec(dtype, shape, g) for (dtype, shape), g in zip(specs, grads)
+    )
     assert decoded.requires_grad == (grads if any(grads) else None)
     buffers = decoded.empty_tensors(device="meta")
     assert [(b.dtype, tuple(b.shape)) for b in buffers] == [(d, s) for d, s in specs]
@@ -119,20 +159,35 @@ def test_header_round_trip(iteration, microbatch, kind, specs):
 def test_header_total_size_is_bounded_before_any_allocation():
     """Each tensor within the per-tensor limit, checksum valid, yet 8 of them claim far more than a
     message may carry: refused by decoding, before a buffer is made."""
-    big = [torch.empty(MAX_ELEMENTS, dtype=torch.float64, device="meta") for _ in range(MAX_TENSORS)]
-    with pytest.raises(MessageError, match=f"claim {8 * MAX_TENSORS * MAX_ELEMENTS} bytes in all, more than the "
-                                           f"{MAX_MESSAGE_BYTES}"):
+    big = [
+        torch.empty(MAX_ELEMENTS, dtype=torch.float64, device="meta") for _ in range(MAX_TENSORS)
+    ]
+    with pytest.raises(
+        MessageError,
+        match=f"claim {8 * MAX_TENSORS * MAX_ELEMENTS} bytes in all, more than the "
+        f"{MAX_MESSAGE_BYTES}",
+    ):
         decode_header(encode_header(Message(1, 0, 0, big)))
     fits = [torch.empty(MAX_MESSAGE_BYTES // 8, dtype=torch.uint8, device="meta") for _ in range(8)]
-    assert decode_header(encode_header(Message(1, 0, 0, fits))).specs[0].numel == MAX_MESSAGE_BYTES // 8
-    one_more = [*fits[:-1], torch.empty(MAX_MESSAGE_BYTES // 8 + 1, dtype=torch.uint8, device="meta")]
+    assert (
+        decode_header(encode_header(Message(1, 0, 0, fits))).specs[0].numel
+        == MAX_MESSAGE_BYTES // 8
+    )
+    one_more = [
+        *fits[:-1],
+        torch.empty(MAX_MESSAGE_BYTES // 8 + 1, dtype=torch.uint8, device="meta"),
+    ]
     with pytest.raises(MessageError, match="in all"):  # one byte more than the bound
         decode_header(encode_header(Message(1, 0, 0, one_more)))
 
 
 @pytest.mark.timeout(10)
 def test_header_allocates_zero_dim_and_zero_size_tensors():
-    tensors = [torch.tensor(3.5), torch.zeros(0, 4, dtype=torch.bfloat16), torch.ones(2, 0, 3, dtype=torch.bool)]
+    tensors = [
+        torch.tensor(3.5),
+        torch.zeros(0, 4, dtype=torch.bfloat16),
+        torch.ones(2, 0, 3, dtype=torch.bool),
+    ]
     header = decode_header(encode_header(Message(1, 2, 1, tensors)))
     out = header.empty_tensors()
     assert [(t.dtype, tuple(t.shape)) for t in out] == [(t.dtype, tuple(t.shape)) for t in tensors]
@@ -146,46 +201,58 @@ def _valid_header() -> torch.Tensor:
 def _set(index: int, value: int, seal: bool = True):
     """Set one header word; ``seal``: recompute the checksum, as a buggy sender would (it reaches
     the field checks); without it, as corruption in transit would (the checksum catches it)."""
+
     def corrupt(h: torch.Tensor) -> torch.Tensor:
         h = h.clone()
         h[index] = value
         if seal and index != HEADER_LEN - 1:
             h[-1] = checksum(h[:-1].tolist())
         return h
+
     return corrupt
 
 
-_SLOT0, _SLOT1, _SLOT2 = 6, 6 + 3 + MAX_DIMS, 6 + 2 * (3 + MAX_DIMS)  # a slot: code, ndim, dims, flags
+_SLOT0, _SLOT1, _SLOT2 = (
+    6,
+    6 + 3 + MAX_DIMS,
+    6 + 2 * (3 + MAX_DIMS),
+)  # a slot: code, ndim, dims, flags
 _FLAGS0, _FLAGS1 = _SLOT1 - 1, _SLOT2 - 1
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("corrupt,match", [
-    (_set(0, 0x1234), "bad header magic 0x1234"),
-    (_set(1, VERSION + 1), f"unknown header version {VERSION + 1}"),
-    (_set(3, 5, seal=False), "checksum mismatch"),  # a microbatch number that is still valid
-    (_set(_SLOT0 + 2, 3, seal=False), "checksum mismatch"),  # a dim that is still valid
-    (_set(HEADER_LEN - 1, 0), "checksum mismatch"),
-    (_set(2, -1), "negative iteration -1"),
-    (_set(4, MAX_KIND), f"kind {MAX_KIND} is outside"),
-    (_set(5, MAX_TENSORS + 1), f"claims {MAX_TENSORS + 1} tensors"),
-    (_set(5, -1), "claims -1 tensors"),
-    (_set(5, 1), "slot 1 is beyond its 1 tensor"),
-    (_set(_SLOT0, 99), "unknown dtype code 99"),
-    (_set(_SLOT0, 0), "unknown dtype code 0"),
-    (_set(_SLOT1 + 1, MAX_DIMS + 1), f"has {MAX_DIMS + 1} dims"),
-    (_set(_SLOT1 + 1, -3), "has -3 dims"),
-    (_set(_SLOT0 + 2, -5), r"negative dim in shape \[-5, 5\]"),
-    (_set(_SLOT0 + 2, 1 << 41), "more than"),
-    (_set(_SLOT0 + 5, 1), "nonzero dims past its ndim 2"),
-    (_set(_SLOT2, 1), "slot 2 is beyond"),
-    (_set(_FLAGS0, 2), r"tensor 0 \(float32\) has flags 2; expected 0 or, for a floating tensor, 1"),
-    (_set(_FLAGS0, -1), "tensor 0 .* has flags -1"),
-    (_set(_FLAGS1, 1), r"tensor 1 \(int64\) has flags 1"),  # only floats carry gradients
-    (_set(_FLAGS0, 1, seal=False), "checksum mismatch"),  # a bit flipped in transit
-    (lambda h: h[:-1], f"shape \\[{HEADER_LEN}\\]"),
-    (lambda h: h.to(torch.int32), "int64 tensor"),
-])
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        (_set(0, 0x1234), "bad header magic 0x1234"),
+        (_set(1, VERSION + 1), f"unknown header version {VERSION + 1}"),
+        (_set(3, 5, seal=False), "checksum mismatch"),  # a microbatch number that is still valid
+        (_set(_SLOT0 + 2, 3, seal=False), "checksum mismatch"),  # a dim that is still valid
+        (_set(HEADER_LEN - 1, 0), "checksum mismatch"),
+        (_set(2, -1), "negative iteration -1"),
+        (_set(4, MAX_KIND), f"kind {MAX_KIND} is outside"),
+        (_set(5, MAX_TENSORS + 1), f"claims {MAX_TENSORS + 1} tensors"),
+        (_set(5, -1), "claims -1 tensors"),
+        (_set(5, 1), "slot 1 is beyond its 1 tensor"),
+        (_set(_SLOT0, 99), "unknown dtype code 99"),
+        (_set(_SLOT0, 0), "unknown dtype code 0"),
+        (_set(_SLOT1 + 1, MAX_DIMS + 1), f"has {MAX_DIMS + 1} dims"),
+        (_set(_SLOT1 + 1, -3), "has -3 dims"),
+        (_set(_SLOT0 + 2, -5), r"negative dim in shape \[-5, 5\]"),
+        (_set(_SLOT0 + 2, 1 << 41), "more than"),
+        (_set(_SLOT0 + 5, 1), "nonzero dims past its ndim 2"),
+        (_set(_SLOT2, 1), "slot 2 is beyond"),
+        (
+            _set(_FLAGS0, 2),
+            r"tensor 0 \(float32\) has flags 2; expected 0 or, for a floating tensor, 1",
+        ),
+        (_set(_FLAGS0, -1), "tensor 0 .* has flags -1"),
+        (_set(_FLAGS1, 1), r"tensor 1 \(int64\) has flags 1"),  # only floats carry gradients
+        (_set(_FLAGS0, 1, seal=False), "checksum mismatch"),  # a bit flipped in transit
+        (lambda h: h[:-1], f"shape \\[{HEADER_LEN}\\]"),
+        (lambda h: h.to(torch.int32), "int64 tensor"),
+    ],
+)
 def test_corrupt_header_raises_message_error(corrupt, match):
     decode_header(_valid_header())  # the uncorrupted one is fine
     with pytest.raises(MessageError, match=match):
@@ -193,7 +260,9 @@ def test_corrupt_header_raises_message_error(corrupt, match):
 
 
 def _header_with_none() -> torch.Tensor:
-    return encode_header(Message(3, 4, 0, [torch.zeros(2, 5), None, torch.zeros(7, dtype=torch.int64)]))
+    return encode_header(
+        Message(3, 4, 0, [torch.zeros(2, 5), None, torch.zeros(7, dtype=torch.int64)])
+    )
 
 
 @pytest.mark.timeout(30)
@@ -221,11 +290,15 @@ def test_encode_rejects_what_a_header_cannot_describe():
         encode_header(Message(0, 0, 0, [torch.zeros([1] * 7)]))
     with pytest.raises(MessageError, match="microbatch must be >= 0"):
         encode_header(Message(0, -1, 0, []))
-    with pytest.raises(MessageError, match="payload 0 has dtype torch.int64 but is marked as requiring grad"):
+    with pytest.raises(
+        MessageError, match="payload 0 has dtype torch.int64 but is marked as requiring grad"
+    ):
         encode_header(Message(0, 0, 0, [torch.zeros(1, dtype=torch.int64)], [True]))
     with pytest.raises(MessageError, match="payload 1 is None but marked as requiring grad"):
         encode_header(Message(0, 0, 0, [torch.zeros(1), None], [True, True]))
-    with pytest.raises(MessageError, match=r"requires_grad must be one bool per tensor \(2\), got \[True\]"):
+    with pytest.raises(
+        MessageError, match=r"requires_grad must be one bool per tensor \(2\), got \[True\]"
+    ):
         encode_header(Message(0, 0, 0, [torch.zeros(1), None], [True]))
     assert isinstance(MessageError("x"), ValueError)
     assert decode_header(encode_header(Message(0, 0, 0, []))).specs == ()
@@ -252,8 +325,13 @@ def _child(rank, world, port, results, scenario, pg_timeout_s):
     try:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
         value = scenario(rank, world, pg_timeout_s)
     except BaseException:
         status, value = "error", traceback.format_exc()
@@ -269,8 +347,12 @@ def _run_ranks(scenario, world, *, pg_timeout_s, reporters=None, deadline_s=45.0
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, results, scenario, pg_timeout_s), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_child, args=(r, world, port, results, scenario, pg_timeout_s), daemon=True
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     values, deadline = {}, time.monotonic() + deadline_s
@@ -298,24 +380,40 @@ def _message(stage: int, mb: int, kind: int) -> Message:
     length = 2 + (5 * mb + 3 * stage) % 7
     g = torch.Generator().manual_seed(1000 * kind + 10 * stage + mb)
     if kind == 0:  # activations and token ids
-        tensors = [torch.randn(length, 3, generator=g), torch.randint(-1000, 1000, (length,), generator=g)]
+        tensors = [
+            torch.randn(length, 3, generator=g),
+            torch.randint(-1000, 1000, (length,), generator=g),
+        ]
         if mb == 2:
             tensors.append(torch.zeros(0, 4, dtype=torch.uint8))  # zero-size: header only
     else:  # gradients and a 0-dim scale
-        tensors = [torch.randn(length, 3, generator=g, dtype=torch.float64).to(torch.bfloat16),
-                   torch.randn((), generator=g).to(torch.float16)]
+        tensors = [
+            torch.randn(length, 3, generator=g, dtype=torch.float64).to(torch.bfloat16),
+            torch.randn((), generator=g).to(torch.float16),
+        ]
         if mb == 4:
-            tensors += [torch.rand(length, generator=g) > 0.5, torch.arange(length, dtype=torch.int32)]
+            tensors += [
+                torch.rand(length, generator=g) > 0.5,
+                torch.arange(length, dtype=torch.int32),
+            ]
     return Message(ITERATION, mb, kind, tensors)
 
 
 def _check(msg: Message, sender_stage: int, mb: int, kind: int) -> None:
     want = _message(sender_stage, mb, kind)
-    assert (msg.iteration, msg.microbatch, msg.kind) == (want.iteration, want.microbatch, want.kind), \
-        f"got {msg.label()}, expected {want.label()} (FIFO order broken?)"
+    assert (msg.iteration, msg.microbatch, msg.kind) == (
+        want.iteration,
+        want.microbatch,
+        want.kind,
+    ), f"got {msg.label()}, expected {want.label()} (FIFO order broken?)"
     assert len(msg.tensors) == len(want.tensors)
     for got, exp in zip(msg.tensors, want.tensors):
-        assert got.dtype == exp.dtype and got.shape == exp.shape, (got.dtype, got.shape, exp.dtype, exp.shape)
+        assert got.dtype == exp.dtype and got.shape == exp.shape, (
+            got.dtype,
+            got.shape,
+            exp.dtype,
+            exp.shape,
+        )
         assert torch.equal(got, exp), f"{want.label()}: values differ"
 
 
@@ -373,8 +471,10 @@ def _pipeline_scenario(rank, world, pg_timeout_s):
                 tg.create_task(backward(to_backward))
 
     uvloop.run(main())
-    names = {k: getattr(channels, k).name if getattr(channels, k) else None
-             for k in ("fwd_in", "fwd_out", "bwd_in", "bwd_out")}
+    names = {
+        k: getattr(channels, k).name if getattr(channels, k) else None
+        for k in ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
+    }
     dist.destroy_process_group()  # clean teardown works once the channels are closed
     return {"received": received, "names": names, "timed_out_first": timed_out_first}
 
@@ -390,8 +490,12 @@ def test_pipeline_channels_fifo_exact_values_pp4():
         assert [x for x in got if x[0] == "F"] == [f"F{mb}" for mb in ORDER]
         assert [x for x in got if x[0] == "B"] == [f"B{mb}" for mb in ORDER]
     assert values[1]["timed_out_first"] is True
-    assert values[1]["names"] == {"fwd_in": "fwd 0->1 (rank 0 -> rank 1)", "fwd_out": "fwd 1->2 (rank 1 -> rank 2)",
-                                  "bwd_in": "bwd 2->1 (rank 2 -> rank 1)", "bwd_out": "bwd 1->0 (rank 1 -> rank 0)"}
+    assert values[1]["names"] == {
+        "fwd_in": "fwd 0->1 (rank 0 -> rank 1)",
+        "fwd_out": "fwd 1->2 (rank 1 -> rank 2)",
+        "bwd_in": "bwd 2->1 (rank 2 -> rank 1)",
+        "bwd_out": "bwd 1->0 (rank 1 -> rank 0)",
+    }
     assert values[0]["names"]["fwd_in"] is None and values[0]["names"]["bwd_out"] is None
     assert values[3]["names"]["fwd_out"] is None and values[3]["names"]["bwd_in"] is None
 

@@ -1,4 +1,5 @@
 """The cost model: fitting, prediction, calibration on this machine, replay in the simulator."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def synthetic(seed=0, n=40, stages=2):
     rng = np.random.default_rng(seed)
-    truth = {(s, k): (1e-3 * (s + 1), 2e-6 * (k + 1), 1e-8, 5e-7) for s in range(stages) for k in range(3)}
+    truth = {
+        (s, k): (1e-3 * (s + 1), 2e-6 * (k + 1), 1e-8, 5e-7)
+        for s in range(stages)
+        for k in range(3)
+    }
     rows = []
     for _ in range(n):
         T, b, patches = int(rng.integers(16, 128)), 4, float(rng.integers(0, 4) * 16)
         feats = {"tokens": float(b * T), "attn": float(b * T * T), "patches": patches}
         for (s, k), c in truth.items():
-            rows.append((s, k, feats, c[0] + c[1] * feats["tokens"] + c[2] * feats["attn"] + c[3] * patches))
+            rows.append(
+                (s, k, feats, c[0] + c[1] * feats["tokens"] + c[2] * feats["attn"] + c[3] * patches)
+            )
     return truth, rows
 
 
@@ -35,7 +42,8 @@ def test_fit_recovers_known_costs_and_round_trips():
         assert np.allclose(model.coef[s][k], c, rtol=1e-6, atol=1e-12), (s, k, model.coef[s][k], c)
     feats = rows[0][2]
     assert model.units(1, 1, feats, split=False) == pytest.approx(
-        (model.seconds(1, 1, feats) + model.seconds(1, 2, feats)) / model.reference_s)
+        (model.seconds(1, 1, feats) + model.seconds(1, 2, feats)) / model.reference_s
+    )
     assert CostModel.from_json(model.to_json()) == model
     with pytest.raises(ValueError, match="features"):
         CostModel.from_json(json.dumps({"features": ["x"], "coef": [], "reference_s": 1}))
@@ -53,35 +61,87 @@ def test_replay_uses_cost_times_the_presets_noise(tmp_path):
     feats = [rows[i * 6][2] for i in range(4)]
     dur = replay_durations(model, var, feats, seed=3, step=2, split=True)
     assert dur[1, 2, 0] == pytest.approx(model.units(1, 0, feats[2]) * var.noise(3, 2, 1, 2, 0))
-    doc = {"pp": 2, "microbatches": 4, "seed": 3, "preset": "lang", "hint": "bfw", "dispatch": "ready",
-           "budget": "2x", "split": True, "unit_ms": 10.0, "features": [feats, feats], "step_wall_s": [0.5, 0.4]}
+    doc = {
+        "pp": 2,
+        "microbatches": 4,
+        "seed": 3,
+        "preset": "lang",
+        "hint": "bfw",
+        "dispatch": "ready",
+        "budget": "2x",
+        "split": True,
+        "unit_ms": 10.0,
+        "features": [feats, feats],
+        "step_wall_s": [0.5, 0.4],
+    }
     out = replay(doc, model)
     assert [step for step, _, _ in out] == [0, 1] and all(sim > 0 for _, sim, _ in out)
     sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
     sizes.write_text(json.dumps(doc))
     cost.write_text(model.to_json())
-    p = subprocess.run([sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes), "--cost", str(cost)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes), "--cost", str(cost)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0 and "measured vs simulated after step 1" in p.stdout, p.stderr
-    p = subprocess.run([sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes)], capture_output=True,
-                       text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 2 and "--replay needs --cost" in p.stderr
 
 
 @pytest.mark.timeout(120)
 def test_calibrate_fits_this_machine(tmp_path):
     out = tmp_path / "cost.json"
-    p = subprocess.run([sys.executable, "-m", "rrfp", "calibrate", "--config", "configs/gpt-tiny.toml", "--pp", "2",
-                        "--samples", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=100,
-                       env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rrfp",
+            "calibrate",
+            "--config",
+            "configs/gpt-tiny.toml",
+            "--pp",
+            "2",
+            "--samples",
+            "4",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
+    )
     assert p.returncode == 0, p.stderr
     assert "median |error|" in p.stdout and "rank agreement" in p.stdout
     model = CostModel.from_json(out.read_text())
     assert model.num_stages == 2 and model.reference_s > 0
     # a 4-stage run cannot use a 2-stage model: one clear error before any group
-    r = subprocess.run([sys.executable, "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml", "--set",
-                        f"cost={out}", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                       env={**__import__("os").environ, "WORLD_SIZE": "4", "RANK": "0"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rrfp",
+            "train",
+            "--config",
+            "configs/gpt-tiny.toml",
+            "--set",
+            f"cost={out}",
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**__import__("os").environ, "WORLD_SIZE": "4", "RANK": "0"},
+    )
     assert r.returncode == 2 and "calibrated for 2 stages" in r.stderr, r.stderr
 
 
@@ -93,6 +153,8 @@ def test_calibrate_measures_named_tuple_inputs():
 
     cfg = TrainConfig.load(str(ROOT / "configs/vlm-tiny.toml"), ["pp=2"], world_size=2)
     rows = measure(cfg, samples=2)  # after two warm-ups: a sample with images and one without
-    assert {(stage, kind) for stage, kind, _, _ in rows} == {(s, k) for s in range(2) for k in range(3)}
+    assert {(stage, kind) for stage, kind, _, _ in rows} == {
+        (s, k) for s in range(2) for k in range(3)
+    }
     assert all(seconds > 0 for *_, seconds in rows)
     assert any(features["patches"] > 0 for _, _, features, _ in rows)

@@ -4,6 +4,7 @@ rank stops at a step boundary, saves, writes the trace and says what is saved, w
 "interrupted" or C++ teardown noise. Twice at once (a wrapper such as ``timeout`` forwards the
 terminal's Ctrl-C too): the agent then sends SIGINT and, from its ``finally``, SIGTERM; that is
 still one request."""
+
 from __future__ import annotations
 
 import json
@@ -24,19 +25,50 @@ from test_checkpoint import SMALL
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, presses):
     ckdir, trace = tmp_path / "ck", tmp_path / "t.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))
+    }
     out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "rrfp", "train", *SMALL, "--set", "steps=100000", "--set", "unit_ms=20",
-                             "--set", f"checkpoint_dir={ckdir}", "--set", "checkpoint_every=3",
-                             "--set", f"trace={trace}", "--set", f"log_dir={tmp_path / 'logs'}"],
-                            cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL,
-                            stdout=out, stderr=err, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "rrfp",
+            "train",
+            *SMALL,
+            "--set",
+            "steps=100000",
+            "--set",
+            "unit_ms=20",
+            "--set",
+            f"checkpoint_dir={ckdir}",
+            "--set",
+            "checkpoint_every=3",
+            "--set",
+            f"trace={trace}",
+            "--set",
+            f"log_dir={tmp_path / 'logs'}",
+        ],
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+    )
     try:
         t0 = time.monotonic()
         while sum(ln.startswith("step") for ln in (tmp_path / "out").read_text().splitlines()) < 4:
             assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
-            assert time.monotonic() - t0 < 60, "no steps within 60 s\n" + (tmp_path / "err").read_text()[-3000:]
+            assert time.monotonic() - t0 < 60, (
+                "no steps within 60 s\n" + (tmp_path / "err").read_text()[-3000:]
+            )
             time.sleep(0.05)
         for _ in range(presses):
             proc.send_signal(signal.SIGINT)
@@ -69,13 +101,17 @@ def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank)
     """A SIGINT before `rrfp train` installs its handler (while it loads the config) is Python's
     KeyboardInterrupt: rank 0 alone says so (the agent sent it to every rank), and the rank leaves
     through exit_now, not the interpreter's teardown."""
-    code = ("import rrfp.app.train_command as t, rrfp.app.cli as cli, sys\n"
-            "def interrupted(args): raise KeyboardInterrupt\n"
-            "t.train_command = interrupted\n"
-            "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
-            "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n")
+    code = (
+        "import rrfp.app.train_command as t, rrfp.app.cli as cli, sys\n"
+        "def interrupted(args): raise KeyboardInterrupt\n"
+        "t.train_command = interrupted\n"
+        "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
+        "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n"
+    )
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 130, (res.returncode, res.stderr)
     assert res.stderr.splitlines() == (["rrfp: interrupted"] if rank == 0 else []), res.stderr
     assert "teardown ran" not in res.stdout, "left through the interpreter's teardown"

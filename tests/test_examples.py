@@ -1,5 +1,6 @@
 """The embedding example runs under torchrun: the pipeline trains while the
 driver's own coroutine keeps ticking on the same loop."""
+
 import os
 import re
 import subprocess
@@ -13,9 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.timeout(180)
 def test_embedded_driver_example():
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "examples/embedded_driver.py"], cwd=ROOT, capture_output=True, text=True, timeout=170,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/embedded_driver.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], p.stdout
@@ -26,9 +40,22 @@ def test_embedded_driver_example():
 @pytest.mark.timeout(180)
 def test_hf_llama_example():
     pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "examples/hf_llama.py"], cwd=ROOT, capture_output=True, text=True, timeout=170,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/hf_llama.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, p.stdout

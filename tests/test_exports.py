@@ -3,6 +3,7 @@ resolves to the object its home module defines, ``dir(rrfp)`` lists it, static
 tools see it, and the list equals PUBLIC below, so adding or dropping a name is
 a decision made here, not an accident (after trio's test_exports.py).
 Exported names are a promise: one that is renamed keeps a deprecated alias."""
+
 import ast
 import importlib
 import subprocess
@@ -16,18 +17,51 @@ import rrfp
 ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC = [
-    "ColumnParallelLinear", "CostModel", "Dispatch", "IterationResult", "PeerFailure", "PipelineError",
-    "PipelineRuntime", "RowParallelLinear", "ScheduleReady", "SimConfig", "SimResult", "SplitLinear", "SplitSummary",
-    "StageExecutor", "StageTracker", "StageWorker", "StepReport", "TrainConfig", "TrainSummary", "Variability",
-    "Workload", "choose", "group_size_rank", "planned_config", "run", "shard_from_full", "simulate", "stage_main",
-    "token_features", "calibrate",
-    "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties",
+    "ColumnParallelLinear",
+    "CostModel",
+    "Dispatch",
+    "IterationResult",
+    "PeerFailure",
+    "PipelineError",
+    "PipelineRuntime",
+    "RowParallelLinear",
+    "ScheduleReady",
+    "SimConfig",
+    "SimResult",
+    "SplitLinear",
+    "SplitSummary",
+    "StageExecutor",
+    "StageTracker",
+    "StageWorker",
+    "StepReport",
+    "TrainConfig",
+    "TrainSummary",
+    "Variability",
+    "Workload",
+    "choose",
+    "group_size_rank",
+    "planned_config",
+    "run",
+    "shard_from_full",
+    "simulate",
+    "stage_main",
+    "token_features",
+    "calibrate",
+    "HFStage",
+    "build_hf_model",
+    "build_hf_stage",
+    "hf_config",
+    "hf_layer_ranges",
+    "hf_ties",
 ]
 
 
 def test_all_is_the_pinned_list():
     assert len(set(rrfp.__all__)) == len(rrfp.__all__), "a name is listed twice in rrfp.__all__"
-    added, dropped = sorted(set(rrfp.__all__) - set(PUBLIC)), sorted(set(PUBLIC) - set(rrfp.__all__))
+    added, dropped = (
+        sorted(set(rrfp.__all__) - set(PUBLIC)),
+        sorted(set(PUBLIC) - set(rrfp.__all__)),
+    )
     assert not added and not dropped, f"rrfp.__all__ changed: added {added}, dropped {dropped}"
 
 
@@ -42,8 +76,13 @@ def test_every_public_name_resolves_to_its_home(name):
 
 def test_dir_lists_every_public_name():
     """In a fresh interpreter: here the names resolved by other tests are already module globals."""
-    out = subprocess.run([sys.executable, "-c", "import rrfp; print(' '.join(dir(rrfp)))"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import rrfp; print(' '.join(dir(rrfp)))"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     missing = sorted(set(PUBLIC) - set(out.stdout.split()))
     assert out.returncode == 0 and not missing, f"dir(rrfp) misses {missing} {out.stderr}"
 
@@ -52,9 +91,17 @@ def test_static_tools_see_every_public_name():
     """The TYPE_CHECKING block is what IDEs and type checkers read: it imports every public name
     from the module the lazy table loads it from, and nothing else."""
     tree = ast.parse(ROOT.joinpath("rrfp", "__init__.py").read_text())
-    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
-    seen = {a.asname or a.name: node.module for node in block.body if isinstance(node, ast.ImportFrom)
-            for a in node.names}
+    block = next(
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    seen = {
+        a.asname or a.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for a in node.names
+    }
     assert seen == rrfp._HOMES
 
 
@@ -67,8 +114,12 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_import_rrfp_loads_no_torch():
     """The names of the pure core and the simulator answer on a machine without torch."""
-    code = ("import sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, rrfp.CostModel, "
-            "rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, rrfp.PipelineError; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, rrfp.CostModel, "
+        "rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, rrfp.PipelineError; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,5 +1,6 @@
 """The failure board: ranks post how they failed on the run's store, and a rank
 that lost a peer finds the rank that failed first, or the one that went silent."""
+
 from __future__ import annotations
 
 import datetime
@@ -15,8 +16,13 @@ from rrfp.app.failure_board import GRACE_S, FailureBoard
 @pytest.fixture
 def board(monkeypatch):
     port = free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
-                           wait_for_workers=False)
+    master = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=5),
+        wait_for_workers=False,
+    )
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("WORLD_SIZE", "5")
@@ -39,10 +45,14 @@ def test_the_chain_ends_at_the_rank_that_posted_nothing(board):
     board.post(1, "secondary 2")  # rank 2 was killed: no post
     assert board.origin(0, peer=1) == (2, False)
     assert board.origin(3, peer=2) == (2, False)
-    assert board.origin(4, peer=None) == (2, False), "ranks 2 and 3 posted nothing, but rank 1 names rank 2"
+    assert board.origin(4, peer=None) == (2, False), (
+        "ranks 2 and 3 posted nothing, but rank 1 names rank 2"
+    )
     board.post(0, "secondary 1")
     board.post(3, "secondary ?")
-    assert board.origin(4, peer=None) == (2, False), "one rank in the collective stays silent: that one"
+    assert board.origin(4, peer=None) == (2, False), (
+        "one rank in the collective stays silent: that one"
+    )
 
 
 def test_a_secondary_that_lost_an_unknown_peer_ends_the_chain(board):

@@ -7,6 +7,7 @@ layout, ready and fixed dispatch. The shapes are drawn from a seeded generator (
 runs them all; hypothesis cannot drive examples across processes): set ``RRFP_SHAPES_SEED`` to
 draw others. Each shape is one iteration; every stage's gradients and the loss must equal one
 process within float64 rounding, every task must run once, and nothing may hang."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,15 @@ from distributed import run_ranks
 from test_virtual_pipeline import build
 
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
-HINTS = ("bfw", "bf", "plan", "gpipe", "1f1b", "zbh1", "zbv")  # taken in turn: every one runs in every run
+HINTS = (
+    "bfw",
+    "bf",
+    "plan",
+    "gpipe",
+    "1f1b",
+    "zbh1",
+    "zbv",
+)  # taken in turn: every one runs in every run
 BUDGETS = ("0.25x", "0.5x", "1x", "2x", "1", "2", "3", "200B", "600B", "2KiB")
 D = 6  # the Piece model's width (test_virtual_pipeline.D)
 
@@ -39,18 +48,38 @@ def shapes(world: int, n: int, seed: int) -> list[dict]:
         V = 2 if placement == "v" else rng.choice([1, 2, 3])
         M = rng.randint(1, 7)
         split = rng.choice([None, True, False])
-        if applies(resolve(hint), VirtualLayout(world, V, placement), M, default_split(hint, split)) is not None:
+        if (
+            applies(
+                resolve(hint), VirtualLayout(world, V, placement), M, default_split(hint, split)
+            )
+            is not None
+        ):
             continue  # drawn again for the same hint
-        out.append(dict(placement=placement, V=V, M=M, hint=hint, split=split,
-                        dispatch=rng.choice(["ready", "fixed"]), budget=rng.choice(BUDGETS),
-                        sizes=[rng.randint(1, 3) for _ in range(M)], data=rng.randrange(1 << 30)))
+        out.append(
+            dict(
+                placement=placement,
+                V=V,
+                M=M,
+                hint=hint,
+                split=split,
+                dispatch=rng.choice(["ready", "fixed"]),
+                budget=rng.choice(BUDGETS),
+                sizes=[rng.randint(1, 3) for _ in range(M)],
+                data=rng.randrange(1 << 30),
+            )
+        )
     return out
 
 
 def batches(shape: dict):
     g = torch.Generator().manual_seed(shape["data"])
-    return [(torch.randn(b, D, generator=g, dtype=torch.float64), torch.randn(b, 2, generator=g, dtype=torch.float64))
-            for b in shape["sizes"]]
+    return [
+        (
+            torch.randn(b, D, generator=g, dtype=torch.float64),
+            torch.randn(b, 2, generator=g, dtype=torch.float64),
+        )
+        for b in shape["sizes"]
+    ]
 
 
 def reference(shape: dict, num_stages: int, stages: tuple[int, ...]):
@@ -58,7 +87,9 @@ def reference(shape: dict, num_stages: int, stages: tuple[int, ...]):
     mbs = batches(shape)
     loss = sum(nn.functional.mse_loss(full(x), y) for x, y in mbs) / len(mbs)
     loss.backward()
-    return loss.item(), {s: {n: p.grad.clone() for n, p in full[s].named_parameters()} for s in stages}
+    return loss.item(), {
+        s: {n: p.grad.clone() for n, p in full[s].named_parameters()} for s in stages
+    }
 
 
 def _ranks(rank, world, todo):
@@ -75,22 +106,43 @@ def _ranks(rank, world, todo):
 
     async def main():
         out = []
-        by_layout = itertools.groupby(sorted(enumerate(todo), key=lambda e: (e[1]["placement"], e[1]["V"])),
-                                      key=lambda e: (e[1]["placement"], e[1]["V"]))
+        by_layout = itertools.groupby(
+            sorted(enumerate(todo), key=lambda e: (e[1]["placement"], e[1]["V"])),
+            key=lambda e: (e[1]["placement"], e[1]["V"]),
+        )
         for (placement, V), group in by_layout:
-            async with PipelineRuntime.start(pp=world, timeout_s=60, virtual=V, placement=placement) as rt:
+            async with PipelineRuntime.start(
+                pp=world, timeout_s=60, virtual=V, placement=placement
+            ) as rt:
                 for i, shape in group:
                     want_loss, want = reference(shape, rt.num_stages, rt.stages)
                     full = build(rt.num_stages)
                     chunks = [full[s] for s in rt.stages]
-                    ex = rt.stage_executor(chunks, nn.functional.mse_loss, microbatches=shape["M"],
-                                           dispatch=shape["dispatch"], hint=shape["hint"], budget=shape["budget"],
-                                           split=shape["split"])
+                    ex = rt.stage_executor(
+                        chunks,
+                        nn.functional.mse_loss,
+                        microbatches=shape["M"],
+                        dispatch=shape["dispatch"],
+                        hint=shape["hint"],
+                        budget=shape["budget"],
+                        split=shape["split"],
+                    )
                     res = await ex.run_iteration(0, batches(shape))
-                    err = max((p.grad - want[s][n]).abs().max().item()
-                              for s, c in zip(rt.stages, chunks) for n, p in c.named_parameters())
-                    out.append((i, rt.stages, err, sorted((s, str(t)) for s, t in res.ran),
-                                None if res.loss is None else abs(res.loss - want_loss), ex.settings.split))
+                    err = max(
+                        (p.grad - want[s][n]).abs().max().item()
+                        for s, c in zip(rt.stages, chunks)
+                        for n, p in c.named_parameters()
+                    )
+                    out.append(
+                        (
+                            i,
+                            rt.stages,
+                            err,
+                            sorted((s, str(t)) for s, t in res.ran),
+                            None if res.loss is None else abs(res.loss - want_loss),
+                            ex.settings.split,
+                        )
+                    )
         dist.destroy_process_group()
         return out
 
@@ -111,9 +163,13 @@ def test_generated_shapes_match_one_process(world, n):
             shape = todo[i]
             where = (rank, stages, shape)
             assert err < 1e-12, where
-            assert split == default_split(shape["hint"], shape["split"]), where  # the executor took the split
+            assert split == default_split(shape["hint"], shape["split"]), (
+                where
+            )  # the executor took the split
             kinds = "FBW" if split else "FB"
-            assert ran == sorted((s, f"{k}{m}") for s in stages for k in kinds for m in range(shape["M"])), where
+            assert ran == sorted(
+                (s, f"{k}{m}") for s in stages for k in kinds for m in range(shape["M"])
+            ), where
             last = world * shape["V"] - 1
             assert (loss_err is not None) == (last in stages), where
             assert loss_err is None or loss_err < 1e-12, where

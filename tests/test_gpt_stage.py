@@ -21,6 +21,7 @@ def _model(cfg=CFG, seed=0):
 
 # -- model and split ---------------------------------------------------------
 
+
 def test_config_validates():
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=30, n_head=4)
@@ -109,7 +110,10 @@ def test_tied_embeddings():
     assert model.lm_head.weight is model.transformer.wte.weight
     st = make_stage(model, 0, 1)
     assert st.lm_head.weight is st.transformer.wte.weight
-    first, last = make_stage(model, 0, 2), make_stage(model, 1, 2)  # under PP: one copy each, declared
+    first, last = (
+        make_stage(model, 0, 2),
+        make_stage(model, 1, 2),
+    )  # under PP: one copy each, declared
     assert torch.equal(first.transformer.wte.weight, last.lm_head.weight)
     assert tied(cfg, 0, 2) == {"embedding": "transformer.wte.weight"}
     assert tied(cfg, 1, 2) == {"embedding": "lm_head.weight"}
@@ -122,6 +126,7 @@ def test_too_long_sequence_rejected():
 
 
 # -- pipelined run against the single-process reference ------------------------
+
 
 def _reference(data):
     model = _model()
@@ -160,14 +165,18 @@ class _Pipe:
     def __init__(self, S, split, data):
         model = _model()
         self.S, self.data = S, data
-        self.workers = [StageWorker(make_stage(model, s, S), s, S, M, loss_fn, split) for s in range(S)]
+        self.workers = [
+            StageWorker(make_stage(model, s, S), s, S, M, loss_fn, split) for s in range(S)
+        ]
         self.acts, self.grads, self.done = {}, {}, set()
 
     def ready(self, s, t):
         if t.kind is Kind.F:
             return s == 0 or (s - 1, t.mb) in self.acts
         if t.kind is Kind.B:
-            return (s, Task(Kind.F, t.mb)) in self.done and (s == self.S - 1 or (s + 1, t.mb) in self.grads)
+            return (s, Task(Kind.F, t.mb)) in self.done and (
+                s == self.S - 1 or (s + 1, t.mb) in self.grads
+            )
         return (s, Task(Kind.B, t.mb)) in self.done
 
     def run(self, s, t):
@@ -198,8 +207,12 @@ class _Pipe:
 
     def run_random(self, split, seed):
         rng = random.Random(seed)
-        todo = {(s, Task(k, m)) for s in range(self.S) for m in range(M)
-                for k in ((Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B))}
+        todo = {
+            (s, Task(k, m))
+            for s in range(self.S)
+            for m in range(M)
+            for k in ((Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B))
+        }
         while todo:
             s, t = rng.choice(sorted(x for x in todo if self.ready(*x)))
             self.run(s, t)
@@ -237,7 +250,9 @@ def _check(pipe, reference):
 
 @pytest.mark.parametrize("S", [2, 4])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("order", [_gpipe, _one_f_one_b, _zb_eager_w], ids=["gpipe", "1f1b", "zb_eager_w"])
+@pytest.mark.parametrize(
+    "order", [_gpipe, _one_f_one_b, _zb_eager_w], ids=["gpipe", "1f1b", "zb_eager_w"]
+)
 def test_pipeline_matches_reference(S, split, order, data, reference):
     pipe = _Pipe(S, split, data)
     pipe.run_orders([order(s, S, split) for s in range(S)])
@@ -260,8 +275,9 @@ def test_weight_grads_wait_for_w(data):
         assert w.inflight == tuple(range(M))
         # every weight gradient waits for W: split-aware layers queue theirs, autograd defers the rest
         # (embeddings, layer norms) to capture points
-        assert all(p.grad is None for p in w.module.parameters()), [n for n, p in w.module.named_parameters()
-                                                                    if p.grad is not None]
+        assert all(p.grad is None for p in w.module.parameters()), [
+            n for n, p in w.module.named_parameters() if p.grad is not None
+        ]
         assert w.activation_bytes(0) > 0
     pipe.workers[1].weight(2)
     assert pipe.workers[1].inflight == (0, 1, 3)
@@ -303,6 +319,7 @@ def test_misuse_errors(data):
 
 # -- data ----------------------------------------------------------------------
 
+
 def test_data_batches():
     a = batches(DATA, 5, 6)
     b = batches(DATA, 5, 6)
@@ -320,7 +337,9 @@ def test_data_batches():
     # microbatch m does not depend on how many are drawn; other steps/seeds differ
     assert torch.equal(batches(DATA, 5, 2)[1][0], a[1][0])
     assert not torch.equal(batches(DATA, 6, 1)[0][0], a[0][0])
-    other = DataConfig(seed=4, microbatch_size=2, min_seq_len=8, max_seq_len=24, corpus_bytes=1 << 20)
+    other = DataConfig(
+        seed=4, microbatch_size=2, min_seq_len=8, max_seq_len=24, corpus_bytes=1 << 20
+    )
     assert not torch.equal(batches(other, 5, 1)[0][0], a[0][0])
 
 

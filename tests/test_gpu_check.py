@@ -1,6 +1,7 @@
 """The CPU part of every `make gpu-check` check (tests/gpu_check.py): the same code, on the
 fake CUDA/NCCL of tests/fake_cuda.py, where device time is emulated by the lane. On a CPU
 machine the script itself reports every check as skipped, with the reason."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,18 +32,30 @@ gpu_check = _script()
 def fake_device():
     world = FakeWorld(1)
     world.enter(0)
-    return gpu_check.Device(world.torch_for(0), torch.device("cuda", 0), FakeCudaOps(world, 0), torch.float32,
-                            lambda: FakeEvent(world, True), lambda x: x), world
+    return gpu_check.Device(
+        world.torch_for(0),
+        torch.device("cuda", 0),
+        FakeCudaOps(world, 0),
+        torch.float32,
+        lambda: FakeEvent(world, True),
+        lambda x: x,
+    ), world
 
 
 @pytest.mark.timeout(60)
 def test_lane_figures_on_the_fake_device():
     dev, world = fake_device()
-    f = run(gpu_check.lane_figures(dev, n_embd=32, n_head=4, lengths=(8, 16, 32), iterations=3, unit_ms=5.0))
+    f = run(
+        gpu_check.lane_figures(
+            dev, n_embd=32, n_head=4, lengths=(8, 16, 32), iterations=3, unit_ms=5.0
+        )
+    )
     print(gpu_check.lane_line(f))
     # lower bounds only: the host of this shared machine stalls at times, and the device then idles
     assert f["tasks"] == 2 * 3 * 3 and set(f["kind_ms"]) == {"F", "B", "W"}
-    assert all(lo >= 4.99 for lo, hi in f["kind_ms"].values()), "each task holds the lane 5 ms at least"
+    assert all(lo >= 4.99 for lo, hi in f["kind_ms"].values()), (
+        "each task holds the lane 5 ms at least"
+    )
     assert 0 <= f["idle_share"] < 1 and f["gap_p50_us"] <= f["gap_p99_us"]
     assert f["enqueue_ms_per_task"] > 0 and f["kernel_ms_per_task"] >= 4.99 and f["decision_us"] > 0
 
@@ -76,12 +89,16 @@ def test_two_stages_over_the_loopback_match_the_reference_and_send_on_time(monke
 
 
 def test_nccl_inits_are_counted_before_and_after_startup():
-    log = "\n".join(["h:1:1 [0] NCCL INFO Bootstrap : Using eth0",
-                     "h:1:1 [0] NCCL INFO ncclCommInitRankConfig comm 0x1 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
-                     "h:1:1 [0] NCCL INFO ncclCommSplit comm 0x2 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
-                     gpu_check.STARTUP_MARK,
-                     "step    1/5  loss 5.5",
-                     "h:1:1 [0] NCCL INFO ncclCommInitRank comm 0x3 rank 0 nranks 2 cudaDev 0 - Init COMPLETE"])
+    log = "\n".join(
+        [
+            "h:1:1 [0] NCCL INFO Bootstrap : Using eth0",
+            "h:1:1 [0] NCCL INFO ncclCommInitRankConfig comm 0x1 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
+            "h:1:1 [0] NCCL INFO ncclCommSplit comm 0x2 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
+            gpu_check.STARTUP_MARK,
+            "step    1/5  loss 5.5",
+            "h:1:1 [0] NCCL INFO ncclCommInitRank comm 0x3 rank 0 nranks 2 cudaDev 0 - Init COMPLETE",
+        ]
+    )
     assert gpu_check.nccl_inits(log) == (2, 1)
     with pytest.raises(ValueError, match="start-up"):
         gpu_check.nccl_inits(log.replace(gpu_check.STARTUP_MARK, ""))
@@ -98,7 +115,9 @@ def test_the_runs_the_gpu_checks_start_work_on_gloo():
     first, again = (gpu_check.train_losses("steps=2", backend="gloo") for _ in range(2))
     assert len(first) == 2 and all(isinstance(x, float) for x in first) and first == again
     # the virtual check, on gloo and the CPU: two stages on the one rank give the one-process losses
-    assert gpu_check.virtual_check(2, backend="gloo", device="cpu").startswith("2 steps with two stages on one rank")
+    assert gpu_check.virtual_check(2, backend="gloo", device="cpu").startswith(
+        "2 steps with two stages on one rank"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -107,19 +126,25 @@ def test_memory_prediction_counts_weights_optimizer_and_the_budget():
     f = run(gpu_check.memory_figures(dev, n_embd=32, n_layer=2, microbatches=4, iterations=1))
     from models.gpt import GPT, GPTConfig
 
-    weights = sum(p.numel() * 4 for p in GPT(GPTConfig(n_layer=2, n_embd=32, n_head=8, block_size=512)).parameters())
+    weights = sum(
+        p.numel() * 4
+        for p in GPT(GPTConfig(n_layer=2, n_embd=32, n_head=8, block_size=512)).parameters()
+    )
     assert f["inflight"] == 2, "pp=1 under the default 2x budget holds two microbatches"
     assert f["activation"] > 0 and f["predicted"] == 4 * weights + 2 * f["activation"]
 
 
 @pytest.mark.timeout(60)
 def test_gpu_check_on_a_cpu_machine_skips_every_check_and_says_why():
-    p = subprocess.run([sys.executable, "tests/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "tests/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[")]
     assert [ln.split("]")[1].split(":")[0].strip() for ln in lines] == list(gpu_check.CHECKS)
-    assert all(ln.startswith("[SKIPPED]") and "no CUDA device" in ln and "tests/" in ln for ln in lines), lines
+    assert all(
+        ln.startswith("[SKIPPED]") and "no CUDA device" in ln and "tests/" in ln for ln in lines
+    ), lines
 
 
 @pytest.mark.timeout(60)

@@ -2,6 +2,7 @@
 float64: the total norm and the clipped gradients are those of torch.nn.utils.clip_grad_norm_ on the
 whole model in one process, with pipeline stages, TP shards and replicated parameters, DP replicas and
 virtual stages; a non-finite norm is reported and not applied."""
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,9 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
 
     torch.set_default_dtype(torch.float64)
     model_cfg = GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=32, vocab_size=256)
-    data = make_batches(DataConfig(seed=5, microbatch_size=2, min_seq_len=4, max_seq_len=12), 0, M * dp)
+    data = make_batches(
+        DataConfig(seed=5, microbatch_size=2, min_seq_len=4, max_seq_len=12), 0, M * dp
+    )
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -36,13 +39,17 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
         torch.manual_seed(0)
         ref = GPT(model_cfg)
         (sum(loss_fn(ref(x), y) for x, y in data) / len(data)).backward()
-        unclipped = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm_type).item()
+        unclipped = torch.nn.utils.get_total_norm(
+            [p.grad for p in ref.parameters()], norm_type
+        ).item()
         max_norm = unclipped / 4  # small enough that clipping scales every gradient
         total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type).item()
         return max_norm, total, {n: p.grad for n, p in ref.named_parameters()}
 
     async def main():
-        rt = PipelineRuntime.start(pp=pp, tp=tp, dp=dp, timeout_s=60, virtual=virtual, placement=placement)
+        rt = PipelineRuntime.start(
+            pp=pp, tp=tp, dp=dp, timeout_s=60, virtual=virtual, placement=placement
+        )
         out = []
         try:
             torch.manual_seed(0)
@@ -50,7 +57,7 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
             modules = [make_stage(full, s, rt.num_stages, tp_group=rt.tp_group) for s in rt.stages]
             ex = rt.stage_executor(modules, loss_fn, microbatches=M)
             sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
-            mine = data[rt.dp_rank * M:(rt.dp_rank + 1) * M]
+            mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
             for norm_type in norm_types:
                 for m in modules:
                     m.zero_grad(set_to_none=True)
@@ -64,11 +71,19 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
                     before = {n: p.grad.clone() for n, p in named}
                 total = await rt.clip_grad_norm_(max_norm, norm_type)
                 if poison is not None:
-                    same = all(torch.allclose(p.grad, before[n], rtol=0, atol=0, equal_nan=True) for n, p in named)
+                    same = all(
+                        torch.allclose(p.grad, before[n], rtol=0, atol=0, equal_nan=True)
+                        for n, p in named
+                    )
                     out.append({"total": total, "unchanged": same, "warnings": list(warnings)})
                     continue
-                err = max((p.grad - full_grad_slice(n, want[n], rt.tp_rank, tp)).abs().max().item() for n, p in named)
-                out.append({"total": total, "want": want_total, "grad_err": err, "max_norm": max_norm})
+                err = max(
+                    (p.grad - full_grad_slice(n, want[n], rt.tp_rank, tp)).abs().max().item()
+                    for n, p in named
+                )
+                out.append(
+                    {"total": total, "want": want_total, "grad_err": err, "max_norm": max_norm}
+                )
         finally:
             await rt.aclose()
         return out
@@ -109,6 +124,6 @@ def test_virtual_stages_every_stage_of_the_rank(placement):
 def test_nonfinite_norm_reported_not_applied(poison):
     results = run_ranks(_clip, 2, 2, 1, 1, 1, "interleaved", [2.0], poison, timeout=120)
     for rank, (r,) in results.items():
-        assert (math.isnan(r["total"]) if math.isnan(poison) else r["total"] == INF), (rank, r)
+        assert math.isnan(r["total"]) if math.isnan(poison) else r["total"] == INF, (rank, r)
         assert r["unchanged"], f"rank {rank}: a non-finite norm scaled the gradients"
         assert len(r["warnings"]) == 1 and "not clipped" in r["warnings"][0], r["warnings"]

@@ -2,6 +2,7 @@
 iterations before one ``sync()`` are all averaged: the buckets launched early by
 the first iteration are stale once a later iteration adds to the gradients, so
 ``sync()`` averages them afresh. Checked against the single-process reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,6 +44,9 @@ def test_gradients_accumulated_over_iterations_are_all_averaged(hint):
     ref = reference(2, ITERATIONS)
     for rank, (grads, launched_early) in results.items():
         for name, want in ref.items():
-            assert torch.allclose(torch.tensor(grads[name]), torch.tensor(want), rtol=0, atol=1e-12), \
+            assert torch.allclose(
+                torch.tensor(grads[name]), torch.tensor(want), rtol=0, atol=1e-12
+            ), (
                 f"rank {rank} ({hint}): {name} is not the replicas' mean of the accumulated gradients"
+            )
         assert launched_early == 2, "the first iteration of each step launched its bucket early"

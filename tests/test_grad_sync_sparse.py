@@ -2,6 +2,7 @@
 replicas and handed back sparse, so ``SparseAdam`` can step: through the executor,
 and for an embedding only one replica used (the other learns it is sparse from the
 all-reduce). Checked against the single-process reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,11 @@ class Net:
         class _Net(nn.Module):
             def __init__(self):
                 super().__init__()
-                self.e, self.e2, self.l = nn.Embedding(7, 4, sparse=True), nn.Embedding(5, 4, sparse=True), nn.Linear(4, 2)
+                self.e, self.e2, self.l = (
+                    nn.Embedding(7, 4, sparse=True),
+                    nn.Embedding(5, 4, sparse=True),
+                    nn.Linear(4, 2),
+                )
 
             def forward(self, ids, extra=False):
                 h = self.e(ids)
@@ -36,8 +41,13 @@ def _data(replica):
     import torch
 
     g = torch.Generator().manual_seed(replica)
-    return [(torch.randint(0, 7, (2, 3), generator=g), torch.randn(2, 3, 2, generator=g, dtype=torch.float64))
-            for _ in range(M)]
+    return [
+        (
+            torch.randint(0, 7, (2, 3), generator=g),
+            torch.randn(2, 3, 2, generator=g, dtype=torch.float64),
+        )
+        for _ in range(M)
+    ]
 
 
 def _reference(world, extra_on):
@@ -46,13 +56,20 @@ def _reference(world, extra_on):
     from torch import nn
 
     ref = Net.make()
-    losses = [nn.functional.mse_loss(ref(x, r in extra_on), y) for r in range(world) for x, y in _data(r)]
+    losses = [
+        nn.functional.mse_loss(ref(x, r in extra_on), y) for r in range(world) for x, y in _data(r)
+    ]
     (sum(losses) / len(losses)).backward()
-    return {n: None if p.grad is None else p.grad.to_dense().tolist() for n, p in ref.named_parameters()}
+    return {
+        n: None if p.grad is None else p.grad.to_dense().tolist() for n, p in ref.named_parameters()
+    }
 
 
 def _grads(m):
-    return {n: None if p.grad is None else (p.grad.is_sparse, p.grad.to_dense().tolist()) for n, p in m.named_parameters()}
+    return {
+        n: None if p.grad is None else (p.grad.is_sparse, p.grad.to_dense().tolist())
+        for n, p in m.named_parameters()
+    }
 
 
 def _sparse(rank, world):
@@ -75,7 +92,9 @@ def _sparse(rank, world):
             m = Net.make()
             sync = rt.grad_sync(m)
             data = _data(rt.dp_rank)
-            (sum(nn.functional.mse_loss(m(x, rt.dp_rank == 0), y) for x, y in data) / len(data)).backward()
+            (
+                sum(nn.functional.mse_loss(m(x, rt.dp_rank == 0), y) for x, y in data) / len(data)
+            ).backward()
             local = _grads(m)
             await sync.sync()
             one_replica = _grads(m)
@@ -97,11 +116,16 @@ def test_sparse_gradients_are_averaged_and_stay_sparse():
             ref = refs[case]
             for name, want in ref.items():
                 if want is None:
-                    assert got[name] is None, f"rank {rank} {case}: {name} unused everywhere keeps no gradient"
+                    assert got[name] is None, (
+                        f"rank {rank} {case}: {name} unused everywhere keeps no gradient"
+                    )
                     continue
                 sparse, values = got[name]
                 assert sparse == name.startswith("e"), f"rank {rank} {case}: {name} sparse={sparse}"
-                assert torch.allclose(torch.tensor(values), torch.tensor(want), rtol=0, atol=1e-12), \
-                    f"rank {rank} {case}: {name} is not the replicas' mean"
-    assert results[1][1]["e2.weight"] is None, "replica 1 never used e2: it had no gradient of its own"
+                assert torch.allclose(
+                    torch.tensor(values), torch.tensor(want), rtol=0, atol=1e-12
+                ), f"rank {rank} {case}: {name} is not the replicas' mean"
+    assert results[1][1]["e2.weight"] is None, (
+        "replica 1 never used e2: it had no gradient of its own"
+    )
     assert results[0][3] == results[1][3], "SparseAdam moved e2 alike on both replicas"

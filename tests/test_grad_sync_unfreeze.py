@@ -2,6 +2,7 @@
 ``grad_sync()`` was built is averaged like the rest (progressive unfreezing), and a
 layer frozen later is left out, its stale gradient untouched rather than averaged.
 Each step's gradients are checked against the single-process reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,13 +44,20 @@ def _steps(rank, world):
                 if step == 1:
                     m[0].requires_grad_(True)  # progressive unfreezing
                 if step == 2:
-                    m[2].requires_grad_(False)  # and the last layer frozen, a stale gradient left on it
+                    m[2].requires_grad_(
+                        False
+                    )  # and the last layer frozen, a stale gradient left on it
                     for p in m[2].parameters():
                         p.grad = torch.full_like(p, float(rank + 1))
                 await ex.run_iteration(step, data(rt.dp_rank))
                 await sync.sync()
                 # plain lists: tensors would travel back through shared memory, gone with the process
-                steps.append({n: None if p.grad is None else p.grad.tolist() for n, p in m.named_parameters()})
+                steps.append(
+                    {
+                        n: None if p.grad is None else p.grad.tolist()
+                        for n, p in m.named_parameters()
+                    }
+                )
                 m.zero_grad(set_to_none=True)
             return steps, list(lines.lines), sync.launched_early
 
@@ -64,18 +72,23 @@ def test_buckets_follow_requires_grad_across_steps():
     def close(got, name):
         import torch
 
-        return got is not None and torch.allclose(torch.tensor(got), torch.tensor(ref[name]), rtol=0, atol=1e-12)
+        return got is not None and torch.allclose(
+            torch.tensor(got), torch.tensor(ref[name]), rtol=0, atol=1e-12
+        )
 
     for rank, (steps, lines, launched_early) in results.items():
         frozen, unfrozen, refrozen = steps
         assert frozen["0.weight"] is None and frozen["0.bias"] is None
         assert close(frozen["2.weight"], "2.weight") and close(frozen["2.bias"], "2.bias")
         for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
-            assert close(unfrozen[name], name), f"rank {rank}: {name} after unfreezing is not the replicas' mean"
+            assert close(unfrozen[name], name), (
+                f"rank {rank}: {name} after unfreezing is not the replicas' mean"
+            )
         assert close(refrozen["0.weight"], "0.weight") and close(refrozen["0.bias"], "0.bias")
         for name in ("2.weight", "2.bias"):
-            assert {v for row in _rows(refrozen[name]) for v in row} == {float(rank + 1)}, \
+            assert {v for row in _rows(refrozen[name]) for v in row} == {float(rank + 1)}, (
                 f"rank {rank}: the frozen {name}'s own gradient was averaged over the replicas"
+            )
         rebuilt = [line for line in lines if "rebuilt" in line]
         assert len(rebuilt) == 2, f"rank {rank}: one INFO line per rebuild, got {lines}"
         assert "4 parameters require grad now (2 before)" in rebuilt[0]

@@ -2,6 +2,7 @@
 that beats is never silent, one that stops is named within timeout_s, a rank that
 was itself stopped gives its peers a fresh timeout_s, and a stuck store is a
 finding of its own."""
+
 from __future__ import annotations
 
 import datetime
@@ -17,16 +18,26 @@ TIMEOUT_S = 0.6
 
 @pytest.fixture
 def server():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=5))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=5),
+    )
     yield store
 
 
 def _pair(server, timeout_s: float = TIMEOUT_S) -> list[Heartbeat]:
     beats = []
     for rank in range(2):
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=5))
+        client = dist.TCPStore(
+            "127.0.0.1",
+            server.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=5),
+        )
         beats.append(Heartbeat(client, rank, 2, timeout_s, prefix=f"test/{id(server)}"))
     return beats
 
@@ -111,6 +122,7 @@ class StallingStore:
 
     def __init__(self, client) -> None:
         import threading
+
         self.client, self.stall, self.release = client, threading.Event(), threading.Event()
 
     def set(self, key, value):
@@ -141,7 +153,9 @@ def test_a_store_that_stops_after_a_read_without_a_new_beat_is_still_named_as_th
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()  # the peer's beat stops moving ...
         end = time.monotonic() + TIMEOUT_S / 3
-        while a.last_read - a.beats[1].changed_at < 2 * a.period_s:  # ... for reads that still work ...
+        while (
+            a.last_read - a.beats[1].changed_at < 2 * a.period_s
+        ):  # ... for reads that still work ...
             assert time.monotonic() < end, "reads stopped before the store did"
             time.sleep(a.period_s / 4)
         stalling.stall.set()  # ... and then the store stops answering

@@ -2,6 +2,7 @@
 17, 33, 25 and 40 tokens, uneven user-given layer ranges, HF activation checkpointing, global
 gradient clipping, AdamW with a warmup schedule): a float64 Llama and a Qwen3 whose embedding and
 LM head are tied across the two ranks equal one process."""
+
 import pytest
 import torch
 
@@ -35,8 +36,15 @@ def _train(rank, world, family):
 
     cfg = model_config(family)
     dist.init_process_group("gloo")
-    module = build_hf_stage(cfg.hf(), rank, world, layers=RANGES, seed=0, dtype=DTYPES[cfg.dtype],
-                            gradient_checkpointing=True)
+    module = build_hf_stage(
+        cfg.hf(),
+        rank,
+        world,
+        layers=RANGES,
+        seed=0,
+        dtype=DTYPES[cfg.dtype],
+        gradient_checkpointing=True,
+    )
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
     opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / WARMUP))
@@ -44,8 +52,11 @@ def _train(rank, world, family):
     with ScheduleReady(stage, len(LENGTHS), loss_fn=loss_fn, tied=module.ties) as schedule:
         for step in range(STEPS):
             mbs, losses = microbatches(step), []
-            schedule.step(arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
-                          target_mbs=[y for _, y in mbs] if rank == world - 1 else None, losses=losses)
+            schedule.step(
+                arg_mbs=[(x,) for x, _ in mbs] if rank == 0 else None,
+                target_mbs=[y for _, y in mbs] if rank == world - 1 else None,
+                losses=losses,
+            )
             norms.append(schedule.clip_grad_norm_(CLIP))
             opt.step()
             warmup.step()
@@ -69,6 +80,12 @@ def test_schedule_ready_equals_one_process(family):
     assert set(params) == set(ref_params) and len(losses) == STEPS
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
-    print(f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
-          f"norms {norms}, max |norm - ref| {norm_diff:.3g}")
-    assert loss_diff < 1e-12 and param_diff < 1e-12 and norm_diff < 1e-12, (loss_diff, param_diff, norm_diff)
+    print(
+        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
+        f"norms {norms}, max |norm - ref| {norm_diff:.3g}"
+    )
+    assert loss_diff < 1e-12 and param_diff < 1e-12 and norm_diff < 1e-12, (
+        loss_diff,
+        param_diff,
+        norm_diff,
+    )

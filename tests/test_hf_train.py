@@ -2,6 +2,7 @@
 across the first and last stage) in float64, 4 stages on 2 gloo ranks (virtual stages), HF activation
 checkpointing, gradient clipping and a warmup of the learning rate, equal to the whole model trained
 on one process with the same seed and data."""
+
 import tempfile
 from pathlib import Path
 
@@ -19,9 +20,23 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
     from rrfp.app.config import RunConfig, TrainConfig
     from rrfp.app.train import stage_main
 
-    run = RunConfig(model="hf", pp=world, virtual=2, microbatches=M, steps=steps, lr=LR, warmup_steps=WARMUP,
-                    seed=0, timeout_s=60, checkpoint_dir=folder, resume=resume, clip_grad_norm=CLIP)
-    summary = asyncio.run(stage_main(TrainConfig(run, model_config(family), data_config(), world_size=world)))
+    run = RunConfig(
+        model="hf",
+        pp=world,
+        virtual=2,
+        microbatches=M,
+        steps=steps,
+        lr=LR,
+        warmup_steps=WARMUP,
+        seed=0,
+        timeout_s=60,
+        checkpoint_dir=folder,
+        resume=resume,
+        clip_grad_norm=CLIP,
+    )
+    summary = asyncio.run(
+        stage_main(TrainConfig(run, model_config(family), data_config(), world_size=world))
+    )
     return summary.losses, summary.grad_norms
 
 
@@ -34,7 +49,12 @@ def _saved_parameters(folder: str) -> dict:
     flat = Path(folder) / "whole.pt"
     dcp_to_torch_save(last, flat)
     state = torch.load(flat, weights_only=False)
-    return {name: t for key, part in state.items() if key.startswith("stage") for name, t in part["model"].items()}
+    return {
+        name: t
+        for key, part in state.items()
+        if key.startswith("stage")
+        for name, t in part["model"].items()
+    }
 
 
 @pytest.mark.timeout(300)
@@ -52,8 +72,10 @@ def test_rrfp_train_equals_one_process(family):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     assert set(params) == set(ref_params)
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
-    print(f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
-          f"norms {norms}, max |norm - ref| {norm_diff:.3g}")
+    print(
+        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
+        f"norms {norms}, max |norm - ref| {norm_diff:.3g}"
+    )
     assert loss_diff < 1e-12 and param_diff < 1e-12, (loss_diff, param_diff)
     assert ref_losses[2] < ref_losses[0], "the reference should learn"
 
@@ -71,25 +93,46 @@ def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
 def test_learning_rate_warms_up_linearly_from_zero():
     from rrfp.app.train import learning_rate
 
-    assert [learning_rate(0.4, 4, s) for s in range(6)] == [0.0, 0.1, 0.2, 0.30000000000000004, 0.4, 0.4]
+    assert [learning_rate(0.4, 4, s) for s in range(6)] == [
+        0.0,
+        0.1,
+        0.2,
+        0.30000000000000004,
+        0.4,
+        0.4,
+    ]
     assert [learning_rate(0.4, 0, s) for s in range(2)] == [0.4, 0.4]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["warmup_steps=-1"], "run.warmup_steps = -1 is out of bounds: it must be within [0, 1000000000]"),
-    (["warmup_steps=0.5"], "run.warmup_steps = 0.5 has the wrong type (expected int)"),
-    (["tp=2"], "run.tp = 2: rrfp.hf stages are not tensor-parallel; set run.tp = 1"),
-    (["model.family=gpt2"], "HFConfig.family must be one of llama, qwen3, qwen2, mistral, got 'gpt2'"),
-    (["model.stage_layers=[1, 1]"], "HFConfig.stage_layers [1, 1] add up to 2 layers"),
-    (["model.stage_layers=[4, 4]"], "model.stage_layers has 2 entries for 4 pipeline stages"),
-    (["model.checkpoint='/nonexistent/hf'"], "model.checkpoint /nonexistent/hf does not exist"),
-    (["model.dtype='float16'"], "HFConfig.dtype must be one of float32, float64, bfloat16"),
-    (["data.max_seq_len=200"], "data.max_seq_len=200 is above model.max_position_embeddings=128"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["warmup_steps=-1"],
+            "run.warmup_steps = -1 is out of bounds: it must be within [0, 1000000000]",
+        ),
+        (["warmup_steps=0.5"], "run.warmup_steps = 0.5 has the wrong type (expected int)"),
+        (["tp=2"], "run.tp = 2: rrfp.hf stages are not tensor-parallel; set run.tp = 1"),
+        (
+            ["model.family=gpt2"],
+            "HFConfig.family must be one of llama, qwen3, qwen2, mistral, got 'gpt2'",
+        ),
+        (["model.stage_layers=[1, 1]"], "HFConfig.stage_layers [1, 1] add up to 2 layers"),
+        (["model.stage_layers=[4, 4]"], "model.stage_layers has 2 entries for 4 pipeline stages"),
+        (["model.checkpoint='/nonexistent/hf'"], "model.checkpoint /nonexistent/hf does not exist"),
+        (["model.dtype='float16'"], "HFConfig.dtype must be one of float32, float64, bfloat16"),
+        (
+            ["data.max_seq_len=200"],
+            "data.max_seq_len=200 is above model.max_position_embeddings=128",
+        ),
+    ],
+)
 def test_bad_hf_configs_are_one_line(overrides, message):
     from rrfp.app.config import TrainConfig
     from rrfp.app.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
-        TrainConfig.load(Path(__file__).parents[1] / "configs" / "hf-llama-tiny.toml", overrides, world_size=4)
+        TrainConfig.load(
+            Path(__file__).parents[1] / "configs" / "hf-llama-tiny.toml", overrides, world_size=4
+        )
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

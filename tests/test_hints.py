@@ -80,7 +80,9 @@ def test_unknown_hint():
 
 def test_csv_hint(tmp_path):
     p = tmp_path / "h.csv"
-    rows = ["stage,task"] + [f"{s},{t}" for s in range(2) for t in resolve("1f1b").order(2, s, 3, False)]
+    rows = ["stage,task"] + [
+        f"{s},{t}" for s in range(2) for t in resolve("1f1b").order(2, s, 3, False)
+    ]
     p.write_text("\n".join(rows))
     h = csv_hint(p)
     assert h.order(2, 1, 3, False) == resolve("1f1b").order(2, 1, 3, False)
@@ -96,9 +98,13 @@ def test_csv_hint(tmp_path):
 
 
 def test_callable_hint():
-    h = resolve(lambda S, s, M, split: [f"F{m}" for m in range(M)] + [f"B{m}" for m in reversed(range(M))])
+    h = resolve(
+        lambda S, s, M, split: [f"F{m}" for m in range(M)] + [f"B{m}" for m in reversed(range(M))]
+    )
     assert h.order(2, 0, 2, False) == [F(0), F(1), B(1), B(0)]
-    assert resolve("rrfp.core.hints:gpipe").order(2, 0, 2, False) == resolve("gpipe").order(2, 0, 2, False)
+    assert resolve("rrfp.core.hints:gpipe").order(2, 0, 2, False) == resolve("gpipe").order(
+        2, 0, 2, False
+    )
 
 
 def test_budget_parse():
@@ -118,17 +124,28 @@ def test_policy_ready_and_fixed():
     order = [F(1), B(0), W(0), F(2)]
     held = InFlight(count=1)
     assert choose(Dispatch.READY, {F(1), F(2), W(0)}, prio, order, 0, held, Limit(count=2)) == F(1)
-    assert choose(Dispatch.READY, {F(1), W(0)}, prio, order, 0, held, Limit(count=1)) == W(0)  # budget full
+    assert choose(Dispatch.READY, {F(1), W(0)}, prio, order, 0, held, Limit(count=1)) == W(
+        0
+    )  # budget full
     assert choose(Dispatch.READY, {F(2)}, prio, order, 0, held, Limit(count=1)) is None
     assert choose(Dispatch.READY, {B(0), F(1)}, prio, order, 0, held, Limit(count=5)) == B(0)
-    assert choose(Dispatch.FIXED, {F(2), W(0)}, prio, order, 1, held, Limit(count=1)) is None  # waits for B0
+    assert (
+        choose(Dispatch.FIXED, {F(2), W(0)}, prio, order, 1, held, Limit(count=1)) is None
+    )  # waits for B0
     assert choose(Dispatch.FIXED, {B(0)}, prio, order, 1, held, Limit(count=1)) == B(0)
     # bytes: the best F does not fit, so no F runs (head of line)
     sizes = {1: 100, 2: 1}
     held = InFlight(count=1, bytes=50)
-    assert choose(Dispatch.READY, {F(1), F(2)}, prio, order, 0, held, Limit(bytes=120), sizes.__getitem__) is None
+    assert (
+        choose(
+            Dispatch.READY, {F(1), F(2)}, prio, order, 0, held, Limit(bytes=120), sizes.__getitem__
+        )
+        is None
+    )
     # a microbatch larger than the whole budget runs alone
-    assert choose(Dispatch.READY, {F(1)}, prio, order, 0, InFlight(), Limit(bytes=10), sizes.__getitem__) == F(1)
+    assert choose(
+        Dispatch.READY, {F(1)}, prio, order, 0, InFlight(), Limit(bytes=10), sizes.__getitem__
+    ) == F(1)
 
 
 def test_default_split():

@@ -6,6 +6,7 @@ Every import in rrfp/ and models/ is read with ast (function-level ones
 included), so a lazy import cannot hide an upward edge. The layers and what
 each may import are written down once, here and in docs/design.md.
 """
+
 import ast
 from pathlib import Path
 
@@ -21,15 +22,49 @@ ALLOWED = {
     "rrfp.loop": set(),
     "rrfp.comm": {"rrfp.core", "rrfp.loop"},
     "rrfp.nn": set(),
-    "rrfp.pipeline": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn"},  # sim: planning
+    "rrfp.pipeline": {
+        "rrfp.core",
+        "rrfp.observe",
+        "rrfp.sim",
+        "rrfp.loop",
+        "rrfp.comm",
+        "rrfp.nn",
+    },  # sim: planning
     # HuggingFace causal LMs as stages: above the pipeline (nothing of it needed yet), below the app
-    "rrfp.hf": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline"},
-    "rrfp.app": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
-                 "rrfp.pipelining", "rrfp.hf"},  # pipelining: the bench runs ScheduleReady beside the executors
+    "rrfp.hf": {
+        "rrfp.core",
+        "rrfp.observe",
+        "rrfp.sim",
+        "rrfp.loop",
+        "rrfp.comm",
+        "rrfp.nn",
+        "rrfp.pipeline",
+    },
+    "rrfp.app": {
+        "rrfp.core",
+        "rrfp.observe",
+        "rrfp.sim",
+        "rrfp.loop",
+        "rrfp.comm",
+        "rrfp.nn",
+        "rrfp.pipeline",
+        "rrfp.pipelining",
+        "rrfp.hf",
+    },  # pipelining: the bench runs ScheduleReady beside the executors
     # torch.distributed.pipelining's schedule surface over the runtime: user-facing glue beside app
     "rrfp.pipelining": {"rrfp.core", "rrfp.loop", "rrfp.comm", "rrfp.pipeline"},
-    "rrfp": {"rrfp.core", "rrfp.observe", "rrfp.sim", "rrfp.loop", "rrfp.comm", "rrfp.nn", "rrfp.pipeline",
-             "rrfp.app", "rrfp.pipelining", "rrfp.hf"},  # the package's own __init__ and __main__: the public surface
+    "rrfp": {
+        "rrfp.core",
+        "rrfp.observe",
+        "rrfp.sim",
+        "rrfp.loop",
+        "rrfp.comm",
+        "rrfp.nn",
+        "rrfp.pipeline",
+        "rrfp.app",
+        "rrfp.pipelining",
+        "rrfp.hf",
+    },  # the package's own __init__ and __main__: the public surface
     "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
 }
 TOP = ("models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
@@ -46,7 +81,9 @@ def layer_of(module: str) -> str | None:
     """The longest ALLOWED key that is ``module`` or a package above it."""
     best = None
     for layer in ALLOWED:
-        if (module == layer or module.startswith(layer + ".")) and (best is None or len(layer) > len(best)):
+        if (module == layer or module.startswith(layer + ".")) and (
+            best is None or len(layer) > len(best)
+        ):
             best = layer
     return best
 
@@ -83,9 +120,13 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_imports_point_down(module):
     mine = layer_of(module)
-    bad = sorted(dep for dep in GRAPH[module]
-                 if layer_of(dep) != mine and layer_of(dep) not in ALLOWED[mine]
-                 and not (mine == "rrfp" and dep == "rrfp"))
+    bad = sorted(
+        dep
+        for dep in GRAPH[module]
+        if layer_of(dep) != mine
+        and layer_of(dep) not in ALLOWED[mine]
+        and not (mine == "rrfp" and dep == "rrfp")
+    )
     assert not bad, f"{module} ({mine}) imports from a higher or unrelated layer: {bad}"
 
 
@@ -102,7 +143,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
             if dep == m or m.startswith(dep + "."):
                 continue
             if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
+                return stack[stack.index(dep) :] + [dep]
             if dep not in state and (found := visit(dep)):
                 return found
         stack.pop()
@@ -130,8 +171,12 @@ def test_the_checks_can_fail():
 def public_names() -> set[str]:
     """``rrfp.__all__``, read from the source (no import)."""
     tree = ast.parse(ROOT.joinpath("rrfp", "__init__.py").read_text())
-    return next(set(ast.literal_eval(node.value)) for node in tree.body if isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+    return next(
+        set(ast.literal_eval(node.value))
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    )
 
 
 def deep_uses(source: str, public: set[str]) -> list[str]:
@@ -142,13 +187,24 @@ def deep_uses(source: str, public: set[str]) -> list[str]:
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
             found += [(line, f"import {a.name}") for a in node.names if a.name.startswith("rrfp.")]
-        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "rrfp":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] == "rrfp"
+        ):
             if node.module != "rrfp":
                 found.append((line, f"from {node.module} import ..."))
             else:
-                found += [(line, f"from rrfp import {a.name}") for a in node.names if a.name not in public]
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "rrfp"
-              and node.attr not in public and not node.attr.startswith("__")):
+                found += [
+                    (line, f"from rrfp import {a.name}") for a in node.names if a.name not in public
+                ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "rrfp"
+            and node.attr not in public
+            and not node.attr.startswith("__")
+        ):
             found.append((line, f"rrfp.{node.attr}"))
     return [f"line {line}: {what}" for line, what in sorted(found)]
 
@@ -168,11 +224,18 @@ def test_the_surface_check_can_fail():
     public = public_names()
     assert {"SplitLinear", "PipelineRuntime", "simulate"} <= public
     assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= set(TOP)
-    deep = deep_uses("import rrfp\nimport rrfp.sim\nfrom rrfp.nn.split_linear import SplitLinear\n"
-                     "from rrfp import SplitLinear, _HOMES\nx = rrfp.pipeline.worker\ny = rrfp.simulate\n"
-                     "z = rrfp.__file__\n", public)
-    assert deep == ["line 2: import rrfp.sim", "line 3: from rrfp.nn.split_linear import ...",
-                    "line 4: from rrfp import _HOMES", "line 5: rrfp.pipeline"], deep
+    deep = deep_uses(
+        "import rrfp\nimport rrfp.sim\nfrom rrfp.nn.split_linear import SplitLinear\n"
+        "from rrfp import SplitLinear, _HOMES\nx = rrfp.pipeline.worker\ny = rrfp.simulate\n"
+        "z = rrfp.__file__\n",
+        public,
+    )
+    assert deep == [
+        "line 2: import rrfp.sim",
+        "line 3: from rrfp.nn.split_linear import ...",
+        "line 4: from rrfp import _HOMES",
+        "line 5: rrfp.pipeline",
+    ], deep
 
 
 def test_core_and_sim_load_without_torch():
@@ -180,7 +243,11 @@ def test_core_and_sim_load_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, rrfp.choose; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, rrfp.choose; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

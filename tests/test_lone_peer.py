@@ -1,6 +1,7 @@
 """A collective over a two-member group that fails names the other member as the lost peer
 (a TP pair, a world of two), so the rank's line says which rank died; in a larger group it
 names none (the failure board then goes by the other ranks' posts)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Tests of rrfp.loop: waiter thread, completion poller, compute lane, start-up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -371,6 +372,7 @@ class FutureWork:
 @pytest.mark.parametrize("loop_factory", LOOP_FACTORIES)
 def test_future_wakes_the_poller_out_of_its_back_off(loop_factory):
     """A long back-off (50 ms) would be the latency without the wake-up."""
+
     async def go():
         async with CompletionPoller(spin_rounds=0, backoff_s=0.05, max_backoff_s=0.05) as poller:
             slow = FutureWork(0.02)
@@ -398,7 +400,9 @@ def test_future_wakes_the_poller_out_of_its_back_off(loop_factory):
 async def test_lane_spends_emulated_time_and_returns_result():
     async with ComputeLane(unit_s=0.02, name="emulate") as lane:
         started = time.perf_counter()
-        result = await lane.run(lambda a, b: (a + b, threading.current_thread().name), 2, 3, units=3)
+        result = await lane.run(
+            lambda a, b: (a + b, threading.current_thread().name), 2, 3, units=3
+        )
         elapsed = time.perf_counter() - started
     assert result[0] == 5
     assert result[1].startswith("rrfp-lane-emulate")
@@ -423,7 +427,9 @@ async def test_concurrent_lane_calls_serialize():
     order: list[str] = []
     async with ComputeLane(unit_s=0.02) as lane:
         started = time.perf_counter()
-        await asyncio.gather(lane.run(order.append, "first", units=2), lane.run(order.append, "second", units=3))
+        await asyncio.gather(
+            lane.run(order.append, "first", units=2), lane.run(order.append, "second", units=3)
+        )
         elapsed = time.perf_counter() - started
     assert order == ["first", "second"]
     assert elapsed >= 0.1
@@ -523,14 +529,20 @@ class FakeCudaClock:
 
         self.stream = None
         self.cuda = types.SimpleNamespace(
-            is_available=lambda: True, Stream=self._remember(Stream), Event=Event,
-            device=lambda d: _cl.nullcontext(), stream=lambda s: _cl.nullcontext(), _sleep=lambda cycles: None)
+            is_available=lambda: True,
+            Stream=self._remember(Stream),
+            Event=Event,
+            device=lambda d: _cl.nullcontext(),
+            stream=lambda s: _cl.nullcontext(),
+            _sleep=lambda cycles: None,
+        )
         self.device = __import__("torch").device
 
     def _remember(self, cls):
         def make(device=None):
             self.stream = cls(device)
             return self.stream
+
         return make
 
     def kernel(self, seconds: float) -> None:
@@ -555,7 +567,9 @@ async def test_cuda_lane_keeps_the_next_task_enqueued_behind_the_running_one():
                 assert await lane.run(fake.kernel, 0.02) is None
                 returned_after = time.perf_counter() - t0
                 if ahead and i == 0:
-                    assert returned_after < 0.01, "the first task is only enqueued: run() returns at once"
+                    assert returned_after < 0.01, (
+                        "the first task is only enqueued: run() returns at once"
+                    )
                 await asyncio.sleep(0.005)  # the loop deciding what comes next
             await lane.drain()
         assert lane.tasks_run == 8 and lane.busy_s == pytest.approx(8 * 0.02, rel=0.2)

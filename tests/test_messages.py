@@ -4,6 +4,7 @@ outputs, and a two-stage pipeline over real gloo that matches a
 single-process reference whose boundary is (hidden, int64 mask, None, summary),
 the receiving stage taking it as one tuple, as separate arguments or as *args.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,19 @@ from torch import nn
 
 from distributed import run_ranks
 from test_comm import _header_with_none, _set
-from rrfp.comm.message import (DTYPE_CODES, HEADER_LEN, MAX_DIMS, MAX_TENSORS, NONE_CODE, NONE_SPEC, Message,
-                               MessageError, TensorSpec, decode_header, encode_header)
+from rrfp.comm.message import (
+    DTYPE_CODES,
+    HEADER_LEN,
+    MAX_DIMS,
+    MAX_TENSORS,
+    NONE_CODE,
+    NONE_SPEC,
+    Message,
+    MessageError,
+    TensorSpec,
+    decode_header,
+    encode_header,
+)
 from rrfp.pipeline.worker import StageWorker
 
 _SLOT = 3 + MAX_DIMS  # dtype code, ndim, dims, flags
@@ -30,9 +42,16 @@ def _slot(i: int) -> int:
 
 # -- headers -------------------------------------------------------------------
 
-_entries = st.lists(st.one_of(st.none(), st.tuples(st.sampled_from(list(DTYPE_CODES)),
-                                                   st.lists(st.integers(0, 9), max_size=MAX_DIMS).map(tuple))),
-                    max_size=MAX_TENSORS)
+_entries = st.lists(
+    st.one_of(
+        st.none(),
+        st.tuples(
+            st.sampled_from(list(DTYPE_CODES)),
+            st.lists(st.integers(0, 9), max_size=MAX_DIMS).map(tuple),
+        ),
+    ),
+    max_size=MAX_TENSORS,
+)
 
 
 @pytest.mark.timeout(60)
@@ -51,27 +70,44 @@ def test_header_round_trip_with_none_and_mixed_dtypes(entries, microbatch):
 def test_none_takes_a_self_describing_slot():
     h = _header_with_none()
     assert h[5].item() == 3, "None counts as a payload"
-    assert h[_slot(1):_slot(2)].tolist() == [NONE_CODE] + [0] * (2 + MAX_DIMS)
+    assert h[_slot(1) : _slot(2)].tolist() == [NONE_CODE] + [0] * (2 + MAX_DIMS)
     specs = decode_header(h).specs
-    assert specs[1].is_none and specs[1].numel == 0 and specs[1].nbytes == 0 and str(specs[1]) == "None"
+    assert (
+        specs[1].is_none
+        and specs[1].numel == 0
+        and specs[1].nbytes == 0
+        and str(specs[1]) == "None"
+    )
     assert not specs[0].is_none and str(specs[2]) == "int64[7]"
     out = decode_header(h).empty_tensors()
     assert out[1] is None and out[0].shape == (2, 5) and out[2].dtype == torch.int64
     all_none = decode_header(encode_header(Message(0, 0, 1, [None] * MAX_TENSORS)))
-    assert all_none.specs == (NONE_SPEC,) * MAX_TENSORS and all_none.empty_tensors() == [None] * MAX_TENSORS
+    assert (
+        all_none.specs == (NONE_SPEC,) * MAX_TENSORS
+        and all_none.empty_tensors() == [None] * MAX_TENSORS
+    )
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("corrupt,match", [
-    (_set(_slot(1) + 1, 1), f"tensor 1 is None \\(dtype code {NONE_CODE}\\) but has ndim 1"),
-    (_set(_slot(1) + 2, 4), "tensor 1 is None .* dims \\[4, 0"),
-    (_set(_slot(1) + 2 + MAX_DIMS - 1, -1), "tensor 1 is None"),
-    (_set(_slot(1) + 2 + MAX_DIMS, 1), "tensor 1 is None .* and flags 1"),  # a None requires no gradient
-    (_set(_slot(1), NONE_CODE + 1), f"tensor 1 has unknown dtype code {NONE_CODE + 1}"),
-    (_set(_slot(1), 0), "tensor 1 has unknown dtype code 0"),
-    (_set(_slot(3), NONE_CODE), "slot 3 is beyond its 3 tensor"),  # a None past the count is not padding
-    (_set(5, 2), "slot 2 is beyond its 2 tensor"),
-])
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        (_set(_slot(1) + 1, 1), f"tensor 1 is None \\(dtype code {NONE_CODE}\\) but has ndim 1"),
+        (_set(_slot(1) + 2, 4), "tensor 1 is None .* dims \\[4, 0"),
+        (_set(_slot(1) + 2 + MAX_DIMS - 1, -1), "tensor 1 is None"),
+        (
+            _set(_slot(1) + 2 + MAX_DIMS, 1),
+            "tensor 1 is None .* and flags 1",
+        ),  # a None requires no gradient
+        (_set(_slot(1), NONE_CODE + 1), f"tensor 1 has unknown dtype code {NONE_CODE + 1}"),
+        (_set(_slot(1), 0), "tensor 1 has unknown dtype code 0"),
+        (
+            _set(_slot(3), NONE_CODE),
+            "slot 3 is beyond its 3 tensor",
+        ),  # a None past the count is not padding
+        (_set(5, 2), "slot 2 is beyond its 2 tensor"),
+    ],
+)
 def test_corrupt_none_slot_raises_message_error(corrupt, match):
     decode_header(_header_with_none())
     with pytest.raises(MessageError, match=match):
@@ -88,6 +124,7 @@ def test_encode_rejects_non_tensor_payloads():
 
 # -- NCCL channel (fake ops) ---------------------------------------------------------
 
+
 @pytest.mark.timeout(30)
 @pytest.mark.asyncio
 async def test_nccl_channel_skips_none_payloads():
@@ -101,10 +138,15 @@ async def test_nccl_channel_skips_none_payloads():
         await tx.send(msg)
     got = receiving.result()
     assert got.tensors[1] is None and got.tensors[3] is None
-    assert torch.equal(got.tensors[0], msg.tensors[0]) and torch.equal(got.tensors[2], msg.tensors[2])
+    assert torch.equal(got.tensors[0], msg.tensors[0]) and torch.equal(
+        got.tensors[2], msg.tensors[2]
+    )
     assert got.tensors[4].shape == (0, 2)
-    assert [tuple(op.tensor.shape) for op in world.sends[before:]] == [(HEADER_LEN,), (2, 3), (4,)], \
-        "None and empty payloads travel in the header alone"
+    assert [tuple(op.tensor.shape) for op in world.sends[before:]] == [
+        (HEADER_LEN,),
+        (2, 3),
+        (4,),
+    ], "None and empty payloads travel in the header alone"
     await poller.aclose()
 
 
@@ -165,9 +207,13 @@ def _model(second: str = "tuple") -> nn.Sequential:
 
 def _batches() -> list:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(2, t, C, generator=g, dtype=torch.float64), torch.randn(2, t, C, generator=g,
-                                                                                 dtype=torch.float64))
-            for t in (3, 5, 7, 4)]  # sequence length differs per microbatch
+    return [
+        (
+            torch.randn(2, t, C, generator=g, dtype=torch.float64),
+            torch.randn(2, t, C, generator=g, dtype=torch.float64),
+        )
+        for t in (3, 5, 7, 4)
+    ]  # sequence length differs per microbatch
 
 
 def _reference(second: str = "tuple") -> tuple[float, dict]:
@@ -176,13 +222,17 @@ def _reference(second: str = "tuple") -> tuple[float, dict]:
     call = (lambda out: last(out)) if second == "tuple" else (lambda out: last(*out))
     loss = sum(loss_fn(call(first(x)), y) for x, y in _batches()) / M
     loss.backward()
-    return loss.item(), {f"{i}.{n}": p.grad for i, m in enumerate((first, last)) for n, p in m.named_parameters()}
+    return loss.item(), {
+        f"{i}.{n}": p.grad for i, m in enumerate((first, last)) for n, p in m.named_parameters()
+    }
 
 
 def _grad_error(stage: int, module: nn.Module, ref: dict) -> float:
     missing = [n for n, p in module.named_parameters() if p.grad is None]
     assert not missing, missing
-    return max((p.grad - ref[f"{stage}.{n}"]).abs().max().item() for n, p in module.named_parameters())
+    return max(
+        (p.grad - ref[f"{stage}.{n}"]).abs().max().item() for n, p in module.named_parameters()
+    )
 
 
 def _through_a_header(tensors) -> tuple:
@@ -221,6 +271,7 @@ def test_worker_tuple_boundary_matches_reference(split, second):
 @pytest.mark.timeout(30)
 def test_first_stage_takes_a_tuple_input_as_separate_arguments():
     """The first stage's own inputs (the batch's first element) follow the same rule as a received boundary."""
+
     class Masked(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -251,9 +302,13 @@ def test_worker_tuple_boundary_checks_grad_output():
     w0 = StageWorker(model[0], 0, 2, M, loss_fn, split=False)
     x, _ = _batches()[0]
     h, mask, _, s = w0.forward(0, x)
-    with pytest.raises(RuntimeError, match=r"B0 grad_output 3 shape \(2, 4\) != output 3 shape \(2, 3\)"):
+    with pytest.raises(
+        RuntimeError, match=r"B0 grad_output 3 shape \(2, 4\) != output 3 shape \(2, 3\)"
+    ):
         w0.backward(0, (torch.zeros_like(h), None, None, torch.zeros(2, 4, dtype=s.dtype)))
-    with pytest.raises(RuntimeError, match="B0 got 2 grad_output tensor\\(s\\) for 4 output\\(s\\)"):
+    with pytest.raises(
+        RuntimeError, match="B0 got 2 grad_output tensor\\(s\\) for 4 output\\(s\\)"
+    ):
         w0.backward(0, (torch.zeros_like(h), None))
     with pytest.raises(RuntimeError, match="B0 needs grad_output from stage 1"):
         w0.backward(0, None)
@@ -264,8 +319,13 @@ def test_worker_tuple_boundary_checks_grad_output():
 
 # -- over real gloo ----------------------------------------------------------------
 
-CONFIGS = [("ready", "bfw", "tuple"), ("fixed", "1f1b", "tuple"), ("ready", "bfw", "args"),
-           ("fixed", "1f1b", "args"), ("ready", "bfw", "star")]
+CONFIGS = [
+    ("ready", "bfw", "tuple"),
+    ("fixed", "1f1b", "tuple"),
+    ("ready", "bfw", "args"),
+    ("fixed", "1f1b", "args"),
+    ("ready", "bfw", "star"),
+]
 
 
 def _pipeline_rank(rank, world):
@@ -283,10 +343,16 @@ def _pipeline_rank(rank, world):
             for dispatch, hint, second in CONFIGS:
                 ref_loss, ref = _reference(second)
                 module = _model(second)[rt.stage]
-                ex = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=dispatch, hint=hint)
+                ex = rt.stage_executor(
+                    module, loss_fn, microbatches=M, dispatch=dispatch, hint=hint
+                )
                 res = await ex.run_iteration(0, batches)
                 loss_err = abs(res.loss - ref_loss) if res.loss is not None else None
-                out[(dispatch, hint, second)] = (_grad_error(rt.stage, module, ref), loss_err, ex.settings.split)
+                out[(dispatch, hint, second)] = (
+                    _grad_error(rt.stage, module, ref),
+                    loss_err,
+                    ex.settings.split,
+                )
         return out
 
     return run(main())

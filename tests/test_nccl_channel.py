@@ -4,6 +4,7 @@ Two ranks share one fake world. ``connected_pair`` does what start-up does (an e
 group, a warm-up over the channel, in two threads); the tests then drive both ends
 from one event loop, which only works because nothing blocks the host after start-up.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,17 @@ def connected_pair(world: FakeWorld | None = None, deadline_s: float | None = No
         dist = world.dist_for(rank)
         group = dist.new_group([0, 1], backend="nccl", device_id=DEVICE)
         require_eager(group, DEVICE, "channel fwd 0->1", rank)
-        ch = NcclChannel("fwd 0->1", rank, 1 - rank, group, outbound=rank == 0, ops=FakeCudaOps(world, rank),
-                         poller=poller, compute_stream=world.new_stream(rank), deadline_s=deadline_s)
+        ch = NcclChannel(
+            "fwd 0->1",
+            rank,
+            1 - rank,
+            group,
+            outbound=rank == 0,
+            ops=FakeCudaOps(world, rank),
+            poller=poller,
+            compute_stream=world.new_stream(rank),
+            deadline_s=deadline_s,
+        )
         ch.warm_up()
         ends[rank] = ch
 
@@ -109,8 +119,10 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
             await tx.send(msg)
         header = world.sends[before]
         delays[gate] = header.posted_at - producer_end()
-    print(f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's event, "
-          f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task enqueued between)")
+    print(
+        f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's event, "
+        f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task enqueued between)"
+    )
     assert -1e-4 <= delays["ready"] < 0.01, delays
     assert delays["record at send time"] > 0.025, delays
     await poller.aclose()
@@ -124,10 +136,14 @@ async def test_receiver_allocates_from_headers_and_compute_waits_for_every_paylo
         receiving = tg.create_task(rx.recv())
         await tx.send(message(0, 9))
     got = receiving.result()
-    assert [tuple(t.shape) for t in got.tensors] == [(2, 9, 8), (9,), (0, 3)], "exactly the header's shapes"
+    assert [tuple(t.shape) for t in got.tensors] == [(2, 9, 8), (9,), (0, 3)], (
+        "exactly the header's shapes"
+    )
     payload_works = [w for w in rx.compute_stream.waited if hasattr(w, "ops")]
     assert len(payload_works) == 2, "the compute stream waits on each non-empty payload receive"
-    assert all(w.ops[0].kind == "recv" and w.ops[0].tensor is t for w, t in zip(payload_works, got.tensors))
+    assert all(
+        w.ops[0].kind == "recv" and w.ops[0].tensor is t for w, t in zip(payload_works, got.tensors)
+    )
     await poller.aclose()
 
 
@@ -136,7 +152,9 @@ async def test_receiver_allocates_from_headers_and_compute_waits_for_every_paylo
 async def test_failed_receive_names_channel_and_peer():
     world = FakeWorld(2)
     # rank 1's receives: 0 the warm-up, 1 the header, 2 the first payload
-    world.failures[(1, "recv", 2)] = RuntimeError("NCCL communicator was aborted: remote process exited")
+    world.failures[(1, "recv", 2)] = RuntimeError(
+        "NCCL communicator was aborted: remote process exited"
+    )
     tx, rx, world, poller = connected_pair(world)
     sending = asyncio.ensure_future(tx.send(message(0, 4)))
     with pytest.raises(PeerError) as info:
@@ -158,7 +176,9 @@ async def test_a_peer_that_never_receives_ends_the_send_with_one_line():
     with pytest.raises(PeerError) as info:
         await tx.send(message(3, 4))
     line = str(info.value)
-    assert line.startswith("rank 0: channel fwd 0->1: send of the header of") and "to rank 1" in line
+    assert (
+        line.startswith("rank 0: channel fwd 0->1: send of the header of") and "to rank 1" in line
+    )
     assert "nothing within 0.2 s" in line and "\n" not in line and info.value.peer == 1
     await poller.aclose()
 
@@ -170,8 +190,11 @@ def test_a_group_without_its_device_is_refused_at_startup():
         group = world.dist_for(rank).new_group([0, 1], backend="nccl")  # no device_id: lazy
         require_eager(group, DEVICE, "channel fwd 0->1", rank)
 
-    with pytest.raises(StartupError, match="rank [01]: channel fwd 0->1: the NCCL group is bound to None, not "
-                                           "cuda:0: its communicator would be created at first use"):
+    with pytest.raises(
+        StartupError,
+        match="rank [01]: channel fwd 0->1: the NCCL group is bound to None, not "
+        "cuda:0: its communicator would be created at first use",
+    ):
         run_ranks_in_threads(world, main, timeout=10)
 
 

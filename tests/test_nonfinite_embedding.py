@@ -2,6 +2,7 @@
 whose gradients stay finite, so only that rank sees it. "stop" ends every rank with one line naming
 the stage and the microbatch; "skip" leaves every rank's parameters as they were after the user's
 optimizer step. Real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,18 @@ def _rank(rank, world, policy):
     def loss_fn(out, target):
         y, bad = target
         loss = ((out - y) ** 2).mean()
-        return loss + float("nan") if bad else loss  # a NaN in the loss only: the gradients stay finite
+        return (
+            loss + float("nan") if bad else loss
+        )  # a NaN in the loss only: the gradients stay finite
 
     torch.manual_seed(rank)
     stage = nn.Linear(D, D)
     before = [p.detach().clone() for p in stage.parameters()]
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(2, D, generator=g), (torch.randn(2, D, generator=g), mb == 1)) for mb in range(M)]
+    batches = [
+        (torch.randn(2, D, generator=g), (torch.randn(2, D, generator=g), mb == 1))
+        for mb in range(M)
+    ]
 
     async def main():
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=30) as rt:
@@ -51,7 +57,9 @@ def test_a_nan_loss_stops_every_rank_naming_stage_and_microbatch():
     out = run_ranks(_rank, 2, "stop", timeout=80)
     for rank, (how, text, _) in out.items():
         assert how == "raised", (rank, how)
-        assert "\n" not in text and "stage 1 microbatch 1" in text and text.startswith(f"rank {rank}:"), text
+        assert (
+            "\n" not in text and "stage 1 microbatch 1" in text and text.startswith(f"rank {rank}:")
+        ), text
 
 
 @pytest.mark.timeout(90)

@@ -1,6 +1,7 @@
 """The clairvoyant optimum (rrfp.sim.oracle): right on instances solved by hand
 and by brute force, never above a schedule the simulator can run, never below
 the cheap lower bound, and its schedule replays in the simulator as solved."""
+
 import itertools
 import json
 import subprocess
@@ -33,7 +34,9 @@ def tolerance(cfg: SimConfig) -> float:
 
 def test_one_microbatch_by_hand():
     """F 1, B 2 on two stages, messages 0.25: 1 + 0.25 + 1 + 2 + 0.25 + 2."""
-    r = solve(SimConfig(2, 1, split=False, variability=FREE_COMM, durations=[[[1, 2, 0]], [[1, 2, 0]]]))
+    r = solve(
+        SimConfig(2, 1, split=False, variability=FREE_COMM, durations=[[[1, 2, 0]], [[1, 2, 0]]])
+    )
     assert r.optimal and r.status == "OPTIMAL"
     assert r.makespan == pytest.approx(6.5) and r.bound == pytest.approx(6.5)
     assert r.orders == ((Task(Kind.F, 0), Task(Kind.B, 0)),) * 2
@@ -46,7 +49,11 @@ def test_budget_binds_by_hand():
     cfg = SimConfig(2, 2, split=False, variability=FREE_COMM, durations=[[[1, 2, 0]] * 2] * 2)
     free, tight = solve(cfg), solve(replace(cfg, budget=1))
     assert free.optimal and free.makespan == pytest.approx(9.5) and free.bound == pytest.approx(9.5)
-    assert tight.optimal and tight.makespan == pytest.approx(13.0) and tight.bound == pytest.approx(13.0)
+    assert (
+        tight.optimal
+        and tight.makespan == pytest.approx(13.0)
+        and tight.bound == pytest.approx(13.0)
+    )
     assert replay(replace(cfg, budget=1), tight.orders).peak_inflight == [1, 1]
 
 
@@ -55,8 +62,12 @@ def test_split_backward_by_hand():
     1.25, so B0's gradient reaches stage 0 at 3.5, and stage 0 still has
     B0 B1 W0 W1 to run: 7.5, which nothing beats (stage 0 gets no gradient
     sooner). Unsplit, as above: 9.5."""
-    unsplit = solve(SimConfig(2, 2, split=False, variability=FREE_COMM, durations=[[[1, 2, 0]] * 2] * 2))
-    split = solve(SimConfig(2, 2, split=True, variability=FREE_COMM, durations=[[[1, 1, 1]] * 2] * 2))
+    unsplit = solve(
+        SimConfig(2, 2, split=False, variability=FREE_COMM, durations=[[[1, 2, 0]] * 2] * 2)
+    )
+    split = solve(
+        SimConfig(2, 2, split=True, variability=FREE_COMM, durations=[[[1, 1, 1]] * 2] * 2)
+    )
     assert unsplit.optimal and split.optimal
     assert unsplit.makespan == pytest.approx(9.5)
     assert split.makespan == pytest.approx(7.5) and split.bound == pytest.approx(7.5)
@@ -95,11 +106,20 @@ durations = st.floats(0.1, 3.0).map(lambda x: round(x, 2))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(d=st.lists(durations, min_size=12, max_size=12), comm=st.sampled_from([0.0, 0.05, 0.5]),
-       budget=st.sampled_from([1, 2, "1x", "2x"]))
+@given(
+    d=st.lists(durations, min_size=12, max_size=12),
+    comm=st.sampled_from([0.0, 0.05, 0.5]),
+    budget=st.sampled_from([1, 2, "1x", "2x"]),
+)
 def test_matches_brute_force_on_two_stages_two_microbatches(d, comm, budget):
-    cfg = SimConfig(2, 2, budget=budget, split=True, variability=Variability(comm=comm),
-                    durations=[[d[0:3], d[3:6]], [d[6:9], d[9:12]]])
+    cfg = SimConfig(
+        2,
+        2,
+        budget=budget,
+        split=True,
+        variability=Variability(comm=comm),
+        durations=[[d[0:3], d[3:6]], [d[6:9], d[9:12]]],
+    )
     r = solve(cfg, time_limit=20)
     assert r.optimal
     assert r.makespan == pytest.approx(brute_force(cfg), abs=tolerance(cfg))
@@ -107,14 +127,28 @@ def test_matches_brute_force_on_two_stages_two_microbatches(d, comm, budget):
 
 
 variabilities = st.builds(
-    Variability, name=st.just("random"), jitter=st.floats(0, 0.8), length_sigma=st.floats(0, 0.8),
-    straggler_p=st.floats(0, 0.3), vision_stage0=st.booleans(), comm=st.sampled_from([0.0, 0.05, 0.3]),
-    comm_jitter=st.floats(0, 0.5))
+    Variability,
+    name=st.just("random"),
+    jitter=st.floats(0, 0.8),
+    length_sigma=st.floats(0, 0.8),
+    straggler_p=st.floats(0, 0.3),
+    vision_stage0=st.booleans(),
+    comm=st.sampled_from([0.0, 0.05, 0.3]),
+    comm_jitter=st.floats(0, 0.5),
+)
 budgets = st.sampled_from([1, 2, 3, "1x", "2x", "1.5MiB", "3MiB"])
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # each up to 20 s of CP-SAT
-@given(S=st.integers(2, 3), M=st.integers(2, 4), var=variabilities, budget=budgets, seed=st.integers(0, 10**6))
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)  # each up to 20 s of CP-SAT
+@given(
+    S=st.integers(2, 3),
+    M=st.integers(2, 4),
+    var=variabilities,
+    budget=budgets,
+    seed=st.integers(0, 10**6),
+)
 def test_optimum_is_below_every_executor_and_above_the_lower_bound(S, M, var, budget, seed):
     base = SimConfig(S, M, budget=budget, variability=var, seed=seed)
     r = solve(replace(base, split=True), time_limit=20)
@@ -148,7 +182,10 @@ def test_budget_one_serializes_and_the_optimum_grows():
     free, one = solve(replace(base, budget=100)), solve(replace(base, budget=1))
     assert free.optimal and one.optimal
     dur, lat_f, lat_b, _ = _durations(base)
-    trips = sum(dur[:, m, :2].sum() + dur[0, m, 2] + lat_f[:-1, m].sum() + lat_b[1:, m].sum() for m in range(3))
+    trips = sum(
+        dur[:, m, :2].sum() + dur[0, m, 2] + lat_f[:-1, m].sum() + lat_b[1:, m].sum()
+        for m in range(3)
+    )
     assert one.makespan >= trips - tolerance(base)
     assert one.makespan > free.makespan + 1.0
     assert replay(replace(base, budget=1), one.orders).peak_inflight == [1, 1, 1]
@@ -168,8 +205,10 @@ def test_hint_is_an_incumbent_and_the_time_limit_reports_a_bound():
 
 
 def test_sim_loads_without_ortools():
-    code = ("import sys, rrfp.sim, rrfp.sim.oracle, rrfp.app.sim_oracle; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ortools'))")
+    code = (
+        "import sys, rrfp.sim, rrfp.sim.oracle, rrfp.app.sim_oracle; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ortools'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -185,21 +224,37 @@ def test_cli_without_ortools_says_what_to_install(monkeypatch, capsys):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_refuses_large_runs():
     p = run_cli("sim", "--pp", "16", "--mb", "64", "--oracle")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--oracle is for small S and M" in lines[0] and "1024" in lines[0], p.stderr
+    assert len(lines) == 1 and "--oracle is for small S and M" in lines[0] and "1024" in lines[0], (
+        p.stderr
+    )
     p = run_cli("sim", "--oracle", "--oracle-time-limit", "-1")
     assert p.returncode == 2 and "--oracle-time-limit must be > 0" in p.stderr
 
 
 def test_cli_column_and_json():
-    p = run_cli("sim", "--pp", "3", "--mb", "3", "--seeds", "2", "--hints", "1f1b,gpipe,bfw", "--oracle",
-                "--json", "-")
+    p = run_cli(
+        "sim",
+        "--pp",
+        "3",
+        "--mb",
+        "3",
+        "--seeds",
+        "2",
+        "--hints",
+        "1f1b,gpipe,bfw",
+        "--oracle",
+        "--json",
+        "-",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["oracle"]["solved"] == 2 and len(doc["oracle"]["seeds"]) == 2
@@ -211,7 +266,9 @@ def test_cli_column_and_json():
         if d["holds_budget"]:
             assert min(d["per_seed"]) >= 1 - 3 * 3 * 3 * 3 / SCALE
     rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
-    assert rows[("fixed", "gpipe")]["vs_optimum"]["holds_budget"] is False  # M = 3 in flight, limit 2 on stage 2
+    assert (
+        rows[("fixed", "gpipe")]["vs_optimum"]["holds_budget"] is False
+    )  # M = 3 in flight, limit 2 on stage 2
     assert rows[("ready", "bfw")]["vs_optimum"]["holds_budget"] is True
     assert "vs optimum" in p.stderr and "2 of 2 seeds solved to optimality" in p.stderr
     assert "x*" in p.stderr  # fixed gpipe is marked as over the budget
@@ -229,13 +286,33 @@ def test_unsplit_optimum_skips_split_hints():
 
 
 def test_cli_timed_out_seed_is_an_upper_limit():
-    p = run_cli("sim", "--pp", "4", "--mb", "16", "--seeds", "1", "--hints", "bfw", "--oracle",
-                "--oracle-time-limit", "0.2", "--json", "-")
+    p = run_cli(
+        "sim",
+        "--pp",
+        "4",
+        "--mb",
+        "16",
+        "--seeds",
+        "1",
+        "--hints",
+        "bfw",
+        "--oracle",
+        "--oracle-time-limit",
+        "0.2",
+        "--json",
+        "-",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    seed, = doc["oracle"]["seeds"]
-    assert not seed["optimal"] and seed["bound"] <= seed["makespan"] and doc["oracle"]["solved"] == 0
+    (seed,) = doc["oracle"]["seeds"]
+    assert (
+        not seed["optimal"] and seed["bound"] <= seed["makespan"] and doc["oracle"]["solved"] == 0
+    )
     for row in doc["rows"]:
         d = row["vs_optimum"]
-        assert d["upper_limit"] and d["per_seed"] == pytest.approx([row["makespans"][0] / seed["bound"]])
-    assert "<=" in p.stderr and "hit the 0.2 s limit" in p.stderr and "0 of 1 seeds solved" in p.stderr
+        assert d["upper_limit"] and d["per_seed"] == pytest.approx(
+            [row["makespans"][0] / seed["bound"]]
+        )
+    assert (
+        "<=" in p.stderr and "hit the 0.2 s limit" in p.stderr and "0 of 1 seeds solved" in p.stderr
+    )

@@ -2,6 +2,7 @@
 task at a time per rank over all its stages, the rank budget in chunks, never
 above a schedule any executor runs on the same durations, never below the
 lower bound, and its per-rank order replays in the simulator as solved."""
+
 import random
 from dataclasses import replace
 
@@ -41,8 +42,16 @@ def test_one_rank_holding_every_stage_is_never_idle():
     latency, though comm is 0.25), so the rank always has a task ready and the
     optimum is its total work; the budget of one microbatch is its two chunks."""
     d = [[[1.0, 2.0, 0.5], [1.5, 1.0, 0.25]], [[0.5, 1.0, 1.0], [2.0, 0.75, 0.5]]]
-    cfg = SimConfig(1, 2, budget=1, split=True, variability=Variability(comm=0.25), durations=d, virtual=2,
-                    placement="v")
+    cfg = SimConfig(
+        1,
+        2,
+        budget=1,
+        split=True,
+        variability=Variability(comm=0.25),
+        durations=d,
+        virtual=2,
+        placement="v",
+    )
     r = solve(cfg)
     assert r.optimal and r.status == "OPTIMAL"
     assert r.makespan == pytest.approx(12.0) and r.bound == pytest.approx(12.0)
@@ -51,13 +60,20 @@ def test_one_rank_holding_every_stage_is_never_idle():
 
 def v2_config(S: int, M: int, placement: str, budget: str, seed: int) -> SimConfig:
     """A case of the tables below: V = 2, lang durations, split backward."""
-    return SimConfig(S, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement)
+    return SimConfig(
+        S, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement
+    )
 
 
 def ready_runs(cfg):
     """Every ready row of the sweep on ``cfg``'s layout: bfw, the placement's classic order, plan."""
-    runs = [simulate(replace(cfg, hint=h, dispatch="ready", record=True)) for h in ("bfw", CLASSIC[cfg.placement])]
-    runs.append(simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0]))
+    runs = [
+        simulate(replace(cfg, hint=h, dispatch="ready", record=True))
+        for h in ("bfw", CLASSIC[cfg.placement])
+    ]
+    runs.append(
+        simulate(planned_config(replace(cfg, hint="plan", dispatch="ready", record=True))[0])
+    )
     return runs
 
 
@@ -82,16 +98,25 @@ def test_optimum_is_below_every_executor_and_holds_the_rank_budget(S, M, placeme
     assert r.optimal and r.status == "OPTIMAL", r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
     dur, lat_f, lat_b, _ = _durations(cfg)
-    assert r.makespan >= lower_bound(dur, lat_f, lat_b, True, [lay.rank_of(g) for g in range(S * 2)]) - 1e-9
+    assert (
+        r.makespan
+        >= lower_bound(dur, lat_f, lat_b, True, [lay.rank_of(g) for g in range(S * 2)]) - 1e-9
+    )
     # the per-rank order, run by fixed dispatch, takes what the solver said
-    assert all({s for s, _ in order} == set(lay.stages_of(rank)) for rank, order in enumerate(r.orders))
+    assert all(
+        {s for s, _ in order} == set(lay.stages_of(rank)) for rank, order in enumerate(r.orders)
+    )
     again = replay(cfg, r.orders, record=True)
     assert again.makespan == pytest.approx(r.makespan)
     assert holds_budget(cfg, again)
-    assert all(p <= cfg.budget.rank_limit(lay, rank).count for rank, p in enumerate(again.peak_inflight))
+    assert all(
+        p <= cfg.budget.rank_limit(lay, rank).count for rank, p in enumerate(again.peak_inflight)
+    )
     for spans in rank_spans(again):  # one task at a time on a rank, whichever of its stages
         assert all(b0 <= a1 + 1e-9 for (_, b0), (a1, _) in zip(spans, spans[1:]))
-    for sim in ready:  # ready dispatch holds the rank budget: every one is a schedule of this problem
+    for (
+        sim
+    ) in ready:  # ready dispatch holds the rank budget: every one is a schedule of this problem
         assert holds_budget(cfg, sim)
         assert r.makespan <= sim.makespan + tolerance(cfg), sim.config.hint.name
     fixed = simulate(replace(cfg, hint=CLASSIC[placement], dispatch="fixed"))
@@ -100,12 +125,18 @@ def test_optimum_is_below_every_executor_and_holds_the_rank_budget(S, M, placeme
 
 
 def test_unsplit_virtual_optimum_keeps_b_whole():
-    cfg = SimConfig(2, 4, budget="2x", variability=LANG, seed=0, split=False, virtual=2, placement="v")
-    hint = simulate(replace(cfg, hint="bfw", dispatch="ready", split=True, record=True))  # split: not usable
+    cfg = SimConfig(
+        2, 4, budget="2x", variability=LANG, seed=0, split=False, virtual=2, placement="v"
+    )
+    hint = simulate(
+        replace(cfg, hint="bfw", dispatch="ready", split=True, record=True)
+    )  # split: not usable
     r = solve(cfg, hints=[hint])
     assert r.optimal and all(t.kind is not Kind.W for order in r.orders for _, t in order)
     assert replay(cfg, r.orders).makespan == pytest.approx(r.makespan)
-    assert r.makespan <= simulate(replace(cfg, hint="zbv", dispatch="ready")).makespan + tolerance(cfg)
+    assert r.makespan <= simulate(replace(cfg, hint="zbv", dispatch="ready")).makespan + tolerance(
+        cfg
+    )
 
 
 def test_refuses_a_hint_of_another_layout():
@@ -127,8 +158,12 @@ def held_bytes_peaks(result, sizes):
             held.setdefault((s, t.mb), [a, b])[1] = b
     peaks = []
     for rank in range(lay.ranks):
-        events = sorted((x, d) for (s, m), (a, b) in held.items() if lay.rank_of(s) == rank
-                        for x, d in ((a, sizes[m]), (b, -sizes[m])))
+        events = sorted(
+            (x, d)
+            for (s, m), (a, b) in held.items()
+            if lay.rank_of(s) == rank
+            for x, d in ((a, sizes[m]), (b, -sizes[m]))
+        )
         now = peak = 0
         for _, d in events:
             now += d
@@ -146,12 +181,16 @@ BYTE_CASES = [  # (S, M, placement, budget, seed): chunks of 0.15..0.65 MiB, CP-
 
 
 @pytest.mark.parametrize("S,M,placement,budget,seed", BYTE_CASES)
-def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(S, M, placement, budget, seed):
+def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(
+    S, M, placement, budget, seed
+):
     """A byte budget at V = 2: the rank may hold up to the limit plus one chunk (rank_tracker), which
     the model allows; it still binds, and nothing the ready executor does is shorter."""
     cfg = v2_config(S, M, placement, budget, seed)
     limit, sizes = cfg.budget.bytes, _durations(cfg)[3]
-    assert max(sizes) <= limit  # so the relaxed rank limit below is the limit plus the largest chunk
+    assert (
+        max(sizes) <= limit
+    )  # so the relaxed rank limit below is the limit plus the largest chunk
     r = solve(cfg, time_limit=60)  # no hints: the optimum below the ready runs is the solver's own
     assert r.optimal and r.status == "OPTIMAL", r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
@@ -160,7 +199,9 @@ def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(S, M, pl
     again = replay(cfg, r.orders, record=True)
     assert again.makespan == pytest.approx(r.makespan)
     assert holds_budget(cfg, again)
-    assert max(held_bytes_peaks(again, sizes)) <= limit + max(sizes)  # the relaxed rank limit, V - 1 = 1 chunk
+    assert max(held_bytes_peaks(again, sizes)) <= limit + max(
+        sizes
+    )  # the relaxed rank limit, V - 1 = 1 chunk
     ready = ready_runs(cfg)
     for sim in ready:
         assert holds_budget(cfg, sim), sim.config.hint.name
@@ -170,7 +211,9 @@ def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(S, M, pl
     assert max(p for sim in ready for p in held_bytes_peaks(sim, sizes)) > limit
     for hint in ("bfw", CLASSIC[placement]):
         fixed = simulate(replace(cfg, hint=hint, dispatch="fixed", record=True))
-        if holds_budget(cfg, fixed):  # fixed dispatch ignores the budget: compare only where it held it
+        if holds_budget(
+            cfg, fixed
+        ):  # fixed dispatch ignores the budget: compare only where it held it
             assert r.makespan <= fixed.makespan + tolerance(cfg), hint
 
 
@@ -181,11 +224,22 @@ def test_ready_is_never_below_the_byte_optimum_over_a_seeded_sweep():
     for _ in range(8):
         M, placement = rng.choice([2, 3]), rng.choice(["v", "interleaved"])
         budget, seed = f"{rng.choice([384, 512, 768, 1024, 1536])}KiB", rng.randrange(10**4)
-        cfg = SimConfig(2, M, budget=budget, variability=LANG, seed=seed, split=True, virtual=2, placement=placement)
+        cfg = SimConfig(
+            2,
+            M,
+            budget=budget,
+            variability=LANG,
+            seed=seed,
+            split=True,
+            virtual=2,
+            placement=placement,
+        )
         r = solve(cfg, time_limit=20)
         assert r.status in ("OPTIMAL", "FEASIBLE"), (cfg, r)
-        runs = ready_runs(cfg) + [simulate(replace(cfg, hint=h, dispatch="fixed", record=True))
-                                  for h in ("bfw", CLASSIC[placement])]
+        runs = ready_runs(cfg) + [
+            simulate(replace(cfg, hint=h, dispatch="fixed", record=True))
+            for h in ("bfw", CLASSIC[placement])
+        ]
         for sim in runs:
             held = holds_budget(cfg, sim)
             assert held or sim.config.dispatch.value == "fixed", (cfg, sim.config.hint.name)

@@ -1,5 +1,6 @@
 """An output path a command cannot write is refused at its start with one line (exit 2), before the
 minutes of work it would otherwise lose; what it writes gets the usual file mode."""
+
 from __future__ import annotations
 
 import os
@@ -20,28 +21,77 @@ def _cases(blocked: Path):
     return [
         (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--json", str(bad)], "--json"),
         (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--trace", str(bad)], "--trace"),
-        (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--plot", str(bad.with_suffix(".png"))], "--plot"),
-        (["calibrate", "--config", str(ROOT / "configs/gpt-tiny.toml"), "--pp", "2", "--out", str(bad)], "--out"),
+        (
+            [
+                "sim",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--seeds",
+                "1",
+                "--plot",
+                str(bad.with_suffix(".png")),
+            ],
+            "--plot",
+        ),
+        (
+            [
+                "calibrate",
+                "--config",
+                str(ROOT / "configs/gpt-tiny.toml"),
+                "--pp",
+                "2",
+                "--out",
+                str(bad),
+            ],
+            "--out",
+        ),
         (["bench", "--quick", "--out", str(blocked / "results")], "--out"),
     ]
 
 
 @pytest.mark.parametrize("case", range(5))
 def test_an_unwritable_output_is_one_line_at_the_start(tmp_path, capsys, monkeypatch, case):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # calibrate sets it for its one process: not for later tests
+    monkeypatch.setenv(
+        "LOCAL_WORLD_SIZE", "1"
+    )  # calibrate sets it for its one process: not for later tests
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder\n")
     argv, flag = _cases(blocked)[case]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"rrfp: error: {flag} ") and "cannot write there" in err[0], err
+    assert (
+        len(err) == 1
+        and err[0].startswith(f"rrfp: error: {flag} ")
+        and "cannot write there" in err[0]
+    ), err
     assert f"{blocked} is a file, not a folder" in err[0] or "Not a directory" in err[0], err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing made, nothing half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a-file"
+    ]  # nothing made, nothing half-written
 
 
 def test_plot_refuses_an_unwritable_png(tmp_path, capsys):
     trace = tmp_path / "t.json"
-    assert main(["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--hints", "1f1b", "--trace", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--pp",
+                "2",
+                "--mb",
+                "2",
+                "--seeds",
+                "1",
+                "--hints",
+                "1f1b",
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     blocked = tmp_path / "a-file"
     blocked.write_text("x")
     assert main(["plot", str(trace), "--out", str(blocked / "x.png")]) == 2

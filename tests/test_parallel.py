@@ -1,6 +1,7 @@
 """TP and DP under readiness dispatch, on real gloo process groups: losses and
 gradients match the single-process reference, and TP ranks of a stage run the
 same task sequence even when their messages arrive skewed."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,27 +55,43 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
     async def main():
-        rt = PipelineRuntime.start(pp=pp, tp=tp, dp=dp, timeout_s=60, unit_ms=2.0 if skew else 0.0, virtual=virtual,
-                                   placement="v" if virtual == 2 else "interleaved")
+        rt = PipelineRuntime.start(
+            pp=pp,
+            tp=tp,
+            dp=dp,
+            timeout_s=60,
+            unit_ms=2.0 if skew else 0.0,
+            virtual=virtual,
+            placement="v" if virtual == 2 else "interleaved",
+        )
         if skew and rt.tp_rank == 1:
             rng = random.Random(rank)
             for channels in rt.rank_channels.stages.values():  # every stage's, with virtual stages
                 for name in ("fwd_in", "bwd_in"):
                     ch = getattr(channels, name)
                     if ch is not None:
-                        setattr(channels, name, DelayedChannel(ch, [rng.choice([0, 0.002, 0.01, 0.03])
-                                                                    for _ in range(17)]))
+                        setattr(
+                            channels,
+                            name,
+                            DelayedChannel(
+                                ch, [rng.choice([0, 0.002, 0.01, 0.03]) for _ in range(17)]
+                            ),
+                        )
         out = {}
         try:
             for ex, hint in configs:
                 torch.manual_seed(0)
                 full = GPT(model_cfg)
-                modules = [make_stage(full, s, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None)
-                           for s in rt.stages]
+                modules = [
+                    make_stage(
+                        full, s, rt.num_stages, tp_group=rt.tp_group if use_tp_layers else None
+                    )
+                    for s in rt.stages
+                ]
                 module = modules[0] if virtual == 1 else torch.nn.ModuleList(modules)
                 e = rt.stage_executor(modules, loss_fn, microbatches=M, dispatch=ex, hint=hint)
                 sync = rt.grad_sync(module, e)
-                mine = data[rt.dp_rank * M:(rt.dp_rank + 1) * M]
+                mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)
                 await sync.sync()
                 errs = {}
@@ -85,10 +102,14 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
 
                         want = full_grad_slice(n, want, rt.tp_rank, tp)
                     errs[n] = (p.grad - want).abs().max().item()
-                out[(ex, hint)] = {"grad_err": max(errs.values()), "order": [f"{t}@{s}" for s, t in res.ran],
-                                   "loss": res.loss, "coords": (rt.stage, rt.tp_rank, rt.dp_rank),
-                                   "rounds": e.agreement.rounds if e.agreement else 0,
-                                   "launched_early": sync.launched_early}
+                out[(ex, hint)] = {
+                    "grad_err": max(errs.values()),
+                    "order": [f"{t}@{s}" for s, t in res.ran],
+                    "loss": res.loss,
+                    "coords": (rt.stage, rt.tp_rank, rt.dp_rank),
+                    "rounds": e.agreement.rounds if e.agreement else 0,
+                    "launched_early": sync.launched_early,
+                }
         finally:
             await rt.aclose()
         return out, ref_loss.item()
@@ -101,13 +122,17 @@ def _check(results, pp, tp, dp, configs=CONFIGS):
         per_stage = {}
         for rank, (out, ref_loss) in results.items():
             r = out[cfg]
-            assert r["grad_err"] < 1e-10, f"{cfg} rank {rank} {r['coords']}: gradient differs by {r['grad_err']}"
+            assert r["grad_err"] < 1e-10, (
+                f"{cfg} rank {rank} {r['coords']}: gradient differs by {r['grad_err']}"
+            )
             stage, tp_rank, dp_rank = r["coords"]
             per_stage.setdefault((stage, dp_rank), []).append(r["order"])
             if r["loss"] is not None and dp == 1:
                 assert abs(r["loss"] - ref_loss) < 1e-12
         for key, orders in per_stage.items():
-            assert all(o == orders[0] for o in orders), f"{cfg} stage/replica {key}: TP ranks ran different orders"
+            assert all(o == orders[0] for o in orders), (
+                f"{cfg} stage/replica {key}: TP ranks ran different orders"
+            )
 
 
 @pytest.mark.timeout(300)
@@ -126,7 +151,9 @@ def test_tp2_pp2_replicated_agreement_under_skew():
     _check(results, 2, 2, 1)
     rounds = [out[("ready", "bfw")]["rounds"] for out, _ in results.values()]
     assert min(rounds) >= 3 * M, "every ready decision is agreed"
-    assert all(out[("fixed", "bfw")]["rounds"] == 0 for out, _ in results.values()), "fixed needs no agreement"
+    assert all(out[("fixed", "bfw")]["rounds"] == 0 for out, _ in results.values()), (
+        "fixed needs no agreement"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -140,7 +167,9 @@ def test_tp2_pp2_tensor_parallel_layers_under_skew():
 
 @pytest.mark.timeout(400)
 def test_tp2_pp2_dp2_matches_reference():
-    results = run_ranks(_parallel, 8, 2, 2, 2, [("ready", "bfw"), ("fixed", "bfw")], False, True, timeout=360)
+    results = run_ranks(
+        _parallel, 8, 2, 2, 2, [("ready", "bfw"), ("fixed", "bfw")], False, True, timeout=360
+    )
     for cfg in [("ready", "bfw"), ("fixed", "bfw")]:
         for rank, (out, _) in results.items():
             assert out[cfg]["grad_err"] < 1e-10, f"{cfg} rank {rank}: {out[cfg]['grad_err']}"

@@ -1,6 +1,7 @@
 """Pipeline training on real gloo process groups matches a single-process
 reference: losses and every gradient after one iteration, and losses over
 20 optimizer steps, for every executor and hint, at PP 2 and 4."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,15 @@ def _model_and_data():
     from models.data import DataConfig
     from models.gpt import GPTConfig
 
-    return (GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
-            DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40))
+    return (
+        GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
+        DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40),
+    )
 
 
-def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, preset="none", unit_ms=0.0):
+def _one_iteration(
+    rank, world, configs, budget="2x", plain_asyncio=False, preset="none", unit_ms=0.0
+):
     import torch
 
     from models.data import batches as make_batches
@@ -46,16 +51,32 @@ def _one_iteration(rank, world, configs, budget="2x", plain_asyncio=False, prese
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-                e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget=budget,
-                                variability=Variability.preset(preset), seed=0)
+                e = rt.stage_executor(
+                    module,
+                    loss_fn,
+                    microbatches=M,
+                    dispatch=ex,
+                    hint=hint,
+                    budget=budget,
+                    variability=Variability.preset(preset),
+                    seed=0,
+                )
                 assert e.agreement is None, "tp = 1 needs no TP agreement collective"
                 res = await e.run_iteration(0, batches)
-                diffs = [(n, (p.grad - ref_grads[n]).abs().max().item()) for n, p in module.named_parameters()]
+                diffs = [
+                    (n, (p.grad - ref_grads[n]).abs().max().item())
+                    for n, p in module.named_parameters()
+                ]
                 missing = [n for n, p in module.named_parameters() if p.grad is None]
                 assert not missing, missing
                 loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
-                out[(ex, hint)] = (max(d for _, d in diffs), loss_err, [str(t) for t in res.order],
-                                   res.stats.peak_inflight, e.limit.count)
+                out[(ex, hint)] = (
+                    max(d for _, d in diffs),
+                    loss_err,
+                    [str(t) for t in res.order],
+                    res.stats.peak_inflight,
+                    e.limit.count,
+                )
         finally:
             await rt.aclose()
         return out
@@ -80,7 +101,9 @@ def test_one_iteration_matches_reference(pp):
                 assert loss_err < 1e-12, f"{cfg}: loss differs by {loss_err}"
             assert len(order) == M * (3 if cfg[1] in ("zbh1", "bfw", "plan") else 2)
             if cfg[0] == "ready":
-                assert peak <= limit == 2 * (pp - rank), f"{cfg} rank {rank}: in-flight {peak} > {limit}"
+                assert peak <= limit == 2 * (pp - rank), (
+                    f"{cfg} rank {rank}: in-flight {peak} > {limit}"
+                )
     # the fixed executor runs exactly the hint's order (a plan's order is made per iteration)
     from rrfp.core.hints import default_split, resolve
 
@@ -122,9 +145,21 @@ def _twenty_steps(rank, world, configs):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for ex, hint in configs:
         # a plan needs task costs: emulated time (0.1 ms units) here, as rrfp train refuses one in real time
-        cfg = TrainConfig(RunConfig(pp=world, microbatches=M, steps=steps, dispatch=ex, hint=hint, lr=lr,
-                                    seed=0, timeout_s=60, unit_ms=0.1 if hint == "plan" else 0.0),
-                          model_cfg, data_cfg)
+        cfg = TrainConfig(
+            RunConfig(
+                pp=world,
+                microbatches=M,
+                steps=steps,
+                dispatch=ex,
+                hint=hint,
+                lr=lr,
+                seed=0,
+                timeout_s=60,
+                unit_ms=0.1 if hint == "plan" else 0.0,
+            ),
+            model_cfg,
+            data_cfg,
+        )
         out[(ex, hint)] = run(stage_main(cfg)).losses
         assert dist.is_initialized(), "stage_main destroyed a process group it did not create"
     dist.destroy_process_group()
@@ -187,7 +222,9 @@ def test_runtime_context_closes_on_error():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("pp", [4])  # pp = 2 is in every other pipeline test; this one is about drift over steps
+@pytest.mark.parametrize(
+    "pp", [4]
+)  # pp = 2 is in every other pipeline test; this one is about drift over steps
 def test_twenty_steps_match_reference(pp):
     results = run_ranks(_twenty_steps, pp, CONFIGS, timeout=360)
     ref, runs = results[0]
@@ -213,7 +250,13 @@ def test_byte_budget_runs_each_microbatch_alone():
 def test_variable_timing_reorders_tasks_but_not_results():
     """Emulated lang durations (stragglers, long microbatches) make the ready
     executor leave the nominal order; results must not move."""
-    cfgs = [("ready", "bfw"), ("ready", "bf"), ("fixed", "1f1b"), ("ready", "plan"), ("fixed", "plan")]
+    cfgs = [
+        ("ready", "bfw"),
+        ("ready", "bf"),
+        ("fixed", "1f1b"),
+        ("ready", "plan"),
+        ("fixed", "plan"),
+    ]
     results = run_ranks(_one_iteration, 4, cfgs, "2x", False, "lang", 3.0, timeout=100)
     from rrfp.core.hints import resolve
 

@@ -2,6 +2,7 @@
 PipelineStage-wrapped chunks, model and data give the same losses, gradients and outputs, and
 both match a single-process reference; microbatches of different lengths run through
 ScheduleReady, where torch's schedule refuses them."""
+
 from __future__ import annotations
 
 import copy
@@ -44,7 +45,9 @@ def loss_fn(logits, target):
 
 def batch(seed: int, length: int, rows: int = BATCH * M):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (rows, length), generator=g), torch.randint(0, VOCAB, (rows, length), generator=g)
+    return torch.randint(0, VOCAB, (rows, length), generator=g), torch.randint(
+        0, VOCAB, (rows, length), generator=g
+    )
 
 
 def reference_grads(model, chunk_index: int, mbs) -> tuple[list[float], dict]:
@@ -52,7 +55,9 @@ def reference_grads(model, chunk_index: int, mbs) -> tuple[list[float], dict]:
     model.zero_grad()
     losses = [loss_fn(model(x), y) for x, y in mbs]
     (sum(losses) / len(losses)).backward()
-    return [l.item() for l in losses], {n: p.grad.clone() for n, p in model[chunk_index].named_parameters()}
+    return [l.item() for l in losses], {
+        n: p.grad.clone() for n, p in model[chunk_index].named_parameters()
+    }
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -89,10 +94,20 @@ def _parity(rank, world):
             after_one = grads_of(chunks[name])
             # a second step without zero_grad: torch divides the whole accumulated .grad by M
             schedule.step(*((x2,) if first else ()), target=y2 if last else None, **kwargs)
-            after_two = grads_of(chunks[name])  # before eval: torch's eval divides .grad by M once more
-            evaluated = schedule.eval(*args, target=y if last else None, losses=eval_losses, **kwargs)
-            out[name] = dict(losses=[l.item() for l in losses], grads1=after_one, grads2=after_two,
-                             merged=merged, eval_losses=[l.item() for l in eval_losses], evaluated=evaluated)
+            after_two = grads_of(
+                chunks[name]
+            )  # before eval: torch's eval divides .grad by M once more
+            evaluated = schedule.eval(
+                *args, target=y if last else None, losses=eval_losses, **kwargs
+            )
+            out[name] = dict(
+                losses=[l.item() for l in losses],
+                grads1=after_one,
+                grads2=after_two,
+                merged=merged,
+                eval_losses=[l.item() for l in eval_losses],
+                evaluated=evaluated,
+            )
             if name == "rrfp":
                 out["bubble"] = schedule.last_result.stats.bubble
                 schedule.close()
@@ -100,20 +115,33 @@ def _parity(rank, world):
         dist.destroy_process_group()
     scaled = copy.deepcopy(model)
     scaled[0].embed.weight.data.mul_(0.5)  # the scale kwarg, folded into a plain reference
-    ref_losses, ref = reference_grads(scaled, rank, [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
-                                                      for i in range(M)])
+    ref_losses, ref = reference_grads(
+        scaled,
+        rank,
+        [(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(M)],
+    )
     t, r = out["torch"], out["rrfp"]
-    result = dict(grad1=max_diff(t["grads1"], r["grads1"]), grad2=max_diff(t["grads2"], r["grads2"]),
-                  names=sorted(r["grads1"]), bubble=out["bubble"])
-    if rank == 0:  # the reference's embedding gradient is for the scaled weight: chain rule by the scale
+    result = dict(
+        grad1=max_diff(t["grads1"], r["grads1"]),
+        grad2=max_diff(t["grads2"], r["grads2"]),
+        names=sorted(r["grads1"]),
+        bubble=out["bubble"],
+    )
+    if (
+        rank == 0
+    ):  # the reference's embedding gradient is for the scaled weight: chain rule by the scale
         ref = {k: v * (0.5 if k == "embed.weight" else 1.0) for k, v in ref.items()}
     result["ref"] = max_diff(ref, r["grads1"])
     if last:
-        result.update(n_losses=len(r["losses"]), loss=max(abs(a - b) for a, b in zip(t["losses"], r["losses"])),
-                      ref_loss=max(abs(a - b) for a, b in zip(ref_losses, r["losses"])),
-                      eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
-                      merged=(t["merged"] - r["merged"]).abs().max().item(), shape=tuple(r["merged"].shape),
-                      evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item())
+        result.update(
+            n_losses=len(r["losses"]),
+            loss=max(abs(a - b) for a, b in zip(t["losses"], r["losses"])),
+            ref_loss=max(abs(a - b) for a, b in zip(ref_losses, r["losses"])),
+            eval_loss=max(abs(a - b) for a, b in zip(t["eval_losses"], r["eval_losses"])),
+            merged=(t["merged"] - r["merged"]).abs().max().item(),
+            shape=tuple(r["merged"].shape),
+            evaluated=(t["evaluated"] - r["evaluated"]).abs().max().item(),
+        )
     else:
         result.update(merged=r["merged"], losses=r["losses"])
     return result
@@ -129,7 +157,11 @@ def test_losses_gradients_and_outputs_equal_torch_1f1b(world):
     last = results[world - 1]
     assert last["n_losses"] == M
     assert last["loss"] < 1e-12 and last["ref_loss"] < 1e-12 and last["eval_loss"] < 1e-12, last
-    assert last["merged"] < 1e-12 and last["evaluated"] < 1e-12 and last["shape"] == (BATCH * M, 5, VOCAB), last
+    assert (
+        last["merged"] < 1e-12
+        and last["evaluated"] < 1e-12
+        and last["shape"] == (BATCH * M, 5, VOCAB)
+    ), last
     for rank in range(world - 1):  # only the last stage returns an output and losses, as torch's
         assert results[rank]["merged"] is None and results[rank]["losses"] == []
     assert all(0.0 <= res["bubble"] < 1.0 for res in results.values())
@@ -152,24 +184,33 @@ def _variable_lengths(rank, world, csv_path):
     model, mbs = _variable_length_data(world)
     chunk = copy.deepcopy(model[rank])
     try:
-        with ScheduleReady(PipelineStage(chunk, rank, world, torch.device("cpu")), M, loss_fn=loss_fn) as schedule:
+        with ScheduleReady(
+            PipelineStage(chunk, rank, world, torch.device("cpu")), M, loss_fn=loss_fn
+        ) as schedule:
             losses = []
-            merged = schedule.step(arg_mbs=[(x,) for x, _ in mbs] if first else None,
-                                   target_mbs=[y for _, y in mbs] if last else None, losses=losses)
+            merged = schedule.step(
+                arg_mbs=[(x,) for x, _ in mbs] if first else None,
+                target_mbs=[y for _, y in mbs] if last else None,
+                losses=losses,
+            )
         # torch's schedule CSV as the hint, followed exactly under fixed dispatch
         stage = PipelineStage(copy.deepcopy(model[rank]), rank, world, torch.device("cpu"))
         with ScheduleReady(stage, M, loss_fn=loss_fn, dispatch="fixed") as schedule:
             schedule._load_csv(csv_path)
-            schedule.step(arg_mbs=[(x,) for x, _ in mbs] if first else None,
-                          target_mbs=[y for _, y in mbs] if last else None)
+            schedule.step(
+                arg_mbs=[(x,) for x, _ in mbs] if first else None,
+                target_mbs=[y for _, y in mbs] if last else None,
+            )
             csv_order = [str(t) for t in schedule.last_result.order]
     finally:
         dist.destroy_process_group()
     ref_losses, ref = reference_grads(model, rank, mbs)
     res = dict(ref=max_diff(ref, grads_of(chunk)), csv_order=csv_order)
     if last:
-        res.update(loss=max(abs(a - b.item()) for a, b in zip(ref_losses, losses)),
-                   merged=[tuple(o.shape) for o in merged])  # shapes: tensors would need the child alive
+        res.update(
+            loss=max(abs(a - b.item()) for a, b in zip(ref_losses, losses)),
+            merged=[tuple(o.shape) for o in merged],
+        )  # shapes: tensors would need the child alive
     return res
 
 
@@ -186,7 +227,11 @@ def _torch_variable_lengths(rank, world):
     model, mbs = _variable_length_data(world)
     stage = PipelineStage(model[rank], rank, world, torch.device("cpu"))
     Schedule1F1B(stage, M, loss_fn=loss_fn)._step_microbatches(
-        [(x,) for x, _ in mbs] if rank == 0 else None, None, [y for _, y in mbs] if rank == world - 1 else None, [])
+        [(x,) for x, _ in mbs] if rank == 0 else None,
+        None,
+        [y for _, y in mbs] if rank == world - 1 else None,
+        [],
+    )
     dist.destroy_process_group()
     return "ran"
 
@@ -210,7 +255,9 @@ def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd, t
 
 # -- what is not supported says so; torch's schedule CSV read as a hint ---------------------------
 
-ONE_F_ONE_B_CSV = "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"  # torch's compute_only
+ONE_F_ONE_B_CSV = (
+    "0F0,0F1,,0B0,0F2,0B1,0F3,0B2,,0B3\n,1F0,1B0,1F1,1B1,1F2,1B2,1F3,1B3\n"  # torch's compute_only
+)
 
 
 def test_non_stages_are_refused():
@@ -219,10 +266,15 @@ def test_non_stages_are_refused():
 
     with pytest.raises(ValueError, match="at least one PipelineStage, got an empty list"):
         ScheduleReady([], M)
-    with pytest.raises(TypeError, match=r"takes a torch.distributed.pipelining PipelineStage \(or a list of them\), "
-                                        r"got object"):
+    with pytest.raises(
+        TypeError,
+        match=r"takes a torch.distributed.pipelining PipelineStage \(or a list of them\), "
+        r"got object",
+    ):
         ScheduleReady([object(), object()], M)
-    with pytest.raises(TypeError, match="takes a torch.distributed.pipelining PipelineStage.*got Linear"):
+    with pytest.raises(
+        TypeError, match="takes a torch.distributed.pipelining PipelineStage.*got Linear"
+    ):
         ScheduleReady(nn.Linear(2, 2), M)
     with pytest.raises(NotImplementedError, match="custom functions"):
         ScheduleReady.register_custom_function(None, "F", print)
@@ -244,21 +296,25 @@ def test_torch_csv_reads_as_the_stage_order(tmp_path):
         validate(order, M, False)
         # each cell as torch itself parses it
         actions = [_Action.from_str(c) for c in row.split(",") if c]
-        assert [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions] == \
-            [(s, t.kind.name, t.mb) for t in order]
+        assert [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in actions] == [
+            (s, t.kind.name, t.mb) for t in order
+        ]
     assert hint.fn(2, 1, M, False)[:2] == [Task(Kind.F, 0), Task(Kind.B, 0)]
     path.write_text("0F0,0I0,0W0\n")
     hint, split = read_torch_csv(path)
     assert split and hint.fn(1, 0, 1, True) == [Task(Kind.F, 0), Task(Kind.B, 0), Task(Kind.W, 0)]
 
 
-@pytest.mark.parametrize("text, error", [
-    ("0F0,0SEND_F0,1RECV_F0\n", "'0SEND_F0' is an action rrfp runs itself"),
-    ("0F0,0UNSHARD\n", "'0UNSHARD' is an action rrfp runs itself"),
-    ("0F0,bogus\n", "'bogus' is not an action"),
-    ("0F0,0B0,0I1,0W1\n", "mixes full backwards"),
-    ("\n", "no actions"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("0F0,0SEND_F0,1RECV_F0\n", "'0SEND_F0' is an action rrfp runs itself"),
+        ("0F0,0UNSHARD\n", "'0UNSHARD' is an action rrfp runs itself"),
+        ("0F0,bogus\n", "'bogus' is not an action"),
+        ("0F0,0B0,0I1,0W1\n", "mixes full backwards"),
+        ("\n", "no actions"),
+    ],
+)
 def test_torch_csv_refuses_what_rrfp_cannot_follow(tmp_path, text, error):
     from rrfp.core.hints import HintError
     from rrfp.pipelining import read_torch_csv
@@ -279,9 +335,22 @@ def test_the_example_prints_equal_losses_under_torchrun():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "examples/torch_pipelining.py"], cwd=root, capture_output=True, text=True, timeout=170,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "examples/torch_pipelining.py",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = re.findall(r"^\s*\d+\s+(\d+\.\d+)\s+(\d+\.\d+)$", p.stdout, re.M)
     assert len(rows) == 3 and all(a == b for a, b in rows), p.stdout

@@ -1,6 +1,7 @@
 """ScheduleReady takes split= and cost= as stage_executor does: split=False runs no W task under a
 hint that splits by default; with a cost model a step without cost_features is one clear error on
 every rank, and with them it runs. Real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,17 +34,25 @@ def _rank(rank, world):
     out = {}
     try:
         for split in (True, False):
-            with ScheduleReady(stage, M, loss_fn=loss_fn, hint="bfw", split=split, timeout_s=30) as schedule:
+            with ScheduleReady(
+                stage, M, loss_fn=loss_fn, hint="bfw", split=split, timeout_s=30
+            ) as schedule:
                 schedule.step(x) if rank == 0 else schedule.step(target=y)
                 out[split] = {t.kind for t in schedule.last_result.order}
-        with ScheduleReady(stage, M, loss_fn=loss_fn, hint="plan", cost=cost, timeout_s=30) as schedule:
+        with ScheduleReady(
+            stage, M, loss_fn=loss_fn, hint="plan", cost=cost, timeout_s=30
+        ) as schedule:
             try:
                 schedule.step(x) if rank == 0 else schedule.step(target=y)
             except ValueError as e:
                 out["no features"] = str(e)
-            schedule.step(x, cost_features=feats) if rank == 0 else schedule.step(target=y, cost_features=feats)
+            schedule.step(x, cost_features=feats) if rank == 0 else schedule.step(
+                target=y, cost_features=feats
+            )
             out["planned"] = schedule.last_result.plan is not None
-        return {k: (sorted(int(t) for t in v) if isinstance(v, set) else v) for k, v in out.items()}, int(Kind.W)
+        return {
+            k: (sorted(int(t) for t in v) if isinstance(v, set) else v) for k, v in out.items()
+        }, int(Kind.W)
     finally:
         dist.destroy_process_group()
 
@@ -52,5 +61,7 @@ def _rank(rank, world):
 def test_schedule_ready_takes_split_and_cost():
     for rank, (out, w) in run_ranks(_rank, 2, timeout=110).items():
         assert w in out[True] and w not in out[False], (rank, out)
-        assert "cost_features" in out["no features"] and "\n" not in out["no features"], out["no features"]
+        assert "cost_features" in out["no features"] and "\n" not in out["no features"], out[
+            "no features"
+        ]
         assert out["planned"], rank

@@ -1,11 +1,22 @@
 """Virtual stage placement: which global stages each rank holds."""
+
 import pytest
 
 from rrfp.core.placement import Placement, VirtualLayout
 
 
-@pytest.mark.parametrize("S,V,placement", [(1, 1, "interleaved"), (4, 1, "interleaved"), (4, 2, "interleaved"),
-                                           (3, 3, "interleaved"), (4, 2, "v"), (1, 2, "v"), (8, 2, "v")])
+@pytest.mark.parametrize(
+    "S,V,placement",
+    [
+        (1, 1, "interleaved"),
+        (4, 1, "interleaved"),
+        (4, 2, "interleaved"),
+        (3, 3, "interleaved"),
+        (4, 2, "v"),
+        (1, 2, "v"),
+        (8, 2, "v"),
+    ],
+)
 def test_stages_partition_and_rank_of_inverts(S, V, placement):
     lay = VirtualLayout(S, V, placement)
     held = [s for r in range(S) for s in lay.stages_of(r)]

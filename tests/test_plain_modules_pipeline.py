@@ -6,6 +6,7 @@ before issue 15) and an int mask. Ready BFW and ready ZB-H1 split the backward;
 fixed 1F1B does not. Every gradient of the first step, and every parameter after
 three AdamW steps, must equal a single-process run of the same model and data.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,12 @@ class ConvStage(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv, self.lin, self.norm, self.side = nn.Conv1d(D, D, 3, padding=1), nn.Linear(D, D), nn.LayerNorm(D), nn.Linear(D, D)
+        self.conv, self.lin, self.norm, self.side = (
+            nn.Conv1d(D, D, 3, padding=1),
+            nn.Linear(D, D),
+            nn.LayerNorm(D),
+            nn.Linear(D, D),
+        )
 
     def forward(self, x):
         h2 = self.norm(torch.relu(self.lin(self.conv(x.transpose(1, 2)).transpose(1, 2))))
@@ -35,7 +41,9 @@ class EncoderStage(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc = nn.TransformerEncoderLayer(D, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoderLayer(
+            D, 2, dim_feedforward=16, dropout=0.0, batch_first=True
+        )
 
     def forward(self, inputs):
         h, side, mask, nothing = inputs
@@ -87,8 +95,13 @@ def run_reference(full: nn.Sequential, stages: list[nn.Module], data, opt) -> No
 
 def batches(step: int):
     g = torch.Generator().manual_seed(100 + step)
-    return [(torch.randn(BATCH, T, D, generator=g, dtype=torch.float64),
-             torch.randn(BATCH, T, 2, generator=g, dtype=torch.float64)) for _ in range(M)]
+    return [
+        (
+            torch.randn(BATCH, T, D, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, T, 2, generator=g, dtype=torch.float64),
+        )
+        for _ in range(M)
+    ]
 
 
 def _ranks(rank, world):
@@ -114,16 +127,23 @@ def _ranks(rank, world):
             for dispatch, hint in CONFIGS:
                 chunk = build()[rank]
                 opt = torch.optim.AdamW(chunk.parameters(), lr=1e-2)
-                ex = rt.stage_executor(chunk, nn.functional.mse_loss, microbatches=M, dispatch=dispatch, hint=hint)
+                ex = rt.stage_executor(
+                    chunk, nn.functional.mse_loss, microbatches=M, dispatch=dispatch, hint=hint
+                )
                 grad_err = None
                 for step in range(STEPS):
                     opt.zero_grad()
                     res = await ex.run_iteration(step, batches(step))
                     if step == 0:
-                        grad_err = max((p.grad - first_grads[n]).abs().max().item() for n, p in chunk.named_parameters())
+                        grad_err = max(
+                            (p.grad - first_grads[n]).abs().max().item()
+                            for n, p in chunk.named_parameters()
+                        )
                         splits = sum(t.kind.name == "W" for t in res.order)
                     opt.step()
-                param_err = max((p.detach() - final[n]).abs().max().item() for n, p in chunk.named_parameters())
+                param_err = max(
+                    (p.detach() - final[n]).abs().max().item() for n, p in chunk.named_parameters()
+                )
                 out[(dispatch, hint)] = (grad_err, param_err, splits, ex.worker.split_summary())
         return out
 
@@ -135,8 +155,10 @@ def test_four_plain_stages_with_derived_outputs_match_one_process():
     results = run_ranks(_ranks, 4, timeout=200)
     for rank, out in sorted(results.items()):
         for (dispatch, hint), (grad_err, param_err, splits, summary) in out.items():
-            print(f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, "
-                  f"max |param diff| after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}")
+            print(
+                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, "
+                f"max |param diff| after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}"
+            )
             assert grad_err < 1e-10, (rank, dispatch, hint, grad_err)
             assert param_err < 1e-10, (rank, dispatch, hint, param_err)
             assert splits == (M if hint in ("bfw", "zbh1") else 0), (rank, hint, splits)

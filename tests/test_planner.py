@@ -1,5 +1,6 @@
 """The planned hint: a valid order on every stage, never deadlocks, and never worse
 than plain BFW on the durations it was planned for."""
+
 from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
@@ -14,10 +15,17 @@ from rrfp.sim.planning import planned_config
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(S=st.integers(1, 6), M=st.integers(1, 16), preset=st.sampled_from(["lang", "mm", "jitter"]),
-       seed=st.integers(0, 10_000), budget=st.sampled_from(["1x", "2x", "3"]),
-       dispatch=st.sampled_from(["ready", "fixed"]))
-def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(S, M, preset, seed, budget, dispatch):
+@given(
+    S=st.integers(1, 6),
+    M=st.integers(1, 16),
+    preset=st.sampled_from(["lang", "mm", "jitter"]),
+    seed=st.integers(0, 10_000),
+    budget=st.sampled_from(["1x", "2x", "3"]),
+    dispatch=st.sampled_from(["ready", "fixed"]),
+)
+def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(
+    S, M, preset, seed, budget, dispatch
+):
     cfg = SimConfig(S, M, resolve("plan"), dispatch, budget, Variability.preset(preset), seed=seed)
     planned, made = planned_config(cfg)
     if dispatch == "fixed":  # plan, then replay: on the predicted durations the replay is the plan
@@ -30,7 +38,9 @@ def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(S, M, pre
     assert made.predicted_makespan <= made.bfw_makespan + 1e-9
     seen = known(cfg.variability)
     bfw = simulate(replace(cfg, hint=resolve("bfw"), dispatch="ready", variability=seen)).makespan
-    assert abs(made.bfw_makespan - bfw) < 1e-9, "the first candidate is plain BFW (scored under ready dispatch)"
+    assert abs(made.bfw_makespan - bfw) < 1e-9, (
+        "the first candidate is plain BFW (scored under ready dispatch)"
+    )
     simulate(planned)  # the real durations (jitter, stragglers): runs to the end, no deadlock
 
 
@@ -46,7 +56,7 @@ def test_candidates_start_plain_then_put_long_microbatches_in_the_middle():
     for order in cands[1:]:  # a pyramid: costs rise to the peak, then fall
         c = cost[list(order)]
         top = int(np.argmax(c))
-        assert all(np.diff(c[:top + 1]) > 0) and all(np.diff(c[top:]) < 0), order
+        assert all(np.diff(c[: top + 1]) > 0) and all(np.diff(c[top:]) < 0), order
     hint = Hint("plan", entry_order_hint((2, 0, 1)), is_class=True)
     assert [str(t) for t in hint.fn(2, 0, 3, True)][:3] == ["B2", "B0", "B1"]
 
@@ -56,8 +66,25 @@ def test_sim_shows_the_planned_row_with_its_planning_time():
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, "-m", "rrfp", "sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--json", "-"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rrfp",
+            "sim",
+            "--pp",
+            "4",
+            "--mb",
+            "8",
+            "--seeds",
+            "2",
+            "--json",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     rows = {(r["executor"], r["hint"]): r for r in json.loads(p.stdout)["rows"]}
     assert rows[("ready", "plan")]["median_plan_ms"] > 0 and "plan" in p.stderr
@@ -76,14 +103,46 @@ def test_train_plans_each_step_one_ahead_and_matches_bfw_losses():
 
     def train(hint: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rrfp",
-             "train", "--config", "configs/gpt-tiny.toml", "--set", "pp=2", "--set", f"hint={hint}",
-             "--set", "preset=lang", "--set", "unit_ms=2", "--set", "steps=4", "--set", "log_every=1",
-             "--set", "model.n_layer=2"],
-            cwd=root, capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "rrfp",
+                "train",
+                "--config",
+                "configs/gpt-tiny.toml",
+                "--set",
+                "pp=2",
+                "--set",
+                f"hint={hint}",
+                "--set",
+                "preset=lang",
+                "--set",
+                "unit_ms=2",
+                "--set",
+                "steps=4",
+                "--set",
+                "log_every=1",
+                "--set",
+                "model.n_layer=2",
+            ],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=170,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     planned, plain = train("plan"), train("bfw")
-    assert planned.returncode == 0 and plain.returncode == 0, planned.stderr[-2000:] + plain.stderr[-2000:]
+    assert planned.returncode == 0 and plain.returncode == 0, (
+        planned.stderr[-2000:] + plain.stderr[-2000:]
+    )
     assert re.search(r"plan: \d+\.\d ms per step", planned.stdout), planned.stdout
-    losses = [[float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)] for p in (planned, plain)]
+    losses = [
+        [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)] for p in (planned, plain)
+    ]
     assert len(losses[0]) == 5 and losses[0] == losses[1], losses  # 4 steps and the done line

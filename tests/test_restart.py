@@ -7,6 +7,7 @@ optimizer and RNG state equal those of a run that was never interrupted.
 The command is the README's (section Checkpoints), with the fault standing in
 for ``kill -9``.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,20 +20,52 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILLED_IN = 6, 3
-SETS = ["model.n_layer=2", "model.n_embd=32", "model.block_size=64", "data.min_seq_len=16", "data.max_seq_len=64",
-        "microbatches=4", "model.dropout=0.1", f"steps={STEPS}", "checkpoint_every=1", "resume=auto",
-        "timeout_s=30"]
+SETS = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.block_size=64",
+    "data.min_seq_len=16",
+    "data.max_seq_len=64",
+    "microbatches=4",
+    "model.dropout=0.1",
+    f"steps={STEPS}",
+    "checkpoint_every=1",
+    "resume=auto",
+    "timeout_s=30",
+]
 
 
 def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_",
-                                                                    "TORCHELASTIC", "RRFP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
+    }
     env.update(OMP_NUM_THREADS="1")
     sets = [*SETS, f"checkpoint_dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}", *extra]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "1", "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml",
-                           *[a for s in sets for a in ("--set", s)]],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "rrfp",
+            "train",
+            "--config",
+            "configs/gpt-tiny.toml",
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
 
 
 def losses(stdout: str) -> dict[int, str]:
@@ -67,13 +100,28 @@ def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
     assert "injecting fault kill" in broken.stderr, "the rank was never killed"
     resumed = f"resume: from {tmp_path / 'broken' / 'ck' / f'step-{KILLED_IN - 1:08d}'} (step {KILLED_IN - 1} of {STEPS})"
     assert resumed in broken.stdout, broken.stdout
-    assert f"done: {STEPS - KILLED_IN + 1} steps after step {KILLED_IN - 1}" in broken.stdout, broken.stdout
+    assert f"done: {STEPS - KILLED_IN + 1} steps after step {KILLED_IN - 1}" in broken.stdout, (
+        broken.stdout
+    )
     # every step printed once, from the first attempt (1, 2) or the restarted one (3..6), as the unbroken run
-    assert losses(whole.stdout) == losses(broken.stdout) and len(losses(whole.stdout)) == STEPS, \
-        (whole.stdout, broken.stdout)
-    a, b = dict(_flat(final_state(tmp_path / "whole" / "ck"))), dict(_flat(final_state(tmp_path / "broken" / "ck")))
-    assert a.keys() == b.keys() and any(".optim.state." in k for k in a) and any(".rng" in k for k in a)
+    assert losses(whole.stdout) == losses(broken.stdout) and len(losses(whole.stdout)) == STEPS, (
+        whole.stdout,
+        broken.stdout,
+    )
+    a, b = (
+        dict(_flat(final_state(tmp_path / "whole" / "ck"))),
+        dict(_flat(final_state(tmp_path / "broken" / "ck"))),
+    )
+    assert (
+        a.keys() == b.keys()
+        and any(".optim.state." in k for k in a)
+        and any(".rng" in k for k in a)
+    )
     import torch
 
-    differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+    differ = [
+        k
+        for k in a
+        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+    ]
     assert not differ, f"the restarted run's final state differs in {differ[:5]}"

@@ -1,6 +1,7 @@
 """StageExecutor.run_eval: a forward-only iteration on real gloo ranks gives the last stage's losses of
 one process on the same model and data (float64), runs no backward task, leaves every gradient alone,
 and a training iteration after it still runs on the same channels."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,13 @@ def _data():
     import torch
 
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(2, D, generator=g, dtype=torch.float64), torch.randn(2, D, generator=g, dtype=torch.float64))
-            for _ in range(M)]
+    return [
+        (
+            torch.randn(2, D, generator=g, dtype=torch.float64),
+            torch.randn(2, D, generator=g, dtype=torch.float64),
+        )
+        for _ in range(M)
+    ]
 
 
 def _loss(out, y):
@@ -36,7 +42,7 @@ def _eval_rank(rank, world):
     import rrfp
     from rrfp.core.tasks import Kind
 
-    stage = _model()[2 * rank: 2 * rank + 2]
+    stage = _model()[2 * rank : 2 * rank + 2]
     batches = _data()
 
     async def main():
@@ -45,8 +51,14 @@ def _eval_rank(rank, world):
             result = await ex.run_eval(0, batches)
             untouched = all(p.grad is None for p in stage.parameters())
             trained = await ex.run_iteration(1, batches)
-            return (result.losses, {t.kind for t in result.order}, len(result.order), untouched, trained.losses,
-                    {int(Kind.F)} == {int(t.kind) for t in result.order})
+            return (
+                result.losses,
+                {t.kind for t in result.order},
+                len(result.order),
+                untouched,
+                trained.losses,
+                {int(Kind.F)} == {int(t.kind) for t in result.order},
+            )
 
     return asyncio.run(main())
 

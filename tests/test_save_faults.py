@@ -4,6 +4,7 @@ a save is bounded, and a blocking collective left waiting on the stopped peer
 (DCP's save, in a thread) does not hold the survivor's exit. Plain processes
 (rank_procs.py), 2 ranks; rank 0 holds the rendezvous store, so a stopped rank 0
 is named as the store that stopped answering."""
+
 from __future__ import annotations
 
 import re
@@ -23,21 +24,37 @@ SLACK_S = 12  # a loaded 2-core machine
 def test_a_rank_stopped_in_a_save_is_named_within_the_timeout(tmp_path, phase, victim):
     world, survivor = 2, 1 - victim
     fault = f"stop:step=2:rank={victim}:during={phase}"
-    ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"timeout_s={TIMEOUT_S}", f"fault={fault}",
-                                             f"checkpoint_dir={tmp_path / 'ck'}", "checkpoint_every=1"))
+    ranks = RankProcs(
+        tmp_path,
+        world,
+        _args(
+            tmp_path,
+            world,
+            f"timeout_s={TIMEOUT_S}",
+            f"fault={fault}",
+            f"checkpoint_dir={tmp_path / 'ck'}",
+            "checkpoint_every=1",
+        ),
+    )
     try:
         what = "write" if phase == "save" else "commit"
-        _wait_for_fault(ranks, victim, f"step 2 during the checkpoint {what}: injecting fault {fault}")
+        _wait_for_fault(
+            ranks, victim, f"step 2 during the checkpoint {what}: injecting fault {fault}"
+        )
         t0 = time.monotonic()
         ended = ranks.wait([survivor], TIMEOUT_S + SLACK_S)
-        assert survivor in ended, f"rank {survivor} still running {TIMEOUT_S + SLACK_S} s after the stop\n" \
-                                  f"{ranks.tails()}"
+        assert survivor in ended, (
+            f"rank {survivor} still running {TIMEOUT_S + SLACK_S} s after the stop\n{ranks.tails()}"
+        )
         took = time.monotonic() - t0
         assert ranks.procs[survivor].returncode == 1, ranks.tails()
         lines = ranks.error_lines(survivor)
         assert len(lines) == 1 and "Traceback" not in ranks.err(survivor), ranks.err(survivor)
-        named = (rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {TIMEOUT_S}\)" if victim == 1
-                 else rf"\(in rank 0's process\) stopped answering: .* rank 0 is stopped, hung or gone")
+        named = (
+            rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {TIMEOUT_S}\)"
+            if victim == 1
+            else rf"\(in rank 0's process\) stopped answering: .* rank 0 is stopped, hung or gone"
+        )
         assert re.search(named, lines[0]), lines[0]
         assert took > TIMEOUT_S / 2, f"named after {took:.1f} s, before the deadline could pass"
         print(f"{fault}: rank {survivor} named it {took:.1f} s after the stop was logged")

@@ -1,5 +1,6 @@
 """Measuring activations (byte budgets) must not weaken autograd: a saved tensor changed in place
 after F is refused as plain PyTorch refuses it, never turned into a silently wrong gradient."""
+
 from __future__ import annotations
 
 import copy
@@ -29,7 +30,11 @@ class ChangesASavedTensor(nn.Module):
 
 def _inputs(in_place: bool):
     torch.manual_seed(0)
-    return ChangesASavedTensor(in_place).double(), torch.randn(2, 3, D).double(), torch.randn(2, 3, D).double()
+    return (
+        ChangesASavedTensor(in_place).double(),
+        torch.randn(2, 3, D).double(),
+        torch.randn(2, 3, D).double(),
+    )
 
 
 def _run(model, x, gy, split: bool, measure: bool):

@@ -15,11 +15,20 @@ from rrfp.core.variability import Variability
 variabilities = st.builds(
     Variability,
     name=st.just("random"),
-    f=st.floats(0.1, 3), b=st.floats(0.1, 3), w=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
-    jitter=st.floats(0, 1), length_sigma=st.floats(0, 1), straggler_p=st.floats(0, 0.3),
-    vision_stage0=st.booleans(), comm=st.sampled_from([0.0, 0.05, 0.5]), comm_jitter=st.floats(0, 1),
+    f=st.floats(0.1, 3),
+    b=st.floats(0.1, 3),
+    w=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    jitter=st.floats(0, 1),
+    length_sigma=st.floats(0, 1),
+    straggler_p=st.floats(0, 0.3),
+    vision_stage0=st.booleans(),
+    comm=st.sampled_from([0.0, 0.05, 0.5]),
+    comm_jitter=st.floats(0, 1),
 )
-budgets = st.one_of(st.integers(1, 40).map(Budget.parse), st.sampled_from(["1x", "1.5x", "2x", "3x"]).map(Budget.parse))
+budgets = st.one_of(
+    st.integers(1, 40).map(Budget.parse),
+    st.sampled_from(["1x", "1.5x", "2x", "3x"]).map(Budget.parse),
+)
 
 
 def check_invariants(r):
@@ -55,16 +64,26 @@ def check_invariants(r):
             limit = cfg.budget.microbatches(S, s)
             for m in range(M):
                 t0 = at[(s, 0, m)][0]
-                held = sum(1 for k in range(M) if at[(s, 0, k)][0] <= t0 and at[(s, last, k)][1] > t0 + eps
-                           or k == m)
+                held = sum(
+                    1
+                    for k in range(M)
+                    if at[(s, 0, k)][0] <= t0 and at[(s, last, k)][1] > t0 + eps or k == m
+                )
                 assert held <= limit, f"stage {s} holds {held} > budget {limit} at F{m}"
             assert r.peak_inflight[s] <= limit
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(S=st.integers(1, 8), M=st.integers(1, 32), hint=st.sampled_from(list(BUILTIN)),
-       executor=st.sampled_from(["ready", "fixed"]), budget=budgets, var=variabilities,
-       seed=st.integers(0, 2**31), split=st.sampled_from([None, True, False]))
+@given(
+    S=st.integers(1, 8),
+    M=st.integers(1, 32),
+    hint=st.sampled_from(list(BUILTIN)),
+    executor=st.sampled_from(["ready", "fixed"]),
+    budget=budgets,
+    var=variabilities,
+    seed=st.integers(0, 2**31),
+    split=st.sampled_from([None, True, False]),
+)
 def test_properties(S, M, hint, executor, budget, var, seed, split):
     r = simulate(SimConfig(S, M, hint, executor, budget, var, seed=seed, split=split, record=True))
     check_invariants(r)
@@ -73,11 +92,26 @@ def test_properties(S, M, hint, executor, budget, var, seed, split):
 
 
 @settings(max_examples=40, deadline=None)
-@given(S=st.integers(1, 6), M=st.integers(1, 16), hint=st.sampled_from(list(BUILTIN)),
-       mb_budget=st.floats(0.3, 6), seed=st.integers(0, 1000))
+@given(
+    S=st.integers(1, 6),
+    M=st.integers(1, 16),
+    hint=st.sampled_from(list(BUILTIN)),
+    mb_budget=st.floats(0.3, 6),
+    seed=st.integers(0, 1000),
+)
 def test_byte_budget(S, M, hint, mb_budget, seed):
     var = Variability.preset("lang")
-    cfg = SimConfig(S, M, hint, "ready", Budget(bytes=int(mb_budget * 1000)), var, seed=seed, mb_bytes=1000, record=True)
+    cfg = SimConfig(
+        S,
+        M,
+        hint,
+        "ready",
+        Budget(bytes=int(mb_budget * 1000)),
+        var,
+        seed=seed,
+        mb_bytes=1000,
+        record=True,
+    )
     r = simulate(cfg)
     check_invariants(r)
 
@@ -102,7 +136,9 @@ def test_fixed_deadlock_is_reported():
     def hint(S, s, M, split):
         return ["F0", "B0", "F1", "B1"] if s == 0 else ["F1", "F0", "B0", "B1"]
 
-    with pytest.raises(SimDeadlock, match="stage 1 waits for F1 in its fixed order, which needs its input"):
+    with pytest.raises(
+        SimDeadlock, match="stage 1 waits for F1 in its fixed order, which needs its input"
+    ):
         simulate(SimConfig(2, 2, hint, "fixed", variability=Variability.preset("none")))
     # the ready executor is not fooled by the same hint
     simulate(SimConfig(2, 2, hint, "ready", budget=1, variability=Variability.preset("none")))
@@ -113,21 +149,28 @@ def test_readiness_pays_off_under_lang():
     ratios = []
     for seed in range(5):
         base = simulate(SimConfig(8, 32, "1f1b", "fixed", variability=var, seed=seed)).makespan
-        ratios.append(base / simulate(SimConfig(8, 32, "bfw", "ready", variability=var, seed=seed)).makespan)
+        ratios.append(
+            base / simulate(SimConfig(8, 32, "bfw", "ready", variability=var, seed=seed)).makespan
+        )
     assert sorted(ratios)[2] > 1.2
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["sim", "--hints", "nope"], "unknown hint 'nope'"),
-    (["sim", "--budget", "0"], "below 1"),
-    (["sim", "--mb", "0"], "--mb must be >= 1"),
-    (["sim", "--pp", "0"], "--pp must be >= 1"),
-    (["sim", "--executors", "lazy"], "unknown executor"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["sim", "--hints", "nope"], "unknown hint 'nope'"),
+        (["sim", "--budget", "0"], "below 1"),
+        (["sim", "--mb", "0"], "--mb must be >= 1"),
+        (["sim", "--pp", "0"], "--pp must be >= 1"),
+        (["sim", "--executors", "lazy"], "unknown executor"),
+    ],
+)
 def test_cli_bad_input(args, needle):
     p = run_cli(*args)
     assert p.returncode == 2
@@ -152,11 +195,17 @@ def test_cli_jitter_replaces_the_presets_and_is_checked():
         var("--jitter", "-1")
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["plot", "configs/gpt-tiny.toml"], "configs/gpt-tiny.toml: not a Chrome trace (not JSON)"),
-    (["sim", "--cost", "/nonexistent.json"], "--cost is the cost model a recorded run used"),
-    (["sim", "--pp", "100000", "--mb", "100000"], "is 10,000,000,000 stage-microbatches per simulation"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plot", "configs/gpt-tiny.toml"], "configs/gpt-tiny.toml: not a Chrome trace (not JSON)"),
+        (["sim", "--cost", "/nonexistent.json"], "--cost is the cost model a recorded run used"),
+        (
+            ["sim", "--pp", "100000", "--mb", "100000"],
+            "is 10,000,000,000 stage-microbatches per simulation",
+        ),
+    ],
+)
 def test_cli_refuses_in_one_line_in_process(argv, needle, capsys, monkeypatch):
     from pathlib import Path
 
@@ -177,15 +226,32 @@ def test_cli_bad_csv(tmp_path):
 
 def test_cli_outputs(tmp_path):
     out, trace, png = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "t.png"
-    p = run_cli("sim", "--pp", "4", "--mb", "8", "--seeds", "3", "--hints", "1f1b,bfw",
-                "--json", str(out), "--trace", str(trace), "--plot", str(png))
+    p = run_cli(
+        "sim",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--seeds",
+        "3",
+        "--hints",
+        "1f1b,bfw",
+        "--json",
+        str(out),
+        "--trace",
+        str(trace),
+        "--plot",
+        str(png),
+    )
     assert p.returncode == 0, p.stderr
     assert "speedup vs fixed 1f1b" in p.stdout
     doc = json.loads(out.read_text())
     rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
     assert rows[("fixed", "1f1b")]["median_speedup"] == 1.0
     assert len(rows[("ready", "bfw")]["speedups"]) == 3
-    assert len(rows[("ready", "bfw")]["stage_bubble"]) == 4 and all(0 <= b < 1 for b in rows[("ready", "bfw")]["stage_bubble"])
+    assert len(rows[("ready", "bfw")]["stage_bubble"]) == 4 and all(
+        0 <= b < 1 for b in rows[("ready", "bfw")]["stage_bubble"]
+    )
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["name"][:1] for e in events if e["ph"] == "X"} == {"F", "B", "W"}
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -193,10 +259,15 @@ def test_cli_outputs(tmp_path):
 
 def test_cli_json_to_stdout_is_json_alone():
     """`rrfp sim --json -` pipes into jq: stdout is one JSON document, the table goes to stderr."""
-    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "1f1b,bfw", "--json", "-")
+    p = run_cli(
+        "sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "1f1b,bfw", "--json", "-"
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {("fixed", "1f1b"), ("ready", "bfw")}
+    assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {
+        ("fixed", "1f1b"),
+        ("ready", "bfw"),
+    }
     assert "speedup vs fixed 1f1b" in p.stderr and "speedup" not in p.stdout.split("{", 1)[0]
 
 
@@ -205,8 +276,24 @@ def test_plot_draws_any_rrfp_trace(tmp_path):
     from rrfp.observe.plot import spans_from_chrome
 
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
-    assert run_cli("sim", "--pp", "3", "--mb", "4", "--seeds", "1", "--hints", "bfw", "--budget", "2x", "--trace",
-                   str(trace)).returncode == 0
+    assert (
+        run_cli(
+            "sim",
+            "--pp",
+            "3",
+            "--mb",
+            "4",
+            "--seeds",
+            "1",
+            "--hints",
+            "bfw",
+            "--budget",
+            "2x",
+            "--trace",
+            str(trace),
+        ).returncode
+        == 0
+    )
     runs = spans_from_chrome(json.loads(trace.read_text()))
     by_name = dict(runs)
     assert runs[0][0] == "fixed 1f1b" and set(by_name) == {"fixed 1f1b", "ready bfw", "fixed bfw"}
@@ -226,15 +313,25 @@ def test_plot_merges_the_ranks_of_a_measured_run():
     from rrfp.observe.plot import spans_from_chrome
     from rrfp.observe.trace import Span, chrome_trace
 
-    spans = [Span("rank 0", 0, "wait", 9.0, 10.0), Span("rank 0", 0, "F0", 10.0, 10.5),
-             Span("rank 1", 1, "F0", 10.6, 11.0), Span("rank 1", 1, "B0", 11.0, 11.2)]
-    (title, got), = spans_from_chrome(chrome_trace(spans))
+    spans = [
+        Span("rank 0", 0, "wait", 9.0, 10.0),
+        Span("rank 0", 0, "F0", 10.0, 10.5),
+        Span("rank 1", 1, "F0", 10.6, 11.0),
+        Span("rank 1", 1, "B0", 11.0, 11.2),
+    ]
+    ((title, got),) = spans_from_chrome(chrome_trace(spans))
     assert title == "measured (all ranks)"
-    assert [(sp.stage, sp.name, round(sp.start, 6)) for sp in got] == [(0, "F0", 0.0), (1, "F0", 0.6), (1, "B0", 1.0)]
+    assert [(sp.stage, sp.name, round(sp.start, 6)) for sp in got] == [
+        (0, "F0", 0.0),
+        (1, "F0", 0.6),
+        (1, "B0", 1.0),
+    ]
 
 
 @pytest.mark.parametrize("S,M", [(4, 16), (8, 32)])
-@pytest.mark.parametrize("hint,budget", [("1f1b", "1x"), ("zbh1", "1x"), ("bfw", "2x"), ("plan", "2x")])
+@pytest.mark.parametrize(
+    "hint,budget", [("1f1b", "1x"), ("zbh1", "1x"), ("bfw", "2x"), ("plan", "2x")]
+)
 def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, budget):
     """Readiness costs nothing when nothing varies: ready runs the hint's order as fast as fixed."""
     from rrfp.sim.planning import planned_config
@@ -252,20 +349,34 @@ def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, 
 def test_default_table_shows_every_speedup_beside_its_memory():
     """Without --budget, ready rows and plans run at 2x and at 1x (1F1B's memory), and every row
     says how many microbatches it held: ready plan at 1x holds no more than fixed 1F1B."""
-    p = run_cli("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "1f1b,plan", "--json", "-")
+    p = run_cli(
+        "sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "1f1b,plan", "--json", "-"
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     rows = {(r["executor"], r["hint"], r["budget"]): r for r in doc["rows"]}
     assert doc["budgets"] == ["2x", "1x"]
-    assert set(rows) == {("fixed", "1f1b", None), ("ready", "1f1b", "2x"), ("ready", "1f1b", "1x"),
-                         ("fixed", "plan", "2x"), ("fixed", "plan", "1x"), ("ready", "plan", "2x"),
-                         ("ready", "plan", "1x")}
+    assert set(rows) == {
+        ("fixed", "1f1b", None),
+        ("ready", "1f1b", "2x"),
+        ("ready", "1f1b", "1x"),
+        ("fixed", "plan", "2x"),
+        ("fixed", "plan", "1x"),
+        ("ready", "plan", "2x"),
+        ("ready", "plan", "1x"),
+    }
     one_f_one_b = rows[("fixed", "1f1b", None)]["peak_inflight"]
     assert one_f_one_b == 4
-    assert rows[("ready", "plan", "1x")]["peak_inflight"] <= one_f_one_b < rows[("ready", "plan", "2x")]["peak_inflight"]
+    assert (
+        rows[("ready", "plan", "1x")]["peak_inflight"]
+        <= one_f_one_b
+        < rows[("ready", "plan", "2x")]["peak_inflight"]
+    )
     header = next(line for line in p.stderr.splitlines() if "speedup" in line)
     assert header.index("speedup") < header.index("peak in-flight") < header.index("efficiency")
-    assert sum(" plan " in line and " 1x " in line for line in p.stderr.splitlines()) == 2  # ready and fixed
+    assert (
+        sum(" plan " in line and " 1x " in line for line in p.stderr.splitlines()) == 2
+    )  # ready and fixed
     p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--oracle", "--budget", "2x,1x")
     assert p.returncode == 2 and "--oracle solves one budget" in p.stderr, p.stderr
 
@@ -276,7 +387,19 @@ def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
 
     order = tmp_path / "stage0.csv"
     order.write_text("stage,task\n0,F0\n")
-    argv = ["sim", "--pp", "4", "--mb", "4", "--seeds", "1", "--executors", "fixed", "--hints", str(order)]
+    argv = [
+        "sim",
+        "--pp",
+        "4",
+        "--mb",
+        "4",
+        "--seeds",
+        "1",
+        "--executors",
+        "fixed",
+        "--hints",
+        str(order),
+    ]
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "stage0.csv" in lines[0] and "missing 7 task(s)" in lines[0], lines

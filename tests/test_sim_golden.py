@@ -2,6 +2,7 @@
 decision of any executor x hint fails here. The file comes from
 tests/golden/make_sim_golden.py, run on the commit before the state-machine
 refactor; regenerate it only for an intended behaviour change."""
+
 import json
 from pathlib import Path
 
@@ -16,7 +17,11 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "sim_makespans.json").re
 def test_makespans_match_golden(case, tmp_path):
     out = tmp_path / "r.json"
     assert main([*["sim"], *case["args"], "--json", str(out)]) == 0
-    rows = {f"{r['executor']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]}
-    assert case["makespans"].keys() <= rows.keys()  # rows added since (the planned hint) are new, not changed
+    rows = {
+        f"{r['executor']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]
+    }
+    assert (
+        case["makespans"].keys() <= rows.keys()
+    )  # rows added since (the planned hint) are new, not changed
     for key, want in case["makespans"].items():
         assert rows[key] == pytest.approx(want, abs=1e-9, rel=0), key

@@ -1,5 +1,6 @@
 """The simulator with virtual stages: each task once, dependencies with their latencies (none on
 the V turn), one task at a time per rank, the rank budget held, no deadlock, chunk durations."""
+
 import json
 import subprocess
 import sys
@@ -45,11 +46,19 @@ def check_virtual_invariants(r):
             fa, fb = at[(s, 0, m)]
             ba, bb = at[(s, 1, m)]
             if s > 0:
-                lat = 0.0 if lay.is_local(s - 1, s) else cfg.variability.latency(cfg.seed, 0, s - 1, m, Kind.F)
+                lat = (
+                    0.0
+                    if lay.is_local(s - 1, s)
+                    else cfg.variability.latency(cfg.seed, 0, s - 1, m, Kind.F)
+                )
                 assert fa >= at[(s - 1, 0, m)][1] + lat - eps
             assert ba >= fb - eps
             if s < N - 1:
-                lat = 0.0 if lay.is_local(s, s + 1) else cfg.variability.latency(cfg.seed, 0, s + 1, m, Kind.B)
+                lat = (
+                    0.0
+                    if lay.is_local(s, s + 1)
+                    else cfg.variability.latency(cfg.seed, 0, s + 1, m, Kind.B)
+                )
                 assert ba >= at[(s + 1, 1, m)][1] + lat - eps
             if split:
                 assert at[(s, 2, m)][0] >= bb - eps
@@ -60,24 +69,40 @@ def check_virtual_invariants(r):
             mine = [(s, m) for s in lay.stages_of(rank) for m in range(M)]
             for s0, m0 in mine:  # chunk-microbatches held when each F starts, itself included
                 t0 = at[(s0, 0, m0)][0]
-                held = sum(1 for s, m in mine if (s, m) == (s0, m0)
-                           or at[(s, 0, m)][0] <= t0 and at[(s, last, m)][1] > t0 + eps)
-                assert held <= limit, f"rank {rank} holds {held} > budget {limit} at F{m0} of stage {s0}"
+                held = sum(
+                    1
+                    for s, m in mine
+                    if (s, m) == (s0, m0)
+                    or at[(s, 0, m)][0] <= t0
+                    and at[(s, last, m)][1] > t0 + eps
+                )
+                assert held <= limit, (
+                    f"rank {rank} holds {held} > budget {limit} at F{m0} of stage {s0}"
+                )
             assert r.stats[rank].peak_inflight <= limit
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(S=st.integers(1, 5), M=st.integers(1, 12), layout=st.sampled_from(LAYOUTS),
-       hint=st.sampled_from(["bfw", "bf", "gpipe", "plan", "order"]), executor=st.sampled_from(["ready", "fixed"]),
-       budget=st.sampled_from(["1x", "2x", "0.5x", "0.25x", "3"]), preset=st.sampled_from(["lang", "jitter", "mm"]),
-       comm=st.sampled_from([0.0, 0.05, 0.5]), seed=st.integers(0, 2**31))
+@given(
+    S=st.integers(1, 5),
+    M=st.integers(1, 12),
+    layout=st.sampled_from(LAYOUTS),
+    hint=st.sampled_from(["bfw", "bf", "gpipe", "plan", "order"]),
+    executor=st.sampled_from(["ready", "fixed"]),
+    budget=st.sampled_from(["1x", "2x", "0.5x", "0.25x", "3"]),
+    preset=st.sampled_from(["lang", "jitter", "mm"]),
+    comm=st.sampled_from([0.0, 0.05, 0.5]),
+    seed=st.integers(0, 2**31),
+)
 def test_invariants_at_virtual_stages(S, M, layout, hint, executor, budget, preset, comm, seed):
     V, placement = layout
     hint = ORDERS[placement] if hint == "order" else hint
     if hint == "1f1b":
         M = S * max(1, M // S)  # torch's interleaved 1F1B takes whole rounds of microbatches
     var = Variability.preset(preset, comm=comm, comm_jitter=0.3)
-    cfg = SimConfig(S, M, hint, executor, budget, var, seed=seed, record=True, virtual=V, placement=placement)
+    cfg = SimConfig(
+        S, M, hint, executor, budget, var, seed=seed, record=True, virtual=V, placement=placement
+    )
     if cfg.hint.planned:
         cfg = planned_config(cfg)[0]
     r = simulate(cfg)
@@ -90,7 +115,9 @@ def test_invariants_at_virtual_stages(S, M, layout, hint, executor, budget, pres
 def test_the_v_turn_is_local_and_other_hops_pay_latency():
     var = Variability.preset("none", comm=5.0)
     for placement in ("v", "interleaved"):
-        r = simulate(SimConfig(4, 4, "bfw", "ready", "2x", var, virtual=2, placement=placement, record=True))
+        r = simulate(
+            SimConfig(4, 4, "bfw", "ready", "2x", var, virtual=2, placement=placement, record=True)
+        )
         at = {(s, str(t)): (a, b) for s, t, a, b in r.timeline}
         gap = at[(4, "F0")][0] - at[(3, "F0")][1]
         assert gap == (0.0 if placement == "v" else 5.0)
@@ -101,12 +128,20 @@ def test_a_chunk_takes_one_vth_of_the_stage_and_draws_are_keyed_by_global_stage(
     var = Variability.preset("lang", slow_stage=1, slow_factor=2.0)
     lay = VirtualLayout(4, 2, "v")
     chunk = TaskTimes(var, 7, True, layout=lay).realized(0, 8, 6)
-    flat = TaskTimes(Variability.preset("lang"), 7, True).realized(0, 8, 6)  # 8 plain stages, no slow one
+    flat = TaskTimes(Variability.preset("lang"), 7, True).realized(
+        0, 8, 6
+    )  # 8 plain stages, no slow one
     slow = np.array([2.0 if lay.rank_of(s) == 1 else 1.0 for s in range(8)])[:, None, None]
-    assert np.allclose(chunk, flat * slow / 2)  # rank 1's both chunks are slow, stage 1 alone is not
-    assert TaskTimes(var, 7, True, layout=lay).units(0, 6, 3, Kind.B) == pytest.approx(chunk[6, 3, 1])
+    assert np.allclose(
+        chunk, flat * slow / 2
+    )  # rank 1's both chunks are slow, stage 1 alone is not
+    assert TaskTimes(var, 7, True, layout=lay).units(0, 6, 3, Kind.B) == pytest.approx(
+        chunk[6, 3, 1]
+    )
     one = SimConfig(4, 6, variability=Variability.preset("none", comm=0.0), virtual=2)
-    assert simulate(one).stats[0].busy == pytest.approx(3.0 * 6)  # F + B + W per microbatch, over 2 chunks
+    assert simulate(one).stats[0].busy == pytest.approx(
+        3.0 * 6
+    )  # F + B + W per microbatch, over 2 chunks
 
 
 def test_virtual_stages_beat_one_stage_per_rank_under_lang_in_their_classic_schedules():
@@ -115,17 +150,32 @@ def test_virtual_stages_beat_one_stage_per_rank_under_lang_in_their_classic_sche
     for seed in range(3):
         base = simulate(SimConfig(8, 32, "1f1b", "fixed", variability=var, seed=seed)).makespan
         for placement, hint in ORDERS.items():
-            r = simulate(SimConfig(8, 32, hint, "fixed", variability=var, seed=seed, virtual=2, placement=placement))
+            r = simulate(
+                SimConfig(
+                    8, 32, hint, "fixed", variability=var, seed=seed, virtual=2, placement=placement
+                )
+            )
             assert r.makespan < base
     r = simulate(SimConfig(4, 8, "zbv", "fixed", variability=var, virtual=2, placement="v"))
-    assert max(r.peak_microbatches) == 4  # ZB-V holds 1F1B's rank-0 memory (S microbatches) on every rank
+    assert (
+        max(r.peak_microbatches) == 4
+    )  # ZB-V holds 1F1B's rank-0 memory (S microbatches) on every rank
     assert r.peak_microbatches == [4.0] * 4
 
 
-@pytest.mark.parametrize("placement,hint,comm", [("v", "zbv", 0.0), ("v", "plan", 0.0), ("interleaved", "1f1b", 0.0),
-                                                 ("interleaved", "plan", 0.0), ("v", "bfw", VIRTUAL_LATENCY),
-                                                 ("interleaved", "bfw", VIRTUAL_LATENCY), ("v", "bf", VIRTUAL_LATENCY),
-                                                 ("interleaved", "bf", VIRTUAL_LATENCY)])
+@pytest.mark.parametrize(
+    "placement,hint,comm",
+    [
+        ("v", "zbv", 0.0),
+        ("v", "plan", 0.0),
+        ("interleaved", "1f1b", 0.0),
+        ("interleaved", "plan", 0.0),
+        ("v", "bfw", VIRTUAL_LATENCY),
+        ("interleaved", "bfw", VIRTUAL_LATENCY),
+        ("v", "bf", VIRTUAL_LATENCY),
+        ("interleaved", "bf", VIRTUAL_LATENCY),
+    ],
+)
 def test_without_variability_ready_is_fixed_at_the_same_hint(placement, hint, comm):
     """Nothing varies: ready dispatch runs the fixed order's schedule to the last digit. A schedule
     hint's order holds with free messages; a plan is replayed from ready's own run; a class hint's
@@ -144,16 +194,24 @@ def test_without_variability_ready_is_fixed_at_the_same_hint(placement, hint, co
 # (placement, hint, budget, may ready be faster): fixed ZB-V holds exactly 1x (S microbatches on every rank) and
 # fixed interleaved 1F1B 1.4x on rank 0, so ready compares with them at 1x and 2x; at 2x ready ZB-V holds more
 # than the fixed order and may gain by it
-SAME_BUDGET = [("v", "zbv", "1x", False), ("v", "zbv", "2x", True), ("v", "plan", "1x", False),
-               ("v", "plan", "2x", False), ("v", "bfw", "2x", False), ("interleaved", "1f1b", "2x", False),
-               ("interleaved", "plan", "1x", False), ("interleaved", "plan", "2x", False),
-               ("interleaved", "bfw", "2x", False)]
+SAME_BUDGET = [
+    ("v", "zbv", "1x", False),
+    ("v", "zbv", "2x", True),
+    ("v", "plan", "1x", False),
+    ("v", "plan", "2x", False),
+    ("v", "bfw", "2x", False),
+    ("interleaved", "1f1b", "2x", False),
+    ("interleaved", "plan", "1x", False),
+    ("interleaved", "plan", "2x", False),
+    ("interleaved", "bfw", "2x", False),
+]
 
 
 @pytest.mark.parametrize("placement,hint,budget,faster", SAME_BUDGET)
 @pytest.mark.parametrize("S,M", [(8, 32), (4, 16)])
-def test_with_latency_and_no_variability_ready_loses_nothing_to_fixed_at_the_same_hint(placement, hint, budget,
-                                                                                      faster, S, M):
+def test_with_latency_and_no_variability_ready_loses_nothing_to_fixed_at_the_same_hint(
+    placement, hint, budget, faster, S, M
+):
     """Messages take 0.05 and nothing varies: ready dispatch is within 1% of the fixed order at the
     same hint and memory. A rank that filled the wait for its next chunk's input with one more
     forward of the chunk before (no lead limit) lost 5.7% on ZB-V's own order at 8 x 32."""
@@ -174,10 +232,22 @@ def test_a_chunk_runs_ahead_of_the_next_by_at_most_the_stages_between_them():
     """Ready dispatch, lang: at every start, chunk 0's forwards lead chunk 1's by at most the
     layout's lead on that rank (2(S - r) - 1 in the v shape, S interleaved)."""
     for placement in ("v", "interleaved"):
-        cfg = SimConfig(4, 16, "bfw", "ready", "4x", Variability.preset("lang"), seed=3, virtual=2,
-                        placement=placement, record=True)
+        cfg = SimConfig(
+            4,
+            16,
+            "bfw",
+            "ready",
+            "4x",
+            Variability.preset("lang"),
+            seed=3,
+            virtual=2,
+            placement=placement,
+            record=True,
+        )
         lay = cfg.layout
-        assert [lay.leads(r) for r in range(4)] == ([(7,), (5,), (3,), (1,)] if placement == "v" else [(4,)] * 4)
+        assert [lay.leads(r) for r in range(4)] == (
+            [(7,), (5,), (3,), (1,)] if placement == "v" else [(4,)] * 4
+        )
         started = {r: [0, 0] for r in range(4)}
         most = {r: 0 for r in range(4)}
         for s, t, a, b in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
@@ -186,16 +256,37 @@ def test_a_chunk_runs_ahead_of_the_next_by_at_most_the_stages_between_them():
                 started[r][lay.chunk_of(s)] += 1
                 most[r] = max(most[r], started[r][0] - started[r][1])
                 assert started[r][0] - started[r][1] <= lay.leads(r)[0], (placement, r, t, s)
-        assert max(most.values()) == max(lead for r in range(4) for lead in lay.leads(r))  # the limit binds
+        assert max(most.values()) == max(
+            lead for r in range(4) for lead in lay.leads(r)
+        )  # the limit binds
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
-    p = run_cli("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "bfw,zbv,1f1b", "--budget", "2x",
-                "--virtual", "1,2", "--placement", "interleaved,v", "--json", "-")
+    p = run_cli(
+        "sim",
+        "--pp",
+        "4",
+        "--mb",
+        "8",
+        "--seeds",
+        "2",
+        "--hints",
+        "bfw,zbv,1f1b",
+        "--budget",
+        "2x",
+        "--virtual",
+        "1,2",
+        "--placement",
+        "interleaved,v",
+        "--json",
+        "-",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     rows = {(r["executor"], r["hint"], r["virtual"], r["placement"]) for r in doc["rows"]}
@@ -203,16 +294,21 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
     assert ("ready", "bfw", 2, "v") in rows and ("ready", "bfw", 1, "interleaved") in rows
     assert ("fixed", "1f1b", 2, "v") not in rows and ("fixed", "zbv", 1, "interleaved") not in rows
     assert any("ZB-V needs the v placement" in why for why in doc["not_run"])
-    base = next(r for r in doc["rows"] if (r["executor"], r["hint"], r["virtual"]) == ("fixed", "1f1b", 1))
+    base = next(
+        r for r in doc["rows"] if (r["executor"], r["hint"], r["virtual"]) == ("fixed", "1f1b", 1)
+    )
     assert base["median_speedup"] == 1.0  # the baseline stays fixed 1F1B with one stage per rank
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
-    (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
-    (["--virtual", "two"], "--virtual: not a list of integers"),
-    (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
+        (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
+        (["--virtual", "two"], "--virtual: not a list of integers"),
+        (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
+    ],
+)
 def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
     p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", *args)
     assert p.returncode == 2
@@ -222,14 +318,32 @@ def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
 
 def test_cli_oracle_compares_each_row_with_its_own_layouts_optimum():
     pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
-    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--hints", "zbv,bfw", "--virtual", "2",
-                "--placement", "v", "--oracle", "--json", "-")
+    p = run_cli(
+        "sim",
+        "--pp",
+        "2",
+        "--mb",
+        "4",
+        "--seeds",
+        "1",
+        "--hints",
+        "zbv,bfw",
+        "--virtual",
+        "2",
+        "--placement",
+        "v",
+        "--oracle",
+        "--json",
+        "-",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     optimum = {s["layout"]: s for s in doc["oracle"]["seeds"]}
     assert set(optimum) == {"V2 v", "V1"} and all(s["optimal"] for s in optimum.values())
     assert doc["oracle"]["solved"] == 2
-    assert optimum["V2 v"]["makespan"] < optimum["V1"]["makespan"]  # the V halves the fill and drain
+    assert (
+        optimum["V2 v"]["makespan"] < optimum["V1"]["makespan"]
+    )  # the V halves the fill and drain
     for row in doc["rows"]:
         ref = optimum["V2 v" if row["virtual"] == 2 else "V1"]["makespan"]
         d = row["vs_optimum"]
@@ -246,20 +360,58 @@ def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
     from rrfp.observe.plot import spans_from_chrome
     from rrfp.observe.trace import chrome_trace
 
-    r = simulate(SimConfig(2, 2, "bfw", variability=Variability.preset("none"), virtual=2, placement="v",
-                           record=True))
+    r = simulate(
+        SimConfig(
+            2,
+            2,
+            "bfw",
+            variability=Variability.preset("none"),
+            virtual=2,
+            placement="v",
+            record=True,
+        )
+    )
     doc = chrome_trace(r.spans("ready bfw"))
-    rows = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
-    assert rows == {0: "stage 0 (rank 0)", 1: "stage 1 (rank 1)", 2: "stage 2 (rank 1)", 3: "stage 3 (rank 0)"}
-    (title, spans), = spans_from_chrome(json.loads(json.dumps(doc)))
+    rows = {
+        e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "thread_name"
+    }
+    assert rows == {
+        0: "stage 0 (rank 0)",
+        1: "stage 1 (rank 1)",
+        2: "stage 2 (rank 1)",
+        3: "stage 3 (rank 0)",
+    }
+    ((title, spans),) = spans_from_chrome(json.loads(json.dumps(doc)))
     assert {sp.stage: sp.args["rank"] for sp in spans} == {0: 0, 1: 1, 2: 1, 3: 0}
-    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--hints", "bfw", "--virtual", "2", "--placement",
-                "v", "--plot", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))
+    p = run_cli(
+        "sim",
+        "--pp",
+        "2",
+        "--mb",
+        "2",
+        "--seeds",
+        "1",
+        "--hints",
+        "bfw",
+        "--virtual",
+        "2",
+        "--placement",
+        "v",
+        "--plot",
+        str(tmp_path / "t.png"),
+        "--trace",
+        str(tmp_path / "t.json"),
+    )
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "t.png").stat().st_size > 1000
-    names = {e["args"]["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
-             if e.get("name") == "thread_name"}
-    assert "stage 3 (rank 0)" in names and "stage 0" in names  # the V = 1 baseline keeps its plain rows
+    names = {
+        e["args"]["name"]
+        for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+        if e.get("name") == "thread_name"
+    }
+    assert (
+        "stage 3 (rank 0)" in names and "stage 0" in names
+    )  # the V = 1 baseline keeps its plain rows
 
 
 def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
@@ -274,23 +426,56 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
 
     model = CostModel.fit(synthetic(stages=4)[1])
     var, lay = Variability.preset("lang"), VirtualLayout(2, 2, "v")
-    feats = [{"tokens": float(t), "attn": float(t * t), "patches": 0.0} for t in (64, 512, 32, 480, 96, 400)]
-    doc = {"pp": 2, "virtual": 2, "placement": "v", "microbatches": 6, "seed": 3, "preset": "lang", "hint": "plan",
-           "dispatch": "ready", "budget": "2x", "split": True, "unit_ms": 10.0, "features": [feats],
-           "step_wall_s": [1.0]}
-    (step, sim_ms, _), = replay(doc, model)
+    feats = [
+        {"tokens": float(t), "attn": float(t * t), "patches": 0.0}
+        for t in (64, 512, 32, 480, 96, 400)
+    ]
+    doc = {
+        "pp": 2,
+        "virtual": 2,
+        "placement": "v",
+        "microbatches": 6,
+        "seed": 3,
+        "preset": "lang",
+        "hint": "plan",
+        "dispatch": "ready",
+        "budget": "2x",
+        "split": True,
+        "unit_ms": 10.0,
+        "features": [feats],
+        "step_wall_s": [1.0],
+    }
+    ((step, sim_ms, _),) = replay(doc, model)
     times = TaskTimes(var, 3, True, model, lay)
     hint, _ = plan_iteration(times, 0, 2, 6, Budget.parse("2x"), Dispatch.READY, feats)
-    want = simulate(SimConfig(2, 6, hint, "ready", "2x", var, seed=3, durations=times.realized(0, 4, 6, feats).tolist(),
-                              virtual=2, placement="v")).makespan * 10.0
+    want = (
+        simulate(
+            SimConfig(
+                2,
+                6,
+                hint,
+                "ready",
+                "2x",
+                var,
+                seed=3,
+                durations=times.realized(0, 4, 6, feats).tolist(),
+                virtual=2,
+                placement="v",
+            )
+        ).makespan
+        * 10.0
+    )
     assert sim_ms == pytest.approx(want, rel=1e-12)
-    assert times.realized(0, 4, 6, feats)[1, 2, 0] == pytest.approx(model.units(1, 0, feats[2])
-                                                                    * var.noise(3, 0, 1, 2, 0))  # no 1/V: fitted per chunk
+    assert times.realized(0, 4, 6, feats)[1, 2, 0] == pytest.approx(
+        model.units(1, 0, feats[2]) * var.noise(3, 0, 1, 2, 0)
+    )  # no 1/V: fitted per chunk
     sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
     sizes.write_text(json.dumps({**doc, "virtual": 1, "placement": "interleaved"}))
     cost.write_text(model.to_json())
     p = run_cli("sim", "--replay", str(sizes), "--cost", str(cost))
-    assert p.returncode == 2 and "the cost model has 4 stage(s) but the run had 2" in p.stderr, p.stderr
+    assert p.returncode == 2 and "the cost model has 4 stage(s) but the run had 2" in p.stderr, (
+        p.stderr
+    )
     assert len(p.stderr.strip().splitlines()) == 1
 
 
@@ -298,8 +483,26 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
     """V = 2 with a byte budget: both layouts solved, every ready row at or above its optimum, and a
     fixed row that held more than the rank limit marked, not compared as a schedule of the problem."""
     pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
-    p = run_cli("sim", "--pp", "2", "--mb", "3", "--seeds", "2", "--hints", "zbv,bfw", "--virtual", "2",
-                "--placement", "v", "--budget", "1MiB", "--oracle", "--json", "-")
+    p = run_cli(
+        "sim",
+        "--pp",
+        "2",
+        "--mb",
+        "3",
+        "--seeds",
+        "2",
+        "--hints",
+        "zbv,bfw",
+        "--virtual",
+        "2",
+        "--placement",
+        "v",
+        "--budget",
+        "1MiB",
+        "--oracle",
+        "--json",
+        "-",
+    )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert {s["layout"] for s in doc["oracle"]["seeds"]} == {"V2 v", "V1"}
@@ -307,6 +510,10 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
     rows = {(r["executor"], r["hint"], r["virtual"]): r["vs_optimum"] for r in doc["rows"]}
     for key in (("ready", "bfw", 2), ("ready", "zbv", 2)):
         assert rows[key]["holds_budget"] is True
-        assert min(rows[key]["per_seed"]) >= 1 - 1e-3, key  # within the optimum's rounding (1/1000 per task)
-    assert rows[("fixed", "zbv", 2)]["holds_budget"] is False  # it runs its order past the rank limit
+        assert min(rows[key]["per_seed"]) >= 1 - 1e-3, (
+            key
+        )  # within the optimum's rounding (1/1000 per task)
+    assert (
+        rows[("fixed", "zbv", 2)]["holds_budget"] is False
+    )  # it runs its order past the rank limit
     assert "held more bytes than the optimum's rank limit" in p.stderr

@@ -12,6 +12,7 @@ The mutation check swaps in the capture logic before issue 15
 (tests/fixtures/weight_split_before_15.py) and requires the same search to
 find a wrong gradient.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,10 +31,26 @@ from rrfp.pipeline.worker import StageWorker
 
 B, T, D, V = 2, 3, 4, 7
 FLOAT, IDS, NONE = "float", "ids", "none"
-MADE = ("linear", "norm", "conv", "attn", "embed", "gru", "cell", "scale", "shift", "const")  # ops owning a layer
+MADE = (
+    "linear",
+    "norm",
+    "conv",
+    "attn",
+    "embed",
+    "gru",
+    "cell",
+    "scale",
+    "shift",
+    "const",
+)  # ops owning a layer
 REUSABLE = ("linear", "norm", "conv", "scale", "shift")
-SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _layer(kind: str) -> nn.Module | None:
@@ -68,7 +85,9 @@ class Generated(nn.Module):
     def __init__(self, inputs: tuple, ops: tuple, outputs: tuple) -> None:
         super().__init__()
         self.inputs, self.ops, self.outputs = inputs, ops, outputs
-        self.layers = nn.ModuleList(m for kind, _, layer in ops if layer is None and (m := _layer(kind)) is not None)
+        self.layers = nn.ModuleList(
+            m for kind, _, layer in ops if layer is None and (m := _layer(kind)) is not None
+        )
 
     def forward(self, *xs):
         if len(xs) == 1 and isinstance(xs[0], tuple):
@@ -124,8 +143,26 @@ def stages(draw):
     floats = [i for i, k in enumerate(inputs) if k == FLOAT]
     ops, made = [], []  # made: kinds of the layers created so far, by creation order
     for _ in range(draw(st.integers(1, 7))):
-        kind = draw(st.sampled_from(["linear", "norm", "conv", "attn", "embed", "gru", "cell", "scale", "shift",
-                                     "const", "add", "tanh", "detach", "reuse"]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "linear",
+                    "norm",
+                    "conv",
+                    "attn",
+                    "embed",
+                    "gru",
+                    "cell",
+                    "scale",
+                    "shift",
+                    "const",
+                    "add",
+                    "tanh",
+                    "detach",
+                    "reuse",
+                ]
+            )
+        )
         if kind == "embed" and IDS not in inputs:
             kind = "linear"
         a, b = draw(st.sampled_from(floats)), draw(st.sampled_from(floats))
@@ -142,16 +179,29 @@ def stages(draw):
         ops.append((kind, (a, b), reuse))
         floats.append(len(inputs) + len(ops) - 1)
     n = len(inputs) + len(ops)
-    outputs = draw(st.lists(st.one_of(st.integers(len(inputs), n - 1), st.integers(0, n - 1), st.none()),
-                            min_size=1, max_size=4))
-    if all(o is None or o < len(inputs) and inputs[o] == NONE for o in outputs):  # a stage sends something
+    outputs = draw(
+        st.lists(
+            st.one_of(st.integers(len(inputs), n - 1), st.integers(0, n - 1), st.none()),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    if all(
+        o is None or o < len(inputs) and inputs[o] == NONE for o in outputs
+    ):  # a stage sends something
         outputs = [n - 1] + outputs[1:]
     return tuple(inputs), tuple(ops), tuple(outputs)
 
 
 def _inputs(kinds, gen):
-    return tuple(torch.randn(B, T, D, generator=gen, dtype=torch.float64) if k == FLOAT
-                 else torch.randint(0, V, (B, T), generator=gen) if k == IDS else None for k in kinds)
+    return tuple(
+        torch.randn(B, T, D, generator=gen, dtype=torch.float64)
+        if k == FLOAT
+        else torch.randint(0, V, (B, T), generator=gen)
+        if k == IDS
+        else None
+        for k in kinds
+    )
 
 
 def _carries(t) -> bool:
@@ -172,41 +222,59 @@ def check_split(program, position: int, seed: int) -> bool:
     gen = torch.Generator().manual_seed(seed)
     xs = _inputs(program[0], gen)
     targets = torch.randn(D, generator=gen, dtype=torch.float64)
-    leaves = tuple(x.clone().requires_grad_(position > 0) if x is not None and x.is_floating_point() else x
-                   for x in xs)
+    leaves = tuple(
+        x.clone().requires_grad_(position > 0) if x is not None and x.is_floating_point() else x
+        for x in xs
+    )
     out = ref(*leaves)
     outs = out if isinstance(out, tuple) else (out,)
-    grads = tuple(torch.randn(o.shape, generator=gen, dtype=torch.float64) if _carries(o) else None for o in outs)
+    grads = tuple(
+        torch.randn(o.shape, generator=gen, dtype=torch.float64) if _carries(o) else None
+        for o in outs
+    )
     if position == 2:
         loss = _loss(out, targets)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
             return False  # nothing to differentiate on a last stage
         loss.backward()
     elif any(g is not None for g in grads):
-        torch.autograd.backward([o for o, g in zip(outs, grads) if g is not None], [g for g in grads if g is not None])
+        torch.autograd.backward(
+            [o for o, g in zip(outs, grads) if g is not None], [g for g in grads if g is not None]
+        )
 
     w = StageWorker(module, position, 3, 1, _loss, split=True)
     x = xs if len(xs) > 1 else xs[0]
     w.forward(0, x, targets if position == 2 else None)
     plan = w._slots[0].weights
     in_b = {id(p) for p in plan.in_b}
-    grad_in = w.backward(0, None if position == 2 else (grads if isinstance(out, tuple) else grads[0]))
+    grad_in = w.backward(
+        0, None if position == 2 else (grads if isinstance(out, tuple) else grads[0])
+    )
     for name, p in module.named_parameters():
         assert id(p) in in_b or p.grad is None, f"B computed {name}'s gradient, which W owns"
     w.weight(0)
     for (name, p), q in zip(module.named_parameters(), ref.parameters()):
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         want = q.grad if q.grad is not None else torch.zeros_like(q)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=lambda m: f"parameter {name}: {m}")
+        torch.testing.assert_close(
+            got, want, rtol=1e-6, atol=1e-9, msg=lambda m: f"parameter {name}: {m}"
+        )
     if position > 0:
         got_in = grad_in if isinstance(grad_in, tuple) else (grad_in,)
         for i, (leaf, g) in enumerate(zip(leaves, got_in)):
             want = leaf.grad if _carries(leaf) else None
             if want is None:
-                assert g is None or not g.abs().any(), f"input {i}: got a gradient where autograd has none"
+                assert g is None or not g.abs().any(), (
+                    f"input {i}: got a gradient where autograd has none"
+                )
             else:
-                torch.testing.assert_close(g if g is not None else torch.zeros_like(want), want, rtol=1e-6,
-                                           atol=1e-9, msg=lambda m: f"input {i}: {m}")
+                torch.testing.assert_close(
+                    g if g is not None else torch.zeros_like(want),
+                    want,
+                    rtol=1e-6,
+                    atol=1e-9,
+                    msg=lambda m: f"input {i}: {m}",
+                )
     return bool(in_b)
 
 
@@ -214,7 +282,9 @@ def check_split(program, position: int, seed: int) -> bool:
 @given(program=stages(), position=st.sampled_from([1, 2, 0]), seed=st.integers(0, 2**16))
 def test_split_gradients_equal_autograd_on_generated_stages(program, position, seed):
     kept = check_split(program, position, seed)
-    event(f"{('first', 'middle', 'last')[position]} stage, {'some' if kept else 'no'} parameters in B")
+    event(
+        f"{('first', 'middle', 'last')[position]} stage, {'some' if kept else 'no'} parameters in B"
+    )
 
 
 def _before_15():
@@ -242,13 +312,25 @@ def test_mutation_the_capture_logic_before_issue_15_fails(monkeypatch):
         test_split_gradients_equal_autograd_on_generated_stages()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: (nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.LayerNorm(D)), nn.Linear(D, 3)),
-], ids=["layer-norm-then-side-output"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.LayerNorm(D)), nn.Linear(D, 3)),
+    ],
+    ids=["layer-norm-then-side-output"],
+)
 def test_the_reported_derived_output_is_exact(make):
     """Issue 15's case: h2 = LayerNorm(relu(Linear(x))) and side = Linear2(h2), both sent on."""
-    program = ((FLOAT,), (("linear", (0, 0), None), ("tanh", (1, 1), None), ("norm", (2, 2), None),
-                          ("linear", (3, 3), None)), (3, 4))
+    program = (
+        (FLOAT,),
+        (
+            ("linear", (0, 0), None),
+            ("tanh", (1, 1), None),
+            ("norm", (2, 2), None),
+            ("linear", (3, 3), None),
+        ),
+        (3, 4),
+    )
     for position in (0, 1, 2):
         check_split(program, position, seed=3)
     assert weight_split.RERUN_LIMIT > 0

@@ -6,6 +6,7 @@ multi-grad hooks, and ``autograd.grad`` through them then fails. Ranks run as
 threads in the fake-NCCL tests, and users run their own threads: this failed
 1 in ~5 suite runs of tests/test_gpu_path.py as a 30 s peer timeout.
 """
+
 from __future__ import annotations
 
 import threading

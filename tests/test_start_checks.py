@@ -2,6 +2,7 @@
 of what a run really holds (so it refuses only what cannot fit), every config in
 configs/ passes both checks, and a timeout below 3 x the predicted step gets a
 line that says what to raise it to."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,13 @@ import torch
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.placement import VirtualLayout
-from rrfp.app.start_checks import check_byte_budget, check_memory, check_timeout, footprints, predicted_step_s
+from rrfp.app.start_checks import (
+    check_byte_budget,
+    check_memory,
+    check_timeout,
+    footprints,
+    predicted_step_s,
+)
 from rrfp.pipeline.worker import StageWorker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +40,11 @@ def test_every_shipped_config_passes_both_checks(path):
 def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
     """Parameters: exactly the real stages'. Activations of one microbatch: at most what the
     worker measures on the real CPU forward of that microbatch (the run's own count)."""
-    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=2", "microbatches=4",
-                                                             "model.dropout=0.1"], world_size=2)
+    cfg = TrainConfig.load(
+        ROOT / "configs/gpt-tiny.toml",
+        ["model.n_layer=2", "microbatches=4", "model.dropout=0.1"],
+        world_size=2,
+    )
     prints = footprints(cfg)
     wl, S = cfg.workload, cfg.layout.pp
     sample = wl.batches(cfg.data, 0, 4)
@@ -50,7 +60,10 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
         estimate = prints[s].activations // prints[s].in_flight
         assert 0.3 * real <= estimate <= real, (s, estimate, real)
         x = out
-    assert [f.in_flight for f in prints] == [4, 2]  # budget 2x: 2 * (S - s), at most the 4 microbatches
+    assert [f.in_flight for f in prints] == [
+        4,
+        2,
+    ]  # budget 2x: 2 * (S - s), at most the 4 microbatches
 
 
 def test_with_virtual_stages_a_rank_counts_its_chunks():
@@ -61,12 +74,17 @@ def test_with_virtual_stages_a_rank_counts_its_chunks():
 
     sets = ["model.n_layer=4", "microbatches=8", "virtual=2", "placement=v"]
     cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets, world_size=2)
-    one = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=8"], world_size=2)
+    one = TrainConfig.load(
+        ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=8"], world_size=2
+    )
     prints, wl, lay = footprints(cfg), cfg.workload, VirtualLayout(2, 2, "v")
     sample = wl.batches(cfg.data, 0, 8)
     smallest = min(range(8), key=lambda m: sample[m][0].numel())
     x, y = sample[smallest]
-    params, real = [], []  # per global stage: the real chunk's parameter bytes (x 4: AdamW) and saved activations
+    params, real = (
+        [],
+        [],
+    )  # per global stage: the real chunk's parameter bytes (x 4: AdamW) and saved activations
     torch.manual_seed(0)
     for g in range(4):
         module = wl.build_stage(cfg.model, g, 4, None)
@@ -82,10 +100,15 @@ def test_with_virtual_stages_a_rank_counts_its_chunks():
         assert 0.3 * smaller <= f.activations // f.in_flight <= smaller, (r, f, real)
     # the two ranks hold all the layers between them, as with one stage per rank
     assert sum(f.state for f in prints) == sum(f.state for f in footprints(one))
-    fixed = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets + ["dispatch=fixed", "hint=zbv"], world_size=2)
+    fixed = TrainConfig.load(
+        ROOT / "configs/gpt-tiny.toml", sets + ["dispatch=fixed", "hint=zbv"], world_size=2
+    )
     orders = [fixed.run.hint.rank_order(lay, r, 8, True) for r in range(2)]
-    assert [f.in_flight for f in footprints(fixed)] == [peak_in_flight([t for _, t in o], True) for o in orders] \
+    assert (
+        [f.in_flight for f in footprints(fixed)]
+        == [peak_in_flight([t for _, t in o], True) for o in orders]
         == [4, 4]
+    )
 
 
 def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
@@ -95,24 +118,46 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
     with pytest.raises(ConfigError) as e:
         check_memory(cfg, available=need - 1)
     line = str(e.value)
-    assert "\n" not in line and "above the" in line and "lower run.microbatches, run.budget" in line, line
+    assert (
+        "\n" not in line and "above the" in line and "lower run.microbatches, run.budget" in line
+    ), line
     assert f"{need / 2**20:.1f} MiB of memory" in line, line
 
 
 def test_timeout_below_three_steps_says_what_to_raise_it_to():
-    cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["unit_ms=1000", "timeout_s=5", "microbatches=4"],
-                           world_size=4)
-    assert predicted_step_s(cfg) == pytest.approx(12.0)  # 4 microbatches x (F + B + W) of 1 unit each
+    cfg = TrainConfig.load(
+        ROOT / "configs/gpt-tiny.toml",
+        ["unit_ms=1000", "timeout_s=5", "microbatches=4"],
+        world_size=4,
+    )
+    assert predicted_step_s(cfg) == pytest.approx(
+        12.0
+    )  # 4 microbatches x (F + B + W) of 1 unit each
     assert "raise run.timeout_s to 36 or more" in check_timeout(cfg, bounds_waits=True)
     assert check_timeout(cfg) is None, "on gloo the heartbeat bounds silence, not the step"
-    assert check_timeout(TrainConfig.load(ROOT / "configs/gpt-tiny.toml",
-                                          ["unit_ms=1000", "timeout_s=36", "microbatches=4"], world_size=4),
-                         bounds_waits=True) is None
+    assert (
+        check_timeout(
+            TrainConfig.load(
+                ROOT / "configs/gpt-tiny.toml",
+                ["unit_ms=1000", "timeout_s=36", "microbatches=4"],
+                world_size=4,
+            ),
+            bounds_waits=True,
+        )
+        is None
+    )
     # real compute without a cost model: no prediction, no line; an injected slow task is a known part
-    assert predicted_step_s(TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)) is None
-    slow = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["fault=slow:step=2:stage=1:task=F0:seconds=60"],
-                            world_size=4)
-    assert predicted_step_s(slow) == 60.0 and "raise run.timeout_s to 180" in check_timeout(slow, bounds_waits=True)
+    assert (
+        predicted_step_s(TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)) is None
+    )
+    slow = TrainConfig.load(
+        ROOT / "configs/gpt-tiny.toml",
+        ["fault=slow:step=2:stage=1:task=F0:seconds=60"],
+        world_size=4,
+    )
+    assert predicted_step_s(slow) == 60.0 and "raise run.timeout_s to 180" in check_timeout(
+        slow, bounds_waits=True
+    )
 
 
 def test_measuring_leaves_the_run_generator_alone():
@@ -128,19 +173,36 @@ def test_byte_budget_below_one_microbatch_gets_a_warning():
     the budget runs alone), so it is no error; the start says so, where the budget applies."""
     tiny = ROOT / "configs/gpt-tiny.toml"
     cfg = TrainConfig.load(tiny, ["budget=1B"], world_size=4)
-    prints = check_memory(cfg)  # what rrfp train passes on; one microbatch's bytes do not depend on the budget
+    prints = check_memory(
+        cfg
+    )  # what rrfp train passes on; one microbatch's bytes do not depend on the budget
 
     def line(*sets):
         return check_byte_budget(TrainConfig.load(tiny, list(sets), world_size=4), prints)
 
     warning = check_byte_budget(cfg, prints)
-    assert warning.startswith("run.budget = 1B is a byte budget below one microbatch's activations on every rank")
+    assert warning.startswith(
+        "run.budget = 1B is a byte budget below one microbatch's activations on every rank"
+    )
     assert "runs alone" in warning and "\n" not in warning
     smallest = min(f.one for f in prints)
-    assert smallest > 0 and line(f"budget={smallest}B") is None and line(f"budget={smallest - 1}B") is not None
-    for sets in (["budget=64MiB"], ["budget=2x"], ["budget=1"], ["budget=1B", "dispatch=fixed", "hint=1f1b"]):
-        assert line(*sets) is None, sets  # enough, a count, or fixed dispatch, which applies no budget
-    assert line("budget=1B", "dispatch=fixed", "hint=plan", "unit_ms=1") is not None  # a plan keeps the budget
+    assert (
+        smallest > 0
+        and line(f"budget={smallest}B") is None
+        and line(f"budget={smallest - 1}B") is not None
+    )
+    for sets in (
+        ["budget=64MiB"],
+        ["budget=2x"],
+        ["budget=1"],
+        ["budget=1B", "dispatch=fixed", "hint=1f1b"],
+    ):
+        assert line(*sets) is None, (
+            sets
+        )  # enough, a count, or fixed dispatch, which applies no budget
+    assert (
+        line("budget=1B", "dispatch=fixed", "hint=plan", "unit_ms=1") is not None
+    )  # a plan keeps the budget
     assert check_byte_budget(cfg, None) is None  # not measurable: no claim
     virtual = TrainConfig.load(tiny, ["budget=1B", "virtual=2", "model.n_layer=8"], world_size=4)
     assert "one chunk's activations" in check_byte_budget(virtual, footprints(virtual))

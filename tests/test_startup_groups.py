@@ -3,6 +3,7 @@ iterations, the step's collectives, saving a checkpoint and resuming from one (r
 two ranks). On NCCL each group is a communicator, so a group created later would be one
 created on the event loop; tests/test_gpu_path.py shows the same for NCCL's own
 communicators on the fake."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ def _groups_created(rank, world, root):
     def spy(*a, **k):
         created.append(phase[0])
         return helper(*a, **k)
+
     c10d._new_process_group_helper = spy
     start = PipelineRuntime.start
 
@@ -36,13 +38,26 @@ def _groups_created(rank, world, root):
         rt = start(*a, **k)
         phase[0] = "run"
         return rt
+
     PipelineRuntime.start = marked
 
     def config(steps, **run_sets):
-        sets = ["model.n_layer=2", "model.n_embd=32", "model.block_size=64", "data.min_seq_len=16",
-                "data.max_seq_len=64", "microbatches=4", "pp=2", f"steps={steps}", "timeout_s=60",
-                f"checkpoint_dir={root}", "checkpoint_every=1"]
-        return TrainConfig.load("configs/gpt-tiny.toml", sets + [f"{k}={json.dumps(v)}" for k, v in run_sets.items()])
+        sets = [
+            "model.n_layer=2",
+            "model.n_embd=32",
+            "model.block_size=64",
+            "data.min_seq_len=16",
+            "data.max_seq_len=64",
+            "microbatches=4",
+            "pp=2",
+            f"steps={steps}",
+            "timeout_s=60",
+            f"checkpoint_dir={root}",
+            "checkpoint_every=1",
+        ]
+        return TrainConfig.load(
+            "configs/gpt-tiny.toml", sets + [f"{k}={json.dumps(v)}" for k, v in run_sets.items()]
+        )
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     first = run(stage_main(config(2)))
@@ -58,9 +73,14 @@ def _groups_created(rank, world, root):
 
 @pytest.mark.timeout(120)
 def test_no_process_group_is_created_after_startup(tmp_path):
-    for rank, (counts, seen, resumed_from, steps) in run_ranks(_groups_created, 2, str(tmp_path),
-                                                               timeout=100).items():
-        assert resumed_from == 2 and steps == 3, "the second run resumed from the first one's checkpoint"
+    for rank, (counts, seen, resumed_from, steps) in run_ranks(
+        _groups_created, 2, str(tmp_path), timeout=100
+    ).items():
+        assert resumed_from == 2 and steps == 3, (
+            "the second run resumed from the first one's checkpoint"
+        )
         assert counts["startup"] >= 2 * 2, counts  # per run: both channel groups
-        assert counts["run"] == 0, f"rank {rank}: {counts['run']} process group(s) created after start-up"
+        assert counts["run"] == 0, (
+            f"rank {rank}: {counts['run']} process group(s) created after start-up"
+        )
         assert seen == 1, "the spy counts a group created after start-up"

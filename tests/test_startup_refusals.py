@@ -3,6 +3,7 @@ cannot be written is probed on every rank (not rank 0 alone, which left the othe
 waiting for it in the rendezvous), and a rank that waits in the rendezvous acts on
 SIGTERM at once (the rendezvous runs off the main thread, where Python runs signal
 handlers). Plain processes, no torchrun: its agent would end the others itself."""
+
 from __future__ import annotations
 
 import signal
@@ -27,8 +28,9 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
     ranks = RankProcs(tmp_path, 2, [*SMALL, "--set", "timeout_s=60", "--set", f"{key}={path}"])
     try:
         ended = ranks.wait([0, 1], LIMIT_S)
-        assert sorted(ended) == [0, 1], f"still running after {LIMIT_S} s: {set([0, 1]) - set(ended)}\n" \
-                                        f"{ranks.tails()}"
+        assert sorted(ended) == [0, 1], (
+            f"still running after {LIMIT_S} s: {set([0, 1]) - set(ended)}\n{ranks.tails()}"
+        )
         assert [p.returncode for p in ranks.procs] == [2, 2], ranks.tails()
         for r in (0, 1):
             lines = ranks.error_lines(r)
@@ -40,9 +42,15 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60)."""
-    p = subprocess.Popen([sys.executable, "-m", "rrfp", "train", *SMALL, "--set", "timeout_s=60"], cwd=ROOT,
-                         env=_env(1, 2, free_port()), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "rrfp", "train", *SMALL, "--set", "timeout_s=60"],
+        cwd=ROOT,
+        env=_env(1, 2, free_port()),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(15)  # imports and checks done: in the rendezvous
         assert p.poll() is None, p.communicate()
@@ -54,5 +62,7 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
         p.kill()
     assert p.returncode == 143, (p.returncode, err)
     assert took < 5, f"{took:.1f} s after SIGTERM"
-    assert err.strip().splitlines() == [f"rrfp: stopped: rank 1: SIGTERM during start-up, before any step; no "
-                                        "checkpoint is kept (run.checkpoint_dir is not set)"], err
+    assert err.strip().splitlines() == [
+        f"rrfp: stopped: rank 1: SIGTERM during start-up, before any step; no "
+        "checkpoint is kept (run.checkpoint_dir is not set)"
+    ], err

@@ -7,6 +7,7 @@ AdamW state, RNG) equal those of a run that was never stopped, bit for bit: the
 abandoned step's gradients were not applied or saved, and its RNG state at the
 start was what the checkpoint kept (dropout draws from it).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,24 +25,56 @@ from test_restart import _flat, losses
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's own, the same job shape)
+
 STEPS, SLOW_STEP, SLOW_S, SAVED_WITHIN_S = 6, 3, 60, 5.0
-SETS = ["model.n_layer=2", "model.n_embd=32", "model.block_size=64", "data.min_seq_len=16", "data.max_seq_len=64",
-        "microbatches=4", "model.dropout=0.1", f"steps={STEPS}", "timeout_s=200"]
+SETS = [
+    "model.n_layer=2",
+    "model.n_embd=32",
+    "model.block_size=64",
+    "data.min_seq_len=16",
+    "data.max_seq_len=64",
+    "microbatches=4",
+    "model.dropout=0.1",
+    f"steps={STEPS}",
+    "timeout_s=200",
+]
 
 
 def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
     """``rrfp train`` on 2 ranks under torchrun. --monitor-interval 3: once a rank has exited, the agent
     SIGTERMs the other only after 3 s, so each rank's own line is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_",
-                                                                    "TORCHELASTIC", "RRFP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     sets = [*SETS, f"checkpoint_dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
     out, err = open(tmp / "out", "w"), open(tmp / "err", "w")
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "--monitor-interval", "3", "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml",
-                          *[a for s in sets for a in ("--set", s)]],
-                         cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--monitor-interval",
+            "3",
+            "-m",
+            "rrfp",
+            "train",
+            "--config",
+            "configs/gpt-tiny.toml",
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=err,
+        start_new_session=True,
+    )
     if wait:
         p.wait(timeout=150)
     return p
@@ -62,7 +95,9 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     run = tmp_path / "stopped"
     # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and waits
     # in the step's all-reduce: a stop must discard those gradients and meet that rank there
-    job = torchrun(run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}", wait=False)
+    job = torchrun(
+        run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}", wait=False
+    )
     err = run / "err"
     try:
         t0 = time.monotonic()
@@ -77,35 +112,61 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
         t_sig = time.monotonic()
         lines: dict[int, str] = {}
         while len(lines) < 2 and time.monotonic() - t_sig < SAVED_WITHIN_S:
-            lines = {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", err.read_text(), re.M)}
+            lines = {
+                int(m[1]): m[0]
+                for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", err.read_text(), re.M)
+            }
             time.sleep(0.02)
         elapsed = time.monotonic() - t_sig
         print(f"both ranks' 'saved' lines {elapsed:.2f} s after SIGTERM, in a {SLOW_S} s task")
-        assert len(lines) == 2, (f"{sorted(lines)} of 2 ranks said 'stopped' within {SAVED_WITHIN_S} s of SIGTERM "
-                                 f"in a {SLOW_S} s step\n" + err.read_text()[-3000:])
+        assert len(lines) == 2, (
+            f"{sorted(lines)} of 2 ranks said 'stopped' within {SAVED_WITHIN_S} s of SIGTERM "
+            f"in a {SLOW_S} s step\n" + err.read_text()[-3000:]
+        )
         job.wait(timeout=30)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
     text = err.read_text()
-    assert [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)] == [143, 143], text[-3000:]
+    assert [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)] == [143, 143], (
+        text[-3000:]
+    )
     ck = run / "ck" / f"step-{SLOW_STEP - 1:08d}"
     for r, line in lines.items():
-        assert (f"step {SLOW_STEP} of {STEPS} abandoned midway, not applied; checkpoint {ck} "
-                f"(step {SLOW_STEP - 1}) is saved; continue with --resume") in line, line
-    assert f'File "{ROOT / "rrfp"}' not in text, text[-3000:]  # torchrun's traceback is its own, none of rrfp's
-    resumed = torchrun(run / "resume", run / "ck", "resume=required")  # the same checkpoint directory, no fault
+        assert (
+            f"step {SLOW_STEP} of {STEPS} abandoned midway, not applied; checkpoint {ck} "
+            f"(step {SLOW_STEP - 1}) is saved; continue with --resume"
+        ) in line, line
+    assert f'File "{ROOT / "rrfp"}' not in text, text[
+        -3000:
+    ]  # torchrun's traceback is its own, none of rrfp's
+    resumed = torchrun(
+        run / "resume", run / "ck", "resume=required"
+    )  # the same checkpoint directory, no fault
     assert resumed.returncode == 0, (run / "resume" / "err").read_text()[-3000:]
     out = (run / "resume" / "out").read_text()
     assert f"resume: from {ck} (step {SLOW_STEP - 1} of {STEPS})" in out, out
     stopped = losses((run / "out").read_text())
-    assert sorted(stopped) == list(range(1, SLOW_STEP)), stopped  # the abandoned step printed nothing
+    assert sorted(stopped) == list(range(1, SLOW_STEP)), (
+        stopped
+    )  # the abandoned step printed nothing
     assert {**stopped, **losses(out)} == losses((tmp_path / "whole" / "out").read_text()), (
-        (run / "out").read_text(), out, (tmp_path / "whole" / "out").read_text())
+        (run / "out").read_text(),
+        out,
+        (tmp_path / "whole" / "out").read_text(),
+    )
     a, b = final_state(tmp_path / "whole" / "ck"), final_state(run / "ck")
-    assert a.keys() == b.keys() and any(".optim.state." in k for k in a) and any(".rng" in k for k in a)
+    assert (
+        a.keys() == b.keys()
+        and any(".optim.state." in k for k in a)
+        and any(".rng" in k for k in a)
+    )
     import torch
 
-    differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
+    differ = [
+        k
+        for k in a
+        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+    ]
     assert not differ, f"the stopped and resumed run's final state differs in {differ[:5]}"

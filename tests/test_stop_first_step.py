@@ -4,6 +4,7 @@ of it would hold the optimizer state DCP makes up for a fresh AdamW (step 1,
 zero moments) and resume differently from step 2 on. The run after the stop
 (``resume = auto``) starts at step 0 and ends in the state, bit for bit, of a
 run that was never stopped."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,13 @@ def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path):
     whole = torchrun(tmp_path / "whole", tmp_path / "whole" / "ck", f"steps={STEPS}")
     assert whole.returncode == 0, (tmp_path / "whole" / "err").read_text()[-3000:]
     run = tmp_path / "stopped"
-    job = torchrun(run, run / "ck", f"steps={STEPS}", "fault=slow:step=1:stage=0:task=W1:seconds=60", wait=False)
+    job = torchrun(
+        run,
+        run / "ck",
+        f"steps={STEPS}",
+        "fault=slow:step=1:stage=0:task=W1:seconds=60",
+        wait=False,
+    )
     err = run / "err"
     try:
         t0 = time.monotonic()
@@ -49,12 +56,25 @@ def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path):
             job.wait()
     text = err.read_text()
     lines = re.findall(r"^rrfp: stopped: .*$", text, re.M)
-    assert lines and all(f"step 1 of {STEPS} abandoned midway, not applied; no checkpoint saved (no step was "
-                         "completed" in ln for ln in lines), text[-3000:]
-    assert [p.name for p in (run / "ck").iterdir() if not p.name.startswith(".")] == [], "a checkpoint was saved"
-    again = torchrun(run / "again", run / "ck", f"steps={STEPS}")  # resume = auto: nothing to resume, step 0
+    assert lines and all(
+        f"step 1 of {STEPS} abandoned midway, not applied; no checkpoint saved (no step was "
+        "completed" in ln
+        for ln in lines
+    ), text[-3000:]
+    assert [p.name for p in (run / "ck").iterdir() if not p.name.startswith(".")] == [], (
+        "a checkpoint was saved"
+    )
+    again = torchrun(
+        run / "again", run / "ck", f"steps={STEPS}"
+    )  # resume = auto: nothing to resume, step 0
     assert again.returncode == 0, (run / "again" / "err").read_text()[-3000:]
     a, b = _final(tmp_path / "whole" / "ck"), _final(run / "ck")
     assert a.keys() == b.keys() and any(".optim.state." in k for k in a)
-    differ = [k for k in a if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])]
-    assert not differ, f"the run after the stop ends in another state than one never stopped: {differ[:5]}"
+    differ = [
+        k
+        for k in a
+        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+    ]
+    assert not differ, (
+        f"the run after the stop ends in another state than one never stopped: {differ[:5]}"
+    )

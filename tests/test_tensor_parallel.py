@@ -1,11 +1,20 @@
 """Tensor-parallel split-aware linears and the TP GPT stage against unsharded references."""
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage, tp_shard_spec, validate_tp
+from models.gpt import (
+    GPT,
+    GPTConfig,
+    full_grad_slice,
+    loss_fn,
+    make_stage,
+    tp_shard_spec,
+    validate_tp,
+)
 from rrfp.nn.split_linear import SplitLinear, WeightGradQueue, collect_weight_grads
 from rrfp.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_from_full
 
@@ -18,6 +27,7 @@ def _close(a, b, msg=""):
 
 
 # -- no group: a plain split-aware linear --------------------------------------
+
 
 @pytest.mark.parametrize("cls", [ColumnParallelLinear, RowParallelLinear])
 @pytest.mark.parametrize("bias", [True, False])
@@ -56,7 +66,7 @@ def test_shard_from_full_fused_qkv():
     full = torch.arange(3 * C * 2, dtype=D).view(3 * C, 2)
     q, k, v = full.split(C)
     for r in range(2):
-        want = torch.cat([q[r * 4:(r + 1) * 4], k[r * 4:(r + 1) * 4], v[r * 4:(r + 1) * 4]])
+        want = torch.cat([q[r * 4 : (r + 1) * 4], k[r * 4 : (r + 1) * 4], v[r * 4 : (r + 1) * 4]])
         assert torch.equal(shard_from_full(full, 0, r, 2, chunks=3), want)
     assert torch.equal(shard_from_full(full, 1, 1, 2), full[:, 1:])
     assert torch.equal(shard_from_full(full, None, 1, 2), full)
@@ -69,8 +79,13 @@ def test_full_grad_slice_names():
     assert tp_shard_spec("transformer.h.3.attn.c_attn.bias") == (0, 3)
     assert tp_shard_spec("transformer.h.0.attn.c_proj.weight") == (1, 1)
     assert tp_shard_spec("transformer.h.0.mlp.c_fc.bias") == (0, 1)
-    for replicated in ("transformer.h.0.mlp.c_proj.bias", "transformer.h.0.attn.c_proj.bias", "lm_head.weight",
-                       "transformer.wte.weight", "transformer.h.1.ln_1.weight"):
+    for replicated in (
+        "transformer.h.0.mlp.c_proj.bias",
+        "transformer.h.0.attn.c_proj.bias",
+        "lm_head.weight",
+        "transformer.wte.weight",
+        "transformer.h.1.ln_1.weight",
+    ):
         assert tp_shard_spec(replicated) is None, replicated
     w = torch.randn(4 * 8, 8, dtype=D)
     assert torch.equal(full_grad_slice("transformer.h.1.mlp.c_fc.weight", w, 1, 2), w[16:])
@@ -102,6 +117,7 @@ def test_validate_tp():
 
 # -- real gloo TP groups ---------------------------------------------------------
 
+
 def _mlp_ranks(rank, world):
     import torch.distributed as dist
 
@@ -123,10 +139,14 @@ def _mlp_ranks(rank, world):
     row = RowParallelLinear(hid, out_f, group, dtype=D)
     part = hid // world
     # same seed: the exact slices of the reference
-    assert col.weight.shape == (part, in_f) and row.weight.shape == (out_f, part) and row.bias.shape == (out_f,)
-    assert torch.equal(col.weight, ref1.weight[rank * part:(rank + 1) * part])
-    assert torch.equal(col.bias, ref1.bias[rank * part:(rank + 1) * part])
-    assert torch.equal(row.weight, ref2.weight[:, rank * part:(rank + 1) * part])
+    assert (
+        col.weight.shape == (part, in_f)
+        and row.weight.shape == (out_f, part)
+        and row.bias.shape == (out_f,)
+    )
+    assert torch.equal(col.weight, ref1.weight[rank * part : (rank + 1) * part])
+    assert torch.equal(col.bias, ref1.bias[rank * part : (rank + 1) * part])
+    assert torch.equal(row.weight, ref2.weight[:, rank * part : (rank + 1) * part])
     assert torch.equal(row.bias, ref2.bias)
 
     x, g = torch.randn(2, 3, in_f, dtype=D), torch.randn(2, 3, out_f, dtype=D)  # same on every rank
@@ -162,21 +182,31 @@ def _mlp_ranks(rank, world):
     # load_full / from_full of a fused qkv projection
     full = SplitLinear(4, 12, dtype=D)
     qkv = ColumnParallelLinear.from_full(full, group, chunks=3)
-    want = torch.cat([z[rank * 2:(rank + 1) * 2] for z in full.weight.split(4)])
+    want = torch.cat([z[rank * 2 : (rank + 1) * 2] for z in full.weight.split(4)])
     assert torch.equal(qkv.weight, want)
 
     # divisibility errors name the layer and the numbers
-    for make, pattern in [(lambda: ColumnParallelLinear(4, 5, group), "ColumnParallelLinear: out_features=5 .* size 2"),
-                          (lambda: RowParallelLinear(5, 4, group, name="blk.c_proj"),
-                           "RowParallelLinear 'blk.c_proj': in_features=5 .* size 2"),
-                          (lambda: ColumnParallelLinear(4, 9, group, chunks=3), "out_features=9 in 3 blocks of 3")]:
+    for make, pattern in [
+        (
+            lambda: ColumnParallelLinear(4, 5, group),
+            "ColumnParallelLinear: out_features=5 .* size 2",
+        ),
+        (
+            lambda: RowParallelLinear(5, 4, group, name="blk.c_proj"),
+            "RowParallelLinear 'blk.c_proj': in_features=5 .* size 2",
+        ),
+        (lambda: ColumnParallelLinear(4, 9, group, chunks=3), "out_features=9 in 3 blocks of 3"),
+    ]:
         with pytest.raises(ValueError, match=pattern):
             make()
 
     # a group of size 1 launches nothing
     singles = [dist.new_group([r]) for r in range(world)]
     calls.clear()
-    c1, r1 = ColumnParallelLinear(in_f, hid, singles[rank], dtype=D), RowParallelLinear(hid, out_f, singles[rank], dtype=D)
+    c1, r1 = (
+        ColumnParallelLinear(in_f, hid, singles[rank], dtype=D),
+        RowParallelLinear(hid, out_f, singles[rank], dtype=D),
+    )
     assert c1.tp == 1 and c1.group is None
     with collect_weight_grads(WeightGradQueue()):
         r1(c1(x.clone().requires_grad_())).sum().backward()
@@ -207,7 +237,9 @@ def _gpt_ranks(rank, world):
     assert stage.tp == world and stage.tp_rank == rank
     C = GPT_CFG.n_embd
     blk = stage.transformer.h["0"]
-    assert isinstance(blk.attn.c_attn, ColumnParallelLinear) and isinstance(blk.mlp.c_proj, RowParallelLinear)
+    assert isinstance(blk.attn.c_attn, ColumnParallelLinear) and isinstance(
+        blk.mlp.c_proj, RowParallelLinear
+    )
     assert blk.attn.n_head == GPT_CFG.n_head // world
     assert blk.attn.c_attn.weight.shape == (3 * C // world, C)
     full_params = dict(model.named_parameters())
@@ -218,8 +250,10 @@ def _gpt_ranks(rank, world):
         assert torch.equal(p, full_grad_slice(n, full_params[n], rank, world)), n
 
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randint(0, 64, (2, T), generator=gen), torch.randint(0, 64, (2, T), generator=gen))
-            for T in (12, 20)]
+    data = [
+        (torch.randint(0, 64, (2, T), generator=gen), torch.randint(0, 64, (2, T), generator=gen))
+        for T in (12, 20)
+    ]
     M = len(data)
     with torch.no_grad():
         for idx, _ in data:
@@ -232,7 +266,10 @@ def _gpt_ranks(rank, world):
         assert abs(worker.forward(m, idx, tgt) - ref_losses[m].item()) < 1e-10
     worker.backward(1)
     worker.backward(0)
-    for n, p in params.items():  # B done: every weight gradient waits for W (queued or autograd-split)
+    for (
+        n,
+        p,
+    ) in params.items():  # B done: every weight gradient waits for W (queued or autograd-split)
         assert p.grad is None, n
     worker.weight(0)
     worker.weight(1)
@@ -241,7 +278,9 @@ def _gpt_ranks(rank, world):
     for n, p in params.items():
         _close(p.grad, full_grad_slice(n, full_params[n].grad, rank, world), n)
         if tp_shard_spec(n) is None:
-            replicated[n] = p.grad.tolist()  # plain data: tensors would travel through shared memory
+            replicated[n] = (
+                p.grad.tolist()
+            )  # plain data: tensors would travel through shared memory
     dist.barrier()
     dist.destroy_process_group()
     return replicated

@@ -2,6 +2,7 @@
 embedding and lm head are one parameter trains, over several AdamW steps, exactly as one process with
 the truly tied model, whichever ranks hold the two copies; the global norm counts a tie once; a tie
 that differs in shape is refused on every rank, and a forgotten one is hinted at."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,14 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    cfg = GPTConfig(n_layer=pp * virtual, n_embd=16, n_head=2, block_size=32, vocab_size=256, tie_embeddings=True)
+    cfg = GPTConfig(
+        n_layer=pp * virtual,
+        n_embd=16,
+        n_head=2,
+        block_size=32,
+        vocab_size=256,
+        tie_embeddings=True,
+    )
     data_cfg = DataConfig(seed=7, microbatch_size=2, min_seq_len=4, max_seq_len=12)
     warnings = []
     handler = logging.Handler(logging.WARNING)
@@ -59,21 +67,31 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
             torch.manual_seed(0)
             full = GPT(cfg)
             modules = [make_stage(full, s, rt.num_stages) for s in rt.stages]
-            for m in modules:  # the last stage starts from other values: the setup makes the copies equal
+            for m in (
+                modules
+            ):  # the last stage starts from other values: the setup makes the copies equal
                 for n, p in m.named_parameters():
                     if n == "lm_head.weight" and declare == "ties":
                         p.data.normal_()
-            tied = {"ties": [_gpt_ties(s, rt.num_stages) for s in rt.stages], "none": None,
-                    "shapes": [{"e": "transformer.wte.weight"} if s == 0 else
-                               {"e": "transformer.ln_f.weight"} if s == rt.num_stages - 1 else {}
-                               for s in rt.stages]}[declare]
+            tied = {
+                "ties": [_gpt_ties(s, rt.num_stages) for s in rt.stages],
+                "none": None,
+                "shapes": [
+                    {"e": "transformer.wte.weight"}
+                    if s == 0
+                    else {"e": "transformer.ln_f.weight"}
+                    if s == rt.num_stages - 1
+                    else {}
+                    for s in rt.stages
+                ],
+            }[declare]
             ex = rt.stage_executor(modules, loss_fn, microbatches=M, tied=tied)
             sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
             params = list({id(p): p for m in modules for p in m.parameters()}.values())
             opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
             losses, norms = [], []
             for step in range(STEPS):
-                mine = make_batches(data_cfg, step, M * dp)[rt.dp_rank * M:(rt.dp_rank + 1) * M]
+                mine = make_batches(data_cfg, step, M * dp)[rt.dp_rank * M : (rt.dp_rank + 1) * M]
                 res = await ex.run_iteration(step, mine)
                 await sync.sync()
                 if clip:
@@ -81,10 +99,16 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
                 opt.step()
                 opt.zero_grad()
                 losses.append(res.loss)
-            err = max((p - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters())
+            err = max(
+                (p - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters()
+            )
             # a DP replica's loss is over its own microbatches: with dp > 1 the parameters carry the check
-            return {"losses": losses if dp == 1 else [None] * STEPS, "norms": norms, "err": err,
-                    "warnings": warnings}
+            return {
+                "losses": losses if dp == 1 else [None] * STEPS,
+                "norms": norms,
+                "err": err,
+                "warnings": warnings,
+            }
         finally:
             await rt.aclose()
 
@@ -102,9 +126,11 @@ def _check(results):
         for got, want in zip(r["losses"], r["ref_losses"]):
             assert got is None or abs(got - want) < 1e-10, (rank, r["losses"], r["ref_losses"])
         assert len(r["norms"]) == len(r["ref_norms"])
-        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (rank, r)
+        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (
+            rank,
+            r,
+        )
         assert not r["warnings"], r["warnings"]  # a declared tie is no forgotten one
-
 
 
 def test_tied_embedding_pp4_interleaved_v2_first_and_last_on_ranks_0_and_3():
@@ -171,8 +197,13 @@ def _schedule_tied(rank, world):
     chunk = copy.deepcopy(model[rank])  # this stage's own copy of the shared weight
     model[1].head.weight = model[0].embed.weight  # the truly tied reference
     g = torch.Generator().manual_seed(3)
-    data = [(torch.randint(0, vocab, (2 * M, 5), generator=g), torch.randint(0, vocab, (2 * M, 5), generator=g))
-            for _ in range(STEPS)]
+    data = [
+        (
+            torch.randint(0, vocab, (2 * M, 5), generator=g),
+            torch.randint(0, vocab, (2 * M, 5), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
     ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_norms = []
     for x, y in data:
@@ -204,7 +235,10 @@ def test_schedule_ready_tied_and_clip_grad_norm():
     for rank, r in run_ranks(_schedule_tied, 2, timeout=120).items():
         assert r["err"] < 1e-10, (rank, r)
         assert all(n > 0.05 for n in r["ref_norms"]), "the test must clip"
-        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (rank, r)
+        assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (
+            rank,
+            r,
+        )
 
 
 def test_declarations_are_looked_up_in_the_rank_s_modules():

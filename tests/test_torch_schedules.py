@@ -1,6 +1,7 @@
 """torch.distributed.pipelining anchors (rrfp/app/bench/torch_schedules.py) on real gloo ranks:
 torch's schedules train the same parameters as a single-process reference, and hold every
 task for its emulated time, so an iteration lasts at least what its durations allow."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,13 @@ def _model_and_data():
     from models.data import DataConfig
     from models.gpt import GPTConfig
 
-    return (GPTConfig(n_layer=8, n_embd=32, n_head=4, block_size=64),
-            [DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=16),
-             DataConfig(seed=1, microbatch_size=2, min_seq_len=24, max_seq_len=40)])
+    return (
+        GPTConfig(n_layer=8, n_embd=32, n_head=4, block_size=64),
+        [
+            DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=16),
+            DataConfig(seed=1, microbatch_size=2, min_seq_len=24, max_seq_len=40),
+        ],
+    )
 
 
 def _train_two_iterations(rank, world, schedule):
@@ -49,8 +54,15 @@ def _train_two_iterations(rank, world, schedule):
 
     dist.init_process_group("gloo")
     try:
-        runner = ts.TorchScheduleRunner(schedule, ts.workload_stage_builder(workload, model_cfg, seed=0), loss_fn,
-                                        rank, world, M, unit_s=0.0)
+        runner = ts.TorchScheduleRunner(
+            schedule,
+            ts.workload_stage_builder(workload, model_cfg, seed=0),
+            loss_fn,
+            rank,
+            world,
+            M,
+            unit_s=0.0,
+        )
         opt = torch.optim.SGD(runner.parameters(), lr=0.5)
         losses, capacities = [], []
         for it, batches in enumerate(data):
@@ -62,10 +74,14 @@ def _train_two_iterations(rank, world, schedule):
                 opt.step()
         named = list(runner.named_parameters())
         missing = [n for n, p in named if p.grad is None]
-        grad_err = max((p.grad - ref_grads[n]).abs().max().item() for n, p in named if p.grad is not None)
+        grad_err = max(
+            (p.grad - ref_grads[n]).abs().max().item() for n, p in named if p.grad is not None
+        )
         owned = {n for n, _ in named}
-        needed = [ts.probe_capacity(ts.workload_stage_builder(workload, model_cfg), runner.num_stages, b)
-                  for b in data]
+        needed = [
+            ts.probe_capacity(ts.workload_stage_builder(workload, model_cfg), runner.num_stages, b)
+            for b in data
+        ]
         counts = {}
         for sp in res.spans:
             counts[(sp.stage, sp.name[0])] = counts.get((sp.stage, sp.name[0]), 0) + 1
@@ -74,10 +90,21 @@ def _train_two_iterations(rank, world, schedule):
         dist.destroy_process_group()
     loss_err = None
     if any(losses):
-        loss_err = max(abs(losses[i][mb] - ref_losses[i][mb]) for i in range(len(data)) for mb in range(M))
-    return dict(grad_err=grad_err, missing=missing, loss_err=loss_err, owned=owned, all=set(ref_grads),
-                capacities=capacities, needed=needed, stages=runner.stage_indices, counts=counts,
-                split=runner.split)
+        loss_err = max(
+            abs(losses[i][mb] - ref_losses[i][mb]) for i in range(len(data)) for mb in range(M)
+        )
+    return dict(
+        grad_err=grad_err,
+        missing=missing,
+        loss_err=loss_err,
+        owned=owned,
+        all=set(ref_grads),
+        capacities=capacities,
+        needed=needed,
+        stages=runner.stage_indices,
+        counts=counts,
+        split=runner.split,
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
@@ -99,7 +126,9 @@ def test_two_iterations_match_single_process_reference(schedule):
         assert o["counts"] == {(k, kind): M for k in o["stages"] for kind in kinds}, o["counts"]
 
 
-VARIABILITY = dict(slow_stage=1, slow_factor=2.0, comm=1.0)  # rank 1 twice as slow; one unit per message
+VARIABILITY = dict(
+    slow_stage=1, slow_factor=2.0, comm=1.0
+)  # rank 1 twice as slow; one unit per message
 
 
 def _emulated(rank, world, schedule, unit_s):
@@ -114,8 +143,15 @@ def _emulated(rank, world, schedule, unit_s):
     data_cfg = DataConfig(seed=0, microbatch_size=1, min_seq_len=8, max_seq_len=16)
     dist.init_process_group("gloo")
     try:
-        runner = ts.TorchScheduleRunner(schedule, ts.workload_stage_builder(workload, model_cfg), loss_fn,
-                                        rank, world, M, unit_s=unit_s)
+        runner = ts.TorchScheduleRunner(
+            schedule,
+            ts.workload_stage_builder(workload, model_cfg),
+            loss_fn,
+            rank,
+            world,
+            M,
+            unit_s=unit_s,
+        )
         calls = []
 
         def units(stage, mb, kind):
@@ -125,17 +161,27 @@ def _emulated(rank, world, schedule, unit_s):
         def latency(stage, mb, kind):
             return var.latency(0, 1, stage, mb, kind)
 
-        runner.run_iteration(0, make_batches(data_cfg, 0, M), units, latency)  # warm-up: groups and buffers
+        runner.run_iteration(
+            0, make_batches(data_cfg, 0, M), units, latency
+        )  # warm-up: groups and buffers
         dist.barrier()
         res = runner.run_iteration(1, make_batches(data_cfg, 1, M), units, latency)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return dict(start=res.start, wall=res.wall_s, spans=res.spans, stages=runner.stage_indices,
-                asked=sorted({s for s, _, _ in calls}), split=runner.split)
+    return dict(
+        start=res.start,
+        wall=res.wall_s,
+        spans=res.spans,
+        stages=runner.stage_indices,
+        asked=sorted({s for s, _, _ in calls}),
+        split=runner.split,
+    )
 
 
-def _lower_bound(S: int, rank_of: dict[int, int], per_rank: int, split: bool, dur, lat: float) -> float:
+def _lower_bound(
+    S: int, rank_of: dict[int, int], per_rank: int, split: bool, dur, lat: float
+) -> float:
     """Units no schedule can beat: a rank's own work, plus microbatch 0's forwards (and messages)
     before its first task and, unsplit, the backwards after its last; and microbatch 0's chain
     through every stage and back."""
@@ -144,11 +190,19 @@ def _lower_bound(S: int, rank_of: dict[int, int], per_rank: int, split: bool, du
     bound = 0.0
     for r in set(rank_of.values()):
         mine = [k for k in range(S) if rank_of[k] == r]
-        work = sum(d[(k, kind)] for k in mine for kind in ((Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)))
+        work = sum(
+            d[(k, kind)]
+            for k in mine
+            for kind in ((Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B))
+        )
         head = min(sum(d[(j, Kind.F)] + hop[j] for j in range(k)) for k in mine)
         tail = 0.0 if split else min(sum(d[(j, Kind.B)] + hop[j] for j in range(k)) for k in mine)
         bound = max(bound, head + M * work + tail)
-    chain = sum(d[(k, Kind.F)] + d[(k, Kind.B)] for k in range(S)) + 2 * sum(hop) + (d[(0, Kind.W)] if split else 0)
+    chain = (
+        sum(d[(k, Kind.F)] + d[(k, Kind.B)] for k in range(S))
+        + 2 * sum(hop)
+        + (d[(0, Kind.W)] if split else 0)
+    )
     return max(bound, chain)
 
 
@@ -173,8 +227,11 @@ def test_emulated_time_bounds_the_iteration(schedule):
                 want = var.duration(0, 1, r, int(sp.name[1:]), Kind.F) / per_rank * unit_s
                 assert sp.end - sp.start >= want, (r, sp, want)
     start = min(o["start"] for o in out.values())
-    spans = {(sp.stage, sp.name): (o["start"] + sp.start - start, o["start"] + sp.end - start)
-             for o in out.values() for sp in o["spans"]}
+    spans = {
+        (sp.stage, sp.name): (o["start"] + sp.start - start, o["start"] + sp.end - start)
+        for o in out.values()
+        for sp in o["spans"]
+    }
     makespan = max(o["start"] + o["wall"] for o in out.values()) - start
     lat = var.comm * unit_s
     bound = _lower_bound(S, rank_of, per_rank, split, dur, var.comm) * unit_s
@@ -209,7 +266,9 @@ def test_envelope_round_trip_carries_gradients():
     x, none, y = ts.unpack(leaf, header)
     assert none is None and torch.equal(x, a) and torch.equal(y, b) and y.dtype == torch.float32
     (x.sum() * 2 + y.sum() * 3).backward()
-    assert torch.equal(leaf.grad, torch.tensor([2.0] * 6 + [3.0] * 4 + [0.0] * 10, dtype=torch.float64))
+    assert torch.equal(
+        leaf.grad, torch.tensor([2.0] * 6 + [3.0] * 4 + [0.0] * 10, dtype=torch.float64)
+    )
     lone, _ = ts.pack(a, capacity=6, dtype=torch.float64)
     assert isinstance(ts.unpack(lone, _), torch.Tensor)
     with pytest.raises(RuntimeError, match="capacity"):
@@ -236,7 +295,11 @@ def test_envelope_carries_integer_and_bool_tensors_exactly():
 
 
 def test_schedule_names():
-    assert ts.resolve_schedule("ZB") == "zbv" and ts.stages_per_rank("1f1b") == 1 and ts.stages_per_rank("zb") == 2
+    assert (
+        ts.resolve_schedule("ZB") == "zbv"
+        and ts.stages_per_rank("1f1b") == 1
+        and ts.stages_per_rank("zb") == 2
+    )
     with pytest.raises(ValueError, match="1f1b"):
         ts.resolve_schedule("gpipe-ish")
 
@@ -249,9 +312,13 @@ def test_two_stages_per_rank_hold_the_chunk_draws_of_rrfps_virtual_stages():
     from rrfp.core.placement import VirtualLayout
     from rrfp.core.variability import Variability
 
-    assert [ts.placement_of(s) for s in ("zbv", "dualpipev", "interleaved-zb", "interleaved-1f1b")] == \
-        ["v", "v", "interleaved", "interleaved"]
-    torch_numbering = {"zbv": lambda r, w: (r, 2 * w - 1 - r), "interleaved-1f1b": lambda r, w: (r, r + w)}
+    assert [
+        ts.placement_of(s) for s in ("zbv", "dualpipev", "interleaved-zb", "interleaved-1f1b")
+    ] == ["v", "v", "interleaved", "interleaved"]
+    torch_numbering = {
+        "zbv": lambda r, w: (r, 2 * w - 1 - r),
+        "interleaved-1f1b": lambda r, w: (r, r + w),
+    }
     for schedule, stages_of in torch_numbering.items():  # torch's stage_index of rank r's stages
         layout = VirtualLayout(4, 2, ts.placement_of(schedule))
         assert all(tuple(layout.stages_of(r)) == stages_of(r, 4) for r in range(4)), "one numbering"
@@ -263,7 +330,11 @@ def test_two_stages_per_rank_hold_the_chunk_draws_of_rrfps_virtual_stages():
         return times.units(5, stage, mb, kind)
 
     clock = ts._Clock(rank=1, unit_s=0.01, share=0.5, split=True, units=units, by_stage=True)
-    assert clock.duration(6, 2, (Kind.B, Kind.W)) == times.units(5, 6, 2, Kind.B) + times.units(5, 6, 2, Kind.W)
+    assert clock.duration(6, 2, (Kind.B, Kind.W)) == times.units(5, 6, 2, Kind.B) + times.units(
+        5, 6, 2, Kind.W
+    )
     assert asked == [6, 6]
-    old = ts._Clock(rank=1, unit_s=0.01, share=0.5, split=True, units=lambda st, mb, k: 4.0 if st == 1 else 0.0)
+    old = ts._Clock(
+        rank=1, unit_s=0.01, share=0.5, split=True, units=lambda st, mb, k: 4.0 if st == 1 else 0.0
+    )
     assert old.duration(6, 2, (Kind.F,)) == 2.0, "one stage per rank: the rank's draw, halved"

@@ -1,4 +1,5 @@
 """StageTracker: the one place where a task becomes ready."""
+
 import pytest
 
 from rrfp.core.budget import Budget
@@ -8,7 +9,9 @@ from rrfp.core.tasks import B, F, Kind, W
 from rrfp.core.tracker import StageTracker, TrackerError
 
 
-def tracker(S=3, s=1, M=3, hint="bfw", dispatch=Dispatch.READY, budget="2x", split=True, size_of=None):
+def tracker(
+    S=3, s=1, M=3, hint="bfw", dispatch=Dispatch.READY, budget="2x", split=True, size_of=None
+):
     return StageTracker(resolve(hint).spec(S, s, M, split, dispatch, Budget.parse(budget)), size_of)
 
 

@@ -6,6 +6,7 @@ train`` prints as that one line before any group exists. So the tables of
 errors check each message in this process (``config_error``), and one case of
 each table runs the command under a torchrun-like environment: a process
 costs about 3 s here, most of it importing torch."""
+
 from __future__ import annotations
 
 import os
@@ -22,23 +23,40 @@ CONFIG = "configs/gpt-tiny.toml"
 
 
 def rrfp(*args: str, world: int | None = None, rank: int = 0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")
+    }
     env["OMP_NUM_THREADS"] = "1"
     if world is not None:
         # a torchrun-like environment whose rendezvous nobody serves: joining a
         # process group would fail or hang, so a pass proves none was joined
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT="9")
-    return subprocess.run([sys.executable, "-m", "rrfp", "train", *args], cwd=ROOT, env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=45)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="9",
+        )
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", "train", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
 
 
 def assert_usage_error(res: subprocess.CompletedProcess, *needles: str) -> str:
     """Exit 2, stderr exactly one `rrfp: error:` line containing every needle."""
     assert "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rrfp: error: "), f"exit {res.returncode}:\n{res.stderr}"
+    assert len(lines) == 1 and lines[0].startswith("rrfp: error: "), (
+        f"exit {res.returncode}:\n{res.stderr}"
+    )
     assert res.returncode == 2, f"exit {res.returncode}: {lines[0]}"
     for needle in needles:
         assert needle in lines[0], f"{needle!r} not in: {lines[0]}"
@@ -77,9 +95,12 @@ BAD_OVERRIDES = [
 ]
 
 # each names its own key and value, and no other (they once shared one line naming all three)
-SIGN_ERRORS = [(["timeout_s=0"], "run.timeout_s must be > 0, got 0"), (["lr=0"], "run.lr must be > 0, got 0"),
-               (["unit_ms=-1"], "run.unit_ms must be >= 0 (0: no emulated time), got -1"),
-               (["lr=-0.5"], "run.lr must be > 0, got -0.5")]
+SIGN_ERRORS = [
+    (["timeout_s=0"], "run.timeout_s must be > 0, got 0"),
+    (["lr=0"], "run.lr must be > 0, got 0"),
+    (["unit_ms=-1"], "run.unit_ms must be >= 0 (0: no emulated time), got -1"),
+    (["lr=-0.5"], "run.lr must be > 0, got -0.5"),
+]
 
 
 @pytest.mark.parametrize("sets,message", SIGN_ERRORS, ids=[" ".join(s) for s, _ in SIGN_ERRORS])
@@ -92,26 +113,36 @@ def test_bad_override(sets, needles):
     config_error(sets, *needles)
 
 
-@pytest.mark.parametrize("sets,needles", [BAD_OVERRIDES[2], BAD_OVERRIDES[-1]], ids=["wrong type", "not KEY=VALUE"])
+@pytest.mark.parametrize(
+    "sets,needles", [BAD_OVERRIDES[2], BAD_OVERRIDES[-1]], ids=["wrong type", "not KEY=VALUE"]
+)
 def test_bad_override_on_the_command_line(sets, needles):
     assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), "--dry-run"), *needles)
 
 
 def test_integer_budget_is_a_count():
     assert rrfp("--config", CONFIG, "--set", "budget=4", "--dry-run", world=4).returncode == 0
-    assert_usage_error(rrfp("--config", CONFIG, "--set", "budget=0", "--dry-run"), "budget 0 is below 1")
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--set", "budget=0", "--dry-run"), "budget 0 is below 1"
+    )
 
 
 def test_missing_config_file(tmp_path):
     missing = tmp_path / "nope.toml"
-    assert_usage_error(rrfp("--config", str(missing), "--dry-run"), "cannot read config", str(missing),
-                       "No such file")
+    assert_usage_error(
+        rrfp("--config", str(missing), "--dry-run"),
+        "cannot read config",
+        str(missing),
+        "No such file",
+    )
 
 
 def test_bad_toml(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[run]\nsteps = 5\nhint = bfw\n")  # an unquoted string
-    assert_usage_error(rrfp("--config", str(bad), "--dry-run"), str(bad), "not valid TOML", "line 3")
+    assert_usage_error(
+        rrfp("--config", str(bad), "--dry-run"), str(bad), "not valid TOML", "line 3"
+    )
 
 
 def test_bad_key_and_type_in_file(tmp_path):
@@ -130,9 +161,14 @@ def test_dry_run_prints_the_layout():
     res = rrfp("--config", CONFIG, "--dry-run", world=4)
     assert res.returncode == 0 and res.stderr == "", res.stderr
     lines = res.stdout.splitlines()
-    assert lines[:6] == ["layout pp=4 x tp=1 x dp=1 (world size 4)", "rank  stage  tp  dp",
-                         "   0      0   0   0", "   1      1   0   0", "   2      2   0   0",
-                         "   3      3   0   0"], res.stdout
+    assert lines[:6] == [
+        "layout pp=4 x tp=1 x dp=1 (world size 4)",
+        "rank  stage  tp  dp",
+        "   0      0   0   0",
+        "   1      1   0   0",
+        "   2      2   0   0",
+        "   3      3   0   0",
+    ], res.stdout
     assert "'hint': 'bfw'" in res.stdout  # then the resolved config
     # every rank checks, only rank 0 prints
     other = rrfp("--config", CONFIG, "--dry-run", world=4, rank=2)
@@ -142,25 +178,40 @@ def test_dry_run_prints_the_layout():
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
 def test_layout_that_does_not_fit_the_world(dry_run):
     extra = ["--dry-run"] if dry_run else []
-    assert_usage_error(rrfp("--config", CONFIG, "--set", "pp=3", *extra, world=4),
-                       "pp=3", "does not match world size 4")
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--set", "pp=3", *extra, world=4),
+        "pp=3",
+        "does not match world size 4",
+    )
 
 
 def test_more_stages_than_layers():
-    assert_usage_error(rrfp("--config", CONFIG, "--set", "model.n_layer=2", world=4),
-                       "model.n_layer=2 is fewer than the 4 pipeline stages")
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--set", "model.n_layer=2", world=4),
+        "model.n_layer=2 is fewer than the 4 pipeline stages",
+    )
 
 
 VIRTUAL_ERRORS = [
-    (["virtual=3", "placement=v"], ["run.virtual = 3", "placement v needs exactly 2 stages per rank"]),
+    (
+        ["virtual=3", "placement=v"],
+        ["run.virtual = 3", "placement v needs exactly 2 stages per rank"],
+    ),
     (["virtual=0"], ["run.virtual must be >= 1, got 0"]),
     (["placement=w"], ["unknown placement 'w'", "interleaved, v"]),
-    (["virtual=2"], ["model.n_layer=4 is fewer than the 8 pipeline stages",
-                     "run.virtual = 2 stages on each of 4 pipeline ranks"]),
+    (
+        ["virtual=2"],
+        [
+            "model.n_layer=4 is fewer than the 8 pipeline stages",
+            "run.virtual = 2 stages on each of 4 pipeline ranks",
+        ],
+    ),
 ]
 
 
-@pytest.mark.parametrize("sets,needles", VIRTUAL_ERRORS, ids=[" ".join(s) for s, _ in VIRTUAL_ERRORS])
+@pytest.mark.parametrize(
+    "sets,needles", VIRTUAL_ERRORS, ids=[" ".join(s) for s, _ in VIRTUAL_ERRORS]
+)
 def test_virtual_stage_errors(sets, needles):
     """Virtual stages that cannot be placed, or a model too shallow for pp x V stages: one line."""
     config_error(sets, *needles, world=4)
@@ -172,11 +223,23 @@ def test_virtual_stage_error_on_the_command_line():
 
 
 def test_dry_run_shows_the_virtual_stages():
-    res = rrfp("--config", CONFIG, "--set", "virtual=2", "--set", "placement=v", "--set", "model.n_layer=8",
-               "--dry-run", world=4)
+    res = rrfp(
+        "--config",
+        CONFIG,
+        "--set",
+        "virtual=2",
+        "--set",
+        "placement=v",
+        "--set",
+        "model.n_layer=8",
+        "--dry-run",
+        world=4,
+    )
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    assert ("stages: 4 rank(s) x 2 stage(s) per rank (v): rank 0: 0, 7; rank 1: 1, 6; rank 2: 2, 5; "
-            "rank 3: 3, 4") in res.stdout.splitlines(), res.stdout
+    assert (
+        "stages: 4 rank(s) x 2 stage(s) per rank (v): rank 0: 0, 7; rank 1: 1, 6; rank 2: 2, 5; "
+        "rank 3: 3, 4"
+    ) in res.stdout.splitlines(), res.stdout
 
 
 def test_no_launcher_environment():
@@ -184,30 +247,41 @@ def test_no_launcher_environment():
     res = rrfp("--config", CONFIG)
     assert "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "torchrun" in lines[0] and lines[0].startswith("rrfp: error:"), res.stderr
+    assert len(lines) == 1 and "torchrun" in lines[0] and lines[0].startswith("rrfp: error:"), (
+        res.stderr
+    )
     assert res.returncode != 0
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
 def test_tp_that_does_not_divide_the_heads(dry_run):
     extra = ["--dry-run"] if dry_run else []
-    assert_usage_error(rrfp("--config", CONFIG, "--set", "tp=3", "--set", "pp=1", *extra, world=3),
-                       "tp=3 does not divide n_head=4")
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--set", "tp=3", "--set", "pp=1", *extra, world=3),
+        "tp=3 does not divide n_head=4",
+    )
 
 
 def test_tp_dp_that_do_not_divide_the_world():
-    assert_usage_error(rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--dry-run", world=6),
-                       "does not divide world size 6")
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--dry-run", world=6),
+        "does not divide world size 6",
+    )
 
 
 def test_dry_run_shows_a_tp_dp_layout():
-    res = rrfp("--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--set", "pp=2", "--dry-run", world=8)
+    res = rrfp(
+        "--config", CONFIG, "--set", "tp=2", "--set", "dp=2", "--set", "pp=2", "--dry-run", world=8
+    )
     assert res.returncode == 0, res.stderr
     assert "layout pp=2 x tp=2 x dp=2 (world size 8)" in res.stdout
 
 
 DEVICE_ERRORS = [
-    (["backend=nccl"], ["run.backend = nccl needs CUDA", "run.backend = gloo"]),  # this machine has no CUDA
+    (
+        ["backend=nccl"],
+        ["run.backend = nccl needs CUDA", "run.backend = gloo"],
+    ),  # this machine has no CUDA
     (["backend=nccl", "device=cpu"], ["carries CUDA tensors only"]),
     (["device=cuda"], ["run.device = cuda needs run.backend = nccl"]),
     (["device=tpu"], ["run.device must be auto, cpu or cuda"]),
@@ -237,4 +311,6 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="2 ranks on this node but only 1 GPU"):
         TrainConfig.load(CONFIG, ["backend=nccl"], world_size=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).run.device_type == "cuda"
+    assert (
+        TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).run.device_type == "cuda"
+    )

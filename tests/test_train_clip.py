@@ -2,6 +2,7 @@
 norm and every loss match one process training the whole model with torch.nn.utils.clip_grad_norm_
 and AdamW; a NaN step (run.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on.
 With model.tie_embeddings the GPT declares its tie (Workload.tied) and trains as the truly tied model."""
+
 from __future__ import annotations
 
 import math
@@ -11,9 +12,20 @@ import pytest
 from distributed import run_ranks
 
 STEPS, CLIP = 4, 0.05
-SETS = [f"steps={STEPS}", "microbatches=2", "timeout_s=30", "model.n_embd=16", "model.n_head=2",
-        "model.block_size=32", "model.n_layer=2", "data.microbatch_size=2", "data.min_seq_len=4",
-        "data.max_seq_len=16", f"clip_grad_norm={CLIP}", "on_nonfinite=skip"]
+SETS = [
+    f"steps={STEPS}",
+    "microbatches=2",
+    "timeout_s=30",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "model.block_size=32",
+    "model.n_layer=2",
+    "data.microbatch_size=2",
+    "data.min_seq_len=4",
+    "data.max_seq_len=16",
+    f"clip_grad_norm={CLIP}",
+    "on_nonfinite=skip",
+]
 
 
 def _reference(world: int, dp: int, nan_step: int | None, extra=()):
@@ -51,9 +63,16 @@ def _train(rank, world, dp, nan_step, extra=()):
 
     torch.set_default_dtype(torch.float64)
     fault = [f"fault=nan:step={nan_step}:stage=1"] if nan_step else []
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault, *extra], world_size=world)
+    cfg = TrainConfig.load(
+        "configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault, *extra], world_size=world
+    )
     summary = run(stage_main(cfg))
-    return summary.losses, summary.grad_norms, summary.skipped, _reference(world, dp, nan_step, extra)
+    return (
+        summary.losses,
+        summary.grad_norms,
+        summary.skipped,
+        _reference(world, dp, nan_step, extra),
+    )
 
 
 def _check(results, nan_step=None):
@@ -62,10 +81,13 @@ def _check(results, nan_step=None):
         assert skipped == ([nan_step - 1] if nan_step else []), (rank, skipped)
         assert len(norms) == STEPS, (rank, norms)
         for got, want in zip(norms, want_norms):
-            assert (math.isnan(got) and math.isnan(want)) or math.isclose(got, want, rel_tol=1e-10), \
-                (rank, norms, want_norms)
+            assert (math.isnan(got) and math.isnan(want)) or math.isclose(
+                got, want, rel_tol=1e-10
+            ), (rank, norms, want_norms)
         worst = max(abs(a - b) for a, b in zip(losses, want_losses))
-        assert worst < 1e-10, f"rank {rank}: losses differ from the reference by {worst}: {losses} {want_losses}"
+        assert worst < 1e-10, (
+            f"rank {rank}: losses differ from the reference by {worst}: {losses} {want_losses}"
+        )
 
 
 @pytest.mark.timeout(200)
@@ -79,7 +101,9 @@ def test_train_nonfinite_step_reports_nan_norm_and_goes_on():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("placement", ["interleaved", "v"])  # the two copies on two ranks, or both on rank 0
+@pytest.mark.parametrize(
+    "placement", ["interleaved", "v"]
+)  # the two copies on two ranks, or both on rank 0
 def test_train_tied_embeddings_v2_match_the_tied_model(placement):
     extra = ["model.tie_embeddings=true", "virtual=2", f"placement={placement}", "model.n_layer=4"]
     _check(run_ranks(_train, 2, 1, None, extra, timeout=180))

@@ -10,7 +10,9 @@ def test_deterministic_and_order_free(preset):
     v = Variability.preset(preset)
     grid = v.duration(7, 3, np.arange(4)[:, None], np.arange(16)[None, :], Kind.F)
     for s, m in [(0, 0), (3, 15), (2, 5)]:
-        assert v.duration(7, 3, s, m, Kind.F) == pytest.approx(float(np.broadcast_to(grid, (4, 16))[s, m]))
+        assert v.duration(7, 3, s, m, Kind.F) == pytest.approx(
+            float(np.broadcast_to(grid, (4, 16))[s, m])
+        )
     assert v.duration(7, 3, 1, 1, Kind.B) == v.duration(7, 3, 1, 1, Kind.B)
     assert v.duration(8, 3, 1, 1, Kind.B) != v.duration(7, 3, 1, 1, Kind.B) or preset == "none"
 
@@ -30,7 +32,12 @@ def test_preset_statistics():
     lang = Variability.preset("lang")
     # the length factor is shared by every task of a microbatch, across stages
     r = lang.duration(0, 0, 0, m, Kind.F) / lang.duration(0, 0, 5, m, Kind.F)
-    assert np.corrcoef(np.log(lang.duration(0, 0, 0, m, Kind.F)), np.log(lang.duration(0, 0, 5, m, Kind.F)))[0, 1] > 0.7
+    assert (
+        np.corrcoef(
+            np.log(lang.duration(0, 0, 0, m, Kind.F)), np.log(lang.duration(0, 0, 5, m, Kind.F))
+        )[0, 1]
+        > 0.7
+    )
     assert np.mean(r > 2.5) > 0.03  # stragglers x3 show up
     mm = Variability.preset("mm")
     v0 = mm.duration(0, 0, 0, m, Kind.F) / (0.2 + 0.8 / 3 * mm.images(0, 0, m))

@@ -1,4 +1,5 @@
 """Hints over virtual stages: valid rank orders, torch's own schedules, V = 1 unchanged."""
+
 import pytest
 
 from rrfp.core.budget import Budget
@@ -11,8 +12,11 @@ from rrfp.core.virtual_orders import interleaved_1f1b, zbv
 HINTS = ["gpipe", "1f1b", "zbh1", "bf", "bfw", "plan", "zbv"]
 
 
-@pytest.mark.parametrize("placement,hint", [(p, h) for p in ("interleaved", "v") for h in ("gpipe", "bf", "bfw", "plan")]
-                         + [("interleaved", "1f1b"), ("v", "zbv")])
+@pytest.mark.parametrize(
+    "placement,hint",
+    [(p, h) for p in ("interleaved", "v") for h in ("gpipe", "bf", "bfw", "plan")]
+    + [("interleaved", "1f1b"), ("v", "zbv")],
+)
 @pytest.mark.parametrize("S,M", [(2, 3), (4, 8), (4, 6), (3, 12)])
 def test_rank_orders_are_valid(placement, hint, S, M):
     lay = VirtualLayout(S, 2, placement)
@@ -22,7 +26,9 @@ def test_rank_orders_are_valid(placement, hint, S, M):
             order = h.rank_order(lay, r, M, split)
             validate_rank(order, lay, r, M, split)  # raises if not
             spec = h.rank_spec(lay, r, M, split, Dispatch.READY, Budget.parse("2x"))
-            assert set(spec.priority) == set(order) and sorted(spec.priority.values()) == list(range(len(order)))
+            assert set(spec.priority) == set(order) and sorted(spec.priority.values()) == list(
+                range(len(order))
+            )
 
 
 def test_schedules_refuse_the_other_placement_and_zbh1_has_no_virtual_form():
@@ -52,8 +58,20 @@ def test_bfw_over_chunks_ranks_kind_then_microbatch_then_later_chunk():
     lay = VirtualLayout(2, 2)  # rank 0 holds stages 0 and 2
     prio = resolve("bfw").rank_priority(lay, 0, 2, True)
     ranked = [f"{t}@{s}" for (s, t), _ in sorted(prio.items(), key=lambda kv: kv[1])]
-    assert ranked == ["B0@2", "B0@0", "B1@2", "B1@0", "F0@2", "F0@0", "F1@2", "F1@0",
-                      "W0@2", "W0@0", "W1@2", "W1@0"]
+    assert ranked == [
+        "B0@2",
+        "B0@0",
+        "B1@2",
+        "B1@0",
+        "F0@2",
+        "F0@0",
+        "F1@2",
+        "F1@0",
+        "W0@2",
+        "W0@0",
+        "W1@2",
+        "W1@0",
+    ]
 
 
 def _torch_order(cls_name, S, V, M, rank):
@@ -65,9 +83,17 @@ def _torch_order(cls_name, S, V, M, rank):
     sched.number_of_rounds = max(1, M // S)
     sched.microbatches_per_round = M // sched.number_of_rounds
     sched.num_stages = S * V
-    kinds = {"FORWARD": Kind.F, "BACKWARD_INPUT": Kind.B, "FULL_BACKWARD": Kind.B, "BACKWARD_WEIGHT": Kind.W}
-    return [(a.stage_index, Task(kinds[a.computation_type.name], a.microbatch_index))
-            for a in sched._calculate_single_rank_operations(rank) if a is not None]
+    kinds = {
+        "FORWARD": Kind.F,
+        "BACKWARD_INPUT": Kind.B,
+        "FULL_BACKWARD": Kind.B,
+        "BACKWARD_WEIGHT": Kind.W,
+    }
+    return [
+        (a.stage_index, Task(kinds[a.computation_type.name], a.microbatch_index))
+        for a in sched._calculate_single_rank_operations(rank)
+        if a is not None
+    ]
 
 
 @pytest.mark.parametrize("S,M", [(2, 4), (4, 8), (4, 16), (4, 12), (3, 3)])
@@ -92,10 +118,20 @@ def test_a_csv_hint_orders_each_rank_by_its_stages_rows_in_file_order(tmp_path):
         resolve(str(path)).rank_order(lay, 1, 4, True)
 
 
-@pytest.mark.parametrize("S,M,V,placement,hint", [
-    (8, 32, 2, "interleaved", "1f1b"), (4, 16, 3, "interleaved", "1f1b"), (8, 32, 2, "interleaved", "bfw"),
-    (4, 16, 3, "interleaved", "bfw"), (8, 32, 2, "v", "zbv"), (4, 16, 2, "v", "bfw")])
-def test_every_nominal_order_leads_its_next_chunk_by_exactly_the_layouts_lead(S, M, V, placement, hint):
+@pytest.mark.parametrize(
+    "S,M,V,placement,hint",
+    [
+        (8, 32, 2, "interleaved", "1f1b"),
+        (4, 16, 3, "interleaved", "1f1b"),
+        (8, 32, 2, "interleaved", "bfw"),
+        (4, 16, 3, "interleaved", "bfw"),
+        (8, 32, 2, "v", "zbv"),
+        (4, 16, 2, "v", "bfw"),
+    ],
+)
+def test_every_nominal_order_leads_its_next_chunk_by_exactly_the_layouts_lead(
+    S, M, V, placement, hint
+):
     """The ready lead limit (RankTracker) takes nothing from these schedules: each order's chunk c
     runs at most, and at some point exactly, layout.leads(rank)[c] forwards ahead of chunk c + 1."""
     lay = VirtualLayout(S, V, placement)

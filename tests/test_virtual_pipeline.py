@@ -3,6 +3,7 @@ placements, 2 and 4 ranks. Every stage's gradients after one step, and its param
 two AdamW steps, must equal a single-process run of the same model and data (float64), for
 ready BFW and the planned hint, and for the fixed baselines as nominal orders: interleaved
 1F1B (interleaved placement) and ZB-V (v placement)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from torch import nn
 from distributed import run_ranks
 
 D, BATCH, M, STEPS, V = 6, 3, 4, 2, 2
-CONFIGS = {"interleaved": [("ready", "bfw"), ("fixed", "1f1b"), ("fixed", "bfw"), ("ready", "plan")],
-           "v": [("ready", "bfw"), ("fixed", "zbv"), ("ready", "zbv"), ("fixed", "plan")]}
+CONFIGS = {
+    "interleaved": [("ready", "bfw"), ("fixed", "1f1b"), ("fixed", "bfw"), ("ready", "plan")],
+    "v": [("ready", "bfw"), ("fixed", "zbv"), ("ready", "zbv"), ("fixed", "plan")],
+}
 
 
 class Piece(nn.Module):
@@ -44,8 +47,13 @@ def build(num_stages: int) -> nn.Sequential:
 
 def batches(step: int):
     g = torch.Generator().manual_seed(100 + step)
-    return [(torch.randn(BATCH, D, generator=g, dtype=torch.float64),
-             torch.randn(BATCH, 2, generator=g, dtype=torch.float64)) for _ in range(M)]
+    return [
+        (
+            torch.randn(BATCH, D, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, 2, generator=g, dtype=torch.float64),
+        )
+        for _ in range(M)
+    ]
 
 
 def reference(num_stages: int, stages: tuple[int, ...]):
@@ -60,7 +68,9 @@ def reference(num_stages: int, stages: tuple[int, ...]):
         if step == 0:
             grads = {s: {n: p.grad.clone() for n, p in full[s].named_parameters()} for s in stages}
         opt.step()
-    return grads, {s: {n: p.detach().clone() for n, p in full[s].named_parameters()} for s in stages}
+    return grads, {
+        s: {n: p.detach().clone() for n, p in full[s].named_parameters()} for s in stages
+    }
 
 
 def _ranks(rank, world):
@@ -72,39 +82,62 @@ def _ranks(rank, world):
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # both placements' runtimes share it
+    dist.init_process_group(
+        "gloo", timeout=datetime.timedelta(seconds=60)
+    )  # both placements' runtimes share it
 
     async def main():
         out = {}
         for placement, configs in CONFIGS.items():
-            async with PipelineRuntime.start(pp=world, timeout_s=60, virtual=V, placement=placement) as rt:
+            async with PipelineRuntime.start(
+                pp=world, timeout_s=60, virtual=V, placement=placement
+            ) as rt:
                 want_grads, want_params = reference(rt.num_stages, rt.stages)
                 channels = {c.name: c for c in rt.rank_channels.all()}
                 for dispatch, hint in configs:
                     full = build(rt.num_stages)
                     chunks = [full[s] for s in rt.stages]
                     opts = [torch.optim.AdamW(c.parameters(), lr=1e-2) for c in chunks]
-                    ex = rt.stage_executor(chunks, nn.functional.mse_loss, microbatches=M, dispatch=dispatch,
-                                           hint=hint)
+                    ex = rt.stage_executor(
+                        chunks, nn.functional.mse_loss, microbatches=M, dispatch=dispatch, hint=hint
+                    )
                     sent = sum(c.messages for c in channels.values())
                     for step in range(STEPS):
                         for o in opts:
                             o.zero_grad()
                         res = await ex.run_iteration(step, batches(step))
                         if step == 0:
-                            grad_err = max((p.grad - want_grads[s][n]).abs().max().item()
-                                           for s, c in zip(rt.stages, chunks) for n, p in c.named_parameters())
+                            grad_err = max(
+                                (p.grad - want_grads[s][n]).abs().max().item()
+                                for s, c in zip(rt.stages, chunks)
+                                for n, p in c.named_parameters()
+                            )
                             ran = [(s, str(t)) for s, t in res.ran]
                             loss = res.loss
                         for o in opts:
                             o.step()
-                    param_err = max((p.detach() - want_params[s][n]).abs().max().item()
-                                    for s, c in zip(rt.stages, chunks) for n, p in c.named_parameters())
+                    param_err = max(
+                        (p.detach() - want_params[s][n]).abs().max().item()
+                        for s, c in zip(rt.stages, chunks)
+                        for n, p in c.named_parameters()
+                    )
                     # fixed dispatch runs its order (a plan's is made per iteration: not ex.order)
-                    order = [(s, str(t)) for s, t in ex.order] if dispatch == "fixed" and hint != "plan" else None
+                    order = (
+                        [(s, str(t)) for s, t in ex.order]
+                        if dispatch == "fixed" and hint != "plan"
+                        else None
+                    )
                     messages = (sum(c.messages for c in channels.values()) - sent) // STEPS
-                    out[(placement, dispatch, hint)] = (grad_err, param_err, ran, order, loss, rt.stages,
-                                                        sorted(channels), messages)
+                    out[(placement, dispatch, hint)] = (
+                        grad_err,
+                        param_err,
+                        ran,
+                        order,
+                        loss,
+                        rt.stages,
+                        sorted(channels),
+                        messages,
+                    )
         dist.destroy_process_group()
         return out
 
@@ -117,10 +150,20 @@ def test_virtual_stages_match_one_process(world):
     results = run_ranks(_ranks, world, timeout=240)
     S = world * V
     for rank, out in sorted(results.items()):
-        for (placement, dispatch, hint), (grad_err, param_err, ran, order, loss, stages, names, messages) \
-                in out.items():
-            print(f"rank {rank} stages {stages} ({placement}) {dispatch} {hint}: max |grad diff| {grad_err:.1e}, "
-                  f"max |param diff| {param_err:.1e}, {messages} messages per iteration")
+        for (placement, dispatch, hint), (
+            grad_err,
+            param_err,
+            ran,
+            order,
+            loss,
+            stages,
+            names,
+            messages,
+        ) in out.items():
+            print(
+                f"rank {rank} stages {stages} ({placement}) {dispatch} {hint}: max |grad diff| {grad_err:.1e}, "
+                f"max |param diff| {param_err:.1e}, {messages} messages per iteration"
+            )
             assert grad_err < 1e-12, (rank, placement, dispatch, hint, grad_err)
             assert param_err < 1e-12, (rank, placement, dispatch, hint, param_err)
             split = hint in ("bfw", "zbv", "plan")
@@ -131,11 +174,15 @@ def test_virtual_stages_match_one_process(world):
             assert (loss is not None) == (S - 1 in stages)
             # two channels (fwd, bwd; M messages each per iteration) for every boundary to another rank;
             # the V turn (stages world-1 and world on the last rank) has none
-            remote = [(a, b) for a in stages for b in (a - 1, a + 1) if 0 <= b < S and b not in stages]
+            remote = [
+                (a, b) for a in stages for b in (a - 1, a + 1) if 0 <= b < S and b not in stages
+            ]
             assert len(names) == 2 * len(remote), (rank, placement, names)
             assert messages == 2 * M * len(remote), (rank, placement, messages)
             if placement == "v" and rank == world - 1:
-                assert not any(f"{world - 1}->{world} " in n or f"{world}->{world - 1} " in n for n in names)
+                assert not any(
+                    f"{world - 1}->{world} " in n or f"{world}->{world - 1} " in n for n in names
+                )
 
 
 def test_each_forward_of_several_stages_draws_from_its_own_seed():

@@ -1,18 +1,40 @@
 """The VLM workload: procedural image+caption data, the stage split, pipelined
 gradients against a single-process reference on gloo, and that it learns."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from distributed import run_ranks
-from models.shapes import COLOURS, PLACES, SHAPES, VLMDataConfig, VLMInputs, _masks, batches, max_seq_len
+from models.shapes import (
+    COLOURS,
+    PLACES,
+    SHAPES,
+    VLMDataConfig,
+    VLMInputs,
+    _masks,
+    batches,
+    max_seq_len,
+)
 from models.vlm import VLM, Boundary, VLMConfig, check, loss_fn, make_stage, split_blocks
 
-CFG = VLMConfig(image_size=16, patch_size=4, enc_layers=1, enc_embd=16, n_layer=4, n_head=4, n_embd=32,
-                block_size=320)
-DATA = VLMDataConfig(seed=8, microbatch_size=2, image_size=16, patch_size=4, max_images=4, max_shapes=2)
-HEAVY = VLMConfig(enc_layers=3, enc_embd=64, n_layer=4, n_head=4, n_embd=32, block_size=320)  # stage 0: no block
+CFG = VLMConfig(
+    image_size=16,
+    patch_size=4,
+    enc_layers=1,
+    enc_embd=16,
+    n_layer=4,
+    n_head=4,
+    n_embd=32,
+    block_size=320,
+)
+DATA = VLMDataConfig(
+    seed=8, microbatch_size=2, image_size=16, patch_size=4, max_images=4, max_shapes=2
+)
+HEAVY = VLMConfig(
+    enc_layers=3, enc_embd=64, n_layer=4, n_head=4, n_embd=32, block_size=320
+)  # stage 0: no block
 M = 4
 
 
@@ -28,6 +50,7 @@ def _text(ids: torch.Tensor, targets: torch.Tensor) -> str:
 
 # -- data ----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(30)
 def test_data_is_deterministic_and_varies():
     a, b = batches(DATA, 3, 8), batches(DATA, 3, 8)
@@ -38,7 +61,11 @@ def test_data_is_deterministic_and_varies():
     assert len({x.ids.size(1) for x, _ in a}) > 1  # caption lengths vary too
     assert not all(torch.equal(p[1], q[1]) for p, q in zip(a, batches(DATA, 4, 8)))
     for x, y in a:
-        assert isinstance(x, VLMInputs) and x.images.dtype == torch.float32 and x.ids.dtype == torch.int64
+        assert (
+            isinstance(x, VLMInputs)
+            and x.images.dtype == torch.float32
+            and x.ids.dtype == torch.int64
+        )
         assert x.images.shape[0] == x.ids.shape[0] == y.shape[0] == DATA.microbatch_size
         assert x.images.shape[2:] == (3, 16, 16) and y.dtype == torch.int64
 
@@ -72,13 +99,24 @@ def test_captions_describe_the_images():
                     colour, shape, place = part.split(" ", 2)
                     k = PLACES.index(place)
                     mentioned.add(k)
-                    quad = img[:, (k // 2) * half:(k // 2 + 1) * half, (k % 2) * half:(k % 2 + 1) * half]
+                    quad = img[
+                        :,
+                        (k // 2) * half : (k // 2 + 1) * half,
+                        (k % 2) * half : (k % 2 + 1) * half,
+                    ]
                     lit = quad.sum(dim=(1, 2))
                     assert lit[COLOURS.index(colour)] == sizes[SHAPES.index(shape)], (text, part)
                     assert lit.sum() == lit[COLOURS.index(colour)], (text, part)  # one colour only
                     seen.update((colour, shape))
                 for k in set(range(4)) - mentioned:  # unmentioned quadrants are empty
-                    assert img[:, (k // 2) * half:(k // 2 + 1) * half, (k % 2) * half:(k % 2 + 1) * half].sum() == 0
+                    assert (
+                        img[
+                            :,
+                            (k // 2) * half : (k // 2 + 1) * half,
+                            (k % 2) * half : (k % 2 + 1) * half,
+                        ].sum()
+                        == 0
+                    )
     assert seen == set(COLOURS) | set(SHAPES)
 
 
@@ -107,6 +145,7 @@ def test_configs_validate():
 
 # -- the split, on one process -----------------------------------------------------
 
+
 @pytest.mark.timeout(30)
 def test_split_blocks_balances_the_encoder():
     for cfg in (CFG, HEAVY):
@@ -134,28 +173,36 @@ def test_stages_chain_to_full_model(cfg, S):
     for st in stages:
         for n, p in st.named_parameters():
             assert torch.equal(p, full[n]) and p is not full[n]
-    for (x, _) in batches(DATA, 0, 4):
+    for x, _ in batches(DATA, 0, 4):
         h, n, T = x, x.images.size(1) * cfg.patches, x.ids.size(1)
         for st in stages:
             h = st(h)
-            if not st.is_last:  # image and text travel apart, with the image token count beside them
+            if (
+                not st.is_last
+            ):  # image and text travel apart, with the image token count beside them
                 assert isinstance(h, Boundary)
                 b = x.ids.size(0)
                 assert h.image.shape == (b, n, cfg.n_embd) and h.text.shape == (b, T, cfg.n_embd)
                 assert h.image.requires_grad and h.text.requires_grad
                 assert h.image_tokens.dtype == torch.int64 and h.image_tokens.tolist() == [n] * b
         ref = model(x)
-        assert h.shape == ref.shape == (x.ids.size(0), x.images.size(1) * CFG.patches + x.ids.size(1), 256)
+        assert (
+            h.shape
+            == ref.shape
+            == (x.ids.size(0), x.images.size(1) * CFG.patches + x.ids.size(1), 256)
+        )
         assert torch.equal(h, ref)
 
 
 @pytest.mark.timeout(30)
 def test_a_microbatch_without_images_keeps_the_encoder_in_the_graph():
     """The image part is empty, not None: the encoder gets zero gradients as in the full model."""
-    (x, _), = [(x, y) for x, y in batches(DATA, 0, M) if x.images.size(1) == 0][:1]
+    ((x, _),) = [(x, y) for x, y in batches(DATA, 0, M) if x.images.size(1) == 0][:1]
     stage = make_stage(_model(), 0, 2)
     out = stage(VLMInputs(x.images.double(), x.ids))
-    assert out.image.shape == (x.ids.size(0), 0, CFG.n_embd) and out.image_tokens.tolist() == [0] * x.ids.size(0)
+    assert out.image.shape == (x.ids.size(0), 0, CFG.n_embd) and out.image_tokens.tolist() == [
+        0
+    ] * x.ids.size(0)
     (out.image.sum() + out.text.sum()).backward()
     grads = {n: p.grad for n, p in stage.named_parameters()}
     assert all(g is not None for g in grads.values()), [n for n, g in grads.items() if g is None]
@@ -164,6 +211,7 @@ def test_a_microbatch_without_images_keeps_the_encoder_in_the_graph():
 
 
 # -- pipelined on gloo, against the single-process reference ------------------------
+
 
 def _one_iteration(rank, world, configs):
     import torch
@@ -187,13 +235,22 @@ def _one_iteration(rank, world, configs):
                 torch.manual_seed(0)
                 module = make_stage(VLM(CFG), rt.stage, rt.num_stages)
                 received = []  # what the runtime hands this stage: a tuple of tensors, not a joined sequence
-                module.register_forward_pre_hook(lambda _, args: received.append(
-                    None if rt.stage == 0 else [(t.dtype, tuple(t.shape), t.requires_grad) for t in args[0]]))
-                e = rt.stage_executor(module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget="2x")
+                module.register_forward_pre_hook(
+                    lambda _, args: received.append(
+                        None
+                        if rt.stage == 0
+                        else [(t.dtype, tuple(t.shape), t.requires_grad) for t in args[0]]
+                    )
+                )
+                e = rt.stage_executor(
+                    module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget="2x"
+                )
                 res = await e.run_iteration(0, data)
                 missing = [n for n, p in module.named_parameters() if p.grad is None]
                 assert not missing, missing
-                grad_err = max((p.grad - ref_grads[n]).abs().max().item() for n, p in module.named_parameters())
+                grad_err = max(
+                    (p.grad - ref_grads[n]).abs().max().item() for n, p in module.named_parameters()
+                )
                 loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
                 out[(ex, hint)] = grad_err, loss_err, len(res.order), received
         finally:
@@ -207,7 +264,9 @@ def _one_iteration(rank, world, configs):
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_iteration_matches_reference(pp):
     counts = [x.images.size(1) for x, _ in batches(DATA, 0, M)]
-    assert len(set(counts)) >= 3 and 0 in counts, counts  # differing image counts, one microbatch with none
+    assert len(set(counts)) >= 3 and 0 in counts, (
+        counts
+    )  # differing image counts, one microbatch with none
     configs = [("ready", "bfw"), ("fixed", "1f1b")]
     results = run_ranks(_one_iteration, pp, configs, timeout=100)
     data = batches(DATA, 0, M)
@@ -216,9 +275,14 @@ def test_one_iteration_matches_reference(pp):
         for rank in range(pp):
             grad_err, loss_err, tasks, received = results[rank][cfg]
             if rank > 0:  # F runs in microbatch order on every stage, under both executors
-                assert received == [[(torch.float64, (b, x.images.size(1) * CFG.patches, C), True),
-                                     (torch.float64, (b, x.ids.size(1), C), True),
-                                     (torch.int64, (b,), False)] for x, _ in data], received
+                assert received == [
+                    [
+                        (torch.float64, (b, x.images.size(1) * CFG.patches, C), True),
+                        (torch.float64, (b, x.ids.size(1), C), True),
+                        (torch.int64, (b,), False),
+                    ]
+                    for x, _ in data
+                ], received
             assert grad_err < 1e-10, f"{cfg} rank {rank}: gradient differs by {grad_err}"
             assert tasks == M * (3 if cfg[1] == "bfw" else 2)
             if rank == pp - 1:
@@ -226,6 +290,7 @@ def test_one_iteration_matches_reference(pp):
 
 
 # -- training -------------------------------------------------------------------------
+
 
 @pytest.mark.timeout(60)
 def test_loss_falls():
@@ -249,6 +314,12 @@ def test_config_file_and_inputs_move():
     cfg = TrainConfig.load("configs/vlm-tiny.toml", world_size=4)
     assert cfg.workload.name == "vlm" and cfg.layout.pp == 4
     assert isinstance(cfg.model, VLMConfig) and isinstance(cfg.data, VLMDataConfig)
-    (x, _), = batches(cfg.data, 0, 1)
-    moved = x.to("cpu", non_blocking=True)  # train.py calls .to(device) on first-stage inputs off CPU
-    assert isinstance(moved, VLMInputs) and torch.equal(moved.images, x.images) and torch.equal(moved.ids, x.ids)
+    ((x, _),) = batches(cfg.data, 0, 1)
+    moved = x.to(
+        "cpu", non_blocking=True
+    )  # train.py calls .to(device) on first-stage inputs off CPU
+    assert (
+        isinstance(moved, VLMInputs)
+        and torch.equal(moved.images, x.images)
+        and torch.equal(moved.ids, x.ids)
+    )

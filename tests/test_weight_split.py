@@ -1,4 +1,5 @@
 """B/W split for plain torch modules, with autograd on the stage's own graph."""
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,13 @@ class ConvBlock(nn.Module):
 
 def mlp(width: int = 256, depth: int = 4) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())])
+    return nn.Sequential(
+        *[
+            m
+            for _ in range(depth)
+            for m in (nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+        ]
+    )
 
 
 @pytest.mark.parametrize("make,shape", [(ConvBlock, (2, 3, 6, 6)), (mlp, (16, 256))])
@@ -80,7 +87,9 @@ def test_first_stage_b_is_free_and_w_is_the_backward():
     x, g = torch.randn(64, 256), torch.randn(64, 256)
     w = StageWorker(mlp(), 0, 3, 1, None, split=True)
     w.forward(0, x)
-    assert flops(lambda: w.backward(0, g)) == 0 and all(p.grad is None for p in w.module.parameters())
+    assert flops(lambda: w.backward(0, g)) == 0 and all(
+        p.grad is None for p in w.module.parameters()
+    )
     w.weight(0)
     assert all(p.grad is not None for p in w.module.parameters())
 
@@ -89,6 +98,7 @@ def test_a_weight_used_twice_is_gathered_in_w_and_its_bias_named_once(caplog):
     """The weight reaches W through one transpose per use, so W gathers every use. The bias
     goes straight into its accumulator from both uses, the outer one above the inner: B
     computes it, and the module says so once, with that reason."""
+
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -127,10 +137,14 @@ def _plain_pipeline(rank, world, configs):
 
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    full = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh()) for _ in range(world)])
+    full = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh()) for _ in range(world)]
+    )
     loss_fn = nn.functional.mse_loss
     gen = torch.Generator().manual_seed(2)
-    data = [(torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)) for _ in range(4)]
+    data = [
+        (torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)) for _ in range(4)
+    ]
     sum(loss_fn(full(x), y) for x, y in data).div(len(data)).backward()
     ref = {n: p.grad.clone() for n, p in full[rank].named_parameters()}
 
@@ -139,12 +153,18 @@ def _plain_pipeline(rank, world, configs):
         async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
             for dispatch, hint in configs:
                 torch.manual_seed(0)
-                chunk = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh())
-                                        for _ in range(world)])[rank]
+                chunk = nn.Sequential(
+                    *[
+                        nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Tanh())
+                        for _ in range(world)
+                    ]
+                )[rank]
                 ex = rt.stage_executor(chunk, loss_fn, microbatches=4, dispatch=dispatch, hint=hint)
                 res = await ex.run_iteration(0, data)
-                out[(dispatch, hint)] = (max((p.grad - ref[n]).abs().max().item() for n, p in chunk.named_parameters()),
-                                         [str(t) for t in res.order])
+                out[(dispatch, hint)] = (
+                    max((p.grad - ref[n]).abs().max().item() for n, p in chunk.named_parameters()),
+                    [str(t) for t in res.order],
+                )
         return out
 
     return asyncio.run(main())

@@ -1,6 +1,7 @@
 """The split backward puts gradients into ``.grad`` as torch's AccumulateGrad does: each parameter
 owns its gradient, and its post-accumulate-grad hooks fire once per microbatch (in that
 microbatch's B or W), so torch's optimizer-in-backward recipe works. Checked against plain autograd."""
+
 from __future__ import annotations
 
 import copy
@@ -72,7 +73,9 @@ def test_each_parameter_owns_its_gradient(position):
 
 def count_hooks(module: nn.Module, calls: dict) -> None:
     for name, p in module.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)
+        )
 
 
 @pytest.mark.parametrize("position", [0, 1, 2])
@@ -99,7 +102,10 @@ def test_post_accumulate_hooks_fire_once_per_microbatch(position):
         assert calls == {n: mb + 1 for n in in_b}, (mb, calls)
     for mb in range(m):
         w.weight(mb)
-        assert calls == {n: (m if n in in_b else mb + 1) for n, _ in module.named_parameters()}, (mb, calls)
+        assert calls == {n: (m if n in in_b else mb + 1) for n, _ in module.named_parameters()}, (
+            mb,
+            calls,
+        )
     for mb in range(m):
         reference_backward(ref, position, xs[mb], grads[mb], m)
     assert calls == ref_calls == {n: m for n, _ in module.named_parameters()}

@@ -2,6 +2,7 @@
 region once and W once more for all its calls (one GraphExecGroup), gradients and post-accumulate-grad
 hooks as plain autograd. A stage whose W would run a checkpointed node twice (a parameter's uses gathered
 through the region) runs its backward unsplit and says so once."""
+
 from __future__ import annotations
 
 import copy
@@ -87,13 +88,19 @@ class ChunkedInRegion(nn.Module):
 
 def count_hooks(module: nn.Module, calls: dict) -> None:
     for name, p in module.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)
+        )
 
 
 def data(position: int):
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, V, (3, 4), generator=gen) if position == 0
-          else torch.randn(3, 4, D, generator=gen, dtype=torch.float64) for _ in range(M)]
+    xs = [
+        torch.randint(0, V, (3, 4), generator=gen)
+        if position == 0
+        else torch.randn(3, 4, D, generator=gen, dtype=torch.float64)
+        for _ in range(M)
+    ]
     gs = [torch.randn(3, 4, D, generator=gen, dtype=torch.float64) for _ in range(M)]
     return xs, gs
 
@@ -136,7 +143,9 @@ def test_w_recomputes_each_region_once_per_microbatch(position):
     for mb in range(M):
         before = runs()
         w.weight(mb)
-        assert [r - b for r, b in zip(runs(), before)] == [1, 1], f"W{mb} recomputed a region more than once"
+        assert [r - b for r, b in zip(runs(), before)] == [1, 1], (
+            f"W{mb} recomputed a region more than once"
+        )
     assert w.split_summary().in_b == {}
     check_against_autograd(module, ref, position, xs, gs, got_in, calls, ref_calls)
 
@@ -182,8 +191,14 @@ def test_gathering_through_checkpointed_nodes_runs_unsplit_and_warns_once(positi
     after_b = {n: p.grad.clone() for n, p in module.named_parameters()}
     for mb in range(M):
         w.weight(mb)
-    assert all(torch.equal(p.grad, after_b[n]) for n, p in module.named_parameters()), "W ran after all"
+    assert all(torch.equal(p.grad, after_b[n]) for n, p in module.named_parameters()), (
+        "W ran after all"
+    )
     lines = [r.getMessage() for r in caplog.records if r.name == "rrfp.pipeline.worker"]
-    assert len(lines) == 1 and lines[0].startswith(f"stage {position}:") and "GraphExecGroup" in lines[0], lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"stage {position}:")
+        and "GraphExecGroup" in lines[0]
+    ), lines
     assert set(w.split_summary().in_b) == {n for n, _ in module.named_parameters()}
     check_against_autograd(module, ref, position, xs, gs, got_in, calls, ref_calls)

@@ -1,5 +1,6 @@
 """weight_split="layers" (split-aware layers queue their own W, autograd splits the rest) against
 plain autograd on graphs it used to get wrong, and its one clear refusal."""
+
 from __future__ import annotations
 
 import copy
@@ -93,7 +94,10 @@ def run_both(make, position: int):
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(2, 3, D, generator=gen, dtype=torch.float64) for _ in range(M)]
     gs = [torch.randn(2, 3, D, generator=gen, dtype=torch.float64) for _ in range(M)]
-    calls, ref_calls = {}, {}  # post-accumulate-grad hooks: once per microbatch, as plain autograd runs them
+    calls, ref_calls = (
+        {},
+        {},
+    )  # post-accumulate-grad hooks: once per microbatch, as plain autograd runs them
     count_hooks(module, calls)
     count_hooks(ref, ref_calls)
     w = StageWorker(module, position, 3, M, mse, split=True, weight_split="layers")
@@ -126,6 +130,9 @@ def test_layers_mode_matches_autograd(make, position, caplog):
 
 @pytest.mark.parametrize("position", [0, 1, 2])
 def test_layers_mode_refuses_a_non_reentrant_checkpoint_with_one_clear_error(position):
-    with pytest.raises(RuntimeError, match=rf"stage {position}: [BW]\d: weight_split='layers' cannot run "
-                                           r"split-aware layers inside torch.utils.checkpoint"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"stage {position}: [BW]\d: weight_split='layers' cannot run "
+        r"split-aware layers inside torch.utils.checkpoint",
+    ):
         run_both(Checkpointed, position)

@@ -1,6 +1,7 @@
 """A stage with torch.utils.checkpoint(use_reentrant=True) inside: torch refuses its backward under
 torch.autograd.grad, so the split backward leaves that stage unsplit (B does B + W, W nothing),
 says so once naming the stage, and matches plain autograd."""
+
 from __future__ import annotations
 
 import copy
@@ -40,15 +41,21 @@ def test_reentrant_checkpoint_stage_runs_unsplit_and_matches_autograd(position, 
     module = Stage(position == 0, reentrant=True).double()
     ref = copy.deepcopy(module)
     gen = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, V, (3, 4), generator=gen) if position == 0
-          else torch.randn(3, 4, D, generator=gen, dtype=torch.float64) for _ in range(m)]
+    xs = [
+        torch.randint(0, V, (3, 4), generator=gen)
+        if position == 0
+        else torch.randn(3, 4, D, generator=gen, dtype=torch.float64)
+        for _ in range(m)
+    ]
     gs = [torch.randn(3, 4, D, generator=gen, dtype=torch.float64) for _ in range(m)]
     caplog.set_level(logging.WARNING, logger="rrfp.pipeline.worker")
     w = StageWorker(module, position, 3, m, mse, split=True)
     for mb in range(m):
         w.forward(mb, xs[mb], gs[mb] if position == 2 else None)
     got_in = [w.backward(mb, None if position == 2 else gs[mb]) for mb in range(m)]
-    after_b = {n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()}  # B did all
+    after_b = {
+        n: None if p.grad is None else p.grad.clone() for n, p in module.named_parameters()
+    }  # B did all
     for mb in range(m):
         w.weight(mb)
     for mb in range(m):
@@ -64,7 +71,11 @@ def test_reentrant_checkpoint_stage_runs_unsplit_and_matches_autograd(position, 
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
         assert torch.equal(p.grad, after_b[name]), f"W changed {name}"
     lines = [r.getMessage() for r in caplog.records if "reentrant" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith(f"stage {position}:") and "use_reentrant=False" in lines[0], lines
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"stage {position}:")
+        and "use_reentrant=False" in lines[0]
+    ), lines
     assert set(w.split_summary().in_b) == {n for n, _ in module.named_parameters()}
 
 

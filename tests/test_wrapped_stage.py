@@ -1,6 +1,7 @@
 """A stage module wrapped for data parallelism (DDP, FSDP2's fully_shard), around the stage or
 inside it, is refused by PipelineRuntime.stage_executor with ScheduleReady's message, on every
 rank that holds one, before any task runs (rrfp/pipeline/wrapped.py)."""
+
 from __future__ import annotations
 
 import re
@@ -45,10 +46,16 @@ def _stage_executor_refuses(rank, world):
         return out.sum()
 
     # (what this rank passes, the refusal expected: (class, submodule) or None)
-    cases = {1: {0: [(plain, None), (sharded_inside, ("FSDPLinear", "1"))],
-                 1: [(plain, None), (ddp, ("DistributedDataParallel", ""))]},
-             2: {0: [((plain, ddp), ("DistributedDataParallel", ""))],
-                 1: [((sharded, plain), ("FSDPSequential", ""))]}}
+    cases = {
+        1: {
+            0: [(plain, None), (sharded_inside, ("FSDPLinear", "1"))],
+            1: [(plain, None), (ddp, ("DistributedDataParallel", ""))],
+        },
+        2: {
+            0: [((plain, ddp), ("DistributedDataParallel", ""))],
+            1: [((sharded, plain), ("FSDPSequential", ""))],
+        },
+    }
     seen = []
 
     async def main():

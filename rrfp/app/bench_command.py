@@ -6,6 +6,7 @@ starts), calibrates the cost model of the workloads whose task times come
 from their data, runs the job with a progress bar, then writes the folder
 (rrfp.app.bench.report) and prints the tables and where they are.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,8 +28,20 @@ from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.observe.trace import Span, write_atomic
 
-QUICK = {"workloads": ["gpt"], "pp": 2, "mb": 4, "reps": 1, "unit_ms": 2.0}  # --quick: a smoke run of seconds
-FULL = {"workloads": ["gpt", "vlm"], "pp": 4, "mb": 16, "reps": 5, "unit_ms": 40.0}  # 4x the vlm's real F on 2 cores
+QUICK = {
+    "workloads": ["gpt"],
+    "pp": 2,
+    "mb": 4,
+    "reps": 1,
+    "unit_ms": 2.0,
+}  # --quick: a smoke run of seconds
+FULL = {
+    "workloads": ["gpt", "vlm"],
+    "pp": 4,
+    "mb": 16,
+    "reps": 5,
+    "unit_ms": 40.0,
+}  # 4x the vlm's real F on 2 cores
 CALIBRATION_SAMPLES = 16
 
 
@@ -38,7 +51,9 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     base = QUICK if args.quick else FULL
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
     if pick["unit_ms"] <= 0:
-        raise UsageError(f"--unit-ms must be > 0 (emulated device time per unit), got {pick['unit_ms']:g}")
+        raise UsageError(
+            f"--unit-ms must be > 0 (emulated device time per unit), got {pick['unit_ms']:g}"
+        )
     try:
         budget = str(Budget.parse(args.budget))
     except ValueError as e:
@@ -46,13 +61,23 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     cases = [parse_case(w, args.preset, args.set) for w in pick["workloads"]]
     names = [c.name for c in cases]
     if not cases or len(set(names)) != len(names):
-        raise UsageError(f"--workloads: give each workload once ({', '.join(names) or 'none given'})")
+        raise UsageError(
+            f"--workloads: give each workload once ({', '.join(names) or 'none given'})"
+        )
     explicit = args.executors is not None
     wanted = list(dict.fromkeys(Executor.parse(e) for e in (args.executors or DEFAULT_EXECUTORS)))
     if not wanted:
         raise UsageError("--executors: no executor given")
-    spec = BenchSpec(tuple(cases), pick["pp"], args.tp, pick["mb"], pick["reps"], pick["unit_ms"], budget,
-                     torch_sends=args.torch_sends)
+    spec = BenchSpec(
+        tuple(cases),
+        pick["pp"],
+        args.tp,
+        pick["mb"],
+        pick["reps"],
+        pick["unit_ms"],
+        budget,
+        torch_sends=args.torch_sends,
+    )
     ready, skipped = [], {}
     for case in cases:
         case.train_config(spec)  # ConfigError (exit 2) when the workload cannot take these sizes
@@ -80,7 +105,9 @@ def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, Co
             continue
         cfg = case.train_config(spec, tp=1)  # whole stages: the vlm has no tensor parallelism
         with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {case.name}") as bar:
-            samples = measure(cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n))
+            samples = measure(
+                cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n)
+            )
         path = out / f"cost-{case.name}.json"
         models[case.name] = CostModel.fit(samples)
         write_atomic(path, models[case.name].to_json())
@@ -91,19 +118,29 @@ def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, Co
 def machine() -> dict:
     import torch
 
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "hostname": platform.node(), "platform": platform.platform(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    return {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
 
 
 def bench_command(args) -> int:
     spec, skipped = build_spec(args)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(args.out or f"results/bench-{stamp}")
-    check_output("--out", out, folder=True)  # a file there is refused as "... is a file, not a folder"
+    check_output(
+        "--out", out, folder=True
+    )  # a file there is refused as "... is a file, not a folder"
     cost, models = _calibrate(spec, out)
     try:
-        with tempfile.TemporaryDirectory() as tmp, progress(total=spec.runs, desc="rrfp bench") as bar:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            progress(total=spec.runs, desc="rrfp bench") as bar,
+        ):
             job = run_job(spec, Path(tmp), out / "job.log", cost, args.timeout, bar)
     except JobFailed as e:
         print(f"rrfp: error: bench job failed: {e}", file=sys.stderr)
@@ -111,12 +148,26 @@ def bench_command(args) -> int:
     results = []
     for case, got in zip(spec.cases, job["cases"]):
         cfg = case.train_config(spec)
-        annotate(spec, case, cfg.run.variability, models.get(case.name, cfg.run.cost), got["rows"],
-                 got["iterations"])
+        annotate(
+            spec,
+            case,
+            cfg.run.variability,
+            models.get(case.name, cfg.run.cost),
+            got["rows"],
+            got["iterations"],
+        )
         spans = [Span(*sp) for sp in got["spans"]]
-        results.append(CaseResult(case, got["rows"], got["iterations"], spans,
-                                  summarize(got["rows"], [e.name for e in case.executors]),
-                                  cost.get(case.name), skipped.get(case.name, {})))
+        results.append(
+            CaseResult(
+                case,
+                got["rows"],
+                got["iterations"],
+                spans,
+                summarize(got["rows"], [e.name for e in case.executors]),
+                cost.get(case.name),
+                skipped.get(case.name, {}),
+            )
+        )
     text = write_results(out, spec, results, machine())
     print(text)
     print(f"results: {out}/ (results.md, results.json, timeline-*.png, trace-*.json, job.log)")

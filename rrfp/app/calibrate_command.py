@@ -7,6 +7,7 @@ run makes (so in the run's dtype), every task timed to the end of its device
 work. The fit is judged on microbatches it was not fitted on (every other
 sample), so the printed errors are what a run will see.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,15 +39,24 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
-    batches = [wl.batches(cfg.data, 10_000 + i, 1)[0] for i in range(samples + 2)]  # the first two warm up
-    return measure_stages(stages, wl.loss_fn, batches, wl.features, device, warmup=2, progress=progress)
+    batches = [
+        wl.batches(cfg.data, 10_000 + i, 1)[0] for i in range(samples + 2)
+    ]  # the first two warm up
+    return measure_stages(
+        stages, wl.loss_fn, batches, wl.features, device, warmup=2, progress=progress
+    )
 
 
-def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: int, file=sys.stdout) -> dict:
+def report(
+    model: CostModel, held_out: list[tuple[int, int, dict, float]], S: int, file=sys.stdout
+) -> dict:
     """Median |error| and rank agreement per stage and kind, on samples the fit never saw."""
     summary = {}
-    print(f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + b*tokens + "
-          f"c*attn + d*patches", file=file)
+    print(
+        f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + b*tokens + "
+        f"c*attn + d*patches",
+        file=file,
+    )
     errors_all = []
     for s in range(S):
         for k in range(3):
@@ -58,39 +68,58 @@ def report(model: CostModel, held_out: list[tuple[int, int, dict, float]], S: in
             med, rank = statistics.median(errs), ranking_agreement(pred, meas)
             summary[f"{s}{KINDS[k]}"] = {"median_error": med, "rank_agreement": rank}
             c = model.coef[s][k]
-            print(f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.3g} us*tok "
-                  f"+ {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch", file=file)
+            print(
+                f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.3g} us*tok "
+                f"+ {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch",
+                file=file,
+            )
     summary["median_error"] = statistics.median(errors_all)
     return summary
 
 
 def calibrate_command(args) -> int:
-    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one process measures every stage, on one GPU at most
+    os.environ.setdefault(
+        "LOCAL_WORLD_SIZE", "1"
+    )  # one process measures every stage, on one GPU at most
     cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
     S = cfg.num_stages
     out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
     check_output("--out", out)  # before minutes of measuring
     device = calibration_device(cfg.run)
-    where = (f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
-             if device.type == "cuda" else f"on this CPU ({torch.get_num_threads()} thread(s))")
+    where = (
+        f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
+        if device.type == "cuda"
+        else f"on this CPU ({torch.get_num_threads()} thread(s))"
+    )
     samples = measure(cfg, 2 * args.samples)
     per_micro = 3 * S
     fit_rows, check_rows = [], []
-    for i in range(0, len(samples), per_micro):  # alternate microbatches: fit on half, judge on the rest
-        (fit_rows if (i // per_micro) % 2 == 0 else check_rows).extend(samples[i:i + per_micro])
+    for i in range(
+        0, len(samples), per_micro
+    ):  # alternate microbatches: fit on half, judge on the rest
+        (fit_rows if (i // per_micro) % 2 == 0 else check_rows).extend(samples[i : i + per_micro])
     model = CostModel.fit(fit_rows)
-    print(f"rrfp calibrate: {cfg.run.model}, {S} stages, {args.samples} microbatches to fit and "
-          f"{args.samples} held out; real compute {where}")
+    print(
+        f"rrfp calibrate: {cfg.run.model}, {S} stages, {args.samples} microbatches to fit and "
+        f"{args.samples} held out; real compute {where}"
+    )
     summary = report(model, check_rows, S)
     f_meas = [t for _, k, _, t in check_rows if k == 0]
     f_pred = [model.seconds(s, 0, f) for s, k, f, _ in check_rows if k == 0]
-    per_mb = [sum(t for s, k, f, t in check_rows[i:i + per_micro]) for i in range(0, len(check_rows), per_micro)]
-    per_mb_pred = [sum(model.seconds(s, k, f) for s, k, f, _ in check_rows[i:i + per_micro])
-                   for i in range(0, len(check_rows), per_micro)]
-    print(f"all tasks: median |error| {summary['median_error']:.1%}; microbatch totals: rank agreement "
-          f"{ranking_agreement(per_mb_pred, per_mb):.2f}; one emulated unit = {model.reference_s * 1e3:.3f} ms "
-          f"(mean F); F spread over microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
-          f"{np.std(f_pred) / np.mean(f_pred):.0%} predicted")
+    per_mb = [
+        sum(t for s, k, f, t in check_rows[i : i + per_micro])
+        for i in range(0, len(check_rows), per_micro)
+    ]
+    per_mb_pred = [
+        sum(model.seconds(s, k, f) for s, k, f, _ in check_rows[i : i + per_micro])
+        for i in range(0, len(check_rows), per_micro)
+    ]
+    print(
+        f"all tasks: median |error| {summary['median_error']:.1%}; microbatch totals: rank agreement "
+        f"{ranking_agreement(per_mb_pred, per_mb):.2f}; one emulated unit = {model.reference_s * 1e3:.3f} ms "
+        f"(mean F); F spread over microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
+        f"{np.std(f_pred) / np.mean(f_pred):.0%} predicted"
+    )
     write_atomic(out, model.to_json())
     print(f"wrote {out}: train with --set cost={out} --set unit_ms=...")
     return 0

@@ -14,6 +14,7 @@ different value in any of them is refused: the saved tensors would not fit, or
 the batches (a pure function of the data config and the step) would not
 continue where they stopped. lr and weight decay may change; the config wins.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,7 +33,13 @@ from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
 from rrfp.loop.blocking import in_daemon_thread
-from rrfp.pipeline.checkpoint import CheckpointError, check_readable, load_stage, save_stage, stage_key
+from rrfp.pipeline.checkpoint import (
+    CheckpointError,
+    check_readable,
+    load_stage,
+    save_stage,
+    stage_key,
+)
 from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.pipeline.runtime import PipelineRuntime
 
@@ -42,10 +49,23 @@ log = logging.getLogger("rrfp.app.checkpoints")
 def fingerprint(cfg: TrainConfig) -> dict:
     """What must be equal for a checkpoint to continue this run, as plain JSON values."""
     lay = cfg.layout
-    return json.loads(json.dumps({
-        "run": {"model": cfg.run.model, "pp": lay.pp, "tp": lay.tp, "dp": lay.dp,
-                "microbatches": cfg.run.microbatches, "virtual": cfg.run.virtual, "placement": cfg.run.placement},
-        "model": dataclasses.asdict(cfg.model), "data": dataclasses.asdict(cfg.data)}))
+    return json.loads(
+        json.dumps(
+            {
+                "run": {
+                    "model": cfg.run.model,
+                    "pp": lay.pp,
+                    "tp": lay.tp,
+                    "dp": lay.dp,
+                    "microbatches": cfg.run.microbatches,
+                    "virtual": cfg.run.virtual,
+                    "placement": cfg.run.placement,
+                },
+                "model": dataclasses.asdict(cfg.model),
+                "data": dataclasses.asdict(cfg.data),
+            }
+        )
+    )
 
 
 def differences(saved: dict, now: dict) -> list[str]:
@@ -55,8 +75,10 @@ def differences(saved: dict, now: dict) -> list[str]:
         a, b = saved.get(section, {}), now.get(section, {})
         for key in sorted(set(a) | set(b)):
             if a.get(key, "(absent)") != b.get(key, "(absent)"):
-                out.append(f"{section}.{key}: checkpoint {a.get(key, '(absent)')!r}, "
-                           f"this run {b.get(key, '(absent)')!r}")
+                out.append(
+                    f"{section}.{key}: checkpoint {a.get(key, '(absent)')!r}, "
+                    f"this run {b.get(key, '(absent)')!r}"
+                )
     return out
 
 
@@ -72,9 +94,13 @@ class Resume:
         """The one line that names what was passed over, and where the run resumes instead."""
         if not self.rejected:
             return None
-        bad = "; ".join(f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected)
-        return (f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
-                f"(run.on_corrupt_checkpoint = fallback; it is deleted at this run's start)")
+        bad = "; ".join(
+            f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected
+        )
+        return (
+            f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
+            f"(run.on_corrupt_checkpoint = fallback; it is deleted at this run's start)"
+        )
 
 
 def plan_resume(cfg: TrainConfig) -> Resume:
@@ -86,19 +112,25 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     store = CheckpointDir(run.checkpoint_dir)
     problem = folder_problem(run.checkpoint_dir)
     if problem is not None:
-        raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: {problem}")
+        raise ConfigError(
+            f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: {problem}"
+        )
     done = store.complete()
     if run.resume == "off":
         if done:  # a fresh run would prune them as older than its own
-            raise ConfigError(f"run.checkpoint_dir {run.checkpoint_dir} already holds checkpoints (the latest "
-                              f"at step {done[-1].step}): continue with --resume (or run.resume = auto), or "
-                              "choose another directory")
+            raise ConfigError(
+                f"run.checkpoint_dir {run.checkpoint_dir} already holds checkpoints (the latest "
+                f"at step {done[-1].step}): continue with --resume (or run.resume = auto), or "
+                "choose another directory"
+            )
         return Resume(None)
     if not done:
         if run.resume == "required":
             partial = len(store.incomplete())
-            raise ConfigError(f"--resume: no complete checkpoint in {run.checkpoint_dir}"
-                              + (f" ({partial} incomplete one(s) ignored)" if partial else ""))
+            raise ConfigError(
+                f"--resume: no complete checkpoint in {run.checkpoint_dir}"
+                + (f" ({partial} incomplete one(s) ignored)" if partial else "")
+            )
         return Resume(None)  # auto: start fresh
     rejected = []
     for latest in reversed(done):
@@ -107,32 +139,46 @@ def plan_resume(cfg: TrainConfig) -> Resume:
             break
         rejected.append((latest, problem))
         if run.on_corrupt_checkpoint == "stop":
-            raise ConfigError(f"checkpoint {latest.path} failed verification: {problem}; nothing was loaded "
-                              "(run.on_corrupt_checkpoint = stop; \"fallback\" resumes from the newest "
-                              "checkpoint that verifies)")
+            raise ConfigError(
+                f"checkpoint {latest.path} failed verification: {problem}; nothing was loaded "
+                '(run.on_corrupt_checkpoint = stop; "fallback" resumes from the newest '
+                "checkpoint that verifies)"
+            )
     else:
-        raise ConfigError(f"no checkpoint in {run.checkpoint_dir} verifies, nothing was loaded: "
-                          + "; ".join(f"{c.path.name}: {why}" for c, why in rejected)
-                          + " (move them away to start at step 0)")
+        raise ConfigError(
+            f"no checkpoint in {run.checkpoint_dir} verifies, nothing was loaded: "
+            + "; ".join(f"{c.path.name}: {why}" for c, why in rejected)
+            + " (move them away to start at step 0)"
+        )
     where = f"cannot resume from {latest.path}"
     try:
         meta = latest.meta()
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: its meta.json cannot be read: {e}") from None
-    if not (isinstance(meta, dict) and isinstance(meta.get("config", {}), dict)
-            and all(isinstance(v, dict) for v in meta.get("config", {}).values())):
-        raise ConfigError(f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
-                          "\"config\" is an object of sections)")
+    if not (
+        isinstance(meta, dict)
+        and isinstance(meta.get("config", {}), dict)
+        and all(isinstance(v, dict) for v in meta.get("config", {}).values())
+    ):
+        raise ConfigError(
+            f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
+            '"config" is an object of sections)'
+        )
     diffs = differences(*_comparable(meta.get("config", {}), fingerprint(cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
     if latest.step >= run.steps:
-        raise ConfigError(f"{where}: it is at step {latest.step} and run.steps = {run.steps}: nothing left "
-                          "to train (raise run.steps)")
+        raise ConfigError(
+            f"{where}: it is at step {latest.step} and run.steps = {run.steps}: nothing left "
+            "to train (raise run.steps)"
+        )
     lay = cfg.layout
     try:
-        check_readable(latest.path, [stage_key(s, t) for s in range(cfg.num_stages) for t in range(lay.tp)]
-                       + [f"rank{r}" for r in range(lay.world_size)])
+        check_readable(
+            latest.path,
+            [stage_key(s, t) for s in range(cfg.num_stages) for t in range(lay.tp)]
+            + [f"rank{r}" for r in range(lay.world_size)],
+        )
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
     return Resume(latest, tuple(rejected))
@@ -146,7 +192,9 @@ def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
         return saved, now
     saved_run, now_run = {"virtual": 1, **saved["run"]}, now["run"]
     if saved_run["virtual"] == 1 or now_run["virtual"] == 1:
-        saved_run, now_run = ({k: v for k, v in r.items() if k != "placement"} for r in (saved_run, now_run))
+        saved_run, now_run = (
+            {k: v for k, v in r.items() if k != "placement"} for r in (saved_run, now_run)
+        )
     return {**saved, "run": saved_run}, {**now, "run": now_run}
 
 
@@ -159,15 +207,24 @@ class RunCheckpoints:
     """One rank's side of saving and loading its stages' state during a run: ``modules`` and
     ``opts`` hold one entry per stage of the rank (``rt.stages``)."""
 
-    def __init__(self, cfg: TrainConfig, rt: PipelineRuntime, modules: list[torch.nn.Module],
-                 opts: list[torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rt: PipelineRuntime,
+        modules: list[torch.nn.Module],
+        opts: list[torch.optim.Optimizer],
+    ) -> None:
         self.cfg, self.rt = cfg, rt
         one = len(modules) == 1  # the single-stage form: save_stage's keys and calls as before
         self.module, self.opt = (modules[0], opts[0]) if one else (list(modules), list(opts))
         self.store = CheckpointDir(cfg.run.checkpoint_dir)
-        self.where = dict(rank=rt.rank, stage=rt.stage if one else list(rt.stages), tp_rank=rt.tp_rank,
-                          device=rt.device,
-                          process_group=rt.cpu_group)  # DCP's collectives: gloo, the control plane
+        self.where = dict(
+            rank=rt.rank,
+            stage=rt.stage if one else list(rt.stages),
+            tp_rank=rt.tp_rank,
+            device=rt.device,
+            process_group=rt.cpu_group,
+        )  # DCP's collectives: gloo, the control plane
         # called with the step and the phase (save, commit) as this rank enters it (fault injection)
         self.on_write: list = []
 
@@ -178,12 +235,14 @@ class RunCheckpoints:
         nothing of an earlier crash is mixed into, or blocks, this run's commits."""
         rt, world = self.rt, self.rt.layout.world_size
         step = float(resume.start.step if resume.start is not None else -1)
-        token = secrets.randbelow(2 ** 50) + 1 if rt.rank == 0 else 0
+        token = secrets.randbelow(2**50) + 1 if rt.rank == 0 else 0
         probe = self.store.root / f".partial-probe-{token}"
         if rt.rank == 0:
             probe.write_text(str(token))
         agreed = torch.tensor([float(token), step, -step], dtype=torch.float64)
-        await rt.all_reduce(agreed, dist.ReduceOp.MAX, what="checkpoint: world agreement on the resume step")
+        await rt.all_reduce(
+            agreed, dist.ReduceOp.MAX, what="checkpoint: world agreement on the resume step"
+        )
         token, high, low = int(agreed[0].item()), agreed[1].item(), -agreed[2].item()
         probe = self.store.root / f".partial-probe-{token}"
         try:
@@ -192,17 +251,23 @@ class RunCheckpoints:
             seen = False
         blind = torch.zeros(world, dtype=torch.float64)
         blind[rt.rank] = float(not seen)
-        await rt.all_reduce(blind, what="checkpoint: world check of one shared checkpoint directory")
+        await rt.all_reduce(
+            blind, what="checkpoint: world check of one shared checkpoint directory"
+        )
         if rt.rank == 0:
             probe.unlink(missing_ok=True)
         missing = [r for r in range(world) if blind[r].item()]
         if missing:
-            raise ConfigError(f"run.checkpoint_dir {self.store.root} is not one file system for every rank: "
-                              f"rank(s) {', '.join(map(str, missing))} do not see a file rank 0 wrote there "
-                              "(use a directory every rank shares, such as a shared mount)")
+            raise ConfigError(
+                f"run.checkpoint_dir {self.store.root} is not one file system for every rank: "
+                f"rank(s) {', '.join(map(str, missing))} do not see a file rank 0 wrote there "
+                "(use a directory every rank shares, such as a shared mount)"
+            )
         if high != low:
-            raise ConfigError(f"the ranks found different checkpoints to resume from in {self.store.root} "
-                              f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every rank?")
+            raise ConfigError(
+                f"the ranks found different checkpoints to resume from in {self.store.root} "
+                f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
+            )
         if rt.rank == 0:
             self.store.discard([c for c, _ in resume.rejected])
             self.store.clear_debris()
@@ -214,7 +279,9 @@ class RunCheckpoints:
 
     async def load(self, ckpt: Checkpoint) -> None:
         try:
-            with named_collective(f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group):
+            with named_collective(
+                f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group
+            ):
                 await in_daemon_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
@@ -236,16 +303,21 @@ class RunCheckpoints:
         try:
             return await self._save(done, rng)
         except PeerFailure as e:
-            raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
-                              f"was not saved, {self._kept()}: "
-                              f"{str(e).removeprefix(f'rank {self.rt.rank}: ').removeprefix(f'step {done}: ')}",
-                              e.peer) from e
+            raise PeerFailure(
+                f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
+                f"was not saved, {self._kept()}: "
+                f"{str(e).removeprefix(f'rank {self.rt.rank}: ').removeprefix(f'step {done}: ')}",
+                e.peer,
+            ) from e
         except CheckpointError as e:
             if not lost_peer_reason(str(e)):
                 raise
-            raise PeerFailure(f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
-                              f"was not saved, {self._kept()}: a peer was lost while writing it"
-                              f"{lost_peer_reason(str(e))}: {e}", lone_peer(self.rt.cpu_group)) from e
+            raise PeerFailure(
+                f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
+                f"was not saved, {self._kept()}: a peer was lost while writing it"
+                f"{lost_peer_reason(str(e))}: {e}",
+                lone_peer(self.rt.cpu_group),
+            ) from e
 
     def _kept(self) -> str:
         """Which checkpoint a resume would use now, in words (none, when none was committed)."""
@@ -255,29 +327,48 @@ class RunCheckpoints:
         return f"the newest committed checkpoint stays ({latest.path})"
 
     async def _save(self, done: int, rng: dict | None) -> Checkpoint:
-        with named_collective(f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)",
-                              self.rt.cpu_group):
-            await in_daemon_thread(save_stage, self.store.partial_path(done), self.module, self.opt, **self.where,
-                                   rng=rng)
+        with named_collective(
+            f"step {done}: writing checkpoint {self.store.partial_path(done)} (DCP's collectives)",
+            self.rt.cpu_group,
+        ):
+            await in_daemon_thread(
+                save_stage,
+                self.store.partial_path(done),
+                self.module,
+                self.opt,
+                **self.where,
+                rng=rng,
+            )
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
                 for hook in self.on_write:
                     hook(done, "commit")
-                self.store.commit(done, {"config": fingerprint(self.cfg),
-                                         "world_size": self.rt.layout.world_size, "torch": torch.__version__})
+                self.store.commit(
+                    done,
+                    {
+                        "config": fingerprint(self.cfg),
+                        "world_size": self.rt.layout.world_size,
+                        "torch": torch.__version__,
+                    },
+                )
                 committed += 1
             except OSError as e:
                 failure = e
         else:
             for hook in self.on_write:
                 hook(done, "commit")
-        await self.rt.all_reduce(committed, what=f"step {done}: world all-reduce of the checkpoint commit")
+        await self.rt.all_reduce(
+            committed, what=f"step {done}: world all-reduce of the checkpoint commit"
+        )
         if not committed.item():
             final = self.store.final_path(done)
             if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
                 raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
-            raise PeerFailure(f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)", 0)
+            raise PeerFailure(
+                f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)",
+                0,
+            )
         if self.rt.rank == 0:
             self.store.prune(self.cfg.run.checkpoint_keep)
         return Checkpoint(done, self.store.final_path(done))

@@ -1,4 +1,5 @@
 """The `rrfp` command. The library logs; this module is the one that prints."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _number(name: str, kind: type, what: str, ok, rule: str):
     """An argparse type: ``kind(text)`` that ``ok`` accepts, else one line naming the flag."""
+
     def conv(text: str):
         try:
             v = kind(text)
@@ -49,101 +51,234 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
-    sim.add_argument("--pp", type=_positive("--pp"), default=8,
-                     help="pipeline ranks (default 8); each holds --virtual stages")
-    sim.add_argument("--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)")
-    sim.add_argument("--preset", default="lang", choices=PRESETS, help="variability preset (default lang)")
-    sim.add_argument("--seeds", type=_positive("--seeds"), default=20, help="seeds to run (default 20)")
-    sim.add_argument("--budget", default=None,
-                     help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
-                          "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)")
-    sim.add_argument("--executors", type=_csv_list, default=["fixed", "ready"],
-                     help="comma list of fixed (the hint's order, run as a list) and ready (the best-ranked "
-                          "ready task) (default fixed,ready)")
-    sim.add_argument("--hints", type=_csv_list, default=None,
-                     help="comma list: builtin names, plan (planned per seed from known costs), zbv, .csv files "
-                          f"or module:function (default {','.join(BUILTIN)},plan, and zbv with --placement v)")
-    sim.add_argument("--virtual", type=_csv_list, default=["1"], metavar="V",
-                     help="stages per rank, a comma list (default 1); the model splits into pp x V stages")
-    sim.add_argument("--placement", type=_csv_list, default=["interleaved"],
-                     help="where a rank's stages sit, a comma list of interleaved (r, r+S, ...) and v "
-                          "(r and 2S-1-r, V = 2 only) (default interleaved)")
+    sim.add_argument(
+        "--pp",
+        type=_positive("--pp"),
+        default=8,
+        help="pipeline ranks (default 8); each holds --virtual stages",
+    )
+    sim.add_argument(
+        "--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)"
+    )
+    sim.add_argument(
+        "--preset", default="lang", choices=PRESETS, help="variability preset (default lang)"
+    )
+    sim.add_argument(
+        "--seeds", type=_positive("--seeds"), default=20, help="seeds to run (default 20)"
+    )
+    sim.add_argument(
+        "--budget",
+        default=None,
+        help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
+        "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)",
+    )
+    sim.add_argument(
+        "--executors",
+        type=_csv_list,
+        default=["fixed", "ready"],
+        help="comma list of fixed (the hint's order, run as a list) and ready (the best-ranked "
+        "ready task) (default fixed,ready)",
+    )
+    sim.add_argument(
+        "--hints",
+        type=_csv_list,
+        default=None,
+        help="comma list: builtin names, plan (planned per seed from known costs), zbv, .csv files "
+        f"or module:function (default {','.join(BUILTIN)},plan, and zbv with --placement v)",
+    )
+    sim.add_argument(
+        "--virtual",
+        type=_csv_list,
+        default=["1"],
+        metavar="V",
+        help="stages per rank, a comma list (default 1); the model splits into pp x V stages",
+    )
+    sim.add_argument(
+        "--placement",
+        type=_csv_list,
+        default=["interleaved"],
+        help="where a rank's stages sit, a comma list of interleaved (r, r+S, ...) and v "
+        "(r and 2S-1-r, V = 2 only) (default interleaved)",
+    )
     sim.add_argument("--comm", type=float, default=None, help="latency per message (default 0.05)")
-    sim.add_argument("--comm-jitter", type=float, default=None, help="lognormal sigma on message latency")
-    sim.add_argument("--jitter", type=float, default=None,
-                     help="lognormal sigma on each task's time, in place of the preset's (e.g. 0.01 with --preset "
-                          "none: how a real machine's noise moves a schedule made without variability)")
-    sim.add_argument("--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)")
+    sim.add_argument(
+        "--comm-jitter", type=float, default=None, help="lognormal sigma on message latency"
+    )
+    sim.add_argument(
+        "--jitter",
+        type=float,
+        default=None,
+        help="lognormal sigma on each task's time, in place of the preset's (e.g. 0.01 with --preset "
+        "none: how a real machine's noise moves a schedule made without variability)",
+    )
+    sim.add_argument(
+        "--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)"
+    )
     sim.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (default 2)")
-    sim.add_argument("--oracle", action="store_true",
-                     help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') for every "
-                          "layout among the rows, and show each row's distance to its layout's")
-    sim.add_argument("--oracle-time-limit", type=_seconds("--oracle-time-limit"), default=10.0, metavar="SECONDS",
-                     help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound")
-    sim.add_argument("--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead")
-    sim.add_argument("--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay")
-    sim.add_argument("--json", metavar="FILE", help="write results as JSON ('-': JSON alone on stdout, the table on stderr)")
-    sim.add_argument("--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint")
-    sim.add_argument("--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row")
+    sim.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') for every "
+        "layout among the rows, and show each row's distance to its layout's",
+    )
+    sim.add_argument(
+        "--oracle-time-limit",
+        type=_seconds("--oracle-time-limit"),
+        default=10.0,
+        metavar="SECONDS",
+        help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound",
+    )
+    sim.add_argument(
+        "--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead"
+    )
+    sim.add_argument(
+        "--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay"
+    )
+    sim.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write results as JSON ('-': JSON alone on stdout, the table on stderr)",
+    )
+    sim.add_argument(
+        "--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint"
+    )
+    sim.add_argument(
+        "--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row"
+    )
 
-    plot = sub.add_parser("plot", help="draw a timeline PNG from an rrfp Chrome trace (real or simulated)")
+    plot = sub.add_parser(
+        "plot", help="draw a timeline PNG from an rrfp Chrome trace (real or simulated)"
+    )
     plot.add_argument("trace", help="a trace from rrfp sim --trace or rrfp train --set trace=...")
     plot.add_argument("--out", help="PNG to write (default: the trace's name with .png)")
 
-    cal = sub.add_parser("calibrate", help="measure each stage's F/B/W on sample data and fit the cost model")
+    cal = sub.add_parser(
+        "calibrate", help="measure each stage's F/B/W on sample data and fit the cost model"
+    )
     cal.add_argument("--config", required=True, help="TOML run config (its model and data)")
-    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value")
-    cal.add_argument("--pp", type=_positive("--pp"), default=4, help="pipeline stages to split into (default 4)")
-    cal.add_argument("--samples", type=_positive("--samples"), default=16,
-                     help="microbatches to fit on; as many more are held out to judge the fit (default 16)")
+    cal.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config value"
+    )
+    cal.add_argument(
+        "--pp", type=_positive("--pp"), default=4, help="pipeline stages to split into (default 4)"
+    )
+    cal.add_argument(
+        "--samples",
+        type=_positive("--samples"),
+        default=16,
+        help="microbatches to fit on; as many more are held out to judge the fit (default 16)",
+    )
     cal.add_argument("--out", help="where to write the model (default runs/cost-MODEL-ppN.json)")
 
     train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
     train.add_argument("--config", required=True, help="TOML run config")
-    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set executor=fixed")
-    train.add_argument("--dry-run", action="store_true", help="print the layout and config, then exit")
-    train.add_argument("--resume", action="store_true",
-                       help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)")
-    train.add_argument("--debug", action="store_true",
-                       help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)")
-    bench = sub.add_parser("bench", help="every executor side by side on real gloo ranks, into a results folder",
-                           description="Run the benchmark suite: each workload's iterations on every executor, "
-                                       "alternating, on PP local gloo ranks in one torchrun job. Device time is "
-                                       "emulated on CPU by the compute lane.")
-    bench.add_argument("--workloads", type=_csv_list, default=None,
-                       help="comma list of gpt, vlm or .toml configs (default gpt,vlm)")
-    bench.add_argument("--executors", type=_csv_list, default=None,
-                       help="comma list of ENGINE-HINT: fixed-HINT or ready-HINT with any rrfp hint (1f1b, "
-                            "zbh1, bf, bfw, plan, gpipe; zbv with -v2), e.g. ready-plan, fixed-bfw; "
-                            "torch-SCHEDULE for torch.distributed.pipelining's 1f1b, zb (= zbv), "
-                            "interleaved-1f1b, interleaved-zb or dualpipev; drop-in-ready-HINT runs ready "
-                            "dispatch behind torch's schedule surface. A -v2 suffix on an rrfp one runs it on "
-                            "two virtual stages per rank in the v shape (ready-plan-v2, fixed-zbv-v2), -i2 "
-                            "interleaved (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, fixed-plan, "
-                            "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
-                            "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)")
-    bench.add_argument("--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)")
-    bench.add_argument("--tp", type=_positive("--tp"), default=1, help="tensor-parallel ranks per stage (default 1)")
-    bench.add_argument("--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)")
-    bench.add_argument("--reps", type=_positive("--reps"), default=None,
-                       help="measured iterations per executor, after one warm-up (default 5)")
-    bench.add_argument("--unit-ms", type=float, default=None,
-                       help="ms of emulated device time per unit, one average forward (default 40: it must stay well above "
-                            "the real compute of a task, about 9 ms for the vlm on 2 shared cores)")
-    bench.add_argument("--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)")
-    bench.add_argument("--preset", choices=PRESETS, default=None,
-                       help="variability preset for every workload (default: gpt lang, vlm jitter)")
-    bench.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a value of every workload's config, e.g. --set model.n_layer=16")
-    bench.add_argument("--torch-sends", choices=("delayed", "native"), default="delayed",
-                       help="torch anchors' sends: delayed (after the emulated link latency, from sender threads, "
-                            "as rrfp's senders; the default) or native (torch issues and waits its own, no latency)")
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set executor=fixed",
+    )
+    train.add_argument(
+        "--dry-run", action="store_true", help="print the layout and config, then exit"
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)",
+    )
+    train.add_argument(
+        "--debug",
+        action="store_true",
+        help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)",
+    )
+    bench = sub.add_parser(
+        "bench",
+        help="every executor side by side on real gloo ranks, into a results folder",
+        description="Run the benchmark suite: each workload's iterations on every executor, "
+        "alternating, on PP local gloo ranks in one torchrun job. Device time is "
+        "emulated on CPU by the compute lane.",
+    )
+    bench.add_argument(
+        "--workloads",
+        type=_csv_list,
+        default=None,
+        help="comma list of gpt, vlm or .toml configs (default gpt,vlm)",
+    )
+    bench.add_argument(
+        "--executors",
+        type=_csv_list,
+        default=None,
+        help="comma list of ENGINE-HINT: fixed-HINT or ready-HINT with any rrfp hint (1f1b, "
+        "zbh1, bf, bfw, plan, gpipe; zbv with -v2), e.g. ready-plan, fixed-bfw; "
+        "torch-SCHEDULE for torch.distributed.pipelining's 1f1b, zb (= zbv), "
+        "interleaved-1f1b, interleaved-zb or dualpipev; drop-in-ready-HINT runs ready "
+        "dispatch behind torch's schedule surface. A -v2 suffix on an rrfp one runs it on "
+        "two virtual stages per rank in the v shape (ready-plan-v2, fixed-zbv-v2), -i2 "
+        "interleaved (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, fixed-plan, "
+        "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
+        "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)",
+    )
+    bench.add_argument(
+        "--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)"
+    )
+    bench.add_argument(
+        "--tp",
+        type=_positive("--tp"),
+        default=1,
+        help="tensor-parallel ranks per stage (default 1)",
+    )
+    bench.add_argument(
+        "--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)"
+    )
+    bench.add_argument(
+        "--reps",
+        type=_positive("--reps"),
+        default=None,
+        help="measured iterations per executor, after one warm-up (default 5)",
+    )
+    bench.add_argument(
+        "--unit-ms",
+        type=float,
+        default=None,
+        help="ms of emulated device time per unit, one average forward (default 40: it must stay well above "
+        "the real compute of a task, about 9 ms for the vlm on 2 shared cores)",
+    )
+    bench.add_argument(
+        "--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)"
+    )
+    bench.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default=None,
+        help="variability preset for every workload (default: gpt lang, vlm jitter)",
+    )
+    bench.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value of every workload's config, e.g. --set model.n_layer=16",
+    )
+    bench.add_argument(
+        "--torch-sends",
+        choices=("delayed", "native"),
+        default="delayed",
+        help="torch anchors' sends: delayed (after the emulated link latency, from sender threads, "
+        "as rrfp's senders; the default) or native (torch issues and waits its own, no latency)",
+    )
     bench.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
-    bench.add_argument("--quick", action="store_true",
-                       help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units")
-    bench.add_argument("--timeout", type=_positive("--timeout"), default=3600,
-                       help="seconds before the job is stopped (default 3600); a dead rank fails it sooner")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of seconds: gpt, pp 2, 4 microbatches, 1 iteration, 2 ms units",
+    )
+    bench.add_argument(
+        "--timeout",
+        type=_positive("--timeout"),
+        default=3600,
+        help="seconds before the job is stopped (default 3600); a dead rank fails it sooner",
+    )
     return p
 
 
@@ -160,15 +295,19 @@ def _plot(args) -> int:
     try:
         doc = json.loads(text)
     except ValueError:
-        raise UsageError(f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
-                         f"rrfp sim --trace or rrfp bench") from None
+        raise UsageError(
+            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
+            f"rrfp sim --trace or rrfp bench"
+        ) from None
     try:
         runs = spans_from_chrome(doc)
     except ValueError as e:
         raise UsageError(f"{args.trace}: {e}") from None
     out = args.out or str(Path(args.trace).with_suffix(".png"))
     check_output("--out", out)
-    plot_timelines(out, runs, unit="from the first task: seconds, or average forwards for rrfp sim traces")
+    plot_timelines(
+        out, runs, unit="from the first task: seconds, or average forwards for rrfp sim traces"
+    )
     print(f"wrote {out}: {len(runs)} timeline(s), {sum(len(s) for _, s in runs)} tasks")
     return 0
 
@@ -196,11 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:  # every rank of a job checks its input alike: one line per job
         text = " ".join(str(e).split())
         rank, world = rank_and_world()
-        refuse_once(text, f"rrfp: error: {text}" if rank == 0 or world <= 1 else f"rrfp: error: rank {rank}: {text}")
+        refuse_once(
+            text,
+            f"rrfp: error: {text}"
+            if rank == 0 or world <= 1
+            else f"rrfp: error: rank {rank}: {text}",
+        )
         return 2
-    except KeyboardInterrupt:  # before `rrfp train` handles SIGINT (train_command.py), or another command
+    except (
+        KeyboardInterrupt
+    ):  # before `rrfp train` handles SIGINT (train_command.py), or another command
         rank, world = rank_and_world()
-        if rank == 0 or world <= 1:  # torchrun's agent forwards Ctrl-C to every rank: one line per job
+        if (
+            rank == 0 or world <= 1
+        ):  # torchrun's agent forwards Ctrl-C to every rank: one line per job
             say("rrfp: interrupted")
         if "WORLD_SIZE" in os.environ:  # a rank: torch's C++ teardown may abort (exit_now says why)
             from rrfp.app.errors import exit_now
@@ -210,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `rrfp sim | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except OSError as e:  # a file the commands' own checks did not foresee: one line, not a traceback
+    except (
+        OSError
+    ) as e:  # a file the commands' own checks did not foresee: one line, not a traceback
         say(f"rrfp: error: {e.filename or type(e).__name__}: {e.strerror or e}")
         return 1
 

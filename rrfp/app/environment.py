@@ -2,6 +2,7 @@
 launcher, RRFP_LOG from the user), checked before anything reads it: a value that
 is not what torch's ``env://`` rendezvous or ``logging`` takes is one line and exit
 2, not a traceback from deep inside either."""
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,9 @@ def log_level() -> str:
     """RRFP_LOG (WARNING when unset), a logging level name; UsageError otherwise."""
     level = os.environ.get("RRFP_LOG", "WARNING").strip().upper() or "WARNING"
     if level not in LEVELS:
-        raise UsageError(f"RRFP_LOG={os.environ['RRFP_LOG']!r} is not a log level: one of {', '.join(LEVELS)}")
+        raise UsageError(
+            f"RRFP_LOG={os.environ['RRFP_LOG']!r} is not a log level: one of {', '.join(LEVELS)}"
+        )
     return level
 
 
@@ -35,8 +38,10 @@ def check_launcher() -> None:
         try:
             values[key] = int(env[key])
         except ValueError:
-            raise UsageError(f"{key}={env[key]!r} is not an integer (set by torchrun; a rank started by hand "
-                             "needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)") from None
+            raise UsageError(
+                f"{key}={env[key]!r} is not an integer (set by torchrun; a rank started by hand "
+                "needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)"
+            ) from None
     world, rank = values.get("WORLD_SIZE"), values.get("RANK")
     if world is not None and world < 1:
         raise UsageError(f"WORLD_SIZE={world} must be >= 1")

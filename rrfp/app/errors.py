@@ -34,7 +34,11 @@ def exit_now(code: int) -> None:
 def one_line(e: BaseException, rank: int) -> str:
     """A rank's failure as one line that names the rank (most causes name it already)."""
     cause = root_cause(e)
-    text = str(cause) if isinstance(cause, (PipelineError, ConfigError)) else f"{type(cause).__name__}: {cause}"
+    text = (
+        str(cause)
+        if isinstance(cause, (PipelineError, ConfigError))
+        else f"{type(cause).__name__}: {cause}"
+    )
     line = " ".join(text.split())
     if line.split(":")[0].split()[:2] != ["rank", str(rank)]:
         line = f"rank {rank}: {line}"

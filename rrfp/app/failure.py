@@ -9,6 +9,7 @@ is primary; anything else is an internal error (a bug), said as such. Every
 line says where the full traceback is. A secondary line names the rank that
 failed first when the failure board (failure_board.py) can tell.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,11 @@ def _lost_transport(e: BaseException) -> bool:
     """A gloo or NCCL error that says a peer died or hung, raised where no rrfp wrapper named it (a
     collective a model's layer calls, rrfp/nn/tensor_parallel.py): a lost peer, not a bug."""
     text = str(e)
-    return (type(e) is RuntimeError and ("gloo" in text or "NCCL" in text or "nccl" in text)
-            and bool(lost_peer_reason(text)))
+    return (
+        type(e) is RuntimeError
+        and ("gloo" in text or "NCCL" in text or "nccl" in text)
+        and bool(lost_peer_reason(text))
+    )
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,17 @@ class Failure:
         (the peer's channel fails as a consequence, in the same TaskGroup)."""
         order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
         best = min(leaves(e), key=lambda leaf: order[kind_of(leaf)])
-        if _lost_transport(best):  # a collective inside the model (a TP layer's): say so, as a PeerFailure
-            task = next((n.removeprefix("rrfp: raised in ") for n in getattr(best, "__notes__", ())
-                         if n.startswith("rrfp: raised in ")), "the model")
+        if _lost_transport(
+            best
+        ):  # a collective inside the model (a TP layer's): say so, as a PeerFailure
+            task = next(
+                (
+                    n.removeprefix("rrfp: raised in ")
+                    for n in getattr(best, "__notes__", ())
+                    if n.startswith("rrfp: raised in ")
+                ),
+                "the model",
+            )
             best = PeerFailure(f"a collective in {task} failed{describe_failure(best)}")
         return cls(kind_of(best), best)
 
@@ -77,19 +89,31 @@ class Failure:
         peer = getattr(self.cause, "peer", None)
         return f"secondary {'?' if peer is None else peer}"
 
-    def line(self, rank: int, stage: int | Sequence[int], log_path: str, debug: bool,
-             origin: tuple[int, bool] | None = None) -> str:
+    def line(
+        self,
+        rank: int,
+        stage: int | Sequence[int],
+        log_path: str,
+        debug: bool,
+        origin: tuple[int, bool] | None = None,
+    ) -> str:
         """The one line this rank prints (without the ``rrfp: error:`` prefix). ``stage``: what the rank
         holds (several stages with virtual stages). ``origin``: the rank that failed first and whether
         it wrote a line, when the failure board could tell."""
         holds = stages_label((stage,) if isinstance(stage, int) else stage)
         text = " ".join(str(self.cause).split())
         # most causes name their rank already (and, with virtual stages, often the one stage of it)
-        text = re.sub(rf"^rank {rank}(?: {holds}| (stage \d+))?: ", lambda m: f"{m[1]}: " if m[1] else "", text)
+        text = re.sub(
+            rf"^rank {rank}(?: {holds}| (stage \d+))?: ",
+            lambda m: f"{m[1]}: " if m[1] else "",
+            text,
+        )
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"
-        if isinstance(self.cause, PeerSilent):  # the cause itself: the silent peer, not a chain to follow
+        if isinstance(
+            self.cause, PeerSilent
+        ):  # the cause itself: the silent peer, not a chain to follow
             return f"rank {rank}: stopped: {text} ({where})"
         if self.kind == SECONDARY:
             # short: the transport's own text (after the likely reason) stays in the log

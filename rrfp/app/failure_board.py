@@ -14,6 +14,7 @@ stops moving. Everything here is
 best effort with a short deadline: the store lives in torchrun's agent, or in
 rank 0, which may be the rank that died.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -114,7 +115,9 @@ class FailureBoard:
                 now = self.ticks(silent)
                 still = [r for r in silent if now[r] == ticks[r]]
                 return (still[0], False) if len(still) == 1 and len(silent) > 1 else None
-            time.sleep(GRACE_S / GRACE_POLLS)  # a silent rank may have failed a moment after us, and be posting
+            time.sleep(
+                GRACE_S / GRACE_POLLS
+            )  # a silent rank may have failed a moment after us, and be posting
             notes.update({r: self.read(r) for r in silent})
 
     @staticmethod
@@ -122,7 +125,9 @@ class FailureBoard:
         """The silent ranks that the chains of lost peers lead to: from ``peer`` first, then from
         each peer a post names (``secondary P``), most named first."""
         named = [int(n.split()[1]) for n in notes.values() if n and n.split()[-1].isdigit()]
-        starts = ([peer] if peer is not None else []) + sorted(set(named), key=lambda p: (-named.count(p), p))
+        starts = ([peer] if peer is not None else []) + sorted(
+            set(named), key=lambda p: (-named.count(p), p)
+        )
         ends: list[int] = []
         for start in starts:
             seen, at = {rank}, start
@@ -151,8 +156,15 @@ def connect_store(timeout_s: float = 1.0):
 
     def connect() -> None:
         try:
-            found.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                       timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False))
+            found.append(
+                dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    wait_for_workers=False,
+                )
+            )
         except (KeyError, ValueError, RuntimeError):
             pass
 

@@ -9,6 +9,7 @@ text or nothing within ``REFUSAL_WAIT_S`` (a file only that rank cannot read;
 a rank 0 that passed). Before any process group the store exists only under
 torchrun (its agent's); without one, every rank prints.
 """
+
 from __future__ import annotations
 
 import os

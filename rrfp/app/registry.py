@@ -4,6 +4,7 @@
 or ``module:attribute`` names one outside ``models/``. The import happens at
 run time, so rrfp never imports ``models`` statically.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,11 @@ def known() -> list[str]:
         pkg = importlib.import_module(PACKAGE)
     except ImportError:
         return []
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__)
-                  if getattr(importlib.import_module(f"{PACKAGE}.{m.name}"), "workload", None) is not None)
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(pkg.__path__)
+        if getattr(importlib.import_module(f"{PACKAGE}.{m.name}"), "workload", None) is not None
+    )
 
 
 _NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
@@ -33,8 +37,10 @@ _NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
 @functools.lru_cache(maxsize=None)
 def find_workload(name: str) -> Workload:
     if not _NAME.fullmatch(name):  # a path or a relative import ("../x", ".gpt") is no module name
-        raise ConfigError(f"run.model {name!r} is not a workload name: a name under models/ (known: "
-                          f"{', '.join(known())}), a dotted module, or module:attribute")
+        raise ConfigError(
+            f"run.model {name!r} is not a workload name: a name under models/ (known: "
+            f"{', '.join(known())}), a dotted module, or module:attribute"
+        )
     module_name, _, attr = name.partition(":")
     if "." not in module_name:
         module_name = f"{PACKAGE}.{module_name}"
@@ -42,12 +48,18 @@ def find_workload(name: str) -> Workload:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name is not None and module_name.startswith(e.name):
-            raise ConfigError(f"run.model {name!r}: no module {module_name} (known: {', '.join(known())})") from None
+            raise ConfigError(
+                f"run.model {name!r}: no module {module_name} (known: {', '.join(known())})"
+            ) from None
         raise ConfigError(f"run.model {name!r}: importing {module_name} failed: {e}") from None
     except Exception as e:  # the workload's own module is the user's code: its error, in one line
-        raise ConfigError(f"run.model {name!r}: importing {module_name} failed: {type(e).__name__}: "
-                          f"{' '.join(str(e).split())}") from None
+        raise ConfigError(
+            f"run.model {name!r}: importing {module_name} failed: {type(e).__name__}: "
+            f"{' '.join(str(e).split())}"
+        ) from None
     found = getattr(module, attr or "workload", None)
     if not isinstance(found, Workload):
-        raise ConfigError(f"run.model {name!r}: {module_name} has no Workload named {attr or 'workload'!r}")
+        raise ConfigError(
+            f"run.model {name!r}: {module_name} has no Workload named {attr or 'workload'!r}"
+        )
     return found

@@ -1,6 +1,7 @@
 """The files a run writes only at its end (``run.trace``, ``run.sizes``), its checkpoint folder, and
 what the other commands write when they finish (``--json``, ``--out``): checked at the start, so a
 path that cannot be written costs one line (exit 2), not hours of training or minutes of work."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,9 @@ def folder_problem(folder: str | Path) -> str | None:
     except FileExistsError as e:  # mkdir of a path that is a plain file
         return f"{e.filename} is a file, not a folder"
     except OSError as e:
-        if e.filename and Path(e.filename).parent == Path(folder):  # the folder is there; a file in it is not
+        if e.filename and Path(e.filename).parent == Path(
+            folder
+        ):  # the folder is there; a file in it is not
             return f"cannot create a file in {folder}: {e.strerror or e}"
         return f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
     return None
@@ -45,8 +48,10 @@ def check_end_files(run: RunConfig) -> None:
             raise ConfigError(f"run.{key} = {path} is a folder: give the path of the file to write")
         problem = folder_problem(Path(path).parent)
         if problem is not None:
-            raise ConfigError(f"run.{key} = {path} cannot be written: {problem} (checked at the start: "
-                              f"it is written when the run ends)")
+            raise ConfigError(
+                f"run.{key} = {path} cannot be written: {problem} (checked at the start: "
+                f"it is written when the run ends)"
+            )
 
 
 def check_output(what: str, path, folder: bool = False) -> None:

@@ -3,6 +3,7 @@
 Flags are resolved here, once, into a Budget, Dispatch modes and Hints; the
 simulator only sees those objects.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,9 @@ from rrfp.sim.planning import planned_config
 from rrfp.sim.sweep import BASELINE, Row, sweep
 
 
-DEFAULT_BUDGETS = "2x,1x"  # the headline's memory, and 1F1B's: every speedup is shown at equal memory too
+DEFAULT_BUDGETS = (
+    "2x,1x"  # the headline's memory, and 1F1B's: every speedup is shown at equal memory too
+)
 
 
 def _budgets(args) -> list[Budget]:
@@ -40,7 +43,9 @@ def _budgets(args) -> list[Budget]:
     return budgets
 
 
-MAX_STAGE_MICROBATCHES = 1 << 22  # minutes per simulation; far larger looks like a hang that eats memory
+MAX_STAGE_MICROBATCHES = (
+    1 << 22
+)  # minutes per simulation; far larger looks like a hang that eats memory
 
 
 def _layouts(args) -> list[VirtualLayout]:
@@ -70,16 +75,19 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
         budgets = _budgets(args)
         layouts = _layouts(args)
         dispatches = [Dispatch.parse(e) for e in args.executors]
-        names = args.hints or [*BUILTIN, "plan"] + (["zbv"] if any(lay.placement is Placement.V for lay in layouts)
-                                                    else [])
+        names = args.hints or [*BUILTIN, "plan"] + (
+            ["zbv"] if any(lay.placement is Placement.V for lay in layouts) else []
+        )
         hints = [resolve(h) for h in names]
     except ValueError as e:  # HintError included
         raise UsageError(str(e)) from None
     size = args.pp * max(lay.virtual for lay in layouts) * args.mb
     if size > MAX_STAGE_MICROBATCHES:
-        raise UsageError(f"--pp {args.pp} x --virtual x --mb {args.mb} is {size:,} stage-microbatches per "
-                         f"simulation; rrfp sim takes at most {MAX_STAGE_MICROBATCHES:,} (64 x 4096 takes "
-                         f"about 12 s on one core, and time and memory grow with it)")
+        raise UsageError(
+            f"--pp {args.pp} x --virtual x --mb {args.mb} is {size:,} stage-microbatches per "
+            f"simulation; rrfp sim takes at most {MAX_STAGE_MICROBATCHES:,} (64 x 4096 takes "
+            f"about 12 s on one core, and time and memory grow with it)"
+        )
     flags = {"comm": args.comm, "comm_jitter": args.comm_jitter, "jitter": args.jitter}
     over = {k: v for k, v in flags.items() if v is not None}
     if args.slow_stage is not None:
@@ -99,29 +107,57 @@ def _progress(jobs, desc: str = "simulating", unit: str = "run"):
 
 def _label(row: Row, budgets: list[Budget]) -> str:
     """A row's name where several budgets or layouts share a table, a trace or a plot."""
-    return (f"{row.executor} {row.hint}" + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
-            + (f" {row.layout}" if row.layout else ""))
+    return (
+        f"{row.executor} {row.hint}"
+        + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
+        + (f" {row.layout}" if row.layout else "")
+    )
 
 
-def _table(args, budgets: list[Budget], var: Variability, rows: list[Row], out, oracle=None,
-           skipped: list[str] = ()) -> None:
+def _table(
+    args,
+    budgets: list[Budget],
+    var: Variability,
+    rows: list[Row],
+    out,
+    oracle=None,
+    skipped: list[str] = (),
+) -> None:
     virtual = any(r.virtual > 1 for r in rows)
-    print(f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
-          f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
-          f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
-          + ("; with V stages per rank a chunk holds 1/V of a microbatch, and Nx gives the fullest rank N times "
-             "1F1B's peak, the others by need (docs/design.md §4b)" if virtual else ""), file=out)
-    print(f"{'executor':<8} {'hint':<12} {'budget':>6}" + (f" {'layout':<15}" if virtual else "")
-          + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
-          f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}" + (f" {'vs optimum':>11}" if oracle else ""),
-          file=out)
+    print(
+        f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
+        f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
+        f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
+        + (
+            "; with V stages per rank a chunk holds 1/V of a microbatch, and Nx gives the fullest rank N times "
+            "1F1B's peak, the others by need (docs/design.md §4b)"
+            if virtual
+            else ""
+        ),
+        file=out,
+    )
+    print(
+        f"{'executor':<8} {'hint':<12} {'budget':>6}"
+        + (f" {'layout':<15}" if virtual else "")
+        + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
+        f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}"
+        + (f" {'vs optimum':>11}" if oracle else ""),
+        file=out,
+    )
     for r in rows:
         lo, hi = r.spread
-        planned = f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
-        print(f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6}" + (f" {r.layout or 'V1':<15}" if virtual else "")
-              + f" {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
-              f"{r.peak_inflight:>14g} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
-              + (f" {oracle.cell(r):>11}" if oracle else "") + planned, file=out)
+        planned = (
+            f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
+        )
+        print(
+            f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6}"
+            + (f" {r.layout or 'V1':<15}" if virtual else "")
+            + f" {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
+            f"{r.peak_inflight:>14g} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
+            + (f" {oracle.cell(r):>11}" if oracle else "")
+            + planned,
+            file=out,
+        )
     for why in skipped:
         print(f"not run: {why}", file=out)
     for line in oracle.summary(budgets[0]) if oracle else ():
@@ -146,15 +182,22 @@ def replay_command(args) -> int:
     except (ValueError, KeyError) as e:
         raise UsageError(f"--replay/--cost: not a sizes file and a cost model: {e}") from None
     if not doc.get("unit_ms"):
-        raise UsageError(f"{args.replay}: the run had unit_ms = 0 (no emulated time to compare with)")
+        raise UsageError(
+            f"{args.replay}: the run had unit_ms = 0 (no emulated time to compare with)"
+        )
     try:
         rows = replay(doc, cost)
     except (ValueError, KeyError) as e:  # a layout the cost model does not fit, a missing field
         raise UsageError(f"--replay {args.replay}: {e}") from None
-    stages = f"{doc['pp']} stages" if int(doc.get("virtual", 1)) == 1 else \
-        f"{doc['pp']} ranks x {doc['virtual']} stages ({doc.get('placement', 'interleaved')})"
-    print(f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {stages}, "
-          f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)")
+    stages = (
+        f"{doc['pp']} stages"
+        if int(doc.get("virtual", 1)) == 1
+        else f"{doc['pp']} ranks x {doc['virtual']} stages ({doc.get('placement', 'interleaved')})"
+    )
+    print(
+        f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {stages}, "
+        f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)"
+    )
     print(f"{'step':>4} {'simulated ms':>13} {'measured ms':>12} {'error':>7}")
     errs = []
     for step, sim_ms, meas_ms in rows:
@@ -163,8 +206,10 @@ def replay_command(args) -> int:
             errs.append(err)
         print(f"{step + 1:>4} {sim_ms:>13.1f} {meas_ms:>12.1f} {err:>+7.1%}")
     if errs:
-        print(f"measured vs simulated after step 1: median {statistics.median(errs):+.1%} "
-              f"(range {min(errs):+.1%} .. {max(errs):+.1%})")
+        print(
+            f"measured vs simulated after step 1: median {statistics.median(errs):+.1%} "
+            f"(range {min(errs):+.1%} .. {max(errs):+.1%})"
+        )
     return 0
 
 
@@ -185,25 +230,40 @@ def sim_command(args) -> int:
     skipped: list[str] = []
     try:
         runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
-        rows = sweep(base, dispatches, hints, args.seeds, _progress, runs, budgets, layouts, skipped)
+        rows = sweep(
+            base, dispatches, hints, args.seeds, _progress, runs, budgets, layouts, skipped
+        )
     except HintError as e:
         raise UsageError(str(e)) from None
-    if skipped and not {h.name for h in hints} & {r.hint for r in rows}:  # nothing asked for could run
+    if skipped and not {h.name for h in hints} & {
+        r.hint for r in rows
+    }:  # nothing asked for could run
         raise UsageError("; ".join(skipped))
     rows.sort(key=lambda r: -r.median)
     oracle = None
     if args.oracle:
-        print(f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to {args.oracle_time_limit:g} s each",
-              file=sys.stderr)
+        print(
+            f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to {args.oracle_time_limit:g} s each",
+            file=sys.stderr,
+        )
         oracle = sim_oracle.oracle_column(args, base, runs, rows, _progress)
     json_to_stdout = args.json == "-"
     _table(args, budgets, var, rows, sys.stderr if json_to_stdout else sys.stdout, oracle, skipped)
     if args.json:
-        doc = {"pp": args.pp, "mb": args.mb, "preset": args.preset, "budget": ",".join(map(str, budgets)),
-               "layouts": [{"virtual": lay.virtual, "placement": str(lay.placement)} for lay in layouts],
-               "not_run": skipped,
-               "budgets": [str(b) for b in budgets], "seeds": args.seeds,
-               "variability": var.__dict__, "rows": [r.as_dict() for r in rows]}
+        doc = {
+            "pp": args.pp,
+            "mb": args.mb,
+            "preset": args.preset,
+            "budget": ",".join(map(str, budgets)),
+            "layouts": [
+                {"virtual": lay.virtual, "placement": str(lay.placement)} for lay in layouts
+            ],
+            "not_run": skipped,
+            "budgets": [str(b) for b in budgets],
+            "seeds": args.seeds,
+            "variability": var.__dict__,
+            "rows": [r.as_dict() for r in rows],
+        }
         if oracle:
             doc["oracle"] = oracle.as_dict()
             for r, d in zip(rows, doc["rows"]):
@@ -223,12 +283,25 @@ def _timelines(args, base: SimConfig, hints: dict, rows: list[Row], budgets: lis
     baseline = (str(BASELINE[0]), BASELINE[1].name)
     runs = []
     for r in sorted(rows, key=lambda r: (r.executor, r.hint) != baseline):
-        cfg = replace(base, dispatch=r.executor, hint=hints[r.hint], budget=r.budget or base.budget, seed=0,
-                      record=True, virtual=r.virtual, placement=r.placement)
+        cfg = replace(
+            base,
+            dispatch=r.executor,
+            hint=hints[r.hint],
+            budget=r.budget or base.budget,
+            seed=0,
+            record=True,
+            virtual=r.virtual,
+            placement=r.placement,
+        )
         if cfg.hint.planned:  # the plan it ran, not the unplanned BFW it starts from
             cfg = planned_config(cfg)[0]
         res = simulate(cfg)
-        runs.append((f"{_label(r, budgets)}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}", res))
+        runs.append(
+            (
+                f"{_label(r, budgets)}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}",
+                res,
+            )
+        )
     if args.trace:
         spans = [sp for title, res in runs for sp in res.spans(title.split(":")[0])]
         write_json(args.trace, chrome_trace(spans))

@@ -9,6 +9,7 @@ With virtual stages each layout is its own problem (its stages, durations and
 rank budgets): every layout among the rows is solved, and each row is compared
 with its own layout's optimum (the fixed 1F1B baseline with V = 1's).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -30,10 +31,15 @@ def check(args, layouts: Sequence[VirtualLayout]) -> None:
     """Refuse, before the sweep runs, what the oracle cannot do here."""
     V = max((lay.virtual for lay in layouts), default=1)
     if args.pp * V * args.mb > MAX_TASKS:
-        size = f"S*V*M <= {MAX_TASKS}, here {args.pp * V * args.mb}" if V > 1 else \
-            f"S*M <= {MAX_TASKS}, here {args.pp * args.mb}"
-        raise UsageError(f"--oracle is for small S and M ({size}); "
-                         "use the efficiency column (the lower bound) for large runs")
+        size = (
+            f"S*V*M <= {MAX_TASKS}, here {args.pp * V * args.mb}"
+            if V > 1
+            else f"S*M <= {MAX_TASKS}, here {args.pp * args.mb}"
+        )
+        raise UsageError(
+            f"--oracle is for small S and M ({size}); "
+            "use the efficiency column (the lower bound) for large runs"
+        )
     from rrfp.sim.oracle import OracleUnavailable, require_ortools
 
     try:
@@ -48,7 +54,9 @@ class Distance:
 
     per_seed: list[float]  # row makespan / optimum (or / proven bound where the solve timed out)
     upper_limit: bool  # some seed used the bound: the true distance is at most this
-    holds_budget: bool | None  # False: the row held more than the budget (fixed dispatch ignores it); None: unknown
+    holds_budget: (
+        bool | None
+    )  # False: the row held more than the budget (fixed dispatch ignores it); None: unknown
 
     @property
     def median(self) -> float:
@@ -58,8 +66,12 @@ class Distance:
         return f"{'<=' if self.upper_limit else ''}{self.median:.3f}x{'*' if self.holds_budget is False else ''}"
 
     def as_dict(self) -> dict:
-        return {"median": self.median, "per_seed": self.per_seed, "upper_limit": self.upper_limit,
-                "holds_budget": self.holds_budget}
+        return {
+            "median": self.median,
+            "per_seed": self.per_seed,
+            "upper_limit": self.upper_limit,
+            "holds_budget": self.holds_budget,
+        }
 
 
 @dataclass
@@ -76,34 +88,55 @@ class OracleColumn:
         for label, results in self.results.items():
             solved = [r for r in results if r.optimal]
             secs = [r.seconds for r in results]
-            lines.append(f"optimum{' ' + label if label else ''}: CP-SAT on each seed's durations, backward split, "
-                         f"budget {budget}; {len(solved)} of {len(results)} seeds solved to optimality "
-                         f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)")
+            lines.append(
+                f"optimum{' ' + label if label else ''}: CP-SAT on each seed's durations, backward split, "
+                f"budget {budget}; {len(solved)} of {len(results)} seeds solved to optimality "
+                f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)"
+            )
             open_ = [r for r in results if not r.optimal]
             if open_:
                 gaps = [r.gap for r in open_ if r.gap is not None]
-                found = (f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
-                         if gaps else "; no schedule found")
-                lines.append(f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by "
-                             f"their proven lower bound, so '<=' marks an upper limit on the distance{found}")
+                found = (
+                    f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
+                    if gaps
+                    else "; no schedule found"
+                )
+                lines.append(
+                    f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by "
+                    f"their proven lower bound, so '<=' marks an upper limit on the distance{found}"
+                )
         if len(self.results) > 1:
-            lines.append("each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b baseline)")
+            lines.append(
+                "each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b baseline)"
+            )
         if any(d.holds_budget is False for d in self.rows.values()):
-            held = ("bytes than the optimum's rank limit (docs/design.md §8)" if budget.bytes is not None
-                    else "microbatches than the budget")
-            lines.append(f"* held more {held} on some rank (fixed dispatch ignores the budget); "
-                         "the optimum keeps it, so such a row can come out below 1")
+            held = (
+                "bytes than the optimum's rank limit (docs/design.md §8)"
+                if budget.bytes is not None
+                else "microbatches than the budget"
+            )
+            lines.append(
+                f"* held more {held} on some rank (fixed dispatch ignores the budget); "
+                "the optimum keeps it, so such a row can come out below 1"
+            )
         return lines
 
     def as_dict(self) -> dict:
-        return {"time_limit_s": self.time_limit, "split_backward": True,
-                "solved": sum(r.optimal for results in self.results.values() for r in results),
-                "seeds": [{"seed": i, "layout": label or "V1", **r.as_dict()}
-                          for label, results in self.results.items() for i, r in enumerate(results)]}
+        return {
+            "time_limit_s": self.time_limit,
+            "split_backward": True,
+            "solved": sum(r.optimal for results in self.results.values() for r in results),
+            "seeds": [
+                {"seed": i, "layout": label or "V1", **r.as_dict()}
+                for label, results in self.results.items()
+                for i, r in enumerate(results)
+            ],
+        }
 
 
-def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
-                  progress: Callable) -> OracleColumn:
+def oracle_column(
+    args, base: SimConfig, runs: dict, rows: list[Row], progress: Callable
+) -> OracleColumn:
     """Solve every seed's optimum for every layout among ``rows``; every row's recorded schedules
     (``runs``, from the sweep) that hold the budget are the solver's first incumbents on their layout."""
     from rrfp.sim.oracle import holds_budget, solve
@@ -125,12 +158,15 @@ def oracle_column(args, base: SimConfig, runs: dict, rows: list[Row],
                 incumbents.append(res)
         cfg = replace(base, seed=seed, split=True, virtual=virtual, placement=placement)
         results.setdefault(label, []).append(
-            solve(cfg, time_limit=args.oracle_time_limit, hints=incumbents))
+            solve(cfg, time_limit=args.oracle_time_limit, hints=incumbents)
+        )
     dist = {}
     for r in rows:
         refs = [(o.makespan, False) if o.optimal else (o.bound, True) for o in results[r.layout]]
         seen = holds[r.key]
-        dist[r.key] = Distance([m / ref for m, (ref, _) in zip(r.makespans, refs)],
-                               any(up for _, up in refs),
-                               False if False in seen else None if None in seen else True)
+        dist[r.key] = Distance(
+            [m / ref for m, (ref, _) in zip(r.makespans, refs)],
+            any(up for _, up in refs),
+            False if False in seen else None if None in seen else True,
+        )
     return OracleColumn(results, dist, args.oracle_time_limit)

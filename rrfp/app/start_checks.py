@@ -21,6 +21,7 @@ Step time: only where it is known without running: emulated device time
 without a cost model has no prediction, and nothing is checked. The predicted
 step is its busiest stage's work, a lower bound of the step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,7 +60,9 @@ class Footprint:
     activations: int  # microbatches in flight x activation bytes each
     batches: int  # two steps of this replica's input microbatches
     in_flight: int
-    one: int = 0  # activations of one microbatch (a chunk, with virtual stages) on the rank, as counted
+    one: int = (
+        0  # activations of one microbatch (a chunk, with virtual stages) on the rank, as counted
+    )
 
     @property
     def total(self) -> int:
@@ -97,7 +100,8 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
         f"{act.in_flight} {'microbatch(es)' if cfg.run.virtual == 1 else 'chunk(s)'} in flight per rank; "
         f"{_gib(sum(f.batches for f in mine))} input "
         f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
-        f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)")
+        f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)"
+    )
 
 
 def footprints(cfg: TrainConfig) -> list[Footprint] | None:
@@ -107,25 +111,41 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     run, wl, layout, M = cfg.run, cfg.workload, cfg.stages, cfg.run.microbatches
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
-    batch_bytes = sum(_nbytes(b) for b in sample) / len(sample) * M * 2  # this replica's, this step's and the next
+    batch_bytes = (
+        sum(_nbytes(b) for b in sample) / len(sample) * M * 2
+    )  # this replica's, this step's and the next
     try:
         measured = _measure(cfg, smallest)
     except Exception as e:  # the workload's own model: not measurable is not an error of the config
-        log.info("memory check skipped: %s does not run on the meta device: %s: %s", run.model,
-                 type(e).__name__, e)
+        log.info(
+            "memory check skipped: %s does not run on the meta device: %s: %s",
+            run.model,
+            type(e).__name__,
+            e,
+        )
         return None
     split = default_split(run.hint.name, run.split)
     out = []
     for r in range(layout.ranks):
         chunks = [measured[g] for g in layout.stages_of(r)]
-        held = _fixed_peak(run, layout, r, split) or run.budget.rank_limit(layout, r).count or M * layout.virtual
-        held = max(1, min(held, M * layout.virtual))  # chunks (microbatches with one stage per rank)
+        held = (
+            _fixed_peak(run, layout, r, split)
+            or run.budget.rank_limit(layout, r).count
+            or M * layout.virtual
+        )
+        held = max(
+            1, min(held, M * layout.virtual)
+        )  # chunks (microbatches with one stage per rank)
         acts = int(min(a for _, a in chunks) * ACTIVATION_SHARE)
         activations = held * acts
         if run.budget.bytes is not None:
             activations = min(activations, max(run.budget.bytes, acts))
         params = sum(p for p, _ in chunks)
-        out.append(Footprint(4 * params // run.tp, activations // run.tp, int(batch_bytes), held, acts // run.tp))
+        out.append(
+            Footprint(
+                4 * params // run.tp, activations // run.tp, int(batch_bytes), held, acts // run.tp
+            )
+        )
     return out
 
 
@@ -135,16 +155,22 @@ def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str |
     barely overlaps; a run that works, but likely not what "1B" (1 byte, not a billion) meant. None
     otherwise. ``prints``: ``check_memory``'s (``one`` is a lower bound, so no false warning)."""
     limit = cfg.run.budget.bytes
-    if limit is None or prints is None or (cfg.run.dispatch is not Dispatch.READY and not cfg.run.hint.planned):
+    if (
+        limit is None
+        or prints is None
+        or (cfg.run.dispatch is not Dispatch.READY and not cfg.run.hint.planned)
+    ):
         return None
     rank, fp = min(enumerate(prints), key=lambda p: p[1].one)
     if limit >= fp.one:
         return None
     what = "microbatch" if cfg.run.virtual == 1 else "chunk"
-    return (f"run.budget = {cfg.run.budget} is a byte budget below one {what}'s activations on every rank "
-            f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
-            f"so the microbatches go through the pipeline about one at a time; give a budget in MiB or GiB "
-            f"(e.g. 2GiB), a count or Nx")
+    return (
+        f"run.budget = {cfg.run.budget} is a byte budget below one {what}'s activations on every rank "
+        f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
+        f"so the microbatches go through the pipeline about one at a time; give a budget in MiB or GiB "
+        f"(e.g. 2GiB), a count or Nx"
+    )
 
 
 def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | None:
@@ -167,11 +193,15 @@ def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
         stages = [wl.build_stage(cfg.model, s, S, None) for s in range(S)]
     for s, module in enumerate(stages):
         saved = _SavedOnMeta()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _SkipInit():
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t),
+            _SkipInit(),
+        ):
             x = module(*x) if isinstance(x, (tuple, list)) and takes_several(module) else module(x)
             if s == S - 1:
                 wl.loss_fn(x, y)
-        for t in (x if isinstance(x, (tuple, list)) else [x]):  # the output the stage keeps until B
+        for t in x if isinstance(x, (tuple, list)) else [x]:  # the output the stage keeps until B
             if isinstance(t, torch.Tensor):
                 saved.pack(t)
         x = _detached(x)
@@ -207,10 +237,12 @@ def check_timeout(cfg: TrainConfig, bounds_waits: bool | None = None) -> str | N
     step = predicted_step_s(cfg)
     if step is None or cfg.run.timeout_s >= TIMEOUT_FACTOR * step:
         return None
-    return (f"run.timeout_s = {cfg.run.timeout_s:g} is below {TIMEOUT_FACTOR} x the predicted step of {step:.3g} s: "
-            f"on nccl it bounds every wait, so a peer that waits a slow step out would be reported as failed; "
-            f"raise run.timeout_s to "
-            f"{math.ceil(TIMEOUT_FACTOR * step)} or more")
+    return (
+        f"run.timeout_s = {cfg.run.timeout_s:g} is below {TIMEOUT_FACTOR} x the predicted step of {step:.3g} s: "
+        f"on nccl it bounds every wait, so a peer that waits a slow step out would be reported as failed; "
+        f"raise run.timeout_s to "
+        f"{math.ceil(TIMEOUT_FACTOR * step)} or more"
+    )
 
 
 def predicted_step_s(cfg: TrainConfig) -> float | None:
@@ -220,14 +252,24 @@ def predicted_step_s(cfg: TrainConfig) -> float | None:
     fault = run.fault
     slow = fault is not None and fault.kind == "slow"
     busy = np.zeros(lay.pp)
-    unit_s = run.unit_ms / 1000 if run.unit_ms > 0 else run.cost.reference_s if run.cost is not None else None
+    unit_s = (
+        run.unit_ms / 1000
+        if run.unit_ms > 0
+        else run.cost.reference_s
+        if run.cost is not None
+        else None
+    )
     if unit_s is None and not slow:
         return None
     if unit_s is not None:
         M = run.microbatches
         m = min(M, SAMPLE)
-        feats = [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if run.cost is not None else None
-        times = TaskTimes(run.variability, run.seed, default_split(run.hint.name, run.split), run.cost)
+        feats = (
+            [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if run.cost is not None else None
+        )
+        times = TaskTimes(
+            run.variability, run.seed, default_split(run.hint.name, run.split), run.cost
+        )
         busy += times.predicted(0, lay.pp, m, feats).sum(axis=(1, 2)) * (M / m) * unit_s
     if slow:
         busy[fault.stage if fault.stage is not None else lay.coords(fault.rank).pp] += fault.seconds
@@ -278,12 +320,15 @@ class _SkipInit(TorchFunctionMode):
     """Random initialisation and dropout on the meta device are no-ops (it has no values), but torch
     runs them through a Python decomposition that first imports torch._dynamo: seconds at every start."""
 
-    NAMES = frozenset({"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "random_",
-                       "dropout"})  # dropout's mask goes uncounted: a lower bound still
+    NAMES = frozenset(
+        {"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "random_", "dropout"}
+    )  # dropout's mask goes uncounted: a lower bound still
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = args[0] if args else kwargs.get("tensor", kwargs.get("input"))  # torch.nn.init: by keyword
+        target = (
+            args[0] if args else kwargs.get("tensor", kwargs.get("input"))
+        )  # torch.nn.init: by keyword
         if getattr(func, "__name__", "") in self.NAMES and getattr(target, "is_meta", False):
             return target
         return func(*args, **kwargs)

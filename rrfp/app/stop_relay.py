@@ -12,6 +12,7 @@ no store, a SIGTERM stops the ranks it reached, and the others fail their
 peer deadline, naming the rank. Each poll also adds 1 to this rank's alive
 counter, which the failure board reads to tell a killed rank from a blocked one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,9 @@ from rrfp.comm.job_store import attempt
 
 log = logging.getLogger("rrfp.app.stop_relay")
 
-POLL_S = 0.2  # a stop reaches every rank within about this long, plus one step poll (train.STOP_POLL_S)
+POLL_S = (
+    0.2  # a stop reaches every rank within about this long, plus one step poll (train.STOP_POLL_S)
+)
 PREFIX = "rrfp/stop"
 
 
@@ -68,16 +71,26 @@ class StopRelay:
                 if store is None:
                     store = connect_store()
                     if store is None:
-                        log.debug("stop relay: the rendezvous store cannot be reached; relaying nothing")
+                        log.debug(
+                            "stop relay: the rendezvous store cannot be reached; relaying nothing"
+                        )
                         return
                 store.add(alive_key(dist.get_rank()), 1)  # for the failure board: this rank lives
                 if self._posted and not told:
-                    store.compare_set(f"{self.key}/signal", "", self.signal)  # the first rank's name stays
+                    store.compare_set(
+                        f"{self.key}/signal", "", self.signal
+                    )  # the first rank's name stays
                     store.add(self.key, 1)
                     told = True
                 if store.add(self.key, 0) > 0:  # adding 0: an atomic read, 0 when nobody posted
-                    self.signal = self.signal or store.get(f"{self.key}/signal").decode(errors="replace")
+                    self.signal = self.signal or store.get(f"{self.key}/signal").decode(
+                        errors="replace"
+                    )
                     self.seen.set()
-            except RuntimeError as e:  # the store went away (its host rank died, or the run is ending):
-                log.debug("stop relay: %s", e)  # no reconnecting, whose every failed try torch logs on stderr
+            except (
+                RuntimeError
+            ) as e:  # the store went away (its host rank died, or the run is ending):
+                log.debug(
+                    "stop relay: %s", e
+                )  # no reconnecting, whose every failed try torch logs on stderr
                 return

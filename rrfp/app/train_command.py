@@ -1,5 +1,6 @@
 """`rrfp train`: run stage_main on this rank; print on rank 0; one line on error
 (rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
+
 from __future__ import annotations
 
 import os
@@ -31,13 +32,21 @@ def _print_step(r: StepReport) -> None:
     eta = (r.steps - r.step - 1) * r.wall_s
     skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
     norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""
-    print(f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}  {r.tokens_per_s:,.0f} tok/s  "
-          f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}", flush=True)
+    print(
+        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}  {r.tokens_per_s:,.0f} tok/s  "
+        f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}",
+        flush=True,
+    )
 
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # SIGINT: Ctrl-C, which torchrun's agent forwards to every rank
-SAME_REQUEST_S = 0.5  # a second stop signal this soon after the first is the same request, not "leave now"
+STOP_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGINT,
+)  # SIGINT: Ctrl-C, which torchrun's agent forwards to every rank
+SAME_REQUEST_S = (
+    0.5  # a second stop signal this soon after the first is the same request, not "leave now"
+)
 
 
 def ignore_stop_signals() -> None:
@@ -61,8 +70,12 @@ class StopOnSignal:
     ``timeout`` forwards the terminal's Ctrl-C that reached it too), sends SIGINT and then,
     from its ``finally``, SIGTERM (docs/design.md, "Ctrl-C")."""
 
-    def __init__(self, kept: Callable[[], str] = lambda: kept_checkpoint(""),
-                 relay: StopRelay | None = None, leave_in_startup: bool = False) -> None:
+    def __init__(
+        self,
+        kept: Callable[[], str] = lambda: kept_checkpoint(""),
+        relay: StopRelay | None = None,
+        leave_in_startup: bool = False,
+    ) -> None:
         # rrfp train: before the process group exists no peer waits for this rank and nothing is to
         # save, so a signal then ends the rank at once (a rank waiting in the rendezvous included)
         self.leave_in_startup = leave_in_startup
@@ -90,8 +103,11 @@ class StopOnSignal:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.leave_in_startup and not dist.is_initialized():  # still in start-up
-            os.write(2, f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
-                        f"step; {self._kept()}\n".encode())
+            os.write(
+                2,
+                f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
+                f"step; {self._kept()}\n".encode(),
+            )
             os._exit(128 + signum)
         if self.signalled:
             if time.monotonic() - self._at < SAME_REQUEST_S:
@@ -123,21 +139,29 @@ def train_command(args) -> int:
     configure_logging()
     check_launcher()
     if not args.dry_run and "WORLD_SIZE" not in os.environ:
-        raise UsageError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
-                         "(torchrun --nproc-per-node N -m rrfp train ...)")
+        raise UsageError(
+            "no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
+            "(torchrun --nproc-per-node N -m rrfp train ...)"
+        )
     rank, _ = rank_and_world()
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
-        cfg = TrainConfig.load(args.config, [*args.set, *(["resume=required"] if args.resume else [])])
+        cfg = TrainConfig.load(
+            args.config, [*args.set, *(["resume=required"] if args.resume else [])]
+        )
         # rank 0 writes run.trace and run.sizes at the end, but every rank probes their folders now: a
         # refusal on rank 0 alone would leave the others waiting for it in the rendezvous
         check_end_files(cfg.run)
-        resume = plan_resume(cfg)  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+        resume = plan_resume(
+            cfg
+        )  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         small_budget = None
         if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
             # exits 2 when the config cannot fit this machine; a warning when a byte budget holds no microbatch
             small_budget = check_byte_budget(cfg, check_memory(cfg))
-        slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound, the run may work
+        slow_timeout = check_timeout(
+            cfg
+        )  # a warning: the prediction is a lower bound, the run may work
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
@@ -156,8 +180,12 @@ def train_command(args) -> int:
     if rank == 0 and small_budget:
         say(f"rrfp: warning: {small_budget}")
     if rank == 0 and cfg.run.resume != "off":
-        print(f"resume: from {start.path} (step {start.step} of {cfg.run.steps})" if start else
-              f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0", flush=True)
+        print(
+            f"resume: from {start.path} (step {start.step} of {cfg.run.steps})"
+            if start
+            else f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0",
+            flush=True,
+        )
     if args.dry_run:
         if rank == 0:
             print(cfg.layout.describe())
@@ -166,7 +194,9 @@ def train_command(args) -> int:
             print(cfg.as_dict())
         return 0
     relay = StopRelay().start()
-    stop = StopOnSignal(lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay, leave_in_startup=True).install()
+    stop = StopOnSignal(
+        lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay, leave_in_startup=True
+    ).install()
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: stop.requested, resume=resume))
     except Exception as e:
@@ -177,26 +207,38 @@ def train_command(args) -> int:
         # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once one
         # has exited, and that is no second stop signal to leave on before this rank's line is out
         ignore_stop_signals()
-        saved = (f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
-                 if summary.checkpoint else "no checkpoint saved (run.checkpoint_dir is not set)"
-                 if not cfg.run.checkpoint_dir else "no checkpoint saved (no step was completed: a run starts at "
-                 "step 0 again)")
+        saved = (
+            f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
+            if summary.checkpoint
+            else "no checkpoint saved (run.checkpoint_dir is not set)"
+            if not cfg.run.checkpoint_dir
+            else "no checkpoint saved (no step was completed: a run starts at step 0 again)"
+        )
         where = "on this rank" if stop.signalled else "on another rank"
-        ended = (f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
-                 if summary.abandoned else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}")
+        ended = (
+            f"step {summary.stopped_at + 1} of {cfg.run.steps} abandoned midway, not applied"
+            if summary.abandoned
+            else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}"
+        )
         say(f"rrfp: stopped: rank {rank}: {stop.name} {where}; {ended}; {saved}")
         exit_now(stopped_exit(stop.name))
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""
         skipped = f" ({len(summary.skipped)} skipped: NaN/Inf)" if summary.skipped else ""
-        print(f"done: {len(summary.losses)} steps{resumed}{skipped}, loss {summary.losses[0]:.4f} -> "
-              f"{summary.losses[-1]:.4f}, "
-              f"decision cost {summary.statistics.decision_us:.1f} us", flush=True)
+        print(
+            f"done: {len(summary.losses)} steps{resumed}{skipped}, loss {summary.losses[0]:.4f} -> "
+            f"{summary.losses[-1]:.4f}, "
+            f"decision cost {summary.statistics.decision_us:.1f} us",
+            flush=True,
+        )
         if summary.plan_s:
             waits = summary.plan_waited_s[1:] or [0.0]  # step 1's plan cannot be made ahead
-            print(f"plan: {1e3 * statistics.median_high(summary.plan_s):.1f} ms per step (median, "
-                  f"in a thread, one step ahead); steps after the first waited for it "
-                  f"{1e3 * statistics.median_high(waits):.2f} ms (median), {1e3 * max(waits):.2f} ms at most", flush=True)
+            print(
+                f"plan: {1e3 * statistics.median_high(summary.plan_s):.1f} ms per step (median, "
+                f"in a thread, one step ahead); steps after the first waited for it "
+                f"{1e3 * statistics.median_high(waits):.2f} ms (median), {1e3 * max(waits):.2f} ms at most",
+                flush=True,
+            )
     exit_now(0)
 
 
@@ -217,8 +259,12 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
     line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}"
-    if isinstance(root_cause(e), UsageError):  # e.g. the ranks found different checkpoints: alike on every rank
+    if isinstance(
+        root_cause(e), UsageError
+    ):  # e.g. the ranks found different checkpoints: alike on every rank
         refuse_once(" ".join(str(root_cause(e)).split()), line, board)
     else:
         say(line)
-    exit_now(2 if isinstance(root_cause(e), UsageError) else 1)  # e.g. a checkpoint that does not load: 2
+    exit_now(
+        2 if isinstance(root_cause(e), UsageError) else 1
+    )  # e.g. a checkpoint that does not load: 2

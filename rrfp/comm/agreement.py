@@ -7,6 +7,7 @@ all-reduce of [v, -v] yields both. The pick is then a deterministic function
 of the agreed vector, so every TP rank picks the same task. The all-reduce is
 async and awaited through the loop's poller: no thread per round.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence
@@ -26,14 +27,21 @@ class TPAgreement:
     With virtual stages (``stages``: the rank's global stages) the ready sets hold
     (stage, task) pairs, one vector slot each."""
 
-    def __init__(self, group, num_microbatches: int, poller: CompletionPoller,
-                 stages: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        group,
+        num_microbatches: int,
+        poller: CompletionPoller,
+        stages: Sequence[int] | None = None,
+    ) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.M = num_microbatches
         self.poller = poller
         self.stages = tuple(stages) if stages is not None else None
-        self._chunk = {s: c for c, s in enumerate(self.stages or ())}  # global stage -> its slot block
+        self._chunk = {
+            s: c for c, s in enumerate(self.stages or ())
+        }  # global stage -> its slot block
         self.rounds = 0
 
     def _slot(self, item) -> int:
@@ -60,7 +68,12 @@ class TPAgreement:
     async def agree(self, ready: Iterable) -> tuple[set, set]:
         """(ready on every TP rank, ready on some TP rank)."""
         v = self._vector(ready)
-        await all_reduce(self.poller, v, f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})",
-                         dist.ReduceOp.MIN, self.group)
+        await all_reduce(
+            self.poller,
+            v,
+            f"TP agreement over ranks {self.ranks} (round {self.rounds + 1})",
+            dist.ReduceOp.MIN,
+            self.group,
+        )
         self.rounds += 1
         return self._tasks(v[0]), self._tasks(-v[1])

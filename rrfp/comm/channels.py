@@ -19,6 +19,7 @@ timeout. A send, even of a small header, waits until the peer posts the
 matching receive, so the timeout bounds how long either side may legitimately
 wait for the other.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,13 @@ class PeerError(PeerFailure):
     process-group timeout, or the group broke. Names rank, channel and peer."""
 
 
-_DIED = ("Connection closed by peer", "Connection reset", "Broken pipe",  # gloo
-         "remote process exited", "ncclRemoteError")  # NCCL, as its watchdog reports it on the Work
+_DIED = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",  # gloo
+    "remote process exited",
+    "ncclRemoteError",
+)  # NCCL, as its watchdog reports it on the Work
 _HUNG = ("Timed out", "Watchdog caught collective operation timeout")  # gloo, NCCL
 
 
@@ -62,7 +68,9 @@ _GLOO_SOURCE = re.compile(r"^\[[^\]]*:\d+\] ")  # "[/__w/pytorch/.../pair.cc:553
 def describe_failure(cause: BaseException) -> str:
     """' (the likely reason): Type: text' for a transport error, one line, without
     gloo's source location and its generic advice ("This is typically caused by ...")."""
-    text = _GLOO_SOURCE.sub("", " ".join(str(cause).split())).split(" This is typically caused by")[0]
+    text = _GLOO_SOURCE.sub("", " ".join(str(cause).split())).split(" This is typically caused by")[
+        0
+    ]
     return f"{lost_peer_reason(str(cause))}: {type(cause).__name__}: {text}"
 
 
@@ -87,7 +95,9 @@ def named_collective(what: str, group=None):
     except PipelineError:
         raise
     except RuntimeError as e:
-        raise PeerFailure(f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}", lone_peer(group)) from e
+        raise PeerFailure(
+            f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}", lone_peer(group)
+        ) from e
 
 
 class ChannelEnd:
@@ -120,8 +130,10 @@ class ChannelEnd:
             raise RuntimeError(f"{where}: cannot {action}: this rank only {role} on this channel")
         if self._failure is not None:
             first = str(self._failure).removeprefix(f"{where}: ")
-            raise PeerError(f"{where}: cannot {action}: the channel failed earlier: {first}",
-                            getattr(self._failure, "peer", self.peer)) from self._failure
+            raise PeerError(
+                f"{where}: cannot {action}: the channel failed earlier: {first}",
+                getattr(self._failure, "peer", self.peer),
+            ) from self._failure
 
     def _peer_error(self, what: str, cause: BaseException) -> PeerError:
         return PeerError(f"{self.where}: {what} failed{describe_failure(cause)}", self.peer)
@@ -137,8 +149,17 @@ class Channel(ChannelEnd):
     failure breaks the whole group.
     """
 
-    def __init__(self, name: str, rank: int, peer: int, group: dist.ProcessGroup, *, outbound: bool,
-                 device: torch.device | str = "cpu", wait: datetime.timedelta | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        peer: int,
+        group: dist.ProcessGroup,
+        *,
+        outbound: bool,
+        device: torch.device | str = "cpu",
+        wait: datetime.timedelta | None = None,
+    ) -> None:
         self.name = name
         # how long one send or receive may wait for the peer; None: the group's timeout. gloo gives a
         # point-to-point op the timeout its group was created with unless its wait() is given one
@@ -175,10 +196,14 @@ class Channel(ChannelEnd):
                 payload.append(None)
                 continue
             if t.device.type != self.device.type:
-                raise ValueError(f"{self.where}: payload {i} of {msg.label()} is on {t.device}, "
-                                 f"but the channel sends from {self.device}")
+                raise ValueError(
+                    f"{self.where}: payload {i} of {msg.label()} is on {t.device}, "
+                    f"but the channel sends from {self.device}"
+                )
             payload.append(t.detach().contiguous())
-        job = asyncio.ensure_future(self._waiter.call(self._send_blocking, header, payload, msg.label()))
+        job = asyncio.ensure_future(
+            self._waiter.call(self._send_blocking, header, payload, msg.label())
+        )
         job.add_done_callback(self._note_failure)
         await asyncio.shield(job)
         self.messages += 1
@@ -188,10 +213,14 @@ class Channel(ChannelEnd):
         """The next message from the peer, in sending order."""
         self._check_usable("receive", outbound=False)
         if self._receiving:
-            raise RuntimeError(f"{self.where}: recv() called while another recv() is waiting; "
-                               f"a channel has one consumer")
+            raise RuntimeError(
+                f"{self.where}: recv() called while another recv() is waiting; "
+                f"a channel has one consumer"
+            )
         if self._receive_job is None:
-            self._receive_job = asyncio.ensure_future(self._waiter.call(self._receive_blocking, self._last))
+            self._receive_job = asyncio.ensure_future(
+                self._waiter.call(self._receive_blocking, self._last)
+            )
             self._receive_job.add_done_callback(self._note_failure)
         job = self._receive_job
         self._receiving = True
@@ -228,15 +257,19 @@ class Channel(ChannelEnd):
 
     # -- waiter thread side ------------------------------------------------------
 
-    def _send_blocking(self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str) -> None:
+    def _send_blocking(
+        self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str
+    ) -> None:
         what = f"send of the header of {label} to rank {self.peer}"
         try:
             self._p2p(dist.send, dist.isend, header)
             for i, t in enumerate(payload):
                 if t is None or t.numel() == 0:  # the header says it all; gloo cannot move 0 bytes
                     continue
-                what = (f"send of tensor {i + 1}/{len(payload)} ({_spec(t)}) of {label} "
-                        f"to rank {self.peer}")
+                what = (
+                    f"send of tensor {i + 1}/{len(payload)} ({_spec(t)}) of {label} "
+                    f"to rank {self.peer}"
+                )
                 self._p2p(dist.send, dist.isend, t)
         except Exception as e:
             raise self._peer_error(what, e) from e
@@ -251,7 +284,9 @@ class Channel(ChannelEnd):
         try:
             header = decode_header(buf)
         except MessageError as e:
-            raise MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}") from e
+            raise MessageError(
+                f"{self.where}: bad header from rank {self.peer} ({after}): {e}"
+            ) from e
         tensors = header.empty_tensors(self.device)
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:  # None and empty payloads are in the header alone
@@ -259,10 +294,14 @@ class Channel(ChannelEnd):
             try:
                 self._p2p(dist.recv, dist.irecv, t)
             except Exception as e:
-                raise self._peer_error(f"receive of tensor {i + 1}/{len(tensors)} ({_spec(t)}) of "
-                                       f"{header.label()} from rank {self.peer}", e) from e
-        return Message(header.iteration, header.microbatch, header.kind, tensors, header.requires_grad)
-
+                raise self._peer_error(
+                    f"receive of tensor {i + 1}/{len(tensors)} ({_spec(t)}) of "
+                    f"{header.label()} from rank {self.peer}",
+                    e,
+                ) from e
+        return Message(
+            header.iteration, header.microbatch, header.kind, tensors, header.requires_grad
+        )
 
     def _p2p(self, blocking, posted, t: torch.Tensor) -> None:
         """One send or receive of ``t``, waiting ``self.wait`` when set (else the group's timeout)."""

@@ -15,6 +15,7 @@ initialized group; before that it creates a two-rank communicator on first use,
 blocking the calling thread (the event loop) until the peer creates it too
 (docs/design.md, "No communicator created on the loop").
 """
+
 from __future__ import annotations
 
 import contextlib

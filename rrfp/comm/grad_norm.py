@@ -6,6 +6,7 @@ total is what ``torch.nn.utils.clip_grad_norm_`` on the whole model on one proce
 the same on every rank. Every rank then scales every gradient it holds (``scaled``) by that
 total. A non-finite total is returned and not applied: the gradients stay as they are.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,14 +31,22 @@ def local_share(counts: Sequence[torch.nn.Parameter], norm_type: float) -> torch
     grads = _grads(counts)
     if not grads:
         return torch.zeros(1, dtype=torch.float64)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) for g in grads])
-    share = norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+    norms = torch.stack(
+        [torch.linalg.vector_norm(g.detach(), norm_type).to(torch.float64) for g in grads]
+    )
+    share = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
     return share.reshape(1).cpu()
 
 
-async def clip_grad_norm(poller: CompletionPoller, counts: Sequence[torch.nn.Parameter],
-                         scaled: Sequence[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0,
-                         group=None, what: str = "gradient norm") -> float:
+async def clip_grad_norm(
+    poller: CompletionPoller,
+    counts: Sequence[torch.nn.Parameter],
+    scaled: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    group=None,
+    what: str = "gradient norm",
+) -> float:
     """The total ``norm_type`` norm of the gradients (a float, the same on every rank of ``group``,
     the world when None), and every gradient of ``scaled`` clipped to ``max_norm`` by it."""
     norm_type = float(norm_type)
@@ -54,6 +63,9 @@ async def clip_grad_norm(poller: CompletionPoller, counts: Sequence[torch.nn.Par
         return total
     grads = _grads(scaled)
     if grads:
-        torch.nn.utils.clip_grads_with_norm_([p for p in scaled if p.grad is not None], max_norm,
-                                             torch.tensor(total, dtype=torch.float64))
+        torch.nn.utils.clip_grads_with_norm_(
+            [p for p in scaled if p.grad is not None],
+            max_norm,
+            torch.tensor(total, dtype=torch.float64),
+        )
     return total

@@ -25,6 +25,7 @@ sizes. A sparse gradient (``nn.Embedding(sparse=True)``) is averaged dense and
 handed back sparse, as sparse optimizers (``SparseAdam``) need; its rows that
 average to exactly zero are left out.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,11 +43,21 @@ log = logging.getLogger("rrfp.comm.grad_sync")
 
 
 class GradSync:
-    def __init__(self, module: nn.Module, group, size: int, poller: CompletionPoller, lane=None,
-                 bucket_bytes: int = 4 << 20, deadline_s: float | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group,
+        size: int,
+        poller: CompletionPoller,
+        lane=None,
+        bucket_bytes: int = 4 << 20,
+        deadline_s: float | None = None,
+    ) -> None:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
         self.deadline_s = deadline_s  # NCCL: rrfp's peer deadline, before the watchdog's
-        self.lane = lane  # gradients are written in the lane's order (its stream on GPU): read them there
+        self.lane = (
+            lane  # gradients are written in the lane's order (its stream on GPU): read them there
+        )
         self.module = module
         self.params = self._trainable()
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
@@ -68,8 +79,14 @@ class GradSync:
         before = len(self.params)
         self.params = now
         self.buckets = self._bucket()
-        log.info("DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d before), "
-                 "%d buckets", self.ranks, len(now), before, len(self.buckets))
+        log.info(
+            "DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d before), "
+            "%d buckets",
+            self.ranks,
+            len(now),
+            before,
+            len(self.buckets),
+        )
 
     def _bucket(self) -> list[list[nn.Parameter]]:
         """Flat buckets in parameter order, by size and dtype."""
@@ -86,9 +103,13 @@ class GradSync:
     def _reset(self) -> None:
         self._finished = 0  # tasks of the finalising kind done this iteration
         self._launched = False
-        self._stale = False  # a final task finished after the launch: the buckets miss its gradients
+        self._stale = (
+            False  # a final task finished after the launch: the buckets miss its gradients
+        )
         # (bucket, flat gradients and tail, missing indices, sparse_dim by index, the all-reduce's Work)
-        self._inflight: list[tuple[list[nn.Parameter], torch.Tensor, set[int], dict[int, int], object]] = []
+        self._inflight: list[
+            tuple[list[nn.Parameter], torch.Tensor, set[int], dict[int, int], object]
+        ] = []
 
     def attach(self, executor) -> None:
         """Launch the buckets from inside ``executor``'s iterations, once the gradients are final:
@@ -99,12 +120,16 @@ class GradSync:
             self._M = executor.M * len(executor.workers)
             executor.on_task_done.append(self._task_done)
             ties = getattr(executor, "ties", None)
-            if ties is not None:  # the buckets hold the gradients of before the tie sum: sum after averaging
+            if (
+                ties is not None
+            ):  # the buckets hold the gradients of before the tie sum: sum after averaging
                 ties.deferred, self._ties = True, ties
 
     def _task_done(self, task: Task) -> None:
         if task.kind is self._final:
-            if self._launched:  # another iteration before sync(): gradients accumulate past the launch
+            if (
+                self._launched
+            ):  # another iteration before sync(): gradients accumulate past the launch
                 self._stale = True
                 return
             self._finished += 1
@@ -125,7 +150,9 @@ class GradSync:
                 n = len(bucket)
                 grads = [p.grad for p in bucket]
                 missing = {i for i, g in enumerate(grads) if g is None}
-                sparse = {i: g.sparse_dim() for i, g in enumerate(grads) if g is not None and g.is_sparse}
+                sparse = {
+                    i: g.sparse_dim() for i, g in enumerate(grads) if g is not None and g.is_sparse
+                }
                 tail = torch.zeros(2 * n, dtype=bucket[0].dtype, device=bucket[0].device)
                 tail[:n] = 1
                 for i in missing:
@@ -133,15 +160,27 @@ class GradSync:
                 for i, dims in sparse.items():
                     tail[n + i] = dims
                 flat = torch.cat([_dense(g, p).reshape(-1) for g, p in zip(grads, bucket)] + [tail])
-                self._inflight.append((bucket, flat, missing, sparse,
-                                       dist.all_reduce(flat, group=self.group, async_op=True)))
+                self._inflight.append(
+                    (
+                        bucket,
+                        flat,
+                        missing,
+                        sparse,
+                        dist.all_reduce(flat, group=self.group, async_op=True),
+                    )
+                )
 
     def _in_lane_order(self):
         return self.lane.stream_context() if self.lane is not None else contextlib.nullcontext()
 
     async def _completed(self, work) -> None:
-        await completed(self.poller, work, f"DP gradient all-reduce over ranks {self.ranks}", self.deadline_s,
-                        self.group)
+        await completed(
+            self.poller,
+            work,
+            f"DP gradient all-reduce over ranks {self.ranks}",
+            self.deadline_s,
+            self.group,
+        )
 
     async def sync(self) -> None:
         """Average every gradient across the replicas (no-op when dp = 1)."""
@@ -158,19 +197,30 @@ class GradSync:
                 await self._completed(work)
                 with self._in_lane_order():
                     n = len(bucket)
-                    if missing:  # read the counts only where this replica had no gradient (a device sync)
-                        tail = flat[-2 * n:].tolist()
+                    if (
+                        missing
+                    ):  # read the counts only where this replica had no gradient (a device sync)
+                        tail = flat[-2 * n :].tolist()
                         present = tail[:n]
-                        sparse = {i: round(dims / used) for i, (used, dims) in enumerate(zip(present, tail[n:]))
-                                  if used and dims}
+                        sparse = {
+                            i: round(dims / used)
+                            for i, (used, dims) in enumerate(zip(present, tail[n:]))
+                            if used and dims
+                        }
                     else:
                         present = [1] * n
                     flat /= self.size
                     offset = 0
                     for i, (p, used) in enumerate(zip(bucket, present)):
                         size = p.numel()
-                        mean = flat[offset:offset + size].view_as(p)
-                        p.grad = None if not used else mean.to_sparse(sparse[i]) if i in sparse else mean.clone()
+                        mean = flat[offset : offset + size].view_as(p)
+                        p.grad = (
+                            None
+                            if not used
+                            else mean.to_sparse(sparse[i])
+                            if i in sparse
+                            else mean.clone()
+                        )
                         offset += size
             if self._ties is not None:  # the mean of the sums is the sum of the means
                 await self._ties.sum_grads()

@@ -33,6 +33,7 @@ between checks over half of ``timeout_s``), every peer gets a fresh
 ``timeout_s`` (``check``), so a rank that was stopped and continued does not
 blame the peers that kept beating while it slept.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -78,8 +79,16 @@ class Silence:
 class Heartbeat:
     """This rank's beat and its view of every peer's; ``start`` it, ``close`` it before the store goes."""
 
-    def __init__(self, store, rank: int, world: int, timeout_s: float, period_s: float | None = None,
-                 prefix: str = PREFIX, where: str = "the rendezvous store") -> None:
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        period_s: float | None = None,
+        prefix: str = PREFIX,
+        where: str = "the rendezvous store",
+    ) -> None:
         self.store, self.rank, self.world = store, rank, world
         self.timeout_s, self.period_s = timeout_s, period_s or period_for(timeout_s)
         self.prefix, self.where = prefix, where
@@ -88,13 +97,19 @@ class Heartbeat:
         self.beats = {r: PeerBeat(changed_at=now, read_at=now) for r in self.peers}
         self.last_read = now  # the last round that read every peer's key
         self.round_at = now  # when the thread's current (or last) round of store calls began
-        self.stall_s = min(3 * self.period_s, timeout_s / 2)  # a round this long: the store is stuck
+        self.stall_s = min(
+            3 * self.period_s, timeout_s / 2
+        )  # a round this long: the store is stuck
         self.last_check = now
         self._activity: tuple[str, float] = ("", now)
         self._seq = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"rrfp-heartbeat-{rank}", daemon=True)
-        self.error: BaseException | None = None  # the store failed the thread (it then stops beating)
+        self._thread = threading.Thread(
+            target=self._run, name=f"rrfp-heartbeat-{rank}", daemon=True
+        )
+        self.error: BaseException | None = (
+            None  # the store failed the thread (it then stops beating)
+        )
 
     @classmethod
     def connect(cls, rank: int, world: int, timeout_s: float) -> "Heartbeat | None":
@@ -102,16 +117,34 @@ class Heartbeat:
         and ``env://`` set them), one key space per torchrun attempt; None without that store."""
         try:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=max(1.0, timeout_s)))
+            store = dist.TCPStore(
+                host,
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=max(1.0, timeout_s)),
+            )
         except (KeyError, ValueError, RuntimeError) as e:
-            log.warning("rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts as "
-                        "silent after the process-group timeout", rank, e)
+            log.warning(
+                "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts as "
+                "silent after the process-group timeout",
+                rank,
+                e,
+            )
             return None
-        owner = ("torchrun's agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                 else "rank 0's process")
-        return cls(store, rank, world, timeout_s, prefix=f"{PREFIX}/{attempt()}",
-                   where=f"the rendezvous store at {host}:{port} (in {owner})")
+        owner = (
+            "torchrun's agent"
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            else "rank 0's process"
+        )
+        return cls(
+            store,
+            rank,
+            world,
+            timeout_s,
+            prefix=f"{PREFIX}/{attempt()}",
+            where=f"the rendezvous store at {host}:{port} (in {owner})",
+        )
 
     # -- this rank --------------------------------------------------------------
 
@@ -141,7 +174,9 @@ class Heartbeat:
                 self._beat()
                 self._read()
                 self._stop.wait(self.period_s)
-        except Exception as e:  # the store is gone (its host exited): the verdict comes from the times
+        except (
+            Exception
+        ) as e:  # the store is gone (its host exited): the verdict comes from the times
             self.error = e
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
 
@@ -154,7 +189,9 @@ class Heartbeat:
         """Every peer's beat: one ``multi_get`` round trip once each has beaten (it waits for missing
         keys), until then a ``check`` of each key first."""
         peers = self.peers
-        if any(self.beats[r].seq < 0 for r in peers):  # not started yet: its changed_at stays at our start
+        if any(
+            self.beats[r].seq < 0 for r in peers
+        ):  # not started yet: its changed_at stays at our start
             peers = [r for r in peers if self.store.check([self._key(r)])]
         values = self.store.multi_get([self._key(r) for r in peers]) if peers else []
         now = time.monotonic()
@@ -198,5 +235,7 @@ class Heartbeat:
             return f"no heartbeat for {quiet:.1f} s"
         if not beat.activity:
             return "alive"
-        return f"alive, {'in ' if beat.activity.startswith('task') else ''}{beat.activity} for " \
-               f"{beat.activity_s + (now - beat.read_at):.0f} s"
+        return (
+            f"alive, {'in ' if beat.activity.startswith('task') else ''}{beat.activity} for "
+            f"{beat.activity_s + (now - beat.read_at):.0f} s"
+        )

@@ -4,6 +4,7 @@ torchrun's agent keeps one store for all attempts of a job (``--max-restarts``),
 process group, the heartbeat, the failure board, the stop relay and fault injection all key
 by this attempt.
 """
+
 from __future__ import annotations
 
 import os

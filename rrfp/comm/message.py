@@ -26,6 +26,7 @@ what the field checks cannot: a corrupted dim that is still a valid dim, and a
 truncated header (gloo delivers a shorter message into a longer buffer, whose
 tail then stays zero).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -44,7 +45,9 @@ MAX_TENSORS = 8
 MAX_DIMS = 6
 MAX_KIND = 1 << 16
 MAX_ELEMENTS = 1 << 40  # per tensor; anything larger is a corrupt header, not an activation
-MAX_MESSAGE_BYTES = 1 << 36  # 64 GiB, all of a message's tensors together: checked before any buffer exists
+MAX_MESSAGE_BYTES = (
+    1 << 36
+)  # 64 GiB, all of a message's tensors together: checked before any buffer exists
 
 _PREFIX = 6  # magic, version, iteration, microbatch, kind, count
 _SLOT = 3 + MAX_DIMS  # dtype code, ndim, dims, flags
@@ -57,6 +60,7 @@ def checksum(words) -> int:
     """The header's last word: a signed 64-bit BLAKE2b digest of the words before it."""
     digest = hashlib.blake2b(array("q", words).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
 
 # Code 0 marks an unused slot, so a zeroed header never decodes as a tensor.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -92,7 +96,9 @@ class Message:
     iteration: int
     microbatch: int
     kind: int
-    tensors: list[torch.Tensor | None] = field(default_factory=list)  # None: a payload that does not exist
+    tensors: list[torch.Tensor | None] = field(
+        default_factory=list
+    )  # None: a payload that does not exist
     # per tensor, whether the sending stage produced it requiring grad (F messages); None: none did
     requires_grad: list[bool] | None = None
     # On GPU: the event the producing task's kernels end with, recorded when that task was
@@ -126,7 +132,11 @@ class TensorSpec:
         return 0 if self.is_none else self.numel * torch.empty((), dtype=self.dtype).element_size()
 
     def __str__(self) -> str:
-        return "None" if self.is_none else f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        return (
+            "None"
+            if self.is_none
+            else f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+        )
 
 
 NONE_SPEC = TensorSpec(None, ())
@@ -143,7 +153,10 @@ class Header:
 
     def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor | None]:
         """Receive buffers, one per payload tensor, in payload order; None where the payload is None."""
-        return [None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device) for s in self.specs]
+        return [
+            None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device)
+            for s in self.specs
+        ]
 
     @property
     def requires_grad(self) -> list[bool] | None:
@@ -180,31 +193,51 @@ def header_words(msg: Message) -> list[int]:
     _check_index("microbatch", msg.microbatch)
     _check_index("kind", msg.kind, MAX_KIND)
     if len(msg.tensors) > MAX_TENSORS:
-        raise MessageError(f"{msg.label()} has {len(msg.tensors)} tensors; at most {MAX_TENSORS} fit in a header")
+        raise MessageError(
+            f"{msg.label()} has {len(msg.tensors)} tensors; at most {MAX_TENSORS} fit in a header"
+        )
     grads = msg.requires_grad if msg.requires_grad is not None else [False] * len(msg.tensors)
     if len(grads) != len(msg.tensors) or not all(isinstance(g, bool) for g in grads):
-        raise MessageError(f"{msg.label()}: requires_grad must be one bool per tensor ({len(msg.tensors)}), "
-                           f"got {grads!r}")
+        raise MessageError(
+            f"{msg.label()}: requires_grad must be one bool per tensor ({len(msg.tensors)}), "
+            f"got {grads!r}"
+        )
     values = [MAGIC, VERSION, msg.iteration, msg.microbatch, msg.kind, len(msg.tensors)]
     for i, (t, grad) in enumerate(zip(msg.tensors, grads)):
         if t is None:
             if grad:
-                raise MessageError(f"{msg.label()}: payload {i} is None but marked as requiring grad")
+                raise MessageError(
+                    f"{msg.label()}: payload {i} is None but marked as requiring grad"
+                )
             values += [NONE_CODE, 0, *[0] * MAX_DIMS, 0]
             continue
         if not isinstance(t, torch.Tensor):
-            raise MessageError(f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor or None")
+            raise MessageError(
+                f"{msg.label()}: payload {i} is a {type(t).__name__}, not a tensor or None"
+            )
         code = DTYPE_CODES.get(t.dtype)
         if code is None:
             supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPE_CODES)
-            raise MessageError(f"{msg.label()}: payload {i} has dtype {t.dtype}, which messages do not "
-                               f"support (supported: {supported})")
+            raise MessageError(
+                f"{msg.label()}: payload {i} has dtype {t.dtype}, which messages do not "
+                f"support (supported: {supported})"
+            )
         if t.dim() > MAX_DIMS:
-            raise MessageError(f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header")
+            raise MessageError(
+                f"{msg.label()}: payload {i} has {t.dim()} dims; at most {MAX_DIMS} fit in a header"
+            )
         if grad and not t.is_floating_point():
-            raise MessageError(f"{msg.label()}: payload {i} has dtype {t.dtype} but is marked as requiring grad "
-                               f"(only floating tensors carry gradients)")
-        values += [code, t.dim(), *t.shape, *[0] * (MAX_DIMS - t.dim()), REQUIRES_GRAD if grad else 0]
+            raise MessageError(
+                f"{msg.label()}: payload {i} has dtype {t.dtype} but is marked as requiring grad "
+                f"(only floating tensors carry gradients)"
+            )
+        values += [
+            code,
+            t.dim(),
+            *t.shape,
+            *[0] * (MAX_DIMS - t.dim()),
+            REQUIRES_GRAD if grad else 0,
+        ]
     values += [0] * (HEADER_LEN - 1 - len(values))
     return values + [checksum(values)]
 
@@ -216,14 +249,24 @@ def empty_header(device: torch.device | str | None = None) -> torch.Tensor:
 
 def decode_header(header: torch.Tensor) -> Header:
     """Check and decode a received header; raises MessageError describing the first problem."""
-    if not isinstance(header, torch.Tensor) or header.dtype != torch.int64 or tuple(header.shape) != (HEADER_LEN,):
-        got = f"{header.dtype} {list(header.shape)}" if isinstance(header, torch.Tensor) else type(header).__name__
+    if (
+        not isinstance(header, torch.Tensor)
+        or header.dtype != torch.int64
+        or tuple(header.shape) != (HEADER_LEN,)
+    ):
+        got = (
+            f"{header.dtype} {list(header.shape)}"
+            if isinstance(header, torch.Tensor)
+            else type(header).__name__
+        )
         raise MessageError(f"a header is an int64 tensor of shape [{HEADER_LEN}], got {got}")
     v = header.tolist()
     magic, version, iteration, microbatch, kind, count = v[:_PREFIX]
     if magic != MAGIC:
-        raise MessageError(f"bad header magic {magic:#x} (expected {MAGIC:#x}): not an rrfp message, "
-                           f"or the stream is out of step")
+        raise MessageError(
+            f"bad header magic {magic:#x} (expected {MAGIC:#x}): not an rrfp message, "
+            f"or the stream is out of step"
+        )
     if version != VERSION:
         raise MessageError(f"unknown header version {version} (this build reads version {VERSION})")
     if v[-1] != checksum(v[:-1]):
@@ -237,17 +280,21 @@ def decode_header(header: torch.Tensor) -> Header:
     where = _label(iteration, microbatch, kind)
     specs = []
     for i in range(MAX_TENSORS):
-        slot = v[_PREFIX + i * _SLOT:_PREFIX + (i + 1) * _SLOT]
+        slot = v[_PREFIX + i * _SLOT : _PREFIX + (i + 1) * _SLOT]
         if i >= count:
             if any(slot):
-                raise MessageError(f"{where}: header slot {i} is beyond its {count} tensor(s) but not zero: "
-                                   f"corrupt header")
+                raise MessageError(
+                    f"{where}: header slot {i} is beyond its {count} tensor(s) but not zero: "
+                    f"corrupt header"
+                )
             continue
         code, ndim, dims, flags = slot[0], slot[1], slot[2:-1], slot[-1]
         if code == NONE_CODE:
             if ndim or any(dims) or flags:
-                raise MessageError(f"{where}: tensor {i} is None (dtype code {NONE_CODE}) but has ndim {ndim}, "
-                                   f"dims {dims} and flags {flags}: corrupt header")
+                raise MessageError(
+                    f"{where}: tensor {i} is None (dtype code {NONE_CODE}) but has ndim {ndim}, "
+                    f"dims {dims} and flags {flags}: corrupt header"
+                )
             specs.append(NONE_SPEC)
             continue
         dtype = DTYPES_BY_CODE.get(code)
@@ -259,17 +306,25 @@ def decode_header(header: torch.Tensor) -> Header:
         if any(d < 0 for d in shape):
             raise MessageError(f"{where}: tensor {i} has a negative dim in shape {list(shape)}")
         if any(padding):
-            raise MessageError(f"{where}: tensor {i} has nonzero dims past its ndim {ndim}: corrupt header")
+            raise MessageError(
+                f"{where}: tensor {i} has nonzero dims past its ndim {ndim}: corrupt header"
+            )
         if any(d > MAX_ELEMENTS for d in shape) or math.prod(shape) > MAX_ELEMENTS:
-            raise MessageError(f"{where}: tensor {i} of shape {list(shape)} has more than {MAX_ELEMENTS} "
-                               f"elements: corrupt header")
+            raise MessageError(
+                f"{where}: tensor {i} of shape {list(shape)} has more than {MAX_ELEMENTS} "
+                f"elements: corrupt header"
+            )
         if flags & ~_FLAGS or (flags & REQUIRES_GRAD and not dtype.is_floating_point):
-            raise MessageError(f"{where}: tensor {i} ({str(dtype).removeprefix('torch.')}) has flags {flags}; "
-                               f"expected 0 or, for a floating tensor, {REQUIRES_GRAD} (requires grad): "
-                               f"corrupt header")
+            raise MessageError(
+                f"{where}: tensor {i} ({str(dtype).removeprefix('torch.')}) has flags {flags}; "
+                f"expected 0 or, for a floating tensor, {REQUIRES_GRAD} (requires grad): "
+                f"corrupt header"
+            )
         specs.append(TensorSpec(dtype, shape, bool(flags & REQUIRES_GRAD)))
     total = sum(s.nbytes for s in specs)
     if total > MAX_MESSAGE_BYTES:
-        raise MessageError(f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} bytes "
-                           f"in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header")
+        raise MessageError(
+            f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} bytes "
+            f"in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header"
+        )
     return Header(iteration, microbatch, kind, tuple(specs))

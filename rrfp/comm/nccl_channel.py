@@ -20,6 +20,7 @@ Ordering without host syncs:
   them and every buffer is ``record_stream``-ed to it, so the caching
   allocator cannot hand the memory out while compute still reads it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -37,14 +38,33 @@ logger = logging.getLogger("rrfp.comm")
 class NcclChannel(ChannelEnd):
     """Same surface as the gloo ``Channel``: ``send``, ``recv``, ``aclose``, ``name``, ``peer``."""
 
-    def __init__(self, name: str, rank: int, peer: int, group, *, outbound: bool, ops, poller: CompletionPoller,
-                 compute_stream, deadline_s: float | None = None) -> None:
-        self.name, self.rank, self.peer, self.group, self.outbound = name, rank, peer, group, outbound
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        peer: int,
+        group,
+        *,
+        outbound: bool,
+        ops,
+        poller: CompletionPoller,
+        compute_stream,
+        deadline_s: float | None = None,
+    ) -> None:
+        self.name, self.rank, self.peer, self.group, self.outbound = (
+            name,
+            rank,
+            peer,
+            group,
+            outbound,
+        )
         self.ops, self.poller, self.compute_stream = ops, poller, compute_stream
         # how long a send, or a payload after its header, may take: rrfp's peer deadline, shorter
         # than NCCL's watchdog timeout, so a dead or hung peer ends this rank with one line
         self.deadline_s = deadline_s
-        self.stream = ops.new_stream()  # the channel's own stream: copies and NCCL calls are issued here
+        self.stream = (
+            ops.new_stream()
+        )  # the channel's own stream: copies and NCCL calls are issued here
         self.messages = 0
         self._header_host = ops.pinned(torch.zeros(HEADER_LEN, dtype=torch.int64))
         self._last: str | None = None
@@ -62,12 +82,23 @@ class NcclChannel(ChannelEnd):
         produced = msg.ready if msg.ready is not None else ops.record_event(self.compute_stream)
         with ops.stream(self.stream):
             header_dev = ops.to_device(header)
-            ops.wait_event(self.stream, produced)  # everything below runs after the producing kernels
-            works = [(ops.isend(header_dev, self.peer, self.group), f"send of the header of {msg.label()}")]
+            ops.wait_event(
+                self.stream, produced
+            )  # everything below runs after the producing kernels
+            works = [
+                (
+                    ops.isend(header_dev, self.peer, self.group),
+                    f"send of the header of {msg.label()}",
+                )
+            ]
             for i, t in enumerate(msg.tensors):
                 if t is not None and t.numel():  # None and empty payloads are in the header alone
-                    works.append((ops.isend(t.detach().contiguous(), self.peer, self.group),
-                                  f"send of tensor {i + 1}/{len(msg.tensors)} of {msg.label()}"))
+                    works.append(
+                        (
+                            ops.isend(t.detach().contiguous(), self.peer, self.group),
+                            f"send of tensor {i + 1}/{len(msg.tensors)} of {msg.label()}",
+                        )
+                    )
         for work, what in works:  # awaiting keeps every tensor alive until NCCL has read it
             await self._completed(work, f"{what} to rank {self.peer}")
         self.messages += 1
@@ -85,19 +116,29 @@ class NcclChannel(ChannelEnd):
             ops.to_host(header_dev, self._header_host)
             header_copied = ops.record_event(self.stream)
         # no deadline here: the peer may compute for long; the executor's wait for an arrival has one
-        await self._completed(work, f"receive of header ({after}) from rank {self.peer}", deadline=False)
+        await self._completed(
+            work, f"receive of header ({after}) from rank {self.peer}", deadline=False
+        )
         await self.poller.watch(header_copied)
         try:
             header = decode_header(self._header_host)
         except MessageError as e:
-            raise self._fail(MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}"))
+            raise self._fail(
+                MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}")
+            )
         with ops.stream(self.stream):
             tensors = [None if s.is_none else ops.empty(s.shape, s.dtype) for s in header.specs]
-            works = [(ops.irecv(t, self.peer, self.group), i) for i, t in enumerate(tensors)
-                     if t is not None and t.numel()]
+            works = [
+                (ops.irecv(t, self.peer, self.group), i)
+                for i, t in enumerate(tensors)
+                if t is not None and t.numel()
+            ]
         for work, i in works:
-            await self._completed(work, f"receive of tensor {i + 1}/{len(tensors)} of {header.label()} "
-                                        f"from rank {self.peer}")
+            await self._completed(
+                work,
+                f"receive of tensor {i + 1}/{len(tensors)} of {header.label()} "
+                f"from rank {self.peer}",
+            )
         with ops.stream(self.compute_stream):
             for work, _ in works:
                 ops.wait_work(work)
@@ -106,7 +147,9 @@ class NcclChannel(ChannelEnd):
                 ops.record_stream(t, self.compute_stream)
         self.messages += 1
         self._last = header.label()
-        return Message(header.iteration, header.microbatch, header.kind, tensors, header.requires_grad)
+        return Message(
+            header.iteration, header.microbatch, header.kind, tensors, header.requires_grad
+        )
 
     async def aclose(self) -> None:
         """Refuse further use. Work already issued finishes or fails with its communicator."""
@@ -121,7 +164,11 @@ class NcclChannel(ChannelEnd):
         ops = self.ops
         with ops.stream(self.stream):
             one = ops.empty((1,), torch.int64)
-            work = ops.isend(one, self.peer, self.group) if self.outbound else ops.irecv(one, self.peer, self.group)
+            work = (
+                ops.isend(one, self.peer, self.group)
+                if self.outbound
+                else ops.irecv(one, self.peer, self.group)
+            )
             ops.wait_work(work)
         ops.synchronize(self.stream)
 
@@ -131,8 +178,13 @@ class NcclChannel(ChannelEnd):
             async with asyncio.timeout(limit):
                 await self.poller.watch(work)
         except TimeoutError:
-            raise self._fail(PeerError(f"{self.where}: {what} failed (nothing within {limit:g} s: the peer is "
-                                       f"hung, too slow, or not receiving)", self.peer)) from None
+            raise self._fail(
+                PeerError(
+                    f"{self.where}: {what} failed (nothing within {limit:g} s: the peer is "
+                    f"hung, too slow, or not receiving)",
+                    self.peer,
+                )
+            ) from None
         except Exception as e:
             raise self._fail(self._peer_error(what, e)) from e
 

@@ -23,6 +23,7 @@ created on the loop"):
 The same module sets up NCCL's watchdog so that rrfp's own deadline, which
 names the peer and the channel, always fires first (``configure_watchdog``).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -57,11 +58,15 @@ def configure_watchdog(peer_timeout_s: float) -> float:
     Refuses ``TORCH_NCCL_BLOCKING_WAIT=1``: it makes ``Work.wait()`` block the host,
     which here is the event loop."""
     if os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0").strip().lower() not in ("", "0", "false"):
-        raise StartupError("TORCH_NCCL_BLOCKING_WAIT is set: it makes every NCCL wait block the event loop; "
-                           "unset it (rrfp's own deadline, run.timeout_s, bounds every wait)")
+        raise StartupError(
+            "TORCH_NCCL_BLOCKING_WAIT is set: it makes every NCCL wait block the event loop; "
+            "unset it (rrfp's own deadline, run.timeout_s, bounds every wait)"
+        )
     for key, value in NCCL_ENV.items():
         if os.environ.setdefault(key, value) != value:
-            logger.warning("%s=%s is set in the environment; rrfp would use %s", key, os.environ[key], value)
+            logger.warning(
+                "%s=%s is set in the environment; rrfp would use %s", key, os.environ[key], value
+            )
     return watchdog_timeout_s(peer_timeout_s)
 
 
@@ -71,9 +76,11 @@ def check_torch(dist_module=None) -> None:
     if dist_module is None:
         import torch.distributed as dist_module
     if "device_id" not in inspect.signature(dist_module.new_group).parameters:
-        raise StartupError(f"torch {torch.__version__} cannot create NCCL groups eagerly (new_group has no "
-                           f"device_id): its communicators would be created at first use, on the event loop; "
-                           f"backend nccl needs torch >= 2.6")
+        raise StartupError(
+            f"torch {torch.__version__} cannot create NCCL groups eagerly (new_group has no "
+            f"device_id): its communicators would be created at first use, on the event loop; "
+            f"backend nccl needs torch >= 2.6"
+        )
 
 
 def require_eager(group, device: torch.device, what: str, rank: int) -> None:
@@ -84,13 +91,17 @@ def require_eager(group, device: torch.device, what: str, rank: int) -> None:
     pg._get_backend(device_id).supports_splitting: eager_connect_single_device``)."""
     bound = getattr(group, "bound_device_id", None)
     if bound != device:
-        raise StartupError(f"rank {rank}: {what}: the NCCL group is bound to {bound}, not {device}: its "
-                           f"communicator would be created at first use, on the event loop")
+        raise StartupError(
+            f"rank {rank}: {what}: the NCCL group is bound to {bound}, not {device}: its "
+            f"communicator would be created at first use, on the event loop"
+        )
     backend = group._get_backend(device)
     if not getattr(backend, "supports_splitting", False):
-        raise StartupError(f"rank {rank}: {what}: this NCCL cannot create communicators at start-up "
-                           f"(no ncclCommSplit; NCCL >= 2.18 has it): they would be created at first use, "
-                           f"on the event loop")
+        raise StartupError(
+            f"rank {rank}: {what}: this NCCL cannot create communicators at start-up "
+            f"(no ncclCommSplit; NCCL >= 2.18 has it): they would be created at first use, "
+            f"on the event loop"
+        )
 
 
 def warm_up_collective(group, ops, what: str) -> None:

@@ -6,6 +6,7 @@ CUDA each group's communicator is created by ``new_group`` (checked), and each
 channel carries one element at start-up, in the same global order, so that
 nothing is created or connected on the event loop later (nccl_groups.py).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +31,14 @@ class PipelineChannels:
     gradients from s+1, ``bwd_out`` to s-1.
     """
 
-    def __init__(self, rank: int, fwd_in: Channel | None = None, fwd_out: Channel | None = None,
-                 bwd_in: Channel | None = None, bwd_out: Channel | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        fwd_in: Channel | None = None,
+        fwd_out: Channel | None = None,
+        bwd_in: Channel | None = None,
+        bwd_out: Channel | None = None,
+    ) -> None:
         self.rank = rank
         self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out = fwd_in, fwd_out, bwd_in, bwd_out
 
@@ -74,10 +81,18 @@ class RankChannels:
             await ch.aclose()
 
 
-def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
-                             device: torch.device | str = "cpu", poller=None, compute_stream=None,
-                             ops=None, deadline_s: float | None = None,
-                             wait: datetime.timedelta | None = None) -> PipelineChannels:
+def create_pipeline_channels(
+    layout: Layout,
+    rank: int,
+    timeout: datetime.timedelta | float,
+    *,
+    device: torch.device | str = "cpu",
+    poller=None,
+    compute_stream=None,
+    ops=None,
+    deadline_s: float | None = None,
+    wait: datetime.timedelta | None = None,
+) -> PipelineChannels:
     """Create every pipeline process group on every rank; return this rank's channels (one
     stage per rank; ``create_rank_channels`` for several).
 
@@ -96,15 +111,33 @@ def create_pipeline_channels(layout: Layout, rank: int, timeout: datetime.timede
     may take (rrfp's peer deadline; ``timeout`` is then NCCL's watchdog's). ``wait`` (gloo): how
     long one send or receive may wait, when not ``timeout`` (a heartbeat bounds silence instead).
     """
-    channels = create_rank_channels(layout, rank, timeout, device=device, poller=poller,
-                                    compute_stream=compute_stream, ops=ops, deadline_s=deadline_s, wait=wait)
+    channels = create_rank_channels(
+        layout,
+        rank,
+        timeout,
+        device=device,
+        poller=poller,
+        compute_stream=compute_stream,
+        ops=ops,
+        deadline_s=deadline_s,
+        wait=wait,
+    )
     return channels.of(layout.coords(rank).pp)
 
 
-def create_rank_channels(layout: Layout, rank: int, timeout: datetime.timedelta | float, *,
-                         stages=None, device: torch.device | str = "cpu", poller=None, compute_stream=None,
-                         ops=None, deadline_s: float | None = None,
-                         wait: datetime.timedelta | None = None) -> RankChannels:
+def create_rank_channels(
+    layout: Layout,
+    rank: int,
+    timeout: datetime.timedelta | float,
+    *,
+    stages=None,
+    device: torch.device | str = "cpu",
+    poller=None,
+    compute_stream=None,
+    ops=None,
+    deadline_s: float | None = None,
+    wait: datetime.timedelta | None = None,
+) -> RankChannels:
     """``create_pipeline_channels`` for ``stages`` (a ``VirtualLayout``: global stage ->
     pipeline rank; None: one stage per rank). One process group per (stage boundary,
     direction) whose two stages sit on different ranks, so that two stages of one rank never
@@ -113,30 +146,50 @@ def create_rank_channels(layout: Layout, rank: int, timeout: datetime.timedelta 
     forward before backward. With one stage per rank: exactly ``create_pipeline_channels``'s
     groups, in its order."""
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call init_process_group before "
-                           "create_pipeline_channels")
+        raise RuntimeError(
+            "torch.distributed is not initialized: call init_process_group before "
+            "create_pipeline_channels"
+        )
     if dist.get_world_size() != layout.world_size:
-        raise ValueError(f"{layout.short()} does not match the process group's world size "
-                         f"{dist.get_world_size()}")
+        raise ValueError(
+            f"{layout.short()} does not match the process group's world size "
+            f"{dist.get_world_size()}"
+        )
     if dist.get_rank() != rank:
-        raise ValueError(f"create_pipeline_channels was given rank {rank}, but this process is "
-                         f"rank {dist.get_rank()}")
+        raise ValueError(
+            f"create_pipeline_channels was given rank {rank}, but this process is "
+            f"rank {dist.get_rank()}"
+        )
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
     device = torch.device(device)
     if device.type == "cuda":
         if poller is None or compute_stream is None:
-            raise ValueError("NCCL channels need the loop's CompletionPoller and the lane's CUDA stream")
+            raise ValueError(
+                "NCCL channels need the loop's CompletionPoller and the lane's CUDA stream"
+            )
         ops = ops or CudaOps(device)
 
         def make(name, peer, group, outbound):
             require_eager(group, device, f"channel {name}", rank)
-            return NcclChannel(name, rank, peer, group, outbound=outbound, ops=ops, poller=poller,
-                               compute_stream=compute_stream, deadline_s=deadline_s)
+            return NcclChannel(
+                name,
+                rank,
+                peer,
+                group,
+                outbound=outbound,
+                ops=ops,
+                poller=poller,
+                compute_stream=compute_stream,
+                deadline_s=deadline_s,
+            )
+
         group_kw = {"backend": "nccl", "device_id": device}
     else:
+
         def make(name, peer, group, outbound):
             return Channel(name, rank, peer, group, outbound=outbound, device=device, wait=wait)
+
         group_kw = {}
     num_stages = layout.pp if stages is None else stages.num_stages
     pp_of = (lambda g: g) if stages is None else stages.rank_of
@@ -164,9 +217,15 @@ def create_rank_channels(layout: Layout, rank: int, timeout: datetime.timedelta 
                     here["bwd_out"] = make(bwd_name, a, bwd, True)
                     in_order += [here["fwd_in"], here["bwd_out"]]
     if device.type == "cuda":
-        for channel in in_order:  # both ends of every channel reach it in this one order: the calls meet
+        for (
+            channel
+        ) in in_order:  # both ends of every channel reach it in this one order: the calls meet
             channel.warm_up()
     channels = RankChannels(rank, {g: PipelineChannels(rank, **ends) for g, ends in found.items()})
-    logger.info("rank %d: %d pipeline channel(s): %s", rank, len(channels.all()),
-                ", ".join(c.name for c in channels.all()) or "none")
+    logger.info(
+        "rank %d: %d pipeline channel(s): %s",
+        rank,
+        len(channels.all()),
+        ", ".join(c.name for c in channels.all()) or "none",
+    )
     return channels

@@ -8,6 +8,7 @@ event loop later (nccl_groups.py). The TP agreement and the control plane
 (statistics, gather, barrier, checkpoint) stay on gloo CPU groups: their results
 are read on the host, and gloo creates no NCCL communicator.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,18 +19,34 @@ from rrfp.comm.nccl_groups import require_eager, warm_up_collective
 from rrfp.core.layout import Layout
 
 
-def create_stage_groups(layout: Layout, rank: int, timeout_s: float, backend: str, device, ops=None,
-                        nccl_timeout_s: float | None = None) -> dict:
+def create_stage_groups(
+    layout: Layout,
+    rank: int,
+    timeout_s: float,
+    backend: str,
+    device,
+    ops=None,
+    nccl_timeout_s: float | None = None,
+) -> dict:
     """{"tp", "tp_control", "dp", "cpu"}: this rank's groups (absent: a group of one, or gloo's
     default group doing the control plane). ``ops`` (``CudaOps``) is needed under NCCL."""
     gloo_timeout = datetime.timedelta(seconds=timeout_s)
     nccl = backend == "nccl"
-    device_kw = {"device_id": device, "timeout": datetime.timedelta(seconds=nccl_timeout_s or timeout_s)} if nccl \
+    device_kw = (
+        {"device_id": device, "timeout": datetime.timedelta(seconds=nccl_timeout_s or timeout_s)}
+        if nccl
         else {"timeout": gloo_timeout}
+    )
     groups: dict = {}
     warm: list[tuple[str, object]] = []
-    for key, lists in (("tp", layout.tp_groups()), ("tp_control", layout.tp_groups()), ("dp", layout.dp_groups())):
-        on_device = key != "tp_control"  # TP agreement reads its result on the host: never through the device
+    for key, lists in (
+        ("tp", layout.tp_groups()),
+        ("tp_control", layout.tp_groups()),
+        ("dp", layout.dp_groups()),
+    ):
+        on_device = (
+            key != "tp_control"
+        )  # TP agreement reads its result on the host: never through the device
         for ranks in lists:
             if len(ranks) == 1:
                 continue  # a group of one needs no process group

@@ -1,5 +1,6 @@
 """Lower bound on an iteration's time for given task durations (docs/design.md):
 max(busiest rank's total work, longest microbatch chain with its sends)."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -7,8 +8,13 @@ from typing import Sequence
 import numpy as np
 
 
-def lower_bound(dur: np.ndarray, lat_fwd: np.ndarray, lat_bwd: np.ndarray, split: bool,
-                rank_of: Sequence[int] | None = None) -> float:
+def lower_bound(
+    dur: np.ndarray,
+    lat_fwd: np.ndarray,
+    lat_bwd: np.ndarray,
+    split: bool,
+    rank_of: Sequence[int] | None = None,
+) -> float:
     """``dur[s, m, k]`` for k in F, B, W (B already whole when unsplit, W then 0);
     ``lat_fwd[s, m]``: latency of F(s,m)'s send to s+1; ``lat_bwd[s, m]``: of B(s,m)'s to s-1.
     ``rank_of[s]``: the rank that runs stage s (virtual stages; default: one stage per rank),

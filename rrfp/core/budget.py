@@ -5,6 +5,7 @@
 1F1B's memory, so the default is ``2x``: twice 1F1B's in-flight count, which
 is S - s on stage s. With virtual stages see ``Budget.rank_limit``.
 """
+
 from __future__ import annotations
 
 import re
@@ -118,7 +119,9 @@ def _fullest_need(layout: VirtualLayout) -> float:
 def peak_held(spans: Iterable[tuple[float, float, float]]) -> float:
     """The most weight held at once over ``(start, end, weight)`` spans, each held on [start, end):
     at one time a release comes before an admission."""
-    events = sorted((t, d) for a, b, x in spans for t, d in ((a, x), (b, -x)))  # at one t, negative first
+    events = sorted(
+        (t, d) for a, b, x in spans for t, d in ((a, x), (b, -x))
+    )  # at one t, negative first
     now = peak = 0
     for _, d in events:
         now += d

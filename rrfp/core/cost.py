@@ -6,6 +6,7 @@ Fitted by least squares on measured times (``rrfp calibrate``), so emulated
 device time stretches the real relative costs of the data being trained, and
 the simulator can replay the same work. Pure numpy.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,9 @@ class CostModel:
                 if not rows:
                     per_kind.append((0.0,) * (1 + len(FEATURES)))
                     continue
-                X = np.array([[1.0] + [float(f.get(name, 0.0)) for name in FEATURES] for f, _ in rows])
+                X = np.array(
+                    [[1.0] + [float(f.get(name, 0.0)) for name in FEATURES] for f, _ in rows]
+                )
                 y = np.array([t for _, t in rows])
                 used = [0] + [j for j in range(1, X.shape[1]) if np.ptp(X[:, j]) > 0]
                 w, *_ = np.linalg.lstsq(X[:, used] / _scale(X[:, used]), y, rcond=None)
@@ -65,7 +68,9 @@ class CostModel:
         return cls(tuple(coef), float(np.mean(f_times)) if f_times else 1.0)
 
     def to_json(self) -> str:
-        return json.dumps({"features": FEATURES, "coef": self.coef, "reference_s": self.reference_s}, indent=1)
+        return json.dumps(
+            {"features": FEATURES, "coef": self.coef, "reference_s": self.reference_s}, indent=1
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
@@ -73,7 +78,9 @@ class CostModel:
         and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per stage)."""
         doc = json.loads(text)
         if not isinstance(doc, dict):
-            raise ValueError(f"expected a JSON object with features, coef and reference_s, got {type(doc).__name__}")
+            raise ValueError(
+                f"expected a JSON object with features, coef and reference_s, got {type(doc).__name__}"
+            )
         if not isinstance(doc.get("features"), list) or tuple(doc["features"]) != FEATURES:
             raise ValueError(f"cost model features {doc.get('features')} are not {list(FEATURES)}")
         ref = doc.get("reference_s")
@@ -87,13 +94,23 @@ class CostModel:
             if not isinstance(kinds, list) or len(kinds) != 3:
                 raise ValueError(f"coef[{s}] must hold 3 kinds (F, B, W), got {kinds!r:.60}")
             for k, c in enumerate(kinds):
-                if not (isinstance(c, list) and len(c) == width and all(_number(v) and abs(v) <= MAX_S for v in c)):
-                    raise ValueError(f"coef[{s}][{k}] must be {width} finite numbers within +-{MAX_S:g} (an "
-                                     f"intercept and one weight per feature), got {c!r:.80}")
-        return cls(tuple(tuple(tuple(float(v) for v in c) for c in kinds) for kinds in coef), float(ref))
+                if not (
+                    isinstance(c, list)
+                    and len(c) == width
+                    and all(_number(v) and abs(v) <= MAX_S for v in c)
+                ):
+                    raise ValueError(
+                        f"coef[{s}][{k}] must be {width} finite numbers within +-{MAX_S:g} (an "
+                        f"intercept and one weight per feature), got {c!r:.80}"
+                    )
+        return cls(
+            tuple(tuple(tuple(float(v) for v in c) for c in kinds) for kinds in coef), float(ref)
+        )
 
 
-MAX_S = 1e6  # seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
+MAX_S = (
+    1e6  # seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
+)
 
 
 def _number(v) -> bool:

@@ -6,6 +6,7 @@ microbatch's data times the preset's noise. The runtime's lane, the bench's
 torch anchors and the planner all read task times here, so every executor
 runs the same durations and the planner sees exactly their predictable part.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -32,7 +33,9 @@ class TaskTimes:
     variability: Variability
     seed: int = 0
     split: bool = True
-    cost: CostModel | None = None  # with features: the data's predicted cost times the preset's noise
+    cost: CostModel | None = (
+        None  # with features: the data's predicted cost times the preset's noise
+    )
     layout: VirtualLayout | None = None  # virtual stages: ``stage`` is global, of layout.num_stages
 
     @property
@@ -47,26 +50,40 @@ class TaskTimes:
         var, V = self.variability, self.chunks
         scale = np.full(np.shape(stage), 1.0 / V if self.cost is None else 1.0)
         if var.slow_stage >= 0:
-            slow = np.isin(stage, self.layout.stages_of(var.slow_stage)) if var.slow_stage < self.layout.ranks else False
+            slow = (
+                np.isin(stage, self.layout.stages_of(var.slow_stage))
+                if var.slow_stage < self.layout.ranks
+                else False
+            )
             scale = scale * np.where(slow, var.slow_factor, 1.0)
         return scale
 
     def _per_chunk(self) -> "TaskTimes":
         return replace(self, variability=replace(self.variability, slow_stage=-1), layout=None)
 
-    def units(self, iteration: int, stage: int, mb: int, kind: Kind | int,
-              features: Sequence[dict] | None = None) -> float:
+    def units(
+        self,
+        iteration: int,
+        stage: int,
+        mb: int,
+        kind: Kind | int,
+        features: Sequence[dict] | None = None,
+    ) -> float:
         """The realized duration of one task."""
         if self.chunks > 1:
-            return self._per_chunk().units(iteration, stage, mb, kind, features) * float(self._chunk_scale(stage))
+            return self._per_chunk().units(iteration, stage, mb, kind, features) * float(
+                self._chunk_scale(stage)
+            )
         var = self.variability
         if self.cost is not None and features is not None:
-            return (self.cost.units(stage, int(kind), features[mb], self.split)
-                    * var.noise(self.seed, iteration, stage, mb, kind))
+            return self.cost.units(stage, int(kind), features[mb], self.split) * var.noise(
+                self.seed, iteration, stage, mb, kind
+            )
         return var.duration(self.seed, iteration, stage, mb, kind, self.split)
 
-    def realized(self, iteration: int, stages: int, microbatches: int,
-                 features: Sequence[dict] | None = None) -> np.ndarray:
+    def realized(
+        self, iteration: int, stages: int, microbatches: int, features: Sequence[dict] | None = None
+    ) -> np.ndarray:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
         split backward: B holds it); what the simulator draws, the bench bounds and a replay runs.
         With virtual stages ``stages`` is S x V and each draw is the chunk's (``_chunk_scale``):
@@ -81,24 +98,34 @@ class TaskTimes:
         s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
         for k in (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B):
             if self.cost is not None and features is not None:
-                cost = [[self.cost.units(s, int(k), features[m], self.split) for m in range(M)] for s in range(S)]
+                cost = [
+                    [self.cost.units(s, int(k), features[m], self.split) for m in range(M)]
+                    for s in range(S)
+                ]
                 out[:, :, k] = np.array(cost) * var.noise(self.seed, iteration, s_idx, m_idx, k)
             else:
                 out[:, :, k] = var.duration(self.seed, iteration, s_idx, m_idx, k, self.split)
         return out
 
-    def predicted(self, iteration: int, stages: int, microbatches: int,
-                  features: Sequence[dict] | None = None) -> np.ndarray:
+    def predicted(
+        self, iteration: int, stages: int, microbatches: int, features: Sequence[dict] | None = None
+    ) -> np.ndarray:
         """``[stage, mb, kind]``: the part of every duration that is known before the
         iteration starts: ``realized`` with what cannot be known taken out."""
-        return replace(self, variability=known(self.variability)).realized(iteration, stages, microbatches,
-                                                                           features)
+        return replace(self, variability=known(self.variability)).realized(
+            iteration, stages, microbatches, features
+        )
 
-    def latencies(self, iteration: int, stages: int, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+    def latencies(
+        self, iteration: int, stages: int, microbatches: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """``[stage, mb]`` link latencies of every F message and every B message."""
         s_idx, m_idx = np.arange(stages)[:, None], np.arange(microbatches)[None, :]
-        return tuple(self.variability.latency(self.seed, iteration, s_idx, m_idx, k) * np.ones((stages, microbatches))
-                     for k in (Kind.F, Kind.B))
+        return tuple(
+            self.variability.latency(self.seed, iteration, s_idx, m_idx, k)
+            * np.ones((stages, microbatches))
+            for k in (Kind.F, Kind.B)
+        )
 
     def latency(self, iteration: int, stage: int, mb: int, kind: Kind | int) -> float:
         """Link latency of the message a task of ``kind`` on ``stage`` sends."""

@@ -7,6 +7,7 @@ order, so the order in which equal times were pushed cannot change a decision. T
 so two events that would coincide exactly can land an ulp apart and be decided in two rounds;
 every caller sees the same arithmetic.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -16,12 +17,21 @@ from typing import Callable, Sequence
 from rrfp.core.rank_tracker import RankTracker, StageTask
 from rrfp.core.tasks import Task
 
-Duration = Callable[[int, Task], float]  # (stage, task) -> how long it runs, or the latency of the message it sends
-Decided = Callable[[int, "StageTask | None", float, float], None]  # (rank, what it started or None, now, end)
+Duration = Callable[
+    [int, Task], float
+]  # (stage, task) -> how long it runs, or the latency of the message it sends
+Decided = Callable[
+    [int, "StageTask | None", float, float], None
+]  # (rank, what it started or None, now, end)
 
 
-def drive(trackers: Sequence[RankTracker], rank_of: Sequence[int], duration: Duration, latency: Duration,
-          decided: Decided | None = None) -> float:
+def drive(
+    trackers: Sequence[RankTracker],
+    rank_of: Sequence[int],
+    duration: Duration,
+    latency: Duration,
+    decided: Decided | None = None,
+) -> float:
     """Start every rank at time 0 and run until no event is left; the time the last task ended.
     ``decided`` hears every decision, also those that started nothing. Whether every task ran
     (``RankTracker.done``) is the caller's to check: a stall just runs out of events."""
@@ -56,7 +66,9 @@ def drive(trackers: Sequence[RankTracker], rank_of: Sequence[int], duration: Dur
                 if to == r:  # the V turn: no message
                     trackers[r].arrive(dest, task.kind, task.mb)
                 else:
-                    heapq.heappush(events, (now + latency(stage, task), next(seq), to, dest, task, True))
+                    heapq.heappush(
+                        events, (now + latency(stage, task), next(seq), to, dest, task, True)
+                    )
         touched.add(r)
         if not events or events[0][0] > now:  # time moves on: idle ranks decide
             for t in sorted(touched):

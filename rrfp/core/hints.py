@@ -5,6 +5,7 @@ of best priority, fixed dispatch runs them in exactly this order.
 Every hint validates itself: each task once, and F before B before W per
 microbatch.
 """
+
 from __future__ import annotations
 
 import csv
@@ -83,10 +84,18 @@ def zbh1(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 def zbv_stage(S: int, s: int, M: int, split: bool) -> list[Task]:
     """ZB-V is an order over a rank's two stages: it has no one-stage form."""
-    raise HintError("hint zbv is an order over virtual stages: it needs virtual = 2 and placement v")
+    raise HintError(
+        "hint zbv is an order over virtual stages: it needs virtual = 2 and placement v"
+    )
 
 
-BUILTIN: dict[str, HintFn] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zbh1, "bf": bf, "bfw": bfw}
+BUILTIN: dict[str, HintFn] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zbh1": zbh1,
+    "bf": bf,
+    "bfw": bfw,
+}
 VIRTUAL_ONLY: dict[str, HintFn] = {"zbv": zbv_stage}  # orders over virtual stages alone
 SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan", "zbv"}
 CLASS_HINTS = {"bf", "bfw"}
@@ -132,14 +141,22 @@ def validate(order: Sequence[Task], M: int, split: bool, where: str = "hint") ->
             raise HintError(f"{where}: W{m} comes before B{m}")
 
 
-def validate_rank(order: Sequence[tuple[int, Task]], layout: VirtualLayout, rank: int, M: int, split: bool,
-                  where: str = "hint") -> None:
+def validate_rank(
+    order: Sequence[tuple[int, Task]],
+    layout: VirtualLayout,
+    rank: int,
+    M: int,
+    split: bool,
+    where: str = "hint",
+) -> None:
     """Every pair on one of the rank's stages, and each stage's tasks a valid order (``validate``)."""
     stages = layout.stages_of(rank)
     for s, t in order:
         if s not in stages:
-            raise HintError(f"{where}: {t} of stage {s} is not on rank {rank}, which holds stages "
-                            f"{', '.join(map(str, stages))}")
+            raise HintError(
+                f"{where}: {t} of stage {s} is not on rank {rank}, which holds stages "
+                f"{', '.join(map(str, stages))}"
+            )
     for s in stages:
         validate([t for st, t in order if st == s], M, split, where=f"{where} stage {s}")
 
@@ -169,11 +186,19 @@ class Hint:
     name: str
     fn: HintFn
     is_class: bool = False
-    planned: bool = False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
+    planned: bool = (
+        False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
+    )
     uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
-    fixed_orders: tuple[tuple[Task, ...], ...] | None = None  # a plan's per-stage orders, for fixed dispatch
-    rank_fn: RankHintFn | None = None  # its order over a rank's virtual stages (V > 1), if it has one
-    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = None  # a plan's per-rank orders (V > 1)
+    fixed_orders: tuple[tuple[Task, ...], ...] | None = (
+        None  # a plan's per-stage orders, for fixed dispatch
+    )
+    rank_fn: RankHintFn | None = (
+        None  # its order over a rank's virtual stages (V > 1), if it has one
+    )
+    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = (
+        None  # a plan's per-rank orders (V > 1)
+    )
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
         if self.fixed_orders is not None:
@@ -181,11 +206,15 @@ class Hint:
         elif self.is_class:
             tasks = list(nominal_orders(self.fn, S, M, split, NOMINAL_BUDGET)[s])
         else:
-            tasks = [t if isinstance(t, Task) else Task.parse(str(t)) for t in self.fn(S, s, M, split)]
+            tasks = [
+                t if isinstance(t, Task) else Task.parse(str(t)) for t in self.fn(S, s, M, split)
+            ]
         validate(tasks, M, split, where=f"hint {self.name} stage {s}")
         return tasks
 
-    def rank_order(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> list[tuple[int, Task]]:
+    def rank_order(
+        self, layout: VirtualLayout, rank: int, M: int, split: bool
+    ) -> list[tuple[int, Task]]:
         """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With V = 1
         it is ``order`` on the rank's one stage."""
         if layout.virtual == 1:
@@ -197,13 +226,17 @@ class Hint:
             pairs = list(nominal_rank_orders(self.fn, layout, M, split, NOMINAL_BUDGET)[rank])
         elif self.rank_fn is not None:
             try:
-                pairs = [(int(s), t if isinstance(t, Task) else Task.parse(str(t)))
-                         for s, t in self.rank_fn(layout, rank, M, split)]
+                pairs = [
+                    (int(s), t if isinstance(t, Task) else Task.parse(str(t)))
+                    for s, t in self.rank_fn(layout, rank, M, split)
+                ]
             except ValueError as e:
                 raise HintError(f"{where}: {e}") from None
         else:
-            raise HintError(f"hint {self.name} has no order over virtual stages (virtual = {layout.virtual}); "
-                            f"use {', '.join(VIRTUAL_SCHEDULES)}, gpipe, bf, bfw, plan or a stage,task CSV file")
+            raise HintError(
+                f"hint {self.name} has no order over virtual stages (virtual = {layout.virtual}); "
+                f"use {', '.join(VIRTUAL_SCHEDULES)}, gpipe, bf, bfw, plan or a stage,task CSV file"
+            )
         validate_rank(pairs, layout, rank, M, split, where)
         return pairs
 
@@ -226,7 +259,9 @@ class Hint:
         order): what it needs, since it applies no budget."""
         return peak_in_flight([t for _, t in self.rank_order(layout, rank, M, split)], split)
 
-    def rank_priority(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> dict[tuple[int, Task], int]:
+    def rank_priority(
+        self, layout: VirtualLayout, rank: int, M: int, split: bool
+    ) -> dict[tuple[int, Task], int]:
         """What ready dispatch compares on ``rank`` (lower first), over (stage, task) pairs. A class
         hint ranks each stage's tasks by its own rule, and across the rank's stages by place in that
         rule, then the later stage first (``chunked_priority``); with V = 1 that is ``priority``."""
@@ -235,19 +270,47 @@ class Hint:
         S = layout.num_stages
         return chunked_priority({s: self.priority(S, s, M, split) for s in layout.stages_of(rank)})
 
-    def rank_spec(self, layout: VirtualLayout, rank: int, M: int, split: bool, dispatch: Dispatch,
-                  budget: Budget) -> RankSpec:
+    def rank_spec(
+        self,
+        layout: VirtualLayout,
+        rank: int,
+        M: int,
+        split: bool,
+        dispatch: Dispatch,
+        budget: Budget,
+    ) -> RankSpec:
         """Everything ``rank`` needs to track an iteration over its stages under this hint and budget
         (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order and limit."""
         if layout.virtual == 1:
             st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
-            return RankSpec(layout, rank, M, split, dispatch, {(rank, t): p for t, p in st.priority.items()},
-                            tuple((rank, t) for t in st.order), st.limit)
+            return RankSpec(
+                layout,
+                rank,
+                M,
+                split,
+                dispatch,
+                {(rank, t): p for t, p in st.priority.items()},
+                tuple((rank, t) for t in st.order),
+                st.limit,
+            )
         limit = budget.rank_limit(layout, rank)
         if self.is_class and dispatch is Dispatch.READY:
-            return RankSpec(layout, rank, M, split, dispatch, self.rank_priority(layout, rank, M, split), (), limit)
+            return RankSpec(
+                layout,
+                rank,
+                M,
+                split,
+                dispatch,
+                self.rank_priority(layout, rank, M, split),
+                (),
+                limit,
+            )
         order = tuple(self.rank_order(layout, rank, M, split))
-        prio = self.rank_priority(layout, rank, M, split) if self.is_class else {p: i for i, p in enumerate(order)}
+        prio = (
+            self.rank_priority(layout, rank, M, split)
+            if self.is_class
+            else {p: i for i, p in enumerate(order)}
+        )
         return RankSpec(layout, rank, M, split, dispatch, prio, order, limit)
 
     def priority(self, S: int, s: int, M: int, split: bool) -> dict[Task, int]:
@@ -258,18 +321,25 @@ class Hint:
             raise HintError(f"hint {self.name} stage {s}: does not rank every task exactly once")
         return prio
 
-    def spec(self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget) -> StageSpec:
+    def spec(
+        self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget
+    ) -> StageSpec:
         """Everything stage ``s`` needs to track an iteration under this hint. Ready dispatch
         with a class hint needs no order, so none is built (it costs a nominal run)."""
         if self.is_class and dispatch is Dispatch.READY:
-            return StageSpec(S, s, M, split, dispatch, self.priority(S, s, M, split), (), budget.limit(S, s))
+            return StageSpec(
+                S, s, M, split, dispatch, self.priority(S, s, M, split), (), budget.limit(S, s)
+            )
         order = self.order(S, s, M, split)
-        prio = {t: i for i, t in enumerate(order)} if not self.is_class else self.priority(S, s, M, split)
+        prio = (
+            {t: i for i, t in enumerate(order)}
+            if not self.is_class
+            else self.priority(S, s, M, split)
+        )
         return StageSpec(S, s, M, split, dispatch, prio, order, budget.limit(S, s))
 
 
 NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
-
 
 
 def csv_rows(path: str | Path, what: str) -> list[list[str]]:
@@ -292,7 +362,9 @@ def csv_hint(path: str | Path) -> Hint:
         if lineno == 1 and row[0].lower() == "stage":
             continue
         if len(row) != 2:
-            raise HintError(f"hint file {path}:{lineno}: expected 'stage,task', got {','.join(row)!r}")
+            raise HintError(
+                f"hint file {path}:{lineno}: expected 'stage,task', got {','.join(row)!r}"
+            )
         try:
             stage = int(row[0])
             task = Task.parse(row[1])
@@ -330,7 +402,13 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
     if name.lower() in BUILTIN or name.lower() in VIRTUAL_ONLY:
         is_class = name.lower() in CLASS_HINTS
         fn = BUILTIN.get(name.lower()) or VIRTUAL_ONLY[name.lower()]
-        return Hint(name.lower(), fn, is_class=is_class, uniform=is_class, rank_fn=RANK_BUILTIN.get(name.lower()))
+        return Hint(
+            name.lower(),
+            fn,
+            is_class=is_class,
+            uniform=is_class,
+            rank_fn=RANK_BUILTIN.get(name.lower()),
+        )
     if name.lower().endswith(".csv"):
         return csv_hint(name)
     if ":" in name:
@@ -342,5 +420,7 @@ def resolve(spec: "str | Hint | HintFn") -> Hint:
         if not callable(fn):
             raise HintError(f"hint {name!r} is not callable")
         return Hint(name, fn)
-    raise HintError(f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, plan, zbv, a .csv file or "
-                    "module:function)")
+    raise HintError(
+        f"unknown hint {name!r} (choose from {', '.join(BUILTIN)}, plan, zbv, a .csv file or "
+        "module:function)"
+    )

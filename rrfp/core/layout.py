@@ -6,6 +6,7 @@ Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (they talk
 most), then data-parallel replicas, then pipeline stages:
 ``rank = pp * (dp_size * tp_size) + dp * tp_size + tp``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,10 @@ class Layout:
                 raise ValueError(f"layout needs {name} >= 1, got {name}={value}")
         product = self.pp * self.tp * self.dp
         if product != self.world_size:
-            raise ValueError(f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} = {product} "
-                             f"does not match world size {self.world_size}")
+            raise ValueError(
+                f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} = {product} "
+                f"does not match world size {self.world_size}"
+            )
 
     def coords(self, rank: int) -> Coords:
         """The (pp, tp, dp) coordinates of a global rank."""
@@ -58,18 +61,27 @@ class Layout:
 
     def tp_groups(self) -> list[list[int]]:
         """Ranks that share one stage of one replica, ordered by (pp, dp)."""
-        return [[self.rank_of(p, t, d) for t in range(self.tp)]
-                for p in range(self.pp) for d in range(self.dp)]
+        return [
+            [self.rank_of(p, t, d) for t in range(self.tp)]
+            for p in range(self.pp)
+            for d in range(self.dp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
         """Replicas of one (stage, TP index), ordered by (pp, tp)."""
-        return [[self.rank_of(p, t, d) for d in range(self.dp)]
-                for p in range(self.pp) for t in range(self.tp)]
+        return [
+            [self.rank_of(p, t, d) for d in range(self.dp)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+        ]
 
     def pp_groups(self) -> list[list[int]]:
         """One pipeline each, stages in order, ordered by (dp, tp)."""
-        return [[self.rank_of(p, t, d) for p in range(self.pp)]
-                for d in range(self.dp) for t in range(self.tp)]
+        return [
+            [self.rank_of(p, t, d) for p in range(self.pp)]
+            for d in range(self.dp)
+            for t in range(self.tp)
+        ]
 
     def short(self) -> str:
         return f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} (world size {self.world_size})"

@@ -14,6 +14,7 @@ turn, which stays on the rank, none: an order made with free messages puts a
 rank's next task where its input has not yet arrived, and ready dispatch beat
 that order by up to 6.6% with nothing varying (docs/benchmarks.md §2a).
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -27,22 +28,36 @@ from rrfp.core.rank_tracker import RankSpec, RankTracker
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 
-VIRTUAL_LATENCY = Variability().comm  # a message's time in nominal orders over virtual stages, in stage forwards
+VIRTUAL_LATENCY = (
+    Variability().comm
+)  # a message's time in nominal orders over virtual stages, in stage forwards
 
 
 @lru_cache(maxsize=16)
-def nominal_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], S: int, M: int, split: bool,
-                   multiple: float) -> tuple[tuple[Task, ...], ...]:
+def nominal_orders(
+    priority: Callable[[int, int, int, bool], Sequence[Task]],
+    S: int,
+    M: int,
+    split: bool,
+    multiple: float,
+) -> tuple[tuple[Task, ...], ...]:
     """Per-stage orders under ``priority`` (a function giving stage s's tasks,
     best first) when F = B = W = 1, messages are free and the budget is
     ``multiple`` x 1F1B's: the rank orders of one stage per rank."""
-    return tuple(tuple(t for _, t in order)
-                 for order in nominal_rank_orders(priority, VirtualLayout(S), M, split, multiple))
+    return tuple(
+        tuple(t for _, t in order)
+        for order in nominal_rank_orders(priority, VirtualLayout(S), M, split, multiple)
+    )
 
 
 @lru_cache(maxsize=16)
-def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]], layout: VirtualLayout, M: int,
-                        split: bool, multiple: float) -> tuple[tuple[tuple[int, Task], ...], ...]:
+def nominal_rank_orders(
+    priority: Callable[[int, int, int, bool], Sequence[Task]],
+    layout: VirtualLayout,
+    M: int,
+    split: bool,
+    multiple: float,
+) -> tuple[tuple[tuple[int, Task], ...], ...]:
     """Per-rank orders over (stage, task) pairs under the class ``priority`` generalised to the
     rank's stages (``rrfp.core.policy.chunked_priority``), the budget ``multiple`` x 1F1B's over the
     rank (``Budget.rank_limit``). With one stage per rank every task takes one round and messages are
@@ -55,18 +70,39 @@ def nominal_rank_orders(priority: Callable[[int, int, int, bool], Sequence[Task]
     whole_b = 2 * unit if layout.virtual > 1 and not split else unit  # an unsplit B is B + W
     trackers = []
     for r in range(layout.ranks):
-        per_stage = {s: {t: i for i, t in enumerate(priority(S, s, M, split))} for s in layout.stages_of(r)}
-        trackers.append(RankTracker(RankSpec(layout, r, M, split, Dispatch.READY, chunked_priority(per_stage), (),
-                                             budget.rank_limit(layout, r))))
+        per_stage = {
+            s: {t: i for i, t in enumerate(priority(S, s, M, split))} for s in layout.stages_of(r)
+        }
+        trackers.append(
+            RankTracker(
+                RankSpec(
+                    layout,
+                    r,
+                    M,
+                    split,
+                    Dispatch.READY,
+                    chunked_priority(per_stage),
+                    (),
+                    budget.rank_limit(layout, r),
+                )
+            )
+        )
     out: list[list[tuple[int, Task]]] = [[] for _ in trackers]
 
     def decided(r: int, item, now: float, end: float) -> None:
         if item is not None:
             out[r].append((item.stage, item.task))
 
-    drive(trackers, [layout.rank_of(g) for g in range(S)], lambda g, t: whole_b if t.kind is Kind.B else unit,
-          lambda g, t: latency, decided)
+    drive(
+        trackers,
+        [layout.rank_of(g) for g in range(S)],
+        lambda g, t: whole_b if t.kind is Kind.B else unit,
+        lambda g, t: latency,
+        decided,
+    )
     if not all(tr.done for tr in trackers):
-        raise AssertionError("nominal rank order stalled: "
-                             + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers)))
+        raise AssertionError(
+            "nominal rank order stalled: "
+            + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers))
+        )
     return tuple(tuple(o) for o in out)

@@ -6,6 +6,7 @@ ScheduleInterleaved1F1B): rank r holds r, r+S, r+2S, ... ``v`` (ZB-V,
 DualPipeV; V = 2 only): rank r holds r and 2S-1-r, so the last rank holds
 S-1 and S, and that turn is local: no message. V = 1 is the plain pipeline.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,7 +45,9 @@ class VirtualLayout:
                 raise ValueError(f"virtual layout needs {name} >= 1, got {value!r}")
         object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.placement is Placement.V and self.virtual != 2:
-            raise ValueError(f"placement v needs exactly 2 stages per rank (virtual = 2), got virtual = {self.virtual}")
+            raise ValueError(
+                f"placement v needs exactly 2 stages per rank (virtual = 2), got virtual = {self.virtual}"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -85,8 +88,12 @@ class VirtualLayout:
         return self.rank_of(a) == self.rank_of(b)
 
     def describe(self) -> str:
-        return (f"{self.ranks} rank(s) x {self.virtual} stage(s) per rank ({self.placement}): "
-                + "; ".join(f"rank {r}: {', '.join(map(str, self.stages_of(r)))}" for r in range(self.ranks)))
+        return (
+            f"{self.ranks} rank(s) x {self.virtual} stage(s) per rank ({self.placement}): "
+            + "; ".join(
+                f"rank {r}: {', '.join(map(str, self.stages_of(r)))}" for r in range(self.ranks)
+            )
+        )
 
 
 def stages_label(stages) -> str:

@@ -17,6 +17,7 @@ is always scored first, so the plan is never worse than BFW on what it knows.
 Deterministic in its inputs (no clock, no randomness), so every rank and TP
 peer computes the same plan without talking.
 """
+
 from __future__ import annotations
 
 import time

@@ -5,6 +5,7 @@ returns the task to run, or None to wait for the next arrival or completion.
 The simulator, the runtime and the nominal orders all reach it through the
 tracker, so there is one policy and one set of readiness rules.
 """
+
 from __future__ import annotations
 
 import enum

@@ -4,6 +4,7 @@ The same record serves one iteration, a run's totals and a sum over ranks;
 times are in whatever unit the producer uses (seconds in the runtime,
 average forwards in the simulator).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -28,9 +29,14 @@ class StageStats:
         return 1e6 * self.decision_s / self.decisions if self.decisions else 0.0
 
     def __add__(self, other: "StageStats") -> "StageStats":
-        return StageStats(self.busy + other.busy, self.wall + other.wall, self.decisions + other.decisions,
-                          self.decision_s + other.decision_s, max(self.peak_inflight, other.peak_inflight),
-                          self.iterations + other.iterations)
+        return StageStats(
+            self.busy + other.busy,
+            self.wall + other.wall,
+            self.decisions + other.decisions,
+            self.decision_s + other.decision_s,
+            max(self.peak_inflight, other.peak_inflight),
+            self.iterations + other.iterations,
+        )
 
     def as_dict(self) -> dict:
         return {**asdict(self), "bubble": self.bubble, "decision_us": self.decision_us}

@@ -3,6 +3,7 @@
 A task is a small frozen value with a compact printable form (``F3``, ``B3``,
 ``W3``) so hints, traces and error messages all speak the same language.
 """
+
 from __future__ import annotations
 
 import enum

@@ -14,6 +14,7 @@ The runtime's arbiter, the simulator and the nominal orders all drive a
 ``finish``); none keeps its own copy of these rules. ``next`` asks the one
 policy function (``rrfp.core.policy.choose``).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -138,13 +139,19 @@ class StageTracker:
         gradient for B(mb) arrived from the next stage."""
         spec = self.spec
         if kind is Kind.W or not 0 <= mb < spec.num_microbatches:
-            raise TrackerError(f"stage {spec.stage}: no {kind.name} arrival for microbatch {mb} "
-                               f"(M={spec.num_microbatches})")
-        if (self._first_stage if kind is Kind.F else self._last_stage):
-            raise TrackerError(f"stage {spec.stage} of {spec.num_stages} receives no {kind.name} messages")
+            raise TrackerError(
+                f"stage {spec.stage}: no {kind.name} arrival for microbatch {mb} "
+                f"(M={spec.num_microbatches})"
+            )
+        if self._first_stage if kind is Kind.F else self._last_stage:
+            raise TrackerError(
+                f"stage {spec.stage} of {spec.num_stages} receives no {kind.name} messages"
+            )
         arrived = self._arrived[kind]
         if arrived[mb]:
-            raise TrackerError(f"stage {spec.stage}: {kind.name} message for microbatch {mb} arrived twice")
+            raise TrackerError(
+                f"stage {spec.stage}: {kind.name} message for microbatch {mb} arrived twice"
+            )
         arrived[mb] = 1
         self.arrivals += 1
         if kind is Kind.F or self._f_done[mb]:
@@ -156,8 +163,16 @@ class StageTracker:
         if self.running is not None:
             return None
         dispatch, priority, order = self._policy_args
-        return choose(dispatch, self._ready if among is None else among, priority, order,
-                      self.position, self.held, self.spec.limit, self._policy_size_of)
+        return choose(
+            dispatch,
+            self._ready if among is None else among,
+            priority,
+            order,
+            self.position,
+            self.held,
+            self.spec.limit,
+            self._policy_size_of,
+        )
 
     def start(self, task: Task) -> None:
         if self.running is not None:
@@ -242,11 +257,17 @@ class StageTracker:
             return f"is running {self.running}"
         if spec.dispatch is Dispatch.FIXED:
             nxt = spec.order[self.position]
-            need = {Kind.F: "its input", Kind.B: f"F{nxt.mb} and its gradient", Kind.W: f"B{nxt.mb}"}[nxt.kind]
+            need = {
+                Kind.F: "its input",
+                Kind.B: f"F{nxt.mb} and its gradient",
+                Kind.W: f"B{nxt.mb}",
+            }[nxt.kind]
             return f"waits for {nxt} in its fixed order, which needs {need}"
         ready = sorted(self.ready_tasks())
         held = f"{self.held.count} microbatch(es) in flight (limit {spec.limit.count or spec.limit.bytes})"
         if ready:
             return f"has its budget full: {held}; only {', '.join(map(str, ready[:4]))} ready"
-        return (f"has nothing ready: {self.outstanding(Kind.F)} input(s) and {self.outstanding(Kind.B)} "
-                f"gradient(s) not arrived; {held}")
+        return (
+            f"has nothing ready: {self.outstanding(Kind.F)} input(s) and {self.outstanding(Kind.B)} "
+            f"gradient(s) not arrived; {held}"
+        )

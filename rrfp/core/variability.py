@@ -7,6 +7,7 @@ replay the same durations. Randomness comes from a counter-based hash
 drawn alone, in any order, in any process, and whole arrays can be drawn at
 once with numpy. Units: one average forward of one stage (F = B = W = 1).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -89,7 +90,9 @@ class Variability:
         elif name == "mm":
             base = cls(name="mm", vision_stage0=True, length_sigma=0.3, jitter=0.2)
         else:
-            raise ValueError(f"unknown variability preset {name!r} (choose from {', '.join(PRESETS)})")
+            raise ValueError(
+                f"unknown variability preset {name!r} (choose from {', '.join(PRESETS)})"
+            )
         return replace(base, **overrides) if overrides else base
 
     def length(self, seed, iteration, mb) -> np.ndarray:
@@ -97,7 +100,9 @@ class Variability:
         return lognormal(self.length_sigma, seed, iteration, mb, _S_LENGTH)
 
     def images(self, seed, iteration, mb) -> np.ndarray:
-        idx = np.minimum((uniform(seed, iteration, mb, _S_IMAGES) * len(MM_IMAGES)).astype(np.int64), 4)
+        idx = np.minimum(
+            (uniform(seed, iteration, mb, _S_IMAGES) * len(MM_IMAGES)).astype(np.int64), 4
+        )
         return MM_IMAGES[idx]
 
     def _one(self, seed, iteration, stage, mb, kind: int) -> np.ndarray:
@@ -139,5 +144,7 @@ class Variability:
 
     def latency(self, seed, iteration, stage, mb, kind: Kind | int):
         """Latency of the message a task of ``kind`` on ``stage`` sends."""
-        t = self.comm * lognormal(self.comm_jitter, seed, iteration, stage, mb, int(kind), _S_COMM_A)
+        t = self.comm * lognormal(
+            self.comm_jitter, seed, iteration, stage, mb, int(kind), _S_COMM_A
+        )
         return float(t) if np.ndim(t) == 0 else t

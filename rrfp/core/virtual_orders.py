@@ -13,6 +13,7 @@ torch's idle slots (None) are dropped: an rrfp order is what a rank runs, in
 order; when it waits is readiness's business. A whole backward (no split)
 replaces torch's I and drops its W.
 """
+
 from __future__ import annotations
 
 from rrfp.core.placement import Placement, VirtualLayout
@@ -22,7 +23,11 @@ StageOrder = list[tuple[int, Task]]
 
 
 def _backward(stage: int, m: int, split: bool) -> StageOrder:
-    return [(stage, Task(Kind.B, m)), (stage, Task(Kind.W, m))] if split else [(stage, Task(Kind.B, m))]
+    return (
+        [(stage, Task(Kind.B, m)), (stage, Task(Kind.W, m))]
+        if split
+        else [(stage, Task(Kind.B, m))]
+    )
 
 
 def interleaved_1f1b(layout: VirtualLayout, rank: int, M: int, split: bool) -> StageOrder:
@@ -30,11 +35,15 @@ def interleaved_1f1b(layout: VirtualLayout, rank: int, M: int, split: bool) -> S
     backward each W follows its B at once, as in rrfp's 1f1b."""
     S, V = layout.ranks, layout.virtual
     if layout.placement is not Placement.INTERLEAVED:
-        raise ValueError(f"interleaved 1F1B needs the interleaved placement, not {layout.placement}")
+        raise ValueError(
+            f"interleaved 1F1B needs the interleaved placement, not {layout.placement}"
+        )
     rounds = max(1, M // S)
     if M % rounds:
-        raise ValueError(f"interleaved 1F1B needs the microbatches ({M}) to be a multiple of the number of "
-                         f"rounds max(1, M // S) = {rounds} (torch's rule)")
+        raise ValueError(
+            f"interleaved 1F1B needs the microbatches ({M}) to be a multiple of the number of "
+            f"rounds max(1, M // S) = {rounds} (torch's rule)"
+        )
     per_round = M // rounds
     warmup = min((V - 1) * per_round + 2 * (S - 1 - rank), M * V)
     total = M * V
@@ -93,7 +102,13 @@ def zbv(layout: VirtualLayout, rank: int, M: int, split: bool) -> StageOrder:
         if f0 < n_micro:
             ops.append((c0, Kind.F, f0))
             f0 += 1
-        ops += [(c0, Kind.B, b0), (c0, Kind.W, b0), (c1, Kind.F, f1), (c1, Kind.B, b1), (c1, Kind.W, b1)]
+        ops += [
+            (c0, Kind.B, b0),
+            (c0, Kind.W, b0),
+            (c1, Kind.F, f1),
+            (c1, Kind.B, b1),
+            (c1, Kind.W, b1),
+        ]
         b0 += 1
         f1 += 1
         b1 += 1

@@ -6,9 +6,18 @@ built by ``build_hf_model`` from the same seed, and a safetensors checkpoint, wh
 given, is read only for the stage's tensors. transformers is the optional extra
 ``rrfp[hf]``, imported only when a stage or model is built.
 """
+
 from rrfp.hf.build import build_hf_model, build_hf_stage
 from rrfp.hf.families import FAMILIES, hf_config
 from rrfp.hf.layers import hf_layer_ranges
 from rrfp.hf.stage import HFStage, hf_ties
 
-__all__ = ["FAMILIES", "HFStage", "build_hf_model", "build_hf_stage", "hf_config", "hf_layer_ranges", "hf_ties"]
+__all__ = [
+    "FAMILIES",
+    "HFStage",
+    "build_hf_model",
+    "build_hf_stage",
+    "hf_config",
+    "hf_layer_ranges",
+    "hf_ties",
+]

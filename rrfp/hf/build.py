@@ -8,6 +8,7 @@ seed, whatever the split. The rotary ``inv_freq`` buffers, which are not saved i
 are recomputed from the config. With a tied LM head on a last stage that lacks the embedding,
 the head starts as the embedding would: the same seed, the embedding's init.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,7 +42,9 @@ def _meta_model(config, dtype: torch.dtype | None, gradient_checkpointing: bool)
         model = transformers.AutoModelForCausalLM.from_config(config)
     if dtype is not None:
         model.to(dtype)
-    if gradient_checkpointing:  # HF's own per-layer switch; non-reentrant works under the split backward
+    if (
+        gradient_checkpointing
+    ):  # HF's own per-layer switch; non-reentrant works under the split backward
         model.activation_checkpointing_enable({"use_reentrant": False})
     return model
 
@@ -50,10 +53,14 @@ def _tied(config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def _initialise(init_fn, modules: Iterable[tuple[str, nn.Module]], seed: int, skip: set[str]) -> None:
+def _initialise(
+    init_fn, modules: Iterable[tuple[str, nn.Module]], seed: int, skip: set[str]
+) -> None:
     """HF's ``_init_weights`` on every module that holds tensors, each under its own seed."""
     for name, module in modules:
-        if name in skip or not (list(module.parameters(recurse=False)) or list(module.buffers(recurse=False))):
+        if name in skip or not (
+            list(module.parameters(recurse=False)) or list(module.buffers(recurse=False))
+        ):
             continue
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(module_seed(seed, name))
@@ -71,12 +78,15 @@ def _check_initialised(module: nn.Module, what: str) -> None:
     """An initialiser that missed a tensor leaves its NaN: name it rather than train on it."""
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if t.is_floating_point() and bool(torch.isnan(t).any()):
-            raise RuntimeError(f"{what}: {name} was not initialised (HF's _init_weights does not cover "
-                               f"{type(t).__name__} of this module)")
+            raise RuntimeError(
+                f"{what}: {name} was not initialised (HF's _init_weights does not cover "
+                f"{type(t).__name__} of this module)"
+            )
 
 
-def build_hf_model(config, *, seed: int = 0, dtype: torch.dtype | None = None,
-                   gradient_checkpointing: bool = False) -> nn.Module:
+def build_hf_model(
+    config, *, seed: int = 0, dtype: torch.dtype | None = None, gradient_checkpointing: bool = False
+) -> nn.Module:
     """The whole ``*ForCausalLM`` on the CPU, initialised as ``build_hf_stage`` initialises its stages:
     the one-process reference of a pipeline built from the same seed."""
     check_config(config)
@@ -85,14 +95,24 @@ def build_hf_model(config, *, seed: int = 0, dtype: torch.dtype | None = None,
     if _tied(config):
         model.lm_head.weight = model.model.embed_tokens.weight
     _fill_nan(model)
-    _initialise(model._init_weights, model.named_modules(), seed, skip={HEAD} if _tied(config) else set())
+    _initialise(
+        model._init_weights, model.named_modules(), seed, skip={HEAD} if _tied(config) else set()
+    )
     _check_initialised(model, "the whole model")
     return model.train()
 
 
-def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | None = None, seed: int = 0,
-                   dtype: torch.dtype | None = None, checkpoint: str | Path | None = None,
-                   gradient_checkpointing: bool = False) -> HFStage:
+def build_hf_stage(
+    config,
+    stage: int,
+    num_stages: int,
+    *,
+    layers: Sequence | None = None,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    checkpoint: str | Path | None = None,
+    gradient_checkpointing: bool = False,
+) -> HFStage:
     """Stage ``stage`` of ``num_stages`` of the causal LM ``config`` describes, on the CPU (under
     ``torch.device("meta")``: left on the meta device, uninitialised, for its sizes).
 
@@ -108,10 +128,20 @@ def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | No
     full = _meta_model(config, dtype, gradient_checkpointing)
     first, last = stage == 0, stage == num_stages - 1
     body = full.model
-    module = HFStage(config, stage, num_stages, mine, embed_tokens=body.embed_tokens if first else None,
-                     decoder_layers={i: body.layers[i] for i in mine}, norm=body.norm if last else None,
-                     lm_head=full.lm_head if last else None, rotary_emb=body.rotary_emb)
-    if torch.get_default_device().type == "meta":  # sizes only (rrfp train's memory check): nothing to fill
+    module = HFStage(
+        config,
+        stage,
+        num_stages,
+        mine,
+        embed_tokens=body.embed_tokens if first else None,
+        decoder_layers={i: body.layers[i] for i in mine},
+        norm=body.norm if last else None,
+        lm_head=full.lm_head if last else None,
+        rotary_emb=body.rotary_emb,
+    )
+    if (
+        torch.get_default_device().type == "meta"
+    ):  # sizes only (rrfp train's memory check): nothing to fill
         return module.train()
     module.to_empty(device="cpu")
     tied_here = _tied(config) and first and last
@@ -124,19 +154,31 @@ def build_hf_stage(config, stage: int, num_stages: int, *, layers: Sequence | No
         if _tied(config) and last and not first:
             _init_head_as_embedding(full, module.lm_head, seed)
     else:
-        _initialise(full._init_weights, ((n, m) for n, m in module.named_modules() if n.endswith("rotary_emb")),
-                    seed, skip)
+        _initialise(
+            full._init_weights,
+            ((n, m) for n, m in module.named_modules() if n.endswith("rotary_emb")),
+            seed,
+            skip,
+        )
         load_stage_tensors(module, checkpoint, tied=_tied(config))
     _check_initialised(module, f"stage {stage}")
-    log.debug("stage %d of %d: layers %d..%d, %d parameters", stage, num_stages, mine.start, mine.stop - 1,
-              sum(p.numel() for p in module.parameters()))
+    log.debug(
+        "stage %d of %d: layers %d..%d, %d parameters",
+        stage,
+        num_stages,
+        mine.start,
+        mine.stop - 1,
+        sum(p.numel() for p in module.parameters()),
+    )
     return module.train()
 
 
 def _init_head_as_embedding(full: nn.Module, head: nn.Module, seed: int) -> None:
     """A tied head away from the embedding starts equal to it: the embedding's init under its seed."""
     src = full.model.embed_tokens
-    scratch = nn.Embedding(src.num_embeddings, src.embedding_dim, src.padding_idx, dtype=head.weight.dtype)
+    scratch = nn.Embedding(
+        src.num_embeddings, src.embedding_dim, src.padding_idx, dtype=head.weight.dtype
+    )
     _initialise(full._init_weights, [(EMBED, scratch)], seed, set())
     with torch.no_grad():
         head.weight.copy_(scratch.weight)

@@ -1,9 +1,15 @@
 """The causal LM families rrfp.hf splits, and their configs built from plain values."""
+
 from __future__ import annotations
 
 from rrfp.hf.extra import require
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # their *ForCausalLM share one layout: embed, layers, norm, head
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+)  # their *ForCausalLM share one layout: embed, layers, norm, head
 
 
 def hf_config(family: str, **values):
@@ -18,7 +24,11 @@ def check_config(config) -> None:
     """TypeError unless ``config`` is a transformers config; NotImplementedError unless of a family here."""
     transformers = require("transformers")
     if not isinstance(config, transformers.PretrainedConfig):
-        raise TypeError(f"expected a transformers config (LlamaConfig, Qwen3Config, ...), got {type(config).__name__}")
+        raise TypeError(
+            f"expected a transformers config (LlamaConfig, Qwen3Config, ...), got {type(config).__name__}"
+        )
     if config.model_type not in FAMILIES:
-        raise NotImplementedError(f"rrfp.hf splits the {', '.join(FAMILIES)} families, not model_type "
-                                  f"{config.model_type!r}")
+        raise NotImplementedError(
+            f"rrfp.hf splits the {', '.join(FAMILIES)} families, not model_type "
+            f"{config.model_type!r}"
+        )

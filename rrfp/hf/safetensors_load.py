@@ -5,6 +5,7 @@ named by ``model.safetensors.index.json``'s ``weight_map``; shards that hold non
 stage's tensors are not opened, and of the others only the stage's tensors are read
 (safetensors reads a tensor's bytes when it is asked for).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,9 @@ from torch import nn
 from rrfp.hf.extra import require
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
-TIED_SOURCE = {"lm_head.weight": "model.embed_tokens.weight"}  # a tied head is saved as the embedding
+TIED_SOURCE = {
+    "lm_head.weight": "model.embed_tokens.weight"
+}  # a tied head is saved as the embedding
 
 
 def _files_of(path: Path, keys: list[str]) -> dict[Path, list[str]]:
@@ -27,7 +30,9 @@ def _files_of(path: Path, keys: list[str]) -> dict[Path, list[str]]:
             try:
                 weight_map = json.loads((path / INDEX).read_text())["weight_map"]
             except (OSError, ValueError, KeyError) as e:
-                raise ValueError(f"{path / INDEX} is not a safetensors index with a weight_map: {e}") from None
+                raise ValueError(
+                    f"{path / INDEX} is not a safetensors index with a weight_map: {e}"
+                ) from None
             out: dict[Path, list[str]] = defaultdict(list)
             for key in keys:
                 if key not in weight_map:
@@ -42,11 +47,15 @@ def _files_of(path: Path, keys: list[str]) -> dict[Path, list[str]]:
     return {path: keys}
 
 
-def load_stage_tensors(module: nn.Module, checkpoint: str | Path, *, tied: bool = False) -> list[str]:
+def load_stage_tensors(
+    module: nn.Module, checkpoint: str | Path, *, tied: bool = False
+) -> list[str]:
     """Copy ``module``'s parameters and persistent buffers from the checkpoint, by name (a tied
     ``lm_head.weight`` from the embedding when the checkpoint has no head); returns the keys read."""
     safetensors = require("safetensors")
-    wanted = module.state_dict(keep_vars=True)  # parameters and persistent buffers: not rotary inv_freq
+    wanted = module.state_dict(
+        keep_vars=True
+    )  # parameters and persistent buffers: not rotary inv_freq
     key_of = {name: name for name in wanted}
     path = Path(checkpoint)
     if tied:
@@ -69,8 +78,10 @@ def load_stage_tensors(module: nn.Module, checkpoint: str | Path, *, tied: bool 
         for name, t in wanted.items():
             src = loaded[key_of[name]]
             if src.shape != t.shape:
-                raise ValueError(f"{key_of[name]} in {checkpoint} has shape {tuple(src.shape)}, the stage's "
-                                 f"{name} {tuple(t.shape)}: the checkpoint is of another config")
+                raise ValueError(
+                    f"{key_of[name]} in {checkpoint} has shape {tuple(src.shape)}, the stage's "
+                    f"{name} {tuple(t.shape)}: the checkpoint is of another config"
+                )
             t.copy_(src.to(t.dtype))
     return sorted(loaded)
 

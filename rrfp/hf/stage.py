@@ -8,6 +8,7 @@ between stages: each stage rebuilds the rotary cos/sin and the causal mask from 
 positions (0..T-1 unless ``position_ids`` are given), with HF's own functions. Position ids
 and a padding mask given to the first stage are passed on with the hidden state.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,9 +46,19 @@ class HFStage(nn.Module):
     hidden state ``[b, T, C]``. Last stage: logits ``[b, T, vocab]`` out; others: the hidden state,
     or ``(hidden, position_ids, attention_mask)`` when either was given."""
 
-    def __init__(self, config, stage: int, num_stages: int, layers: range, *, embed_tokens: nn.Module | None,
-                 decoder_layers: dict[int, nn.Module], norm: nn.Module | None, lm_head: nn.Module | None,
-                 rotary_emb: nn.Module) -> None:
+    def __init__(
+        self,
+        config,
+        stage: int,
+        num_stages: int,
+        layers: range,
+        *,
+        embed_tokens: nn.Module | None,
+        decoder_layers: dict[int, nn.Module],
+        norm: nn.Module | None,
+        lm_head: nn.Module | None,
+        rotary_emb: nn.Module,
+    ) -> None:
         super().__init__()
         self.config, self.stage, self.num_stages, self.layers = config, stage, num_stages, layers
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
@@ -68,22 +79,44 @@ class HFStage(nn.Module):
         """This stage's ``tied=`` declaration (``hf_ties``)."""
         return hf_ties(self.config, self.stage, self.num_stages)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         masking = require("transformers.masking_utils")
         hidden = self.model.embed_tokens(x) if self.is_first else x
-        positions = position_ids if position_ids is not None else (
-            torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0))
+        positions = (
+            position_ids
+            if position_ids is not None
+            else (torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0))
+        )
         mine = {self._types[i] for i in self.layers}
-        build = {FULL: masking.create_causal_mask, SLIDING: masking.create_sliding_window_causal_mask}
+        build = {
+            FULL: masking.create_causal_mask,
+            SLIDING: masking.create_sliding_window_causal_mask,
+        }
         # the given position ids only: HF looks into them for packed sequences, which 0..T-1 are not (and
         # that look needs data, which rrfp train's memory check on the meta device has not)
-        masks = {kind: build[kind](config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                   cache=None, position_ids=position_ids) for kind in mine}
+        masks = {
+            kind: build[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                cache=None,
+                position_ids=position_ids,
+            )
+            for kind in mine
+        }
         rotary = self.model.rotary_emb(hidden, positions)
         for i, layer in self.model.layers.items():
-            hidden = layer(hidden, attention_mask=masks[self._types[int(i)]], position_embeddings=rotary,
-                           position_ids=positions)
+            hidden = layer(
+                hidden,
+                attention_mask=masks[self._types[int(i)]],
+                position_embeddings=rotary,
+                position_ids=positions,
+            )
         if self.is_last:
             return self.lm_head(self.model.norm(hidden))
         if position_ids is None and attention_mask is None:

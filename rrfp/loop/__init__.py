@@ -1,4 +1,5 @@
 """Event loop plumbing: loop start-up, completions as futures, the compute lane."""
+
 from rrfp.loop.completions import BlockingWaiter, CompletionPoller, WaiterClosedError
 from rrfp.loop.lane import ComputeLane, CudaComputeLane, make_lane
 from rrfp.loop.startup import new_event_loop, run

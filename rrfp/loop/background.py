@@ -7,6 +7,7 @@ lane and poller are bound to one loop for their whole life, so that loop must
 outlive each step: it runs here, in a thread, and ``call`` hands it one
 coroutine at a time and blocks until it is done.
 """
+
 from __future__ import annotations
 
 import asyncio

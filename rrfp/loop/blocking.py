@@ -8,6 +8,7 @@ it was cancelled, e.g. by the heartbeat naming the silent peer. A daemon thread
 is never joined, so the process ends with its one line while the call stays
 blocked.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,9 @@ from typing import Any, Callable, TypeVar
 T = TypeVar("T")
 
 
-async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "rrfp-blocking", **kwargs: Any) -> T:
+async def in_daemon_thread(
+    fn: Callable[..., T], *args: Any, name: str = "rrfp-blocking", **kwargs: Any
+) -> T:
     """``fn(*args, **kwargs)`` in a new daemon thread; its result or exception. Cancelling the
     await returns at once and leaves the thread to finish (or block) unobserved."""
     loop = asyncio.get_running_loop()

@@ -10,6 +10,7 @@ opposite treatments (docs/design.md, facts 1, 2 and 8):
   polled, so one :class:`CompletionPoller` per loop polls every pending handle
   from a single task instead of one thread per handle.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,13 @@ class _Job:
 
     __slots__ = ("loop", "future", "fn", "args", "abandoned")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future,
-                 fn: Callable[..., Any], args: tuple) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future,
+        fn: Callable[..., Any],
+        args: tuple,
+    ) -> None:
         self.loop = loop
         self.future = future
         self.fn = fn
@@ -77,8 +83,7 @@ class BlockingWaiter:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(
-            target=self._serve, name=f"rrfp-waiter-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"rrfp-waiter-{name}", daemon=True)
         self._thread.start()
 
     @property
@@ -234,8 +239,9 @@ class CompletionPoller:
     itself (use :class:`BlockingWaiter`).
     """
 
-    def __init__(self, *, spin_rounds: int = 32, backoff_s: float = 100e-6,
-                 max_backoff_s: float = 1e-3) -> None:
+    def __init__(
+        self, *, spin_rounds: int = 32, backoff_s: float = 100e-6, max_backoff_s: float = 1e-3
+    ) -> None:
         self.backoff_s = backoff_s
         self.max_backoff_s = max(backoff_s, max_backoff_s)
         self.spin_rounds = spin_rounds
@@ -251,7 +257,9 @@ class CompletionPoller:
     def pending(self) -> int:
         return len(self._watches)
 
-    def watch(self, handle: Any, *, wait_after: bool = False, wake_on_future: bool = False) -> asyncio.Future:
+    def watch(
+        self, handle: Any, *, wait_after: bool = False, wake_on_future: bool = False
+    ) -> asyncio.Future:
         """A future for ``handle``'s completion; must be called on the poller's loop.
 
         ``wait_after``: once complete, read the outcome with ``handle.wait()``
@@ -261,7 +269,9 @@ class CompletionPoller:
         if self._task is None and not self._closed:
             self._begin()
         if self._task is None or self._task.done():
-            raise RuntimeError("CompletionPoller is not running; use 'async with CompletionPoller()'")
+            raise RuntimeError(
+                "CompletionPoller is not running; use 'async with CompletionPoller()'"
+            )
         watch = _Watch(handle, self._loop.create_future(), wait_after)
         self._watches.append(watch)
         self._work_arrived.set()
@@ -287,7 +297,9 @@ class CompletionPoller:
 
     def _begin(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = self._loop.create_task(self._poll_until_cancelled(), name="rrfp-completion-poller")
+        self._task = self._loop.create_task(
+            self._poll_until_cancelled(), name="rrfp-completion-poller"
+        )
 
     async def aclose(self) -> None:
         """Stop the polling task and cancel every future still pending."""
@@ -344,7 +356,9 @@ class CompletionPoller:
             if backoff_rounds < 0:
                 await asyncio.sleep(0)
             else:
-                await self._sleep(min(self.backoff_s * 2 ** min(backoff_rounds, 32), self.max_backoff_s))
+                await self._sleep(
+                    min(self.backoff_s * 2 ** min(backoff_rounds, 32), self.max_backoff_s)
+                )
 
     async def _sleep(self, seconds: float) -> None:
         """``asyncio.sleep`` that ``_wake`` can cut short."""

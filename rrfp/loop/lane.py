@@ -6,6 +6,7 @@ CPU it is one worker thread. Emulated device time (the variability model's
 duration, ``units * unit_s`` seconds) is spent inside the lane, so a CPU
 stage that "computes" leaves its loop free, as a GPU stage does.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,11 +46,15 @@ class ComputeLane:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
         self._abandoned = threading.Event()  # set: emulated time ends at once
 
-    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0) -> Any:
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
+    ) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at least
         (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, self._hold_lane, fn, args, units * self.unit_s + hold_s)
+        return await loop.run_in_executor(
+            self._thread, self._hold_lane, fn, args, units * self.unit_s + hold_s
+        )
 
     def abandon(self) -> None:
         """Nobody waits for the lane's work any more: emulated time held now or later ends at once.
@@ -122,8 +127,15 @@ class CudaComputeLane:
     ``enqueue_s`` the host time spent issuing them.
     """
 
-    def __init__(self, poller: CompletionPoller, device: Any, unit_s: float = 0.0,
-                 name: str = "compute", max_ahead: int = 1, torch_module: Any = None) -> None:
+    def __init__(
+        self,
+        poller: CompletionPoller,
+        device: Any,
+        unit_s: float = 0.0,
+        name: str = "compute",
+        max_ahead: int = 1,
+        torch_module: Any = None,
+    ) -> None:
         torch = torch_module
         if torch is None:
             import torch
@@ -136,17 +148,23 @@ class CudaComputeLane:
         self.name = name
         self.max_ahead = max_ahead
         self.busy_s = 0.0  # GPU time between start and end events of each finished call
-        self.enqueue_s = 0.0  # host time spent issuing calls (fn included): what the device must not wait for
+        self.enqueue_s = (
+            0.0  # host time spent issuing calls (fn included): what the device must not wait for
+        )
         self.tasks_run = 0
         self.gaps_s: list[float] = []
         self.task_s: list[float] = []  # each finished call's device time, in order
         self.stream = torch.cuda.Stream(device=self.device)
-        self._pending: collections.deque = collections.deque()  # (started, finished) events, oldest first
+        self._pending: collections.deque = (
+            collections.deque()
+        )  # (started, finished) events, oldest first
         self._last_finished = None  # the finished event of the last task retired
         self._last_enqueued = None  # the finished event of the last task enqueued
         self._sleep_cycles_per_s = self._calibrate_sleep() if unit_s > 0 else 0.0
 
-    async def run(self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0) -> Any:
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
+    ) -> Any:
         """Enqueue ``fn(*args)`` and ``units * unit_s + hold_s`` seconds of spin on the lane's stream."""
         torch = self._torch
         if hold_s > 0 and not self._sleep_cycles_per_s:
@@ -232,12 +250,22 @@ class CudaComputeLane:
             finished.record(self.stream)
         finished.synchronize()
         cycles_per_s = probe_cycles / (started.elapsed_time(finished) / 1e3)
-        logger.info("lane %s: torch.cuda._sleep runs %.3g cycles/s on %s", self.name, cycles_per_s, self.device)
+        logger.info(
+            "lane %s: torch.cuda._sleep runs %.3g cycles/s on %s",
+            self.name,
+            cycles_per_s,
+            self.device,
+        )
         return cycles_per_s
 
 
-def make_lane(device: Any = "cpu", unit_s: float = 0.0, poller: CompletionPoller | None = None,
-              name: str = "compute", torch_module: Any = None) -> ComputeLane | CudaComputeLane:
+def make_lane(
+    device: Any = "cpu",
+    unit_s: float = 0.0,
+    poller: CompletionPoller | None = None,
+    name: str = "compute",
+    torch_module: Any = None,
+) -> ComputeLane | CudaComputeLane:
     """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise.
     ``torch_module``: what the CUDA lane calls torch (tests pass a fake device)."""
     if device is None or not str(device).startswith("cuda"):

@@ -5,6 +5,7 @@ an event-loop policy, both deprecated (docs/design.md, fact 9). ``asyncio.Runner
 used because ``asyncio.run`` only takes ``loop_factory`` from Python 3.12.
 Nothing else in rrfp depends on uvloop: embedding drivers bring their own loop.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -19,6 +19,7 @@ torch's FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
 ``foreach_reduce``), which assigns ``.grad`` itself, this reads the tensor's
 ``_post_accumulate_grad_hooks`` dict, guarded so a torch without it runs none.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,7 +29,8 @@ from collections.abc import Iterator
 import torch
 
 _PASS: contextvars.ContextVar["dict[int, torch.Tensor] | None"] = contextvars.ContextVar(
-    "rrfp_grad_accumulation_pass", default=None)
+    "rrfp_grad_accumulation_pass", default=None
+)
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -62,5 +64,9 @@ def one_pass() -> Iterator[None]:
     with torch.no_grad():
         for param in touched.values():
             for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                if hook(param) is not None:  # as torch refuses it (torch/csrc/autograd/python_hook.cpp)
-                    raise RuntimeError(f"Tensor post accumulate grad hooks should return None (got one from {hook!r}).")
+                if (
+                    hook(param) is not None
+                ):  # as torch refuses it (torch/csrc/autograd/python_hook.cpp)
+                    raise RuntimeError(
+                        f"Tensor post accumulate grad hooks should return None (got one from {hook!r})."
+                    )

@@ -12,6 +12,7 @@ threads, where no thread-local or context variable set by the caller is visible.
 With no active queue the layer is exactly nn.Linear (F.linear, grads in backward);
 the single-process reference runs that way.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rrfp.nn.grad_accumulation import accumulate_grad, one_pass  # accumulate_grad: also imported from here
+from rrfp.nn.grad_accumulation import (
+    accumulate_grad,
+    one_pass,
+)  # accumulate_grad: also imported from here
 
 _ACTIVE: contextvars.ContextVar["WeightGradQueue | None"] = contextvars.ContextVar(
     "rrfp_weight_grad_queue", default=None
@@ -83,14 +87,21 @@ class _SplitLinearFn(torch.autograd.Function):
         grad_x = (grad_out @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
         need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if need_w or need_b:
-            ctx.queue.append(_weight_grad_closure(x, grad_out, param_w if need_w else None,
-                                                  param_b if need_b else None))
+            ctx.queue.append(
+                _weight_grad_closure(
+                    x, grad_out, param_w if need_w else None, param_b if need_b else None
+                )
+            )
         return grad_x, None, None, None, None
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 queue: WeightGradQueue,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def split_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    queue: WeightGradQueue,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` whose backward returns the input gradient and
     appends the weight/bias-gradient closure to ``queue`` (the split-aware core).
 
@@ -116,8 +127,12 @@ class _ReduceIdentityBackward(torch.autograd.Function):
         return grad, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """What every split-aware layer computes: ``reduce(x @ weight.T) + bias``.
 
     Under an active queue (and grad mode), with a leaf weight and bias, their gradients
@@ -162,11 +177,14 @@ class SplitLinear(nn.Module):
 
     defers_weight_grad = True  # under a split backward its parameters' gradients are final after W
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None
+    ) -> None:
         super().__init__()
         if in_features <= 0 or out_features <= 0:
-            raise ValueError(f"SplitLinear sizes must be positive, got {in_features}x{out_features}")
+            raise ValueError(
+                f"SplitLinear sizes must be positive, got {in_features}x{out_features}"
+            )
         kw = {"device": device, "dtype": dtype}
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))

@@ -24,6 +24,7 @@ shape, same random draws), then sliced: a TP layer built from the same seed as a
 nn.Linear / SplitLinear is that layer's exact slice. ``load_full`` (or
 ``from_full``) slices given full tensors; ``shard_from_full`` is the rule.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -34,7 +35,13 @@ import torch.nn as nn
 
 from rrfp.nn.split_linear import init_like_linear, linear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_from_full", "group_size_rank", "sharded_parameters"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "shard_from_full",
+    "group_size_rank",
+    "sharded_parameters",
+]
 
 
 def group_size_rank(group) -> tuple[int, int]:
@@ -43,11 +50,15 @@ def group_size_rank(group) -> tuple[int, int]:
         return 1, 0
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of the TP group")
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the TP group"
+        )
     return size, rank
 
 
-def shard_from_full(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int, chunks: int = 1) -> torch.Tensor:
+def shard_from_full(
+    full: torch.Tensor, dim: int | None, tp_rank: int, tp: int, chunks: int = 1
+) -> torch.Tensor:
     """TP rank ``tp_rank``'s slice of ``full`` along ``dim`` (a new contiguous tensor).
 
     ``dim=None``: replicated, the whole tensor. ``chunks > 1``: ``full`` is
@@ -61,7 +72,9 @@ def shard_from_full(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int, 
         raise ValueError(f"tp_rank must be in [0, {tp}), got {tp_rank}")
     size = full.size(dim)
     if size % (chunks * tp):
-        raise ValueError(f"dimension {dim} of size {size} does not split into {chunks} block(s) x tp={tp}")
+        raise ValueError(
+            f"dimension {dim} of size {size} does not split into {chunks} block(s) x tp={tp}"
+        )
     part = size // (chunks * tp)
     blocks = full.detach().chunk(chunks, dim) if chunks > 1 else (full.detach(),)
     return torch.cat([b.narrow(dim, tp_rank * part, part) for b in blocks], dim)
@@ -88,11 +101,23 @@ class _CopyToTP(torch.autograd.Function):
 class _TPLinear(nn.Module):
     """Shared parts: sizes, full-shape init, slicing. Subclasses set ``shard_dims``."""
 
-    shard_dims: dict[str, int | None]  # parameter name -> sharded dim of the full tensor (None: whole)
+    shard_dims: dict[
+        str, int | None
+    ]  # parameter name -> sharded dim of the full tensor (None: whole)
     defers_weight_grad = True  # under a split backward its parameters' gradients are final after W
 
-    def __init__(self, in_features: int, out_features: int, group, bias: bool = True, *,
-                 chunks: int = 1, name: str | None = None, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group,
+        bias: bool = True,
+        *,
+        chunks: int = 1,
+        name: str | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kind = type(self).__name__
         label = f"{kind} {name!r}" if name else kind
@@ -127,8 +152,10 @@ class _TPLinear(nn.Module):
     def shard(self, pname: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full (unsharded) parameter ``pname``."""
         if tuple(full.shape) != self._full_shape(pname):
-            raise ValueError(f"{type(self).__name__}.{pname}: full shape {tuple(full.shape)} "
-                             f"!= expected {self._full_shape(pname)}")
+            raise ValueError(
+                f"{type(self).__name__}.{pname}: full shape {tuple(full.shape)} "
+                f"!= expected {self._full_shape(pname)}"
+            )
         return shard_from_full(full, self.shard_dims[pname], self.tp_rank, self.tp, self.chunks)
 
     @torch.no_grad()
@@ -147,8 +174,16 @@ class _TPLinear(nn.Module):
         """The TP shard of a full linear (nn.Linear / SplitLinear); consumes no random numbers."""
         w = linear.weight
         out_f, in_f = w.shape
-        layer = cls(in_f, out_f, group, bias=linear.bias is not None, chunks=chunks, name=name,
-                    device="meta", dtype=w.dtype)
+        layer = cls(
+            in_f,
+            out_f,
+            group,
+            bias=linear.bias is not None,
+            chunks=chunks,
+            name=name,
+            device="meta",
+            dtype=w.dtype,
+        )
         layer = layer.to_empty(device=w.device)
         layer.load_full(w, linear.bias)
         return layer
@@ -157,15 +192,21 @@ class _TPLinear(nn.Module):
         """nn.Linear's init drawn on the full shape, then sliced (same draws as nn.Linear)."""
         dev, dt = self.weight.device, self.weight.dtype
         w = torch.empty(self._full_shape("weight"), device=dev, dtype=dt)
-        b = None if self.bias is None else torch.empty(self._full_shape("bias"), device=dev, dtype=dt)
+        b = (
+            None
+            if self.bias is None
+            else torch.empty(self._full_shape("bias"), device=dev, dtype=dt)
+        )
         init_like_linear(w, b)
         if dev.type != "meta":
             self.load_full(w, b)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp={self.tp}, tp_rank={self.tp_rank}"
-                + (f", chunks={self.chunks}" if self.chunks > 1 else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.tp}, tp_rank={self.tp_rank}"
+            + (f", chunks={self.chunks}" if self.chunks > 1 else "")
+        )
 
 
 class ColumnParallelLinear(_TPLinear):
@@ -179,9 +220,15 @@ class ColumnParallelLinear(_TPLinear):
 
     def _check_divisible(self, label: str) -> None:
         if self.out_features % (self.chunks * self.tp):
-            blocks = f" in {self.chunks} blocks of {self.out_features // self.chunks}" if self.chunks > 1 else ""
-            raise ValueError(f"{label}: out_features={self.out_features}{blocks} is not divisible by "
-                             f"the tensor-parallel size {self.tp}")
+            blocks = (
+                f" in {self.chunks} blocks of {self.out_features // self.chunks}"
+                if self.chunks > 1
+                else ""
+            )
+            raise ValueError(
+                f"{label}: out_features={self.out_features}{blocks} is not divisible by "
+                f"the tensor-parallel size {self.tp}"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
@@ -198,8 +245,10 @@ class RowParallelLinear(_TPLinear):
         if self.chunks != 1:
             raise ValueError(f"{label}: chunks is for column-parallel layers, got {self.chunks}")
         if self.in_features % self.tp:
-            raise ValueError(f"{label}: in_features={self.in_features} is not divisible by "
-                             f"the tensor-parallel size {self.tp}")
+            raise ValueError(
+                f"{label}: in_features={self.in_features} is not divisible by "
+                f"the tensor-parallel size {self.tp}"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduce = None if self.group is None else partial(_all_reduce, group=self.group)
@@ -209,6 +258,12 @@ class RowParallelLinear(_TPLinear):
 def sharded_parameters(module: nn.Module) -> set[int]:
     """The ids of ``module``'s parameters that are TP shards (each TP rank holds a different part);
     every other parameter is replicated across the TP group, whole and with the same gradient."""
-    return {id(p) for m in module.modules() if isinstance(m, _TPLinear) and m.tp > 1
-            for name, dim in m.shard_dims.items() if dim is not None
-            for p in [getattr(m, name)] if p is not None}
+    return {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, _TPLinear) and m.tp > 1
+        for name, dim in m.shard_dims.items()
+        if dim is not None
+        for p in [getattr(m, name)]
+        if p is not None
+    }

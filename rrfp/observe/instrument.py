@@ -1,5 +1,6 @@
 """Observability hooks. The executor reports task spans and waits to an
 ``Instrument``; nothing is recorded unless one is attached."""
+
 from __future__ import annotations
 
 from rrfp.core.tasks import Task
@@ -27,9 +28,21 @@ class TraceRecorder(Instrument):
         self._where = {} if rank is None else {"rank": rank}
 
     def task(self, stage, iteration, task, start, end) -> None:
-        self.spans.append(Span(self.process, stage, str(task), start, end, {"iteration": iteration, **self._where}))
+        self.spans.append(
+            Span(
+                self.process, stage, str(task), start, end, {"iteration": iteration, **self._where}
+            )
+        )
 
     def wait(self, stage, iteration, start, end, waiting_for) -> None:
         if end - start > 1e-4:
-            self.spans.append(Span(self.process, stage, "wait", start, end,
-                                   {"iteration": iteration, "for": waiting_for, **self._where}))
+            self.spans.append(
+                Span(
+                    self.process,
+                    stage,
+                    "wait",
+                    start,
+                    end,
+                    {"iteration": iteration, "for": waiting_for, **self._where},
+                )
+            )

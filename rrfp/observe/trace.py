@@ -1,4 +1,5 @@
 """Chrome trace (Perfetto) JSON for timelines, simulated or measured, written atomically."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,30 @@ def chrome_trace(spans: Iterable[Span]) -> dict:
         pid = pids.setdefault(sp.process, len(pids))
         if (pid, sp.stage) not in rows:
             rows.add((pid, sp.stage))
-            rank = f" (rank {sp.args['rank']})" if "rank" in sp.args else ""  # virtual stages: a rank holds several
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": sp.stage,
-                           "args": {"name": f"stage {sp.stage}{rank}"}})
-        events.append({"ph": "X", "name": sp.name, "cat": sp.name[:1], "pid": pid, "tid": sp.stage,
-                       "ts": sp.start * 1e6, "dur": max(0.0, sp.end - sp.start) * 1e6, "args": sp.args})
+            rank = (
+                f" (rank {sp.args['rank']})" if "rank" in sp.args else ""
+            )  # virtual stages: a rank holds several
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": pid,
+                    "tid": sp.stage,
+                    "args": {"name": f"stage {sp.stage}{rank}"},
+                }
+            )
+        events.append(
+            {
+                "ph": "X",
+                "name": sp.name,
+                "cat": sp.name[:1],
+                "pid": pid,
+                "tid": sp.stage,
+                "ts": sp.start * 1e6,
+                "dur": max(0.0, sp.end - sp.start) * 1e6,
+                "args": sp.args,
+            }
+        )
     for name, pid in pids.items():
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

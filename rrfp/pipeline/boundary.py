@@ -7,6 +7,7 @@ float mask, positions) arrives as a constant, and its slot in the B message is N
 travel in the message header (rrfp/comm/message.py) or, between two stages of one rank (the V
 turn), along with the tensors.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,7 +21,10 @@ def _flat(value) -> list:
 
 def requires_grad_bits(value) -> list[bool]:
     """Per tensor of a stage output (a tensor, None, or a tuple/list of them): whether it carries a gradient."""
-    return [isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad for t in _flat(value)]
+    return [
+        isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+        for t in _flat(value)
+    ]
 
 
 def leaf(t, requires_grad: bool = True):

@@ -4,6 +4,7 @@ The stages run one after the other in this process, each task timed on its own, 
 backward (W apart from B) as the runtime runs it. A module of one's own needs no ``Workload``:
 ``calibrate(modules, loss_fn, batches)`` returns the fitted ``CostModel`` to pass as ``cost=``.
 """
+
 from __future__ import annotations
 
 import time
@@ -34,8 +35,15 @@ def _timer(device: torch.device) -> Callable:
     return timed
 
 
-def measure_stages(modules: Sequence[nn.Module], loss_fn, batches: Iterable, features=token_features,
-                   device: torch.device | str = "cpu", warmup: int = 2, progress=None) -> list[Sample]:
+def measure_stages(
+    modules: Sequence[nn.Module],
+    loss_fn,
+    batches: Iterable,
+    features=token_features,
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+    progress=None,
+) -> list[Sample]:
     """(stage, kind, features, seconds) for every task of every microbatch of ``batches`` after the first
     ``warmup``: each task's best of two passes (a shape seen for the first time pays one-off costs).
     ``modules`` are the pipeline's stages in order, already on ``device``; ``batches`` yields (inputs,
@@ -49,7 +57,10 @@ def measure_stages(modules: Sequence[nn.Module], loss_fn, batches: Iterable, fea
 
     def one_pass(batch) -> dict:
         times = {}
-        x, y = map_tensors(lambda t: t.to(device), batch[0]), map_tensors(lambda t: t.to(device), batch[1])
+        x, y = (
+            map_tensors(lambda t: t.to(device), batch[0]),
+            map_tensors(lambda t: t.to(device), batch[1]),
+        )
         for s, w in enumerate(workers):
             x, times[s, 0] = timed(w.forward, 0, x, y if s == S - 1 else None)
         grad = None
@@ -67,17 +78,27 @@ def measure_stages(modules: Sequence[nn.Module], loss_fn, batches: Iterable, fea
         feats = features(batch)
         first, second = one_pass(batch), one_pass(batch)
         if i >= warmup:
-            out += [(s, k, feats, min(first[s, k], second[s, k])) for s in range(S) for k in range(3)]
+            out += [
+                (s, k, feats, min(first[s, k], second[s, k])) for s in range(S) for k in range(3)
+            ]
         if progress is not None:
             progress(i + 1, len(batches))
     if not out:
-        raise ValueError(f"calibrate needs more than {warmup} microbatches (the first {warmup} warm up), "
-                         f"got {len(batches)}")
+        raise ValueError(
+            f"calibrate needs more than {warmup} microbatches (the first {warmup} warm up), "
+            f"got {len(batches)}"
+        )
     return out
 
 
-def calibrate(modules: Sequence[nn.Module], loss_fn, batches: Iterable, features=token_features,
-              device: torch.device | str = "cpu", warmup: int = 2) -> CostModel:
+def calibrate(
+    modules: Sequence[nn.Module],
+    loss_fn,
+    batches: Iterable,
+    features=token_features,
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+) -> CostModel:
     """The cost model of these stage modules, fitted on their measured F, B and W over ``batches``
     (``measure_stages``). Microbatches should vary as the run's will (lengths, images), or the fit
     cannot tell what they cost."""

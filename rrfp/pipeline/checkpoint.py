@@ -13,6 +13,7 @@ rrfp draws no numbers from Python's or numpy's global generators (batches use
 a generator seeded by (seed, step, microbatch), emulated durations a
 counter-based hash), so the torch generators are the only RNG state there is.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,9 @@ def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.O
     return [(stage, module, opt)]
 
 
-def _state(module, opt, rank: int, stage, tp_rank: int, device: torch.device, rng: dict | None = None) -> dict:
+def _state(
+    module, opt, rank: int, stage, tp_rank: int, device: torch.device, rng: dict | None = None
+) -> dict:
     state = {}
     for s, m, o in _parts(module, opt, stage):
         model_sd, optim_sd = get_state_dict(m, o)  # FQN-keyed; a fresh optimizer's state is created
@@ -59,8 +62,18 @@ def _state(module, opt, rank: int, stage, tp_rank: int, device: torch.device, rn
     return {**state, f"rank{rank}": {"rng": rng if rng is not None else rng_state(device)}}
 
 
-def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
-               tp_rank: int, device: torch.device, process_group=None, rng: dict | None = None) -> None:
+def save_stage(
+    path: Path,
+    module: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    rank: int,
+    stage: int,
+    tp_rank: int,
+    device: torch.device,
+    process_group=None,
+    rng: dict | None = None,
+) -> None:
     """Collective over ``process_group`` (every rank calls it); blocking, so the
     caller runs it off the event loop. Returns once every rank's files and the
     metadata are written. ``rng``: the generators to record (``rng_state``) when
@@ -74,14 +87,25 @@ def save_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, 
         raise CheckpointError(f"cannot write checkpoint {path}: {_causes(e)}") from None
 
 
-def load_stage(path: Path, module: torch.nn.Module, opt: torch.optim.Optimizer, *, rank: int, stage: int,
-               tp_rank: int, device: torch.device, process_group=None) -> None:
+def load_stage(
+    path: Path,
+    module: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    rank: int,
+    stage: int,
+    tp_rank: int,
+    device: torch.device,
+    process_group=None,
+) -> None:
     """Collective, blocking: load this stage's model, optimizer and this rank's
     RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises CheckpointError on every rank."""
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
-    except dcp.CheckpointException as e:  # a BaseException in torch: turn it into an error the CLI reports
+    except (
+        dcp.CheckpointException
+    ) as e:  # a BaseException in torch: turn it into an error the CLI reports
         raise CheckpointError(f"cannot load checkpoint {path}: {_causes(e)}") from None
     for s, m, o in _parts(module, opt, stage):
         chunk = state[stage_key(s, tp_rank)]

@@ -21,6 +21,7 @@ left-over partial directory) is debris: it is moved aside, never an error.
 
 Plain files, no torch: what a stage puts inside is ``checkpoint.py``'s business.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,8 +63,10 @@ class Checkpoint:
         except ValueError as e:
             return f"its commit record {MARKER} {e}"
         if step != self.step:
-            return (f"its commit record is of step {step!r}, not of step {self.step} as its folder's name says "
-                    "(renamed or copied from another checkpoint)")
+            return (
+                f"its commit record is of step {step!r}, not of step {self.step} as its folder's name says "
+                "(renamed or copied from another checkpoint)"
+            )
         for name, want in sorted(files.items()):
             path = self.path / name
             try:
@@ -80,10 +83,14 @@ class Checkpoint:
             meta = self.meta()
         except (OSError, ValueError):
             return f"its {META} cannot be read as JSON"
-        saved = meta.get("step", self.step) if isinstance(meta, dict) else self.step  # else: plan_resume's to name
+        saved = (
+            meta.get("step", self.step) if isinstance(meta, dict) else self.step
+        )  # else: plan_resume's to name
         if saved != self.step:
-            return (f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name says "
-                    "(renamed or copied from another checkpoint)")
+            return (
+                f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name says "
+                "(renamed or copied from another checkpoint)"
+            )
         return None
 
 
@@ -113,8 +120,12 @@ class CheckpointDir:
         if not self.root.is_dir():
             return []
         complete = {c.path for c in self.complete()}
-        return sorted(p for p in self.root.iterdir() if p not in complete
-                      and (p.name.startswith(_PARTIAL_PREFIXES) or _COMPLETE.fullmatch(p.name)))
+        return sorted(
+            p
+            for p in self.root.iterdir()
+            if p not in complete
+            and (p.name.startswith(_PARTIAL_PREFIXES) or _COMPLETE.fullmatch(p.name))
+        )
 
     def final_path(self, step: int) -> Path:
         return self.root / f"step-{step:08d}"
@@ -130,8 +141,11 @@ class CheckpointDir:
         aside first."""
         partial, final = self.partial_path(step), self.final_path(step)
         write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
-        files = {str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(partial.rglob("*")) if p.is_file() and p.name != MARKER}
+        files = {
+            str(p.relative_to(partial)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(partial.rglob("*"))
+            if p.is_file() and p.name != MARKER
+        }
         write_synced(partial / MARKER, _record_text(step, files))
         _fsync_dir(partial)
         if os.path.lexists(final):
@@ -148,9 +162,14 @@ class CheckpointDir:
         started, before its first save, so none blocks the commit of its own step)."""
         for c in checkpoints:
             if c.path.is_dir():
-                self._remove(self._set_aside(c.path))  # no longer a checkpoint, before any of its files goes
+                self._remove(
+                    self._set_aside(c.path)
+                )  # no longer a checkpoint, before any of its files goes
         if checkpoints:
-            log.info("deleted checkpoints that failed verification: %s", ", ".join(c.path.name for c in checkpoints))
+            log.info(
+                "deleted checkpoints that failed verification: %s",
+                ", ".join(c.path.name for c in checkpoints),
+            )
 
     def prune(self, keep: int) -> list[Path]:
         """Delete all but the ``keep`` newest complete checkpoints, and every incomplete
@@ -212,22 +231,36 @@ def _read_record(path: Path) -> tuple[object, dict]:
         outer = json.loads(raw)
     except ValueError:  # bad UTF-8 included
         if raw.startswith(b"step "):
-            raise ValueError("holds no checksums (written by an rrfp that did not record them), so the "
-                             "checkpoint cannot be verified") from None
+            raise ValueError(
+                "holds no checksums (written by an rrfp that did not record them), so the "
+                "checkpoint cannot be verified"
+            ) from None
         raise ValueError("is not valid JSON (damaged)") from None
-    if not (isinstance(outer, dict) and isinstance(outer.get("record"), str)
-            and isinstance(outer.get("sha256"), str)):
+    if not (
+        isinstance(outer, dict)
+        and isinstance(outer.get("record"), str)
+        and isinstance(outer.get("sha256"), str)
+    ):
         raise ValueError("is not a commit record (damaged)")
     if hashlib.sha256(outer["record"].encode()).hexdigest() != outer["sha256"]:
         raise ValueError("does not match its own SHA-256 (damaged)")
     try:
         body = json.loads(outer["record"])
     except ValueError:
-        raise ValueError("holds a sealed body that is not valid JSON (not written by rrfp)") from None
+        raise ValueError(
+            "holds a sealed body that is not valid JSON (not written by rrfp)"
+        ) from None
     files = body.get("files") if isinstance(body, dict) else None
-    if not isinstance(files, dict) or not files or not all(
-            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
-            for v in files.values()):
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(
+            isinstance(v, dict)
+            and isinstance(v.get("bytes"), int)
+            and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+    ):
         raise ValueError("lists no files")
     return body.get("step"), files
 

@@ -5,11 +5,16 @@ tensors with its own hooks. Under one ``GraphExecGroup`` each such saved tensor 
 so the split's W, which runs its calls in one group, must not run such a node twice. A node's saved
 tensors show their unpack hook without being unpacked, so this is read without recomputing anything.
 """
+
 from __future__ import annotations
 
 _SAVED = "_raw_saved_"
-_CHECKPOINT_HOOK = "_checkpoint_hook."  # qualname prefix of torch.utils.checkpoint's pack and unpack hooks
-_fields: dict[type, tuple[str, ...]] = {}  # node class -> its saved-tensor attributes (dir() is slow)
+_CHECKPOINT_HOOK = (
+    "_checkpoint_hook."  # qualname prefix of torch.utils.checkpoint's pack and unpack hooks
+)
+_fields: dict[
+    type, tuple[str, ...]
+] = {}  # node class -> its saved-tensor attributes (dir() is slow)
 
 
 def is_checkpointed(node) -> bool:

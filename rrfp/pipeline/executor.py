@@ -5,6 +5,7 @@ The arbiter drives a ``StageTracker`` (rrfp/core/tracker.py), which holds every
 readiness rule; this module only moves tensors and spends time. Ready and fixed
 dispatch differ inside the tracker's policy call, nowhere here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,9 @@ class ExecutorSettings:
     variability: Variability = field(default_factory=Variability)
     seed: int = 0
     peer_timeout_s: float = 60.0
-    cost: CostModel | None = None  # with features: emulated durations from the data, times the preset's noise
+    cost: CostModel | None = (
+        None  # with features: emulated durations from the data, times the preset's noise
+    )
 
 
 @dataclass
@@ -58,7 +61,9 @@ class IterationResult:
     order: list[Task]  # tasks in the order this rank ran them
     tokens: int
     plan: PlanReport | None = None  # hint = plan: the plan this iteration followed
-    ran: list[tuple[int, Task]] = field(default_factory=list)  # (stage, task) in that order: which stage ran it
+    ran: list[tuple[int, Task]] = field(
+        default_factory=list
+    )  # (stage, task) in that order: which stage ran it
     skipped: bool = False  # on_nonfinite = "skip" met a NaN/Inf: every rank's gradients are None
 
     @property
@@ -81,14 +86,23 @@ def the_cause(group: BaseExceptionGroup) -> BaseException:
     error, a bug, a protocol or message check) before a peer's that it caused, first come first.
     The others are noted on it. A caller then catches what the model raised (``except TypeError``),
     not an ExceptionGroup; rrfp/app/failure.py ranks the same way."""
+
     def rank(e: BaseException) -> int:
-        return 2 if isinstance(e, PeerFailure) else 1 if isinstance(e, (PipelineError, MessageError)) else 0
+        return (
+            2
+            if isinstance(e, PeerFailure)
+            else 1
+            if isinstance(e, (PipelineError, MessageError))
+            else 0
+        )
 
     errors = leaves(group)
     cause = min(errors, key=rank)
     for other in errors:
         if other is not cause:
-            cause.add_note(f"rrfp: meanwhile, in the same iteration: {type(other).__name__}: {other}")
+            cause.add_note(
+                f"rrfp: meanwhile, in the same iteration: {type(other).__name__}: {other}"
+            )
     return cause
 
 
@@ -102,11 +116,23 @@ class StageExecutor:
     ``RankChannels``, and the stages share the one lane.
     """
 
-    def __init__(self, worker: StageWorker | Sequence[StageWorker], channels, lane, settings: ExecutorSettings,
-                 rank: int = 0, instrument: Instrument | None = None, unit_s: float = 0.0, agreement=None,
-                 stages: VirtualLayout | None = None, liveness=None) -> None:
+    def __init__(
+        self,
+        worker: StageWorker | Sequence[StageWorker],
+        channels,
+        lane,
+        settings: ExecutorSettings,
+        rank: int = 0,
+        instrument: Instrument | None = None,
+        unit_s: float = 0.0,
+        agreement=None,
+        stages: VirtualLayout | None = None,
+        liveness=None,
+    ) -> None:
         self.workers = list(worker) if isinstance(worker, (list, tuple)) else [worker]
-        self.worker = self.workers[0]  # the rank's first stage (its only one without virtual stages)
+        self.worker = self.workers[
+            0
+        ]  # the rank's first stage (its only one without virtual stages)
         self.channels, self.lane, self.settings = channels, lane, settings
         self.stages = stages if stages is not None and stages.virtual > 1 else None
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
@@ -116,39 +142,60 @@ class StageExecutor:
         self.S, self.s, self.M = S, s, M
         mine = tuple(w.stage for w in self.workers)
         if self.stages is None and len(mine) != 1:
-            raise ValueError(f"rank {rank}: {len(mine)} stage workers need a VirtualLayout (stages=)")
-        if self.stages is not None and (mine != self.stages.stages_of(self.stages.rank_of(s))
-                                        or S != self.stages.num_stages):
-            raise ValueError(f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}")
+            raise ValueError(
+                f"rank {rank}: {len(mine)} stage workers need a VirtualLayout (stages=)"
+            )
+        if self.stages is not None and (
+            mine != self.stages.stages_of(self.stages.rank_of(s)) or S != self.stages.num_stages
+        ):
+            raise ValueError(
+                f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}"
+            )
         self.where = stages_label(mine)
         self.what = "stage" if len(mine) == 1 else "rank"
         # virtual stages: a chunk's task takes 1/V of a stage's time under the preset (TaskTimes.layout)
-        self.times = TaskTimes(settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages)
+        self.times = TaskTimes(
+            settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages
+        )
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
             ranks = S if self.stages is None else self.stages.ranks
-            self.planner = IterationPlanner(self.times, ranks, M, settings.budget, settings.dispatch)
-            if settings.cost is None and unit_s == 0:  # rrfp train refuses this (run.cost); a library caller is told
-                log.warning("%s: hint plan in real time without a cost model plans on the preset's made-up "
-                            "lengths, not the compute; pass cost= (rrfp calibrate)", self.where)
+            self.planner = IterationPlanner(
+                self.times, ranks, M, settings.budget, settings.dispatch
+            )
+            if (
+                settings.cost is None and unit_s == 0
+            ):  # rrfp train refuses this (run.cost); a library caller is told
+                log.warning(
+                    "%s: hint plan in real time without a cost model plans on the preset's made-up "
+                    "lengths, not the compute; pass cost= (rrfp calibrate)",
+                    self.where,
+                )
         self.spec = self._spec(settings.hint)
         self._bytes_per_token = 0.0
         self.totals = StageStats()
-        self.on_task_done: list[Callable[[Task], None]] = []  # e.g. DP sync launching finished buckets
+        self.on_task_done: list[
+            Callable[[Task], None]
+        ] = []  # e.g. DP sync launching finished buckets
         # the runtime's Heartbeat (rrfp/comm/heartbeat.py), or None: with one, a wait for a peer has no
         # deadline (a silent peer is the heartbeat's to name); it is told which task runs, and says how
         # the peers this stage waits for are doing
         self.liveness = liveness
-        self.task_hold_s: list[Callable[[Task], float]] = []  # testing aid: extra lane seconds (faults.py slow)
+        self.task_hold_s: list[
+            Callable[[Task], float]
+        ] = []  # testing aid: extra lane seconds (faults.py slow)
         self.ties = None  # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
-        self.nonfinite = None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
+        self.nonfinite = (
+            None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
+        )
 
     def _spec(self, hint: Hint):
         """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
         st = self.settings
         if self.stages is not None:
-            return hint.rank_spec(self.stages, self.stages.rank_of(self.s), self.M, st.split, st.dispatch,
-                                  st.budget)
+            return hint.rank_spec(
+                self.stages, self.stages.rank_of(self.s), self.M, st.split, st.dispatch, st.budget
+            )
         return hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
 
     def tracker(self, spec, size_of):
@@ -166,9 +213,12 @@ class StageExecutor:
         """The hint's order for this stage (what fixed dispatch runs; ready's nominal order); with
         virtual stages the rank's, over (stage, task) pairs."""
         if self.stages is not None:
-            return self.spec.order or self.settings.hint.rank_order(self.stages, self.stages.rank_of(self.s),
-                                                                    self.M, self.settings.split)
-        return self.spec.order or self.settings.hint.order(self.S, self.s, self.M, self.settings.split)
+            return self.spec.order or self.settings.hint.rank_order(
+                self.stages, self.stages.rank_of(self.s), self.M, self.settings.split
+            )
+        return self.spec.order or self.settings.hint.order(
+            self.S, self.s, self.M, self.settings.split
+        )
 
     @property
     def limit(self):
@@ -178,18 +228,29 @@ class StageExecutor:
         """Totals across iterations so far."""
         return self.totals
 
-    async def run_iteration(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                            features: Sequence[dict] | None = None, *,
-                            thread_state: ThreadState | None = None) -> IterationResult:
+    async def run_iteration(
+        self,
+        iteration: int,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        features: Sequence[dict] | None = None,
+        *,
+        thread_state: ThreadState | None = None,
+    ) -> IterationResult:
         """Run every task of this stage for one iteration. Gradients accumulate
         in the stage's parameters (mean over microbatches); the caller steps.
         ``features`` (one dict per microbatch) lets a cost model set emulated durations.
         Every task runs under the caller's autocast (``thread_state``: read on the thread that
         called; None: read here, when called, on the caller's loop thread)."""
         if len(batches) != self.M:
-            raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
+            raise ValueError(
+                f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
+            )
         self._check_features(features)
-        state = thread_state if thread_state is not None else ThreadState.capture(f"{self.where}: run_iteration")
+        state = (
+            thread_state
+            if thread_state is not None
+            else ThreadState.capture(f"{self.where}: run_iteration")
+        )
         spec, report = self.spec, None
         if self.planner is not None:
             hint, report = await self.planner.hint(iteration, features)
@@ -199,24 +260,33 @@ class StageExecutor:
             result = await _Iteration(self, spec, iteration, batches, features, state).execute()
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
             failed = the_cause(group)
-        if failed is not None:  # raised outside the handler, so that it does not chain the group it was in
+        if (
+            failed is not None
+        ):  # raised outside the handler, so that it does not chain the group it was in
             raise failed
-        if self.ties is not None and not self.ties.deferred:  # with DP, GradSync.sync sums them after averaging
+        if (
+            self.ties is not None and not self.ties.deferred
+        ):  # with DP, GradSync.sync sums them after averaging
             await self.ties.sum_grads()
         result.plan = report
         if self.nonfinite is not None:
             result.skipped = await self.nonfinite.check(iteration, self.workers, result.losses)
         return result
 
-    async def run_eval(self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                       ) -> IterationResult:
+    async def run_eval(
+        self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> IterationResult:
         """Forward only (evaluation): the last stage's losses, no backward task, no graph kept,
         gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
         as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py)."""
         if len(batches) != self.M:
-            raise ValueError(f"{self.where}: got {len(batches)} microbatches, configured for {self.M}")
+            raise ValueError(
+                f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
+            )
         workers = {w.stage: w for w in self.workers}
-        state = ThreadState.capture(f"{self.where}: run_eval", trains=False)  # the caller's autocast
+        state = ThreadState.capture(
+            f"{self.where}: run_eval", trains=False
+        )  # the caller's autocast
 
         @state.wrap
         def forward(s: int, x, mb: int):
@@ -224,15 +294,30 @@ class StageExecutor:
 
         self.lane.follow_caller()
         t0, busy = time.perf_counter(), self.lane.busy_s
-        _, losses = await forward_only(self.lane, self.channels_of, list(workers), self.S, self.rank, iteration,
-                                       self.M, lambda mb: batches[mb][0], forward)
+        _, losses = await forward_only(
+            self.lane,
+            self.channels_of,
+            list(workers),
+            self.S,
+            self.rank,
+            iteration,
+            self.M,
+            lambda mb: batches[mb][0],
+            forward,
+        )
         await self.lane.drain()
         self.lane.caller_waits()
         values = torch.stack(losses).tolist() if losses else []  # one device-to-host read
         ran = [(s, Task(Kind.F, mb)) for mb in range(self.M) for s in sorted(workers)]
         stats = StageStats(self.lane.busy_s - busy, time.perf_counter() - t0, iterations=1)
-        return IterationResult(iteration, dict(enumerate(values)), stats, [t for _, t in ran],
-                               sum(numel(b[1]) for b in batches), ran=ran)
+        return IterationResult(
+            iteration,
+            dict(enumerate(values)),
+            stats,
+            [t for _, t in ran],
+            sum(numel(b[1]) for b in batches),
+            ran=ran,
+        )
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """With hint = plan: start planning ``iteration`` now, while the current one runs.
@@ -246,16 +331,22 @@ class StageExecutor:
         if self.settings.cost is None:
             return
         if features is None:
-            raise ValueError(f"{self.where}: the executor has a cost model (cost=) but got no features: pass "
-                             f"features=[workload.features(b) for b in batches], one dict per microbatch "
-                             f"({', '.join(FEATURES)})")
+            raise ValueError(
+                f"{self.where}: the executor has a cost model (cost=) but got no features: pass "
+                f"features=[workload.features(b) for b in batches], one dict per microbatch "
+                f"({', '.join(FEATURES)})"
+            )
         if len(features) != self.M:
-            raise ValueError(f"{self.where}: got features for {len(features)} microbatches, configured for {self.M}")
+            raise ValueError(
+                f"{self.where}: got features for {len(features)} microbatches, configured for {self.M}"
+            )
         for mb, feats in enumerate(features):
             missing = [k for k in FEATURES if k not in feats]
             if missing:
-                raise ValueError(f"{self.where}: the features of microbatch {mb} lack {', '.join(missing)} "
-                                 f"(the cost model needs {', '.join(FEATURES)})")
+                raise ValueError(
+                    f"{self.where}: the features of microbatch {mb} lack {', '.join(missing)} "
+                    f"(the cost model needs {', '.join(FEATURES)})"
+                )
 
     def close(self) -> None:
         if self.planner is not None:
@@ -302,7 +393,9 @@ class _StageIO:
 
     def __init__(self, worker: StageWorker, channels) -> None:
         self.worker, self.channels, self.s = worker, channels, worker.stage
-        self.inputs: dict[int, tuple] = {}  # F inputs that arrived: (tensors, their requires-grad bits)
+        self.inputs: dict[
+            int, tuple
+        ] = {}  # F inputs that arrived: (tensors, their requires-grad bits)
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
         self.out_queues: dict[Kind, asyncio.Queue] = {}
 
@@ -310,19 +403,36 @@ class _StageIO:
 class _Iteration:
     """One iteration on one rank: the tracker, the tensors in transit, the timings."""
 
-    def __init__(self, ex: StageExecutor, spec, iteration: int, batches, features=None,
-                 state: ThreadState = ThreadState()) -> None:
-        self.ex, self.spec, self.it, self.batches, self.features = ex, spec, iteration, batches, features
+    def __init__(
+        self,
+        ex: StageExecutor,
+        spec,
+        iteration: int,
+        batches,
+        features=None,
+        state: ThreadState = ThreadState(),
+    ) -> None:
+        self.ex, self.spec, self.it, self.batches, self.features = (
+            ex,
+            spec,
+            iteration,
+            batches,
+            features,
+        )
         self.state = state  # the caller's autocast: every F, B and W runs under it
         self.tracker = ex.tracker(spec, self.size_of)
         self.io = {w.stage: _StageIO(w, ex.channels_of(w.stage)) for w in ex.workers}
         self.changed = asyncio.Event()
         self.ran: list[tuple[int, Task]] = []
-        self.handed: dict[tuple[int, Kind, int], object] = {}  # the V turn: produced, not yet delivered
+        self.handed: dict[
+            tuple[int, Kind, int], object
+        ] = {}  # the V turn: produced, not yet delivered
         # several stages per rank: how their forwards interleave depends on timing, so each draws its
         # randomness (dropout) from its own seed, not from where the rank's generator happens to be
         self.rng_base = int(torch.randint(0, 2**62, ())) if len(ex.workers) > 1 else None
-        self.rng_device = _device_of(ex.worker.module) if self.rng_base is not None else None  # the rank's one device
+        self.rng_device = (
+            _device_of(ex.worker.module) if self.rng_base is not None else None
+        )  # the rank's one device
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0
         self.decision_s = 0.0
@@ -341,11 +451,16 @@ class _Iteration:
                 ch = io.channels
                 for kind, channel in ((Kind.F, ch.fwd_in), (Kind.B, ch.bwd_in)):
                     if channel is not None:
-                        tg.create_task(self._receive(io, channel, kind), name=f"rrfp-recv-{channel.name}")
+                        tg.create_task(
+                            self._receive(io, channel, kind), name=f"rrfp-recv-{channel.name}"
+                        )
                 for kind, channel in ((Kind.F, ch.fwd_out), (Kind.B, ch.bwd_out)):
                     if channel is not None:
                         io.out_queues[kind] = asyncio.Queue()
-                        tg.create_task(self._send(channel, io.out_queues[kind]), name=f"rrfp-send-{channel.name}")
+                        tg.create_task(
+                            self._send(channel, io.out_queues[kind]),
+                            name=f"rrfp-send-{channel.name}",
+                        )
             await self._arbitrate(tg)
         await ex.lane.drain()  # on GPU: tasks may still be enqueued behind each other
         ex.lane.caller_waits()  # on GPU: the caller's optimizer step sees every gradient
@@ -353,17 +468,27 @@ class _Iteration:
             values = torch.stack([self.losses[mb] for mb in sorted(self.losses)]).tolist()
             self.losses = dict(zip(sorted(self.losses), values))
         # busy: the lane's own account (device time on GPU, where run() returns before the work ends)
-        stats = StageStats(ex.lane.busy_s - lane_busy, time.perf_counter() - t0, self.decisions, self.decision_s,
-                           self.tracker.held.peak, iterations=1)
+        stats = StageStats(
+            ex.lane.busy_s - lane_busy,
+            time.perf_counter() - t0,
+            self.decisions,
+            self.decision_s,
+            self.tracker.held.peak,
+            iterations=1,
+        )
         ex.totals = ex.totals + stats
         tokens = sum(numel(b[1]) for b in self.batches)
-        return IterationResult(self.it, self.losses, stats, [t for _, t in self.ran], tokens, ran=self.ran)
+        return IterationResult(
+            self.it, self.losses, stats, [t for _, t in self.ran], tokens, ran=self.ran
+        )
 
     # -- the arbiter ---------------------------------------------------------
 
     async def _arbitrate(self, tg: asyncio.TaskGroup) -> None:
         ex, tr = self.ex, self.tracker
-        agreed: asyncio.Task | None = None  # TP: the next decision's round, started while a task runs
+        agreed: asyncio.Task | None = (
+            None  # TP: the next decision's round, started while a task runs
+        )
         arrivals = tr.arrivals  # what the ready set in use has seen
         while not tr.done:
             c0 = time.perf_counter()
@@ -373,15 +498,19 @@ class _Iteration:
             else:
                 if agreed is None:
                     arrivals = tr.arrivals
-                    agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks()), name="rrfp-tp-agree")
+                    agreed = tg.create_task(
+                        ex.agreement.agree(tr.ready_tasks()), name="rrfp-tp-agree"
+                    )
                 everywhere, somewhere = await agreed
                 agreed = None
                 picked = tr.next(among=everywhere)
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
             if picked is None:
-                if ex.agreement is not None and (tr.arrivals != arrivals or
-                                                 (tr.ready_tasks() >= somewhere and somewhere != everywhere)):
+                if ex.agreement is not None and (
+                    tr.arrivals != arrivals
+                    or (tr.ready_tasks() >= somewhere and somewhere != everywhere)
+                ):
                     continue  # something arrived meanwhile, or only a peer lags: agree again now
                 await self._wait_for_change(arrivals)
                 continue
@@ -392,17 +521,25 @@ class _Iteration:
                 # rank runs the same task, so every rank starts this round; arrivals during the task
                 # count from the decision after (docs/design.md, the one state machine).
                 arrivals = tr.arrivals
-                agreed = tg.create_task(ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(stage, task)),
-                                        name="rrfp-tp-agree")
+                agreed = tg.create_task(
+                    ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(stage, task)),
+                    name="rrfp-tp-agree",
+                )
             self._doing(f"task {task}")
             try:
                 await self._run(self.io[stage], task)
-            except Exception as e:  # the model's own error keeps its type; this says where it happened
-                e.add_note(f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
-                           f"on stage {stage} of {ex.S} (rank {ex.rank})")
+            except (
+                Exception
+            ) as e:  # the model's own error keeps its type; this says where it happened
+                e.add_note(
+                    f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
+                    f"on stage {stage} of {ex.S} (rank {ex.rank})"
+                )
                 raise
             to = tr.finish(stage, task)
-            if to is not None and to in self.io:  # the V turn: the rank's own next stage, no message
+            if (
+                to is not None and to in self.io
+            ):  # the V turn: the rank's own next stage, no message
                 self._hand_over(to, task)
             self.ran.append(picked)
             for hook in ex.on_task_done:
@@ -434,9 +571,11 @@ class _Iteration:
                 async with asyncio.timeout(timeout_s):
                     await self.changed.wait()
             except TimeoutError:
-                raise PeerTimeout(f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived for "
-                                  f"{timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
-                                  self._owing_peer()) from None
+                raise PeerTimeout(
+                    f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived for "
+                    f"{timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
+                    self._owing_peer(),
+                ) from None
         else:
             await self._wait_alive(hb, timeout_s, start)
         if self.ex.instrument is not None:
@@ -447,7 +586,9 @@ class _Iteration:
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
         """Wait for as long as the peers beat (a silent one ends the run through the runtime);
         every ``every_s`` say what this stage waits for and how its peers are doing."""
-        peers = list(dict.fromkeys(c.peer for c in self._owing()))  # a peer owing on two channels is named once
+        peers = list(
+            dict.fromkeys(c.peer for c in self._owing())
+        )  # a peer owing on two channels is named once
         self._doing(f"waiting for rank {' and '.join(map(str, peers))}" if peers else "waiting")
         while True:
             try:
@@ -456,9 +597,16 @@ class _Iteration:
                 break
             except TimeoutError:
                 how = "; ".join(f"rank {p}: {hb.describe(p)}" for p in peers)
-                log.warning("rank %d %s: iteration %d: waiting for %.0f s (%s); the %s %s", self.ex.rank,
-                            self.ex.where, self.it, time.time() - start, how or "no peer owes an arrival",
-                            self.ex.what, self._waiting_for())
+                log.warning(
+                    "rank %d %s: iteration %d: waiting for %.0f s (%s); the %s %s",
+                    self.ex.rank,
+                    self.ex.where,
+                    self.it,
+                    time.time() - start,
+                    how or "no peer owes an arrival",
+                    self.ex.what,
+                    self._waiting_for(),
+                )
         self._doing("")
 
     def _doing(self, what: str) -> None:
@@ -468,9 +616,12 @@ class _Iteration:
     def _owing(self) -> list:
         """The incoming channels whose peers still owe this rank an arrival."""
         tr = self.tracker
-        return [c for s, io in self.io.items()
-                for kind, c in ((Kind.F, io.channels.fwd_in), (Kind.B, io.channels.bwd_in))
-                if c is not None and tr.trackers[s].outstanding(kind)]
+        return [
+            c
+            for s, io in self.io.items()
+            for kind, c in ((Kind.F, io.channels.fwd_in), (Kind.B, io.channels.bwd_in))
+            if c is not None and tr.trackers[s].outstanding(kind)
+        ]
 
     def _owing_peer(self) -> int | None:
         return next((c.peer for c in self._owing()), None)
@@ -490,8 +641,11 @@ class _Iteration:
         if task.kind is Kind.F:
             x, bits = (self.batches[mb][0], None) if s == 0 else io.inputs.pop(mb)
             targets = self.batches[mb][1] if s == ex.S - 1 else None
-            forward = w.forward if self.rng_base is None else _seeded(w.forward, self.rng_base + s * ex.M + mb,
-                                                                       self.rng_device)
+            forward = (
+                w.forward
+                if self.rng_base is None
+                else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
+            )
             out = await ex.lane.run(self.state.wrap(forward), mb, x, targets, bits, **lane)
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
@@ -502,9 +656,18 @@ class _Iteration:
                 # a tuple/list output travels as that many tensors; a lone tensor as one; each says
                 # whether it carries a gradient, so a constant arrives as one
                 bits = w.output_requires_grad(mb)
-                self._post(io, s + 1, Message(self.it, mb, int(Kind.F),
-                                              list(out) if isinstance(out, (tuple, list)) else [out],
-                                              bits), out)
+                self._post(
+                    io,
+                    s + 1,
+                    Message(
+                        self.it,
+                        mb,
+                        int(Kind.F),
+                        list(out) if isinstance(out, (tuple, list)) else [out],
+                        bits,
+                    ),
+                    out,
+                )
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
             grad_in = await ex.lane.run(self.state.wrap(w.backward), mb, grad, **lane)
@@ -513,7 +676,9 @@ class _Iteration:
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
             await ex.lane.run(self.state.wrap(w.weight), mb, **lane)
-        await asyncio.sleep(0)  # a send just posted is issued now, not after the next task's host work
+        await asyncio.sleep(
+            0
+        )  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             ex.instrument.task(s, self.it, task, start, time.time())
 
@@ -528,7 +693,9 @@ class _Iteration:
         that task's end event, so its send waits for the producer and not for tasks enqueued later.
         A stage of this same rank gets ``value`` itself once the tracker has the task finished."""
         if to in self.io:
-            header_words(msg)  # what no link could carry is refused here too, not silently cut from the graph
+            header_words(
+                msg
+            )  # what no link could carry is refused here too, not silently cut from the graph
             bits = msg.requires_grad or [False] * len(msg.tensors)
             self.handed[(to, Kind(msg.kind), msg.microbatch)] = (value, bits)
             return
@@ -545,14 +712,18 @@ class _Iteration:
             await channel.send(msg)
 
     async def _receive(self, io: _StageIO, channel, kind: Kind) -> None:
-        where = f"rank {self.ex.rank} stage {io.s}: channel {channel.name} (peer rank {channel.peer})"
+        where = (
+            f"rank {self.ex.rank} stage {io.s}: channel {channel.name} (peer rank {channel.peer})"
+        )
         for _ in range(self.ex.M):
             msg = await channel.recv()
             mb = msg.microbatch
             if msg.iteration != self.it or msg.kind != int(kind) or not msg.tensors:
-                raise ProtocolError(f"{where}: expected a {kind.name} message of iteration {self.it}, got "
-                                    f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
-                                    f"with {len(msg.tensors)} tensor(s)")
+                raise ProtocolError(
+                    f"{where}: expected a {kind.name} message of iteration {self.it}, got "
+                    f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
+                    f"with {len(msg.tensors)} tensor(s)"
+                )
             try:
                 self.tracker.arrive(io.s, kind, mb)
             except TrackerError as e:
@@ -569,10 +740,12 @@ class _Iteration:
 def _seeded(fn: Callable, seed: int, device: torch.device) -> Callable:
     """``fn`` under its own generator state seeded with ``seed``, leaving the rank's generators as they
     were: the same draws whatever ran before it (torch.random.fork_rng)."""
+
     def run(*args):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             return fn(*args)
+
     return run
 
 

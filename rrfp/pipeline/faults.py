@@ -24,6 +24,7 @@ with ``during``, the rank sleeps ``seconds`` there, as a slow file system would)
 and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on
 rank 0, the commit's own write fails).
 """
+
 from __future__ import annotations
 
 import errno
@@ -55,33 +56,47 @@ class Fault:
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
     seconds: float | None = None  # busy: how long; slow: how much longer the task holds its lane
-    during: str | None = None  # a PHASES entry: as this rank starts writing, or committing, the step's checkpoint
+    during: str | None = (
+        None  # a PHASES entry: as this rank starts writing, or committing, the step's checkpoint
+    )
 
     @classmethod
     def parse(cls, spec: str) -> "Fault":
         """``kill:step=3:stage=1:task=B2``; ValueError names what is wrong."""
         kind, *fields = [p.strip() for p in spec.strip().split(":")]
         if kind not in KINDS:
-            raise ValueError(f"fault {spec!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+            raise ValueError(
+                f"fault {spec!r}: kind must be one of {', '.join(KINDS)}, got {kind!r}"
+            )
         values: dict = {}
         for f in fields:
             key, sep, raw = f.partition("=")
-            if not sep or key not in ("step", "stage", "rank", "task", "attempt", "seconds", "during") or key in values:
-                raise ValueError(f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
-                                 "seconds=X, during=P (once each)")
+            if (
+                not sep
+                or key not in ("step", "stage", "rank", "task", "attempt", "seconds", "during")
+                or key in values
+            ):
+                raise ValueError(
+                    f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
+                    "seconds=X, during=P (once each)"
+                )
             if key == "task":
                 values[key] = Task.parse(raw)
                 continue
             if key == "during":
                 if raw not in PHASES:
-                    raise ValueError(f"fault {spec!r}: during must be one of {', '.join(PHASES)}, got {raw!r}")
+                    raise ValueError(
+                        f"fault {spec!r}: during must be one of {', '.join(PHASES)}, got {raw!r}"
+                    )
                 values[key] = raw
                 continue
             if key == "seconds":
                 try:
                     values[key] = float(raw)
                 except ValueError:
-                    raise ValueError(f"fault {spec!r}: seconds must be a number, got {raw!r}") from None
+                    raise ValueError(
+                        f"fault {spec!r}: seconds must be a number, got {raw!r}"
+                    ) from None
                 if not 0 < values[key] <= 3600:
                     raise ValueError(f"fault {spec!r}: seconds={raw} is out of range (0, 3600]")
                 continue
@@ -95,11 +110,17 @@ class Fault:
             raise ValueError(f"fault {spec!r}: step=N is required")
         if "stage" not in values and "rank" not in values:
             raise ValueError(f"fault {spec!r}: say where: stage=S or rank=R")
-        if kind == "slow" and (("task" in values) == ("during" in values) or "seconds" not in values):
-            raise ValueError(f"fault {spec!r}: slow takes task=T or during=P, and seconds=X (how much longer T "
-                             "holds its lane, or the rank sleeps in P)")
+        if kind == "slow" and (
+            ("task" in values) == ("during" in values) or "seconds" not in values
+        ):
+            raise ValueError(
+                f"fault {spec!r}: slow takes task=T or during=P, and seconds=X (how much longer T "
+                "holds its lane, or the rank sleeps in P)"
+            )
         if (kind in ("busy", "slow")) != ("seconds" in values):
-            raise ValueError(f"fault {spec!r}: seconds=X goes with busy and slow; other kinds take no seconds")
+            raise ValueError(
+                f"fault {spec!r}: seconds=X goes with busy and slow; other kinds take no seconds"
+            )
         if "during" in values and ("task" in values or kind == "nan"):
             raise ValueError(f"fault {spec!r}: during=P takes no task, and no nan")
         if kind == "nan" and "task" in values:
@@ -107,14 +128,26 @@ class Fault:
         return cls(kind, **values)
 
     def __str__(self) -> str:
-        fields = (("step", self.step), ("stage", self.stage), ("rank", self.rank), ("task", self.task),
-                  ("attempt", self.attempt), ("seconds", self.seconds), ("during", self.during))
-        where = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields if v is not None]
+        fields = (
+            ("step", self.step),
+            ("stage", self.stage),
+            ("rank", self.rank),
+            ("task", self.task),
+            ("attempt", self.attempt),
+            ("seconds", self.seconds),
+            ("during", self.during),
+        )
+        where = [
+            f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields if v is not None
+        ]
         return ":".join([self.kind, *where])
 
     def hits(self, rank: int, stage: int) -> bool:
-        return ((self.stage is None or self.stage == stage) and (self.rank is None or self.rank == rank)
-                and (self.attempt is None or self.attempt == int(attempt() or 0)))
+        return (
+            (self.stage is None or self.stage == stage)
+            and (self.rank is None or self.rank == rank)
+            and (self.attempt is None or self.attempt == int(attempt() or 0))
+        )
 
 
 class FaultInjector:
@@ -136,19 +169,33 @@ class FaultInjector:
     def hold_s(self, task: Task) -> float:
         """Seconds ``task`` holds the lane beyond its own time: the executor asks before it runs it."""
         if self.fault.kind == "slow" and task == self.fault.task and self.step == self.fault.step:
-            log.warning("rank %d stage %d: step %d task %s: injecting fault %s", self.rank, self.stage, self.step,
-                        task, self.fault)
+            log.warning(
+                "rank %d stage %d: step %d task %s: injecting fault %s",
+                self.rank,
+                self.stage,
+                self.step,
+                task,
+                self.fault,
+            )
             return float(self.fault.seconds)
         return 0.0
 
     def task_done(self, task: Task) -> None:
-        if (self.fault.kind != "slow" and self.fault.task is not None and task == self.fault.task
-                and self.step == self.fault.step):
+        if (
+            self.fault.kind != "slow"
+            and self.fault.task is not None
+            and task == self.fault.task
+            and self.step == self.fault.step
+        ):
             self._fire()
 
     def iteration_done(self, module: torch.nn.Module) -> None:
-        if self.fault.kind != "slow" and self.fault.task is None and self.fault.during is None \
-                and self.step == self.fault.step:
+        if (
+            self.fault.kind != "slow"
+            and self.fault.task is None
+            and self.fault.during is None
+            and self.step == self.fault.step
+        ):
             self._fire(module)
 
     def checkpoint_write(self, done: int, phase: str = "save") -> None:
@@ -162,7 +209,9 @@ class FaultInjector:
         if self.fault.task is not None:
             where += f" task {self.fault.task}"
         if self.fault.during is not None:
-            where += f" during the checkpoint {'write' if self.fault.during == 'save' else 'commit'}"
+            where += (
+                f" during the checkpoint {'write' if self.fault.during == 'save' else 'commit'}"
+            )
         log.warning("%s: injecting fault %s", where, self.fault)
         kind = self.fault.kind
         if kind == "kill":
@@ -177,7 +226,9 @@ class FaultInjector:
             raise RuntimeError(f"{where}: injected internal error ({self.fault})")
         elif kind == "busy":
             end = time.monotonic() + self.fault.seconds
-            while time.monotonic() < end:  # pure Python: the heartbeat thread gets the GIL only in turns
+            while (
+                time.monotonic() < end
+            ):  # pure Python: the heartbeat thread gets the GIL only in turns
                 pass
             log.warning("%s: busy for %g s, done", where, self.fault.seconds)
         elif kind == "slow":  # during=P: the heartbeat thread beats on, as in a slow write

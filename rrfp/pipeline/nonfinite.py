@@ -6,6 +6,7 @@ group: the first bad microbatch's loss, and the first stage whose gradients are 
 rank steps while another skips, and none waits for a peer that has already raised. Its cost per
 iteration: that one 16-byte all-reduce, and one pass over the rank's gradients (their total norm).
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,18 +28,27 @@ class NonFiniteGuard:
     "skip": every rank sets its parameters' ``.grad`` to None, so the caller's ``optimizer.step()``
     leaves the parameters as they are (torch's optimizers skip parameters without a gradient)."""
 
-    def __init__(self, policy: str, rank: int, world: int, agree: Callable[[torch.Tensor], Awaitable]) -> None:
+    def __init__(
+        self, policy: str, rank: int, world: int, agree: Callable[[torch.Tensor], Awaitable]
+    ) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"on_nonfinite must be one of {', '.join(POLICIES)} (or None: not checked), "
-                             f"got {policy!r}")
+            raise ValueError(
+                f"on_nonfinite must be one of {', '.join(POLICIES)} (or None: not checked), "
+                f"got {policy!r}"
+            )
         self.policy, self.rank, self.world, self.agree = policy, rank, world, agree
 
     async def check(self, iteration: int, workers, losses: dict[int, float]) -> bool:
         """Whether the step is skipped; raises under "stop". Every rank calls it after the iteration."""
         bad_mb = min((mb for mb, v in losses.items() if not math.isfinite(v)), default=None)
         bad_stage = min((w.stage for w in workers if not _finite_grads(w.module)), default=None)
-        codes = torch.tensor([_NONE if bad_mb is None else bad_mb * self.world + self.rank,
-                              _NONE if bad_stage is None else bad_stage * self.world + self.rank], dtype=torch.float64)
+        codes = torch.tensor(
+            [
+                _NONE if bad_mb is None else bad_mb * self.world + self.rank,
+                _NONE if bad_stage is None else bad_stage * self.world + self.rank,
+            ],
+            dtype=torch.float64,
+        )
         await self.agree(codes)
         loss_code, grad_code = codes.tolist()
         if loss_code == _NONE and grad_code == _NONE:
@@ -50,13 +60,19 @@ class NonFiniteGuard:
             stage, where = divmod(int(grad_code), self.world)
             what = f"stage {stage}: NaN or Inf in the gradients (rank {where})"
         if self.policy == "stop":
-            raise NonFiniteError(f"rank {self.rank}: iteration {iteration}: {what}; every rank stops here "
-                                 f"(on_nonfinite = \"stop\"; \"skip\" skips such steps)")
+            raise NonFiniteError(
+                f"rank {self.rank}: iteration {iteration}: {what}; every rank stops here "
+                f'(on_nonfinite = "stop"; "skip" skips such steps)'
+            )
         for w in workers:
             for p in w.module.parameters():
                 p.grad = None
-        log.warning("rank %d: iteration %d: %s: every rank skips this step (gradients set to None)",
-                    self.rank, iteration, what)
+        log.warning(
+            "rank %d: iteration %d: %s: every rank skips this step (gradients set to None)",
+            self.rank,
+            iteration,
+            what,
+        )
         return True
 
 

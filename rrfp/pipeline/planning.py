@@ -7,6 +7,7 @@ from the same inputs (the cost model, every microbatch's features, the
 preset) with a deterministic planner, so all stages and TP peers follow one
 plan without exchanging it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,23 +31,37 @@ class PlanReport:
 
 
 class IterationPlanner:
-    def __init__(self, times: TaskTimes, stages: int, microbatches: int, budget: Budget, dispatch: Dispatch) -> None:
-        self.times, self.S, self.M, self.budget, self.dispatch = times, stages, microbatches, budget, dispatch
+    def __init__(
+        self, times: TaskTimes, stages: int, microbatches: int, budget: Budget, dispatch: Dispatch
+    ) -> None:
+        self.times, self.S, self.M, self.budget, self.dispatch = (
+            times,
+            stages,
+            microbatches,
+            budget,
+            dispatch,
+        )
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rrfp-plan")
         self._pending: dict[int, concurrent.futures.Future] = {}
 
     def _make(self, iteration: int, features) -> tuple[Hint, Plan]:
-        return plan_iteration(self.times, iteration, self.S, self.M, self.budget, self.dispatch, features)
+        return plan_iteration(
+            self.times, iteration, self.S, self.M, self.budget, self.dispatch, features
+        )
 
     def prepare(self, iteration: int, features: Sequence[dict] | None = None) -> None:
         """Start planning ``iteration`` now; it must later run with the same features."""
         if iteration not in self._pending:
             self._pending[iteration] = self._pool.submit(self._make, iteration, features)
 
-    async def hint(self, iteration: int, features: Sequence[dict] | None = None) -> tuple[Hint, PlanReport]:
+    async def hint(
+        self, iteration: int, features: Sequence[dict] | None = None
+    ) -> tuple[Hint, PlanReport]:
         for old in [i for i in self._pending if i < iteration]:  # prepared but never run
             self._pending.pop(old).cancel()
-        fut = self._pending.pop(iteration, None) or self._pool.submit(self._make, iteration, features)
+        fut = self._pending.pop(iteration, None) or self._pool.submit(
+            self._make, iteration, features
+        )
         t0 = time.perf_counter()
         made_hint, made = await asyncio.wrap_future(fut)
         return made_hint, PlanReport(made, time.perf_counter() - t0)

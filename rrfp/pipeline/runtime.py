@@ -10,6 +10,7 @@ groups this runtime created; leaving it on an error, or after an abandoned
 iteration (``abandoned``), only closes this rank's channels and lane (a dead
 peer would hang a barrier; a pending transfer, a teardown).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -67,7 +68,11 @@ def _startup(owns: bool):
         if isinstance(e, StartupError):
             raise
         rank = dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")
-        what = "joining the process group" if owns and not dist.is_initialized() else "creating the process groups"
+        what = (
+            "joining the process group"
+            if owns and not dist.is_initialized()
+            else "creating the process groups"
+        )
         raise StartupError(f"rank {rank}: start-up failed while {what}{describe_failure(e)}") from e
 
 
@@ -80,10 +85,17 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
     attempt's addresses and failed to connect. Elsewhere: {} (init_process_group's own)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    return dict(store=dist.PrefixStore(f"rrfp/attempt-{attempt()}", store), rank=int(os.environ["RANK"]),
-                world_size=world)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dict(
+        store=dist.PrefixStore(f"rrfp/attempt-{attempt()}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+    )
 
 
 class PipelineRuntime:
@@ -96,31 +108,54 @@ class PipelineRuntime:
     of ``rt.num_stages`` (pp x V): build one module for each, in that order.
     """
 
-    def __init__(self, layout: Layout, rank: int, channels, timeout_s: float, unit_s: float, lane, poller,
-                 groups: dict | None = None, owns_process_group: bool = False,
-                 device: torch.device = torch.device("cpu"), heartbeat: Heartbeat | None = None,
-                 virtual: VirtualLayout | None = None) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        rank: int,
+        channels,
+        timeout_s: float,
+        unit_s: float,
+        lane,
+        poller,
+        groups: dict | None = None,
+        owns_process_group: bool = False,
+        device: torch.device = torch.device("cpu"),
+        heartbeat: Heartbeat | None = None,
+        virtual: VirtualLayout | None = None,
+    ) -> None:
         self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
         coords = layout.coords(rank)
-        self.virtual = virtual or VirtualLayout(layout.pp)  # which global stages each pipeline rank holds
+        self.virtual = virtual or VirtualLayout(
+            layout.pp
+        )  # which global stages each pipeline rank holds
         self.stages = self.virtual.stages_of(coords.pp)  # this rank's, in model order
         self.stage, self.num_stages = self.stages[0], self.virtual.num_stages
         self.rank_channels = channels  # RankChannels: every stage's
-        self.channels = channels.of(self.stage)  # the first (without virtual stages, the only) stage's
+        self.channels = channels.of(
+            self.stage
+        )  # the first (without virtual stages, the only) stage's
         self.tp_rank, self.dp_rank = coords.tp, coords.dp
         groups = groups or {}
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
-        self.cpu_group = groups.get("cpu")  # control plane (stats, gather, barrier); None: the default group
-        self._executors: list[StageExecutor] = []  # closed with the runtime (their planning threads)
+        self.cpu_group = groups.get(
+            "cpu"
+        )  # control plane (stats, gather, barrier); None: the default group
+        self._executors: list[
+            StageExecutor
+        ] = []  # closed with the runtime (their planning threads)
         self.poller = poller  # every collective's and NCCL message's Work is awaited through it
         self.lane = lane
         self.device = device
         self.unit_s = unit_s
         self.owns_process_group = owns_process_group  # finish() destroys only what start() created
-        self.heartbeat = heartbeat  # None: every wait is bounded by timeout_s, as the groups' timeout
-        self._watched: asyncio.Task | None = None  # the task inside ``async with``, cancelled on silence
+        self.heartbeat = (
+            heartbeat  # None: every wait is bounded by timeout_s, as the groups' timeout
+        )
+        self._watched: asyncio.Task | None = (
+            None  # the task inside ``async with``, cancelled on silence
+        )
         self._watcher: asyncio.Task | None = None
         self._silence: PeerSilent | None = None
         self._closed = False
@@ -129,9 +164,20 @@ class PipelineRuntime:
         self.abandoned = False
 
     @classmethod
-    def start(cls, *, pp: int = 0, tp: int = 1, dp: int = 1, layout: Layout | None = None, backend: str = "gloo",
-              timeout_s: float = 60.0, unit_ms: float = 0.0, heartbeat: bool = False, virtual: int = 1,
-              placement: str = "interleaved") -> "PipelineRuntime":
+    def start(
+        cls,
+        *,
+        pp: int = 0,
+        tp: int = 1,
+        dp: int = 1,
+        layout: Layout | None = None,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+        unit_ms: float = 0.0,
+        heartbeat: bool = False,
+        virtual: int = 1,
+        placement: str = "interleaved",
+    ) -> "PipelineRuntime":
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
         ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp.
@@ -160,8 +206,10 @@ class PipelineRuntime:
         owns = not dist.is_initialized()
         if owns:
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise RuntimeError("no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
-                                   "(torchrun --nproc-per-node N -m rrfp train ...)")
+                raise RuntimeError(
+                    "no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
+                    "(torchrun --nproc-per-node N -m rrfp train ...)"
+                )
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
@@ -176,47 +224,130 @@ class PipelineRuntime:
         with _startup(owns):
             if owns:
                 # the rendezvous waits for every peer: off this thread, so that a stop signal acts meanwhile
-                interruptible(lambda: dist.init_process_group(
-                    backend, timeout=datetime.timedelta(seconds=pg_timeout_s),
-                    device_id=device if device.type == "cuda" else None, **_attempt_store(world, timeout_s)))
-            return cls._build(layout, device, backend, timeout_s, unit_ms, owns, pg_timeout_s,
-                              heartbeat=heartbeat and backend == "gloo", stages=stages)
+                interruptible(
+                    lambda: dist.init_process_group(
+                        backend,
+                        timeout=datetime.timedelta(seconds=pg_timeout_s),
+                        device_id=device if device.type == "cuda" else None,
+                        **_attempt_store(world, timeout_s),
+                    )
+                )
+            return cls._build(
+                layout,
+                device,
+                backend,
+                timeout_s,
+                unit_ms,
+                owns,
+                pg_timeout_s,
+                heartbeat=heartbeat and backend == "gloo",
+                stages=stages,
+            )
 
     @classmethod
-    def _build(cls, layout: Layout, device: torch.device, backend: str, timeout_s: float, unit_ms: float,
-               owns: bool, pg_timeout_s: float | None = None, *, ops=None, torch_module=None,
-               heartbeat: bool = False, stages: VirtualLayout | None = None) -> "PipelineRuntime":
+    def _build(
+        cls,
+        layout: Layout,
+        device: torch.device,
+        backend: str,
+        timeout_s: float,
+        unit_ms: float,
+        owns: bool,
+        pg_timeout_s: float | None = None,
+        *,
+        ops=None,
+        torch_module=None,
+        heartbeat: bool = False,
+        stages: VirtualLayout | None = None,
+    ) -> "PipelineRuntime":
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
-        pg_timeout_s = pg_timeout_s or timeout_s  # NCCL's watchdog; gloo's groups detect dead peers in timeout_s
+        pg_timeout_s = (
+            pg_timeout_s or timeout_s
+        )  # NCCL's watchdog; gloo's groups detect dead peers in timeout_s
         poller = CompletionPoller()
-        lane = make_lane(device, unit_ms / 1000.0, poller=poller, name=f"stage{layout.coords(rank).pp}",
-                         torch_module=torch_module)
+        lane = make_lane(
+            device,
+            unit_ms / 1000.0,
+            poller=poller,
+            name=f"stage{layout.coords(rank).pp}",
+            torch_module=torch_module,
+        )
         if backend == "nccl":
             ops = ops or CudaOps(device)
         beat = Heartbeat.connect(rank, layout.world_size, timeout_s) if heartbeat else None
-        channels = create_rank_channels(layout, rank, datetime.timedelta(seconds=pg_timeout_s), stages=stages,
-                                        device=device, poller=poller, compute_stream=getattr(lane, "stream", None),
-                                        ops=ops, deadline_s=timeout_s, wait=BACKSTOP if beat is not None else None)
-        groups = create_stage_groups(layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s)
-        if beat is not None:  # created with timeout_s (startup stays bounded); from now on silence is the beat's
-            for group in [None, *groups.values()]:  # collectives only: p2p waits get it in Channel.wait
+        channels = create_rank_channels(
+            layout,
+            rank,
+            datetime.timedelta(seconds=pg_timeout_s),
+            stages=stages,
+            device=device,
+            poller=poller,
+            compute_stream=getattr(lane, "stream", None),
+            ops=ops,
+            deadline_s=timeout_s,
+            wait=BACKSTOP if beat is not None else None,
+        )
+        groups = create_stage_groups(
+            layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s
+        )
+        if (
+            beat is not None
+        ):  # created with timeout_s (startup stays bounded); from now on silence is the beat's
+            for group in [
+                None,
+                *groups.values(),
+            ]:  # collectives only: p2p waits get it in Channel.wait
                 dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
             beat.start()
-        log.info("rank %d is stage %d of %d (tp %d, dp %d)", rank, layout.coords(rank).pp, layout.pp,
-                 layout.coords(rank).tp, layout.coords(rank).dp)
+        log.info(
+            "rank %d is stage %d of %d (tp %d, dp %d)",
+            rank,
+            layout.coords(rank).pp,
+            layout.pp,
+            layout.coords(rank).tp,
+            layout.coords(rank).dp,
+        )
         if stages is not None and stages.virtual > 1:
-            log.info("rank %d holds stages %s: %s", rank, stages.stages_of(layout.coords(rank).pp), stages.describe())
-        return cls(layout, rank, channels, timeout_s, unit_ms / 1000.0, lane, poller, groups=groups,
-                   owns_process_group=owns, device=device, heartbeat=beat, virtual=stages)
+            log.info(
+                "rank %d holds stages %s: %s",
+                rank,
+                stages.stages_of(layout.coords(rank).pp),
+                stages.describe(),
+            )
+        return cls(
+            layout,
+            rank,
+            channels,
+            timeout_s,
+            unit_ms / 1000.0,
+            lane,
+            poller,
+            groups=groups,
+            owns_process_group=owns,
+            device=device,
+            heartbeat=beat,
+            virtual=stages,
+        )
 
-    def stage_executor(self, module: torch.nn.Module | Sequence[torch.nn.Module], loss_fn, *, microbatches: int,
-                       dispatch: Dispatch | str = Dispatch.READY, hint: Hint | str = "bfw",
-                       budget: Budget | str | int = "2x", split: bool | None = None,
-                       variability: Variability | None = None, seed: int = 0,
-                       instrument: Instrument | None = None, cost=None, tied=None,
-                       on_nonfinite: str | None = "stop") -> StageExecutor:
+    def stage_executor(
+        self,
+        module: torch.nn.Module | Sequence[torch.nn.Module],
+        loss_fn,
+        *,
+        microbatches: int,
+        dispatch: Dispatch | str = Dispatch.READY,
+        hint: Hint | str = "bfw",
+        budget: Budget | str | int = "2x",
+        split: bool | None = None,
+        variability: Variability | None = None,
+        seed: int = 0,
+        instrument: Instrument | None = None,
+        cost=None,
+        tied=None,
+        on_nonfinite: str | None = "stop",
+    ) -> StageExecutor:
         """This stage's executor. Strings are accepted here, at the public edge;
         TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
@@ -233,28 +364,74 @@ class PipelineRuntime:
         iteration): "stop" raises NonFiniteError naming the stage and microbatch on every rank;
         "skip" sets every rank's ``.grad`` to None (``optimizer.step()`` then moves nothing) and
         marks the result ``skipped``; None checks nothing (rrfp/pipeline/nonfinite.py: its cost)."""
-        guard = None if on_nonfinite is None else NonFiniteGuard(
-            on_nonfinite, self.rank, self.layout.world_size,
-            lambda t: self.all_reduce(t, dist.ReduceOp.MIN, "world all-reduce of the iteration's non-finite values"))
+        guard = (
+            None
+            if on_nonfinite is None
+            else NonFiniteGuard(
+                on_nonfinite,
+                self.rank,
+                self.layout.world_size,
+                lambda t: self.all_reduce(
+                    t, dist.ReduceOp.MIN, "world all-reduce of the iteration's non-finite values"
+                ),
+            )
+        )
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         if len(modules) != len(self.stages):
-            raise ValueError(f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
-                             f"for each, got {len(modules)}")
+            raise ValueError(
+                f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
+                f"for each, got {len(modules)}"
+            )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
         h = resolve(hint)
         split = default_split(h.name, split)
-        settings = ExecutorSettings(Dispatch.parse(dispatch), h, Budget.parse(budget), split, microbatches,
-                                    variability or Variability(), seed, self.timeout_s, cost)
-        workers = [StageWorker(m, s, self.num_stages, microbatches, loss_fn, split,
-                               measure_activations=settings.budget.bytes is not None)
-                   for m, s in zip(modules, self.stages)]
-        agreement = (TPAgreement(self.tp_control, microbatches, self.poller,
-                                 self.stages if len(self.stages) > 1 else None)
-                     if self.tp_control is not None else None)
+        settings = ExecutorSettings(
+            Dispatch.parse(dispatch),
+            h,
+            Budget.parse(budget),
+            split,
+            microbatches,
+            variability or Variability(),
+            seed,
+            self.timeout_s,
+            cost,
+        )
+        workers = [
+            StageWorker(
+                m,
+                s,
+                self.num_stages,
+                microbatches,
+                loss_fn,
+                split,
+                measure_activations=settings.budget.bytes is not None,
+            )
+            for m, s in zip(modules, self.stages)
+        ]
+        agreement = (
+            TPAgreement(
+                self.tp_control,
+                microbatches,
+                self.poller,
+                self.stages if len(self.stages) > 1 else None,
+            )
+            if self.tp_control is not None
+            else None
+        )
         ties = Ties.setup(self, modules, tied)
-        ex = StageExecutor(workers, self.channels if len(workers) == 1 else self.rank_channels, self.lane, settings,
-                           self.rank, instrument, self.unit_s, agreement, stages=self.virtual, liveness=self.heartbeat)
+        ex = StageExecutor(
+            workers,
+            self.channels if len(workers) == 1 else self.rank_channels,
+            self.lane,
+            settings,
+            self.rank,
+            instrument,
+            self.unit_s,
+            agreement,
+            stages=self.virtual,
+            liveness=self.heartbeat,
+        )
         ex.ties = ties if ties.ties else None
         ex.nonfinite = guard
         self._executors.append(ex)
@@ -264,8 +441,14 @@ class PipelineRuntime:
         """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
         With ``executor``, each bucket's all-reduce starts inside the iteration,
         as soon as its gradients are final."""
-        sync = GradSync(module, self.dp_group, self.layout.dp, self.poller, self.lane,
-                        deadline_s=self.timeout_s if self.device.type == "cuda" else None)
+        sync = GradSync(
+            module,
+            self.dp_group,
+            self.layout.dp,
+            self.poller,
+            self.lane,
+            deadline_s=self.timeout_s if self.device.type == "cuda" else None,
+        )
         if executor is not None:
             sync.attach(executor)
         return sync
@@ -288,20 +471,39 @@ class PipelineRuntime:
                         continue
                     seen.add(id(p))
                     scaled.append(p)
-                    if self.dp_rank == 0 and id(p) not in uncounted and (self.tp_rank == 0 or id(p) in sharded):
+                    if (
+                        self.dp_rank == 0
+                        and id(p) not in uncounted
+                        and (self.tp_rank == 0 or id(p) in sharded)
+                    ):
                         counts.append(p)
-        return await clip_grad_norm(self.poller, counts, scaled, max_norm, norm_type, self.cpu_group,
-                                    what=f"gradient norm (ranks 0-{self.layout.world_size - 1})")
+        return await clip_grad_norm(
+            self.poller,
+            counts,
+            scaled,
+            max_norm,
+            norm_type,
+            self.cpu_group,
+            what=f"gradient norm (ranks 0-{self.layout.world_size - 1})",
+        )
 
-    async def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "world all-reduce"
-                         ) -> torch.Tensor:
+    async def all_reduce(
+        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "world all-reduce"
+    ) -> torch.Tensor:
         """A world all-reduce, awaited through the poller; a failure names ``what``."""
-        return await collectives.all_reduce(self.poller, tensor, f"{what} (ranks 0-{self.layout.world_size - 1})",
-                                            op, self.cpu_group)
+        return await collectives.all_reduce(
+            self.poller,
+            tensor,
+            f"{what} (ranks 0-{self.layout.world_size - 1})",
+            op,
+            self.cpu_group,
+        )
 
     async def gather_object(self, obj) -> list | None:
         """Every rank's ``obj`` on rank 0 (None elsewhere)."""
-        gathered = await collectives.all_gather_object(self.poller, obj, "world gather of objects", self.cpu_group)
+        gathered = await collectives.all_gather_object(
+            self.poller, obj, "world gather of objects", self.cpu_group
+        )
         return gathered if self.rank == 0 else None
 
     async def finish(self) -> None:
@@ -311,8 +513,12 @@ class PipelineRuntime:
         leaves before everybody is done. Not for error paths: a dead peer would
         fail the barrier only after the process-group timeout."""
         if not self.owns_process_group:
-            await collectives.completed(self.poller, dist.barrier(self.cpu_group, async_op=True),
-                                        "final barrier of every rank", group=self.cpu_group)
+            await collectives.completed(
+                self.poller,
+                dist.barrier(self.cpu_group, async_op=True),
+                "final barrier of every rank",
+                group=self.cpu_group,
+            )
             await self.aclose()
             return
         await self.aclose()
@@ -359,11 +565,15 @@ class PipelineRuntime:
                 self._silence = PeerSilent(
                     f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for {found.seconds:.1f} s "
                     f"(run.timeout_s = {self.timeout_s:g}): {'rank 0 is' if host0 else 'it is'} stopped, hung or "
-                    "gone", 0 if host0 else None)
+                    "gone",
+                    0 if host0 else None,
+                )
             else:
                 self._silence = PeerSilent(
                     f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for {found.seconds:.1f} s "
-                    f"(run.timeout_s = {self.timeout_s:g}): it is stopped, hung or cut off", found.rank)
+                    f"(run.timeout_s = {self.timeout_s:g}): it is stopped, hung or cut off",
+                    found.rank,
+                )
             log.info("%s", self._silence)
             self._watched.cancel()
             return

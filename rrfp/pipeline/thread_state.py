@@ -24,6 +24,7 @@ What else is per thread, and why it is not carried:
   module's ``forward``.
 - ``torch.backends`` flags and ``torch.set_num_threads`` are process-wide, not per thread.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,15 +59,22 @@ class ThreadState:
         ``trains`` says whether it runs a backward."""
         inference = torch.is_inference_mode_enabled()
         if inference and trains:
-            raise RuntimeError(f"{where} trains (its backward needs a graph) and cannot run under "
-                               f"torch.inference_mode(); run it outside")
+            raise RuntimeError(
+                f"{where} trains (its backward needs a graph) and cannot run under "
+                f"torch.inference_mode(); run it outside"
+            )
         if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
-            raise NotImplementedError(f"{where}: saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
-                                      f"save_on_cpu) around it do not reach the stage's tasks, which run on "
-                                      f"rrfp's compute lane; enter them inside the stage module's forward")
+            raise NotImplementedError(
+                f"{where}: saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, "
+                f"save_on_cpu) around it do not reach the stage's tasks, which run on "
+                f"rrfp's compute lane; enter them inside the stage module's forward"
+            )
         cache = torch.is_autocast_cache_enabled()
-        enabled = tuple(Autocast(d, torch.get_autocast_dtype(d), cache) for d in _device_types()
-                        if torch.is_autocast_enabled(d))
+        enabled = tuple(
+            Autocast(d, torch.get_autocast_dtype(d), cache)
+            for d in _device_types()
+            if torch.is_autocast_enabled(d)
+        )
         return cls(enabled, inference)
 
     def wrap(self, fn: Callable) -> Callable:
@@ -79,11 +87,17 @@ class ThreadState:
                 if self.inference_mode:
                     stack.enter_context(torch.inference_mode())
                 for a in self.autocast:
-                    stack.enter_context(torch.autocast(a.device_type, a.dtype, cache_enabled=a.cache_enabled))
+                    stack.enter_context(
+                        torch.autocast(a.device_type, a.dtype, cache_enabled=a.cache_enabled)
+                    )
                 return fn(*args)
+
         return run
 
 
 def _device_types() -> list[str]:
-    return [d for d in (*_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())
-            if torch.amp.is_autocast_available(d)]
+    return [
+        d
+        for d in (*_DEVICE_TYPES, torch._C._get_privateuse1_backend_name())
+        if torch.amp.is_autocast_available(d)
+    ]

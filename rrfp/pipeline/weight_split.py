@@ -37,6 +37,7 @@ may run again). A stage whose gathering would run a checkpointed node runs its
 backward unsplit. B stays outside the group: a restart node runs in B and again
 in W.
 """
+
 from __future__ import annotations
 
 import logging
@@ -81,8 +82,12 @@ class WeightPlan:
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
     """Ids of the parameters whose split-aware layers queue their own W (computed once per stage)."""
-    return frozenset(id(p) for m in module.modules() if getattr(m, "defers_weight_grad", False)
-                     for p in m.parameters(recurse=False))
+    return frozenset(
+        id(p)
+        for m in module.modules()
+        if getattr(m, "defers_weight_grad", False)
+        for p in m.parameters(recurse=False)
+    )
 
 
 class _Graph:
@@ -95,7 +100,9 @@ class _Graph:
         for r in roots:
             self._visit(r, input_nodes)
 
-    def _visit(self, node, input_nodes) -> None:  # iterative post-order: graphs can outgrow the recursion limit
+    def _visit(
+        self, node, input_nodes
+    ) -> None:  # iterative post-order: graphs can outgrow the recursion limit
         stack = [(node, False)]
         while stack:
             n, done = stack.pop()
@@ -145,8 +152,12 @@ class _Graph:
         return False
 
 
-def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-         deferred: frozenset[int] = frozenset()) -> WeightPlan:
+def plan(
+    module: nn.Module,
+    outputs: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    deferred: frozenset[int] = frozenset(),
+) -> WeightPlan:
     """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
     left to their layer's own W queue (``queued_parameters``)."""
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
@@ -179,10 +190,14 @@ def plan(module: nn.Module, outputs: list[torch.Tensor], inputs: list[torch.Tens
         owners.setdefault(pid, []).append(_OUTPUTS)
 
     result = WeightPlan()
-    queuing = {n for n in frontier if deferred and n.name() == _QUEUES_OWN_W}  # B ran these: they queued W
+    queuing = {
+        n for n in frontier if deferred and n.name() == _QUEUES_OWN_W
+    }  # B ran these: they queued W
     for pid, who in owners.items():
         who = list(dict.fromkeys(who))
-        if len(who) > 1 and not (pid in deferred and queuing.issuperset(who)):  # all queued: nothing to gather
+        if len(who) > 1 and not (
+            pid in deferred and queuing.issuperset(who)
+        ):  # all queued: nothing to gather
             reason = _why_not_gathered(g, frontier, who, pid, 0 if deferred else RERUN_LIMIT)
             if reason:
                 result.in_b.append(by_id[pid])
@@ -240,23 +255,30 @@ def _gathering_runs(g: _Graph, points: dict) -> set:
 # torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside the
 # engine, which torch refuses under torch.autograd.grad (the split's B and W): such a graph is not split.
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
-WHOLE_REENTRANT = ("its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
-                   "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
-                   "use_reentrant=False lets it split")
+WHOLE_REENTRANT = (
+    "its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
+    "which torch.autograd.grad cannot run: B computes every gradient and W nothing; "
+    "use_reentrant=False lets it split"
+)
 
 WHOLE_CHECKPOINT_GATHERED = (
     "W would gather a parameter's uses through a non-reentrant checkpoint's region (a parameter used more "
     "than once there), running its nodes twice, which W's one recomputation per region "
-    "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing")
+    "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
+)
 
 # rrfp.nn.split_linear's node: its backward queues its weights' W. W must not run it again, but its
 # use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
 _QUEUES_OWN_W = "_SplitLinearFnBackward"
 
-RERUN_LIMIT = 16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
+RERUN_LIMIT = (
+    16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
+)
 
 
-def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limit: int) -> str | None:
+def _why_not_gathered(
+    g: _Graph, frontier: dict, who: list, pid: int, rerun_limit: int
+) -> str | None:
     """Why W cannot gather, use by use, a parameter that several B nodes reach; None if it can.
 
     A restart at n captures the gradient arriving on n's frontier edges toward the parameter.
@@ -276,7 +298,9 @@ def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limi
         starts = [(c, nr) for (c, nr), pids in frontier[m].items() if pid in pids]
         below = set().union(*({c} | nodes_below(c) for c, _ in starts))
         reach_nodes[m] = below
-        reach_edges[m] = set(starts) | {(c, nr) for x in below for c, nr in x.next_functions if c is not None}
+        reach_edges[m] = set(starts) | {
+            (c, nr) for x in below for c, nr in x.next_functions if c is not None
+        }
     for n in nodes:
         edges = [(c, nr) for (c, nr), pids in frontier[n].items() if pid in pids]
         targets = {c for c, _ in edges}
@@ -289,12 +313,16 @@ def _why_not_gathered(g: _Graph, frontier: dict, who: list, pid: int, rerun_limi
         if same and g.reaches_below(n, same):
             m = next(m for m in same if g.reaches_below(n, {m}))
             fed = next(c for c, nr in edges if (c, nr) in reach_edges[m])
-            fed = "its gradient accumulator" if fed in g.params else f"the same input of {fed.name()}"
+            fed = (
+                "its gradient accumulator" if fed in g.params else f"the same input of {fed.name()}"
+            )
             return f"it is used at {n.name()} and at {m.name()} below it, and both feed {fed}"
         rerun = g.between(n, rivals)
         if rerun > rerun_limit:
-            return (f"gathering its uses at {n.name()} would run {rerun} nodes of B again "
-                    f"(more than {rerun_limit})")
+            return (
+                f"gathering its uses at {n.name()} would run {rerun} nodes of B again "
+                f"(more than {rerun_limit})"
+            )
     return None
 
 
@@ -319,9 +347,15 @@ def _announce(module: nn.Module, result: WeightPlan) -> None:
         if name not in _warned:
             _warned.add(name)
             by_module.setdefault(name.rpartition(".")[0] or "(root)", []).append(
-                f"{name}: {result.reasons[id(p)]}")
+                f"{name}: {result.reasons[id(p)]}"
+            )
     for owner, lines in by_module.items():
-        log.warning("module %s computes %d weight gradient(s) in B, not W: %s", owner, len(lines), "; ".join(lines))
+        log.warning(
+            "module %s computes %d weight gradient(s) in B, not W: %s",
+            owner,
+            len(lines),
+            "; ".join(lines),
+        )
 
 
 def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
@@ -330,18 +364,27 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
     if weights.whole:
         torch.autograd.backward(outputs, grads)
         return [x.grad for x in inputs]
-    handles = [node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
-               for node in weights.points]
+    handles = [
+        node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
+        for node in weights.points
+    ]
     try:
-        weights.outputs = [(edge, g if g is not None else torch.ones_like(o))
-                           for o, g in zip(outputs, grads) if (edge := get_gradient_edge(o)).node in weights.output_nodes]
+        weights.outputs = [
+            (edge, g if g is not None else torch.ones_like(o))
+            for o, g in zip(outputs, grads)
+            if (edge := get_gradient_edge(o)).node in weights.output_nodes
+        ]
         asked = list(inputs) + weights.in_b
-        found = list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True)) if asked else []
-        _accumulate(weights.in_b, found[len(inputs):])
+        found = (
+            list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True))
+            if asked
+            else []
+        )
+        _accumulate(weights.in_b, found[len(inputs) :])
     finally:
         for h in handles:
             h.remove()
-    return found[:len(inputs)]
+    return found[: len(inputs)]
 
 
 def backward_weight(weights: WeightPlan) -> None:
@@ -358,25 +401,37 @@ def backward_weight(weights: WeightPlan) -> None:
 
 def _restart_all(weights: WeightPlan) -> None:
     if weights.from_outputs:
-        _grad_into(weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs])
+        _grad_into(
+            weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs]
+        )
     for node, work in weights.points.items():
         captured = weights.captured.get(node)
         if captured is None or all(g is None for g in captured):
             continue  # no gradient reached this node (an output that did not matter)
         seeds = [(GradientEdge(node, k), g) for k, g in enumerate(captured) if g is not None]
         asked = work.params + [GradientEdge(c, nr) for c, nr in work.edges]
-        found = torch.autograd.grad([e for e, _ in seeds], asked, [g for _, g in seeds],
-                                    retain_graph=True, allow_unused=True)
-        _accumulate(work.params, found[:len(work.params)])
-        flows = [(GradientEdge(c, nr), f) for (c, nr), f in zip(work.edges, found[len(work.params):])
-                 if f is not None]
+        found = torch.autograd.grad(
+            [e for e, _ in seeds],
+            asked,
+            [g for _, g in seeds],
+            retain_graph=True,
+            allow_unused=True,
+        )
+        _accumulate(work.params, found[: len(work.params)])
+        flows = [
+            (GradientEdge(c, nr), f)
+            for (c, nr), f in zip(work.edges, found[len(work.params) :])
+            if f is not None
+        ]
         if flows:  # the parameter-only part of the graph: no B node runs here
             _grad_into(work.shared, [e for e, _ in flows], [f for _, f in flows])
 
 
 def _grad_into(params: list, edges: list, grads: list) -> None:
     if edges:
-        _accumulate(params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True))
+        _accumulate(
+            params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
+        )
 
 
 def _accumulate(params, grads) -> None:

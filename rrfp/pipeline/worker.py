@@ -26,6 +26,7 @@ with a None gradient. A received floating tensor requires grad when the sending
 stage produced it requiring grad (``requires_grad`` of F, from the message
 header; rrfp/pipeline/boundary.py): constants stay constants.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,7 +62,9 @@ class _Slot:
     """What one microbatch holds between its F and its last backward task."""
 
     state: _State
-    input: torch.Tensor | tuple | None  # as the module got it: a tensor, or a tuple of tensors and None
+    input: (
+        torch.Tensor | tuple | None
+    )  # as the module got it: a tensor, or a tuple of tensors and None
     output: torch.Tensor | tuple | list | None  # stage output, or the scaled loss on the last stage
     queue: WeightGradQueue
     nbytes: int
@@ -84,13 +87,23 @@ class SplitSummary:
 class StageWorker:
     """Runs F(mb), B(mb), W(mb) of stage `stage` of `num_stages` on `module`."""
 
-    def __init__(self, module: nn.Module, stage: int, num_stages: int, num_microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], split: bool,
-                 measure_activations: bool = True, weight_split: str = "autograd") -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        num_stages: int,
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        split: bool,
+        measure_activations: bool = True,
+        weight_split: str = "autograd",
+    ) -> None:
         if weight_split not in ("layers", "autograd"):
             raise ValueError(f"weight_split must be 'layers' or 'autograd', got {weight_split!r}")
         self.weight_split = weight_split
-        self._queued = queued_parameters(module)  # left to split-aware layers' own W queue (mode "layers")
+        self._queued = queued_parameters(
+            module
+        )  # left to split-aware layers' own W queue (mode "layers")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if num_microbatches <= 0:
@@ -99,7 +112,9 @@ class StageWorker:
         self._splat = takes_several(module)  # a tuple input becomes separate arguments
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.measure_activations = measure_activations  # hooks on every saved tensor: only for byte budgets
+        self.measure_activations = (
+            measure_activations  # hooks on every saved tensor: only for byte budgets
+        )
         self.losses: dict[int, torch.Tensor] = {}  # last stage: unscaled loss of each microbatch
         self._slots: dict[int, _Slot] = {}
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -109,7 +124,13 @@ class StageWorker:
 
     # -- tasks ---------------------------------------------------------------
 
-    def forward(self, mb: int, x, targets: torch.Tensor | None = None, requires_grad: list[bool] | None = None):
+    def forward(
+        self,
+        mb: int,
+        x,
+        targets: torch.Tensor | None = None,
+        requires_grad: list[bool] | None = None,
+    ):
         """F(mb). Returns the detached output to send (a tensor, or a tuple/list as the module
         returned it), or the (unscaled) loss on the last stage. ``requires_grad``: per received
         tensor, whether its sender produced it requiring grad (None: every floating one did)."""
@@ -120,11 +141,16 @@ class StageWorker:
             x = self._grad_leaves(mb, x, requires_grad)
         queue = WeightGradQueue()
         counter = _SavedBytes(self.module) if self.measure_activations else None
-        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack) if counter is not None
-                 else contextlib.nullcontext())
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(counter.pack, _unpack)
+            if counter is not None
+            else contextlib.nullcontext()
+        )
         use_queue = self.split and self.weight_split == "layers"
         with torch.enable_grad(), collect_weight_grads(queue if use_queue else None), hooks:
-            out = self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
+            out = (
+                self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
+            )
             if self.is_last:
                 loss = self.loss_fn(out, targets)
                 out = loss / self.num_microbatches
@@ -138,16 +164,23 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split:
-            weights = weight_split.plan(self.module, [t for t in outputs if _carries_grad(t)],
-                                        [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
-                                        self._deferred)
+            weights = weight_split.plan(
+                self.module,
+                [t for t in outputs if _carries_grad(t)],
+                [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
+                self._deferred,
+            )
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
             if weights.whole:
                 self._unsplit(weights.whole)
-        self._slots[mb] = _Slot(_State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights)
+        self._slots[mb] = _Slot(
+            _State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights
+        )
         if self.is_last:
-            self.losses[mb] = loss.detach()  # stays on the device: read once per iteration, not per task
+            self.losses[mb] = (
+                loss.detach()
+            )  # stays on the device: read once per iteration, not per task
             return self.losses[mb]
         if isinstance(out, torch.Tensor):
             return out.detach()
@@ -164,7 +197,9 @@ class StageWorker:
         """F without a graph (evaluation): (output, unscaled loss on the last stage, else None). Keeps
         nothing and checks no task order: it is no part of a training iteration."""
         with torch.no_grad():
-            out = self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
+            out = (
+                self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
+            )
             return out, self.loss_fn(out, targets) if self.is_last and targets is not None else None
 
     def backward(self, mb: int, grad_output=None):
@@ -177,30 +212,47 @@ class StageWorker:
         outputs = _flat(slot.output)
         if self.is_last:
             if grad_output is not None:
-                raise RuntimeError(f"stage {self.stage}: B{mb} on the last stage takes no grad_output")
+                raise RuntimeError(
+                    f"stage {self.stage}: B{mb} on the last stage takes no grad_output"
+                )
             pairs = [(slot.output, None)]  # the scaled loss: autograd seeds it with 1
         else:
             if grad_output is None and any(_carries_grad(t) for t in outputs):
-                raise RuntimeError(f"stage {self.stage}: B{mb} needs grad_output from stage {self.stage + 1}")
+                raise RuntimeError(
+                    f"stage {self.stage}: B{mb} needs grad_output from stage {self.stage + 1}"
+                )
             grads = _flat(grad_output) if grad_output is not None else [None] * len(outputs)
             if len(grads) != len(outputs):
-                raise RuntimeError(f"stage {self.stage}: B{mb} got {len(grads)} grad_output tensor(s) "
-                                   f"for {len(outputs)} output(s)")
+                raise RuntimeError(
+                    f"stage {self.stage}: B{mb} got {len(grads)} grad_output tensor(s) "
+                    f"for {len(outputs)} output(s)"
+                )
             for i, (o, g) in enumerate(zip(outputs, grads)):
                 if o is not None and g is not None and g.shape != o.shape:
                     which = " " if len(outputs) == 1 else f" {i} "
-                    raise RuntimeError(f"stage {self.stage}: B{mb} grad_output{which}shape {tuple(g.shape)} "
-                                       f"!= output{which}shape {tuple(o.shape)}")
+                    raise RuntimeError(
+                        f"stage {self.stage}: B{mb} grad_output{which}shape {tuple(g.shape)} "
+                        f"!= output{which}shape {tuple(o.shape)}"
+                    )
             pairs = [(o, g) for o, g in zip(outputs, grads) if _carries_grad(o) and g is not None]
         outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         inputs = [] if slot.input is None else [t for t in _flat(slot.input) if _carries_grad(t)]
         if not pairs:  # no gradient reaches this stage's outputs: nothing to do in B or W
             found = []
         elif slot.weights is not None:  # input gradient only; W does the weights
-            if self._measured(mb) and slot.weights.in_b and not self._deferred:  # B without them, once
+            if (
+                self._measured(mb) and slot.weights.in_b and not self._deferred
+            ):  # B without them, once
                 # (not with split-aware layers: an extra backward would queue their W twice)
-                self._flops["input"] = _flops(lambda: torch.autograd.grad(
-                    outs, inputs, grads, retain_graph=True, allow_unused=True) if inputs else None)
+                self._flops["input"] = _flops(
+                    lambda: (
+                        torch.autograd.grad(
+                            outs, inputs, grads, retain_graph=True, allow_unused=True
+                        )
+                        if inputs
+                        else None
+                    )
+                )
             with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)), one_pass():
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
@@ -217,13 +269,17 @@ class StageWorker:
     def weight(self, mb: int) -> None:
         """W(mb): run the weight-gradient closures B queued."""
         if not self.split:
-            raise RuntimeError(f"stage {self.stage}: W{mb} called but the backward is not split "
-                               "(split=False: B computes all gradients)")
+            raise RuntimeError(
+                f"stage {self.stage}: W{mb} called but the backward is not split "
+                "(split=False: B computes all gradients)"
+            )
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
         # one pass per task (B or W of a microbatch): each parameter's post-accumulate-grad hooks run once,
         # also for a weight both gathered by the split and queued by its layer
         with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)), one_pass():
-            if slot.weights is not None:  # first: on the first stage it also runs the layers that queue closures
+            if (
+                slot.weights is not None
+            ):  # first: on the first stage it also runs the layers that queue closures
                 weight_split.backward_weight(slot.weights)
             slot.queue.run()
         self._finish(mb, slot)
@@ -241,7 +297,8 @@ class StageWorker:
                 f"stage {self.stage}: {task}: weight_split='layers' cannot run split-aware layers inside "
                 "torch.utils.checkpoint(use_reentrant=False): its recomputation runs them outside the W "
                 "queue; use weight_split='autograd' (the default). torch said: "
-                f"{str(e).splitlines()[0]}") from e
+                f"{str(e).splitlines()[0]}"
+            ) from e
 
     def _unsplit(self, why: str) -> None:
         """The stage's graph cannot be split: say so once, and count all its parameters as computed in B."""
@@ -260,7 +317,9 @@ class StageWorker:
         if f is not None and "w" in f:
             in_b = f.get("b", 0) - f.get("input", f.get("b", 0))
             share = f["w"] / (f["w"] + in_b) if f["w"] + in_b > 0 else None
-        params = sum(1 for p in self.module.parameters() if p.requires_grad and id(p) not in self._deferred)
+        params = sum(
+            1 for p in self.module.parameters() if p.requires_grad and id(p) not in self._deferred
+        )
         return SplitSummary(dict(self._in_b), params, share)
 
     @property
@@ -287,7 +346,9 @@ class StageWorker:
     def reset(self) -> None:
         """Start a new iteration: every microbatch must have finished its last backward."""
         if self.inflight:
-            raise RuntimeError(f"stage {self.stage}: reset with microbatches in flight {list(self.inflight)}")
+            raise RuntimeError(
+                f"stage {self.stage}: reset with microbatches in flight {list(self.inflight)}"
+            )
         self._slots.clear()
         self.losses.clear()
 
@@ -306,13 +367,17 @@ class StageWorker:
     def _check(self, task: Task, want: _State | None) -> _Slot | None:
         mb = task.mb
         if not 0 <= mb < self.num_microbatches:
-            raise RuntimeError(f"stage {self.stage}: {task} out of range (num_microbatches={self.num_microbatches})")
+            raise RuntimeError(
+                f"stage {self.stage}: {task} out of range (num_microbatches={self.num_microbatches})"
+            )
         slot = self._slots.get(mb)
         have = None if slot is None else slot.state
         if have is want:
             return slot
         if want is None:
-            raise RuntimeError(f"stage {self.stage}: {task} twice in one iteration (call reset() between iterations)")
+            raise RuntimeError(
+                f"stage {self.stage}: {task} twice in one iteration (call reset() between iterations)"
+            )
         if have is None:
             raise RuntimeError(f"stage {self.stage}: {task} before F{mb}")
         if want is _State.B_DONE and have is _State.F_DONE:
@@ -320,15 +385,24 @@ class StageWorker:
         raise RuntimeError(f"stage {self.stage}: {task} twice in one iteration")
 
     def _finish(self, mb: int, slot: _Slot) -> None:
-        slot.state, slot.queue, slot.nbytes, slot.weights = _State.FINISHED, WeightGradQueue(), 0, None
+        slot.state, slot.queue, slot.nbytes, slot.weights = (
+            _State.FINISHED,
+            WeightGradQueue(),
+            0,
+            None,
+        )
 
     def _grad_leaves(self, mb: int, x, bits: list[bool] | None):
         """A received input as autograd leaves: floats its sender had require grad require it (all
         floats when ``bits`` is None); other tensors and None pass."""
-        if not isinstance(x, torch.Tensor) and (not isinstance(x, (tuple, list))
-                                                or not all(t is None or isinstance(t, torch.Tensor) for t in x)):
-            raise RuntimeError(f"stage {self.stage}: F{mb} input must be a tensor or a tuple of tensors and None, "
-                               f"got {_describe(x)}")
+        if not isinstance(x, torch.Tensor) and (
+            not isinstance(x, (tuple, list))
+            or not all(t is None or isinstance(t, torch.Tensor) for t in x)
+        ):
+            raise RuntimeError(
+                f"stage {self.stage}: F{mb} input must be a tensor or a tuple of tensors and None, "
+                f"got {_describe(x)}"
+            )
         try:
             return received(x, bits)
         except ValueError as e:
@@ -336,10 +410,15 @@ class StageWorker:
 
     def _check_output(self, mb: int, out, outputs: list) -> None:
         """What a stage sends on must fit a message: tensors and None, at least one entry."""
-        if (not isinstance(out, (torch.Tensor, tuple, list)) or not outputs
-                or not all(t is None or isinstance(t, torch.Tensor) for t in outputs)):
-            raise RuntimeError(f"stage {self.stage}: F{mb} output must be a tensor or a non-empty tuple/list "
-                               f"of tensors and None, got {_describe(out)}")
+        if (
+            not isinstance(out, (torch.Tensor, tuple, list))
+            or not outputs
+            or not all(t is None or isinstance(t, torch.Tensor) for t in outputs)
+        ):
+            raise RuntimeError(
+                f"stage {self.stage}: F{mb} output must be a tensor or a non-empty tuple/list "
+                f"of tensors and None, got {_describe(out)}"
+            )
 
 
 class _GlobalOnly:
@@ -407,7 +486,6 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-
 class _SavedBytes:
     """Counts the storage autograd keeps for backward, once per storage, parameters excluded."""
 
@@ -418,7 +496,10 @@ class _SavedBytes:
     def add(self, t: torch.Tensor) -> None:
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no plain storage (sparse, nested): not counted
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # no plain storage (sparse, nested): not counted
             return
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())
@@ -435,8 +516,10 @@ def _unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
     made here: a saved tensor modified in place after F would give silently wrong gradients."""
     t, version = packed
     if t._version != version:
-        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
-                           f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                           f"expected version {version} instead (the stage's forward changed a tensor in "
-                           f"place after autograd saved it, as plain PyTorch also refuses)")
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+            f"expected version {version} instead (the stage's forward changed a tensor in "
+            f"place after autograd saved it, as plain PyTorch also refuses)"
+        )
     return t

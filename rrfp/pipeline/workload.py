@@ -5,6 +5,7 @@ app finds it by name (``[run] model = "gpt"``), so adding a model needs no
 edit to rrfp. Splitting stays model-agnostic: ``build_stage`` returns this
 stage's chunk as an ``nn.Module``, whatever the model is.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,9 @@ def token_features(batch: Batch) -> dict:
     """What a microbatch of token sequences costs: its targets' tokens and the attention
     term (rows x length squared). The cost model (rrfp.core.cost) turns these into time."""
     targets = batch[1]
-    rows, length = (targets.shape[0], targets.shape[-1]) if targets.dim() > 1 else (1, targets.numel())
+    rows, length = (
+        (targets.shape[0], targets.shape[-1]) if targets.dim() > 1 else (1, targets.numel())
+    )
     return {"tokens": float(targets.numel()), "attn": float(rows * length * length), "patches": 0.0}
 
 
@@ -58,8 +61,14 @@ class Workload:
     # parameters shared between stages (a tied embedding and lm head), kept equal by rrfp
     tied: Callable[[Any, int, int], dict[str, str]] | None = None
 
-    def build_stages(self, model_cfg: Any, stages: Sequence[int], num_stages: int, seed: int,
-                     tp_group: Any = None) -> list[nn.Module]:
+    def build_stages(
+        self,
+        model_cfg: Any,
+        stages: Sequence[int],
+        num_stages: int,
+        seed: int,
+        tp_group: Any = None,
+    ) -> list[nn.Module]:
         """One module per stage in ``stages`` (a rank's virtual stages), each built from ``seed`` as
         ``build_stage`` builds one: the full model from the seed, cut down to that stage, so that
         the pieces on every rank are pieces of one model."""

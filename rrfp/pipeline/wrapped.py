@@ -7,6 +7,7 @@ be synced once per microbatch, or resharded under a later task, or a collective 
 ever. rrfp's own data parallelism (``dp``, ``PipelineRuntime.grad_sync``) syncs after the
 iteration instead. A wrapper anywhere inside the stage module counts, not only around it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,5 +25,7 @@ def refuse_wrapped(module: torch.nn.Module, who: str) -> None:
     for name, sub in module.named_modules():
         if isinstance(sub, (DistributedDataParallel, FSDPModule)):
             inside = f"; its submodule {name} is one" if name else ""
-            raise NotImplementedError(f"{who} does not support a stage module wrapped in {type(sub).__name__} "
-                                      f"(data parallelism inside the stage) yet{inside}")
+            raise NotImplementedError(
+                f"{who} does not support a stage module wrapped in {type(sub).__name__} "
+                f"(data parallelism inside the stage) yet{inside}"
+            )

@@ -30,6 +30,7 @@ several tensors and None. The runtime lives on a loop in a thread of its own
 ``last_result`` is rrfp's ``IterationResult`` of the last step: busy and wall
 time (the bubble), the order the stage ran its tasks in.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -40,7 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.pipelining.microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
+from torch.distributed.pipelining.microbatch import (
+    TensorChunkSpec,
+    merge_chunks,
+    split_args_kwargs_into_chunks,
+)
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from rrfp.core.errors import StartupError
@@ -152,10 +157,26 @@ class ScheduleReady:
         """This step's microbatch features (``step(cost_features=)``), for the cost model."""
         return self._step_features
 
-    def __init__(self, stage, n_microbatches: int, loss_fn=None, args_chunk_spec=None, kwargs_chunk_spec=None,
-                 output_merge_spec=None, scale_grads: bool = True, *, hint="bfw", budget="2x",
-                 dispatch: str = "ready", timeout_s: float = 60.0, tied=None, on_nonfinite: str | None = "stop",
-                 dp_sync: bool = False, split: bool | None = None, cost=None) -> None:
+    def __init__(
+        self,
+        stage,
+        n_microbatches: int,
+        loss_fn=None,
+        args_chunk_spec=None,
+        kwargs_chunk_spec=None,
+        output_merge_spec=None,
+        scale_grads: bool = True,
+        *,
+        hint="bfw",
+        budget="2x",
+        dispatch: str = "ready",
+        timeout_s: float = 60.0,
+        tied=None,
+        on_nonfinite: str | None = "stop",
+        dp_sync: bool = False,
+        split: bool | None = None,
+        cost=None,
+    ) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
@@ -163,8 +184,9 @@ class ScheduleReady:
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
-        self._settings = dict(budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite,
-                              tied=_under_submod(tied))
+        self._settings = dict(
+            budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite, tied=_under_submod(tied)
+        )
         self._hint, self._split = resolve(hint), split  # split None: the hint's default
         if cost is not None:
             self._settings["cost"] = cost
@@ -178,51 +200,83 @@ class ScheduleReady:
         indices = tuple(s.stage_index for s in stages)
         self._loop = BackgroundLoop(f"rrfp-stage{'-'.join(map(str, indices))}")
         try:
-            self._runtime = self._loop.call(_start(layout, backend, timeout_s, self._unit_ms, virtual, placement))
+            self._runtime = self._loop.call(
+                _start(layout, backend, timeout_s, self._unit_ms, virtual, placement)
+            )
         except BaseException:
             self._loop.close()
             raise
         if tuple(self._runtime.stages) != indices:
             self.close(wait_for_peers=False)
-            raise ValueError(f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places stages "
-                             f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of the "
-                             f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)")
+            raise ValueError(
+                f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places stages "
+                f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of the "
+                f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)"
+            )
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
 
     # -- torch's surface -----------------------------------------------------
 
-    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
-             target_mbs: list | None = None, cost_features: list | None = None, **kwargs):
+    def step(
+        self,
+        *args,
+        target=None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict | None = None,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        cost_features: list | None = None,
+        **kwargs,
+    ):
         """One iteration over the whole batch ``args``/``kwargs`` (split here), or over pre-split
         microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
         one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage.
         ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every rank."""
         if self._has_backward and "cost" in self._settings and cost_features is None:
-            raise ValueError(f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
-                             f"cost_features=[rrfp.token_features(b) for b in microbatches], one dict per "
-                             f"microbatch ({self._n_microbatches}), the same list on every rank")
+            raise ValueError(
+                f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
+                f"cost_features=[rrfp.token_features(b) for b in microbatches], one dict per "
+                f"microbatch ({self._n_microbatches}), the same list on every rank"
+            )
         self._step_features = cost_features
         if self._closed:
             raise RuntimeError("ScheduleReady.step after close()")
         if self._has_backward and not torch.is_grad_enabled():
-            raise RuntimeError("step() requires gradients to be enabled for backward computation; it should not "
-                               "be used under torch.no_grad() context. Please call eval() instead.")
+            raise RuntimeError(
+                "step() requires gradients to be enabled for backward computation; it should not "
+                "be used under torch.no_grad() context. Please call eval() instead."
+            )
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses)}")
         # the caller's autocast, read on its thread: the stages run on rrfp's loop and lane threads
-        state = ThreadState.capture("ScheduleReady.step" if self._has_backward else "ScheduleReady.eval",
-                                    trains=self._has_backward)
+        state = ThreadState.capture(
+            "ScheduleReady.step" if self._has_backward else "ScheduleReady.eval",
+            trains=self._has_backward,
+        )
         presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
-        arg_mbs, kwarg_mbs, target_mbs = self._microbatches(args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        arg_mbs, kwarg_mbs, target_mbs = self._microbatches(
+            args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs
+        )
         keep = return_outputs and self._holds_last
         if self._has_backward:
-            outputs, mb_losses = self._train(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep, state)
+            outputs, mb_losses = self._train(
+                arg_mbs, kwarg_mbs, target_mbs, loss_kwargs or {}, keep, state
+            )
         else:
-            outputs, mb_losses = self._loop.call(self._forward_only(self._iteration, arg_mbs, kwarg_mbs, target_mbs,
-                                                                    loss_kwargs or {}, torch.is_grad_enabled(),
-                                                                    state))
+            outputs, mb_losses = self._loop.call(
+                self._forward_only(
+                    self._iteration,
+                    arg_mbs,
+                    kwarg_mbs,
+                    target_mbs,
+                    loss_kwargs or {},
+                    torch.is_grad_enabled(),
+                    state,
+                )
+            )
         self._iteration += 1
         if self._holds_last and losses is not None and self._loss_fn is not None:
             losses.clear()
@@ -245,16 +299,20 @@ class ScheduleReady:
     # -- what torch's multi-stage schedules have and this one has not (yet) ----
 
     def register_custom_function(self, *args, **kwargs):
-        raise NotImplementedError("ScheduleReady does not take custom functions (torch's register_custom_function "
-                                  "on _PipelineScheduleRuntime): rrfp's executor decides what runs when; use "
-                                  "hint= to change its priorities")
+        raise NotImplementedError(
+            "ScheduleReady does not take custom functions (torch's register_custom_function "
+            "on _PipelineScheduleRuntime): rrfp's executor decides what runs when; use "
+            "hint= to change its priorities"
+        )
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
         """torch's schedule CSV as this schedule's hint: this stage's row becomes its priority order
         (rrfp/pipelining/torch_csv.py). Only ``compute_only`` schedules are read."""
         if format != "compute_only":
-            raise NotImplementedError(f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
-                                      f"{format!r}: rrfp does its own communication")
+            raise NotImplementedError(
+                f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
+                f"{format!r}: rrfp does its own communication"
+            )
         self._hint, self._split = read_torch_csv(filename)
         if self._executor is not None:
             self._executor = self._new_executor()
@@ -294,16 +352,27 @@ class ScheduleReady:
     # -- internals -----------------------------------------------------------
 
     def _new_executor(self):
-        ex = self._runtime.stage_executor(self._modules, self._loss, microbatches=self._n_microbatches,
-                                          hint=self._hint, split=self._split, **self._settings, **self._emulation())
+        ex = self._runtime.stage_executor(
+            self._modules,
+            self._loss,
+            microbatches=self._n_microbatches,
+            hint=self._hint,
+            split=self._split,
+            **self._settings,
+            **self._emulation(),
+        )
         if self._dp_sync:
-            held = self._modules[0] if len(self._modules) == 1 else torch.nn.ModuleList(self._modules)
+            held = (
+                self._modules[0] if len(self._modules) == 1 else torch.nn.ModuleList(self._modules)
+            )
             self._sync = self._runtime.grad_sync(held, ex)
         return ex
 
     async def _iterate(self, batches, state: ThreadState):
         """One iteration under the caller's thread state, then (dp_sync) the gradients averaged over the replicas."""
-        result = await self._executor.run_iteration(self._iteration, batches, self._features(), thread_state=state)
+        result = await self._executor.run_iteration(
+            self._iteration, batches, self._features(), thread_state=state
+        )
         if self._sync is not None:
             await self._sync.sync()
         return result
@@ -312,7 +381,11 @@ class ScheduleReady:
         """torch's merge_chunks; pre-split microbatches whose outputs differ in shape cannot be
         concatenated, and come back as the list of outputs, one per microbatch."""
         if presplit:
-            shapes = {tuple(t.shape[1:]) for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)}
+            shapes = {
+                tuple(t.shape[1:])
+                for t in pytree.tree_leaves(outputs)
+                if isinstance(t, torch.Tensor)
+            }
             if len(shapes) > 1 and self._output_merge_spec is None:
                 return outputs
         return merge_chunks(outputs, self._output_merge_spec)
@@ -321,40 +394,63 @@ class ScheduleReady:
         M = self._n_microbatches
         if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
             if args or kwargs or target is not None:
-                raise ValueError("pass either the whole batch (args, kwargs, target=) or pre-split microbatches "
-                                 "(arg_mbs=, kwarg_mbs=, target_mbs=), not both")
-            for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
+                raise ValueError(
+                    "pass either the whole batch (args, kwargs, target=) or pre-split microbatches "
+                    "(arg_mbs=, kwarg_mbs=, target_mbs=), not both"
+                )
+            for name, mbs in (
+                ("arg_mbs", arg_mbs),
+                ("kwarg_mbs", kwarg_mbs),
+                ("target_mbs", target_mbs),
+            ):
                 if mbs is not None and not isinstance(mbs, list):
                     raise TypeError(f"{name} must be a list but got a {type(mbs)}")
                 if mbs is not None and len(mbs) != M:
                     raise ValueError(f"Expecting {M} {name} but got {len(mbs)}")
-            arg_mbs = [a if isinstance(a, tuple) else (a,) for a in arg_mbs] if arg_mbs is not None else [()] * M
+            arg_mbs = (
+                [a if isinstance(a, tuple) else (a,) for a in arg_mbs]
+                if arg_mbs is not None
+                else [()] * M
+            )
             kwarg_mbs = kwarg_mbs if kwarg_mbs is not None else [{}] * M
             bad = [i for i, k in enumerate(kwarg_mbs) if not isinstance(k, dict)]
             if bad:
-                raise TypeError(f"kwarg_mbs entries must be dicts; entry {bad[0]} is a {type(kwarg_mbs[bad[0]])}")
+                raise TypeError(
+                    f"kwarg_mbs entries must be dicts; entry {bad[0]} is a {type(kwarg_mbs[bad[0]])}"
+                )
         else:
             if args or kwargs:
-                arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(args, kwargs, M, self._args_chunk_spec,
-                                                                   self._kwargs_chunk_spec)
+                arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
+                    args, kwargs, M, self._args_chunk_spec, self._kwargs_chunk_spec
+                )
             else:
                 arg_mbs, kwarg_mbs = [()] * M, [{}] * M
             if target is not None:
-                target_mbs = [t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]]
+                target_mbs = [
+                    t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]
+                ]
         if any(kwarg_mbs) and (not self._holds_first or len(self._stages) > 1):
             # torch's multi-stage schedules pass a rank's kwargs to every stage it holds (forward_one_chunk)
-            raise NotImplementedError(f"stages {[s.stage_index for s in self._stages]}: keyword arguments to a "
-                                      f"stage other than the first are not supported by ScheduleReady yet (with "
-                                      f"several stages per rank torch passes them to every one); pass them on the "
-                                      f"first stage of a one-stage rank and send what later stages need as outputs")
+            raise NotImplementedError(
+                f"stages {[s.stage_index for s in self._stages]}: keyword arguments to a "
+                f"stage other than the first are not supported by ScheduleReady yet (with "
+                f"several stages per rank torch passes them to every one); pass them on the "
+                f"first stage of a one-stage rank and send what later stages need as outputs"
+            )
         return arg_mbs, kwarg_mbs, target_mbs
 
-    def _train(self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool, state: ThreadState):
+    def _train(
+        self, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, keep: bool, state: ThreadState
+    ):
         M = self._n_microbatches
         batches = []
         for mb in range(M):
             x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb]) if self._holds_first else None
-            y = _Target(None if target_mbs is None else target_mbs[mb], mb) if self._holds_last else None
+            y = (
+                _Target(None if target_mbs is None else target_mbs[mb], mb)
+                if self._holds_last
+                else None
+            )
             batches.append((x, y))
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
         held = _take_grads(self._modules)
@@ -362,7 +458,9 @@ class ScheduleReady:
             self.last_result = self._loop.call(self._iterate(batches, state))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
-        if self.last_result.skipped:  # on_nonfinite = "skip": no gradient at all, the held ones included
+        if (
+            self.last_result.skipped
+        ):  # on_nonfinite = "skip": no gradient at all, the held ones included
             for p in _parameters(self._modules):
                 p.grad = None
         last = [w for w in self._executor.workers if w.is_last]
@@ -371,8 +469,16 @@ class ScheduleReady:
         self._loss.outputs = None
         return outputs, losses
 
-    async def _forward_only(self, it: int, arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: dict, grad: bool,
-                            state: ThreadState):
+    async def _forward_only(
+        self,
+        it: int,
+        arg_mbs,
+        kwarg_mbs,
+        target_mbs,
+        loss_kwargs: dict,
+        grad: bool,
+        state: ThreadState,
+    ):
         """Forward only (eval, or no loss_fn), in rrfp/pipeline/forward_pass.py's one global order,
         under the caller's thread state."""
         rt = self._runtime
@@ -383,12 +489,23 @@ class ScheduleReady:
                 out = held[s](*x) if isinstance(x, tuple) else held[s](x)
                 loss = None
                 if s == rt.num_stages - 1 and self._loss_fn is not None:
-                    loss = self._loss_fn(out, None if target_mbs is None else target_mbs[mb], **loss_kwargs)
+                    loss = self._loss_fn(
+                        out, None if target_mbs is None else target_mbs[mb], **loss_kwargs
+                    )
             return out, loss
 
-        return await forward_only(rt.lane, rt.rank_channels.of, list(held), rt.num_stages, rt.rank, it,
-                                  self._n_microbatches, lambda mb: _first_inputs(arg_mbs[mb], kwarg_mbs[mb]),
-                                  state.wrap(forward), keep_graph=grad)
+        return await forward_only(
+            rt.lane,
+            rt.rank_channels.of,
+            list(held),
+            rt.num_stages,
+            rt.rank,
+            it,
+            self._n_microbatches,
+            lambda mb: _first_inputs(arg_mbs[mb], kwarg_mbs[mb]),
+            state.wrap(forward),
+            keep_graph=grad,
+        )
 
 
 def _first_inputs(args: tuple, kwargs: dict):
@@ -431,16 +548,20 @@ def _stages_of(stage) -> list:
         raise ValueError("ScheduleReady needs at least one PipelineStage, got an empty list")
     for s in stages:
         if not isinstance(s, _PipelineStageBase):
-            raise TypeError(f"ScheduleReady takes a torch.distributed.pipelining PipelineStage (or a list of "
-                            f"them), got {type(s).__name__}")
+            raise TypeError(
+                f"ScheduleReady takes a torch.distributed.pipelining PipelineStage (or a list of "
+                f"them), got {type(s).__name__}"
+            )
     return sorted(stages, key=lambda s: s.stage_index)
 
 
 def _device_of(stages: list) -> torch.device:
     devices = {torch.device(s.device) for s in stages}
     if len(devices) != 1:
-        raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} are on different devices "
-                         f"{sorted(map(str, devices))}: ScheduleReady runs a rank's stages on one device")
+        raise ValueError(
+            f"this rank's stages {[s.stage_index for s in stages]} are on different devices "
+            f"{sorted(map(str, devices))}: ScheduleReady runs a rank's stages on one device"
+        )
     return devices.pop()
 
 
@@ -464,15 +585,19 @@ def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
     stage sets must also be one placement."""
     if not dist.is_initialized():
         _stages_of(stage)  # what is not a stage is named before the missing process group
-        raise RuntimeError("ScheduleReady needs an initialized process group (dist.init_process_group), as the "
-                           "PipelineStage does")
+        raise RuntimeError(
+            "ScheduleReady needs an initialized process group (dist.init_process_group), as the "
+            "PipelineStage does"
+        )
     try:
         stages = _stages_of(stage)
         device = _device_of(stages)
         mine, error = _checked(stages, n_microbatches), None
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
-    everyone = _gather(mine if error is None else (type(error).__name__, str(error)), error is None, timeout_s)
+    everyone = _gather(
+        mine if error is None else (type(error).__name__, str(error)), error is None, timeout_s
+    )
     if error is not None:
         raise error
     refused = [(q, outcome) for q, (ok, outcome) in enumerate(everyone) if not ok]
@@ -483,13 +608,19 @@ def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
         raise RuntimeError(f"rank {q}: {name}: {text}")
     placed = [placed for _, placed in everyone]
     if len({(len(indices), p) for indices, _, p, _ in placed}) > 1:
-        raise ValueError("the ranks' stages are not one placement: " + ", ".join(
-            f"rank {q} holds {indices} ({p})" for q, (indices, _, p, _) in enumerate(placed)))
+        raise ValueError(
+            "the ranks' stages are not one placement: "
+            + ", ".join(
+                f"rank {q} holds {indices} ({p})" for q, (indices, _, p, _) in enumerate(placed)
+            )
+        )
     _, virtual, placement, layout = mine
     return stages, layout, virtual, placement, device
 
 
-_REFUSALS = {e.__name__: e for e in (ValueError, TypeError, NotImplementedError)}  # another rank's, by name
+_REFUSALS = {
+    e.__name__: e for e in (ValueError, TypeError, NotImplementedError)
+}  # another rank's, by name
 
 
 def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
@@ -500,11 +631,15 @@ def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (ok, outcome), group=group)
-    except Exception as e:  # torch's DistStoreError / DistNetworkError / RuntimeError: a rank did not come
+    except (
+        Exception
+    ) as e:  # torch's DistStoreError / DistNetworkError / RuntimeError: a rank did not come
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise StartupError(f"rank {dist.get_rank()}: not every rank reached ScheduleReady's start within "
-                           f"timeout_s = {timeout_s:g} s (every rank constructs it, in the same order): "
-                           f"{type(e).__name__}: {first_line}") from None
+        raise StartupError(
+            f"rank {dist.get_rank()}: not every rank reached ScheduleReady's start within "
+            f"timeout_s = {timeout_s:g} s (every rank constructs it, in the same order): "
+            f"{type(e).__name__}: {first_line}"
+        ) from None
     dist.destroy_process_group(group)
     return everyone
 
@@ -512,24 +647,39 @@ def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
 def _checked(stages: list, n_microbatches) -> tuple:
     """This rank's own checks past its stages and device: (its stage indices, V, placement, rrfp's
     layout), or the error that names what is wrong."""
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches <= 0:
+    if (
+        isinstance(n_microbatches, bool)
+        or not isinstance(n_microbatches, int)
+        or n_microbatches <= 0
+    ):
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
     for s in stages:
         _check_module(s.submod)
     stage, world = stages[0], dist.get_world_size()
     pp = stage.group_size
-    mixed = [s.stage_index for s in stages if (s.num_stages, s.group_size, s.group_rank) !=
-             (stage.num_stages, pp, stage.group_rank)]
+    mixed = [
+        s.stage_index
+        for s in stages
+        if (s.num_stages, s.group_size, s.group_rank) != (stage.num_stages, pp, stage.group_rank)
+    ]
     if mixed:
-        raise ValueError(f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
-                         f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})")
+        raise ValueError(
+            f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
+            f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})"
+        )
     if world % pp:
-        raise ValueError(f"the stage's group has {pp} ranks, which does not divide the world size {world}")
+        raise ValueError(
+            f"the stage's group has {pp} ranks, which does not divide the world size {world}"
+        )
     layout = plan_layout(world, pp, 1, world // pp)
-    ranks = dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
+    ranks = (
+        dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
+    )
     if ranks not in layout.pp_groups():
-        raise NotImplementedError(f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
-                                  f"or the pipelines of {layout.short()} ({layout.pp_groups()})")
+        raise NotImplementedError(
+            f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
+            f"or the pipelines of {layout.short()} ({layout.pp_groups()})"
+        )
     indices = [s.stage_index for s in stages]
     return (indices, *_placement_of(indices, stage.num_stages, pp, stage.group_rank), layout)
 
@@ -539,21 +689,41 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
     (r, r + pp, ...: ScheduleInterleaved1F1B's) or v (r, 2pp - 1 - r: ZB-V's, DualPipeV's)."""
     virtual = len(indices)
     if num_stages != pp * virtual:
-        raise ValueError(f"group rank {rank} holds stages {indices} of {num_stages} on {pp} ranks: ScheduleReady "
-                         f"needs the same number of stages on every rank ({num_stages} / {pp} each)")
-    for placement in ("interleaved", "v") if virtual == 2 else ("interleaved",):  # v is for V = 2 only
+        raise ValueError(
+            f"group rank {rank} holds stages {indices} of {num_stages} on {pp} ranks: ScheduleReady "
+            f"needs the same number of stages on every rank ({num_stages} / {pp} each)"
+        )
+    for placement in (
+        ("interleaved", "v") if virtual == 2 else ("interleaved",)
+    ):  # v is for V = 2 only
         if tuple(indices) == VirtualLayout(pp, virtual, placement).stages_of(rank):
             return virtual, placement
     if virtual == 1:
-        raise ValueError(f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs stage i "
-                         f"on rank i of the group")
-    raise ValueError(f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "
-                     f"stages interleaved {list(VirtualLayout(pp, virtual).stages_of(rank))}"
-                     + (f" or v {list(VirtualLayout(pp, 2, 'v').stages_of(rank))}" if virtual == 2 else "")
-                     + ", not otherwise")
+        raise ValueError(
+            f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs stage i "
+            f"on rank i of the group"
+        )
+    raise ValueError(
+        f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "
+        f"stages interleaved {list(VirtualLayout(pp, virtual).stages_of(rank))}"
+        + (f" or v {list(VirtualLayout(pp, 2, 'v').stages_of(rank))}" if virtual == 2 else "")
+        + ", not otherwise"
+    )
 
 
-async def _start(layout, backend: str, timeout_s: float, unit_ms: float, virtual: int = 1,
-                 placement: str = "interleaved") -> PipelineRuntime:
-    return PipelineRuntime.start(layout=layout, backend=backend, timeout_s=timeout_s, unit_ms=unit_ms,
-                                 virtual=virtual, placement=placement)
+async def _start(
+    layout,
+    backend: str,
+    timeout_s: float,
+    unit_ms: float,
+    virtual: int = 1,
+    placement: str = "interleaved",
+) -> PipelineRuntime:
+    return PipelineRuntime.start(
+        layout=layout,
+        backend=backend,
+        timeout_s=timeout_s,
+        unit_ms=unit_ms,
+        virtual=virtual,
+        placement=placement,
+    )

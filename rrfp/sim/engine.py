@@ -8,6 +8,7 @@ happened to asks its tracker what to run. The simulator checks what the
 runtime promises: each task once, dependencies and latencies respected, the
 budget held, no deadlock.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,7 +51,9 @@ class SimConfig:
     split: bool | None = None  # None: the hint's default
     mb_bytes: int = 1 << 20  # activation bytes of a mean-size microbatch, for byte budgets
     record: bool = False  # keep the timeline
-    durations: Any = None  # [S*V][M][3] task durations to replay instead of drawing them (rrfp.sim.replay)
+    durations: Any = (
+        None  # [S*V][M][3] task durations to replay instead of drawing them (rrfp.sim.replay)
+    )
     virtual: int = 1  # stages per rank (V)
     placement: Placement | str = Placement.INTERLEAVED
 
@@ -82,7 +85,9 @@ class SimConfig:
 class SimResult:
     config: SimConfig
     makespan: float
-    stats: list[StageStats]  # per rank (a stage when V = 1), in average-forward units; peaks in chunk-microbatches
+    stats: list[
+        StageStats
+    ]  # per rank (a stage when V = 1), in average-forward units; peaks in chunk-microbatches
     lower_bound: float
     timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end) when recorded
     stage_stats: list[StageStats] | None = None  # per global stage when V > 1 (V = 1: ``stats``)
@@ -124,7 +129,9 @@ class SimResult:
         if self.config.virtual == 1:
             return [Span(process, s, str(t), a, b) for s, t, a, b in self.timeline]
         rank_of = self.config.layout.rank_of
-        return [Span(process, s, str(t), a, b, {"rank": rank_of(s)}) for s, t, a, b in self.timeline]
+        return [
+            Span(process, s, str(t), a, b, {"rank": rank_of(s)}) for s, t, a, b in self.timeline
+        ]
 
 
 def _durations(cfg: SimConfig):
@@ -143,15 +150,29 @@ def _durations(cfg: SimConfig):
             if s + 1 < N and lay.is_local(s, s + 1):
                 lat_f[s] = 0.0
                 lat_b[s + 1] = 0.0
-    sizes = (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V)).astype(np.int64).tolist()
+    sizes = (
+        (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V))
+        .astype(np.int64)
+        .tolist()
+    )
     return dur, lat_f, lat_b, sizes
 
 
 def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
-    S, M, N, split, lay = cfg.stages, cfg.microbatches, cfg.num_stages, cfg.split_backward, cfg.layout
-    if cfg.dispatch is not Dispatch.READY or not cfg.hint.uniform or not RankedPipeline.fits(lat_f, lat_b):
+    S, M, N, split, lay = (
+        cfg.stages,
+        cfg.microbatches,
+        cfg.num_stages,
+        cfg.split_backward,
+        cfg.layout,
+    )
+    if (
+        cfg.dispatch is not Dispatch.READY
+        or not cfg.hint.uniform
+        or not RankedPipeline.fits(lat_f, lat_b)
+    ):
         return None
     ranking = ranking_of(cfg.hint.priority(N, 0, M, split), M, split)
     if ranking is None:
@@ -160,15 +181,38 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
     run = RankedPipeline(dur, lat_f, lat_b, limits, sizes, split, lay).run(ranking, cfg.record)
     if run is None:
         return None
-    stats = [StageStats(busy=run.busy[r], wall=run.makespan, decisions=run.decisions[r],
-                        peak_inflight=run.peaks[r], iterations=1) for r in range(S)]
+    stats = [
+        StageStats(
+            busy=run.busy[r],
+            wall=run.makespan,
+            decisions=run.decisions[r],
+            peak_inflight=run.peaks[r],
+            iterations=1,
+        )
+        for r in range(S)
+    ]
     if cfg.virtual == 1:
-        return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline)
-    per_stage = [StageStats(busy=run.stage_busy[g], wall=run.makespan, peak_inflight=run.stage_peaks[g],
-                            iterations=1) for g in range(N)]
+        return SimResult(
+            cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline
+        )
+    per_stage = [
+        StageStats(
+            busy=run.stage_busy[g],
+            wall=run.makespan,
+            peak_inflight=run.stage_peaks[g],
+            iterations=1,
+        )
+        for g in range(N)
+    ]
     rank_of = [lay.rank_of(g) for g in range(N)]
-    return SimResult(cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), run.timeline,
-                     per_stage)
+    return SimResult(
+        cfg,
+        run.makespan,
+        stats,
+        lower_bound(dur, lat_f, lat_b, split, rank_of),
+        run.timeline,
+        per_stage,
+    )
 
 
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
@@ -181,8 +225,12 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
         return fast
     N = cfg.num_stages
     D, latency = dur.tolist(), {Kind.F: lat_f.tolist(), Kind.B: lat_b.tolist()}
-    trackers = [RankTracker(cfg.hint.rank_spec(lay, r, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__)
-                for r in range(S)]
+    trackers = [
+        RankTracker(
+            cfg.hint.rank_spec(lay, r, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__
+        )
+        for r in range(S)
+    ]
     rank_of = [lay.rank_of(s) for s in range(N)]
     busy, decisions, stage_busy = [0.0] * S, [0] * S, [0.0] * N
     timeline: list[tuple[int, Task, float, float]] = []
@@ -195,17 +243,42 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
             if cfg.record:
                 timeline.append((item.stage, item.task, now, end))
 
-    last = drive(trackers, rank_of, lambda s, t: D[s][t.mb][t.kind], lambda s, t: latency[t.kind][s][t.mb], decided)
+    last = drive(
+        trackers,
+        rank_of,
+        lambda s, t: D[s][t.mb][t.kind],
+        lambda s, t: latency[t.kind][s][t.mb],
+        decided,
+    )
 
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
         where = "stage" if cfg.virtual == 1 else "rank"
-        raise SimDeadlock(f"{cfg.dispatch} executor with hint {cfg.hint.name} stalled with {left} tasks left: "
-                          + "; ".join(f"{where} {r} {tr.blocked()}" for r, tr in enumerate(trackers)))
-    stats = [StageStats(busy=busy[r], wall=last, decisions=decisions[r], peak_inflight=tr.held.peak, iterations=1)
-             for r, tr in enumerate(trackers)]
+        raise SimDeadlock(
+            f"{cfg.dispatch} executor with hint {cfg.hint.name} stalled with {left} tasks left: "
+            + "; ".join(f"{where} {r} {tr.blocked()}" for r, tr in enumerate(trackers))
+        )
+    stats = [
+        StageStats(
+            busy=busy[r],
+            wall=last,
+            decisions=decisions[r],
+            peak_inflight=tr.held.peak,
+            iterations=1,
+        )
+        for r, tr in enumerate(trackers)
+    ]
     per_stage = None
     if cfg.virtual > 1:
-        per_stage = [StageStats(busy=stage_busy[s], wall=last, peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
-                                iterations=1) for s in range(N)]
-    return SimResult(cfg, last, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), timeline, per_stage)
+        per_stage = [
+            StageStats(
+                busy=stage_busy[s],
+                wall=last,
+                peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
+                iterations=1,
+            )
+            for s in range(N)
+        ]
+    return SimResult(
+        cfg, last, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), timeline, per_stage
+    )

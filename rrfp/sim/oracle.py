@@ -32,6 +32,7 @@ it provably holds instead (``byte_caps``): chunks 0..c of a rank, each
 counted at min(size, limit), at most limit + c * the largest, for every c.
 Every ready schedule holds these, so the optimum stays a floor under it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,8 +86,13 @@ class OracleResult:
         return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"makespan": self.makespan, "bound": self.bound, "optimal": self.optimal,
-                "seconds": self.seconds, "status": self.status}
+        return {
+            "makespan": self.makespan,
+            "bound": self.bound,
+            "optimal": self.optimal,
+            "seconds": self.seconds,
+            "status": self.status,
+        }
 
 
 def require_ortools():
@@ -116,14 +122,26 @@ class _Instance:
 
 def _instance(cfg: SimConfig, scale: int) -> _Instance:
     dur, lat_f, lat_b, sizes = _durations(cfg)
-    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a lower bound
+    d = np.floor(dur * scale).astype(
+        np.int64
+    )  # rounded down: the integer optimum stays a lower bound
     lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
     horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
     split = cfg.split_backward
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     rank_of = None if cfg.virtual == 1 else [cfg.layout.rank_of(g) for g in range(cfg.num_stages)]
-    return _Instance(cfg, kinds, dur, d, lf, lb, sizes, horizon, scale,
-                     lower_bound(dur, lat_f, lat_b, split, rank_of))
+    return _Instance(
+        cfg,
+        kinds,
+        dur,
+        d,
+        lf,
+        lb,
+        sizes,
+        horizon,
+        scale,
+        lower_bound(dur, lat_f, lat_b, split, rank_of),
+    )
 
 
 def _limit(cfg: SimConfig, rank: int):
@@ -145,8 +163,14 @@ def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple
     return [(s, x) for s, t in order for x in as_split([t], split)]
 
 
-def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int = 1000,
-          hints: Iterable[SimResult] = (), params: Mapping[str, object] | None = None) -> OracleResult:
+def solve(
+    cfg: SimConfig,
+    time_limit: float = 10.0,
+    workers: int = 2,
+    scale: int = 1000,
+    hints: Iterable[SimResult] = (),
+    params: Mapping[str, object] | None = None,
+) -> OracleResult:
     """Minimum makespan of ``cfg``'s iteration (its S, M, V and placement, split,
     budget and seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
 
@@ -170,13 +194,23 @@ def solve(cfg: SimConfig, time_limit: float = 10.0, workers: int = 2, scale: int
     candidates = _usable(hints, cfg)
     lower = 0
     if _budget_can_bind(inst):
-        relaxed = _run(cp_model, inst, False, 0, _best_hint(candidates), RELAXED_SHARE * time_limit, workers,
-                       params)
+        relaxed = _run(
+            cp_model,
+            inst,
+            False,
+            0,
+            _best_hint(candidates),
+            RELAXED_SHARE * time_limit,
+            workers,
+            params,
+        )
         lower = relaxed.bound
         if relaxed.orders is not None:
             as_is = replay(cfg, relaxed.orders, record=True)
             if holds_budget(cfg, as_is):
-                if relaxed.optimal:  # the optimum without the budget holds it: nothing can be shorter
+                if (
+                    relaxed.optimal
+                ):  # the optimum without the budget holds it: nothing can be shorter
                     return _result(inst, relaxed, as_is, [], time.perf_counter() - t0)
                 candidates.append(as_is)
             elif (repaired := _repair(cfg, relaxed.orders)) is not None:
@@ -193,23 +227,52 @@ class _Solve:
     status: str
     optimal: bool
     bound: int  # proven, in integer units
-    orders: tuple[tuple, ...] | None  # the best solution's order: per stage (V = 1) or per rank (V > 1)
+    orders: (
+        tuple[tuple, ...] | None
+    )  # the best solution's order: per stage (V = 1) or per rank (V > 1)
 
 
-def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResult | None, seconds: float,
-         workers: int, params: Mapping[str, object] | None) -> _Solve:
+def _run(
+    cp_model,
+    inst: _Instance,
+    with_budget: bool,
+    lower: int,
+    hint: SimResult | None,
+    seconds: float,
+    workers: int,
+    params: Mapping[str, object] | None,
+) -> _Solve:
     """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
     cfg = inst.cfg
-    S, M, N, split, d, kinds = cfg.stages, cfg.microbatches, cfg.num_stages, cfg.split_backward, inst.d, inst.kinds
+    S, M, N, split, d, kinds = (
+        cfg.stages,
+        cfg.microbatches,
+        cfg.num_stages,
+        cfg.split_backward,
+        inst.d,
+        inst.kinds,
+    )
     lay = cfg.layout
     model = cp_model.CpModel()
-    start = {(s, m, k): model.new_int_var(0, inst.horizon, f"start_{k.name}{m}_s{s}")
-             for s in range(N) for m in range(M) for k in kinds}
+    start = {
+        (s, m, k): model.new_int_var(0, inst.horizon, f"start_{k.name}{m}_s{s}")
+        for s in range(N)
+        for m in range(M)
+        for k in kinds
+    }
     end = {key: v + int(d[key]) for key, v in start.items()}
     for r in range(S):
         stages = lay.stages_of(r)
-        model.add_no_overlap([model.new_fixed_size_interval_var(start[s, m, k], int(d[s, m, k]), f"{k.name}{m}_s{s}")
-                              for s in stages for m in range(M) for k in kinds])
+        model.add_no_overlap(
+            [
+                model.new_fixed_size_interval_var(
+                    start[s, m, k], int(d[s, m, k]), f"{k.name}{m}_s{s}"
+                )
+                for s in stages
+                for m in range(M)
+                for k in kinds
+            ]
+        )
         for s in stages:
             for m in range(M):
                 if s > 0:  # F needs its input: the previous stage's F and the message's latency
@@ -239,34 +302,80 @@ def _run(cp_model, inst: _Instance, with_budget: bool, lower: int, hint: SimResu
     status = solver.solve(model)
     name = solver.status_name(status)
     if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
-        raise RuntimeError(f"oracle model is {name} for S={S} V={cfg.virtual} M={M} budget {cfg.budget}: "
-                           "a bug in the model")
+        raise RuntimeError(
+            f"oracle model is {name} for S={S} V={cfg.virtual} M={M} budget {cfg.budget}: "
+            "a bug in the model"
+        )
     orders = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if cfg.virtual == 1:
-            orders = tuple(tuple(Task(k, m) for _, k, m in sorted((solver.value(start[s, m, k]), k, m)
-                                                                   for m in range(M) for k in kinds))
-                           for s in range(S))
+            orders = tuple(
+                tuple(
+                    Task(k, m)
+                    for _, k, m in sorted(
+                        (solver.value(start[s, m, k]), k, m) for m in range(M) for k in kinds
+                    )
+                )
+                for s in range(S)
+            )
         else:  # ties (tasks floored to no time) in dependency order: F up the stages, B down, F < B < W
-            orders = tuple(tuple((s, Task(k, m)) for *_, s, k, m in sorted(
-                (solver.value(start[s, m, k]), k, s if k is Kind.F else -s, m, s, k, m)
-                for s in lay.stages_of(r) for m in range(M) for k in kinds)) for r in range(S))
-    return _Solve(name, status == cp_model.OPTIMAL, max(lower, int(np.floor(solver.best_objective_bound))), orders)
+            orders = tuple(
+                tuple(
+                    (s, Task(k, m))
+                    for *_, s, k, m in sorted(
+                        (solver.value(start[s, m, k]), k, s if k is Kind.F else -s, m, s, k, m)
+                        for s in lay.stages_of(r)
+                        for m in range(M)
+                        for k in kinds
+                    )
+                )
+                for r in range(S)
+            )
+    return _Solve(
+        name,
+        status == cp_model.OPTIMAL,
+        max(lower, int(np.floor(solver.best_objective_bound))),
+        orders,
+    )
 
 
-def _result(inst: _Instance, solved: _Solve, best: SimResult | None, candidates: list[SimResult],
-            seconds: float) -> OracleResult:
+def _result(
+    inst: _Instance,
+    solved: _Solve,
+    best: SimResult | None,
+    candidates: list[SimResult],
+    seconds: float,
+) -> OracleResult:
     """The shortest of the solver's schedule and the incumbents: rounding can
     make the solver's pick a hair longer in real time than a hint it started from."""
     pool = [r for r in [best, *candidates] if r is not None]
     top = min(pool, key=lambda r: r.makespan) if pool else None
-    orders = None if top is None else solved.orders if top is best else _orders(top, inst.cfg.split_backward)
+    orders = (
+        None
+        if top is None
+        else solved.orders
+        if top is best
+        else _orders(top, inst.cfg.split_backward)
+    )
     bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
-    optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)  # a schedule meets a bound
+    optimal = solved.optimal or (
+        top is not None and top.makespan <= bound + 1e-9
+    )  # a schedule meets a bound
     cfg = inst.cfg
-    log.info("oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f", cfg.stages, cfg.virtual,
-             cfg.microbatches, cfg.seed, solved.status, seconds, None if top is None else f"{top.makespan:.4f}", bound)
-    return OracleResult(None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders)
+    log.info(
+        "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
+        cfg.stages,
+        cfg.virtual,
+        cfg.microbatches,
+        cfg.seed,
+        solved.status,
+        seconds,
+        None if top is None else f"{top.makespan:.4f}",
+        bound,
+    )
+    return OracleResult(
+        None if top is None else top.makespan, bound, optimal, seconds, solved.status, orders
+    )
 
 
 def byte_caps(virtual: int, limit: int, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -308,15 +417,23 @@ def _budget(model, inst: _Instance, rank: int, start, end) -> None:
     limit = _limit(cfg, rank)
     M, last = cfg.microbatches, last_backward(cfg.split_backward)
     stages = cfg.layout.stages_of(rank)  # in chunk order, as the rank tracker numbers them
-    held = [model.new_interval_var(start[s, m, Kind.F], model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
-                                   end[s, m, last], f"held{m}_s{s}") for s in stages for m in range(M)]
+    held = [
+        model.new_interval_var(
+            start[s, m, Kind.F],
+            model.new_int_var(0, inst.horizon, f"held{m}_s{s}"),
+            end[s, m, last],
+            f"held{m}_s{s}",
+        )
+        for s in stages
+        for m in range(M)
+    ]
     if limit.count is not None and limit.count < len(held):
         model.add_cumulative(held, [1] * len(held), limit.count)
     if limit.bytes is not None:
         demand, caps = byte_caps(cfg.virtual, limit.bytes, inst.sizes)
         for c, cap in enumerate(caps):
             if (c + 1) * sum(demand) > cap:
-                model.add_cumulative(held[:(c + 1) * M], demand * (c + 1), cap)
+                model.add_cumulative(held[: (c + 1) * M], demand * (c + 1), cap)
 
 
 def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
@@ -331,7 +448,9 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
         return None
     last = last_backward(result.config.split_backward)
     demand, caps = byte_caps(cfg.virtual, cfg.budget.bytes, _durations(cfg)[3])
-    held: dict[tuple[int, int], list[float]] = {}  # (stage, mb) -> [start of F, end of its last backward]
+    held: dict[
+        tuple[int, int], list[float]
+    ] = {}  # (stage, mb) -> [start of F, end of its last backward]
     for s, task, a, b in result.timeline:
         if task.kind is Kind.F:
             held.setdefault((s, task.mb), [a, b])[0] = a
@@ -340,7 +459,7 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     for r in range(cfg.stages):
         stages = cfg.layout.stages_of(r)
         for c, cap in enumerate(caps):
-            spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[:c + 1]]
+            spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[: c + 1]]
             if peak_held(spans) > cap:
                 return False
     return True
@@ -361,7 +480,9 @@ def _no_stage_order(S: int, s: int, M: int, split: bool):
 def _repair(cfg: SimConfig, orders) -> SimResult | None:
     """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
     try:
-        return simulate(replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True))
+        return simulate(
+            replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True)
+        )
     except SimDeadlock:
         return None
 
@@ -374,13 +495,17 @@ def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
         per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(cfg.stages)]
         for s, task, a, _ in result.timeline:
             per_stage[s].append((a, task))
-        return tuple(tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
-                     for ts in per_stage)
+        return tuple(
+            tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
+            for ts in per_stage
+        )
     per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.stages)]
     for s, task, a, _ in result.timeline:
         per_rank[cfg.layout.rank_of(s)].append((a, s, task))
-    return tuple(tuple(as_split_pairs([(s, t) for a, s, t in sorted(ts, key=lambda x: x[0])], split))
-                 for ts in per_rank)
+    return tuple(
+        tuple(as_split_pairs([(s, t) for a, s, t in sorted(ts, key=lambda x: x[0])], split))
+        for ts in per_rank
+    )
 
 
 def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
@@ -401,10 +526,14 @@ def _usable(results: Iterable[SimResult], cfg: SimConfig) -> list[SimResult]:
     out = []
     for r in results:
         if not r.timeline:
-            raise ValueError("an oracle hint must be a recorded simulation (SimConfig(record=True))")
+            raise ValueError(
+                "an oracle hint must be a recorded simulation (SimConfig(record=True))"
+            )
         if r.config.layout != cfg.layout:
-            raise ValueError(f"an oracle hint must run the solved layout ({cfg.layout.describe()}), "
-                             f"not {r.config.layout.describe()}")
+            raise ValueError(
+                f"an oracle hint must run the solved layout ({cfg.layout.describe()}), "
+                f"not {r.config.layout.describe()}"
+            )
         if cfg.split_backward or not r.config.split_backward:
             out.append(r)
     return out
@@ -419,5 +548,12 @@ def replay(cfg: SimConfig, orders: Sequence[Sequence], record: bool = False) -> 
     """The simulator running ``orders`` as a fixed order on ``cfg``'s durations (per stage with
     V = 1, per rank over (stage, task) pairs with V > 1): the earliest timing of that schedule,
     checked by the same tracker rules."""
-    return simulate(replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.FIXED, record=record,
-                            split=cfg.split_backward))
+    return simulate(
+        replace(
+            cfg,
+            hint=_order_hint(cfg, orders),
+            dispatch=Dispatch.FIXED,
+            record=record,
+            split=cfg.split_backward,
+        )
+    )

@@ -31,6 +31,7 @@ decision counts. ``simulate(cfg, reference=True)`` always steps the trackers. Ev
 and instants are the tracker path's: everything that happens at one instant is
 applied before any idle rank decides, and the touched ranks decide in rank order.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -64,7 +65,7 @@ def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool)
         return None
     order = tuple(sorted(range(M), key=by_kind[0].__getitem__))
     ranked = [tuple(p[m] for m in order) for p in by_kind] + ([] if split else [(0,) * M])
-    if any(a >= b for p in ranked[:len(kinds)] for a, b in zip(p, p[1:])):
+    if any(a >= b for p in ranked[: len(kinds)] for a, b in zip(p, p[1:])):
         return None
     return Ranking(order, tuple(ranked))
 
@@ -75,7 +76,9 @@ class RankedRun:
     busy: list[float]  # per rank (a stage when V = 1)
     decisions: list[int]
     peaks: list[int]
-    timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end), when recorded
+    timeline: list[
+        tuple[int, Task, float, float]
+    ]  # (global stage, task, start, end), when recorded
     stage_busy: list[float] | None = None  # per global stage when V > 1
     stage_peaks: list[int] | None = None
 
@@ -84,8 +87,16 @@ class RankedPipeline:
     """One iteration's durations, link latencies, microbatch sizes and budget, ready to run under
     many rankings (the planner scores several entry orders on the same durations)."""
 
-    def __init__(self, dur: np.ndarray, lat_f: np.ndarray, lat_b: np.ndarray, limits: Sequence[Limit],
-                 sizes: Sequence[int], split: bool, layout: VirtualLayout | None = None) -> None:
+    def __init__(
+        self,
+        dur: np.ndarray,
+        lat_f: np.ndarray,
+        lat_b: np.ndarray,
+        limits: Sequence[Limit],
+        sizes: Sequence[int],
+        split: bool,
+        layout: VirtualLayout | None = None,
+    ) -> None:
         """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank (``Budget.rank_limit``
         when V > 1); ``sizes`` a chunk's bytes per microbatch."""
         self.dur, self.split = np.asarray(dur, dtype=np.float64), split
@@ -97,13 +108,17 @@ class RankedPipeline:
             lay, N = self.layout, self.dur.shape[0]
             self._stages = [lay.stages_of(r) for r in range(lay.ranks)]
             self._rank_of = [lay.rank_of(g) for g in range(N)]
-            self._local_next = [g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)]
+            self._local_next = [
+                g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)
+            ]
             self._leads = [lay.leads(r) for r in range(lay.ranks)]
 
     @staticmethod
     def fits(lat_f: np.ndarray, lat_b: np.ndarray) -> bool:
         """Every message on a link takes the same time, so arrivals keep the order of sends."""
-        return all(bool((lat == lat[:, :1]).all()) for lat in (np.asarray(lat_f), np.asarray(lat_b)))
+        return all(
+            bool((lat == lat[:, :1]).all()) for lat in (np.asarray(lat_f), np.asarray(lat_b))
+        )
 
     def run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
         """The iteration under ``ranking``; None if it stalls (the trackers then say why).
@@ -123,7 +138,11 @@ class RankedPipeline:
         lim = [M + 1 if lm.count is None else lm.count for lm in self.limits]
         blim = [lm.bytes for lm in self.limits]
         by_bytes = any(b is not None for b in blim)
-        nF, nB, nW = [0] * S, [0] * S, [0] * S  # next of each kind to start, as an index into the order
+        nF, nB, nW = (
+            [0] * S,
+            [0] * S,
+            [0] * S,
+        )  # next of each kind to start, as an index into the order
         arrF = [0] * S  # inputs arrived (stage 0: all)
         arrF[0] = M
         arrB = [0] * S  # gradients arrived (the last stage needs none)
@@ -133,7 +152,9 @@ class RankedPipeline:
         running = [-1] * S  # kind of the running task, -1 when idle
         busy, decisions = [0.0] * S, [0] * S
         timeline: list[tuple[int, Task, float, float]] = []
-        events: list[tuple[float, int]] = []  # (time, code): s finished, S+s input or 2S+s gradient reached s
+        events: list[
+            tuple[float, int]
+        ] = []  # (time, code): s finished, S+s input or 2S+s gradient reached s
         push, pop = heapq.heappush, heapq.heappop
         S2 = 2 * S
         now, last = 0.0, 0.0
@@ -152,8 +173,17 @@ class RankedPipeline:
                     if w < bdone[s] and (k < 0 or pW[w] < best):
                         k, best = 2, pW[w]
                 i = nF[s]
-                if (i < arrF[s] and (k < 0 or pF[i] < best) and held[s] < lim[s]
-                        and (not by_bytes or blim[s] is None or held[s] == 0 or held_bytes[s] + sizes[i] <= blim[s])):
+                if (
+                    i < arrF[s]
+                    and (k < 0 or pF[i] < best)
+                    and held[s] < lim[s]
+                    and (
+                        not by_bytes
+                        or blim[s] is None
+                        or held[s] == 0
+                        or held_bytes[s] + sizes[i] <= blim[s]
+                    )
+                ):
                     nF[s] = i + 1
                     held[s] += 1
                     held_bytes[s] += sizes[i]
@@ -228,7 +258,11 @@ class RankedPipeline:
         sizes = [self.sizes[m] for m in ranking.order]
         lim = [lm.count for lm in self.limits]
         blim = [lm.bytes for lm in self.limits]
-        nF, nB, nW = [0] * N, [0] * N, [0] * N  # per global stage: next of each kind, an index into the order
+        nF, nB, nW = (
+            [0] * N,
+            [0] * N,
+            [0] * N,
+        )  # per global stage: next of each kind, an index into the order
         arrF, arrB = [0] * N, [0] * N
         arrF[0] = M
         arrB[N - 1] = M
@@ -239,7 +273,9 @@ class RankedPipeline:
         running = [-1] * S  # kind of the rank's running task, -1 when idle
         busy, decisions = [0.0] * S, [0] * S
         timeline: list[tuple[int, Task, float, float]] = []
-        events: list[tuple[float, int]] = []  # (time, code): g finished, N+g input or 2N+g gradient reached g
+        events: list[
+            tuple[float, int]
+        ] = []  # (time, code): g finished, N+g input or 2N+g gradient reached g
         push, pop = heapq.heappush, heapq.heappop
         N2 = 2 * N
 
@@ -369,5 +405,9 @@ class RankedPipeline:
 
 def _complete(M: int, split: bool, nF, nB, nW, running) -> bool:
     """Every stage ran all its tasks and no rank is still running one: else the run stalled."""
-    return not (any(n < M for n in nF) or any(n < M for n in nB) or (split and any(n < M for n in nW))
-                or any(r >= 0 for r in running))
+    return not (
+        any(n < M for n in nF)
+        or any(n < M for n in nB)
+        or (split and any(n < M for n in nW))
+        or any(r >= 0 for r in running)
+    )

@@ -9,6 +9,7 @@ predicted durations of the step's features, not the realized ones. A run
 with virtual stages records ``virtual`` and ``placement`` beside ``pp`` (the
 ranks); its cost model then has one entry per global stage.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,21 +25,38 @@ from rrfp.sim.engine import SimConfig, simulate
 from rrfp.sim.planning import plan_iteration
 
 
-def replay_durations(cost: CostModel, var: Variability, features: list[dict], seed: int, step: int,
-                     split: bool, layout: VirtualLayout | None = None) -> np.ndarray:
+def replay_durations(
+    cost: CostModel,
+    var: Variability,
+    features: list[dict],
+    seed: int,
+    step: int,
+    split: bool,
+    layout: VirtualLayout | None = None,
+) -> np.ndarray:
     """[S*V, M, 3] durations in emulated units, as the runtime's lane held them."""
     virtual = layout if layout is not None and layout.virtual > 1 else None
-    return TaskTimes(var, seed, split, cost, virtual).realized(step, cost.num_stages, len(features), features)
+    return TaskTimes(var, seed, split, cost, virtual).realized(
+        step, cost.num_stages, len(features), features
+    )
 
 
 def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
     """(step, simulated ms, measured ms) for every step of a sizes file."""
     var = Variability.preset(doc["preset"])
-    hint, dispatch, budget = resolve(doc["hint"]), Dispatch.parse(doc["dispatch"]), Budget.parse(doc["budget"])
-    layout = VirtualLayout(doc["pp"], int(doc.get("virtual", 1)), doc.get("placement", "interleaved"))
+    hint, dispatch, budget = (
+        resolve(doc["hint"]),
+        Dispatch.parse(doc["dispatch"]),
+        Budget.parse(doc["budget"]),
+    )
+    layout = VirtualLayout(
+        doc["pp"], int(doc.get("virtual", 1)), doc.get("placement", "interleaved")
+    )
     if cost.num_stages != layout.num_stages:
-        raise ValueError(f"the cost model has {cost.num_stages} stage(s) but the run had {layout.num_stages} "
-                         f"({layout.ranks} rank(s) x {layout.virtual})")
+        raise ValueError(
+            f"the cost model has {cost.num_stages} stage(s) but the run had {layout.num_stages} "
+            f"({layout.ranks} rank(s) x {layout.virtual})"
+        )
     virtual = layout if layout.virtual > 1 else None
     out = []
     for step, (feats, wall) in enumerate(zip(doc["features"], doc["step_wall_s"])):
@@ -46,9 +64,22 @@ def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
         followed = hint
         if hint.planned:  # this step's plan, from what the run knew before the step
             times = TaskTimes(var, doc["seed"], doc["split"], cost, virtual)
-            followed, _ = plan_iteration(times, step, doc["pp"], len(feats), budget, dispatch, feats)
-        cfg = SimConfig(doc["pp"], len(feats), followed, dispatch, budget, var, seed=doc["seed"],
-                        iteration=step, split=doc["split"], durations=dur.tolist(), virtual=layout.virtual,
-                        placement=layout.placement)
+            followed, _ = plan_iteration(
+                times, step, doc["pp"], len(feats), budget, dispatch, feats
+            )
+        cfg = SimConfig(
+            doc["pp"],
+            len(feats),
+            followed,
+            dispatch,
+            budget,
+            var,
+            seed=doc["seed"],
+            iteration=step,
+            split=doc["split"],
+            durations=dur.tolist(),
+            virtual=layout.virtual,
+            placement=layout.placement,
+        )
         out.append((step, simulate(cfg).makespan * doc["unit_ms"], wall * 1e3))
     return out

@@ -1,4 +1,5 @@
 """Many-seed comparisons of executors x hints against fixed 1F1B, for `rrfp sim`."""
+
 from __future__ import annotations
 
 import itertools
@@ -34,7 +35,9 @@ class Row:
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
     plan_s: list[float]  # planning time per seed ("plan" rows only)
-    budget: str | None = None  # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
+    budget: str | None = (
+        None  # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
+    )
     virtual: int = 1  # stages per rank
     placement: str = "interleaved"
 
@@ -61,12 +64,23 @@ class Row:
 
     def as_dict(self) -> dict:
         lo, hi = self.spread
-        return {"executor": self.executor, "hint": self.hint, "budget": self.budget, "median_speedup": self.median,
-                "p10_speedup": lo, "p90_speedup": hi, "median_efficiency": self.median_efficiency,
-                "virtual": self.virtual, "placement": self.placement,
-                "peak_inflight": self.peak_inflight, "mean_bubble": self.bubble,
-                "stage_bubble": self.stage_bubble, "speedups": self.speedups, "makespans": self.makespans,
-                **({"median_plan_ms": 1e3 * float(np.median(self.plan_s))} if self.plan_s else {})}
+        return {
+            "executor": self.executor,
+            "hint": self.hint,
+            "budget": self.budget,
+            "median_speedup": self.median,
+            "p10_speedup": lo,
+            "p90_speedup": hi,
+            "median_efficiency": self.median_efficiency,
+            "virtual": self.virtual,
+            "placement": self.placement,
+            "peak_inflight": self.peak_inflight,
+            "mean_bubble": self.bubble,
+            "stage_bubble": self.stage_bubble,
+            "speedups": self.speedups,
+            "makespans": self.makespans,
+            **({"median_plan_ms": 1e3 * float(np.median(self.plan_s))} if self.plan_s else {}),
+        }
 
 
 def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
@@ -84,11 +98,17 @@ def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -
     return None
 
 
-def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint], seeds: int,
-          progress: Callable[[Iterable], Iterable] = lambda x: x,
-          runs: dict[tuple, list[tuple[SimConfig, SimResult]]] | None = None,
-          budgets: Sequence[Budget] = (), layouts: Sequence[VirtualLayout] = (),
-          skipped: list[str] | None = None) -> list[Row]:
+def sweep(
+    base: SimConfig,
+    dispatches: Iterable[Dispatch],
+    hints: Iterable[Hint],
+    seeds: int,
+    progress: Callable[[Iterable], Iterable] = lambda x: x,
+    runs: dict[tuple, list[tuple[SimConfig, SimResult]]] | None = None,
+    budgets: Sequence[Budget] = (),
+    layouts: Sequence[VirtualLayout] = (),
+    skipped: list[str] | None = None,
+) -> list[Row]:
     """Every (executor, hint, budget, layout) on the same durations for each seed; speedup is fixed
     1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets`` (default:
     the base config's) are run by every row they apply to (``budget_applies``); the others run once.
@@ -101,8 +121,14 @@ def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint]
     base = replace(base, virtual=1, placement="interleaved")
     one = VirtualLayout(base.stages)
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
-    pairs = list(dict.fromkeys([(d, h.name, lay) for d, h, lay in [(*BASELINE, one),
-                                                                  *itertools.product(dispatches, hints, layouts)]]))
+    pairs = list(
+        dict.fromkeys(
+            [
+                (d, h.name, lay)
+                for d, h, lay in [(*BASELINE, one), *itertools.product(dispatches, hints, layouts)]
+            ]
+        )
+    )
     usable = []
     for d, name, lay in pairs:
         why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
@@ -110,30 +136,56 @@ def sweep(base: SimConfig, dispatches: Iterable[Dispatch], hints: Iterable[Hint]
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:
             skipped.append(why)
-    combos = [(d, name, b if budget_applies(d, by_name[name]) else None, lay)
-              for d, name, lay in usable for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])]
+    combos = [
+        (d, name, b if budget_applies(d, by_name[name]) else None, lay)
+        for d, name, lay in usable
+        for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])
+    ]
     results: dict[tuple, list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
     plan_s: dict[tuple, list[float]] = {c: [] for c in combos}
     for seed, combo in progress(jobs):
         dispatch, name, budget, lay = combo
-        cfg = replace(base, dispatch=dispatch, hint=by_name[name], budget=budget or budgets[0], seed=seed,
-                      record=runs is not None, virtual=lay.virtual, placement=lay.placement)
+        cfg = replace(
+            base,
+            dispatch=dispatch,
+            hint=by_name[name],
+            budget=budget or budgets[0],
+            seed=seed,
+            record=runs is not None,
+            virtual=lay.virtual,
+            placement=lay.placement,
+        )
         if by_name[name].planned:
             cfg, made = planned_config(cfg)
             plan_s[combo].append(made.seconds)
         results[combo].append(simulate(cfg))
         if runs is not None:
-            key = (str(dispatch), name, None if budget is None else str(budget),
-                   layout_label(lay.virtual, lay.placement))
+            key = (
+                str(dispatch),
+                name,
+                None if budget is None else str(budget),
+                layout_label(lay.virtual, lay.placement),
+            )
             runs.setdefault(key, []).append((cfg, results[combo][-1]))
     base_ms = np.array([r.makespan for r in results[(BASELINE[0], BASELINE[1].name, None, one)]])
     rows = []
     for (dispatch, name, budget, lay), rs in results.items():
         ms = np.array([r.makespan for r in rs])
-        rows.append(Row(str(dispatch), name, (base_ms / ms).tolist(), [r.efficiency for r in rs],
-                        max(max(r.peak_microbatches) for r in rs), float(np.mean([r.bubble_ratio for r in rs])),
-                        np.mean([r.bubble for r in rs], axis=0).tolist(), ms.tolist(),
-                        plan_s[(dispatch, name, budget, lay)], None if budget is None else str(budget),
-                        lay.virtual, str(lay.placement)))
+        rows.append(
+            Row(
+                str(dispatch),
+                name,
+                (base_ms / ms).tolist(),
+                [r.efficiency for r in rs],
+                max(max(r.peak_microbatches) for r in rs),
+                float(np.mean([r.bubble_ratio for r in rs])),
+                np.mean([r.bubble for r in rs], axis=0).tolist(),
+                ms.tolist(),
+                plan_s[(dispatch, name, budget, lay)],
+                None if budget is None else str(budget),
+                lay.virtual,
+                str(lay.placement),
+            )
+        )
     return rows

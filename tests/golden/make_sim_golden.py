@@ -6,6 +6,7 @@ only when a behaviour change is intended, and say so in the commit:
 
     .venv/bin/python tests/golden/make_sim_golden.py
 """
+
 import json
 import subprocess
 import sys
@@ -28,16 +29,30 @@ SEEDS = 3
 
 
 def case_args(pp, mb, preset, budget, extra):
-    return ["--pp", str(pp), "--mb", str(mb), "--preset", preset, "--budget", budget,
-            "--seeds", str(SEEDS), *extra]
+    return [
+        "--pp",
+        str(pp),
+        "--mb",
+        str(mb),
+        "--preset",
+        preset,
+        "--budget",
+        budget,
+        "--seeds",
+        str(SEEDS),
+        *extra,
+    ]
 
 
 def run_case(args) -> dict:
     """{"executor hint": [makespan per seed]} from one `rrfp sim --json` run."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "r.json"
-        subprocess.run([sys.executable, "-m", "rrfp", "sim", *args, "--json", str(out)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "rrfp", "sim", *args, "--json", str(out)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         doc = json.loads(out.read_text())
     return {f"{r['executor']} {r['hint']}": r["makespans"] for r in doc["rows"]}
 

@@ -4,6 +4,7 @@ executor the median and spread of its time, its speedup over fixed 1F1B
 (the median of per-iteration ratios: alternated iterations are paired), and
 its efficiency against the bound.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,7 +41,10 @@ class IterationWork:
 
     @property
     def lower_bound_s(self) -> float:
-        return lower_bound(self.durations, self.lat_fwd, self.lat_bwd, self.split, self.rank_of) * self.unit_s
+        return (
+            lower_bound(self.durations, self.lat_fwd, self.lat_bwd, self.split, self.rank_of)
+            * self.unit_s
+        )
 
 
 def virtual_layout(spec: BenchSpec, ex: Executor | None) -> VirtualLayout | None:
@@ -50,25 +54,47 @@ def virtual_layout(spec: BenchSpec, ex: Executor | None) -> VirtualLayout | None
     return VirtualLayout(spec.pp, ex.virtual, ex.placement)
 
 
-def iteration_work(spec: BenchSpec, var: Variability, cost: CostModel | None, iteration: int,
-                   features: list[dict] | None, split: bool, ex: Executor | None = None) -> IterationWork:
+def iteration_work(
+    spec: BenchSpec,
+    var: Variability,
+    cost: CostModel | None,
+    iteration: int,
+    features: list[dict] | None,
+    split: bool,
+    ex: Executor | None = None,
+) -> IterationWork:
     """The durations ``ex``'s ranks spent (TaskTimes, with its virtual layout's chunk times)."""
     layout = virtual_layout(spec, ex)
     S, M, seed = spec.pp if layout is None else layout.num_stages, spec.mb, spec.seed
     times = TaskTimes(var, seed, split, cost, layout=layout)
     lat_f, lat_b = times.latencies(iteration, S, M)
     if layout is None:
-        return IterationWork(times.realized(iteration, S, M, features), lat_f, lat_b, split, spec.unit_ms / 1000)
+        return IterationWork(
+            times.realized(iteration, S, M, features), lat_f, lat_b, split, spec.unit_ms / 1000
+        )
     for g in range(S - 1):
         if layout.is_local(g, g + 1):  # the V turn sends nothing
             lat_f[g] = lat_b[g + 1] = 0.0
-    return IterationWork(times.realized(iteration, S, M, features), lat_f, lat_b, split, spec.unit_ms / 1000,
-                         tuple(layout.rank_of(g) for g in range(S)))
+    return IterationWork(
+        times.realized(iteration, S, M, features),
+        lat_f,
+        lat_b,
+        split,
+        spec.unit_ms / 1000,
+        tuple(layout.rank_of(g) for g in range(S)),
+    )
 
 
-def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: Executor, iteration: int,
-                work: IterationWork, features: list[dict] | None, plan_order: list[int] | None = None
-                ) -> float | None:
+def simulated_s(
+    spec: BenchSpec,
+    var: Variability,
+    cost: CostModel | None,
+    ex: Executor,
+    iteration: int,
+    work: IterationWork,
+    features: list[dict] | None,
+    plan_order: list[int] | None = None,
+) -> float | None:
     """The simulator's time for this rrfp executor on the same durations (None for torch's schedules).
     A planned hint is planned again here from the same inputs: the planner is deterministic, so it is
     the plan the ranks followed (``plan_order``, theirs, is checked; None if it differs)."""
@@ -77,19 +103,49 @@ def simulated_s(spec: BenchSpec, var: Variability, cost: CostModel | None, ex: E
     hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
     layout = virtual_layout(spec, ex)
     if hint.planned:
-        hint, made = plan_iteration(TaskTimes(var, spec.seed, work.split, cost, layout=layout), iteration, spec.pp,
-                                    spec.mb, budget, dispatch, features)
+        hint, made = plan_iteration(
+            TaskTimes(var, spec.seed, work.split, cost, layout=layout),
+            iteration,
+            spec.pp,
+            spec.mb,
+            budget,
+            dispatch,
+            features,
+        )
         if plan_order is not None and list(made.order) != list(plan_order):
-            log.warning("%s iteration %d: the ranks planned %s, the parent %s: not simulated", ex.name,
-                        iteration, plan_order, list(made.order))
+            log.warning(
+                "%s iteration %d: the ranks planned %s, the parent %s: not simulated",
+                ex.name,
+                iteration,
+                plan_order,
+                list(made.order),
+            )
             return None
-    cfg = SimConfig(spec.pp, spec.mb, hint, dispatch, budget, var, seed=spec.seed, iteration=iteration,
-                    split=work.split, durations=work.durations.tolist(), virtual=ex.virtual, placement=ex.placement)
+    cfg = SimConfig(
+        spec.pp,
+        spec.mb,
+        hint,
+        dispatch,
+        budget,
+        var,
+        seed=spec.seed,
+        iteration=iteration,
+        split=work.split,
+        durations=work.durations.tolist(),
+        virtual=ex.virtual,
+        placement=ex.placement,
+    )
     return simulate(cfg).makespan * work.unit_s
 
 
-def annotate(spec: BenchSpec, case: Case, var: Variability, cost: CostModel | None, rows: list[dict],
-             iterations: list[dict]) -> None:
+def annotate(
+    spec: BenchSpec,
+    case: Case,
+    var: Variability,
+    cost: CostModel | None,
+    rows: list[dict],
+    iterations: list[dict],
+) -> None:
     """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place."""
     feats = {it["iteration"]: it["features"] for it in iterations}
     executors = {e.name: e for e in case.executors}
@@ -130,15 +186,28 @@ class Summary:
     speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
     efficiency: Spread
     vs_simulated: Spread | None  # measured / simulated - 1
-    peak_inflight: float | None  # microbatches one stage held at once (the max over ranks and iterations)
+    peak_inflight: (
+        float | None
+    )  # microbatches one stage held at once (the max over ranks and iterations)
     decision_us: float | None
     plan_s: float | None
     plan_waited_s: float | None
-    overhead_s: Spread | None = None  # drop-in: the step's time outside the executor's iteration and plan
+    overhead_s: Spread | None = (
+        None  # drop-in: the step's time outside the executor's iteration and plan
+    )
 
     def as_dict(self) -> dict:
-        doc = {k: getattr(self, k) for k in ("executor", "iterations", "peak_inflight", "decision_us", "plan_s",
-                                         "plan_waited_s")}
+        doc = {
+            k: getattr(self, k)
+            for k in (
+                "executor",
+                "iterations",
+                "peak_inflight",
+                "decision_us",
+                "plan_s",
+                "plan_waited_s",
+            )
+        }
         for k in ("wall_s", "speedup", "efficiency", "vs_simulated", "overhead_s"):
             doc[k] = None if getattr(self, k) is None else getattr(self, k).as_dict()
         return doc
@@ -174,10 +243,19 @@ def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
             continue
         sims = [r["wall_s"] / r["simulated_s"] - 1 for r in mine if r.get("simulated_s")]
         peaks = [r["peak_inflight"] for r in mine if r["peak_inflight"] is not None]
-        out.append(Summary(name, len(mine), Spread.of([r["wall_s"] for r in mine]),
-                           Spread.of(paired_ratios(rows, BASELINE, name)),
-                           Spread.of([r["efficiency"] for r in mine]), Spread.of(sims),
-                           max(peaks) if peaks else None, _median([r["decision_us"] for r in mine]),
-                           _median([r["plan_s"] for r in mine]), _median([r.get("plan_waited_s") for r in mine]),
-                           Spread.of([r["overhead_s"] for r in mine if r.get("overhead_s") is not None])))
+        out.append(
+            Summary(
+                name,
+                len(mine),
+                Spread.of([r["wall_s"] for r in mine]),
+                Spread.of(paired_ratios(rows, BASELINE, name)),
+                Spread.of([r["efficiency"] for r in mine]),
+                Spread.of(sims),
+                max(peaks) if peaks else None,
+                _median([r["decision_us"] for r in mine]),
+                _median([r["plan_s"] for r in mine]),
+                _median([r.get("plan_waited_s") for r in mine]),
+                Spread.of([r["overhead_s"] for r in mine if r.get("overhead_s") is not None]),
+            )
+        )
     return out

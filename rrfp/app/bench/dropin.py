@@ -7,6 +7,7 @@ emulation reaches it through its hooks: the lane's ``unit_ms``, the executor's
 variability, seed, cost model and trace recorder, and each step's features.
 Everything else is the public surface: ``step(arg_mbs=..., target_mbs=...)``.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -33,10 +34,23 @@ class EmulatedScheduleReady(ScheduleReady):
     """ScheduleReady whose lane holds each task for its emulated duration (as ``rrfp train`` and
     the bench's other runners do) and whose executor draws the same durations."""
 
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn, *, unit_ms: float, variability,
-                 seed: int, cost, instrument, **kwargs) -> None:
+    def __init__(
+        self,
+        stage: PipelineStage,
+        n_microbatches: int,
+        loss_fn,
+        *,
+        unit_ms: float,
+        variability,
+        seed: int,
+        cost,
+        instrument,
+        **kwargs,
+    ) -> None:
         self._unit_ms = unit_ms
-        self._settings_for_bench = dict(variability=variability, seed=seed, cost=cost, instrument=instrument)
+        self._settings_for_bench = dict(
+            variability=variability, seed=seed, cost=cost, instrument=instrument
+        )
         self.features: Sequence[dict] | None = None  # the next step's, set by the caller
         super().__init__(stage, n_microbatches, loss_fn, **kwargs)
 

@@ -7,6 +7,7 @@ shows a progress bar from rank 0's progress lines, and when the job fails it
 reports the first ``rrfp: error:`` line a rank printed. A job that outlives
 its deadline is stopped (torchrun stops its ranks on SIGTERM).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,11 @@ def _rank_error(log: Path) -> str | None:
 
 
 def _last_line(log: Path) -> str:
-    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    lines = (
+        [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        if log.exists()
+        else []
+    )
     return lines[-1] if lines else "no output"
 
 
@@ -50,20 +55,38 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def run_job(spec: BenchSpec, job_dir: Path, log: Path, cost: dict[str, str], timeout_s: float, bar) -> dict:
+def run_job(
+    spec: BenchSpec, job_dir: Path, log: Path, cost: dict[str, str], timeout_s: float, bar
+) -> dict:
     """Run every case of ``spec`` on ``spec.world`` local ranks; return rank 0's rows.
     ``bar.update(1)`` per finished run. Raises JobFailed with one line."""
     job, rows = job_dir / "job.json", job_dir / "rows.json"
     job.write_text(json.dumps({"spec": spec.as_dict(), "cost": cost}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.world}",
-           "-m", "rrfp.app.bench.worker", str(job), str(rows)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={spec.world}",
+        "-m",
+        "rrfp.app.bench.worker",
+        str(job),
+        str(rows),
+    ]
     # the ranks import this rrfp and the models beside it, wherever the command was started
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                text=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         expired = threading.Event()
 
         def deadline() -> None:
@@ -76,7 +99,7 @@ def run_job(spec: BenchSpec, job_dir: Path, log: Path, cost: dict[str, str], tim
         try:
             for line in proc.stdout:
                 if line.startswith(PROGRESS):
-                    bar.set_postfix_str(json.loads(line[len(PROGRESS):])["label"], refresh=False)
+                    bar.set_postfix_str(json.loads(line[len(PROGRESS) :])["label"], refresh=False)
                     bar.update(1)
                 else:
                     err.write(line)  # nothing else should print; keep it with the log
@@ -88,8 +111,10 @@ def run_job(spec: BenchSpec, job_dir: Path, log: Path, cost: dict[str, str], tim
             timer.cancel()
     first = _rank_error(log)
     if expired.is_set():
-        raise JobFailed(f"it did not finish within {timeout_s:g} s (--timeout) and was stopped"
-                        f"{f'; first rank error: {first}' if first else ''} (log: {log})")
+        raise JobFailed(
+            f"it did not finish within {timeout_s:g} s (--timeout) and was stopped"
+            f"{f'; first rank error: {first}' if first else ''} (log: {log})"
+        )
     if rc != 0:
         raise JobFailed(f"{first or _last_line(log)} (torchrun exit {rc}; log: {log})")
     return json.loads(rows.read_text())

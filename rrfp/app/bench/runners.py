@@ -6,6 +6,7 @@ only sees ``Runner.run(iteration, batches, features) -> Measured`` and
 ``Runner.spans``, and every runner spends the same emulated time per task
 (``rrfp.core.durations.TaskTimes``).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,17 +30,32 @@ class Measured:
     """One iteration on this rank; what a runner cannot know stays None."""
 
     wall_s: float
-    peak_inflight: float | None = None  # microbatches of this rank's stage held at once (torch's ZB-V: halves)
+    peak_inflight: float | None = (
+        None  # microbatches of this rank's stage held at once (torch's ZB-V: halves)
+    )
     decision_us: float | None = None  # mean time per dispatch decision
-    plan_s: float | None = None  # hint = plan: time spent planning this iteration (in a thread, ahead)
+    plan_s: float | None = (
+        None  # hint = plan: time spent planning this iteration (in a thread, ahead)
+    )
     plan_waited_s: float | None = None  # ... and how long the iteration waited for its plan
     plan_order: tuple[int, ...] | None = None  # ... and the microbatches' planned entry order
-    overhead_s: float | None = None  # drop-in: the step's time outside the executor's iteration and plan
+    overhead_s: float | None = (
+        None  # drop-in: the step's time outside the executor's iteration and plan
+    )
 
     def reduced(self) -> list[float]:
         """The figures every rank all-reduces (MAX), with -1 for unknown."""
-        return [-1.0 if v is None else float(v) for v in (self.wall_s, self.peak_inflight, self.decision_us,
-                                                            self.plan_s, self.plan_waited_s, self.overhead_s)]
+        return [
+            -1.0 if v is None else float(v)
+            for v in (
+                self.wall_s,
+                self.peak_inflight,
+                self.decision_us,
+                self.plan_s,
+                self.plan_waited_s,
+                self.overhead_s,
+            )
+        ]
 
 
 class Runner(Protocol):
@@ -62,31 +78,58 @@ class RrfpRunner:
     """A StageExecutor (fixed or ready dispatch, any hint), traced. With virtual stages ``module`` is
     the list of the rank's stage modules and ``rt`` the runtime of that layout."""
 
-    def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
-                 variability: Variability, cost: CostModel | None) -> None:
+    def __init__(
+        self,
+        rt: PipelineRuntime,
+        ex: Executor,
+        module,
+        workload: Workload,
+        spec: BenchSpec,
+        variability: Variability,
+        cost: CostModel | None,
+    ) -> None:
         self.name = ex.name
         self._virtual = ex.virtual
         self._recorder = TraceRecorder(ex.name, rt.rank if ex.virtual > 1 else None)
-        self._executor = rt.stage_executor(module, workload.loss_fn, microbatches=spec.mb, dispatch=ex.engine,
-                                           hint=ex.hint, budget=spec.budget, variability=variability,
-                                           seed=spec.seed, instrument=self._recorder, cost=cost,
-                                           on_nonfinite=None)  # timed: no per-iteration agreement
+        self._executor = rt.stage_executor(
+            module,
+            workload.loss_fn,
+            microbatches=spec.mb,
+            dispatch=ex.engine,
+            hint=ex.hint,
+            budget=spec.budget,
+            variability=variability,
+            seed=spec.seed,
+            instrument=self._recorder,
+            cost=cost,
+            on_nonfinite=None,
+        )  # timed: no per-iteration agreement
 
     @property
     def spans(self) -> list[Span]:
         return self._recorder.spans
 
     def prepare(self, iteration: int, features: Sequence[dict]) -> None:
-        self._executor.prepare(iteration, features)  # hint = plan: planned in a thread, as rrfp train does
+        self._executor.prepare(
+            iteration, features
+        )  # hint = plan: planned in a thread, as rrfp train does
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         res = await self._executor.run_iteration(iteration, batches, features)
         for w in self._executor.workers:
             w.module.zero_grad(set_to_none=True)
         st, plan = res.stats, res.plan
-        peak = st.peak_inflight / self._virtual  # chunk-microbatches -> microbatches of the rank's layers
-        return Measured(st.wall, peak, st.decision_us, plan and plan.plan.seconds,
-                        plan and plan.waited_s, plan and tuple(plan.plan.order))
+        peak = (
+            st.peak_inflight / self._virtual
+        )  # chunk-microbatches -> microbatches of the rank's layers
+        return Measured(
+            st.wall,
+            peak,
+            st.decision_us,
+            plan and plan.plan.seconds,
+            plan and plan.waited_s,
+            plan and tuple(plan.plan.order),
+        )
 
     def close(self) -> None:
         pass  # the executor belongs to the rank's runtime
@@ -96,14 +139,29 @@ class TorchRunner:
     """torch.distributed.pipelining's schedule (rrfp.app.bench.torch_schedules), the anchor. Its task
     spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp spans' clock."""
 
-    def __init__(self, rt: PipelineRuntime, ex: Executor, workload: Workload, model_cfg, spec: BenchSpec,
-                 variability: Variability, cost: CostModel | None) -> None:
+    def __init__(
+        self,
+        rt: PipelineRuntime,
+        ex: Executor,
+        workload: Workload,
+        model_cfg,
+        spec: BenchSpec,
+        variability: Variability,
+        cost: CostModel | None,
+    ) -> None:
         from rrfp.app.bench.torch_schedules import TorchScheduleRunner, workload_stage_builder
 
         self.name = ex.name
         self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
-        self._runner = TorchScheduleRunner(ex.hint, workload_stage_builder(workload, model_cfg, spec.seed),
-                                           workload.loss_fn, rt.rank, rt.layout.world_size, spec.mb, rt.unit_s)
+        self._runner = TorchScheduleRunner(
+            ex.hint,
+            workload_stage_builder(workload, model_cfg, spec.seed),
+            workload.loss_fn,
+            rt.rank,
+            rt.layout.world_size,
+            spec.mb,
+            rt.unit_s,
+        )
         # two stages per rank, with the preset: each torch stage takes its chunk's own draw, as rrfp's
         # executor at V = 2 of the same placement does (a cost model is fitted per rrfp stage: halves)
         self._by_stage = self._runner.per_rank > 1 and cost is None
@@ -117,25 +175,44 @@ class TorchRunner:
         pass  # torch's schedules are fixed
 
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
-        times = TaskTimes(self._var, self._spec.seed, self._runner.split, self._cost,
-                          layout=self._runner.layout if self._by_stage else None)
+        times = TaskTimes(
+            self._var,
+            self._spec.seed,
+            self._runner.split,
+            self._cost,
+            layout=self._runner.layout if self._by_stage else None,
+        )
 
-        def units(stage: int, mb: int, kind) -> float:  # the rrfp executors' durations, task for task
+        def units(
+            stage: int, mb: int, kind
+        ) -> float:  # the rrfp executors' durations, task for task
             return times.units(iteration, stage, mb, kind, features)
 
         def latency(stage: int, mb: int, kind) -> float:  # and their link latencies
             return times.latency(iteration, stage, mb, kind)
 
-        native = self._spec.torch_sends == "native"  # torch issues and waits its own sends, with no latency
+        native = (
+            self._spec.torch_sends == "native"
+        )  # torch issues and waits its own sends, with no latency
 
         # torch's schedule blocks; nothing else of this rank runs meanwhile
-        res = self._runner.run_iteration(iteration, batches, units, None if native else latency,
-                                         by_stage=self._by_stage)
+        res = self._runner.run_iteration(
+            iteration, batches, units, None if native else latency, by_stage=self._by_stage
+        )
         for p in self._runner.parameters():
             p.grad = None
         to_wall = time.time() - time.perf_counter() + res.start  # its span times are from res.start
-        self._spans += [Span(self.name, self._row, sp.name, sp.start + to_wall, sp.end + to_wall,
-                             {"iteration": iteration, "torch_stage": sp.stage}) for sp in res.spans]
+        self._spans += [
+            Span(
+                self.name,
+                self._row,
+                sp.name,
+                sp.start + to_wall,
+                sp.end + to_wall,
+                {"iteration": iteration, "torch_stage": sp.stage},
+            )
+            for sp in res.spans
+        ]
         return Measured(res.wall_s, held_peak(res.spans, self._runner.clock.share))
 
     def close(self) -> None:
@@ -148,8 +225,16 @@ class DropInRunner:
     a training loop sees it; ``overhead_s`` is what the step spent outside the executor's iteration
     and its plan. Planning happens inside the step: the public surface has no ``prepare``."""
 
-    def __init__(self, rt: PipelineRuntime, ex: Executor, module, workload: Workload, spec: BenchSpec,
-                 variability: Variability, cost: CostModel | None) -> None:
+    def __init__(
+        self,
+        rt: PipelineRuntime,
+        ex: Executor,
+        module,
+        workload: Workload,
+        spec: BenchSpec,
+        variability: Variability,
+        cost: CostModel | None,
+    ) -> None:
         import torch
         from torch.distributed.pipelining import PipelineStage
 
@@ -160,10 +245,20 @@ class DropInRunner:
         self._first, self._last = rt.stage == 0, rt.stage == rt.num_stages - 1
         stage = PipelineStage(TorchCall(module), rt.stage, rt.num_stages, torch.device("cpu"))
         self._module = module
-        self._schedule = EmulatedScheduleReady(stage, spec.mb, workload.loss_fn, unit_ms=spec.unit_ms,
-                                               variability=variability, seed=spec.seed, cost=cost,
-                                               instrument=self._recorder, hint=ex.hint, budget=spec.budget,
-                                               dispatch=ex.engine, timeout_s=spec.peer_timeout_s)
+        self._schedule = EmulatedScheduleReady(
+            stage,
+            spec.mb,
+            workload.loss_fn,
+            unit_ms=spec.unit_ms,
+            variability=variability,
+            seed=spec.seed,
+            cost=cost,
+            instrument=self._recorder,
+            hint=ex.hint,
+            budget=spec.budget,
+            dispatch=ex.engine,
+            timeout_s=spec.peer_timeout_s,
+        )
 
     @property
     def spans(self) -> list[Span]:
@@ -175,19 +270,31 @@ class DropInRunner:
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         sched = self._schedule
         if sched.steps != iteration:  # its executor numbers iterations by step: the durations' key
-            raise RuntimeError(f"{self.name}: step {sched.steps} would run as iteration {iteration}")
+            raise RuntimeError(
+                f"{self.name}: step {sched.steps} would run as iteration {iteration}"
+            )
         sched.features = features
         t0 = time.perf_counter()
         # torch's blocking step; nothing else of this rank runs meanwhile
-        sched.step(arg_mbs=[(x,) for x, _ in batches] if self._first else None,
-                   target_mbs=[y for _, y in batches] if self._last else None, return_outputs=False)
+        sched.step(
+            arg_mbs=[(x,) for x, _ in batches] if self._first else None,
+            target_mbs=[y for _, y in batches] if self._last else None,
+            return_outputs=False,
+        )
         wall = time.perf_counter() - t0
         self._module.zero_grad(set_to_none=True)
         res = sched.last_result
         st, plan = res.stats, res.plan
         waited = plan.waited_s if plan else 0.0
-        return Measured(wall, st.peak_inflight, st.decision_us, plan and plan.plan.seconds, plan and plan.waited_s,
-                        plan and tuple(plan.plan.order), overhead_s=wall - st.wall - waited)
+        return Measured(
+            wall,
+            st.peak_inflight,
+            st.decision_us,
+            plan and plan.plan.seconds,
+            plan and plan.waited_s,
+            plan and tuple(plan.plan.order),
+            overhead_s=wall - st.wall - waited,
+        )
 
     def close(self) -> None:
         self._schedule.close()
@@ -205,4 +312,6 @@ def held_peak(spans: Sequence[Span], share: float) -> float:
             start[key] = sp.start
         else:
             end[key] = max(end.get(key, sp.end), sp.end)
-    return round(peak_held((t, end.get(key, math.inf), share) for key, t in start.items()), 6)  # no B: still held
+    return round(
+        peak_held((t, end.get(key, math.inf), share) for key, t in start.items()), 6
+    )  # no B: still held

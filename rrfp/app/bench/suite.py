@@ -9,6 +9,7 @@ is rrfp's executor reached through ``rrfp.ScheduleReady``, torch's schedule
 surface (rrfp.app.bench.dropin). Dashes may stand for the spaces on a command
 line (``ready-bfw``, ``drop-in-ready-bfw``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,24 @@ BASELINE = "fixed 1f1b"
 # predicted run replayed as a fixed order): each pair differs in dispatch alone
 # drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path costs)
 # v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb, dualpipev)
-DEFAULT_EXECUTORS = ("fixed 1f1b", "fixed zbh1", "fixed bfw", "ready bfw", "fixed plan", "ready plan", "torch 1f1b",
-                     "torch zb", "drop-in ready bfw", "drop-in ready plan", "ready bfw v2", "ready plan v2",
-                     "torch dualpipev")
-VIRTUAL_SUFFIX = re.compile(r"(?P<placement>[vi])(?P<virtual>\d+)")  # v2: v placement; i2, i3: interleaved
+DEFAULT_EXECUTORS = (
+    "fixed 1f1b",
+    "fixed zbh1",
+    "fixed bfw",
+    "ready bfw",
+    "fixed plan",
+    "ready plan",
+    "torch 1f1b",
+    "torch zb",
+    "drop-in ready bfw",
+    "drop-in ready plan",
+    "ready bfw v2",
+    "ready plan v2",
+    "torch dualpipev",
+)
+VIRTUAL_SUFFIX = re.compile(
+    r"(?P<placement>[vi])(?P<virtual>\d+)"
+)  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
 
 
@@ -54,8 +69,14 @@ class Executor:
 
     @property
     def name(self) -> str:
-        base = f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
-        return base if self.virtual == 1 else f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
+        base = (
+            f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
+        )
+        return (
+            base
+            if self.virtual == 1
+            else f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
+        )
 
     @property
     def is_torch(self) -> bool:
@@ -73,11 +94,13 @@ class Executor:
     @classmethod
     def parse(cls, text: str) -> "Executor":
         rest = text.strip().lower()
-        if rest.startswith(DROP_IN) and rest[len(DROP_IN):len(DROP_IN) + 1] in (" ", "-"):
-            ex = cls.parse(rest[len(DROP_IN) + 1:])
+        if rest.startswith(DROP_IN) and rest[len(DROP_IN) : len(DROP_IN) + 1] in (" ", "-"):
+            ex = cls.parse(rest[len(DROP_IN) + 1 :])
             if ex.is_torch:
-                raise UsageError(f"--executors: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
-                                 f"not a torch schedule")
+                raise UsageError(
+                    f"--executors: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
+                    f"not a torch schedule"
+                )
             return replace(ex, drop_in=True)
         engine, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
@@ -88,12 +111,18 @@ class Executor:
                 VirtualLayout(1, int(m["virtual"]), placement)
             except ValueError as e:
                 raise UsageError(f"--executors: {text!r}: {e}") from None
-            return replace(cls.parse(f"{engine} {head}"), virtual=int(m["virtual"]), placement=placement)
+            return replace(
+                cls.parse(f"{engine} {head}"), virtual=int(m["virtual"]), placement=placement
+            )
         if not hint:
-            raise UsageError(f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
-                             f"'torch zb')")
+            raise UsageError(
+                f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
+                f"'torch zb')"
+            )
         if engine == "torch":
-            return cls(engine, hint.replace(" ", "-"))  # checked by unavailable(): the module may be missing
+            return cls(
+                engine, hint.replace(" ", "-")
+            )  # checked by unavailable(): the module may be missing
         try:
             Dispatch.parse(engine)
             resolve(hint)
@@ -114,33 +143,59 @@ class Case:
     overrides: tuple[str, ...] = ()  # KEY=VALUE on top of the config, as `rrfp train --set`
     executors: tuple[Executor, ...] = ()
 
-    def train_config(self, spec: "BenchSpec", pp: int | None = None, tp: int | None = None,
-                     ex: "Executor | None" = None) -> TrainConfig:
+    def train_config(
+        self,
+        spec: "BenchSpec",
+        pp: int | None = None,
+        tp: int | None = None,
+        ex: "Executor | None" = None,
+    ) -> TrainConfig:
         """The run config every rank builds this workload from (for ``ex``'s virtual stages, if
         given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
-        stages = [] if ex is None or ex.virtual == 1 else [f"virtual={ex.virtual}", f"placement={ex.placement}"]
-        return TrainConfig.load(self.config, [*self.overrides, f"pp={pp}", f"tp={tp}", f"microbatches={spec.mb}",
-                                              f"preset={self.preset}", f"budget={spec.budget}",
-                                              f"unit_ms={spec.unit_ms}", f"seed={spec.seed}", *stages],
-                                world_size=pp * tp)
+        stages = (
+            []
+            if ex is None or ex.virtual == 1
+            else [f"virtual={ex.virtual}", f"placement={ex.placement}"]
+        )
+        return TrainConfig.load(
+            self.config,
+            [
+                *self.overrides,
+                f"pp={pp}",
+                f"tp={tp}",
+                f"microbatches={spec.mb}",
+                f"preset={self.preset}",
+                f"budget={spec.budget}",
+                f"unit_ms={spec.unit_ms}",
+                f"seed={spec.seed}",
+                *stages,
+            ],
+            world_size=pp * tp,
+        )
 
 
 # Default suite: the tiny GPT under the `lang` preset, and the VLM whose task times come from its data
 # (a cost model calibrated here) times the `jitter` preset's noise. Eight layers, so that torch's
 # zero-bubble schedule (two stages per rank) can split them over 2 x 4 stages.
-SUITE = {"gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
-         "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",))}
+SUITE = {
+    "gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
+    "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",)),
+}
 
 
 def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
     """A suite name (gpt, vlm) or a TOML config path (its own preset and run.cost)."""
     if text in SUITE:
         config, default_preset, calibrate, own = SUITE[text]
-        return Case(text, str(ROOT / config), preset or default_preset, calibrate, (*own, *overrides))
+        return Case(
+            text, str(ROOT / config), preset or default_preset, calibrate, (*own, *overrides)
+        )
     path = Path(text)
     if path.suffix != ".toml":
-        raise UsageError(f"--workloads: {text!r} is neither {' nor '.join(SUITE)} nor a .toml config")
+        raise UsageError(
+            f"--workloads: {text!r} is neither {' nor '.join(SUITE)} nor a .toml config"
+        )
     if not path.is_file():
         raise UsageError(f"--workloads: no config file {text}")
     try:
@@ -163,7 +218,9 @@ class BenchSpec:
     budget: str = "2x"
     seed: int = 0
     peer_timeout_s: float = 120.0
-    torch_sends: str = "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
+    torch_sends: str = (
+        "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
+    )
 
     @property
     def world(self) -> int:
@@ -183,9 +240,16 @@ class BenchSpec:
     @classmethod
     def from_dict(cls, doc: dict) -> "BenchSpec":
         doc = dict(doc)
-        doc["cases"] = tuple(Case(**{**c, "overrides": tuple(c["overrides"]),
-                                     "executors": tuple(Executor.parse(e) for e in c["executors"])})
-                             for c in doc["cases"])
+        doc["cases"] = tuple(
+            Case(
+                **{
+                    **c,
+                    "overrides": tuple(c["overrides"]),
+                    "executors": tuple(Executor.parse(e) for e in c["executors"]),
+                }
+            )
+            for c in doc["cases"]
+        )
         return cls(**doc)
 
 
@@ -197,8 +261,10 @@ def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
         if ex.drop_in:
             return "ScheduleReady runs one stage per rank"
         if case.calibrate:
-            return (f"its cost model is calibrated for {spec.pp} stages, and {ex.virtual} stages per rank need "
-                    f"one for {spec.pp * ex.virtual}")
+            return (
+                f"its cost model is calibrated for {spec.pp} stages, and {ex.virtual} stages per rank need "
+                f"one for {spec.pp * ex.virtual}"
+            )
         try:
             case.train_config(spec, ex=ex)
         except ConfigError as e:
@@ -217,6 +283,8 @@ def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
         try:
             case.train_config(spec, pp=spec.pp * per_rank, tp=1)
         except ConfigError as e:
-            return (f"it splits the model into {per_rank} x {spec.pp} stages, and {e} "
-                    f"(more layers: --set model.n_layer=...)")
+            return (
+                f"it splits the model into {per_rank} x {spec.pp} stages, and {e} "
+                f"(more layers: --set model.n_layer=...)"
+            )
     return None

@@ -31,6 +31,7 @@ drives the schedule through ``_step_microbatches`` (what ``step()`` calls
 after splitting one batch, which variable-length microbatches cannot be);
 checked against torch 2.13.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,16 +66,30 @@ ALIASES = {"zb": "zbv"}  # torch's best zero-bubble schedule that runs here (see
 
 _MAX_TENSORS = 8  # tensors (or None) one stage boundary may carry
 _MAX_DIMS = 6
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,  # index = the header's dtype code
-           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-_HEADER = 2 + _MAX_TENSORS * (2 + _MAX_DIMS)  # [is tuple, count, then per entry: ndim, dtype, dims...]
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,  # index = the header's dtype code
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+_HEADER = 2 + _MAX_TENSORS * (
+    2 + _MAX_DIMS
+)  # [is tuple, count, then per entry: ndim, dtype, dims...]
 
 
 def resolve_schedule(name: str) -> str:
     """The canonical schedule name; ValueError lists the choices."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in SCHEDULES:
-        raise ValueError(f"unknown torch schedule {name!r} (choose from {', '.join([*SCHEDULES, *ALIASES])})")
+        raise ValueError(
+            f"unknown torch schedule {name!r} (choose from {', '.join([*SCHEDULES, *ALIASES])})"
+        )
     return key
 
 
@@ -88,7 +103,9 @@ def stages_per_rank(schedule: str) -> int:
     return SCHEDULES[resolve_schedule(schedule)][1]
 
 
-def workload_stage_builder(workload, model_cfg, seed: int = 0) -> Callable[[int, int], torch.nn.Module]:
+def workload_stage_builder(
+    workload, model_cfg, seed: int = 0
+) -> Callable[[int, int], torch.nn.Module]:
     """``(stage, num_stages) -> module`` seeded as ``rrfp train`` seeds it, so both train the same parameters."""
 
     def build(stage: int, num_stages: int) -> torch.nn.Module:
@@ -104,8 +121,15 @@ def workload_stage_builder(workload, model_cfg, seed: int = 0) -> Callable[[int,
 class _Envelope(torch.nn.Module):
     """A stage module whose boundary tensors travel as (payload [capacity], header [_HEADER] int64)."""
 
-    def __init__(self, inner: torch.nn.Module, is_first: bool, is_last: bool, capacity: int,
-                 dtype: torch.dtype, stage: int) -> None:
+    def __init__(
+        self,
+        inner: torch.nn.Module,
+        is_first: bool,
+        is_last: bool,
+        capacity: int,
+        dtype: torch.dtype,
+        stage: int,
+    ) -> None:
         super().__init__()
         self.inner, self.is_first, self.is_last = inner, is_first, is_last
         self.capacity, self.dtype, self.stage = capacity, dtype, stage
@@ -116,12 +140,16 @@ class _Envelope(torch.nn.Module):
         return out if self.is_last else pack(out, self.capacity, self.dtype, self.stage)
 
 
-def pack(out, capacity: int, dtype: torch.dtype, stage: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    out, capacity: int, dtype: torch.dtype, stage: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A tensor, or a tuple/list of tensors and None, as (payload, header); differentiable in the
     floating tensors."""
     entries = list(out) if isinstance(out, (tuple, list)) else [out]
     if not entries or len(entries) > _MAX_TENSORS:
-        raise RuntimeError(f"stage {stage}: a boundary carries 1 to {_MAX_TENSORS} tensors, got {len(entries)}")
+        raise RuntimeError(
+            f"stage {stage}: a boundary carries 1 to {_MAX_TENSORS} tensors, got {len(entries)}"
+        )
     h = [0] * _HEADER  # built in Python, one tensor at the end: this runs for every F and B sent
     h[0], h[1] = int(isinstance(out, (tuple, list))), len(entries)
     flat, total = [], 0
@@ -131,18 +159,24 @@ def pack(out, capacity: int, dtype: torch.dtype, stage: int = -1) -> tuple[torch
             h[at] = -1
             continue
         if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-            raise RuntimeError(f"stage {stage}: boundary entry {i} must be None or a floating, integer or bool "
-                               f"tensor of at most {_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}")
+            raise RuntimeError(
+                f"stage {stage}: boundary entry {i} must be None or a floating, integer or bool "
+                f"tensor of at most {_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}"
+            )
         h[at], h[at + 1] = t.dim(), _DTYPES.index(t.dtype)
-        h[at + 2:at + 2 + t.dim()] = t.shape
+        h[at + 2 : at + 2 + t.dim()] = t.shape
         flat.append(t.reshape(-1).to(dtype))
         if not t.is_floating_point() and not torch.equal(flat[-1].to(t.dtype), t.reshape(-1)):
-            raise RuntimeError(f"stage {stage}: boundary entry {i} ({t.dtype}) holds values that the {dtype} "
-                               f"payload cannot carry exactly")
+            raise RuntimeError(
+                f"stage {stage}: boundary entry {i} ({t.dtype}) holds values that the {dtype} "
+                f"payload cannot carry exactly"
+            )
         total += t.numel()
     if total > capacity:
-        raise RuntimeError(f"stage {stage}: its outputs have {total} elements, more than the envelope's capacity "
-                           f"{capacity}; pass a larger capacity to TorchScheduleRunner (or None to probe)")
+        raise RuntimeError(
+            f"stage {stage}: its outputs have {total} elements, more than the envelope's capacity "
+            f"{capacity}; pass a larger capacity to TorchScheduleRunner (or None to probe)"
+        )
     payload = torch.cat(flat + [torch.zeros(capacity - total, dtype=dtype)])
     return payload, torch.tensor(h, dtype=torch.int64)
 
@@ -156,9 +190,9 @@ def unpack(payload: torch.Tensor, header: torch.Tensor):
         if h[at] < 0:
             entries.append(None)
             continue
-        shape = h[at + 2:at + 2 + h[at]]
+        shape = h[at + 2 : at + 2 + h[at]]
         n = math.prod(shape)
-        entries.append(payload[offset:offset + n].view(shape).to(_DTYPES[h[at + 1]]))
+        entries.append(payload[offset : offset + n].view(shape).to(_DTYPES[h[at + 1]]))
         offset += n
     return tuple(entries) if h[0] else entries[0]
 
@@ -169,13 +203,21 @@ def boundary_numel(out) -> int:
     return sum(t.numel() for t in entries if isinstance(t, torch.Tensor))
 
 
-def probe_capacity(build_stage: Callable[[int, int], torch.nn.Module], num_stages: int,
-                   batches: Sequence[tuple[Any, Any]], modules: list[torch.nn.Module] | None = None) -> int:
+def probe_capacity(
+    build_stage: Callable[[int, int], torch.nn.Module],
+    num_stages: int,
+    batches: Sequence[tuple[Any, Any]],
+    modules: list[torch.nn.Module] | None = None,
+) -> int:
     """The largest stage-boundary payload (elements) over ``batches``, from a local no-grad forward
     through every stage. ``modules``: stages built before, reused (shapes do not depend on weights)."""
     most = 0
     with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays untouched
-        modules = modules if modules is not None else [build_stage(k, num_stages) for k in range(num_stages)]
+        modules = (
+            modules
+            if modules is not None
+            else [build_stage(k, num_stages) for k in range(num_stages)]
+        )
         for x, _ in batches:
             for module in modules[:-1]:
                 x = module(x)
@@ -199,7 +241,9 @@ class _DelayedSends:
         q = self._queues.get(peer)
         if q is None:
             q = self._queues[peer] = queue.Queue()
-            thread = threading.Thread(target=self._run, args=(q,), name=f"rrfp-torch-send-{peer}", daemon=True)
+            thread = threading.Thread(
+                target=self._run, args=(q,), name=f"rrfp-torch-send-{peer}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         q.put((due, ops))
@@ -215,7 +259,10 @@ class _DelayedSends:
                 if delay > 0:
                     time.sleep(delay)
                 # as torch's _batch_p2p issues a batch of sends, then wait (gloo completes in wait)
-                works = [op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer) for op in ops]
+                works = [
+                    op.op(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                    for op in ops
+                ]
                 for w in works:
                     w.wait()
             except BaseException as e:  # surfaces in flush(), on the schedule's thread
@@ -228,7 +275,9 @@ class _DelayedSends:
         for q in list(self._queues.values()):
             q.join()
         if self._errors:
-            raise RuntimeError(f"a delayed pipeline send failed: {self._errors[0]}") from self._errors[0]
+            raise RuntimeError(
+                f"a delayed pipeline send failed: {self._errors[0]}"
+            ) from self._errors[0]
 
     def close(self) -> None:
         """End the sender threads once their queues are empty."""
@@ -257,9 +306,13 @@ class _Clock:
     sends: _DelayedSends = field(default_factory=_DelayedSends)
     spans: list[Span] = field(default_factory=list)
     loss_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
-    forward_started: dict[int, float] = field(default_factory=dict)  # last stage: F waits for its loss
+    forward_started: dict[int, float] = field(
+        default_factory=dict
+    )  # last stage: F waits for its loss
 
-    by_stage: bool = False  # units and latency asked with torch's stage index (a chunk's own), share 1
+    by_stage: bool = (
+        False  # units and latency asked with torch's stage index (a chunk's own), share 1
+    )
 
     def duration(self, stage: int, mb: int, kinds: tuple[Kind, ...]) -> float:
         if not self.unit_s or self.units is None:
@@ -273,14 +326,24 @@ class _Clock:
         remaining = start + self.duration(stage, mb, kinds) * self.unit_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        self.spans.append(Span(f"rank {self.rank}", stage, f"{name}{mb}", start - self.t0,
-                               time.perf_counter() - self.t0))
+        self.spans.append(
+            Span(
+                f"rank {self.rank}",
+                stage,
+                f"{name}{mb}",
+                start - self.t0,
+                time.perf_counter() - self.t0,
+            )
+        )
 
     def delay(self, ops: list, stage: int, mb: int, kind: Kind) -> list:
         """Hand ``ops`` (sends of one task) to the delayed senders; torch gets none to issue."""
         if not ops or not self.unit_s or self.latency is None:
             return ops
-        due = time.perf_counter() + self.latency(stage if self.by_stage else self.rank, mb, kind) * self.unit_s
+        due = (
+            time.perf_counter()
+            + self.latency(stage if self.by_stage else self.rank, mb, kind) * self.unit_s
+        )
         by_peer: dict[int, list] = {}
         for op in ops:
             by_peer.setdefault(op.peer, []).append(op)
@@ -305,8 +368,9 @@ class _TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         start = time.perf_counter()
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                   last_backward=last_backward)
+        super().backward_one_chunk(
+            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+        )
         # a full backward inside a split schedule does B and W at once
         kinds = (Kind.B, Kind.W) if full_backward and self.clock.split else (Kind.B,)
         self.clock.hold(self.stage_index, "B", bwd_chunk_id, start, kinds)
@@ -318,10 +382,14 @@ class _TimedStage(PipelineStage):
 
     # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send nothing)
     def get_fwd_send_ops(self, fwd_chunk_id):
-        return self.clock.delay(super().get_fwd_send_ops(fwd_chunk_id), self.stage_index, fwd_chunk_id, Kind.F)
+        return self.clock.delay(
+            super().get_fwd_send_ops(fwd_chunk_id), self.stage_index, fwd_chunk_id, Kind.F
+        )
 
     def get_bwd_send_ops(self, bwd_chunk_id):
-        return self.clock.delay(super().get_bwd_send_ops(bwd_chunk_id), self.stage_index, bwd_chunk_id, Kind.B)
+        return self.clock.delay(
+            super().get_bwd_send_ops(bwd_chunk_id), self.stage_index, bwd_chunk_id, Kind.B
+        )
 
 
 @dataclass(frozen=True)
@@ -342,7 +410,9 @@ class _ScaledLoss:
         loss = self.loss_fn(output, target.targets)
         self.clock.loss_tensors[target.mb] = loss.detach()
         scaled = loss / self.M
-        self.clock.hold(self.last_stage, "F", target.mb, self.clock.forward_started.pop(target.mb), (Kind.F,))
+        self.clock.hold(
+            self.last_stage, "F", target.mb, self.clock.forward_started.pop(target.mb), (Kind.F,)
+        )
         return scaled
 
 
@@ -378,20 +448,43 @@ class TorchScheduleRunner:
     microbatches locally with every stage (cheap for small models) and rebuilds when it grows.
     """
 
-    def __init__(self, schedule: str, build_stage: Callable[[int, int], torch.nn.Module], loss_fn, rank: int,
-                 world: int, microbatches: int, unit_s: float, group=None, capacity: int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        schedule: str,
+        build_stage: Callable[[int, int], torch.nn.Module],
+        loss_fn,
+        rank: int,
+        world: int,
+        microbatches: int,
+        unit_s: float,
+        group=None,
+        capacity: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.schedule = resolve_schedule(schedule)
         cls_name, per_rank, placement, self.split = SCHEDULES[self.schedule]
         self._cls = getattr(torch_schedules, cls_name, None)
         if self._cls is None:
             raise ValueError(f"this torch ({torch.__version__}) has no {cls_name}")
-        if dist.is_initialized() and (dist.get_rank(group), dist.get_world_size(group)) != (rank, world):
-            raise ValueError(f"rank {rank} of {world} does not match the process group "
-                             f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})")
-        self.rank, self.world, self.M, self.unit_s, self.group = rank, world, microbatches, unit_s, group
+        if dist.is_initialized() and (dist.get_rank(group), dist.get_world_size(group)) != (
+            rank,
+            world,
+        ):
+            raise ValueError(
+                f"rank {rank} of {world} does not match the process group "
+                f"(rank {dist.get_rank(group)} of {dist.get_world_size(group)})"
+            )
+        self.rank, self.world, self.M, self.unit_s, self.group = (
+            rank,
+            world,
+            microbatches,
+            unit_s,
+            group,
+        )
         self.num_stages, self.per_rank = world * per_rank, per_rank
-        self.layout = VirtualLayout(world, per_rank, placement)  # torch's stage numbering, in rrfp's terms
+        self.layout = VirtualLayout(
+            world, per_rank, placement
+        )  # torch's stage numbering, in rrfp's terms
         self.stage_indices = tuple(self.layout.stages_of(rank))
         self.build_stage, self.loss_fn = build_stage, loss_fn
         self.dtype = dtype or torch.get_default_dtype()
@@ -417,12 +510,21 @@ class TorchScheduleRunner:
         for k, module in zip(self.stage_indices, self.modules):
             first, last = k == 0, k == self.num_stages - 1
             env = _Envelope(module, first, last, capacity, self.dtype, k)
-            boundary = (torch.empty(capacity, dtype=self.dtype, requires_grad=True),
-                        torch.empty(_HEADER, dtype=torch.int64))
-            stage = _TimedStage(env, k, self.num_stages, torch.device("cpu"),
-                                input_args=torch.empty(0, dtype=torch.int64) if first else boundary,
-                                output_args=torch.empty(1, dtype=self.dtype, requires_grad=True) if last
-                                else boundary, group=self.group)
+            boundary = (
+                torch.empty(capacity, dtype=self.dtype, requires_grad=True),
+                torch.empty(_HEADER, dtype=torch.int64),
+            )
+            stage = _TimedStage(
+                env,
+                k,
+                self.num_stages,
+                torch.device("cpu"),
+                input_args=torch.empty(0, dtype=torch.int64) if first else boundary,
+                output_args=torch.empty(1, dtype=self.dtype, requires_grad=True)
+                if last
+                else boundary,
+                group=self.group,
+            )
             stage.clock = self.clock
             stages.append(stage)
         self._stages = stages
@@ -430,8 +532,14 @@ class TorchScheduleRunner:
         target = stages[0] if len(stages) == 1 else stages
         self._schedule_obj = self._cls(target, self.M, loss_fn=loss, scale_grads=False)
         self.capacity = capacity
-        log.info("rank %d: torch %s over stages %s of %d, envelope capacity %d", self.rank, self._cls.__name__,
-                 self.stage_indices, self.num_stages, capacity)
+        log.info(
+            "rank %d: torch %s over stages %s of %d, envelope capacity %d",
+            self.rank,
+            self._cls.__name__,
+            self.stage_indices,
+            self.num_stages,
+            capacity,
+        )
 
     def _ensure_capacity(self, batches) -> None:
         if self._fixed_capacity:
@@ -440,15 +548,21 @@ class TorchScheduleRunner:
             return
         if self._probe_modules is None:
             with torch.random.fork_rng():
-                self._probe_modules = [self.build_stage(k, self.num_stages) for k in range(self.num_stages)]
+                self._probe_modules = [
+                    self.build_stage(k, self.num_stages) for k in range(self.num_stages)
+                ]
         needed = probe_capacity(self.build_stage, self.num_stages, batches, self._probe_modules)
         if self._schedule_obj is None or needed > self.capacity:
             self._build_schedule(needed)  # every rank probes the same data: all rebuild together
 
-    def run_iteration(self, iteration: int, batches: Sequence[tuple[Any, Any]],
-                      units: Callable[[int, int, Kind], float] | None = None,
-                      latency: Callable[[int, int, Kind], float] | None = None,
-                      by_stage: bool = False) -> TorchIterationResult:
+    def run_iteration(
+        self,
+        iteration: int,
+        batches: Sequence[tuple[Any, Any]],
+        units: Callable[[int, int, Kind], float] | None = None,
+        latency: Callable[[int, int, Kind], float] | None = None,
+        by_stage: bool = False,
+    ) -> TorchIterationResult:
         """Run torch's schedule over ``batches`` (M (inputs, targets) microbatches, the same on every
         rank). Gradients accumulate in the stage parameters (mean over microbatches, as rrfp's
         executor leaves them); the caller steps and zeroes them.
@@ -459,7 +573,9 @@ class TorchScheduleRunner:
         rrfp's virtual layout of the same placement does) and give a chunk's own time, with no
         share: what rrfp's executor at V = 2 draws, task for task."""
         if len(batches) != self.M:
-            raise ValueError(f"rank {self.rank}: got {len(batches)} microbatches, configured for {self.M}")
+            raise ValueError(
+                f"rank {self.rank}: got {len(batches)} microbatches, configured for {self.M}"
+            )
         self._ensure_capacity(batches)
         clock = self.clock
         clock.units, clock.latency, clock.by_stage = units, latency, by_stage
@@ -480,4 +596,6 @@ class TorchScheduleRunner:
         if clock.loss_tensors:
             order = sorted(clock.loss_tensors)
             losses = dict(zip(order, torch.stack([clock.loss_tensors[m] for m in order]).tolist()))
-        return TorchIterationResult(iteration, wall, losses, sorted(clock.spans, key=lambda s: s.start), clock.t0)
+        return TorchIterationResult(
+            iteration, wall, losses, sorted(clock.spans, key=lambda s: s.start), clock.t0
+        )

@@ -11,6 +11,7 @@ span to ROWS.json. A failure prints one ``rrfp: error: rank R: ...`` line
 (after its traceback) on stderr and exits 1 at once: torchrun then stops the
 other ranks, and the parent reports that line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,10 +39,12 @@ log = logging.getLogger("rrfp.app.bench.worker")
 
 
 def rotated(items: list, k: int) -> list:
-    return items[k % len(items):] + items[:k % len(items)]
+    return items[k % len(items) :] + items[: k % len(items)]
 
 
-async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress) -> dict:
+async def run_case(
+    runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress
+) -> dict:
     """``runtimes``: by (virtual, placement), the rank's runtime of each layout the executors use."""
     rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
@@ -50,8 +53,10 @@ async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str |
     var = cfg.run.variability
 
     # the rrfp executors of one layout share its stage modules; torch's runners build their own
-    modules = {key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
-               for key, r in runtimes.items()}
+    modules = {
+        key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
+        for key, r in runtimes.items()
+    }
     module = modules[(1, "interleaved")][0]
     runners: dict[str, Runner] = {}
     for ex in case.executors:
@@ -61,8 +66,9 @@ async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str |
             runners[ex.name] = DropInRunner(rt, ex, module, wl, spec, var, cost)
         else:
             key = (ex.virtual, ex.placement)
-            runners[ex.name] = RrfpRunner(runtimes[key], ex, modules[key] if ex.virtual > 1 else module, wl, spec,
-                                          var, cost)
+            runners[ex.name] = RrfpRunner(
+                runtimes[key], ex, modules[key] if ex.virtual > 1 else module, wl, spec, var, cost
+            )
     rows, iterations = [], []
     names = list(runners)
 
@@ -84,37 +90,74 @@ async def run_case(runtimes: dict, spec: BenchSpec, case: Case, cost_path: str |
         for position, name in enumerate(rotated(names, it)):
             m = await runners[name].run(it, data, feats)
             vec = torch.tensor(m.reduced(), dtype=torch.float64)
-            await rt.all_reduce(vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics")
-            wall, peak, decision_us, plan_s, plan_waited_s, overhead_s = [None if v < 0 else v
-                                                                          for v in vec.tolist()]
+            await rt.all_reduce(
+                vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics"
+            )
+            wall, peak, decision_us, plan_s, plan_waited_s, overhead_s = [
+                None if v < 0 else v for v in vec.tolist()
+            ]
             if it > 0:
-                rows.append({"executor": name, "iteration": it, "position": position, "wall_s": wall,
-                             "peak_inflight": None if peak is None else int(peak) if peak.is_integer() else peak,
-                             "decision_us": decision_us,
-                             "plan_s": plan_s, "plan_waited_s": plan_waited_s, "overhead_s": overhead_s,
-                             "plan_order": None if m.plan_order is None else list(m.plan_order)})
+                rows.append(
+                    {
+                        "executor": name,
+                        "iteration": it,
+                        "position": position,
+                        "wall_s": wall,
+                        "peak_inflight": None
+                        if peak is None
+                        else int(peak)
+                        if peak.is_integer()
+                        else peak,
+                        "decision_us": decision_us,
+                        "plan_s": plan_s,
+                        "plan_waited_s": plan_waited_s,
+                        "overhead_s": overhead_s,
+                        "plan_order": None if m.plan_order is None else list(m.plan_order),
+                    }
+                )
             progress(f"{case.name} iteration {it} {name}")
     for r in runners.values():
         r.close()
-    spans = [list(astuple(sp)) for r in runners.values() for sp in r.spans if sp.args.get("iteration", 0) > 0]
+    spans = [
+        list(astuple(sp))
+        for r in runners.values()
+        for sp in r.spans
+        if sp.args.get("iteration", 0) > 0
+    ]
     gathered = await rt.gather_object(spans)
-    return {"name": case.name, "rows": rows, "iterations": iterations,
-            "spans": None if gathered is None else [sp for part in gathered for sp in part]}
+    return {
+        "name": case.name,
+        "rows": rows,
+        "iterations": iterations,
+        "spans": None if gathered is None else [sp for part in gathered for sp in part],
+    }
 
 
 async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list[dict]:
     """One runtime per layout the executors use (one stage per rank, and each virtual layout), all on
     the first one's process group, started in one order on every rank and finished in reverse."""
     torch.set_num_threads(1)
-    layouts = dict.fromkeys([(1, "interleaved")] + [(ex.virtual, ex.placement) for c in spec.cases
-                                                    for ex in c.executors if not ex.is_torch])
+    layouts = dict.fromkeys(
+        [(1, "interleaved")]
+        + [(ex.virtual, ex.placement) for c in spec.cases for ex in c.executors if not ex.is_torch]
+    )
     async with contextlib.AsyncExitStack() as stack:
         runtimes = {}
         for virtual, placement in layouts:
-            runtimes[(virtual, placement)] = await stack.enter_async_context(PipelineRuntime.start(
-                pp=spec.pp, tp=spec.tp, timeout_s=spec.peer_timeout_s, unit_ms=spec.unit_ms, virtual=virtual,
-                placement=placement))
-        return [await run_case(runtimes, spec, case, cost_paths.get(case.name), progress) for case in spec.cases]
+            runtimes[(virtual, placement)] = await stack.enter_async_context(
+                PipelineRuntime.start(
+                    pp=spec.pp,
+                    tp=spec.tp,
+                    timeout_s=spec.peer_timeout_s,
+                    unit_ms=spec.unit_ms,
+                    virtual=virtual,
+                    placement=placement,
+                )
+            )
+        return [
+            await run_case(runtimes, spec, case, cost_paths.get(case.name), progress)
+            for case in spec.cases
+        ]
 
 
 def main(argv: list[str]) -> None:
