@@ -19,10 +19,9 @@ import statistics
 import time
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
-
-import torch.utils.checkpoint
 
 from rrfp import StageWorker
 

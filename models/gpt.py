@@ -226,7 +226,7 @@ def full_grad_slice(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> tor
     return shard_from_full(full, dim, tp_rank, tp, chunks)
 
 
-def _to_tensor_parallel(block: "Block", index: int, group, n_head: int, tp: int) -> None:
+def _to_tensor_parallel(block: Block, index: int, group, n_head: int, tp: int) -> None:
     for path, (cls, chunks) in _TP_PLAN.items():
         parent_name, attr = path.split(".")
         parent = getattr(block, parent_name)

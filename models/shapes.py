@@ -78,7 +78,7 @@ class VLMInputs(NamedTuple):
     images: torch.Tensor  # float32 [b, n_images, 3, S, S]
     ids: torch.Tensor  # int64 [b, T]
 
-    def to(self, *args, **kwargs) -> "VLMInputs":
+    def to(self, *args, **kwargs) -> VLMInputs:
         return VLMInputs(self.images.to(*args, **kwargs), self.ids.to(*args, **kwargs))
 
 

@@ -28,6 +28,7 @@ if (
     from rrfp.core.policy import Dispatch, choose
     from rrfp.core.tracker import StageTracker
     from rrfp.core.variability import Variability
+    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges, hf_ties
     from rrfp.loop import run
     from rrfp.nn.split_linear import SplitLinear
     from rrfp.nn.tensor_parallel import (
@@ -36,15 +37,14 @@ if (
         group_size_rank,
         shard_from_full,
     )
+    from rrfp.pipeline.calibration import calibrate
     from rrfp.pipeline.executor import IterationResult, StageExecutor
     from rrfp.pipeline.runtime import PipelineRuntime
     from rrfp.pipeline.worker import SplitSummary, StageWorker
-    from rrfp.pipeline.calibration import calibrate
     from rrfp.pipeline.workload import Workload, token_features
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
     from rrfp.sim.planning import planned_config
-    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges, hf_ties
 
 # public name -> the module that defines it
 _HOMES = {

@@ -72,7 +72,7 @@ class Kernel:
 
 
 class FakeEvent:
-    def __init__(self, world: "FakeWorld", enable_timing: bool = False) -> None:
+    def __init__(self, world: FakeWorld, enable_timing: bool = False) -> None:
         self.world = world
         self.rank: int | None = None  # of the stream it was recorded on
         self.done_at: float | None = None
@@ -90,12 +90,12 @@ class FakeEvent:
         self.world.host_sync(self.rank, "event.synchronize")
         self.world.wait_until(self.query, "an event to complete", self.rank)
 
-    def elapsed_time(self, other: "FakeEvent") -> float:
+    def elapsed_time(self, other: FakeEvent) -> float:
         return (other.done_at - self.done_at) * 1e3
 
 
 class FakeStream:
-    def __init__(self, world: "FakeWorld", rank: int, name: str) -> None:
+    def __init__(self, world: FakeWorld, rank: int, name: str) -> None:
         self.world, self.rank, self.name = world, rank, name
         self.items: collections.deque = collections.deque()
         self.t = now()  # when the last item run finished
@@ -106,7 +106,7 @@ class FakeStream:
             self.items.append(("wait", event, now()))
             self.waited.append(event)
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         event = FakeEvent(self.world)
         event.record(other)
         self.wait_event(event)
@@ -126,7 +126,7 @@ class Op:
 
     def __init__(
         self,
-        comm: "Comm",
+        comm: Comm,
         kind: str,
         rank: int,
         tensor: torch.Tensor,
@@ -149,7 +149,7 @@ class Op:
 
 
 class FakeWork:
-    def __init__(self, world: "FakeWorld", ops: list[Op]) -> None:
+    def __init__(self, world: FakeWorld, ops: list[Op]) -> None:
         self.world, self.ops = world, ops
 
     def is_completed(self) -> bool:
@@ -177,7 +177,7 @@ class FakeWork:
 class Comm:
     """A communicator: its members, one stream per member, and the ops waiting to match."""
 
-    def __init__(self, world: "FakeWorld", key: tuple, members: tuple[int, ...]) -> None:
+    def __init__(self, world: FakeWorld, key: tuple, members: tuple[int, ...]) -> None:
         self.world, self.key, self.members = world, key, members
         self.streams = {r: FakeStream(world, r, f"nccl{key}@{r}") for r in members}
         self.p2p: dict[tuple, list[list[Op]]] = collections.defaultdict(
@@ -246,7 +246,7 @@ class FakeDist:
     ReduceOp = types.SimpleNamespace(SUM="sum", MIN="min", MAX="max")
     P2POp = P2POp
 
-    def __init__(self, world: "FakeWorld", rank: int | None = None) -> None:
+    def __init__(self, world: FakeWorld, rank: int | None = None) -> None:
         self.world, self._bound = world, rank
 
     def _me(self) -> int:

@@ -40,9 +40,10 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -456,7 +457,8 @@ async def loopback_figures(
     """Stages 0 and 1 of a GPT on one device, over NcclChannel with LoopbackOps."""
     import torch
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.comm.nccl_channel import NcclChannel
     from rrfp.comm.pipeline_channels import PipelineChannels
@@ -663,7 +665,8 @@ async def memory_figures(
     """A pp=1 GPT stage trained a few steps under the default budget (2x: two microbatches in flight)."""
     import torch
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.comm.pipeline_channels import PipelineChannels
     from rrfp.core.tasks import Kind

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from rank_procs import RankProcs
 
 STARTUP_S = 90  # imports and rendezvous of every rank on a loaded 2-core machine

@@ -10,9 +10,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 M, DIM, BATCH = 2, 16, 4
 BF16 = torch.bfloat16
@@ -172,7 +171,8 @@ def _gpt():
 def _one_process_losses(bf16: bool) -> list[float]:
     """``rrfp train``'s update in one process: AdamW on float32 parameters, the iteration under autocast."""
     from models.data import batches as make_batches
-    from models.gpt import GPT, loss_fn as gpt_loss
+    from models.gpt import GPT
+    from models.gpt import loss_fn as gpt_loss
 
     model_cfg, data_cfg = _gpt()
     torch.manual_seed(0)

@@ -5,9 +5,8 @@ reach the runtime that ScheduleReady starts for itself. Two gloo ranks, a few se
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 M, UNIT_MS, STEPS = 4, 20.0, 2
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 C, T, M = 4, 5, 3
 

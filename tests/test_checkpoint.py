@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from distributed import free_port, run_ranks
+
 from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from distributed import run_ranks
 from test_checkpoint import _config, one_error_line, rrfp_alone
+
 from rrfp.pipeline.checkpoint_dir import MARKER, META, CheckpointDir
 
 SAVED_AT, LATEST, STEPS = 2, 4, 6
@@ -295,9 +295,10 @@ def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
 def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected and
     the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line, nothing loaded."""
+    from test_checkpoint import SMALL, resume_error
+
     from rrfp.app.checkpoints import plan_resume
     from rrfp.app.config import TrainConfig
-    from test_checkpoint import SMALL, resume_error
 
     root, _ = corrupted
     copied = tmp_path / "copied"

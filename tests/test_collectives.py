@@ -5,7 +5,6 @@ loop's one poller, with no thread started per collective."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 ROUNDS = 40

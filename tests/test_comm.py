@@ -418,9 +418,9 @@ def _check(msg: Message, sender_stage: int, mb: int, kind: int) -> None:
 
 
 def _pipeline_scenario(rank, world, pg_timeout_s):
+    import torch.distributed as dist
     import uvloop
 
-    import torch.distributed as dist
     from rrfp.comm.pipeline_channels import create_pipeline_channels
 
     layout = Layout(world, world)
@@ -505,6 +505,7 @@ DEAD_EXIT_CODE = 17
 
 def _peer_failure_scenario(rank, world, pg_timeout_s, *, dies: bool):
     import torch.distributed as dist
+
     from rrfp.comm.channels import PeerError
     from rrfp.comm.pipeline_channels import create_pipeline_channels
 

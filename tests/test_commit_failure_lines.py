@@ -5,7 +5,6 @@ line points at rank 0 and names no cause of its own. Plain processes, 2 ranks.""
 from __future__ import annotations
 
 import pytest
-
 from rank_procs import RankProcs
 from test_fault_injection import STARTUP_S, _args
 

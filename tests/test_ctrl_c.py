@@ -15,10 +15,10 @@ import sys
 import time
 
 import pytest
-
 from rank_procs import ROOT
-from rrfp.pipeline.checkpoint_dir import CheckpointDir
 from test_checkpoint import SMALL
+
+from rrfp.pipeline.checkpoint_dir import CheckpointDir
 
 
 @pytest.mark.timeout(120)

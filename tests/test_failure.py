@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rank_procs import RankProcs
 
 WORLD = 4

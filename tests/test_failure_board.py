@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from distributed import free_port
+
 from rrfp.app.failure_board import GRACE_S, FailureBoard
 
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rank_procs import RankProcs
 
 TIMEOUT_S = 5  # run.timeout_s: the peer deadline and the process-group timeout
@@ -193,7 +192,7 @@ def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, deb
         assert [p.returncode for p in ranks.procs] == [1, 1], ranks.tails()
         (line,) = ranks.error_lines(victim)
         where = (
-            f"traceback above" if debug else f"traceback in {tmp_path / 'logs'}/rank-{victim}.log"
+            "traceback above" if debug else f"traceback in {tmp_path / 'logs'}/rank-{victim}.log"
         )
         if fault.startswith("bug"):
             assert line.startswith(

@@ -15,10 +15,9 @@ import random
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
 from test_virtual_pipeline import build
+from torch import nn
 
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
 HINTS = (
@@ -37,8 +36,8 @@ D = 6  # the Piece model's width (test_virtual_pipeline.D)
 def shapes(world: int, n: int, seed: int) -> list[dict]:
     """``n`` shapes that have a form on their layout (zbv only on v, zbh1 only at V = 1, 1f1b's rounds
     dividing M, ...)."""
-    from rrfp.core.placement import VirtualLayout
     from rrfp.core.hints import default_split, resolve
+    from rrfp.core.placement import VirtualLayout
     from rrfp.sim.sweep import applies
 
     rng, out = random.Random(seed), []

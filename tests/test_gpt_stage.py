@@ -5,9 +5,9 @@ import torch
 
 from models.data import DataConfig, batches, corpus
 from models.gpt import GPT, GPTConfig, loss_fn, make_stage, split_layers, tied
+from rrfp.core.tasks import Kind, Task
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.pipeline.worker import StageWorker
-from rrfp.core.tasks import Kind, Task
 
 CFG = GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=32)
 DATA = DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=24, corpus_bytes=1 << 20)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fake_cuda import FakeCudaOps, FakeEvent, FakeWorld, restore_late_sends
+
 from rrfp.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]

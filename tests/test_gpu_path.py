@@ -22,8 +22,8 @@ import copy
 
 import pytest
 import torch
-
 from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, restore_late_sends, run_ranks_in_threads
+
 from rrfp.comm.message import HEADER_LEN
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout

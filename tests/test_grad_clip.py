@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from distributed import run_ranks
 
 M = 2
@@ -20,7 +19,8 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
 
     import torch
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime

@@ -6,7 +6,6 @@ the first iteration are stale once a later iteration adds to the gradients, so
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 from dp_mlp import M, data, model, reference
 

@@ -6,7 +6,6 @@ all-reduce). Checked against the single-process reference."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M = 2

@@ -6,7 +6,6 @@ Each step's gradients are checked against the single-process reference."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 from dp_mlp import M, data, model, reference
 

@@ -5,7 +5,6 @@ replicas only is averaged with zeros from the others."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 

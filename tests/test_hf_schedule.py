@@ -28,9 +28,9 @@ def microbatches(step: int):
 
 def _train(rank, world, family):
     import torch
+    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    import torch.distributed as dist
     from models.hf import DTYPES, loss_fn
     from rrfp import ScheduleReady, build_hf_stage
 

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 
 from distributed import run_ranks  # noqa: E402
-from hf_reference import CLIP, LR, M, STEPS, WARMUP, data_config, model_config, reference  # noqa: E402
+from hf_reference import CLIP, LR, STEPS, WARMUP, M, data_config, model_config, reference  # noqa: E402
 
 
 def _train(rank, world, family, folder, steps=STEPS, resume="off"):

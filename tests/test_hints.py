@@ -1,8 +1,7 @@
 import pytest
 
-from rrfp.core.budget import Budget
+from rrfp.core.budget import Budget, InFlight, Limit
 from rrfp.core.hints import BUILTIN, HintError, csv_hint, default_split, resolve, validate
-from rrfp.core.budget import InFlight, Limit
 from rrfp.core.policy import Dispatch, choose
 from rrfp.core.tasks import B, F, Kind, Task, W, stage_tasks
 

@@ -10,8 +10,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
 from test_train_cli import CONFIG, assert_usage_error, config_error, rrfp, sets_args
+
 from rrfp.app.config import ConfigError, TrainConfig
 from rrfp.app.errors import UsageError
 from rrfp.core.errors import InjectedFault

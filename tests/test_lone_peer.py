@@ -5,7 +5,6 @@ names none (the failure board then goes by the other ranks' posts)."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 

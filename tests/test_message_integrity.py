@@ -7,7 +7,6 @@ error that names the channel and its peer, raised at once: it never hangs.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 PG_TIMEOUT_S = 20  # far above what any case may take: an error near it would be a hang

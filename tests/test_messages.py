@@ -11,12 +11,12 @@ import asyncio
 
 import pytest
 import torch
+from distributed import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_comm import _header_with_none, _set
 from torch import nn
 
-from distributed import run_ranks
-from test_comm import _header_with_none, _set
 from rrfp.comm.message import (
     DTYPE_CODES,
     HEADER_LEN,

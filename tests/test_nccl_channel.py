@@ -12,8 +12,8 @@ import threading
 
 import pytest
 import torch
-
 from fake_cuda import FakeCudaOps, FakeHang, FakeWorld, run_ranks_in_threads
+
 from rrfp.comm.channels import PeerError
 from rrfp.comm.message import Message
 from rrfp.comm.nccl_channel import NcclChannel

@@ -5,7 +5,6 @@ goes on. ("stop" is checked through the CLI in test_fault_injection.py.)"""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 STEPS, NAN_STEP = 4, 2  # 1-based, as run.fault counts

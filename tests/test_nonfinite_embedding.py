@@ -6,7 +6,6 @@ optimizer step. Real gloo ranks."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M, D = 3, 4

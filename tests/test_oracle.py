@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
 
 from rrfp.core.bounds import lower_bound  # noqa: E402
-from rrfp.core.hints import BUILTIN, Hint  # noqa: E402
+from rrfp.core.hints import BUILTIN  # noqa: E402
 from rrfp.core.tasks import Kind, Task  # noqa: E402
 from rrfp.core.variability import Variability  # noqa: E402
 from rrfp.sim import SimConfig, SimDeadlock, simulate  # noqa: E402

@@ -5,7 +5,6 @@ same task sequence even when their messages arrive skewed."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M = 4
@@ -39,7 +38,8 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
 
     import torch
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime

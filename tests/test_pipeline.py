@@ -5,7 +5,6 @@ reference: losses and every gradient after one iteration, and losses over
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 HINTS = ["gpipe", "1f1b", "zbh1", "bf", "bfw", "plan"]
@@ -119,8 +118,8 @@ def _twenty_steps(rank, world, configs):
     from models.data import batches as make_batches
     from models.gpt import GPT, loss_fn
     from rrfp.app.config import RunConfig, TrainConfig
-    from rrfp.loop import run
     from rrfp.app.train import stage_main
+    from rrfp.loop import run
 
     model_cfg, data_cfg = _model_and_data()
     steps, lr = 20, 3e-3

@@ -9,9 +9,8 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 M = 4
 VOCAB, DIM, BATCH = 11, 8, 2

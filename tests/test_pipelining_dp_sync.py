@@ -5,7 +5,6 @@ after a step every rank's gradients equal one process's over the whole batch of 
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M, D, ROWS = (

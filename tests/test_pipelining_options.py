@@ -5,7 +5,6 @@ every rank, and with them it runs. Real gloo ranks."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M, D = 2, 4

@@ -12,9 +12,8 @@ import copy
 
 import pytest
 import torch
-
 from distributed import run_ranks
-from test_pipelining import BATCH, M, VOCAB, batch, full_model, grads_of, loss_fn, max_diff
+from test_pipelining import BATCH, VOCAB, M, batch, full_model, grads_of, loss_fn, max_diff
 
 V = 2
 TOL = 1e-10

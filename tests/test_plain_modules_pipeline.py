@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 D, T, BATCH, M, STEPS = 8, 5, 2, 4, 3
 CONFIGS = [("ready", "bfw"), ("ready", "zbh1"), ("fixed", "1f1b")]

@@ -13,10 +13,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-
-import rrfp.core.variability as variability
 from test_cost import ROOT, synthetic
 from test_train_cli import CONFIG, assert_usage_error, rrfp
+
+import rrfp.core.variability as variability
 from rrfp.app.calibrate_command import calibration_device
 from rrfp.app.config import ConfigError, RunConfig, TrainConfig
 from rrfp.core.budget import Budget

@@ -8,7 +8,8 @@ import heapq
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rrfp.core.budget import Budget
 from rrfp.core.hints import resolve

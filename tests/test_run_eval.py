@@ -5,7 +5,6 @@ and a training iteration after it still runs on the same channels."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 M, D = 3, 4

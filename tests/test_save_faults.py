@@ -11,9 +11,8 @@ import re
 import time
 
 import pytest
-
 from rank_procs import RankProcs
-from test_fault_injection import STARTUP_S, _args, _wait_for_fault
+from test_fault_injection import _args, _wait_for_fault
 
 TIMEOUT_S = 4
 SLACK_S = 12  # a loaded 2-core machine
@@ -53,7 +52,7 @@ def test_a_rank_stopped_in_a_save_is_named_within_the_timeout(tmp_path, phase, v
         named = (
             rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {TIMEOUT_S}\)"
             if victim == 1
-            else rf"\(in rank 0's process\) stopped answering: .* rank 0 is stopped, hung or gone"
+            else r"\(in rank 0's process\) stopped answering: .* rank 0 is stopped, hung or gone"
         )
         assert re.search(named, lines[0]), lines[0]
         assert took > TIMEOUT_S / 2, f"named after {took:.1f} s, before the deadline could pass"

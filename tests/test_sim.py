@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from rrfp.core.budget import Budget
 from rrfp.core.hints import BUILTIN
-from rrfp.sim import SimConfig, SimDeadlock, simulate
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
+from rrfp.sim import SimConfig, SimDeadlock, simulate
 
 variabilities = st.builds(
     Variability,

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint, bfw_ranked, resolve
 from rrfp.core.planner import entry_order_hint
 from rrfp.core.tasks import Kind, Task

@@ -417,12 +417,13 @@ def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
 def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
     """A run with V = 2 records virtual and placement; its cost model has one entry per global stage,
     and each step is simulated on that layout (a planned run with each step's plan)."""
+    from test_cost import synthetic
+
     from rrfp.core.budget import Budget
     from rrfp.core.cost import CostModel
     from rrfp.core.policy import Dispatch
     from rrfp.sim.planning import plan_iteration
     from rrfp.sim.replay import replay
-    from test_cost import synthetic
 
     model = CostModel.fit(synthetic(stages=4)[1])
     var, lay = Variability.preset("lang"), VirtualLayout(2, 2, "v")

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from rrfp.pipeline import weight_split, worker as worker_module
+from rrfp.pipeline import weight_split
+from rrfp.pipeline import worker as worker_module
 from rrfp.pipeline.worker import StageWorker
 
 B, T, D, V = 2, 3, 4, 7

@@ -12,7 +12,6 @@ import torch
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.core.placement import VirtualLayout
 from rrfp.app.start_checks import (
     check_byte_budget,
     check_memory,
@@ -20,6 +19,7 @@ from rrfp.app.start_checks import (
     footprints,
     predicted_step_s,
 )
+from rrfp.core.placement import VirtualLayout
 from rrfp.pipeline.worker import StageWorker
 
 ROOT = Path(__file__).resolve().parents[1]

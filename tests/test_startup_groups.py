@@ -7,7 +7,6 @@ communicators on the fake."""
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_ranks
 
 

@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from distributed import free_port
 from rank_procs import RankProcs
 from test_checkpoint import ROOT, SMALL, _env
@@ -63,6 +62,6 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     assert p.returncode == 143, (p.returncode, err)
     assert took < 5, f"{took:.1f} s after SIGTERM"
     assert err.strip().splitlines() == [
-        f"rrfp: stopped: rank 1: SIGTERM during start-up, before any step; no "
+        "rrfp: stopped: rank 1: SIGTERM during start-up, before any step; no "
         "checkpoint is kept (run.checkpoint_dir is not set)"
     ], err

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_restart import _flat, losses
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from test_restart import _flat
 from test_stop import torchrun, workers
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from distributed import run_ranks
+
 from models.gpt import (
     GPT,
     GPTConfig,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from distributed import run_ranks
 
 M, STEPS = 2, 3
@@ -25,7 +24,8 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
 
     import torch
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime

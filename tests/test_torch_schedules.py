@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
-from rrfp.core.tasks import Kind
+
 from rrfp.app.bench import torch_schedules as ts
+from rrfp.core.tasks import Kind
 
 WORLD = 4
 M = 8
@@ -134,7 +134,8 @@ VARIABILITY = dict(
 def _emulated(rank, world, schedule, unit_s):
     import torch.distributed as dist
 
-    from models.data import DataConfig, batches as make_batches
+    from models.data import DataConfig
+    from models.data import batches as make_batches
     from models.gpt import GPTConfig, loss_fn, workload
     from rrfp.core.variability import Variability
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from distributed import run_ranks
 
 STEPS, CLIP = 4, 0.05

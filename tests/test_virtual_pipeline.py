@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from distributed import run_ranks
+from torch import nn
 
 D, BATCH, M, STEPS, V = 6, 3, 4, 2, 2
 CONFIGS = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from models.shapes import (
     COLOURS,
     PLACES,

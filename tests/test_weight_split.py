@@ -6,10 +6,10 @@ import logging
 
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from distributed import run_ranks
 from rrfp.pipeline import weight_split
 from rrfp.pipeline.worker import StageWorker
 

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from test_weight_split_accumulate import count_hooks
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -15,7 +16,6 @@ from torch.utils.checkpoint import checkpoint
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.pipeline import weight_split
 from rrfp.pipeline.worker import StageWorker
-from test_weight_split_accumulate import count_hooks
 
 D, M = 4, 2
 

@@ -22,8 +22,8 @@ from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import DEFAULT_EXECUTORS, BenchSpec, Executor, parse_case, unavailable
 from rrfp.app.errors import UsageError
-from rrfp.app.run_outputs import check_output
 from rrfp.app.progress import progress
+from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.observe.trace import Span, write_atomic

@@ -17,7 +17,6 @@ continue where they stopped. lr and weight decay may change; the config wins.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging

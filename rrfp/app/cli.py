@@ -7,8 +7,8 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError
-from rrfp.app.run_outputs import check_output
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
 from rrfp.core.variability import PRESETS

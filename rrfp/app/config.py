@@ -25,8 +25,8 @@ from rrfp.core.hints import NOMINAL_BUDGET, Hint, HintError, default_split, reso
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
-from rrfp.pipeline.faults import Fault
 from rrfp.core.variability import PRESETS, Variability
+from rrfp.pipeline.faults import Fault
 from rrfp.pipeline.workload import Workload
 
 ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
@@ -318,7 +318,7 @@ class TrainConfig:
     @classmethod
     def from_dict(
         cls, doc: dict, source: str = "config", world_size: int | None = None
-    ) -> "TrainConfig":
+    ) -> TrainConfig:
         for key in doc:
             if key not in ("run", "model", "data"):
                 raise ConfigError(f"{source}: unknown section [{key}] (expected run, model, data)")
@@ -333,7 +333,7 @@ class TrainConfig:
     @classmethod
     def load(
         cls, path: str | Path | None, overrides: list[str] = (), world_size: int | None = None
-    ) -> "TrainConfig":
+    ) -> TrainConfig:
         doc: dict = {}
         source = str(path) if path else "defaults"
         if path:

@@ -16,8 +16,8 @@ import os
 import re
 import tempfile
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 from pathlib import Path
 
 from rrfp.app.errors import ConfigError, leaves
@@ -56,7 +56,7 @@ class Failure:
     cause: BaseException
 
     @classmethod
-    def of(cls, e: BaseException) -> "Failure":
+    def of(cls, e: BaseException) -> Failure:
         """An internal error or this rank's own failure wins over a peer failure it caused
         (the peer's channel fails as a consequence, in the same TaskGroup)."""
         order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}

@@ -39,7 +39,7 @@ class FailureBoard:
         self.prefix = f"{PREFIX}/{attempt()}"
 
     @classmethod
-    def connect(cls, timeout_s: float = 1.0) -> "FailureBoard | None":
+    def connect(cls, timeout_s: float = 1.0) -> FailureBoard | None:
         """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached."""
         with _quiet():
             store = connect_store(timeout_s)
@@ -48,7 +48,7 @@ class FailureBoard:
         except (KeyError, ValueError):
             return None
 
-    def post(self, rank: "int | str", note: str) -> None:
+    def post(self, rank: int | str, note: str) -> None:
         """``primary`` or ``secondary P`` (P: the lost peer, or ``?``) under a rank's key."""
         try:
             with _quiet():

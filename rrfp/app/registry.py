@@ -34,7 +34,7 @@ def known() -> list[str]:
 _NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def find_workload(name: str) -> Workload:
     if not _NAME.fullmatch(name):  # a path or a relative import ("../x", ".gpt") is no module name
         raise ConfigError(

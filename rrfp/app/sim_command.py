@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-
-import numpy as np
 from dataclasses import replace
 
+import numpy as np
+
 from rrfp.app.errors import UsageError
-from rrfp.app.run_outputs import check_output
 from rrfp.app.progress import progress
+from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import BUILTIN, HintError, resolve
 from rrfp.core.placement import Placement, VirtualLayout
@@ -24,7 +24,6 @@ from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.sim import SimConfig, simulate
 from rrfp.sim.planning import planned_config
 from rrfp.sim.sweep import BASELINE, Row, sweep
-
 
 DEFAULT_BUDGETS = (
     "2x,1x"  # the headline's memory, and 1F1B's: every speedup is shown at equal memory too

@@ -13,14 +13,14 @@ with its own layout's optimum (the fixed 1F1B baseline with V = 1's).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
 
 import numpy as np
 
 from rrfp.app.errors import UsageError
-from rrfp.core.policy import Dispatch
 from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import Dispatch
 from rrfp.sim import SimConfig
 from rrfp.sim.sweep import Row
 

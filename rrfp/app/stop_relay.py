@@ -45,7 +45,7 @@ class StopRelay:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="rrfp-stop-relay", daemon=True)
 
-    def start(self) -> "StopRelay":
+    def start(self) -> StopRelay:
         self._thread.start()
         return self
 

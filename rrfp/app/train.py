@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist

@@ -95,7 +95,7 @@ class StopOnSignal:
         """The signal that asked for the stop: this rank's, else the one another rank relayed."""
         return self.signal or (self.relay.signal if self.relay is not None else "") or "SIGTERM"
 
-    def install(self) -> "StopOnSignal":
+    def install(self) -> StopOnSignal:
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self

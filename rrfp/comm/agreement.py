@@ -10,7 +10,7 @@ async and awaited through the loop's poller: no thread per round.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -31,9 +31,9 @@ import re
 import torch
 import torch.distributed as dist
 
+from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
 from rrfp.core.errors import PeerFailure, PipelineError
 from rrfp.loop.completions import BlockingWaiter
-from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
 
 logger = logging.getLogger("rrfp.comm")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

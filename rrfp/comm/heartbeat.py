@@ -112,7 +112,7 @@ class Heartbeat:
         )
 
     @classmethod
-    def connect(cls, rank: int, world: int, timeout_s: float) -> "Heartbeat | None":
+    def connect(cls, rank: int, world: int, timeout_s: float) -> Heartbeat | None:
         """A heartbeat on its own client of this job's store (MASTER_ADDR:MASTER_PORT, as torchrun
         and ``env://`` set them), one key space per torchrun attempt; None without that store."""
         try:
@@ -154,7 +154,7 @@ class Heartbeat:
         if what != self._activity[0]:
             self._activity = (what, time.monotonic())
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self._thread.start()
         return self
 

@@ -3,7 +3,7 @@ max(busiest rank's total work, longest microbatch chain with its sends)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -9,9 +9,9 @@ is S - s on stage s. With virtual stages see ``Budget.rank_limit``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable
 
 from rrfp.core.placement import VirtualLayout
 
@@ -43,7 +43,7 @@ class Budget:
             raise ValueError(f"budget of {self.bytes} bytes is below 1 byte")
 
     @classmethod
-    def parse(cls, spec: "str | int | Budget") -> "Budget":
+    def parse(cls, spec: str | int | Budget) -> Budget:
         """``4`` -> 4 microbatches; ``"2x"`` -> 2*(S-s); ``"512MiB"`` -> bytes."""
         if isinstance(spec, Budget):
             return spec
@@ -60,11 +60,11 @@ class Budget:
             return cls(bytes=int(float(m.group(1)) * _UNITS[m.group(2).lower()]))
         raise ValueError(f"not a budget: {text!r} (expected e.g. 4, 2x or 512MiB)")
 
-    def limit(self, num_stages: int, stage: int) -> "Limit":
+    def limit(self, num_stages: int, stage: int) -> Limit:
         """This budget on ``stage`` of ``num_stages``."""
         return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
 
-    def rank_limit(self, layout: "VirtualLayout | int", rank: int, virtual: int = 1) -> "Limit":
+    def rank_limit(self, layout: VirtualLayout | int, rank: int, virtual: int = 1) -> Limit:
         """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
         interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's activations.
         ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its layers, what a device

@@ -41,7 +41,7 @@ class CostModel:
         return t / self.reference_s
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, dict, float]]) -> "CostModel":
+    def fit(cls, samples: list[tuple[int, int, dict, float]]) -> CostModel:
         """Least squares per (stage, kind) over samples of (stage, kind, features, seconds);
         features that never vary are dropped from that fit."""
         stages = 1 + max(s for s, *_ in samples)
@@ -73,7 +73,7 @@ class CostModel:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "CostModel":
+    def from_json(cls, text: str) -> CostModel:
         """What ``to_json`` wrote; ValueError naming the first thing that is not (every number finite
         and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per stage)."""
         doc = json.loads(text)

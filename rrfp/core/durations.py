@@ -9,8 +9,8 @@ runs the same durations and the planner sees exactly their predictable part.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class TaskTimes:
         depth, same work per rank); a cost model is fitted per global stage already."""
         return 1 if self.layout is None else self.layout.virtual
 
-    def _chunk_scale(self, stage) -> "np.ndarray | float":
+    def _chunk_scale(self, stage) -> np.ndarray | float:
         """What turns a draw at global ``stage`` into a chunk's time: 1/V without a cost model,
         and ``slow_stage`` read as a rank (all its chunks slow) rather than a global stage."""
         var, V = self.variability, self.chunks
@@ -58,7 +58,7 @@ class TaskTimes:
             scale = scale * np.where(slow, var.slow_factor, 1.0)
         return scale
 
-    def _per_chunk(self) -> "TaskTimes":
+    def _per_chunk(self) -> TaskTimes:
         return replace(self, variability=replace(self.variability, slow_stage=-1), layout=None)
 
     def units(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from rrfp.core.rank_tracker import RankTracker, StageTask
 from rrfp.core.tasks import Task

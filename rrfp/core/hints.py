@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import csv
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from rrfp.core.budget import Budget
 from rrfp.core.nominal import nominal_orders, nominal_rank_orders
@@ -390,7 +390,7 @@ def csv_hint(path: str | Path) -> Hint:
     return Hint(f"csv:{path.name}", order, rank_fn=rank_order)
 
 
-def resolve(spec: "str | Hint | HintFn") -> Hint:
+def resolve(spec: str | Hint | HintFn) -> Hint:
     """A builtin name, a ``.csv`` path, ``module:function``, or a callable."""
     if isinstance(spec, Hint):
         return spec

@@ -17,8 +17,8 @@ that order by up to 6.6% with nothing varying (docs/benchmarks.md §2a).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Callable, Sequence
 
 from rrfp.core.budget import Budget
 from rrfp.core.event_driver import drive

@@ -23,7 +23,7 @@ class Placement(str, enum.Enum):
         return self.value
 
     @classmethod
-    def parse(cls, spec: "str | Placement") -> "Placement":
+    def parse(cls, spec: str | Placement) -> Placement:
         try:
             return cls(str(spec).strip().lower()) if not isinstance(spec, Placement) else spec
         except ValueError:

@@ -9,7 +9,8 @@ tracker, so there is one policy and one set of readiness rules.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from typing import Any
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.tasks import Kind, Task
@@ -25,7 +26,7 @@ class Dispatch(str, enum.Enum):
         return self.value
 
     @classmethod
-    def parse(cls, spec: "str | Dispatch") -> "Dispatch":
+    def parse(cls, spec: str | Dispatch) -> Dispatch:
         try:
             return cls(spec)
         except ValueError:

@@ -25,8 +25,9 @@ readiness lost 5.7% to the same order run fixed (8 x 32, no variability).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import NamedTuple
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.placement import VirtualLayout

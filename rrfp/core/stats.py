@@ -28,7 +28,7 @@ class StageStats:
     def decision_us(self) -> float:
         return 1e6 * self.decision_s / self.decisions if self.decisions else 0.0
 
-    def __add__(self, other: "StageStats") -> "StageStats":
+    def __add__(self, other: StageStats) -> StageStats:
         return StageStats(
             self.busy + other.busy,
             self.wall + other.wall,

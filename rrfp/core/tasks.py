@@ -33,7 +33,7 @@ class Task:
     __repr__ = __str__
 
     @classmethod
-    def parse(cls, text: str) -> "Task":
+    def parse(cls, text: str) -> Task:
         """``"B12"`` -> Task(Kind.B, 12); raises ValueError naming the text."""
         m = _TASK_RE.fullmatch(text.strip())
         if not m:

@@ -18,9 +18,9 @@ policy function (``rrfp.core.policy.choose``).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, Iterator, Mapping, Sequence
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.policy import Dispatch, choose

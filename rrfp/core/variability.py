@@ -80,7 +80,7 @@ class Variability:
             raise ValueError(f"variability straggler_p={self.straggler_p} must be in [0, 1]")
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "Variability":
+    def preset(cls, name: str, **overrides) -> Variability:
         if name == "none":
             base = cls(name="none")
         elif name == "jitter":

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from torch import nn

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-_PASS: contextvars.ContextVar["dict[int, torch.Tensor] | None"] = contextvars.ContextVar(
+_PASS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.ContextVar(
     "rrfp_grad_accumulation_pass", default=None
 )
 

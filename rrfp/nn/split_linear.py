@@ -29,7 +29,7 @@ from rrfp.nn.grad_accumulation import (
     one_pass,
 )  # accumulate_grad: also imported from here
 
-_ACTIVE: contextvars.ContextVar["WeightGradQueue | None"] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar(
     "rrfp_weight_grad_queue", default=None
 )
 

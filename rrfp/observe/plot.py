@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rrfp.observe.trace import Span, write_atomic
 

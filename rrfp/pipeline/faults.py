@@ -61,7 +61,7 @@ class Fault:
     )
 
     @classmethod
-    def parse(cls, spec: str) -> "Fault":
+    def parse(cls, spec: str) -> Fault:
         """``kill:step=3:stage=1:task=B2``; ValueError names what is wrong."""
         kind, *fields = [p.strip() for p in spec.strip().split(":")]
         if kind not in KINDS:
@@ -160,7 +160,7 @@ class FaultInjector:
         self.step = 0  # 1-based step now running
 
     @classmethod
-    def for_rank(cls, spec: "Fault | None", rank: int, stage: int) -> "FaultInjector | None":
+    def for_rank(cls, spec: Fault | None, rank: int, stage: int) -> FaultInjector | None:
         return cls(spec, rank, stage) if spec is not None and spec.hits(rank, stage) else None
 
     def begin_step(self, step: int) -> None:

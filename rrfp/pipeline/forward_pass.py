@@ -8,7 +8,8 @@ directly. ``StageExecutor.run_eval`` and ``ScheduleReady``'s eval both run this.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rrfp.comm.message import Message
 from rrfp.core.errors import ProtocolError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes

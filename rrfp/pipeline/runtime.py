@@ -18,7 +18,7 @@ import contextlib
 import datetime
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,12 @@ from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.device_ops import CudaOps
-from rrfp.comm.nccl_groups import check_torch, configure_watchdog
-from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt
+from rrfp.comm.nccl_groups import check_torch, configure_watchdog
+from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerSilent, StartupError
@@ -46,8 +46,8 @@ from rrfp.loop.blocking import in_daemon_thread, interruptible
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
-from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.nonfinite import NonFiniteGuard
+from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
 
@@ -177,7 +177,7 @@ class PipelineRuntime:
         heartbeat: bool = False,
         virtual: int = 1,
         placement: str = "interleaved",
-    ) -> "PipelineRuntime":
+    ) -> PipelineRuntime:
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
         ``layout`` (already planned, e.g. by TrainConfig) replaces pp/tp/dp.
@@ -259,7 +259,7 @@ class PipelineRuntime:
         torch_module=None,
         heartbeat: bool = False,
         stages: VirtualLayout | None = None,
-    ) -> "PipelineRuntime":
+    ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
@@ -529,7 +529,7 @@ class PipelineRuntime:
         self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group
         dist.destroy_process_group()
 
-    async def __aenter__(self) -> "PipelineRuntime":
+    async def __aenter__(self) -> PipelineRuntime:
         if self.heartbeat is not None:
             self._watched = asyncio.current_task()
             self._watcher = asyncio.create_task(self._watch(), name="rrfp-heartbeat-watch")

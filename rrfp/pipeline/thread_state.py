@@ -54,7 +54,7 @@ class ThreadState:
     inference_mode: bool = False
 
     @classmethod
-    def capture(cls, where: str, trains: bool = True) -> "ThreadState":
+    def capture(cls, where: str, trains: bool = True) -> ThreadState:
         """What is in force on the calling thread now; ``where`` names the call in a refusal, and
         ``trains`` says whether it runs a backward."""
         inference = torch.is_inference_mode_enabled()

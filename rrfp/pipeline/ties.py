@@ -18,8 +18,8 @@ import datetime
 import hashlib
 import logging
 import pickle
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ class Ties:
         }
 
     @classmethod
-    def setup(cls, rt, modules: Sequence[nn.Module], tied) -> "Ties":
+    def setup(cls, rt, modules: Sequence[nn.Module], tied) -> Ties:
         """Exchange every rank's ties over ``rt``'s world, create their groups and make the copies equal."""
         stages = list(rt.stages)
         found = _declared(modules, stages, tied)

@@ -44,9 +44,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-import torch.utils.checkpoint
 
 from rrfp.nn.grad_accumulation import accumulate_grad
 from rrfp.pipeline.checkpointed_nodes import is_checkpointed

@@ -426,7 +426,7 @@ class _GlobalOnly:
 
     parents = frozenset({"Global"})
 
-    def __enter__(self) -> "_GlobalOnly":
+    def __enter__(self) -> _GlobalOnly:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,9 @@ stage's chunk as an ``nn.Module``, whatever the model is.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn

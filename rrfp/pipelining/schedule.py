@@ -343,7 +343,7 @@ class ScheduleReady:
             self._loop.close()
             self._loop, self._closed = None, True
 
-    def __enter__(self) -> "ScheduleReady":
+    def __enter__(self) -> ScheduleReady:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 

@@ -35,8 +35,8 @@ applied before any idle rank decides, and the touched ranks decide in rank order
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 

@@ -169,7 +169,7 @@ class Spread:
     high: float
 
     @classmethod
-    def of(cls, values: list[float]) -> "Spread | None":
+    def of(cls, values: list[float]) -> Spread | None:
         return cls(statistics.median(values), min(values), max(values)) if values else None
 
     def as_dict(self) -> dict:

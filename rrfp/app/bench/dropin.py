@@ -10,7 +10,7 @@ Everything else is the public surface: ``step(arg_mbs=..., target_mbs=...)``.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.pipelining import PipelineStage

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from rrfp.app.bench.suite import BenchSpec, Executor
 from rrfp.core.budget import peak_held

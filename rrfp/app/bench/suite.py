@@ -92,7 +92,7 @@ class Executor:
         return default_split(resolve(self.hint).name)
 
     @classmethod
-    def parse(cls, text: str) -> "Executor":
+    def parse(cls, text: str) -> Executor:
         rest = text.strip().lower()
         if rest.startswith(DROP_IN) and rest[len(DROP_IN) : len(DROP_IN) + 1] in (" ", "-"):
             ex = cls.parse(rest[len(DROP_IN) + 1 :])
@@ -145,10 +145,10 @@ class Case:
 
     def train_config(
         self,
-        spec: "BenchSpec",
+        spec: BenchSpec,
         pp: int | None = None,
         tp: int | None = None,
-        ex: "Executor | None" = None,
+        ex: Executor | None = None,
     ) -> TrainConfig:
         """The run config every rank builds this workload from (for ``ex``'s virtual stages, if
         given): ConfigError names what does not fit."""
@@ -238,7 +238,7 @@ class BenchSpec:
         return doc
 
     @classmethod
-    def from_dict(cls, doc: dict) -> "BenchSpec":
+    def from_dict(cls, doc: dict) -> BenchSpec:
         doc = dict(doc)
         doc["cases"] = tuple(
             Case(

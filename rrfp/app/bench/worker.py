@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rrfp.app.bench.runners import DropInRunner, Runner, RrfpRunner, TorchRunner
+from rrfp.app.bench.runners import DropInRunner, RrfpRunner, Runner, TorchRunner
 from rrfp.app.bench.suite import BenchSpec, Case
 from rrfp.app.errors import exit_now, one_line
 from rrfp.core.cost import CostModel
