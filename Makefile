@@ -7,13 +7,13 @@ NPROC ?= 4
 CONFIG ?= configs/gpt-tiny.toml
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-quick sim bench gpu-check clean
+.PHONY: run test test-quick check sim bench gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,oracle,hf]"
+	$(PY) -m pip install --quiet -e ".[test,lint,oracle,hf]"
 	touch $@
 
 # Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
@@ -33,6 +33,12 @@ test: $(VENV)/.installed
 # The quick tier for everyday work: every test that starts no second process (tests/conftest.py marks the rest slow).
 test-quick: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+
+# Format, lint and type-check: ruff at line length 100, mypy strict on the pure core (pyproject.toml).
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed
