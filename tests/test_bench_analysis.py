@@ -9,7 +9,7 @@ from rrfp.app.bench.analysis import annotate, paired_ratios, summarize
 from rrfp.app.bench.suite import BenchSpec, Case, Executor
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 EXECUTORS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan", "torch 1f1b")
 

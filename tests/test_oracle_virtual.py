@@ -16,7 +16,7 @@ from rrfp.core.variability import Variability  # noqa: E402
 from rrfp.sim import SimConfig, simulate  # noqa: E402
 from rrfp.sim.engine import _durations  # noqa: E402
 from rrfp.sim.oracle import holds_budget, replay, solve  # noqa: E402
-from rrfp.sim.planning import planned_config  # noqa: E402
+from rrfp.sim.planned_hint import planned_config  # noqa: E402
 
 SCALE = 1000
 LANG = Variability.preset("lang")

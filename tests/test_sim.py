@@ -334,7 +334,7 @@ def test_plot_merges_the_ranks_of_a_measured_run():
 )
 def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, budget):
     """Readiness costs nothing when nothing varies: ready runs the hint's order as fast as fixed."""
-    from rrfp.sim.planning import planned_config
+    from rrfp.sim.planned_hint import planned_config
 
     var = Variability.preset("none")
     runs = {}

@@ -17,7 +17,7 @@ from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
 from rrfp.sim.engine import _durations
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 LAYOUTS = [(2, "interleaved"), (2, "v"), (3, "interleaved")]
 ORDERS = {"interleaved": "1f1b", "v": "zbv"}  # each placement's classic schedule
@@ -422,7 +422,7 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
     from rrfp.core.budget import Budget
     from rrfp.core.cost import CostModel
     from rrfp.core.policy import Dispatch
-    from rrfp.sim.planning import plan_iteration
+    from rrfp.sim.planned_hint import plan_iteration
     from rrfp.sim.replay import replay
 
     model = CostModel.fit(synthetic(stages=4)[1])

@@ -22,7 +22,7 @@ from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 from rrfp.sim.sweep import BASELINE, Row, sweep
 
 DEFAULT_BUDGETS = (

@@ -186,9 +186,8 @@ class Hint:
     name: str
     fn: HintFn
     is_class: bool = False
-    planned: bool = (
-        False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
-    )
+    # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.entry_order)
+    planned: bool = False
     uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
     fixed_orders: tuple[tuple[Task, ...], ...] | None = (
         None  # a plan's per-stage orders, for fixed dispatch

@@ -13,7 +13,7 @@ from rrfp.core.hints import Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.sim.engine import SimConfig, SimResult, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 

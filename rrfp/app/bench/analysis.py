@@ -23,7 +23,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import plan_iteration
+from rrfp.sim.planned_hint import plan_iteration
 
 log = logging.getLogger("rrfp.app.bench.analysis")
 
