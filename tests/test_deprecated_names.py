@@ -26,5 +26,26 @@ def test_old_planning_module_path_reexports_and_warns():
     )
     assert out.returncode == 0, out.stderr
     warned, same = out.stdout.splitlines()
-    assert warned.startswith("warned: rrfp.sim.planning is deprecated: import rrfp.sim.planned_hint")
+    assert warned.startswith(
+        "warned: rrfp.sim.planning is deprecated: import rrfp.sim.planned_hint"
+    )
     assert same == "True"
+
+
+def rrfp_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_sim_executors_is_dispatch_with_one_warning_line():
+    flags = ("sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "bfw,1f1b")
+    new = rrfp_cli(*flags, "--dispatch", "ready,fixed")
+    old = rrfp_cli(*flags, "--executors", "ready,fixed")
+    assert new.returncode == old.returncode == 0, new.stderr + old.stderr
+    assert old.stdout == new.stdout and "ready    bfw" in new.stdout
+    assert old.stderr.splitlines() == ["rrfp: warning: --executors is deprecated, use --dispatch"]
+    assert "deprecated" not in new.stderr
+    # the old flag is checked as the new one is: one line naming the bad value, exit 2
+    bad = rrfp_cli("sim", "--executors", "lazy")
+    assert bad.returncode == 2 and "unknown dispatch mode 'lazy'" in bad.stderr.splitlines()[-1]

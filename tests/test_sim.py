@@ -168,7 +168,7 @@ def run_cli(*args):
         (["sim", "--budget", "0"], "below 1"),
         (["sim", "--mb", "0"], "--mb must be >= 1"),
         (["sim", "--pp", "0"], "--pp must be >= 1"),
-        (["sim", "--executors", "lazy"], "unknown executor"),
+        (["sim", "--dispatch", "lazy"], "unknown dispatch mode"),
     ],
 )
 def test_cli_bad_input(args, needle):
@@ -395,7 +395,7 @@ def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
         "4",
         "--seeds",
         "1",
-        "--executors",
+        "--dispatch",
         "fixed",
         "--hints",
         str(order),

@@ -7,6 +7,7 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError
+from rrfp.app.flag_aliases import add_deprecated_flag
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rrfp", description="Readiness-driven pipeline-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
+    sim = sub.add_parser("sim", help="simulate dispatch modes x hints under a variability preset")
     sim.add_argument(
         "--pp",
         type=_positive("--pp"),
@@ -73,12 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)",
     )
     sim.add_argument(
-        "--executors",
+        "--dispatch",
         type=_csv_list,
         default=["fixed", "ready"],
-        help="comma list of fixed (the hint's order, run as a list) and ready (the best-ranked "
-        "ready task) (default fixed,ready)",
+        help="dispatch modes, a comma list of fixed (the hint's order, run as a list) and ready "
+        "(the best-ranked ready task) (default fixed,ready)",
     )
+    add_deprecated_flag(sim, "--executors", "--dispatch", type=_csv_list)
     sim.add_argument(
         "--hints",
         type=_csv_list,
@@ -140,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write results as JSON ('-': JSON alone on stdout, the table on stderr)",
     )
     sim.add_argument(
-        "--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint"
+        "--trace",
+        metavar="FILE",
+        help="Chrome trace of seed 0, one process per row (dispatch x hint)",
     )
     sim.add_argument(
         "--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row"

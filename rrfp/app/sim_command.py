@@ -1,4 +1,4 @@
-"""`rrfp sim`: executors x hints on many seeds, as a table, JSON, a trace or a plot.
+"""`rrfp sim`: dispatch modes x hints on many seeds, as a table, JSON, a trace or a plot.
 
 Flags are resolved here, once, into a Budget, Dispatch modes and Hints; the
 simulator only sees those objects.
@@ -73,7 +73,7 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
     try:
         budgets = _budgets(args)
         layouts = _layouts(args)
-        dispatches = [Dispatch.parse(e) for e in args.executors]
+        dispatches = [Dispatch.parse(d) for d in args.dispatch]
         names = args.hints or [*BUILTIN, "plan"] + (
             ["zbv"] if any(lay.placement is Placement.V for lay in layouts) else []
         )

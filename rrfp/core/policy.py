@@ -30,7 +30,7 @@ class Dispatch(str, enum.Enum):
         try:
             return cls(spec)
         except ValueError:
-            raise ValueError(f"unknown executor {spec!r} (choose from ready, fixed)") from None
+            raise ValueError(f"unknown dispatch mode {spec!r} (choose from ready, fixed)") from None
 
 
 class ReadyTasks(Container[Task], Iterable[Task]):
