@@ -49,3 +49,21 @@ def test_sim_executors_is_dispatch_with_one_warning_line():
     # the old flag is checked as the new one is: one line naming the bad value, exit 2
     bad = rrfp_cli("sim", "--executors", "lazy")
     assert bad.returncode == 2 and "unknown dispatch mode 'lazy'" in bad.stderr.splitlines()[-1]
+
+
+def test_bench_executors_is_contenders_with_one_warning_line(capsys):
+    from rrfp.app.bench_command import build_spec
+    from rrfp.app.cli import build_parser
+
+    def parse(*flags):
+        return build_parser().parse_args(["bench", "--quick", *flags])
+
+    new = parse("--contenders", "fixed-1f1b,ready-plan")
+    assert capsys.readouterr().err == ""
+    old = parse("--executors", "fixed-1f1b,ready-plan")
+    assert capsys.readouterr().err.splitlines() == [
+        "rrfp: warning: --executors is deprecated, use --contenders"
+    ]
+    assert old.contenders == new.contenders == ["fixed-1f1b", "ready-plan"]
+    assert build_spec(old) == build_spec(new)
+    assert parse().contenders is None  # not given: the default set, not the alias's placeholder
