@@ -79,7 +79,8 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
         assert (s["plan_s"] is not None) == (" plan" in s["contender"])
-    # two virtual stages per rank (v shape): every task of both chunks ran, peaks in the rank's microbatches
+    # two virtual stages per rank (v shape): every task of both local stages ran, peaks in the
+    # rank's microbatches
     for name in ("ready bfw v2", "ready plan v2"):
         [row] = [r for r in wl["rows"] if r["contender"] == name]
         assert (

@@ -142,8 +142,9 @@ VIRTUAL_BUDGETS = ["0.5x", "1x", "1.5x", "2x", "3x", "4x", "1", "3", "3000B", "1
 def test_fast_path_makes_the_rank_trackers_decisions(
     S, M, layout, preset, comm, seed, budget, hint, split, zeros
 ):
-    """V > 1: the rank's choice among its stages' heads (chunked priority, the lead limit, the
-    reserve, bytes, later chunks past a refused forward), the V turn delivered at once."""
+    """V > 1: the rank's choice among its stages' heads (merged local priorities, the lead limit,
+    the reserve, bytes, later local stages past a refused forward), the V turn delivered at
+    once."""
     from rrfp.sim.planned_hint import planned_config
 
     V, placement = layout

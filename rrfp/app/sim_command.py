@@ -128,8 +128,8 @@ def _table(
         f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
         f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
         + (
-            "; with V stages per rank a chunk holds 1/V of a microbatch, and Nx gives the fullest rank N times "
-            "1F1B's peak, the others by need (docs/design.md §4b)"
+            "; with V stages per rank a local stage holds 1/V of a microbatch, and Nx gives the "
+            "fullest rank N times 1F1B's peak, the others by need (docs/design.md §4b)"
             if virtual
             else ""
         ),

@@ -29,8 +29,9 @@ class Row:
     hint: str
     speedups: list[float]
     efficiencies: list[float]
-    peak_inflight: float  # the most microbatches any rank held (of its whole model: V chunks make one), over every
-    # seed: the row's memory
+    # the most microbatches any rank held (of its whole model: V local stages make one), over
+    # every seed: the row's memory
+    peak_inflight: float
     bubble: float
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]

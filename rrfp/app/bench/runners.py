@@ -122,7 +122,7 @@ class RrfpRunner:
         st, plan = res.stats, res.plan
         peak = (
             st.peak_inflight / self._virtual
-        )  # chunk-microbatches -> microbatches of the rank's layers
+        )  # local-stage microbatches -> microbatches of the rank's layers
         return Measured(
             st.wall,
             peak,
