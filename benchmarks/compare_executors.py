@@ -1,8 +1,8 @@
 """Fixed 1F1B vs ready BFW on the tiny GPT, on real gloo ranks in emulated device time.
 
 A thin wrapper, kept for `make run` and old command lines: the work is
-`rrfp bench --workloads gpt --executors fixed-1f1b,ready-bfw` (rrfp/app/bench/),
-which alternates the executors on the same iterations and reports medians,
+`rrfp bench --workloads gpt --contenders fixed-1f1b,ready-bfw` (rrfp/app/bench/),
+which alternates the two on the same iterations and reports medians,
 spreads, the simulator's prediction and the decision cost (with --tp 2, TP
 agreement included) in a results folder.
 
@@ -22,11 +22,11 @@ def parse():
     p.add_argument("--tp", default="1", help="tensor-parallel ranks per stage (world = pp * tp)")
     p.add_argument("--mb", default="16")
     p.add_argument("--preset", default="lang")
-    p.add_argument("--reps", default="5", help="iterations per executor (alternating)")
+    p.add_argument("--reps", default="5", help="iterations per contender (alternating)")
     p.add_argument("--unit-ms", default="20")
     p.add_argument("--budget", default="2x")
     p.add_argument("--out", help="results folder (default results/bench-<timestamp>)")
-    p.add_argument("--quick", action="store_true", help="3 iterations per executor (make run)")
+    p.add_argument("--quick", action="store_true", help="3 iterations per contender (make run)")
     return p.parse_args()
 
 
@@ -36,7 +36,7 @@ if __name__ == "__main__":
         "bench",
         "--workloads",
         "gpt",
-        "--executors",
+        "--contenders",
         "fixed-1f1b,ready-bfw",
         "--pp",
         a.pp,

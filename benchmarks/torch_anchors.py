@@ -1,4 +1,5 @@
-"""torch.distributed.pipelining's schedules next to rrfp's executors, on one model, data and durations.
+"""torch.distributed.pipelining's schedules next to rrfp's dispatch modes, on one model, data
+and durations.
 
 A thin wrapper, kept for its command line: the work is `rrfp bench` with the
 torch anchors (rrfp/app/bench/torch_schedules.py) and rrfp's fixed 1F1B and
@@ -51,13 +52,13 @@ def parse():
 
 def main() -> int:
     a = parse()
-    executors = [f"torch-{name}" for name in a.torch.split(",") if name] + list(RRFP)
+    contenders = [f"torch-{name}" for name in a.torch.split(",") if name] + list(RRFP)
     argv = [
         "bench",
         "--workloads",
         a.config,
-        "--executors",
-        ",".join(executors),
+        "--contenders",
+        ",".join(contenders),
         "--pp",
         str(a.world),
         "--mb",

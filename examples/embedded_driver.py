@@ -1,4 +1,4 @@
-"""An async training driver that embeds rrfp: its own model chunk and loss,
+"""An async training driver that embeds rrfp: its own stage module and loss,
 one awaited pipeline iteration per step, and its own coroutine (a metrics
 heartbeat standing in for data prefetch or checkpoint upload) on the same loop.
 
@@ -14,7 +14,7 @@ import rrfp
 from rrfp import SplitLinear
 
 
-def make_chunk(stage: int, num_stages: int) -> nn.Module:
+def make_stage_module(stage: int, num_stages: int) -> nn.Module:
     """Stage s of a small MLP regressor: 16 -> 32 -> ... -> 1."""
     torch.manual_seed(stage)
     layers = [SplitLinear(16 if stage == 0 else 32, 32), nn.Tanh()]
@@ -46,9 +46,9 @@ async def main() -> None:
     torch.set_num_threads(1)
     # 5 ms of emulated device time per task; leaving the block cleanly waits for every rank
     async with rrfp.PipelineRuntime.start(unit_ms=5.0) as rt:
-        chunk = make_chunk(rt.stage, rt.num_stages)
-        pipe = rt.stage_executor(chunk, loss_fn, microbatches=8, dispatch="ready", hint="bfw")
-        opt = torch.optim.SGD(chunk.parameters(), lr=0.05)
+        module = make_stage_module(rt.stage, rt.num_stages)
+        pipe = rt.stage_executor(module, loss_fn, microbatches=8, dispatch="ready", hint="bfw")
+        opt = torch.optim.SGD(module.parameters(), lr=0.05)
         stop, ticks = asyncio.Event(), []
         async with asyncio.TaskGroup() as tg:
             tg.create_task(heartbeat(stop, ticks))

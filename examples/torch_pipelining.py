@@ -3,7 +3,7 @@ Schedule1F1B and rrfp's ScheduleReady with one line.
 
     .venv/bin/torchrun --standalone --nproc-per-node 4 examples/torch_pipelining.py
 
-Each rank builds the same model from one seed, keeps its chunk in a PipelineStage
+Each rank builds the same model from one seed, keeps its stage module in a PipelineStage
 and trains a few steps under each schedule, from the same weights and data; the
 last rank prints both schedules' losses (equal), then a step whose microbatches
 differ in sequence length, which only ScheduleReady runs (torch's receive
@@ -20,7 +20,7 @@ from rrfp import ScheduleReady
 VOCAB, DIM, MICROBATCHES, STEPS = 32, 16, 4, 3
 
 
-class Chunk(nn.Module):
+class StageModule(nn.Module):
     def __init__(self, first: bool, last: bool) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM) if first else None
@@ -44,10 +44,10 @@ def data(step: int, length: int = 12):
 
 def train(make_schedule, rank: int, world: int) -> list[float]:
     torch.manual_seed(0)
-    chunks = [Chunk(s == 0, s == world - 1) for s in range(world)]  # same weights on every run
-    stage = PipelineStage(chunks[rank], rank, world, torch.device("cpu"))
+    modules = [StageModule(s == 0, s == world - 1) for s in range(world)]  # same weights each run
+    stage = PipelineStage(modules[rank], rank, world, torch.device("cpu"))
     schedule = make_schedule(stage)
-    opt = torch.optim.SGD(chunks[rank].parameters(), lr=0.1)
+    opt = torch.optim.SGD(modules[rank].parameters(), lr=0.1)
     history = []
     for step in range(STEPS):
         x, y = data(step)
@@ -70,8 +70,8 @@ def train(make_schedule, rank: int, world: int) -> list[float]:
 def variable_lengths(rank: int, world: int) -> list[float]:
     """Microbatches of 5, 9, 7 and 12 tokens in one step, passed pre-split (torch 2.14's way)."""
     torch.manual_seed(0)
-    chunks = [Chunk(s == 0, s == world - 1) for s in range(world)]
-    stage = PipelineStage(chunks[rank], rank, world, torch.device("cpu"))
+    modules = [StageModule(s == 0, s == world - 1) for s in range(world)]
+    stage = PipelineStage(modules[rank], rank, world, torch.device("cpu"))
     mbs = [data(100 + i, n) for i, n in enumerate((5, 9, 7, 12))]
     mbs = [(x[:2], y[:2]) for x, y in mbs]
     losses = []

@@ -44,7 +44,7 @@ if (
     from rrfp.pipeline.workload import Workload, token_features
     from rrfp.pipelining import ScheduleReady
     from rrfp.sim import SimConfig, SimResult, simulate
-    from rrfp.sim.planning import planned_config
+    from rrfp.sim.planned_hint import planned_config
 
 # public name -> the module that defines it
 _HOMES = {
@@ -78,7 +78,8 @@ _HOMES = {
     "simulate": "rrfp.sim",
     "SimConfig": "rrfp.sim",
     "SimResult": "rrfp.sim",
-    "planned_config": "rrfp.sim.planning",  # hint = "plan" made for a simulated iteration (simulate alone runs BFW)
+    # hint = "plan" made for a simulated iteration (simulate alone runs BFW)
+    "planned_config": "rrfp.sim.planned_hint",
     "choose": "rrfp.core.policy",
     "StageTracker": "rrfp.core.tracker",
     # a drop-in for torch.distributed.pipelining's schedules

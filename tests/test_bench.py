@@ -1,4 +1,4 @@
-"""`rrfp bench`: the quick suite runs every executor on real gloo ranks and leaves a well-formed
+"""`rrfp bench`: the quick suite runs every contender on real gloo ranks and leaves a well-formed
 results folder; bad flags exit 2 with one line before any rank starts; a rank that fails mid-job
 comes back as one line, not a hang."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rrfp.app.bench.suite import DEFAULT_EXECUTORS, file_slug
+from rrfp.app.bench.suite import DEFAULT_CONTENDERS, file_slug
 from rrfp.app.bench.torch_schedules import stages_per_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +38,13 @@ def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 
 def table_rows(markdown: str) -> dict[str, list[str]]:
-    """executor -> its table cells, from results.md."""
+    """contender -> its table cells, from results.md."""
     rows = {}
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if (
             line.startswith("| ")
-            and cells[0] not in ("executor",)
+            and cells[0] not in ("contender",)
             and not cells[0].startswith("---")
         ):
             rows[cells[0]] = cells
@@ -64,23 +64,25 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     assert {"cpus", "torch", "hostname", "date"} <= doc["machine"].keys()
     assert doc["config"]["pp"] == 2 and doc["config"]["mb"] == 4 and doc["config"]["reps"] == 1
     [wl] = doc["workloads"]
-    ran = [s["executor"] for s in wl["summary"]]
+    ran = [s["contender"] for s in wl["summary"]]
     skipped = wl["skipped"]
-    # every executor of the default set either ran or says why not; the rrfp and torch ones run here
-    assert set(ran) | set(skipped) == set(DEFAULT_EXECUTORS) and not set(ran) & set(skipped)
-    assert set(ran) == set(DEFAULT_EXECUTORS)  # all of them run in this build
+    # every contender of the default set either ran or says why not; the rrfp and torch ones run
+    # here
+    assert set(ran) | set(skipped) == set(DEFAULT_CONTENDERS) and not set(ran) & set(skipped)
+    assert set(ran) == set(DEFAULT_CONTENDERS)  # all of them run in this build
     for name in ran:  # one measured iteration each, the same one, with a positive time and bound
-        [row] = [r for r in wl["rows"] if r["executor"] == name]
+        [row] = [r for r in wl["rows"] if r["contender"] == name]
         assert row["iteration"] == 1 and row["wall_s"] > 0 and 0 < row["efficiency"]
         assert row["lower_bound_s"] > 0
-    # the order rotates: the executors took different positions in the iteration
+    # the order rotates: the contenders took different positions in the iteration
     assert len({r["position"] for r in wl["rows"]}) == len(ran)
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
-        assert (s["plan_s"] is not None) == (" plan" in s["executor"])
-    # two virtual stages per rank (v shape): every task of both chunks ran, peaks in the rank's microbatches
+        assert (s["plan_s"] is not None) == (" plan" in s["contender"])
+    # two virtual stages per rank (v shape): every task of both local stages ran, peaks in the
+    # rank's microbatches
     for name in ("ready bfw v2", "ready plan v2"):
-        [row] = [r for r in wl["rows"] if r["executor"] == name]
+        [row] = [r for r in wl["rows"] if r["contender"] == name]
         assert (
             0.5 <= row["peak_inflight"] <= 4 and row["lower_bound_s"] > 0 and row["simulated_s"] > 0
         )
@@ -104,8 +106,8 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step that
     # spent some (small) time outside the executor's iteration
     for name in ("drop-in ready bfw", "drop-in ready plan"):
-        [row] = [r for r in wl["rows"] if r["executor"] == name]
-        direct = next(r for r in wl["rows"] if r["executor"] == name.removeprefix("drop-in "))
+        [row] = [r for r in wl["rows"] if r["contender"] == name]
+        direct = next(r for r in wl["rows"] if r["contender"] == name.removeprefix("drop-in "))
         assert (
             1 <= row["peak_inflight"] <= 4 and row["decision_us"] > 0
         )  # rrfp's figures; torch has none
@@ -114,9 +116,9 @@ def test_quick_run_writes_a_well_formed_folder(quick):
             direct["simulated_s"]
         )  # the same durations and hint
     assert all(
-        r["overhead_s"] is None for r in wl["rows"] if not r["executor"].startswith("drop-in")
+        r["overhead_s"] is None for r in wl["rows"] if not r["contender"].startswith("drop-in")
     )
-    base = next(s for s in wl["summary"] if s["executor"] == "fixed 1f1b")
+    base = next(s for s in wl["summary"] if s["contender"] == "fixed 1f1b")
     assert base["speedup"]["median"] == pytest.approx(1.0)
 
     md = (out / "results.md").read_text()
@@ -159,8 +161,8 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
     assert processes == set(ran)
     tasks = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] != "wait"]
-    # every executor ran every task of its iteration on both ranks: 4 microbatches x (F, B[, W]) per
-    # stage, and torch's zero-bubble schedule holds two stages per rank
+    # every contender ran every task of its iteration on both ranks: 4 microbatches x (F, B[, W])
+    # per stage, and torch's zero-bubble schedule holds two stages per rank
     per = {
         p: sum(
             1
@@ -185,7 +187,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
             else 1
         )
         assert count == stages * 4 * (3 if split else 2), (name, count)
-    assert str(out) in res.stdout and "| executor |" in res.stdout
+    assert str(out) in res.stdout and "| contender |" in res.stdout
 
 
 def trace_process(trace: dict, event: dict) -> str:
@@ -197,19 +199,19 @@ def trace_process(trace: dict, event: dict) -> str:
 
 BAD = [
     (["--pp", "0"], "--pp must be >= 1"),
-    (["--executors", "ready-nope"], "unknown hint 'nope'"),
-    (["--executors", "eager-bfw"], "unknown executor"),
-    (["--executors", "torch-gpipe"], "torch gpipe cannot run gpt"),
+    (["--contenders", "ready-nope"], "unknown hint 'nope'"),
+    (["--contenders", "eager-bfw"], "'eager' is neither a dispatch mode (fixed, ready) nor torch"),
+    (["--contenders", "torch-gpipe"], "torch gpipe cannot run gpt"),
     (["--workloads", "bert"], "'bert' is neither gpt nor vlm"),
     (["--unit-ms", "0"], "--unit-ms must be > 0"),
     (["--budget", "lots"], "--budget"),
     (["--pp", "16"], "n_layer=8"),
     (["--set", "model.n_embdd=3"], "unknown key model.n_embdd"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--executors", "drop-in-torch-zb"], "the drop-in runs rrfp's executor"),
-    (["--executors", "drop-in-ready-nope"], "unknown hint 'nope'"),
+    (["--contenders", "drop-in-torch-zb"], "the drop-in runs rrfp's executor"),
+    (["--contenders", "drop-in-ready-nope"], "unknown hint 'nope'"),
     (
-        ["--tp", "2", "--executors", "drop-in-ready-bfw"],
+        ["--tp", "2", "--contenders", "drop-in-ready-bfw"],
         "drop-in ready bfw cannot run gpt: ScheduleReady runs",
     ),
 ]
@@ -247,7 +249,7 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     res = rrfp_bench(
         "--workloads",
         "tests/fixtures/failing_stage.toml",
-        "--executors",
+        "--contenders",
         "fixed-1f1b,ready-bfw",
         "--pp",
         "2",
@@ -283,18 +285,33 @@ def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_help_names_the_default_executors_and_each_one_parses():
+def test_help_names_the_default_contenders_and_each_one_parses():
     """`rrfp bench --help` lists the default suite as it is, in the names the flag takes."""
     import re
 
-    from rrfp.app.bench.suite import DEFAULT_EXECUTORS, Executor, file_slug
+    from rrfp.app.bench.suite import DEFAULT_CONTENDERS, Contender, file_slug
     from rrfp.app.cli import build_parser
 
     bench = next(
         a
         for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
-        if "--executors" in a.option_strings
+        if "--contenders" in a.option_strings
     )
     listed = re.search(r"default: (.*): those", bench.help)[1].split(", ")
-    assert listed == [file_slug(e) for e in DEFAULT_EXECUTORS]
-    assert [Executor.parse(e).name for e in listed] == list(DEFAULT_EXECUTORS)
+    assert listed == [file_slug(e) for e in DEFAULT_CONTENDERS]
+    assert [Contender.parse(e).name for e in listed] == list(DEFAULT_CONTENDERS)
+
+
+def test_a_contender_is_its_framework_dispatch_and_hint():
+    """A row's name splits into what it means: which framework runs it, rrfp's dispatch mode (none
+    for a torch schedule, whose order is its own), the hint or schedule, and how it is reached."""
+    from rrfp.app.bench.suite import Contender
+
+    assert Contender.parse("ready-plan") == Contender("rrfp", "ready", "plan")
+    assert Contender.parse("torch zb") == Contender("torch", None, "zb")
+    dropin = Contender.parse("drop-in-fixed-1f1b")
+    assert (dropin.framework, dropin.dispatch, dropin.drop_in) == ("rrfp", "fixed", True)
+    v2 = Contender.parse("ready-bfw-v2")
+    assert (v2.dispatch, v2.hint, v2.virtual, v2.placement) == ("ready", "bfw", 2, "v")
+    for name in ("ready plan", "torch zb", "drop-in fixed 1f1b", "ready bfw v2"):
+        assert Contender.parse(name).name == name

@@ -6,17 +6,21 @@ from __future__ import annotations
 import pytest
 
 from rrfp.app.bench.analysis import annotate, paired_ratios, summarize
-from rrfp.app.bench.suite import BenchSpec, Case, Executor
+from rrfp.app.bench.suite import BenchSpec, Case, Contender
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
-EXECUTORS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan", "torch 1f1b")
+CONTENDERS = ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan", "torch 1f1b")
 
 
 def spec() -> BenchSpec:
     case = Case(
-        "gpt", "unused.toml", "lang", False, executors=tuple(Executor.parse(e) for e in EXECUTORS)
+        "gpt",
+        "unused.toml",
+        "lang",
+        False,
+        contenders=tuple(Contender.parse(e) for e in CONTENDERS),
     )
     return BenchSpec((case,), pp=4, mb=8, reps=3, unit_ms=10.0)
 
@@ -26,13 +30,15 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
     rows = []
     for it in (1, 2, 3):
         for name in ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan"):
-            ex = Executor.parse(name)
+            contender = Contender.parse(name)
             # the simulator draws its own durations (and plans from them): the bench must rebuild the same
-            cfg = SimConfig(4, 8, ex.hint, ex.engine, "2x", var, seed=0, iteration=it)
-            res = simulate(planned_config(cfg)[0] if ex.hint == "plan" else cfg)
+            cfg = SimConfig(
+                4, 8, contender.hint, contender.dispatch, "2x", var, seed=0, iteration=it
+            )
+            res = simulate(planned_config(cfg)[0] if contender.hint == "plan" else cfg)
             rows.append(
                 {
-                    "executor": name,
+                    "contender": name,
                     "iteration": it,
                     "wall_s": res.makespan * 0.01,
                     "peak_inflight": None,
@@ -43,7 +49,7 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
             )
         rows.append(
             {
-                "executor": "torch 1f1b",
+                "contender": "torch 1f1b",
                 "iteration": it,
                 "wall_s": 1.0,
                 "peak_inflight": None,
@@ -53,15 +59,15 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
         )
     annotate(sp, sp.cases[0], var, None, rows, [])
     for r in rows:
-        if r["executor"] == "torch 1f1b":
+        if r["contender"] == "torch 1f1b":
             assert r["simulated_s"] is None  # torch's schedules are not simulated
             continue
         assert r["simulated_s"] == pytest.approx(r["wall_s"])
         assert r["lower_bound_s"] == pytest.approx(r["sim_lb"])
         assert 0 < r["efficiency"] <= 1 + 1e-9
-    # the bound follows each executor's split: torch's 1F1B has fixed 1F1B's, and a split backward's
-    # chain is no longer than the unsplit one's
-    by = {(r["executor"], r["iteration"]): r["lower_bound_s"] for r in rows}
+    # the bound follows each contender's split: torch's 1F1B has fixed 1F1B's, and a split
+    # backward's chain is no longer than the unsplit one's
+    by = {(r["contender"], r["iteration"]): r["lower_bound_s"] for r in rows}
     assert all(
         by["torch 1f1b", it] == by["fixed 1f1b", it] >= by["fixed zbh1", it] - 1e-12
         for it in (1, 2, 3)
@@ -71,7 +77,7 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
 def test_speedups_are_paired_by_iteration():
     rows = [
         {
-            "executor": e,
+            "contender": e,
             "iteration": i,
             "wall_s": w,
             "peak_inflight": p,

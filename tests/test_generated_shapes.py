@@ -116,9 +116,9 @@ def _ranks(rank, world, todo):
                 for i, shape in group:
                     want_loss, want = reference(shape, rt.num_stages, rt.stages)
                     full = build(rt.num_stages)
-                    chunks = [full[s] for s in rt.stages]
+                    modules = [full[s] for s in rt.stages]
                     ex = rt.stage_executor(
-                        chunks,
+                        modules,
                         nn.functional.mse_loss,
                         microbatches=shape["M"],
                         dispatch=shape["dispatch"],
@@ -129,7 +129,7 @@ def _ranks(rank, world, todo):
                     res = await ex.run_iteration(0, batches(shape))
                     err = max(
                         (p.grad - want[s][n]).abs().max().item()
-                        for s, c in zip(rt.stages, chunks)
+                        for s, c in zip(rt.stages, modules)
                         for n, p in c.named_parameters()
                     )
                     out.append(

@@ -11,7 +11,7 @@ What is shown here, and the mutation that shows each check can fail:
   left lazy: its communicator appears on the event loop in iteration 0);
 - the lazy paths of real torch/NCCL deadlock, and the fake catches it by a timeout
   (mutations: bare isend/irecv on torch 2.8 without the warm-up; no warm-up at all);
-- with two stages per rank (both placements, with TP) every channel of every chunk is a group
+- with two stages per rank (both placements, with TP) every channel of every local stage is a group
   of its own, created and connected at start-up (mutation: only each rank's first two
   channels warmed up: rank 0 blocks connecting 2->0 in the run, a FakeHang).
 """
@@ -117,24 +117,24 @@ def run_pipeline(
         world.started(rank)
         try:
             full = copy.deepcopy(template)
-            chunks = torch.nn.ModuleList(
+            modules = torch.nn.ModuleList(
                 [make_stage(full, s, rt.num_stages, tp_group=rt.tp_group) for s in rt.stages]
             )
             ex = rt.stage_executor(
-                list(chunks) if virtual > 1 else chunks[0],
+                list(modules) if virtual > 1 else modules[0],
                 loss_fn,
                 microbatches=M,
                 hint=hint,
                 split=split,
                 variability=Variability(comm=0.0),
             )
-            sync = rt.grad_sync(chunks if virtual > 1 else chunks[0], ex)
+            sync = rt.grad_sync(modules if virtual > 1 else modules[0], ex)
             for it in range(iterations):
-                chunks.zero_grad(set_to_none=True)
+                modules.zero_grad(set_to_none=True)
                 res = await ex.run_iteration(it, data[rt.dp_rank * M : (rt.dp_rank + 1) * M])
                 await sync.sync()
             err = 0.0
-            for n, p in chunks.named_parameters():
+            for n, p in modules.named_parameters():
                 n = n.split(".", 1)[1]  # ModuleList's index first
                 want = ref_grads[n]
                 if p.shape != want.shape:
@@ -248,7 +248,7 @@ def test_no_communicator_or_host_sync_after_startup_on_any_path(fake_dist):
 def test_virtual_stages_create_and_connect_nothing_after_startup(fake_dist, placement):
     """Two stages per rank, pp 2 x tp 2: every boundary between ranks is a channel with its own
     group (the v turn none), all warmed up at start-up in one global order, with TP layers and
-    agreement over both chunks; gradients and loss as one process."""
+    agreement over both local stages; gradients and loss as one process."""
     world = fake_dist(FakeWorld(4, hang_s=5.0))
     results, ref_loss = run_pipeline(
         world, pp=2, tp=2, unit_ms=2.0, split=True, hint="bfw", virtual=2, placement=placement

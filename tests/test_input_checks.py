@@ -75,21 +75,21 @@ def test_fixed_class_hint_within_its_budget_is_accepted():
 
 
 def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
-    """With two stages per rank the check reads the rank's order over its chunks against
+    """With two stages per rank the check reads the rank's order over its local stages against
     Budget.rank_limit. It once read the one-stage-per-rank orders, and refused pp 4, M 4, v, fixed
-    bfw at 1x, whose rank orders hold 8 chunks, exactly the limit."""
+    bfw at 1x, whose rank orders hold 8 local-stage microbatches, exactly the limit."""
     v = ["model.n_layer=8", "virtual=2", "placement=v", "dispatch=fixed"]
     TrainConfig.load(CONFIG, v + ["microbatches=4", "budget=1x"], world_size=4)
     TrainConfig.load(
         CONFIG, v + ["budget=2x"], world_size=4
-    )  # M = 8: up to 16 chunks held, 16 allowed
+    )  # M = 8: up to 16 local-stage microbatches held, 16 allowed
     with pytest.raises(ConfigError) as info:
         TrainConfig.load(CONFIG, v + ["budget=1x"], world_size=4)
     line = str(info.value)
     assert (
         "\n" not in line
-        and "pipeline rank 0 (stages 0, 7) holds up to 13 chunks (1/2 of a microbatch each), "
-        "above run.budget = 1x (8 there)"
+        and "pipeline rank 0 (stages 0, 7) holds up to 13 local-stage microbatches "
+        "(1/2 of a microbatch each), above run.budget = 1x (8 there)"
         in line
     ), line
 

@@ -1,5 +1,5 @@
 """The clairvoyant optimum with virtual stages (rrfp.sim.oracle at V > 1): one
-task at a time per rank over all its stages, the rank budget in chunks, never
+task at a time per rank over all its stages, the rank budget in local-stage microbatches, never
 above a schedule any executor runs on the same durations, never below the
 lower bound, and its per-rank order replays in the simulator as solved."""
 
@@ -16,7 +16,7 @@ from rrfp.core.variability import Variability  # noqa: E402
 from rrfp.sim import SimConfig, simulate  # noqa: E402
 from rrfp.sim.engine import _durations  # noqa: E402
 from rrfp.sim.oracle import holds_budget, replay, solve  # noqa: E402
-from rrfp.sim.planning import planned_config  # noqa: E402
+from rrfp.sim.planned_hint import planned_config  # noqa: E402
 
 SCALE = 1000
 LANG = Variability.preset("lang")
@@ -40,7 +40,7 @@ def rank_spans(result):
 def test_one_rank_holding_every_stage_is_never_idle():
     """S = 1, V = 2: both stages on one rank, the turn between them local (no
     latency, though comm is 0.25), so the rank always has a task ready and the
-    optimum is its total work; the budget of one microbatch is its two chunks."""
+    optimum is its total work; the budget of one microbatch is its two local-stage microbatches."""
     d = [[[1.0, 2.0, 0.5], [1.5, 1.0, 0.25]], [[0.5, 1.0, 1.0], [2.0, 0.75, 0.5]]]
     cfg = SimConfig(
         1,
@@ -55,7 +55,9 @@ def test_one_rank_holding_every_stage_is_never_idle():
     r = solve(cfg)
     assert r.optimal and r.status == "OPTIMAL"
     assert r.makespan == pytest.approx(12.0) and r.bound == pytest.approx(12.0)
-    assert replay(cfg, r.orders).peak_inflight == [2]  # budget 1 is one microbatch: its 2 chunks
+    assert replay(cfg, r.orders).peak_inflight == [
+        2
+    ]  # budget 1: one microbatch, 2 local-stage ones
 
 
 def v2_config(S: int, M: int, placement: str, budget: str, seed: int) -> SimConfig:
@@ -147,7 +149,7 @@ def test_refuses_a_hint_of_another_layout():
 
 
 def held_bytes_peaks(result, sizes):
-    """The most bytes each rank held at once, from a recorded timeline: chunk (s, m) held from the
+    """The most bytes each rank held at once, from a recorded timeline: (s, m) held from the
     start of its F to the end of its W, a release at t before an admission at t."""
     lay = result.config.layout
     held = {}
@@ -172,7 +174,8 @@ def held_bytes_peaks(result, sizes):
     return peaks
 
 
-BYTE_CASES = [  # (S, M, placement, budget, seed): chunks of 0.15..0.65 MiB, CP-SAT proves each in about 1 s
+# (S, M, placement, budget, seed): 0.15..0.65 MiB at a local stage, CP-SAT proves each in about 1 s
+BYTE_CASES = [
     (2, 3, "v", "1MiB", 0),
     (2, 3, "v", "768KiB", 1),
     (2, 3, "interleaved", "1MiB", 0),
@@ -184,24 +187,23 @@ BYTE_CASES = [  # (S, M, placement, budget, seed): chunks of 0.15..0.65 MiB, CP-
 def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(
     S, M, placement, budget, seed
 ):
-    """A byte budget at V = 2: the rank may hold up to the limit plus one chunk (rank_tracker), which
-    the model allows; it still binds, and nothing the ready executor does is shorter."""
+    """A byte budget at V = 2: the rank may hold up to the limit plus one local-stage microbatch
+    (rank_tracker), which the model allows; it still binds, and nothing the ready executor does is
+    shorter."""
     cfg = v2_config(S, M, placement, budget, seed)
     limit, sizes = cfg.budget.bytes, _durations(cfg)[3]
-    assert (
-        max(sizes) <= limit
-    )  # so the relaxed rank limit below is the limit plus the largest chunk
+    assert max(sizes) <= limit  # so the relaxed rank limit below is the limit plus the largest one
     r = solve(cfg, time_limit=60)  # no hints: the optimum below the ready runs is the solver's own
     assert r.optimal and r.status == "OPTIMAL", r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
-    free = solve(replace(cfg, budget=M), time_limit=60)  # M microbatches: every chunk may be held
+    free = solve(replace(cfg, budget=M), time_limit=60)  # M microbatches: all may be held
     assert free.optimal and free.makespan < r.makespan - tolerance(cfg)  # the byte budget binds
     again = replay(cfg, r.orders, record=True)
     assert again.makespan == pytest.approx(r.makespan)
     assert holds_budget(cfg, again)
     assert max(held_bytes_peaks(again, sizes)) <= limit + max(
         sizes
-    )  # the relaxed rank limit, V - 1 = 1 chunk
+    )  # the relaxed rank limit, V - 1 = 1 more
     ready = ready_runs(cfg)
     for sim in ready:
         assert holds_budget(cfg, sim), sim.config.hint.name
@@ -218,8 +220,8 @@ def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(
 
 
 def test_ready_is_never_below_the_byte_optimum_over_a_seeded_sweep():
-    """Several shapes, limits (some below the largest chunk) and seeds at V = 2: the proven bound
-    stays under every ready run and every fixed run that holds the budget."""
+    """Several shapes, limits (some below the largest local-stage microbatch) and seeds at V = 2:
+    the proven bound stays under every ready run and every fixed run that holds the budget."""
     rng, fixed_compared = random.Random(7), 0
     for _ in range(8):
         M, placement = rng.choice([2, 3]), rng.choice(["v", "interleaved"])

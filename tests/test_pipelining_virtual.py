@@ -50,7 +50,15 @@ def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict, torch.T
 
 
 def _run(
-    cls, stages, chunks, first: bool, last: bool, data, m: int, evaluate: bool = True, **options
+    cls,
+    stages,
+    local_modules,
+    first: bool,
+    last: bool,
+    data,
+    m: int,
+    evaluate: bool = True,
+    **options,
 ):
     """One step of ``m`` microbatches, a second one without zero_grad (torch divides the accumulated .grad
     by m), and an eval (the parameters have not moved: the first step's losses and output again)."""
@@ -58,9 +66,13 @@ def _run(
     schedule = cls(stages, m, loss_fn=loss_fn, **options)
     losses, eval_losses = [], []
     merged = schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses)
-    grads1 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
+    grads1 = {
+        (s.stage_index, n): g for s, c in zip(stages, local_modules) for n, g in grads_of(c).items()
+    }
     schedule.step(*((x2,) if first else ()), target=y2 if last else None)
-    grads2 = {(s.stage_index, n): g for s, c in zip(stages, chunks) for n, g in grads_of(c).items()}
+    grads2 = {
+        (s.stage_index, n): g for s, c in zip(stages, local_modules) for n, g in grads_of(c).items()
+    }
     evaluated = None
     if evaluate:
         evaluated = schedule.eval(
@@ -125,13 +137,15 @@ def _virtual_parity(rank, world, placement, m):
             ],
             *[(f"rrfp {h}", ScheduleReady, {"hint": h}) for h in RRFP_HINTS[placement]],
         ]:
-            chunks = [copy.deepcopy(model[s]) for s in mine]
-            stages = [PipelineStage(c, s, S, torch.device("cpu")) for s, c in zip(mine, chunks)]
+            local_modules = [copy.deepcopy(model[s]) for s in mine]
+            stages = [
+                PipelineStage(c, s, S, torch.device("cpu")) for s, c in zip(mine, local_modules)
+            ]
             if (
                 cls is ScheduleReady
             ):  # torch needs them in model order (its warm-up hangs otherwise); rrfp sorts
-                stages, chunks = stages[::-1], chunks[::-1]
-            schedule, runs[name] = _run(cls, stages, chunks, first, last, data, m, **options)
+                stages, local_modules = stages[::-1], local_modules[::-1]
+            schedule, runs[name] = _run(cls, stages, local_modules, first, last, data, m, **options)
             if cls is ScheduleReady:
                 # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on every rank
                 # alike (before any message), rather than give them to the first stage alone

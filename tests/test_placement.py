@@ -25,7 +25,7 @@ def test_stages_partition_and_rank_of_inverts(S, V, placement):
         stages = lay.stages_of(r)
         assert list(stages) == sorted(stages)  # chunk 0 first
         for c, s in enumerate(stages):
-            assert lay.rank_of(s) == r and lay.chunk_of(s) == c
+            assert lay.rank_of(s) == r and lay.local_index(s) == c
 
 
 def test_interleaved_and_v_shapes():

@@ -24,9 +24,9 @@ from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
-from rrfp.pipeline.planning import IterationPlanner
+from rrfp.pipeline.plan_ahead import IterationPlanner
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import plan_iteration, planned_config
+from rrfp.sim.planned_hint import plan_iteration, planned_config
 from rrfp.sim.replay import replay
 
 

@@ -7,11 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rrfp.core.durations import known
+from rrfp.core.entry_order import candidate_orders, entry_order_hint
 from rrfp.core.hints import Hint, resolve, validate
-from rrfp.core.planner import candidate_orders, entry_order_hint
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -47,7 +47,7 @@ def test_plan_is_valid_and_never_worse_than_bfw_on_predicted_durations(
 def test_candidates_start_plain_then_put_long_microbatches_in_the_middle():
     import numpy as np
 
-    from rrfp.core.planner import pyramid
+    from rrfp.core.entry_order import pyramid
 
     cost = np.array([1.0, 5.0, 3.0, 4.0, 2.0])
     cands = candidate_orders(cost)

@@ -168,7 +168,7 @@ def run_cli(*args):
         (["sim", "--budget", "0"], "below 1"),
         (["sim", "--mb", "0"], "--mb must be >= 1"),
         (["sim", "--pp", "0"], "--pp must be >= 1"),
-        (["sim", "--executors", "lazy"], "unknown executor"),
+        (["sim", "--dispatch", "lazy"], "unknown dispatch mode"),
     ],
 )
 def test_cli_bad_input(args, needle):
@@ -334,7 +334,7 @@ def test_plot_merges_the_ranks_of_a_measured_run():
 )
 def test_without_variability_ready_matches_fixed_at_the_same_budget(S, M, hint, budget):
     """Readiness costs nothing when nothing varies: ready runs the hint's order as fast as fixed."""
-    from rrfp.sim.planning import planned_config
+    from rrfp.sim.planned_hint import planned_config
 
     var = Variability.preset("none")
     runs = {}
@@ -395,7 +395,7 @@ def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
         "4",
         "--seeds",
         "1",
-        "--executors",
+        "--dispatch",
         "fixed",
         "--hints",
         str(order),

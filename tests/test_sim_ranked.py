@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rrfp.core.entry_order import entry_order_hint
 from rrfp.core.hints import Hint, bfw_ranked, resolve
-from rrfp.core.planner import entry_order_hint
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
@@ -142,9 +142,10 @@ VIRTUAL_BUDGETS = ["0.5x", "1x", "1.5x", "2x", "3x", "4x", "1", "3", "3000B", "1
 def test_fast_path_makes_the_rank_trackers_decisions(
     S, M, layout, preset, comm, seed, budget, hint, split, zeros
 ):
-    """V > 1: the rank's choice among its stages' heads (chunked priority, the lead limit, the
-    reserve, bytes, later chunks past a refused forward), the V turn delivered at once."""
-    from rrfp.sim.planning import planned_config
+    """V > 1: the rank's choice among its stages' heads (merged local priorities, the lead limit,
+    the reserve, bytes, later local stages past a refused forward), the V turn delivered at
+    once."""
+    from rrfp.sim.planned_hint import planned_config
 
     V, placement = layout
     var = Variability.preset(preset, comm=comm)
@@ -175,7 +176,7 @@ def test_fast_path_makes_the_rank_trackers_decisions(
 @pytest.mark.parametrize("placement", ["interleaved", "v"])
 def test_fast_path_at_scale_with_virtual_stages(placement):
     """8 x 32 at V = 2, the benchmark's shape: unit tasks (many ties) and lang; the planned hint."""
-    from rrfp.sim.planning import planned_config
+    from rrfp.sim.planned_hint import planned_config
 
     for budget in ("2x", "1x", "0.5x", "8"):  # 0.5x: the tightest, where the reserve binds
         _same(
@@ -240,7 +241,7 @@ def test_ranking_needs_one_order_for_every_kind():
 def test_plans_are_scored_on_the_fast_path_as_on_the_trackers(budget, layout):
     """make_plan's candidates, scored on the fast path, get the makespans the trackers give them."""
     from rrfp.core.durations import known
-    from rrfp.sim.planning import planned_config
+    from rrfp.sim.planned_hint import planned_config
 
     V, placement = layout
     var = Variability.preset("lang")

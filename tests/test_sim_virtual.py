@@ -1,5 +1,6 @@
 """The simulator with virtual stages: each task once, dependencies with their latencies (none on
-the V turn), one task at a time per rank, the rank budget held, no deadlock, chunk durations."""
+the V turn), one task at a time per rank, the rank budget held, no deadlock, local-stage
+durations."""
 
 import json
 import subprocess
@@ -17,7 +18,7 @@ from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
 from rrfp.sim.engine import _durations
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 LAYOUTS = [(2, "interleaved"), (2, "v"), (3, "interleaved")]
 ORDERS = {"interleaved": "1f1b", "v": "zbv"}  # each placement's classic schedule
@@ -67,7 +68,7 @@ def check_virtual_invariants(r):
         for rank in range(lay.ranks):
             limit = cfg.budget.rank_limit(lay, rank).count
             mine = [(s, m) for s in lay.stages_of(rank) for m in range(M)]
-            for s0, m0 in mine:  # chunk-microbatches held when each F starts, itself included
+            for s0, m0 in mine:  # local-stage microbatches held when each F starts, itself included
                 t0 = at[(s0, 0, m0)][0]
                 held = sum(
                     1
@@ -124,24 +125,24 @@ def test_the_v_turn_is_local_and_other_hops_pay_latency():
         assert at[(3, "B0")][0] - at[(4, "B0")][1] == gap
 
 
-def test_a_chunk_takes_one_vth_of_the_stage_and_draws_are_keyed_by_global_stage():
+def test_a_local_stage_takes_one_vth_of_the_stage_and_draws_are_keyed_by_global_stage():
     var = Variability.preset("lang", slow_stage=1, slow_factor=2.0)
     lay = VirtualLayout(4, 2, "v")
-    chunk = TaskTimes(var, 7, True, layout=lay).realized(0, 8, 6)
+    local = TaskTimes(var, 7, True, layout=lay).realized(0, 8, 6)
     flat = TaskTimes(Variability.preset("lang"), 7, True).realized(
         0, 8, 6
     )  # 8 plain stages, no slow one
     slow = np.array([2.0 if lay.rank_of(s) == 1 else 1.0 for s in range(8)])[:, None, None]
     assert np.allclose(
-        chunk, flat * slow / 2
-    )  # rank 1's both chunks are slow, stage 1 alone is not
+        local, flat * slow / 2
+    )  # rank 1's both local stages are slow, stage 1 alone is not
     assert TaskTimes(var, 7, True, layout=lay).units(0, 6, 3, Kind.B) == pytest.approx(
-        chunk[6, 3, 1]
+        local[6, 3, 1]
     )
     one = SimConfig(4, 6, variability=Variability.preset("none", comm=0.0), virtual=2)
     assert simulate(one).stats[0].busy == pytest.approx(
         3.0 * 6
-    )  # F + B + W per microbatch, over 2 chunks
+    )  # F + B + W per microbatch, over 2 local stages
 
 
 def test_virtual_stages_beat_one_stage_per_rank_under_lang_in_their_classic_schedules():
@@ -213,8 +214,8 @@ def test_with_latency_and_no_variability_ready_loses_nothing_to_fixed_at_the_sam
     placement, hint, budget, faster, S, M
 ):
     """Messages take 0.05 and nothing varies: ready dispatch is within 1% of the fixed order at the
-    same hint and memory. A rank that filled the wait for its next chunk's input with one more
-    forward of the chunk before (no lead limit) lost 5.7% on ZB-V's own order at 8 x 32."""
+    same hint and memory. A rank that filled the wait for its next local stage's input with one more
+    forward of the local stage before (no lead limit) lost 5.7% on ZB-V's own order at 8 x 32."""
     var = Variability.preset("none", comm=0.05)
     runs = {}
     for dispatch in ("ready", "fixed"):
@@ -228,9 +229,9 @@ def test_with_latency_and_no_variability_ready_loses_nothing_to_fixed_at_the_sam
         assert ratio >= 0.99, runs
 
 
-def test_a_chunk_runs_ahead_of_the_next_by_at_most_the_stages_between_them():
-    """Ready dispatch, lang: at every start, chunk 0's forwards lead chunk 1's by at most the
-    layout's lead on that rank (2(S - r) - 1 in the v shape, S interleaved)."""
+def test_a_local_stage_runs_ahead_of_the_next_by_at_most_the_stages_between_them():
+    """Ready dispatch, lang: at every start, local stage 0's forwards lead local stage 1's by at
+    most the layout's lead on that rank (2(S - r) - 1 in the v shape, S interleaved)."""
     for placement in ("v", "interleaved"):
         cfg = SimConfig(
             4,
@@ -253,7 +254,7 @@ def test_a_chunk_runs_ahead_of_the_next_by_at_most_the_stages_between_them():
         for s, t, a, b in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
             if t.kind is Kind.F:
                 r = lay.rank_of(s)
-                started[r][lay.chunk_of(s)] += 1
+                started[r][lay.local_index(s)] += 1
                 most[r] = max(most[r], started[r][0] - started[r][1])
                 assert started[r][0] - started[r][1] <= lay.leads(r)[0], (placement, r, t, s)
         assert max(most.values()) == max(
@@ -422,7 +423,7 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
     from rrfp.core.budget import Budget
     from rrfp.core.cost import CostModel
     from rrfp.core.policy import Dispatch
-    from rrfp.sim.planning import plan_iteration
+    from rrfp.sim.planned_hint import plan_iteration
     from rrfp.sim.replay import replay
 
     model = CostModel.fit(synthetic(stages=4)[1])
@@ -469,7 +470,7 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
     assert sim_ms == pytest.approx(want, rel=1e-12)
     assert times.realized(0, 4, 6, feats)[1, 2, 0] == pytest.approx(
         model.units(1, 0, feats[2]) * var.noise(3, 0, 1, 2, 0)
-    )  # no 1/V: fitted per chunk
+    )  # no 1/V: fitted per local stage
     sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
     sizes.write_text(json.dumps({**doc, "virtual": 1, "placement": "interleaved"}))
     cost.write_text(model.to_json())

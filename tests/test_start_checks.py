@@ -66,10 +66,11 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
     ]  # budget 2x: 2 * (S - s), at most the 4 microbatches
 
 
-def test_with_virtual_stages_a_rank_counts_its_chunks():
-    """V = 2, v: a rank's parameters are exactly its two chunks', in flight its rank limit in chunks
-    (2x: 2 x S x V = 8, of the M x V = 16 it could hold), each chunk's activations at most its
-    smaller chunk's real ones; under fixed dispatch, its order's peak (fixed applies no budget)."""
+def test_with_virtual_stages_a_rank_counts_its_local_stages():
+    """V = 2, v: a rank's parameters are exactly its two local stages', in flight its rank limit in
+    local-stage microbatches (2x: 2 x S x V = 8, of the M x V = 16 it could hold), each one's
+    activations at most its smaller local stage's real ones; under fixed dispatch, its order's peak
+    (fixed applies no budget)."""
     from rrfp.core.hints import peak_in_flight
 
     sets = ["model.n_layer=4", "microbatches=8", "virtual=2", "placement=v"]
@@ -205,4 +206,6 @@ def test_byte_budget_below_one_microbatch_gets_a_warning():
     )  # a plan keeps the budget
     assert check_byte_budget(cfg, None) is None  # not measurable: no claim
     virtual = TrainConfig.load(tiny, ["budget=1B", "virtual=2", "model.n_layer=8"], world_size=4)
-    assert "one chunk's activations" in check_byte_budget(virtual, footprints(virtual))
+    assert "one local-stage microbatch's activations" in check_byte_budget(
+        virtual, footprints(virtual)
+    )

@@ -305,10 +305,10 @@ def test_schedule_names():
         ts.resolve_schedule("gpipe-ish")
 
 
-def test_two_stages_per_rank_hold_the_chunk_draws_of_rrfps_virtual_stages():
-    """torch's V-shape and interleaved rows (by_stage) hold each stage for rrfp's chunk draw at that
-    global stage (and wait its latency), as rrfp's executor at V = 2 of the same placement does;
-    one stage per rank keeps the rank's draw times the share."""
+def test_two_stages_per_rank_hold_the_local_stage_draws_of_rrfps_virtual_stages():
+    """torch's V-shape and interleaved rows (by_stage) hold each stage for rrfp's local-stage draw
+    at that global stage (and wait its latency), as rrfp's executor at V = 2 of the same placement
+    does; one stage per rank keeps the rank's draw times the share."""
     from rrfp.core.durations import TaskTimes
     from rrfp.core.placement import VirtualLayout
     from rrfp.core.variability import Variability

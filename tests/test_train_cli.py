@@ -89,7 +89,7 @@ BAD_OVERRIDES = [
     (['budget="0"'], ["run.budget", "budget 0 is below 1 microbatch"]),
     (["budget=0x"], ["run.budget", "must be above 0x"]),
     (["budget=lots"], ["run.budget", "not a budget: 'lots'"]),
-    (["executor=eager"], ["run.dispatch", "unknown executor", "'eager'"]),
+    (["executor=eager"], ["run.dispatch", "unknown dispatch mode", "'eager'"]),
     (["steps=0"], ["run.steps must be >= 1, got 0"]),
     (["steps"], ["override 'steps' is not KEY=VALUE"]),
 ]

@@ -54,7 +54,7 @@ def test_one_stage_per_rank_is_todays_hint(hint):
             assert list(new.order) == [(r, t) for t in old.order] and new.limit == old.limit
 
 
-def test_bfw_over_chunks_ranks_kind_then_microbatch_then_later_chunk():
+def test_bfw_over_local_stages_ranks_kind_then_microbatch_then_later_local_stage():
     lay = VirtualLayout(2, 2)  # rank 0 holds stages 0 and 2
     prio = resolve("bfw").rank_priority(lay, 0, 2, True)
     ranked = [f"{t}@{s}" for (s, t), _ in sorted(prio.items(), key=lambda kv: kv[1])]
@@ -129,11 +129,12 @@ def test_a_csv_hint_orders_each_rank_by_its_stages_rows_in_file_order(tmp_path):
         (4, 16, 2, "v", "bfw"),
     ],
 )
-def test_every_nominal_order_leads_its_next_chunk_by_exactly_the_layouts_lead(
+def test_every_nominal_order_leads_its_next_local_stage_by_exactly_the_layouts_lead(
     S, M, V, placement, hint
 ):
-    """The ready lead limit (RankTracker) takes nothing from these schedules: each order's chunk c
-    runs at most, and at some point exactly, layout.leads(rank)[c] forwards ahead of chunk c + 1."""
+    """The ready lead limit (RankTracker) takes nothing from these schedules: each order's local
+    stage c runs at most, and at some point exactly, layout.leads(rank)[c] forwards ahead of local
+    stage c + 1."""
     lay = VirtualLayout(S, V, placement)
     for r in range(S):
         stages = lay.stages_of(r)

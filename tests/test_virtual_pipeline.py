@@ -95,10 +95,14 @@ def _ranks(rank, world):
                 channels = {c.name: c for c in rt.rank_channels.all()}
                 for dispatch, hint in configs:
                     full = build(rt.num_stages)
-                    chunks = [full[s] for s in rt.stages]
-                    opts = [torch.optim.AdamW(c.parameters(), lr=1e-2) for c in chunks]
+                    modules = [full[s] for s in rt.stages]
+                    opts = [torch.optim.AdamW(c.parameters(), lr=1e-2) for c in modules]
                     ex = rt.stage_executor(
-                        chunks, nn.functional.mse_loss, microbatches=M, dispatch=dispatch, hint=hint
+                        modules,
+                        nn.functional.mse_loss,
+                        microbatches=M,
+                        dispatch=dispatch,
+                        hint=hint,
                     )
                     sent = sum(c.messages for c in channels.values())
                     for step in range(STEPS):
@@ -108,7 +112,7 @@ def _ranks(rank, world):
                         if step == 0:
                             grad_err = max(
                                 (p.grad - want_grads[s][n]).abs().max().item()
-                                for s, c in zip(rt.stages, chunks)
+                                for s, c in zip(rt.stages, modules)
                                 for n, p in c.named_parameters()
                             )
                             ran = [(s, str(t)) for s, t in res.ran]
@@ -117,7 +121,7 @@ def _ranks(rank, world):
                             o.step()
                     param_err = max(
                         (p.detach() - want_params[s][n]).abs().max().item()
-                        for s, c in zip(rt.stages, chunks)
+                        for s, c in zip(rt.stages, modules)
                         for n, p in c.named_parameters()
                     )
                     # fixed dispatch runs its order (a plan's is made per iteration: not ex.order)
@@ -230,13 +234,13 @@ def _complex_turn(rank, world, placement):
 
     async def main():
         async with PipelineRuntime.start(pp=1, timeout_s=30, virtual=V, placement=placement) as rt:
-            chunks = [ToComplex().double(), FromComplex().double()]
-            ex = rt.stage_executor(chunks, nn.functional.mse_loss, microbatches=M, hint="bfw")
+            modules = [ToComplex().double(), FromComplex().double()]
+            ex = rt.stage_executor(modules, nn.functional.mse_loss, microbatches=M, hint="bfw")
             try:
                 await ex.run_iteration(0, batches(0))
             except MessageError as e:
-                return str(e), chunks[0].lin.weight.grad
-            return None, chunks[0].lin.weight.grad
+                return str(e), modules[0].lin.weight.grad
+            return None, modules[0].lin.weight.grad
 
     return asyncio.run(main())
 

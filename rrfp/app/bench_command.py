@@ -1,4 +1,4 @@
-"""`rrfp bench`: the benchmark suite, every executor side by side on real gloo
+"""`rrfp bench`: the benchmark suite, every contender side by side on real gloo
 ranks in one torchrun job, into one results folder.
 
 The parent checks every flag and config (bad input exits 2 before any rank
@@ -20,7 +20,14 @@ from pathlib import Path
 from rrfp.app.bench.analysis import annotate, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
-from rrfp.app.bench.suite import DEFAULT_EXECUTORS, BenchSpec, Executor, parse_case, unavailable
+from rrfp.app.bench.suite import (
+    DEFAULT_CONTENDERS,
+    FLAG,
+    BenchSpec,
+    Contender,
+    parse_case,
+    unavailable,
+)
 from rrfp.app.errors import UsageError
 from rrfp.app.progress import progress
 from rrfp.app.run_outputs import check_output
@@ -46,8 +53,8 @@ CALIBRATION_SAMPLES = 16
 
 
 def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
-    """The job, and per workload the executors of the default set that cannot run it here (with why).
-    An executor asked for by name that cannot run is an error instead."""
+    """The job, and per workload the contenders of the default set that cannot run it here (with
+    why). A contender asked for by name that cannot run is an error instead."""
     base = QUICK if args.quick else FULL
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
     if pick["unit_ms"] <= 0:
@@ -64,10 +71,12 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         raise UsageError(
             f"--workloads: give each workload once ({', '.join(names) or 'none given'})"
         )
-    explicit = args.executors is not None
-    wanted = list(dict.fromkeys(Executor.parse(e) for e in (args.executors or DEFAULT_EXECUTORS)))
+    explicit = args.contenders is not None
+    wanted = list(
+        dict.fromkeys(Contender.parse(e) for e in (args.contenders or DEFAULT_CONTENDERS))
+    )
     if not wanted:
-        raise UsageError("--executors: no executor given")
+        raise UsageError(f"{FLAG}: no contender given")
     spec = BenchSpec(
         tuple(cases),
         pick["pp"],
@@ -82,15 +91,15 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     for case in cases:
         case.train_config(spec)  # ConfigError (exit 2) when the workload cannot take these sizes
         runs = []
-        for ex in wanted:
-            why = unavailable(ex, case, spec)
+        for contender in wanted:
+            why = unavailable(contender, case, spec)
             if why is None:
-                runs.append(ex)
+                runs.append(contender)
             elif explicit:
-                raise UsageError(f"--executors: {ex.name} cannot run {case.name}: {why}")
+                raise UsageError(f"{FLAG}: {contender.name} cannot run {case.name}: {why}")
             else:
-                skipped.setdefault(case.name, {})[ex.name] = why
-        ready.append(replace(case, executors=tuple(runs)))
+                skipped.setdefault(case.name, {})[contender.name] = why
+        ready.append(replace(case, contenders=tuple(runs)))
     return replace(spec, cases=tuple(ready)), skipped
 
 
@@ -163,7 +172,7 @@ def bench_command(args) -> int:
                 got["rows"],
                 got["iterations"],
                 spans,
-                summarize(got["rows"], [e.name for e in case.executors]),
+                summarize(got["rows"], [e.name for e in case.contenders]),
                 cost.get(case.name),
                 skipped.get(case.name, {}),
             )

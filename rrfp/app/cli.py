@@ -7,6 +7,7 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError
+from rrfp.app.flag_aliases import add_deprecated_flag
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rrfp", description="Readiness-driven pipeline-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
+    sim = sub.add_parser("sim", help="simulate dispatch modes x hints under a variability preset")
     sim.add_argument(
         "--pp",
         type=_positive("--pp"),
@@ -73,12 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)",
     )
     sim.add_argument(
-        "--executors",
+        "--dispatch",
         type=_csv_list,
         default=["fixed", "ready"],
-        help="comma list of fixed (the hint's order, run as a list) and ready (the best-ranked "
-        "ready task) (default fixed,ready)",
+        help="dispatch modes, a comma list of fixed (the hint's order, run as a list) and ready "
+        "(the best-ranked ready task) (default fixed,ready)",
     )
+    add_deprecated_flag(sim, "--executors", "--dispatch", type=_csv_list)
     sim.add_argument(
         "--hints",
         type=_csv_list,
@@ -140,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write results as JSON ('-': JSON alone on stdout, the table on stderr)",
     )
     sim.add_argument(
-        "--trace", metavar="FILE", help="Chrome trace of seed 0, one process per executor x hint"
+        "--trace",
+        metavar="FILE",
+        help="Chrome trace of seed 0, one process per row (dispatch x hint)",
     )
     sim.add_argument(
         "--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row"
@@ -177,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set executor=fixed",
+        help="override a config value, e.g. --set dispatch=fixed",
     )
     train.add_argument(
         "--dry-run", action="store_true", help="print the layout and config, then exit"
@@ -194,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench = sub.add_parser(
         "bench",
-        help="every executor side by side on real gloo ranks, into a results folder",
-        description="Run the benchmark suite: each workload's iterations on every executor, "
+        help="every contender (rrfp's dispatch modes and hints, torch's schedules) side by side "
+        "on real gloo ranks, into a results folder",
+        description="Run the benchmark suite: each workload's iterations on every contender, "
         "alternating, on PP local gloo ranks in one torchrun job. Device time is "
         "emulated on CPU by the compute lane.",
     )
@@ -206,10 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of gpt, vlm or .toml configs (default gpt,vlm)",
     )
     bench.add_argument(
-        "--executors",
+        "--contenders",
         type=_csv_list,
         default=None,
-        help="comma list of ENGINE-HINT: fixed-HINT or ready-HINT with any rrfp hint (1f1b, "
+        help="the rows compared, a comma list: fixed-HINT or ready-HINT with any rrfp hint (1f1b, "
         "zbh1, bf, bfw, plan, gpipe; zbv with -v2), e.g. ready-plan, fixed-bfw; "
         "torch-SCHEDULE for torch.distributed.pipelining's 1f1b, zb (= zbv), "
         "interleaved-1f1b, interleaved-zb or dualpipev; drop-in-ready-HINT runs ready "
@@ -219,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
         "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)",
     )
+    add_deprecated_flag(bench, "--executors", "--contenders", type=_csv_list)
     bench.add_argument(
         "--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)"
     )
@@ -235,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reps",
         type=_positive("--reps"),
         default=None,
-        help="measured iterations per executor, after one warm-up (default 5)",
+        help="measured iterations per contender, after one warm-up (default 5)",
     )
     bench.add_argument(
         "--unit-ms",
@@ -245,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the real compute of a task, about 9 ms for the vlm on 2 shared cores)",
     )
     bench.add_argument(
-        "--budget", default=DEFAULT_BUDGET, help="ready executors' in-flight budget (default 2x)"
+        "--budget", default=DEFAULT_BUDGET, help="in-flight budget of ready dispatch (default 2x)"
     )
     bench.add_argument(
         "--preset",

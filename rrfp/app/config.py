@@ -409,7 +409,7 @@ def _check_hint_layout(run: RunConfig, layout: VirtualLayout) -> None:
 def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:
     """Fixed dispatch follows its order and applies no budget. A class hint's order is its
     nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently.
-    With virtual stages the order is the rank's, over its chunks (``Budget.rank_limit``)."""
+    With virtual stages the order is the rank's, over its local stages (``Budget.rank_limit``)."""
     if run.dispatch is not Dispatch.FIXED or not run.hint.is_class or run.hint.planned:
         return
     split = default_split(run.hint.name, run.split)
@@ -431,7 +431,7 @@ def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:
                 if layout.virtual == 1
                 else (
                     f"pipeline rank {r} (stages {', '.join(map(str, layout.stages_of(r)))})",
-                    f"chunks (1/{layout.virtual} of a microbatch each)",
+                    f"local-stage microbatches (1/{layout.virtual} of a microbatch each)",
                 )
             )
             raise ConfigError(

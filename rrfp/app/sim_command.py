@@ -1,4 +1,4 @@
-"""`rrfp sim`: executors x hints on many seeds, as a table, JSON, a trace or a plot.
+"""`rrfp sim`: dispatch modes x hints on many seeds, as a table, JSON, a trace or a plot.
 
 Flags are resolved here, once, into a Budget, Dispatch modes and Hints; the
 simulator only sees those objects.
@@ -22,7 +22,7 @@ from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 from rrfp.sim.sweep import BASELINE, Row, sweep
 
 DEFAULT_BUDGETS = (
@@ -73,7 +73,7 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
     try:
         budgets = _budgets(args)
         layouts = _layouts(args)
-        dispatches = [Dispatch.parse(e) for e in args.executors]
+        dispatches = [Dispatch.parse(d) for d in args.dispatch]
         names = args.hints or [*BUILTIN, "plan"] + (
             ["zbv"] if any(lay.placement is Placement.V for lay in layouts) else []
         )
@@ -107,7 +107,7 @@ def _progress(jobs, desc: str = "simulating", unit: str = "run"):
 def _label(row: Row, budgets: list[Budget]) -> str:
     """A row's name where several budgets or layouts share a table, a trace or a plot."""
     return (
-        f"{row.executor} {row.hint}"
+        f"{row.dispatch} {row.hint}"
         + (f" {row.budget}" if row.budget and len(budgets) > 1 else "")
         + (f" {row.layout}" if row.layout else "")
     )
@@ -128,8 +128,8 @@ def _table(
         f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
         f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
         + (
-            "; with V stages per rank a chunk holds 1/V of a microbatch, and Nx gives the fullest rank N times "
-            "1F1B's peak, the others by need (docs/design.md §4b)"
+            "; with V stages per rank a local stage holds 1/V of a microbatch, and Nx gives the "
+            "fullest rank N times 1F1B's peak, the others by need (docs/design.md §4b)"
             if virtual
             else ""
         ),
@@ -149,7 +149,7 @@ def _table(
             f"  plan {1e3 * float(np.median(r.plan_s)):.1f} ms (wall, median)" if r.plan_s else ""
         )
         print(
-            f"{r.executor:<8} {r.hint:<12} {r.budget or 'order':>6}"
+            f"{r.dispatch:<8} {r.hint:<12} {r.budget or 'order':>6}"
             + (f" {r.layout or 'V1':<15}" if virtual else "")
             + f" {r.median:>21.3f}x {lo:>6.2f}..{hi:<5.2f} "
             f"{r.peak_inflight:>14g} {r.median_efficiency:>10.3f} {r.bubble:>7.1%}"
@@ -281,10 +281,10 @@ def _timelines(args, base: SimConfig, hints: dict, rows: list[Row], budgets: lis
     """Seed 0 of every row (fixed 1F1B first) as a Chrome trace, and the first two as a PNG."""
     baseline = (str(BASELINE[0]), BASELINE[1].name)
     runs = []
-    for r in sorted(rows, key=lambda r: (r.executor, r.hint) != baseline):
+    for r in sorted(rows, key=lambda r: (r.dispatch, r.hint) != baseline):
         cfg = replace(
             base,
-            dispatch=r.executor,
+            dispatch=r.dispatch,
             hint=hints[r.hint],
             budget=r.budget or base.budget,
             seed=0,

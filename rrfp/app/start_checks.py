@@ -60,9 +60,8 @@ class Footprint:
     activations: int  # microbatches in flight x activation bytes each
     batches: int  # two steps of this replica's input microbatches
     in_flight: int
-    one: int = (
-        0  # activations of one microbatch (a chunk, with virtual stages) on the rank, as counted
-    )
+    # one microbatch's activations (at one local stage, with virtual stages) on the rank, as counted
+    one: int = 0
 
     @property
     def total(self) -> int:
@@ -94,10 +93,11 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
     if available is None or need <= available:
         return prints
     act = max(mine, key=lambda f: f.activations)
+    unit = "microbatch(es)" if cfg.run.virtual == 1 else "local-stage microbatch(es)"
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
         f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
-        f"{act.in_flight} {'microbatch(es)' if cfg.run.virtual == 1 else 'chunk(s)'} in flight per rank; "
+        f"{act.in_flight} {unit} in flight per rank; "
         f"{_gib(sum(f.batches for f in mine))} input "
         f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
         f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)"
@@ -106,8 +106,9 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
 
 def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     """Each pipeline rank's Footprint; None when the model cannot be measured on the meta device.
-    With virtual stages a rank holds its chunks' parameters and up to its rank limit of chunk
-    activations (``Budget.rank_limit``), each at least its smallest chunk's."""
+    With virtual stages a rank holds its local stages' parameters and up to its rank limit of
+    local-stage microbatches' activations (``Budget.rank_limit``), each at least its smallest local
+    stage's."""
     run, wl, layout, M = cfg.run, cfg.workload, cfg.stages, cfg.run.microbatches
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
@@ -127,7 +128,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     split = default_split(run.hint.name, run.split)
     out = []
     for r in range(layout.ranks):
-        chunks = [measured[g] for g in layout.stages_of(r)]
+        local = [measured[g] for g in layout.stages_of(r)]
         held = (
             _fixed_peak(run, layout, r, split)
             or run.budget.rank_limit(layout, r).count
@@ -135,12 +136,12 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
         )
         held = max(
             1, min(held, M * layout.virtual)
-        )  # chunks (microbatches with one stage per rank)
-        acts = int(min(a for _, a in chunks) * ACTIVATION_SHARE)
+        )  # local-stage microbatches (microbatches with one stage per rank)
+        acts = int(min(a for _, a in local) * ACTIVATION_SHARE)
         activations = held * acts
         if run.budget.bytes is not None:
             activations = min(activations, max(run.budget.bytes, acts))
-        params = sum(p for p, _ in chunks)
+        params = sum(p for p, _ in local)
         out.append(
             Footprint(
                 4 * params // run.tp, activations // run.tp, int(batch_bytes), held, acts // run.tp
@@ -164,7 +165,7 @@ def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str |
     rank, fp = min(enumerate(prints), key=lambda p: p[1].one)
     if limit >= fp.one:
         return None
-    what = "microbatch" if cfg.run.virtual == 1 else "chunk"
+    what = "microbatch" if cfg.run.virtual == 1 else "local-stage microbatch"
     return (
         f"run.budget = {cfg.run.budget} is a byte budget below one {what}'s activations on every rank "
         f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
@@ -174,7 +175,8 @@ def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str |
 
 
 def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | None:
-    """What fixed dispatch holds on ``rank``: its order's peak, in chunks, for it applies no budget
+    """What fixed dispatch holds on ``rank``: its order's peak, in local-stage microbatches, for it
+    applies no budget
     (None under ready dispatch, or for a plan, whose orders are made per step within the budget)."""
     if run.dispatch is not Dispatch.FIXED or run.hint.planned:
         return None

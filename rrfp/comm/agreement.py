@@ -39,7 +39,7 @@ class TPAgreement:
         self.M = num_microbatches
         self.poller = poller
         self.stages = tuple(stages) if stages is not None else None
-        self._chunk = {
+        self._local = {
             s: c for c, s in enumerate(self.stages or ())
         }  # global stage -> its slot block
         self.rounds = 0
@@ -48,12 +48,12 @@ class TPAgreement:
         if self.stages is None:
             return int(item.kind) * self.M + item.mb
         stage, t = item
-        return (self._chunk[stage] * 3 + int(t.kind)) * self.M + t.mb
+        return (self._local[stage] * 3 + int(t.kind)) * self.M + t.mb
 
     def _item(self, i: int):
-        chunk, rest = divmod(i, 3 * self.M)
+        local, rest = divmod(i, 3 * self.M)
         task = Task(Kind(rest // self.M), rest % self.M)
-        return task if self.stages is None else StageTask(self.stages[chunk], task)
+        return task if self.stages is None else StageTask(self.stages[local], task)
 
     def _vector(self, ready: Iterable) -> torch.Tensor:
         v = torch.zeros(2, 3 * self.M * len(self.stages or (0,)), dtype=torch.int32)

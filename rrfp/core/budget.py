@@ -66,11 +66,13 @@ class Budget:
 
     def rank_limit(self, layout: VirtualLayout | int, rank: int, virtual: int = 1) -> Limit:
         """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
-        interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's activations.
+        interleaved stages), in local-stage microbatches: a local stage holds 1/V of a microbatch's
+        activations.
         ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its layers, what a device
         must fit for 1F1B) and every other rank the same share of its need (``rank_need``), so with
         V = 1 it is N(S - r), and at the same N every V has the same peak per device. A count budget
-        is microbatches of the rank's whole model. At least V: one microbatch through every chunk."""
+        is microbatches of the rank's whole model. At least V: one microbatch through every local
+        stage."""
         if not isinstance(layout, VirtualLayout):
             layout = VirtualLayout(layout, virtual)
         V = layout.virtual
@@ -100,12 +102,13 @@ class Budget:
 
 
 def rank_need(layout: VirtualLayout, rank: int) -> float:
-    """Chunk-microbatches ``rank`` holds in a full pipeline with no waits, as 1F1B's S - s
-    generalises: global stage g of S*V keeps a chunk's activations while the microbatch crosses the
-    SV - g stages from g to the loss and back, each 1/V of a stage's time, so it holds (SV - g) / V
-    of them. V = 1: S - r. It sets how a budget is spread over ranks, not its size: with V > 1 a
-    microbatch also waits at each rank for the other chunks' work, and the layout's own schedules
-    hold about twice this (ZB-V: S microbatches on every rank, 1F1B's rank-0 peak)."""
+    """Local-stage microbatches ``rank`` holds in a full pipeline with no waits, as 1F1B's S - s
+    generalises: global stage g of S*V keeps a local stage's activations while the microbatch
+    crosses the SV - g stages from g to the loss and back, each 1/V of a stage's time, so it holds
+    (SV - g) / V of them. V = 1: S - r. It sets how a budget is spread over ranks, not its size:
+    with V > 1 a microbatch also waits at each rank for the other local stages' work, and the
+    layout's own schedules hold about twice this (ZB-V: S microbatches on every rank, 1F1B's
+    rank-0 peak)."""
     N, V = layout.num_stages, layout.virtual
     return sum(N - g for g in layout.stages_of(rank)) / V
 

@@ -39,15 +39,16 @@ class TaskTimes:
     layout: VirtualLayout | None = None  # virtual stages: ``stage`` is global, of layout.num_stages
 
     @property
-    def chunks(self) -> int:
-        """V: with the preset, a chunk's task takes 1/V of the V = 1 stage's time (same model
+    def virtual(self) -> int:
+        """V: with the preset, a local stage's task takes 1/V of the V = 1 stage's time (same model
         depth, same work per rank); a cost model is fitted per global stage already."""
         return 1 if self.layout is None else self.layout.virtual
 
-    def _chunk_scale(self, stage) -> np.ndarray | float:
-        """What turns a draw at global ``stage`` into a chunk's time: 1/V without a cost model,
-        and ``slow_stage`` read as a rank (all its chunks slow) rather than a global stage."""
-        var, V = self.variability, self.chunks
+    def _local_scale(self, stage) -> np.ndarray | float:
+        """What turns a draw at global ``stage`` into a local stage's time: 1/V without a cost
+        model, and ``slow_stage`` read as a rank (all its local stages slow) rather than a global
+        stage."""
+        var, V = self.variability, self.virtual
         scale = np.full(np.shape(stage), 1.0 / V if self.cost is None else 1.0)
         if var.slow_stage >= 0:
             slow = (
@@ -58,7 +59,7 @@ class TaskTimes:
             scale = scale * np.where(slow, var.slow_factor, 1.0)
         return scale
 
-    def _per_chunk(self) -> TaskTimes:
+    def _per_stage(self) -> TaskTimes:
         return replace(self, variability=replace(self.variability, slow_stage=-1), layout=None)
 
     def units(
@@ -70,9 +71,9 @@ class TaskTimes:
         features: Sequence[dict] | None = None,
     ) -> float:
         """The realized duration of one task."""
-        if self.chunks > 1:
-            return self._per_chunk().units(iteration, stage, mb, kind, features) * float(
-                self._chunk_scale(stage)
+        if self.virtual > 1:
+            return self._per_stage().units(iteration, stage, mb, kind, features) * float(
+                self._local_scale(stage)
             )
         var = self.variability
         if self.cost is not None and features is not None:
@@ -86,13 +87,14 @@ class TaskTimes:
     ) -> np.ndarray:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
         split backward: B holds it); what the simulator draws, the bench bounds and a replay runs.
-        With virtual stages ``stages`` is S x V and each draw is the chunk's (``_chunk_scale``):
-        the draws themselves are keyed by global stage, so V = 1 draws are today's."""
-        if self.chunks > 1:
+        With virtual stages ``stages`` is S x V and each draw is the local stage's
+        (``_local_scale``): the draws themselves are keyed by global stage, so V = 1 draws are
+        today's."""
+        if self.virtual > 1:
             if stages != self.layout.num_stages:
                 raise ValueError(f"{stages} stages asked of a layout of {self.layout.num_stages}")
-            out = self._per_chunk().realized(iteration, stages, microbatches, features)
-            return out * self._chunk_scale(np.arange(stages))[:, None, None]
+            out = self._per_stage().realized(iteration, stages, microbatches, features)
+            return out * self._local_scale(np.arange(stages))[:, None, None]
         S, M, var = stages, microbatches, self.variability
         out = np.zeros((S, M, 3))
         s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]

@@ -17,7 +17,7 @@ from pathlib import Path
 from rrfp.core.budget import Budget
 from rrfp.core.nominal import nominal_orders, nominal_rank_orders
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch, chunked_priority
+from rrfp.core.policy import Dispatch, merge_local_priorities
 from rrfp.core.rank_tracker import RankSpec
 from rrfp.core.tasks import Kind, Task, stage_tasks
 from rrfp.core.tracker import StageSpec
@@ -186,9 +186,8 @@ class Hint:
     name: str
     fn: HintFn
     is_class: bool = False
-    planned: bool = (
-        False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
-    )
+    # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.entry_order)
+    planned: bool = False
     uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
     fixed_orders: tuple[tuple[Task, ...], ...] | None = (
         None  # a plan's per-stage orders, for fixed dispatch
@@ -255,8 +254,8 @@ class Hint:
                 raise HintError(f"hint {self.name} rank {rank}: {type(e).__name__}: {e}") from None
 
     def rank_peak(self, layout: VirtualLayout, rank: int, M: int, split: bool) -> int:
-        """Most chunk-microbatches fixed dispatch holds on ``rank`` (``peak_in_flight`` of its rank
-        order): what it needs, since it applies no budget."""
+        """Most local-stage microbatches fixed dispatch holds on ``rank`` (``peak_in_flight`` of its
+        rank order): what it needs, since it applies no budget."""
         return peak_in_flight([t for _, t in self.rank_order(layout, rank, M, split)], split)
 
     def rank_priority(
@@ -264,11 +263,14 @@ class Hint:
     ) -> dict[tuple[int, Task], int]:
         """What ready dispatch compares on ``rank`` (lower first), over (stage, task) pairs. A class
         hint ranks each stage's tasks by its own rule, and across the rank's stages by place in that
-        rule, then the later stage first (``chunked_priority``); with V = 1 that is ``priority``."""
+        rule, then the later stage first (``merge_local_priorities``); with V = 1 that is
+        ``priority``."""
         if not self.is_class:
             return {p: i for i, p in enumerate(self.rank_order(layout, rank, M, split))}
         S = layout.num_stages
-        return chunked_priority({s: self.priority(S, s, M, split) for s in layout.stages_of(rank)})
+        return merge_local_priorities(
+            {s: self.priority(S, s, M, split) for s in layout.stages_of(rank)}
+        )
 
     def rank_spec(
         self,

@@ -23,7 +23,7 @@ from functools import lru_cache
 from rrfp.core.budget import Budget
 from rrfp.core.event_driver import drive
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch, chunked_priority
+from rrfp.core.policy import Dispatch, merge_local_priorities
 from rrfp.core.rank_tracker import RankSpec, RankTracker
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
@@ -59,13 +59,14 @@ def nominal_rank_orders(
     multiple: float,
 ) -> tuple[tuple[tuple[int, Task], ...], ...]:
     """Per-rank orders over (stage, task) pairs under the class ``priority`` generalised to the
-    rank's stages (``rrfp.core.policy.chunked_priority``), the budget ``multiple`` x 1F1B's over the
-    rank (``Budget.rank_limit``). With one stage per rank every task takes one round and messages are
-    free. With virtual stages a chunk's task takes 1/V of a forward (an unsplit B, which is B + W,
-    2/V) and a message between ranks ``VIRTUAL_LATENCY``, in the simulator's float arithmetic, so
-    that fixed dispatch of the order repeats ready dispatch when nothing varies."""
+    rank's stages (``rrfp.core.policy.merge_local_priorities``), the budget ``multiple`` x 1F1B's
+    over the rank (``Budget.rank_limit``). With one stage per rank every task takes one round and
+    messages are free. With virtual stages a local stage's task takes 1/V of a forward (an unsplit
+    B, which is B + W, 2/V) and a message between ranks ``VIRTUAL_LATENCY``, in the simulator's
+    float arithmetic, so that fixed dispatch of the order repeats ready dispatch when nothing
+    varies."""
     budget, S = Budget(multiple=multiple), layout.num_stages
-    unit = 1.0 / layout.virtual  # a chunk does 1/V of a stage's work, as in the simulator
+    unit = 1.0 / layout.virtual  # a local stage does 1/V of a stage's work, as in the simulator
     latency = VIRTUAL_LATENCY if layout.virtual > 1 else 0.0
     whole_b = 2 * unit if layout.virtual > 1 and not split else unit  # an unsplit B is B + W
     trackers = []
@@ -81,7 +82,7 @@ def nominal_rank_orders(
                     M,
                     split,
                     Dispatch.READY,
-                    chunked_priority(per_stage),
+                    merge_local_priorities(per_stage),
                     (),
                     budget.rank_limit(layout, r),
                 )

@@ -1,7 +1,7 @@
 """Virtual stages: which of the S x V global stages each of the S pipeline ranks holds.
 
-A rank holds V model chunks ("virtual stages") so the pipeline fills and
-drains in chunk-sized steps. ``interleaved`` (Megatron, torch's
+A rank holds V local stages ("virtual stages") so the pipeline fills and
+drains in local-stage-sized steps. ``interleaved`` (Megatron, torch's
 ScheduleInterleaved1F1B): rank r holds r, r+S, r+2S, ... ``v`` (ZB-V,
 DualPipeV; V = 2 only): rank r holds r and 2S-1-r, so the last rank holds
 S-1 and S, and that turn is local: no message. V = 1 is the plain pipeline.
@@ -54,7 +54,7 @@ class VirtualLayout:
         return self.ranks * self.virtual
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The global stages ``rank`` holds, in model order (its chunk 0 first)."""
+        """The global stages ``rank`` holds, in model order (its local stage 0 first)."""
         S = self.ranks
         if not 0 <= rank < S:
             raise ValueError(f"rank {rank} is outside 0..{S - 1}")
@@ -71,15 +71,16 @@ class VirtualLayout:
             return 2 * S - 1 - stage
         return stage % S
 
-    def chunk_of(self, stage: int) -> int:
+    def local_index(self, stage: int) -> int:
         """Which of its rank's V stages ``stage`` is (0: the one nearest the model's input)."""
         return stage // self.ranks
 
     def leads(self, rank: int) -> tuple[int, ...]:
-        """How many stages a microbatch crosses from each of ``rank``'s chunks to its next: the most
-        forwards chunk c may run ahead of chunk c + 1 there (RankTracker). Of one microbatch's way
-        from chunk c to c + 1, the rank can fill that many forward slots and no more, so a further
-        forward of chunk c only delays the next chunk's forward that is in flight to the rank."""
+        """How many stages a microbatch crosses from each of ``rank``'s local stages to its next:
+        the most forwards local stage c may run ahead of local stage c + 1 there (RankTracker). Of
+        one microbatch's way from local stage c to c + 1, the rank can fill that many forward slots
+        and no more, so a further forward of local stage c only delays the next local stage's
+        forward that is in flight to the rank."""
         stages = self.stages_of(rank)
         return tuple(b - a for a, b in zip(stages, stages[1:]))
 

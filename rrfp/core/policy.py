@@ -30,7 +30,7 @@ class Dispatch(str, enum.Enum):
         try:
             return cls(spec)
         except ValueError:
-            raise ValueError(f"unknown executor {spec!r} (choose from ready, fixed)") from None
+            raise ValueError(f"unknown dispatch mode {spec!r} (choose from ready, fixed)") from None
 
 
 class ReadyTasks(Container[Task], Iterable[Task]):
@@ -110,10 +110,10 @@ def _first(pair):
     return pair[0]
 
 
-def chunked_priority(per_stage: dict[int, dict[Task, int]]) -> dict[tuple[int, Task], int]:
+def merge_local_priorities(per_stage: dict[int, dict[Task, int]]) -> dict[tuple[int, Task], int]:
     """One rank's priority from each of its stages' (lower first): tasks by their place in their
     stage's rule, and at the same place the later stage first. For BFW: B of the oldest microbatch
-    first, on the later chunk first (nearer the loss), then F the same way, then W; a rank of one
-    stage keeps its stage's order."""
+    first, on the later local stage first (nearer the loss), then F the same way, then W; a rank of
+    one stage keeps its stage's order."""
     ranked = sorted(((p, -s), (s, t)) for s, prio in per_stage.items() for t, p in prio.items())
     return {pair: i for i, (_, pair) in enumerate(ranked)}

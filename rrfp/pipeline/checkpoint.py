@@ -2,7 +2,7 @@
 ``torch.distributed.checkpoint`` (DCP).
 
 Each stage holds a different module, so the state dict is keyed by where it
-lives: ``stage{s}.tp{t}`` holds that chunk's model and optimizer state (DP
+lives: ``stage{s}.tp{t}`` holds that shard's model and optimizer state (DP
 replicas hold the same values under the same keys, and DCP writes one copy),
 ``rank{r}`` holds that rank's RNG states. Every rank writes its own file in
 parallel and DCP's coordinator writes ``.metadata`` once all have finished.
@@ -108,8 +108,8 @@ def load_stage(
     ) as e:  # a BaseException in torch: turn it into an error the CLI reports
         raise CheckpointError(f"cannot load checkpoint {path}: {_causes(e)}") from None
     for s, m, o in _parts(module, opt, stage):
-        chunk = state[stage_key(s, tp_rank)]
-        set_state_dict(m, o, model_state_dict=chunk["model"], optim_state_dict=chunk["optim"])
+        part = state[stage_key(s, tp_rank)]
+        set_state_dict(m, o, model_state_dict=part["model"], optim_state_dict=part["optim"])
     rng = state[f"rank{rank}"]["rng"]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:

@@ -31,7 +31,7 @@ from rrfp.core.tracker import StageTracker, TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
-from rrfp.pipeline.planning import IterationPlanner, PlanReport
+from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.worker import StageWorker
 

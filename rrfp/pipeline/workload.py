@@ -3,7 +3,7 @@
 A model module (``models/gpt.py``) exposes ``workload = Workload(...)``; the
 app finds it by name (``[run] model = "gpt"``), so adding a model needs no
 edit to rrfp. Splitting stays model-agnostic: ``build_stage`` returns this
-stage's chunk as an ``nn.Module``, whatever the model is.
+stage's part of the model as an ``nn.Module``, whatever the model is.
 """
 
 from __future__ import annotations

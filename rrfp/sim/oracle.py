@@ -11,7 +11,7 @@ rank runs one task at a time; with V = 1 a rank is a stage), the tracker's
 dependencies with the simulator's message latencies (none on the V turn
 between two stages of one rank), and one "held" interval per (stage,
 microbatch) from the start of F to the end of the last backward, under a
-cumulative per rank with the rank's limit (``Budget.rank_limit``: chunk-
+cumulative per rank with the rank's limit (``Budget.rank_limit``: local-stage
 microbatches over all its stages; bytes, as below). CP-SAT works in integers: times
 are multiplied by ``scale`` and rounded down, so the integer optimum is a
 valid lower bound on the real one. The best schedule found is replayed by the
@@ -21,14 +21,15 @@ iteration. OR-Tools is an optional extra (``pip install 'rrfp[oracle]'``),
 imported only when a solve starts.
 
 With V > 1 the runtime's rank tracker adds two policy devices the model
-leaves out: room reserved for later chunks' forwards (an F on chunk c needs
-V-1-c units free after it) and a bound on how far chunk c's forwards lead
-chunk c + 1's. Both only forbid schedules, so the optimum without them is a
-relaxation of what the ready executor may do under the same count budget:
-still a valid lower bound on it. A byte budget at V > 1 is not a cap at the
-limit: the tracker lets a chunk with nothing held at it or later start past
-the bytes, so a rank may hold up to V - 1 chunks more. The model caps what
-it provably holds instead (``byte_caps``): chunks 0..c of a rank, each
+leaves out: room reserved for later local stages' forwards (an F on local
+stage c needs V-1-c units free after it) and a bound on how far local stage
+c's forwards lead local stage c + 1's. Both only forbid schedules, so the
+optimum without them is a relaxation of what the ready executor may do under
+the same count budget: still a valid lower bound on it. A byte budget at V > 1
+is not a cap at the limit: the tracker lets a forward with nothing held at its
+local stage or later start past the bytes, so a rank may hold up to V - 1
+local-stage microbatches more. The model caps what it provably holds instead
+(``byte_caps``): what local stages 0..c of a rank hold, each microbatch
 counted at min(size, limit), at most limit + c * the largest, for every c.
 Every ready schedule holds these, so the optimum stays a floor under it.
 """
@@ -380,13 +381,15 @@ def _result(
 
 def byte_caps(virtual: int, limit: int, sizes: Sequence[int]) -> tuple[list[int], list[int]]:
     """What a rank's tracker provably holds under a byte ``limit`` (rrfp.core.rank_tracker): each
-    microbatch's chunk counted at min(size, limit), and ``caps[c]`` on its chunks 0..c together.
+    microbatch at a local stage counted at min(size, limit), and ``caps[c]`` on its local stages
+    0..c together.
 
-    An F admitted with something held at its chunk or later leaves at most the limit on the rank;
-    one admitted with nothing there adds one chunk to what chunks before it hold. By induction
-    chunks 0..c hold at most limit + c * (the largest counted chunk). With V = 1 that is the
-    stage's rule exactly (a chunk larger than the limit is held alone); with V > 1 it is the
-    simplest bound the tracker guarantees, looser than its rule, so a relaxation of it."""
+    An F admitted with something held at its local stage or later leaves at most the limit on the
+    rank; one admitted with nothing there adds one local-stage microbatch to what local stages
+    before it hold. By induction local stages 0..c hold at most limit + c * (the largest counted
+    local-stage microbatch). With V = 1 that is the stage's rule exactly (a microbatch larger than
+    the limit is held alone); with V > 1 it is the simplest bound the tracker guarantees, looser
+    than its rule, so a relaxation of it."""
     demand = [min(int(x), limit) for x in sizes]
     largest = max(demand, default=0)
     return demand, [limit + c * largest for c in range(virtual)]
@@ -410,13 +413,13 @@ def _budget_can_bind(inst: _Instance) -> bool:
 def _budget(model, inst: _Instance, rank: int, start, end) -> None:
     """The tracker's in-flight rule on ``rank``: (stage, microbatch) is held
     from the start of F to the end of its last backward, and the rank's stages
-    together hold at most its count of chunks; by bytes, its chunks 0..c hold at
-    most ``byte_caps``'s c-th cap (a chunk larger than the limit counts as the
+    together hold at most its count of local-stage microbatches; by bytes, its local stages 0..c
+    hold at most ``byte_caps``'s c-th cap (a microbatch larger than the limit counts as the
     limit). With V = 1 that is the stage's rule."""
     cfg = inst.cfg
     limit = _limit(cfg, rank)
     M, last = cfg.microbatches, last_backward(cfg.split_backward)
-    stages = cfg.layout.stages_of(rank)  # in chunk order, as the rank tracker numbers them
+    stages = cfg.layout.stages_of(rank)  # in local-stage order, as the rank tracker numbers them
     held = [
         model.new_interval_var(
             start[s, m, Kind.F],
@@ -438,7 +441,7 @@ def _budget(model, inst: _Instance, rank: int, start, end) -> None:
 
 def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     """Whether a schedule is one of the optimum's problem: it held ``cfg``'s count
-    budget on every rank (every stage with V = 1; chunk-microbatches over a rank's
+    budget on every rank (every stage with V = 1; local-stage microbatches over a rank's
     stages with V > 1, as ``Budget.rank_limit`` counts them), or by bytes
     ``byte_caps`` on every rank (the limit itself with V = 1). None for a byte
     budget and a result not recorded, whose peak count cannot tell."""

@@ -22,7 +22,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, simulate
-from rrfp.sim.planning import plan_iteration
+from rrfp.sim.planned_hint import plan_iteration
 
 
 def replay_durations(

@@ -1,4 +1,4 @@
-"""Many-seed comparisons of executors x hints against fixed 1F1B, for `rrfp sim`."""
+"""Many-seed comparisons of dispatch modes x hints against fixed 1F1B, for `rrfp sim`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rrfp.core.hints import Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.sim.engine import SimConfig, SimResult, simulate
-from rrfp.sim.planning import planned_config
+from rrfp.sim.planned_hint import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
@@ -25,12 +25,13 @@ def layout_label(virtual: int, placement: str) -> str:
 
 @dataclass
 class Row:
-    executor: str
+    dispatch: str  # "fixed" or "ready"
     hint: str
     speedups: list[float]
     efficiencies: list[float]
-    peak_inflight: float  # the most microbatches any rank held (of its whole model: V chunks make one), over every
-    # seed: the row's memory
+    # the most microbatches any rank held (of its whole model: V local stages make one), over
+    # every seed: the row's memory
+    peak_inflight: float
     bubble: float
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
@@ -47,7 +48,7 @@ class Row:
 
     @property
     def key(self) -> tuple[str, str, str | None, str]:
-        return self.executor, self.hint, self.budget, self.layout
+        return self.dispatch, self.hint, self.budget, self.layout
 
     @property
     def median(self) -> float:
@@ -65,7 +66,7 @@ class Row:
     def as_dict(self) -> dict:
         lo, hi = self.spread
         return {
-            "executor": self.executor,
+            "executor": self.dispatch,  # the key that readers of `rrfp sim --json` read
             "hint": self.hint,
             "budget": self.budget,
             "median_speedup": self.median,
@@ -109,7 +110,7 @@ def sweep(
     layouts: Sequence[VirtualLayout] = (),
     skipped: list[str] | None = None,
 ) -> list[Row]:
-    """Every (executor, hint, budget, layout) on the same durations for each seed; speedup is fixed
+    """Every (dispatch, hint, budget, layout) on the same durations for each seed; speedup is fixed
     1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets`` (default:
     the base config's) are run by every row they apply to (``budget_applies``); the others run once.
     ``layouts`` (default: the base config's) are the virtual-stage layouts to run; a hint with no

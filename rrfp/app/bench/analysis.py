@@ -1,6 +1,6 @@
 """From measured iterations to the bench's figures: each iteration's lower
 bound and the simulator's prediction for the same durations, then per
-executor the median and spread of its time, its speedup over fixed 1F1B
+contender the median and spread of its time, its speedup over fixed 1F1B
 (the median of per-iteration ratios: alternated iterations are paired), and
 its efficiency against the bound.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Executor
+from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Contender
 from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
@@ -23,7 +23,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim import SimConfig, simulate
-from rrfp.sim.planning import plan_iteration
+from rrfp.sim.planned_hint import plan_iteration
 
 log = logging.getLogger("rrfp.app.bench.analysis")
 
@@ -47,11 +47,11 @@ class IterationWork:
         )
 
 
-def virtual_layout(spec: BenchSpec, ex: Executor | None) -> VirtualLayout | None:
-    """The executor's virtual stages (None: one stage per rank, or a torch schedule)."""
-    if ex is None or ex.is_torch or ex.virtual == 1:
+def virtual_layout(spec: BenchSpec, contender: Contender | None) -> VirtualLayout | None:
+    """The contender's virtual stages (None: one stage per rank, or a torch schedule)."""
+    if contender is None or contender.is_torch or contender.virtual == 1:
         return None
-    return VirtualLayout(spec.pp, ex.virtual, ex.placement)
+    return VirtualLayout(spec.pp, contender.virtual, contender.placement)
 
 
 def iteration_work(
@@ -61,10 +61,11 @@ def iteration_work(
     iteration: int,
     features: list[dict] | None,
     split: bool,
-    ex: Executor | None = None,
+    contender: Contender | None = None,
 ) -> IterationWork:
-    """The durations ``ex``'s ranks spent (TaskTimes, with its virtual layout's chunk times)."""
-    layout = virtual_layout(spec, ex)
+    """The durations ``contender``'s ranks spent (TaskTimes, with its virtual layout's local
+    stage times)."""
+    layout = virtual_layout(spec, contender)
     S, M, seed = spec.pp if layout is None else layout.num_stages, spec.mb, spec.seed
     times = TaskTimes(var, seed, split, cost, layout=layout)
     lat_f, lat_b = times.latencies(iteration, S, M)
@@ -89,19 +90,24 @@ def simulated_s(
     spec: BenchSpec,
     var: Variability,
     cost: CostModel | None,
-    ex: Executor,
+    contender: Contender,
     iteration: int,
     work: IterationWork,
     features: list[dict] | None,
     plan_order: list[int] | None = None,
 ) -> float | None:
-    """The simulator's time for this rrfp executor on the same durations (None for torch's schedules).
-    A planned hint is planned again here from the same inputs: the planner is deterministic, so it is
-    the plan the ranks followed (``plan_order``, theirs, is checked; None if it differs)."""
-    if ex.is_torch:
+    """The simulator's time for this rrfp contender on the same durations (None for torch's
+    schedules). A planned hint is planned again here from the same inputs: the planner is
+    deterministic, so it is the plan the ranks followed (``plan_order``, theirs, is checked; None if
+    it differs)."""
+    if contender.is_torch:
         return None
-    hint, dispatch, budget = resolve(ex.hint), Dispatch.parse(ex.engine), Budget.parse(spec.budget)
-    layout = virtual_layout(spec, ex)
+    hint, dispatch, budget = (
+        resolve(contender.hint),
+        Dispatch.parse(contender.dispatch),
+        Budget.parse(spec.budget),
+    )
+    layout = virtual_layout(spec, contender)
     if hint.planned:
         hint, made = plan_iteration(
             TaskTimes(var, spec.seed, work.split, cost, layout=layout),
@@ -115,7 +121,7 @@ def simulated_s(
         if plan_order is not None and list(made.order) != list(plan_order):
             log.warning(
                 "%s iteration %d: the ranks planned %s, the parent %s: not simulated",
-                ex.name,
+                contender.name,
                 iteration,
                 plan_order,
                 list(made.order),
@@ -132,8 +138,8 @@ def simulated_s(
         iteration=iteration,
         split=work.split,
         durations=work.durations.tolist(),
-        virtual=ex.virtual,
-        placement=ex.placement,
+        virtual=contender.virtual,
+        placement=contender.placement,
     )
     return simulate(cfg).makespan * work.unit_s
 
@@ -148,18 +154,20 @@ def annotate(
 ) -> None:
     """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place."""
     feats = {it["iteration"]: it["features"] for it in iterations}
-    executors = {e.name: e for e in case.executors}
+    contenders = {c.name: c for c in case.contenders}
     works: dict[tuple[int, bool], IterationWork] = {}
     for r in rows:
-        ex, it = executors[r["executor"]], r["iteration"]
+        contender, it = contenders[r["contender"]], r["iteration"]
         features = feats.get(it) if cost else None
-        key = (it, ex.split, virtual_layout(spec, ex))
+        key = (it, contender.split, virtual_layout(spec, contender))
         if key not in works:
-            works[key] = iteration_work(spec, var, cost, it, features, ex.split, ex)
+            works[key] = iteration_work(spec, var, cost, it, features, contender.split, contender)
         work = works[key]
         r["lower_bound_s"] = work.lower_bound_s
         r["efficiency"] = work.lower_bound_s / r["wall_s"]
-        r["simulated_s"] = simulated_s(spec, var, cost, ex, it, work, features, r.get("plan_order"))
+        r["simulated_s"] = simulated_s(
+            spec, var, cost, contender, it, work, features, r.get("plan_order")
+        )
 
 
 @dataclass(frozen=True)
@@ -178,9 +186,9 @@ class Spread:
 
 @dataclass(frozen=True)
 class Summary:
-    """One executor on one workload, over its measured iterations."""
+    """One contender on one workload, over its measured iterations."""
 
-    executor: str
+    contender: str
     iterations: int
     wall_s: Spread
     speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
@@ -200,7 +208,7 @@ class Summary:
         doc = {
             k: getattr(self, k)
             for k in (
-                "executor",
+                "contender",
                 "iterations",
                 "peak_inflight",
                 "decision_us",
@@ -219,9 +227,9 @@ def _median(values: list) -> float | None:
 
 
 def _paired(rows: list[dict], first: str, second: str) -> list[tuple[float, float]]:
-    """Both executors' times, iteration by iteration (both ran it)."""
-    a = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == first}
-    b = {r["iteration"]: r["wall_s"] for r in rows if r["executor"] == second}
+    """Both contenders' times, iteration by iteration (both ran it)."""
+    a = {r["iteration"]: r["wall_s"] for r in rows if r["contender"] == first}
+    b = {r["iteration"]: r["wall_s"] for r in rows if r["contender"] == second}
     return [(a[i], b[i]) for i in sorted(a.keys() & b.keys())]
 
 
@@ -235,10 +243,10 @@ def paired_differences(rows: list[dict], first: str, second: str) -> list[float]
     return [a - b for a, b in _paired(rows, first, second)]
 
 
-def summarize(rows: list[dict], executors: list[str]) -> list[Summary]:
+def summarize(rows: list[dict], contenders: list[str]) -> list[Summary]:
     out = []
-    for name in executors:
-        mine = [r for r in rows if r["executor"] == name]
+    for name in contenders:
+        mine = [r for r in rows if r["contender"] == name]
         if not mine:
             continue
         sims = [r["wall_s"] / r["simulated_s"] - 1 for r in mine if r.get("simulated_s")]

@@ -1,6 +1,6 @@
 """The bench's results folder: results.json (every measured iteration, the
 config and the machine), results.md (one table per workload), one timeline
-PNG per executor for the same iteration, and a Chrome trace per workload.
+PNG per contender for the same iteration, and a Chrome trace per workload.
 Every file is written atomically.
 """
 
@@ -50,7 +50,7 @@ class CaseResult:
     spans: list[Span]
     summaries: list[Summary]
     cost_model: str | None = None  # the calibrated model's file, for data-driven durations
-    skipped: dict[str, str] = field(default_factory=dict)  # executor -> why it did not run
+    skipped: dict[str, str] = field(default_factory=dict)  # contender -> why it did not run
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
@@ -65,8 +65,9 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     lines = [
         "# rrfp bench",
         "",
-        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per executor after one "
-        f"warm-up, executors rotated each iteration; {spec.unit_ms:g} ms of emulated device time per unit "
+        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
+        f"after one warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated "
+        f"device time per unit "
         f"(one average forward); ready budget {spec.budget}. {machine['cpus']} CPUs, torch "
         f"{machine['torch']}, {machine['hostname']}, {machine['date']}.",
         "",
@@ -87,11 +88,11 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             "",
             f"{Path(c.config).name}{sets}: {source}.",
             "",
-            "| executor | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max | peak in-flight "
-            "| efficiency | vs simulator | decision µs | plan ms |",
+            "| contender | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max "
+            "| peak in-flight | efficiency | vs simulator | decision µs | plan ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        zb = next((s.peak_inflight for s in res.summaries if s.executor == EQUAL_MEMORY_TO), None)
+        zb = next((s.peak_inflight for s in res.summaries if s.contender == EQUAL_MEMORY_TO), None)
         for s in res.summaries:
             sim = None if s.vs_simulated is None else s.vs_simulated.median
             mark = (
@@ -100,7 +101,7 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 else ""
             )
             lines.append(
-                f"| {s.executor} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} "
+                f"| {s.contender} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} "
                 f"| {_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
                 f"| {_fmt(s.peak_inflight, 'g')}{mark} | {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} "
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
@@ -126,7 +127,7 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 )
         for dropin, direct in DROP_IN_PAIRS:
             ratios = paired_ratios(res.rows, dropin, direct)
-            extra = next((s.overhead_s for s in res.summaries if s.executor == dropin), None)
+            extra = next((s.overhead_s for s in res.summaries if s.contender == dropin), None)
             if ratios and extra is not None:
                 lines.append(
                     f"Drop-in, the surface alone: {dropin} took {statistics.median(ratios):.3f}x the time "
@@ -144,10 +145,11 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                     else "planned one ahead in a thread while the previous ran"
                 )
                 lines.append(
-                    f"{s.executor}: each iteration {when}: median {s.plan_s * 1e3:.2f} ms of planning, "
+                    f"{s.contender}: each iteration {when}: "
+                    f"median {s.plan_s * 1e3:.2f} ms of planning, "
                     f"{s.plan_waited_s * 1e3:.2f} ms waited at the iteration's start."
                 )
-        if not any(s.executor == BASELINE for s in res.summaries):
+        if not any(s.contender == BASELINE for s in res.summaries):
             lines.append(f"No speedups: {BASELINE} did not run.")
         for name, why in res.skipped.items():
             lines.append(f"Not run: {name}: {why}.")
@@ -156,7 +158,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             "speedup was bought with (fixed 1F1B holds PP; torch's ZB-V counts its two half stages as halves). "
             "Efficiency: the lower bound of the iteration's realized durations (busiest stage, or longest "
             "microbatch chain) over the measured time. vs simulator: measured over the simulator's time "
-            "for the same durations, minus one (rrfp executors only); well above zero, real compute "
+            "for the same durations, minus one (rrfp contenders only); well above zero, real "
+            "compute "
             "(sharing this machine's CPUs) outlasted the emulated durations, and a larger --unit-ms "
             "separates the schedules from the CPU load. Speedups are medians of per-iteration ratios.",
             "",
@@ -164,12 +167,12 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     return "\n".join(lines)
 
 
-def _iteration_spans(spans: list[Span], executor: str, iteration: int) -> list[Span]:
-    """One executor's tasks of one iteration, from its first task's start."""
+def _iteration_spans(spans: list[Span], contender: str, iteration: int) -> list[Span]:
+    """One contender's tasks of one iteration, from its first task's start."""
     mine = [
         sp
         for sp in spans
-        if sp.process == executor and sp.args.get("iteration") == iteration and sp.name != "wait"
+        if sp.process == contender and sp.args.get("iteration") == iteration and sp.name != "wait"
     ]
     t0 = min((sp.start for sp in mine), default=0.0)
     return [Span(sp.process, sp.stage, sp.name, sp.start - t0, sp.end - t0, sp.args) for sp in mine]
@@ -198,23 +201,23 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
             }
         )
         write_json(out / f"trace-{res.case.name}.json", chrome_trace(res.spans))
-        shown = spec.reps  # the last measured iteration, the same for every executor
+        shown = spec.reps  # the last measured iteration, the same for every contender
         runs = []
         for s in res.summaries:
             row = next(
-                r for r in res.rows if r["executor"] == s.executor and r["iteration"] == shown
+                r for r in res.rows if r["contender"] == s.contender and r["iteration"] == shown
             )
             title = (
-                f"{res.case.name}: {s.executor}, iteration {shown}: {row['wall_s'] * 1e3:.0f} ms"
+                f"{res.case.name}: {s.contender}, iteration {shown}: {row['wall_s'] * 1e3:.0f} ms"
             )
-            spans = _iteration_spans(res.spans, s.executor, shown)
+            spans = _iteration_spans(res.spans, s.contender, shown)
             runs.append((title, spans))
             plot_timelines(
-                out / f"timeline-{res.case.name}-{file_slug(s.executor)}.png",
+                out / f"timeline-{res.case.name}-{file_slug(s.contender)}.png",
                 [(title, spans)],
                 unit="seconds from the iteration's first task",
             )
-        if runs:  # every executor on one time axis
+        if runs:  # every contender on one time axis
             plot_timelines(
                 out / f"timelines-{res.case.name}.png",
                 runs,

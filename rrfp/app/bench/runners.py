@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from rrfp.app.bench.suite import BenchSpec, Executor
+from rrfp.app.bench.suite import BenchSpec, Contender
 from rrfp.core.budget import peak_held
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
@@ -82,22 +82,22 @@ class RrfpRunner:
     def __init__(
         self,
         rt: PipelineRuntime,
-        ex: Executor,
+        contender: Contender,
         module,
         workload: Workload,
         spec: BenchSpec,
         variability: Variability,
         cost: CostModel | None,
     ) -> None:
-        self.name = ex.name
-        self._virtual = ex.virtual
-        self._recorder = TraceRecorder(ex.name, rt.rank if ex.virtual > 1 else None)
+        self.name = contender.name
+        self._virtual = contender.virtual
+        self._recorder = TraceRecorder(contender.name, rt.rank if contender.virtual > 1 else None)
         self._executor = rt.stage_executor(
             module,
             workload.loss_fn,
             microbatches=spec.mb,
-            dispatch=ex.engine,
-            hint=ex.hint,
+            dispatch=contender.dispatch,
+            hint=contender.hint,
             budget=spec.budget,
             variability=variability,
             seed=spec.seed,
@@ -122,7 +122,7 @@ class RrfpRunner:
         st, plan = res.stats, res.plan
         peak = (
             st.peak_inflight / self._virtual
-        )  # chunk-microbatches -> microbatches of the rank's layers
+        )  # local-stage microbatches -> microbatches of the rank's layers
         return Measured(
             st.wall,
             peak,
@@ -143,7 +143,7 @@ class TorchRunner:
     def __init__(
         self,
         rt: PipelineRuntime,
-        ex: Executor,
+        contender: Contender,
         workload: Workload,
         model_cfg,
         spec: BenchSpec,
@@ -152,10 +152,10 @@ class TorchRunner:
     ) -> None:
         from rrfp.app.bench.torch_schedules import TorchScheduleRunner, workload_stage_builder
 
-        self.name = ex.name
+        self.name = contender.name
         self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
         self._runner = TorchScheduleRunner(
-            ex.hint,
+            contender.hint,
             workload_stage_builder(workload, model_cfg, spec.seed),
             workload.loss_fn,
             rt.rank,
@@ -163,8 +163,9 @@ class TorchRunner:
             spec.mb,
             rt.unit_s,
         )
-        # two stages per rank, with the preset: each torch stage takes its chunk's own draw, as rrfp's
-        # executor at V = 2 of the same placement does (a cost model is fitted per rrfp stage: halves)
+        # two stages per rank, with the preset: each torch stage takes its own draw, as each local
+        # stage of rrfp's executor at V = 2 of the same placement does (a cost model is fitted per
+        # rrfp stage: halves)
         self._by_stage = self._runner.per_rank > 1 and cost is None
         self._spans: list[Span] = []
 
@@ -229,7 +230,7 @@ class DropInRunner:
     def __init__(
         self,
         rt: PipelineRuntime,
-        ex: Executor,
+        contender: Contender,
         module,
         workload: Workload,
         spec: BenchSpec,
@@ -241,8 +242,8 @@ class DropInRunner:
 
         from rrfp.app.bench.dropin import EmulatedScheduleReady, TorchCall
 
-        self.name = ex.name
-        self._recorder = TraceRecorder(ex.name)
+        self.name = contender.name
+        self._recorder = TraceRecorder(contender.name)
         self._first, self._last = rt.stage == 0, rt.stage == rt.num_stages - 1
         stage = PipelineStage(TorchCall(module), rt.stage, rt.num_stages, torch.device("cpu"))
         self._module = module
@@ -255,9 +256,9 @@ class DropInRunner:
             seed=spec.seed,
             cost=cost,
             instrument=self._recorder,
-            hint=ex.hint,
+            hint=contender.hint,
             budget=spec.budget,
-            dispatch=ex.engine,
+            dispatch=contender.dispatch,
             timeout_s=spec.peer_timeout_s,
         )
 

@@ -1,13 +1,15 @@
-"""What `rrfp bench` runs: the workloads, the executors and the sizes, checked
+"""What `rrfp bench` runs: the workloads, the contenders and the sizes, checked
 once in the parent so that bad input exits 2 before any rank starts.
 
-An executor is named ``ENGINE HINT``: ``fixed 1f1b`` and ``ready bfw`` are
-rrfp's dispatch modes with a hint (``ready bfw v2``: on two virtual stages per
-rank in the v placement, ``fixed 1f1b i2``: interleaved); ``torch 1f1b`` and ``torch zb`` are
-torch.distributed.pipelining's schedules, the anchors. ``drop-in ready bfw``
-is rrfp's executor reached through ``rrfp.ScheduleReady``, torch's schedule
-surface (rrfp.app.bench.dropin). Dashes may stand for the spaces on a command
-line (``ready-bfw``, ``drop-in-ready-bfw``).
+A contender is one row of the comparison. rrfp's are named ``DISPATCH HINT``:
+``fixed 1f1b`` and ``ready bfw`` are rrfp's dispatch modes with a hint
+(``ready bfw v2``: on two virtual stages per rank in the v placement,
+``fixed 1f1b i2``: interleaved). torch's are named ``torch SCHEDULE``:
+``torch 1f1b`` and ``torch zb`` are torch.distributed.pipelining's schedules,
+the anchors. ``drop-in ready bfw`` is rrfp's executor reached through
+``rrfp.ScheduleReady``, torch's schedule surface (rrfp.app.bench.dropin).
+Dashes may stand for the spaces on a command line (``ready-bfw``,
+``drop-in-ready-bfw``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ BASELINE = "fixed 1f1b"
 # predicted run replayed as a fixed order): each pair differs in dispatch alone
 # drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path costs)
 # v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb, dualpipev)
-DEFAULT_EXECUTORS = (
+DEFAULT_CONTENDERS = (
     "fixed 1f1b",
     "fixed zbh1",
     "fixed bfw",
@@ -49,19 +51,22 @@ VIRTUAL_SUFFIX = re.compile(
     r"(?P<placement>[vi])(?P<virtual>\d+)"
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
+RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
+FLAG = "--contenders"  # the flag that names them, in error lines
 
 
 def file_slug(name: str) -> str:
-    """An executor's name as a file name part: ``ready bfw`` -> ``ready-bfw``."""
+    """A contender's name as a file name part: ``ready bfw`` -> ``ready-bfw``."""
     return "".join(c if c.isalnum() or c in "._" else "-" for c in name)
 
 
 @dataclass(frozen=True)
-class Executor:
-    """One contender: rrfp's ``fixed``/``ready`` dispatch with a hint (directly, or through
-    ScheduleReady when ``drop_in``), or a torch schedule."""
+class Contender:
+    """One row the bench compares side by side: rrfp with a dispatch mode and a hint (directly,
+    or through ScheduleReady when ``drop_in``), or one of torch's schedules."""
 
-    engine: str  # "fixed", "ready" or "torch"
+    framework: str  # RRFP or TORCH
+    dispatch: str | None  # rrfp's "fixed" or "ready"; None for torch (its schedule is its order)
     hint: str  # an rrfp hint, or a torch schedule (rrfp.app.bench.torch_schedules)
     drop_in: bool = False  # rrfp's executor behind torch's schedule surface (rrfp.ScheduleReady)
     virtual: int = 1  # rrfp's stages per rank (the model splits into pp x virtual)
@@ -69,9 +74,8 @@ class Executor:
 
     @property
     def name(self) -> str:
-        base = (
-            f"{DROP_IN} {self.engine} {self.hint}" if self.drop_in else f"{self.engine} {self.hint}"
-        )
+        first = TORCH if self.is_torch else self.dispatch
+        base = f"{DROP_IN} {first} {self.hint}" if self.drop_in else f"{first} {self.hint}"
         return (
             base
             if self.virtual == 1
@@ -80,11 +84,12 @@ class Executor:
 
     @property
     def is_torch(self) -> bool:
-        return self.engine == "torch"
+        return self.framework == TORCH
 
     @property
     def split(self) -> bool:
-        """Whether this executor runs B and W as separate tasks (what its durations and bound use)."""
+        """Whether this contender runs B and W as separate tasks (what its durations and bound
+        use)."""
         if self.is_torch:
             from rrfp.app.bench import torch_schedules as ts
 
@@ -92,71 +97,74 @@ class Executor:
         return default_split(resolve(self.hint).name)
 
     @classmethod
-    def parse(cls, text: str) -> Executor:
+    def parse(cls, text: str) -> Contender:
         rest = text.strip().lower()
         if rest.startswith(DROP_IN) and rest[len(DROP_IN) : len(DROP_IN) + 1] in (" ", "-"):
-            ex = cls.parse(rest[len(DROP_IN) + 1 :])
-            if ex.is_torch:
+            contender = cls.parse(rest[len(DROP_IN) + 1 :])
+            if contender.is_torch:
                 raise UsageError(
-                    f"--executors: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
+                    f"{FLAG}: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
                     f"not a torch schedule"
                 )
-            return replace(ex, drop_in=True)
-        engine, _, hint = rest.replace("-", " ", 1).partition(" ")
+            return replace(contender, drop_in=True)
+        first, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
         head, _, last = hint.replace("-", " ").rpartition(" ")
-        if head and engine != "torch" and (m := VIRTUAL_SUFFIX.fullmatch(last)):
+        if head and first != TORCH and (m := VIRTUAL_SUFFIX.fullmatch(last)):
             placement = "v" if m["placement"] == "v" else "interleaved"
             try:
                 VirtualLayout(1, int(m["virtual"]), placement)
             except ValueError as e:
-                raise UsageError(f"--executors: {text!r}: {e}") from None
+                raise UsageError(f"{FLAG}: {text!r}: {e}") from None
             return replace(
-                cls.parse(f"{engine} {head}"), virtual=int(m["virtual"]), placement=placement
+                cls.parse(f"{first} {head}"), virtual=int(m["virtual"]), placement=placement
             )
         if not hint:
             raise UsageError(
-                f"--executors: {text!r} is not ENGINE HINT (e.g. 'ready bfw', 'fixed-1f1b', "
-                f"'torch zb')"
+                f"{FLAG}: {text!r} is not DISPATCH HINT or torch SCHEDULE (e.g. 'ready bfw', "
+                f"'fixed-1f1b', 'torch zb')"
             )
-        if engine == "torch":
-            return cls(
-                engine, hint.replace(" ", "-")
-            )  # checked by unavailable(): the module may be missing
+        if first == TORCH:  # checked by unavailable(): the module may be missing
+            return cls(TORCH, None, hint.replace(" ", "-"))
         try:
-            Dispatch.parse(engine)
+            dispatch = str(Dispatch.parse(first))
+        except ValueError:
+            raise UsageError(
+                f"{FLAG}: {text!r}: {first!r} is neither a dispatch mode (fixed, ready) nor torch"
+            ) from None
+        try:
             resolve(hint)
         except ValueError as e:  # HintError included
-            raise UsageError(f"--executors: {text!r}: {e}") from None
-        return cls(engine, hint)
+            raise UsageError(f"{FLAG}: {text!r}: {e}") from None
+        return cls(RRFP, dispatch, hint)
 
 
 @dataclass(frozen=True)
 class Case:
     """One workload of the suite: its config and overrides, its variability preset, where task times
-    come from, and the executors that run on it."""
+    come from, and the contenders that run on it."""
 
     name: str
     config: str  # TOML run config (absolute path)
     preset: str
     calibrate: bool  # durations from the data: fit a cost model on this machine first
     overrides: tuple[str, ...] = ()  # KEY=VALUE on top of the config, as `rrfp train --set`
-    executors: tuple[Executor, ...] = ()
+    contenders: tuple[Contender, ...] = ()
 
     def train_config(
         self,
         spec: BenchSpec,
         pp: int | None = None,
         tp: int | None = None,
-        ex: Executor | None = None,
+        contender: Contender | None = None,
     ) -> TrainConfig:
-        """The run config every rank builds this workload from (for ``ex``'s virtual stages, if
-        given): ConfigError names what does not fit."""
+        """The run config every rank builds this workload from (for ``contender``'s virtual
+        stages, if given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
         stages = (
             []
-            if ex is None or ex.virtual == 1
-            else [f"virtual={ex.virtual}", f"placement={ex.placement}"]
+            if contender is None or contender.virtual == 1
+            else [f"virtual={contender.virtual}", f"placement={contender.placement}"]
         )
         return TrainConfig.load(
             self.config,
@@ -213,7 +221,7 @@ class BenchSpec:
     pp: int = 4
     tp: int = 1
     mb: int = 16
-    reps: int = 5  # measured iterations per executor, after one warm-up
+    reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0
     budget: str = "2x"
     seed: int = 0
@@ -229,12 +237,12 @@ class BenchSpec:
     @property
     def runs(self) -> int:
         """Iterations the job runs, warm-ups included."""
-        return sum(len(c.executors) for c in self.cases) * (self.reps + 1)
+        return sum(len(c.contenders) for c in self.cases) * (self.reps + 1)
 
     def as_dict(self) -> dict:
         doc = dataclasses.asdict(self)
         for c in doc["cases"]:
-            c["executors"] = [Executor(**e).name for e in c["executors"]]
+            c["contenders"] = [Contender(**e).name for e in c["contenders"]]
         return doc
 
     @classmethod
@@ -245,7 +253,7 @@ class BenchSpec:
                 **{
                     **c,
                     "overrides": tuple(c["overrides"]),
-                    "executors": tuple(Executor.parse(e) for e in c["executors"]),
+                    "contenders": tuple(Contender.parse(e) for e in c["contenders"]),
                 }
             )
             for c in doc["cases"]
@@ -253,28 +261,28 @@ class BenchSpec:
         return cls(**doc)
 
 
-def unavailable(ex: Executor, case: Case, spec: BenchSpec) -> str | None:
-    """Why this executor cannot run this workload here, or None."""
-    if ex.drop_in and spec.tp != 1:
+def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None:
+    """Why this contender cannot run this workload here, or None."""
+    if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
-    if ex.virtual > 1:
-        if ex.drop_in:
+    if contender.virtual > 1:
+        if contender.drop_in:
             return "ScheduleReady runs one stage per rank"
         if case.calibrate:
             return (
-                f"its cost model is calibrated for {spec.pp} stages, and {ex.virtual} stages per rank need "
-                f"one for {spec.pp * ex.virtual}"
+                f"its cost model is calibrated for {spec.pp} stages, and {contender.virtual} "
+                f"stages per rank need one for {spec.pp * contender.virtual}"
             )
         try:
-            case.train_config(spec, ex=ex)
+            case.train_config(spec, contender=contender)
         except ConfigError as e:
             return f"{e} (more layers: --set model.n_layer=...)"
-    if not ex.is_torch:
+    if not contender.is_torch:
         return None
     from rrfp.app.bench import torch_schedules as ts
 
     try:
-        per_rank = ts.stages_per_rank(ex.hint)
+        per_rank = ts.stages_per_rank(contender.hint)
     except ValueError as e:
         return str(e)
     if spec.tp != 1:

@@ -312,7 +312,7 @@ class _Clock:
     )  # last stage: F waits for its loss
 
     by_stage: bool = (
-        False  # units and latency asked with torch's stage index (a chunk's own), share 1
+        False  # units and latency asked with torch's stage index (a local stage's own), share 1
     )
 
     def duration(self, stage: int, mb: int, kinds: tuple[Kind, ...]) -> float:
@@ -571,7 +571,7 @@ class TorchScheduleRunner:
         ``latency(stage, mb, kind)``: units of link latency of the message that task sends (rrfp's
         ``Variability.latency`` with this rank's stage), added before each send to another rank.
         ``by_stage``: both are asked with torch's stage index instead (which numbers stages as
-        rrfp's virtual layout of the same placement does) and give a chunk's own time, with no
+        rrfp's virtual layout of the same placement does) and give a local stage's own time, with no
         share: what rrfp's executor at V = 2 draws, task for task."""
         if len(batches) != self.M:
             raise ValueError(

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc-per-node W -m rrfp.app.bench.worker JOB.json ROWS.json
 
-Every workload of the job runs every executor on the same iterations: one
-warm-up, then ``reps`` measured ones, the executors' order rotated each
+Every workload of the job runs every contender on the same iterations: one
+warm-up, then ``reps`` measured ones, the contenders' order rotated each
 iteration so that none always goes first. After each run the ranks all-reduce
 its wall time (the slowest rank's is the iteration's). Rank 0 prints one
 progress line per run on stdout for the parent's bar and writes every row and
@@ -45,29 +45,36 @@ def rotated(items: list, k: int) -> list:
 async def run_case(
     runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress
 ) -> dict:
-    """``runtimes``: by (virtual, placement), the rank's runtime of each layout the executors use."""
+    """``runtimes``: by (virtual, placement), the rank's runtime of each layout the contenders
+    use."""
     rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
     wl = cfg.workload
     cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.run.cost
     var = cfg.run.variability
 
-    # the rrfp executors of one layout share its stage modules; torch's runners build their own
+    # the rrfp contenders of one layout share its stage modules; torch's runners build their own
     modules = {
         key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
         for key, r in runtimes.items()
     }
     module = modules[(1, "interleaved")][0]
     runners: dict[str, Runner] = {}
-    for ex in case.executors:
-        if ex.is_torch:
-            runners[ex.name] = TorchRunner(rt, ex, wl, cfg.model, spec, var, cost)
-        elif ex.drop_in:  # the rrfp executors' module again, behind torch's PipelineStage
-            runners[ex.name] = DropInRunner(rt, ex, module, wl, spec, var, cost)
+    for contender in case.contenders:
+        if contender.is_torch:
+            runners[contender.name] = TorchRunner(rt, contender, wl, cfg.model, spec, var, cost)
+        elif contender.drop_in:  # the rrfp contenders' module again, behind torch's PipelineStage
+            runners[contender.name] = DropInRunner(rt, contender, module, wl, spec, var, cost)
         else:
-            key = (ex.virtual, ex.placement)
-            runners[ex.name] = RrfpRunner(
-                runtimes[key], ex, modules[key] if ex.virtual > 1 else module, wl, spec, var, cost
+            key = (contender.virtual, contender.placement)
+            runners[contender.name] = RrfpRunner(
+                runtimes[key],
+                contender,
+                modules[key] if contender.virtual > 1 else module,
+                wl,
+                spec,
+                var,
+                cost,
             )
     rows, iterations = [], []
     names = list(runners)
@@ -99,7 +106,7 @@ async def run_case(
             if it > 0:
                 rows.append(
                     {
-                        "executor": name,
+                        "contender": name,
                         "iteration": it,
                         "position": position,
                         "wall_s": wall,
@@ -134,12 +141,18 @@ async def run_case(
 
 
 async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list[dict]:
-    """One runtime per layout the executors use (one stage per rank, and each virtual layout), all on
-    the first one's process group, started in one order on every rank and finished in reverse."""
+    """One runtime per layout the contenders use (one stage per rank, and each virtual layout),
+    all on the first one's process group, started in one order on every rank and finished in
+    reverse."""
     torch.set_num_threads(1)
     layouts = dict.fromkeys(
         [(1, "interleaved")]
-        + [(ex.virtual, ex.placement) for c in spec.cases for ex in c.executors if not ex.is_torch]
+        + [
+            (contender.virtual, contender.placement)
+            for c in spec.cases
+            for contender in c.contenders
+            if not contender.is_torch
+        ]
     )
     async with contextlib.AsyncExitStack() as stack:
         runtimes = {}

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes
+from rrfp.core.entry_order import Plan
 from rrfp.core.hints import Hint
-from rrfp.core.planner import Plan
 from rrfp.core.policy import Dispatch
-from rrfp.sim.planning import plan_iteration
+from rrfp.sim.planned_hint import plan_iteration
 
 
 @dataclass(frozen=True)
