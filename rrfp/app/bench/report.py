@@ -20,6 +20,12 @@ EMULATED = (
     "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the figures "
     "compare schedules and dispatch, not hardware."
 )
+MIN_REPS = 3  # fewer measured iterations per executor than this is a smoke run, not a benchmark
+SMOKE = (
+    "SMOKE RUN, NOT A BENCHMARK: {reps} measured iteration(s) per executor; the figures below "
+    "show that every executor runs, not how fast. For figures, run without --quick (or with "
+    "--reps {min} or more)."
+)
 # (headline, its ablation): each pair differs in dispatch alone
 ABLATIONS = (
     ("ready bfw", "fixed bfw", "same order and memory"),
@@ -62,9 +68,10 @@ def _range(s: Spread | None, spec: str, scale: float = 1.0) -> str:
 
 
 def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
-    lines = [
-        "# rrfp bench",
-        "",
+    lines = ["# rrfp bench", ""]
+    if spec.reps < MIN_REPS:
+        lines += [SMOKE.format(reps=spec.reps, min=MIN_REPS), ""]
+    lines += [
         f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per executor after one "
         f"warm-up, executors rotated each iteration; {spec.unit_ms:g} ms of emulated device time per unit "
         f"(one average forward); ready budget {spec.budget}. {machine['cpus']} CPUs, torch "
@@ -106,6 +113,7 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
             )
         lines.append("")
+        lines += memory_lines(res.summaries)
         if zb is not None:
             lines.append(
                 f"≤: peak in-flight at or below {EQUAL_MEMORY_TO}'s ({zb:g}): equal or lower memory than "
@@ -162,6 +170,22 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def memory_lines(summaries: list[Summary]) -> list[str]:
+    """Each speedup beside the memory it was bought with: its peak in-flight microbatches against
+    fixed 1F1B's, so a run holding twice the activations never reads as a free gain."""
+    base = next((s.peak_inflight for s in summaries if s.executor == BASELINE), None)
+    out = []
+    for s in summaries:
+        if s.executor == BASELINE or s.speedup is None or s.peak_inflight is None or not base:
+            continue
+        out.append(
+            f"{s.executor}: {s.speedup.median:.3f}x over {BASELINE} with {s.peak_inflight:g} "
+            f"microbatches in flight against its {base:g} "
+            f"({s.peak_inflight / base:.2g}x its memory)."
+        )
+    return out + ([""] if out else [])
 
 
 def _iteration_spans(spans: list[Span], executor: str, iteration: int) -> list[Span]:
