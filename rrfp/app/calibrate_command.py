@@ -136,11 +136,11 @@ def calibrate_command(args) -> int:
     negative = negative_terms(model, fit_rows)
     if busy:
         print(f"rrfp: warning: {busy}", file=sys.stderr)
-    for term in negative:
+    if negative:
         print(
-            f"rrfp: warning: negative fitted term: {term}: timings the data cannot explain "
-            f"(a busy machine, or sizes that barely vary); the fit is written, judge it by the "
-            f"held-out error",
+            f"rrfp: warning: {len(negative)} fitted term(s) below zero, the largest {negative[0]}: "
+            f"the fit bends to timings its features cannot explain (a busy machine, or features "
+            f"that move together); it is written: judge it by the held-out error",
             file=sys.stderr,
         )
     quality = {

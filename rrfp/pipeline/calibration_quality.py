@@ -38,9 +38,9 @@ def held_out_errors(model: CostModel, held: Sequence[Sample]) -> list[float]:
 
 def negative_terms(model: CostModel, samples: Sequence[Sample]) -> list[str]:
     """The fitted terms below zero that matter: one whose most negative contribution over the
-    measured microbatches exceeds ``NEGATIVE_SHARE`` of that task's mean measured time. Each as
-    'stage S W: tokens -0.8 us each (-12% of its mean time)'."""
-    out = []
+    measured microbatches exceeds ``NEGATIVE_SHARE`` of that task's mean measured time, the
+    largest first, each as 'stage S W: tokens -0.8 us each (-12% of its mean time)'."""
+    out: list[tuple[float, str]] = []
     for s, kinds in enumerate(model.coef):
         for k, c in enumerate(kinds):
             rows = [(f, t) for ss, kk, f, t in samples if ss == s and kk == k]
@@ -55,8 +55,10 @@ def negative_terms(model: CostModel, samples: Sequence[Sample]) -> list[str]:
                 if -share > NEGATIVE_SHARE:
                     what = f"{w * 1e3:.3g} ms" if j == 0 else f"{w * 1e6:.3g} us each"
                     where = f"stage {s} {KIND_NAMES[k]}"
-                    out.append(f"{where}: {TERMS[j]} {what} ({share:.0%} of its mean time)")
-    return out
+                    out.append(
+                        (share, f"{where}: {TERMS[j]} {what} ({share:.0%} of its mean time)")
+                    )
+    return [text for _, text in sorted(out, key=lambda x: x[0])]
 
 
 def load_warning(load: float | None, cores: int, threads: int) -> str | None:
