@@ -83,7 +83,7 @@ def plot_timelines(
 ) -> None:
     """One timeline per run, one row per device (rank), so idle time compares across runs at a
     glance; times multiplied by ``scale`` (1000: seconds drawn as ms). Stages that share a rank
-    share its row: the later ones hatched, every bar labelled where the label fits."""
+    share its row: the later ones lighter, every bar labelled where the label fits."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +118,7 @@ def plot_timelines(
                 facecolors=COLORS.get(kind, "grey"),
                 edgecolor="white",
                 linewidth=0.3,
-                hatch="///" if later else None,
+                alpha=0.55 if later else 1.0,
             )
         for sp in spans:
             shared = len(stages_on[row_of(sp)]) > 1
@@ -146,7 +146,15 @@ def plot_timelines(
     axes[-1, 0].set_xlabel(f"time ({unit})")
     order = kinds_present(runs)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS.get(k, "grey")) for k in order]
-    fig.legend(handles, [KINDS.get(k, k) for k in order], loc="upper right", ncol=3, fontsize=8)
+    labels = [KINDS.get(k, k) for k in order]
+    if any(
+        len(set(sp.stage for sp in spans if row_of(sp) == r)) > 1
+        for _, spans in runs
+        for r in {row_of(sp) for sp in spans}
+    ):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.55))
+        labels.append("lighter: the rank's later stage")
+    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)

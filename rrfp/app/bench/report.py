@@ -236,13 +236,15 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
             plot_timelines(
                 out / f"timeline-{res.case.name}-{file_slug(s.executor)}.png",
                 [(title, spans)],
-                unit="seconds from the iteration's first task",
+                unit="ms from the iteration's first task",
+                scale=1000.0,
             )
         if runs:  # every executor on one time axis
             plot_timelines(
                 out / f"timelines-{res.case.name}.png",
                 runs,
-                unit="seconds from each iteration's first task",
+                unit="ms from each iteration's first task",
+                scale=1000.0,
             )
     write_json(out / "results.json", doc)
     write_atomic(out / "results.md", text + "\n")
