@@ -97,3 +97,23 @@ def test_a_200_step_trace_draws_its_last_iteration_readably(tmp_path):
         p = rrfp_plot(str(trace), "--out", str(png), *bad)
         assert p.returncode == 2 and needle in p.stderr, p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_trace_of_many_timelines_draws_six_or_the_ones_picked(tmp_path):
+    """A simulated trace holds one timeline per table row: the plot draws the first six, says which
+    it left out, and --timelines picks by name; an unknown name is one line and exit 2."""
+    spans = [
+        Span(f"row {i}", s, f"F{m}", m + s, m + s + 1.0)
+        for i in range(8)
+        for s in range(2)
+        for m in range(3)
+    ]
+    trace, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    trace.write_text(json.dumps(chrome_trace(spans)))
+    p = rrfp_plot(str(trace), "--out", str(png))
+    assert p.returncode == 0 and "6 timeline(s)" in p.stdout, p.stderr
+    assert "left out 2 timeline(s) (--timelines picks): row 6, row 7" in p.stdout, p.stdout
+    p = rrfp_plot(str(trace), "--out", str(png), "--timelines", "row 7,row 1")
+    assert p.returncode == 0 and "2 timeline(s)" in p.stdout, p.stderr
+    p = rrfp_plot(str(trace), "--out", str(png), "--timelines", "row 9")
+    assert p.returncode == 2 and "--timelines: no timeline row 9" in p.stderr, p.stderr

@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--iteration", type=int, help="draw this iteration (default: the last one)")
     plot.add_argument("--from", dest="start", type=float, help="window start (ms, or sim units)")
     plot.add_argument("--to", dest="end", type=float, help="window end (ms, or sim units)")
+    plot.add_argument("--timelines", help="comma list of timelines to draw (default: the first 6)")
 
     cal = sub.add_parser(
         "calibrate", help="measure each stage's F/B/W on sample data and fit the cost model"

@@ -14,6 +14,8 @@ from rrfp.app.errors import UsageError
 from rrfp.app.run_outputs import check_output
 from rrfp.observe.plot import iterations, plot_timelines, select, spans_from_chrome
 
+MAX_TIMELINES = 6  # timelines drawn when --timelines does not pick
+
 
 def plot_command(args) -> int:
     try:
@@ -46,6 +48,7 @@ def plot_command(args) -> int:
     except ValueError as e:
         raise UsageError(f"--iteration: {e}") from None
     picked = [(title, spans) for title, spans in picked if spans]
+    picked, left = pick_timelines(picked, args.timelines)
     if not picked:
         raise UsageError(
             f"--from/--to: no task in [{args.start}, {args.end}] "
@@ -65,4 +68,22 @@ def plot_command(args) -> int:
     plot_timelines(out, titles, unit=unit, scale=scale)
     shown = f"iteration {iteration} of {held[0]}..{held[-1]}, " if iteration is not None else ""
     print(f"wrote {out}: {len(picked)} timeline(s), {shown}{sum(len(s) for _, s in picked)} tasks")
+    if left:
+        print(f"left out {len(left)} timeline(s) (--timelines picks): {', '.join(left)}")
     return 0
+
+
+def pick_timelines(runs: list, names: str | None) -> tuple[list, list[str]]:
+    """The timelines named in ``names`` (a comma list, each an exact title), else the first
+    ``MAX_TIMELINES``: a simulated trace holds one per table row, too many for one picture."""
+    if names is None:
+        return runs[:MAX_TIMELINES], [title for title, _ in runs[MAX_TIMELINES:]]
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    titles = [title for title, _ in runs]
+    unknown = [n for n in wanted if n not in titles]
+    if unknown or not wanted:
+        raise UsageError(
+            f"--timelines: no timeline {', '.join(unknown) or '(none given)'} in the trace "
+            f"(timelines: {', '.join(titles)})"
+        )
+    return [r for r in runs if r[0] in wanted], [t for t in titles if t not in wanted]
