@@ -2,7 +2,7 @@
 
 Ranks are threads of one test process, each with its own event loop; tensors stay on
 the CPU; the device clock is the wall clock. What it models, from the real sources
-(docs/design.md, "The fake CUDA/NCCL"):
+(docs/gpu.md, "The fake CUDA/NCCL"):
 
 - Streams run their items in order. A kernel (``torch.cuda._sleep``) holds its stream for
   its duration and starts no earlier than it was enqueued; an event completes when its

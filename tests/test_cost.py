@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,10 @@ def test_calibrate_fits_this_machine(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     assert "median |error|" in p.stdout and "rank agreement" in p.stdout
+    # how good the fit is, on microbatches it never saw, with the machine's load beside it
+    assert re.search(r"held-out error .* median \|error\| [\d.]+% .* load average", p.stdout)
+    quality = json.loads(out.read_text())["quality"]
+    assert quality["held_out_median_error"] > 0 and quality["cores"] >= 1
     model = CostModel.from_json(out.read_text())
     assert model.num_stages == 2 and model.reference_s > 0
     # a 4-stage run cannot use a 2-stage model: one clear error before any group

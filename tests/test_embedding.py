@@ -1,4 +1,4 @@
-"""The embedding API as a newcomer meets it: the README's snippet runs as written
+"""The embedding API as a newcomer meets it: docs/embedding.md's snippet runs as written
 under torchrun; an error raised by the user's own module reaches the driver as
 that exception, with where it happened noted on it; a cost model without the
 batches' features is a clear error, and with them it sets the task durations.
@@ -21,11 +21,11 @@ UNIT_MS = 10.0
 
 
 def readme_snippet() -> str:
-    """The python block of the README's "Embedding a pipeline iteration" section."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Embedding a pipeline iteration", 1)[1]
+    """The python block of docs/embedding.md's "Embedding a pipeline iteration" section."""
+    text = (ROOT / "docs/embedding.md").read_text()
+    section = text.split("## Embedding a pipeline iteration", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S)
-    assert block, "no python block in the README's embedding section"
+    assert block, "no python block in docs/embedding.md's embedding section"
     return block.group(1)
 
 

@@ -4,7 +4,7 @@ only) makes torchrun restart both workers; they resume from the step-2
 checkpoint and finish. The job exits 0, and the losses and the final model,
 optimizer and RNG state equal those of a run that was never interrupted.
 
-The command is the README's (section Checkpoints), with the fault standing in
+The command is docs/checkpoints.md's (restarts), with the fault standing in
 for ``kill -9``.
 """
 

@@ -10,6 +10,7 @@ sample), so the printed errors are what a run will see.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -22,6 +23,13 @@ from rrfp.app.run_outputs import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.calibration import measure_stages
+from rrfp.pipeline.calibration_quality import (
+    held_out_errors,
+    load_average,
+    load_warning,
+    negative_terms,
+    split_held_out,
+)
 
 KINDS = "FBW"
 
@@ -92,18 +100,15 @@ def calibrate_command(args) -> int:
         else f"on this CPU ({torch.get_num_threads()} thread(s))"
     )
     samples = measure(cfg, 2 * args.samples)
+    load = load_average()  # over the last minute: the measuring just done
     per_micro = 3 * S
-    fit_rows, check_rows = [], []
-    for i in range(
-        0, len(samples), per_micro
-    ):  # alternate microbatches: fit on half, judge on the rest
-        (fit_rows if (i // per_micro) % 2 == 0 else check_rows).extend(samples[i : i + per_micro])
+    fit_rows, check_rows = split_held_out(samples, per_micro)
     model = CostModel.fit(fit_rows)
     print(
         f"rrfp calibrate: {cfg.run.model}, {S} stages, {args.samples} microbatches to fit and "
         f"{args.samples} held out; real compute {where}"
     )
-    summary = report(model, check_rows, S)
+    report(model, check_rows, S)
     f_meas = [t for _, k, _, t in check_rows if k == 0]
     f_pred = [model.seconds(s, 0, f) for s, k, f, _ in check_rows if k == 0]
     per_mb = [
@@ -114,12 +119,38 @@ def calibrate_command(args) -> int:
         sum(model.seconds(s, k, f) for s, k, f, _ in check_rows[i : i + per_micro])
         for i in range(0, len(check_rows), per_micro)
     ]
+    error = statistics.median(held_out_errors(model, check_rows))
+    cores = os.cpu_count() or 1
+    load_text = "unknown" if load is None else f"{load:.2f}"
     print(
-        f"all tasks: median |error| {summary['median_error']:.1%}; microbatch totals: rank agreement "
-        f"{ranking_agreement(per_mb_pred, per_mb):.2f}; one emulated unit = {model.reference_s * 1e3:.3f} ms "
-        f"(mean F); F spread over microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
+        f"held-out error (microbatches the fit never saw): median |error| {error:.1%} over all "
+        f"tasks; microbatch totals: rank agreement {ranking_agreement(per_mb_pred, per_mb):.2f}; "
+        f"load average {load_text} on {cores} cores"
+    )
+    print(
+        f"one emulated unit = {model.reference_s * 1e3:.3f} ms (mean F); F spread over "
+        f"microbatches {np.std(f_meas) / np.mean(f_meas):.0%} measured, "
         f"{np.std(f_pred) / np.mean(f_pred):.0%} predicted"
     )
-    write_atomic(out, model.to_json())
+    busy = load_warning(load, cores, torch.get_num_threads() if device.type == "cpu" else 1)
+    negative = negative_terms(model, fit_rows)
+    if busy:
+        print(f"rrfp: warning: {busy}", file=sys.stderr)
+    if negative:
+        print(
+            f"rrfp: warning: {len(negative)} fitted term(s) below zero, the largest {negative[0]}: "
+            f"the fit bends to timings its features cannot explain (a busy machine, or features "
+            f"that move together); it is written: judge it by the held-out error",
+            file=sys.stderr,
+        )
+    quality = {
+        "held_out_median_error": error,
+        "load_average": load,
+        "cores": cores,
+        "busy": busy,
+        "negative_terms": negative,
+    }
+    text = json.dumps({**json.loads(model.to_json()), "quality": quality}, indent=1)
+    write_atomic(out, text)
     print(f"wrote {out}: train with --set cost={out} --set unit_ms=...")
     return 0

@@ -9,7 +9,6 @@ import sys
 from rrfp.app.errors import UsageError
 from rrfp.app.flag_aliases import add_deprecated_flag
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
-from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
 from rrfp.core.variability import PRESETS
@@ -155,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot.add_argument("trace", help="a trace from rrfp sim --trace or rrfp train --set trace=...")
     plot.add_argument("--out", help="PNG to write (default: the trace's name with .png)")
+    plot.add_argument("--iteration", type=int, help="draw this iteration (default: the last one)")
+    plot.add_argument("--from", dest="start", type=float, help="window start (ms, or sim units)")
+    plot.add_argument("--to", dest="end", type=float, help="window end (ms, or sim units)")
+    plot.add_argument("--timelines", help="comma list of timelines to draw (default: the first 6)")
 
     cal = sub.add_parser(
         "calibrate", help="measure each stage's F/B/W on sample data and fit the cost model"
@@ -289,33 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _plot(args) -> int:
-    import json
-    from pathlib import Path
+    from rrfp.app.plot_command import plot_command
 
-    from rrfp.observe.plot import plot_timelines, spans_from_chrome
-
-    try:
-        text = Path(args.trace).read_text()
-    except OSError as e:
-        raise UsageError(f"cannot read trace {args.trace}: {e.strerror}") from None
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        raise UsageError(
-            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
-            f"rrfp sim --trace or rrfp bench"
-        ) from None
-    try:
-        runs = spans_from_chrome(doc)
-    except ValueError as e:
-        raise UsageError(f"{args.trace}: {e}") from None
-    out = args.out or str(Path(args.trace).with_suffix(".png"))
-    check_output("--out", out)
-    plot_timelines(
-        out, runs, unit="from the first task: seconds, or average forwards for rrfp sim traces"
-    )
-    print(f"wrote {out}: {len(runs)} timeline(s), {sum(len(s) for _, s in runs)} tasks")
-    return 0
+    return plot_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

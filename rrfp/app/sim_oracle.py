@@ -111,7 +111,7 @@ class OracleColumn:
             )
         if any(d.holds_budget is False for d in self.rows.values()):
             held = (
-                "bytes than the optimum's rank limit (docs/design.md §8)"
+                "bytes than the optimum's rank limit (docs/simulator.md)"
                 if budget.bytes is not None
                 else "microbatches than the budget"
             )

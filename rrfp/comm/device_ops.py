@@ -13,7 +13,7 @@ runs a batched P2P on the group's own communicator, the one ``new_group(device_i
 created at start-up. A bare one does so only on torch >= 2.9 and only for an eagerly
 initialized group; before that it creates a two-rank communicator on first use,
 blocking the calling thread (the event loop) until the peer creates it too
-(docs/design.md, "No communicator created on the loop").
+(docs/gpu.md, "What can block the event loop").
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class Message:
     # per tensor, whether the sending stage produced it requiring grad (F messages); None: none did
     requires_grad: list[bool] | None = None
     # On GPU: the event the producing task's kernels end with, recorded when that task was
-    # enqueued, so a send waits for its producer and nothing enqueued after it (docs/design.md,
+    # enqueued, so a send waits for its producer and nothing enqueued after it (docs/gpu.md,
     # "Sends on time"). None: the tensors are ready now (CPU), or the sender records it.
     ready: Any = field(default=None, compare=False, repr=False)
 

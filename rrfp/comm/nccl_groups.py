@@ -8,8 +8,8 @@ NCCL connecting a pair of ranks at their first point-to-point (``ncclGroupEnd``
 runs ``ncclTransportP2pSetup``, a bootstrap exchange with the peer) or a group at
 its first collective. In a pipeline the first operations of neighbouring ranks
 are receives on different groups, so each waits for a call the other never
-makes: a hang in iteration 0. rrfp therefore (docs/design.md, "No communicator
-created on the loop"):
+makes: a hang in iteration 0. rrfp therefore (docs/gpu.md, "What can block the
+event loop"):
 
 - creates every NCCL group with ``device_id`` and refuses to start unless torch
   really initialized it eagerly (``require_eager``);

@@ -59,7 +59,7 @@ def choose(
 
     A rank with several stages (rrfp.core.rank_tracker) passes items with
     ``stage``, ``kind`` and ``mb`` and its own ``admit`` (which reserves room
-    for later stages' forwards, see docs/design.md); then an F the budget
+    for later stages' forwards, see docs/virtual-stages.md); then an F the budget
     refuses blocks the Fs ranked below it on the same or earlier stages only,
     so a microbatch already inside the rank can always move on.
     """

@@ -193,7 +193,7 @@ class CudaComputeLane:
         What gates a message that task produced: an event recorded on the
         stream later (say when the send coroutine runs) would also cover every
         task enqueued meanwhile, and the message would wait for them
-        (docs/design.md, "Sends on time"). Read it when ``run`` returns, before
+        (docs/gpu.md, "Sends on time"). Read it when ``run`` returns, before
         anything else is enqueued on the lane."""
         return self._last_enqueued
 

@@ -1,4 +1,4 @@
-"""PNG timelines of one or more runs, one row per stage, coloured by task kind.
+"""PNG timelines of one or more runs, one row per device (rank), coloured by task kind.
 
 matplotlib with the Agg backend: it draws without a display, and
 broken_barh turns spans into a Gantt chart in a few lines.
@@ -7,67 +7,157 @@ broken_barh turns spans into a Gantt chart in a few lines.
 from __future__ import annotations
 
 import io
+import math
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from rrfp.observe.trace import Span, write_atomic
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+KINDS = {"F": "F forward", "B": "B backward", "W": "W weight gradients"}
+DPI = 110
+WIDTH_IN = 12.0
+LABEL_PT = 6.0
+
+
+def row_of(span: Span) -> int:
+    """The device a task ran on: its rank when the span names one (a rank holding several stages),
+    else its stage (one stage per rank; torch's rows are ranks already)."""
+    return int(span.args.get("rank", span.stage))
+
+
+def iterations(spans: Sequence[Span]) -> list[int]:
+    """The iteration numbers the spans carry (measured traces); empty for a simulated trace."""
+    return sorted({int(sp.args["iteration"]) for sp in spans if "iteration" in sp.args})
+
+
+def select(
+    spans: Sequence[Span],
+    iteration: int | None = None,
+    start: float | None = None,
+    end: float | None = None,
+) -> list[Span]:
+    """The spans of one iteration (``iteration``), re-timed from its first task, then those that
+    overlap [start, end], cut to it. ValueError names an iteration the spans do not hold."""
+    if iteration is not None:
+        held = iterations(spans)
+        if iteration not in held:
+            have = f"{held[0]}..{held[-1]}" if held else "none (a simulated trace is one iteration)"
+            raise ValueError(f"no iteration {iteration} in the trace (iterations: {have})")
+        spans = [sp for sp in spans if sp.args.get("iteration") == iteration]
+        t0 = min(sp.start for sp in spans)
+        spans = [replace(sp, start=sp.start - t0, end=sp.end - t0) for sp in spans]
+    lo = -math.inf if start is None else start
+    hi = math.inf if end is None else end
+    return [
+        replace(sp, start=max(sp.start, lo), end=min(sp.end, hi))
+        for sp in spans
+        if sp.end > lo and sp.start < hi
+    ]
+
+
+def kinds_present(runs: Sequence[tuple[str, Sequence[Span]]]) -> list[str]:
+    """The task kinds the runs hold, F, B, W first: the legend lists these and no others (1F1B has
+    no W)."""
+    seen = list(dict.fromkeys(sp.name[:1] for _, spans in runs for sp in spans))
+    return [k for k in COLORS if k in seen] + [k for k in seen if k not in COLORS]
+
+
+def _label(span: Span, shared: bool, width_px: float) -> str | None:
+    """The longest label that fits inside the bar, or None: the task and, on a row several stages
+    share, its stage; else the microbatch alone."""
+    options = [f"{span.name} s{span.stage}", span.name] if shared else [span.name]
+    if span.name[1:].isdigit():
+        options.append(span.name[1:])
+    char_px = 0.6 * LABEL_PT / 72 * DPI
+    return next((t for t in options if len(t) * char_px + 4 <= width_px), None)
 
 
 def plot_timelines(
-    path: str | Path, runs: Sequence[tuple[str, Sequence[Span]]], unit: str = "units"
+    path: str | Path,
+    runs: Sequence[tuple[str, Sequence[Span]]],
+    unit: str = "units",
+    scale: float = 1.0,
 ) -> None:
+    """One timeline per run, one row per device (rank), so idle time compares across runs at a
+    glance; times multiplied by ``scale`` (1000: seconds drawn as ms). Stages that share a rank
+    share its row: the later ones lighter, every bar labelled where the label fits."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = max((sp.stage for _, spans in runs for sp in spans), default=0) + 1
+    heights = [max(1, len({row_of(sp) for sp in spans})) for _, spans in runs]
     fig, axes = plt.subplots(
-        len(runs), 1, figsize=(12, 1.2 + 0.35 * stages * len(runs)), squeeze=False, sharex=True
+        len(runs),
+        1,
+        figsize=(WIDTH_IN, 0.9 + sum(0.3 * h + 0.45 for h in heights)),
+        squeeze=False,
+        sharex=True,
+        gridspec_kw={"height_ratios": heights},
     )
+    t_lo = min((sp.start for _, spans in runs for sp in spans), default=0.0) * scale
+    t_hi = max((sp.end for _, spans in runs for sp in spans), default=1.0) * scale
+    px_per_t = (WIDTH_IN - 1.3) * DPI / max(t_hi - t_lo, 1e-12)
     for ax, (title, spans) in zip(axes[:, 0], runs):
-        rows: dict[tuple[int, str], list] = defaultdict(list)
+        stages_on: dict[int, list[int]] = defaultdict(list)
+        for sp in sorted(spans, key=lambda sp: sp.stage):
+            if sp.stage not in stages_on[row_of(sp)]:
+                stages_on[row_of(sp)].append(sp.stage)
+        bars: dict[tuple[int, str, bool], list] = defaultdict(list)
         for sp in spans:
-            rows[(sp.stage, sp.name[:1])].append((sp.start, sp.end - sp.start))
-        for (stage, kind), bars in rows.items():  # a border keeps adjacent tasks apart
+            row, kind = row_of(sp), sp.name[:1]
+            later = stages_on[row].index(sp.stage) > 0
+            bars[(row, kind, later)].append((sp.start * scale, (sp.end - sp.start) * scale))
+        for (row, kind, later), xs in bars.items():  # white borders keep adjacent tasks apart
             ax.broken_barh(
-                bars,
-                (stage - 0.4, 0.8),
+                xs,
+                (row - 0.4, 0.8),
                 facecolors=COLORS.get(kind, "grey"),
-                edgecolor="black",
-                linewidth=0.4,
+                edgecolor="white",
+                linewidth=0.3,
+                alpha=0.55 if later else 1.0,
             )
-        span_all = max((sp.end for sp in spans), default=1.0) - min(
-            (sp.start for sp in spans), default=0.0
-        )
-        for sp in spans:  # the microbatch number, where the bar is wide enough to hold it
-            if (sp.end - sp.start) > span_all / 150 and sp.name[1:].isdigit():
+        for sp in spans:
+            shared = len(stages_on[row_of(sp)]) > 1
+            text = _label(sp, shared, (sp.end - sp.start) * scale * px_per_t)
+            if text is not None:
                 ax.text(
-                    (sp.start + sp.end) / 2,
-                    sp.stage,
-                    sp.name[1:],
+                    (sp.start + sp.end) / 2 * scale,
+                    row_of(sp),
+                    text,
                     ha="center",
                     va="center",
-                    fontsize=6,
+                    fontsize=LABEL_PT,
                     color="white",
                     clip_on=True,
                 )
-        n = max((sp.stage for sp in spans), default=0) + 1
-        ranks = {sp.stage: sp.args["rank"] for sp in spans if "rank" in sp.args}  # virtual stages
+        rows = sorted(stages_on)
         ax.set_yticks(
-            range(n), [f"s{i}" + (f" r{ranks[i]}" if i in ranks else "") for i in range(n)]
+            rows,
+            [f"rank {r}: " + ",".join(f"s{s}" for s in stages_on[r]) for r in rows],
+            fontsize=7,
         )
-        ax.invert_yaxis()
+        ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)
         ax.set_title(title, fontsize=9, loc="left")
+    axes[-1, 0].set_xlim(t_lo, t_hi)
     axes[-1, 0].set_xlabel(f"time ({unit})")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, list(COLORS), loc="upper right", ncol=3, fontsize=8)
-    fig.tight_layout()
+    order = kinds_present(runs)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS.get(k, "grey")) for k in order]
+    labels = [KINDS.get(k, k) for k in order]
+    if any(
+        len(set(sp.stage for sp in spans if row_of(sp) == r)) > 1
+        for _, spans in runs
+        for r in {row_of(sp) for sp in spans}
+    ):
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.55))
+        labels.append("lighter: the rank's later stage")
+    fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)
     write_atomic(path, buf.getvalue())
 

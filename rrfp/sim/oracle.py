@@ -5,7 +5,7 @@ Executors decide online; the oracle knows every duration and latency in
 advance, so its makespan is what no executor can beat under the same budget.
 It tells how much of the gap to the cheap lower bound is left to win.
 
-The model (docs/design.md, "The clairvoyant optimum"): one interval per task
+The model (docs/simulator.md, "The clairvoyant optimum"): one interval per task
 of every global stage, one no-overlap per rank over all its stages' tasks (a
 rank runs one task at a time; with V = 1 a rank is a stage), the tracker's
 dependencies with the simulator's message latencies (none on the V turn

@@ -20,6 +20,12 @@ EMULATED = (
     "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the figures "
     "compare schedules and dispatch, not hardware."
 )
+MIN_REPS = 3  # fewer measured iterations per contender than this is a smoke run, not a benchmark
+SMOKE = (
+    "SMOKE RUN, NOT A BENCHMARK: {reps} measured iteration(s) per contender; the figures below "
+    "show that every contender runs, not how fast. For figures, run without --quick (or with "
+    "--reps {min} or more)."
+)
 # (headline, its ablation): each pair differs in dispatch alone
 ABLATIONS = (
     ("ready bfw", "fixed bfw", "same order and memory"),
@@ -62,12 +68,12 @@ def _range(s: Spread | None, spec: str, scale: float = 1.0) -> str:
 
 
 def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
-    lines = [
-        "# rrfp bench",
-        "",
-        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
-        f"after one warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated "
-        f"device time per unit "
+    lines = ["# rrfp bench", ""]
+    if spec.reps < MIN_REPS:
+        lines += [SMOKE.format(reps=spec.reps, min=MIN_REPS), ""]
+    lines += [
+        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender after one "
+        f"warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated device time per unit "
         f"(one average forward); ready budget {spec.budget}. {machine['cpus']} CPUs, torch "
         f"{machine['torch']}, {machine['hostname']}, {machine['date']}.",
         "",
@@ -107,6 +113,7 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
             )
         lines.append("")
+        lines += memory_lines(res.summaries)
         if zb is not None:
             lines.append(
                 f"≤: peak in-flight at or below {EQUAL_MEMORY_TO}'s ({zb:g}): equal or lower memory than "
@@ -167,6 +174,22 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     return "\n".join(lines)
 
 
+def memory_lines(summaries: list[Summary]) -> list[str]:
+    """Each speedup beside the memory it was bought with: its peak in-flight microbatches against
+    fixed 1F1B's, so a run holding twice the activations never reads as a free gain."""
+    base = next((s.peak_inflight for s in summaries if s.contender == BASELINE), None)
+    out = []
+    for s in summaries:
+        if s.contender == BASELINE or s.speedup is None or s.peak_inflight is None or not base:
+            continue
+        out.append(
+            f"{s.contender}: {s.speedup.median:.3f}x over {BASELINE} with {s.peak_inflight:g} "
+            f"microbatches in flight against its {base:g} "
+            f"({s.peak_inflight / base:.2g}x its memory)."
+        )
+    return out + ([""] if out else [])
+
+
 def _iteration_spans(spans: list[Span], contender: str, iteration: int) -> list[Span]:
     """One contender's tasks of one iteration, from its first task's start."""
     mine = [
@@ -215,13 +238,15 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
             plot_timelines(
                 out / f"timeline-{res.case.name}-{file_slug(s.contender)}.png",
                 [(title, spans)],
-                unit="seconds from the iteration's first task",
+                unit="ms from the iteration's first task",
+                scale=1000.0,
             )
         if runs:  # every contender on one time axis
             plot_timelines(
                 out / f"timelines-{res.case.name}.png",
                 runs,
-                unit="seconds from each iteration's first task",
+                unit="ms from each iteration's first task",
+                scale=1000.0,
             )
     write_json(out / "results.json", doc)
     write_atomic(out / "results.md", text + "\n")
