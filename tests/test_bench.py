@@ -125,9 +125,9 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     assert "emulated on CPU" in md
     # one measured iteration: the output says so before any figure, in the file and on stdout
     assert md.splitlines()[2].startswith("SMOKE RUN, NOT A BENCHMARK: 1 measured iteration")
-    assert "SMOKE RUN, NOT A BENCHMARK" in res.stdout.split("| executor")[0]
+    assert "SMOKE RUN, NOT A BENCHMARK" in res.stdout.split("| contender")[0]
     # every speedup is stated with the memory it was bought with, against fixed 1F1B's
-    peak = {s["executor"]: s["peak_inflight"] for s in wl["summary"]}
+    peak = {s["contender"]: s["peak_inflight"] for s in wl["summary"]}
     line = next(x for x in md.splitlines() if x.startswith("ready bfw: "))
     assert f"microbatches in flight against its {peak['fixed 1f1b']:g}" in line, line
     assert f"with {peak['ready bfw']:g} microbatches" in line, line
