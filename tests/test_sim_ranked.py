@@ -89,18 +89,20 @@ def test_one_stage_per_rank_loop_makes_the_rank_loops_decisions(budget):
         dur, lat_f, lat_b, sizes = _durations(cfg)
         limits = [cfg.budget.rank_limit(cfg.layout, r) for r in range(S)]
         ranking = ranking_of(cfg.hint.priority(S, 0, M, True), M, True)
-        plain = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True).run(ranking, record=True)
+        one = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True).run(ranking, record=True)
+        plain = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True)._old_run(ranking, True)
         ranks = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True, VirtualLayout(S))._run_ranks(
             ranking, True
         )
-        assert plain is not None and ranks is not None
-        assert (plain.makespan, plain.timeline, plain.busy, plain.decisions, plain.peaks) == (
-            ranks.makespan,
-            ranks.timeline,
-            ranks.busy,
-            ranks.decisions,
-            ranks.peaks,
-        )
+        assert one is not None and plain is not None and ranks is not None
+        for old in (plain, ranks):
+            assert (one.makespan, one.timeline, one.busy, one.decisions, one.peaks) == (
+                old.makespan,
+                old.timeline,
+                old.busy,
+                old.decisions,
+                old.peaks,
+            )
 
 
 @pytest.mark.parametrize("layout", [(1, "interleaved"), (2, "v"), (3, "interleaved")])

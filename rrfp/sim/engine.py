@@ -85,12 +85,10 @@ class SimConfig:
 class SimResult:
     config: SimConfig
     makespan: float
-    stats: list[
-        StageStats
-    ]  # per rank (a stage when V = 1), in average-forward units; peaks in chunk-microbatches
+    stats: list[StageStats]  # per rank, in average-forward units; peaks in local-stage microbatches
     lower_bound: float
     timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end) when recorded
-    stage_stats: list[StageStats] | None = None  # per global stage when V > 1 (V = 1: ``stats``)
+    stage_stats: list[StageStats] | None = None  # per global stage: busy time and peak
 
     @property
     def peak_microbatches(self) -> list[float]:
@@ -134,22 +132,22 @@ class SimResult:
         ]
 
 
-def _durations(cfg: SimConfig):
+def _durations(cfg: SimConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
-    which is no message) and one chunk's activation sizes (a microbatch's over V), all drawn at once."""
+    which is no message) and one local stage's activation sizes (a microbatch's over V), all drawn
+    at once."""
     N, M, V, var = cfg.num_stages, cfg.microbatches, cfg.virtual, cfg.variability
-    times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=cfg.layout if V > 1 else None)
+    lay = cfg.layout
+    times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=lay)
     if cfg.durations is not None:
         dur = np.array(cfg.durations, dtype=np.float64).reshape(N, M, 3)
     else:
         dur = times.realized(cfg.iteration, N, M)
     lat_f, lat_b = times.latencies(cfg.iteration, N, M)
-    if V > 1:
-        lay = cfg.layout
-        for s in range(N):
-            if s + 1 < N and lay.is_local(s, s + 1):
-                lat_f[s] = 0.0
-                lat_b[s + 1] = 0.0
+    for s in range(N - 1):
+        if lay.is_local(s, s + 1):
+            lat_f[s] = 0.0
+            lat_b[s + 1] = 0.0
     sizes = (
         (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V))
         .astype(np.int64)
@@ -191,10 +189,6 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
         )
         for r in range(S)
     ]
-    if cfg.virtual == 1:
-        return SimResult(
-            cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline
-        )
     per_stage = [
         StageStats(
             busy=run.stage_busy[g],
@@ -253,10 +247,9 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
 
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
-        where = "stage" if cfg.virtual == 1 else "rank"
         raise SimDeadlock(
             f"{cfg.dispatch} executor with hint {cfg.hint.name} stalled with {left} tasks left: "
-            + "; ".join(f"{where} {r} {tr.blocked()}" for r, tr in enumerate(trackers))
+            + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers))
         )
     stats = [
         StageStats(
@@ -268,17 +261,15 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
         )
         for r, tr in enumerate(trackers)
     ]
-    per_stage = None
-    if cfg.virtual > 1:
-        per_stage = [
-            StageStats(
-                busy=stage_busy[s],
-                wall=last,
-                peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
-                iterations=1,
-            )
-            for s in range(N)
-        ]
+    per_stage = [
+        StageStats(
+            busy=stage_busy[s],
+            wall=last,
+            peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
+            iterations=1,
+        )
+        for s in range(N)
+    ]
     return SimResult(
         cfg, last, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), timeline, per_stage
     )

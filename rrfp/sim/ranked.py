@@ -35,7 +35,7 @@ applied before any idle rank decides, and the touched ranks decide in rank order
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,14 +73,12 @@ def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool)
 @dataclass
 class RankedRun:
     makespan: float
-    busy: list[float]  # per rank (a stage when V = 1)
+    busy: list[float]  # per rank
     decisions: list[int]
-    peaks: list[int]
-    timeline: list[
-        tuple[int, Task, float, float]
-    ]  # (global stage, task, start, end), when recorded
-    stage_busy: list[float] | None = None  # per global stage when V > 1
-    stage_peaks: list[int] | None = None
+    peaks: list[int]  # per rank, in local-stage microbatches
+    timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end), if recorded
+    stage_busy: list[float]  # per global stage
+    stage_peaks: list[int]
 
 
 class RankedPipeline:
@@ -97,21 +95,24 @@ class RankedPipeline:
         split: bool,
         layout: VirtualLayout | None = None,
     ) -> None:
-        """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank (``Budget.rank_limit``
-        when V > 1); ``sizes`` a chunk's bytes per microbatch."""
+        """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank
+        (``Budget.rank_limit``); ``sizes`` a local stage's bytes per microbatch; ``layout`` None:
+        one stage per rank."""
         self.dur, self.split = np.asarray(dur, dtype=np.float64), split
         self.lat_f = [float(x) for x in np.asarray(lat_f)[:, 0]]
         self.lat_b = [float(x) for x in np.asarray(lat_b)[:, 0]]
         self.limits, self.sizes = list(limits), list(sizes)
-        self.layout = layout  # None: one stage per rank
-        if layout is not None:  # what the layout says, once for all the rankings run here
-            lay, N = self.layout, self.dur.shape[0]
-            self._stages = [lay.stages_of(r) for r in range(lay.ranks)]
-            self._rank_of = [lay.rank_of(g) for g in range(N)]
-            self._local_next = [
-                g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)
-            ]
-            self._leads = [lay.leads(r) for r in range(lay.ranks)]
+        N = self.dur.shape[0]
+        lay = VirtualLayout(N) if layout is None else layout
+        if lay.num_stages != N:
+            raise ValueError(f"durations for {N} stages, but the layout has {lay.num_stages}")
+        self.layout = lay  # what the layout says, once for all the rankings run here
+        self._stages = [lay.stages_of(r) for r in range(lay.ranks)]
+        self._rank_of = [lay.rank_of(g) for g in range(N)]
+        self._local_next = [
+            g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)
+        ]  # the V turn after g: the rank's own next stage, no message
+        self._leads = [lay.leads(r) for r in range(lay.ranks)]
 
     @staticmethod
     def fits(lat_f: np.ndarray, lat_b: np.ndarray) -> bool:
@@ -121,13 +122,15 @@ class RankedPipeline:
         )
 
     def run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
+        """The iteration under ``ranking``; None if it stalls (the trackers then say why)."""
+        return _run(self, ranking, record)
+
+    def _old_run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
         """The iteration under ``ranking``; None if it stalls (the trackers then say why).
 
         One stage per rank keeps a loop of its own: ``_run_ranks`` makes the same decisions at V = 1
         (tests/test_sim_ranked.py holds the two equal) but takes 1.6x as long (83 against 53 ms at
         64 x 256), and this loop is the planner's at scale."""
-        if self.layout is not None and self.layout.virtual > 1:
-            return self._run_ranks(ranking, record)
         S, M, _ = self.dur.shape
         split = self.split
         o = np.asarray(ranking.order, dtype=np.int64)
@@ -239,7 +242,7 @@ class RankedPipeline:
                 deciding = sorted(set(deciding))
         if not _complete(M, split, nF, nB, nW, running):
             return None
-        return RankedRun(last, busy, decisions, peaks, timeline)
+        return RankedRun(last, busy, decisions, peaks, timeline, None, None)  # type: ignore[arg-type]
 
     def _run_ranks(self, ranking: Ranking, record: bool) -> RankedRun | None:
         """V > 1: ``RankTracker``'s rules on heads. A rank decides among its stages' heads by
@@ -279,7 +282,21 @@ class RankedPipeline:
         push, pop = heapq.heappush, heapq.heappop
         N2 = 2 * N
 
-        def admits(r: int, c: int, i: int) -> bool:  # RankTracker._admits
+        def admits(
+            r: int,
+            c: int,
+            i: int,
+            V: int = V,
+            blim: list[int | None] = blim,
+            forwards: list[list[int]] = forwards,
+            held: list[int] = held,
+            held_bytes: list[int] = held_bytes,
+            leads: list[tuple[int, ...]] = leads,
+            lim: list[int] = lim,
+            sheld: list[int] = sheld,
+            sizes: list[int] = sizes,
+            stages: list[tuple[int, ...]] = stages,
+        ) -> bool:  # RankTracker._admits
             reserve = V - 1 - c
             fw = forwards[r]
             if reserve and fw[c] - fw[c + 1] >= leads[r][c]:
@@ -400,7 +417,178 @@ class RankedPipeline:
                 deciding = sorted(set(deciding))
         if not _complete(M, split, nF, nB, nW, running):
             return None
-        return RankedRun(last, busy, decisions, peaks, timeline, stage_busy, speaks)
+        return RankedRun(now, busy, decisions, peaks, timeline, stage_busy, speaks)
+
+
+def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
+    """``RankTracker``'s rules on heads, for every V. State is kept per global stage (the heads
+    and arrivals) and per rank (the running task and the budget); an event's code says what
+    happened: g < N a task of stage g finished, N + g an input and 2N + g a gradient reached g."""
+    lay, split = p.layout, p.split
+    N, M, _ = p.dur.shape
+    R, V = lay.ranks, lay.virtual
+    stages, rank_of, leads, local_next = p._stages, p._rank_of, p._leads, p._local_next
+    o = np.asarray(ranking.order, dtype=np.int64)
+    DF, DB, DW = (p.dur[:, o, k].tolist() for k in range(3))
+    LF, LB = p.lat_f, p.lat_b
+    sizes = [p.sizes[m] for m in ranking.order]
+    lim = [(M + 1) * V if lm.count is None else lm.count for lm in p.limits]  # above any reach
+    blim = [lm.bytes for lm in p.limits]
+    # a rank ranks its local stages' heads by ``chunked_priority``: the stage rule's place, then
+    # the later local stage first (key p*V + V-1-c); each local stage gets its keys once
+    keys = [tuple([q * V + V - 1 - c for q in pk] for pk in ranking.priority) for c in range(V)]
+    local = [tuple((c, g, *keys[c]) for c, g in enumerate(stages[r])) for r in range(R)]
+    # per global stage: the next task of each kind to start (an index into the order), arrivals
+    nF, nB, nW = [0] * N, [0] * N, [0] * N
+    arrF, arrB = [0] * N, [0] * N
+    arrF[0] = M  # the first stage has all its inputs
+    arrB[N - 1] = M  # the last stage needs no gradient
+    fdone, bdone = [0] * N, [0] * N
+    sheld, speaks, stage_busy = [0] * N, [0] * N, [0.0] * N
+    # per rank: the budget in local-stage microbatches, forwards started per local stage, the task
+    held, held_bytes, peaks = [0] * R, [0] * R, [0] * R
+    forwards = [[0] * V for _ in range(R)]
+    running = [-1] * R  # kind of the rank's running task, -1 when idle
+    busy, decisions = [0.0] * R, [0] * R
+    timeline: list[tuple[int, Task, float, float]] = []
+    events: list[tuple[float, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    N2 = 2 * N
+
+    def admits(r: int, c: int, i: int) -> bool:
+        """``RankTracker._admits``: the lead over local stage c + 1, the reserve for later local
+        stages, bytes (a local stage with nothing held at it or later always fits)."""
+        reserve = V - 1 - c
+        if reserve:
+            fw = forwards[r]
+            if fw[c] - fw[c + 1] >= leads[r][c]:
+                return False
+        if held[r] + reserve >= lim[r]:
+            return False
+        b = blim[r]
+        return (
+            b is None
+            or held_bytes[r] + sizes[i] * (1 + reserve) <= b
+            or not any(sheld[g] for g in stages[r][c:])
+        )
+
+    def decide(r: int, now: float) -> None:
+        """Each idle rank of ``idle`` picks among its heads as ``choose`` does, and starts what it
+        picks: the best non-F, else the best F if ``admits`` it, else a better F of a later local
+        stage than every refused one."""
+        decisions[r] += 1
+        k, nf = -1, 0  # the pick's kind (-1: none yet), and how many F heads were seen
+        for c, g, kF, kB, kW in local[r]:
+            j = nB[g]
+            if j < fdone[g] and j < arrB[g] and (k < 0 or kB[j] < best):
+                k, best, bg, bi = 1, kB[j], g, j
+            if split:
+                w = nW[g]
+                if w < bdone[g] and (k < 0 or kW[w] < best):
+                    k, best, bg, bi = 2, kW[w], g, w
+            i = nF[g]
+            if i < arrF[g]:
+                if nf == 0:  # the first F head, kept apart: most decisions see one at most
+                    fk, fc, fg, fi = kF[i], c, g, i
+                elif nf == 1:
+                    fs = [(fk, fc, fg, fi), (kF[i], c, g, i)]
+                else:
+                    fs.append((kF[i], c, g, i))
+                nf += 1
+        if nf == 1:
+            if (k < 0 or fk < best) and admits(r, fc, fi):
+                k, bg, bi, bc = 0, fg, fi, fc
+        elif nf:
+            fs.sort()
+            refused = -1
+            for key, c, g, i in fs:
+                if k >= 0 and key >= best:
+                    break
+                if c > refused:
+                    if admits(r, c, i):
+                        k, bg, bi, bc = 0, g, i, c
+                        break
+                    refused = c
+        if k < 0:
+            return
+        if k == 0:
+            nF[bg] = bi + 1
+            forwards[r][bc] += 1
+            held[r] += 1
+            held_bytes[r] += sizes[bi]
+            sheld[bg] += 1
+            if held[r] > peaks[r]:
+                peaks[r] = held[r]
+            if sheld[bg] > speaks[bg]:
+                speaks[bg] = sheld[bg]
+            end = now + DF[bg][bi]
+        elif k == 1:
+            nB[bg] = bi + 1
+            end = now + DB[bg][bi]
+        else:
+            nW[bg] = bi + 1
+            end = now + DW[bg][bi]
+        running[r] = k
+        busy[r] += end - now
+        stage_busy[bg] += end - now
+        if record:
+            timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
+        push(events, (end, bg))
+
+    now = 0.0
+    deciding: Sequence[int] = range(R)
+    while True:
+        for r in deciding:
+            if running[r] < 0:
+                decide(r, now)
+        if not events:
+            break
+        now, code = pop(events)
+        deciding = []
+        while True:  # every event of this instant, before any idle rank decides
+            if code < N:
+                g = code
+                r = rank_of[g]
+                k, running[r] = running[r], -1
+                if k == 0:
+                    fdone[g] += 1
+                    if local_next[g]:
+                        arrF[g + 1] += 1
+                    elif g + 1 < N:
+                        push(events, (now + LF[g], N + g + 1))
+                elif k == 1:
+                    i = bdone[g]
+                    bdone[g] = i + 1
+                    if not split:
+                        held[r] -= 1
+                        held_bytes[r] -= sizes[i]
+                        sheld[g] -= 1
+                    if g and local_next[g - 1]:
+                        arrB[g - 1] += 1
+                    elif g:
+                        push(events, (now + LB[g], N2 + g - 1))
+                else:
+                    held[r] -= 1
+                    held_bytes[r] -= sizes[nW[g] - 1]
+                    sheld[g] -= 1
+            elif code < N2:
+                g = code - N
+                arrF[g] += 1
+                r = rank_of[g]
+            else:
+                g = code - N2
+                arrB[g] += 1
+                r = rank_of[g]
+            deciding.append(r)
+            if not events or events[0][0] > now:
+                break
+            now, code = pop(events)
+        if len(deciding) > 1:
+            deciding = sorted(set(deciding))
+    # a complete run ends on a finish: every arrival is awaited by a task that ends later
+    if not _complete(M, split, nF, nB, nW, running):
+        return None
+    return RankedRun(now, busy, decisions, peaks, timeline, stage_busy, speaks)
 
 
 def _complete(M: int, split: bool, nF, nB, nW, running) -> bool:

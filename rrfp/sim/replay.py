@@ -34,9 +34,9 @@ def replay_durations(
     split: bool,
     layout: VirtualLayout | None = None,
 ) -> np.ndarray:
-    """[S*V, M, 3] durations in emulated units, as the runtime's lane held them."""
-    virtual = layout if layout is not None and layout.virtual > 1 else None
-    return TaskTimes(var, seed, split, cost, virtual).realized(
+    """[S*V, M, 3] durations in emulated units, as the runtime's lane held them (``layout`` None:
+    one stage per rank)."""
+    return TaskTimes(var, seed, split, cost, layout).realized(
         step, cost.num_stages, len(features), features
     )
 
@@ -57,13 +57,12 @@ def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
             f"the cost model has {cost.num_stages} stage(s) but the run had {layout.num_stages} "
             f"({layout.ranks} rank(s) x {layout.virtual})"
         )
-    virtual = layout if layout.virtual > 1 else None
     out = []
     for step, (feats, wall) in enumerate(zip(doc["features"], doc["step_wall_s"])):
         dur = replay_durations(cost, var, feats, doc["seed"], step, doc["split"], layout)
         followed = hint
         if hint.planned:  # this step's plan, from what the run knew before the step
-            times = TaskTimes(var, doc["seed"], doc["split"], cost, virtual)
+            times = TaskTimes(var, doc["seed"], doc["split"], cost, layout)
             followed, _ = plan_iteration(
                 times, step, doc["pp"], len(feats), budget, dispatch, feats
             )
