@@ -35,7 +35,7 @@ applied before any idle rank decides, and the touched ranks decide in rank order
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,300 +125,6 @@ class RankedPipeline:
         """The iteration under ``ranking``; None if it stalls (the trackers then say why)."""
         return _run(self, ranking, record)
 
-    def _old_run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
-        """The iteration under ``ranking``; None if it stalls (the trackers then say why).
-
-        One stage per rank keeps a loop of its own: ``_run_ranks`` makes the same decisions at V = 1
-        (tests/test_sim_ranked.py holds the two equal) but takes 1.6x as long (83 against 53 ms at
-        64 x 256), and this loop is the planner's at scale."""
-        S, M, _ = self.dur.shape
-        split = self.split
-        o = np.asarray(ranking.order, dtype=np.int64)
-        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
-        pF, pB, pW = ranking.priority
-        LF, LB = self.lat_f, self.lat_b
-        sizes = [self.sizes[m] for m in ranking.order]
-        lim = [M + 1 if lm.count is None else lm.count for lm in self.limits]
-        blim = [lm.bytes for lm in self.limits]
-        by_bytes = any(b is not None for b in blim)
-        nF, nB, nW = (
-            [0] * S,
-            [0] * S,
-            [0] * S,
-        )  # next of each kind to start, as an index into the order
-        arrF = [0] * S  # inputs arrived (stage 0: all)
-        arrF[0] = M
-        arrB = [0] * S  # gradients arrived (the last stage needs none)
-        arrB[S - 1] = M
-        fdone, bdone = [0] * S, [0] * S
-        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S
-        running = [-1] * S  # kind of the running task, -1 when idle
-        busy, decisions = [0.0] * S, [0] * S
-        timeline: list[tuple[int, Task, float, float]] = []
-        events: list[
-            tuple[float, int]
-        ] = []  # (time, code): s finished, S+s input or 2S+s gradient reached s
-        push, pop = heapq.heappush, heapq.heappop
-        S2 = 2 * S
-        now, last = 0.0, 0.0
-        deciding: Sequence[int] = range(S)
-        while True:
-            for s in deciding:  # the policy, on the three heads
-                if running[s] >= 0:
-                    continue
-                decisions[s] += 1
-                j = nB[s]
-                k = -1
-                if j < fdone[s] and j < arrB[s]:
-                    k, best = 1, pB[j]
-                if split:
-                    w = nW[s]
-                    if w < bdone[s] and (k < 0 or pW[w] < best):
-                        k, best = 2, pW[w]
-                i = nF[s]
-                if (
-                    i < arrF[s]
-                    and (k < 0 or pF[i] < best)
-                    and held[s] < lim[s]
-                    and (
-                        not by_bytes
-                        or blim[s] is None
-                        or held[s] == 0
-                        or held_bytes[s] + sizes[i] <= blim[s]
-                    )
-                ):
-                    nF[s] = i + 1
-                    held[s] += 1
-                    held_bytes[s] += sizes[i]
-                    if held[s] > peaks[s]:
-                        peaks[s] = held[s]
-                    running[s], mb, end = 0, i, now + DF[s][i]
-                elif k == 1:
-                    nB[s] = j + 1
-                    running[s], mb, end = 1, j, now + DB[s][j]
-                elif k == 2:
-                    nW[s] = w + 1
-                    running[s], mb, end = 2, w, now + DW[s][w]
-                else:
-                    continue
-                busy[s] += end - now
-                if record:
-                    timeline.append((s, Task(Kind(running[s]), ranking.order[mb]), now, end))
-                push(events, (end, s))
-            if not events:
-                break
-            now, code = pop(events)
-            deciding = []
-            while True:  # everything that happens at this instant
-                if code < S:
-                    s, last = code, now
-                    k, running[s] = running[s], -1
-                    if k == 0:
-                        fdone[s] += 1
-                        if s + 1 < S:
-                            push(events, (now + LF[s], S + s + 1))
-                    elif k == 1:
-                        i = bdone[s]
-                        bdone[s] = i + 1
-                        if not split:
-                            held[s] -= 1
-                            held_bytes[s] -= sizes[i]
-                        if s:
-                            push(events, (now + LB[s], S2 + s - 1))
-                    else:
-                        held[s] -= 1
-                        held_bytes[s] -= sizes[nW[s] - 1]
-                elif code < S2:
-                    s = code - S
-                    arrF[s] += 1
-                else:
-                    s = code - S2
-                    arrB[s] += 1
-                deciding.append(s)
-                if not events or events[0][0] > now:
-                    break
-                now, code = pop(events)
-            if len(deciding) > 1:
-                deciding = sorted(set(deciding))
-        if not _complete(M, split, nF, nB, nW, running):
-            return None
-        return RankedRun(last, busy, decisions, peaks, timeline, None, None)  # type: ignore[arg-type]
-
-    def _run_ranks(self, ranking: Ranking, record: bool) -> RankedRun | None:
-        """V > 1: ``RankTracker``'s rules on heads. A rank decides among its stages' heads by
-        ``chunked_priority`` (the stage rule's place, then the later chunk first: key p*V + V-1-c),
-        and ``choose``'s rule for a rank: the best non-F, else the best F if ``_admits`` it, else a
-        better F of a later chunk than every refused one. The V turn arrives at once."""
-        lay = self.layout
-        N, M, _ = self.dur.shape
-        S, V, split = lay.ranks, lay.virtual, self.split
-        stages, rank_of, leads = self._stages, self._rank_of, self._leads
-        local_next = self._local_next  # the V turn after g
-        o = np.asarray(ranking.order, dtype=np.int64)
-        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
-        pF, pB, pW = ranking.priority
-        LF, LB = self.lat_f, self.lat_b
-        sizes = [self.sizes[m] for m in ranking.order]
-        lim = [lm.count for lm in self.limits]
-        blim = [lm.bytes for lm in self.limits]
-        nF, nB, nW = (
-            [0] * N,
-            [0] * N,
-            [0] * N,
-        )  # per global stage: next of each kind, an index into the order
-        arrF, arrB = [0] * N, [0] * N
-        arrF[0] = M
-        arrB[N - 1] = M
-        fdone, bdone = [0] * N, [0] * N
-        sheld, speaks, stage_busy = [0] * N, [0] * N, [0.0] * N  # per global stage
-        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S  # per rank, in chunk-microbatches
-        forwards = [[0] * V for _ in range(S)]  # forwards started per chunk
-        running = [-1] * S  # kind of the rank's running task, -1 when idle
-        busy, decisions = [0.0] * S, [0] * S
-        timeline: list[tuple[int, Task, float, float]] = []
-        events: list[
-            tuple[float, int]
-        ] = []  # (time, code): g finished, N+g input or 2N+g gradient reached g
-        push, pop = heapq.heappush, heapq.heappop
-        N2 = 2 * N
-
-        def admits(
-            r: int,
-            c: int,
-            i: int,
-            V: int = V,
-            blim: list[int | None] = blim,
-            forwards: list[list[int]] = forwards,
-            held: list[int] = held,
-            held_bytes: list[int] = held_bytes,
-            leads: list[tuple[int, ...]] = leads,
-            lim: list[int] = lim,
-            sheld: list[int] = sheld,
-            sizes: list[int] = sizes,
-            stages: list[tuple[int, ...]] = stages,
-        ) -> bool:  # RankTracker._admits
-            reserve = V - 1 - c
-            fw = forwards[r]
-            if reserve and fw[c] - fw[c + 1] >= leads[r][c]:
-                return False
-            if lim[r] is not None and held[r] + reserve >= lim[r]:
-                return False
-            if blim[r] is not None and any(sheld[g] for g in stages[r][c:]):
-                if held_bytes[r] + sizes[i] * (1 + reserve) > blim[r]:
-                    return False
-            return True
-
-        now, last = 0.0, 0.0
-        deciding: Sequence[int] = range(S)
-        while True:
-            for r in deciding:  # the policy, on each stage's three heads
-                if running[r] >= 0:
-                    continue
-                decisions[r] += 1
-                k, best, bg, bi, bc = -1, 0, 0, 0, 0  # the best non-F: kind, key, stage, index
-                fs = []  # F heads: (key, chunk, stage, index)
-                for c, g in enumerate(stages[r]):
-                    vc = V - 1 - c
-                    j = nB[g]
-                    if j < fdone[g] and j < arrB[g]:
-                        key = pB[j] * V + vc
-                        if k < 0 or key < best:
-                            k, best, bg, bi = 1, key, g, j
-                    if split:
-                        w = nW[g]
-                        if w < bdone[g]:
-                            key = pW[w] * V + vc
-                            if k < 0 or key < best:
-                                k, best, bg, bi = 2, key, g, w
-                    i = nF[g]
-                    if i < arrF[g]:
-                        fs.append((pF[i] * V + vc, c, g, i))
-                if fs:
-                    if len(fs) > 1:
-                        fs.sort()
-                    refused = -1
-                    for key, c, g, i in fs:
-                        if k >= 0 and key >= best:
-                            break
-                        if c > refused and admits(r, c, i):
-                            k, bg, bi, bc = 0, g, i, c
-                            break
-                        if c > refused:
-                            refused = c
-                if k == 0:
-                    g, i = bg, bi
-                    nF[g] = i + 1
-                    forwards[r][bc] += 1
-                    held[r] += 1
-                    held_bytes[r] += sizes[i]
-                    sheld[g] += 1
-                    if held[r] > peaks[r]:
-                        peaks[r] = held[r]
-                    if sheld[g] > speaks[g]:
-                        speaks[g] = sheld[g]
-                    end = now + DF[g][i]
-                elif k == 1:
-                    nB[bg] = bi + 1
-                    end = now + DB[bg][bi]
-                elif k == 2:
-                    nW[bg] = bi + 1
-                    end = now + DW[bg][bi]
-                else:
-                    continue
-                running[r] = k
-                busy[r] += end - now
-                stage_busy[bg] += end - now
-                if record:
-                    timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
-                push(events, (end, bg))
-            if not events:
-                break
-            now, code = pop(events)
-            deciding = []
-            while True:  # everything that happens at this instant
-                if code < N:
-                    g, last = code, now
-                    r = rank_of[g]
-                    k, running[r] = running[r], -1
-                    if k == 0:
-                        fdone[g] += 1
-                        if local_next[g]:
-                            arrF[g + 1] += 1
-                        elif g + 1 < N:
-                            push(events, (now + LF[g], N + g + 1))
-                    elif k == 1:
-                        i = bdone[g]
-                        bdone[g] = i + 1
-                        if not split:
-                            held[r] -= 1
-                            held_bytes[r] -= sizes[i]
-                            sheld[g] -= 1
-                        if g and local_next[g - 1]:
-                            arrB[g - 1] += 1
-                        elif g:
-                            push(events, (now + LB[g], N2 + g - 1))
-                    else:
-                        held[r] -= 1
-                        held_bytes[r] -= sizes[nW[g] - 1]
-                        sheld[g] -= 1
-                elif code < N2:
-                    g = code - N
-                    arrF[g] += 1
-                    r = rank_of[g]
-                else:
-                    g = code - N2
-                    arrB[g] += 1
-                    r = rank_of[g]
-                deciding.append(r)
-                if not events or events[0][0] > now:
-                    break
-                now, code = pop(events)
-            if len(deciding) > 1:
-                deciding = sorted(set(deciding))
-        if not _complete(M, split, nF, nB, nW, running):
-            return None
-        return RankedRun(now, busy, decisions, peaks, timeline, stage_busy, speaks)
-
 
 def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
     """``RankTracker``'s rules on heads, for every V. State is kept per global stage (the heads
@@ -436,8 +142,11 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
     blim = [lm.bytes for lm in p.limits]
     # a rank ranks its local stages' heads by ``chunked_priority``: the stage rule's place, then
     # the later local stage first (key p*V + V-1-c); each local stage gets its keys once
-    keys = [tuple([q * V + V - 1 - c for q in pk] for pk in ranking.priority) for c in range(V)]
-    local = [tuple((c, g, *keys[c]) for c, g in enumerate(stages[r])) for r in range(R)]
+    keys = [[[q * V + V - 1 - c for q in pk] for pk in ranking.priority] for c in range(V)]
+    local = [
+        tuple((c, g, keys[c][0], keys[c][1], keys[c][2]) for c, g in enumerate(stages[r]))
+        for r in range(R)
+    ]
     # per global stage: the next task of each kind to start (an index into the order), arrivals
     nF, nB, nW = [0] * N, [0] * N, [0] * N
     arrF, arrB = [0] * N, [0] * N
@@ -477,7 +186,7 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
         picks: the best non-F, else the best F if ``admits`` it, else a better F of a later local
         stage than every refused one."""
         decisions[r] += 1
-        k, nf = -1, 0  # the pick's kind (-1: none yet), and how many F heads were seen
+        k, best, nf = -1, 0, 0  # the pick's kind (-1: none yet) and key; F heads seen
         for c, g, kF, kB, kW in local[r]:
             j = nB[g]
             if j < fdone[g] and j < arrB[g] and (k < 0 or kB[j] < best):
@@ -591,7 +300,9 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
     return RankedRun(now, busy, decisions, peaks, timeline, stage_busy, speaks)
 
 
-def _complete(M: int, split: bool, nF, nB, nW, running) -> bool:
+def _complete(
+    M: int, split: bool, nF: list[int], nB: list[int], nW: list[int], running: list[int]
+) -> bool:
     """Every stage ran all its tasks and no rank is still running one: else the run stalled."""
     return not (
         any(n < M for n in nF)

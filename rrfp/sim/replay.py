@@ -12,6 +12,8 @@ ranks); its cost model then has one entry per global stage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from rrfp.core.budget import Budget
@@ -28,7 +30,7 @@ from rrfp.sim.planning import plan_iteration
 def replay_durations(
     cost: CostModel,
     var: Variability,
-    features: list[dict],
+    features: list[dict[str, Any]],
     seed: int,
     step: int,
     split: bool,
@@ -41,7 +43,7 @@ def replay_durations(
     )
 
 
-def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
+def replay(doc: dict[str, Any], cost: CostModel) -> list[tuple[int, float, float]]:
     """(step, simulated ms, measured ms) for every step of a sizes file."""
     var = Variability.preset(doc["preset"])
     hint, dispatch, budget = (
