@@ -13,16 +13,17 @@ among three heads: the best priority (``rrfp.core.policy.choose``), a forward on
 if the budget admits it. Arrivals are counters and the heads are indices, where the
 tracker keeps sets and heaps.
 
-With virtual stages (V > 1) the argument holds per global stage: a stage's inputs come
-in the order its predecessor ran them, over a link of one latency or the V turn, which
-is no message and arrives at once. A rank then chooses among the heads of its V stages
+The argument holds per global stage, for any number V of stages per rank: a stage's inputs
+come in the order its predecessor ran them, over a link of one latency or the V turn, which
+is no message and arrives at once. A rank then chooses among the heads of its local stages
 as ``RankTracker`` does: by ``chunked_priority`` (the stage rule's place, then the later
-chunk first), the best non-F, else the best F if ``RankTracker._admits`` lets it in (the
-lead over the next chunk, the reserve for later chunks, bytes), else a better F of a
-later chunk than every refused one. (Under one order a later chunk's F always ranks
-first, since its microbatch came through the earlier chunk, so that last rule never
-finds one; it is kept as ``choose`` has it.) The budget is the rank's, in
-chunk-microbatches over all its stages, released at a chunk's last backward.
+local stage first), the best non-F, else the best F if ``RankTracker._admits`` lets it in
+(the lead over the next local stage, the reserve for later ones, bytes), else a better F of
+a later local stage than every refused one. (Under one order a later local stage's F always
+ranks first, since its microbatch came through the earlier one, so that last rule never
+finds one; it is kept as ``choose`` has it.) The budget is the rank's, in local-stage
+microbatches over all its stages, released at a local stage's last backward. With V = 1
+each rank has one local stage and nothing is reserved: the stage budget.
 
 ``StageTracker`` (rrfp/core/tracker.py) and ``RankTracker`` (rrfp/core/rank_tracker.py)
 stay the one definition of the rules; this restates them for heads, and
