@@ -183,9 +183,9 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
         )
 
     def decide(r: int, now: float) -> None:
-        """Each idle rank of ``idle`` picks among its heads as ``choose`` does, and starts what it
-        picks: the best non-F, else the best F if ``admits`` it, else a better F of a later local
-        stage than every refused one."""
+        """Idle rank ``r`` picks among its heads as ``choose`` does, and starts what it picks: the
+        best non-F, else the best F if ``admits`` it, else a better F of a later local stage than
+        every refused one."""
         decisions[r] += 1
         k, best, nf = -1, 0, 0  # the pick's kind (-1: none yet) and key; F heads seen
         for c, g, kF, kB, kW in local[r]:
@@ -245,6 +245,45 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
             timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
         push(events, (end, bg))
 
+    def settle(code: int, now: float) -> int:
+        """Apply one event; returns the rank it concerns. A finished task sends its output on:
+        over the V turn at once, over a link after its latency; its last backward releases the
+        microbatch from the rank's budget."""
+        if code < N:
+            g = code
+            r = rank_of[g]
+            k, running[r] = running[r], -1
+            if k == 0:
+                fdone[g] += 1
+                if local_next[g]:
+                    arrF[g + 1] += 1
+                elif g + 1 < N:
+                    push(events, (now + LF[g], N + g + 1))
+            elif k == 1:
+                i = bdone[g]
+                bdone[g] = i + 1
+                if not split:
+                    held[r] -= 1
+                    held_bytes[r] -= sizes[i]
+                    sheld[g] -= 1
+                if g and local_next[g - 1]:
+                    arrB[g - 1] += 1
+                elif g:
+                    push(events, (now + LB[g], N2 + g - 1))
+            else:
+                held[r] -= 1
+                held_bytes[r] -= sizes[nW[g] - 1]
+                sheld[g] -= 1
+        elif code < N2:
+            g = code - N
+            arrF[g] += 1
+            r = rank_of[g]
+        else:
+            g = code - N2
+            arrB[g] += 1
+            r = rank_of[g]
+        return r
+
     now = 0.0
     deciding: Sequence[int] = range(R)
     while True:
@@ -256,40 +295,7 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
         now, code = pop(events)
         deciding = []
         while True:  # every event of this instant, before any idle rank decides
-            if code < N:
-                g = code
-                r = rank_of[g]
-                k, running[r] = running[r], -1
-                if k == 0:
-                    fdone[g] += 1
-                    if local_next[g]:
-                        arrF[g + 1] += 1
-                    elif g + 1 < N:
-                        push(events, (now + LF[g], N + g + 1))
-                elif k == 1:
-                    i = bdone[g]
-                    bdone[g] = i + 1
-                    if not split:
-                        held[r] -= 1
-                        held_bytes[r] -= sizes[i]
-                        sheld[g] -= 1
-                    if g and local_next[g - 1]:
-                        arrB[g - 1] += 1
-                    elif g:
-                        push(events, (now + LB[g], N2 + g - 1))
-                else:
-                    held[r] -= 1
-                    held_bytes[r] -= sizes[nW[g] - 1]
-                    sheld[g] -= 1
-            elif code < N2:
-                g = code - N
-                arrF[g] += 1
-                r = rank_of[g]
-            else:
-                g = code - N2
-                arrB[g] += 1
-                r = rank_of[g]
-            deciding.append(r)
+            deciding.append(settle(code, now))
             if not events or events[0][0] > now:
                 break
             now, code = pop(events)
