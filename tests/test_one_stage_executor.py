@@ -74,3 +74,5 @@ def test_old_attribute_names_warn_and_answer():
     rt.channels = ex.channels
     with pytest.warns(DeprecationWarning, match="channels"):
         assert rt.rank_channels is ex.channels
+    with pytest.warns(DeprecationWarning, match="of\\(stage\\)"):
+        assert rt.channels.fwd_in is None and rt.channels.bwd_out is None
