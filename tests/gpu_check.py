@@ -703,7 +703,7 @@ async def memory_figures(
 
         def after_forward(task) -> None:  # what the worker holds for a microbatch once its F ran
             if task.kind is Kind.F:
-                measured.append(ex.worker.activation_bytes(task.mb))
+                measured.append(ex.workers[0].activation_bytes(task.mb))
 
         ex.on_task_done.append(after_forward)
         for it in range(iterations):

@@ -96,7 +96,7 @@ def _ranks(rank, world):
             )
             sent_b, produced_b = [], []
             for s in rt.stages:
-                ch = rt.rank_channels.of(s).bwd_out
+                ch = rt.channels.of(s).bwd_out
                 if ch is not None:
 
                     def record(msg, send=ch.send):

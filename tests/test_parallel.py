@@ -66,7 +66,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
         )
         if skew and rt.tp_rank == 1:
             rng = random.Random(rank)
-            for channels in rt.rank_channels.stages.values():  # every stage's, with virtual stages
+            for channels in rt.channels.stages.values():  # every stage's, with virtual stages
                 for name in ("fwd_in", "bwd_in"):
                     ch = getattr(channels, name)
                     if ch is not None:

@@ -143,7 +143,7 @@ def _ranks(rank, world):
                 param_err = max(
                     (p.detach() - final[n]).abs().max().item() for n, p in chunk.named_parameters()
                 )
-                out[(dispatch, hint)] = (grad_err, param_err, splits, ex.worker.split_summary())
+                out[(dispatch, hint)] = (grad_err, param_err, splits, ex.workers[0].split_summary())
         return out
 
     return asyncio.run(main())

@@ -78,9 +78,9 @@ def test_fast_path_at_scale_and_with_ties():
 
 
 @pytest.mark.parametrize("budget", ["2x", "1x", "3", "4000B"])
-def test_one_stage_per_rank_loop_makes_the_rank_loops_decisions(budget):
-    """RankedPipeline keeps a faster loop for V = 1 beside the rank loop; at V = 1 the two decide
-    alike (the same timeline, busy time, decisions and peaks), so the copy cannot drift."""
+def test_one_stage_per_rank_runs_the_rank_loop(budget):
+    """V = 1 is the one-stage case of the rank loop: no layout and ``VirtualLayout(S)`` run alike,
+    and both make the trackers' decisions."""
     from rrfp.core.placement import VirtualLayout
     from rrfp.sim.ranked import RankedPipeline
 
@@ -90,17 +90,11 @@ def test_one_stage_per_rank_loop_makes_the_rank_loops_decisions(budget):
         limits = [cfg.budget.rank_limit(cfg.layout, r) for r in range(S)]
         ranking = ranking_of(cfg.hint.priority(S, 0, M, True), M, True)
         plain = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True).run(ranking, record=True)
-        ranks = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True, VirtualLayout(S))._run_ranks(
-            ranking, True
+        laid = RankedPipeline(dur, lat_f, lat_b, limits, sizes, True, VirtualLayout(S)).run(
+            ranking, record=True
         )
-        assert plain is not None and ranks is not None
-        assert (plain.makespan, plain.timeline, plain.busy, plain.decisions, plain.peaks) == (
-            ranks.makespan,
-            ranks.timeline,
-            ranks.busy,
-            ranks.decisions,
-            ranks.peaks,
-        )
+        assert plain == laid
+        _same(cfg)
 
 
 @pytest.mark.parametrize("layout", [(1, "interleaved"), (2, "v"), (3, "interleaved")])

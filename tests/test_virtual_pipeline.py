@@ -92,7 +92,7 @@ def _ranks(rank, world):
                 pp=world, timeout_s=60, virtual=V, placement=placement
             ) as rt:
                 want_grads, want_params = reference(rt.num_stages, rt.stages)
-                channels = {c.name: c for c in rt.rank_channels.all()}
+                channels = {c.name: c for c in rt.channels.all()}
                 for dispatch, hint in configs:
                     full = build(rt.num_stages)
                     modules = [full[s] for s in rt.stages]

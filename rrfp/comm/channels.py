@@ -12,7 +12,7 @@ messages in order and lets the four channels of a stage progress
 independently. Nothing polls with short timed waits, which would break the
 group (fact 8): the process-group timeout is the dead-peer detector.
 
-What surfaces where (gloo, measured on torch 2.13 CPU): a peer process that
+What surfaces where (gloo on CPU): a peer process that
 dies fails a posted receive or a send at once ("Connection closed/reset by
 peer"); a peer that lives but does not answer fails it after the process-group
 timeout. A send, even of a small header, waits until the peer posts the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,8 @@ class PipelineChannels:
         return [c for c in (self.fwd_in, self.fwd_out, self.bwd_in, self.bwd_out) if c is not None]
 
     def __repr__(self) -> str:
-        return f"<PipelineChannels rank {self.rank}: {', '.join(c.name for c in self.all()) or 'none'}>"
+        names = ", ".join(c.name for c in self.all()) or "none"
+        return f"<PipelineChannels rank {self.rank}: {names}>"
 
     async def aclose(self) -> None:
         for channel in self.all():
@@ -59,6 +61,9 @@ class PipelineChannels:
         await self.aclose()
 
 
+_ENDS = ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
+
+
 class RankChannels:
     """This rank's channels for each of its stages (virtual stages: several per rank), keyed by
     global stage: ``of(stage)`` is that stage's ``PipelineChannels``. A neighbour on this same
@@ -69,6 +74,18 @@ class RankChannels:
 
     def of(self, stage: int) -> PipelineChannels:
         return self.stages[stage]
+
+    def __getattr__(self, name: str) -> Channel | None:
+        """Deprecated: ``fwd_in``, ``fwd_out``, ``bwd_in`` and ``bwd_out`` of a rank's only stage,
+        as ``PipelineRuntime.channels`` gave them when it held that stage's channels."""
+        if name in _ENDS and len(self.stages) == 1:
+            warnings.warn(
+                f"RankChannels.{name} is deprecated; use channels.of(stage).{name}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(next(iter(self.stages.values())), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def all(self) -> list[Channel]:
         return [c for ch in self.stages.values() for c in ch.all()]

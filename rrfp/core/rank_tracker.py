@@ -7,31 +7,34 @@ S x V global stages); this adds what is the rank's: one running task, one
 priority over (stage, task) pairs, one fixed order, and one budget over the
 rank's memory. The one policy function (``rrfp.core.policy.choose``) decides.
 
-Budget (docs/design.md, "Virtual stages"): memory is counted in
-chunk-microbatches (a chunk holds 1/V of a microbatch's activations on the
-rank). Forwards of later chunks have room reserved, as in structured buffer
-pools: an F on the rank's chunk c is admitted only if V-1-c units stay free
-after it. A microbatch already inside the rank can therefore always move on
-to its next chunk, so a tight budget never deadlocks, and with V = 1 the rule
-is the stage budget of today.
+With one stage per rank (V = 1) this is that stage's tracker and the stage budget: every
+caller drives a ``RankTracker`` whatever V is.
 
-Lead (docs/design.md, "How far a chunk may run ahead"): under ready dispatch
-chunk c's forwards may run at most ``layout.leads(rank)[c]`` ahead of chunk
-c + 1's, the stages a microbatch crosses between the two. Every further one
-would fill a wait that a message in flight was about to end, and a task once
-started is not preempted: with latency on the links, ZB-V's own order run by
-readiness lost 5.7% to the same order run fixed (8 x 32, no variability).
+Budget (docs/design.md, "Virtual stages"): memory is counted in local-stage
+microbatches (a local stage holds 1/V of a microbatch's activations on the
+rank). Forwards of later local stages have room reserved, as in structured
+buffer pools: an F on the rank's local stage c is admitted only if V-1-c units
+stay free after it. A microbatch already inside the rank can therefore always
+move on to its next local stage, so a tight budget never deadlocks; with V = 1
+nothing is reserved and the rule is the stage budget.
+
+Lead (docs/design.md, on how far a local stage may run ahead): under ready dispatch
+local stage c's forwards may run at most ``layout.leads(rank)[c]`` ahead of
+local stage c + 1's, the stages a microbatch crosses between the two. Every
+further one would fill a wait that a message in flight was about to end, and a
+task once started is not preempted, so with latency on the links running ahead
+loses time that the rank's own order keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch, choose
+from rrfp.core.policy import Dispatch, ReadyTasks, choose
 from rrfp.core.tasks import Kind, Task, last_backward
 from rrfp.core.tracker import StageSpec, StageTracker, TrackerError
 
@@ -56,7 +59,7 @@ class StageTask(NamedTuple):
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What a rank knows before an iteration starts: its stages' rules and the rank's policy inputs."""
+    """What a rank knows before an iteration starts: its stages' rules, the rank's policy inputs."""
 
     layout: VirtualLayout
     rank: int
@@ -65,7 +68,7 @@ class RankSpec:
     dispatch: Dispatch
     priority: Mapping[tuple[int, Task], int]  # over (stage, task) pairs; lower runs first
     order: Sequence[tuple[int, Task]]  # what fixed dispatch follows, over the rank's stages
-    limit: Limit  # in chunk-microbatches (and bytes), over the whole rank
+    limit: Limit  # in local-stage microbatches (and bytes), over the whole rank
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -104,7 +107,9 @@ class _RankReady:
             for t in tr.ready:
                 yield StageTask(s, t)
 
-    def __contains__(self, item) -> bool:
+    def __contains__(self, item: object) -> bool:
+        if not isinstance(item, tuple):
+            return False
         tr = self._trackers.get(item[0])
         return tr is not None and item[1] in tr.ready
 
@@ -117,7 +122,7 @@ class _RankPriority:
     def __init__(self, tables: dict[int, list[list[int]]]) -> None:
         self._tables = tables
 
-    def __getitem__(self, item) -> int:
+    def __getitem__(self, item: StageTask) -> int:
         task = item[1]
         return self._tables[item[0]][task.kind][task.mb]
 
@@ -125,8 +130,8 @@ class _RankPriority:
 class RankTracker:
     """One rank, one iteration: its V stages' trackers, one running task, one budget.
 
-    ``size_of(mb)`` gives the activation bytes of one chunk of microbatch ``mb``
-    (for byte budgets); the size a chunk was admitted with is the size released.
+    ``size_of(mb)`` gives the activation bytes of microbatch ``mb`` at one local stage (for
+    byte budgets); the size a local stage admitted is the size it releases.
     """
 
     def __init__(self, spec: RankSpec, size_of: Callable[[int], int] | None = None) -> None:
@@ -136,16 +141,21 @@ class RankTracker:
         self.trackers: dict[int, StageTracker] = {
             s: StageTracker(spec.stage_spec(s), size_of) for s in self.stages
         }
-        self._chunk = {s: c for c, s in enumerate(self.stages)}
-        self._ready = _RankReady(self.trackers)
+        self._local = {s: c for c, s in enumerate(self.stages)}  # global stage -> local stage
+        # ``choose`` reads (stage, task) items as it reads a stage's tasks: casts, not copies
+        self._ready = cast(ReadyTasks, _RankReady(self.trackers))
         # each stage's tracker holds the rank's priority restricted to it (RankSpec.stage_spec)
-        self._priority = _RankPriority({s: tr.priority_table for s, tr in self.trackers.items()})
-        self._order = tuple(StageTask(s, t) for s, t in spec.order)
+        self._priority = cast(
+            Mapping[Task, int],
+            _RankPriority({s: tr.priority_table for s, tr in self.trackers.items()}),
+        )
+        self._items = tuple(StageTask(s, t) for s, t in spec.order)
+        self._order = cast(Sequence[Task], self._items)
         self._last = last_backward(spec.split)
         self._sizes: dict[tuple[int, int], int] = {}
-        self.held = InFlight()  # over the rank, in chunk-microbatches
+        self.held = InFlight()  # over the rank, in local-stage microbatches
         self._leads = spec.layout.leads(spec.rank)
-        self.forwards = [0] * spec.layout.virtual  # forwards started, per chunk
+        self.forwards = [0] * spec.layout.virtual  # forwards started, per local stage
         self.position = 0
         self.finished = 0
         self.running: StageTask | None = None
@@ -154,18 +164,19 @@ class RankTracker:
     # -- events --------------------------------------------------------------
 
     def arrive(self, stage: int, kind: Kind, mb: int) -> None:
-        """The input of F(mb) (kind F) or the gradient for B(mb) (kind B) reached ``stage`` of this rank."""
+        """The input of F(mb) (kind F) or the gradient for B(mb) (kind B) reached ``stage``."""
         self._tracker(stage).arrive(kind, mb)
         self.arrivals += 1
 
-    def next(self, among=None) -> StageTask | None:
-        """The (stage, task) to run now, or None. ``among`` replaces the rank's ready set."""
+    def next(self, among: Iterable[StageTask] | None = None) -> StageTask | None:
+        """The (stage, task) to run now, or None. ``among`` replaces the rank's ready set (TP
+        agreement passes the pairs ready on every TP rank)."""
         if self.running is not None:
             return None
         spec = self.spec
-        return choose(
+        picked = choose(
             spec.dispatch,
-            self._ready if among is None else among,
+            self._ready if among is None else cast(ReadyTasks, among),
             self._priority,
             self._order,
             self.position,
@@ -174,6 +185,7 @@ class RankTracker:
             None,
             self._admits,
         )
+        return cast("StageTask | None", picked)
 
     def start(self, stage: int, task: Task) -> None:
         if self.running is not None:
@@ -185,7 +197,7 @@ class RankTracker:
         self.running = StageTask(stage, task)
         self.position += 1
         if task.kind is Kind.F:
-            self.forwards[self._chunk[stage]] += 1
+            self.forwards[self._local[stage]] += 1
             size = self._size_of(task.mb) if self._size_of is not None else 0
             self._sizes[(stage, task.mb)] = size
             self.held.admit(size)
@@ -205,13 +217,13 @@ class RankTracker:
             self.held.release(self._sizes.pop((stage, task.mb)))
         return dest
 
-    def _admits(self, item) -> bool:
-        """The rank budget for an F of chunk c: its lead over chunk c + 1 stays within the layout's,
-        and V-1-c units stay free for later chunks (by count and, at this microbatch's size, by
-        bytes); a chunk with nothing held at it or later always fits by bytes, as a large
-        microbatch runs alone at V = 1."""
+    def _admits(self, item: StageTask) -> bool:
+        """The rank budget for an F of local stage c: its lead over local stage c + 1 stays within
+        the layout's, and V-1-c units stay free for later local stages (by count and, at this
+        microbatch's size, by bytes); a local stage with nothing held at it or later always fits
+        by bytes, as a large microbatch runs alone at V = 1."""
         limit, held = self.spec.limit, self.held
-        c = self._chunk[item[0]]
+        c = self._local[item[0]]
         reserve = self.spec.layout.virtual - 1 - c
         if reserve and self.forwards[c] - self.forwards[c + 1] >= self._leads[c]:
             return False
@@ -244,7 +256,7 @@ class RankTracker:
 
     @property
     def peak_microbatches(self) -> float:
-        """The most memory held at once, in microbatches of the rank's whole model (1F1B's units)."""
+        """The most memory held at once, in microbatches of the rank's whole model (1F1B's unit)."""
         return self.held.peak / self.spec.layout.virtual
 
     def ready_tasks(self) -> set[StageTask]:
@@ -252,7 +264,7 @@ class RankTracker:
         return {StageTask(s, t) for s, tr in self.trackers.items() for t in tr.ready_tasks()}
 
     def unlocked_by(self, stage: int, task: Task) -> set[StageTask]:
-        """What finishing ``task`` of ``stage`` makes ready on that stage, given the arrivals so far."""
+        """What finishing ``task`` of ``stage`` makes ready there, given the arrivals so far."""
         return {StageTask(stage, t) for t in self._tracker(stage).unlocked_by(task)}
 
     def outstanding(self, kind: Kind) -> int:
@@ -266,17 +278,18 @@ class RankTracker:
         if self.running is not None:
             return f"is running {self.running}"
         if spec.dispatch is Dispatch.FIXED:
-            nxt = self._order[self.position]
-            return f"waits for {nxt} in its fixed order: stage {nxt.stage} {self.trackers[nxt.stage].blocked()}"
+            nxt = self._items[self.position]
+            why = self.trackers[nxt.stage].blocked()
+            return f"waits for {nxt} in its fixed order: stage {nxt.stage} {why}"
         ready = sorted(self.ready_tasks())
         held = (
-            f"{self.held.count} chunk-microbatch(es) in flight over stages "
+            f"{self.held.count} local-stage microbatch(es) in flight over stages "
             f"{', '.join(map(str, self.stages))} (limit {spec.limit.count or spec.limit.bytes})"
         )
         if ready:
             leads = ", ".join(
-                f"chunk {c} ran {self.forwards[c] - self.forwards[c + 1]} forward(s) ahead of chunk "
-                f"{c + 1} (at most {lead})"
+                f"local stage {c} ran {self.forwards[c] - self.forwards[c + 1]} forward(s) ahead "
+                f"of local stage {c + 1} (at most {lead})"
                 for c, lead in enumerate(self._leads)
             )
             return (
@@ -284,8 +297,8 @@ class RankTracker:
                 f"{', '.join(map(str, ready[:4]))} ready"
             )
         waits = "; ".join(
-            f"stage {s}: {tr.outstanding(Kind.F)} input(s) and {tr.outstanding(Kind.B)} gradient(s) "
-            "not arrived"
+            f"stage {s}: {tr.outstanding(Kind.F)} input(s) and {tr.outstanding(Kind.B)} "
+            "gradient(s) not arrived"
             for s, tr in self.trackers.items()
             if not tr.done
         )

@@ -21,9 +21,10 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 from rrfp.core.budget import InFlight, Limit
-from rrfp.core.policy import Dispatch, choose
+from rrfp.core.policy import Dispatch, ReadyTasks, choose
 from rrfp.core.tasks import Kind, Task, last_backward
 
 
@@ -117,6 +118,7 @@ class StageTracker:
         for task, p in spec.priority.items():
             self._prio[task.kind][task.mb] = p
         self._ready = _ReadySet(M)
+        self._policy_ready = cast(ReadyTasks, self._ready)  # what ``choose`` reads
         self._arrived = [bytearray(M), bytearray(M)]  # F inputs, B gradients
         self._f_done = bytearray(M)
         self._sizes = [0] * M
@@ -157,7 +159,7 @@ class StageTracker:
         if kind is Kind.F or self._f_done[mb]:
             self._ready.add(kind, mb, self._prio[kind][mb])
 
-    def next(self, among=None) -> Task | None:
+    def next(self, among: ReadyTasks | None = None) -> Task | None:
         """The task to run now, or None. ``among`` replaces the local ready set
         (TP agreement passes the tasks ready on every TP rank)."""
         if self.running is not None:
@@ -165,7 +167,7 @@ class StageTracker:
         dispatch, priority, order = self._policy_args
         return choose(
             dispatch,
-            self._ready if among is None else among,
+            self._policy_ready if among is None else among,
             priority,
             order,
             self.position,
@@ -264,10 +266,11 @@ class StageTracker:
             }[nxt.kind]
             return f"waits for {nxt} in its fixed order, which needs {need}"
         ready = sorted(self.ready_tasks())
-        held = f"{self.held.count} microbatch(es) in flight (limit {spec.limit.count or spec.limit.bytes})"
+        limit = spec.limit.count or spec.limit.bytes
+        held = f"{self.held.count} microbatch(es) in flight (limit {limit})"
         if ready:
             return f"has its budget full: {held}; only {', '.join(map(str, ready[:4]))} ready"
         return (
-            f"has nothing ready: {self.outstanding(Kind.F)} input(s) and {self.outstanding(Kind.B)} "
-            f"gradient(s) not arrived; {held}"
+            f"has nothing ready: {self.outstanding(Kind.F)} input(s) and "
+            f"{self.outstanding(Kind.B)} gradient(s) not arrived; {held}"
         )

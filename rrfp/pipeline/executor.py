@@ -1,9 +1,9 @@
-"""One stage's pipeline iteration: receivers, senders and the arbiter, all owned
-by one TaskGroup.
+"""One rank's pipeline iteration over its stages (one, or V with virtual stages): receivers,
+senders and the arbiter, all owned by one TaskGroup.
 
-The arbiter drives a ``StageTracker`` (rrfp/core/tracker.py), which holds every
-readiness rule; this module only moves tensors and spends time. Ready and fixed
-dispatch differ inside the tracker's policy call, nowhere here.
+The arbiter drives a ``RankTracker`` (rrfp/core/rank_tracker.py) over the rank's
+``StageTracker``s, which hold every readiness rule; this module only moves tensors and spends
+time. Ready and fixed dispatch differ inside the tracker's policy call, nowhere here.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from rrfp.comm.message import Message, MessageError, header_words
+from rrfp.comm.pipeline_channels import RankChannels
 from rrfp.core.budget import Budget
 from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
@@ -24,10 +26,10 @@ from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolEr
 from rrfp.core.hints import Hint
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.policy import Dispatch
-from rrfp.core.rank_tracker import RankTracker
+from rrfp.core.rank_tracker import RankSpec, RankTracker
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
-from rrfp.core.tracker import StageTracker, TrackerError
+from rrfp.core.tracker import TrackerError
 from rrfp.core.variability import Variability
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
@@ -107,13 +109,14 @@ def the_cause(group: BaseExceptionGroup) -> BaseException:
 
 
 class StageExecutor:
-    """Runs this rank's stage of the pipeline, one iteration per ``run_iteration`` call; with
-    virtual stages, all of the rank's stages under one arbiter.
+    """Runs this rank's stages of the pipeline under one arbiter, one iteration per
+    ``run_iteration`` call.
 
-    ``channels`` has ``fwd_in``, ``fwd_out``, ``bwd_in``, ``bwd_out`` (None at the
-    ends); ``lane`` has ``async run(fn, *args, units=)``. Virtual stages: ``worker`` is a
-    list (one per stage of ``stages.stages_of(rank)``, a ``VirtualLayout``), ``channels`` a
-    ``RankChannels``, and the stages share the one lane.
+    ``worker`` is one ``StageWorker`` or a list, one per stage of ``stages.stages_of(rank)``
+    (``stages`` a ``VirtualLayout``; None: one stage per rank). ``channels`` is a
+    ``RankChannels``, or for one stage that stage's ``PipelineChannels`` (``fwd_in``,
+    ``fwd_out``, ``bwd_in``, ``bwd_out``, None at the ends). ``lane`` has
+    ``async run(fn, *args, units=)``; the stages share it.
     """
 
     def __init__(
@@ -130,38 +133,36 @@ class StageExecutor:
         liveness=None,
     ) -> None:
         self.workers = list(worker) if isinstance(worker, (list, tuple)) else [worker]
-        self.worker = self.workers[
-            0
-        ]  # the rank's first stage (its only one without virtual stages)
+        first = self.workers[0]  # the rank's first stage
+        if not isinstance(channels, RankChannels):  # one stage's channels
+            channels = RankChannels(rank, {first.stage: channels})
         self.channels, self.lane, self.settings = channels, lane, settings
-        self.stages = stages if stages is not None and stages.virtual > 1 else None
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
-        S, s, M = self.worker.num_stages, self.worker.stage, settings.num_microbatches
+        S, s, M = first.num_stages, first.stage, settings.num_microbatches
         self.S, self.s, self.M = S, s, M
         mine = tuple(w.stage for w in self.workers)
-        if self.stages is None and len(mine) != 1:
+        if stages is None and len(mine) != 1:
             raise ValueError(
                 f"rank {rank}: {len(mine)} stage workers need a VirtualLayout (stages=)"
             )
-        if self.stages is not None and (
-            mine != self.stages.stages_of(self.stages.rank_of(s)) or S != self.stages.num_stages
-        ):
+        self.layout = stages if stages is not None else VirtualLayout(S)
+        self._pp_rank = self.layout.rank_of(s)  # the pipeline rank that holds these stages
+        if mine != self.layout.stages_of(self.layout.rank_of(s)) or S != self.layout.num_stages:
             raise ValueError(
-                f"rank {rank}: workers for stages {mine} of {S}, but {self.stages.describe()}"
+                f"rank {rank}: workers for stages {mine} of {S}, but {self.layout.describe()}"
             )
         self.where = stages_label(mine)
         self.what = "stage" if len(mine) == 1 else "rank"
-        # virtual stages: a chunk's task takes 1/V of a stage's time under the preset (TaskTimes.layout)
+        # virtual stages: a local stage's task takes 1/V of a stage's time under the preset
         self.times = TaskTimes(
-            settings.variability, settings.seed, settings.split, settings.cost, layout=self.stages
+            settings.variability, settings.seed, settings.split, settings.cost, layout=self.layout
         )
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
-            ranks = S if self.stages is None else self.stages.ranks
             self.planner = IterationPlanner(
-                self.times, ranks, M, settings.budget, settings.dispatch
+                self.times, self.layout.ranks, M, settings.budget, settings.dispatch
             )
             if (
                 settings.cost is None and unit_s == 0
@@ -189,35 +190,35 @@ class StageExecutor:
             None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
         )
 
-    def _spec(self, hint: Hint):
-        """This stage's StageSpec; with virtual stages the rank's RankSpec (budget over the rank)."""
-        st = self.settings
-        if self.stages is not None:
-            return hint.rank_spec(
-                self.stages, self.stages.rank_of(self.s), self.M, st.split, st.dispatch, st.budget
-            )
-        return hint.spec(self.S, self.s, self.M, st.split, st.dispatch, st.budget)
+    @property
+    def worker(self) -> StageWorker:
+        """Deprecated: ``workers[0]``, the rank's first stage's worker."""
+        warnings.warn(
+            "StageExecutor.worker is deprecated; use StageExecutor.workers (one per stage of the "
+            "rank; workers[0] with one stage per rank)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.workers[0]
 
-    def tracker(self, spec, size_of):
-        """The arbiter's state for one iteration under ``spec``: a RankTracker over the rank's
-        stages, or the one StageTracker (exactly today's decisions and messages)."""
-        if self.stages is not None:
-            return RankTracker(spec, size_of)
-        return SingleStage(StageTracker(spec, size_of))
+    def _spec(self, hint: Hint) -> RankSpec:
+        """The rank's RankSpec: its stages' rules, and the budget over the rank."""
+        st = self.settings
+        return hint.rank_spec(self.layout, self._pp_rank, self.M, st.split, st.dispatch, st.budget)
+
+    def tracker(self, spec: RankSpec, size_of: Callable[[int], int]) -> RankTracker:
+        """The arbiter's state for one iteration under ``spec``."""
+        return RankTracker(spec, size_of)
 
     def channels_of(self, stage: int):
-        return self.channels if self.stages is None else self.channels.of(stage)
+        return self.channels.of(stage)
 
     @property
-    def order(self) -> Sequence:
-        """The hint's order for this stage (what fixed dispatch runs; ready's nominal order); with
-        virtual stages the rank's, over (stage, task) pairs."""
-        if self.stages is not None:
-            return self.spec.order or self.settings.hint.rank_order(
-                self.stages, self.stages.rank_of(self.s), self.M, self.settings.split
-            )
-        return self.spec.order or self.settings.hint.order(
-            self.S, self.s, self.M, self.settings.split
+    def order(self) -> Sequence[tuple[int, Task]]:
+        """The hint's order for the rank, over (stage, task) pairs (what fixed dispatch runs;
+        ready's nominal order)."""
+        return self.spec.order or self.settings.hint.rank_order(
+            self.layout, self._pp_rank, self.M, self.settings.split
         )
 
     @property
@@ -353,40 +354,6 @@ class StageExecutor:
             self.planner.close()
 
 
-class SingleStage:
-    """A StageTracker seen as a rank's tracker with one stage: events and picks carry the stage."""
-
-    def __init__(self, tracker: StageTracker) -> None:
-        self.t, self.s, self.spec = tracker, tracker.spec.stage, tracker.spec
-        self.held, self.trackers = tracker.held, {tracker.spec.stage: tracker}
-
-    arrivals = property(lambda self: self.t.arrivals)
-    finished = property(lambda self: self.t.finished)
-    done = property(lambda self: self.t.done)
-
-    def arrive(self, stage: int, kind: Kind, mb: int) -> None:
-        self.t.arrive(kind, mb)
-
-    def next(self, among=None) -> tuple[int, Task] | None:
-        task = self.t.next(among)
-        return None if task is None else (self.s, task)
-
-    def start(self, stage: int, task: Task) -> None:
-        self.t.start(task)
-
-    def finish(self, stage: int, task: Task) -> int | None:
-        return self.t.finish(task)
-
-    def ready_tasks(self) -> set[Task]:
-        return self.t.ready_tasks()
-
-    def unlocked_by(self, stage: int, task: Task) -> set[Task]:
-        return self.t.unlocked_by(task)
-
-    def blocked(self) -> str:
-        return self.t.blocked()
-
-
 class _StageIO:
     """One of this rank's stages during an iteration: its worker and channels, and the tensors
     that arrived for it (from a peer rank, or handed over by the rank's own previous stage)."""
@@ -431,7 +398,7 @@ class _Iteration:
         # randomness (dropout) from its own seed, not from where the rank's generator happens to be
         self.rng_base = int(torch.randint(0, 2**62, ())) if len(ex.workers) > 1 else None
         self.rng_device = (
-            _device_of(ex.worker.module) if self.rng_base is not None else None
+            _device_of(ex.workers[0].module) if self.rng_base is not None else None
         )  # the rank's one device
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0

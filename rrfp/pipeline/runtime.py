@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import datetime
 import logging
+import warnings
 import os
 from collections.abc import Sequence
 
@@ -32,7 +33,7 @@ from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
-from rrfp.comm.pipeline_channels import create_rank_channels
+from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerSilent, StartupError
@@ -130,10 +131,7 @@ class PipelineRuntime:
         )  # which global stages each pipeline rank holds
         self.stages = self.virtual.stages_of(coords.pp)  # this rank's, in model order
         self.stage, self.num_stages = self.stages[0], self.virtual.num_stages
-        self.rank_channels = channels  # RankChannels: every stage's
-        self.channels = channels.of(
-            self.stage
-        )  # the first (without virtual stages, the only) stage's
+        self.channels = channels  # RankChannels: every stage's, ``of(stage)``
         self.tp_rank, self.dp_rank = coords.tp, coords.dp
         groups = groups or {}
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
@@ -162,6 +160,17 @@ class PipelineRuntime:
         # a stop abandoned an iteration: its P2P transfers may still be pending in the channels' groups, so
         # leaving the block only closes this rank's side (no barrier, no teardown); the process then exits
         self.abandoned = False
+
+    @property
+    def rank_channels(self) -> RankChannels:
+        """Deprecated: ``channels``, which holds every stage's channels of this rank."""
+        warnings.warn(
+            "PipelineRuntime.rank_channels is deprecated; use PipelineRuntime.channels "
+            "(``of(stage)`` gives one stage's)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.channels
 
     @classmethod
     def start(
@@ -309,7 +318,7 @@ class PipelineRuntime:
             layout.coords(rank).tp,
             layout.coords(rank).dp,
         )
-        if stages is not None and stages.virtual > 1:
+        if len(stages.stages_of(layout.coords(rank).pp)) > 1:
             log.info(
                 "rank %d holds stages %s: %s",
                 rank,
@@ -414,7 +423,7 @@ class PipelineRuntime:
                 self.tp_control,
                 microbatches,
                 self.poller,
-                self.stages if len(self.stages) > 1 else None,
+                self.stages,
             )
             if self.tp_control is not None
             else None
@@ -422,7 +431,7 @@ class PipelineRuntime:
         ties = Ties.setup(self, modules, tied)
         ex = StageExecutor(
             workers,
-            self.channels if len(workers) == 1 else self.rank_channels,
+            self.channels,
             self.lane,
             settings,
             self.rank,
@@ -592,4 +601,4 @@ class PipelineRuntime:
             ex.close()
         await self.poller.aclose()
         self.lane.close()
-        await self.rank_channels.aclose()
+        await self.channels.aclose()

@@ -1,4 +1,4 @@
-"""F, B and W of one pipeline stage on its model chunk, with no communication.
+"""F, B and W of one pipeline stage on its part of the model, with no communication.
 
 The executor decides what runs when and moves tensors between stages; this
 module only computes, keeps each microbatch's activations from its F until its
@@ -13,8 +13,8 @@ torch.utils.checkpoint(use_reentrant=False) around split-aware layers)
 instead lets split-aware layers (``SplitLinear``, the TP linears)
 queue their weight-gradient closures during F and splits only the other
 parameters with autograd. The autograd split is the default because it
-measured faster (benchmarks/weight_split.py, GPT middle stage, CPU: B 21.8 ms
-vs 28.3 ms, F 19.2 vs 25.7, W 19.9 vs 12.1 per microbatch).
+is the faster of the two for F and B, where the critical path runs
+(benchmarks/weight_split.py compares them).
 
 A stage boundary may carry several tensors: a stage may return a tuple or list
 of tensors and None, and the next stage gets them as separate arguments when

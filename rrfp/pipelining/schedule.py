@@ -496,7 +496,7 @@ class ScheduleReady:
 
         return await forward_only(
             rt.lane,
-            rt.rank_channels.of,
+            rt.channels.of,
             list(held),
             rt.num_stages,
             rt.rank,

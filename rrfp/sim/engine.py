@@ -12,7 +12,7 @@ budget held, no deadlock.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from rrfp.core.event_driver import drive
 from rrfp.core.hints import Hint, default_split, resolve
 from rrfp.core.placement import Placement, VirtualLayout
 from rrfp.core.policy import Dispatch
-from rrfp.core.rank_tracker import RankTracker
+from rrfp.core.rank_tracker import RankTracker, StageTask
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
@@ -68,8 +68,21 @@ class SimConfig:
         object.__setattr__(self, "placement", self.layout.placement)
 
     @property
+    def the_hint(self) -> Hint:
+        """``hint``, as ``__post_init__`` resolved it."""
+        return cast(Hint, self.hint)
+
+    @property
+    def the_dispatch(self) -> Dispatch:
+        return cast(Dispatch, self.dispatch)
+
+    @property
+    def the_budget(self) -> Budget:
+        return cast(Budget, self.budget)
+
+    @property
     def split_backward(self) -> bool:
-        return default_split(self.hint.name, self.split)
+        return default_split(self.the_hint.name, self.split)
 
     @property
     def layout(self) -> VirtualLayout:
@@ -85,12 +98,10 @@ class SimConfig:
 class SimResult:
     config: SimConfig
     makespan: float
-    stats: list[
-        StageStats
-    ]  # per rank (a stage when V = 1), in average-forward units; peaks in chunk-microbatches
+    stats: list[StageStats]  # per rank, in average-forward units; peaks in local-stage microbatches
     lower_bound: float
     timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end) when recorded
-    stage_stats: list[StageStats] | None = None  # per global stage when V > 1 (V = 1: ``stats``)
+    stage_stats: list[StageStats] | None = None  # per global stage: busy time and peak
 
     @property
     def peak_microbatches(self) -> list[float]:
@@ -134,22 +145,22 @@ class SimResult:
         ]
 
 
-def _durations(cfg: SimConfig):
+def _durations(cfg: SimConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
     """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
-    which is no message) and one chunk's activation sizes (a microbatch's over V), all drawn at once."""
+    which is no message) and one local stage's activation sizes (a microbatch's over V), all drawn
+    at once."""
     N, M, V, var = cfg.num_stages, cfg.microbatches, cfg.virtual, cfg.variability
-    times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=cfg.layout if V > 1 else None)
+    lay = cfg.layout
+    times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=lay)
     if cfg.durations is not None:
         dur = np.array(cfg.durations, dtype=np.float64).reshape(N, M, 3)
     else:
         dur = times.realized(cfg.iteration, N, M)
     lat_f, lat_b = times.latencies(cfg.iteration, N, M)
-    if V > 1:
-        lay = cfg.layout
-        for s in range(N):
-            if s + 1 < N and lay.is_local(s, s + 1):
-                lat_f[s] = 0.0
-                lat_b[s + 1] = 0.0
+    for s in range(N - 1):
+        if lay.is_local(s, s + 1):
+            lat_f[s] = 0.0
+            lat_b[s + 1] = 0.0
     sizes = (
         (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V))
         .astype(np.int64)
@@ -158,7 +169,9 @@ def _durations(cfg: SimConfig):
     return dur, lat_f, lat_b, sizes
 
 
-def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
+def _ranked(
+    cfg: SimConfig, dur: np.ndarray, lat_f: np.ndarray, lat_b: np.ndarray, sizes: list[int]
+) -> SimResult | None:
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
     S, M, N, split, lay = (
@@ -170,14 +183,14 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
     )
     if (
         cfg.dispatch is not Dispatch.READY
-        or not cfg.hint.uniform
+        or not cfg.the_hint.uniform
         or not RankedPipeline.fits(lat_f, lat_b)
     ):
         return None
-    ranking = ranking_of(cfg.hint.priority(N, 0, M, split), M, split)
+    ranking = ranking_of(cfg.the_hint.priority(N, 0, M, split), M, split)
     if ranking is None:
         return None
-    limits = [cfg.budget.rank_limit(lay, r) for r in range(S)]
+    limits = [cfg.the_budget.rank_limit(lay, r) for r in range(S)]
     run = RankedPipeline(dur, lat_f, lat_b, limits, sizes, split, lay).run(ranking, cfg.record)
     if run is None:
         return None
@@ -191,10 +204,6 @@ def _ranked(cfg: SimConfig, dur, lat_f, lat_b, sizes) -> SimResult | None:
         )
         for r in range(S)
     ]
-    if cfg.virtual == 1:
-        return SimResult(
-            cfg, run.makespan, stats, lower_bound(dur, lat_f, lat_b, split), run.timeline
-        )
     per_stage = [
         StageStats(
             busy=run.stage_busy[g],
@@ -227,7 +236,8 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     D, latency = dur.tolist(), {Kind.F: lat_f.tolist(), Kind.B: lat_b.tolist()}
     trackers = [
         RankTracker(
-            cfg.hint.rank_spec(lay, r, M, split, cfg.dispatch, cfg.budget), sizes.__getitem__
+            cfg.the_hint.rank_spec(lay, r, M, split, cfg.the_dispatch, cfg.the_budget),
+            sizes.__getitem__,
         )
         for r in range(S)
     ]
@@ -235,7 +245,7 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     busy, decisions, stage_busy = [0.0] * S, [0] * S, [0.0] * N
     timeline: list[tuple[int, Task, float, float]] = []
 
-    def decided(r: int, item, now: float, end: float) -> None:
+    def decided(r: int, item: StageTask | None, now: float, end: float) -> None:
         decisions[r] += 1
         if item is not None:
             busy[r] += end - now
@@ -253,10 +263,9 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
 
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
-        where = "stage" if cfg.virtual == 1 else "rank"
         raise SimDeadlock(
-            f"{cfg.dispatch} executor with hint {cfg.hint.name} stalled with {left} tasks left: "
-            + "; ".join(f"{where} {r} {tr.blocked()}" for r, tr in enumerate(trackers))
+            f"{cfg.dispatch} executor with hint {cfg.the_hint.name} stalled with {left} tasks "
+            "left: " + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers))
         )
     stats = [
         StageStats(
@@ -268,17 +277,15 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
         )
         for r, tr in enumerate(trackers)
     ]
-    per_stage = None
-    if cfg.virtual > 1:
-        per_stage = [
-            StageStats(
-                busy=stage_busy[s],
-                wall=last,
-                peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
-                iterations=1,
-            )
-            for s in range(N)
-        ]
+    per_stage = [
+        StageStats(
+            busy=stage_busy[s],
+            wall=last,
+            peak_inflight=trackers[rank_of[s]].trackers[s].held.peak,
+            iterations=1,
+        )
+        for s in range(N)
+    ]
     return SimResult(
         cfg, last, stats, lower_bound(dur, lat_f, lat_b, split, rank_of), timeline, per_stage
     )

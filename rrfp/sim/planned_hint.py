@@ -140,7 +140,7 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
         cfg.variability,
         cfg.seed,
         cfg.split_backward,
-        layout=cfg.layout if cfg.virtual > 1 else None,
+        layout=cfg.layout,
     )
     made_hint, made = plan_iteration(
         times, cfg.iteration, cfg.stages, cfg.microbatches, cfg.budget, cfg.dispatch

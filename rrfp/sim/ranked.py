@@ -13,16 +13,17 @@ among three heads: the best priority (``rrfp.core.policy.choose``), a forward on
 if the budget admits it. Arrivals are counters and the heads are indices, where the
 tracker keeps sets and heaps.
 
-With virtual stages (V > 1) the argument holds per global stage: a stage's inputs come
-in the order its predecessor ran them, over a link of one latency or the V turn, which
-is no message and arrives at once. A rank then chooses among the heads of its V stages
-as ``RankTracker`` does: by ``chunked_priority`` (the stage rule's place, then the later
-chunk first), the best non-F, else the best F if ``RankTracker._admits`` lets it in (the
-lead over the next chunk, the reserve for later chunks, bytes), else a better F of a
-later chunk than every refused one. (Under one order a later chunk's F always ranks
-first, since its microbatch came through the earlier chunk, so that last rule never
-finds one; it is kept as ``choose`` has it.) The budget is the rank's, in
-chunk-microbatches over all its stages, released at a chunk's last backward.
+The argument holds per global stage, for any number V of stages per rank: a stage's inputs
+come in the order its predecessor ran them, over a link of one latency or the V turn, which
+is no message and arrives at once. A rank then chooses among the heads of its local stages
+as ``RankTracker`` does: by ``merge_local_priorities`` (the stage rule's place, then the later
+local stage first), the best non-F, else the best F if ``RankTracker._admits`` lets it in
+(the lead over the next local stage, the reserve for later ones, bytes), else a better F of
+a later local stage than every refused one. (Under one order a later local stage's F always
+ranks first, since its microbatch came through the earlier one, so that last rule never
+finds one; it is kept as ``choose`` has it.) The budget is the rank's, in local-stage
+microbatches over all its stages, released at a local stage's last backward. With V = 1
+each rank has one local stage and nothing is reserved: the stage budget.
 
 ``StageTracker`` (rrfp/core/tracker.py) and ``RankTracker`` (rrfp/core/rank_tracker.py)
 stay the one definition of the rules; this restates them for heads, and
@@ -73,14 +74,12 @@ def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool)
 @dataclass
 class RankedRun:
     makespan: float
-    busy: list[float]  # per rank (a stage when V = 1)
+    busy: list[float]  # per rank
     decisions: list[int]
-    peaks: list[int]
-    timeline: list[
-        tuple[int, Task, float, float]
-    ]  # (global stage, task, start, end), when recorded
-    stage_busy: list[float] | None = None  # per global stage when V > 1
-    stage_peaks: list[int] | None = None
+    peaks: list[int]  # per rank, in local-stage microbatches
+    timeline: list[tuple[int, Task, float, float]]  # (global stage, task, start, end), if recorded
+    stage_busy: list[float]  # per global stage
+    stage_peaks: list[int]
 
 
 class RankedPipeline:
@@ -97,21 +96,24 @@ class RankedPipeline:
         split: bool,
         layout: VirtualLayout | None = None,
     ) -> None:
-        """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank (``Budget.rank_limit``
-        when V > 1); ``sizes`` a chunk's bytes per microbatch."""
+        """``dur``, ``lat_f`` and ``lat_b`` over global stages; ``limits`` per rank
+        (``Budget.rank_limit``); ``sizes`` a local stage's bytes per microbatch; ``layout`` None:
+        one stage per rank."""
         self.dur, self.split = np.asarray(dur, dtype=np.float64), split
         self.lat_f = [float(x) for x in np.asarray(lat_f)[:, 0]]
         self.lat_b = [float(x) for x in np.asarray(lat_b)[:, 0]]
         self.limits, self.sizes = list(limits), list(sizes)
-        self.layout = layout  # None: one stage per rank
-        if layout is not None:  # what the layout says, once for all the rankings run here
-            lay, N = self.layout, self.dur.shape[0]
-            self._stages = [lay.stages_of(r) for r in range(lay.ranks)]
-            self._rank_of = [lay.rank_of(g) for g in range(N)]
-            self._local_next = [
-                g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)
-            ]
-            self._leads = [lay.leads(r) for r in range(lay.ranks)]
+        N = self.dur.shape[0]
+        lay = VirtualLayout(N) if layout is None else layout
+        if lay.num_stages != N:
+            raise ValueError(f"durations for {N} stages, but the layout has {lay.num_stages}")
+        self.layout = lay  # what the layout says, once for all the rankings run here
+        self._stages = [lay.stages_of(r) for r in range(lay.ranks)]
+        self._rank_of = [lay.rank_of(g) for g in range(N)]
+        self._local_next = [
+            g + 1 < N and self._rank_of[g + 1] == self._rank_of[g] for g in range(N)
+        ]  # the V turn after g: the rank's own next stage, no message
+        self._leads = [lay.leads(r) for r in range(lay.ranks)]
 
     @staticmethod
     def fits(lat_f: np.ndarray, lat_b: np.ndarray) -> bool:
@@ -121,289 +123,193 @@ class RankedPipeline:
         )
 
     def run(self, ranking: Ranking, record: bool = False) -> RankedRun | None:
-        """The iteration under ``ranking``; None if it stalls (the trackers then say why).
+        """The iteration under ``ranking``; None if it stalls (the trackers then say why)."""
+        return _run(self, ranking, record)
 
-        One stage per rank keeps a loop of its own: ``_run_ranks`` makes the same decisions at V = 1
-        (tests/test_sim_ranked.py holds the two equal) but takes 1.6x as long (83 against 53 ms at
-        64 x 256), and this loop is the planner's at scale."""
-        if self.layout is not None and self.layout.virtual > 1:
-            return self._run_ranks(ranking, record)
-        S, M, _ = self.dur.shape
-        split = self.split
-        o = np.asarray(ranking.order, dtype=np.int64)
-        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
-        pF, pB, pW = ranking.priority
-        LF, LB = self.lat_f, self.lat_b
-        sizes = [self.sizes[m] for m in ranking.order]
-        lim = [M + 1 if lm.count is None else lm.count for lm in self.limits]
-        blim = [lm.bytes for lm in self.limits]
-        by_bytes = any(b is not None for b in blim)
-        nF, nB, nW = (
-            [0] * S,
-            [0] * S,
-            [0] * S,
-        )  # next of each kind to start, as an index into the order
-        arrF = [0] * S  # inputs arrived (stage 0: all)
-        arrF[0] = M
-        arrB = [0] * S  # gradients arrived (the last stage needs none)
-        arrB[S - 1] = M
-        fdone, bdone = [0] * S, [0] * S
-        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S
-        running = [-1] * S  # kind of the running task, -1 when idle
-        busy, decisions = [0.0] * S, [0] * S
-        timeline: list[tuple[int, Task, float, float]] = []
-        events: list[
-            tuple[float, int]
-        ] = []  # (time, code): s finished, S+s input or 2S+s gradient reached s
-        push, pop = heapq.heappush, heapq.heappop
-        S2 = 2 * S
-        now, last = 0.0, 0.0
-        deciding: Sequence[int] = range(S)
-        while True:
-            for s in deciding:  # the policy, on the three heads
-                if running[s] >= 0:
-                    continue
-                decisions[s] += 1
-                j = nB[s]
-                k = -1
-                if j < fdone[s] and j < arrB[s]:
-                    k, best = 1, pB[j]
-                if split:
-                    w = nW[s]
-                    if w < bdone[s] and (k < 0 or pW[w] < best):
-                        k, best = 2, pW[w]
-                i = nF[s]
-                if (
-                    i < arrF[s]
-                    and (k < 0 or pF[i] < best)
-                    and held[s] < lim[s]
-                    and (
-                        not by_bytes
-                        or blim[s] is None
-                        or held[s] == 0
-                        or held_bytes[s] + sizes[i] <= blim[s]
-                    )
-                ):
-                    nF[s] = i + 1
-                    held[s] += 1
-                    held_bytes[s] += sizes[i]
-                    if held[s] > peaks[s]:
-                        peaks[s] = held[s]
-                    running[s], mb, end = 0, i, now + DF[s][i]
-                elif k == 1:
-                    nB[s] = j + 1
-                    running[s], mb, end = 1, j, now + DB[s][j]
-                elif k == 2:
-                    nW[s] = w + 1
-                    running[s], mb, end = 2, w, now + DW[s][w]
-                else:
-                    continue
-                busy[s] += end - now
-                if record:
-                    timeline.append((s, Task(Kind(running[s]), ranking.order[mb]), now, end))
-                push(events, (end, s))
-            if not events:
-                break
-            now, code = pop(events)
-            deciding = []
-            while True:  # everything that happens at this instant
-                if code < S:
-                    s, last = code, now
-                    k, running[s] = running[s], -1
-                    if k == 0:
-                        fdone[s] += 1
-                        if s + 1 < S:
-                            push(events, (now + LF[s], S + s + 1))
-                    elif k == 1:
-                        i = bdone[s]
-                        bdone[s] = i + 1
-                        if not split:
-                            held[s] -= 1
-                            held_bytes[s] -= sizes[i]
-                        if s:
-                            push(events, (now + LB[s], S2 + s - 1))
-                    else:
-                        held[s] -= 1
-                        held_bytes[s] -= sizes[nW[s] - 1]
-                elif code < S2:
-                    s = code - S
-                    arrF[s] += 1
-                else:
-                    s = code - S2
-                    arrB[s] += 1
-                deciding.append(s)
-                if not events or events[0][0] > now:
-                    break
-                now, code = pop(events)
-            if len(deciding) > 1:
-                deciding = sorted(set(deciding))
-        if not _complete(M, split, nF, nB, nW, running):
-            return None
-        return RankedRun(last, busy, decisions, peaks, timeline)
 
-    def _run_ranks(self, ranking: Ranking, record: bool) -> RankedRun | None:
-        """V > 1: ``RankTracker``'s rules on heads. A rank decides among its stages' heads by
-        ``chunked_priority`` (the stage rule's place, then the later chunk first: key p*V + V-1-c),
-        and ``choose``'s rule for a rank: the best non-F, else the best F if ``_admits`` it, else a
-        better F of a later chunk than every refused one. The V turn arrives at once."""
-        lay = self.layout
-        N, M, _ = self.dur.shape
-        S, V, split = lay.ranks, lay.virtual, self.split
-        stages, rank_of, leads = self._stages, self._rank_of, self._leads
-        local_next = self._local_next  # the V turn after g
-        o = np.asarray(ranking.order, dtype=np.int64)
-        DF, DB, DW = (self.dur[:, o, k].tolist() for k in range(3))
-        pF, pB, pW = ranking.priority
-        LF, LB = self.lat_f, self.lat_b
-        sizes = [self.sizes[m] for m in ranking.order]
-        lim = [lm.count for lm in self.limits]
-        blim = [lm.bytes for lm in self.limits]
-        nF, nB, nW = (
-            [0] * N,
-            [0] * N,
-            [0] * N,
-        )  # per global stage: next of each kind, an index into the order
-        arrF, arrB = [0] * N, [0] * N
-        arrF[0] = M
-        arrB[N - 1] = M
-        fdone, bdone = [0] * N, [0] * N
-        sheld, speaks, stage_busy = [0] * N, [0] * N, [0.0] * N  # per global stage
-        held, held_bytes, peaks = [0] * S, [0] * S, [0] * S  # per rank, in chunk-microbatches
-        forwards = [[0] * V for _ in range(S)]  # forwards started per chunk
-        running = [-1] * S  # kind of the rank's running task, -1 when idle
-        busy, decisions = [0.0] * S, [0] * S
-        timeline: list[tuple[int, Task, float, float]] = []
-        events: list[
-            tuple[float, int]
-        ] = []  # (time, code): g finished, N+g input or 2N+g gradient reached g
-        push, pop = heapq.heappush, heapq.heappop
-        N2 = 2 * N
+def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
+    """``RankTracker``'s rules on heads, for every V. State is kept per global stage (the heads
+    and arrivals) and per rank (the running task and the budget); an event's code says what
+    happened: g < N a task of stage g finished, N + g an input and 2N + g a gradient reached g."""
+    lay, split = p.layout, p.split
+    N, M, _ = p.dur.shape
+    R, V = lay.ranks, lay.virtual
+    stages, rank_of, leads, local_next = p._stages, p._rank_of, p._leads, p._local_next
+    o = np.asarray(ranking.order, dtype=np.int64)
+    DF, DB, DW = (p.dur[:, o, k].tolist() for k in range(3))
+    LF, LB = p.lat_f, p.lat_b
+    sizes = [p.sizes[m] for m in ranking.order]
+    lim = [(M + 1) * V if lm.count is None else lm.count for lm in p.limits]  # above any reach
+    blim = [lm.bytes for lm in p.limits]
+    # a rank ranks its local stages' heads by ``merge_local_priorities``: the stage rule's place, then
+    # the later local stage first (key p*V + V-1-c); each local stage gets its keys once
+    keys = [[[q * V + V - 1 - c for q in pk] for pk in ranking.priority] for c in range(V)]
+    local = [
+        tuple((c, g, keys[c][0], keys[c][1], keys[c][2]) for c, g in enumerate(stages[r]))
+        for r in range(R)
+    ]
+    # per global stage: the next task of each kind to start (an index into the order), arrivals
+    nF, nB, nW = [0] * N, [0] * N, [0] * N
+    arrF, arrB = [0] * N, [0] * N
+    arrF[0] = M  # the first stage has all its inputs
+    arrB[N - 1] = M  # the last stage needs no gradient
+    fdone, bdone = [0] * N, [0] * N
+    sheld, speaks, stage_busy = [0] * N, [0] * N, [0.0] * N
+    # per rank: the budget in local-stage microbatches, forwards started per local stage, the task
+    held, held_bytes, peaks = [0] * R, [0] * R, [0] * R
+    forwards = [[0] * V for _ in range(R)]
+    running = [-1] * R  # kind of the rank's running task, -1 when idle
+    busy, decisions = [0.0] * R, [0] * R
+    timeline: list[tuple[int, Task, float, float]] = []
+    events: list[tuple[float, int]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    N2 = 2 * N
 
-        def admits(r: int, c: int, i: int) -> bool:  # RankTracker._admits
-            reserve = V - 1 - c
+    def admits(r: int, c: int, i: int) -> bool:
+        """``RankTracker._admits``: the lead over local stage c + 1, the reserve for later local
+        stages, bytes (a local stage with nothing held at it or later always fits)."""
+        reserve = V - 1 - c
+        if reserve:
             fw = forwards[r]
-            if reserve and fw[c] - fw[c + 1] >= leads[r][c]:
+            if fw[c] - fw[c + 1] >= leads[r][c]:
                 return False
-            if lim[r] is not None and held[r] + reserve >= lim[r]:
-                return False
-            if blim[r] is not None and any(sheld[g] for g in stages[r][c:]):
-                if held_bytes[r] + sizes[i] * (1 + reserve) > blim[r]:
-                    return False
-            return True
+        if held[r] + reserve >= lim[r]:
+            return False
+        b = blim[r]
+        return (
+            b is None
+            or held_bytes[r] + sizes[i] * (1 + reserve) <= b
+            or not any(sheld[g] for g in stages[r][c:])
+        )
 
-        now, last = 0.0, 0.0
-        deciding: Sequence[int] = range(S)
-        while True:
-            for r in deciding:  # the policy, on each stage's three heads
-                if running[r] >= 0:
-                    continue
-                decisions[r] += 1
-                k, best, bg, bi, bc = -1, 0, 0, 0, 0  # the best non-F: kind, key, stage, index
-                fs = []  # F heads: (key, chunk, stage, index)
-                for c, g in enumerate(stages[r]):
-                    vc = V - 1 - c
-                    j = nB[g]
-                    if j < fdone[g] and j < arrB[g]:
-                        key = pB[j] * V + vc
-                        if k < 0 or key < best:
-                            k, best, bg, bi = 1, key, g, j
-                    if split:
-                        w = nW[g]
-                        if w < bdone[g]:
-                            key = pW[w] * V + vc
-                            if k < 0 or key < best:
-                                k, best, bg, bi = 2, key, g, w
-                    i = nF[g]
-                    if i < arrF[g]:
-                        fs.append((pF[i] * V + vc, c, g, i))
-                if fs:
-                    if len(fs) > 1:
-                        fs.sort()
-                    refused = -1
-                    for key, c, g, i in fs:
-                        if k >= 0 and key >= best:
-                            break
-                        if c > refused and admits(r, c, i):
-                            k, bg, bi, bc = 0, g, i, c
-                            break
-                        if c > refused:
-                            refused = c
-                if k == 0:
-                    g, i = bg, bi
-                    nF[g] = i + 1
-                    forwards[r][bc] += 1
-                    held[r] += 1
-                    held_bytes[r] += sizes[i]
-                    sheld[g] += 1
-                    if held[r] > peaks[r]:
-                        peaks[r] = held[r]
-                    if sheld[g] > speaks[g]:
-                        speaks[g] = sheld[g]
-                    end = now + DF[g][i]
-                elif k == 1:
-                    nB[bg] = bi + 1
-                    end = now + DB[bg][bi]
-                elif k == 2:
-                    nW[bg] = bi + 1
-                    end = now + DW[bg][bi]
+    def decide(r: int, now: float) -> None:
+        """Idle rank ``r`` picks among its heads as ``choose`` does, and starts what it picks: the
+        best non-F, else the best F if ``admits`` it, else a better F of a later local stage than
+        every refused one."""
+        decisions[r] += 1
+        k, best, nf = -1, 0, 0  # the pick's kind (-1: none yet) and key; F heads seen
+        for c, g, kF, kB, kW in local[r]:
+            j = nB[g]
+            if j < fdone[g] and j < arrB[g] and (k < 0 or kB[j] < best):
+                k, best, bg, bi = 1, kB[j], g, j
+            if split:
+                w = nW[g]
+                if w < bdone[g] and (k < 0 or kW[w] < best):
+                    k, best, bg, bi = 2, kW[w], g, w
+            i = nF[g]
+            if i < arrF[g]:
+                if nf == 0:  # the first F head, kept apart: most decisions see one at most
+                    fk, fc, fg, fi = kF[i], c, g, i
+                elif nf == 1:
+                    fs = [(fk, fc, fg, fi), (kF[i], c, g, i)]
                 else:
-                    continue
-                running[r] = k
-                busy[r] += end - now
-                stage_busy[bg] += end - now
-                if record:
-                    timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
-                push(events, (end, bg))
-            if not events:
+                    fs.append((kF[i], c, g, i))
+                nf += 1
+        if nf == 1:
+            if (k < 0 or fk < best) and admits(r, fc, fi):
+                k, bg, bi, bc = 0, fg, fi, fc
+        elif nf:
+            fs.sort()
+            refused = -1
+            for key, c, g, i in fs:
+                if k >= 0 and key >= best:
+                    break
+                if c > refused:
+                    if admits(r, c, i):
+                        k, bg, bi, bc = 0, g, i, c
+                        break
+                    refused = c
+        if k < 0:
+            return
+        if k == 0:
+            nF[bg] = bi + 1
+            forwards[r][bc] += 1
+            held[r] += 1
+            held_bytes[r] += sizes[bi]
+            sheld[bg] += 1
+            if held[r] > peaks[r]:
+                peaks[r] = held[r]
+            if sheld[bg] > speaks[bg]:
+                speaks[bg] = sheld[bg]
+            end = now + DF[bg][bi]
+        elif k == 1:
+            nB[bg] = bi + 1
+            end = now + DB[bg][bi]
+        else:
+            nW[bg] = bi + 1
+            end = now + DW[bg][bi]
+        running[r] = k
+        busy[r] += end - now
+        stage_busy[bg] += end - now
+        if record:
+            timeline.append((bg, Task(Kind(k), ranking.order[bi]), now, end))
+        push(events, (end, bg))
+
+    def settle(code: int, now: float) -> int:
+        """Apply one event; returns the rank it concerns. A finished task sends its output on:
+        over the V turn at once, over a link after its latency; its last backward releases the
+        microbatch from the rank's budget."""
+        if code < N:
+            g = code
+            r = rank_of[g]
+            k, running[r] = running[r], -1
+            if k == 0:
+                fdone[g] += 1
+                if local_next[g]:
+                    arrF[g + 1] += 1
+                elif g + 1 < N:
+                    push(events, (now + LF[g], N + g + 1))
+            elif k == 1:
+                i = bdone[g]
+                bdone[g] = i + 1
+                if not split:
+                    held[r] -= 1
+                    held_bytes[r] -= sizes[i]
+                    sheld[g] -= 1
+                if g and local_next[g - 1]:
+                    arrB[g - 1] += 1
+                elif g:
+                    push(events, (now + LB[g], N2 + g - 1))
+            else:
+                held[r] -= 1
+                held_bytes[r] -= sizes[nW[g] - 1]
+                sheld[g] -= 1
+        elif code < N2:
+            g = code - N
+            arrF[g] += 1
+            r = rank_of[g]
+        else:
+            g = code - N2
+            arrB[g] += 1
+            r = rank_of[g]
+        return r
+
+    now = 0.0
+    deciding: Sequence[int] = range(R)
+    while True:
+        for r in deciding:
+            if running[r] < 0:
+                decide(r, now)
+        if not events:
+            break
+        now, code = pop(events)
+        deciding = []
+        while True:  # every event of this instant, before any idle rank decides
+            deciding.append(settle(code, now))
+            if not events or events[0][0] > now:
                 break
             now, code = pop(events)
-            deciding = []
-            while True:  # everything that happens at this instant
-                if code < N:
-                    g, last = code, now
-                    r = rank_of[g]
-                    k, running[r] = running[r], -1
-                    if k == 0:
-                        fdone[g] += 1
-                        if local_next[g]:
-                            arrF[g + 1] += 1
-                        elif g + 1 < N:
-                            push(events, (now + LF[g], N + g + 1))
-                    elif k == 1:
-                        i = bdone[g]
-                        bdone[g] = i + 1
-                        if not split:
-                            held[r] -= 1
-                            held_bytes[r] -= sizes[i]
-                            sheld[g] -= 1
-                        if g and local_next[g - 1]:
-                            arrB[g - 1] += 1
-                        elif g:
-                            push(events, (now + LB[g], N2 + g - 1))
-                    else:
-                        held[r] -= 1
-                        held_bytes[r] -= sizes[nW[g] - 1]
-                        sheld[g] -= 1
-                elif code < N2:
-                    g = code - N
-                    arrF[g] += 1
-                    r = rank_of[g]
-                else:
-                    g = code - N2
-                    arrB[g] += 1
-                    r = rank_of[g]
-                deciding.append(r)
-                if not events or events[0][0] > now:
-                    break
-                now, code = pop(events)
-            if len(deciding) > 1:
-                deciding = sorted(set(deciding))
-        if not _complete(M, split, nF, nB, nW, running):
-            return None
-        return RankedRun(last, busy, decisions, peaks, timeline, stage_busy, speaks)
+        if len(deciding) > 1:
+            deciding = sorted(set(deciding))
+    # a complete run ends on a finish: every arrival is awaited by a task that ends later
+    if not _complete(M, split, nF, nB, nW, running):
+        return None
+    return RankedRun(now, busy, decisions, peaks, timeline, stage_busy, speaks)
 
 
-def _complete(M: int, split: bool, nF, nB, nW, running) -> bool:
+def _complete(
+    M: int, split: bool, nF: list[int], nB: list[int], nW: list[int], running: list[int]
+) -> bool:
     """Every stage ran all its tasks and no rank is still running one: else the run stalled."""
     return not (
         any(n < M for n in nF)

@@ -12,6 +12,8 @@ ranks); its cost model then has one entry per global stage.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from rrfp.core.budget import Budget
@@ -28,20 +30,20 @@ from rrfp.sim.planned_hint import plan_iteration
 def replay_durations(
     cost: CostModel,
     var: Variability,
-    features: list[dict],
+    features: list[dict[str, Any]],
     seed: int,
     step: int,
     split: bool,
     layout: VirtualLayout | None = None,
 ) -> np.ndarray:
-    """[S*V, M, 3] durations in emulated units, as the runtime's lane held them."""
-    virtual = layout if layout is not None and layout.virtual > 1 else None
-    return TaskTimes(var, seed, split, cost, virtual).realized(
+    """[S*V, M, 3] durations in emulated units, as the runtime's lane held them (``layout`` None:
+    one stage per rank)."""
+    return TaskTimes(var, seed, split, cost, layout).realized(
         step, cost.num_stages, len(features), features
     )
 
 
-def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
+def replay(doc: dict[str, Any], cost: CostModel) -> list[tuple[int, float, float]]:
     """(step, simulated ms, measured ms) for every step of a sizes file."""
     var = Variability.preset(doc["preset"])
     hint, dispatch, budget = (
@@ -57,13 +59,12 @@ def replay(doc: dict, cost: CostModel) -> list[tuple[int, float, float]]:
             f"the cost model has {cost.num_stages} stage(s) but the run had {layout.num_stages} "
             f"({layout.ranks} rank(s) x {layout.virtual})"
         )
-    virtual = layout if layout.virtual > 1 else None
     out = []
     for step, (feats, wall) in enumerate(zip(doc["features"], doc["step_wall_s"])):
         dur = replay_durations(cost, var, feats, doc["seed"], step, doc["split"], layout)
         followed = hint
         if hint.planned:  # this step's plan, from what the run knew before the step
-            times = TaskTimes(var, doc["seed"], doc["split"], cost, virtual)
+            times = TaskTimes(var, doc["seed"], doc["split"], cost, layout)
             followed, _ = plan_iteration(
                 times, step, doc["pp"], len(feats), budget, dispatch, feats
             )

@@ -1,0 +1,78 @@
+"""A one-stage pipeline in one process, built as a library caller builds it (one StageWorker,
+one stage's PipelineChannels, no layout), runs the rank path that every V runs: the gradients
+are a single-process reference's, the tasks follow the hint, and the old attribute names
+still answer, with a DeprecationWarning."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+from rrfp.comm.pipeline_channels import PipelineChannels, RankChannels
+from rrfp.core.budget import Budget
+from rrfp.core.hints import resolve
+from rrfp.core.policy import Dispatch
+from rrfp.core.rank_tracker import RankTracker
+from rrfp.loop.lane import ComputeLane
+from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.worker import StageWorker
+
+M = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(2, 6, generator=g), torch.randn(2, 3, generator=g)) for _ in range(M)]
+
+
+def _loss(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(y, t)
+
+
+@pytest.mark.parametrize("dispatch", ["ready", "fixed"])
+def test_one_stage_runs_the_rank_path_and_matches_the_reference(dispatch):
+    module, batches = _model(), _batches()
+    worker = StageWorker(module, 0, 1, M, _loss, split=True)
+    settings = ExecutorSettings(
+        Dispatch.parse(dispatch), resolve("1f1b"), Budget.parse("2x"), True, M
+    )
+    lane = ComputeLane()
+    ex = StageExecutor(worker, PipelineChannels(0), lane, settings)
+    assert isinstance(ex.channels, RankChannels) and ex.channels.of(0).fwd_in is None
+    assert isinstance(ex.tracker(ex.spec, lambda mb: 0), RankTracker)
+    result = asyncio.run(ex.run_iteration(0, batches))
+    lane._thread.shutdown()
+
+    reference = _model()
+    for x, t in batches:
+        (_loss(reference(x), t) / M).backward()
+    for p, q in zip(module.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    assert len(result.losses) == M
+    assert result.ran == [(0, t) for t in result.order]
+    if dispatch == "fixed":
+        assert [t for _, t in ex.order] == result.order
+
+
+def test_old_attribute_names_warn_and_answer():
+    worker = StageWorker(_model(), 0, 1, M, _loss, split=False)
+    settings = ExecutorSettings(Dispatch.READY, resolve("1f1b"), Budget.parse("2x"), False, M)
+    ex = StageExecutor(worker, PipelineChannels(0), None, settings)
+    with pytest.warns(DeprecationWarning, match="workers"):
+        assert ex.worker is worker
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    rt = PipelineRuntime.__new__(PipelineRuntime)
+    rt.channels = ex.channels
+    with pytest.warns(DeprecationWarning, match="channels"):
+        assert rt.rank_channels is ex.channels
+    with pytest.warns(DeprecationWarning, match="of\\(stage\\)"):
+        assert rt.channels.fwd_in is None and rt.channels.bwd_out is None
