@@ -53,6 +53,7 @@ from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.loop.background import BackgroundLoop
+from rrfp.loop.exit_guard import close_at_exit
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -215,6 +216,12 @@ class ScheduleReady:
             )
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
+        close_at_exit(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, what the script left open closes without waiting for the peers
+        (rrfp/loop/exit_guard.py): they may be gone, and a barrier would hold the exit."""
+        self.close(wait_for_peers=False)
 
     # -- torch's surface -----------------------------------------------------
 
