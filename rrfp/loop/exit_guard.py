@@ -34,7 +34,8 @@ _lock = threading.Lock()
 
 
 def close_at_exit(method: Callable[[], None]) -> None:
-    """Call ``method`` (a bound method, held weakly) at interpreter exit, unless its object is gone."""
+    """Call ``method`` (a bound method, held weakly) at interpreter exit, unless its object is
+    gone by then."""
     with _lock:
         _closers.append(weakref.WeakMethod(method))
 
