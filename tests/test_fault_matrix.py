@@ -6,8 +6,11 @@ the single-process reference's). The table in docs/faults.md is generated from `
 
 Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`` (SIGSTOP,
 continued after half of ``timeout_s``), ``gil`` (the forward or backward holds the GIL in one
-C call for 1.5 x ``timeout_s``: alive but slow). Phases: the forward (F) or the backward (B)
-of rank 1's second microbatch. Two ranks, a two-layer model, ``timeout_s`` = 2.
+C call for 1.5 x ``timeout_s``), ``busy`` (Python computes for 3 x ``timeout_s``, taking the
+GIL in turns): the last two are alive but slow. Phases: the forward (F) or the backward (B)
+of rank 1's second microbatch. APIs: ``ScheduleReady`` (the drop-in) and ``PipelineRuntime``
+(``async with``, ``run_iteration``), both with their defaults (the heartbeat on). Two ranks, a
+two-layer model, ``timeout_s`` = 2.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ FINISHES, NAMED = "finishes exactly", "rank 1 named"
 # (api, kind, phase, outcome)
 ROWS = [
     (api, kind, phase, NAMED if kind in ("kill", "stop") else FINISHES)
-    for api in ("ScheduleReady",)
-    for kind in ("kill", "stop", "pause", "gil")
+    for api in ("ScheduleReady", "PipelineRuntime")
+    for kind in ("kill", "stop", "pause", "gil", "busy")
     for phase in ("F", "B")
 ]
 
@@ -52,6 +55,10 @@ def _fault(kind: str, mark: Path) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "gil":
         ctypes.PyDLL(None).sleep(int(1.5 * TIMEOUT_S))  # libc's sleep, the GIL held throughout
+    elif kind == "busy":
+        end = time.monotonic() + 3 * TIMEOUT_S
+        while time.monotonic() < end:
+            pass
 
 
 def _stages() -> list[torch.nn.Module]:
@@ -114,7 +121,34 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     return {"losses": [float(v) for v in losses]}
 
 
-def _run(kind: str, phase: str, tmp: Path) -> dict:
+def _pipeline_runtime_rank(rank, world, kind, phase, mark):
+    import rrfp
+
+    module = _stages()[rank]
+    if rank == 1:
+        module = _Faulty(module, kind, phase, Path(mark))
+    x, y = _data()
+    batches = list(zip(x.chunk(M), y.chunk(M)))
+    out: dict = {}
+
+    async def main():
+        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S) as rt:
+            ex = rt.stage_executor(module, _loss, microbatches=M)
+            await ex.run_iteration(0, batches)
+            last = [w for w in ex.workers if w.is_last]
+            out["losses"] = [float(last[0].losses[mb]) for mb in range(M)] if last else []
+
+    try:
+        rrfp.run(main())
+    except Exception as e:  # the row's outcome: what this rank was told, and when
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+    return out
+
+
+RANK_FNS = {"ScheduleReady": _schedule_ready_rank, "PipelineRuntime": _pipeline_runtime_rank}
+
+
+def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     """Both ranks; rank 1's result unless it was killed or stopped, rank 0's always; whatever is
     left of rank 1 once rank 0 has reported is killed."""
     ctx = _context()
@@ -122,7 +156,7 @@ def _run(kind: str, phase: str, tmp: Path) -> dict:
     procs = [
         ctx.Process(
             target=_child,
-            args=(_schedule_ready_rank, r, 2, port, (kind, phase, str(mark)), queue),
+            args=(RANK_FNS[api], r, 2, port, (kind, phase, str(mark)), queue),
             daemon=True,
         )
         for r in range(2)
@@ -153,7 +187,7 @@ def _run(kind: str, phase: str, tmp: Path) -> dict:
 
 @pytest.mark.parametrize(("api", "kind", "phase", "outcome"), ROWS)
 def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
-    results = _run(kind, phase, tmp_path)
+    results = _run(api, kind, phase, tmp_path)
     assert results["fault_at"] is not None, "the fault never fired"
     if outcome == FINISHES:
         for rank in (0, 1):
@@ -181,8 +215,9 @@ def table() -> str:
         "losses.",
         "",
         "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after half of",
-        "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s). Phases: the forward (F)",
-        "or backward (B) of rank 1's second microbatch.",
+        "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python computing",
+        "for 3 x timeout_s). Phases: the forward (F) or backward (B) of rank 1's second",
+        "microbatch. APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
         "",
         "| API | kind | phase | outcome |",
         "|---|---|---|---|",
