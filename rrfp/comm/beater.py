@@ -14,10 +14,11 @@ task go unnamed for that long. A hang that keeps the process running (a deadlock
 that is the backstop's to end (the groups' long timeout), as before.
 
 The child closes every inherited descriptor at once, so a killed rank's sockets close with it
-(its peers' gloo reads fail at once), ignores the stop signals its process group gets (the
-parent decides how the rank stops, and ends the child), and never returns into the parent's
-code: it leaves with ``os._exit``. What the rank is doing (``doing``) reaches it through a page
-of shared memory.
+(its peers' gloo reads fail at once); it dies with its parent (PR_SET_PDEATHSIG) and lives in a
+process group of its own, so a signal to the rank's group is the rank's alone to act on (the
+parent ends the child) and the group empties when the rank ends; it ignores the stop signals,
+and never returns into the parent's code: it leaves with ``os._exit``. What the rank is doing
+(``doing``) reaches it through a page of shared memory.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class Beater:
 
     def _serve(self, parent: int) -> None:
         _die_with_parent()
+        os.setpgid(0, 0)  # a group of its own: the rank's group is the rank's, as launchers see it
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
         os.closerange(3, _max_fd())  # the parent's sockets close when it dies, not when we do
