@@ -110,17 +110,17 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
             os.kill(pid, signal.SIGTERM)
         t_sig = time.monotonic()
         lines: dict[int, str] = {}
-        while len(lines) < 2 and time.monotonic() - t_sig < SAVED_WITHIN_S:
+        while not lines and time.monotonic() - t_sig < SAVED_WITHIN_S:
             lines = {
                 int(m[1]): m[0]
                 for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", err.read_text(), re.M)
             }
             time.sleep(0.02)
         elapsed = time.monotonic() - t_sig
-        print(f"both ranks' 'saved' lines {elapsed:.2f} s after SIGTERM, in a {SLOW_S} s task")
-        assert len(lines) == 2, (
-            f"{sorted(lines)} of 2 ranks said 'stopped' within {SAVED_WITHIN_S} s of SIGTERM "
-            f"in a {SLOW_S} s step\n" + err.read_text()[-3000:]
+        print(f"the job's 'saved' line {elapsed:.2f} s after SIGTERM, in a {SLOW_S} s task")
+        assert lines, (
+            f"no 'stopped' line within {SAVED_WITHIN_S} s of SIGTERM in a {SLOW_S} s step\n"
+            + err.read_text()[-3000:]
         )
         job.wait(timeout=30)
     finally:
@@ -131,6 +131,8 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     assert [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)] == [143, 143], (
         text[-3000:]
     )
+    lines = {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", text, re.M)}
+    assert list(lines) == [0], f"one line for the job, rank 0's: {lines}"
     ck = run / "ck" / f"step-{SLOW_STEP - 1:08d}"
     for r, line in lines.items():
         assert (

@@ -220,7 +220,8 @@ def train_command(args) -> int:
             if summary.abandoned
             else f"the run stopped after step {summary.stopped_at} of {cfg.run.steps}"
         )
-        say(f"rrfp: stopped: rank {rank}: {stop.name} {where}; {ended}; {saved}")
+        if rank == 0:  # every rank stopped after the same agreed step: rank 0 says it for the job
+            say(f"rrfp: stopped: rank {rank}: {stop.name} {where}; {ended}; {saved}")
         exit_now(stopped_exit(stop.name))
     if rank == 0:
         resumed = f" after step {summary.first_step}" if summary.first_step else ""

@@ -1,12 +1,14 @@
 """A heartbeat on the control plane, so that a rank waiting on a peer can tell a
 peer that is busy (or was stopped and continued) from one that went silent.
 
-Each rank's daemon thread writes ``SEQ AGE ACTIVITY`` under its key in the
-rendezvous store every ``period_s`` (SEQ counts up; ACTIVITY is what the rank
-said it is doing, e.g. ``task F3``, for AGE seconds), and reads its peers'
-keys. A peer whose SEQ has not moved for ``timeout_s`` went silent: stopped
-(SIGSTOP), hung without the GIL, or cut off. A thread, not an asyncio task:
-it must beat while the main thread computes one long task.
+Each rank writes ``SEQ AGE ACTIVITY`` under its key in the rendezvous store
+every ``period_s`` (SEQ counts up; ACTIVITY is what the rank said it is doing,
+e.g. ``task F3``, for AGE seconds), and a daemon thread reads its peers' keys.
+A peer whose SEQ has not moved for ``timeout_s`` went silent: stopped
+(SIGSTOP), killed, or cut off. The beats come from a forked child process
+(rrfp/comm/beater.py, which says why): a thread would need the GIL between two
+beats, and a forward that holds it in one long C call would silence it; where
+no child can be forked, the reading thread beats too.
 
 Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
 2.13): one client's calls are serialized under one mutex (``activeOpLock_``),
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from rrfp.comm import beater
 from rrfp.comm.job_store import attempt
 
 log = logging.getLogger("rrfp.comm.heartbeat")
@@ -108,7 +111,13 @@ class Heartbeat:
             target=self._run, name=f"rrfp-heartbeat-{rank}", daemon=True
         )
         self.error: BaseException | None = (
-            None  # the store failed the thread (it then stops beating)
+            None  # the store failed the thread (it then stops reading)
+        )
+        # the beats' process (None: the thread beats), on a client of the store's own address
+        self._beater = (
+            beater.Beater(store.host, store.port, self._key(rank), self.period_s, timeout_s)
+            if isinstance(store, dist.TCPStore) and beater.supported()
+            else None
         )
 
     @classmethod
@@ -153,14 +162,24 @@ class Heartbeat:
         Called from the loop thread; the beat carries it to the peers."""
         if what != self._activity[0]:
             self._activity = (what, time.monotonic())
+            if self._beater is not None:
+                self._beater.doing(*self._activity)
 
     def start(self) -> Heartbeat:
+        if self._beater is not None:
+            try:
+                self._beater.start()
+            except OSError as e:  # no process to spare: the thread beats
+                log.info("rank %d: heartbeat from a thread (no beating process: %s)", self.rank, e)
+                self._beater = None
         self._thread.start()
         return self
 
     def close(self) -> None:
         """Stop beating (the thread ends after its current store call)."""
         self._stop.set()
+        if self._beater is not None:
+            self._beater.close()
 
     # -- the thread -------------------------------------------------------------
 
@@ -171,7 +190,8 @@ class Heartbeat:
         try:
             while not self._stop.is_set():
                 self.round_at = time.monotonic()
-                self._beat()
+                if self._beater is None:
+                    self._beat()
                 self._read()
                 self._stop.wait(self.period_s)
         except (

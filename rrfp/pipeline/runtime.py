@@ -183,7 +183,7 @@ class PipelineRuntime:
         backend: str = "gloo",
         timeout_s: float = 60.0,
         unit_ms: float = 0.0,
-        heartbeat: bool = False,
+        heartbeat: bool = True,
         virtual: int = 1,
         placement: str = "interleaved",
     ) -> PipelineRuntime:
@@ -200,10 +200,11 @@ class PipelineRuntime:
         NCCL's watchdog gets a longer timeout than ``timeout_s``, rrfp's own
         deadline, which therefore fires first and names the peer.
 
-        ``heartbeat`` (gloo): ``timeout_s`` bounds a peer's silence, not a wait. Every rank beats
-        on the rendezvous store from a thread (rrfp/comm/heartbeat.py); a rank waits for a peer
-        that beats however long its step takes, and names one silent for ``timeout_s`` (a
-        PeerSilent raised in the ``async with`` block). Startup is still bounded by ``timeout_s``."""
+        ``heartbeat`` (gloo, on by default): ``timeout_s`` bounds a peer's silence, not a wait.
+        Every rank beats on the rendezvous store (rrfp/comm/heartbeat.py); a rank waits for a
+        peer that beats however long its step takes, and names one silent for ``timeout_s`` (a
+        PeerSilent raised in the ``async with`` block, or by ``watch``). Startup is still bounded
+        by ``timeout_s``. ``heartbeat=False``: every wait is bounded by ``timeout_s`` instead."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -301,11 +302,16 @@ class PipelineRuntime:
         groups = create_stage_groups(
             layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s
         )
+        if beat is not None and not owns and "cpu" not in groups:
+            # the caller's default group keeps its timeout: rrfp's control plane gets a group
+            groups["cpu"] = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
         if (
             beat is not None
         ):  # created with timeout_s (startup stays bounded); from now on silence is the beat's
             for group in [
-                None,
+                *([None] if owns else []),
                 *groups.values(),
             ]:  # collectives only: p2p waits get it in Channel.wait
                 dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
@@ -560,6 +566,44 @@ class PipelineRuntime:
             await self.aclose()
             raise self._silence from None
 
+    async def watch(self, awaitable):
+        """``await awaitable``, ended by PeerSilent once the heartbeat finds a peer silent for
+        ``timeout_s``: what ``async with`` does for its block, for a caller that awaits the
+        runtime's work piece by piece (ScheduleReady). Without a heartbeat, just the await."""
+        hb = self.heartbeat
+        if hb is None:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            done, _ = await asyncio.wait([task], timeout=hb.period_s)
+            if done:
+                return task.result()
+            found = hb.check()
+            if found is not None:
+                task.cancel()
+                await asyncio.wait([task])
+                self._silence = self._silent(found)
+                log.info("%s", self._silence)
+                raise self._silence
+
+    def _silent(self, found) -> PeerSilent:
+        """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
+        hb = self.heartbeat
+        if found.rank is None:
+            host0 = "rank 0's process" in hb.where
+            return PeerSilent(
+                f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for "
+                f"{found.seconds:.1f} s (run.timeout_s = {self.timeout_s:g}): "
+                f"{'rank 0 is' if host0 else 'it is'} stopped, hung or gone",
+                0 if host0 else None,
+            )
+        return PeerSilent(
+            f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for "
+            f"{found.seconds:.1f} s (run.timeout_s = {self.timeout_s:g}): it is stopped, hung or "
+            "cut off",
+            found.rank,
+        )
+
     async def _watch(self) -> None:
         """Ask the heartbeat every beat; on a silent peer, cancel the block with PeerSilent as the
         cause. On the loop: while this rank computes, nothing of it waits for a peer."""
@@ -569,20 +613,7 @@ class PipelineRuntime:
             found = hb.check()
             if found is None:
                 continue
-            if found.rank is None:
-                host0 = "rank 0's process" in hb.where
-                self._silence = PeerSilent(
-                    f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for {found.seconds:.1f} s "
-                    f"(run.timeout_s = {self.timeout_s:g}): {'rank 0 is' if host0 else 'it is'} stopped, hung or "
-                    "gone",
-                    0 if host0 else None,
-                )
-            else:
-                self._silence = PeerSilent(
-                    f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for {found.seconds:.1f} s "
-                    f"(run.timeout_s = {self.timeout_s:g}): it is stopped, hung or cut off",
-                    found.rank,
-                )
+            self._silence = self._silent(found)
             log.info("%s", self._silence)
             self._watched.cancel()
             return

@@ -53,6 +53,7 @@ from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.loop.background import BackgroundLoop
+from rrfp.loop.exit_guard import close_at_exit
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -130,7 +131,9 @@ class ScheduleReady:
     Positional arguments are torch's. ``hint`` (a builtin name such as ``"bfw"``, ``"1f1b"``,
     ``"zbh1"``, an rrfp ``.csv`` hint, or a callable), ``budget`` (``"2x"``, a count, ``"512MiB"``)
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
-    waits on a silent peer before it names it; ``tied`` declares parameters shared with other
+    waits on a silent peer before it names it (``heartbeat``, on by default: a peer that beats is
+    alive however long its task takes, rrfp/comm/heartbeat.py; ``heartbeat=False`` bounds every
+    wait by ``timeout_s`` instead); ``tied`` declares parameters shared with other
     stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor);
     ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
     ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
@@ -176,6 +179,7 @@ class ScheduleReady:
         dp_sync: bool = False,
         split: bool | None = None,
         cost=None,
+        heartbeat: bool = True,
     ) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
@@ -201,7 +205,7 @@ class ScheduleReady:
         self._loop = BackgroundLoop(f"rrfp-stage{'-'.join(map(str, indices))}")
         try:
             self._runtime = self._loop.call(
-                _start(layout, backend, timeout_s, self._unit_ms, virtual, placement)
+                _start(layout, backend, timeout_s, self._unit_ms, virtual, placement, heartbeat)
             )
         except BaseException:
             self._loop.close()
@@ -215,6 +219,12 @@ class ScheduleReady:
             )
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
+        close_at_exit(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, what the script left open closes without waiting for the peers
+        (rrfp/loop/exit_guard.py): they may be gone, and a barrier would hold the exit."""
+        self.close(wait_for_peers=False)
 
     # -- torch's surface -----------------------------------------------------
 
@@ -267,14 +277,16 @@ class ScheduleReady:
             )
         else:
             outputs, mb_losses = self._loop.call(
-                self._forward_only(
-                    self._iteration,
-                    arg_mbs,
-                    kwarg_mbs,
-                    target_mbs,
-                    loss_kwargs or {},
-                    torch.is_grad_enabled(),
-                    state,
+                self._runtime.watch(
+                    self._forward_only(
+                        self._iteration,
+                        arg_mbs,
+                        kwarg_mbs,
+                        target_mbs,
+                        loss_kwargs or {},
+                        torch.is_grad_enabled(),
+                        state,
+                    )
                 )
             )
         self._iteration += 1
@@ -325,7 +337,9 @@ class ScheduleReady:
         calls it, after ``step`` (and after any DP gradient sync); a non-finite norm is not applied."""
         if self._closed:
             raise RuntimeError("ScheduleReady.clip_grad_norm_ after close()")
-        return self._loop.call(self._runtime.clip_grad_norm_(max_norm, norm_type))
+        return self._loop.call(
+            self._runtime.watch(self._runtime.clip_grad_norm_(max_norm, norm_type))
+        )
 
     # -- lifetime ------------------------------------------------------------
 
@@ -336,10 +350,12 @@ class ScheduleReady:
             return
         try:
             if wait_for_peers:
-                self._loop.call(self._runtime.finish())
+                self._loop.call(self._runtime.watch(self._runtime.finish()))
             else:
                 self._loop.call(self._runtime.aclose())
         finally:
+            if self._runtime.heartbeat is not None:
+                self._runtime.heartbeat.close()
             self._loop.close()
             self._loop, self._closed = None, True
 
@@ -455,7 +471,7 @@ class ScheduleReady:
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
         held = _take_grads(self._modules)
         try:
-            self.last_result = self._loop.call(self._iterate(batches, state))
+            self.last_result = self._loop.call(self._runtime.watch(self._iterate(batches, state)))
         finally:
             _scale_grads(self._modules, held, M, self.scale_grads)
         if (
@@ -718,6 +734,7 @@ async def _start(
     unit_ms: float,
     virtual: int = 1,
     placement: str = "interleaved",
+    heartbeat: bool = True,
 ) -> PipelineRuntime:
     return PipelineRuntime.start(
         layout=layout,
@@ -726,4 +743,5 @@ async def _start(
         unit_ms=unit_ms,
         virtual=virtual,
         placement=placement,
+        heartbeat=heartbeat,
     )

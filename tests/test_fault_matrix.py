@@ -1,0 +1,234 @@
+"""The fault matrix of the embedding APIs: a fault kind injected on rank 1 in one phase of a
+step, and what rank 0 sees. Each row asserts its outcome: the fault named (the error names
+rank 1, within ``timeout_s`` plus slack) or the step finished exactly (rank 1's losses are
+the single-process reference's). The table in docs/faults.md is generated from ``ROWS``
+(``python tests/test_fault_matrix.py`` rewrites it; a test checks it is current).
+
+Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`` (SIGSTOP,
+continued after half of ``timeout_s``), ``gil`` (the forward or backward holds the GIL in one
+C call for 1.5 x ``timeout_s``), ``busy`` (Python computes for 3 x ``timeout_s``, taking the
+GIL in turns): the last two are alive but slow. Phases: the forward (F) or the backward (B)
+of rank 1's second microbatch. APIs: ``ScheduleReady`` (the drop-in) and ``PipelineRuntime``
+(``async with``, ``run_iteration``), both with their defaults (the heartbeat on). Two ranks, a
+two-layer model, ``timeout_s`` = 2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed import _child, _context, free_port  # noqa: E402
+
+TIMEOUT_S = 2.0
+SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
+M, BATCH, WIDTH = 4, 8, 8
+DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
+
+FINISHES, NAMED = "finishes exactly", "rank 1 named"
+# (api, kind, phase, outcome)
+ROWS = [
+    (api, kind, phase, NAMED if kind in ("kill", "stop") else FINISHES)
+    for api in ("ScheduleReady", "PipelineRuntime")
+    for kind in ("kill", "stop", "pause", "gil", "busy")
+    for phase in ("F", "B")
+]
+
+
+def _fault(kind: str, mark: Path) -> None:
+    mark.write_text(repr(time.time()))
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "pause":
+        subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT_S / 2}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "gil":
+        ctypes.PyDLL(None).sleep(int(1.5 * TIMEOUT_S))  # libc's sleep, the GIL held throughout
+    elif kind == "busy":
+        end = time.monotonic() + 3 * TIMEOUT_S
+        while time.monotonic() < end:
+            pass
+
+
+def _stages() -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, WIDTH)]
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
+
+
+def _loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _reference() -> list[float]:
+    first, last = _stages()
+    x, y = _data()
+    return [_loss(last(first(xm)), ym).item() for xm, ym in zip(x.chunk(M), y.chunk(M))]
+
+
+class _Faulty(torch.nn.Module):
+    """Rank 1's stage: the fault fires in the forward, or the backward, of its second microbatch."""
+
+    def __init__(self, inner, kind: str, phase: str, mark: Path) -> None:
+        super().__init__()
+        self.inner, self.kind, self.phase, self.mark, self.calls = inner, kind, phase, mark, 0
+
+    def forward(self, x):
+        self.calls += 1
+        hit = self.calls == 2
+        if hit and self.phase == "F":
+            _fault(self.kind, self.mark)
+        out = self.inner(x)
+        if hit and self.phase == "B":
+            out.register_hook(lambda g: _fault(self.kind, self.mark))
+        return out
+
+
+def _schedule_ready_rank(rank, world, kind, phase, mark):
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.pipelining.schedule import ScheduleReady
+
+    dist.init_process_group("gloo")
+    module = _stages()[rank]
+    if rank == 1:
+        module = _Faulty(module, kind, phase, Path(mark))
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    schedule = ScheduleReady(stage, M, loss_fn=_loss, timeout_s=TIMEOUT_S)
+    x, y = _data()
+    losses: list = []
+    try:
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+    except Exception as e:  # the row's outcome: what this rank was told, and when
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+    schedule.close()
+    return {"losses": [float(v) for v in losses]}
+
+
+def _pipeline_runtime_rank(rank, world, kind, phase, mark):
+    import rrfp
+
+    module = _stages()[rank]
+    if rank == 1:
+        module = _Faulty(module, kind, phase, Path(mark))
+    x, y = _data()
+    batches = list(zip(x.chunk(M), y.chunk(M)))
+    out: dict = {}
+
+    async def main():
+        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S) as rt:
+            ex = rt.stage_executor(module, _loss, microbatches=M)
+            await ex.run_iteration(0, batches)
+            last = [w for w in ex.workers if w.is_last]
+            out["losses"] = [float(last[0].losses[mb]) for mb in range(M)] if last else []
+
+    try:
+        rrfp.run(main())
+    except Exception as e:  # the row's outcome: what this rank was told, and when
+        return {"error": f"{type(e).__name__}: {e}", "at": time.time()}
+    return out
+
+
+RANK_FNS = {"ScheduleReady": _schedule_ready_rank, "PipelineRuntime": _pipeline_runtime_rank}
+
+
+def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
+    """Both ranks; rank 1's result unless it was killed or stopped, rank 0's always; whatever is
+    left of rank 1 once rank 0 has reported is killed."""
+    ctx = _context()
+    queue, port, mark = ctx.Queue(), free_port(), tmp / "fault_at"
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(RANK_FNS[api], r, 2, port, (kind, phase, str(mark)), queue),
+            daemon=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    want = {0} if kind in ("kill", "stop") else {0, 1}
+    try:
+        deadline = time.monotonic() + 90
+        while not want <= results.keys():
+            left = deadline - time.monotonic()
+            assert left > 0, f"{kind} in {phase}: ranks {want - results.keys()} hung: {results}"
+            try:
+                rank, status, value = queue.get(timeout=left)
+            except Exception:
+                continue
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    results["fault_at"] = float(mark.read_text()) if mark.exists() else None
+    return results
+
+
+@pytest.mark.parametrize(("api", "kind", "phase", "outcome"), ROWS)
+def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
+    results = _run(api, kind, phase, tmp_path)
+    assert results["fault_at"] is not None, "the fault never fired"
+    if outcome == FINISHES:
+        for rank in (0, 1):
+            assert "error" not in results[rank], (rank, results[rank])
+        reference = _reference()
+        assert results[1]["losses"] == pytest.approx(reference, rel=1e-6, abs=0), results[1]
+        return
+    error, took = results[0].get("error"), None
+    assert error is not None, f"rank 0 finished a step whose peer was {kind}ed: {results[0]}"
+    took = results[0]["at"] - results["fault_at"]
+    assert "rank 1" in error, error
+    assert took <= TIMEOUT_S + SLACK_S, f"named after {took:.1f} s: {error}"
+    print(f"{api} {kind} {phase}: named after {took:.2f} s")
+
+
+def table() -> str:
+    lines = [
+        "# Fault matrix",
+        "",
+        "Generated from `ROWS` in tests/test_fault_matrix.py (`python tests/test_fault_matrix.py`",
+        "rewrites it); each row is a test that injects the fault on rank 1 of two and asserts the",
+        f"outcome on rank 0: the fault named (its error names rank 1 within timeout_s + "
+        f"{SLACK_S:g} s,",
+        f"timeout_s = {TIMEOUT_S:g}) or the step finished with the single-process reference's",
+        "losses.",
+        "",
+        "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after half of",
+        "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python computing",
+        "for 3 x timeout_s). Phases: the forward (F) or backward (B) of rank 1's second",
+        "microbatch. APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
+        "",
+        "| API | kind | phase | outcome |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {api} | {kind} | {phase} | {outcome} |" for api, kind, phase, outcome in ROWS]
+    return "\n".join(lines) + "\n"
+
+
+def test_the_docs_table_is_current():
+    assert DOC.read_text() == table(), "docs/faults.md is stale: python tests/test_fault_matrix.py"
+
+
+if __name__ == "__main__":
+    DOC.write_text(table())
