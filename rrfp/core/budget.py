@@ -76,6 +76,7 @@ class Budget:
         V = layout.virtual
         if V == 1:
             return self.limit(layout.ranks, rank)
+        count: int | None
         if self.multiple is not None:
             share = rank_need(layout, rank) / _fullest_need(layout)
             count = max(V, int(self.multiple * layout.ranks * V * share + 1e-9))
@@ -122,7 +123,8 @@ def peak_held(spans: Iterable[tuple[float, float, float]]) -> float:
     events = sorted(
         (t, d) for a, b, x in spans for t, d in ((a, x), (b, -x))
     )  # at one t, negative first
-    now = peak = 0
+    now: float = 0
+    peak: float = 0
     for _, d in events:
         now += d
         peak = max(peak, now)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from rrfp.core.budget import Budget
 from rrfp.core.nominal import nominal_orders, nominal_rank_orders
@@ -64,7 +65,7 @@ def bfw(S: int, s: int, M: int, split: bool) -> list[Task]:
     return bfw_ranked(range(M), split)
 
 
-def bfw_ranked(microbatches, split: bool) -> list[Task]:
+def bfw_ranked(microbatches: Iterable[int], split: bool) -> list[Task]:
     """B, then F, then W, each kind in the given microbatch order (the planner's entry order)."""
     order = [Task(Kind.B, m) for m in microbatches] + [Task(Kind.F, m) for m in microbatches]
     return order + ([Task(Kind.W, m) for m in microbatches] if split else [])
@@ -319,7 +320,7 @@ class Hint:
         prio = {t: i for i, t in enumerate(self.fn(S, s, M, split))}
         if prio.keys() != set(stage_tasks(M, split)) or len(prio) != len(stage_tasks(M, split)):
             raise HintError(f"hint {self.name} stage {s}: does not rank every task exactly once")
-        return prio
+        return cast(dict[Task, int], prio)  # the check above leaves only Tasks
 
     def spec(
         self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget

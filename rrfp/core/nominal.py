@@ -24,7 +24,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.event_driver import drive
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, chunked_priority
-from rrfp.core.rank_tracker import RankSpec, RankTracker
+from rrfp.core.rank_tracker import RankSpec, RankTracker, StageTask
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 
@@ -89,7 +89,7 @@ def nominal_rank_orders(
         )
     out: list[list[tuple[int, Task]]] = [[] for _ in trackers]
 
-    def decided(r: int, item, now: float, end: float) -> None:
+    def decided(r: int, item: StageTask | None, now: float, end: float) -> None:
         if item is not None:
             out[r].append((item.stage, item.task))
 

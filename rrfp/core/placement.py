@@ -10,6 +10,7 @@ S-1 and S, and that turn is local: no message. V = 1 is the plain pipeline.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -96,7 +97,7 @@ class VirtualLayout:
         )
 
 
-def stages_label(stages) -> str:
+def stages_label(stages: Iterable[int]) -> str:
     """``stage 3`` or ``stages 3, 4``: how errors and logs name what a rank holds."""
     stages = tuple(stages)
     return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"

@@ -39,17 +39,29 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from rrfp.core.bounds import lower_bound
-from rrfp.core.budget import peak_held
+from rrfp.core.budget import Budget, Limit, peak_held
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
 from rrfp.sim.engine import SimConfig, SimDeadlock, SimResult, _durations, simulate
 
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model as cp
+
 log = logging.getLogger(__name__)
+
+StageOrders: TypeAlias = tuple[tuple[Task, ...], ...]  # per stage (V = 1)
+RankOrders: TypeAlias = tuple[tuple[tuple[int, Task], ...], ...]  # per rank, (stage, task) pairs
+Orders: TypeAlias = StageOrders | RankOrders
+AnyOrders: TypeAlias = Sequence[Sequence[Task]] | Sequence[Sequence[tuple[int, Task]]]
+TaskKey: TypeAlias = tuple[int, int, Kind]  # (global stage, microbatch, kind)
 
 INSTALL_HINT = "the optimum needs OR-Tools: pip install 'rrfp[oracle]'"
 RELAXED_SHARE = 0.5  # of the time limit, for the solve without the budget when the budget can bind
@@ -76,7 +88,7 @@ class OracleResult:
     seconds: float
     status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
     # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with V > 1.
-    orders: tuple[tuple, ...] | None = None
+    orders: Orders | None = None
 
     @property
     def gap(self) -> float | None:
@@ -85,7 +97,7 @@ class OracleResult:
             return None
         return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {
             "makespan": self.makespan,
             "bound": self.bound,
@@ -95,7 +107,7 @@ class OracleResult:
         }
 
 
-def require_ortools():
+def require_ortools() -> ModuleType:
     """CP-SAT's module, or OracleUnavailable naming the extra to install."""
     try:
         from ortools.sat.python import cp_model
@@ -110,10 +122,12 @@ class _Instance:
 
     cfg: SimConfig
     kinds: tuple[Kind, ...]
-    dur: np.ndarray  # real durations [S*V, M, 3] over global stages, as the simulator draws them
-    d: np.ndarray  # integer durations
-    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
-    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
+    dur: npt.NDArray[
+        np.float64
+    ]  # real durations [S*V, M, 3] over global stages, as the simulator draws them
+    d: npt.NDArray[np.int64]  # integer durations
+    lf: npt.NDArray[np.int64]  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
+    lb: npt.NDArray[np.int64]  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
     sizes: list[int]
     horizon: int
     scale: int
@@ -144,9 +158,9 @@ def _instance(cfg: SimConfig, scale: int) -> _Instance:
     )
 
 
-def _limit(cfg: SimConfig, rank: int):
+def _limit(cfg: SimConfig, rank: int) -> Limit:
     """The budget on ``rank`` over all its stages (a stage's own limit with V = 1)."""
-    return cfg.budget.rank_limit(cfg.layout, rank)
+    return Budget.parse(cfg.budget).rank_limit(cfg.layout, rank)
 
 
 def as_split(order: Sequence[Task], split: bool) -> list[Task]:
@@ -227,13 +241,11 @@ class _Solve:
     status: str
     optimal: bool
     bound: int  # proven, in integer units
-    orders: (
-        tuple[tuple, ...] | None
-    )  # the best solution's order: per stage (V = 1) or per rank (V > 1)
+    orders: Orders | None  # the best solution's order: per stage (V = 1) or per rank (V > 1)
 
 
 def _run(
-    cp_model,
+    cp_model: ModuleType,
     inst: _Instance,
     with_budget: bool,
     lower: int,
@@ -297,8 +309,8 @@ def _run(
     solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = 0
-    for key, value in (params or {}).items():
-        setattr(solver.parameters, key, value)
+    for param, value in (params or {}).items():
+        setattr(solver.parameters, param, value)
     status = solver.solve(model)
     name = solver.status_name(status)
     if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
@@ -306,7 +318,7 @@ def _run(
             f"oracle model is {name} for S={S} V={cfg.virtual} M={M} budget {cfg.budget}: "
             "a bug in the model"
         )
-    orders = None
+    orders: Orders | None = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if cfg.virtual == 1:
             orders = tuple(
@@ -407,7 +419,13 @@ def _budget_can_bind(inst: _Instance) -> bool:
     return False
 
 
-def _budget(model, inst: _Instance, rank: int, start, end) -> None:
+def _budget(
+    model: cp.CpModel,
+    inst: _Instance,
+    rank: int,
+    start: Mapping[TaskKey, cp.IntVar],
+    end: Mapping[TaskKey, cp.LinearExprT],
+) -> None:
     """The tracker's in-flight rule on ``rank``: (stage, microbatch) is held
     from the start of F to the end of its last backward, and the rank's stages
     together hold at most its count of chunks; by bytes, its chunks 0..c hold at
@@ -442,12 +460,13 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     stages with V > 1, as ``Budget.rank_limit`` counts them), or by bytes
     ``byte_caps`` on every rank (the limit itself with V = 1). None for a byte
     budget and a result not recorded, whose peak count cannot tell."""
-    if cfg.budget.bytes is None:
-        return all(p <= _limit(cfg, r).count for r, p in enumerate(result.peak_inflight))
+    budget = Budget.parse(cfg.budget)
+    if budget.bytes is None:
+        return all(p <= _count(_limit(cfg, r)) for r, p in enumerate(result.peak_inflight))
     if not result.timeline:
         return None
     last = last_backward(result.config.split_backward)
-    demand, caps = byte_caps(cfg.virtual, cfg.budget.bytes, _durations(cfg)[3])
+    demand, caps = byte_caps(cfg.virtual, budget.bytes, _durations(cfg)[3])
     held: dict[
         tuple[int, int], list[float]
     ] = {}  # (stage, mb) -> [start of F, end of its last backward]
@@ -465,19 +484,27 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     return True
 
 
-def _order_hint(cfg: SimConfig, orders) -> Hint:
-    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with V > 1."""
+def _count(limit: Limit) -> int:
+    """A count limit's count (a budget without bytes has one)."""
+    assert limit.count is not None
+    return limit.count
+
+
+def _order_hint(cfg: SimConfig, orders: AnyOrders) -> Hint:
+    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with
+    V > 1."""
     frozen = tuple(tuple(o) for o in orders)
     if cfg.virtual == 1:
-        return Hint("oracle", lambda S, s, M, split: frozen[s])
-    return Hint("oracle", _no_stage_order, fixed_rank_orders=frozen)
+        per_stage = cast(StageOrders, frozen)
+        return Hint("oracle", lambda S, s, M, split: per_stage[s])
+    return Hint("oracle", _no_stage_order, fixed_rank_orders=cast(RankOrders, frozen))
 
 
-def _no_stage_order(S: int, s: int, M: int, split: bool):
+def _no_stage_order(S: int, s: int, M: int, split: bool) -> list[Task]:
     raise ValueError("the oracle's order with virtual stages is per rank")
 
 
-def _repair(cfg: SimConfig, orders) -> SimResult | None:
+def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
     """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
     try:
         return simulate(
@@ -487,7 +514,7 @@ def _repair(cfg: SimConfig, orders) -> SimResult | None:
         return None
 
 
-def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
+def _orders(result: SimResult, split: bool) -> Orders:
     """The order ``result`` started its tasks in, as a split schedule if ``split``: per stage with
     V = 1, per rank over (stage, task) pairs with V > 1."""
     cfg = result.config
@@ -508,7 +535,7 @@ def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
     )
 
 
-def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
+def _hint_starts(result: SimResult, inst: _Instance) -> npt.NDArray[np.int64]:
     """Start times [S*V, M, 3] of a recorded schedule in integer units, rounded
     down, which keeps it feasible in the rounded model. An unsplit schedule
     becomes a split one: W(m) right after B(m)."""
@@ -544,7 +571,7 @@ def _best_hint(results: list[SimResult]) -> SimResult | None:
     return min(results, key=lambda r: r.makespan, default=None)
 
 
-def replay(cfg: SimConfig, orders: Sequence[Sequence], record: bool = False) -> SimResult:
+def replay(cfg: SimConfig, orders: AnyOrders, record: bool = False) -> SimResult:
     """The simulator running ``orders`` as a fixed order on ``cfg``'s durations (per stage with
     V = 1, per rank over (stage, task) pairs with V > 1): the earliest timing of that schedule,
     checked by the same tracker rules."""

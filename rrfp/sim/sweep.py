@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 import numpy as np
 
@@ -16,6 +17,10 @@ from rrfp.sim.engine import SimConfig, SimResult, simulate
 from rrfp.sim.planning import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
+
+RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: executor, hint, budget, layout
+Combo: TypeAlias = tuple[Dispatch, str, Budget | None, VirtualLayout]  # None: no budget applies
+Job: TypeAlias = tuple[int, Combo]  # (seed, combo)
 
 
 def layout_label(virtual: int, placement: str) -> str:
@@ -46,7 +51,7 @@ class Row:
         return layout_label(self.virtual, self.placement)
 
     @property
-    def key(self) -> tuple[str, str, str | None, str]:
+    def key(self) -> RowKey:
         return self.executor, self.hint, self.budget, self.layout
 
     @property
@@ -62,7 +67,7 @@ class Row:
         """10th and 90th percentile of per-seed speedups."""
         return float(np.percentile(self.speedups, 10)), float(np.percentile(self.speedups, 90))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         lo, hi = self.spread
         return {
             "executor": self.executor,
@@ -103,8 +108,8 @@ def sweep(
     dispatches: Iterable[Dispatch],
     hints: Iterable[Hint],
     seeds: int,
-    progress: Callable[[Iterable], Iterable] = lambda x: x,
-    runs: dict[tuple, list[tuple[SimConfig, SimResult]]] | None = None,
+    progress: Callable[[list[Job]], Iterable[Job]] = lambda x: x,
+    runs: dict[RowKey, list[tuple[SimConfig, SimResult]]] | None = None,
     budgets: Sequence[Budget] = (),
     layouts: Sequence[VirtualLayout] = (),
     skipped: list[str] | None = None,
@@ -116,7 +121,7 @@ def sweep(
     form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and ``skipped`` receives why.
     ``runs``, when given, receives every (config as run, recorded result) by ``Row.key``, seed
     by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
-    budgets = list(budgets) or [base.budget]
+    budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
     one = VirtualLayout(base.stages)
@@ -129,21 +134,21 @@ def sweep(
             ]
         )
     )
-    usable = []
+    usable: list[tuple[Dispatch, str, VirtualLayout]] = []
     for d, name, lay in pairs:
         why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
         if why is None:
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:
             skipped.append(why)
-    combos = [
+    combos: list[Combo] = [
         (d, name, b if budget_applies(d, by_name[name]) else None, lay)
         for d, name, lay in usable
         for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])
     ]
-    results: dict[tuple, list[SimResult]] = {c: [] for c in combos}
+    results: dict[Combo, list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
-    plan_s: dict[tuple, list[float]] = {c: [] for c in combos}
+    plan_s: dict[Combo, list[float]] = {c: [] for c in combos}
     for seed, combo in progress(jobs):
         dispatch, name, budget, lay = combo
         cfg = replace(
