@@ -1,12 +1,13 @@
 """Fixed 1F1B vs ready BFW on the tiny GPT, on real gloo ranks in emulated device time.
 
-A thin wrapper, kept for `make run` and old command lines: the work is
+A thin wrapper for `make run`: the work is
 `rrfp bench --workloads gpt --executors fixed-1f1b,ready-bfw` (rrfp/app/bench/),
 which alternates the executors on the same iterations and reports medians,
 spreads, the simulator's prediction and the decision cost (with --tp 2, TP
 agreement included) in a results folder.
 
-    .venv/bin/python benchmarks/compare_executors.py [--pp 4 --tp 1 --mb 16 --preset lang --reps 5 --unit-ms 20]
+    .venv/bin/python benchmarks/compare_executors.py \
+        [--pp 4 --tp 1 --mb 16 --preset lang --reps 5 --unit-ms 20]
 """
 
 from __future__ import annotations
