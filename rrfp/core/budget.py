@@ -65,12 +65,13 @@ class Budget:
         return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
 
     def rank_limit(self, layout: VirtualLayout | int, rank: int, virtual: int = 1) -> Limit:
-        """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
-        interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's activations.
-        ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its layers, what a device
-        must fit for 1F1B) and every other rank the same share of its need (``rank_need``), so with
-        V = 1 it is N(S - r), and at the same N every V has the same peak per device. A count budget
-        is microbatches of the rank's whole model. At least V: one microbatch through every chunk."""
+        """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding
+        ``virtual`` interleaved stages), in chunk-microbatches: a chunk holds 1/V of a microbatch's
+        activations. ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its
+        layers, what a device must fit for 1F1B) and every other rank the same share of its need
+        (``rank_need``), so with V = 1 it is N(S - r), and at the same N every V has the same peak
+        per device. A count budget is microbatches of the rank's whole model. At least V: one
+        microbatch through every chunk."""
         if not isinstance(layout, VirtualLayout):
             layout = VirtualLayout(layout, virtual)
         V = layout.virtual

@@ -78,12 +78,14 @@ class CostModel:
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
-        """What ``to_json`` wrote; ValueError naming the first thing that is not (every number finite
-        and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per stage)."""
+        """What ``to_json`` wrote; ValueError naming the first thing that is not (every number
+        finite and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per
+        stage)."""
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise ValueError(
-                f"expected a JSON object with features, coef and reference_s, got {type(doc).__name__}"
+                "expected a JSON object with features, coef and reference_s, "
+                f"got {type(doc).__name__}"
             )
         if not isinstance(doc.get("features"), list) or tuple(doc["features"]) != FEATURES:
             raise ValueError(f"cost model features {doc.get('features')} are not {list(FEATURES)}")
@@ -112,9 +114,8 @@ class CostModel:
         )
 
 
-MAX_S = (
-    1e6  # seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
-)
+# seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
+MAX_S = 1e6
 
 
 def _number(v: object) -> TypeGuard[float]:

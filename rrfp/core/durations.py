@@ -34,9 +34,7 @@ class TaskTimes:
     variability: Variability
     seed: int = 0
     split: bool = True
-    cost: CostModel | None = (
-        None  # with features: the data's predicted cost times the preset's noise
-    )
+    cost: CostModel | None = None  # with features: the data's predicted cost times the noise
     layout: VirtualLayout | None = None  # virtual stages: ``stage`` is global, of layout.num_stages
 
     @property

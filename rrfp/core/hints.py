@@ -150,7 +150,8 @@ def validate_rank(
     split: bool,
     where: str = "hint",
 ) -> None:
-    """Every pair on one of the rank's stages, and each stage's tasks a valid order (``validate``)."""
+    """Every pair on one of the rank's stages, and each stage's tasks a valid order
+    (``validate``)."""
     stages = layout.stages_of(rank)
     for s, t in order:
         if s not in stages:
@@ -187,19 +188,16 @@ class Hint:
     name: str
     fn: HintFn
     is_class: bool = False
-    planned: bool = (
-        False  # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
-    )
-    uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
-    fixed_orders: tuple[tuple[Task, ...], ...] | None = (
-        None  # a plan's per-stage orders, for fixed dispatch
-    )
-    rank_fn: RankHintFn | None = (
-        None  # its order over a rank's virtual stages (V > 1), if it has one
-    )
-    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = (
-        None  # a plan's per-rank orders (V > 1)
-    )
+    # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.planner)
+    planned: bool = False
+    # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
+    uniform: bool = False
+    # a plan's per-stage orders, for fixed dispatch
+    fixed_orders: tuple[tuple[Task, ...], ...] | None = None
+    # its order over a rank's virtual stages (V > 1), if it has one
+    rank_fn: RankHintFn | None = None
+    # a plan's per-rank orders (V > 1)
+    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = None
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
         if self.fixed_orders is not None:
@@ -216,8 +214,8 @@ class Hint:
     def rank_order(
         self, layout: VirtualLayout, rank: int, M: int, split: bool
     ) -> list[tuple[int, Task]]:
-        """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With V = 1
-        it is ``order`` on the rank's one stage."""
+        """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With
+        V = 1 it is ``order`` on the rank's one stage."""
         if layout.virtual == 1:
             return [(rank, t) for t in self.order(layout.ranks, rank, M, split)]
         where = f"hint {self.name} rank {rank}"
@@ -242,9 +240,10 @@ class Hint:
         return pairs
 
     def check_layout(self, layout: VirtualLayout, M: int, split: bool) -> None:
-        """HintError unless every rank of ``layout`` has an order under this hint (zbh1 has none over
-        virtual stages, zbv none at V = 1, a CSV file may lack a stage's rows): what the ranks would
-        otherwise find only once they build their specs. A class rule ranks any stage's tasks."""
+        """HintError unless every rank of ``layout`` has an order under this hint (zbh1 has none
+        over virtual stages, zbv none at V = 1, a CSV file may lack a stage's rows): what the ranks
+        would otherwise find only once they build their specs. A class rule ranks any stage's
+        tasks."""
         if self.is_class:
             return
         for rank in range(layout.ranks):
@@ -280,8 +279,9 @@ class Hint:
         dispatch: Dispatch,
         budget: Budget,
     ) -> RankSpec:
-        """Everything ``rank`` needs to track an iteration over its stages under this hint and budget
-        (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order and limit."""
+        """Everything ``rank`` needs to track an iteration over its stages under this hint and
+        budget (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order
+        and limit."""
         if layout.virtual == 1:
             st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
             return RankSpec(
@@ -344,7 +344,8 @@ NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
 
 
 def csv_rows(path: str | Path, what: str) -> list[list[str]]:
-    """The rows of the CSV file at ``path``; an unreadable file is a HintError naming ``what`` it is."""
+    """The rows of the CSV file at ``path``; an unreadable file is a HintError naming ``what`` it
+    is."""
     try:
         return list(csv.reader(Path(path).read_text().splitlines()))
     except OSError as e:

@@ -28,9 +28,8 @@ from rrfp.core.rank_tracker import RankSpec, RankTracker, StageTask
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 
-VIRTUAL_LATENCY = (
-    Variability().comm
-)  # a message's time in nominal orders over virtual stages, in stage forwards
+# a message's time in nominal orders over virtual stages, in stage forwards
+VIRTUAL_LATENCY = Variability().comm
 
 
 @lru_cache(maxsize=16)
@@ -59,11 +58,11 @@ def nominal_rank_orders(
     multiple: float,
 ) -> tuple[tuple[tuple[int, Task], ...], ...]:
     """Per-rank orders over (stage, task) pairs under the class ``priority`` generalised to the
-    rank's stages (``rrfp.core.policy.chunked_priority``), the budget ``multiple`` x 1F1B's over the
-    rank (``Budget.rank_limit``). With one stage per rank every task takes one round and messages are
-    free. With virtual stages a chunk's task takes 1/V of a forward (an unsplit B, which is B + W,
-    2/V) and a message between ranks ``VIRTUAL_LATENCY``, in the simulator's float arithmetic, so
-    that fixed dispatch of the order repeats ready dispatch when nothing varies."""
+    rank's stages (``rrfp.core.policy.chunked_priority``), the budget ``multiple`` x 1F1B's over
+    the rank (``Budget.rank_limit``). With one stage per rank every task takes one round and
+    messages are free. With virtual stages a chunk's task takes 1/V of a forward (an unsplit B,
+    which is B + W, 2/V) and a message between ranks ``VIRTUAL_LATENCY``, in the simulator's float
+    arithmetic, so that fixed dispatch of the order repeats ready dispatch when nothing varies."""
     budget, S = Budget(multiple=multiple), layout.num_stages
     unit = 1.0 / layout.virtual  # a chunk does 1/V of a stage's work, as in the simulator
     latency = VIRTUAL_LATENCY if layout.virtual > 1 else 0.0

@@ -47,7 +47,8 @@ class VirtualLayout:
         object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.placement is Placement.V and self.virtual != 2:
             raise ValueError(
-                f"placement v needs exactly 2 stages per rank (virtual = 2), got virtual = {self.virtual}"
+                "placement v needs exactly 2 stages per rank (virtual = 2), "
+                f"got virtual = {self.virtual}"
             )
 
     @property

@@ -87,7 +87,8 @@ class OracleResult:
     optimal: bool
     seconds: float
     status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
-    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with V > 1.
+    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with
+    # V > 1.
     orders: Orders | None = None
 
     @property
@@ -122,9 +123,8 @@ class _Instance:
 
     cfg: SimConfig
     kinds: tuple[Kind, ...]
-    dur: npt.NDArray[
-        np.float64
-    ]  # real durations [S*V, M, 3] over global stages, as the simulator draws them
+    # real durations [S*V, M, 3] over global stages, as the simulator draws them
+    dur: npt.NDArray[np.float64]
     d: npt.NDArray[np.int64]  # integer durations
     lf: npt.NDArray[np.int64]  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
     lb: npt.NDArray[np.int64]  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
@@ -136,9 +136,7 @@ class _Instance:
 
 def _instance(cfg: SimConfig, scale: int) -> _Instance:
     dur, lat_f, lat_b, sizes = _durations(cfg)
-    d = np.floor(dur * scale).astype(
-        np.int64
-    )  # rounded down: the integer optimum stays a lower bound
+    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a bound
     lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
     horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
     split = cfg.split_backward
@@ -171,7 +169,8 @@ def as_split(order: Sequence[Task], split: bool) -> list[Task]:
 
 
 def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple[int, Task]]:
-    """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its W(m)."""
+    """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its
+    W(m)."""
     if not split or any(t.kind is Kind.W for _, t in order):
         return list(order)
     return [(s, x) for s, t in order for x in as_split([t], split)]
@@ -191,10 +190,11 @@ def solve(
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
     is the solver's first incumbent (split ones are skipped when ``cfg``
-    keeps B whole; unsplit ones become split with W right after B). When the budget can bind, the problem
-    without it is solved first, for up to half the time: its bound is a bound
-    of the real problem, and its schedule (or the ready executor following
-    its order under the budget) is one more incumbent.
+    keeps B whole; unsplit ones become split with W right after B). When the
+    budget can bind, the problem without it is solved first, for up to half
+    the time: its bound is a bound of the real problem, and its schedule (or
+    the ready executor following its order under the budget) is one more
+    incumbent.
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
     reports its best schedule and proven bound, not an optimum. ``workers``
@@ -222,9 +222,8 @@ def solve(
         if relaxed.orders is not None:
             as_is = replay(cfg, relaxed.orders, record=True)
             if holds_budget(cfg, as_is):
-                if (
-                    relaxed.optimal
-                ):  # the optimum without the budget holds it: nothing can be shorter
+                # the optimum without the budget holds it: nothing can be shorter
+                if relaxed.optimal:
                     return _result(inst, relaxed, as_is, [], time.perf_counter() - t0)
                 candidates.append(as_is)
             elif (repaired := _repair(cfg, relaxed.orders)) is not None:
@@ -330,7 +329,9 @@ def _run(
                 )
                 for s in range(S)
             )
-        else:  # ties (tasks floored to no time) in dependency order: F up the stages, B down, F < B < W
+        else:
+            # ties (tasks floored to no time) in dependency order: F up the stages, B down,
+            # F < B < W
             orders = tuple(
                 tuple(
                     (s, Task(k, m))
@@ -370,9 +371,8 @@ def _result(
         else _orders(top, inst.cfg.split_backward)
     )
     bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
-    optimal = solved.optimal or (
-        top is not None and top.makespan <= bound + 1e-9
-    )  # a schedule meets a bound
+    # a schedule that meets the bound is optimal too
+    optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)
     cfg = inst.cfg
     log.info(
         "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
@@ -405,7 +405,8 @@ def byte_caps(virtual: int, limit: int, sizes: Sequence[int]) -> tuple[list[int]
 
 
 def _budget_can_bind(inst: _Instance) -> bool:
-    """Whether some rank's limit is below what its stages would hold with every microbatch in flight."""
+    """Whether some rank's limit is below what its stages would hold with every microbatch in
+    flight."""
     cfg = inst.cfg
     held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
     for r in range(cfg.stages):
@@ -467,9 +468,8 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
         return None
     last = last_backward(result.config.split_backward)
     demand, caps = byte_caps(cfg.virtual, budget.bytes, _durations(cfg)[3])
-    held: dict[
-        tuple[int, int], list[float]
-    ] = {}  # (stage, mb) -> [start of F, end of its last backward]
+    # (stage, mb) -> [start of F, end of its last backward]
+    held: dict[tuple[int, int], list[float]] = {}
     for s, task, a, b in result.timeline:
         if task.kind is Kind.F:
             held.setdefault((s, task.mb), [a, b])[0] = a
@@ -505,7 +505,8 @@ def _no_stage_order(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 
 def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
-    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
+    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that
+    holds it."""
     try:
         return simulate(
             replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True)
@@ -549,7 +550,8 @@ def _hint_starts(result: SimResult, inst: _Instance) -> npt.NDArray[np.int64]:
 
 
 def _usable(results: Iterable[SimResult], cfg: SimConfig) -> list[SimResult]:
-    """Recorded results that are schedules of the problem: a split schedule is none when B stays whole."""
+    """Recorded results that are schedules of the problem: a split schedule is none when B stays
+    whole."""
     out = []
     for r in results:
         if not r.timeline:

@@ -43,9 +43,9 @@ def make_plan(
     iteration: int = 0,
     layout: VirtualLayout | None = None,
 ) -> tuple[Hint, Plan]:
-    """The hint for one iteration from ``predicted[s, m, kind]`` (global stages of ``layout``, default
-    one per rank); ``variability`` gives the link latency the planner assumes (its jitter is hidden)
-    and, with ``seed`` and ``iteration``, the microbatch sizes a byte budget weighs."""
+    """The hint for one iteration from ``predicted[s, m, kind]`` (global stages of ``layout``,
+    default one per rank); ``variability`` gives the link latency the planner assumes (its jitter
+    is hidden) and, with ``seed`` and ``iteration``, the microbatch sizes a byte budget weighs."""
     N, M, _ = predicted.shape
     layout = layout or VirtualLayout(N)
     S = layout.ranks

@@ -24,7 +24,8 @@ Job: TypeAlias = tuple[int, Combo]  # (seed, combo)
 
 
 def layout_label(virtual: int, placement: str) -> str:
-    """``V2 v``, ``V2 interleaved``; empty with one stage per rank (a row's ``layout``, part of its key)."""
+    """``V2 v``, ``V2 interleaved``; empty with one stage per rank (a row's ``layout``, part of its
+    key)."""
     return f"V{virtual} {placement}" if virtual > 1 else ""
 
 
@@ -34,15 +35,15 @@ class Row:
     hint: str
     speedups: list[float]
     efficiencies: list[float]
-    peak_inflight: float  # the most microbatches any rank held (of its whole model: V chunks make one), over every
-    # seed: the row's memory
+    # the most microbatches any rank held (of its whole model: V chunks make one), over every seed:
+    # the row's memory
+    peak_inflight: float
     bubble: float
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
     plan_s: list[float]  # planning time per seed ("plan" rows only)
-    budget: str | None = (
-        None  # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
-    )
+    # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
+    budget: str | None = None
     virtual: int = 1  # stages per rank
     placement: str = "interleaved"
 
@@ -95,7 +96,8 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
 
 
 def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
-    """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual order)."""
+    """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual
+    order)."""
     try:
         hint.check_layout(layout, microbatches, split)
     except HintError as e:
@@ -114,13 +116,14 @@ def sweep(
     layouts: Sequence[VirtualLayout] = (),
     skipped: list[str] | None = None,
 ) -> list[Row]:
-    """Every (executor, hint, budget, layout) on the same durations for each seed; speedup is fixed
-    1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets`` (default:
-    the base config's) are run by every row they apply to (``budget_applies``); the others run once.
-    ``layouts`` (default: the base config's) are the virtual-stage layouts to run; a hint with no
-    form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and ``skipped`` receives why.
-    ``runs``, when given, receives every (config as run, recorded result) by ``Row.key``, seed
-    by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
+    """Every (executor, hint, budget, layout) on the same durations for each seed; speedup is
+    fixed 1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets``
+    (default: the base config's) are run by every row they apply to (``budget_applies``); the
+    others run once. ``layouts`` (default: the base config's) are the virtual-stage layouts to
+    run; a hint with no form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and
+    ``skipped`` receives why. ``runs``, when given, receives every (config as run, recorded result)
+    by ``Row.key``, seed by seed, for callers that need the schedules themselves (rrfp sim
+    --oracle)."""
     budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
