@@ -14,14 +14,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-class Placement(str, enum.Enum):
+class Placement(enum.StrEnum):
     """How a rank's V stages sit in the global stage order."""
 
     INTERLEAVED = "interleaved"
     V = "v"
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, spec: str | Placement) -> Placement:

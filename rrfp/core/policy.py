@@ -16,14 +16,11 @@ from rrfp.core.budget import InFlight, Limit
 from rrfp.core.tasks import Kind, Task
 
 
-class Dispatch(str, enum.Enum):
+class Dispatch(enum.StrEnum):
     """How a stage picks its next task from the hint."""
 
     READY = "ready"  # best-priority ready task
     FIXED = "fixed"  # next task in hint order, waiting for it
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, spec: str | Dispatch) -> Dispatch:
