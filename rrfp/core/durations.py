@@ -91,7 +91,8 @@ class TaskTimes:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
         split backward: B holds it); what the simulator draws, the bench bounds and a replay runs.
         With virtual stages ``stages`` is S x V and each draw is the chunk's (``_chunk_scale``):
-        the draws themselves are keyed by global stage, so V = 1 draws are today's."""
+        the draws themselves are keyed by global stage, so with V = 1 they are the plain
+        pipeline's."""
         layout = self.layout
         if layout is not None and layout.virtual > 1:
             if stages != layout.num_stages:

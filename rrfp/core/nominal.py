@@ -8,11 +8,10 @@ driving one ``RankTracker`` per rank through the simulator's event rule
 as the runtime and the simulator.
 
 With one stage per rank messages are free (every rank's next task starts on a
-round): the V = 1 orders, and the figures made with them, stay what they were.
-With virtual stages a message takes the simulator's default latency and the V
-turn, which stays on the rank, none: an order made with free messages puts a
-rank's next task where its input has not yet arrived, and ready dispatch beat
-that order by up to 6.6% with nothing varying (docs/benchmarks.md §2a).
+round). With virtual stages a message takes the simulator's default latency and
+the V turn, which stays on the rank, none: an order made with free messages puts
+a rank's next task where its input has not yet arrived, and ready dispatch beats
+such an order even with nothing varying (docs/benchmarks.md).
 """
 
 from __future__ import annotations
