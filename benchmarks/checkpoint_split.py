@@ -1,12 +1,13 @@
 """Activation checkpointing under the split backward, on a 2-layer Llama stage, side by side.
 
-The stage is a middle stage of HF transformers' LlamaModel (its decoder layers, rotary embedding and
-final norm from a small config; hidden states in, hidden states out), checkpointed with HF's
-``gradient_checkpointing_enable`` (torch.utils.checkpoint, use_reentrant=False) or not, its backward
-split (B, then W) or not. Every mode runs the same stage on the same microbatch, in alternating order
-per repetition; the report gives the median F, B and W per microbatch, CPU wall time, and B + W against
-the unsplit backward with the same checkpointing. "ungrouped" runs W's autograd calls without their
-shared GraphExecGroup: each call then recomputes the checkpointed regions it reaches.
+The stage is a middle stage of HF transformers' LlamaModel (its decoder layers, rotary embedding
+and final norm from a small config; hidden states in, hidden states out), checkpointed with HF's
+``gradient_checkpointing_enable`` (torch.utils.checkpoint, use_reentrant=False) or not, its
+backward split (B, then W) or not. Every mode runs the same stage on the same microbatch, in
+alternating order per repetition; the report gives the median F, B and W per microbatch, CPU wall
+time, and B + W against the unsplit backward with the same checkpointing. "ungrouped" runs W's
+autograd calls without their shared GraphExecGroup: each call then recomputes the checkpointed
+regions it reaches.
 
     .venv/bin/python benchmarks/checkpoint_split.py [--hidden 256 --seq 128 --batch 4 --reps 11]
 """
@@ -43,7 +44,8 @@ MODES = [(ckpt, kind) for ckpt in (False, True) for kind in ("unsplit", "split")
 
 
 class NoGroup(contextlib.nullcontext):
-    """The ablation: torch's GraphExecGroup that groups nothing (torch's own unpack hook still asks it)."""
+    """The ablation: torch's GraphExecGroup that groups nothing (torch's own unpack hook still
+    asks it)."""
 
     _get_current_group = torch.utils.checkpoint.GraphExecGroup._get_current_group
 
@@ -114,8 +116,9 @@ def main() -> None:
             if rep:
                 times[m].append(t)
     print(
-        f"LlamaModel stage: 2 decoder layers, hidden {a.hidden}, batch {a.batch} x {a.seq} tokens, CPU "
-        f"{a.threads} thread(s), wall time, median of {a.reps} alternating repetitions, per microbatch"
+        f"LlamaModel stage: 2 decoder layers, hidden {a.hidden}, batch {a.batch} x {a.seq} "
+        f"tokens, CPU {a.threads} thread(s), wall time, median of {a.reps} alternating "
+        "repetitions, per microbatch"
     )
     print("| checkpointing | backward | F ms | B ms | W ms | B+W ms | B+W / unsplit |")
     print("|---|---|---|---|---|---|---|")

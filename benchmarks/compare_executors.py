@@ -6,7 +6,8 @@ which alternates the two on the same iterations and reports medians,
 spreads, the simulator's prediction and the decision cost (with --tp 2, TP
 agreement included) in a results folder.
 
-    .venv/bin/python benchmarks/compare_executors.py [--pp 4 --tp 1 --mb 16 --preset lang --reps 5 --unit-ms 20]
+    .venv/bin/python benchmarks/compare_executors.py \
+        [--pp 4 --tp 1 --mb 16 --preset lang --reps 5 --unit-ms 20]
 """
 
 from __future__ import annotations

@@ -86,9 +86,9 @@ def _rank(
     StageTracker.next = timed_next
 
     def time_the_lane(rt) -> None:
-        """Wrap the lane's ``run`` so that each task notes, in the lane thread, when it started and
-        when its hold of the lane ended. The wrapper sleeps off the emulated time itself, as the lane
-        would (then the lane finds none left), so the end it notes is the real one."""
+        """Wrap the lane's ``run`` so that each task notes, in the lane thread, when it started
+        and when its hold of the lane ended. The wrapper sleeps off the emulated time itself, as
+        the lane would (then the lane finds none left), so the end it notes is the real one."""
         lane_run = rt.lane.run
 
         async def timed_run(fn, *args, units=0.0):
@@ -112,7 +112,8 @@ def _rank(
 
     requested = threading.Semaphore(0)
 
-    def plan_beside():  # 8x32 plans, as a thread beside the arbiter: one per request, or back to back
+    # 8x32 plans, as a thread beside the arbiter: one per request, or back to back
+    def plan_beside():
         k = 0
         while not stop.is_set():
             if "nonstop" not in mode and not requested.acquire(timeout=0.05):
@@ -199,19 +200,22 @@ def main() -> None:
     a.add_argument("--unit-ms", type=float, default=4.0)
     args = a.parse_args()
     print(
-        f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, {args.unit_ms:g} ms units, "
-        f"{args.iters} iterations (the first not counted); load average before: {os.getloadavg()[0]:.2f}"
+        f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, "
+        f"{args.unit_ms:g} ms units, {args.iters} iterations (the first not counted); "
+        f"load average before: {os.getloadavg()[0]:.2f}"
     )
     print(
-        f"{'mode':<22} {'decisions':>9} {'policy p50':>11} {'p99':>8} {'reaction p50':>13} {'p99':>8}  µs"
+        f"{'mode':<22} {'decisions':>9} {'policy p50':>11} {'p99':>8} "
+        f"{'reaction p50':>13} {'p99':>8}  µs"
     )
     for mode in MODES:
         r = measure(mode, args.iters, args.mb, args.unit_ms)
         pol, rea = r["policy"], r["reaction"]
         extra = f"  ({r['planned']} 8x32 plans made beside, over 4 ranks)" if r["planned"] else ""
         print(
-            f"{mode:<22} {len(pol):>9} {1e6 * statistics.median(pol):>11.1f} {1e6 * pct(pol, 0.99):>8.1f} "
-            f"{1e6 * statistics.median(rea):>13.1f} {1e6 * pct(rea, 0.99):>8.1f}{extra}",
+            f"{mode:<22} {len(pol):>9} {1e6 * statistics.median(pol):>11.1f} "
+            f"{1e6 * pct(pol, 0.99):>8.1f} {1e6 * statistics.median(rea):>13.1f} "
+            f"{1e6 * pct(rea, 0.99):>8.1f}{extra}",
             flush=True,
         )
     print(f"load average after: {os.getloadavg()[0]:.2f}")

@@ -24,11 +24,12 @@ def main() -> None:
     p.add_argument("--unit-ms", type=float, default=20.0)
     a = p.parse_args()
     print(
-        f"lang, budget 2x, ready plan; CPU time of one plan (median of {a.repeat} seeds, min..max); "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"lang, budget 2x, ready plan; CPU time of one plan (median of {a.repeat} seeds, "
+        f"min..max); load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'S x M':>9} {'plan CPU ms':>12} {'min..max':>17} {'predicted units':>16} {'share at ' + str(a.unit_ms) + ' ms':>15}"
+        f"{'S x M':>9} {'plan CPU ms':>12} {'min..max':>17} {'predicted units':>16} "
+        f"{'share at ' + str(a.unit_ms) + ' ms':>15}"
     )
     for size in a.sizes.split(","):
         S, M = (int(x) for x in size.lower().split("x"))
@@ -41,8 +42,8 @@ def main() -> None:
             units.append(made.predicted_makespan)
         cpu, pred = statistics.median(secs), statistics.median(units)
         print(
-            f"{size:>9} {1e3 * cpu:>12.1f} {1e3 * min(secs):>8.1f}..{1e3 * max(secs):<8.1f} {pred:>16.1f} "
-            f"{cpu / (pred * a.unit_ms / 1e3):>15.2%}",
+            f"{size:>9} {1e3 * cpu:>12.1f} {1e3 * min(secs):>8.1f}..{1e3 * max(secs):<8.1f} "
+            f"{pred:>16.1f} {cpu / (pred * a.unit_ms / 1e3):>15.2%}",
             flush=True,
         )
     print(f"load average after: {os.getloadavg()[0]:.1f}")

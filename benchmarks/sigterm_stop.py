@@ -118,7 +118,8 @@ def main() -> None:
             seen = once(Path(tmp), args.to)
         times = ", ".join(f"rank {r} {s:.2f} s" for r, s in sorted(seen.items()))
         print(
-            f"run {i + 1}: SIGTERM to {args.to}, 'stopped' lines after: {times or 'none within 90 s'}",
+            f"run {i + 1}: SIGTERM to {args.to}, 'stopped' lines after: "
+            f"{times or 'none within 90 s'}",
             flush=True,
         )
 

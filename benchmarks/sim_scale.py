@@ -35,14 +35,16 @@ def main() -> None:
         r = simulate(cfg, reference=a.reference)
         times.append(time.process_time() - c0)
         print(
-            f"seed {seed}: {times[-1]:.2f} s CPU ({time.perf_counter() - w0:.2f} s wall), {r.decisions} decisions, "
-            f"{a.pp * a.mb * 3} tasks, makespan {r.makespan:.0f}, efficiency {r.efficiency:.3f}",
+            f"seed {seed}: {times[-1]:.2f} s CPU ({time.perf_counter() - w0:.2f} s wall), "
+            f"{r.decisions} decisions, {a.pp * a.mb * 3} tasks, makespan {r.makespan:.0f}, "
+            f"efficiency {r.efficiency:.3f}",
             flush=True,
         )
     path = "reference (trackers)" if a.reference else "fast path"
     print(
-        f"S={a.pp} M={a.mb} ready bfw {a.preset}, {path}: median {statistics.median(times):.2f} s CPU "
-        f"(min {min(times):.2f}, max {max(times):.2f}) per simulated iteration; load average {os.getloadavg()[0]:.1f}"
+        f"S={a.pp} M={a.mb} ready bfw {a.preset}, {path}: "
+        f"median {statistics.median(times):.2f} s CPU (min {min(times):.2f}, max {max(times):.2f}) "
+        f"per simulated iteration; load average {os.getloadavg()[0]:.1f}"
     )
 
 

@@ -7,7 +7,8 @@ memory (RSS, /proc/self/statm) after iteration 20 and after the last one. The
 run counts as deadlocked if it has not ended within --deadline-s. The target
 is an RSS growth below 5 % from iteration 20 to the end.
 
-    .venv/bin/python benchmarks/soak.py [--iterations 200 --pp 4 --mb 8 --unit-ms 2 --comm-jitter 0.5]
+    .venv/bin/python benchmarks/soak.py \
+        [--iterations 200 --pp 4 --mb 8 --unit-ms 2 --comm-jitter 0.5]
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def main() -> None:
     took = time.monotonic() - t0
     print(
         f"soak: PP={a.pp}, M={a.mb}, ready {a.hint}, preset lang + comm_jitter={a.comm_jitter:g}, "
-        f"unit {a.unit_ms:g} ms: {a.iterations} iterations ended, no deadlock ({took:.0f} s with start-up); "
+        f"unit {a.unit_ms:g} ms: {a.iterations} iterations ended, no deadlock "
+        f"({took:.0f} s with start-up); "
         f"loss {doc['losses'][0]:.3f} -> {doc['losses'][-1]:.3f}; rrfp from {doc['rrfp']}"
     )
     worst = 0.0

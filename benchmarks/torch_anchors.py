@@ -1,7 +1,7 @@
 """torch.distributed.pipelining's schedules next to rrfp's dispatch modes, on one model, data
 and durations.
 
-A thin wrapper, kept for its command line: the work is `rrfp bench` with the
+A thin wrapper with its own command line: the work is `rrfp bench` with the
 torch anchors (rrfp/app/bench/torch_schedules.py) and rrfp's fixed 1F1B and
 ready BFW on the tiny GPT with n_layer 8 (the two-stage-per-rank schedules
 need 2 x 4 stages), on the same microbatches and emulated durations (CPU

@@ -26,7 +26,8 @@ STAGES = 4
 
 
 def workload_stages(config: str):
-    """(name, module, stage, input, targets) for each stage of a config's workload, inputs from the stages before it."""
+    """(name, module, stage, input, targets) for each stage of a config's workload, inputs from
+    the stages before it."""
     cfg = rrfp.TrainConfig.load(config, world_size=STAGES)
     w, model_cfg, data_cfg = cfg.workload, cfg.model, cfg.data
     torch.manual_seed(0)

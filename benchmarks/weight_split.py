@@ -59,8 +59,8 @@ def main() -> None:
             if rep:
                 times[m].append(t)
     print(
-        f"GPT middle stage: {a.layers} blocks, n_embd {a.embd}, batch {a.batch} x {a.seq} tokens, CPU 1 thread, "
-        f"{a.reps} alternating repetitions (median per microbatch)"
+        f"GPT middle stage: {a.layers} blocks, n_embd {a.embd}, batch {a.batch} x {a.seq} tokens, "
+        f"CPU 1 thread, {a.reps} alternating repetitions (median per microbatch)"
     )
     base = statistics.median(t[1] for t in times["unsplit"])
     for m in modes:
@@ -72,7 +72,8 @@ def main() -> None:
         }[m]
         print(
             f"  {label:<18} F {f * 1e3:7.2f} ms  B {b * 1e3:7.2f} ms  W {w * 1e3:7.2f} ms  "
-            f"B+W {(b + w) * 1e3:7.2f} ms ({(b + w) / base:.2f}x unsplit)  W share {w / (b + w):.0%}"
+            f"B+W {(b + w) * 1e3:7.2f} ms ({(b + w) / base:.2f}x unsplit)  "
+            f"W share {w / (b + w):.0%}"
         )
 
 

@@ -58,7 +58,8 @@ async def main() -> None:
                 opt.zero_grad()
                 if result.loss is not None and step % 5 == 0:
                     print(
-                        f"[stage {rt.stage}] step {step} loss {result.loss:.4f} bubble {result.stats.bubble:.0%}"
+                        f"[stage {rt.stage}] step {step} loss {result.loss:.4f} "
+                        f"bubble {result.stats.bubble:.0%}"
                     )
             stop.set()
     stats = pipe.statistics()

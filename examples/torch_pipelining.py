@@ -81,7 +81,7 @@ def variable_lengths(rank: int, world: int) -> list[float]:
             target_mbs=[y for _, y in mbs] if rank == world - 1 else None,
             losses=losses,
         )
-    return [l.item() for l in losses]
+    return [loss.item() for loss in losses]
 
 
 def main() -> None:
@@ -102,7 +102,7 @@ def main() -> None:
         print(f"equal losses: {same}")
         print(
             "microbatches of 5, 9, 7, 12 tokens (ScheduleReady only): "
-            + ", ".join(f"{l:.6f}" for l in varied)
+            + ", ".join(f"{loss:.6f}" for loss in varied)
         )
     dist.destroy_process_group()
 

@@ -165,7 +165,8 @@ class GPT(nn.Module):
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the tokens of a microbatch (targets of -100, e.g. image tokens, are ignored)."""
+    """Mean cross-entropy over the tokens of a microbatch (targets of -100, e.g. image tokens, are
+    ignored)."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
@@ -320,8 +321,8 @@ def build_stage(cfg: GPTConfig, stage: int, num_stages: int, tp_group=None) -> G
 
 
 def tied(cfg: GPTConfig, stage: int, num_stages: int) -> dict[str, str]:
-    """The tie ``stage`` holds: with ``tie_embeddings``, the token embedding on the first stage and the
-    lm head on the last are one parameter (nothing to declare when one stage holds both)."""
+    """The tie ``stage`` holds: with ``tie_embeddings``, the token embedding on the first stage and
+    the lm head on the last are one parameter (nothing to declare when one stage holds both)."""
     if not cfg.tie_embeddings or num_stages == 1:
         return {}
     if stage == 0:

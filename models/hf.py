@@ -68,7 +68,8 @@ class HFConfig:
                 raise ValueError(f"HFConfig.{name} must be positive, got {getattr(self, name)}")
         if self.head_dim < 0:
             raise ValueError(
-                f"HFConfig.head_dim must be positive (or 0: hidden_size // heads), got {self.head_dim}"
+                "HFConfig.head_dim must be positive (or 0: hidden_size // heads), "
+                f"got {self.head_dim}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -77,8 +78,8 @@ class HFConfig:
             )
         if not self.head_dim and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"HFConfig.hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}), or give head_dim"
+                f"HFConfig.hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_attention_heads ({self.num_attention_heads}), or give head_dim"
             )
         if not all(
             isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.stage_layers
@@ -112,7 +113,8 @@ def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
         raise ValueError(f"run.tp = {tp}: rrfp.hf stages are not tensor-parallel; set run.tp = 1")
     if cfg.stage_layers and len(cfg.stage_layers) != num_stages:
         raise ValueError(
-            f"model.stage_layers has {len(cfg.stage_layers)} entries for {num_stages} pipeline stages"
+            f"model.stage_layers has {len(cfg.stage_layers)} entries for {num_stages} "
+            "pipeline stages"
         )
     if cfg.num_hidden_layers < num_stages:
         raise ValueError(
@@ -161,7 +163,8 @@ def build_model(cfg: HFConfig, seed: int) -> torch.nn.Module:
 
 
 def tied(cfg: HFConfig, stage: int, num_stages: int) -> dict[str, str]:
-    """With tie_word_embeddings: the first stage's embedding and the last stage's head are one weight."""
+    """With tie_word_embeddings: the first stage's embedding and the last stage's head are one
+    weight."""
     return rrfp.hf_ties(cfg, stage, num_stages)
 
 

@@ -106,7 +106,8 @@ def max_seq_len(cfg: VLMDataConfig) -> int:
 
 
 def _masks(size: int) -> list[np.ndarray]:
-    """Boolean s x s masks in SHAPES order, of different areas; s = size / 2 - 2 leaves room to move."""
+    """Boolean s x s masks in SHAPES order, of different areas; s = size / 2 - 2 leaves room to
+    move."""
     s = size // 2 - 2
     yy, xx = np.mgrid[:s, :s]
     c = (s - 1) / 2

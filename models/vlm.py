@@ -73,7 +73,8 @@ class VLMConfig:
                 raise ValueError(f"VLMConfig.{name} must be positive, got {getattr(self, name)}")
         if self.image_size % self.patch_size:
             raise ValueError(
-                f"VLMConfig.patch_size ({self.patch_size}) must divide image_size ({self.image_size})"
+                f"VLMConfig.patch_size ({self.patch_size}) must divide "
+                f"image_size ({self.image_size})"
             )
         for name in ("n_embd", "enc_embd"):
             if getattr(self, name) % self.n_head:

@@ -67,7 +67,8 @@ _HOMES = {
     "StepReport": "rrfp.app.train",
     "Workload": "rrfp.pipeline.workload",
     "token_features": "rrfp.pipeline.workload",
-    "calibrate": "rrfp.pipeline.calibration",  # the cost model of any stage modules, without a Workload
+    # the cost model of any stage modules, without a Workload
+    "calibrate": "rrfp.pipeline.calibration",
     # layers that defer weight gradients to W, and tensor parallelism
     "SplitLinear": "rrfp.nn.split_linear",
     "ColumnParallelLinear": "rrfp.nn.tensor_parallel",
@@ -84,7 +85,8 @@ _HOMES = {
     "StageTracker": "rrfp.core.tracker",
     # a drop-in for torch.distributed.pipelining's schedules
     "ScheduleReady": "rrfp.pipelining",
-    # HuggingFace causal LMs split into stages (the rrfp[hf] extra: transformers loads on first build)
+    # HuggingFace causal LMs split into stages (the rrfp[hf] extra: transformers loads on first
+    # build)
     "HFStage": "rrfp.hf",
     "build_hf_stage": "rrfp.hf",
     "build_hf_model": "rrfp.hf",

@@ -65,19 +65,19 @@ class Budget:
         return Limit(count=self.microbatches(num_stages, stage), bytes=self.bytes)
 
     def rank_limit(self, layout: VirtualLayout | int, rank: int, virtual: int = 1) -> Limit:
-        """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding ``virtual``
-        interleaved stages), in local-stage microbatches: a local stage holds 1/V of a microbatch's
-        activations.
-        ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches of its layers, what a device
-        must fit for 1F1B) and every other rank the same share of its need (``rank_need``), so with
-        V = 1 it is N(S - r), and at the same N every V has the same peak per device. A count budget
-        is microbatches of the rank's whole model. At least V: one microbatch through every local
-        stage."""
+        """This budget on pipeline ``rank`` of ``layout`` (or of ``layout`` ranks holding
+        ``virtual`` interleaved stages), in local-stage microbatches: a local stage holds 1/V of a
+        microbatch's activations. ``Nx`` gives the fullest rank N times 1F1B's peak (S microbatches
+        of its layers, what a device must fit for 1F1B) and every other rank the same share of its
+        need (``rank_need``), so with V = 1 it is N(S - r), and at the same N every V has the same
+        peak per device. A count budget is microbatches of the rank's whole model. At least V: one
+        microbatch through every local stage."""
         if not isinstance(layout, VirtualLayout):
             layout = VirtualLayout(layout, virtual)
         V = layout.virtual
         if V == 1:
             return self.limit(layout.ranks, rank)
+        count: int | None
         if self.multiple is not None:
             share = rank_need(layout, rank) / _fullest_need(layout)
             count = max(V, int(self.multiple * layout.ranks * V * share + 1e-9))
@@ -125,7 +125,8 @@ def peak_held(spans: Iterable[tuple[float, float, float]]) -> float:
     events = sorted(
         (t, d) for a, b, x in spans for t, d in ((a, x), (b, -x))
     )  # at one t, negative first
-    now = peak = 0
+    now: float = 0
+    peak: float = 0
     for _, d in events:
         now += d
         peak = max(peak, now)

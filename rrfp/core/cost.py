@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias, TypeGuard
 
 import numpy as np
+import numpy.typing as npt
 
 FEATURES = ("tokens", "attn", "patches")
+Features: TypeAlias = Mapping[str, float]  # what a microbatch holds, by name in FEATURES
 
 
 @dataclass(frozen=True)
@@ -29,11 +33,11 @@ class CostModel:
     def num_stages(self) -> int:
         return len(self.coef)
 
-    def seconds(self, stage: int, kind: int, feats: dict) -> float:
+    def seconds(self, stage: int, kind: int, feats: Features) -> float:
         c = self.coef[stage][kind]
         return max(0.0, c[0] + sum(w * float(feats.get(f, 0.0)) for w, f in zip(c[1:], FEATURES)))
 
-    def units(self, stage: int, kind: int, feats: dict, split: bool = True) -> float:
+    def units(self, stage: int, kind: int, feats: Features, split: bool = True) -> float:
         """Emulated units (one = the average forward). Unsplit B is B + W."""
         t = self.seconds(stage, kind, feats)
         if kind == 1 and not split:
@@ -41,7 +45,7 @@ class CostModel:
         return t / self.reference_s
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, dict, float]]) -> CostModel:
+    def fit(cls, samples: Sequence[tuple[int, int, Features, float]]) -> CostModel:
         """Least squares per (stage, kind) over samples of (stage, kind, features, seconds);
         features that never vary are dropped from that fit."""
         stages = 1 + max(s for s, *_ in samples)
@@ -74,12 +78,14 @@ class CostModel:
 
     @classmethod
     def from_json(cls, text: str) -> CostModel:
-        """What ``to_json`` wrote; ValueError naming the first thing that is not (every number finite
-        and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per stage)."""
+        """What ``to_json`` wrote; ValueError naming the first thing that is not (every number
+        finite and within ``MAX_S``, ``reference_s`` above 0, ``coef`` one list of 3 kinds per
+        stage)."""
         doc = json.loads(text)
         if not isinstance(doc, dict):
             raise ValueError(
-                f"expected a JSON object with features, coef and reference_s, got {type(doc).__name__}"
+                "expected a JSON object with features, coef and reference_s, "
+                f"got {type(doc).__name__}"
             )
         if not isinstance(doc.get("features"), list) or tuple(doc["features"]) != FEATURES:
             raise ValueError(f"cost model features {doc.get('features')} are not {list(FEATURES)}")
@@ -108,16 +114,15 @@ class CostModel:
         )
 
 
-MAX_S = (
-    1e6  # seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
-)
+# seconds: no task, coefficient or unit of a calibration is near it; beyond, sums overflow
+MAX_S = 1e6
 
 
-def _number(v) -> bool:
+def _number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _scale(X: np.ndarray) -> np.ndarray:
+def _scale(X: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     """Column scales that keep the least-squares problem well conditioned."""
     s = np.abs(X).max(axis=0)
     return np.where(s > 0, s, 1.0)

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+import numpy.typing as npt
 
-from rrfp.core.cost import CostModel
+from rrfp.core.cost import CostModel, Features
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
@@ -33,9 +34,7 @@ class TaskTimes:
     variability: Variability
     seed: int = 0
     split: bool = True
-    cost: CostModel | None = (
-        None  # with features: the data's predicted cost times the preset's noise
-    )
+    cost: CostModel | None = None  # with features: the data's predicted cost times the noise
     layout: VirtualLayout | None = None  # virtual stages: ``stage`` is global, of layout.num_stages
 
     @property
@@ -44,16 +43,16 @@ class TaskTimes:
         depth, same work per rank); a cost model is fitted per global stage already."""
         return 1 if self.layout is None else self.layout.virtual
 
-    def _local_scale(self, stage) -> np.ndarray | float:
+    def _local_scale(self, layout: VirtualLayout, stage: npt.ArrayLike) -> npt.NDArray[np.float64]:
         """What turns a draw at global ``stage`` into a local stage's time: 1/V without a cost
         model, and ``slow_stage`` read as a rank (all its local stages slow) rather than a global
         stage."""
-        var, V = self.variability, self.virtual
+        var, V = self.variability, layout.virtual
         scale = np.full(np.shape(stage), 1.0 / V if self.cost is None else 1.0)
         if var.slow_stage >= 0:
             slow = (
-                np.isin(stage, self.layout.stages_of(var.slow_stage))
-                if var.slow_stage < self.layout.ranks
+                np.isin(stage, layout.stages_of(var.slow_stage))
+                if var.slow_stage < layout.ranks
                 else False
             )
             scale = scale * np.where(slow, var.slow_factor, 1.0)
@@ -68,12 +67,13 @@ class TaskTimes:
         stage: int,
         mb: int,
         kind: Kind | int,
-        features: Sequence[dict] | None = None,
+        features: Sequence[Features] | None = None,
     ) -> float:
         """The realized duration of one task."""
-        if self.virtual > 1:
+        layout = self.layout
+        if layout is not None and layout.virtual > 1:
             return self._per_stage().units(iteration, stage, mb, kind, features) * float(
-                self._local_scale(stage)
+                self._local_scale(layout, stage)
             )
         var = self.variability
         if self.cost is not None and features is not None:
@@ -83,18 +83,23 @@ class TaskTimes:
         return var.duration(self.seed, iteration, stage, mb, kind, self.split)
 
     def realized(
-        self, iteration: int, stages: int, microbatches: int, features: Sequence[dict] | None = None
-    ) -> np.ndarray:
+        self,
+        iteration: int,
+        stages: int,
+        microbatches: int,
+        features: Sequence[Features] | None = None,
+    ) -> npt.NDArray[np.float64]:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
         split backward: B holds it); what the simulator draws, the bench bounds and a replay runs.
         With virtual stages ``stages`` is S x V and each draw is the local stage's
-        (``_local_scale``): the draws themselves are keyed by global stage, so V = 1 draws are
-        today's."""
-        if self.virtual > 1:
-            if stages != self.layout.num_stages:
-                raise ValueError(f"{stages} stages asked of a layout of {self.layout.num_stages}")
+        (``_local_scale``): the draws themselves are keyed by global stage, so with V = 1 they are
+        the plain pipeline's."""
+        layout = self.layout
+        if layout is not None and layout.virtual > 1:
+            if stages != layout.num_stages:
+                raise ValueError(f"{stages} stages asked of a layout of {layout.num_stages}")
             out = self._per_stage().realized(iteration, stages, microbatches, features)
-            return out * self._local_scale(np.arange(stages))[:, None, None]
+            return out * self._local_scale(layout, np.arange(stages))[:, None, None]
         S, M, var = stages, microbatches, self.variability
         out = np.zeros((S, M, 3))
         s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
@@ -110,8 +115,12 @@ class TaskTimes:
         return out
 
     def predicted(
-        self, iteration: int, stages: int, microbatches: int, features: Sequence[dict] | None = None
-    ) -> np.ndarray:
+        self,
+        iteration: int,
+        stages: int,
+        microbatches: int,
+        features: Sequence[Features] | None = None,
+    ) -> npt.NDArray[np.float64]:
         """``[stage, mb, kind]``: the part of every duration that is known before the
         iteration starts: ``realized`` with what cannot be known taken out."""
         return replace(self, variability=known(self.variability)).realized(
@@ -120,14 +129,15 @@ class TaskTimes:
 
     def latencies(
         self, iteration: int, stages: int, microbatches: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """``[stage, mb]`` link latencies of every F message and every B message."""
         s_idx, m_idx = np.arange(stages)[:, None], np.arange(microbatches)[None, :]
-        return tuple(
-            self.variability.latency(self.seed, iteration, s_idx, m_idx, k)
-            * np.ones((stages, microbatches))
+        ones = np.ones((stages, microbatches))
+        f, b = (
+            self.variability.latency(self.seed, iteration, s_idx, m_idx, k) * ones
             for k in (Kind.F, Kind.B)
         )
+        return f, b
 
     def latency(self, iteration: int, stage: int, mb: int, kind: Kind | int) -> float:
         """Link latency of the message a task of ``kind`` on ``stage`` sends."""

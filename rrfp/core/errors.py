@@ -48,7 +48,8 @@ class InjectedFault(PipelineError):
 
 
 def leaves(e: BaseException) -> list[BaseException]:
-    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real causes."""
+    """The exceptions inside (nested) exception groups, in order; TaskGroup wraps the real
+    causes."""
     if isinstance(e, BaseExceptionGroup):
         return [leaf for sub in e.exceptions for leaf in leaves(sub)]
     return [e]

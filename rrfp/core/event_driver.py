@@ -35,7 +35,8 @@ def drive(
     """Start every rank at time 0 and run until no event is left; the time the last task ended.
     ``decided`` hears every decision, also those that started nothing. Whether every task ran
     (``RankTracker.done``) is the caller's to check: a stall just runs out of events."""
-    events: list = []  # (time, sequence, rank, stage, task, arriving): a task done, or its message arriving at stage
+    # (time, sequence, rank, stage, task, arriving): a task done, or its message arriving at stage
+    events: list[tuple[float, int, int, int, Task, bool]] = []
     seq = itertools.count()
 
     def start(r: int, now: float) -> None:

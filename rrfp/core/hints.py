@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import csv
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from rrfp.core.budget import Budget
 from rrfp.core.nominal import nominal_orders, nominal_rank_orders
@@ -64,7 +65,7 @@ def bfw(S: int, s: int, M: int, split: bool) -> list[Task]:
     return bfw_ranked(range(M), split)
 
 
-def bfw_ranked(microbatches, split: bool) -> list[Task]:
+def bfw_ranked(microbatches: Iterable[int], split: bool) -> list[Task]:
     """B, then F, then W, each kind in the given microbatch order (the planner's entry order)."""
     order = [Task(Kind.B, m) for m in microbatches] + [Task(Kind.F, m) for m in microbatches]
     return order + ([Task(Kind.W, m) for m in microbatches] if split else [])
@@ -149,7 +150,8 @@ def validate_rank(
     split: bool,
     where: str = "hint",
 ) -> None:
-    """Every pair on one of the rank's stages, and each stage's tasks a valid order (``validate``)."""
+    """Every pair on one of the rank's stages, and each stage's tasks a valid order
+    (``validate``)."""
     stages = layout.stages_of(rank)
     for s, t in order:
         if s not in stages:
@@ -188,7 +190,8 @@ class Hint:
     is_class: bool = False
     # "plan": rebuilt for every iteration from its predicted costs (rrfp.core.entry_order)
     planned: bool = False
-    uniform: bool = False  # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
+    # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
+    uniform: bool = False
     fixed_orders: tuple[tuple[Task, ...], ...] | None = (
         None  # a plan's per-stage orders, for fixed dispatch
     )
@@ -214,8 +217,8 @@ class Hint:
     def rank_order(
         self, layout: VirtualLayout, rank: int, M: int, split: bool
     ) -> list[tuple[int, Task]]:
-        """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With V = 1
-        it is ``order`` on the rank's one stage."""
+        """What fixed dispatch follows on ``rank``: an order over its (stage, task) pairs. With
+        V = 1 it is ``order`` on the rank's one stage."""
         if layout.virtual == 1:
             return [(rank, t) for t in self.order(layout.ranks, rank, M, split)]
         where = f"hint {self.name} rank {rank}"
@@ -240,9 +243,10 @@ class Hint:
         return pairs
 
     def check_layout(self, layout: VirtualLayout, M: int, split: bool) -> None:
-        """HintError unless every rank of ``layout`` has an order under this hint (zbh1 has none over
-        virtual stages, zbv none at V = 1, a CSV file may lack a stage's rows): what the ranks would
-        otherwise find only once they build their specs. A class rule ranks any stage's tasks."""
+        """HintError unless every rank of ``layout`` has an order under this hint (zbh1 has none
+        over virtual stages, zbv none at V = 1, a CSV file may lack a stage's rows): what the ranks
+        would otherwise find only once they build their specs. A class rule ranks any stage's
+        tasks."""
         if self.is_class:
             return
         for rank in range(layout.ranks):
@@ -281,8 +285,9 @@ class Hint:
         dispatch: Dispatch,
         budget: Budget,
     ) -> RankSpec:
-        """Everything ``rank`` needs to track an iteration over its stages under this hint and budget
-        (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order and limit."""
+        """Everything ``rank`` needs to track an iteration over its stages under this hint and
+        budget (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order
+        and limit."""
         if layout.virtual == 1:
             st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
             return RankSpec(
@@ -321,7 +326,7 @@ class Hint:
         prio = {t: i for i, t in enumerate(self.fn(S, s, M, split))}
         if prio.keys() != set(stage_tasks(M, split)) or len(prio) != len(stage_tasks(M, split)):
             raise HintError(f"hint {self.name} stage {s}: does not rank every task exactly once")
-        return prio
+        return cast(dict[Task, int], prio)  # the check above leaves only Tasks
 
     def spec(
         self, S: int, s: int, M: int, split: bool, dispatch: Dispatch, budget: Budget
@@ -345,7 +350,8 @@ NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
 
 
 def csv_rows(path: str | Path, what: str) -> list[list[str]]:
-    """The rows of the CSV file at ``path``; an unreadable file is a HintError naming ``what`` it is."""
+    """The rows of the CSV file at ``path``; an unreadable file is a HintError naming ``what`` it
+    is."""
     try:
         return list(csv.reader(Path(path).read_text().splitlines()))
     except OSError as e:

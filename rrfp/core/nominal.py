@@ -8,11 +8,10 @@ driving one ``RankTracker`` per rank through the simulator's event rule
 as the runtime and the simulator.
 
 With one stage per rank messages are free (every rank's next task starts on a
-round): the V = 1 orders, and the figures made with them, stay what they were.
-With virtual stages a message takes the simulator's default latency and the V
-turn, which stays on the rank, none: an order made with free messages puts a
-rank's next task where its input has not yet arrived, and ready dispatch beat
-that order by up to 6.6% with nothing varying (docs/benchmarks.md §2a).
+round). With virtual stages a message takes the simulator's default latency and
+the V turn, which stays on the rank, none: an order made with free messages puts
+a rank's next task where its input has not yet arrived, and ready dispatch beats
+such an order even with nothing varying (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,13 +23,12 @@ from rrfp.core.budget import Budget
 from rrfp.core.event_driver import drive
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, merge_local_priorities
-from rrfp.core.rank_tracker import RankSpec, RankTracker
+from rrfp.core.rank_tracker import RankSpec, RankTracker, StageTask
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.variability import Variability
 
-VIRTUAL_LATENCY = (
-    Variability().comm
-)  # a message's time in nominal orders over virtual stages, in stage forwards
+# a message's time in nominal orders over virtual stages, in stage forwards
+VIRTUAL_LATENCY = Variability().comm
 
 
 @lru_cache(maxsize=16)
@@ -90,7 +88,7 @@ def nominal_rank_orders(
         )
     out: list[list[tuple[int, Task]]] = [[] for _ in trackers]
 
-    def decided(r: int, item, now: float, end: float) -> None:
+    def decided(r: int, item: StageTask | None, now: float, end: float) -> None:
         if item is not None:
             out[r].append((item.stage, item.task))
 

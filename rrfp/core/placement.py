@@ -10,17 +10,15 @@ S-1 and S, and that turn is local: no message. V = 1 is the plain pipeline.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-class Placement(str, enum.Enum):
+class Placement(enum.StrEnum):
     """How a rank's V stages sit in the global stage order."""
 
     INTERLEAVED = "interleaved"
     V = "v"
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, spec: str | Placement) -> Placement:
@@ -46,7 +44,8 @@ class VirtualLayout:
         object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.placement is Placement.V and self.virtual != 2:
             raise ValueError(
-                f"placement v needs exactly 2 stages per rank (virtual = 2), got virtual = {self.virtual}"
+                "placement v needs exactly 2 stages per rank (virtual = 2), "
+                f"got virtual = {self.virtual}"
             )
 
     @property
@@ -97,7 +96,7 @@ class VirtualLayout:
         )
 
 
-def stages_label(stages) -> str:
+def stages_label(stages: Iterable[int]) -> str:
     """``stage 3`` or ``stages 3, 4``: how errors and logs name what a rank holds."""
     stages = tuple(stages)
     return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"

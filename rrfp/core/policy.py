@@ -9,21 +9,18 @@ tracker, so there is one policy and one set of readiness rules.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar, cast
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.tasks import Kind, Task
 
 
-class Dispatch(str, enum.Enum):
+class Dispatch(enum.StrEnum):
     """How a stage picks its next task from the hint."""
 
     READY = "ready"  # best-priority ready task
     FIXED = "fixed"  # next task in hint order, waiting for it
-
-    def __str__(self) -> str:
-        return self.value
 
     @classmethod
     def parse(cls, spec: str | Dispatch) -> Dispatch:
@@ -33,22 +30,53 @@ class Dispatch(str, enum.Enum):
             raise ValueError(f"unknown dispatch mode {spec!r} (choose from ready, fixed)") from None
 
 
-class ReadyTasks(Container[Task], Iterable[Task]):
+class Schedulable(Protocol):
+    """What ``choose`` reads of an item: a ``Task``, or a rank's ``StageTask``."""
+
+    @property
+    def kind(self) -> Kind: ...
+
+    @property
+    def mb(self) -> int: ...
+
+
+class StagedTask(Schedulable, Protocol):
+    """An item of a rank with several stages: it also names its global stage."""
+
+    @property
+    def stage(self) -> int: ...
+
+
+T = TypeVar("T", bound=Schedulable)
+T_contra = TypeVar("T_contra", bound=Schedulable, contravariant=True)
+
+
+class ReadyTasks(Protocol[T]):
     """Protocol of ``ready``: membership of every dependency-ready task, and
     iteration that may yield only the best-priority ready task of each kind."""
+
+    def __contains__(self, item: T, /) -> bool: ...
+
+    def __iter__(self) -> Iterator[T]: ...
+
+
+class Priorities(Protocol[T_contra]):
+    """Protocol of ``priority``: a task's rank (lower runs first), read by subscript."""
+
+    def __getitem__(self, item: T_contra, /) -> int: ...
 
 
 def choose(
     dispatch: Dispatch,
-    ready: ReadyTasks,
-    priority: Mapping[Task, int],
-    order: Sequence[Task],
+    ready: ReadyTasks[T],
+    priority: Priorities[T],
+    order: Sequence[T],
     position: int,
     held: InFlight,
     limit: Limit,
     size_of: Callable[[int], int] | None = None,
-    admit: Callable[[Any], bool] | None = None,
-) -> Task | None:
+    admit: Callable[[T], bool] | None = None,
+) -> T | None:
     """Pick the task a stage (or a rank's stages) runs next (lower priority value runs first).
 
     ``ready`` holds tasks whose dependencies are met; the budget is applied
@@ -68,11 +96,12 @@ def choose(
             return None
         nxt = order[position]
         return nxt if nxt in ready else None
-    best: Task | None = None
+    best: T | None = None
     best_p = 0
-    best_f: Task | None = None
+    best_f: T | None = None
     best_f_p = 0
-    more_f: list | None = None  # the other stages' best forwards (a rank of several stages)
+    # the other stages' best forwards (a rank of several stages)
+    more_f: list[tuple[int, T]] | None = None
     for task in ready:
         p = priority[task]
         if task.kind is Kind.F:
@@ -96,17 +125,19 @@ def choose(
     if admit(best_f):
         return best_f
     if more_f is not None:
-        refused = best_f.stage
+        # only a rank of several stages passes ``admit``, and its items carry their stage
+        refused = cast(StagedTask, best_f).stage
         for p, f in sorted(more_f, key=_first):
             if best is not None and p >= best_p:
                 break
-            if f.stage > refused and admit(f):
+            stage = cast(StagedTask, f).stage
+            if stage > refused and admit(f):
                 return f
-            refused = max(refused, f.stage)
+            refused = max(refused, stage)
     return best
 
 
-def _first(pair):
+def _first(pair: tuple[int, object]) -> int:
     return pair[0]
 
 

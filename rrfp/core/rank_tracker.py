@@ -34,7 +34,7 @@ from typing import NamedTuple, cast
 
 from rrfp.core.budget import InFlight, Limit
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch, ReadyTasks, choose
+from rrfp.core.policy import Dispatch, Priorities, ReadyTasks, choose
 from rrfp.core.tasks import Kind, Task, last_backward
 from rrfp.core.tracker import StageSpec, StageTracker, TrackerError
 
@@ -143,14 +143,14 @@ class RankTracker:
         }
         self._local = {s: c for c, s in enumerate(self.stages)}  # global stage -> local stage
         # ``choose`` reads (stage, task) items as it reads a stage's tasks: casts, not copies
-        self._ready = cast(ReadyTasks, _RankReady(self.trackers))
+        self._ready = cast(ReadyTasks[StageTask], _RankReady(self.trackers))
         # each stage's tracker holds the rank's priority restricted to it (RankSpec.stage_spec)
         self._priority = cast(
-            Mapping[Task, int],
+            Priorities[StageTask],
             _RankPriority({s: tr.priority_table for s, tr in self.trackers.items()}),
         )
         self._items = tuple(StageTask(s, t) for s, t in spec.order)
-        self._order = cast(Sequence[Task], self._items)
+        self._order: Sequence[StageTask] = self._items
         self._last = last_backward(spec.split)
         self._sizes: dict[tuple[int, int], int] = {}
         self.held = InFlight()  # over the rank, in local-stage microbatches
@@ -174,9 +174,9 @@ class RankTracker:
         if self.running is not None:
             return None
         spec = self.spec
-        picked = choose(
+        return choose(
             spec.dispatch,
-            self._ready if among is None else cast(ReadyTasks, among),
+            self._ready if among is None else cast(ReadyTasks[StageTask], among),
             self._priority,
             self._order,
             self.position,
@@ -185,7 +185,6 @@ class RankTracker:
             None,
             self._admits,
         )
-        return cast("StageTask | None", picked)
 
     def start(self, stage: int, task: Task) -> None:
         if self.running is not None:

@@ -38,5 +38,5 @@ class StageStats:
             self.iterations + other.iterations,
         )
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "bubble": self.bubble, "decision_us": self.decision_us}

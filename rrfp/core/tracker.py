@@ -118,7 +118,7 @@ class StageTracker:
         for task, p in spec.priority.items():
             self._prio[task.kind][task.mb] = p
         self._ready = _ReadySet(M)
-        self._policy_ready = cast(ReadyTasks, self._ready)  # what ``choose`` reads
+        self._policy_ready = cast(ReadyTasks[Task], self._ready)  # what ``choose`` reads
         self._arrived = [bytearray(M), bytearray(M)]  # F inputs, B gradients
         self._f_done = bytearray(M)
         self._sizes = [0] * M
@@ -159,7 +159,7 @@ class StageTracker:
         if kind is Kind.F or self._f_done[mb]:
             self._ready.add(kind, mb, self._prio[kind][mb])
 
-    def next(self, among: ReadyTasks | None = None) -> Task | None:
+    def next(self, among: ReadyTasks[Task] | None = None) -> Task | None:
         """The task to run now, or None. ``among`` replaces the local ready set
         (TP agreement passes the tasks ready on every TP rank)."""
         if self.running is not None:

@@ -11,10 +11,16 @@ once with numpy. Units: one average forward of one stage (F = B = W = 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any, TypeAlias, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from rrfp.core.tasks import Kind
+
+Key: TypeAlias = npt.ArrayLike  # an integer key, or an array of them broadcast like numpy
+Hashes: TypeAlias = np.uint64 | npt.NDArray[np.uint64]
+Draws: TypeAlias = np.float64 | npt.NDArray[np.float64]  # scalar keys give a scalar
 
 PRESETS = ("none", "jitter", "lang", "mm")
 MM_IMAGES = np.array([0, 1, 2, 4, 8], dtype=np.float64)
@@ -24,29 +30,29 @@ _S_LENGTH, _S_JITTER_A, _S_JITTER_B, _S_STRAGGLE, _S_IMAGES, _S_COMM_A, _S_COMM_
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _mix(h: np.ndarray) -> np.ndarray:
+def _mix(h: Hashes) -> Hashes:
     h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return h ^ (h >> np.uint64(31))
 
 
-def uniform(*keys) -> np.ndarray:
+def uniform(*keys: Key) -> Draws:
     """U[0,1) that depends only on the integer keys (broadcast like numpy)."""
     with np.errstate(over="ignore"):
-        h = np.uint64(0x9E3779B97F4A7C15)
+        h: Hashes = np.uint64(0x9E3779B97F4A7C15)
         for k in keys:
             h = _mix(h ^ (np.asarray(k).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
-def normal(*keys) -> np.ndarray:
+def normal(*keys: Key) -> Draws:
     """Standard normal from two hashed uniforms (Box-Muller)."""
     u1 = uniform(*keys, 0)
     u2 = uniform(*keys, 1)
     return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)
 
 
-def lognormal(sigma: float, *keys) -> np.ndarray:
+def lognormal(sigma: float, *keys: Key) -> Draws:
     """Mean-one lognormal factor: exp(sigma*z - sigma^2/2)."""
     if sigma == 0:
         return np.ones(np.broadcast_shapes(*(np.shape(k) for k in keys)))
@@ -80,7 +86,7 @@ class Variability:
             raise ValueError(f"variability straggler_p={self.straggler_p} must be in [0, 1]")
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> Variability:
+    def preset(cls, name: str, **overrides: Any) -> Variability:
         if name == "none":
             base = cls(name="none")
         elif name == "jitter":
@@ -95,17 +101,17 @@ class Variability:
             )
         return replace(base, **overrides) if overrides else base
 
-    def length(self, seed, iteration, mb) -> np.ndarray:
+    def length(self, seed: Key, iteration: Key, mb: Key) -> Draws:
         """Per-microbatch size factor (mean one): sequence length, or images for mm."""
         return lognormal(self.length_sigma, seed, iteration, mb, _S_LENGTH)
 
-    def images(self, seed, iteration, mb) -> np.ndarray:
+    def images(self, seed: Key, iteration: Key, mb: Key) -> Draws:
         idx = np.minimum(
             (uniform(seed, iteration, mb, _S_IMAGES) * len(MM_IMAGES)).astype(np.int64), 4
         )
         return MM_IMAGES[idx]
 
-    def _one(self, seed, iteration, stage, mb, kind: int) -> np.ndarray:
+    def _one(self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: int) -> Draws:
         base = (self.f, self.b, self.w)[kind]
         stage = np.asarray(stage)
         t = base * lognormal(self.jitter, seed, iteration, stage, mb, kind, _S_JITTER_A)
@@ -121,7 +127,19 @@ class Variability:
             t = t * np.where(stage == self.slow_stage, self.slow_factor, 1.0)
         return t
 
-    def noise(self, seed, iteration, stage, mb, kind: Kind | int, split: bool = True):
+    @overload
+    def noise(
+        self, seed: int, iteration: int, stage: int, mb: int, kind: Kind | int, split: bool = True
+    ) -> float: ...
+
+    @overload
+    def noise(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int, split: bool = True
+    ) -> float | Draws: ...
+
+    def noise(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int, split: bool = True
+    ) -> float | Draws:
         """What cannot be known from the data: jitter, stragglers and a slow stage, as a
         factor (mean about one). Data-driven durations multiply their predicted cost by it."""
         kind = int(kind)
@@ -134,7 +152,19 @@ class Variability:
             t = t * np.where(stage == self.slow_stage, self.slow_factor, 1.0)
         return float(t) if np.ndim(t) == 0 else t
 
-    def duration(self, seed, iteration, stage, mb, kind: Kind | int, split: bool = True):
+    @overload
+    def duration(
+        self, seed: int, iteration: int, stage: int, mb: int, kind: Kind | int, split: bool = True
+    ) -> float: ...
+
+    @overload
+    def duration(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int, split: bool = True
+    ) -> float | Draws: ...
+
+    def duration(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int, split: bool = True
+    ) -> float | Draws:
         """Time of one task (or a broadcast array of them). Unsplit B is B + W."""
         kind = int(kind)
         t = self._one(seed, iteration, stage, mb, kind)
@@ -142,7 +172,19 @@ class Variability:
             t = t + self._one(seed, iteration, stage, mb, int(Kind.W))
         return float(t) if np.ndim(t) == 0 else t
 
-    def latency(self, seed, iteration, stage, mb, kind: Kind | int):
+    @overload
+    def latency(
+        self, seed: int, iteration: int, stage: int, mb: int, kind: Kind | int
+    ) -> float: ...
+
+    @overload
+    def latency(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int
+    ) -> float | Draws: ...
+
+    def latency(
+        self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int
+    ) -> float | Draws:
         """Latency of the message a task of ``kind`` on ``stage`` sends."""
         t = self.comm * lognormal(
             self.comm_jitter, seed, iteration, stage, mb, int(kind), _S_COMM_A

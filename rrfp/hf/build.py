@@ -31,7 +31,8 @@ EMBED, HEAD = "model.embed_tokens", "lm_head"
 
 
 def module_seed(seed: int, name: str) -> int:
-    """The seed of module ``name``'s initial weights: a function of the run's seed and the name only."""
+    """The seed of module ``name``'s initial weights: a function of the run's seed and the name
+    only."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -87,8 +88,8 @@ def _check_initialised(module: nn.Module, what: str) -> None:
 def build_hf_model(
     config, *, seed: int = 0, dtype: torch.dtype | None = None, gradient_checkpointing: bool = False
 ) -> nn.Module:
-    """The whole ``*ForCausalLM`` on the CPU, initialised as ``build_hf_stage`` initialises its stages:
-    the one-process reference of a pipeline built from the same seed."""
+    """The whole ``*ForCausalLM`` on the CPU, initialised as ``build_hf_stage`` initialises its
+    stages: the one-process reference of a pipeline built from the same seed."""
     check_config(config)
     model = _meta_model(config, dtype, gradient_checkpointing)
     model.to_empty(device="cpu")
@@ -116,11 +117,11 @@ def build_hf_stage(
     """Stage ``stage`` of ``num_stages`` of the causal LM ``config`` describes, on the CPU (under
     ``torch.device("meta")``: left on the meta device, uninitialised, for its sizes).
 
-    ``layers``: one layer range per stage (``range`` or ``(start, stop)``); default balanced by count.
-    ``checkpoint``: a ``.safetensors`` file, or a folder with one or with a sharded
-    ``model.safetensors.index.json``: only this stage's tensors are read. Without it the weights are
-    the seeded init (``build_hf_model``'s). ``gradient_checkpointing``: HF's activation checkpointing
-    on each decoder layer (non-reentrant)."""
+    ``layers``: one layer range per stage (``range`` or ``(start, stop)``); default balanced by
+    count. ``checkpoint``: a ``.safetensors`` file, or a folder with one or with a sharded
+    ``model.safetensors.index.json``: only this stage's tensors are read. Without it the weights
+    are the seeded init (``build_hf_model``'s). ``gradient_checkpointing``: HF's activation
+    checkpointing on each decoder layer (non-reentrant)."""
     check_config(config)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage must be an integer in [0, {num_stages}), got {stage!r}")
@@ -174,7 +175,8 @@ def build_hf_stage(
 
 
 def _init_head_as_embedding(full: nn.Module, head: nn.Module, seed: int) -> None:
-    """A tied head away from the embedding starts equal to it: the embedding's init under its seed."""
+    """A tied head away from the embedding starts equal to it: the embedding's init under its
+    seed."""
     src = full.model.embed_tokens
     scratch = nn.Embedding(
         src.num_embeddings, src.embedding_dim, src.padding_idx, dtype=head.weight.dtype

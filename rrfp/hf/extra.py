@@ -1,4 +1,5 @@
-"""The optional ``rrfp[hf]`` extra, imported on first use with one clear error when it is missing."""
+"""The optional ``rrfp[hf]`` extra, imported on first use with one clear error when it is
+missing."""
 
 from __future__ import annotations
 

@@ -13,19 +13,22 @@ FAMILIES = (
 
 
 def hf_config(family: str, **values):
-    """A transformers config of ``family`` (llama, mistral, qwen2, qwen3) with ``values``, e.g. a tiny
-    model built from nothing but numbers: ``hf_config("qwen3", hidden_size=32, num_hidden_layers=8)``."""
+    """A transformers config of ``family`` (llama, mistral, qwen2, qwen3) with ``values``, e.g. a
+    tiny model built from nothing but numbers:
+    ``hf_config("qwen3", hidden_size=32, num_hidden_layers=8)``."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     return require("transformers").AutoConfig.for_model(family, **values)
 
 
 def check_config(config) -> None:
-    """TypeError unless ``config`` is a transformers config; NotImplementedError unless of a family here."""
+    """TypeError unless ``config`` is a transformers config; NotImplementedError unless of a
+    family here."""
     transformers = require("transformers")
     if not isinstance(config, transformers.PretrainedConfig):
         raise TypeError(
-            f"expected a transformers config (LlamaConfig, Qwen3Config, ...), got {type(config).__name__}"
+            "expected a transformers config (LlamaConfig, Qwen3Config, ...), "
+            f"got {type(config).__name__}"
         )
     if config.model_type not in FAMILIES:
         raise NotImplementedError(

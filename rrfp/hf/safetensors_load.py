@@ -51,7 +51,8 @@ def load_stage_tensors(
     module: nn.Module, checkpoint: str | Path, *, tied: bool = False
 ) -> list[str]:
     """Copy ``module``'s parameters and persistent buffers from the checkpoint, by name (a tied
-    ``lm_head.weight`` from the embedding when the checkpoint has no head); returns the keys read."""
+    ``lm_head.weight`` from the embedding when the checkpoint has no head); returns the keys
+    read."""
     safetensors = require("safetensors")
     wanted = module.state_dict(
         keep_vars=True

@@ -31,9 +31,9 @@ def layer_types(config) -> list[str]:
 
 
 def hf_ties(config, stage: int, num_stages: int) -> dict[str, str]:
-    """The tie ``stage`` holds, as ``tied=`` declares it (``ScheduleReady``, ``stage_executor``): with
-    ``tie_word_embeddings`` the first stage's embedding and the last stage's LM head are one weight
-    (nothing to declare when one stage holds both: it is one Parameter there)."""
+    """The tie ``stage`` holds, as ``tied=`` declares it (``ScheduleReady``, ``stage_executor``):
+    with ``tie_word_embeddings`` the first stage's embedding and the last stage's LM head are one
+    weight (nothing to declare when one stage holds both: it is one Parameter there)."""
     if not getattr(config, "tie_word_embeddings", False) or num_stages == 1:
         return {}
     if stage == 0:
@@ -97,8 +97,9 @@ class HFStage(nn.Module):
             FULL: masking.create_causal_mask,
             SLIDING: masking.create_sliding_window_causal_mask,
         }
-        # the given position ids only: HF looks into them for packed sequences, which 0..T-1 are not (and
-        # that look needs data, which rrfp train's memory check on the meta device has not)
+        # the given position ids only: HF looks into them for packed sequences, which 0..T-1 are
+        # not (and that look needs data, which rrfp train's memory check on the meta device has
+        # not)
         masks = {
             kind: build[kind](
                 config=self.config,

@@ -230,8 +230,8 @@ class CompletionPoller:
     own thread and only schedules a wake-up). gloo collectives complete their
     future when they finish, so they are noticed at once instead of after up
     to ``max_backoff_s``, which matters because collectives run in lockstep:
-    a rank asleep in its poller delays the next round for every peer (2 gloo
-    ranks, back-to-back TP agreement rounds: 1.27 ms a round without the
+    a rank asleep in its poller delays the next round for every peer (back to
+    back TP agreement rounds on gloo are measurably slower without the
     wake-up). NCCL completes that future at enqueue time; the extra wake-up
     then costs one poll.
 

@@ -49,16 +49,17 @@ class ComputeLane:
     async def run(
         self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
     ) -> Any:
-        """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at least
-        (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
+        """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at
+        least (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._thread, self._hold_lane, fn, args, units * self.unit_s + hold_s
         )
 
     def abandon(self) -> None:
-        """Nobody waits for the lane's work any more: emulated time held now or later ends at once.
-        A real computation in the thread runs to its end (Python cannot interrupt it); its result is dropped."""
+        """Nobody waits for the lane's work any more: emulated time held now or later ends at
+        once. A real computation in the thread runs to its end (Python cannot interrupt it); its
+        result is dropped."""
         self._abandoned.set()
 
     @property
@@ -165,7 +166,8 @@ class CudaComputeLane:
     async def run(
         self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
     ) -> Any:
-        """Enqueue ``fn(*args)`` and ``units * unit_s + hold_s`` seconds of spin on the lane's stream."""
+        """Enqueue ``fn(*args)`` and ``units * unit_s + hold_s`` seconds of spin on the lane's
+        stream."""
         torch = self._torch
         if hold_s > 0 and not self._sleep_cycles_per_s:
             self._sleep_cycles_per_s = self._calibrate_sleep()
@@ -217,8 +219,8 @@ class CudaComputeLane:
         """Nothing to release: kernels already enqueued finish on their own."""
 
     def abandon(self) -> None:
-        """Nobody waits for the stream any more. Kernels already enqueued (a spin included) cannot be
-        recalled; they run on, and only work that waits on this stream waits for them."""
+        """Nobody waits for the stream any more. Kernels already enqueued (a spin included) cannot
+        be recalled; they run on, and only work that waits on this stream waits for them."""
 
     def follow_caller(self) -> None:
         """The lane's stream waits (device side) for the caller's current stream."""
@@ -238,7 +240,8 @@ class CudaComputeLane:
         self.close()
 
     def _calibrate_sleep(self) -> float:
-        """Clock cycles per second of ``torch.cuda._sleep`` on this device (blocking, start-up only)."""
+        """Clock cycles per second of ``torch.cuda._sleep`` on this device (blocking, start-up
+        only)."""
         torch = self._torch
         probe_cycles = 20_000_000
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):

@@ -50,8 +50,8 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 @contextlib.contextmanager
 def one_pass() -> Iterator[None]:
-    """One backward pass of accumulations: each parameter touched inside gets its post-accumulate-grad
-    hooks called once at the end. Nested passes join the outer one."""
+    """One backward pass of accumulations: each parameter touched inside gets its
+    post-accumulate-grad hooks called once at the end. Nested passes join the outer one."""
     if _PASS.get() is not None:
         yield
         return
@@ -68,5 +68,6 @@ def one_pass() -> Iterator[None]:
                     hook(param) is not None
                 ):  # as torch refuses it (torch/csrc/autograd/python_hook.cpp)
                     raise RuntimeError(
-                        f"Tensor post accumulate grad hooks should return None (got one from {hook!r})."
+                        "Tensor post accumulate grad hooks should return None "
+                        f"(got one from {hook!r})."
                     )

@@ -109,8 +109,9 @@ def split_linear(
     and is treated as identity in backward (a tensor-parallel "reduce from the TP
     region": an all-reduce SUM of partial products, see rrfp.nn.tensor_parallel).
     """
-    # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of its
-    # matmul, and a view made inside a custom Function cannot be modified in place (``layer(x).relu_()``)
+    # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of
+    # its matmul, and a view made inside a custom Function cannot be modified in place
+    # (``layer(x).relu_()``)
     rows = _SplitLinearFn.apply(x, weight, bias, queue, reduce)
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
@@ -140,8 +141,9 @@ def linear(
     ``F.linear`` when there is no ``reduce``.
     """
     queue = _ACTIVE.get()
-    # a computed weight (a parametrization: weight_norm, orthogonal) has no .grad of its own to queue
-    # into, so only leaves are deferred; autograd carries the rest to the parameters they come from
+    # a computed weight (a parametrization: weight_norm, orthogonal) has no .grad of its own to
+    # queue into, so only leaves are deferred; autograd carries the rest to the parameters they
+    # come from
     leaves = weight.grad_fn is None and (bias is None or bias.grad_fn is None)
     if queue is not None and torch.is_grad_enabled() and leaves:
         return split_linear(x, weight, bias, queue, reduce)
@@ -199,4 +201,7 @@ class SplitLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}"
+        )

@@ -237,7 +237,8 @@ class ColumnParallelLinear(_TPLinear):
 
 
 class RowParallelLinear(_TPLinear):
-    """y = all_reduce(x_local @ W[:, cols of this rank].T) + b; weight shard [out, in/tp], bias whole."""
+    """y = all_reduce(x_local @ W[:, cols of this rank].T) + b; weight shard [out, in/tp], bias
+    whole."""
 
     shard_dims = {"weight": 1, "bias": None}
 

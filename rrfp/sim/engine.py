@@ -161,11 +161,8 @@ def _durations(cfg: SimConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, list
         if lay.is_local(s, s + 1):
             lat_f[s] = 0.0
             lat_b[s + 1] = 0.0
-    sizes = (
-        (var.length(cfg.seed, cfg.iteration, np.arange(M)) * (cfg.mb_bytes / V))
-        .astype(np.int64)
-        .tolist()
-    )
+    lengths = var.length(cfg.seed, cfg.iteration, np.arange(M))
+    sizes = cast(list[int], (lengths * (cfg.mb_bytes / V)).astype(np.int64).tolist())
     return dur, lat_f, lat_b, sizes
 
 

@@ -40,17 +40,29 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from rrfp.core.bounds import lower_bound
-from rrfp.core.budget import peak_held
+from rrfp.core.budget import Budget, Limit, peak_held
 from rrfp.core.hints import Hint
 from rrfp.core.policy import Dispatch
 from rrfp.core.tasks import Kind, Task, last_backward
 from rrfp.sim.engine import SimConfig, SimDeadlock, SimResult, _durations, simulate
 
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model as cp
+
 log = logging.getLogger(__name__)
+
+StageOrders: TypeAlias = tuple[tuple[Task, ...], ...]  # per stage (V = 1)
+RankOrders: TypeAlias = tuple[tuple[tuple[int, Task], ...], ...]  # per rank, (stage, task) pairs
+Orders: TypeAlias = StageOrders | RankOrders
+AnyOrders: TypeAlias = Sequence[Sequence[Task]] | Sequence[Sequence[tuple[int, Task]]]
+TaskKey: TypeAlias = tuple[int, int, Kind]  # (global stage, microbatch, kind)
 
 INSTALL_HINT = "the optimum needs OR-Tools: pip install 'rrfp[oracle]'"
 RELAXED_SHARE = 0.5  # of the time limit, for the solve without the budget when the budget can bind
@@ -76,8 +88,9 @@ class OracleResult:
     optimal: bool
     seconds: float
     status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
-    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with V > 1.
-    orders: tuple[tuple, ...] | None = None
+    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with
+    # V > 1.
+    orders: Orders | None = None
 
     @property
     def gap(self) -> float | None:
@@ -86,7 +99,7 @@ class OracleResult:
             return None
         return self.makespan / self.bound - 1 if self.bound > 0 else 0.0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {
             "makespan": self.makespan,
             "bound": self.bound,
@@ -96,7 +109,7 @@ class OracleResult:
         }
 
 
-def require_ortools():
+def require_ortools() -> ModuleType:
     """CP-SAT's module, or OracleUnavailable naming the extra to install."""
     try:
         from ortools.sat.python import cp_model
@@ -111,10 +124,11 @@ class _Instance:
 
     cfg: SimConfig
     kinds: tuple[Kind, ...]
-    dur: np.ndarray  # real durations [S*V, M, 3] over global stages, as the simulator draws them
-    d: np.ndarray  # integer durations
-    lf: np.ndarray  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
-    lb: np.ndarray  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
+    # real durations [S*V, M, 3] over global stages, as the simulator draws them
+    dur: npt.NDArray[np.float64]
+    d: npt.NDArray[np.int64]  # integer durations
+    lf: npt.NDArray[np.int64]  # integer latency of F(s, m)'s message to s + 1 (0 on the V turn)
+    lb: npt.NDArray[np.int64]  # integer latency of B(s, m)'s message to s - 1 (0 on the V turn)
     sizes: list[int]
     horizon: int
     scale: int
@@ -123,9 +137,7 @@ class _Instance:
 
 def _instance(cfg: SimConfig, scale: int) -> _Instance:
     dur, lat_f, lat_b, sizes = _durations(cfg)
-    d = np.floor(dur * scale).astype(
-        np.int64
-    )  # rounded down: the integer optimum stays a lower bound
+    d = np.floor(dur * scale).astype(np.int64)  # rounded down: the integer optimum stays a bound
     lf, lb = np.floor(lat_f * scale).astype(np.int64), np.floor(lat_b * scale).astype(np.int64)
     horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
     split = cfg.split_backward
@@ -145,9 +157,9 @@ def _instance(cfg: SimConfig, scale: int) -> _Instance:
     )
 
 
-def _limit(cfg: SimConfig, rank: int):
+def _limit(cfg: SimConfig, rank: int) -> Limit:
     """The budget on ``rank`` over all its stages (a stage's own limit with V = 1)."""
-    return cfg.budget.rank_limit(cfg.layout, rank)
+    return Budget.parse(cfg.budget).rank_limit(cfg.layout, rank)
 
 
 def as_split(order: Sequence[Task], split: bool) -> list[Task]:
@@ -158,7 +170,8 @@ def as_split(order: Sequence[Task], split: bool) -> list[Task]:
 
 
 def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple[int, Task]]:
-    """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its W(m)."""
+    """A rank's order over (stage, task) pairs for a split backward: B(m) of a stage, then its
+    W(m)."""
     if not split or any(t.kind is Kind.W for _, t in order):
         return list(order)
     return [(s, x) for s, t in order for x in as_split([t], split)]
@@ -178,10 +191,11 @@ def solve(
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
     is the solver's first incumbent (split ones are skipped when ``cfg``
-    keeps B whole; unsplit ones become split with W right after B). When the budget can bind, the problem
-    without it is solved first, for up to half the time: its bound is a bound
-    of the real problem, and its schedule (or the ready executor following
-    its order under the budget) is one more incumbent.
+    keeps B whole; unsplit ones become split with W right after B). When the
+    budget can bind, the problem without it is solved first, for up to half
+    the time: its bound is a bound of the real problem, and its schedule (or
+    the ready executor following its order under the budget) is one more
+    incumbent.
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
     reports its best schedule and proven bound, not an optimum. ``workers``
@@ -209,9 +223,8 @@ def solve(
         if relaxed.orders is not None:
             as_is = replay(cfg, relaxed.orders, record=True)
             if holds_budget(cfg, as_is):
-                if (
-                    relaxed.optimal
-                ):  # the optimum without the budget holds it: nothing can be shorter
+                # the optimum without the budget holds it: nothing can be shorter
+                if relaxed.optimal:
                     return _result(inst, relaxed, as_is, [], time.perf_counter() - t0)
                 candidates.append(as_is)
             elif (repaired := _repair(cfg, relaxed.orders)) is not None:
@@ -228,13 +241,11 @@ class _Solve:
     status: str
     optimal: bool
     bound: int  # proven, in integer units
-    orders: (
-        tuple[tuple, ...] | None
-    )  # the best solution's order: per stage (V = 1) or per rank (V > 1)
+    orders: Orders | None  # the best solution's order: per stage (V = 1) or per rank (V > 1)
 
 
 def _run(
-    cp_model,
+    cp_model: ModuleType,
     inst: _Instance,
     with_budget: bool,
     lower: int,
@@ -298,8 +309,8 @@ def _run(
     solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
     solver.parameters.num_workers = int(workers)
     solver.parameters.random_seed = 0
-    for key, value in (params or {}).items():
-        setattr(solver.parameters, key, value)
+    for param, value in (params or {}).items():
+        setattr(solver.parameters, param, value)
     status = solver.solve(model)
     name = solver.status_name(status)
     if status in (cp_model.INFEASIBLE, cp_model.MODEL_INVALID):
@@ -307,7 +318,7 @@ def _run(
             f"oracle model is {name} for S={S} V={cfg.virtual} M={M} budget {cfg.budget}: "
             "a bug in the model"
         )
-    orders = None
+    orders: Orders | None = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if cfg.virtual == 1:
             orders = tuple(
@@ -319,7 +330,9 @@ def _run(
                 )
                 for s in range(S)
             )
-        else:  # ties (tasks floored to no time) in dependency order: F up the stages, B down, F < B < W
+        else:
+            # ties (tasks floored to no time) in dependency order: F up the stages, B down,
+            # F < B < W
             orders = tuple(
                 tuple(
                     (s, Task(k, m))
@@ -359,9 +372,8 @@ def _result(
         else _orders(top, inst.cfg.split_backward)
     )
     bound = max(solved.bound / inst.scale, inst.cheap_bound)  # both are proven; keep the tighter
-    optimal = solved.optimal or (
-        top is not None and top.makespan <= bound + 1e-9
-    )  # a schedule meets a bound
+    # a schedule that meets the bound is optimal too
+    optimal = solved.optimal or (top is not None and top.makespan <= bound + 1e-9)
     cfg = inst.cfg
     log.info(
         "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
@@ -396,7 +408,8 @@ def byte_caps(virtual: int, limit: int, sizes: Sequence[int]) -> tuple[list[int]
 
 
 def _budget_can_bind(inst: _Instance) -> bool:
-    """Whether some rank's limit is below what its stages would hold with every microbatch in flight."""
+    """Whether some rank's limit is below what its stages would hold with every microbatch in
+    flight."""
     cfg = inst.cfg
     held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
     for r in range(cfg.stages):
@@ -410,7 +423,13 @@ def _budget_can_bind(inst: _Instance) -> bool:
     return False
 
 
-def _budget(model, inst: _Instance, rank: int, start, end) -> None:
+def _budget(
+    model: cp.CpModel,
+    inst: _Instance,
+    rank: int,
+    start: Mapping[TaskKey, cp.IntVar],
+    end: Mapping[TaskKey, cp.LinearExprT],
+) -> None:
     """The tracker's in-flight rule on ``rank``: (stage, microbatch) is held
     from the start of F to the end of its last backward, and the rank's stages
     together hold at most its count of local-stage microbatches; by bytes, its local stages 0..c
@@ -445,15 +464,15 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     stages with V > 1, as ``Budget.rank_limit`` counts them), or by bytes
     ``byte_caps`` on every rank (the limit itself with V = 1). None for a byte
     budget and a result not recorded, whose peak count cannot tell."""
-    if cfg.budget.bytes is None:
-        return all(p <= _limit(cfg, r).count for r, p in enumerate(result.peak_inflight))
+    budget = Budget.parse(cfg.budget)
+    if budget.bytes is None:
+        return all(p <= _count(_limit(cfg, r)) for r, p in enumerate(result.peak_inflight))
     if not result.timeline:
         return None
     last = last_backward(result.config.split_backward)
-    demand, caps = byte_caps(cfg.virtual, cfg.budget.bytes, _durations(cfg)[3])
-    held: dict[
-        tuple[int, int], list[float]
-    ] = {}  # (stage, mb) -> [start of F, end of its last backward]
+    demand, caps = byte_caps(cfg.virtual, budget.bytes, _durations(cfg)[3])
+    # (stage, mb) -> [start of F, end of its last backward]
+    held: dict[tuple[int, int], list[float]] = {}
     for s, task, a, b in result.timeline:
         if task.kind is Kind.F:
             held.setdefault((s, task.mb), [a, b])[0] = a
@@ -468,20 +487,29 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
     return True
 
 
-def _order_hint(cfg: SimConfig, orders) -> Hint:
-    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with V > 1."""
+def _count(limit: Limit) -> int:
+    """A count limit's count (a budget without bytes has one)."""
+    assert limit.count is not None
+    return limit.count
+
+
+def _order_hint(cfg: SimConfig, orders: AnyOrders) -> Hint:
+    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with
+    V > 1."""
     frozen = tuple(tuple(o) for o in orders)
     if cfg.virtual == 1:
-        return Hint("oracle", lambda S, s, M, split: frozen[s])
-    return Hint("oracle", _no_stage_order, fixed_rank_orders=frozen)
+        per_stage = cast(StageOrders, frozen)
+        return Hint("oracle", lambda S, s, M, split: per_stage[s])
+    return Hint("oracle", _no_stage_order, fixed_rank_orders=cast(RankOrders, frozen))
 
 
-def _no_stage_order(S: int, s: int, M: int, split: bool):
+def _no_stage_order(S: int, s: int, M: int, split: bool) -> list[Task]:
     raise ValueError("the oracle's order with virtual stages is per rank")
 
 
-def _repair(cfg: SimConfig, orders) -> SimResult | None:
-    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that holds it."""
+def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
+    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that
+    holds it."""
     try:
         return simulate(
             replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True)
@@ -490,7 +518,7 @@ def _repair(cfg: SimConfig, orders) -> SimResult | None:
         return None
 
 
-def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
+def _orders(result: SimResult, split: bool) -> Orders:
     """The order ``result`` started its tasks in, as a split schedule if ``split``: per stage with
     V = 1, per rank over (stage, task) pairs with V > 1."""
     cfg = result.config
@@ -511,7 +539,7 @@ def _orders(result: SimResult, split: bool) -> tuple[tuple, ...]:
     )
 
 
-def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
+def _hint_starts(result: SimResult, inst: _Instance) -> npt.NDArray[np.int64]:
     """Start times [S*V, M, 3] of a recorded schedule in integer units, rounded
     down, which keeps it feasible in the rounded model. An unsplit schedule
     becomes a split one: W(m) right after B(m)."""
@@ -525,7 +553,8 @@ def _hint_starts(result: SimResult, inst: _Instance) -> np.ndarray:
 
 
 def _usable(results: Iterable[SimResult], cfg: SimConfig) -> list[SimResult]:
-    """Recorded results that are schedules of the problem: a split schedule is none when B stays whole."""
+    """Recorded results that are schedules of the problem: a split schedule is none when B stays
+    whole."""
     out = []
     for r in results:
         if not r.timeline:
@@ -547,7 +576,7 @@ def _best_hint(results: list[SimResult]) -> SimResult | None:
     return min(results, key=lambda r: r.makespan, default=None)
 
 
-def replay(cfg: SimConfig, orders: Sequence[Sequence], record: bool = False) -> SimResult:
+def replay(cfg: SimConfig, orders: AnyOrders, record: bool = False) -> SimResult:
     """The simulator running ``orders`` as a fixed order on ``cfg``'s durations (per stage with
     V = 1, per rank over (stage, task) pairs with V > 1): the earliest timing of that schedule,
     checked by the same tracker rules."""

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+import numpy.typing as npt
 
 from rrfp.core.budget import Budget
+from rrfp.core.cost import Features
 from rrfp.core.durations import TaskTimes, known
 from rrfp.core.entry_order import Plan, entry_order_hint, plan
 from rrfp.core.hints import Hint
@@ -31,7 +33,7 @@ from rrfp.sim.ranked import RankedPipeline, ranking_of
 
 
 def make_plan(
-    predicted: np.ndarray,
+    predicted: npt.NDArray[np.float64],
     budget: Budget,
     variability: Variability,
     split: bool,
@@ -41,9 +43,9 @@ def make_plan(
     iteration: int = 0,
     layout: VirtualLayout | None = None,
 ) -> tuple[Hint, Plan]:
-    """The hint for one iteration from ``predicted[s, m, kind]`` (global stages of ``layout``, default
-    one per rank); ``variability`` gives the link latency the planner assumes (its jitter is hidden)
-    and, with ``seed`` and ``iteration``, the microbatch sizes a byte budget weighs."""
+    """The hint for one iteration from ``predicted[s, m, kind]`` (global stages of ``layout``,
+    default one per rank); ``variability`` gives the link latency the planner assumes (its jitter
+    is hidden) and, with ``seed`` and ``iteration``, the microbatch sizes a byte budget weighs."""
     N, M, _ = predicted.shape
     layout = layout or VirtualLayout(N)
     S = layout.ranks
@@ -62,7 +64,7 @@ def make_plan(
         placement=layout.placement,
     )
 
-    def hint(order) -> Hint:
+    def hint(order: Sequence[int]) -> Hint:
         return Hint("plan", entry_order_hint(order), is_class=True, uniform=True)
 
     dur, lat_f, lat_b, sizes = _durations(base)
@@ -78,9 +80,12 @@ def make_plan(
             layout,
         )
 
-    def score(order) -> float:  # the candidates share durations, latencies and sizes: set up once
-        ranking = ranking_of(hint(order).priority(N, 0, M, split), M, split) if pipeline else None
-        run = pipeline.run(ranking) if ranking is not None else None
+    # every candidate shares the durations, latencies and sizes: the pipeline is set up once
+    def score(order: Sequence[int]) -> float:
+        run = None
+        if pipeline is not None:
+            ranking = ranking_of(hint(order).priority(N, 0, M, split), M, split)
+            run = pipeline.run(ranking) if ranking is not None else None
         return (
             run.makespan if run is not None else simulate(replace(base, hint=hint(order))).makespan
         )
@@ -106,7 +111,7 @@ def plan_iteration(
     microbatches: int,
     budget: Budget,
     dispatch: Dispatch,
-    features: Sequence[dict] | None = None,
+    features: Sequence[Features] | None = None,
 ) -> tuple[Hint, Plan]:
     """One iteration's plan from what is known before it runs: ``times.predicted`` (the cost model
     on ``features``, or the preset's size factors), never the realized durations. ``stages`` counts
@@ -143,6 +148,11 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
         layout=cfg.layout,
     )
     made_hint, made = plan_iteration(
-        times, cfg.iteration, cfg.stages, cfg.microbatches, cfg.budget, cfg.dispatch
+        times,
+        cfg.iteration,
+        cfg.stages,
+        cfg.microbatches,
+        Budget.parse(cfg.budget),
+        Dispatch.parse(cfg.dispatch),
     )
     return replace(cfg, hint=made_hint), made

@@ -141,8 +141,8 @@ def _run(p: RankedPipeline, ranking: Ranking, record: bool) -> RankedRun | None:
     sizes = [p.sizes[m] for m in ranking.order]
     lim = [(M + 1) * V if lm.count is None else lm.count for lm in p.limits]  # above any reach
     blim = [lm.bytes for lm in p.limits]
-    # a rank ranks its local stages' heads by ``merge_local_priorities``: the stage rule's place, then
-    # the later local stage first (key p*V + V-1-c); each local stage gets its keys once
+    # a rank ranks its local stages' heads by ``merge_local_priorities``: the stage rule's place,
+    # then the later local stage first (key p*V + V-1-c); each local stage gets its keys once
     keys = [[[q * V + V - 1 - c for q in pk] for pk in ranking.priority] for c in range(V)]
     local = [
         tuple((c, g, keys[c][0], keys[c][1], keys[c][2]) for c, g in enumerate(stages[r]))

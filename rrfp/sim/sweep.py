@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeAlias
 
 import numpy as np
 
@@ -17,9 +18,14 @@ from rrfp.sim.planned_hint import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
+RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: executor, hint, budget, layout
+Combo: TypeAlias = tuple[Dispatch, str, Budget | None, VirtualLayout]  # None: no budget applies
+Job: TypeAlias = tuple[int, Combo]  # (seed, combo)
+
 
 def layout_label(virtual: int, placement: str) -> str:
-    """``V2 v``, ``V2 interleaved``; empty with one stage per rank (a row's ``layout``, part of its key)."""
+    """``V2 v``, ``V2 interleaved``; empty with one stage per rank (a row's ``layout``, part of its
+    key)."""
     return f"V{virtual} {placement}" if virtual > 1 else ""
 
 
@@ -36,9 +42,8 @@ class Row:
     stage_bubble: list[float]  # per-stage idle fraction, mean over seeds
     makespans: list[float]
     plan_s: list[float]  # planning time per seed ("plan" rows only)
-    budget: str | None = (
-        None  # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
-    )
+    # the in-flight budget it ran under; None: fixed dispatch of an order, which has none
+    budget: str | None = None
     virtual: int = 1  # stages per rank
     placement: str = "interleaved"
 
@@ -63,7 +68,7 @@ class Row:
         """10th and 90th percentile of per-seed speedups."""
         return float(np.percentile(self.speedups, 10)), float(np.percentile(self.speedups, 90))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         lo, hi = self.spread
         return {
             "executor": self.dispatch,  # the key that readers of `rrfp sim --json` read
@@ -91,7 +96,8 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
 
 
 def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
-    """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual order)."""
+    """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual
+    order)."""
     try:
         hint.check_layout(layout, microbatches, split)
     except HintError as e:
@@ -104,20 +110,21 @@ def sweep(
     dispatches: Iterable[Dispatch],
     hints: Iterable[Hint],
     seeds: int,
-    progress: Callable[[Iterable], Iterable] = lambda x: x,
-    runs: dict[tuple, list[tuple[SimConfig, SimResult]]] | None = None,
+    progress: Callable[[list[Job]], Iterable[Job]] = lambda x: x,
+    runs: dict[RowKey, list[tuple[SimConfig, SimResult]]] | None = None,
     budgets: Sequence[Budget] = (),
     layouts: Sequence[VirtualLayout] = (),
     skipped: list[str] | None = None,
 ) -> list[Row]:
-    """Every (dispatch, hint, budget, layout) on the same durations for each seed; speedup is fixed
-    1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets`` (default:
-    the base config's) are run by every row they apply to (``budget_applies``); the others run once.
+    """Every (dispatch, hint, budget, layout) on the same durations for each seed; speedup is
+    fixed 1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets``
+    (default: the base config's) are run by every row they apply to (``budget_applies``); the
+    others run once.
     ``layouts`` (default: the base config's) are the virtual-stage layouts to run; a hint with no
     form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and ``skipped`` receives why.
     ``runs``, when given, receives every (config as run, recorded result) by ``Row.key``, seed
     by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
-    budgets = list(budgets) or [base.budget]
+    budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
     one = VirtualLayout(base.stages)
@@ -130,21 +137,21 @@ def sweep(
             ]
         )
     )
-    usable = []
+    usable: list[tuple[Dispatch, str, VirtualLayout]] = []
     for d, name, lay in pairs:
         why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
         if why is None:
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:
             skipped.append(why)
-    combos = [
+    combos: list[Combo] = [
         (d, name, b if budget_applies(d, by_name[name]) else None, lay)
         for d, name, lay in usable
         for b in (budgets if budget_applies(d, by_name[name]) else budgets[:1])
     ]
-    results: dict[tuple, list[SimResult]] = {c: [] for c in combos}
+    results: dict[Combo, list[SimResult]] = {c: [] for c in combos}
     jobs = [(seed, c) for seed in range(seeds) for c in combos]
-    plan_s: dict[tuple, list[float]] = {c: [] for c in combos}
+    plan_s: dict[Combo, list[float]] = {c: [] for c in combos}
     for seed, combo in progress(jobs):
         dispatch, name, budget, lay = combo
         cfg = replace(
