@@ -49,7 +49,12 @@ def _csv_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rrfp", description="Readiness-driven pipeline-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_sim, _add_plot, _add_calibrate, _add_train, _add_config, _add_bench):
+        add(sub)
+    return p
 
+
+def _add_sim(sub) -> None:
     sim = sub.add_parser("sim", help="simulate executors x hints under a variability preset")
     sim.add_argument(
         "--pp",
@@ -129,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound",
     )
     sim.add_argument(
-        "--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead"
+        "--replay", metavar="SIZES", help="simulate the steps a run recorded (output.sizes) instead"
     )
     sim.add_argument(
         "--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay"
@@ -146,12 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row"
     )
 
+
+def _add_plot(sub) -> None:
     plot = sub.add_parser(
         "plot", help="draw a timeline PNG from an rrfp Chrome trace (real or simulated)"
     )
-    plot.add_argument("trace", help="a trace from rrfp sim --trace or rrfp train --set trace=...")
+    plot.add_argument(
+        "trace", help="a trace from rrfp sim --trace or rrfp train --set output.trace=..."
+    )
     plot.add_argument("--out", help="PNG to write (default: the trace's name with .png)")
 
+
+def _add_calibrate(sub) -> None:
     cal = sub.add_parser(
         "calibrate", help="measure each stage's F/B/W on sample data and fit the cost model"
     )
@@ -170,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--out", help="where to write the model (default runs/cost-MODEL-ppN.json)")
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
     train.add_argument("--config", required=True, help="TOML run config")
     train.add_argument(
@@ -177,21 +190,56 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set executor=fixed",
+        help="override a config value, e.g. --set schedule.dispatch=fixed (rrfp config lists "
+        "every key)",
     )
     train.add_argument(
-        "--dry-run", action="store_true", help="print the layout and config, then exit"
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config as TOML, the stage layout and the memory estimate, then "
+        "exit",
     )
     train.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)",
+        help="continue from the last complete checkpoint in checkpoint.dir (error if none)",
     )
     train.add_argument(
         "--debug",
         action="store_true",
-        help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)",
+        help="on a failure, print the full traceback to stderr too (it always goes to "
+        "output.log_dir)",
     )
+    train.add_argument(
+        "--help-config",
+        action=_ConfigHelp,
+        help="print every config key with its type, default and meaning, then exit",
+    )
+
+
+class _ConfigHelp(argparse.Action):
+    """``--help-config``: like ``--help``, it answers at once, whatever else the line lacks."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from rrfp.app.config_reference import reference_text
+
+        print(reference_text(), end="")
+        parser.exit(0)
+
+
+def _add_config(sub) -> None:
+    cfg = sub.add_parser(
+        "config", help="print every config key: its section, type, default and meaning"
+    )
+    cfg.add_argument(
+        "--markdown", action="store_true", help="as the Markdown page docs/configuration.md"
+    )
+
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="every executor side by side on real gloo ranks, into a results folder",
@@ -279,7 +327,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600,
         help="seconds before the job is stopped (default 3600); a dead rank fails it sooner",
     )
-    return p
 
 
 def _plot(args) -> int:
@@ -296,7 +343,7 @@ def _plot(args) -> int:
         doc = json.loads(text)
     except ValueError:
         raise UsageError(
-            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
+            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set output.trace=, "
             f"rrfp sim --trace or rrfp bench"
         ) from None
     try:
@@ -321,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             return sim_command(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "config":
+            from rrfp.app.config_reference import reference_markdown, reference_text
+
+            print(reference_markdown() if args.markdown else reference_text(), end="")
+            return 0
         if args.command == "calibrate":
             from rrfp.app.calibrate_command import calibrate_command
 
