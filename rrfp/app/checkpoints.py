@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config import FLAT_KEYS, TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
@@ -75,10 +75,17 @@ def differences(saved: dict, now: dict) -> list[str]:
         for key in sorted(set(a) | set(b)):
             if a.get(key, "(absent)") != b.get(key, "(absent)"):
                 out.append(
-                    f"{section}.{key}: checkpoint {a.get(key, '(absent)')!r}, "
+                    f"{_key_name(section, key)}: checkpoint {a.get(key, '(absent)')!r}, "
                     f"this run {b.get(key, '(absent)')!r}"
                 )
     return out
+
+
+def _key_name(section: str, key: str) -> str:
+    """A fingerprint's key as the config names it: its ``run`` table keeps the flat names."""
+    if section == "run" and key in FLAT_KEYS:
+        section, key = FLAT_KEYS[key]
+    return f"{section}.{key}"
 
 
 @dataclass(frozen=True)

@@ -301,7 +301,8 @@ class _Loader:
             if name in FLAT_KEYS:  # run.OLD: a flat key, moved
                 section, name = self._deprecated_set(key, name)
         doc.setdefault(section, {})[name] = _parse_value(raw.strip())
-        self.origin[(section, name)] = f"--set {key}"
+        full = f"{section}.{name}"
+        self.origin[(section, name)] = f"--set {key}" + ("" if key == full else f" ({full})")
 
     def _deprecated_set(self, key: str, old: str) -> tuple[str, str]:
         section, name = FLAT_KEYS[old]

@@ -26,14 +26,18 @@ def setting(
     parse: Callable[[Any], Any] | None = None,
     choices: tuple[str, ...] | None = None,
     bounds: tuple[float, float] | None = None,
+    least: tuple[float, bool, str] | None = None,
     factory: Callable[[], Any] | None = None,
     shown: str | None = None,
 ) -> Any:
     """A section field. ``doc``: its one line. ``toml``: the TOML value types it accepts (the
     default's type when left out; an int is a float too). ``parse``: a TOML value to the field's
     type, at load (a ValueError names the key). ``choices``/``bounds``: what the value may be.
+    ``least``: (lowest, strict, the rule as a message says it), checked before ``bounds``.
     ``shown``: the default as the reference prints it, where the default is not a TOML value."""
-    meta = dict(doc=doc, toml=toml, parse=parse, choices=choices, bounds=bounds, shown=shown)
+    meta = dict(
+        doc=doc, toml=toml, parse=parse, choices=choices, bounds=bounds, least=least, shown=shown
+    )
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -138,6 +142,9 @@ class Section:
                     f"{self.NAME}.{f.name} must be one of {', '.join(choices)}, got {value!r}"
                     + did_you_mean(str(value), choices)
                 )
+            least = meta.get("least")
+            if least and (value < least[0] or least[1] and value == least[0]):
+                raise ConfigError(f"{self.NAME}.{f.name} must be {least[2]}, got {value:g}")
             bounds = meta.get("bounds")
             if bounds and not bounds[0] <= value <= bounds[1]:
                 raise ConfigError(

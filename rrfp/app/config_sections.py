@@ -24,6 +24,7 @@ AUTOCAST_MODES = ("off", "bfloat16", "float16")
 ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 ON_NONFINITE = ("stop", "skip")
 COUNT = (1, 65536)
+ONE = (1, False, ">= 1")
 STEPS = (1, 10**9)
 
 
@@ -35,7 +36,7 @@ class RunSection(Section):
     model: str = setting(
         "gpt", "a workload: models/<name>.py, a dotted module, or module:attribute"
     )
-    steps: int = setting(50, "optimizer steps to run", bounds=STEPS)
+    steps: int = setting(50, "optimizer steps to run", bounds=STEPS, least=ONE)
     seed: int = setting(
         0, "seed of the model's initial weights and the data", bounds=(0, 2**63 - 1)
     )
@@ -44,6 +45,7 @@ class RunSection(Section):
         "how long any wait may last; each of [timeouts] defaults from it (at least 1 s: what a "
         "rendezvous's sockets need to connect at all)",
         bounds=(1, 604_800),
+        least=(0, True, "> 0"),
     )
 
 
@@ -52,11 +54,19 @@ class ParallelSection(Section):
     NAME = "parallel"
     DOC = "How the ranks are laid out: pipeline, tensor and data parallel, and virtual stages."
 
-    pp: int = setting(0, "pipeline ranks; 0: world size / (tp * dp)", bounds=(0, 65536))
-    tp: int = setting(1, "tensor-parallel ranks per stage", bounds=COUNT)
-    dp: int = setting(1, "data-parallel replicas of the pipeline", bounds=COUNT)
+    pp: int = setting(
+        0,
+        "pipeline ranks; 0: world size / (tp * dp)",
+        bounds=(0, 65536),
+        least=(0, False, ">= 1 (or 0 for world size / (tp*dp))"),
+    )
+    tp: int = setting(1, "tensor-parallel ranks per stage", bounds=COUNT, least=ONE)
+    dp: int = setting(1, "data-parallel replicas of the pipeline", bounds=COUNT, least=ONE)
     virtual: int = setting(
-        1, "stages per pipeline rank: the model is split into pp x virtual stages", bounds=(1, 64)
+        1,
+        "stages per pipeline rank: the model is split into pp x virtual stages",
+        bounds=(1, 64),
+        least=ONE,
     )
     placement: str = setting(
         "interleaved",
@@ -90,7 +100,9 @@ class ScheduleSection(Section):
         "What each rank runs in which order: the microbatches, the dispatch, the hint, the budget."
     )
 
-    microbatches: int = setting(8, "microbatches per step, per data-parallel replica", bounds=COUNT)
+    microbatches: int = setting(
+        8, "microbatches per step, per data-parallel replica", bounds=COUNT, least=ONE
+    )
     dispatch: Dispatch = setting(
         Dispatch.READY,
         "ready (the best-priority ready task) or fixed (the hint's order, waiting for each task)",
@@ -126,27 +138,21 @@ class OptimSection(Section):
     NAME = "optim"
     DOC = "The optimizer (AdamW, one per stage), its schedule, and what a NaN/Inf step does."
 
-    lr: float = setting(1e-3, "the learning rate (> 0)", bounds=(0, 100))
+    lr: float = setting(1e-3, "the learning rate", bounds=(0, 100), least=(0, True, "> 0"))
     warmup_steps: int = setting(
         0, "steps over which lr rises linearly from 0 (0: none)", bounds=(0, 10**9)
     )
     weight_decay: float = setting(0.0, "AdamW's weight decay", bounds=(0, 100))
     clip_grad_norm: float = setting(
-        0.0, "clip the whole model's gradient norm to this before each step; 0: off"
+        0.0,
+        "clip the whole model's gradient norm to this before each step; 0: off",
+        least=(0, False, ">= 0 (0: no clipping)"),
     )
     on_nonfinite: str = setting(
         "stop",
         "NaN/Inf in the loss or gradients: stop the run, or skip the step on every rank",
         choices=ON_NONFINITE,
     )
-
-    def check(self) -> None:
-        if self.lr == 0:
-            raise ConfigError(f"optim.lr must be > 0, got {self.lr:g}")
-        if self.clip_grad_norm < 0:
-            raise ConfigError(
-                f"optim.clip_grad_norm must be >= 0 (0: no clipping), got {self.clip_grad_norm:g}"
-            )
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ class RuntimeSection(Section):
     device: str = setting(
         "auto", "auto, cpu or cuda; auto: cuda when backend = nccl", choices=("auto", "cpu", "cuda")
     )
-    threads: int = setting(1, "torch intra-op threads per rank", bounds=(1, 1024))
+    threads: int = setting(1, "torch intra-op threads per rank", bounds=(1, 1024), least=ONE)
     autocast: str = setting(
         "off",
         "torch.autocast around every task; parameters and the optimizer stay float32 "
@@ -229,7 +235,7 @@ class OutputSection(Section):
     NAME = "output"
     DOC = "What a run writes besides checkpoints: progress lines, the trace, sizes, failure logs."
 
-    log_every: int = setting(1, "rank 0 prints a step line every N steps", bounds=STEPS)
+    log_every: int = setting(1, "rank 0 prints a step line every N steps", bounds=STEPS, least=ONE)
     trace: str = setting("", 'merged Chrome trace written by rank 0 at the end; "": none')
     sizes: str = setting(
         "", "rank 0 writes every step's microbatch features and step time here, for rrfp sim"
@@ -257,7 +263,10 @@ class EmulationSection(Section):
 
     preset: str = setting("none", "variability model of emulated task times", choices=PRESETS)
     unit_ms: float = setting(
-        0.0, "emulated time of one average forward, in ms; 0: real time", bounds=(0, 600_000)
+        0.0,
+        "emulated time of one average forward, in ms; 0: real time",
+        bounds=(0, 600_000),
+        least=(0, False, ">= 0 (0: no emulated time)"),
     )
     cost: CostModel | None = setting(
         None,
