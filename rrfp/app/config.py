@@ -288,7 +288,7 @@ class _Loader:
             warnings.warn(
                 f"{self.source}: [run] {old} is deprecated: write it as {key} in [{section}]",
                 ConfigKeyDeprecated,
-                stacklevel=2,
+                stacklevel=3,  # the caller of TrainConfig.load
             )
 
     def apply_override(self, doc: dict, item: str) -> None:
