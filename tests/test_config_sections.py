@@ -149,7 +149,7 @@ DID_YOU_MEAN = [
     ),
     (["microbatchs=4"], "--set microbatchs: no section has a key 'microbatchs' (did you mean"),
     (["executr=fixed"], "(did you mean executor?)"),
-    (["optim.lrr=1"], "--set optim.lrr: unknown key (did you mean lr?)"),
+    (["optim.lrr=1"], "--set optim.lrr: unknown key optim.lrr (did you mean lr?)"),
     (["steps=x"], "--set steps (run.steps) = 'x' has the wrong type"),
 ]
 
@@ -170,7 +170,7 @@ def test_a_typo_in_the_file_names_the_file(tmp_path):
     ):
         TrainConfig.load(path, world_size=4)
     path.write_text("[optim]\nlrr = 1\n")
-    with pytest.raises(ConfigError, match=rf"{path}: optim.lrr: unknown key \(did you mean lr\?\)"):
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key optim.lrr \(did you mean lr\?\)"):
         TrainConfig.load(path, world_size=4)
 
 

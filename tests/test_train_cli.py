@@ -81,8 +81,11 @@ def sets_args(sets: list[str]) -> list[str]:
 
 BAD_OVERRIDES = [
     (["foo=1"], ["--set foo: no section has a key 'foo'"]),
-    (["schedule.hnt=bfw"], ["--set schedule.hnt: unknown key (did you mean hint?)"]),
-    (["model.n_embdd=32"], ["--set model.n_embdd: unknown key (did you mean n_embd?)"]),
+    (["schedule.hnt=bfw"], ["--set schedule.hnt: unknown key schedule.hnt (did you mean hint?)"]),
+    (
+        ["model.n_embdd=32"],
+        ["--set model.n_embdd: unknown key model.n_embdd (did you mean n_embd?)"],
+    ),
     (["steps=abc"], ["run.steps", "'abc'", "wrong type", "int"]),
     (["model.n_embd=1.5"], ["model.n_embd", "wrong type"]),
     (["lr=fast"], ["optim.lr", "wrong type", "float"]),

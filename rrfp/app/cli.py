@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from rrfp.app.errors import UsageError
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
@@ -359,7 +360,21 @@ def _plot(args) -> int:
     return 0
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A moved config key is one ``rrfp: warning:`` line, not Python's two-line warning."""
+    from rrfp.app.config import ConfigKeyDeprecated
+
+    if issubclass(category, ConfigKeyDeprecated):
+        say(f"rrfp: warning: {message}")
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         if args.command == "sim":

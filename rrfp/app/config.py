@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rrfp.app.config_fields import Section, did_you_mean
+from rrfp.app.config_fields import Section, did_you_mean, unknown_key
 from rrfp.app.config_sections import (
     SECTIONS,
     CheckpointSection,
@@ -376,8 +376,7 @@ class _Loader:
             where = self.where(name, k)
             if k not in known:
                 raise ConfigError(
-                    f"{where}: unknown key{did_you_mean(k, known)} (known in [{name}]: "
-                    f"{', '.join(known)})"
+                    f"{unknown_key(where, name, k, known)} (known in [{name}]: {', '.join(known)})"
                 )
             _check_type(where, v, known[k].type)
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) > SECTION_INT_BOUND:

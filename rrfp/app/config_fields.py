@@ -89,6 +89,12 @@ def did_you_mean(word: str, known) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def unknown_key(label: str, section: str, key: str, known) -> str:
+    """``LABEL: unknown key SECTION.KEY (did you mean ...?)``; LABEL is ``--set KEY`` or the file."""
+    prefix = label if label.startswith("--set") else label.rsplit(": ", 1)[0]
+    return f"{prefix}: unknown key {section}.{key}{did_you_mean(key, known)}"
+
+
 @dataclass(frozen=True)
 class Section:
     """A TOML table: fields declared with ``setting``; built from TOML values by ``parse``,
@@ -111,7 +117,7 @@ class Section:
         for key, value in values.items():
             if key not in known:
                 raise ConfigError(
-                    f"{where(key)}: unknown key{did_you_mean(key, known)} (known in "
+                    f"{unknown_key(where(key), cls.NAME, key, known)} (known in "
                     f"[{cls.NAME}]: {', '.join(known)})"
                 )
             f = known[key]
