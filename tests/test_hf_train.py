@@ -106,7 +106,10 @@ def test_learning_rate_warms_up_linearly_from_zero():
             ["warmup_steps=-1"],
             "optim.warmup_steps = -1 is out of bounds: it must be within [0, 1000000000]",
         ),
-        (["warmup_steps=0.5"], "optim.warmup_steps = 0.5 has the wrong type (expected int)"),
+        (
+            ["warmup_steps=0.5"],
+            "--set warmup_steps (optim.warmup_steps) = 0.5 has the wrong type (expected int)",
+        ),
         (["tp=2"], "parallel.tp = 2: rrfp.hf stages are not tensor-parallel; set parallel.tp = 1"),
         (
             ["model.family=gpt2"],

@@ -33,7 +33,7 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
         assert [p.returncode for p in ranks.procs] == [2, 2], ranks.tails()
         for r in (0, 1):
             lines = ranks.error_lines(r)
-            assert len(lines) == 1 and f"run.{key} = {path}" in lines[0], ranks.err(r)
+            assert len(lines) == 1 and f"output.{key} = {path}" in lines[0], ranks.err(r)
     finally:
         ranks.kill_all()
 

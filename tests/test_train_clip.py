@@ -37,10 +37,12 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=()):
     wl, run = cfg.workload, cfg.run
     torch.manual_seed(run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None)
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+    )
     losses, norms = [], []
     for step in range(STEPS):
-        batch = wl.batches(cfg.data, step, schedule.microbatches * dp)
+        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches * dp)
         loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
         loss.backward()
         if step + 1 == nan_step:

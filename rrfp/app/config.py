@@ -230,7 +230,7 @@ class TrainConfig:
         out["data"] = dataclasses.asdict(self.data)
         return out
 
-    as_dict = as_toml
+    as_dict = as_toml  # the name embedders called it by
 
 
 def _copy(doc: dict) -> dict:
