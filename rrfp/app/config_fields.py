@@ -90,7 +90,7 @@ def did_you_mean(word: str, known) -> str:
 
 
 def unknown_key(label: str, section: str, key: str, known) -> str:
-    """``LABEL: unknown key SECTION.KEY (did you mean ...?)``; LABEL is ``--set KEY`` or the file."""
+    """``LABEL: unknown key SECTION.KEY (did you mean ...?)``; LABEL: ``--set KEY`` or the file."""
     prefix = label if label.startswith("--set") else label.rsplit(": ", 1)[0]
     return f"{prefix}: unknown key {section}.{key}{did_you_mean(key, known)}"
 
