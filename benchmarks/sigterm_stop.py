@@ -60,7 +60,7 @@ def once(tmp: Path, to: str) -> dict[int, float]:
         if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    sets = [*SETS, f"checkpoint_dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}"]
+    sets = [*SETS, f"checkpoint.dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}"]
     err = tmp / "err"
     with open(tmp / "out", "w") as out, open(err, "w") as errf:
         job = subprocess.Popen(

@@ -110,7 +110,9 @@ class HFConfig:
 def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
     """Layout checks before any process group: ValueError names the mismatch."""
     if tp > 1:
-        raise ValueError(f"run.tp = {tp}: rrfp.hf stages are not tensor-parallel; set run.tp = 1")
+        raise ValueError(
+            f"parallel.tp = {tp}: rrfp.hf stages are not tensor-parallel; set parallel.tp = 1"
+        )
     if cfg.stage_layers and len(cfg.stage_layers) != num_stages:
         raise ValueError(
             f"model.stage_layers has {len(cfg.stage_layers)} entries for {num_stages} "

@@ -269,7 +269,7 @@ def check(cfg: VLMConfig, data: VLMDataConfig, num_stages: int, tp: int) -> None
     """Layout and model/data agreement checks that need no process group."""
     if tp > 1:
         raise ValueError(
-            f"the vlm workload has no tensor parallelism: set run.tp = 1 (got tp={tp})"
+            f"the vlm workload has no tensor parallelism: set parallel.tp = 1 (got tp={tp})"
         )
     if cfg.n_layer < num_stages - 1:
         raise ValueError(

@@ -764,10 +764,12 @@ def reference_losses(steps: int, device: str = "cuda:0") -> list[float]:
     wl = cfg.workload
     torch.manual_seed(cfg.run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+    )
     losses = []
     for step in range(steps):
-        batch = wl.batches(cfg.data, step, cfg.run.microbatches)
+        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches)
         loss = sum(wl.loss_fn(model(x.to(device)), y.to(device)) for x, y in batch) / len(batch)
         loss.backward()
         opt.step()
@@ -796,8 +798,8 @@ def resume_check() -> str:
     sets = ("model.dropout=0.1",)
     whole = train_losses("steps=6", *sets)
     with tempfile.TemporaryDirectory() as d:
-        first = train_losses("steps=3", *sets, f"checkpoint_dir={d}")
-        second = train_losses("steps=6", *sets, f"checkpoint_dir={d}", "resume=required")
+        first = train_losses("steps=3", *sets, f"checkpoint.dir={d}")
+        second = train_losses("steps=6", *sets, f"checkpoint.dir={d}", "resume=required")
         keys = dcp.FileSystemReader(f"{d}/step-00000006").read_metadata().state_dict_metadata
     assert any(k.startswith("rank0.rng.cuda") for k in keys), "no CUDA RNG state in the checkpoint"
     assert first + second == whole, f"resumed {first + second} != uninterrupted {whole}"

@@ -48,10 +48,12 @@ def reference_losses(steps: int) -> list[float]:
     wl = cfg.workload
     torch.manual_seed(cfg.run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.run.lr, weight_decay=cfg.run.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+    )
     losses = []
     for step in range(steps):
-        batch = wl.batches(cfg.data, step, cfg.run.microbatches)
+        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches)
         loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
         loss.backward()
         opt.step()
@@ -189,7 +191,7 @@ def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, v
 @pytest.mark.parametrize("step", [1, 2], ids=["no-checkpoint-yet", "previous-one-kept"])
 def test_a_peer_killed_during_a_checkpoint_write_is_one_line_that_says_what_stays(tmp_path, step):
     ck = tmp_path / "ck"
-    sets = (f"checkpoint_dir={ck}", "checkpoint_every=1", "timeout_s=5")
+    sets = (f"checkpoint.dir={ck}", "checkpoint.every=1", "timeout_s=5")
     ranks = RankProcs(
         tmp_path, 2, _args(tmp_path, "steps=3", *sets, f"fault=kill:step={step}:rank=1:during=save")
     )
@@ -254,7 +256,7 @@ def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(
     from rrfp.pipeline.checkpoint import CheckpointError
 
     cfg = TrainConfig.load(
-        "configs/gpt-tiny.toml", [*SETS, f"checkpoint_dir={tmp_path}"], world_size=2
+        "configs/gpt-tiny.toml", [*SETS, f"checkpoint.dir={tmp_path}"], world_size=2
     )
     rt = SimpleNamespace(rank=0, stage=0, tp_rank=0, device=torch.device("cpu"), cpu_group=None)
 

@@ -1,6 +1,6 @@
 """The caller's autocast reaches every F, B and W of the call (rrfp/pipeline/thread_state.py):
 ``with torch.autocast("cpu", torch.bfloat16)`` around ``ScheduleReady.step``/``eval`` and around
-``await stage_executor(...).run_iteration(...)``, and ``run.autocast = "bfloat16"`` for ``rrfp train``,
+``await stage_executor(...).run_iteration(...)``, and ``runtime.autocast = "bfloat16"`` for ``rrfp train``,
 match a one-process bfloat16 run of the same model and data within bfloat16 tolerance, and differ
 measurably from the float32 run, on real gloo ranks."""
 
@@ -132,23 +132,28 @@ def _train(rank, world, autocast):
 
     import torch.distributed as dist
 
-    from rrfp.app.config import RunConfig, TrainConfig
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.config_sections import (
+        OptimSection,
+        ParallelSection,
+        RunSection,
+        RuntimeSection,
+        ScheduleSection,
+    )
     from rrfp.app.train import stage_main
     from rrfp.loop import run
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
+        model, data = _gpt()
         cfg = TrainConfig(
-            RunConfig(
-                pp=world,
-                microbatches=M,
-                steps=STEPS,
-                lr=LR,
-                seed=0,
-                timeout_s=60,
-                autocast=autocast,
-            ),
-            *_gpt(),
+            RunSection(steps=STEPS, seed=0, timeout_s=60),
+            ParallelSection(pp=world),
+            ScheduleSection(microbatches=M),
+            OptimSection(lr=LR),
+            RuntimeSection(autocast=autocast),
+            model=model,
+            data=data,
         )
         return run(stage_main(cfg)).losses
     finally:
@@ -196,5 +201,7 @@ def test_train_autocast_matches_one_process_bfloat16():
     want, far = _one_process_losses(bf16=True), _one_process_losses(bf16=False)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
     apart = max(abs(a - b) / abs(b) for a, b in zip(losses, far))
-    assert worst < CLOSE, f"rrfp train under run.autocast = bfloat16 {losses} vs one process {want}"
+    assert worst < CLOSE, (
+        f"rrfp train under runtime.autocast = bfloat16 {losses} vs one process {want}"
+    )
     assert apart > 10 * worst, f"{losses} vs float32 {far}: autocast made no measurable difference"

@@ -20,6 +20,7 @@ def _durations(rank, world):
     from rrfp.core.tasks import Kind
     from rrfp.core.variability import Variability
     from rrfp.observe.instrument import TraceRecorder
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -33,11 +34,8 @@ def _durations(rank, world):
         M,
         lambda out, y: ((out - y) ** 2).mean(),
         unit_ms=UNIT_MS,
-        variability=var,
-        seed=0,
-        cost=None,
         instrument=recorder,
-        hint="bfw",
+        settings=ScheduleSettings.of(M, hint="bfw", variability=var, seed=0),
     )
     try:
         for it in range(STEPS):

@@ -51,16 +51,20 @@ VARIANTS = {
 }
 
 
+KEYS = {"checkpoint_dir": "checkpoint.dir", "checkpoint_every": "checkpoint.every"}
+KEYS["checkpoint_keep"] = "checkpoint.keep"  # _config's keywords: the config keys they set
+
+
 def _config(steps: int, dispatch: str, **run):
     from rrfp.app.config import TrainConfig
 
     sets = [s for s in SMALL[2:] if s != "--set"] + [
         f"steps={steps}",
-        f"executor={dispatch}",
+        f"schedule.dispatch={dispatch}",
         "timeout_s=60",
         "lr=3e-3",
     ]
-    sets += [f"{k}={json.dumps(v)}" for k, v in run.items()]
+    sets += [f"{KEYS.get(k, k)}={json.dumps(v)}" for k, v in run.items()]
     return TrainConfig.load(SMALL[1], sets)
 
 
@@ -267,7 +271,7 @@ def one_error_line(stderr: str, *needles: str) -> str:
 def saved(tmp_path_factory) -> Path:
     """A checkpoint directory from a real 2-step run (pp=2, 4 microbatches)."""
     tmp = tmp_path_factory.mktemp("saved")
-    ranks = train(tmp / "logs", "--set", "steps=2", "--set", f"checkpoint_dir={tmp / 'ck'}")
+    ranks = train(tmp / "logs", "--set", "steps=2", "--set", f"checkpoint.dir={tmp / 'ck'}")
     assert [p.returncode for p in ranks.procs] == [0, 0], ranks.tails()
     assert [c.step for c in CheckpointDir(tmp / "ck").complete()] == [2]
     return tmp / "ck"
@@ -281,7 +285,7 @@ def resume_error(ckdir: Path, *sets: str) -> str:
 
     cfg = TrainConfig.load(
         SMALL[1],
-        [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint_dir={ckdir}", *sets],
+        [s for s in SMALL[2:] if s != "--set"] + [f"checkpoint.dir={ckdir}", *sets],
         world_size=2,
     )
     with pytest.raises(ConfigError) as e:
@@ -290,14 +294,20 @@ def resume_error(ckdir: Path, *sets: str) -> str:
 
 
 MISMATCHES = [
-    (["pp=1", "tp=2"], ["run.pp: checkpoint 2, this run 1", "run.tp: checkpoint 1, this run 2"]),
+    (
+        ["pp=1", "tp=2"],
+        ["parallel.pp: checkpoint 2, this run 1", "parallel.tp: checkpoint 1, this run 2"],
+    ),
     (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
-    (["microbatches=8"], ["run.microbatches: checkpoint 4, this run 8"]),
+    (["microbatches=8"], ["schedule.microbatches: checkpoint 4, this run 8"]),
     (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
-    (["virtual=2", "placement=v", "model.n_layer=4"], ["run.virtual: checkpoint 1, this run 2"]),
+    (
+        ["virtual=2", "placement=v", "model.n_layer=4"],
+        ["parallel.virtual: checkpoint 1, this run 2"],
+    ),
 ]
 MEANINGLESS = {
-    4: "run.placement"
+    4: "parallel.placement"
 }  # the checkpoint has one stage per rank: its placement says nothing
 
 
@@ -312,7 +322,7 @@ def test_resume_with_another_config_is_one_error_line(saved):
         "--set",
         "steps=4",
         "--set",
-        f"checkpoint_dir={saved}",
+        f"checkpoint.dir={saved}",
         "--resume",
     )
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
@@ -334,8 +344,8 @@ def test_resume_with_another_config_is_one_error_line(saved):
 
 
 def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
-    """run.placement means something only where both the checkpoint and the run have virtual > 1:
-    resuming a V = 2 checkpoint at V = 1 names run.virtual alone (it once named the placement too)."""
+    """parallel.placement means something only where both the checkpoint and the run have virtual > 1:
+    resuming a V = 2 checkpoint at V = 1 names parallel.virtual alone (it once named the placement too)."""
     from rrfp.app.checkpoints import _comparable, differences, fingerprint
     from rrfp.app.config import TrainConfig
 
@@ -343,10 +353,10 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
         return fingerprint(TrainConfig.load(SMALL[1], ["model.n_layer=4", *sets], world_size=2))
 
     v2_v, v2_inter, v1 = fp("virtual=2", "placement=v"), fp("virtual=2"), fp()
-    assert differences(*_comparable(v2_v, v1)) == ["run.virtual: checkpoint 2, this run 1"]
-    assert differences(*_comparable(v1, v2_v)) == ["run.virtual: checkpoint 1, this run 2"]
+    assert differences(*_comparable(v2_v, v1)) == ["parallel.virtual: checkpoint 2, this run 1"]
+    assert differences(*_comparable(v1, v2_v)) == ["parallel.virtual: checkpoint 1, this run 2"]
     assert differences(*_comparable(v2_v, v2_inter)) == [
-        "run.placement: checkpoint 'v', this run 'interleaved'"
+        "parallel.placement: checkpoint 'v', this run 'interleaved'"
     ]
     assert differences(*_comparable(v1, v1)) == []
     before_virtual = {
@@ -355,9 +365,9 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
     }
     assert (
         differences(*_comparable(before_virtual, v1)) == []
-    )  # saved before run.virtual existed: V = 1
+    )  # saved before parallel.virtual existed: V = 1
     assert differences(*_comparable(before_virtual, v2_v)) == [
-        "run.virtual: checkpoint 1, this run 2"
+        "parallel.virtual: checkpoint 1, this run 2"
     ]
 
 
@@ -394,7 +404,7 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     from rrfp.app.config import TrainConfig
 
     fresh = TrainConfig.load(
-        SMALL[1], [f"checkpoint_dir={tmp_path / 'empty'}", "resume=auto"], world_size=2
+        SMALL[1], [f"checkpoint.dir={tmp_path / 'empty'}", "resume=auto"], world_size=2
     )
     assert resume_point(fresh) is None  # auto with nothing to resume: step 0
 
@@ -408,7 +418,7 @@ def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
         data.read_bytes()[:100]
     )  # a file cut short: its commit record says how long it was
     ranks = train(
-        tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint_dir={broken}", "--resume"
+        tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint.dir={broken}", "--resume"
     )
     for r, p in enumerate(ranks.procs):
         assert p.returncode == 2, f"rank {r} exited {p.returncode}\n" + ranks.tails()
@@ -436,9 +446,9 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
         "--set",
         f"timeout_s={TIMEOUT_S}",
         "--set",
-        f"checkpoint_dir={ckdir}",
+        f"checkpoint.dir={ckdir}",
         "--set",
-        "checkpoint_every=4",
+        "checkpoint.every=4",
     )
     try:
         t0 = time.monotonic()
@@ -481,7 +491,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
         "--set",
         f"steps={step + 2}",
         "--set",
-        f"checkpoint_dir={ckdir}",
+        f"checkpoint.dir={ckdir}",
         "--resume",
     )
     assert [p.returncode for p in resumed.procs] == [0, 0], resumed.tails()

@@ -2,7 +2,7 @@
 model shard, an optimizer shard, DCP's .metadata, meta.json, the commit record)
 is found before anything is loaded and named; the run falls back to the newest
 checkpoint that verifies and repeats an uninterrupted run's losses, or exits 2
-(run.on_corrupt_checkpoint = stop). The checkpoints passed over are deleted,
+(checkpoint.on_corrupt = stop). The checkpoints passed over are deleted,
 the good one it resumed from is kept, and debris never blocks a commit.
 """
 
@@ -142,7 +142,7 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
         ckdir = tmp_path / kind.replace(" ", "-")
         shutil.copytree(root / "pristine", ckdir)
         name = flip(ckdir / f"step-{LATEST:08d}", kind)
-        message = resume_error(ckdir, f"steps={STEPS}", "resume=auto", "on_corrupt_checkpoint=stop")
+        message = resume_error(ckdir, f"steps={STEPS}", "resume=auto", "checkpoint.on_corrupt=stop")
         assert f"checkpoint {ckdir / f'step-{LATEST:08d}'} failed verification: " in message, (
             message
         )
@@ -155,9 +155,9 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
         "--set",
         f"steps={STEPS}",
         "--set",
-        f"checkpoint_dir={tmp_path / 'model-shard'}",
+        f"checkpoint.dir={tmp_path / 'model-shard'}",
         "--set",
-        "on_corrupt_checkpoint=stop",
+        "checkpoint.on_corrupt=stop",
         "--resume",
     )
     assert res.returncode == 2 and res.stdout == "", (res.returncode, res.stdout, res.stderr)
@@ -307,7 +307,7 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     cfg = TrainConfig.load(
         SMALL[1],
         [s for s in SMALL[2:] if s != "--set"]
-        + [f"checkpoint_dir={copied}", f"steps={STEPS}", "resume=auto"],
+        + [f"checkpoint.dir={copied}", f"steps={STEPS}", "resume=auto"],
         world_size=2,
     )
     plan = plan_resume(cfg)

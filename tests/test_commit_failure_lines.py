@@ -19,8 +19,8 @@ def test_a_full_disk_at_commit_is_said_by_rank_0_and_pointed_at_by_the_other(tmp
             2,
             "steps=3",
             "fault=full:step=1:rank=0:during=commit",
-            f"checkpoint_dir={tmp_path / 'ck'}",
-            "checkpoint_every=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "checkpoint.every=1",
         ),
     )
     try:

@@ -1,4 +1,4 @@
-"""Fault injection (run.fault) end to end: one rank fails at a chosen (step,
+"""Fault injection (debug.fault) end to end: one rank fails at a chosen (step,
 stage, task), or its model raises, and the run ends with one line per failure.
 
 The failing rank's line names the cause (or there is none: SIGKILL leaves no
@@ -82,8 +82,8 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
     world, victim = 3, 1  # the middle stage: both neighbours lose it
     fault = f"{kind}:step=3:stage=1:task=B2"
     ckpt = (
-        f"checkpoint_dir={tmp_path / 'ck'}",
-        "checkpoint_every=1",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "checkpoint.every=1",
     )  # steps 1 and 2 commit before the fault
     ranks = RankProcs(tmp_path, world, _args(tmp_path, world, f"fault={fault}", *ckpt))
     survivors = [0, 2]
@@ -151,8 +151,8 @@ def test_a_kill_during_a_save_is_named_by_every_survivor(tmp_path):
             tmp_path,
             world,
             f"fault={fault}",
-            f"checkpoint_dir={tmp_path / 'ck'}",
-            "checkpoint_every=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "checkpoint.every=1",
         ),
     )
     survivors = [0, 1, 3]

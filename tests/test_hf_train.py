@@ -16,27 +16,22 @@ from hf_reference import CLIP, LR, STEPS, WARMUP, M, data_config, model_config, 
 
 def _train(rank, world, family, folder, steps=STEPS, resume="off"):
     import asyncio
+    import dataclasses
 
-    from rrfp.app.config import RunConfig, TrainConfig
+    from rrfp.app.config import TrainConfig
     from rrfp.app.train import stage_main
 
-    run = RunConfig(
-        model="hf",
-        pp=world,
-        virtual=2,
-        microbatches=M,
-        steps=steps,
-        lr=LR,
-        warmup_steps=WARMUP,
-        seed=0,
-        timeout_s=60,
-        checkpoint_dir=folder,
-        resume=resume,
-        clip_grad_norm=CLIP,
-    )
-    summary = asyncio.run(
-        stage_main(TrainConfig(run, model_config(family), data_config(), world_size=world))
-    )
+    doc = {
+        "run": dict(model="hf", steps=steps, seed=0, timeout_s=60),
+        "parallel": dict(pp=world, virtual=2),
+        "schedule": dict(microbatches=M),
+        "optim": dict(lr=LR, warmup_steps=WARMUP, clip_grad_norm=CLIP),
+        "checkpoint": dict(dir=folder, resume=resume),
+        "model": dataclasses.asdict(model_config(family)),
+        "data": dataclasses.asdict(data_config()),
+    }
+    cfg = TrainConfig.from_dict(doc, world_size=world)
+    summary = asyncio.run(stage_main(cfg))
     return summary.losses, summary.grad_norms
 
 
@@ -109,10 +104,13 @@ def test_learning_rate_warms_up_linearly_from_zero():
     [
         (
             ["warmup_steps=-1"],
-            "run.warmup_steps = -1 is out of bounds: it must be within [0, 1000000000]",
+            "optim.warmup_steps = -1 is out of bounds: it must be within [0, 1000000000]",
         ),
-        (["warmup_steps=0.5"], "run.warmup_steps = 0.5 has the wrong type (expected int)"),
-        (["tp=2"], "run.tp = 2: rrfp.hf stages are not tensor-parallel; set run.tp = 1"),
+        (
+            ["warmup_steps=0.5"],
+            "--set warmup_steps (optim.warmup_steps) = 0.5 has the wrong type (expected int)",
+        ),
+        (["tp=2"], "parallel.tp = 2: rrfp.hf stages are not tensor-parallel; set parallel.tp = 1"),
         (
             ["model.family=gpt2"],
             "HFConfig.family must be one of llama, qwen3, qwen2, mistral, got 'gpt2'",

@@ -32,17 +32,17 @@ REFUSED = [
     (
         ["dispatch=fixed", "budget=1x"],
         [
-            "run.dispatch = fixed with hint bfw",
+            "schedule.dispatch = fixed with hint bfw",
             "built for a 2x budget",
             "stage 0 holds up to 8 microbatches",
-            "run.budget = 1x (4 there)",
+            "schedule.budget = 1x (4 there)",
         ],
     ),
     (["dispatch=fixed", "hint=bf", "budget=64MiB"], ["hint bf", "a byte budget"]),
-    (["fault=kill:step=3:stage=7"], ["run.fault kill:step=3:stage=7", "no such stage or rank"]),
+    (["fault=kill:step=3:stage=7"], ["debug.fault kill:step=3:stage=7", "no such stage or rank"]),
     (["fault=kill:step=3:stage=1:task=W2", "hint=1f1b"], ["no task W2", "split = False"]),
-    (["fault=explode:step=1:stage=0"], ["run.fault", "kind must be one of kill, stop"]),
-    (["on_nonfinite=ignore"], ["run.on_nonfinite must be stop or skip"]),
+    (["fault=explode:step=1:stage=0"], ["debug.fault", "kind must be one of kill, stop"]),
+    (["on_nonfinite=ignore"], ["optim.on_nonfinite must be one of stop, skip, got 'ignore'"]),
 ]
 
 
@@ -89,7 +89,7 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
     assert (
         "\n" not in line
         and "pipeline rank 0 (stages 0, 7) holds up to 13 local-stage microbatches "
-        "(1/2 of a microbatch each), above run.budget = 1x (8 there)"
+        "(1/2 of a microbatch each), above schedule.budget = 1x (8 there)"
         in line
     ), line
 
@@ -97,31 +97,31 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
 # a hint with no order on some rank of the layout: found by the config, not by the ranks once their groups exist
 HINT_LAYOUT = [
     (
-        ["steps=2", "hint=zbv", "executor=fixed"],
+        ["steps=2", "hint=zbv", "schedule.dispatch=fixed"],
         [
-            "run.hint = zbv does not fit 4 pipeline rank(s), run.virtual = 1",
+            "schedule.hint = zbv does not fit 4 pipeline rank(s), parallel.virtual = 1",
             "it needs virtual = 2 and placement v",
         ],
     ),
     (
         ["hint=zbv"],
-        ["run.hint = zbv", "it needs virtual = 2 and placement v"],
+        ["schedule.hint = zbv", "it needs virtual = 2 and placement v"],
     ),  # ready dispatch builds it too
     (
-        ["virtual=2", "model.n_layer=8", "hint=zbh1", "executor=fixed"],
+        ["virtual=2", "model.n_layer=8", "hint=zbh1", "schedule.dispatch=fixed"],
         [
-            "run.hint = zbh1",
-            "run.virtual = 2, run.placement = interleaved",
+            "schedule.hint = zbh1",
+            "parallel.virtual = 2, parallel.placement = interleaved",
             "has no order over virtual stages",
         ],
     ),
     (
         ["virtual=2", "model.n_layer=8", "hint=1f1b", "microbatches=9"],
-        ["run.hint = 1f1b", "run.microbatches = 9", "a multiple"],
+        ["schedule.hint = 1f1b", "schedule.microbatches = 9", "a multiple"],
     ),
     (
         ["hint=os:getcwd"],
-        ["run.hint = os:getcwd", "rank 0: TypeError"],
+        ["schedule.hint = os:getcwd", "rank 0: TypeError"],
     ),  # a user function that cannot order
 ]
 
@@ -148,14 +148,16 @@ def test_csv_hint_without_rows_for_a_later_stage_is_refused(tmp_path):
     TrainConfig.load(
         CONFIG, [f"hint={path}", "pp=1", "model.n_layer=1"], world_size=1
     )  # one stage: it fits
-    config_error([f"hint={path}"], "run.hint = csv:stage0.csv", "no rows for stage 1 of 4", world=4)
+    config_error(
+        [f"hint={path}"], "schedule.hint = csv:stage0.csv", "no rows for stage 1 of 4", world=4
+    )
 
 
 @pytest.mark.timeout(60)
 def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
     assert_usage_error(
         rrfp("--config", CONFIG, "--set", f"hint={_csv_of_stage_0(tmp_path)}", world=4),
-        "run.hint = csv:stage0.csv",
+        "schedule.hint = csv:stage0.csv",
         "no rows for stage 1 of 4",
     )
 
@@ -164,32 +166,32 @@ def _end_file_error(sets: list[str], *needles: str) -> str:
     from rrfp.app.run_outputs import check_end_files
 
     with pytest.raises(ConfigError) as info:
-        check_end_files(TrainConfig.load(CONFIG, sets, world_size=4).run)
+        check_end_files(TrainConfig.load(CONFIG, sets, world_size=4).output)
     line = str(info.value)
     assert "\n" not in line and all(n in line for n in needles), line
     return line
 
 
 def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_path):
-    """run.trace and run.sizes are written when the run ends: a folder that cannot hold them is
-    found before it starts, as run.checkpoint_dir's is."""
+    """output.trace and output.sizes are written when the run ends: a folder that cannot hold them is
+    found before it starts, as checkpoint.dir's is."""
     from rrfp.app.run_outputs import check_end_files
 
     (tmp_path / "a-file").write_text("")
     _end_file_error(
         ["trace=/proc/trace.json"],
-        "run.trace = /proc/trace.json cannot be written",
+        "output.trace = /proc/trace.json cannot be written",
         "cannot create a file in /proc",
     )
     _end_file_error(
-        [f"sizes={tmp_path}/a-file/sizes.json"], "run.sizes", "a-file is a file, not a folder"
+        [f"sizes={tmp_path}/a-file/sizes.json"], "output.sizes", "a-file is a file, not a folder"
     )
-    _end_file_error([f"trace={tmp_path}/a-file/deeper/t.json"], "run.trace", "Not a directory")
-    _end_file_error([f"trace={tmp_path}"], "run.trace", "is a folder")
+    _end_file_error([f"trace={tmp_path}/a-file/deeper/t.json"], "output.trace", "Not a directory")
+    _end_file_error([f"trace={tmp_path}"], "output.trace", "is a folder")
     check_end_files(
         TrainConfig.load(
             CONFIG, [f"trace={tmp_path}/new/t.json", f"sizes={tmp_path}/s.json"], world_size=4
-        ).run
+        ).output
     )
     assert (tmp_path / "new").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == [
         "a-file",
@@ -201,7 +203,7 @@ def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_pat
 def test_unwritable_trace_exits_2_before_any_process_group():
     assert_usage_error(
         rrfp("--config", CONFIG, "--set", "trace=/proc/trace.json", world=4),
-        "run.trace = /proc/trace.json cannot be written",
+        "output.trace = /proc/trace.json cannot be written",
     )
 
 
@@ -280,7 +282,7 @@ def test_a_fault_during_the_commit_fires_there_only():
 
 def test_rrfp_fault_environment_variable(monkeypatch):
     monkeypatch.setenv("RRFP_FAULT", "stop:step=2:stage=3")
-    assert str(TrainConfig.load(CONFIG, [], world_size=4).run.fault) == "stop:step=2:stage=3"
+    assert str(TrainConfig.load(CONFIG, [], world_size=4).debug.fault) == "stop:step=2:stage=3"
     monkeypatch.setenv("RRFP_FAULT", "stop:step=2")
     with pytest.raises(ConfigError, match="RRFP_FAULT"):
         TrainConfig.load(CONFIG, [], world_size=4)
@@ -420,5 +422,6 @@ def test_config_loader_raises_only_config_errors(tmp_path, lines, overrides, wor
         text = str(e)
         assert text and "\n" not in text.strip() and "Traceback" not in text, repr(text)
     else:
-        run = TrainConfig.load(path, overrides, world_size=world).run
-        assert all(math.isfinite(v) for v in (run.lr, run.unit_ms, run.timeout_s, run.weight_decay))
+        cfg = TrainConfig.load(path, overrides, world_size=world)
+        values = (cfg.optim.lr, cfg.emulation.unit_ms, cfg.run.timeout_s, cfg.optim.weight_decay)
+        assert all(math.isfinite(v) for v in values)

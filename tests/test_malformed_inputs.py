@@ -116,7 +116,7 @@ def _resume(*sets: str, prepare: Callable[[Path], None] = lambda ckpt: None, **r
             "train",
             *SMALL,
             "--set",
-            f"checkpoint_dir={tmp / 'ck'}",
+            f"checkpoint.dir={tmp / 'ck'}",
             *[a for s in sets for a in ("--set", s)],
             "--dry-run",
         ]
@@ -143,11 +143,11 @@ def _flip(name: str) -> Callable[[Path], None]:
 
 def _unwritable(tmp: Path) -> list[str]:
     (tmp / "a-file").write_text("")
-    return ["train", *SMALL, "--set", f"checkpoint_dir={tmp / 'a-file' / 'ck'}", "--dry-run"]
+    return ["train", *SMALL, "--set", f"checkpoint.dir={tmp / 'a-file' / 'ck'}", "--dry-run"]
 
 
 def _cost(doc) -> Callable[[Path], list[str]]:
-    """A run.cost file holding ``doc`` (JSON text when a str), for SMALL's two stages."""
+    """An emulation.cost file holding ``doc`` (JSON text when a str), for SMALL's two stages."""
 
     def make(tmp: Path) -> list[str]:
         (tmp / "cost.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
@@ -232,7 +232,7 @@ def _put(index: int, value: int) -> Callable[[list], None]:
 
 
 ROWS = [
-    Row("config", "unknown key", _sets("foo=1"), "unknown key run.foo"),
+    Row("config", "unknown key", _sets("foo=1"), "no section has a key 'foo'"),
     Row("config", "a value of the wrong type", _sets("steps=abc"), "wrong type"),
     Row("config", "`steps = 0`", _sets("steps=0"), "run.steps must be >= 1"),
     Row(
@@ -248,7 +248,7 @@ ROWS = [
         "config",
         "`unit_ms = 1e308`",
         _sets("unit_ms=1e308"),
-        "run.unit_ms = 1e+308 is out of bounds",
+        "emulation.unit_ms = 1e+308 is out of bounds",
     ),
     Row(
         "config",
@@ -256,19 +256,19 @@ ROWS = [
         _sets("timeout_s=inf"),
         "run.timeout_s must be a finite number",
     ),
-    Row("config", "`lr = nan`", _sets("lr=nan"), "run.lr must be a finite number"),
-    Row("config", "`weight_decay = -1`", _sets("weight_decay=-1"), "run.weight_decay"),
+    Row("config", "`lr = nan`", _sets("lr=nan"), "optim.lr must be a finite number"),
+    Row("config", "`weight_decay = -1`", _sets("weight_decay=-1"), "optim.weight_decay"),
     Row(
         "config",
         "`clip_grad_norm = -1`",
         _sets("clip_grad_norm=-1"),
-        "run.clip_grad_norm must be >= 0",
+        "optim.clip_grad_norm must be >= 0",
     ),
     Row(
         "config",
         "`clip_grad_norm = inf`",
         _sets("clip_grad_norm=inf"),
-        "run.clip_grad_norm must be a finite",
+        "optim.clip_grad_norm must be a finite",
     ),
     Row("config", "`threads = 100000`", _sets("threads=100000"), "[1, 1024]"),
     Row("config", '`model = ".gpt"`', _sets('model=".gpt"'), "is not a workload name"),
@@ -278,7 +278,7 @@ ROWS = [
         "config", "`model.n_embd = 99999999999`", _sets("model.n_embd=99999999999"), "model.n_embd"
     ),
     Row("config", "an unknown hint", _sets("hint=nope"), "unknown hint"),
-    Row("config", '`budget = "0x"`', _sets("budget=0x"), "run.budget"),
+    Row("config", '`budget = "0x"`', _sets("budget=0x"), "schedule.budget"),
     Row(
         "config",
         "a layout that does not fit the world",
@@ -291,31 +291,36 @@ ROWS = [
         _sets("data.max_seq_len=200"),
         "model's context",
     ),
-    Row("config", '`backend = "mpi"`', _sets("backend=mpi"), "run.backend must be gloo or nccl"),
-    Row("config", '`resume = "maybe"`', _sets("resume=maybe"), "run.resume must be one of"),
+    Row(
+        "config",
+        '`backend = "mpi"`',
+        _sets("backend=mpi"),
+        "runtime.backend must be one of gloo, nccl",
+    ),
+    Row("config", '`resume = "maybe"`', _sets("resume=maybe"), "checkpoint.resume must be one of"),
     Row(
         "config",
         '`on_corrupt_checkpoint = "ignore"`',
-        _sets("on_corrupt_checkpoint=ignore"),
-        "run.on_corrupt_checkpoint",
+        _sets("checkpoint.on_corrupt=ignore"),
+        "checkpoint.on_corrupt",
     ),
     Row(
         "config",
         '`autocast = "fp8"`',
         _sets("autocast=fp8"),
-        "run.autocast must be one of off, bfloat16, float16, got 'fp8'",
+        "runtime.autocast must be one of off, bfloat16, float16, got 'fp8'",
     ),
     Row(
         "config",
-        "`checkpoint_every` without `checkpoint_dir`",
-        _sets("checkpoint_every=5"),
-        "needs run.checkpoint_dir",
+        "`checkpoint.every` without `checkpoint.dir`",
+        _sets("checkpoint.every=5"),
+        "needs checkpoint.dir",
     ),
     Row(
         "config",
         "a fault spec of an unknown kind",
         _sets("fault=explode:step=1:stage=0"),
-        "run.fault",
+        "debug.fault",
     ),
     Row("config", "`--set` without `=`", _sets("steps"), "is not KEY=VALUE"),
     Row(
@@ -337,7 +342,7 @@ ROWS = [
     Row("config", "a section that is not a table", _file(b"run = 5\n"), "[run] must be a table"),
     Row(
         "config",
-        "`checkpoint_dir` that cannot be written (below a file)",
+        "`checkpoint.dir` that cannot be written (below a file)",
         _unwritable,
         "cannot hold checkpoints",
     ),
@@ -350,7 +355,7 @@ ROWS = [
     Row(
         "config",
         'a hint that does not fit the layout (`hint = "zbv"` at one stage per rank)',
-        _sets("hint=zbv", "executor=fixed"),
+        _sets("hint=zbv", "schedule.dispatch=fixed"),
         "needs virtual = 2 and placement v",
     ),
     # not a dry run (the memory check builds the model on the meta device): refused before any process group
@@ -358,7 +363,7 @@ ROWS = [
         "config",
         "a model too big for this machine's memory (1.6 TB of parameters and AdamW state)",
         _sets("model.n_embd=65536", dry_run=False),
-        "lower run.microbatches, run.budget, data.microbatch_size",
+        "lower schedule.microbatches, schedule.budget, data.microbatch_size",
     ),
     Row("config", "a cost file of `[]`", _cost([]), "expected a JSON object"),
     Row("config", "a cost file of a string", _cost('"fast"'), "expected a JSON object"),
@@ -465,7 +470,7 @@ ROWS = [
             "train",
             *SMALL,
             "--set",
-            f"checkpoint_dir={tmp / 'empty'}",
+            f"checkpoint.dir={tmp / 'empty'}",
             "--resume",
             "--dry-run",
         ],
@@ -504,7 +509,7 @@ ROWS = [
     Row(
         "checkpoint",
         'a flipped byte in a shard, `on_corrupt_checkpoint = "stop"`',
-        _resume("resume=auto", "on_corrupt_checkpoint=stop", prepare=_flip("__0_0.distcp")),
+        _resume("resume=auto", "checkpoint.on_corrupt=stop", prepare=_flip("__0_0.distcp")),
         "__0_0.distcp does not match its SHA-256",
     ),
     Row(

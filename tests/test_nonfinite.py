@@ -1,4 +1,4 @@
-"""run.on_nonfinite = "skip": a NaN in one stage's gradients skips that step's
+"""optim.on_nonfinite = "skip": a NaN in one stage's gradients skips that step's
 optimizer update on every rank (every stage keeps its weights), and training
 goes on. ("stop" is checked through the CLI in test_fault_injection.py.)"""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
-STEPS, NAN_STEP = 4, 2  # 1-based, as run.fault counts
+STEPS, NAN_STEP = 4, 2  # 1-based, as debug.fault counts
 
 
 def _train(rank, world):

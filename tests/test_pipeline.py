@@ -117,7 +117,14 @@ def _twenty_steps(rank, world, configs):
 
     from models.data import batches as make_batches
     from models.gpt import GPT, loss_fn
-    from rrfp.app.config import RunConfig, TrainConfig
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.config_sections import (
+        EmulationSection,
+        OptimSection,
+        ParallelSection,
+        RunSection,
+        ScheduleSection,
+    )
     from rrfp.app.train import stage_main
     from rrfp.loop import run
 
@@ -145,19 +152,13 @@ def _twenty_steps(rank, world, configs):
     for ex, hint in configs:
         # a plan needs task costs: emulated time (0.1 ms units) here, as rrfp train refuses one in real time
         cfg = TrainConfig(
-            RunConfig(
-                pp=world,
-                microbatches=M,
-                steps=steps,
-                dispatch=ex,
-                hint=hint,
-                lr=lr,
-                seed=0,
-                timeout_s=60,
-                unit_ms=0.1 if hint == "plan" else 0.0,
-            ),
-            model_cfg,
-            data_cfg,
+            RunSection(steps=steps, seed=0, timeout_s=60),
+            ParallelSection(pp=world),
+            ScheduleSection.parse(dict(microbatches=M, dispatch=ex, hint=hint)),
+            OptimSection(lr=lr),
+            emulation=EmulationSection(unit_ms=0.1 if hint == "plan" else 0.0),
+            model=model_cfg,
+            data=data_cfg,
         )
         out[(ex, hint)] = run(stage_main(cfg)).losses
         assert dist.is_initialized(), "stage_main destroyed a process group it did not create"
@@ -170,11 +171,20 @@ def _stage_main_once(rank, world):
 
     import torch.distributed as dist
 
-    from rrfp.app.config import RunConfig, TrainConfig
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.config_sections import (
+        RunSection,
+        ScheduleSection,
+    )
     from rrfp.app.train import stage_main
 
     model_cfg, data_cfg = _model_and_data()
-    cfg = TrainConfig(RunConfig(microbatches=M, steps=2, timeout_s=60), model_cfg, data_cfg)
+    cfg = TrainConfig(
+        RunSection(steps=2, timeout_s=60),
+        schedule=ScheduleSection(microbatches=M),
+        model=model_cfg,
+        data=data_cfg,
+    )
     losses = asyncio.run(stage_main(cfg)).losses
     return losses, dist.is_initialized()
 

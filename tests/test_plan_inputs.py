@@ -18,7 +18,8 @@ from test_train_cli import CONFIG, assert_usage_error, rrfp
 
 import rrfp.core.variability as variability
 from rrfp.app.calibrate_command import calibration_device
-from rrfp.app.config import ConfigError, RunConfig, TrainConfig
+from rrfp.app.config import ConfigError, TrainConfig
+from rrfp.app.config_sections import RuntimeSection
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
@@ -34,9 +35,13 @@ def test_train_refuses_plan_on_made_up_costs_in_real_time(tmp_path):
     """unit_ms = 0 and no cost model: the preset's lengths have nothing to do with the compute."""
     res = rrfp("--config", CONFIG, "--set", "hint=plan", world=4)
     assert_usage_error(
-        res, "run.hint = plan", "run.unit_ms = 0", "rrfp calibrate", "run.cost = FILE"
+        res,
+        "schedule.hint = plan",
+        "emulation.unit_ms = 0",
+        "rrfp calibrate",
+        "emulation.cost = FILE",
     )
-    with pytest.raises(ConfigError, match="run.hint = plan"):
+    with pytest.raises(ConfigError, match="schedule.hint = plan"):
         TrainConfig.load(CONFIG, ["hint=plan", "preset=lang"], world_size=4)
     TrainConfig.load(CONFIG, ["hint=plan", "unit_ms=2"], world_size=4)  # a deliberate emulation
     cost = tmp_path / "cost.json"
@@ -163,10 +168,10 @@ def test_replay_of_a_planned_run_follows_each_steps_plan():
 
 
 def test_calibrate_measures_on_the_runs_device():
-    assert calibration_device(RunConfig()) == torch.device("cpu")
-    assert calibration_device(RunConfig(device="cpu")) == torch.device("cpu")
-    assert calibration_device(RunConfig(backend="nccl")) == torch.device("cuda")
-    assert calibration_device(RunConfig(backend="nccl", device="cuda")) == torch.device("cuda")
+    assert calibration_device(RuntimeSection()) == torch.device("cpu")
+    assert calibration_device(RuntimeSection(device="cpu")) == torch.device("cpu")
+    assert calibration_device(RuntimeSection(backend="nccl")) == torch.device("cuda")
+    assert calibration_device(RuntimeSection(backend="nccl", device="cuda")) == torch.device("cuda")
     if torch.cuda.is_available():
         return  # the CPU-only refusal below does not apply; scripts/gpu_check.py calibrates on the GPU
     p = subprocess.run(

@@ -29,7 +29,7 @@ SETS = [
     "microbatches=4",
     "model.dropout=0.1",
     f"steps={STEPS}",
-    "checkpoint_every=1",
+    "checkpoint.every=1",
     "resume=auto",
     "timeout_s=30",
 ]
@@ -42,7 +42,7 @@ def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
         if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
     }
     env.update(OMP_NUM_THREADS="1")
-    sets = [*SETS, f"checkpoint_dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}", *extra]
+    sets = [*SETS, f"checkpoint.dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}", *extra]
     return subprocess.run(
         [
             sys.executable,

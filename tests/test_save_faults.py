@@ -31,8 +31,8 @@ def test_a_rank_stopped_in_a_save_is_named_within_the_timeout(tmp_path, phase, v
             world,
             f"timeout_s={TIMEOUT_S}",
             f"fault={fault}",
-            f"checkpoint_dir={tmp_path / 'ck'}",
-            "checkpoint_every=1",
+            f"checkpoint.dir={tmp_path / 'ck'}",
+            "checkpoint.every=1",
         ),
     )
     try:

@@ -96,7 +96,7 @@ def test_with_virtual_stages_a_rank_counts_its_local_stages():
     for r, f in enumerate(prints):
         mine = lay.stages_of(r)
         assert f.state == sum(params[g] for g in mine), (r, f)
-        assert f.in_flight == cfg.run.budget.rank_limit(lay, r).count == 8, (r, f)
+        assert f.in_flight == cfg.schedule.budget.rank_limit(lay, r).count == 8, (r, f)
         smaller = min(real[g] for g in mine)
         assert 0.3 * smaller <= f.activations // f.in_flight <= smaller, (r, f, real)
     # the two ranks hold all the layers between them, as with one stage per rank
@@ -104,7 +104,7 @@ def test_with_virtual_stages_a_rank_counts_its_local_stages():
     fixed = TrainConfig.load(
         ROOT / "configs/gpt-tiny.toml", sets + ["dispatch=fixed", "hint=zbv"], world_size=2
     )
-    orders = [fixed.run.hint.rank_order(lay, r, 8, True) for r in range(2)]
+    orders = [fixed.schedule.hint.rank_order(lay, r, 8, True) for r in range(2)]
     assert (
         [f.in_flight for f in footprints(fixed)]
         == [peak_in_flight([t for _, t in o], True) for o in orders]
@@ -120,7 +120,9 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
         check_memory(cfg, available=need - 1)
     line = str(e.value)
     assert (
-        "\n" not in line and "above the" in line and "lower run.microbatches, run.budget" in line
+        "\n" not in line
+        and "above the" in line
+        and "lower schedule.microbatches, schedule.budget" in line
     ), line
     assert f"{need / 2**20:.1f} MiB of memory" in line, line
 
@@ -183,7 +185,7 @@ def test_byte_budget_below_one_microbatch_gets_a_warning():
 
     warning = check_byte_budget(cfg, prints)
     assert warning.startswith(
-        "run.budget = 1B is a byte budget below one microbatch's activations on every rank"
+        "schedule.budget = 1B is a byte budget below one microbatch's activations on every rank"
     )
     assert "runs alone" in warning and "\n" not in warning
     smallest = min(f.one for f in prints)

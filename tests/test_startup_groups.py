@@ -51,8 +51,8 @@ def _groups_created(rank, world, root):
             "pp=2",
             f"steps={steps}",
             "timeout_s=60",
-            f"checkpoint_dir={root}",
-            "checkpoint_every=1",
+            f"checkpoint.dir={root}",
+            "checkpoint.every=1",
         ]
         return TrainConfig.load(
             "configs/gpt-tiny.toml", sets + [f"{k}={json.dumps(v)}" for k, v in run_sets.items()]

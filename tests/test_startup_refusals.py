@@ -1,4 +1,4 @@
-"""A job refused at start-up ends on every rank: a run.trace or run.sizes path that
+"""A job refused at start-up ends on every rank: a output.trace or output.sizes path that
 cannot be written is probed on every rank (not rank 0 alone, which left the others
 waiting for it in the rendezvous), and a rank that waits in the rendezvous acts on
 SIGTERM at once (the rendezvous runs off the main thread, where Python runs signal
@@ -33,7 +33,7 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
         assert [p.returncode for p in ranks.procs] == [2, 2], ranks.tails()
         for r in (0, 1):
             lines = ranks.error_lines(r)
-            assert len(lines) == 1 and f"run.{key} = {path}" in lines[0], ranks.err(r)
+            assert len(lines) == 1 and f"output.{key} = {path}" in lines[0], ranks.err(r)
     finally:
         ranks.kill_all()
 
@@ -63,5 +63,5 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     assert took < 5, f"{took:.1f} s after SIGTERM"
     assert err.strip().splitlines() == [
         "rrfp: stopped: rank 1: SIGTERM during start-up, before any step; no "
-        "checkpoint is kept (run.checkpoint_dir is not set)"
+        "checkpoint is kept (checkpoint.dir is not set)"
     ], err

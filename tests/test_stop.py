@@ -49,7 +49,7 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
         if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    sets = [*SETS, f"checkpoint_dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
+    sets = [*SETS, f"checkpoint.dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
     out, err = open(tmp / "out", "w"), open(tmp / "err", "w")
     p = subprocess.Popen(
         [

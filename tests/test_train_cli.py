@@ -80,26 +80,30 @@ def sets_args(sets: list[str]) -> list[str]:
 
 
 BAD_OVERRIDES = [
-    (["foo=1"], ["unknown key run.foo", "known: pp, tp"]),
-    (["model.n_embdd=32"], ["unknown key model.n_embdd"]),
+    (["foo=1"], ["--set foo: no section has a key 'foo'"]),
+    (["schedule.hnt=bfw"], ["--set schedule.hnt: unknown key schedule.hnt (did you mean hint?)"]),
+    (
+        ["model.n_embdd=32"],
+        ["--set model.n_embdd: unknown key model.n_embdd (did you mean n_embd?)"],
+    ),
     (["steps=abc"], ["run.steps", "'abc'", "wrong type", "int"]),
     (["model.n_embd=1.5"], ["model.n_embd", "wrong type"]),
-    (["lr=fast"], ["run.lr", "wrong type", "float"]),
+    (["lr=fast"], ["optim.lr", "wrong type", "float"]),
     (["hint=nope"], ["unknown hint 'nope'", "gpipe, 1f1b"]),
-    (['budget="0"'], ["run.budget", "budget 0 is below 1 microbatch"]),
-    (["budget=0x"], ["run.budget", "must be above 0x"]),
-    (["budget=lots"], ["run.budget", "not a budget: 'lots'"]),
-    (["executor=eager"], ["run.dispatch", "unknown dispatch mode", "'eager'"]),
+    (['budget="0"'], ["schedule.budget", "budget 0 is below 1 microbatch"]),
+    (["budget=0x"], ["schedule.budget", "must be above 0x"]),
+    (["budget=lots"], ["schedule.budget", "not a budget: 'lots'"]),
+    (["schedule.dispatch=eager"], ["schedule.dispatch", "unknown dispatch mode", "'eager'"]),
     (["steps=0"], ["run.steps must be >= 1, got 0"]),
-    (["steps"], ["override 'steps' is not KEY=VALUE"]),
+    (["steps"], ["--set 'steps' is not KEY=VALUE"]),
 ]
 
 # each names its own key and value, and no other (they once shared one line naming all three)
 SIGN_ERRORS = [
     (["timeout_s=0"], "run.timeout_s must be > 0, got 0"),
-    (["lr=0"], "run.lr must be > 0, got 0"),
-    (["unit_ms=-1"], "run.unit_ms must be >= 0 (0: no emulated time), got -1"),
-    (["lr=-0.5"], "run.lr must be > 0, got -0.5"),
+    (["lr=0"], "optim.lr must be > 0, got 0"),
+    (["unit_ms=-1"], "emulation.unit_ms must be >= 0 (0: no emulated time), got -1"),
+    (["lr=-0.5"], "optim.lr must be > 0, got -0.5"),
 ]
 
 
@@ -169,7 +173,7 @@ def test_dry_run_prints_the_layout():
         "   2      2   0   0",
         "   3      3   0   0",
     ], res.stdout
-    assert "'hint': 'bfw'" in res.stdout  # then the resolved config
+    assert 'hint = "bfw"' in res.stdout  # then the resolved config
     # every rank checks, only rank 0 prints
     other = rrfp("--config", CONFIG, "--dry-run", world=4, rank=2)
     assert (other.returncode, other.stdout, other.stderr) == (0, "", "")
@@ -195,15 +199,15 @@ def test_more_stages_than_layers():
 VIRTUAL_ERRORS = [
     (
         ["virtual=3", "placement=v"],
-        ["run.virtual = 3", "placement v needs exactly 2 stages per rank"],
+        ["parallel.virtual = 3", "placement v needs exactly 2 stages per rank"],
     ),
-    (["virtual=0"], ["run.virtual must be >= 1, got 0"]),
-    (["placement=w"], ["unknown placement 'w'", "interleaved, v"]),
+    (["virtual=0"], ["parallel.virtual must be >= 1, got 0"]),
+    (["placement=w"], ["parallel.placement must be one of interleaved, v, got 'w'"]),
     (
         ["virtual=2"],
         [
             "model.n_layer=4 is fewer than the 8 pipeline stages",
-            "run.virtual = 2 stages on each of 4 pipeline ranks",
+            "parallel.virtual = 2 stages on each of 4 pipeline ranks",
         ],
     ),
 ]
@@ -280,12 +284,12 @@ def test_dry_run_shows_a_tp_dp_layout():
 DEVICE_ERRORS = [
     (
         ["backend=nccl"],
-        ["run.backend = nccl needs CUDA", "run.backend = gloo"],
+        ["runtime.backend = nccl needs CUDA", "runtime.backend = gloo"],
     ),  # this machine has no CUDA
     (["backend=nccl", "device=cpu"], ["carries CUDA tensors only"]),
-    (["device=cuda"], ["run.device = cuda needs run.backend = nccl"]),
-    (["device=tpu"], ["run.device must be auto, cpu or cuda"]),
-    (["backend=mpi"], ["run.backend must be gloo or nccl"]),
+    (["device=cuda"], ["runtime.device = cuda needs runtime.backend = nccl"]),
+    (["device=tpu"], ["runtime.device must be one of auto, cpu, cuda, got 'tpu'"]),
+    (["backend=mpi"], ["runtime.backend must be one of gloo, nccl, got 'mpi'"]),
 ]
 
 
@@ -312,5 +316,6 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         TrainConfig.load(CONFIG, ["backend=nccl"], world_size=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert (
-        TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).run.device_type == "cuda"
+        TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).runtime.device_type
+        == "cuda"
     )

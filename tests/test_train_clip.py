@@ -1,6 +1,6 @@
-"""``rrfp train`` with run.clip_grad_norm, on real gloo ranks in float64: each step's reported gradient
+"""``rrfp train`` with optim.clip_grad_norm, on real gloo ranks in float64: each step's reported gradient
 norm and every loss match one process training the whole model with torch.nn.utils.clip_grad_norm_
-and AdamW; a NaN step (run.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on.
+and AdamW; a NaN step (optim.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on.
 With model.tie_embeddings the GPT declares its tie (Workload.tied) and trains as the truly tied model."""
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=()):
     wl, run = cfg.workload, cfg.run
     torch.manual_seed(run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None)
-    opt = torch.optim.AdamW(model.parameters(), lr=run.lr, weight_decay=run.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay
+    )
     losses, norms = [], []
     for step in range(STEPS):
-        batch = wl.batches(cfg.data, step, run.microbatches * dp)
+        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches * dp)
         loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
         loss.backward()
         if step + 1 == nan_step:

@@ -160,8 +160,8 @@ def bench_command(args) -> int:
         annotate(
             spec,
             case,
-            cfg.run.variability,
-            models.get(case.name, cfg.run.cost),
+            cfg.emulation.variability,
+            models.get(case.name, cfg.emulation.cost),
             got["rows"],
             got["iterations"],
         )

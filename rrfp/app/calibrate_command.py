@@ -1,5 +1,5 @@
 """`rrfp calibrate`: measure every stage's real F, B and W on sample microbatches
-in one process, fit the cost model, print the fit, and save it for `run.cost`.
+in one process, fit the cost model, print the fit, and save it for `emulation.cost`.
 
 It measures where the run will compute: on the GPU when the config's run is on
 CUDA (``backend = nccl``), with each stage built by the same workload call the
@@ -18,7 +18,8 @@ import sys
 import numpy as np
 import torch
 
-from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.config import TrainConfig
+from rrfp.app.config_sections import RuntimeSection
 from rrfp.app.run_outputs import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
@@ -34,17 +35,17 @@ from rrfp.pipeline.calibration_quality import (
 KINDS = "FBW"
 
 
-def calibration_device(run: RunConfig) -> torch.device:
+def calibration_device(runtime: RuntimeSection) -> torch.device:
     """Where the run computes, so where to measure: the GPU when it runs on CUDA, else this CPU."""
-    return torch.device(run.device_type)
+    return torch.device(runtime.device_type)
 
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
     """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload, split
     backward, on the run's device (``calibration_device``), each stage built as the run builds it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
-    device = calibration_device(cfg.run)
-    torch.set_num_threads(cfg.run.threads)
+    device = calibration_device(cfg.runtime)
+    torch.set_num_threads(cfg.runtime.threads)
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
     batches = [
@@ -89,11 +90,11 @@ def calibrate_command(args) -> int:
     os.environ.setdefault(
         "LOCAL_WORLD_SIZE", "1"
     )  # one process measures every stage, on one GPU at most
-    cfg = TrainConfig.load(args.config, [*args.set, f"pp={args.pp}"], world_size=args.pp)
+    cfg = TrainConfig.load(args.config, [*args.set, f"parallel.pp={args.pp}"], world_size=args.pp)
     S = cfg.num_stages
     out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
     check_output("--out", out)  # before minutes of measuring
-    device = calibration_device(cfg.run)
+    device = calibration_device(cfg.runtime)
     where = (
         f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
         if device.type == "cuda"

@@ -5,7 +5,7 @@ saving one when the run asks (every N steps, at the end, on SIGTERM).
 Every checkpoint is verified against its commit record (each file's SHA-256)
 before anything of it is read: a latest checkpoint that fails is named, and
 the run falls back to the newest one that verifies, or stops, as
-``run.on_corrupt_checkpoint`` says. Those it passed over are deleted at the
+``checkpoint.on_corrupt`` says. Those it passed over are deleted at the
 run's start (rank 0), so they neither block its commits nor count as kept.
 
 A checkpoint records the config that shaped its state (``fingerprint``): the
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config import FLAT_KEYS, TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
@@ -56,9 +56,9 @@ def fingerprint(cfg: TrainConfig) -> dict:
                     "pp": lay.pp,
                     "tp": lay.tp,
                     "dp": lay.dp,
-                    "microbatches": cfg.run.microbatches,
-                    "virtual": cfg.run.virtual,
-                    "placement": cfg.run.placement,
+                    "microbatches": cfg.schedule.microbatches,
+                    "virtual": cfg.parallel.virtual,
+                    "placement": cfg.parallel.placement,
                 },
                 "model": dataclasses.asdict(cfg.model),
                 "data": dataclasses.asdict(cfg.data),
@@ -75,10 +75,17 @@ def differences(saved: dict, now: dict) -> list[str]:
         for key in sorted(set(a) | set(b)):
             if a.get(key, "(absent)") != b.get(key, "(absent)"):
                 out.append(
-                    f"{section}.{key}: checkpoint {a.get(key, '(absent)')!r}, "
+                    f"{_key_name(section, key)}: checkpoint {a.get(key, '(absent)')!r}, "
                     f"this run {b.get(key, '(absent)')!r}"
                 )
     return out
+
+
+def _key_name(section: str, key: str) -> str:
+    """A fingerprint's key as the config names it: its ``run`` table keeps the flat names."""
+    if section == "run" and key in FLAT_KEYS:
+        section, key = FLAT_KEYS[key]
+    return f"{section}.{key}"
 
 
 @dataclass(frozen=True)
@@ -98,36 +105,34 @@ class Resume:
         )
         return (
             f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
-            f"(run.on_corrupt_checkpoint = fallback; it is deleted at this run's start)"
+            f"(checkpoint.on_corrupt = fallback; it is deleted at this run's start)"
         )
 
 
 def plan_resume(cfg: TrainConfig) -> Resume:
     """Where this run starts. Reads files only (every checkpoint it considers, in full, to
     verify it); raises ConfigError when the run cannot start as configured."""
-    run = cfg.run
-    if not run.checkpoint_dir:
+    run, ck = cfg.run, cfg.checkpoint
+    if not ck.dir:
         return Resume(None)
-    store = CheckpointDir(run.checkpoint_dir)
-    problem = folder_problem(run.checkpoint_dir)
+    store = CheckpointDir(ck.dir)
+    problem = folder_problem(ck.dir)
     if problem is not None:
-        raise ConfigError(
-            f"run.checkpoint_dir {run.checkpoint_dir} cannot hold checkpoints: {problem}"
-        )
+        raise ConfigError(f"checkpoint.dir {ck.dir} cannot hold checkpoints: {problem}")
     done = store.complete()
-    if run.resume == "off":
+    if ck.resume == "off":
         if done:  # a fresh run would prune them as older than its own
             raise ConfigError(
-                f"run.checkpoint_dir {run.checkpoint_dir} already holds checkpoints (the latest "
-                f"at step {done[-1].step}): continue with --resume (or run.resume = auto), or "
+                f"checkpoint.dir {ck.dir} already holds checkpoints (the latest "
+                f"at step {done[-1].step}): continue with --resume (or checkpoint.resume = auto), or "
                 "choose another directory"
             )
         return Resume(None)
     if not done:
-        if run.resume == "required":
+        if ck.resume == "required":
             partial = len(store.incomplete())
             raise ConfigError(
-                f"--resume: no complete checkpoint in {run.checkpoint_dir}"
+                f"--resume: no complete checkpoint in {ck.dir}"
                 + (f" ({partial} incomplete one(s) ignored)" if partial else "")
             )
         return Resume(None)  # auto: start fresh
@@ -137,15 +142,15 @@ def plan_resume(cfg: TrainConfig) -> Resume:
         if problem is None:
             break
         rejected.append((latest, problem))
-        if run.on_corrupt_checkpoint == "stop":
+        if ck.on_corrupt == "stop":
             raise ConfigError(
                 f"checkpoint {latest.path} failed verification: {problem}; nothing was loaded "
-                '(run.on_corrupt_checkpoint = stop; "fallback" resumes from the newest '
+                '(checkpoint.on_corrupt = stop; "fallback" resumes from the newest '
                 "checkpoint that verifies)"
             )
     else:
         raise ConfigError(
-            f"no checkpoint in {run.checkpoint_dir} verifies, nothing was loaded: "
+            f"no checkpoint in {ck.dir} verifies, nothing was loaded: "
             + "; ".join(f"{c.path.name}: {why}" for c, why in rejected)
             + " (move them away to start at step 0)"
         )
@@ -216,7 +221,7 @@ class RunCheckpoints:
         self.cfg, self.rt = cfg, rt
         one = len(modules) == 1  # the single-stage form: save_stage's keys and calls as before
         self.module, self.opt = (modules[0], opts[0]) if one else (list(modules), list(opts))
-        self.store = CheckpointDir(cfg.run.checkpoint_dir)
+        self.store = CheckpointDir(cfg.checkpoint.dir)
         self.where = dict(
             rank=rt.rank,
             stage=rt.stage if one else list(rt.stages),
@@ -258,7 +263,7 @@ class RunCheckpoints:
         missing = [r for r in range(world) if blind[r].item()]
         if missing:
             raise ConfigError(
-                f"run.checkpoint_dir {self.store.root} is not one file system for every rank: "
+                f"checkpoint.dir {self.store.root} is not one file system for every rank: "
                 f"rank(s) {', '.join(map(str, missing))} do not see a file rank 0 wrote there "
                 "(use a directory every rank shares, such as a shared mount)"
             )
@@ -273,7 +278,7 @@ class RunCheckpoints:
 
     def due(self, done: int, stopping: bool) -> bool:
         """Save after ``done`` steps? Every checkpoint_every steps, at the end, and on a stop."""
-        every = self.cfg.run.checkpoint_every
+        every = self.cfg.checkpoint.every
         return stopping or done == self.cfg.run.steps or (every > 0 and done % every == 0)
 
     async def load(self, ckpt: Checkpoint) -> None:
@@ -286,7 +291,7 @@ class RunCheckpoints:
             raise ConfigError(str(e)) from None
         for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
             for group in opt.param_groups:  # the config's, not the checkpoint's
-                group.update(lr=self.cfg.run.lr, weight_decay=self.cfg.run.weight_decay)
+                group.update(lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
     async def save(self, done: int, rng: dict | None = None) -> Checkpoint:
@@ -369,5 +374,5 @@ class RunCheckpoints:
                 0,
             )
         if self.rt.rank == 0:
-            self.store.prune(self.cfg.run.checkpoint_keep)
+            self.store.prune(self.cfg.checkpoint.keep)
         return Checkpoint(done, self.store.final_path(done))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from rrfp.app.errors import UsageError
 from rrfp.app.flag_aliases import add_deprecated_flag
@@ -49,7 +50,12 @@ def _csv_list(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="rrfp", description="Readiness-driven pipeline-parallel training.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in (_add_sim, _add_plot, _add_calibrate, _add_train, _add_config, _add_bench):
+        add(sub)
+    return p
 
+
+def _add_sim(sub) -> None:
     sim = sub.add_parser("sim", help="simulate dispatch modes x hints under a variability preset")
     sim.add_argument(
         "--pp",
@@ -130,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound",
     )
     sim.add_argument(
-        "--replay", metavar="SIZES", help="simulate the steps a run recorded (run.sizes) instead"
+        "--replay", metavar="SIZES", help="simulate the steps a run recorded (output.sizes) instead"
     )
     sim.add_argument(
         "--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay"
@@ -149,16 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="FILE", help="PNG timeline of seed 0: fixed 1F1B and the best row"
     )
 
+
+def _add_plot(sub) -> None:
     plot = sub.add_parser(
         "plot", help="draw a timeline PNG from an rrfp Chrome trace (real or simulated)"
     )
-    plot.add_argument("trace", help="a trace from rrfp sim --trace or rrfp train --set trace=...")
+    plot.add_argument(
+        "trace", help="a trace from rrfp sim --trace or rrfp train --set output.trace=..."
+    )
     plot.add_argument("--out", help="PNG to write (default: the trace's name with .png)")
     plot.add_argument("--iteration", type=int, help="draw this iteration (default: the last one)")
     plot.add_argument("--from", dest="start", type=float, help="window start (ms, or sim units)")
     plot.add_argument("--to", dest="end", type=float, help="window end (ms, or sim units)")
     plot.add_argument("--timelines", help="comma list of timelines to draw (default: the first 6)")
 
+
+def _add_calibrate(sub) -> None:
     cal = sub.add_parser(
         "calibrate", help="measure each stage's F/B/W on sample data and fit the cost model"
     )
@@ -177,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--out", help="where to write the model (default runs/cost-MODEL-ppN.json)")
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
     train.add_argument("--config", required=True, help="TOML run config")
     train.add_argument(
@@ -184,21 +198,56 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set dispatch=fixed",
+        help="override a config value, e.g. --set schedule.dispatch=fixed (rrfp config lists "
+        "every key)",
     )
     train.add_argument(
-        "--dry-run", action="store_true", help="print the layout and config, then exit"
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config as TOML, the stage layout and the memory estimate, then "
+        "exit",
     )
     train.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the last complete checkpoint in run.checkpoint_dir (error if none)",
+        help="continue from the last complete checkpoint in checkpoint.dir (error if none)",
     )
     train.add_argument(
         "--debug",
         action="store_true",
-        help="on a failure, print the full traceback to stderr too (it always goes to run.log_dir)",
+        help="on a failure, print the full traceback to stderr too (it always goes to "
+        "output.log_dir)",
     )
+    train.add_argument(
+        "--help-config",
+        action=_ConfigHelp,
+        help="print every config key with its type, default and meaning, then exit",
+    )
+
+
+class _ConfigHelp(argparse.Action):
+    """``--help-config``: like ``--help``, it answers at once, whatever else the line lacks."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from rrfp.app.config_reference import reference_text
+
+        print(reference_text(), end="")
+        parser.exit(0)
+
+
+def _add_config(sub) -> None:
+    cfg = sub.add_parser(
+        "config", help="print every config key: its section, type, default and meaning"
+    )
+    cfg.add_argument(
+        "--markdown", action="store_true", help="as the Markdown page docs/configuration.md"
+    )
+
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="every contender (rrfp's dispatch modes and hints, torch's schedules) side by side "
@@ -288,7 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600,
         help="seconds before the job is stopped (default 3600); a dead rank fails it sooner",
     )
-    return p
 
 
 def _plot(args) -> int:
@@ -297,7 +345,21 @@ def _plot(args) -> int:
     return plot_command(args)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A moved config key is one ``rrfp: warning:`` line, not Python's two-line warning."""
+    from rrfp.app.config import ConfigKeyDeprecated
+
+    if issubclass(category, ConfigKeyDeprecated):
+        say(f"rrfp: warning: {message}")
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         if args.command == "sim":
@@ -306,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
             return sim_command(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "config":
+            from rrfp.app.config_reference import reference_markdown, reference_text
+
+            print(reference_markdown() if args.markdown else reference_text(), end="")
+            return 0
         if args.command == "calibrate":
             from rrfp.app.calibrate_command import calibrate_command
 

@@ -1,236 +1,73 @@
-"""Run configuration: TOML sections [run], [model], [data] into dataclasses
-that validate themselves, plus ``--set key=value`` overrides.
+"""Run configuration: a TOML file in sections ([run], [parallel], [schedule], [optim],
+[runtime], [checkpoint], [output], [emulation], [timeouts], [debug], rrfp/app/config_sections.py)
+plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
-Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the
-Dispatch mode, the Variability, the Layout and the Workload), and everything
-below the app takes those objects. The [model] and [data] sections belong to
-the workload named by ``run.model``.
+Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the Dispatch mode, the
+Layout, the Workload), and everything below the app takes those objects. The flat [run] table of
+earlier releases still loads: each key that moved is one deprecation warning naming its new
+place (``FLAT_KEYS``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rrfp.app.config_fields import Section, did_you_mean, unknown_key
+from rrfp.app.config_sections import (
+    SECTIONS,
+    CheckpointSection,
+    DebugSection,
+    EmulationSection,
+    OptimSection,
+    OutputSection,
+    ParallelSection,
+    RunSection,
+    RuntimeSection,
+    ScheduleSection,
+    TimeoutsSection,
+)
 from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
-from rrfp.core.budget import Budget
-from rrfp.core.cost import CostModel
-from rrfp.core.hints import NOMINAL_BUDGET, Hint, HintError, default_split, resolve
+from rrfp.core.hints import NOMINAL_BUDGET, HintError
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
-from rrfp.core.variability import PRESETS, Variability
-from rrfp.pipeline.faults import Fault
+from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.workload import Workload
 
-ALIASES = {"executor": "dispatch"}  # the older key: executor = "ready" | "fixed"
-# [run]'s numbers, within what a run can mean (and torch, numpy and timedelta can hold): (lowest, highest)
-RUN_BOUNDS = {
-    "pp": (0, 65536),
-    "tp": (1, 65536),
-    "dp": (1, 65536),
-    "virtual": (1, 64),
-    "microbatches": (1, 65536),
-    "steps": (1, 10**9),
-    "threads": (1, 1024),
-    "log_every": (1, 10**9),
-    "seed": (0, 2**63 - 1),
-    "lr": (0, 100),
-    "weight_decay": (0, 100),
-    "unit_ms": (0, 600_000),
-    "timeout_s": (1, 604_800),
-    "checkpoint_every": (0, 10**9),
-    "checkpoint_keep": (1, 10**6),
-    "warmup_steps": (0, 10**9),
-}
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
-RESUME_MODES = ("off", "auto", "required")
-AUTOCAST_MODES = ("off", "bfloat16", "float16")
-ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
+WORKLOAD_SECTIONS = ("model", "data")
+BY_NAME: dict[str, type[Section]] = {s.NAME: s for s in SECTIONS}
+
+# the flat [run] table's keys that moved: old name -> (section, key). Loaded with one
+# deprecation warning each; [run] keeps model, steps, seed and timeout_s.
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    **{k: ("parallel", k) for k in ("pp", "tp", "dp", "virtual", "placement")},
+    **{k: ("schedule", k) for k in ("microbatches", "dispatch", "hint", "budget", "split")},
+    "executor": ("schedule", "dispatch"),
+    **{k: ("optim", k) for k in ("lr", "warmup_steps", "weight_decay", "clip_grad_norm")},
+    "on_nonfinite": ("optim", "on_nonfinite"),
+    **{k: ("runtime", k) for k in ("backend", "device", "threads", "autocast")},
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "checkpoint_keep": ("checkpoint", "keep"),
+    "resume": ("checkpoint", "resume"),
+    "on_corrupt_checkpoint": ("checkpoint", "on_corrupt"),
+    **{k: ("output", k) for k in ("log_every", "trace", "sizes", "log_dir")},
+    **{k: ("emulation", k) for k in ("preset", "unit_ms", "cost")},
+    "fault": ("debug", "fault"),
+}
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    pp: int = 0  # 0: world size / (tp * dp)
-    tp: int = 1
-    dp: int = 1
-    virtual: int = 1  # V stages per pipeline rank: the model is split into pp x V stages
-    placement: str = (
-        "interleaved"  # with virtual > 1: "interleaved" (r, r+pp, ...) or "v" (r and 2pp-1-r)
-    )
-    microbatches: int = 8
-    steps: int = 50
-    dispatch: Dispatch | str = Dispatch.READY  # the executor: "ready" or "fixed"
-    hint: Hint | str = "bfw"
-    budget: Budget | str | int = "2x"  # N microbatches, "Nx" (N x 1F1B's), or bytes like "512MiB"
-    split: bool | None = None  # None: the hint's default (split for zbh1 and bfw)
-    lr: float = 1e-3
-    # linear warmup: the learning rate rises from 0 at step 0 to lr at this step (0 = none), constant after
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    clip_grad_norm: float = (
-        0.0  # clip the whole model's gradient norm to this before each step; 0 = off
-    )
-    seed: int = 0
-    preset: str = "none"  # variability model for emulated device time
-    unit_ms: float = 0.0  # emulated device time of one average forward; 0 = off
-    # how long a peer may stay silent (no heartbeat) before it is named and the run ends; a peer that
-    # beats may compute for longer (gloo). Also bounds start-up, and on nccl every wait; at least 1 s, what a
-    # rendezvous's sockets need to connect at all
-    timeout_s: float = 60.0
-    backend: str = "gloo"  # gloo (CPU) or nccl (CUDA)
-    device: str = "auto"  # auto, cpu or cuda; auto: cuda when backend = nccl
-    threads: int = 1  # torch intra-op threads per rank
-    trace: str = ""  # merged Chrome trace written by rank 0 at the end
-    cost: CostModel | str | None = (
-        None  # a cost model file (rrfp calibrate): emulated time from the data
-    )
-    sizes: str = (
-        ""  # rank 0 writes every iteration's microbatch features and step time here, for rrfp sim
-    )
-    log_every: int = 1
-    model: str = "gpt"  # a workload: models/<name>.py, a dotted module, or module:attribute
-    checkpoint_dir: str = ""  # where checkpoints go; "" = none (also none on SIGTERM)
-    checkpoint_every: int = (
-        0  # save every N steps (and at the end, and on SIGTERM); 0 = only those two
-    )
-    checkpoint_keep: int = (
-        2  # complete checkpoints kept; older ones go once a newer one is committed
-    )
-    resume: str = (
-        "off"  # off | auto (the latest checkpoint, if any) | required (rrfp train --resume)
-    )
-    # a latest checkpoint that fails verification: resume from the newest that verifies, or stop (exit 2)
-    on_corrupt_checkpoint: str = "fallback"
-    on_nonfinite: str = (
-        "stop"  # NaN/Inf in the loss or gradients: "stop" the run, or "skip" the step everywhere
-    )
-    # torch.autocast on the run's device type around every iteration (its F, B and W); parameters and the
-    # optimizer stay float32. float16 has no loss scaling here: its small gradients may underflow
-    autocast: str = "off"  # off | bfloat16 | float16
-    log_dir: str = "runs/logs"  # a failing rank writes its traceback to LOG_DIR/rank-N.log
-    # testing aid: make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py)
-    fault: Fault | str | None = field(default_factory=lambda: os.environ.get("RRFP_FAULT", ""))
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "dp", "virtual", "microbatches", "steps", "threads", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
-        if self.pp < 0:
-            raise ConfigError(f"run.pp must be >= 1 (or 0 for world size / (tp*dp)), got {self.pp}")
-        for name, parse in (
-            ("dispatch", Dispatch.parse),
-            ("hint", resolve),
-            ("budget", Budget.parse),
-        ):
-            try:
-                object.__setattr__(self, name, parse(getattr(self, name)))
-            except ValueError as e:  # HintError included
-                raise ConfigError(f"run.{name}: {e}") from None
-        if isinstance(self.cost, str):
-            object.__setattr__(self, "cost", _load_cost(self.cost) if self.cost else None)
-        if isinstance(self.fault, str):
-            try:
-                object.__setattr__(
-                    self, "fault", Fault.parse(self.fault) if self.fault.strip() else None
-                )
-            except ValueError as e:
-                raise ConfigError(f"run.fault (or RRFP_FAULT): {e}") from None
-        try:
-            object.__setattr__(
-                self, "placement", str(VirtualLayout(1, self.virtual, self.placement).placement)
-            )
-        except ValueError as e:
-            raise ConfigError(
-                f"run.virtual = {self.virtual}, run.placement = {self.placement!r}: {e}"
-            ) from None
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ConfigError(f"run.on_nonfinite must be stop or skip, got {self.on_nonfinite!r}")
-        if self.autocast not in AUTOCAST_MODES:
-            raise ConfigError(
-                f"run.autocast must be one of {', '.join(AUTOCAST_MODES)}, got {self.autocast!r}"
-            )
-        if self.preset not in PRESETS:
-            raise ConfigError(
-                f"run.preset must be one of {', '.join(PRESETS)}, got {self.preset!r}"
-            )
-        for name in ("lr", "weight_decay", "unit_ms", "timeout_s", "clip_grad_norm"):
-            if not math.isfinite(getattr(self, name)):
-                raise ConfigError(f"run.{name} must be a finite number, got {getattr(self, name)}")
-        for name, positive in (("lr", True), ("timeout_s", True), ("unit_ms", False)):
-            value = getattr(self, name)
-            if value < 0 or (positive and value == 0):
-                raise ConfigError(
-                    f"run.{name} must be {'> 0' if positive else '>= 0 (0: no emulated time)'}, "
-                    f"got {value:g}"
-                )
-        if self.clip_grad_norm < 0:
-            raise ConfigError(
-                f"run.clip_grad_norm must be >= 0 (0: no clipping), got {self.clip_grad_norm:g}"
-            )
-        if (
-            self.hint.planned and self.unit_ms == 0 and self.cost is None
-        ):  # the preset's lengths are made up
-            raise ConfigError(
-                "run.hint = plan in real time (run.unit_ms = 0) has no task costs to plan on: run "
-                "`rrfp calibrate` and give run.cost = FILE, or set run.unit_ms > 0 to emulate "
-                "the preset's times"
-            )
-        if self.backend not in ("gloo", "nccl"):
-            raise ConfigError(f"run.backend must be gloo or nccl, got {self.backend!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"run.device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device == "cpu" and self.backend == "nccl":
-            raise ConfigError(
-                "run.backend = nccl carries CUDA tensors only: set run.device = cuda (or auto), "
-                "or run.backend = gloo"
-            )
-        for name, (lo, hi) in RUN_BOUNDS.items():
-            if not lo <= getattr(self, name) <= hi:
-                raise ConfigError(
-                    f"run.{name} = {getattr(self, name)} is out of bounds: it must be within "
-                    f"[{lo}, {hi}]"
-                )
-        if self.resume not in RESUME_MODES:
-            raise ConfigError(
-                f"run.resume must be one of {', '.join(RESUME_MODES)}, got {self.resume!r}"
-            )
-        if self.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
-            raise ConfigError(
-                f"run.on_corrupt_checkpoint must be one of {', '.join(ON_CORRUPT_CHECKPOINT)}, "
-                f"got {self.on_corrupt_checkpoint!r}"
-            )
-        if not self.checkpoint_dir and (self.checkpoint_every or self.resume != "off"):
-            what = (
-                "--resume"
-                if self.resume == "required"
-                else (
-                    f"run.resume = {self.resume}"
-                    if self.resume != "off"
-                    else f"run.checkpoint_every = {self.checkpoint_every}"
-                )
-            )
-            raise ConfigError(f"{what} needs run.checkpoint_dir")
-        if self.device == "cuda" and self.backend == "gloo":
-            raise ConfigError(
-                "run.device = cuda needs run.backend = nccl: rrfp's gloo channels carry CPU "
-                "tensors only"
-            )
-
-    @property
-    def device_type(self) -> str:
-        """``cuda`` or ``cpu``, once ``auto`` is decided."""
-        return "cuda" if self.backend == "nccl" else "cpu"
-
-    @property
-    def variability(self) -> Variability:
-        return Variability.preset(self.preset)
+class ConfigKeyDeprecated(FutureWarning):
+    """A key of the flat [run] table that moved to a section: it loads, and says where it went."""
 
 
 def _world_size() -> int:
@@ -243,7 +80,16 @@ class TrainConfig:
     torchrun); the layout and the model checks are done here, before any
     process group exists, so bad input fails on every rank at once."""
 
-    run: RunConfig = field(default_factory=RunConfig)
+    run: RunSection = field(default_factory=RunSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    emulation: EmulationSection = field(default_factory=EmulationSection)
+    timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
+    debug: DebugSection = field(default_factory=DebugSection)
     model: Any = None  # the workload's model config; None: its defaults
     data: Any = None  # the workload's data config; None: its defaults
     world_size: int = field(default_factory=_world_size)
@@ -254,48 +100,64 @@ class TrainConfig:
             object.__setattr__(self, "model", wl.model_config())
         if self.data is None:
             object.__setattr__(self, "data", wl.data_config())
+        par = self.parallel
         try:
-            layout = plan_layout(self.world_size, self.run.pp, self.run.tp, self.run.dp)
+            layout = plan_layout(self.world_size, par.pp, par.tp, par.dp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
-        stages = self.num_stages
         try:
-            wl.check(self.model, self.data, stages, layout.tp)
+            wl.check(self.model, self.data, self.num_stages, layout.tp)
         except ValueError as e:
             split = (
-                f" (run.virtual = {self.run.virtual} stages on each of {layout.pp} pipeline ranks)"
-                if self.run.virtual > 1
+                f" (parallel.virtual = {par.virtual} stages on each of {layout.pp} pipeline ranks)"
+                if par.virtual > 1
                 else ""
             )
             raise ConfigError(f"{e}{split}") from None
-        _check_hint_layout(self.run, self.stages)
-        _check_fixed_budget(self.run, self.stages)
-        fault = self.run.fault
-        if fault is not None and (
+        self._check_emulation()
+        _check_hint_layout(self.schedule, self.stages)
+        _check_fixed_budget(self.schedule, self.stages)
+        self._check_fault()
+        if self.runtime.device_type == "cuda":
+            _check_cuda(self.world_size)
+        cost = self.emulation.cost
+        if cost is not None and cost.num_stages != self.num_stages:
+            raise ConfigError(
+                f"emulation.cost was calibrated for {cost.num_stages} stages, this run has "
+                f"{self.num_stages}: rerun rrfp calibrate --pp {layout.pp}"
+                + (f" with parallel.virtual = {par.virtual}" if par.virtual > 1 else "")
+            )
+
+    def _check_emulation(self) -> None:
+        em = self.emulation
+        if self.schedule.hint.planned and em.unit_ms == 0 and em.cost is None:
+            raise ConfigError(  # the preset's lengths are made up
+                "schedule.hint = plan in real time (emulation.unit_ms = 0) has no task costs to "
+                "plan on: run `rrfp calibrate` and give emulation.cost = FILE, or set "
+                "emulation.unit_ms > 0 to emulate the preset's times"
+            )
+
+    def _check_fault(self) -> None:
+        fault, sch = self.debug.fault, self.schedule
+        if fault is None:
+            return
+        if (
             fault.stage is not None
-            and fault.stage >= stages
+            and fault.stage >= self.num_stages
             or fault.rank is not None
             and fault.rank >= self.world_size
         ):
-            raise ConfigError(f"run.fault {fault}: no such stage or rank in {layout.short()}")
-        if fault is not None and fault.task is not None:
-            split = default_split(self.run.hint.name, self.run.split)
-            if fault.task.mb >= self.run.microbatches or (
-                fault.task.kind.name == "W" and not split
-            ):
+            raise ConfigError(
+                f"debug.fault {fault}: no such stage or rank in {self._layout.short()}"
+            )
+        if fault.task is not None:
+            split = self.schedule_settings().split
+            if fault.task.mb >= sch.microbatches or (fault.task.kind.name == "W" and not split):
                 raise ConfigError(
-                    f"run.fault {fault}: no task {fault.task} with {self.run.microbatches} "
+                    f"debug.fault {fault}: no task {fault.task} with {sch.microbatches} "
                     f"microbatches, split = {split}"
                 )
-        if self.run.device_type == "cuda":
-            _check_cuda(self.world_size)
-        if self.run.cost is not None and self.run.cost.num_stages != stages:
-            raise ConfigError(
-                f"run.cost was calibrated for {self.run.cost.num_stages} stages, this run has "
-                f"{stages}: rerun rrfp calibrate --pp {layout.pp}"
-                + (f" with run.virtual = {self.run.virtual}" if self.run.virtual > 1 else "")
-            )
 
     @property
     def workload(self) -> Workload:
@@ -308,123 +170,268 @@ class TrainConfig:
     @property
     def num_stages(self) -> int:
         """How many pieces the model is split into: pp x virtual."""
-        return self._layout.pp * self.run.virtual
+        return self._layout.pp * self.parallel.virtual
 
     @property
     def stages(self) -> VirtualLayout:
         """Which of the num_stages stages each pipeline rank holds."""
-        return VirtualLayout(self._layout.pp, self.run.virtual, self.run.placement)
+        return VirtualLayout(self._layout.pp, self.parallel.virtual, self.parallel.placement)
+
+    @property
+    def waits(self) -> Timeouts:
+        """Every wait's bound: [timeouts]'s, each defaulting from run.timeout_s."""
+        return self.timeouts.resolve(self.run.timeout_s)
+
+    def schedule_settings(self) -> ScheduleSettings:
+        """The executor's settings, built here once for stage_executor and the bench."""
+        sch, em = self.schedule, self.emulation
+        return ScheduleSettings.of(
+            sch.microbatches,
+            dispatch=sch.dispatch,
+            hint=sch.hint,
+            budget=sch.budget,
+            split=sch.split,
+            variability=em.variability,
+            seed=self.run.seed,
+            cost=em.cost,
+        )
 
     @classmethod
     def from_dict(
         cls, doc: dict, source: str = "config", world_size: int | None = None
     ) -> TrainConfig:
-        for key in doc:
-            if key not in ("run", "model", "data"):
-                raise ConfigError(f"{source}: unknown section [{key}] (expected run, model, data)")
-        run = _section(source, "run", RunConfig, doc.get("run", {}))
-        wl = find_workload(run.model)
-        parts = {
-            name: _section(source, name, kind, doc.get(name, {}))
-            for name, kind in (("model", wl.model_config), ("data", wl.data_config))
-        }
-        return cls(run, **parts, **({} if world_size is None else {"world_size": world_size}))
+        """The config of a parsed TOML document (``source`` names it in messages)."""
+        return _Loader(source).build(_copy(doc), world_size)
 
     @classmethod
     def load(
-        cls, path: str | Path | None, overrides: list[str] = (), world_size: int | None = None
+        cls,
+        path: str | Path | None,
+        overrides: list[str] = (),
+        world_size: int | None = None,
+        implied_world: bool = False,
     ) -> TrainConfig:
-        doc: dict = {}
+        """The config of the file at ``path`` (None: defaults) with ``--set`` ``overrides``.
+        ``implied_world``: check it in the world its [parallel] implies (pp x tp x dp, pp 0
+        counting 1), for a command that has no launcher to say."""
         source = str(path) if path else "defaults"
-        if path:
-            try:
-                doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-            except OSError as e:
-                raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-            except UnicodeDecodeError as e:
-                raise ConfigError(
-                    f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}): "
-                    "a TOML file is UTF-8"
-                ) from None
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: not valid TOML: {e}") from None
-        for name, table in doc.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{source}: [{name}] must be a table (one [{name}] section)")
+        loader = _Loader(source)
+        doc = _read(path) if path else {}
+        loader.check_tables(doc)
+        loader.move_flat_keys(doc)
         for item in overrides:
-            key, sep, raw = item.partition("=")
-            if not sep:
-                raise ConfigError(f"override {item!r} is not KEY=VALUE")
-            section, _, name = key.strip().rpartition(".")
-            if not section:  # a bare key: the section that has it, run first
-                model = doc.get("run", {}).get("model", RunConfig.model)
-                model = (
-                    model if isinstance(model, str) else RunConfig.model
-                )  # a wrong type is refused below
-                wl = find_workload(model)
-                kinds = {"run": RunConfig, "model": wl.model_config, "data": wl.data_config}
-                section = next(
-                    (
-                        s
-                        for s, k in kinds.items()
-                        if ALIASES.get(name, name) in {f.name for f in dataclasses.fields(k)}
-                    ),
-                    "run",
+            loader.apply_override(doc, item)
+        return loader.build(doc, world_size, migrated=True, implied_world=implied_world)
+
+    def as_toml(self) -> dict:
+        """Plain values by section, as a TOML file would give them."""
+        out = {s.NAME: getattr(self, s.NAME).as_toml() for s in SECTIONS}
+        out["model"] = dataclasses.asdict(self.model)
+        out["data"] = dataclasses.asdict(self.data)
+        return out
+
+    as_dict = as_toml  # the name embedders called it by
+
+
+def _copy(doc: dict) -> dict:
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
+
+
+def _read(path: str | Path) -> dict:
+    try:
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}): "
+            "a TOML file is UTF-8"
+        ) from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+class _Loader:
+    """One load: the document's values, where each came from (the file or ``--set``), so that an
+    error names what the user wrote."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.origin: dict[tuple[str, str], str] = {}  # (section, key) -> how to name it
+
+    def where(self, section: str, key: str) -> str:
+        return self.origin.get((section, key), f"{self.source}: {section}.{key}")
+
+    def check_tables(self, doc: dict) -> None:
+        known = [*BY_NAME, *WORKLOAD_SECTIONS]
+        for name, table in doc.items():
+            if name not in known:
+                raise ConfigError(
+                    f"{self.source}: unknown section [{name}]{did_you_mean(name, known)} "
+                    f"(expected {', '.join(known)})"
                 )
-            doc.setdefault(section, {})[name] = _parse_value(raw.strip())
-        return cls.from_dict(doc, source, world_size)
+            if not isinstance(table, dict):
+                raise ConfigError(f"{self.source}: [{name}] must be a table (one [{name}] section)")
 
-    def as_dict(self) -> dict:
-        """Plain values, as a TOML file would give them."""
-        run = {f.name: getattr(self.run, f.name) for f in dataclasses.fields(RunConfig)}
-        run.update(
-            dispatch=str(self.run.dispatch),
-            hint=self.run.hint.name,
-            budget=str(self.run.budget),
-            cost="(calibrated)" if self.run.cost is not None else "",
-            fault=str(self.run.fault or ""),
+    def move_flat_keys(self, doc: dict) -> None:
+        """Each key of [run] that moved goes to its section, with one deprecation warning."""
+        run = doc.get("run", {})
+        for old in [k for k in run if k not in RunSection.keys() and k in FLAT_KEYS]:
+            section, key = FLAT_KEYS[old]
+            if key in doc.get(section, {}):
+                raise ConfigError(
+                    f"{self.source}: run.{old} and {section}.{key} are the same setting: keep "
+                    f"{section}.{key}"
+                )
+            doc.setdefault(section, {})[key] = run.pop(old)
+            self.origin[(section, key)] = f"{self.source}: run.{old}"
+            warnings.warn(
+                f"{self.source}: [run] {old} is deprecated: write it as {key} in [{section}]",
+                ConfigKeyDeprecated,
+                stacklevel=3,  # the caller of TrainConfig.load
+            )
+
+    def apply_override(self, doc: dict, item: str) -> None:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r} is not KEY=VALUE")
+        key = key.strip()
+        section, name = self._place(doc, key)
+        if section in BY_NAME and name not in BY_NAME[section].keys() and section == "run":
+            if name in FLAT_KEYS:  # run.OLD: a flat key, moved
+                section, name = self._deprecated_set(key, name)
+        doc.setdefault(section, {})[name] = _parse_value(raw.strip())
+        full = f"{section}.{name}"
+        self.origin[(section, name)] = f"--set {key}" + ("" if key == full else f" ({full})")
+
+    def _deprecated_set(self, key: str, old: str) -> tuple[str, str]:
+        section, name = FLAT_KEYS[old]
+        warnings.warn(
+            f"--set {key} is deprecated: write --set {section}.{name}",
+            ConfigKeyDeprecated,
+            stacklevel=3,
         )
-        return {
-            "run": run,
-            "model": dataclasses.asdict(self.model),
-            "data": dataclasses.asdict(self.data),
-        }
+        return section, name
+
+    def _place(self, doc: dict, key: str) -> tuple[str, str]:
+        """(section, key) of a --set KEY: SECTION.NAME, or a bare NAME found in one section."""
+        section, _, name = key.rpartition(".")
+        known = [*BY_NAME, *WORKLOAD_SECTIONS]
+        if section:
+            if section not in known:
+                raise ConfigError(
+                    f"--set {key}: unknown section [{section}]{did_you_mean(section, known)} "
+                    f"(expected {', '.join(known)})"
+                )
+            return section, name
+        kinds = {s.NAME: s.keys() for s in SECTIONS}
+        wl = _workload_of(doc)
+        if wl is not None:
+            kinds.update(
+                model={f.name for f in dataclasses.fields(wl.model_config)},
+                data={f.name for f in dataclasses.fields(wl.data_config)},
+            )
+        holders = [s for s, keys in kinds.items() if name in keys]
+        if holders:
+            return holders[0], name
+        if name in FLAT_KEYS:
+            return self._deprecated_set(key, name)
+        every = [*(k for keys in kinds.values() for k in keys), *FLAT_KEYS]
+        raise ConfigError(
+            f"--set {key}: no section has a key {name!r}{did_you_mean(name, every)} "
+            "(write SECTION.KEY; rrfp config lists them)"
+        )
+
+    def build(
+        self,
+        doc: dict,
+        world_size: int | None,
+        migrated: bool = False,
+        implied_world: bool = False,
+    ) -> TrainConfig:
+        if not migrated:
+            self.check_tables(doc)
+            self.move_flat_keys(doc)
+        parts: dict[str, Any] = {}
+        for kind in SECTIONS:
+            values = doc.get(kind.NAME, {})
+            if not isinstance(values, dict):
+                raise ConfigError(f"{self.source}: [{kind.NAME}] must be a table")
+            parts[kind.NAME] = kind.parse(values, lambda k, n=kind.NAME: self.where(n, k))
+        wl = find_workload(parts["run"].model)
+        for name, kind in (("model", wl.model_config), ("data", wl.data_config)):
+            parts[name] = self.workload_section(name, kind, doc.get(name, {}))
+        if implied_world:
+            par = parts["parallel"]
+            world_size = max(par.pp, 1) * par.tp * par.dp
+        if world_size is not None:
+            parts["world_size"] = world_size
+        return TrainConfig(**parts)
+
+    def workload_section(self, name: str, kind: type, values) -> Any:
+        if not isinstance(values, dict):
+            raise ConfigError(f"{self.source}: [{name}] must be a table")
+        known = {f.name: f for f in dataclasses.fields(kind)}
+        for k, v in values.items():
+            where = self.where(name, k)
+            if k not in known:
+                raise ConfigError(
+                    f"{unknown_key(where, name, k, known)} (known in [{name}]: {', '.join(known)})"
+                )
+            _check_type(where, v, known[k].type)
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > SECTION_INT_BOUND:
+                raise ConfigError(
+                    f"{where} = {v} is out of bounds: it must be within "
+                    f"[{-SECTION_INT_BOUND}, {SECTION_INT_BOUND}]"
+                )
+        try:
+            return kind(**values)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{self.source}: [{name}] {e}") from None
 
 
-def _check_hint_layout(run: RunConfig, layout: VirtualLayout) -> None:
+def _workload_of(doc: dict) -> Workload | None:
+    model = doc.get("run", {}).get("model", RunSection.model)
+    return find_workload(model if isinstance(model, str) else RunSection.model)
+
+
+def _check_hint_layout(sch: ScheduleSection, layout: VirtualLayout) -> None:
     """The hint has an order on every rank of the layout (``Hint.check_layout``, as rrfp sim asks):
     checked once here, for a rank that finds none fails after the process groups exist."""
+    split = ScheduleSettings.of(sch.microbatches, hint=sch.hint, split=sch.split).split
     try:
-        run.hint.check_layout(layout, run.microbatches, default_split(run.hint.name, run.split))
+        sch.hint.check_layout(layout, sch.microbatches, split)
     except HintError as e:
-        shape = f"run.virtual = {layout.virtual}" + (
-            f", run.placement = {layout.placement}" if layout.virtual > 1 else ""
+        shape = f"parallel.virtual = {layout.virtual}" + (
+            f", parallel.placement = {layout.placement}" if layout.virtual > 1 else ""
         )
         raise ConfigError(
-            f"run.hint = {run.hint.name} does not fit {layout.ranks} pipeline rank(s), {shape}, "
-            f"run.microbatches = {run.microbatches}: {e}"
+            f"schedule.hint = {sch.hint.name} does not fit {layout.ranks} pipeline rank(s), "
+            f"{shape}, schedule.microbatches = {sch.microbatches}: {e}"
         ) from None
 
 
-def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:
+def _check_fixed_budget(sch: ScheduleSection, layout: VirtualLayout) -> None:
     """Fixed dispatch follows its order and applies no budget. A class hint's order is its
     nominal one, built for a 2x budget: refuse a smaller budget rather than exceed it silently.
     With virtual stages the order is the rank's, over its local stages (``Budget.rank_limit``)."""
-    if run.dispatch is not Dispatch.FIXED or not run.hint.is_class or run.hint.planned:
+    if sch.dispatch is not Dispatch.FIXED or not sch.hint.is_class or sch.hint.planned:
         return
-    split = default_split(run.hint.name, run.split)
+    split = ScheduleSettings.of(sch.microbatches, hint=sch.hint, split=sch.split).split
     why = (
-        f"run.dispatch = fixed with hint {run.hint.name} follows the hint's nominal order, built for a "
-        f"{NOMINAL_BUDGET:g}x budget, and applies no budget of its own"
+        f"schedule.dispatch = fixed with hint {sch.hint.name} follows the hint's nominal order, "
+        f"built for a {NOMINAL_BUDGET:g}x budget, and applies no budget of its own"
     )
-    if run.budget.bytes is not None:
+    if sch.budget.bytes is not None:
         raise ConfigError(
-            f"{why}: a byte budget (run.budget = {run.budget}) cannot hold it; use a count "
-            f"or Nx budget, or run.dispatch = ready"
+            f"{why}: a byte budget (schedule.budget = {sch.budget}) cannot hold it; use a count "
+            f"or Nx budget, or schedule.dispatch = ready"
         )
     for r in range(layout.ranks):
-        needs = run.hint.rank_peak(layout, r, run.microbatches, split)
-        allowed = run.budget.rank_limit(layout, r).count
+        needs = sch.hint.rank_peak(layout, r, sch.microbatches, split)
+        allowed = sch.budget.rank_limit(layout, r).count
         if needs > allowed:
             where, unit = (
                 (f"stage {r}", "microbatches")
@@ -435,21 +442,10 @@ def _check_fixed_budget(run: RunConfig, layout: VirtualLayout) -> None:
                 )
             )
             raise ConfigError(
-                f"{why}: {where} holds up to {needs} {unit}, above run.budget = "
-                f"{run.budget} ({allowed} there); raise run.budget to {NOMINAL_BUDGET:g}x, or use "
-                f"run.dispatch = ready, or a schedule hint (1f1b, zbh1)"
+                f"{why}: {where} holds up to {needs} {unit}, above schedule.budget = "
+                f"{sch.budget} ({allowed} there); raise schedule.budget to {NOMINAL_BUDGET:g}x, "
+                f"or use schedule.dispatch = ready, or a schedule hint (1f1b, zbh1)"
             )
-
-
-def _load_cost(path: str) -> CostModel:
-    try:
-        return CostModel.from_json(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"run.cost: cannot read {path}: {e.strerror}") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(
-            f"run.cost: {path} is not a cost model from rrfp calibrate: {e}"
-        ) from None
 
 
 def _check_cuda(world_size: int) -> None:
@@ -458,8 +454,8 @@ def _check_cuda(world_size: int) -> None:
 
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"run.backend = nccl needs CUDA, but torch {torch.__version__} sees none "
-            "(a CPU build or no GPU); use run.backend = gloo, or install a CUDA build "
+            f"runtime.backend = nccl needs CUDA, but torch {torch.__version__} sees none "
+            "(a CPU build or no GPU); use runtime.backend = gloo, or install a CUDA build "
             "(make test TORCH_SPEC=torch)"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -471,38 +467,11 @@ def _check_cuda(world_size: int) -> None:
         )
 
 
-def _section(source: str, name: str, kind: type, values) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{source}: [{name}] must be a table")
-    known = {f.name: f for f in dataclasses.fields(kind)}
-    values = {ALIASES.get(k, k) if name == "run" else k: v for k, v in values.items()}
-    for k, v in values.items():
-        if k not in known:
-            raise ConfigError(f"{source}: unknown key {name}.{k} (known: {', '.join(known)})")
-        _check_type(f"{source}: {name}.{k}", v, known[k].type)
-        if (
-            name != "run"
-            and isinstance(v, int)
-            and not isinstance(v, bool)
-            and abs(v) > SECTION_INT_BOUND
-        ):
-            raise ConfigError(
-                f"{source}: {name}.{k} = {v} is out of bounds: it must be within "
-                f"[{-SECTION_INT_BOUND}, {SECTION_INT_BOUND}]"
-            )
-    try:
-        return kind(**values)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{source}: [{name}] {e}") from None
-
-
 def _parse_value(raw: str):
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        return raw  # a bare string such as executor=fixed
+        return raw  # a bare string such as dispatch=fixed
 
 
 _SIMPLE = {
@@ -512,11 +481,6 @@ _SIMPLE = {
     "str": (str,),
     "bool | None": (bool,),
     "str | int": (str, int),
-    "Budget | str | int": (str, int),
-    "Hint | str": (str,),
-    "Dispatch | str": (str,),
-    "Fault | str | None": (str,),
-    "CostModel | str | None": (str,),
 }
 
 

@@ -26,7 +26,7 @@ def plot_command(args) -> int:
         doc = json.loads(text)
     except ValueError:
         raise UsageError(
-            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set trace=, "
+            f"{args.trace}: not a Chrome trace (not JSON): give a trace from --set output.trace=, "
             f"rrfp sim --trace or rrfp bench"
         ) from None
     try:

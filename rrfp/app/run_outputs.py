@@ -1,4 +1,4 @@
-"""The files a run writes only at its end (``run.trace``, ``run.sizes``), its checkpoint folder, and
+"""The files a run writes only at its end (``output.trace``, ``output.sizes``), its checkpoint folder, and
 what the other commands write when they finish (``--json``, ``--out``): checked at the start, so a
 path that cannot be written costs one line (exit 2), not hours of training or minutes of work."""
 
@@ -13,9 +13,9 @@ from rrfp.app.errors import ConfigError, UsageError
 from rrfp.pipeline.checkpoint_dir import write_synced
 
 if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
-    from rrfp.app.config import RunConfig
+    from rrfp.app.config_sections import OutputSection
 
-END_FILES = ("trace", "sizes")  # run.* keys naming a file rank 0 writes when the run ends
+END_FILES = ("trace", "sizes")  # output.* keys naming a file rank 0 writes when the run ends
 
 
 def folder_problem(folder: str | Path) -> str | None:
@@ -37,19 +37,21 @@ def folder_problem(folder: str | Path) -> str | None:
     return None
 
 
-def check_end_files(run: RunConfig) -> None:
-    """ConfigError when ``run.trace`` or ``run.sizes`` names a folder, or a file in a folder that
+def check_end_files(output: OutputSection) -> None:
+    """ConfigError when ``output.trace`` or ``output.sizes`` names a folder, or a file in a folder that
     cannot be made or written."""
     for key in END_FILES:
-        path = getattr(run, key)
+        path = getattr(output, key)
         if not path:
             continue
         if Path(path).is_dir():
-            raise ConfigError(f"run.{key} = {path} is a folder: give the path of the file to write")
+            raise ConfigError(
+                f"output.{key} = {path} is a folder: give the path of the file to write"
+            )
         problem = folder_problem(Path(path).parent)
         if problem is not None:
             raise ConfigError(
-                f"run.{key} = {path} cannot be written: {problem} (checked at the start: "
+                f"output.{key} = {path} cannot be written: {problem} (checked at the start: "
                 f"it is written when the run ends)"
             )
 

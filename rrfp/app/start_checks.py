@@ -1,5 +1,5 @@
 """Two checks before any process group: the config's memory
-fits the machine, and ``run.timeout_s`` is well above the predicted step; and a
+fits the machine, and ``timeouts.peer_wait_s`` is well above the predicted step; and a
 warning for a byte budget that holds not even one microbatch.
 
 Memory: a rank holds its stage's parameters, gradients and AdamW's two moments
@@ -17,7 +17,7 @@ worse than no check. A
 workload whose model does not run on the meta device is not checked (logged).
 
 Step time: only where it is known without running: emulated device time
-(``run.unit_ms``) or a calibrated cost model (``run.cost``); real compute
+(``emulation.unit_ms``) or a calibrated cost model (``emulation.cost``); real compute
 without a cost model has no prediction, and nothing is checked. The predicted
 step is its busiest stage's work, a lower bound of the step.
 """
@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.durations import TaskTimes
-from rrfp.core.hints import HintError, default_split
+from rrfp.core.hints import HintError
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
@@ -76,7 +76,9 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
     if prints is None:
         return None
     lay = cfg.layout
-    if cfg.run.device_type == "cuda":  # one device per rank: this rank's stage against its device
+    if (
+        cfg.runtime.device_type == "cuda"
+    ):  # one device per rank: this rank's stage against its device
         rank = int(os.environ.get("RANK", "0"))
         need, mine = prints[lay.coords(rank).pp].total, [prints[lay.coords(rank).pp]]
         where = f"free on cuda:{os.environ.get('LOCAL_RANK', '0')}"
@@ -93,14 +95,14 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
     if available is None or need <= available:
         return prints
     act = max(mine, key=lambda f: f.activations)
-    unit = "microbatch(es)" if cfg.run.virtual == 1 else "local-stage microbatch(es)"
+    unit = "microbatch(es)" if cfg.parallel.virtual == 1 else "local-stage microbatch(es)"
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
         f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
         f"{act.in_flight} {unit} in flight per rank; "
         f"{_gib(sum(f.batches for f in mine))} input "
-        f"batches), above the {_gib(available)} {where}: lower run.microbatches, run.budget, "
-        f"data.microbatch_size or the [model] sizes, or use more ranks (run.pp)"
+        f"batches), above the {_gib(available)} {where}: lower schedule.microbatches, schedule.budget, "
+        f"data.microbatch_size or the [model] sizes, or use more ranks (parallel.pp)"
     )
 
 
@@ -109,7 +111,8 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     With virtual stages a rank holds its local stages' parameters and up to its rank limit of
     local-stage microbatches' activations (``Budget.rank_limit``), each at least its smallest local
     stage's."""
-    run, wl, layout, M = cfg.run, cfg.workload, cfg.stages, cfg.run.microbatches
+    run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.stages
+    M, layout_tp = sch.microbatches, cfg.layout.tp
     sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = (
@@ -125,13 +128,13 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
             e,
         )
         return None
-    split = default_split(run.hint.name, run.split)
+    split = cfg.schedule_settings().split
     out = []
     for r in range(layout.ranks):
         local = [measured[g] for g in layout.stages_of(r)]
         held = (
-            _fixed_peak(run, layout, r, split)
-            or run.budget.rank_limit(layout, r).count
+            _fixed_peak(sch, layout, r, split)
+            or sch.budget.rank_limit(layout, r).count
             or M * layout.virtual
         )
         held = max(
@@ -139,49 +142,53 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
         )  # local-stage microbatches (microbatches with one stage per rank)
         acts = int(min(a for _, a in local) * ACTIVATION_SHARE)
         activations = held * acts
-        if run.budget.bytes is not None:
-            activations = min(activations, max(run.budget.bytes, acts))
+        if sch.budget.bytes is not None:
+            activations = min(activations, max(sch.budget.bytes, acts))
         params = sum(p for p, _ in local)
         out.append(
             Footprint(
-                4 * params // run.tp, activations // run.tp, int(batch_bytes), held, acts // run.tp
+                4 * params // layout_tp,
+                activations // layout_tp,
+                int(batch_bytes),
+                held,
+                acts // layout_tp,
             )
         )
     return out
 
 
 def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str | None:
-    """A warning line when a byte ``run.budget`` is below one microbatch's activations on some rank:
+    """A warning line when a byte ``schedule.budget`` is below one microbatch's activations on some rank:
     such a microbatch runs alone (docs/design.md), so that rank holds one at a time and the pipeline
     barely overlaps; a run that works, but likely not what "1B" (1 byte, not a billion) meant. None
     otherwise. ``prints``: ``check_memory``'s (``one`` is a lower bound, so no false warning)."""
-    limit = cfg.run.budget.bytes
+    limit = cfg.schedule.budget.bytes
     if (
         limit is None
         or prints is None
-        or (cfg.run.dispatch is not Dispatch.READY and not cfg.run.hint.planned)
+        or (cfg.schedule.dispatch is not Dispatch.READY and not cfg.schedule.hint.planned)
     ):
         return None
     rank, fp = min(enumerate(prints), key=lambda p: p[1].one)
     if limit >= fp.one:
         return None
-    what = "microbatch" if cfg.run.virtual == 1 else "local-stage microbatch"
+    what = "microbatch" if cfg.parallel.virtual == 1 else "local-stage microbatch"
     return (
-        f"run.budget = {cfg.run.budget} is a byte budget below one {what}'s activations on every rank "
+        f"schedule.budget = {cfg.schedule.budget} is a byte budget below one {what}'s activations on every rank "
         f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
         f"so the microbatches go through the pipeline about one at a time; give a budget in MiB or GiB "
         f"(e.g. 2GiB), a count or Nx"
     )
 
 
-def _fixed_peak(run, layout: VirtualLayout, rank: int, split: bool) -> int | None:
+def _fixed_peak(sch, layout: VirtualLayout, rank: int, split: bool) -> int | None:
     """What fixed dispatch holds on ``rank``: its order's peak, in local-stage microbatches, for it
     applies no budget
     (None under ready dispatch, or for a plan, whose orders are made per step within the budget)."""
-    if run.dispatch is not Dispatch.FIXED or run.hint.planned:
+    if sch.dispatch is not Dispatch.FIXED or sch.hint.planned:
         return None
     try:
-        return run.hint.rank_peak(layout, rank, run.microbatches, split)
+        return sch.hint.rank_peak(layout, rank, sch.microbatches, split)
     except HintError:  # refused with its own message by the config (config._check_hint_layout)
         return None
 
@@ -230,48 +237,49 @@ class _SavedOnMeta:
 
 
 def check_timeout(cfg: TrainConfig, bounds_waits: bool | None = None) -> str | None:
-    """A warning line when ``run.timeout_s`` is below TIMEOUT_FACTOR x the predicted step; None otherwise
-    (or when no step time can be predicted without running). Only where timeout_s bounds every wait
-    (``bounds_waits``; default: on nccl): on gloo the heartbeat tells a busy peer from a silent one,
-    so timeout_s bounds silence, not a step (rrfp/comm/heartbeat.py)."""
-    if not (cfg.run.backend == "nccl" if bounds_waits is None else bounds_waits):
+    """A warning line when the peer wait (``timeouts.peer_wait_s``, from ``run.timeout_s``) is
+    below TIMEOUT_FACTOR x the predicted step; None otherwise (or when no step time can be
+    predicted without running). Only where it bounds every wait (``bounds_waits``; default: on
+    nccl): on gloo the heartbeat tells a busy peer from a silent one, so the wait bounds silence,
+    not a step (rrfp/comm/heartbeat.py)."""
+    if not (cfg.runtime.backend == "nccl" if bounds_waits is None else bounds_waits):
         return None
     step = predicted_step_s(cfg)
-    if step is None or cfg.run.timeout_s >= TIMEOUT_FACTOR * step:
+    wait = cfg.waits.peer_wait_s
+    if step is None or wait >= TIMEOUT_FACTOR * step:
         return None
+    key = "timeouts.peer_wait_s" if cfg.timeouts.peer_wait_s else "run.timeout_s"
     return (
-        f"run.timeout_s = {cfg.run.timeout_s:g} is below {TIMEOUT_FACTOR} x the predicted step of {step:.3g} s: "
-        f"on nccl it bounds every wait, so a peer that waits a slow step out would be reported as failed; "
-        f"raise run.timeout_s to "
+        f"{key} = {wait:g} is below {TIMEOUT_FACTOR} x the predicted step of {step:.3g} s: "
+        f"on nccl it bounds every wait, so a peer that waits a slow step out would be reported "
+        f"as failed; raise {key} to "
         f"{math.ceil(TIMEOUT_FACTOR * step)} or more"
     )
 
 
 def predicted_step_s(cfg: TrainConfig) -> float | None:
     """The busiest stage's task time in one step (a lower bound of the step), in seconds; None
-    without emulated time or a cost model. An injected slow task (run.fault) counts."""
-    run, wl, lay = cfg.run, cfg.workload, cfg.layout
-    fault = run.fault
+    without emulated time or a cost model. An injected slow task (debug.fault) counts."""
+    em, wl, lay = cfg.emulation, cfg.workload, cfg.layout
+    fault = cfg.debug.fault
     slow = fault is not None and fault.kind == "slow"
     busy = np.zeros(lay.pp)
     unit_s = (
-        run.unit_ms / 1000
-        if run.unit_ms > 0
-        else run.cost.reference_s
-        if run.cost is not None
+        em.unit_ms / 1000
+        if em.unit_ms > 0
+        else em.cost.reference_s
+        if em.cost is not None
         else None
     )
     if unit_s is None and not slow:
         return None
     if unit_s is not None:
-        M = run.microbatches
+        M = cfg.schedule.microbatches
         m = min(M, SAMPLE)
         feats = (
-            [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if run.cost is not None else None
+            [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if em.cost is not None else None
         )
-        times = TaskTimes(
-            run.variability, run.seed, default_split(run.hint.name, run.split), run.cost
-        )
+        times = TaskTimes(em.variability, cfg.run.seed, cfg.schedule_settings().split, em.cost)
         busy += times.predicted(0, lay.pp, m, feats).sum(axis=(1, 2)) * (M / m) * unit_s
     if slow:
         busy[fault.stage if fault.stage is not None else lay.coords(fault.rank).pp] += fault.seconds

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
 from rrfp.app.config import TrainConfig
+from rrfp.app.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import stages_label
 from rrfp.core.stats import StageStats
@@ -42,9 +43,9 @@ class StepReport:
     tokens_per_s: float
     bubble: float
     wall_s: float
-    skipped: bool = False  # a NaN/Inf somewhere: no rank stepped (run.on_nonfinite = "skip")
+    skipped: bool = False  # a NaN/Inf somewhere: no rank stepped (optim.on_nonfinite = "skip")
     grad_norm: float | None = (
-        None  # with run.clip_grad_norm: the whole model's gradient norm before clipping
+        None  # with optim.clip_grad_norm: the whole model's gradient norm before clipping
     )
 
 
@@ -55,10 +56,10 @@ class TrainSummary:
     statistics: StageStats = field(default_factory=StageStats)
     features: list[list[dict]] = field(
         default_factory=list
-    )  # with run.sizes: per step, per microbatch
+    )  # with output.sizes: per step, per microbatch
     slowest_s: list[float] = field(
         default_factory=list
-    )  # with run.sizes: per step, the slowest rank's iteration
+    )  # with output.sizes: per step, the slowest rank's iteration
     plan_s: list[float] = field(
         default_factory=list
     )  # hint = plan: planning time per step (in a thread)
@@ -77,7 +78,7 @@ class TrainSummary:
     )  # steps (0-based) whose update was skipped: NaN/Inf
     grad_norms: list[float] = field(
         default_factory=list
-    )  # with run.clip_grad_norm: each step's, before clipping
+    )  # with optim.clip_grad_norm: each step's, before clipping
 
 
 async def stage_main(
@@ -87,7 +88,7 @@ async def stage_main(
     resume: Resume | None = None,
 ) -> TrainSummary:
     """Run optimizer steps up to ``cfg.run.steps`` on this rank's stage, from the
-    checkpoint ``run.resume`` picks (or step 0). Every rank returns the per-step
+    checkpoint ``checkpoint.resume`` picks (or step 0). Every rank returns the per-step
     mean losses (all-reduced from the last stage) of the steps it ran.
 
     ``stop()`` (``rrfp train``: a SIGTERM on any rank) ends the run without
@@ -96,269 +97,307 @@ async def stage_main(
     emulated time ends too; a real kernel runs on, unwaited for), and the rank
     goes on to the step's all-reduce saying so. There every rank learns that
     the step was abandoned somewhere: none steps its optimizer, and the state
-    of the last completed step is saved (when ``run.checkpoint_dir`` is set)
+    of the last completed step is saved (when ``checkpoint.dir`` is set)
     with the generators of the abandoned step's start, so a resumed run repeats
     it exactly. Every rank must see ``stop()`` turn true (``rrfp train`` relays
     it through the rendezvous store): a rank it did not reach would wait for its
-    peers' messages until ``run.timeout_s``. A stop seen only once the step's
-    computation is done keeps that step, as before. ``resume``: where to start,
+    peers' messages until ``timeouts.peer_wait_s``. A stop seen only once the step's
+    computation is done keeps that step. ``resume``: where to start,
     when the caller has already decided (``plan_resume``)."""
-    run, wl = cfg.run, cfg.workload
     if resume is None:  # before any process group: a mismatch fails every rank the same way
         resume = plan_resume(cfg)
-    start = resume.start
-    torch.set_num_threads(run.threads)
-    # a heartbeat (gloo): timeout_s bounds a peer's silence, not how long a step may take
+    torch.set_num_threads(cfg.runtime.threads)
+    # a heartbeat (gloo): timeouts.heartbeat_s bounds a peer's silence, not how long a step takes
     async with PipelineRuntime.start(
         layout=cfg.layout,
-        backend=run.backend,
-        timeout_s=run.timeout_s,
-        unit_ms=run.unit_ms,
+        backend=cfg.runtime.backend,
+        timeout_s=cfg.run.timeout_s,
+        timeouts=cfg.waits,
+        unit_ms=cfg.emulation.unit_ms,
         heartbeat=True,
-        virtual=run.virtual,
-        placement=run.placement,
+        virtual=cfg.parallel.virtual,
+        placement=cfg.parallel.placement,
     ) as rt:  # nccl: this rank's GPU is rt.device
-        modules = [
+        training = _RankTraining(cfg, rt, stop)
+        await training.begin(resume)
+        await training.run_steps(on_step)
+        await training.write_outputs()
+    return training.summary
+
+
+class _RankTraining:
+    """One rank's training, step by step: its stages' modules and optimizers, its executor and
+    gradient sync, its checkpoints; the steps of ``stage_main``, each a method."""
+
+    def __init__(self, cfg: TrainConfig, rt: PipelineRuntime, stop: Callable[[], bool] | None):
+        self.cfg, self.rt, self.stop, self.wl = cfg, rt, stop, cfg.workload
+        self.modules = [
             m.to(rt.device)
-            for m in wl.build_stages(cfg.model, rt.stages, rt.num_stages, run.seed, rt.tp_group)
+            for m in self.wl.build_stages(
+                cfg.model, rt.stages, rt.num_stages, cfg.run.seed, rt.tp_group
+            )
         ]
-        module = (
-            modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
-        )  # the rank's parameters
-        recorder = (
-            TraceRecorder(f"rank {rt.rank}", rt.rank if len(modules) > 1 else None)
-            if run.trace
+        # the rank's parameters, as one module
+        self.module = (
+            self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
+        )
+        self.recorder = (
+            TraceRecorder(f"rank {rt.rank}", rt.rank if len(self.modules) > 1 else None)
+            if cfg.output.trace
             else None
         )
-        ex = rt.stage_executor(
-            modules if len(modules) > 1 else module,
-            wl.loss_fn,
-            microbatches=run.microbatches,
-            dispatch=run.dispatch,
-            hint=run.hint,
-            budget=run.budget,
-            split=run.split,
-            variability=run.variability,
-            seed=run.seed,
-            instrument=recorder,
-            cost=run.cost,
-            tied=[wl.tied(cfg.model, s, rt.num_stages) for s in rt.stages] if wl.tied else None,
+        self.ex = self._executor()
+        self.sync = rt.grad_sync(self.module, self.ex)
+        self.injector = self._fault_injector()  # testing aid, normally None
+        # one optimizer per stage: the same update as one over all (AdamW is per parameter), and
+        # each stage's state goes to its own checkpoint key
+        self.opts = [
+            torch.optim.AdamW(m.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+            for m in self.modules
+        ]
+        self.summary = TrainSummary()
+        self.ckpts = (
+            RunCheckpoints(cfg, rt, self.modules, self.opts) if cfg.checkpoint.dir else None
+        )
+        self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed from
+        # runtime.autocast: every task under it, on this rank's device type (None: the caller's)
+        autocast = cfg.runtime.autocast
+        self.amp = (
+            ThreadState((Autocast(rt.device.type, getattr(torch, autocast), True),))
+            if autocast != "off"
+            else None
+        )
+
+    def _executor(self):
+        cfg, rt = self.cfg, self.rt
+        return rt.stage_executor(
+            self.modules if len(self.modules) > 1 else self.module,
+            self.wl.loss_fn,
+            cfg.schedule_settings(),
+            instrument=self.recorder,
+            tied=(
+                [self.wl.tied(cfg.model, s, rt.num_stages) for s in rt.stages]
+                if self.wl.tied
+                else None
+            ),
             on_nonfinite=None,
         )  # the step statistics' all-reduce agrees (_nonfinite)
-        sync = rt.grad_sync(module, ex)
-        fault_stage = (
-            run.fault.stage if run.fault is not None and run.fault.stage in rt.stages else rt.stage
-        )
-        injector = FaultInjector.for_rank(
-            run.fault, rt.rank, fault_stage
-        )  # testing aid, normally None
+
+    def _fault_injector(self) -> FaultInjector | None:
+        fault, rt = self.cfg.debug.fault, self.rt
+        stage = fault.stage if fault is not None and fault.stage in rt.stages else rt.stage
+        injector = FaultInjector.for_rank(fault, rt.rank, stage)
         if injector is not None:
-            ex.on_task_done.append(injector.task_done)
-            ex.task_hold_s.append(injector.hold_s)
-        # one optimizer per stage: the same update as one over all (AdamW is per parameter), and each
-        # stage's state goes to its own checkpoint key
-        opts = [
-            torch.optim.AdamW(m.parameters(), lr=run.lr, weight_decay=run.weight_decay)
-            for m in modules
-        ]
-        summary = TrainSummary()
-        world = rt.layout.world_size
-        ckpts = RunCheckpoints(cfg, rt, modules, opts) if run.checkpoint_dir else None
-        if ckpts is not None:
-            await ckpts.begin(resume)
-        if ckpts is not None and injector is not None:
-            ckpts.on_write.append(injector.checkpoint_write)
-        saved_at = None  # the step of the checkpoint this run last saved or resumed from
+            self.ex.on_task_done.append(injector.task_done)
+            self.ex.task_hold_s.append(injector.hold_s)
+        return injector
+
+    async def begin(self, resume: Resume) -> None:
+        """Agree on the checkpoint to start from, and load it."""
+        if self.ckpts is not None:
+            await self.ckpts.begin(resume)
+            if self.injector is not None:
+                self.ckpts.on_write.append(self.injector.checkpoint_write)
+        start = resume.start
         if start is not None:
-            await ckpts.load(start)
-            summary.first_step = start.step
-            summary.checkpoint, saved_at = str(start.path), start.step
+            await self.ckpts.load(start)
+            self.summary.first_step = start.step
+            self.summary.checkpoint, self.saved_at = str(start.path), start.step
 
-        def my_batches(step: int):
-            # DP replica d trains on its own M microbatches of a global batch of dp * M
-            data = wl.batches(cfg.data, step, run.microbatches * run.dp)
-            mine = data[rt.dp_rank * run.microbatches : (rt.dp_rank + 1) * run.microbatches]
-            return mine, [wl.features(b) for b in mine]
+    def batches(self, step: int):
+        """This replica's microbatches of ``step`` and their features."""
+        m = self.cfg.schedule.microbatches
+        # DP replica d trains on its own M microbatches of a global batch of dp * M
+        data = self.wl.batches(self.cfg.data, step, m * self.cfg.layout.dp)
+        mine = data[self.rt.dp_rank * m : (self.rt.dp_rank + 1) * m]
+        return mine, [self.wl.features(b) for b in mine]
 
-        # run.autocast: every task of every iteration under it, on this rank's device type (None: the caller's own)
-        amp = (
-            ThreadState((Autocast(rt.device.type, getattr(torch, run.autocast), True),))
-            if run.autocast != "off"
-            else None
-        )
-        upcoming = my_batches(summary.first_step)
-        ex.prepare(
-            summary.first_step, upcoming[1]
-        )  # hint = plan: planned in a thread, one iteration ahead
-        for step in range(summary.first_step, run.steps):
+    async def run_steps(self, on_step: Callable[[StepReport], None] | None) -> None:
+        steps, first = self.cfg.run.steps, self.summary.first_step
+        upcoming = self.batches(first)
+        self.ex.prepare(first, upcoming[1])  # hint = plan: planned in a thread, one step ahead
+        for step in range(first, steps):
             mine, feats = upcoming
-            if step + 1 < run.steps:
-                upcoming = my_batches(step + 1)
-                ex.prepare(step + 1, upcoming[1])  # planned while this step runs
-            if rt.device.type != "cpu":
-                mine = [
-                    (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
-                    for x, y in mine
-                ]
-            if injector is not None:
-                injector.begin_step(step)
-            # what a stop that abandons this step saves (only a run that can stop and save needs it)
-            at_start = rng_state(rt.device) if ckpts is not None and stop is not None else None
-
-            async def compute(step=step, mine=mine, feats=feats):
-                res = await ex.run_iteration(step, mine, feats, thread_state=amp)
-                if injector is not None:
-                    injector.iteration_done(module)
-                await sync.sync()
-                return res
-
-            res = await _unless_stopped(stop, compute())
-            if res is None:
-                ex.lane.abandon()
-                log.info(
-                    "rank %d: step %d abandoned midway: a stop was requested", rt.rank, step + 1
-                )
-            # the statistics all-reduce also counts the ranks that saw a NaN/Inf or abandoned the
-            # step, so every rank steps, skips or stops alike. It is on the control-plane group, which
-            # the abandoned iteration never used: its pending P2P transfers and DP all-reduces are on
-            # their own groups (docs/design.md, "A stop that does not wait for the step")
-            bad = res is not None and not _finite(module, res.loss)
-            vec = torch.tensor(
-                [
-                    0.0,
-                    0.0,
-                    0.0,
-                    0.0,
-                    float(bad),
-                    float(stop is not None and stop()),
-                    float(res is None),
-                ],
-                dtype=torch.float64,
-            )
-            if res is not None:
-                vec[:4] = torch.tensor(
-                    [
-                        res.loss or 0.0,
-                        res.stats.busy,
-                        res.stats.wall,
-                        float(res.tokens if 0 in rt.stages else 0),
-                    ],
-                    dtype=torch.float64,
-                )
-            await rt.all_reduce(
-                vec, what=f"step {step + 1}: world all-reduce of the step statistics"
-            )
-            loss, busy, wall, tokens, nonfinite, stops, abandoned = vec.tolist()
-            if abandoned:  # no rank steps: the state is still that of `step` completed steps
-                for opt in opts:
-                    opt.zero_grad(set_to_none=True)
-                summary.stopped_at, summary.stop_requests, summary.abandoned = (
-                    step,
-                    int(stops),
-                    True,
-                )
-                # before any completed step there is nothing to keep: a fresh run is exact, while a save
-                # would hold the optimizer state that DCP's state dict makes up for a fresh AdamW (step 1)
-                if ckpts is not None and saved_at != step and step > 0:
-                    summary.checkpoint = str((await ckpts.save(step, rng=at_start)).path)
-                rt.abandoned = True
+            if step + 1 < steps:
+                upcoming = self.batches(step + 1)
+                self.ex.prepare(step + 1, upcoming[1])  # planned while this step runs
+            if not await self.run_step(step, mine, feats, on_step):
                 break
-            grad_norm = None
-            if nonfinite:
-                await _nonfinite(rt, run.on_nonfinite, step, bad)
-                summary.skipped.append(step)
-                grad_norm = math.nan if run.clip_grad_norm else None
-            else:
-                if (
-                    run.clip_grad_norm
-                ):  # every rank is here together: none abandoned the step or saw a NaN
-                    grad_norm = await rt.clip_grad_norm_(run.clip_grad_norm)
-                for opt in opts:
-                    for group in opt.param_groups:
-                        group["lr"] = learning_rate(run.lr, run.warmup_steps, step)
-                    opt.step()
-            for opt in opts:
-                opt.zero_grad(set_to_none=True)
-            loss /= (
-                run.tp * run.dp
-            )  # every TP rank of the last stage of every replica adds its loss
-            tokens /= run.tp
-            report = StepReport(
-                step,
-                run.steps,
-                loss,
-                tokens / (wall / world),
-                StageStats(busy, wall).bubble,
-                wall / world,
-                skipped=bool(nonfinite),
-                grad_norm=grad_norm,
-            )
-            summary.losses.append(loss)
-            summary.wall_s.append(report.wall_s)
-            if grad_norm is not None:
-                summary.grad_norms.append(grad_norm)
-            if res.plan is not None:
-                summary.plan_s.append(res.plan.plan.seconds)
-                summary.plan_waited_s.append(res.plan.waited_s)
-            if (
-                run.sizes
-            ):  # the iteration ends when its slowest stage does: that is what a replay simulates
-                longest = torch.tensor([res.stats.wall], dtype=torch.float64)
-                await rt.all_reduce(
-                    longest, dist.ReduceOp.MAX, what=f"step {step + 1}: world max of iteration time"
-                )
-                summary.features.append(feats)
-                summary.slowest_s.append(longest.item())
-            if (
-                on_step is not None
-                and rt.rank == 0
-                and (step % run.log_every == 0 or step == run.steps - 1)
-            ):
-                on_step(report)
-            stopping = (
-                stops > 0 and step + 1 < run.steps
-            )  # a stop during the last step: the run is complete
-            if ckpts is not None and ckpts.due(step + 1, stopping):
-                summary.checkpoint = str((await ckpts.save(step + 1)).path)
-                saved_at = step + 1
-            if stopping:
-                summary.stopped_at, summary.stop_requests = step + 1, int(stops)
-                log.info(
-                    "rank %d: stopping after step %d: a stop was requested on %d rank(s)",
-                    rt.rank,
-                    step + 1,
-                    int(stops),
-                )
-                break
-        summary.statistics = ex.statistics()
-        if run.sizes and rt.rank == 0:
+        self.summary.statistics = self.ex.statistics()
+
+    async def run_step(self, step: int, mine, feats, on_step) -> bool:
+        """One step: compute, agree, then step, skip or stop. False when the run ends here."""
+        rt = self.rt
+        if rt.device.type != "cpu":
+            mine = [
+                (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                for x, y in mine
+            ]
+        if self.injector is not None:
+            self.injector.begin_step(step)
+        # what a stop that abandons this step saves (only a run that can stop and save needs it)
+        at_start = (
+            rng_state(rt.device) if self.ckpts is not None and self.stop is not None else None
+        )
+        res = await _unless_stopped(self.stop, self._compute(step, mine, feats))
+        if res is None:
+            self.ex.lane.abandon()
+            log.info("rank %d: step %d abandoned midway: a stop was requested", rt.rank, step + 1)
+        bad = res is not None and not _finite(self.module, res.loss)
+        stats = await self._agree(step, res, bad)
+        if stats.abandoned:
+            await self._abandon(step, stats, at_start)
+            return False
+        grad_norm = await self._update(step, stats, bad)
+        report = self._record(step, stats, res, grad_norm)
+        if self.cfg.output.sizes:
+            await self._record_sizes(step, res, feats)
+        if on_step is not None and rt.rank == 0 and self._logs(step):
+            on_step(report)
+        return await self._after_step(step, stats)
+
+    async def _compute(self, step: int, mine, feats):
+        res = await self.ex.run_iteration(step, mine, feats, thread_state=self.amp)
+        if self.injector is not None:
+            self.injector.iteration_done(self.module)
+        await self.sync.sync()
+        return res
+
+    async def _agree(self, step: int, res, bad: bool) -> StepStatistics:
+        """The statistics all-reduce, which also counts the ranks that saw a NaN/Inf or abandoned
+        the step, so every rank steps, skips or stops alike. It is on the control-plane group,
+        which the abandoned iteration never used: its pending P2P transfers and DP all-reduces
+        are on their own groups (docs/design.md, "A stop that does not wait for the step")."""
+        mine = StepStatistics(
+            nonfinite=float(bad),
+            stops=float(self.stop is not None and self.stop()),
+            abandoned=float(res is None),
+        )
+        if res is not None:
+            mine.loss, mine.busy, mine.wall = res.loss or 0.0, res.stats.busy, res.stats.wall
+            mine.tokens = float(res.tokens if 0 in self.rt.stages else 0)
+        vec = mine.to_tensor()
+        await self.rt.all_reduce(
+            vec, what=f"step {step + 1}: world all-reduce of the step statistics"
+        )
+        return StepStatistics.from_tensor(vec)
+
+    async def _abandon(self, step: int, stats: StepStatistics, at_start) -> None:
+        """No rank steps: the state is still that of ``step`` completed steps."""
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        s = self.summary
+        s.stopped_at, s.stop_requests, s.abandoned = step, int(stats.stops), True
+        # before any completed step there is nothing to keep: a fresh run is exact, while a save
+        # would hold the optimizer state that DCP's state dict makes up for a fresh AdamW (step 1)
+        if self.ckpts is not None and self.saved_at != step and step > 0:
+            s.checkpoint = str((await self.ckpts.save(step, rng=at_start)).path)
+        self.rt.abandoned = True
+
+    async def _update(self, step: int, stats: StepStatistics, bad: bool) -> float | None:
+        """Step every optimizer, or skip the step on a NaN/Inf; the gradient norm when clipped."""
+        optim = self.cfg.optim
+        grad_norm = None
+        if stats.nonfinite:
+            await _nonfinite(self.rt, optim.on_nonfinite, step, bad)
+            self.summary.skipped.append(step)
+            grad_norm = math.nan if optim.clip_grad_norm else None
+        else:
+            if optim.clip_grad_norm:  # every rank is here together: none abandoned or saw a NaN
+                grad_norm = await self.rt.clip_grad_norm_(optim.clip_grad_norm)
+            for opt in self.opts:
+                for group in opt.param_groups:
+                    group["lr"] = learning_rate(optim.lr, optim.warmup_steps, step)
+                opt.step()
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _record(self, step: int, stats: StepStatistics, res, grad_norm) -> StepReport:
+        lay, world = self.cfg.layout, self.cfg.layout.world_size
+        loss = stats.loss / (lay.tp * lay.dp)  # every TP rank of every replica's last stage adds
+        tokens = stats.tokens / lay.tp
+        report = StepReport(
+            step,
+            self.cfg.run.steps,
+            loss,
+            tokens / (stats.wall / world),
+            StageStats(stats.busy, stats.wall).bubble,
+            stats.wall / world,
+            skipped=bool(stats.nonfinite),
+            grad_norm=grad_norm,
+        )
+        s = self.summary
+        s.losses.append(loss)
+        s.wall_s.append(report.wall_s)
+        if grad_norm is not None:
+            s.grad_norms.append(grad_norm)
+        if res.plan is not None:
+            s.plan_s.append(res.plan.plan.seconds)
+            s.plan_waited_s.append(res.plan.waited_s)
+        return report
+
+    async def _record_sizes(self, step: int, res, feats) -> None:
+        """The iteration ends when its slowest stage does: that is what a replay simulates."""
+        longest = torch.tensor([res.stats.wall], dtype=torch.float64)
+        await self.rt.all_reduce(
+            longest, dist.ReduceOp.MAX, what=f"step {step + 1}: world max of iteration time"
+        )
+        self.summary.features.append(feats)
+        self.summary.slowest_s.append(longest.item())
+
+    def _logs(self, step: int) -> bool:
+        return step % self.cfg.output.log_every == 0 or step == self.cfg.run.steps - 1
+
+    async def _after_step(self, step: int, stats: StepStatistics) -> bool:
+        """Save when due; stop when asked. False when the run ends here."""
+        # a stop during the last step: the run is complete
+        stopping = stats.stops > 0 and step + 1 < self.cfg.run.steps
+        if self.ckpts is not None and self.ckpts.due(step + 1, stopping):
+            self.summary.checkpoint = str((await self.ckpts.save(step + 1)).path)
+            self.saved_at = step + 1
+        if not stopping:
+            return True
+        self.summary.stopped_at, self.summary.stop_requests = step + 1, int(stats.stops)
+        log.info(
+            "rank %d: stopping after step %d: a stop was requested on %d rank(s)",
+            self.rt.rank,
+            step + 1,
+            int(stats.stops),
+        )
+        return False
+
+    async def write_outputs(self) -> None:
+        """Rank 0 writes output.sizes and output.trace (the trace gathered from every rank)."""
+        cfg, rt, out = self.cfg, self.rt, self.cfg.output
+        if out.sizes and rt.rank == 0:
+            par, sch = cfg.parallel, cfg.schedule
             virtual = (
-                {"virtual": run.virtual, "placement": run.placement} if run.virtual > 1 else {}
+                {"virtual": par.virtual, "placement": par.placement} if par.virtual > 1 else {}
             )
             write_json(
-                run.sizes,
+                out.sizes,
                 {
                     "pp": rt.layout.pp,
                     **virtual,
-                    "microbatches": run.microbatches,
-                    "seed": run.seed,
-                    "preset": run.preset,
-                    "hint": run.hint.name,
-                    "dispatch": str(run.dispatch),
-                    "budget": str(run.budget),
-                    "split": ex.settings.split,
-                    "unit_ms": run.unit_ms,
-                    "features": summary.features,
-                    "step_wall_s": summary.slowest_s,
+                    "microbatches": sch.microbatches,
+                    "seed": cfg.run.seed,
+                    "preset": cfg.emulation.preset,
+                    "hint": sch.hint.name,
+                    "dispatch": str(sch.dispatch),
+                    "budget": str(sch.budget),
+                    "split": self.ex.settings.split,
+                    "unit_ms": cfg.emulation.unit_ms,
+                    "features": self.summary.features,
+                    "step_wall_s": self.summary.slowest_s,
                 },
             )
-            log.info("wrote microbatch sizes %s", run.sizes)
-        if recorder is not None:
-            gathered = await rt.gather_object(recorder.spans)
+            log.info("wrote microbatch sizes %s", out.sizes)
+        if self.recorder is not None:
+            gathered = await rt.gather_object(self.recorder.spans)
             if rt.rank == 0:
-                write_json(run.trace, chrome_trace([sp for spans in gathered for sp in spans]))
-                log.info("wrote trace %s", run.trace)
-    return summary
+                write_json(out.trace, chrome_trace([sp for spans in gathered for sp in spans]))
+                log.info("wrote trace %s", out.trace)
 
 
 def learning_rate(lr: float, warmup_steps: int, step: int) -> float:
@@ -413,6 +452,6 @@ async def _nonfinite(rt: PipelineRuntime, policy: str, step: int, bad: bool) -> 
     if policy == "stop":
         raise NonFiniteError(
             f"rank {rt.rank}: {what}; every rank ends here, no update was made "
-            f'(run.on_nonfinite = stop; "skip" skips such steps)'
+            f'(optim.on_nonfinite = stop; "skip" skips such steps)'
         )
     log.warning("rank %d: %s: skipped the optimizer step on every rank", rt.rank, what)

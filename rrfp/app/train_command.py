@@ -1,27 +1,37 @@
 """`rrfp train`: run stage_main on this rank; print on rank 0; one line on error
-(rrfp/app/failure.py), the traceback in run.log_dir (and on stderr with --debug)."""
+(rrfp/app/failure.py), the traceback in output.log_dir (and on stderr with --debug)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 from rrfp.app.checkpoints import plan_resume
-from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.config import ConfigKeyDeprecated, TrainConfig
+from rrfp.app.config_fields import toml_text
+from rrfp.app.config_sections import OutputSection
 from rrfp.app.environment import check_launcher, configure_logging
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.run_outputs import check_end_files
-from rrfp.app.start_checks import check_byte_budget, check_memory, check_timeout
+from rrfp.app.start_checks import (
+    Footprint,
+    check_byte_budget,
+    check_memory,
+    check_timeout,
+    footprints,
+)
 from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import StepReport, stage_main
 from rrfp.loop import run as run_loop
@@ -125,7 +135,7 @@ StopOnSigterm = StopOnSignal  # the name before SIGINT stopped a run too
 def kept_checkpoint(checkpoint_dir: str) -> str:
     """What a run that ends now leaves behind, as the second stop signal's line says it."""
     if not checkpoint_dir:
-        return "no checkpoint is kept (run.checkpoint_dir is not set)"
+        return "no checkpoint is kept (checkpoint.dir is not set)"
     try:
         latest = CheckpointDir(checkpoint_dir).latest()
     except OSError as e:
@@ -138,36 +148,34 @@ def kept_checkpoint(checkpoint_dir: str) -> str:
 def train_command(args) -> int:
     configure_logging()
     check_launcher()
-    if not args.dry_run and "WORLD_SIZE" not in os.environ:
-        raise UsageError(
-            "no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
-            "(torchrun --nproc-per-node N -m rrfp train ...)"
-        )
+    # without torchrun the config is still checked first (in the world its layout implies), so a
+    # bad key is not hidden behind the launcher's error
+    standalone = "WORLD_SIZE" not in os.environ
     rank, _ = rank_and_world()
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on every rank
-        cfg = TrainConfig.load(
-            args.config, [*args.set, *(["resume=required"] if args.resume else [])]
-        )
-        # rank 0 writes run.trace and run.sizes at the end, but every rank probes their folders now: a
-        # refusal on rank 0 alone would leave the others waiting for it in the rendezvous
-        check_end_files(cfg.run)
-        resume = plan_resume(
-            cfg
-        )  # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
-        small_budget = None
-        if not args.dry_run:  # it builds the model (on the meta device, seconds): not for a dry run
-            # exits 2 when the config cannot fit this machine; a warning when a byte budget holds no microbatch
-            small_budget = check_byte_budget(cfg, check_memory(cfg))
-        slow_timeout = check_timeout(
-            cfg
-        )  # a warning: the prediction is a lower bound, the run may work
+        cfg = _load(args, rank, implied_world=standalone)
+        if standalone and not args.dry_run:
+            raise UsageError(
+                "no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
+                "(torchrun --nproc-per-node N -m rrfp train ...)"
+            )
+        # rank 0 writes output.trace and output.sizes at the end, but every rank probes their folders
+        # now: a refusal on rank 0 alone would leave the others waiting for it in the rendezvous
+        check_end_files(cfg.output)
+        # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
+        resume = plan_resume(cfg)
+        # exits 2 when the config cannot fit this machine (a dry run shows the estimate instead);
+        # a warning when a byte budget holds no microbatch
+        prints = footprints(cfg) if args.dry_run else check_memory(cfg)
+        small_budget = check_byte_budget(cfg, prints)
+        slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound
     except UsageError:
         raise
     except Exception as e:  # a bug in a check: one line per job, the traceback to the log
         text = f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
         try:
-            path = write_traceback(e, RunConfig.log_dir, rank)
+            path = write_traceback(e, OutputSection.log_dir, rank)
             refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
         except BaseException:  # noqa: BLE001 - the report of a bug must not itself end in a traceback
             os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
@@ -179,23 +187,20 @@ def train_command(args) -> int:
         say(f"rrfp: warning: {slow_timeout}")
     if rank == 0 and small_budget:
         say(f"rrfp: warning: {small_budget}")
-    if rank == 0 and cfg.run.resume != "off":
+    if rank == 0 and cfg.checkpoint.resume != "off":
         print(
             f"resume: from {start.path} (step {start.step} of {cfg.run.steps})"
             if start
-            else f"resume: no checkpoint in {cfg.run.checkpoint_dir}, starting at step 0",
+            else f"resume: no checkpoint in {cfg.checkpoint.dir}, starting at step 0",
             flush=True,
         )
     if args.dry_run:
         if rank == 0:
-            print(cfg.layout.describe())
-            if cfg.run.virtual > 1:
-                print(f"stages: {cfg.stages.describe()}")
-            print(cfg.as_dict())
+            print(dry_run_text(cfg, prints), end="")
         return 0
     relay = StopRelay().start()
     stop = StopOnSignal(
-        lambda: kept_checkpoint(cfg.run.checkpoint_dir), relay, leave_in_startup=True
+        lambda: kept_checkpoint(cfg.checkpoint.dir), relay, leave_in_startup=True
     ).install()
     try:
         summary = run_loop(stage_main(cfg, _print_step, stop=lambda: stop.requested, resume=resume))
@@ -210,8 +215,8 @@ def train_command(args) -> int:
         saved = (
             f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
             if summary.checkpoint
-            else "no checkpoint saved (run.checkpoint_dir is not set)"
-            if not cfg.run.checkpoint_dir
+            else "no checkpoint saved (checkpoint.dir is not set)"
+            if not cfg.checkpoint.dir
             else "no checkpoint saved (no step was completed: a run starts at step 0 again)"
         )
         where = "on this rank" if stop.signalled else "on another rank"
@@ -243,6 +248,44 @@ def train_command(args) -> int:
     exit_now(0)
 
 
+def _load(args, rank: int, implied_world: bool) -> TrainConfig:
+    """The config, its deprecation warnings printed once for the job (by rank 0)."""
+    sets = [*args.set, *(["checkpoint.resume=required"] if args.resume else [])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigKeyDeprecated)
+        cfg = TrainConfig.load(args.config, sets, implied_world=implied_world)
+    if rank == 0:
+        for w in caught:
+            if issubclass(w.category, ConfigKeyDeprecated):
+                say(f"rrfp: warning: {w.message}")
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return cfg
+
+
+def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
+    """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
+    lines = [cfg.layout.describe()]
+    if cfg.parallel.virtual > 1:
+        lines.append(f"stages: {cfg.stages.describe()}")
+    if prints is None:
+        lines.append("memory: not estimated (the model does not build on the meta device)")
+    for r, fp in enumerate(prints or []):
+        stages = ", ".join(map(str, cfg.stages.stages_of(r)))
+        lines.append(
+            f"memory: pipeline rank {r} (stage {stages}): at least {_gib(fp.total)} "
+            f"({_gib(fp.state)} parameters, gradients and optimizer state; {_gib(fp.activations)} "
+            f"activations, {fp.in_flight} in flight; {_gib(fp.batches)} input batches)"
+        )
+    waits = ", ".join(f"{k} = {v:g}" for k, v in dataclasses.asdict(cfg.waits).items())
+    lines += ["", "# the resolved config", toml_text(cfg.as_toml()), f"# waits: {waits}", ""]
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
     # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
@@ -255,7 +298,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
         board.post(rank, failure.note)
         if failure.follows_peer:
             origin = board.origin(rank, getattr(failure.cause, "peer", None))
-    path = write_traceback(e, cfg.run.log_dir, rank)
+    path = write_traceback(e, cfg.output.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)

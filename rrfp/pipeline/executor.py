@@ -166,7 +166,7 @@ class StageExecutor:
             )
             if (
                 settings.cost is None and unit_s == 0
-            ):  # rrfp train refuses this (run.cost); a library caller is told
+            ):  # rrfp train refuses this (emulation.cost); a library caller is told
                 log.warning(
                     "%s: hint plan in real time without a cost model plans on the preset's made-up "
                     "lengths, not the compute; pass cost= (rrfp calibrate)",

@@ -37,7 +37,7 @@ from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerSilent, StartupError
-from rrfp.core.hints import Hint, default_split, resolve
+from rrfp.core.hints import Hint
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -48,7 +48,9 @@ from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.nonfinite import NonFiniteGuard
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.ties import Ties
+from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
 
@@ -123,8 +125,10 @@ class PipelineRuntime:
         device: torch.device = torch.device("cpu"),
         heartbeat: Heartbeat | None = None,
         virtual: VirtualLayout | None = None,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
+        self.timeouts = timeouts or Timeouts.derive(timeout_s)  # each wait's bound
         coords = layout.coords(rank)
         self.virtual = virtual or VirtualLayout(
             layout.pp
@@ -186,6 +190,7 @@ class PipelineRuntime:
         heartbeat: bool = True,
         virtual: int = 1,
         placement: str = "interleaved",
+        timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Join (or reuse) the default process group and build every group and
         channel, eagerly and in one order on all ranks (docs/design.md).
@@ -204,7 +209,11 @@ class PipelineRuntime:
         Every rank beats on the rendezvous store (rrfp/comm/heartbeat.py); a rank waits for a
         peer that beats however long its step takes, and names one silent for ``timeout_s`` (a
         PeerSilent raised in the ``async with`` block, or by ``watch``). Startup is still bounded
-        by ``timeout_s``. ``heartbeat=False``: every wait is bounded by ``timeout_s`` instead."""
+        by ``timeout_s``. ``heartbeat=False``: every wait is bounded by ``timeout_s`` instead.
+
+        ``timeouts``: each of those waits apart (rrfp/pipeline/timeouts.py); by default all
+        derive from ``timeout_s``."""
+        waits = timeouts or Timeouts.derive(timeout_s)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -227,10 +236,11 @@ class PipelineRuntime:
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists
-        pg_timeout_s = timeout_s
+        pg_timeout_s = waits.process_group_s
         if backend == "nccl":
             check_torch()
-            pg_timeout_s = configure_watchdog(timeout_s)  # before the NCCL process group exists
+            configure_watchdog(waits.peer_wait_s)  # before the NCCL process group exists
+            pg_timeout_s = waits.nccl_watchdog_s
         with _startup(owns):
             if owns:
                 # the rendezvous waits for every peer: off this thread, so that a stop signal acts meanwhile
@@ -239,7 +249,7 @@ class PipelineRuntime:
                         backend,
                         timeout=datetime.timedelta(seconds=pg_timeout_s),
                         device_id=device if device.type == "cuda" else None,
-                        **_attempt_store(world, timeout_s),
+                        **_attempt_store(world, waits.store_connect_s),
                     )
                 )
             return cls._build(
@@ -252,6 +262,7 @@ class PipelineRuntime:
                 pg_timeout_s,
                 heartbeat=heartbeat and backend == "gloo",
                 stages=stages,
+                timeouts=waits,
             )
 
     @classmethod
@@ -269,13 +280,14 @@ class PipelineRuntime:
         torch_module=None,
         heartbeat: bool = False,
         stages: VirtualLayout | None = None,
+        timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
-        pg_timeout_s = (
-            pg_timeout_s or timeout_s
-        )  # NCCL's watchdog; gloo's groups detect dead peers in timeout_s
+        waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
+        # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
+        pg_timeout_s = waits.nccl_watchdog_s if backend == "nccl" else waits.process_group_s
         poller = CompletionPoller()
         lane = make_lane(
             device,
@@ -286,7 +298,7 @@ class PipelineRuntime:
         )
         if backend == "nccl":
             ops = ops or CudaOps(device)
-        beat = Heartbeat.connect(rank, layout.world_size, timeout_s) if heartbeat else None
+        beat = Heartbeat.connect(rank, layout.world_size, waits.heartbeat_s) if heartbeat else None
         channels = create_rank_channels(
             layout,
             rank,
@@ -296,16 +308,22 @@ class PipelineRuntime:
             poller=poller,
             compute_stream=getattr(lane, "stream", None),
             ops=ops,
-            deadline_s=timeout_s,
+            deadline_s=waits.peer_wait_s,
             wait=BACKSTOP if beat is not None else None,
         )
         groups = create_stage_groups(
-            layout, rank, timeout_s, backend, device, ops, nccl_timeout_s=pg_timeout_s
+            layout,
+            rank,
+            waits.process_group_s,
+            backend,
+            device,
+            ops,
+            nccl_timeout_s=waits.nccl_watchdog_s,
         )
         if beat is not None and not owns and "cpu" not in groups:
             # the caller's default group keeps its timeout: rrfp's control plane gets a group
             groups["cpu"] = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+                backend="gloo", timeout=datetime.timedelta(seconds=waits.process_group_s)
             )
         if (
             beat is not None
@@ -344,14 +362,16 @@ class PipelineRuntime:
             device=device,
             heartbeat=beat,
             virtual=stages,
+            timeouts=waits,
         )
 
     def stage_executor(
         self,
         module: torch.nn.Module | Sequence[torch.nn.Module],
         loss_fn,
+        settings: ScheduleSettings | None = None,
         *,
-        microbatches: int,
+        microbatches: int | None = None,
         dispatch: Dispatch | str = Dispatch.READY,
         hint: Hint | str = "bfw",
         budget: Budget | str | int = "2x",
@@ -363,8 +383,10 @@ class PipelineRuntime:
         tied=None,
         on_nonfinite: str | None = "stop",
     ) -> StageExecutor:
-        """This stage's executor. Strings are accepted here, at the public edge;
-        TrainConfig passes resolved objects. With ``cost`` (a CostModel, e.g. from
+        """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
+        one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
+        ``split``, ``variability``, ``seed`` and ``cost`` make one (``ScheduleSettings.of``:
+        strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g. from
         ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
         microbatches' ``features``: without them it is a ValueError. With virtual stages,
         ``module`` is a list: one module for each of ``rt.stages``, in that order.
@@ -399,18 +421,32 @@ class PipelineRuntime:
             )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
-        h = resolve(hint)
-        split = default_split(h.name, split)
+        if settings is None:
+            if microbatches is None:
+                raise TypeError("stage_executor needs settings= or microbatches=")
+            settings = ScheduleSettings.of(
+                microbatches,
+                dispatch=dispatch,
+                hint=hint,
+                budget=budget,
+                split=split,
+                variability=variability,
+                seed=seed,
+                cost=cost,
+            )
+        elif microbatches is not None:
+            raise TypeError("stage_executor takes settings= or its keywords, not both")
+        microbatches, split = settings.microbatches, settings.split
         settings = ExecutorSettings(
-            Dispatch.parse(dispatch),
-            h,
-            Budget.parse(budget),
-            split,
-            microbatches,
-            variability or Variability(),
-            seed,
-            self.timeout_s,
-            cost,
+            settings.dispatch,
+            settings.hint,
+            settings.budget,
+            settings.split,
+            settings.microbatches,
+            settings.variability,
+            settings.seed,
+            self.timeouts.peer_wait_s,
+            settings.cost,
         )
         workers = [
             StageWorker(
@@ -462,7 +498,7 @@ class PipelineRuntime:
             self.layout.dp,
             self.poller,
             self.lane,
-            deadline_s=self.timeout_s if self.device.type == "cuda" else None,
+            deadline_s=self.timeouts.cuda_deadline_s if self.device.type == "cuda" else None,
         )
         if executor is not None:
             sync.attach(executor)
@@ -593,16 +629,20 @@ class PipelineRuntime:
             host0 = "rank 0's process" in hb.where
             return PeerSilent(
                 f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for "
-                f"{found.seconds:.1f} s (run.timeout_s = {self.timeout_s:g}): "
+                f"{found.seconds:.1f} s ({self._silence_key()}): "
                 f"{'rank 0 is' if host0 else 'it is'} stopped, hung or gone",
                 0 if host0 else None,
             )
         return PeerSilent(
             f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for "
-            f"{found.seconds:.1f} s (run.timeout_s = {self.timeout_s:g}): it is stopped, hung or "
+            f"{found.seconds:.1f} s ({self._silence_key()}): it is stopped, hung or "
             "cut off",
             found.rank,
         )
+
+    def _silence_key(self) -> str:
+        """How a silent peer's line names the heartbeat timeout: the key that set it, its value."""
+        return f"{self.timeouts.key('heartbeat_s')} = {self.timeouts.heartbeat_s:g}"
 
     async def _watch(self) -> None:
         """Ask the heartbeat every beat; on a silent peer, cancel the block with PeerSilent as the

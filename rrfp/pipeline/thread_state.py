@@ -16,7 +16,7 @@ What else is per thread, and why it is not carried:
   and refused for one that trains: its tensors cannot be differentiated.
 - saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, ``save_on_cpu``) are refused:
   a hook pair is one pack/unpack protocol for one thread's graph, and the worker's own byte count
-  (``run.budget`` in bytes) replaces the top of that stack inside F. Put them inside the stage
+  (``schedule.budget`` in bytes) replaces the top of that stack inside F. Put them inside the stage
   module's ``forward``, which runs where the tensors are saved.
 - torch function and dispatch modes (``FlopCounterMode``, ``FakeTensorMode``, ``torch.device``
   as a context manager) are stateful objects entered on one thread; entering one on the lane as

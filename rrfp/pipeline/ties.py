@@ -150,7 +150,7 @@ class Ties:
         }
         everyone = _exchange(mine, rt.rank, rt.layout.world_size, rt.cpu_group)
         ties = []
-        timeout = datetime.timedelta(seconds=rt.timeout_s)
+        timeout = datetime.timedelta(seconds=rt.timeouts.process_group_s)
         for tie in sorted({t for r in everyone for t in r["ties"]}):
             for tp, dp in sorted({(r["tp"], r["dp"]) for r in everyone if tie in r["ties"]}):
                 holders = sorted(

@@ -33,6 +33,7 @@ time (the bubble), the order the stage ran its tasks in.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from rrfp.loop.exit_guard import close_at_exit
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.workload import map_tensors
 from rrfp.pipeline.wrapped import refuse_wrapped
@@ -142,7 +144,8 @@ class ScheduleReady:
     over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients are final), so
     they equal one process's over the whole batch of every replica; a no-op when dp = 1. ``split``
     (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``)
-    are ``stage_executor``'s; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
+    are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint, budget, dispatch,
+    split and cost as one object instead; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
     microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct it, in the same order
     relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
     (or use ``with``) before destroying the process group.
@@ -153,7 +156,8 @@ class ScheduleReady:
     _unit_ms: float = 0.0
 
     def _emulation(self) -> dict:
-        """The executor's emulated-duration settings (variability, seed, cost, instrument)."""
+        """The executor's emulated-duration settings (variability, seed, cost: ScheduleSettings
+        fields) and its instrument."""
         return {}
 
     def _features(self) -> list[dict] | None:
@@ -180,6 +184,7 @@ class ScheduleReady:
         split: bool | None = None,
         cost=None,
         heartbeat: bool = True,
+        settings: ScheduleSettings | None = None,
     ) -> None:
         stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
@@ -188,12 +193,15 @@ class ScheduleReady:
         self._args_chunk_spec, self._kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
-        self._settings = dict(
-            budget=budget, dispatch=dispatch, on_nonfinite=on_nonfinite, tied=_under_submod(tied)
+        self._settings = dict(on_nonfinite=on_nonfinite, tied=_under_submod(tied))
+        if settings is not None and settings.microbatches != n_microbatches:
+            raise ValueError(
+                f"settings.microbatches = {settings.microbatches} but n_microbatches = "
+                f"{n_microbatches}"
+            )
+        self._schedule = settings or ScheduleSettings.of(
+            n_microbatches, hint=hint, budget=budget, dispatch=dispatch, split=split, cost=cost
         )
-        self._hint, self._split = resolve(hint), split  # split None: the hint's default
-        if cost is not None:
-            self._settings["cost"] = cost
         self._step_features: list[dict] | None = None
         self._modules = [_StageCall(s.submod) for s in stages]
         self._dp_sync, self._sync = dp_sync, None
@@ -245,7 +253,7 @@ class ScheduleReady:
         microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
         one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage.
         ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every rank."""
-        if self._has_backward and "cost" in self._settings and cost_features is None:
+        if self._has_backward and self._schedule.cost is not None and cost_features is None:
             raise ValueError(
                 f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
                 f"cost_features=[rrfp.token_features(b) for b in microbatches], one dict per "
@@ -325,7 +333,8 @@ class ScheduleReady:
                 f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
                 f"{format!r}: rrfp does its own communication"
             )
-        self._hint, self._split = read_torch_csv(filename)
+        hint, split = read_torch_csv(filename)
+        self._schedule = dataclasses.replace(self._schedule, hint=resolve(hint), split=split)
         if self._executor is not None:
             self._executor = self._new_executor()
 
@@ -368,14 +377,14 @@ class ScheduleReady:
     # -- internals -----------------------------------------------------------
 
     def _new_executor(self):
+        emulation = dict(self._emulation())
+        instrument = emulation.pop("instrument", None)
         ex = self._runtime.stage_executor(
             self._modules,
             self._loss,
-            microbatches=self._n_microbatches,
-            hint=self._hint,
-            split=self._split,
+            dataclasses.replace(self._schedule, **emulation),
+            instrument=instrument,
             **self._settings,
-            **self._emulation(),
         )
         if self._dp_sync:
             held = (

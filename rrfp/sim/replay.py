@@ -1,6 +1,6 @@
 """Replay a run's real microbatches in the simulator.
 
-A run with ``run.cost`` and ``run.sizes`` keeps every step's microbatch
+A run with ``emulation.cost`` and ``output.sizes`` keeps every step's microbatch
 features; the same cost model and the same noise (seed, step, stage,
 microbatch, kind) give the durations the run's lane emulated, so the
 simulated and the measured iteration describe the same work. A planned run

@@ -41,21 +41,16 @@ class EmulatedScheduleReady(ScheduleReady):
         loss_fn,
         *,
         unit_ms: float,
-        variability,
-        seed: int,
-        cost,
         instrument,
         **kwargs,
     ) -> None:
         self._unit_ms = unit_ms
-        self._settings_for_bench = dict(
-            variability=variability, seed=seed, cost=cost, instrument=instrument
-        )
+        self._instrument = instrument  # the durations' settings come in kwargs' settings=
         self.features: Sequence[dict] | None = None  # the next step's, set by the caller
         super().__init__(stage, n_microbatches, loss_fn, **kwargs)
 
     def _emulation(self) -> dict:
-        return self._settings_for_bench
+        return {"instrument": self._instrument}
 
     def _features(self):
         return None if self.features is None else list(self.features)

@@ -23,6 +23,7 @@ from rrfp.core.variability import Variability
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.workload import Workload
 
 
@@ -57,6 +58,21 @@ class Measured:
                 self.overhead_s,
             )
         ]
+
+
+def schedule_settings(
+    spec: BenchSpec, contender: Contender, variability: Variability, cost: CostModel | None
+) -> ScheduleSettings:
+    """What an rrfp executor of the suite runs: built here once for every runner that has one."""
+    return ScheduleSettings.of(
+        spec.mb,
+        dispatch=contender.dispatch,
+        hint=contender.hint,
+        budget=spec.budget,
+        variability=variability,
+        seed=spec.seed,
+        cost=cost,
+    )
 
 
 class Runner(Protocol):
@@ -95,14 +111,8 @@ class RrfpRunner:
         self._executor = rt.stage_executor(
             module,
             workload.loss_fn,
-            microbatches=spec.mb,
-            dispatch=contender.dispatch,
-            hint=contender.hint,
-            budget=spec.budget,
-            variability=variability,
-            seed=spec.seed,
+            schedule_settings(spec, contender, variability, cost),
             instrument=self._recorder,
-            cost=cost,
             on_nonfinite=None,
         )  # timed: no per-iteration agreement
 
@@ -252,13 +262,8 @@ class DropInRunner:
             spec.mb,
             workload.loss_fn,
             unit_ms=spec.unit_ms,
-            variability=variability,
-            seed=spec.seed,
-            cost=cost,
             instrument=self._recorder,
-            hint=contender.hint,
-            budget=spec.budget,
-            dispatch=contender.dispatch,
+            settings=schedule_settings(spec, contender, variability, cost),
             timeout_s=spec.peer_timeout_s,
         )
 

@@ -20,7 +20,8 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rrfp.app.config import RunConfig, TrainConfig
+from rrfp.app.config import TrainConfig
+from rrfp.app.config_sections import EmulationSection
 from rrfp.app.errors import ConfigError, UsageError
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
@@ -164,19 +165,22 @@ class Case:
         stages = (
             []
             if contender is None or contender.virtual == 1
-            else [f"virtual={contender.virtual}", f"placement={contender.placement}"]
+            else [
+                f"parallel.virtual={contender.virtual}",
+                f"parallel.placement={contender.placement}",
+            ]
         )
         return TrainConfig.load(
             self.config,
             [
                 *self.overrides,
-                f"pp={pp}",
-                f"tp={tp}",
-                f"microbatches={spec.mb}",
-                f"preset={self.preset}",
-                f"budget={spec.budget}",
-                f"unit_ms={spec.unit_ms}",
-                f"seed={spec.seed}",
+                f"parallel.pp={pp}",
+                f"parallel.tp={tp}",
+                f"schedule.microbatches={spec.mb}",
+                f"emulation.preset={self.preset}",
+                f"schedule.budget={spec.budget}",
+                f"emulation.unit_ms={spec.unit_ms}",
+                f"run.seed={spec.seed}",
                 *stages,
             ],
             world_size=pp * tp,
@@ -193,7 +197,7 @@ SUITE = {
 
 
 def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
-    """A suite name (gpt, vlm) or a TOML config path (its own preset and run.cost)."""
+    """A suite name (gpt, vlm) or a TOML config path (its own preset and emulation.cost)."""
     if text in SUITE:
         config, default_preset, calibrate, own = SUITE[text]
         return Case(
@@ -207,7 +211,12 @@ def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
     if not path.is_file():
         raise UsageError(f"--workloads: no config file {text}")
     try:
-        own = tomllib.loads(path.read_text()).get("run", {}).get("preset", RunConfig.preset)
+        doc = tomllib.loads(path.read_text())
+        own = (
+            doc.get("emulation", {}).get("preset")
+            or doc.get("run", {}).get("preset")  # a flat [run] config's
+            or EmulationSection.preset
+        )
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{text}: not valid TOML: {e}") from None
     return Case(path.stem, str(path.resolve()), preset or own, False, tuple(overrides))

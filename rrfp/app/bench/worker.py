@@ -50,8 +50,8 @@ async def run_case(
     rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
     wl = cfg.workload
-    cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.run.cost
-    var = cfg.run.variability
+    cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.emulation.cost
+    var = cfg.emulation.variability
 
     # the rrfp contenders of one layout share its stage modules; torch's runners build their own
     modules = {

@@ -1,0 +1,365 @@
+"""The sections of a run's config, one dataclass each, every key with its doc line. Values are
+parsed into their types once, when the file loads (``Section.parse``); a section checks its own
+keys when built, and TrainConfig checks what spans sections."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rrfp.app.config_fields import Section, did_you_mean, setting
+from rrfp.app.errors import ConfigError
+from rrfp.core.budget import Budget
+from rrfp.core.cost import CostModel
+from rrfp.core.hints import BUILTIN, VIRTUAL_ONLY, Hint, HintError, resolve
+from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import Dispatch
+from rrfp.core.variability import PRESETS, Variability
+from rrfp.pipeline.faults import Fault
+from rrfp.pipeline.timeouts import Timeouts
+
+RESUME_MODES = ("off", "auto", "required")
+AUTOCAST_MODES = ("off", "bfloat16", "float16")
+ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
+ON_NONFINITE = ("stop", "skip")
+COUNT = (1, 65536)
+ONE = (1, False, ">= 1")
+STEPS = (1, 10**9)
+
+
+@dataclass(frozen=True)
+class RunSection(Section):
+    NAME = "run"
+    DOC = "What runs, for how long, and the one timeout every wait derives from."
+
+    model: str = setting(
+        "gpt", "a workload: models/<name>.py, a dotted module, or module:attribute"
+    )
+    steps: int = setting(50, "optimizer steps to run", bounds=STEPS, least=ONE)
+    seed: int = setting(
+        0, "seed of the model's initial weights and the data", bounds=(0, 2**63 - 1)
+    )
+    timeout_s: float = setting(
+        60.0,
+        "how long any wait may last; each of [timeouts] defaults from it (at least 1 s: what a "
+        "rendezvous's sockets need to connect at all)",
+        bounds=(1, 604_800),
+        least=(0, True, "> 0"),
+    )
+
+
+@dataclass(frozen=True)
+class ParallelSection(Section):
+    NAME = "parallel"
+    DOC = "How the ranks are laid out: pipeline, tensor and data parallel, and virtual stages."
+
+    pp: int = setting(
+        0,
+        "pipeline ranks; 0: world size / (tp * dp)",
+        bounds=(0, 65536),
+        least=(0, False, ">= 1 (or 0 for world size / (tp*dp))"),
+    )
+    tp: int = setting(1, "tensor-parallel ranks per stage", bounds=COUNT, least=ONE)
+    dp: int = setting(1, "data-parallel replicas of the pipeline", bounds=COUNT, least=ONE)
+    virtual: int = setting(
+        1,
+        "stages per pipeline rank: the model is split into pp x virtual stages",
+        bounds=(1, 64),
+        least=ONE,
+    )
+    placement: str = setting(
+        "interleaved",
+        "with virtual > 1, which stages a rank holds: interleaved (r, r+pp, ...) or v "
+        "(r and 2pp-1-r)",
+        choices=("interleaved", "v"),
+    )
+
+    def check(self) -> None:
+        try:
+            VirtualLayout(1, self.virtual, self.placement)
+        except ValueError as e:
+            raise ConfigError(
+                f"parallel.virtual = {self.virtual}, parallel.placement = {self.placement!r}: {e}"
+            ) from None
+
+
+def _hint(name: str) -> Hint:
+    try:
+        return resolve(name)
+    except HintError as e:
+        raise HintError(
+            f"{e}{did_you_mean(name.lower(), [*BUILTIN, *VIRTUAL_ONLY, 'plan'])}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ScheduleSection(Section):
+    NAME = "schedule"
+    DOC = (
+        "What each rank runs in which order: the microbatches, the dispatch, the hint, the budget."
+    )
+
+    microbatches: int = setting(
+        8, "microbatches per step, per data-parallel replica", bounds=COUNT, least=ONE
+    )
+    dispatch: Dispatch = setting(
+        Dispatch.READY,
+        "ready (the best-priority ready task) or fixed (the hint's order, waiting for each task)",
+        toml=(str,),
+        parse=Dispatch.parse,
+    )
+    hint: Hint = setting(
+        factory=lambda: resolve("bfw"),
+        doc="the priority order: bfw, bf, 1f1b, zbh1, gpipe, plan, zbv, a .csv hint file or "
+        "module:function",
+        toml=(str,),
+        parse=lambda name: _hint(name),
+        shown='"bfw"',
+    )
+    budget: Budget = setting(
+        factory=lambda: Budget.parse("2x"),
+        doc='activations in flight per stage: N microbatches, "Nx" (N x 1F1B\'s), or bytes '
+        'like "512MiB"',
+        toml=(str, int),
+        parse=Budget.parse,
+        shown='"2x"',
+    )
+    split: bool | None = setting(
+        None,
+        "run B and W apart; unset: the hint's default (split for zbh1 and bfw)",
+        toml=(bool,),
+        shown="(the hint's)",
+    )
+
+
+@dataclass(frozen=True)
+class OptimSection(Section):
+    NAME = "optim"
+    DOC = "The optimizer (AdamW, one per stage), its schedule, and what a NaN/Inf step does."
+
+    lr: float = setting(1e-3, "the learning rate", bounds=(0, 100), least=(0, True, "> 0"))
+    warmup_steps: int = setting(
+        0, "steps over which lr rises linearly from 0 (0: none)", bounds=(0, 10**9)
+    )
+    weight_decay: float = setting(0.0, "AdamW's weight decay", bounds=(0, 100))
+    clip_grad_norm: float = setting(
+        0.0,
+        "clip the whole model's gradient norm to this before each step; 0: off",
+        least=(0, False, ">= 0 (0: no clipping)"),
+    )
+    on_nonfinite: str = setting(
+        "stop",
+        "NaN/Inf in the loss or gradients: stop the run, or skip the step on every rank",
+        choices=ON_NONFINITE,
+    )
+
+
+@dataclass(frozen=True)
+class RuntimeSection(Section):
+    NAME = "runtime"
+    DOC = "Where a rank computes: the backend, the device, threads and autocast."
+
+    backend: str = setting("gloo", "gloo (CPU) or nccl (CUDA)", choices=("gloo", "nccl"))
+    device: str = setting(
+        "auto", "auto, cpu or cuda; auto: cuda when backend = nccl", choices=("auto", "cpu", "cuda")
+    )
+    threads: int = setting(1, "torch intra-op threads per rank", bounds=(1, 1024), least=ONE)
+    autocast: str = setting(
+        "off",
+        "torch.autocast around every task; parameters and the optimizer stay float32 "
+        "(float16 has no loss scaling here)",
+        choices=AUTOCAST_MODES,
+    )
+
+    def check(self) -> None:
+        if self.device == "cpu" and self.backend == "nccl":
+            raise ConfigError(
+                "runtime.backend = nccl carries CUDA tensors only: set runtime.device = cuda "
+                "(or auto), or runtime.backend = gloo"
+            )
+        if self.device == "cuda" and self.backend == "gloo":
+            raise ConfigError(
+                "runtime.device = cuda needs runtime.backend = nccl: rrfp's gloo channels carry "
+                "CPU tensors only"
+            )
+
+    @property
+    def device_type(self) -> str:
+        """``cuda`` or ``cpu``, once ``auto`` is decided."""
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+
+@dataclass(frozen=True)
+class CheckpointSection(Section):
+    NAME = "checkpoint"
+    DOC = "Where checkpoints go, how often, how many stay, and how a run resumes."
+
+    dir: str = setting("", 'where checkpoints go; "": none (also none on SIGTERM)')
+    every: int = setting(
+        0,
+        "save every N steps (and at the end, and on a stop); 0: only those two",
+        bounds=(0, 10**9),
+    )
+    keep: int = setting(
+        2,
+        "complete checkpoints kept; older ones go once a newer one is committed",
+        bounds=(1, 10**6),
+    )
+    resume: str = setting(
+        "off",
+        "off, auto (the latest checkpoint, if any) or required (rrfp train --resume)",
+        choices=RESUME_MODES,
+    )
+    on_corrupt: str = setting(
+        "fallback",
+        "a latest checkpoint that fails verification: resume from the newest that verifies "
+        "(fallback), or stop (exit 2)",
+        choices=ON_CORRUPT_CHECKPOINT,
+    )
+
+    def check(self) -> None:
+        if not self.dir and (self.every or self.resume != "off"):
+            what = (
+                "--resume"
+                if self.resume == "required"
+                else f"checkpoint.resume = {self.resume}"
+                if self.resume != "off"
+                else f"checkpoint.every = {self.every}"
+            )
+            raise ConfigError(f"{what} needs checkpoint.dir")
+
+
+@dataclass(frozen=True)
+class OutputSection(Section):
+    NAME = "output"
+    DOC = "What a run writes besides checkpoints: progress lines, the trace, sizes, failure logs."
+
+    log_every: int = setting(1, "rank 0 prints a step line every N steps", bounds=STEPS, least=ONE)
+    trace: str = setting("", 'merged Chrome trace written by rank 0 at the end; "": none')
+    sizes: str = setting(
+        "", "rank 0 writes every step's microbatch features and step time here, for rrfp sim"
+    )
+    log_dir: str = setting("runs/logs", "a failing rank writes its traceback to LOG_DIR/rank-N.log")
+
+
+def _load_cost(path: str) -> CostModel | None:
+    if not path:
+        return None
+    try:
+        return CostModel.from_json(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"emulation.cost: cannot read {path}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"emulation.cost: {path} is not a cost model from rrfp calibrate: {e}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class EmulationSection(Section):
+    NAME = "emulation"
+    DOC = "Emulated device time: tasks sleep on a lane instead of (or besides) computing."
+
+    preset: str = setting("none", "variability model of emulated task times", choices=PRESETS)
+    unit_ms: float = setting(
+        0.0,
+        "emulated time of one average forward, in ms; 0: real time",
+        bounds=(0, 600_000),
+        least=(0, False, ">= 0 (0: no emulated time)"),
+    )
+    cost: CostModel | None = setting(
+        None,
+        "a cost model file (rrfp calibrate): emulated times from each microbatch's data",
+        toml=(str,),
+        parse=_load_cost,
+        shown='""',
+    )
+
+    @property
+    def variability(self) -> Variability:
+        return Variability.preset(self.preset)
+
+    def as_toml(self) -> dict:
+        out = super().as_toml()
+        out.pop("cost", None)  # a file's contents, not its name: a dump cannot write it back
+        return out
+
+
+def _fault(spec: str) -> Fault | None:
+    return Fault.parse(spec) if spec.strip() else None
+
+
+@dataclass(frozen=True)
+class DebugSection(Section):
+    NAME = "debug"
+    DOC = "Testing aids."
+
+    fault: Fault | None = setting(
+        doc='make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py); '
+        "default: $RRFP_FAULT",
+        toml=(str,),
+        parse=_fault,
+        factory=lambda: _env_fault(),
+        shown='$RRFP_FAULT or ""',
+    )
+
+
+def _env_fault() -> Fault | None:
+    try:
+        return _fault(os.environ.get("RRFP_FAULT", ""))
+    except ValueError as e:
+        raise ConfigError(f"debug.fault (RRFP_FAULT): {e}") from None
+
+
+DERIVED = "0: derived from run.timeout_s"
+
+
+@dataclass(frozen=True)
+class TimeoutsSection(Section):
+    NAME = "timeouts"
+    DOC = "Each wait apart; 0 (the default) derives it from run.timeout_s."
+
+    store_connect_s: float = setting(
+        0.0, f"connecting to the rendezvous store; {DERIVED}", bounds=(0, 604_800)
+    )
+    process_group_s: float = setting(
+        0.0,
+        f"gloo's process groups: start-up, and collectives without a heartbeat; {DERIVED}",
+        bounds=(0, 604_800),
+    )
+    nccl_watchdog_s: float = setting(
+        0.0,
+        "NCCL's watchdog, a backstop behind rrfp's own deadline; 0: 2 x run.timeout_s + 30",
+        bounds=(0, 2 * 604_800),
+    )
+    heartbeat_s: float = setting(
+        0.0,
+        f"how long a peer may stay silent (no heartbeat) before it is named (gloo); {DERIVED}",
+        bounds=(0, 604_800),
+    )
+    peer_wait_s: float = setting(
+        0.0,
+        f"how long a stage waits on a peer's message before it names it; {DERIVED}",
+        bounds=(0, 604_800),
+    )
+    cuda_deadline_s: float = setting(
+        0.0, f"how long a rank waits for its own GPU's work (CUDA); {DERIVED}", bounds=(0, 604_800)
+    )
+
+    def resolve(self, timeout_s: float) -> Timeouts:
+        return Timeouts.derive(timeout_s, **{k: getattr(self, k) for k in self.keys()})
+
+
+SECTIONS: tuple[type[Section], ...] = (
+    RunSection,
+    ParallelSection,
+    ScheduleSection,
+    OptimSection,
+    RuntimeSection,
+    CheckpointSection,
+    OutputSection,
+    EmulationSection,
+    TimeoutsSection,
+    DebugSection,
+)

@@ -1,0 +1,44 @@
+"""The waits a run bounds, each its own number: one user-facing ``timeout_s`` gives them all a
+default, and any one can be set apart (a slow store on a big cluster, a long CUDA kernel) without
+moving the others."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from rrfp.comm.nccl_groups import watchdog_timeout_s
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    timeout_s: float  # the one user-facing value the others default from
+    store_connect_s: float  # connecting to the rendezvous store (the attempt's, the heartbeat's)
+    process_group_s: float  # gloo's process groups: start-up, and every collective without a beat
+    nccl_watchdog_s: float  # NCCL's watchdog: above peer_wait_s, so rrfp names the peer first
+    heartbeat_s: float  # how long a peer may stay silent (no beat) before it is named (gloo)
+    peer_wait_s: float  # how long a stage waits on a peer's message before it names it
+    cuda_deadline_s: float  # how long a rank waits for its own device's work (CUDA)
+
+    @classmethod
+    def derive(cls, timeout_s: float, **overrides: float | None) -> Timeouts:
+        """Every wait from ``timeout_s``; NCCL's watchdog is ``2 * timeout_s + 30``, a backstop
+        behind rrfp's own deadline. ``overrides``: waits set apart (None or 0: derived)."""
+        derived = cls(
+            timeout_s=timeout_s,
+            store_connect_s=timeout_s,
+            process_group_s=timeout_s,
+            nccl_watchdog_s=watchdog_timeout_s(timeout_s),
+            heartbeat_s=timeout_s,
+            peer_wait_s=timeout_s,
+            cuda_deadline_s=timeout_s,
+        )
+        known = {f.name for f in fields(cls)} - {"timeout_s"}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown timeouts {sorted(unknown)} (known: {sorted(known)})")
+        return replace(derived, **{k: v for k, v in overrides.items() if v})
+
+    def key(self, wait: str) -> str:
+        """The config key that set ``wait``, for a message: run.timeout_s unless set apart."""
+        derived = getattr(Timeouts.derive(self.timeout_s), wait)
+        return "run.timeout_s" if getattr(self, wait) == derived else f"timeouts.{wait}"

@@ -1,0 +1,238 @@
+"""The config in sections: the flat [run] configs of the last release load with one deprecation
+line per moved key and resolve to what their sectioned rewrites do; every key has its doc line and
+docs/configuration.md is the reference the dataclasses give; the waits derive from one timeout_s
+and each can be set apart; an embedder's ScheduleSettings runs what the old keywords ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+from distributed import run_ranks
+
+from rrfp.app.config import FLAT_KEYS, ConfigKeyDeprecated, TrainConfig
+from rrfp.app.config_fields import toml_text
+from rrfp.app.config_reference import reference_markdown, reference_text
+from rrfp.app.config_sections import SECTIONS, TimeoutsSection
+from rrfp.app.errors import ConfigError
+from rrfp.app.step_statistics import StepStatistics
+from rrfp.pipeline.timeouts import Timeouts
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAT = sorted((ROOT / "tests/fixtures/flat_configs").glob("*.toml"))
+
+
+def _load(path, sets=(), world=4):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = TrainConfig.load(path, list(sets), world_size=world)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigKeyDeprecated)]
+
+
+def test_the_flat_fixtures_are_the_flat_configs():
+    assert [p.name for p in FLAT] == sorted(p.name for p in (ROOT / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("flat", FLAT, ids=[p.stem for p in FLAT])
+def test_a_flat_config_resolves_as_its_sectioned_rewrite(flat):
+    old, lines = _load(flat)
+    new, none = _load(ROOT / "configs" / flat.name)
+    assert none == []  # the rewrite uses no deprecated key
+    moved = [k for k in tomllib.loads(flat.read_text())["run"] if k in FLAT_KEYS]
+    assert moved and len(lines) == len(moved) == len(set(lines)), lines
+    for key, line in zip(moved, lines):
+        section, name = FLAT_KEYS[key]
+        assert f"[run] {key} is deprecated: write it as {name} in [{section}]" in line
+    assert old == new
+    assert old.as_toml() == new.as_toml()
+
+
+def test_a_flat_key_on_the_command_line_is_deprecated_too():
+    cfg, lines = _load(ROOT / "configs/gpt-tiny.toml", ["executor=fixed", "checkpoint_keep=3"])
+    assert str(cfg.schedule.dispatch) == "fixed" and cfg.checkpoint.keep == 3
+    assert lines == [
+        "--set executor is deprecated: write --set schedule.dispatch",
+        "--set checkpoint_keep is deprecated: write --set checkpoint.keep",
+    ]
+
+
+def test_a_key_given_flat_and_in_its_section_is_refused(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text('[run]\nhint = "1f1b"\n[schedule]\nhint = "bfw"\n')
+    with pytest.raises(ConfigError, match=r"run.hint and schedule.hint are the same setting"):
+        TrainConfig.load(path, world_size=4)
+
+
+def rrfp(*args, world=None, rank=0):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    if world is not None:  # a torchrun-like rank whose rendezvous nobody serves
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    return subprocess.run(
+        [sys.executable, "-m", "rrfp", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_rrfp_train_says_each_deprecation_once_on_rank_0():
+    flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
+    res = rrfp("train", "--config", flat, "--dry-run", world=4)
+    lines = res.stderr.splitlines()
+    assert res.returncode == 0 and len(lines) == 5, res.stderr
+    assert all(ln.startswith("rrfp: warning: ") and "deprecated" in ln for ln in lines)
+    other = rrfp("train", "--config", flat, "--dry-run", world=4, rank=1)
+    assert (other.returncode, other.stderr) == (0, "")
+    # the resolved config it prints reads back as the same config
+    doc = tomllib.loads(res.stdout[res.stdout.index("# the resolved config") :])
+    assert TrainConfig.from_dict(doc, world_size=4) == _load(ROOT / flat)[0]
+    assert "memory: pipeline rank 3 (stage 3): at least" in res.stdout
+
+
+def test_every_key_has_its_doc_line():
+    for kind in SECTIONS:
+        assert kind.DOC, kind.NAME
+        for name, f in kind.keys().items():
+            doc = f.metadata.get("doc", "")
+            assert doc and "\n" not in doc, f"{kind.NAME}.{name} has no doc line"
+
+
+def test_the_configuration_page_is_the_generated_reference():
+    page = (ROOT / "docs/configuration.md").read_text()
+    assert page == reference_markdown(), (
+        "regenerate: rrfp config --markdown > docs/configuration.md"
+    )
+    for kind in SECTIONS:
+        for name in kind.keys():
+            assert f"| `{name}` |" in page
+
+
+def test_the_reference_on_the_command_line():
+    res = rrfp("config")
+    assert res.returncode == 0 and res.stdout == reference_text()
+    assert "  peer_wait_s (float, default 0.0)" in res.stdout
+    # --help-config answers alone, as --help does: no --config needed
+    helped = rrfp("train", "--help-config")
+    assert (helped.returncode, helped.stdout) == (0, reference_text())
+
+
+def test_the_waits_derive_from_timeout_s_and_each_is_set_apart():
+    cfg, _ = _load(ROOT / "configs/gpt-tiny.toml", ["timeout_s=20"])
+    assert cfg.waits == Timeouts(20, 20, 20, 70, 20, 20, 20)
+    cfg, _ = _load(
+        ROOT / "configs/gpt-tiny.toml", ["timeout_s=20", "timeouts.heartbeat_s=5", "peer_wait_s=90"]
+    )
+    assert (cfg.waits.heartbeat_s, cfg.waits.peer_wait_s, cfg.waits.store_connect_s) == (5, 90, 20)
+    assert cfg.waits.key("heartbeat_s") == "timeouts.heartbeat_s"
+    assert cfg.waits.key("store_connect_s") == "run.timeout_s"
+    assert TimeoutsSection().resolve(60).nccl_watchdog_s == 150
+    with pytest.raises(ConfigError, match=r"timeouts.peer_wait_s = -1 is out of bounds"):
+        TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["timeouts.peer_wait_s=-1"])
+
+
+DID_YOU_MEAN = [
+    (["hint=bfx"], "(did you mean bf?)"),
+    (
+        ["schedle.hint=bfw"],
+        "--set schedle.hint: unknown section [schedle] (did you mean schedule?)",
+    ),
+    (["microbatchs=4"], "--set microbatchs: no section has a key 'microbatchs' (did you mean"),
+    (["executr=fixed"], "(did you mean executor?)"),
+    (["optim.lrr=1"], "--set optim.lrr: unknown key optim.lrr (did you mean lr?)"),
+    (["steps=x"], "--set steps (run.steps) = 'x' has the wrong type"),
+]
+
+
+@pytest.mark.parametrize("sets,needle", DID_YOU_MEAN, ids=[s[0] for s, _ in DID_YOU_MEAN])
+def test_a_typo_is_blamed_on_set_with_a_guess(sets, needle):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets, world_size=4)
+    assert needle in str(info.value)
+    assert "configs/gpt-tiny.toml" not in str(info.value)
+
+
+def test_a_typo_in_the_file_names_the_file(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text("[optim]\nlrr = 1\n[sheduel]\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown section \[sheduel\] \(did you mean schedule\?\)"
+    ):
+        TrainConfig.load(path, world_size=4)
+    path.write_text("[optim]\nlrr = 1\n")
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key optim.lrr \(did you mean lr\?\)"):
+        TrainConfig.load(path, world_size=4)
+
+
+def test_without_torchrun_the_config_is_checked_first():
+    bad = rrfp("train", "--config", "configs/gpt-tiny.toml", "--set", "schedule.hint=bfx")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "unknown hint 'bfx'" in bad.stderr and "torchrun" not in bad.stderr
+    good = rrfp("train", "--config", "configs/gpt-tiny.toml")
+    assert good.returncode == 2 and "torchrun" in good.stderr and good.stderr.count("\n") == 1
+
+
+def test_step_statistics_travel_as_one_tensor_by_name():
+    stats = StepStatistics(loss=2.5, busy=1.0, wall=3.0, tokens=64, stops=1)
+    t = stats.to_tensor()
+    assert t.dtype.is_floating_point and t.numel() == len(dataclasses.fields(StepStatistics))
+    assert StepStatistics.from_tensor(t + t) == StepStatistics(5.0, 2.0, 6.0, 128, 0, 2, 0)
+    with pytest.raises(ValueError):
+        StepStatistics.from_tensor(t[:3])
+
+
+def test_toml_text_reads_back():
+    doc = {"a": {"s": 'q"uote\\', "n": 3, "f": 0.1, "b": False, "l": [1, 2]}, "e": {}}
+    assert tomllib.loads(toml_text(doc)) == doc
+
+
+def _settings_and_waits(rank, world):
+    """A runtime started with its waits set apart, and executors from settings and from keywords."""
+    import torch
+
+    from rrfp.loop import run
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
+
+    waits = Timeouts.derive(30, heartbeat_s=7, peer_wait_s=11, process_group_s=40)
+
+    async def main():
+        async with PipelineRuntime.start(
+            pp=world, timeouts=waits, heartbeat=True, timeout_s=30
+        ) as rt:
+            module = torch.nn.Linear(4, 4)
+            settings = ScheduleSettings.of(4, hint="1f1b", budget="1x", dispatch="fixed")
+            a = rt.stage_executor(module, torch.nn.functional.mse_loss, settings)
+            b = rt.stage_executor(
+                module,
+                torch.nn.functional.mse_loss,
+                microbatches=4,
+                hint="1f1b",
+                budget="1x",
+                dispatch="fixed",
+            )
+            return (
+                a.settings == b.settings,
+                a.settings.peer_timeout_s,
+                rt.heartbeat.timeout_s,
+                rt.timeouts == waits,
+            )
+
+    return run(main())
+
+
+@pytest.mark.timeout(120)
+def test_the_runtime_routes_each_wait_and_takes_one_settings_object():
+    for same, peer_wait, heartbeat, kept in run_ranks(_settings_and_waits, 2, timeout=90).values():
+        assert same and kept
+        assert (peer_wait, heartbeat) == (11, 7)
