@@ -8,6 +8,8 @@ import os
 import socket
 import traceback
 
+from launch import rank_vars
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -16,14 +18,7 @@ def free_port() -> int:
 
 
 def _child(fn, rank, world, port, args, queue):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
     try:
         import torch
 
