@@ -56,10 +56,6 @@ class UnmarkedProcessStart(AssertionError):
 
 def _refuse(item, what: str):
     def refuse(*args, **kwargs):
-        audit = os.environ.get("RRFP_TEST_AUDIT")
-        if audit:
-            with open(audit, "a") as f:
-                f.write(f"{item.nodeid}\t{what}\n")
         raise UnmarkedProcessStart(
             f"{item.nodeid} starts a process ({what}) but is not marked: mark it "
             "pytest.mark.multirank (gloo ranks) or pytest.mark.e2e (CLI, torchrun, subprocess)"
@@ -105,3 +101,12 @@ def pytest_runtest_call(item):
         return
     with _no_process_starts(item):
         yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The shared ranks end with the test process's session, not whenever it exits."""
+    import sys
+
+    pool = sys.modules.get("rank_pool")
+    if pool is not None:
+        pool.close_all()

@@ -46,12 +46,19 @@ def _context():
 
 
 def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False
+    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False, fresh: bool = False
 ) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
-    Raises AssertionError with the child's traceback, or on timeout. ``spawn=True`` starts fresh
-    interpreters instead of forkserver children, whose stderr is the server's, not the test's
-    (use it when the test reads what the ranks print, with capfd)."""
+    Raises AssertionError with the child's traceback, or on timeout. The processes are the
+    shared ranks of tests/rank_pool.py, started once for the tests of this test process;
+    ``fresh=True`` starts ranks for this call alone (a function that needs a process of its
+    own). ``spawn=True`` starts fresh interpreters instead of forkserver children, whose stderr
+    is the server's, not the test's (use it when the test reads what the ranks print, with
+    capfd)."""
+    if not (spawn or fresh):
+        from rank_pool import run_shared
+
+        return run_shared(fn, world, *args, timeout=timeout)
     ctx = mp.get_context("spawn") if spawn else _context()
     queue = ctx.Queue()
     port = free_port()
