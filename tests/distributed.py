@@ -46,16 +46,15 @@ def _context():
 
 
 def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False, fresh: bool = False
+    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False, shared: bool = False
 ) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
-    Raises AssertionError with the child's traceback, or on timeout. The processes are the
-    shared ranks of tests/rank_pool.py, started once for the tests of this test process;
-    ``fresh=True`` starts ranks for this call alone (a function that needs a process of its
-    own). ``spawn=True`` starts fresh interpreters instead of forkserver children, whose stderr
+    Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
+    the shared ranks of tests/rank_pool.py, started once for the tests of this test process,
+    instead of ranks started for this call alone. ``spawn=True`` starts fresh interpreters instead of forkserver children, whose stderr
     is the server's, not the test's (use it when the test reads what the ranks print, with
     capfd)."""
-    if not (spawn or fresh):
+    if shared and not spawn:
         from rank_pool import run_shared
 
         return run_shared(fn, world, *args, timeout=timeout)

@@ -93,6 +93,8 @@ class RankPool:
         self.world = world
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
+        for q in (self.results, *self.tasks):  # the test process never waits on a queue to exit
+            q.cancel_join_thread()
         self.procs = [
             ctx.Process(target=_serve, args=(r, world, self.tasks[r], self.results), daemon=True)
             for r in range(world)

@@ -110,8 +110,7 @@ def _out_of_step(rank, world):
 
 @pytest.mark.timeout(90)
 def test_out_of_step_message_names_the_channel_and_ends_both_sides():
-    # fresh ranks: what rank 0 sees is rank 1's process leaving
-    results = run_ranks(_out_of_step, 2, timeout=60, fresh=True)
+    results = run_ranks(_out_of_step, 2, timeout=60)
     kind, text, took = results[1]
     assert kind == "ProtocolError" and took < PROMPT_S, results[1]
     assert text.startswith(

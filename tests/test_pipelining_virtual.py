@@ -399,8 +399,7 @@ def test_refusals_fail_every_rank_at_once_in_one_line(case):
     import re
 
     world = len(REFUSALS[case][0])
-    # 60 s: before any timeout; fresh ranks: a case plants an error in a module of rank 1's
-    results = run_ranks(_refused, world, case, timeout=60, fresh=True)
+    results = run_ranks(_refused, world, case, timeout=60)  # 60 s: before any timeout
     assert sorted(results) == list(range(world))
     for rank, (message, pattern) in results.items():
         assert "\n" not in message and re.search(pattern, message), (rank, message, pattern)
