@@ -30,9 +30,10 @@ sim: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# The quick tier for everyday work: every test that starts no second process (tests/conftest.py marks the rest slow).
+# The quick tier for everyday work: the unit tests, which start no second process (tests/conftest.py
+# says what the tiers are and fails a test that starts a process without its file marking it).
 test-quick: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m unit
 
 # Format, lint and type-check: ruff at line length 100, mypy strict on the pure core (pyproject.toml).
 check: $(VENV)/.installed

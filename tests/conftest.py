@@ -1,65 +1,112 @@
-"""The quick tier: `make test-quick` runs what needs no second process.
+"""The test tiers, by what a test does, marked in its file:
 
-A test is marked ``slow`` when it, a fixture it uses, or a test-module function
-they call starts processes (gloo ranks, torchrun, the CLI in a subprocess).
-Found by reading the source, two calls deep, so a new multi-process test lands
-in the slow tier without anyone remembering to mark it.
+- ``unit`` (no mark needed): runs in the test process and starts no other.
+- ``multirank``: starts gloo ranks from the test (tests/distributed.py, tests/rank_pool.py).
+- ``e2e``: starts the CLI, torchrun or another interpreter as a subprocess.
+
+`make test-quick` runs ``-m unit``; `make test` runs every tier. A test without a process mark
+that starts a process fails at once with a line saying to mark it, so the quick tier stays
+in-process without anyone reading sources to keep it so. ``slow`` is kept as the name of both
+process tiers together.
 """
 
 from __future__ import annotations
 
-import inspect
-import re
+import contextlib
+import multiprocessing.process
+import os
+import subprocess
+from unittest import mock
 
 import pytest
 
-SPAWNS = re.compile(
-    r"\brun_ranks\(|\bsubprocess\.|\bRankProcs\b|\bRanks\(|torchrun|\.Process\(|rrfp_bench\("
-)
-CALLS = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
-
-
-def _spawns(fn, module, depth: int = 2) -> bool:
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
-    if SPAWNS.search(src):
-        return True
-    if depth == 0:
-        return False
-    for name in set(CALLS.findall(src)):
-        g = getattr(module, name, None)
-        if (
-            inspect.isfunction(g)
-            and g.__module__ == module.__name__
-            and g is not fn
-            and _spawns(g, module, depth - 1)
-        ):
-            return True
-    return False
+PROCESS_MARKS = ("multirank", "e2e")
 
 
 def pytest_configure(config):
-    config.addinivalue_line(
-        "markers", "slow: starts processes (gloo ranks, torchrun); `make test-quick` skips it"
-    )
-    # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the ranks and
-    # other jobs for the 2 cores. tests/test_vlm.py::test_loss_falls took 24-39 s with 2 threads at
-    # load 7 and 2-4 s with 1 (the spawned ranks already run with 1).
+    for line in (
+        "unit: runs in the test process, starts no other (the default; `make test-quick`)",
+        "multirank: starts gloo ranks from the test",
+        "e2e: starts the CLI, torchrun or another interpreter as a subprocess",
+        "slow: a test of a process tier (multirank or e2e), added to them by conftest",
+    ):
+        config.addinivalue_line("markers", line)
+    # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the
+    # ranks and other jobs for the 2 cores (the spawned ranks already run with 1).
     import torch
 
     torch.set_num_threads(1)
 
 
+def _starts_processes(item) -> bool:
+    return any(item.get_closest_marker(m) for m in PROCESS_MARKS)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fn = getattr(item, "function", None)
-        if fn is None:
-            continue
-        module = inspect.getmodule(fn)
-        fixtures = [getattr(module, name, None) for name in getattr(item, "fixturenames", ())]
-        if _spawns(fn, module) or any(
-            f is not None and _spawns(getattr(f, "__wrapped__", f), module) for f in fixtures
-        ):
+        if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
+class UnmarkedProcessStart(AssertionError):
+    pass
+
+
+def _refuse(item, what: str):
+    def refuse(*args, **kwargs):
+        raise UnmarkedProcessStart(
+            f"{item.nodeid} starts a process ({what}) but is not marked: mark it "
+            "pytest.mark.multirank (gloo ranks) or pytest.mark.e2e (CLI, torchrun, subprocess)"
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _no_process_starts(item):
+    """Every way a test starts a process (subprocess, multiprocessing and so
+    torch.multiprocessing, fork, spawn, system) raises for ``item``."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            mock.patch.object(subprocess.Popen, "_execute_child", _refuse(item, "subprocess"))
+        )
+        stack.enter_context(
+            mock.patch.object(
+                multiprocessing.process.BaseProcess, "start", _refuse(item, "multiprocessing")
+            )
+        )
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            if hasattr(os, name):
+                stack.enter_context(mock.patch.object(os, name, _refuse(item, f"os.{name}")))
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """The unit tier starts no process, in the test or in a fixture it sets up: one that does
+    fails loudly instead of slowing the quick tier."""
+    if _starts_processes(item):
+        yield
+        return
+    with _no_process_starts(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if _starts_processes(item):
+        yield
+        return
+    with _no_process_starts(item):
+        yield
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The shared ranks end with the test process's session, not whenever it exits."""
+    import sys
+
+    pool = sys.modules.get("rank_pool")
+    if pool is not None:
+        pool.close_all()

@@ -8,6 +8,8 @@ import os
 import socket
 import traceback
 
+from launch import rank_vars
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -16,14 +18,7 @@ def free_port() -> int:
 
 
 def _child(fn, rank, world, port, args, queue):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
     try:
         import torch
 
@@ -51,12 +46,18 @@ def _context():
 
 
 def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False
+    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False, shared: bool = False
 ) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
-    Raises AssertionError with the child's traceback, or on timeout. ``spawn=True`` starts fresh
-    interpreters instead of forkserver children, whose stderr is the server's, not the test's
-    (use it when the test reads what the ranks print, with capfd)."""
+    Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
+    the shared ranks of tests/rank_pool.py, started once for the tests of this test process,
+    instead of ranks started for this call alone. ``spawn=True`` starts fresh interpreters instead of forkserver children, whose stderr
+    is the server's, not the test's (use it when the test reads what the ranks print, with
+    capfd)."""
+    if shared and not spawn:
+        from rank_pool import run_shared
+
+        return run_shared(fn, world, *args, timeout=timeout)
     ctx = mp.get_context("spawn") if spawn else _context()
     queue = ctx.Queue()
     port = free_port()

@@ -12,13 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from distributed import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from launch import ROOT, child_env, rrfp_argv
 
 
 class RankProcs:
@@ -28,27 +26,12 @@ class RankProcs:
         self.procs: list[subprocess.Popen] = []
         self.files = []
         for rank in range(world):
-            e = {
-                k: v
-                for k, v in os.environ.items()
-                if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_", "RRFP_"))
-            }
-            e.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1",
-                PYTHONUNBUFFERED="1",
-                **(env or {}),
-            )
+            e = child_env(rank, world, port, **(env or {}))
             out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
             self.files += [out, err]
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "rrfp", "train", *args],
+                    rrfp_argv("train", *args),
                     cwd=ROOT,
                     env=e,
                     stdin=subprocess.DEVNULL,
@@ -68,7 +51,8 @@ class RankProcs:
         return [ln for ln in self.err(rank).splitlines() if ln.startswith("rrfp: error:")]
 
     def wait(self, ranks, limit_s: float) -> dict[int, float]:
-        """Seconds from now until each of ``ranks`` exited; one still running after limit_s is missing."""
+        """Seconds from now until each of ``ranks`` exited; one still running after limit_s is
+        missing."""
         t0 = time.monotonic()
         done: dict[int, float] = {}
         while len(done) < len(ranks) and time.monotonic() - t0 < limit_s:

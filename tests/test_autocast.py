@@ -13,6 +13,8 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
+pytestmark = pytest.mark.multirank
+
 M, DIM, BATCH = 2, 16, 4
 BF16 = torch.bfloat16
 CLOSE = (

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
+from launch import child_env, rrfp_argv
 
 from rrfp.app.bench.suite import DEFAULT_CONTENDERS, file_slug
 from rrfp.app.bench.torch_schedules import stages_per_rank
@@ -21,15 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")
-    }
     return subprocess.run(
-        [sys.executable, "-m", "rrfp", "bench", *args],
+        rrfp_argv("bench", *args),
         cwd=ROOT,
-        env=env,
+        env=child_env(),
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -57,6 +52,7 @@ def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, rrfp_bench("--quick", "--out", str(out), timeout=240)
 
 
+@pytest.mark.e2e
 def test_quick_run_writes_a_well_formed_folder(quick):
     out, res = quick
     assert res.returncode == 0, res.stderr[-3000:]
@@ -243,7 +239,7 @@ def test_bad_input_is_one_usage_error(tmp_path, args, needle):
 
 @pytest.mark.parametrize("args,needle", [BAD[0], BAD[7]], ids=["flag", "config"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    res = rrfp_bench("--quick", "--out", str(tmp_path / "out"), *args, timeout=60)
+    res = rrfp_in_process("bench", "--quick", "--out", str(tmp_path / "out"), *args)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("rrfp: error: "), (
         res.stderr
@@ -252,6 +248,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+@pytest.mark.e2e
 def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     out = tmp_path / "out"
     res = rrfp_bench(
@@ -283,6 +280,7 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     )  # the traceback stays in the job's log
 
 
+@pytest.mark.e2e
 def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
     res = rrfp_bench("--quick", "--timeout", "2", "--out", str(tmp_path / "out"), timeout=90)
     lines = res.stderr.strip().splitlines()

@@ -4,9 +4,12 @@ reach the runtime that ScheduleReady starts for itself. Two gloo ranks, a few se
 
 from __future__ import annotations
 
+import pytest
 import torch
 from distributed import run_ranks
 from torch import nn
+
+pytestmark = pytest.mark.multirank
 
 M, UNIT_MS, STEPS = 4, 20.0, 2
 

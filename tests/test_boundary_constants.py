@@ -11,6 +11,8 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
+pytestmark = pytest.mark.multirank
+
 C, T, M = 4, 5, 3
 
 

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
 from distributed import free_port, run_ranks
+from launch import child_env, rank_vars, rrfp_argv
 
 from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
 
@@ -127,6 +129,7 @@ def _interrupted_and_whole(rank, world, root):
     return out
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
     results = run_ranks(_interrupted_and_whole, 2, str(tmp_path), timeout=180)
@@ -165,26 +168,6 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
 # ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
 
 
-def _env(rank: int, world: int, port: int) -> dict:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("TORCHELASTIC", "GROUP_", "LOCAL_"))
-    }
-    env.pop("RRFP_LOG", None)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
-
-
 class Ranks:
     """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun
     would end a rank's siblings itself, hiding whether each ends on its own)."""
@@ -198,9 +181,9 @@ class Ranks:
             self.files += [out, err]
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "rrfp", "train", *args],
+                    rrfp_argv("train", *args),
                     cwd=ROOT,
-                    env=_env(rank, world, port),
+                    env=child_env(rank, world, port),
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,
@@ -245,17 +228,9 @@ def train(tmp: Path, *args: str, limit_s: float = 90) -> Ranks:
 
 
 def rrfp_alone(*args: str) -> subprocess.CompletedProcess:
-    """One rank of 2 whose rendezvous nobody serves: exiting 2 proves the check ran before any group."""
-    env = _env(0, 2, 9)
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", "train", *SMALL, *args],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """`rrfp train` in this process as rank 0 of 2 whose rendezvous nobody serves: exiting 2
+    proves the check ran before any group."""
+    return rrfp_in_process("train", *SMALL, *args, env=rank_vars(0, 2, port=9))
 
 
 def one_error_line(stderr: str, *needles: str) -> str:
@@ -311,6 +286,7 @@ MEANINGLESS = {
 }  # the checkpoint has one stage per rank: its placement says nothing
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_resume_with_another_config_is_one_error_line(saved):
     # the command: exit 2 and one line, with a rendezvous nobody serves (so no group was joined)
@@ -371,6 +347,7 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
     ]
 
 
+@pytest.mark.e2e
 def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(saved, broken)
@@ -409,6 +386,7 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     assert resume_point(fresh) is None  # auto with nothing to resume: step 0
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
     broken = tmp_path / "ck"
@@ -433,6 +411,7 @@ def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
 TIMEOUT_S = 10
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     ckdir = tmp_path / "ck"
@@ -504,6 +483,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     assert CheckpointDir(ckdir).latest().step == step + 2
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("committed", [False, True])
 def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):

@@ -102,6 +102,7 @@ def corrupted(tmp_path_factory):
     return root, run_ranks(_resume_after_corruption, 2, str(root), timeout=170)
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(200)
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corrupted):
     _, results = corrupted
@@ -134,6 +135,7 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corr
             assert r["good_untouched"], where
 
 
+@pytest.mark.multirank
 def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
     root, _ = corrupted
     from test_checkpoint import resume_error
@@ -292,6 +294,7 @@ def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
         assert why in c.problem(), (body, c.problem())
 
 
+@pytest.mark.multirank
 def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected and
     the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line, nothing loaded."""

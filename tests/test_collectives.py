@@ -57,6 +57,7 @@ def _collectives(rank, world, tp, dp):
     return asyncio.run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
 def test_collectives_are_futures_without_threads(tp, dp):

@@ -479,6 +479,7 @@ def _pipeline_scenario(rank, world, pg_timeout_s):
     return {"received": received, "names": names, "timed_out_first": timed_out_first}
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(90)
 def test_pipeline_channels_fifo_exact_values_pp4():
     values, exit_codes = _run_ranks(_pipeline_scenario, 4, pg_timeout_s=30)
@@ -543,6 +544,7 @@ def _silent_peer_scenario(rank, world, pg_timeout_s):
     return _peer_failure_scenario(rank, world, pg_timeout_s, dies=False)
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(60)
 def test_dead_peer_surfaces_as_peer_error():
     timeout_s = 5
@@ -557,6 +559,7 @@ def test_dead_peer_surfaces_as_peer_error():
     assert "failed earlier" in result["again"]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(60)
 def test_silent_peer_times_out_after_pg_timeout():
     timeout_s = 3

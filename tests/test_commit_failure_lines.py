@@ -8,6 +8,8 @@ import pytest
 from rank_procs import RankProcs
 from test_fault_injection import STARTUP_S, _args
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.timeout(150)
 def test_a_full_disk_at_commit_is_said_by_rank_0_and_pointed_at_by_the_other(tmp_path):

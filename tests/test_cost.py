@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import rrfp_in_process
+from launch import child_env
 
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.core.variability import Variability
@@ -80,22 +82,13 @@ def test_replay_uses_cost_times_the_presets_noise(tmp_path):
     sizes, cost = tmp_path / "sizes.json", tmp_path / "cost.json"
     sizes.write_text(json.dumps(doc))
     cost.write_text(model.to_json())
-    p = subprocess.run(
-        [sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes), "--cost", str(cost)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = rrfp_in_process("sim", "--replay", str(sizes), "--cost", str(cost))
     assert p.returncode == 0 and "measured vs simulated after step 1" in p.stdout, p.stderr
-    p = subprocess.run(
-        [sys.executable, "-m", "rrfp", "sim", "--replay", str(sizes)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = rrfp_in_process("sim", "--replay", str(sizes))
     assert p.returncode == 2 and "--replay needs --cost" in p.stderr
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_calibrate_fits_this_machine(tmp_path):
     out = tmp_path / "cost.json"
@@ -118,7 +111,7 @@ def test_calibrate_fits_this_machine(tmp_path):
         capture_output=True,
         text=True,
         timeout=100,
-        env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stderr
     assert "median |error|" in p.stdout and "rank agreement" in p.stdout
@@ -129,23 +122,14 @@ def test_calibrate_fits_this_machine(tmp_path):
     model = CostModel.from_json(out.read_text())
     assert model.num_stages == 2 and model.reference_s > 0
     # a 4-stage run cannot use a 2-stage model: one clear error before any group
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rrfp",
-            "train",
-            "--config",
-            "configs/gpt-tiny.toml",
-            "--set",
-            f"cost={out}",
-            "--dry-run",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**__import__("os").environ, "WORLD_SIZE": "4", "RANK": "0"},
+    r = rrfp_in_process(
+        "train",
+        "--config",
+        "configs/gpt-tiny.toml",
+        "--set",
+        f"cost={out}",
+        "--dry-run",
+        env={"WORLD_SIZE": "4", "RANK": "0"},
     )
     assert r.returncode == 2 and "calibrated for 2 stages" in r.stderr, r.stderr
 

@@ -15,28 +15,23 @@ import sys
 import time
 
 import pytest
+from launch import TORCHRUN, child_env
 from rank_procs import ROOT
 from test_checkpoint import SMALL
 
 from rrfp.pipeline.checkpoint_dir import CheckpointDir
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, presses):
     ckdir, trace = tmp_path / "ck", tmp_path / "t.json"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))
-    }
     out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node=2",
             "-m",
             "rrfp",
@@ -56,7 +51,7 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
             f"log_dir={tmp_path / 'logs'}",
         ],
         cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
         stdin=subprocess.DEVNULL,
         stdout=out,
         stderr=err,
@@ -106,7 +101,7 @@ def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank)
         "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
         "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n"
     )
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"}
+    env = child_env(RANK=str(rank), WORLD_SIZE="2")
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )

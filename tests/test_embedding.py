@@ -6,14 +6,13 @@ Real gloo ranks (tests/distributed.py), each test with a timeout."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from distributed import run_ranks
+from launch import TORCHRUN, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 M = 2
@@ -29,21 +28,14 @@ def readme_snippet() -> str:
     return block.group(1)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_readme_embedding_snippet_runs_as_written(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(readme_snippet())
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             str(script),
@@ -52,7 +44,7 @@ def test_readme_embedding_snippet_runs_as_written(tmp_path):
         capture_output=True,
         text=True,
         timeout=140,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"stage 1: step \d+: loss (\d+\.\d+)", p.stdout)]
@@ -147,6 +139,7 @@ def embedded():
     return run_ranks(_embedding_rank, 2, timeout=90)
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_a_models_own_error_reaches_the_driver_as_itself(embedded):
     kind, text, notes = embedded[1]["raised"]
@@ -162,6 +155,7 @@ def test_a_models_own_error_reaches_the_driver_as_itself(embedded):
     assert peer and not group and "rank 1" in text, embedded[0]["raised"]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_a_cost_model_without_features_is_an_error(embedded):
     for rank in (0, 1):
@@ -181,6 +175,7 @@ def test_a_cost_model_without_features_is_an_error(embedded):
         ), got["keys"]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_a_cost_model_with_features_sets_the_durations(embedded):
     for rank in (0, 1):

@@ -1,13 +1,14 @@
 """The embedding example runs under torchrun: the pipeline trains while the
 driver's own coroutine keeps ticking on the same loop."""
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import TORCHRUN, child_env
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,10 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_embedded_driver_example():
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "examples/embedded_driver.py",
@@ -28,7 +26,7 @@ def test_embedded_driver_example():
         capture_output=True,
         text=True,
         timeout=170,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
@@ -42,10 +40,7 @@ def test_hf_llama_example():
     pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "examples/hf_llama.py",
@@ -54,7 +49,7 @@ def test_hf_llama_example():
         capture_output=True,
         text=True,
         timeout=170,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]

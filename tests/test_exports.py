@@ -74,6 +74,7 @@ def test_every_public_name_resolves_to_its_home(name):
     assert namespace[name] is getattr(home, name)
 
 
+@pytest.mark.e2e
 def test_dir_lists_every_public_name():
     """In a fresh interpreter: here the names resolved by other tests are already module globals."""
     out = subprocess.run(
@@ -112,6 +113,7 @@ def test_an_unknown_name_is_an_attribute_error():
         exec("from rrfp import SplitLinar", {})
 
 
+@pytest.mark.e2e
 def test_import_rrfp_loads_no_torch():
     """The names of the pure core and the simulator answer on a machine without torch."""
     code = (

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from rank_procs import RankProcs
 
+pytestmark = pytest.mark.e2e
+
 WORLD = 4
 TIMEOUT_S = 10  # run.timeout_s: how long a peer may stay silent
 SLACK_S = 35  # on a loaded 2-core machine; a hang still fails well inside the test timeout

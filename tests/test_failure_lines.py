@@ -5,6 +5,8 @@ test_fault_injection.py and test_failure.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from rrfp.app.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_traceback
 from rrfp.comm.channels import PeerError
 from rrfp.comm.message import MessageError
@@ -94,6 +96,7 @@ def test_multiline_causes_become_one_line(tmp_path):
     assert fallback != str(blocked / "rank-3.log") and "RuntimeError" in open(fallback).read()
 
 
+@pytest.mark.e2e
 def test_a_rank_that_cannot_join_says_start_up_failed(tmp_path):
     """Rendezvous on a port nobody serves: a start-up failure, not an internal error."""
     from test_train_cli import rrfp

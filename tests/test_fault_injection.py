@@ -15,7 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import TORCHRUN, child_env
 from rank_procs import RankProcs
+
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 5  # run.timeout_s: the peer deadline and the process-group timeout
 SLACK_S = 10
@@ -295,22 +298,13 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     import os
     import signal
     import subprocess
-    import sys
 
     from rank_procs import ROOT
 
     world = 3
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RRFP_", "MASTER_", "RANK", "WORLD_", "LOCAL_"))
-    }
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             f"--nproc-per-node={world}",
             "--monitor-interval=3",
             "-m",
@@ -319,7 +313,7 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
             *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1"),
         ],
         cwd=ROOT,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -19,6 +19,8 @@ from distributed import run_ranks
 from test_virtual_pipeline import build
 from torch import nn
 
+pytestmark = pytest.mark.multirank
+
 SEED = int(os.environ.get("RRFP_SHAPES_SEED", "19"))
 HINTS = (
     "bfw",

@@ -104,6 +104,7 @@ def test_nccl_inits_are_counted_before_and_after_startup():
         gpu_check.nccl_inits(log.replace(gpu_check.STARTUP_MARK, ""))
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_the_runs_the_gpu_checks_start_work_on_gloo():
     """nccl-init's marked run and train's exact losses, here on gloo: the start-up mark is in the
@@ -134,6 +135,7 @@ def test_memory_prediction_counts_weights_optimizer_and_the_budget():
     assert f["activation"] > 0 and f["predicted"] == 4 * weights + 2 * f["activation"]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_gpu_check_on_a_cpu_machine_skips_every_check_and_says_why():
     p = subprocess.run(

@@ -10,6 +10,8 @@ import math
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 M = 2
 INF = float("inf")
 

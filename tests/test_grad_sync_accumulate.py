@@ -9,6 +9,8 @@ import pytest
 from distributed import run_ranks
 from dp_mlp import M, data, model, reference
 
+pytestmark = pytest.mark.multirank
+
 ITERATIONS = 2
 
 

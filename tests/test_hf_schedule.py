@@ -11,6 +11,8 @@ pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it
 from distributed import run_ranks  # noqa: E402
 from hf_reference import CLIP, LR, STEPS, WARMUP, model_config, reference  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 LENGTHS = (17, 33, 25, 40)
 RANGES = [(0, 3), (3, 8)]
 

@@ -243,6 +243,7 @@ def test_bad_configs_are_one_clear_error():
         build_hf_stage(llama(), 2, 2)
 
 
+@pytest.mark.e2e
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     code = (
         "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, 'loaded'\n"

@@ -52,6 +52,7 @@ def _saved_parameters(folder: str) -> dict:
     }
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rrfp_train_equals_one_process(family):
@@ -75,6 +76,7 @@ def test_rrfp_train_equals_one_process(family):
     assert ref_losses[2] < ref_losses[0], "the reference should learn"
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
     """Stopped after step 1 of a 2-step warmup and resumed: steps 2 and 3 are the unbroken run's."""

@@ -51,6 +51,7 @@ def test_refused_with_one_line(sets, needles):
     config_error(sets, *needles, world=4)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,needles", [REFUSED[0], REFUSED[4]], ids=["context", "fixed-budget"])
 def test_refused_before_any_process_group(sets, needles):
@@ -153,6 +154,7 @@ def test_csv_hint_without_rows_for_a_later_stage_is_refused(tmp_path):
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
     assert_usage_error(
@@ -199,6 +201,7 @@ def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_pat
     ]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_unwritable_trace_exits_2_before_any_process_group():
     assert_usage_error(

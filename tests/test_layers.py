@@ -238,6 +238,7 @@ def test_the_surface_check_can_fail():
     ], deep
 
 
+@pytest.mark.e2e
 def test_core_and_sim_load_without_torch():
     """The pure core and the simulator answer what-if questions on a machine without torch."""
     import subprocess

@@ -8,10 +8,7 @@ prints it, and a test checks that the document says what rrfp prints.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
+from launch import TORCHRUN, child_env, rank_vars
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # when run as a script, to print the table
@@ -558,35 +557,11 @@ ROWS = [
 ]
 
 
-@contextlib.contextmanager
-def _launcher_env(row: Row):
-    """A torchrun-like rank 0 of 2 whose rendezvous nobody serves (nothing may join a group)."""
-    keys = (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_USE_AGENT_STORE",
-    )
-    keys += tuple(k for k, _ in row.env if k not in keys)
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        os.environ.pop(k, None)
-    if "outside torchrun" not in row.what:
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="9",
-        )
-    os.environ.update(row.env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+def _launcher_env(row: Row) -> dict[str, str]:
+    """A torchrun-like rank 0 of 2 whose rendezvous nobody serves (nothing may join a group),
+    with the row's variables over it."""
+    env = {} if "outside torchrun" in row.what else rank_vars(0, WORLD, port=9)
+    return {**env, **dict(row.env)}
 
 
 def printed(row: Row, tmp: Path) -> tuple[int, str]:
@@ -602,17 +577,13 @@ def printed(row: Row, tmp: Path) -> tuple[int, str]:
         except MessageError as e:
             return 2, str(e)
         return 0, ""
-    from rrfp.app.cli import main
-
-    argv = row.make(tmp)
-    err = io.StringIO()
-    with _launcher_env(row), contextlib.redirect_stderr(err):
-        code = main(argv)
+    res = rrfp_in_process(*row.make(tmp), env=_launcher_env(row))
+    code, err = res.returncode, res.stderr
     # the memory this machine has now is no part of the table
     return code, re.sub(
         r"above the \S+ \S+ available",
         "above the N GiB available",
-        err.getvalue().replace(str(tmp), "TMP"),
+        err.replace(str(tmp), "TMP"),
     )
 
 
@@ -652,6 +623,7 @@ def test_the_documented_table_is_what_rrfp_prints():
 TORCHRUN_ROWS = [ROWS[3], next(r for r in ROWS if "flipped byte in a shard" in r.what)]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_one_line_per_job_under_torchrun(tmp_path):
     for i, row in enumerate(TORCHRUN_ROWS):
@@ -659,18 +631,10 @@ def test_one_line_per_job_under_torchrun(tmp_path):
         tmp.mkdir()
         argv = [a for a in row.make(tmp) if a != "--dry-run"]
         logs = tmp / "logs"
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))
-        }
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = child_env()
         res = subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
+                *TORCHRUN,
                 "--nproc-per-node",
                 "4",
                 "--redirects",

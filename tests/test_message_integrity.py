@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 PG_TIMEOUT_S = 20  # far above what any case may take: an error near it would be a hang
 PROMPT_S = 5
 

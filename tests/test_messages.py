@@ -358,6 +358,7 @@ def _pipeline_rank(rank, world):
     return run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_pipeline_boundary_with_several_tensors_matches_reference():
     """The receiving stage takes the boundary as one tuple, as separate arguments, or as *args."""

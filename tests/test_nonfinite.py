@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 STEPS, NAN_STEP = 4, 2  # 1-based, as debug.fault counts
 
 

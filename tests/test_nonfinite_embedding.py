@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 M, D = 3, 4
 
 

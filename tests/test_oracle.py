@@ -9,6 +9,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from cli_run import rrfp_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -204,6 +205,7 @@ def test_hint_is_an_incumbent_and_the_time_limit_reports_a_bound():
         solve(base, hints=[simulate(replace(base, hint="bfw", dispatch="ready"))])
 
 
+@pytest.mark.e2e
 def test_sim_loads_without_ortools():
     code = (
         "import sys, rrfp.sim, rrfp.sim.oracle, rrfp.app.sim_oracle; "
@@ -224,9 +226,7 @@ def test_cli_without_ortools_says_what_to_install(monkeypatch, capsys):
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
-    )
+    return rrfp_in_process(*args)
 
 
 def test_cli_refuses_large_runs():

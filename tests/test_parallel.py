@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 M = 4
 CONFIGS = [(e, h) for e in ("ready", "fixed") for h in ("bf", "bfw")]
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 HINTS = ["gpipe", "1f1b", "zbh1", "bf", "bfw", "plan"]
 CONFIGS = [(e, h) for e in ("ready", "fixed") for h in HINTS]
 M = 4

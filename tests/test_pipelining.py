@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from distributed import run_ranks
+from launch import TORCHRUN, child_env
 from torch import nn
 
 M = 4
@@ -146,6 +147,7 @@ def _parity(rank, world):
     return result
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
 def test_losses_gradients_and_outputs_equal_torch_1f1b(world):
     results = run_ranks(_parity, world, timeout=120)
@@ -235,6 +237,7 @@ def _torch_variable_lengths(rank, world):
     return "ran"
 
 
+@pytest.mark.multirank
 def test_microbatches_of_different_lengths_run_where_torch_refuses_them(capfd, tmp_path):
     (tmp_path / "1f1b.csv").write_text(ONE_F_ONE_B_CSV)
     results = run_ranks(_variable_lengths, 2, str(tmp_path / "1f1b.csv"), timeout=60)
@@ -324,22 +327,18 @@ def test_torch_csv_refuses_what_rrfp_cannot_follow(tmp_path, text, error):
         read_torch_csv(path)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_the_example_prints_equal_losses_under_torchrun():
     """examples/torch_pipelining.py: one training loop, both schedules, the same losses."""
-    import os
     import re
     import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "examples/torch_pipelining.py",
@@ -348,7 +347,7 @@ def test_the_example_prints_equal_losses_under_torchrun():
         capture_output=True,
         text=True,
         timeout=170,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = re.findall(r"^\s*\d+\s+(\d+\.\d+)\s+(\d+\.\d+)$", p.stdout, re.M)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 M, D = 2, 4
 
 

@@ -15,6 +15,8 @@ import torch
 from distributed import run_ranks
 from test_pipelining import BATCH, VOCAB, M, batch, full_model, grads_of, loss_fn, max_diff
 
+pytestmark = pytest.mark.multirank
+
 V = 2
 TOL = 1e-10
 # torch's multi-stage schedules of each placement; ScheduleDualPipeV needs M >= S * V microbatches

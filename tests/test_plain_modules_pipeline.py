@@ -14,6 +14,8 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
+pytestmark = pytest.mark.multirank
+
 D, T, BATCH, M, STEPS = 8, 5, 2, 4, 3
 CONFIGS = [("ready", "bfw"), ("ready", "zbh1"), ("fixed", "1f1b")]
 

@@ -6,14 +6,13 @@ run computes."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from test_cost import ROOT, synthetic
+from cli_run import rrfp_in_process
+from test_cost import synthetic
 from test_train_cli import CONFIG, assert_usage_error, rrfp
 
 import rrfp.core.variability as variability
@@ -174,25 +173,16 @@ def test_calibrate_measures_on_the_runs_device():
     assert calibration_device(RuntimeSection(backend="nccl", device="cuda")) == torch.device("cuda")
     if torch.cuda.is_available():
         return  # the CPU-only refusal below does not apply; scripts/gpu_check.py calibrates on the GPU
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rrfp",
-            "calibrate",
-            "--config",
-            "configs/gpt-tiny.toml",
-            "--pp",
-            "2",
-            "--samples",
-            "2",
-            "--set",
-            "backend=nccl",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
+    p = rrfp_in_process(
+        "calibrate",
+        "--config",
+        "configs/gpt-tiny.toml",
+        "--pp",
+        "2",
+        "--samples",
+        "2",
+        "--set",
+        "backend=nccl",
     )
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "needs CUDA" in p.stderr, p.stderr

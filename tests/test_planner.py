@@ -3,6 +3,7 @@ than plain BFW on the durations it was planned for."""
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -63,51 +64,31 @@ def test_candidates_start_plain_then_put_long_microbatches_in_the_middle():
 
 def test_sim_shows_the_planned_row_with_its_planning_time():
     import json
-    import subprocess
-    import sys
 
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rrfp",
-            "sim",
-            "--pp",
-            "4",
-            "--mb",
-            "8",
-            "--seeds",
-            "2",
-            "--json",
-            "-",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    from cli_run import rrfp_in_process
+
+    p = rrfp_in_process("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--json", "-")
     assert p.returncode == 0, p.stderr
     rows = {(r["executor"], r["hint"]): r for r in json.loads(p.stdout)["rows"]}
     assert rows[("ready", "plan")]["median_plan_ms"] > 0 and "plan" in p.stderr
 
 
+@pytest.mark.e2e
 def test_train_plans_each_step_one_ahead_and_matches_bfw_losses():
     """`rrfp train` with hint = plan under lang: every step follows its own plan (made in a
     thread one step ahead), and the losses are BFW's: the order moves, the results do not."""
-    import os
     import re
     import subprocess
-    import sys
     from pathlib import Path
+
+    from launch import TORCHRUN, child_env
 
     root = Path(__file__).resolve().parents[1]
 
     def train(hint: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
+                *TORCHRUN,
                 "--nproc-per-node",
                 "2",
                 "-m",
@@ -134,7 +115,7 @@ def test_train_plans_each_step_one_ahead_and_matches_bfw_losses():
             capture_output=True,
             text=True,
             timeout=170,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=child_env(),
         )
 
     planned, plain = train("plan"), train("bfw")

@@ -10,13 +10,14 @@ for ``kill -9``.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import TORCHRUN, child_env
+
+pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILLED_IN = 6, 3
@@ -36,19 +37,11 @@ SETS = [
 
 
 def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
-    }
-    env.update(OMP_NUM_THREADS="1")
+    env = child_env()
     sets = [*SETS, f"checkpoint.dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}", *extra]
     return subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "--max-restarts",

@@ -1,10 +1,11 @@
 import json
 import subprocess
-import sys
 
 import pytest
+from cli_run import rrfp_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from launch import child_env, rrfp_argv
 
 from rrfp.core.budget import Budget
 from rrfp.core.hints import BUILTIN
@@ -156,9 +157,29 @@ def test_readiness_pays_off_under_lang():
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
-    )
+    return rrfp_in_process(*args)
+
+
+@pytest.mark.e2e
+def test_sim_and_plot_commands_run_as_processes(tmp_path):
+    """The subprocess smoke test of `rrfp sim` and `rrfp plot` (the other tests run them in this
+    process): the entry point runs each, prints its result and exits 0, and a bad flag is one
+    line and exit 2."""
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+
+    def rrfp(*args):
+        return subprocess.run(
+            rrfp_argv(*args), env=child_env(), capture_output=True, text=True, timeout=120
+        )
+
+    p = rrfp("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--trace", str(trace))
+    assert p.returncode == 0 and "1f1b" in p.stdout, p.stderr
+    p = rrfp("plot", str(trace), "--out", str(png))
+    assert p.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", p.stderr
+    p = rrfp("sim", "--pp", "0")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "rrfp: error: argument --pp: --pp must be >= 1, got 0"
+    ], p.stderr
 
 
 @pytest.mark.parametrize(

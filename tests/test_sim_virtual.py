@@ -3,11 +3,10 @@ the V turn), one task at a time per rank, the rank budget held, no deadlock, loc
 durations."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from cli_run import rrfp_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -263,9 +262,7 @@ def test_a_local_stage_runs_ahead_of_the_next_by_at_most_the_stages_between_them
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", *args], capture_output=True, text=True, timeout=120
-    )
+    return rrfp_in_process(*args)
 
 
 def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():

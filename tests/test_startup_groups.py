@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 
 def _groups_created(rank, world, root):
     import datetime

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 from distributed import free_port
+from launch import child_env, rrfp_argv
 from rank_procs import RankProcs
-from test_checkpoint import ROOT, SMALL, _env
+from test_checkpoint import ROOT, SMALL
+
+pytestmark = pytest.mark.e2e
 
 LIMIT_S = 45  # imports and the checks of 2 ranks on a loaded 2-core machine
 
@@ -42,9 +44,9 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60)."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "rrfp", "train", *SMALL, "--set", "timeout_s=60"],
+        rrfp_argv("train", *SMALL, "--set", "timeout_s=60"),
         cwd=ROOT,
-        env=_env(1, 2, free_port()),
+        env=child_env(1, 2, free_port()),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

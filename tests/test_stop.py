@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import TORCHRUN, child_env
 from test_restart import _flat, losses
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's own, the same job shape)
+
+pytestmark = pytest.mark.e2e
 
 STEPS, SLOW_STEP, SLOW_S, SAVED_WITHIN_S = 6, 3, 60, 5.0
 SETS = [
@@ -43,20 +46,12 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
     """``rrfp train`` on 2 ranks under torchrun. --monitor-interval 3: once a rank has exited, the agent
     SIGTERMs the other only after 3 s, so each rank's own line is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_", "TORCHELASTIC", "RRFP_"))
-    }
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     sets = [*SETS, f"checkpoint.dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
     out, err = open(tmp / "out", "w"), open(tmp / "err", "w")
     p = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "--monitor-interval",

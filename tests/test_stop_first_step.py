@@ -17,6 +17,8 @@ import torch
 from test_restart import _flat
 from test_stop import torchrun, workers
 
+pytestmark = pytest.mark.e2e
+
 STEPS = 3
 
 

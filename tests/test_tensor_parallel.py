@@ -217,6 +217,7 @@ def _mlp_ranks(rank, world):
     return "ok"
 
 
+@pytest.mark.multirank
 def test_column_row_mlp_matches_reference():
     assert run_ranks(_mlp_ranks, 2, timeout=60) == {0: "ok", 1: "ok"}
 
@@ -286,6 +287,7 @@ def _gpt_ranks(rank, world):
     return replicated
 
 
+@pytest.mark.multirank
 def test_gpt_tp2_matches_reference():
     results = run_ranks(_gpt_ranks, 2, timeout=60)
     # replicated parameters: the same gradient on every TP rank

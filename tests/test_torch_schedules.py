@@ -107,6 +107,7 @@ def _train_two_iterations(rank, world, schedule):
     )
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_two_iterations_match_single_process_reference(schedule):
     out = run_ranks(_train_two_iterations, WORLD, schedule, timeout=90)
@@ -207,6 +208,7 @@ def _lower_bound(
     return max(bound, chain)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_emulated_time_bounds_the_iteration(schedule):
     from rrfp.core.variability import Variability

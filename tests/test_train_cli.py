@@ -4,17 +4,17 @@ traceback, and no process group (nothing waits for peers that never come).
 Every config error is a ConfigError from ``TrainConfig.load``, which ``rrfp
 train`` prints as that one line before any group exists. So the tables of
 errors check each message in this process (``config_error``), and one case of
-each table runs the command under a torchrun-like environment: a process
-costs about 3 s here, most of it importing torch."""
+each table runs the command, in this process (``rrfp``), under a torchrun-like environment;
+one runs it as a subprocess, for what only a process shows."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
+from launch import child_env, rank_vars, rrfp_argv
 
 from rrfp.app.config import ConfigError, TrainConfig
 
@@ -23,31 +23,11 @@ CONFIG = "configs/gpt-tiny.toml"
 
 
 def rrfp(*args: str, world: int | None = None, rank: int = 0) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RRFP_LOG")
-    }
-    env["OMP_NUM_THREADS"] = "1"
-    if world is not None:
-        # a torchrun-like environment whose rendezvous nobody serves: joining a
-        # process group would fail or hang, so a pass proves none was joined
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT="9",
-        )
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", "train", *args],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=45,
-    )
+    """`rrfp train ARGS` in this process; with ``world``, under a torchrun-like environment whose
+    rendezvous nobody serves: joining a process group would fail or hang, so a pass proves none
+    was joined."""
+    env = {} if world is None else rank_vars(rank, world, port=9)
+    return rrfp_in_process("train", *args, env=env)
 
 
 def assert_usage_error(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -246,9 +226,19 @@ def test_dry_run_shows_the_virtual_stages():
     ) in res.stdout.splitlines(), res.stdout
 
 
+@pytest.mark.e2e
 def test_no_launcher_environment():
-    """Without torchrun's environment the run cannot start; it says how to start it."""
-    res = rrfp("--config", CONFIG)
+    """Without torchrun's environment the run cannot start; it says how to start it. The
+    command's subprocess smoke test: the entry point's exit status and stderr."""
+    res = subprocess.run(
+        rrfp_argv("train", "--config", CONFIG),
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
     assert "Traceback" not in res.stderr, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "torchrun" in lines[0] and lines[0].startswith("rrfp: error:"), (
@@ -304,7 +294,8 @@ def test_device_error_exits_2_before_any_group():
 
 
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
-    """Checked without a GPU: CUDA is reported present with one device, and two ranks share the node."""
+    """Checked without a GPU: CUDA is reported present with one device, and two ranks share
+    the node."""
     import torch
 
     from rrfp.app.config import ConfigError, TrainConfig

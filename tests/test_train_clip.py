@@ -10,6 +10,8 @@ import math
 import pytest
 from distributed import run_ranks
 
+pytestmark = pytest.mark.multirank
+
 STEPS, CLIP = 4, 0.05
 SETS = [
     f"steps={STEPS}",

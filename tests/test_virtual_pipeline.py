@@ -147,6 +147,7 @@ def _ranks(rank, world):
     return asyncio.run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_virtual_stages_match_one_process(world):
@@ -245,6 +246,7 @@ def _complex_turn(rank, world, placement):
     return asyncio.run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("placement", ["interleaved", "v"])
 def test_the_v_turn_refuses_what_no_link_carries(placement):

@@ -260,6 +260,7 @@ def _one_iteration(rank, world, configs):
     return run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_iteration_matches_reference(pp):

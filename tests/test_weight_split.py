@@ -170,6 +170,7 @@ def _plain_pipeline(rank, world, configs):
     return asyncio.run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_plain_model_under_bfw_matches_reference():
     configs = [("ready", "bfw"), ("fixed", "bfw"), ("ready", "1f1b")]

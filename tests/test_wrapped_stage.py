@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from distributed import run_ranks
+
+pytestmark = pytest.mark.multirank
 
 WHO = "PipelineRuntime.stage_executor"
 WRAPPED = r"^{who} does not support a stage module wrapped in {cls} \(data parallelism inside the stage\) yet{inside}$"

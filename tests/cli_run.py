@@ -1,0 +1,61 @@
+"""`rrfp ARGS` run in the test process through ``rrfp.app.cli.main``: what it prints and its exit
+code, as a subprocess would give them, without starting an interpreter and importing torch for
+each refusal a test checks. Each command keeps one subprocess smoke test of its own elsewhere,
+which covers what only a real process shows (the entry point, the exit status).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import subprocess
+from unittest import mock
+
+from launch import DROPPED_PREFIXES, LAUNCHER_VARS
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """os.environ as a child's (launcher and rrfp variables dropped) plus ``env``, until the
+    block ends."""
+    saved = dict(os.environ)
+    for k in list(os.environ):
+        if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
+            del os.environ[k]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _leave(code: int):
+    raise SystemExit(code)
+
+
+def rrfp_in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``rrfp ARGS`` with ``env`` over a child's environment: its exit code, stdout and stderr."""
+    from rrfp.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with (
+        environment(env or {}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        # a rank leaves through os._exit (rrfp.app.errors.exit_now): here it ends the call
+        mock.patch("os._exit", side_effect=_leave),
+    ):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's --help, a command that exits
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+    return subprocess.CompletedProcess(
+        ["rrfp", *args], code, stdout=out.getvalue(), stderr=err.getvalue()
+    )
