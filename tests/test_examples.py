@@ -74,17 +74,9 @@ def test_readme_shows_examples_my_model_as_it_is():
 @pytest.mark.timeout(240)
 def test_my_model_example_trains_under_rrfp_train():
     """The README's command for one's own model, on 2 gloo ranks: it trains, and the loss falls."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
     p = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
+            *TORCHRUN,
             "--nproc-per-node",
             "2",
             "-m",
@@ -97,7 +89,7 @@ def test_my_model_example_trains_under_rrfp_train():
         capture_output=True,
         text=True,
         timeout=220,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+/20 +loss (\d+\.\d+)", p.stdout)]
