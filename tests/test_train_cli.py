@@ -310,3 +310,63 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).runtime.device_type
         == "cuda"
     )
+
+
+def _launch(*args: str, timeout: float, config: str = CONFIG) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        rrfp_argv("train", "--config", config, *args),
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.e2e
+def test_the_launcher_refuses_a_bad_config_before_starting_ranks():
+    """`rrfp train --nproc-per-node N` checks the config for the world it would start, in one
+    process: a typo is one line and exit 2, with none of torchrun's failure summary (which only
+    ranks that failed under its agent produce)."""
+    res = _launch("--nproc-per-node", "2", "--set", "schedule.hnt=bfw", timeout=60)
+    assert_usage_error(res, "unknown key schedule.hnt", "did you mean hint?")
+    assert "ChildFailedError" not in res.stderr and res.stdout == "", res.stdout
+    # the layout is checked against the world the launcher would start, not one it implies
+    res = _launch("--nproc-per-node", "3", "--set", "parallel.pp=2", timeout=60)
+    assert_usage_error(res, "does not match world size 3")
+
+
+def test_the_launcher_is_refused_under_torchrun():
+    assert_usage_error(
+        rrfp("--config", CONFIG, "--nproc-per-node", "2", world=2),
+        "--nproc-per-node starts the ranks itself",
+    )
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_the_launcher_starts_the_ranks_when_the_config_is_good():
+    """Then it is torchrun: the ranks train, rank 0 reports once, and a flat config's moved keys
+    are warned about once each, by the launcher, not again by rank 0."""
+    flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
+    res = _launch("--nproc-per-node", "2", "--set", "run.steps=2", timeout=170, config=flat)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("done: 2 steps") == 1, res.stdout
+    warned = [line for line in res.stderr.splitlines() if "is deprecated" in line]
+    assert warned and len(warned) == len(set(warned)), res.stderr
+
+
+def test_the_launcher_hands_torchrun_the_same_train_command():
+    from argparse import Namespace
+
+    from rrfp.app.launcher import torchrun_argv
+
+    args = Namespace(
+        nproc_per_node=4, config="c.toml", set=["a=1", "b=2"], resume=True, debug=False
+    )
+    argv = torchrun_argv(args)
+    assert argv[1:] == [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
+    ]  # fmt: skip

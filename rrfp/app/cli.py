@@ -194,6 +194,13 @@ def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a model on this rank (run under torchrun)")
     train.add_argument("--config", required=True, help="TOML run config")
     train.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N ranks on this machine (torchrun's agent) once the config and layout check "
+        "out; without it, run under torchrun",
+    )
+    train.add_argument(
         "--set",
         action="append",
         default=[],

@@ -20,6 +20,7 @@ from rrfp.app.config import ConfigKeyDeprecated, TrainConfig
 from rrfp.app.config_fields import toml_text
 from rrfp.app.config_sections import OutputSection
 from rrfp.app.environment import check_launcher, configure_logging
+from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
@@ -148,17 +149,22 @@ def kept_checkpoint(checkpoint_dir: str) -> str:
 def train_command(args) -> int:
     configure_logging()
     check_launcher()
+    launching = getattr(args, "nproc_per_node", None) is not None
+    if launching:
+        check_launch(args)
     # without torchrun the config is still checked first (in the world its layout implies), so a
     # bad key is not hidden behind the launcher's error
     standalone = "WORLD_SIZE" not in os.environ
     rank, _ = rank_and_world()
     try:
-        # the layout and model checks run here, before any process group: bad input exits 2 on every rank
-        cfg = _load(args, rank, implied_world=standalone)
-        if standalone and not args.dry_run:
+        # the layout and model checks run here, before any process group: bad input exits 2 on
+        # every rank (or once, in the launcher, for the world it is about to start)
+        cfg = _load(args, rank, implied_world=standalone and not launching, launching=launching)
+        if standalone and not args.dry_run and not launching:
             raise UsageError(
-                "no RANK/WORLD_SIZE in the environment: start the ranks with torchrun "
-                "(torchrun --nproc-per-node N -m rrfp train ...)"
+                "no RANK/WORLD_SIZE in the environment: give --nproc-per-node N to start N "
+                "ranks here, or start them with torchrun (torchrun --nproc-per-node N -m rrfp "
+                "train ...)"
             )
         # rank 0 writes output.trace and output.sizes at the end, but every rank probes their folders
         # now: a refusal on rank 0 alone would leave the others waiting for it in the rendezvous
@@ -198,6 +204,8 @@ def train_command(args) -> int:
         if rank == 0:
             print(dry_run_text(cfg, prints), end="")
         return 0
+    if launching:
+        start_ranks(args)
     relay = StopRelay().start()
     stop = StopOnSignal(
         lambda: kept_checkpoint(cfg.checkpoint.dir), relay, leave_in_startup=True
@@ -248,13 +256,15 @@ def train_command(args) -> int:
     exit_now(0)
 
 
-def _load(args, rank: int, implied_world: bool) -> TrainConfig:
-    """The config, its deprecation warnings printed once for the job (by rank 0)."""
+def _load(args, rank: int, implied_world: bool, launching: bool = False) -> TrainConfig:
+    """The config, its deprecation warnings printed once for the job (by rank 0, or by the
+    launcher that started the ranks)."""
     sets = [*args.set, *(["checkpoint.resume=required"] if args.resume else [])]
+    world = args.nproc_per_node if launching else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigKeyDeprecated)
-        cfg = TrainConfig.load(args.config, sets, implied_world=implied_world)
-    if rank == 0:
+        cfg = TrainConfig.load(args.config, sets, world_size=world, implied_world=implied_world)
+    if rank == 0 and os.environ.get(LAUNCHED) != "1":
         for w in caught:
             if issubclass(w.category, ConfigKeyDeprecated):
                 say(f"rrfp: warning: {w.message}")

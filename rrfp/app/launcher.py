@@ -1,0 +1,51 @@
+"""``rrfp train --nproc-per-node N``: check the config and the layout in this one process, then
+hand the job to torchrun's agent.
+
+Under a bare ``torchrun`` a refusal reaches the user after N interpreters have started, once per
+job from rrfp and then again as torchrun's failure summary. Checked here first, bad input is one
+line and exit 2 within seconds of the command, and only a run that can start starts the ranks.
+The ranks check the config again (they must: torchrun may be started by hand), quietly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rrfp.app.errors import UsageError
+
+# set for the ranks this launcher starts: the launcher has said the config's warnings already
+LAUNCHED = "RRFP_LAUNCHED"
+
+
+def torchrun_argv(args) -> list[str]:
+    """The torchrun command that runs this ``rrfp train`` on ``args.nproc_per_node`` local ranks."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    argv += ["--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
+    argv += ["--config", args.config]
+    for item in args.set:
+        argv += ["--set", item]
+    argv += [flag for flag, on in (("--resume", args.resume), ("--debug", args.debug)) if on]
+    return argv
+
+
+def check_launch(args) -> None:
+    """Refuse what cannot launch: a launcher inside a launcher, or no rank to start."""
+    if "WORLD_SIZE" in os.environ:
+        raise UsageError(
+            "--nproc-per-node starts the ranks itself: drop it when running under torchrun"
+        )
+    if args.nproc_per_node < 1:
+        raise UsageError(f"--nproc-per-node {args.nproc_per_node}: must be at least 1")
+
+
+def start_ranks(args) -> None:
+    """Replace this process by torchrun's agent, so that signals (Ctrl-C, SIGTERM) reach the
+    agent directly, as when the user runs torchrun. Does not return."""
+    env = dict(os.environ)
+    env[LAUNCHED] = "1"
+    # rrfp sets each rank's threads (runtime.threads); without this torchrun prints a banner
+    env.setdefault("OMP_NUM_THREADS", "1")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, torchrun_argv(args), env)
