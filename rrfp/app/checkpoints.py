@@ -124,7 +124,8 @@ def plan_resume(cfg: TrainConfig) -> Resume:
         if done:  # a fresh run would prune them as older than its own
             raise ConfigError(
                 f"checkpoint.dir {ck.dir} already holds checkpoints (the latest "
-                f"at step {done[-1].step}): continue with --resume (or checkpoint.resume = auto), or "
+                f"at step {done[-1].step}): continue with --resume (or checkpoint.resume = auto), "
+                "or "
                 "choose another directory"
             )
         return Resume(None)
@@ -270,7 +271,8 @@ class RunCheckpoints:
         if high != low:
             raise ConfigError(
                 f"the ranks found different checkpoints to resume from in {self.store.root} "
-                f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
+                f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every "
+                "rank?"
             )
         if rt.rank == 0:
             self.store.discard([c for c, _ in resume.rejected])
