@@ -66,7 +66,8 @@ def test_first_stage_alone_equals_the_whole_models_slice():
 
 @pytest.mark.parametrize("make", [llama, qwen3, mistral], ids=["llama", "qwen3", "mistral"])
 def test_stages_chain_to_the_whole_models_logits_and_gradients(make):
-    """Uneven user ranges, a padding mask and a tied head on Qwen3: rotary and the masks rebuilt per stage."""
+    """Uneven user ranges, a padding mask and a tied head on Qwen3: rotary and the masks rebuilt per
+    stage."""
     cfg = make(tie_word_embeddings=make is qwen3)
     whole = build_hf_model(cfg, seed=1, dtype=torch.float64, gradient_checkpointing=True)
     ranges = [(0, 1), (1, 4), (4, 5), (5, 8)]
@@ -246,7 +247,8 @@ def test_bad_configs_are_one_clear_error():
 @pytest.mark.e2e
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     code = (
-        "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, 'loaded'\n"
+        "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, "
+        "'loaded'\n"
         "sys.modules['transformers'] = None\n"
         "try:\n    rrfp.build_hf_stage(None, 0, 1)\nexcept ImportError as e:\n    print(e)\n"
     )

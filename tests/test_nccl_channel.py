@@ -25,7 +25,8 @@ DEVICE = torch.device("cuda", 0)
 
 
 def connected_pair(world: FakeWorld | None = None, deadline_s: float | None = None):
-    """(tx on rank 0, rx on rank 1, world, poller): one channel 0 -> 1, created and warmed up as at start-up."""
+    """(tx on rank 0, rx on rank 1, world, poller): one channel 0 -> 1, created and warmed up as at
+    start-up."""
     world = world or FakeWorld(2)
     poller = CompletionPoller(spin_rounds=4, backoff_s=1e-4, max_backoff_s=1e-3)
     ends = {}
@@ -100,7 +101,8 @@ async def test_a_send_completes_only_once_its_receive_is_posted():
 @pytest.mark.timeout(30)
 @pytest.mark.asyncio
 async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
-    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send time."""
+    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send
+    time."""
     tx, rx, world, poller = connected_pair()
     compute = tx.compute_stream
     delays = {}
@@ -120,8 +122,10 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
         header = world.sends[before]
         delays[gate] = header.posted_at - producer_end()
     print(
-        f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's event, "
-        f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task enqueued between)"
+        f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's "
+        "event, "
+        f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task "
+        "enqueued between)"
     )
     assert -1e-4 <= delays["ready"] < 0.01, delays
     assert delays["record at send time"] > 0.025, delays

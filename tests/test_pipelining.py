@@ -18,8 +18,8 @@ VOCAB, DIM, BATCH = 11, 8, 2
 
 
 class Chunk(nn.Module):
-    """One stage of a small token model: embedding on the first, projection to the vocabulary on the last.
-    The first stage also takes a keyword argument (a scale), as torch lets a first stage."""
+    """One stage of a small token model: embedding on the first, projection to the vocabulary on the
+    last. The first stage also takes a keyword argument (a scale), as torch lets a first stage."""
 
     def __init__(self, first: bool, last: bool) -> None:
         super().__init__()
@@ -217,7 +217,8 @@ def _variable_lengths(rank, world, csv_path):
 
 def _torch_variable_lengths(rank, world):
     """The same microbatches through torch 2.13's Schedule1F1B (``_step_microbatches`` is its way to
-    take them pre-split; 2.14's ``step(arg_mbs=)``): its receive buffers have the first one's shape."""
+    take them pre-split; 2.14's ``step(arg_mbs=)``): its receive buffers have the first one's
+    shape."""
     import datetime
 
     import torch.distributed as dist
@@ -263,7 +264,8 @@ ONE_F_ONE_B_CSV = (
 
 
 def test_non_stages_are_refused():
-    """Several stages per rank are taken (tests/test_pipelining_virtual.py); what is not a stage is not."""
+    """Several stages per rank are taken (tests/test_pipelining_virtual.py); what is not a stage is
+    not."""
     from rrfp import ScheduleReady
 
     with pytest.raises(ValueError, match="at least one PipelineStage, got an empty list"):

@@ -1,5 +1,5 @@
-"""ScheduleReady(dp_sync=True) on pp 2 x dp 2 (4 gloo ranks; stage s of replica d on rank s * 2 + d):
-after a step every rank's gradients equal one process's over the whole batch of both replicas
+"""ScheduleReady(dp_sync=True) on pp 2 x dp 2 (4 gloo ranks; stage s of replica d on rank s * 2 +
+d): after a step every rank's gradients equal one process's over the whole batch of both replicas
 (float64), as do the losses of each replica's microbatches."""
 
 from __future__ import annotations

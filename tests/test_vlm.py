@@ -234,7 +234,8 @@ def _one_iteration(rank, world, configs):
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(VLM(CFG), rt.stage, rt.num_stages)
-                received = []  # what the runtime hands this stage: a tuple of tensors, not a joined sequence
+                # what the runtime hands this stage: a tuple of tensors, not a joined sequence
+                received = []
                 module.register_forward_pre_hook(
                     lambda _, args: received.append(
                         None
