@@ -127,7 +127,7 @@ class NcclChannel(ChannelEnd):
         except MessageError as e:
             raise self._fail(
                 MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}")
-            )
+            ) from e
         with ops.stream(self.stream):
             tensors = [None if s.is_none else ops.empty(s.shape, s.dtype) for s in header.specs]
             works = [

@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import warnings
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
