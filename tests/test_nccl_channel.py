@@ -110,7 +110,6 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
         with world.use_stream(compute):
             world.kernel(0, 0.03)  # the producer
         produced = FakeCudaOps(world, 0).record_event(compute)
-        producer_end = lambda: produced.done_at  # noqa: E731
         with world.use_stream(compute):
             world.kernel(0, 0.03)  # the next task, enqueued before the send coroutine runs
         msg = message(0, 4)
@@ -120,7 +119,7 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
             tg.create_task(rx.recv())
             await tx.send(msg)
         header = world.sends[before]
-        delays[gate] = header.posted_at - producer_end()
+        delays[gate] = header.posted_at - produced.done_at
     print(
         f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's "
         "event, "

@@ -55,7 +55,7 @@ def reference_grads(model, chunk_index: int, mbs) -> tuple[list[float], dict]:
     model.zero_grad()
     losses = [loss_fn(model(x), y) for x, y in mbs]
     (sum(losses) / len(losses)).backward()
-    return [l.item() for l in losses], {
+    return [loss.item() for loss in losses], {
         n: p.grad.clone() for n, p in model[chunk_index].named_parameters()
     }
 
@@ -101,11 +101,11 @@ def _parity(rank, world):
                 *args, target=y if last else None, losses=eval_losses, **kwargs
             )
             out[name] = dict(
-                losses=[l.item() for l in losses],
+                losses=[loss.item() for loss in losses],
                 grads1=after_one,
                 grads2=after_two,
                 merged=merged,
-                eval_losses=[l.item() for l in eval_losses],
+                eval_losses=[loss.item() for loss in eval_losses],
                 evaluated=evaluated,
             )
             if name == "rrfp":

@@ -64,7 +64,7 @@ def _rank(rank, world, dp_sync):
         return (
             s,
             {n: p.grad.tolist() for n, p in stage.submod.named_parameters()},
-            [l.item() for l in losses],
+            [loss.item() for loss in losses],
         )
     finally:
         dist.destroy_process_group()
@@ -92,5 +92,5 @@ def test_dp_sync_gradients_equal_one_process_over_the_whole_batch():
         if s == 1:
             d = rank - 2
             assert got == pytest.approx(
-                [l.item() for l in losses[d * M : (d + 1) * M]], rel=1e-12, abs=0
+                [loss.item() for loss in losses[d * M : (d + 1) * M]], rel=1e-12, abs=0
             )

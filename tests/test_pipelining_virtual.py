@@ -46,7 +46,7 @@ def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict, torch.T
     losses = [loss_fn(model(x[i : i + BATCH]), y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
     (sum(losses) / len(losses)).backward()
     return (
-        [l.item() for l in losses],
+        [loss.item() for loss in losses],
         {(s, n): p.grad.clone() for s in stages for n, p in model[s].named_parameters()},
         model(x).detach(),
     )
@@ -83,11 +83,11 @@ def _run(
             *((x,) if first else ()), target=y if last else None, losses=eval_losses
         )
     out = dict(
-        losses=[l.item() for l in losses],
+        losses=[loss.item() for loss in losses],
         grads1=grads1,
         grads2=grads2,
         merged=merged,
-        eval_losses=[l.item() for l in eval_losses],
+        eval_losses=[loss.item() for loss in eval_losses],
         evaluated=evaluated,
     )
     return schedule, out

@@ -250,7 +250,7 @@ def test_a_local_stage_runs_ahead_of_the_next_by_at_most_the_stages_between_them
         )
         started = {r: [0, 0] for r in range(4)}
         most = {r: 0 for r in range(4)}
-        for s, t, a, b in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
+        for s, t, _start, _end in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
             if t.kind is Kind.F:
                 r = lay.rank_of(s)
                 started[r][lay.local_index(s)] += 1

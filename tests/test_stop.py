@@ -129,7 +129,7 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     lines = {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", text, re.M)}
     assert list(lines) == [0], f"one line for the job, rank 0's: {lines}"
     ck = run / "ck" / f"step-{SLOW_STEP - 1:08d}"
-    for r, line in lines.items():
+    for line in lines.values():
         assert (
             f"step {SLOW_STEP} of {STEPS} abandoned midway, not applied; checkpoint {ck} "
             f"(step {SLOW_STEP - 1}) is saved; continue with --resume"

@@ -47,7 +47,7 @@ def _train_two_iterations(rank, world, schedule):
         ref_opt.zero_grad()
         losses = [loss_fn(ref(x), y) for x, y in batches]
         (sum(losses) / M).backward()
-        ref_losses.append([l.item() for l in losses])
+        ref_losses.append([loss.item() for loss in losses])
         if len(ref_losses) < len(data):
             ref_opt.step()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
