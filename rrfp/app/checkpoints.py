@@ -220,7 +220,7 @@ class RunCheckpoints:
         opts: list[torch.optim.Optimizer],
     ) -> None:
         self.cfg, self.rt = cfg, rt
-        one = len(modules) == 1  # the single-stage form: save_stage's keys and calls as before
+        one = len(modules) == 1  # the single-stage form: save_stage's own keys and calls
         self.module, self.opt = (modules[0], opts[0]) if one else (list(modules), list(opts))
         self.store = CheckpointDir(cfg.checkpoint.dir)
         self.where = dict(

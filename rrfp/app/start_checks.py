@@ -48,7 +48,7 @@ log = logging.getLogger("rrfp.app.start_checks")
 TIMEOUT_FACTOR = 3  # a peer may wait a whole step and more: a straggling task is 3x ("lang" preset)
 SAMPLE = 8  # microbatches measured for activations and features
 # counted: half of what the meta forward saves. The meta device may pick other kernels than the real
-# one (attention, dropout): on gpt-tiny it saved 2% more than the CPU forward of the same microbatch
+# one (attention, dropout), so what it saves can differ a little from a real forward's
 ACTIVATION_SHARE = 0.5
 
 

@@ -482,7 +482,7 @@ def takes_several(module: nn.Module) -> bool:
     rather than one tuple (``forward(self, x)``)."""
     try:
         params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the tuple, as before
+    except (TypeError, ValueError):  # no signature to read: one tuple, the default
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in params)
