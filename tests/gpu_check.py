@@ -64,8 +64,7 @@ CPU_PART = {  # where each check's device-independent part runs in the suite
     "poller": "tests/test_gpu_check.py, on the fake CUDA",
     "loopback": "tests/test_gpu_check.py, on the fake CUDA",
     "nccl-init": "tests/test_gpu_check.py (the log count) and tests/test_gpu_path.py (no "
-    "communicator after "
-    "start-up, fake NCCL)",
+    "communicator after start-up, fake NCCL)",
     "memory": "tests/test_gpu_check.py (the prediction)",
     "train": "tests/test_checkpoint.py (a resumed run repeats the losses bit for bit, gloo)",
     "calibrate": "tests/test_plan_inputs.py (the device a CUDA run calibrates on)",
@@ -237,8 +236,7 @@ def lane_line(f: dict) -> str:
         f"{f['tasks']} tasks ({kinds}): device idle gaps p50 {f['gap_p50_us']:.0f} us, p99 "
         f"{f['gap_p99_us']:.0f} us, idle share {f['idle_share']:.1%}; host per task: enqueue "
         f"{f['enqueue_ms_per_task']:.2f} ms against {f['kernel_ms_per_task']:.2f} ms of kernels, "
-        "decision "
-        f"{f['decision_us']:.0f} us"
+        f"decision {f['decision_us']:.0f} us"
     )
 
 
@@ -738,10 +736,9 @@ def memory_line(f: dict) -> str:
     )
     return (
         f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; "
-        "predicted "
-        f"{f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, {f['inflight']} "
-        "microbatches of "
-        f"{f['activation'] / mib:.0f} MiB in flight): allocated/predicted {ratio:.2f}"
+        f"predicted {f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, "
+        f"{f['inflight']} microbatches of {f['activation'] / mib:.0f} MiB in flight): "
+        f"allocated/predicted {ratio:.2f}"
     )
 
 

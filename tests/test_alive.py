@@ -172,8 +172,7 @@ def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, v
         (line,) = ranks.error_lines(other)
         silent = (
             rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {timeout_s}\): it "
-            r"is stopped, "
-            rf"hung or cut off"
+            r"is stopped, hung or cut off"
             if victim == 1
             else r"the rendezvous store at 127.0.0.1:\d+ \(in rank 0's process\) stopped "
             r"answering: no heartbeat "

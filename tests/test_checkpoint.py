@@ -149,8 +149,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
             assert len(resumed) == len(whole) == STEPS, where
             print(
                 f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted "
-                "run "
-                f"{r['whole'][1]}; largest difference to the resumed run "
+                f"run {r['whole'][1]}; largest difference to the resumed run "
                 f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}"
             )
             # bit-exact for both executors: readiness changes how F, B and W interleave, but on

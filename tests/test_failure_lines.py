@@ -59,9 +59,8 @@ def test_peer_failures_point_at_the_peer():
     )
     died = PeerError(
         "rank 2: channel bwd 2->1 (rank 2 -> rank 1): send of the header of B message (iteration "
-        "2, "
-        "microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: Connection "
-        "reset by peer [127.0.0.1]:2967",
+        "2, microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: "
+        "Connection reset by peer [127.0.0.1]:2967",
         peer=1,
     )
     assert (
@@ -193,9 +192,8 @@ def test_a_model_collective_that_lost_its_peer_is_a_peer_failure_not_a_bug():
     assert f.kind == SECONDARY and f.note == "secondary ?"
     assert f.line(0, 0, "x.log", False, origin=(1, False)) == (
         "rank 0: stopped: rank 1 left first without a word (killed, or hung): a collective in task "
-        "B3 (microbatch "
-        "3) of iteration 6, on stage 0 of 2 (rank 0) failed (the peer process probably died) "
-        "(traceback in x.log)"
+        "B3 (microbatch 3) of iteration 6, on stage 0 of 2 (rank 0) failed (the peer process "
+        "probably died) (traceback in x.log)"
     )
     assert Failure.of(RuntimeError("Connection reset by my own code")).kind == INTERNAL, (
         "not gloo's: a bug"

@@ -201,8 +201,7 @@ def test_sends_leave_when_their_producer_ends(fake_dist, monkeypatch):
         for msg, after, d, gate in rows:
             print(
                 f"  {msg:<16} next task {after:<4} send starts {d * 1e3:+6.1f} ms after its "
-                "producer ends "
-                f"(its gate {gate * 1e3:+6.1f} ms)"
+                f"producer ends (its gate {gate * 1e3:+6.1f} ms)"
             )
     # fixed: every send is gated by its producer's own end; before: several by the end of the task
     # enqueued after the producer (the send starts no earlier than its gate)

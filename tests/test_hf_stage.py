@@ -248,9 +248,8 @@ def test_bad_configs_are_one_clear_error():
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     code = (
         "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, "
-        "'loaded'\n"
-        "sys.modules['transformers'] = None\n"
-        "try:\n    rrfp.build_hf_stage(None, 0, 1)\nexcept ImportError as e:\n    print(e)\n"
+        "'loaded'\nsys.modules['transformers'] = None\ntry:\n    rrfp.build_hf_stage(None, 0, "
+        "1)\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -70,8 +70,7 @@ def test_rrfp_train_equals_one_process(family):
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     print(
         f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| "
-        f"{param_diff:.3g}, "
-        f"norms {norms}, max |norm - ref| {norm_diff:.3g}"
+        f"{param_diff:.3g}, norms {norms}, max |norm - ref| {norm_diff:.3g}"
     )
     assert loss_diff < 1e-12 and param_diff < 1e-12, (loss_diff, param_diff)
     assert ref_losses[2] < ref_losses[0], "the reference should learn"

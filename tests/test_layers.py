@@ -248,8 +248,7 @@ def test_core_and_sim_load_without_torch():
 
     code = (
         "import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, "
-        "rrfp.choose; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "rrfp.choose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -122,8 +122,7 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
         delays[gate] = header.posted_at - produced.done_at
     print(
         f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's "
-        "event, "
-        f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task "
+        f"event, {delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task "
         "enqueued between)"
     )
     assert -1e-4 <= delays["ready"] < 0.01, delays

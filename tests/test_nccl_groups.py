@@ -85,10 +85,9 @@ def test_a_group_torch_did_not_initialize_eagerly_is_refused():
     [
         (
             "NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: "
-            "remote process exited "
-            "or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed "
-            "possibly due to a network "
-            "error or a remote process exiting prematurely.",
+            "remote process exited or there was a network error, NCCL version "
+            "2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote "
+            "process exiting prematurely.",
             "the peer process probably died",
         ),
         (

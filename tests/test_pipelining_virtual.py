@@ -297,8 +297,7 @@ REFUSALS = {
         {0: (0, 1), 1: (2, 3)},
         ValueError,
         r"group rank {r} holds stages \[\d, \d\] of 4: ScheduleReady places a rank's stages "
-        r"interleaved "
-        r"\[{r}, {i}\] or v \[{r}, \d\], not otherwise",
+        r"interleaved \[{r}, {i}\] or v \[{r}, \d\], not otherwise",
     ),
     # one stage per rank: each rank checks its own (both are wrong here)
     "one stage, another rank's": (

@@ -158,9 +158,8 @@ def test_four_plain_stages_with_derived_outputs_match_one_process():
     for rank, out in sorted(results.items()):
         for (dispatch, hint), (grad_err, param_err, splits, summary) in out.items():
             print(
-                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, "
-                f"max |param diff| after {STEPS} AdamW steps {param_err:.2e}, in B: "
-                f"{summary.in_b or '-'}"
+                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, max |param diff| "
+                f"after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}"
             )
             assert grad_err < 1e-10, (rank, dispatch, hint, grad_err)
             assert param_err < 1e-10, (rank, dispatch, hint, param_err)

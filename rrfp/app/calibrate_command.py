@@ -64,8 +64,7 @@ def report(
     summary = {}
     print(
         f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + "
-        "b*tokens + "
-        f"c*attn + d*patches",
+        "b*tokens + c*attn + d*patches",
         file=file,
     )
     errors_all = []
@@ -81,8 +80,7 @@ def report(
             c = model.coef[s][k]
             print(
                 f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + "
-                f"{c[1] * 1e6:.3g} us*tok "
-                f"+ {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch",
+                f"{c[1] * 1e6:.3g} us*tok + {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch",
                 file=file,
             )
     summary["median_error"] = statistics.median(errors_all)

@@ -123,9 +123,8 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     if ck.resume == "off":
         if done:  # a fresh run would prune them as older than its own
             raise ConfigError(
-                f"checkpoint.dir {ck.dir} already holds checkpoints (the latest "
-                f"at step {done[-1].step}): continue with --resume (or checkpoint.resume = auto), "
-                "or "
+                f"checkpoint.dir {ck.dir} already holds checkpoints (the latest at step "
+                f"{done[-1].step}): continue with --resume (or checkpoint.resume = auto), or "
                 "choose another directory"
             )
         return Resume(None)
@@ -270,9 +269,8 @@ class RunCheckpoints:
             )
         if high != low:
             raise ConfigError(
-                f"the ranks found different checkpoints to resume from in {self.store.root} "
-                f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every "
-                "rank?"
+                f"the ranks found different checkpoints to resume from in {self.store.root} (steps "
+                f"{int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
             )
         if rt.rank == 0:
             self.store.discard([c for c, _ in resume.rejected])

@@ -125,10 +125,9 @@ def _table(
     virtual = any(r.virtual > 1 for r in rows)
     print(
         f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} "
-        f"budget={','.join(map(str, budgets))} "
-        f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm "
-        f"{var.comm}/message; "
-        f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
+        f"budget={','.join(map(str, budgets))} (ready rows and plans) seeds={args.seeds}; time in "
+        f"average-forward units, comm {var.comm}/message; peak in-flight: the most microbatches a "
+        "rank held (fixed 1F1B's is the 1x memory)"
         + (
             "; with V stages per rank a local stage holds 1/V of a microbatch, and Nx gives the "
             "fullest rank N times 1F1B's peak, the others by need (docs/design.md §4b)"

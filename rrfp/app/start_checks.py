@@ -98,14 +98,11 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
     unit = "microbatch(es)" if cfg.parallel.virtual == 1 else "local-stage microbatch(es)"
     raise ConfigError(
         f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} "
-        "parameters, "
-        f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up "
-        "to "
-        f"{act.in_flight} {unit} in flight per rank; "
-        f"{_gib(sum(f.batches for f in mine))} input "
-        f"batches), above the {_gib(available)} {where}: lower schedule.microbatches, "
-        "schedule.budget, "
-        f"data.microbatch_size or the [model] sizes, or use more ranks (parallel.pp)"
+        f"parameters, gradients and optimizer state; {_gib(sum(f.activations for f in mine))} "
+        f"activations, up to {act.in_flight} {unit} in flight per rank; "
+        f"{_gib(sum(f.batches for f in mine))} input batches), above the {_gib(available)} "
+        f"{where}: lower schedule.microbatches, schedule.budget, data.microbatch_size or the "
+        "[model] sizes, or use more ranks (parallel.pp)"
     )
 
 
@@ -179,12 +176,9 @@ def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str |
     what = "microbatch" if cfg.parallel.virtual == 1 else "local-stage microbatch"
     return (
         f"schedule.budget = {cfg.schedule.budget} is a byte budget below one {what}'s activations "
-        "on every rank "
-        f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs "
-        "alone, "
-        "so the microbatches go through the pipeline about one at a time; give a budget in MiB or "
-        "GiB "
-        f"(e.g. 2GiB), a count or Nx"
+        f"on every rank (at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than "
+        "the budget runs alone, so the microbatches go through the pipeline about one at a time; "
+        "give a budget in MiB or GiB (e.g. 2GiB), a count or Nx"
     )
 
 

@@ -81,8 +81,7 @@ class GradSync:
         self.buckets = self._bucket()
         log.info(
             "DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d "
-            "before), "
-            "%d buckets",
+            "before), %d buckets",
             self.ranks,
             len(now),
             before,

@@ -137,8 +137,7 @@ class Heartbeat:
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(
                 "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts "
-                "as "
-                "silent after the process-group timeout",
+                "as silent after the process-group timeout",
                 rank,
                 e,
             )

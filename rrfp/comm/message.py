@@ -327,7 +327,6 @@ def decode_header(header: torch.Tensor) -> Header:
     if total > MAX_MESSAGE_BYTES:
         raise MessageError(
             f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} "
-            "bytes "
-            f"in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header"
+            f"bytes in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header"
         )
     return Header(iteration, microbatch, kind, tuple(specs))

@@ -66,8 +66,7 @@ class Checkpoint:
         if step != self.step:
             return (
                 f"its commit record is of step {step!r}, not of step {self.step} as its folder's "
-                "name says "
-                "(renamed or copied from another checkpoint)"
+                "name says (renamed or copied from another checkpoint)"
             )
         for name, want in sorted(files.items()):
             path = self.path / name
@@ -97,8 +96,7 @@ class Checkpoint:
         if saved != self.step:
             return (
                 f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name "
-                "says "
-                "(renamed or copied from another checkpoint)"
+                "says (renamed or copied from another checkpoint)"
             )
         return None
 

@@ -544,8 +544,7 @@ class _Iteration:
             except TimeoutError:
                 raise PeerTimeout(
                     f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived "
-                    "for "
-                    f"{timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
+                    f"for {timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
                     self._owing_peer(),
                 ) from None
         else:

@@ -78,8 +78,7 @@ class Fault:
             ):
                 raise ValueError(
                     f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, "
-                    "attempt=A, "
-                    "seconds=X, during=P (once each)"
+                    "attempt=A, seconds=X, during=P (once each)"
                 )
             if key == "task":
                 values[key] = Task.parse(raw)

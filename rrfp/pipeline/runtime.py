@@ -420,8 +420,7 @@ class PipelineRuntime:
         if len(modules) != len(self.stages):
             raise ValueError(
                 f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one "
-                "module "
-                f"for each, got {len(modules)}"
+                f"module for each, got {len(modules)}"
             )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")

@@ -253,10 +253,8 @@ class Ties:
             ):
                 log.warning(
                     "stage 0's %r and stage %d's %r have the same shape and the same values, and "
-                    "no tie "
-                    "declares them: if they are one shared parameter, declare it (tied=), or each "
-                    "copy "
-                    "trains on its own part of the gradient",
+                    "no tie declares them: if they are one shared parameter, declare it (tied=), "
+                    "or each copy trains on its own part of the gradient",
                     a,
                     last,
                     b,

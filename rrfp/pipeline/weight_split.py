@@ -268,8 +268,7 @@ WHOLE_REENTRANT = (
 
 WHOLE_CHECKPOINT_GATHERED = (
     "W would gather a parameter's uses through a non-reentrant checkpoint's region (a parameter "
-    "used more "
-    "than once there), running its nodes twice, which W's one recomputation per region "
+    "used more than once there), running its nodes twice, which W's one recomputation per region "
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 

@@ -297,10 +297,8 @@ class StageWorker:
                 raise
             raise RuntimeError(
                 f"stage {self.stage}: {task}: weight_split='layers' cannot run split-aware layers "
-                "inside "
-                "torch.utils.checkpoint(use_reentrant=False): its recomputation runs them outside "
-                "the W "
-                "queue; use weight_split='autograd' (the default). torch said: "
+                "inside torch.utils.checkpoint(use_reentrant=False): its recomputation runs them "
+                "outside the W queue; use weight_split='autograd' (the default). torch said: "
                 f"{str(e).splitlines()[0]}"
             ) from e
 

@@ -224,10 +224,8 @@ class ScheduleReady:
             self.close(wait_for_peers=False)
             raise ValueError(
                 f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places "
-                "stages "
-                f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of "
-                "the "
-                f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)"
+                f"stages {list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i "
+                "% S of the group (interleaved) or on rank min(i, 2S - 1 - i) (v)"
             )
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
@@ -703,8 +701,7 @@ def _checked(stages: list, n_microbatches) -> tuple:
     if mixed:
         raise ValueError(
             f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline "
-            "(stages "
-            f"{mixed} have another num_stages, group size or group rank than stage "
+            f"(stages {mixed} have another num_stages, group size or group rank than stage "
             f"{stage.stage_index})"
         )
     if world % pp:
@@ -742,8 +739,7 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
     if virtual == 1:
         raise ValueError(
             f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs "
-            "stage i "
-            f"on rank i of the group"
+            "stage i on rank i of the group"
         )
     raise ValueError(
         f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "
