@@ -138,8 +138,7 @@ class Failure:
 
 
 def write_traceback(e: BaseException, log_dir: str, rank: int) -> str:
-    """Write ``e``'s full traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the
-    path."""
+    """Write ``e``'s traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the path."""
     text = "".join(traceback.format_exception(e))
     for folder in (log_dir, tempfile.gettempdir()):
         path = Path(folder) / f"rank-{rank}.log"

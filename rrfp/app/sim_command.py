@@ -165,8 +165,7 @@ def _table(
 
 
 def replay_command(args) -> int:
-    """`rrfp sim --replay SIZES --cost COST`: each recorded step simulated on its own
-    microbatches."""
+    """`rrfp sim --replay SIZES --cost COST`: each recorded step simulated on its microbatches."""
     import statistics
     from pathlib import Path
 

@@ -195,8 +195,7 @@ def _fixed_peak(sch, layout: VirtualLayout, rank: int, split: bool) -> int | Non
 
 
 def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
-    """(parameter bytes, activation bytes of ``batch``) of every stage (pp x virtual), on the meta
-    device."""
+    """(parameter bytes, activation bytes of ``batch``) per stage (pp x virtual), on meta."""
     wl, S = cfg.workload, cfg.num_stages
     x, y = _to_meta(batch[0]), _to_meta(batch[1])
     out = []
@@ -222,8 +221,7 @@ def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
 
 
 class _SavedOnMeta:
-    """Bytes autograd saves, once per storage (meta tensors have no data pointer: the storage's
-    identity)."""
+    """Bytes autograd saves, once per storage (its identity: meta tensors have no data pointer)."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()

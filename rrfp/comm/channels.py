@@ -124,8 +124,7 @@ class ChannelEnd:
         return f"rank {self.rank}: channel {self.name}"
 
     def _check_usable(self, action: str, *, outbound: bool) -> None:
-        """One line saying why this channel cannot ``action``: closed, wrong direction, or failed
-        earlier."""
+        """Why this channel cannot ``action``, in one line: closed, wrong direction, or failed."""
         where = self.where
         if self._closed:
             raise RuntimeError(f"{where}: cannot {action}: the channel is closed")
@@ -308,8 +307,7 @@ class Channel(ChannelEnd):
         )
 
     def _p2p(self, blocking, posted, t: torch.Tensor) -> None:
-        """One send or receive of ``t``, waiting ``self.wait`` when set (else the group's
-        timeout)."""
+        """One send or receive of ``t``, waiting ``self.wait`` if set (else the group's timeout)."""
         if self.wait is None:
             blocking(t, self.peer, group=self.group)
         else:

@@ -233,8 +233,7 @@ class GradSync:
 
 
 def _dense(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor:
-    """What this replica adds to the all-reduce: zeros for a missing gradient, a sparse one
-    densified."""
+    """This replica's all-reduce input: zeros for a missing gradient, a sparse one densified."""
     if grad is None:
         return torch.zeros_like(param)
     return grad.to_dense() if grad.is_sparse else grad

@@ -80,8 +80,7 @@ class Silence:
 
 
 class Heartbeat:
-    """This rank's beat and its view of every peer's; ``start`` it, ``close`` it before the store
-    goes."""
+    """This rank's beat and its view of the peers'; ``start``, and ``close`` before the store."""
 
     def __init__(
         self,

@@ -152,8 +152,7 @@ class Header:
     specs: tuple[TensorSpec, ...]
 
     def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor | None]:
-        """Receive buffers, one per payload tensor, in payload order; None where the payload is
-        None."""
+        """One receive buffer per payload tensor, in order; None where the payload is None."""
         return [
             None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device)
             for s in self.specs

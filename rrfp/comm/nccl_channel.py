@@ -72,8 +72,7 @@ class NcclChannel(ChannelEnd):
         self._closed = False
 
     async def send(self, msg: Message) -> None:
-        """Issue header and payload after the kernels that produced them; return when NCCL is
-        done."""
+        """Send header and payload after the kernels that made them; return when NCCL is done."""
         self._check_usable("send", outbound=True)
         try:
             header = self.ops.pinned(encode_header(msg))

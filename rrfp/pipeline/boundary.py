@@ -21,8 +21,7 @@ def _flat(value) -> list:
 
 
 def requires_grad_bits(value) -> list[bool]:
-    """Per tensor of a stage output (a tensor, None, or a tuple/list of them): whether it carries a
-    gradient."""
+    """Whether each tensor of a stage output (tensor, None, tuple/list of them) has a gradient."""
     return [
         isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
         for t in _flat(value)

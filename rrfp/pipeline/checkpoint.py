@@ -46,8 +46,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.Optimizer]]:
-    """(stage, module, optimizer) for each stage of the rank: virtual stages pass lists of all
-    three."""
+    """(stage, module, optimizer) per stage of the rank: virtual stages pass lists of all three."""
     if isinstance(module, (list, tuple)):
         return list(zip(stage, module, opt, strict=True))
     return [(stage, module, opt)]

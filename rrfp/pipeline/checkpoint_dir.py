@@ -273,8 +273,7 @@ def _read_record(path: Path) -> tuple[object, dict]:
 
 
 def write_synced(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it: what a commit record, or a probe of a folder,
-    needs."""
+    """Write ``text`` to ``path`` and fsync it, as a commit record or a folder probe needs."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()

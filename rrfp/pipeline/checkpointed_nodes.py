@@ -19,8 +19,7 @@ _fields: dict[
 
 
 def is_checkpointed(node) -> bool:
-    """Whether a saved tensor of ``node`` is held by a non-reentrant checkpoint (recomputed on
-    unpack)."""
+    """Whether a non-reentrant checkpoint holds ``node``'s saved tensor (recomputed on unpack)."""
     fields = _fields.get(type(node))
     if fields is None:
         fields = _fields[type(node)] = tuple(a for a in dir(node) if a.startswith(_SAVED))

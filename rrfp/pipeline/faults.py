@@ -167,8 +167,7 @@ class FaultInjector:
         self.step = step + 1
 
     def hold_s(self, task: Task) -> float:
-        """Seconds ``task`` holds the lane beyond its own time: the executor asks before it runs
-        it."""
+        """Extra seconds ``task`` holds the lane; the executor asks before it runs the task."""
         if self.fault.kind == "slow" and task == self.fault.task and self.step == self.fault.step:
             log.warning(
                 "rank %d stage %d: step %d task %s: injecting fault %s",

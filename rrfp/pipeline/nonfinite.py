@@ -41,8 +41,7 @@ class NonFiniteGuard:
         self.policy, self.rank, self.world, self.agree = policy, rank, world, agree
 
     async def check(self, iteration: int, workers, losses: dict[int, float]) -> bool:
-        """Whether the step is skipped; raises under "stop". Every rank calls it after the
-        iteration."""
+        """Whether to skip the step; raises under "stop". Every rank calls it after an iteration."""
         bad_mb = min((mb for mb, v in losses.items() if not math.isfinite(v)), default=None)
         bad_stage = min((w.stage for w in workers if not _finite_grads(w.module)), default=None)
         codes = torch.tensor(

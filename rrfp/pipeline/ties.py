@@ -125,8 +125,7 @@ def _fingerprint(p: torch.Tensor) -> str | None:
 
 
 class Ties:
-    """A rank's tied parameters: ``sum_grads()`` after each iteration, and ``uncounted`` for the
-    norm."""
+    """A rank's tied parameters: ``sum_grads()`` per iteration, ``uncounted`` for the norm."""
 
     def __init__(self, ties: list[_Tie], poller, lane=None) -> None:
         self.ties, self.poller, self.lane = ties, poller, lane
@@ -139,8 +138,7 @@ class Ties:
 
     @classmethod
     def setup(cls, rt, modules: Sequence[nn.Module], tied) -> Ties:
-        """Exchange every rank's ties over ``rt``'s world, create their groups and make the copies
-        equal."""
+        """Exchange all ranks' ties over ``rt``'s world, make their groups, equalize the copies."""
         stages = list(rt.stages)
         found = _declared(modules, stages, tied)
         coords = rt.layout.coords(rt.rank)
@@ -203,8 +201,7 @@ class Ties:
     def _end_params(
         modules, stages, num_stages: int, found
     ) -> dict[int, list[tuple[str, nn.Parameter]]]:
-        """The first and the last stage's parameters that no tie declares (on this rank, when it
-        holds them)."""
+        """First and last stage parameters no tie declares (on this rank, when it holds them)."""
         if num_stages < 2:
             return {}
         declared = {id(p) for held in found.values() for _, p in held}
@@ -285,8 +282,7 @@ class Ties:
 
     @staticmethod
     def _launch(t: _Tie) -> tuple[_Tie, torch.Tensor, object]:
-        """This rank's sum of the tie's copies, and the all-reduce over its holders started on
-        it."""
+        """This rank's sum of the tie's copies, with the all-reduce over its holders started."""
         grads = [p.grad.to_dense() for _, p in t.params if p.grad is not None]
         total = torch.zeros_like(t.params[0][1]) if not grads else grads[0].clone()
         for g in grads[1:]:

@@ -81,8 +81,7 @@ class WeightPlan:
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
-    """Ids of the parameters whose split-aware layers queue their own W (computed once per
-    stage)."""
+    """Ids of parameters whose split-aware layers queue their own W (computed once per stage)."""
     return frozenset(
         id(p)
         for m in module.modules()
@@ -125,8 +124,7 @@ class _Graph:
         return [c for c, _ in node.next_functions if c is not None]
 
     def between(self, start, targets: set) -> int:
-        """How many B nodes below ``start`` lie on a path to one of ``targets`` (targets
-        included)."""
+        """Count of B nodes below ``start`` on a path to one of ``targets`` (targets included)."""
         on_path: dict = {}
         stack = [(c, False) for c in self.children(start) if self.in_b[c]]
         while stack:

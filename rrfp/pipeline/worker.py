@@ -303,8 +303,7 @@ class StageWorker:
             ) from e
 
     def _unsplit(self, why: str) -> None:
-        """The stage's graph cannot be split: say so once, and count all its parameters as computed
-        in B."""
+        """Unsplittable graph: say so once, and count the stage's parameters as computed in B."""
         if self._said_unsplit:
             return
         self._said_unsplit = True
@@ -327,8 +326,7 @@ class StageWorker:
 
     @property
     def _deferred(self) -> frozenset[int]:
-        """Parameters left to split-aware layers' own W queue: none unless weight_split =
-        "layers"."""
+        """Parameters that split-aware layers' W queue owns: none unless weight_split = "layers"."""
         return self._queued if self.weight_split == "layers" else frozenset()
 
     def _measured(self, mb: int) -> bool:

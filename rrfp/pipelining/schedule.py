@@ -112,8 +112,7 @@ class _Loss:
 
 
 def _under_submod(tied):
-    """``tied=`` names relative to the user's stage module, as ScheduleReady registers it
-    (``submod``)."""
+    """``tied=`` names relative to the user's module, as ScheduleReady registers it (``submod``)."""
     if isinstance(tied, dict):
         return {k: f"submod.{v}" if isinstance(v, str) else v for k, v in tied.items()}
     if isinstance(tied, (list, tuple)):
@@ -398,8 +397,7 @@ class ScheduleReady:
         return ex
 
     async def _iterate(self, batches, state: ThreadState):
-        """One iteration under the caller's thread state, then (dp_sync) the gradients averaged over
-        the replicas."""
+        """One iteration in the caller's thread state, then (dp_sync) the replicas' mean grads."""
         result = await self._executor.run_iteration(
             self._iteration, batches, self._features(), thread_state=state
         )
@@ -541,8 +539,7 @@ class ScheduleReady:
 
 
 def _first_inputs(args: tuple, kwargs: dict):
-    """A first-stage microbatch as the StageWorker passes it on: positional arguments, kwargs
-    last."""
+    """A first-stage microbatch as the StageWorker passes it: positional arguments, kwargs last."""
     return tuple(args) + ((_Kwargs(kwargs),) if kwargs else ())
 
 
@@ -575,8 +572,7 @@ def _scale_grads(modules: list[torch.nn.Module], held: dict, M: int, scale: bool
 
 
 def _stages_of(stage) -> list:
-    """The rank's PipelineStages (one, or a list as torch's PipelineScheduleMulti takes), in model
-    order."""
+    """The rank's PipelineStages (one, or a list as PipelineScheduleMulti takes), in model order."""
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages:
         raise ValueError("ScheduleReady needs at least one PipelineStage, got an empty list")

@@ -88,8 +88,7 @@ class Runner(Protocol):
         """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
 
     def close(self) -> None:
-        """Release what the runner holds beyond the rank's runtime (collective: every rank calls
-        it)."""
+        """Release what the runner holds beyond the rank's runtime (collective)."""
 
 
 class RrfpRunner:

@@ -100,16 +100,14 @@ def placement_of(schedule: str) -> str:
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Pipeline stages each rank holds under ``schedule`` (the model must split into world x
-    this)."""
+    """Pipeline stages per rank under ``schedule`` (the model must split into world x this)."""
     return SCHEDULES[resolve_schedule(schedule)][1]
 
 
 def workload_stage_builder(
     workload, model_cfg, seed: int = 0
 ) -> Callable[[int, int], torch.nn.Module]:
-    """``(stage, num_stages) -> module`` seeded as ``rrfp train`` seeds it, so both train the same
-    parameters."""
+    """``(stage, num_stages) -> module`` seeded as ``rrfp train`` seeds it: the same parameters."""
 
     def build(stage: int, num_stages: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -122,8 +120,7 @@ def workload_stage_builder(
 
 
 class _Envelope(torch.nn.Module):
-    """A stage module whose boundary tensors travel as (payload [capacity], header [_HEADER]
-    int64)."""
+    """A stage module sending its boundary as (payload [capacity], int64 header [_HEADER])."""
 
     def __init__(
         self,
@@ -328,8 +325,7 @@ class _Clock:
         return sum(self.units(self.rank, mb, k) for k in kinds) * self.share
 
     def hold(self, stage: int, name: str, mb: int, start: float, kinds: tuple[Kind, ...]) -> None:
-        """Sleep off the rest of the task's emulated time (as ComputeLane._hold_lane), record its
-        span."""
+        """Wait out the task's emulated time left (as ComputeLane._hold_lane); record its span."""
         remaining = start + self.duration(stage, mb, kinds) * self.unit_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
