@@ -1,5 +1,4 @@
-"""What crosses a stage boundary: tensors without their graph, and for each whether it requires
-grad.
+"""What crosses a stage boundary: tensors without their graph, each marked if it requires grad.
 
 A sending stage detaches its outputs; what it knows before that, and the receiver needs, is which
 of them carry a gradient. Those become autograd leaves at the receiver and get a gradient sent

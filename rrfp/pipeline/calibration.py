@@ -1,5 +1,4 @@
-"""Measuring any stage modules' real F, B and W, for the cost model (``rrfp calibrate`` and
-embedders).
+"""Measuring stage modules' real F, B and W for the cost model (``rrfp calibrate``, embedders).
 
 The stages run one after the other in this process, each task timed on its own, with the split
 backward (W apart from B) as the runtime runs it. A module of one's own needs no ``Workload``:

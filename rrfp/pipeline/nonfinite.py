@@ -1,5 +1,4 @@
-"""What every rank does when an iteration met a NaN or Inf: stop together, or skip the step
-together.
+"""What every rank does when an iteration met a NaN or Inf: all stop, or all skip the step.
 
 After its iteration each rank looks at its own losses (the last stage, per microbatch) and
 gradients, then all ranks agree in one all-reduce (MIN) of two float64s on the control-plane

@@ -32,7 +32,8 @@ BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the
 # plan's predicted run replayed as a fixed order): each pair differs in dispatch alone
 # drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path
-# costs) v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb,
+# costs)
+# v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb,
 # dualpipev)
 DEFAULT_CONTENDERS = (
     "fixed 1f1b",
