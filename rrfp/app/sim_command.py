@@ -48,8 +48,8 @@ MAX_STAGE_MICROBATCHES = (
 
 
 def _layouts(args) -> list[VirtualLayout]:
-    """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with V =
-    2. A pair that cannot be is refused when it is the only one asked for, else left out."""
+    """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with
+    V = 2. A pair that cannot be is refused when it is the only one asked for, else left out."""
     try:
         virtuals = [int(v) for v in args.virtual]
     except ValueError:

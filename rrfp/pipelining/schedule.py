@@ -142,8 +142,8 @@ class ScheduleReady:
     rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``:
     when the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the
     gradients over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients
-    are final), so they equal one process's over the whole batch of every replica; a no-op when dp =
-    1. ``split`` (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from
+    are final), so they equal one process's over the whole batch of every replica; a no-op when
+    dp = 1. ``split`` (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from
     ``rrfp calibrate``) are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint,
     budget, dispatch, split and cost as one object instead; with ``cost`` every ``step`` needs
     ``cost_features=``, one dict per microbatch (``rrfp.token_features``), the same list on every
