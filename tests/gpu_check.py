@@ -176,8 +176,7 @@ async def lane_figures(
     iterations: int = 3,
     unit_ms: float = 0.0,
 ) -> dict:
-    """F, B and W of one GPT block, microbatches of the given lengths, through the ready
-    executor."""
+    """F, B and W of one GPT block, microbatches of the given lengths, via the ready executor."""
     import torch
 
     from models.gpt import Block, GPTConfig
@@ -379,8 +378,7 @@ class LoopbackOps:
         return _Current()
 
     def _later(self, stream, fn) -> bool:
-        """Queue ``fn`` behind a pending receive on ``stream``; False when the stream is not
-        held."""
+        """Queue ``fn`` behind a pending receive on ``stream``; False when it is not held."""
         held = self._held.get(id(stream))
         if held is None:
             return False
@@ -609,8 +607,7 @@ def marked_run(steps: int, backend: str = "nccl") -> str:
 
 
 def nccl_init_check(steps: int, out: str | None = None) -> str:
-    """Communicators are made at start-up and never after it, in ``out`` (default: a new marked
-    run)."""
+    """Communicators are made at start-up, never after, in ``out`` (default: a new marked run)."""
     at_start, later = nccl_inits(marked_run(steps) if out is None else out)
     assert at_start >= 1, (
         "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
@@ -666,8 +663,7 @@ def predicted_peak_bytes(
 async def memory_figures(
     dev: Device, *, n_embd: int = 512, n_layer: int = 4, microbatches: int = 4, iterations: int = 3
 ) -> dict:
-    """A pp=1 GPT stage trained a few steps under the default budget (2x: two microbatches in
-    flight)."""
+    """A pp=1 GPT stage trained a few steps at the default budget (2x: two microbatches held)."""
     import torch
 
     from models.data import DataConfig
@@ -755,8 +751,7 @@ print("LOSSES " + json.dumps(summary.losses))
 
 
 def train_losses(*sets: str, backend: str = "nccl") -> list[float]:
-    """`stage_main` at pp=1 (on cuda:0 with nccl); its losses as exact floats (json round-trips
-    them)."""
+    """`stage_main` at pp=1 (cuda:0, nccl); its losses as exact floats (json round-trips them)."""
     out = run_rank_zero(["-c", RUN_LOSSES, CONFIG, f"backend={backend}", "pp=1", *sets])
     return json.loads(out.rsplit("LOSSES ", 1)[1].splitlines()[0])
 
@@ -875,8 +870,7 @@ def pp2_check(steps: int) -> str:
 
 
 def calibrate_check() -> str:
-    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not on the
-    CPU."""
+    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not the CPU."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,8 +40,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(bf16: bool) -> tuple[nn.Sequential, torch.Tensor]:
-    """One process: each microbatch's loss / M backpropagated, under autocast or not; and the eval
-    output."""
+    """One process: each microbatch's loss / M backpropagated, autocast or not; the eval output."""
     model = full_model()
     x, y = data()
     with torch.autocast("cpu", BF16, enabled=bf16):
@@ -177,8 +176,7 @@ def _gpt():
 
 
 def _one_process_losses(bf16: bool) -> list[float]:
-    """``rrfp train``'s update in one process: AdamW on float32 parameters, the iteration under
-    autocast."""
+    """``rrfp train``'s update in one process: AdamW on float32 parameters, iteration autocast."""
     from models.data import batches as make_batches
     from models.gpt import GPT
     from models.gpt import loss_fn as gpt_loss

@@ -17,8 +17,7 @@ C, T, M = 4, 5, 3
 
 
 class Embed(nn.Module):
-    """h from the input; rotary-like cos/sin from positions and an additive float mask: no
-    parameters."""
+    """h from the input; rotary-like cos/sin from positions; an additive mask: no parameters."""
 
     def __init__(self) -> None:
         super().__init__()

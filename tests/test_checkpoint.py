@@ -255,8 +255,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def resume_error(ckdir: Path, *sets: str) -> str:
-    """The ConfigError that ``rrfp train`` prints for this run, from the check it runs before any
-    group."""
+    """The ConfigError ``rrfp train`` prints for this run, from its check before any group."""
     from rrfp.app.checkpoints import resume_point
     from rrfp.app.config import TrainConfig
     from rrfp.app.errors import ConfigError

@@ -21,8 +21,7 @@ SAVED_AT, LATEST, STEPS = 2, 4, 6
 
 
 def _largest(path: Path, part: str) -> tuple[str, int]:
-    """(file, offset) of the middle of the largest ``part`` ("model" or "optim.state") tensor DCP
-    stored."""
+    """(file, offset) of the middle of the largest ``part`` ("model"/"optim.state") DCP tensor."""
     import torch.distributed.checkpoint as dcp
 
     storage = dcp.FileSystemReader(path).read_metadata().storage_data
@@ -281,8 +280,7 @@ def test_a_checkpoint_under_another_steps_name_is_caught_before_any_state_loads(
 
 
 def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
-    """A seal that matches its body, where the body is no object of files: one reason, no
-    TypeError."""
+    """A seal matching its body, where the body is no object of files: one reason, no TypeError."""
     import hashlib
     import json
 

@@ -66,8 +66,7 @@ def test_first_stage_alone_equals_the_whole_models_slice():
 
 @pytest.mark.parametrize("make", [llama, qwen3, mistral], ids=["llama", "qwen3", "mistral"])
 def test_stages_chain_to_the_whole_models_logits_and_gradients(make):
-    """Uneven user ranges, a padding mask and a tied head on Qwen3: rotary and the masks rebuilt per
-    stage."""
+    """Uneven ranges, a padding mask, a tied head on Qwen3: rotary and masks rebuilt per stage."""
     cfg = make(tie_word_embeddings=make is qwen3)
     whole = build_hf_model(cfg, seed=1, dtype=torch.float64, gradient_checkpointing=True)
     ranges = [(0, 1), (1, 4), (4, 5), (5, 8)]

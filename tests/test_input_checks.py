@@ -55,8 +55,7 @@ def test_refused_with_one_line(sets, needles):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,needles", [REFUSED[0], REFUSED[4]], ids=["context", "fixed-budget"])
 def test_refused_before_any_process_group(sets, needles):
-    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves was never
-    joined."""
+    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves is not joined."""
     assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), world=4), *needles)
 
 
@@ -135,8 +134,7 @@ def test_hint_that_does_not_fit_the_layout_is_refused(sets, needles):
 
 
 def _csv_of_stage_0(tmp_path):
-    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): stages 1-3 have
-    none."""
+    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): none for 1-3."""
     path = tmp_path / "stage0.csv"
     path.write_text(
         "stage,task\n"
@@ -268,8 +266,7 @@ def test_slow_fault_holds_one_task_of_one_step():
 
 
 def test_a_fault_during_the_commit_fires_there_only():
-    """during=commit fires as the rank enters the commit of its step's checkpoint, not in its
-    write."""
+    """during=commit fires as the rank enters its step's checkpoint commit, not in its write."""
     from rrfp.pipeline.faults import FaultInjector
 
     f = Fault.parse("raise:step=2:rank=0:during=commit")

@@ -75,8 +75,7 @@ def _file(text: bytes, *extra: str) -> Callable[[Path], list[str]]:
 
 
 def _checkpoint(tmp: Path, step: int = 2, **run) -> Path:
-    """DIR/step-N, committed as a run would, with the fingerprint of SMALL's config (and
-    ``run``)."""
+    """DIR/step-N, committed as a run would, with the fingerprint of SMALL's config (``run``)."""
     import torch
     import torch.distributed.checkpoint as dcp
 

@@ -25,8 +25,7 @@ DEVICE = torch.device("cuda", 0)
 
 
 def connected_pair(world: FakeWorld | None = None, deadline_s: float | None = None):
-    """(tx on rank 0, rx on rank 1, world, poller): one channel 0 -> 1, created and warmed up as at
-    start-up."""
+    """(tx on rank 0, rx on rank 1, world, poller): a channel 0 -> 1 made and warmed as at start."""
     world = world or FakeWorld(2)
     poller = CompletionPoller(spin_rounds=4, backoff_s=1e-4, max_backoff_s=1e-3)
     ends = {}
@@ -101,8 +100,7 @@ async def test_a_send_completes_only_once_its_receive_is_posted():
 @pytest.mark.timeout(30)
 @pytest.mark.asyncio
 async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
-    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send
-    time."""
+    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send."""
     tx, rx, world, poller = connected_pair()
     compute = tx.compute_stream
     delays = {}

@@ -99,8 +99,7 @@ def test_a_group_torch_did_not_initialize_eagerly_is_refused():
     ],
 )
 def test_nccl_failures_read_like_gloo_ones(nccl_text, reason):
-    """Same one line as a gloo peer failure: where, what, the likely reason; NCCL's text stays in
-    the log."""
+    """One line as for a gloo peer failure (where, what, likely reason); NCCL's text in the log."""
     from rrfp.comm.channels import ChannelEnd
 
     end = ChannelEnd()

@@ -68,8 +68,7 @@ def v2_config(S: int, M: int, placement: str, budget: str, seed: int) -> SimConf
 
 
 def ready_runs(cfg):
-    """Every ready row of the sweep on ``cfg``'s layout: bfw, the placement's classic order,
-    plan."""
+    """The sweep's ready rows on ``cfg``'s layout: bfw, the placement's classic order, plan."""
     runs = [
         simulate(replace(cfg, hint=h, dispatch="ready", record=True))
         for h in ("bfw", CLASSIC[cfg.placement])

@@ -264,8 +264,7 @@ ONE_F_ONE_B_CSV = (
 
 
 def test_non_stages_are_refused():
-    """Several stages per rank are taken (tests/test_pipelining_virtual.py); what is not a stage is
-    not."""
+    """Several stages per rank are taken (test_pipelining_virtual.py); what is no stage is not."""
     from rrfp import ScheduleReady
 
     with pytest.raises(ValueError, match="at least one PipelineStage, got an empty list"):

@@ -34,8 +34,7 @@ RRFP_HINTS = {"interleaved": ("bfw", "1f1b"), "v": ("bfw", "zbv")}
 
 
 def held_stages(rank: int, world: int, placement: str) -> tuple[int, ...]:
-    """The global stages torch's schedule puts on ``rank``: interleaved r, r + S; v r, 2S - 1 -
-    r."""
+    """Global stages torch's schedule puts on ``rank``: interleaved r, r + S; v r, 2S - 1 - r."""
     return (rank, rank + world) if placement == "interleaved" else (rank, 2 * world - 1 - rank)
 
 
@@ -101,8 +100,7 @@ def loss_diff(a: list[float], b: list[float]) -> float:
 
 
 def torch_schedules_for(placement: str, world: int, m: int) -> tuple[str, ...]:
-    """torch's schedules of ``placement`` that take ``world`` ranks of V stages and ``m``
-    microbatches."""
+    """torch's ``placement`` schedules for ``world`` ranks of V stages and ``m`` microbatches."""
     return tuple(
         n for n in TORCH_SCHEDULES[placement] if n != "ScheduleDualPipeV" or m >= world * V
     )

@@ -54,8 +54,7 @@ class EncoderStage(nn.Module):
 
 
 class RecurrentStage(nn.Module):
-    """A GRU (its hidden weights are used at every step), and a LayerNorm of its output sent beside
-    it."""
+    """A GRU (hidden weights used at every step), and a LayerNorm of its output sent beside it."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -67,8 +67,7 @@ def losses(stdout: str) -> dict[int, str]:
 
 
 def final_state(ckdir: Path) -> dict:
-    """The last checkpoint's every tensor and value (model, AdamW state, RNG states), in one
-    process."""
+    """Every tensor and value of the last checkpoint (model, AdamW, RNG states), in one process."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -330,8 +330,7 @@ def test_plot_draws_any_rrfp_trace(tmp_path):
 
 
 def test_plot_merges_the_ranks_of_a_measured_run():
-    """Ranks share one clock: one timeline with every stage, starting at the first task (not a
-    wait)."""
+    """Ranks share one clock: one timeline with every stage, from the first task (not a wait)."""
     from rrfp.observe.plot import spans_from_chrome
     from rrfp.observe.trace import Span, chrome_trace
 

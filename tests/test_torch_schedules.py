@@ -282,8 +282,7 @@ def test_envelope_round_trip_carries_gradients():
 
 
 def test_envelope_carries_integer_and_bool_tensors_exactly():
-    """A mask or lengths beside the activations (as the VLM sends) arrive with their dtype and
-    values."""
+    """A mask or lengths beside the activations (as the VLM sends) arrive with dtype and values."""
     h = torch.randn(2, 3, requires_grad=True)
     lengths = torch.tensor([[0, 7], [16777216, -3]])  # 2**24: the largest float32 holds exactly
     mask = torch.tensor([True, False, True])

@@ -31,8 +31,7 @@ SETS = [
 
 
 def _reference(world: int, dp: int, nan_step: int | None, extra=()):
-    """The whole model in this process: (losses, norms), norm NaN and no update at ``nan_step``
-    (1-based)."""
+    """The whole model here: (losses, norms), a NaN norm and no update at ``nan_step`` (1-based)."""
     import torch
 
     from rrfp.app.config import TrainConfig
