@@ -51,9 +51,9 @@ def run_ranks(
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
     Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
     the shared ranks of tests/rank_pool.py, started once for the tests of this test process,
-    instead of ranks started for this call alone. ``spawn=True`` starts fresh interpreters instead of forkserver children, whose stderr
-    is the server's, not the test's (use it when the test reads what the ranks print, with
-    capfd)."""
+    instead of ranks started for this call alone. ``spawn=True`` starts fresh interpreters instead
+    of forkserver children, whose stderr is the server's, not the test's (use it when the test reads
+    what the ranks print, with capfd)."""
     if shared and not spawn:
         from rank_pool import run_shared
 

@@ -349,7 +349,7 @@ class FakeWorld:
         self.local.rank = rank
 
     def started(self, rank: int) -> None:
-        """From now on, a communicator created or a host synchronization on ``rank`` is a finding."""
+        """From now on, a communicator made or a host sync on ``rank`` is a finding."""
         self.phase[rank] = "run"
 
     def after_startup(self, records) -> list:
@@ -518,7 +518,7 @@ class FakeWorld:
         return work
 
     def _enqueue(self, rank: int, comm: Comm, op: Op) -> FakeWork:
-        """As ProcessGroupNCCL: the communicator's stream waits for the issuing stream, then runs the op."""
+        """As ProcessGroupNCCL: the comm stream waits for the issuing stream, then runs the op."""
         issuing, nccl = self.current[rank], comm.streams[rank]
         op.gated_by = (
             issuing.waited[-1] if issuing.waited else None

@@ -63,13 +63,14 @@ CPU_PART = {  # where each check's device-independent part runs in the suite
     "lane": "tests/test_gpu_check.py, on the fake CUDA",
     "poller": "tests/test_gpu_check.py, on the fake CUDA",
     "loopback": "tests/test_gpu_check.py, on the fake CUDA",
-    "nccl-init": "tests/test_gpu_check.py (the log count) and tests/test_gpu_path.py (no communicator after "
-    "start-up, fake NCCL)",
+    "nccl-init": "tests/test_gpu_check.py (the log count) and tests/test_gpu_path.py (no "
+    "communicator after start-up, fake NCCL)",
     "memory": "tests/test_gpu_check.py (the prediction)",
     "train": "tests/test_checkpoint.py (a resumed run repeats the losses bit for bit, gloo)",
     "calibrate": "tests/test_plan_inputs.py (the device a CUDA run calibrates on)",
     "virtual": "tests/test_gpu_check.py (the same run on gloo) and tests/test_virtual_pipeline.py",
-    "pp=2": "tests/test_gpu_path.py (pp=2, and V = 2 in both placements, over the fake NCCL) and the gloo suite",
+    "pp=2": "tests/test_gpu_path.py (pp=2, and V = 2 in both placements, over the fake NCCL) and "
+    "the gloo suite",
 }
 STARTUP_MARK = "RRFP-GPU-CHECK: start-up done"
 results: list[tuple[str, str, str]] = []  # (check, ok | FAILED | SKIPPED, detail)
@@ -175,7 +176,7 @@ async def lane_figures(
     iterations: int = 3,
     unit_ms: float = 0.0,
 ) -> dict:
-    """F, B and W of one GPT block, microbatches of the given lengths, through the ready executor."""
+    """F, B and W of one GPT block, microbatches of the given lengths, via the ready executor."""
     import torch
 
     from models.gpt import Block, GPTConfig
@@ -233,8 +234,8 @@ def lane_line(f: dict) -> str:
     return (
         f"{f['tasks']} tasks ({kinds}): device idle gaps p50 {f['gap_p50_us']:.0f} us, p99 "
         f"{f['gap_p99_us']:.0f} us, idle share {f['idle_share']:.1%}; host per task: enqueue "
-        f"{f['enqueue_ms_per_task']:.2f} ms against {f['kernel_ms_per_task']:.2f} ms of kernels, decision "
-        f"{f['decision_us']:.0f} us"
+        f"{f['enqueue_ms_per_task']:.2f} ms against {f['kernel_ms_per_task']:.2f} ms of kernels, "
+        f"decision {f['decision_us']:.0f} us"
     )
 
 
@@ -377,7 +378,7 @@ class LoopbackOps:
         return _Current()
 
     def _later(self, stream, fn) -> bool:
-        """Queue ``fn`` behind a pending receive on ``stream``; False when the stream is not held."""
+        """Queue ``fn`` behind a pending receive on ``stream``; False when it is not held."""
         held = self._held.get(id(stream))
         if held is None:
             return False
@@ -606,7 +607,7 @@ def marked_run(steps: int, backend: str = "nccl") -> str:
 
 
 def nccl_init_check(steps: int, out: str | None = None) -> str:
-    """Communicators are made at start-up and never after it, in ``out`` (default: a new marked run)."""
+    """Communicators are made at start-up, never after, in ``out`` (default: a new marked run)."""
     at_start, later = nccl_inits(marked_run(steps) if out is None else out)
     assert at_start >= 1, (
         "no NCCL communicator was initialized at start-up (is NCCL_DEBUG honoured?)"
@@ -662,7 +663,7 @@ def predicted_peak_bytes(
 async def memory_figures(
     dev: Device, *, n_embd: int = 512, n_layer: int = 4, microbatches: int = 4, iterations: int = 3
 ) -> dict:
-    """A pp=1 GPT stage trained a few steps under the default budget (2x: two microbatches in flight)."""
+    """A pp=1 GPT stage trained a few steps at the default budget (2x: two microbatches held)."""
     import torch
 
     from models.data import DataConfig
@@ -730,9 +731,10 @@ def memory_line(f: dict) -> str:
         f"budget set from it would let a stage run out of memory"
     )
     return (
-        f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; predicted "
-        f"{f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, {f['inflight']} microbatches of "
-        f"{f['activation'] / mib:.0f} MiB in flight): allocated/predicted {ratio:.2f}"
+        f"peak allocated {f['allocated'] / mib:.0f} MiB, reserved {f['reserved'] / mib:.0f} MiB; "
+        f"predicted {f['predicted'] / mib:.0f} MiB (weights, gradients, AdamW states, "
+        f"{f['inflight']} microbatches of {f['activation'] / mib:.0f} MiB in flight): "
+        f"allocated/predicted {ratio:.2f}"
     )
 
 
@@ -749,7 +751,7 @@ print("LOSSES " + json.dumps(summary.losses))
 
 
 def train_losses(*sets: str, backend: str = "nccl") -> list[float]:
-    """`stage_main` at pp=1 (on cuda:0 with nccl); its losses as exact floats (json round-trips them)."""
+    """`stage_main` at pp=1 (cuda:0, nccl); its losses as exact floats (json round-trips them)."""
     out = run_rank_zero(["-c", RUN_LOSSES, CONFIG, f"backend={backend}", "pp=1", *sets])
     return json.loads(out.rsplit("LOSSES ", 1)[1].splitlines()[0])
 
@@ -868,7 +870,7 @@ def pp2_check(steps: int) -> str:
 
 
 def calibrate_check() -> str:
-    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not on the CPU."""
+    """`rrfp calibrate` of a CUDA run measures on the GPU (each task synchronized), not the CPU."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

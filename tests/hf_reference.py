@@ -1,7 +1,8 @@
 """Tiny HF causal LMs in float64, the data their end-to-end tests train on, and the one-process
 reference: gradient clipping and AdamW with the linear warmup rrfp train applies (torch's LambdaLR
 here), shared by
-tests/test_hf_train.py and tests/test_hf_schedule.py (torch imported inside: the ranks import it)."""
+tests/test_hf_train.py and tests/test_hf_schedule.py (torch imported inside: the ranks import
+it)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def data_config():
 
 
 def reference(cfg, data, seed: int = 0, batches=None) -> tuple[list[float], dict, list[float]]:
-    """Each step's mean microbatch loss, the final parameters {name: tensor} of the whole model (a tied
-    weight under both names), and each step's gradient norm before clipping.
+    """Each step's mean microbatch loss, the final parameters {name: tensor} of the whole model (a
+    tied weight under both names), and each step's gradient norm before clipping.
     ``batches(step)``: that step's microbatches (default: models/data.py's)."""
     import torch
 

@@ -171,10 +171,11 @@ def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, v
         assert "Traceback" not in ranks.err(other), ranks.err(other)
         (line,) = ranks.error_lines(other)
         silent = (
-            rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {timeout_s}\): it is stopped, "
-            rf"hung or cut off"
+            rf"rank 1 went silent: no heartbeat for [\d.]+ s \(run.timeout_s = {timeout_s}\): it "
+            r"is stopped, hung or cut off"
             if victim == 1
-            else rf"the rendezvous store at 127.0.0.1:\d+ \(in rank 0's process\) stopped answering: no heartbeat "
+            else r"the rendezvous store at 127.0.0.1:\d+ \(in rank 0's process\) stopped "
+            r"answering: no heartbeat "
             rf"read for [\d.]+ s \(run.timeout_s = {timeout_s}\): rank 0 is stopped, hung or gone"
         )
         log = re.escape(str(tmp_path / "logs" / f"rank-{other}.log"))
@@ -183,7 +184,8 @@ def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, v
         ), line
         assert ranks.procs[victim].poll() is None, "the stopped rank is still there, stopped"
         print(
-            f"SIGSTOP rank {victim}: rank {other} named it {ended[other]:.1f} s later (timeout_s = {timeout_s})"
+            f"SIGSTOP rank {victim}: rank {other} named it {ended[other]:.1f} s later (timeout_s = "
+            f"{timeout_s})"
         )
     finally:
         ranks.kill_all()
@@ -224,7 +226,8 @@ def test_a_peer_killed_during_a_checkpoint_write_is_one_line_that_says_what_stay
     ], "only what was committed before the loss is a checkpoint"
     if step == 1:
         return
-    # the kept one resumes, the half-written one does not get in the way, and the losses are the reference's
+    # the kept one resumes, the half-written one does not get in the way, and the losses are the
+    # reference's
     again = tmp_path / "resume"
     again.mkdir()
     resumed = RankProcs(again, 2, _args(again, "steps=3", *sets, "resume=required"))
@@ -248,9 +251,9 @@ def test_a_peer_killed_during_a_checkpoint_write_is_one_line_that_says_what_stay
 def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(
     tmp_path, monkeypatch, text, lost
 ):
-    """DCP gathers every rank's exception into one CheckpointException: a peer's transport error in it is
-    the same lost peer as a failed collective (secondary, names what stays); a full disk stays this run's
-    own CheckpointError (primary)."""
+    """DCP gathers every rank's exception into one CheckpointException: a peer's transport error in
+    it is the same lost peer as a failed collective (secondary, names what stays); a full disk stays
+    this run's own CheckpointError (primary)."""
     import asyncio
     from types import SimpleNamespace
 

@@ -1,8 +1,8 @@
 """The caller's autocast reaches every F, B and W of the call (rrfp/pipeline/thread_state.py):
 ``with torch.autocast("cpu", torch.bfloat16)`` around ``ScheduleReady.step``/``eval`` and around
-``await stage_executor(...).run_iteration(...)``, and ``runtime.autocast = "bfloat16"`` for ``rrfp train``,
-match a one-process bfloat16 run of the same model and data within bfloat16 tolerance, and differ
-measurably from the float32 run, on real gloo ranks."""
+``await stage_executor(...).run_iteration(...)``, and ``runtime.autocast = "bfloat16"`` for ``rrfp
+train``, match a one-process bfloat16 run of the same model and data within bfloat16 tolerance, and
+differ measurably from the float32 run, on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(bf16: bool) -> tuple[nn.Sequential, torch.Tensor]:
-    """One process: each microbatch's loss / M backpropagated, under autocast or not; and the eval output."""
+    """One process: each microbatch's loss / M backpropagated, autocast or not; the eval output."""
     model = full_model()
     x, y = data()
     with torch.autocast("cpu", BF16, enabled=bf16):
@@ -176,7 +176,7 @@ def _gpt():
 
 
 def _one_process_losses(bf16: bool) -> list[float]:
-    """``rrfp train``'s update in one process: AdamW on float32 parameters, the iteration under autocast."""
+    """``rrfp train``'s update in one process: AdamW on float32 parameters, iteration autocast."""
     from models.data import batches as make_batches
     from models.gpt import GPT
     from models.gpt import loss_fn as gpt_loss

@@ -99,8 +99,8 @@ def test_quick_run_writes_a_well_formed_folder(quick):
         "stage 2 (rank 1)",
         "stage 3 (rank 0)",
     }, rows
-    # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step that
-    # spent some (small) time outside the executor's iteration
+    # the drop-in rows ran rrfp's executor through ScheduleReady: its readiness figures, and a step
+    # that spent some (small) time outside the executor's iteration
     for name in ("drop-in ready bfw", "drop-in ready plan"):
         [row] = [r for r in wl["rows"] if r["contender"] == name]
         direct = next(r for r in wl["rows"] if r["contender"] == name.removeprefix("drop-in "))
@@ -224,7 +224,8 @@ BAD = [
 @pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_usage_error(tmp_path, args, needle):
     """Every flag and config is checked by the parser and ``build_spec`` before anything starts; the
-    command prints their UsageError as its one line (two cases below run it: each costs a process)."""
+    command prints their UsageError as its one line (two cases below run it: each costs a
+    process)."""
     from rrfp.app.bench_command import build_spec
     from rrfp.app.cli import build_parser
     from rrfp.app.errors import UsageError
@@ -271,7 +272,8 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert re.match(
-        r"rrfp: error: bench job failed: rank 1: RuntimeError: injected failure in stage 1's forward",
+        r"rrfp: error: bench job failed: rank 1: RuntimeError: injected failure in stage 1's "
+        r"forward",
         lines[0],
     ), lines[0]
     assert "Traceback" not in res.stderr

@@ -31,7 +31,8 @@ def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():
     for it in (1, 2, 3):
         for name in ("fixed 1f1b", "fixed zbh1", "ready bfw", "ready plan", "fixed plan"):
             contender = Contender.parse(name)
-            # the simulator draws its own durations (and plans from them): the bench must rebuild the same
+            # the simulator draws its own durations (and plans from them): the bench must rebuild
+            # the same
             cfg = SimConfig(
                 4, 8, contender.hint, contender.dispatch, "2x", var, seed=0, iteration=it
             )

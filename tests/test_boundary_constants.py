@@ -17,7 +17,7 @@ C, T, M = 4, 5, 3
 
 
 class Embed(nn.Module):
-    """h from the input; rotary-like cos/sin from positions and an additive float mask: no parameters."""
+    """h from the input; rotary-like cos/sin from positions; an additive mask: no parameters."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -90,7 +90,8 @@ def _ranks(rank, world):
         )
         try:
             every = chunks()
-            # V = 1: stage 0 is chunks 0-1, stage 1 chunks 2-3; V = 2 (v): rank 0 holds 0 and 3, rank 1 holds 1 and 2
+            # V = 1: stage 0 is chunks 0-1, stage 1 chunks 2-3; V = 2 (v): rank 0 holds 0 and 3,
+            # rank 1 holds 1 and 2
             owned = {0: [0, 1], 1: [2, 3]} if virtual == 1 else {s: [s] for s in range(4)}
             modules = [nn.Sequential(*(every[c] for c in owned[s])) for s in rt.stages]
             ex = rt.stage_executor(
@@ -155,7 +156,8 @@ def test_constants_arrive_as_constants_and_get_no_gradient():
                 assert seen and all(s == constant for s in seen), (
                     f"{where}, chunk {chunk} saw {seen}"
                 )
-            # a B message goes out from every stage but stage 0 (and none across the V turn, stage 2 to 1)
+            # a B message goes out from every stage but stage 0 (and none across the V turn, stage 2
+            # to 1)
             expected_msgs = {(1, 0): 0, (1, 1): M, (2, 0): M, (2, 1): M}[(virtual, rank)]
             assert len(r["sent_b"]) == expected_msgs and all(
                 b == no_grad_for_constants for b in r["sent_b"]

@@ -43,8 +43,9 @@ SMALL = [
 ]  # dropout: the resumed RNG state matters
 
 
-# executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by timing
-# and ready BFW on two virtual stages per rank (v placement: the turn is local), each saved under its stage key
+# executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by
+# timing and ready BFW on two virtual stages per rank (v placement: the turn is local), each saved
+# under its stage key
 VARIANTS = {
     "fixed": ("fixed", {}),
     "ready": ("ready", {}),
@@ -140,20 +141,21 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
                 f"{where}: keep-last-2 left {r['kept']}"
             )
             assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
-            # the resumed run committed its last step (no checkpoint_every) and cleaned the debris up
+            # the resumed run committed its last step (no checkpoint_every) and cleaned the debris
+            # up
             assert r["after"] == ["step-00000003", "step-00000006"], f"{where}: {r['after']}"
             resumed = r["first"] + r["second"]
             whole = r["whole"][0]
             assert len(resumed) == len(whole) == STEPS, where
             print(
-                f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted run "
-                f"{r['whole'][1]}; largest difference to the resumed run "
+                f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted "
+                f"run {r['whole'][1]}; largest difference to the resumed run "
                 f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}"
             )
-            # bit-exact for both executors: readiness changes how F, B and W interleave, but on every
-            # stage each kind still runs in microbatch order (B(m) needs B(m-1)'s gradient from
-            # downstream, and the hint ranks W by microbatch), so every parameter's gradient is summed
-            # in the same order, and the loss is summed over microbatches in index order
+            # bit-exact for both executors: readiness changes how F, B and W interleave, but on
+            # every stage each kind still runs in microbatch order (B(m) needs B(m-1)'s gradient
+            # from downstream, and the hint ranks W by microbatch), so every parameter's gradient is
+            # summed in the same order, and the loss is summed over microbatches in index order
             assert resumed == whole, f"{where}: not bit-exact"
             assert r["whole"][1] == whole, f"{where}: two uninterrupted runs differ"
         assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], (
@@ -253,7 +255,7 @@ def saved(tmp_path_factory) -> Path:
 
 
 def resume_error(ckdir: Path, *sets: str) -> str:
-    """The ConfigError that ``rrfp train`` prints for this run, from the check it runs before any group."""
+    """The ConfigError ``rrfp train`` prints for this run, from its check before any group."""
     from rrfp.app.checkpoints import resume_point
     from rrfp.app.config import TrainConfig
     from rrfp.app.errors import ConfigError
@@ -320,8 +322,9 @@ def test_resume_with_another_config_is_one_error_line(saved):
 
 
 def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
-    """parallel.placement means something only where both the checkpoint and the run have virtual > 1:
-    resuming a V = 2 checkpoint at V = 1 names parallel.virtual alone (it once named the placement too)."""
+    """parallel.placement means something only where both the checkpoint and the run have virtual >
+    1: resuming a V = 2 checkpoint at V = 1 names parallel.virtual alone (it once named the
+    placement too)."""
     from rrfp.app.checkpoints import _comparable, differences, fingerprint
     from rrfp.app.config import TrainConfig
 
@@ -487,10 +490,10 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 @pytest.mark.parametrize("committed", [False, True])
 def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):
-    """The first SIGTERM or SIGINT (Ctrl-C) is a request (the run stops without waiting for its step); a
-    second one ends the process, 128 + the signal, saying which checkpoint is left: none when none was
-    committed, not "the last one stays". One within SAME_REQUEST_S of the first is the same request
-    (torchrun's agent, signalled twice, sends SIGINT then SIGTERM at once)."""
+    """The first SIGTERM or SIGINT (Ctrl-C) is a request (the run stops without waiting for its
+    step); a second one ends the process, 128 + the signal, saying which checkpoint is left: none
+    when none was committed, not "the last one stays". One within SAME_REQUEST_S of the first is the
+    same request (torchrun's agent, signalled twice, sends SIGINT then SIGTERM at once)."""
     if committed:
         CheckpointDir(tmp_path).partial_path(4).mkdir()
         CheckpointDir(tmp_path).commit(4, {})

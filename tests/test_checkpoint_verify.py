@@ -21,7 +21,7 @@ SAVED_AT, LATEST, STEPS = 2, 4, 6
 
 
 def _largest(path: Path, part: str) -> tuple[str, int]:
-    """(file, offset) of the middle of the largest ``part`` ("model" or "optim.state") tensor DCP stored."""
+    """(file, offset) of the middle of the largest ``part`` ("model"/"optim.state") DCP tensor."""
     import torch.distributed.checkpoint as dcp
 
     storage = dcp.FileSystemReader(path).read_metadata().storage_data
@@ -126,7 +126,8 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corr
                 and "resuming from" in r["line"]
             ), r["line"]
             assert "\n" not in r["line"]
-            # never continued from the corrupt state: the losses after step 2 are an uninterrupted run's
+            # never continued from the corrupt state: the losses after step 2 are an uninterrupted
+            # run's
             assert r["losses"] == whole[SAVED_AT:], f"{where}: {r['losses']} != {whole[SAVED_AT:]}"
             # the corrupt step 4 was deleted, the good step 2 kept as it was, step 6 committed
             assert r["after"] == [f"step-{SAVED_AT:08d}", f"step-{STEPS:08d}"], (
@@ -152,7 +153,8 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
         assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000002", "step-00000004"], (
             "a refusal deleted files"
         )
-    # through the command: exit 2 and one line, before any process group (a rendezvous nobody serves)
+    # through the command: exit 2 and one line, before any process group (a rendezvous nobody
+    # serves)
     res = rrfp_alone(
         "--set",
         f"steps={STEPS}",
@@ -185,7 +187,8 @@ def test_debris_never_blocks_a_commit(tmp_path):
         (store.partial_path(step) / "__0_0.distcp").write_text(f"data {step}")
 
     (tmp_path / "notes.txt").write_text("the user's")  # not ours: left alone
-    # in the way of a commit: a plain file named like a checkpoint, an unmarked step directory with files
+    # in the way of a commit: a plain file named like a checkpoint, an unmarked step directory with
+    # files
     store.final_path(1).write_text("a plain file named like a checkpoint")
     (tmp_path / ".trash-step-00000001").write_text("earlier trash, in the way of a new one")
     write(1)
@@ -253,8 +256,9 @@ def _two_commits(root: Path) -> CheckpointDir:
 
 
 def test_a_checkpoint_under_another_steps_name_is_caught_before_any_state_loads(tmp_path):
-    """Copied as a later step, or two swapped by name: the step its record and meta.json hold is not its
-    folder's, and it is treated as corrupt (passed over for the newest that is what its name says)."""
+    """Copied as a later step, or two swapped by name: the step its record and meta.json hold is not
+    its folder's, and it is treated as corrupt (passed over for the newest that is what its name
+    says)."""
     store = _two_commits(tmp_path / "copied")
     shutil.rmtree(store.final_path(7))
     shutil.copytree(store.final_path(4), store.final_path(7))
@@ -276,7 +280,7 @@ def test_a_checkpoint_under_another_steps_name_is_caught_before_any_state_loads(
 
 
 def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
-    """A seal that matches its body, where the body is no object of files: one reason, no TypeError."""
+    """A seal matching its body, where the body is no object of files: one reason, no TypeError."""
     import hashlib
     import json
 
@@ -296,8 +300,9 @@ def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
 
 @pytest.mark.multirank
 def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
-    """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected and
-    the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line, nothing loaded."""
+    """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected
+    and the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line,
+    nothing loaded."""
     from test_checkpoint import SMALL, resume_error
 
     from rrfp.app.checkpoints import plan_resume

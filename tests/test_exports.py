@@ -117,9 +117,9 @@ def test_an_unknown_name_is_an_attribute_error():
 def test_import_rrfp_loads_no_torch():
     """The names of the pure core and the simulator answer on a machine without torch."""
     code = (
-        "import sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, rrfp.CostModel, "
-        "rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, rrfp.PipelineError; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "import sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, "
+        "rrfp.CostModel, rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, "
+        "rrfp.PipelineError; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -152,7 +152,8 @@ def test_survivors_end_with_one_named_error(tmp_path, sig, victim):
             assert max(elapsed.values()) < TIMEOUT_S, report
             assert any(DIED in ln for ln in lines.values()), report
         else:
-            # a stopped process keeps its sockets open: its heartbeat stops, and timeout_s later it is named
+            # a stopped process keeps its sockets open: its heartbeat stops, and timeout_s later it
+            # is named
             assert min(elapsed.values()) > TIMEOUT_S / 2, (
                 f"ended before the deadline could expire: {report}"
             )

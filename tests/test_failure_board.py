@@ -89,9 +89,9 @@ def test_no_store_is_no_board_and_no_noise(monkeypatch, capfd):
 
 
 def test_with_no_post_naming_it_the_rank_whose_alive_counter_stood_still_is_named(board):
-    """A kill during a world collective (DCP's save): every survivor failed in it, naming no peer, and
-    rank 0, blocked in it until a ring neighbour leaves, has not posted yet: its stop relay still
-    ticks, the killed rank 2's does not."""
+    """A kill during a world collective (DCP's save): every survivor failed in it, naming no peer,
+    and rank 0, blocked in it until a ring neighbour leaves, has not posted yet: its stop relay
+    still ticks, the killed rank 2's does not."""
     import threading
 
     from rrfp.app.failure_board import alive_key

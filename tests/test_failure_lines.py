@@ -38,7 +38,8 @@ def test_a_bug_is_an_internal_error_never_a_peer_failure():
     f = Failure.of(_group(PeerError("rank 0: channel x: failed", peer=1), bug))
     assert (f.kind, f.cause) == (INTERNAL, bug)
     assert f.line(0, 0, "/tmp/rank-0.log", debug=False) == (
-        "rank 0 (stage 0): internal error, please report it (traceback in /tmp/rank-0.log): KeyError: 'w_q'"
+        "rank 0 (stage 0): internal error, please report it (traceback in /tmp/rank-0.log): "
+        "KeyError: 'w_q'"
     )
     assert "traceback above" in f.line(0, 0, "/tmp/rank-0.log", debug=True)
 
@@ -57,9 +58,9 @@ def test_peer_failures_point_at_the_peer():
         .startswith("rank 3: stopped: another rank failed or left first")
     )
     died = PeerError(
-        "rank 2: channel bwd 2->1 (rank 2 -> rank 1): send of the header of B message (iteration 2, "
-        "microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: Connection "
-        "reset by peer [127.0.0.1]:2967",
+        "rank 2: channel bwd 2->1 (rank 2 -> rank 1): send of the header of B message (iteration "
+        "2, microbatch 3) to rank 1 failed (the peer process probably died): RuntimeError: "
+        "Connection reset by peer [127.0.0.1]:2967",
         peer=1,
     )
     assert (
@@ -134,7 +135,8 @@ def test_a_rank_with_virtual_stages_names_all_it_holds():
     line = f.line(1, (1, 6), "x.log", debug=False)
     assert (
         line
-        == "rank 1 (stages 1, 6): channel bwd 2->1 (peer rank 2): expected a B message (traceback in x.log)"
+        == "rank 1 (stages 1, 6): channel bwd 2->1 (peer rank 2): expected a B message (traceback "
+        "in x.log)"
     )
     assert (
         Failure.of(KeyError("w"))
@@ -144,7 +146,8 @@ def test_a_rank_with_virtual_stages_names_all_it_holds():
     # the executor's channel errors name the one stage of the rank they happened at: it stays
     chan = ProtocolError("rank 1 stage 6: channel fwd 5->6 (peer rank 2): expected an F message")
     assert Failure.of(chan).line(1, (1, 6), "x.log", debug=False) == (
-        "rank 1 (stages 1, 6): stage 6: channel fwd 5->6 (peer rank 2): expected an F message (traceback in x.log)"
+        "rank 1 (stages 1, 6): stage 6: channel fwd 5->6 (peer rank 2): expected an F message "
+        "(traceback in x.log)"
     )
 
 
@@ -188,8 +191,9 @@ def test_a_model_collective_that_lost_its_peer_is_a_peer_failure_not_a_bug():
     f = Failure.of(_group(gloo))
     assert f.kind == SECONDARY and f.note == "secondary ?"
     assert f.line(0, 0, "x.log", False, origin=(1, False)) == (
-        "rank 0: stopped: rank 1 left first without a word (killed, or hung): a collective in task B3 (microbatch "
-        "3) of iteration 6, on stage 0 of 2 (rank 0) failed (the peer process probably died) (traceback in x.log)"
+        "rank 0: stopped: rank 1 left first without a word (killed, or hung): a collective in task "
+        "B3 (microbatch 3) of iteration 6, on stage 0 of 2 (rank 0) failed (the peer process "
+        "probably died) (traceback in x.log)"
     )
     assert Failure.of(RuntimeError("Connection reset by my own code")).kind == INTERNAL, (
         "not gloo's: a bug"

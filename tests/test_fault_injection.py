@@ -66,8 +66,9 @@ def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
     lines = ranks.error_lines(rank)
     assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{err}"
     line = lines[0]
-    # the failure board names the rank that left; without it (its store was in a rank that is gone) a
-    # channel names its peer, and a world collective (the step's all-reduce) cannot say which rank left
+    # the failure board names the rank that left; without it (its store was in a rank that is gone)
+    # a channel names its peer, and a world collective (the step's all-reduce) cannot say which rank
+    # left
     assert re.match(
         rf"rrfp: error: rank {rank}: stopped: (rank {peer} left first without a word \(killed, or "
         rf"hung\)|peer rank {peer} failed or left first|another rank failed or left first|"
@@ -142,9 +143,10 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
 
 @pytest.mark.timeout(240)
 def test_a_kill_during_a_save_is_named_by_every_survivor(tmp_path):
-    """Every survivor fails in DCP's world collective, which names no peer, and gloo fails it at once
-    only on the killed rank's ring neighbours (1 and 3): rank 0 stays blocked in it, posting nothing,
-    until one of them exits. The neighbours still name rank 2, whose alive counter stood still."""
+    """Every survivor fails in DCP's world collective, which names no peer, and gloo fails it at
+    once only on the killed rank's ring neighbours (1 and 3): rank 0 stays blocked in it, posting
+    nothing, until one of them exits. The neighbours still name rank 2, whose alive counter stood
+    still."""
     world, victim = 4, 2
     fault = "kill:step=3:stage=2:during=save"
     ranks = RankProcs(
@@ -221,9 +223,10 @@ def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, deb
 
 @pytest.mark.timeout(120)
 def test_an_error_of_the_models_own_is_one_line_and_its_task_is_in_the_log(tmp_path):
-    """The model itself raises (tests/fixtures/failing_stage.py: stage 1's third forward, F0 of step 2).
-    The iteration raises that error, not an ExceptionGroup, so `rrfp train` still ranks it and prints
-    one line; rrfp's note on it (which task, microbatch, iteration) is in the traceback's log."""
+    """The model itself raises (tests/fixtures/failing_stage.py: stage 1's third forward, F0 of step
+    2). The iteration raises that error, not an ExceptionGroup, so `rrfp train` still ranks it and
+    prints one line; rrfp's note on it (which task, microbatch, iteration) is in the traceback's
+    log."""
     sets = (
         "pp=2",
         "steps=5",
@@ -322,7 +325,8 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     )
     try:
         _, err = proc.communicate(timeout=STARTUP_S)
-        # torchrun has exited; its ranks run in sessions of their own: find them by this test's log dir
+        # torchrun has exited; its ranks run in sessions of their own: find them by this test's log
+        # dir
         assert _processes_naming(tmp_path) == [], "a process of the run outlived torchrun"
     finally:
         for pid in [proc.pid, *_processes_naming(tmp_path)]:

@@ -1,12 +1,13 @@
 """The runtime on real gloo ranks over generated shapes, against one process.
 
 tests/test_pipeline.py and tests/test_virtual_pipeline.py check the shapes our models have (M = 4,
-default budgets). Users bring others: one stage per rank or V = 2 and 3, a handful of microbatches of different sizes, budgets far below what the
-pipeline needs, count and byte budgets, split and whole backwards, every hint with a form on the
-layout, ready and fixed dispatch. The shapes are drawn from a seeded generator (one process group
-runs them all; hypothesis cannot drive examples across processes): set ``RRFP_SHAPES_SEED`` to
-draw others. Each shape is one iteration; every stage's gradients and the loss must equal one
-process within float64 rounding, every task must run once, and nothing may hang."""
+default budgets). Users bring others: one stage per rank or V = 2 and 3, a handful of microbatches
+of different sizes, budgets far below what the pipeline needs, count and byte budgets, split and
+whole backwards, every hint with a form on the layout, ready and fixed dispatch. The shapes are
+drawn from a seeded generator (one process group runs them all; hypothesis cannot drive examples
+across processes): set ``RRFP_SHAPES_SEED`` to draw others. Each shape is one iteration; every
+stage's gradients and the loss must equal one process within float64 rounding, every task must run
+once, and nothing may hang."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ D = 6  # the Piece model's width (test_virtual_pipeline.D)
 
 
 def shapes(world: int, n: int, seed: int) -> list[dict]:
-    """``n`` shapes that have a form on their layout (zbv only on v, zbh1 only at V = 1, 1f1b's rounds
-    dividing M, ...)."""
+    """``n`` shapes that have a form on their layout (zbv only on v, zbh1 only at V = 1, 1f1b's
+    rounds dividing M, ...)."""
     from rrfp.core.hints import default_split, resolve
     from rrfp.core.placement import VirtualLayout
     from rrfp.sim.sweep import applies

@@ -273,8 +273,8 @@ def test_weight_grads_wait_for_w(data):
     pipe.run_orders([[t for t in _gpipe(s, S, True) if t.kind is not Kind.W] for s in range(S)])
     for w in pipe.workers:
         assert w.inflight == tuple(range(M))
-        # every weight gradient waits for W: split-aware layers queue theirs, autograd defers the rest
-        # (embeddings, layer norms) to capture points
+        # every weight gradient waits for W: split-aware layers queue theirs, autograd defers the
+        # rest (embeddings, layer norms) to capture points
         assert all(p.grad is None for p in w.module.parameters()), [
             n for n, p in w.module.named_parameters() if p.grad is not None
         ]

@@ -92,11 +92,13 @@ def test_nccl_inits_are_counted_before_and_after_startup():
     log = "\n".join(
         [
             "h:1:1 [0] NCCL INFO Bootstrap : Using eth0",
-            "h:1:1 [0] NCCL INFO ncclCommInitRankConfig comm 0x1 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
+            "h:1:1 [0] NCCL INFO ncclCommInitRankConfig comm 0x1 rank 0 nranks 1 cudaDev 0 - Init "
+            "COMPLETE",
             "h:1:1 [0] NCCL INFO ncclCommSplit comm 0x2 rank 0 nranks 1 cudaDev 0 - Init COMPLETE",
             gpu_check.STARTUP_MARK,
             "step    1/5  loss 5.5",
-            "h:1:1 [0] NCCL INFO ncclCommInitRank comm 0x3 rank 0 nranks 2 cudaDev 0 - Init COMPLETE",
+            "h:1:1 [0] NCCL INFO ncclCommInitRank comm 0x3 rank 0 nranks 2 cudaDev 0 - Init "
+            "COMPLETE",
         ]
     )
     assert gpu_check.nccl_inits(log) == (2, 1)
@@ -152,7 +154,8 @@ def test_gpu_check_on_a_cpu_machine_skips_every_check_and_says_why():
 @pytest.mark.timeout(60)
 def test_cuda_lane_holds_a_slow_tasks_seconds_without_emulated_time():
     """The slow fault's hold_s on the CUDA lane: a spin kernel even when unit_s = 0 (the spin is
-    calibrated on first use), so the stream is busy that long; abandon() is there and recalls nothing."""
+    calibrated on first use), so the stream is busy that long; abandon() is there and recalls
+    nothing."""
     from rrfp.loop import CompletionPoller, CudaComputeLane
 
     dev, world = fake_device()

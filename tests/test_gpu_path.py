@@ -96,9 +96,9 @@ def run_pipeline(
     data = batches(DataConfig(seed=3, microbatch_size=2, min_seq_len=6, max_seq_len=24), 0, M * dp)
     ref_grads, ref_loss = _reference(model_cfg, data)
     torch.manual_seed(0)
-    # built before the ranks start: they are threads sharing torch's one RNG, from which an executor with virtual
-    # stages draws a seed every iteration and which it seeds around every forward (executor.py), so a model built
-    # in a rank could draw another rank's seed
+    # built before the ranks start: they are threads sharing torch's one RNG, from which an executor
+    # with virtual stages draws a seed every iteration and which it seeds around every forward
+    # (executor.py), so a model built in a rank could draw another rank's seed
     template = GPT(model_cfg)
 
     async def rank_main(rank):
@@ -200,8 +200,8 @@ def test_sends_leave_when_their_producer_ends(fake_dist, monkeypatch):
         print(f"\nper-hop send delay, gate = {variant}:")
         for msg, after, d, gate in rows:
             print(
-                f"  {msg:<16} next task {after:<4} send starts {d * 1e3:+6.1f} ms after its producer ends "
-                f"(its gate {gate * 1e3:+6.1f} ms)"
+                f"  {msg:<16} next task {after:<4} send starts {d * 1e3:+6.1f} ms after its "
+                f"producer ends (its gate {gate * 1e3:+6.1f} ms)"
             )
     # fixed: every send is gated by its producer's own end; before: several by the end of the task
     # enqueued after the producer (the send starts no earlier than its gate)
@@ -227,8 +227,9 @@ def test_no_communicator_or_host_sync_after_startup_on_any_path(fake_dist):
     )
     assert {i.key[0] for i in world.inits} == {"group"}, "a communicator other than a group's own"
     assert world.after_startup(world.host_syncs) == []
-    # each DP bucket waits for the stage's last W, and for no task after it (its gate: the lane as it
-    # was when the bucket was issued; the gate's time is the W's end, or the issue, if the host was late)
+    # each DP bucket waits for the stage's last W, and for no task after it (its gate: the lane as
+    # it was when the bucket was issued; the gate's time is the W's end, or the issue, if the host
+    # was late)
     for rank, r in results.items():
         kernels = [k for k in world.kernels if k.rank == rank and k.phase == "run"]
         last_w = kernels[max(i for i, t in enumerate(r["order"]) if t.kind is Kind.W)]
@@ -263,8 +264,8 @@ def test_virtual_stages_create_and_connect_nothing_after_startup(fake_dist, plac
         world.inits
     )
     assert world.after_startup(world.host_syncs) == []
-    # a channel's group joins two pipeline ranks; interleaved: boundaries 0-1, 1-2, 2-3 all cross ranks; v: 0-1 and
-    # 2-3 (1-2 is the local turn); two groups (fwd, bwd) each, per TP rank
+    # a channel's group joins two pipeline ranks; interleaved: boundaries 0-1, 1-2, 2-3 all cross
+    # ranks; v: 0-1 and 2-3 (1-2 is the local turn); two groups (fwd, bwd) each, per TP rank
     pp_of = plan_layout(4, 2, 2, 1).coords
     channels = [
         g for g in world.groups if g.backend == "nccl" and len({pp_of(r).pp for r in g.ranks}) == 2

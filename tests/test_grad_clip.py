@@ -1,7 +1,8 @@
-"""Global gradient clipping across the pipeline (PipelineRuntime.clip_grad_norm_), on real gloo ranks in
-float64: the total norm and the clipped gradients are those of torch.nn.utils.clip_grad_norm_ on the
-whole model in one process, with pipeline stages, TP shards and replicated parameters, DP replicas and
-virtual stages; a non-finite norm is reported and not applied."""
+"""Global gradient clipping across the pipeline (PipelineRuntime.clip_grad_norm_), on real gloo
+ranks in float64: the total norm and the clipped gradients are those of
+torch.nn.utils.clip_grad_norm_ on the whole model in one process, with pipeline stages, TP shards
+and replicated parameters, DP replicas and virtual stages; a non-finite norm is reported and not
+applied."""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ def test_gradients_accumulated_over_iterations_are_all_averaged(hint):
             assert torch.allclose(
                 torch.tensor(grads[name]), torch.tensor(want), rtol=0, atol=1e-12
             ), (
-                f"rank {rank} ({hint}): {name} is not the replicas' mean of the accumulated gradients"
+                f"rank {rank} ({hint}): {name} is not the replicas' mean of the accumulated "
+                "gradients"
             )
         assert launched_early == 2, "the first iteration of each step launched its bucket early"

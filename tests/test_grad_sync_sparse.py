@@ -112,7 +112,7 @@ def test_sparse_gradients_are_averaged_and_stay_sparse():
 
     results = run_ranks(_sparse, 2, timeout=75)
     refs = {"executor": _reference(2, set()), "one replica": _reference(2, {0})}
-    for rank, (through_executor, local, one_replica, e2_after) in results.items():
+    for rank, (through_executor, _local, one_replica, _e2_after) in results.items():
         for case, got in (("executor", through_executor), ("one replica", one_replica)):
             ref = refs[case]
             for name, want in ref.items():

@@ -52,7 +52,8 @@ def _steps(rank, world):
                         p.grad = torch.full_like(p, float(rank + 1))
                 await ex.run_iteration(step, data(rt.dp_rank))
                 await sync.sync()
-                # plain lists: tensors would travel back through shared memory, gone with the process
+                # plain lists: tensors would travel back through shared memory, gone with the
+                # process
                 steps.append(
                     {
                         n: None if p.grad is None else p.grad.tolist()

@@ -49,7 +49,8 @@ def _sync(rank, world):
                     for n, p in net.named_parameters()
                 }
                 await sync.sync()
-                # plain lists: tensors would travel back through shared memory, gone with the process
+                # plain lists: tensors would travel back through shared memory, gone with the
+                # process
                 grads = {
                     n: (None if p.grad is None else p.grad.tolist(), local[n])
                     for n, p in net.named_parameters()

@@ -88,8 +88,8 @@ def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()
-        # this rank's own checks stopped for longer than timeout_s (as a SIGSTOP of it does): the peer's
-        # old beat is no evidence, so nobody is blamed at once ...
+        # this rank's own checks stopped for longer than timeout_s (as a SIGSTOP of it does): the
+        # peer's old beat is no evidence, so nobody is blamed at once ...
         assert a.check(time.monotonic() + 3 * TIMEOUT_S) is None
         # ... only after timeout_s of checks that saw nothing new
         found = _watch(a, 5 * TIMEOUT_S)

@@ -83,8 +83,8 @@ def test_schedule_ready_equals_one_process(family):
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     print(
-        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
-        f"norms {norms}, max |norm - ref| {norm_diff:.3g}"
+        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| "
+        f"{param_diff:.3g}, norms {norms}, max |norm - ref| {norm_diff:.3g}"
     )
     assert loss_diff < 1e-12 and param_diff < 1e-12 and norm_diff < 1e-12, (
         loss_diff,

@@ -66,7 +66,7 @@ def test_first_stage_alone_equals_the_whole_models_slice():
 
 @pytest.mark.parametrize("make", [llama, qwen3, mistral], ids=["llama", "qwen3", "mistral"])
 def test_stages_chain_to_the_whole_models_logits_and_gradients(make):
-    """Uneven user ranges, a padding mask and a tied head on Qwen3: rotary and the masks rebuilt per stage."""
+    """Uneven ranges, a padding mask, a tied head on Qwen3: rotary and masks rebuilt per stage."""
     cfg = make(tie_word_embeddings=make is qwen3)
     whole = build_hf_model(cfg, seed=1, dtype=torch.float64, gradient_checkpointing=True)
     ranges = [(0, 1), (1, 4), (4, 5), (5, 8)]
@@ -246,9 +246,9 @@ def test_bad_configs_are_one_clear_error():
 @pytest.mark.e2e
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     code = (
-        "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, 'loaded'\n"
-        "sys.modules['transformers'] = None\n"
-        "try:\n    rrfp.build_hf_stage(None, 0, 1)\nexcept ImportError as e:\n    print(e)\n"
+        "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, "
+        "'loaded'\nsys.modules['transformers'] = None\ntry:\n    rrfp.build_hf_stage(None, 0, "
+        "1)\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

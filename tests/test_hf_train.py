@@ -1,7 +1,7 @@
-"""rrfp train on HF causal LMs (model = "hf"): a tiny Llama and Qwen3 (its embedding and LM head tied
-across the first and last stage) in float64, 4 stages on 2 gloo ranks (virtual stages), HF activation
-checkpointing, gradient clipping and a warmup of the learning rate, equal to the whole model trained
-on one process with the same seed and data."""
+"""rrfp train on HF causal LMs (model = "hf"): a tiny Llama and Qwen3 (its embedding and LM head
+tied across the first and last stage) in float64, 4 stages on 2 gloo ranks (virtual stages), HF
+activation checkpointing, gradient clipping and a warmup of the learning rate, equal to the whole
+model trained on one process with the same seed and data."""
 
 import tempfile
 from pathlib import Path
@@ -69,8 +69,8 @@ def test_rrfp_train_equals_one_process(family):
     assert set(params) == set(ref_params)
     param_diff = max((params[n] - ref_params[n]).abs().max().item() for n in params)
     print(
-        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| {param_diff:.3g}, "
-        f"norms {norms}, max |norm - ref| {norm_diff:.3g}"
+        f"{family}: losses {losses}, max |loss - ref| {loss_diff:.3g}, max |param - ref| "
+        f"{param_diff:.3g}, norms {norms}, max |norm - ref| {norm_diff:.3g}"
     )
     assert loss_diff < 1e-12 and param_diff < 1e-12, (loss_diff, param_diff)
     assert ref_losses[2] < ref_losses[0], "the reference should learn"

@@ -55,7 +55,7 @@ def test_refused_with_one_line(sets, needles):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sets,needles", [REFUSED[0], REFUSED[4]], ids=["context", "fixed-budget"])
 def test_refused_before_any_process_group(sets, needles):
-    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves was never joined."""
+    """Through the CLI, without --dry-run: exit 2, and a rendezvous nobody serves is not joined."""
     assert_usage_error(rrfp("--config", CONFIG, *sets_args(sets), world=4), *needles)
 
 
@@ -95,7 +95,8 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
     ), line
 
 
-# a hint with no order on some rank of the layout: found by the config, not by the ranks once their groups exist
+# a hint with no order on some rank of the layout: found by the config, not by the ranks once their
+# groups exist
 HINT_LAYOUT = [
     (
         ["steps=2", "hint=zbv", "schedule.dispatch=fixed"],
@@ -133,7 +134,7 @@ def test_hint_that_does_not_fit_the_layout_is_refused(sets, needles):
 
 
 def _csv_of_stage_0(tmp_path):
-    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): stages 1-3 have none."""
+    """A CSV order for stage 0 alone (GPipe, whole backward, 8 microbatches): none for 1-3."""
     path = tmp_path / "stage0.csv"
     path.write_text(
         "stage,task\n"
@@ -175,8 +176,8 @@ def _end_file_error(sets: list[str], *needles: str) -> str:
 
 
 def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_path):
-    """output.trace and output.sizes are written when the run ends: a folder that cannot hold them is
-    found before it starts, as checkpoint.dir's is."""
+    """output.trace and output.sizes are written when the run ends: a folder that cannot hold them
+    is found before it starts, as checkpoint.dir's is."""
     from rrfp.app.run_outputs import check_end_files
 
     (tmp_path / "a-file").write_text("")
@@ -265,7 +266,7 @@ def test_slow_fault_holds_one_task_of_one_step():
 
 
 def test_a_fault_during_the_commit_fires_there_only():
-    """during=commit fires as the rank enters the commit of its step's checkpoint, not in its write."""
+    """during=commit fires as the rank enters its step's checkpoint commit, not in its write."""
     from rrfp.pipeline.faults import FaultInjector
 
     f = Fault.parse("raise:step=2:rank=0:during=commit")

@@ -180,8 +180,9 @@ def public_names() -> set[str]:
 
 
 def deep_uses(source: str, public: set[str]) -> list[str]:
-    """Where ``source`` reaches past rrfp's public surface: ``import rrfp.x``, ``from rrfp.x import y``,
-    ``from rrfp import name`` for a name not in ``public``, and ``rrfp.name`` for one not in it."""
+    """Where ``source`` reaches past rrfp's public surface: ``import rrfp.x``, ``from rrfp.x import
+    y``, ``from rrfp import name`` for a name not in ``public``, and ``rrfp.name`` for one not in
+    it."""
     found = []
     for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
@@ -215,7 +216,8 @@ TOP_SOURCES = sorted(p for folder in TOP for p in ROOT.joinpath(folder).rglob("*
 @pytest.mark.parametrize("path", TOP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_top_uses_only_the_public_surface(path):
     """Models, examples and benchmarks use ``import rrfp; rrfp.X`` or ``from rrfp import X``, X in
-    ``rrfp.__all__``: what they need is what an embedding user gets, and the internals stay free to move."""
+    ``rrfp.__all__``: what they need is what an embedding user gets, and the internals stay free to
+    move."""
     deep = deep_uses(path.read_text(), public_names())
     assert not deep, f"{path.relative_to(ROOT)} reaches past rrfp's public surface: {deep}"
 
@@ -245,8 +247,8 @@ def test_core_and_sim_load_without_torch():
     import sys
 
     code = (
-        "import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, rrfp.choose; "
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, "
+        "rrfp.choose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

@@ -70,11 +70,12 @@ def _file(text: bytes, *extra: str) -> Callable[[Path], list[str]]:
     return make
 
 
-# ---- checkpoints, made in-process: a real DCP checkpoint of placeholder tensors for a 2-rank pp=2 run ----
+# ---- checkpoints, made in-process: a real DCP checkpoint of placeholder tensors for a 2-rank pp=2
+# run ----
 
 
 def _checkpoint(tmp: Path, step: int = 2, **run) -> Path:
-    """DIR/step-N, committed as a run would, with the fingerprint of SMALL's config (and ``run``)."""
+    """DIR/step-N, committed as a run would, with the fingerprint of SMALL's config (``run``)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -196,7 +197,8 @@ def _below_a_file(where: str, name: str) -> Callable[[Path], list[str]]:
     return make
 
 
-# ---- message headers: the words a broken sender or link delivers (decoded by the receiving rank) ----
+# ---- message headers: the words a broken sender or link delivers (decoded by the receiving rank)
+# ----
 
 
 def _header(change: Callable[[list], None], seal: bool = True) -> Callable[[Path], list]:
@@ -357,7 +359,8 @@ ROWS = [
         _sets("hint=zbv", "schedule.dispatch=fixed"),
         "needs virtual = 2 and placement v",
     ),
-    # not a dry run (the memory check builds the model on the meta device): refused before any process group
+    # not a dry run (the memory check builds the model on the meta device): refused before any
+    # process group
     Row(
         "config",
         "a model too big for this machine's memory (1.6 TB of parameters and AdamW state)",
@@ -389,7 +392,8 @@ ROWS = [
         "a cost file with a NaN coefficient",
         _cost(
             '{"features": ["tokens", "attn", "patches"], '
-            '"reference_s": 1, "coef": [[[NaN, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], [[0, 0, 0, 0], [0, 0, 0, 0], '
+            '"reference_s": 1, "coef": [[[NaN, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]], [[0, 0, 0, '
+            "0], [0, 0, 0, 0], "
             "[0, 0, 0, 0]]]}"
         ),
         "finite numbers",

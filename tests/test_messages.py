@@ -181,7 +181,7 @@ class Second(nn.Module):
 
 
 class SecondArgs(Second):
-    """Takes the boundary as separate positional arguments, as torch.distributed.pipelining calls a stage."""
+    """Takes the boundary as separate positional arguments, as torch's pipelining calls a stage."""
 
     def forward(self, h, mask, nothing, s):
         return super().forward((h, mask, nothing, s))
@@ -270,7 +270,7 @@ def test_worker_tuple_boundary_matches_reference(split, second):
 
 @pytest.mark.timeout(30)
 def test_first_stage_takes_a_tuple_input_as_separate_arguments():
-    """The first stage's own inputs (the batch's first element) follow the same rule as a received boundary."""
+    """The first stage's own inputs (the batch's first element) obey a received boundary's rule."""
 
     class Masked(nn.Module):
         def __init__(self) -> None:

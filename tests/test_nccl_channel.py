@@ -25,7 +25,7 @@ DEVICE = torch.device("cuda", 0)
 
 
 def connected_pair(world: FakeWorld | None = None, deadline_s: float | None = None):
-    """(tx on rank 0, rx on rank 1, world, poller): one channel 0 -> 1, created and warmed up as at start-up."""
+    """(tx on rank 0, rx on rank 1, world, poller): a channel 0 -> 1 made and warmed as at start."""
     world = world or FakeWorld(2)
     poller = CompletionPoller(spin_rounds=4, backoff_s=1e-4, max_backoff_s=1e-3)
     ends = {}
@@ -100,7 +100,7 @@ async def test_a_send_completes_only_once_its_receive_is_posted():
 @pytest.mark.timeout(30)
 @pytest.mark.asyncio
 async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
-    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send time."""
+    """Sends on time: the message's ``ready`` event gates it, not the compute stream at send."""
     tx, rx, world, poller = connected_pair()
     compute = tx.compute_stream
     delays = {}
@@ -108,7 +108,6 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
         with world.use_stream(compute):
             world.kernel(0, 0.03)  # the producer
         produced = FakeCudaOps(world, 0).record_event(compute)
-        producer_end = lambda: produced.done_at  # noqa: E731
         with world.use_stream(compute):
             world.kernel(0, 0.03)  # the next task, enqueued before the send coroutine runs
         msg = message(0, 4)
@@ -118,10 +117,11 @@ async def test_a_send_waits_for_its_producer_and_not_for_later_tasks():
             tg.create_task(rx.recv())
             await tx.send(msg)
         header = world.sends[before]
-        delays[gate] = header.posted_at - producer_end()
+        delays[gate] = header.posted_at - produced.done_at
     print(
-        f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's event, "
-        f"{delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task enqueued between)"
+        f"send start after its producer's end: {delays['ready'] * 1e3:.2f} ms with the producer's "
+        f"event, {delays['record at send time'] * 1e3:.2f} ms recording at send time (a 30 ms task "
+        "enqueued between)"
     )
     assert -1e-4 <= delays["ready"] < 0.01, delays
     assert delays["record at send time"] > 0.025, delays

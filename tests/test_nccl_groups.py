@@ -84,20 +84,22 @@ def test_a_group_torch_did_not_initialize_eagerly_is_refused():
     "nccl_text, reason",
     [
         (
-            "NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: remote process exited "
-            "or there was a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network "
-            "error or a remote process exiting prematurely.",
+            "NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: "
+            "remote process exited or there was a network error, NCCL version "
+            "2.21.5\nncclRemoteError: A call failed possibly due to a network error or a remote "
+            "process exiting prematurely.",
             "the peer process probably died",
         ),
         (
-            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=RECV, NumelIn=71, "
+            "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+            "OpType=RECV, NumelIn=71, "
             "NumelOut=71, Timeout(ms)=150000) ran for 150011 milliseconds before timing out.",
             "nothing within the process-group timeout",
         ),
     ],
 )
 def test_nccl_failures_read_like_gloo_ones(nccl_text, reason):
-    """Same one line as a gloo peer failure: where, what, the likely reason; NCCL's text stays in the log."""
+    """One line as for a gloo peer failure (where, what, likely reason); NCCL's text in the log."""
     from rrfp.comm.channels import ChannelEnd
 
     end = ChannelEnd()

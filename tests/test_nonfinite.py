@@ -72,7 +72,9 @@ def test_skip_leaves_every_stage_unchanged_and_goes_on():
             f"rank {rank}: only step {NAN_STEP}'s update is skipped: {out}"
         )
         assert out["finite"], f"rank {rank}: a NaN reached the weights"
-        assert len(out["losses"]) == STEPS and all(l == l for l in out["losses"]), out["losses"]
+        assert len(out["losses"]) == STEPS and all(loss == loss for loss in out["losses"]), out[
+            "losses"
+        ]
     assert results[0]["losses"] == results[1]["losses"], (
         "every rank reports the same all-reduced losses"
     )

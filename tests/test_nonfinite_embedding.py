@@ -1,7 +1,7 @@
-"""on_nonfinite for embedding drivers (stage_executor): a NaN loss on one microbatch of the last stage,
-whose gradients stay finite, so only that rank sees it. "stop" ends every rank with one line naming
-the stage and the microbatch; "skip" leaves every rank's parameters as they were after the user's
-optimizer step. Real gloo ranks."""
+"""on_nonfinite for embedding drivers (stage_executor): a NaN loss on one microbatch of the last
+stage, whose gradients stay finite, so only that rank sees it. "stop" ends every rank with one line
+naming the stage and the microbatch; "skip" leaves every rank's parameters as they were after the
+user's optimizer step. Real gloo ranks."""
 
 from __future__ import annotations
 

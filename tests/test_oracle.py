@@ -153,8 +153,8 @@ budgets = st.sampled_from([1, 2, 3, "1x", "2x", "1.5MiB", "3MiB"])
 def test_optimum_is_below_every_executor_and_above_the_lower_bound(S, M, var, budget, seed):
     base = SimConfig(S, M, budget=budget, variability=var, seed=seed)
     r = solve(replace(base, split=True), time_limit=20)
-    # On 2 shared cores the 20 s may run out (seen once in three suite runs): the best schedule found
-    # and the proven bound must still hold everything below but the optimum's own closeness.
+    # On 2 shared cores the 20 s may run out (seen once in three suite runs): the best schedule
+    # found and the proven bound must still hold everything below but the optimum's own closeness.
     assert r.status in ("OPTIMAL", "FEASIBLE"), r
     # The solver's orders, run by the simulator, take what the solver said and hold the budget.
     again = replay(replace(base, split=True), r.orders)

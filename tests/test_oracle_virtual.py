@@ -68,7 +68,7 @@ def v2_config(S: int, M: int, placement: str, budget: str, seed: int) -> SimConf
 
 
 def ready_runs(cfg):
-    """Every ready row of the sweep on ``cfg``'s layout: bfw, the placement's classic order, plan."""
+    """The sweep's ready rows on ``cfg``'s layout: bfw, the placement's classic order, plan."""
     runs = [
         simulate(replace(cfg, hint=h, dispatch="ready", record=True))
         for h in ("bfw", CLASSIC[cfg.placement])
@@ -79,9 +79,10 @@ def ready_runs(cfg):
     return runs
 
 
-CASES = [  # (S, M, placement, budget, seed): small V = 2 shapes CP-SAT proved in 0.2-8 s on 2 loaded cores
-    # (others of these sizes can take over 30 s to prove: 3 x 4 interleaved seed 0, most budgets of 1x by need,
-    # today's 0.5x in the v shape; since 1x gives the fullest rank 1F1B's peak, 2 x 4 v at 1x proves in under 3 s)
+# (S, M, placement, budget, seed): small V = 2 shapes that CP-SAT proves within seconds; others of
+# these sizes can take far longer to prove (3 x 4 interleaved seed 0, most budgets of 1x by need,
+# 0.5x in the v shape), while 2 x 4 v at 1x (the fullest rank's 1F1B peak) proves quickly
+CASES = [
     (2, 4, "v", "2x", 0),
     (2, 6, "v", "2x", 1),
     (3, 4, "v", "2x", 0),
@@ -209,7 +210,8 @@ def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(
         assert holds_budget(cfg, sim), sim.config.hint.name
         assert r.bound <= sim.makespan + 1e-9, sim.config.hint.name
         assert r.makespan <= sim.makespan + tolerance(cfg), sim.config.hint.name
-    # the runtime holds more than the limit: capping the rank at it would be no floor under these runs
+    # the runtime holds more than the limit: capping the rank at it would be no floor under these
+    # runs
     assert max(p for sim in ready for p in held_bytes_peaks(sim, sizes)) > limit
     for hint in ("bfw", CLASSIC[placement]):
         fixed = simulate(replace(cfg, hint=hint, dispatch="fixed", record=True))

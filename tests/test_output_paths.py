@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cases(blocked: Path):
-    """(argv, flag) for every command that writes a file the user named; ``blocked`` is a plain file,
-    so nothing can be made under it."""
+    """(argv, flag) for every command that writes a file the user named; ``blocked`` is a plain
+    file, so nothing can be made under it."""
     bad = blocked / "sub" / "out.json"
     return [
         (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--json", str(bad)], "--json"),

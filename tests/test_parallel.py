@@ -141,7 +141,8 @@ def _check(results, pp, tp, dp, configs=CONFIGS):
 def test_dp2_pp2_matches_reference():
     results = run_ranks(_parallel, 4, 2, 1, 2, CONFIGS, False, False, timeout=240)
     _check(results, 2, 1, 2)
-    # every bucket's all-reduce was launched from inside the iteration, as its gradients became final
+    # every bucket's all-reduce was launched from inside the iteration, as its gradients became
+    # final
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
 
 

@@ -152,7 +152,8 @@ def _twenty_steps(rank, world, configs):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     for ex, hint in configs:
-        # a plan needs task costs: emulated time (0.1 ms units) here, as rrfp train refuses one in real time
+        # a plan needs task costs: emulated time (0.1 ms units) here, as rrfp train refuses one in
+        # real time
         cfg = TrainConfig(
             RunSection(steps=steps, seed=0, timeout_s=60),
             ParallelSection(pp=world),

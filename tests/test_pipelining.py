@@ -18,8 +18,8 @@ VOCAB, DIM, BATCH = 11, 8, 2
 
 
 class Chunk(nn.Module):
-    """One stage of a small token model: embedding on the first, projection to the vocabulary on the last.
-    The first stage also takes a keyword argument (a scale), as torch lets a first stage."""
+    """One stage of a small token model: embedding on the first, projection to the vocabulary on the
+    last. The first stage also takes a keyword argument (a scale), as torch lets a first stage."""
 
     def __init__(self, first: bool, last: bool) -> None:
         super().__init__()
@@ -55,7 +55,7 @@ def reference_grads(model, chunk_index: int, mbs) -> tuple[list[float], dict]:
     model.zero_grad()
     losses = [loss_fn(model(x), y) for x, y in mbs]
     (sum(losses) / len(losses)).backward()
-    return [l.item() for l in losses], {
+    return [loss.item() for loss in losses], {
         n: p.grad.clone() for n, p in model[chunk_index].named_parameters()
     }
 
@@ -101,11 +101,11 @@ def _parity(rank, world):
                 *args, target=y if last else None, losses=eval_losses, **kwargs
             )
             out[name] = dict(
-                losses=[l.item() for l in losses],
+                losses=[loss.item() for loss in losses],
                 grads1=after_one,
                 grads2=after_two,
                 merged=merged,
-                eval_losses=[l.item() for l in eval_losses],
+                eval_losses=[loss.item() for loss in eval_losses],
                 evaluated=evaluated,
             )
             if name == "rrfp":
@@ -217,7 +217,8 @@ def _variable_lengths(rank, world, csv_path):
 
 def _torch_variable_lengths(rank, world):
     """The same microbatches through torch 2.13's Schedule1F1B (``_step_microbatches`` is its way to
-    take them pre-split; 2.14's ``step(arg_mbs=)``): its receive buffers have the first one's shape."""
+    take them pre-split; 2.14's ``step(arg_mbs=)``): its receive buffers have the first one's
+    shape."""
     import datetime
 
     import torch.distributed as dist
@@ -263,7 +264,7 @@ ONE_F_ONE_B_CSV = (
 
 
 def test_non_stages_are_refused():
-    """Several stages per rank are taken (tests/test_pipelining_virtual.py); what is not a stage is not."""
+    """Several stages per rank are taken (test_pipelining_virtual.py); what is no stage is not."""
     from rrfp import ScheduleReady
 
     with pytest.raises(ValueError, match="at least one PipelineStage, got an empty list"):

@@ -1,5 +1,5 @@
-"""ScheduleReady(dp_sync=True) on pp 2 x dp 2 (4 gloo ranks; stage s of replica d on rank s * 2 + d):
-after a step every rank's gradients equal one process's over the whole batch of both replicas
+"""ScheduleReady(dp_sync=True) on pp 2 x dp 2 (4 gloo ranks; stage s of replica d on rank s * 2 +
+d): after a step every rank's gradients equal one process's over the whole batch of both replicas
 (float64), as do the losses of each replica's microbatches."""
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _rank(rank, world, dp_sync):
         return (
             s,
             {n: p.grad.tolist() for n, p in stage.submod.named_parameters()},
-            [l.item() for l in losses],
+            [loss.item() for loss in losses],
         )
     finally:
         dist.destroy_process_group()
@@ -92,5 +92,5 @@ def test_dp_sync_gradients_equal_one_process_over_the_whole_batch():
         if s == 1:
             d = rank - 2
             assert got == pytest.approx(
-                [l.item() for l in losses[d * M : (d + 1) * M]], rel=1e-12, abs=0
+                [loss.item() for loss in losses[d * M : (d + 1) * M]], rel=1e-12, abs=0
             )

@@ -2,9 +2,9 @@
 of the rank's PipelineStages, as torch's PipelineScheduleMulti takes it, it must give the losses,
 gradients and outputs of each of torch's multi-stage schedules of that placement on the same stages
 (ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble for the interleaved placement,
-ScheduleZBVZeroBubble and ScheduleDualPipeV for v), and of a single-process run of the same model and
-data; stage sets that are neither placement, stages on different devices, and keyword arguments with
-several stages per rank are refused in one line."""
+ScheduleZBVZeroBubble and ScheduleDualPipeV for v), and of a single-process run of the same model
+and data; stage sets that are neither placement, stages on different devices, and keyword arguments
+with several stages per rank are refused in one line."""
 
 from __future__ import annotations
 
@@ -20,32 +20,32 @@ pytestmark = pytest.mark.multirank
 V = 2
 TOL = 1e-10
 # torch's multi-stage schedules of each placement; ScheduleDualPipeV needs M >= S * V microbatches
-# (schedules.py, ScheduleDualPipeV.__init__: "DualPipeV requires at least as many microbatches as stages"),
-# so at 4 ranks (8 stages) it runs only in the case with M = 8, and refuses M = 4
+# (schedules.py, ScheduleDualPipeV.__init__: "DualPipeV requires at least as many microbatches as
+# stages"), so at 4 ranks (8 stages) it runs only in the case with M = 8, and refuses M = 4
 TORCH_SCHEDULES = {
     "interleaved": ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble"),
     "v": ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"),
 }
-# torch 2.13's v schedules cannot eval: they still run the B of the stage whose predecessor is on the same rank,
-# whose hand-off (schedules.py _perform_action, get_local_bwd_output) fails with "can't steal_bwd_input if this
-# stage doesn't have backward" (stage.py), as eval's stages have none
+# torch 2.13's v schedules cannot eval: they still run the B of the stage whose predecessor is on
+# the same rank, whose hand-off (schedules.py _perform_action, get_local_bwd_output) fails with
+# "can't steal_bwd_input if this stage doesn't have backward" (stage.py), as eval's stages have none
 TORCH_CANNOT_EVAL = {"ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
 RRFP_HINTS = {"interleaved": ("bfw", "1f1b"), "v": ("bfw", "zbv")}
 
 
 def held_stages(rank: int, world: int, placement: str) -> tuple[int, ...]:
-    """The global stages torch's schedule puts on ``rank``: interleaved r, r + S; v r, 2S - 1 - r."""
+    """Global stages torch's schedule puts on ``rank``: interleaved r, r + S; v r, 2S - 1 - r."""
     return (rank, rank + world) if placement == "interleaved" else (rank, 2 * world - 1 - rank)
 
 
 def reference(num_stages: int, stages, x, y) -> tuple[list[float], dict, torch.Tensor]:
-    """One process: per-microbatch losses (of BATCH rows each), the mean loss's gradients of ``stages``
-    keyed (stage, name), and the output."""
+    """One process: per-microbatch losses (of BATCH rows each), the mean loss's gradients of
+    ``stages`` keyed (stage, name), and the output."""
     model = full_model(num_stages)
     losses = [loss_fn(model(x[i : i + BATCH]), y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
     (sum(losses) / len(losses)).backward()
     return (
-        [l.item() for l in losses],
+        [loss.item() for loss in losses],
         {(s, n): p.grad.clone() for s in stages for n, p in model[s].named_parameters()},
         model(x).detach(),
     )
@@ -62,8 +62,9 @@ def _run(
     evaluate: bool = True,
     **options,
 ):
-    """One step of ``m`` microbatches, a second one without zero_grad (torch divides the accumulated .grad
-    by m), and an eval (the parameters have not moved: the first step's losses and output again)."""
+    """One step of ``m`` microbatches, a second one without zero_grad (torch divides the accumulated
+    .grad by m), and an eval (the parameters have not moved: the first step's losses and output
+    again)."""
     (x, y), (x2, y2) = data
     schedule = cls(stages, m, loss_fn=loss_fn, **options)
     losses, eval_losses = [], []
@@ -81,11 +82,11 @@ def _run(
             *((x,) if first else ()), target=y if last else None, losses=eval_losses
         )
     out = dict(
-        losses=[l.item() for l in losses],
+        losses=[loss.item() for loss in losses],
         grads1=grads1,
         grads2=grads2,
         merged=merged,
-        eval_losses=[l.item() for l in eval_losses],
+        eval_losses=[loss.item() for loss in eval_losses],
         evaluated=evaluated,
     )
     return schedule, out
@@ -99,7 +100,7 @@ def loss_diff(a: list[float], b: list[float]) -> float:
 
 
 def torch_schedules_for(placement: str, world: int, m: int) -> tuple[str, ...]:
-    """torch's schedules of ``placement`` that take ``world`` ranks of V stages and ``m`` microbatches."""
+    """torch's ``placement`` schedules for ``world`` ranks of V stages and ``m`` microbatches."""
     return tuple(
         n for n in TORCH_SCHEDULES[placement] if n != "ScheduleDualPipeV" or m >= world * V
     )
@@ -149,8 +150,9 @@ def _virtual_parity(rank, world, placement, m):
                 stages, local_modules = stages[::-1], local_modules[::-1]
             schedule, runs[name] = _run(cls, stages, local_modules, first, last, data, m, **options)
             if cls is ScheduleReady:
-                # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on every rank
-                # alike (before any message), rather than give them to the first stage alone
+                # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on
+                # every rank alike (before any message), rather than give them to the first stage
+                # alone
                 with pytest.raises(
                     NotImplementedError, match="keyword arguments.*several stages per rank"
                 ):
@@ -213,7 +215,8 @@ def _virtual_parity(rank, world, placement, m):
 
 
 @pytest.mark.timeout(300)
-# M = 4 everywhere, where DualPipeV refuses 4 ranks (8 stages); and v at 4 ranks with DualPipeV's least M, S * V = 8
+# M = 4 everywhere, where DualPipeV refuses 4 ranks (8 stages); and v at 4 ranks with DualPipeV's
+# least M, S * V = 8
 @pytest.mark.parametrize(
     "placement, world, m",
     [("interleaved", 2, M), ("interleaved", 4, M), ("v", 2, M), ("v", 4, M), ("v", 4, 4 * V)],
@@ -282,15 +285,17 @@ def test_virtual_stages_equal_torch_multi_stage_schedules_and_one_process(placem
                 )
 
 
-# -- refusals: one line naming the problem, on every rank, before any schedule runs -----------------
+# -- refusals: one line naming the problem, on every rank, before any schedule runs
+# -----------------
 
 REFUSALS = {
-    # looped placement (ScheduleLoopedBFS's): rank r holds r * V .. r * V + V - 1; each rank names its own
+    # looped placement (ScheduleLoopedBFS's): rank r holds r * V .. r * V + V - 1; each rank names
+    # its own
     "looped": (
         {0: (0, 1), 1: (2, 3)},
         ValueError,
-        r"group rank {r} holds stages \[\d, \d\] of 4: ScheduleReady places a rank's stages interleaved "
-        r"\[{r}, {i}\] or v \[{r}, \d\], not otherwise",
+        r"group rank {r} holds stages \[\d, \d\] of 4: ScheduleReady places a rank's stages "
+        r"interleaved \[{r}, {i}\] or v \[{r}, \d\], not otherwise",
     ),
     # one stage per rank: each rank checks its own (both are wrong here)
     "one stage, another rank's": (
@@ -316,8 +321,8 @@ REFUSALS = {
         r"the ranks' stages are not one placement: rank 0 holds "
         r"\[0, 2\] \(interleaved\), rank 1 holds \[1, 2\] \(v\)",
     ),
-    # one rank alone refuses its arguments: the other fails at once with that rank's error, not after
-    # waiting in group creation (whose timeout, 120 s here, is past the test's)
+    # one rank alone refuses its arguments: the other fails at once with that rank's error, not
+    # after waiting in group creation (whose timeout, 120 s here, is past the test's)
     "one rank's module is wrapped (V = 1)": (
         {0: (0,), 1: (1,)},
         NotImplementedError,
@@ -329,7 +334,8 @@ REFUSALS = {
         ValueError,
         r"^{who}n_microbatches must be a positive int, got 0$",
     ),
-    # an error no check meant to raise (here planted in rank 1's module check) reaches the others too
+    # an error no check meant to raise (here planted in rank 1's module check) reaches the others
+    # too
     "one rank's unexpected error": (
         {0: (0,), 1: (1,)},
         RuntimeError,
@@ -340,7 +346,8 @@ REFUSALS = {
         ValueError,
         r"^{who}ScheduleReady needs at least one PipelineStage, got an empty list$",
     ),
-    # 4 ranks, pp 2 x dp 2: rank 0's stage group is [0, 1], not a pipeline of the layout ([0, 2], [1, 3])
+    # 4 ranks, pp 2 x dp 2: rank 0's stage group is [0, 1], not a pipeline of the layout ([0, 2],
+    # [1, 3])
     "one rank's group": (
         {0: (0,), 1: (0,), 2: (1,), 3: (1,)},
         NotImplementedError,

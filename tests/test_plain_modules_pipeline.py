@@ -54,7 +54,7 @@ class EncoderStage(nn.Module):
 
 
 class RecurrentStage(nn.Module):
-    """A GRU (its hidden weights are used at every step), and a LayerNorm of its output sent beside it."""
+    """A GRU (hidden weights used at every step), and a LayerNorm of its output sent beside it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,8 +157,8 @@ def test_four_plain_stages_with_derived_outputs_match_one_process():
     for rank, out in sorted(results.items()):
         for (dispatch, hint), (grad_err, param_err, splits, summary) in out.items():
             print(
-                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, "
-                f"max |param diff| after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}"
+                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, max |param diff| "
+                f"after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}"
             )
             assert grad_err < 1e-10, (rank, dispatch, hint, grad_err)
             assert param_err < 1e-10, (rank, dispatch, hint, param_err)

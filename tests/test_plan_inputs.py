@@ -81,8 +81,9 @@ def _plans(var: Variability, cost: CostModel, features: list[dict]) -> dict:
 
 
 def test_hidden_noise_never_reaches_the_plan(monkeypatch):
-    """Change only what cannot be known before an iteration runs (the jitter, straggler and link-jitter
-    draws and how large they are): the realized durations change, every plan stays the same."""
+    """Change only what cannot be known before an iteration runs (the jitter, straggler and
+    link-jitter draws and how large they are): the realized durations change, every plan stays the
+    same."""
     var = Variability.preset("lang", slow_stage=2, slow_factor=1.5, comm_jitter=0.2)
     cost = CostModel.fit(synthetic(stages=S)[1])
     features = [
@@ -172,7 +173,8 @@ def test_calibrate_measures_on_the_runs_device():
     assert calibration_device(RuntimeSection(backend="nccl")) == torch.device("cuda")
     assert calibration_device(RuntimeSection(backend="nccl", device="cuda")) == torch.device("cuda")
     if torch.cuda.is_available():
-        return  # the CPU-only refusal below does not apply; scripts/gpu_check.py calibrates on the GPU
+        # the CPU-only refusal below does not apply; scripts/gpu_check.py calibrates on the GPU
+        return
     p = rrfp_in_process(
         "calibrate",
         "--config",

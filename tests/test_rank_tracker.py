@@ -282,8 +282,8 @@ def test_the_v_turn_is_local_and_named():
 
 
 def test_later_chunk_has_room_reserved():
-    """With room for one microbatch (2 chunk units): a chunk-0 F is refused once one unit is held, so the
-    microbatch's own chunk-1 F always fits; without the reserve the rank would deadlock."""
+    """With room for one microbatch (2 chunk units): a chunk-0 F is refused once one unit is held,
+    so the microbatch's own chunk-1 F always fits; without the reserve the rank would deadlock."""
     lay = VirtualLayout(2, 2, "v")
     rk = RankTracker(resolve("bfw").rank_spec(lay, 1, 3, True, Dispatch.READY, Budget.parse("1")))
     assert rk.spec.limit.count == 2
@@ -330,7 +330,8 @@ def test_nx_gives_every_layout_1f1bs_peak_per_device_spread_by_need():
             ]  # spread by need: less need, never more room
             by_need = [c for _, c in sorted(zip(needs, counts), reverse=True)]
             assert by_need == sorted(by_need, reverse=True), (n, lay, counts)
-    # interleaved, 1x: rank r gets 16 x (24 - 2r) / 24 chunks, rounded down (rank 0: 1F1B's 8 microbatches)
+    # interleaved, 1x: rank r gets 16 x (24 - 2r) / 24 chunks, rounded down (rank 0: 1F1B's 8
+    # microbatches)
     assert [Budget.parse("1x").rank_limit(VirtualLayout(S, 2), r).count for r in range(S)] == [
         16,
         14,

@@ -67,7 +67,7 @@ def losses(stdout: str) -> dict[int, str]:
 
 
 def final_state(ckdir: Path) -> dict:
-    """The last checkpoint's every tensor and value (model, AdamW state, RNG states), in one process."""
+    """Every tensor and value of the last checkpoint (model, AdamW, RNG states), in one process."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -91,12 +91,16 @@ def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
     broken = torchrun(tmp_path / "broken", f"fault=kill:step={KILLED_IN}:stage=1:attempt=0")
     assert broken.returncode == 0, broken.stderr[-3000:]
     assert "injecting fault kill" in broken.stderr, "the rank was never killed"
-    resumed = f"resume: from {tmp_path / 'broken' / 'ck' / f'step-{KILLED_IN - 1:08d}'} (step {KILLED_IN - 1} of {STEPS})"
+    resumed = (
+        f"resume: from {tmp_path / 'broken' / 'ck' / f'step-{KILLED_IN - 1:08d}'} (step "
+        f"{KILLED_IN - 1} of {STEPS})"
+    )
     assert resumed in broken.stdout, broken.stdout
     assert f"done: {STEPS - KILLED_IN + 1} steps after step {KILLED_IN - 1}" in broken.stdout, (
         broken.stdout
     )
-    # every step printed once, from the first attempt (1, 2) or the restarted one (3..6), as the unbroken run
+    # every step printed once, from the first attempt (1, 2) or the restarted one (3..6), as the
+    # unbroken run
     assert losses(whole.stdout) == losses(broken.stdout) and len(losses(whole.stdout)) == STEPS, (
         whole.stdout,
         broken.stdout,

@@ -1,6 +1,6 @@
-"""StageExecutor.run_eval: a forward-only iteration on real gloo ranks gives the last stage's losses of
-one process on the same model and data (float64), runs no backward task, leaves every gradient alone,
-and a training iteration after it still runs on the same channels."""
+"""StageExecutor.run_eval: a forward-only iteration on real gloo ranks gives the last stage's losses
+of one process on the same model and data (float64), runs no backward task, leaves every gradient
+alone, and a training iteration after it still runs on the same channels."""
 
 from __future__ import annotations
 

@@ -200,8 +200,8 @@ def test_cli_bad_input(args, needle):
 
 
 def test_cli_jitter_replaces_the_presets_and_is_checked():
-    """`--jitter` sets the per-task sigma over any preset's (0.01 on `none`: a real machine's noise);
-    a negative one is the CLI's one-line usage error."""
+    """`--jitter` sets the per-task sigma over any preset's (0.01 on `none`: a real machine's
+    noise); a negative one is the CLI's one-line usage error."""
     from rrfp.app.cli import build_parser
     from rrfp.app.errors import UsageError
     from rrfp.app.sim_command import _resolve
@@ -330,7 +330,7 @@ def test_plot_draws_any_rrfp_trace(tmp_path):
 
 
 def test_plot_merges_the_ranks_of_a_measured_run():
-    """Ranks share one clock: one timeline with every stage, starting at the first task (not a wait)."""
+    """Ranks share one clock: one timeline with every stage, from the first task (not a wait)."""
     from rrfp.observe.plot import spans_from_chrome
     from rrfp.observe.trace import Span, chrome_trace
 
@@ -403,7 +403,8 @@ def test_default_table_shows_every_speedup_beside_its_memory():
 
 
 def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
-    """`not run` lines beside other rows are information; when nothing the user named could run, it is an error."""
+    """`not run` lines beside other rows are information; when nothing the user named could run, it
+    is an error."""
     from rrfp.app.cli import main
 
     order = tmp_path / "stage0.csv"

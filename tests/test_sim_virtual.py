@@ -191,9 +191,9 @@ def test_without_variability_ready_is_fixed_at_the_same_hint(placement, hint, co
     assert runs["ready"] == pytest.approx(runs["fixed"], rel=1e-12), runs
 
 
-# (placement, hint, budget, may ready be faster): fixed ZB-V holds exactly 1x (S microbatches on every rank) and
-# fixed interleaved 1F1B 1.4x on rank 0, so ready compares with them at 1x and 2x; at 2x ready ZB-V holds more
-# than the fixed order and may gain by it
+# (placement, hint, budget, may ready be faster): fixed ZB-V holds exactly 1x (S microbatches on
+# every rank) and fixed interleaved 1F1B 1.4x on rank 0, so ready compares with them at 1x and 2x;
+# at 2x ready ZB-V holds more than the fixed order and may gain by it
 SAME_BUDGET = [
     ("v", "zbv", "1x", False),
     ("v", "zbv", "2x", True),
@@ -250,7 +250,7 @@ def test_a_local_stage_runs_ahead_of_the_next_by_at_most_the_stages_between_them
         )
         started = {r: [0, 0] for r in range(4)}
         most = {r: 0 for r in range(4)}
-        for s, t, a, b in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
+        for s, t, _start, _end in sorted(simulate(cfg).timeline, key=lambda e: e[2]):
             if t.kind is Kind.F:
                 r = lay.rank_of(s)
                 started[r][lay.local_index(s)] += 1
@@ -413,8 +413,8 @@ def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
 
 
 def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
-    """A run with V = 2 records virtual and placement; its cost model has one entry per global stage,
-    and each step is simulated on that layout (a planned run with each step's plan)."""
+    """A run with V = 2 records virtual and placement; its cost model has one entry per global
+    stage, and each step is simulated on that layout (a planned run with each step's plan)."""
     from test_cost import synthetic
 
     from rrfp.core.budget import Budget
@@ -480,7 +480,8 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
 
 def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
     """V = 2 with a byte budget: both layouts solved, every ready row at or above its optimum, and a
-    fixed row that held more than the rank limit marked, not compared as a schedule of the problem."""
+    fixed row that held more than the rank limit marked, not compared as a schedule of the
+    problem."""
     pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
     p = run_cli(
         "sim",

@@ -258,7 +258,7 @@ def check_split(program, position: int, seed: int) -> bool:
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         want = q.grad if q.grad is not None else torch.zeros_like(q)
         torch.testing.assert_close(
-            got, want, rtol=1e-6, atol=1e-9, msg=lambda m: f"parameter {name}: {m}"
+            got, want, rtol=1e-6, atol=1e-9, msg=lambda m, name=name: f"parameter {name}: {m}"
         )
     if position > 0:
         got_in = grad_in if isinstance(grad_in, tuple) else (grad_in,)
@@ -274,7 +274,7 @@ def check_split(program, position: int, seed: int) -> bool:
                     want,
                     rtol=1e-6,
                     atol=1e-9,
-                    msg=lambda m: f"input {i}: {m}",
+                    msg=lambda m, i=i: f"input {i}: {m}",
                 )
     return bool(in_b)
 

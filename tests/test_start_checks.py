@@ -149,7 +149,8 @@ def test_timeout_below_three_steps_says_what_to_raise_it_to():
         )
         is None
     )
-    # real compute without a cost model: no prediction, no line; an injected slow task is a known part
+    # real compute without a cost model: no prediction, no line; an injected slow task is a known
+    # part
     assert (
         predicted_step_s(TrainConfig.load(ROOT / "configs/gpt-tiny.toml", [], world_size=4)) is None
     )
@@ -172,8 +173,8 @@ def test_measuring_leaves_the_run_generator_alone():
 
 
 def test_byte_budget_below_one_microbatch_gets_a_warning():
-    """budget = 1B (one byte, not a billion) runs, one microbatch at a time (a microbatch larger than
-    the budget runs alone), so it is no error; the start says so, where the budget applies."""
+    """budget = 1B (one byte, not a billion) runs, one microbatch at a time (a microbatch larger
+    than the budget runs alone), so it is no error; the start says so, where the budget applies."""
     tiny = ROOT / "configs/gpt-tiny.toml"
     cfg = TrainConfig.load(tiny, ["budget=1B"], world_size=4)
     prints = check_memory(

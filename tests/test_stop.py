@@ -1,8 +1,8 @@
 """A stop that does not wait for the step (issue 17, point 4): under torchrun,
 SIGTERM 1.5 s into a step that would last 60 s more (an injected slow task,
 ``fault = slow:...``, on stage 0 once some of its gradients are in, while the
-last stage already waits in the step's all-reduce) saves the last completed step within 5 s on every rank,
-and both ranks exit 143. Resumed, the run's losses and final state (model,
+last stage already waits in the step's all-reduce) saves the last completed step within 5 s on every
+rank, and both ranks exit 143. Resumed, the run's losses and final state (model,
 AdamW state, RNG) equal those of a run that was never stopped, bit for bit: the
 abandoned step's gradients were not applied or saved, and its RNG state at the
 start was what the checkpoint kept (dropout draws from it).
@@ -43,8 +43,8 @@ SETS = [
 
 
 def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
-    """``rrfp train`` on 2 ranks under torchrun. --monitor-interval 3: once a rank has exited, the agent
-    SIGTERMs the other only after 3 s, so each rank's own line is what this test reads."""
+    """``rrfp train`` on 2 ranks under torchrun. --monitor-interval 3: once a rank has exited, the
+    agent SIGTERMs the other only after 3 s, so each rank's own line is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = child_env()
     sets = [*SETS, f"checkpoint.dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
@@ -87,8 +87,8 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     whole = torchrun(tmp_path / "whole", tmp_path / "whole" / "ck")
     assert whole.returncode == 0, (tmp_path / "whole" / "err").read_text()[-3000:]
     run = tmp_path / "stopped"
-    # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and waits
-    # in the step's all-reduce: a stop must discard those gradients and meet that rank there
+    # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and
+    # waits in the step's all-reduce: a stop must discard those gradients and meet that rank there
     job = torchrun(
         run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}", wait=False
     )
@@ -129,7 +129,7 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     lines = {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", text, re.M)}
     assert list(lines) == [0], f"one line for the job, rank 0's: {lines}"
     ck = run / "ck" / f"step-{SLOW_STEP - 1:08d}"
-    for r, line in lines.items():
+    for line in lines.values():
         assert (
             f"step {SLOW_STEP} of {STEPS} abandoned midway, not applied; checkpoint {ck} "
             f"(step {SLOW_STEP - 1}) is saved; continue with --resume"

@@ -1,6 +1,6 @@
-"""ThreadState (rrfp/pipeline/thread_state.py): what is read on the caller's thread reaches a task run
-on another thread (autocast, inference mode for a forward-only call), and what cannot be carried is
-one clear error (saved-tensor hooks; inference mode for a call that trains)."""
+"""ThreadState (rrfp/pipeline/thread_state.py): what is read on the caller's thread reaches a task
+run on another thread (autocast, inference mode for a forward-only call), and what cannot be carried
+is one clear error (saved-tensor hooks; inference mode for a call that trains)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Parameters shared between stages (``tied=``), on real gloo ranks in float64: a GPT whose token
-embedding and lm head are one parameter trains, over several AdamW steps, exactly as one process with
-the truly tied model, whichever ranks hold the two copies; the global norm counts a tie once; a tie
-that differs in shape is refused on every rank, and a forgotten one is hinted at."""
+embedding and lm head are one parameter trains, over several AdamW steps, exactly as one process
+with the truly tied model, whichever ranks hold the two copies; the global norm counts a tie once; a
+tie that differs in shape is refused on every rank, and a forgotten one is hinted at."""
 
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
             err = max(
                 (p - want[n]).abs().max().item() for m in modules for n, p in m.named_parameters()
             )
-            # a DP replica's loss is over its own microbatches: with dp > 1 the parameters carry the check
+            # a DP replica's loss is over its own microbatches: with dp > 1 the parameters carry the
+            # check
             return {
                 "losses": losses if dp == 1 else [None] * STEPS,
                 "norms": norms,

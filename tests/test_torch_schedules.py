@@ -47,7 +47,7 @@ def _train_two_iterations(rank, world, schedule):
         ref_opt.zero_grad()
         losses = [loss_fn(ref(x), y) for x, y in batches]
         (sum(losses) / M).backward()
-        ref_losses.append([l.item() for l in losses])
+        ref_losses.append([loss.item() for loss in losses])
         if len(ref_losses) < len(data):
             ref_opt.step()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -245,8 +245,9 @@ def test_emulated_time_bounds_the_iteration(schedule):
         for mb in range(M):
             assert spans[(k + 1, f"F{mb}")][0] >= spans[(k, f"F{mb}")][1] + gap, (k, mb)
             assert spans[(k, f"B{mb}")][0] >= spans[(k + 1, f"B{mb}")][1] + gap, (k, mb)
-    # the slow rank (1) spends twice the emulated time of rank 0 in its tasks: M x 3 units more (half of it
-    # asked, so that real compute slowed by other jobs on the machine cannot make up the rest)
+    # the slow rank (1) spends twice the emulated time of rank 0 in its tasks: M x 3 units more
+    # (half of it asked, so that real compute slowed by other jobs on the machine cannot make up the
+    # rest)
     busy = {r: sum(sp.end - sp.start for sp in o["spans"]) for r, o in out.items()}
     assert busy[1] >= 2 * M * 3 * unit_s and busy[1] - busy[0] >= 0.5 * M * 3 * unit_s, busy
     # the memory the bench reports beside torch's speedups, read off the spans: 1F1B holds S - r
@@ -281,7 +282,7 @@ def test_envelope_round_trip_carries_gradients():
 
 
 def test_envelope_carries_integer_and_bool_tensors_exactly():
-    """A mask or lengths beside the activations (as the VLM sends) arrive with their dtype and values."""
+    """A mask or lengths beside the activations (as the VLM sends) arrive with dtype and values."""
     h = torch.randn(2, 3, requires_grad=True)
     lengths = torch.tensor([[0, 7], [16777216, -3]])  # 2**24: the largest float32 holds exactly
     mask = torch.tensor([True, False, True])

@@ -1,7 +1,8 @@
-"""``rrfp train`` with optim.clip_grad_norm, on real gloo ranks in float64: each step's reported gradient
-norm and every loss match one process training the whole model with torch.nn.utils.clip_grad_norm_
-and AdamW; a NaN step (optim.on_nonfinite = skip) reports a NaN norm, is not applied, and training goes on.
-With model.tie_embeddings the GPT declares its tie (Workload.tied) and trains as the truly tied model."""
+"""``rrfp train`` with optim.clip_grad_norm, on real gloo ranks in float64: each step's reported
+gradient norm and every loss match one process training the whole model with
+torch.nn.utils.clip_grad_norm_ and AdamW; a NaN step (optim.on_nonfinite = skip) reports a NaN norm,
+is not applied, and training goes on. With model.tie_embeddings the GPT declares its tie
+(Workload.tied) and trains as the truly tied model."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ SETS = [
 
 
 def _reference(world: int, dp: int, nan_step: int | None, extra=()):
-    """The whole model in this process: (losses, norms), norm NaN and no update at ``nan_step`` (1-based)."""
+    """The whole model here: (losses, norms), a NaN norm and no update at ``nan_step`` (1-based)."""
     import torch
 
     from rrfp.app.config import TrainConfig

@@ -165,7 +165,8 @@ def test_virtual_stages_match_one_process(world):
             messages,
         ) in out.items():
             print(
-                f"rank {rank} stages {stages} ({placement}) {dispatch} {hint}: max |grad diff| {grad_err:.1e}, "
+                f"rank {rank} stages {stages} ({placement}) {dispatch} {hint}: max |grad diff| "
+                f"{grad_err:.1e}, "
                 f"max |param diff| {param_err:.1e}, {messages} messages per iteration"
             )
             assert grad_err < 1e-12, (rank, placement, dispatch, hint, grad_err)
@@ -176,8 +177,8 @@ def test_virtual_stages_match_one_process(world):
             if order is not None:  # fixed dispatch ran exactly its order
                 assert ran == order, (rank, placement, hint)
             assert (loss is not None) == (S - 1 in stages)
-            # two channels (fwd, bwd; M messages each per iteration) for every boundary to another rank;
-            # the V turn (stages world-1 and world on the last rank) has none
+            # two channels (fwd, bwd; M messages each per iteration) for every boundary to another
+            # rank; the V turn (stages world-1 and world on the last rank) has none
             remote = [
                 (a, b) for a in stages for b in (a - 1, a + 1) if 0 <= b < S and b not in stages
             ]

@@ -234,9 +234,10 @@ def _one_iteration(rank, world, configs):
             for ex, hint in configs:
                 torch.manual_seed(0)
                 module = make_stage(VLM(CFG), rt.stage, rt.num_stages)
-                received = []  # what the runtime hands this stage: a tuple of tensors, not a joined sequence
+                # what the runtime hands this stage: a tuple of tensors, not a joined sequence
+                received = []
                 module.register_forward_pre_hook(
-                    lambda _, args: received.append(
+                    lambda _, args, received=received: received.append(
                         None
                         if rt.stage == 0
                         else [(t.dtype, tuple(t.shape), t.requires_grad) for t in args[0]]

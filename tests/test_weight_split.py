@@ -183,7 +183,7 @@ def test_plain_model_under_bfw_matches_reference():
 
 
 def test_split_linear_queue_and_autograd_split_agree():
-    """weight_split='layers' (SplitLinear's queue + autograd for the rest) gives the autograd split's gradients."""
+    """weight_split='layers' (SplitLinear's queue, autograd elsewhere) gives autograd's split."""
     from models.gpt import GPT, GPTConfig, make_stage
 
     torch.manual_seed(0)

@@ -1,6 +1,7 @@
 """The split backward puts gradients into ``.grad`` as torch's AccumulateGrad does: each parameter
 owns its gradient, and its post-accumulate-grad hooks fire once per microbatch (in that
-microbatch's B or W), so torch's optimizer-in-backward recipe works. Checked against plain autograd."""
+microbatch's B or W), so torch's optimizer-in-backward recipe works. Checked against plain
+autograd."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""torch.utils.checkpoint(use_reentrant=False) under the split backward: B recomputes each checkpointed
-region once and W once more for all its calls (one GraphExecGroup), gradients and post-accumulate-grad
-hooks as plain autograd. A stage whose W would run a checkpointed node twice (a parameter's uses gathered
-through the region) runs its backward unsplit and says so once."""
+"""torch.utils.checkpoint(use_reentrant=False) under the split backward: B recomputes each
+checkpointed region once and W once more for all its calls (one GraphExecGroup), gradients and
+post-accumulate-grad hooks as plain autograd. A stage whose W would run a checkpointed node twice (a
+parameter's uses gathered through the region) runs its backward unsplit and says so once."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ class Stage(nn.Module):
 
 class TwiceInRegion(nn.Module):
     """One Linear applied twice inside the region: its weight is gathered use by use, but through
-    nodes that hold no checkpointed tensor (each use transposes the weight on its own), so W stays split."""
+    nodes that hold no checkpointed tensor (each use transposes the weight on its own), so W stays
+    split."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,8 +69,9 @@ class TwiceInRegion(nn.Module):
 
 
 class ChunkedInRegion(nn.Module):
-    """One parameter split in two inside the region, its halves used at two matmuls: gathering their uses
-    would run the region's tanh (a checkpointed node) once per use, and the lower matmul again."""
+    """One parameter split in two inside the region, its halves used at two matmuls: gathering their
+    uses would run the region's tanh (a checkpointed node) once per use, and the lower matmul
+    again."""
 
     def __init__(self) -> None:
         super().__init__()

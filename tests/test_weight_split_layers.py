@@ -62,7 +62,7 @@ class InPlace(nn.Module):
 
 
 class WeightNormed(nn.Module):
-    """A split-aware layer whose weight is computed (a parametrization): it has no .grad to queue into."""
+    """A split-aware layer with a computed (parametrized) weight: it has no .grad to queue into."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,7 +87,7 @@ def mse(out, target):
 
 
 def run_both(make, position: int):
-    """The stage under mode "layers" (all forwards, all B, W in reverse) and plain autograd on a copy."""
+    """The stage under mode "layers" (all F, all B, W reversed) and plain autograd on a copy."""
     torch.manual_seed(0)
     module = make().double()
     ref = copy.deepcopy(module)

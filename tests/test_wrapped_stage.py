@@ -12,7 +12,10 @@ from distributed import run_ranks
 pytestmark = pytest.mark.multirank
 
 WHO = "PipelineRuntime.stage_executor"
-WRAPPED = r"^{who} does not support a stage module wrapped in {cls} \(data parallelism inside the stage\) yet{inside}$"
+WRAPPED = (
+    r"^{who} does not support a stage module wrapped in {cls} \(data parallelism inside the "
+    r"stage\) yet{inside}$"
+)
 
 
 def _stage_executor_refuses(rank, world):

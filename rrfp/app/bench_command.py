@@ -48,7 +48,7 @@ FULL = {
     "mb": 16,
     "reps": 5,
     "unit_ms": 40.0,
-}  # 4x the vlm's real F on 2 cores
+}  # unit_ms well above the vlm's real F, so the CPU load does not set the task times
 CALIBRATION_SAMPLES = 16
 
 

@@ -41,8 +41,9 @@ def calibration_device(runtime: RuntimeSection) -> torch.device:
 
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
-    """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload, split
-    backward, on the run's device (``calibration_device``), each stage built as the run builds it."""
+    """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload,
+    split backward, on the run's device (``calibration_device``), each stage built as the run builds
+    it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.runtime)
     torch.set_num_threads(cfg.runtime.threads)
@@ -62,8 +63,8 @@ def report(
     """Median |error| and rank agreement per stage and kind, on samples the fit never saw."""
     summary = {}
     print(
-        f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + b*tokens + "
-        f"c*attn + d*patches",
+        f"{'stage':>5} {'task':>4} {'median |error|':>15} {'rank agreement':>15}  seconds = a + "
+        "b*tokens + c*attn + d*patches",
         file=file,
     )
     errors_all = []
@@ -78,8 +79,8 @@ def report(
             summary[f"{s}{KINDS[k]}"] = {"median_error": med, "rank_agreement": rank}
             c = model.coef[s][k]
             print(
-                f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.3g} us*tok "
-                f"+ {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch",
+                f"{s:>5} {KINDS[k]:>4} {med:>14.1%} {rank:>15.2f}  {c[0] * 1e3:.3f} ms + "
+                f"{c[1] * 1e6:.3g} us*tok + {c[2] * 1e9:.3g} ns*attn + {c[3] * 1e6:.3g} us*patch",
                 file=file,
             )
     summary["median_error"] = statistics.median(errors_all)

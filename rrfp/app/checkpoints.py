@@ -123,8 +123,8 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     if ck.resume == "off":
         if done:  # a fresh run would prune them as older than its own
             raise ConfigError(
-                f"checkpoint.dir {ck.dir} already holds checkpoints (the latest "
-                f"at step {done[-1].step}): continue with --resume (or checkpoint.resume = auto), or "
+                f"checkpoint.dir {ck.dir} already holds checkpoints (the latest at step "
+                f"{done[-1].step}): continue with --resume (or checkpoint.resume = auto), or "
                 "choose another directory"
             )
         return Resume(None)
@@ -219,7 +219,7 @@ class RunCheckpoints:
         opts: list[torch.optim.Optimizer],
     ) -> None:
         self.cfg, self.rt = cfg, rt
-        one = len(modules) == 1  # the single-stage form: save_stage's keys and calls as before
+        one = len(modules) == 1  # the single-stage form: save_stage's own keys and calls
         self.module, self.opt = (modules[0], opts[0]) if one else (list(modules), list(opts))
         self.store = CheckpointDir(cfg.checkpoint.dir)
         self.where = dict(
@@ -269,8 +269,8 @@ class RunCheckpoints:
             )
         if high != low:
             raise ConfigError(
-                f"the ranks found different checkpoints to resume from in {self.store.root} "
-                f"(steps {int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
+                f"the ranks found different checkpoints to resume from in {self.store.root} (steps "
+                f"{int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
             )
         if rt.rank == 0:
             self.store.discard([c for c, _ in resume.rejected])

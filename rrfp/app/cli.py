@@ -75,8 +75,8 @@ def _add_sim(sub) -> None:
     sim.add_argument(
         "--budget",
         default=None,
-        help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times 1F1B's) or "
-        "bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)",
+        help="in-flight budgets of the ready rows and plans, a comma list of N, Nx (N times "
+        "1F1B's) or bytes like 512MiB (default 2x,1x: the headline's and 1F1B's memory)",
     )
     sim.add_argument(
         "--dispatch",
@@ -115,8 +115,8 @@ def _add_sim(sub) -> None:
         "--jitter",
         type=float,
         default=None,
-        help="lognormal sigma on each task's time, in place of the preset's (e.g. 0.01 with --preset "
-        "none: how a real machine's noise moves a schedule made without variability)",
+        help="lognormal sigma on each task's time, in place of the preset's (e.g. 0.01 with "
+        "--preset none: how a real machine's noise moves a schedule made without variability)",
     )
     sim.add_argument(
         "--slow-stage", type=int, default=None, help="rank that runs slower (all its stages)"
@@ -125,15 +125,16 @@ def _add_sim(sub) -> None:
     sim.add_argument(
         "--oracle",
         action="store_true",
-        help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') for every "
-        "layout among the rows, and show each row's distance to its layout's",
+        help="also solve each seed's clairvoyant optimum (CP-SAT; pip install 'rrfp[oracle]') for "
+        "every layout among the rows, and show each row's distance to its layout's",
     )
     sim.add_argument(
         "--oracle-time-limit",
         type=_seconds("--oracle-time-limit"),
         default=10.0,
         metavar="SECONDS",
-        help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with its proven bound",
+        help="CP-SAT time per seed and layout (default 10); a seed that hits it is compared with "
+        "its proven bound",
     )
     sim.add_argument(
         "--replay", metavar="SIZES", help="simulate the steps a run recorded (output.sizes) instead"
@@ -306,8 +307,8 @@ def _add_bench(sub) -> None:
         "--unit-ms",
         type=float,
         default=None,
-        help="ms of emulated device time per unit, one average forward (default 40: it must stay well above "
-        "the real compute of a task, about 9 ms for the vlm on 2 shared cores)",
+        help="ms of emulated device time per unit, one average forward (default 40: it must stay "
+        "well above the real compute of a task, about 9 ms for the vlm on 2 shared cores)",
     )
     bench.add_argument(
         "--budget", default=DEFAULT_BUDGET, help="in-flight budget of ready dispatch (default 2x)"

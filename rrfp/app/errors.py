@@ -1,4 +1,4 @@
-"""Bad input from the user (the CLI prints one line and exits 2), and a rank's failure as one line."""
+"""Bad user input (the CLI prints one line and exits 2), and a rank's failure as one line."""
 
 import logging
 import os

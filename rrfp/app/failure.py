@@ -97,9 +97,9 @@ class Failure:
         debug: bool,
         origin: tuple[int, bool] | None = None,
     ) -> str:
-        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``stage``: what the rank
-        holds (several stages with virtual stages). ``origin``: the rank that failed first and whether
-        it wrote a line, when the failure board could tell."""
+        """The one line this rank prints (without the ``rrfp: error:`` prefix). ``stage``: what the
+        rank holds (several stages with virtual stages). ``origin``: the rank that failed first and
+        whether it wrote a line, when the failure board could tell."""
         holds = stages_label((stage,) if isinstance(stage, int) else stage)
         text = " ".join(str(self.cause).split())
         # most causes name their rank already (and, with virtual stages, often the one stage of it)
@@ -122,10 +122,15 @@ class Failure:
                 first = f"rank {origin[0]} failed first (see its line)"
             elif origin is not None:
                 first = f"rank {origin[0]} left first without a word (killed, or hung)"
-            else:  # that peer may itself have stopped because of another: point at the line that is not "stopped"
+            else:
+                # that peer may itself have stopped because of another: point at the line that is
+                # not "stopped"
                 peer = getattr(self.cause, "peer", None)
                 who = f"peer rank {peer}" if peer is not None else "another rank"
-                first = f"{who} failed or left first (the cause is on the line without 'stopped', if one was written)"
+                first = (
+                    f"{who} failed or left first (the cause is on the line without 'stopped', "
+                    "if one was written)"
+                )
             return f"rank {rank}: stopped: {first}: {text} ({where})"
         if self.kind == INTERNAL:
             return f"rank {rank} ({holds}): internal error, please report it ({where}): {text}"
@@ -133,7 +138,7 @@ class Failure:
 
 
 def write_traceback(e: BaseException, log_dir: str, rank: int) -> str:
-    """Write ``e``'s full traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the path."""
+    """Write ``e``'s traceback to LOG_DIR/rank-N.log (a temp dir if that fails); return the path."""
     text = "".join(traceback.format_exception(e))
     for folder in (log_dir, tempfile.gettempdir()):
         path = Path(folder) / f"rank-{rank}.log"

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from rrfp.comm.job_store import attempt
 
 PREFIX = "rrfp/failed"
-ALIVE = "rrfp/alive"  # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
+# a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
+ALIVE = "rrfp/alive"
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
 
 

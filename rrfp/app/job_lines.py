@@ -29,7 +29,7 @@ def say(line: str) -> None:
 
 
 def rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the world size from the launcher's environment ((0, 1) outside one)."""
+    """This process's (global rank, world size) from the launcher's env; (0, 1) without one."""
     try:
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:

@@ -1,6 +1,7 @@
-"""The files a run writes only at its end (``output.trace``, ``output.sizes``), its checkpoint folder, and
-what the other commands write when they finish (``--json``, ``--out``): checked at the start, so a
-path that cannot be written costs one line (exit 2), not hours of training or minutes of work."""
+"""The files a run writes only at its end (``output.trace``, ``output.sizes``), its checkpoint
+folder, and what the other commands write when they finish (``--json``, ``--out``): checked at the
+start, so a path that cannot be written costs one line (exit 2), not hours of training or minutes of
+work."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ END_FILES = ("trace", "sizes")  # output.* keys naming a file rank 0 writes when
 
 
 def folder_problem(folder: str | Path) -> str | None:
-    """Why ``folder`` (made if missing) cannot hold a file, or None: it is made, and a file is written in
-    it, synced, and deleted. Every rank probes under its own name."""
+    """Why ``folder`` (made if missing) cannot hold a file, or None: it is made, and a file is
+    written in it, synced, and deleted. Every rank probes under its own name."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         probe = Path(folder) / f".partial-probe-{os.getpid()}-{socket.gethostname()}"
@@ -38,8 +39,8 @@ def folder_problem(folder: str | Path) -> str | None:
 
 
 def check_end_files(output: OutputSection) -> None:
-    """ConfigError when ``output.trace`` or ``output.sizes`` names a folder, or a file in a folder that
-    cannot be made or written."""
+    """ConfigError when ``output.trace`` or ``output.sizes`` names a folder, or a file in a folder
+    that cannot be made or written."""
     for key in END_FILES:
         path = getattr(output, key)
         if not path:
@@ -57,8 +58,8 @@ def check_end_files(output: OutputSection) -> None:
 
 
 def check_output(what: str, path, folder: bool = False) -> None:
-    """UsageError when a command could not write ``path`` (a file, or a ``folder`` of files) at its end;
-    ``what`` names the flag that gave it (``--json``, ``--out``)."""
+    """UsageError when a command could not write ``path`` (a file, or a ``folder`` of files) at its
+    end; ``what`` names the flag that gave it (``--json``, ``--out``)."""
     problem = folder_problem(Path(path) if folder else Path(path).parent)
     if problem is not None:
         raise UsageError(f"{what} {path}: cannot write there: {problem}")

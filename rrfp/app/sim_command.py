@@ -48,8 +48,8 @@ MAX_STAGE_MICROBATCHES = (
 
 
 def _layouts(args) -> list[VirtualLayout]:
-    """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with V = 2.
-    A pair that cannot be is refused when it is the only one asked for, else left out."""
+    """``--virtual`` x ``--placement``: V = 1 once (placement means nothing there), v only with
+    V = 2. A pair that cannot be is refused when it is the only one asked for, else left out."""
     try:
         virtuals = [int(v) for v in args.virtual]
     except ValueError:
@@ -124,9 +124,10 @@ def _table(
 ) -> None:
     virtual = any(r.virtual > 1 for r in rows)
     print(
-        f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} budget={','.join(map(str, budgets))} "
-        f"(ready rows and plans) seeds={args.seeds}; time in average-forward units, comm {var.comm}/message; "
-        f"peak in-flight: the most microbatches a rank held (fixed 1F1B's is the 1x memory)"
+        f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} "
+        f"budget={','.join(map(str, budgets))} (ready rows and plans) seeds={args.seeds}; time in "
+        f"average-forward units, comm {var.comm}/message; peak in-flight: the most microbatches a "
+        "rank held (fixed 1F1B's is the 1x memory)"
         + (
             "; with V stages per rank a local stage holds 1/V of a microbatch, and Nx gives the "
             "fullest rank N times 1F1B's peak, the others by need (docs/design.md §4b)"
@@ -164,7 +165,7 @@ def _table(
 
 
 def replay_command(args) -> int:
-    """`rrfp sim --replay SIZES --cost COST`: each recorded step simulated on its own microbatches."""
+    """`rrfp sim --replay SIZES --cost COST`: each recorded step simulated on its microbatches."""
     import statistics
     from pathlib import Path
 
@@ -242,7 +243,8 @@ def sim_command(args) -> int:
     oracle = None
     if args.oracle:
         print(
-            f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to {args.oracle_time_limit:g} s each",
+            f"rrfp sim: solving the optimum of {args.seeds} seed(s), up to "
+            f"{args.oracle_time_limit:g} s each",
             file=sys.stderr,
         )
         oracle = sim_oracle.oracle_column(args, base, runs, rows, _progress)
@@ -297,7 +299,8 @@ def _timelines(args, base: SimConfig, hints: dict, rows: list[Row], budgets: lis
         res = simulate(cfg)
         runs.append(
             (
-                f"{_label(r, budgets)}: makespan {res.makespan:.1f}, efficiency {res.efficiency:.2f}",
+                f"{_label(r, budgets)}: makespan {res.makespan:.1f}, efficiency "
+                f"{res.efficiency:.2f}",
                 res,
             )
         )

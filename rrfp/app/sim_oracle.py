@@ -63,7 +63,9 @@ class Distance:
         return float(np.median(self.per_seed))
 
     def cell(self) -> str:
-        return f"{'<=' if self.upper_limit else ''}{self.median:.3f}x{'*' if self.holds_budget is False else ''}"
+        bound = "<=" if self.upper_limit else ""
+        over = "*" if self.holds_budget is False else ""
+        return f"{bound}{self.median:.3f}x{over}"
 
     def as_dict(self) -> dict:
         return {
@@ -89,7 +91,8 @@ class OracleColumn:
             solved = [r for r in results if r.optimal]
             secs = [r.seconds for r in results]
             lines.append(
-                f"optimum{' ' + label if label else ''}: CP-SAT on each seed's durations, backward split, "
+                f"optimum{' ' + label if label else ''}: CP-SAT on each seed's durations, backward "
+                "split, "
                 f"budget {budget}; {len(solved)} of {len(results)} seeds solved to optimality "
                 f"(solve time median {statistics.median(secs):.1f} s, max {max(secs):.1f} s)"
             )
@@ -97,17 +100,20 @@ class OracleColumn:
             if open_:
                 gaps = [r.gap for r in open_ if r.gap is not None]
                 found = (
-                    f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their bounds"
+                    f"; the best schedules found are {min(gaps):.1%}..{max(gaps):.1%} above their "
+                    "bounds"
                     if gaps
                     else "; no schedule found"
                 )
                 lines.append(
-                    f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides by "
+                    f"{len(open_)} seed(s) hit the {self.time_limit:g} s limit: the column divides "
+                    "by "
                     f"their proven lower bound, so '<=' marks an upper limit on the distance{found}"
                 )
         if len(self.results) > 1:
             lines.append(
-                "each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b baseline)"
+                "each row is compared with the optimum of its own layout (V = 1 for the fixed 1f1b "
+                "baseline)"
             )
         if any(d.holds_budget is False for d in self.rows.values()):
             held = (
@@ -138,7 +144,8 @@ def oracle_column(
     args, base: SimConfig, runs: dict, rows: list[Row], progress: Callable
 ) -> OracleColumn:
     """Solve every seed's optimum for every layout among ``rows``; every row's recorded schedules
-    (``runs``, from the sweep) that hold the budget are the solver's first incumbents on their layout."""
+    (``runs``, from the sweep) that hold the budget are the solver's first incumbents on their
+    layout."""
     from rrfp.sim.oracle import holds_budget, solve
 
     layouts = {r.layout: (r.virtual, r.placement) for r in rows}  # one key for a layout: its label

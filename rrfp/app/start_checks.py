@@ -47,8 +47,8 @@ log = logging.getLogger("rrfp.app.start_checks")
 
 TIMEOUT_FACTOR = 3  # a peer may wait a whole step and more: a straggling task is 3x ("lang" preset)
 SAMPLE = 8  # microbatches measured for activations and features
-# counted: half of what the meta forward saves. The meta device may pick other kernels than the real one
-# (attention, dropout): on gpt-tiny it saved 2% more than the CPU forward of the same microbatch
+# counted: half of what the meta forward saves. The meta device may pick other kernels than the real
+# one (attention, dropout), so what it saves can differ a little from a real forward's
 ACTIVATION_SHARE = 0.5
 
 
@@ -97,12 +97,12 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
     act = max(mine, key=lambda f: f.activations)
     unit = "microbatch(es)" if cfg.parallel.virtual == 1 else "local-stage microbatch(es)"
     raise ConfigError(
-        f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} parameters, "
-        f"gradients and optimizer state; {_gib(sum(f.activations for f in mine))} activations, up to "
-        f"{act.in_flight} {unit} in flight per rank; "
-        f"{_gib(sum(f.batches for f in mine))} input "
-        f"batches), above the {_gib(available)} {where}: lower schedule.microbatches, schedule.budget, "
-        f"data.microbatch_size or the [model] sizes, or use more ranks (parallel.pp)"
+        f"the config needs at least {_gib(need)} of memory ({_gib(sum(f.state for f in mine))} "
+        f"parameters, gradients and optimizer state; {_gib(sum(f.activations for f in mine))} "
+        f"activations, up to {act.in_flight} {unit} in flight per rank; "
+        f"{_gib(sum(f.batches for f in mine))} input batches), above the {_gib(available)} "
+        f"{where}: lower schedule.microbatches, schedule.budget, data.microbatch_size or the "
+        "[model] sizes, or use more ranks (parallel.pp)"
     )
 
 
@@ -158,10 +158,11 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
 
 
 def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str | None:
-    """A warning line when a byte ``schedule.budget`` is below one microbatch's activations on some rank:
-    such a microbatch runs alone (docs/design.md), so that rank holds one at a time and the pipeline
-    barely overlaps; a run that works, but likely not what "1B" (1 byte, not a billion) meant. None
-    otherwise. ``prints``: ``check_memory``'s (``one`` is a lower bound, so no false warning)."""
+    """A warning line when a byte ``schedule.budget`` is below one microbatch's activations on some
+    rank: such a microbatch runs alone (docs/design.md), so that rank holds one at a time and the
+    pipeline barely overlaps; a run that works, but likely not what "1B" (1 byte, not a billion)
+    meant. None otherwise. ``prints``: ``check_memory``'s (``one`` is a lower bound, so no false
+    warning)."""
     limit = cfg.schedule.budget.bytes
     if (
         limit is None
@@ -174,10 +175,10 @@ def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str |
         return None
     what = "microbatch" if cfg.parallel.virtual == 1 else "local-stage microbatch"
     return (
-        f"schedule.budget = {cfg.schedule.budget} is a byte budget below one {what}'s activations on every rank "
-        f"(at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than the budget runs alone, "
-        f"so the microbatches go through the pipeline about one at a time; give a budget in MiB or GiB "
-        f"(e.g. 2GiB), a count or Nx"
+        f"schedule.budget = {cfg.schedule.budget} is a byte budget below one {what}'s activations "
+        f"on every rank (at least {_gib(fp.one)} on pipeline rank {rank}): a {what} larger than "
+        "the budget runs alone, so the microbatches go through the pipeline about one at a time; "
+        "give a budget in MiB or GiB (e.g. 2GiB), a count or Nx"
     )
 
 
@@ -194,7 +195,7 @@ def _fixed_peak(sch, layout: VirtualLayout, rank: int, split: bool) -> int | Non
 
 
 def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
-    """(parameter bytes, activation bytes of ``batch``) of every stage (pp x virtual), on the meta device."""
+    """(parameter bytes, activation bytes of ``batch``) per stage (pp x virtual), on meta."""
     wl, S = cfg.workload, cfg.num_stages
     x, y = _to_meta(batch[0]), _to_meta(batch[1])
     out = []
@@ -220,7 +221,7 @@ def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
 
 
 class _SavedOnMeta:
-    """Bytes autograd saves, once per storage (meta tensors have no data pointer: the storage's identity)."""
+    """Bytes autograd saves, once per storage (its identity: meta tensors have no data pointer)."""
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
@@ -310,8 +311,8 @@ def _to_meta(value):
 
 
 def _detached(value):
-    """Not map_tensors: the stage's input arrives as a tuple (as messages carry it) with float leaves
-    that require grad, as the worker makes them."""
+    """Not map_tensors: the stage's input arrives as a tuple (as messages carry it) with float
+    leaves that require grad, as the worker makes them."""
     if isinstance(value, torch.Tensor):
         return value.detach().requires_grad_(value.is_floating_point())
     if isinstance(value, (tuple, list)):
@@ -328,7 +329,8 @@ def _fork_rng():
 
 class _SkipInit(TorchFunctionMode):
     """Random initialisation and dropout on the meta device are no-ops (it has no values), but torch
-    runs them through a Python decomposition that first imports torch._dynamo: seconds at every start."""
+    runs them through a Python decomposition that first imports torch._dynamo: seconds at every
+    start."""
 
     NAMES = frozenset(
         {"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "random_", "dropout"}

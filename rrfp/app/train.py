@@ -401,8 +401,8 @@ class _RankTraining:
 
 
 def learning_rate(lr: float, warmup_steps: int, step: int) -> float:
-    """The learning rate of (0-based) ``step``: rising linearly from 0 over ``warmup_steps`` steps, then
-    ``lr``. A function of the step alone, so a resumed run continues the schedule exactly."""
+    """The learning rate of (0-based) ``step``: rising linearly from 0 over ``warmup_steps`` steps,
+    then ``lr``. A function of the step alone, so a resumed run continues the schedule exactly."""
     return lr if step >= warmup_steps else lr * step / warmup_steps
 
 

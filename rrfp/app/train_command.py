@@ -61,8 +61,9 @@ SAME_REQUEST_S = (
 
 
 def ignore_stop_signals() -> None:
-    """From now on SIGTERM and SIGINT change nothing: this rank is writing its last line, and torchrun's
-    agent signals the ranks still running once one has exited (Ctrl-C's SIGINT reaches every rank too)."""
+    """From now on SIGTERM and SIGINT change nothing: this rank is writing its last line, and
+    torchrun's agent signals the ranks still running once one has exited (Ctrl-C's SIGINT reaches
+    every rank too)."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
@@ -166,8 +167,9 @@ def train_command(args) -> int:
                 "ranks here, or start them with torchrun (torchrun --nproc-per-node N -m rrfp "
                 "train ...)"
             )
-        # rank 0 writes output.trace and output.sizes at the end, but every rank probes their folders
-        # now: a refusal on rank 0 alone would leave the others waiting for it in the rendezvous
+        # rank 0 writes output.trace and output.sizes at the end, but every rank probes their
+        # folders now: a refusal on rank 0 alone would leave the others waiting for it in the
+        # rendezvous
         check_end_files(cfg.output)
         # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
         resume = plan_resume(cfg)
@@ -217,11 +219,13 @@ def train_command(args) -> int:
         _fail(e, cfg, rank, getattr(args, "debug", False))
     relay.close()
     if summary.stopped_at is not None:
-        # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once one
-        # has exited, and that is no second stop signal to leave on before this rank's line is out
+        # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once
+        # one has exited, and that is no second stop signal to leave on before this rank's line is
+        # out
         ignore_stop_signals()
         saved = (
-            f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with --resume"
+            f"checkpoint {summary.checkpoint} (step {summary.stopped_at}) is saved; continue with "
+            "--resume"
             if summary.checkpoint
             else "no checkpoint saved (checkpoint.dir is not set)"
             if not cfg.checkpoint.dir
@@ -250,7 +254,8 @@ def train_command(args) -> int:
             print(
                 f"plan: {1e3 * statistics.median_high(summary.plan_s):.1f} ms per step (median, "
                 f"in a thread, one step ahead); steps after the first waited for it "
-                f"{1e3 * statistics.median_high(waits):.2f} ms (median), {1e3 * max(waits):.2f} ms at most",
+                f"{1e3 * statistics.median_high(waits):.2f} ms (median), {1e3 * max(waits):.2f} ms "
+                "at most",
                 flush=True,
             )
     exit_now(0)
@@ -298,8 +303,8 @@ def _gib(n: int) -> str:
 
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
-    # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a second
-    # or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
+    # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a
+    # second or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
     ignore_stop_signals()
     failure = Failure.of(e)
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed

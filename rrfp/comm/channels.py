@@ -58,7 +58,10 @@ def lost_peer_reason(text: str) -> str:
     if any(s in text for s in _DIED):
         return " (the peer process probably died)"
     if any(s in text for s in _HUNG):
-        return " (nothing within the process-group timeout: the peer is hung, too slow, or not sending)"
+        return (
+            " (nothing within the process-group timeout: the peer is hung, too slow, or not "
+            "sending)"
+        )
     return ""
 
 
@@ -121,7 +124,7 @@ class ChannelEnd:
         return f"rank {self.rank}: channel {self.name}"
 
     def _check_usable(self, action: str, *, outbound: bool) -> None:
-        """One line saying why this channel cannot ``action``: closed, wrong direction, or failed earlier."""
+        """Why this channel cannot ``action``, in one line: closed, wrong direction, or failed."""
         where = self.where
         if self._closed:
             raise RuntimeError(f"{where}: cannot {action}: the channel is closed")
@@ -161,8 +164,8 @@ class Channel(ChannelEnd):
         wait: datetime.timedelta | None = None,
     ) -> None:
         self.name = name
-        # how long one send or receive may wait for the peer; None: the group's timeout. gloo gives a
-        # point-to-point op the timeout its group was created with unless its wait() is given one
+        # how long one send or receive may wait for the peer; None: the group's timeout. gloo gives
+        # a point-to-point op the timeout its group was created with unless its wait() is given one
         self.wait = wait
         self.rank = rank
         self.peer = peer
@@ -304,7 +307,7 @@ class Channel(ChannelEnd):
         )
 
     def _p2p(self, blocking, posted, t: torch.Tensor) -> None:
-        """One send or receive of ``t``, waiting ``self.wait`` when set (else the group's timeout)."""
+        """One send or receive of ``t``, waiting ``self.wait`` if set (else the group's timeout)."""
         if self.wait is None:
             blocking(t, self.peer, group=self.group)
         else:

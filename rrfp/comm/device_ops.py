@@ -50,7 +50,7 @@ class CudaOps:
         work.wait()
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        """``tensor`` is used on ``stream``: the caching allocator must not reuse it before that work ends."""
+        """``tensor`` is used on ``stream``: the allocator keeps it until that work ends."""
         tensor.record_stream(stream)
 
     def synchronize(self, stream) -> None:

@@ -27,7 +27,7 @@ def _grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 
 def local_share(counts: Sequence[torch.nn.Parameter], norm_type: float) -> torch.Tensor:
-    """This rank's share, on the CPU in float64: the max of |g| for ``inf``, else the sum of |g|^p."""
+    """This rank's share, on the CPU in float64: max |g| for ``inf``, else the sum of |g|^p."""
     grads = _grads(counts)
     if not grads:
         return torch.zeros(1, dtype=torch.float64)

@@ -80,8 +80,8 @@ class GradSync:
         self.params = now
         self.buckets = self._bucket()
         log.info(
-            "DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d before), "
-            "%d buckets",
+            "DP gradient buckets over ranks %s rebuilt: %d parameters require grad now (%d "
+            "before), %d buckets",
             self.ranks,
             len(now),
             before,
@@ -106,7 +106,8 @@ class GradSync:
         self._stale = (
             False  # a final task finished after the launch: the buckets miss its gradients
         )
-        # (bucket, flat gradients and tail, missing indices, sparse_dim by index, the all-reduce's Work)
+        # (bucket, flat gradients and tail, missing indices, sparse_dim by index, the all-reduce's
+        # Work)
         self._inflight: list[
             tuple[list[nn.Parameter], torch.Tensor, set[int], dict[int, int], object]
         ] = []
@@ -144,9 +145,9 @@ class GradSync:
         self._refresh()
         with self._in_lane_order():
             for bucket in self.buckets:
-                # the gradients, then one presence count per parameter (1: this replica has a gradient)
-                # and one sparse_dim per parameter (0: dense or none), filled on the device: a host list
-                # copied there would wait for the lane's queued work
+                # the gradients, then one presence count per parameter (1: this replica has a
+                # gradient) and one sparse_dim per parameter (0: dense or none), filled on the
+                # device: a host list copied there would wait for the lane's queued work
                 n = len(bucket)
                 grads = [p.grad for p in bucket]
                 missing = {i for i, g in enumerate(grads) if g is None}
@@ -225,13 +226,14 @@ class GradSync:
             if self._ties is not None:  # the mean of the sums is the sum of the means
                 await self._ties.sum_grads()
             if self.lane is not None:
-                self.lane.caller_waits()  # the optimizer step runs after the averaged gradients exist
+                # the optimizer step runs after the averaged gradients exist
+                self.lane.caller_waits()
         finally:
             self._reset()
 
 
 def _dense(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor:
-    """What this replica adds to the all-reduce: zeros for a missing gradient, a sparse one densified."""
+    """This replica's all-reduce input: zeros for a missing gradient, a sparse one densified."""
     if grad is None:
         return torch.zeros_like(param)
     return grad.to_dense() if grad.is_sparse else grad

@@ -80,7 +80,7 @@ class Silence:
 
 
 class Heartbeat:
-    """This rank's beat and its view of every peer's; ``start`` it, ``close`` it before the store goes."""
+    """This rank's beat and its view of the peers'; ``start``, and ``close`` before the store."""
 
     def __init__(
         self,
@@ -135,8 +135,8 @@ class Heartbeat:
             )
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(
-                "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts as "
-                "silent after the process-group timeout",
+                "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts "
+                "as silent after the process-group timeout",
                 rank,
                 e,
             )
@@ -158,8 +158,8 @@ class Heartbeat:
     # -- this rank --------------------------------------------------------------
 
     def doing(self, what: str = "") -> None:
-        """What this rank does from now on (``task F3``, ``waiting for rank 2``; "": between things).
-        Called from the loop thread; the beat carries it to the peers."""
+        """What this rank does from now on (``task F3``, ``waiting for rank 2``; "": between
+        things). Called from the loop thread; the beat carries it to the peers."""
         if what != self._activity[0]:
             self._activity = (what, time.monotonic())
             if self._beater is not None:
@@ -206,8 +206,8 @@ class Heartbeat:
         self.store.set(self._key(self.rank), f"{self._seq} {time.monotonic() - since:.3f} {what}")
 
     def _read(self) -> None:
-        """Every peer's beat: one ``multi_get`` round trip once each has beaten (it waits for missing
-        keys), until then a ``check`` of each key first."""
+        """Every peer's beat: one ``multi_get`` round trip once each has beaten (it waits for
+        missing keys), until then a ``check`` of each key first."""
         peers = self.peers
         if any(
             self.beats[r].seq < 0 for r in peers

@@ -152,7 +152,7 @@ class Header:
     specs: tuple[TensorSpec, ...]
 
     def empty_tensors(self, device: torch.device | str | None = None) -> list[torch.Tensor | None]:
-        """Receive buffers, one per payload tensor, in payload order; None where the payload is None."""
+        """One receive buffer per payload tensor, in order; None where the payload is None."""
         return [
             None if s.is_none else torch.empty(s.shape, dtype=s.dtype, device=device)
             for s in self.specs
@@ -187,8 +187,9 @@ def encode_header(msg: Message, device: torch.device | str | None = None) -> tor
 
 
 def header_words(msg: Message) -> list[int]:
-    """The header's words, checksum last; raises MessageError if ``msg`` cannot be described. A hand-off
-    between two stages of one rank checks it too, so the V turn accepts only what a link would."""
+    """The header's words, checksum last; raises MessageError if ``msg`` cannot be described. A
+    hand-off between two stages of one rank checks it too, so the V turn accepts only what a link
+    would."""
     _check_index("iteration", msg.iteration)
     _check_index("microbatch", msg.microbatch)
     _check_index("kind", msg.kind, MAX_KIND)
@@ -324,7 +325,7 @@ def decode_header(header: torch.Tensor) -> Header:
     total = sum(s.nbytes for s in specs)
     if total > MAX_MESSAGE_BYTES:
         raise MessageError(
-            f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} bytes "
-            f"in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header"
+            f"{where}: its {len(specs)} tensor(s) ({', '.join(map(str, specs))}) claim {total} "
+            f"bytes in all, more than the {MAX_MESSAGE_BYTES} a message may carry: corrupt header"
         )
     return Header(iteration, microbatch, kind, tuple(specs))

@@ -72,7 +72,7 @@ class NcclChannel(ChannelEnd):
         self._closed = False
 
     async def send(self, msg: Message) -> None:
-        """Issue header and payload after the kernels that produced them; return when NCCL is done."""
+        """Send header and payload after the kernels that made them; return when NCCL is done."""
         self._check_usable("send", outbound=True)
         try:
             header = self.ops.pinned(encode_header(msg))
@@ -115,7 +115,8 @@ class NcclChannel(ChannelEnd):
             ops.wait_work(work)
             ops.to_host(header_dev, self._header_host)
             header_copied = ops.record_event(self.stream)
-        # no deadline here: the peer may compute for long; the executor's wait for an arrival has one
+        # no deadline here: the peer may compute for long; the executor's wait for an arrival has
+        # one
         await self._completed(
             work, f"receive of header ({after}) from rank {self.peer}", deadline=False
         )
@@ -125,7 +126,7 @@ class NcclChannel(ChannelEnd):
         except MessageError as e:
             raise self._fail(
                 MessageError(f"{self.where}: bad header from rank {self.peer} ({after}): {e}")
-            )
+            ) from e
         with ops.stream(self.stream):
             tensors = [None if s.is_none else ops.empty(s.shape, s.dtype) for s in header.specs]
             works = [

@@ -42,7 +42,8 @@ NCCL_ENV = {
     # loop's poller as one line; 1 and 3 (torch's default) would kill the process from the watchdog
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",  # no flight-recorder dump files on the way out
-    "NCCL_RUNTIME_CONNECT": "0",  # connect every collective algorithm when the communicator is created
+    # connect every collective algorithm when the communicator is created
+    "NCCL_RUNTIME_CONNECT": "0",
 }
 
 

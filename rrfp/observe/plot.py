@@ -163,8 +163,8 @@ def plot_timelines(
 
 
 def spans_from_chrome(doc: dict) -> list[tuple[str, list[Span]]]:
-    """A Chrome trace written by rrfp (``chrome_trace``), back as (process name, spans), in process order.
-    ValueError names what is missing."""
+    """A Chrome trace written by rrfp (``chrome_trace``), back as (process name, spans), in process
+    order. ValueError names what is missing."""
     events = doc.get("traceEvents") if isinstance(doc, dict) else None
     if not isinstance(events, list):
         raise ValueError("not a Chrome trace: no traceEvents list")

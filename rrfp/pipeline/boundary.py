@@ -1,4 +1,4 @@
-"""What crosses a stage boundary: tensors without their graph, and for each whether it requires grad.
+"""What crosses a stage boundary: tensors without their graph, each marked if it requires grad.
 
 A sending stage detaches its outputs; what it knows before that, and the receiver needs, is which
 of them carry a gradient. Those become autograd leaves at the receiver and get a gradient sent
@@ -20,7 +20,7 @@ def _flat(value) -> list:
 
 
 def requires_grad_bits(value) -> list[bool]:
-    """Per tensor of a stage output (a tensor, None, or a tuple/list of them): whether it carries a gradient."""
+    """Whether each tensor of a stage output (tensor, None, tuple/list of them) has a gradient."""
     return [
         isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
         for t in _flat(value)

@@ -1,4 +1,4 @@
-"""Measuring any stage modules' real F, B and W, for the cost model (``rrfp calibrate`` and embedders).
+"""Measuring stage modules' real F, B and W for the cost model (``rrfp calibrate``, embedders).
 
 The stages run one after the other in this process, each task timed on its own, with the split
 backward (W apart from B) as the runtime runs it. A module of one's own needs no ``Workload``:
@@ -21,8 +21,9 @@ Sample = tuple[int, int, dict, float]  # (stage, kind 0/1/2 for F/B/W, features,
 
 
 def _timer(device: torch.device) -> Callable:
-    """``timed(fn, *args) -> (out, seconds)``; on a GPU the seconds run to the end of the task's device work
-    (kernels are queued asynchronously, so the host's clock alone would time their launch)."""
+    """``timed(fn, *args) -> (out, seconds)``; on a GPU the seconds run to the end of the task's
+    device work (kernels are queued asynchronously, so the host's clock alone would time their
+    launch)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn, *args):
@@ -44,10 +45,11 @@ def measure_stages(
     warmup: int = 2,
     progress=None,
 ) -> list[Sample]:
-    """(stage, kind, features, seconds) for every task of every microbatch of ``batches`` after the first
-    ``warmup``: each task's best of two passes (a shape seen for the first time pays one-off costs).
-    ``modules`` are the pipeline's stages in order, already on ``device``; ``batches`` yields (inputs,
-    targets); ``features(batch)`` says what a microbatch costs (``rrfp.token_features`` by default)."""
+    """(stage, kind, features, seconds) for every task of every microbatch of ``batches`` after the
+    first ``warmup``: each task's best of two passes (a shape seen for the first time pays one-off
+    costs). ``modules`` are the pipeline's stages in order, already on ``device``; ``batches``
+    yields (inputs, targets); ``features(batch)`` says what a microbatch costs
+    (``rrfp.token_features`` by default)."""
     device = torch.device(device)
     timed = _timer(device)
     S = len(modules)

@@ -46,7 +46,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.Optimizer]]:
-    """(stage, module, optimizer) for each stage of the rank: virtual stages pass lists of all three."""
+    """(stage, module, optimizer) per stage of the rank: virtual stages pass lists of all three."""
     if isinstance(module, (list, tuple)):
         return list(zip(stage, module, opt, strict=True))
     return [(stage, module, opt)]
@@ -99,7 +99,8 @@ def load_stage(
     process_group=None,
 ) -> None:
     """Collective, blocking: load this stage's model, optimizer and this rank's
-    RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises CheckpointError on every rank."""
+    RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises
+    CheckpointError on every rank."""
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)

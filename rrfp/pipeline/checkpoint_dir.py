@@ -56,25 +56,32 @@ class Checkpoint:
     def problem(self) -> str | None:
         """None when the checkpoint is the one its folder's name says (the step in its commit record
         and in its meta.json) and every file its commit record lists is there with the recorded size
-        and SHA-256; else what is wrong, naming the file. Reads every byte of the checkpoint. A folder
-        renamed or copied under another step's name is caught here, before any state loads."""
+        and SHA-256; else what is wrong, naming the file. Reads every byte of the checkpoint. A
+        folder renamed or copied under another step's name is caught here, before any state
+        loads."""
         try:
             step, files = _read_record(self.path / MARKER)
         except ValueError as e:
             return f"its commit record {MARKER} {e}"
         if step != self.step:
             return (
-                f"its commit record is of step {step!r}, not of step {self.step} as its folder's name says "
-                "(renamed or copied from another checkpoint)"
+                f"its commit record is of step {step!r}, not of step {self.step} as its folder's "
+                "name says (renamed or copied from another checkpoint)"
             )
         for name, want in sorted(files.items()):
             path = self.path / name
             try:
                 size = path.stat().st_size
                 if size != want["bytes"]:
-                    return f"{name} has {size} bytes, its commit record says {want['bytes']} (cut short or grown)"
+                    return (
+                        f"{name} has {size} bytes, its commit record says {want['bytes']} (cut "
+                        "short or grown)"
+                    )
                 if _sha256(path) != want["sha256"]:
-                    return f"{name} does not match its SHA-256 in the commit record (its bytes changed)"
+                    return (
+                        f"{name} does not match its SHA-256 in the commit record (its bytes "
+                        "changed)"
+                    )
             except FileNotFoundError:
                 return f"{name} is missing"
             except OSError as e:
@@ -88,8 +95,8 @@ class Checkpoint:
         )  # else: plan_resume's to name
         if saved != self.step:
             return (
-                f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name says "
-                "(renamed or copied from another checkpoint)"
+                f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name "
+                "says (renamed or copied from another checkpoint)"
             )
         return None
 
@@ -266,7 +273,7 @@ def _read_record(path: Path) -> tuple[object, dict]:
 
 
 def write_synced(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it: what a commit record, or a probe of a folder, needs."""
+    """Write ``text`` to ``path`` and fsync it, as a commit record or a folder probe needs."""
     with open(path, "w") as f:
         f.write(text)
         f.flush()

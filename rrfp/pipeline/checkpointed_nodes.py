@@ -1,9 +1,10 @@
 """Which autograd nodes belong to a non-reentrant checkpoint's region.
 
 torch.utils.checkpoint(use_reentrant=False) leaves ordinary nodes in the graph and packs their saved
-tensors with its own hooks. Under one ``GraphExecGroup`` each such saved tensor may be unpacked once,
-so the split's W, which runs its calls in one group, must not run such a node twice. A node's saved
-tensors show their unpack hook without being unpacked, so this is read without recomputing anything.
+tensors with its own hooks. Under one ``GraphExecGroup`` each such saved tensor may be unpacked
+once, so the split's W, which runs its calls in one group, must not run such a node twice. A node's
+saved tensors show their unpack hook without being unpacked, so this is read without recomputing
+anything.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ _fields: dict[
 
 
 def is_checkpointed(node) -> bool:
-    """Whether a saved tensor of ``node`` is held by a non-reentrant checkpoint (recomputed on unpack)."""
+    """Whether a non-reentrant checkpoint holds ``node``'s saved tensor (recomputed on unpack)."""
     fields = _fields.get(type(node))
     if fields is None:
         fields = _fields[type(node)] = tuple(a for a in dir(node) if a.startswith(_SAVED))

@@ -178,14 +178,15 @@ class StageExecutor:
         self.on_task_done: list[
             Callable[[Task], None]
         ] = []  # e.g. DP sync launching finished buckets
-        # the runtime's Heartbeat (rrfp/comm/heartbeat.py), or None: with one, a wait for a peer has no
-        # deadline (a silent peer is the heartbeat's to name); it is told which task runs, and says how
-        # the peers this stage waits for are doing
+        # the runtime's Heartbeat (rrfp/comm/heartbeat.py), or None: with one, a wait for a peer has
+        # no deadline (a silent peer is the heartbeat's to name); it is told which task runs, and
+        # says how the peers this stage waits for are doing
         self.liveness = liveness
         self.task_hold_s: list[
             Callable[[Task], float]
         ] = []  # testing aid: extra lane seconds (faults.py slow)
-        self.ties = None  # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
+        # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
+        self.ties = None
         self.nonfinite = (
             None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
         )
@@ -339,7 +340,8 @@ class StageExecutor:
             )
         if len(features) != self.M:
             raise ValueError(
-                f"{self.where}: got features for {len(features)} microbatches, configured for {self.M}"
+                f"{self.where}: got features for {len(features)} microbatches, configured for "
+                f"{self.M}"
             )
         for mb, feats in enumerate(features):
             missing = [k for k in FEATURES if k not in feats]
@@ -394,8 +396,9 @@ class _Iteration:
         self.handed: dict[
             tuple[int, Kind, int], object
         ] = {}  # the V turn: produced, not yet delivered
-        # several stages per rank: how their forwards interleave depends on timing, so each draws its
-        # randomness (dropout) from its own seed, not from where the rank's generator happens to be
+        # several stages per rank: how their forwards interleave depends on timing, so each draws
+        # its randomness (dropout) from its own seed, not from where the rank's generator happens to
+        # be
         self.rng_base = int(torch.randint(0, 2**62, ())) if len(ex.workers) > 1 else None
         self.rng_device = (
             _device_of(ex.workers[0].module) if self.rng_base is not None else None
@@ -434,7 +437,8 @@ class _Iteration:
         if self.losses:  # one device-to-host read per iteration, after the last task
             values = torch.stack([self.losses[mb] for mb in sorted(self.losses)]).tolist()
             self.losses = dict(zip(sorted(self.losses), values))
-        # busy: the lane's own account (device time on GPU, where run() returns before the work ends)
+        # busy: the lane's own account (device time on GPU, where run() returns before the work
+        # ends)
         stats = StageStats(
             ex.lane.busy_s - lane_busy,
             time.perf_counter() - t0,
@@ -539,8 +543,8 @@ class _Iteration:
                     await self.changed.wait()
             except TimeoutError:
                 raise PeerTimeout(
-                    f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived for "
-                    f"{timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
+                    f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: nothing arrived "
+                    f"for {timeout_s:g} s; the {self.ex.what} {self._waiting_for()}",
                     self._owing_peer(),
                 ) from None
         else:
@@ -656,9 +660,10 @@ class _Iteration:
     # -- communication -------------------------------------------------------
 
     def _post(self, io: _StageIO, to: int, msg: Message, value) -> None:
-        """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it carries
-        that task's end event, so its send waits for the producer and not for tasks enqueued later.
-        A stage of this same rank gets ``value`` itself once the tracker has the task finished."""
+        """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it
+        carries that task's end event, so its send waits for the producer and not for tasks enqueued
+        later. A stage of this same rank gets ``value`` itself once the tracker has the task
+        finished."""
         if to in self.io:
             header_words(
                 msg
@@ -695,7 +700,8 @@ class _Iteration:
                 self.tracker.arrive(io.s, kind, mb)
             except TrackerError as e:
                 raise ProtocolError(f"{where}: iteration {self.it}: {e}") from None
-            # one tensor stays a tensor (what single-tensor models expect); several arrive as a tuple
+            # one tensor stays a tensor (what single-tensor models expect); several arrive as a
+            # tuple
             value = msg.tensors[0] if len(msg.tensors) == 1 else tuple(msg.tensors)
             if kind is Kind.F:
                 io.inputs[mb] = (value, msg.requires_grad or [False] * len(msg.tensors))
@@ -705,8 +711,8 @@ class _Iteration:
 
 
 def _seeded(fn: Callable, seed: int, device: torch.device) -> Callable:
-    """``fn`` under its own generator state seeded with ``seed``, leaving the rank's generators as they
-    were: the same draws whatever ran before it (torch.random.fork_rng)."""
+    """``fn`` under its own generator state seeded with ``seed``, leaving the rank's generators as
+    they were: the same draws whatever ran before it (torch.random.fork_rng)."""
 
     def run(*args):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

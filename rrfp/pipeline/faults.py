@@ -8,8 +8,8 @@ A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=P][:attempt=
 fires right after that task finishes, ``during=save`` as this rank starts
 writing the checkpoint saved after step N, ``during=commit`` once its part is
 written, as the checkpoint is committed (rank 0 commits, the others wait for
-it), otherwise at the end of the step's iteration; ``attempt`` fires only in that attempt of a torchrun job
-(``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
+it), otherwise at the end of the step's iteration; ``attempt`` fires only in that attempt of a
+torchrun job (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
 ``--max-restarts`` runs on after it.
 
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
@@ -77,8 +77,8 @@ class Fault:
                 or key in values
             ):
                 raise ValueError(
-                    f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, attempt=A, "
-                    "seconds=X, during=P (once each)"
+                    f"fault {spec!r}: {f!r} is not one of step=N, stage=S, rank=R, task=T, "
+                    "attempt=A, seconds=X, during=P (once each)"
                 )
             if key == "task":
                 values[key] = Task.parse(raw)
@@ -167,7 +167,7 @@ class FaultInjector:
         self.step = step + 1
 
     def hold_s(self, task: Task) -> float:
-        """Seconds ``task`` holds the lane beyond its own time: the executor asks before it runs it."""
+        """Extra seconds ``task`` holds the lane; the executor asks before it runs the task."""
         if self.fault.kind == "slow" and task == self.fault.task and self.step == self.fault.step:
             log.warning(
                 "rank %d stage %d: step %d task %s: injecting fault %s",
@@ -199,8 +199,8 @@ class FaultInjector:
             self._fire(module)
 
     def checkpoint_write(self, done: int, phase: str = "save") -> None:
-        """Before this rank writes its part of the checkpoint saved after ``done`` steps (``save``), and
-        once it has, before the commit (``commit``)."""
+        """Before this rank writes its part of the checkpoint saved after ``done`` steps (``save``),
+        and once it has, before the commit (``commit``)."""
         if self.fault.during == phase and done == self.fault.step:
             self._fire()
 

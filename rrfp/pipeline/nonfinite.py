@@ -1,4 +1,4 @@
-"""What every rank does when an iteration met a NaN or Inf: stop together, or skip the step together.
+"""What every rank does when an iteration met a NaN or Inf: all stop, or all skip the step.
 
 After its iteration each rank looks at its own losses (the last stage, per microbatch) and
 gradients, then all ranks agree in one all-reduce (MIN) of two float64s on the control-plane
@@ -24,9 +24,10 @@ _NONE = math.inf
 
 
 class NonFiniteGuard:
-    """``policy`` "stop": every rank raises NonFiniteError, one line naming the stage and microbatch.
-    "skip": every rank sets its parameters' ``.grad`` to None, so the caller's ``optimizer.step()``
-    leaves the parameters as they are (torch's optimizers skip parameters without a gradient)."""
+    """``policy`` "stop": every rank raises NonFiniteError, one line naming the stage and
+    microbatch. "skip": every rank sets its parameters' ``.grad`` to None, so the caller's
+    ``optimizer.step()`` leaves the parameters as they are (torch's optimizers skip parameters
+    without a gradient)."""
 
     def __init__(
         self, policy: str, rank: int, world: int, agree: Callable[[torch.Tensor], Awaitable]
@@ -39,7 +40,7 @@ class NonFiniteGuard:
         self.policy, self.rank, self.world, self.agree = policy, rank, world, agree
 
     async def check(self, iteration: int, workers, losses: dict[int, float]) -> bool:
-        """Whether the step is skipped; raises under "stop". Every rank calls it after the iteration."""
+        """Whether to skip the step; raises under "stop". Every rank calls it after an iteration."""
         bad_mb = min((mb for mb, v in losses.items() if not math.isfinite(v)), default=None)
         bad_stage = min((w.stage for w in workers if not _finite_grads(w.module)), default=None)
         codes = torch.tensor(
@@ -55,7 +56,10 @@ class NonFiniteGuard:
             return False
         if loss_code != _NONE:
             mb, where = divmod(int(loss_code), self.world)
-            what = f"stage {workers[0].num_stages - 1} microbatch {mb}: the loss is NaN or Inf (rank {where})"
+            what = (
+                f"stage {workers[0].num_stages - 1} microbatch {mb}: the loss is NaN or Inf "
+                f"(rank {where})"
+            )
         else:
             stage, where = divmod(int(grad_code), self.world)
             what = f"stage {stage}: NaN or Inf in the gradients (rank {where})"

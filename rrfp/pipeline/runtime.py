@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import datetime
 import logging
-import warnings
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -56,8 +56,9 @@ from rrfp.pipeline.wrapped import refuse_wrapped
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
-# With a heartbeat, how long gloo lets one operation wait: a backstop, for a peer that beats but never
-# sends (a deadlock; the executor logs it every timeout_s). Silence is the heartbeat's to find.
+# With a heartbeat, how long gloo lets one operation wait: a backstop, for a peer that beats but
+# never sends (a deadlock; the executor logs it every timeout_s). Silence is the heartbeat's to
+# find.
 BACKSTOP = datetime.timedelta(days=1)
 
 
@@ -161,8 +162,9 @@ class PipelineRuntime:
         self._watcher: asyncio.Task | None = None
         self._silence: PeerSilent | None = None
         self._closed = False
-        # a stop abandoned an iteration: its P2P transfers may still be pending in the channels' groups, so
-        # leaving the block only closes this rank's side (no barrier, no teardown); the process then exits
+        # a stop abandoned an iteration: its P2P transfers may still be pending in the channels'
+        # groups, so leaving the block only closes this rank's side (no barrier, no teardown); the
+        # process then exits
         self.abandoned = False
 
     @property
@@ -243,7 +245,8 @@ class PipelineRuntime:
             pg_timeout_s = waits.nccl_watchdog_s
         with _startup(owns):
             if owns:
-                # the rendezvous waits for every peer: off this thread, so that a stop signal acts meanwhile
+                # the rendezvous waits for every peer: off this thread, so that a stop signal acts
+                # meanwhile
                 interruptible(
                     lambda: dist.init_process_group(
                         backend,
@@ -386,8 +389,8 @@ class PipelineRuntime:
         """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
         one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
         ``split``, ``variability``, ``seed`` and ``cost`` make one (``ScheduleSettings.of``:
-        strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g. from
-        ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
+        strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g.
+        from ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
         microbatches' ``features``: without them it is a ValueError. With virtual stages,
         ``module`` is a list: one module for each of ``rt.stages``, in that order.
 
@@ -416,8 +419,8 @@ class PipelineRuntime:
         modules = list(module) if isinstance(module, (list, tuple)) else [module]
         if len(modules) != len(self.stages):
             raise ValueError(
-                f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one module "
-                f"for each, got {len(modules)}"
+                f"rank {self.rank} holds {len(self.stages)} stage(s) {self.stages}: pass one "
+                f"module for each, got {len(modules)}"
             )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
@@ -505,13 +508,13 @@ class PipelineRuntime:
         return sync
 
     async def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by their
-        total ``norm_type`` norm, and return that norm, the same on every rank: each parameter counted
-        once (TP shards by their parts, a TP-replicated one and a tie once, DP replicas once), over the
-        modules of every executor this runtime made. Collective: every rank calls it. Call it after the
-        DP gradient sync (``rrfp train`` and ``grad_sync(module, executor)`` do it inside the iteration,
-        finished by ``sync()``), or the replicas' norms differ. A non-finite norm is returned and not
-        applied: the gradients stay as they are."""
+        """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by
+        their total ``norm_type`` norm, and return that norm, the same on every rank: each parameter
+        counted once (TP shards by their parts, a TP-replicated one and a tie once, DP replicas
+        once), over the modules of every executor this runtime made. Collective: every rank calls
+        it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module, executor)``
+        do it inside the iteration, finished by ``sync()``), or the replicas' norms differ. A
+        non-finite norm is returned and not applied: the gradients stay as they are."""
         counts, scaled, seen = [], [], set()
         for ex in self._executors:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
@@ -573,8 +576,8 @@ class PipelineRuntime:
             await self.aclose()
             return
         await self.aclose()
-        # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes its
-        # gloo pairs while a peer's async barrier is still finishing its last exchange on them.
+        # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes
+        # its gloo pairs while a peer's async barrier is still finishing its last exchange on them.
         with named_collective("final barrier of every rank", self.cpu_group):
             await in_daemon_thread(dist.barrier, self.cpu_group)
         self._stop_watching()  # before the store (rank 0's, without torchrun) goes with the group

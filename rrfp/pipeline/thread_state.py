@@ -39,7 +39,8 @@ _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu
 
 @dataclass(frozen=True)
 class Autocast:
-    """One enabled ``torch.autocast``: what ``torch.autocast(device_type, dtype, cache_enabled=...)`` takes."""
+    """One enabled ``torch.autocast``: what ``torch.autocast(device_type, dtype,
+    cache_enabled=...)`` takes."""
 
     device_type: str
     dtype: torch.dtype

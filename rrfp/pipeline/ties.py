@@ -5,10 +5,10 @@ gets the whole gradient and, stepped by the same optimizer, the copies stay equa
 A tie is declared per stage module, ``{tie name: qualified parameter name}``. At setup (collective:
 every rank calls it, in the same order) every rank learns every rank's ties from one exchange over
 the world (two all-reduces of the pickled declarations); each tie held by several ranks gets one
-process group per (tp, dp) coordinate over the ranks that hold it (``new_group`` on every rank in one
-order, members or not), and its copies are made equal by a broadcast from the holder of its lowest
-stage. Copies on one rank that are different Parameter objects are summed locally; one Parameter
-object in two stage modules needs nothing.
+process group per (tp, dp) coordinate over the ranks that hold it (``new_group`` on every rank in
+one order, members or not), and its copies are made equal by a broadcast from the holder of its
+lowest stage. Copies on one rank that are different Parameter objects are summed locally; one
+Parameter object in two stage modules needs nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class _Tie:
 def _declared(
     modules: Sequence[nn.Module], stages: Sequence[int], tied
 ) -> dict[str, list[tuple[int, nn.Parameter]]]:
-    """{tie: [(stage, parameter)]} on this rank. ``tied``: one dict looked up in every module, or one per module."""
+    """{tie: [(stage, parameter)]} on this rank. ``tied``: one dict looked up in every module, or
+    one per module."""
     if tied is None:
         return {}
     shared = not isinstance(
@@ -98,8 +99,8 @@ def _declared(
 
 
 def _exchange(obj, rank: int, world: int, group) -> list:
-    """Every rank's ``obj`` (blocking, at setup), from two all-reduces over the world: the sizes, then each
-    rank's pickled bytes in its own row."""
+    """Every rank's ``obj`` (blocking, at setup), from two all-reduces over the world: the sizes,
+    then each rank's pickled bytes in its own row."""
     if world == 1:
         return [obj]
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -113,8 +114,8 @@ def _exchange(obj, rank: int, world: int, group) -> list:
 
 
 def _fingerprint(p: torch.Tensor) -> str | None:
-    """A hash of the values, for the forgotten-tie hint; None for a constant tensor (ones, zeros), which
-    matches by accident."""
+    """A hash of the values, for the forgotten-tie hint; None for a constant tensor (ones, zeros),
+    which matches by accident."""
     t = p.detach()
     if t.numel() < 2 or bool((t == t.reshape(-1)[0]).all()):
         return None
@@ -124,19 +125,20 @@ def _fingerprint(p: torch.Tensor) -> str | None:
 
 
 class Ties:
-    """A rank's tied parameters: ``sum_grads()`` after each iteration, and ``uncounted`` for the norm."""
+    """A rank's tied parameters: ``sum_grads()`` per iteration, ``uncounted`` for the norm."""
 
     def __init__(self, ties: list[_Tie], poller, lane=None) -> None:
         self.ties, self.poller, self.lane = ties, poller, lane
         self.deferred = False  # a DP gradient sync sums them after its averaging (GradSync.attach)
-        # parameters whose gradient another copy (the lowest stage's) already counts in the global norm
+        # parameters whose gradient another copy (the lowest stage's) already counts in the global
+        # norm
         self.uncounted = {
             id(p) for t in ties for i, (_, p) in enumerate(t.params) if i > 0 or not t.counted
         }
 
     @classmethod
     def setup(cls, rt, modules: Sequence[nn.Module], tied) -> Ties:
-        """Exchange every rank's ties over ``rt``'s world, create their groups and make the copies equal."""
+        """Exchange all ranks' ties over ``rt``'s world, make their groups, equalize the copies."""
         stages = list(rt.stages)
         found = _declared(modules, stages, tied)
         coords = rt.layout.coords(rt.rank)
@@ -162,7 +164,8 @@ class Ties:
                 if len(shapes) > 1:
                     where = ", ".join(f"stage {s} {list(shape)}" for s, _, shape in holders)
                     raise ValueError(
-                        f"rank {rt.rank}: tie {tie!r}: the tied parameters differ in shape ({where})"
+                        f"rank {rt.rank}: tie {tie!r}: the tied parameters differ in shape "
+                        f"({where})"
                     )
                 ranks = sorted({r for _, r, _ in holders})
                 group = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
@@ -198,7 +201,7 @@ class Ties:
     def _end_params(
         modules, stages, num_stages: int, found
     ) -> dict[int, list[tuple[str, nn.Parameter]]]:
-        """The first and the last stage's parameters that no tie declares (on this rank, when it holds them)."""
+        """First and last stage parameters no tie declares (on this rank, when it holds them)."""
         if num_stages < 2:
             return {}
         declared = {id(p) for held in found.values() for _, p in held}
@@ -210,9 +213,10 @@ class Ties:
 
     @staticmethod
     def _hint_forgotten(rt, everyone, ends, modules, stages) -> None:
-        """A parameter of the first stage and one of the last with the same shape and the same values that
-        no tie declares: one warning (a hint, not proof), on the first stage's rank of tp 0 and dp 0.
-        Every rank takes part in the second exchange alike, since every rank can tell whether it is needed."""
+        """A parameter of the first stage and one of the last with the same shape and the same
+        values that no tie declares: one warning (a hint, not proof), on the first stage's rank of
+        tp 0 and dp 0. Every rank takes part in the second exchange alike, since every rank can tell
+        whether it is needed."""
         last = rt.num_stages - 1
         pairs = []  # (tp, dp, first-stage name, last-stage name)
         for tp, dp in sorted({(r["tp"], r["dp"]) for r in everyone}):
@@ -245,9 +249,9 @@ class Ties:
                 and seen.get((0, a)) == seen.get((last, b))
             ):
                 log.warning(
-                    "stage 0's %r and stage %d's %r have the same shape and the same values, and no tie "
-                    "declares them: if they are one shared parameter, declare it (tied=), or each copy "
-                    "trains on its own part of the gradient",
+                    "stage 0's %r and stage %d's %r have the same shape and the same values, and "
+                    "no tie declares them: if they are one shared parameter, declare it (tied=), "
+                    "or each copy trains on its own part of the gradient",
                     a,
                     last,
                     b,
@@ -278,7 +282,7 @@ class Ties:
 
     @staticmethod
     def _launch(t: _Tie) -> tuple[_Tie, torch.Tensor, object]:
-        """This rank's sum of the tie's copies, and the all-reduce over its holders started on it."""
+        """This rank's sum of the tie's copies, with the all-reduce over its holders started."""
         grads = [p.grad.to_dense() for _, p in t.params if p.grad is not None]
         total = torch.zeros_like(t.params[0][1]) if not grads else grads[0].clone()
         for g in grads[1:]:

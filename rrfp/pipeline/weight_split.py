@@ -81,7 +81,7 @@ class WeightPlan:
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
-    """Ids of the parameters whose split-aware layers queue their own W (computed once per stage)."""
+    """Ids of parameters whose split-aware layers queue their own W (computed once per stage)."""
     return frozenset(
         id(p)
         for m in module.modules()
@@ -124,7 +124,7 @@ class _Graph:
         return [c for c, _ in node.next_functions if c is not None]
 
     def between(self, start, targets: set) -> int:
-        """How many B nodes below ``start`` lie on a path to one of ``targets`` (targets included)."""
+        """Count of B nodes below ``start`` on a path to one of ``targets`` (targets included)."""
         on_path: dict = {}
         stack = [(c, False) for c in self.children(start) if self.in_b[c]]
         while stack:
@@ -167,7 +167,8 @@ def plan(
         return WeightPlan(whole=WHOLE_REENTRANT)
     by_id = {id(p): p for p in params.values()}
 
-    # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or _OUTPUTS) reaching pid
+    # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or
+    # _OUTPUTS) reaching pid
     frontier: dict = {}
     owners: dict[int, list] = {}
     for n, on_path in g.in_b.items():
@@ -227,8 +228,9 @@ def plan(
 
 
 def _gathering_runs(g: _Graph, points: dict) -> set:
-    """The nodes that W's gathering may run more than once: for each restart that gathers, those on a
-    path from it to its gathered edges (B nodes run again among them) and everything below those edges."""
+    """The nodes that W's gathering may run more than once: for each restart that gathers, those on
+    a path from it to its gathered edges (B nodes run again among them) and everything below those
+    edges."""
     runs: set = set()
     for n, work in points.items():
         if not work.shared:
@@ -252,8 +254,9 @@ def _gathering_runs(g: _Graph, points: dict) -> set:
     return runs
 
 
-# torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside the
-# engine, which torch refuses under torch.autograd.grad (the split's B and W): such a graph is not split.
+# torch.utils.checkpoint(use_reentrant=True) runs its backward with torch.autograd.backward inside
+# the engine, which torch refuses under torch.autograd.grad (the split's B and W): such a graph is
+# not split.
 _REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 WHOLE_REENTRANT = (
     "its graph holds a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), "
@@ -262,8 +265,8 @@ WHOLE_REENTRANT = (
 )
 
 WHOLE_CHECKPOINT_GATHERED = (
-    "W would gather a parameter's uses through a non-reentrant checkpoint's region (a parameter used more "
-    "than once there), running its nodes twice, which W's one recomputation per region "
+    "W would gather a parameter's uses through a non-reentrant checkpoint's region (a parameter "
+    "used more than once there), running its nodes twice, which W's one recomputation per region "
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
@@ -359,8 +362,8 @@ def _announce(module: nn.Module, result: WeightPlan) -> None:
 
 
 def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
-    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept for W.
-    With ``whole`` set, the plain backward: every gradient, the graph freed."""
+    """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept
+    for W. With ``whole`` set, the plain backward: every gradient, the graph freed."""
     if weights.whole:
         torch.autograd.backward(outputs, grads)
         return [x.grad for x in inputs]

@@ -188,14 +188,15 @@ class StageWorker:
         return detached if isinstance(out, list) else tuple(detached)
 
     def output_requires_grad(self, mb: int) -> list[bool]:
-        """Between F(mb) and B(mb): which of F(mb)'s outputs carry a gradient, known before F detached
-        them. The message to the next stage says so per tensor, so a constant arrives as one."""
+        """Between F(mb) and B(mb): which of F(mb)'s outputs carry a gradient, known before F
+        detached them. The message to the next stage says so per tensor, so a constant arrives as
+        one."""
         slot = self._check(Task(Kind.B, mb), _State.F_DONE)
         return requires_grad_bits(slot.output)
 
     def evaluate(self, x, targets=None):
-        """F without a graph (evaluation): (output, unscaled loss on the last stage, else None). Keeps
-        nothing and checks no task order: it is no part of a training iteration."""
+        """F without a graph (evaluation): (output, unscaled loss on the last stage, else None).
+        Keeps nothing and checks no task order: it is no part of a training iteration."""
         with torch.no_grad():
             out = (
                 self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
@@ -204,7 +205,8 @@ class StageWorker:
 
     def backward(self, mb: int, grad_output=None):
         """B(mb). Returns the gradient for the stage input in the input's structure: a tensor (or
-        None) for a lone tensor, else a tuple with None where no gradient exists; None on the first stage.
+        None) for a lone tensor, else a tuple with None where no gradient exists; None on the first
+        stage.
 
         ``grad_output`` matches the output: a tensor, or a tuple/list with None for outputs that
         carry no gradient. Only floating outputs that require grad and got a gradient take part."""
@@ -274,8 +276,8 @@ class StageWorker:
                 "(split=False: B computes all gradients)"
             )
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
-        # one pass per task (B or W of a microbatch): each parameter's post-accumulate-grad hooks run once,
-        # also for a weight both gathered by the split and queued by its layer
+        # one pass per task (B or W of a microbatch): each parameter's post-accumulate-grad hooks
+        # run once, also for a weight both gathered by the split and queued by its layer
         with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)), one_pass():
             if (
                 slot.weights is not None
@@ -294,14 +296,14 @@ class StageWorker:
             if self.weight_split != "layers":
                 raise
             raise RuntimeError(
-                f"stage {self.stage}: {task}: weight_split='layers' cannot run split-aware layers inside "
-                "torch.utils.checkpoint(use_reentrant=False): its recomputation runs them outside the W "
-                "queue; use weight_split='autograd' (the default). torch said: "
+                f"stage {self.stage}: {task}: weight_split='layers' cannot run split-aware layers "
+                "inside torch.utils.checkpoint(use_reentrant=False): its recomputation runs them "
+                "outside the W queue; use weight_split='autograd' (the default). torch said: "
                 f"{str(e).splitlines()[0]}"
             ) from e
 
     def _unsplit(self, why: str) -> None:
-        """The stage's graph cannot be split: say so once, and count all its parameters as computed in B."""
+        """Unsplittable graph: say so once, and count the stage's parameters as computed in B."""
         if self._said_unsplit:
             return
         self._said_unsplit = True
@@ -324,7 +326,7 @@ class StageWorker:
 
     @property
     def _deferred(self) -> frozenset[int]:
-        """Parameters left to split-aware layers' own W queue: none unless weight_split = "layers"."""
+        """Parameters that split-aware layers' W queue owns: none unless weight_split = "layers"."""
         return self._queued if self.weight_split == "layers" else frozenset()
 
     def _measured(self, mb: int) -> bool:
@@ -368,7 +370,8 @@ class StageWorker:
         mb = task.mb
         if not 0 <= mb < self.num_microbatches:
             raise RuntimeError(
-                f"stage {self.stage}: {task} out of range (num_microbatches={self.num_microbatches})"
+                f"stage {self.stage}: {task} out of range "
+                f"(num_microbatches={self.num_microbatches})"
             )
         slot = self._slots.get(mb)
         have = None if slot is None else slot.state
@@ -376,7 +379,8 @@ class StageWorker:
             return slot
         if want is None:
             raise RuntimeError(
-                f"stage {self.stage}: {task} twice in one iteration (call reset() between iterations)"
+                f"stage {self.stage}: {task} twice in one iteration (call reset() between "
+                "iterations)"
             )
         if have is None:
             raise RuntimeError(f"stage {self.stage}: {task} before F{mb}")
@@ -469,12 +473,12 @@ def _in_structure(x, inputs: list, grads: list):
 
 
 def takes_several(module: nn.Module) -> bool:
-    """Whether ``module.forward`` takes a stage's several input tensors as separate positional arguments
-    (``forward(self, h, mask)`` or ``*args``, as torch.distributed.pipelining calls it) rather than one
-    tuple (``forward(self, x)``)."""
+    """Whether ``module.forward`` takes a stage's several input tensors as separate positional
+    arguments (``forward(self, h, mask)`` or ``*args``, as torch.distributed.pipelining calls it)
+    rather than one tuple (``forward(self, x)``)."""
     try:
         params = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: the tuple, as before
+    except (TypeError, ValueError):  # no signature to read: one tuple, the default
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) > 1 or any(p.kind is p.VAR_POSITIONAL for p in params)

@@ -19,8 +19,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one microbatch
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value):
-    """``fn`` on every tensor of a microbatch's inputs or a stage's outputs: a tensor, or (nested) tuples,
-    named tuples (``VLMInputs``) and lists of them, rebuilt as they came; anything else as it is."""
+    """``fn`` on every tensor of a microbatch's inputs or a stage's outputs: a tensor, or (nested)
+    tuples, named tuples (``VLMInputs``) and lists of them, rebuilt as they came; anything else as
+    it is."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, (tuple, list)):
@@ -58,8 +59,8 @@ class Workload:
     check: Callable[[Any, Any, int, int], None] = _no_check
     # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
     features: Callable[[Batch], dict] = token_features
-    # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter name}:
-    # parameters shared between stages (a tied embedding and lm head), kept equal by rrfp
+    # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter
+    # name}: parameters shared between stages (a tied embedding and lm head), kept equal by rrfp
     tied: Callable[[Any, int, int], dict[str, str]] | None = None
 
     def build_stages(

@@ -112,7 +112,7 @@ class _Loss:
 
 
 def _under_submod(tied):
-    """``tied=`` names relative to the user's stage module, as ScheduleReady registers it (``submod``)."""
+    """``tied=`` names relative to the user's module, as ScheduleReady registers it (``submod``)."""
     if isinstance(tied, dict):
         return {k: f"submod.{v}" if isinstance(v, str) else v for k, v in tied.items()}
     if isinstance(tied, (list, tuple)):
@@ -139,20 +139,21 @@ class ScheduleReady:
     stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor);
     ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
     ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
-    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``: when
-    the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the gradients
-    over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients are final), so
-    they equal one process's over the whole batch of every replica; a no-op when dp = 1. ``split``
-    (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``)
-    are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint, budget, dispatch,
-    split and cost as one object instead; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
-    microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct it, in the same order
-    relative to other collectives (it creates rrfp's process groups), and should ``close()`` it
-    (or use ``with``) before destroying the process group.
+    rank with every ``.grad`` set to None (``optimizer.step()`` then moves nothing). ``dp_sync``:
+    when the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the
+    gradients over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients
+    are final), so they equal one process's over the whole batch of every replica; a no-op when
+    dp = 1. ``split`` (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from
+    ``rrfp calibrate``) are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint,
+    budget, dispatch, split and cost as one object instead; with ``cost`` every ``step`` needs
+    ``cost_features=``, one dict per microbatch (``rrfp.token_features``), the same list on every
+    rank. Every rank must construct it, in the same order relative to other collectives (it creates
+    rrfp's process groups), and should ``close()`` it (or use ``with``) before destroying the
+    process group.
     """
 
-    # Emulated device time, for `rrfp bench`'s drop-in rows (rrfp/app/bench/dropin.py): ms of lane time
-    # per unit of task duration, and the executor's durations. Users run real time: 0 and none.
+    # Emulated device time, for `rrfp bench`'s drop-in rows (rrfp/app/bench/dropin.py): ms of lane
+    # time per unit of task duration, and the executor's durations. Users run real time: 0 and none.
     _unit_ms: float = 0.0
 
     def _emulation(self) -> dict:
@@ -221,9 +222,9 @@ class ScheduleReady:
         if tuple(self._runtime.stages) != indices:
             self.close(wait_for_peers=False)
             raise ValueError(
-                f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places stages "
-                f"{list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i % S of the "
-                f"group (interleaved) or on rank min(i, 2S - 1 - i) (v)"
+                f"rank {self._runtime.rank} holds torch stages {list(indices)}, but rrfp places "
+                f"stages {list(self._runtime.stages)} there: ScheduleReady needs stage i on rank i "
+                "% S of the group (interleaved) or on rank min(i, 2S - 1 - i) (v)"
             )
         self._executor = self._new_executor() if loss_fn is not None else None
         self._closed = False
@@ -252,7 +253,8 @@ class ScheduleReady:
         """One iteration over the whole batch ``args``/``kwargs`` (split here), or over pre-split
         microbatches (``arg_mbs``: one tuple of positional arguments per microbatch, ``kwarg_mbs``
         one dict each, ``target_mbs`` one target each). Returns the merged output on the last stage.
-        ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every rank."""
+        ``cost_features``: with ``cost=``, one feature dict per microbatch, the same on every
+        rank."""
         if self._has_backward and self._schedule.cost is not None and cost_features is None:
             raise ValueError(
                 f"ScheduleReady has a cost model (cost=) but step got no cost_features: pass "
@@ -306,8 +308,8 @@ class ScheduleReady:
         return None
 
     def eval(self, *args, target=None, losses: list | None = None, **kwargs):
-        """Forward only, as torch's ``eval``: the last stage still computes the losses when it has a loss_fn.
-        Gradients are left alone (torch 2.13's eval divides ``.grad`` by M once more, in
+        """Forward only, as torch's ``eval``: the last stage still computes the losses when it has a
+        loss_fn. Gradients are left alone (torch 2.13's eval divides ``.grad`` by M once more, in
         ``perform_reduce_grad``; that is not copied)."""
         has_backward = self._has_backward
         try:
@@ -341,9 +343,10 @@ class ScheduleReady:
     load_csv = _load_csv
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the whole model's gradients (every stage of every rank) to ``max_norm`` by their total norm,
-        and return it, the same on every rank (``PipelineRuntime.clip_grad_norm_``). Collective: every rank
-        calls it, after ``step`` (and after any DP gradient sync); a non-finite norm is not applied."""
+        """Clip the whole model's gradients (every stage of every rank) to ``max_norm`` by their
+        total norm, and return it, the same on every rank (``PipelineRuntime.clip_grad_norm_``).
+        Collective: every rank calls it, after ``step`` (and after any DP gradient sync); a
+        non-finite norm is not applied."""
         if self._closed:
             raise RuntimeError("ScheduleReady.clip_grad_norm_ after close()")
         return self._loop.call(
@@ -394,7 +397,7 @@ class ScheduleReady:
         return ex
 
     async def _iterate(self, batches, state: ThreadState):
-        """One iteration under the caller's thread state, then (dp_sync) the gradients averaged over the replicas."""
+        """One iteration in the caller's thread state, then (dp_sync) the replicas' mean grads."""
         result = await self._executor.run_iteration(
             self._iteration, batches, self._features(), thread_state=state
         )
@@ -441,7 +444,8 @@ class ScheduleReady:
             bad = [i for i, k in enumerate(kwarg_mbs) if not isinstance(k, dict)]
             if bad:
                 raise TypeError(
-                    f"kwarg_mbs entries must be dicts; entry {bad[0]} is a {type(kwarg_mbs[bad[0]])}"
+                    f"kwarg_mbs entries must be dicts; entry {bad[0]} is a "
+                    f"{type(kwarg_mbs[bad[0]])}"
                 )
         else:
             if args or kwargs:
@@ -455,7 +459,8 @@ class ScheduleReady:
                     t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]
                 ]
         if any(kwarg_mbs) and (not self._holds_first or len(self._stages) > 1):
-            # torch's multi-stage schedules pass a rank's kwargs to every stage it holds (forward_one_chunk)
+            # torch's multi-stage schedules pass a rank's kwargs to every stage it holds
+            # (forward_one_chunk)
             raise NotImplementedError(
                 f"stages {[s.stage_index for s in self._stages]}: keyword arguments to a "
                 f"stage other than the first are not supported by ScheduleReady yet (with "
@@ -534,7 +539,7 @@ class ScheduleReady:
 
 
 def _first_inputs(args: tuple, kwargs: dict):
-    """A first-stage microbatch as the StageWorker passes it on: positional arguments, kwargs last."""
+    """A first-stage microbatch as the StageWorker passes it: positional arguments, kwargs last."""
     return tuple(args) + ((_Kwargs(kwargs),) if kwargs else ())
 
 
@@ -567,7 +572,7 @@ def _scale_grads(modules: list[torch.nn.Module], held: dict, M: int, scale: bool
 
 
 def _stages_of(stage) -> list:
-    """The rank's PipelineStages (one, or a list as torch's PipelineScheduleMulti takes), in model order."""
+    """The rank's PipelineStages (one, or a list as PipelineScheduleMulti takes), in model order."""
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages:
         raise ValueError("ScheduleReady needs at least one PipelineStage, got an empty list")
@@ -591,23 +596,24 @@ def _device_of(stages: list) -> torch.device:
 
 
 def _check_module(module: torch.nn.Module) -> None:
-    """Data parallelism wrapped around (or inside) the stage module is refused (rrfp/pipeline/wrapped.py)."""
+    """Data parallelism wrapped around (or inside) the stage module is refused
+    (rrfp/pipeline/wrapped.py)."""
     refuse_wrapped(module, "ScheduleReady")
 
 
 def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
     """The rank's stages in model order; rrfp's layout for the stages' group (the whole world as one
-    pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp + d``);
-    the virtual stages per rank and their placement (read off the stage indices each rank holds);
-    and the rank's device.
+    pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp +
+    d``); the virtual stages per rank and their placement (read off the stage indices each rank
+    holds); and the rank's device.
 
     Every rank's own checks end in one gather of their outcomes, before rrfp's groups exist: a rank
     that refuses its arguments would otherwise leave the others waiting in group creation until the
     timeout. So a refusal fails every rank at once: a rank raises its own error, or, when its own
     arguments are fine, the first refusing rank's, naming that rank (an error of a type other than
     ValueError, TypeError and NotImplementedError arrives as a RuntimeError naming the type); a rank
-    that does not come within ``timeout_s`` is a StartupError. With several stages per rank the ranks'
-    stage sets must also be one placement."""
+    that does not come within ``timeout_s`` is a StartupError. With several stages per rank the
+    ranks' stage sets must also be one placement."""
     if not dist.is_initialized():
         _stages_of(stage)  # what is not a stage is named before the missing process group
         raise RuntimeError(
@@ -649,9 +655,10 @@ _REFUSALS = {
 
 
 def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
-    """Every rank's (ok, outcome), on a gloo group of the world made for it (on CPU under NCCL too) with
-    ``timeout_s``: a rank that never constructs the schedule is then an error after ``timeout_s``, not a
-    wait as long as the default group's timeout (30 minutes for gloo by default)."""
+    """Every rank's (ok, outcome), on a gloo group of the world made for it (on CPU under NCCL too)
+    with ``timeout_s``: a rank that never constructs the schedule is then an error after
+    ``timeout_s``, not a wait as long as the default group's timeout (30 minutes for gloo by
+    default)."""
     try:
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         everyone: list = [None] * dist.get_world_size()
@@ -689,8 +696,9 @@ def _checked(stages: list, n_microbatches) -> tuple:
     ]
     if mixed:
         raise ValueError(
-            f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline (stages "
-            f"{mixed} have another num_stages, group size or group rank than stage {stage.stage_index})"
+            f"this rank's stages {[s.stage_index for s in stages]} disagree on the pipeline "
+            f"(stages {mixed} have another num_stages, group size or group rank than stage "
+            f"{stage.stage_index})"
         )
     if world % pp:
         raise ValueError(
@@ -715,7 +723,8 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
     virtual = len(indices)
     if num_stages != pp * virtual:
         raise ValueError(
-            f"group rank {rank} holds stages {indices} of {num_stages} on {pp} ranks: ScheduleReady "
+            f"group rank {rank} holds stages {indices} of {num_stages} on {pp} ranks: "
+            "ScheduleReady "
             f"needs the same number of stages on every rank ({num_stages} / {pp} each)"
         )
     for placement in (
@@ -725,8 +734,8 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
             return virtual, placement
     if virtual == 1:
         raise ValueError(
-            f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs stage i "
-            f"on rank i of the group"
+            f"group rank {rank} holds stage {indices[0]} of {num_stages}: ScheduleReady needs "
+            "stage i on rank i of the group"
         )
     raise ValueError(
         f"group rank {rank} holds stages {indices} of {num_stages}: ScheduleReady places a rank's "

@@ -30,7 +30,7 @@ log = logging.getLogger("rrfp.app.bench.analysis")
 
 @dataclass(frozen=True)
 class IterationWork:
-    """What an iteration's tasks cost, in seconds of emulated device time: one per (iteration, split)."""
+    """An iteration's task costs in seconds of emulated device time, one per (iteration, split)."""
 
     durations: np.ndarray  # [S, M, 3] units (S x V global stages with virtual stages)
     lat_fwd: np.ndarray  # [S, M] units (zero on the V turn: no message)

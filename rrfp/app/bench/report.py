@@ -17,8 +17,8 @@ from rrfp.observe.trace import Span, chrome_trace, write_atomic, write_json
 
 EMULATED = (
     "Device time is emulated on CPU: each task holds its stage's compute lane for its emulated "
-    "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the figures "
-    "compare schedules and dispatch, not hardware."
+    "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the "
+    "figures compare schedules and dispatch, not hardware."
 )
 MIN_REPS = 3  # fewer measured iterations per contender than this is a smoke run, not a benchmark
 SMOKE = (
@@ -31,7 +31,8 @@ ABLATIONS = (
     ("ready bfw", "fixed bfw", "same order and memory"),
     ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"),
 )
-# (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the rest
+# (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
+# rest
 AGAINST_TORCH = (
     ("ready plan", "torch 1f1b"),
     ("ready plan", "torch zb"),
@@ -72,10 +73,11 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     if spec.reps < MIN_REPS:
         lines += [SMOKE.format(reps=spec.reps, min=MIN_REPS), ""]
     lines += [
-        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender after one "
-        f"warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated device time per unit "
-        f"(one average forward); ready budget {spec.budget}. {machine['cpus']} CPUs, torch "
-        f"{machine['torch']}, {machine['hostname']}, {machine['date']}.",
+        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
+        f"after one warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated "
+        f"device time per unit (one average forward); ready budget {spec.budget}. "
+        f"{machine['cpus']} CPUs, torch {machine['torch']}, {machine['hostname']}, "
+        f"{machine['date']}.",
         "",
         EMULATED,
         "",
@@ -83,8 +85,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     for res in results:
         c = res.case
         source = (
-            f"task times from its data (cost model calibrated here: {res.cost_model}) x the {c.preset} "
-            f"preset's noise"
+            f"task times from its data (cost model calibrated here: {res.cost_model}) x the "
+            f"{c.preset} preset's noise"
             if res.cost_model
             else f"task times from the {c.preset} preset"
         )
@@ -107,17 +109,18 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 else ""
             )
             lines.append(
-                f"| {s.contender} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} "
-                f"| {_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
-                f"| {_fmt(s.peak_inflight, 'g')}{mark} | {s.efficiency.median:.3f} | {_fmt(sim, '+.1%')} "
-                f"| {_fmt(s.decision_us, '.1f')} | {_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
+                f"| {s.contender} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} | "
+                f"{_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
+                f"| {_fmt(s.peak_inflight, 'g')}{mark} | {s.efficiency.median:.3f} | "
+                f"{_fmt(sim, '+.1%')} | {_fmt(s.decision_us, '.1f')} | "
+                f"{_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
             )
         lines.append("")
         lines += memory_lines(res.summaries)
         if zb is not None:
             lines.append(
-                f"≤: peak in-flight at or below {EQUAL_MEMORY_TO}'s ({zb:g}): equal or lower memory than "
-                f"torch's ZB-V."
+                f"≤: peak in-flight at or below {EQUAL_MEMORY_TO}'s ({zb:g}): equal or lower "
+                "memory than torch's ZB-V."
             )
         pairs = [
             (h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS
@@ -137,12 +140,13 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             extra = next((s.overhead_s for s in res.summaries if s.contender == dropin), None)
             if ratios and extra is not None:
                 lines.append(
-                    f"Drop-in, the surface alone: {dropin} took {statistics.median(ratios):.3f}x the time "
-                    f"of {direct} (paired median, min {min(ratios):.3f}, max {max(ratios):.3f}), "
-                    f"{statistics.median(paired_differences(res.rows, dropin, direct)) * 1e3:+.1f} ms per "
-                    f"iteration (median); its step spent {extra.median * 1e3:.2f} ms (median, "
-                    f"{extra.low * 1e3:.2f}..{extra.high * 1e3:.2f}) outside the executor's iteration "
-                    f"and plan."
+                    f"Drop-in, the surface alone: {dropin} took {statistics.median(ratios):.3f}x "
+                    f"the time of {direct} (paired median, min {min(ratios):.3f}, max "
+                    f"{max(ratios):.3f}), "
+                    f"{statistics.median(paired_differences(res.rows, dropin, direct)) * 1e3:+.1f} "
+                    f"ms per iteration (median); its step spent {extra.median * 1e3:.2f} ms "
+                    f"(median, {extra.low * 1e3:.2f}..{extra.high * 1e3:.2f}) outside the "
+                    "executor's iteration and plan."
                 )
         for s in res.summaries:
             if s.plan_s is not None:
@@ -161,14 +165,14 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
         for name, why in res.skipped.items():
             lines.append(f"Not run: {name}: {why}.")
         lines += [
-            "Peak in-flight: the most microbatches one stage (rank) held activations for, the memory a "
-            "speedup was bought with (fixed 1F1B holds PP; torch's ZB-V counts its two half stages as halves). "
-            "Efficiency: the lower bound of the iteration's realized durations (busiest stage, or longest "
-            "microbatch chain) over the measured time. vs simulator: measured over the simulator's time "
-            "for the same durations, minus one (rrfp contenders only); well above zero, real "
-            "compute "
-            "(sharing this machine's CPUs) outlasted the emulated durations, and a larger --unit-ms "
-            "separates the schedules from the CPU load. Speedups are medians of per-iteration ratios.",
+            "Peak in-flight: the most microbatches one stage (rank) held activations for, the "
+            "memory a speedup was bought with (fixed 1F1B holds PP; torch's ZB-V counts its two "
+            "half stages as halves). Efficiency: the lower bound of the iteration's realized "
+            "durations (busiest stage, or longest microbatch chain) over the measured time. vs "
+            "simulator: measured over the simulator's time for the same durations, minus one (rrfp "
+            "contenders only); well above zero, real compute (sharing this machine's CPUs) "
+            "outlasted the emulated durations, and a larger --unit-ms separates the schedules from "
+            "the CPU load. Speedups are medians of per-iteration ratios.",
             "",
         ]
     return "\n".join(lines)

@@ -88,12 +88,12 @@ class Runner(Protocol):
         """One iteration; it leaves no gradients behind (the bench measures, it does not train)."""
 
     def close(self) -> None:
-        """Release what the runner holds beyond the rank's runtime (collective: every rank calls it)."""
+        """Release what the runner holds beyond the rank's runtime (collective)."""
 
 
 class RrfpRunner:
-    """A StageExecutor (fixed or ready dispatch, any hint), traced. With virtual stages ``module`` is
-    the list of the rank's stage modules and ``rt`` the runtime of that layout."""
+    """A StageExecutor (fixed or ready dispatch, any hint), traced. With virtual stages ``module``
+    is the list of the rank's stage modules and ``rt`` the runtime of that layout."""
 
     def __init__(
         self,
@@ -147,8 +147,9 @@ class RrfpRunner:
 
 
 class TorchRunner:
-    """torch.distributed.pipelining's schedule (rrfp.app.bench.torch_schedules), the anchor. Its task
-    spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp spans' clock."""
+    """torch.distributed.pipelining's schedule (rrfp.app.bench.torch_schedules), the anchor. Its
+    task spans are laid on this rank's row (a rank holds one or two torch stages), on the rrfp
+    spans' clock."""
 
     def __init__(
         self,
@@ -308,9 +309,10 @@ class DropInRunner:
 
 
 def held_peak(spans: Sequence[Span], share: float) -> float:
-    """The most microbatches a rank held at once, from its task spans: each (torch stage, microbatch)
-    from its F's start to its last backward's end, weighing ``share`` of the rank's layers (torch's
-    ZB-V puts two half stages on a rank), so the count is in rrfp's unit, one stage's microbatch."""
+    """The most microbatches a rank held at once, from its task spans: each (torch stage,
+    microbatch) from its F's start to its last backward's end, weighing ``share`` of the rank's
+    layers (torch's ZB-V puts two half stages on a rank), so the count is in rrfp's unit, one
+    stage's microbatch."""
     start: dict[tuple[int, str], float] = {}
     end: dict[tuple[int, str], float] = {}
     for sp in spans:

@@ -29,10 +29,12 @@ from rrfp.core.policy import Dispatch
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
 BASELINE = "fixed 1f1b"
-# fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the plan's
-# predicted run replayed as a fixed order): each pair differs in dispatch alone
-# drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path costs)
-# v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb, dualpipev)
+# fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the
+# plan's predicted run replayed as a fixed order): each pair differs in dispatch alone
+# drop-in: the ready rows again through torch's schedule surface, ScheduleReady (what that path
+# costs)
+# v2: two virtual stages per rank in the v shape, beside torch's schedules of that shape (zb,
+# dualpipev)
 DEFAULT_CONTENDERS = (
     "fixed 1f1b",
     "fixed zbh1",
@@ -187,9 +189,9 @@ class Case:
         )
 
 
-# Default suite: the tiny GPT under the `lang` preset, and the VLM whose task times come from its data
-# (a cost model calibrated here) times the `jitter` preset's noise. Eight layers, so that torch's
-# zero-bubble schedule (two stages per rank) can split them over 2 x 4 stages.
+# Default suite: the tiny GPT under the `lang` preset, and the VLM whose task times come from its
+# data (a cost model calibrated here) times the `jitter` preset's noise. Eight layers, so that
+# torch's zero-bubble schedule (two stages per rank) can split them over 2 x 4 stages.
 SUITE = {
     "gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
     "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",)),

@@ -54,8 +54,8 @@ from rrfp.observe.trace import Span
 
 log = logging.getLogger("rrfp.app.bench.torch_schedules")
 
-# name -> (torch schedule class name, stages per rank, the rrfp placement that numbers its stages as torch
-# does: interleaved r, r + w; v r, 2w - 1 - r (rrfp.core.placement), split backward)
+# name -> (torch schedule class name, stages per rank, the rrfp placement that numbers its stages as
+# torch does: interleaved r, r + w; v r, 2w - 1 - r (rrfp.core.placement), split backward)
 SCHEDULES: dict[str, tuple[str, int, str, bool]] = {
     "1f1b": ("Schedule1F1B", 1, "interleaved", False),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "interleaved", False),
@@ -100,14 +100,14 @@ def placement_of(schedule: str) -> str:
 
 
 def stages_per_rank(schedule: str) -> int:
-    """Pipeline stages each rank holds under ``schedule`` (the model must split into world x this)."""
+    """Pipeline stages per rank under ``schedule`` (the model must split into world x this)."""
     return SCHEDULES[resolve_schedule(schedule)][1]
 
 
 def workload_stage_builder(
     workload, model_cfg, seed: int = 0
 ) -> Callable[[int, int], torch.nn.Module]:
-    """``(stage, num_stages) -> module`` seeded as ``rrfp train`` seeds it, so both train the same parameters."""
+    """``(stage, num_stages) -> module`` seeded as ``rrfp train`` seeds it: the same parameters."""
 
     def build(stage: int, num_stages: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -120,7 +120,7 @@ def workload_stage_builder(
 
 
 class _Envelope(torch.nn.Module):
-    """A stage module whose boundary tensors travel as (payload [capacity], header [_HEADER] int64)."""
+    """A stage module sending its boundary as (payload [capacity], int64 header [_HEADER])."""
 
     def __init__(
         self,
@@ -162,7 +162,8 @@ def pack(
         if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
             raise RuntimeError(
                 f"stage {stage}: boundary entry {i} must be None or a floating, integer or bool "
-                f"tensor of at most {_MAX_DIMS} dims, got {type(t).__name__} {getattr(t, 'dtype', '')}"
+                f"tensor of at most {_MAX_DIMS} dims, got {type(t).__name__} "
+                f"{getattr(t, 'dtype', '')}"
             )
         h[at], h[at + 1] = t.dim(), _DTYPES.index(t.dtype)
         h[at + 2 : at + 2 + t.dim()] = t.shape
@@ -211,7 +212,8 @@ def probe_capacity(
     modules: list[torch.nn.Module] | None = None,
 ) -> int:
     """The largest stage-boundary payload (elements) over ``batches``, from a local no-grad forward
-    through every stage. ``modules``: stages built before, reused (shapes do not depend on weights)."""
+    through every stage. ``modules``: stages built before, reused (shapes do not depend on
+    weights)."""
     most = 0
     with torch.random.fork_rng(), torch.no_grad():  # the caller's random stream stays untouched
         modules = (
@@ -323,7 +325,7 @@ class _Clock:
         return sum(self.units(self.rank, mb, k) for k in kinds) * self.share
 
     def hold(self, stage: int, name: str, mb: int, start: float, kinds: tuple[Kind, ...]) -> None:
-        """Sleep off the rest of the task's emulated time (as ComputeLane._hold_lane), record its span."""
+        """Wait out the task's emulated time left (as ComputeLane._hold_lane); record its span."""
         remaining = start + self.duration(stage, mb, kinds) * self.unit_s - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
@@ -381,7 +383,8 @@ class _TimedStage(PipelineStage):
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
         self.clock.hold(self.stage_index, "W", bwd_chunk_id, start, (Kind.W,))
 
-    # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send nothing)
+    # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send
+    # nothing)
     def get_fwd_send_ops(self, fwd_chunk_id):
         return self.clock.delay(
             super().get_fwd_send_ops(fwd_chunk_id), self.stage_index, fwd_chunk_id, Kind.F
@@ -437,8 +440,9 @@ class TorchScheduleRunner:
     """One rank's torch.distributed.pipelining schedule over a Workload's stage modules.
 
     ``schedule``: ``"1f1b"`` (Schedule1F1B, one stage per rank), ``"zb"`` (torch's best
-    zero-bubble schedule that runs here, ``"zbv"``), ``"zbv"``, ``"interleaved-1f1b"``, ``"interleaved-zb"`` or
-    ``"dualpipev"`` (two stages per rank: the model splits into ``2 * world`` stages).
+    zero-bubble schedule that runs here, ``"zbv"``), ``"zbv"``, ``"interleaved-1f1b"``,
+    ``"interleaved-zb"`` or ``"dualpipev"`` (two stages per rank: the model splits into ``2 *
+    world`` stages).
 
     ``units(stage, mb, kind)`` gives emulated durations in rrfp's numbering: ``stage`` is this
     rank's rrfp stage (its rank), ``kind`` B is the whole backward when ``self.split`` is False
@@ -564,8 +568,8 @@ class TorchScheduleRunner:
         latency: Callable[[int, int, Kind], float] | None = None,
         by_stage: bool = False,
     ) -> TorchIterationResult:
-        """Run torch's schedule over ``batches`` (M (inputs, targets) microbatches, the same on every
-        rank). Gradients accumulate in the stage parameters (mean over microbatches, as rrfp's
+        """Run torch's schedule over ``batches`` (M (inputs, targets) microbatches, the same on
+        every rank). Gradients accumulate in the stage parameters (mean over microbatches, as rrfp's
         executor leaves them); the caller steps and zeroes them.
 
         ``latency(stage, mb, kind)``: units of link latency of the message that task sends (rrfp's
@@ -591,7 +595,8 @@ class TorchScheduleRunner:
         with torch.enable_grad():
             sched._step_microbatches(args, None, targets, None, return_outputs=False)
         clock.sends.flush()  # torch waits for its own sends before returning; the delayed ones too
-        clock.sends.close()  # the sender threads live for one iteration: none outlives the process group
+        # the sender threads live for one iteration: none outlives the process group
+        clock.sends.close()
         wall = time.perf_counter() - clock.t0
         losses = {}
         if clock.loss_tensors:
