@@ -20,11 +20,11 @@ from rrfp.app.config import ConfigKeyDeprecated, TrainConfig
 from rrfp.app.config_fields import toml_text
 from rrfp.app.config_sections import OutputSection
 from rrfp.app.environment import check_launcher, configure_logging
-from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.run_outputs import check_end_files
 from rrfp.app.start_checks import (
     Footprint,
