@@ -86,6 +86,7 @@ def rrfp(*args, world=None, rank=0):
     )
 
 
+@pytest.mark.e2e
 def test_rrfp_train_says_each_deprecation_once_on_rank_0():
     flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
     res = rrfp("train", "--config", flat, "--dry-run", world=4)
@@ -118,6 +119,7 @@ def test_the_configuration_page_is_the_generated_reference():
             assert f"| `{name}` |" in page
 
 
+@pytest.mark.e2e
 def test_the_reference_on_the_command_line():
     res = rrfp("config")
     assert res.returncode == 0 and res.stdout == reference_text()
@@ -174,6 +176,7 @@ def test_a_typo_in_the_file_names_the_file(tmp_path):
         TrainConfig.load(path, world_size=4)
 
 
+@pytest.mark.e2e
 def test_without_torchrun_the_config_is_checked_first():
     bad = rrfp("train", "--config", "configs/gpt-tiny.toml", "--set", "schedule.hint=bfx")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
@@ -231,6 +234,7 @@ def _settings_and_waits(rank, world):
     return run(main())
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_the_runtime_routes_each_wait_and_takes_one_settings_object():
     for same, peer_wait, heartbeat, kept in run_ranks(_settings_and_waits, 2, timeout=90).values():

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.e2e
 def test_old_planning_module_path_reexports_and_warns():
     """In a fresh interpreter: a module already imported would not warn again."""
     code = (
@@ -38,6 +41,7 @@ def rrfp_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e
 def test_sim_executors_is_dispatch_with_one_warning_line():
     flags = ("sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "bfw,1f1b")
     new = rrfp_cli(*flags, "--dispatch", "ready,fixed")

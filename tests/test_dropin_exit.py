@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,6 +104,7 @@ def _pair(script: Path, flag: Path) -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.e2e
 def test_a_script_that_never_closes_exits_with_its_own_code_while_a_wait_fails(tmp_path):
     script = tmp_path / "dropin.py"
     script.write_text(SCRIPT)

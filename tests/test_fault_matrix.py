@@ -185,6 +185,7 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     return results
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(("api", "kind", "phase", "outcome"), ROWS)
 def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     results = _run(api, kind, phase, tmp_path)

@@ -53,6 +53,7 @@ def _watch(hb: Heartbeat, seconds: float):
     return None
 
 
+@pytest.mark.multirank
 def test_a_beating_peer_is_never_silent_and_says_what_it_does(server):
     a, b = _pair(server)
     a.start(), b.start()
@@ -65,6 +66,7 @@ def test_a_beating_peer_is_never_silent_and_says_what_it_does(server):
         a.close(), b.close()
 
 
+@pytest.mark.multirank
 def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
     a, b = _pair(server)
     a.start(), b.start()
@@ -82,6 +84,7 @@ def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
         a.close()
 
 
+@pytest.mark.multirank
 def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
     a, b = _pair(server)
     a.start(), b.start()
@@ -98,6 +101,7 @@ def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
         a.close()
 
 
+@pytest.mark.multirank
 def test_a_store_that_stops_answering_is_named_as_the_store(server):
     """This rank's reads block (the server is stopped) while the peer goes on beating behind it:
     the store is named, not the peer whose beats it can no longer read."""
@@ -142,6 +146,7 @@ class StallingStore:
         return self._reply(self.client.multi_get, keys)
 
 
+@pytest.mark.multirank
 def test_a_store_that_stops_after_a_read_without_a_new_beat_is_still_named_as_the_store(server):
     """The race seen with a stopped store host: this rank's last good read saw no new beat from the
     peer, so the peer's beat looked older than the last read. Its silence must count only up to

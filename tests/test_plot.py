@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rrfp.observe.plot import _label, iterations, kinds_present, row_of, select
 from rrfp.observe.trace import Span, chrome_trace
 
@@ -77,6 +79,7 @@ def test_labels_only_where_they_fit_and_legend_only_present_kinds():
     assert kinds_present([("r", measured_trace(1))]) == ["F", "B", "W"]
 
 
+@pytest.mark.e2e
 def test_a_200_step_trace_draws_its_last_iteration_readably(tmp_path):
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     trace.write_text(json.dumps(chrome_trace(measured_trace(200))))
@@ -99,6 +102,7 @@ def test_a_200_step_trace_draws_its_last_iteration_readably(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+@pytest.mark.e2e
 def test_a_trace_of_many_timelines_draws_six_or_the_ones_picked(tmp_path):
     """A simulated trace holds one timeline per table row: the plot draws the first six, says which
     it left out, and --timelines picks by name; an unknown name is one line and exit 2."""
