@@ -40,11 +40,11 @@ class StartupError(PipelineError):
 
 
 class NonFiniteError(PipelineError):
-    """A NaN or Inf in the loss or the gradients, with ``run.on_nonfinite = "stop"``."""
+    """A NaN or Inf in the loss or the gradients, with ``optim.on_nonfinite = "stop"``."""
 
 
 class InjectedFault(PipelineError):
-    """A failure asked for by fault injection (``run.fault``), for testing."""
+    """A failure asked for by fault injection (``debug.fault``), for testing."""
 
 
 def leaves(e: BaseException) -> list[BaseException]:

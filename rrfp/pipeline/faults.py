@@ -2,7 +2,7 @@
 make one rank fail at a chosen (step, stage, task) to check how the others end.
 
 A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=P][:attempt=A][:seconds=X]``, in
-``run.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
+``debug.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
 1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
 (every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
 fires right after that task finishes, ``during=save`` as this rank starts
