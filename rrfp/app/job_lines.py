@@ -12,9 +12,11 @@ torchrun (its agent's); without one, every rank prints.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
 
 REFUSAL_WAIT_S = 10.0  # rank 0 may check for longer (a loaded machine, a big checkpoint)
 
@@ -36,9 +38,27 @@ def rank_and_world() -> tuple[int, int]:
         return 0, 1
 
 
+def tell_torchrun(line: str) -> None:
+    """Leave ``line`` in the error file torchrun's agent gave this rank (TORCHELASTIC_ERROR_FILE),
+    so that the agent's failure summary shows rrfp's line where it would say "To enable traceback
+    see ...". The format is what torch.distributed.elastic's ProcessFailure reads: a message with
+    a ``py_callstack`` (shown) and a ``timestamp`` (which rank failed first). Best effort: the
+    line is printed anyway."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    except OSError:
+        pass
+
+
 def refuse_once(text: str, line: str, board=None) -> None:
     """Print ``line``, this rank's line for a refusal whose text is ``text``, unless rank 0
     says the same for the job. ``board``: a FailureBoard already connected, if any."""
+    tell_torchrun(line)
     rank, world = rank_and_world()
     if world > 1 and board is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         from rrfp.app.failure_board import FailureBoard  # imports torch: only when it can help
