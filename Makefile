@@ -18,8 +18,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 # Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
 run: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) \
-		-m rrfp train --config $(CONFIG) --set output.log_every=5
+	OMP_NUM_THREADS=1 $(VENV)/bin/rrfp train --nproc-per-node $(NPROC) --config $(CONFIG) \
+		--set output.log_every=5
 	$(PY) benchmarks/compare_executors.py --quick
 
 sim: $(VENV)/.installed
