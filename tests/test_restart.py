@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from checkpoint_state import differing, final_state
 from launch import TORCHRUN, child_env
 
 pytestmark = pytest.mark.e2e
@@ -66,24 +67,6 @@ def losses(stdout: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"^step\s+(\d+)/\d+\s+loss (\S+)", stdout, re.M)}
 
 
-def final_state(ckdir: Path) -> dict:
-    """Every tensor and value of the last checkpoint (model, AdamW, RNG states), in one process."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = ckdir.parent / "final.pt"
-    dcp_to_torch_save(ckdir / f"step-{STEPS:08d}", out)
-    return torch.load(out, weights_only=False)
-
-
-def _flat(tree, prefix=""):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flat(v, f"{prefix}{k}.")
-    else:
-        yield prefix.rstrip("."), tree
-
-
 @pytest.mark.timeout(330)
 def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
     whole = torchrun(tmp_path / "whole")
@@ -106,19 +89,13 @@ def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
         broken.stdout,
     )
     a, b = (
-        dict(_flat(final_state(tmp_path / "whole" / "ck"))),
-        dict(_flat(final_state(tmp_path / "broken" / "ck"))),
+        final_state(tmp_path / "whole" / "ck", STEPS),
+        final_state(tmp_path / "broken" / "ck", STEPS),
     )
     assert (
         a.keys() == b.keys()
         and any(".optim.state." in k for k in a)
         and any(".rng" in k for k in a)
     )
-    import torch
-
-    differ = [
-        k
-        for k in a
-        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
-    ]
+    differ = differing(a, b)
     assert not differ, f"the restarted run's final state differs in {differ[:5]}"

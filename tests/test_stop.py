@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from checkpoint_state import differing, final_state
 from launch import TORCHRUN, child_env
-from test_restart import _flat, losses
+from test_restart import losses
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,14 +73,6 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
     if wait:
         p.wait(timeout=150)
     return p
-
-
-def final_state(ck: Path) -> dict:
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(ck / f"step-{STEPS:08d}", ck.parent / "final.pt")
-    return dict(_flat(torch.load(ck.parent / "final.pt", weights_only=False)))
 
 
 @pytest.mark.timeout(240)
@@ -152,17 +145,11 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
         out,
         (tmp_path / "whole" / "out").read_text(),
     )
-    a, b = final_state(tmp_path / "whole" / "ck"), final_state(run / "ck")
+    a, b = final_state(tmp_path / "whole" / "ck", STEPS), final_state(run / "ck", STEPS)
     assert (
         a.keys() == b.keys()
         and any(".optim.state." in k for k in a)
         and any(".rng" in k for k in a)
     )
-    import torch
-
-    differ = [
-        k
-        for k in a
-        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
-    ]
+    differ = differing(a, b)
     assert not differ, f"the stopped and resumed run's final state differs in {differ[:5]}"

@@ -13,20 +13,12 @@ import signal
 import time
 
 import pytest
-import torch
-from test_restart import _flat
+from checkpoint_state import differing, final_state
 from test_stop import torchrun, workers
 
 pytestmark = pytest.mark.e2e
 
 STEPS = 3
-
-
-def _final(ck) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(ck / f"step-{STEPS:08d}", ck.parent / "final.pt")
-    return dict(_flat(torch.load(ck.parent / "final.pt", weights_only=False)))
 
 
 @pytest.mark.timeout(300)
@@ -69,13 +61,9 @@ def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path):
         run / "again", run / "ck", f"steps={STEPS}"
     )  # resume = auto: nothing to resume, step 0
     assert again.returncode == 0, (run / "again" / "err").read_text()[-3000:]
-    a, b = _final(tmp_path / "whole" / "ck"), _final(run / "ck")
+    a, b = final_state(tmp_path / "whole" / "ck", STEPS), final_state(run / "ck", STEPS)
     assert a.keys() == b.keys() and any(".optim.state." in k for k in a)
-    differ = [
-        k
-        for k in a
-        if not (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
-    ]
+    differ = differing(a, b)
     assert not differ, (
         f"the run after the stop ends in another state than one never stopped: {differ[:5]}"
     )
