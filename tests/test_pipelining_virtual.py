@@ -443,23 +443,37 @@ def _absent(rank, world, flag):
             while not os.path.exists(flag) and time.monotonic() < deadline:
                 time.sleep(0.1)
             return None
+        from rrfp.pipeline.timeouts import Timeouts
+
         stage = PipelineStage(full_model(2)[0], 0, 2, torch.device("cpu"))
-        try:
-            with pytest.raises(StartupError) as caught:
-                ScheduleReady(stage, M, loss_fn=loss_fn, timeout_s=2)
+        messages = []
+        try:  # the one timeout_s, then the start's wait set apart from a long timeout_s
+            for kwargs in (
+                dict(timeout_s=2),
+                dict(timeouts=Timeouts.derive(600, process_group_s=2)),
+            ):
+                t0 = time.monotonic()
+                with pytest.raises(StartupError) as caught:
+                    ScheduleReady(stage, M, loss_fn=loss_fn, **kwargs)
+                messages.append((str(caught.value), time.monotonic() - t0))
         finally:
             open(flag, "w").close()
-        return str(caught.value)
+        return messages
     finally:
         dist.destroy_process_group()
 
 
 def test_a_rank_that_never_constructs_the_schedule_is_an_error_after_timeout_s(tmp_path):
-    message = run_ranks(_absent, 2, str(tmp_path / "done"), timeout=60)[
-        0
-    ]  # 60 s: far below the group's 30 min
-    assert "\n" not in message, message
-    assert message.startswith(
+    (derived, derived_s), (apart, apart_s) = run_ranks(
+        _absent, 2, str(tmp_path / "done"), timeout=60
+    )[0]  # 60 s: far below the group's 30 min and the 600 s timeout_s
+    assert "\n" not in derived and "\n" not in apart, (derived, apart)
+    assert derived.startswith(
         "rank 0: not every rank reached ScheduleReady's start within timeout_s = 2 s "
         "(every rank constructs it, in the same order): "
-    ), message
+    ), derived
+    assert apart.startswith(
+        "rank 0: not every rank reached ScheduleReady's start within timeouts.process_group_s = "
+        "2 s (every rank constructs it, in the same order): "
+    ), apart
+    assert derived_s < 30 and apart_s < 30, (derived_s, apart_s)

@@ -60,6 +60,7 @@ from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.thread_state import ThreadState
+from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.workload import map_tensors
 from rrfp.pipeline.wrapped import refuse_wrapped
 from rrfp.pipelining.torch_csv import read_torch_csv
@@ -135,7 +136,11 @@ class ScheduleReady:
     and ``dispatch`` (``"ready"`` or ``"fixed"``) are rrfp's; ``timeout_s`` is how long a stage
     waits on a silent peer before it names it (``heartbeat``, on by default: a peer that beats is
     alive however long its task takes, rrfp/comm/heartbeat.py; ``heartbeat=False`` bounds every
-    wait by ``timeout_s`` instead); ``tied`` declares parameters shared with other
+    wait by ``timeout_s`` instead), and every other wait's default; ``timeouts`` (a
+    ``rrfp.pipeline.timeouts.Timeouts``, e.g. ``Timeouts.derive(60, process_group_s=300)``) sets
+    each wait apart instead, as ``PipelineRuntime.start`` takes them (a slow store on a big
+    cluster need not lengthen the wait on a silent peer); the start, where every rank checks the
+    others' stages, waits ``process_group_s``; ``tied`` declares parameters shared with other
     stages, ``{tie name: parameter name in the stage's module}`` (PipelineRuntime.stage_executor);
     ``on_nonfinite`` (``"stop"``, ``"skip"`` or None) is
     ``PipelineRuntime.stage_executor``'s: a NaN or Inf stops every rank, or skips the step on every
@@ -179,6 +184,7 @@ class ScheduleReady:
         budget="2x",
         dispatch: str = "ready",
         timeout_s: float = 60.0,
+        timeouts: Timeouts | None = None,
         tied=None,
         on_nonfinite: str | None = "stop",
         dp_sync: bool = False,
@@ -187,7 +193,10 @@ class ScheduleReady:
         heartbeat: bool = True,
         settings: ScheduleSettings | None = None,
     ) -> None:
-        stages, layout, virtual, placement, device = _layout_of(stage, n_microbatches, timeout_s)
+        waits = timeouts or Timeouts.derive(timeout_s)
+        stages, layout, virtual, placement, device = _layout_of(
+            stage, n_microbatches, waits.process_group_s, waits.key("process_group_s")
+        )
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
         self._holds_last = any(s.is_last for s in stages)
@@ -214,7 +223,7 @@ class ScheduleReady:
         self._loop = BackgroundLoop(f"rrfp-stage{'-'.join(map(str, indices))}")
         try:
             self._runtime = self._loop.call(
-                _start(layout, backend, timeout_s, self._unit_ms, virtual, placement, heartbeat)
+                _start(layout, backend, waits, self._unit_ms, virtual, placement, heartbeat)
             )
         except BaseException:
             self._loop.close()
@@ -601,7 +610,7 @@ def _check_module(module: torch.nn.Module) -> None:
     refuse_wrapped(module, "ScheduleReady")
 
 
-def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
+def _layout_of(stage, n_microbatches, timeout_s: float, key: str) -> tuple:
     """The rank's stages in model order; rrfp's layout for the stages' group (the whole world as one
     pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp +
     d``); the virtual stages per rank and their placement (read off the stage indices each rank
@@ -612,8 +621,8 @@ def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
     timeout. So a refusal fails every rank at once: a rank raises its own error, or, when its own
     arguments are fine, the first refusing rank's, naming that rank (an error of a type other than
     ValueError, TypeError and NotImplementedError arrives as a RuntimeError naming the type); a rank
-    that does not come within ``timeout_s`` is a StartupError. With several stages per rank the
-    ranks' stage sets must also be one placement."""
+    that does not come within ``timeout_s`` is a StartupError naming the argument that set it
+    (``key``). With several stages per rank the ranks' stage sets must also be one placement."""
     if not dist.is_initialized():
         _stages_of(stage)  # what is not a stage is named before the missing process group
         raise RuntimeError(
@@ -627,7 +636,10 @@ def _layout_of(stage, n_microbatches, timeout_s: float) -> tuple:
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
     everyone = _gather(
-        mine if error is None else (type(error).__name__, str(error)), error is None, timeout_s
+        mine if error is None else (type(error).__name__, str(error)),
+        error is None,
+        timeout_s,
+        key.removeprefix("run."),
     )
     if error is not None:
         raise error
@@ -654,7 +666,7 @@ _REFUSALS = {
 }  # another rank's, by name
 
 
-def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
+def _gather(outcome, ok: bool, timeout_s: float, key: str) -> list[tuple[bool, Any]]:
     """Every rank's (ok, outcome), on a gloo group of the world made for it (on CPU under NCCL too)
     with ``timeout_s``: a rank that never constructs the schedule is then an error after
     ``timeout_s``, not a wait as long as the default group's timeout (30 minutes for gloo by
@@ -669,7 +681,7 @@ def _gather(outcome, ok: bool, timeout_s: float) -> list[tuple[bool, Any]]:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise StartupError(
             f"rank {dist.get_rank()}: not every rank reached ScheduleReady's start within "
-            f"timeout_s = {timeout_s:g} s (every rank constructs it, in the same order): "
+            f"{key} = {timeout_s:g} s (every rank constructs it, in the same order): "
             f"{type(e).__name__}: {first_line}"
         ) from None
     dist.destroy_process_group(group)
@@ -748,7 +760,7 @@ def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tu
 async def _start(
     layout,
     backend: str,
-    timeout_s: float,
+    timeouts: Timeouts,
     unit_ms: float,
     virtual: int = 1,
     placement: str = "interleaved",
@@ -757,7 +769,8 @@ async def _start(
     return PipelineRuntime.start(
         layout=layout,
         backend=backend,
-        timeout_s=timeout_s,
+        timeout_s=timeouts.timeout_s,
+        timeouts=timeouts,
         unit_ms=unit_ms,
         virtual=virtual,
         placement=placement,
