@@ -143,6 +143,22 @@ def test_the_waits_derive_from_timeout_s_and_each_is_set_apart():
         TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["timeouts.peer_wait_s=-1"])
 
 
+@pytest.mark.parametrize(
+    "sets,split",
+    [
+        ([], True),
+        (["hint=1f1b"], False),
+        (["hint=zbh1"], True),
+        (["hint=bfw", "split=false"], False),
+    ],
+)
+def test_the_schedule_says_whether_b_and_w_run_apart(sets, split):
+    """``split`` where set, else the hint's default: what the executor's settings resolve to."""
+    cfg, _ = _load(ROOT / "configs/gpt-tiny.toml", sets)
+    assert cfg.schedule.split_backward is split
+    assert cfg.schedule_settings().split is split
+
+
 DID_YOU_MEAN = [
     (["hint=bfx"], "(did you mean bf?)"),
     (

@@ -34,7 +34,7 @@ from rrfp.app.config_sections import (
 )
 from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
-from rrfp.core.hints import NOMINAL_BUDGET, HintError, default_split
+from rrfp.core.hints import NOMINAL_BUDGET, HintError
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -152,7 +152,7 @@ class TrainConfig:
                 f"debug.fault {fault}: no such stage or rank in {self._layout.short()}"
             )
         if fault.task is not None:
-            split = self.schedule_settings().split
+            split = sch.split_backward
             if fault.task.mb >= sch.microbatches or (fault.task.kind.name == "W" and not split):
                 raise ConfigError(
                     f"debug.fault {fault}: no task {fault.task} with {sch.microbatches} "
@@ -400,7 +400,7 @@ def _workload_of(doc: dict) -> Workload | None:
 def _check_hint_layout(sch: ScheduleSection, layout: VirtualLayout) -> None:
     """The hint has an order on every rank of the layout (``Hint.check_layout``, as rrfp sim asks):
     checked once here, for a rank that finds none fails after the process groups exist."""
-    split = default_split(sch.hint.name, sch.split)
+    split = sch.split_backward
     try:
         sch.hint.check_layout(layout, sch.microbatches, split)
     except HintError as e:
@@ -419,7 +419,7 @@ def _check_fixed_budget(sch: ScheduleSection, layout: VirtualLayout) -> None:
     With virtual stages the order is the rank's, over its local stages (``Budget.rank_limit``)."""
     if sch.dispatch is not Dispatch.FIXED or not sch.hint.is_class or sch.hint.planned:
         return
-    split = default_split(sch.hint.name, sch.split)
+    split = sch.split_backward
     why = (
         f"schedule.dispatch = fixed with hint {sch.hint.name} follows the hint's nominal order, "
         f"built for a {NOMINAL_BUDGET:g}x budget, and applies no budget of its own"

@@ -12,7 +12,7 @@ from rrfp.app.config_fields import Section, did_you_mean, setting
 from rrfp.app.errors import ConfigError
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import BUILTIN, VIRTUAL_ONLY, Hint, HintError, resolve
+from rrfp.core.hints import BUILTIN, VIRTUAL_ONLY, Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import PRESETS, Variability
@@ -131,6 +131,11 @@ class ScheduleSection(Section):
         toml=(bool,),
         shown="(the hint's)",
     )
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether B and W run apart: ``split``, or the hint's default where it is unset."""
+        return default_split(self.hint.name, self.split)
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
             e,
         )
         return None
-    split = cfg.schedule_settings().split
+    split = cfg.schedule.split_backward
     out = []
     for r in range(layout.ranks):
         local = [measured[g] for g in layout.stages_of(r)]
@@ -280,7 +280,7 @@ def predicted_step_s(cfg: TrainConfig) -> float | None:
         feats = (
             [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if em.cost is not None else None
         )
-        times = TaskTimes(em.variability, cfg.run.seed, cfg.schedule_settings().split, em.cost)
+        times = TaskTimes(em.variability, cfg.run.seed, cfg.schedule.split_backward, em.cost)
         busy += times.predicted(0, lay.pp, m, feats).sum(axis=(1, 2)) * (M / m) * unit_s
     if slow:
         busy[fault.stage if fault.stage is not None else lay.coords(fault.rank).pp] += fault.seconds
