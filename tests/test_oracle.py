@@ -40,7 +40,7 @@ def test_one_microbatch_by_hand():
     )
     assert r.optimal and r.status == "OPTIMAL"
     assert r.makespan == pytest.approx(6.5) and r.bound == pytest.approx(6.5)
-    assert r.orders == ((Task(Kind.F, 0), Task(Kind.B, 0)),) * 2
+    assert r.orders == tuple(((s, Task(Kind.F, 0)), (s, Task(Kind.B, 0))) for s in range(2))
 
 
 def test_budget_binds_by_hand():
@@ -95,7 +95,7 @@ def brute_force(cfg: SimConfig) -> float:
     best = float("inf")
     for orders in itertools.product(per_stage, repeat=cfg.stages):
         try:
-            r = replay(cfg, orders)
+            r = replay(cfg, [[(s, t) for t in order] for s, order in enumerate(orders)])
         except SimDeadlock:
             continue
         if holds_budget(cfg, r):
@@ -279,7 +279,7 @@ def test_unsplit_optimum_skips_split_hints():
     base = SimConfig(3, 4, variability=Variability.preset("lang"), seed=3, split=False)
     split_hint = simulate(replace(base, hint="bfw", dispatch="ready", split=True, record=True))
     r = solve(base, hints=[split_hint])
-    assert r.optimal and all(t.kind is not Kind.W for order in r.orders for t in order)
+    assert r.optimal and all(t.kind is not Kind.W for order in r.orders for _, t in order)
     assert replay(base, r.orders).makespan == pytest.approx(r.makespan)
     for name in BUILTIN:
         assert r.makespan <= simulate(replace(base, hint=name)).makespan + tolerance(base)

@@ -60,7 +60,7 @@ def _plans(var: Variability, cost: CostModel, features: list[dict]) -> dict:
         cfg, made = planned_config(
             SimConfig(S, M, "plan", dispatch, "2x", var, seed=SEED, iteration=STEP)
         )
-        out[f"sim {dispatch}"] = (made.order, made.predicted_makespan, cfg.hint.fixed_orders)
+        out[f"sim {dispatch}"] = (made.order, made.predicted_makespan, cfg.hint.fixed_rank_orders)
 
     async def runtime(times: TaskTimes, feats) -> tuple:  # the executor's planner thread
         planner = IterationPlanner(times, S, M, Budget.parse("2x"), Dispatch.READY)

@@ -192,19 +192,16 @@ class Hint:
     planned: bool = False
     # ranks every stage's tasks alike (bf, bfw, plan): the simulator's fast path may run it
     uniform: bool = False
-    fixed_orders: tuple[tuple[Task, ...], ...] | None = (
-        None  # a plan's per-stage orders, for fixed dispatch
-    )
     rank_fn: RankHintFn | None = (
         None  # its order over a rank's virtual stages (V > 1), if it has one
     )
-    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = (
-        None  # a plan's per-rank orders (V > 1)
-    )
+    # what fixed dispatch follows, per rank over its (stage, task) pairs (a plan's, the oracle's);
+    # with V = 1 a rank's pairs are its one stage's order
+    fixed_rank_orders: tuple[tuple[tuple[int, Task], ...], ...] | None = None
 
     def order(self, S: int, s: int, M: int, split: bool) -> list[Task]:
-        if self.fixed_orders is not None:
-            tasks = list(self.fixed_orders[s])
+        if self.fixed_rank_orders is not None:
+            tasks = [t for pairs in self.fixed_rank_orders for st, t in pairs if st == s]
         elif self.is_class:
             tasks = list(nominal_orders(self.fn, S, M, split, NOMINAL_BUDGET)[s])
         else:

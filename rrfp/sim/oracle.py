@@ -15,10 +15,9 @@ cumulative per rank with the rank's limit (``Budget.rank_limit``: local-stage
 microbatches over all its stages; bytes, as below). CP-SAT works in integers: times
 are multiplied by ``scale`` and rounded down, so the integer optimum is a
 valid lower bound on the real one. The best schedule found is replayed by the
-simulator (fixed dispatch on its per-stage orders, per-rank orders of (stage,
-task) pairs with V > 1), so ``makespan`` is an achievable, exactly timed
-iteration. OR-Tools is an optional extra (``pip install 'rrfp[oracle]'``),
-imported only when a solve starts.
+simulator (fixed dispatch on its per-rank orders of (stage, task) pairs), so
+``makespan`` is an achievable, exactly timed iteration. OR-Tools is an optional
+extra (``pip install 'rrfp[oracle]'``), imported only when a solve starts.
 
 With V > 1 the runtime's rank tracker adds two policy devices the model
 leaves out: room reserved for later local stages' forwards (an F on local
@@ -41,7 +40,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import ModuleType
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -58,10 +57,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-StageOrders: TypeAlias = tuple[tuple[Task, ...], ...]  # per stage (V = 1)
-RankOrders: TypeAlias = tuple[tuple[tuple[int, Task], ...], ...]  # per rank, (stage, task) pairs
-Orders: TypeAlias = StageOrders | RankOrders
-AnyOrders: TypeAlias = Sequence[Sequence[Task]] | Sequence[Sequence[tuple[int, Task]]]
+# per rank, over its (stage, task) pairs (with V = 1, its one stage's tasks)
+Orders: TypeAlias = tuple[tuple[tuple[int, Task], ...], ...]
+AnyOrders: TypeAlias = Sequence[Sequence[tuple[int, Task]]]
 TaskKey: TypeAlias = tuple[int, int, Kind]  # (global stage, microbatch, kind)
 
 INSTALL_HINT = "the optimum needs OR-Tools: pip install 'rrfp[oracle]'"
@@ -88,8 +86,7 @@ class OracleResult:
     optimal: bool
     seconds: float
     status: str  # CP-SAT's status name: OPTIMAL, FEASIBLE (time limit hit), UNKNOWN, ...
-    # The best schedule's order: per stage with V = 1; per rank, over (stage, task) pairs, with
-    # V > 1.
+    # The best schedule's order: per rank, over its (stage, task) pairs.
     orders: Orders | None = None
 
     @property
@@ -142,7 +139,7 @@ def _instance(cfg: SimConfig, scale: int) -> _Instance:
     horizon = int(d.sum() + lf.sum() + lb.sum()) + 1  # running everything one after another fits
     split = cfg.split_backward
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
-    rank_of = None if cfg.virtual == 1 else [cfg.layout.rank_of(g) for g in range(cfg.num_stages)]
+    rank_of = [cfg.layout.rank_of(g) for g in range(cfg.num_stages)]
     return _Instance(
         cfg,
         kinds,
@@ -241,7 +238,7 @@ class _Solve:
     status: str
     optimal: bool
     bound: int  # proven, in integer units
-    orders: Orders | None  # the best solution's order: per stage (V = 1) or per rank (V > 1)
+    orders: Orders | None  # the best solution's order, per rank over (stage, task) pairs
 
 
 def _run(
@@ -320,31 +317,19 @@ def _run(
         )
     orders: Orders | None = None
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if cfg.virtual == 1:
-            orders = tuple(
-                tuple(
-                    Task(k, m)
-                    for _, k, m in sorted(
-                        (solver.value(start[s, m, k]), k, m) for m in range(M) for k in kinds
-                    )
+        # ties (tasks floored to no time) in dependency order: F up the stages, B down, F < B < W
+        orders = tuple(
+            tuple(
+                (s, Task(k, m))
+                for *_, s, k, m in sorted(
+                    (solver.value(start[s, m, k]), k, s if k is Kind.F else -s, m, s, k, m)
+                    for s in lay.stages_of(r)
+                    for m in range(M)
+                    for k in kinds
                 )
-                for s in range(S)
             )
-        else:
-            # ties (tasks floored to no time) in dependency order: F up the stages, B down,
-            # F < B < W
-            orders = tuple(
-                tuple(
-                    (s, Task(k, m))
-                    for *_, s, k, m in sorted(
-                        (solver.value(start[s, m, k]), k, s if k is Kind.F else -s, m, s, k, m)
-                        for s in lay.stages_of(r)
-                        for m in range(M)
-                        for k in kinds
-                    )
-                )
-                for r in range(S)
-            )
+            for r in range(S)
+        )
     return _Solve(
         name,
         status == cp_model.OPTIMAL,
@@ -493,18 +478,14 @@ def _count(limit: Limit) -> int:
     return limit.count
 
 
-def _order_hint(cfg: SimConfig, orders: AnyOrders) -> Hint:
-    """``orders`` as a hint: per-stage task orders with V = 1, per-rank (stage, task) orders with
-    V > 1."""
-    frozen = tuple(tuple(o) for o in orders)
-    if cfg.virtual == 1:
-        per_stage = cast(StageOrders, frozen)
-        return Hint("oracle", lambda S, s, M, split: per_stage[s])
-    return Hint("oracle", _no_stage_order, fixed_rank_orders=cast(RankOrders, frozen))
+def _order_hint(orders: AnyOrders) -> Hint:
+    """``orders``, per rank over (stage, task) pairs, as the hint fixed dispatch follows and ready
+    dispatch ranks by."""
+    return Hint("oracle", _no_rule, fixed_rank_orders=tuple(tuple(o) for o in orders))
 
 
-def _no_stage_order(S: int, s: int, M: int, split: bool) -> list[Task]:
-    raise ValueError("the oracle's order with virtual stages is per rank")
+def _no_rule(S: int, s: int, M: int, split: bool) -> list[Task]:
+    raise ValueError("the oracle's hint is its fixed order, per rank")
 
 
 def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
@@ -512,29 +493,26 @@ def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
     holds it."""
     try:
         return simulate(
-            replace(cfg, hint=_order_hint(cfg, orders), dispatch=Dispatch.READY, record=True)
+            replace(cfg, hint=_order_hint(orders), dispatch=Dispatch.READY, record=True)
         )
     except SimDeadlock:
         return None
 
 
 def _orders(result: SimResult, split: bool) -> Orders:
-    """The order ``result`` started its tasks in, as a split schedule if ``split``: per stage with
-    V = 1, per rank over (stage, task) pairs with V > 1."""
+    """The order ``result`` started its tasks in, per rank over (stage, task) pairs, as a split
+    schedule if ``split``. Tasks of no time that start together keep F < B < W, the order their
+    dependencies allow, and otherwise the order they were decided in."""
     cfg = result.config
-    if cfg.virtual == 1:
-        per_stage: list[list[tuple[float, Task]]] = [[] for _ in range(cfg.stages)]
-        for s, task, a, _ in result.timeline:
-            per_stage[s].append((a, task))
-        return tuple(
-            tuple(as_split([t for _, t in sorted(ts, key=lambda x: (x[0], x[1].kind))], split))
-            for ts in per_stage
-        )
     per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.stages)]
     for s, task, a, _ in result.timeline:
         per_rank[cfg.layout.rank_of(s)].append((a, s, task))
     return tuple(
-        tuple(as_split_pairs([(s, t) for a, s, t in sorted(ts, key=lambda x: x[0])], split))
+        tuple(
+            as_split_pairs(
+                [(s, t) for a, s, t in sorted(ts, key=lambda x: (x[0], x[2].kind))], split
+            )
+        )
         for ts in per_rank
     )
 
@@ -577,13 +555,12 @@ def _best_hint(results: list[SimResult]) -> SimResult | None:
 
 
 def replay(cfg: SimConfig, orders: AnyOrders, record: bool = False) -> SimResult:
-    """The simulator running ``orders`` as a fixed order on ``cfg``'s durations (per stage with
-    V = 1, per rank over (stage, task) pairs with V > 1): the earliest timing of that schedule,
-    checked by the same tracker rules."""
+    """The simulator running ``orders`` (per rank, over (stage, task) pairs) as a fixed order on
+    ``cfg``'s durations: the earliest timing of that schedule, checked by the same tracker rules."""
     return simulate(
         replace(
             cfg,
-            hint=_order_hint(cfg, orders),
+            hint=_order_hint(orders),
             dispatch=Dispatch.FIXED,
             record=record,
             split=cfg.split_backward,

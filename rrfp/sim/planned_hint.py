@@ -95,13 +95,10 @@ def make_plan(
         return hint(made.order), made
     run = simulate(replace(base, hint=hint(made.order), record=True))
     timeline = sorted(run.timeline, key=lambda e: e[2])
-    if layout.virtual > 1:
-        rank_orders = tuple(
-            tuple((st, t) for st, t, *_ in timeline if layout.rank_of(st) == r) for r in range(S)
-        )
-        return replace(hint(made.order), fixed_rank_orders=rank_orders), made
-    orders = tuple(tuple(t for st, t, *_ in timeline if st == s) for s in range(S))
-    return replace(hint(made.order), fixed_orders=orders), made
+    rank_orders = tuple(
+        tuple((st, t) for st, t, *_ in timeline if layout.rank_of(st) == r) for r in range(S)
+    )
+    return replace(hint(made.order), fixed_rank_orders=rank_orders), made
 
 
 def plan_iteration(
