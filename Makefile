@@ -26,14 +26,17 @@ sim: $(VENV)/.installed
 	$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20
 
 # Two test processes (pytest-xdist), each file's tests in one of them: most multi-rank tests wait on
-# emulated device time and timeouts, so two of them share 2 cores well.
+# emulated device time and timeouts, so two of them share 2 cores well. Files are handed out in
+# collection order, longest tiers first (tests/conftest.py), not xdist's most-tests-first, which
+# leaves the one-test torchrun files for last.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q $(XDIST)
 
 # The quick tier for everyday work: the unit tests, which start no second process (tests/conftest.py
 # says what the tiers are and fails a test that starts a process without its file marking it).
 test-quick: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile -m unit
+	$(PY) -m pytest -q $(XDIST) -m unit
 
 # Format, lint and type-check: ruff at line length 100, mypy strict on the pure core (pyproject.toml).
 check: $(VENV)/.installed

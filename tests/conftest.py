@@ -42,12 +42,27 @@ def _starts_processes(item) -> bool:
     return any(item.get_closest_marker(m) for m in PROCESS_MARKS)
 
 
+def _tier(item) -> int:
+    """0 for e2e, 1 for multirank, 2 for unit: the order the files are handed out in."""
+    if item.get_closest_marker("e2e"):
+        return 0
+    return 1 if item.get_closest_marker("multirank") else 2
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.slow)
         else:
             item.add_marker(pytest.mark.unit)
+    # `make test` hands whole files to two workers in collection order (--dist loadfile
+    # --no-loadscope-reorder): the files that start CLIs and torchrun jobs, the longest, go
+    # first, the in-process ones last, so the two workers end together instead of one waiting
+    # on a long file that was handed out last.
+    first = {}
+    for item in items:
+        first[item.path] = min(first.get(item.path, 2), _tier(item))
+    items.sort(key=lambda item: first[item.path])  # stable: a file's tests stay in their order
 
 
 class UnmarkedProcessStart(AssertionError):
