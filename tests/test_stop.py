@@ -1,11 +1,18 @@
-"""A stop that does not wait for the step (issue 17, point 4): under torchrun,
-SIGTERM 1.5 s into a step that would last 60 s more (an injected slow task,
-``fault = slow:...``, on stage 0 once some of its gradients are in, while the
-last stage already waits in the step's all-reduce) saves the last completed step within 5 s on every
-rank, and both ranks exit 143. Resumed, the run's losses and final state (model,
-AdamW state, RNG) equal those of a run that was never stopped, bit for bit: the
-abandoned step's gradients were not applied or saved, and its RNG state at the
-start was what the checkpoint kept (dropout draws from it).
+"""A stop that does not wait for the step: under torchrun, SIGTERM 1.5 s into a step that would
+last 60 s more (an injected slow task, ``fault = slow:...``, on stage 0 once some of its gradients
+are in, while the last stage already waits in the step's all-reduce) saves the last completed step
+within 5 s on every rank, and both ranks exit 143. Resumed, the run's losses and final state
+(model, AdamW state, RNG) equal those of a run that was never stopped, bit for bit: the abandoned
+step's gradients were not applied or saved, and its RNG state at the start was what the checkpoint
+kept (dropout draws from it).
+
+A stop during step 1, before any step completed, saves nothing: the state to keep is the initial
+one, which a fresh run rebuilds exactly, while a checkpoint of it would hold the optimizer state
+DCP makes up for a fresh AdamW (step 1, zero moments) and resume differently from step 2 on. The
+run after the stop (``resume = auto``) starts at step 0 and ends in the state, bit for bit, of a
+run that was never stopped.
+
+Both compare with one run never stopped, made once for the file.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's ow
 
 pytestmark = pytest.mark.e2e
 
-STEPS, SLOW_STEP, SLOW_S, SAVED_WITHIN_S = 6, 3, 60, 5.0
+STEPS, SLOW_STEP, SLOW_S, SAVED_WITHIN_S = 3, 2, 60, 5.0
 SETS = [
     "model.n_layer=2",
     "model.n_embd=32",
@@ -75,10 +82,24 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
     return p
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The run never stopped, that each stopped run must end equal to: its folder (out, ck)."""
+    tmp = tmp_path_factory.mktemp("whole")
+    job = torchrun(tmp, tmp / "ck")
+    assert job.returncode == 0, (tmp / "err").read_text()[-3000:]
+    return tmp
+
+
+def _wait_for_the_slow_task(job, err: Path) -> None:
+    t0 = time.monotonic()
+    while "injecting fault slow" not in err.read_text():
+        assert job.poll() is None and time.monotonic() - t0 < 90, err.read_text()[-3000:]
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(240)
-def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
-    whole = torchrun(tmp_path / "whole", tmp_path / "whole" / "ck")
-    assert whole.returncode == 0, (tmp_path / "whole" / "err").read_text()[-3000:]
+def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, whole):
     run = tmp_path / "stopped"
     # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and
     # waits in the step's all-reduce: a stop must discard those gradients and meet that rank there
@@ -87,10 +108,7 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     )
     err = run / "err"
     try:
-        t0 = time.monotonic()
-        while "injecting fault slow" not in err.read_text():
-            assert job.poll() is None and time.monotonic() - t0 < 90, err.read_text()[-3000:]
-            time.sleep(0.05)
+        _wait_for_the_slow_task(job, err)
         time.sleep(1.5)  # well inside the 60 s task
         ranks = workers(job.pid)
         assert len(ranks) == 2, ranks
@@ -140,12 +158,12 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     assert sorted(stopped) == list(range(1, SLOW_STEP)), (
         stopped
     )  # the abandoned step printed nothing
-    assert {**stopped, **losses(out)} == losses((tmp_path / "whole" / "out").read_text()), (
+    assert {**stopped, **losses(out)} == losses((whole / "out").read_text()), (
         (run / "out").read_text(),
         out,
-        (tmp_path / "whole" / "out").read_text(),
+        (whole / "out").read_text(),
     )
-    a, b = final_state(tmp_path / "whole" / "ck", STEPS), final_state(run / "ck", STEPS)
+    a, b = final_state(whole / "ck", STEPS), final_state(run / "ck", STEPS)
     assert (
         a.keys() == b.keys()
         and any(".optim.state." in k for k in a)
@@ -153,3 +171,37 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path):
     )
     differ = differing(a, b)
     assert not differ, f"the stopped and resumed run's final state differs in {differ[:5]}"
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path, whole):
+    run = tmp_path / "stopped"
+    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60", wait=False)
+    try:
+        _wait_for_the_slow_task(job, run / "err")
+        time.sleep(1.0)
+        for pid in workers(job.pid):
+            os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    text = (run / "err").read_text()
+    lines = re.findall(r"^rrfp: stopped: .*$", text, re.M)
+    assert lines and all(
+        f"step 1 of {STEPS} abandoned midway, not applied; no checkpoint saved (no step was "
+        "completed" in ln
+        for ln in lines
+    ), text[-3000:]
+    assert [p.name for p in (run / "ck").iterdir() if not p.name.startswith(".")] == [], (
+        "a checkpoint was saved"
+    )
+    again = torchrun(run / "again", run / "ck")  # resume = auto: nothing to resume, step 0
+    assert again.returncode == 0, (run / "again" / "err").read_text()[-3000:]
+    a, b = final_state(whole / "ck", STEPS), final_state(run / "ck", STEPS)
+    assert a.keys() == b.keys() and any(".optim.state." in k for k in a)
+    differ = differing(a, b)
+    assert not differ, (
+        f"the run after the stop ends in another state than one never stopped: {differ[:5]}"
+    )
