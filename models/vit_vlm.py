@@ -95,7 +95,8 @@ class ViTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(self.ln_1(x)).view(b, t, 3, self.heads, c // self.heads)  # b may be 0
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
         return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
@@ -234,18 +235,19 @@ class ViTVLM(nn.Module):
     def forward(self, x: VLMInputs | Encoding | torch.Tensor) -> Encoding | torch.Tensor:
         cfg = self.config
         if self.in_encoder:
+            # sizes are spelled out: with no images every tensor here has 0 elements
             if self.is_first:
                 images, ids = x
                 v = self.patch_embed(self._patchify(images)) + self.pos_embed
             else:
                 v, ids = x
-                v = v.reshape(-1, cfg.patches, cfg.enc_embd)
-            b = ids.size(0)
+                v = v.reshape(v.size(0) * v.size(1) // cfg.patches, cfg.patches, cfg.enc_embd)
+            b, image_tokens = ids.size(0), v.size(0) * cfg.patches // ids.size(0)
             for block in self.vision_blocks.values():
                 v = block(v)
             if not self.has_proj:
-                return Encoding(v.reshape(b, -1, cfg.enc_embd), ids)
-            image = self.projector(self.vision_norm(v)).reshape(b, -1, cfg.n_embd)
+                return Encoding(v.reshape(b, image_tokens, cfg.enc_embd), ids)
+            image = self.projector(self.vision_norm(v)).reshape(b, image_tokens, cfg.n_embd)
             x = torch.cat([image, self.embed_tokens(ids)], dim=1)
             if x.size(1) > cfg.block_size:
                 raise ValueError(
