@@ -139,10 +139,21 @@ def init_normal(
         elif isinstance(m, (SplitLinear, nn.Linear, nn.Embedding)):
             s = out_std if name.rsplit(".", 1)[-1] in out_names else std
             m.weight.copy_(
-                torch.empty(m.weight.shape, dtype=m.weight.dtype).normal_(0, s, generator=gen)
+                torch.empty(m.weight.shape, dtype=m.weight.dtype, device="cpu").normal_(
+                    0, s, generator=gen
+                )
             )
             if getattr(m, "bias", None) is not None:
                 m.bias.zero_()
+
+
+def materialise(module: nn.Module) -> bool:
+    """Give ``module``'s meta-built parameters storage on the current default device (a
+    ``torch.device`` context, as the start checks' meta measurement uses); False when that is the
+    meta device, where there are no values to draw."""
+    device = torch.get_default_device()
+    module.to_empty(device=device)
+    return device.type != "meta"
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -237,19 +248,24 @@ class Llama(nn.Module):
             if self.is_last:
                 self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
                 self.lm_head = SplitLinear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.to_empty(device="cpu")
+        materialised = materialise(self)  # (which would untie a tie made on meta)
+        if self.is_last and cfg.tie_embeddings and self.is_first:
+            self.lm_head.weight = self.embed_tokens.weight
+        if materialised:
+            self._init(cfg, seed)
+        if self.tp > 1:
+            for i, block in self.layers.items():
+                to_tensor_parallel(block, f"layers.{i}", tp_group)
+
+    def _init(self, cfg: LlamaConfig, seed: int) -> None:
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layer) ** 0.5
         if self.is_first:
             init_normal(self.embed_tokens, part_generator(seed, EMBED), std, out_std)
         for i, block in self.layers.items():
             init_normal(block, part_generator(seed, BLOCK, int(i)), std, out_std)
-            if self.tp > 1:
-                to_tensor_parallel(block, f"layers.{i}", tp_group)
         if self.is_last:
             init_normal(self.norm, part_generator(seed, HEAD), std, out_std)
-            if cfg.tie_embeddings and self.is_first:
-                self.lm_head.weight = self.embed_tokens.weight
-            else:  # a tied copy draws what the embedding draws
+            if not (cfg.tie_embeddings and self.is_first):  # a tied copy draws the embedding's
                 part = EMBED if cfg.tie_embeddings else HEAD
                 init_normal(self.lm_head, part_generator(seed, part), std, out_std)
 

@@ -34,7 +34,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.gpt import loss_fn
-from models.llama import BLOCK, EMBED, HEAD, Block, LlamaConfig, init_normal, part_generator
+from models.llama import (
+    BLOCK,
+    EMBED,
+    HEAD,
+    Block,
+    LlamaConfig,
+    init_normal,
+    materialise,
+    part_generator,
+)
 from models.shapes import VLMDataConfig, VLMInputs, batches, max_seq_len
 from models.vlm import features
 from rrfp import SplitLinear, Workload, group_size_rank
@@ -184,8 +193,11 @@ class ViTVLM(nn.Module):
             if self.is_last:
                 self.norm = nn.RMSNorm(c, eps=cfg.norm_eps)
                 self.lm_head = SplitLinear(c, cfg.vocab_size, bias=False)
-        self.to_empty(device="cpu")
-        self._init(cfg, seed)
+        materialised = materialise(self)  # (which would untie a tie made on meta)
+        if self.is_last and cfg.tie_embeddings and self.has_proj:
+            self.lm_head.weight = self.embed_tokens.weight
+        if materialised:
+            self._init(cfg, seed)
 
     @torch.no_grad()
     def _init(self, cfg: ViTVLMConfig, seed: int) -> None:
@@ -194,7 +206,8 @@ class ViTVLM(nn.Module):
         if self.is_first:
             gen = part_generator(seed, _SEEDS[PATCH])
             init_normal(self.patch_embed, gen, std, std)
-            self.pos_embed.copy_(torch.empty_like(self.pos_embed).normal_(0, std, generator=gen))
+            pos = torch.empty(self.pos_embed.shape, dtype=self.pos_embed.dtype, device="cpu")
+            self.pos_embed.copy_(pos.normal_(0, std, generator=gen))
         for i, block in self.vision_blocks.items():
             gen = part_generator(seed, _SEEDS[VIT], int(i))
             init_normal(block, gen, std, vit_out, out_names=("proj", "fc2"))
@@ -207,9 +220,7 @@ class ViTVLM(nn.Module):
             init_normal(block, part_generator(seed, BLOCK, int(i)), std, lm_out)
         if self.is_last:
             init_normal(self.norm, part_generator(seed, HEAD), std, std)
-            if cfg.tie_embeddings and self.has_proj:
-                self.lm_head.weight = self.embed_tokens.weight
-            else:  # a tied copy draws what the embedding draws
+            if not (cfg.tie_embeddings and self.has_proj):  # a tied copy draws the embedding's
                 part = EMBED if cfg.tie_embeddings else HEAD
                 init_normal(self.lm_head, part_generator(seed, part), std, std)
 

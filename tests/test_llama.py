@@ -195,12 +195,17 @@ def test_named_configs_load(name, world):
     sets = ["runtime.backend=gloo"] if name == "llama-1b" else []
     cfg = TrainConfig.load(f"configs/{name}.toml", sets, world_size=world)
     assert cfg.workload is llama.workload and isinstance(cfg.model, LlamaConfig)
-    if name == "llama-1b":
+    if name == "llama-1b":  # its stages on the meta device: shapes, no memory
         m = cfg.model
-        per_block = 2 * m.n_embd * m.n_head * m.hd + 2 * m.n_embd * m.n_kv_head * m.hd
-        per_block += 3 * m.n_embd * m.ffn
         assert (m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.ffn) == (16, 2048, 32, 8, 8192)
-        assert 0.9e9 < m.n_layer * per_block + m.vocab_size * m.n_embd < 1.3e9
+        with torch.device("meta"):
+            stages = [Llama(m, s, 2) for s in range(2)]
+        block = 2 * m.n_embd * m.n_head * m.hd + 2 * m.n_embd * m.n_kv_head * m.hd
+        block += 3 * m.n_embd * m.ffn + 2 * m.n_embd  # + its two norms
+        held = [sum(p.numel() for p in s.parameters()) for s in stages]
+        embedding = m.vocab_size * m.n_embd  # on both stages: the tie's two copies
+        assert held == [8 * block + embedding, 8 * block + m.n_embd + embedding]
+        assert 0.9e9 < sum(held) < 1.3e9, held
 
 
 # -- rrfp train against one process ---------------------------------------------------------
