@@ -105,11 +105,7 @@ def configs(draw):
     )
 
 
-@settings(max_examples=12, deadline=None)
-@given(cfg=configs(), data=st.data())
-def test_stages_built_alone_chain_to_the_whole_model(cfg, data):
-    num_stages = data.draw(st.integers(1, len(parts(cfg))), label="num_stages")
-    seed = data.draw(st.integers(0, 2**31), label="seed")
+def _check_chain(cfg: ViTVLMConfig, num_stages: int, seed: int) -> None:
     torch.set_default_dtype(torch.float64)
     try:
         whole = _built(cfg, 0, 1, seed)
@@ -132,6 +128,22 @@ def test_stages_built_alone_chain_to_the_whole_model(cfg, data):
             assert torch.equal(stages[-1](h), whole(x))
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cfg=configs(), data=st.data())
+def test_stages_built_alone_chain_to_the_whole_model(cfg, data):
+    num_stages = data.draw(st.integers(1, len(parts(cfg))), label="num_stages")
+    _check_chain(cfg, num_stages, data.draw(st.integers(0, 2**31), label="seed"))
+
+
+@pytest.mark.parametrize("num_stages", [4, 6, 11])
+def test_stages_that_cut_the_encoder_chain_to_the_whole_model(num_stages):
+    """Splits with ViT blocks on several stages, each stage's blocks from their own index."""
+    cfg = ViTVLMConfig(enc_layers=4, enc_embd=64, intermediate_size=176, n_layer=4)
+    runs = split_parts(cfg, num_stages)
+    assert sum(any(kind == "vit" for kind, _ in run) for run in runs) >= 2, runs
+    _check_chain(cfg, num_stages, seed=7)
 
 
 def test_the_lm_blocks_are_llamas():
