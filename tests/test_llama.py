@@ -11,6 +11,7 @@ import torch
 from distributed import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from llama_reference import CLIP, differences, recipe, reference, train
 
 from models import llama
 from models.llama import Llama, LlamaConfig, full_grad_slice, tp_shard_spec, validate_tp
@@ -210,11 +211,7 @@ def test_named_configs_load(name, world):
 
 # -- rrfp train against one process ---------------------------------------------------------
 
-STEPS, CLIP, DECAY = 3, 0.05, 0.1
-SETS = [
-    f"steps={STEPS}",
-    "microbatches=4",
-    "timeout_s=60",
+SIZES = [
     "model.n_layer=4",
     "model.n_embd=32",
     "model.n_head=4",
@@ -224,57 +221,8 @@ SETS = [
     "data.microbatch_size=2",
     "data.min_seq_len=6",
     "data.max_seq_len=20",
-    f"clip_grad_norm={CLIP}",
-    f"weight_decay={DECAY}",
 ]
-
-
-def _reference(sets: list[str], world: int):
-    """The whole model trained here: each step's loss and gradient norm, the final parameters."""
-    from rrfp.app.config import TrainConfig
-
-    cfg = TrainConfig.load("configs/llama-tiny.toml", sets, world_size=world)
-    wl = cfg.workload
-    torch.manual_seed(cfg.run.seed)
-    model = wl.build_stage(cfg.model, 0, 1, None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=DECAY)
-    losses, norms = [], []
-    for step in range(STEPS):
-        mbs = wl.batches(cfg.data, step, cfg.schedule.microbatches)
-        loss = sum(wl.loss_fn(model(x), y) for x, y in mbs) / len(mbs)
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {n: p.detach().clone() for n, p in _params(model).items()}
-
-
-def _train(rank, world, sets):
-    """``rrfp train``'s ranks (stage_main) in float64; the trained stage modules are caught as
-    they are built."""
-    import torch
-
-    from models import llama
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
-    from rrfp.loop import run
-
-    torch.set_default_dtype(torch.float64)
-    built = []
-
-    class Caught(llama.Llama):
-        def __init__(self, *args):
-            super().__init__(*args)
-            built.append(self)
-
-    llama.Llama = Caught
-    cfg = TrainConfig.load("configs/llama-tiny.toml", sets, world_size=world)
-    summary = run(stage_main(cfg))
-    assert cfg.schedule.dispatch.value == "ready" and cfg.schedule.hint.name == "bfw"
-    # numpy arrays travel by value (a tensor through the queue is shared memory the rank frees)
-    params = {n: p.detach().numpy().copy() for m in built for n, p in _params(m).items()}
-    return summary.losses, summary.grad_norms, params, cfg.layout.coords(rank).tp
+CONFIG = "configs/llama-tiny.toml"
 
 
 @pytest.mark.multirank
@@ -289,33 +237,15 @@ def _train(rank, world, sets):
     ids=["pp4", "pp4-tied-qknorm", "pp2-tp2"],
 )
 def test_train_equals_one_process(layout):
-    sets = [*SETS, *layout]
-    torch.set_default_dtype(torch.float64)
-    try:
-        want_losses, want_norms, want = _reference(sets, 4)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    results = run_ranks(_train, 4, sets, timeout=180)
-    assert min(want_norms) > CLIP, f"clipping should act: {want_norms}"
+    sets = [*recipe(CONFIG), *SIZES, *layout]
+    want = reference(CONFIG, sets, 4)
+    assert min(want[1]) > CLIP, f"clipping should act: {want[1]}"
+    results = run_ranks(train, 4, CONFIG, sets, "models.llama", "Llama", timeout=180)
     tp = 2 if "tp=2" in layout else 1
-    seen = set()
-    loss_diff = norm_diff = param_diff = 0.0
-    for rank, (losses, norms, params, tp_rank) in results.items():
-        assert len(losses) == len(norms) == STEPS, (rank, losses, norms)
-        loss_diff = max(loss_diff, *(abs(a - b) for a, b in zip(losses, want_losses)))
-        norm_diff = max(norm_diff, *(abs(a - b) for a, b in zip(norms, want_norms)))
-        for n, p in params.items():
-            got = torch.from_numpy(p) - full_grad_slice(n, want[n], tp_rank, tp)
-            param_diff = max(param_diff, got.abs().max().item())
-        seen |= set(params)
+    loss, norm, param = differences(results, want, tp, full_grad_slice)
     print(
-        f"{layout}: max |loss - ref| {loss_diff:.3g}, |norm - ref| {norm_diff:.3g}, "
-        f"|param - ref| {param_diff:.3g}; losses {want_losses}"
+        f"llama {layout}: max |loss - ref| {loss:.3g}, "
+        f"|norm - ref| {norm:.3g}, |param - ref| {param:.3g}; losses {want[0]}"
     )
-    assert seen == set(want)
-    assert loss_diff < 1e-12 and norm_diff < 1e-12 and param_diff < 1e-12, (
-        loss_diff,
-        norm_diff,
-        param_diff,
-    )
-    assert want_losses[-1] < want_losses[0], "the reference should learn"
+    assert loss < 1e-12 and norm < 1e-12 and param < 1e-12, (loss, norm, param)
+    assert want[0][-1] < want[0][0], "the reference should learn"
