@@ -62,6 +62,9 @@ class Workload:
     # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter
     # name}: parameters shared between stages (a tied embedding and lm head), kept equal by rrfp
     tied: Callable[[Any, int, int], dict[str, str]] | None = None
+    blocks: Callable[[nn.Module], list[nn.Module]] | None = (
+        None  # stage module -> its transformer blocks, for activation checkpointing
+    )
 
     def build_stages(
         self,
