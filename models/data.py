@@ -142,7 +142,7 @@ def check_fits(cfg: DataConfig, model_vocab: int) -> None:
             )
         return
     docs, vocab = own
-    where = cfg.tokens or cfg.text
+    where = f"data.tokens: {cfg.tokens}" if cfg.tokens else f"data.text: {cfg.text}"
     if docs.max_id >= model_vocab:
         raise ValueError(
             f"{where}: token id {docs.max_id} >= model.vocab_size={model_vocab}: set "
