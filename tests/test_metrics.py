@@ -35,8 +35,10 @@ def test_mfu_of_gpt_tiny_against_a_hand_count():
     n = _hand_count(4, 64, 256)
     assert n == 4 * (12 * 64 * 64 + 13 * 64) + 2 * 64 + 256 * 64 == 216_448
     assert flops == ModelFlops(n, 4, 64)
-    tied = model_flops(workload, dataclasses.replace(TINY, tie_embeddings=True))
-    assert tied.params == n  # the tied table counts once, as the lm head
+    assert model_flops(workload, TINY, num_stages=2) == flops  # counted over the run's stages
+    for stages in (1, 2):  # the tied table counts once, as the lm head
+        tied = model_flops(workload, dataclasses.replace(TINY, tie_embeddings=True), stages)
+        assert tied.params == n
     # a step of two microbatches: 4 rows of 32 tokens and 4 rows of 100
     tokens, attn = 4 * 32 + 4 * 100, 4 * 32**2 + 4 * 100**2
     want = 6 * n * tokens + 12 * 4 * 64 * attn

@@ -50,7 +50,7 @@ class RunMetrics:
         if not cfg.output.dir:
             return None
         folder = run_folder(cfg.output.dir, cfg.run.model)
-        flops = model_flops(cfg.workload, cfg.model)
+        flops = model_flops(cfg.workload, cfg.model, cfg.num_stages)
         peak = device_peak(
             device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops
         )

@@ -37,6 +37,7 @@ GPU_PEAKS: dict[str, dict[str, float]] = {
 }
 LAYER_KEYS = ("n_layer", "n_layers", "num_hidden_layers", "num_layers")
 WIDTH_KEYS = ("n_embd", "dim", "hidden_size", "d_model")
+HEAD_KEYS = ("n_head", "n_heads", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -69,31 +70,35 @@ def matmul_params(model: nn.Module) -> int:
 def attention_dims(model_cfg) -> tuple[int | None, int | None]:
     """(layers, attention width) from a model config's usual field names, or Nones."""
     layers = next((getattr(model_cfg, k) for k in LAYER_KEYS if hasattr(model_cfg, k)), None)
-    heads, head_dim = getattr(model_cfg, "n_head", None), getattr(model_cfg, "head_dim", None)
+    heads = next((getattr(model_cfg, k) for k in HEAD_KEYS if hasattr(model_cfg, k)), None)
+    head_dim = getattr(model_cfg, "head_dim", None)  # when set (> 0), heads x head_dim is d
     width = (
         heads * head_dim
-        if isinstance(heads, int) and isinstance(head_dim, int)
+        if isinstance(heads, int) and isinstance(head_dim, int) and head_dim > 0
         else next((getattr(model_cfg, k) for k in WIDTH_KEYS if hasattr(model_cfg, k)), None)
     )
     ok = isinstance(layers, int) and isinstance(width, int)
     return (layers, width) if ok else (None, None)
 
 
-def model_flops(workload, model_cfg) -> ModelFlops | None:
-    """The whole model's count, built once on the meta device (no memory, no compute); None when
-    it does not build there (logged)."""
+def model_flops(workload, model_cfg, num_stages: int = 1) -> ModelFlops | None:
+    """The whole model's count, from its ``num_stages`` stages built on the meta device (no
+    memory, no compute), as the run splits it; None when they do not build there (logged). A
+    table tied across stages is an embedding on the first and a linear on the last: counted once."""
     from rrfp.app.start_checks import _fork_rng  # the meta build that leaves the generator alone
 
     try:
         with torch.device("meta"), _fork_rng():
-            model = workload.build_stage(model_cfg, 0, 1, None)
+            stages = [
+                workload.build_stage(model_cfg, s, num_stages, None) for s in range(num_stages)
+            ]
     except Exception as e:  # noqa: BLE001 - a user's model: MFU is left out, the run goes on
         log.warning("MFU left out: the model does not build on the meta device: %s", e)
         return None
     layers, width = attention_dims(model_cfg)
     if layers is None:
         log.info("MFU counts 6N per token only: the model config names no layers and width")
-    return ModelFlops(matmul_params(model), layers, width)
+    return ModelFlops(sum(matmul_params(m) for m in stages), layers, width)
 
 
 @dataclass(frozen=True)
