@@ -74,7 +74,8 @@ def test_json_lines_one_flushed_line_per_step(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     first = rows[0]
     assert set(first) == {
-        "step", "loss", "lr", "tokens", "tokens_per_s", "mfu", "bubble", "wall_s", "skipped"
+        "step", "loss", "lr", "tokens", "tokens_per_s", "mfu", "bubble", "wall_s", "skipped",
+        "time",
     }  # fmt: skip
     assert "grad_norm" not in first and rows[1]["grad_norm"] == 0.5  # no clipping: no norm
     assert first["mfu"] == pytest.approx((6 * 1000 * 512 + 12 * 2 * 8 * 8192) / 0.5 / 2e12)
@@ -91,6 +92,7 @@ def test_json_lines_one_flushed_line_per_step(tmp_path):
     m2.close()
     row = json.loads((again / "metrics.jsonl").read_text())
     assert row["eval_loss"] == 1.5 and "mfu" not in row
+    assert "eval loss 1.5000" in step_line(extra(0, 5, 1.0, 1.0, 0.0, 1.0, eval_loss=1.5))
     with pytest.raises(FileExistsError):
         JsonLines(path)  # never written over
 

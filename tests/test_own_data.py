@@ -220,7 +220,8 @@ def test_vocab_and_length_checks(tmp_path, tokenizer_json):
     cfg = DataConfig(tokens=str(path), eot=EOT, cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"token id 2 >= model.vocab_size=2: set model"):
         check_fits(cfg, 2)
-    short, _ = _docs_file(tmp_path / ".." / tmp_path.name, [4, 5])
+    (tmp_path / "short").mkdir()
+    short, _ = _docs_file(tmp_path / "short", [4, 5])
     few = DataConfig(tokens=str(short), eot=EOT, cache_dir=str(tmp_path / "c"), min_seq_len=16)
     with pytest.raises(ValueError, match="longest of its 2 documents has 6 tokens"):
         check_fits(few, 256)

@@ -7,7 +7,7 @@ A line holds ``step`` (the steps done, as the printed line counts them), ``loss`
 and a run without clipping does not pay a second all-reduce for it), ``tokens``, ``tokens_per_s``,
 ``mfu`` (when the model's FLOPs and the device's peak are known), ``bubble`` (the stage lanes'
 idle share), ``wall_s``, ``skipped``, and any optional field a step report carries, such as
-``eval_loss`` on the steps that evaluate.
+``eval_loss`` on the steps that evaluate, and ``time`` (seconds since the epoch).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ class RunMetrics:
             k: v for k, v in dataclasses.asdict(report).items() if k not in NOT_WRITTEN
         }
         record["step"] = report.step + 1
+        record["time"] = time.time()  # when rank 0 wrote it: for plots over wall-clock time
         self.lines.write(record)
         if self.events is not None:
             self.events.write(
@@ -99,7 +101,7 @@ class RunMetrics:
                 {
                     f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": v
                     for k, v in record.items()
-                    if k != "step"
+                    if k not in ("step", "time")
                 },
             )
 

@@ -31,9 +31,12 @@ def step_line(r) -> str:
     norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""
     lr = f"  lr {r.lr:.3g}" if r.lr is not None else ""
     mfu = f"  mfu {r.mfu:.2%}" if r.mfu is not None else ""
+    evaluated = getattr(r, "eval_loss", None)  # a report of a step that evaluated carries it
+    ev = f"  eval loss {evaluated:.4f}" if evaluated is not None else ""
     return (
-        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}{lr}  {r.tokens_per_s:,.0f} tok/s"
-        f"{mfu}  bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}"
+        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{ev}{norm}{lr}  "
+        f"{r.tokens_per_s:,.0f} tok/s{mfu}  bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  "
+        f"eta {eta:.0f}s{skipped}"
     )
 
 
