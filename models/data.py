@@ -1,8 +1,13 @@
-"""An offline text corpus: the Python standard library's own source, as bytes.
+"""The [data] section: the offline default corpus, or the user's own tokens.
 
-Every machine with Python has it, so runs need no download. Files are read in
-sorted path order up to a byte bound, so every process on one machine (same
-Python install) sees the same corpus; tokens are bytes (vocab 256).
+The default is the Python standard library's own source, as bytes: every machine
+with Python has it, so runs need no download. Files are read in sorted path order
+up to a byte bound, so every process on one machine (same Python install) sees the
+same corpus; tokens are bytes (vocab 256).
+
+``data.tokens`` (a token file) or ``data.text`` (text files, with ``data.tokenizer``)
+train on one's own data instead (models/token_files.py), drawn by document
+(models/documents.py): no microbatch row crosses a document boundary.
 
 Microbatches have variable sequence lengths and no padding, which is the runtime
 variability rrfp is about. Each is a pure function of (seed, step, microbatch),
@@ -20,6 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.documents import Documents
+from models.token_files import read_text, read_token_file
+
 log = logging.getLogger(__name__)
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -32,8 +40,19 @@ class DataConfig:
     min_seq_len: int = 16
     max_seq_len: int = 64
     corpus_bytes: int = 4 << 20  # read at most this many bytes of stdlib source
+    tokens: str = ""  # a token file: nanoGPT's flat uint16 .bin, or a 1-D .npy of token ids
+    text: str = ""  # text files: a file, a directory (its *.txt) or a glob; each file a document
+    tokenizer: str = ""  # a local tokenizer.json for data.text; "": UTF-8 bytes (vocab 256)
+    eot: int = -1  # the end-of-text id that ends a document (GPT-2's: 50256); -1: none
+    cache_dir: str = ""  # where tokenized text and document ends are cached; "": ~/.cache/rrfp
 
     def __post_init__(self) -> None:
+        if self.tokens and self.text:
+            raise ValueError("data.tokens and data.text are two sources: give one")
+        if self.tokenizer and not self.text:
+            raise ValueError("data.tokenizer tokenizes data.text, which is not set")
+        if self.eot < -1:
+            raise ValueError(f"data.eot must be a token id >= 0, or -1 for none, got {self.eot}")
         if self.seed < 0:
             raise ValueError(f"DataConfig.seed must be >= 0, got {self.seed}")
         if self.microbatch_size <= 0:
@@ -84,16 +103,87 @@ def corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
+def own_data(cfg: DataConfig) -> tuple[Documents, int] | None:
+    """The user's documents and their vocab size (read once per process), or None for the stdlib
+    corpus. DataError (a ValueError) names bad data."""
+    if not cfg.tokens and not cfg.text:
+        return None
+    try:  # a file rewritten in place is read again
+        stamp = os.stat(cfg.tokens or cfg.text).st_mtime_ns
+    except OSError:
+        stamp = 0
+    return _own_data(cfg.tokens, cfg.text, cfg.tokenizer, cfg.eot, cfg.cache_dir, stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _own_data(
+    tokens: str, text: str, tokenizer: str, eot: int, cache_dir: str, stamp: int
+) -> tuple[Documents, int]:
+    if tokens:
+        return read_token_file(tokens, eot, cache_dir)
+    return read_text(text, tokenizer, eot, cache_dir)
+
+
+def vocab_size(cfg: DataConfig) -> int:
+    """How many token ids the data can hold: 256 bytes, the token file's largest id + 1, or the
+    tokenizer's size."""
+    own = own_data(cfg)
+    return 256 if own is None else own[1]
+
+
+def check_fits(cfg: DataConfig, model_vocab: int) -> None:
+    """ValueError, in one line, unless the model can take every token of the data and the data
+    can fill a microbatch: a workload's ``check`` calls it, before any process group exists."""
+    own = own_data(cfg)
+    if own is None:
+        if model_vocab < 256:
+            raise ValueError(
+                f"model.vocab_size={model_vocab} is below the data's 256 byte tokens: set it >= 256"
+            )
+        return
+    docs, vocab = own
+    where = f"data.tokens: {cfg.tokens}" if cfg.tokens else f"data.text: {cfg.text}"
+    if docs.max_id >= model_vocab:
+        raise ValueError(
+            f"{where}: token id {docs.max_id} >= model.vocab_size={model_vocab}: set "
+            f"model.vocab_size >= {docs.max_id + 1}"
+        )
+    if vocab > model_vocab:
+        raise ValueError(
+            f"data.tokenizer {cfg.tokenizer or '(UTF-8 bytes)'} has {vocab} tokens, above "
+            f"model.vocab_size={model_vocab}: set model.vocab_size >= {vocab}"
+        )
+    if cfg.eot >= model_vocab:
+        raise ValueError(f"data.eot = {cfg.eot} >= model.vocab_size={model_vocab}")
+    if docs.longest < cfg.min_seq_len + 1:
+        raise ValueError(
+            f"{where}: the longest of its {docs.count} documents has {docs.longest} tokens, "
+            f"fewer than data.min_seq_len + 1 = {cfg.min_seq_len + 1}: lower data.min_seq_len"
+        )
+
+
 def batches(
     cfg: DataConfig, step: int, num_microbatches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Microbatches (idx, targets) of step `step`, each int64 [microbatch_size, T_m].
 
-    T_m is drawn per microbatch in [min_seq_len, max_seq_len]; targets are idx
-    shifted by one token. Depends only on (cfg, step, microbatch index).
+    The stdlib corpus: T_m is drawn per microbatch in [min_seq_len, max_seq_len], rows start
+    anywhere. The user's data: T_m is a random document's length, cut to max_seq_len, and every
+    row lies inside one document (models/documents.py). Targets are idx shifted by one token.
+    Depends only on (cfg, step, microbatch index).
     """
     if step < 0 or num_microbatches <= 0:
         raise ValueError(f"need step >= 0 and num_microbatches > 0, got {step}, {num_microbatches}")
+    own = own_data(cfg)
+    if own is not None:
+        out = []
+        for m in range(num_microbatches):
+            rng = np.random.default_rng([cfg.seed, step, m])
+            rows = torch.from_numpy(
+                own[0].draw(rng, cfg.microbatch_size, cfg.min_seq_len, cfg.max_seq_len)
+            )
+            out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        return out
     data = corpus(cfg.corpus_bytes)
     n = data.numel()
     if n <= cfg.max_seq_len + 1:

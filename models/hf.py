@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import rrfp
-from models.data import DataConfig, batches
+from models.data import DataConfig, batches, check_fits
 from models.gpt import loss_fn
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
@@ -123,10 +123,7 @@ def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
             f"model.num_hidden_layers={cfg.num_hidden_layers} is fewer than the {num_stages} "
             "pipeline stages"
         )
-    if cfg.vocab_size < 256:
-        raise ValueError(
-            f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
-        )
+    check_fits(data, cfg.vocab_size)
     if data.max_seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"data.max_seq_len={data.max_seq_len} is above model.max_position_embeddings="

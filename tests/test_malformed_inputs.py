@@ -42,7 +42,7 @@ WORLD = 2
 
 @dataclass(frozen=True)
 class Row:
-    kind: str  # config, environment, CLI, checkpoint, header
+    kind: str  # config, environment, CLI, checkpoint, header, data
     what: str
     make: Callable[[Path], list[str]]  # tmp -> argv of `rrfp` (a header row: -> the header words)
     needle: str  # in the line: what it must name
@@ -226,6 +226,29 @@ def _huge(words: list) -> None:
         words[6 + i * (3 + MAX_DIMS) : 6 + (i + 1) * (3 + MAX_DIMS)] = [2, 1, 1 << 40] + [
             0
         ] * MAX_DIMS  # flags 0
+
+
+def _data(
+    name: str, content: bytes | str | None, key: str = "tokens", tokenizer: bytes | None = None
+) -> Callable[[Path], list[str]]:
+    """A dry run on the file TMP/``name`` as data.``key``: ``content`` its bytes, or the dtype of
+    a .npy whose largest id is 300 (model.vocab_size is 256), or None for no file."""
+
+    def make(tmp: Path) -> list[str]:
+        path = tmp / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            import numpy as np
+
+            np.save(path, np.arange(301).astype(content))
+        sets = [f"data.{key}={path}", f"data.cache_dir={tmp / 'cache'}"]
+        if tokenizer is not None:
+            (tmp / "tokenizer.json").write_bytes(tokenizer)
+            sets.append(f"data.tokenizer={tmp / 'tokenizer.json'}")
+        return _sets(*sets)(tmp)
+
+    return make
 
 
 def _put(index: int, value: int) -> Callable[[list], None]:
@@ -558,6 +581,19 @@ ROWS = [
     Row(
         "header", "an unknown flag bit", _header(_put(14, 2)), "has flags 2"
     ),  # tensor 0's flags word
+    # ---- one's own data ([data] tokens, text, tokenizer: models/token_files.py) ----
+    Row("data", "a token file that does not exist", _data("nope.bin", None), "no such file"),
+    Row("data", "an empty token file", _data("t.bin", b""), "is empty"),
+    Row("data", "a token file of another extension", _data("t.txt", b"\0\1"), "expected a flat"),
+    Row("data", "a `.npy` of float32", _data("t.npy", "float32"), "holds float32"),
+    Row("data", "a token id over the vocab", _data("t.npy", "int64"), "token id 300 >= model."),
+    Row("data", "an empty text file", _data("t.txt", b"", "text"), "no tokens (empty text)"),
+    Row(
+        "data",
+        "a `tokenizer.json` that does not load",
+        _data("t.txt", b"some text", "text", tokenizer=b'{"model": 3}'),
+        "does not load as a tokenizer.json",
+    ),
 ]
 
 

@@ -238,7 +238,10 @@ class CheckpointSection(Section):
 @dataclass(frozen=True)
 class OutputSection(Section):
     NAME = "output"
-    DOC = "What a run writes besides checkpoints: progress lines, the trace, sizes, failure logs."
+    DOC = (
+        "What a run writes besides checkpoints: progress lines, metrics, the trace, sizes, "
+        "failure logs."
+    )
 
     log_every: int = setting(1, "rank 0 prints a step line every N steps", bounds=STEPS, least=ONE)
     trace: str = setting("", 'merged Chrome trace written by rank 0 at the end; "": none')
@@ -246,6 +249,25 @@ class OutputSection(Section):
         "", "rank 0 writes every step's microbatch features and step time here, for rrfp sim"
     )
     log_dir: str = setting("runs/logs", "a failing rank writes its traceback to LOG_DIR/rank-N.log")
+    dir: str = setting(
+        "runs/{model}-{time}",
+        "the run's folder, new for each run (a -N suffix when taken): rank 0 writes metrics.jsonl "
+        'there, a line per step, and TensorBoard events with tensorboard installed; "": none',
+    )
+    peak_tflops: float = setting(
+        0.0,
+        "a rank's peak for MFU, in TFLOPS; 0: by device (a known GPU's dense peak at the run's "
+        "precision; on CPU an assumed 0.1 per thread, indicative only)",
+        bounds=(0, 1e6),
+    )
+
+    def check(self) -> None:
+        try:
+            self.dir.format(model="m", time="t")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"output.dir = {self.dir!r}: only {{model}} and {{time}} are filled in ({e!r})"
+            ) from None
 
 
 def _load_cost(path: str) -> CostModel | None:

@@ -40,7 +40,13 @@ def folder_problem(folder: str | Path) -> str | None:
 
 def check_end_files(output: OutputSection) -> None:
     """ConfigError when ``output.trace`` or ``output.sizes`` names a folder, or a file in a folder
-    that cannot be made or written."""
+    that cannot be made or written, or when the folder ``output.dir``'s run folders go in cannot
+    be (rank 0 makes the run's folder at the start)."""
+    if output.dir:
+        parent = Path(output.dir.format(model="m", time="t")).parent
+        problem = folder_problem(parent)
+        if problem is not None:
+            raise ConfigError(f"output.dir = {output.dir} cannot be made: {problem}")
     for key in END_FILES:
         path = getattr(output, key)
         if not path:

@@ -18,6 +18,7 @@ class StepStatistics:
     nonfinite: float = 0.0  # ranks that saw a NaN or Inf in a loss or gradient
     stops: float = 0.0  # ranks on which a stop was requested
     abandoned: float = 0.0  # ranks that abandoned the step midway
+    attn: float = 0.0  # the first stage's rows' attention term, sum(rows x length^2), for MFU
 
     def to_tensor(self) -> torch.Tensor:
         return torch.tensor(astuple(self), dtype=torch.float64)

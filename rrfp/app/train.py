@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
 from rrfp.app.config import TrainConfig
+from rrfp.app.metrics import RunMetrics
 from rrfp.app.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import stages_label
@@ -47,6 +48,10 @@ class StepReport:
     grad_norm: float | None = (
         None  # with optim.clip_grad_norm: the whole model's gradient norm before clipping
     )
+    lr: float | None = None  # the learning rate the step's update used
+    tokens: float = 0.0  # the step's tokens, every replica's
+    attn: float = 0.0  # ... and their rows' attention term (token_features' "attn"), for MFU
+    mfu: float | None = None  # model FLOPs utilisation, when the metrics know the FLOPs and peak
 
 
 @dataclass
@@ -79,6 +84,7 @@ class TrainSummary:
     grad_norms: list[float] = field(
         default_factory=list
     )  # with optim.clip_grad_norm: each step's, before clipping
+    metrics: str | None = None  # rank 0: the metrics.jsonl this run wrote (output.dir)
 
 
 async def stage_main(
@@ -160,6 +166,9 @@ class _RankTraining:
             RunCheckpoints(cfg, rt, self.modules, self.opts) if cfg.checkpoint.dir else None
         )
         self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed from
+        self.metrics = RunMetrics.open(cfg, rt.device) if rt.rank == 0 else None
+        if self.metrics is not None:
+            self.summary.metrics = str(self.metrics.path)
         # runtime.autocast: every task under it, on this rank's device type (None: the caller's)
         autocast = cfg.runtime.autocast
         self.amp = (
@@ -244,12 +253,14 @@ class _RankTraining:
             self.ex.lane.abandon()
             log.info("rank %d: step %d abandoned midway: a stop was requested", rt.rank, step + 1)
         bad = res is not None and not _finite(self.module, res.loss)
-        stats = await self._agree(step, res, bad)
+        stats = await self._agree(step, res, bad, feats)
         if stats.abandoned:
             await self._abandon(step, stats, at_start)
             return False
         grad_norm = await self._update(step, stats, bad)
         report = self._record(step, stats, res, grad_norm)
+        if self.metrics is not None:
+            self.metrics.step(report)
         if self.cfg.output.sizes:
             await self._record_sizes(step, res, feats)
         if on_step is not None and rt.rank == 0 and self._logs(step):
@@ -263,7 +274,7 @@ class _RankTraining:
         await self.sync.sync()
         return res
 
-    async def _agree(self, step: int, res, bad: bool) -> StepStatistics:
+    async def _agree(self, step: int, res, bad: bool, feats) -> StepStatistics:
         """The statistics all-reduce, which also counts the ranks that saw a NaN/Inf or abandoned
         the step, so every rank steps, skips or stops alike. It is on the control-plane group,
         which the abandoned iteration never used: its pending P2P transfers and DP all-reduces
@@ -275,7 +286,9 @@ class _RankTraining:
         )
         if res is not None:
             mine.loss, mine.busy, mine.wall = res.loss or 0.0, res.stats.busy, res.stats.wall
-            mine.tokens = float(res.tokens if 0 in self.rt.stages else 0)
+            first = 0 in self.rt.stages
+            mine.tokens = float(res.tokens if first else 0)
+            mine.attn = sum(f.get("attn", 0.0) for f in feats) if first else 0.0
         vec = mine.to_tensor()
         await self.rt.all_reduce(
             vec, what=f"step {step + 1}: world all-reduce of the step statistics"
@@ -326,6 +339,9 @@ class _RankTraining:
             stats.wall / world,
             skipped=bool(stats.nonfinite),
             grad_norm=grad_norm,
+            lr=self.opts[0].param_groups[0]["lr"] if self.opts else None,
+            tokens=tokens,
+            attn=stats.attn / lay.tp,
         )
         s = self.summary
         s.losses.append(loss)
@@ -370,6 +386,8 @@ class _RankTraining:
     async def write_outputs(self) -> None:
         """Rank 0 writes output.sizes and output.trace (the trace gathered from every rank)."""
         cfg, rt, out = self.cfg, self.rt, self.cfg.output
+        if self.metrics is not None:
+            self.metrics.close()
         if out.sizes and rt.rank == 0:
             par, sch = cfg.parallel, cfg.schedule
             virtual = (

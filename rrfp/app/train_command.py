@@ -13,6 +13,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from rrfp.app.checkpoints import plan_resume
@@ -25,6 +26,7 @@ from rrfp.app.failure import Failure, write_traceback
 from rrfp.app.failure_board import FailureBoard
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
+from rrfp.app.progress import StepProgress
 from rrfp.app.run_outputs import check_end_files
 from rrfp.app.start_checks import (
     Footprint,
@@ -34,21 +36,9 @@ from rrfp.app.start_checks import (
     footprints,
 )
 from rrfp.app.stop_relay import StopRelay
-from rrfp.app.train import StepReport, stage_main
+from rrfp.app.train import stage_main
 from rrfp.loop import run as run_loop
 from rrfp.pipeline.checkpoint_dir import CheckpointDir
-
-
-def _print_step(r: StepReport) -> None:
-    eta = (r.steps - r.step - 1) * r.wall_s
-    skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
-    norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""
-    print(
-        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}  {r.tokens_per_s:,.0f} tok/s  "
-        f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}",
-        flush=True,
-    )
-
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
 STOP_SIGNALS = (
@@ -213,11 +203,14 @@ def train_command(args) -> int:
         lambda: kept_checkpoint(cfg.checkpoint.dir), relay, leave_in_startup=True
     ).install()
     try:
-        summary = run_loop(stage_main(cfg, _print_step, stop=lambda: stop.requested, resume=resume))
+        lines = StepProgress(cfg.run.steps, start.step if start else 0) if rank == 0 else None
+        summary = run_loop(stage_main(cfg, lines, stop=lambda: stop.requested, resume=resume))
     except Exception as e:
         relay.close()
         _fail(e, cfg, rank, getattr(args, "debug", False))
     relay.close()
+    if lines is not None:
+        lines.close()
     if summary.stopped_at is not None:
         # saved and committed on every rank: torchrun's agent SIGTERMs the ranks still running once
         # one has exited, and that is no second stop signal to leave on before this rank's line is
@@ -249,6 +242,8 @@ def train_command(args) -> int:
             f"decision cost {summary.statistics.decision_us:.1f} us",
             flush=True,
         )
+        if summary.metrics:
+            print(f"metrics: {summary.metrics}{_mfu_note(cfg)}", flush=True)
         if summary.plan_s:
             waits = summary.plan_waited_s[1:] or [0.0]  # step 1's plan cannot be made ahead
             print(
@@ -295,6 +290,17 @@ def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     waits = ", ".join(f"{k} = {v:g}" for k, v in dataclasses.asdict(cfg.waits).items())
     lines += ["", "# the resolved config", toml_text(cfg.as_toml()), f"# waits: {waits}", ""]
     return "\n".join(lines)
+
+
+def _mfu_note(cfg: TrainConfig) -> str:
+    """What the MFU column is against, said once at the end of a run."""
+    from rrfp.app.metrics_mfu import device_peak
+
+    device = torch.device(cfg.runtime.device_type, 0 if cfg.runtime.device_type == "cuda" else None)
+    peak = device_peak(device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops)
+    if peak is None:
+        return "; no MFU: no known peak for this device (set output.peak_tflops)"
+    return f"; MFU against {peak.tflops:g} TFLOPS per rank ({peak.source})"
 
 
 def _gib(n: int) -> str:

@@ -1,0 +1,111 @@
+"""What a run reports, per step, into its folder: rank 0's step reports as JSON lines
+(``metrics.jsonl``) and TensorBoard scalars, with tokens/s and MFU; ``run.json`` beside them says
+what the numbers are against (the config, the FLOPs count, the peak).
+
+A line holds ``step`` (the steps done, as the printed line counts them), ``loss``, ``lr``,
+``grad_norm`` (only with ``optim.clip_grad_norm``: the norm is computed where clipping needs it,
+and a run without clipping does not pay a second all-reduce for it), ``tokens``, ``tokens_per_s``,
+``mfu`` (when the model's FLOPs and the device's peak are known), ``bubble`` (the stage lanes'
+idle share), ``wall_s``, ``skipped``, and any optional field a step report carries, such as
+``eval_loss`` on the steps that evaluate, and ``time`` (seconds since the epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rrfp.app.metrics_files import JsonLines, TensorBoardEvents, run_folder
+from rrfp.app.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
+
+log = logging.getLogger(__name__)
+
+# StepReport fields that are not a line's: the run's length, and the attention term (in "mfu")
+NOT_WRITTEN = ("steps", "attn")
+
+
+class RunMetrics:
+    """Rank 0's metrics files for one run (see the module doc)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        flops: ModelFlops | None,
+        peak: Peak | None,
+        ranks: int,
+        tensorboard: bool = True,
+    ) -> None:
+        self.folder, self.flops, self.peak, self.ranks = folder, flops, peak, ranks
+        self.lines = JsonLines(folder / "metrics.jsonl")
+        self.events = TensorBoardEvents.open(folder) if tensorboard else None
+
+    @classmethod
+    def open(cls, cfg, device: torch.device) -> RunMetrics | None:
+        """A new run folder from ``output.dir`` (None when it is ""), ``run.json`` written."""
+        if not cfg.output.dir:
+            return None
+        folder = run_folder(cfg.output.dir, cfg.run.model)
+        flops = model_flops(cfg.workload, cfg.model, cfg.num_stages)
+        peak = device_peak(
+            device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops
+        )
+        if peak is None:
+            log.warning(
+                "MFU left out: no known peak for %s; set output.peak_tflops (per rank)", device
+            )
+        world = cfg.layout.world_size
+        about = {
+            "model_flops": None
+            if flops is None
+            else {
+                **dataclasses.asdict(flops),
+                "per_token": "6 * params + 12 * layers * width * tokens in the row",
+            },
+            "peak_tflops_per_rank": None if peak is None else peak.tflops,
+            "peak_source": None if peak is None else peak.source,
+            "ranks": world,
+            "config": cfg.as_toml(),
+        }
+        (folder / "run.json").write_text(json.dumps(about, indent=1, default=str) + "\n")
+        log.info("metrics: %s; MFU against %s", folder / "metrics.jsonl", peak)
+        return cls(folder, flops, peak, world)
+
+    @property
+    def path(self) -> Path:
+        return self.lines.path
+
+    def mfu(self, tokens: float, attn: float, wall_s: float) -> float | None:
+        """The step's model FLOPs per second over the peak of every rank."""
+        if self.flops is None or self.peak is None or wall_s <= 0:
+            return None
+        return self.flops.step(tokens, attn) / wall_s / (self.peak.tflops * 1e12 * self.ranks)
+
+    def step(self, report) -> None:
+        """Fill in ``report.mfu`` and write the step (a StepReport, or any dataclass like it)."""
+        report.mfu = self.mfu(report.tokens, report.attn, report.wall_s)
+        record: dict[str, Any] = {
+            k: v for k, v in dataclasses.asdict(report).items() if k not in NOT_WRITTEN
+        }
+        record["step"] = report.step + 1
+        record["time"] = time.time()  # when rank 0 wrote it: for plots over wall-clock time
+        self.lines.write(record)
+        if self.events is not None:
+            self.events.write(
+                record["step"],
+                {
+                    f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": v
+                    for k, v in record.items()
+                    if k not in ("step", "time")
+                },
+            )
+
+    def close(self) -> None:
+        self.lines.close()
+        if self.events is not None:
+            self.events.close()
