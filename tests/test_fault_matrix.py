@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import _child, _context, free_port  # noqa: E402
 
 TIMEOUT_S = 2.0
+PROGRESS_S = 2 * TIMEOUT_S  # PipelineRuntime's timeouts.progress_s here (10 x timeout_s by default)
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -41,7 +42,7 @@ ROWS = [
     for api in ("ScheduleReady", "PipelineRuntime")
     for kind in ("kill", "stop", "pause", "gil", "busy")
     for phase in ("F", "B")
-]
+] + [("PipelineRuntime", "idle", "step", NAMED)]
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -122,7 +123,10 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
 
 
 def _pipeline_runtime_rank(rank, world, kind, phase, mark):
+    import asyncio
+
     import rrfp
+    from rrfp.pipeline.timeouts import Timeouts
 
     module = _stages()[rank]
     if rank == 1:
@@ -132,8 +136,13 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
     out: dict = {}
 
     async def main():
-        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S) as rt:
+        waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
+        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, microbatches=M)
+            if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
+                Path(mark).write_text(repr(time.time()))
+                await asyncio.sleep(3 * PROGRESS_S)
+                return
             await ex.run_iteration(0, batches)
             last = [w for w in ex.workers if w.is_last]
             out["losses"] = [float(last[0].losses[mb]) for mb in range(M)] if last else []
@@ -164,7 +173,7 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     for p in procs:
         p.start()
     results: dict = {}
-    want = {0} if kind in ("kill", "stop") else {0, 1}
+    want = {0} if kind in ("kill", "stop", "idle") else {0, 1}
     try:
         deadline = time.monotonic() + 90
         while not want <= results.keys():
@@ -200,7 +209,8 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     assert error is not None, f"rank 0 finished a step whose peer was {kind}ed: {results[0]}"
     took = results[0]["at"] - results["fault_at"]
     assert "rank 1" in error, error
-    assert took <= TIMEOUT_S + SLACK_S, f"named after {took:.1f} s: {error}"
+    bound = PROGRESS_S if kind == "idle" else TIMEOUT_S
+    assert took <= bound + SLACK_S, f"named after {took:.1f} s: {error}"
     print(f"{api} {kind} {phase}: named after {took:.2f} s")
 
 

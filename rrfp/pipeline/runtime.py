@@ -56,9 +56,8 @@ from rrfp.pipeline.wrapped import refuse_wrapped
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
-# With a heartbeat, how long gloo lets one operation wait: a backstop, for a peer that beats but
-# never sends (a deadlock; the executor logs it every timeout_s). Silence is the heartbeat's to
-# find.
+# With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
+# to find; a peer that beats but never sends, the executor's (Timeouts.progress_s).
 BACKSTOP = datetime.timedelta(days=1)
 
 
@@ -450,6 +449,8 @@ class PipelineRuntime:
             settings.seed,
             self.timeouts.peer_wait_s,
             settings.cost,
+            progress_s=self.timeouts.progress_s if self.heartbeat is not None else None,
+            progress_key=self.timeouts.said("progress_s"),
         )
         workers = [
             StageWorker(
