@@ -10,9 +10,10 @@ run (debug.fault, rrfp/pipeline/faults.py), and how the job ends. Each row asser
 
 Phases: start-up (before rank 1 joins the rendezvous), the F or B task of step 2's microbatch 1,
 step 2's gradient sync (a 2-replica DP layout), the write and the commit of the checkpoint after
-step 1, and the final barrier. Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP,
-continued after half of ``timeout_s``), slow (1.5 x ``timeout_s`` more: a task's lane held, or a
-sleep in the phase), term (SIGTERM: what torchrun's agent sends to stop a job).
+step 1, and the final barrier after step 3. Kinds: kill (SIGKILL), stop (SIGSTOP for good),
+pause (SIGSTOP, continued after half of ``timeout_s``), slow (1.5 x the phase's bound more: a
+task's lane held, or a sleep in the phase), term (SIGTERM: what torchrun's agent sends to stop a
+job). The pause, slow and term rows are the ``long`` tier (they wait out their fault).
 
 Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main``
 (tests/train_rows.py); the rows run a few at a time, all started by one module fixture, each
@@ -34,8 +35,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_rows import TrainJob  # noqa: E402
 
-TIMEOUT_S = 2.0
-PAUSE_S, SLOW_S = TIMEOUT_S / 2, 1.5 * TIMEOUT_S
+TIMEOUT_S = 2.0  # run.timeout_s: the heartbeat's bound once the ranks have met
+# how long the rendezvous waits: long enough for two ranks of a loaded machine to arrive apart,
+# and short in the start-up rows, whose faults it is that bounds
+MEET_S, START_S = 30.0, 6.0
+PAUSE_S = TIMEOUT_S / 2
 SLACK_S = 6.0  # a loaded two-core machine: several jobs at once, a beat read late
 LIMIT_S = 120.0  # a row that has not ended by then hangs
 AT_ONCE = 3  # rows running together
@@ -59,10 +63,20 @@ LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2")}
 def _outcome(kind: str, phase: str) -> str:
     if kind in ("kill", "stop"):
         return NAMED
-    if kind == "term":
-        return STOPS
-    # before the rendezvous there is no heartbeat: a rank late by more than the timeout is absent
-    return NAMED if phase == "start-up" and kind == "slow" else FINISHES
+    if phase == "start-up":  # no heartbeat before the rendezvous: a rank late past it is absent
+        return FINISHES if kind == "pause" else NAMED
+    if kind == "term":  # after the last step the run is complete
+        return FINISHES if phase == "barrier" else STOPS
+    return FINISHES
+
+
+def _bound(phase: str) -> float:
+    """The wait that names a fault of ``phase``: the rendezvous's, or the heartbeat's."""
+    return START_S if phase == "start-up" else TIMEOUT_S
+
+
+def _slow_s(phase: str) -> float:
+    return 1.5 * _bound(phase)
 
 
 ROWS = [(API, kind, phase, _outcome(kind, phase)) for phase in PHASES for kind in KINDS]
@@ -73,14 +87,16 @@ def _spec(kind: str, phase: str) -> str:
     if kind == "pause":
         return f"stop:rank=1:{where}:seconds={PAUSE_S:g}"
     if kind == "slow":
-        return f"slow:rank=1:{where}:seconds={SLOW_S:g}"
+        return f"slow:rank=1:{where}:seconds={_slow_s(phase):g}"
     return f"{kind}:rank=1:{where}"
 
 
-def _argv(tmp: Path, layout: str, fault: str | None) -> list[str]:
+def _argv(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> list[str]:
     sets = [
-        "steps=2",
+        "steps=3",
         f"timeout_s={TIMEOUT_S:g}",
+        f"timeouts.process_group_s={meet_s:g}",
+        f"timeouts.store_connect_s={meet_s:g}",
         "microbatches=4",
         "model.n_layer=2",
         "model.n_embd=16",
@@ -114,8 +130,8 @@ def losses(stdout: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"^step\s+(\d+)/\d+\s+loss (\S+)", stdout, re.M)}
 
 
-def run_job(tmp: Path, layout: str, fault: str | None) -> Outcome:
-    job = TrainJob(tmp, _argv(tmp, layout, fault))
+def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> Outcome:
+    job = TrainJob(tmp, _argv(tmp, layout, fault, meet_s))
     fault_at = None
     try:
         deadline = time.monotonic() + LIMIT_S
@@ -141,36 +157,51 @@ def run_job(tmp: Path, layout: str, fault: str | None) -> Outcome:
         job.kill()
 
 
+def _row_job(root: Path, kind: str, phase: str) -> tuple:
+    """``run_job`` and its arguments for the row (kind, phase)."""
+    meet = START_S if phase == "start-up" else MEET_S
+    return run_job, root / f"{kind}-{phase}", PHASES[phase][1], _spec(kind, phase), meet
+
+
+LONG = ("pause", "slow", "term")  # rows that wait out their fault: the long tier
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
-    """Every row's job and the two references, AT_ONCE at a time; {(kind, phase) or layout:
-    Future}."""
+def outcomes(request, tmp_path_factory):
+    """The job of every row this session runs (and the references they compare with), AT_ONCE
+    at a time, started at once; {(kind, phase) or layout: Future}."""
     root = tmp_path_factory.mktemp("train_matrix")
+    chosen = [
+        item.callspec.params
+        for item in request.session.items
+        if item.originalname == "test_train_fault_matrix_row"
+    ]
     pool = concurrent.futures.ThreadPoolExecutor(AT_ONCE)
     futures: dict = {
         layout: pool.submit(run_job, root / f"reference-{layout}", layout, None)
-        for layout in LAYOUTS
+        for layout in {PHASES[c["phase"]][1] for c in chosen if c["outcome"] == FINISHES}
     }
-    for _, kind, phase, _ in ROWS:
-        futures[kind, phase] = pool.submit(
-            run_job, root / f"{kind}-{phase}", PHASES[phase][1], _spec(kind, phase)
-        )
+    for c in chosen:
+        futures[c["kind"], c["phase"]] = pool.submit(*_row_job(root, c["kind"], c["phase"]))
     yield futures
     pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("api", "kind", "phase", "outcome"), ROWS)
+@pytest.mark.parametrize(
+    ("api", "kind", "phase", "outcome"),
+    [pytest.param(*row, marks=[pytest.mark.long] if row[1] in LONG else []) for row in ROWS],
+)
 def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
     got: Outcome = outcomes[kind, phase].result()
     assert got.fault_at is not None, f"the fault never fired\n{got.tails}"
-    bound = TIMEOUT_S + SLACK_S
+    bound = _bound(phase) + SLACK_S
     if outcome == FINISHES:
         reference: Outcome = outcomes[PHASES[phase][1]].result()
         assert reference.codes == [0, 0], reference.tails
         assert got.codes == [0, 0], got.tails
-        assert got.losses == reference.losses and len(got.losses) == 2, (got.losses, got.tails)
+        assert got.losses == reference.losses and len(got.losses) == 3, (got.losses, got.tails)
         return
     if outcome == NAMED:
         assert got.codes[0] == 1, got.tails
@@ -192,9 +223,7 @@ if __name__ == "__main__":  # every row's outcome, as observed (no assertion)
         with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
             rows = [r for r in ROWS if not sys.argv[1:] or r[1] in sys.argv[1:]]
             jobs = {
-                (kind, phase): pool.submit(
-                    run_job, Path(d) / f"{kind}-{phase}", PHASES[phase][1], _spec(kind, phase)
-                )
+                (kind, phase): pool.submit(*_row_job(Path(d), kind, phase))
                 for _, kind, phase, _ in rows
             }
             for (kind, phase), f in jobs.items():
