@@ -35,6 +35,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_rows import TrainJob  # noqa: E402
 
+from rrfp.pipeline.checkpoint_dir import MARKER  # noqa: E402
+
 TIMEOUT_S = 2.0  # run.timeout_s: the heartbeat's bound once the ranks have met
 # how long the rendezvous waits: long enough for two ranks of a loaded machine to arrive apart,
 # and short in the start-up rows, whose faults it is that bounds
@@ -123,6 +125,7 @@ class Outcome:
     fault_at: float | None
     ended_after: dict[int, float] = field(default_factory=dict)
     tails: str = ""
+    committed: list[str] = field(default_factory=list)  # the checkpoints left committed
 
 
 def losses(stdout: str) -> dict[int, str]:
@@ -152,6 +155,7 @@ def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -
             fault_at=None if fault_at is None else fault_at - job.started,
             ended_after={r: t - base for r, t in job.ended.items()},
             tails="\n".join(f"--- rank {r}:\n{job.err(r)[-1500:]}" for r in (0, 1)),
+            committed=sorted(c.parent.name for c in (tmp / "ck").glob(f"step-*/{MARKER}")),
         )
     finally:
         job.kill()
@@ -206,6 +210,11 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
     if outcome == NAMED:
         assert got.codes[0] == 1, got.tails
         assert len(got.lines[0]) == 1 and "rank 1" in got.lines[0][0], got.tails
+        line = got.lines[0][0]
+        for name in re.findall(r"checkpoint (step-\d+) was not saved", line):
+            assert name not in got.committed, f"{name} is committed, yet: {line}"
+        for name in re.findall(r"checkpoint (step-\d+) is committed", line):
+            assert name in got.committed, f"{name} is not committed, yet: {line}"
         took = got.ended_after[0]
         assert took <= bound, f"named after {took:.1f} s\n{got.tails}"
         print(f"{api} {kind} {phase}: named after {took:.2f} s")
