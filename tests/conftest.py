@@ -29,6 +29,7 @@ def pytest_configure(config):
         "multirank: starts gloo ranks from the test",
         "e2e: starts the CLI, torchrun or another interpreter as a subprocess",
         "slow: a test of a process tier (multirank or e2e), added to them by conftest",
+        "long: waits out several timeouts (the fault matrices' long rows); `make test` runs it",
     ):
         config.addinivalue_line("markers", line)
     # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import _child, _context, free_port  # noqa: E402
 
 TIMEOUT_S = 2.0
+PROGRESS_S = 2 * TIMEOUT_S  # PipelineRuntime's timeouts.progress_s here (10 x timeout_s by default)
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
@@ -41,7 +42,7 @@ ROWS = [
     for api in ("ScheduleReady", "PipelineRuntime")
     for kind in ("kill", "stop", "pause", "gil", "busy")
     for phase in ("F", "B")
-]
+] + [("PipelineRuntime", "idle", "step", NAMED)]
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -122,7 +123,10 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
 
 
 def _pipeline_runtime_rank(rank, world, kind, phase, mark):
+    import asyncio
+
     import rrfp
+    from rrfp.pipeline.timeouts import Timeouts
 
     module = _stages()[rank]
     if rank == 1:
@@ -132,8 +136,13 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
     out: dict = {}
 
     async def main():
-        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S) as rt:
+        waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
+        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, microbatches=M)
+            if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
+                Path(mark).write_text(repr(time.time()))
+                await asyncio.sleep(3 * PROGRESS_S)
+                return
             await ex.run_iteration(0, batches)
             last = [w for w in ex.workers if w.is_last]
             out["losses"] = [float(last[0].losses[mb]) for mb in range(M)] if last else []
@@ -164,7 +173,7 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     for p in procs:
         p.start()
     results: dict = {}
-    want = {0} if kind in ("kill", "stop") else {0, 1}
+    want = {0} if kind in ("kill", "stop", "idle") else {0, 1}
     try:
         deadline = time.monotonic() + 90
         while not want <= results.keys():
@@ -185,8 +194,14 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     return results
 
 
+LONG = ("gil", "busy")  # rows that wait out their fault: the long tier
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(("api", "kind", "phase", "outcome"), ROWS)
+@pytest.mark.parametrize(
+    ("api", "kind", "phase", "outcome"),
+    [pytest.param(*row, marks=[pytest.mark.long] if row[1] in LONG else []) for row in ROWS],
+)
 def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     results = _run(api, kind, phase, tmp_path)
     assert results["fault_at"] is not None, "the fault never fired"
@@ -200,30 +215,68 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     assert error is not None, f"rank 0 finished a step whose peer was {kind}ed: {results[0]}"
     took = results[0]["at"] - results["fault_at"]
     assert "rank 1" in error, error
-    assert took <= TIMEOUT_S + SLACK_S, f"named after {took:.1f} s: {error}"
+    bound = PROGRESS_S if kind == "idle" else TIMEOUT_S
+    assert took <= bound + SLACK_S, f"named after {took:.1f} s: {error}"
     print(f"{api} {kind} {phase}: named after {took:.2f} s")
 
 
 def table() -> str:
+    import test_fault_matrix_train as train
+
     lines = [
         "# Fault matrix",
         "",
-        "Generated from `ROWS` in tests/test_fault_matrix.py (`python tests/test_fault_matrix.py`",
-        "rewrites it); each row is a test that injects the fault on rank 1 of two and asserts the",
-        f"outcome on rank 0: the fault named (its error names rank 1 within timeout_s + "
-        f"{SLACK_S:g} s,",
-        f"timeout_s = {TIMEOUT_S:g}) or the step finished with the single-process reference's",
+        "Generated from `ROWS` in tests/test_fault_matrix.py and tests/test_fault_matrix_train.py",
+        "(`python tests/test_fault_matrix.py` rewrites it); each row is a test that injects the",
+        "fault on rank 1 of two and asserts the outcome on rank 0. Rows marked long are the `long`",
+        "tier (they wait out their fault); `make test` runs every row.",
+        "",
+        "## The embedding APIs",
+        "",
+        f"The fault named (its error names rank 1 within timeout_s + {SLACK_S:g} s,",
+        f"timeout_s = {TIMEOUT_S:g}; an idle peer within timeouts.progress_s + {SLACK_S:g} s,",
+        f"progress_s = {PROGRESS_S:g}) or the step finished with the single-process reference's",
         "losses.",
         "",
         "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after half of",
         "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python computing",
-        "for 3 x timeout_s). Phases: the forward (F) or backward (B) of rank 1's second",
-        "microbatch. APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
+        "for 3 x timeout_s), idle (alive and beating, but never entering the step: no message).",
+        "Phases: the forward (F) or backward (B) of rank 1's second microbatch, or the whole step.",
+        "APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
         "",
-        "| API | kind | phase | outcome |",
-        "|---|---|---|---|",
+        "| API | kind | phase | outcome | tier |",
+        "|---|---|---|---|---|",
     ]
-    lines += [f"| {api} | {kind} | {phase} | {outcome} |" for api, kind, phase, outcome in ROWS]
+    lines += [
+        f"| {api} | {kind} | {phase} | {outcome} | {'long' if kind in LONG else ''} |"
+        for api, kind, phase, outcome in ROWS
+    ]
+    lines += [
+        "",
+        "## rrfp train",
+        "",
+        "Outcomes: rank 1 named (rank 0 exits 1 with one line naming rank 1 within the phase's",
+        f"bound + {train.SLACK_S:g} s: timeout_s = {train.TIMEOUT_S:g} once the ranks have met,",
+        f"the rendezvous's {train.START_S:g} s at start-up), finishes exactly (both ranks exit 0;",
+        "rank 0 prints the losses of the run without the fault), stops, one line (both ranks",
+        "exit 143 within the bound; one 'stopped' line for the job, the last completed step",
+        "saved).",
+        "",
+        "Kinds: kill, stop (for good), pause (SIGSTOP, continued after half of timeout_s), slow",
+        "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
+        "(SIGTERM, as torchrun's agent sends). Phases: start-up (before rank 1 joins the",
+        "rendezvous: no heartbeat yet, so a rank late past the rendezvous's bound is absent), the",
+        "F or B task of step 2's microbatch 1, step 2's gradient sync (2 DP replicas), the write",
+        "and the commit of the checkpoint after step 1, the final barrier after step 3 (a SIGTERM",
+        "there comes after a complete run). Three steps, a two-layer GPT.",
+        "",
+        "| API | kind | phase | outcome | tier |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {api} | {kind} | {phase} | {outcome} | {'long' if kind in train.LONG else ''} |"
+        for api, kind, phase, outcome in train.ROWS
+    ]
     return "\n".join(lines) + "\n"
 
 

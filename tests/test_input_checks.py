@@ -242,7 +242,10 @@ def test_fault_spec_round_trip_and_errors():
         ("slow:step=1:stage=0:task=F0", "slow takes task=T or during=P, and seconds=X"),
         ("slow:step=1:stage=0:seconds=5", "slow takes task=T or during=P, and seconds=X"),
         ("slow:step=1:stage=0:task=F0:during=save:seconds=5", "slow takes task=T or during=P"),
-        ("stop:step=1:stage=0:during=load", "during must be one of save, commit"),
+        ("stop:step=1:stage=0:during=load", "during must be one of startup, sync, save, commit"),
+        ("stop:step=1:stage=0:during=startup", "happens once per run: it takes no step"),
+        ("kill:rank=0:during=barrier:seconds=1", "other kinds take no seconds"),
+        ("term:stage=0", "step=N is required"),
         ("kill:step=1:stage=0:seconds=5", "other kinds take no seconds"),
         ("slow:step=1:stage=0:task=F0:seconds=999999999", "out of range"),
     ]:
@@ -282,6 +285,30 @@ def test_a_fault_during_the_commit_fires_there_only():
     FaultInjector.for_rank(slow, rank=1, stage=1).checkpoint_write(
         1, "save"
     )  # sleeps, raises nothing
+
+
+def test_each_phase_fires_in_its_own_place_only():
+    """A fault of each phase fires as its rank enters that phase (of its step, or of the run for
+    start-up and the final barrier), and nowhere else; a stop with seconds is continued."""
+    from rrfp.pipeline.faults import PHASES, FaultInjector
+
+    for phase in PHASES:
+        once = phase in ("startup", "barrier")
+        f = Fault.parse(f"raise:rank=1:during={phase}" + ("" if once else ":step=2"))
+        assert Fault.parse(str(f)) == f, str(f)
+        inj = FaultInjector.for_rank(f, rank=1, stage=1)
+        for other in PHASES:
+            if other != phase:
+                inj.phase(other, 0 if once else 2)  # another phase: nothing
+        if not once:
+            inj.phase(phase, 1)  # its phase of another step: nothing
+        with pytest.raises(InjectedFault, match="injected fault"):
+            inj.phase(phase, 0 if once else 2)
+    with pytest.raises(ValueError, match="no phase"):
+        inj.phase("load", 2)
+    paused = Fault.parse("stop:step=3:rank=0:during=sync:seconds=1.5")
+    assert (paused.seconds, str(paused)) == (1.5, "stop:step=3:rank=0:seconds=1.5:during=sync")
+    assert Fault.parse("term:rank=0:during=startup").step == 0
 
 
 def test_rrfp_fault_environment_variable(monkeypatch):

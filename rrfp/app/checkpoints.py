@@ -308,8 +308,7 @@ class RunCheckpoints:
             return await self._save(done, rng)
         except PeerFailure as e:
             raise PeerFailure(
-                f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
-                f"was not saved, {self._kept()}: "
+                f"rank {self.rt.rank}: step {done}: {self._outcome(done)}: "
                 f"{str(e).removeprefix(f'rank {self.rt.rank}: ').removeprefix(f'step {done}: ')}",
                 e.peer,
             ) from e
@@ -322,6 +321,14 @@ class RunCheckpoints:
                 f"{lost_peer_reason(str(e))}: {e}",
                 lone_peer(self.rt.cpu_group),
             ) from e
+
+    def _outcome(self, done: int) -> str:
+        """What became of the checkpoint of ``done`` steps when a peer was lost saving it: rank 0
+        may have committed it before the ranks confirmed the commit to each other."""
+        name, latest = self.store.final_path(done).name, self.store.latest()
+        if latest is not None and latest.step == done:
+            return f"checkpoint {name} is committed ({latest.path}), a peer was lost after"
+        return f"checkpoint {name} was not saved, {self._kept()}"
 
     def _kept(self) -> str:
         """Which checkpoint a resume would use now, in words (none, when none was committed)."""

@@ -373,6 +373,13 @@ class TimeoutsSection(Section):
     cuda_deadline_s: float = setting(
         0.0, f"how long a rank waits for its own GPU's work (CUDA); {DERIVED}", bounds=(0, 604_800)
     )
+    progress_s: float = setting(
+        0.0,
+        "with a heartbeat, how long a stage waits on a peer that beats but makes no progress "
+        "(nothing arrives, no rank runs a task: a deadlock, a rank stuck outside the pipeline); "
+        "0: 10 x run.timeout_s",
+        bounds=(0, 604_800),
+    )
 
     def resolve(self, timeout_s: float) -> Timeouts:
         return Timeouts.derive(timeout_s, **{k: getattr(self, k) for k in self.keys()})

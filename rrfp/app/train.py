@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from rrfp.app.config import TrainConfig
 from rrfp.app.metrics import RunMetrics
 from rrfp.app.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
-from rrfp.core.placement import stages_label
+from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
@@ -113,6 +114,7 @@ async def stage_main(
     if resume is None:  # before any process group: a mismatch fails every rank the same way
         resume = plan_resume(cfg)
     torch.set_num_threads(cfg.runtime.threads)
+    _startup_fault(cfg)  # testing aid (debug.fault during=startup), normally nothing
     # a heartbeat (gloo): timeouts.heartbeat_s bounds a peer's silence, not how long a step takes
     async with PipelineRuntime.start(
         layout=cfg.layout,
@@ -128,7 +130,23 @@ async def stage_main(
         await training.begin(resume)
         await training.run_steps(on_step)
         await training.write_outputs()
+        if training.injector is not None and not rt.abandoned:
+            training.injector.phase("barrier")  # leaving the block waits for every rank
     return training.summary
+
+
+def _startup_fault(cfg: TrainConfig) -> None:
+    """debug.fault during=startup fires here, before this rank joins the rendezvous."""
+    fault = cfg.debug.fault
+    if fault is None or fault.during != "startup":
+        return
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    par, lay = cfg.parallel, cfg.layout
+    stages = VirtualLayout(lay.pp, par.virtual, par.placement).stages_of(lay.coords(rank).pp)
+    stage = fault.stage if fault.stage in stages else stages[0]
+    injector = FaultInjector.for_rank(fault, rank, stage)
+    if injector is not None:
+        injector.phase("startup")
 
 
 class _RankTraining:
@@ -271,6 +289,7 @@ class _RankTraining:
         res = await self.ex.run_iteration(step, mine, feats, thread_state=self.amp)
         if self.injector is not None:
             self.injector.iteration_done(self.module)
+            self.injector.phase("sync", step + 1)
         await self.sync.sync()
         return res
 

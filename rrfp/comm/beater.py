@@ -11,7 +11,8 @@ not stopped: it reads the parent's state in ``/proc/PID/stat`` and stays silent 
 changes). A tolerance tied to the task in progress was the other way: it needs the task's
 expected length before the first step has measured any, and it lets a rank stopped in a long
 task go unnamed for that long. A hang that keeps the process running (a deadlock) still beats:
-that is the backstop's to end (the groups' long timeout).
+a stage waiting on it names it once no rank of the job has run a task for ``progress_s``
+(rrfp/pipeline/timeouts.py), with the groups' long timeout as the backstop behind.
 
 The child closes every inherited descriptor at once, so a killed rank's sockets close with it
 (its peers' gloo reads fail at once); it dies with its parent (PR_SET_PDEATHSIG) and lives in a

@@ -29,6 +29,10 @@ the store serves 2 x world requests per ``period_s`` (world^2 keys read):
 fine for tens of ranks, to be narrowed to the ranks one talks to before
 thousands.
 
+Beating is not progress: a peer stuck outside the pipeline, or two ranks waiting on each other,
+beat on. ``progress_at`` is when a read last showed a peer in a task or at something new, and a
+stage's wait ends once the job has made no progress for ``progress_s`` (the executor's).
+
 Times are this process's monotonic clock, and only spans between two
 consecutive checks count: when this rank was itself stopped or starved (a gap
 between checks over half of ``timeout_s``), every peer gets a fresh
@@ -104,6 +108,9 @@ class Heartbeat:
             3 * self.period_s, timeout_s / 2
         )  # a round this long: the store is stuck
         self.last_check = now
+        # the last read that showed the job making progress: a peer in a task, or one whose
+        # activity changed (the executor's bound on a wait for peers that beat but never send)
+        self.progress_at = now
         self._activity: tuple[str, float] = ("", now)
         self._seq = 0
         self._stop = threading.Event()
@@ -220,6 +227,9 @@ class Heartbeat:
             beat = self.beats[r]
             if int(seq) != beat.seq:
                 beat.seq, beat.changed_at = int(seq), now
+            restarted = what != beat.activity or float(age or 0) < beat.activity_s
+            if what.startswith("task") or restarted:
+                self.progress_at = now
             beat.activity, beat.activity_s, beat.read_at = what, float(age or 0), now
         self.last_read = now
 

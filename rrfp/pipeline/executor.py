@@ -53,6 +53,10 @@ class ExecutorSettings:
     cost: CostModel | None = (
         None  # with features: emulated durations from the data, times the preset's noise
     )
+    # with a heartbeat, how long a wait for peers that beat may last without progress (nothing
+    # arrives, no rank runs a task), and how a message names that bound; None: unbounded
+    progress_s: float | None = None
+    progress_key: str = "timeouts.progress_s"
 
 
 @dataclass
@@ -555,18 +559,35 @@ class _Iteration:
                 self.ex.instrument.wait(s, self.it, start, end, why)
 
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
-        """Wait for as long as the peers beat (a silent one ends the run through the runtime);
-        every ``every_s`` say what this stage waits for and how its peers are doing."""
+        """Wait for as long as the peers beat (a silent one ends the run through the runtime) and
+        the job makes progress: a peer that beats but for ``progress_s`` neither sends nor lets
+        any rank run a task is named (PeerTimeout). Every ``every_s`` say what this stage waits
+        for and how its peers are doing."""
         peers = list(
             dict.fromkeys(c.peer for c in self._owing())
         )  # a peer owing on two channels is named once
         self._doing(f"waiting for rank {' and '.join(map(str, peers))}" if peers else "waiting")
+        bound = self.ex.settings.progress_s
+        began, said = time.monotonic(), time.monotonic()
         while True:
+            now = time.monotonic()
+            stalled = now - max(began, hb.progress_at)
+            if bound is not None and stalled >= bound:
+                self._doing("")
+                raise PeerTimeout(
+                    self._no_progress(hb, peers, stalled), peers[0] if peers else None
+                )
+            tick = every_s - (now - said)
+            if bound is not None:
+                tick = min(tick, bound - stalled, hb.period_s)
             try:
-                async with asyncio.timeout(every_s):
+                async with asyncio.timeout(max(tick, 0.0)):
                     await self.changed.wait()
                 break
             except TimeoutError:
+                if time.monotonic() - said < every_s:
+                    continue
+                said = time.monotonic()
                 how = "; ".join(f"rank {p}: {hb.describe(p)}" for p in peers)
                 log.warning(
                     "rank %d %s: iteration %d: waiting for %.0f s (%s); the %s %s",
@@ -579,6 +600,16 @@ class _Iteration:
                     self._waiting_for(),
                 )
         self._doing("")
+
+    def _no_progress(self, hb, peers: list[int], stalled: float) -> str:
+        """The line for peers that beat but sent nothing while no rank of the job ran a task."""
+        who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in peers) or "no peer"
+        return (
+            f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: {who} sent nothing for "
+            f"{stalled:.1f} s while no rank ran a task ({self.ex.settings.progress_key}): a "
+            f"deadlock, or a rank stuck outside the pipeline; the {self.ex.what} "
+            f"{self._waiting_for()}"
+        )
 
     def _doing(self, what: str) -> None:
         if self.ex.liveness is not None:

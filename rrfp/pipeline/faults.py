@@ -1,28 +1,32 @@
 """Fault injection, a testing aid (in the spirit of torchft's failure injector):
-make one rank fail at a chosen (step, stage, task) to check how the others end.
+make one rank fail at a chosen (step, stage, task) or phase to check how the others end.
 
-A fault is written ``KIND:step=N[:stage=S][:rank=R][:task=T|:during=P][:attempt=A][:seconds=X]``, in
-``debug.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from
-1, as ``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail
-(every rank of the stage when only ``stage`` is given); ``task`` (e.g. ``B2``)
-fires right after that task finishes, ``during=save`` as this rank starts
-writing the checkpoint saved after step N, ``during=commit`` once its part is
-written, as the checkpoint is committed (rank 0 commits, the others wait for
-it), otherwise at the end of the step's iteration; ``attempt`` fires only in that attempt of a
-torchrun job (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job restarted with
-``--max-restarts`` runs on after it.
+A fault is written ``KIND[:step=N][:stage=S][:rank=R][:task=T|:during=P][:attempt=A][:seconds=X]``,
+in ``debug.fault`` or the ``RRFP_FAULT`` environment variable. ``step`` counts from 1, as
+``rrfp train`` prints it; ``stage`` and ``rank`` pick the ranks that fail (every rank of the stage
+when only ``stage`` is given); ``task`` (e.g. ``B2``) fires right after that task finishes;
+``during`` names a phase; otherwise it fires at the end of the step's iteration. ``attempt`` fires
+only in that attempt of a torchrun job (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a job
+restarted with ``--max-restarts`` runs on after it.
 
-Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself:
-alive but silent), ``raise`` (an ``InjectedFault``: a failure the run reports),
-``bug`` (a plain RuntimeError: what an internal error looks like), ``nan``
-(the stage's gradients become NaN at the end of the step's backward; no task),
-``busy`` (the main thread computes for ``seconds=X``, holding the GIL in
-turns as Python code does: alive but slow, e.g. longer than run.timeout_s)
-and ``slow`` (task T holds its compute lane ``seconds`` longer, as a long kernel
-would: a step longer than any grace period, to test a stop that does not wait;
-with ``during``, the rank sleeps ``seconds`` there, as a slow file system would)
-and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on
-rank 0, the commit's own write fails).
+Phases (``during=P``), each where a rank waits for its peers in its own way:
+``startup`` (before this rank joins the rendezvous; no step: once per run), ``sync`` (as this rank
+starts step N's gradient sync, after its backward), ``save`` (as it starts writing the checkpoint
+saved after step N), ``commit`` (once its part is written, as the checkpoint is committed: rank 0
+commits, the others wait for it) and ``barrier`` (as it reaches the final barrier after its last
+step; no step).
+
+Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself: alive but silent; with
+``seconds=X`` it is continued after X seconds, a stop shorter or longer than the timeout),
+``term`` (SIGTERM itself: what torchrun's agent or a scheduler sends to stop a job), ``raise`` (an
+``InjectedFault``: a failure the run reports), ``bug`` (a plain RuntimeError: what an internal
+error looks like), ``nan`` (the stage's gradients become NaN at the end of the step's backward; no
+task), ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in turns as Python
+code does: alive but slow, e.g. longer than run.timeout_s), ``slow`` (task T holds its compute lane
+``seconds`` longer, as a long kernel would: a step longer than any grace period, to test a stop
+that does not wait; with ``during``, the rank sleeps ``seconds`` there, as a slow file system
+would) and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on rank 0, the
+commit's own write fails).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -43,22 +48,22 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "raise", "bug", "nan", "busy", "slow", "full")
-PHASES = ("save", "commit")  # during=P: the checkpoint write, its commit
+KINDS = ("kill", "stop", "term", "raise", "bug", "nan", "busy", "slow", "full")
+PHASES = ("startup", "sync", "save", "commit", "barrier")  # during=P
+RUN_PHASES = ("startup", "barrier")  # once per run, not of a step: they take no step
+TIMED = ("busy", "slow")  # kinds that need seconds=X (stop takes it optionally)
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int  # 1-based, as printed
+    step: int  # 1-based, as printed; 0 for a phase of the run (RUN_PHASES)
     stage: int | None = None
     rank: int | None = None
     task: Task | None = None
     attempt: int | None = None  # torchrun's restart count in which it fires; None: every attempt
-    seconds: float | None = None  # busy: how long; slow: how much longer the task holds its lane
-    during: str | None = (
-        None  # a PHASES entry: as this rank starts writing, or committing, the step's checkpoint
-    )
+    seconds: float | None = None  # busy: how long; slow: how much longer; stop: until continued
+    during: str | None = None  # a PHASES entry: the phase it fires in
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
@@ -106,6 +111,13 @@ class Fault:
                 raise ValueError(f"fault {spec!r}: {key} must be an integer, got {raw!r}") from None
             if values[key] < (1 if key == "step" else 0):
                 raise ValueError(f"fault {spec!r}: {key}={values[key]} is out of range")
+        if values.get("during") in RUN_PHASES:
+            if "step" in values:
+                raise ValueError(
+                    f"fault {spec!r}: during={values['during']} happens once per run: it takes "
+                    "no step"
+                )
+            values["step"] = 0
         if "step" not in values:
             raise ValueError(f"fault {spec!r}: step=N is required")
         if "stage" not in values and "rank" not in values:
@@ -117,9 +129,14 @@ class Fault:
                 f"fault {spec!r}: slow takes task=T or during=P, and seconds=X (how much longer T "
                 "holds its lane, or the rank sleeps in P)"
             )
-        if (kind in ("busy", "slow")) != ("seconds" in values):
+        if (
+            kind in TIMED
+            and "seconds" not in values
+            or (kind not in (*TIMED, "stop") and "seconds" in values)
+        ):
             raise ValueError(
-                f"fault {spec!r}: seconds=X goes with busy and slow; other kinds take no seconds"
+                f"fault {spec!r}: seconds=X goes with busy and slow (and stop, to continue it); "
+                "other kinds take no seconds"
             )
         if "during" in values and ("task" in values or kind == "nan"):
             raise ValueError(f"fault {spec!r}: during=P takes no task, and no nan")
@@ -129,7 +146,7 @@ class Fault:
 
     def __str__(self) -> str:
         fields = (
-            ("step", self.step),
+            ("step", self.step or None),
             ("stage", self.stage),
             ("rank", self.rank),
             ("task", self.task),
@@ -150,10 +167,21 @@ class Fault:
         )
 
 
+# how a fault's line says where it fired, by phase (rank, stage, step)
+PHASE_WORDS = {
+    "startup": lambda r, s, n: f"rank {r} stage {s}: during start-up",
+    "sync": lambda r, s, n: f"rank {r} stage {s}: step {n} during the gradient sync",
+    "save": lambda r, s, n: f"rank {r} stage {s}: step {n} during the checkpoint write",
+    "commit": lambda r, s, n: f"rank {r} stage {s}: step {n} during the checkpoint commit",
+    "barrier": lambda r, s, n: f"rank {r} stage {s}: at the final barrier",
+}
+
+
 class FaultInjector:
     """Fires ``fault`` on this rank; ``train`` calls ``begin_step`` before each step,
-    the executor calls ``hold_s`` before and ``task_done`` after each task, and ``train`` calls
-    ``iteration_done`` between the backward and the gradient sync."""
+    the executor calls ``hold_s`` before and ``task_done`` after each task, ``train`` calls
+    ``iteration_done`` between the backward and the gradient sync, and ``phase`` as this rank
+    enters each phase of PHASES."""
 
     def __init__(self, fault: Fault, rank: int, stage: int) -> None:
         self.fault, self.rank, self.stage = fault, rank, stage
@@ -198,26 +226,38 @@ class FaultInjector:
         ):
             self._fire(module)
 
+    def phase(self, phase: str, step: int = 0) -> None:
+        """As this rank enters ``phase`` of (1-based) ``step`` (0: a phase of the run)."""
+        if phase not in PHASES:
+            raise ValueError(f"no phase {phase!r} (one of {', '.join(PHASES)})")
+        if self.fault.during == phase and step == self.fault.step:
+            self._fire()
+
     def checkpoint_write(self, done: int, phase: str = "save") -> None:
         """Before this rank writes its part of the checkpoint saved after ``done`` steps (``save``),
         and once it has, before the commit (``commit``)."""
-        if self.fault.during == phase and done == self.fault.step:
-            self._fire()
+        self.phase(phase, done)
 
     def _fire(self, module: torch.nn.Module | None = None) -> None:
         where = f"rank {self.rank} stage {self.stage}: step {self.step}"
         if self.fault.task is not None:
             where += f" task {self.fault.task}"
         if self.fault.during is not None:
-            where += (
-                f" during the checkpoint {'write' if self.fault.during == 'save' else 'commit'}"
-            )
+            where = PHASE_WORDS[self.fault.during](self.rank, self.stage, self.fault.step)
         log.warning("%s: injecting fault %s", where, self.fault)
         kind = self.fault.kind
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "stop":
+            if self.fault.seconds is not None:  # continued by a process of its own, as by a user
+                subprocess.Popen(
+                    ["sh", "-c", f"sleep {self.fault.seconds:g}; kill -CONT {os.getpid()}"],
+                    start_new_session=True,
+                )
             os.kill(os.getpid(), signal.SIGSTOP)
+            log.warning("%s: continued", where)
+        elif kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "raise":
             raise InjectedFault(f"{where}: injected fault ({self.fault})")
         elif kind == "full":

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import warnings
 from collections.abc import Sequence
 
@@ -56,16 +57,16 @@ from rrfp.pipeline.wrapped import refuse_wrapped
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
-# With a heartbeat, how long gloo lets one operation wait: a backstop, for a peer that beats but
-# never sends (a deadlock; the executor logs it every timeout_s). Silence is the heartbeat's to
-# find.
+# With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
+# to find; a peer that beats but never sends, the executor's (Timeouts.progress_s).
 BACKSTOP = datetime.timedelta(days=1)
 
 
 @contextlib.contextmanager
-def _startup(owns: bool):
+def _startup(owns: bool, world: int = 0, waited: str = ""):
     """A rendezvous, store or group-creation failure (a RuntimeError from torch) becomes one
-    StartupError line naming this rank, not something that reads like a bug."""
+    StartupError line naming this rank, not something that reads like a bug, and the ranks it
+    waited for when torch's error tells them (``waited``: the bound, as the line says it)."""
     try:
         yield
     except RuntimeError as e:
@@ -77,7 +78,40 @@ def _startup(owns: bool):
             if owns and not dist.is_initialized()
             else "creating the process groups"
         )
+        absent = _absent(str(e), world, waited) if owns and not dist.is_initialized() else None
+        if absent is not None:
+            raise StartupError(f"rank {rank}: start-up failed: {absent}") from e
         raise StartupError(f"rank {rank}: start-up failed while {what}{describe_failure(e)}") from e
+
+
+_JOINED = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
+_NO_STORE = re.compile(r"timed out after \d+ms while trying to connect to \(([^,]+), (\d+)\)")
+
+
+def _absent(error: str, world: int, waited: str) -> str | None:
+    """Who did not come to the rendezvous, from torch's error (torch 2.13's TCPStore): on the
+    store's host (rank 0 under ``env://``) the count of ranks that joined, which names them when
+    none did; on another rank, the store that never answered, rank 0's. None: not a missed
+    rendezvous."""
+    joined = _JOINED.search(error)
+    if joined is not None:
+        came, of = int(joined[1]), int(joined[2]) or world
+        who = (
+            (f"rank {of - 1}" if of == 2 else f"ranks 1-{of - 1}")
+            if came <= 1
+            else f"{of - came} of the {of} ranks (the store does not say which)"
+        )
+        return (
+            f"{who} did not join the rendezvous within {waited}: stopped, hung, gone or never "
+            "started"
+        )
+    store = _NO_STORE.search(error)
+    if store is not None:
+        return (
+            f"rank 0's rendezvous store at {store[1]}:{store[2]} did not answer within {waited}: "
+            "rank 0 is stopped, hung, gone or never started"
+        )
+    return None
 
 
 def _attempt_store(world: int, timeout_s: float) -> dict:
@@ -243,7 +277,9 @@ class PipelineRuntime:
             check_torch()
             configure_watchdog(waits.peer_wait_s)  # before the NCCL process group exists
             pg_timeout_s = waits.nccl_watchdog_s
-        with _startup(owns):
+        # init_process_group's store waits as long as the group (env://)
+        waited = waits.said("nccl_watchdog_s" if backend == "nccl" else "process_group_s")
+        with _startup(owns, world, waited):
             if owns:
                 # the rendezvous waits for every peer: off this thread, so that a stop signal acts
                 # meanwhile
@@ -450,6 +486,8 @@ class PipelineRuntime:
             settings.seed,
             self.timeouts.peer_wait_s,
             settings.cost,
+            progress_s=self.timeouts.progress_s if self.heartbeat is not None else None,
+            progress_key=self.timeouts.said("progress_s"),
         )
         workers = [
             StageWorker(

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields, replace
 
 from rrfp.comm.nccl_groups import watchdog_timeout_s
 
+PROGRESS_TIMEOUTS = 10  # progress_s, in timeouts
+
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -18,6 +20,10 @@ class Timeouts:
     heartbeat_s: float  # how long a peer may stay silent (no beat) before it is named (gloo)
     peer_wait_s: float  # how long a stage waits on a peer's message before it names it
     cuda_deadline_s: float  # how long a rank waits for its own device's work (CUDA)
+    # with a heartbeat, how long a stage waits on a peer that beats but makes no progress: nothing
+    # reaches the stage and no rank of the job runs a task (a deadlock, a rank stuck outside the
+    # pipeline). Ten timeouts, as NCCL's default ten minutes: a peer's long task is progress
+    progress_s: float
 
     @classmethod
     def derive(cls, timeout_s: float, **overrides: float | None) -> Timeouts:
@@ -31,6 +37,7 @@ class Timeouts:
             heartbeat_s=timeout_s,
             peer_wait_s=timeout_s,
             cuda_deadline_s=timeout_s,
+            progress_s=PROGRESS_TIMEOUTS * timeout_s,
         )
         known = {f.name for f in fields(cls)} - {"timeout_s"}
         unknown = set(overrides) - known
@@ -42,3 +49,10 @@ class Timeouts:
         """The config key that set ``wait``, for a message: run.timeout_s unless set apart."""
         derived = getattr(Timeouts.derive(self.timeout_s), wait)
         return "run.timeout_s" if getattr(self, wait) == derived else f"timeouts.{wait}"
+
+    def said(self, wait: str) -> str:
+        """``wait``'s bound as a message says it: the key that set it, and its value."""
+        value, key = getattr(self, wait), self.key(wait)
+        if key == "run.timeout_s" and value != self.timeout_s:
+            return f"timeouts.{wait} = {value:g} s, {value / self.timeout_s:g} x run.timeout_s"
+        return f"{key} = {value:g} s"

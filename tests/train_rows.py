@@ -1,0 +1,107 @@
+"""`rrfp train` on two ranks, each rank a child of the test session's forkserver (torch and rrfp
+already imported) that runs ``rrfp.app.cli.main`` as ``python -m rrfp`` would: its own stdout and
+stderr files, its own signal handlers, its exit status. A rank starts in milliseconds instead of
+the seconds an interpreter takes to import torch, so a table of faults costs what its faults do."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from distributed import _context, free_port
+from launch import DROPPED_PREFIXES, LAUNCHER_VARS, ROOT, rank_vars
+
+
+def _rank_main(rank: int, world: int, port: int, argv: list[str], tmp: str) -> None:
+    """One rank: the environment a launcher gives it, stdout and stderr in files, then `rrfp`."""
+    for k in list(os.environ):
+        if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
+            del os.environ[k]
+    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.chdir(ROOT)
+    os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
+    for fd, name in ((1, f"out{rank}"), (2, f"err{rank}")):
+        os.dup2(os.open(Path(tmp) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    for s in (signal.SIGINT, signal.SIGTERM):  # a forkserver child inherits the server's
+        signal.signal(s, signal.SIG_DFL)
+    from rrfp.app.cli import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class TrainJob:
+    """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output."""
+
+    tmp: Path
+    argv: list[str]
+    world: int = 2
+
+    def __post_init__(self) -> None:
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        ctx, port = _context(), free_port()
+        self.started = time.monotonic()
+        self.procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, self.world, port, ["train", *self.argv], str(self.tmp))
+            )
+            for r in range(self.world)
+        ]
+        for p in self.procs:
+            p.start()
+        self.ended: dict[int, float] = {}  # rank -> monotonic time its process ended
+
+    def poll(self) -> None:
+        for r, p in enumerate(self.procs):
+            if r not in self.ended and p.exitcode is not None:
+                self.ended[r] = time.monotonic()
+
+    def wait(self, ranks, until: float) -> bool:
+        """Until every rank of ``ranks`` ended or the monotonic time ``until``; True if they did."""
+        while True:
+            self.poll()
+            if all(r in self.ended for r in ranks):
+                return True
+            if time.monotonic() >= until:
+                return False
+            time.sleep(0.02)
+
+    def code(self, rank: int) -> int | None:
+        return self.procs[rank].exitcode
+
+    def out(self, rank: int) -> str:
+        return self._read(f"out{rank}")
+
+    def err(self, rank: int) -> str:
+        return self._read(f"err{rank}")
+
+    def _read(self, name: str) -> str:
+        """A file the rank writes; "" before the rank has opened it."""
+        try:
+            return (self.tmp / name).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def lines(self, rank: int) -> list[str]:
+        """What the rank said to its user: its lines that start with ``rrfp:``."""
+        return [ln for ln in self.err(rank).splitlines() if ln.startswith("rrfp:")]
+
+    def kill(self) -> None:
+        """Whatever is left of the job (a stopped rank, its beater, a `sh` that would continue
+        it), by process group."""
+        for p in self.procs:
+            if p.pid is not None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.join(5)
