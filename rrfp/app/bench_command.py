@@ -75,6 +75,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
             f"got {pick['unit_ms']:g}"
         )
     real = pick["unit_ms"] == 0
+    if args.pin and (not real or device != "cpu"):
+        raise UsageError("--pin pins CPU ranks computing for real: add --real (on --device cpu)")
     if device != "cpu":
         if not real:
             raise UsageError(f"--device {device} runs real compute only: add --real")
@@ -120,6 +122,7 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         budget,
         torch_sends=args.torch_sends,
         device=device,
+        pin=args.pin,
     )
     ready, skipped = [], {}
     for case in cases:

@@ -319,6 +319,12 @@ def _add_bench(sub) -> None:
         "cores), and the tables add the host time rrfp spends around each task",
     )
     bench.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --real on CPU: each rank's threads on a core of its own (rank r on the r-th "
+        "core it may use), so that a process pinned to one core slows that rank alone",
+    )
+    bench.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",

@@ -31,7 +31,8 @@ EMULATED = (
 )
 REAL = (
     "Real compute: each task takes what the model's compute takes on this machine, with no "
-    "emulated time (one compute thread per rank on CPU). Efficiency is each row's own lower bound "
+    "emulated time (on CPU one compute thread per rank). "
+    "Efficiency is each row's own lower bound "
     "(its realized task times: busiest rank, or longest microbatch chain) over its time; vs replay "
     "is its time over the simulator replaying those task times with no host time and no latency, "
     "minus one: what the runtime and the transport added."
@@ -96,6 +97,7 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
         else f"{spec.unit_ms:g} ms of emulated device time per unit (one average forward)"
     )
     load = f", load average {machine['load']}" if machine.get("load") else ""
+    load += ", each rank pinned to a core of its own" if spec.pin else ""
     lines += [
         f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
         f"after one warm-up, contenders rotated each iteration; {time_is}; ready budget "

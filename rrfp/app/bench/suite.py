@@ -241,6 +241,7 @@ class BenchSpec:
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
     )
     device: str = "cpu"  # "cuda": the ranks compute on their GPU over NCCL (real compute only)
+    pin: bool = False  # real compute on CPU: each rank's threads on a core of its own
 
     @property
     def real(self) -> bool:

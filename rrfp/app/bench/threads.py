@@ -27,7 +27,12 @@ ROLES = (
 
 
 # the system's names of threads Python did not start (torch names its own) -> role
-NATIVE = (("pt_gloo", "gloo"), ("pt_tcpstore", "store"), ("pt_workerserver", "store"))
+NATIVE = (
+    ("gloo_tcp", "gloo"),  # gloo's transport loop: its sockets' reads and writes
+    ("pt_gloo", "gloo"),  # the process groups' worker threads (collectives)
+    ("pt_tcpstore", "store"),
+    ("pt_workerserver", "store"),
+)
 
 
 def role(name: str | None, main: bool, comm: str = "") -> str:

@@ -207,11 +207,29 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
         return [await run_case(runtimes, spec, case, cost_paths, progress) for case in spec.cases]
 
 
+def pin_to_core(local_rank: int) -> int | None:
+    """Real compute on CPU: this rank's threads on one core of its own (the ``local_rank``-th it
+    may use), so that ranks do not trade cores and a process pinned beside it slows it alone.
+    The core, or None where the system cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local_rank % len(cores)]
+    for tid in os.listdir("/proc/self/task"):  # threads started since; later ones inherit it
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), {core})
+    return core
+
+
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=os.environ.get("RRFP_LOG", "WARNING"), format="%(name)s: %(message)s")
     job_path, rows_path = argv
     rank = int(os.environ.get("RANK", "0"))
     job = json.loads(Path(job_path).read_text())
+    spec = job["spec"]
+    if spec.get("pin"):
+        core = pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+        log.info("rank %d computes on core %s", rank, core)
     done = 0
 
     def progress(label: str) -> None:
@@ -221,7 +239,7 @@ def main(argv: list[str]) -> None:
             print(PROGRESS + json.dumps({"done": done, "label": label}), flush=True)
 
     try:
-        cases = run_loop(run_job(BenchSpec.from_dict(job["spec"]), job.get("cost", {}), progress))
+        cases = run_loop(run_job(BenchSpec.from_dict(spec), job.get("cost", {}), progress))
         if rank == 0:
             write_json(rows_path, {"cases": cases})
     except Exception as e:
