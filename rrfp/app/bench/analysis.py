@@ -307,6 +307,22 @@ def paired_ratios(rows: list[dict], numerator: str, denominator: str) -> list[fl
     return [a / b for a, b in _paired(rows, numerator, denominator)]
 
 
+def paired_beyond_replay(rows: list[dict], numerator: str, denominator: str) -> list[float]:
+    """Real compute: per iteration, ``numerator``'s time over its replay divided by
+    ``denominator``'s. A replay is the simulator running the row's dispatch and hint on the row's
+    own realized task times with no host time and no latency, so this is what one runtime added
+    relative to the other with the compute and the ideal order taken out: above 1,
+    ``numerator``'s dispatch cost more than the other's."""
+    a = {r["iteration"]: r for r in rows if r["contender"] == numerator}
+    b = {r["iteration"]: r for r in rows if r["contender"] == denominator}
+    out = []
+    for i in sorted(a.keys() & b.keys()):
+        x, y = a[i], b[i]
+        if x.get("simulated_s") and y.get("simulated_s"):
+            out.append((x["wall_s"] / x["simulated_s"]) / (y["wall_s"] / y["simulated_s"]))
+    return out
+
+
 def paired_differences(rows: list[dict], first: str, second: str) -> list[float]:
     """``first``'s time minus ``second``'s in seconds, iteration by iteration."""
     return [a - b for a, b in _paired(rows, first, second)]

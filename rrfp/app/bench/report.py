@@ -17,6 +17,7 @@ from rrfp.app.bench.analysis import (
     Paired,
     Spread,
     Summary,
+    paired_beyond_replay,
     paired_differences,
     paired_ratios,
 )
@@ -164,6 +165,14 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                     f"{p.q1:.3f}..{p.q3:.3f}; {p.n} paired iterations, the median within "
                     f"{SETTLED:.0%} of its final value from iteration {p.settled_after} on)."
                 )
+                beyond = Paired.of(paired_beyond_replay(res.rows, headline, other))
+                if spec.real and beyond and not title.startswith("Against"):
+                    lines.append(
+                        f"  The order and the compute taken out ({headline}'s time over its "
+                        f"replay, over {other}'s): median {beyond.median:.3f} (IQR "
+                        f"{beyond.q1:.3f}..{beyond.q3:.3f}, min {beyond.low:.3f}, max "
+                        f"{beyond.high:.3f}): above 1, {headline}'s runtime added more."
+                    )
         for dropin, direct in DROP_IN_PAIRS:
             ratios = paired_ratios(res.rows, dropin, direct)
             extra = next((s.overhead_s for s in res.summaries if s.contender == dropin), None)
