@@ -127,7 +127,9 @@ def test_host_parts_split_a_tasks_time_around_its_compute():
         span("ready bfw", 0, "F0", 1.0, 2.0, (1.25, 1.75), decide_s=0.0),
         span("ready bfw", 0, "B0", 3.0, 4.0, (3.25, 3.75), decide_s=0.0),
     ]
-    woke = [{"contender": "ready bfw", "iteration": 1, "rank": 0, "roles": {"loop": [0.2, 6, 0]}}]
+    woke = [
+        {"contender": "ready bfw", "iteration": 1, "rank": 0, "roles": {"loop": [0.2, 6, 0, 0.05]}}
+    ]
     h = host_summary("ready bfw", spans, woke)
     assert h.per_task["compute"] == pytest.approx(0.5)
     assert h.per_iteration["compute"] == pytest.approx(1.0)
@@ -135,6 +137,7 @@ def test_host_parts_split_a_tasks_time_around_its_compute():
     assert h.per_iteration["host"] == pytest.approx(1.0)  # 0.5 around each task
     assert h.per_iteration["other"] == pytest.approx(1.0)  # the gap between the tasks
     assert h.wakes_per_task == {"loop": 3.0} and h.cpu_s == {"loop": 0.2}
+    assert h.queued_s == {"loop": 0.05}
     assert host_summary("torch 1f1b", spans, woke) is None
 
 
@@ -174,9 +177,15 @@ def test_thread_roles_and_what_they_spent():
     assert threads.role(None, False, "gloo_tcp_loop") == "gloo"
     assert threads.role(None, False, "pt_tcpstore") == "store"
     assert threads.role("MainThread", True) == "loop"
-    before = {1: ("loop", 1.0, 10, 0), 2: ("lane", 2.0, 5, 1)}
-    after = {1: ("loop", 1.5, 13, 0), 2: ("lane", 4.0, 9, 1), 3: ("lane", 0.5, 2, 0)}
-    assert threads.between(before, after) == {"loop": [0.5, 3, 0], "lane": [2.5, 6, 0]}
+    before = {1: ("loop", 1.0, 10, 0, 0.0), 2: ("lane", 2.0, 5, 1, 1.0)}
+    after = {
+        1: ("loop", 1.5, 13, 0, 0.25),
+        2: ("lane", 4.0, 9, 1, 1.5),
+        3: ("lane", 0.5, 2, 0, 0.25),
+    }
+    got = threads.between(before, after)
+    assert got["loop"] == pytest.approx([0.5, 3, 0, 0.25])
+    assert got["lane"] == pytest.approx([2.5, 6, 0, 0.75])
     if not threads.TASKS.is_dir():
         pytest.skip("no /proc: snapshots are empty here")
     done = threading.Event()

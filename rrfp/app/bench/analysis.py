@@ -416,14 +416,15 @@ class HostSummary:
     """One rrfp contender's host time on real compute: per task, the median of each part
     (seconds); per rank and iteration (medians over iterations of the mean over ranks), the
     wall time split into compute, host time around the tasks, waits for a message, and the rest
-    (the loop's other work between tasks); and by thread role the wake-ups per task and CPU
-    seconds per rank and iteration."""
+    (the loop's other work between tasks); and by thread role the wake-ups per task, and CPU
+    seconds and seconds queued for a core (runnable, not running) per rank and iteration."""
 
     contender: str
     per_task: dict[str, float]
     per_iteration: dict[str, float]
     wakes_per_task: dict[str, float]
     cpu_s: dict[str, float]
+    queued_s: dict[str, float]
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -470,16 +471,19 @@ def host_summary(name: str, spans: list[Span], threads: list[dict]) -> HostSumma
     tasks_per_rank = len(parts) / max(1, len(by))
     wakes: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    queued: dict[str, list[float]] = {}
     for t in threads:
         if t["contender"] != name:
             continue
-        for who, (cpu_s, woke, *_) in t["roles"].items():
+        for who, (cpu_s, woke, _, *waited) in t["roles"].items():
             wakes.setdefault(who, []).append(woke / tasks_per_rank)
             cpu.setdefault(who, []).append(cpu_s)
+            queued.setdefault(who, []).append(waited[0] if waited else 0.0)
     return HostSummary(
         name,
         per_task,
         {k: statistics.median(v) for k, v in split.items()},
         {k: statistics.median(v) for k, v in wakes.items()},
         {k: statistics.median(v) for k, v in cpu.items()},
+        {k: statistics.median(v) for k, v in queued.items()},
     )

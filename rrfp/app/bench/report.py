@@ -234,14 +234,15 @@ def host_lines(hosts: list[HostSummary]) -> list[str]:
         "from lane (the lane's end to the loop having the result), after (posting its messages, "
         "the loop's turn for the senders). Per rank and iteration (ms, medians over iterations of "
         "the mean over ranks): compute, host (those four, summed), waits for a message, other "
-        "(the loop between tasks). Wake-ups per task and CPU ms per rank and iteration by "
-        "thread (loop, lane, channels' waiter threads, gloo's transport loop, heartbeat, "
+        "(the loop between tasks). Wake-ups per task, and CPU ms and ms queued for a core "
+        "(runnable, not running) per rank and iteration, by thread (loop, lane, channels' "
+        "waiter threads, gloo's transport loop, heartbeat, "
         "the store's threads, planner, other).",
         "",
         "| contender | compute ms/task | decide | to lane | from lane | after "
         "| compute ms | host ms | wait ms | other ms | wake-ups/task "
-        f"{'/'.join(ROLES)} | CPU ms {'/'.join(ROLES)} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{'/'.join(ROLES)} | CPU ms {'/'.join(ROLES)} | queued ms loop/lane |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for h in hosts:
         t, it = h.per_task, h.per_iteration
@@ -254,7 +255,9 @@ def host_lines(hosts: list[HostSummary]) -> list[str]:
             + " | ".join(
                 f"{it.get(k, 0.0) * 1e3:.1f}" for k in ("compute", "host", "wait", "other")
             )
-            + f" | {wakes} | {cpu} |"
+            + f" | {wakes} | {cpu} | "
+            + "/".join(_fmt(h.queued_s.get(r) and h.queued_s[r] * 1e3, ".0f") for r in ROLES[:2])
+            + " |"
         )
     return lines
 

@@ -3,9 +3,10 @@
 What a rank's host work costs on real compute shows in its threads: the compute lane
 should hold the core, and the event loop, the channels' waiter threads and the heartbeat
 should wake once per message or completion and otherwise sleep. Linux keeps per thread
-its CPU time (``schedstat``, in ns), its voluntary context switches (each one a sleep that
-later woke) and its involuntary ones (the scheduler took its core for another thread) in
-``/proc/self/task/TID/``; elsewhere a snapshot is empty and the bench reports nothing.
+its CPU time and its time runnable but waiting for a core (``schedstat``, in ns), its voluntary
+context switches (each one a sleep that later woke) and its involuntary ones (the scheduler took
+its core for another thread) in ``/proc/self/task/TID/``; elsewhere a snapshot is empty and the
+bench reports nothing.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ def role(name: str | None, main: bool, comm: str = "") -> str:
     return next((r for prefix, r in ROLES if name.startswith(prefix)), "other")
 
 
-def _read(tid: str) -> tuple[float, int, int] | None:
-    """(CPU seconds, voluntary and involuntary context switches) of thread ``tid``; None once it
-    has ended."""
+def _read(tid: str) -> tuple[float, int, int, float] | None:
+    """(CPU seconds, voluntary and involuntary context switches, seconds queued for a core) of
+    thread ``tid``; None once it has ended."""
     try:
-        cpu = int((TASKS / tid / "schedstat").read_text().split()[0]) / 1e9
+        cpu, queued = (int(v) / 1e9 for v in (TASKS / tid / "schedstat").read_text().split()[:2])
         status = (TASKS / tid / "status").read_text()
     except (OSError, ValueError, IndexError):
         return None
@@ -60,12 +61,13 @@ def _read(tid: str) -> tuple[float, int, int] | None:
         cpu,
         counts.get("voluntary_ctxt_switches", 0),
         counts.get("nonvoluntary_ctxt_switches", 0),
+        queued,
     )
 
 
 def snapshot() -> dict[int, tuple]:
     """Every thread of this process now: native id -> (role, CPU seconds, wake-ups,
-    preemptions)."""
+    preemptions, seconds queued)."""
     if not TASKS.is_dir():
         return {}
     names = {t.native_id: t.name for t in threading.enumerate()}
@@ -84,12 +86,12 @@ def snapshot() -> dict[int, tuple]:
 
 
 def between(before: dict, after: dict) -> dict[str, list[float]]:
-    """By role, [CPU seconds, wake-ups, preemptions] between two snapshots (a thread that started
-    meanwhile counts from zero)."""
+    """By role, [CPU seconds, wake-ups, preemptions, seconds queued] between two snapshots (a
+    thread that started meanwhile counts from zero)."""
     out: dict[str, list[float]] = {}
     for tid, (who, *now) in after.items():
-        then = before.get(tid, (who, 0.0, 0, 0))[1:]
-        acc = out.setdefault(who, [0.0, 0, 0])
+        then = before.get(tid, (who, 0.0, 0, 0, 0.0))[1:]
+        acc = out.setdefault(who, [0.0, 0, 0, 0.0])
         for i, (a, b) in enumerate(zip(now, then)):
             acc[i] += a - b
     return out
