@@ -242,3 +242,18 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
         split = r["contender"] != "torch 1f1b"
         assert r["lower_bound_s"] == pytest.approx(lower_bound(dur, zero, zero, split), rel=1e-6)
         assert 0 < r["efficiency"] <= 1 + 1e-9
+
+
+def test_a_microbatch_moves_to_the_device_whole():
+    """--device cuda moves each microbatch: a named tuple (the vlm's inputs) stays one."""
+    import collections
+
+    import torch
+
+    from rrfp.app.bench.worker import _on
+
+    Inputs = collections.namedtuple("Inputs", "images ids")
+    x = (Inputs(torch.ones(1), torch.zeros(2, dtype=torch.long)), [torch.ones(3), None])
+    y = _on(torch.device("meta"), x)
+    assert type(y[0]) is Inputs and y[0].ids.device.type == "meta" and y[0].ids.dtype == torch.long
+    assert isinstance(y[1], list) and y[1][0].device.type == "meta" and y[1][1] is None

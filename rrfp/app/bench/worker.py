@@ -49,7 +49,8 @@ def _on(device: torch.device, value):
     if isinstance(value, torch.Tensor):
         return value.to(device)
     if isinstance(value, (tuple, list)):
-        return type(value)(_on(device, v) for v in value)
+        moved = [_on(device, v) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
     return value
 
 
@@ -111,7 +112,8 @@ async def run_case(
 
     def inputs(it: int):
         data = wl.batches(cfg.data, it, spec.mb)
-        return [_on(device, b) for b in data], [wl.features(b) for b in data]
+        moved = data if device.type == "cpu" else [_on(device, b) for b in data]
+        return moved, [wl.features(b) for b in data]
 
     upcoming = inputs(0)
     for r in runners.values():
