@@ -19,6 +19,7 @@ from rrfp.app.bench.analysis import (
     host_parts,
     host_summary,
     paired_beyond_replay,
+    paired_parts,
     realized_work,
 )
 from rrfp.app.bench.suite import BenchSpec, Case, Contender
@@ -257,3 +258,22 @@ def test_a_microbatch_moves_to_the_device_whole():
     y = _on(torch.device("meta"), x)
     assert type(y[0]) is Inputs and y[0].ids.device.type == "meta" and y[0].ids.dtype == torch.long
     assert isinstance(y[1], list) and y[1][0].device.type == "meta" and y[1][1] is None
+
+
+def test_paired_parts_split_the_wall_into_compute_cpu_and_queueing():
+    spans = [
+        span("ready bfw", 0, "F0", 0.0, 1.0, (0.0, 0.6)),
+        span("ready bfw", 1, "F0", 0.0, 1.0, (0.0, 0.6)),
+        span("fixed bfw", 0, "F0", 0.0, 1.0, (0.0, 0.5)),
+        span("fixed bfw", 1, "F0", 0.0, 1.0, (0.0, 0.5)),
+        span("fixed bfw", 1, "wait", 1.0, 9.0),
+    ]
+    threads = [
+        {"contender": name, "iteration": 1, "rank": r, "roles": {"lane": [cpu, 1, 0, queued]}}
+        for name, cpu, queued in (("ready bfw", 0.2, 0.4), ("fixed bfw", 0.2, 0.3))
+        for r in (0, 1)
+    ]
+    parts = paired_parts(spans, threads, "ready bfw", "fixed bfw")
+    assert parts["compute"] == [pytest.approx(1.2)]  # the lanes' wall time, waits left out
+    assert parts["lane CPU"] == [pytest.approx(1.0)]
+    assert parts["lane queued"] == [pytest.approx(4 / 3)]

@@ -487,3 +487,35 @@ def host_summary(name: str, spans: list[Span], threads: list[dict]) -> HostSumma
         {k: statistics.median(v) for k, v in cpu.items()},
         {k: statistics.median(v) for k, v in queued.items()},
     )
+
+
+def paired_parts(
+    spans: list[Span], threads: list[dict], numerator: str, denominator: str
+) -> dict[str, list[float]]:
+    """Real compute: per iteration, ``numerator`` over ``denominator`` for what the wall time is
+    made of, summed over the ranks: ``compute`` (the lanes' work, wall clock), ``lane CPU`` (the
+    CPU time the lane threads used) and ``lane queued`` (their time runnable but waiting for a
+    core). Equal CPU with longer compute is the machine's scheduler, not the runtime."""
+    sums: dict[tuple[str, int], dict[str, float]] = {}
+    for sp in spans:
+        if sp.name != "wait" and sp.process in (numerator, denominator):
+            key = (sp.process, sp.args.get("iteration", 0))
+            acc = sums.setdefault(key, {})
+            acc["compute"] = acc.get("compute", 0.0) + task_seconds(sp)
+    for t in threads:
+        lane = t["roles"].get("lane")
+        if lane is None or t["contender"] not in (numerator, denominator):
+            continue
+        acc = sums.setdefault((t["contender"], t["iteration"]), {})
+        acc["lane CPU"] = acc.get("lane CPU", 0.0) + lane[0]
+        if len(lane) > 3:
+            acc["lane queued"] = acc.get("lane queued", 0.0) + lane[3]
+    out: dict[str, list[float]] = {}
+    for (who, it), mine in sums.items():
+        if who != numerator or (denominator, it) not in sums:
+            continue
+        theirs = sums[(denominator, it)]
+        for k, v in mine.items():
+            if theirs.get(k):
+                out.setdefault(k, []).append(v / theirs[k])
+    return out

@@ -19,6 +19,7 @@ from rrfp.app.bench.analysis import (
     Summary,
     paired_beyond_replay,
     paired_differences,
+    paired_parts,
     paired_ratios,
 )
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, file_slug
@@ -172,6 +173,17 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                         f"replay, over {other}'s): median {beyond.median:.3f} (IQR "
                         f"{beyond.q1:.3f}..{beyond.q3:.3f}, min {beyond.low:.3f}, max "
                         f"{beyond.high:.3f}): above 1, {headline}'s runtime added more."
+                    )
+                parts = paired_parts(res.spans, res.threads, headline, other)
+                if spec.real and parts and not title.startswith("Against"):
+                    said = "; ".join(
+                        f"{k} {p.median:.3f} (IQR {p.q1:.3f}..{p.q3:.3f})"
+                        for k, v in parts.items()
+                        if (p := Paired.of(v)) is not None
+                    )
+                    lines.append(
+                        f"  Per iteration, {headline} over {other}, summed over the ranks (paired "
+                        f"medians): {said}."
                     )
         for dropin, direct in DROP_IN_PAIRS:
             ratios = paired_ratios(res.rows, dropin, direct)
