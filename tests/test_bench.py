@@ -207,7 +207,7 @@ BAD = [
     (["--contenders", "eager-bfw"], "'eager' is neither a dispatch mode (fixed, ready) nor torch"),
     (["--contenders", "torch-gpipe"], "torch gpipe cannot run gpt"),
     (["--workloads", "bert"], "'bert' is neither gpt nor vlm"),
-    (["--unit-ms", "0"], "--unit-ms must be > 0"),
+    (["--unit-ms", "-1"], "--unit-ms must be >= 0"),
     (["--budget", "lots"], "--budget"),
     (["--pp", "16"], "n_layer=8"),
     (["--set", "model.n_embdd=3"], "unknown key model.n_embdd"),

@@ -17,14 +17,16 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from rrfp.app.bench.analysis import annotate, summarize
+from rrfp.app.bench.analysis import annotate, host_summary, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import (
     DEFAULT_CONTENDERS,
     FLAG,
     BenchSpec,
+    Case,
     Contender,
+    cost_key,
     parse_case,
     unavailable,
 )
@@ -33,6 +35,7 @@ from rrfp.app.progress import progress
 from rrfp.app.run_outputs import check_output
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
+from rrfp.core.hints import resolve
 from rrfp.observe.trace import Span, write_atomic
 
 QUICK = {
@@ -50,6 +53,8 @@ FULL = {
     "unit_ms": 40.0,
 }  # unit_ms well above the vlm's real F, so the CPU load does not set the task times
 CALIBRATION_SAMPLES = 16
+# --device cuda: one GPU holds both local stages of the v shape; fixed and ready at one hint
+GPU_CONTENDERS = ("fixed bfw v2", "ready bfw v2", "fixed zbv v2", "ready zbv v2")
 
 
 def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
@@ -57,9 +62,40 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     why). A contender asked for by name that cannot run is an error instead."""
     base = QUICK if args.quick else FULL
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
-    if pick["unit_ms"] <= 0:
+    device = getattr(args, "device", "cpu")
+    if args.real:
+        if args.unit_ms not in (None, 0):
+            raise UsageError(
+                f"--real runs without emulated time; --unit-ms {args.unit_ms:g} contradicts it"
+            )
+        pick["unit_ms"] = 0.0
+    if pick["unit_ms"] < 0:
         raise UsageError(
-            f"--unit-ms must be > 0 (emulated device time per unit), got {pick['unit_ms']:g}"
+            f"--unit-ms must be >= 0 (emulated device time per unit; 0: real compute, as --real), "
+            f"got {pick['unit_ms']:g}"
+        )
+    real = pick["unit_ms"] == 0
+    if args.pin and (not real or device != "cpu"):
+        raise UsageError("--pin pins CPU ranks computing for real: add --real (on --device cpu)")
+    if device != "cpu":
+        if not real:
+            raise UsageError(f"--device {device} runs real compute only: add --real")
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if args.pp is None:
+            pick["pp"] = 1  # one GPU: its two local stages (the default contenders' v2)
+        if pick["pp"] * args.tp > gpus:
+            raise UsageError(
+                f"--device cuda: {pick['pp'] * args.tp} ranks need as many GPUs, and this "
+                f"machine has {gpus}"
+            )
+    if real and device == "cpu" and args.pp is None and pick["pp"] > (os.cpu_count() or 1):
+        pick["pp"] = max(1, min(pick["pp"], os.cpu_count() or 1))  # the default fits the machine
+    if real and device == "cpu" and pick["pp"] * args.tp > (os.cpu_count() or 1):
+        raise UsageError(
+            f"--real on CPU runs one thread per rank: {pick['pp'] * args.tp} ranks need as many "
+            f"cores, and this machine has {os.cpu_count()} (lower --pp)"
         )
     try:
         budget = str(Budget.parse(args.budget))
@@ -72,9 +108,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
             f"--workloads: give each workload once ({', '.join(names) or 'none given'})"
         )
     explicit = args.contenders is not None
-    wanted = list(
-        dict.fromkeys(Contender.parse(e) for e in (args.contenders or DEFAULT_CONTENDERS))
-    )
+    defaults = DEFAULT_CONTENDERS if device == "cpu" else GPU_CONTENDERS
+    wanted = list(dict.fromkeys(Contender.parse(e) for e in (args.contenders or defaults)))
     if not wanted:
         raise UsageError(f"{FLAG}: no contender given")
     spec = BenchSpec(
@@ -86,6 +121,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         pick["unit_ms"],
         budget,
         torch_sends=args.torch_sends,
+        device=device,
+        pin=args.pin,
     )
     ready, skipped = [], {}
     for case in cases:
@@ -103,24 +140,37 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     return replace(spec, cases=tuple(ready)), skipped
 
 
+def to_calibrate(spec: BenchSpec) -> dict[str, tuple[Case, Contender | None]]:
+    """The cost models the job needs, by key (``cost_key``): with emulated time, one per workload
+    whose task times come from its data; with real compute, one per workload and layout that a
+    planned hint plans on (the plan needs the tasks' prices; nothing else does)."""
+    if not spec.real:
+        return {case.name: (case, None) for case in spec.cases if case.calibrate}
+    need = {}
+    for case in spec.cases:
+        for c in case.contenders:
+            if not c.is_torch and resolve(c.hint).planned:
+                need.setdefault(cost_key(case.name, c), (case, c if c.virtual > 1 else None))
+    return need
+
+
 def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, CostModel]]:
-    """Fit a cost model on this machine for each workload whose task times come from its data;
-    its file (what the ranks load) and the model itself, by workload."""
+    """Fit a cost model on this machine for each one the job needs (``to_calibrate``); its file
+    (what the ranks load) and the model itself, by key."""
     from rrfp.app.calibrate_command import measure
 
     paths, models = {}, {}
-    for case in spec.cases:
-        if not case.calibrate:
-            continue
-        cfg = case.train_config(spec, tp=1)  # whole stages: the vlm has no tensor parallelism
-        with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {case.name}") as bar:
+    for key, (case, contender) in to_calibrate(spec).items():
+        # whole stages: the vlm has no tensor parallelism
+        cfg = case.train_config(spec, tp=1, contender=contender)
+        with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {key}") as bar:
             samples = measure(
                 cfg, CALIBRATION_SAMPLES, lambda done, total: bar.update(done - bar.n)
             )
-        path = out / f"cost-{case.name}.json"
-        models[case.name] = CostModel.fit(samples)
-        write_atomic(path, models[case.name].to_json())
-        paths[case.name] = str(path)
+        path = out / f"cost-{key}.json"
+        models[key] = CostModel.fit(samples)
+        write_atomic(path, models[key].to_json())
+        paths[key] = str(path)
     return paths, models
 
 
@@ -134,7 +184,17 @@ def machine() -> dict:
         "hostname": platform.node(),
         "platform": platform.platform(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "load": _load(),
     }
+
+
+def _load() -> str | None:
+    """The machine's load average (1, 5 and 15 minutes) where the system says it: on a shared
+    machine, what the figures were measured under."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return None
 
 
 def bench_command(args) -> int:
@@ -157,15 +217,23 @@ def bench_command(args) -> int:
     results = []
     for case, got in zip(spec.cases, job["cases"]):
         cfg = case.train_config(spec)
+        spans = [Span(*sp) for sp in got["spans"]]
         annotate(
             spec,
             case,
             cfg.emulation.variability,
-            models.get(case.name, cfg.emulation.cost),
+            models if spec.real else models.get(case.name, cfg.emulation.cost),
             got["rows"],
             got["iterations"],
+            spans,
         )
-        spans = [Span(*sp) for sp in got["spans"]]
+        hosts = [
+            h
+            for e in case.contenders
+            if spec.real
+            and not e.is_torch
+            and (h := host_summary(e.name, spans, got["threads"])) is not None
+        ]
         results.append(
             CaseResult(
                 case,
@@ -175,6 +243,8 @@ def bench_command(args) -> int:
                 summarize(got["rows"], [e.name for e in case.contenders]),
                 cost.get(case.name),
                 skipped.get(case.name, {}),
+                got["threads"],
+                hosts,
             )
         )
     text = write_results(out, spec, results, machine())

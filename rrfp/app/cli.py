@@ -262,7 +262,7 @@ def _add_bench(sub) -> None:
         "on real gloo ranks, into a results folder",
         description="Run the benchmark suite: each workload's iterations on every contender, "
         "alternating, on PP local gloo ranks in one torchrun job. Device time is "
-        "emulated on CPU by the compute lane.",
+        "emulated on CPU by the compute lane, or real with --real.",
     )
     bench.add_argument(
         "--workloads",
@@ -308,7 +308,28 @@ def _add_bench(sub) -> None:
         type=float,
         default=None,
         help="ms of emulated device time per unit, one average forward (default 40: it must stay "
-        "well above the real compute of a task, about 9 ms for the vlm on 2 shared cores)",
+        "well above the real compute of a task, about 9 ms for the vlm on 2 shared cores); 0: "
+        "real compute, as --real",
+    )
+    bench.add_argument(
+        "--real",
+        action="store_true",
+        help="real compute, no emulated device time (as --unit-ms 0): each task takes what the "
+        "model's compute takes on the run's device, one thread per rank on CPU (--pp at most the "
+        "cores), and the tables add the host time rrfp spends around each task",
+    )
+    bench.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --real on CPU: each rank's threads on a core of its own (rank r on the r-th "
+        "core it may use), so that a process pinned to one core slows that rank alone",
+    )
+    bench.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --real: cuda computes on the GPUs over NCCL (default --pp 1: two local "
+        "stages on one GPU; rrfp's rows only)",
     )
     bench.add_argument(
         "--budget", default=DEFAULT_BUDGET, help="in-flight budget of ready dispatch (default 2x)"

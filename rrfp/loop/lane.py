@@ -43,6 +43,9 @@ class ComputeLane:
         self.name = name
         self.busy_s = 0.0  # wall time the lane spent on calls, emulation included
         self.tasks_run = 0
+        # wall-clock (time.time()) start and end of the last call's own work, emulation excluded:
+        # what a trace needs to tell the compute from the host time around it
+        self.last_call: tuple[float, float] | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
         self._abandoned = threading.Event()  # set: emulated time ends at once
 
@@ -92,9 +95,10 @@ class ComputeLane:
         self.close()
 
     def _hold_lane(self, fn: Callable[..., Any], args: tuple, hold_s: float) -> Any:
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         try:
             result = fn(*args)
+            self.last_call = (began, time.time())
             remaining = start + hold_s - time.perf_counter()
             if remaining > 0:
                 self._abandoned.wait(remaining)

@@ -14,6 +14,10 @@ class Instrument:
     def task(self, stage: int, iteration: int, task: Task, start: float, end: float) -> None:
         pass
 
+    def task_detail(self, stage: int, iteration: int, task: Task, detail: dict) -> None:
+        """Called just before ``task`` for the same task: where its host time went (the
+        executor's ``_detail``: ``decide_s``, ``returned`` and, on CPU, ``compute``)."""
+
     def wait(self, stage: int, iteration: int, start: float, end: float, waiting_for: str) -> None:
         pass
 
@@ -26,11 +30,21 @@ class TraceRecorder(Instrument):
         self.process = process
         self.spans: list[Span] = []
         self._where = {} if rank is None else {"rank": rank}
+        self._detail: dict = {}  # the next task span's extra args
+
+    def task_detail(self, stage, iteration, task, detail) -> None:
+        self._detail = detail
 
     def task(self, stage, iteration, task, start, end) -> None:
+        detail, self._detail = self._detail, {}
         self.spans.append(
             Span(
-                self.process, stage, str(task), start, end, {"iteration": iteration, **self._where}
+                self.process,
+                stage,
+                str(task),
+                start,
+                end,
+                {"iteration": iteration, **self._where, **detail},
             )
         )
 

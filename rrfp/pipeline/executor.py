@@ -410,6 +410,7 @@ class _Iteration:
         self.losses: dict = {}  # microbatch -> loss tensor; floats once the iteration ends
         self.decisions = 0
         self.decision_s = 0.0
+        self.decided_s = 0.0  # the decisions that picked the task now running (a trace's "decide")
 
     def size_of(self, mb: int) -> int:
         return int(numel(self.batches[mb][0]) * self.ex._bytes_per_token)
@@ -465,6 +466,7 @@ class _Iteration:
             None  # TP: the next decision's round, started while a task runs
         )
         arrivals = tr.arrivals  # what the ready set in use has seen
+        decided_s = 0.0  # decision time since the last task started: the next task's share
         while not tr.done:
             c0 = time.perf_counter()
             if ex.agreement is None:
@@ -479,6 +481,7 @@ class _Iteration:
                 everywhere, somewhere = await agreed
                 agreed = None
                 picked = tr.next(among=everywhere)
+            decided_s += time.perf_counter() - c0
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
             if picked is None:
@@ -491,6 +494,7 @@ class _Iteration:
                 continue
             stage, task = picked
             tr.start(stage, task)
+            self.decided_s, decided_s = decided_s, 0.0
             if ex.agreement is not None and tr.finished + 1 < tr.spec.num_tasks:
                 # Agree on the next decision while this task runs, off the critical path. Every TP
                 # rank runs the same task, so every rank starts this round; arrivals during the task
@@ -649,6 +653,7 @@ class _Iteration:
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
             out = await ex.lane.run(self.state.wrap(forward), mb, x, targets, bits, **lane)
+            returned = time.time()
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
@@ -673,16 +678,30 @@ class _Iteration:
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
             grad_in = await ex.lane.run(self.state.wrap(w.backward), mb, grad, **lane)
+            returned = time.time()
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
             await ex.lane.run(self.state.wrap(w.weight), mb, **lane)
+            returned = time.time()
         await asyncio.sleep(
             0
         )  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
-            ex.instrument.task(s, self.it, task, start, time.time())
+            end = time.time()
+            ex.instrument.task_detail(s, self.it, task, self._detail(returned))
+            ex.instrument.task(s, self.it, task, start, end)
+
+    def _detail(self, returned: float) -> dict:
+        """Where a task's host time went, for a trace: the decisions that picked it (seconds),
+        when the lane ran its work (``compute``, wall clock; absent where the host cannot see it,
+        e.g. a CUDA stream) and when the loop had the lane's answer back (``returned``)."""
+        call = getattr(self.ex.lane, "last_call", None)
+        detail = {"decide_s": self.decided_s, "returned": returned}
+        if call is not None:
+            detail["compute"] = list(call)
+        return detail
 
     def _units(self, stage: int, task: Task) -> float:
         """Emulated device time (``rrfp.core.durations``)."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Contender
+from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Contender, cost_key
 from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
@@ -22,6 +22,7 @@ from rrfp.core.hints import resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
+from rrfp.observe.trace import Span
 from rrfp.sim import SimConfig, simulate
 from rrfp.sim.planned_hint import plan_iteration
 
@@ -95,6 +96,7 @@ def simulated_s(
     work: IterationWork,
     features: list[dict] | None,
     plan_order: list[int] | None = None,
+    replay_var: Variability | None = None,
 ) -> float | None:
     """The simulator's time for this rrfp contender on the same durations (None for torch's
     schedules). A planned hint is planned again here from the same inputs: the planner is
@@ -133,7 +135,7 @@ def simulated_s(
         hint,
         dispatch,
         budget,
-        var,
+        replay_var or var,
         seed=spec.seed,
         iteration=iteration,
         split=work.split,
@@ -144,15 +146,53 @@ def simulated_s(
     return simulate(cfg).makespan * work.unit_s
 
 
+KINDS = "FBW"
+
+
+def task_seconds(sp: Span) -> float:
+    """A task's realized time: the lane's own work when the trace has it (the host time around it
+    excluded), else the span (torch's schedules: its call)."""
+    compute = sp.args.get("compute")
+    return compute[1] - compute[0] if compute else sp.end - sp.start
+
+
+def realized_work(spec: BenchSpec, contender: Contender, spans: list[Span]) -> IterationWork:
+    """Real compute: one iteration's task times as its spans measured them (seconds), no
+    latency: the bound and the replay of what the ranks really computed."""
+    if contender.is_torch:
+        from rrfp.app.bench import torch_schedules as ts
+
+        per_rank = ts.stages_per_rank(contender.hint)
+        layout = VirtualLayout(spec.pp, per_rank, ts.placement_of(contender.hint))
+    else:
+        layout = VirtualLayout(spec.pp, contender.virtual, contender.placement)
+    S, M = layout.num_stages, spec.mb
+    dur = np.zeros((S, M, 3))
+    for sp in spans:
+        if sp.name[:1] not in KINDS or not sp.name[1:].isdigit():
+            continue
+        stage = sp.args.get("torch_stage", sp.stage)
+        dur[stage, int(sp.name[1:]), KINDS.index(sp.name[0])] += task_seconds(sp)
+    lat = np.zeros((S, M))
+    rank_of = tuple(layout.rank_of(g) for g in range(S)) if layout.virtual > 1 else None
+    return IterationWork(dur, lat, lat.copy(), contender.split, 1.0, rank_of)
+
+
 def annotate(
     spec: BenchSpec,
     case: Case,
     var: Variability,
-    cost: CostModel | None,
+    cost: CostModel | dict | None,
     rows: list[dict],
     iterations: list[dict],
+    spans: list[Span] | None = None,
 ) -> None:
-    """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place."""
+    """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place. With real
+    compute the durations are each row's own, from ``spans``, and ``cost`` is by ``cost_key``
+    (the models the planned hints planned with)."""
+    if spec.real:
+        _annotate_real(spec, case, var, cost or {}, rows, iterations, spans or [])
+        return
     feats = {it["iteration"]: it["features"] for it in iterations}
     contenders = {c.name: c for c in case.contenders}
     works: dict[tuple[int, bool], IterationWork] = {}
@@ -167,6 +207,35 @@ def annotate(
         r["efficiency"] = work.lower_bound_s / r["wall_s"]
         r["simulated_s"] = simulated_s(
             spec, var, cost, contender, it, work, features, r.get("plan_order")
+        )
+
+
+def _annotate_real(
+    spec: BenchSpec,
+    case: Case,
+    var: Variability,
+    costs: dict,
+    rows: list[dict],
+    iterations: list[dict],
+    spans: list[Span],
+) -> None:
+    """Real compute: each row's bound from its own realized task times, and ``simulated_s`` the
+    simulator replaying them with no host time and no latency (what the runtime added shows as
+    measured over replay)."""
+    feats = {it["iteration"]: it["features"] for it in iterations}
+    contenders = {c.name: c for c in case.contenders}
+    by_row: dict[tuple[str, int], list[Span]] = {}
+    for sp in spans:
+        by_row.setdefault((sp.process, sp.args.get("iteration", 0)), []).append(sp)
+    quiet = replace(var, comm=0.0, comm_jitter=0.0)
+    for r in rows:
+        contender, it = contenders[r["contender"]], r["iteration"]
+        work = realized_work(spec, contender, by_row.get((contender.name, it), []))
+        r["lower_bound_s"] = work.lower_bound_s
+        r["efficiency"] = work.lower_bound_s / r["wall_s"]
+        cost = costs.get(cost_key(case.name, contender))
+        r["simulated_s"] = simulated_s(
+            spec, var, cost, contender, it, work, feats.get(it), r.get("plan_order"), quiet
         )
 
 
@@ -238,6 +307,22 @@ def paired_ratios(rows: list[dict], numerator: str, denominator: str) -> list[fl
     return [a / b for a, b in _paired(rows, numerator, denominator)]
 
 
+def paired_beyond_replay(rows: list[dict], numerator: str, denominator: str) -> list[float]:
+    """Real compute: per iteration, ``numerator``'s time over its replay divided by
+    ``denominator``'s. A replay is the simulator running the row's dispatch and hint on the row's
+    own realized task times with no host time and no latency, so this is what one runtime added
+    relative to the other with the compute and the ideal order taken out: above 1,
+    ``numerator``'s dispatch cost more than the other's."""
+    a = {r["iteration"]: r for r in rows if r["contender"] == numerator}
+    b = {r["iteration"]: r for r in rows if r["contender"] == denominator}
+    out = []
+    for i in sorted(a.keys() & b.keys()):
+        x, y = a[i], b[i]
+        if x.get("simulated_s") and y.get("simulated_s"):
+            out.append((x["wall_s"] / x["simulated_s"]) / (y["wall_s"] / y["simulated_s"]))
+    return out
+
+
 def paired_differences(rows: list[dict], first: str, second: str) -> list[float]:
     """``first``'s time minus ``second``'s in seconds, iteration by iteration."""
     return [a - b for a, b in _paired(rows, first, second)]
@@ -266,4 +351,171 @@ def summarize(rows: list[dict], contenders: list[str]) -> list[Summary]:
                 Spread.of([r["overhead_s"] for r in mine if r.get("overhead_s") is not None]),
             )
         )
+    return out
+
+
+@dataclass(frozen=True)
+class Paired:
+    """One contender's time over another's, iteration by iteration (alternated runs are paired):
+    the median, its spread, and after how many iterations the running median stayed within
+    ``SETTLED`` of the final one."""
+
+    median: float
+    low: float
+    high: float
+    q1: float
+    q3: float
+    n: int
+    settled_after: int
+
+    @classmethod
+    def of(cls, ratios: list[float]) -> Paired | None:
+        if not ratios:
+            return None
+        final = statistics.median(ratios)
+        q1, _, q3 = (
+            statistics.quantiles(ratios, n=4, method="inclusive")
+            if len(ratios) > 1
+            else [final] * 3
+        )
+        settled = len(ratios)
+        for k in range(len(ratios), 0, -1):
+            if abs(statistics.median(ratios[:k]) / final - 1) > SETTLED:
+                break
+            settled = k
+        return cls(final, min(ratios), max(ratios), q1, q3, len(ratios), settled)
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+SETTLED = 0.01  # a running median within 1% of the final one has settled
+
+
+HOST_PARTS = ("decide", "to lane", "from lane", "after")
+
+
+def host_parts(sp: Span) -> dict[str, float] | None:
+    """Where one rrfp task's host time went, in seconds (None when its trace has no lane times):
+    the decisions that picked it, from the task's start to the lane running it (its inputs taken,
+    the hand-off to the lane thread), from the lane's end to the loop having the result, and
+    after (its messages posted, the loop's turn that lets the senders issue them)."""
+    compute, returned = sp.args.get("compute"), sp.args.get("returned")
+    if compute is None or returned is None:
+        return None
+    return {
+        "decide": sp.args.get("decide_s", 0.0),
+        "to lane": compute[0] - sp.start,
+        "from lane": returned - compute[1],
+        "after": sp.end - returned,
+    }
+
+
+@dataclass(frozen=True)
+class HostSummary:
+    """One rrfp contender's host time on real compute: per task, the median of each part
+    (seconds); per rank and iteration (medians over iterations of the mean over ranks), the
+    wall time split into compute, host time around the tasks, waits for a message, and the rest
+    (the loop's other work between tasks); and by thread role the wake-ups per task, and CPU
+    seconds and seconds queued for a core (runnable, not running) per rank and iteration."""
+
+    contender: str
+    per_task: dict[str, float]
+    per_iteration: dict[str, float]
+    wakes_per_task: dict[str, float]
+    cpu_s: dict[str, float]
+    queued_s: dict[str, float]
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def _rank_of(sp: Span) -> int:
+    return sp.args.get("rank", sp.stage)
+
+
+def host_summary(name: str, spans: list[Span], threads: list[dict]) -> HostSummary | None:
+    mine = [sp for sp in spans if sp.process == name]
+    parts = [p for sp in mine if sp.name != "wait" and (p := host_parts(sp)) is not None]
+    if not parts:
+        return None
+    per_task = {k: statistics.median(p[k] for p in parts) for k in HOST_PARTS}
+    per_task["compute"] = statistics.median(task_seconds(sp) for sp in mine if sp.name != "wait")
+    split: dict[str, list[float]] = {}
+    by: dict[tuple[int, int], list[Span]] = {}
+    for sp in mine:
+        by.setdefault((sp.args.get("iteration", 0), _rank_of(sp)), []).append(sp)
+    per_it: dict[int, list[dict]] = {}
+    for (it, _), group in by.items():
+        tasks = sorted((sp for sp in group if sp.name != "wait"), key=lambda sp: sp.start)
+        waits = {(sp.start, sp.end) for sp in group if sp.name == "wait"}  # one per local stage
+        host = [host_parts(sp) for sp in tasks]
+        compute = sum(task_seconds(sp) for sp in tasks)
+        around = sum(sum(p.values()) for p in host if p)
+        waited = sum(e - s for s, e in waits)
+        if not tasks:
+            continue
+        # the rank's own window: from its first wait or task to its last task's end
+        window = tasks[-1].end - min([tasks[0].start, *(s for s, _ in waits)])
+        per_it.setdefault(it, []).append(
+            {
+                "compute": compute,
+                "host": around,
+                "wait": waited,
+                "other": max(0.0, window - compute - around - waited),
+            }
+        )
+    for ranks in per_it.values():
+        for k in ("compute", "host", "wait", "other"):
+            split.setdefault(k, []).append(sum(r[k] for r in ranks) / len(ranks))
+    tasks_per_rank = len(parts) / max(1, len(by))
+    wakes: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    queued: dict[str, list[float]] = {}
+    for t in threads:
+        if t["contender"] != name:
+            continue
+        for who, (cpu_s, woke, _, *waited) in t["roles"].items():
+            wakes.setdefault(who, []).append(woke / tasks_per_rank)
+            cpu.setdefault(who, []).append(cpu_s)
+            queued.setdefault(who, []).append(waited[0] if waited else 0.0)
+    return HostSummary(
+        name,
+        per_task,
+        {k: statistics.median(v) for k, v in split.items()},
+        {k: statistics.median(v) for k, v in wakes.items()},
+        {k: statistics.median(v) for k, v in cpu.items()},
+        {k: statistics.median(v) for k, v in queued.items()},
+    )
+
+
+def paired_parts(
+    spans: list[Span], threads: list[dict], numerator: str, denominator: str
+) -> dict[str, list[float]]:
+    """Real compute: per iteration, ``numerator`` over ``denominator`` for what the wall time is
+    made of, summed over the ranks: ``compute`` (the lanes' work, wall clock), ``lane CPU`` (the
+    CPU time the lane threads used) and ``lane queued`` (their time runnable but waiting for a
+    core). Equal CPU with longer compute is the machine's scheduler, not the runtime."""
+    sums: dict[tuple[str, int], dict[str, float]] = {}
+    for sp in spans:
+        if sp.name != "wait" and sp.process in (numerator, denominator):
+            key = (sp.process, sp.args.get("iteration", 0))
+            acc = sums.setdefault(key, {})
+            acc["compute"] = acc.get("compute", 0.0) + task_seconds(sp)
+    for t in threads:
+        lane = t["roles"].get("lane")
+        if lane is None or t["contender"] not in (numerator, denominator):
+            continue
+        acc = sums.setdefault((t["contender"], t["iteration"]), {})
+        acc["lane CPU"] = acc.get("lane CPU", 0.0) + lane[0]
+        if len(lane) > 3:
+            acc["lane queued"] = acc.get("lane queued", 0.0) + lane[3]
+    out: dict[str, list[float]] = {}
+    for (who, it), mine in sums.items():
+        if who != numerator or (denominator, it) not in sums:
+            continue
+        theirs = sums[(denominator, it)]
+        for k, v in mine.items():
+            if theirs.get(k):
+                out.setdefault(k, []).append(v / theirs[k])
     return out

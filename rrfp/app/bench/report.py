@@ -10,7 +10,18 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rrfp.app.bench.analysis import Spread, Summary, paired_differences, paired_ratios
+from rrfp.app.bench.analysis import (
+    HOST_PARTS,
+    SETTLED,
+    HostSummary,
+    Paired,
+    Spread,
+    Summary,
+    paired_beyond_replay,
+    paired_differences,
+    paired_parts,
+    paired_ratios,
+)
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, file_slug
 from rrfp.observe.plot import plot_timelines
 from rrfp.observe.trace import Span, chrome_trace, write_atomic, write_json
@@ -19,6 +30,14 @@ EMULATED = (
     "Device time is emulated on CPU: each task holds its stage's compute lane for its emulated "
     "duration (units x unit_ms; the tiny model's real compute runs inside that time), so the "
     "figures compare schedules and dispatch, not hardware."
+)
+REAL = (
+    "Real compute: each task takes what the model's compute takes on this machine, with no "
+    "emulated time (on CPU one compute thread per rank). "
+    "Efficiency is each row's own lower bound "
+    "(its realized task times: busiest rank, or longest microbatch chain) over its time; vs replay "
+    "is its time over the simulator replaying those task times with no host time and no latency, "
+    "minus one: what the runtime and the transport added."
 )
 MIN_REPS = 3  # fewer measured iterations per contender than this is a smoke run, not a benchmark
 SMOKE = (
@@ -58,6 +77,8 @@ class CaseResult:
     summaries: list[Summary]
     cost_model: str | None = None  # the calibrated model's file, for data-driven durations
     skipped: dict[str, str] = field(default_factory=dict)  # contender -> why it did not run
+    threads: list[dict] = field(default_factory=list)  # per run and rank: CPU and wake-ups by role
+    hosts: list[HostSummary] = field(default_factory=list)  # real compute: rrfp's host time
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
@@ -72,20 +93,28 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     lines = ["# rrfp bench", ""]
     if spec.reps < MIN_REPS:
         lines += [SMOKE.format(reps=spec.reps, min=MIN_REPS), ""]
+    time_is = (
+        f"real compute on {spec.device}"
+        if spec.real
+        else f"{spec.unit_ms:g} ms of emulated device time per unit (one average forward)"
+    )
+    load = f", load average {machine['load']}" if machine.get("load") else ""
+    load += ", each rank pinned to a core of its own" if spec.pin else ""
     lines += [
         f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
-        f"after one warm-up, contenders rotated each iteration; {spec.unit_ms:g} ms of emulated "
-        f"device time per unit (one average forward); ready budget {spec.budget}. "
-        f"{machine['cpus']} CPUs, torch {machine['torch']}, {machine['hostname']}, "
-        f"{machine['date']}.",
+        f"after one warm-up, contenders rotated each iteration; {time_is}; ready budget "
+        f"{spec.budget}. {machine['cpus']} CPUs{load}, torch {machine['torch']}, "
+        f"{machine['hostname']}, {machine['date']}.",
         "",
-        EMULATED,
+        REAL if spec.real else EMULATED,
         "",
     ]
     for res in results:
         c = res.case
         source = (
-            f"task times from its data (cost model calibrated here: {res.cost_model}) x the "
+            "task times from its data and this machine, as computed"
+            if spec.real
+            else f"task times from its data (cost model calibrated here: {res.cost_model}) x the "
             f"{c.preset} preset's noise"
             if res.cost_model
             else f"task times from the {c.preset} preset"
@@ -97,7 +126,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             f"{Path(c.config).name}{sets}: {source}.",
             "",
             "| contender | ms/iteration (median) | min..max | speedup vs fixed 1F1B | min..max "
-            "| peak in-flight | efficiency | vs simulator | decision µs | plan ms |",
+            f"| peak in-flight | efficiency | {'vs replay' if spec.real else 'vs simulator'} "
+            "| decision µs | plan ms |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         zb = next((s.peak_inflight for s in res.summaries if s.contender == EQUAL_MEMORY_TO), None)
@@ -129,12 +159,32 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             (ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH
         ]
         for headline, other, title in pairs:
-            ratios = paired_ratios(res.rows, other, headline)
-            if ratios:
+            p = Paired.of(paired_ratios(res.rows, other, headline))
+            if p:
                 lines.append(
-                    f"{title}: median {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
-                    f"max {max(ratios):.3f})."
+                    f"{title}: median {p.median:.3f}x (min {p.low:.3f}, max {p.high:.3f}, IQR "
+                    f"{p.q1:.3f}..{p.q3:.3f}; {p.n} paired iterations, the median within "
+                    f"{SETTLED:.0%} of its final value from iteration {p.settled_after} on)."
                 )
+                beyond = Paired.of(paired_beyond_replay(res.rows, headline, other))
+                if spec.real and beyond and not title.startswith("Against"):
+                    lines.append(
+                        f"  The order and the compute taken out ({headline}'s time over its "
+                        f"replay, over {other}'s): median {beyond.median:.3f} (IQR "
+                        f"{beyond.q1:.3f}..{beyond.q3:.3f}, min {beyond.low:.3f}, max "
+                        f"{beyond.high:.3f}): above 1, {headline}'s runtime added more."
+                    )
+                parts = paired_parts(res.spans, res.threads, headline, other)
+                if spec.real and parts and not title.startswith("Against"):
+                    said = "; ".join(
+                        f"{k} {p.median:.3f} (IQR {p.q1:.3f}..{p.q3:.3f})"
+                        for k, v in parts.items()
+                        if (p := Paired.of(v)) is not None
+                    )
+                    lines.append(
+                        f"  Per iteration, {headline} over {other}, summed over the ranks (paired "
+                        f"medians): {said}."
+                    )
         for dropin, direct in DROP_IN_PAIRS:
             ratios = paired_ratios(res.rows, dropin, direct)
             extra = next((s.overhead_s for s in res.summaries if s.contender == dropin), None)
@@ -160,6 +210,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                     f"median {s.plan_s * 1e3:.2f} ms of planning, "
                     f"{s.plan_waited_s * 1e3:.2f} ms waited at the iteration's start."
                 )
+        if res.hosts:
+            lines += ["", *host_lines(res.hosts), ""]
         if not any(s.contender == BASELINE for s in res.summaries):
             lines.append(f"No speedups: {BASELINE} did not run.")
         for name, why in res.skipped.items():
@@ -167,15 +219,59 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
         lines += [
             "Peak in-flight: the most microbatches one stage (rank) held activations for, the "
             "memory a speedup was bought with (fixed 1F1B holds PP; torch's ZB-V counts its two "
-            "half stages as halves). Efficiency: the lower bound of the iteration's realized "
-            "durations (busiest stage, or longest microbatch chain) over the measured time. vs "
-            "simulator: measured over the simulator's time for the same durations, minus one (rrfp "
-            "contenders only); well above zero, real compute (sharing this machine's CPUs) "
-            "outlasted the emulated durations, and a larger --unit-ms separates the schedules from "
-            "the CPU load. Speedups are medians of per-iteration ratios.",
+            "half stages as halves). Speedups are medians of per-iteration ratios. "
+            + (
+                "Efficiency and vs replay: see above."
+                if spec.real
+                else "Efficiency: the lower bound of the iteration's realized durations (busiest "
+                "stage, or longest microbatch chain) over the measured time. vs simulator: "
+                "measured over the simulator's time for the same durations, minus one (rrfp "
+                "contenders only); well above zero, real compute (sharing this machine's CPUs) "
+                "outlasted the emulated durations, and a larger --unit-ms separates the schedules "
+                "from the CPU load."
+            ),
             "",
         ]
     return "\n".join(lines)
+
+
+ROLES = ("loop", "lane", "channels", "gloo", "heartbeat", "store", "planner", "other")
+
+
+def host_lines(hosts: list[HostSummary]) -> list[str]:
+    """rrfp's host time around each task on real compute, and what its threads did."""
+    lines = [
+        "Host time around each task (rrfp rows; medians over tasks, µs): decide (the decisions "
+        "that picked it), to lane (inputs taken, handed to the lane thread, the lane starting it), "
+        "from lane (the lane's end to the loop having the result), after (posting its messages, "
+        "the loop's turn for the senders). Per rank and iteration (ms, medians over iterations of "
+        "the mean over ranks): compute, host (those four, summed), waits for a message, other "
+        "(the loop between tasks). Wake-ups per task, and CPU ms and ms queued for a core "
+        "(runnable, not running) per rank and iteration, by thread (loop, lane, channels' "
+        "waiter threads, gloo's transport loop, heartbeat, "
+        "the store's threads, planner, other).",
+        "",
+        "| contender | compute ms/task | decide | to lane | from lane | after "
+        "| compute ms | host ms | wait ms | other ms | wake-ups/task "
+        f"{'/'.join(ROLES)} | CPU ms {'/'.join(ROLES)} | queued ms loop/lane |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for h in hosts:
+        t, it = h.per_task, h.per_iteration
+        wakes = "/".join(_fmt(h.wakes_per_task.get(r), ".1f") for r in ROLES)
+        cpu = "/".join(_fmt(h.cpu_s.get(r) and h.cpu_s[r] * 1e3, ".0f") for r in ROLES)
+        lines.append(
+            f"| {h.contender} | {t['compute'] * 1e3:.2f} | "
+            + " | ".join(f"{t[k] * 1e6:.0f}" for k in HOST_PARTS)
+            + " | "
+            + " | ".join(
+                f"{it.get(k, 0.0) * 1e3:.1f}" for k in ("compute", "host", "wait", "other")
+            )
+            + f" | {wakes} | {cpu} | "
+            + "/".join(_fmt(h.queued_s.get(r) and h.queued_s[r] * 1e3, ".0f") for r in ROLES[:2])
+            + " |"
+        )
+    return lines
 
 
 def memory_lines(summaries: list[Summary]) -> list[str]:
@@ -211,7 +307,8 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
     doc = {
         "config": spec.as_dict(),
         "machine": machine,
-        "emulated_device_time": EMULATED,
+        "emulated_device_time": None if spec.real else EMULATED,
+        "real_compute": REAL if spec.real else None,
         "workloads": [],
     }
     for res in results:
@@ -222,6 +319,8 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
                 "preset": res.case.preset,
                 "cost_model": res.cost_model,
                 "skipped": res.skipped,
+                "host": [h.as_dict() for h in res.hosts],
+                "threads": res.threads,
                 "summary": [s.as_dict() for s in res.summaries],
                 "rows": res.rows,
                 "iterations": res.iterations,

@@ -288,6 +288,7 @@ class DropInRunner:
             arg_mbs=[(x,) for x, _ in batches] if self._first else None,
             target_mbs=[y for _, y in batches] if self._last else None,
             return_outputs=False,
+            cost_features=None if features is None else list(features),  # a plan's prices
         )
         wall = time.perf_counter() - t0
         self._module.zero_grad(set_to_none=True)

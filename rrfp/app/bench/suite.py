@@ -233,13 +233,20 @@ class BenchSpec:
     tp: int = 1
     mb: int = 16
     reps: int = 5  # measured iterations per contender, after one warm-up
-    unit_ms: float = 20.0
+    unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = "2x"
     seed: int = 0
     peer_timeout_s: float = 120.0
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
     )
+    device: str = "cpu"  # "cuda": the ranks compute on their GPU over NCCL (real compute only)
+    pin: bool = False  # real compute on CPU: each rank's threads on a core of its own
+
+    @property
+    def real(self) -> bool:
+        """Task times are the model's real compute on the run's device: nothing is emulated."""
+        return self.unit_ms == 0
 
     @property
     def world(self) -> int:
@@ -272,14 +279,24 @@ class BenchSpec:
         return cls(**doc)
 
 
+def cost_key(case: str, contender: Contender) -> str:
+    """Which calibrated cost model a contender plans with: its workload's, per layout (a model is
+    fitted per stage, and virtual stages cut the model finer)."""
+    if contender.virtual == 1:
+        return case
+    return f"{case}-{'v' if contender.placement == 'v' else 'i'}{contender.virtual}"
+
+
 def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None:
     """Why this contender cannot run this workload here, or None."""
+    if spec.device != "cpu" and (contender.is_torch or contender.drop_in):
+        return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
     if contender.virtual > 1:
         if contender.drop_in:
             return "ScheduleReady runs one stage per rank"
-        if case.calibrate:
+        if case.calibrate and not spec.real:  # real compute calibrates each layout
             return (
                 f"its cost model is calibrated for {spec.pp} stages, and {contender.virtual} "
                 f"stages per rank need one for {spec.pp * contender.virtual}"

@@ -26,10 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rrfp.app.bench import threads as thread_stats
 from rrfp.app.bench.runners import DropInRunner, RrfpRunner, Runner, TorchRunner
-from rrfp.app.bench.suite import BenchSpec, Case
+from rrfp.app.bench.suite import BenchSpec, Case, Contender, cost_key
 from rrfp.app.errors import exit_now, one_line
 from rrfp.core.cost import CostModel
+from rrfp.core.hints import resolve
 from rrfp.loop import run as run_loop
 from rrfp.observe.trace import write_json
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -42,25 +44,54 @@ def rotated(items: list, k: int) -> list:
     return items[k % len(items) :] + items[: k % len(items)]
 
 
+def _on(device: torch.device, value):
+    """A microbatch's tensors (a tensor, or tuples and lists of them) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        moved = [_on(device, v) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
+    return value
+
+
+def cost_of(
+    spec: BenchSpec, case: Case, contender: Contender, cost_paths: dict[str, str], emulated
+) -> CostModel | None:
+    """The cost model ``contender`` runs with: with emulated time the workload's (calibrated, or
+    its config's); with real compute the one calibrated for its layout, and only for a planned
+    hint (it prices the plan; the tasks take what they take)."""
+    if not spec.real:
+        path = cost_paths.get(case.name)
+        return CostModel.from_json(Path(path).read_text()) if path else emulated
+    path = cost_paths.get(cost_key(case.name, contender))
+    if path is None or contender.is_torch or not resolve(contender.hint).planned:
+        return None
+    return CostModel.from_json(Path(path).read_text())
+
+
 async def run_case(
-    runtimes: dict, spec: BenchSpec, case: Case, cost_path: str | None, progress
+    runtimes: dict, spec: BenchSpec, case: Case, cost_paths: dict[str, str], progress
 ) -> dict:
     """``runtimes``: by (virtual, placement), the rank's runtime of each layout the contenders
     use."""
     rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
     wl = cfg.workload
-    cost = CostModel.from_json(Path(cost_path).read_text()) if cost_path else cfg.emulation.cost
     var = cfg.emulation.variability
+    device = rt.device
 
     # the rrfp contenders of one layout share its stage modules; torch's runners build their own
     modules = {
-        key: wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
+        key: [
+            m.to(device)
+            for m in wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
+        ]
         for key, r in runtimes.items()
     }
     module = modules[(1, "interleaved")][0]
     runners: dict[str, Runner] = {}
     for contender in case.contenders:
+        cost = cost_of(spec, case, contender, cost_paths, cfg.emulation.cost)
         if contender.is_torch:
             runners[contender.name] = TorchRunner(rt, contender, wl, cfg.model, spec, var, cost)
         elif contender.drop_in:  # the rrfp contenders' module again, behind torch's PipelineStage
@@ -76,12 +107,13 @@ async def run_case(
                 var,
                 cost,
             )
-    rows, iterations = [], []
+    rows, iterations, threads = [], [], []
     names = list(runners)
 
     def inputs(it: int):
         data = wl.batches(cfg.data, it, spec.mb)
-        return data, [wl.features(b) for b in data]
+        moved = data if device.type == "cpu" else [_on(device, b) for b in data]
+        return moved, [wl.features(b) for b in data]
 
     upcoming = inputs(0)
     for r in runners.values():
@@ -95,7 +127,11 @@ async def run_case(
         if it > 0:
             iterations.append({"iteration": it, "features": feats})
         for position, name in enumerate(rotated(names, it)):
+            before = thread_stats.snapshot()
             m = await runners[name].run(it, data, feats)
+            used = thread_stats.between(before, thread_stats.snapshot())
+            if it > 0 and used:
+                threads.append({"contender": name, "iteration": it, "rank": rt.rank, "roles": used})
             vec = torch.tensor(m.reduced(), dtype=torch.float64)
             await rt.all_reduce(
                 vec, dist.ReduceOp.MAX, what=f"{case.name} {name} iteration {it}: statistics"
@@ -131,12 +167,13 @@ async def run_case(
         for sp in r.spans
         if sp.args.get("iteration", 0) > 0
     ]
-    gathered = await rt.gather_object(spans)
+    gathered = await rt.gather_object((spans, threads))
     return {
         "name": case.name,
         "rows": rows,
         "iterations": iterations,
-        "spans": None if gathered is None else [sp for part in gathered for sp in part],
+        "spans": None if gathered is None else [sp for part, _ in gathered for sp in part],
+        "threads": None if gathered is None else [t for _, part in gathered for t in part],
     }
 
 
@@ -144,7 +181,8 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
     """One runtime per layout the contenders use (one stage per rank, and each virtual layout),
     all on the first one's process group, started in one order on every rank and finished in
     reverse."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # one compute thread per rank: ranks do not fight over the cores
+    backend = "nccl" if spec.device == "cuda" else "gloo"
     layouts = dict.fromkeys(
         [(1, "interleaved")]
         + [
@@ -165,12 +203,24 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
                     unit_ms=spec.unit_ms,
                     virtual=virtual,
                     placement=placement,
+                    backend=backend,
                 )
             )
-        return [
-            await run_case(runtimes, spec, case, cost_paths.get(case.name), progress)
-            for case in spec.cases
-        ]
+        return [await run_case(runtimes, spec, case, cost_paths, progress) for case in spec.cases]
+
+
+def pin_to_core(local_rank: int) -> int | None:
+    """Real compute on CPU: this rank's threads on one core of its own (the ``local_rank``-th it
+    may use), so that ranks do not trade cores and a process pinned beside it slows it alone.
+    The core, or None where the system cannot pin."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[local_rank % len(cores)]
+    for tid in os.listdir("/proc/self/task"):  # threads started since; later ones inherit it
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), {core})
+    return core
 
 
 def main(argv: list[str]) -> None:
@@ -178,6 +228,10 @@ def main(argv: list[str]) -> None:
     job_path, rows_path = argv
     rank = int(os.environ.get("RANK", "0"))
     job = json.loads(Path(job_path).read_text())
+    spec = job["spec"]
+    if spec.get("pin"):
+        core = pin_to_core(int(os.environ.get("LOCAL_RANK", "0")))
+        log.info("rank %d computes on core %s", rank, core)
     done = 0
 
     def progress(label: str) -> None:
@@ -187,7 +241,7 @@ def main(argv: list[str]) -> None:
             print(PROGRESS + json.dumps({"done": done, "label": label}), flush=True)
 
     try:
-        cases = run_loop(run_job(BenchSpec.from_dict(job["spec"]), job.get("cost", {}), progress))
+        cases = run_loop(run_job(BenchSpec.from_dict(spec), job.get("cost", {}), progress))
         if rank == 0:
             write_json(rows_path, {"cases": cases})
     except Exception as e:
