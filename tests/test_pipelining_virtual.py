@@ -3,8 +3,8 @@ of the rank's PipelineStages, as torch's PipelineScheduleMulti takes it, it must
 gradients and outputs of each of torch's multi-stage schedules of that placement on the same stages
 (ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble for the interleaved placement,
 ScheduleZBVZeroBubble and ScheduleDualPipeV for v), and of a single-process run of the same model
-and data; stage sets that are neither placement, stages on different devices, and keyword arguments
-with several stages per rank are refused in one line."""
+and data; stage sets that are neither placement and stages on different devices are refused in one
+line. Keyword arguments to every stage: tests/test_pipelining_kwargs.py."""
 
 from __future__ import annotations
 
@@ -150,17 +150,6 @@ def _virtual_parity(rank, world, placement, m):
                 stages, local_modules = stages[::-1], local_modules[::-1]
             schedule, runs[name] = _run(cls, stages, local_modules, first, last, data, m, **options)
             if cls is ScheduleReady:
-                # torch passes a rank's kwargs to each of its stages; ScheduleReady refuses them, on
-                # every rank alike (before any message), rather than give them to the first stage
-                # alone
-                with pytest.raises(
-                    NotImplementedError, match="keyword arguments.*several stages per rank"
-                ):
-                    schedule.step(
-                        *((data[0][0],) if first else ()),
-                        target=data[0][1] if last else None,
-                        scale=0.5,
-                    )
                 result[f"{name} runtime stages"] = (
                     tuple(schedule._runtime.stages),
                     str(schedule._runtime.virtual.placement),

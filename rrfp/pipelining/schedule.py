@@ -25,7 +25,8 @@ Underneath, the stage's module runs in an rrfp ``StageExecutor`` (readiness,
 the hint, the budget) over rrfp's own channels, so nothing needs torch's shape
 inference: microbatches may differ in shape (pass them pre-split, as torch 2.14
 does, with ``arg_mbs``/``kwarg_mbs``/``target_mbs``), and a stage may send
-several tensors and None. The runtime lives on a loop in a thread of its own
+several tensors and None. As in torch, a rank's keyword arguments reach every stage it holds, each
+microbatch's its own. The runtime lives on a loop in a thread of its own
 (rrfp/loop/background.py) that persists across steps; ``step`` blocks.
 ``last_result`` is rrfp's ``IterationResult`` of the last step: busy and wall
 time (the bubble), the order the stage ran its tasks in.
@@ -33,6 +34,8 @@ time (the bubble), the order the stage ran its tasks in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import datetime
 import logging
@@ -70,23 +73,53 @@ log = logging.getLogger("rrfp.pipelining")
 _TARGET_SPEC = (TensorChunkSpec(0),)  # torch splits the target along the batch dimension
 
 
-class _Kwargs(dict):
-    """A first-stage microbatch's keyword arguments, riding as the last positional entry: the
-    StageWorker passes a microbatch's inputs as positional arguments only."""
+# The keyword arguments of the microbatch whose task runs on this thread. The StageWorker passes a
+# stage its inputs as positional arguments only, and a stage past the first gets them from the
+# previous stage; so a rank's kwargs reach each of its stages this way, as torch's
+# forward_one_chunk gives them to every stage a rank holds.
+_STAGE_KWARGS: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "rrfp_stage_kwargs", default=None
+)
 
 
 class _StageCall(torch.nn.Module):
-    """The stage module as torch calls it: ``submod(*args, **kwargs)``. Registered as
-    ``submod``, so parameter names read as on torch's PipelineStage."""
+    """The stage module as torch calls it: ``submod(*args, **kwargs)``, the kwargs those of the
+    microbatch being run. Registered as ``submod``, so parameter names read as on torch's
+    PipelineStage."""
 
     def __init__(self, submod: torch.nn.Module) -> None:
         super().__init__()
         self.submod = submod
 
     def forward(self, *args):
-        if args and isinstance(args[-1], _Kwargs):
-            return self.submod(*args[:-1], **args[-1])
-        return self.submod(*args)
+        return self.submod(*args, **(_STAGE_KWARGS.get() or {}))
+
+
+class _MicrobatchKwargs:
+    """The caller's thread state, with microbatch ``mb``'s keyword arguments current around each of
+    its tasks: the executor runs every F, B and W as ``state.wrap(task)(mb, ...)`` on its lane."""
+
+    def __init__(self, state: ThreadState, kwarg_mbs: list[dict]) -> None:
+        self.state, self.kwarg_mbs = state, kwarg_mbs
+
+    def wrap(self, fn):
+        task = self.state.wrap(fn)
+
+        def run(mb: int, *rest):
+            with _kwargs_of(self.kwarg_mbs[mb]):
+                return task(mb, *rest)
+
+        return run
+
+
+@contextlib.contextmanager
+def _kwargs_of(kwargs: dict):
+    """``kwargs`` current for the stage modules called on this thread meanwhile."""
+    token = _STAGE_KWARGS.set(kwargs)
+    try:
+        yield
+    finally:
+        _STAGE_KWARGS.reset(token)
 
 
 @dataclass(frozen=True)
@@ -405,7 +438,7 @@ class ScheduleReady:
             self._sync = self._runtime.grad_sync(held, ex)
         return ex
 
-    async def _iterate(self, batches, state: ThreadState):
+    async def _iterate(self, batches, state: ThreadState | _MicrobatchKwargs):
         """One iteration in the caller's thread state, then (dp_sync) the replicas' mean grads."""
         result = await self._executor.run_iteration(
             self._iteration, batches, self._features(), thread_state=state
@@ -467,15 +500,6 @@ class ScheduleReady:
                 target_mbs = [
                     t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]
                 ]
-        if any(kwarg_mbs) and (not self._holds_first or len(self._stages) > 1):
-            # torch's multi-stage schedules pass a rank's kwargs to every stage it holds
-            # (forward_one_chunk)
-            raise NotImplementedError(
-                f"stages {[s.stage_index for s in self._stages]}: keyword arguments to a "
-                f"stage other than the first are not supported by ScheduleReady yet (with "
-                f"several stages per rank torch passes them to every one); pass them on the "
-                f"first stage of a one-stage rank and send what later stages need as outputs"
-            )
         return arg_mbs, kwarg_mbs, target_mbs
 
     def _train(
@@ -484,7 +508,7 @@ class ScheduleReady:
         M = self._n_microbatches
         batches = []
         for mb in range(M):
-            x = _first_inputs(arg_mbs[mb], kwarg_mbs[mb]) if self._holds_first else None
+            x = tuple(arg_mbs[mb]) if self._holds_first else None
             y = (
                 _Target(None if target_mbs is None else target_mbs[mb], mb)
                 if self._holds_last
@@ -492,6 +516,8 @@ class ScheduleReady:
             )
             batches.append((x, y))
         self._loss.kwargs, self._loss.outputs = loss_kwargs, ({} if keep else None)
+        if any(kwarg_mbs):
+            state = _MicrobatchKwargs(state, kwarg_mbs)
         held = _take_grads(self._modules)
         try:
             self.last_result = self._loop.call(self._runtime.watch(self._iterate(batches, state)))
@@ -524,7 +550,7 @@ class ScheduleReady:
         held = {s.stage_index: m for s, m in zip(self._stages, self._modules)}
 
         def forward(s: int, x, mb: int):
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), _kwargs_of(kwarg_mbs[mb]):
                 out = held[s](*x) if isinstance(x, tuple) else held[s](x)
                 loss = None
                 if s == rt.num_stages - 1 and self._loss_fn is not None:
@@ -541,15 +567,10 @@ class ScheduleReady:
             rt.rank,
             it,
             self._n_microbatches,
-            lambda mb: _first_inputs(arg_mbs[mb], kwarg_mbs[mb]),
+            lambda mb: tuple(arg_mbs[mb]),
             state.wrap(forward),
             keep_graph=grad,
         )
-
-
-def _first_inputs(args: tuple, kwargs: dict):
-    """A first-stage microbatch as the StageWorker passes it: positional arguments, kwargs last."""
-    return tuple(args) + ((_Kwargs(kwargs),) if kwargs else ())
 
 
 def _parameters(modules: list[torch.nn.Module]) -> list[torch.nn.Parameter]:
