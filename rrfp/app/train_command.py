@@ -43,6 +43,7 @@ def _print_step(r: StepReport) -> None:
     eta = (r.steps - r.step - 1) * r.wall_s
     skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
     norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""
+    norm += f"  eval loss {r.eval_loss:.4f}" if r.eval_loss is not None else ""
     print(
         f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{norm}  {r.tokens_per_s:,.0f} tok/s  "
         f"bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  eta {eta:.0f}s{skipped}",
