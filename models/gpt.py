@@ -327,4 +327,11 @@ def tied(cfg: GPTConfig, stage: int, num_stages: int) -> dict[str, str]:
     return {"embedding": "lm_head.weight"} if stage == num_stages - 1 else {}
 
 
-workload = Workload("gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied)
+def blocks(stage: GPTStage) -> list[nn.Module]:
+    """The stage's transformer blocks, each checkpointed alone under activation checkpointing."""
+    return list(stage.transformer.h.values())
+
+
+workload = Workload(
+    "gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied, blocks=blocks
+)

@@ -12,7 +12,9 @@ A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
 different value in any of them is refused: the saved tensors would not fit, or
 the batches (a pure function of the data config and the step) would not
-continue where they stopped. lr and weight decay may change; the config wins.
+continue where they stopped; so is another optimizer (optim.name), whose state would not fit. The
+other [optim] keys may change; the config wins. The learning-rate schedule and the evaluation
+hold no state of their own: both are functions of the step the checkpoint records.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from rrfp.app.config import FLAT_KEYS, TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.app.optimizers import reconfigured
 from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.core.errors import PeerFailure
@@ -62,6 +65,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
                 },
                 "model": dataclasses.asdict(cfg.model),
                 "data": dataclasses.asdict(cfg.data),
+                "optim": {"name": cfg.optim.name},  # its state is that optimizer's
             }
         )
     )
@@ -192,6 +196,7 @@ def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
     """The saved and the current fingerprint, as far as they mean something: a checkpoint saved
     before run.virtual existed had one stage per rank, and run.placement says nothing about a side
     with one stage per rank, so it is compared only where both have several."""
+    saved = {"optim": {"name": "adamw"}, **saved}  # saved before optim.name existed: AdamW's
     if "run" not in saved:
         return saved, now
     saved_run, now_run = {"virtual": 1, **saved["run"]}, now["run"]
@@ -282,16 +287,17 @@ class RunCheckpoints:
         return stopping or done == self.cfg.run.steps or (every > 0 and done % every == 0)
 
     async def load(self, ckpt: Checkpoint) -> None:
+        opts = self.opt if isinstance(self.opt, list) else [self.opt]
         try:
-            with named_collective(
-                f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group
+            with (
+                named_collective(
+                    f"loading checkpoint {ckpt.path} (DCP's collectives)", self.rt.cpu_group
+                ),
+                reconfigured(opts, self.cfg.optim),  # the config's hyperparameters, not the saved
             ):
                 await in_daemon_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
-        for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
-            for group in opt.param_groups:  # the config's, not the checkpoint's
-                group.update(lr=self.cfg.optim.lr, weight_decay=self.cfg.optim.weight_decay)
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
 
     async def save(self, done: int, rng: dict | None = None) -> Checkpoint:

@@ -1,5 +1,6 @@
 """Run configuration: a TOML file in sections ([run], [parallel], [schedule], [optim],
-[runtime], [checkpoint], [output], [emulation], [timeouts], [debug], rrfp/app/config_sections.py)
+[runtime], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
+rrfp/app/config_sections.py)
 plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
 Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the Dispatch mode, the
@@ -24,6 +25,7 @@ from rrfp.app.config_sections import (
     CheckpointSection,
     DebugSection,
     EmulationSection,
+    EvalSection,
     OptimSection,
     OutputSection,
     ParallelSection,
@@ -87,6 +89,7 @@ class TrainConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     output: OutputSection = field(default_factory=OutputSection)
+    eval: EvalSection = field(default_factory=EvalSection)
     emulation: EmulationSection = field(default_factory=EmulationSection)
     timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
     debug: DebugSection = field(default_factory=DebugSection)
@@ -116,6 +119,7 @@ class TrainConfig:
             )
             raise ConfigError(f"{e}{split}") from None
         self._check_emulation()
+        self._check_recipe()
         _check_hint_layout(self.schedule, self.stages)
         _check_fixed_budget(self.schedule, self.stages)
         self._check_fault()
@@ -136,6 +140,14 @@ class TrainConfig:
                 "schedule.hint = plan in real time (emulation.unit_ms = 0) has no task costs to "
                 "plan on: run `rrfp calibrate` and give emulation.cost = FILE, or set "
                 "emulation.unit_ms > 0 to emulate the preset's times"
+            )
+
+    def _check_recipe(self) -> None:
+        wl = self.workload
+        if self.runtime.activation_checkpointing != "off" and wl.blocks is None:
+            raise ConfigError(
+                f"runtime.activation_checkpointing = {self.runtime.activation_checkpointing}: "
+                f"workload {wl.name!r} does not name its blocks (Workload.blocks); set it to off"
             )
 
     def _check_fault(self) -> None:

@@ -23,6 +23,9 @@ RESUME_MODES = ("off", "auto", "required")
 AUTOCAST_MODES = ("off", "bfloat16", "float16")
 ON_CORRUPT_CHECKPOINT = ("fallback", "stop")
 ON_NONFINITE = ("stop", "skip")
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+ACTIVATION_CHECKPOINTING = ("off", "layers")
 COUNT = (1, 65536)
 ONE = (1, False, ">= 1")
 STEPS = (1, 10**9)
@@ -141,13 +144,40 @@ class ScheduleSection(Section):
 @dataclass(frozen=True)
 class OptimSection(Section):
     NAME = "optim"
-    DOC = "The optimizer (AdamW, one per stage), its schedule, and what a NaN/Inf step does."
+    DOC = (
+        "The optimizer (one per stage), its weight decay groups, the learning-rate schedule, "
+        "clipping, and what a NaN/Inf step does."
+    )
 
-    lr: float = setting(1e-3, "the learning rate", bounds=(0, 100), least=(0, True, "> 0"))
+    name: str = setting(
+        "adamw", "adamw, or sgd (with momentum; no second-moment state)", choices=OPTIMIZERS
+    )
+    lr: float = setting(1e-3, "the peak learning rate", bounds=(0, 100), least=(0, True, "> 0"))
     warmup_steps: int = setting(
         0, "steps over which lr rises linearly from 0 (0: none)", bounds=(0, 10**9)
     )
-    weight_decay: float = setting(0.0, "AdamW's weight decay", bounds=(0, 100))
+    schedule: str = setting(
+        "constant",
+        "after the warmup: constant, or cosine or linear decay to min_lr at decay_steps",
+        choices=LR_SCHEDULES,
+    )
+    min_lr: float = setting(0.0, "where the cosine or linear decay ends", bounds=(0, 100))
+    decay_steps: int = setting(
+        0,
+        "the step at which the decay reaches min_lr, warmup included; 0: run.steps",
+        bounds=(0, 10**9),
+    )
+    weight_decay: float = setting(
+        0.0, "decoupled (adamw) or L2 (sgd) weight decay, on the decayed group", bounds=(0, 100)
+    )
+    decay_all: bool = setting(
+        False,
+        "decay every parameter; false: only those of 2+ dims outside embeddings (no norms, "
+        "biases or embeddings)",
+    )
+    beta1: float = setting(0.9, "adamw's first-moment decay", bounds=(0, 1))
+    beta2: float = setting(0.999, "adamw's second-moment decay", bounds=(0, 1))
+    momentum: float = setting(0.9, "sgd's momentum (0: plain SGD)", bounds=(0, 0.999999))
     clip_grad_norm: float = setting(
         0.0,
         "clip the whole model's gradient norm to this before each step; 0: off",
@@ -158,6 +188,17 @@ class OptimSection(Section):
         "NaN/Inf in the loss or gradients: stop the run, or skip the step on every rank",
         choices=ON_NONFINITE,
     )
+
+    def check(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(
+                f"optim.min_lr = {self.min_lr:g} is above optim.lr = {self.lr:g}: the decay "
+                "would raise the learning rate"
+            )
+        if self.beta1 >= 1 or self.beta2 >= 1:
+            raise ConfigError(
+                f"optim.beta1 = {self.beta1:g}, optim.beta2 = {self.beta2:g}: each must be < 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -175,6 +216,12 @@ class RuntimeSection(Section):
         "torch.autocast around every task; parameters and the optimizer stay float32 "
         "(float16 has no loss scaling here)",
         choices=AUTOCAST_MODES,
+    )
+    activation_checkpointing: str = setting(
+        "off",
+        "layers: recompute each transformer block's forward in the backward "
+        "(torch.utils.checkpoint), keeping only its input",
+        choices=ACTIVATION_CHECKPOINTING,
     )
 
     def check(self) -> None:
@@ -268,6 +315,23 @@ class OutputSection(Section):
             raise ConfigError(
                 f"output.dir = {self.dir!r}: only {{model}} and {{time}} are filled in ({e!r})"
             ) from None
+
+
+@dataclass(frozen=True)
+class EvalSection(Section):
+    NAME = "eval"
+    DOC = "Evaluation on held-out data: a forward-only pipeline iteration every N steps."
+
+    every: int = setting(
+        0, "evaluate after every N steps and after the last; 0: never", bounds=(0, 10**9)
+    )
+    batches: int = setting(
+        2,
+        "held-out iterations per evaluation, each of schedule.microbatches microbatches per "
+        "replica; the same ones every time",
+        bounds=(1, 65536),
+        least=ONE,
+    )
 
 
 def _load_cost(path: str) -> CostModel | None:
@@ -393,6 +457,7 @@ SECTIONS: tuple[type[Section], ...] = (
     RuntimeSection,
     CheckpointSection,
     OutputSection,
+    EvalSection,
     EmulationSection,
     TimeoutsSection,
     DebugSection,

@@ -21,11 +21,17 @@ import torch.distributed as dist
 
 from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
 from rrfp.app.config import TrainConfig
+from rrfp.app.evaluation import due as eval_due
+from rrfp.app.evaluation import evaluate
+from rrfp.app.lr_schedule import learning_rate as scheduled_lr
+from rrfp.app.lr_schedule import optim_learning_rate
 from rrfp.app.metrics import RunMetrics
+from rrfp.app.optimizers import agree_on_ties, build_optimizer, no_decay_names
 from rrfp.app.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
+from rrfp.nn.activation_checkpointing import checkpoint_blocks
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.pipeline.checkpoint import rng_state
@@ -53,6 +59,7 @@ class StepReport:
     tokens: float = 0.0  # the step's tokens, every replica's
     attn: float = 0.0  # ... and their rows' attention term (token_features' "attn"), for MFU
     mfu: float | None = None  # model FLOPs utilisation, when the metrics know the FLOPs and peak
+    eval_loss: float | None = None  # with [eval]: the held-out loss after this step, when due
 
 
 @dataclass
@@ -86,6 +93,9 @@ class TrainSummary:
         default_factory=list
     )  # with optim.clip_grad_norm: each step's, before clipping
     metrics: str | None = None  # rank 0: the metrics.jsonl this run wrote (output.dir)
+    eval_losses: dict[int, float] = field(
+        default_factory=dict
+    )  # with [eval]: steps done (1-based) -> the held-out loss after them
 
 
 async def stage_main(
@@ -161,6 +171,9 @@ class _RankTraining:
                 cfg.model, rt.stages, rt.num_stages, cfg.run.seed, rt.tp_group
             )
         ]
+        if cfg.runtime.activation_checkpointing == "layers":
+            for m in self.modules:
+                checkpoint_blocks(self.wl.blocks(m))
         # the rank's parameters, as one module
         self.module = (
             self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
@@ -173,16 +186,9 @@ class _RankTraining:
         self.ex = self._executor()
         self.sync = rt.grad_sync(self.module, self.ex)
         self.injector = self._fault_injector()  # testing aid, normally None
-        # one optimizer per stage: the same update as one over all (AdamW is per parameter), and
-        # each stage's state goes to its own checkpoint key
-        self.opts = [
-            torch.optim.AdamW(m.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-            for m in self.modules
-        ]
+        self.opts: list[torch.optim.Optimizer] = []  # built in begin(): ties are agreed on first
         self.summary = TrainSummary()
-        self.ckpts = (
-            RunCheckpoints(cfg, rt, self.modules, self.opts) if cfg.checkpoint.dir else None
-        )
+        self.ckpts: RunCheckpoints | None = None
         self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed from
         self.metrics = RunMetrics.open(cfg, rt.device) if rt.rank == 0 else None
         if self.metrics is not None:
@@ -219,8 +225,23 @@ class _RankTraining:
             self.ex.task_hold_s.append(injector.hold_s)
         return injector
 
+    async def _build_optimizers(self) -> None:
+        """One optimizer per stage: the same update as one over all (AdamW and SGD are per
+        parameter), and each stage's state goes to its own checkpoint key. Its weight-decay groups
+        agree across the stages that hold a tie (rrfp/app/optimizers.py)."""
+        cfg, rt = self.cfg, self.rt
+        no_decay = [no_decay_names(m) for m in self.modules]
+        await agree_on_ties(rt, self.wl, cfg.model, rt.stages, no_decay)
+        self.opts = [
+            build_optimizer(cfg.optim, m, skip)
+            for m, skip in zip(self.modules, no_decay, strict=True)
+        ]
+        if cfg.checkpoint.dir:
+            self.ckpts = RunCheckpoints(cfg, rt, self.modules, self.opts)
+
     async def begin(self, resume: Resume) -> None:
-        """Agree on the checkpoint to start from, and load it."""
+        """Build the optimizers, agree on the checkpoint to start from, and load it."""
+        await self._build_optimizers()
         if self.ckpts is not None:
             await self.ckpts.begin(resume)
             if self.injector is not None:
@@ -277,6 +298,8 @@ class _RankTraining:
             return False
         grad_norm = await self._update(step, stats, bad)
         report = self._record(step, stats, res, grad_norm)
+        if eval_due(self.cfg.eval.every, step, self.cfg.run.steps):
+            report.eval_loss = await self._evaluate(step)
         if self.metrics is not None:
             self.metrics.step(report)
         if self.cfg.output.sizes:
@@ -337,13 +360,37 @@ class _RankTraining:
         else:
             if optim.clip_grad_norm:  # every rank is here together: none abandoned or saw a NaN
                 grad_norm = await self.rt.clip_grad_norm_(optim.clip_grad_norm)
+            lr = self.lr(step)
             for opt in self.opts:
                 for group in opt.param_groups:
-                    group["lr"] = learning_rate(optim.lr, optim.warmup_steps, step)
+                    group["lr"] = lr
                 opt.step()
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         return grad_norm
+
+    def lr(self, step: int) -> float:
+        """The learning rate of (0-based) ``step``'s update: the [optim] schedule's."""
+        return optim_learning_rate(self.cfg.optim, self.cfg.run.steps, step)
+
+    async def _evaluate(self, step: int) -> float:
+        """The held-out loss after ``step``, on every rank (rank 0 logs it)."""
+        cfg = self.cfg
+        loss = await evaluate(
+            self.rt,
+            self.ex,
+            self.modules,
+            self.wl,
+            cfg.data,
+            cfg.eval,
+            cfg.schedule.microbatches,
+            step,
+            thread_state=self.amp,
+        )
+        self.summary.eval_losses[step + 1] = loss
+        if self.rt.rank == 0:
+            log.info("step %d: eval loss %.4f", step + 1, loss)
+        return loss
 
     def _record(self, step: int, stats: StepStatistics, res, grad_norm) -> StepReport:
         lay, world = self.cfg.layout, self.cfg.layout.world_size
@@ -358,7 +405,7 @@ class _RankTraining:
             stats.wall / world,
             skipped=bool(stats.nonfinite),
             grad_norm=grad_norm,
-            lr=self.opts[0].param_groups[0]["lr"] if self.opts else None,
+            lr=self.lr(step),
             tokens=tokens,
             attn=stats.attn / lay.tp,
         )
@@ -439,8 +486,8 @@ class _RankTraining:
 
 def learning_rate(lr: float, warmup_steps: int, step: int) -> float:
     """The learning rate of (0-based) ``step``: rising linearly from 0 over ``warmup_steps`` steps,
-    then ``lr``. A function of the step alone, so a resumed run continues the schedule exactly."""
-    return lr if step >= warmup_steps else lr * step / warmup_steps
+    then ``lr`` (optim.schedule = constant; rrfp/app/lr_schedule.py has the others)."""
+    return scheduled_lr(step, lr, warmup_steps)
 
 
 STOP_POLL_S = (

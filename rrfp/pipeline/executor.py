@@ -280,19 +280,26 @@ class StageExecutor:
         return result
 
     async def run_eval(
-        self, iteration: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        iteration: int,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        thread_state: ThreadState | None = None,
     ) -> IterationResult:
         """Forward only (evaluation): the last stage's losses, no backward task, no graph kept,
         gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
-        as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py)."""
+        as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py).
+        ``thread_state``: as ``run_iteration``'s (None: the caller's autocast, read here)."""
         if len(batches) != self.M:
             raise ValueError(
                 f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
             )
         workers = {w.stage: w for w in self.workers}
-        state = ThreadState.capture(
-            f"{self.where}: run_eval", trains=False
-        )  # the caller's autocast
+        state = (
+            thread_state
+            if thread_state is not None
+            else ThreadState.capture(f"{self.where}: run_eval", trains=False)
+        )
 
         @state.wrap
         def forward(s: int, x, mb: int):
