@@ -1,0 +1,173 @@
+"""FSDP2 (``fully_shard``) stage modules and rrfp's own DP under ready dispatch, on pp 2 x dp 2
+(4 gloo ranks; stage s of replica d on rank s * 2 + d), through PipelineRuntime.stage_executor:
+after 3 AdamW steps every rank's gradients and parameters equal one process's over the whole
+batch of both replicas (float64), for the hints bfw, zbh1 and plan. The replicas draw their
+emulated task durations from different seeds, so they run their stages' tasks in different
+orders; the test checks that they did under bfw and plan (why that is safe:
+rrfp/pipeline/sharded_stages.py)."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+M, STEPS, ROWS, D = 4, 3, 16, 4  # ROWS: one step's whole batch, both replicas' together
+HINTS = ("bfw", "zbh1", "plan")
+LR = 0.05
+
+
+def model():
+    """Two stages of unequal units (their all-gathers differ in size, so a mispairing fails)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, D)),
+        nn.Sequential(nn.Linear(D, 5), nn.Tanh(), nn.Linear(5, D)),
+    ).double()
+
+
+def batch(step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ROWS, D, generator=g, dtype=torch.float64)
+    return x, torch.randn(ROWS, D, generator=g, dtype=torch.float64)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def shard(stage_module, mesh):
+    """fully_shard each Linear, then the stage, over the stage's replicas."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    for sub in stage_module:
+        if isinstance(sub, torch.nn.Linear):
+            fully_shard(sub, mesh=mesh)
+    return fully_shard(stage_module, mesh=mesh)
+
+
+def full(t):
+    """The whole tensor as nested lists (what a rank sends back): a DTensor gathered."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).tolist()
+
+
+def reference():
+    """One process, the whole batch: (last step's gradients, parameters after STEPS steps,
+    every step's microbatch losses in replica order)."""
+    import torch
+
+    ref = model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        per = [loss_fn(ref(a), b) for a, b in zip(x.chunk(2 * M), y.chunk(2 * M))]
+        (sum(per) / len(per)).backward()
+        losses.append([p.item() for p in per])
+        grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+    return grads, {n: p.detach().clone() for n, p in ref.named_parameters()}, losses
+
+
+def _rank(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rrfp.core.variability import Variability
+    from rrfp.loop import run
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    async def main():
+        rt = PipelineRuntime.start(pp=2, dp=2, timeout_s=60, unit_ms=3.0)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+        s, d = rt.stage, rt.dp_rank
+        out = {}
+        try:
+            for kind in ("dp_shard", "dp"):
+                for hint in HINTS:
+                    module = model()[s]
+                    if kind == "dp_shard":
+                        module = shard(module, mesh["dp_shard"])
+                    ex = rt.stage_executor(
+                        module,
+                        loss_fn,
+                        microbatches=M,
+                        hint=hint,
+                        # each replica its own durations: their orders differ
+                        variability=Variability.preset("jitter", jitter=0.8),
+                        seed=11 * d + 1,
+                    )
+                    sync = rt.grad_sync(module, ex) if kind == "dp" else None
+                    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+                    orders, losses = [], []
+                    for step in range(STEPS):
+                        x, y = batch(step)
+                        half = slice(d * ROWS // 2, (d + 1) * ROWS // 2)
+                        mbs = list(zip(x[half].chunk(M), y[half].chunk(M)))
+                        opt.zero_grad()
+                        res = await ex.run_iteration(step, mbs)
+                        if sync is not None:
+                            await sync.sync()
+                        orders.append([str(t) for t in res.order])
+                        losses.append([res.losses[mb] for mb in range(M)] if s == 1 else [])
+                        grads = {n: full(p.grad) for n, p in module.named_parameters()}
+                        opt.step()
+                    params = {n: full(p) for n, p in module.named_parameters()}
+                    out[(kind, hint)] = (grads, params, orders, losses)
+        finally:
+            await rt.aclose()
+        return s, d, out
+
+    return run(main())
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders():
+    import torch
+
+    results = run_ranks(_rank, 4, timeout=180)
+    grads, params, losses = reference()
+    diverged = set()
+    for rank, (s, d, out) in results.items():
+        assert len(out) == 2 * len(HINTS), (rank, list(out))
+        for (kind, hint), (got_grads, got_params, orders, got_losses) in out.items():
+            for name, want in grads.items():
+                stage, local = name.split(".", 1)
+                if int(stage) != s:
+                    continue
+                where = f"rank {rank} {kind} {hint} {local}"
+                torch.testing.assert_close(
+                    torch.tensor(got_grads[local], dtype=torch.float64),
+                    want,
+                    rtol=1e-10,
+                    atol=1e-12,
+                    msg=f"{where} grad",
+                )
+                torch.testing.assert_close(
+                    torch.tensor(got_params[local], dtype=torch.float64),
+                    params[name],
+                    rtol=1e-10,
+                    atol=1e-12,
+                    msg=f"{where} param",
+                )
+            if s == 1:
+                for step in range(STEPS):
+                    assert got_losses[step] == pytest.approx(
+                        losses[step][d * M : (d + 1) * M], rel=1e-10
+                    ), (where, step)
+            other = results[s * 2 + 1 - d][2][(kind, hint)][2]
+            if orders != other:
+                diverged.add((kind, hint))
+    # the replicas really did pick different orders under bfw and plan (a plan each); zbh1 ranks
+    # a stage's tasks so strictly that its replicas may well agree
+    assert {(k, h) for k in ("dp_shard", "dp") for h in ("bfw", "plan")} <= diverged, diverged
