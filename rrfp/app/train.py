@@ -29,6 +29,7 @@ from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.pipeline.checkpoint import rng_state
 from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.sharded_stages import shard_stage
 from rrfp.pipeline.thread_state import Autocast, ThreadState
 
 log = logging.getLogger("rrfp.app.train")
@@ -137,6 +138,8 @@ class _RankTraining:
                 cfg.model, rt.stages, rt.num_stages, cfg.run.seed, rt.tp_group
             )
         ]
+        if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
+            self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
         # the rank's parameters, as one module
         self.module = (
             self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
@@ -147,7 +150,8 @@ class _RankTraining:
             else None
         )
         self.ex = self._executor()
-        self.sync = rt.grad_sync(self.module, self.ex)
+        # FSDP-sharded stages reduce-scatter their gradients in the executor's iteration
+        self.sync = None if cfg.parallel.dp_shard > 1 else rt.grad_sync(self.module, self.ex)
         self.injector = self._fault_injector()  # testing aid, normally None
         # one optimizer per stage: the same update as one over all (AdamW is per parameter), and
         # each stage's state goes to its own checkpoint key
@@ -260,7 +264,8 @@ class _RankTraining:
         res = await self.ex.run_iteration(step, mine, feats, thread_state=self.amp)
         if self.injector is not None:
             self.injector.iteration_done(self.module)
-        await self.sync.sync()
+        if self.sync is not None:
+            await self.sync.sync()
         return res
 
     async def _agree(self, step: int, res, bad: bool) -> StepStatistics:

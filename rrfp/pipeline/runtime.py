@@ -427,7 +427,7 @@ class PipelineRuntime:
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
         sharded = ShardedStages.of(modules, self.dp_ranks, "PipelineRuntime.stage_executor")
-        if sharded is not None and tied:
+        if sharded is not None and any(tied if isinstance(tied, (list, tuple)) else [tied]):
             raise NotImplementedError(
                 "PipelineRuntime.stage_executor: tied parameters (tied=) of FSDP-sharded stage "
                 "modules are not supported"

@@ -150,3 +150,14 @@ class ShardedStages:
         """The FSDP root states (each ends its modules' backward once), in model order."""
         states = [fully_shard.state(m) for m in self.modules]
         return [s for s in states if s._is_root]
+
+
+def shard_stage(module: nn.Module, group, device_type: str) -> nn.Module:
+    """``fully_shard`` a stage module over ``group`` (the stage's replicas) as one unit, what
+    ``rrfp train`` does with ``[parallel] dp_shard``. One unit is enough here: every unit is
+    unsharded for the whole iteration anyway (``ShardedStages``), so finer ones would lower no
+    peak, only add collectives."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+    return fully_shard(module, mesh=mesh)
