@@ -1,5 +1,5 @@
 """The model, data and one-process reference that the FSDP2 parity tests share: two stages of a
-float64 MLP, a whole batch per step split between two replicas, AdamW."""
+float64 MLP (two stages, or four), a whole batch per step split between two replicas, AdamW."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ M, STEPS, ROWS, D = 4, 3, 16, 4  # ROWS: one step's whole batch, both replicas' 
 LR = 0.05
 
 
-def model():
-    """Two stages of unequal units (their all-gathers differ in size, so a mispairing fails)."""
+def model(stages: int = 2):
+    """``stages`` stages of unequal units (their all-gathers differ in size, so a mispairing
+    fails)."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Sequential(nn.Linear(D, 6), nn.Tanh(), nn.Linear(6, D)),
-        nn.Sequential(nn.Linear(D, 5), nn.Tanh(), nn.Linear(5, D)),
+        *(
+            nn.Sequential(nn.Linear(D, 5 + s), nn.Tanh(), nn.Linear(5 + s, D))
+            for s in reversed(range(stages))
+        )
     ).double()
 
 
@@ -49,12 +52,12 @@ def full(t):
     return (t.full_tensor() if isinstance(t, DTensor) else t).tolist()
 
 
-def reference():
+def reference(stages: int = 2):
     """One process, the whole batch: (last step's gradients, parameters after STEPS steps,
     every step's microbatch losses in replica order)."""
     import torch
 
-    ref = model()
+    ref = model(stages)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
