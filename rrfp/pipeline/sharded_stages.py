@@ -112,7 +112,7 @@ class ShardedStages:
     def begin(self) -> None:
         """Unshard every FSDP module for the iteration, with FSDP's own per-task all-gathers,
         reshards and reduce-scatters off. Every replica calls it at the iteration's start."""
-        self._saved = []
+        self._restore()  # an iteration that raised left them changed: the user's come first
         for module in self.modules:
             module.set_is_last_backward(False)
             for group in _groups(module):
@@ -141,7 +141,11 @@ class ShardedStages:
                 group.post_backward()
             for root in self._roots():
                 root._root_post_backward_final_callback()
-        for group, names, values in self._saved:  # the user's settings, for what runs outside
+        self._restore()
+
+    def _restore(self) -> None:
+        """The user's settings back, for what runs outside an iteration (evaluation, own calls)."""
+        for group, names, values in self._saved:
             for name, value in zip(names, values):
                 setattr(group, name, value)
         self._saved = []
