@@ -316,7 +316,7 @@ REFUSALS = {
         {0: (0,), 1: (1,)},
         NotImplementedError,
         r"^{who}ScheduleReady does not support a stage module wrapped in "
-        r"DistributedDataParallel \(data parallelism inside the stage\) yet$",
+        r"DistributedDataParallel: use rrfp's data parallelism",
     ),
     "one rank's microbatch count (V = 2)": (
         {0: (0, 2), 1: (1, 3)},

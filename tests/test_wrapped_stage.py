@@ -1,6 +1,8 @@
-"""A stage module wrapped for data parallelism (DDP, FSDP2's fully_shard), around the stage or
-inside it, is refused by PipelineRuntime.stage_executor with ScheduleReady's message, on every
-rank that holds one, before any task runs (rrfp/pipeline/wrapped.py)."""
+"""What PipelineRuntime.stage_executor takes of stage modules wrapped for data parallelism, on
+every rank that holds one, before any task runs: DDP, around the stage or inside it, is refused
+(rrfp/pipeline/wrapped.py); an FSDP2 stage is taken when it is sharded over the stage's replicas
+and every parameter is inside a fully_shard, and refused otherwise, naming why
+(rrfp/pipeline/sharded_stages.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,13 @@ from distributed import run_ranks
 pytestmark = pytest.mark.multirank
 
 WHO = "PipelineRuntime.stage_executor"
-WRAPPED = (
-    r"^{who} does not support a stage module wrapped in {cls} \(data parallelism inside the "
-    r"stage\) yet{inside}$"
-)
+REFUSALS = {
+    "ddp": r"^{who} does not support a stage module wrapped in DistributedDataParallel{inside}: "
+    r"use rrfp's data parallelism",
+    "other ranks": r"^{who}: FSDP module FSDPSequential shards over ranks \[0, 1\], but this "
+    r"stage's data-parallel replicas are ranks \[{rank}\]",
+    "outside": r"^{who}: parameters \['0.weight', '0.bias'\] are outside every fully_shard",
+}
 
 
 def _stage_executor_refuses(rank, world):
@@ -32,7 +37,9 @@ def _stage_executor_refuses(rank, world):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     alone = [dist.new_group([r]) for r in range(world)]  # every rank creates both, in one order
-    mesh = init_device_mesh("cpu", (world,))
+    world_mesh = init_device_mesh("cpu", (world,))
+    # pp = world: each stage's replicas are the rank itself
+    replicas = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]
 
     def plain():
         return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -40,26 +47,36 @@ def _stage_executor_refuses(rank, world):
     def ddp():
         return DistributedDataParallel(plain(), process_group=alone[rank])
 
+    def ddp_inside():
+        m = plain()
+        m[1] = DistributedDataParallel(m[1], process_group=alone[rank])
+        return m
+
+    def over_other_ranks():
+        return fully_shard(plain(), mesh=world_mesh)
+
     def sharded_inside():
         m = plain()
-        fully_shard(m[1], mesh=mesh)
+        fully_shard(m[1], mesh=replicas)
         return m
 
     def sharded():
-        return fully_shard(plain(), mesh=mesh)
+        m = plain()
+        fully_shard(m[1], mesh=replicas)
+        return fully_shard(m, mesh=replicas)
 
     def loss_fn(out, y):
         return out.sum()
 
-    # (what this rank passes, the refusal expected: (class, submodule) or None)
+    # (what this rank passes, the refusal expected: (name, submodule) or None)
     cases = {
         1: {
-            0: [(plain, None), (sharded_inside, ("FSDPLinear", "1"))],
-            1: [(plain, None), (ddp, ("DistributedDataParallel", ""))],
+            0: [(sharded, None), (sharded_inside, ("outside", ""))],
+            1: [(plain, None), (ddp, ("ddp", ""))],
         },
         2: {
-            0: [((plain, ddp), ("DistributedDataParallel", ""))],
-            1: [((sharded, plain), ("FSDPSequential", ""))],
+            0: [((plain, ddp_inside), ("ddp", "1"))],
+            1: [((over_other_ranks, sharded), ("other ranks", ""))],
         },
     }
     seen = []
@@ -85,7 +102,7 @@ def _stage_executor_refuses(rank, world):
     return seen
 
 
-def test_stage_executor_refuses_ddp_and_fsdp_stage_modules():
+def test_stage_executor_refuses_ddp_and_fsdp_it_cannot_run_and_takes_fsdp_over_the_replicas():
     results = run_ranks(_stage_executor_refuses, 2, timeout=90)
     for rank, seen in results.items():
         assert len(seen) == 3, (rank, seen)
@@ -93,7 +110,7 @@ def test_stage_executor_refuses_ddp_and_fsdp_stage_modules():
             if expected is None:
                 assert error is None, (rank, virtual, error)
                 continue
-            cls, sub = expected
+            name, sub = expected
             inside = f"; its submodule {sub} is one" if sub else ""
-            pattern = WRAPPED.format(who=re.escape(WHO), cls=cls, inside=re.escape(inside))
+            pattern = REFUSALS[name].format(who=re.escape(WHO), inside=re.escape(inside), rank=rank)
             assert error is not None and re.match(pattern, error), (rank, virtual, error)

@@ -105,7 +105,7 @@ class TrainConfig:
             object.__setattr__(self, "data", wl.data_config())
         par = self.parallel
         try:
-            layout = plan_layout(self.world_size, par.pp, par.tp, par.dp)
+            layout = plan_layout(self.world_size, par.pp, par.tp, par.replicas)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
@@ -123,6 +123,7 @@ class TrainConfig:
         _check_hint_layout(self.schedule, self.stages)
         _check_fixed_budget(self.schedule, self.stages)
         self._check_fault()
+        self._check_dp_shard()
         if self.runtime.device_type == "cuda":
             _check_cuda(self.world_size)
         cost = self.emulation.cost
@@ -148,6 +149,23 @@ class TrainConfig:
             raise ConfigError(
                 f"runtime.activation_checkpointing = {self.runtime.activation_checkpointing}: "
                 f"workload {wl.name!r} does not name its blocks (Workload.blocks); set it to off"
+            )
+
+    def _check_dp_shard(self) -> None:
+        """What FSDP-sharded stages do not cover yet: checkpoints and tied parameters."""
+        if self.parallel.dp_shard == 1:
+            return
+        if self.checkpoint.dir:
+            raise ConfigError(
+                f"parallel.dp_shard = {self.parallel.dp_shard} with checkpoint.dir: checkpoints "
+                "of FSDP-sharded stages are not supported yet"
+            )
+        if self.workload.tied is not None and any(
+            self.workload.tied(self.model, s, self.num_stages) for s in range(self.num_stages)
+        ):
+            raise ConfigError(
+                f"parallel.dp_shard = {self.parallel.dp_shard} with tied parameters (the model's "
+                "tie_embeddings): ties of FSDP-sharded stages are not supported yet"
             )
 
     def _check_fault(self) -> None:
@@ -375,7 +393,7 @@ class _Loader:
             parts[name] = self.workload_section(name, kind, doc.get(name, {}))
         if implied_world:
             par = parts["parallel"]
-            world_size = max(par.pp, 1) * par.tp * par.dp
+            world_size = max(par.pp, 1) * par.tp * par.replicas
         if world_size is not None:
             parts["world_size"] = world_size
         return TrainConfig(**parts)

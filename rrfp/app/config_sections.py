@@ -65,6 +65,14 @@ class ParallelSection(Section):
     )
     tp: int = setting(1, "tensor-parallel ranks per stage", bounds=COUNT, least=ONE)
     dp: int = setting(1, "data-parallel replicas of the pipeline", bounds=COUNT, least=ONE)
+    dp_shard: int = setting(
+        1,
+        "data-parallel replicas of the pipeline whose stages are FSDP2-sharded over them "
+        "(fully_shard: parameters, gradients and optimizer state split between the replicas); "
+        "instead of dp",
+        bounds=COUNT,
+        least=ONE,
+    )
     virtual: int = setting(
         1,
         "stages per pipeline rank: the model is split into pp x virtual stages",
@@ -78,7 +86,22 @@ class ParallelSection(Section):
         choices=("interleaved", "v"),
     )
 
+    @property
+    def replicas(self) -> int:
+        """The data-parallel degree of the layout: dp, or dp_shard (one of them is 1)."""
+        return self.dp * self.dp_shard
+
     def check(self) -> None:
+        if self.dp > 1 and self.dp_shard > 1:
+            raise ConfigError(
+                f"parallel.dp = {self.dp} and parallel.dp_shard = {self.dp_shard}: choose one "
+                "(replicated or FSDP-sharded stages; both at once, HSDP, is not supported)"
+            )
+        if self.dp_shard > 1 and self.tp > 1:
+            raise ConfigError(
+                f"parallel.dp_shard = {self.dp_shard} with parallel.tp = {self.tp}: FSDP-sharded "
+                "stages with tensor parallelism are not supported"
+            )
         try:
             VirtualLayout(1, self.virtual, self.placement)
         except ValueError as e:

@@ -37,6 +37,7 @@ from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.pipeline.checkpoint import rng_state
 from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
+from rrfp.pipeline.sharded_stages import shard_stage
 from rrfp.pipeline.thread_state import Autocast, ThreadState
 
 log = logging.getLogger("rrfp.app.train")
@@ -174,6 +175,8 @@ class _RankTraining:
         if cfg.runtime.activation_checkpointing == "layers":
             for m in self.modules:
                 checkpoint_blocks(self.wl.blocks(m))
+        if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
+            self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
         # the rank's parameters, as one module
         self.module = (
             self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
@@ -184,7 +187,8 @@ class _RankTraining:
             else None
         )
         self.ex = self._executor()
-        self.sync = rt.grad_sync(self.module, self.ex)
+        # FSDP-sharded stages reduce-scatter their gradients in the executor's iteration
+        self.sync = None if cfg.parallel.dp_shard > 1 else rt.grad_sync(self.module, self.ex)
         self.injector = self._fault_injector()  # testing aid, normally None
         self.opts: list[torch.optim.Optimizer] = []  # built in begin(): ties are agreed on first
         self.summary = TrainSummary()
@@ -313,7 +317,8 @@ class _RankTraining:
         if self.injector is not None:
             self.injector.iteration_done(self.module)
             self.injector.phase("sync", step + 1)
-        await self.sync.sync()
+        if self.sync is not None:
+            await self.sync.sync()
         return res
 
     async def _agree(self, step: int, res, bad: bool, feats) -> StepStatistics:

@@ -5,6 +5,8 @@ model counted by exactly one rank) and one all-reduce over the world sums the sh
 total is what ``torch.nn.utils.clip_grad_norm_`` on the whole model on one process would find,
 the same on every rank. Every rank then scales every gradient it holds (``scaled``) by that
 total. A non-finite total is returned and not applied: the gradients stay as they are.
+An FSDP-sharded gradient (a DTensor) counts and is scaled by this rank's shard, its local tensor:
+the ranks of its mesh count its other shards.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rrfp.comm.collectives import all_reduce
 from rrfp.loop.completions import CompletionPoller
@@ -22,8 +25,17 @@ from rrfp.loop.completions import CompletionPoller
 log = logging.getLogger("rrfp.comm.grad_norm")
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in params if p.grad is not None]
+    return [
+        p.grad.to_dense() if p.grad.is_sparse else local(p.grad)
+        for p in params
+        if p.grad is not None
+    ]
 
 
 def local_share(counts: Sequence[torch.nn.Parameter], norm_type: float) -> torch.Tensor:
@@ -63,9 +75,13 @@ async def clip_grad_norm(
         return total
     grads = _grads(scaled)
     if grads:
-        torch.nn.utils.clip_grads_with_norm_(
-            [p for p in scaled if p.grad is not None],
-            max_norm,
-            torch.tensor(total, dtype=torch.float64),
-        )
+        sharded = [p for p in scaled if p.grad is not None and isinstance(p.grad, DTensor)]
+        plain = [p for p in scaled if p.grad is not None and not isinstance(p.grad, DTensor)]
+        norm = torch.tensor(total, dtype=torch.float64)
+        if plain:
+            torch.nn.utils.clip_grads_with_norm_(plain, max_norm, norm)
+        if sharded:  # each shard in place, by the same coefficient (clip_grads_with_norm_'s)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for p in sharded:
+                local(p.grad).mul_(coef.to(p.grad.dtype))
     return total

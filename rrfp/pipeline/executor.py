@@ -194,6 +194,9 @@ class StageExecutor:
         self.nonfinite = (
             None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
         )
+        # FSDP2 stage modules (rrfp/pipeline/sharded_stages.py): unsharded before the iteration's
+        # first task, their gradients reduce-scattered after its last, the same on every replica
+        self.sharded = None
 
     @property
     def worker(self) -> StageWorker:
@@ -262,6 +265,9 @@ class StageExecutor:
             hint, report = await self.planner.hint(iteration, features)
             spec = self._spec(hint)
         failed = None
+        if self.sharded is not None:
+            self.lane.follow_caller()  # on GPU: the all-gather reads what the optimizer wrote
+            await self.lane.run(self.sharded.begin)
         try:
             result = await _Iteration(self, spec, iteration, batches, features, state).execute()
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
@@ -270,6 +276,9 @@ class StageExecutor:
             failed is not None
         ):  # raised outside the handler, so that it does not chain the group it was in
             raise failed
+        if self.sharded is not None:
+            await self.lane.run(self.sharded.finish)
+            self.lane.caller_waits()
         if (
             self.ties is not None and not self.ties.deferred
         ):  # with DP, GradSync.sync sums them after averaging

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from rrfp.comm.grad_norm import local
 from rrfp.core.errors import NonFiniteError
 
 log = logging.getLogger("rrfp.pipeline.nonfinite")
@@ -81,7 +82,7 @@ class NonFiniteGuard:
 
 
 def _finite_grads(module: torch.nn.Module) -> bool:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]  # an FSDP shard's
     dense = [g for g in grads if not g.is_sparse]
     # a sparse gradient (Embedding(sparse=True)): its stored values
     if not all(bool(torch.isfinite(g.coalesce().values()).all()) for g in grads if g.is_sparse):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
@@ -50,6 +51,7 @@ from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
 from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.worker import StageWorker
@@ -460,6 +462,12 @@ class PipelineRuntime:
             )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
+        sharded = ShardedStages.of(modules, self.dp_ranks, "PipelineRuntime.stage_executor")
+        if sharded is not None and any(tied if isinstance(tied, (list, tuple)) else [tied]):
+            raise NotImplementedError(
+                "PipelineRuntime.stage_executor: tied parameters (tied=) of FSDP-sharded stage "
+                "modules are not supported"
+            )
         if settings is None:
             if microbatches is None:
                 raise TypeError("stage_executor needs settings= or microbatches=")
@@ -525,14 +533,28 @@ class PipelineRuntime:
             liveness=self.heartbeat,
         )
         ex.ties = ties if ties.ties else None
+        ex.sharded = sharded
         ex.nonfinite = guard
         self._executors.append(ex)
         return ex
 
+    @property
+    def dp_ranks(self) -> list[int]:
+        """This stage's data-parallel replicas (this rank among them), in replica order."""
+        c = self.layout.coords(self.rank)
+        return [self.layout.rank_of(c.pp, c.tp, d) for d in range(self.layout.dp)]
+
     def grad_sync(self, module: torch.nn.Module, executor: StageExecutor | None = None) -> GradSync:
         """Averages gradients over this stage's DP replicas; a no-op when dp = 1.
         With ``executor``, each bucket's all-reduce starts inside the iteration,
-        as soon as its gradients are final."""
+        as soon as its gradients are final. Not for FSDP-sharded modules: FSDP reduce-scatters
+        their gradients itself (rrfp/pipeline/sharded_stages.py)."""
+        if fsdp_modules([module]):
+            raise ValueError(
+                "grad_sync: the module is FSDP-sharded (fully_shard): its gradients are "
+                "reduce-scattered over the replicas after every iteration already; averaging "
+                "them again with grad_sync would be wrong"
+            )
         sync = GradSync(
             module,
             self.dp_group,
@@ -548,11 +570,11 @@ class PipelineRuntime:
     async def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by
         their total ``norm_type`` norm, and return that norm, the same on every rank: each parameter
-        counted once (TP shards by their parts, a TP-replicated one and a tie once, DP replicas
-        once), over the modules of every executor this runtime made. Collective: every rank calls
-        it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module, executor)``
-        do it inside the iteration, finished by ``sync()``), or the replicas' norms differ. A
-        non-finite norm is returned and not applied: the gradients stay as they are."""
+        counted once (TP and FSDP shards by their parts, a TP-replicated one and a tie once, DP
+        replicas once), over the modules of every executor this runtime made. Collective: every
+        rank calls it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module,
+        executor)`` do it inside the iteration, finished by ``sync()``), or the replicas' norms
+        differ. A non-finite norm is returned and not applied: the gradients stay as they are."""
         counts, scaled, seen = [], [], set()
         for ex in self._executors:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
@@ -564,7 +586,7 @@ class PipelineRuntime:
                     seen.add(id(p))
                     scaled.append(p)
                     if (
-                        self.dp_rank == 0
+                        (self.dp_rank == 0 or isinstance(p, DTensor))  # an FSDP shard: every one
                         and id(p) not in uncounted
                         and (self.tp_rank == 0 or id(p) in sharded)
                     ):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rrfp.comm.collectives import completed
+from rrfp.comm.grad_norm import local
 
 log = logging.getLogger("rrfp.pipeline.ties")
 
@@ -115,8 +116,8 @@ def _exchange(obj, rank: int, world: int, group) -> list:
 
 def _fingerprint(p: torch.Tensor) -> str | None:
     """A hash of the values, for the forgotten-tie hint; None for a constant tensor (ones, zeros),
-    which matches by accident."""
-    t = p.detach()
+    which matches by accident. An FSDP-sharded parameter: this rank's shard."""
+    t = local(p).detach()
     if t.numel() < 2 or bool((t == t.reshape(-1)[0]).all()):
         return None
     return hashlib.sha1(

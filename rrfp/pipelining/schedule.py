@@ -62,10 +62,12 @@ from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.sharded_stages import fsdp_modules
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.workload import map_tensors
 from rrfp.pipeline.wrapped import refuse_wrapped
+from rrfp.pipelining.mesh import read_mesh
 from rrfp.pipelining.torch_csv import read_torch_csv
 
 log = logging.getLogger("rrfp.pipelining")
@@ -181,7 +183,14 @@ class ScheduleReady:
     when the stage's group is one pipeline of a pp x dp layout, each ``step`` also averages the
     gradients over the dp replicas (the runtime's GradSync, its all-reduces starting as gradients
     are final), so they equal one process's over the whole batch of every replica; a no-op when
-    dp = 1. ``split`` (B and W apart; None: the hint's default) and ``cost`` (a CostModel, e.g. from
+    dp = 1. ``mesh`` (a torch DeviceMesh) places the schedule in a pp x dp layout with one argument
+    (rrfp/pipelining/mesh.py): dimensions ``("pp", "dp")`` or ``("pp", "dp_shard")``, optionally
+    a trailing ``"tp"`` of size 1, over the world in rrfp's rank order (``init_device_mesh``'s);
+    the stage's group must be the mesh's ``"pp"`` slice of this rank. Under ``"dp"`` each ``step``
+    averages the gradients over the replicas (as ``dp_sync``); under ``"dp_shard"`` the stage
+    modules must be ``fully_shard``'ed over ``mesh["dp_shard"]``, and FSDP reduce-scatters them
+    after each step (rrfp/pipeline/sharded_stages.py). ``split`` (B and W apart; None: the hint's
+    default) and ``cost`` (a CostModel, e.g. from
     ``rrfp calibrate``) are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint,
     budget, dispatch, split and cost as one object instead; with ``cost`` every ``step`` needs
     ``cost_features=``, one dict per microbatch (``rrfp.token_features``), the same list on every
@@ -225,11 +234,18 @@ class ScheduleReady:
         cost=None,
         heartbeat: bool = True,
         settings: ScheduleSettings | None = None,
+        mesh=None,
     ) -> None:
         waits = timeouts or Timeouts.derive(timeout_s)
-        stages, layout, virtual, placement, device = _layout_of(
-            stage, n_microbatches, waits.process_group_s, waits.key("process_group_s")
+        stages, layout, virtual, placement, device, dp_dim = _layout_of(
+            stage,
+            n_microbatches,
+            waits.process_group_s,
+            waits.key("process_group_s"),
+            mesh,
+            dp_sync,
         )
+        dp_sync = dp_sync or dp_dim == "dp"  # mesh's "dp": rrfp averages the gradients
         self._stages, self._n_microbatches, self._loss_fn = stages, n_microbatches, loss_fn
         self._holds_first = any(s.is_first for s in stages)
         self._holds_last = any(s.is_last for s in stages)
@@ -631,11 +647,14 @@ def _check_module(module: torch.nn.Module) -> None:
     refuse_wrapped(module, "ScheduleReady")
 
 
-def _layout_of(stage, n_microbatches, timeout_s: float, key: str) -> tuple:
+def _layout_of(
+    stage, n_microbatches, timeout_s: float, key: str, mesh=None, dp_sync: bool = False
+) -> tuple:
     """The rank's stages in model order; rrfp's layout for the stages' group (the whole world as one
     pipeline, or one pipeline of a pp x dp layout whose stage s of replica d is rank ``s * dp +
     d``); the virtual stages per rank and their placement (read off the stage indices each rank
-    holds); and the rank's device.
+    holds); the rank's device; and the mesh's data-parallel dimension (``mesh=``: "dp" or
+    "dp_shard"; None without a mesh).
 
     Every rank's own checks end in one gather of their outcomes, before rrfp's groups exist: a rank
     that refuses its arguments would otherwise leave the others waiting in group creation until the
@@ -653,7 +672,7 @@ def _layout_of(stage, n_microbatches, timeout_s: float, key: str) -> tuple:
     try:
         stages = _stages_of(stage)
         device = _device_of(stages)
-        mine, error = _checked(stages, n_microbatches), None
+        mine, error = _checked(stages, n_microbatches, mesh, dp_sync), None
     except Exception as e:  # whatever it is, the other ranks must hear of it rather than wait
         mine, error = None, e
     everyone = _gather(
@@ -671,15 +690,15 @@ def _layout_of(stage, n_microbatches, timeout_s: float, key: str) -> tuple:
             raise _REFUSALS[name](f"rank {q}: {text}")
         raise RuntimeError(f"rank {q}: {name}: {text}")
     placed = [placed for _, placed in everyone]
-    if len({(len(indices), p) for indices, _, p, _ in placed}) > 1:
+    if len({(len(indices), p) for indices, _, p, *_ in placed}) > 1:
         raise ValueError(
             "the ranks' stages are not one placement: "
             + ", ".join(
-                f"rank {q} holds {indices} ({p})" for q, (indices, _, p, _) in enumerate(placed)
+                f"rank {q} holds {indices} ({p})" for q, (indices, _, p, *_) in enumerate(placed)
             )
         )
-    _, virtual, placement, layout = mine
-    return stages, layout, virtual, placement, device
+    _, virtual, placement, layout, dp_dim = mine
+    return stages, layout, virtual, placement, device, dp_dim
 
 
 _REFUSALS = {
@@ -709,9 +728,9 @@ def _gather(outcome, ok: bool, timeout_s: float, key: str) -> list[tuple[bool, A
     return everyone
 
 
-def _checked(stages: list, n_microbatches) -> tuple:
+def _checked(stages: list, n_microbatches, mesh=None, dp_sync: bool = False) -> tuple:
     """This rank's own checks past its stages and device: (its stage indices, V, placement, rrfp's
-    layout), or the error that names what is wrong."""
+    layout, the mesh's data-parallel dimension or None), or the error that names what is wrong."""
     if (
         isinstance(n_microbatches, bool)
         or not isinstance(n_microbatches, int)
@@ -741,13 +760,44 @@ def _checked(stages: list, n_microbatches) -> tuple:
     ranks = (
         dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
     )
+    dp_dim = _mesh_checked(mesh, stages, ranks, dp_sync) if mesh is not None else None
     if ranks not in layout.pp_groups():
         raise NotImplementedError(
             f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
             f"or the pipelines of {layout.short()} ({layout.pp_groups()})"
         )
     indices = [s.stage_index for s in stages]
-    return (indices, *_placement_of(indices, stage.num_stages, pp, stage.group_rank), layout)
+    return (
+        indices,
+        *_placement_of(indices, stage.num_stages, pp, stage.group_rank),
+        layout,
+        dp_dim,
+    )
+
+
+def _mesh_checked(mesh, stages: list, ranks: list[int], dp_sync: bool) -> str:
+    """The mesh's data-parallel dimension, once the mesh, the stage's group and the stage modules
+    agree with it (rrfp/pipelining/mesh.py)."""
+    read = read_mesh(mesh, dist.get_world_size())
+    if ranks != read.pipeline:
+        raise ValueError(
+            f"ScheduleReady(mesh=): the stage's group has ranks {ranks}, but this rank's pipeline "
+            f"in the mesh is {read.pipeline}: build the PipelineStage with "
+            'group=mesh["pp"].get_group()'
+        )
+    sharded = bool(fsdp_modules([s.submod for s in stages]))
+    if read.dp_dim == "dp_shard" and read.dp > 1 and not sharded:
+        raise ValueError(
+            "ScheduleReady(mesh=): the mesh's 'dp_shard' dimension needs stage modules sharded "
+            "with fully_shard(module, mesh=mesh['dp_shard']); name it 'dp' for rrfp's gradient "
+            "averaging of unsharded modules"
+        )
+    if sharded and (read.dp_dim == "dp" and read.dp > 1 or dp_sync):
+        raise ValueError(
+            "ScheduleReady: the stage modules are FSDP-sharded, so FSDP reduce-scatters their "
+            "gradients: name the mesh's dimension 'dp_shard' and leave dp_sync off"
+        )
+    return read.dp_dim
 
 
 def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tuple[int, str]:

@@ -1,0 +1,167 @@
+"""Stage modules sharded with FSDP2 (``fully_shard``) over the stage's data-parallel replicas.
+
+Each replica runs its own pipeline, and under ready dispatch two replicas of a stage may run their
+tasks in different orders. FSDP's collectives (the all-gather that unshards, the reduce-scatter
+of the gradients) pair up across the replicas by their order only, so none of them may run at a
+point whose order readiness picks. Here they run at two points that every replica reaches in the
+same program order: the iteration's start and its end (docs/fsdp.md):
+
+- ``begin``, before the iteration's first task: every FSDP module of the rank's stages is
+  unsharded once, in model order (``FSDPModule.unshard``), with ``reshard_after_forward``,
+  ``reshard_after_backward`` and gradient sync off, so that no F, B or W all-gathers,
+  reshards or reduce-scatters (FSDP's hooks still run; each finds nothing to do);
+- ``finish``, after the rank's last task: every FSDP parameter group reduce-scatters the
+  gradients the tasks accumulated on its unsharded parameters, in model order, and reshards, as
+  torch's ``PipelineStage.perform_reduce_grad`` does after its schedule's last backward.
+
+The split backward's W accumulates weight gradients on the unsharded parameters, which FSDP leaves
+alone until ``finish``, so every gradient reaches the sharded parameters exactly once, after the
+last W. Every parameter that requires grad takes part in the reduce-scatter, with zeros where this
+replica has no gradient for it, so the replicas' reduce-scatters have one layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+except ImportError:  # pragma: no cover - a torch without FSDP2
+    FSDPModule, fully_shard = (), None
+
+log = logging.getLogger("rrfp.pipeline.sharded_stages")
+
+
+def fsdp_modules(modules: Sequence[nn.Module]) -> list:
+    """The FSDP modules inside ``modules``, each once, in model order."""
+    found, seen = [], set()
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule) and id(sub) not in seen:
+                seen.add(id(sub))
+                found.append(sub)
+    return found
+
+
+# what begin and finish change on each FSDP parameter group, and give back after the iteration
+_SETTINGS = (
+    "post_forward_mesh_info",
+    "reduce_grads",
+    "all_reduce_grads",
+    "reshard_after_backward",
+    "reduce_scatter_unused_params",
+)
+
+
+def _groups(module) -> list:
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+class ShardedStages:
+    """The FSDP modules of a rank's stages, unsharded for the iteration and reduce-scattered once
+    after it. ``dp_ranks``: the stage's replicas (the runtime's DP group), which must be the ranks
+    FSDP shards over."""
+
+    def __init__(self, modules: Sequence[nn.Module], dp_ranks: list[int], who: str) -> None:
+        self.modules = fsdp_modules(modules)
+        self._check(modules, dp_ranks, who)
+        self._saved: list[tuple] = []
+
+    @classmethod
+    def of(
+        cls, modules: Sequence[nn.Module], dp_ranks: list[int], who: str
+    ) -> ShardedStages | None:
+        """None when no stage module holds an FSDP module."""
+        return cls(modules, dp_ranks, who) if fsdp_modules(modules) else None
+
+    def _check(self, modules: Sequence[nn.Module], dp_ranks: list[int], who: str) -> None:
+        """NotImplementedError naming what this design does not cover: HSDP, FSDP over other ranks
+        than the stage's replicas, and parameters outside every ``fully_shard`` (their gradients
+        would never be reduced)."""
+        managed: set[int] = set()
+        for module in self.modules:
+            for group in _groups(module):
+                info = group.mesh_info
+                if getattr(info, "replicate_process_group", None) is not None:
+                    raise NotImplementedError(
+                        f"{who}: FSDP module {type(module).__name__} is HSDP (a 2-D mesh); rrfp "
+                        "runs FSDP2 stages sharded over the stage's replicas (a 1-D mesh) only"
+                    )
+                ranks = sorted(dist.get_process_group_ranks(info.shard_process_group))
+                if ranks != sorted(dp_ranks):
+                    raise NotImplementedError(
+                        f"{who}: FSDP module {type(module).__name__} shards over ranks {ranks}, "
+                        f"but this stage's data-parallel replicas are ranks {sorted(dp_ranks)}: "
+                        "fully_shard each stage over its replicas (the mesh's dp_shard dimension)"
+                    )
+                managed.update(id(p.sharded_param) for p in group.fsdp_params)
+        for module in modules:
+            outside = [n for n, p in module.named_parameters() if id(p) not in managed]
+            if outside:
+                raise NotImplementedError(
+                    f"{who}: parameters {outside[:3]}{' ...' if len(outside) > 3 else ''} are "
+                    "outside every fully_shard while other parts of the stage are sharded: "
+                    "their gradients would never be reduced; fully_shard the stage module too"
+                )
+
+    def begin(self) -> None:
+        """Unshard every FSDP module for the iteration, with FSDP's own per-task all-gathers,
+        reshards and reduce-scatters off. Every replica calls it at the iteration's start."""
+        self._restore()  # an iteration that raised left them changed: the user's come first
+        for module in self.modules:
+            module.set_is_last_backward(False)
+            for group in _groups(module):
+                self._saved.append((group, _SETTINGS, [getattr(group, a) for a in _SETTINGS]))
+                group.post_forward_mesh_info = None  # reshard_after_forward = False
+                group.reduce_grads = group.all_reduce_grads = False  # no reduce-scatter in B or W
+                group.reshard_after_backward = False
+        for module in self.modules:
+            module.unshard()
+
+    def finish(self) -> None:
+        """Reduce-scatter every gradient accumulated in the iteration into the sharded parameters
+        and reshard, in model order. Every replica calls it after its last task."""
+        for module in self.modules:
+            module.set_is_last_backward(True)
+        for group, names, values in self._saved:
+            saved = dict(zip(names, values))
+            group.reduce_grads, group.all_reduce_grads = (
+                saved["reduce_grads"],
+                saved["all_reduce_grads"],
+            )
+            group.reshard_after_backward = True
+            group.reduce_scatter_unused_params = True  # one layout on every replica
+        with torch.no_grad():
+            for group, *_ in self._saved:
+                group.post_backward()
+            for root in self._roots():
+                root._root_post_backward_final_callback()
+        self._restore()
+
+    def _restore(self) -> None:
+        """The user's settings back, for what runs outside an iteration (evaluation, own calls)."""
+        for group, names, values in self._saved:
+            for name, value in zip(names, values):
+                setattr(group, name, value)
+        self._saved = []
+
+    def _roots(self) -> list:
+        """The FSDP root states (each ends its modules' backward once), in model order."""
+        states = [fully_shard.state(m) for m in self.modules]
+        return [s for s in states if s._is_root]
+
+
+def shard_stage(module: nn.Module, group, device_type: str) -> nn.Module:
+    """``fully_shard`` a stage module over ``group`` (the stage's replicas) as one unit, what
+    ``rrfp train`` does with ``[parallel] dp_shard``. One unit is enough here: every unit is
+    unsharded for the whole iteration anyway (``ShardedStages``), so finer ones would lower no
+    peak, only add collectives."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+    return fully_shard(module, mesh=mesh)
