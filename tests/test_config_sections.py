@@ -35,8 +35,10 @@ def _load(path, sets=(), world=4):
     return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigKeyDeprecated)]
 
 
-def test_the_flat_fixtures_are_the_flat_configs():
-    assert [p.name for p in FLAT] == sorted(p.name for p in (ROOT / "configs").glob("*.toml"))
+def test_every_flat_fixture_has_its_sectioned_config():
+    """The fixtures are the configs written before the sections; configs added since are sectioned
+    only, so each fixture must still have its rewrite in configs/."""
+    assert FLAT and [p.name for p in FLAT if not (ROOT / "configs" / p.name).is_file()] == []
 
 
 @pytest.mark.parametrize("flat", FLAT, ids=[p.stem for p in FLAT])
