@@ -237,3 +237,22 @@ def test_vocab_and_length_checks(tmp_path, tokenizer_json):
         check_fits(text, vocab - 1)
     with pytest.raises(ValueError, match="two sources"):
         DataConfig(tokens="a.bin", text="b.txt")
+
+
+def test_a_checkpoint_saved_before_the_data_keys_still_matches():
+    """A checkpoint's fingerprint from before [data] had tokens, text, tokenizer, eot and cache_dir
+    matches a run that leaves them at their defaults, and not one that trains on a token file."""
+    from rrfp.app.checkpoints import _comparable, _new_keys_at_default, differences, fingerprint
+    from rrfp.app.config import TrainConfig
+
+    new = {"tokens", "text", "tokenizer", "eot", "cache_dir"}
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", world_size=4)
+    saved = fingerprint(cfg)
+    saved["data"] = {k: v for k, v in saved["data"].items() if k not in new}
+
+    def diffs(run: TrainConfig) -> list[str]:
+        return differences(*_comparable(saved, _new_keys_at_default(saved, fingerprint(run), run)))
+
+    assert diffs(cfg) == []
+    own = TrainConfig.load("configs/gpt-tiny.toml", ["data.eot=7"], world_size=4)
+    assert diffs(own) == ["data.eot: checkpoint '(absent)', this run 7"]

@@ -23,7 +23,7 @@ import dataclasses
 import json
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,8 @@ def plan_resume(cfg: TrainConfig) -> Resume:
             f"{where}: its meta.json is not an rrfp checkpoint's (expected an object whose "
             '"config" is an object of sections)'
         )
-    diffs = differences(*_comparable(meta.get("config", {}), fingerprint(cfg)))
+    saved = meta.get("config", {})
+    diffs = differences(*_comparable(saved, _new_keys_at_default(saved, fingerprint(cfg), cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
     if latest.step >= run.steps:
@@ -190,6 +191,24 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
     return Resume(latest, tuple(rejected))
+
+
+def _new_keys_at_default(saved: dict, now: dict, cfg: TrainConfig) -> dict:
+    """``now`` without the [model] and [data] keys the checkpoint lacks (a workload added them
+    since it was saved) that this run leaves at their defaults: the behaviour it was saved with."""
+    out = dict(now)
+    for name, section in (("model", cfg.model), ("data", cfg.data)):
+        if name not in saved or name not in now:
+            continue
+        defaults = {
+            f.name: f.default for f in dataclasses.fields(section) if f.default is not MISSING
+        }
+        out[name] = {
+            k: v
+            for k, v in now[name].items()
+            if k in saved[name] or k not in defaults or v != defaults[k]
+        }
+    return out
 
 
 def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
