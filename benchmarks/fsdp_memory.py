@@ -42,11 +42,13 @@ def _storages(tensors) -> dict[int, int]:
 
 def _held(module, opt) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds now."""
-    from rrfp.pipeline.sharded_stages import _groups, fsdp_modules
+    from torch.distributed.fsdp import FSDPModule
 
     params = list(module.parameters())
-    for m in fsdp_modules([module]):
-        for group in _groups(m):
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:
             for fp in group.fsdp_params:
                 params.append(fp.sharded_param)
                 if hasattr(fp, "_unsharded_param"):
@@ -65,23 +67,23 @@ def _rank(rank: int, port: int, queue) -> None:
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)
-    from rrfp.app.config import TrainConfig
-    from rrfp.loop import run
-    from rrfp.pipeline.runtime import PipelineRuntime
-    from rrfp.pipeline.sharded_stages import shard_stage
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", [f"pp={PP}", f"dp={DP}"], world_size=WORLD)
+    import rrfp
+
+    cfg = rrfp.TrainConfig.load("configs/gpt-tiny.toml", [f"pp={PP}", f"dp={DP}"], world_size=WORLD)
     wl, M = cfg.workload, cfg.schedule.microbatches
 
     async def main():
-        rt = PipelineRuntime.start(pp=PP, dp=DP, timeout_s=120)
         out = {}
-        try:
+        async with rrfp.PipelineRuntime.start(pp=PP, dp=DP, timeout_s=120) as rt:
             for kind in KINDS:
                 torch.manual_seed(0)
                 module = wl.build_stage(cfg.model, rt.stage, PP, None)
                 if kind == "dp_shard":
-                    module = shard_stage(module, rt.dp_group, "cpu")
+                    mesh = DeviceMesh.from_group(rt.dp_group, "cpu", mesh_dim_names=("dp_shard",))
+                    module = fully_shard(module, mesh=mesh)  # one unit, as rrfp train does
                 ex = rt.stage_executor(module, wl.loss_fn, cfg.schedule_settings())
                 sync = rt.grad_sync(module, ex) if kind == "dp" else None
                 opt = torch.optim.AdamW(module.parameters(), lr=cfg.optim.lr)
@@ -102,11 +104,9 @@ def _rank(rank: int, port: int, queue) -> None:
                 where, peak = max(seen, key=lambda s: sum(s[1].values()))
                 rest = seen[-1][1]
                 out[kind] = (rt.stage, where, peak, rest)
-        finally:
-            await rt.aclose()
         return out
 
-    queue.put((rank, run(main())))
+    queue.put((rank, rrfp.run(main())))
 
 
 def main() -> None:

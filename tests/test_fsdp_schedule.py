@@ -1,8 +1,9 @@
 """ScheduleReady(mesh=) in a pp 2 x dp 2 DeviceMesh (4 gloo ranks), and torch's Schedule1F1B on
 the same FSDP2 stages: after 3 AdamW steps every rank's gradients, parameters and losses equal
-one process's over the whole batch of both replicas (float64). Under ("pp", "dp_shard") the stage
-modules are fully_shard'ed over the replicas; under ("pp", "dp") ScheduleReady averages the
-gradients itself, from the mesh alone (no dp_sync=)."""
+one process's over the whole batch of both replicas (float64), and so do the losses of an eval
+after them (forward only, FSDP's own all-gathers in one fixed order). Under ("pp", "dp_shard")
+the stage modules are fully_shard'ed over the replicas; under ("pp", "dp") ScheduleReady averages
+the gradients itself, from the mesh alone (no dp_sync=)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,14 @@ def _rank(rank, world):
                     losses.append([t.item() for t in step_losses])
                     grads = {n: full(p.grad) for n, p in module.named_parameters()}
                     opt.step()
+                x, y = batch(STEPS)  # forward only, after the last step: the losses
+                half = slice(d * ROWS // 2, (d + 1) * ROWS // 2)
+                eval_losses = []
+                if s == 0:
+                    schedule.eval(x[half])
+                else:
+                    schedule.eval(target=y[half], losses=eval_losses)
+                losses.append([t.item() for t in eval_losses])
             finally:
                 if isinstance(schedule, ScheduleReady):
                     schedule.close()
@@ -78,6 +87,11 @@ def test_schedule_ready_in_a_mesh_and_torch_1f1b_on_fsdp_stages_equal_one_proces
 
     results = run_ranks(_rank, 4, timeout=180)
     grads, params, losses = reference()
+    ref = model()
+    ref.load_state_dict(params)
+    with torch.no_grad():
+        x, y = batch(STEPS)
+        losses.append([loss_fn(ref(a), b).item() for a, b in zip(x.chunk(2 * M), y.chunk(2 * M))])
     for rank, (s, d, out) in results.items():
         assert sorted(out) == sorted(RUNS), (rank, list(out))
         for run, (got_grads, got_params, got_losses) in out.items():
@@ -101,7 +115,7 @@ def test_schedule_ready_in_a_mesh_and_torch_1f1b_on_fsdp_stages_equal_one_proces
                     msg=f"{where} param",
                 )
             if s == 1:
-                for step in range(STEPS):
+                for step in range(STEPS + 1):  # the last: eval's
                     assert got_losses[step] == pytest.approx(
                         losses[step][d * M : (d + 1) * M], rel=1e-10
                     ), (rank, run, step)
