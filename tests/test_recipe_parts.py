@@ -171,6 +171,13 @@ def test_checkpointed_gpt_blocks_under_the_split_give_exact_gradients_recomputin
     stage = copy.deepcopy(plain)
     assert checkpoint_blocks(gpt_blocks(stage)) == 2
     assert checkpoint_blocks(gpt_blocks(stage)) == 2  # a second call wraps nothing again
+    twin = copy.deepcopy(stage)  # runs its own blocks, not the original's
+    with torch.no_grad():
+        for p in (p for block in gpt_blocks(twin) for p in block.parameters()):
+            p.add_(1.0)
+        x = torch.randint(0, 256, (1, 4)) if position == 0 else torch.randn(1, 4, 8).double()
+        outs = [torch.manual_seed(3) and m(x) for m in (twin, stage)]  # the same dropout masks
+        assert not torch.equal(*outs)
     runs = _Runs(stage)
     gen = torch.Generator().manual_seed(1)
     xs = [
