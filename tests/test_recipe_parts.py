@@ -217,3 +217,21 @@ def test_checkpointed_gpt_blocks_under_the_split_give_exact_gradients_recomputin
             assert torch.equal(got[mb], want[mb]), f"input gradient of microbatch {mb}"
     for (name, p), q in zip(stage.named_parameters(), plain.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_another_optimizer_is_refused_on_resume_and_older_checkpoints_were_adamw():
+    from rrfp.app.checkpoints import _comparable, differences, fingerprint
+
+    def fp(*sets):
+        return fingerprint(TrainConfig.load("configs/gpt-tiny.toml", list(sets), world_size=4))
+
+    adamw, sgd = fp(), fp("optim.name=sgd")
+    assert differences(*_comparable(adamw, sgd)) == [
+        "optim.name: checkpoint 'adamw', this run 'sgd'"
+    ]
+    assert differences(*_comparable(fp("lr=0.1", "schedule=cosine"), adamw)) == []
+    older = {k: v for k, v in adamw.items() if k != "optim"}
+    assert differences(*_comparable(older, adamw)) == []
+    assert differences(*_comparable(older, sgd)) == [
+        "optim.name: checkpoint 'adamw', this run 'sgd'"
+    ]
