@@ -32,12 +32,10 @@ def _rank(rank: int, world: int, port: int, sets: list[str], out) -> None:
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
-    from rrfp.loop import run
+    import rrfp
 
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=world)
-    summary = run(stage_main(cfg))
+    cfg = rrfp.TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=world)
+    summary = rrfp.run(rrfp.stage_main(cfg))
     if rank == 0:
         out.put(summary.losses)
 

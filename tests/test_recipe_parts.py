@@ -171,6 +171,13 @@ def test_checkpointed_gpt_blocks_under_the_split_give_exact_gradients_recomputin
     stage = copy.deepcopy(plain)
     assert checkpoint_blocks(gpt_blocks(stage)) == 2
     assert checkpoint_blocks(gpt_blocks(stage)) == 2  # a second call wraps nothing again
+    twin = copy.deepcopy(stage)  # runs its own blocks, not the original's
+    with torch.no_grad():
+        for p in (p for block in gpt_blocks(twin) for p in block.parameters()):
+            p.add_(1.0)
+        x = torch.randint(0, 256, (1, 4)) if position == 0 else torch.randn(1, 4, 8).double()
+        outs = [torch.manual_seed(3) and m(x) for m in (twin, stage)]  # the same dropout masks
+        assert not torch.equal(*outs)
     runs = _Runs(stage)
     gen = torch.Generator().manual_seed(1)
     xs = [
@@ -210,3 +217,21 @@ def test_checkpointed_gpt_blocks_under_the_split_give_exact_gradients_recomputin
             assert torch.equal(got[mb], want[mb]), f"input gradient of microbatch {mb}"
     for (name, p), q in zip(stage.named_parameters(), plain.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_another_optimizer_is_refused_on_resume_and_older_checkpoints_were_adamw():
+    from rrfp.app.checkpoints import _comparable, differences, fingerprint
+
+    def fp(*sets):
+        return fingerprint(TrainConfig.load("configs/gpt-tiny.toml", list(sets), world_size=4))
+
+    adamw, sgd = fp(), fp("optim.name=sgd")
+    assert differences(*_comparable(adamw, sgd)) == [
+        "optim.name: checkpoint 'adamw', this run 'sgd'"
+    ]
+    assert differences(*_comparable(fp("lr=0.1", "schedule=cosine"), adamw)) == []
+    older = {k: v for k, v in adamw.items() if k != "optim"}
+    assert differences(*_comparable(older, adamw)) == []
+    assert differences(*_comparable(older, sgd)) == [
+        "optim.name: checkpoint 'adamw', this run 'sgd'"
+    ]

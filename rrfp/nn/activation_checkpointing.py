@@ -10,7 +10,7 @@ plainly: there is no backward to save for.
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Iterable
 
 import torch
@@ -21,22 +21,20 @@ _MARK = "_rrfp_checkpointed"
 
 
 def checkpoint_blocks(blocks: Iterable[nn.Module]) -> int:
-    """Wrap each block's forward in torch.utils.checkpoint(use_reentrant=False); a block already
-    wrapped is left as it is. Returns how many blocks are wrapped now."""
+    """Wrap each block's forward (its class's) in torch.utils.checkpoint(use_reentrant=False); a
+    block already wrapped is left as it is. The wrapper is a method bound to the block, so a deep
+    copy of the module is bound to the copy. Returns how many blocks are wrapped now."""
     wrapped = 0
     for block in blocks:
         if not getattr(block, _MARK, False):
-            block.forward = _checkpointed(block.forward)
+            block.forward = types.MethodType(_checkpointed_forward, block)
             setattr(block, _MARK, True)
         wrapped += 1
     return wrapped
 
 
-def _checkpointed(forward):
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    forward = type(self).forward.__get__(self)
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
