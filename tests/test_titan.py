@@ -24,7 +24,7 @@ from distributed import run_ranks
 pytestmark = pytest.mark.multirank
 
 STEPS, M, SEQ = 3, 4, 32
-LOSS_TOL, NORM_TOL, PARAM_TOL = 1e-5, 1e-5, 1e-5
+LOSS_TOL, NORM_TOL, PARAM_TOL, GRAD_TOL = 1e-5, 1e-5, 1e-5, 1e-7
 
 
 def _config(module: str, schedule: str, ac: bool, chunked: bool = True):
@@ -144,6 +144,7 @@ def _train(module: str, schedule: str, ac: bool, chunked: bool, rank: int) -> di
     trainer = _trainer(_config(module, schedule, ac, chunked), rank)
     out: dict = {"losses": [], "norms": [], "refused": None}
     before = [p.detach().clone() for m in trainer.model_parts for p in m.parameters()]
+    out["initial"] = _named(trainer.model_parts, lambda p: p)
     for step in range(STEPS):
         inputs, labels = _microbatches(step)
         valid = torch.tensor(M * SEQ)
@@ -153,6 +154,8 @@ def _train(module: str, schedule: str, ac: bool, chunked: bool, rank: int) -> di
                 input_dict_mbs=inputs, label_mbs=labels, global_valid_tokens=valid
             )
             loss = loss if trainer.pp_has_last_stage else None
+            if step == 0:  # before clipping scales them
+                out["grads"] = _named(trainer.model_parts, lambda p: p.grad)
         else:
             if step == 0:  # torch 2.13 splits the pre-split lists as if they were one batch
                 try:
@@ -199,6 +202,36 @@ def _train(module: str, schedule: str, ac: bool, chunked: bool, rank: int) -> di
     return out
 
 
+def _named(parts, of) -> dict:
+    """{the whole model's parameter name: of(parameter)}, torch's wrappers' names taken out."""
+    return {
+        name.replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", ""): (
+            None if of(p) is None else of(p).detach().clone()
+        )
+        for part in parts
+        for name, p in part.named_parameters()
+    }
+
+
+def _one_process(schedule: str, ac: bool, initial: dict, grads: dict) -> tuple[int, float]:
+    """The whole model in one process on every stage's initial weights and the first step's
+    microbatches: (how many gradients the pipeline gave, their largest difference to these)."""
+    config = _config("rrfp.titan", schedule, ac)
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    model = model_config.build()
+    model.load_state_dict(initial, strict=True)
+    loss_fn = config.loss.build(compile_config=config.compile)
+    inputs, labels = _microbatches(0)
+    for mb, target in zip(inputs, labels):
+        loss, _ = loss_fn(model(mb["input"], positions=mb["positions"]), target, M * SEQ)
+        loss.backward()
+    given = {n: g for n, g in grads.items() if g is not None}
+    return len(given), max(
+        (p.grad - given[n]).abs().max().item() for n, p in model.named_parameters() if n in given
+    )
+
+
 def _parity(rank, world, schedule, ac, chunked):
     import torch.distributed as dist
 
@@ -206,11 +239,19 @@ def _parity(rank, world, schedule, ac, chunked):
     try:
         torch_run = _train("llama3", schedule, ac, chunked, rank)
         ready_run = _train("rrfp.titan", schedule, ac, chunked, rank)
+        every = [None] * world  # each rank's stages, for one process on rank 0
+        dist.all_gather_object(every, (ready_run.pop("initial"), ready_run.pop("grads")))
     finally:
         dist.destroy_process_group()
+    one_process = None
+    if rank == 0:
+        initial = {k: v for d, _ in every for k, v in d.items()}
+        grads = {k: v for _, d in every for k, v in d.items()}
+        one_process = (len(initial), *_one_process(schedule, ac, initial, grads))
     names = sorted(torch_run["params"])
     return dict(
-        torch={k: v for k, v in torch_run.items() if k != "params"},  # tensors stay here
+        one_process=one_process,
+        torch={k: v for k, v in torch_run.items() if k not in ("params", "initial")},
         ready={k: v for k, v in ready_run.items() if k != "params"},
         same_names=names == sorted(ready_run["params"]),
         param=max(
@@ -240,6 +281,8 @@ def test_rrfp_titan_trains_as_torchtitan_on_the_debug_model(schedule, ac, chunke
         print(f"{schedule} rank {rank}: torch losses {t['losses']} norms {t['norms']}")
         print(f"{schedule} rank {rank}: rrfp  losses {r['losses']} norms {r['norms']}")
         print(f"{schedule} rank {rank}: max parameter difference {res['param']:.3g}")
+        if rank == 0:
+            print(f"{schedule}: one process (parameters, gradients, max diff) {res['one_process']}")
         assert t["stages"] == held[rank], (rank, t["stages"])
         stages, ready_placement, kinds = r["ready"]
         assert stages == held[rank] and ready_placement == placement, (rank, r["ready"])
@@ -256,4 +299,7 @@ def test_rrfp_titan_trains_as_torchtitan_on_the_debug_model(schedule, ac, chunke
         else:
             assert t["losses"] == r["losses"] == [None] * STEPS
         assert res["param"] < PARAM_TOL, (rank, res["param"])
+        if rank == 0:  # every gradient of the first step, against the whole model in one process
+            n_params, n_grads, diff = res["one_process"]
+            assert n_params == n_grads == 45 and diff < GRAD_TOL, res["one_process"]
         assert t["moved"] > 1e-4 and r["moved"] > 1e-4, (t["moved"], r["moved"])  # they train
