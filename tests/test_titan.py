@@ -1,7 +1,8 @@
 """rrfp.titan against torchtitan's own pipelining, on torchtitan's llama3 debug model, 2 gloo ranks:
 the same config through ``--module llama3`` (torch's schedule) and ``--module rrfp.titan``
 (ScheduleReady) trains 3 steps to the same losses, gradient norms and parameters, for a schedule
-with one stage per rank (1F1B), two interleaved (Interleaved1F1B) and two in a V (ZBVZeroBubble).
+with one stage per rank (1F1B), two interleaved (Interleaved1F1B) and two in a V (ZBVZeroBubble);
+and rrfp.titan's first-step gradients equal the whole model's in one process.
 
 What is torchtitan's here: the config (ConfigManager), the model and its initialisation, the split
 and placement and parallelize function (the spec's pipelining function), the loss, the optimizer,
