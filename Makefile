@@ -7,7 +7,9 @@ NPROC ?= 4
 CONFIG ?= configs/gpt-tiny.toml
 PY := $(VENV)/bin/python
 
-.PHONY: run test test-quick check sim bench gpu-check clean
+TITAN_VENV ?= .venv-titan
+
+.PHONY: run test test-quick test-titan check sim bench gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +40,19 @@ test: $(VENV)/.installed
 test-quick: $(VENV)/.installed
 	$(PY) -m pytest -q $(XDIST) -m unit
 
+# rrfp.titan against torchtitan's own pipelining (docs/torchtitan.md), in a venv of its own: the
+# titan extra's datasets pins a huggingface-hub that the hf extra's transformers refuses. torchtitan
+# imports triton, which the CPU build of torch does not bring.
+$(TITAN_VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TITAN_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)" triton==3.9.0
+	$(TITAN_VENV)/bin/python -m pip install --quiet -e ".[test,titan]"
+	touch $@
+
+test-titan: $(TITAN_VENV)/.installed
+	RRFP_TITAN_TESTS=1 $(TITAN_VENV)/bin/python -m pytest -q tests/test_titan_config.py tests/test_titan.py
+
 # Format, lint and type-check: ruff at line length 100, mypy strict on the pure core (pyproject.toml).
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
@@ -54,4 +69,4 @@ bench: $(VENV)/.installed
 	$(PY) -m rrfp bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TITAN_VENV) build *.egg-info
