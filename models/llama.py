@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches
+from models.data import DataConfig, batches, check_fits
 from models.gpt import loss_fn, split_layers
 from rrfp import (
     ColumnParallelLinear,
@@ -356,10 +356,7 @@ def check(cfg: LlamaConfig, data: DataConfig, num_stages: int, tp: int) -> None:
         raise ValueError(
             f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages"
         )
-    if cfg.vocab_size < 256:
-        raise ValueError(
-            f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
-        )
+    check_fits(data, cfg.vocab_size)
     if data.max_seq_len > cfg.block_size:
         raise ValueError(
             f"data.max_seq_len={data.max_seq_len} is above model.block_size={cfg.block_size}: "
