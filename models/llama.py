@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches
+from models.data import DataConfig, batches, check_fits
 from models.gpt import loss_fn, split_layers
 from rrfp import (
     ColumnParallelLinear,
@@ -134,8 +134,9 @@ def init_normal(
     output projections (``out_names``) N(0, out_std), biases zero, norms one."""
     for name, m in module.named_modules():
         if isinstance(m, (nn.RMSNorm, nn.LayerNorm)):
-            for p in m.parameters(recurse=False):
-                p.fill_(1.0) if p is m.weight else p.zero_()
+            m.weight.fill_(1.0)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
         elif isinstance(m, (SplitLinear, nn.Linear, nn.Embedding)):
             s = out_std if name.rsplit(".", 1)[-1] in out_names else std
             m.weight.copy_(
@@ -172,10 +173,10 @@ def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, causal: bool = True) -> None:
+    def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         c, hd = cfg.n_embd, cfg.hd
-        self.hd, self.theta, self.causal = hd, cfg.rope_theta, causal
+        self.hd, self.theta = hd, cfg.rope_theta
         self.q_proj = SplitLinear(c, cfg.n_head * hd, bias=False)
         self.k_proj = SplitLinear(c, cfg.n_kv_head * hd, bias=False)
         self.v_proj = SplitLinear(c, cfg.n_kv_head * hd, bias=False)
@@ -194,7 +195,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, self.theta), rotary(k, self.theta)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -355,10 +356,7 @@ def check(cfg: LlamaConfig, data: DataConfig, num_stages: int, tp: int) -> None:
         raise ValueError(
             f"model.n_layer={cfg.n_layer} is fewer than the {num_stages} pipeline stages"
         )
-    if cfg.vocab_size < 256:
-        raise ValueError(
-            f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
-        )
+    check_fits(data, cfg.vocab_size)
     if data.max_seq_len > cfg.block_size:
         raise ValueError(
             f"data.max_seq_len={data.max_seq_len} is above model.block_size={cfg.block_size}: "

@@ -96,7 +96,9 @@ def train(rank, world, config: str, sets: list[str], module: str, cls: str):
     assert cfg.schedule.dispatch.value == "ready" and cfg.schedule.hint.name == "bfw"
     summary = run(stage_main(cfg))
     # numpy arrays travel by value (a tensor through the queue is shared memory the rank frees)
-    trained = {n: p.detach().numpy().copy() for m in built for n, p in params(m).items()}
+    trained = {  # the trained modules, not those the start checks measure on the meta device
+        n: p.detach().numpy().copy() for m in built for n, p in params(m).items() if not p.is_meta
+    }
     images = [
         x.images.size(1) if hasattr(x, "images") else 0
         for s in range(STEPS)

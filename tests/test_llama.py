@@ -187,6 +187,20 @@ def test_tp_layout():
     assert torch.equal(full_grad_slice("layers.1.mlp.down_proj.weight", w.T, 0, 2), w.T[:, :2])
 
 
+def test_a_token_file_over_the_vocabulary_is_refused_in_one_line(tmp_path):
+    """The user's token file: ids must fit model.vocab_size (a tokenizer's vocabulary, not 256)."""
+    import numpy as np
+
+    from models.data import DataConfig
+
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    data = DataConfig(tokens=str(path), cache_dir=str(tmp_path / "c"), max_seq_len=64)
+    with pytest.raises(ValueError, match="token id 999 >= model.vocab_size=256"):
+        llama.check(_tiny(block_size=64), data, 1, 1)
+    llama.check(_tiny(block_size=64, vocab_size=1000), data, 1, 1)
+
+
 @pytest.mark.parametrize("name,world", [("llama-tiny", 4), ("llama-1b", 2)])
 def test_named_configs_load(name, world):
     """The named configs are valid configs of this model (the 1B one is for GPUs: read here with
