@@ -122,7 +122,8 @@ def test_a_rank_that_cannot_join_says_start_up_failed(tmp_path):
     )  # torch's own C++ log lines may precede
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("rrfp: error:")]
     assert len(lines) == 1 and lines[0].startswith(
-        "rrfp: error: rank 1 (stage 1): start-up failed while joining the process group"
+        "rrfp: error: rank 1 (stage 1): start-up failed: rank 0's rendezvous store at "
+        "127.0.0.1:9 did not answer within run.timeout_s = 2 s"
     ), res.stderr[-2000:]
     assert lines[0].endswith(f"(traceback in {tmp_path}/rank-1.log)")
 
@@ -164,7 +165,14 @@ def test_a_waiting_rank_names_a_peer_that_owes_it_on_two_channels_once(caplog):
     doing: list[str] = []
     hb = SimpleNamespace(doing=doing.append, describe=lambda p: f"peer {p} ok")
     it = _Iteration.__new__(_Iteration)
-    it.ex = SimpleNamespace(liveness=hb, rank=2, where="stages 2, 5", what="rank", instrument=None)
+    it.ex = SimpleNamespace(
+        liveness=hb,
+        rank=2,
+        where="stages 2, 5",
+        what="rank",
+        instrument=None,
+        settings=SimpleNamespace(progress_s=None),
+    )
     it.it, it.changed = 1, asyncio.Event()
     it._owing = lambda: [SimpleNamespace(peer=1), SimpleNamespace(peer=0), SimpleNamespace(peer=1)]
     it._waiting_for = lambda: "nothing ready"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import _child, _context, free_port  # noqa: E402
+
+from rrfp.pipeline.faults import pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # PipelineRuntime's timeouts.progress_s here (10 x timeout_s by default)
@@ -52,8 +53,7 @@ def _fault(kind: str, mark: Path) -> None:
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "pause":
-        subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT_S / 2}; kill -CONT {os.getpid()}"])
-        os.kill(os.getpid(), signal.SIGSTOP)
+        pause(TIMEOUT_S / 2)
     elif kind == "gil":
         ctypes.PyDLL(None).sleep(int(1.5 * TIMEOUT_S))  # libc's sleep, the GIL held throughout
     elif kind == "busy":

@@ -67,6 +67,28 @@ def test_a_beating_peer_is_never_silent_and_says_what_it_does(server):
 
 
 @pytest.mark.multirank
+def test_beating_is_not_progress_a_task_or_a_new_activity_is(server):
+    """``progress_at`` moves while a peer is in a task or starts something new, and stands still
+    while it beats on at one wait (the executor's progress bound reads it)."""
+    a, b = _pair(server)
+    a.start(), b.start()
+    try:
+        b.doing("waiting for rank 0")
+        _watch(a, 3 * a.period_s)
+        stood = a.progress_at
+        assert _watch(a, 4 * a.period_s) is None and a.progress_at == stood, "a wait is progress"
+        b.doing("task B1")
+        _watch(a, 3 * a.period_s)
+        assert a.progress_at > stood, "a peer in a task is not progress"
+        b.doing("")
+        _watch(a, 3 * a.period_s)
+        idle = a.progress_at
+        assert _watch(a, 4 * a.period_s) is None and a.progress_at == idle, "idling is progress"
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.multirank
 def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
     a, b = _pair(server)
     a.start(), b.start()

@@ -591,7 +591,7 @@ class _Iteration:
         began, said = time.monotonic(), time.monotonic()
         while True:
             now = time.monotonic()
-            stalled = now - max(began, hb.progress_at)
+            stalled = now - max(began, hb.progress_at) if bound is not None else 0.0
             if bound is not None and stalled >= bound:
                 self._doing("")
                 raise PeerTimeout(

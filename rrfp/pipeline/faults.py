@@ -37,6 +37,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -167,6 +168,23 @@ class Fault:
         )
 
 
+_PAUSER = (
+    "import os, signal, sys, time; pid, s = int(sys.argv[1]), float(sys.argv[2]); "
+    "os.kill(pid, signal.SIGSTOP); time.sleep(s); os.kill(pid, signal.SIGCONT)"
+)
+
+
+def pause(seconds: float) -> None:
+    """SIGSTOP this process for ``seconds``, as a user's Ctrl-Z and ``fg`` would: a process of
+    its own, started first, stops it, sleeps and continues it, so that the stop lasts
+    ``seconds`` however late a loaded machine starts that process."""
+    pauser = subprocess.Popen(
+        [sys.executable, "-S", "-c", _PAUSER, str(os.getpid()), repr(seconds)],
+        start_new_session=True,
+    )
+    pauser.wait()
+
+
 # how a fault's line says where it fired, by phase (rank, stage, step)
 PHASE_WORDS = {
     "startup": lambda r, s, n: f"rank {r} stage {s}: during start-up",
@@ -248,14 +266,11 @@ class FaultInjector:
         kind = self.fault.kind
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop" and self.fault.seconds is not None:
+            pause(self.fault.seconds)
+            log.warning("%s: continued after %g s", where, self.fault.seconds)
         elif kind == "stop":
-            if self.fault.seconds is not None:  # continued by a process of its own, as by a user
-                subprocess.Popen(
-                    ["sh", "-c", f"sleep {self.fault.seconds:g}; kill -CONT {os.getpid()}"],
-                    start_new_session=True,
-                )
             os.kill(os.getpid(), signal.SIGSTOP)
-            log.warning("%s: continued", where)
         elif kind == "term":
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "raise":
