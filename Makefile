@@ -15,7 +15,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test,lint,oracle,hf]"
+	$(PY) -m pip install --quiet -e ".[test,lint,oracle,hf,tensorboard]"
 	touch $@
 
 # Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
