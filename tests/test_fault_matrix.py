@@ -5,7 +5,8 @@ the single-process reference's). The table in docs/faults.md is generated from `
 (``python tests/test_fault_matrix.py`` rewrites it; a test checks it is current).
 
 Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`` (SIGSTOP,
-continued after half of ``timeout_s``), ``gil`` (the forward or backward holds the GIL in one
+continued after a quarter of ``timeout_s``: a peer sees a stop as its length plus up to two beat
+periods plus its own scheduling lag, so a longer pause would test the machine's load), ``gil`` (the forward or backward holds the GIL in one
 C call for 1.5 x ``timeout_s``), ``busy`` (Python computes for 3 x ``timeout_s``, taking the
 GIL in turns): the last two are alive but slow. Phases: the forward (F) or the backward (B)
 of rank 1's second microbatch. APIs: ``ScheduleReady`` (the drop-in) and ``PipelineRuntime``
@@ -53,7 +54,7 @@ def _fault(kind: str, mark: Path) -> None:
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif kind == "pause":
-        pause(TIMEOUT_S / 2)
+        pause(TIMEOUT_S / 4)
     elif kind == "gil":
         ctypes.PyDLL(None).sleep(int(1.5 * TIMEOUT_S))  # libc's sleep, the GIL held throughout
     elif kind == "busy":
@@ -238,7 +239,7 @@ def table() -> str:
         f"progress_s = {PROGRESS_S:g}) or the step finished with the single-process reference's",
         "losses.",
         "",
-        "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after half of",
+        "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after a quarter of",
         "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python computing",
         "for 3 x timeout_s), idle (alive and beating, but never entering the step: no message).",
         "Phases: the forward (F) or backward (B) of rank 1's second microbatch, or the whole step.",
