@@ -283,20 +283,8 @@ class Hint:
         budget: Budget,
     ) -> RankSpec:
         """Everything ``rank`` needs to track an iteration over its stages under this hint and
-        budget (``Budget.rank_limit``). With V = 1 it carries exactly ``spec``'s priority, order
-        and limit."""
-        if layout.virtual == 1:
-            st = self.spec(layout.ranks, rank, M, split, dispatch, budget)
-            return RankSpec(
-                layout,
-                rank,
-                M,
-                split,
-                dispatch,
-                {(rank, t): p for t, p in st.priority.items()},
-                tuple((rank, t) for t in st.order),
-                st.limit,
-            )
+        budget (``Budget.rank_limit``). With V = 1 it carries ``spec``'s order and limit, and its
+        priority in the same order."""
         limit = budget.rank_limit(layout, rank)
         if self.is_class and dispatch is Dispatch.READY:
             return RankSpec(
