@@ -9,6 +9,10 @@ same corpus; tokens are bytes (vocab 256).
 train on one's own data instead (models/token_files.py), drawn by document
 (models/documents.py): no microbatch row crosses a document boundary.
 
+Evaluation ([eval]) draws from held-out data: the stdlib bytes that follow the training
+corpus (``held_out_bytes`` of them), or the last ``held_out_share`` of the user's documents,
+which training never draws.
+
 Microbatches have variable sequence lengths and no padding, which is the runtime
 variability rrfp is about. Each is a pure function of (seed, step, microbatch),
 so every rank draws the same batch without communicating.
@@ -45,6 +49,8 @@ class DataConfig:
     tokenizer: str = ""  # a local tokenizer.json for data.text; "": UTF-8 bytes (vocab 256)
     eot: int = -1  # the end-of-text id that ends a document (GPT-2's: 50256); -1: none
     cache_dir: str = ""  # where tokenized text and document ends are cached; "": ~/.cache/rrfp
+    held_out_bytes: int = 256 << 10  # evaluation: the stdlib bytes after the training corpus
+    held_out_share: float = 0.01  # evaluation: this share of own documents, the last (at least 1)
 
     def __post_init__(self) -> None:
         if self.tokens and self.text:
@@ -64,6 +70,13 @@ class DataConfig:
                 "DataConfig needs 1 <= min_seq_len <= max_seq_len, got "
                 f"min_seq_len={self.min_seq_len}, max_seq_len={self.max_seq_len}"
             )
+        if self.held_out_bytes <= self.max_seq_len + 1:
+            raise ValueError(
+                f"data.held_out_bytes ({self.held_out_bytes}) must exceed max_seq_len + 1 "
+                f"({self.max_seq_len + 1})"
+            )
+        if not 0 < self.held_out_share < 1:
+            raise ValueError(f"data.held_out_share must be in (0, 1), got {self.held_out_share}")
         if self.corpus_bytes <= self.max_seq_len + 1:
             raise ValueError(
                 f"DataConfig.corpus_bytes ({self.corpus_bytes}) must exceed "
@@ -124,6 +137,27 @@ def _own_data(
     return read_text(text, tokenizer, eot, cache_dir)
 
 
+def own_split(cfg: DataConfig) -> tuple[Documents, Documents] | None:
+    """The user's documents as (training, held-out): the last ``held_out_share`` of them (at
+    least one) are held out; a single document is not split and evaluation draws from it too."""
+    own = own_data(cfg)
+    if own is None:
+        return None
+    return _split(own[0], cfg.held_out_share)
+
+
+@functools.lru_cache(maxsize=4)
+def _split(docs: Documents, share: float) -> tuple[Documents, Documents]:
+    if docs.count < 2:
+        log.warning("data: one document, so evaluation draws from the training data")
+        return docs, docs
+    held = max(1, int(docs.count * share))
+    cut = int(docs.ends[docs.count - held - 1])
+    train = Documents(docs.tokens[:cut], docs.ends[: docs.count - held], docs.max_id)
+    rest = Documents(docs.tokens[cut:], docs.ends[docs.count - held :] - cut, docs.max_id)
+    return train, rest
+
+
 def vocab_size(cfg: DataConfig) -> int:
     """How many token ids the data can hold: 256 bytes, the token file's largest id + 1, or the
     tokenizer's size."""
@@ -141,7 +175,8 @@ def check_fits(cfg: DataConfig, model_vocab: int) -> None:
                 f"model.vocab_size={model_vocab} is below the data's 256 byte tokens: set it >= 256"
             )
         return
-    docs, vocab = own
+    vocab = own[1]
+    docs = _split(own[0], cfg.held_out_share)[0]
     where = f"data.tokens: {cfg.tokens}" if cfg.tokens else f"data.text: {cfg.text}"
     if docs.max_id >= model_vocab:
         raise ValueError(
@@ -157,7 +192,8 @@ def check_fits(cfg: DataConfig, model_vocab: int) -> None:
         raise ValueError(f"data.eot = {cfg.eot} >= model.vocab_size={model_vocab}")
     if docs.longest < cfg.min_seq_len + 1:
         raise ValueError(
-            f"{where}: the longest of its {docs.count} documents has {docs.longest} tokens, "
+            f"{where}: the longest of its {docs.count} training documents (the rest held out "
+            f"for evaluation) has {docs.longest} tokens, "
             f"fewer than data.min_seq_len + 1 = {cfg.min_seq_len + 1}: lower data.min_seq_len"
         )
 
@@ -172,19 +208,35 @@ def batches(
     row lies inside one document (models/documents.py). Targets are idx shifted by one token.
     Depends only on (cfg, step, microbatch index).
     """
+    return _draw(cfg, step, num_microbatches, held_out=False)
+
+
+def eval_batches(
+    cfg: DataConfig, index: int, num_microbatches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out iteration ``index``'s microbatches, drawn as ``batches`` draws, from data that
+    training never sees (the module's docstring says which)."""
+    return _draw(cfg, index, num_microbatches, held_out=True)
+
+
+def _draw(cfg: DataConfig, step: int, num_microbatches: int, held_out: bool):
     if step < 0 or num_microbatches <= 0:
         raise ValueError(f"need step >= 0 and num_microbatches > 0, got {step}, {num_microbatches}")
-    own = own_data(cfg)
-    if own is not None:
+    split = own_split(cfg)
+    if split is not None:
+        docs = split[1] if held_out else split[0]
         out = []
         for m in range(num_microbatches):
             rng = np.random.default_rng([cfg.seed, step, m])
             rows = torch.from_numpy(
-                own[0].draw(rng, cfg.microbatch_size, cfg.min_seq_len, cfg.max_seq_len)
+                docs.draw(rng, cfg.microbatch_size, cfg.min_seq_len, cfg.max_seq_len)
             )
             out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return out
-    data = corpus(cfg.corpus_bytes)
+    if held_out:
+        data = corpus(cfg.corpus_bytes + cfg.held_out_bytes)[cfg.corpus_bytes :]
+    else:
+        data = corpus(cfg.corpus_bytes)
     n = data.numel()
     if n <= cfg.max_seq_len + 1:
         raise RuntimeError(f"corpus has {n} bytes, too few for max_seq_len {cfg.max_seq_len}")

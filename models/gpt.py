@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits
+from models.data import DataConfig, batches, check_fits, eval_batches
 from rrfp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -333,5 +333,14 @@ def blocks(stage: GPTStage) -> list[nn.Module]:
 
 
 workload = Workload(
-    "gpt", GPTConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied, blocks=blocks
+    "gpt",
+    GPTConfig,
+    DataConfig,
+    build_stage,
+    loss_fn,
+    batches,
+    check,
+    tied=tied,
+    blocks=blocks,
+    eval_batches=eval_batches,
 )

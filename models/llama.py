@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits
+from models.data import DataConfig, batches, check_fits, eval_batches
 from models.gpt import loss_fn, split_layers
 from rrfp import (
     ColumnParallelLinear,
@@ -403,4 +403,5 @@ workload = Workload(
     check,
     tied=tied,
     blocks=stage_blocks,
+    eval_batches=eval_batches,
 )

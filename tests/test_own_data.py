@@ -223,7 +223,11 @@ def test_vocab_and_length_checks(tmp_path, tokenizer_json):
     (tmp_path / "short").mkdir()
     short, _ = _docs_file(tmp_path / "short", [4, 5])
     few = DataConfig(tokens=str(short), eot=EOT, cache_dir=str(tmp_path / "c"), min_seq_len=16)
-    with pytest.raises(ValueError, match="longest of its 2 documents has 6 tokens"):
+    with pytest.raises(
+        ValueError,
+        match=r"longest of its 1 training documents \(the rest held out for evaluation\) "
+        r"has 5 tokens",
+    ):
         check_fits(few, 256)
     (tmp_path / "t.txt").write_text("the fox " * 20)
     text = DataConfig(
