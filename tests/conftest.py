@@ -131,3 +131,15 @@ def pytest_sessionfinish(session, exitstatus):
     pool = sys.modules.get("rank_pool")
     if pool is not None:
         pool.close_all()
+
+
+@pytest.fixture(autouse=True)
+def _torch_default_dtype():
+    """Each test starts with torch's default dtype as the last one found it: a float64 reference
+    computed in the test process sets it, and a later test in the same worker would otherwise
+    build its 'float32' reference in float64 (different initial weights than its ranks draw)."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
