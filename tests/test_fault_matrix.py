@@ -6,9 +6,10 @@ the single-process reference's). The table in docs/faults.md is generated from `
 
 Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`` (SIGSTOP,
 continued after a quarter of ``timeout_s``: a peer sees a stop as its length plus up to two beat
-periods plus its own scheduling lag, so a longer pause would test the machine's load), ``gil`` (the forward or backward holds the GIL in one
-C call for 1.5 x ``timeout_s``), ``busy`` (Python computes for 3 x ``timeout_s``, taking the
-GIL in turns): the last two are alive but slow. Phases: the forward (F) or the backward (B)
+periods plus its own scheduling lag, so a longer pause would test the machine's load), ``gil``
+(the forward or backward holds the GIL in one C call for 1.5 x ``timeout_s``), ``busy`` (Python
+computes for 3 x ``timeout_s``, taking the GIL in turns): the last two are alive but slow.
+Phases: the forward (F) or the backward (B)
 of rank 1's second microbatch. APIs: ``ScheduleReady`` (the drop-in) and ``PipelineRuntime``
 (``async with``, ``run_iteration``), both with their defaults (the heartbeat on). Two ranks, a
 two-layer model, ``timeout_s`` = 2.
@@ -239,9 +240,10 @@ def table() -> str:
         f"progress_s = {PROGRESS_S:g}) or the step finished with the single-process reference's",
         "losses.",
         "",
-        "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after a quarter of",
-        "timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python computing",
-        "for 3 x timeout_s), idle (alive and beating, but never entering the step: no message).",
+        "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after a",
+        "quarter of timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python",
+        "computing for 3 x timeout_s), idle (alive and beating, but never entering the step: no",
+        "message).",
         "Phases: the forward (F) or backward (B) of rank 1's second microbatch, or the whole step.",
         "APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
         "",

@@ -7,11 +7,11 @@ handlers). Plain processes, no torchrun: its agent would end the others itself."
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 
 import pytest
-from distributed import free_port
 from launch import child_env, rrfp_argv
 from rank_procs import RankProcs
 from test_checkpoint import ROOT, SMALL
@@ -42,11 +42,16 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
 
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
-    """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60)."""
+    """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60).
+    The test holds rank 0's port bound and not listening, so no other test's store can take it
+    (its resets would make torch's client print retry warnings): the port refuses, as a rank 0
+    not yet started does."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
     p = subprocess.Popen(
         rrfp_argv("train", *SMALL, "--set", "timeout_s=60"),
         cwd=ROOT,
-        env=child_env(1, 2, free_port()),
+        env=child_env(1, 2, held.getsockname()[1]),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -61,6 +66,7 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
         took = time.monotonic() - t0
     finally:
         p.kill()
+        held.close()
     assert p.returncode == 143, (p.returncode, err)
     assert took < 5, f"{took:.1f} s after SIGTERM"
     assert err.strip().splitlines() == [
