@@ -1,14 +1,24 @@
 """``rrfp train`` on the llama and vit_vlm workloads against one process training the whole model,
 shared by tests/test_llama.py and tests/test_vit_vlm.py: the reference (AdamW with the config's
-weight-decay groups, global clipping), the ranks (stage_main in float64, the trained stage modules
-caught as they are built) and the largest differences (torch imported inside: the ranks import
-it)."""
+weight-decay groups, warmup then cosine decay, global clipping), the ranks (stage_main in
+float64, the trained stage modules caught as they are built) and the largest differences (torch
+imported inside: the ranks import it)."""
 
 from __future__ import annotations
 
-STEPS, CLIP, DECAY = 3, 0.05, 0.1
+import math
+
+STEPS, CLIP, DECAY, MIN_LR = 3, 0.05, 0.1, 1e-4
 RECIPE = [f"steps={STEPS}", "microbatches=4", "timeout_s=60", f"clip_grad_norm={CLIP}"]
-RECIPE += [f"weight_decay={DECAY}"]
+RECIPE += [f"weight_decay={DECAY}", "schedule=cosine", "warmup_steps=1", f"min_lr={MIN_LR}"]
+
+
+def learning_rate(lr: float, step: int) -> float:
+    """The recipe's schedule written out: step 0 warms up from 0, then a cosine from ``lr`` at
+    step 1 to ``MIN_LR`` at the run's end."""
+    if step == 0:
+        return 0.0
+    return MIN_LR + (lr - MIN_LR) * 0.5 * (1 + math.cos(math.pi * (step - 1) / (STEPS - 1)))
 
 
 def recipe(config: str) -> list[str]:
@@ -62,6 +72,8 @@ def reference(config: str, sets: list[str], world: int):
             loss = sum(wl.loss_fn(model(x), y) for x, y in mbs) / len(mbs)
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(cfg.optim.lr, step)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
