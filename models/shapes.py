@@ -105,6 +105,20 @@ def max_seq_len(cfg: VLMDataConfig) -> int:
     return cfg.max_images * cfg.tokens_per_image + max_text_len(cfg)
 
 
+def check_fits(model, data: VLMDataConfig) -> None:
+    """ValueError, in one line, unless a model's images and positions take this data: the same
+    image and patch size, and a ``block_size`` as long as the longest image-and-text sequence."""
+    for name in ("image_size", "patch_size"):
+        mine, theirs = getattr(model, name), getattr(data, name)
+        if mine != theirs:
+            raise ValueError(f"model.{name}={mine} differs from data.{name}={theirs}")
+    if max_seq_len(data) > model.block_size:
+        raise ValueError(
+            f"model.block_size={model.block_size} is below the longest sequence the data can draw "
+            f"({max_seq_len(data)} image and text tokens): raise it or lower data.max_images"
+        )
+
+
 def _masks(size: int) -> list[np.ndarray]:
     """Boolean s x s masks in SHAPES order, of different areas; s = size / 2 - 2 leaves room to
     move."""

@@ -44,7 +44,7 @@ from models.llama import (
     materialise,
     part_generator,
 )
-from models.shapes import VLMDataConfig, VLMInputs, batches, max_seq_len
+from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits
 from models.vlm import features
 from rrfp import SplitLinear, Workload, group_size_rank
 
@@ -291,16 +291,7 @@ def check(cfg: ViTVLMConfig, data: VLMDataConfig, num_stages: int, tp: int) -> N
         raise ValueError(
             f"model.vocab_size={cfg.vocab_size} is below the data's 256 byte tokens: set it >= 256"
         )
-    for name in ("image_size", "patch_size"):
-        if getattr(cfg, name) != getattr(data, name):
-            raise ValueError(
-                f"model.{name}={getattr(cfg, name)} differs from data.{name}={getattr(data, name)}"
-            )
-    if max_seq_len(data) > cfg.block_size:
-        raise ValueError(
-            f"model.block_size={cfg.block_size} is below the longest sequence the data can draw "
-            f"({max_seq_len(data)} image and text tokens): raise it or lower data.max_images"
-        )
+    check_fits(cfg, data)
 
 
 def build_stage(cfg: ViTVLMConfig, stage: int, num_stages: int, tp_group=None) -> ViTVLM:

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
-from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, max_seq_len
+from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, check_fits
 from rrfp import SplitLinear, Workload, group_size_rank, token_features
 
 log = logging.getLogger(__name__)
@@ -276,16 +276,7 @@ def check(cfg: VLMConfig, data: VLMDataConfig, num_stages: int, tp: int) -> None
             f"model.n_layer={cfg.n_layer} is too few for {num_stages} pipeline stages: "
             f"stages 1..{num_stages - 1} need at least one LM block each"
         )
-    for name in ("image_size", "patch_size"):
-        if getattr(cfg, name) != getattr(data, name):
-            raise ValueError(
-                f"model.{name}={getattr(cfg, name)} differs from data.{name}={getattr(data, name)}"
-            )
-    if max_seq_len(data) > cfg.block_size:
-        raise ValueError(
-            f"model.block_size={cfg.block_size} is below the longest sequence the data can draw "
-            f"({max_seq_len(data)} image and text tokens): raise it or lower data.max_images"
-        )
+    check_fits(cfg, data)
 
 
 def build_stage(cfg: VLMConfig, stage: int, num_stages: int, tp_group=None) -> VLMStage:
