@@ -105,6 +105,22 @@ def max_seq_len(cfg: VLMDataConfig) -> int:
     return cfg.max_images * cfg.tokens_per_image + max_text_len(cfg)
 
 
+def patchify(images: torch.Tensor, image_size: int, patch: int, dtype: torch.dtype) -> torch.Tensor:
+    """Images [b, n, 3, S, S] as patches [b * n, (S / p)^2, 3 * p * p] in ``dtype`` (the data is
+    float32 whatever the model's dtype); a ValueError names any other shape."""
+    if images.dim() != 5 or images.shape[2:] != (3, image_size, image_size):
+        raise ValueError(
+            f"images must be [b, n, 3, {image_size}, {image_size}], got {tuple(images.shape)}"
+        )
+    b, n, g = images.size(0), images.size(1), image_size // patch
+    return (
+        images.to(dtype)
+        .reshape(b * n, 3, g, patch, g, patch)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(b * n, g * g, 3 * patch * patch)
+    )
+
+
 def check_fits(model, data: VLMDataConfig) -> None:
     """ValueError, in one line, unless a model's images and positions take this data: the same
     image and patch size, and a ``block_size`` as long as the longest image-and-text sequence."""

@@ -44,7 +44,7 @@ from models.llama import (
     materialise,
     part_generator,
 )
-from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits
+from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits, patchify
 from models.vlm import features
 from rrfp import SplitLinear, Workload, group_size_rank
 
@@ -229,19 +229,8 @@ class ViTVLM(nn.Module):
 
     def _patchify(self, images: torch.Tensor) -> torch.Tensor:
         """[b, n, 3, S, S] -> [b * n, patches, 3 * p * p]."""
-        cfg, p = self.config, self.config.patch_size
-        if images.dim() != 5 or images.shape[2:] != (3, cfg.image_size, cfg.image_size):
-            raise ValueError(
-                f"images must be [b, n, 3, {cfg.image_size}, {cfg.image_size}], "
-                f"got {tuple(images.shape)}"
-            )
-        b, n, g = images.size(0), images.size(1), cfg.image_size // p
-        images = images.to(self.patch_embed.weight.dtype)  # float32 data, whatever the model's
-        return (
-            images.reshape(b * n, 3, g, p, g, p)
-            .permute(0, 2, 4, 1, 3, 5)
-            .reshape(b * n, g * g, 3 * p * p)
-        )
+        cfg = self.config
+        return patchify(images, cfg.image_size, cfg.patch_size, self.patch_embed.weight.dtype)
 
     def forward(self, x: VLMInputs | Encoding | torch.Tensor) -> Encoding | torch.Tensor:
         cfg = self.config

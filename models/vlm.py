@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
-from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, check_fits
+from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, check_fits, patchify
 from rrfp import SplitLinear, Workload, group_size_rank, token_features
 
 log = logging.getLogger(__name__)
@@ -124,19 +124,9 @@ class VisionEncoder(nn.Module):
         self.proj = SplitLinear(cfg.enc_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        cfg, p = self.config, self.config.patch_size
-        if images.dim() != 5 or images.shape[2:] != (3, cfg.image_size, cfg.image_size):
-            raise ValueError(
-                f"images must be [b, n, 3, {cfg.image_size}, {cfg.image_size}], "
-                f"got {tuple(images.shape)}"
-            )
-        b, n, g = images.size(0), images.size(1), cfg.image_size // p
-        images = images.to(self.patch.weight.dtype)  # data is float32 whatever the model's dtype
-        x = (
-            images.reshape(b * n, 3, g, p, g, p)
-            .permute(0, 2, 4, 1, 3, 5)
-            .reshape(b * n, g * g, 3 * p * p)
-        )
+        cfg = self.config
+        b, n, g = images.size(0), images.size(1), cfg.image_size // cfg.patch_size
+        x = patchify(images, cfg.image_size, cfg.patch_size, self.patch.weight.dtype)
         x = self.patch(x) + self.pos
         for block in self.h:
             x = block(x)
