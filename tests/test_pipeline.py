@@ -1,6 +1,7 @@
 """Pipeline training on real gloo process groups matches a single-process
-reference: losses and every gradient after one iteration, and losses over
-20 optimizer steps, for every executor and hint, at PP 2 and 4."""
+reference: losses and every gradient after one iteration, for every dispatch and hint, at PP 2
+and 4; and losses over 20 optimizer steps, for one run of each way a step can end (fused and split
+backward, ready and fixed dispatch, the planned hint)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ pytestmark = pytest.mark.multirank
 
 HINTS = ["gpipe", "1f1b", "zbh1", "bf", "bfw", "plan"]
 CONFIGS = [(e, h) for e in ("ready", "fixed") for h in HINTS]
+# What can drift over steps is what a step leaves behind (gradients zeroed or accumulated, the
+# optimizer's state, the split's stashed inputs, the planner's next plan), not the order within
+# it, which the one-iteration test checks for every config: one run of each kind.
+DRIFT_CONFIGS = [("ready", "bfw"), ("fixed", "1f1b"), ("fixed", "zbh1"), ("ready", "plan")]
 M = 4
 
 
@@ -238,7 +243,7 @@ def test_runtime_context_closes_on_error():
     "pp", [4]
 )  # pp = 2 is in every other pipeline test; this one is about drift over steps
 def test_twenty_steps_match_reference(pp):
-    results = run_ranks(_twenty_steps, pp, CONFIGS, timeout=360)
+    results = run_ranks(_twenty_steps, pp, DRIFT_CONFIGS, timeout=360)
     ref, runs = results[0]
     assert ref[-1] < ref[0] - 0.3, "the reference should learn"
     for cfg, losses in runs.items():

@@ -73,57 +73,29 @@ def test_sim_shows_the_planned_row_with_its_planning_time():
     assert rows[("ready", "plan")]["median_plan_ms"] > 0 and "plan" in p.stderr
 
 
-@pytest.mark.e2e
-def test_train_plans_each_step_one_ahead_and_matches_bfw_losses():
+@pytest.mark.multirank
+@pytest.mark.timeout(200)
+def test_train_plans_each_step_one_ahead_and_matches_bfw_losses(tmp_path):
     """`rrfp train` with hint = plan under lang: every step follows its own plan (made in a
     thread one step ahead), and the losses are BFW's: the order moves, the results do not."""
     import re
-    import subprocess
-    from pathlib import Path
+    import time
 
-    from launch import TORCHRUN, child_env
+    from train_rows import TrainJob
 
-    root = Path(__file__).resolve().parents[1]
+    def train(hint: str) -> TrainJob:
+        sets = ["pp=2", f"hint={hint}", "preset=lang", "unit_ms=2", "steps=4", "log_every=1"]
+        argv = ["--config", "configs/gpt-tiny.toml", "--set", "model.n_layer=2"]
+        return TrainJob(tmp_path / hint, argv + [a for s in sets for a in ("--set", s)])
 
-    def train(hint: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [
-                *TORCHRUN,
-                "--nproc-per-node",
-                "2",
-                "-m",
-                "rrfp",
-                "train",
-                "--config",
-                "configs/gpt-tiny.toml",
-                "--set",
-                "pp=2",
-                "--set",
-                f"hint={hint}",
-                "--set",
-                "preset=lang",
-                "--set",
-                "unit_ms=2",
-                "--set",
-                "steps=4",
-                "--set",
-                "log_every=1",
-                "--set",
-                "model.n_layer=2",
-            ],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=170,
-            env=child_env(),
-        )
-
-    planned, plain = train("plan"), train("bfw")
-    assert planned.returncode == 0 and plain.returncode == 0, (
-        planned.stderr[-2000:] + plain.stderr[-2000:]
-    )
-    assert re.search(r"plan: \d+\.\d ms per step", planned.stdout), planned.stdout
-    losses = [
-        [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)] for p in (planned, plain)
-    ]
+    planned, plain = jobs = train("plan"), train("bfw")
+    try:
+        for job in jobs:
+            assert job.wait((0, 1), time.monotonic() + 170), job.err(0)[-2000:]
+            assert [job.code(0), job.code(1)] == [0, 0], job.err(0)[-2000:] + job.err(1)[-2000:]
+    finally:
+        for job in jobs:
+            job.kill()
+    assert re.search(r"plan: \d+\.\d ms per step", planned.out(0)), planned.out(0)
+    losses = [[float(x) for x in re.findall(r"loss (\d+\.\d+)", j.out(0))] for j in jobs]
     assert len(losses[0]) == 5 and losses[0] == losses[1], losses  # 4 steps and the done line
