@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 TITAN_VENV ?= .venv-titan
 
-.PHONY: run test test-quick test-titan check sim bench gpu-check clean
+.PHONY: run test test-quick test-long test-titan check sim bench gpu-check clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ sim: $(VENV)/.installed
 # leaves the one-test torchrun files for last.
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q $(XDIST) -m "not long"
+
+# The tests that wait out a fault (a rank killed, stopped, busy or slow) and the timeout that names
+# it: minutes of waiting by design, so not in `make test`; CI runs them after it.
+test-long: $(VENV)/.installed
+	$(PY) -m pytest -q $(XDIST) -m long
 
 # The quick tier for everyday work: the unit tests, which start no second process (tests/conftest.py
 # says what the tiers are and fails a test that starts a process without its file marking it).

@@ -3,12 +3,14 @@
 - ``unit`` (no mark needed): runs in the test process and starts no other.
 - ``multirank``: starts gloo ranks from the test (tests/distributed.py, tests/rank_pool.py).
 - ``e2e``: starts the CLI, torchrun or another interpreter as a subprocess.
+- ``long`` (beside one of the two above): waits out a fault by design, a rank killed, stopped,
+  busy or slow, and the timeout that names it or the run that finishes despite it.
 
-`make test-quick` runs ``-m unit``; `make test` runs every tier but the torchtitan tests, which
-`make test-titan` runs. A test without a process mark
-that starts a process fails at once with a line saying to mark it, so the quick tier stays
-in-process without anyone reading sources to keep it so. ``slow`` is kept as the name of both
-process tiers together.
+`make test-quick` runs ``-m unit``; `make test` runs every tier but ``long``, which
+`make test-long` runs (CI runs both); the torchtitan tests run under `make test-titan`. A test
+without a process mark that starts a process fails at once with a line saying to mark it, so the
+quick tier stays in-process without anyone reading sources to keep it so. ``slow`` is kept as the
+name of both process tiers together.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def pytest_configure(config):
         "multirank: starts gloo ranks from the test",
         "e2e: starts the CLI, torchrun or another interpreter as a subprocess",
         "slow: a test of a process tier (multirank or e2e), added to them by conftest",
-        "long: waits out several timeouts (the fault matrices' long rows); `make test` runs it",
+        "long: waits out a fault and the timeout that names it; `make test-long` runs it",
     ):
         config.addinivalue_line("markers", line)
     # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the

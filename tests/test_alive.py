@@ -89,6 +89,7 @@ def _wait_for(ranks: RankProcs, rank: int, text: str, what: str) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("where", [":task=F1", ""], ids=["in-a-task", "before-the-step-all-reduce"])
 def test_a_rank_busy_for_three_timeouts_is_not_reported_failed(tmp_path, where):
@@ -118,6 +119,7 @@ def test_a_rank_busy_for_three_timeouts_is_not_reported_failed(tmp_path, where):
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 @pytest.mark.timeout(180)
 def test_a_rank_stopped_and_continued_within_timeout_s_is_not_reported_failed(tmp_path):
     """SIGSTOP rank 1 for 3.5 s (more than half of timeout_s = 6: rank 1 itself, continued, sees an
@@ -148,6 +150,7 @@ def test_a_rank_stopped_and_continued_within_timeout_s_is_not_reported_failed(tm
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-store-host"])
 def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, victim):
@@ -193,6 +196,7 @@ def test_a_rank_stopped_for_good_is_named_as_silent_within_timeout_s(tmp_path, v
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("step", [1, 2], ids=["no-checkpoint-yet", "previous-one-kept"])
 def test_a_peer_killed_during_a_checkpoint_write_is_one_line_that_says_what_stays(tmp_path, step):

@@ -560,6 +560,7 @@ def test_dead_peer_surfaces_as_peer_error():
 
 
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(60)
 def test_silent_peer_times_out_after_pg_timeout():
     timeout_s = 3

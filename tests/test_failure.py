@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from rank_procs import RankProcs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 WORLD = 4
 TIMEOUT_S = 10  # run.timeout_s: how long a peer may stay silent

@@ -80,6 +80,7 @@ def _survivor_line(ranks: RankProcs, rank: int, peer: int) -> str:
     return line
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind", ["kill", "stop"])
 def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
@@ -141,6 +142,7 @@ def test_a_killed_or_stopped_rank_ends_the_others(tmp_path, kind):
         resumed.kill_all()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_kill_during_a_save_is_named_by_every_survivor(tmp_path):
     """Every survivor fails in DCP's world collective, which names no peer, and gloo fails it at

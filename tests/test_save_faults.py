@@ -14,7 +14,7 @@ import pytest
 from rank_procs import RankProcs
 from test_fault_injection import _args, _wait_for_fault
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 TIMEOUT_S = 4
 SLACK_S = 12  # a loaded 2-core machine

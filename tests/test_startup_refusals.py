@@ -40,6 +40,7 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
         ranks.kill_all()
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60).
