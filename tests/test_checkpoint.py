@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 from cli_run import rrfp_in_process
-from distributed import free_port, run_ranks
-from launch import child_env, rank_vars, rrfp_argv
+from distributed import run_ranks
+from launch import rank_vars
+from train_rows import TrainJob
 
 from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
 
@@ -170,62 +171,15 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
 # ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
 
 
-class Ranks:
-    """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun
-    would end a rank's siblings itself, hiding whether each ends on its own)."""
-
-    def __init__(self, tmp: Path, *args: str, world: int = 2) -> None:
-        tmp.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        self.tmp, self.files, self.procs = tmp, [], []
-        for rank in range(world):
-            out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
-            self.files += [out, err]
-            self.procs.append(
-                subprocess.Popen(
-                    rrfp_argv("train", *args),
-                    cwd=ROOT,
-                    env=child_env(rank, world, port),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                )
-            )
-
-    def out(self, rank: int) -> str:
-        return (self.tmp / f"out{rank}").read_text(errors="replace")
-
-    def err(self, rank: int) -> str:
-        return (self.tmp / f"err{rank}").read_text(errors="replace")
-
-    def wait(self, limit_s: float) -> list[int | None]:
-        t0 = time.monotonic()
-        while any(p.poll() is None for p in self.procs) and time.monotonic() - t0 < limit_s:
-            time.sleep(0.05)
-        return [p.poll() for p in self.procs]
-
-    def tails(self) -> str:
-        return "\n".join(
-            f"--- rank {r}:\n{self.out(r)[-800:]}\n{self.err(r)[-1500:]}"
-            for r in range(len(self.procs))
-        )
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
-        for f in self.files:
-            f.close()
-
-
-def train(tmp: Path, *args: str, limit_s: float = 90) -> Ranks:
-    ranks = Ranks(tmp, *SMALL, "--set", "timeout_s=20", *args)
+def train(tmp: Path, *args: str, limit_s: float = 90) -> TrainJob:
+    """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun would end a
+    rank's siblings itself, hiding whether each ends on its own), run to its end."""
+    ranks = TrainJob(tmp, [*SMALL, "--set", "timeout_s=20", *args])
     try:
-        codes = ranks.wait(limit_s)
-        assert None not in codes, f"still running after {limit_s} s\n" + ranks.tails()
+        ended = ranks.wait(range(2), time.monotonic() + limit_s)
+        assert ended, f"still running after {limit_s} s\n" + ranks.tails()
     finally:
-        ranks.close()
+        ranks.kill()
     return ranks
 
 
@@ -249,7 +203,7 @@ def saved(tmp_path_factory) -> Path:
     """A checkpoint directory from a real 2-step run (pp=2, 4 microbatches)."""
     tmp = tmp_path_factory.mktemp("saved")
     ranks = train(tmp / "logs", "--set", "steps=2", "--set", f"checkpoint.dir={tmp / 'ck'}")
-    assert [p.returncode for p in ranks.procs] == [0, 0], ranks.tails()
+    assert ranks.codes() == [0, 0], ranks.tails()
     assert [c.step for c in CheckpointDir(tmp / "ck").complete()] == [2]
     return tmp / "ck"
 
@@ -288,7 +242,7 @@ MEANINGLESS = {
 }  # the checkpoint has one stage per rank: its placement says nothing
 
 
-@pytest.mark.e2e
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_resume_with_another_config_is_one_error_line(saved):
     # the command: exit 2 and one line, with a rendezvous nobody serves (so no group was joined)
@@ -350,7 +304,7 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
     ]
 
 
-@pytest.mark.e2e
+@pytest.mark.multirank
 def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(saved, broken)
@@ -389,7 +343,7 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     assert resume_point(fresh) is None  # auto with nothing to resume: step 0
 
 
-@pytest.mark.e2e
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
     broken = tmp_path / "ck"
@@ -401,8 +355,8 @@ def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
     ranks = train(
         tmp_path / "logs", "--set", "steps=4", "--set", f"checkpoint.dir={broken}", "--resume"
     )
-    for r, p in enumerate(ranks.procs):
-        assert p.returncode == 2, f"rank {r} exited {p.returncode}\n" + ranks.tails()
+    for r, code in enumerate(ranks.codes()):
+        assert code == 2, f"rank {r} exited {code}\n" + ranks.tails()
         # no rendezvous store outside torchrun: each rank prints (under torchrun rank 0 alone does)
         one_error_line(
             ranks.err(r),
@@ -414,35 +368,36 @@ def test_checkpoint_that_does_not_load_exits_2_on_every_rank(saved, tmp_path):
 TIMEOUT_S = 10
 
 
-@pytest.mark.e2e
+@pytest.mark.multirank
 @pytest.mark.timeout(180)
 def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
     ckdir = tmp_path / "ck"
-    ranks = Ranks(
+    ranks = TrainJob(
         tmp_path / "logs",
-        *SMALL,
-        "--set",
-        "steps=100000",
-        "--set",
-        "unit_ms=20",
-        "--set",
-        f"timeout_s={TIMEOUT_S}",
-        "--set",
-        f"checkpoint.dir={ckdir}",
-        "--set",
-        "checkpoint.every=4",
+        [
+            *SMALL,
+            "--set",
+            "steps=100000",
+            "--set",
+            "unit_ms=20",
+            "--set",
+            f"timeout_s={TIMEOUT_S}",
+            "--set",
+            f"checkpoint.dir={ckdir}",
+            "--set",
+            "checkpoint.every=4",
+        ],
     )
     try:
         t0 = time.monotonic()
         while sum(ln.startswith("step") for ln in ranks.out(0).splitlines()) < 2:
-            assert all(p.poll() is None for p in ranks.procs), (
-                "a rank exited early\n" + ranks.tails()
-            )
+            assert ranks.codes() == [None, None], "a rank exited early\n" + ranks.tails()
             assert time.monotonic() - t0 < 60, "no steps within 60 s\n" + ranks.tails()
             time.sleep(0.05)
         os.kill(ranks.procs[1].pid, signal.SIGTERM)
         t_sig = time.monotonic()
-        codes = ranks.wait(TIMEOUT_S + 10)
+        ranks.wait(range(2), time.monotonic() + TIMEOUT_S + 10)
+        codes = ranks.codes()
         elapsed = time.monotonic() - t_sig
         assert None not in codes, (
             f"rank(s) still running {elapsed:.1f} s after SIGTERM: {codes}\n" + ranks.tails()
@@ -464,7 +419,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
         printed = sum(ln.startswith("step") for ln in ranks.out(0).splitlines())
         assert printed == step, f"rank 0 printed {printed} steps, stopped after {step}"
     finally:
-        ranks.close()
+        ranks.kill()
     assert CheckpointDir(ckdir).latest().step == step
     assert not CheckpointDir(ckdir).incomplete(), list(ckdir.iterdir())
     # the stopped run's checkpoint continues: two more steps
@@ -476,7 +431,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
         f"checkpoint.dir={ckdir}",
         "--resume",
     )
-    assert [p.returncode for p in resumed.procs] == [0, 0], resumed.tails()
+    assert resumed.codes() == [0, 0], resumed.tails()
     out = resumed.out(0)
     assert f"resume: from {ckdir / f'step-{step:08d}'} (step {step} of {step + 2})" in out, out
     assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("step")] == [

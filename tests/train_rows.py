@@ -78,6 +78,16 @@ class TrainJob:
     def code(self, rank: int) -> int | None:
         return self.procs[rank].exitcode
 
+    def codes(self) -> list[int | None]:
+        """Every rank's exit status (None: still running; -N: ended by signal N)."""
+        return [p.exitcode for p in self.procs]
+
+    def tails(self) -> str:
+        """The end of what each rank printed, for an assertion's message."""
+        return "\n".join(
+            f"--- rank {r}:\n{self.out(r)[-800:]}\n{self.err(r)[-1500:]}" for r in range(self.world)
+        )
+
     def out(self, rank: int) -> str:
         return self._read(f"out{rank}")
 
