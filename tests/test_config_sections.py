@@ -6,15 +6,14 @@ and each can be set apart; an embedder's ScheduleSettings runs what the old keyw
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
 from distributed import run_ranks
+from launch import rank_vars
 
 from rrfp.app.config import FLAT_KEYS, ConfigKeyDeprecated, TrainConfig
 from rrfp.app.config_fields import toml_text
@@ -72,23 +71,11 @@ def test_a_key_given_flat_and_in_its_section_is_refused(tmp_path):
 
 
 def rrfp(*args, world=None, rank=0):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    if world is not None:  # a torchrun-like rank whose rendezvous nobody serves
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", *args],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """``rrfp ARGS`` in this process (tests/cli_run.py); with ``world``, as a torchrun-like rank
+    whose rendezvous nobody serves."""
+    return rrfp_in_process(*args, env=rank_vars(rank, world, port=9) if world is not None else {})
 
 
-@pytest.mark.e2e
 def test_rrfp_train_says_each_deprecation_once_on_rank_0():
     flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
     res = rrfp("train", "--config", flat, "--dry-run", world=4)
@@ -121,7 +108,6 @@ def test_the_configuration_page_is_the_generated_reference():
             assert f"| `{name}` |" in page
 
 
-@pytest.mark.e2e
 def test_the_reference_on_the_command_line():
     res = rrfp("config")
     assert res.returncode == 0 and res.stdout == reference_text()
@@ -194,7 +180,6 @@ def test_a_typo_in_the_file_names_the_file(tmp_path):
         TrainConfig.load(path, world_size=4)
 
 
-@pytest.mark.e2e
 def test_without_torchrun_the_config_is_checked_first():
     bad = rrfp("train", "--config", "configs/gpt-tiny.toml", "--set", "schedule.hint=bfx")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
