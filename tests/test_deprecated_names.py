@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import rrfp_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,12 +37,9 @@ def test_old_planning_module_path_reexports_and_warns():
 
 
 def rrfp_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    return rrfp_in_process(*args)
 
 
-@pytest.mark.e2e
 def test_sim_executors_is_dispatch_with_one_warning_line():
     flags = ("sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "bfw,1f1b")
     new = rrfp_cli(*flags, "--dispatch", "ready,fixed")
