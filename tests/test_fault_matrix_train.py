@@ -238,6 +238,20 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
     assert max(got.ended_after.values()) <= bound, got.ended_after
 
 
+@pytest.mark.multirank
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_commit_write_longer_than_progress_s_is_progress_not_a_stuck_rank(tmp_path):
+    """Rank 0 writes the commit for 1.5 x progress_s (a slow file system) while rank 1 waits for
+    it at the commit's all-reduce: a write is progress, so the run finishes and keeps it."""
+    slow = f"slow:rank=0:step=1:during=commit:seconds={1.5 * PROGRESS_S:g}"
+    got = run_job(tmp_path, "pp", slow)
+    assert got.codes == [0, 0], got.tails
+    assert len(got.losses) == 3, got.tails
+    assert f"slow for {1.5 * PROGRESS_S:g} s, done" in got.tails, got.tails  # rank 0's fault fired
+    assert got.committed == ["step-00000002", "step-00000003"], got.committed  # checkpoint.keep
+
+
 if __name__ == "__main__":  # every row's outcome, as observed (no assertion)
     import tempfile
 

@@ -387,10 +387,10 @@ class RunCheckpoints:
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
-                for hook in self.on_write:
-                    hook(done, "commit")
                 # the peers wait for it at the commit's all-reduce: its write is progress to them
                 with working_marker()(f"writing checkpoint {self.store.final_path(done).name}"):
+                    for hook in self.on_write:  # a fault here is one in the write
+                        hook(done, "commit")
                     self.store.commit(
                         done,
                         {

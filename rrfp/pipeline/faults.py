@@ -13,7 +13,8 @@ Phases (``during=P``), each where a rank waits for its peers in its own way:
 ``startup`` (before this rank joins the rendezvous; no step: once per run), ``sync`` (as this rank
 starts step N's gradient sync, after its backward), ``save`` (as it starts writing the checkpoint
 saved after step N), ``commit`` (once its part is written, as the checkpoint is committed: rank 0
-commits, the others wait for it) and ``barrier`` (as it reaches the final barrier after its last
+commits, inside the commit's write, which its peers count as progress, and the others wait for
+it) and ``barrier`` (as it reaches the final barrier after its last
 step; no step).
 
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself: alive but silent; with
