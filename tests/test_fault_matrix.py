@@ -8,11 +8,15 @@ Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`
 continued after a quarter of ``timeout_s``: a peer sees a stop as its length plus up to two beat
 periods plus its own scheduling lag, so a longer pause would test the machine's load), ``gil``
 (the forward or backward holds the GIL in one C call for 1.5 x ``timeout_s``), ``busy`` (Python
-computes for 3 x ``timeout_s``, taking the GIL in turns): the last two are alive but slow.
-Phases: the forward (F) or the backward (B)
-of rank 1's second microbatch. APIs: ``ScheduleReady`` (the drop-in) and ``PipelineRuntime``
-(``async with``, ``run_iteration``), both with their defaults (the heartbeat on). Two ranks, a
-two-layer model, ``timeout_s`` = 2.
+computes for 3 x ``timeout_s``, taking the GIL in turns): the last two are alive but slow;
+``idle`` (alive and beating, but never entering the step) and ``hang`` (alive and beating, but
+never reaching the DP gradient sync or the final barrier: it sleeps in the ``async with`` block
+instead), named after ``timeouts.progress_s``.
+Phases: the forward (F) or the backward (B) of rank 1's second microbatch, or the weight gradient
+(W) of its second W task under a split backward. APIs: ``ScheduleReady`` (the drop-in) and
+``PipelineRuntime`` (``async with``, ``run_iteration``), both with their defaults (the heartbeat
+on). Two ranks, a two-layer model, ``timeout_s`` = 2; the sync rows are one pipeline stage of two
+DP replicas.
 """
 
 from __future__ import annotations
@@ -33,19 +37,34 @@ from distributed import _child, _context, free_port  # noqa: E402
 from rrfp.pipeline.faults import pause  # noqa: E402
 
 TIMEOUT_S = 2.0
-PROGRESS_S = 2 * TIMEOUT_S  # PipelineRuntime's timeouts.progress_s here (10 x timeout_s by default)
+PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = Path(__file__).resolve().parents[1] / "docs" / "faults.md"
 
 FINISHES, NAMED = "finishes exactly", "rank 1 named"
 # (api, kind, phase, outcome)
-ROWS = [
-    (api, kind, phase, NAMED if kind in ("kill", "stop") else FINISHES)
-    for api in ("ScheduleReady", "PipelineRuntime")
-    for kind in ("kill", "stop", "pause", "gil", "busy")
-    for phase in ("F", "B")
-] + [("PipelineRuntime", "idle", "step", NAMED)]
+ROWS = (
+    [
+        (api, kind, phase, NAMED if kind in ("kill", "stop") else FINISHES)
+        for api in ("ScheduleReady", "PipelineRuntime")
+        for kind in ("kill", "stop", "pause", "gil", "busy")
+        for phase in ("F", "B")
+    ]
+    + [
+        (api, kind, "W", NAMED)
+        for api in ("ScheduleReady", "PipelineRuntime")
+        for kind in ("kill", "stop")
+    ]
+    + [
+        ("PipelineRuntime", "idle", "step", NAMED),
+        ("ScheduleReady", "idle", "step", NAMED),
+        ("PipelineRuntime", "hang", "sync", NAMED),
+        ("PipelineRuntime", "hang", "barrier", NAMED),
+    ]
+)
+NEVER = ("kill", "stop", "idle", "hang")  # rank 1 reports nothing: rank 0's line is the outcome
+ALIVE = ("idle", "hang")  # beating, never arriving: named after progress_s
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -85,11 +104,20 @@ def _reference() -> list[float]:
 
 
 class _Faulty(torch.nn.Module):
-    """Rank 1's stage: the fault fires in the forward, or the backward, of its second microbatch."""
+    """Rank 1's stage: the fault fires in the forward, or the backward, of its second microbatch,
+    or as its second weight gradient is computed (W, under a split backward)."""
 
     def __init__(self, inner, kind: str, phase: str, mark: Path) -> None:
         super().__init__()
         self.inner, self.kind, self.phase, self.mark, self.calls = inner, kind, phase, mark, 0
+        self.w_calls = 0
+        if phase == "W":
+            inner.weight.register_hook(self._weight_grad)
+
+    def _weight_grad(self, g):
+        self.w_calls += 1
+        if self.w_calls == 2:
+            _fault(self.kind, self.mark)
 
     def forward(self, x):
         self.calls += 1
@@ -106,6 +134,7 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
+    from rrfp.pipeline.timeouts import Timeouts
     from rrfp.pipelining.schedule import ScheduleReady
 
     dist.init_process_group("gloo")
@@ -113,7 +142,12 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     if rank == 1:
         module = _Faulty(module, kind, phase, Path(mark))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule = ScheduleReady(stage, M, loss_fn=_loss, timeout_s=TIMEOUT_S)
+    waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
+    schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits, split=phase == "W")
+    if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
+        Path(mark).write_text(repr(time.time()))
+        time.sleep(3 * PROGRESS_S)
+        return {}
     x, y = _data()
     losses: list = []
     try:
@@ -130,22 +164,34 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
     import rrfp
     from rrfp.pipeline.timeouts import Timeouts
 
-    module = _stages()[rank]
-    if rank == 1:
+    # the sync rows: one stage holding both layers, on two DP replicas
+    sync = phase == "sync"
+    module = torch.nn.Sequential(*_stages()) if sync else _stages()[rank]
+    if rank == 1 and kind not in ALIVE:
         module = _Faulty(module, kind, phase, Path(mark))
     x, y = _data()
     batches = list(zip(x.chunk(M), y.chunk(M)))
     out: dict = {}
 
+    async def hang():  # alive (beating) in the block, but never where rank 0 waits for it
+        Path(mark).write_text(repr(time.time()))
+        await asyncio.sleep(3 * PROGRESS_S)
+
     async def main():
         waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
-        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
-            ex = rt.stage_executor(module, _loss, microbatches=M)
-            if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
-                Path(mark).write_text(repr(time.time()))
-                await asyncio.sleep(3 * PROGRESS_S)
+        layout = dict(pp=1, dp=world) if sync else dict(pp=world)
+        async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
+            ex = rt.stage_executor(module, _loss, microbatches=M, split=phase == "W" or None)
+            # without the executor, sync() starts the DP all-reduce: rank 0 waits for it there
+            dp = rt.grad_sync(module)
+            if kind == "idle" and rank == 1:  # no message
+                await hang()
                 return
             await ex.run_iteration(0, batches)
+            if kind == "hang" and rank == 1:
+                await hang()
+                return
+            await dp.sync()
             last = [w for w in ex.workers if w.is_last]
             out["losses"] = [float(last[0].losses[mb]) for mb in range(M)] if last else []
 
@@ -175,7 +221,7 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     for p in procs:
         p.start()
     results: dict = {}
-    want = {0} if kind in ("kill", "stop", "idle") else {0, 1}
+    want = {0} if kind in NEVER else {0, 1}
     try:
         deadline = time.monotonic() + 90
         while not want <= results.keys():
@@ -217,7 +263,7 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     assert error is not None, f"rank 0 finished a step whose peer was {kind}ed: {results[0]}"
     took = results[0]["at"] - results["fault_at"]
     assert "rank 1" in error, error
-    bound = PROGRESS_S if kind == "idle" else TIMEOUT_S
+    bound = PROGRESS_S if kind in ALIVE else TIMEOUT_S
     assert took <= bound + SLACK_S, f"named after {took:.1f} s: {error}"
     print(f"{api} {kind} {phase}: named after {took:.2f} s")
 
@@ -236,16 +282,19 @@ def table() -> str:
         "## The embedding APIs",
         "",
         f"The fault named (its error names rank 1 within timeout_s + {SLACK_S:g} s,",
-        f"timeout_s = {TIMEOUT_S:g}; an idle peer within timeouts.progress_s + {SLACK_S:g} s,",
-        f"progress_s = {PROGRESS_S:g}) or the step finished with the single-process reference's",
-        "losses.",
+        f"timeout_s = {TIMEOUT_S:g}; an idle or hung peer within timeouts.progress_s +",
+        f"{SLACK_S:g} s, progress_s = {PROGRESS_S:g}) or the step finished with the",
+        "single-process reference's losses.",
         "",
         "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after a",
         "quarter of timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python",
         "computing for 3 x timeout_s), idle (alive and beating, but never entering the step: no",
-        "message).",
-        "Phases: the forward (F) or backward (B) of rank 1's second microbatch, or the whole step.",
-        "APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
+        "message), hang (alive and beating in the `async with` block after its iteration, never",
+        "reaching the collective rank 0 waits at).",
+        "Phases: the forward (F) or backward (B) of rank 1's second microbatch, its second weight",
+        "gradient (W, under a split backward), the whole step, the DP gradient sync (one stage on",
+        "two DP replicas; `grad_sync(module)`, whose `sync()` starts the all-reduce) or the final",
+        "barrier. APIs: ScheduleReady and PipelineRuntime, with their defaults (heartbeat on).",
         "",
         "| API | kind | phase | outcome | tier |",
         "|---|---|---|---|---|",
@@ -260,14 +309,18 @@ def table() -> str:
         "",
         "Outcomes: rank 1 named (rank 0 exits 1 with one line naming rank 1 within the phase's",
         f"bound + {train.SLACK_S:g} s: timeout_s = {train.TIMEOUT_S:g} once the ranks have met,",
-        f"the rendezvous's {train.START_S:g} s at start-up), finishes exactly (both ranks exit 0;",
+        f"the rendezvous's {train.START_S:g} s at start-up, timeouts.progress_s =",
+        f"{train.PROGRESS_S:g} for a hung rank), finishes exactly (both ranks exit 0;",
         "rank 0 prints the losses of the run without the fault), stops, one line (both ranks",
         "exit 143 within the bound; one 'stopped' line for the job, the last completed step",
         "saved).",
         "",
         "Kinds: kill, stop (for good), pause (SIGSTOP, continued after half of timeout_s), slow",
         "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
-        "(SIGTERM, as torchrun's agent sends). Phases: start-up (before rank 1 joins the",
+        "(SIGTERM, as torchrun's agent sends), hang (a sleep for good, alive and beating: rank 0",
+        "names it at its next collective once the job made no progress for progress_s, which",
+        "every row sets, so the slow rows also show a slow phase under it is not blamed). Phases:",
+        "start-up (before rank 1 joins the",
         "rendezvous: no heartbeat yet, so a rank late past the rendezvous's bound is absent), the",
         "F or B task of step 2's microbatch 1, step 2's gradient sync (2 DP replicas), the write",
         "and the commit of the checkpoint after step 1, the final barrier after step 3 (a SIGTERM",

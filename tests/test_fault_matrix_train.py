@@ -1,8 +1,8 @@
 """The fault matrix of `rrfp train`: a fault kind injected on rank 1 of two in one phase of the
 run (debug.fault, rrfp/pipeline/faults.py), and how the job ends. Each row asserts its outcome:
 
-- "rank 1 named": rank 0 exits 1 with one line, and the line names rank 1, within ``timeout_s``
-  plus slack of the fault;
+- "rank 1 named": rank 0 exits 1 with one line, and the line names rank 1, within the phase's bound
+  (``timeout_s``; for a hang, ``timeouts.progress_s``) plus slack of the fault;
 - "finishes exactly": both ranks exit 0 and rank 0 prints the losses of the same run without the
   fault;
 - "stops, one line": both ranks exit 143 (SIGTERM's) within the bound, with one "stopped" line for
@@ -13,7 +13,9 @@ step 2's gradient sync (a 2-replica DP layout), the write and the commit of the 
 step 1, and the final barrier after step 3. Kinds: kill (SIGKILL), stop (SIGSTOP for good),
 pause (SIGSTOP, continued after half of ``timeout_s``), slow (1.5 x the phase's bound more: a
 task's lane held, or a sleep in the phase), term (SIGTERM: what torchrun's agent sends to stop a
-job). The pause, slow and term rows are the ``long`` tier (they wait out their fault).
+job), hang (a sleep for good in the sync, save, commit or barrier phase, alive and beating: its
+peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its next collective).
+The pause, slow and term rows are the ``long`` tier (they wait out their fault).
 
 Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main``
 (tests/train_rows.py); the rows run a few at a time, all started by one module fixture, each
@@ -42,6 +44,9 @@ TIMEOUT_S = 2.0  # run.timeout_s: the heartbeat's bound once the ranks have met
 # and short in the start-up rows, whose faults it is that bounds
 MEET_S, START_S = 30.0, 6.0
 PAUSE_S = TIMEOUT_S / 2
+# timeouts.progress_s: how long a rank waits at a collective for a peer that beats but never
+# arrives. In every row, so that the slow rows (a sleep under it) show a slow phase is not blamed
+PROGRESS_S = 3 * TIMEOUT_S
 SLACK_S = 6.0  # a loaded two-core machine: several jobs at once, a beat read late
 LIMIT_S = 120.0  # a row that has not ended by then hangs
 AT_ONCE = 3  # rows running together
@@ -59,11 +64,12 @@ PHASES = {
     "barrier": ("during=barrier", "pp"),
 }
 KINDS = ("kill", "stop", "pause", "slow", "term")
+HANG_PHASES = ("sync", "save", "commit", "barrier")  # where a rank may hang, alive
 LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2")}
 
 
 def _outcome(kind: str, phase: str) -> str:
-    if kind in ("kill", "stop"):
+    if kind in ("kill", "stop", "hang"):
         return NAMED
     if phase == "start-up":  # no heartbeat before the rendezvous: a rank late past it is absent
         return FINISHES if kind == "pause" else NAMED
@@ -72,8 +78,11 @@ def _outcome(kind: str, phase: str) -> str:
     return FINISHES
 
 
-def _bound(phase: str) -> float:
-    """The wait that names a fault of ``phase``: the rendezvous's, or the heartbeat's."""
+def _bound(phase: str, kind: str = "") -> float:
+    """The wait that names a fault of ``phase``: the rendezvous's, the heartbeat's, or for a peer
+    that beats and never arrives, progress_s."""
+    if kind == "hang":
+        return PROGRESS_S
     return START_S if phase == "start-up" else TIMEOUT_S
 
 
@@ -81,7 +90,9 @@ def _slow_s(phase: str) -> float:
     return 1.5 * _bound(phase)
 
 
-ROWS = [(API, kind, phase, _outcome(kind, phase)) for phase in PHASES for kind in KINDS]
+ROWS = [(API, kind, phase, _outcome(kind, phase)) for phase in PHASES for kind in KINDS] + [
+    (API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES
+]
 
 
 def _spec(kind: str, phase: str) -> str:
@@ -97,6 +108,7 @@ def _argv(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> 
     sets = [
         "steps=3",
         f"timeout_s={TIMEOUT_S:g}",
+        f"timeouts.progress_s={PROGRESS_S:g}",
         f"timeouts.process_group_s={meet_s:g}",
         f"timeouts.store_connect_s={meet_s:g}",
         "microbatches=4",
@@ -142,8 +154,9 @@ def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -
             job.poll()
             if fault_at is None and fault and "injecting fault" in job.err(1):
                 fault_at = time.monotonic()
-            # a stopped rank 1 never ends: rank 0 ending is the row's end
-            if 0 in job.ended and (1 in job.ended or fault_at is not None and "stop" in fault):
+            # a stopped or hung rank 1 never ends: rank 0 ending is the row's end
+            never = fault is not None and fault.startswith(("stop", "hang"))
+            if 0 in job.ended and (1 in job.ended or fault_at is not None and never):
                 if 1 in job.ended or time.monotonic() > job.ended[0] + 1:
                     break
             time.sleep(0.05)
@@ -200,7 +213,7 @@ def outcomes(request, tmp_path_factory):
 def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
     got: Outcome = outcomes[kind, phase].result()
     assert got.fault_at is not None, f"the fault never fired\n{got.tails}"
-    bound = _bound(phase) + SLACK_S
+    bound = _bound(phase, kind) + SLACK_S
     if outcome == FINISHES:
         reference: Outcome = outcomes[PHASES[phase][1]].result()
         assert reference.codes == [0, 0], reference.tails
@@ -223,6 +236,20 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
     stopped = [ln for lines in got.lines for ln in lines if ln.startswith("rrfp: stopped")]
     assert len(stopped) == 1, got.tails
     assert max(got.ended_after.values()) <= bound, got.ended_after
+
+
+@pytest.mark.multirank
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_a_commit_write_longer_than_progress_s_is_progress_not_a_stuck_rank(tmp_path):
+    """Rank 0 writes the commit for 1.5 x progress_s (a slow file system) while rank 1 waits for
+    it at the commit's all-reduce: a write is progress, so the run finishes and keeps it."""
+    slow = f"slow:rank=0:step=1:during=commit:seconds={1.5 * PROGRESS_S:g}"
+    got = run_job(tmp_path, "pp", slow)
+    assert got.codes == [0, 0], got.tails
+    assert len(got.losses) == 3, got.tails
+    assert f"slow for {1.5 * PROGRESS_S:g} s, done" in got.tails, got.tails  # rank 0's fault fired
+    assert got.committed == ["step-00000002", "step-00000003"], got.committed  # checkpoint.keep
 
 
 if __name__ == "__main__":  # every row's outcome, as observed (no assertion)

@@ -33,6 +33,7 @@ from rrfp.app.errors import ConfigError
 from rrfp.app.optimizers import reconfigured
 from rrfp.app.run_outputs import folder_problem
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
+from rrfp.comm.collective_wait import working_marker
 from rrfp.core.errors import PeerFailure
 from rrfp.loop.blocking import in_daemon_thread
 from rrfp.pipeline.checkpoint import (
@@ -314,7 +315,14 @@ class RunCheckpoints:
                 ),
                 reconfigured(opts, self.cfg.optim),  # the config's hyperparameters, not the saved
             ):
-                await in_daemon_thread(load_stage, ckpt.path, self.module, self.opt, **self.where)
+                await in_daemon_thread(
+                    load_stage,
+                    ckpt.path,
+                    self.module,
+                    self.opt,
+                    **self.where,
+                    working=working_marker(),  # its reads are progress to its peers
+                )
         except CheckpointError as e:
             raise ConfigError(str(e)) from None
         log.info("rank %d resumed from %s (step %d)", self.rt.rank, ckpt.path, ckpt.step)
@@ -374,20 +382,23 @@ class RunCheckpoints:
                 self.opt,
                 **self.where,
                 rng=rng,
+                working=working_marker(),  # its writes are progress to its peers
             )
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
-                for hook in self.on_write:
-                    hook(done, "commit")
-                self.store.commit(
-                    done,
-                    {
-                        "config": fingerprint(self.cfg),
-                        "world_size": self.rt.layout.world_size,
-                        "torch": torch.__version__,
-                    },
-                )
+                # the peers wait for it at the commit's all-reduce: its write is progress to them
+                with working_marker()(f"writing checkpoint {self.store.final_path(done).name}"):
+                    for hook in self.on_write:  # a fault here is one in the write
+                        hook(done, "commit")
+                    self.store.commit(
+                        done,
+                        {
+                            "config": fingerprint(self.cfg),
+                            "world_size": self.rt.layout.world_size,
+                            "torch": torch.__version__,
+                        },
+                    )
                 committed += 1
             except OSError as e:
                 failure = e

@@ -462,9 +462,9 @@ class TimeoutsSection(Section):
     )
     progress_s: float = setting(
         0.0,
-        "with a heartbeat, how long a stage waits on a peer that beats but makes no progress "
-        "(nothing arrives, no rank runs a task: a deadlock, a rank stuck outside the pipeline); "
-        "0: 10 x run.timeout_s",
+        "with a heartbeat, how long a stage waits on a peer that beats but makes no progress, "
+        "or a rank at a collective on one that never reaches it (no rank runs a task or writes "
+        "a checkpoint: a deadlock, a rank stuck outside the pipeline); 0: 10 x run.timeout_s",
         bounds=(0, 604_800),
     )
 

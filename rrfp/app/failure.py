@@ -23,7 +23,7 @@ from pathlib import Path
 from rrfp.app.errors import ConfigError, leaves
 from rrfp.comm.channels import describe_failure, lost_peer_reason
 from rrfp.comm.message import MessageError
-from rrfp.core.errors import PeerFailure, PeerSilent, PipelineError
+from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, PipelineError
 from rrfp.core.placement import stages_label
 
 PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
@@ -78,8 +78,9 @@ class Failure:
     @property
     def follows_peer(self) -> bool:
         """A secondary failure whose cause is elsewhere: the failure board says where. A silent
-        peer (PeerSilent) is named by the heartbeat already, and posts nothing to wait for."""
-        return self.kind == SECONDARY and not isinstance(self.cause, PeerSilent)
+        or stuck peer (PeerSilent, PeerStuck) is named by the heartbeat already, and posts nothing
+        to wait for."""
+        return self.kind == SECONDARY and not isinstance(self.cause, (PeerSilent, PeerStuck))
 
     @property
     def note(self) -> str:
@@ -112,8 +113,8 @@ class Failure:
             text = f"{type(self.cause).__name__}: {text}"
         where = "traceback above" if debug else f"traceback in {log_path}"
         if isinstance(
-            self.cause, PeerSilent
-        ):  # the cause itself: the silent peer, not a chain to follow
+            self.cause, (PeerSilent, PeerStuck)
+        ):  # the cause itself: the silent or stuck peer, not a chain to follow
             return f"rank {rank}: stopped: {text} ({where})"
         if self.kind == SECONDARY:
             # short: the transport's own text (after the likely reason) stays in the log

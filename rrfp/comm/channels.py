@@ -31,6 +31,7 @@ import re
 import torch
 import torch.distributed as dist
 
+from rrfp.comm.collective_wait import waiting_at
 from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
 from rrfp.core.errors import PeerFailure, PipelineError
 from rrfp.loop.completions import BlockingWaiter
@@ -92,9 +93,11 @@ def lone_peer(group=None) -> int | None:
 def named_collective(what: str, group=None):
     """gloo's collective errors name no rank or group: re-raise one as a one-line
     PeerFailure saying which collective (``what``, over ``group``) failed on this rank, and
-    why; its ``peer`` is the other member when the group has two (``lone_peer``)."""
+    why; its ``peer`` is the other member when the group has two (``lone_peer``). Meanwhile this
+    rank waits at ``what`` (``waiting_at``: bounded while the peers beat)."""
     try:
-        yield
+        with waiting_at(what, group):
+            yield
     except PipelineError:
         raise
     except RuntimeError as e:

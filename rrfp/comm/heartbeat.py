@@ -30,8 +30,10 @@ fine for tens of ranks, to be narrowed to the ranks one talks to before
 thousands.
 
 Beating is not progress: a peer stuck outside the pipeline, or two ranks waiting on each other,
-beat on. ``progress_at`` is when a read last showed a peer in a task or at something new, and a
-stage's wait ends once the job has made no progress for ``progress_s`` (the executor's).
+beat on. ``progress_at`` is when a read last showed a peer at work (an activity of ``WORK``: a
+task, writing or reading a checkpoint) or at something new, and a wait, a stage's for a message
+or a rank's at a collective (rrfp/comm/collective_wait.py), ends once the job has made no progress
+for ``progress_s``.
 
 Times are this process's monotonic clock, and only spans between two
 consecutive checks count: when this rank was itself stopped or starved (a gap
@@ -57,6 +59,7 @@ from rrfp.comm.job_store import attempt
 log = logging.getLogger("rrfp.comm.heartbeat")
 
 PREFIX = "rrfp/heartbeat"
+WORK = ("task ", "writing ", "reading ")  # activities that are progress however long they last
 
 
 def period_for(timeout_s: float) -> float:
@@ -172,6 +175,11 @@ class Heartbeat:
             if self._beater is not None:
                 self._beater.doing(*self._activity)
 
+    @property
+    def activity(self) -> str:
+        """What this rank said it is doing ("": between things)."""
+        return self._activity[0]
+
     def start(self) -> Heartbeat:
         if self._beater is not None:
             try:
@@ -228,7 +236,7 @@ class Heartbeat:
             if int(seq) != beat.seq:
                 beat.seq, beat.changed_at = int(seq), now
             restarted = what != beat.activity or float(age or 0) < beat.activity_s
-            if what.startswith("task") or restarted:
+            if what.startswith(WORK) or restarted:
                 self.progress_at = now
             beat.activity, beat.activity_s, beat.read_at = what, float(age or 0), now
         self.last_read = now

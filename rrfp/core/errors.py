@@ -25,6 +25,13 @@ class PeerTimeout(PeerFailure):
     """Nothing arrived from a peer within the deadline."""
 
 
+class PeerStuck(PeerTimeout):
+    """A peer that beats (alive) but never came where this rank waited for it (its message, a
+    collective) while the job made no progress for ``timeouts.progress_s``: stuck in other code,
+    or waiting elsewhere. Named by the heartbeat's view, as PeerSilent is; the cause itself (the
+    stuck peer writes no line of its own)."""
+
+
 class PeerSilent(PeerFailure):
     """A peer's heartbeat stopped for the deadline (rrfp/comm/heartbeat.py): it is
     stopped, hung or cut off. The cause itself, not a consequence of another failure.

@@ -16,7 +16,9 @@ counter-based hash), so the torch generators are the only RNG state there is.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +33,44 @@ log = logging.getLogger("rrfp.pipeline.checkpoint")
 class CheckpointError(PipelineError):
     """A checkpoint that cannot be written or loaded into this stage; the message says why
     (a PipelineError: this rank's own failure, such as a full disk, not a bug)."""
+
+
+# what a rank does meanwhile (``writing checkpoint ...``), as its heartbeat tells the peers that
+# wait for it inside DCP's collectives: a long write is progress (rrfp/comm/collective_wait.py)
+Working = Callable[[str], contextlib.AbstractContextManager]
+
+
+def _idle(what: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+class _MarkedWriter(dcp.FileSystemWriter):
+    """DCP's file writer, saying ``writing checkpoint NAME`` while it writes this rank's files and
+    (the coordinator) the metadata: between those, the rank waits in DCP's collectives."""
+
+    def __init__(self, path: Path, working: Working) -> None:
+        super().__init__(path)
+        self._what, self._working = f"writing checkpoint {Path(path).name}", working
+
+    def write_data(self, plan, planner):
+        with self._working(self._what):
+            return super().write_data(plan, planner)
+
+    def finish(self, metadata, results) -> None:
+        with self._working(self._what):
+            super().finish(metadata, results)
+
+
+class _MarkedReader(dcp.FileSystemReader):
+    """DCP's file reader, saying ``reading checkpoint NAME`` while it reads this rank's part."""
+
+    def __init__(self, path: Path, working: Working) -> None:
+        super().__init__(path)
+        self._what, self._working = f"reading checkpoint {Path(path).name}", working
+
+    def read_data(self, plan, planner):
+        with self._working(self._what):
+            return super().read_data(plan, planner)
 
 
 def stage_key(stage: int, tp_rank: int) -> str:
@@ -73,16 +113,17 @@ def save_stage(
     device: torch.device,
     process_group=None,
     rng: dict | None = None,
+    working: Working = _idle,
 ) -> None:
     """Collective over ``process_group`` (every rank calls it); blocking, so the
     caller runs it off the event loop. Returns once every rank's files and the
     metadata are written. ``rng``: the generators to record (``rng_state``) when
     not the current ones, e.g. those of the start of a step a stop abandoned. Virtual
     stages: ``module``, ``opt`` and ``stage`` are lists, one entry per stage of the rank,
-    each saved under its own stage key."""
+    each saved under its own stage key. ``working``: marks this rank's own writes (``Working``)."""
     state = _state(module, opt, rank, stage, tp_rank, device, rng)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=process_group)
+        dcp.save(state, storage_writer=_MarkedWriter(path, working), process_group=process_group)
     except dcp.CheckpointException as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {_causes(e)}") from None
 
@@ -97,13 +138,14 @@ def load_stage(
     tp_rank: int,
     device: torch.device,
     process_group=None,
+    working: Working = _idle,
 ) -> None:
     """Collective, blocking: load this stage's model, optimizer and this rank's
     RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises
-    CheckpointError on every rank."""
+    CheckpointError on every rank. ``working``: marks this rank's own reads (``Working``)."""
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group)
+        dcp.load(state, storage_reader=_MarkedReader(path, working), process_group=process_group)
     except (
         dcp.CheckpointException
     ) as e:  # a BaseException in torch: turn it into an error the CLI reports

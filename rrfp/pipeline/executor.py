@@ -22,7 +22,14 @@ from rrfp.comm.pipeline_channels import RankChannels
 from rrfp.core.budget import Budget
 from rrfp.core.cost import FEATURES, CostModel
 from rrfp.core.durations import TaskTimes
-from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError, ProtocolError, leaves
+from rrfp.core.errors import (
+    PeerFailure,
+    PeerStuck,
+    PeerTimeout,
+    PipelineError,
+    ProtocolError,
+    leaves,
+)
 from rrfp.core.hints import Hint
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.policy import Dispatch
@@ -581,7 +588,7 @@ class _Iteration:
     async def _wait_alive(self, hb, every_s: float, start: float) -> None:
         """Wait for as long as the peers beat (a silent one ends the run through the runtime) and
         the job makes progress: a peer that beats but for ``progress_s`` neither sends nor lets
-        any rank run a task is named (PeerTimeout). Every ``every_s`` say what this stage waits
+        any rank run a task is named (PeerStuck). Every ``every_s`` say what this stage waits
         for and how its peers are doing."""
         peers = list(
             dict.fromkeys(c.peer for c in self._owing())
@@ -594,9 +601,7 @@ class _Iteration:
             stalled = now - max(began, hb.progress_at) if bound is not None else 0.0
             if bound is not None and stalled >= bound:
                 self._doing("")
-                raise PeerTimeout(
-                    self._no_progress(hb, peers, stalled), peers[0] if peers else None
-                )
+                raise PeerStuck(self._no_progress(hb, peers, stalled), peers[0] if peers else None)
             tick = every_s - (now - said)
             if bound is not None:
                 tick = min(tick, bound - stalled, hb.period_s)

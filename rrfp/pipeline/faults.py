@@ -13,7 +13,8 @@ Phases (``during=P``), each where a rank waits for its peers in its own way:
 ``startup`` (before this rank joins the rendezvous; no step: once per run), ``sync`` (as this rank
 starts step N's gradient sync, after its backward), ``save`` (as it starts writing the checkpoint
 saved after step N), ``commit`` (once its part is written, as the checkpoint is committed: rank 0
-commits, the others wait for it) and ``barrier`` (as it reaches the final barrier after its last
+commits, inside the commit's write, which its peers count as progress, and the others wait for
+it) and ``barrier`` (as it reaches the final barrier after its last
 step; no step).
 
 Kinds: ``kill`` (SIGKILL itself: a crashed host), ``stop`` (SIGSTOP itself: alive but silent; with
@@ -25,8 +26,10 @@ task), ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in 
 code does: alive but slow, e.g. longer than run.timeout_s), ``slow`` (task T holds its compute lane
 ``seconds`` longer, as a long kernel would: a step longer than any grace period, to test a stop
 that does not wait; with ``during``, the rank sleeps ``seconds`` there, as a slow file system
-would) and ``full`` (an OSError ENOSPC, as from a full disk: with ``during=commit`` on rank 0, the
-commit's own write fails).
+would), ``hang`` (with ``during=P`` only: the rank sleeps there for good, alive and beating but
+never arriving, as a rank stuck in a user's code would: its peers wait ``timeouts.progress_s`` for
+it at their next collective) and ``full`` (an OSError ENOSPC, as from a full disk: with
+``during=commit`` on rank 0, the commit's own write fails).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from rrfp.core.tasks import Task
 
 log = logging.getLogger("rrfp.pipeline.faults")
 
-KINDS = ("kill", "stop", "term", "raise", "bug", "nan", "busy", "slow", "full")
+KINDS = ("kill", "stop", "term", "raise", "bug", "nan", "busy", "slow", "hang", "full")
 PHASES = ("startup", "sync", "save", "commit", "barrier")  # during=P
 RUN_PHASES = ("startup", "barrier")  # once per run, not of a step: they take no step
 TIMED = ("busy", "slow")  # kinds that need seconds=X (stop takes it optionally)
@@ -139,6 +142,8 @@ class Fault:
                 f"fault {spec!r}: seconds=X goes with busy and slow (and stop, to continue it); "
                 "other kinds take no seconds"
             )
+        if kind == "hang" and "during" not in values:
+            raise ValueError(f"fault {spec!r}: hang takes during=P (the phase it sleeps in)")
         if "during" in values and ("task" in values or kind == "nan"):
             raise ValueError(f"fault {spec!r}: during=P takes no task, and no nan")
         if kind == "nan" and "task" in values:
@@ -289,6 +294,9 @@ class FaultInjector:
         elif kind == "slow":  # during=P: the heartbeat thread beats on, as in a slow write
             time.sleep(self.fault.seconds)
             log.warning("%s: slow for %g s, done", where, self.fault.seconds)
+        elif kind == "hang":  # the heartbeat beats on: alive, and never arriving
+            while True:
+                time.sleep(3600)
         elif kind == "nan" and module is not None:
             grads = [p.grad for p in module.parameters() if p.grad is not None]
             if grads:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import datetime
 import logging
 import os
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
+from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
@@ -38,7 +40,7 @@ from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
-from rrfp.core.errors import PeerSilent, StartupError
+from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
 from rrfp.core.hints import Hint
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
@@ -60,7 +62,8 @@ from rrfp.pipeline.wrapped import refuse_wrapped
 log = logging.getLogger("rrfp.pipeline.runtime")
 
 # With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
-# to find; a peer that beats but never sends, the executor's (Timeouts.progress_s).
+# to find; a peer that beats but never sends, the executor's, and one that never reaches a
+# collective, the watcher's (both Timeouts.progress_s).
 BACKSTOP = datetime.timedelta(days=1)
 
 
@@ -196,7 +199,10 @@ class PipelineRuntime:
             None  # the task inside ``async with``, cancelled on silence
         )
         self._watcher: asyncio.Task | None = None
-        self._silence: PeerSilent | None = None
+        # this rank's waits at collectives, bounded by progress_s while the peers beat
+        self.collective_waits = CollectiveWaits(heartbeat) if heartbeat is not None else None
+        self._bound: contextvars.Token | None = None
+        self._ended: PeerFailure | None = None  # what the watcher cancelled the block for
         self._closed = False
         # a stop abandoned an iteration: its P2P transfers may still be pending in the channels'
         # groups, so leaving the block only closes this rank's side (no barrier, no teardown); the
@@ -246,8 +252,11 @@ class PipelineRuntime:
         ``heartbeat`` (gloo, on by default): ``timeout_s`` bounds a peer's silence, not a wait.
         Every rank beats on the rendezvous store (rrfp/comm/heartbeat.py); a rank waits for a
         peer that beats however long its step takes, and names one silent for ``timeout_s`` (a
-        PeerSilent raised in the ``async with`` block, or by ``watch``). Startup is still bounded
-        by ``timeout_s``. ``heartbeat=False``: every wait is bounded by ``timeout_s`` instead.
+        PeerSilent raised in the ``async with`` block, or by ``watch``); one that beats but leaves
+        a wait for its messages or at a collective unanswered for ``timeouts.progress_s`` with no
+        progress of the job meanwhile is named too (a PeerStuck: rrfp/comm/collective_wait.py).
+        Startup is still bounded by ``timeout_s``. ``heartbeat=False``: every wait is bounded by
+        ``timeout_s`` instead.
 
         ``timeouts``: each of those waits apart (rrfp/pipeline/timeouts.py); by default all
         derive from ``timeout_s``."""
@@ -645,6 +654,7 @@ class PipelineRuntime:
 
     async def __aenter__(self) -> PipelineRuntime:
         if self.heartbeat is not None:
+            self._bound = BOUND.set(self.collective_waits)
             self._watched = asyncio.current_task()
             self._watcher = asyncio.create_task(self._watch(), name="rrfp-heartbeat-watch")
         return self
@@ -656,34 +666,66 @@ class PipelineRuntime:
             else:
                 await self.aclose()
         except asyncio.CancelledError:
-            if self._silence is None:
+            if self._ended is None:
                 raise
         finally:
             self._stop_watching()
-        if self._silence is not None:  # the block was cancelled for it (as asyncio.timeout does)
+            if self._bound is not None:
+                BOUND.reset(self._bound)
+                self._bound = None
+        if self._ended is not None:  # the block was cancelled for it (as asyncio.timeout does)
             self._watched.uncancel()
             await self.aclose()
-            raise self._silence from None
+            raise self._ended from None
 
     async def watch(self, awaitable):
         """``await awaitable``, ended by PeerSilent once the heartbeat finds a peer silent for
-        ``timeout_s``: what ``async with`` does for its block, for a caller that awaits the
+        ``timeout_s``, or by PeerStuck once it waited at a collective for ``progress_s`` that
+        a peer never reached: what ``async with`` does for its block, for a caller that awaits the
         runtime's work piece by piece (ScheduleReady). Without a heartbeat, just the await."""
         hb = self.heartbeat
         if hb is None:
             return await awaitable
-        task = asyncio.ensure_future(awaitable)
+        bound = BOUND.set(self.collective_waits)
+        try:
+            task = asyncio.ensure_future(awaitable)  # its collectives are bounded (a context copy)
+        finally:
+            BOUND.reset(bound)
         while True:
             done, _ = await asyncio.wait([task], timeout=hb.period_s)
             if done:
                 return task.result()
-            found = hb.check()
-            if found is not None:
+            ended = self._verdict()
+            if ended is not None:
                 task.cancel()
                 await asyncio.wait([task])
-                self._silence = self._silent(found)
-                log.info("%s", self._silence)
-                raise self._silence
+                self._ended = ended
+                log.info("%s", ended)
+                raise ended
+
+    def _verdict(self) -> PeerFailure | None:
+        """Why the watched work must end now: a peer (or the store) silent, or a collective that a
+        peer has not reached for ``progress_s`` of no progress; None: it goes on."""
+        found = self.heartbeat.check()
+        if found is not None:
+            return self._silent(found)
+        late = self.collective_waits.overdue(self.timeouts.progress_s)
+        return self._unreached(late) if late is not None else None
+
+    def _unreached(self, late: Unreached) -> PeerStuck:
+        """The line for a collective that the ``absent`` peers never reached."""
+        hb, bound = self.heartbeat, self.timeouts.said("progress_s")
+        if not late.absent:
+            return PeerStuck(
+                f"rank {self.rank}: {late.what}: every rank is at it, yet it has not completed "
+                f"in {late.seconds:.1f} s with no progress of the job ({bound})"
+            )
+        who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in late.absent)
+        return PeerStuck(
+            f"rank {self.rank}: {late.what}: {who} never reached it: waited {late.seconds:.1f} s "
+            f"with no progress of the job ({bound}): stuck outside it, or at another collective",
+            late.absent[0],
+        )
 
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
@@ -708,16 +750,17 @@ class PipelineRuntime:
         return f"{self.timeouts.key('heartbeat_s')} = {self.timeouts.heartbeat_s:g}"
 
     async def _watch(self) -> None:
-        """Ask the heartbeat every beat; on a silent peer, cancel the block with PeerSilent as the
-        cause. On the loop: while this rank computes, nothing of it waits for a peer."""
+        """Ask the heartbeat every beat; on a silent peer, or a collective a peer never reached,
+        cancel the block with that PeerSilent or PeerStuck as the cause. On the loop: while this
+        rank computes, nothing of it waits for a peer."""
         hb = self.heartbeat
         while True:
             await asyncio.sleep(hb.period_s)
-            found = hb.check()
-            if found is None:
+            ended = self._verdict()
+            if ended is None:
                 continue
-            self._silence = self._silent(found)
-            log.info("%s", self._silence)
+            self._ended = ended
+            log.info("%s", ended)
             self._watched.cancel()
             return
 
