@@ -274,3 +274,54 @@ def test_declarations_are_looked_up_in_the_rank_s_modules():
     with pytest.raises(ValueError, match="differ in shape"):
         _declared([a, nn.Linear(3, 3)], [0, 3], {"t": "weight"})
     assert torch.equal(a.weight, b.weight)
+
+
+def _one_rank_never_sets_up(rank, world, bound_s, mark):
+    """Rank 0 builds a tied stage executor; rank 1 stays in the runtime, beating, and never does
+    (until rank 0 has its answer)."""
+    import asyncio
+    import time
+    from pathlib import Path
+
+    import torch
+
+    import rrfp
+    from rrfp.pipeline.timeouts import Timeouts
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 4)
+    began = time.monotonic()
+
+    async def main():
+        nonlocal began
+        waits = Timeouts.derive(2.0, process_group_s=bound_s)
+        async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
+            if rank == 1:
+                while not Path(mark).exists() and time.monotonic() - began < bound_s + 30:
+                    await asyncio.sleep(0.1)
+                return
+            began = time.monotonic()
+            rt.stage_executor(
+                module, lambda y, t: ((y - t) ** 2).mean(), microbatches=2, tied={"w": "weight"}
+            )
+
+    try:
+        rrfp.run(main())
+    except Exception as e:  # rank 0's outcome: its line, and when; rank 1's end is not the point
+        Path(mark).write_text("done")
+        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began}
+    Path(mark).write_text("done")
+    return {"error": None}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_rank_that_never_sets_up_its_ties_is_named_after_process_group_s(tmp_path):
+    """The tie setup's exchange blocks the loop thread, where the heartbeat's watcher cannot bound
+    it, and the world group's own timeout is the one-day backstop: it sets its own bound."""
+    bound_s = 4.0
+    results = run_ranks(_one_rank_never_sets_up, 2, bound_s, str(tmp_path / "done"), timeout=70)
+    error, took = results[0]["error"], results[0].get("took")
+    assert error is not None and "tie setup" in error and "process_group_s" in error, error
+    assert bound_s - 0.5 <= took <= bound_s + 6, (took, error)
+    print(f"rank 0: {error} (after {took:.1f} s)")

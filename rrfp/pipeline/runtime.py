@@ -55,16 +55,11 @@ from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
 from rrfp.pipeline.ties import Ties
-from rrfp.pipeline.timeouts import Timeouts
+from rrfp.pipeline.timeouts import BACKSTOP, Timeouts
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
 
 log = logging.getLogger("rrfp.pipeline.runtime")
-
-# With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
-# to find; a peer that beats but never sends, the executor's, and one that never reaches a
-# collective, the watcher's (both Timeouts.progress_s).
-BACKSTOP = datetime.timedelta(days=1)
 
 
 @contextlib.contextmanager

@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rrfp.comm.channels import named_collective
 from rrfp.comm.collectives import completed
 from rrfp.comm.grad_norm import local
+from rrfp.pipeline.timeouts import BACKSTOP
 
 log = logging.getLogger("rrfp.pipeline.ties")
 
@@ -99,6 +101,24 @@ def _declared(
     return found
 
 
+@contextlib.contextmanager
+def _bounded(rt, what: str):
+    """The setup's exchange waits at most ``process_group_s`` for a rank that never calls
+    ``stage_executor``, as the start-up's waits do, and fails as one line naming ``what``: it
+    blocks the loop thread, where the heartbeat's watcher cannot bound it, and with a heartbeat
+    the world group's own timeout is the one-day backstop."""
+    bound = datetime.timedelta(seconds=rt.timeouts.process_group_s)
+    backstop = rt.heartbeat is not None
+    if backstop:
+        dist.distributed_c10d._set_pg_timeout(bound, rt.cpu_group)
+    try:
+        with named_collective(f"{what} ({rt.timeouts.said('process_group_s')})", rt.cpu_group):
+            yield
+    finally:
+        if backstop:
+            dist.distributed_c10d._set_pg_timeout(BACKSTOP, rt.cpu_group)
+
+
 def _exchange(obj, rank: int, world: int, group) -> list:
     """Every rank's ``obj`` (blocking, at setup), from two all-reduces over the world: the sizes,
     then each rank's pickled bytes in its own row."""
@@ -151,7 +171,8 @@ class Ties:
             "ties": {t: (held[0][0], tuple(held[0][1].shape)) for t, held in found.items()},
             "ends": {s: [(n, tuple(p.shape)) for n, p in named] for s, named in ends.items()},
         }
-        everyone = _exchange(mine, rt.rank, rt.layout.world_size, rt.cpu_group)
+        with _bounded(rt, "tie setup: the world's exchange of tied parameters"):
+            everyone = _exchange(mine, rt.rank, rt.layout.world_size, rt.cpu_group)
         ties = []
         timeout = datetime.timedelta(seconds=rt.timeouts.process_group_s)
         for tie in sorted({t for r in everyone for t in r["ties"]}):
@@ -173,7 +194,7 @@ class Ties:
                 if rt.rank in ranks:
                     root = holders[0][1]
                     if group is not None and rt.heartbeat is not None:
-                        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(days=1), group)
+                        dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
                     ties.append(
                         _Tie(tie, found[tie], group, ranks, counted=rt.rank == root, root=root)
                     )

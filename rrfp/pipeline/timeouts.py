@@ -4,11 +4,17 @@ moving the others."""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, fields, replace
 
 from rrfp.comm.nccl_groups import watchdog_timeout_s
 
 PROGRESS_TIMEOUTS = 10  # progress_s, in timeouts
+# With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
+# to find; a peer that beats but never sends, the executor's, and one that never reaches a
+# collective, the watcher's (both progress_s). A wait that blocks the loop thread, where neither
+# runs, sets its own bound for its span (the tie setup's exchange).
+BACKSTOP = datetime.timedelta(days=1)
 
 
 @dataclass(frozen=True)
