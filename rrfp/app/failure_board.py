@@ -26,6 +26,7 @@ import time
 
 import torch.distributed as dist
 
+import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a connect to leave torch
 from rrfp.comm.job_store import attempt
 
 PREFIX = "rrfp/failed"

@@ -20,6 +20,7 @@ import threading
 
 import torch.distributed as dist
 
+import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for the poll to leave its store call
 from rrfp.app.failure_board import alive_key, connect_store
 from rrfp.comm.job_store import attempt
 

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for the reader to leave its store call
 from rrfp.comm import beater
 from rrfp.comm.job_store import attempt
 

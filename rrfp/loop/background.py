@@ -15,6 +15,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from rrfp.loop import exit_guard  # noqa: F401 - at exit, waits for the loop's thread
 from rrfp.loop.startup import new_event_loop
 
 T = TypeVar("T")

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rrfp.loop import exit_guard  # noqa: F401 - at exit, waits for the call to return
+
 T = TypeVar("T")
 
 

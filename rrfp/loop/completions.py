@@ -20,6 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from rrfp.loop import exit_guard  # noqa: F401 - at exit, waits for a waiter to leave its call
+
 logger = logging.getLogger("rrfp.loop")
 
 

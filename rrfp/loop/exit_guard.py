@@ -4,15 +4,25 @@ CPython 3.11 ends a daemon thread that takes the GIL back after finalization beg
 ``pthread_exit`` (Python/ceval_gil.h, ``take_gil``); the forced unwind then runs through
 torch's pybind11 frames, whose destructors are ``noexcept``, and libstdc++ calls
 ``std::terminate``: "terminate called without an active exception" and SIGABRT instead of
-the script's exit code. A channel's waiter thread blocked in a gloo receive from a peer
-that just died returns exactly then, when the script ended on the first of its errors
-without ``close()``.
+the script's exit code. Any rrfp thread whose torch call returns in that window does it: the
+heartbeat's reader or the stop relay in a store call that a loaded store host answers late, at
+the clean end of a run as much as after an error; a channel's waiter in a gloo receive from a
+peer that just died, when the script ended on the first of its errors without ``close()``.
 
-So at exit, before finalization (``atexit``), rrfp closes what the user left open
-(``close_at_exit``) and gives its daemon threads up to ``EXIT_WAIT_S`` to leave torch's
-calls: a wait on a dead peer fails at once and returns here, where returning is safe. A wait
-on a live peer stays blocked and ends with the process; it returns during finalization only
-if that peer dies within those few hundred milliseconds.
+So every module that starts a daemon thread calling into torch imports this one, and its
+``atexit`` hook, which runs before finalization, is in force whenever such a thread can exist.
+It closes what the user left open (``close_at_exit``) and gives the daemon threads named
+``rrfp-...`` up to ``EXIT_WAIT_S`` to end: a closed thread ends after its current call, which
+returns within a round trip from a live store or a finished peer and fails at once from a dead
+one, and returns here, where returning is safe. Waiting costs nothing when no thread is left.
+A call blocked on a live peer that never answers (or a stopped store) stays blocked and ends
+with the process; it returns during finalization only if that peer moves within those few
+hundred milliseconds.
+
+Joining each thread where it is closed would not do: ``close`` runs on the loop thread and on
+error paths, where a stuck call must not hold it. Ending the process with ``os._exit`` would
+skip the atexit hooks registered before this one and the flushing of files, and an atexit hook
+cannot know the exit status the script chose (``sys.exit``'s code never reaches it).
 """
 
 from __future__ import annotations
@@ -57,9 +67,16 @@ def _at_exit() -> None:
         if close is not None:
             _bounded(_quietly(close), deadline)
     me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not me and thread.daemon and thread.name.startswith(THREAD_PREFIX):
-            thread.join(max(0.0, deadline - time.monotonic()))
+    ours = [
+        t
+        for t in threading.enumerate()
+        if t is not me and t.daemon and t.name.startswith(THREAD_PREFIX)
+    ]
+    for thread in ours:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t.name for t in ours if t.is_alive()]
+    if left:
+        log.debug("exiting while %s still run (a call that has not returned)", ", ".join(left))
 
 
 def _quietly(close: Callable[[], None]) -> Callable[[], None]:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a sender to leave its wait
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.observe.trace import Span
