@@ -193,3 +193,57 @@ def test_virtual_stages_tp2_dp_and_agreement():
     results = run_ranks(_parallel, 4, 2, 1, 2, V_CONFIGS, False, False, 2, timeout=240)
     _check(results, 2, 1, 2, V_CONFIGS)
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
+
+
+def _tp_peer_stuck(rank, world, progress_s):
+    """tp = 2: rank 1 is stuck (alive, beating) before the TP all-reduce of its first forward;
+    rank 0 waits there, in its task, on the lane's thread."""
+    import time
+
+    import torch
+
+    import rrfp
+    from rrfp.nn.tensor_parallel import RowParallelLinear
+    from rrfp.pipeline.timeouts import Timeouts
+
+    began = time.monotonic()
+
+    class Stuck(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            if rank == 1:
+                time.sleep(3 * progress_s)
+            return self.inner(x[:, 4 * rank : 4 * rank + 4])  # a row-parallel layer takes a shard
+
+    async def main():
+        nonlocal began
+        waits = Timeouts.derive(2.0, progress_s=progress_s)
+        async with rrfp.PipelineRuntime.start(pp=1, tp=2, timeout_s=2.0, timeouts=waits) as rt:
+            torch.manual_seed(0)
+            layer = RowParallelLinear.from_full(torch.nn.Linear(8, 8), rt.tp_group)
+            ex = rt.stage_executor(Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
+            x = torch.randn(4, 8)
+            began = time.monotonic()
+            await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
+
+    try:
+        rrfp.run(main())
+    except Exception as e:  # what this rank was told, and when
+        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began}
+    return {"error": None, "took": time.monotonic() - began}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_tp_peer_stuck_before_its_all_reduce_ends_the_wait_after_progress_s():
+    """A TP collective waits on the lane's thread, in a task, where the heartbeat's watcher does
+    not look: its group's own timeout is timeouts.progress_s, not the one-day backstop."""
+    progress_s = 4.0
+    results = run_ranks(_tp_peer_stuck, 2, progress_s, timeout=70)
+    error, took = results[0]["error"], results[0]["took"]
+    assert error is not None and "Timed out" in error, results[0]
+    assert progress_s - 0.5 <= took <= progress_s + 5, results[0]
+    print(f"rank 0 after {took:.1f} s: {error}")

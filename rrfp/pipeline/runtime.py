@@ -136,6 +136,16 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
     )
 
 
+def _collective_bound(group_key: str, waits: Timeouts) -> datetime.timedelta:
+    """How long a collective of the group ``group_key`` may wait once the heartbeat runs: the
+    backstop, as the watcher bounds what waits on the loop, except TP's, which a task issues from
+    the lane's thread, where no watcher sees it. Its members run the same task together, so a
+    member that keeps the others waiting ``progress_s`` there is stuck."""
+    if group_key == "tp":
+        return datetime.timedelta(seconds=waits.progress_s)
+    return BACKSTOP
+
+
 class PipelineRuntime:
     """Owns this rank's process group membership, channels and compute lane.
 
@@ -373,11 +383,11 @@ class PipelineRuntime:
         if (
             beat is not None
         ):  # created with timeout_s (startup stays bounded); from now on silence is the beat's
-            for group in [
-                *([None] if owns else []),
-                *groups.values(),
+            for key, group in [
+                *([("world", None)] if owns else []),
+                *groups.items(),
             ]:  # collectives only: p2p waits get it in Channel.wait
-                dist.distributed_c10d._set_pg_timeout(BACKSTOP, group)
+                dist.distributed_c10d._set_pg_timeout(_collective_bound(key, waits), group)
             beat.start()
         log.info(
             "rank %d is stage %d of %d (tp %d, dp %d)",
