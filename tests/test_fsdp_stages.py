@@ -139,3 +139,52 @@ def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders
     # the replicas really did run different orders: under bfw and plan (a plan each), and where
     # each has its own hint; zbh1 ranks a stage's tasks so strictly that its replicas may agree
     assert {r for r in RUNS if r[1] != "zbh1"} <= diverged, diverged
+
+
+def _replica_stuck(rank, world, progress_s):
+    """pp 1 x dp_shard 2: replica 1 stays in the runtime, beating, and never starts the iteration;
+    replica 0 waits in FSDP's all-gather on the lane's thread."""
+    import time
+
+    import torch
+
+    import rrfp
+    from rrfp.pipeline.sharded_stages import shard_stage
+    from rrfp.pipeline.timeouts import Timeouts
+
+    began = time.monotonic()
+
+    async def main():
+        nonlocal began
+        waits = Timeouts.derive(2.0, progress_s=progress_s)
+        async with rrfp.PipelineRuntime.start(pp=1, dp=2, timeout_s=2.0, timeouts=waits) as rt:
+            torch.manual_seed(0)
+            module = shard_stage(torch.nn.Linear(8, 8), rt.dp_group, "cpu")
+            ex = rt.stage_executor(module, lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
+            if rank == 1:
+                await asyncio.sleep(3 * progress_s)
+                return
+            x = torch.randn(4, 8)
+            began = time.monotonic()
+            await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
+
+    import asyncio
+
+    try:
+        rrfp.run(main())
+    except Exception as e:  # what this rank was told, and when
+        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began}
+    return {"error": None, "took": time.monotonic() - began}
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_a_replica_that_never_reaches_fsdps_all_gather_is_named_after_progress_s():
+    """FSDP's all-gather runs on the lane's thread, over a group whose own timeout is the one-day
+    backstop: the wait is marked as one at a collective, which the runtime's watcher bounds."""
+    progress_s = 4.0
+    results = run_ranks(_replica_stuck, 2, progress_s, timeout=70)
+    error, took = results[0]["error"], results[0]["took"]
+    assert error is not None and "PeerStuck" in error and "rank 1" in error, results[0]
+    assert "all-gather" in error and progress_s - 0.5 <= took <= progress_s + 5, results[0]
+    print(f"rank 0 after {took:.1f} s: {error}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rrfp.comm.collective_wait import waiting_at
 from rrfp.comm.message import Message, MessageError, header_words
 from rrfp.comm.pipeline_channels import RankChannels
 from rrfp.core.budget import Budget
@@ -274,7 +275,10 @@ class StageExecutor:
         failed = None
         if self.sharded is not None:
             self.lane.follow_caller()  # on GPU: the all-gather reads what the optimizer wrote
-            await self.lane.run(self.sharded.begin)
+            # a collective on the lane's thread: the runtime's watcher bounds the wait for a
+            # replica that never comes (rrfp/comm/collective_wait.py)
+            with waiting_at("FSDP's all-gather of the stage's parameters", self.sharded.group):
+                await self.lane.run(self.sharded.begin)
         try:
             result = await _Iteration(self, spec, iteration, batches, features, state).execute()
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
@@ -284,7 +288,8 @@ class StageExecutor:
         ):  # raised outside the handler, so that it does not chain the group it was in
             raise failed
         if self.sharded is not None:
-            await self.lane.run(self.sharded.finish)
+            with waiting_at("FSDP's reduce-scatter of the stage's gradients", self.sharded.group):
+                await self.lane.run(self.sharded.finish)
             self.lane.caller_waits()
         if (
             self.ties is not None and not self.ties.deferred

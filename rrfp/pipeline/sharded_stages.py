@@ -71,6 +71,9 @@ class ShardedStages:
         self.modules = fsdp_modules(modules)
         self._check(modules, dp_ranks, who)
         self._saved: list[tuple] = []
+        # the group FSDP's all-gathers and reduce-scatters run over: every module's (``_check``)
+        infos = [g.mesh_info for m in self.modules for g in _groups(m)]
+        self.group = infos[0].shard_process_group if infos else None
 
     @classmethod
     def of(
