@@ -8,7 +8,7 @@ run (debug.fault, rrfp/pipeline/faults.py), and how the job ends. Each row asser
 - "stops, one line": both ranks exit 143 (SIGTERM's) within the bound, with one "stopped" line for
   the job.
 
-Phases: start-up (before rank 1 joins the rendezvous), the F or B task of step 2's microbatch 1,
+Phases: start-up (before rank 1 joins the rendezvous), the F, B or W task of step 2's microbatch 1,
 step 2's gradient sync (a 2-replica DP layout), the write and the commit of the checkpoint after
 step 1, and the final barrier after step 3. Kinds: kill (SIGKILL), stop (SIGSTOP for good),
 pause (SIGSTOP, continued after half of ``timeout_s``), slow (1.5 x the phase's bound more: a
@@ -58,6 +58,7 @@ PHASES = {
     "start-up": ("during=startup", "pp"),
     "F": ("step=2:task=F1", "pp"),
     "B": ("step=2:task=B1", "pp"),
+    "W": ("step=2:task=W1", "pp"),  # BFW's split backward: the weight gradients apart
     "sync": ("step=2:during=sync", "dp"),
     "save": ("step=1:during=save", "pp"),
     "commit": ("step=1:during=commit", "pp"),
