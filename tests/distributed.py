@@ -91,3 +91,23 @@ def run_ranks(
         rank, tb = next(iter(errors.items()))
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     return results
+
+
+def timed_outcome(main) -> dict:
+    """``rrfp.run(main(mark))`` in a rank, where ``main`` calls ``mark()`` as the wait it times
+    begins: what the rank was told (``error``: the exception's line, or None) and ``took``, the
+    seconds from ``mark()`` to the end."""
+    import time
+
+    import rrfp
+
+    began = [time.monotonic()]
+
+    def mark() -> None:
+        began[0] = time.monotonic()
+
+    try:
+        rrfp.run(main(mark))
+    except Exception as e:  # the row's outcome, not a failure of the test's rank
+        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began[0]}
+    return {"error": None, "took": time.monotonic() - began[0]}

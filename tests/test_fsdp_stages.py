@@ -10,7 +10,7 @@ rrfp/pipeline/sharded_stages.py)."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from distributed import run_ranks, timed_outcome
 from fsdp_parity import LR, ROWS, STEPS, M, batch, full, loss_fn, model, reference, shard
 
 pytestmark = pytest.mark.multirank
@@ -144,7 +144,6 @@ def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders
 def _replica_stuck(rank, world, progress_s):
     """pp 1 x dp_shard 2: replica 1 stays in the runtime, beating, and never starts the iteration;
     replica 0 waits in FSDP's all-gather on the lane's thread."""
-    import time
 
     import torch
 
@@ -152,10 +151,7 @@ def _replica_stuck(rank, world, progress_s):
     from rrfp.pipeline.sharded_stages import shard_stage
     from rrfp.pipeline.timeouts import Timeouts
 
-    began = time.monotonic()
-
-    async def main():
-        nonlocal began
+    async def main(mark):
         waits = Timeouts.derive(2.0, progress_s=progress_s)
         async with rrfp.PipelineRuntime.start(pp=1, dp=2, timeout_s=2.0, timeouts=waits) as rt:
             torch.manual_seed(0)
@@ -165,16 +161,12 @@ def _replica_stuck(rank, world, progress_s):
                 await asyncio.sleep(3 * progress_s)
                 return
             x = torch.randn(4, 8)
-            began = time.monotonic()
+            mark()
             await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
 
     import asyncio
 
-    try:
-        rrfp.run(main())
-    except Exception as e:  # what this rank was told, and when
-        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began}
-    return {"error": None, "took": time.monotonic() - began}
+    return timed_outcome(main)
 
 
 @pytest.mark.multirank

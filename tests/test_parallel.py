@@ -5,7 +5,7 @@ same task sequence even when their messages arrive skewed."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from distributed import run_ranks, timed_outcome
 
 pytestmark = pytest.mark.multirank
 
@@ -206,8 +206,6 @@ def _tp_peer_stuck(rank, world, progress_s):
     from rrfp.nn.tensor_parallel import RowParallelLinear
     from rrfp.pipeline.timeouts import Timeouts
 
-    began = time.monotonic()
-
     class Stuck(torch.nn.Module):
         def __init__(self, inner):
             super().__init__()
@@ -218,22 +216,17 @@ def _tp_peer_stuck(rank, world, progress_s):
                 time.sleep(3 * progress_s)
             return self.inner(x[:, 4 * rank : 4 * rank + 4])  # a row-parallel layer takes a shard
 
-    async def main():
-        nonlocal began
+    async def main(mark):
         waits = Timeouts.derive(2.0, progress_s=progress_s)
         async with rrfp.PipelineRuntime.start(pp=1, tp=2, timeout_s=2.0, timeouts=waits) as rt:
             torch.manual_seed(0)
             layer = RowParallelLinear.from_full(torch.nn.Linear(8, 8), rt.tp_group)
             ex = rt.stage_executor(Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
             x = torch.randn(4, 8)
-            began = time.monotonic()
+            mark()
             await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
 
-    try:
-        rrfp.run(main())
-    except Exception as e:  # what this rank was told, and when
-        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began}
-    return {"error": None, "took": time.monotonic() - began}
+    return timed_outcome(main)
 
 
 @pytest.mark.multirank
