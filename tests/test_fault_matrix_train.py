@@ -14,7 +14,9 @@ step 1, and the final barrier after step 3. Kinds: kill (SIGKILL), stop (SIGSTOP
 pause (SIGSTOP, continued after half of ``timeout_s``), slow (1.5 x the phase's bound more: a
 task's lane held, or a sleep in the phase), term (SIGTERM: what torchrun's agent sends to stop a
 job), hang (a sleep for good in the sync, save, commit or barrier phase, alive and beating: its
-peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its next collective).
+peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its next collective; or
+inside the F task of step 2's microbatch 1 on one stage of two TP ranks, "TP F", before the task's
+first TP all-reduce, where rank 0 waits for it: rank 0's line names that all-reduce too).
 The pause, slow and term rows are the ``long`` tier (they wait out their fault).
 
 Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main``
@@ -63,10 +65,11 @@ PHASES = {
     "save": ("step=1:during=save", "pp"),
     "commit": ("step=1:during=commit", "pp"),
     "barrier": ("during=barrier", "pp"),
+    "TP F": ("step=2:task=F1", "tp"),  # one stage on two TP ranks: hang only
 }
 KINDS = ("kill", "stop", "pause", "slow", "term")
-HANG_PHASES = ("sync", "save", "commit", "barrier")  # where a rank may hang, alive
-LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2")}
+HANG_PHASES = ("sync", "save", "commit", "barrier", "TP F")  # where a rank may hang, alive
+LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2"), "tp": ("pp=1", "tp=2")}
 
 
 def _outcome(kind: str, phase: str) -> str:
@@ -91,9 +94,12 @@ def _slow_s(phase: str) -> float:
     return 1.5 * _bound(phase)
 
 
-ROWS = [(API, kind, phase, _outcome(kind, phase)) for phase in PHASES for kind in KINDS] + [
-    (API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES
-]
+ROWS = [
+    (API, kind, phase, _outcome(kind, phase))
+    for phase in PHASES
+    if phase not in ("TP F",)
+    for kind in KINDS
+] + [(API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES]
 
 
 def _spec(kind: str, phase: str) -> str:
@@ -229,6 +235,10 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
             assert name not in got.committed, f"{name} is committed, yet: {line}"
         for name in re.findall(r"checkpoint (step-\d+) is committed", line):
             assert name in got.committed, f"{name} is not committed, yet: {line}"
+        if phase == "TP F":  # the collective rank 0 waited at, and what rank 1's heartbeat said
+            at = "the row-parallel all-reduce of transformer.h.0.attn.c_proj in task F1 of stage 0"
+            assert f"{at}: rank 1 (alive, in task F1 for " in line, line
+            assert "never reached it" in line and f"timeouts.progress_s = {PROGRESS_S:g} s" in line
         took = got.ended_after[0]
         assert took <= bound, f"named after {took:.1f} s\n{got.tails}"
         print(f"{api} {kind} {phase}: named after {took:.2f} s")

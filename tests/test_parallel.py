@@ -195,7 +195,7 @@ def test_virtual_stages_tp2_dp_and_agreement():
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
 
 
-def _tp_peer_stuck(rank, world, progress_s):
+def _tp_peer_stuck(rank, world, progress_s, heartbeat):
     """tp = 2: rank 1 is stuck (alive, beating) before the TP all-reduce of its first forward;
     rank 0 waits there, in its task, on the lane's thread."""
     import time
@@ -218,7 +218,9 @@ def _tp_peer_stuck(rank, world, progress_s):
 
     async def main(mark):
         waits = Timeouts.derive(2.0, progress_s=progress_s)
-        async with rrfp.PipelineRuntime.start(pp=1, tp=2, timeout_s=2.0, timeouts=waits) as rt:
+        async with rrfp.PipelineRuntime.start(
+            pp=1, tp=2, timeout_s=2.0, timeouts=waits, heartbeat=heartbeat
+        ) as rt:
             torch.manual_seed(0)
             layer = RowParallelLinear.from_full(torch.nn.Linear(8, 8), rt.tp_group)
             ex = rt.stage_executor(Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
@@ -231,12 +233,30 @@ def _tp_peer_stuck(rank, world, progress_s):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
-def test_a_tp_peer_stuck_before_its_all_reduce_ends_the_wait_after_progress_s():
+def test_a_tp_peer_stuck_before_its_all_reduce_is_named_after_progress_s():
     """A TP collective waits on the lane's thread, in a task, where the heartbeat's watcher does
-    not look: its group's own timeout is timeouts.progress_s, not the one-day backstop."""
+    not look: its group's own timeout is timeouts.progress_s, and the rank that waited names the
+    peer whose heartbeat is not at the collective (rrfp/pipeline/task_collectives.py)."""
     progress_s = 4.0
-    results = run_ranks(_tp_peer_stuck, 2, progress_s, timeout=70)
+    results = run_ranks(_tp_peer_stuck, 2, progress_s, True, timeout=70)
     error, took = results[0]["error"], results[0]["took"]
-    assert error is not None and "Timed out" in error, results[0]
+    at = "the row-parallel all-reduce of inner in task F0 of stage 0"
+    assert error is not None and error.startswith(f"PeerStuck: rank 0: {at}: "), results[0]
+    assert "rank 1 (alive, in task F0 for " in error and "never reached it" in error, error
+    assert "(timeouts.progress_s = 4 s)" in error and "\n" not in error, error
     assert progress_s - 0.5 <= took <= progress_s + 5, results[0]
+    print(f"rank 0 after {took:.1f} s: {error}")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_without_a_heartbeat_a_tp_collective_that_times_out_says_what_and_the_bound():
+    """No heartbeat: the TP group's timeout is the process group's (run.timeout_s = 2 s here), and
+    the line says which collective timed out and that bound, naming no one."""
+    results = run_ranks(_tp_peer_stuck, 2, 4.0, False, timeout=70)
+    error, took = results[0]["error"], results[0]["took"]
+    at = "the row-parallel all-reduce of inner in task F0 of stage 0"
+    assert error is not None and error.startswith(f"PeerTimeout: rank 0: {at}: "), results[0]
+    assert "(run.timeout_s = 2 s)" in error and "(no heartbeat to tell which)" in error, error
+    assert 1.5 <= took <= 2 + 5, results[0]
     print(f"rank 0 after {took:.1f} s: {error}")

@@ -227,6 +227,7 @@ class _RankTraining:
         if injector is not None:
             self.ex.on_task_done.append(injector.task_done)
             self.ex.task_hold_s.append(injector.hold_s)
+            self.ex.task_begins.append(injector.task_begins)
         return injector
 
     async def _build_optimizers(self) -> None:

@@ -54,11 +54,17 @@ _DIED = (
 _HUNG = ("Timed out", "Watchdog caught collective operation timeout")  # gloo, NCCL
 
 
+def timed_out(text: str) -> bool:
+    """Whether a transport error's text says the operation waited out its timeout (a peer hung,
+    too slow, or never came), not that a peer died."""
+    return not any(s in text for s in _DIED) and any(s in text for s in _HUNG)
+
+
 def lost_peer_reason(text: str) -> str:
     """' (the likely reason)' when a transport error's text says a peer died or hung; else ''."""
     if any(s in text for s in _DIED):
         return " (the peer process probably died)"
-    if any(s in text for s in _HUNG):
+    if timed_out(text):
         return (
             " (nothing within the process-group timeout: the peer is hung, too slow, or not "
             "sending)"

@@ -17,7 +17,9 @@ Collectives are synchronous ``torch.distributed.all_reduce(t, group=group)``
 calls, made by whichever thread runs F and B (the compute lane). TP ranks must
 therefore run the same task sequence (docs/design.md, fact 5), and the group should be
 used for nothing else concurrently (the TP agreement has its own control group).
-With ``group=None`` or a group of size 1 no collective is ever launched.
+With ``group=None`` or a group of size 1 no collective is ever launched. Each collective is
+entered through the marker of the task that runs it (collective_marks.py), so that a TP peer that
+never comes is named.
 
 Parameters are initialised as the *full* layer (nn.Linear's init on the full
 shape, same random draws), then sliced: a TP layer built from the same seed as an
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from rrfp.nn.collective_marks import marked
 from rrfp.nn.split_linear import init_like_linear, linear
 
 __all__ = [
@@ -80,8 +83,10 @@ def shard_from_full(
     return torch.cat([b.narrow(dim, tp_rank * part, part) for b in blocks], dim)
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+def _all_reduce(t: torch.Tensor, group, what: str, layer: nn.Module) -> torch.Tensor:
+    """All-reduce SUM of ``t`` over ``group``, in place: ``layer``'s collective ``what``."""
+    with marked(what, layer, group):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -89,13 +94,15 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce SUM of the gradient over the TP group in backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, layer):
+        ctx.group, ctx.layer = group, layer
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(memory_format=torch.contiguous_format), ctx.group), None
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        what = "column-parallel input-gradient all-reduce"
+        return _all_reduce(grad, ctx.group, what, ctx.layer), None, None
 
 
 class _TPLinear(nn.Module):
@@ -232,7 +239,7 @@ class ColumnParallelLinear(_TPLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
-            x = _CopyToTP.apply(x, self.group)
+            x = _CopyToTP.apply(x, self.group, self)
         return linear(x, self.weight, self.bias)
 
 
@@ -252,7 +259,11 @@ class RowParallelLinear(_TPLinear):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        reduce = None if self.group is None else partial(_all_reduce, group=self.group)
+        reduce = (
+            None
+            if self.group is None
+            else partial(_all_reduce, group=self.group, what="row-parallel all-reduce", layer=self)
+        )
         return linear(x, self.weight, self.bias, reduce)
 
 

@@ -39,9 +39,11 @@ from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import TrackerError
 from rrfp.core.variability import Variability
+from rrfp.nn.collective_marks import marking
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
+from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.worker import StageWorker
 
@@ -197,6 +199,11 @@ class StageExecutor:
         self.task_hold_s: list[
             Callable[[Task], float]
         ] = []  # testing aid: extra lane seconds (faults.py slow)
+        # testing aid: called on the lane's thread as a task begins (faults.py hang inside a task)
+        self.task_begins: list[Callable[[Task], None]] = []
+        # the markers of the collectives that the tasks' layers issue (a TP all-reduce), so that a
+        # peer that never comes is named (rrfp/pipeline/task_collectives.py); None: unmarked
+        self.task_collectives: TaskCollectives | None = None
         # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
         self.ties = None
         self.nonfinite = (
@@ -324,7 +331,8 @@ class StageExecutor:
 
         @state.wrap
         def forward(s: int, x, mb: int):
-            return workers[s].evaluate(x, batches[mb][1] if s == self.S - 1 else None)
+            evaluate = self.in_task(workers[s].evaluate, s, Task(Kind.F, mb), hooks=False)
+            return evaluate(x, batches[mb][1] if s == self.S - 1 else None)
 
         self.lane.follow_caller()
         t0, busy = time.perf_counter(), self.lane.busy_s
@@ -382,6 +390,26 @@ class StageExecutor:
                     f"{self.where}: the features of microbatch {mb} lack {', '.join(missing)} "
                     f"(the cost model needs {', '.join(FEATURES)})"
                 )
+
+    def in_task(self, fn: Callable, stage: int, task: Task, hooks: bool = True) -> Callable:
+        """``fn`` as the lane runs it for ``task`` of ``stage``: the collectives of its layers
+        marked (``task_collectives``), after the ``task_begins`` hooks (``hooks``: an iteration's
+        task; an evaluation's forward runs none)."""
+        marks, begins = self.task_collectives, self.task_begins if hooks else []
+        if marks is None and not begins:
+            return fn
+        module = next(w.module for w in self.workers if w.stage == stage)
+        marker = marks.marker(task, stage, module) if marks is not None else None
+
+        def run(*args):
+            for hook in begins:
+                hook(task)
+            if marker is None:
+                return fn(*args)
+            with marking(marker):
+                return fn(*args)
+
+        return run
 
     def close(self) -> None:
         if self.planner is not None:
@@ -678,7 +706,8 @@ class _Iteration:
                 if self.rng_base is None
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
-            out = await ex.lane.run(self.state.wrap(forward), mb, x, targets, bits, **lane)
+            forward = ex.in_task(self.state.wrap(forward), s, task)
+            out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
             returned = time.time()
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
@@ -703,13 +732,14 @@ class _Iteration:
                 )
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
-            grad_in = await ex.lane.run(self.state.wrap(w.backward), mb, grad, **lane)
+            backward = ex.in_task(self.state.wrap(w.backward), s, task)
+            grad_in = await ex.lane.run(backward, mb, grad, **lane)
             returned = time.time()
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
-            await ex.lane.run(self.state.wrap(w.weight), mb, **lane)
+            await ex.lane.run(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
             returned = time.time()
         await asyncio.sleep(
             0

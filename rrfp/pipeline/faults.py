@@ -26,10 +26,11 @@ task), ``busy`` (the main thread computes for ``seconds=X``, holding the GIL in 
 code does: alive but slow, e.g. longer than run.timeout_s), ``slow`` (task T holds its compute lane
 ``seconds`` longer, as a long kernel would: a step longer than any grace period, to test a stop
 that does not wait; with ``during``, the rank sleeps ``seconds`` there, as a slow file system
-would), ``hang`` (with ``during=P`` only: the rank sleeps there for good, alive and beating but
-never arriving, as a rank stuck in a user's code would: its peers wait ``timeouts.progress_s`` for
-it at their next collective) and ``full`` (an OSError ENOSPC, as from a full disk: with
-``during=commit`` on rank 0, the commit's own write fails).
+would), ``hang`` (with ``during=P`` or ``task=T``: the rank sleeps there for good, alive and
+beating but never arriving, as a rank stuck in a user's code would; with ``task=T`` inside the
+task, on its compute lane, before T computes, so never reaching T's TP collectives: its peers wait
+``timeouts.progress_s`` for it at their next collective) and ``full`` (an OSError ENOSPC, as from a
+full disk: with ``during=commit`` on rank 0, the commit's own write fails).
 """
 
 from __future__ import annotations
@@ -142,8 +143,10 @@ class Fault:
                 f"fault {spec!r}: seconds=X goes with busy and slow (and stop, to continue it); "
                 "other kinds take no seconds"
             )
-        if kind == "hang" and "during" not in values:
-            raise ValueError(f"fault {spec!r}: hang takes during=P (the phase it sleeps in)")
+        if kind == "hang" and "during" not in values and "task" not in values:
+            raise ValueError(
+                f"fault {spec!r}: hang takes during=P or task=T (the phase or task it sleeps in)"
+            )
         if "during" in values and ("task" in values or kind == "nan"):
             raise ValueError(f"fault {spec!r}: during=P takes no task, and no nan")
         if kind == "nan" and "task" in values:
@@ -202,7 +205,8 @@ PHASE_WORDS = {
 
 class FaultInjector:
     """Fires ``fault`` on this rank; ``train`` calls ``begin_step`` before each step,
-    the executor calls ``hold_s`` before and ``task_done`` after each task, ``train`` calls
+    the executor calls ``hold_s`` before each task, ``task_begins`` on the lane as the task begins
+    and ``task_done`` after it, ``train`` calls
     ``iteration_done`` between the backward and the gradient sync, and ``phase`` as this rank
     enters each phase of PHASES."""
 
@@ -231,9 +235,14 @@ class FaultInjector:
             return float(self.fault.seconds)
         return 0.0
 
+    def task_begins(self, task: Task) -> None:
+        """On the lane's thread, as ``task`` begins: a hang inside it."""
+        if self.fault.kind == "hang" and task == self.fault.task and self.step == self.fault.step:
+            self._fire()
+
     def task_done(self, task: Task) -> None:
         if (
-            self.fault.kind != "slow"
+            self.fault.kind not in ("slow", "hang")
             and self.fault.task is not None
             and task == self.fault.task
             and self.step == self.fault.step

@@ -54,6 +54,7 @@ from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
 from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
+from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.timeouts import BACKSTOP, Timeouts
 from rrfp.pipeline.worker import StageWorker
@@ -140,7 +141,8 @@ def _collective_bound(group_key: str, waits: Timeouts) -> datetime.timedelta:
     """How long a collective of the group ``group_key`` may wait once the heartbeat runs: the
     backstop, as the watcher bounds what waits on the loop, except TP's, which a task issues from
     the lane's thread, where no watcher sees it. Its members run the same task together, so a
-    member that keeps the others waiting ``progress_s`` there is stuck."""
+    member that keeps the others waiting ``progress_s`` there is stuck: the waiting rank names it
+    from its heartbeat (rrfp/pipeline/task_collectives.py)."""
     if group_key == "tp":
         return datetime.timedelta(seconds=waits.progress_s)
     return BACKSTOP
@@ -548,9 +550,20 @@ class PipelineRuntime:
         )
         ex.ties = ties if ties.ties else None
         ex.sharded = sharded
+        if self.layout.tp > 1:  # the TP layers' collectives: a peer that never comes is named
+            ex.task_collectives = TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
         ex.nonfinite = guard
         self._executors.append(ex)
         return ex
+
+    def _tp_bound(self) -> str:
+        """The TP group's timeout as a line says it: ``_collective_bound``'s with a heartbeat,
+        the process group's (NCCL's watchdog) without."""
+        if self.heartbeat is not None:
+            return self.timeouts.said("progress_s")
+        return self.timeouts.said(
+            "nccl_watchdog_s" if self.device.type == "cuda" else "process_group_s"
+        )
 
     @property
     def dp_ranks(self) -> list[int]:
