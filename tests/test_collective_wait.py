@@ -169,12 +169,13 @@ def test_waiting_at_outside_a_runtime_marks_nothing():
         pass
 
 
-def test_the_hang_fault_takes_a_phase_and_nothing_else():
+def test_the_hang_fault_takes_a_phase_or_a_task_and_nothing_else():
     assert str(Fault.parse("hang:rank=1:during=barrier")) == "hang:rank=1:during=barrier"
     assert Fault.parse("hang:rank=1:step=2:during=sync").during == "sync"
+    assert str(Fault.parse("hang:rank=1:step=2:task=F1").task) == "F1"
     for bad, why in [
-        ("hang:rank=1:step=2", "hang takes during=P"),
-        ("hang:rank=1:step=2:task=F1", "hang takes during=P"),
+        ("hang:rank=1:step=2", "hang takes during=P or task=T"),
+        ("hang:rank=1:step=2:task=F1:during=sync", "during=P takes no task"),
         ("hang:rank=1:during=barrier:seconds=3", "other kinds take no seconds"),
     ]:
         with pytest.raises(ValueError, match=why):
