@@ -39,7 +39,8 @@ def kind_of(e: BaseException) -> str:
 
 def _lost_transport(e: BaseException) -> bool:
     """A gloo or NCCL error that says a peer died or hung, raised where no rrfp wrapper named it (a
-    collective a model's layer calls, rrfp/nn/tensor_parallel.py): a lost peer, not a bug."""
+    collective a model's own code calls; rrfp's TP layers name theirs inside a task,
+    rrfp/pipeline/task_collectives.py): a lost peer, not a bug."""
     text = str(e)
     return (
         type(e) is RuntimeError

@@ -170,7 +170,9 @@ class Heartbeat:
 
     def doing(self, what: str = "") -> None:
         """What this rank does from now on (``task F3``, ``waiting for rank 2``; "": between
-        things). Called from the loop thread; the beat carries it to the peers."""
+        things). Called from the loop thread, or from the lane's thread at a task's collective
+        (rrfp/pipeline/task_collectives.py) while the loop awaits that task; the beat carries it
+        to the peers."""
         if what != self._activity[0]:
             self._activity = (what, time.monotonic())
             if self._beater is not None:
