@@ -195,9 +195,9 @@ def test_virtual_stages_tp2_dp_and_agreement():
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
 
 
-def _tp_peer_stuck(rank, world, progress_s, heartbeat):
-    """tp = 2: rank 1 is stuck (alive, beating) before the TP all-reduce of its first forward;
-    rank 0 waits there, in its task, on the lane's thread."""
+def _tp_peer_stuck(rank, world, progress_s, heartbeat, stuck_s):
+    """tp = 2: rank 1 is stuck (alive, beating) for ``stuck_s`` before the TP all-reduce of its
+    first forward; rank 0 waits there, in its task, on the lane's thread."""
     import time
 
     import torch
@@ -213,7 +213,7 @@ def _tp_peer_stuck(rank, world, progress_s, heartbeat):
 
         def forward(self, x):
             if rank == 1:
-                time.sleep(3 * progress_s)
+                time.sleep(stuck_s)
             return self.inner(x[:, 4 * rank : 4 * rank + 4])  # a row-parallel layer takes a shard
 
     async def main(mark):
@@ -238,7 +238,7 @@ def test_a_tp_peer_stuck_before_its_all_reduce_is_named_after_progress_s():
     not look: its group's own timeout is timeouts.progress_s, and the rank that waited names the
     peer whose heartbeat is not at the collective (rrfp/pipeline/task_collectives.py)."""
     progress_s = 4.0
-    results = run_ranks(_tp_peer_stuck, 2, progress_s, True, timeout=70)
+    results = run_ranks(_tp_peer_stuck, 2, progress_s, True, 3 * progress_s, timeout=70)
     error, took = results[0]["error"], results[0]["took"]
     at = "the row-parallel all-reduce of inner in task F0 of stage 0"
     assert error is not None and error.startswith(f"PeerStuck: rank 0: {at}: "), results[0]
@@ -253,7 +253,7 @@ def test_a_tp_peer_stuck_before_its_all_reduce_is_named_after_progress_s():
 def test_without_a_heartbeat_a_tp_collective_that_times_out_says_what_and_the_bound():
     """No heartbeat: the TP group's timeout is the process group's (run.timeout_s = 2 s here), and
     the line says which collective timed out and that bound, naming no one."""
-    results = run_ranks(_tp_peer_stuck, 2, 4.0, False, timeout=70)
+    results = run_ranks(_tp_peer_stuck, 2, 4.0, False, 3 * 2.0, timeout=70)
     error, took = results[0]["error"], results[0]["took"]
     at = "the row-parallel all-reduce of inner in task F0 of stage 0"
     assert error is not None and error.startswith(f"PeerTimeout: rank 0: {at}: "), results[0]
