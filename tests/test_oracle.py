@@ -19,12 +19,24 @@ from rrfp.core.bounds import lower_bound  # noqa: E402
 from rrfp.core.hints import BUILTIN  # noqa: E402
 from rrfp.core.tasks import Kind, Task  # noqa: E402
 from rrfp.core.variability import Variability  # noqa: E402
-from rrfp.sim import SimConfig, SimDeadlock, simulate  # noqa: E402
+from rrfp.sim import (  # noqa: E402
+    SimConfig,
+    SimDeadlock,
+    oracle,
+    simulate,
+)
 from rrfp.sim.engine import _durations  # noqa: E402
-from rrfp.sim.oracle import holds_budget, replay, solve  # noqa: E402
+from rrfp.sim.oracle import holds_budget, replay  # noqa: E402
 
 SCALE = 1000
 FREE_COMM = Variability(comm=0.25)  # a binary fraction: exact in floats and in CP-SAT's integers
+
+
+def solve(cfg: SimConfig, **options) -> oracle.OracleResult:
+    """The oracle on one CP-SAT worker unless a test says otherwise: one worker's search is
+    deterministic, so what a proof costs does not depend on the machine's load (two workers race
+    on two busy cores and take about twice the CPU for the same proofs)."""
+    return oracle.solve(cfg, **{"workers": 1, **options})
 
 
 def tolerance(cfg: SimConfig) -> float:

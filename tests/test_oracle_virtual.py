@@ -10,12 +10,14 @@ import pytest
 
 pytest.importorskip("ortools", reason="the oracle is the optional extra rrfp[oracle]")
 
+from test_oracle import solve  # noqa: E402
+
 from rrfp.core.bounds import lower_bound  # noqa: E402
 from rrfp.core.tasks import Kind  # noqa: E402
 from rrfp.core.variability import Variability  # noqa: E402
 from rrfp.sim import SimConfig, simulate  # noqa: E402
 from rrfp.sim.engine import _durations  # noqa: E402
-from rrfp.sim.oracle import holds_budget, replay, solve  # noqa: E402
+from rrfp.sim.oracle import holds_budget, replay  # noqa: E402
 from rrfp.sim.planned_hint import planned_config  # noqa: E402
 
 SCALE = 1000
