@@ -250,9 +250,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(120)
 def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     out = tmp_path / "out"
-    res = rrfp_bench(
+    res = rrfp_in_process(
+        "bench",
         "--workloads",
         "tests/fixtures/failing_stage.toml",
         "--contenders",
@@ -267,7 +269,6 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
         "1",
         "--out",
         str(out),
-        timeout=120,
     )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
@@ -283,8 +284,9 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(90)
 def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
-    res = rrfp_bench("--quick", "--timeout", "2", "--out", str(tmp_path / "out"), timeout=90)
+    res = rrfp_in_process("bench", "--quick", "--timeout", "2", "--out", str(tmp_path / "out"))
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert lines[0].startswith(
