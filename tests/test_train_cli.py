@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from cli_run import rrfp_in_process
@@ -324,17 +325,19 @@ def _launch(*args: str, timeout: float, config: str = CONFIG) -> subprocess.Comp
     )
 
 
-@pytest.mark.e2e
 def test_the_launcher_refuses_a_bad_config_before_starting_ranks():
     """`rrfp train --nproc-per-node N` checks the config for the world it would start, in one
     process: a typo is one line and exit 2, with none of torchrun's failure summary (which only
-    ranks that failed under its agent produce)."""
-    res = _launch("--nproc-per-node", "2", "--set", "schedule.hnt=bfw", timeout=60)
-    assert_usage_error(res, "unknown key schedule.hnt", "did you mean hint?")
-    assert "ChildFailedError" not in res.stderr and res.stdout == "", res.stdout
-    # the layout is checked against the world the launcher would start, not one it implies
-    res = _launch("--nproc-per-node", "3", "--set", "parallel.pp=2", timeout=60)
-    assert_usage_error(res, "does not match world size 3")
+    ranks that failed under its agent produce). In this process: starting the ranks, which
+    replaces the process by torchrun's agent, fails the test instead."""
+    started = AssertionError("the launcher started the ranks")
+    with mock.patch("rrfp.app.train_command.start_ranks", side_effect=started):
+        res = rrfp("--config", CONFIG, "--nproc-per-node", "2", "--set", "schedule.hnt=bfw")
+        assert_usage_error(res, "unknown key schedule.hnt", "did you mean hint?")
+        assert "ChildFailedError" not in res.stderr and res.stdout == "", res.stdout
+        # the layout is checked against the world the launcher would start, not one it implies
+        res = rrfp("--config", CONFIG, "--nproc-per-node", "3", "--set", "parallel.pp=2")
+        assert_usage_error(res, "does not match world size 3")
 
 
 def test_the_launcher_is_refused_under_torchrun():
