@@ -1,24 +1,23 @@
 """rrfp.comm: layout arithmetic, message headers, and channels over real gloo.
 
-The multi-process tests start plain spawned processes (not torchrun) on a free
-loopback port; each child reports through a queue and the parent kills any
-child still running at the deadline, so a hang fails the test instead of the
-whole run.
+The multi-process tests start plain processes (not torchrun), forkserver children with torch
+already imported (tests/distributed.py), on a free loopback port; each child reports through a
+queue and the parent kills any child still running at the deadline, so a hang fails the test
+instead of the whole run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
-import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 
 import pytest
 import torch
+from distributed import _context, free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -311,12 +310,6 @@ ORDER = [3, 0, 4, 1, 2]  # microbatches go out in this order; receivers must see
 ITERATION = 7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(rank, world, port, results, scenario, pg_timeout_s):
     """Run one rank; report (rank, status, value); leave without gloo teardown."""
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -344,9 +337,9 @@ def _child(rank, world, port, results, scenario, pg_timeout_s):
 def _run_ranks(scenario, world, *, pg_timeout_s, reporters=None, deadline_s=45.0):
     """Start ``world`` ranks running ``scenario``; return ({rank: value}, exit codes)."""
     reporters = set(range(world)) if reporters is None else set(reporters)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(
             target=_child, args=(r, world, port, results, scenario, pg_timeout_s), daemon=True

@@ -1,7 +1,6 @@
 """The README's commands for one's own data train and write their metrics: in process (one rank,
 its heartbeat's beater forked; the commands' own --set keys with smaller shapes), and `rrfp
-train` with a token file on 2 ranks; bad data under torchrun is one line and exit 2 on every
-rank."""
+train` with a token file on 2 ranks; bad data is one line and exit 2 on every rank."""
 
 from __future__ import annotations
 
@@ -10,13 +9,13 @@ import math
 import re
 import shlex
 import socket
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_run import rrfp_in_process
-from launch import ROOT, TORCHRUN, child_env, rank_vars, rrfp_argv
+from launch import ROOT, rank_vars
+from train_rows import TrainJob
 
 GPT2_EOT = 50256
 # smaller shapes, so a step takes a moment on one CPU rank
@@ -98,11 +97,14 @@ def test_readme_text_command_trains(tmp_path):
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
 
 
-@pytest.mark.e2e
+@pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_rrfp_train_on_a_token_file_writes_each_step(tmp_path):
     """Two ranks (pp 2) on a token file: rank 0's metrics.jsonl has every step; then the same file
-    against a too-small vocab under a bare torchrun: each rank refuses it in one line, exit 2."""
+    against a too-small vocab: each rank refuses it in one line, no traceback, exit 2. The ranks
+    are plain processes (tests/train_rows.py): what they do with the file is the point here. The
+    launcher has tests of its own (tests/test_train_cli.py), and so has the one line per job that
+    torchrun's agent store allows (tests/test_malformed_inputs.py)."""
     arr = gpt2_token_file(tmp_path / "train.bin", eot=511)  # a small vocab: a quick step
     common = [
         "--config", "configs/gpt-tiny.toml", *SMALL, "--set", "steps=3", "--set", "model.n_layer=2",
@@ -110,28 +112,19 @@ def test_rrfp_train_on_a_token_file_writes_each_step(tmp_path):
         "--set", f"data.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
     out = tmp_path / "run"
-    res = subprocess.run(
-        [*rrfp_argv("train", "--nproc-per-node", "2"), *common, "--set", "model.vocab_size=512",
-         "--set", f"output.dir={out}"],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=200,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-3000:]
+    job = TrainJob(
+        tmp_path / "job", [*common, "--set", "model.vocab_size=512", "--set", f"output.dir={out}"]
+    ).finish(200)
+    assert job.codes() == [0, 0], job.tails()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3], rows
     assert set(rows[0]) >= {"loss", "lr", "tokens_per_s", "mfu", "bubble", "wall_s"}
     about = json.loads((out / "run.json").read_text())
     assert about["config"]["data"]["tokens"] == str(tmp_path / "train.bin")
     assert about["peak_source"].startswith("cpu") and about["model_flops"]["layers"] == 2
-    logs = tmp_path / "logs"
-    bad = subprocess.run(
-        [*TORCHRUN, "--nproc-per-node", "2", "--redirects", "3", "--log-dir", str(logs),
-         "-m", "rrfp", "train", *common, "--set", "model.vocab_size=500"],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    errs = [p.read_text() for p in sorted(logs.rglob("stderr.log"))]
-    assert len(errs) == 2, bad.stderr[-2000:]
+    bad = TrainJob(tmp_path / "bad", [*common, "--set", "model.vocab_size=500"]).finish(120)
     want = f"token id {int(arr.max())} >= model.vocab_size=500"
-    lines = [ln for e in errs for ln in e.splitlines() if ln.startswith("rrfp:")]
-    assert len(lines) == 1 and want in lines[0], errs  # rank 0 says it for the job
-    assert not any("Traceback" in e for e in errs)
-    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", bad.stderr)) == {"2"}, bad.stderr[-2000:]
+    lines = [bad.lines(r) for r in (0, 1)]  # no agent store to agree through: each rank says it
+    assert [len(ln) for ln in lines] == [1, 1] and all(want in ln[0] for ln in lines), bad.tails()
+    assert not any("Traceback" in bad.err(r) for r in (0, 1)), bad.tails()
+    assert bad.codes() == [2, 2], bad.tails()

@@ -5,18 +5,14 @@ where they fit, and a legend of the task kinds present. Bad picks are one line a
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from cli_run import rrfp_in_process
 
 from rrfp.observe.plot import _label, iterations, kinds_present, row_of, select
 from rrfp.observe.trace import Span, chrome_trace
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def measured_trace(steps: int, ranks: int = 2, mb: int = 4, virtual: int = 2) -> list[Span]:
@@ -41,14 +37,8 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def rrfp_plot(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rrfp", "plot", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    """`rrfp plot ARGS` in this process (tests/test_sim.py runs it once as a process)."""
+    return rrfp_in_process("plot", *args)
 
 
 def test_rows_are_ranks_and_select_picks_an_iteration_or_a_window():
@@ -79,7 +69,6 @@ def test_labels_only_where_they_fit_and_legend_only_present_kinds():
     assert kinds_present([("r", measured_trace(1))]) == ["F", "B", "W"]
 
 
-@pytest.mark.e2e
 def test_a_200_step_trace_draws_its_last_iteration_readably(tmp_path):
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     trace.write_text(json.dumps(chrome_trace(measured_trace(200))))
@@ -102,7 +91,6 @@ def test_a_200_step_trace_draws_its_last_iteration_readably(tmp_path):
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-@pytest.mark.e2e
 def test_a_trace_of_many_timelines_draws_six_or_the_ones_picked(tmp_path):
     """A simulated trace holds one timeline per table row: the plot draws the first six, says which
     it left out, and --timelines picks by name; an unknown name is one line and exit 2."""

@@ -5,7 +5,8 @@ checkpoint and finish. The job exits 0, and the losses and the final model,
 optimizer and RNG state equal those of a run that was never interrupted.
 
 The command is docs/checkpoints.md's (restarts), with the fault standing in
-for ``kill -9``.
+for ``kill -9``. The run never interrupted has no restart to make: its ranks are plain processes
+(tests/train_rows.py) running the same command.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 from checkpoint_state import differing, final_state
 from launch import TORCHRUN, child_env
+from train_rows import TrainJob
 
 pytestmark = pytest.mark.e2e
 
@@ -37,9 +39,13 @@ SETS = [
 ]
 
 
-def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = child_env()
+def _train_args(tmp: Path, *extra: str) -> list[str]:
+    """The arguments after ``rrfp train``: the config, ``SETS`` and ``extra``."""
     sets = [*SETS, f"checkpoint.dir={tmp / 'ck'}", f"log_dir={tmp / 'logs'}", *extra]
+    return ["--config", "configs/gpt-tiny.toml", *[a for s in sets for a in ("--set", s)]]
+
+
+def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             *TORCHRUN,
@@ -50,12 +56,10 @@ def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
             "-m",
             "rrfp",
             "train",
-            "--config",
-            "configs/gpt-tiny.toml",
-            *[a for s in sets for a in ("--set", s)],
+            *_train_args(tmp, *extra),
         ],
         cwd=ROOT,
-        env=env,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=150,
@@ -69,8 +73,9 @@ def losses(stdout: str) -> dict[int, str]:
 
 @pytest.mark.timeout(330)
 def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
-    whole = torchrun(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stderr[-3000:]
+    whole = TrainJob(tmp_path / "whole", _train_args(tmp_path / "whole")).finish(150)
+    assert whole.codes() == [0, 0], whole.tails()
+    whole_out = whole.out(0)
     broken = torchrun(tmp_path / "broken", f"fault=kill:step={KILLED_IN}:stage=1:attempt=0")
     assert broken.returncode == 0, broken.stderr[-3000:]
     assert "injecting fault kill" in broken.stderr, "the rank was never killed"
@@ -84,8 +89,8 @@ def test_torchrun_restart_resumes_and_matches_an_unbroken_run(tmp_path):
     )
     # every step printed once, from the first attempt (1, 2) or the restarted one (3..6), as the
     # unbroken run
-    assert losses(whole.stdout) == losses(broken.stdout) and len(losses(whole.stdout)) == STEPS, (
-        whole.stdout,
+    assert losses(whole_out) == losses(broken.stdout) and len(losses(whole_out)) == STEPS, (
+        whole_out,
         broken.stdout,
     )
     a, b = (

@@ -12,7 +12,9 @@ DCP makes up for a fresh AdamW (step 1, zero moments) and resume differently fro
 run after the stop (``resume = auto``) starts at step 0 and ends in the state, bit for bit, of a
 run that was never stopped.
 
-Both compare with one run never stopped, made once for the file.
+Both compare with one run never stopped, made once for the file. Only the stopped runs are
+torchrun jobs, the signal's path being the point; the run never stopped and the runs after a stop
+start their ranks as plain processes (tests/train_rows.py), with the same command and config.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 from checkpoint_state import differing, final_state
 from launch import TORCHRUN, child_env
 from test_restart import losses
+from train_rows import TrainJob
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,12 +53,18 @@ SETS = [
 ]
 
 
-def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
-    """``rrfp train`` on 2 ranks under torchrun. --monitor-interval 3: once a rank has exited, the
-    agent SIGTERMs the other only after 3 s, so each rank's own line is what this test reads."""
+def _train_args(tmp: Path, ck: Path, *extra: str) -> list[str]:
+    """The arguments after ``rrfp train``: the config, ``SETS`` and ``extra``."""
+    sets = [*SETS, f"checkpoint.dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
+    return ["--config", "configs/gpt-tiny.toml", *[a for s in sets for a in ("--set", s)]]
+
+
+def torchrun(tmp: Path, ck: Path, *extra: str):
+    """``rrfp train`` on 2 ranks under torchrun, started. --monitor-interval 3: once a rank has
+    exited, the agent SIGTERMs the other only after 3 s, so each rank's own line is what this test
+    reads."""
     tmp.mkdir(parents=True, exist_ok=True)
     env = child_env()
-    sets = [*SETS, f"checkpoint.dir={ck}", f"log_dir={tmp / 'logs'}", *extra]
     out, err = open(tmp / "out", "w"), open(tmp / "err", "w")
     p = subprocess.Popen(
         [
@@ -67,9 +76,7 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
             "-m",
             "rrfp",
             "train",
-            "--config",
-            "configs/gpt-tiny.toml",
-            *[a for s in sets for a in ("--set", s)],
+            *_train_args(tmp, ck, *extra),
         ],
         cwd=ROOT,
         env=env,
@@ -77,18 +84,22 @@ def torchrun(tmp: Path, ck: Path, *extra: str, wait: bool = True):
         stderr=err,
         start_new_session=True,
     )
-    if wait:
-        p.wait(timeout=150)
     return p
 
 
+def train(tmp: Path, ck: Path, *extra: str) -> TrainJob:
+    """``rrfp train`` on 2 ranks, each a plain process, run to its end: both exit 0."""
+    job = TrainJob(tmp, _train_args(tmp, ck, *extra)).finish(150)
+    assert job.codes() == [0, 0], job.tails()
+    return job
+
+
 @pytest.fixture(scope="module")
-def whole(tmp_path_factory) -> Path:
-    """The run never stopped, that each stopped run must end equal to: its folder (out, ck)."""
+def whole(tmp_path_factory) -> tuple[str, Path]:
+    """The run never stopped, that each stopped run must end equal to: rank 0's output and the
+    checkpoint directory."""
     tmp = tmp_path_factory.mktemp("whole")
-    job = torchrun(tmp, tmp / "ck")
-    assert job.returncode == 0, (tmp / "err").read_text()[-3000:]
-    return tmp
+    return train(tmp, tmp / "ck").out(0), tmp / "ck"
 
 
 def _wait_for_the_slow_task(job, err: Path) -> None:
@@ -103,9 +114,7 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
     run = tmp_path / "stopped"
     # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and
     # waits in the step's all-reduce: a stop must discard those gradients and meet that rank there
-    job = torchrun(
-        run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}", wait=False
-    )
+    job = torchrun(run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}")
     err = run / "err"
     try:
         _wait_for_the_slow_task(job, err)
@@ -148,22 +157,20 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
     assert f'File "{ROOT / "rrfp"}' not in text, text[
         -3000:
     ]  # torchrun's traceback is its own, none of rrfp's
-    resumed = torchrun(
-        run / "resume", run / "ck", "resume=required"
-    )  # the same checkpoint directory, no fault
-    assert resumed.returncode == 0, (run / "resume" / "err").read_text()[-3000:]
-    out = (run / "resume" / "out").read_text()
+    # the same checkpoint directory, no fault
+    out = train(run / "resume", run / "ck", "resume=required").out(0)
     assert f"resume: from {ck} (step {SLOW_STEP - 1} of {STEPS})" in out, out
     stopped = losses((run / "out").read_text())
     assert sorted(stopped) == list(range(1, SLOW_STEP)), (
         stopped
     )  # the abandoned step printed nothing
-    assert {**stopped, **losses(out)} == losses((whole / "out").read_text()), (
+    whole_out, whole_ck = whole
+    assert {**stopped, **losses(out)} == losses(whole_out), (
         (run / "out").read_text(),
         out,
-        (whole / "out").read_text(),
+        whole_out,
     )
-    a, b = final_state(whole / "ck", STEPS), final_state(run / "ck", STEPS)
+    a, b = final_state(whole_ck, STEPS), final_state(run / "ck", STEPS)
     assert (
         a.keys() == b.keys()
         and any(".optim.state." in k for k in a)
@@ -176,7 +183,7 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
 @pytest.mark.timeout(300)
 def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path, whole):
     run = tmp_path / "stopped"
-    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60", wait=False)
+    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60")
     try:
         _wait_for_the_slow_task(job, run / "err")
         time.sleep(1.0)
@@ -197,9 +204,8 @@ def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path, whol
     assert [p.name for p in (run / "ck").iterdir() if not p.name.startswith(".")] == [], (
         "a checkpoint was saved"
     )
-    again = torchrun(run / "again", run / "ck")  # resume = auto: nothing to resume, step 0
-    assert again.returncode == 0, (run / "again" / "err").read_text()[-3000:]
-    a, b = final_state(whole / "ck", STEPS), final_state(run / "ck", STEPS)
+    train(run / "again", run / "ck")  # resume = auto: nothing to resume, step 0
+    a, b = final_state(whole[1], STEPS), final_state(run / "ck", STEPS)
     assert a.keys() == b.keys() and any(".optim.state." in k for k in a)
     differ = differing(a, b)
     assert not differ, (

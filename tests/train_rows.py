@@ -75,6 +75,16 @@ class TrainJob:
                 return False
             time.sleep(0.02)
 
+    def finish(self, limit_s: float) -> TrainJob:
+        """Wait until every rank ended, at most ``limit_s`` from the start, then end whatever is
+        left of the job; fails with the ranks' output if one was still running."""
+        try:
+            ended = self.wait(range(self.world), self.started + limit_s)
+            assert ended, f"still running {limit_s} s after the start\n" + self.tails()
+        finally:
+            self.kill()
+        return self
+
     def code(self, rank: int) -> int | None:
         return self.procs[rank].exitcode
 
