@@ -2,7 +2,7 @@
 cannot be written is probed on every rank (not rank 0 alone, which left the others
 waiting for it in the rendezvous), and a rank that waits in the rendezvous acts on
 SIGTERM at once (the rendezvous runs off the main thread, where Python runs signal
-handlers). Plain processes, no torchrun: its agent would end the others itself."""
+handlers). No torchrun: its agent would end the others itself."""
 
 from __future__ import annotations
 
@@ -13,33 +13,32 @@ import time
 
 import pytest
 from launch import child_env, rrfp_argv
-from rank_procs import RankProcs
 from test_checkpoint import ROOT, SMALL
-
-pytestmark = pytest.mark.e2e
+from train_rows import TrainJob
 
 LIMIT_S = 45  # imports and the checks of 2 ranks on a loaded 2-core machine
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("key,where", [("trace", "folder"), ("sizes", "below a file")])
 def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path, key, where):
     (tmp_path / "a-file").write_text("x")
     path = tmp_path if where == "folder" else tmp_path / "a-file" / "out.json"
-    ranks = RankProcs(tmp_path, 2, [*SMALL, "--set", "timeout_s=60", "--set", f"{key}={path}"])
+    ranks = TrainJob(tmp_path / "job", [*SMALL, "--set", "timeout_s=60", "--set", f"{key}={path}"])
     try:
-        ended = ranks.wait([0, 1], LIMIT_S)
-        assert sorted(ended) == [0, 1], (
-            f"still running after {LIMIT_S} s: {set([0, 1]) - set(ended)}\n{ranks.tails()}"
+        assert ranks.wait([0, 1], time.monotonic() + LIMIT_S), (
+            f"still running after {LIMIT_S} s\n{ranks.tails()}"
         )
-        assert [p.returncode for p in ranks.procs] == [2, 2], ranks.tails()
+        assert ranks.codes() == [2, 2], ranks.tails()
         for r in (0, 1):
-            lines = ranks.error_lines(r)
+            lines = ranks.lines(r)
             assert len(lines) == 1 and f"output.{key} = {path}" in lines[0], ranks.err(r)
     finally:
-        ranks.kill_all()
+        ranks.kill()
 
 
+@pytest.mark.e2e
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
