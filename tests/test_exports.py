@@ -6,6 +6,7 @@ Exported names are a promise: one that is renamed keeps a deprecated alias."""
 
 import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -113,15 +114,48 @@ def test_an_unknown_name_is_an_attribute_error():
         exec("from rrfp import SplitLinar", {})
 
 
-@pytest.mark.e2e
-def test_import_rrfp_loads_no_torch():
-    """The names of the pure core and the simulator answer on a machine without torch."""
+# what a rank imports: `rrfp train`'s command and stage_main, and an embedding script's runtime
+# and drop-in schedule
+RANK_MODULES = ("rrfp.app.train", "rrfp.app.cli", "rrfp.pipeline", "rrfp.pipelining")
+# loaded only by what uses them: saving, loading or checking a checkpoint (DCP), FSDP-sharded
+# stages (FSDP, DTensor), torch's PipelineStage (pipelining, which loads dynamo)
+UNUSED_BY_A_PLAIN_RANK = (
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch._dynamo",
+)
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict:
+    """One fresh interpreter (a module already imported here would hide an import): the torch
+    modules the pure names load, then the heavy modules a rank's imports load."""
     code = (
-        "import sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, "
+        "import json, sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, "
         "rrfp.CostModel, rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, "
-        "rrfp.PipelineError; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "rrfp.PipelineError; pure = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
+        f"import {', '.join(RANK_MODULES)}; rrfp.PipelineRuntime, rrfp.ScheduleReady, "
+        f"rrfp.stage_main; heavy = [m for m in {UNUSED_BY_A_PLAIN_RANK!r} if m in sys.modules]; "
+        "print(json.dumps({'pure': pure, 'rank': heavy}))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.e2e
+def test_import_rrfp_loads_no_torch(fresh_imports):
+    """The names of the pure core and the simulator answer on a machine without torch."""
+    assert fresh_imports["pure"] == []
+
+
+@pytest.mark.e2e
+def test_a_rank_imports_no_checkpoint_fsdp_or_dtensor(fresh_imports):
+    """A rank that saves no checkpoint and shards nothing pays for none of these at start-up:
+    each is imported where it is used, and isinstance checks against their classes ask
+    ``rrfp.comm.loaded_class`` instead."""
+    assert fresh_imports["rank"] == [], f"{RANK_MODULES} import {fresh_imports['rank']}"

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from rrfp.comm.collectives import all_reduce
+from rrfp.comm.loaded_class import DTENSOR, loaded_class
 from rrfp.loop.completions import CompletionPoller
 
 log = logging.getLogger("rrfp.comm.grad_norm")
@@ -27,7 +27,7 @@ log = logging.getLogger("rrfp.comm.grad_norm")
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: a DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if isinstance(tensor, loaded_class(DTENSOR)) else tensor
 
 
 def _grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -75,8 +75,9 @@ async def clip_grad_norm(
         return total
     grads = _grads(scaled)
     if grads:
-        sharded = [p for p in scaled if p.grad is not None and isinstance(p.grad, DTensor)]
-        plain = [p for p in scaled if p.grad is not None and not isinstance(p.grad, DTensor)]
+        dtensor = loaded_class(DTENSOR)
+        sharded = [p for p in scaled if p.grad is not None and isinstance(p.grad, dtensor)]
+        plain = [p for p in scaled if p.grad is not None and not isinstance(p.grad, dtensor)]
         norm = torch.tensor(total, dtype=torch.float64)
         if plain:
             torch.nn.utils.clip_grads_with_norm_(plain, max_norm, norm)

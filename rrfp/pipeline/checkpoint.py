@@ -7,7 +7,8 @@ replicas hold the same values under the same keys, and DCP writes one copy),
 ``rank{r}`` holds that rank's RNG states. Every rank writes its own file in
 parallel and DCP's coordinator writes ``.metadata`` once all have finished.
 The directory protocol around it (partial directory, marker, rename) is
-``checkpoint_dir.py``.
+``checkpoint_dir.py``. DCP (and the DTensor machinery under it) is imported when a checkpoint is
+written, read or checked, not with this module: a run that saves none does not load it.
 
 rrfp draws no numbers from Python's or numpy's global generators (batches use
 a generator seeded by (seed, step, microbatch), emulated durations a
@@ -18,14 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from rrfp.core.errors import PipelineError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import CheckpointException
+
+    from rrfp.pipeline.marked_storage import Working
 
 log = logging.getLogger("rrfp.pipeline.checkpoint")
 
@@ -35,42 +39,8 @@ class CheckpointError(PipelineError):
     (a PipelineError: this rank's own failure, such as a full disk, not a bug)."""
 
 
-# what a rank does meanwhile (``writing checkpoint ...``), as its heartbeat tells the peers that
-# wait for it inside DCP's collectives: a long write is progress (rrfp/comm/collective_wait.py)
-Working = Callable[[str], contextlib.AbstractContextManager]
-
-
 def _idle(what: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
-
-
-class _MarkedWriter(dcp.FileSystemWriter):
-    """DCP's file writer, saying ``writing checkpoint NAME`` while it writes this rank's files and
-    (the coordinator) the metadata: between those, the rank waits in DCP's collectives."""
-
-    def __init__(self, path: Path, working: Working) -> None:
-        super().__init__(path)
-        self._what, self._working = f"writing checkpoint {Path(path).name}", working
-
-    def write_data(self, plan, planner):
-        with self._working(self._what):
-            return super().write_data(plan, planner)
-
-    def finish(self, metadata, results) -> None:
-        with self._working(self._what):
-            super().finish(metadata, results)
-
-
-class _MarkedReader(dcp.FileSystemReader):
-    """DCP's file reader, saying ``reading checkpoint NAME`` while it reads this rank's part."""
-
-    def __init__(self, path: Path, working: Working) -> None:
-        super().__init__(path)
-        self._what, self._working = f"reading checkpoint {Path(path).name}", working
-
-    def read_data(self, plan, planner):
-        with self._working(self._what):
-            return super().read_data(plan, planner)
 
 
 def stage_key(stage: int, tp_rank: int) -> str:
@@ -95,6 +65,8 @@ def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.O
 def _state(
     module, opt, rank: int, stage, tp_rank: int, device: torch.device, rng: dict | None = None
 ) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     state = {}
     for s, m, o in _parts(module, opt, stage):
         model_sd, optim_sd = get_state_dict(m, o)  # FQN-keyed; a fresh optimizer's state is created
@@ -121,9 +93,13 @@ def save_stage(
     not the current ones, e.g. those of the start of a step a stop abandoned. Virtual
     stages: ``module``, ``opt`` and ``stage`` are lists, one entry per stage of the rank,
     each saved under its own stage key. ``working``: marks this rank's own writes (``Working``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from rrfp.pipeline.marked_storage import MarkedWriter
+
     state = _state(module, opt, rank, stage, tp_rank, device, rng)
     try:
-        dcp.save(state, storage_writer=_MarkedWriter(path, working), process_group=process_group)
+        dcp.save(state, storage_writer=MarkedWriter(path, working), process_group=process_group)
     except dcp.CheckpointException as e:
         raise CheckpointError(f"cannot write checkpoint {path}: {_causes(e)}") from None
 
@@ -143,9 +119,14 @@ def load_stage(
     """Collective, blocking: load this stage's model, optimizer and this rank's
     RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises
     CheckpointError on every rank. ``working``: marks this rank's own reads (``Working``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from rrfp.pipeline.marked_storage import MarkedReader
+
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:
-        dcp.load(state, storage_reader=_MarkedReader(path, working), process_group=process_group)
+        dcp.load(state, storage_reader=MarkedReader(path, working), process_group=process_group)
     except (
         dcp.CheckpointException
     ) as e:  # a BaseException in torch: turn it into an error the CLI reports
@@ -159,7 +140,7 @@ def load_stage(
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def _causes(e: dcp.CheckpointException) -> str:
+def _causes(e: CheckpointException) -> str:
     """Each failed rank's error on one line (DCP pairs each error with its stack)."""
     excs = {r: x[0] if isinstance(x, tuple) else x for r, x in sorted(e.failures.items())}
     return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
@@ -168,6 +149,8 @@ def _causes(e: dcp.CheckpointException) -> str:
 def check_readable(path: Path, keys: list[str]) -> None:
     """Without any process group: the checkpoint's DCP metadata reads and holds
     the state these ``keys`` (stage_key / rank prefixes) need."""
+    import torch.distributed.checkpoint as dcp
+
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # a missing or truncated .metadata: any error of the unpickling

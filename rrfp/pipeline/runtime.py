@@ -25,7 +25,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
@@ -36,6 +35,7 @@ from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt
+from rrfp.comm.loaded_class import DTENSOR, loaded_class
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
@@ -602,7 +602,7 @@ class PipelineRuntime:
         rank calls it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module,
         executor)`` do it inside the iteration, finished by ``sync()``), or the replicas' norms
         differ. A non-finite norm is returned and not applied: the gradients stay as they are."""
-        counts, scaled, seen = [], [], set()
+        counts, scaled, seen, dtensor = [], [], set(), loaded_class(DTENSOR)
         for ex in self._executors:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
             for w in ex.workers:
@@ -613,7 +613,7 @@ class PipelineRuntime:
                     seen.add(id(p))
                     scaled.append(p)
                     if (
-                        (self.dp_rank == 0 or isinstance(p, DTensor))  # an FSDP shard: every one
+                        (self.dp_rank == 0 or isinstance(p, dtensor))  # an FSDP shard: every one
                         and id(p) not in uncounted
                         and (self.tp_rank == 0 or id(p) in sharded)
                     ):

@@ -29,20 +29,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-try:
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-except ImportError:  # pragma: no cover - a torch without FSDP2
-    FSDPModule, fully_shard = (), None
+from rrfp.comm.loaded_class import FSDP_MODULE, loaded_class
 
 log = logging.getLogger("rrfp.pipeline.sharded_stages")
 
 
 def fsdp_modules(modules: Sequence[nn.Module]) -> list:
     """The FSDP modules inside ``modules``, each once, in model order."""
-    found, seen = [], set()
+    found, seen, fsdp_module = [], set(), loaded_class(FSDP_MODULE)
     for module in modules:
         for sub in module.modules():
-            if isinstance(sub, FSDPModule) and id(sub) not in seen:
+            if isinstance(sub, fsdp_module) and id(sub) not in seen:
                 seen.add(id(sub))
                 found.append(sub)
     return found
@@ -155,6 +152,8 @@ class ShardedStages:
 
     def _roots(self) -> list:
         """The FSDP root states (each ends its modules' backward once), in model order."""
+        from torch.distributed.fsdp import fully_shard
+
         states = [fully_shard.state(m) for m in self.modules]
         return [s for s in states if s._is_root]
 
@@ -165,6 +164,7 @@ def shard_stage(module: nn.Module, group, device_type: str) -> nn.Module:
     unsharded for the whole iteration anyway (``ShardedStages``), so finer ones would lower no
     peak, only add collectives."""
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
     return fully_shard(module, mesh=mesh)

@@ -45,13 +45,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.distributed.pipelining.microbatch import (
-    TensorChunkSpec,
-    merge_chunks,
-    split_args_kwargs_into_chunks,
-)
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
+from rrfp.comm.loaded_class import PIPELINE_STAGE, loaded_class
 from rrfp.core.errors import StartupError
 from rrfp.core.hints import resolve
 from rrfp.core.layout import plan_layout
@@ -71,8 +66,6 @@ from rrfp.pipelining.mesh import read_mesh
 from rrfp.pipelining.torch_csv import read_torch_csv
 
 log = logging.getLogger("rrfp.pipelining")
-
-_TARGET_SPEC = (TensorChunkSpec(0),)  # torch splits the target along the batch dimension
 
 
 # The keyword arguments of the microbatch whose task runs on this thread. The StageWorker passes a
@@ -474,6 +467,8 @@ class ScheduleReady:
             }
             if len(shapes) > 1 and self._output_merge_spec is None:
                 return outputs
+        from torch.distributed.pipelining.microbatch import merge_chunks
+
         return merge_chunks(outputs, self._output_merge_spec)
 
     def _microbatches(self, args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs):
@@ -506,15 +501,21 @@ class ScheduleReady:
                     f"{type(kwarg_mbs[bad[0]])}"
                 )
         else:
+            from torch.distributed.pipelining.microbatch import (
+                TensorChunkSpec,
+                split_args_kwargs_into_chunks,
+            )
+
             if args or kwargs:
                 arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
                     args, kwargs, M, self._args_chunk_spec, self._kwargs_chunk_spec
                 )
             else:
                 arg_mbs, kwarg_mbs = [()] * M, [{}] * M
-            if target is not None:
+            if target is not None:  # torch splits the target along the batch dimension
+                spec = (TensorChunkSpec(0),)
                 target_mbs = [
-                    t[0] for t in split_args_kwargs_into_chunks((target,), None, M, _TARGET_SPEC)[0]
+                    t[0] for t in split_args_kwargs_into_chunks((target,), None, M, spec)[0]
                 ]
         return arg_mbs, kwarg_mbs, target_mbs
 
@@ -622,8 +623,8 @@ def _stages_of(stage) -> list:
     stages = list(stage) if isinstance(stage, (list, tuple)) else [stage]
     if not stages:
         raise ValueError("ScheduleReady needs at least one PipelineStage, got an empty list")
-    for s in stages:
-        if not isinstance(s, _PipelineStageBase):
+    for s in stages:  # a PipelineStage's module is imported by whoever made one
+        if not isinstance(s, loaded_class(PIPELINE_STAGE)):
             raise TypeError(
                 f"ScheduleReady takes a torch.distributed.pipelining PipelineStage (or a list of "
                 f"them), got {type(s).__name__}"
