@@ -35,14 +35,26 @@ _CONTEXT = None
 def _context():
     """One forkserver for the session, with torch and rrfp imported once: each rank starts as a
     fork of it instead of importing torch afresh (about 2 s of CPU per rank on this machine).
-    The server starts no threads before it forks, which is what makes forking torch safe."""
+    The server starts no threads before it forks, which is what makes forking torch safe.
+    Besides rrfp's modules it imports what rrfp imports only on use but nearly every rank uses:
+    torch's dynamo (the first torch optimizer built imports it, with DTensor and FSDP), DCP."""
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(
-            ["torch", "torch.distributed", "rrfp.pipeline.runtime", "models.gpt"]
-        )
+        _CONTEXT.set_forkserver_preload(PRELOAD)
     return _CONTEXT
+
+
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "rrfp.pipeline.runtime",
+    "rrfp.app.cli",
+    "rrfp.app.train",
+    "models.gpt",
+]
 
 
 def run_ranks(
