@@ -58,19 +58,18 @@ PRELOAD = [
 
 
 def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, spawn: bool = False, shared: bool = False
+    fn, world: int, *args, timeout: float = 120.0, shared: bool = False
 ) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
     Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
     the shared ranks of tests/rank_pool.py, started once for the tests of this test process,
-    instead of ranks started for this call alone. ``spawn=True`` starts fresh interpreters instead
-    of forkserver children, whose stderr is the server's, not the test's (use it when the test reads
-    what the ranks print, with capfd)."""
-    if shared and not spawn:
+    instead of ranks started for this call alone. The ranks are forkserver children, whose stderr
+    is the server's, not the test's: a test that reads what a rank prints has it write a file."""
+    if shared:
         from rank_pool import run_shared
 
         return run_shared(fn, world, *args, timeout=timeout)
-    ctx = mp.get_context("spawn") if spawn else _context()
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
