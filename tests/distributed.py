@@ -1,20 +1,37 @@
-"""Start real gloo process groups from a test: spawned processes, a free
+"""Start real gloo process groups from a test: forkserver children, a free
 loopback port, results through a queue, and a deadline so a hang fails fast."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
+from pathlib import Path
 
 from launch import rank_vars
 
+# a generator of its own: a test that seeds the global one (hypothesis does) would have every test
+# process pick the same ports
+_PORTS = random.Random()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, for a job's rendezvous store, picked below the kernel's
+    ephemeral range: every outbound connection and every socket gloo binds to port 0 takes a port
+    from that range, so a port picked there can be taken by another test's ranks before this
+    job's rank 0 binds it (EADDRINUSE at start-up)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = _PORTS.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
 
 
 def _child(fn, rank, world, port, args, queue):

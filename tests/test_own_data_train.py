@@ -8,12 +8,12 @@ import json
 import math
 import re
 import shlex
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cli_run import rrfp_in_process
+from distributed import free_port
 from launch import ROOT, rank_vars
 from train_rows import TrainJob
 
@@ -47,16 +47,10 @@ def gpt2_token_file(path: Path, docs: int = 40, eot: int = GPT2_EOT) -> np.ndarr
     return arr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_in_process(argv: list[str], tmp: Path) -> list[dict]:
     out = tmp / "runs" / "r"
     sets = ["--set", f"data.cache_dir={tmp / 'cache'}", "--set", f"output.dir={out}"]
-    res = rrfp_in_process(*argv, *SMALL, *sets, env=rank_vars(0, 1, _free_port()))
+    res = rrfp_in_process(*argv, *SMALL, *sets, env=rank_vars(0, 1, free_port()))
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"metrics: {out / 'metrics.jsonl'}" in res.stdout, res.stdout
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
