@@ -139,3 +139,13 @@ def timed_outcome(main) -> dict:
     except Exception as e:  # the row's outcome, not a failure of the test's rank
         return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began[0]}
     return {"error": None, "took": time.monotonic() - began[0]}
+
+
+async def timed_iteration(ex, mark) -> None:
+    """One iteration of the stage executor ``ex`` (8 features in and out): two microbatches of
+    random rows; ``mark()`` as it begins."""
+    import torch
+
+    x = torch.randn(4, 8)
+    mark()
+    await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])

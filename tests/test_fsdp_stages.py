@@ -10,7 +10,7 @@ rrfp/pipeline/sharded_stages.py)."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks, timed_outcome
+from distributed import run_ranks, timed_iteration, timed_outcome
 from fsdp_parity import LR, ROWS, STEPS, M, batch, full, loss_fn, model, reference, shard
 
 pytestmark = pytest.mark.multirank
@@ -160,9 +160,7 @@ def _replica_stuck(rank, world, progress_s):
             if rank == 1:
                 await asyncio.sleep(3 * progress_s)
                 return
-            x = torch.randn(4, 8)
-            mark()
-            await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
+            await timed_iteration(ex, mark)
 
     import asyncio
 

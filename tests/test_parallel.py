@@ -5,7 +5,7 @@ same task sequence even when their messages arrive skewed."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks, timed_outcome
+from distributed import run_ranks, timed_iteration, timed_outcome
 
 pytestmark = pytest.mark.multirank
 
@@ -224,9 +224,7 @@ def _tp_peer_stuck(rank, world, progress_s, heartbeat, stuck_s):
             torch.manual_seed(0)
             layer = RowParallelLinear.from_full(torch.nn.Linear(8, 8), rt.tp_group)
             ex = rt.stage_executor(Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
-            x = torch.randn(4, 8)
-            mark()
-            await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])
+            await timed_iteration(ex, mark)
 
     return timed_outcome(main)
 
