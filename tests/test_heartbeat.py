@@ -42,6 +42,20 @@ def _pair(server, timeout_s: float = TIMEOUT_S) -> list[Heartbeat]:
     return beats
 
 
+def _start(*beats: Heartbeat) -> None:
+    """Start each heartbeat and wait until each has read every peer's first beat: a beater forked
+    from this big test process can take longer than TIMEOUT_S to beat first on a loaded machine,
+    and the tests' clocks start once the peers beat."""
+    for hb in beats:
+        hb.start()
+    end = time.monotonic() + 10
+    while any(hb.beats[p].seq < 0 for hb in beats for p in hb.peers):
+        assert time.monotonic() < end, [hb.describe(p) for hb in beats for p in hb.peers]
+        for hb in beats:
+            hb.check()  # as the runtime's watcher does meanwhile
+        time.sleep(0.01)
+
+
 def _watch(hb: Heartbeat, seconds: float):
     """Check every beat for ``seconds`` (as the runtime's watcher does); the first silence found."""
     end = time.monotonic() + seconds
@@ -56,7 +70,7 @@ def _watch(hb: Heartbeat, seconds: float):
 @pytest.mark.multirank
 def test_a_beating_peer_is_never_silent_and_says_what_it_does(server):
     a, b = _pair(server)
-    a.start(), b.start()
+    _start(a, b)
     try:
         b.doing("task F3")
         assert _watch(a, 3 * TIMEOUT_S) is None, "a peer that beats was called silent"
@@ -71,7 +85,7 @@ def test_beating_is_not_progress_a_task_or_a_new_activity_is(server):
     """``progress_at`` moves while a peer is in a task or starts something new, and stands still
     while it beats on at one wait (the executor's progress bound reads it)."""
     a, b = _pair(server)
-    a.start(), b.start()
+    _start(a, b)
     try:
         b.doing("waiting for rank 0")
         _watch(a, 3 * a.period_s)
@@ -91,7 +105,7 @@ def test_beating_is_not_progress_a_task_or_a_new_activity_is(server):
 @pytest.mark.multirank
 def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
     a, b = _pair(server)
-    a.start(), b.start()
+    _start(a, b)
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()  # what SIGSTOP does to its thread
@@ -109,7 +123,7 @@ def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
 @pytest.mark.multirank
 def test_a_rank_that_was_itself_stopped_gives_its_peers_a_fresh_timeout(server):
     a, b = _pair(server)
-    a.start(), b.start()
+    _start(a, b)
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()
@@ -129,7 +143,7 @@ def test_a_store_that_stops_answering_is_named_as_the_store(server):
     the store is named, not the peer whose beats it can no longer read."""
     a, b = _pair(server)
     a.store = stalling = StallingStore(a.store)
-    a.start(), b.start()
+    _start(a, b)
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         stalling.stall.set()
@@ -175,7 +189,7 @@ def test_a_store_that_stops_after_a_read_without_a_new_beat_is_still_named_as_th
     the stuck read, or the peer is blamed for what the store did not deliver."""
     a, b = _pair(server)
     a.store = stalling = StallingStore(a.store)
-    a.start(), b.start()
+    _start(a, b)
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()  # the peer's beat stops moving ...
