@@ -174,13 +174,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
 def train(tmp: Path, *args: str, limit_s: float = 90) -> TrainJob:
     """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun would end a
     rank's siblings itself, hiding whether each ends on its own), run to its end."""
-    ranks = TrainJob(tmp, [*SMALL, "--set", "timeout_s=20", *args])
-    try:
-        ended = ranks.wait(range(2), time.monotonic() + limit_s)
-        assert ended, f"still running after {limit_s} s\n" + ranks.tails()
-    finally:
-        ranks.kill()
-    return ranks
+    return TrainJob(tmp, [*SMALL, "--set", "timeout_s=20", *args]).finish(limit_s)
 
 
 def rrfp_alone(*args: str) -> subprocess.CompletedProcess:

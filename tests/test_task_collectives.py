@@ -17,6 +17,7 @@ from rrfp.comm.heartbeat import Heartbeat
 from rrfp.core.errors import PeerFailure, PeerStuck, PeerTimeout
 from rrfp.core.tasks import Task
 from rrfp.nn.collective_marks import marked, marking
+from rrfp.pipeline import task_collectives
 from rrfp.pipeline.faults import Fault, FaultInjector
 from rrfp.pipeline.task_collectives import TaskCollectives
 
@@ -32,10 +33,17 @@ class _Block(torch.nn.Module):
         self.proj = torch.nn.Linear(2, 2)
 
 
+MEMBERS: dict[object, tuple[int, ...]] = {}  # group -> its other members, as _marks sets them
+
+
+@pytest.fixture(autouse=True)
+def _groups_by_hand(monkeypatch):
+    monkeypatch.setattr(task_collectives, "peers_of", lambda group: MEMBERS[group])
+
+
 def _marks(heartbeat: Heartbeat | None, peers=(1,)) -> tuple[TaskCollectives, torch.nn.Module]:
-    marks = TaskCollectives(0, heartbeat, BOUND)
-    marks._peers[GROUP] = peers
-    return marks, torch.nn.Sequential()
+    MEMBERS[GROUP] = peers
+    return TaskCollectives(0, heartbeat, BOUND), torch.nn.Sequential()
 
 
 def _beating(hb: Heartbeat, rank: int, activity: str, for_s: float) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from rrfp.comm.heartbeat import Heartbeat
+from rrfp.core.errors import PeerStuck
 
 AT = "at "  # how a rank's activity says that it waits at a collective
 
@@ -111,9 +112,29 @@ class CollectiveWaits:
         stalled = now - max(wait.since, self.hb.progress_at)
         if stalled < bound_s:
             return None
-        there = AT + wait.what
-        absent = tuple(p for p in wait.peers if self.hb.beats[p].activity != there)
-        return Unreached(wait.what, absent, stalled)
+        return Unreached(wait.what, absent_from(self.hb, wait.what, wait.peers), stalled)
+
+
+def absent_from(hb: Heartbeat, what: str, peers: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``peers`` whose heartbeat does not say they wait at the collective ``what``."""
+    return tuple(p for p in peers if hb.beats[p].activity != AT + what)
+
+
+def stuck(rank: int, hb: Heartbeat, late: Unreached, bound: str, why: str = "") -> PeerStuck:
+    """The one line for the collective ``late.what`` that ``late.absent`` never reached, with what
+    their heartbeats say and ``bound``, the key that set the wait's limit; ``why``: what else the
+    wait's end took (`` with no progress of the job``)."""
+    if not late.absent:
+        return PeerStuck(
+            f"rank {rank}: {late.what}: every rank of it is at it, yet it has not completed in "
+            f"{late.seconds:.1f} s{why} ({bound})"
+        )
+    who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in late.absent)
+    return PeerStuck(
+        f"rank {rank}: {late.what}: {who} never reached it: waited {late.seconds:.1f} s{why} "
+        f"({bound}): stuck outside it, or at another collective",
+        late.absent[0],
+    )
 
 
 # the waits of the runtime whose block (or ``watch``) runs this task; None: unbounded here
@@ -122,7 +143,7 @@ BOUND: contextvars.ContextVar[CollectiveWaits | None] = contextvars.ContextVar(
 )
 
 
-def _peers(group) -> tuple[int, ...]:
+def peers_of(group) -> tuple[int, ...]:
     """The other members of ``group`` (the world when None), as global ranks."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return tuple(r for r in ranks if r != dist.get_rank())
@@ -135,7 +156,7 @@ def waiting_at(what: str, group=None) -> Iterator[None]:
     if waits is None:
         yield
         return
-    with waits.at(what, _peers(group)):
+    with waits.at(what, peers_of(group)):
         yield
 
 

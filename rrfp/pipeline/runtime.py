@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
-from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached
+from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
@@ -732,18 +732,8 @@ class PipelineRuntime:
 
     def _unreached(self, late: Unreached) -> PeerStuck:
         """The line for a collective that the ``absent`` peers never reached."""
-        hb, bound = self.heartbeat, self.timeouts.said("progress_s")
-        if not late.absent:
-            return PeerStuck(
-                f"rank {self.rank}: {late.what}: every rank is at it, yet it has not completed "
-                f"in {late.seconds:.1f} s with no progress of the job ({bound})"
-            )
-        who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in late.absent)
-        return PeerStuck(
-            f"rank {self.rank}: {late.what}: {who} never reached it: waited {late.seconds:.1f} s "
-            f"with no progress of the job ({bound}): stuck outside it, or at another collective",
-            late.absent[0],
-        )
+        bound = self.timeouts.said("progress_s")
+        return stuck(self.rank, self.heartbeat, late, bound, " with no progress of the job")
 
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""

@@ -23,13 +23,12 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-import torch.distributed as dist
 import torch.nn as nn
 
 from rrfp.comm.channels import describe_failure, lost_peer_reason, timed_out
-from rrfp.comm.collective_wait import AT
+from rrfp.comm.collective_wait import AT, Unreached, absent_from, peers_of, stuck
 from rrfp.comm.heartbeat import Heartbeat
-from rrfp.core.errors import PeerFailure, PeerStuck, PeerTimeout, PipelineError
+from rrfp.core.errors import PeerFailure, PeerTimeout, PipelineError
 from rrfp.core.tasks import Task
 from rrfp.nn.collective_marks import Marker
 
@@ -41,7 +40,6 @@ class TaskCollectives:
     def __init__(self, rank: int, heartbeat: Heartbeat | None, bound: str) -> None:
         self.rank, self.heartbeat, self.bound = rank, heartbeat, bound
         self._names: dict[int, dict[int, str]] = {}  # id(stage module) -> {id(layer): its name}
-        self._peers: dict[object, tuple[int, ...]] = {}  # group -> its other members
 
     def marker(self, task: Task, stage: int, module: nn.Module) -> Marker:
         """The marker for ``task`` of ``stage``, whose layers are in ``module``."""
@@ -54,15 +52,6 @@ class TaskCollectives:
             return self.at(f"the {what} of {name} in task {task} of stage {stage}", group)
 
         return mark
-
-    def _peers_of(self, group) -> tuple[int, ...]:
-        peers = self._peers.get(group)
-        if peers is None:
-            me = dist.get_rank()
-            peers = self._peers[group] = tuple(
-                r for r in dist.get_process_group_ranks(group) if r != me
-            )
-        return peers
 
     @contextlib.contextmanager
     def at(self, what: str, group) -> Iterator[None]:
@@ -80,7 +69,7 @@ class TaskCollectives:
         except RuntimeError as e:
             if not lost_peer_reason(str(e)):
                 raise  # not a peer's doing (a shape mismatch, a bug): as it is
-            raise self.failed(what, self._peers_of(group), e, time.monotonic() - began) from e
+            raise self.failed(what, peers_of(group), e, time.monotonic() - began) from e
         finally:
             if hb is not None and hb.activity == AT + what:
                 hb.doing(before)
@@ -101,15 +90,5 @@ class TaskCollectives:
                 f"{members}: a peer stuck, too slow, gone or at another collective (no heartbeat "
                 "to tell which)"
             )
-        absent = tuple(p for p in peers if hb.beats[p].activity != AT + what)
-        if not absent:
-            return PeerStuck(
-                f"rank {self.rank}: {what}: every rank of it is at it, yet it has not completed "
-                f"in {waited:.1f} s ({self.bound})"
-            )
-        who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in absent)
-        return PeerStuck(
-            f"rank {self.rank}: {what}: {who} never reached it: waited {waited:.1f} s "
-            f"({self.bound}): stuck outside it, or at another collective",
-            absent[0],
-        )
+        late = Unreached(what, absent_from(hb, what, peers), waited)
+        return stuck(self.rank, hb, late, self.bound)
