@@ -6,11 +6,15 @@ finding of its own."""
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import time
 
 import pytest
 import torch.distributed as dist
+from distributed import free_port
 
+from rrfp.comm.beater import Beater
 from rrfp.comm.heartbeat import Heartbeat
 
 TIMEOUT_S = 0.6
@@ -205,3 +209,41 @@ def test_a_store_that_stops_after_a_read_without_a_new_beat_is_still_named_as_th
     finally:
         stalling.release.set()
         a.close(), b.close()
+
+
+@pytest.mark.multirank
+def test_a_rank_whose_beating_process_ends_beats_from_its_thread(server, caplog):
+    """The beating process can end while its rank works (killed on its own, or it lost the store):
+    the rank's thread then beats, so its peers do not call a working rank silent."""
+    a, b = _pair(server)
+    _start(a, b)
+    try:
+        os.kill(b._beater.pid, signal.SIGKILL)
+        assert _watch(a, 3 * TIMEOUT_S) is None, a.describe(1)
+        assert a.describe(1) == "alive", a.describe(1)
+        assert b._beater is None
+        assert "beating process ended (exit code -9)" in caplog.text
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.multirank
+def test_a_beating_process_the_store_accepts_late_still_beats():
+    """On a loaded machine the store can take longer than a heartbeat's timeout to accept the
+    beating process's connection: the process keeps trying instead of ending unheard."""
+    port = free_port()
+    child = Beater("127.0.0.1", port, "late/0", period_s=0.06, timeout_s=TIMEOUT_S).start()
+    try:
+        time.sleep(2.5)  # past the old one-second connect timeout, with nothing listening
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=5),
+        )
+        store.wait(["late/0"], datetime.timedelta(seconds=15))
+        assert store.get("late/0").split()[0].isdigit()
+        assert not child.ended()
+    finally:
+        child.close()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 _HEAD = struct.Struct("=QdH")  # version, since (monotonic), length of the activity's bytes
 _SIZE = 512
+CONNECT_S = 10.0  # how long one try to reach the store may wait (the C++ client logs each miss)
 
 
 def supported() -> bool:
@@ -52,6 +53,7 @@ class Beater:
         self._page = mmap.mmap(-1, _SIZE)
         self._version = 0
         self.pid: int | None = None
+        self.exit_code: int | None = None  # once ``ended`` has seen the child exit
         self.doing("", time.monotonic())
 
     def doing(self, what: str, since: float) -> None:
@@ -94,13 +96,7 @@ class Beater:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_IGN)
         os.closerange(3, _max_fd())  # the parent's sockets close when it dies, not when we do
-        store = dist.TCPStore(
-            self.host,
-            self.port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=max(1.0, self.timeout_s)),
-        )
+        store = self._connect(parent)
         seq = 0
         while os.getppid() == parent:
             if _state(parent) not in ("T", "t", "Z", "X", ""):
@@ -108,6 +104,38 @@ class Beater:
                 what, since = self._activity()
                 store.set(self.key, f"{seq} {time.monotonic() - since:.3f} {what}")
             time.sleep(self.period_s)
+
+    def _connect(self, parent: int) -> dist.TCPStore:
+        """A client of the store, however long a loaded machine takes to accept it: a child that
+        gave up here would leave its rank unheard, and its peers would call a working rank
+        silent. Each try waits up to CONNECT_S; the tries end with the parent."""
+        while True:
+            try:
+                return dist.TCPStore(
+                    self.host,
+                    self.port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=max(CONNECT_S, self.timeout_s)),
+                )
+            except RuntimeError:  # DistNetworkError: not accepted within the timeout
+                if os.getppid() != parent:
+                    raise
+                time.sleep(self.period_s)
+
+    def ended(self) -> bool:
+        """The child exited on its own (not by ``close``); reaps it then."""
+        pid = self.pid
+        if pid is None:
+            return False
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by close meanwhile
+            return False
+        if done and self.pid is not None:
+            self.exit_code = os.waitstatus_to_exitcode(status)
+            return True
+        return False
 
     def _activity(self) -> tuple[str, float]:
         while True:  # the parent may be writing: read until one version is seen whole

@@ -8,7 +8,8 @@ A peer whose SEQ has not moved for ``timeout_s`` went silent: stopped
 (SIGSTOP), killed, or cut off. The beats come from a forked child process
 (rrfp/comm/beater.py, which says why): a thread would need the GIL between two
 beats, and a forward that holds it in one long C call would silence it; where
-no child can be forked, the reading thread beats too.
+no child can be forked, or the child ends while the rank lives, the reading
+thread beats too.
 
 Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
 2.13): one client's calls are serialized under one mutex (``activeOpLock_``),
@@ -175,8 +176,8 @@ class Heartbeat:
         to the peers."""
         if what != self._activity[0]:
             self._activity = (what, time.monotonic())
-            if self._beater is not None:
-                self._beater.doing(*self._activity)
+            if (child := self._beater) is not None:
+                child.doing(*self._activity)
 
     @property
     def activity(self) -> str:
@@ -196,8 +197,8 @@ class Heartbeat:
     def close(self) -> None:
         """Stop beating (the thread ends after its current store call)."""
         self._stop.set()
-        if self._beater is not None:
-            self._beater.close()
+        if (child := self._beater) is not None:
+            child.close()
 
     # -- the thread -------------------------------------------------------------
 
@@ -208,6 +209,9 @@ class Heartbeat:
         try:
             while not self._stop.is_set():
                 self.round_at = time.monotonic()
+                child = self._beater
+                if child is not None and child.ended() and not self._stop.is_set():
+                    self._take_over_beating(child.exit_code)
                 if self._beater is None:
                     self._beat()
                 self._read()
@@ -217,6 +221,18 @@ class Heartbeat:
         ) as e:  # the store is gone (its host exited): the verdict comes from the times
             self.error = e
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
+
+    def _take_over_beating(self, code: int | None) -> None:
+        """The beating process ended while this rank lives (it lost the store, or was killed on
+        its own): the thread beats from now on, so that the peers do not call a working rank
+        silent."""
+        self._beater = None
+        log.warning(
+            "rank %d: the heartbeat's beating process ended (exit code %s); the heartbeat "
+            "thread beats instead, and falls silent while a long C call holds the GIL",
+            self.rank,
+            code,
+        )
 
     def _beat(self) -> None:
         self._seq += 1
