@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -247,3 +248,25 @@ def test_a_beating_process_the_store_accepts_late_still_beats():
         assert not child.ended()
     finally:
         child.close()
+
+
+@pytest.mark.multirank
+def test_a_rank_waits_for_the_store_as_long_as_store_connect_s(monkeypatch):
+    """A rank's heartbeat client connects within ``timeouts.store_connect_s``, not within its
+    (shorter) silence bound: a store slow to accept leaves the rank with a heartbeat."""
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    stores = []
+    later = threading.Timer(
+        2.0,
+        lambda: stores.append(
+            dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        ),
+    )
+    later.start()
+    try:
+        hb = Heartbeat.connect(0, 2, timeout_s=TIMEOUT_S, connect_s=15)
+        assert hb is not None, "no heartbeat: the connect gave up before store_connect_s"
+    finally:
+        later.join()

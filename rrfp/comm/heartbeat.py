@@ -133,9 +133,12 @@ class Heartbeat:
         )
 
     @classmethod
-    def connect(cls, rank: int, world: int, timeout_s: float) -> Heartbeat | None:
+    def connect(
+        cls, rank: int, world: int, timeout_s: float, connect_s: float | None = None
+    ) -> Heartbeat | None:
         """A heartbeat on its own client of this job's store (MASTER_ADDR:MASTER_PORT, as torchrun
-        and ``env://`` set them), one key space per torchrun attempt; None without that store."""
+        and ``env://`` set them), one key space per torchrun attempt; None without that store.
+        ``connect_s``: how long connecting may take (default ``timeout_s``)."""
         try:
             host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
             store = dist.TCPStore(
@@ -143,7 +146,7 @@ class Heartbeat:
                 port,
                 is_master=False,
                 wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=max(1.0, timeout_s)),
+                timeout=datetime.timedelta(seconds=max(1.0, connect_s or timeout_s)),
             )
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(

@@ -355,7 +355,11 @@ class PipelineRuntime:
         )
         if backend == "nccl":
             ops = ops or CudaOps(device)
-        beat = Heartbeat.connect(rank, layout.world_size, waits.heartbeat_s) if heartbeat else None
+        beat = (
+            Heartbeat.connect(rank, layout.world_size, waits.heartbeat_s, waits.store_connect_s)
+            if heartbeat
+            else None
+        )
         channels = create_rank_channels(
             layout,
             rank,
