@@ -18,16 +18,13 @@ rank 0, which may be the rank that died.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import threading
 import time
 
-import torch.distributed as dist
-
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a connect to leave torch
-from rrfp.comm.job_store import attempt
+from rrfp.comm.job_store import attempt, store_client
 
 PREFIX = "rrfp/failed"
 # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
@@ -158,15 +155,7 @@ def connect_store(timeout_s: float = 1.0):
 
     def connect() -> None:
         try:
-            found.append(
-                dist.TCPStore(
-                    os.environ["MASTER_ADDR"],
-                    int(os.environ["MASTER_PORT"]),
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                    wait_for_workers=False,
-                )
-            )
+            found.append(store_client(timeout_s))
         except (KeyError, ValueError, RuntimeError):
             pass
 

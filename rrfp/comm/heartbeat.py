@@ -45,7 +45,6 @@ blame the peers that kept beating while it slept.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
@@ -56,7 +55,7 @@ import torch.distributed as dist
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for the reader to leave its store call
 from rrfp.comm import beater
-from rrfp.comm.job_store import attempt
+from rrfp.comm.job_store import attempt, store_client
 
 log = logging.getLogger("rrfp.comm.heartbeat")
 
@@ -140,14 +139,7 @@ class Heartbeat:
         and ``env://`` set them), one key space per torchrun attempt; None without that store.
         ``connect_s``: how long connecting may take (default ``timeout_s``)."""
         try:
-            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-            store = dist.TCPStore(
-                host,
-                port,
-                is_master=False,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=max(1.0, connect_s or timeout_s)),
-            )
+            store = store_client(max(1.0, connect_s or timeout_s))
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(
                 "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts "
@@ -167,7 +159,7 @@ class Heartbeat:
             world,
             timeout_s,
             prefix=f"{PREFIX}/{attempt()}",
-            where=f"the rendezvous store at {host}:{port} (in {owner})",
+            where=f"the rendezvous store at {store.host}:{store.port} (in {owner})",
         )
 
     # -- this rank --------------------------------------------------------------

@@ -7,9 +7,25 @@ by this attempt.
 
 from __future__ import annotations
 
+import datetime
 import os
+
+import torch.distributed as dist
 
 
 def attempt() -> str:
     """This attempt of a torchrun job ("0" outside one)."""
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def store_client(timeout_s: float) -> dist.TCPStore:
+    """A client of its own to this job's store (MASTER_ADDR:MASTER_PORT, as torchrun and
+    ``env://`` set them), connected within ``timeout_s``. KeyError or ValueError without that
+    address, RuntimeError (DistNetworkError) when the store does not accept in time."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

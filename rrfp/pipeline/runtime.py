@@ -34,7 +34,7 @@ from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.grad_norm import clip_grad_norm
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
-from rrfp.comm.job_store import attempt
+from rrfp.comm.job_store import attempt, store_client
 from rrfp.comm.loaded_class import DTENSOR, loaded_class
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
@@ -124,14 +124,8 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
     attempt's addresses and failed to connect. Elsewhere: {} (init_process_group's own)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
     return dict(
-        store=dist.PrefixStore(f"rrfp/attempt-{attempt()}", store),
+        store=dist.PrefixStore(f"rrfp/attempt-{attempt()}", store_client(timeout_s)),
         rank=int(os.environ["RANK"]),
         world_size=world,
     )
