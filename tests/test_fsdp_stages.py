@@ -2,9 +2,10 @@
 (4 gloo ranks; stage s of replica d on rank s * 2 + d), through PipelineRuntime.stage_executor:
 after 3 AdamW steps every rank's gradients and parameters equal one process's over the whole
 batch of both replicas (float64), for the hints bfw, zbh1 and plan, and with two stages per rank
-(v, FSDP, bfw). The replicas draw their
-emulated task durations from different seeds, so they run their stages' tasks in different
-orders; the test checks that they did under bfw and plan (why that is safe:
+(v, FSDP, bfw). Under those hints the replicas draw their emulated task durations from different
+seeds, so they may run their tasks in different orders, as load decides. The runs in UNEQUAL make
+the replicas' first stages run different orders by construction, under fixed and under ready
+dispatch, and the test checks that they did (why different orders are safe:
 rrfp/pipeline/sharded_stages.py)."""
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ from fsdp_parity import LR, ROWS, STEPS, M, batch, full, loss_fn, model, referen
 pytestmark = pytest.mark.multirank
 
 HINTS = ("bfw", "zbh1", "plan")
-# (name, dispatch, split, each replica's hint): replicas that run different orders by construction
+# (name, dispatch, split, each replica's hint and budget): replicas whose first stage runs
+# different orders by construction. Ready with a budget of one microbatch leaves one task ready at
+# a time (F0 B0 F1 B1 ...); ready gpipe with a budget of M always has the next F ready at the
+# first stage and ranks it first (F0 ... F3, then the Bs, which come back in order).
 UNEQUAL = (
-    ("gpipe|1f1b fixed, whole backward", "fixed", False, ("gpipe", "1f1b")),
-    ("gpipe|zbh1 fixed, split backward", "fixed", True, ("gpipe", "zbh1")),
+    ("gpipe|1f1b fixed, whole backward", "fixed", False, ("gpipe", "1f1b"), ("2x", "2x")),
+    ("gpipe|zbh1 fixed, split backward", "fixed", True, ("gpipe", "zbh1"), ("2x", "2x")),
+    ("1f1b@1|gpipe@M ready, whole backward", "ready", False, ("1f1b", "gpipe"), (1, M)),
+)
+# the first stage's order on each replica of the ready UNEQUAL run, as it must be
+FIRST_STAGE_ORDERS = (
+    [f"{t}{m}@0" for m in range(M) for t in "FB"],
+    [f"F{m}@0" for m in range(M)] + [f"B{m}@0" for m in range(M)],
 )
 # (layout, hint or UNEQUAL name, stages per rank): V = 2 places stages v (rank r: r and 3 - r), so
 # each rank's two local stages finish their last W in an order readiness picks
@@ -53,8 +63,8 @@ def _rank(rank, world):
                 hint=name, variability=Variability.preset("jitter", jitter=0.8), seed=11 * d + 1
             )
         else:
-            dispatch, split, hints = unequal
-            how = dict(hint=hints[d], dispatch=dispatch, split=split)
+            dispatch, split, hints, budgets = unequal
+            how = dict(hint=hints[d], dispatch=dispatch, split=split, budget=budgets[d])
         held = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         ex = rt.stage_executor(modules, loss_fn, microbatches=M, **how)
         sync = rt.grad_sync(held, ex) if kind == "dp" else None
@@ -136,9 +146,11 @@ def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders
                     ), (rank, run, step)
             if orders != results[pp_rank * 2 + 1 - d][1][run][2]:
                 diverged.add(run)
-    # the replicas really did run different orders: under bfw and plan (a plan each), and where
-    # each has its own hint; zbh1 ranks a stage's tasks so strictly that its replicas may agree
-    assert {r for r in RUNS if r[1] != "zbh1"} <= diverged, diverged
+            if run[1] == UNEQUAL[2][0] and pp_rank == 0:
+                assert orders == [FIRST_STAGE_ORDERS[d]] * STEPS, (rank, orders)
+    # the replicas ran different orders where their construction says they must; under the ready
+    # hints they may or may not, as load decides, and the results are equal either way
+    assert {("dp_shard", u[0], 1) for u in UNEQUAL} <= diverged, diverged
 
 
 def _replica_stuck(rank, world, progress_s):
