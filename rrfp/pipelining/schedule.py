@@ -379,8 +379,9 @@ class ScheduleReady:
         )
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
-        """torch's schedule CSV as this schedule's hint: this stage's row becomes its priority order
-        (rrfp/pipelining/torch_csv.py). Only ``compute_only`` schedules are read."""
+        """torch's schedule CSV as this schedule's hint: this rank's row becomes its order over the
+        stages it holds (rrfp/pipelining/torch_csv.py, which says what it refuses). Only
+        ``compute_only`` schedules are read."""
         if format != "compute_only":
             raise NotImplementedError(
                 f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
