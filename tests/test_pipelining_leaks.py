@@ -1,5 +1,6 @@
 """A ScheduleReady step leaves nothing of itself behind: once ``step`` returns, no reference cycle
-holds the step's inputs, targets or outputs, at one stage per rank and at two. Checked the way
+holds the step's inputs, targets or outputs, at one stage per rank and at two, and the same for
+``eval``. Checked the way
 torch's own pipelining tests check their schedules (``check_leaked_tensors`` in
 torch/testing/_internal/common_utils.py: the tensors the cyclic GC finds unreachable after the
 step), and with the cyclic GC off, as a user who disables it would run: the whole batch (which the
@@ -18,7 +19,7 @@ from test_pipelining import BATCH, M, batch, full_model, loss_fn
 pytestmark = pytest.mark.multirank
 
 
-def _step_leaves_nothing(rank, world, V):
+def _step_leaves_nothing(rank, world, V, call):
     import gc
     import weakref
 
@@ -46,7 +47,8 @@ def _step_leaves_nothing(rank, world, V):
 
             def step(seed: int):
                 x, y = batch(seed, 5)
-                merged = schedule.step(*((x,) if first else ()), target=y if last else None)
+                run = schedule.step if call == "step" else schedule.eval
+                merged = run(*((x,) if first else ()), target=y if last else None)
                 return weakref.ref(x), weakref.ref(y), merged
 
             step(1)  # the first step builds what lives across steps
@@ -77,10 +79,11 @@ def _step_leaves_nothing(rank, world, V):
     return result
 
 
+@pytest.mark.parametrize("call", ["step", "eval"])
 @pytest.mark.parametrize("V", [1, 2])
-def test_no_reference_cycle_keeps_a_step_alive(V):
+def test_no_reference_cycle_keeps_a_step_alive(V, call):
     world = 2
-    results = run_ranks(_step_leaves_nothing, world, V, timeout=120)
+    results = run_ranks(_step_leaves_nothing, world, V, call, timeout=120)
     for rank, res in results.items():
         assert res["outputs"] == M * V, (rank, res)  # every forward of the step was seen
         assert res["outputs alive"] == 0, (rank, res)
