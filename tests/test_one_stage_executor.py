@@ -1,7 +1,8 @@
 """A one-stage pipeline in one process, built as a library caller builds it (one StageWorker,
 one stage's PipelineChannels, no layout), runs the rank path that every V runs: the gradients
-are a single-process reference's, the tasks follow the hint, and the old attribute names
-still answer, with a DeprecationWarning."""
+are a single-process reference's, the tasks follow the hint, an iteration leaves no reference
+cycle that keeps its batches alive, and the old attribute names still answer, with a
+DeprecationWarning."""
 
 from __future__ import annotations
 
@@ -76,3 +77,31 @@ def test_old_attribute_names_warn_and_answer():
         assert rt.rank_channels is ex.channels
     with pytest.warns(DeprecationWarning, match="of\\(stage\\)"):
         assert rt.channels.fwd_in is None and rt.channels.bwd_out is None
+
+
+@pytest.mark.parametrize("budget", ["2x", "64KiB"])  # a byte budget sizes microbatches as it goes
+def test_an_iteration_leaves_no_cycle_holding_its_batches(budget):
+    """With the cyclic GC off, what ``run_iteration`` got is freed once the caller drops it: no
+    reference cycle of the iteration (tracker, size function, tasks) keeps the batches alive."""
+    import gc
+    import weakref
+
+    worker = StageWorker(_model(), 0, 1, M, _loss, split=True, measure_activations=True)
+    settings = ExecutorSettings(Dispatch.READY, resolve("bfw"), Budget.parse(budget), True, M)
+    lane = ComputeLane()
+    ex = StageExecutor(worker, PipelineChannels(0), lane, settings)
+    asyncio.run(ex.run_iteration(0, _batches()))  # what lives across iterations is built
+    gc.collect()
+    gc.disable()
+    try:
+        whole = torch.randn(2 * M, 9)  # the microbatches are views of one batch, as torch splits
+        batches = [(whole[2 * i : 2 * i + 2, :6], whole[2 * i : 2 * i + 2, 6:]) for i in range(M)]
+        alive = weakref.ref(whole)
+        del whole
+        result = asyncio.run(ex.run_iteration(1, batches))
+        del batches
+        assert alive() is None, "a reference cycle keeps the iteration's batch alive"
+    finally:
+        gc.enable()
+        lane._thread.shutdown()
+    assert len(result.losses) == M

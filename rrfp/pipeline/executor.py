@@ -449,7 +449,10 @@ class _Iteration:
             features,
         )
         self.state = state  # the caller's autocast: every F, B and W runs under it
-        self.tracker = ex.tracker(spec, self.size_of)
+        # the tracker gets a size function that holds neither this iteration nor its batches: a
+        # bound method would make a cycle (iteration -> tracker -> iteration) that keeps every
+        # microbatch, and the whole batch its views share, alive until the cyclic GC runs
+        self.tracker = ex.tracker(spec, _activation_sizes(ex, batches))
         self.io = {w.stage: _StageIO(w, ex.channels_of(w.stage)) for w in ex.workers}
         self.changed = asyncio.Event()
         self.ran: list[tuple[int, Task]] = []
@@ -467,9 +470,6 @@ class _Iteration:
         self.decisions = 0
         self.decision_s = 0.0
         self.decided_s = 0.0  # the decisions that picked the task now running (a trace's "decide")
-
-    def size_of(self, mb: int) -> int:
-        return int(numel(self.batches[mb][0]) * self.ex._bytes_per_token)
 
     async def execute(self) -> IterationResult:
         ex = self.ex
@@ -814,6 +814,13 @@ class _Iteration:
             else:
                 io.grads[mb] = value
             self.changed.set()
+
+
+def _activation_sizes(ex: StageExecutor, batches) -> Callable[[int], int]:
+    """A microbatch's activation bytes at one of ``ex``'s stages, from its input's element count
+    and the bytes per element measured so far (byte budgets)."""
+    counts = [numel(b[0]) for b in batches]
+    return lambda mb: int(counts[mb] * ex._bytes_per_token)
 
 
 def _seeded(fn: Callable, seed: int, device: torch.device) -> Callable:

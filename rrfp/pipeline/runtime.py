@@ -437,6 +437,7 @@ class PipelineRuntime:
         cost=None,
         tied=None,
         on_nonfinite: str | None = "stop",
+        dw_builder=None,
     ) -> StageExecutor:
         """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
         one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
@@ -455,7 +456,12 @@ class PipelineRuntime:
         ``on_nonfinite`` (a NaN or Inf in a loss or gradient, agreed by every rank after each
         iteration): "stop" raises NonFiniteError naming the stage and microbatch on every rank;
         "skip" sets every rank's ``.grad`` to None (``optimizer.step()`` then moves nothing) and
-        marks the result ``skipped``; None checks nothing (rrfp/pipeline/nonfinite.py: its cost)."""
+        marks the result ``skipped``; None checks nothing (rrfp/pipeline/nonfinite.py: its cost).
+
+        ``dw_builder`` (torch's ``PipelineStage(dw_builder=)``; one callable, or a list of one or
+        None per module): a stage whose custom autograd functions leave the weight gradients to a
+        runner; ``dw_builder()`` builds the runner after each microbatch's B, which runs it as W
+        (split backward) or at once (rrfp/pipeline/worker.py)."""
         guard = (
             None
             if on_nonfinite is None
@@ -511,6 +517,16 @@ class PipelineRuntime:
             progress_s=self.timeouts.progress_s if self.heartbeat is not None else None,
             progress_key=self.timeouts.said("progress_s"),
         )
+        builders = (
+            list(dw_builder)
+            if isinstance(dw_builder, (list, tuple))
+            else [dw_builder] * len(modules)
+        )
+        if len(builders) != len(modules):
+            raise ValueError(
+                f"rank {self.rank}: dw_builder is a list of {len(builders)}, one per module "
+                f"({len(modules)}) expected"
+            )
         workers = [
             StageWorker(
                 m,
@@ -520,8 +536,9 @@ class PipelineRuntime:
                 loss_fn,
                 split,
                 measure_activations=settings.budget.bytes is not None,
+                dw_builder=b,
             )
-            for m, s in zip(modules, self.stages)
+            for m, s, b in zip(modules, self.stages, builders)
         ]
         agreement = (
             TPAgreement(

@@ -14,7 +14,10 @@ instead lets split-aware layers (``SplitLinear``, the TP linears)
 queue their weight-gradient closures during F and splits only the other
 parameters with autograd. The autograd split is the default because it
 is the faster of the two for F and B, where the critical path runs
-(benchmarks/weight_split.py compares them).
+(benchmarks/weight_split.py compares them). A stage given a ``dw_builder``
+(torch's ``PipelineStage(dw_builder=)``: custom autograd functions that leave
+their weight gradients to a runner) is split as torch splits it instead: B runs
+the whole autograd backward and builds the microbatch's runner, W runs it.
 
 A stage boundary may carry several tensors: a stage may return a tuple or list
 of tensors and None, and the next stage gets them as separate arguments when
@@ -69,6 +72,7 @@ class _Slot:
     queue: WeightGradQueue
     nbytes: int
     weights: WeightPlan | None = None  # split backward: what W computes with autograd
+    dw_runner: Callable[[], None] | None = None  # split backward with a dw_builder: what W runs
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class StageWorker:
         split: bool,
         measure_activations: bool = True,
         weight_split: str = "autograd",
+        dw_builder: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
         if weight_split not in ("layers", "autograd"):
             raise ValueError(f"weight_split must be 'layers' or 'autograd', got {weight_split!r}")
@@ -111,6 +116,11 @@ class StageWorker:
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self._splat = takes_several(module)  # a tuple input becomes separate arguments
         self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
+        # torch's PipelineStage(dw_builder=): weight gradients that the module's own autograd
+        # functions leave to a runner (zero-bubble custom functions). As torch's stage does, B then
+        # runs the whole autograd backward, and the runner dw_builder() builds right after it runs
+        # as W (split), or at once (whole backward)
+        self.dw_builder = dw_builder
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.measure_activations = (
             measure_activations  # hooks on every saved tensor: only for byte budgets
@@ -163,7 +173,7 @@ class StageWorker:
                     counter.add(t)
         nbytes = counter.total if counter is not None else 0
         weights = None
-        if self.split:
+        if self.split and self.dw_builder is None:
             weights = weight_split.plan(
                 self.module,
                 [t for t in outputs if _carries_grad(t)],
@@ -262,6 +272,11 @@ class StageWorker:
             found = [t.grad for t in inputs]
         grad_input = None if slot.input is None else _in_structure(slot.input, inputs, found)
         slot.input = slot.output = None
+        if self.dw_builder is not None:
+            if self.split:
+                slot.dw_runner = self.dw_builder()
+            else:
+                self.dw_builder()()
         if self.split:
             slot.state = _State.B_DONE
         else:
@@ -284,6 +299,8 @@ class StageWorker:
             ):  # first: on the first stage it also runs the layers that queue closures
                 weight_split.backward_weight(slot.weights)
             slot.queue.run()
+            if slot.dw_runner is not None:
+                slot.dw_runner()
         self._finish(mb, slot)
 
     @contextlib.contextmanager
@@ -389,10 +406,11 @@ class StageWorker:
         raise RuntimeError(f"stage {self.stage}: {task} twice in one iteration")
 
     def _finish(self, mb: int, slot: _Slot) -> None:
-        slot.state, slot.queue, slot.nbytes, slot.weights = (
+        slot.state, slot.queue, slot.nbytes, slot.weights, slot.dw_runner = (
             _State.FINISHED,
             WeightGradQueue(),
             0,
+            None,
             None,
         )
 

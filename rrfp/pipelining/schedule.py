@@ -26,7 +26,9 @@ the hint, the budget) over rrfp's own channels, so nothing needs torch's shape
 inference: microbatches may differ in shape (pass them pre-split, as torch 2.14
 does, with ``arg_mbs``/``kwarg_mbs``/``target_mbs``), and a stage may send
 several tensors and None. As in torch, a rank's keyword arguments reach every stage it holds, each
-microbatch's its own. The runtime lives on a loop in a thread of its own
+microbatch's its own. A stage's ``dw_builder`` runs as torch's stage runs it: B runs the whole
+autograd backward and builds the microbatch's weight-gradient runner, W (or, with a whole backward,
+B itself) runs it. The runtime lives on a loop in a thread of its own
 (rrfp/loop/background.py) that persists across steps; ``step`` blocks.
 ``last_result`` is rrfp's ``IterationResult`` of the last step: busy and wall
 time (the bubble), the order the stage ran its tasks in.
@@ -379,8 +381,9 @@ class ScheduleReady:
         )
 
     def _load_csv(self, filename: str, format: str = "compute_only") -> None:
-        """torch's schedule CSV as this schedule's hint: this stage's row becomes its priority order
-        (rrfp/pipelining/torch_csv.py). Only ``compute_only`` schedules are read."""
+        """torch's schedule CSV as this schedule's hint: this rank's row becomes its order over the
+        stages it holds (rrfp/pipelining/torch_csv.py, which says what it refuses). Only
+        ``compute_only`` schedules are read."""
         if format != "compute_only":
             raise NotImplementedError(
                 f"ScheduleReady reads torch schedule CSVs in format 'compute_only', not "
@@ -438,6 +441,7 @@ class ScheduleReady:
             self._loss,
             dataclasses.replace(self._schedule, **emulation),
             instrument=instrument,
+            dw_builder=[s.dw_builder for s in self._stages],
             **self._settings,
         )
         if self._dp_sync:
