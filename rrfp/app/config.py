@@ -248,7 +248,7 @@ class TrainConfig:
         counting 1), for a command that has no launcher to say."""
         source = str(path) if path else "defaults"
         loader = _Loader(source, path)
-        doc = _read(path) if path else {}
+        doc = read_config(path) if path else {}
         loader.check_tables(doc)
         loader.move_flat_keys(doc)
         for item in overrides:
@@ -269,7 +269,8 @@ def _copy(doc: dict) -> dict:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
 
 
-def _read(path: str | Path) -> dict:
+def read_config(path: str | Path) -> dict:
+    """The TOML document at ``path``, or one ConfigError saying why it cannot be read."""
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
