@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import child_env
+from launch import TORCHRUN, child_env
 
 from rrfp.app.registry import known
 
@@ -56,10 +56,11 @@ def losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"step +\d+/2 +loss (\d+\.\d+)", stdout)]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     """examples/my_model.toml (a dotted module, from where the command runs) and a one-file model
-    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`."""
+    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`;
+    the file under bare torchrun too."""
     here = user_folder(tmp_path)
     res = rrfp_script(
         here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
@@ -74,6 +75,15 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     res = rrfp_script(
         scratch, tmp_path, "train", "--nproc-per-node", "2", "--config", "run.toml", *TINY,
         timeout=140,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
+    # bare torchrun, the README's other launcher: the same file, from the same folder
+    res = subprocess.run(
+        [*TORCHRUN, "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", "run.toml", *TINY,
+         "--set", f"output.dir={tmp_path}/runs/{{model}}"],
+        cwd=scratch, env=child_env(PYTHONPATH=str(tmp_path / "lib")), stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=140,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout

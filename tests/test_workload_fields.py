@@ -21,6 +21,7 @@ from cli_run import rrfp_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rrfp.app.checkpoints import fingerprint
 from rrfp.app.config import TrainConfig
 from rrfp.app.config_fields import toml_text
 from rrfp.app.errors import ConfigError
@@ -282,6 +283,7 @@ def test_the_resolved_config_prints_as_toml_that_reads_back(tmp_path, monkeypatc
     assert cfg.data.path == pathlib.Path("b.bin")
     back = tomllib.loads(toml_text(cfg.as_toml()))
     assert back["data"]["path"] == "b.bin" and "limit" not in back["data"]
+    assert fingerprint(cfg)["data"]["path"] == "b.bin"  # what a checkpoint keeps, as JSON
 
 
 def test_rrfp_config_lists_a_configs_model_and_data_keys():
@@ -289,7 +291,9 @@ def test_rrfp_config_lists_a_configs_model_and_data_keys():
     assert res.returncode == 0, res.stderr
     tail = res.stdout.split("[model]  ", 1)[1]
     assert tail.startswith("run.model = 'examples.my_model': its examples.my_model.ModelConfig\n")
-    assert "  width (int, default 32; examples/my_model.toml sets 32)\n" in tail
+    assert (
+        "  width (int, default 32; examples/my_model.toml sets 32)\n      features of every" in tail
+    )
     assert "[data]  run.model = 'examples.my_model': its examples.my_model.DataConfig\n" in tail
     assert "  rows (int, default 16; examples/my_model.toml sets 16)\n" in tail
     res = rrfp_in_process("config", "--config", "configs/gpt-tiny.toml")

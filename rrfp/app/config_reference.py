@@ -90,7 +90,9 @@ def reference_markdown(config: str | Path | None = None) -> str:
         "workload's own `[model]` and `[data]` (the workload is `run.model`). "
         "`--set SECTION.KEY=VALUE` overrides one key (a bare `KEY` names the one section that "
         "has it); `rrfp config` prints this reference, and `rrfp train --dry-run` the resolved "
-        "config.",
+        "config. The `[model]` and `[data]` keys are the fields of the workload's dataclasses, "
+        "each checked against its type ([training.md](training.md#models)); `rrfp config "
+        "--config FILE` lists those of the workload FILE names.",
         "",
     ]
     for kind in SECTIONS:
