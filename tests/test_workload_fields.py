@@ -11,6 +11,7 @@ import enum
 import math
 import pathlib
 import re
+import sys
 import tomllib
 import typing
 from pathlib import Path
@@ -270,8 +271,11 @@ def test_the_example_workloads_keys_are_checked_from_the_file_too(tmp_path):
 
 
 def test_the_resolved_config_prints_as_toml_that_reads_back(tmp_path, monkeypatch):
-    """A path, an enum and a None (left out: TOML has no null) in --dry-run's TOML."""
+    """A path and a None (left out: TOML has no null) in --dry-run's TOML."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the resolver puts tmp_path there
+    monkeypatch.setitem(sys.modules, "odd_model", None)  # not imported before: restored after
+    del sys.modules["odd_model"]
     source = (ROOT / "examples" / "my_model.py").read_text()
     source = source.replace(
         "class DataConfig:  # the config's [data] section\n",
