@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import enum
+import functools
 import inspect
 import io
 import json
@@ -237,6 +238,7 @@ def _shown_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str) else toml_shown(value)
 
 
+@functools.cache  # a config loads many times in one process (tests, the bench); its source does not
 def _comment_docs(kind: type) -> dict[str, str]:
     """Each field's comment on its line, or its docstring, in the source of ``kind`` and the
     dataclasses it extends ({} where the source cannot be read)."""
