@@ -1,7 +1,7 @@
 """Your own model under `rrfp train`: a Workload is its config, how to build one stage, the loss
 and the batches. On 2 CPU ranks:
 
-    .venv/bin/torchrun --standalone --nproc-per-node 2 -m rrfp train --config examples/my_model.toml
+    .venv/bin/rrfp train --nproc-per-node 2 --config examples/my_model.toml
 """
 
 from dataclasses import dataclass
@@ -14,14 +14,14 @@ import rrfp
 
 @dataclass(frozen=True)
 class ModelConfig:  # the config's [model] section
-    width: int = 32
-    layers: int = 4
+    width: int = 32  # features of every layer
+    layers: int = 4  # Linear + Tanh layers, split evenly over the stages
 
 
 @dataclass(frozen=True)
 class DataConfig:  # the config's [data] section
-    rows: int = 16
-    width: int = 32
+    rows: int = 16  # samples in a microbatch
+    width: int = 32  # features of a sample: model.width
 
 
 def check(model, data, num_stages, tp):

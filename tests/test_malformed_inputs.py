@@ -9,6 +9,7 @@ prints it, and a test checks that the document says what rrfp prints.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -66,6 +67,16 @@ def _file(text: bytes, *extra: str) -> Callable[[Path], list[str]]:
         path = tmp / "run.toml"
         path.write_bytes(text)
         return ["train", "--config", str(path), *extra, "--dry-run"]
+
+    return make
+
+
+def _model_file(source: str) -> Callable[[Path], list[str]]:
+    """run.model naming a file of ``source`` in the test's folder."""
+
+    def make(tmp: Path) -> list[str]:
+        (tmp / "bad_model.py").write_text(source)
+        return _sets(f"run.model={tmp / 'bad_model.py'}")(tmp)
 
     return make
 
@@ -295,9 +306,21 @@ ROWS = [
         "optim.clip_grad_norm must be a finite",
     ),
     Row("config", "`threads = 100000`", _sets("threads=100000"), "[1, 1024]"),
-    Row("config", '`model = ".gpt"`', _sets('model=".gpt"'), "is not a workload name"),
-    Row("config", '`model = "../x"`', _sets('model="../x"'), "is not a workload name"),
-    Row("config", "a model that does not exist", _sets("model=nope"), "no module models.nope"),
+    Row("config", '`model = ".gpt"`', _sets('model=".gpt"'), "names no workload"),
+    Row("config", '`model = "../x"`', _sets('model="../x"'), "a path names a Python file"),
+    Row("config", "a model that does not exist", _sets("model=nope"), "no built-in model nope"),
+    Row(
+        "config",
+        "a model file whose import raises",
+        _model_file("import torch\nWIDTH = torch.zeros(2)[5]\n"),
+        "importing TMP/bad_model.py raised IndexError",
+    ),
+    Row(
+        "config",
+        "`model.n_embd = 1.5`",
+        _sets("model.n_embd=1.5"),
+        "--set model.n_embd = 1.5 has the wrong type (expected int)",
+    ),
     Row(
         "config", "`model.n_embd = 99999999999`", _sets("model.n_embd=99999999999"), "model.n_embd"
     ),
@@ -605,7 +628,8 @@ def _launcher_env(row: Row) -> dict[str, str]:
 
 
 def printed(row: Row, tmp: Path) -> tuple[int, str]:
-    """(exit code, what rrfp wrote on stderr, with ``tmp`` written TMP). A header row: the
+    """(exit code, what rrfp wrote on stderr, with ``tmp`` written TMP and the directory it ran
+    in CWD). A header row: the
     MessageError's text, as the receiving rank's line carries it."""
     if row.kind == "header":
         import torch
@@ -623,7 +647,7 @@ def printed(row: Row, tmp: Path) -> tuple[int, str]:
     return code, re.sub(
         r"above the \S+ \S+ available",
         "above the N GiB available",
-        err.replace(str(tmp), "TMP"),
+        err.replace(str(tmp), "TMP").replace(os.getcwd(), "CWD"),
     )
 
 

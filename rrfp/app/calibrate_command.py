@@ -20,6 +20,7 @@ import torch
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.config_sections import RuntimeSection
+from rrfp.app.metrics_files import model_slug
 from rrfp.app.run_outputs import check_output
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
@@ -93,7 +94,7 @@ def calibrate_command(args) -> int:
     )  # one process measures every stage, on one GPU at most
     cfg = TrainConfig.load(args.config, [*args.set, f"parallel.pp={args.pp}"], world_size=args.pp)
     S = cfg.num_stages
-    out = args.out or f"runs/cost-{cfg.run.model}-pp{S}.json"
+    out = args.out or f"runs/cost-{model_slug(cfg.run.model)}-pp{S}.json"
     check_output("--out", out)  # before minutes of measuring
     device = calibration_device(cfg.runtime)
     where = (

@@ -67,7 +67,8 @@ def fingerprint(cfg: TrainConfig) -> dict:
                 "model": dataclasses.asdict(cfg.model),
                 "data": dataclasses.asdict(cfg.data),
                 "optim": {"name": cfg.optim.name},  # its state is that optimizer's
-            }
+            },
+            default=str,  # a workload's Path or enum field, as its text
         )
     )
 

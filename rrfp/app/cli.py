@@ -253,6 +253,12 @@ def _add_config(sub) -> None:
     cfg.add_argument(
         "--markdown", action="store_true", help="as the Markdown page docs/configuration.md"
     )
+    cfg.add_argument(
+        "--config",
+        metavar="FILE",
+        help="also list the [model] and [data] keys of the workload this TOML config names, with "
+        "their types, defaults and the values the file gives",
+    )
 
 
 def _add_bench(sub) -> None:
@@ -400,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             from rrfp.app.config_reference import reference_markdown, reference_text
 
-            print(reference_markdown() if args.markdown else reference_text(), end="")
+            show = reference_markdown if args.markdown else reference_text
+            print(show(args.config), end="")
             return 0
         if args.command == "calibrate":
             from rrfp.app.calibrate_command import calibrate_command

@@ -36,6 +36,8 @@ from rrfp.app.config_sections import (
 )
 from rrfp.app.errors import ConfigError
 from rrfp.app.registry import find_workload
+from rrfp.app.workload_fields import as_toml as workload_toml
+from rrfp.app.workload_fields import check_value, workload_keys
 from rrfp.core.hints import NOMINAL_BUDGET, HintError
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
@@ -245,8 +247,8 @@ class TrainConfig:
         ``implied_world``: check it in the world its [parallel] implies (pp x tp x dp, pp 0
         counting 1), for a command that has no launcher to say."""
         source = str(path) if path else "defaults"
-        loader = _Loader(source)
-        doc = _read(path) if path else {}
+        loader = _Loader(source, path)
+        doc = read_config(path) if path else {}
         loader.check_tables(doc)
         loader.move_flat_keys(doc)
         for item in overrides:
@@ -256,8 +258,8 @@ class TrainConfig:
     def as_toml(self) -> dict:
         """Plain values by section, as a TOML file would give them."""
         out = {s.NAME: getattr(self, s.NAME).as_toml() for s in SECTIONS}
-        out["model"] = dataclasses.asdict(self.model)
-        out["data"] = dataclasses.asdict(self.data)
+        out["model"] = workload_toml(self.model)
+        out["data"] = workload_toml(self.data)
         return out
 
     as_dict = as_toml  # the name embedders called it by
@@ -267,7 +269,8 @@ def _copy(doc: dict) -> dict:
     return {k: dict(v) if isinstance(v, dict) else v for k, v in doc.items()}
 
 
-def _read(path: str | Path) -> dict:
+def read_config(path: str | Path) -> dict:
+    """The TOML document at ``path``, or one ConfigError saying why it cannot be read."""
     try:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -285,8 +288,9 @@ class _Loader:
     """One load: the document's values, where each came from (the file or ``--set``), so that an
     error names what the user wrote."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, path: str | Path | None = None) -> None:
         self.source = source
+        self.path = path  # the config file, where there is one: a relative run.model's hint
         self.origin: dict[tuple[str, str], str] = {}  # (section, key) -> how to name it
 
     def where(self, section: str, key: str) -> str:
@@ -355,7 +359,7 @@ class _Loader:
                 )
             return section, name
         kinds = {s.NAME: s.keys() for s in SECTIONS}
-        wl = _workload_of(doc)
+        wl = _workload_of(doc, self.path)
         if wl is not None:
             kinds.update(
                 model={f.name for f in dataclasses.fields(wl.model_config)},
@@ -388,7 +392,7 @@ class _Loader:
             if not isinstance(values, dict):
                 raise ConfigError(f"{self.source}: [{kind.NAME}] must be a table")
             parts[kind.NAME] = kind.parse(values, lambda k, n=kind.NAME: self.where(n, k))
-        wl = find_workload(parts["run"].model)
+        wl = find_workload(parts["run"].model, self.path)
         for name, kind in (("model", wl.model_config), ("data", wl.data_config)):
             parts[name] = self.workload_section(name, kind, doc.get(name, {}))
         if implied_world:
@@ -399,32 +403,35 @@ class _Loader:
         return TrainConfig(**parts)
 
     def workload_section(self, name: str, kind: type, values) -> Any:
+        """The workload's [model] or [data] from its TOML values, each checked against its
+        field's type (rrfp/app/workload_fields.py) as rrfp's own sections are."""
         if not isinstance(values, dict):
             raise ConfigError(f"{self.source}: [{name}] must be a table")
-        known = {f.name: f for f in dataclasses.fields(kind)}
+        known = workload_keys(kind)
+        checked = {}
         for k, v in values.items():
             where = self.where(name, k)
             if k not in known:
                 raise ConfigError(
                     f"{unknown_key(where, name, k, known)} (known in [{name}]: {', '.join(known)})"
                 )
-            _check_type(where, v, known[k].type)
+            checked[k] = check_value(where, known[k].type, v)
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) > SECTION_INT_BOUND:
                 raise ConfigError(
                     f"{where} = {v} is out of bounds: it must be within "
                     f"[{-SECTION_INT_BOUND}, {SECTION_INT_BOUND}]"
                 )
         try:
-            return kind(**values)
+            return kind(**checked)
         except ConfigError:
             raise
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"{self.source}: [{name}] {e}") from None
+            raise ConfigError(f"{self.source}: [{name}] {' '.join(str(e).split())}") from None
 
 
-def _workload_of(doc: dict) -> Workload | None:
+def _workload_of(doc: dict, path: str | Path | None) -> Workload | None:
     model = doc.get("run", {}).get("model", RunSection.model)
-    return find_workload(model if isinstance(model, str) else RunSection.model)
+    return find_workload(model if isinstance(model, str) else RunSection.model, path)
 
 
 def _check_hint_layout(sch: ScheduleSection, layout: VirtualLayout) -> None:
@@ -502,21 +509,3 @@ def _parse_value(raw: str):
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw  # a bare string such as dispatch=fixed
-
-
-_SIMPLE = {
-    "int": (int,),
-    "float": (int, float),
-    "bool": (bool,),
-    "str": (str,),
-    "bool | None": (bool,),
-    "str | int": (str, int),
-}
-
-
-def _check_type(where: str, value, annotation) -> None:
-    ok_types = _SIMPLE.get(str(annotation))
-    if ok_types is None:
-        return
-    if isinstance(value, bool) and bool not in ok_types or not isinstance(value, ok_types):
-        raise ConfigError(f"{where} = {value!r} has the wrong type (expected {annotation})")

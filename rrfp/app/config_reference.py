@@ -4,13 +4,59 @@
 
 from __future__ import annotations
 
-from rrfp.app.config import FLAT_KEYS
+from pathlib import Path
+
+from rrfp.app.config import FLAT_KEYS, WORKLOAD_SECTIONS, read_config
 from rrfp.app.config_fields import shown_default, type_name
-from rrfp.app.config_sections import SECTIONS
+from rrfp.app.config_sections import SECTIONS, RunSection
+from rrfp.app.registry import find_workload
+from rrfp.app.workload_fields import WorkloadKey, toml_shown, workload_keys
 
 
-def reference_text() -> str:
-    """The keys as plain text, a block per section."""
+def workload_sections(path: str | Path) -> list[tuple[str, str, dict[str, WorkloadKey], dict]]:
+    """The [model] and [data] of the workload the config at ``path`` names: (section, what it
+    is, its keys, the values the file gives)."""
+    doc = read_config(path)
+    name = doc.get("run", {}).get("model", RunSection.model)
+    wl = find_workload(name if isinstance(name, str) else RunSection.model, path)
+    out = []
+    for section, kind in zip(WORKLOAD_SECTIONS, (wl.model_config, wl.data_config)):
+        given = doc.get(section, {})
+        what = f"run.model = {name!r}: its {kind.__module__}.{kind.__qualname__}"
+        out.append((section, what, workload_keys(kind), given if isinstance(given, dict) else {}))
+    return out
+
+
+def _workload_text(path: str | Path) -> list[str]:
+    out = []
+    for section, what, keys, given in workload_sections(path):
+        out.append(f"[{section}]  {what}")
+        for name, key in keys.items():
+            value = f"; {path} sets {toml_shown(given[name])}" if name in given else ""
+            out.append(f"  {name} ({key.type_name}, default {key.shown_default}{value})")
+            if key.doc:
+                out.append(f"      {key.doc}")
+        out.append("")
+    return out
+
+
+def _workload_markdown(path: str | Path) -> list[str]:
+    out = []
+    for section, what, keys, given in workload_sections(path):
+        out += [f"## [{section}]", "", f"{what}, as `{path}` names it.", ""]
+        out += ["| key | type | default | set here | meaning |", "|---|---|---|---|---|"]
+        for name, key in keys.items():
+            value = f"`{toml_shown(given[name])}`" if name in given else ""
+            cells = [key.type_name, f"`{key.shown_default}`", value, key.doc]
+            cells = [c.replace("|", "\\|") for c in cells]
+            out.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def reference_text(config: str | Path | None = None) -> str:
+    """The keys as plain text, a block per section; with ``config``, the [model] and [data] keys
+    of the workload it names after them."""
     out = []
     for kind in SECTIONS:
         out.append(f"[{kind.NAME}]  {kind.DOC}")
@@ -18,17 +64,22 @@ def reference_text() -> str:
             out.append(f"  {name} ({type_name(f)}, default {shown_default(f)})")
             out.append(f"      {f.metadata['doc']}")
         out.append("")
-    out.append(
-        "[model], [data]  The workload's own (run.model names it): its model and data config."
-    )
+    if config is not None:
+        out += _workload_text(config)
+    else:
+        out.append(
+            "[model], [data]  The workload's own (run.model names it): its model and data "
+            "config; rrfp config --config FILE lists them."
+        )
     out.append(
         "--set SECTION.KEY=VALUE overrides one key; a bare KEY names the one section that has it."
     )
     return "\n".join(out) + "\n"
 
 
-def reference_markdown() -> str:
-    """The keys as the Markdown page docs/configuration.md."""
+def reference_markdown(config: str | Path | None = None) -> str:
+    """The keys as the Markdown page docs/configuration.md; with ``config``, the workload's
+    [model] and [data] after them."""
     out = [
         "# Configuration",
         "",
@@ -39,7 +90,9 @@ def reference_markdown() -> str:
         "workload's own `[model]` and `[data]` (the workload is `run.model`). "
         "`--set SECTION.KEY=VALUE` overrides one key (a bare `KEY` names the one section that "
         "has it); `rrfp config` prints this reference, and `rrfp train --dry-run` the resolved "
-        "config.",
+        "config. The `[model]` and `[data]` keys are the fields of the workload's dataclasses, "
+        "each checked against its type ([training.md](training.md#models)); `rrfp config "
+        "--config FILE` lists those of the workload FILE names.",
         "",
     ]
     for kind in SECTIONS:
@@ -50,6 +103,8 @@ def reference_markdown() -> str:
             default = shown_default(f).replace("|", "\\|")
             out.append(f"| `{name}` | {type_name(f)} | `{default}` | {doc} |")
         out.append("")
+    if config is not None:
+        out += _workload_markdown(config)
     out += [
         "## Keys of the flat [run] table",
         "",

@@ -37,7 +37,10 @@ class RunSection(Section):
     DOC = "What runs, for how long, and the one timeout every wait derives from."
 
     model: str = setting(
-        "gpt", "a workload: models/<name>.py, a dotted module, or module:attribute"
+        "gpt",
+        "the workload: a built-in name (models/<name>.py), a module importable from the "
+        "directory the command runs in (mypkg.model, mypkg.model:attr), or a .py file "
+        "(path/to/model.py[:attr], a relative path from that directory too)",
     )
     steps: int = setting(50, "optimizer steps to run", bounds=STEPS, least=ONE)
     seed: int = setting(

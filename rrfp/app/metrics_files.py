@@ -18,10 +18,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def model_slug(model: str) -> str:
+    """``run.model`` as one file-name part: a file path's or attribute's separators made dashes."""
+    return model.replace(":", "-").replace("/", "-")
+
+
 def run_folder(template: str, model: str, now: float | None = None) -> Path:
     """A new folder from ``template`` (``{model}`` and ``{time}``, UTC, filled in), made here."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(time.time() if now is None else now))
-    base = Path(template.format(model=model.replace(":", "-").replace("/", "-"), time=stamp))
+    base = Path(template.format(model=model_slug(model), time=stamp))
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
         folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
