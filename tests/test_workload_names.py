@@ -157,3 +157,12 @@ def test_a_file_named_as_an_imported_module_is_refused(here):
 def test_a_name_that_is_no_name(here):
     assert "names no workload (did you mean gpt?)" in refused(".gpt")
     assert "after ':' comes the name of the module's Workload" in refused("gpt:")
+
+
+def test_a_run_folder_names_a_file_model_without_its_py():
+    from rrfp.app.metrics_files import model_slug
+
+    assert model_slug("gpt") == "gpt"
+    assert model_slug("convnet.py") == "convnet"
+    assert model_slug("path/to/net.py:small") == "path-to-net-small"
+    assert model_slug("mypkg.net:workload") == "mypkg.net-workload"

@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 
 
 def model_slug(model: str) -> str:
-    """``run.model`` as one file-name part: a file path's or attribute's separators made dashes."""
-    return model.replace(":", "-").replace("/", "-")
+    """``run.model`` as one file-name part: a file path without its ``.py``, its separators and
+    an attribute's made dashes (``path/to/net.py:small`` -> ``path-to-net-small``)."""
+    return model.replace(".py:", ":").removesuffix(".py").replace(":", "-").replace("/", "-")
 
 
 def run_folder(template: str, model: str, now: float | None = None) -> Path:
