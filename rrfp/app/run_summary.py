@@ -22,7 +22,7 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
         limit = sch.budget.rank_limit(layout, r)
         rank: dict[str, Any] = {
             "pipeline_rank": r,
-            "stages": layout.stages_of(r),
+            "stages": list(layout.stages_of(r)),
             "in_flight_limit": limit.count,  # None: a byte budget
         }
         if prints is not None and baseline is not None:
