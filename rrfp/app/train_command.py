@@ -203,10 +203,10 @@ def train_command(args) -> int:
     stop = StopOnSignal(
         lambda: kept_checkpoint(cfg.checkpoint.dir), relay, leave_in_startup=True
     ).install()
-    about = run_summary(cfg, prints) if rank == 0 else None
-    if about is not None:  # what the run is, before its first step (and in run.json)
-        print("\n".join(summary_lines(about)), flush=True)
     try:
+        about = run_summary(cfg, prints) if rank == 0 else None  # asks the workload of its data
+        if about is not None:  # what the run is, before its first step (and in run.json)
+            print("\n".join(summary_lines(about)), flush=True)
         lines = StepProgress(cfg.run.steps, start.step if start else 0) if rank == 0 else None
         summary = run_loop(
             stage_main(cfg, lines, stop=lambda: stop.requested, resume=resume, about=about)
