@@ -1,6 +1,6 @@
 """The measured peak memory against a known allocation: a tensor of known size, every page written,
-raises the CPU measure (peak resident set) by at least its bytes, and the next window, after it is
-freed, starts below that peak again. No timing."""
+raises the CPU measure (peak resident set) by at least its bytes (less a few pages the process may
+free meanwhile), and the next window, after it is freed, starts below that peak again. No timing."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from rrfp.observe import peak_memory
 from rrfp.observe.peak_memory import RSS_LABEL, RSS_SINCE_START_LABEL, PeakMemory
 
 SIZE = 96 * 2**20  # above glibc's largest mmap threshold (32 MiB): freed, it leaves the process
+# what the rest of a long test process may free between reading its resident set and allocating
+# (0.2 MiB seen after a thousand tests): the measure must rise by the allocation less this
+SLACK = 4 * 2**20
 
 
 def _rss() -> int:
@@ -33,7 +36,7 @@ def test_the_cpu_peak_rises_by_a_known_allocation_and_resets_each_window():
     assert x.sum().item() == SIZE // 4
     del x
     held = peak.take()
-    assert held >= start + SIZE, (held, start)
+    assert held >= start + SIZE - SLACK, (held, start)
     assert peak.take() < held - SIZE // 2  # freed: the next window's peak is below it
 
 
