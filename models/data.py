@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from models.documents import Documents
-from models.token_files import read_text, read_token_file
+from models.token_files import read_text, read_token_file, text_files
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,25 @@ def _split(docs: Documents, share: float) -> tuple[Documents, Documents]:
     train = Documents(docs.tokens[:cut], docs.ends[: docs.count - held], docs.max_id)
     rest = Documents(docs.tokens[cut:], docs.ends[docs.count - held :] - cut, docs.max_id)
     return train, rest
+
+
+def describe(cfg: DataConfig) -> str:
+    """What the [data] section found, for the start-up summary: the user's documents and tokens
+    (and files, for data.text), or the stdlib corpus's bytes."""
+    own = own_data(cfg)
+    if own is None:
+        data = corpus(cfg.corpus_bytes)
+        return (
+            f"the Python standard library's source as bytes: {data.numel():,} tokens (vocab 256; "
+            "data.tokens or data.text for your own)"
+        )
+    docs, vocab = own
+    source = (
+        f"data.tokens = {cfg.tokens}"
+        if cfg.tokens
+        else f"data.text = {cfg.text} ({len(text_files(cfg.text))} file(s))"
+    )
+    return f"{source}: {docs.count:,} documents, {len(docs.tokens):,} tokens (vocab {vocab:,})"
 
 
 def vocab_size(cfg: DataConfig) -> int:

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits, eval_batches
+from models.data import DataConfig, batches, check_fits, describe, eval_batches
 from rrfp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -343,4 +343,5 @@ workload = Workload(
     tied=tied,
     blocks=blocks,
     eval_batches=eval_batches,
+    describe_data=describe,
 )

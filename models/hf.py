@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import rrfp
-from models.data import DataConfig, batches, check_fits
+from models.data import DataConfig, batches, check_fits, describe
 from models.gpt import loss_fn
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
@@ -168,5 +168,13 @@ def tied(cfg: HFConfig, stage: int, num_stages: int) -> dict[str, str]:
 
 
 workload = rrfp.Workload(
-    "hf", HFConfig, DataConfig, build_stage, loss_fn, batches, check, tied=tied
+    "hf",
+    HFConfig,
+    DataConfig,
+    build_stage,
+    loss_fn,
+    batches,
+    check,
+    tied=tied,
+    describe_data=describe,
 )

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits, eval_batches
+from models.data import DataConfig, batches, check_fits, describe, eval_batches
 from models.gpt import loss_fn, split_layers
 from rrfp import (
     ColumnParallelLinear,
@@ -404,4 +404,5 @@ workload = Workload(
     tied=tied,
     blocks=stage_blocks,
     eval_batches=eval_batches,
+    describe_data=describe,
 )

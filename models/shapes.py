@@ -148,6 +148,14 @@ def _masks(size: int) -> list[np.ndarray]:
     ]  # triangle: right-angled
 
 
+def describe(cfg: VLMDataConfig) -> str:
+    """What the [data] section is, for the start-up summary: made-up images, drawn per step."""
+    return (
+        f"synthetic: {cfg.image_size}x{cfg.image_size} images of up to {cfg.max_shapes} shapes, "
+        f"up to {cfg.max_images} per sample, drawn from data.seed = {cfg.seed}"
+    )
+
+
 def batches(
     cfg: VLMDataConfig, step: int, num_microbatches: int
 ) -> list[tuple[VLMInputs, torch.Tensor]]:

@@ -44,7 +44,7 @@ from models.llama import (
     materialise,
     part_generator,
 )
-from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits, patchify
+from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits, describe, patchify
 from models.vlm import features
 from rrfp import SplitLinear, Workload, group_size_rank
 
@@ -328,4 +328,5 @@ workload = Workload(
     features,
     tied=tied,
     blocks=stage_blocks,
+    describe_data=describe,
 )

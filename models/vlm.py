@@ -37,7 +37,15 @@ import torch
 import torch.nn as nn
 
 from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
-from models.shapes import IGNORE, VLMDataConfig, VLMInputs, batches, check_fits, patchify
+from models.shapes import (
+    IGNORE,
+    VLMDataConfig,
+    VLMInputs,
+    batches,
+    check_fits,
+    describe,
+    patchify,
+)
 from rrfp import SplitLinear, Workload, group_size_rank, token_features
 
 log = logging.getLogger(__name__)
@@ -292,4 +300,14 @@ def features(batch) -> dict:
     return feats
 
 
-workload = Workload("vlm", VLMConfig, VLMDataConfig, build_stage, loss_fn, batches, check, features)
+workload = Workload(
+    "vlm",
+    VLMConfig,
+    VLMDataConfig,
+    build_stage,
+    loss_fn,
+    batches,
+    check,
+    features,
+    describe_data=describe,
+)

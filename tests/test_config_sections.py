@@ -189,12 +189,25 @@ def test_without_torchrun_the_config_is_checked_first():
 
 
 def test_step_statistics_travel_as_one_tensor_by_name():
-    stats = StepStatistics(loss=2.5, busy=1.0, wall=3.0, tokens=64, stops=1)
+    stats = StepStatistics(loss=2.5, busy=1.0, wall=3.0, tokens=64, stops=1, grad_sq=0.25)
     t = stats.to_tensor()
-    assert t.dtype.is_floating_point and t.numel() == len(dataclasses.fields(StepStatistics))
-    assert StepStatistics.from_tensor(t + t) == StepStatistics(5.0, 2.0, 6.0, 128, 0, 2, 0)
+    assert t.dtype.is_floating_point and t.numel() == len(dataclasses.fields(StepStatistics)) - 2
+    want = StepStatistics(5.0, 2.0, 6.0, 128, 0, 2, 0, grad_sq=0.5)
+    assert StepStatistics.from_tensor(t + t) == want
     with pytest.raises(ValueError):
         StepStatistics.from_tensor(t[:3])
+
+
+def test_step_statistics_carry_each_ranks_memory_and_in_flight_in_its_own_slot():
+    """Summed over the ranks (the step's all-reduce), every rank's peak stays its own."""
+    ranks = [
+        StepStatistics.of_rank(r, 3, memory=100.0 * (r + 1), in_flight=r + 2) for r in range(3)
+    ]
+    total = sum(s.to_tensor() for s in ranks)
+    got = StepStatistics.from_tensor(total, 3)
+    assert got.memory == [100.0, 200.0, 300.0] and got.in_flight == [2.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="3 ranks"):
+        StepStatistics.from_tensor(total[:-1], 3)
 
 
 def test_toml_text_reads_back():

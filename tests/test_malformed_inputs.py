@@ -342,7 +342,7 @@ ROWS = [
         "config",
         '`backend = "mpi"`',
         _sets("backend=mpi"),
-        "runtime.backend must be one of gloo, nccl",
+        "runtime.backend must be one of auto, gloo, nccl",
     ),
     Row("config", '`resume = "maybe"`', _sets("resume=maybe"), "checkpoint.resume must be one of"),
     Row(

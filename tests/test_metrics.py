@@ -77,7 +77,7 @@ def test_json_lines_one_flushed_line_per_step(tmp_path):
         "step", "loss", "lr", "tokens", "tokens_per_s", "mfu", "bubble", "wall_s", "skipped",
         "time",
     }  # fmt: skip
-    assert "grad_norm" not in first and rows[1]["grad_norm"] == 0.5  # no clipping: no norm
+    assert "grad_norm" not in first and rows[1]["grad_norm"] == 0.5  # a field left None: left out
     assert first["mfu"] == pytest.approx((6 * 1000 * 512 + 12 * 2 * 8 * 8192) / 0.5 / 2e12)
     assert rows[3]["loss"] is None and rows[3]["skipped"] is True  # NaN is no JSON number
     metrics.close()
@@ -126,12 +126,13 @@ def test_tensorboard_scalars_per_step(tmp_path, monkeypatch):
     fake.SummaryWriter = Writer
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     metrics = RunMetrics(tmp_path, ModelFlops(10), Peak(1.0, "t"), 1)
-    metrics.step(_report(0))
+    metrics.step(_report(0, memory=[10, 30], memory_measure="rss peak"))
     metrics.step(_report(1))
     metrics.close()
     names = {c[0] for c in calls if isinstance(c, tuple) and c[0] != "open"}
     assert names == {f"train/{k}" for k in ("loss", "lr", "tokens", "tokens_per_s", "mfu",
-                                            "bubble", "wall_s")}  # fmt: skip
+                                            "bubble", "wall_s", "memory")}  # fmt: skip
+    assert ("train/memory", 30, 1) in calls  # per rank: the largest
     assert ("train/loss", 1.9, 2) in calls and calls.count("flush") == 2 and calls[-1] == "close"
 
 
@@ -163,3 +164,29 @@ def test_step_lines_plain_in_a_log_and_a_bar_on_a_terminal(capsys):
     shown = capsys.readouterr()
     assert "3/5" in shown.err and "loss 1.8000]" in shown.err.splitlines()[-1]
     assert shown.out == step_line(_report(2)) + "\n"
+
+
+def test_measured_memory_and_in_flight_in_the_step_line_metrics_and_run_json(tmp_path):
+    """Each rank's measured peak and microbatches in flight: in the printed line (MiB, with what
+    the measure is), in the JSON line as lists, in TensorBoard as their largest, and the run's
+    peaks in run.json beside what was there."""
+    mib = 2**20
+    report = _report(0, memory=[512 * mib, 300 * mib], memory_measure="rss peak", in_flight=[4, 2])
+    line = step_line(report)
+    assert "  mem 512,300MiB (rss peak)  in flight 4,2  eta" in line
+    many = _report(0, memory=[mib] * 9 + [7 * mib], memory_measure="cuda allocated peak")
+    assert "  mem max 7MiB (rank 9 of 10) (cuda allocated peak)" in step_line(many)
+    metrics = RunMetrics(tmp_path, None, None, 2, tensorboard=False)
+    metrics.write_about({"summary": {"ranks": []}})
+    metrics.step(report)
+    metrics.close([600 * mib, 300 * mib], "rss peak", [4, 2])
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row["memory"] == [512 * mib, 300 * mib] and row["in_flight"] == [4, 2]
+    assert row["memory_measure"] == "rss peak"
+    about = json.loads((tmp_path / "run.json").read_text())
+    assert about["summary"] == {"ranks": []}
+    assert about["measured"] == {
+        "memory_peak": [600 * mib, 300 * mib],
+        "memory_measure": "rss peak",
+        "in_flight_peak": [4, 2],
+    }

@@ -278,9 +278,10 @@ DEVICE_ERRORS = [
         ["runtime.backend = nccl needs CUDA", "runtime.backend = gloo"],
     ),  # this machine has no CUDA
     (["backend=nccl", "device=cpu"], ["carries CUDA tensors only"]),
-    (["device=cuda"], ["runtime.device = cuda needs runtime.backend = nccl"]),
+    (["device=cuda", "backend=gloo"], ["runtime.device = cuda needs runtime.backend = nccl"]),
+    (["device=cuda"], ["runtime.device = cuda needs CUDA", "runtime.device = cpu"]),  # auto: nccl
     (["device=tpu"], ["runtime.device must be one of auto, cpu, cuda, got 'tpu'"]),
-    (["backend=mpi"], ["runtime.backend must be one of gloo, nccl, got 'mpi'"]),
+    (["backend=mpi"], ["runtime.backend must be one of auto, gloo, nccl, got 'mpi'"]),
 ]
 
 
@@ -311,6 +312,28 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).runtime.device_type
         == "cuda"
     )
+
+
+def test_the_auto_backend_is_nccl_with_a_gpu_per_local_rank_else_gloo(monkeypatch):
+    """Checked without a GPU: CUDA is reported present with two devices."""
+    import torch
+
+    from rrfp.app.config import TrainConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for local, backend in (("2", "nccl"), ("4", "gloo")):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        cfg = TrainConfig.load(CONFIG, [f"pp={local}"], world_size=int(local))
+        assert cfg.runtime.backend == backend, (local, cfg.backend_choice)
+        assert cfg.runtime.device_type == ("cuda" if backend == "nccl" else "cpu")
+    assert cfg.backend_choice == "auto: 2 GPU(s) for 4 ranks on this node"
+    cpu = TrainConfig.load(CONFIG, ["pp=2", "device=cpu"], world_size=2)
+    assert (cpu.runtime.backend, cpu.backend_choice) == ("gloo", "auto: runtime.device = cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    none = TrainConfig.load(CONFIG, ["pp=2"], world_size=2)
+    assert (none.runtime.backend, none.backend_choice) == ("gloo", "auto: no CUDA")
+    assert none.as_toml()["runtime"]["backend"] == "gloo"  # --dry-run shows what was chosen
 
 
 def _launch(*args: str, timeout: float, config: str = CONFIG) -> subprocess.CompletedProcess:

@@ -2,7 +2,9 @@
 gradient norm and every loss match one process training the whole model with
 torch.nn.utils.clip_grad_norm_ and AdamW; a NaN step (optim.on_nonfinite = skip) reports a NaN norm,
 is not applied, and training goes on. With model.tie_embeddings the GPT declares its tie
-(Workload.tied) and trains as the truly tied model."""
+(Workload.tied) and trains as the truly tied model. The norm is computed once per step (clipping
+uses the one the step's statistics carry), and without clipping every step still reports it: the
+whole model's, over pipeline stages, TP shards, DP replicas and FSDP shards."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ SETS = [
 ]
 
 
-def _reference(world: int, dp: int, nan_step: int | None, extra=()):
-    """The whole model here: (losses, norms), a NaN norm and no update at ``nan_step`` (1-based)."""
+def _reference(world: int, dp: int, nan_step: int | None, extra=(), clip: bool = True):
+    """The whole model here: (losses, norms), a NaN norm and no update at ``nan_step`` (1-based);
+    without ``clip``, each step's norm and no clipping."""
     import torch
 
     from rrfp.app.config import TrainConfig
@@ -51,7 +54,12 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=()):
         if step + 1 == nan_step:
             norms.append(math.nan)
         else:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            norms.append(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item()
+                if clip
+                else torch.nn.utils.get_total_norm(grads).item()
+            )
             opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -61,6 +69,8 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=()):
 def _train(rank, world, dp, nan_step, extra=()):
     import torch
 
+    import rrfp.comm.grad_norm as grad_norm
+    import rrfp.pipeline.runtime as runtime
     from rrfp.app.config import TrainConfig
     from rrfp.app.train import stage_main
     from rrfp.loop import run
@@ -70,13 +80,31 @@ def _train(rank, world, dp, nan_step, extra=()):
     cfg = TrainConfig.load(
         "configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *fault, *extra], world_size=world
     )
+    # the norm: one share per step, and no more (the runtime's and the clipping's own path)
+    shares = _count_calls([runtime, grad_norm], "local_share")
     summary = run(stage_main(cfg))
+    assert shares == [1] * len(summary.losses), shares
     return (
         summary.losses,
         summary.grad_norms,
         summary.skipped,
         _reference(world, dp, nan_step, extra),
     )
+
+
+def _count_calls(modules, name: str) -> list[int]:
+    """Wrap ``name`` in each of ``modules``; the list holds a 1 per call to any of them (this
+    rank's process only)."""
+    calls: list[int] = []
+    for module in modules:
+        real = getattr(module, name)
+
+        def counted(*args, real=real, **kwargs):
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        setattr(module, name, counted)
+    return calls
 
 
 def _check(results, nan_step=None):
@@ -111,3 +139,41 @@ def test_train_nonfinite_step_reports_nan_norm_and_goes_on():
 def test_train_tied_embeddings_v2_match_the_tied_model(placement):
     extra = ["model.tie_embeddings=true", "virtual=2", f"placement={placement}", "model.n_layer=4"]
     _check(run_ranks(_train, 2, 1, None, extra, timeout=180))
+
+
+# without clipping every step still reports the whole model's norm, across stages, shards and
+# replicas: (the layout's sets, its data-parallel degree for the reference's batch, and the sets
+# the reference loads the same config with)
+NORM_LAYOUTS = {
+    "pp2-dp2": (["pp=2", "dp=2"], 2, ["pp=2"]),
+    "pp2-tp2": (["pp=2", "tp=2"], 1, ["pp=2", "tp=2"]),
+    "pp2-dp_shard2": (["pp=2", "dp_shard=2", "hint=bfw"], 2, ["pp=2"]),
+}
+
+
+def _unclipped(rank, world, sets, dp, same):
+    import torch
+
+    from rrfp.app.config import TrainConfig
+    from rrfp.app.train import stage_main
+    from rrfp.loop import run
+
+    torch.set_default_dtype(torch.float64)
+    cfg = TrainConfig.load(
+        "configs/gpt-tiny.toml", [*SETS, "clip_grad_norm=0", *sets], world_size=world
+    )
+    summary = run(stage_main(cfg))
+    # the reference in float64 too, once
+    want = _reference(world, dp, None, same, clip=False) if rank == 0 else None
+    return summary.losses, summary.grad_norms, want
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", NORM_LAYOUTS)
+def test_every_step_reports_the_global_norm_without_clipping(name):
+    results = run_ranks(_unclipped, 4, *NORM_LAYOUTS[name], timeout=180)
+    want_losses, want_norms = results[0][2]
+    assert any(n > CLIP for n in want_norms), "clipping at CLIP would have changed the run"
+    for rank, (losses, norms, _) in results.items():
+        assert norms == pytest.approx(want_norms, rel=1e-10), (rank, norms, want_norms)
+        assert losses == pytest.approx(want_losses, rel=1e-10, abs=1e-12), rank

@@ -126,8 +126,13 @@ class TrainConfig:
         _check_fixed_budget(self.schedule, self.stages)
         self._check_fault()
         self._check_dp_shard()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        backend, why = self.runtime.chosen(local)
+        object.__setattr__(self, "backend_choice", why)  # what the start-up summary says
+        if backend != self.runtime.backend:
+            object.__setattr__(self, "runtime", dataclasses.replace(self.runtime, backend=backend))
         if self.runtime.device_type == "cuda":
-            _check_cuda(self.world_size)
+            _check_cuda(self.world_size, why)
         cost = self.emulation.cost
         if cost is not None and cost.num_stages != self.num_stages:
             raise ConfigError(
@@ -485,14 +490,16 @@ def _check_fixed_budget(sch: ScheduleSection, layout: VirtualLayout) -> None:
             )
 
 
-def _check_cuda(world_size: int) -> None:
-    """CUDA runs need CUDA, and a GPU for every rank on this node."""
+def _check_cuda(world_size: int, why: str) -> None:
+    """CUDA runs need CUDA, and a GPU for every rank on this node. ``why``: what chose nccl."""
     import torch
 
     if not torch.cuda.is_available():
+        given = "runtime.device = cuda" if why.startswith("auto") else "runtime.backend = nccl"
+        fix = "runtime.device = cpu" if why.startswith("auto") else "runtime.backend = gloo"
         raise ConfigError(
-            f"runtime.backend = nccl needs CUDA, but torch {torch.__version__} sees none "
-            "(a CPU build or no GPU); use runtime.backend = gloo, or install a CUDA build "
+            f"{given} needs CUDA, but torch {torch.__version__} sees none "
+            f"(a CPU build or no GPU); use {fix}, or install a CUDA build "
             "(make test TORCH_SPEC=torch)"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

@@ -232,7 +232,12 @@ class RuntimeSection(Section):
     NAME = "runtime"
     DOC = "Where a rank computes: the backend, the device, threads and autocast."
 
-    backend: str = setting("gloo", "gloo (CPU) or nccl (CUDA)", choices=("gloo", "nccl"))
+    backend: str = setting(
+        "auto",
+        "auto, gloo (CPU) or nccl (CUDA); auto: nccl where CUDA has a GPU for every rank of the "
+        "node (and runtime.device is not cpu), else gloo; the start-up summary says which",
+        choices=("auto", "gloo", "nccl"),
+    )
     device: str = setting(
         "auto", "auto, cpu or cuda; auto: cuda when backend = nccl", choices=("auto", "cpu", "cuda")
     )
@@ -264,8 +269,26 @@ class RuntimeSection(Section):
 
     @property
     def device_type(self) -> str:
-        """``cuda`` or ``cpu``, once ``auto`` is decided."""
-        return "cuda" if self.backend == "nccl" else "cpu"
+        """``cuda`` or ``cpu``, once ``auto`` is decided (a backend still ``auto``: for one rank
+        here, as ``chosen`` decides it)."""
+        return "cuda" if self.chosen(1)[0] == "nccl" else "cpu"
+
+    def chosen(self, local_ranks: int) -> tuple[str, str]:
+        """(backend, why): ``backend`` as given, or what ``auto`` picks for ``local_ranks`` ranks
+        on this node: nccl where CUDA has a GPU for each, else gloo."""
+        if self.backend != "auto":
+            return self.backend, f"runtime.backend = {self.backend}"
+        if self.device != "auto":
+            backend = "nccl" if self.device == "cuda" else "gloo"
+            return backend, f"auto: runtime.device = {self.device}"
+        import torch
+
+        if not torch.cuda.is_available():
+            return "gloo", "auto: no CUDA"
+        gpus = torch.cuda.device_count()
+        if gpus < local_ranks:
+            return "gloo", f"auto: {gpus} GPU(s) for {local_ranks} ranks on this node"
+        return "nccl", f"auto: CUDA, {gpus} GPU(s) for {local_ranks} rank(s) on this node"
 
 
 @dataclass(frozen=True)

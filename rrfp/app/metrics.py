@@ -3,11 +3,19 @@
 what the numbers are against (the config, the FLOPs count, the peak).
 
 A line holds ``step`` (the steps done, as the printed line counts them), ``loss``, ``lr``,
-``grad_norm`` (only with ``optim.clip_grad_norm``: the norm is computed where clipping needs it,
-and a run without clipping does not pay a second all-reduce for it), ``tokens``, ``tokens_per_s``,
-``mfu`` (when the model's FLOPs and the device's peak are known), ``bubble`` (the stage lanes'
-idle share), ``wall_s``, ``skipped``, and any optional field a step report carries, such as
-``eval_loss`` on the steps that evaluate, and ``time`` (seconds since the epoch).
+``grad_norm`` (the whole model's, before any clipping: each rank's part rides in the step's
+statistics all-reduce, and clipping uses that same norm), ``tokens``, ``tokens_per_s``, ``mfu``
+(when the model's FLOPs and the device's peak are known), ``bubble`` (the stage lanes' idle share),
+``wall_s``, ``skipped``, ``memory`` (per rank, the peak bytes measured during the step; what they
+are in ``memory_measure``: rrfp/observe/peak_memory.py), ``in_flight`` (per rank, the most
+microbatches it held at once), any optional field a step report carries, such as ``eval_loss`` on
+the steps that evaluate, and ``time`` (seconds since the epoch). TensorBoard gets each per-rank
+list as its largest value.
+
+``run.json`` holds the config, what the MFU is against, the start-up summary ``rrfp train`` gives
+(``summary``: layout, schedule, parameters, data, backend, the memory estimate), and, once the run
+ends, the peak memory and microbatches in flight measured on each rank over the run
+(``measured``), to read beside the summary's estimate.
 """
 
 from __future__ import annotations
@@ -42,12 +50,14 @@ class RunMetrics:
         tensorboard: bool = True,
     ) -> None:
         self.folder, self.flops, self.peak, self.ranks = folder, flops, peak, ranks
+        self.about: dict[str, Any] = {}  # what run.json holds
         self.lines = JsonLines(folder / "metrics.jsonl")
         self.events = TensorBoardEvents.open(folder) if tensorboard else None
 
     @classmethod
-    def open(cls, cfg, device: torch.device) -> RunMetrics | None:
-        """A new run folder from ``output.dir`` (None when it is ""), ``run.json`` written."""
+    def open(cls, cfg, device: torch.device, summary: dict | None = None) -> RunMetrics | None:
+        """A new run folder from ``output.dir`` (None when it is ""), ``run.json`` written (with
+        ``summary``, the caller's start-up summary, when given)."""
         if not cfg.output.dir:
             return None
         folder = run_folder(cfg.output.dir, cfg.run.model)
@@ -70,11 +80,19 @@ class RunMetrics:
             "peak_tflops_per_rank": None if peak is None else peak.tflops,
             "peak_source": None if peak is None else peak.source,
             "ranks": world,
+            **({"summary": summary} if summary is not None else {}),
             "config": cfg.as_toml(),
         }
-        (folder / "run.json").write_text(json.dumps(about, indent=1, default=str) + "\n")
+        metrics = cls(folder, flops, peak, world)
+        metrics.write_about(about)
         log.info("metrics: %s; MFU against %s", folder / "metrics.jsonl", peak)
-        return cls(folder, flops, peak, world)
+        return metrics
+
+    def write_about(self, about: dict[str, Any]) -> None:
+        """``run.json``: ``about``, whole."""
+        self.about = about
+        text = json.dumps(about, indent=1, default=str) + "\n"
+        (self.folder / "run.json").write_text(text)
 
     @property
     def path(self) -> Path:
@@ -99,13 +117,26 @@ class RunMetrics:
             self.events.write(
                 record["step"],
                 {
-                    f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": v
+                    f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": (
+                        max(v) if isinstance(v, list) and v else v
+                    )
                     for k, v in record.items()
                     if k not in ("step", "time")
                 },
             )
 
-    def close(self) -> None:
+    def close(
+        self, memory: list[int] | None = None, measure: str = "", in_flight: list[int] | None = None
+    ) -> None:
+        """Close the files; with ``memory`` (per rank, the run's measured peak bytes, ``measure``
+        saying what they are) and ``in_flight``, add them to ``run.json`` as ``measured``."""
+        if memory:
+            measured = {
+                "memory_peak": memory,
+                "memory_measure": measure,
+                "in_flight_peak": in_flight,
+            }
+            self.write_about({**self.about, "measured": measured})
         self.lines.close()
         if self.events is not None:
             self.events.close()

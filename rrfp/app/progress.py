@@ -33,11 +33,31 @@ def step_line(r) -> str:
     mfu = f"  mfu {r.mfu:.2%}" if r.mfu is not None else ""
     evaluated = getattr(r, "eval_loss", None)  # a report of a step that evaluated carries it
     ev = f"  eval loss {evaluated:.4f}" if evaluated is not None else ""
+    memory = getattr(r, "memory", None)
+    mem = (
+        f"  mem {per_rank([m / 2**20 for m in memory], '.0f', 'MiB')} ({r.memory_measure})"
+        if memory
+        else ""
+    )
+    in_flight = getattr(r, "in_flight", None)
+    held = f"  in flight {per_rank(in_flight, 'd')}" if in_flight else ""
     return (
         f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{ev}{norm}{lr}  "
-        f"{r.tokens_per_s:,.0f} tok/s{mfu}  bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step  "
-        f"eta {eta:.0f}s{skipped}"
+        f"{r.tokens_per_s:,.0f} tok/s{mfu}  bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step"
+        f"{mem}{held}  eta {eta:.0f}s{skipped}"
     )
+
+
+PER_RANK_SHOWN = 8  # a step line lists each rank's value up to this many ranks, else the largest
+
+
+def per_rank(values, fmt: str, unit: str = "") -> str:
+    """Each rank's value, comma-separated in rank order; with more than PER_RANK_SHOWN ranks, the
+    largest and its rank."""
+    if len(values) <= PER_RANK_SHOWN:
+        return ",".join(format(v, fmt) for v in values) + unit
+    rank = max(range(len(values)), key=values.__getitem__)
+    return f"max {format(values[rank], fmt)}{unit} (rank {rank} of {len(values)})"
 
 
 class StepProgress:

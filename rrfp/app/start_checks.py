@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes
 from rrfp.core.hints import HintError
 from rrfp.core.placement import VirtualLayout
@@ -62,6 +63,11 @@ class Footprint:
     in_flight: int
     # one microbatch's activations (at one local stage, with virtual stages) on the rank, as counted
     one: int = 0
+    stage_params: tuple[int, ...] = ()  # the parameter count of each of the rank's stages
+
+    def holding(self, in_flight: int) -> Footprint:
+        """The same rank holding ``in_flight`` microbatches' activations instead (no byte cap)."""
+        return replace(self, activations=in_flight * self.one, in_flight=in_flight)
 
     @property
     def total(self) -> int:
@@ -131,7 +137,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     split = cfg.schedule.split_backward
     out = []
     for r in range(layout.ranks):
-        local = [measured[g] for g in layout.stages_of(r)]
+        local = [measured[g][:2] for g in layout.stages_of(r)]
         held = (
             _fixed_peak(sch, layout, r, split)
             or sch.budget.rank_limit(layout, r).count
@@ -152,9 +158,21 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
                 int(batch_bytes),
                 held,
                 acts // layout_tp,
+                tuple(measured[g][2] for g in layout.stages_of(r)),
             )
         )
     return out
+
+
+def at_1f1b(cfg: TrainConfig, prints: list[Footprint]) -> list[Footprint]:
+    """``prints`` as 1F1B would hold them: each rank's 1F1B count in flight (S - r; with virtual
+    stages the ``1x`` budget, ``Budget.rank_limit``), the baseline the budget is a multiple of."""
+    layout, M = cfg.stages, cfg.schedule.microbatches
+    one_x = Budget(multiple=1.0)
+    return [
+        fp.holding(max(1, min(one_x.rank_limit(layout, r).count or 1, M * layout.virtual)))
+        for r, fp in enumerate(prints)
+    ]
 
 
 def check_byte_budget(cfg: TrainConfig, prints: list[Footprint] | None) -> str | None:
@@ -194,8 +212,9 @@ def _fixed_peak(sch, layout: VirtualLayout, rank: int, split: bool) -> int | Non
         return None
 
 
-def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
-    """(parameter bytes, activation bytes of ``batch``) per stage (pp x virtual), on meta."""
+def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int, int]]:
+    """(parameter bytes, activation bytes of ``batch``, parameter count) per stage (pp x virtual),
+    on meta."""
     wl, S = cfg.workload, cfg.num_stages
     x, y = _to_meta(batch[0]), _to_meta(batch[1])
     out = []
@@ -216,7 +235,7 @@ def _measure(cfg: TrainConfig, batch) -> list[tuple[int, int]]:
                 saved.pack(t)
         x = _detached(x)
         params = sum(p.numel() * p.element_size() for p in module.parameters())
-        out.append((params, saved.total))
+        out.append((params, saved.total, sum(p.numel() for p in module.parameters())))
     return out
 
 

@@ -1,10 +1,12 @@
-"""What every rank adds into a training step's one all-reduce: its part of the loss, time and
-tokens, and whether it saw a NaN/Inf, a stop request, or abandoned the step, so that every rank
-steps, skips or stops alike. Named fields, sent as one float64 tensor."""
+"""What every rank adds into a training step's one all-reduce: its part of the loss, time, tokens
+and gradient norm, whether it saw a NaN/Inf, a stop request, or abandoned the step, so that every
+rank steps, skips or stops alike, and, in its own slot, its measured peak memory and microbatches
+in flight (the other ranks add 0 there), so rank 0 learns every rank's without a collective of its
+own. Named fields, sent as one float64 tensor."""
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -19,13 +21,32 @@ class StepStatistics:
     stops: float = 0.0  # ranks on which a stop was requested
     abandoned: float = 0.0  # ranks that abandoned the step midway
     attn: float = 0.0  # the first stage's rows' attention term, sum(rows x length^2), for MFU
-
-    def to_tensor(self) -> torch.Tensor:
-        return torch.tensor(astuple(self), dtype=torch.float64)
+    grad_sq: float = 0.0  # the sum of squared gradients each rank counts (the norm's square)
+    # per rank (world-size slots, each rank filling its own): the peak bytes its memory measure saw
+    memory: list[float] = field(default_factory=list)
+    in_flight: list[float] = field(default_factory=list)  # ... and its most microbatches held
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> StepStatistics:
+    def of_rank(cls, rank: int, world: int, memory: float, in_flight: float, **scalars):
+        """A rank's statistics, with its own memory and in-flight slots filled in."""
+        mine = cls(**scalars, memory=[0.0] * world, in_flight=[0.0] * world)
+        mine.memory[rank], mine.in_flight[rank] = memory, in_flight
+        return mine
+
+    def to_tensor(self) -> torch.Tensor:
+        scalars = [getattr(self, f.name) for f in fields(self) if f.name not in PER_RANK]
+        return torch.tensor([*scalars, *self.memory, *self.in_flight], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, world: int = 0) -> StepStatistics:
         values = t.tolist()
-        if len(values) != len(fields(cls)):
-            raise ValueError(f"{len(values)} statistics, expected {len(fields(cls))}")
-        return cls(*values)
+        n = len(fields(cls)) - len(PER_RANK)
+        if len(values) != n + len(PER_RANK) * world:
+            raise ValueError(
+                f"{len(values)} statistics, expected {n + len(PER_RANK) * world} ({world} ranks)"
+            )
+        rest = values[n:]
+        return cls(*values[:n], memory=rest[:world], in_flight=rest[world:])
+
+
+PER_RANK = ("memory", "in_flight")  # the fields with a slot per rank, sent after the scalars

@@ -33,6 +33,7 @@ from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
 from rrfp.nn.activation_checkpointing import checkpoint_blocks
 from rrfp.observe.instrument import TraceRecorder
+from rrfp.observe.peak_memory import PeakMemory
 from rrfp.observe.trace import chrome_trace, write_json
 from rrfp.pipeline.checkpoint import rng_state
 from rrfp.pipeline.faults import FaultInjector
@@ -53,14 +54,15 @@ class StepReport:
     bubble: float
     wall_s: float
     skipped: bool = False  # a NaN/Inf somewhere: no rank stepped (optim.on_nonfinite = "skip")
-    grad_norm: float | None = (
-        None  # with optim.clip_grad_norm: the whole model's gradient norm before clipping
-    )
+    grad_norm: float | None = None  # the whole model's gradient norm (before any clipping)
     lr: float | None = None  # the learning rate the step's update used
     tokens: float = 0.0  # the step's tokens, every replica's
     attn: float = 0.0  # ... and their rows' attention term (token_features' "attn"), for MFU
     mfu: float | None = None  # model FLOPs utilisation, when the metrics know the FLOPs and peak
     eval_loss: float | None = None  # with [eval]: the held-out loss after this step, when due
+    memory: list[int] | None = None  # per rank: the peak bytes measured in this step
+    memory_measure: str | None = None  # ... what they are (rrfp/observe/peak_memory.py)
+    in_flight: list[int] | None = None  # per rank: the most microbatches it held at once
 
 
 @dataclass
@@ -90,10 +92,10 @@ class TrainSummary:
     skipped: list[int] = field(
         default_factory=list
     )  # steps (0-based) whose update was skipped: NaN/Inf
-    grad_norms: list[float] = field(
-        default_factory=list
-    )  # with optim.clip_grad_norm: each step's, before clipping
+    grad_norms: list[float] = field(default_factory=list)  # each step's, before any clipping
     metrics: str | None = None  # rank 0: the metrics.jsonl this run wrote (output.dir)
+    memory_peak: list[int] = field(default_factory=list)  # per rank: the run's measured peak
+    in_flight_peak: list[int] = field(default_factory=list)  # ... and most microbatches held
     eval_losses: dict[int, float] = field(
         default_factory=dict
     )  # with [eval]: steps done (1-based) -> the held-out loss after them
@@ -104,6 +106,7 @@ async def stage_main(
     on_step: Callable[[StepReport], None] | None = None,
     stop: Callable[[], bool] | None = None,
     resume: Resume | None = None,
+    about: dict | None = None,
 ) -> TrainSummary:
     """Run optimizer steps up to ``cfg.run.steps`` on this rank's stage, from the
     checkpoint ``checkpoint.resume`` picks (or step 0). Every rank returns the per-step
@@ -121,7 +124,8 @@ async def stage_main(
     it through the rendezvous store): a rank it did not reach would wait for its
     peers' messages until ``timeouts.peer_wait_s``. A stop seen only once the step's
     computation is done keeps that step. ``resume``: where to start,
-    when the caller has already decided (``plan_resume``)."""
+    when the caller has already decided (``plan_resume``). ``about``: what rank 0 adds to the
+    run folder's ``run.json`` (``rrfp train``: its start-up summary)."""
     if resume is None:  # before any process group: a mismatch fails every rank the same way
         resume = plan_resume(cfg)
     torch.set_num_threads(cfg.runtime.threads)
@@ -137,7 +141,7 @@ async def stage_main(
         virtual=cfg.parallel.virtual,
         placement=cfg.parallel.placement,
     ) as rt:  # nccl: this rank's GPU is rt.device
-        training = _RankTraining(cfg, rt, stop)
+        training = _RankTraining(cfg, rt, stop, about)
         await training.begin(resume)
         await training.run_steps(on_step)
         await training.write_outputs()
@@ -164,7 +168,13 @@ class _RankTraining:
     """One rank's training, step by step: its stages' modules and optimizers, its executor and
     gradient sync, its checkpoints; the steps of ``stage_main``, each a method."""
 
-    def __init__(self, cfg: TrainConfig, rt: PipelineRuntime, stop: Callable[[], bool] | None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rt: PipelineRuntime,
+        stop: Callable[[], bool] | None,
+        about: dict | None = None,
+    ):
         self.cfg, self.rt, self.stop, self.wl = cfg, rt, stop, cfg.workload
         self.modules = [
             m.to(rt.device)
@@ -194,7 +204,8 @@ class _RankTraining:
         self.summary = TrainSummary()
         self.ckpts: RunCheckpoints | None = None
         self.saved_at: int | None = None  # the step of the checkpoint last saved or resumed from
-        self.metrics = RunMetrics.open(cfg, rt.device) if rt.rank == 0 else None
+        self.metrics = RunMetrics.open(cfg, rt.device, about) if rt.rank == 0 else None
+        self.peak = PeakMemory(rt.device)
         if self.metrics is not None:
             self.summary.metrics = str(self.metrics.path)
         # runtime.autocast: every task under it, on this rank's device type (None: the caller's)
@@ -268,6 +279,7 @@ class _RankTraining:
     async def run_steps(self, on_step: Callable[[StepReport], None] | None) -> None:
         steps, first = self.cfg.run.steps, self.summary.first_step
         upcoming = self.batches(first)
+        self.peak.take()  # each step's window starts at the previous step's statistics
         self.ex.prepare(first, upcoming[1])  # hint = plan: planned in a thread, one step ahead
         for step in range(first, steps):
             mine, feats = upcoming
@@ -327,21 +339,26 @@ class _RankTraining:
         the step, so every rank steps, skips or stops alike. It is on the control-plane group,
         which the abandoned iteration never used: its pending P2P transfers and DP all-reduces
         are on their own groups (docs/design.md, "A stop that does not wait for the step")."""
-        mine = StepStatistics(
+        rt = self.rt
+        mine = StepStatistics.of_rank(
+            rt.rank,
+            rt.layout.world_size,
+            memory=float(self.peak.take()),
+            in_flight=float(res.stats.peak_inflight if res is not None else 0),
             nonfinite=float(bad),
             stops=float(self.stop is not None and self.stop()),
             abandoned=float(res is None),
         )
         if res is not None:
             mine.loss, mine.busy, mine.wall = res.loss or 0.0, res.stats.busy, res.stats.wall
+            # the gradients are final (synced over DP in the iteration): the norm rides along
+            mine.grad_sq = rt.grad_norm_share()
             first = 0 in self.rt.stages
             mine.tokens = float(res.tokens if first else 0)
             mine.attn = sum(f.get("attn", 0.0) for f in feats) if first else 0.0
         vec = mine.to_tensor()
-        await self.rt.all_reduce(
-            vec, what=f"step {step + 1}: world all-reduce of the step statistics"
-        )
-        return StepStatistics.from_tensor(vec)
+        await rt.all_reduce(vec, what=f"step {step + 1}: world all-reduce of the step statistics")
+        return StepStatistics.from_tensor(vec, rt.layout.world_size)
 
     async def _abandon(self, step: int, stats: StepStatistics, at_start) -> None:
         """No rank steps: the state is still that of ``step`` completed steps."""
@@ -355,17 +372,18 @@ class _RankTraining:
             s.checkpoint = str((await self.ckpts.save(step, rng=at_start)).path)
         self.rt.abandoned = True
 
-    async def _update(self, step: int, stats: StepStatistics, bad: bool) -> float | None:
-        """Step every optimizer, or skip the step on a NaN/Inf; the gradient norm when clipped."""
+    async def _update(self, step: int, stats: StepStatistics, bad: bool) -> float:
+        """Step every optimizer, or skip the step on a NaN/Inf; the whole model's gradient norm,
+        summed in the step statistics, clipped by when ``optim.clip_grad_norm`` is set."""
         optim = self.cfg.optim
-        grad_norm = None
+        grad_norm = math.sqrt(stats.grad_sq)
         if stats.nonfinite:
             await _nonfinite(self.rt, optim.on_nonfinite, step, bad)
             self.summary.skipped.append(step)
-            grad_norm = math.nan if optim.clip_grad_norm else None
+            grad_norm = math.nan  # a NaN somewhere: no norm to speak of
         else:
-            if optim.clip_grad_norm:  # every rank is here together: none abandoned or saw a NaN
-                grad_norm = await self.rt.clip_grad_norm_(optim.clip_grad_norm)
+            if optim.clip_grad_norm and math.isfinite(grad_norm):
+                self.rt.clip_grads_with_norm_(optim.clip_grad_norm, grad_norm)
             lr = self.lr(step)
             for opt in self.opts:
                 for group in opt.param_groups:
@@ -414,12 +432,18 @@ class _RankTraining:
             lr=self.lr(step),
             tokens=tokens,
             attn=stats.attn / lay.tp,
+            memory=[int(m) for m in stats.memory],
+            memory_measure=self.peak.label,
+            in_flight=[int(n) for n in stats.in_flight],
         )
         s = self.summary
         s.losses.append(loss)
         s.wall_s.append(report.wall_s)
-        if grad_norm is not None:
-            s.grad_norms.append(grad_norm)
+        s.grad_norms.append(grad_norm)
+        s.memory_peak = [max(a, b) for a, b in zip(s.memory_peak or report.memory, report.memory)]
+        s.in_flight_peak = [
+            max(a, b) for a, b in zip(s.in_flight_peak or report.in_flight, report.in_flight)
+        ]
         if res.plan is not None:
             s.plan_s.append(res.plan.plan.seconds)
             s.plan_waited_s.append(res.plan.waited_s)
@@ -459,7 +483,9 @@ class _RankTraining:
         """Rank 0 writes output.sizes and output.trace (the trace gathered from every rank)."""
         cfg, rt, out = self.cfg, self.rt, self.cfg.output
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(
+                self.summary.memory_peak, self.peak.label, self.summary.in_flight_peak
+            )
         if out.sizes and rt.rank == 0:
             par, sch = cfg.parallel, cfg.schedule
             virtual = (

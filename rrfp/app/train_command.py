@@ -28,6 +28,7 @@ from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.progress import StepProgress
 from rrfp.app.run_outputs import check_end_files
+from rrfp.app.run_summary import run_summary, summary_lines
 from rrfp.app.start_checks import (
     Footprint,
     check_byte_budget,
@@ -203,8 +204,13 @@ def train_command(args) -> int:
         lambda: kept_checkpoint(cfg.checkpoint.dir), relay, leave_in_startup=True
     ).install()
     try:
+        about = run_summary(cfg, prints) if rank == 0 else None  # asks the workload of its data
+        if about is not None:  # what the run is, before its first step (and in run.json)
+            print("\n".join(summary_lines(about)), flush=True)
         lines = StepProgress(cfg.run.steps, start.step if start else 0) if rank == 0 else None
-        summary = run_loop(stage_main(cfg, lines, stop=lambda: stop.requested, resume=resume))
+        summary = run_loop(
+            stage_main(cfg, lines, stop=lambda: stop.requested, resume=resume, about=about)
+        )
     except Exception as e:
         relay.close()
         _fail(e, cfg, rank, getattr(args, "debug", False))
@@ -275,7 +281,7 @@ def _load(args, rank: int, implied_world: bool, launching: bool = False) -> Trai
 
 def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
-    lines = [cfg.layout.describe()]
+    lines = [cfg.layout.describe(), f"backend: {cfg.runtime.backend} ({cfg.backend_choice})"]
     if cfg.parallel.virtual > 1:
         lines.append(f"stages: {cfg.stages.describe()}")
     if prints is None:

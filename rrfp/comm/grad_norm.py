@@ -73,6 +73,13 @@ async def clip_grad_norm(
     if not math.isfinite(total):
         log.warning("rank %d: the %s is %s: gradients not clipped", dist.get_rank(), what, total)
         return total
+    clip_with_norm(scaled, max_norm, total)
+    return total
+
+
+def clip_with_norm(scaled: Sequence[torch.nn.Parameter], max_norm: float, total: float) -> None:
+    """Scale every gradient of ``scaled`` by ``max_norm / total`` when that is below 1: clipping
+    by a total norm already summed over the ranks (``local_share`` and one all-reduce)."""
     grads = _grads(scaled)
     if grads:
         dtensor = loaded_class(DTENSOR)
@@ -85,4 +92,3 @@ async def clip_grad_norm(
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in sharded:
                 local(p.grad).mul_(coef.to(p.grad.dtype))
-    return total

@@ -31,7 +31,7 @@ from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
 from rrfp.comm.device_ops import CudaOps
-from rrfp.comm.grad_norm import clip_grad_norm
+from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt, store_client
@@ -609,14 +609,10 @@ class PipelineRuntime:
             sync.attach(executor)
         return sync
 
-    async def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by
-        their total ``norm_type`` norm, and return that norm, the same on every rank: each parameter
-        counted once (TP and FSDP shards by their parts, a TP-replicated one and a tie once, DP
-        replicas once), over the modules of every executor this runtime made. Collective: every
-        rank calls it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module,
-        executor)`` do it inside the iteration, finished by ``sync()``), or the replicas' norms
-        differ. A non-finite norm is returned and not applied: the gradients stay as they are."""
+    def _norm_parameters(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """(counted, held): the parameters whose gradients this rank adds to the whole model's norm
+        (each parameter of the model counted by exactly one rank: TP and FSDP shards by their
+        parts, a TP-replicated one and a tie once, DP replicas once), and every one it holds."""
         counts, scaled, seen, dtensor = [], [], set(), loaded_class(DTENSOR)
         for ex in self._executors:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
@@ -633,6 +629,29 @@ class PipelineRuntime:
                         and (self.tp_rank == 0 or id(p) in sharded)
                     ):
                         counts.append(p)
+        return counts, scaled
+
+    def grad_norm_share(self, norm_type: float = 2.0) -> float:
+        """This rank's part of the whole model's gradient norm: the sum of |g|^p over the gradients
+        it counts (max |g| for ``inf``). Summed over the world (max for ``inf``) and taken to the
+        1/p, it is the norm ``clip_grad_norm_`` finds; ``rrfp train`` adds it to the step's one
+        statistics all-reduce, so the norm costs no collective of its own."""
+        return local_share(self._norm_parameters()[0], float(norm_type)).item()
+
+    def clip_grads_with_norm_(self, max_norm: float, total: float) -> None:
+        """Clip every gradient this rank holds to ``max_norm`` by ``total``, the whole model's norm
+        already summed over the world (``grad_norm_share``): no collective."""
+        clip_with_norm(self._norm_parameters()[1], max_norm, total)
+
+    async def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients of the whole model (every stage of every rank) to ``max_norm`` by
+        their total ``norm_type`` norm, and return that norm, the same on every rank: each parameter
+        counted once (TP and FSDP shards by their parts, a TP-replicated one and a tie once, DP
+        replicas once), over the modules of every executor this runtime made. Collective: every
+        rank calls it. Call it after the DP gradient sync (``rrfp train`` and ``grad_sync(module,
+        executor)`` do it inside the iteration, finished by ``sync()``), or the replicas' norms
+        differ. A non-finite norm is returned and not applied: the gradients stay as they are."""
+        counts, scaled = self._norm_parameters()
         return await clip_grad_norm(
             self.poller,
             counts,

@@ -68,6 +68,9 @@ class Workload:
     blocks: Callable[[nn.Module], list[nn.Module]] | None = (
         None  # stage module -> its transformer blocks, for activation checkpointing
     )
+    # data_cfg -> what the data source found (documents, tokens, files, or "synthetic: ..."), one
+    # phrase for ``rrfp train``'s start-up summary; None: the summary says only its batches' sizes
+    describe_data: Callable[[Any], str] | None = None
 
     def build_stages(
         self,
