@@ -173,9 +173,9 @@ def test_measured_memory_and_in_flight_in_the_step_line_metrics_and_run_json(tmp
     mib = 2**20
     report = _report(0, memory=[512 * mib, 300 * mib], memory_measure="rss peak", in_flight=[4, 2])
     line = step_line(report)
-    assert "  mem 512,300MiB (rss peak)  in flight 4,2  eta" in line
+    assert "  mem 512/300 MiB (rss peak)  in flight 4/2  eta" in line
     many = _report(0, memory=[mib] * 9 + [7 * mib], memory_measure="cuda allocated peak")
-    assert "  mem max 7MiB (rank 9 of 10) (cuda allocated peak)" in step_line(many)
+    assert "  mem max 7 MiB (rank 9 of 10) (cuda allocated peak)" in step_line(many)
     metrics = RunMetrics(tmp_path, None, None, 2, tensorboard=False)
     metrics.write_about({"summary": {"ranks": []}})
     metrics.step(report)

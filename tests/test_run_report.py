@@ -57,7 +57,7 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == STEPS
     for line in steps:
-        assert "  grad norm " in line and "MiB (rss peak)  in flight " in line, line
+        assert "  grad norm " in line and " MiB (rss peak)  in flight " in line, line
 
     (folder,) = (tmp_path / "runs").iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

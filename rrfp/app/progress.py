@@ -35,7 +35,7 @@ def step_line(r) -> str:
     ev = f"  eval loss {evaluated:.4f}" if evaluated is not None else ""
     memory = getattr(r, "memory", None)
     mem = (
-        f"  mem {per_rank([m / 2**20 for m in memory], '.0f', 'MiB')} ({r.memory_measure})"
+        f"  mem {per_rank([m / 2**20 for m in memory], '.0f', ' MiB')} ({r.memory_measure})"
         if memory
         else ""
     )
@@ -52,10 +52,10 @@ PER_RANK_SHOWN = 8  # a step line lists each rank's value up to this many ranks,
 
 
 def per_rank(values, fmt: str, unit: str = "") -> str:
-    """Each rank's value, comma-separated in rank order; with more than PER_RANK_SHOWN ranks, the
-    largest and its rank."""
+    """Each rank's value, in rank order and separated by "/" (a comma would read as a thousands
+    separator); with more than PER_RANK_SHOWN ranks, the largest and its rank."""
     if len(values) <= PER_RANK_SHOWN:
-        return ",".join(format(v, fmt) for v in values) + unit
+        return "/".join(format(v, fmt) for v in values) + unit
     rank = max(range(len(values)), key=values.__getitem__)
     return f"max {format(values[rank], fmt)}{unit} (rank {rank} of {len(values)})"
 
