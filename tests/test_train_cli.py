@@ -393,6 +393,6 @@ def test_the_launcher_hands_torchrun_the_same_train_command():
     )
     argv = torchrun_argv(args)
     assert argv[1:] == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+        "-m", "rrfp.app.launch_agent", "--standalone", "--nproc-per-node", "4",
         "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
     ]  # fmt: skip

@@ -44,6 +44,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.timeouts import Timeouts
+from rrfp.pipeline.user_code import calling, function_name
 from rrfp.pipeline.workload import Workload
 
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
@@ -112,7 +113,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
         try:
-            wl.check(self.model, self.data, self.num_stages, layout.tp)
+            with calling(f"check ({function_name(wl.check)})"):  # a ValueError: the config's
+                wl.check(self.model, self.data, self.num_stages, layout.tp)
         except ValueError as e:
             split = (
                 f" (parallel.virtual = {par.virtual} stages on each of {layout.pp} pipeline ranks)"

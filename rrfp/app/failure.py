@@ -5,7 +5,10 @@ peer is gone. The error types tell them apart: a ``PeerFailure`` (a dead or
 silent peer, a broken group) is secondary, so its line points at the peer;
 any other ``PipelineError`` (a protocol error, a corrupt header, a NaN, an
 injected fault) or a ``MessageError`` was raised by this rank's own checks and
-is primary; anything else is an internal error (a bug), said as such. Every
+is primary; an exception raised in the user's code (marked where rrfp calls it,
+rrfp/pipeline/user_code.py: ``build_stage``, a stage's forward or backward, the
+loss, ``batches``, ``check``) is the user's, and its line names that function;
+anything else is an internal error (a bug of rrfp's), said as such. Every
 line says where the full traceback is. A secondary line names the rank that
 failed first when the failure board (failure_board.py) can tell.
 """
@@ -25,16 +28,41 @@ from rrfp.comm.channels import describe_failure, lost_peer_reason
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, PipelineError
 from rrfp.core.placement import stages_label
+from rrfp.pipeline.user_code import WorkloadError, user_code
 
-PRIMARY, SECONDARY, INTERNAL = "primary", "secondary", "internal"
+PRIMARY, SECONDARY, INTERNAL, USER = "primary", "secondary", "internal", "user"
 
 
 def kind_of(e: BaseException) -> str:
+    """A lost peer (even inside the user's forward: a TP layer's collective) is secondary; rrfp's
+    own checks are primary; the user's code is the user's; anything else is rrfp's bug."""
     if isinstance(e, PeerFailure) or _lost_transport(e):
         return SECONDARY
     if isinstance(e, (PipelineError, MessageError, ConfigError)):
         return PRIMARY
+    if user_code(e) is not None:
+        return USER
     return INTERNAL
+
+
+def user_text(e: BaseException, model: str | None = None) -> str:
+    """The user's error as a line names it: the task that called the user's function, which one
+    (of which workload, ``model``), the exception and what rrfp passed it. ``e`` is marked
+    (``user_code``)."""
+    mark = user_code(e)
+    assert mark is not None
+    text = " ".join(str(e).split())
+    task = (
+        f"step {mark.iteration + 1}, task {mark.task} (microbatch {mark.task[1:]}): "
+        if mark.task
+        else ""
+    )
+    code = f"your code ({model})" if model else "your code"
+    if isinstance(e, WorkloadError):  # rrfp's check of what the user's function returned
+        said = f"{code}'s {mark.where} {text}"
+    else:
+        said = f"{code} raised {type(e).__name__} in {mark.where}: {text}"
+    return f"{task}{said}" + (f"; {mark.detail}" if mark.detail else "")
 
 
 def _lost_transport(e: BaseException) -> bool:
@@ -60,7 +88,7 @@ class Failure:
     def of(cls, e: BaseException) -> Failure:
         """An internal error or this rank's own failure wins over a peer failure it caused
         (the peer's channel fails as a consequence, in the same TaskGroup)."""
-        order = {INTERNAL: 0, PRIMARY: 1, SECONDARY: 2}
+        order = {INTERNAL: 0, USER: 1, PRIMARY: 2, SECONDARY: 3}
         best = min(leaves(e), key=lambda leaf: order[kind_of(leaf)])
         if _lost_transport(
             best
@@ -98,11 +126,16 @@ class Failure:
         log_path: str,
         debug: bool,
         origin: tuple[int, bool] | None = None,
+        model: str | None = None,
     ) -> str:
         """The one line this rank prints (without the ``rrfp: error:`` prefix). ``stage``: what the
         rank holds (several stages with virtual stages). ``origin``: the rank that failed first and
-        whether it wrote a line, when the failure board could tell."""
+        whether it wrote a line, when the failure board could tell. ``model``: the workload
+        (``run.model``), named in a line about the user's code."""
         holds = stages_label((stage,) if isinstance(stage, int) else stage)
+        where = "traceback above" if debug else f"traceback in {log_path}"
+        if self.kind == USER:
+            return f"rank {rank} ({holds}): {user_text(self.cause, model)} ({where})"
         text = " ".join(str(self.cause).split())
         # most causes name their rank already (and, with virtual stages, often the one stage of it)
         text = re.sub(
@@ -112,7 +145,6 @@ class Failure:
         )
         if self.kind == INTERNAL:
             text = f"{type(self.cause).__name__}: {text}"
-        where = "traceback above" if debug else f"traceback in {log_path}"
         if isinstance(
             self.cause, (PeerSilent, PeerStuck)
         ):  # the cause itself: the silent or stuck peer, not a chain to follow

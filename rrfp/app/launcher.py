@@ -19,8 +19,9 @@ LAUNCHED = "RRFP_LAUNCHED"
 
 
 def torchrun_argv(args) -> list[str]:
-    """The torchrun command that runs this ``rrfp train`` on ``args.nproc_per_node`` local ranks."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    """The torchrun command that runs this ``rrfp train`` on ``args.nproc_per_node`` local ranks:
+    torchrun's agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
+    argv = [sys.executable, "-m", "rrfp.app.launch_agent", "--standalone"]
     argv += ["--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
     argv += ["--config", args.config]
     for item in args.set:
@@ -41,7 +42,8 @@ def check_launch(args) -> None:
 
 def start_ranks(args) -> None:
     """Replace this process by torchrun's agent, so that signals (Ctrl-C, SIGTERM) reach the
-    agent directly, as when the user runs torchrun. Does not return."""
+    agent directly, as when the user runs torchrun. Does not return. The job's exit code is that
+    of the rank that failed first (launch_agent.py)."""
     env = dict(os.environ)
     env[LAUNCHED] = "1"
     # rrfp sets each rank's threads (runtime.threads); without this torchrun prints a banner

@@ -119,7 +119,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     stage's."""
     run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.stages
     M, layout_tp = sch.microbatches, cfg.layout.tp
-    sample = wl.batches(cfg.data, 0, min(M, SAMPLE))
+    sample = wl.microbatches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = (
         sum(_nbytes(b) for b in sample) / len(sample) * M * 2

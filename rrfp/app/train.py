@@ -272,7 +272,7 @@ class _RankTraining:
         """This replica's microbatches of ``step`` and their features."""
         m = self.cfg.schedule.microbatches
         # DP replica d trains on its own M microbatches of a global batch of dp * M
-        data = self.wl.batches(self.cfg.data, step, m * self.cfg.layout.dp)
+        data = self.wl.microbatches(self.cfg.data, step, m * self.cfg.layout.dp)
         mine = data[self.rt.dp_rank * m : (self.rt.dp_rank + 1) * m]
         return mine, [self.wl.features(b) for b in mine]
 

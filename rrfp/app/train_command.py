@@ -22,9 +22,9 @@ from rrfp.app.config_fields import toml_text
 from rrfp.app.config_sections import OutputSection
 from rrfp.app.environment import check_launcher, configure_logging
 from rrfp.app.errors import UsageError, exit_now, root_cause
-from rrfp.app.failure import Failure, write_traceback
+from rrfp.app.failure import Failure, user_text, write_traceback
 from rrfp.app.failure_board import FailureBoard
-from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.job_lines import rank_and_world, refuse_once, say, tell_torchrun
 from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.progress import StepProgress
 from rrfp.app.run_outputs import check_end_files
@@ -40,6 +40,7 @@ from rrfp.app.stop_relay import StopRelay
 from rrfp.app.train import stage_main
 from rrfp.loop import run as run_loop
 from rrfp.pipeline.checkpoint_dir import CheckpointDir
+from rrfp.pipeline.user_code import user_code
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
 STOP_SIGNALS = (
@@ -148,6 +149,7 @@ def train_command(args) -> int:
     # bad key is not hidden behind the launcher's error
     standalone = "WORLD_SIZE" not in os.environ
     rank, _ = rank_and_world()
+    cfg = None
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on
         # every rank (or once, in the launcher, for the world it is about to start)
@@ -171,11 +173,18 @@ def train_command(args) -> int:
         slow_timeout = check_timeout(cfg)  # a warning: the prediction is a lower bound
     except UsageError:
         raise
-    except Exception as e:  # a bug in a check: one line per job, the traceback to the log
-        text = f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
+    except Exception as e:  # the user's code or a bug in a check: one line per job, the traceback
+        # to the log
+        user = user_code(e) is not None  # the same on every rank: said once, as bad input is
+        text = (
+            user_text(e)
+            if user
+            else f"internal error, please report it: {type(e).__name__}: {' '.join(str(e).split())}"
+        )
         try:
-            path = write_traceback(e, OutputSection.log_dir, rank)
-            refuse_once(text, f"rrfp: error: rank {rank}: {text} (traceback in {path})")
+            path = write_traceback(e, (cfg.output if cfg else OutputSection).log_dir, rank)
+            who = "" if user else f"rank {rank}: "
+            refuse_once(text, f"rrfp: error: {who}{text} (traceback in {path})")
         except BaseException:  # noqa: BLE001 - the report of a bug must not itself end in a traceback
             os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
         exit_now(1)
@@ -329,12 +338,16 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     if debug:
         traceback.print_exception(e, file=sys.stderr)
     stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
-    line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin)}"
+    line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin, cfg.run.model)}"
     if isinstance(
         root_cause(e), UsageError
     ):  # e.g. the ranks found different checkpoints: alike on every rank
         refuse_once(" ".join(str(root_cause(e)).split()), line, board)
+    elif origin is not None and origin[1] and os.environ.get(LAUNCHED) == "1":
+        pass  # rrfp train --nproc-per-node: the job's one line is the first failed rank's
     else:
+        if not failure.follows_peer:  # torchrun's summary shows it in place of its own text
+            tell_torchrun(line)
         say(line)
     exit_now(
         2 if isinstance(root_cause(e), UsageError) else 1

@@ -45,6 +45,7 @@ from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
+from rrfp.pipeline.user_code import user_code
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.executor")
@@ -570,6 +571,9 @@ class _Iteration:
                     f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
                     f"on stage {stage} of {ex.S} (rank {ex.rank})"
                 )
+                mark = user_code(e)
+                if mark is not None:  # the user's code: its line says which task called it
+                    mark.task, mark.iteration, mark.stage = str(task), self.it, stage
                 raise
             to = tr.finish(stage, task)
             if (

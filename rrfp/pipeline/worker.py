@@ -49,6 +49,16 @@ from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline import weight_split
 from rrfp.pipeline.boundary import received, requires_grad_bits
+from rrfp.pipeline.user_code import (
+    about_shapes,
+    blame,
+    calling,
+    first_layer_takes,
+    function_name,
+    in_user_frames,
+    module_name,
+    shape_of,
+)
 from rrfp.pipeline.weight_split import WeightPlan, queued_parameters
 
 log = logging.getLogger(__name__)
@@ -158,11 +168,9 @@ class StageWorker:
         )
         use_queue = self.split and self.weight_split == "layers"
         with torch.enable_grad(), collect_weight_grads(queue if use_queue else None), hooks:
-            out = (
-                self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
-            )
+            out = self._run_module(x)
             if self.is_last:
-                loss = self.loss_fn(out, targets)
+                loss = self._loss(out, targets)
                 out = loss / self.num_microbatches
         outputs = _flat(out)
         if not self.is_last:
@@ -208,10 +216,45 @@ class StageWorker:
         """F without a graph (evaluation): (output, unscaled loss on the last stage, else None).
         Keeps nothing and checks no task order: it is no part of a training iteration."""
         with torch.no_grad():
-            out = (
+            out = self._run_module(x)
+            return out, self._loss(out, targets) if self.is_last and targets is not None else None
+
+    def _run_module(self, x):
+        """The stage module on ``x``: its error is the user's forward's, with the input's shapes."""
+        where = f"the forward of stage {self.stage} ({module_name(self.module)})"
+        with calling(where, lambda e: self._input_detail(x, about_shapes(e))):
+            return (
                 self.module(*x) if self._splat and isinstance(x, (tuple, list)) else self.module(x)
             )
-            return out, self.loss_fn(out, targets) if self.is_last and targets is not None else None
+
+    def _loss(self, out, targets):
+        """The workload's loss: its error is the user's loss's, with both shapes."""
+        with calling(
+            f"the loss ({function_name(self.loss_fn)})",
+            lambda e: (
+                f"it got the output {shape_of(out)} and the targets {shape_of(targets)}"
+                + (
+                    ": make the last stage's output and the batches' targets fit the loss"
+                    if about_shapes(e)
+                    else ""
+                )
+            ),
+        ):
+            return self.loss_fn(out, targets)
+
+    def _input_detail(self, x, shapes: bool) -> str:
+        """What the forward got, and from whom: the batch's inputs, or the previous stage's
+        output; with the first layer's input size and what to fix when the error is about
+        ``shapes``."""
+        if self.is_first:
+            return f"its input (from the workload's batches) is {shape_of(x)}"
+        prev, me = self.stage - 1, self.stage
+        sent = f"stage {prev} sent {shape_of(x)}"
+        if not shapes:
+            return sent
+        takes = first_layer_takes(self.module)
+        expected = f"; stage {me}'s first layer, {takes}" if takes else ""
+        return f"{sent}{expected}: make stage {prev}'s output fit stage {me}'s input"
 
     def backward(self, mb: int, grad_output=None):
         """B(mb). Returns the gradient for the stage input in the input's structure: a tensor (or
@@ -247,8 +290,26 @@ class StageWorker:
                         f"!= output{which}shape {tuple(o.shape)}"
                     )
             pairs = [(o, g) for o, g in zip(outputs, grads) if _carries_grad(o) and g is not None]
-        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         inputs = [] if slot.input is None else [t for t in _flat(slot.input) if _carries_grad(t)]
+        with self._user_backward():
+            found = self._backward(mb, slot, pairs, inputs)
+        grad_input = None if slot.input is None else _in_structure(slot.input, inputs, found)
+        slot.input = slot.output = None
+        if self.dw_builder is not None:
+            with self._user_backward():
+                if self.split:
+                    slot.dw_runner = self.dw_builder()
+                else:
+                    self.dw_builder()()
+        if self.split:
+            slot.state = _State.B_DONE
+        else:
+            self._finish(mb, slot)
+        return grad_input
+
+    def _backward(self, mb: int, slot: _Slot, pairs: list, inputs: list) -> list:
+        """B's autograd work: the gradients of ``inputs`` (and the weights', unless split)."""
+        outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         if not pairs:  # no gradient reaches this stage's outputs: nothing to do in B or W
             found = []
         elif slot.weights is not None:  # input gradient only; W does the weights
@@ -270,18 +331,19 @@ class StageWorker:
         else:
             torch.autograd.backward(outs, grads)
             found = [t.grad for t in inputs]
-        grad_input = None if slot.input is None else _in_structure(slot.input, inputs, found)
-        slot.input = slot.output = None
-        if self.dw_builder is not None:
-            if self.split:
-                slot.dw_runner = self.dw_builder()
-            else:
-                self.dw_builder()()
-        if self.split:
-            slot.state = _State.B_DONE
-        else:
-            self._finish(mb, slot)
-        return grad_input
+        return found
+
+    @contextlib.contextmanager
+    def _user_backward(self):
+        """An error autograd raises from the user's own code (a custom Function's backward, a
+        hook) or its in-place check (the forward changed a saved tensor) is the user's backward's;
+        anything else in B or W is rrfp's."""
+        try:
+            yield
+        except Exception as e:
+            if in_user_frames(e) or "modified by an inplace operation" in str(e):
+                blame(e, f"the backward of stage {self.stage} ({module_name(self.module)})")
+            raise
 
     def weight(self, mb: int) -> None:
         """W(mb): run the weight-gradient closures B queued."""
@@ -293,7 +355,12 @@ class StageWorker:
         slot = self._check(Task(Kind.W, mb), _State.B_DONE)
         # one pass per task (B or W of a microbatch): each parameter's post-accumulate-grad hooks
         # run once, also for a weight both gathered by the split and queued by its layer
-        with self._counting(mb, "w"), self._layers_checkpoint(Task(Kind.W, mb)), one_pass():
+        with (
+            self._user_backward(),
+            self._counting(mb, "w"),
+            self._layers_checkpoint(Task(Kind.W, mb)),
+            one_pass(),
+        ):
             if (
                 slot.weights is not None
             ):  # first: on the first stage it also runs the layers that queue closures

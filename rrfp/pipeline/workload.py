@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rrfp.pipeline.user_code import WorkloadError, blame, calling, function_name
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one microbatch
 
 
@@ -86,5 +88,24 @@ class Workload:
         modules = []
         for stage in stages:
             torch.manual_seed(seed)
-            modules.append(self.build_stage(model_cfg, stage, num_stages, tp_group))
+            with calling(f"build_stage ({function_name(self.build_stage)}) for stage {stage}"):
+                modules.append(self.build_stage(model_cfg, stage, num_stages, tp_group))
         return modules
+
+    def microbatches(self, data_cfg: Any, step: int, n: int) -> Sequence[Batch]:
+        """``batches(data_cfg, step, n)``, checked to be ``n`` microbatches: an error it raises,
+        or another count, is the workload's (rrfp/pipeline/user_code.py)."""
+        where = f"batches ({function_name(self.batches)}) for step {step + 1}"
+        with calling(where):
+            found = self.batches(data_cfg, step, n)
+            count = len(found)  # a generator has no len: as much the workload's error
+        if count != n:
+            raise blame(
+                WorkloadError(
+                    f"returned {count} microbatch{'es' if count != 1 else ''} where {n} were "
+                    f"asked for"
+                ),
+                where,
+                "batches(data, step, n) must return exactly n (inputs, targets) pairs",
+            )
+        return found

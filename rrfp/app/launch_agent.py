@@ -1,0 +1,62 @@
+"""torchrun's agent as ``rrfp train --nproc-per-node`` runs it: ``python -m rrfp.app.launch_agent
+TORCHRUN-ARGS``, torchrun's own arguments.
+
+Each rank of a failed run writes its one line (rrfp/app/failure.py); torchrun's agent would then
+add its log lines and a ``ChildFailedError`` traceback of about 40 lines that say nothing more.
+Here the agent runs as torchrun runs it (its ``run``), in this process, so that Ctrl-C and SIGTERM
+reach it as they reach torchrun; only what it prints is different: its log lines below CRITICAL
+are dropped, and a failure ends with the exit code of the rank that failed first (1, or 2 for bad
+input) instead of the traceback. A rank that a signal ended wrote no line: that one is said here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from rrfp.app.job_lines import say
+
+# the loggers torchrun's agent logs with (torch.distributed.elastic's, torch.distributed.run's)
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
+
+
+class _AgentLinesDropped(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        agents = record.name.startswith(AGENT_LOGGERS)
+        return not agents or record.levelno >= logging.CRITICAL
+
+
+def quiet_agent() -> None:
+    """Drop the agent's log lines below CRITICAL ("Sending process ... closing signal SIGTERM",
+    "failed (exitcode: 1)"): torch logs them through the handlers of its ``torch`` and
+    ``torch.distributed`` loggers, each agent logger at a level of its own."""
+    for name in ("torch", "torch.distributed"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(_AgentLinesDropped())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with ``argv``; the exit code of the job."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    quiet_agent()
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode < 0:  # ended by a signal (the OOM killer's SIGKILL): it said nothing
+            say(
+                f"rrfp: error: rank {rank} was ended by {failure.signal_name()} (pid "
+                f"{failure.pid}) without a line of its own: killed, out of memory or crashed"
+            )
+            return 128 - failure.exitcode
+        return failure.exitcode
+    except SignalException as e:  # Ctrl-C or SIGTERM: the agent stopped the ranks, which said so
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
