@@ -227,8 +227,8 @@ def test_one_primary_line_and_a_pointer_from_the_other_rank(tmp_path, fault, deb
 def test_an_error_of_the_models_own_is_one_line_and_its_task_is_in_the_log(tmp_path):
     """The model itself raises (tests/fixtures/failing_stage.py: stage 1's third forward, F0 of step
     2). The iteration raises that error, not an ExceptionGroup, so `rrfp train` still ranks it and
-    prints one line; rrfp's note on it (which task, microbatch, iteration) is in the traceback's
-    log."""
+    prints one line, which calls it the user's; rrfp's note on it (which task, microbatch,
+    iteration) is in the traceback's log."""
     sets = (
         "pp=2",
         "steps=5",
@@ -249,11 +249,15 @@ def test_an_error_of_the_models_own_is_one_line_and_its_task_is_in_the_log(tmp_p
         )
         assert "Traceback" not in ranks.err(1), ranks.err(1)
         log = tmp_path / "logs" / "rank-1.log"
-        assert ranks.error_lines(1) == [
-            f"rrfp: error: rank 1 (stage 1): internal error, please report it "
-            f"(traceback in {log}): RuntimeError: injected failure in stage 1's "
-            f"forward"
-        ], ranks.err(1)
+        (line,) = ranks.error_lines(1)
+        # the model's error is the user's, not an internal one: its task, function and input shape
+        assert re.fullmatch(
+            r"rrfp: error: rank 1 \(stage 1\): step 2, task F0 \(microbatch 0\): your code "
+            r"\(tests\.fixtures\.failing_stage\) raised RuntimeError in the forward of stage 1 "
+            r"\(tests\.fixtures\.failing_stage\.FailingStage\): injected failure in stage 1's "
+            rf"forward; stage 0 sent \[2, \d+, 16\] \(traceback in {re.escape(str(log))}\)",
+            line,
+        ), line
         text = log.read_text()
         assert (
             "rrfp: raised in task F0 (microbatch 0) of iteration 1, on stage 1 of 2 (rank 1)"
