@@ -5,8 +5,10 @@ Each rank of a failed run writes its one line (rrfp/app/failure.py); torchrun's 
 add its log lines and a ``ChildFailedError`` traceback of about 40 lines that say nothing more.
 Here the agent runs as torchrun runs it (its ``run``), in this process, so that Ctrl-C and SIGTERM
 reach it as they reach torchrun; only what it prints is different: its log lines below CRITICAL
-are dropped, and a failure ends with the exit code of the rank that failed first (1, or 2 for bad
-input) instead of the traceback. A rank that a signal ended wrote no line: that one is said here.
+are dropped, and a failure ends with the exit code of the rank that failed first (1, 2 for bad
+input, 130 or 143 for a stop) instead of the traceback. A rank that a signal ended wrote no line:
+this one says so, and the job exits 1. Ctrl-C or SIGTERM to this process stops the ranks as
+torchrun does; the job then exits 128 + the signal.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"rrfp: error: rank {rank} was ended by {failure.signal_name()} (pid "
                 f"{failure.pid}) without a line of its own: killed, out of memory or crashed"
             )
-            return 128 - failure.exitcode
+            return 1
         return failure.exitcode
     except SignalException as e:  # Ctrl-C or SIGTERM: the agent stopped the ranks, which said so
         return 128 + int(e.sigval)

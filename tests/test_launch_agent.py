@@ -1,0 +1,79 @@
+"""What ``rrfp train --nproc-per-node`` ends with once torchrun's agent has run the ranks
+(rrfp/app/launch_agent.py): the exit code of the rank that failed first and none of the agent's
+own text, a line for a rank a signal ended (it wrote none), 128 + the signal for a stop. The agent
+itself is torch's; here its outcome is given, and the e2e runs are in test_user_mistakes.py."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from unittest import mock
+
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from rrfp.app import launch_agent
+
+ARGV = ["--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", "c.toml"]
+
+
+def _failed(*codes: int) -> ChildFailedError:
+    """Ranks 0, 1, ... failed with ``codes``, in that order."""
+    failures = {}
+    for rank, code in enumerate(codes):
+        failures[rank] = ProcessFailure(
+            local_rank=rank, pid=100 + rank, exitcode=code, error_file=""
+        )
+        failures[rank].timestamp = int(time.time()) + rank
+    return ChildFailedError("rrfp", failures)
+
+
+def _main(outcome: BaseException) -> int:
+    with (
+        mock.patch("torch.distributed.run.run", side_effect=outcome) as run,
+        mock.patch.object(launch_agent, "quiet_agent"),  # torch's handlers stay as they are here
+    ):
+        code = launch_agent.main(ARGV)
+    assert run.call_args.args[0].nproc_per_node == "2"  # torchrun's own arguments, as given
+    return code
+
+
+@pytest.mark.parametrize("code", [1, 2])
+def test_a_failed_job_exits_as_its_first_failed_rank_and_prints_nothing(code, capsys):
+    assert _main(_failed(code, 1)) == code
+    assert capsys.readouterr().err == ""
+
+
+def test_a_rank_ended_by_a_signal_is_named(capsys):
+    assert _main(_failed(-signal.SIGKILL, 1)) == 1
+    assert capsys.readouterr().err == (
+        "rrfp: error: rank 0 was ended by SIGKILL (pid 100) without a line of its own: killed, "
+        "out of memory or crashed\n"
+    )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_exits_128_plus_the_signal(sig, capsys):
+    assert _main(SignalException("stopped", sig)) == 128 + sig
+    assert capsys.readouterr().err == ""
+
+
+def test_the_agents_log_lines_are_dropped_below_critical():
+    handler = logging.getLogger("torch.distributed").handlers[0]
+    before = list(handler.filters)
+    launch_agent.quiet_agent()
+    agent = "torch.distributed.elastic.multiprocessing.api"
+
+    def shown(name: str, level: int) -> bool:
+        return bool(handler.filter(logging.LogRecord(name, level, "", 0, "x", None, None)))
+
+    try:
+        assert not shown(agent, logging.ERROR)
+        assert not shown("torch.distributed.run", logging.WARNING)
+        assert shown(agent, logging.CRITICAL) and shown("torch.distributed.c10d", logging.WARNING)
+    finally:
+        for name in ("torch", "torch.distributed"):
+            for h in logging.getLogger(name).handlers:
+                h.filters = [f for f in h.filters if f in before]
