@@ -13,6 +13,7 @@ import torch
 from cli_run import rrfp_in_process
 from torch import nn
 
+from rrfp.app.evaluation import held_out
 from rrfp.app.failure import INTERNAL, SECONDARY, USER, Failure, kind_of
 from rrfp.comm.pipeline_channels import PipelineChannels
 from rrfp.core.budget import Budget
@@ -144,6 +145,10 @@ def test_batches_and_build_stage_are_the_users():
     e = _raised(wl.microbatches, wl.data_config(), 0, 3)
     assert isinstance(e, WorkloadError) and kind_of(e) == USER
     assert str(e) == "returned 2 microbatches where 3 were asked for"
+    e = _raised(held_out, wl, wl.data_config(), 0, 3)  # evaluation's held-out microbatches too
+    assert isinstance(e, WorkloadError) and user_code(e).where == (
+        "batches (tests.fixtures.user_mistakes.batches_one_short) for held-out iteration 1"
+    )
 
     def build_stage(model, stage, num_stages, tp_group):
         raise IndexError("no layer 9")

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from rrfp.pipeline.user_code import counted, function_name
+
 HELD_OUT_STEP = 1 << 40
 
 
 def held_out(workload, data_cfg, index: int, num_microbatches: int):
-    """Held-out iteration ``index``'s microbatches, the same on every rank."""
-    if workload.eval_batches is not None:
-        return workload.eval_batches(data_cfg, index, num_microbatches)
-    return workload.batches(data_cfg, HELD_OUT_STEP + index, num_microbatches)
+    """Held-out iteration ``index``'s microbatches, the same on every rank; checked as a step's
+    (rrfp/pipeline/user_code.py)."""
+    own = workload.eval_batches is not None
+    fn = workload.eval_batches if own else workload.batches
+    what = "eval_batches" if own else "batches"
+    where = f"{what} ({function_name(fn)}) for held-out iteration {index + 1}"
+    return counted(fn, where, data_cfg, index if own else HELD_OUT_STEP + index, num_microbatches)
 
 
 def due(every: int, step: int, steps: int) -> bool:

@@ -76,6 +76,23 @@ def about_shapes(e: BaseException) -> bool:
     return any(word in text for word in SHAPE_WORDS)
 
 
+def counted(batches: Callable, where: str, data_cfg, step: int, n: int):
+    """``batches(data_cfg, step, n)`` (a workload's ``batches`` or ``eval_batches``), checked to
+    be ``n`` microbatches: an error it raises, or another count, is the user's ``where``."""
+    with calling(where):
+        found = batches(data_cfg, step, n)
+        count = len(found)  # a generator has no len: as much the workload's error
+    if count != n:
+        raise blame(
+            WorkloadError(
+                f"returned {count} microbatch{'es' if count != 1 else ''} where {n} were asked for"
+            ),
+            where,
+            "batches(data, step, n) must return exactly n (inputs, targets) pairs",
+        )
+    return found
+
+
 def function_name(fn: Callable) -> str:
     """A function as its module and qualified name (``upkg.model.build_stage``); a callable object
     by its class."""

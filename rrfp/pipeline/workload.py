@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rrfp.pipeline.user_code import WorkloadError, blame, calling, function_name
+from rrfp.pipeline.user_code import calling, counted, function_name
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, targets) of one microbatch
 
@@ -96,16 +96,4 @@ class Workload:
         """``batches(data_cfg, step, n)``, checked to be ``n`` microbatches: an error it raises,
         or another count, is the workload's (rrfp/pipeline/user_code.py)."""
         where = f"batches ({function_name(self.batches)}) for step {step + 1}"
-        with calling(where):
-            found = self.batches(data_cfg, step, n)
-            count = len(found)  # a generator has no len: as much the workload's error
-        if count != n:
-            raise blame(
-                WorkloadError(
-                    f"returned {count} microbatch{'es' if count != 1 else ''} where {n} were "
-                    f"asked for"
-                ),
-                where,
-                "batches(data, step, n) must return exactly n (inputs, targets) pairs",
-            )
-        return found
+        return counted(self.batches, where, data_cfg, step, n)
