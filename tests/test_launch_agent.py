@@ -5,9 +5,10 @@ itself is torch's; here its outcome is given, and the e2e runs are in test_user_
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
-import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -19,15 +20,18 @@ from rrfp.app import launch_agent
 ARGV = ["--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", "c.toml"]
 
 
-def _failed(*codes: int) -> ChildFailedError:
-    """Ranks 0, 1, ... failed with ``codes``, in that order."""
+def _failures(tmp: Path, *ranks: tuple[int, bool]) -> dict[int, ProcessFailure]:
+    """Ranks 0, 1, ... ended with these (exit code, whether it wrote its line), all in the same
+    second, as the agent sees ranks that fail together."""
     failures = {}
-    for rank, code in enumerate(codes):
-        failures[rank] = ProcessFailure(
-            local_rank=rank, pid=100 + rank, exitcode=code, error_file=""
-        )
-        failures[rank].timestamp = int(time.time()) + rank
-    return ChildFailedError("rrfp", failures)
+    for rank, (code, wrote) in enumerate(ranks):
+        error_file = tmp / f"error-{rank}.json"
+        if wrote:  # what rrfp/app/job_lines.py tell_torchrun leaves
+            info = {"py_callstack": f"rrfp: error: rank {rank}", "timestamp": "1000"}
+            error_file.write_text(json.dumps({"message": {"message": "x", "extraInfo": info}}))
+        failures[rank] = ProcessFailure(rank, 100 + rank, code, str(error_file))
+        failures[rank].timestamp = 1000
+    return failures
 
 
 def _main(outcome: BaseException) -> int:
@@ -41,17 +45,27 @@ def _main(outcome: BaseException) -> int:
 
 
 @pytest.mark.parametrize("code", [1, 2])
-def test_a_failed_job_exits_as_its_first_failed_rank_and_prints_nothing(code, capsys):
-    assert _main(_failed(code, 1)) == code
+def test_a_failed_job_exits_as_the_rank_that_wrote_its_line_and_prints_nothing(
+    code, tmp_path, capsys
+):
+    """Rank 0 stopped because rank 1 failed, in the same second: rank 1's line is the job's."""
+    failures = _failures(tmp_path, (1, False), (code, True))
+    assert _main(ChildFailedError("rrfp", failures)) == code
     assert capsys.readouterr().err == ""
 
 
-def test_a_rank_ended_by_a_signal_is_named(capsys):
-    assert _main(_failed(-signal.SIGKILL, 1)) == 1
+def test_a_rank_ended_by_a_signal_is_named(tmp_path, capsys):
+    failures = _failures(tmp_path, (1, False), (-signal.SIGKILL, False))
+    assert _main(ChildFailedError("rrfp", failures)) == 1
     assert capsys.readouterr().err == (
-        "rrfp: error: rank 0 was ended by SIGKILL (pid 100) without a line of its own: killed, "
+        "rrfp: error: rank 1 was ended by SIGKILL (pid 101) without a line of its own: killed, "
         "out of memory or crashed\n"
     )
+
+
+def test_a_job_whose_ranks_stopped_exits_as_they_did(tmp_path, capsys):
+    assert _main(ChildFailedError("rrfp", _failures(tmp_path, (143, False), (143, False)))) == 143
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -14,6 +14,7 @@ torchrun does; the job then exits 128 + the signal.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from rrfp.app.job_lines import say
@@ -37,6 +38,28 @@ def quiet_agent() -> None:
             handler.addFilter(_AgentLinesDropped())
 
 
+def ended(failures: dict) -> int:
+    """The job's exit code once ``failures`` (rank -> torch's ProcessFailure) ended it, and the
+    line for a rank that wrote none. A rank whose own failure ended it wrote its line, and the
+    error file the agent gave it (rrfp/app/job_lines.py tell_torchrun); the others, stopped by
+    its loss, stay silent (rrfp/app/train_command.py). So the rank that failed first is the
+    first that wrote an error file; with none, the first that a signal ended, which cannot have
+    written a line, so it is said here; with neither (every rank stopped, 130 or 143), the first
+    to exit. torch's own "first failure" compares whole seconds, and a tie picks the lowest rank."""
+    wrote = [r for r, f in failures.items() if os.path.isfile(f.error_file)]
+    killed = [r for r, f in failures.items() if f.exitcode < 0]
+    rank = min(wrote or killed or failures, key=lambda r: (failures[r].timestamp, r))
+    failure = failures[rank]
+    if wrote or not killed:
+        return failure.exitcode
+    # ended by a signal (the OOM killer's SIGKILL): it said nothing
+    say(
+        f"rrfp: error: rank {rank} was ended by {failure.signal_name()} (pid {failure.pid}) "
+        "without a line of its own: killed, out of memory or crashed"
+    )
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv``; the exit code of the job."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -47,14 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if failure.exitcode < 0:  # ended by a signal (the OOM killer's SIGKILL): it said nothing
-            say(
-                f"rrfp: error: rank {rank} was ended by {failure.signal_name()} (pid "
-                f"{failure.pid}) without a line of its own: killed, out of memory or crashed"
-            )
-            return 1
-        return failure.exitcode
+        return ended(e.failures)
     except SignalException as e:  # Ctrl-C or SIGTERM: the agent stopped the ranks, which said so
         return 128 + int(e.sigval)
     return 0

@@ -343,8 +343,10 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
         root_cause(e), UsageError
     ):  # e.g. the ranks found different checkpoints: alike on every rank
         refuse_once(" ".join(str(root_cause(e)).split()), line, board)
-    elif origin is not None and origin[1] and os.environ.get(LAUNCHED) == "1":
-        pass  # rrfp train --nproc-per-node: the job's one line is the first failed rank's
+    elif failure.follows_peer and os.environ.get(LAUNCHED) == "1":
+        # rrfp train --nproc-per-node: the job's one line is the first failed rank's, or the
+        # launcher's for a rank that a signal ended (rrfp/app/launch_agent.py)
+        pass
     else:
         if not failure.follows_peer:  # torchrun's summary shows it in place of its own text
             tell_torchrun(line)
