@@ -98,6 +98,25 @@ def test_a_custom_backward_that_raises_is_the_users():
     assert kind_of(e) == USER and user_code(e).where.startswith("the backward of stage 1 (")
 
 
+@pytest.mark.parametrize("measure", [True, False])  # rrfp's own in-place check, or autograd's
+def test_a_forward_that_changes_a_saved_tensor_in_place_is_the_users_backward(measure):
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x).sigmoid()  # sigmoid saves its output for backward
+            y.mul_(2)
+            return y
+
+    worker = StageWorker(InPlace(), 0, 2, 1, _mse, split=False, measure_activations=measure)
+    worker.forward(0, torch.ones(2, 3))
+    e = _raised(worker.backward, 0, torch.ones(2, 3))
+    assert "modified by an inplace operation" in str(e)
+    assert kind_of(e) == USER and user_code(e).where.startswith("the backward of stage 0 (")
+
+
 def test_rrfps_own_errors_stay_internal():
     """The worker's own checks of what the executor asked for are rrfp's: a bug if they fire."""
     worker = StageWorker(nn.Linear(3, 3), 0, 2, 1, _mse, split=False)
