@@ -27,9 +27,9 @@ ATTRIBUTE = "rrfp_user_code"  # the attribute of the exception that holds its Us
 @dataclass
 class UserCode:
     """Where in the user's code an exception was raised. ``where``: the function, as a line names
-    it ("the forward of stage 1 (torch.nn.Linear)", "the loss upkg.model.loss"); ``detail``: what
-    rrfp passed it and what to fix ("stage 0 sent [4, 16]; ..."); ``task`` and ``iteration``: the
-    pipeline task that called it, when one did."""
+    it ("the forward of stage 1 (torch.nn.Linear)", "the loss (upkg.model.loss)"); ``detail``:
+    what rrfp passed it and what to fix ("stage 0 sent [4, 16]; ..."); ``task``, ``iteration`` and
+    ``stage``: the pipeline task that called it, when one did (set by the executor)."""
 
     where: str
     detail: str = ""
@@ -47,7 +47,10 @@ def blame(e: BaseException, where: str, detail: str = "") -> BaseException:
     """Mark ``e`` as raised in the user's ``where``; the innermost mark stays (a loss called from
     within a forward is the loss's error). Returns ``e``."""
     if getattr(e, ATTRIBUTE, None) is None:
-        setattr(e, ATTRIBUTE, UserCode(where, detail))
+        try:
+            setattr(e, ATTRIBUTE, UserCode(where, detail))
+        except (AttributeError, TypeError):  # an exception type that takes no attribute: unmarked
+            pass
     return e
 
 
