@@ -328,11 +328,14 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     # second or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
     ignore_stop_signals()
     failure = Failure.of(e)
+    # rrfp train --nproc-per-node: the job's one line is the first failed rank's, or the
+    # launcher's for a rank that a signal ended (rrfp/app/launch_agent.py); this one is silent
+    silent = failure.follows_peer and os.environ.get(LAUNCHED) == "1"
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None
     if board is not None:
         board.post(rank, failure.note)
-        if failure.follows_peer:
+        if failure.follows_peer and not silent:
             origin = board.origin(rank, getattr(failure.cause, "peer", None))
     path = write_traceback(e, cfg.output.log_dir, rank)
     if debug:
@@ -343,11 +346,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
         root_cause(e), UsageError
     ):  # e.g. the ranks found different checkpoints: alike on every rank
         refuse_once(" ".join(str(root_cause(e)).split()), line, board)
-    elif failure.follows_peer and os.environ.get(LAUNCHED) == "1":
-        # rrfp train --nproc-per-node: the job's one line is the first failed rank's, or the
-        # launcher's for a rank that a signal ended (rrfp/app/launch_agent.py)
-        pass
-    else:
+    elif not silent:
         if not failure.follows_peer:  # torchrun's summary shows it in place of its own text
             tell_torchrun(line)
         say(line)
