@@ -7,6 +7,8 @@ failure. The e2e runs are in test_user_mistakes.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 
 from rrfp.app.evaluation import held_out
 from rrfp.app.failure import INTERNAL, SECONDARY, USER, Failure, kind_of
+from rrfp.app.run_summary import data_found
 from rrfp.comm.pipeline_channels import PipelineChannels
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerFailure
@@ -172,9 +175,7 @@ def test_batches_and_build_stage_are_the_users():
     def build_stage(model, stage, num_stages, tp_group):
         raise IndexError("no layer 9")
 
-    broken = user_mistakes.boundary.__class__(
-        **{**user_mistakes.boundary.__dict__, "build_stage": build_stage}
-    )
+    broken = dataclasses.replace(user_mistakes.boundary, build_stage=build_stage)
     e = _raised(broken.build_stages, broken.model_config(), [1], 2, 0)
     assert user_code(e).where == (
         "build_stage (test_user_code.test_batches_and_build_stage_are_the_users.<locals>."
@@ -208,3 +209,20 @@ def test_batches_that_return_too_few_are_found_by_a_dry_run(tmp_path):
     assert res.returncode == 1, res.stderr
     assert "your code's batches (tests.fixtures.user_mistakes.batches_one_short)" in res.stderr
     assert "internal error" not in res.stderr
+
+
+def test_the_start_up_summarys_questions_to_the_workload_are_the_users():
+    """rank 0's summary asks the workload about its data: describe_data, else one microbatch."""
+    wl = user_mistakes.one_short
+    e = _raised(data_found, SimpleNamespace(workload=wl, data=wl.data_config()))
+    assert isinstance(e, WorkloadError) and kind_of(e) == USER  # batches(data, 0, 1) gives none
+
+    def describe_data(data):
+        return f"{data.files} files"
+
+    described = dataclasses.replace(wl, describe_data=describe_data)
+    e = _raised(data_found, SimpleNamespace(workload=described, data=wl.data_config()))
+    assert type(e) is AttributeError and user_code(e).where == (
+        "describe_data (test_user_code.test_the_start_up_summarys_questions_to_the_workload_are_"
+        "the_users.<locals>.describe_data)"
+    )

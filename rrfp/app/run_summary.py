@@ -10,6 +10,7 @@ from typing import Any
 
 from rrfp.app.config import TrainConfig
 from rrfp.app.start_checks import Footprint, _gib, at_1f1b
+from rrfp.pipeline.user_code import calling, function_name
 
 
 def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, Any]:
@@ -69,8 +70,9 @@ def data_found(cfg: TrainConfig) -> str:
     of its first step's batches."""
     wl = cfg.workload
     if wl.describe_data is not None:
-        return wl.describe_data(cfg.data)
-    first = wl.batches(cfg.data, 0, 1)[0]
+        with calling(f"describe_data ({function_name(wl.describe_data)})"):  # the user's code
+            return wl.describe_data(cfg.data)
+    first = wl.microbatches(cfg.data, 0, 1)[0]
     return f"the workload's own batches ({wl.name}.batches; a microbatch: {_shapes(first)})"
 
 
