@@ -40,6 +40,7 @@ EXIT_WAIT_S = 2.0  # at most this long at exit, and only while an rrfp thread is
 THREAD_PREFIX = "rrfp-"
 
 _closers: list[weakref.WeakMethod] = []
+_finishers: list[weakref.WeakMethod] = []
 _lock = threading.Lock()
 
 
@@ -48,6 +49,14 @@ def close_at_exit(method: Callable[[], None]) -> None:
     gone by then."""
     with _lock:
         _closers.append(weakref.WeakMethod(method))
+
+
+def finish_at_exit(method: Callable[[], None]) -> None:
+    """Call ``method`` (a bound method, held weakly) at interpreter exit, before the closers, and
+    wait for it without a bound: a compute lane's thread finishing the call it runs, as the
+    interpreter would join a thread that is not a daemon, unless that call is stuck for good."""
+    with _lock:
+        _finishers.append(weakref.WeakMethod(method))
 
 
 def _bounded(fn: Callable[[], None], deadline: float) -> None:
@@ -59,6 +68,12 @@ def _bounded(fn: Callable[[], None], deadline: float) -> None:
 
 
 def _at_exit() -> None:
+    with _lock:
+        finishers = [m() for m in _finishers]
+        _finishers.clear()
+    for finish in finishers:
+        if finish is not None:
+            _quietly(finish)()
     deadline = time.monotonic() + EXIT_WAIT_S
     with _lock:
         closers = [m() for m in _closers]

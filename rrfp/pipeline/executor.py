@@ -29,6 +29,7 @@ from rrfp.core.errors import (
     PeerTimeout,
     PipelineError,
     ProtocolError,
+    TaskOverrun,
     leaves,
 )
 from rrfp.core.hints import Hint
@@ -43,6 +44,7 @@ from rrfp.nn.collective_marks import marking
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
+from rrfp.pipeline.task_bound import TaskBound
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.worker import StageWorker
@@ -67,6 +69,10 @@ class ExecutorSettings:
     # arrives, no rank runs a task), and how a message names that bound; None: unbounded
     progress_s: float | None = None
     progress_key: str = "timeouts.progress_s"
+    # the floor of a task's own bound (rrfp/pipeline/task_bound.py), and how a line says it;
+    # None: a task may run for ever
+    task_s: float | None = None
+    task_key: str = "timeouts.task_s"
 
 
 @dataclass
@@ -212,6 +218,12 @@ class StageExecutor:
         # FSDP2 stage modules (rrfp/pipeline/sharded_stages.py): unsharded before the iteration's
         # first task, their gradients reduce-scattered after its last, the same on every replica
         self.sharded = None
+        # every rank's executor agrees on M and the stages beside the first iterations
+        # (rrfp/pipeline/layout_agreement.py); None: nothing to agree with
+        self.layout_check = None
+        self.task_bound = (
+            TaskBound(settings.task_s, settings.task_key) if settings.task_s is not None else None
+        )
 
     @property
     def worker(self) -> StageWorker:
@@ -287,7 +299,9 @@ class StageExecutor:
             with waiting_at("FSDP's all-gather of the stage's parameters", self.sharded.group):
                 await self.lane.run(self.sharded.begin)
         try:
-            result = await _Iteration(self, spec, iteration, batches, features, state).execute()
+            work = _Iteration(self, spec, iteration, batches, features, state).execute()
+            check = self.layout_check
+            result = await (work if check is None or check.agreed else check.alongside(work))
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
             failed = the_cause(group)
         if (
@@ -562,7 +576,16 @@ class _Iteration:
                 )
             self._doing(f"task {task}")
             try:
-                await self._run(self.io[stage], task)
+                if ex.task_bound is None:
+                    await self._run(self.io[stage], task)
+                else:
+                    where = f"rank {ex.rank} stage {stage}"
+                    async with ex.task_bound.running(where, stage, task, self.it):
+                        await self._run(self.io[stage], task)
+            except TaskOverrun:  # no progress to the peers: they name this rank if it lives
+                self._doing(f"stuck in task {task}")
+                ex.lane.stuck = True  # the exit does not wait for it
+                raise
             except (
                 Exception
             ) as e:  # the model's own error keeps its type; this says where it happened
