@@ -31,7 +31,7 @@ def _runtime_rank(rank, world):
     from rrfp.pipeline.timeouts import Timeouts
 
     M = 4 if rank == 0 else 2
-    torch.manual_seed(0)
+    torch.manual_seed(rank)
     module = torch.nn.Linear(WIDTH, WIDTH)
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
@@ -58,7 +58,7 @@ def _schedule_rank(rank, world):
 
     dist.init_process_group("gloo")
     M = 4 if rank == 0 else 2
-    torch.manual_seed(0)
+    torch.manual_seed(rank)
     stage = PipelineStage(torch.nn.Linear(WIDTH, WIDTH), rank, world, torch.device("cpu"))
     waits = Timeouts.derive(2.0, progress_s=PROGRESS_S)
     began = time.monotonic()

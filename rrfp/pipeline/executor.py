@@ -221,6 +221,8 @@ class StageExecutor:
         # every rank's executor agrees on M and the stages beside the first iterations
         # (rrfp/pipeline/layout_agreement.py); None: nothing to agree with
         self.layout_check = None
+        self._running: int | None = None  # the iteration under way
+        self._cancelled: int | None = None  # an iteration cancelled midway: no more
         self.task_bound = (
             TaskBound(settings.task_s, settings.task_key) if settings.task_s is not None else None
         )
@@ -276,7 +278,41 @@ class StageExecutor:
         in the stage's parameters (mean over microbatches); the caller steps.
         ``features`` (one dict per microbatch) lets a cost model set emulated durations.
         Every task runs under the caller's autocast (``thread_state``: read on the thread that
-        called; None: read here, when called, on the caller's loop thread)."""
+        called; None: read here, when called, on the caller's loop thread).
+
+        One iteration at a time: a second call while one runs is refused, as is any call after
+        an iteration was cancelled (its messages may still be in flight between the ranks, and
+        would be read as the next iteration's)."""
+        self._one_at_a_time(f"run_iteration({iteration})")
+        self._running = iteration
+        try:
+            return await self._run_iteration(iteration, batches, features, thread_state)
+        except asyncio.CancelledError:
+            self._cancelled = iteration
+            raise
+        finally:
+            self._running = None
+
+    def _one_at_a_time(self, call: str) -> None:
+        if self._cancelled is not None:
+            raise RuntimeError(
+                f"rank {self.rank} {self.where}: {call} after iteration {self._cancelled} was "
+                "cancelled: its messages may still be in flight between the ranks; start a new "
+                "PipelineRuntime to go on"
+            )
+        if self._running is not None:
+            raise RuntimeError(
+                f"rank {self.rank} {self.where}: {call} while iteration {self._running} runs: "
+                "await each iteration before starting the next"
+            )
+
+    async def _run_iteration(
+        self,
+        iteration: int,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        features: Sequence[dict] | None,
+        thread_state: ThreadState | None,
+    ) -> IterationResult:
         if len(batches) != self.M:
             raise ValueError(
                 f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
@@ -332,6 +368,7 @@ class StageExecutor:
         gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
         as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py).
         ``thread_state``: as ``run_iteration``'s (None: the caller's autocast, read here)."""
+        self._one_at_a_time(f"run_eval({iteration})")
         if len(batches) != self.M:
             raise ValueError(
                 f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"

@@ -13,12 +13,17 @@ leaves the check pending until a later iteration, never the iteration waiting.
 from __future__ import annotations
 
 import asyncio
+import logging
 import pickle
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 POLL_S = 0.05  # how often a pending check reads the store during an iteration
+ACK_S = 5.0  # how long a rank that found a mismatch waits for every rank to have read the shapes
+
+log = logging.getLogger("rrfp.pipeline.layout_agreement")
 
 
 class LayoutMismatch(ValueError):
@@ -67,12 +72,37 @@ class LayoutCheck:
         store.set(self.keys[rank], pickle.dumps(shape))
 
     def _verdict(self) -> str | None:
-        """The mismatch's line once every key is there; None: agreed, or not all there yet."""
-        if not self.store.check(self.keys):
+        """The mismatch's line once every key is there; None: agreed, or not all there yet. A
+        store gone (its host ended) ends the check: the iteration fails on that peer itself."""
+        try:
+            if not self.store.check(self.keys):
+                return None
+            shapes = [pickle.loads(v) for v in self.store.multi_get(self.keys)]
+            self.store.set(self._read_key(self.rank), b"1")
+        except RuntimeError as e:  # DistNetworkError: the store's host is gone
+            log.info("rank %d: the executors' shapes go unchecked: %s", self.rank, e)
+            self.agreed = True
             return None
-        shapes = [pickle.loads(v) for v in self.store.multi_get(self.keys)]
         self.agreed = True
         return disagreement(self.rank, shapes)
+
+    def _read_key(self, rank: int) -> str:
+        return f"{self.keys[rank]}/read"
+
+    async def _refuse(self, line: str) -> None:
+        """Raise LayoutMismatch once every rank has read the shapes (``ACK_S`` at most): the
+        store may live in this process (rank 0's, without torchrun), and a peer must read it
+        before this rank leaves, to say the same line."""
+        until = time.monotonic() + ACK_S
+        read = [self._read_key(r) for r in range(len(self.keys))]
+        while time.monotonic() < until:
+            try:
+                if self.store.check(read):
+                    break
+            except RuntimeError:
+                break
+            await asyncio.sleep(POLL_S)
+        raise LayoutMismatch(line)
 
     async def alongside(self, work: Awaitable[Any]) -> Any:
         """``await work``, ended by LayoutMismatch once the shapes read differ. Read once more
@@ -85,14 +115,14 @@ class LayoutCheck:
                 if line is not None:
                     task.cancel()
                     await asyncio.wait([task])
-                    raise LayoutMismatch(line)
+                    await self._refuse(line)
                 if not self.agreed:
                     await asyncio.wait([task], timeout=POLL_S)
             line = None if self.agreed else self._verdict()
             if line is not None:
                 if not task.cancelled():
                     task.exception()  # retrieved: the mismatch is the cause
-                raise LayoutMismatch(line)
+                await self._refuse(line)
             return await task
         except BaseException:
             if not task.done():
