@@ -8,12 +8,16 @@ flight). Two ranks started as torchrun would start them, each a script of its ow
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from distributed import free_port
+from launch import TORCHRUN
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +35,7 @@ torch.manual_seed(rank)
 
 class Slow(torch.nn.Linear):
     def forward(self, x):
-        if case == "cancelled":  # an iteration lasts long enough to be cancelled midway
+        if case in ("cancelled", "forever"):  # an iteration lasts long enough to be cut midway
             time.sleep(0.2)
         return super().forward(x)
 
@@ -76,7 +80,17 @@ async def cancelled():
         await ex.run_iteration(2, batches)
 
 
-rrfp.run({"unclosed": unclosed, "concurrent": concurrent, "cancelled": cancelled}[case]())
+async def forever():
+    async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
+        ex = rt.stage_executor(module, loss, microbatches=2)
+        for it in range(100000):
+            await ex.run_iteration(it, batches)
+            if it == 0:
+                print(f"rank {rank}: iterating", flush=True)
+
+
+cases = {"unclosed": unclosed, "concurrent": concurrent, "cancelled": cancelled, "forever": forever}
+rrfp.run(cases[case]())
 print(f"rank {rank}: returned", flush=True)
 """
 
@@ -154,3 +168,40 @@ def test_an_iteration_after_a_cancelled_one_is_refused_in_one_line(tmp_path):
         assert code == 1, (code, err[-3000:])
         last = err.strip().splitlines()[-1]
         assert "run_iteration(2) after iteration 1 was cancelled" in last, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_torchrun_ends_every_rank_without_an_abort(tmp_path):
+    """The terminal's Ctrl-C reaches torchrun's agent alone, which sends SIGINT to every rank:
+    each ends on its KeyboardInterrupt, mid-iteration, as a script does, without an abort."""
+    script = tmp_path / "embed.py"
+    script.write_text(SCRIPT)
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(out, "w") as o, open(err, "w") as e:
+        agent = subprocess.Popen(
+            [*TORCHRUN, "--nproc-per-node=2", str(script), "forever"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+        )
+    try:
+        t0 = time.monotonic()
+        while out.read_text().count("iterating") < 2:
+            assert agent.poll() is None and time.monotonic() - t0 < 60, err.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(agent.pid, signal.SIGINT)
+        agent.wait(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    text = err.read_text()
+    assert "terminate called" not in text and "SIGABRT" not in text, text[-3000:]
+    codes = [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)]
+    assert all(c not in (-6, 134) for c in codes), text[-3000:]
