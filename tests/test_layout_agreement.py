@@ -88,6 +88,10 @@ def test_the_line_names_each_value_with_its_ranks():
     line = disagreement(1, shapes)
     assert "microbatch count (4 on ranks 0, 1; 8 on rank 2)" in line, line
     assert disagreement(0, shapes[:2]) is None
+    v2, v1 = ExecutorShape(4, 2, "1 x 2 (v)"), ExecutorShape(4, 2, "1 x 2 (interleaved)")
+    assert "stage layout (1 x 2 (v) on rank 0; 1 x 2 (interleaved) on rank 1)" in disagreement(
+        0, [v2, v1]
+    )
     assert "number of stages (2 on rank 0; 3 on rank 1)" in disagreement(
         0, [shapes[0], ExecutorShape(4, 3)]
     )

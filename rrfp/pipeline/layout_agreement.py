@@ -37,6 +37,7 @@ class ExecutorShape:
 
     microbatches: int
     num_stages: int
+    stage_layout: str = ""  # pipeline ranks x stages per rank (placement)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -48,8 +49,9 @@ def disagreement(rank: int, shapes: list[ExecutorShape]) -> str | None:
     for field, what, needed in (
         ("microbatches", "microbatch count", "the same microbatches (n_microbatches)"),
         ("num_stages", "number of stages", "the same stage layout"),
+        ("stage_layout", "stage layout", "the same stage layout (virtual=, placement=)"),
     ):
-        values: dict[int, list[int]] = {}
+        values: dict[object, list[int]] = {}
         for r, shape in enumerate(shapes):
             values.setdefault(getattr(shape, field), []).append(r)
         if len(values) > 1:

@@ -555,7 +555,9 @@ class PipelineRuntime:
         if self.layout.tp > 1:  # the TP layers' collectives: a peer that never comes is named
             ex.task_collectives = TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
         ex.nonfinite = guard
-        ex.layout_check = self._layout_check(ExecutorShape(microbatches, self.num_stages))
+        v = self.virtual
+        layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
+        ex.layout_check = self._layout_check(ExecutorShape(microbatches, self.num_stages, layout))
         self._executors.append(ex)
         return ex
 
