@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import datetime
+import itertools
 import logging
 import os
 import re
@@ -60,6 +61,8 @@ from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.timeouts import BACKSTOP, Timeouts
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
+
+_RUNTIMES = itertools.count()  # runtimes this process has built
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
@@ -207,6 +210,8 @@ class PipelineRuntime:
         self._ended: PeerFailure | None = None  # what the watcher cancelled the block for
         self._closed = False
         self._store = None  # a store client of its own: the executors' shapes (_layout_check)
+        # this process's runtimes in order: the same on every rank, as starting one is collective
+        self._serial = next(_RUNTIMES)
         # a stop abandoned an iteration: its P2P transfers may still be pending in the channels'
         # groups, so leaving the block only closes this rank's side (no barrier, no teardown); the
         # process then exits
@@ -573,7 +578,7 @@ class PipelineRuntime:
             except (KeyError, ValueError, RuntimeError) as e:
                 log.info("rank %d: the executors' shapes go unchecked: %s", self.rank, e)
                 return None
-        prefix = f"rrfp/executor-shape/{attempt()}/{len(self._executors)}"
+        prefix = f"rrfp/executor-shape/{attempt()}/{self._serial}/{len(self._executors)}"
         return LayoutCheck(self._store, prefix, self.rank, self.layout.world_size, shape)
 
     def _tp_bound(self) -> str:
