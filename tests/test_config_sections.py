@@ -119,7 +119,7 @@ def test_the_reference_on_the_command_line():
 
 def test_the_waits_derive_from_timeout_s_and_each_is_set_apart():
     cfg, _ = _load(ROOT / "configs/gpt-tiny.toml", ["timeout_s=20"])
-    assert cfg.waits == Timeouts(20, 20, 20, 70, 20, 20, 20, 200)
+    assert cfg.waits == Timeouts(20, 20, 20, 70, 20, 20, 20, 200, 400)
     cfg, _ = _load(
         ROOT / "configs/gpt-tiny.toml", ["timeout_s=20", "timeouts.heartbeat_s=5", "peer_wait_s=90"]
     )

@@ -62,9 +62,11 @@ ROWS = (
         ("PipelineRuntime", "hang", "sync", NAMED),
         ("PipelineRuntime", "hang", "barrier", NAMED),
     ]
+    + [(api, "stuck", "F", NAMED) for api in ("ScheduleReady", "PipelineRuntime")]
 )
 NEVER = ("kill", "stop", "idle", "hang")  # rank 1 reports nothing: rank 0's line is the outcome
 ALIVE = ("idle", "hang")  # beating, never arriving: named after progress_s
+TASK_S = 2 * PROGRESS_S  # timeouts.task_s, derived: the bound of a task whose kind was measured
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -81,6 +83,9 @@ def _fault(kind: str, mark: Path) -> None:
         end = time.monotonic() + 3 * TIMEOUT_S
         while time.monotonic() < end:
             pass
+    elif kind == "stuck":  # a task that never returns, the GIL free: its rank names it
+        while True:
+            time.sleep(3600)
 
 
 def _stages() -> list[torch.nn.Module]:
@@ -233,6 +238,9 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
                 continue
             assert status == "ok", f"rank {rank} failed:\n{value}"
             results[rank] = value
+        if kind == "stuck":  # the script ends on its error: its process exits, its task stuck
+            procs[1].join(10)
+            results["exit_code"] = procs[1].exitcode
     finally:
         for p in procs:
             if p.is_alive():
@@ -263,7 +271,12 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     assert error is not None, f"rank 0 finished a step whose peer was {kind}ed: {results[0]}"
     took = results[0]["at"] - results["fault_at"]
     assert "rank 1" in error, error
-    bound = PROGRESS_S if kind in ALIVE else TIMEOUT_S
+    if kind == "stuck":  # rank 1 names its own task, past its bound; rank 0 names rank 1
+        assert "task F1 (microbatch 1) has run for" in results[1]["error"], results[1]
+        assert f"over its bound of {TASK_S:g} s" in results[1]["error"], results[1]
+        assert results[1]["error"].startswith("TaskOverrun: rank 1 stage 1:"), results[1]
+        assert results["exit_code"] == 0, results["exit_code"]  # the rank function returned
+    bound = PROGRESS_S if kind in ALIVE else TASK_S if kind == "stuck" else TIMEOUT_S
     assert took <= bound + SLACK_S, f"named after {took:.1f} s: {error}"
     print(f"{api} {kind} {phase}: named after {took:.2f} s")
 
@@ -320,7 +333,12 @@ def table() -> str:
         "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
         "(SIGTERM, as torchrun's agent sends), hang (a sleep for good, alive and beating: rank 0",
         "names it at its next collective once the job made no progress for progress_s, which",
-        "every row sets, so the slow rows also show a slow phase under it is not blamed). Phases:",
+        "every row sets, so the slow rows also show a slow phase under it is not blamed; inside",
+        "the F task, rank 1 names its own task once it ran past timeouts.task_s, 2 x progress_s",
+        f"= {train.TASK_S:g} s, as that task's kind was measured at step 1: `rank 1 (stage 1):",
+        "iteration 1: task F1 (microbatch 1) has run for 12.0 s and not returned, over its bound",
+        "of 12 s (...): stuck in its compute, a collective inside it or a kernel`; a task slower",
+        "than usual is not blamed until it runs 10 x the longest of its kind so far). Phases:",
         "start-up (before rank 1 joins the",
         "rendezvous: no heartbeat yet, so a rank late past the rendezvous's bound is absent), the",
         "F, B or W (BFW's split) task of step 2's microbatch 1, step 2's gradient sync (2 DP",

@@ -14,7 +14,9 @@ step 1, and the final barrier after step 3. Kinds: kill (SIGKILL), stop (SIGSTOP
 pause (SIGSTOP, continued after half of ``timeout_s``), slow (1.5 x the phase's bound more: a
 task's lane held, or a sleep in the phase), term (SIGTERM: what torchrun's agent sends to stop a
 job), hang (a sleep for good in the sync, save, commit or barrier phase, alive and beating: its
-peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its next collective; or
+peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its next collective; in
+the F task, where rank 1 names its own task once it ran past ``timeouts.task_s``, 2 x progress_s,
+and rank 0 names rank 1 as failed first; or
 inside the F task of step 2's microbatch 1 on one stage of two TP ranks, "TP F", before the task's
 first TP all-reduce, where rank 0 waits for it: rank 0's line names that all-reduce too).
 The pause, slow and term rows are the ``long`` tier (they wait out their fault).
@@ -49,6 +51,7 @@ PAUSE_S = TIMEOUT_S / 2
 # timeouts.progress_s: how long a rank waits at a collective for a peer that beats but never
 # arrives. In every row, so that the slow rows (a sleep under it) show a slow phase is not blamed
 PROGRESS_S = 3 * TIMEOUT_S
+TASK_S = 2 * PROGRESS_S  # timeouts.task_s, derived: the bound of a task once its kind was measured
 SLACK_S = 6.0  # a loaded two-core machine: several jobs at once, a beat read late
 LIMIT_S = 120.0  # a row that has not ended by then hangs
 AT_ONCE = 3  # rows running together
@@ -68,7 +71,8 @@ PHASES = {
     "TP F": ("step=2:task=F1", "tp"),  # one stage on two TP ranks: hang only
 }
 KINDS = ("kill", "stop", "pause", "slow", "term")
-HANG_PHASES = ("sync", "save", "commit", "barrier", "TP F")  # where a rank may hang, alive
+# where a rank may hang, alive: F inside the task itself, named by its own bound (timeouts.task_s)
+HANG_PHASES = ("F", "sync", "save", "commit", "barrier", "TP F")
 LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2"), "tp": ("pp=1", "tp=2")}
 
 
@@ -85,6 +89,8 @@ def _outcome(kind: str, phase: str) -> str:
 def _bound(phase: str, kind: str = "") -> float:
     """The wait that names a fault of ``phase``: the rendezvous's, the heartbeat's, or for a peer
     that beats and never arrives, progress_s."""
+    if kind == "hang" and phase == "F":  # timeouts.task_s: 2 x progress_s
+        return TASK_S
     if kind == "hang":
         return PROGRESS_S
     return START_S if phase == "start-up" else TIMEOUT_S
@@ -235,6 +241,9 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
             assert name not in got.committed, f"{name} is committed, yet: {line}"
         for name in re.findall(r"checkpoint (step-\d+) is committed", line):
             assert name in got.committed, f"{name} is not committed, yet: {line}"
+        if phase == "F" and kind == "hang":  # rank 1 named its own task, past its bound
+            said = [ln for ln in got.lines[1] if "task F1 (microbatch 1) has run for" in ln]
+            assert said and f"over its bound of {TASK_S:g} s" in said[0], got.tails
         if phase == "TP F":  # the collective rank 0 waited at, and what rank 1's heartbeat said
             at = "the row-parallel all-reduce of transformer.h.0.attn.c_proj in task F1 of stage 0"
             assert f"{at}: rank 1 (alive, in task F1 for " in line, line

@@ -50,7 +50,7 @@ def test_one_stage_runs_the_rank_path_and_matches_the_reference(dispatch):
     assert isinstance(ex.channels, RankChannels) and ex.channels.of(0).fwd_in is None
     assert isinstance(ex.tracker(ex.spec, lambda mb: 0), RankTracker)
     result = asyncio.run(ex.run_iteration(0, batches))
-    lane._thread.shutdown()
+    lane.close()
 
     reference = _model()
     for x, t in batches:

@@ -493,6 +493,13 @@ class TimeoutsSection(Section):
         "a checkpoint: a deadlock, a rank stuck outside the pipeline); 0: 10 x run.timeout_s",
         bounds=(0, 604_800),
     )
+    task_s: float = setting(
+        0.0,
+        "the floor of a task's own bound: a task (its compute, a collective inside it, a kernel) "
+        "that runs longer than this and than 10 x the longest task of its kind so far on its "
+        "stage (3 x this before one has finished) is named as stuck; 0: 2 x timeouts.progress_s",
+        bounds=(0, 604_800),
+    )
 
     def resolve(self, timeout_s: float) -> Timeouts:
         return Timeouts.derive(timeout_s, **{k: getattr(self, k) for k in self.keys()})

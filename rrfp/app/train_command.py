@@ -43,17 +43,16 @@ from rrfp.pipeline.checkpoint_dir import CheckpointDir
 from rrfp.pipeline.user_code import user_code
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
-STOP_SIGNALS = (
-    signal.SIGTERM,
-    signal.SIGINT,
-)  # SIGINT: Ctrl-C, which torchrun's agent forwards to every rank
+# SIGINT: Ctrl-C, which torchrun's agent forwards to every rank; SIGHUP (a closed terminal or SSH
+# session) and SIGQUIT, which torchrun's agent also passes on to its ranks, stop a run as SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 SAME_REQUEST_S = (
     0.5  # a second stop signal this soon after the first is the same request, not "leave now"
 )
 
 
 def ignore_stop_signals() -> None:
-    """From now on SIGTERM and SIGINT change nothing: this rank is writing its last line, and
+    """From now on the stop signals change nothing: this rank is writing its last line, and
     torchrun's agent signals the ranks still running once one has exited (Ctrl-C's SIGINT reaches
     every rank too)."""
     for sig in STOP_SIGNALS:
@@ -61,12 +60,14 @@ def ignore_stop_signals() -> None:
 
 
 def stopped_exit(name: str) -> int:
-    """The exit code of a run ended by the stop signal ``name``: 143 (SIGTERM), 130 (SIGINT)."""
+    """The exit code of a run ended by the stop signal ``name``: 143 (SIGTERM), 130 (SIGINT),
+    129 (SIGHUP), 131 (SIGQUIT)."""
     return 128 + signal.Signals[name]
 
 
 class StopOnSignal:
-    """The first SIGTERM or SIGINT asks the run to stop without waiting for its step: every
+    """The first stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) asks the run to stop without
+    waiting for its step: every
     rank learns of it through the store (``stop_relay.py``), abandons the step, saves the last
     completed one and exits 128 + the signal. A second one leaves at once; its line says which
     checkpoint is left, read when it comes (``kept()``). A second one within ``SAME_REQUEST_S``
@@ -84,7 +85,10 @@ class StopOnSignal:
         # save, so a signal then ends the rank at once (a rank waiting in the rendezvous included)
         self.leave_in_startup = leave_in_startup
         self.signalled = False  # a stop signal reached this rank
-        self.signal = ""  # ... its name (SIGTERM, SIGINT)
+        self.signal = ""  # ... its name (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
+        # the run asked whether to stop (``asked``): past start-up for good, even once its process
+        # group is gone again at the end
+        self.stepping = False
         self._at = 0.0
         self._kept = kept
         self.relay = relay
@@ -93,6 +97,12 @@ class StopOnSignal:
     def requested(self) -> bool:
         """A stop signal reached this rank, or another one (through the relay)."""
         return self.signalled or (self.relay is not None and self.relay.seen.is_set())
+
+    def asked(self) -> bool:
+        """``requested``, as the run polls it from its first step on: a signal from then on is
+        never one of start-up, whatever state the process group is in."""
+        self.stepping = True
+        return self.requested
 
     @property
     def name(self) -> str:
@@ -106,7 +116,11 @@ class StopOnSignal:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.leave_in_startup and not dist.is_initialized():  # still in start-up
+        if (
+            self.leave_in_startup
+            and not (self.signalled or self.stepping)
+            and not dist.is_initialized()
+        ):  # still in start-up
             os.write(
                 2,
                 f"rrfp: stopped: rank {rank_and_world()[0]}: {name} during start-up, before any "
@@ -217,9 +231,7 @@ def train_command(args) -> int:
         if about is not None:  # what the run is, before its first step (and in run.json)
             print("\n".join(summary_lines(about)), flush=True)
         lines = StepProgress(cfg.run.steps, start.step if start else 0) if rank == 0 else None
-        summary = run_loop(
-            stage_main(cfg, lines, stop=lambda: stop.requested, resume=resume, about=about)
-        )
+        summary = run_loop(stage_main(cfg, lines, stop=stop.asked, resume=resume, about=about))
     except Exception as e:
         relay.close()
         _fail(e, cfg, rank, getattr(args, "debug", False))

@@ -50,6 +50,11 @@ class NonFiniteError(PipelineError):
     """A NaN or Inf in the loss or the gradients, with ``optim.on_nonfinite = "stop"``."""
 
 
+class TaskOverrun(PipelineError):
+    """A task of this rank ran past its bound (rrfp/pipeline/task_bound.py) and never returned:
+    stuck in its compute, a collective inside it or a kernel. This rank's own failure."""
+
+
 class InjectedFault(PipelineError):
     """A failure asked for by fault injection (``debug.fault``), for testing."""
 

@@ -19,6 +19,13 @@ A call blocked on a live peer that never answers (or a stopped store) stays bloc
 with the process; it returns during finalization only if that peer moves within those few
 hundred milliseconds.
 
+A script that ends on an uncaught exception while such a call is still blocked after the wait (a
+gloo receive posted by an iteration the script cancelled: the peer's exit wakes it, whenever
+that comes, and both ranks exit at once) is ended here with ``os._exit``, its output flushed, with
+the status Python gives an uncaught exception (1; KeyboardInterrupt: SIGINT), which the hook knows
+from ``sys.excepthook``: finalization would abort it. A script that ends normally or by
+``sys.exit`` goes on to finalization, its status unknown here.
+
 Joining each thread where it is closed would not do: ``close`` runs on the loop thread and on
 error paths, where a stuck call must not hold it. Ending the process with ``os._exit`` would
 skip the atexit hooks registered before this one and the flushing of files, and an atexit hook
@@ -29,6 +36,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
+import sys
 import threading
 import time
 import weakref
@@ -40,6 +50,7 @@ EXIT_WAIT_S = 2.0  # at most this long at exit, and only while an rrfp thread is
 THREAD_PREFIX = "rrfp-"
 
 _closers: list[weakref.WeakMethod] = []
+_finishers: list[weakref.WeakMethod] = []
 _lock = threading.Lock()
 
 
@@ -48,6 +59,14 @@ def close_at_exit(method: Callable[[], None]) -> None:
     gone by then."""
     with _lock:
         _closers.append(weakref.WeakMethod(method))
+
+
+def finish_at_exit(method: Callable[[], None]) -> None:
+    """Call ``method`` (a bound method, held weakly) at interpreter exit, before the closers, and
+    wait for it without a bound: a compute lane's thread finishing the call it runs, as the
+    interpreter would join a thread that is not a daemon, unless that call is stuck for good."""
+    with _lock:
+        _finishers.append(weakref.WeakMethod(method))
 
 
 def _bounded(fn: Callable[[], None], deadline: float) -> None:
@@ -59,6 +78,12 @@ def _bounded(fn: Callable[[], None], deadline: float) -> None:
 
 
 def _at_exit() -> None:
+    with _lock:
+        finishers = [m() for m in _finishers]
+        _finishers.clear()
+    for finish in finishers:
+        if finish is not None:
+            _quietly(finish)()
     deadline = time.monotonic() + EXIT_WAIT_S
     with _lock:
         closers = [m() for m in _closers]
@@ -77,6 +102,34 @@ def _at_exit() -> None:
     left = [t.name for t in ours if t.is_alive()]
     if left:
         log.debug("exiting while %s still run (a call that has not returned)", ", ".join(left))
+    if left and _uncaught:
+        _exit_as_uncaught(_uncaught[-1])
+
+
+def _exit_as_uncaught(error: BaseException) -> None:
+    """End the process as Python would after ``error``, without finalization."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if isinstance(error, KeyboardInterrupt):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(1)
+
+
+_uncaught: list[BaseException] = []  # the script's uncaught exception, once Python reported it
+_python_hook = sys.excepthook
+
+
+def _note_uncaught(kind, value, tb) -> None:
+    _uncaught.append(value)
+    _python_hook(kind, value, tb)
+
+
+sys.excepthook = _note_uncaught
 
 
 def _quietly(close: Callable[[], None]) -> Callable[[], None]:

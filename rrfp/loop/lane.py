@@ -13,12 +13,13 @@ import asyncio
 import collections
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rrfp.loop import exit_guard
 from rrfp.loop.completions import CompletionPoller
 
 logger = logging.getLogger("rrfp.loop")
@@ -46,7 +47,13 @@ class ComputeLane:
         # wall-clock (time.time()) start and end of the last call's own work, emulation excluded:
         # what a trace needs to tell the compute from the host time around it
         self.last_call: tuple[float, float] | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rrfp-lane-{name}")
+        # a daemon thread of its own, not a ThreadPoolExecutor's: a task stuck for good (named by
+        # rrfp/pipeline/task_bound.py) must not hold the interpreter's exit, which joins those.
+        # At exit the thread finishes the call it runs (``_finish``), unless that call is stuck
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.stuck = False  # a call ran past its bound: nobody waits for it, the exit included
         self._abandoned = threading.Event()  # set: emulated time ends at once
 
     async def run(
@@ -54,10 +61,41 @@ class ComputeLane:
     ) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at
         least (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
+        if self._closed:
+            raise RuntimeError(f"lane {self.name}: closed")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve, name=f"rrfp-lane-{self.name}", daemon=True
+            )
+            self._thread.start()
+            exit_guard.finish_at_exit(self._finish)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._thread, self._hold_lane, fn, args, units * self.unit_s + hold_s
-        )
+        done = loop.create_future()
+        self._calls.put((loop, done, fn, args, units * self.unit_s + hold_s))
+        return await done
+
+    def _serve(self) -> None:
+        """The lane's thread: each call in turn, its outcome handed to the awaiter's loop; a
+        call whose awaiter was cancelled while it queued is dropped."""
+        while (call := self._calls.get()) is not None:
+            loop, done, fn, args, hold_s = call
+            if done.cancelled():
+                continue
+            try:
+                outcome, value = _set_result, self._hold_lane(fn, args, hold_s)
+            except BaseException as e:  # noqa: BLE001 - the awaiter gets it
+                outcome, value = _set_exception, e
+            try:
+                loop.call_soon_threadsafe(outcome, done, value)
+            except RuntimeError:  # the loop closed meanwhile: nobody awaits it
+                pass
+
+    def _finish(self) -> None:
+        """At exit: no new call, and the one running ends first (a thread that returns into
+        torch's frames during finalization would abort the process), unless it is stuck."""
+        self.close()
+        if self._thread is not None and not self.stuck:
+            self._thread.join()
 
     def abandon(self) -> None:
         """Nobody waits for the lane's work any more: emulated time held now or later ends at
@@ -72,7 +110,9 @@ class ComputeLane:
 
     def close(self) -> None:
         """Refuse new calls; calls already submitted still run, without blocking the caller."""
-        self._thread.shutdown(wait=False)
+        if not self._closed:
+            self._closed = True
+            self._calls.put(None)
 
     # On CPU every call has finished when ``run`` returns: there is nothing to drain or order.
     async def drain(self) -> None:
@@ -264,6 +304,16 @@ class CudaComputeLane:
             self.device,
         )
         return cycles_per_s
+
+
+def _set_result(done: asyncio.Future, value: Any) -> None:
+    if not done.done():
+        done.set_result(value)
+
+
+def _set_exception(done: asyncio.Future, error: BaseException) -> None:
+    if not done.done():
+        done.set_exception(error)
 
 
 def make_lane(

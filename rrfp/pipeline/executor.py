@@ -29,6 +29,7 @@ from rrfp.core.errors import (
     PeerTimeout,
     PipelineError,
     ProtocolError,
+    TaskOverrun,
     leaves,
 )
 from rrfp.core.hints import Hint
@@ -43,6 +44,7 @@ from rrfp.nn.collective_marks import marking
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
+from rrfp.pipeline.task_bound import TaskBound
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.user_code import user_code
@@ -68,6 +70,10 @@ class ExecutorSettings:
     # arrives, no rank runs a task), and how a message names that bound; None: unbounded
     progress_s: float | None = None
     progress_key: str = "timeouts.progress_s"
+    # the floor of a task's own bound (rrfp/pipeline/task_bound.py), and how a line says it;
+    # None: a task may run for ever
+    task_s: float | None = None
+    task_key: str = "timeouts.task_s"
 
 
 @dataclass
@@ -213,6 +219,14 @@ class StageExecutor:
         # FSDP2 stage modules (rrfp/pipeline/sharded_stages.py): unsharded before the iteration's
         # first task, their gradients reduce-scattered after its last, the same on every replica
         self.sharded = None
+        # every rank's executor agrees on M and the stages beside the first iterations
+        # (rrfp/pipeline/layout_agreement.py); None: nothing to agree with
+        self.layout_check = None
+        self._running: int | None = None  # the iteration under way
+        self._cancelled: int | None = None  # an iteration cancelled midway: no more
+        self.task_bound = (
+            TaskBound(settings.task_s, settings.task_key) if settings.task_s is not None else None
+        )
 
     @property
     def worker(self) -> StageWorker:
@@ -265,7 +279,41 @@ class StageExecutor:
         in the stage's parameters (mean over microbatches); the caller steps.
         ``features`` (one dict per microbatch) lets a cost model set emulated durations.
         Every task runs under the caller's autocast (``thread_state``: read on the thread that
-        called; None: read here, when called, on the caller's loop thread)."""
+        called; None: read here, when called, on the caller's loop thread).
+
+        One iteration at a time: a second call while one runs is refused, as is any call after
+        an iteration was cancelled (its messages may still be in flight between the ranks, and
+        would be read as the next iteration's)."""
+        self._one_at_a_time(f"run_iteration({iteration})")
+        self._running = iteration
+        try:
+            return await self._run_iteration(iteration, batches, features, thread_state)
+        except asyncio.CancelledError:
+            self._cancelled = iteration
+            raise
+        finally:
+            self._running = None
+
+    def _one_at_a_time(self, call: str) -> None:
+        if self._cancelled is not None:
+            raise RuntimeError(
+                f"rank {self.rank} {self.where}: {call} after iteration {self._cancelled} was "
+                "cancelled: its messages may still be in flight between the ranks; start a new "
+                "PipelineRuntime to go on"
+            )
+        if self._running is not None:
+            raise RuntimeError(
+                f"rank {self.rank} {self.where}: {call} while iteration {self._running} runs: "
+                "await each iteration before starting the next"
+            )
+
+    async def _run_iteration(
+        self,
+        iteration: int,
+        batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        features: Sequence[dict] | None,
+        thread_state: ThreadState | None,
+    ) -> IterationResult:
         if len(batches) != self.M:
             raise ValueError(
                 f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
@@ -288,7 +336,9 @@ class StageExecutor:
             with waiting_at("FSDP's all-gather of the stage's parameters", self.sharded.group):
                 await self.lane.run(self.sharded.begin)
         try:
-            result = await _Iteration(self, spec, iteration, batches, features, state).execute()
+            work = _Iteration(self, spec, iteration, batches, features, state).execute()
+            check = self.layout_check
+            result = await (work if check is None or check.agreed else check.alongside(work))
         except BaseExceptionGroup as group:  # the TaskGroup's; the caller gets the error itself
             failed = the_cause(group)
         if (
@@ -319,6 +369,7 @@ class StageExecutor:
         gradients untouched. Every rank calls it for the same ``iteration`` (its messages carry it),
         as with ``run_iteration``; the microbatches run in order (rrfp/pipeline/forward_pass.py).
         ``thread_state``: as ``run_iteration``'s (None: the caller's autocast, read here)."""
+        self._one_at_a_time(f"run_eval({iteration})")
         if len(batches) != self.M:
             raise ValueError(
                 f"{self.where}: got {len(batches)} microbatches, configured for {self.M}"
@@ -563,7 +614,16 @@ class _Iteration:
                 )
             self._doing(f"task {task}")
             try:
-                await self._run(self.io[stage], task)
+                if ex.task_bound is None:
+                    await self._run(self.io[stage], task)
+                else:
+                    where = f"rank {ex.rank} stage {stage}"
+                    async with ex.task_bound.running(where, stage, task, self.it):
+                        await self._run(self.io[stage], task)
+            except TaskOverrun:  # no progress to the peers: they name this rank if it lives
+                self._doing(f"stuck in task {task}")
+                ex.lane.stuck = True  # the exit does not wait for it
+                raise
             except (
                 Exception
             ) as e:  # the model's own error keeps its type; this says where it happened

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import datetime
+import itertools
 import logging
 import os
 import re
@@ -51,6 +52,7 @@ from rrfp.loop.blocking import in_daemon_thread, interruptible
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.layout_agreement import ExecutorShape, LayoutCheck
 from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
@@ -59,6 +61,8 @@ from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.timeouts import BACKSTOP, Timeouts
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
+
+_RUNTIMES = itertools.count()  # runtimes this process has built
 
 log = logging.getLogger("rrfp.pipeline.runtime")
 
@@ -205,6 +209,9 @@ class PipelineRuntime:
         self._bound: contextvars.Token | None = None
         self._ended: PeerFailure | None = None  # what the watcher cancelled the block for
         self._closed = False
+        self._store = None  # a store client of its own: the executors' shapes (_layout_check)
+        # this process's runtimes in order: the same on every rank, as starting one is collective
+        self._serial = next(_RUNTIMES)
         # a stop abandoned an iteration: its P2P transfers may still be pending in the channels'
         # groups, so leaving the block only closes this rank's side (no barrier, no teardown); the
         # process then exits
@@ -516,6 +523,8 @@ class PipelineRuntime:
             settings.cost,
             progress_s=self.timeouts.progress_s if self.heartbeat is not None else None,
             progress_key=self.timeouts.said("progress_s"),
+            task_s=self.timeouts.task_s,
+            task_key=self.timeouts.said("task_s"),
         )
         builders = (
             list(dw_builder)
@@ -568,8 +577,26 @@ class PipelineRuntime:
         if self.layout.tp > 1:  # the TP layers' collectives: a peer that never comes is named
             ex.task_collectives = TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
         ex.nonfinite = guard
+        v = self.virtual
+        layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
+        ex.layout_check = self._layout_check(ExecutorShape(microbatches, self.num_stages, layout))
         self._executors.append(ex)
         return ex
+
+    def _layout_check(self, shape: ExecutorShape) -> LayoutCheck | None:
+        """The check that every rank's n-th executor has ``shape``, on a store client of the
+        runtime's own; None with one rank, or without the job's store (ranks started without
+        MASTER_ADDR)."""
+        if self.layout.world_size == 1:
+            return None
+        if self._store is None:
+            try:
+                self._store = store_client(self.timeouts.store_connect_s)
+            except (KeyError, ValueError, RuntimeError) as e:
+                log.info("rank %d: the executors' shapes go unchecked: %s", self.rank, e)
+                return None
+        prefix = f"rrfp/executor-shape/{attempt()}/{self._serial}/{len(self._executors)}"
+        return LayoutCheck(self._store, prefix, self.rank, self.layout.world_size, shape)
 
     def _tp_bound(self) -> str:
         """The TP group's timeout as a line says it: ``_collective_bound``'s with a heartbeat,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from rrfp.comm.nccl_groups import watchdog_timeout_s
 
 PROGRESS_TIMEOUTS = 10  # progress_s, in timeouts
+TASK_PROGRESS = 2  # task_s, in progress_s: above a wait at a collective inside a task
 # With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's
 # to find; a peer that beats but never sends, the executor's, and one that never reaches a
 # collective, the watcher's (both progress_s). A wait that blocks the loop thread, where neither
@@ -30,6 +31,10 @@ class Timeouts:
     # reaches the stage and no rank of the job runs a task (a deadlock, a rank stuck outside the
     # pipeline). Ten timeouts, as NCCL's default ten minutes: a peer's long task is progress
     progress_s: float
+    # the floor of a task's own bound (rrfp/pipeline/task_bound.py): a task that runs longer than
+    # that and than ten times the longest of its kind so far is named as stuck. Twice progress_s
+    # (set or derived), so that a wait at a collective inside a task names the absent peer first
+    task_s: float = 0.0
 
     @classmethod
     def derive(cls, timeout_s: float, **overrides: float | None) -> Timeouts:
@@ -49,16 +54,22 @@ class Timeouts:
         unknown = set(overrides) - known
         if unknown:
             raise TypeError(f"unknown timeouts {sorted(unknown)} (known: {sorted(known)})")
-        return replace(derived, **{k: v for k, v in overrides.items() if v})
+        waits = replace(derived, **{k: v for k, v in overrides.items() if v})
+        return waits if waits.task_s else replace(waits, task_s=TASK_PROGRESS * waits.progress_s)
 
     def key(self, wait: str) -> str:
         """The config key that set ``wait``, for a message: run.timeout_s unless set apart."""
+        if wait == "task_s":  # derived from progress_s, whichever key set that
+            derived = self.task_s == TASK_PROGRESS * self.progress_s
+            return self.key("progress_s") if derived else "timeouts.task_s"
         derived = getattr(Timeouts.derive(self.timeout_s), wait)
         return "run.timeout_s" if getattr(self, wait) == derived else f"timeouts.{wait}"
 
     def said(self, wait: str) -> str:
         """``wait``'s bound as a message says it: the key that set it, and its value."""
         value, key = getattr(self, wait), self.key(wait)
+        if wait == "task_s" and value == TASK_PROGRESS * self.progress_s:
+            return f"timeouts.task_s = {value:g} s, {TASK_PROGRESS:g} x timeouts.progress_s"
         if key == "run.timeout_s" and value != self.timeout_s:
             return f"timeouts.{wait} = {value:g} s, {value / self.timeout_s:g} x run.timeout_s"
         return f"{key} = {value:g} s"
