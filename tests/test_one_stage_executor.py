@@ -103,5 +103,5 @@ def test_an_iteration_leaves_no_cycle_holding_its_batches(budget):
         assert alive() is None, "a reference cycle keeps the iteration's batch alive"
     finally:
         gc.enable()
-        lane._thread.shutdown()
+        lane.close()
     assert len(result.losses) == M

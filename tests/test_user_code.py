@@ -152,7 +152,7 @@ def test_the_executor_names_the_task_and_the_iteration():
     try:
         e = _raised(asyncio.run, ex.run_iteration(4, batches))
     finally:
-        lane._thread.shutdown()
+        lane.close()
     mark = user_code(e)
     assert (mark.task, mark.iteration, mark.stage) == ("F1", 4, 0), mark
     line = Failure.of(e).line(0, 0, LOG, False)
