@@ -5,7 +5,7 @@ pipeline: ``PipelineRuntime`` and its ``StageExecutor`` (``run_iteration``
 returns an ``IterationResult``), ``stage_main(cfg)`` under torchrun, the model
 contract ``Workload``, the split-aware and tensor-parallel layers, and
 ``simulate`` for what-if questions without a cluster, and ``ScheduleReady``, a
-drop-in for torch.distributed.pipelining's ``Schedule1F1B``. ``models/``,
+drop-in for torch.distributed.pipelining's ``Schedule1F1B``. ``rrfp/models/``,
 ``examples/``, ``benchmarks/`` and ``scripts/`` use nothing else
 (tests/test_layers.py); tests/test_exports.py pins the list. The layers are
 folders: ``core`` (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``,

@@ -1,8 +1,8 @@
 """Imports point down the layers, no module imports itself in a circle, and
-what sits on top of rrfp (models/, examples/, benchmarks/) uses only
-its public surface, ``rrfp/__init__.py``.
+what sits on top of rrfp (rrfp/models/, examples/, benchmarks/) uses only
+its public surface, ``rrfp/__init__.py``, and the built-in models.
 
-Every import in rrfp/ and models/ is read with ast (function-level ones
+Every import in rrfp/ is read with ast (function-level ones
 included), so a lazy import cannot hide an upward edge. The layers and what
 each may import are written down once, here and in docs/design.md.
 """
@@ -65,9 +65,12 @@ ALLOWED = {
         "rrfp.pipelining",
         "rrfp.hf",
     },  # the package's own __init__ and __main__: the public surface
-    "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
+    # the built-in models: the public surface only (test_top_uses_only_the_public_surface); no
+    # layer imports them (the registry finds them by name at run time)
+    "rrfp.models": {"rrfp"},
 }
-TOP = ("models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
+TOP = ("rrfp/models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
+MODELS = "rrfp.models"  # what the top may import besides the public surface
 
 
 def module_name(path: Path) -> str:
@@ -103,10 +106,10 @@ def imports(path: Path) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
-    return {m for m in found if m.split(".")[0] in ("rrfp", "models")}
+    return {m for m in found if m.split(".")[0] == "rrfp"}
 
 
-SOURCES = sorted([*ROOT.joinpath("rrfp").rglob("*.py"), *ROOT.joinpath("models").rglob("*.py")])
+SOURCES = sorted(ROOT.joinpath("rrfp").rglob("*.py"))
 MODULES = {module_name(p) for p in SOURCES}
 GRAPH = {module_name(p): {m for m in imports(p) if m in MODULES} for p in SOURCES}
 
@@ -165,7 +168,7 @@ def test_the_checks_can_fail():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "rrfp.pipeline" not in ALLOWED[layer_of("rrfp.core.tracker")]
-    assert layer_of("models.gpt") == "models" and layer_of("rrfp.app.cli") == "rrfp.app"
+    assert layer_of("rrfp.models.gpt") == "rrfp.models" and layer_of("rrfp.app.cli") == "rrfp.app"
 
 
 def public_names() -> set[str]:
@@ -179,23 +182,28 @@ def public_names() -> set[str]:
     )
 
 
+def _deep(module: str) -> bool:
+    """``module`` is inside rrfp and neither its root nor the built-in models."""
+    return module.startswith("rrfp.") and not (module == MODELS or module.startswith(MODELS + "."))
+
+
 def deep_uses(source: str, public: set[str]) -> list[str]:
     """Where ``source`` reaches past rrfp's public surface: ``import rrfp.x``, ``from rrfp.x import
     y``, ``from rrfp import name`` for a name not in ``public``, and ``rrfp.name`` for one not in
-    it."""
+    it; the built-in models (``rrfp.models``) are no such reach."""
     found = []
     for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
-            found += [(line, f"import {a.name}") for a in node.names if a.name.startswith("rrfp.")]
+            found += [(line, f"import {a.name}") for a in node.names if _deep(a.name)]
         elif (
             isinstance(node, ast.ImportFrom)
             and not node.level
             and (node.module or "").split(".")[0] == "rrfp"
         ):
-            if node.module != "rrfp":
+            if _deep(node.module):
                 found.append((line, f"from {node.module} import ..."))
-            else:
+            elif node.module == "rrfp":
                 found += [
                     (line, f"from rrfp import {a.name}") for a in node.names if a.name not in public
                 ]
@@ -204,6 +212,7 @@ def deep_uses(source: str, public: set[str]) -> list[str]:
             and isinstance(node.value, ast.Name)
             and node.value.id == "rrfp"
             and node.attr not in public
+            and node.attr != "models"
             and not node.attr.startswith("__")
         ):
             found.append((line, f"rrfp.{node.attr}"))
@@ -225,11 +234,12 @@ def test_top_uses_only_the_public_surface(path):
 def test_the_surface_check_can_fail():
     public = public_names()
     assert {"SplitLinear", "PipelineRuntime", "simulate"} <= public
-    assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= set(TOP)
+    assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= {Path(t).name for t in TOP}
     deep = deep_uses(
         "import rrfp\nimport rrfp.sim\nfrom rrfp.nn.split_linear import SplitLinear\n"
         "from rrfp import SplitLinear, _HOMES\nx = rrfp.pipeline.worker\ny = rrfp.simulate\n"
-        "z = rrfp.__file__\n",
+        "z = rrfp.__file__\nfrom rrfp.models.gpt import GPT\nimport rrfp.models.data\n"
+        "w = rrfp.models\n",
         public,
     )
     assert deep == [

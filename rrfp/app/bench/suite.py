@@ -27,7 +27,7 @@ from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
+ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ lives here
 BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the
 # plan's predicted run replayed as a fixed order): each pair differs in dispatch alone
