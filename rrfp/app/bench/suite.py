@@ -214,11 +214,7 @@ def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
         raise UsageError(f"--workloads: no config file {text}")
     try:
         doc = tomllib.loads(path.read_text())
-        own = (
-            doc.get("emulation", {}).get("preset")
-            or doc.get("run", {}).get("preset")  # a flat [run] config's
-            or EmulationSection.preset
-        )
+        own = doc.get("emulation", {}).get("preset") or EmulationSection.preset
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{text}: not valid TOML: {e}") from None
     return Case(path.stem, str(path.resolve()), preset or own, False, tuple(overrides))
