@@ -213,3 +213,24 @@ def test_the_runtime_routes_each_wait_and_takes_one_settings_object():
     for same, peer_wait, heartbeat, kept in run_ranks(_settings_and_waits, 2, timeout=90).values():
         assert same and kept
         assert (peer_wait, heartbeat) == (11, 7)
+
+
+@pytest.mark.parametrize(
+    "text,sets,needle",
+    [
+        ("[run]\npp = 2\n", [], "{path}: unknown key run.pp: pp is a key of [parallel] (write "),
+        ("[schedule]\nlr = 0.1\n", [], "{path}: unknown key schedule.lr: lr is a key of [optim]"),
+        (
+            "",
+            ["run.dir=x"],
+            "--set run.dir: unknown key run.dir: dir is a key of [checkpoint], [output] (write "
+            "checkpoint.dir or output.dir)",
+        ),
+    ],
+)
+def test_a_key_in_the_wrong_section_names_its_section(tmp_path, text, sets, needle):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path, sets, world_size=4)
+    assert needle.format(path=path) in str(info.value), str(info.value)

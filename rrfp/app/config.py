@@ -287,6 +287,20 @@ class _Loader:
             if not isinstance(table, dict):
                 raise ConfigError(f"{self.source}: [{name}] must be a table (one [{name}] section)")
 
+    def check_placed(self, kind: type[Section], values: dict) -> None:
+        """A key written in a section other than the one that holds it (``[run] pp``): one line
+        naming where it goes."""
+        for key in values:
+            if key in kind.keys():
+                continue
+            homes = [s.NAME for s in SECTIONS if key in s.keys()]
+            if homes:
+                places = " or ".join(f"{home}.{key}" for home in homes)
+                raise ConfigError(
+                    f"{unknown_key(self.where(kind.NAME, key), kind.NAME, key, ())}: "
+                    f"{key} is a key of {', '.join(f'[{h}]' for h in homes)} (write {places})"
+                )
+
     def apply_override(self, doc: dict, item: str) -> None:
         key, sep, raw = item.partition("=")
         if not sep:
@@ -336,6 +350,7 @@ class _Loader:
             values = doc.get(kind.NAME, {})
             if not isinstance(values, dict):
                 raise ConfigError(f"{self.source}: [{kind.NAME}] must be a table")
+            self.check_placed(kind, values)
             parts[kind.NAME] = kind.parse(values, lambda k, n=kind.NAME: self.where(n, k))
         wl = find_workload(parts["run"].model, self.path)
         for name, kind in (("model", wl.model_config), ("data", wl.data_config)):
