@@ -18,11 +18,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,lint,oracle,hf,tensorboard]"
 	touch $@
 
-# Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time.
+# Train the tiny GPT with ready BFW, then fixed 1F1B vs ready BFW under `lang` in emulated device time
+# (rrfp bench: alternating on the same iterations, medians in a results folder).
 run: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/rrfp train --nproc-per-node $(NPROC) --config $(CONFIG) \
 		--set output.log_every=5
-	$(PY) benchmarks/compare_executors.py --quick
+	$(PY) -m rrfp bench --workloads gpt --contenders fixed-1f1b,ready-bfw --pp 4 --mb 16 \
+		--preset lang --reps 3 --unit-ms 20
 
 sim: $(VENV)/.installed
 	$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20

@@ -51,9 +51,9 @@ def rss_bytes() -> int:
 def worker(a) -> None:
     import torch
 
-    from models.data import DataConfig, batches
-    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp import PipelineRuntime, Variability, run
+    from rrfp.models.data import DataConfig, batches
+    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
 
     torch.set_num_threads(1)
     model_cfg = GPTConfig(n_layer=a.pp, n_embd=32, n_head=4, block_size=64)

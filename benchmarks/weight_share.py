@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import rrfp
-from models import gpt, vlm
+from rrfp.models import gpt, vlm
 
 STAGES = 4
 

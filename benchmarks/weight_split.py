@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from models.gpt import GPT, GPTConfig, loss_fn, make_stage
 from rrfp import StageWorker
+from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
 
 
 def one(mode: str, stage, x, g) -> tuple[float, float, float]:

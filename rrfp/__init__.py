@@ -5,11 +5,14 @@ pipeline: ``PipelineRuntime`` and its ``StageExecutor`` (``run_iteration``
 returns an ``IterationResult``), ``stage_main(cfg)`` under torchrun, the model
 contract ``Workload``, the split-aware and tensor-parallel layers, and
 ``simulate`` for what-if questions without a cluster, and ``ScheduleReady``, a
-drop-in for torch.distributed.pipelining's ``Schedule1F1B``. ``models/``,
-``examples/``, ``benchmarks/`` and ``scripts/`` use nothing else
-(tests/test_layers.py); tests/test_exports.py pins the list. The layers are
-folders: ``core`` (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``,
-``pipeline`` and ``app``; docs/design.md draws the map.
+drop-in for torch.distributed.pipelining's ``Schedule1F1B``. It is written
+once, in ``_HOMES``: ``__all__`` is its keys, and the ``TYPE_CHECKING`` block
+that static tools read is held to it by tests/test_exports.py. Every other name
+stays in its subpackage (``rrfp.core.StageTracker``, ``rrfp.hf.HFStage``).
+``rrfp.models``, ``examples/`` and ``benchmarks/`` use this surface and the
+subpackages' own (tests/test_layers.py). The layers are folders: ``core``
+(pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``, ``pipeline`` and
+``app``; docs/design.md draws the map.
 
 Every name loads on first use, so ``import rrfp`` loads no torch, and the
 simulator and the pure core answer without it.
@@ -18,43 +21,87 @@ simulator and the pure core answer without it.
 import importlib
 from typing import TYPE_CHECKING
 
-if (
-    TYPE_CHECKING
-):  # what static tools and IDEs see; at run time each name loads on first use (__getattr__)
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import StepReport, TrainSummary, stage_main
-    from rrfp.core.cost import CostModel
-    from rrfp.core.errors import PeerFailure, PipelineError
-    from rrfp.core.policy import Dispatch, choose
-    from rrfp.core.tracker import StageTracker
-    from rrfp.core.variability import Variability
-    from rrfp.hf import HFStage, build_hf_model, build_hf_stage, hf_config, hf_layer_ranges, hf_ties
-    from rrfp.loop import run
-    from rrfp.nn.split_linear import SplitLinear
-    from rrfp.nn.tensor_parallel import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        group_size_rank,
-        shard_from_full,
+if TYPE_CHECKING:
+    # what static tools and IDEs see (``X as X``: an explicit re-export, as strict checkers want);
+    # at run time each name loads on first use (__getattr__)
+    from rrfp.app.config import TrainConfig as TrainConfig
+    from rrfp.app.train import (
+        StepReport as StepReport,
     )
-    from rrfp.pipeline.calibration import calibrate
-    from rrfp.pipeline.executor import IterationResult, StageExecutor
-    from rrfp.pipeline.runtime import PipelineRuntime
-    from rrfp.pipeline.worker import SplitSummary, StageWorker
-    from rrfp.pipeline.workload import Workload, token_features
-    from rrfp.pipelining import ScheduleReady
-    from rrfp.sim import SimConfig, SimResult, simulate
-    from rrfp.sim.planned_hint import planned_config
+    from rrfp.app.train import (
+        TrainSummary as TrainSummary,
+    )
+    from rrfp.app.train import (
+        stage_main as stage_main,
+    )
+    from rrfp.core.cost import CostModel as CostModel
+    from rrfp.core.errors import (
+        PeerFailure as PeerFailure,
+    )
+    from rrfp.core.errors import (
+        PipelineError as PipelineError,
+    )
+    from rrfp.core.variability import Variability as Variability
+    from rrfp.hf import (
+        build_hf_model as build_hf_model,
+    )
+    from rrfp.hf import (
+        build_hf_stage as build_hf_stage,
+    )
+    from rrfp.hf import (
+        hf_config as hf_config,
+    )
+    from rrfp.hf import (
+        hf_ties as hf_ties,
+    )
+    from rrfp.loop import run as run
+    from rrfp.nn.split_linear import SplitLinear as SplitLinear
+    from rrfp.nn.tensor_parallel import (
+        ColumnParallelLinear as ColumnParallelLinear,
+    )
+    from rrfp.nn.tensor_parallel import (
+        RowParallelLinear as RowParallelLinear,
+    )
+    from rrfp.nn.tensor_parallel import (
+        group_size_rank as group_size_rank,
+    )
+    from rrfp.nn.tensor_parallel import (
+        shard_from_full as shard_from_full,
+    )
+    from rrfp.pipeline.calibration import calibrate as calibrate
+    from rrfp.pipeline.executor import (
+        IterationResult as IterationResult,
+    )
+    from rrfp.pipeline.executor import (
+        StageExecutor as StageExecutor,
+    )
+    from rrfp.pipeline.runtime import PipelineRuntime as PipelineRuntime
+    from rrfp.pipeline.worker import StageWorker as StageWorker
+    from rrfp.pipeline.workload import (
+        Workload as Workload,
+    )
+    from rrfp.pipeline.workload import (
+        token_features as token_features,
+    )
+    from rrfp.pipelining import ScheduleReady as ScheduleReady
+    from rrfp.sim import (
+        SimConfig as SimConfig,
+    )
+    from rrfp.sim import (
+        SimResult as SimResult,
+    )
+    from rrfp.sim import (
+        simulate as simulate,
+    )
+    from rrfp.sim.planned_hint import planned_config as planned_config
 
-# public name -> the module that defines it
+# the public surface, written once: public name -> the module that defines it
 _HOMES = {
     # running a pipeline: the runtime, one stage's executor and what it returns, its settings
     "PipelineRuntime": "rrfp.pipeline.runtime",
     "StageExecutor": "rrfp.pipeline.executor",
     "IterationResult": "rrfp.pipeline.executor",
     "StageWorker": "rrfp.pipeline.worker",
-    "SplitSummary": "rrfp.pipeline.worker",
-    "Dispatch": "rrfp.core.policy",
     "Variability": "rrfp.core.variability",
     "CostModel": "rrfp.core.cost",
     "run": "rrfp.loop",
@@ -75,64 +122,23 @@ _HOMES = {
     "RowParallelLinear": "rrfp.nn.tensor_parallel",
     "group_size_rank": "rrfp.nn.tensor_parallel",
     "shard_from_full": "rrfp.nn.tensor_parallel",
-    # the simulator and the policy it shares with the runtime
+    # the simulator
     "simulate": "rrfp.sim",
     "SimConfig": "rrfp.sim",
     "SimResult": "rrfp.sim",
     # hint = "plan" made for a simulated iteration (simulate alone runs BFW)
     "planned_config": "rrfp.sim.planned_hint",
-    "choose": "rrfp.core.policy",
-    "StageTracker": "rrfp.core.tracker",
     # a drop-in for torch.distributed.pipelining's schedules
     "ScheduleReady": "rrfp.pipelining",
     # HuggingFace causal LMs split into stages (the rrfp[hf] extra: transformers loads on first
     # build)
-    "HFStage": "rrfp.hf",
     "build_hf_stage": "rrfp.hf",
     "build_hf_model": "rrfp.hf",
-    "hf_layer_ranges": "rrfp.hf",
     "hf_config": "rrfp.hf",
     "hf_ties": "rrfp.hf",
 }
 
-__all__ = [
-    "ColumnParallelLinear",
-    "CostModel",
-    "Dispatch",
-    "IterationResult",
-    "PeerFailure",
-    "PipelineError",
-    "PipelineRuntime",
-    "RowParallelLinear",
-    "ScheduleReady",
-    "SimConfig",
-    "SimResult",
-    "SplitLinear",
-    "SplitSummary",
-    "StageExecutor",
-    "StageTracker",
-    "StageWorker",
-    "StepReport",
-    "TrainConfig",
-    "TrainSummary",
-    "Variability",
-    "Workload",
-    "choose",
-    "group_size_rank",
-    "planned_config",
-    "run",
-    "shard_from_full",
-    "simulate",
-    "stage_main",
-    "token_features",
-    "calibrate",
-    "HFStage",
-    "build_hf_model",
-    "build_hf_stage",
-    "hf_config",
-    "hf_layer_ranges",
-    "hf_ties",
-]
+__all__ = list(_HOMES)
 
 
 def __getattr__(name: str):

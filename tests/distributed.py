@@ -70,7 +70,7 @@ PRELOAD = [
     "rrfp.pipeline.runtime",
     "rrfp.app.cli",
     "rrfp.app.train",
-    "models.gpt",
+    "rrfp.models.gpt",
 ]
 
 

@@ -179,9 +179,9 @@ async def lane_figures(
     """F, B and W of one GPT block, microbatches of the given lengths, via the ready executor."""
     import torch
 
-    from models.gpt import Block, GPTConfig
     from rrfp.comm.pipeline_channels import PipelineChannels
     from rrfp.loop import CompletionPoller, CudaComputeLane
+    from rrfp.models.gpt import Block, GPTConfig
 
     torch.manual_seed(0)
     block = dev.place(
@@ -458,12 +458,12 @@ async def loopback_figures(
     """Stages 0 and 1 of a GPT on one device, over NcclChannel with LoopbackOps."""
     import torch
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.comm.nccl_channel import NcclChannel
     from rrfp.comm.pipeline_channels import PipelineChannels
     from rrfp.loop import CompletionPoller, CudaComputeLane
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
 
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=64)
     data = make_batches(
@@ -666,12 +666,12 @@ async def memory_figures(
     """A pp=1 GPT stage trained a few steps at the default budget (2x: two microbatches held)."""
     import torch
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.comm.pipeline_channels import PipelineChannels
     from rrfp.core.tasks import Kind
     from rrfp.loop import CompletionPoller, CudaComputeLane
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
 
     torch.manual_seed(0)
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=8, block_size=512)

@@ -23,13 +23,13 @@ SIZES = dict(
 
 def model_config(family: str, **kw):
     """Qwen3 ties its embedding and LM head (first and last stage), Llama does not."""
-    from models.hf import HFConfig
+    from rrfp.models.hf import HFConfig
 
     return HFConfig(family=family, **{**SIZES, "tie_word_embeddings": family == "qwen3", **kw})
 
 
 def data_config():
-    from models.data import DataConfig
+    from rrfp.models.data import DataConfig
 
     return DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=40)
 
@@ -37,11 +37,11 @@ def data_config():
 def reference(cfg, data, seed: int = 0, batches=None) -> tuple[list[float], dict, list[float]]:
     """Each step's mean microbatch loss, the final parameters {name: tensor} of the whole model (a
     tied weight under both names), and each step's gradient norm before clipping.
-    ``batches(step)``: that step's microbatches (default: models/data.py's)."""
+    ``batches(step)``: that step's microbatches (default: rrfp/models/data.py's)."""
     import torch
 
-    from models.data import batches as make_batches
-    from models.hf import build_model, loss_fn
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.hf import build_model, loss_fn
 
     model = build_model(cfg, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)

@@ -166,8 +166,8 @@ STEPS, LR = 3, 3e-2  # a large step: bfloat16 shows in the losses after one upda
 
 
 def _gpt():
-    from models.data import DataConfig
-    from models.gpt import GPTConfig
+    from rrfp.models.data import DataConfig
+    from rrfp.models.gpt import GPTConfig
 
     return (
         GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32),
@@ -177,9 +177,9 @@ def _gpt():
 
 def _one_process_losses(bf16: bool) -> list[float]:
     """``rrfp train``'s update in one process: AdamW on float32 parameters, iteration autocast."""
-    from models.data import batches as make_batches
-    from models.gpt import GPT
-    from models.gpt import loss_fn as gpt_loss
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT
+    from rrfp.models.gpt import loss_fn as gpt_loss
 
     model_cfg, data_cfg = _gpt()
     torch.manual_seed(0)

@@ -1,13 +1,12 @@
-"""The config in sections: the flat [run] configs of the last release load with one deprecation
-line per moved key and resolve to what their sectioned rewrites do; every key has its doc line and
-docs/configuration.md is the reference the dataclasses give; the waits derive from one timeout_s
-and each can be set apart; an embedder's ScheduleSettings runs what the old keywords ran."""
+"""The config in sections: a dry run's resolved config reads back as the same config; every key has
+its doc line and docs/configuration.md is the reference the dataclasses give; the waits derive from
+one timeout_s and each can be set apart; an embedder's ScheduleSettings runs what the old keywords
+ran."""
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from cli_run import rrfp_in_process
 from distributed import run_ranks
 from launch import rank_vars
 
-from rrfp.app.config import FLAT_KEYS, ConfigKeyDeprecated, TrainConfig
+from rrfp.app.config import TrainConfig
 from rrfp.app.config_fields import toml_text
 from rrfp.app.config_reference import reference_markdown, reference_text
 from rrfp.app.config_sections import SECTIONS, TimeoutsSection
@@ -24,50 +23,10 @@ from rrfp.app.step_statistics import StepStatistics
 from rrfp.pipeline.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAT = sorted((ROOT / "tests/fixtures/flat_configs").glob("*.toml"))
 
 
-def _load(path, sets=(), world=4):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = TrainConfig.load(path, list(sets), world_size=world)
-    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigKeyDeprecated)]
-
-
-def test_every_flat_fixture_has_its_sectioned_config():
-    """The fixtures are the configs written before the sections; configs added since are sectioned
-    only, so each fixture must still have its rewrite in configs/."""
-    assert FLAT and [p.name for p in FLAT if not (ROOT / "configs" / p.name).is_file()] == []
-
-
-@pytest.mark.parametrize("flat", FLAT, ids=[p.stem for p in FLAT])
-def test_a_flat_config_resolves_as_its_sectioned_rewrite(flat):
-    old, lines = _load(flat)
-    new, none = _load(ROOT / "configs" / flat.name)
-    assert none == []  # the rewrite uses no deprecated key
-    moved = [k for k in tomllib.loads(flat.read_text())["run"] if k in FLAT_KEYS]
-    assert moved and len(lines) == len(moved) == len(set(lines)), lines
-    for key, line in zip(moved, lines):
-        section, name = FLAT_KEYS[key]
-        assert f"[run] {key} is deprecated: write it as {name} in [{section}]" in line
-    assert old == new
-    assert old.as_toml() == new.as_toml()
-
-
-def test_a_flat_key_on_the_command_line_is_deprecated_too():
-    cfg, lines = _load(ROOT / "configs/gpt-tiny.toml", ["executor=fixed", "checkpoint_keep=3"])
-    assert str(cfg.schedule.dispatch) == "fixed" and cfg.checkpoint.keep == 3
-    assert lines == [
-        "--set executor is deprecated: write --set schedule.dispatch",
-        "--set checkpoint_keep is deprecated: write --set checkpoint.keep",
-    ]
-
-
-def test_a_key_given_flat_and_in_its_section_is_refused(tmp_path):
-    path = tmp_path / "both.toml"
-    path.write_text('[run]\nhint = "1f1b"\n[schedule]\nhint = "bfw"\n')
-    with pytest.raises(ConfigError, match=r"run.hint and schedule.hint are the same setting"):
-        TrainConfig.load(path, world_size=4)
+def _load(path, sets=()):
+    return TrainConfig.load(path, list(sets), world_size=4)
 
 
 def rrfp(*args, world=None, rank=0):
@@ -76,17 +35,15 @@ def rrfp(*args, world=None, rank=0):
     return rrfp_in_process(*args, env=rank_vars(rank, world, port=9) if world is not None else {})
 
 
-def test_rrfp_train_says_each_deprecation_once_on_rank_0():
-    flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
-    res = rrfp("train", "--config", flat, "--dry-run", world=4)
-    lines = res.stderr.splitlines()
-    assert res.returncode == 0 and len(lines) == 5, res.stderr
-    assert all(ln.startswith("rrfp: warning: ") and "deprecated" in ln for ln in lines)
-    other = rrfp("train", "--config", flat, "--dry-run", world=4, rank=1)
+def test_rrfp_train_dry_run_prints_a_config_that_reads_back():
+    config = "configs/gpt-tiny.toml"
+    res = rrfp("train", "--config", config, "--dry-run", world=4)
+    assert (res.returncode, res.stderr) == (0, ""), res.stderr
+    other = rrfp("train", "--config", config, "--dry-run", world=4, rank=1)
     assert (other.returncode, other.stderr) == (0, "")
     # the resolved config it prints reads back as the same config
     doc = tomllib.loads(res.stdout[res.stdout.index("# the resolved config") :])
-    assert TrainConfig.from_dict(doc, world_size=4) == _load(ROOT / flat)[0]
+    assert TrainConfig.from_dict(doc, world_size=4) == TrainConfig.load(ROOT / config, world_size=4)
     assert "memory: pipeline rank 3 (stage 3): at least" in res.stdout
 
 
@@ -118,9 +75,9 @@ def test_the_reference_on_the_command_line():
 
 
 def test_the_waits_derive_from_timeout_s_and_each_is_set_apart():
-    cfg, _ = _load(ROOT / "configs/gpt-tiny.toml", ["timeout_s=20"])
+    cfg = _load(ROOT / "configs/gpt-tiny.toml", ["timeout_s=20"])
     assert cfg.waits == Timeouts(20, 20, 20, 70, 20, 20, 20, 200, 400)
-    cfg, _ = _load(
+    cfg = _load(
         ROOT / "configs/gpt-tiny.toml", ["timeout_s=20", "timeouts.heartbeat_s=5", "peer_wait_s=90"]
     )
     assert (cfg.waits.heartbeat_s, cfg.waits.peer_wait_s, cfg.waits.store_connect_s) == (5, 90, 20)
@@ -142,7 +99,7 @@ def test_the_waits_derive_from_timeout_s_and_each_is_set_apart():
 )
 def test_the_schedule_says_whether_b_and_w_run_apart(sets, split):
     """``split`` where set, else the hint's default: what the executor's settings resolve to."""
-    cfg, _ = _load(ROOT / "configs/gpt-tiny.toml", sets)
+    cfg = _load(ROOT / "configs/gpt-tiny.toml", sets)
     assert cfg.schedule.split_backward is split
     assert cfg.schedule_settings().split is split
 
@@ -154,7 +111,7 @@ DID_YOU_MEAN = [
         "--set schedle.hint: unknown section [schedle] (did you mean schedule?)",
     ),
     (["microbatchs=4"], "--set microbatchs: no section has a key 'microbatchs' (did you mean"),
-    (["executr=fixed"], "(did you mean executor?)"),
+    (["dispach=fixed"], "(did you mean dispatch?)"),
     (["optim.lrr=1"], "--set optim.lrr: unknown key optim.lrr (did you mean lr?)"),
     (["steps=x"], "--set steps (run.steps) = 'x' has the wrong type"),
 ]
@@ -256,3 +213,24 @@ def test_the_runtime_routes_each_wait_and_takes_one_settings_object():
     for same, peer_wait, heartbeat, kept in run_ranks(_settings_and_waits, 2, timeout=90).values():
         assert same and kept
         assert (peer_wait, heartbeat) == (11, 7)
+
+
+@pytest.mark.parametrize(
+    "text,sets,needle",
+    [
+        ("[run]\npp = 2\n", [], "{path}: unknown key run.pp: pp is a key of [parallel] (write "),
+        ("[schedule]\nlr = 0.1\n", [], "{path}: unknown key schedule.lr: lr is a key of [optim]"),
+        (
+            "",
+            ["run.dir=x"],
+            "--set run.dir: unknown key run.dir: dir is a key of [checkpoint], [output] (write "
+            "checkpoint.dir or output.dir)",
+        ),
+    ],
+)
+def test_a_key_in_the_wrong_section_names_its_section(tmp_path, text, sets, needle):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path, sets, world_size=4)
+    assert needle.format(path=path) in str(info.value), str(info.value)

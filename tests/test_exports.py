@@ -1,12 +1,13 @@
-"""rrfp's public surface (rrfp/__init__.py) is pinned: every name in ``__all__``
-resolves to the object its home module defines, ``dir(rrfp)`` lists it, static
-tools see it, and the list equals PUBLIC below, so adding or dropping a name is
-a decision made here, not an accident (after trio's test_exports.py).
-Exported names are a promise: one that is renamed keeps a deprecated alias."""
+"""rrfp's public surface (rrfp/__init__.py) is written once, in ``_HOMES``: every name resolves
+to the object its home module defines, ``__all__`` and ``dir(rrfp)`` list it, static tools see it,
+and the README and docs/embedding.md list exactly it, so adding or dropping a name is a decision
+made in the docs too, not an accident (after trio's test_exports.py). Names an embedding user does
+not need stay in their subpackages."""
 
 import ast
 import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,54 +17,13 @@ import pytest
 import rrfp
 
 ROOT = Path(__file__).resolve().parents[1]
-
-PUBLIC = [
-    "ColumnParallelLinear",
-    "CostModel",
-    "Dispatch",
-    "IterationResult",
-    "PeerFailure",
-    "PipelineError",
-    "PipelineRuntime",
-    "RowParallelLinear",
-    "ScheduleReady",
-    "SimConfig",
-    "SimResult",
-    "SplitLinear",
-    "SplitSummary",
-    "StageExecutor",
-    "StageTracker",
-    "StageWorker",
-    "StepReport",
-    "TrainConfig",
-    "TrainSummary",
-    "Variability",
-    "Workload",
-    "choose",
-    "group_size_rank",
-    "planned_config",
-    "run",
-    "shard_from_full",
-    "simulate",
-    "stage_main",
-    "token_features",
-    "calibrate",
-    "HFStage",
-    "build_hf_model",
-    "build_hf_stage",
-    "hf_config",
-    "hf_layer_ranges",
-    "hf_ties",
-]
+PUBLIC = list(rrfp._HOMES)
+# the section of each doc that lists the surface, every name in backticks
+LISTS = {"README.md": "## The public surface", "docs/embedding.md": "## The public surface"}
 
 
-def test_all_is_the_pinned_list():
-    assert len(set(rrfp.__all__)) == len(rrfp.__all__), "a name is listed twice in rrfp.__all__"
-    added, dropped = (
-        sorted(set(rrfp.__all__) - set(PUBLIC)),
-        sorted(set(PUBLIC) - set(rrfp.__all__)),
-    )
-    assert not added and not dropped, f"rrfp.__all__ changed: added {added}, dropped {dropped}"
+def test_all_is_the_table():
+    assert rrfp.__all__ == PUBLIC
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -73,6 +33,47 @@ def test_every_public_name_resolves_to_its_home(name):
     namespace = {}
     exec(f"from rrfp import {name}", namespace)
     assert namespace[name] is getattr(home, name)
+
+
+def listed(doc: str, heading: str) -> set[str]:
+    """The names in backticks (``name`` or ``name(args)``) in the bullet list of ``doc``'s section
+    under ``heading``: from its first bullet up to the next heading of that level or above."""
+    text = ROOT.joinpath(doc).read_text()
+    assert heading in text, f"{doc} has no section {heading!r}"
+    section = text.split(heading, 1)[1]
+    level = heading.split()[0]
+    section = re.split(rf"^#{{1,{len(level)}}} ", section, maxsplit=1, flags=re.M)[0]
+    bullets = section[section.index("\n- ") :]
+    return set(re.findall(r"`(\w+)(?:\([^`]*\))?`", bullets))
+
+
+@pytest.mark.parametrize("doc", sorted(LISTS))
+def test_the_docs_list_the_surface(doc):
+    names = listed(doc, LISTS[doc])
+    missing, extra = sorted(set(PUBLIC) - names), sorted(names - set(PUBLIC))
+    assert not missing and not extra, f"{doc}: not listed {missing}, listed but not public {extra}"
+
+
+def test_the_docs_check_can_fail():
+    """A name dropped from the table is one the docs list and rrfp lacks."""
+    assert "ScheduleReady" in listed("README.md", LISTS["README.md"])
+    assert "StageTracker" not in listed("docs/embedding.md", LISTS["docs/embedding.md"])
+
+
+@pytest.mark.parametrize(
+    "name, home",
+    [
+        ("StageTracker", "rrfp.core"),
+        ("choose", "rrfp.core"),
+        ("Dispatch", "rrfp.core"),
+        ("HFStage", "rrfp.hf"),
+        ("hf_layer_ranges", "rrfp.hf"),
+        ("SplitSummary", "rrfp.pipeline.worker"),
+    ],
+)
+def test_a_name_not_public_stays_in_its_subpackage(name, home):
+    assert name not in PUBLIC and not hasattr(rrfp, name)
+    assert getattr(importlib.import_module(home), name).__name__ == name
 
 
 @pytest.mark.e2e
@@ -133,9 +134,10 @@ def fresh_imports() -> dict:
     """One fresh interpreter (a module already imported here would hide an import): the torch
     modules the pure names load, then the heavy modules a rank's imports load."""
     code = (
-        "import json, sys, rrfp; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, rrfp.Variability, "
-        "rrfp.CostModel, rrfp.Dispatch, rrfp.choose, rrfp.StageTracker, rrfp.run, "
-        "rrfp.PipelineError; pure = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
+        "import json, sys, rrfp, rrfp.core; rrfp.simulate, rrfp.SimConfig, rrfp.SimResult, "
+        "rrfp.Variability, rrfp.CostModel, rrfp.run, rrfp.PipelineError, rrfp.planned_config, "
+        "rrfp.core.StageTracker, rrfp.core.choose; "
+        "pure = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); "
         f"import {', '.join(RANK_MODULES)}; rrfp.PipelineRuntime, rrfp.ScheduleReady, "
         f"rrfp.stage_main; heavy = [m for m in {UNUSED_BY_A_PLAIN_RANK!r} if m in sys.modules]; "
         "print(json.dumps({'pure': pure, 'rank': heavy}))"

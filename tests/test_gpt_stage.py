@@ -3,9 +3,9 @@ import random
 import pytest
 import torch
 
-from models.data import DataConfig, batches, corpus
-from models.gpt import GPT, GPTConfig, loss_fn, make_stage, split_layers, tied
 from rrfp.core.tasks import Kind, Task
+from rrfp.models.data import DataConfig, batches, corpus
+from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage, split_layers, tied
 from rrfp.nn.split_linear import SplitLinear
 from rrfp.pipeline.worker import StageWorker
 
@@ -78,7 +78,7 @@ def test_stage_params_partition_model(S):
 def test_a_ranks_virtual_stages_are_pieces_of_one_model(stages):
     """Workload.build_stages: each of a rank's stages is built from the seed, so that, whichever
     stages a rank holds (v: 0 and 3 of 4; interleaved: 0 and 2), they are the one model's pieces."""
-    from models.gpt import workload
+    from rrfp.models.gpt import workload
 
     full = dict(_model(seed=5).named_parameters())
     modules = workload.build_stages(CFG, stages, 4, seed=5)

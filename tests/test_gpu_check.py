@@ -127,7 +127,7 @@ def test_the_runs_the_gpu_checks_start_work_on_gloo():
 def test_memory_prediction_counts_weights_optimizer_and_the_budget():
     dev, world = fake_device()
     f = run(gpu_check.memory_figures(dev, n_embd=32, n_layer=2, microbatches=4, iterations=1))
-    from models.gpt import GPT, GPTConfig
+    from rrfp.models.gpt import GPT, GPTConfig
 
     weights = sum(
         p.numel() * 4

@@ -59,7 +59,7 @@ def fake_dist(monkeypatch):
 
 
 def _reference(model_cfg, data):
-    from models.gpt import GPT, loss_fn
+    from rrfp.models.gpt import GPT, loss_fn
 
     torch.manual_seed(0)
     ref = GPT(model_cfg)
@@ -86,8 +86,8 @@ def run_pipeline(
     """``iterations`` iterations (no optimizer step) on every rank of a pp x tp x dp layout, with
     ``virtual`` stages per pipeline rank; per rank: the last one's gradient error against the
     reference, task order and loss, the (first) stage."""
-    from models.data import DataConfig, batches
-    from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
+    from rrfp.models.data import DataConfig, batches
+    from rrfp.models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     layout = plan_layout(world.size, pp, tp, dp)

@@ -22,10 +22,10 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
 
     import torch
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.loop import run
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)

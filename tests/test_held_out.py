@@ -1,10 +1,10 @@
-"""Evaluation draws from data that training never draws (models/data.py): the stdlib bytes
+"""Evaluation draws from data that training never draws (rrfp/models/data.py): the stdlib bytes
 after the training corpus, or the last share of the user's documents."""
 
 import numpy as np
 import pytest
 
-from models.data import DataConfig, batches, corpus, eval_batches
+from rrfp.models.data import DataConfig, batches, corpus, eval_batches
 
 
 def _rows(microbatches):

@@ -33,8 +33,8 @@ def _train(rank, world, family):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from models.hf import DTYPES, loss_fn
     from rrfp import ScheduleReady, build_hf_stage
+    from rrfp.models.hf import DTYPES, loss_fn
 
     cfg = model_config(family)
     dist.init_process_group("gloo")

@@ -246,7 +246,7 @@ def test_bad_configs_are_one_clear_error():
 @pytest.mark.e2e
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
     code = (
-        "import sys, rrfp, rrfp.hf; rrfp.HFStage; assert 'transformers' not in sys.modules, "
+        "import sys, rrfp, rrfp.hf; rrfp.hf.HFStage; assert 'transformers' not in sys.modules, "
         "'loaded'\nsys.modules['transformers'] = None\ntry:\n    rrfp.build_hf_stage(None, 0, "
         "1)\nexcept ImportError as e:\n    print(e)\n"
     )

@@ -1,8 +1,8 @@
 """Imports point down the layers, no module imports itself in a circle, and
-what sits on top of rrfp (models/, examples/, benchmarks/) uses only
-its public surface, ``rrfp/__init__.py``.
+what sits on top of rrfp (rrfp/models/, examples/, benchmarks/) uses only
+its public surface, ``rrfp/__init__.py``, and the built-in models.
 
-Every import in rrfp/ and models/ is read with ast (function-level ones
+Every import in rrfp/ is read with ast (function-level ones
 included), so a lazy import cannot hide an upward edge. The layers and what
 each may import are written down once, here and in docs/design.md.
 """
@@ -65,9 +65,12 @@ ALLOWED = {
         "rrfp.pipelining",
         "rrfp.hf",
     },  # the package's own __init__ and __main__: the public surface
-    "models": {"rrfp"},  # the public surface only (test_top_uses_only_the_public_surface)
+    # the built-in models: the public surface only (test_top_uses_only_the_public_surface); no
+    # layer imports them (the registry finds them by name at run time)
+    "rrfp.models": {"rrfp"},
 }
-TOP = ("models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
+TOP = ("rrfp/models", "examples", "benchmarks")  # code on top of rrfp: the public surface only
+MODELS = "rrfp.models"  # what the top may import besides the public surface
 
 
 def module_name(path: Path) -> str:
@@ -103,10 +106,10 @@ def imports(path: Path) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
-    return {m for m in found if m.split(".")[0] in ("rrfp", "models")}
+    return {m for m in found if m.split(".")[0] == "rrfp"}
 
 
-SOURCES = sorted([*ROOT.joinpath("rrfp").rglob("*.py"), *ROOT.joinpath("models").rglob("*.py")])
+SOURCES = sorted(ROOT.joinpath("rrfp").rglob("*.py"))
 MODULES = {module_name(p) for p in SOURCES}
 GRAPH = {module_name(p): {m for m in imports(p) if m in MODULES} for p in SOURCES}
 
@@ -165,37 +168,72 @@ def test_the_checks_can_fail():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "rrfp.pipeline" not in ALLOWED[layer_of("rrfp.core.tracker")]
-    assert layer_of("models.gpt") == "models" and layer_of("rrfp.app.cli") == "rrfp.app"
+    assert layer_of("rrfp.models.gpt") == "rrfp.models" and layer_of("rrfp.app.cli") == "rrfp.app"
 
 
-def public_names() -> set[str]:
-    """``rrfp.__all__``, read from the source (no import)."""
-    tree = ast.parse(ROOT.joinpath("rrfp", "__init__.py").read_text())
+def _assigned(path: Path, name: str):
+    """The literal value of the module-level ``name = ...`` in ``path`` (read, not imported), or
+    None."""
+    tree = ast.parse(path.read_text())
     return next(
-        set(ast.literal_eval(node.value))
-        for node in tree.body
-        if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        (
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        ),
+        None,
     )
 
 
-def deep_uses(source: str, public: set[str]) -> list[str]:
+def public_names() -> set[str]:
+    """rrfp's public surface, the keys of ``rrfp._HOMES`` (``__all__`` is made from it)."""
+    return set(_assigned(ROOT / "rrfp" / "__init__.py", "_HOMES"))
+
+
+def subpackage_surfaces() -> dict[str, set[str]]:
+    """Each subpackage's own surface, ``rrfp.core`` -> its ``__all__``: where the names that
+    ``rrfp`` does not export stay reachable."""
+    found = {}
+    for init in sorted(ROOT.joinpath("rrfp").glob("*/__init__.py")):
+        names = _assigned(init, "__all__")
+        if names is not None:
+            found[f"rrfp.{init.parent.name}"] = set(names)
+    return found
+
+
+def _deep(module: str) -> bool:
+    """``module`` is inside rrfp and neither its root nor the built-in models."""
+    return module.startswith("rrfp.") and not (module == MODELS or module.startswith(MODELS + "."))
+
+
+def deep_uses(
+    source: str, public: set[str], subpackages: dict[str, set[str]] | None = None
+) -> list[str]:
     """Where ``source`` reaches past rrfp's public surface: ``import rrfp.x``, ``from rrfp.x import
     y``, ``from rrfp import name`` for a name not in ``public``, and ``rrfp.name`` for one not in
-    it."""
+    it. No such reach: the built-in models (``rrfp.models``), and ``from rrfp.sub import name`` for
+    a name in ``subpackages["rrfp.sub"]``, a subpackage's own surface."""
+    subpackages = subpackages or {}
     found = []
     for node in ast.walk(ast.parse(source)):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
-            found += [(line, f"import {a.name}") for a in node.names if a.name.startswith("rrfp.")]
+            found += [(line, f"import {a.name}") for a in node.names if _deep(a.name)]
         elif (
             isinstance(node, ast.ImportFrom)
             and not node.level
             and (node.module or "").split(".")[0] == "rrfp"
         ):
-            if node.module != "rrfp":
+            if node.module in subpackages:
+                found += [
+                    (line, f"from {node.module} import {a.name}")
+                    for a in node.names
+                    if a.name not in subpackages[node.module]
+                ]
+            elif _deep(node.module):
                 found.append((line, f"from {node.module} import ..."))
-            else:
+            elif node.module == "rrfp":
                 found += [
                     (line, f"from rrfp import {a.name}") for a in node.names if a.name not in public
                 ]
@@ -204,6 +242,7 @@ def deep_uses(source: str, public: set[str]) -> list[str]:
             and isinstance(node.value, ast.Name)
             and node.value.id == "rrfp"
             and node.attr not in public
+            and node.attr != "models"
             and not node.attr.startswith("__")
         ):
             found.append((line, f"rrfp.{node.attr}"))
@@ -216,28 +255,33 @@ TOP_SOURCES = sorted(p for folder in TOP for p in ROOT.joinpath(folder).rglob("*
 @pytest.mark.parametrize("path", TOP_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_top_uses_only_the_public_surface(path):
     """Models, examples and benchmarks use ``import rrfp; rrfp.X`` or ``from rrfp import X``, X in
-    ``rrfp.__all__``: what they need is what an embedding user gets, and the internals stay free to
-    move."""
-    deep = deep_uses(path.read_text(), public_names())
+    ``rrfp.__all__``, or a subpackage's own surface (``from rrfp.core import StageTracker``): what
+    they need is what an embedding user gets, and the internals stay free to move."""
+    deep = deep_uses(path.read_text(), public_names(), subpackage_surfaces())
     assert not deep, f"{path.relative_to(ROOT)} reaches past rrfp's public surface: {deep}"
 
 
 def test_the_surface_check_can_fail():
     public = public_names()
-    assert {"SplitLinear", "PipelineRuntime", "simulate"} <= public
-    assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= set(TOP)
+    assert {"SplitLinear", "PipelineRuntime", "simulate"} <= public and "StageTracker" not in public
+    assert TOP_SOURCES and {p.parts[-2] for p in TOP_SOURCES} >= {Path(t).name for t in TOP}
     deep = deep_uses(
         "import rrfp\nimport rrfp.sim\nfrom rrfp.nn.split_linear import SplitLinear\n"
         "from rrfp import SplitLinear, _HOMES\nx = rrfp.pipeline.worker\ny = rrfp.simulate\n"
-        "z = rrfp.__file__\n",
+        "z = rrfp.__file__\nfrom rrfp.models.gpt import GPT\nimport rrfp.models.data\n"
+        "w = rrfp.models\nfrom rrfp.core import StageTracker, RankTracker\n"
+        "from rrfp.core import drive\n",
         public,
+        {"rrfp.core": {"StageTracker", "RankTracker"}},
     )
     assert deep == [
         "line 2: import rrfp.sim",
         "line 3: from rrfp.nn.split_linear import ...",
         "line 4: from rrfp import _HOMES",
         "line 5: rrfp.pipeline",
+        "line 12: from rrfp.core import drive",
     ], deep
+    assert {"StageTracker", "choose"} <= subpackage_surfaces()["rrfp.core"]
 
 
 @pytest.mark.e2e
@@ -248,7 +292,7 @@ def test_core_and_sim_load_without_torch():
 
     code = (
         "import sys, rrfp, rrfp.core, rrfp.sim; rrfp.simulate, rrfp.SimConfig, rrfp.Variability, "
-        "rrfp.choose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+        "rrfp.core.choose; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60

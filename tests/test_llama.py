@@ -1,8 +1,8 @@
-"""The Llama-family LM (models/llama.py): its blocks are HF Llama's and Qwen3's (same weights, same
-logits); for any small config a stage built alone is that part of the whole model and builds no
+"""The Llama-family LM (rrfp/models/llama.py): its blocks are HF Llama's and Qwen3's (same weights,
+same logits); for any small config a stage built alone is that part of the whole model and builds no
 other stage's blocks, and the stages chained are the whole model; ``rrfp train`` at pp 4 (tied and
-untied) and pp 2 x tp 2 equals one process training the whole model, in float64 under ready BFW
-with clipping and weight decay."""
+untied) and pp 2 x tp 2 equals one process training the whole model, in float64 under ready BFW with
+clipping and weight decay."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llama_reference import CLIP, differences, recipe, reference, train
 
-from models import llama
-from models.llama import Llama, LlamaConfig, full_grad_slice, tp_shard_spec, validate_tp
+from rrfp.models import llama
+from rrfp.models.llama import Llama, LlamaConfig, full_grad_slice, tp_shard_spec, validate_tp
 
 
 def _tiny(**kw) -> LlamaConfig:
@@ -191,7 +191,7 @@ def test_a_token_file_over_the_vocabulary_is_refused_in_one_line(tmp_path):
     """The user's token file: ids must fit model.vocab_size (a tokenizer's vocabulary, not 256)."""
     import numpy as np
 
-    from models.data import DataConfig
+    from rrfp.models.data import DataConfig
 
     path = tmp_path / "tokens.bin"
     np.arange(1000, dtype=np.uint16).tofile(path)
@@ -254,7 +254,7 @@ def test_train_equals_one_process(layout):
     sets = [*recipe(CONFIG), *SIZES, *layout]
     want = reference(CONFIG, sets, 4)
     assert min(want[1]) > CLIP, f"clipping should act: {want[1]}"
-    results = run_ranks(train, 4, CONFIG, sets, "models.llama", "Llama", timeout=180)
+    results = run_ranks(train, 4, CONFIG, sets, "rrfp.models.llama", "Llama", timeout=180)
     tp = 2 if "tp=2" in layout else 1
     loss, norm, param = differences(results, want, tp, full_grad_slice)
     print(

@@ -604,7 +604,7 @@ ROWS = [
     Row(
         "header", "an unknown flag bit", _header(_put(14, 2)), "has flags 2"
     ),  # tensor 0's flags word
-    # ---- one's own data ([data] tokens, text, tokenizer: models/token_files.py) ----
+    # ---- one's own data ([data] tokens, text, tokenizer: rrfp/models/token_files.py) ----
     Row("data", "a token file that does not exist", _data("nope.bin", None), "no such file"),
     Row("data", "an empty token file", _data("t.bin", b""), "is empty"),
     Row("data", "a token file of another extension", _data("t.txt", b"\0\1"), "expected a flat"),

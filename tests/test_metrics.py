@@ -12,12 +12,12 @@ import types
 import pytest
 import torch
 
-from models.gpt import GPTConfig, workload
 from rrfp.app.metrics import RunMetrics
 from rrfp.app.metrics_files import JsonLines, TensorBoardEvents, run_folder
 from rrfp.app.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
 from rrfp.app.progress import StepProgress, step_line
 from rrfp.app.train import StepReport
+from rrfp.models.gpt import GPTConfig, workload
 
 TINY = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=64)  # configs/gpt-tiny.toml's model
 

@@ -1,8 +1,7 @@
 """A one-stage pipeline in one process, built as a library caller builds it (one StageWorker,
 one stage's PipelineChannels, no layout), runs the rank path that every V runs: the gradients
 are a single-process reference's, the tasks follow the hint, an iteration leaves no reference
-cycle that keeps its batches alive, and the old attribute names still answer, with a
-DeprecationWarning."""
+cycle that keeps its batches alive."""
 
 from __future__ import annotations
 
@@ -61,22 +60,6 @@ def test_one_stage_runs_the_rank_path_and_matches_the_reference(dispatch):
     assert result.ran == [(0, t) for t in result.order]
     if dispatch == "fixed":
         assert [t for _, t in ex.order] == result.order
-
-
-def test_old_attribute_names_warn_and_answer():
-    worker = StageWorker(_model(), 0, 1, M, _loss, split=False)
-    settings = ExecutorSettings(Dispatch.READY, resolve("1f1b"), Budget.parse("2x"), False, M)
-    ex = StageExecutor(worker, PipelineChannels(0), None, settings)
-    with pytest.warns(DeprecationWarning, match="workers"):
-        assert ex.worker is worker
-    from rrfp.pipeline.runtime import PipelineRuntime
-
-    rt = PipelineRuntime.__new__(PipelineRuntime)
-    rt.channels = ex.channels
-    with pytest.warns(DeprecationWarning, match="channels"):
-        assert rt.rank_channels is ex.channels
-    with pytest.warns(DeprecationWarning, match="of\\(stage\\)"):
-        assert rt.channels.fwd_in is None and rt.channels.bwd_out is None
 
 
 @pytest.mark.parametrize("budget", ["2x", "64KiB"])  # a byte budget sizes microbatches as it goes

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models import token_files
-from models.data import DataConfig, batches, check_fits, vocab_size
-from models.documents import Documents
-from models.token_files import DataError, read_text, read_token_file
+from rrfp.models import token_files
+from rrfp.models.data import DataConfig, batches, check_fits, vocab_size
+from rrfp.models.documents import Documents
+from rrfp.models.token_files import DataError, read_text, read_token_file
 
 EOT = 0
 

@@ -4,7 +4,7 @@ bin folder on sys.path, not the folder it runs in, and the ranks torchrun starts
 rrfp`) have that folder; both must import the same module, and bad input stops in the launcher
 with one line and nothing of torchrun's.
 
-The children import rrfp from a folder that holds nothing else (``lib``: rrfp/ and models/), never
+The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all."""
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def user_folder(tmp: Path) -> Path:
         ROOT / "examples", tmp / "examples", ignore=shutil.ignore_patterns("__pycache__")
     )
     (tmp / "lib").mkdir()
-    for package in ("rrfp", "models"):
-        (tmp / "lib" / package).symlink_to(ROOT / package)
+    (tmp / "lib" / "rrfp").symlink_to(ROOT / "rrfp")
     return tmp
 
 
@@ -134,3 +133,28 @@ def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
         "--samples", "2", "--out", str(tmp_path / "cost.json"), timeout=120,
     )  # fmt: skip
     assert res.returncode == 0 and (tmp_path / "cost.json").is_file(), res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_own(tmp_path):
+    """``models`` is a common name for a project's package: with one in the folder the command
+    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's."""
+    project = tmp_path / "project"
+    (project / "models").mkdir(parents=True)
+    (project / "models" / "__init__.py").write_text('"""The project\'s own models."""\n')
+    (project / "models" / "mine.py").write_text((ROOT / "examples" / "my_model.py").read_text())
+    (project / "lib").mkdir()
+    (project / "lib" / "rrfp").symlink_to(ROOT / "rrfp")
+    small = ["--set", "model.n_layer=2", "--set", "model.n_embd=32", "--set", "model.block_size=64",
+             "--set", "data.max_seq_len=64"]  # fmt: skip
+    (project / "gpt.toml").write_text('[run]\nmodel = "gpt"\n')
+    (project / "mine.toml").write_text('[run]\nmodel = "models.mine"\n')
+    for config, extra in (("gpt.toml", small), ("mine.toml", [])):
+        res = subprocess.run(
+            [str(SCRIPT), "train", "--nproc-per-node", "2", "--config", config, *TINY, *extra,
+             "--set", f"output.dir={tmp_path}/runs/{{model}}"],
+            cwd=project, env=child_env(PYTHONPATH=str(project / "lib")), stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=140,
+        )  # fmt: skip
+        assert res.returncode == 0, config + res.stdout[-2000:] + res.stderr[-3000:]
+        assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout

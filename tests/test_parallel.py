@@ -40,10 +40,10 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
 
     import torch
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.loop import run
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
@@ -100,7 +100,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
                 for n, p in (p for m in modules for p in m.named_parameters()):
                     want = ref_grads[n]
                     if p.shape != want.shape:
-                        from models.gpt import full_grad_slice
+                        from rrfp.models.gpt import full_grad_slice
 
                         want = full_grad_slice(n, want, rt.tp_rank, tp)
                     errs[n] = (p.grad - want).abs().max().item()

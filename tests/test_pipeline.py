@@ -20,8 +20,8 @@ M = 4
 
 
 def _model_and_data():
-    from models.data import DataConfig
-    from models.gpt import GPTConfig
+    from rrfp.models.data import DataConfig
+    from rrfp.models.gpt import GPTConfig
 
     return (
         GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
@@ -34,9 +34,9 @@ def _one_iteration(
 ):
     import torch
 
-    from models.data import batches as make_batches
-    from models.gpt import GPT, loss_fn, make_stage
     from rrfp.loop import run
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
@@ -122,8 +122,6 @@ def test_one_iteration_matches_reference(pp):
 def _twenty_steps(rank, world, configs):
     import torch
 
-    from models.data import batches as make_batches
-    from models.gpt import GPT, loss_fn
     from rrfp.app.config import TrainConfig
     from rrfp.app.config_sections import (
         EmulationSection,
@@ -134,6 +132,8 @@ def _twenty_steps(rank, world, configs):
     )
     from rrfp.app.train import stage_main
     from rrfp.loop import run
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, loss_fn
 
     model_cfg, data_cfg = _model_and_data()
     steps, lr = 20, 3e-3

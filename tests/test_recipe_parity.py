@@ -11,7 +11,7 @@ import math
 import pytest
 from distributed import run_ranks
 
-from models import data
+from rrfp.models import data
 
 pytestmark = pytest.mark.multirank
 
@@ -67,7 +67,7 @@ def _reference():
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}], lr=LR
     )
-    # the stdlib bytes after the training corpus (models/data.py), which training never draws
+    # the stdlib bytes after the training corpus (rrfp/models/data.py), which training never draws
     held_out = [b for k in range(HELD_OUT) for b in data.eval_batches(cfg.data, k, m)]
     losses, norms, evals = [], [], {}
     for step in range(STEPS):

@@ -12,9 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from models.gpt import GPT, GPTConfig, make_stage
-from models.gpt import blocks as gpt_blocks
-from models.gpt import loss_fn as gpt_loss
 from rrfp.app.config import TrainConfig
 from rrfp.app.config_sections import OptimSection
 from rrfp.app.errors import ConfigError
@@ -27,6 +24,9 @@ from rrfp.app.optimizers import (
     param_groups,
     reconfigured,
 )
+from rrfp.models.gpt import GPT, GPTConfig, make_stage
+from rrfp.models.gpt import blocks as gpt_blocks
+from rrfp.models.gpt import loss_fn as gpt_loss
 from rrfp.nn.activation_checkpointing import checkpoint_blocks
 from rrfp.pipeline.worker import StageWorker
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from distributed import run_ranks
 
-from models.gpt import (
+from rrfp.models.gpt import (
     GPT,
     GPTConfig,
     full_grad_slice,
@@ -298,7 +298,7 @@ def test_gpt_tp2_matches_reference():
 
 
 def test_make_stage_rejects_bad_tp(monkeypatch):
-    import models.gpt as gpt
+    import rrfp.models.gpt as gpt
 
     fake = object()  # a "group of size 3": validation fails before any collective or shard
     monkeypatch.setattr(gpt, "group_size_rank", lambda g: (3, 0) if g is fake else (1, 0))

@@ -14,7 +14,7 @@ M, STEPS = 2, 3
 
 
 def _gpt_ties(stage, num_stages):
-    from models.gpt import GPTConfig, tied
+    from rrfp.models.gpt import GPTConfig, tied
 
     return tied(GPTConfig(tie_embeddings=True), stage, num_stages)
 
@@ -24,10 +24,10 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
 
     import torch
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.loop import run
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)

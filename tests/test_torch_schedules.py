@@ -18,8 +18,8 @@ M = 8
 def _model_and_data():
     """8 layers: the two-stage-per-rank schedules split the model into 2 x 4 stages.
     Iteration 0's microbatches are shorter than iteration 1's, so the envelope must grow."""
-    from models.data import DataConfig
-    from models.gpt import GPTConfig
+    from rrfp.models.data import DataConfig
+    from rrfp.models.gpt import GPTConfig
 
     return (
         GPTConfig(n_layer=8, n_embd=32, n_head=4, block_size=64),
@@ -33,8 +33,8 @@ def _model_and_data():
 def _train_two_iterations(rank, world, schedule):
     import torch.distributed as dist
 
-    from models.data import batches as make_batches
-    from models.gpt import GPT, loss_fn, workload
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, loss_fn, workload
 
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfgs = _model_and_data()
@@ -135,10 +135,10 @@ VARIABILITY = dict(
 def _emulated(rank, world, schedule, unit_s):
     import torch.distributed as dist
 
-    from models.data import DataConfig
-    from models.data import batches as make_batches
-    from models.gpt import GPTConfig, loss_fn, workload
     from rrfp.core.variability import Variability
+    from rrfp.models.data import DataConfig
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPTConfig, loss_fn, workload
 
     var = Variability.preset("none", **VARIABILITY)
     model_cfg = GPTConfig(n_layer=8, n_embd=16, n_head=2, block_size=32)

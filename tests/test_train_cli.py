@@ -373,14 +373,10 @@ def test_the_launcher_is_refused_under_torchrun():
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_the_launcher_starts_the_ranks_when_the_config_is_good():
-    """Then it is torchrun: the ranks train, rank 0 reports once, and a flat config's moved keys
-    are warned about once each, by the launcher, not again by rank 0."""
-    flat = "tests/fixtures/flat_configs/gpt-tiny.toml"
-    res = _launch("--nproc-per-node", "2", "--set", "run.steps=2", timeout=170, config=flat)
+    """Then it is torchrun: the ranks train and rank 0 reports once."""
+    res = _launch("--nproc-per-node", "2", "--set", "run.steps=2", timeout=170)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("done: 2 steps") == 1, res.stdout
-    warned = [line for line in res.stderr.splitlines() if "is deprecated" in line]
-    assert warned and len(warned) == len(set(warned)), res.stderr
 
 
 def test_the_launcher_hands_torchrun_the_same_train_command():

@@ -1,9 +1,9 @@
-"""The ViT VLM (models/vit_vlm.py): its split is the least heaviest stage over the chain of parts,
-the encoder spreading over the first stages when heavy; for any small config a stage built alone
-is that part of the whole model, the stages chained are the whole model on microbatches with 0..N
-images, and its LM blocks are models.llama's; ``rrfp train`` at pp 4 with the encoder across two
-stages equals one process training the whole model, in float64 under ready BFW with clipping and
-weight decay."""
+"""The ViT VLM (rrfp/models/vit_vlm.py): its split is the least heaviest stage over the chain of
+parts, the encoder spreading over the first stages when heavy; for any small config a stage built
+alone is that part of the whole model, the stages chained are the whole model on microbatches with
+0..N images, and its LM blocks are rrfp.models.llama's; ``rrfp train`` at pp 4 with the encoder
+across two stages equals one process training the whole model, in float64 under ready BFW with
+clipping and weight decay."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llama_reference import CLIP, differences, recipe, reference, train
 
-from models import vit_vlm
-from models.llama import Llama, LlamaConfig
-from models.shapes import VLMDataConfig, batches
-from models.vit_vlm import Encoding, ViTVLM, ViTVLMConfig, parts, split_parts
+from rrfp.models import vit_vlm
+from rrfp.models.llama import Llama, LlamaConfig
+from rrfp.models.shapes import VLMDataConfig, batches
+from rrfp.models.vit_vlm import Encoding, ViTVLM, ViTVLMConfig, parts, split_parts
 
 
 def _built(cfg: ViTVLMConfig, stage: int, num_stages: int, seed: int = 0) -> ViTVLM:
@@ -148,7 +148,8 @@ def test_stages_that_cut_the_encoder_chain_to_the_whole_model(num_stages):
 
 
 def test_the_lm_blocks_are_llamas():
-    """The LM of the VLM is models.llama's: its blocks from one seed are Llama's from that seed."""
+    """The LM of the VLM is rrfp.models.llama's: its blocks from one seed are Llama's from that
+    seed."""
     cfg = ViTVLMConfig(n_layer=2, qk_norm=True)
     lm = LlamaConfig(n_layer=2, n_embd=cfg.n_embd, n_head=cfg.n_head, qk_norm=True)
     torch.manual_seed(4)
@@ -242,7 +243,7 @@ def test_train_pp4_equals_one_process():
     assert split[0][-1][0] == "vit" and split[1][0][0] == "vit", f"encoder on one stage: {split}"
     want = reference(CONFIG, sets, 4)
     assert min(want[1]) > CLIP, f"clipping should act: {want[1]}"
-    results = run_ranks(train, 4, CONFIG, sets, "models.vit_vlm", "ViTVLM", timeout=180)
+    results = run_ranks(train, 4, CONFIG, sets, "rrfp.models.vit_vlm", "ViTVLM", timeout=180)
     images = results[0][4]
     assert 0 in images and max(images) > 0, f"want microbatches with and without images: {images}"
     loss, norm, param = differences(results, want, 1, _whole)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from models.shapes import (
+from rrfp.models.shapes import (
     COLOURS,
     PLACES,
     SHAPES,
@@ -17,7 +17,7 @@ from models.shapes import (
     batches,
     max_seq_len,
 )
-from models.vlm import VLM, Boundary, VLMConfig, check, loss_fn, make_stage, split_blocks
+from rrfp.models.vlm import VLM, Boundary, VLMConfig, check, loss_fn, make_stage, split_blocks
 
 CFG = VLMConfig(
     image_size=16,

@@ -184,7 +184,7 @@ def test_plain_model_under_bfw_matches_reference():
 
 def test_split_linear_queue_and_autograd_split_agree():
     """weight_split='layers' (SplitLinear's queue, autograd elsewhere) gives autograd's split."""
-    from models.gpt import GPT, GPTConfig, make_stage
+    from rrfp.models.gpt import GPT, GPTConfig, make_stage
 
     torch.manual_seed(0)
     full = GPT(GPTConfig(n_layer=3, n_embd=16, n_head=2, block_size=16)).double()

@@ -201,7 +201,7 @@ def test_a_keys_doc_is_its_metadata_its_comment_or_its_docstring():
     assert docs == {"width": "features per layer", "depth": "layers", "heads": "attention heads",
                     "bare": ""}  # fmt: skip
     # a subclass's fields keep the docs written on its base's
-    from models.vit_vlm import ViTVLMConfig
+    from rrfp.models.vit_vlm import ViTVLMConfig
 
     vit = workload_keys(ViTVLMConfig)
     assert vit["n_kv_head"].doc.startswith("key/value heads") and vit["enc_layers"].type is int
@@ -211,9 +211,9 @@ def test_a_keys_doc_is_its_metadata_its_comment_or_its_docstring():
 
 
 def _builtin_models() -> list[str]:
-    """Every models/*.py that defines a workload, read from the files (so that none is left
+    """Every rrfp/models/*.py that defines a workload, read from the files (so that none is left
     out for failing to import)."""
-    files = sorted((ROOT / "models").glob("*.py"))
+    files = sorted((ROOT / "rrfp" / "models").glob("*.py"))
     return [p.stem for p in files if re.search(r"^workload = ", p.read_text(), re.M)]
 
 

@@ -28,7 +28,7 @@ from dataclasses import MISSING, dataclass
 import torch
 import torch.distributed as dist
 
-from rrfp.app.config import FLAT_KEYS, TrainConfig
+from rrfp.app.config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.optimizers import reconfigured
 from rrfp.app.run_outputs import folder_problem
@@ -87,10 +87,17 @@ def differences(saved: dict, now: dict) -> list[str]:
     return out
 
 
+# the fingerprint's ``run`` keys that the config holds in another section
+_SECTION_OF = {
+    **{k: "parallel" for k in ("pp", "tp", "dp", "virtual", "placement")},
+    "microbatches": "schedule",
+}
+
+
 def _key_name(section: str, key: str) -> str:
-    """A fingerprint's key as the config names it: its ``run`` table keeps the flat names."""
-    if section == "run" and key in FLAT_KEYS:
-        section, key = FLAT_KEYS[key]
+    """A fingerprint's key as the config names it."""
+    if section == "run":
+        section = _SECTION_OF.get(key, section)
     return f"{section}.{key}"
 
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from rrfp.app.errors import UsageError
-from rrfp.app.flag_aliases import add_deprecated_flag
 from rrfp.app.job_lines import rank_and_world, refuse_once, say
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
@@ -85,7 +83,6 @@ def _add_sim(sub) -> None:
         help="dispatch modes, a comma list of fixed (the hint's order, run as a list) and ready "
         "(the best-ranked ready task) (default fixed,ready)",
     )
-    add_deprecated_flag(sim, "--executors", "--dispatch", type=_csv_list)
     sim.add_argument(
         "--hints",
         type=_csv_list,
@@ -290,7 +287,6 @@ def _add_bench(sub) -> None:
         "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
         "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)",
     )
-    add_deprecated_flag(bench, "--executors", "--contenders", type=_csv_list)
     bench.add_argument(
         "--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)"
     )
@@ -380,21 +376,7 @@ def _plot(args) -> int:
     return plot_command(args)
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A moved config key is one ``rrfp: warning:`` line, not Python's two-line warning."""
-    from rrfp.app.config import ConfigKeyDeprecated
-
-    if issubclass(category, ConfigKeyDeprecated):
-        say(f"rrfp: warning: {message}")
-    else:
-        _python_show_warning(message, category, filename, lineno, file, line)
-
-
-_python_show_warning = warnings.showwarning
-
-
 def main(argv: list[str] | None = None) -> int:
-    warnings.showwarning = _show_warning
     try:
         args = build_parser().parse_args(argv)
         if args.command == "sim":

@@ -4,9 +4,7 @@ rrfp/app/config_sections.py)
 plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
 Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the Dispatch mode, the
-Layout, the Workload), and everything below the app takes those objects. The flat [run] table of
-earlier releases still loads: each key that moved is one deprecation warning naming its new
-place (``FLAT_KEYS``).
+Layout, the Workload), and everything below the app takes those objects.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,29 +47,6 @@ from rrfp.pipeline.workload import Workload
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 WORKLOAD_SECTIONS = ("model", "data")
 BY_NAME: dict[str, type[Section]] = {s.NAME: s for s in SECTIONS}
-
-# the flat [run] table's keys that moved: old name -> (section, key). Loaded with one
-# deprecation warning each; [run] keeps model, steps, seed and timeout_s.
-FLAT_KEYS: dict[str, tuple[str, str]] = {
-    **{k: ("parallel", k) for k in ("pp", "tp", "dp", "virtual", "placement")},
-    **{k: ("schedule", k) for k in ("microbatches", "dispatch", "hint", "budget", "split")},
-    "executor": ("schedule", "dispatch"),
-    **{k: ("optim", k) for k in ("lr", "warmup_steps", "weight_decay", "clip_grad_norm")},
-    "on_nonfinite": ("optim", "on_nonfinite"),
-    **{k: ("runtime", k) for k in ("backend", "device", "threads", "autocast")},
-    "checkpoint_dir": ("checkpoint", "dir"),
-    "checkpoint_every": ("checkpoint", "every"),
-    "checkpoint_keep": ("checkpoint", "keep"),
-    "resume": ("checkpoint", "resume"),
-    "on_corrupt_checkpoint": ("checkpoint", "on_corrupt"),
-    **{k: ("output", k) for k in ("log_every", "trace", "sizes", "log_dir")},
-    **{k: ("emulation", k) for k in ("preset", "unit_ms", "cost")},
-    "fault": ("debug", "fault"),
-}
-
-
-class ConfigKeyDeprecated(FutureWarning):
-    """A key of the flat [run] table that moved to a section: it loads, and says where it went."""
 
 
 def _world_size() -> int:
@@ -257,10 +231,9 @@ class TrainConfig:
         loader = _Loader(source, path)
         doc = read_config(path) if path else {}
         loader.check_tables(doc)
-        loader.move_flat_keys(doc)
         for item in overrides:
             loader.apply_override(doc, item)
-        return loader.build(doc, world_size, migrated=True, implied_world=implied_world)
+        return loader.build(doc, world_size, implied_world=implied_world)
 
     def as_toml(self) -> dict:
         """Plain values by section, as a TOML file would give them."""
@@ -314,23 +287,19 @@ class _Loader:
             if not isinstance(table, dict):
                 raise ConfigError(f"{self.source}: [{name}] must be a table (one [{name}] section)")
 
-    def move_flat_keys(self, doc: dict) -> None:
-        """Each key of [run] that moved goes to its section, with one deprecation warning."""
-        run = doc.get("run", {})
-        for old in [k for k in run if k not in RunSection.keys() and k in FLAT_KEYS]:
-            section, key = FLAT_KEYS[old]
-            if key in doc.get(section, {}):
+    def check_placed(self, kind: type[Section], values: dict) -> None:
+        """A key written in a section other than the one that holds it (``[run] pp``): one line
+        naming where it goes."""
+        for key in values:
+            if key in kind.keys():
+                continue
+            homes = [s.NAME for s in SECTIONS if key in s.keys()]
+            if homes:
+                places = " or ".join(f"{home}.{key}" for home in homes)
                 raise ConfigError(
-                    f"{self.source}: run.{old} and {section}.{key} are the same setting: keep "
-                    f"{section}.{key}"
+                    f"{unknown_key(self.where(kind.NAME, key), kind.NAME, key, ())}: "
+                    f"{key} is a key of {', '.join(f'[{h}]' for h in homes)} (write {places})"
                 )
-            doc.setdefault(section, {})[key] = run.pop(old)
-            self.origin[(section, key)] = f"{self.source}: run.{old}"
-            warnings.warn(
-                f"{self.source}: [run] {old} is deprecated: write it as {key} in [{section}]",
-                ConfigKeyDeprecated,
-                stacklevel=3,  # the caller of TrainConfig.load
-            )
 
     def apply_override(self, doc: dict, item: str) -> None:
         key, sep, raw = item.partition("=")
@@ -338,21 +307,9 @@ class _Loader:
             raise ConfigError(f"--set {item!r} is not KEY=VALUE")
         key = key.strip()
         section, name = self._place(doc, key)
-        if section in BY_NAME and name not in BY_NAME[section].keys() and section == "run":
-            if name in FLAT_KEYS:  # run.OLD: a flat key, moved
-                section, name = self._deprecated_set(key, name)
         doc.setdefault(section, {})[name] = _parse_value(raw.strip())
         full = f"{section}.{name}"
         self.origin[(section, name)] = f"--set {key}" + ("" if key == full else f" ({full})")
-
-    def _deprecated_set(self, key: str, old: str) -> tuple[str, str]:
-        section, name = FLAT_KEYS[old]
-        warnings.warn(
-            f"--set {key} is deprecated: write --set {section}.{name}",
-            ConfigKeyDeprecated,
-            stacklevel=3,
-        )
-        return section, name
 
     def _place(self, doc: dict, key: str) -> tuple[str, str]:
         """(section, key) of a --set KEY: SECTION.NAME, or a bare NAME found in one section."""
@@ -375,9 +332,7 @@ class _Loader:
         holders = [s for s, keys in kinds.items() if name in keys]
         if holders:
             return holders[0], name
-        if name in FLAT_KEYS:
-            return self._deprecated_set(key, name)
-        every = [*(k for keys in kinds.values() for k in keys), *FLAT_KEYS]
+        every = [k for keys in kinds.values() for k in keys]
         raise ConfigError(
             f"--set {key}: no section has a key {name!r}{did_you_mean(name, every)} "
             "(write SECTION.KEY; rrfp config lists them)"
@@ -387,17 +342,15 @@ class _Loader:
         self,
         doc: dict,
         world_size: int | None,
-        migrated: bool = False,
         implied_world: bool = False,
     ) -> TrainConfig:
-        if not migrated:
-            self.check_tables(doc)
-            self.move_flat_keys(doc)
+        self.check_tables(doc)
         parts: dict[str, Any] = {}
         for kind in SECTIONS:
             values = doc.get(kind.NAME, {})
             if not isinstance(values, dict):
                 raise ConfigError(f"{self.source}: [{kind.NAME}] must be a table")
+            self.check_placed(kind, values)
             parts[kind.NAME] = kind.parse(values, lambda k, n=kind.NAME: self.where(n, k))
         wl = find_workload(parts["run"].model, self.path)
         for name, kind in (("model", wl.model_config), ("data", wl.data_config)):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rrfp.app.config import FLAT_KEYS, WORKLOAD_SECTIONS, read_config
+from rrfp.app.config import WORKLOAD_SECTIONS, read_config
 from rrfp.app.config_fields import shown_default, type_name
 from rrfp.app.config_sections import SECTIONS, RunSection
 from rrfp.app.registry import find_workload
@@ -105,14 +105,4 @@ def reference_markdown(config: str | Path | None = None) -> str:
         out.append("")
     if config is not None:
         out += _workload_markdown(config)
-    out += [
-        "## Keys of the flat [run] table",
-        "",
-        "A config whose `[run]` table holds every key still loads, with one deprecation warning "
-        "for each key that moved:",
-        "",
-        "| [run] key | now |",
-        "|---|---|",
-    ]
-    out += [f"| `{old}` | `{sec}.{key}` |" for old, (sec, key) in FLAT_KEYS.items()]
     return "\n".join(out) + "\n"

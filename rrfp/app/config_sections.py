@@ -38,7 +38,7 @@ class RunSection(Section):
 
     model: str = setting(
         "gpt",
-        "the workload: a built-in name (models/<name>.py), a module importable from the "
+        "the workload: a built-in name (rrfp/models/<name>.py), a module importable from the "
         "directory the command runs in (mypkg.model, mypkg.model:attr), or a .py file "
         "(path/to/model.py[:attr], a relative path from that directory too)",
     )

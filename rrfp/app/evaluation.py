@@ -4,7 +4,7 @@ run forward only through the pipeline (``StageExecutor.run_eval``: F tasks alone
 
 The held-out data is the workload's ``eval_batches`` or, without it, its ``batches`` at step
 indices from ``HELD_OUT_STEP`` on, which no run reaches (run.steps is at most 10**9): the same
-microbatches at every evaluation, so the losses compare across steps. models/data.py's
+microbatches at every evaluation, so the losses compare across steps. rrfp/models/data.py's
 ``eval_batches`` (gpt, llama) draws from data that training never draws: the stdlib bytes after
 the training corpus, or the last of the user's documents.
 

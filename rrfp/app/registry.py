@@ -2,7 +2,8 @@
 
 ``run.model`` is one of:
 
-- a built-in name, ``gpt``: the ``workload`` of ``models/gpt.py``;
+- a built-in name, ``gpt``: the ``workload`` of ``rrfp.models.gpt`` (rrfp's own namespace, so a
+  user's ``models`` package beside their config is theirs);
 - a module importable from the directory the command runs in, ``mypkg.convnet`` (a bare name
   that is no built-in one, ``convnet``, is ``./convnet.py``), with ``:attr`` for a Workload not
   called ``workload``;
@@ -16,7 +17,8 @@ imported under its own name (``mymodel``), as Python imports a module beside a s
 
 A name that finds nothing is one ConfigError saying where it looked, what is close, and how to
 name a model; a module whose import raises is the user's error, one line with their file and
-line. The import happens at run time, so rrfp never imports ``models`` statically.
+line. The import happens at run time, so no other part of rrfp imports
+``rrfp.models`` statically.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 from rrfp.app.errors import ConfigError
 from rrfp.pipeline.workload import Workload
 
-PACKAGE = "models"
+PACKAGE = "rrfp.models"
 ATTR = "workload"
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _ATTR = re.compile(r"[A-Za-z_]\w*")
@@ -45,7 +47,7 @@ _RRFP = Path(__file__).resolve().parents[1]  # rrfp/: frames there are rrfp's, n
 
 
 def known() -> list[str]:
-    """The built-in workload names: the modules under ``models/`` that hold a ``workload``
+    """The built-in workload names: the modules of ``rrfp.models`` that hold a ``workload``
     (one whose import fails, e.g. for want of an optional package, is left out)."""
     try:
         pkg = importlib.import_module(PACKAGE)

@@ -10,14 +10,13 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from rrfp.app.checkpoints import plan_resume
-from rrfp.app.config import ConfigKeyDeprecated, TrainConfig
+from rrfp.app.config import TrainConfig
 from rrfp.app.config_fields import toml_text
 from rrfp.app.config_sections import OutputSection
 from rrfp.app.environment import check_launcher, configure_logging
@@ -167,7 +166,7 @@ def train_command(args) -> int:
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on
         # every rank (or once, in the launcher, for the world it is about to start)
-        cfg = _load(args, rank, implied_world=standalone and not launching, launching=launching)
+        cfg = _load(args, implied_world=standalone and not launching, launching=launching)
         if standalone and not args.dry_run and not launching:
             raise UsageError(
                 "no RANK/WORLD_SIZE in the environment: give --nproc-per-node N to start N "
@@ -283,21 +282,11 @@ def train_command(args) -> int:
     exit_now(0)
 
 
-def _load(args, rank: int, implied_world: bool, launching: bool = False) -> TrainConfig:
-    """The config, its deprecation warnings printed once for the job (by rank 0, or by the
-    launcher that started the ranks)."""
+def _load(args, implied_world: bool, launching: bool = False) -> TrainConfig:
+    """The config of the command line (``--resume`` is ``checkpoint.resume=required``)."""
     sets = [*args.set, *(["checkpoint.resume=required"] if args.resume else [])]
     world = args.nproc_per_node if launching else None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConfigKeyDeprecated)
-        cfg = TrainConfig.load(args.config, sets, world_size=world, implied_world=implied_world)
-    if rank == 0 and os.environ.get(LAUNCHED) != "1":
-        for w in caught:
-            if issubclass(w.category, ConfigKeyDeprecated):
-                say(f"rrfp: warning: {w.message}")
-            else:
-                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return cfg
+    return TrainConfig.load(args.config, sets, world_size=world, implied_world=implied_world)
 
 
 def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -61,9 +60,6 @@ class PipelineChannels:
         await self.aclose()
 
 
-_ENDS = ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
-
-
 class RankChannels:
     """This rank's channels for each of its stages (virtual stages: several per rank), keyed by
     global stage: ``of(stage)`` is that stage's ``PipelineChannels``. A neighbour on this same
@@ -74,18 +70,6 @@ class RankChannels:
 
     def of(self, stage: int) -> PipelineChannels:
         return self.stages[stage]
-
-    def __getattr__(self, name: str) -> Channel | None:
-        """Deprecated: ``fwd_in``, ``fwd_out``, ``bwd_in`` and ``bwd_out`` of a rank's only stage,
-        as ``PipelineRuntime.channels`` gave them when it held that stage's channels."""
-        if name in _ENDS and len(self.stages) == 1:
-            warnings.warn(
-                f"RankChannels.{name} is deprecated; use channels.of(stage).{name}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(next(iter(self.stages.values())), name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def all(self) -> list[Channel]:
         return [c for ch in self.stages.values() for c in ch.all()]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -227,17 +226,6 @@ class StageExecutor:
         self.task_bound = (
             TaskBound(settings.task_s, settings.task_key) if settings.task_s is not None else None
         )
-
-    @property
-    def worker(self) -> StageWorker:
-        """Deprecated: ``workers[0]``, the rank's first stage's worker."""
-        warnings.warn(
-            "StageExecutor.worker is deprecated; use StageExecutor.workers (one per stage of the "
-            "rank; workers[0] with one stage per rank)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.workers[0]
 
     def _spec(self, hint: Hint) -> RankSpec:
         """The rank's RankSpec: its stages' rules, and the budget over the rank."""

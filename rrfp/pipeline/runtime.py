@@ -21,7 +21,6 @@ import itertools
 import logging
 import os
 import re
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +37,7 @@ from rrfp.comm.heartbeat import Heartbeat
 from rrfp.comm.job_store import attempt, store_client
 from rrfp.comm.loaded_class import DTENSOR, loaded_class
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
-from rrfp.comm.pipeline_channels import RankChannels, create_rank_channels
+from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
@@ -216,17 +215,6 @@ class PipelineRuntime:
         # groups, so leaving the block only closes this rank's side (no barrier, no teardown); the
         # process then exits
         self.abandoned = False
-
-    @property
-    def rank_channels(self) -> RankChannels:
-        """Deprecated: ``channels``, which holds every stage's channels of this rank."""
-        warnings.warn(
-            "PipelineRuntime.rank_channels is deprecated; use PipelineRuntime.channels "
-            "(``of(stage)`` gives one stage's)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.channels
 
     @classmethod
     def start(

@@ -107,7 +107,7 @@ def function_name(fn: Callable) -> str:
 
 def module_name(module: torch.nn.Module) -> str:
     """A stage module's class, as the user wrote it in ``build_stage`` (``torch.nn.Linear``,
-    ``models.gpt.GPTStage``)."""
+    ``rrfp.models.gpt.GPTStage``)."""
     cls = type(module)
     return f"{_short(cls.__module__)}.{cls.__qualname__}"
 

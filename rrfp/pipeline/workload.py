@@ -1,6 +1,6 @@
 """The contract between rrfp and a model: what ``rrfp train`` needs to train it.
 
-A model module (``models/gpt.py``) exposes ``workload = Workload(...)``; the
+A model module (``rrfp/models/gpt.py``) exposes ``workload = Workload(...)``; the
 app finds it by name (``[run] model = "gpt"``), so adding a model needs no
 edit to rrfp. Splitting stays model-agnostic: ``build_stage`` returns this
 stage's part of the model as an ``nn.Module``, whatever the model is.

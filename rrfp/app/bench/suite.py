@@ -27,7 +27,7 @@ from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ and models/ live here
+ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ lives here
 BASELINE = "fixed 1f1b"
 # fixed bfw is ready bfw's ablation (its nominal order, same memory), fixed plan ready plan's (the
 # plan's predicted run replayed as a fixed order): each pair differs in dispatch alone
@@ -214,11 +214,7 @@ def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
         raise UsageError(f"--workloads: no config file {text}")
     try:
         doc = tomllib.loads(path.read_text())
-        own = (
-            doc.get("emulation", {}).get("preset")
-            or doc.get("run", {}).get("preset")  # a flat [run] config's
-            or EmulationSection.preset
-        )
+        own = doc.get("emulation", {}).get("preset") or EmulationSection.preset
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{text}: not valid TOML: {e}") from None
     return Case(path.stem, str(path.resolve()), preset or own, False, tuple(overrides))

@@ -1,6 +1,6 @@
-"""The paper's multimodal shape, small: a ViT encoder feeding the Llama-family LM (models.llama)
-through an MLP projector, on procedural images with 0..max_images images per sample
-(models.shapes), and its pipeline split.
+"""The paper's multimodal shape, small: a ViT encoder feeding the Llama-family LM
+(rrfp.models.llama) through an MLP projector, on procedural images with 0..max_images images per
+sample (rrfp.models.shapes), and its pipeline split.
 
 The encoder embeds each patch_size x patch_size patch (a linear on the flat patch) plus a learned
 position per patch and runs enc_layers pre-norm ViT blocks (LayerNorm, bidirectional attention,
@@ -19,7 +19,7 @@ the projector the LM's hidden sequence [b, n * patches + T, n_embd]. With no ima
 an empty tensor, so the encoder stays in the graph and gets zero gradients as in the whole model.
 
 Every part draws its initial values from a generator seeded by (torch's current seed, the part), as
-in models.llama, so a stage is built alone and equals that part of the whole model
+in rrfp.models.llama, so a stage is built alone and equals that part of the whole model
 ``ViTVLM(cfg)``. No tensor parallelism: ``check`` refuses tp > 1.
 """
 
@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.gpt import loss_fn
-from models.llama import (
+from rrfp import SplitLinear, Workload, group_size_rank
+from rrfp.models.gpt import loss_fn
+from rrfp.models.llama import (
     BLOCK,
     EMBED,
     HEAD,
@@ -44,9 +45,8 @@ from models.llama import (
     materialise,
     part_generator,
 )
-from models.shapes import VLMDataConfig, VLMInputs, batches, check_fits, describe, patchify
-from models.vlm import features
-from rrfp import SplitLinear, Workload, group_size_rank
+from rrfp.models.shapes import VLMDataConfig, VLMInputs, batches, check_fits, describe, patchify
+from rrfp.models.vlm import features
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ _SEEDS = {PATCH: 10, VIT: 11, PROJ: 12}  # generator coordinates of the vision p
 
 @dataclass
 class ViTVLMConfig(LlamaConfig):
-    """The LM's fields (models.llama) plus the encoder's."""
+    """The LM's fields (rrfp.models.llama) plus the encoder's."""
 
     block_size: int = 640  # longest image tokens + text tokens
     image_size: int = 16

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.documents import Documents, max_token, split_at
+from rrfp.models.documents import Documents, max_token, split_at
 
 log = logging.getLogger(__name__)
 

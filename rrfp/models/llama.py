@@ -35,8 +35,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits, describe, eval_batches
-from models.gpt import loss_fn, split_layers
 from rrfp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -45,6 +43,8 @@ from rrfp import (
     group_size_rank,
     shard_from_full,
 )
+from rrfp.models.data import DataConfig, batches, check_fits, describe, eval_batches
+from rrfp.models.gpt import loss_fn, split_layers
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 import rrfp
-from models.data import DataConfig, batches, check_fits, describe
-from models.gpt import loss_fn
+from rrfp.models.data import DataConfig, batches, check_fits, describe
+from rrfp.models.gpt import loss_fn
 
 FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

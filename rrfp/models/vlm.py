@@ -2,7 +2,7 @@
 
 The encoder embeds each patch_size x patch_size patch (a SplitLinear on the flat
 patch) plus a learned position per patch, runs enc_layers non-causal blocks and
-projects to n_embd. The LM (models.gpt's blocks) reads [image tokens; text]
+projects to n_embd. The LM (rrfp.models.gpt's blocks) reads [image tokens; text]
 causally, with learned positions over the whole sequence.
 
 Split: stage 0 holds the encoder, its projection and the text embeddings, the
@@ -21,7 +21,7 @@ least loaded stage (lowest index on a tie), which minimises the heaviest stage.
 The encoder sees only image tokens, so this leans to fewer blocks on stage 0.
 The split depends on the config alone.
 
-As in models.gpt, a stage is the full model with the other layers removed, so
+As in rrfp.models.gpt, a stage is the full model with the other layers removed, so
 parameter names stay the full model's. No tensor parallelism: `check` refuses tp > 1.
 """
 
@@ -36,8 +36,9 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
-from models.shapes import (
+from rrfp import SplitLinear, Workload, group_size_rank, token_features
+from rrfp.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, loss_fn
+from rrfp.models.shapes import (
     IGNORE,
     VLMDataConfig,
     VLMInputs,
@@ -46,7 +47,6 @@ from models.shapes import (
     describe,
     patchify,
 )
-from rrfp import SplitLinear, Workload, group_size_rank, token_features
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class VLMConfig:
 
 
 class Attention(CausalSelfAttention):
-    """models.gpt's attention without the causal mask: every patch sees every patch."""
+    """rrfp.models.gpt's attention without the causal mask: every patch sees every patch."""
 
     is_causal = False
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.documents import Documents
-from models.token_files import read_text, read_token_file, text_files
+from rrfp.models.documents import Documents
+from rrfp.models.token_files import read_text, read_token_file, text_files
 
 log = logging.getLogger(__name__)
 

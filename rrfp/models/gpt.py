@@ -30,7 +30,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.data import DataConfig, batches, check_fits, describe, eval_batches
 from rrfp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -39,6 +38,7 @@ from rrfp import (
     group_size_rank,
     shard_from_full,
 )
+from rrfp.models.data import DataConfig, batches, check_fits, describe, eval_batches
 
 log = logging.getLogger(__name__)
 
