@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # what static tools and IDEs see (``X as X``: an explicit re-export, as strict checkers want);
     # at run time each name loads on first use (__getattr__)
-    from rrfp.app.config import TrainConfig as TrainConfig
-    from rrfp.app.train import (
+    from rrfp.app.config.train_config import TrainConfig as TrainConfig
+    from rrfp.app.train.training import (
         StepReport as StepReport,
     )
-    from rrfp.app.train import (
+    from rrfp.app.train.training import (
         TrainSummary as TrainSummary,
     )
-    from rrfp.app.train import (
+    from rrfp.app.train.training import (
         stage_main as stage_main,
     )
     from rrfp.core.cost import CostModel as CostModel
@@ -108,10 +108,10 @@ _HOMES = {
     "PipelineError": "rrfp.core.errors",
     "PeerFailure": "rrfp.core.errors",
     # training a workload, as `rrfp train` does
-    "stage_main": "rrfp.app.train",
-    "TrainConfig": "rrfp.app.config",
-    "TrainSummary": "rrfp.app.train",
-    "StepReport": "rrfp.app.train",
+    "stage_main": "rrfp.app.train.training",
+    "TrainConfig": "rrfp.app.config.train_config",
+    "TrainSummary": "rrfp.app.train.training",
+    "StepReport": "rrfp.app.train.training",
     "Workload": "rrfp.pipeline.workload",
     "token_features": "rrfp.pipeline.workload",
     # the cost model of any stage modules, without a Workload

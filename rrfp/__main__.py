@@ -1,3 +1,3 @@
-from rrfp.app.cli import entry
+from rrfp.app.cli.main import entry
 
 entry()

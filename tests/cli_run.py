@@ -1,5 +1,5 @@
-"""`rrfp ARGS` run in the test process through ``rrfp.app.cli.main``: what it prints and its exit
-code, as a subprocess would give them, without starting an interpreter and importing torch for
+"""`rrfp ARGS` run in the test process through ``rrfp.app.cli.main.main``: what it prints and its
+exit code, as a subprocess would give them, without starting an interpreter and importing torch for
 each refusal a test checks. Each command keeps one subprocess smoke test of its own elsewhere,
 which covers what only a real process shows (the entry point, the exit status).
 """
@@ -38,7 +38,7 @@ def _leave(code: int):
 
 def rrfp_in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``rrfp ARGS`` with ``env`` over a child's environment: its exit code, stdout and stderr."""
-    from rrfp.app.cli import main
+    from rrfp.app.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -68,8 +68,8 @@ PRELOAD = [
     "torch._dynamo",
     "torch.distributed.checkpoint",
     "rrfp.pipeline.runtime",
-    "rrfp.app.cli",
-    "rrfp.app.train",
+    "rrfp.app.cli.main",
+    "rrfp.app.train.training",
     "rrfp.models.gpt",
 ]
 

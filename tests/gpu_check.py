@@ -582,8 +582,8 @@ def nccl_inits(log: str, mark: str = STARTUP_MARK) -> tuple[int, int]:
 
 RUN_MARKED = f"""
 import ctypes, os, sys
-from rrfp.app.config import TrainConfig
-from rrfp.app.train import stage_main
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.train.training import stage_main
 from rrfp.loop import run
 from rrfp.pipeline.runtime import PipelineRuntime
 start = PipelineRuntime.start
@@ -742,8 +742,8 @@ def memory_line(f: dict) -> str:
 
 RUN_LOSSES = """
 import json, sys
-from rrfp.app.config import TrainConfig
-from rrfp.app.train import stage_main
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.train.training import stage_main
 from rrfp.loop import run
 summary = run(stage_main(TrainConfig.load(sys.argv[1], sys.argv[2:])))
 print("LOSSES " + json.dumps(summary.losses))
@@ -760,7 +760,7 @@ def reference_losses(steps: int, device: str = "cuda:0") -> list[float]:
     """The same model, data and optimizer in one process on ``device``."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     cfg = TrainConfig.load(CONFIG, [f"steps={steps}"], world_size=1)
     wl = cfg.workload

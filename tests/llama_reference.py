@@ -26,7 +26,7 @@ def recipe(config: str) -> list[str]:
     checkpointing where the runtime section has it."""
     import dataclasses
 
-    from rrfp.app.config_sections import RuntimeSection
+    from rrfp.app.config.sections import RuntimeSection
 
     runtime = {f.name for f in dataclasses.fields(RuntimeSection)}
     return RECIPE + (
@@ -57,7 +57,7 @@ def reference(config: str, sets: list[str], world: int):
     before clipping, the final parameters {name: tensor}."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     torch.set_default_dtype(torch.float64)
     try:
@@ -90,8 +90,8 @@ def train(rank, world, config: str, sets: list[str], module: str, cls: str):
 
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     torch.set_default_dtype(torch.float64)

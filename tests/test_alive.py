@@ -42,7 +42,7 @@ def _args(tmp: Path, *sets: str) -> list[str]:
 
 def reference_losses(steps: int) -> list[float]:
     """The same model, data and optimizer in this one process (pp = 1)."""
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"steps={steps}"], world_size=1)
     wl = cfg.workload
@@ -261,10 +261,10 @@ def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(
     import asyncio
     from types import SimpleNamespace
 
-    from rrfp.app import checkpoints
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train import checkpoints
+    from rrfp.app.train.checkpoint_state import CheckpointError
     from rrfp.core.errors import PeerFailure
-    from rrfp.pipeline.checkpoint import CheckpointError
 
     cfg = TrainConfig.load(
         "configs/gpt-tiny.toml", [*SETS, f"checkpoint.dir={tmp_path}"], world_size=2

@@ -134,15 +134,15 @@ def _train(rank, world, autocast):
 
     import torch.distributed as dist
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.config_sections import (
+    from rrfp.app.config.sections import (
         OptimSection,
         ParallelSection,
         RunSection,
         RuntimeSection,
         ScheduleSection,
     )
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

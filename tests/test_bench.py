@@ -226,8 +226,8 @@ def test_bad_input_is_one_usage_error(tmp_path, args, needle):
     """Every flag and config is checked by the parser and ``build_spec`` before anything starts; the
     command prints their UsageError as its one line (two cases below run it: each costs a
     process)."""
-    from rrfp.app.bench_command import build_spec
-    from rrfp.app.cli import build_parser
+    from rrfp.app.cli.bench_command import build_spec
+    from rrfp.app.cli.main import build_parser
     from rrfp.app.errors import UsageError
 
     with pytest.raises(UsageError) as info:
@@ -300,7 +300,7 @@ def test_help_names_the_default_contenders_and_each_one_parses():
     import re
 
     from rrfp.app.bench.suite import DEFAULT_CONTENDERS, Contender, file_slug
-    from rrfp.app.cli import build_parser
+    from rrfp.app.cli.main import build_parser
 
     bench = next(
         a

@@ -30,8 +30,8 @@ from rrfp.observe.trace import Span
 
 
 def bench_spec(args: list[str]):
-    from rrfp.app.bench_command import build_spec
-    from rrfp.app.cli import build_parser
+    from rrfp.app.cli.bench_command import build_spec
+    from rrfp.app.cli.main import build_parser
 
     return build_spec(build_parser().parse_args(["bench", "--quick", *args]))
 

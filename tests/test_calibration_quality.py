@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import random
 
-from rrfp.core.cost import CostModel
-from rrfp.pipeline.calibration_quality import (
+from rrfp.app.cli.calibration_quality import (
     held_out_errors,
     load_warning,
     negative_terms,
     split_held_out,
 )
+from rrfp.core.cost import CostModel
 
 
 def synthetic(per_token: float, intercept: float, noise: float, n: int = 24, seed: int = 0):

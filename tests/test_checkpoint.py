@@ -20,7 +20,7 @@ from distributed import run_ranks
 from launch import rank_vars
 from train_rows import TrainJob
 
-from rrfp.pipeline.checkpoint_dir import MARKER, CheckpointDir
+from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, STOP_AT = 6, 3
@@ -60,7 +60,7 @@ KEYS["checkpoint_keep"] = "checkpoint.keep"  # _config's keywords: the config ke
 
 
 def _config(steps: int, dispatch: str, **run):
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     sets = [s for s in SMALL[2:] if s != "--set"] + [
         f"steps={steps}",
@@ -80,7 +80,7 @@ def _interrupted_and_whole(rank, world, root):
 
     import torch.distributed as dist
 
-    from rrfp.app.train import stage_main
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -204,9 +204,9 @@ def saved(tmp_path_factory) -> Path:
 
 def resume_error(ckdir: Path, *sets: str) -> str:
     """The ConfigError ``rrfp train`` prints for this run, from its check before any group."""
-    from rrfp.app.checkpoints import resume_point
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
     from rrfp.app.errors import ConfigError
+    from rrfp.app.train.checkpoints import resume_point
 
     cfg = TrainConfig.load(
         SMALL[1],
@@ -273,8 +273,8 @@ def test_placement_differs_only_between_layouts_with_several_stages_per_rank():
     """parallel.placement means something only where both the checkpoint and the run have virtual >
     1: resuming a V = 2 checkpoint at V = 1 names parallel.virtual alone (it once named the
     placement too)."""
-    from rrfp.app.checkpoints import _comparable, differences, fingerprint
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoints import _comparable, differences, fingerprint
 
     def fp(*sets):
         return fingerprint(TrainConfig.load(SMALL[1], ["model.n_layer=4", *sets], world_size=2))
@@ -328,8 +328,8 @@ def test_resume_problems_found_before_any_process_group(saved, tmp_path):
     assert [c.step for c in CheckpointDir(saved).complete()] == [2], (
         "a failed start touched the checkpoints"
     )
-    from rrfp.app.checkpoints import resume_point
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoints import resume_point
 
     fresh = TrainConfig.load(
         SMALL[1], [f"checkpoint.dir={tmp_path / 'empty'}", "resume=auto"], world_size=2
@@ -448,7 +448,7 @@ def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):
         CheckpointDir(tmp_path).commit(4, {})
     code = (
         "import os, signal, time\n"
-        "from rrfp.app.train_command import SAME_REQUEST_S, StopOnSigterm, kept_checkpoint\n"
+        "from rrfp.app.cli.train_command import SAME_REQUEST_S, StopOnSigterm, kept_checkpoint\n"
         f"stop = StopOnSigterm(lambda: kept_checkpoint({str(tmp_path)!r})).install()\n"
         f"os.kill(os.getpid(), signal.{sig}); time.sleep(0.05)\n"
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(SAME_REQUEST_S + 0.2)\n"

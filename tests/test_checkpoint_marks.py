@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from rrfp.pipeline.checkpoint import check_readable, load_stage, save_stage, stage_key
+from rrfp.app.train.checkpoint_state import check_readable, load_stage, save_stage, stage_key
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

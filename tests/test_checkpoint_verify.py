@@ -15,7 +15,7 @@ import pytest
 from distributed import run_ranks
 from test_checkpoint import _config, one_error_line, rrfp_alone
 
-from rrfp.pipeline.checkpoint_dir import MARKER, META, CheckpointDir
+from rrfp.app.train.checkpoint_dir import MARKER, META, CheckpointDir
 
 SAVED_AT, LATEST, STEPS = 2, 4, 6
 
@@ -55,9 +55,9 @@ def _resume_after_corruption(rank, world, root):
 
     import torch.distributed as dist
 
-    from rrfp.app.checkpoints import plan_resume
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoints import plan_resume
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -305,8 +305,8 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     nothing loaded."""
     from test_checkpoint import SMALL, resume_error
 
-    from rrfp.app.checkpoints import plan_resume
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoints import plan_resume
 
     root, _ = corrupted
     copied = tmp_path / "copied"

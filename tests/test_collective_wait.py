@@ -9,11 +9,11 @@ import time
 
 import pytest
 
+from rrfp.app.faults import Fault
 from rrfp.comm import collective_wait
 from rrfp.comm.collective_wait import AT, CollectiveWaits
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.core.errors import PeerStuck
-from rrfp.pipeline.faults import Fault
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.timeouts import Timeouts
 

@@ -14,12 +14,12 @@ from cli_run import rrfp_in_process
 from distributed import run_ranks
 from launch import rank_vars
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_fields import toml_text
-from rrfp.app.config_reference import reference_markdown, reference_text
-from rrfp.app.config_sections import SECTIONS, TimeoutsSection
+from rrfp.app.config.fields import toml_text
+from rrfp.app.config.reference import reference_markdown, reference_text
+from rrfp.app.config.sections import SECTIONS, TimeoutsSection
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.step_statistics import StepStatistics
+from rrfp.app.train.step_statistics import StepStatistics
 from rrfp.pipeline.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parents[1]

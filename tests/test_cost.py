@@ -137,8 +137,8 @@ def test_calibrate_fits_this_machine(tmp_path):
 def test_calibrate_measures_named_tuple_inputs():
     """The vlm's first-stage inputs are a named tuple (images, ids): calibration moves them as the
     run does and times every task of every stage, image patches counted."""
-    from rrfp.app.calibrate_command import measure
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.cli.calibrate_command import measure
+    from rrfp.app.config.train_config import TrainConfig
 
     cfg = TrainConfig.load(str(ROOT / "configs/vlm-tiny.toml"), ["pp=2"], world_size=2)
     rows = measure(cfg, samples=2)  # after two warm-ups: a sample with images and one without

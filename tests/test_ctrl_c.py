@@ -19,7 +19,7 @@ from launch import TORCHRUN, child_env
 from rank_procs import ROOT
 from test_checkpoint import SMALL
 
-from rrfp.pipeline.checkpoint_dir import CheckpointDir
+from rrfp.app.train.checkpoint_dir import CheckpointDir
 
 pytestmark = pytest.mark.e2e
 
@@ -95,7 +95,7 @@ def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank)
     KeyboardInterrupt: rank 0 alone says so (the agent sent it to every rank), and the rank leaves
     through exit_now, not the interpreter's teardown."""
     code = (
-        "import rrfp.app.train_command as t, rrfp.app.cli as cli, sys\n"
+        "import rrfp.app.cli.train_command as t, rrfp.app.cli.main as cli, sys\n"
         "def interrupted(args): raise KeyboardInterrupt\n"
         "t.train_command = interrupted\n"
         "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"

@@ -117,7 +117,7 @@ def test_an_unknown_name_is_an_attribute_error():
 
 # what a rank imports: `rrfp train`'s command and stage_main, and an embedding script's runtime
 # and drop-in schedule
-RANK_MODULES = ("rrfp.app.train", "rrfp.app.cli", "rrfp.pipeline", "rrfp.pipelining")
+RANK_MODULES = ("rrfp.app.train.training", "rrfp.app.cli.main", "rrfp.pipeline", "rrfp.pipelining")
 # loaded only by what uses them: saving, loading or checking a checkpoint (DCP), FSDP-sharded
 # stages (FSDP, DTensor), torch's PipelineStage (pipelining, which loads dynamo)
 UNUSED_BY_A_PLAIN_RANK = (

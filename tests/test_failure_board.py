@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 from distributed import free_port
 
-from rrfp.app.failure_board import GRACE_S, FailureBoard
+from rrfp.app.job.failure_board import GRACE_S, FailureBoard
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_with_no_post_naming_it_the_rank_whose_alive_counter_stood_still_is_name
     still ticks, the killed rank 2's does not."""
     import threading
 
-    from rrfp.app.failure_board import alive_key
+    from rrfp.app.job.failure_board import alive_key
 
     board.post(1, "secondary ?")
     board.post(4, "secondary ?")

@@ -1,13 +1,13 @@
 """Which line a failing rank prints: its own failure names the cause, a peer's
 failure points at the peer, a bug says internal error. Unit tests of
-rrfp/app/failure.py on constructed errors (the multi-process ones are in
+rrfp/app/job/failure.py on constructed errors (the multi-process ones are in
 test_fault_injection.py and test_failure.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rrfp.app.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_traceback
+from rrfp.app.job.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_traceback
 from rrfp.comm.channels import PeerError
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import NonFiniteError, PeerFailure, PeerTimeout, ProtocolError, StartupError

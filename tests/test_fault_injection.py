@@ -3,7 +3,7 @@ stage, task), or its model raises, and the run ends with one line per failure.
 
 The failing rank's line names the cause (or there is none: SIGKILL leaves no
 time to write one); every other rank stops with a short line that points at
-the rank that failed first (rrfp/app/failure_board.py), within run.timeout_s
+the rank that failed first (rrfp/app/job/failure_board.py), within run.timeout_s
 + 10 s, with a non-zero exit code; nothing of the run is left alive. The ranks
 are plain processes (rank_procs.py).
 """

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import _child, _context, free_port  # noqa: E402
 
-from rrfp.pipeline.faults import pause  # noqa: E402
+from rrfp.app.faults import pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)

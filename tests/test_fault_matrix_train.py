@@ -1,5 +1,5 @@
 """The fault matrix of `rrfp train`: a fault kind injected on rank 1 of two in one phase of the
-run (debug.fault, rrfp/pipeline/faults.py), and how the job ends. Each row asserts its outcome:
+run (debug.fault, rrfp/app/faults.py), and how the job ends. Each row asserts its outcome:
 
 - "rank 1 named": rank 0 exits 1 with one line, and the line names rank 1, within the phase's bound
   (``timeout_s``; for a hang, ``timeouts.progress_s``) plus slack of the fault;
@@ -21,7 +21,7 @@ inside the F task of step 2's microbatch 1 on one stage of two TP ranks, "TP F",
 first TP all-reduce, where rank 0 waits for it: rank 0's line names that all-reduce too).
 The pause, slow and term rows are the ``long`` tier (they wait out their fault).
 
-Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main``
+Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main.main``
 (tests/train_rows.py); the rows run a few at a time, all started by one module fixture, each
 test then reading its own row's result. docs/faults.md holds the table (tests/test_fault_matrix.py
 writes it).
@@ -41,7 +41,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_rows import TrainJob  # noqa: E402
 
-from rrfp.pipeline.checkpoint_dir import MARKER  # noqa: E402
+from rrfp.app.train.checkpoint_dir import MARKER  # noqa: E402
 
 TIMEOUT_S = 2.0  # run.timeout_s: the heartbeat's bound once the ranks have met
 # how long the rendezvous waits: long enough for two ranks of a loaded machine to arrive apart,

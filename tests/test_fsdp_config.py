@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 
 

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.multirank
 def _train(rank, world):
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     torch.set_default_dtype(torch.float64)

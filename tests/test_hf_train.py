@@ -18,8 +18,8 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
     import asyncio
     import dataclasses
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
 
     doc = {
         "run": dict(model="hf", steps=steps, seed=0, timeout_s=60),
@@ -88,7 +88,7 @@ def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
 
 
 def test_learning_rate_warms_up_linearly_from_zero():
-    from rrfp.app.train import learning_rate
+    from rrfp.app.train.training import learning_rate
 
     assert [learning_rate(0.4, 4, s) for s in range(6)] == [
         0.0,
@@ -128,7 +128,7 @@ def test_learning_rate_warms_up_linearly_from_zero():
     ],
 )
 def test_bad_hf_configs_are_one_line(overrides, message):
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
     from rrfp.app.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:

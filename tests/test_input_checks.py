@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_train_cli import CONFIG, assert_usage_error, config_error, rrfp, sets_args
 
-from rrfp.app.config import ConfigError, TrainConfig
+from rrfp.app.config.train_config import ConfigError, TrainConfig
 from rrfp.app.errors import UsageError
+from rrfp.app.faults import Fault
 from rrfp.core.errors import InjectedFault
 from rrfp.core.hints import peak_in_flight, resolve
 from rrfp.core.tasks import Task
-from rrfp.pipeline.faults import Fault
 
 VLM = "configs/vlm-tiny.toml"
 
@@ -166,7 +166,7 @@ def test_hint_that_does_not_fit_exits_2_before_any_process_group(tmp_path):
 
 
 def _end_file_error(sets: list[str], *needles: str) -> str:
-    from rrfp.app.run_outputs import check_end_files
+    from rrfp.app.job.run_outputs import check_end_files
 
     with pytest.raises(ConfigError) as info:
         check_end_files(TrainConfig.load(CONFIG, sets, world_size=4).output)
@@ -178,7 +178,7 @@ def _end_file_error(sets: list[str], *needles: str) -> str:
 def test_trace_and_sizes_that_cannot_be_written_are_refused_at_the_start(tmp_path):
     """output.trace and output.sizes are written when the run ends: a folder that cannot hold them
     is found before it starts, as checkpoint.dir's is."""
-    from rrfp.app.run_outputs import check_end_files
+    from rrfp.app.job.run_outputs import check_end_files
 
     (tmp_path / "a-file").write_text("")
     _end_file_error(
@@ -255,7 +255,7 @@ def test_fault_spec_round_trip_and_errors():
 
 def test_slow_fault_holds_one_task_of_one_step():
     """The slow task's extra lane time: only its task, only in its step, only where it hits."""
-    from rrfp.pipeline.faults import FaultInjector
+    from rrfp.app.faults import FaultInjector
 
     f = Fault.parse("slow:step=2:stage=1:task=W1:seconds=60")
     assert str(f) == "slow:step=2:stage=1:task=W1:seconds=60" and Fault.parse(str(f)) == f
@@ -270,7 +270,7 @@ def test_slow_fault_holds_one_task_of_one_step():
 
 def test_a_fault_during_the_commit_fires_there_only():
     """during=commit fires as the rank enters its step's checkpoint commit, not in its write."""
-    from rrfp.pipeline.faults import FaultInjector
+    from rrfp.app.faults import FaultInjector
 
     f = Fault.parse("raise:step=2:rank=0:during=commit")
     assert str(f) == "raise:step=2:rank=0:during=commit" and Fault.parse(str(f)) == f
@@ -290,7 +290,7 @@ def test_a_fault_during_the_commit_fires_there_only():
 def test_each_phase_fires_in_its_own_place_only():
     """A fault of each phase fires as its rank enters that phase (of its step, or of the run for
     start-up and the final barrier), and nowhere else; a stop with seconds is continued."""
-    from rrfp.pipeline.faults import PHASES, FaultInjector
+    from rrfp.app.faults import PHASES, FaultInjector
 
     for phase in PHASES:
         once = phase in ("startup", "barrier")

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = """
 import sys, time
-from rrfp.app.job_lines import say
+from rrfp.app.job.job_lines import say
 rank = int(sys.argv[1])
 time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # start together
 for i in range(400):

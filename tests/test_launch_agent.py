@@ -1,5 +1,5 @@
 """What ``rrfp train --nproc-per-node`` ends with once torchrun's agent has run the ranks
-(rrfp/app/launch_agent.py): the exit code of the rank that failed first and none of the agent's
+(rrfp/app/job/launch_agent.py): the exit code of the rank that failed first and none of the agent's
 own text, a line for a rank a signal ended (it wrote none), 128 + the signal for a stop. The agent
 itself is torch's; here its outcome is given, and the e2e runs are in test_user_mistakes.py."""
 
@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from rrfp.app import launch_agent
+from rrfp.app.job import launch_agent
 
 ARGV = ["--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", "c.toml"]
 
@@ -26,7 +26,7 @@ def _failures(tmp: Path, *ranks: tuple[int, bool]) -> dict[int, ProcessFailure]:
     failures = {}
     for rank, (code, wrote) in enumerate(ranks):
         error_file = tmp / f"error-{rank}.json"
-        if wrote:  # what rrfp/app/job_lines.py tell_torchrun leaves
+        if wrote:  # what rrfp/app/job/job_lines.py tell_torchrun leaves
             info = {"py_callstack": f"rrfp: error: rank {rank}", "timestamp": "1000"}
             error_file.write_text(json.dumps({"message": {"message": "x", "extraInfo": info}}))
         failures[rank] = ProcessFailure(rank, 100 + rank, code, str(error_file))

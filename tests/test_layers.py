@@ -14,6 +14,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the library layers, below the app
+LIBRARY = {
+    "rrfp.core",
+    "rrfp.observe",
+    "rrfp.sim",
+    "rrfp.loop",
+    "rrfp.comm",
+    "rrfp.nn",
+    "rrfp.pipeline",
+    "rrfp.hf",
+}
+APP_ROOMS = {"rrfp.app", "rrfp.app.config", "rrfp.app.job", "rrfp.app.train", "rrfp.app.bench"}
+
 # layer -> the layers it may import (its own modules always)
 ALLOWED = {
     "rrfp.core": set(),
@@ -40,30 +53,22 @@ ALLOWED = {
         "rrfp.nn",
         "rrfp.pipeline",
     },
-    "rrfp.app": {
-        "rrfp.core",
-        "rrfp.observe",
-        "rrfp.sim",
-        "rrfp.loop",
-        "rrfp.comm",
-        "rrfp.nn",
-        "rrfp.pipeline",
-        "rrfp.pipelining",
-        "rrfp.hf",
-    },  # pipelining: the bench runs ScheduleReady beside the executors
+    # the app, in rooms: its root (errors, fault injection) is shared by every room; each room
+    # imports the rooms below it: config < job < train < bench < cli
+    "rrfp.app": LIBRARY,
+    "rrfp.app.config": LIBRARY | {"rrfp.app"},
+    "rrfp.app.job": LIBRARY | {"rrfp.app", "rrfp.app.config"},
+    "rrfp.app.train": LIBRARY | {"rrfp.app", "rrfp.app.config", "rrfp.app.job"},
+    "rrfp.app.bench": LIBRARY
+    | {"rrfp.pipelining", "rrfp.app", "rrfp.app.config", "rrfp.app.job"},  # the drop-in
+    "rrfp.app.cli": LIBRARY | {"rrfp.pipelining", *APP_ROOMS},
     # torch.distributed.pipelining's schedule surface over the runtime: user-facing glue beside app
     "rrfp.pipelining": {"rrfp.core", "rrfp.loop", "rrfp.comm", "rrfp.pipeline"},
-    "rrfp": {
-        "rrfp.core",
-        "rrfp.observe",
-        "rrfp.sim",
-        "rrfp.loop",
-        "rrfp.comm",
-        "rrfp.nn",
-        "rrfp.pipeline",
-        "rrfp.app",
+    "rrfp": LIBRARY
+    | {
         "rrfp.pipelining",
-        "rrfp.hf",
+        "rrfp.app.cli",
+        *APP_ROOMS,
     },  # the package's own __init__ and __main__: the public surface
     # the built-in models: the public surface only (test_top_uses_only_the_public_surface); no
     # layer imports them (the registry finds them by name at run time)
@@ -168,7 +173,10 @@ def test_the_checks_can_fail():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert "rrfp.pipeline" not in ALLOWED[layer_of("rrfp.core.tracker")]
-    assert layer_of("rrfp.models.gpt") == "rrfp.models" and layer_of("rrfp.app.cli") == "rrfp.app"
+    assert layer_of("rrfp.models.gpt") == "rrfp.models"
+    assert layer_of("rrfp.app.cli.main") == "rrfp.app.cli"
+    assert layer_of("rrfp.app.errors") == "rrfp.app"
+    assert "rrfp.app.cli" not in ALLOWED[layer_of("rrfp.app.train.training")]
 
 
 def _assigned(path: Path, name: str):

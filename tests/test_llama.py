@@ -205,7 +205,7 @@ def test_a_token_file_over_the_vocabulary_is_refused_in_one_line(tmp_path):
 def test_named_configs_load(name, world):
     """The named configs are valid configs of this model (the 1B one is for GPUs: read here with
     gloo, not built)."""
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     sets = ["runtime.backend=gloo"] if name == "llama-1b" else []
     cfg = TrainConfig.load(f"configs/{name}.toml", sets, world_size=world)

@@ -90,9 +90,9 @@ def _checkpoint(tmp: Path, step: int = 2, **run) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from rrfp.app.checkpoints import fingerprint
-    from rrfp.app.config import TrainConfig
-    from rrfp.pipeline.checkpoint_dir import CheckpointDir
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoint_dir import CheckpointDir
+    from rrfp.app.train.checkpoints import fingerprint
 
     sets = [s for s in SMALL[2:] if s != "--set"] + [f"{k}={json.dumps(v)}" for k, v in run.items()]
     cfg = TrainConfig.load(CONFIG, sets, world_size=WORLD)
@@ -109,7 +109,7 @@ def _checkpoint(tmp: Path, step: int = 2, **run) -> Path:
 
 def _reseal(ckpt: Path) -> None:
     """Rewrite the commit record for the files as they are now (as if they had been saved so)."""
-    from rrfp.pipeline import checkpoint_dir as cd
+    from rrfp.app.train import checkpoint_dir as cd
 
     files = {
         p.name: {"bytes": p.stat().st_size, "sha256": cd._sha256(p)}

@@ -80,7 +80,7 @@ def _out_of_step(rank, world):
 
     import torch
 
-    from rrfp.app.failure import Failure
+    from rrfp.app.job.failure import Failure
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime
 

@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-from rrfp.app.metrics import RunMetrics
-from rrfp.app.metrics_files import JsonLines, TensorBoardEvents, run_folder
-from rrfp.app.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
-from rrfp.app.progress import StepProgress, step_line
-from rrfp.app.train import StepReport
+from rrfp.app.cli.progress import StepProgress, step_line
+from rrfp.app.train.metrics import RunMetrics
+from rrfp.app.train.metrics_files import JsonLines, TensorBoardEvents, run_folder
+from rrfp.app.train.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
+from rrfp.app.train.training import StepReport
 from rrfp.models.gpt import GPTConfig, workload
 
 TINY = GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=64)  # configs/gpt-tiny.toml's model
@@ -99,7 +99,7 @@ def test_json_lines_one_flushed_line_per_step(tmp_path):
 
 def test_tensorboard_off_without_the_package(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
-    with caplog.at_level(logging.INFO, logger="rrfp.app.metrics_files"):
+    with caplog.at_level(logging.INFO, logger="rrfp.app.train.metrics_files"):
         assert TensorBoardEvents.open(tmp_path) is None
     assert "tensorboard package is not installed" in caplog.text
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from rrfp.app.failure import SECONDARY, Failure
+from rrfp.app.job.failure import SECONDARY, Failure
 from rrfp.comm import nccl_groups
 from rrfp.comm.channels import PeerError
 from rrfp.core.errors import StartupError

@@ -15,8 +15,8 @@ STEPS, NAN_STEP = 4, 2  # 1-based, as debug.fault counts
 def _train(rank, world):
     import torch
 
-    import rrfp.app.train as train
-    from rrfp.app.config import TrainConfig
+    import rrfp.app.train.training as train
+    from rrfp.app.config.train_config import TrainConfig
     from rrfp.loop import run
 
     cfg = TrainConfig.load(

@@ -220,7 +220,7 @@ def test_hint_is_an_incumbent_and_the_time_limit_reports_a_bound():
 @pytest.mark.e2e
 def test_sim_loads_without_ortools():
     code = (
-        "import sys, rrfp.sim, rrfp.sim.oracle, rrfp.app.sim_oracle; "
+        "import sys, rrfp.sim, rrfp.sim.oracle, rrfp.app.cli.sim_oracle; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ortools'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -228,7 +228,7 @@ def test_sim_loads_without_ortools():
 
 
 def test_cli_without_ortools_says_what_to_install(monkeypatch, capsys):
-    from rrfp.app.cli import main
+    from rrfp.app.cli.main import main
 
     for name in ("ortools", "ortools.sat", "ortools.sat.python", "ortools.sat.python.cp_model"):
         monkeypatch.setitem(sys.modules, name, None)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rrfp.app.cli import main
+from rrfp.app.cli.main import main
 from rrfp.observe.trace import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]

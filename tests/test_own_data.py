@@ -246,8 +246,13 @@ def test_vocab_and_length_checks(tmp_path, tokenizer_json):
 def test_a_checkpoint_saved_before_the_data_keys_still_matches():
     """A checkpoint's fingerprint from before [data] had tokens, text, tokenizer, eot and cache_dir
     matches a run that leaves them at their defaults, and not one that trains on a token file."""
-    from rrfp.app.checkpoints import _comparable, _new_keys_at_default, differences, fingerprint
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.checkpoints import (
+        _comparable,
+        _new_keys_at_default,
+        differences,
+        fingerprint,
+    )
 
     new = {"tokens", "text", "tokenizer", "eot", "cache_dir"}
     cfg = TrainConfig.load("configs/gpt-tiny.toml", world_size=4)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from launch import TORCHRUN, child_env
 
-from rrfp.app.registry import known
+from rrfp.app.config.registry import known
 
 pytestmark = pytest.mark.e2e
 

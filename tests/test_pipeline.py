@@ -122,15 +122,15 @@ def test_one_iteration_matches_reference(pp):
 def _twenty_steps(rank, world, configs):
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.config_sections import (
+    from rrfp.app.config.sections import (
         EmulationSection,
         OptimSection,
         ParallelSection,
         RunSection,
         ScheduleSection,
     )
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
     from rrfp.models.data import batches as make_batches
     from rrfp.models.gpt import GPT, loss_fn
@@ -179,12 +179,12 @@ def _stage_main_once(rank, world):
 
     import torch.distributed as dist
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.config_sections import (
+    from rrfp.app.config.sections import (
         RunSection,
         ScheduleSection,
     )
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
 
     model_cfg, data_cfg = _model_and_data()
     cfg = TrainConfig(

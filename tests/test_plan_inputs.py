@@ -16,9 +16,9 @@ from test_cost import synthetic
 from test_train_cli import CONFIG, assert_usage_error, rrfp
 
 import rrfp.core.variability as variability
-from rrfp.app.calibrate_command import calibration_device
-from rrfp.app.config import ConfigError, TrainConfig
-from rrfp.app.config_sections import RuntimeSection
+from rrfp.app.cli.calibrate_command import calibration_device
+from rrfp.app.config.sections import RuntimeSection
+from rrfp.app.config.train_config import ConfigError, TrainConfig
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes

@@ -51,7 +51,7 @@ def _reference():
     """The whole model here: (losses, norms, {step: eval loss})."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     torch.set_default_dtype(torch.float64)
     cfg = TrainConfig.load("configs/gpt-tiny.toml", SETS, world_size=4)
@@ -91,8 +91,8 @@ def _reference():
 def _train(rank, world):
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     torch.set_default_dtype(torch.float64)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_sections import OptimSection
+from rrfp.app.config.sections import OptimSection
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.lr_schedule import learning_rate, optim_learning_rate
-from rrfp.app.optimizers import (
+from rrfp.app.train.lr_schedule import learning_rate, optim_learning_rate
+from rrfp.app.train.optimizers import (
     DECAYS,
     build_optimizer,
     configure,
@@ -220,7 +220,7 @@ def test_checkpointed_gpt_blocks_under_the_split_give_exact_gradients_recomputin
 
 
 def test_another_optimizer_is_refused_on_resume_and_older_checkpoints_were_adamw():
-    from rrfp.app.checkpoints import _comparable, differences, fingerprint
+    from rrfp.app.train.checkpoints import _comparable, differences, fingerprint
 
     def fp(*sets):
         return fingerprint(TrainConfig.load("configs/gpt-tiny.toml", list(sets), world_size=4))

@@ -41,8 +41,8 @@ SETS = [
 
 
 def _train(rank, world, ckdir, name, resume):
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     sets = [*SETS, f"checkpoint.dir={ckdir}", f"optim.name={name}", f"checkpoint.resume={resume}"]

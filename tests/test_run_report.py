@@ -28,7 +28,7 @@ def _texts(folder) -> None:
 
 @pytest.mark.timeout(240)
 def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     _texts(tmp_path / "texts")
     sets = [f"run.steps={STEPS}", "schedule.microbatches=4", f"data.text={tmp_path / 'texts'}"]

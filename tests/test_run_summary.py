@@ -5,9 +5,9 @@ says it found, and what is said when the model cannot be measured."""
 
 from __future__ import annotations
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.run_summary import run_summary, summary_lines
-from rrfp.app.start_checks import footprints
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.train.run_summary import run_summary, summary_lines
+from rrfp.app.train.start_checks import footprints
 
 
 def test_each_rank_beside_1f1b():

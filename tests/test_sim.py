@@ -202,9 +202,9 @@ def test_cli_bad_input(args, needle):
 def test_cli_jitter_replaces_the_presets_and_is_checked():
     """`--jitter` sets the per-task sigma over any preset's (0.01 on `none`: a real machine's
     noise); a negative one is the CLI's one-line usage error."""
-    from rrfp.app.cli import build_parser
+    from rrfp.app.cli.main import build_parser
+    from rrfp.app.cli.sim_command import _resolve
     from rrfp.app.errors import UsageError
-    from rrfp.app.sim_command import _resolve
 
     def var(*flags):
         return _resolve(build_parser().parse_args(["sim", *flags]))[3]
@@ -230,7 +230,7 @@ def test_cli_jitter_replaces_the_presets_and_is_checked():
 def test_cli_refuses_in_one_line_in_process(argv, needle, capsys, monkeypatch):
     from pathlib import Path
 
-    from rrfp.app.cli import main
+    from rrfp.app.cli.main import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     assert main(argv) == 2
@@ -405,7 +405,7 @@ def test_default_table_shows_every_speedup_beside_its_memory():
 def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
     """`not run` lines beside other rows are information; when nothing the user named could run, it
     is an error."""
-    from rrfp.app.cli import main
+    from rrfp.app.cli.main import main
 
     order = tmp_path / "stage0.csv"
     order.write_text("stage,task\n0,F0\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rrfp.app.cli import main
+from rrfp.app.cli.main import main
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "sim_makespans.json").read_text())
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.start_checks import (
+from rrfp.app.train.start_checks import (
     check_byte_budget,
     check_memory,
     check_timeout,

@@ -19,8 +19,8 @@ def _groups_created(rank, world, root):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime
 

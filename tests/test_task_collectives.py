@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 
+from rrfp.app.faults import Fault, FaultInjector
 from rrfp.comm.collective_wait import AT
 from rrfp.comm.heartbeat import Heartbeat
 from rrfp.core.errors import PeerFailure, PeerStuck, PeerTimeout
 from rrfp.core.tasks import Task
 from rrfp.nn.collective_marks import marked, marking
 from rrfp.pipeline import task_collectives
-from rrfp.pipeline.faults import Fault, FaultInjector
 from rrfp.pipeline.task_collectives import TaskCollectives
 
 GROUP = object()  # the TP group: its members are set by hand, no process group needed

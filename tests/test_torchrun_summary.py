@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from rrfp.app.job_lines import refuse_once
+from rrfp.app.job.job_lines import refuse_once
 
 
 def test_torchruns_summary_shows_the_refusal_line(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ import pytest
 from cli_run import rrfp_in_process
 from launch import child_env, rank_vars, rrfp_argv
 
-from rrfp.app.config import ConfigError, TrainConfig
+from rrfp.app.config.train_config import ConfigError, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/gpt-tiny.toml"
@@ -300,7 +300,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
     the node."""
     import torch
 
-    from rrfp.app.config import ConfigError, TrainConfig
+    from rrfp.app.config.train_config import ConfigError, TrainConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -318,7 +318,7 @@ def test_the_auto_backend_is_nccl_with_a_gpu_per_local_rank_else_gloo(monkeypatc
     """Checked without a GPU: CUDA is reported present with two devices."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -354,7 +354,7 @@ def test_the_launcher_refuses_a_bad_config_before_starting_ranks():
     ranks that failed under its agent produce). In this process: starting the ranks, which
     replaces the process by torchrun's agent, fails the test instead."""
     started = AssertionError("the launcher started the ranks")
-    with mock.patch("rrfp.app.train_command.start_ranks", side_effect=started):
+    with mock.patch("rrfp.app.cli.train_command.start_ranks", side_effect=started):
         res = rrfp("--config", CONFIG, "--nproc-per-node", "2", "--set", "schedule.hnt=bfw")
         assert_usage_error(res, "unknown key schedule.hnt", "did you mean hint?")
         assert "ChildFailedError" not in res.stderr and res.stdout == "", res.stdout
@@ -382,13 +382,13 @@ def test_the_launcher_starts_the_ranks_when_the_config_is_good():
 def test_the_launcher_hands_torchrun_the_same_train_command():
     from argparse import Namespace
 
-    from rrfp.app.launcher import torchrun_argv
+    from rrfp.app.job.launcher import torchrun_argv
 
     args = Namespace(
         nproc_per_node=4, config="c.toml", set=["a=1", "b=2"], resume=True, debug=False
     )
     argv = torchrun_argv(args)
     assert argv[1:] == [
-        "-m", "rrfp.app.launch_agent", "--standalone", "--nproc-per-node", "4",
+        "-m", "rrfp.app.job.launch_agent", "--standalone", "--nproc-per-node", "4",
         "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
     ]  # fmt: skip

@@ -37,7 +37,7 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=(), clip: bool =
     without ``clip``, each step's norm and no clipping."""
     import torch
 
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     cfg = TrainConfig.load("configs/gpt-tiny.toml", [*SETS, f"dp={dp}", *extra], world_size=world)
     wl, run = cfg.workload, cfg.run
@@ -71,8 +71,8 @@ def _train(rank, world, dp, nan_step, extra=()):
 
     import rrfp.comm.grad_norm as grad_norm
     import rrfp.pipeline.runtime as runtime
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     torch.set_default_dtype(torch.float64)
@@ -154,8 +154,8 @@ NORM_LAYOUTS = {
 def _unclipped(rank, world, sets, dp, same):
     import torch
 
-    from rrfp.app.config import TrainConfig
-    from rrfp.app.train import stage_main
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
     torch.set_default_dtype(torch.float64)

@@ -1,5 +1,5 @@
 """An exception raised in the user's code is the user's: marked where rrfp calls that code
-(rrfp/pipeline/user_code.py), it keeps its type, and rrfp/app/failure.py classifies it USER and
+(rrfp/pipeline/user_code.py), it keeps its type, and rrfp/app/job/failure.py classifies it USER and
 prints a line that names the function and what rrfp passed it; an exception rrfp raises itself
 stays INTERNAL ("please report it"), and a lost peer inside the user's forward stays a peer
 failure. The e2e runs are in test_user_mistakes.py."""
@@ -15,9 +15,9 @@ import torch
 from cli_run import rrfp_in_process
 from torch import nn
 
-from rrfp.app.evaluation import held_out
-from rrfp.app.failure import INTERNAL, SECONDARY, USER, Failure, kind_of
-from rrfp.app.run_summary import data_found
+from rrfp.app.job.failure import INTERNAL, SECONDARY, USER, Failure, kind_of
+from rrfp.app.train.evaluation import held_out
+from rrfp.app.train.run_summary import data_found
 from rrfp.comm.pipeline_channels import PipelineChannels
 from rrfp.core.budget import Budget
 from rrfp.core.errors import PeerFailure

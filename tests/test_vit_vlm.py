@@ -201,7 +201,7 @@ def test_workload_blocks_are_the_stage_blocks():
     ],
 )
 def test_config_refusals(sets, message):
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
     from rrfp.app.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
@@ -236,7 +236,7 @@ def _whole(name, full, tp_rank, tp):
 def test_train_pp4_equals_one_process():
     """The encoder over two stages, so an Encoding crosses ranks; microbatches with and without
     images; the tie between the projector's stage and the last."""
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     sets = [*recipe(CONFIG), *SIZES]
     split = split_parts(TrainConfig.load(CONFIG, sets, world_size=4).model, 4)

@@ -311,7 +311,7 @@ def test_loss_falls():
 
 @pytest.mark.timeout(30)
 def test_config_file_and_inputs_move():
-    from rrfp.app.config import TrainConfig
+    from rrfp.app.config.train_config import TrainConfig
 
     cfg = TrainConfig.load("configs/vlm-tiny.toml", world_size=4)
     assert cfg.workload.name == "vlm" and cfg.layout.pp == 4

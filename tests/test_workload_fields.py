@@ -1,5 +1,6 @@
 """A workload's [model] and [data] keys are checked against their fields' annotations as rrfp's own
-sections are (rrfp/app/workload_fields.py): the value a TOML file or ``--set`` gives either fits
+sections are (rrfp/app/config/workload_fields.py):
+the value a TOML file or ``--set`` gives either fits
 the type, and arrives as that type, or is one line naming the key and what it takes. Checked over
 generated types and values, on every built-in model's every key, and on a user's Workload; and
 ``rrfp config --config FILE`` lists a config's workload keys."""
@@ -22,12 +23,12 @@ from cli_run import rrfp_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rrfp.app.checkpoints import fingerprint
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_fields import toml_text
+from rrfp.app.config.fields import toml_text
+from rrfp.app.config.registry import find_workload, known
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.config.workload_fields import check_value, type_name, workload_keys
 from rrfp.app.errors import ConfigError
-from rrfp.app.registry import find_workload, known
-from rrfp.app.workload_fields import check_value, type_name, workload_keys
+from rrfp.app.train.checkpoints import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
-"""How ``run.model`` finds a workload (rrfp/app/registry.py): a built-in name, a module importable
-from the directory the command runs in, or a .py file (relative to that directory); what it says
-when it finds none, and when the user's module raises on import.
+"""How ``run.model`` finds a workload (rrfp/app/config/registry.py): a built-in name, a module
+importable from the directory the command runs in, or a .py file (relative to that directory);
+what it says when it finds none, and when the user's module raises on import.
 
 Each test runs in a folder of its own that is not on ``sys.path`` (the test process has the
 repository there, as a user's ``rrfp`` script has its own bin folder): what imports from it, the
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config.registry import find_workload
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.registry import find_workload
 from rrfp.pipeline.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +160,7 @@ def test_a_name_that_is_no_name(here):
 
 
 def test_a_run_folder_names_a_file_model_without_its_py():
-    from rrfp.app.metrics_files import model_slug
+    from rrfp.app.train.metrics_files import model_slug
 
     assert model_slug("gpt") == "gpt"
     assert model_slug("convnet.py") == "convnet"

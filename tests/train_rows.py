@@ -1,5 +1,6 @@
 """`rrfp train` on two ranks, each rank a child of the test session's forkserver (torch and rrfp
-already imported) that runs ``rrfp.app.cli.main`` as ``python -m rrfp`` would: its own stdout and
+already imported) that runs
+``rrfp.app.cli.main.main`` as ``python -m rrfp`` would: its own stdout and
 stderr files, its own signal handlers, its exit status. A rank starts in milliseconds instead of
 the seconds an interpreter takes to import torch, so a table of faults costs what its faults do."""
 
@@ -30,7 +31,7 @@ def _rank_main(rank: int, world: int, port: int, argv: list[str], tmp: str) -> N
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     for s in (signal.SIGINT, signal.SIGTERM):  # a forkserver child inherits the server's
         signal.signal(s, signal.SIG_DFL)
-    from rrfp.app.cli import main
+    from rrfp.app.cli.main import main
 
     code = main(argv)
     sys.stdout.flush()

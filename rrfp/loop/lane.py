@@ -60,7 +60,7 @@ class ComputeLane:
         self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
     ) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at
-        least (``hold_s``: a testing aid, rrfp/pipeline/faults.py's slow task)."""
+        least (``hold_s``: a testing aid, rrfp/app/faults.py's slow task)."""
         if self._closed:
             raise RuntimeError(f"lane {self.name}: closed")
         if self._thread is None:

@@ -107,7 +107,7 @@ def the_cause(group: BaseExceptionGroup) -> BaseException:
     """The one error an iteration raises for its TaskGroup's: this rank's own failure (the model's
     error, a bug, a protocol or message check) before a peer's that it caused, first come first.
     The others are noted on it. A caller then catches what the model raised (``except TypeError``),
-    not an ExceptionGroup; rrfp/app/failure.py ranks the same way."""
+    not an ExceptionGroup; rrfp/app/job/failure.py ranks the same way."""
 
     def rank(e: BaseException) -> int:
         return (

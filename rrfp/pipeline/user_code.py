@@ -7,7 +7,7 @@ a caller of the embedding APIs still catches what the model raised (``except Typ
 rrfp knows at the call, which function it was and the shapes it passed, is attached to it as a
 ``UserCode`` record (``blame``), read back with ``user_code``. The executor adds the task and
 iteration. ``rrfp train`` turns a marked exception into one line that names the user's function
-(rrfp/app/failure.py); an unmarked one is rrfp's own bug.
+(rrfp/app/job/failure.py); an unmarked one is rrfp's own bug.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class Workload:
     # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
     features: Callable[[Batch], dict] = token_features
     # (data_cfg, index, num_microbatches) -> held-out microbatches for evaluation ([eval]); None:
-    # ``batches`` at step indices no run reaches (rrfp/app/evaluation.py)
+    # ``batches`` at step indices no run reaches (rrfp/app/train/evaluation.py)
     eval_batches: Callable[[Any, int, int], Sequence[Batch]] | None = None
     # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter
     # name}: parameters shared between stages (a tied embedding and lm head), kept equal by rrfp

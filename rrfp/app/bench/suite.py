@@ -20,8 +20,8 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_sections import EmulationSection
+from rrfp.app.config.sections import EmulationSection
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError, UsageError
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout

@@ -19,15 +19,17 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from rrfp.app.checkpoints import Resume, RunCheckpoints, plan_resume
-from rrfp.app.config import TrainConfig
-from rrfp.app.evaluation import due as eval_due
-from rrfp.app.evaluation import evaluate
-from rrfp.app.lr_schedule import learning_rate as scheduled_lr
-from rrfp.app.lr_schedule import optim_learning_rate
-from rrfp.app.metrics import RunMetrics
-from rrfp.app.optimizers import agree_on_ties, build_optimizer, no_decay_names
-from rrfp.app.step_statistics import StepStatistics
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.faults import FaultInjector
+from rrfp.app.train.checkpoint_state import rng_state
+from rrfp.app.train.checkpoints import Resume, RunCheckpoints, plan_resume
+from rrfp.app.train.evaluation import due as eval_due
+from rrfp.app.train.evaluation import evaluate
+from rrfp.app.train.lr_schedule import learning_rate as scheduled_lr
+from rrfp.app.train.lr_schedule import optim_learning_rate
+from rrfp.app.train.metrics import RunMetrics
+from rrfp.app.train.optimizers import agree_on_ties, build_optimizer, no_decay_names
+from rrfp.app.train.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
@@ -35,13 +37,11 @@ from rrfp.nn.activation_checkpointing import checkpoint_blocks
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.peak_memory import PeakMemory
 from rrfp.observe.trace import chrome_trace, write_json
-from rrfp.pipeline.checkpoint import rng_state
-from rrfp.pipeline.faults import FaultInjector
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.sharded_stages import shard_stage
 from rrfp.pipeline.thread_state import Autocast, ThreadState
 
-log = logging.getLogger("rrfp.app.train")
+log = logging.getLogger("rrfp.app.train.training")
 T = TypeVar("T")
 
 
@@ -244,7 +244,7 @@ class _RankTraining:
     async def _build_optimizers(self) -> None:
         """One optimizer per stage: the same update as one over all (AdamW and SGD are per
         parameter), and each stage's state goes to its own checkpoint key. Its weight-decay groups
-        agree across the stages that hold a tie (rrfp/app/optimizers.py)."""
+        agree across the stages that hold a tie (rrfp/app/train/optimizers.py)."""
         cfg, rt = self.cfg, self.rt
         no_decay = [no_decay_names(m) for m in self.modules]
         await agree_on_ties(rt, self.wl, cfg.model, rt.stages, no_decay)
@@ -518,7 +518,7 @@ class _RankTraining:
 
 def learning_rate(lr: float, warmup_steps: int, step: int) -> float:
     """The learning rate of (0-based) ``step``: rising linearly from 0 over ``warmup_steps`` steps,
-    then ``lr`` (optim.schedule = constant; rrfp/app/lr_schedule.py has the others)."""
+    then ``lr`` (optim.schedule = constant; rrfp/app/train/lr_schedule.py has the others)."""
     return scheduled_lr(step, lr, warmup_steps)
 
 

@@ -21,10 +21,10 @@ import threading
 import torch.distributed as dist
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for the poll to leave its store call
-from rrfp.app.failure_board import alive_key, connect_store
+from rrfp.app.job.failure_board import alive_key, connect_store
 from rrfp.comm.job_store import attempt
 
-log = logging.getLogger("rrfp.app.stop_relay")
+log = logging.getLogger("rrfp.app.job.stop_relay")
 
 POLL_S = (
     0.2  # a stop reaches every rank within about this long, plus one step poll (train.STOP_POLL_S)

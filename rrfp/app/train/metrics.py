@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from rrfp.app.metrics_files import JsonLines, TensorBoardEvents, run_folder
-from rrfp.app.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
+from rrfp.app.train.metrics_files import JsonLines, TensorBoardEvents, run_folder
+from rrfp.app.train.metrics_mfu import ModelFlops, Peak, device_peak, model_flops
 
 log = logging.getLogger(__name__)
 

@@ -18,20 +18,20 @@ import sys
 import numpy as np
 import torch
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_sections import RuntimeSection
-from rrfp.app.metrics_files import model_slug
-from rrfp.app.run_outputs import check_output
-from rrfp.core.cost import CostModel, ranking_agreement
-from rrfp.observe.trace import write_atomic
-from rrfp.pipeline.calibration import measure_stages
-from rrfp.pipeline.calibration_quality import (
+from rrfp.app.cli.calibration_quality import (
     held_out_errors,
     load_average,
     load_warning,
     negative_terms,
     split_held_out,
 )
+from rrfp.app.config.sections import RuntimeSection
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.job.run_outputs import check_output
+from rrfp.app.train.metrics_files import model_slug
+from rrfp.core.cost import CostModel, ranking_agreement
+from rrfp.observe.trace import write_atomic
+from rrfp.pipeline.calibration import measure_stages
 
 KINDS = "FBW"
 

@@ -34,7 +34,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("rrfp.pipeline.checkpoint_dir")
+log = logging.getLogger("rrfp.app.train.checkpoint_dir")
 
 MARKER = "COMMITTED"
 META = "meta.json"

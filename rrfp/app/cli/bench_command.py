@@ -30,9 +30,9 @@ from rrfp.app.bench.suite import (
     parse_case,
     unavailable,
 )
+from rrfp.app.cli.progress import progress
 from rrfp.app.errors import UsageError
-from rrfp.app.progress import progress
-from rrfp.app.run_outputs import check_output
+from rrfp.app.job.run_outputs import check_output
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.hints import resolve
@@ -157,7 +157,7 @@ def to_calibrate(spec: BenchSpec) -> dict[str, tuple[Case, Contender | None]]:
 def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, CostModel]]:
     """Fit a cost model on this machine for each one the job needs (``to_calibrate``); its file
     (what the ranks load) and the model itself, by key."""
-    from rrfp.app.calibrate_command import measure
+    from rrfp.app.cli.calibrate_command import measure
 
     paths, models = {}, {}
     for key, (case, contender) in to_calibrate(spec).items():

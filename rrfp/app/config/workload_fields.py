@@ -31,7 +31,7 @@ import typing
 from dataclasses import MISSING
 from typing import Any, Literal
 
-from rrfp.app.config_fields import did_you_mean
+from rrfp.app.config.fields import did_you_mean
 from rrfp.app.errors import ConfigError
 
 SUPPORTED = "int, float, bool, str, Path, Literal, an enum, tuple, list, dict[str, ...], X | None"

@@ -1,7 +1,7 @@
-"""torchrun's agent as ``rrfp train --nproc-per-node`` runs it: ``python -m rrfp.app.launch_agent
-TORCHRUN-ARGS``, torchrun's own arguments.
+"""torchrun's agent as ``rrfp train --nproc-per-node`` runs it:
+``python -m rrfp.app.job.launch_agent TORCHRUN-ARGS``, torchrun's own arguments.
 
-Each rank of a failed run writes its one line (rrfp/app/failure.py); torchrun's agent would then
+Each rank of a failed run writes its one line (rrfp/app/job/failure.py); torchrun's agent would then
 add its log lines and a ``ChildFailedError`` traceback of about 40 lines that say nothing more.
 Here the agent runs as torchrun runs it (its ``run``), in this process, so that Ctrl-C and SIGTERM
 reach it as they reach torchrun; only what it prints is different: its log lines below CRITICAL
@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from rrfp.app.job_lines import say
+from rrfp.app.job.job_lines import say
 
 # the loggers torchrun's agent logs with (torch.distributed.elastic's, torch.distributed.run's)
 AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
@@ -41,8 +41,8 @@ def quiet_agent() -> None:
 def ended(failures: dict) -> int:
     """The job's exit code once ``failures`` (rank -> torch's ProcessFailure) ended it, and the
     line for a rank that wrote none. A rank whose own failure ended it wrote its line, and the
-    error file the agent gave it (rrfp/app/job_lines.py tell_torchrun); the others, stopped by
-    its loss, stay silent (rrfp/app/train_command.py). So the rank that failed first is the
+    error file the agent gave it (rrfp/app/job/job_lines.py tell_torchrun); the others, stopped by
+    its loss, stay silent (rrfp/app/cli/train_command.py). So the rank that failed first is the
     first that wrote an error file; with none, the first that a signal ended, which cannot have
     written a line, so it is said here; with neither (every rank stopped, 130 or 143), the first
     to exit. torch's own "first failure" compares whole seconds, and a tie picks the lowest rank."""

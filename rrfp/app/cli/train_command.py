@@ -1,5 +1,5 @@
 """`rrfp train`: run stage_main on this rank; print on rank 0; one line on error
-(rrfp/app/failure.py), the traceback in output.log_dir (and on stderr with --debug)."""
+(rrfp/app/job/failure.py), the traceback in output.log_dir (and on stderr with --debug)."""
 
 from __future__ import annotations
 
@@ -15,30 +15,30 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from rrfp.app.checkpoints import plan_resume
-from rrfp.app.config import TrainConfig
-from rrfp.app.config_fields import toml_text
-from rrfp.app.config_sections import OutputSection
-from rrfp.app.environment import check_launcher, configure_logging
+from rrfp.app.cli.progress import StepProgress
+from rrfp.app.config.fields import toml_text
+from rrfp.app.config.sections import OutputSection
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
-from rrfp.app.failure import Failure, user_text, write_traceback
-from rrfp.app.failure_board import FailureBoard
-from rrfp.app.job_lines import rank_and_world, refuse_once, say, tell_torchrun
-from rrfp.app.launcher import LAUNCHED, check_launch, start_ranks
-from rrfp.app.progress import StepProgress
-from rrfp.app.run_outputs import check_end_files
-from rrfp.app.run_summary import run_summary, summary_lines
-from rrfp.app.start_checks import (
+from rrfp.app.job.environment import check_launcher, configure_logging
+from rrfp.app.job.failure import Failure, user_text, write_traceback
+from rrfp.app.job.failure_board import FailureBoard
+from rrfp.app.job.job_lines import rank_and_world, refuse_once, say, tell_torchrun
+from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
+from rrfp.app.job.run_outputs import check_end_files
+from rrfp.app.job.stop_relay import StopRelay
+from rrfp.app.train.checkpoint_dir import CheckpointDir
+from rrfp.app.train.checkpoints import plan_resume
+from rrfp.app.train.run_summary import run_summary, summary_lines
+from rrfp.app.train.start_checks import (
     Footprint,
     check_byte_budget,
     check_memory,
     check_timeout,
     footprints,
 )
-from rrfp.app.stop_relay import StopRelay
-from rrfp.app.train import stage_main
+from rrfp.app.train.training import stage_main
 from rrfp.loop import run as run_loop
-from rrfp.pipeline.checkpoint_dir import CheckpointDir
 from rrfp.pipeline.user_code import user_code
 
 STOPPED_EXIT = 128 + signal.SIGTERM  # 143, what a shell reports for a run ended by SIGTERM
@@ -310,7 +310,7 @@ def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
 
 def _mfu_note(cfg: TrainConfig) -> str:
     """What the MFU column is against, said once at the end of a run."""
-    from rrfp.app.metrics_mfu import device_peak
+    from rrfp.app.train.metrics_mfu import device_peak
 
     device = torch.device(cfg.runtime.device_type, 0 if cfg.runtime.device_type == "cuda" else None)
     peak = device_peak(device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops)
@@ -324,13 +324,14 @@ def _gib(n: int) -> str:
 
 
 def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
-    """One line on stderr (rrfp/app/failure.py says which), the traceback to the log, then leave."""
+    """One line on stderr (rrfp/app/job/failure.py says which), the traceback to the log, then
+    leave."""
     # torchrun's agent SIGTERMs the other ranks as soon as one exits: finish this line first (a
     # second or two at most, then exit_now below; the agent waits far longer before its SIGKILL)
     ignore_stop_signals()
     failure = Failure.of(e)
     # rrfp train --nproc-per-node: the job's one line is the first failed rank's, or the
-    # launcher's for a rank that a signal ended (rrfp/app/launch_agent.py); this one is silent
+    # launcher's for a rank that a signal ended (rrfp/app/job/launch_agent.py); this one is silent
     silent = failure.follows_peer and os.environ.get(LAUNCHED) == "1"
     board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None

@@ -29,9 +29,9 @@ from rrfp.core.errors import PipelineError
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import CheckpointException
 
-    from rrfp.pipeline.marked_storage import Working
+    from rrfp.app.train.checkpoint_storage import Working
 
-log = logging.getLogger("rrfp.pipeline.checkpoint")
+log = logging.getLogger("rrfp.app.train.checkpoint_state")
 
 
 class CheckpointError(PipelineError):
@@ -95,7 +95,7 @@ def save_stage(
     each saved under its own stage key. ``working``: marks this rank's own writes (``Working``)."""
     import torch.distributed.checkpoint as dcp
 
-    from rrfp.pipeline.marked_storage import MarkedWriter
+    from rrfp.app.train.checkpoint_storage import MarkedWriter
 
     state = _state(module, opt, rank, stage, tp_rank, device, rng)
     try:
@@ -122,7 +122,7 @@ def load_stage(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from rrfp.pipeline.marked_storage import MarkedReader
+    from rrfp.app.train.checkpoint_storage import MarkedReader
 
     state = _state(module, opt, rank, stage, tp_rank, device)
     try:

@@ -25,7 +25,8 @@ def progress(
 
 
 def step_line(r) -> str:
-    """A training step's report (rrfp.app.train.StepReport) as the line ``rrfp train`` prints."""
+    """A training step's report (rrfp.app.train.training.StepReport) as the line ``rrfp train``
+    prints."""
     eta = (r.steps - r.step - 1) * r.wall_s
     skipped = "  skipped: NaN/Inf, no update" if r.skipped else ""
     norm = f"  grad norm {r.grad_norm:.4g}" if r.grad_norm is not None else ""

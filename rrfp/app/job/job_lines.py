@@ -61,7 +61,7 @@ def refuse_once(text: str, line: str, board=None) -> None:
     tell_torchrun(line)
     rank, world = rank_and_world()
     if world > 1 and board is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        from rrfp.app.failure_board import FailureBoard  # imports torch: only when it can help
+        from rrfp.app.job.failure_board import FailureBoard  # imports torch: only when it can help
 
         board = FailureBoard.connect()
     if board is not None:

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rrfp.app.errors import ConfigError, UsageError
-from rrfp.pipeline.checkpoint_dir import write_synced
+from rrfp.app.train.checkpoint_dir import write_synced
 
 if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
-    from rrfp.app.config_sections import OutputSection
+    from rrfp.app.config.sections import OutputSection
 
 END_FILES = ("trace", "sizes")  # output.* keys naming a file rank 0 writes when the run ends
 

@@ -8,15 +8,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from rrfp.app.config_fields import Section, did_you_mean, setting
+from rrfp.app.config.fields import Section, did_you_mean, setting
 from rrfp.app.errors import ConfigError
+from rrfp.app.faults import Fault
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
 from rrfp.core.hints import BUILTIN, VIRTUAL_ONLY, Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import PRESETS, Variability
-from rrfp.pipeline.faults import Fault
 from rrfp.pipeline.timeouts import Timeouts
 
 RESUME_MODES = ("off", "auto", "required")
@@ -436,7 +436,7 @@ class DebugSection(Section):
     DOC = "Testing aids."
 
     fault: Fault | None = setting(
-        doc='make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/pipeline/faults.py); '
+        doc='make a rank fail, e.g. "kill:step=3:stage=1:task=B2" (rrfp/app/faults.py); '
         "default: $RRFP_FAULT",
         toml=(str,),
         parse=_fault,

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from rrfp.app.cli.progress import progress
 from rrfp.app.errors import UsageError
-from rrfp.app.progress import progress
-from rrfp.app.run_outputs import check_output
+from rrfp.app.job.run_outputs import check_output
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import BUILTIN, HintError, resolve
 from rrfp.core.placement import Placement, VirtualLayout
@@ -223,7 +223,7 @@ def sim_command(args) -> int:
         if path and path != "-":
             check_output(flag, path)
     if args.oracle:
-        from rrfp.app import sim_oracle
+        from rrfp.app.cli import sim_oracle
 
         sim_oracle.check(args, layouts)
     base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)

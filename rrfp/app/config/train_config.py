@@ -1,6 +1,6 @@
 """Run configuration: a TOML file in sections ([run], [parallel], [schedule], [optim],
 [runtime], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
-rrfp/app/config_sections.py)
+rrfp/app/config/sections.py)
 plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
 Parsed once: a TrainConfig holds resolved objects (the Hint, the Budget, the Dispatch mode, the
@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rrfp.app.config_fields import Section, did_you_mean, unknown_key
-from rrfp.app.config_sections import (
+from rrfp.app.config.fields import Section, did_you_mean, unknown_key
+from rrfp.app.config.registry import find_workload
+from rrfp.app.config.sections import (
     SECTIONS,
     CheckpointSection,
     DebugSection,
@@ -31,10 +32,9 @@ from rrfp.app.config_sections import (
     ScheduleSection,
     TimeoutsSection,
 )
+from rrfp.app.config.workload_fields import as_toml as workload_toml
+from rrfp.app.config.workload_fields import check_value, workload_keys
 from rrfp.app.errors import ConfigError
-from rrfp.app.registry import find_workload
-from rrfp.app.workload_fields import as_toml as workload_toml
-from rrfp.app.workload_fields import check_value, workload_keys
 from rrfp.core.hints import NOMINAL_BUDGET, HintError
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
@@ -364,7 +364,7 @@ class _Loader:
 
     def workload_section(self, name: str, kind: type, values) -> Any:
         """The workload's [model] or [data] from its TOML values, each checked against its
-        field's type (rrfp/app/workload_fields.py) as rrfp's own sections are."""
+        field's type (rrfp/app/config/workload_fields.py) as rrfp's own sections are."""
         if not isinstance(values, dict):
             raise ConfigError(f"{self.source}: [{name}] must be a table")
         known = workload_keys(kind)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from rrfp.app.errors import UsageError
-from rrfp.app.run_outputs import check_output
+from rrfp.app.job.run_outputs import check_output
 from rrfp.observe.plot import iterations, plot_timelines, select, spans_from_chrome
 
 MAX_TIMELINES = 6  # timelines drawn when --timelines does not pick

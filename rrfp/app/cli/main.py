@@ -7,7 +7,7 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError
-from rrfp.app.job_lines import rank_and_world, refuse_once, say
+from rrfp.app.job.job_lines import rank_and_world, refuse_once, say
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import BUILTIN
 from rrfp.core.variability import PRESETS
@@ -237,7 +237,7 @@ class _ConfigHelp(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from rrfp.app.config_reference import reference_text
+        from rrfp.app.config.reference import reference_text
 
         print(reference_text(), end="")
         parser.exit(0)
@@ -371,7 +371,7 @@ def _add_bench(sub) -> None:
 
 
 def _plot(args) -> int:
-    from rrfp.app.plot_command import plot_command
+    from rrfp.app.cli.plot_command import plot_command
 
     return plot_command(args)
 
@@ -380,26 +380,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "sim":
-            from rrfp.app.sim_command import sim_command
+            from rrfp.app.cli.sim_command import sim_command
 
             return sim_command(args)
         if args.command == "plot":
             return _plot(args)
         if args.command == "config":
-            from rrfp.app.config_reference import reference_markdown, reference_text
+            from rrfp.app.config.reference import reference_markdown, reference_text
 
             show = reference_markdown if args.markdown else reference_text
             print(show(args.config), end="")
             return 0
         if args.command == "calibrate":
-            from rrfp.app.calibrate_command import calibrate_command
+            from rrfp.app.cli.calibrate_command import calibrate_command
 
             return calibrate_command(args)
         if args.command == "bench":
-            from rrfp.app.bench_command import bench_command
+            from rrfp.app.cli.bench_command import bench_command
 
             return bench_command(args)
-        from rrfp.app.train_command import train_command
+        from rrfp.app.cli.train_command import train_command
 
         return train_command(args)
     except UsageError as e:  # every rank of a job checks its input alike: one line per job

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rrfp.app.config import TrainConfig
-from rrfp.app.start_checks import Footprint, _gib, at_1f1b
+from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.train.start_checks import Footprint, _gib, at_1f1b
 from rrfp.pipeline.user_code import calling, function_name
 
 
@@ -61,7 +61,9 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
         ),
         "device": cfg.runtime.device_type,
         "ranks": ranks,
-        "memory_estimate": None if prints is None else "a lower bound (rrfp/app/start_checks.py)",
+        "memory_estimate": None
+        if prints is None
+        else "a lower bound (rrfp/app/train/start_checks.py)",
     }
 
 

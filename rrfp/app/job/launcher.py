@@ -21,7 +21,7 @@ LAUNCHED = "RRFP_LAUNCHED"
 def torchrun_argv(args) -> list[str]:
     """The torchrun command that runs this ``rrfp train`` on ``args.nproc_per_node`` local ranks:
     torchrun's agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
-    argv = [sys.executable, "-m", "rrfp.app.launch_agent", "--standalone"]
+    argv = [sys.executable, "-m", "rrfp.app.job.launch_agent", "--standalone"]
     argv += ["--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
     argv += ["--config", args.config]
     for item in args.set:

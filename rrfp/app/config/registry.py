@@ -43,7 +43,7 @@ PACKAGE = "rrfp.models"
 ATTR = "workload"
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _ATTR = re.compile(r"[A-Za-z_]\w*")
-_RRFP = Path(__file__).resolve().parents[1]  # rrfp/: frames there are rrfp's, not the user's
+_RRFP = Path(__file__).resolve().parents[2]  # rrfp/: frames there are rrfp's, not the user's
 
 
 def known() -> list[str]:

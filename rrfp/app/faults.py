@@ -51,7 +51,7 @@ from rrfp.comm.job_store import attempt
 from rrfp.core.errors import InjectedFault
 from rrfp.core.tasks import Task
 
-log = logging.getLogger("rrfp.pipeline.faults")
+log = logging.getLogger("rrfp.app.faults")
 
 KINDS = ("kill", "stop", "term", "raise", "bug", "nan", "busy", "slow", "hang", "full")
 PHASES = ("startup", "sync", "save", "commit", "barrier")  # during=P

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.core.budget import Budget
 from rrfp.core.durations import TaskTimes
@@ -44,7 +44,7 @@ from rrfp.core.policy import Dispatch
 from rrfp.pipeline.worker import takes_several
 from rrfp.pipeline.workload import map_tensors
 
-log = logging.getLogger("rrfp.app.start_checks")
+log = logging.getLogger("rrfp.app.train.start_checks")
 
 TIMEOUT_FACTOR = 3  # a peer may wait a whole step and more: a straggling task is 3x ("lang" preset)
 SAMPLE = 8  # microbatches measured for activations and features

@@ -85,7 +85,9 @@ def model_flops(workload, model_cfg, num_stages: int = 1) -> ModelFlops | None:
     """The whole model's count, from its ``num_stages`` stages built on the meta device (no
     memory, no compute), as the run splits it; None when they do not build there (logged). A
     table tied across stages is an embedding on the first and a linear on the last: counted once."""
-    from rrfp.app.start_checks import _fork_rng  # the meta build that leaves the generator alone
+    from rrfp.app.train.start_checks import (
+        _fork_rng,
+    )  # the meta build that leaves the generator alone
 
     try:
         with torch.device("meta"), _fork_rng():

@@ -28,25 +28,25 @@ from dataclasses import MISSING, dataclass
 import torch
 import torch.distributed as dist
 
-from rrfp.app.config import TrainConfig
+from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.optimizers import reconfigured
-from rrfp.app.run_outputs import folder_problem
-from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
-from rrfp.comm.collective_wait import working_marker
-from rrfp.core.errors import PeerFailure
-from rrfp.loop.blocking import in_daemon_thread
-from rrfp.pipeline.checkpoint import (
+from rrfp.app.job.run_outputs import folder_problem
+from rrfp.app.train.checkpoint_dir import Checkpoint, CheckpointDir
+from rrfp.app.train.checkpoint_state import (
     CheckpointError,
     check_readable,
     load_stage,
     save_stage,
     stage_key,
 )
-from rrfp.pipeline.checkpoint_dir import Checkpoint, CheckpointDir
+from rrfp.app.train.optimizers import reconfigured
+from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
+from rrfp.comm.collective_wait import working_marker
+from rrfp.core.errors import PeerFailure
+from rrfp.loop.blocking import in_daemon_thread
 from rrfp.pipeline.runtime import PipelineRuntime
 
-log = logging.getLogger("rrfp.app.checkpoints")
+log = logging.getLogger("rrfp.app.train.checkpoints")
 
 
 def fingerprint(cfg: TrainConfig) -> dict:
