@@ -11,12 +11,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rrfp.app.errors import ConfigError, UsageError
-from rrfp.app.train.checkpoint_dir import write_synced
 
 if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
     from rrfp.app.config.sections import OutputSection
 
 END_FILES = ("trace", "sizes")  # output.* keys naming a file rank 0 writes when the run ends
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it, as a commit record or a folder probe needs."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def folder_problem(folder: str | Path) -> str | None:

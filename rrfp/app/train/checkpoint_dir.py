@@ -34,6 +34,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rrfp.app.job.run_outputs import write_synced
+
 log = logging.getLogger("rrfp.app.train.checkpoint_dir")
 
 MARKER = "COMMITTED"
@@ -270,14 +272,6 @@ def _read_record(path: Path) -> tuple[object, dict]:
     ):
         raise ValueError("lists no files")
     return body.get("step"), files
-
-
-def write_synced(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it, as a commit record or a folder probe needs."""
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
