@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 TITAN_VENV ?= .venv-titan
 
-.PHONY: run test test-quick test-long test-titan check sim bench gpu-check clean
+.PHONY: run test test-quick test-long test-titan check sim bench gpu-check stats clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ check: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The house's measures: modules per folder of rrfp/ (tools/stats.py); non-zero when one is over.
+stats: $(VENV)/.installed
+	$(PY) tools/stats.py
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed

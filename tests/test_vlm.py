@@ -319,7 +319,7 @@ def test_config_file_and_inputs_move():
     ((x, _),) = batches(cfg.data, 0, 1)
     moved = x.to(
         "cpu", non_blocking=True
-    )  # train.py calls .to(device) on first-stage inputs off CPU
+    )  # training.py calls .to(device) on first-stage inputs off CPU
     assert (
         isinstance(moved, VLMInputs)
         and torch.equal(moved.images, x.images)

@@ -19,7 +19,7 @@ copy) from a good one before it loads any state (``problem``). Anything in
 the way of a commit (an unmarked ``step-N``, a plain file of that name, a
 left-over partial directory) is debris: it is moved aside, never an error.
 
-Plain files, no torch: what a stage puts inside is ``checkpoint.py``'s business.
+Plain files, no torch: what a stage puts inside is ``checkpoint_state.py``'s business.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Between those writes and reads the rank waits in DCP's collectives; its heartbeat says
 ``writing checkpoint NAME`` / ``reading checkpoint NAME`` meanwhile, so the peers waiting for it
 see a long write as progress (rrfp/comm/collective_wait.py). Subclasses of DCP's classes, so this
-module imports ``torch.distributed.checkpoint``: ``checkpoint.py`` imports it only when a
+module imports ``torch.distributed.checkpoint``: ``checkpoint_state.py`` imports it only when a
 checkpoint is written or read, and a run that saves none never loads DCP.
 """
 
