@@ -8,7 +8,6 @@ each may import are written down once, here and in docs/design.md.
 """
 
 import ast
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -168,30 +167,6 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles():
     cycle = find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-def _stats():
-    """tools/stats.py, loaded by path: it is a tool beside the package, not part of it."""
-    spec = importlib.util.spec_from_file_location("rrfp_stats", ROOT / "tools" / "stats.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_no_folder_holds_more_than_its_share_of_modules(tmp_path):
-    """A folder of rrfp/ with more than ``MOST_MODULES`` modules is several ideas in one room."""
-    stats = _stats()
-    counts = stats.modules_per_folder()
-    assert counts["rrfp/app/cli"] >= 5 and "rrfp/app/bench" in counts, counts
-    over = {f: n for f, n in counts.items() if n > stats.MOST_MODULES}
-    assert not over, f"folders over {stats.MOST_MODULES} modules: {over}"
-    crowded = tmp_path / "rrfp" / "crowded"  # the check can fail
-    crowded.mkdir(parents=True)
-    for i in range(stats.MOST_MODULES + 1):
-        (crowded / f"m{i}.py").write_text("")
-    (crowded / "__init__.py").write_text("")
-    lines, ok = stats.report(tmp_path)
-    assert not ok and any("rrfp/crowded  OVER" in line for line in lines), lines
 
 
 def test_the_checks_can_fail():

@@ -1,17 +1,25 @@
 """The house's measures, read from the source (nothing imported): how many modules each folder of
-rrfp/ holds, against the most one may hold. ``make stats`` prints them; tests/test_layers.py holds
-the code to the limits.
+rrfp/ holds, against the most one may hold, and where a setting's default is written other than
+in its one declaration. ``make stats`` prints them; tests/test_stats.py holds the code to them.
 
     python tools/stats.py
 """
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MOST_MODULES = 20  # a folder with more is several ideas: split it into rooms
+# each setting's default: the module that declares it, and the name it declares it under
+DECLARATIONS = {
+    "budget": ("rrfp/core/budget.py", "DEFAULT_BUDGET"),
+    "hint": ("rrfp/core/hints.py", "DEFAULT_HINT"),
+    "dispatch": ("rrfp/core/policy.py", "DEFAULT_DISPATCH"),
+    "timeout": ("rrfp/pipeline/timeouts.py", "DEFAULT_TIMEOUT_S"),
+}
 
 
 def modules_per_folder(root: Path = ROOT) -> dict[str, int]:
@@ -27,13 +35,87 @@ def modules_per_folder(root: Path = ROOT) -> dict[str, int]:
     return counts
 
 
+def declared_defaults(root: Path = ROOT) -> dict[str, object]:
+    """Each setting -> its declared default's value, as its module writes it (``Dispatch.READY``
+    is read through the enum's member)."""
+    values = {}
+    for setting, (path, name) in DECLARATIONS.items():
+        tree = ast.parse((root / path).read_text())
+        node = next(
+            n.value
+            for n in tree.body
+            if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == name for t in n.targets)
+        )
+        if isinstance(node, ast.Attribute):  # an enum member: its value in the class body
+            node = next(
+                a.value
+                for c in tree.body
+                if isinstance(c, ast.ClassDef) and c.name == node.value.id
+                for a in c.body
+                if isinstance(a, ast.Assign) and a.targets[0].id == node.attr
+            )
+        values[setting] = ast.literal_eval(node)
+    return values
+
+
+def literal_defaults(source: str) -> list[tuple[int, object]]:
+    """Constants written where a default goes: a parameter's default, a class field's value, a
+    ``setting(...)``'s first argument, ``getattr``'s fallback, and a default factory's lambda."""
+    found = []
+
+    def add(node):
+        for sub in ast.walk(node) if isinstance(node, ast.Lambda) else [node]:
+            if isinstance(sub, ast.Constant) and not isinstance(sub.value, bool):
+                found.append((sub.lineno, sub.value))
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for d in [*node.args.defaults, *node.args.kw_defaults]:
+                if d is not None:
+                    add(d)
+        elif isinstance(node, ast.ClassDef):
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                    add(stmt.value)
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name == "setting" and node.args:
+                add(node.args[0])
+            if name == "getattr" and len(node.args) == 3:
+                add(node.args[2])
+            for kw in node.keywords:
+                if kw.arg in ("default_factory", "factory", "default"):
+                    add(kw.value)
+    return found
+
+
+def written_defaults(root: Path = ROOT) -> dict[str, list[str]]:
+    """Each setting -> where rrfp/ writes its default's value as a literal default, outside the
+    module that declares it."""
+    declared = declared_defaults(root)
+    where: dict[str, list[str]] = {s: [] for s in declared}
+    for path in sorted((root / "rrfp").rglob("*.py")):
+        rel = str(path.relative_to(root))
+        for line, value in literal_defaults(path.read_text()):
+            for setting, v in declared.items():
+                if value == v and type(value) is type(v) and DECLARATIONS[setting][0] != rel:
+                    where[setting].append(f"{rel}:{line}")
+    return where
+
+
 def report(root: Path = ROOT) -> tuple[list[str], bool]:
     """The lines ``make stats`` prints, and whether every measure is within its limit."""
     counts = modules_per_folder(root)
     over = {f: n for f, n in counts.items() if n > MOST_MODULES}
     lines = [f"modules per folder of rrfp/ (at most {MOST_MODULES}):"]
     lines += [f"  {n:3d}  {f}{'  OVER' if f in over else ''}" for f, n in counts.items()]
-    return lines, not over
+    written = written_defaults(root)
+    lines.append("each setting's default, written outside its declaration (none is the aim):")
+    for setting, places in written.items():
+        path, name = DECLARATIONS[setting]
+        lines.append(f"  {len(places):3d}  {setting} ({name}, {path}){': ' if places else ''}")
+        lines += [f"         {p}" for p in places]
+    return lines, not over and not any(written.values())
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from rrfp.core.placement import VirtualLayout
 
-DEFAULT_BUDGET = "2x"
+DEFAULT_BUDGET = "2x"  # every default in-flight budget: twice what 1F1B keeps in flight
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmg]i?b|b)", re.IGNORECASE)

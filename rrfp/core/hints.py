@@ -97,6 +97,7 @@ BUILTIN: dict[str, HintFn] = {
     "bf": bf,
     "bfw": bfw,
 }
+DEFAULT_HINT = "bfw"  # every default priority order: B first, then F, W when nothing else
 VIRTUAL_ONLY: dict[str, HintFn] = {"zbv": zbv_stage}  # orders over virtual stages alone
 SPLIT_BY_DEFAULT = {"zbh1", "bfw", "plan", "zbv"}
 CLASS_HINTS = {"bf", "bfw"}

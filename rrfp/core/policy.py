@@ -30,6 +30,9 @@ class Dispatch(enum.StrEnum):
             raise ValueError(f"unknown dispatch mode {spec!r} (choose from ready, fixed)") from None
 
 
+DEFAULT_DISPATCH = Dispatch.READY  # every default dispatch mode
+
+
 class Schedulable(Protocol):
     """What ``choose`` reads of an item: a ``Task``, or a rank's ``StageTask``."""
 

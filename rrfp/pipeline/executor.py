@@ -46,6 +46,7 @@ from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
 from rrfp.pipeline.task_bound import TaskBound
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
 from rrfp.pipeline.user_code import user_code
 from rrfp.pipeline.worker import StageWorker
 
@@ -61,7 +62,7 @@ class ExecutorSettings:
     num_microbatches: int
     variability: Variability = field(default_factory=Variability)
     seed: int = 0
-    peer_timeout_s: float = 60.0
+    peer_timeout_s: float = DEFAULT_TIMEOUT_S
     cost: CostModel | None = (
         None  # with features: emulated durations from the data, times the preset's noise
     )

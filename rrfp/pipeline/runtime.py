@@ -39,12 +39,12 @@ from rrfp.comm.loaded_class import DTENSOR, loaded_class
 from rrfp.comm.nccl_groups import check_torch, configure_watchdog
 from rrfp.comm.pipeline_channels import create_rank_channels
 from rrfp.comm.stage_groups import create_stage_groups
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
-from rrfp.core.hints import Hint
+from rrfp.core.hints import DEFAULT_HINT, Hint
 from rrfp.core.layout import Layout, plan_layout
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch
+from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
 from rrfp.loop.blocking import in_daemon_thread, interruptible
@@ -57,7 +57,7 @@ from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.ties import Ties
-from rrfp.pipeline.timeouts import BACKSTOP, Timeouts
+from rrfp.pipeline.timeouts import BACKSTOP, DEFAULT_TIMEOUT_S, Timeouts
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.wrapped import refuse_wrapped
 
@@ -225,7 +225,7 @@ class PipelineRuntime:
         dp: int = 1,
         layout: Layout | None = None,
         backend: str = "gloo",
-        timeout_s: float = 60.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         unit_ms: float = 0.0,
         heartbeat: bool = True,
         virtual: int = 1,
@@ -422,9 +422,9 @@ class PipelineRuntime:
         settings: ScheduleSettings | None = None,
         *,
         microbatches: int | None = None,
-        dispatch: Dispatch | str = Dispatch.READY,
-        hint: Hint | str = "bfw",
-        budget: Budget | str | int = "2x",
+        dispatch: Dispatch | str = DEFAULT_DISPATCH,
+        hint: Hint | str = DEFAULT_HINT,
+        budget: Budget | str | int = DEFAULT_BUDGET,
         split: bool | None = None,
         variability: Variability | None = None,
         seed: int = 0,

@@ -6,19 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import Hint, default_split, resolve
-from rrfp.core.policy import Dispatch
+from rrfp.core.hints import DEFAULT_HINT, Hint, default_split, resolve
+from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 
 
 @dataclass(frozen=True)
 class ScheduleSettings:
     microbatches: int
-    dispatch: Dispatch = Dispatch.READY  # ready: the best-priority ready task; fixed: hint order
-    hint: Hint = field(default_factory=lambda: resolve("bfw"))  # the priority order
-    budget: Budget = field(default_factory=lambda: Budget.parse("2x"))  # activations in flight
+    dispatch: Dispatch = DEFAULT_DISPATCH  # ready: the best-priority ready task; fixed: hint order
+    hint: Hint = field(default_factory=lambda: resolve(DEFAULT_HINT))  # the priority order
+    # activations in flight
+    budget: Budget = field(default_factory=lambda: Budget.parse(DEFAULT_BUDGET))
     split: bool = True  # B and W apart (``of`` fills in the hint's default)
     variability: Variability = field(default_factory=Variability)  # emulated time's noise
     seed: int = 0  # the noise's seed
@@ -29,9 +30,9 @@ class ScheduleSettings:
         cls,
         microbatches: int,
         *,
-        dispatch: Dispatch | str = Dispatch.READY,
-        hint: Hint | str = "bfw",
-        budget: Budget | str | int = "2x",
+        dispatch: Dispatch | str = DEFAULT_DISPATCH,
+        hint: Hint | str = DEFAULT_HINT,
+        budget: Budget | str | int = DEFAULT_BUDGET,
         split: bool | None = None,
         variability: Variability | None = None,
         seed: int = 0,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 
 from rrfp.comm.nccl_groups import watchdog_timeout_s
 
+DEFAULT_TIMEOUT_S = 60.0  # every default timeout_s, the one value the waits derive from
 PROGRESS_TIMEOUTS = 10  # progress_s, in timeouts
 TASK_PROGRESS = 2  # task_s, in progress_s: above a wait at a collective inside a task
 # With a heartbeat, how long gloo lets one operation wait: a backstop. Silence is the heartbeat's

@@ -49,10 +49,12 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from rrfp.comm.loaded_class import PIPELINE_STAGE, loaded_class
+from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.errors import StartupError
-from rrfp.core.hints import resolve
+from rrfp.core.hints import DEFAULT_HINT, resolve
 from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import DEFAULT_DISPATCH
 from rrfp.loop.background import BackgroundLoop
 from rrfp.loop.exit_guard import close_at_exit
 from rrfp.pipeline.executor import IterationResult
@@ -61,7 +63,7 @@ from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.sharded_stages import fsdp_modules
 from rrfp.pipeline.thread_state import ThreadState
-from rrfp.pipeline.timeouts import Timeouts
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 from rrfp.pipeline.workload import map_tensors
 from rrfp.pipeline.wrapped import refuse_wrapped
 from rrfp.pipelining.mesh import read_mesh
@@ -217,10 +219,10 @@ class ScheduleReady:
         output_merge_spec=None,
         scale_grads: bool = True,
         *,
-        hint="bfw",
-        budget="2x",
-        dispatch: str = "ready",
-        timeout_s: float = 60.0,
+        hint=DEFAULT_HINT,
+        budget=DEFAULT_BUDGET,
+        dispatch: str = DEFAULT_DISPATCH,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         timeouts: Timeouts | None = None,
         tied=None,
         on_nonfinite: str | None = "stop",

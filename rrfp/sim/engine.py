@@ -17,12 +17,12 @@ from typing import Any, cast
 import numpy as np
 
 from rrfp.core.bounds import lower_bound
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.durations import TaskTimes
 from rrfp.core.event_driver import drive
-from rrfp.core.hints import Hint, default_split, resolve
+from rrfp.core.hints import DEFAULT_HINT, Hint, default_split, resolve
 from rrfp.core.placement import Placement, VirtualLayout
-from rrfp.core.policy import Dispatch
+from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.rank_tracker import RankTracker, StageTask
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
@@ -42,9 +42,9 @@ class SimConfig:
 
     stages: int  # pipeline ranks (S); with virtual stages the model has S x V stages
     microbatches: int
-    hint: str | Hint = "1f1b"
-    dispatch: Dispatch | str = Dispatch.READY  # the executor: ready or fixed
-    budget: Budget | str | int = "2x"
+    hint: str | Hint = DEFAULT_HINT
+    dispatch: Dispatch | str = DEFAULT_DISPATCH  # ready or fixed
+    budget: Budget | str | int = DEFAULT_BUDGET
     variability: Variability = field(default_factory=Variability)
     seed: int = 0
     iteration: int = 0

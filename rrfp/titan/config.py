@@ -16,6 +16,9 @@ from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.config import ParallelismConfig
 from torchtitan.trainer import Trainer
 
+from rrfp.core.budget import DEFAULT_BUDGET
+from rrfp.core.hints import DEFAULT_HINT
+from rrfp.core.policy import DEFAULT_DISPATCH
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.titan.pipelining import pipeline_ready
 
@@ -26,14 +29,14 @@ log = logging.getLogger("rrfp.titan")
 class ReadyParallelism(ParallelismConfig):
     """torchtitan's parallelism section with rrfp's schedule keys."""
 
-    rrfp_hint: str = "bfw"
+    rrfp_hint: str = DEFAULT_HINT
     """rrfp's hint: the order it prefers among ready tasks (bfw, 1f1b, zbh1, gpipe, bf, plan; zbv
     with a V schedule such as ZBVZeroBubble), or a .csv file or module:function."""
 
-    rrfp_budget: str = "2x"
+    rrfp_budget: str = DEFAULT_BUDGET
     """Microbatches in flight per stage: 2x (twice 1F1B's), a count, or bytes such as 512MiB."""
 
-    rrfp_dispatch: str = "ready"
+    rrfp_dispatch: str = DEFAULT_DISPATCH.value
     """ready: run whichever task is ready, in the hint's order; fixed: the hint's order exactly."""
 
     def __post_init__(self) -> None:

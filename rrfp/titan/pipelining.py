@@ -20,6 +20,9 @@ import torch
 from torchtitan.components.loss import ChunkedLossWrapper
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 
+from rrfp.core.budget import DEFAULT_BUDGET
+from rrfp.core.hints import DEFAULT_HINT
+from rrfp.core.policy import DEFAULT_DISPATCH
 from rrfp.pipelining.schedule import ScheduleReady
 from rrfp.titan.deferred import DeferredReady
 
@@ -59,7 +62,7 @@ def pipeline_ready(
         **kwargs,
     )
     stages = list(getattr(torch_schedule, "_stages", None) or [torch_schedule._stage])
-    hint = getattr(parallelism, "rrfp_hint", "bfw")
+    hint = getattr(parallelism, "rrfp_hint", DEFAULT_HINT)
     # torch's activation checkpointing lets a region be backpropagated once ("Trying to backward
     # an extra time", torch/utils/checkpoint.py): B and W apart would be twice, so B stays whole
     split = False if kwargs.get("ac_config") is not None else None
@@ -71,8 +74,8 @@ def pipeline_ready(
             loss_fn=torch_schedule._loss_fn,
             scale_grads=torch_schedule.scale_grads,
             hint=hint,
-            budget=getattr(parallelism, "rrfp_budget", "2x"),
-            dispatch=getattr(parallelism, "rrfp_dispatch", "ready"),
+            budget=getattr(parallelism, "rrfp_budget", DEFAULT_BUDGET),
+            dispatch=getattr(parallelism, "rrfp_dispatch", DEFAULT_DISPATCH),
             split=split,
         )
         if parallelism.pipeline_parallel_schedule_csv:

@@ -23,6 +23,7 @@ from pathlib import Path
 from rrfp.app.config.sections import EmulationSection
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError, UsageError
+from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
@@ -230,7 +231,7 @@ class BenchSpec:
     mb: int = 16
     reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
-    budget: str = "2x"
+    budget: str = DEFAULT_BUDGET
     seed: int = 0
     peer_timeout_s: float = 120.0
     torch_sends: str = (

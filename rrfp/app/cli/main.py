@@ -334,7 +334,9 @@ def _add_bench(sub) -> None:
         "stages on one GPU; rrfp's rows only)",
     )
     bench.add_argument(
-        "--budget", default=DEFAULT_BUDGET, help="in-flight budget of ready dispatch (default 2x)"
+        "--budget",
+        default=DEFAULT_BUDGET,
+        help=f"in-flight budget of ready dispatch (default {DEFAULT_BUDGET})",
     )
     bench.add_argument(
         "--preset",

@@ -11,13 +11,21 @@ from pathlib import Path
 from rrfp.app.config.fields import Section, did_you_mean, setting
 from rrfp.app.errors import ConfigError
 from rrfp.app.faults import Fault
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.cost import CostModel
-from rrfp.core.hints import BUILTIN, VIRTUAL_ONLY, Hint, HintError, default_split, resolve
+from rrfp.core.hints import (
+    BUILTIN,
+    DEFAULT_HINT,
+    VIRTUAL_ONLY,
+    Hint,
+    HintError,
+    default_split,
+    resolve,
+)
 from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch
+from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import PRESETS, Variability
-from rrfp.pipeline.timeouts import Timeouts
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 
 RESUME_MODES = ("off", "auto", "required")
 AUTOCAST_MODES = ("off", "bfloat16", "float16")
@@ -47,7 +55,7 @@ class RunSection(Section):
         0, "seed of the model's initial weights and the data", bounds=(0, 2**63 - 1)
     )
     timeout_s: float = setting(
-        60.0,
+        DEFAULT_TIMEOUT_S,
         "how long any wait may last; each of [timeouts] defaults from it (at least 1 s: what a "
         "rendezvous's sockets need to connect at all)",
         bounds=(1, 604_800),
@@ -133,26 +141,26 @@ class ScheduleSection(Section):
         8, "microbatches per step, per data-parallel replica", bounds=COUNT, least=ONE
     )
     dispatch: Dispatch = setting(
-        Dispatch.READY,
+        DEFAULT_DISPATCH,
         "ready (the best-priority ready task) or fixed (the hint's order, waiting for each task)",
         toml=(str,),
         parse=Dispatch.parse,
     )
     hint: Hint = setting(
-        factory=lambda: resolve("bfw"),
+        factory=lambda: resolve(DEFAULT_HINT),
         doc="the priority order: bfw, bf, 1f1b, zbh1, gpipe, plan, zbv, a .csv hint file or "
         "module:function",
         toml=(str,),
         parse=lambda name: _hint(name),
-        shown='"bfw"',
+        shown=f'"{DEFAULT_HINT}"',
     )
     budget: Budget = setting(
-        factory=lambda: Budget.parse("2x"),
+        factory=lambda: Budget.parse(DEFAULT_BUDGET),
         doc='activations in flight per stage: N microbatches, "Nx" (N x 1F1B\'s), or bytes '
         'like "512MiB"',
         toml=(str, int),
         parse=Budget.parse,
-        shown='"2x"',
+        shown=f'"{DEFAULT_BUDGET}"',
     )
     split: bool | None = setting(
         None,
