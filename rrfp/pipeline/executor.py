@@ -152,6 +152,12 @@ class StageExecutor:
         agreement=None,
         stages: VirtualLayout | None = None,
         liveness=None,
+        *,
+        task_collectives: TaskCollectives | None = None,
+        ties=None,
+        nonfinite=None,
+        sharded=None,
+        layout_check=None,
     ) -> None:
         self.workers = list(worker) if isinstance(worker, (list, tuple)) else [worker]
         first = self.workers[0]  # the rank's first stage
@@ -210,18 +216,17 @@ class StageExecutor:
         self.task_begins: list[Callable[[Task], None]] = []
         # the markers of the collectives that the tasks' layers issue (a TP all-reduce), so that a
         # peer that never comes is named (rrfp/pipeline/task_collectives.py); None: unmarked
-        self.task_collectives: TaskCollectives | None = None
+        self.task_collectives = task_collectives
         # parameters shared with other stages (rrfp/pipeline/ties.py): summed after the iteration
-        self.ties = None
-        self.nonfinite = (
-            None  # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
-        )
+        self.ties = ties
+        # a NonFiniteGuard (rrfp/pipeline/nonfinite.py): every rank stops or skips alike
+        self.nonfinite = nonfinite
         # FSDP2 stage modules (rrfp/pipeline/sharded_stages.py): unsharded before the iteration's
         # first task, their gradients reduce-scattered after its last, the same on every replica
-        self.sharded = None
+        self.sharded = sharded
         # every rank's executor agrees on M and the stages beside the first iterations
         # (rrfp/pipeline/layout_agreement.py); None: nothing to agree with
-        self.layout_check = None
+        self.layout_check = layout_check
         self._running: int | None = None  # the iteration under way
         self._cancelled: int | None = None  # an iteration cancelled midway: no more
         self.task_bound = (

@@ -548,6 +548,8 @@ class PipelineRuntime:
             else None
         )
         ties = Ties.setup(self, modules, tied)
+        v = self.virtual
+        layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
         ex = StageExecutor(
             workers,
             self.channels,
@@ -559,15 +561,17 @@ class PipelineRuntime:
             agreement,
             stages=self.virtual,
             liveness=self.heartbeat,
+            # the TP layers' collectives: a peer that never comes is named
+            task_collectives=(
+                TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
+                if self.layout.tp > 1
+                else None
+            ),
+            ties=ties if ties.ties else None,
+            nonfinite=guard,
+            sharded=sharded,
+            layout_check=self._layout_check(ExecutorShape(microbatches, self.num_stages, layout)),
         )
-        ex.ties = ties if ties.ties else None
-        ex.sharded = sharded
-        if self.layout.tp > 1:  # the TP layers' collectives: a peer that never comes is named
-            ex.task_collectives = TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
-        ex.nonfinite = guard
-        v = self.virtual
-        layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
-        ex.layout_check = self._layout_check(ExecutorShape(microbatches, self.num_stages, layout))
         self._executors.append(ex)
         return ex
 
