@@ -148,21 +148,20 @@ def stage_executor(
     from rrfp.core.hints import resolve
     from rrfp.core.policy import Dispatch
     from rrfp.core.variability import Variability
-    from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+    from rrfp.pipeline.executor import StageExecutor
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
     from rrfp.pipeline.worker import StageWorker
 
     worker = StageWorker(
         module, stage, stages, microbatches, loss_fn, split, measure_activations=measure_activations
     )
-    settings = ExecutorSettings(
+    settings = ScheduleSettings(
+        microbatches,
         Dispatch.READY,
         resolve(hint),
         Budget.parse("2x"),
         split,
-        microbatches,
         Variability(comm=0.0),
-        0,
-        60.0,
     )
     return StageExecutor(worker, channels, lane, settings, unit_s=unit_s)
 

@@ -199,7 +199,7 @@ def _settings_and_waits(rank, world):
             )
             return (
                 a.settings == b.settings,
-                a.settings.peer_timeout_s,
+                a.timeouts.peer_wait_s,
                 rt.heartbeat.timeout_s,
                 rt.timeouts == waits,
             )

@@ -12,7 +12,6 @@ from rrfp.app.config.sections import RunSection, ScheduleSection
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.hints import DEFAULT_HINT
 from rrfp.core.policy import DEFAULT_DISPATCH
-from rrfp.pipeline.executor import ExecutorSettings
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
@@ -53,7 +52,6 @@ def field_default(cls, name):
         ("[run] timeout_s", RunSection().timeout_s),
         ("PipelineRuntime.start timeout_s", default_of(PipelineRuntime.start, "timeout_s")),
         ("ScheduleReady timeout_s", default_of(ScheduleReady.__init__, "timeout_s")),
-        ("ExecutorSettings.peer_timeout_s", field_default(ExecutorSettings, "peer_timeout_s")),
     ],
 )
 def test_every_entry_defaults_to_the_declaration(where, value):

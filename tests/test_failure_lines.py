@@ -171,7 +171,7 @@ def test_a_waiting_rank_names_a_peer_that_owes_it_on_two_channels_once(caplog):
         where="stages 2, 5",
         what="rank",
         instrument=None,
-        settings=SimpleNamespace(progress_s=None),
+        timeouts=SimpleNamespace(progress_s=None),
     )
     it.it, it.changed = 1, asyncio.Event()
     it._owing = lambda: [SimpleNamespace(peer=1), SimpleNamespace(peer=0), SimpleNamespace(peer=1)]

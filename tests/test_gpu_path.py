@@ -79,7 +79,7 @@ def run_pipeline(
     hint="1f1b",
     iterations: int = 1,
     timeout: float = 120.0,
-    peer_timeout_s: float = 30.0,
+    timeout_s: float = 30.0,
     virtual: int = 1,
     placement: str = "interleaved",
 ):
@@ -106,10 +106,10 @@ def run_pipeline(
             layout,
             DEVICE,
             "nccl",
-            peer_timeout_s,
+            timeout_s,
             unit_ms,
             False,
-            2 * peer_timeout_s + 30,
+            2 * timeout_s + 30,
             ops=FakeCudaOps(world, rank),
             torch_module=world.torch_for(rank),
             stages=stages,
@@ -315,9 +315,7 @@ def test_the_lazy_paths_deadlock_and_the_fake_catches_them(fake_dist, monkeypatc
     results, _ = run_pipeline(fake_dist(FakeWorld(2, torch_version=version)), pp=2, unit_ms=2.0)
     assert max(r["err"] for r in results.values()) < 1e-5
 
-    hung = dict(
-        pp=2, unit_ms=2.0, peer_timeout_s=3.0
-    )  # the rank that is not blocked gives up soon too
+    hung = dict(pp=2, unit_ms=2.0, timeout_s=3.0)  # the rank that is not blocked gives up soon too
     monkeypatch.setattr(NcclChannel, "warm_up", lambda self: None)
     with pytest.raises(FakeHang, match=r"connecting 1->0|connecting 0->1"):
         run_pipeline(fake_dist(FakeWorld(2, torch_version=version, hang_s=1.0)), **hung)

@@ -17,7 +17,8 @@ from rrfp.core.hints import resolve
 from rrfp.core.policy import Dispatch
 from rrfp.core.rank_tracker import RankTracker
 from rrfp.loop.lane import ComputeLane
-from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.executor import StageExecutor
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.worker import StageWorker
 
 M = 4
@@ -41,8 +42,8 @@ def _loss(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def test_one_stage_runs_the_rank_path_and_matches_the_reference(dispatch):
     module, batches = _model(), _batches()
     worker = StageWorker(module, 0, 1, M, _loss, split=True)
-    settings = ExecutorSettings(
-        Dispatch.parse(dispatch), resolve("1f1b"), Budget.parse("2x"), True, M
+    settings = ScheduleSettings(
+        M, Dispatch.parse(dispatch), resolve("1f1b"), Budget.parse("2x"), True
     )
     lane = ComputeLane()
     ex = StageExecutor(worker, PipelineChannels(0), lane, settings)
@@ -70,7 +71,7 @@ def test_an_iteration_leaves_no_cycle_holding_its_batches(budget):
     import weakref
 
     worker = StageWorker(_model(), 0, 1, M, _loss, split=True, measure_activations=True)
-    settings = ExecutorSettings(Dispatch.READY, resolve("bfw"), Budget.parse(budget), True, M)
+    settings = ScheduleSettings(M, Dispatch.READY, resolve("bfw"), Budget.parse(budget), True)
     lane = ComputeLane()
     ex = StageExecutor(worker, PipelineChannels(0), lane, settings)
     asyncio.run(ex.run_iteration(0, _batches()))  # what lives across iterations is built

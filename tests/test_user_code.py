@@ -24,7 +24,8 @@ from rrfp.core.errors import PeerFailure
 from rrfp.core.hints import resolve
 from rrfp.core.policy import Dispatch
 from rrfp.loop.lane import ComputeLane
-from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.executor import StageExecutor
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.user_code import WorkloadError, user_code
 from rrfp.pipeline.worker import StageWorker
 from tests.fixtures import user_mistakes
@@ -145,7 +146,7 @@ def test_a_lost_peer_inside_the_users_forward_is_a_peer_failure():
 
 def test_the_executor_names_the_task_and_the_iteration():
     worker = StageWorker(nn.Linear(8, 1), 0, 1, 2, _mse, split=False)
-    settings = ExecutorSettings(Dispatch.READY, resolve("1f1b"), Budget.parse("2x"), False, 2)
+    settings = ScheduleSettings(2, Dispatch.READY, resolve("1f1b"), Budget.parse("2x"), False)
     lane = ComputeLane()
     ex = StageExecutor(worker, PipelineChannels(0), lane, settings)
     batches = [(torch.ones(4, 8), torch.ones(4, 1)), (torch.ones(4, 9), torch.ones(4, 1))]

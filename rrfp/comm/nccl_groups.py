@@ -47,13 +47,13 @@ NCCL_ENV = {
 }
 
 
-def watchdog_timeout_s(peer_timeout_s: float) -> float:
+def watchdog_timeout_s(timeout_s: float) -> float:
     """The NCCL process-group timeout: longer than rrfp's peer deadline, so that rrfp's
     error (naming rank, channel and peer) comes first and the watchdog's is only a backstop."""
-    return 2.0 * peer_timeout_s + 30.0
+    return 2.0 * timeout_s + 30.0
 
 
-def configure_watchdog(peer_timeout_s: float) -> float:
+def configure_watchdog(timeout_s: float) -> float:
     """Set NCCL's environment (before the NCCL process group exists); return its timeout in seconds.
 
     Refuses ``TORCH_NCCL_BLOCKING_WAIT=1``: it makes ``Work.wait()`` block the host,
@@ -68,7 +68,7 @@ def configure_watchdog(peer_timeout_s: float) -> float:
             logger.warning(
                 "%s=%s is set in the environment; rrfp would use %s", key, os.environ[key], value
             )
-    return watchdog_timeout_s(peer_timeout_s)
+    return watchdog_timeout_s(timeout_s)
 
 
 def check_torch(dist_module=None) -> None:

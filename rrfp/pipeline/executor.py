@@ -19,8 +19,7 @@ import torch
 from rrfp.comm.collective_wait import waiting_at
 from rrfp.comm.message import Message, MessageError, header_words
 from rrfp.comm.pipeline_channels import RankChannels
-from rrfp.core.budget import Budget
-from rrfp.core.cost import FEATURES, CostModel
+from rrfp.core.cost import FEATURES
 from rrfp.core.durations import TaskTimes
 from rrfp.core.errors import (
     PeerFailure,
@@ -38,42 +37,19 @@ from rrfp.core.rank_tracker import RankSpec, RankTracker
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import TrackerError
-from rrfp.core.variability import Variability
 from rrfp.nn.collective_marks import marking
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
+from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.task_bound import TaskBound
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
-from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 from rrfp.pipeline.user_code import user_code
 from rrfp.pipeline.worker import StageWorker
 
 log = logging.getLogger("rrfp.pipeline.executor")
-
-
-@dataclass(frozen=True)
-class ExecutorSettings:
-    dispatch: Dispatch
-    hint: Hint
-    budget: Budget
-    split: bool
-    num_microbatches: int
-    variability: Variability = field(default_factory=Variability)
-    seed: int = 0
-    peer_timeout_s: float = DEFAULT_TIMEOUT_S
-    cost: CostModel | None = (
-        None  # with features: emulated durations from the data, times the preset's noise
-    )
-    # with a heartbeat, how long a wait for peers that beat may last without progress (nothing
-    # arrives, no rank runs a task), and how a message names that bound; None: unbounded
-    progress_s: float | None = None
-    progress_key: str = "timeouts.progress_s"
-    # the floor of a task's own bound (rrfp/pipeline/task_bound.py), and how a line says it;
-    # None: a task may run for ever
-    task_s: float | None = None
-    task_key: str = "timeouts.task_s"
 
 
 @dataclass
@@ -145,7 +121,7 @@ class StageExecutor:
         worker: StageWorker | Sequence[StageWorker],
         channels,
         lane,
-        settings: ExecutorSettings,
+        settings: ScheduleSettings,
         rank: int = 0,
         instrument: Instrument | None = None,
         unit_s: float = 0.0,
@@ -153,6 +129,7 @@ class StageExecutor:
         stages: VirtualLayout | None = None,
         liveness=None,
         *,
+        timeouts: Timeouts | None = None,
         task_collectives: TaskCollectives | None = None,
         ties=None,
         nonfinite=None,
@@ -164,10 +141,13 @@ class StageExecutor:
         if not isinstance(channels, RankChannels):  # one stage's channels
             channels = RankChannels(rank, {first.stage: channels})
         self.channels, self.lane, self.settings = channels, lane, settings
+        # how long a wait for peers may last: peer_wait_s without a heartbeat; with one,
+        # progress_s without progress (nothing arrives, no rank runs a task)
+        self.timeouts = timeouts or Timeouts.derive(DEFAULT_TIMEOUT_S)
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
-        S, s, M = first.num_stages, first.stage, settings.num_microbatches
+        S, s, M = first.num_stages, first.stage, settings.microbatches
         self.S, self.s, self.M = S, s, M
         mine = tuple(w.stage for w in self.workers)
         if stages is None and len(mine) != 1:
@@ -229,8 +209,8 @@ class StageExecutor:
         self.layout_check = layout_check
         self._running: int | None = None  # the iteration under way
         self._cancelled: int | None = None  # an iteration cancelled midway: no more
-        self.task_bound = (
-            TaskBound(settings.task_s, settings.task_key) if settings.task_s is not None else None
+        self.task_bound = (  # with the runtime's timeouts; a bare executor's tasks are unbounded
+            TaskBound(timeouts.task_s, timeouts.said("task_s")) if timeouts is not None else None
         )
 
     def _spec(self, hint: Hint) -> RankSpec:
@@ -657,7 +637,7 @@ class _Iteration:
         if self.tracker.arrivals != arrivals:
             return
         start = time.time()
-        timeout_s = self.ex.settings.peer_timeout_s
+        timeout_s = self.ex.timeouts.peer_wait_s
         hb = self.ex.liveness
         if hb is None:
             try:
@@ -685,7 +665,7 @@ class _Iteration:
             dict.fromkeys(c.peer for c in self._owing())
         )  # a peer owing on two channels is named once
         self._doing(f"waiting for rank {' and '.join(map(str, peers))}" if peers else "waiting")
-        bound = self.ex.settings.progress_s
+        bound = self.ex.timeouts.progress_s
         began, said = time.monotonic(), time.monotonic()
         while True:
             now = time.monotonic()
@@ -722,7 +702,7 @@ class _Iteration:
         who = " and ".join(f"rank {p} ({hb.describe(p)})" for p in peers) or "no peer"
         return (
             f"rank {self.ex.rank} {self.ex.where}: iteration {self.it}: {who} sent nothing for "
-            f"{stalled:.1f} s while no rank ran a task ({self.ex.settings.progress_key}): a "
+            f"{stalled:.1f} s while no rank ran a task ({self.ex.timeouts.said('progress_s')}): a "
             f"deadlock, or a rank stuck outside the pipeline; the {self.ex.what} "
             f"{self._waiting_for()}"
         )

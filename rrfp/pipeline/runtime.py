@@ -50,7 +50,7 @@ from rrfp.loop import CompletionPoller, make_lane
 from rrfp.loop.blocking import in_daemon_thread, interruptible
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
-from rrfp.pipeline.executor import ExecutorSettings, StageExecutor
+from rrfp.pipeline.executor import StageExecutor
 from rrfp.pipeline.layout_agreement import ExecutorShape, LayoutCheck
 from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings
@@ -499,21 +499,6 @@ class PipelineRuntime:
         elif microbatches is not None:
             raise TypeError("stage_executor takes settings= or its keywords, not both")
         microbatches, split = settings.microbatches, settings.split
-        settings = ExecutorSettings(
-            settings.dispatch,
-            settings.hint,
-            settings.budget,
-            settings.split,
-            settings.microbatches,
-            settings.variability,
-            settings.seed,
-            self.timeouts.peer_wait_s,
-            settings.cost,
-            progress_s=self.timeouts.progress_s if self.heartbeat is not None else None,
-            progress_key=self.timeouts.said("progress_s"),
-            task_s=self.timeouts.task_s,
-            task_key=self.timeouts.said("task_s"),
-        )
         builders = (
             list(dw_builder)
             if isinstance(dw_builder, (list, tuple))
@@ -561,6 +546,7 @@ class PipelineRuntime:
             agreement,
             stages=self.virtual,
             liveness=self.heartbeat,
+            timeouts=self.timeouts,
             # the TP layers' collectives: a peer that never comes is named
             task_collectives=(
                 TaskCollectives(self.rank, self.heartbeat, self._tp_bound())

@@ -265,7 +265,7 @@ class DropInRunner:
             unit_ms=spec.unit_ms,
             instrument=self._recorder,
             settings=schedule_settings(spec, contender, variability, cost),
-            timeout_s=spec.peer_timeout_s,
+            timeout_s=spec.timeout_s,
         )
 
     @property

@@ -233,7 +233,7 @@ class BenchSpec:
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET
     seed: int = 0
-    peer_timeout_s: float = 120.0
+    timeout_s: float = 120.0
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
     )

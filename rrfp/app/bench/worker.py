@@ -199,7 +199,7 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
                 PipelineRuntime.start(
                     pp=spec.pp,
                     tp=spec.tp,
-                    timeout_s=spec.peer_timeout_s,
+                    timeout_s=spec.timeout_s,
                     unit_ms=spec.unit_ms,
                     virtual=virtual,
                     placement=placement,
