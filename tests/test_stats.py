@@ -1,5 +1,6 @@
 """The measures ``make stats`` prints (tools/stats.py), held: no folder of rrfp/ holds more than
-its share of modules, and no setting's default is written outside its one declaration."""
+its share of modules, no setting's default is written outside its one declaration, and no retired
+word is written in rrfp/, docs/ or the CLI's help."""
 
 import importlib.util
 from pathlib import Path
@@ -20,7 +21,7 @@ STATS = _stats()
 
 def tree_with_declarations(tmp_path: Path) -> Path:
     """A scratch rrfp/ holding only the modules that declare the defaults, copied."""
-    for path, _ in STATS.DECLARATIONS.values():
+    for path in [*(p for p, _ in STATS.DECLARATIONS.values()), "docs/design.md"]:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text((ROOT / path).read_text())
     return tmp_path
@@ -72,3 +73,31 @@ def test_the_literal_search_can_fail(tmp_path):
     assert STATS.written_defaults(tmp_path)["hint"] == ["rrfp/stray.py:1"]
     lines, ok = STATS.report(tmp_path)
     assert not ok and "         rrfp/stray.py:1" in lines
+
+
+def cli_help() -> str:
+    """The help of ``rrfp`` and of each of its commands, as a user reads it."""
+    import argparse
+
+    from rrfp.app.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return "\n".join([parser.format_help(), *(p.format_help() for p in sub.choices.values())])
+
+
+def test_no_retired_word_is_written():
+    words = STATS.retired_words()
+    assert {"ExecutorSettings", "peer_timeout_s"} <= set(words), words
+    help_text = cli_help()
+    assert "--dispatch" in help_text and "--budget" in help_text  # every command's help is read
+    uses = STATS.retired_uses(extra={"rrfp --help": help_text})
+    assert {w: where for w, where in uses.items() if where} == {}
+
+
+def test_the_retired_word_search_can_fail(tmp_path):
+    tree_with_declarations(tmp_path)
+    (tmp_path / "rrfp" / "old.py").write_text("from x import ExecutorSettings\n")
+    uses = STATS.retired_uses(tmp_path, extra={"help": "--peer_timeout_s S"})
+    assert uses["ExecutorSettings"] == ["rrfp/old.py"] and uses["peer_timeout_s"] == ["help"]
+    assert not STATS.report(tmp_path)[1]

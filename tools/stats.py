@@ -1,6 +1,7 @@
 """The house's measures, read from the source (nothing imported): how many modules each folder of
 rrfp/ holds, against the most one may hold, and where a setting's default is written other than
-in its one declaration. ``make stats`` prints them; tests/test_stats.py holds the code to them.
+in its one declaration, and where a retired word (docs/design.md's vocabulary) is still written.
+``make stats`` prints them; tests/test_stats.py holds the code to them.
 
     python tools/stats.py
 """
@@ -8,6 +9,7 @@ in its one declaration. ``make stats`` prints them; tests/test_stats.py holds th
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -103,6 +105,34 @@ def written_defaults(root: Path = ROOT) -> dict[str, list[str]]:
     return where
 
 
+def retired_words(root: Path = ROOT) -> list[str]:
+    """The retired words, as docs/design.md's vocabulary lists them: its table's first column."""
+    text = (root / "docs" / "design.md").read_text()
+    table = text[text.index("| Retired | Say instead |") :].split("\n\n")[0]
+    rows = [line.strip() for line in table.splitlines()[2:]]
+    return [row.split("`")[1] for row in rows if row.startswith("| `")]
+
+
+def retired_uses(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Each retired word -> where it is written: rrfp/, docs/ (design.md's own list aside), the
+    README, and ``extra`` (a name -> its text, such as the CLI's help)."""
+    words = retired_words(root)
+    texts = {str(p.relative_to(root)): p.read_text() for p in sorted((root / "rrfp").rglob("*.py"))}
+    for p in [*sorted((root / "docs").rglob("*.md")), root / "README.md"]:
+        if p.exists():
+            texts[str(p.relative_to(root))] = p.read_text()
+    design = "docs/design.md"
+    if design in texts:  # the list itself names them
+        text = texts[design]
+        start = text.index("- **Retired words**")
+        texts[design] = text[:start] + text[text.index("\n\n", text.index("| Retired |")) :]
+    texts.update(extra or {})
+    return {
+        w: [name for name, text in texts.items() if re.search(rf"\b{re.escape(w)}\b", text)]
+        for w in words
+    }
+
+
 def report(root: Path = ROOT) -> tuple[list[str], bool]:
     """The lines ``make stats`` prints, and whether every measure is within its limit."""
     counts = modules_per_folder(root)
@@ -115,7 +145,11 @@ def report(root: Path = ROOT) -> tuple[list[str], bool]:
         path, name = DECLARATIONS[setting]
         lines.append(f"  {len(places):3d}  {setting} ({name}, {path}){': ' if places else ''}")
         lines += [f"         {p}" for p in places]
-    return lines, not over and not any(written.values())
+    uses = retired_uses(root)
+    lines.append("retired words (docs/design.md's vocabulary) still written (none is the aim):")
+    for word, where in uses.items():
+        lines.append(f"  {len(where):3d}  {word}{': ' + ', '.join(where) if where else ''}")
+    return lines, not over and not any(written.values()) and not any(uses.values())
 
 
 def main() -> int:
