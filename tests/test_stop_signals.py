@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rrfp.app.train_command import StopOnSignal  # noqa: E402
 from train_rows import TrainJob  # noqa: E402
 
-from rrfp.app import train_command  # noqa: E402
+from rrfp.app.cli import train_command  # noqa: E402
+from rrfp.app.cli.train_command import StopOnSignal  # noqa: E402
 
 SETS = [
     "steps=3",
