@@ -41,7 +41,7 @@ def test_a_plain_module_pipeline_gets_a_cost_model_that_prices_length():
     )
     # F, B and W of a 32x longer microbatch cost more; but the first stage's B: its input needs
     # no gradient, so its B computes nothing and W does the stage's whole backward
-    # (rrfp/pipeline/weight_split.py), and its fit prices only the timer's noise
+    # (rrfp/pipeline/split_backward/weight_split.py), and its fit prices only the timer's noise
     for s, kind in [(0, 0), (0, 2), (1, 0), (1, 1), (1, 2)]:
         assert model.seconds(s, kind, long) > model.seconds(s, kind, short), (s, kind)
     assert all(

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from rrfp.pipeline import weight_split
 from rrfp.pipeline import worker as worker_module
+from rrfp.pipeline.split_backward import weight_split
 from rrfp.pipeline.worker import StageWorker
 
 B, T, D, V = 2, 3, 4, 7

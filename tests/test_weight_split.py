@@ -10,7 +10,7 @@ from distributed import run_ranks
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rrfp.pipeline import weight_split
+from rrfp.pipeline.split_backward import weight_split
 from rrfp.pipeline.worker import StageWorker
 
 
@@ -113,7 +113,7 @@ def test_a_weight_used_twice_is_gathered_in_w_and_its_bias_named_once(caplog):
     ref.load_state_dict(module.state_dict())
     x, g = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
     ref(x.clone().requires_grad_(True)).backward(g)
-    caplog.set_level(logging.WARNING, logger="rrfp.pipeline.weight_split")
+    caplog.set_level(logging.WARNING, logger="rrfp.pipeline.split_backward.weight_split")
     weight_split._warned.clear()
     w = StageWorker(module, 1, 3, 2, None, split=True)
     for mb in (0, 1):

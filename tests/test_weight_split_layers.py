@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rrfp.nn.split_linear import SplitLinear
-from rrfp.pipeline import weight_split
+from rrfp.pipeline.split_backward import weight_split
 from rrfp.pipeline.worker import StageWorker
 
 D, M = 4, 2
@@ -121,7 +121,7 @@ def run_both(make, position: int):
 @pytest.mark.parametrize("position", [0, 1, 2])
 @pytest.mark.parametrize("make", [OnBuffer, TiedTranspose, Twice, InPlace, WeightNormed])
 def test_layers_mode_matches_autograd(make, position, caplog):
-    caplog.set_level(logging.WARNING, logger="rrfp.pipeline.weight_split")
+    caplog.set_level(logging.WARNING, logger="rrfp.pipeline.split_backward.weight_split")
     weight_split._warned.clear()
     run_both(make, position)
     if make is Twice:  # its W is the layer's own queue, not B: nothing to announce

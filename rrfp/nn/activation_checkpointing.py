@@ -3,9 +3,9 @@ runs again in the backward (torch.utils.checkpoint, non-reentrant).
 
 The block's ``forward`` is wrapped in place, so the module tree, parameter names, ties, hooks and
 checkpoint keys stay those of the model. Non-reentrant checkpointing leaves ordinary autograd nodes
-in the graph, which the split backward (rrfp/pipeline/weight_split.py) cuts into B and W as any
-other; W recomputes each region once for all its calls. Without grad mode (evaluation) a block runs
-plainly: there is no backward to save for.
+in the graph, which the split backward (rrfp/pipeline/split_backward/weight_split.py) cuts into B
+and W as any other; W recomputes each region once for all its calls. Without grad mode
+(evaluation) a block runs plainly: there is no backward to save for.
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
-from rrfp.pipeline import weight_split
 from rrfp.pipeline.boundary import received, requires_grad_bits
+from rrfp.pipeline.split_backward import weight_split
+from rrfp.pipeline.split_backward.weight_split import WeightPlan, queued_parameters
 from rrfp.pipeline.user_code import (
     about_shapes,
     blame,
@@ -59,7 +60,6 @@ from rrfp.pipeline.user_code import (
     module_name,
     shape_of,
 )
-from rrfp.pipeline.weight_split import WeightPlan, queued_parameters
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from rrfp.nn.grad_accumulation import accumulate_grad
-from rrfp.pipeline.checkpointed_nodes import is_checkpointed
+from rrfp.pipeline.split_backward.checkpointed_nodes import is_checkpointed
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
