@@ -78,17 +78,22 @@ class ComputeLane:
         """The lane's thread: each call in turn, its outcome handed to the awaiter's loop; a
         call whose awaiter was cancelled while it queued is dropped."""
         while (call := self._calls.get()) is not None:
-            loop, done, fn, args, hold_s = call
-            if done.cancelled():
-                continue
-            try:
-                outcome, value = _set_result, self._hold_lane(fn, args, hold_s)
-            except BaseException as e:  # noqa: BLE001 - the awaiter gets it
-                outcome, value = _set_exception, e
-            try:
-                loop.call_soon_threadsafe(outcome, done, value)
-            except RuntimeError:  # the loop closed meanwhile: nobody awaits it
-                pass
+            self._serve_one(*call)
+            # this frame waits in get() until the next call: it must not hold this one's
+            # arguments (a step's microbatches, targets, outputs) past the step
+            del call
+
+    def _serve_one(self, loop, done, fn, args, hold_s) -> None:
+        if done.cancelled():
+            return
+        try:
+            outcome, value = _set_result, self._hold_lane(fn, args, hold_s)
+        except BaseException as e:  # noqa: BLE001 - the awaiter gets it
+            outcome, value = _set_exception, e
+        try:
+            loop.call_soon_threadsafe(outcome, done, value)
+        except RuntimeError:  # the loop closed meanwhile: nobody awaits it
+            pass
 
     def _finish(self) -> None:
         """At exit: no new call, and the one running ends first (a thread that returns into
