@@ -17,13 +17,10 @@ import atexit
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
-import sys
 import threading
 import time
 import traceback
-from multiprocessing.reduction import ForkingPickler
 
 from harness.distributed import _context, free_port
 from harness.launch import rank_vars
@@ -60,11 +57,7 @@ def _serve(rank: int, world: int, tasks, results) -> None:
             continue
         if job is None:
             return
-        path, payload, port = job
-        # the test's sys.path first: the function's module may sit in a test folder that pytest put
-        # there after this rank started, as a run_ranks child gets the path at its start
-        sys.path[:] = path
-        fn, args = pickle.loads(payload)
+        fn, args, port = job
         env, dtype, loggers = dict(os.environ), torch.get_default_dtype(), _loggers()
         threads = set(threading.enumerate())
         os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
@@ -116,9 +109,8 @@ class RankPool:
         """``fn(rank, world, *args)`` on every rank; {rank: result}. AssertionError with the
         failed rank's traceback, or naming the ranks that did not finish within ``timeout``."""
         port = free_port()
-        payload = bytes(ForkingPickler.dumps((fn, args)))  # what Queue.put would send
         for q in self.tasks:
-            q.put((list(sys.path), payload, port))
+            q.put((fn, args, port))
         results, errors, retire = {}, {}, False
         deadline = time.monotonic() + timeout
         try:
