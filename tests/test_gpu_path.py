@@ -29,6 +29,7 @@ from rrfp.core.layout import plan_layout
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
+from rrfp.pipeline.timeouts import Timeouts
 
 DEVICE = torch.device("cuda", 0)
 M = 4
@@ -106,10 +107,9 @@ def run_pipeline(
             layout,
             DEVICE,
             "nccl",
-            timeout_s,
+            Timeouts.derive(timeout_s),
             unit_ms,
             False,
-            2 * timeout_s + 30,
             ops=FakeCudaOps(world, rank),
             torch_module=world.torch_for(rank),
             stages=stages,

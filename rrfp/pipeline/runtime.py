@@ -160,7 +160,7 @@ class PipelineRuntime:
         layout: Layout,
         rank: int,
         channels,
-        timeout_s: float,
+        timeouts: Timeouts,
         unit_s: float,
         lane,
         poller,
@@ -169,10 +169,9 @@ class PipelineRuntime:
         device: torch.device = torch.device("cpu"),
         heartbeat: Heartbeat | None = None,
         virtual: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> None:
-        self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
-        self.timeouts = timeouts or Timeouts.derive(timeout_s)  # each wait's bound
+        self.layout, self.rank = layout, rank
+        self.timeouts = timeouts  # each wait's bound
         coords = layout.coords(rank)
         self.virtual = virtual or VirtualLayout(
             layout.pp
@@ -256,7 +255,7 @@ class PipelineRuntime:
 
         ``timeouts``: each of those waits apart (rrfp/pipeline/timeouts.py); by default all
         derive from ``timeout_s``."""
-        waits = timeouts or Timeouts.derive(timeout_s)
+        waits = Timeouts.given(timeouts, timeout_s)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -302,13 +301,11 @@ class PipelineRuntime:
                 layout,
                 device,
                 backend,
-                timeout_s,
+                waits,
                 unit_ms,
                 owns,
-                pg_timeout_s,
                 heartbeat=heartbeat and backend == "gloo",
                 stages=stages,
-                timeouts=waits,
             )
 
     @classmethod
@@ -317,21 +314,18 @@ class PipelineRuntime:
         layout: Layout,
         device: torch.device,
         backend: str,
-        timeout_s: float,
+        waits: Timeouts,
         unit_ms: float,
         owns: bool,
-        pg_timeout_s: float | None = None,
         *,
         ops=None,
         torch_module=None,
         heartbeat: bool = False,
         stages: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
         rank = dist.get_rank()
-        waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
         pg_timeout_s = waits.nccl_watchdog_s if backend == "nccl" else waits.process_group_s
         poller = CompletionPoller()
@@ -403,7 +397,7 @@ class PipelineRuntime:
             layout,
             rank,
             channels,
-            timeout_s,
+            waits,
             unit_ms / 1000.0,
             lane,
             poller,
@@ -412,7 +406,6 @@ class PipelineRuntime:
             device=device,
             heartbeat=beat,
             virtual=stages,
-            timeouts=waits,
         )
 
     def stage_executor(

@@ -233,7 +233,7 @@ class ScheduleReady:
         settings: ScheduleSettings | None = None,
         mesh=None,
     ) -> None:
-        waits = timeouts or Timeouts.derive(timeout_s)
+        waits = Timeouts.given(timeouts, timeout_s)
         stages, layout, virtual, placement, device, dp_dim = _layout_of(
             stage,
             n_microbatches,
@@ -847,7 +847,6 @@ async def _start(
     return PipelineRuntime.start(
         layout=layout,
         backend=backend,
-        timeout_s=timeouts.timeout_s,
         timeouts=timeouts,
         unit_ms=unit_ms,
         virtual=virtual,

@@ -27,6 +27,7 @@ from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ lives here
 BASELINE = "fixed 1f1b"
@@ -233,7 +234,7 @@ class BenchSpec:
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET
     seed: int = 0
-    timeout_s: float = 120.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
     )
