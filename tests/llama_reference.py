@@ -23,14 +23,14 @@ def learning_rate(lr: float, step: int) -> float:
 
 def recipe(config: str) -> list[str]:
     """The recipe's keys this config knows: clipping, weight decay, and per-layer activation
-    checkpointing where the runtime section has it."""
+    checkpointing where the compute section has it."""
     import dataclasses
 
-    from rrfp.app.config.sections import RuntimeSection
+    from rrfp.app.config.sections import ComputeSection
 
-    runtime = {f.name for f in dataclasses.fields(RuntimeSection)}
+    compute = {f.name for f in dataclasses.fields(ComputeSection)}
     return RECIPE + (
-        ["activation_checkpointing=layers"] if "activation_checkpointing" in runtime else []
+        ["activation_checkpointing=layers"] if "activation_checkpointing" in compute else []
     )
 
 

@@ -342,7 +342,7 @@ ROWS = [
         "config",
         '`backend = "mpi"`',
         _sets("backend=mpi"),
-        "runtime.backend must be one of auto, gloo, nccl",
+        "compute.backend must be one of auto, gloo, nccl",
     ),
     Row("config", '`resume = "maybe"`', _sets("resume=maybe"), "checkpoint.resume must be one of"),
     Row(
@@ -355,7 +355,7 @@ ROWS = [
         "config",
         '`autocast = "fp8"`',
         _sets("autocast=fp8"),
-        "runtime.autocast must be one of off, bfloat16, float16, got 'fp8'",
+        "compute.autocast must be one of off, bfloat16, float16, got 'fp8'",
     ),
     Row(
         "config",

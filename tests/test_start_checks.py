@@ -46,10 +46,10 @@ def test_every_gpu_config_measures_on_meta(path):
     parameters; without CUDA its auto backend is gloo (so a laptop's --dry-run shows it), and
     nccl asked for outright is refused in one line."""
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="runtime.backend = nccl needs CUDA"):
-            TrainConfig.load(path, ["runtime.backend=nccl"], world_size=2)
+        with pytest.raises(ConfigError, match="compute.backend = nccl needs CUDA"):
+            TrainConfig.load(path, ["compute.backend=nccl"], world_size=2)
     cfg = TrainConfig.load(path, [], world_size=2)
-    assert cfg.runtime.backend == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    assert cfg.compute.backend == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
     prints = footprints(cfg)
     assert prints is not None and all(f.state > 0 and f.activations > 0 for f in prints), prints
 

@@ -291,7 +291,7 @@ def _load(args, implied_world: bool, launching: bool = False) -> TrainConfig:
 
 def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
-    lines = [cfg.layout.describe(), f"backend: {cfg.runtime.backend} ({cfg.backend_choice})"]
+    lines = [cfg.layout.describe(), f"backend: {cfg.compute.backend} ({cfg.backend_choice})"]
     if cfg.parallel.virtual > 1:
         lines.append(f"stages: {cfg.stages.describe()}")
     if prints is None:
@@ -312,8 +312,8 @@ def _mfu_note(cfg: TrainConfig) -> str:
     """What the MFU column is against, said once at the end of a run."""
     from rrfp.app.train.metrics_mfu import device_peak
 
-    device = torch.device(cfg.runtime.device_type, 0 if cfg.runtime.device_type == "cuda" else None)
-    peak = device_peak(device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops)
+    device = torch.device(cfg.compute.device_type, 0 if cfg.compute.device_type == "cuda" else None)
+    peak = device_peak(device, cfg.compute.autocast, cfg.compute.threads, cfg.output.peak_tflops)
     if peak is None:
         return "; no MFU: no known peak for this device (set output.peak_tflops)"
     return f"; MFU against {peak.tflops:g} TFLOPS per rank ({peak.source})"

@@ -1,5 +1,5 @@
 """Run configuration: a TOML file in sections ([run], [parallel], [schedule], [optim],
-[runtime], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
+[compute], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
 rrfp/app/config/sections.py)
 plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
@@ -21,6 +21,7 @@ from rrfp.app.config.registry import find_workload
 from rrfp.app.config.sections import (
     SECTIONS,
     CheckpointSection,
+    ComputeSection,
     DebugSection,
     EmulationSection,
     EvalSection,
@@ -28,7 +29,6 @@ from rrfp.app.config.sections import (
     OutputSection,
     ParallelSection,
     RunSection,
-    RuntimeSection,
     ScheduleSection,
     TimeoutsSection,
 )
@@ -63,7 +63,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     optim: OptimSection = field(default_factory=OptimSection)
-    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    compute: ComputeSection = field(default_factory=ComputeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     output: OutputSection = field(default_factory=OutputSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -103,11 +103,11 @@ class TrainConfig:
         self._check_fault()
         self._check_dp_shard()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        backend, why = self.runtime.chosen(local)
+        backend, why = self.compute.chosen(local)
         object.__setattr__(self, "backend_choice", why)  # what the start-up summary says
-        if backend != self.runtime.backend:
-            object.__setattr__(self, "runtime", dataclasses.replace(self.runtime, backend=backend))
-        if self.runtime.device_type == "cuda":
+        if backend != self.compute.backend:
+            object.__setattr__(self, "compute", dataclasses.replace(self.compute, backend=backend))
+        if self.compute.device_type == "cuda":
             _check_cuda(self.world_size, why)
         cost = self.emulation.cost
         if cost is not None and cost.num_stages != self.num_stages:
@@ -128,9 +128,9 @@ class TrainConfig:
 
     def _check_recipe(self) -> None:
         wl = self.workload
-        if self.runtime.activation_checkpointing != "off" and wl.blocks is None:
+        if self.compute.activation_checkpointing != "off" and wl.blocks is None:
             raise ConfigError(
-                f"runtime.activation_checkpointing = {self.runtime.activation_checkpointing}: "
+                f"compute.activation_checkpointing = {self.compute.activation_checkpointing}: "
                 f"workload {wl.name!r} does not name its blocks (Workload.blocks); set it to off"
             )
 
@@ -280,8 +280,9 @@ class _Loader:
         known = [*BY_NAME, *WORKLOAD_SECTIONS]
         for name, table in doc.items():
             if name not in known:
+                keys = table if isinstance(table, dict) else {}
                 raise ConfigError(
-                    f"{self.source}: unknown section [{name}]{did_you_mean(name, known)} "
+                    f"{self.source}: unknown section [{name}]{_holder(name, keys, known)} "
                     f"(expected {', '.join(known)})"
                 )
             if not isinstance(table, dict):
@@ -318,7 +319,7 @@ class _Loader:
         if section:
             if section not in known:
                 raise ConfigError(
-                    f"--set {key}: unknown section [{section}]{did_you_mean(section, known)} "
+                    f"--set {key}: unknown section [{section}]{_holder(section, [name], known)} "
                     f"(expected {', '.join(known)})"
                 )
             return section, name
@@ -450,8 +451,8 @@ def _check_cuda(world_size: int, why: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        given = "runtime.device = cuda" if why.startswith("auto") else "runtime.backend = nccl"
-        fix = "runtime.device = cpu" if why.startswith("auto") else "runtime.backend = gloo"
+        given = "compute.device = cuda" if why.startswith("auto") else "compute.backend = nccl"
+        fix = "compute.device = cpu" if why.startswith("auto") else "compute.backend = gloo"
         raise ConfigError(
             f"{given} needs CUDA, but torch {torch.__version__} sees none "
             f"(a CPU build or no GPU); use {fix}, or install a CUDA build "
@@ -464,6 +465,14 @@ def _check_cuda(world_size: int, why: str) -> None:
             f"{local} ranks on this node but only {gpus} GPU(s): each rank needs its own "
             "(use --nproc-per-node <= the GPU count)"
         )
+
+
+def _holder(name: str, keys, known: list[str]) -> str:
+    """`` (did you mean X?)`` for an unknown section ``name``: the one section that holds every key
+    written under it (a section's keys say what it is better than its name's spelling), else the
+    known name closest to ``name``."""
+    homes = [s.NAME for s in SECTIONS if keys and set(keys) <= set(s.keys())]
+    return f" (did you mean {homes[0]}?)" if len(homes) == 1 else did_you_mean(name, known)
 
 
 def _parse_value(raw: str):

@@ -55,11 +55,11 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "microbatches_per_step": sch.microbatches * lay.dp,
         },
         "data": data_found(cfg),
-        "backend": cfg.runtime.backend,
+        "backend": cfg.compute.backend,
         "backend_choice": getattr(
-            cfg, "backend_choice", f"runtime.backend = {cfg.runtime.backend}"
+            cfg, "backend_choice", f"compute.backend = {cfg.compute.backend}"
         ),
-        "device": cfg.runtime.device_type,
+        "device": cfg.compute.device_type,
         "ranks": ranks,
         "memory_estimate": None
         if prints is None

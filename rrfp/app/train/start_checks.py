@@ -83,7 +83,7 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
         return None
     lay = cfg.layout
     if (
-        cfg.runtime.device_type == "cuda"
+        cfg.compute.device_type == "cuda"
     ):  # one device per rank: this rank's stage against its device
         rank = int(os.environ.get("RANK", "0"))
         need, mine = prints[lay.coords(rank).pp].total, [prints[lay.coords(rank).pp]]
@@ -262,7 +262,7 @@ def check_timeout(cfg: TrainConfig, bounds_waits: bool | None = None) -> str | N
     predicted without running). Only where it bounds every wait (``bounds_waits``; default: on
     nccl): on gloo the heartbeat tells a busy peer from a silent one, so the wait bounds silence,
     not a step (rrfp/comm/heartbeat.py)."""
-    if not (cfg.runtime.backend == "nccl" if bounds_waits is None else bounds_waits):
+    if not (cfg.compute.backend == "nccl" if bounds_waits is None else bounds_waits):
         return None
     step = predicted_step_s(cfg)
     wait = cfg.waits.peer_wait_s

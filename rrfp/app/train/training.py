@@ -128,12 +128,12 @@ async def stage_main(
     run folder's ``run.json`` (``rrfp train``: its start-up summary)."""
     if resume is None:  # before any process group: a mismatch fails every rank the same way
         resume = plan_resume(cfg)
-    torch.set_num_threads(cfg.runtime.threads)
+    torch.set_num_threads(cfg.compute.threads)
     _startup_fault(cfg)  # testing aid (debug.fault during=startup), normally nothing
     # a heartbeat (gloo): timeouts.heartbeat_s bounds a peer's silence, not how long a step takes
     async with PipelineRuntime.start(
         layout=cfg.layout,
-        backend=cfg.runtime.backend,
+        backend=cfg.compute.backend,
         timeout_s=cfg.run.timeout_s,
         timeouts=cfg.waits,
         unit_ms=cfg.emulation.unit_ms,
@@ -182,7 +182,7 @@ class _RankTraining:
                 cfg.model, rt.stages, rt.num_stages, cfg.run.seed, rt.tp_group
             )
         ]
-        if cfg.runtime.activation_checkpointing == "layers":
+        if cfg.compute.activation_checkpointing == "layers":
             for m in self.modules:
                 checkpoint_blocks(self.wl.blocks(m))
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
@@ -208,8 +208,8 @@ class _RankTraining:
         self.peak = PeakMemory(rt.device)
         if self.metrics is not None:
             self.summary.metrics = str(self.metrics.path)
-        # runtime.autocast: every task under it, on this rank's device type (None: the caller's)
-        autocast = cfg.runtime.autocast
+        # compute.autocast: every task under it, on this rank's device type (None: the caller's)
+        autocast = cfg.compute.autocast
         self.amp = (
             ThreadState((Autocast(rt.device.type, getattr(torch, autocast), True),))
             if autocast != "off"
