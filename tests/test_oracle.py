@@ -42,7 +42,7 @@ def solve(cfg: SimConfig, **options) -> oracle.OracleResult:
 def tolerance(cfg: SimConfig) -> float:
     """Times are rounded down to 1/SCALE per task and message: the most the
     integer optimum can differ from the real one."""
-    return 3 * 3 * cfg.stages * cfg.microbatches / SCALE
+    return 3 * 3 * cfg.pp * cfg.microbatches / SCALE
 
 
 def test_one_microbatch_by_hand():
@@ -105,7 +105,7 @@ def brute_force(cfg: SimConfig) -> float:
     and the in-flight count on a stage depends only on its order."""
     per_stage = list(topological_orders(cfg.microbatches, cfg.split_backward))
     best = float("inf")
-    for orders in itertools.product(per_stage, repeat=cfg.stages):
+    for orders in itertools.product(per_stage, repeat=cfg.pp):
         try:
             r = replay(cfg, [[(s, t) for t in order] for s, order in enumerate(orders)])
         except SimDeadlock:

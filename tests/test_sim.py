@@ -34,7 +34,7 @@ budgets = st.one_of(
 
 def check_invariants(r):
     cfg = r.config
-    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
+    S, M, split = cfg.pp, cfg.microbatches, cfg.split_backward
     var, seed = cfg.variability, cfg.seed
     at = {}
     for s, t, a, b in r.timeline:

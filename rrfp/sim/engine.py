@@ -40,7 +40,7 @@ class SimConfig:
     """One simulated iteration. Strings are accepted here, at the edge, and
     resolved once: ``replace(cfg, hint=...)`` with a resolved Hint costs nothing."""
 
-    stages: int  # pipeline ranks (S); with virtual stages the model has S x V stages
+    pp: int  # pipeline ranks (S); with virtual stages the model has S x V stages
     microbatches: int
     hint: str | Hint = DEFAULT_HINT
     dispatch: Dispatch | str = DEFAULT_DISPATCH  # ready or fixed
@@ -58,8 +58,8 @@ class SimConfig:
     placement: Placement | str = Placement.INTERLEAVED
 
     def __post_init__(self) -> None:
-        if self.stages < 1:
-            raise ValueError(f"pipeline stages must be >= 1, got {self.stages}")
+        if self.pp < 1:
+            raise ValueError(f"pp (pipeline ranks) must be >= 1, got {self.pp}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         object.__setattr__(self, "dispatch", Dispatch.parse(self.dispatch))
@@ -86,12 +86,12 @@ class SimConfig:
 
     @property
     def layout(self) -> VirtualLayout:
-        return VirtualLayout(self.stages, self.virtual, self.placement)
+        return VirtualLayout(self.pp, self.virtual, self.placement)
 
     @property
     def num_stages(self) -> int:
         """Global stages: S x V."""
-        return self.stages * self.virtual
+        return self.pp * self.virtual
 
 
 @dataclass
@@ -172,7 +172,7 @@ def _ranked(
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
     S, M, N, split, lay = (
-        cfg.stages,
+        cfg.pp,
         cfg.microbatches,
         cfg.num_stages,
         cfg.split_backward,
@@ -224,7 +224,7 @@ def _ranked(
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     """One iteration. Ready dispatch of bf, bfw and plan takes the fast path (any V), which makes
     the trackers' every decision without stepping them; ``reference=True`` always steps them."""
-    S, M, split, lay = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.layout
+    S, M, split, lay = cfg.pp, cfg.microbatches, cfg.split_backward, cfg.layout
     dur, lat_f, lat_b, sizes = _durations(cfg)
     fast = None if reference else _ranked(cfg, dur, lat_f, lat_b, sizes)
     if fast is not None:

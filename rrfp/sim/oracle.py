@@ -254,7 +254,7 @@ def _run(
     """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
     cfg = inst.cfg
     S, M, N, split, d, kinds = (
-        cfg.stages,
+        cfg.pp,
         cfg.microbatches,
         cfg.num_stages,
         cfg.split_backward,
@@ -362,7 +362,7 @@ def _result(
     cfg = inst.cfg
     log.info(
         "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
-        cfg.stages,
+        cfg.pp,
         cfg.virtual,
         cfg.microbatches,
         cfg.seed,
@@ -397,7 +397,7 @@ def _budget_can_bind(inst: _Instance) -> bool:
     flight."""
     cfg = inst.cfg
     held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
-    for r in range(cfg.stages):
+    for r in range(cfg.pp):
         limit = _limit(cfg, r)
         if limit.count is not None and limit.count < held:
             return True
@@ -463,7 +463,7 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
             held.setdefault((s, task.mb), [a, b])[0] = a
         if task.kind is last:
             held.setdefault((s, task.mb), [a, b])[1] = b
-    for r in range(cfg.stages):
+    for r in range(cfg.pp):
         stages = cfg.layout.stages_of(r)
         for c, cap in enumerate(caps):
             spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[: c + 1]]
@@ -504,7 +504,7 @@ def _orders(result: SimResult, split: bool) -> Orders:
     schedule if ``split``. Tasks of no time that start together keep F < B < W, the order their
     dependencies allow, and otherwise the order they were decided in."""
     cfg = result.config
-    per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.stages)]
+    per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.pp)]
     for s, task, a, _ in result.timeline:
         per_rank[cfg.layout.rank_of(s)].append((a, s, task))
     return tuple(

@@ -147,7 +147,7 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
     made_hint, made = plan_iteration(
         times,
         cfg.iteration,
-        cfg.stages,
+        cfg.pp,
         cfg.microbatches,
         Budget.parse(cfg.budget),
         Dispatch.parse(cfg.dispatch),

@@ -127,7 +127,7 @@ def sweep(
     budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
-    one = VirtualLayout(base.stages)
+    one = VirtualLayout(base.pp)
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
     pairs = list(
         dict.fromkeys(

@@ -293,11 +293,11 @@ def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
     lines = [cfg.layout.describe(), f"backend: {cfg.compute.backend} ({cfg.backend_choice})"]
     if cfg.parallel.virtual > 1:
-        lines.append(f"stages: {cfg.stages.describe()}")
+        lines.append(f"stages: {cfg.virtual_layout.describe()}")
     if prints is None:
         lines.append("memory: not estimated (the model does not build on the meta device)")
     for r, fp in enumerate(prints or []):
-        stages = ", ".join(map(str, cfg.stages.stages_of(r)))
+        stages = ", ".join(map(str, cfg.virtual_layout.stages_of(r)))
         lines.append(
             f"memory: pipeline rank {r} (stage {stages}): at least {_gib(fp.total)} "
             f"({_gib(fp.state)} parameters, gradients and optimizer state; {_gib(fp.activations)} "
@@ -342,7 +342,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     path = write_traceback(e, cfg.output.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
+    stage = cfg.virtual_layout.stages_of(cfg.layout.coords(rank).pp)
     line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin, cfg.run.model)}"
     if isinstance(
         root_cause(e), UsageError

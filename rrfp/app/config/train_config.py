@@ -98,8 +98,8 @@ class TrainConfig:
             raise ConfigError(f"{e}{split}") from None
         self._check_emulation()
         self._check_recipe()
-        _check_hint_layout(self.schedule, self.stages)
-        _check_fixed_budget(self.schedule, self.stages)
+        _check_hint_layout(self.schedule, self.virtual_layout)
+        _check_fixed_budget(self.schedule, self.virtual_layout)
         self._check_fault()
         self._check_dp_shard()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
@@ -186,7 +186,7 @@ class TrainConfig:
         return self._layout.pp * self.parallel.virtual
 
     @property
-    def stages(self) -> VirtualLayout:
+    def virtual_layout(self) -> VirtualLayout:
         """Which of the num_stages stages each pipeline rank holds."""
         return VirtualLayout(self._layout.pp, self.parallel.virtual, self.parallel.placement)
 

@@ -16,7 +16,7 @@ from rrfp.pipeline.user_code import calling, function_name
 def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, Any]:
     """The summary as plain values (what ``run.json`` holds under ``summary``). ``prints``: the
     memory check's footprints, None when the model did not build on the meta device."""
-    lay, sch, layout = cfg.layout, cfg.schedule, cfg.stages
+    lay, sch, layout = cfg.layout, cfg.schedule, cfg.virtual_layout
     baseline = at_1f1b(cfg, prints) if prints is not None else None
     ranks = []
     for r in range(lay.pp):

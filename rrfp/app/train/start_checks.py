@@ -117,7 +117,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     With virtual stages a rank holds its local stages' parameters and up to its rank limit of
     local-stage microbatches' activations (``Budget.rank_limit``), each at least its smallest local
     stage's."""
-    run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.stages
+    run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.virtual_layout
     M, layout_tp = sch.microbatches, cfg.layout.tp
     sample = wl.microbatches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
@@ -167,7 +167,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
 def at_1f1b(cfg: TrainConfig, prints: list[Footprint]) -> list[Footprint]:
     """``prints`` as 1F1B would hold them: each rank's 1F1B count in flight (S - r; with virtual
     stages the ``1x`` budget, ``Budget.rank_limit``), the baseline the budget is a multiple of."""
-    layout, M = cfg.stages, cfg.schedule.microbatches
+    layout, M = cfg.virtual_layout, cfg.schedule.microbatches
     one_x = Budget(multiple=1.0)
     return [
         fp.holding(max(1, min(one_x.rank_limit(layout, r).count or 1, M * layout.virtual)))
