@@ -251,7 +251,7 @@ def test_a_microbatch_moves_to_the_device_whole():
 
     import torch
 
-    from rrfp.app.bench.worker import _on
+    from rrfp.app.bench.rank import _on
 
     Inputs = collections.namedtuple("Inputs", "images ids")
     x = (Inputs(torch.ones(1), torch.zeros(2, dtype=torch.long)), [torch.ones(3), None])

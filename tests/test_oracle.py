@@ -34,9 +34,9 @@ FREE_COMM = Variability(comm=0.25)  # a binary fraction: exact in floats and in 
 
 def solve(cfg: SimConfig, **options) -> oracle.OracleResult:
     """The oracle on one CP-SAT worker unless a test says otherwise: one worker's search is
-    deterministic, so what a proof costs does not depend on the machine's load (two workers race
+    deterministic, so what a proof costs does not depend on the machine's load (two threads race
     on two busy cores and take about twice the CPU for the same proofs)."""
-    return oracle.solve(cfg, **{"workers": 1, **options})
+    return oracle.solve(cfg, **{"threads": 1, **options})
 
 
 def tolerance(cfg: SimConfig) -> float:

@@ -1,4 +1,4 @@
-"""Each iteration's planned hint, made one iteration ahead in a worker thread.
+"""Each iteration's planned hint, made one iteration ahead in a thread of its own.
 
 The plan for iteration i+1 is made while iteration i runs (``prepare``), so
 planning stays off the critical path; an iteration nobody prepared is planned

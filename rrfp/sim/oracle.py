@@ -177,7 +177,7 @@ def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple
 def solve(
     cfg: SimConfig,
     time_limit: float = 10.0,
-    workers: int = 2,
+    threads: int = 2,
     scale: int = 1000,
     hints: Iterable[SimResult] = (),
     params: Mapping[str, object] | None = None,
@@ -195,7 +195,7 @@ def solve(
     incumbent.
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
-    reports its best schedule and proven bound, not an optimum. ``workers``
+    reports its best schedule and proven bound, not an optimum. ``threads``
     is CP-SAT's thread count, fixed: a proven optimum does not depend on it
     or on the machine, while what a timed-out solve reaches does. ``params``
     sets further CP-SAT parameters by name."""
@@ -213,7 +213,7 @@ def solve(
             0,
             _best_hint(candidates),
             RELAXED_SHARE * time_limit,
-            workers,
+            threads,
             params,
         )
         lower = relaxed.bound
@@ -228,7 +228,7 @@ def solve(
                 candidates.append(repaired)
     left = max(0.0, time_limit - (time.perf_counter() - t0))
     hint = _best_hint(candidates)
-    main = _run(cp_model, inst, True, lower, hint, left, workers, params)
+    main = _run(cp_model, inst, True, lower, hint, left, threads, params)
     best = replay(cfg, main.orders, record=False) if main.orders is not None else None
     return _result(inst, main, best, candidates, time.perf_counter() - t0)
 
@@ -248,7 +248,7 @@ def _run(
     lower: int,
     hint: SimResult | None,
     seconds: float,
-    workers: int,
+    threads: int,
     params: Mapping[str, object] | None,
 ) -> _Solve:
     """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
@@ -304,7 +304,7 @@ def _run(
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
-    solver.parameters.num_workers = int(workers)
+    solver.parameters.num_workers = int(threads)
     solver.parameters.random_seed = 0
     for param, value in (params or {}).items():
         setattr(solver.parameters, param, value)
