@@ -42,7 +42,7 @@ from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
 from rrfp.core.hints import DEFAULT_HINT, Hint
-from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
@@ -274,7 +274,7 @@ class PipelineRuntime:
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
-        layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
+        layout = layout or layout_for(world, pp, tp, dp)  # fails before any group exists
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists

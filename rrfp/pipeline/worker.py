@@ -49,7 +49,7 @@ from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
-from rrfp.pipeline.split_backward.weight_split import WeightPlan, queued_parameters
+from rrfp.pipeline.split_backward.weight_split import WeightWork, queued_parameters
 from rrfp.pipeline.user_code import (
     about_shapes,
     blame,
@@ -81,7 +81,7 @@ class _Slot:
     output: torch.Tensor | tuple | list | None  # stage output, or the scaled loss on the last stage
     queue: WeightGradQueue
     nbytes: int
-    weights: WeightPlan | None = None  # split backward: what W computes with autograd
+    weights: WeightWork | None = None  # split backward: what W computes with autograd
     dw_runner: Callable[[], None] | None = None  # split backward with a dw_builder: what W runs
 
 
@@ -182,7 +182,7 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split and self.dw_builder is None:
-            weights = weight_split.plan(
+            weights = weight_split.analyse(
                 self.module,
                 [t for t in outputs if _carries_grad(t)],
                 [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],

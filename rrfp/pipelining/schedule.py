@@ -52,7 +52,7 @@ from rrfp.comm.loaded_class import PIPELINE_STAGE, loaded_class
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.errors import StartupError
 from rrfp.core.hints import DEFAULT_HINT, resolve
-from rrfp.core.layout import plan_layout
+from rrfp.core.layout import layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH
 from rrfp.loop.background import BackgroundLoop
@@ -763,7 +763,7 @@ def _checked(stages: list, n_microbatches, mesh=None, dp_sync: bool = False) -> 
         raise ValueError(
             f"the stage's group has {pp} ranks, which does not divide the world size {world}"
         )
-    layout = plan_layout(world, pp, 1, world // pp)
+    layout = layout_for(world, pp, 1, world // pp)
     ranks = (
         dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
     )

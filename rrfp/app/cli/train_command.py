@@ -28,7 +28,7 @@ from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.job.run_outputs import check_end_files
 from rrfp.app.job.stop_relay import StopRelay
 from rrfp.app.train.checkpoint_dir import CheckpointDir
-from rrfp.app.train.checkpoints import plan_resume
+from rrfp.app.train.checkpoints import choose_resume
 from rrfp.app.train.run_summary import run_summary, summary_lines
 from rrfp.app.train.start_checks import (
     Footprint,
@@ -178,7 +178,7 @@ def train_command(args) -> int:
         # rendezvous
         check_end_files(cfg.output)
         # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
         # exits 2 when the config cannot fit this machine (a dry run shows the estimate instead);
         # a warning when a byte budget holds no microbatch
         prints = footprints(cfg) if args.dry_run else check_memory(cfg)

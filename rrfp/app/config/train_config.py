@@ -36,7 +36,7 @@ from rrfp.app.config.workload_fields import as_toml as workload_toml
 from rrfp.app.config.workload_fields import check_value, workload_keys
 from rrfp.app.errors import ConfigError
 from rrfp.core.hints import NOMINAL_BUDGET, HintError
-from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.schedule_settings import ScheduleSettings
@@ -82,7 +82,7 @@ class TrainConfig:
             object.__setattr__(self, "data", wl.data_config())
         par = self.parallel
         try:
-            layout = plan_layout(self.world_size, par.pp, par.tp, par.replicas)
+            layout = layout_for(self.world_size, par.pp, par.tp, par.replicas)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.faults import FaultInjector
 from rrfp.app.train.checkpoint_state import rng_state
-from rrfp.app.train.checkpoints import Resume, RunCheckpoints, plan_resume
+from rrfp.app.train.checkpoints import Resume, RunCheckpoints, choose_resume
 from rrfp.app.train.evaluation import due as eval_due
 from rrfp.app.train.evaluation import evaluate
 from rrfp.app.train.lr_schedule import learning_rate as scheduled_lr
@@ -124,10 +124,10 @@ async def stage_main(
     it through the rendezvous store): a rank it did not reach would wait for its
     peers' messages until ``timeouts.peer_wait_s``. A stop seen only once the step's
     computation is done keeps that step. ``resume``: where to start,
-    when the caller has already decided (``plan_resume``). ``about``: what rank 0 adds to the
+    when the caller has already decided (``choose_resume``). ``about``: what rank 0 adds to the
     run folder's ``run.json`` (``rrfp train``: its start-up summary)."""
     if resume is None:  # before any process group: a mismatch fails every rank the same way
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
     torch.set_num_threads(cfg.compute.threads)
     _startup_fault(cfg)  # testing aid (debug.fault during=startup), normally nothing
     # a heartbeat (gloo): timeouts.heartbeat_s bounds a peer's silence, not how long a step takes
