@@ -277,7 +277,7 @@ def test_cli_column_and_json():
         assert not d["upper_limit"]
         if d["holds_budget"]:
             assert min(d["per_seed"]) >= 1 - 3 * 3 * 3 * 3 / SCALE
-    rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"]): r for r in doc["rows"]}
     assert (
         rows[("fixed", "gpipe")]["vs_optimum"]["holds_budget"] is False
     )  # M = 3 in flight, limit 2 on stage 2

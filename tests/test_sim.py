@@ -79,14 +79,14 @@ def check_invariants(r):
     S=st.integers(1, 8),
     M=st.integers(1, 32),
     hint=st.sampled_from(list(BUILTIN)),
-    executor=st.sampled_from(["ready", "fixed"]),
+    dispatch=st.sampled_from(["ready", "fixed"]),
     budget=budgets,
     var=variabilities,
     seed=st.integers(0, 2**31),
     split=st.sampled_from([None, True, False]),
 )
-def test_properties(S, M, hint, executor, budget, var, seed, split):
-    r = simulate(SimConfig(S, M, hint, executor, budget, var, seed=seed, split=split, record=True))
+def test_properties(S, M, hint, dispatch, budget, var, seed, split):
+    r = simulate(SimConfig(S, M, hint, dispatch, budget, var, seed=seed, split=split, record=True))
     check_invariants(r)
     assert r.makespan >= r.lower_bound - 1e-9
     assert 0 < r.efficiency <= 1 + 1e-9
@@ -141,7 +141,7 @@ def test_fixed_deadlock_is_reported():
         SimDeadlock, match="stage 1 waits for F1 in its fixed order, which needs its input"
     ):
         simulate(SimConfig(2, 2, hint, "fixed", variability=Variability.preset("none")))
-    # the ready executor is not fooled by the same hint
+    # ready dispatch is not fooled by the same hint
     simulate(SimConfig(2, 2, hint, "ready", budget=1, variability=Variability.preset("none")))
 
 
@@ -267,7 +267,7 @@ def test_cli_outputs(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "speedup vs fixed 1f1b" in p.stdout
     doc = json.loads(out.read_text())
-    rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"]): r for r in doc["rows"]}
     assert rows[("fixed", "1f1b")]["median_speedup"] == 1.0
     assert len(rows[("ready", "bfw")]["speedups"]) == 3
     assert len(rows[("ready", "bfw")]["stage_bubble"]) == 4 and all(
@@ -285,7 +285,7 @@ def test_cli_json_to_stdout_is_json_alone():
     )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {
+    assert {(r["dispatch"], r["hint"]) for r in doc["rows"]} >= {
         ("fixed", "1f1b"),
         ("ready", "bfw"),
     }
@@ -375,7 +375,7 @@ def test_default_table_shows_every_speedup_beside_its_memory():
     )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    rows = {(r["executor"], r["hint"], r["budget"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"], r["budget"]): r for r in doc["rows"]}
     assert doc["budgets"] == ["2x", "1x"]
     assert set(rows) == {
         ("fixed", "1f1b", None),

@@ -261,7 +261,7 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
         raise SimDeadlock(
-            f"{cfg.dispatch} executor with hint {cfg.the_hint.name} stalled with {left} tasks "
+            f"{cfg.dispatch} dispatch with hint {cfg.the_hint.name} stalled with {left} tasks "
             "left: " + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers))
         )
     stats = [

@@ -23,7 +23,7 @@ With V > 1 the runtime's rank tracker adds two policy devices the model
 leaves out: room reserved for later local stages' forwards (an F on local
 stage c needs V-1-c units free after it) and a bound on how far local stage
 c's forwards lead local stage c + 1's. Both only forbid schedules, so the
-optimum without them is a relaxation of what the ready executor may do under
+optimum without them is a relaxation of what ready dispatch may do under
 the same count budget: still a valid lower bound on it. A byte budget at V > 1
 is not a cap at the limit: the tracker lets a forward with nothing held at its
 local stage or later start past the bytes, so a rank may hold up to V - 1
@@ -183,7 +183,7 @@ def solve(
     params: Mapping[str, object] | None = None,
 ) -> OracleResult:
     """Minimum makespan of ``cfg``'s iteration (its S, M, V and placement, split,
-    budget and seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
+    budget and seed's durations); hint and dispatch of ``cfg`` are ignored.
 
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
@@ -191,7 +191,7 @@ def solve(
     keeps B whole; unsplit ones become split with W right after B). When the
     budget can bind, the problem without it is solved first, for up to half
     the time: its bound is a bound of the real problem, and its schedule (or
-    the ready executor following its order under the budget) is one more
+    ready dispatch following its order under the budget) is one more
     incumbent.
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
@@ -489,7 +489,7 @@ def _no_rule(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 
 def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
-    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that
+    """Ready dispatch under ``cfg``'s budget with ``orders`` as its priority: a schedule that
     holds it."""
     try:
         return simulate(

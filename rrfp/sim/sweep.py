@@ -18,7 +18,7 @@ from rrfp.sim.planned_hint import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
-RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: executor, hint, budget, layout
+RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: dispatch, hint, budget, layout
 Combo: TypeAlias = tuple[Dispatch, str, Budget | None, VirtualLayout]  # None: no budget applies
 Job: TypeAlias = tuple[int, Combo]  # (seed, combo)
 
@@ -71,7 +71,7 @@ class Row:
     def as_dict(self) -> dict[str, object]:
         lo, hi = self.spread
         return {
-            "executor": self.dispatch,  # the key that readers of `rrfp sim --json` read
+            "dispatch": self.dispatch,
             "hint": self.hint,
             "budget": self.budget,
             "median_speedup": self.median,

@@ -137,7 +137,7 @@ def _table(
         file=out,
     )
     print(
-        f"{'executor':<8} {'hint':<12} {'budget':>6}"
+        f"{'dispatch':<8} {'hint':<12} {'budget':>6}"
         + (f" {'layout':<15}" if virtual else "")
         + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
         f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}"
