@@ -88,7 +88,7 @@ def _both_paths(rank, world):
             async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
                 module = copy.deepcopy(full_model()[rt.stage])
                 ex = rt.stage_executor(
-                    module, loss_fn, microbatches=M, hint="bfw"
+                    module, loss_fn, n_microbatches=M, hint="bfw"
                 )  # split: B and W
                 batches = list(zip(x.chunk(M), y.chunk(M)))
                 with torch.autocast("cpu", BF16):
@@ -151,7 +151,7 @@ def _train(rank, world, autocast):
         cfg = TrainConfig(
             RunSection(steps=STEPS, seed=0, timeout_s=60),
             ParallelSection(pp=world),
-            ScheduleSection(microbatches=M),
+            ScheduleSection(n_microbatches=M),
             OptimSection(lr=LR),
             ComputeSection(autocast=autocast),
             model=model,

@@ -209,7 +209,7 @@ def _settings_and_waits(rank, world):
             b = rt.stage_executor(
                 module,
                 torch.nn.functional.mse_loss,
-                microbatches=4,
+                n_microbatches=4,
                 hint="1f1b",
                 budget="1x",
                 dispatch="fixed",

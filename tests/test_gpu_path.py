@@ -123,7 +123,7 @@ def run_pipeline(
             ex = rt.stage_executor(
                 list(modules) if virtual > 1 else modules[0],
                 loss_fn,
-                microbatches=M,
+                n_microbatches=M,
                 hint=hint,
                 split=split,
                 variability=Variability(comm=0.0),

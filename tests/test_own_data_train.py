@@ -1,5 +1,5 @@
-"""docs/training.md's commands for one's own data train and write their metrics: in process (one rank,
-its heartbeat's beater forked; the commands' own --set keys with smaller shapes), and `rrfp
+"""docs/training.md's commands for one's own data train and write their metrics: in process (one
+rank, its heartbeat's beater forked; the commands' own --set keys with smaller shapes), and `rrfp
 train` with a token file on 2 ranks; bad data is one line and exit 2 on every rank."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from train_rows import TrainJob
 GPT2_EOT = 50256
 # smaller shapes, so a step takes a moment on one CPU rank
 SMALL = [
-    "--set", "steps=2", "--set", "microbatches=2", "--set", "model.n_layer=1",
+    "--set", "steps=2", "--set", "n_microbatches=2", "--set", "model.n_layer=1",
     "--set", "data.microbatch_size=2", "--set", "data.min_seq_len=8",
     "--set", "data.max_seq_len=32",
 ]  # fmt: skip

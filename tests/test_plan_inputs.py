@@ -128,7 +128,7 @@ def test_replay_of_a_planned_run_follows_each_steps_plan():
     ]
     doc = {
         "pp": 2,
-        "microbatches": 8,
+        "n_microbatches": 8,
         "seed": 3,
         "preset": "lang",
         "hint": "plan",

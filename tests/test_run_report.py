@@ -31,7 +31,7 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     from rrfp.app.config.train_config import TrainConfig
 
     _texts(tmp_path / "texts")
-    sets = [f"run.steps={STEPS}", "schedule.microbatches=4", f"data.text={tmp_path / 'texts'}"]
+    sets = [f"run.steps={STEPS}", "schedule.n_microbatches=4", f"data.text={tmp_path / 'texts'}"]
     sets.append(f"output.dir={tmp_path / 'runs' / '{model}'}")
     args = [a for s in sets for a in ("--set", s)]
     res = subprocess.run(

@@ -25,7 +25,7 @@ ORDERS = {"interleaved": "1f1b", "v": "zbv"}  # each placement's classic schedul
 
 def check_virtual_invariants(r):
     cfg = r.config
-    lay, M, split = cfg.layout, cfg.microbatches, cfg.split_backward
+    lay, M, split = cfg.layout, cfg.n_microbatches, cfg.split_backward
     N = lay.num_stages
     dur, lat_f, lat_b, sizes = _durations(cfg)
     at = {}
@@ -270,7 +270,7 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
         "sim",
         "--pp",
         "4",
-        "--mb",
+        "--n-microbatches",
         "8",
         "--seeds",
         "2",
@@ -304,11 +304,14 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
         (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
         (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
         (["--virtual", "two"], "--virtual: not a list of integers"),
-        (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
+        (
+            ["--pp", "8", "--n-microbatches", "64", "--virtual", "2", "--oracle"],
+            "S*V*M <= 512, here 1024",
+        ),
     ],
 )
 def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
-    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", *args)
+    p = run_cli("sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", *args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -320,7 +323,7 @@ def test_cli_oracle_compares_each_row_with_its_own_layouts_optimum():
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "4",
         "--seeds",
         "1",
@@ -385,7 +388,7 @@ def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "2",
         "--seeds",
         "1",
@@ -433,7 +436,7 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
         "pp": 2,
         "virtual": 2,
         "placement": "v",
-        "microbatches": 6,
+        "n_microbatches": 6,
         "seed": 3,
         "preset": "lang",
         "hint": "plan",
@@ -487,7 +490,7 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "3",
         "--seeds",
         "2",

@@ -59,7 +59,7 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
     worker measures on the real CPU forward of that microbatch (the run's own count)."""
     cfg = TrainConfig.load(
         ROOT / "configs/gpt-tiny.toml",
-        ["model.n_layer=2", "microbatches=4", "model.dropout=0.1"],
+        ["model.n_layer=2", "n_microbatches=4", "model.dropout=0.1"],
         world_size=2,
     )
     prints = footprints(cfg)
@@ -90,10 +90,10 @@ def test_with_virtual_stages_a_rank_counts_its_local_stages():
     (fixed applies no budget)."""
     from rrfp.core.hints import peak_in_flight
 
-    sets = ["model.n_layer=4", "microbatches=8", "virtual=2", "placement=v"]
+    sets = ["model.n_layer=4", "n_microbatches=8", "virtual=2", "placement=v"]
     cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets, world_size=2)
     one = TrainConfig.load(
-        ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=8"], world_size=2
+        ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "n_microbatches=8"], world_size=2
     )
     prints, wl, lay = footprints(cfg), cfg.workload, VirtualLayout(2, 2, "v")
     sample = wl.batches(cfg.data, 0, 8)
@@ -139,7 +139,7 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
     assert (
         "\n" not in line
         and "above the" in line
-        and "lower schedule.microbatches, schedule.budget" in line
+        and "lower schedule.n_microbatches, schedule.budget" in line
     ), line
     assert f"{need / 2**20:.1f} MiB of memory" in line, line
 
@@ -147,7 +147,7 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
 def test_timeout_below_three_steps_says_what_to_raise_it_to():
     cfg = TrainConfig.load(
         ROOT / "configs/gpt-tiny.toml",
-        ["unit_ms=1000", "timeout_s=5", "microbatches=4"],
+        ["unit_ms=1000", "timeout_s=5", "n_microbatches=4"],
         world_size=4,
     )
     assert predicted_step_s(cfg) == pytest.approx(
@@ -159,7 +159,7 @@ def test_timeout_below_three_steps_says_what_to_raise_it_to():
         check_timeout(
             TrainConfig.load(
                 ROOT / "configs/gpt-tiny.toml",
-                ["unit_ms=1000", "timeout_s=36", "microbatches=4"],
+                ["unit_ms=1000", "timeout_s=36", "n_microbatches=4"],
                 world_size=4,
             ),
             bounds_waits=True,

@@ -25,9 +25,9 @@ from rrfp.core.tracker import StageSpec
 from rrfp.core.virtual_orders import VIRTUAL_SCHEDULES
 
 HintFn = Callable[[int, int, int, bool], Sequence["Task | str"]]
-"""(num_stages, stage, num_microbatches, split) -> the stage's task order."""
+"""(num_stages, stage, n_microbatches, split) -> the stage's task order."""
 RankHintFn = Callable[[VirtualLayout, int, int, bool], Sequence[tuple[int, Task]]]
-"""(layout, rank, num_microbatches, split) -> the rank's order over (stage, task) pairs."""
+"""(layout, rank, n_microbatches, split) -> the rank's order over (stage, task) pairs."""
 
 
 class HintError(ValueError):

@@ -147,7 +147,7 @@ class StageExecutor:
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
-        S, s, M = first.num_stages, first.stage, settings.microbatches
+        S, s, M = first.num_stages, first.stage, settings.n_microbatches
         self.S, self.s, self.M = S, s, M
         mine = tuple(w.stage for w in self.workers)
         if stages is None and len(mine) != 1:

@@ -32,12 +32,12 @@ class PlanReport:
 
 class IterationPlanner:
     def __init__(
-        self, times: TaskTimes, stages: int, microbatches: int, budget: Budget, dispatch: Dispatch
+        self, times: TaskTimes, stages: int, n_microbatches: int, budget: Budget, dispatch: Dispatch
     ) -> None:
         self.times, self.S, self.M, self.budget, self.dispatch = (
             times,
             stages,
-            microbatches,
+            n_microbatches,
             budget,
             dispatch,
         )

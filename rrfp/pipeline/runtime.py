@@ -2,7 +2,7 @@
 eagerly and in the same order on every rank. Embedding drivers start here:
 
     async with PipelineRuntime.start(pp=4) as rt:
-        pipe = rt.stage_executor(module, loss_fn, microbatches=8)
+        pipe = rt.stage_executor(module, loss_fn, n_microbatches=8)
         result = await pipe.run_iteration(step, batches)
 
 Leaving the block normally waits for every rank, then takes down the process
@@ -414,7 +414,7 @@ class PipelineRuntime:
         loss_fn,
         settings: ScheduleSettings | None = None,
         *,
-        microbatches: int | None = None,
+        n_microbatches: int | None = None,
         dispatch: Dispatch | str = DEFAULT_DISPATCH,
         hint: Hint | str = DEFAULT_HINT,
         budget: Budget | str | int = DEFAULT_BUDGET,
@@ -428,7 +428,7 @@ class PipelineRuntime:
         dw_builder=None,
     ) -> StageExecutor:
         """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
-        one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
+        one). Without it, the keywords ``n_microbatches``, ``dispatch``, ``hint``, ``budget``,
         ``split``, ``variability``, ``seed`` and ``cost`` make one (``ScheduleSettings.of``:
         strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g.
         from ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
@@ -477,10 +477,10 @@ class PipelineRuntime:
                 "modules are not supported"
             )
         if settings is None:
-            if microbatches is None:
-                raise TypeError("stage_executor needs settings= or microbatches=")
+            if n_microbatches is None:
+                raise TypeError("stage_executor needs settings= or n_microbatches=")
             settings = ScheduleSettings.of(
-                microbatches,
+                n_microbatches,
                 dispatch=dispatch,
                 hint=hint,
                 budget=budget,
@@ -489,9 +489,9 @@ class PipelineRuntime:
                 seed=seed,
                 cost=cost,
             )
-        elif microbatches is not None:
+        elif n_microbatches is not None:
             raise TypeError("stage_executor takes settings= or its keywords, not both")
-        microbatches, split = settings.microbatches, settings.split
+        microbatches, split = settings.n_microbatches, settings.split
         builders = (
             list(dw_builder)
             if isinstance(dw_builder, (list, tuple))

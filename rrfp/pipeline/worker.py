@@ -106,7 +106,7 @@ class StageWorker:
         module: nn.Module,
         stage: int,
         num_stages: int,
-        num_microbatches: int,
+        n_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         split: bool,
         measure_activations: bool = True,
@@ -121,11 +121,11 @@ class StageWorker:
         )  # left to split-aware layers' own W queue (mode "layers")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-        if num_microbatches <= 0:
-            raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
+        if n_microbatches <= 0:
+            raise ValueError(f"n_microbatches must be positive, got {n_microbatches}")
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self._splat = takes_several(module)  # a tuple input becomes separate arguments
-        self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
+        self.n_microbatches, self.loss_fn, self.split = n_microbatches, loss_fn, split
         # torch's PipelineStage(dw_builder=): weight gradients that the module's own autograd
         # functions leave to a runner (zero-bubble custom functions). As torch's stage does, B then
         # runs the whole autograd backward, and the runner dw_builder() builds right after it runs
@@ -171,7 +171,7 @@ class StageWorker:
             out = self._run_module(x)
             if self.is_last:
                 loss = self._loss(out, targets)
-                out = loss / self.num_microbatches
+                out = loss / self.n_microbatches
         outputs = _flat(out)
         if not self.is_last:
             self._check_output(mb, out, outputs)
@@ -452,10 +452,9 @@ class StageWorker:
 
     def _check(self, task: Task, want: _State | None) -> _Slot | None:
         mb = task.mb
-        if not 0 <= mb < self.num_microbatches:
+        if not 0 <= mb < self.n_microbatches:
             raise RuntimeError(
-                f"stage {self.stage}: {task} out of range "
-                f"(num_microbatches={self.num_microbatches})"
+                f"stage {self.stage}: {task} out of range (n_microbatches={self.n_microbatches})"
             )
         slot = self._slots.get(mb)
         have = None if slot is None else slot.state

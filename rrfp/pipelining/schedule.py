@@ -250,9 +250,9 @@ class ScheduleReady:
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
         self._settings = dict(on_nonfinite=on_nonfinite, tied=_under_submod(tied))
-        if settings is not None and settings.microbatches != n_microbatches:
+        if settings is not None and settings.n_microbatches != n_microbatches:
             raise ValueError(
-                f"settings.microbatches = {settings.microbatches} but n_microbatches = "
+                f"settings.n_microbatches = {settings.n_microbatches} but n_microbatches = "
                 f"{n_microbatches}"
             )
         self._schedule = settings or ScheduleSettings.of(

@@ -41,7 +41,7 @@ class SimConfig:
     resolved once: ``replace(cfg, hint=...)`` with a resolved Hint costs nothing."""
 
     pp: int  # pipeline ranks (S); with virtual stages the model has S x V stages
-    microbatches: int
+    n_microbatches: int
     hint: str | Hint = DEFAULT_HINT
     dispatch: Dispatch | str = DEFAULT_DISPATCH  # ready or fixed
     budget: Budget | str | int = DEFAULT_BUDGET
@@ -60,8 +60,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.pp < 1:
             raise ValueError(f"pp (pipeline ranks) must be >= 1, got {self.pp}")
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.n_microbatches}")
         object.__setattr__(self, "dispatch", Dispatch.parse(self.dispatch))
         object.__setattr__(self, "budget", Budget.parse(self.budget))
         object.__setattr__(self, "hint", resolve(self.hint))
@@ -149,7 +149,7 @@ def _durations(cfg: SimConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, list
     """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
     which is no message) and one local stage's activation sizes (a microbatch's over V), all drawn
     at once."""
-    N, M, V, var = cfg.num_stages, cfg.microbatches, cfg.virtual, cfg.variability
+    N, M, V, var = cfg.num_stages, cfg.n_microbatches, cfg.virtual, cfg.variability
     lay = cfg.layout
     times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=lay)
     if cfg.durations is not None:
@@ -173,7 +173,7 @@ def _ranked(
     that ranks every stage alike by one order, one latency per link."""
     S, M, N, split, lay = (
         cfg.pp,
-        cfg.microbatches,
+        cfg.n_microbatches,
         cfg.num_stages,
         cfg.split_backward,
         cfg.layout,
@@ -224,7 +224,7 @@ def _ranked(
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     """One iteration. Ready dispatch of bf, bfw and plan takes the fast path (any V), which makes
     the trackers' every decision without stepping them; ``reference=True`` always steps them."""
-    S, M, split, lay = cfg.pp, cfg.microbatches, cfg.split_backward, cfg.layout
+    S, M, split, lay = cfg.pp, cfg.n_microbatches, cfg.split_backward, cfg.layout
     dur, lat_f, lat_b, sizes = _durations(cfg)
     fast = None if reference else _ranked(cfg, dur, lat_f, lat_b, sizes)
     if fast is not None:

@@ -255,7 +255,7 @@ def _run(
     cfg = inst.cfg
     S, M, N, split, d, kinds = (
         cfg.pp,
-        cfg.microbatches,
+        cfg.n_microbatches,
         cfg.num_stages,
         cfg.split_backward,
         inst.d,
@@ -364,7 +364,7 @@ def _result(
         "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
         cfg.pp,
         cfg.virtual,
-        cfg.microbatches,
+        cfg.n_microbatches,
         cfg.seed,
         solved.status,
         seconds,
@@ -396,7 +396,7 @@ def _budget_can_bind(inst: _Instance) -> bool:
     """Whether some rank's limit is below what its stages would hold with every microbatch in
     flight."""
     cfg = inst.cfg
-    held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
+    held = cfg.virtual * cfg.n_microbatches  # (stage, microbatch) pairs a rank holds at most
     for r in range(cfg.pp):
         limit = _limit(cfg, r)
         if limit.count is not None and limit.count < held:
@@ -422,7 +422,7 @@ def _budget(
     limit). With V = 1 that is the stage's rule."""
     cfg = inst.cfg
     limit = _limit(cfg, rank)
-    M, last = cfg.microbatches, last_backward(cfg.split_backward)
+    M, last = cfg.n_microbatches, last_backward(cfg.split_backward)
     stages = cfg.layout.stages_of(rank)  # in local-stage order, as the rank tracker numbers them
     held = [
         model.new_interval_var(

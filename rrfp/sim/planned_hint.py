@@ -105,7 +105,7 @@ def plan_iteration(
     times: TaskTimes,
     iteration: int,
     stages: int,
-    microbatches: int,
+    n_microbatches: int,
     budget: Budget,
     dispatch: Dispatch,
     features: Sequence[Features] | None = None,
@@ -114,7 +114,7 @@ def plan_iteration(
     on ``features``, or the preset's size factors), never the realized durations. ``stages`` counts
     ranks; with virtual stages ``times.layout`` says how many stages each holds."""
     layout = times.layout or VirtualLayout(stages)
-    predicted = times.predicted(iteration, layout.num_stages, microbatches, features)
+    predicted = times.predicted(iteration, layout.num_stages, n_microbatches, features)
     return make_plan(
         predicted,
         budget,
@@ -148,7 +148,7 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
         times,
         cfg.iteration,
         cfg.pp,
-        cfg.microbatches,
+        cfg.n_microbatches,
         Budget.parse(cfg.budget),
         Dispatch.parse(cfg.dispatch),
     )

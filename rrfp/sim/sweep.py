@@ -95,11 +95,11 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
     return dispatch is Dispatch.READY or hint.planned
 
 
-def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
+def applies(hint: Hint, layout: VirtualLayout, n_microbatches: int, split: bool) -> str | None:
     """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual
     order)."""
     try:
-        hint.check_layout(layout, microbatches, split)
+        hint.check_layout(layout, n_microbatches, split)
     except HintError as e:
         return str(e)
     return None
@@ -139,7 +139,7 @@ def sweep(
     )
     usable: list[tuple[Dispatch, str, VirtualLayout]] = []
     for d, name, lay in pairs:
-        why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
+        why = applies(by_name[name], lay, base.n_microbatches, default_split(name, base.split))
         if why is None:
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:

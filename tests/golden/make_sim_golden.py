@@ -32,7 +32,7 @@ def case_args(pp, mb, preset, budget, extra):
     return [
         "--pp",
         str(pp),
-        "--mb",
+        "--n-microbatches",
         str(mb),
         "--preset",
         preset,

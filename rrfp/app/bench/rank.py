@@ -111,7 +111,7 @@ async def run_case(
     names = list(runners)
 
     def inputs(it: int):
-        data = wl.batches(cfg.data, it, spec.mb)
+        data = wl.batches(cfg.data, it, spec.n_microbatches)
         moved = data if device.type == "cpu" else [_on(device, b) for b in data]
         return moved, [wl.features(b) for b in data]
 

@@ -180,7 +180,7 @@ class Case:
                 *self.overrides,
                 f"parallel.pp={pp}",
                 f"parallel.tp={tp}",
-                f"schedule.microbatches={spec.mb}",
+                f"schedule.n_microbatches={spec.n_microbatches}",
                 f"emulation.preset={self.preset}",
                 f"schedule.budget={spec.budget}",
                 f"emulation.unit_ms={spec.unit_ms}",
@@ -229,7 +229,7 @@ class BenchSpec:
     cases: tuple[Case, ...]
     pp: int = 4
     tp: int = 1
-    mb: int = 16
+    n_microbatches: int = 16
     reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET

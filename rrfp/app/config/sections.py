@@ -137,7 +137,7 @@ class ScheduleSection(Section):
         "What each rank runs in which order: the microbatches, the dispatch, the hint, the budget."
     )
 
-    microbatches: int = setting(
+    n_microbatches: int = setting(
         8, "microbatches per step, per data-parallel replica", bounds=COUNT, least=ONE
     )
     dispatch: Dispatch = setting(
@@ -384,7 +384,7 @@ class EvalSection(Section):
     )
     batches: int = setting(
         2,
-        "held-out iterations per evaluation, each of schedule.microbatches microbatches per "
+        "held-out iterations per evaluation, each of schedule.n_microbatches microbatches per "
         "replica; the same ones every time",
         bounds=(1, 65536),
         least=ONE,

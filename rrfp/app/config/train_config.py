@@ -166,9 +166,9 @@ class TrainConfig:
             )
         if fault.task is not None:
             split = sch.split_backward
-            if fault.task.mb >= sch.microbatches or (fault.task.kind.name == "W" and not split):
+            if fault.task.mb >= sch.n_microbatches or (fault.task.kind.name == "W" and not split):
                 raise ConfigError(
-                    f"debug.fault {fault}: no task {fault.task} with {sch.microbatches} "
+                    f"debug.fault {fault}: no task {fault.task} with {sch.n_microbatches} "
                     f"microbatches, split = {split}"
                 )
 
@@ -199,7 +199,7 @@ class TrainConfig:
         """The executor's settings, built here once for stage_executor and the bench."""
         sch, em = self.schedule, self.emulation
         return ScheduleSettings.of(
-            sch.microbatches,
+            sch.n_microbatches,
             dispatch=sch.dispatch,
             hint=sch.hint,
             budget=sch.budget,
@@ -400,14 +400,14 @@ def _check_hint_layout(sch: ScheduleSection, layout: VirtualLayout) -> None:
     checked once here, for a rank that finds none fails after the process groups exist."""
     split = sch.split_backward
     try:
-        sch.hint.check_layout(layout, sch.microbatches, split)
+        sch.hint.check_layout(layout, sch.n_microbatches, split)
     except HintError as e:
         shape = f"parallel.virtual = {layout.virtual}" + (
             f", parallel.placement = {layout.placement}" if layout.virtual > 1 else ""
         )
         raise ConfigError(
             f"schedule.hint = {sch.hint.name} does not fit {layout.ranks} pipeline rank(s), "
-            f"{shape}, schedule.microbatches = {sch.microbatches}: {e}"
+            f"{shape}, schedule.n_microbatches = {sch.n_microbatches}: {e}"
         ) from None
 
 
@@ -428,7 +428,7 @@ def _check_fixed_budget(sch: ScheduleSection, layout: VirtualLayout) -> None:
             f"or Nx budget, or schedule.dispatch = ready"
         )
     for r in range(layout.ranks):
-        needs = sch.hint.rank_peak(layout, r, sch.microbatches, split)
+        needs = sch.hint.rank_peak(layout, r, sch.n_microbatches, split)
         allowed = sch.budget.rank_limit(layout, r).count
         if needs > allowed:
             where, unit = (

@@ -60,7 +60,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
                     "pp": lay.pp,
                     "tp": lay.tp,
                     "dp": lay.dp,
-                    "microbatches": cfg.schedule.microbatches,
+                    "n_microbatches": cfg.schedule.n_microbatches,
                     "virtual": cfg.parallel.virtual,
                     "placement": cfg.parallel.placement,
                 },
@@ -90,7 +90,7 @@ def differences(saved: dict, now: dict) -> list[str]:
 # the fingerprint's ``run`` keys that the config holds in another section
 _SECTION_OF = {
     **{k: "parallel" for k in ("pp", "tp", "dp", "virtual", "placement")},
-    "microbatches": "schedule",
+    "n_microbatches": "schedule",
 }
 
 

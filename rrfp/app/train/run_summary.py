@@ -51,8 +51,8 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "hint": sch.hint.name,
             "dispatch": str(sch.dispatch),
             "budget": str(sch.budget),
-            "microbatches": sch.microbatches,  # per replica per step
-            "microbatches_per_step": sch.microbatches * lay.dp,
+            "n_microbatches": sch.n_microbatches,  # per replica per step
+            "microbatches_per_step": sch.n_microbatches * lay.dp,
         },
         "data": data_found(cfg),
         "backend": cfg.compute.backend,
@@ -88,8 +88,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"tp={lay['tp']} x dp={lay['dp']}{shard}; backend {summary['backend']} "
         f"({summary['backend_choice']}) on {summary['device']}",
         f"schedule: hint {sch['hint']}, dispatch {sch['dispatch']}, budget {sch['budget']}; "
-        f"{sch['microbatches']} microbatches per replica per step ({sch['microbatches_per_step']} "
-        "in all)",
+        f"{sch['n_microbatches']} microbatches per replica per step "
+        f"({sch['microbatches_per_step']} in all)",
         f"data: {summary['data']}",
     ]
     for rank in summary["ranks"]:

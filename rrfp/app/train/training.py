@@ -270,7 +270,7 @@ class _RankTraining:
 
     def batches(self, step: int):
         """This replica's microbatches of ``step`` and their features."""
-        m = self.cfg.schedule.microbatches
+        m = self.cfg.schedule.n_microbatches
         # DP replica d trains on its own M microbatches of a global batch of dp * M
         data = self.wl.microbatches(self.cfg.data, step, m * self.cfg.layout.dp)
         mine = data[self.rt.dp_rank * m : (self.rt.dp_rank + 1) * m]
@@ -407,7 +407,7 @@ class _RankTraining:
             self.wl,
             cfg.data,
             cfg.eval,
-            cfg.schedule.microbatches,
+            cfg.schedule.n_microbatches,
             step,
             thread_state=self.amp,
         )
@@ -496,7 +496,7 @@ class _RankTraining:
                 {
                     "pp": rt.layout.pp,
                     **virtual,
-                    "microbatches": sch.microbatches,
+                    "n_microbatches": sch.n_microbatches,
                     "seed": cfg.run.seed,
                     "preset": cfg.emulation.preset,
                     "hint": sch.hint.name,
