@@ -324,7 +324,7 @@ class PipelineRuntime:
         stages: VirtualLayout | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
-        of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
+        of the channels and of the lane (tests pass a fake device, tests/harness/fake_cuda.py)."""
         rank = dist.get_rank()
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
         pg_timeout_s = waits.nccl_watchdog_s if backend == "nccl" else waits.process_group_s
