@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import _child, _context, free_port  # noqa: E402
 
-from rrfp.app.faults import pause  # noqa: E402
+from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
@@ -327,11 +327,16 @@ def table() -> str:
         f"{train.PROGRESS_S:g} for a hung rank), finishes exactly (both ranks exit 0;",
         "rank 0 prints the losses of the run without the fault), stops, one line (both ranks",
         "exit 143 within the bound; one 'stopped' line for the job, the last completed step",
-        "saved).",
+        "saved), the disk named (both ranks exit 1 with one line each that names the checkpoint,",
+        "rank 1 and the cause: `File too large (EFBIG)` and the limit; nothing of the step is",
+        "committed, and its partial folder is deleted).",
         "",
         "Kinds: kill, stop (for good), pause (SIGSTOP, continued after half of timeout_s), slow",
         "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
-        "(SIGTERM, as torchrun's agent sends), hang (a sleep for good, alive and beating: rank 0",
+        "(SIGTERM, as torchrun's agent sends), full (rank 1's file size limit drops to",
+        f"{FULL_BYTES // 1024} KiB, as `ulimit -f` sets it, as the checkpoint after step 1 is",
+        "written: torch's writer fails on the real file, and rank 1 names the cause), hang (a",
+        "sleep for good, alive and beating: rank 0",
         "names it at its next collective once the job made no progress for progress_s, which",
         "every row sets, so the slow rows also show a slow phase under it is not blamed; inside",
         "the F task, rank 1 names its own task once it ran past timeouts.task_s, 2 x progress_s",

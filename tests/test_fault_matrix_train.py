@@ -41,6 +41,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_rows import TrainJob  # noqa: E402
 
+from rrfp.app.faults import FULL_BYTES  # noqa: E402
 from rrfp.app.train.checkpoint_dir import MARKER  # noqa: E402
 
 TIMEOUT_S = 2.0  # run.timeout_s: the heartbeat's bound once the ranks have met
@@ -58,6 +59,7 @@ AT_ONCE = 3  # rows running together
 
 API = "rrfp train"
 FINISHES, NAMED, STOPS = "finishes exactly", "rank 1 named", "stops, one line"
+DISK = "the disk named"
 # the phase: (where the fault fires, the layout)
 PHASES = {
     "start-up": ("during=startup", "pp"),
@@ -106,6 +108,7 @@ ROWS = [
     if phase not in ("TP F",)
     for kind in KINDS
 ] + [(API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES]
+ROWS += [(API, "full", "save", DISK)]  # torch's writer on rank 1 past its file size limit
 
 
 def _spec(kind: str, phase: str) -> str:
@@ -151,6 +154,7 @@ class Outcome:
     ended_after: dict[int, float] = field(default_factory=dict)
     tails: str = ""
     committed: list[str] = field(default_factory=list)  # the checkpoints left committed
+    left: list[str] = field(default_factory=list)  # everything else left in the checkpoint folder
 
 
 def losses(stdout: str) -> dict[int, str]:
@@ -182,6 +186,11 @@ def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -
             ended_after={r: t - base for r, t in job.ended.items()},
             tails="\n".join(f"--- rank {r}:\n{job.err(r)[-1500:]}" for r in (0, 1)),
             committed=sorted(c.parent.name for c in (tmp / "ck").glob(f"step-*/{MARKER}")),
+            left=sorted(
+                p.name
+                for p in (tmp / "ck").glob("*")
+                if not (p / MARKER).is_file() and not p.name.startswith(".partial-probe-")
+            ),
         )
     finally:
         job.kill()
@@ -251,6 +260,16 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
         took = got.ended_after[0]
         assert took <= bound, f"named after {took:.1f} s\n{got.tails}"
         print(f"{api} {kind} {phase}: named after {took:.2f} s")
+        return
+    if outcome == DISK:  # each rank's one line names the checkpoint, the cause and the limit
+        assert got.codes == [1, 1], got.tails
+        partial = "ck/.partial-step-00000001: rank 1: File too large (EFBIG)"
+        for lines in got.lines:
+            assert len(lines) == 1 and partial in lines[0], got.tails
+            assert "checkpoint step-00000001 was not saved" in lines[0], got.tails
+            assert f"file size limit of {FULL_BYTES} bytes (ulimit -f" in lines[0], got.tails
+        assert got.committed == [] and got.left == [], (got.committed, got.left)
+        assert max(got.ended_after.values()) <= bound, got.ended_after
         return
     assert got.codes == [143, 143], got.tails
     stopped = [ln for lines in got.lines for ln in lines if ln.startswith("rrfp: stopped")]

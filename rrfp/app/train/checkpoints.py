@@ -39,6 +39,7 @@ from rrfp.app.train.checkpoint_state import (
     save_stage,
     stage_key,
 )
+from rrfp.app.train.disk_errors import DISK_ERRNOS, explained
 from rrfp.app.train.optimizers import reconfigured
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.comm.collective_wait import working_marker
@@ -341,7 +342,9 @@ class RunCheckpoints:
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep. A peer lost on the way is a PeerFailure whose line says which
-        checkpoint stays (the partial one is debris, cleared at the next run's start).
+        checkpoint stays (the partial one is debris, cleared at the next run's start); a write
+        that fails (a full disk) is a CheckpointError that says so, once rank 0 deleted the
+        partial folder.
         ``rng``: the generators to record, when not the current ones."""
         for hook in self.on_write:
             hook(done, "save")
@@ -355,7 +358,9 @@ class RunCheckpoints:
             ) from e
         except CheckpointError as e:
             if not lost_peer_reason(str(e)):
-                raise
+                if self.rt.rank == 0:  # every rank is past its writes: DCP gathered their errors
+                    self.store.clear_debris()  # the partial folder, whose space a full disk needs
+                raise CheckpointError(f"step {done}: {self._outcome(done)}: {e}") from None
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
                 f"was not saved, {self._kept()}: a peer was lost while writing it"
@@ -419,7 +424,12 @@ class RunCheckpoints:
         if not committed.item():
             final = self.store.final_path(done)
             if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
-                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
+                why = (
+                    explained(failure, self.store.partial_path(done))
+                    if failure is not None and failure.errno in DISK_ERRNOS
+                    else failure
+                )
+                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {why}")
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)",
                 0,
