@@ -5,8 +5,9 @@ saving one when the run asks (every N steps, at the end, on SIGTERM).
 Every checkpoint is verified against its commit record (each file's SHA-256)
 before anything of it is read: a latest checkpoint that fails is named, and
 the run falls back to the newest one that verifies, or stops, as
-``checkpoint.on_corrupt`` says. Those it passed over are deleted at the
-run's start (rank 0), so they neither block its commits nor count as kept.
+``checkpoint.on_corrupt`` says. Those it passed over are set aside at the
+run's start (rank 0, renamed ``rejected-step-N``, their files kept), so they
+neither block its commits nor count as kept.
 
 A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
@@ -105,7 +106,8 @@ def _key_name(section: str, key: str) -> str:
 @dataclass(frozen=True)
 class Resume:
     """Where a run starts (``start``; None: step 0), and the newer checkpoints it passed
-    over because they failed verification, newest first, each with what is wrong."""
+    over because they failed verification, newest first, each with what is wrong (set aside
+    as ``rejected-step-N`` at the run's start, never deleted)."""
 
     start: Checkpoint | None
     rejected: tuple[tuple[Checkpoint, str], ...] = ()
@@ -117,9 +119,13 @@ class Resume:
         bad = "; ".join(
             f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected
         )
+        aside = ", ".join(
+            f"{c.path.name} as {CheckpointDir(c.path.parent).rejected_path(c.step).name}"
+            for c, _ in self.rejected
+        )
         return (
             f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
-            f"(checkpoint.on_corrupt = fallback; it is deleted at this run's start)"
+            f"(checkpoint.on_corrupt = fallback; set aside at this run's start, kept: {aside})"
         )
 
 
@@ -269,7 +275,8 @@ class RunCheckpoints:
     async def begin(self, resume: Resume) -> None:
         """Collective, at the run's start: every rank decided to resume from the same step,
         and sees a file rank 0 writes into the checkpoint directory (one file system for
-        every rank). Then rank 0 deletes the checkpoints passed over and any debris, so
+        every rank). Then rank 0 sets the checkpoints passed over aside (kept, as
+        ``rejected-step-N``) and deletes any debris, so
         nothing of an earlier crash is mixed into, or blocks, this run's commits."""
         rt, world = self.rt, self.rt.layout.world_size
         step = float(resume.start.step if resume.start is not None else -1)
@@ -307,7 +314,7 @@ class RunCheckpoints:
                 f"{int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
             )
         if rt.rank == 0:
-            self.store.discard([c for c, _ in resume.rejected])
+            self.store.reject([c for c, _ in resume.rejected])
             self.store.clear_debris()
 
     def due(self, done: int, stopping: bool) -> bool:
