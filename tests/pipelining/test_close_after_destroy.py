@@ -4,13 +4,8 @@ where it raised a KeyError from torch's group table; a second ``close()`` does n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from distributed import run_ranks  # noqa: E402
+from harness.distributed import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
