@@ -792,13 +792,11 @@ class PipelineRuntime:
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
         hb = self.heartbeat
-        if found.rank is None and found.closed:
-            host0 = "rank 0's process" in hb.where
+        if found.rank is None and found.closed:  # the store in torchrun's agent
             return PeerSilent(
-                f"rank {self.rank}: {hb.where} closed its connection ({found.closed}): "
-                f"{'rank 0' if host0 else 'the agent'} is gone, so this job cannot go on: "
-                "stopping now",
-                0 if host0 else None,
+                f"rank {self.rank}: {hb.where} closed its connection ({found.closed}): the agent "
+                "is gone, so this job cannot go on: stopping now",
+                None,
             )
         if found.rank is None:
             host0 = "rank 0's process" in hb.where
