@@ -48,7 +48,7 @@ def test_a_killed_agent_ends_each_rank_at_once_with_one_line(tmp_path):
     sets = [
         "steps=100000",
         "pp=2",
-        "microbatches=2",
+        "n_microbatches=2",
         "model.n_layer=2",
         "model.n_embd=16",
         "model.block_size=32",

@@ -18,7 +18,7 @@ def test_the_launchers_warnings_and_resume_line_come_once(tmp_path):
     sets = [
         "steps=1",
         "pp=2",
-        "microbatches=2",
+        "n_microbatches=2",
         "model.n_layer=2",
         "model.n_embd=16",
         "model.block_size=32",

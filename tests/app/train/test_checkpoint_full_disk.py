@@ -41,7 +41,7 @@ def test_a_full_tmpfs_under_torchs_writer_is_one_line_naming_enospc(tmp_path: Pa
     sets = [
         "steps=3",
         "pp=2",
-        "microbatches=4",
+        "n_microbatches=4",
         "model.n_layer=2",
         "model.n_embd=32",
         "model.block_size=32",
