@@ -12,7 +12,9 @@ A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
 different value in any of them is refused: the saved tensors would not fit, or
 the batches (a pure function of the data config and the step) would not
-continue where they stopped; so is another optimizer (optim.name), whose state would not fit. The
+continue where they stopped; so is another optimizer (optim.name), whose state would not fit; so
+are data files whose bytes changed since the save (their size and SHA-256, file_fingerprint.py,
+recorded in meta.json as ``data_files``), which the batches would be drawn from. The
 other [optim] keys may change; the config wins. The learning-rate schedule and the evaluation
 hold no state of their own: both are functions of the step the checkpoint records.
 """
@@ -28,6 +30,7 @@ from dataclasses import MISSING, dataclass
 import torch
 import torch.distributed as dist
 
+from rrfp.app.config.file_fingerprint import fingerprints
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.job.run_outputs import folder_problem
@@ -185,6 +188,12 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     diffs = differences(*_comparable(saved, _new_keys_at_default(saved, fingerprint(cfg), cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
+    changed = data_changes(meta.get("data_files"), fingerprints({"data": cfg.data}))
+    if changed:
+        raise ConfigError(
+            f"{where}: the data it was trained on changed since it was saved: {'; '.join(changed)} "
+            "(resume with the files it was saved with, or start in another checkpoint.dir)"
+        )
     if latest.step >= run.steps:
         raise ConfigError(
             f"{where}: it is at step {latest.step} and run.steps = {run.steps}: nothing left "
@@ -200,6 +209,18 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
     return Resume(latest, tuple(rejected))
+
+
+def data_changes(saved: object, now: dict[str, str]) -> list[str]:
+    """``data.KEY FILE: checkpoint A, now B`` for every data file whose fingerprint differs from
+    the one ``saved`` in a checkpoint (a checkpoint that recorded none: nothing to compare)."""
+    if not isinstance(saved, dict):
+        return []
+    return [
+        f"{name}: checkpoint {saved.get(name, '(absent)')}, now {now.get(name, '(absent)')}"
+        for name in sorted(set(saved) | set(now))
+        if saved.get(name) != now.get(name)
+    ]
 
 
 def _new_keys_at_default(saved: dict, now: dict, cfg: TrainConfig) -> dict:
@@ -262,6 +283,9 @@ class RunCheckpoints:
             device=rt.device,
             process_group=rt.cpu_group,
         )  # DCP's collectives: gloo, the control plane
+        # what the data files held when this run started (file_fingerprint.py), in every
+        # checkpoint's meta.json: a resume on other bytes is refused
+        self.data_files = fingerprints({"data": cfg.data}) if rt.rank == 0 else {}
         # called with the step and the phase (save, commit) as this rank enters it (fault injection)
         self.on_write: list = []
 
@@ -403,6 +427,7 @@ class RunCheckpoints:
                         done,
                         {
                             "config": fingerprint(self.cfg),
+                            "data_files": self.data_files,
                             "world_size": self.rt.layout.world_size,
                             "torch": torch.__version__,
                         },
