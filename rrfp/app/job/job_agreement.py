@@ -16,6 +16,7 @@ import datetime
 import json
 import logging
 import os
+import secrets
 import socket
 
 from rrfp.app.errors import ConfigError
@@ -25,6 +26,7 @@ from rrfp.comm.job_store import attempt
 log = logging.getLogger("rrfp.app.job.job_agreement")
 
 PREFIX = "rrfp/identity"
+JOB_KEY = "rrfp/job-id"  # not per attempt: a restarted job keeps its id
 SHOWN_KEYS = 4  # keys shown with their values; the others are only named
 VALUE_CHARS = 60  # a value longer than this is cut short in the line
 # said first when they differ: another model explains the rest of its keys
@@ -107,3 +109,20 @@ def _values(key: str, posts: list[dict]) -> str:
 
 def _cut(value: str) -> str:
     return value if len(value) <= VALUE_CHARS else value[: VALUE_CHARS - 3] + "..."
+
+
+def job_id(wait_s: float) -> int:
+    """This job's id, a 48-bit number: under torchrun the first one any of its ranks put on its
+    store (the same for every attempt a restart makes: the agent keeps one store), else a fresh
+    one. Rank 0 asks; the ranks share it through their process group."""
+    fresh = secrets.randbits(48) or 1
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return fresh
+    store = connect_store(wait_s)
+    if store is None:
+        return fresh
+    try:
+        with _quiet():
+            return int(store.compare_set(JOB_KEY, "", str(fresh)).decode())
+    except (RuntimeError, ValueError):
+        return fresh

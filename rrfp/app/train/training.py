@@ -145,6 +145,8 @@ async def stage_main(
         await training.begin(resume)
         await training.run_steps(on_step)
         await training.write_outputs()
+        if training.ckpts is not None:
+            training.ckpts.release()  # rank 0: the folder is free for the next job
         if training.injector is not None and not rt.abandoned:
             training.injector.phase("barrier")  # leaving the block waits for every rank
     return training.summary
