@@ -8,6 +8,9 @@ The store before any process group is torchrun's agent store (TORCHELASTIC_USE_A
 one the rendezvous met on: ranks started without torchrun have none until rank 0 hosts the
 process group's, and are not compared. A rank that does not post within the rendezvous's bound
 is left to the rendezvous to name (it waits as long), so this adds no wait of its own.
+
+The same store gives the job its id (``job_id``), which names the job in the checkpoint folder
+it owns (rrfp/app/train/checkpoint_owner.py).
 """
 
 from __future__ import annotations
