@@ -22,6 +22,7 @@ from rrfp.app.train.checkpoint_owner import (
     FolderClaim,
     NotOurs,
     Owner,
+    _process_start,
     read_owner,
     refusal,
 )
@@ -33,13 +34,20 @@ def _record(root, owner: Owner, age_s: float = 0.0) -> None:
     os.utime(root / OWNER, (then, then))
 
 
+def _parent_pid_record(job: str) -> Owner:
+    """A claim by the test runner's parent process: alive on this host, not this process."""
+    ppid = os.getppid()
+    return dataclasses.replace(Owner.this(job), pid=ppid, pid_start=_process_start(ppid))
+
+
 def test_a_second_job_is_refused_naming_the_owner(tmp_path):
     first = FolderClaim(tmp_path, "aaaaaaaaaaaa")
     assert first.claim() is None
+    _record(tmp_path, _parent_pid_record("aaaaaaaaaaaa"))  # as another process claimed it
     other = FolderClaim(tmp_path, "bbbbbbbbbbbb").claim()
     assert other is not None and other.job == "aaaaaaaaaaaa"
     line = refusal(tmp_path, other)
-    assert f"in use by job aaaaaaaaaaaa (host {socket.gethostname()}, pid {os.getpid()}" in line
+    assert f"in use by job aaaaaaaaaaaa (host {socket.gethostname()}, pid {os.getppid()}" in line
     assert "\n" not in line
     first.release()
     assert not (tmp_path / OWNER).exists()
@@ -53,9 +61,18 @@ def test_the_same_job_takes_its_folder_back(tmp_path):
     assert read_owner(tmp_path)[0].pid == os.getpid()
 
 
+def test_an_earlier_run_of_this_process_is_over(tmp_path):
+    """An embedding script that ran stage_main before, and failed: its claim is not alive."""
+    _record(tmp_path, Owner.this("999999999999"))
+    assert FolderClaim(tmp_path, "888888888888").claim() is None
+
+
 def test_a_dead_or_reused_pid_on_this_host_is_stale(tmp_path):
-    me = Owner.this("dddddddddddd")
-    _record(tmp_path, dataclasses.replace(me, pid_start="1"))  # this pid, another process's start
+    parent = _parent_pid_record("dddddddddddd")
+    _record(tmp_path, dataclasses.replace(parent, pid_start="1"))  # a live pid, another start
+    assert FolderClaim(tmp_path, "eeeeeeeeeeee").claim() is None
+    assert read_owner(tmp_path)[0].job == "eeeeeeeeeeee"
+    _record(tmp_path, dataclasses.replace(parent, pid=2**22 + 1))  # above pid_max: no such pid
     assert FolderClaim(tmp_path, "eeeeeeeeeeee").claim() is None
     assert read_owner(tmp_path)[0].job == "eeeeeeeeeeee"
 

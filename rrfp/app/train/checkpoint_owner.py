@@ -73,6 +73,8 @@ class Owner:
         """Whether the owning job may still write (``renewed``: the record's mtime)."""
         if self.host != socket.gethostname():
             return time.time() - renewed < LEASE_S
+        if self.pid == os.getpid():  # an earlier run of this process (embedded), which has ended
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
