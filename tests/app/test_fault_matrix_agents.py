@@ -5,7 +5,7 @@ each agent ``python -m rrfp.app.job.launch_agent``, torchrun's agent as `rrfp tr
 --nproc-per-node` runs it), started with the same command line but for one ``--set`` on node 1:
 the same job finishes; another model, seed, learning rate, microbatch count or checkpoint folder
 is refused before any process group, in one ``rrfp:`` line for the whole job that names the key
-and both nodes, every rank exiting 2. The job's waits are set far beyond the test's own timeout,
+and both nodes, every rank and both agents exiting 2. The job's waits are set far beyond the test's own timeout,
 so a refusal that waited for a timeout would fail the test instead of passing it late.
 
 Two jobs, one folder (each two ranks of ``rrfp train``, tests/train_rows.py): a second job
@@ -139,7 +139,7 @@ def test_two_agent_row(api, case, outcome, outcomes):
         assert got["lines"] == [], got["tails"]
         return
     _, key = CASES[case]
-    assert all(c != 0 for c in got["codes"]), got["tails"]
+    assert got["codes"] == [2, 2], got["tails"]  # bad input: each agent exits as its rank did
     assert len(got["lines"]) == 1, got["tails"]  # one line for the job, both agents together
     line = got["lines"][0]
     assert line.startswith("rrfp: error: the ranks of this job were started with different")
