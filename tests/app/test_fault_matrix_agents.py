@@ -5,8 +5,9 @@ each agent ``python -m rrfp.app.job.launch_agent``, torchrun's agent as `rrfp tr
 --nproc-per-node` runs it), started with the same command line but for one ``--set`` on node 1:
 the same job finishes; another model, seed, learning rate, microbatch count or checkpoint folder
 is refused before any process group, in one ``rrfp:`` line for the whole job that names the key
-and both nodes, every rank and both agents exiting 2. The job's waits are set far beyond the test's own timeout,
-so a refusal that waited for a timeout would fail the test instead of passing it late.
+and both nodes, every rank and both agents exiting 2. The job's waits are set far beyond the
+test's own timeout, so a refusal that waited for a timeout would fail the test instead of passing
+it late.
 
 Two jobs, one folder (each two ranks of ``rrfp train``, tests/train_rows.py): a second job
 started while the first writes into its ``checkpoint.dir`` is refused in one line naming the
