@@ -11,7 +11,7 @@ file: minutes per rank), so the hash covers the size, the first and the last MiB
 evenly spaced 64 KiB pieces (about 4 MiB): a file replaced, regenerated, re-tokenized, cut short
 or grown changes it; an edit of a few bytes between the samples of a large file does not, and a
 fingerprint says which kind it is (``sha256`` or ``sampled sha256``). A fingerprint is kept per
-(path, size, mtime) for the life of the process, so a run computes each once.
+(path, size, mtime, inode) for the life of the process, so a run computes each once.
 """
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ def fingerprint(path: Path) -> str:
         st = path.stat()
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
-    return _fingerprint(str(path), st.st_size, st.st_mtime_ns)
+    return _fingerprint(str(path), st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 @functools.lru_cache(maxsize=4096)
-def _fingerprint(path: str, size: int, mtime_ns: int) -> str:
+def _fingerprint(path: str, size: int, mtime_ns: int, inode: int) -> str:
     digest = hashlib.sha256(str(size).encode())
     try:
         with open(path, "rb") as f:
