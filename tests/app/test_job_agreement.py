@@ -67,6 +67,12 @@ def test_a_key_set_on_one_node_only_is_one_line_on_every_rank(key, other):
     assert f"{key}: " in line and "node 0 (" in line and "rank 0" in line and "rank 1" in line
 
 
+def test_each_machines_own_keys_and_the_reports_may_differ():
+    """Threads, the tokenizer cache and where rank 0 reports are each node's business."""
+    mine = identity(_cfg("runtime.threads=4", "output.dir=/tmp/a", "data.cache_dir=/tmp/c"))
+    assert _run_ranks([identity(_cfg()), mine]) == [True, True]
+
+
 def test_another_model_names_the_model_and_its_source():
     ends = _run_ranks([identity(_cfg()), identity(_cfg("run.model=llama"))])
     (line,) = {str(e) for e in ends}

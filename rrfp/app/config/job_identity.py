@@ -18,11 +18,15 @@ from rrfp.app.config.file_fingerprint import fingerprints
 from rrfp.app.config.train_config import TrainConfig
 
 # keys that name this machine's own resources or places, which may differ from node to node
-NODE_LOCAL = frozenset({"runtime.threads", "output.log_dir", "data.cache_dir"})
+NODE_LOCAL = frozenset({"runtime.threads", "data.cache_dir"})
+# sections that say what the run reports and where, not what it trains: rank 0's files and lines
+# (output.dir, trace, sizes, log_every, peak_tflops) and each rank's log folder
+REPORTING = frozenset({"output"})
 
 
 def identity(cfg: TrainConfig) -> dict[str, str]:
-    """``{key: value text}``: every resolved config key (less ``NODE_LOCAL``), ``model.source``
+    """``{key: value text}``: every resolved config key (less ``NODE_LOCAL`` and the ``REPORTING``
+    sections), ``model.source``
     (a hash of the file that defines the workload), one ``data.KEY FILE`` / ``model.KEY FILE`` per
     file those keys name (its fingerprint), and ``world.size``."""
     out = {
@@ -30,7 +34,7 @@ def identity(cfg: TrainConfig) -> dict[str, str]:
         for section, values in cfg.as_toml().items()
         for key, value in values.items()
     }
-    out = {k: v for k, v in out.items() if k not in NODE_LOCAL}
+    out = {k: v for k, v in out.items() if k not in NODE_LOCAL and k.split(".")[0] not in REPORTING}
     out["model.source"] = model_source(cfg)
     out.update(fingerprints({"model": cfg.model, "data": cfg.data}))
     out["world.size"] = os.environ.get("WORLD_SIZE", str(cfg.world_size))
