@@ -12,13 +12,15 @@ it late.
 Two jobs, one folder (each two ranks of ``rrfp train``, tests/train_rows.py): a second job
 started while the first writes into its ``checkpoint.dir`` is refused in one line naming the
 owner (job id, host, pid); once the first was killed (SIGKILL, its record left behind), a third
-job resumes from its checkpoint. docs/faults.md holds these rows too (tests/test_fault_matrix.py
-writes it).
+job resumes from its checkpoint. Two jobs started at once on an empty folder: one owns it, and
+every step it commits verifies and names it; the other is refused. docs/faults.md holds these
+rows too (tests/test_fault_matrix.py writes it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distributed import free_port  # noqa: E402
 from launch import ROOT, child_env  # noqa: E402
 from train_rows import TrainJob  # noqa: E402
+
+from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir  # noqa: E402
+from rrfp.app.train.checkpoint_owner import read_owner  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -59,6 +64,7 @@ OWNER_API = "rrfp train, 2 jobs on one checkpoint.dir"
 OWNER_ROWS = [
     (OWNER_API, "second job", "refused, one line naming the owner"),
     (OWNER_API, "owner killed", "a new job resumes"),
+    (OWNER_API, "two started at once", "one owns it, the other refused; no step mixed"),
 ]
 ROWS = [(API, case, FINISHES if key is None else REFUSED) for case, (_, key) in CASES.items()]
 
@@ -200,3 +206,50 @@ def test_a_second_job_on_a_folder_is_refused_and_a_killed_owner_frees_it(tmp_pat
     third = _job(tmp_path, "c", "checkpoint.resume=required").finish(LIMIT_S)
     assert third.codes() == [0, 0], third.tails()
     assert f"after step {int(kept[-1].removeprefix('step-'))}" in third.out(0), third.out(0)
+
+
+@pytest.mark.timeout(600)
+def test_two_jobs_started_at_once_on_one_folder_never_mix(tmp_path):
+    """Two jobs (`rrfp train --nproc-per-node 2` each) started together on one empty folder, each
+    stalling in step 3: one owns the folder and commits steps 1 and 2, every one of which verifies
+    and names that job in its commit record; the other is refused in one line naming it."""
+    slow = "fault=slow:rank=1:step=3:task=F1:seconds=600"
+    jobs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "rrfp", *_argv(tmp_path, name, "checkpoint.resume=auto", slow)]
+            + ["--nproc-per-node", "2"],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=open(tmp_path / f"{name}.out", "w"),
+            stderr=open(tmp_path / f"{name}.err", "w"),
+            start_new_session=True,
+        )
+        for name in ("a", "b")
+    }
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not any(j.poll() is not None for j in jobs.values()):
+            assert time.monotonic() < deadline, "neither job was refused"
+            time.sleep(0.1)
+        (refused,) = [n for n, j in jobs.items() if j.poll() is not None]
+        (owning,) = [n for n in jobs if n != refused]
+        err = (tmp_path / f"{refused}.err").read_text()
+        assert jobs[refused].returncode == 2, err[-3000:]
+        lines = [ln for ln in err.splitlines() if ln.startswith("rrfp:")]
+        assert len(lines) == 1 and " is in use by job " in lines[0], err[-3000:]
+        owner, _ = read_owner(tmp_path / "ck")
+        assert f"job {owner.job} (host {owner.host}, pid {owner.pid}, started " in lines[0]
+        while len(CheckpointDir(tmp_path / "ck").complete()) < 2:  # the owner's steps 1 and 2
+            assert time.monotonic() < deadline and jobs[owning].poll() is None, (
+                tmp_path / f"{owning}.err"
+            ).read_text()[-3000:]
+            time.sleep(0.1)
+        for ck in CheckpointDir(tmp_path / "ck").complete():
+            assert ck.problem() is None, ck.problem()
+            record = json.loads(json.loads((ck.path / MARKER).read_text())["record"])
+            assert record["job"] == owner.job, (record["job"], owner)
+    finally:
+        for j in jobs.values():
+            if j.poll() is None:
+                os.killpg(j.pid, signal.SIGKILL)
+                j.wait()
