@@ -19,7 +19,9 @@ a reply; ``check`` and ``get`` read the reply with no timeout (only a
 ``wait`` is bounded), so a store whose server is stopped blocks the reader.
 Hence the verdict (``silent``) is never a store call: it is taken from the
 times of the last reads, by whoever asks, and a reader stuck on the store is
-itself a finding ("the store stopped answering"). Once a round has been stuck
+itself a finding ("the store stopped answering"). A store whose connection closed (its host
+process, torchrun's agent or rank 0, is gone: the client's read fails at once) is that finding
+at once, not after ``timeout_s``: nothing will answer again. Once a round has been stuck
 for ``stall_s``, a peer's silence counts only up to that round's start: what
 the store did not deliver is no evidence against the peer. Without that cap,
 a stopped store host was named as a silent peer or as the store depending on
@@ -81,10 +83,16 @@ class PeerBeat:
 
 @dataclass(frozen=True)
 class Silence:
-    """A peer (``rank``; None: the store itself) with no heartbeat for ``seconds``."""
+    """A peer (``rank``; None: the store itself) with no heartbeat for ``seconds``; ``closed``:
+    the store's connection closed (its host process is gone), what the store client said."""
 
     rank: int | None
     seconds: float
+    closed: str = ""
+
+
+# what a store client raises once the store's host process is gone: its socket closed or reset
+STORE_CLOSED = ("Connection was likely closed", "Connection reset", "Broken pipe", "refused")
 
 
 class Heartbeat:
@@ -124,6 +132,7 @@ class Heartbeat:
         self.error: BaseException | None = (
             None  # the store failed the thread (it then stops reading)
         )
+        self.closed = ""  # the store's connection closed: what the client said (the verdict, now)
         # the beats' process (None: the thread beats), on a client of the store's own address
         self._beater = (
             beater.Beater(store.host, store.port, self._key(rank), self.period_s, timeout_s)
@@ -215,6 +224,9 @@ class Heartbeat:
             Exception
         ) as e:  # the store is gone (its host exited): the verdict comes from the times
             self.error = e
+            text = " ".join(str(e).split())
+            if any(words in text for words in STORE_CLOSED) and not self._stop.is_set():
+                self.closed = text.split(". Did ")[0]  # without the client's question
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
 
     def _take_over_beating(self, code: int | None) -> None:
@@ -267,6 +279,8 @@ class Heartbeat:
                 beat.changed_at = max(beat.changed_at, now)
             self.last_read = max(self.last_read, now)
         self.last_check = now
+        if self.closed:  # no store to wait for: its host process is gone
+            return Silence(None, now - self.last_read, self.closed)
         if now - self.last_read >= self.timeout_s:
             return Silence(None, now - self.last_read)
         stuck = self.round_at > self.last_read and now - self.round_at >= self.stall_s

@@ -29,7 +29,13 @@ import torch.distributed as dist
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
-from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
+from rrfp.comm.collective_wait import (
+    BOUND,
+    CollectiveWaits,
+    Unreached,
+    group_destroyed,
+    stuck,
+)
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
 from rrfp.comm.grad_sync import GradSync
@@ -329,7 +335,7 @@ class PipelineRuntime:
         timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
-        of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
+        of the channels and of the lane (tests pass a fake device, tests/harness/fake_cuda.py)."""
         rank = dist.get_rank()
         waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
@@ -691,7 +697,16 @@ class PipelineRuntime:
         process groups if this runtime created them. A rank that tears down gloo
         pairs while a peer still uses them makes gloo abort that peer, so nobody
         leaves before everybody is done. Not for error paths: a dead peer would
-        fail the barrier only after the process-group timeout."""
+        fail the barrier only after the process-group timeout. After the caller took the groups
+        down itself (``destroy_process_group``), there is nothing to wait with: it closes."""
+        if group_destroyed(self.cpu_group):
+            log.warning(
+                "rank %d: the process group was destroyed before the runtime finished: closing "
+                "without the final barrier (destroy it after close())",
+                self.rank,
+            )
+            await self.aclose()
+            return
         if not self.owns_process_group:
             await collectives.completed(
                 self.poller,
@@ -777,6 +792,14 @@ class PipelineRuntime:
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
         hb = self.heartbeat
+        if found.rank is None and found.closed:
+            host0 = "rank 0's process" in hb.where
+            return PeerSilent(
+                f"rank {self.rank}: {hb.where} closed its connection ({found.closed}): "
+                f"{'rank 0' if host0 else 'the agent'} is gone, so this job cannot go on: "
+                "stopping now",
+                0 if host0 else None,
+            )
         if found.rank is None:
             host0 = "rank 0's process" in hb.where
             return PeerSilent(

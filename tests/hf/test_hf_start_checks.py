@@ -6,21 +6,20 @@ where the HF config wants a float (``rms_norm_eps = 1``) is that float."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 
 pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cli_run import rrfp_in_process  # noqa: E402
-from launch import rank_vars  # noqa: E402
+from harness.cli_run import rrfp_in_process  # noqa: E402
+from harness.launch import rank_vars  # noqa: E402
 
 from rrfp.app.config.train_config import TrainConfig  # noqa: E402
 from rrfp.app.errors import ConfigError  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "hf-llama-tiny.toml"
+CONFIG = ROOT / "configs" / "hf-llama-tiny.toml"
 
 
 def _load(*overrides: str) -> TrainConfig:
