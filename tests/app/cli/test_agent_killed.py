@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.launch import ROOT, child_env, rrfp_argv  # noqa: E402
+from harness import ROOT
+from harness.launch import child_env, rrfp_argv
 
 pytestmark = pytest.mark.e2e
 

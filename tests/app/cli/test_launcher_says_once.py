@@ -7,7 +7,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from harness.launch import ROOT, child_env, rrfp_argv  # noqa: E402
+from harness import ROOT
+from harness.launch import child_env, rrfp_argv
 
 pytestmark = pytest.mark.e2e
 

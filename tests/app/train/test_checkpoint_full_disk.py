@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.launch import ROOT, child_env, rrfp_argv
+from harness import ROOT
+from harness.launch import child_env, rrfp_argv
 
 pytestmark = pytest.mark.e2e
 
