@@ -13,7 +13,7 @@ CASES = {
     "model": (("run.model=llama",), "run.model"),
     "seed": (("run.seed=5",), "run.seed"),
     "lr": (("optim.lr=0.002",), "optim.lr"),
-    "microbatches": (("microbatches=6",), "schedule.microbatches"),
+    "n_microbatches": (("n_microbatches=6",), "schedule.n_microbatches"),
     "checkpoint dir": (("checkpoint.dir={tmp}/other",), "checkpoint.dir"),
 }
 ROWS = [(API, case, FINISHES if key is None else REFUSED) for case, (_, key) in CASES.items()]

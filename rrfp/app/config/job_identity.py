@@ -18,7 +18,7 @@ from rrfp.app.config.file_fingerprint import fingerprints
 from rrfp.app.config.train_config import TrainConfig
 
 # keys that name this machine's own resources or places, which may differ from node to node
-NODE_LOCAL = frozenset({"runtime.threads", "data.cache_dir"})
+NODE_LOCAL = frozenset({"compute.threads", "data.cache_dir"})
 # sections that say what the run reports and where, not what it trains: rank 0's files and lines
 # (output.dir, trace, sizes, log_every, peak_tflops) and each rank's log folder
 REPORTING = frozenset({"output"})

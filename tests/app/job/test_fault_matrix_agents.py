@@ -45,7 +45,7 @@ LIMIT_S = 240.0  # a row whose agents have not ended by then waits for a timeout
 WAIT_S = 900  # run.timeout_s and the rendezvous's: far beyond LIMIT_S
 AT_ONCE = 2  # rows running together (each two agents and two ranks, on two cores)
 SETS = [
-    "steps=2", "microbatches=4", "model.n_layer=2", "model.n_embd=16", "model.block_size=32",
+    "steps=2", "n_microbatches=4", "model.n_layer=2", "model.n_embd=16", "model.block_size=32",
     "data.min_seq_len=8", "data.max_seq_len=32", f"timeout_s={WAIT_S}",
     f"timeouts.process_group_s={WAIT_S}", f"timeouts.store_connect_s={WAIT_S}",
 ]  # fmt: skip

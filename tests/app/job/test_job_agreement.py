@@ -52,7 +52,7 @@ def test_ranks_with_one_config_agree():
     [
         ("optim.lr", "optim.lr=0.002"),
         ("run.seed", "run.seed=7"),
-        ("schedule.microbatches", "schedule.microbatches=6"),
+        ("schedule.n_microbatches", "schedule.n_microbatches=6"),
         ("checkpoint.dir", "checkpoint.dir=/tmp/elsewhere"),
         ("model.n_embd", "model.n_embd=32"),
     ],
@@ -69,7 +69,7 @@ def test_a_key_set_on_one_node_only_is_one_line_on_every_rank(key, other):
 
 def test_each_machines_own_keys_and_the_reports_may_differ():
     """Threads, the tokenizer cache and where rank 0 reports are each node's business."""
-    mine = identity(_cfg("runtime.threads=4", "output.dir=/tmp/a", "data.cache_dir=/tmp/c"))
+    mine = identity(_cfg("compute.threads=4", "output.dir=/tmp/a", "data.cache_dir=/tmp/c"))
     assert _run_ranks([identity(_cfg()), mine]) == [True, True]
 
 

@@ -16,7 +16,7 @@ from harness.launch import rank_vars
 pytestmark = pytest.mark.multirank
 
 SETS = [
-    "model.n_layer=1", "model.n_embd=16", "model.block_size=32", "microbatches=2",
+    "model.n_layer=1", "model.n_embd=16", "model.block_size=32", "n_microbatches=2",
     "data.microbatch_size=2", "data.min_seq_len=8", "data.max_seq_len=32",
 ]  # fmt: skip
 
