@@ -283,14 +283,15 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
 
 
 def table() -> str:
+    from harness import agent_fault_rows as agents
     from harness import train_fault_rows as train
 
     lines = [
         "# Fault matrix",
         "",
-        "Generated from `ROWS` in tests/pipeline/test_fault_matrix.py and",
-        "tests/harness/train_fault_rows.py (`python tests/pipeline/test_fault_matrix.py` rewrites",
-        "it); each row is a test that injects the",
+        "Generated from `ROWS` in tests/pipeline/test_fault_matrix.py,",
+        "tests/harness/train_fault_rows.py and tests/harness/agent_fault_rows.py (`python",
+        "tests/pipeline/test_fault_matrix.py` rewrites it); each row is a test that injects the",
         "fault on rank 1 of two and asserts the outcome on rank 0. Rows marked long are the `long`",
         "tier (they wait out their fault): `make test-long` runs them, `make test` the others, and",
         "CI both.",
@@ -382,6 +383,34 @@ def table() -> str:
     lines += [
         f"| {api} | {kind} | {phase} | {outcome} | {'long' if kind in train.LONG else ''} |"
         for api, kind, phase, outcome in train.ROWS
+    ]
+    lines += [
+        "",
+        "## One job, one config, one checkpoint folder",
+        "",
+        "Two torchrun agents as one job (`--nnodes 2`, a c10d rendezvous on one machine, one",
+        "rank each), started alike but for one `--set` on node 1 (tests/app/job/",
+        "test_fault_matrix_agents.py). Every rank posts its identity on the agent store before",
+        "any process group: the resolved config key by key, the model's source file, the",
+        "fingerprints of the files [model] and [data] name, the world size. Outcomes: finishes",
+        "(both agents exit 0); refused (every rank exits 2 at once, none waiting for a timeout:",
+        "the job's waits are set beyond the test's; one `rrfp:` line for the job naming the key,",
+        "each value and the nodes and ranks that hold it: `rrfp: error: the ranks of this job",
+        "were started with different configs, models or data: run.seed: 0 (node 0 (HOST): rank",
+        "0) vs 5 (node 1 (HOST): rank 1) (...)`). Two jobs on one checkpoint.dir (2 ranks",
+        "each): a second job started while the first trains is refused",
+        "in one line naming the owner (`checkpoint.dir DIR is in use by job ID (host HOST, pid",
+        "PID, started TIME): ...`); once the first was killed, its OWNER record is stale (its",
+        "pid is gone) and a new job resumes from its newest checkpoint. Two jobs started at once",
+        "on an empty folder: one owns it, every step it commits verifies and names it in its",
+        "commit record; the other is refused naming it.",
+        "",
+        "| API | case | outcome | tier |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {api} | {case} | {outcome} | |"
+        for api, case, outcome in agents.ROWS + agents.OWNER_ROWS
     ]
     return "\n".join(lines) + "\n"
 

@@ -17,12 +17,14 @@ import torch.distributed as dist
 
 from rrfp.app.cli.progress import StepProgress
 from rrfp.app.config.fields import toml_text
+from rrfp.app.config.job_identity import identity
 from rrfp.app.config.sections import OutputSection
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.job.environment import check_launcher, configure_logging
 from rrfp.app.job.failure import Failure, user_text, write_traceback
 from rrfp.app.job.failure_board import FailureBoard
+from rrfp.app.job.job_agreement import agree
 from rrfp.app.job.job_lines import rank_and_world, refuse_once, say, tell_torchrun
 from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.job.run_outputs import check_end_files
@@ -161,7 +163,7 @@ def train_command(args) -> int:
     # without torchrun the config is still checked first (in the world its layout implies), so a
     # bad key is not hidden behind the launcher's error
     standalone = "WORLD_SIZE" not in os.environ
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     cfg = None
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on
@@ -173,6 +175,10 @@ def train_command(args) -> int:
                 "ranks here, or start them with torchrun (torchrun --nproc-per-node N -m rrfp "
                 "train ...)"
             )
+        if not launching and not args.dry_run:
+            # every rank runs the same config, model and data: a difference exits 2 on every rank
+            # here, before any process group (compared through torchrun's store)
+            agree(identity(cfg), rank, world, cfg.waits.process_group_s)
         # rank 0 writes output.trace and output.sizes at the end, but every rank probes their
         # folders now: a refusal on rank 0 alone would leave the others waiting for it in the
         # rendezvous

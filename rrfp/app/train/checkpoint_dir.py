@@ -14,7 +14,10 @@ checkpoint. Deleting an old one first renames it out of the complete names,
 so a crash mid-delete never leaves a half-deleted "complete" checkpoint.
 
 The marker is the commit record: the size and SHA-256 of every file of the
-checkpoint (and a SHA-256 of the record itself), so a resume can tell a
+checkpoint, the job that wrote it and each file's rank (and a SHA-256 of the
+record itself): rank 0 commits only files whose bytes are those its own job's
+ranks wrote, so a step mixed with another job's files never gets a record
+(``checkpoint_owner.py`` keeps a second job out of the folder). A resume can tell a
 checkpoint whose bytes changed after the commit (a flipped bit, a truncated
 copy) from a good one before it loads any state (``problem``). Anything in
 the way of a commit (an unmarked ``step-N``, a plain file of that name, a
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rrfp.app.job.run_outputs import write_synced
+from rrfp.app.train.checkpoint_owner import OWNER, NotOurs, read_owner
 
 log = logging.getLogger("rrfp.app.train.checkpoint_dir")
 
@@ -150,11 +154,16 @@ class CheckpointDir:
         """Where every rank writes the checkpoint of ``step`` before it is committed."""
         return self.root / f".partial-step-{step:08d}"
 
-    def commit(self, step: int, meta: dict) -> Checkpoint:
+    def commit(
+        self, step: int, meta: dict, job: str = "", written: list[dict[str, str]] | None = None
+    ) -> Checkpoint:
         """Rank 0, once every rank has written its part: meta.json, then the commit record of
         every file's size and SHA-256 (the marker, last), then the rename. A committed
         checkpoint of the same step is never replaced (FileExistsError); debris there is set
-        aside first."""
+        aside first. ``written``: per rank of ``job``, the files it wrote and their SHA-256
+        (``checkpoint_state.written_files``); every file but meta.json must be one of them, with
+        those bytes, else NotOurs (another job wrote into the folder) and nothing is committed;
+        the record then names the job and each file's rank, binding the step to them."""
         partial, final = self.partial_path(step), self.final_path(step)
         write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
         files = {
@@ -162,7 +171,9 @@ class CheckpointDir:
             for p in sorted(partial.rglob("*"))
             if p.is_file() and p.name != MARKER
         }
-        write_synced(partial / MARKER, _record_text(step, files))
+        if written is not None:
+            _bind(files, written, job, partial)
+        write_synced(partial / MARKER, _record_text(step, files, job))
         _fsync_dir(partial)
         if os.path.lexists(final):
             if final.is_dir() and not final.is_symlink() and os.path.lexists(final / MARKER):
@@ -240,10 +251,46 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _record_text(step: int, files: dict) -> str:
-    """The commit record: the files, and the SHA-256 of their listing (so a damaged record
-    is told apart from a damaged data file)."""
-    body = json.dumps({"step": step, "files": files}, sort_keys=True)
+def _bind(files: dict, written: list[dict[str, str]], job: str, partial: Path) -> None:
+    """Add to each file of ``files`` the rank of ``job`` that wrote it; NotOurs for a file no rank
+    of it wrote, or whose bytes are not those it wrote."""
+    by_name = {name: (rank, sha) for rank, own in enumerate(written) for name, sha in own.items()}
+    for name, entry in files.items():
+        if name == META:  # rank 0 writes it here, after the others
+            entry["rank"] = 0
+            continue
+        rank, sha = by_name.get(name, (None, None))
+        if rank is None or sha != entry["sha256"]:
+            whose = (
+                "no rank of this job wrote it"
+                if rank is None
+                else f"not the bytes rank {rank} wrote"
+            )
+            raise NotOurs(
+                f"{partial / name} is {whose}: another job writes into {partial.parent} (its "
+                f"{OWNER} record: {_owner_text(partial.parent)}); job {job} commits nothing there"
+            )
+        entry["rank"] = rank
+    missing = sorted(set(by_name) - set(files))
+    if missing:
+        raise NotOurs(
+            f"{partial / missing[0]}, written by rank {by_name[missing[0]][0]} of job {job}, is "
+            f"gone: another job writes into {partial.parent} (its {OWNER} record: "
+            f"{_owner_text(partial.parent)})"
+        )
+
+
+def _owner_text(root: Path) -> str:
+    found = read_owner(root)
+    return found[0].describe() if found is not None else "none"
+
+
+def _record_text(step: int, files: dict, job: str = "") -> str:
+    """The commit record: the files (each with the rank of ``job`` that wrote it, when bound), and
+    the SHA-256 of their listing (so a damaged record is told apart from a damaged data file)."""
+    body = json.dumps(
+        {"step": step, "files": files, **({"job": job} if job else {})}, sort_keys=True
+    )
     return json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
 
 

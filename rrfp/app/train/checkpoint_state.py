@@ -18,6 +18,7 @@ counter-based hash), so the torch generators are the only RNG state there is.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -155,6 +156,20 @@ def _causes(e: CheckpointException) -> str:
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {words}"
         for words, ranks in said.items()
     )
+
+
+def written_files(path: Path, group_rank: int) -> dict[str, str]:
+    """The files this rank's part of ``save_stage`` wrote into ``path``, by name, each with its
+    SHA-256: DCP's writer names a rank's files ``__R_N.distcp`` (R: its rank in the save's group),
+    and the coordinator (group rank 0) writes ``.metadata``. What a commit binds to the job."""
+    names = sorted(p.name for p in Path(path).glob(f"__{group_rank}_*.distcp"))
+    if group_rank == 0:
+        names.append(".metadata")
+    out = {}
+    for name in names:
+        with open(Path(path) / name, "rb") as f:
+            out[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return out
 
 
 def check_readable(path: Path, keys: list[str]) -> None:

@@ -142,9 +142,13 @@ async def stage_main(
         placement=cfg.parallel.placement,
     ) as rt:  # nccl: this rank's GPU is rt.device
         training = _RankTraining(cfg, rt, stop, about)
-        await training.begin(resume)
-        await training.run_steps(on_step)
-        await training.write_outputs()
+        try:
+            await training.begin(resume)
+            await training.run_steps(on_step)
+            await training.write_outputs()
+        finally:  # rank 0: the folder is free for the next job, however this one ended
+            if training.ckpts is not None:
+                training.ckpts.release()
         if training.injector is not None and not rt.abandoned:
             training.injector.phase("barrier")  # leaving the block waits for every rank
     return training.summary
