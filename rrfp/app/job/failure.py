@@ -28,6 +28,7 @@ from rrfp.comm.channels import describe_failure, lost_peer_reason
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, PipelineError
 from rrfp.core.placement import stages_label
+from rrfp.pipeline.layout_agreement import LayoutMismatch
 from rrfp.pipeline.user_code import WorkloadError, user_code
 
 PRIMARY, SECONDARY, INTERNAL, USER = "primary", "secondary", "internal", "user"
@@ -38,7 +39,7 @@ def kind_of(e: BaseException) -> str:
     own checks are primary; the user's code is the user's; anything else is rrfp's bug."""
     if isinstance(e, PeerFailure) or _lost_transport(e):
         return SECONDARY
-    if isinstance(e, (PipelineError, MessageError, ConfigError)):
+    if isinstance(e, (PipelineError, MessageError, ConfigError, LayoutMismatch)):
         return PRIMARY
     if user_code(e) is not None:
         return USER

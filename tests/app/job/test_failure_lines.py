@@ -11,6 +11,7 @@ from rrfp.app.job.failure import INTERNAL, PRIMARY, SECONDARY, Failure, write_tr
 from rrfp.comm.channels import PeerError
 from rrfp.comm.message import MessageError
 from rrfp.core.errors import NonFiniteError, PeerFailure, PeerTimeout, ProtocolError, StartupError
+from rrfp.pipeline.layout_agreement import LayoutMismatch
 
 
 def _group(*errors):
@@ -77,6 +78,10 @@ def test_message_nonfinite_and_startup_errors_are_this_ranks_own():
         == PRIMARY
     )
     assert Failure.of(NonFiniteError("rank 0: step 2: NaN")).kind == PRIMARY
+    mismatch = LayoutMismatch(
+        "rank 1: the ranks disagree on the microbatch count (8 on rank 0; 4 on rank 1)"
+    )
+    assert Failure.of(mismatch).kind == PRIMARY, "the caller's arguments, not rrfp's bug"
     assert Failure.of(ValueError("x")).kind == INTERNAL
 
 
