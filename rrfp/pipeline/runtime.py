@@ -29,7 +29,13 @@ import torch.distributed as dist
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
-from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
+from rrfp.comm.collective_wait import (
+    BOUND,
+    CollectiveWaits,
+    Unreached,
+    group_destroyed,
+    stuck,
+)
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
 from rrfp.comm.grad_sync import GradSync
@@ -684,7 +690,16 @@ class PipelineRuntime:
         process groups if this runtime created them. A rank that tears down gloo
         pairs while a peer still uses them makes gloo abort that peer, so nobody
         leaves before everybody is done. Not for error paths: a dead peer would
-        fail the barrier only after the process-group timeout."""
+        fail the barrier only after the process-group timeout. After the caller took the groups
+        down itself (``destroy_process_group``), there is nothing to wait with: it closes."""
+        if group_destroyed(self.cpu_group):
+            log.warning(
+                "rank %d: the process group was destroyed before the runtime finished: closing "
+                "without the final barrier (destroy it after close())",
+                self.rank,
+            )
+            await self.aclose()
+            return
         if not self.owns_process_group:
             await collectives.completed(
                 self.poller,
@@ -770,6 +785,12 @@ class PipelineRuntime:
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
         hb = self.heartbeat
+        if found.rank is None and found.closed:  # the store in torchrun's agent
+            return PeerSilent(
+                f"rank {self.rank}: {hb.where} closed its connection ({found.closed}): the agent "
+                "is gone, so this job cannot go on: stopping now",
+                None,
+            )
         if found.rank is None:
             host0 = "rank 0's process" in hb.where
             return PeerSilent(

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from harness import ROOT  # noqa: E402
 from harness.distributed import _child, _context, free_port  # noqa: E402
 
-from rrfp.app.faults import pause  # noqa: E402
+from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
@@ -329,24 +329,35 @@ def table() -> str:
         f"{train.PROGRESS_S:g} for a hung rank), finishes exactly (both ranks exit 0;",
         "rank 0 prints the losses of the run without the fault), stops, one line (both ranks",
         "exit 143 within the bound; one 'stopped' line for the job, the last completed step",
-        "saved).",
+        "saved), the disk named (both ranks exit 1 with one line each that names the checkpoint,",
+        "rank 1 and the cause: `File too large (EFBIG)` and the limit; nothing of the step is",
+        "committed, and its partial folder is deleted), falls back, set aside (the resumed job",
+        "exits 0 with the uninterrupted run's loss of step 3, resumed from step 2; rank 0's",
+        "warning names step 3 and where it went; rejected-step-00000003 holds its files byte for",
+        "byte).",
         "",
         "Kinds: kill, stop (for good), pause (SIGSTOP, continued after half of timeout_s), slow",
         "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
-        "(SIGTERM, as torchrun's agent sends), hang (a sleep for good, alive and beating: rank 0",
+        "(SIGTERM, as torchrun's agent sends), full (rank 1's file size limit drops to",
+        f"{FULL_BYTES // 1024} KiB, as `ulimit -f` sets it, as the checkpoint after step 1 is",
+        "written: torch's writer fails on the real file, and rank 1 names the cause), hang (a",
+        "sleep for good, alive and beating: rank 0",
         "names it at its next collective once the job made no progress for progress_s, which",
         "every row sets, so the slow rows also show a slow phase under it is not blamed; inside",
         "the F task, rank 1 names its own task once it ran past timeouts.task_s, 2 x progress_s",
         f"= {train.TASK_S:g} s, as that task's kind was measured at step 1: `rank 1 (stage 1):",
         "iteration 1: task F1 (microbatch 1) has run for 12.0 s and not returned, over its bound",
         "of 12 s (...): stuck in its compute, a collective inside it or a kernel`; a task slower",
-        "than usual is not blamed until it runs 10 x the longest of its kind so far). Phases:",
+        "than usual is not blamed until it runs 10 x the longest of its kind so far), flip (one",
+        "byte of the latest checkpoint's commit record, between a complete run and its resume).",
+        "Phases:",
         "start-up (before rank 1 joins the",
         "rendezvous: no heartbeat yet, so a rank late past the rendezvous's bound is absent), the",
         "F, B or W (BFW's split) task of step 2's microbatch 1, step 2's gradient sync (2 DP",
         "replicas), the write and the commit of the checkpoint after step 1, the final barrier",
         "after step 3 (a SIGTERM there comes after a complete run), and TP F: step 2's F1 on one",
-        "stage of two TP ranks, where rank 1 hangs inside the task before its first TP all-reduce.",
+        "stage of two TP ranks, where rank 1 hangs inside the task before its first TP all-reduce,",
+        "and the resume of a complete run from its checkpoints.",
         "Three steps, a two-layer GPT.",
         "",
         "A TP peer stuck inside a task: TP's all-reduces run inside the task, on the compute",

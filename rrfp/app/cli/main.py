@@ -444,4 +444,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    # torch's C++ side logs each failed store call as a warning with its whole native stack
+    # (about 20 lines: a killed torchrun agent made some 110); rrfp says in one line what failed.
+    # Read when torch loads, so set before it does here and in every process started from here;
+    # TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings them back
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     sys.exit(main())

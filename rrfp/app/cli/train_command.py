@@ -202,13 +202,15 @@ def train_command(args) -> int:
             os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
         exit_now(1)
     start = resume.start
-    if rank == 0 and resume.fallback_line():
-        say(f"rrfp: warning: {resume.fallback_line()}")
-    if rank == 0 and slow_timeout:
-        say(f"rrfp: warning: {slow_timeout}")
-    if rank == 0 and small_budget:
-        say(f"rrfp: warning: {small_budget}")
-    if rank == 0 and cfg.checkpoint.resume != "off":
+    # the launcher (--nproc-per-node) checked the same config for the same world and said these
+    # before it started the ranks; a restarted attempt checks anew, and says what it finds
+    tell = rank == 0 and not (
+        os.environ.get(LAUNCHED) == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    )
+    for warning in (resume.fallback_line(), slow_timeout, small_budget):
+        if tell and warning:
+            say(f"rrfp: warning: {warning}")
+    if tell and cfg.checkpoint.resume != "off":
         print(
             f"resume: from {start.path} (step {start.step} of {cfg.run.steps})"
             if start

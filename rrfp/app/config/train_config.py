@@ -250,9 +250,10 @@ def _copy(doc: dict) -> dict:
 
 
 def read_config(path: str | Path) -> dict:
-    """The TOML document at ``path``, or one ConfigError saying why it cannot be read."""
+    """The TOML document at ``path``, or one ConfigError saying why it cannot be read. A UTF-8
+    byte order mark first (what some Windows editors write) is not part of the TOML."""
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:

@@ -4,6 +4,7 @@ atomic commit that makes one complete.
     DIR/step-00000010/          complete: the stage files, meta.json and COMMITTED
     DIR/.partial-step-00000012/ being written (or left by a crash): never read
     DIR/.trash-step-00000004/   being deleted (keep-last-K): never read
+    DIR/rejected-step-00000011/ failed verification at a resume: set aside, kept, never read
 
 Every rank writes its files into the partial directory; after a barrier,
 rank 0 writes ``meta.json`` and the ``COMMITTED`` marker (each fsynced) and
@@ -17,7 +18,10 @@ checkpoint (and a SHA-256 of the record itself), so a resume can tell a
 checkpoint whose bytes changed after the commit (a flipped bit, a truncated
 copy) from a good one before it loads any state (``problem``). Anything in
 the way of a commit (an unmarked ``step-N``, a plain file of that name, a
-left-over partial directory) is debris: it is moved aside, never an error.
+left-over partial directory) is debris: it is moved aside, never an error. A checkpoint that fails
+verification (a damaged record, a ``COMMITTED`` that is no file, a changed shard) is renamed to
+``rejected-step-N``, out of every name rrfp reads, prunes or clears: the bytes stay for its user to
+inspect or repair, and only that user deletes them.
 
 Plain files, no torch: what a stage puts inside is ``checkpoint_state.py``'s business.
 """
@@ -42,6 +46,7 @@ MARKER = "COMMITTED"
 META = "meta.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
 _PARTIAL_PREFIXES = (".partial-", ".trash-")
+REJECTED_PREFIX = "rejected-"
 
 
 @dataclass(frozen=True)
@@ -108,13 +113,15 @@ class CheckpointDir:
         self.root = Path(root)
 
     def complete(self) -> list[Checkpoint]:
-        """Committed checkpoints, oldest first. Anything else in the directory is ignored."""
+        """Committed checkpoints, oldest first: a ``step-N`` folder with a commit record (one that
+        is a folder or a link is a damaged record, which ``problem`` names). Anything else in the
+        directory is ignored."""
         if not self.root.is_dir():
             return []
         found = []
         for p in self.root.iterdir():
             m = _COMPLETE.fullmatch(p.name)
-            if m and p.is_dir() and (p / MARKER).is_file():
+            if m and p.is_dir() and os.path.lexists(p / MARKER):
                 found.append(Checkpoint(int(m.group(1)), p))
         return sorted(found, key=lambda c: c.step)
 
@@ -158,7 +165,7 @@ class CheckpointDir:
         write_synced(partial / MARKER, _record_text(step, files))
         _fsync_dir(partial)
         if os.path.lexists(final):
-            if final.is_dir() and not final.is_symlink() and (final / MARKER).is_file():
+            if final.is_dir() and not final.is_symlink() and os.path.lexists(final / MARKER):
                 raise FileExistsError(f"{final} is already a committed checkpoint")
             self._set_aside(final)  # an unmarked step-N directory, or a plain file of that name
         os.rename(partial, final)
@@ -166,19 +173,30 @@ class CheckpointDir:
         log.info("committed checkpoint %s", final)
         return Checkpoint(step, final)
 
-    def discard(self, checkpoints: list[Checkpoint]) -> None:
-        """Delete these checkpoints (rank 0: those that failed verification when the run
-        started, before its first save, so none blocks the commit of its own step)."""
+    def rejected_path(self, step: int) -> Path:
+        """Where a checkpoint of ``step`` that failed verification goes: ``rejected-step-N``, or
+        with ``.1``, ``.2`` ... when earlier rejects hold that name."""
+        name = f"{REJECTED_PREFIX}{self.final_path(step).name}"
+        names = (name + (f".{n}" if n else "") for n in itertools.count())
+        return next(self.root / n for n in names if not os.path.lexists(self.root / n))
+
+    def reject(self, checkpoints: list[Checkpoint]) -> list[Path]:
+        """Set these checkpoints aside, each renamed to its ``rejected_path`` (rank 0: those that
+        failed verification when the run started, before its first save, so none blocks the
+        commit of its own step); their files are kept. Returns where each went."""
+        moved = []
         for c in checkpoints:
             if c.path.is_dir():
-                self._remove(
-                    self._set_aside(c.path)
-                )  # no longer a checkpoint, before any of its files goes
-        if checkpoints:
-            log.info(
-                "deleted checkpoints that failed verification: %s",
-                ", ".join(c.path.name for c in checkpoints),
+                aside = self.rejected_path(c.step)
+                os.rename(c.path, aside)
+                moved.append(aside)
+        if moved:
+            _fsync_dir(self.root)
+            log.warning(
+                "set aside checkpoints that failed verification: %s",
+                ", ".join(f"{c.path.name} as {p.name}" for c, p in zip(checkpoints, moved)),
             )
+        return moved
 
     def prune(self, keep: int) -> list[Path]:
         """Delete all but the ``keep`` newest complete checkpoints, and every incomplete

@@ -141,9 +141,20 @@ def load_stage(
 
 
 def _causes(e: CheckpointException) -> str:
-    """Each failed rank's error on one line (DCP pairs each error with its stack)."""
-    excs = {r: x[0] if isinstance(x, tuple) else x for r, x in sorted(e.failures.items())}
-    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
+    """Each failed rank's error on one line (DCP pairs each error with its stack), the ranks
+    that failed alike together; a full disk's as its words (``disk_errors.py``)."""
+    from rrfp.app.train.disk_errors import DiskFull
+
+    said: dict[str, list[int]] = {}
+    for r, x in sorted(e.failures.items()):
+        x = x[0] if isinstance(x, tuple) else x
+        said.setdefault(
+            str(x) if isinstance(x, DiskFull) else f"{type(x).__name__}: {x}", []
+        ).append(r)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {words}"
+        for words, ranks in said.items()
+    )
 
 
 def check_readable(path: Path, keys: list[str]) -> None:

@@ -5,8 +5,9 @@ saving one when the run asks (every N steps, at the end, on SIGTERM).
 Every checkpoint is verified against its commit record (each file's SHA-256)
 before anything of it is read: a latest checkpoint that fails is named, and
 the run falls back to the newest one that verifies, or stops, as
-``checkpoint.on_corrupt`` says. Those it passed over are deleted at the
-run's start (rank 0), so they neither block its commits nor count as kept.
+``checkpoint.on_corrupt`` says. Those it passed over are set aside at the
+run's start (rank 0, renamed ``rejected-step-N``, their files kept), so they
+neither block its commits nor count as kept.
 
 A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
@@ -39,6 +40,7 @@ from rrfp.app.train.checkpoint_state import (
     save_stage,
     stage_key,
 )
+from rrfp.app.train.disk_errors import DISK_ERRNOS, explained
 from rrfp.app.train.optimizers import reconfigured
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.comm.collective_wait import working_marker
@@ -104,7 +106,8 @@ def _key_name(section: str, key: str) -> str:
 @dataclass(frozen=True)
 class Resume:
     """Where a run starts (``start``; None: step 0), and the newer checkpoints it passed
-    over because they failed verification, newest first, each with what is wrong."""
+    over because they failed verification, newest first, each with what is wrong (set aside
+    as ``rejected-step-N`` at the run's start, never deleted)."""
 
     start: Checkpoint | None
     rejected: tuple[tuple[Checkpoint, str], ...] = ()
@@ -116,9 +119,13 @@ class Resume:
         bad = "; ".join(
             f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected
         )
+        aside = ", ".join(
+            f"{c.path.name} as {CheckpointDir(c.path.parent).rejected_path(c.step).name}"
+            for c, _ in self.rejected
+        )
         return (
             f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
-            f"(checkpoint.on_corrupt = fallback; it is deleted at this run's start)"
+            f"(checkpoint.on_corrupt = fallback; set aside at this run's start, kept: {aside})"
         )
 
 
@@ -268,7 +275,8 @@ class RunCheckpoints:
     async def begin(self, resume: Resume) -> None:
         """Collective, at the run's start: every rank decided to resume from the same step,
         and sees a file rank 0 writes into the checkpoint directory (one file system for
-        every rank). Then rank 0 deletes the checkpoints passed over and any debris, so
+        every rank). Then rank 0 sets the checkpoints passed over aside (kept, as
+        ``rejected-step-N``) and deletes any debris, so
         nothing of an earlier crash is mixed into, or blocks, this run's commits."""
         rt, world = self.rt, self.rt.layout.world_size
         step = float(resume.start.step if resume.start is not None else -1)
@@ -306,7 +314,7 @@ class RunCheckpoints:
                 f"{int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
             )
         if rt.rank == 0:
-            self.store.discard([c for c, _ in resume.rejected])
+            self.store.reject([c for c, _ in resume.rejected])
             self.store.clear_debris()
 
     def due(self, done: int, stopping: bool) -> bool:
@@ -341,7 +349,9 @@ class RunCheckpoints:
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep. A peer lost on the way is a PeerFailure whose line says which
-        checkpoint stays (the partial one is debris, cleared at the next run's start).
+        checkpoint stays (the partial one is debris, cleared at the next run's start); a write
+        that fails (a full disk) is a CheckpointError that says so, once rank 0 deleted the
+        partial folder.
         ``rng``: the generators to record, when not the current ones."""
         for hook in self.on_write:
             hook(done, "save")
@@ -355,7 +365,9 @@ class RunCheckpoints:
             ) from e
         except CheckpointError as e:
             if not lost_peer_reason(str(e)):
-                raise
+                if self.rt.rank == 0:  # every rank is past its writes: DCP gathered their errors
+                    self.store.clear_debris()  # the partial folder, whose space a full disk needs
+                raise CheckpointError(f"step {done}: {self._outcome(done)}: {e}") from None
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
                 f"was not saved, {self._kept()}: a peer was lost while writing it"
@@ -419,7 +431,12 @@ class RunCheckpoints:
         if not committed.item():
             final = self.store.final_path(done)
             if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
-                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
+                why = (
+                    explained(failure, self.store.partial_path(done))
+                    if failure is not None and failure.errno in DISK_ERRNOS
+                    else failure
+                )
+                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {why}")
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)",
                 0,

@@ -271,7 +271,7 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     import signal
     import subprocess
 
-    from harness.rank_procs import ROOT
+    from harness import ROOT
 
     world = 3
     proc = subprocess.Popen(

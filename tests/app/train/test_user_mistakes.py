@@ -89,6 +89,33 @@ def test_batches_that_return_too_few_microbatches_are_one_line_before_any_rank_s
     assert res.returncode == 1, res.returncode
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("workload", "said"),
+    [
+        (
+            "one_extra",
+            "batches_one_extra) for step 1 returned 3 microbatches where 2 were asked for",
+        ),
+        (
+            "bare_tensors",
+            "batches_of_bare_tensors) for step 1 returned microbatch 0 as a Tensor [4, 8], not an "
+            "(inputs, targets) pair",
+        ),
+    ],
+)
+def test_batches_with_one_too_many_or_bare_tensors_are_one_line_before_any_rank_starts(
+    tmp_path, workload, said
+):
+    res = launched(tmp_path, workload)
+    log = tmp_path / "logs" / "rank-0.log"
+    assert res.stderr == (
+        f"rrfp: error: your code's batches ({FIXTURE}.{said}; batches(data, step, n) must return "
+        f"exactly n (inputs, targets) pairs (traceback in {log})\n"
+    ), res.stderr
+    assert res.returncode == 1, res.returncode
+
+
 @pytest.mark.timeout(180)
 def test_under_a_bare_torchrun_the_line_comes_first_and_its_summary_shows_it(tmp_path):
     config = _config(tmp_path, "boundary")
