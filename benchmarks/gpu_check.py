@@ -184,7 +184,7 @@ async def lane_figures(
     iterations: int = 3,
     unit_ms: float = 0.0,
 ) -> dict:
-    """F, B and W of one GPT block, microbatches of the given lengths, via the ready executor."""
+    """F, B and W of one GPT block, microbatches of the given lengths, under ready dispatch."""
     import torch
 
     from rrfp.comm.pipeline_channels import PipelineChannels
