@@ -22,6 +22,9 @@ The layer keeps the step's router statistics (tokens per expert, the weighted au
 microbatches seen) in non-persistent buffers, counted in training forwards only (not in
 evaluation, nor in an activation-checkpointing recomputation inside backward); ``take_step``
 reads and clears them.
+
+On the meta device (the start checks measure a stage there) nothing routes: the layer computes
+as if every expert got the same number of copies, the footprint of balanced routing.
 """
 
 from __future__ import annotations
@@ -100,7 +103,10 @@ class MoELayer(nn.Module):
         tokens, k = h.shape[0], self.top_k
         gates, ids, probs = self.router(h)
         flat = ids.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        if h.is_meta:  # shapes only (the start checks' measurement): as if perfectly balanced
+            counts = balanced_counts(tokens * k, self.num_experts)
+        else:
+            counts = torch.bincount(flat, minlength=self.num_experts)
         order = flat.argsort(stable=True)  # copy slots sorted by expert
         y_sorted = self.experts(h[order // k], counts)
         y = y_sorted[order.argsort()].view(tokens, k, -1)  # back to (token, choice) order
@@ -110,9 +116,9 @@ class MoELayer(nn.Module):
         training = torch.is_grad_enabled()
         # an activation-checkpointing recomputation runs inside backward: the same graph, not
         # counted twice
-        counting = training and torch._C._current_graph_task_id() == -1
+        counting = training and not h.is_meta and torch._C._current_graph_task_id() == -1
         if self.aux_loss_coeff > 0 and training:
-            balance = (counts.to(probs.dtype) * probs.sum(dim=0)).sum()
+            balance = (counts.to(probs.device, probs.dtype) * probs.sum(dim=0)).sum()
             aux = balance * (self.aux_loss_coeff * self.num_experts / (k * tokens * tokens))
             out = inject(out, aux)
             if counting:
@@ -122,6 +128,15 @@ class MoELayer(nn.Module):
             self.step_dropped += tokens * k - counts.sum()
             self.step_microbatches += 1
         return out.view(shape)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The expert bias and the step's statistics at zero (a model built on the meta device and
+        given storage with ``to_empty`` has them uninitialised)."""
+        for buf in (self.step_tokens, self.step_aux, self.step_microbatches, self.step_dropped):
+            buf.zero_()
+        if self.router.bias_update_rate > 0:
+            self.router.expert_bias.zero_()
 
     def take_step(self) -> RouterStep:
         """The step's router statistics, cleared for the next step."""
@@ -145,6 +160,14 @@ class MoELayer(nn.Module):
         load = load.to(torch.float64)
         step = torch.sign(load.mean() - load) * router.bias_update_rate
         router.expert_bias += step.to(router.expert_bias.dtype)
+
+
+def balanced_counts(copies: int, num_experts: int) -> torch.Tensor:
+    """``copies`` token copies spread as evenly as can be over ``num_experts`` (a CPU tensor)."""
+    even, rest = divmod(copies, num_experts)
+    return torch.tensor(
+        [even + (e < rest) for e in range(num_experts)], dtype=torch.int64, device="cpu"
+    )
 
 
 def moe_layers(modules) -> list[MoELayer]:
