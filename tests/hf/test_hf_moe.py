@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 
-from distributed import run_ranks  # noqa: E402
+from harness.distributed import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 

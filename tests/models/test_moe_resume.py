@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checkpoint_state import differing, final_state
-from distributed import run_ranks
+from harness.checkpoint_state import differing, final_state
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 

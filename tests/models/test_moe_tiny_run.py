@@ -8,7 +8,8 @@ import json
 import subprocess
 
 import pytest
-from launch import ROOT, child_env, rrfp_argv
+from harness import ROOT
+from harness.launch import child_env, rrfp_argv
 
 pytestmark = pytest.mark.e2e
 
