@@ -2,7 +2,7 @@
 eagerly and in the same order on every rank. Embedding drivers start here:
 
     async with PipelineRuntime.start(pp=4) as rt:
-        pipe = rt.stage_executor(module, loss_fn, microbatches=8)
+        pipe = rt.stage_executor(module, loss_fn, n_microbatches=8)
         result = await pipe.run_iteration(step, batches)
 
 Leaving the block normally waits for every rank, then takes down the process
@@ -42,7 +42,7 @@ from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
 from rrfp.core.hints import DEFAULT_HINT, Hint
-from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
@@ -160,7 +160,7 @@ class PipelineRuntime:
         layout: Layout,
         rank: int,
         channels,
-        timeout_s: float,
+        timeouts: Timeouts,
         unit_s: float,
         lane,
         poller,
@@ -169,10 +169,9 @@ class PipelineRuntime:
         device: torch.device = torch.device("cpu"),
         heartbeat: Heartbeat | None = None,
         virtual: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> None:
-        self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
-        self.timeouts = timeouts or Timeouts.derive(timeout_s)  # each wait's bound
+        self.layout, self.rank = layout, rank
+        self.timeouts = timeouts  # each wait's bound
         coords = layout.coords(rank)
         self.virtual = virtual or VirtualLayout(
             layout.pp
@@ -256,7 +255,7 @@ class PipelineRuntime:
 
         ``timeouts``: each of those waits apart (rrfp/pipeline/timeouts.py); by default all
         derive from ``timeout_s``."""
-        waits = timeouts or Timeouts.derive(timeout_s)
+        waits = Timeouts.given(timeouts, timeout_s)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -275,7 +274,7 @@ class PipelineRuntime:
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
-        layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
+        layout = layout or layout_for(world, pp, tp, dp)  # fails before any group exists
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists
@@ -302,13 +301,11 @@ class PipelineRuntime:
                 layout,
                 device,
                 backend,
-                timeout_s,
+                waits,
                 unit_ms,
                 owns,
-                pg_timeout_s,
                 heartbeat=heartbeat and backend == "gloo",
                 stages=stages,
-                timeouts=waits,
             )
 
     @classmethod
@@ -317,21 +314,18 @@ class PipelineRuntime:
         layout: Layout,
         device: torch.device,
         backend: str,
-        timeout_s: float,
+        waits: Timeouts,
         unit_ms: float,
         owns: bool,
-        pg_timeout_s: float | None = None,
         *,
         ops=None,
         torch_module=None,
         heartbeat: bool = False,
         stages: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/harness/fake_cuda.py)."""
         rank = dist.get_rank()
-        waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
         pg_timeout_s = waits.nccl_watchdog_s if backend == "nccl" else waits.process_group_s
         poller = CompletionPoller()
@@ -403,7 +397,7 @@ class PipelineRuntime:
             layout,
             rank,
             channels,
-            timeout_s,
+            waits,
             unit_ms / 1000.0,
             lane,
             poller,
@@ -412,7 +406,6 @@ class PipelineRuntime:
             device=device,
             heartbeat=beat,
             virtual=stages,
-            timeouts=waits,
         )
 
     def stage_executor(
@@ -421,7 +414,7 @@ class PipelineRuntime:
         loss_fn,
         settings: ScheduleSettings | None = None,
         *,
-        microbatches: int | None = None,
+        n_microbatches: int | None = None,
         dispatch: Dispatch | str = DEFAULT_DISPATCH,
         hint: Hint | str = DEFAULT_HINT,
         budget: Budget | str | int = DEFAULT_BUDGET,
@@ -435,7 +428,7 @@ class PipelineRuntime:
         dw_builder=None,
     ) -> StageExecutor:
         """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
-        one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
+        one). Without it, the keywords ``n_microbatches``, ``dispatch``, ``hint``, ``budget``,
         ``split``, ``variability``, ``seed`` and ``cost`` make one (``ScheduleSettings.of``:
         strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g.
         from ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
@@ -484,10 +477,10 @@ class PipelineRuntime:
                 "modules are not supported"
             )
         if settings is None:
-            if microbatches is None:
-                raise TypeError("stage_executor needs settings= or microbatches=")
+            if n_microbatches is None:
+                raise TypeError("stage_executor needs settings= or n_microbatches=")
             settings = ScheduleSettings.of(
-                microbatches,
+                n_microbatches,
                 dispatch=dispatch,
                 hint=hint,
                 budget=budget,
@@ -496,9 +489,9 @@ class PipelineRuntime:
                 seed=seed,
                 cost=cost,
             )
-        elif microbatches is not None:
+        elif n_microbatches is not None:
             raise TypeError("stage_executor takes settings= or its keywords, not both")
-        microbatches, split = settings.microbatches, settings.split
+        microbatches, split = settings.n_microbatches, settings.split
         builders = (
             list(dw_builder)
             if isinstance(dw_builder, (list, tuple))

@@ -187,7 +187,7 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
         waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
         layout = dict(pp=1, dp=world) if sync else dict(pp=world)
         async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
-            ex = rt.stage_executor(module, _loss, microbatches=M, split=phase == "W" or None)
+            ex = rt.stage_executor(module, _loss, n_microbatches=M, split=phase == "W" or None)
             # without the executor, sync() starts the DP all-reduce: rank 0 waits for it there
             dp = rt.grad_sync(module)
             if kind == "idle" and rank == 1:  # no message

@@ -62,7 +62,10 @@ def _add_sim(sub) -> None:
         help="pipeline ranks (default 8); each holds --virtual stages",
     )
     sim.add_argument(
-        "--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)"
+        "--n-microbatches",
+        type=_positive("--n-microbatches"),
+        default=32,
+        help="microbatches per iteration (default 32)",
     )
     sim.add_argument(
         "--preset", default="lang", choices=PRESETS, help="variability preset (default lang)"
@@ -297,7 +300,10 @@ def _add_bench(sub) -> None:
         help="tensor-parallel ranks per stage (default 1)",
     )
     bench.add_argument(
-        "--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)"
+        "--n-microbatches",
+        type=_positive("--n-microbatches"),
+        default=None,
+        help="microbatches per iteration (default 16)",
     )
     bench.add_argument(
         "--reps",

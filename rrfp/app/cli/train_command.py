@@ -28,7 +28,7 @@ from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.job.run_outputs import check_end_files
 from rrfp.app.job.stop_relay import StopRelay
 from rrfp.app.train.checkpoint_dir import CheckpointDir
-from rrfp.app.train.checkpoints import plan_resume
+from rrfp.app.train.checkpoints import choose_resume
 from rrfp.app.train.run_summary import run_summary, summary_lines
 from rrfp.app.train.start_checks import (
     Footprint,
@@ -178,7 +178,7 @@ def train_command(args) -> int:
         # rendezvous
         check_end_files(cfg.output)
         # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
         # exits 2 when the config cannot fit this machine (a dry run shows the estimate instead);
         # a warning when a byte budget holds no microbatch
         prints = footprints(cfg) if args.dry_run else check_memory(cfg)
@@ -291,13 +291,13 @@ def _load(args, implied_world: bool, launching: bool = False) -> TrainConfig:
 
 def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
-    lines = [cfg.layout.describe(), f"backend: {cfg.runtime.backend} ({cfg.backend_choice})"]
+    lines = [cfg.layout.describe(), f"backend: {cfg.compute.backend} ({cfg.backend_choice})"]
     if cfg.parallel.virtual > 1:
-        lines.append(f"stages: {cfg.stages.describe()}")
+        lines.append(f"stages: {cfg.virtual_layout.describe()}")
     if prints is None:
         lines.append("memory: not estimated (the model does not build on the meta device)")
     for r, fp in enumerate(prints or []):
-        stages = ", ".join(map(str, cfg.stages.stages_of(r)))
+        stages = ", ".join(map(str, cfg.virtual_layout.stages_of(r)))
         lines.append(
             f"memory: pipeline rank {r} (stage {stages}): at least {_gib(fp.total)} "
             f"({_gib(fp.state)} parameters, gradients and optimizer state; {_gib(fp.activations)} "
@@ -312,8 +312,8 @@ def _mfu_note(cfg: TrainConfig) -> str:
     """What the MFU column is against, said once at the end of a run."""
     from rrfp.app.train.metrics_mfu import device_peak
 
-    device = torch.device(cfg.runtime.device_type, 0 if cfg.runtime.device_type == "cuda" else None)
-    peak = device_peak(device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops)
+    device = torch.device(cfg.compute.device_type, 0 if cfg.compute.device_type == "cuda" else None)
+    peak = device_peak(device, cfg.compute.autocast, cfg.compute.threads, cfg.output.peak_tflops)
     if peak is None:
         return "; no MFU: no known peak for this device (set output.peak_tflops)"
     return f"; MFU against {peak.tflops:g} TFLOPS per rank ({peak.source})"
@@ -342,7 +342,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     path = write_traceback(e, cfg.output.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
+    stage = cfg.virtual_layout.stages_of(cfg.layout.coords(rank).pp)
     line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin, cfg.run.model)}"
     if isinstance(
         root_cause(e), UsageError

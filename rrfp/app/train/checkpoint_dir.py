@@ -94,7 +94,7 @@ class Checkpoint:
             return f"its {META} cannot be read as JSON"
         saved = (
             meta.get("step", self.step) if isinstance(meta, dict) else self.step
-        )  # else: plan_resume's to name
+        )  # else: choose_resume's to name
         if saved != self.step:
             return (
                 f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name "

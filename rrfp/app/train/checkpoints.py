@@ -60,7 +60,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
                     "pp": lay.pp,
                     "tp": lay.tp,
                     "dp": lay.dp,
-                    "microbatches": cfg.schedule.microbatches,
+                    "n_microbatches": cfg.schedule.n_microbatches,
                     "virtual": cfg.parallel.virtual,
                     "placement": cfg.parallel.placement,
                 },
@@ -90,7 +90,7 @@ def differences(saved: dict, now: dict) -> list[str]:
 # the fingerprint's ``run`` keys that the config holds in another section
 _SECTION_OF = {
     **{k: "parallel" for k in ("pp", "tp", "dp", "virtual", "placement")},
-    "microbatches": "schedule",
+    "n_microbatches": "schedule",
 }
 
 
@@ -122,7 +122,7 @@ class Resume:
         )
 
 
-def plan_resume(cfg: TrainConfig) -> Resume:
+def choose_resume(cfg: TrainConfig) -> Resume:
     """Where this run starts. Reads files only (every checkpoint it considers, in full, to
     verify it); raises ConfigError when the run cannot start as configured."""
     run, ck = cfg.run, cfg.checkpoint
@@ -236,8 +236,8 @@ def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
 
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
-    """The checkpoint this run starts from, or None to start fresh (``plan_resume``'s start)."""
-    return plan_resume(cfg).start
+    """The checkpoint this run starts from, or None to start fresh (``choose_resume``'s start)."""
+    return choose_resume(cfg).start
 
 
 class RunCheckpoints:

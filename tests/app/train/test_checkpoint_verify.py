@@ -56,7 +56,7 @@ def _resume_after_corruption(rank, world, root):
     import torch.distributed as dist
 
     from rrfp.app.config.train_config import TrainConfig
-    from rrfp.app.train.checkpoints import plan_resume
+    from rrfp.app.train.checkpoints import choose_resume
     from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
@@ -78,7 +78,7 @@ def _resume_after_corruption(rank, world, root):
         dist.barrier()
         cfg = _config(STEPS, "ready", checkpoint_dir=str(ckdir), resume="auto")
         assert isinstance(cfg, TrainConfig)
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
         summary = run(stage_main(cfg, resume=resume))
         dist.barrier()
         good = f"step-{SAVED_AT:08d}"
@@ -306,7 +306,7 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     from harness.checkpoint_run import SMALL, resume_error
 
     from rrfp.app.config.train_config import TrainConfig
-    from rrfp.app.train.checkpoints import plan_resume
+    from rrfp.app.train.checkpoints import choose_resume
 
     root, _ = corrupted
     copied = tmp_path / "copied"
@@ -318,7 +318,7 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
         + [f"checkpoint.dir={copied}", f"steps={STEPS}", "resume=auto"],
         world_size=2,
     )
-    plan = plan_resume(cfg)
+    plan = choose_resume(cfg)
     assert plan.start.step == LATEST and [c.step for c, _ in plan.rejected] == [LATEST + 1], plan
     assert "renamed or copied from another checkpoint" in plan.fallback_line(), plan.fallback_line()
     swapped = tmp_path / "swapped"

@@ -21,7 +21,7 @@ FIXTURE = "tests.fixtures.user_mistakes"
 def _config(tmp: Path, workload: str) -> Path:
     path = tmp / f"{workload}.toml"
     path.write_text(
-        f'[run]\nmodel = "{FIXTURE}:{workload}"\nsteps = 1\n\n[schedule]\nmicrobatches = 2\n\n'
+        f'[run]\nmodel = "{FIXTURE}:{workload}"\nsteps = 1\n\n[schedule]\nn_microbatches = 2\n\n'
         f'[output]\nlog_dir = "{tmp / "logs"}"\ndir = "{tmp / "runs"}"\n'
     )
     return path
