@@ -40,7 +40,7 @@ def test_moe_tiny_is_pp2_dp2_with_both_balancers():
 
 
 def test_moe_1b_has_about_1b_active_parameters():
-    cfg = TrainConfig.load("configs/moe-1b.toml", ["runtime.backend=gloo"], world_size=2)
+    cfg = TrainConfig.load("configs/moe-1b.toml", ["compute.backend=gloo"], world_size=2)
     with torch.device("meta"):
         stages = [Llama(cfg.model, s, 2) for s in range(2)]
     active, total = _active_and_total(stages)
