@@ -23,7 +23,7 @@ from rrfp.pipeline.worker import StageWorker
 
 SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
 # configs for GPUs (bf16 autocast, the auto backend), too big for this machine's checks
-GPU = [p for p in SHIPPED if p.name == "llama-1b.toml"]
+GPU = [p for p in SHIPPED if p.name in ("llama-1b.toml", "moe-1b.toml")]
 CONFIGS = [p for p in SHIPPED if p not in GPU]
 
 
