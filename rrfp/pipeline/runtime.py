@@ -31,6 +31,7 @@ from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
 from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
 from rrfp.comm.device_ops import CudaOps
+from rrfp.comm.ep_agreement import EPAgreement
 from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
@@ -48,6 +49,7 @@ from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
 from rrfp.loop.blocking import in_daemon_thread, interruptible
+from rrfp.nn.expert_parallel import expert_parameters, shard_experts
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import StageExecutor
@@ -185,6 +187,11 @@ class PipelineRuntime:
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
+        # expert parallelism (layout.ep > 1): the experts' all-to-alls, the EP agreement, and the
+        # replicas holding the same experts
+        self.ep_group = groups.get("ep")
+        self.ep_control = groups.get("ep_control")
+        self.expert_dp_group = groups.get("expert_dp")
         self.cpu_group = groups.get(
             "cpu"
         )  # control plane (stats, gather, barrier); None: the default group
@@ -223,6 +230,7 @@ class PipelineRuntime:
         pp: int = 0,
         tp: int = 1,
         dp: int = 1,
+        ep: int = 1,
         layout: Layout | None = None,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -275,7 +283,12 @@ class PipelineRuntime:
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
-        layout = layout or plan_layout(world, pp, tp, dp)  # fails before any group exists
+        layout = layout or plan_layout(world, pp, tp, dp, ep)  # fails before any group exists
+        if layout.ep > 1 and layout.tp > 1:
+            raise ValueError(
+                f"{layout.short()}: expert parallelism with tensor parallelism is not supported; "
+                "choose ep or tp"
+            )
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists
@@ -532,6 +545,21 @@ class PipelineRuntime:
             if self.tp_control is not None
             else None
         )
+        moe_stages = [s for m, s in zip(modules, self.stages) if expert_parameters(m)]
+        ep_agreement = (
+            EPAgreement(self.ep_control, moe_stages, self.poller, split)
+            if self.ep_control is not None and moe_stages
+            else None
+        )
+        if (
+            ep_agreement is not None
+            and settings.dispatch is Dispatch.FIXED
+            and settings.hint.planned
+        ):
+            raise ValueError(
+                "expert parallelism with dispatch fixed and hint plan: each replica plans its own "
+                "order, so their all-to-alls would not pair; use dispatch ready"
+            )
         ties = Ties.setup(self, modules, tied)
         v = self.virtual
         layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
@@ -550,13 +578,14 @@ class PipelineRuntime:
             # the TP layers' collectives: a peer that never comes is named
             task_collectives=(
                 TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
-                if self.layout.tp > 1
+                if self.layout.tp > 1 or ep_agreement is not None
                 else None
             ),
             ties=ties if ties.ties else None,
             nonfinite=guard,
             sharded=sharded,
             layout_check=self._layout_check(ExecutorShape(microbatches, self.num_stages, layout)),
+            ep_agreement=ep_agreement,
         )
         self._executors.append(ex)
         return ex
@@ -585,6 +614,14 @@ class PipelineRuntime:
             "nccl_watchdog_s" if self.device.type == "cuda" else "process_group_s"
         )
 
+    def shard_experts(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` with the routed experts of its MoE layers sharded over this rank's EP group
+        (rrfp/nn/expert_parallel.py), in place; unchanged without expert parallelism. Call it on
+        every stage module before ``stage_executor`` and the optimizer."""
+        if self.ep_group is not None:
+            shard_experts(module, self.ep_group)
+        return module
+
     @property
     def dp_ranks(self) -> list[int]:
         """This stage's data-parallel replicas (this rank among them), in replica order."""
@@ -609,6 +646,8 @@ class PipelineRuntime:
             self.poller,
             self.lane,
             deadline_s=self.timeouts.cuda_deadline_s if self.device.type == "cuda" else None,
+            experts=expert_parameters(module),
+            expert_group=self.expert_dp_group,
         )
         if executor is not None:
             sync.attach(executor)
