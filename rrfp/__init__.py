@@ -3,7 +3,7 @@
 This module is the public surface, the names a driver needs to embed a
 pipeline: ``PipelineRuntime`` and its ``StageExecutor`` (``run_iteration``
 returns an ``IterationResult``), ``stage_main(cfg)`` under torchrun, the model
-contract ``Workload``, the split-aware and tensor-parallel layers, and
+contract ``Workload``, the split-aware, tensor-parallel and mixture-of-experts layers, and
 ``simulate`` for what-if questions without a cluster, and ``ScheduleReady``, a
 drop-in for torch.distributed.pipelining's ``Schedule1F1B``. It is written
 once, in ``_HOMES``: ``__all__`` is its keys, and the ``TYPE_CHECKING`` block
@@ -55,6 +55,10 @@ if TYPE_CHECKING:
         hf_ties as hf_ties,
     )
     from rrfp.loop import run as run
+    from rrfp.nn.grouped_experts import GroupedExperts as GroupedExperts
+    from rrfp.nn.moe_aux_loss import collect_aux_losses as collect_aux_losses
+    from rrfp.nn.moe_layer import MoELayer as MoELayer
+    from rrfp.nn.moe_router import TopKRouter as TopKRouter
     from rrfp.nn.split_linear import SplitLinear as SplitLinear
     from rrfp.nn.tensor_parallel import (
         ColumnParallelLinear as ColumnParallelLinear,
@@ -122,6 +126,12 @@ _HOMES = {
     "RowParallelLinear": "rrfp.nn.tensor_parallel",
     "group_size_rank": "rrfp.nn.tensor_parallel",
     "shard_from_full": "rrfp.nn.tensor_parallel",
+    # a mixture of experts: the layer, its router and grouped experts, and the auxiliary losses
+    # gathered for a one-process reference (rrfp/nn/moe_layer.py)
+    "MoELayer": "rrfp.nn.moe_layer",
+    "TopKRouter": "rrfp.nn.moe_router",
+    "GroupedExperts": "rrfp.nn.grouped_experts",
+    "collect_aux_losses": "rrfp.nn.moe_aux_loss",
     # the simulator
     "simulate": "rrfp.sim",
     "SimConfig": "rrfp.sim",

@@ -19,7 +19,7 @@ from rrfp.app.config.reference import reference_markdown, reference_text
 from rrfp.app.config.sections import SECTIONS, TimeoutsSection
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
-from rrfp.app.train.step_statistics import StepStatistics
+from rrfp.app.train.step_statistics import PER_RANK, StepStatistics
 from rrfp.pipeline.timeouts import Timeouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +148,9 @@ def test_without_torchrun_the_config_is_checked_first():
 def test_step_statistics_travel_as_one_tensor_by_name():
     stats = StepStatistics(loss=2.5, busy=1.0, wall=3.0, tokens=64, stops=1, grad_sq=0.25)
     t = stats.to_tensor()
-    assert t.dtype.is_floating_point and t.numel() == len(dataclasses.fields(StepStatistics)) - 2
+    assert t.dtype.is_floating_point and t.numel() == len(dataclasses.fields(StepStatistics)) - len(
+        PER_RANK
+    )
     want = StepStatistics(5.0, 2.0, 6.0, 128, 0, 2, 0, grad_sq=0.5)
     assert StepStatistics.from_tensor(t + t) == want
     with pytest.raises(ValueError):

@@ -25,7 +25,7 @@ from rrfp.pipeline.worker import StageWorker
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
 # configs for GPUs (bf16 autocast, the auto backend), too big for this machine's checks
-GPU = [p for p in SHIPPED if p.name == "llama-1b.toml"]
+GPU = [p for p in SHIPPED if p.name in ("llama-1b.toml", "moe-1b.toml")]
 CONFIGS = [p for p in SHIPPED if p not in GPU]
 
 

@@ -18,6 +18,13 @@ With ``tie_embeddings`` the lm head and the token embedding are one parameter in
 under pipeline parallelism the first and last stage each hold a copy (drawn from the embedding's
 generator, so equal from the start) and ``tied`` declares the pair, which rrfp keeps equal.
 
+A mixture of experts (``moe_experts`` > 0, Qwen3-MoE and DeepSeek-V3 shaped): every block after the
+first ``moe_first_dense`` replaces its dense MLP by ``rrfp.nn.moe_layer.MoELayer`` (a top-k router,
+``moe_experts`` routed SwiGLU experts computed grouped, optional shared experts), named
+``layers.i.mlp.router.gate.weight``, ``layers.i.mlp.experts.w1/w2/w3`` and
+``layers.i.mlp.shared_experts.*``; its load balancing (the auxiliary loss, the loss-free bias) is
+rrfp.nn.moe_layer's.
+
 Tensor parallelism (``tp_group`` of size > 1, Megatron style): in every block q_proj, k_proj,
 v_proj, gate_proj and up_proj become column-parallel and o_proj and down_proj row-parallel, so a
 rank holds n_head/tp query heads and n_kv_head/tp key/value heads. Embedding, norms and lm head stay
@@ -29,6 +36,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -37,6 +45,8 @@ import torch.nn.functional as F
 
 from rrfp import (
     ColumnParallelLinear,
+    GroupedExperts,
+    MoELayer,
     RowParallelLinear,
     SplitLinear,
     Workload,
@@ -66,6 +76,17 @@ class LlamaConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
+    moe_experts: int = 0  # routed experts per MoE block; 0: every block's MLP is dense
+    moe_top_k: int = 2  # experts each token goes to
+    moe_score_func: Literal["softmax", "sigmoid"] = (
+        "softmax"  # router scores (sigmoid: DeepSeek-V3)
+    )
+    moe_norm_topk: bool = True  # the chosen experts' gates renormalised to sum to one
+    moe_intermediate_size: int = 0  # each routed expert's SwiGLU width; 0: intermediate_size's
+    moe_shared_intermediate_size: int = 0  # the shared experts' SwiGLU width; 0: no shared experts
+    moe_first_dense: int = 0  # the first blocks that keep a dense MLP (DeepSeek-V3: 3)
+    moe_aux_loss_coeff: float = 0.0  # weight of each MoE block's load-balancing loss; 0: none
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's expert-bias step per optimizer step; 0: none
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "n_kv_head"):
@@ -88,6 +109,29 @@ class LlamaConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self._kind}.{name} must be positive, got {getattr(self, name)}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        for name in (
+            "moe_experts",
+            "moe_intermediate_size",
+            "moe_shared_intermediate_size",
+            "moe_first_dense",
+            "moe_aux_loss_coeff",
+            "moe_bias_update_rate",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{self._kind}.{name} must be >= 0, got {getattr(self, name)}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(
+                f"{self._kind}.moe_top_k must be in [1, moe_experts={self.moe_experts}], "
+                f"got {self.moe_top_k}"
+            )
+        if self.moe_score_func not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"{self._kind}.moe_score_func must be softmax or sigmoid, "
+                f"got {self.moe_score_func!r}"
+            )
 
     @property
     def _kind(self) -> str:
@@ -103,8 +147,17 @@ class LlamaConfig:
         """Width of the SwiGLU hidden layer."""
         return self.intermediate_size or 4 * self.n_embd
 
+    @property
+    def moe_ffn(self) -> int:
+        """Width of each routed expert's SwiGLU hidden layer."""
+        return self.moe_intermediate_size or self.ffn
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (its index in the whole model) has routed experts."""
+        return self.moe_experts > 0 and layer >= self.moe_first_dense
+
     def block_macs(self) -> int:
-        """Multiply-adds of one block per token (its linears; attention scores left out)."""
+        """Multiply-adds of one dense block per token (its linears; attention scores left out)."""
         c, hd = self.n_embd, self.hd
         return 2 * c * self.n_head * hd + 2 * c * self.n_kv_head * hd + 3 * c * self.ffn
 
@@ -122,6 +175,10 @@ def part_generator(seed: int, *part: int) -> torch.Generator:
 EMBED, BLOCK, HEAD = 0, 1, 2  # the parts of the LM (a block's coordinates are (BLOCK, index))
 
 
+def _normal(like: torch.Tensor, std: float, gen: torch.Generator) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu").normal_(0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_normal(
     module: nn.Module,
@@ -131,19 +188,21 @@ def init_normal(
     out_names: tuple[str, ...] = ("o_proj", "down_proj"),
 ) -> None:
     """In module order: weights of linears and embeddings ~ N(0, std), those of the residual
-    output projections (``out_names``) N(0, out_std), biases zero, norms one."""
+    output projections (``out_names``, and routed experts' ``w2``) N(0, out_std), biases zero,
+    norms one."""
     for name, m in module.named_modules():
-        if isinstance(m, (nn.RMSNorm, nn.LayerNorm)):
+        if isinstance(m, MoELayer):  # its buffers: a meta build leaves them empty
+            m.reset_buffers()
+        elif isinstance(m, GroupedExperts):
+            for w, s in ((m.w1, std), (m.w2, out_std), (m.w3, std)):
+                w.copy_(_normal(w, s, gen))
+        elif isinstance(m, (nn.RMSNorm, nn.LayerNorm)):
             m.weight.fill_(1.0)
             if getattr(m, "bias", None) is not None:
                 m.bias.zero_()
         elif isinstance(m, (SplitLinear, nn.Linear, nn.Embedding)):
             s = out_std if name.rsplit(".", 1)[-1] in out_names else std
-            m.weight.copy_(
-                torch.empty(m.weight.shape, dtype=m.weight.dtype, device="cpu").normal_(
-                    0, s, generator=gen
-                )
-            )
+            m.weight.copy_(_normal(m.weight, s, gen))
             if getattr(m, "bias", None) is not None:
                 m.bias.zero_()
 
@@ -212,13 +271,30 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def moe_layer(cfg: LlamaConfig) -> MoELayer:
+    """The routed (and shared) experts that replace a block's dense MLP."""
+    return MoELayer(
+        cfg.n_embd,
+        cfg.moe_ffn,
+        cfg.moe_experts,
+        cfg.moe_top_k,
+        score_func=cfg.moe_score_func,
+        norm_topk=cfg.moe_norm_topk,
+        shared_hidden_dim=cfg.moe_shared_intermediate_size,
+        aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        bias_update_rate=cfg.moe_bias_update_rate,
+    )
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """Block ``layer`` of the whole model: attention, then a dense MLP or routed experts."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = moe_layer(cfg) if cfg.is_moe(layer) else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))
@@ -245,7 +321,7 @@ class Llama(nn.Module):
         with torch.device("meta"):  # shapes only: each part gets its values from its generator
             if self.is_first:
                 self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-            self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
+            self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in self.layer_ids})
             if self.is_last:
                 self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
                 self.lm_head = SplitLinear(cfg.n_embd, cfg.vocab_size, bias=False)
@@ -313,6 +389,11 @@ def validate_tp(cfg: LlamaConfig, tp: int) -> None:
     for name, size in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head), ("ffn", cfg.ffn)):
         if size % tp:
             raise ValueError(f"tp={tp} does not divide {name}={size}")
+    if cfg.moe_experts:
+        raise ValueError(
+            f"a mixture of experts (model.moe_experts = {cfg.moe_experts}) has no tensor "
+            f"parallelism in rrfp: set tp = 1 (got tp={tp})"
+        )
     if cfg.qk_norm:
         raise ValueError(
             f"qk_norm has no tensor parallelism (its weights would see only a rank's heads): "

@@ -73,6 +73,11 @@ class ViTVLMConfig(LlamaConfig):
         for name in ("image_size", "patch_size", "enc_layers", "enc_embd", "enc_head"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ViTVLMConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.moe_experts:
+            raise ValueError(
+                f"ViTVLMConfig.moe_experts = {self.moe_experts}: vit_vlm's LM is dense (the "
+                f"mixture of experts is llama's); leave moe_experts at 0"
+            )
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"ViTVLMConfig.patch_size ({self.patch_size}) must divide "

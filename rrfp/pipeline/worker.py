@@ -46,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
+from rrfp.nn.moe_aux_loss import aux_loss_scale
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
@@ -167,7 +168,15 @@ class StageWorker:
             else contextlib.nullcontext()
         )
         use_queue = self.split and self.weight_split == "layers"
-        with torch.enable_grad(), collect_weight_grads(queue if use_queue else None), hooks:
+        # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
+        # losses inject (rrfp/nn/moe_aux_loss.py)
+        aux_scale = aux_loss_scale(1 / self.num_microbatches)
+        with (
+            torch.enable_grad(),
+            collect_weight_grads(queue if use_queue else None),
+            hooks,
+            aux_scale,
+        ):
             out = self._run_module(x)
             if self.is_last:
                 loss = self._loss(out, targets)

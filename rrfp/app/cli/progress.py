@@ -42,8 +42,14 @@ def step_line(r) -> str:
     )
     in_flight = getattr(r, "in_flight", None)
     held = f"  in flight {per_rank(in_flight, 'd')}" if in_flight else ""
+    aux_loss = getattr(r, "aux_loss", None)  # a model with MoE layers: its router statistics
+    router = (
+        f"  aux loss {aux_loss:.4g}  expert load max/mean {r.expert_load_max_over_mean:.2f}"
+        if aux_loss is not None
+        else ""
+    )
     return (
-        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{ev}{norm}{lr}  "
+        f"step {r.step + 1:>4}/{r.steps}  loss {r.loss:.4f}{router}{ev}{norm}{lr}  "
         f"{r.tokens_per_s:,.0f} tok/s{mfu}  bubble {r.bubble:5.1%}  {r.wall_s * 1000:.0f} ms/step"
         f"{mem}{held}  eta {eta:.0f}s{skipped}"
     )

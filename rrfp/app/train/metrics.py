@@ -9,7 +9,9 @@ statistics all-reduce, and clipping uses that same norm), ``tokens``, ``tokens_p
 ``wall_s``, ``skipped``, ``memory`` (per rank, the peak bytes measured during the step; what they
 are in ``memory_measure``: rrfp/observe/peak_memory.py), ``in_flight`` (per rank, the most
 microbatches it held at once), any optional field a step report carries, such as ``eval_loss`` on
-the steps that evaluate, and ``time`` (seconds since the epoch). TensorBoard gets each per-rank
+the steps that evaluate, the router statistics of a mixture of experts (``aux_loss``,
+``expert_load_max_over_mean``, ``dropped_tokens``; only when the model has MoE layers), and
+``time`` (seconds since the epoch). TensorBoard gets each per-rank
 list as its largest value.
 
 ``run.json`` holds the config, what the MFU is against, the start-up summary ``rrfp train`` gives
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 
 # StepReport fields that are not a line's: the run's length, and the attention term (in "mfu")
 NOT_WRITTEN = ("steps", "attn")
+# written only when set: a model without MoE layers has no router statistics
+ROUTER_KEYS = ("aux_loss", "expert_load_max_over_mean", "dropped_tokens")
 
 
 class RunMetrics:
@@ -108,7 +112,9 @@ class RunMetrics:
         """Fill in ``report.mfu`` and write the step (a StepReport, or any dataclass like it)."""
         report.mfu = self.mfu(report.tokens, report.attn, report.wall_s)
         record: dict[str, Any] = {
-            k: v for k, v in dataclasses.asdict(report).items() if k not in NOT_WRITTEN
+            k: v
+            for k, v in dataclasses.asdict(report).items()
+            if k not in NOT_WRITTEN and not (k in ROUTER_KEYS and v is None)
         }
         record["step"] = report.step + 1
         record["time"] = time.time()  # when rank 0 wrote it: for plots over wall-clock time

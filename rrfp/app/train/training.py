@@ -29,6 +29,7 @@ from rrfp.app.train.lr_schedule import learning_rate as scheduled_lr
 from rrfp.app.train.lr_schedule import optim_learning_rate
 from rrfp.app.train.metrics import RunMetrics
 from rrfp.app.train.optimizers import agree_on_ties, build_optimizer, no_decay_names
+from rrfp.app.train.router_statistics import RouterStatistics
 from rrfp.app.train.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
@@ -63,6 +64,12 @@ class StepReport:
     memory: list[int] | None = None  # per rank: the peak bytes measured in this step
     memory_measure: str | None = None  # ... what they are (rrfp/observe/peak_memory.py)
     in_flight: list[int] | None = None  # per rank: the most microbatches it held at once
+    # with MoE layers (rrfp/app/train/router_statistics.py): the weighted auxiliary loss, summed
+    # over layers (the loss trained is loss + aux_loss), the worst layer's most loaded expert over
+    # the mean load, and the token copies routed but not computed (0: the layers are dropless)
+    aux_loss: float | None = None
+    expert_load_max_over_mean: float | None = None
+    dropped_tokens: float | None = None
 
 
 @dataclass
@@ -99,6 +106,7 @@ class TrainSummary:
     eval_losses: dict[int, float] = field(
         default_factory=dict
     )  # with [eval]: steps done (1-based) -> the held-out loss after them
+    aux_losses: list[float] = field(default_factory=list)  # with MoE layers: each step's
 
 
 async def stage_main(
@@ -187,6 +195,7 @@ class _RankTraining:
                 checkpoint_blocks(self.wl.blocks(m))
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
             self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
+        self.routing = RouterStatistics(self.modules)  # their MoE layers, if any
         # the rank's parameters, as one module
         self.module = (
             self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
@@ -349,6 +358,10 @@ class _RankTraining:
             stops=float(self.stop is not None and self.stop()),
             abandoned=float(res is None),
         )
+        if self.routing:
+            routing = self.routing.take()
+            mine.moe_layers, mine.aux_loss = len(self.routing.layers), routing.aux_loss
+            mine.dropped, mine.expert_load[rt.rank] = routing.dropped, routing.load_max_over_mean
         if res is not None:
             mine.loss, mine.busy, mine.wall = res.loss or 0.0, res.stats.busy, res.stats.wall
             # the gradients are final (synced over DP in the iteration): the norm rides along
@@ -389,6 +402,12 @@ class _RankTraining:
                 for group in opt.param_groups:
                     group["lr"] = lr
                 opt.step()
+            if self.routing:
+                await self.routing.update_biases(
+                    self.rt.poller,
+                    self.rt.dp_group,
+                    f"step {step + 1}: DP all-reduce of the experts' load",
+                )
         for opt in self.opts:
             opt.zero_grad(set_to_none=True)
         return grad_norm
@@ -436,6 +455,11 @@ class _RankTraining:
             memory_measure=self.peak.label,
             in_flight=[int(n) for n in stats.in_flight],
         )
+        if stats.moe_layers:
+            report.aux_loss = stats.aux_loss / (lay.tp * lay.dp)
+            report.expert_load_max_over_mean = max(stats.expert_load)
+            report.dropped_tokens = stats.dropped / lay.tp
+            self.summary.aux_losses.append(report.aux_loss)
         s = self.summary
         s.losses.append(loss)
         s.wall_s.append(report.wall_s)
