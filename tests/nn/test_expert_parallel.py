@@ -1,6 +1,7 @@
 """Expert parallelism on real gloo ranks: a MoE layer whose experts are sharded over an EP group
 of 2 gives each member the outputs, input gradients and router gradients of the whole layer run on
-its own tokens, and each expert's gradient summed over both members' tokens."""
+its own tokens (the auxiliary loss's gradient included), and each expert's gradient summed over
+both members' tokens."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ pytestmark = pytest.mark.multirank
 def _layer(rank, world, num_experts, top_k, tokens):
     import torch
     import torch.distributed as dist
-    from moe_standin import MoELayer
 
     from rrfp.nn.expert_parallel import ExpertParallel, expert_parameters, shard_experts
+    from rrfp.nn.moe_layer import MoELayer
 
     dist.init_process_group("gloo")
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
-    full = MoELayer(16, 24, num_experts, top_k)
+    full = MoELayer(16, 24, num_experts, top_k, aux_loss_coeff=0.01)  # its gradient injected
     xs = [torch.randn(tokens[r], 16) for r in range(world)]
     # the reference: the whole layer on each member's tokens apart
     ref = []

@@ -1,7 +1,8 @@
 """Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 3 AdamW
-steps), each replica drawing its task durations from a seed of its own, so that the replicas pick
-different orders; the EP agreement keeps their all-to-alls paired, and losses, gradients and
-parameters equal one process running the whole model on both replicas' data."""
+steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own, so
+that the replicas pick different orders; the EP agreement keeps their all-to-alls paired, and
+losses, gradients and parameters equal one process running the whole model on both replicas'
+data."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ BLOCKS = ("dense", "moe", "moe", "moe")
 
 def _model():
     import torch.nn as nn
-    from moe_standin import MoELayer
+
+    from rrfp.nn.moe_layer import MoELayer
 
     class Block(nn.Module):
         def __init__(self, kind):
             super().__init__()
             self.ffn = (
-                MoELayer(DIM, 12, 4, 2)
+                MoELayer(DIM, 12, 4, 2, aux_loss_coeff=0.01)
                 if kind == "moe"
                 else nn.Sequential(nn.Linear(DIM, 12), nn.SiLU(), nn.Linear(12, DIM))
             )
@@ -45,6 +47,7 @@ def _pipeline(rank, world, pp, configs, virtual):
 
     from rrfp.core.variability import Variability
     from rrfp.loop import run
+    from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
@@ -64,9 +67,12 @@ def _pipeline(rank, world, pp, configs, virtual):
         opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
         losses, grads = [], []
         for step in range(STEPS):
-            loss = sum(_loss(full(x), y) for x, y in data[step]) / (M * dp)
-            loss.backward()
-            losses.append(loss.item())
+            with (
+                collect_aux_losses() as aux
+            ):  # each layer's weighted auxiliary loss, per microbatch
+                loss = sum(_loss(full(x), y) for x, y in data[step]) / (M * dp)
+            (loss + sum(aux) / (M * dp)).backward()
+            losses.append(loss.item())  # the trained loss is reported without them
             grads.append({n: p.grad.clone() for n, p in full.named_parameters()})
             opt.step()
             opt.zero_grad()
