@@ -623,6 +623,11 @@ class PipelineRuntime:
         return module
 
     @property
+    def ep_rank(self) -> int | None:
+        """This rank's place in its EP group (its experts), or None without expert parallelism."""
+        return self.dp_rank % self.layout.ep if self.layout.ep > 1 else None
+
+    @property
     def dp_ranks(self) -> list[int]:
         """This stage's data-parallel replicas (this rank among them), in replica order."""
         c = self.layout.coords(self.rank)
@@ -662,13 +667,19 @@ class PipelineRuntime:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
             for w in ex.workers:
                 sharded = sharded_parameters(w.module)
+                # an expert shard is counted by the first replica holding it (its EP group's)
+                experts = expert_parameters(w.module)
                 for p in w.module.parameters():
                     if id(p) in seen:
                         continue
                     seen.add(id(p))
                     scaled.append(p)
                     if (
-                        (self.dp_rank == 0 or isinstance(p, dtensor))  # an FSDP shard: every one
+                        (
+                            self.dp_rank == 0
+                            or isinstance(p, dtensor)  # an FSDP shard: every one
+                            or (id(p) in experts and self.dp_rank < self.layout.ep)
+                        )
                         and id(p) not in uncounted
                         and (self.tp_rank == 0 or id(p) in sharded)
                     ):
