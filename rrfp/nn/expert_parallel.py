@@ -66,6 +66,7 @@ class ExpertParallel(nn.Module):
         super().__init__()
         self.group = group
         self.size, self.member = dist.get_world_size(group), dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group)  # the members, by global rank
         if self.member < 0:
             raise ValueError(
                 f"rrfp: this process (global rank {dist.get_rank()}) is not a member of the EP "

@@ -49,7 +49,7 @@ from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
 from rrfp.loop.blocking import in_daemon_thread, interruptible
-from rrfp.nn.expert_parallel import expert_parameters, shard_experts
+from rrfp.nn.expert_parallel import ExpertParallel, expert_parameters, shard_experts
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import StageExecutor
@@ -546,6 +546,7 @@ class PipelineRuntime:
             else None
         )
         moe_stages = [s for m, s in zip(modules, self.stages) if expert_parameters(m)]
+        self._check_expert_groups(modules)
         ep_agreement = (
             EPAgreement(self.ep_control, moe_stages, self.poller, split)
             if self.ep_control is not None and moe_stages
@@ -613,6 +614,22 @@ class PipelineRuntime:
         return self.timeouts.said(
             "nccl_watchdog_s" if self.device.type == "cuda" else "process_group_s"
         )
+
+    def _check_expert_groups(self, modules) -> None:
+        """Experts sharded over another group than this rank's EP group would issue all-to-alls
+        the EP agreement does not order: refused with the groups named."""
+        want = self.layout.ep_groups()
+        mine = next((g for g in want if self.rank in g), [self.rank])
+        for m, s in zip(modules, self.stages):
+            for name, layer in m.named_modules():
+                ranks = getattr(layer, "ranks", None)
+                if isinstance(layer, ExpertParallel) and ranks != mine:
+                    raise ValueError(
+                        f"rank {self.rank}: stage {s}'s {name} shards its experts over ranks "
+                        f"{ranks}, but this rank's EP group ({self.layout.short()}) is {mine}: "
+                        "shard them with rt.shard_experts(module) (ScheduleReady: over "
+                        "mesh['ep'].get_group())"
+                    )
 
     def shard_experts(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` with the routed experts of its MoE layers sharded over this rank's EP group
