@@ -58,7 +58,7 @@ $(TITAN_VENV)/.installed: setup.cfg pyproject.toml
 	touch $@
 
 test-titan: $(TITAN_VENV)/.installed
-	RRFP_TITAN_TESTS=1 $(TITAN_VENV)/bin/python -m pytest -q tests/test_titan_config.py tests/test_titan.py
+	RRFP_TITAN_TESTS=1 $(TITAN_VENV)/bin/python -m pytest -q tests/titan
 
 # Format, lint and type-check: ruff at line length 100, mypy strict on the pure core (pyproject.toml).
 check: $(VENV)/.installed
@@ -73,7 +73,7 @@ stats: $(VENV)/.installed
 
 # The CUDA/NCCL path on a real GPU (use TORCH_SPEC=torch for a CUDA build); prints what ran and what was skipped.
 gpu-check: $(VENV)/.installed
-	$(PY) tests/gpu_check.py
+	$(PY) benchmarks/gpu_check.py
 
 # The suite side by side (rrfp and torch executors, gpt and vlm, device time emulated): results/bench-<timestamp>/
 bench: $(VENV)/.installed

@@ -7,10 +7,10 @@ contract ``Workload``, the split-aware, tensor-parallel and mixture-of-experts l
 ``simulate`` for what-if questions without a cluster, and ``ScheduleReady``, a
 drop-in for torch.distributed.pipelining's ``Schedule1F1B``. It is written
 once, in ``_HOMES``: ``__all__`` is its keys, and the ``TYPE_CHECKING`` block
-that static tools read is held to it by tests/test_exports.py. Every other name
+that static tools read is held to it by tests/house/test_exports.py. Every other name
 stays in its subpackage (``rrfp.core.StageTracker``, ``rrfp.hf.HFStage``).
 ``rrfp.models``, ``examples/`` and ``benchmarks/`` use this surface and the
-subpackages' own (tests/test_layers.py). The layers are folders: ``core``
+subpackages' own (tests/house/test_layers.py). The layers are folders: ``core``
 (pure), ``observe``, ``sim``, ``loop``, ``comm``, ``nn``, ``pipeline`` and
 ``app``; docs/design.md draws the map.
 

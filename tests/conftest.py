@@ -1,7 +1,8 @@
 """The test tiers, by what a test does, marked in its file:
 
 - ``unit`` (no mark needed): runs in the test process and starts no other.
-- ``multirank``: starts gloo ranks from the test (tests/distributed.py, tests/rank_pool.py).
+- ``multirank``: starts gloo ranks from the test (tests/harness/distributed.py,
+  tests/harness/rank_pool.py).
 - ``e2e``: starts the CLI, torchrun or another interpreter as a subprocess.
 - ``long`` (beside one of the two above): waits out a fault by design, a rank killed, stopped,
   busy or slow, and the timeout that names it or the run that finishes despite it.
@@ -27,7 +28,7 @@ PROCESS_MARKS = ("multirank", "e2e")
 # The torchtitan tests need the titan extra, which `make` does not install (its datasets pins a
 # huggingface-hub that transformers 5, the hf extra, refuses): `make test-titan` installs it in a
 # venv of its own and sets RRFP_TITAN_TESTS=1, and only then are they collected.
-collect_ignore_glob = [] if os.environ.get("RRFP_TITAN_TESTS") == "1" else ["test_titan*.py"]
+collect_ignore_glob = [] if os.environ.get("RRFP_TITAN_TESTS") == "1" else ["titan/*"]
 
 
 def pytest_configure(config):
@@ -130,7 +131,7 @@ def pytest_sessionfinish(session, exitstatus):
     """The shared ranks end with the test process's session, not whenever it exits."""
     import sys
 
-    pool = sys.modules.get("rank_pool")
+    pool = sys.modules.get("harness.rank_pool")
     if pool is not None:
         pool.close_all()
 

@@ -1,7 +1,7 @@
 """The house's measures, read from the source (nothing imported): how many modules each folder of
 rrfp/ holds, against the most one may hold, and where a setting's default is written other than
 in its one declaration, and where a retired word (docs/design.md's vocabulary) is still written.
-``make stats`` prints them; tests/test_stats.py holds the code to them.
+``make stats`` prints them; tests/house/test_stats.py holds the code to them.
 
     python tools/stats.py
 """

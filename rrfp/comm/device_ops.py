@@ -1,6 +1,6 @@
 """The few CUDA and NCCL calls an NCCL channel makes, behind one small object.
 
-``CudaOps`` is the real thing. Tests subclass it with a fake device (tests/fake_cuda.py)
+``CudaOps`` is the real thing. Tests subclass it with a fake device (tests/harness/fake_cuda.py)
 and hand it a fake ``torch.distributed`` that models NCCL's communicators, so the
 channel's ordering logic and the choice of NCCL calls below are checked on machines
 without a GPU. Nothing here blocks the host after start-up: every copy is

@@ -2,7 +2,7 @@
 
 Ported from torch 2.13's ``torch/distributed/pipelining/schedules.py`` (pure
 Python, so the core stays free of torch), and held to torch's own
-``_calculate_single_rank_operations`` by tests/test_virtual_hints.py:
+``_calculate_single_rank_operations`` by tests/core/test_virtual_hints.py:
 
 - ``interleaved_1f1b``: ``ScheduleInterleaved1F1B`` (Megatron-LM's interleaved
   1F1B, arXiv 2104.04473): ``_get_warmup_ops`` with multiply factor 2, then

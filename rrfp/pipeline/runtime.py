@@ -342,7 +342,7 @@ class PipelineRuntime:
         timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
-        of the channels and of the lane (tests pass a fake device, tests/fake_cuda.py)."""
+        of the channels and of the lane (tests pass a fake device, tests/harness/fake_cuda.py)."""
         rank = dist.get_rank()
         waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout

@@ -27,7 +27,7 @@ each rank has one local stage and nothing is reserved: the stage budget.
 
 ``StageTracker`` (rrfp/core/tracker.py) and ``RankTracker`` (rrfp/core/rank_tracker.py)
 stay the one definition of the rules; this restates them for heads, and
-``tests/test_sim_ranked.py`` holds the two to the same timeline, busy time, peaks and
+``tests/sim/test_sim_ranked.py`` holds the two to the same timeline, busy time, peaks and
 decision counts. ``simulate(cfg, reference=True)`` always steps the trackers. Events
 and instants are the tracker path's: everything that happens at one instant is
 applied before any idle rank decides, and the touched ranks decide in rank order.

@@ -1,0 +1,151 @@
+"""Start real gloo process groups from a test: forkserver children, a free
+loopback port, results through a queue, and a deadline so a hang fails fast."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import socket
+import traceback
+from pathlib import Path
+
+from harness.launch import rank_vars
+
+# a generator of its own: a test that seeds the global one (hypothesis does) would have every test
+# process pick the same ports
+_PORTS = random.Random()
+
+
+def free_port() -> int:
+    """A port nothing listens on now, for a job's rendezvous store, picked below the kernel's
+    ephemeral range: every outbound connection and every socket gloo binds to port 0 takes a port
+    from that range, so a port picked there can be taken by another test's ranks before this
+    job's rank 0 binds it (EADDRINUSE at start-up)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = _PORTS.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _child(fn, rank, world, port, args, queue):
+    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+_CONTEXT = None
+
+
+def _context():
+    """One forkserver for the session, with torch and rrfp imported once: each rank starts as a
+    fork of it instead of importing torch afresh (about 2 s of CPU per rank on this machine).
+    The server starts no threads before it forks, which is what makes forking torch safe.
+    Besides rrfp's modules it imports what rrfp imports only on use but nearly every rank uses:
+    torch's dynamo (the first torch optimizer built imports it, with DTensor and FSDP), DCP."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(PRELOAD)
+    return _CONTEXT
+
+
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "rrfp.pipeline.runtime",
+    "rrfp.app.cli.main",
+    "rrfp.app.train.training",
+    "rrfp.models.gpt",
+]
+
+
+def run_ranks(
+    fn, world: int, *args, timeout: float = 120.0, shared: bool = False
+) -> dict[int, object]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
+    Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
+    the shared ranks of tests/harness/rank_pool.py, started once for the tests of this test process,
+    instead of ranks started for this call alone. The ranks are forkserver children, whose stderr
+    is the server's, not the test's: a test that reads what a rank prints has it write a file."""
+    if shared:
+        from harness.rank_pool import run_shared
+
+        return run_shared(fn, world, *args, timeout=timeout)
+    ctx = _context()
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    import queue as q
+
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except q.Empty:
+                raise AssertionError(
+                    f"ranks {sorted(set(range(world)) - results.keys() - errors.keys())} "
+                    f"did not finish within {timeout} s"
+                ) from None
+            (results if status == "ok" else errors)[rank] = value
+            if errors:
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        rank, tb = next(iter(errors.items()))
+        raise AssertionError(f"rank {rank} failed:\n{tb}")
+    return results
+
+
+def timed_outcome(main) -> dict:
+    """``rrfp.run(main(mark))`` in a rank, where ``main`` calls ``mark()`` as the wait it times
+    begins: what the rank was told (``error``: the exception's line, or None) and ``took``, the
+    seconds from ``mark()`` to the end."""
+    import time
+
+    import rrfp
+
+    began = [time.monotonic()]
+
+    def mark() -> None:
+        began[0] = time.monotonic()
+
+    try:
+        rrfp.run(main(mark))
+    except Exception as e:  # the row's outcome, not a failure of the test's rank
+        return {"error": f"{type(e).__name__}: {e}", "took": time.monotonic() - began[0]}
+    return {"error": None, "took": time.monotonic() - began[0]}
+
+
+async def timed_iteration(ex, mark) -> None:
+    """One iteration of the stage executor ``ex`` (8 features in and out): two microbatches of
+    random rows; ``mark()`` as it begins."""
+    import torch
+
+    x = torch.randn(4, 8)
+    mark()
+    await ex.run_iteration(0, [(x[:2], x[:2]), (x[2:], x[2:])])

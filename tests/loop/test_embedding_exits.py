@@ -1,0 +1,207 @@
+"""The embedding paths that once ended in SIGABRT ("terminate called ...") end with one line or
+the script's own exception and the script's own exit code: a script that uses
+``PipelineRuntime.start()`` without ``async with`` and returns normally, two concurrent
+``run_iteration`` calls (the second refused in one line), and an iteration cancelled on every
+rank followed by a new one (refused in one line: the cancelled one's messages may still be in
+flight). Two ranks started as torchrun would start them, each a script of its own."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import ROOT
+from harness.distributed import free_port
+from harness.launch import TORCHRUN
+
+pytestmark = pytest.mark.e2e
+
+
+SCRIPT = """
+import asyncio, os, sys, time
+import torch
+import rrfp
+
+case = sys.argv[1]
+rank = int(os.environ["RANK"])
+torch.manual_seed(rank)
+
+
+class Slow(torch.nn.Linear):
+    def forward(self, x):
+        if case in ("cancelled", "forever"):  # an iteration lasts long enough to be cut midway
+            time.sleep(0.2)
+        return super().forward(x)
+
+
+module = Slow(8, 8)
+g = torch.Generator().manual_seed(1)
+batches = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2)]
+
+
+def loss(out, y):
+    return ((out - y) ** 2).mean()
+
+
+async def unclosed():
+    rt = rrfp.PipelineRuntime.start(pp=2, timeout_s=20)
+    ex = rt.stage_executor(module, loss, microbatches=2)
+    await ex.run_iteration(0, batches)
+
+
+async def concurrent():
+    async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
+        ex = rt.stage_executor(module, loss, microbatches=2)
+        first = asyncio.ensure_future(ex.run_iteration(0, batches))
+        await asyncio.sleep(0)
+        try:
+            await ex.run_iteration(1, batches)
+        finally:
+            await first
+
+
+async def cancelled():
+    async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
+        ex = rt.stage_executor(module, loss, microbatches=2)
+        await ex.run_iteration(0, batches)
+        it = asyncio.ensure_future(ex.run_iteration(1, batches))
+        await asyncio.sleep(0.3)
+        it.cancel()
+        try:
+            await it
+        except asyncio.CancelledError:
+            print(f"rank {rank}: cancelled", flush=True)
+        await ex.run_iteration(2, batches)
+
+
+async def forever():
+    async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
+        ex = rt.stage_executor(module, loss, microbatches=2)
+        for it in range(100000):
+            await ex.run_iteration(it, batches)
+            if it == 0:
+                print(f"rank {rank}: iterating", flush=True)
+
+
+cases = {"unclosed": unclosed, "concurrent": concurrent, "cancelled": cancelled, "forever": forever}
+rrfp.run(cases[case]())
+print(f"rank {rank}: returned", flush=True)
+"""
+
+
+def _pair(script: Path, case: str) -> list[tuple[int, str, str]]:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(ROOT),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), case],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    out = []
+    for p in procs:
+        try:
+            stdout, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"{case}: a rank hung") from None
+        out.append((p.returncode, stdout, err))
+    return out
+
+
+def _no_abort(got) -> None:
+    for code, _, err in got:
+        assert "terminate called" not in err and code not in (-6, 134), (code, err[-3000:])
+
+
+@pytest.mark.timeout(180)
+def test_a_runtime_left_open_by_a_script_that_returns_exits_0(tmp_path):
+    script = tmp_path / "embed.py"
+    script.write_text(SCRIPT)
+    got = _pair(script, "unclosed")
+    _no_abort(got)
+    for rank, (code, out, err) in enumerate(got):
+        assert code == 0 and f"rank {rank}: returned" in out, (code, err[-3000:])
+
+
+@pytest.mark.timeout(180)
+def test_a_second_concurrent_iteration_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "embed.py"
+    script.write_text(SCRIPT)
+    got = _pair(script, "concurrent")
+    _no_abort(got)
+    for code, _, err in got:
+        assert code == 1, (code, err[-3000:])
+        last = err.strip().splitlines()[-1]
+        assert "run_iteration(1) while iteration 0 runs" in last, err[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_an_iteration_after_a_cancelled_one_is_refused_in_one_line(tmp_path):
+    script = tmp_path / "embed.py"
+    script.write_text(SCRIPT)
+    got = _pair(script, "cancelled")
+    _no_abort(got)
+    for rank, (code, out, err) in enumerate(got):
+        assert f"rank {rank}: cancelled" in out, (code, err[-3000:])
+        assert code == 1, (code, err[-3000:])
+        last = err.strip().splitlines()[-1]
+        assert "run_iteration(2) after iteration 1 was cancelled" in last, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_to_torchrun_ends_every_rank_without_an_abort(tmp_path):
+    """The terminal's Ctrl-C reaches torchrun's agent alone, which sends SIGINT to every rank:
+    each ends on its KeyboardInterrupt, mid-iteration, as a script does, without an abort."""
+    script = tmp_path / "embed.py"
+    script.write_text(SCRIPT)
+    out, err = tmp_path / "out", tmp_path / "err"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    with open(out, "w") as o, open(err, "w") as e:
+        agent = subprocess.Popen(
+            [*TORCHRUN, "--nproc-per-node=2", str(script), "forever"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+        )
+    try:
+        t0 = time.monotonic()
+        while out.read_text().count("iterating") < 2:
+            assert agent.poll() is None and time.monotonic() - t0 < 60, err.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(agent.pid, signal.SIGINT)
+        agent.wait(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    text = err.read_text()
+    assert "terminate called" not in text and "SIGABRT" not in text, text[-3000:]
+    codes = [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)]
+    assert all(c not in (-6, 134) for c in codes), text[-3000:]
