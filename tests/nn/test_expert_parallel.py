@@ -6,7 +6,7 @@ both members' tokens."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 

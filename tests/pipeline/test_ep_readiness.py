@@ -7,7 +7,7 @@ data."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -6,7 +6,7 @@ parameters (each member's experts, its slice) equal one process training the who
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 

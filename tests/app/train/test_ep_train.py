@@ -12,8 +12,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from checkpoint_state import differing, final_state
-from distributed import run_ranks
+from harness.checkpoint_state import differing, final_state
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 
