@@ -138,11 +138,12 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
 
 def _collective_bound(group_key: str, waits: Timeouts) -> datetime.timedelta:
     """How long a collective of the group ``group_key`` may wait once the heartbeat runs: the
-    backstop, as the watcher bounds what waits on the loop, except TP's, which a task issues from
-    the lane's thread, where no watcher sees it. Its members run the same task together, so a
-    member that keeps the others waiting ``progress_s`` there is stuck: the waiting rank names it
-    from its heartbeat (rrfp/pipeline/task_collectives.py)."""
-    if group_key == "tp":
+    backstop, as the watcher bounds what waits on the loop, except TP's and EP's, which a task
+    issues from the lane's thread, where no watcher sees it. Their members run the same task (TP)
+    or one agreed class of task (EP) together, so a member that keeps the others waiting
+    ``progress_s`` there is stuck: the waiting rank names it from its heartbeat
+    (rrfp/pipeline/task_collectives.py)."""
+    if group_key in ("tp", "ep"):
         return datetime.timedelta(seconds=waits.progress_s)
     return BACKSTOP
 
