@@ -42,7 +42,7 @@ def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual):
+def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
     import torch
 
     from rrfp.core.variability import Variability
@@ -112,9 +112,15 @@ def _pipeline(rank, world, pp, configs, virtual):
                     microbatches=M,
                     hint=hint,
                     split=split,
-                    variability=Variability.preset("lang"),
+                    # slow: replica 1's stage 0 that many times slower, so that its peers offer
+                    # other classes than it does and rounds fail
+                    variability=Variability.preset("lang", slow_stage=0, slow_factor=slow)
+                    if slow and rt.dp_rank == 1
+                    else Variability.preset("lang"),
                     seed=100 + rt.dp_rank,
                 )
+                if fail_every:
+                    _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
                 sync = rt.grad_sync(module, ex)
                 opt = torch.optim.AdamW(params, lr=1e-2)
@@ -157,6 +163,23 @@ def _pipeline(rank, world, pp, configs, virtual):
 
 CONFIGS = [("bfw", True), ("zbh1", True), ("plan", True), ("bfw", False)]
 V_CONFIGS = [("bfw", True), ("zbv", True), ("plan", True)]
+
+
+def _fail_rounds(agreement, every: int) -> None:
+    """Every ``every``-th round agrees on nothing, on every member alike (a round's number is the
+    same everywhere): the members must retry it, whatever they offered."""
+    from rrfp.comm.ep_agreement import Outcome
+
+    agree = agreement.agree
+
+    async def failing(offered, preferred):
+        outcome = await agree(offered, preferred)
+        if agreement.rounds % every == 0:
+            agreement.failed += 1
+            return Outcome(None, outcome.somewhere)
+        return outcome
+
+    agreement.agree = failing
 
 
 def _check(results, configs):
@@ -205,3 +228,15 @@ def test_pp2_ep2_two_stages_per_rank_one_without_moe():
     """V = 2 (v placement): rank 0 holds the stage without a MoE layer (free of the agreement)
     beside the last stage."""
     _exact(run_ranks(_pipeline, 4, 2, V_CONFIGS, 2, timeout=400), V_CONFIGS)
+
+
+@pytest.mark.timeout(420)
+def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
+    """Every third round fails on every member (as a round fails when no class is offered
+    everywhere), with replica 1's first stage four times slower: the members retry at once when
+    their offer holds every class offered somewhere, else once it grew, and stay exact."""
+    configs = [("bfw", True), ("zbh1", True)]
+    results = run_ranks(_pipeline, 4, 2, configs, 1, 4.0, 3, timeout=200)
+    _check(results, configs)
+    for out, _ in results.values():
+        assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
