@@ -9,8 +9,8 @@ with B and W together, and with activation checkpointing."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
-from llama_reference import CLIP, STEPS, adamw, learning_rate, recipe
+from harness.distributed import run_ranks
+from harness.llama_reference import CLIP, STEPS, adamw, learning_rate, recipe
 
 pytestmark = pytest.mark.multirank
 

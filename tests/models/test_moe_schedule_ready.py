@@ -6,7 +6,7 @@ training the whole model on the whole batch of both replicas."""
 from __future__ import annotations
 
 import pytest
-from distributed import run_ranks
+from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 
