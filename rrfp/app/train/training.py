@@ -204,7 +204,8 @@ class _RankTraining:
             if not any(expert_parameters(m) for m in self.modules):
                 raise ConfigError(
                     f"parallel.ep = {cfg.parallel.ep}, but model {cfg.run.model!r} has no "
-                    "mixture-of-experts layer to shard (a llama with model.moe_experts > 0 has)"
+                    "mixture-of-experts layer rrfp can shard (rrfp's MoELayer: a llama with "
+                    "model.moe_experts > 0; an HF family's experts stay local)"
                 )
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
             self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
