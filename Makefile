@@ -23,11 +23,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 run: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(VENV)/bin/rrfp train --nproc-per-node $(NPROC) --config $(CONFIG) \
 		--set output.log_every=5
-	$(PY) -m rrfp bench --workloads gpt --contenders fixed-1f1b,ready-bfw --pp 4 --mb 16 \
+	$(PY) -m rrfp bench --workloads gpt --contenders fixed-1f1b,ready-bfw --pp 4 --n-microbatches 16 \
 		--preset lang --reps 3 --unit-ms 20
 
 sim: $(VENV)/.installed
-	$(PY) -m rrfp sim --pp 8 --mb 32 --preset lang --seeds 20
+	$(PY) -m rrfp sim --pp 8 --n-microbatches 32 --preset lang --seeds 20
 
 # Two test processes (pytest-xdist), each file's tests in one of them: most multi-rank tests wait on
 # emulated device time and timeouts, so two of them share 2 cores well. Files are handed out in

@@ -1,5 +1,5 @@
 """bf16 autocast against float32: the same run (configs/gpt-tiny.toml with the whole recipe on)
-trained twice on gloo ranks, once with runtime.autocast = bfloat16 (float32 parameters and
+trained twice on gloo ranks, once with compute.autocast = bfloat16 (float32 parameters and
 optimizer) and once in float32; prints each step's losses and the largest gap between the two.
 
     .venv/bin/python benchmarks/bf16_tracking.py [--pp 2 --steps 50]
@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     sets = [*RECIPE, f"steps={args.steps}", f"pp={args.pp}", "log_dir=runs/logs"]
     f32 = train(args.pp, sets)
-    bf16 = train(args.pp, [*sets, "runtime.autocast=bfloat16"])
+    bf16 = train(args.pp, [*sets, "compute.autocast=bfloat16"])
     print("step  float32   bfloat16  gap")
     for i, (a, b) in enumerate(zip(f32, bf16, strict=True)):
         print(f"{i + 1:>4}  {a:.5f}  {b:.5f}  {b - a:+.5f}")

@@ -2,7 +2,7 @@
 
 A benchmark, not a test: run it and read the numbers (they move with the machine's load,
 which it prints).
-    .venv/bin/python benchmarks/decision_latency.py [--iters 6 --mb 32 --unit-ms 4]
+    .venv/bin/python benchmarks/decision_latency.py [--iters 6 --n-microbatches 32 --unit-ms 4]
 
 Each rank runs the tiny GPT's stage with ready dispatch under `lang`, M microbatches, in
 emulated time, in three modes:
@@ -105,7 +105,7 @@ def _rank(
 
         rt.lane.run = timed_run
 
-    cfg = TrainConfig.load("configs/gpt-tiny.toml", [f"microbatches={mb}"], world_size=world)
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [f"n_microbatches={mb}"], world_size=world)
     wl = cfg.workload
     stop = threading.Event()
     planned = [0]
@@ -132,7 +132,7 @@ def _rank(
             ex = rt.stage_executor(
                 module,
                 wl.loss_fn,
-                microbatches=mb,
+                n_microbatches=mb,
                 hint="plan" if mode == "plan" else "bfw",
                 budget="2x",
                 variability=Variability.preset("lang"),
@@ -196,11 +196,11 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     a = argparse.ArgumentParser()
     a.add_argument("--iters", type=int, default=6)
-    a.add_argument("--mb", type=int, default=32)
+    a.add_argument("--n-microbatches", type=int, default=32)
     a.add_argument("--unit-ms", type=float, default=4.0)
     args = a.parse_args()
     print(
-        f"4 CPU ranks (gloo), gpt-tiny, M={args.mb}, ready dispatch, lang, "
+        f"4 CPU ranks (gloo), gpt-tiny, M={args.n_microbatches}, ready dispatch, lang, "
         f"{args.unit_ms:g} ms units, {args.iters} iterations (the first not counted); "
         f"load average before: {os.getloadavg()[0]:.2f}"
     )
@@ -209,7 +209,7 @@ def main() -> None:
         f"{'reaction p50':>13} {'p99':>8}  µs"
     )
     for mode in MODES:
-        r = measure(mode, args.iters, args.mb, args.unit_ms)
+        r = measure(mode, args.iters, args.n_microbatches, args.unit_ms)
         pol, rea = r["policy"], r["reaction"]
         extra = f"  ({r['planned']} 8x32 plans made beside, over 4 ranks)" if r["planned"] else ""
         print(

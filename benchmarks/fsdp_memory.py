@@ -73,7 +73,7 @@ def _rank(rank: int, port: int, queue) -> None:
     import rrfp
 
     cfg = rrfp.TrainConfig.load("configs/gpt-tiny.toml", [f"pp={PP}", f"dp={DP}"], world_size=WORLD)
-    wl, M = cfg.workload, cfg.schedule.microbatches
+    wl, M = cfg.workload, cfg.schedule.n_microbatches
 
     async def main():
         out = {}

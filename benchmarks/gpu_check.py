@@ -139,7 +139,7 @@ def stage_executor(
     stages: int,
     lane,
     channels,
-    microbatches: int,
+    n_microbatches: int,
     *,
     split: bool = True,
     hint: str = "bfw",
@@ -156,10 +156,16 @@ def stage_executor(
     from rrfp.pipeline.worker import StageWorker
 
     worker = StageWorker(
-        module, stage, stages, microbatches, loss_fn, split, measure_activations=measure_activations
+        module,
+        stage,
+        stages,
+        n_microbatches,
+        loss_fn,
+        split,
+        measure_activations=measure_activations,
     )
     settings = ScheduleSettings(
-        microbatches,
+        n_microbatches,
         Dispatch.READY,
         resolve(hint),
         Budget.parse("2x"),
@@ -452,7 +458,7 @@ async def loopback_figures(
     dev: Device,
     *,
     unit_ms: float = 0.0,
-    microbatches: int = 4,
+    n_microbatches: int = 4,
     iterations: int = 2,
     n_embd: int = 64,
     n_layer: int = 4,
@@ -469,11 +475,11 @@ async def loopback_figures(
 
     cfg = GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=4, block_size=64)
     data = make_batches(
-        DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=48), 0, microbatches
+        DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=48), 0, n_microbatches
     )
     torch.manual_seed(0)
     reference = GPT(cfg)
-    (sum(loss_fn(reference(x), y) for x, y in data) / microbatches).backward()
+    (sum(loss_fn(reference(x), y) for x, y in data) / n_microbatches).backward()
     want = {n: p.grad for n, p in reference.named_parameters()}
     placed = [(dev.place(x), dev.place(y)) for x, y in data]
     ops = LoopbackOps(dev.ops, dev.new_event)
@@ -528,7 +534,7 @@ async def loopback_figures(
                 2,
                 lanes[s],
                 PipelineChannels(s, **ends),
-                microbatches,
+                n_microbatches,
                 split=False,
                 hint="1f1b",
                 unit_s=unit_ms / 1e3,
@@ -663,7 +669,12 @@ def predicted_peak_bytes(
 
 
 async def memory_figures(
-    dev: Device, *, n_embd: int = 512, n_layer: int = 4, microbatches: int = 4, iterations: int = 3
+    dev: Device,
+    *,
+    n_embd: int = 512,
+    n_layer: int = 4,
+    n_microbatches: int = 4,
+    iterations: int = 3,
 ) -> dict:
     """A pp=1 GPT stage trained a few steps at the default budget (2x: two microbatches held)."""
     import torch
@@ -681,7 +692,9 @@ async def memory_figures(
     data = [
         (dev.place(x), dev.place(y))
         for x, y in make_batches(
-            DataConfig(seed=1, microbatch_size=8, min_seq_len=128, max_seq_len=512), 0, microbatches
+            DataConfig(seed=1, microbatch_size=8, min_seq_len=128, max_seq_len=512),
+            0,
+            n_microbatches,
         )
     ]
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
@@ -697,7 +710,7 @@ async def memory_figures(
             1,
             lane,
             PipelineChannels(0),
-            microbatches,
+            n_microbatches,
             split=True,
             loss_fn=loss_fn,
             measure_activations=True,
@@ -773,7 +786,7 @@ def reference_losses(steps: int, device: str = "cuda:0") -> list[float]:
     )
     losses = []
     for step in range(steps):
-        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches)
+        batch = wl.batches(cfg.data, step, cfg.schedule.n_microbatches)
         loss = sum(wl.loss_fn(model(x.to(device)), y.to(device)) for x, y in batch) / len(batch)
         loss.backward()
         opt.step()

@@ -8,7 +8,7 @@ run counts as deadlocked if it has not ended within --deadline-s. The target
 is an RSS growth below 5 % from iteration 20 to the end.
 
     .venv/bin/python benchmarks/soak.py \
-        [--iterations 200 --pp 4 --mb 8 --unit-ms 2 --comm-jitter 0.5]
+        [--iterations 200 --pp 4 --n-microbatches 8 --unit-ms 2 --comm-jitter 0.5]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def parse():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--pp", type=int, default=4)
-    p.add_argument("--mb", type=int, default=8)
+    p.add_argument("--n-microbatches", type=int, default=8)
     p.add_argument(
         "--unit-ms", type=float, default=2.0, help="emulated device time of an average forward"
     )
@@ -64,12 +64,14 @@ def worker(a) -> None:
         async with PipelineRuntime.start(pp=a.pp, timeout_s=60, unit_ms=a.unit_ms) as rt:
             torch.manual_seed(0)
             module = make_stage(GPT(model_cfg), rt.stage, rt.num_stages)
-            ex = rt.stage_executor(module, loss_fn, microbatches=a.mb, hint=a.hint, variability=var)
+            ex = rt.stage_executor(
+                module, loss_fn, n_microbatches=a.n_microbatches, hint=a.hint, variability=var
+            )
             sync = rt.grad_sync(module, ex)
             opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
             rss, losses, t0 = {}, [], time.perf_counter()
             for it in range(a.iterations):
-                res = await ex.run_iteration(it, batches(data_cfg, it, a.mb))
+                res = await ex.run_iteration(it, batches(data_cfg, it, a.n_microbatches))
                 await sync.sync()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -111,8 +113,8 @@ def main() -> None:
             out,
             "--pp",
             str(a.pp),
-            "--mb",
-            str(a.mb),
+            "--n-microbatches",
+            str(a.n_microbatches),
             "--iterations",
             str(a.iterations),
             "--unit-ms",
@@ -142,7 +144,8 @@ def main() -> None:
             doc = json.load(f)
     took = time.monotonic() - t0
     print(
-        f"soak: PP={a.pp}, M={a.mb}, ready {a.hint}, preset lang + comm_jitter={a.comm_jitter:g}, "
+        f"soak: PP={a.pp}, M={a.n_microbatches}, ready {a.hint}, "
+        f"preset lang + comm_jitter={a.comm_jitter:g}, "
         f"unit {a.unit_ms:g} ms: {a.iterations} iterations ended, no deadlock "
         f"({took:.0f} s with start-up); "
         f"loss {doc['losses'][0]:.3f} -> {doc['losses'][-1]:.3f}; rrfp from {doc['rrfp']}"

@@ -10,7 +10,8 @@ bench reports the median and spread of the slowest rank's iteration time, the
 paired speedup over fixed 1F1B and the simulator's prediction, in a results
 folder.
 
-    .venv/bin/python benchmarks/torch_anchors.py [--mb 16 --preset lang --unit-ms 20 --reps 5]
+    .venv/bin/python benchmarks/torch_anchors.py [--n-microbatches 16 --preset lang --unit-ms 20
+        --reps 5]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def parse():
         help="config overrides (the suite's gpt already has model.n_layer=8)",
     )
     p.add_argument("--world", type=int, default=4)
-    p.add_argument("--mb", type=int, default=16)
+    p.add_argument("--n-microbatches", type=int, default=16)
     p.add_argument("--preset", default="lang")
     p.add_argument("--unit-ms", type=float, default=20.0)
     p.add_argument("--reps", type=int, default=5, help="measured iterations per variant")
@@ -61,8 +62,8 @@ def main() -> int:
         ",".join(contenders),
         "--pp",
         str(a.world),
-        "--mb",
-        str(a.mb),
+        "--n-microbatches",
+        str(a.n_microbatches),
         "--preset",
         a.preset,
         "--unit-ms",

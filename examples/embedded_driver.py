@@ -27,10 +27,10 @@ def loss_fn(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(pred, target)
 
 
-def batches(step: int, microbatches: int):
+def batches(step: int, n_microbatches: int):
     g = torch.Generator().manual_seed(step)
     out = []
-    for _ in range(microbatches):
+    for _ in range(n_microbatches):
         x = torch.randn(8, 16, generator=g)
         out.append((x, x.sum(dim=1, keepdim=True).sin()))
     return out
@@ -47,7 +47,7 @@ async def main() -> None:
     # 5 ms of emulated device time per task; leaving the block cleanly waits for every rank
     async with rrfp.PipelineRuntime.start(unit_ms=5.0) as rt:
         module = make_stage_module(rt.stage, rt.num_stages)
-        pipe = rt.stage_executor(module, loss_fn, microbatches=8, dispatch="ready", hint="bfw")
+        pipe = rt.stage_executor(module, loss_fn, n_microbatches=8, dispatch="ready", hint="bfw")
         opt = torch.optim.SGD(module.parameters(), lr=0.05)
         stop, ticks = asyncio.Event(), []
         async with asyncio.TaskGroup() as tg:

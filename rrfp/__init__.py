@@ -49,6 +49,9 @@ if TYPE_CHECKING:
         build_hf_stage as build_hf_stage,
     )
     from rrfp.hf import (
+        check_hf_checkpoint as check_hf_checkpoint,
+    )
+    from rrfp.hf import (
         hf_config as hf_config,
     )
     from rrfp.hf import (
@@ -149,6 +152,7 @@ _HOMES = {
     # build)
     "build_hf_stage": "rrfp.hf",
     "build_hf_model": "rrfp.hf",
+    "check_hf_checkpoint": "rrfp.hf",
     "hf_config": "rrfp.hf",
     "hf_ties": "rrfp.hf",
 }

@@ -113,6 +113,13 @@ def retired_words(root: Path = ROOT) -> list[str]:
     return [row.split("`")[1] for row in rows if row.startswith("| `")]
 
 
+def _bounded(word: str) -> str:
+    """``word`` standing alone: not part of a longer name (``\\b`` fails a word that starts with
+    ``-`` or ``[``), and a flag not part of a longer flag."""
+    edge = r"[\w-]" if word.startswith("-") else r"\w"
+    return rf"(?<!{edge}){re.escape(word)}(?!{edge})"
+
+
 def retired_uses(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict[str, list[str]]:
     """Each retired word -> where it is written: rrfp/, docs/ (design.md's own list aside), the
     README, and ``extra`` (a name -> its text, such as the CLI's help)."""
@@ -127,10 +134,8 @@ def retired_uses(root: Path = ROOT, extra: dict[str, str] | None = None) -> dict
         start = text.index("- **Retired words**")
         texts[design] = text[:start] + text[text.index("\n\n", text.index("| Retired |")) :]
     texts.update(extra or {})
-    return {
-        w: [name for name, text in texts.items() if re.search(rf"\b{re.escape(w)}\b", text)]
-        for w in words
-    }
+    bounded = {w: re.compile(_bounded(w)) for w in words}
+    return {w: [name for name, text in texts.items() if bounded[w].search(text)] for w in words}
 
 
 def report(root: Path = ROOT) -> tuple[list[str], bool]:

@@ -29,8 +29,10 @@ that does not wait; with ``during``, the rank sleeps ``seconds`` there, as a slo
 would), ``hang`` (with ``during=P`` or ``task=T``: the rank sleeps there for good, alive and
 beating but never arriving, as a rank stuck in a user's code would; with ``task=T`` inside the
 task, on its compute lane, before T computes, so never reaching T's TP collectives: its peers wait
-``timeouts.progress_s`` for it at their next collective) and ``full`` (an OSError ENOSPC, as from a
-full disk: with ``during=commit`` on rank 0, the commit's own write fails).
+``timeouts.progress_s`` for it at their next collective) and ``full`` (a disk that takes no more:
+with ``during=save``, the rank's file size limit drops to ``FULL_BYTES``, as ``ulimit -f`` would set
+it, so torch's writer fails on the checkpoint's real file with EFBIG; elsewhere an OSError ENOSPC
+raised where it fires, e.g. with ``during=commit`` on rank 0, in the commit's own write).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import errno
 import logging
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -56,6 +59,9 @@ log = logging.getLogger("rrfp.app.faults")
 KINDS = ("kill", "stop", "term", "raise", "bug", "nan", "busy", "slow", "hang", "full")
 PHASES = ("startup", "sync", "save", "commit", "barrier")  # during=P
 RUN_PHASES = ("startup", "barrier")  # once per run, not of a step: they take no step
+# full during=save: this rank's file size limit (RLIMIT_FSIZE) from then on, under a checkpoint
+# file's size and over what a rank logs (Python ignores SIGXFSZ, so a write past it fails: EFBIG)
+FULL_BYTES = 16 << 10
 TIMED = ("busy", "slow")  # kinds that need seconds=X (stop takes it optionally)
 
 
@@ -289,6 +295,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
         elif kind == "raise":
             raise InjectedFault(f"{where}: injected fault ({self.fault})")
+        elif kind == "full" and self.fault.during == "save":
+            _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (FULL_BYTES, hard))
         elif kind == "full":
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: {where})")
         elif kind == "bug":

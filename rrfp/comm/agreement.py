@@ -30,13 +30,13 @@ class TPAgreement:
     def __init__(
         self,
         group,
-        num_microbatches: int,
+        n_microbatches: int,
         poller: CompletionPoller,
         stages: Sequence[int] | None = None,
     ) -> None:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
-        self.M = num_microbatches
+        self.M = n_microbatches
         self.poller = poller
         self.stages = tuple(stages) if stages is not None else None
         self._local = {

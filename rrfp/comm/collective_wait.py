@@ -143,6 +143,18 @@ BOUND: contextvars.ContextVar[CollectiveWaits | None] = contextvars.ContextVar(
 )
 
 
+def group_destroyed(group) -> bool:
+    """Whether ``group`` (the world when None) was taken down (``destroy_process_group``), so that
+    no collective can run over it any more."""
+    if not dist.is_initialized():
+        return True
+    try:
+        dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    except (KeyError, RuntimeError, ValueError):
+        return True
+    return False
+
+
 def peers_of(group) -> tuple[int, ...]:
     """The other members of ``group`` (the world when None), as global ranks."""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)

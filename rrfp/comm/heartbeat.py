@@ -19,7 +19,10 @@ a reply; ``check`` and ``get`` read the reply with no timeout (only a
 ``wait`` is bounded), so a store whose server is stopped blocks the reader.
 Hence the verdict (``silent``) is never a store call: it is taken from the
 times of the last reads, by whoever asks, and a reader stuck on the store is
-itself a finding ("the store stopped answering"). Once a round has been stuck
+itself a finding ("the store stopped answering"). A store in torchrun's agent whose connection
+closed (the agent is gone: the client's read fails at once) is that finding at once, not after
+``timeout_s``: nothing will answer again, and the ranks' own groups, all alive, tell nothing.
+Once a round has been stuck
 for ``stall_s``, a peer's silence counts only up to that round's start: what
 the store did not deliver is no evidence against the peer. Without that cap,
 a stopped store host was named as a silent peer or as the store depending on
@@ -81,10 +84,16 @@ class PeerBeat:
 
 @dataclass(frozen=True)
 class Silence:
-    """A peer (``rank``; None: the store itself) with no heartbeat for ``seconds``."""
+    """A peer (``rank``; None: the store itself) with no heartbeat for ``seconds``; ``closed``:
+    the store's connection closed (its host process is gone), what the store client said."""
 
     rank: int | None
     seconds: float
+    closed: str = ""
+
+
+# what a store client raises once the store's host process is gone: its socket closed or reset
+STORE_CLOSED = ("Connection was likely closed", "Connection reset", "Broken pipe", "refused")
 
 
 class Heartbeat:
@@ -99,8 +108,13 @@ class Heartbeat:
         period_s: float | None = None,
         prefix: str = PREFIX,
         where: str = "the rendezvous store",
+        in_agent: bool = False,
     ) -> None:
         self.store, self.rank, self.world = store, rank, world
+        # the store lives in torchrun's agent, no rank: its closed connection is the only word
+        # the ranks get of the agent's end (a rank that hosts it is found gone by its peers'
+        # groups, whose lines name it)
+        self.in_agent = in_agent
         self.timeout_s, self.period_s = timeout_s, period_s or period_for(timeout_s)
         self.prefix, self.where = prefix, where
         self.peers = [r for r in range(world) if r != rank]
@@ -124,6 +138,7 @@ class Heartbeat:
         self.error: BaseException | None = (
             None  # the store failed the thread (it then stops reading)
         )
+        self.closed = ""  # the store's connection closed: what the client said (the verdict, now)
         # the beats' process (None: the thread beats), on a client of the store's own address
         self._beater = (
             beater.Beater(store.host, store.port, self._key(rank), self.period_s, timeout_s)
@@ -148,11 +163,8 @@ class Heartbeat:
                 e,
             )
             return None
-        owner = (
-            "torchrun's agent"
-            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            else "rank 0's process"
-        )
+        in_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        owner = "torchrun's agent" if in_agent else "rank 0's process"
         return cls(
             store,
             rank,
@@ -160,6 +172,7 @@ class Heartbeat:
             timeout_s,
             prefix=f"{PREFIX}/{attempt()}",
             where=f"the rendezvous store at {store.host}:{store.port} (in {owner})",
+            in_agent=in_agent,
         )
 
     # -- this rank --------------------------------------------------------------
@@ -215,6 +228,10 @@ class Heartbeat:
             Exception
         ) as e:  # the store is gone (its host exited): the verdict comes from the times
             self.error = e
+            text = " ".join(str(e).split())
+            closed = any(words in text for words in STORE_CLOSED)
+            if closed and self.in_agent and not self._stop.is_set():
+                self.closed = text.split(". Did ")[0]  # without the client's question
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
 
     def _take_over_beating(self, code: int | None) -> None:
@@ -267,6 +284,8 @@ class Heartbeat:
                 beat.changed_at = max(beat.changed_at, now)
             self.last_read = max(self.last_read, now)
         self.last_check = now
+        if self.closed:  # no store to wait for: its host process is gone
+            return Silence(None, now - self.last_read, self.closed)
         if now - self.last_read >= self.timeout_s:
             return Silence(None, now - self.last_read)
         stuck = self.round_at > self.last_read and now - self.round_at >= self.stall_s

@@ -86,7 +86,7 @@ class TaskTimes:
         self,
         iteration: int,
         stages: int,
-        microbatches: int,
+        n_microbatches: int,
         features: Sequence[Features] | None = None,
     ) -> npt.NDArray[np.float64]:
         """``[stage, mb, kind]``: every task's duration as the lane holds it (W is zero without a
@@ -98,9 +98,9 @@ class TaskTimes:
         if layout is not None and layout.virtual > 1:
             if stages != layout.num_stages:
                 raise ValueError(f"{stages} stages asked of a layout of {layout.num_stages}")
-            out = self._per_stage().realized(iteration, stages, microbatches, features)
+            out = self._per_stage().realized(iteration, stages, n_microbatches, features)
             return out * self._local_scale(layout, np.arange(stages))[:, None, None]
-        S, M, var = stages, microbatches, self.variability
+        S, M, var = stages, n_microbatches, self.variability
         out = np.zeros((S, M, 3))
         s_idx, m_idx = np.arange(S)[:, None], np.arange(M)[None, :]
         for k in (Kind.F, Kind.B, Kind.W) if self.split else (Kind.F, Kind.B):
@@ -118,21 +118,21 @@ class TaskTimes:
         self,
         iteration: int,
         stages: int,
-        microbatches: int,
+        n_microbatches: int,
         features: Sequence[Features] | None = None,
     ) -> npt.NDArray[np.float64]:
         """``[stage, mb, kind]``: the part of every duration that is known before the
         iteration starts: ``realized`` with what cannot be known taken out."""
         return replace(self, variability=known(self.variability)).realized(
-            iteration, stages, microbatches, features
+            iteration, stages, n_microbatches, features
         )
 
     def latencies(
-        self, iteration: int, stages: int, microbatches: int
+        self, iteration: int, stages: int, n_microbatches: int
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """``[stage, mb]`` link latencies of every F message and every B message."""
-        s_idx, m_idx = np.arange(stages)[:, None], np.arange(microbatches)[None, :]
-        ones = np.ones((stages, microbatches))
+        s_idx, m_idx = np.arange(stages)[:, None], np.arange(n_microbatches)[None, :]
+        ones = np.ones((stages, n_microbatches))
         f, b = (
             self.variability.latency(self.seed, iteration, s_idx, m_idx, k) * ones
             for k in (Kind.F, Kind.B)

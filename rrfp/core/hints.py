@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from rrfp.core.budget import Budget
+from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.nominal import nominal_orders, nominal_rank_orders
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch, merge_local_priorities
@@ -25,9 +25,9 @@ from rrfp.core.tracker import StageSpec
 from rrfp.core.virtual_orders import VIRTUAL_SCHEDULES
 
 HintFn = Callable[[int, int, int, bool], Sequence["Task | str"]]
-"""(num_stages, stage, num_microbatches, split) -> the stage's task order."""
+"""(num_stages, stage, n_microbatches, split) -> the stage's task order."""
 RankHintFn = Callable[[VirtualLayout, int, int, bool], Sequence[tuple[int, Task]]]
-"""(layout, rank, num_microbatches, split) -> the rank's order over (stage, task) pairs."""
+"""(layout, rank, n_microbatches, split) -> the rank's order over (stage, task) pairs."""
 
 
 class HintError(ValueError):
@@ -332,7 +332,8 @@ class Hint:
         return StageSpec(S, s, M, split, dispatch, prio, order, budget.limit(S, s))
 
 
-NOMINAL_BUDGET = 2.0  # class hints' fixed order assumes the default 2x budget
+# class hints' fixed order assumes the default budget: its multiple of 1F1B's in-flight count
+NOMINAL_BUDGET = cast(float, Budget.parse(DEFAULT_BUDGET).multiple)
 
 
 def csv_rows(path: str | Path, what: str) -> list[list[str]]:

@@ -129,7 +129,7 @@ class Layout:
         return "\n".join(lines)
 
 
-def plan_layout(world: int, pp: int = 0, tp: int = 1, dp: int = 1, ep: int = 1) -> Layout:
+def layout_for(world: int, pp: int = 0, tp: int = 1, dp: int = 1, ep: int = 1) -> Layout:
     """The one layout planner: ``pp = 0`` means world / (tp * dp). ValueError
     names the numbers that do not fit."""
     if pp == 0 and world % (tp * dp):

@@ -63,7 +63,7 @@ class RankSpec:
 
     layout: VirtualLayout
     rank: int
-    num_microbatches: int
+    n_microbatches: int
     split: bool
     dispatch: Dispatch
     priority: Mapping[tuple[int, Task], int]  # over (stage, task) pairs; lower runs first
@@ -81,7 +81,7 @@ class RankSpec:
         return StageSpec(
             self.layout.num_stages,
             stage,
-            self.num_microbatches,
+            self.n_microbatches,
             self.split,
             self.dispatch,
             prio,
@@ -91,7 +91,7 @@ class RankSpec:
 
     @property
     def num_tasks(self) -> int:
-        return self.layout.virtual * self.num_microbatches * (3 if self.split else 2)
+        return self.layout.virtual * self.n_microbatches * (3 if self.split else 2)
 
 
 class _RankReady:

@@ -56,10 +56,10 @@ def W(mb: int) -> Task:
     return Task(Kind.W, mb)
 
 
-def stage_tasks(num_microbatches: int, split: bool) -> list[Task]:
+def stage_tasks(n_microbatches: int, split: bool) -> list[Task]:
     """Every task one stage runs in an iteration (W only when the backward is split)."""
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
-    return [Task(k, m) for m in range(num_microbatches) for k in kinds]
+    return [Task(k, m) for m in range(n_microbatches) for k in kinds]
 
 
 def last_backward(split: bool) -> Kind:

@@ -38,7 +38,7 @@ class StageSpec:
 
     num_stages: int
     stage: int
-    num_microbatches: int
+    n_microbatches: int
     split: bool
     dispatch: Dispatch
     priority: Mapping[Task, int]  # lower runs first (ready dispatch)
@@ -55,13 +55,13 @@ class StageSpec:
 
     @property
     def num_tasks(self) -> int:
-        return self.num_microbatches * (3 if self.split else 2)
+        return self.n_microbatches * (3 if self.split else 2)
 
 
 @lru_cache(maxsize=8)
-def _task_table(num_microbatches: int) -> tuple[tuple[Task, ...], ...]:
+def _task_table(n_microbatches: int) -> tuple[tuple[Task, ...], ...]:
     """Every task object of an iteration, shared by all stages: ``table[kind][mb]``."""
-    return tuple(tuple(Task(k, m) for m in range(num_microbatches)) for k in Kind)
+    return tuple(tuple(Task(k, m) for m in range(n_microbatches)) for k in Kind)
 
 
 class _ReadySet:
@@ -72,10 +72,10 @@ class _ReadySet:
 
     __slots__ = ("heaps", "flags", "tasks")
 
-    def __init__(self, num_microbatches: int) -> None:
+    def __init__(self, n_microbatches: int) -> None:
         self.heaps: list[list[tuple[int, int]]] = [[], [], []]
-        self.flags = [bytearray(num_microbatches) for _ in range(3)]
-        self.tasks = _task_table(num_microbatches)
+        self.flags = [bytearray(n_microbatches) for _ in range(3)]
+        self.tasks = _task_table(n_microbatches)
 
     def add(self, kind: Kind, mb: int, priority: int) -> None:
         self.flags[kind][mb] = 1
@@ -111,7 +111,7 @@ class StageTracker:
 
     def __init__(self, spec: StageSpec, size_of: Callable[[int], int] | None = None) -> None:
         self.spec = spec
-        M = spec.num_microbatches
+        M = spec.n_microbatches
         self._size_of = size_of
         self._policy_size_of = size_of if spec.limit.bytes is not None else None
         self._prio = [[0] * M for _ in range(3)]
@@ -140,10 +140,10 @@ class StageTracker:
         """F: the input of F(mb) arrived from the previous stage. B: the
         gradient for B(mb) arrived from the next stage."""
         spec = self.spec
-        if kind is Kind.W or not 0 <= mb < spec.num_microbatches:
+        if kind is Kind.W or not 0 <= mb < spec.n_microbatches:
             raise TrackerError(
                 f"stage {spec.stage}: no {kind.name} arrival for microbatch {mb} "
-                f"(M={spec.num_microbatches})"
+                f"(M={spec.n_microbatches})"
             )
         if self._first_stage if kind is Kind.F else self._last_stage:
             raise TrackerError(
@@ -248,7 +248,7 @@ class StageTracker:
         """How many F inputs (or B gradients) have not arrived yet."""
         if kind is Kind.W or (self.spec.is_first if kind is Kind.F else self.spec.is_last):
             return 0
-        return self.spec.num_microbatches - sum(self._arrived[kind])
+        return self.spec.n_microbatches - sum(self._arrived[kind])
 
     def blocked(self) -> str:
         """Why ``next()`` has nothing to run, as a verb phrase ("waits for F3, ...")."""

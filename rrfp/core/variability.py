@@ -1,7 +1,7 @@
 """Variability model: task durations as a pure function of
 (seed, iteration, stage, microbatch, kind).
 
-The simulator, the ready executor and the fixed executor all call it, so they
+The simulator and the executor (ready or fixed dispatch) all call it, so they
 replay the same durations. Randomness comes from a counter-based hash
 (splitmix64) instead of a stateful generator, so any one task's time can be
 drawn alone, in any order, in any process, and whole arrays can be drawn at

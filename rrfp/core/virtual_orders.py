@@ -83,7 +83,7 @@ def zbv(layout: VirtualLayout, rank: int, M: int, split: bool) -> StageOrder:
     S = layout.ranks
     if layout.placement is not Placement.V or layout.virtual != 2:
         raise ValueError("ZB-V needs the v placement with 2 stages per rank")
-    n_micro = max(2 * S - 1, M)
+    padded = max(2 * S - 1, M)
     c0, c1 = rank, 2 * S - 1 - rank
     ops: list[tuple[int, Kind, int]] = []
     f0 = f1 = b0 = b1 = 0
@@ -98,8 +98,8 @@ def zbv(layout: VirtualLayout, rank: int, M: int, split: bool) -> StageOrder:
         ops += [(c1, Kind.F, f1), (c1, Kind.B, b1), (c1, Kind.W, b1)]
         f1 += 1
         b1 += 1
-    while f1 < f0 or f0 < n_micro:
-        if f0 < n_micro:
+    while f1 < f0 or f0 < padded:
+        if f0 < padded:
             ops.append((c0, Kind.F, f0))
             f0 += 1
         ops += [

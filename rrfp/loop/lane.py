@@ -2,7 +2,7 @@
 
 A stage computes in one lane, one task after the other, while its event loop
 keeps receiving, sending and deciding. On GPU the lane is a CUDA stream; on
-CPU it is one worker thread. Emulated device time (the variability model's
+CPU it is one compute thread. Emulated device time (the variability model's
 duration, ``units * unit_s`` seconds) is spent inside the lane, so a CPU
 stage that "computes" leaves its loop free, as a GPU stage does.
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger("rrfp.loop")
 
 
 class ComputeLane:
-    """One worker thread that runs compute calls in submission order.
+    """One thread that runs compute calls in submission order.
 
     ``await lane.run(fn, *args, units=u)`` returns ``fn(*args)`` once the call
     has held the lane for at least ``u * unit_s`` seconds: after ``fn`` returns
@@ -328,7 +328,7 @@ def make_lane(
     name: str = "compute",
     torch_module: Any = None,
 ) -> ComputeLane | CudaComputeLane:
-    """The lane for ``device``: a CUDA stream for a CUDA device, a worker thread otherwise.
+    """The lane for ``device``: a CUDA stream for a CUDA device, a compute thread otherwise.
     ``torch_module``: what the CUDA lane calls torch (tests pass a fake device)."""
     if device is None or not str(device).startswith("cuda"):
         return ComputeLane(unit_s, name=name)

@@ -218,7 +218,7 @@ def check_fits(cfg: DataConfig, model_vocab: int) -> None:
 
 
 def batches(
-    cfg: DataConfig, step: int, num_microbatches: int
+    cfg: DataConfig, step: int, n_microbatches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Microbatches (idx, targets) of step `step`, each int64 [microbatch_size, T_m].
 
@@ -227,25 +227,25 @@ def batches(
     row lies inside one document (models/documents.py). Targets are idx shifted by one token.
     Depends only on (cfg, step, microbatch index).
     """
-    return _draw(cfg, step, num_microbatches, held_out=False)
+    return _draw(cfg, step, n_microbatches, held_out=False)
 
 
 def eval_batches(
-    cfg: DataConfig, index: int, num_microbatches: int
+    cfg: DataConfig, index: int, n_microbatches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Held-out iteration ``index``'s microbatches, drawn as ``batches`` draws, from data that
     training never sees (the module's docstring says which)."""
-    return _draw(cfg, index, num_microbatches, held_out=True)
+    return _draw(cfg, index, n_microbatches, held_out=True)
 
 
-def _draw(cfg: DataConfig, step: int, num_microbatches: int, held_out: bool):
-    if step < 0 or num_microbatches <= 0:
-        raise ValueError(f"need step >= 0 and num_microbatches > 0, got {step}, {num_microbatches}")
+def _draw(cfg: DataConfig, step: int, n_microbatches: int, held_out: bool):
+    if step < 0 or n_microbatches <= 0:
+        raise ValueError(f"need step >= 0 and n_microbatches > 0, got {step}, {n_microbatches}")
     split = own_split(cfg)
     if split is not None:
         docs = split[1] if held_out else split[0]
         out = []
-        for m in range(num_microbatches):
+        for m in range(n_microbatches):
             rng = np.random.default_rng([cfg.seed, step, m])
             rows = torch.from_numpy(
                 docs.draw(rng, cfg.microbatch_size, cfg.min_seq_len, cfg.max_seq_len)
@@ -260,7 +260,7 @@ def _draw(cfg: DataConfig, step: int, num_microbatches: int, held_out: bool):
     if n <= cfg.max_seq_len + 1:
         raise RuntimeError(f"corpus has {n} bytes, too few for max_seq_len {cfg.max_seq_len}")
     out = []
-    for m in range(num_microbatches):
+    for m in range(n_microbatches):
         rng = np.random.default_rng([cfg.seed, step, m])
         t = int(rng.integers(cfg.min_seq_len, cfg.max_seq_len + 1))
         starts = torch.from_numpy(rng.integers(0, n - t, size=cfg.microbatch_size))

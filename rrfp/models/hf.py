@@ -10,6 +10,7 @@ models/data.py's byte tokens (vocab 256), microbatches of varying length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,11 @@ class HFConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HFConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("rope_theta", "rms_norm_eps"):  # 0: NaN at the first step
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(
+                    f"HFConfig.{name} must be a positive number, got {getattr(self, name)}"
+                )
         if self.head_dim < 0:
             raise ValueError(
                 "HFConfig.head_dim must be positive (or 0: hidden_size // heads), "
@@ -132,9 +138,17 @@ def check(cfg: HFConfig, data: DataConfig, num_stages: int, tp: int) -> None:
     if cfg.checkpoint and not Path(cfg.checkpoint).exists():
         raise ValueError(f"model.checkpoint {cfg.checkpoint} does not exist")
     try:
-        cfg.hf()
+        config = cfg.hf()
     except ImportError as e:
         raise ValueError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - transformers' own validation: the [model] values
+        words = " ".join(str(e).split())
+        raise ValueError(f"transformers refuses the [model] config: {words}") from None
+    if cfg.checkpoint:
+        try:
+            rrfp.check_hf_checkpoint(config, cfg.checkpoint)
+        except ValueError as e:
+            raise ValueError(f"model.checkpoint {cfg.checkpoint}: {e}") from None
 
 
 def build_stage(cfg: HFConfig, stage: int, num_stages: int, tp_group=None) -> torch.nn.Module:

@@ -157,17 +157,17 @@ def describe(cfg: VLMDataConfig) -> str:
 
 
 def batches(
-    cfg: VLMDataConfig, step: int, num_microbatches: int
+    cfg: VLMDataConfig, step: int, n_microbatches: int
 ) -> list[tuple[VLMInputs, torch.Tensor]]:
     """Microbatches ((images, ids), targets) of step `step`; targets int64 [b, n*P + T].
     Depends only on (cfg, step, microbatch index)."""
-    if step < 0 or num_microbatches <= 0:
-        raise ValueError(f"need step >= 0 and num_microbatches > 0, got {step}, {num_microbatches}")
+    if step < 0 or n_microbatches <= 0:
+        raise ValueError(f"need step >= 0 and n_microbatches > 0, got {step}, {n_microbatches}")
     b, size, half = cfg.microbatch_size, cfg.image_size, cfg.image_size // 2
     masks = _masks(size)
     s = masks[0].shape[0]
     out = []
-    for m in range(num_microbatches):
+    for m in range(n_microbatches):
         rng = np.random.default_rng([cfg.seed, step, m])
         n = int(rng.integers(0, cfg.max_images + 1))
         counts = rng.integers(1, cfg.max_shapes + 1, size=(b, n))

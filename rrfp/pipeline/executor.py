@@ -46,7 +46,7 @@ from rrfp.pipeline.schedule_settings import ScheduleSettings
 from rrfp.pipeline.task_bound import TaskBound
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.thread_state import ThreadState
-from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
+from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.user_code import user_code
 from rrfp.pipeline.worker import StageWorker
 
@@ -145,14 +145,14 @@ class StageExecutor:
         self.channels, self.lane, self.settings = channels, lane, settings
         # how long a wait for peers may last: peer_wait_s without a heartbeat; with one,
         # progress_s without progress (nothing arrives, no rank runs a task)
-        self.timeouts = timeouts or Timeouts.derive(DEFAULT_TIMEOUT_S)
+        self.timeouts = Timeouts.given(timeouts)
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
         # EP agreement (an EPAgreement: the stages with MoE layers in an EP group), ready dispatch
         # only: a fixed order is the hint's, the same on every member of the group
         self.ep_agreement = ep_agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
-        S, s, M = first.num_stages, first.stage, settings.microbatches
+        S, s, M = first.num_stages, first.stage, settings.n_microbatches
         self.S, self.s, self.M = S, s, M
         mine = tuple(w.stage for w in self.workers)
         if stages is None and len(mine) != 1:

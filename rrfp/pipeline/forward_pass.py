@@ -33,7 +33,7 @@ async def forward_only(
     num_stages: int,
     rank: int,
     iteration: int,
-    microbatches: int,
+    n_microbatches: int,
     first_input: Callable[[int], Any],
     forward: Forward,
     keep_graph: bool = False,
@@ -43,7 +43,7 @@ async def forward_only(
     ``keep_graph``: the last stage's outputs are returned as computed, else detached."""
     held = set(stages)
     outputs, losses = [], []
-    for mb in range(microbatches):
+    for mb in range(n_microbatches):
         handed = None
         for s in sorted(held):
             last = s == num_stages - 1

@@ -35,7 +35,7 @@ class LayoutMismatch(ValueError):
 class ExecutorShape:
     """What every rank's executor must agree on."""
 
-    microbatches: int
+    n_microbatches: int
     num_stages: int
     stage_layout: str = ""  # pipeline ranks x stages per rank (placement)
 
@@ -47,7 +47,7 @@ def _ranks(ranks: list[int]) -> str:
 def disagreement(rank: int, shapes: list[ExecutorShape]) -> str | None:
     """The line for shapes that differ across ranks (``shapes[r]``: rank r's); None: they agree."""
     for field, what, needed in (
-        ("microbatches", "microbatch count", "the same microbatches (n_microbatches)"),
+        ("n_microbatches", "microbatch count", "the same microbatches (n_microbatches)"),
         ("num_stages", "number of stages", "the same stage layout"),
         ("stage_layout", "stage layout", "the same stage layout (virtual=, placement=)"),
     ):

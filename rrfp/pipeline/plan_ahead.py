@@ -1,4 +1,4 @@
-"""Each iteration's planned hint, made one iteration ahead in a worker thread.
+"""Each iteration's planned hint, made one iteration ahead in a thread of its own.
 
 The plan for iteration i+1 is made while iteration i runs (``prepare``), so
 planning stays off the critical path; an iteration nobody prepared is planned
@@ -32,12 +32,12 @@ class PlanReport:
 
 class IterationPlanner:
     def __init__(
-        self, times: TaskTimes, stages: int, microbatches: int, budget: Budget, dispatch: Dispatch
+        self, times: TaskTimes, stages: int, n_microbatches: int, budget: Budget, dispatch: Dispatch
     ) -> None:
         self.times, self.S, self.M, self.budget, self.dispatch = (
             times,
             stages,
-            microbatches,
+            n_microbatches,
             budget,
             dispatch,
         )

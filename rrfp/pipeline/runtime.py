@@ -2,7 +2,7 @@
 eagerly and in the same order on every rank. Embedding drivers start here:
 
     async with PipelineRuntime.start(pp=4) as rt:
-        pipe = rt.stage_executor(module, loss_fn, microbatches=8)
+        pipe = rt.stage_executor(module, loss_fn, n_microbatches=8)
         result = await pipe.run_iteration(step, batches)
 
 Leaving the block normally waits for every rank, then takes down the process
@@ -29,7 +29,13 @@ import torch.distributed as dist
 from rrfp.comm import collectives
 from rrfp.comm.agreement import TPAgreement
 from rrfp.comm.channels import describe_failure, named_collective
-from rrfp.comm.collective_wait import BOUND, CollectiveWaits, Unreached, stuck
+from rrfp.comm.collective_wait import (
+    BOUND,
+    CollectiveWaits,
+    Unreached,
+    group_destroyed,
+    stuck,
+)
 from rrfp.comm.device_ops import CudaOps
 from rrfp.comm.ep_agreement import EPAgreement
 from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
@@ -43,7 +49,7 @@ from rrfp.comm.stage_groups import create_stage_groups
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
 from rrfp.core.errors import PeerFailure, PeerSilent, PeerStuck, StartupError
 from rrfp.core.hints import DEFAULT_HINT, Hint
-from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
@@ -163,7 +169,7 @@ class PipelineRuntime:
         layout: Layout,
         rank: int,
         channels,
-        timeout_s: float,
+        timeouts: Timeouts,
         unit_s: float,
         lane,
         poller,
@@ -172,10 +178,9 @@ class PipelineRuntime:
         device: torch.device = torch.device("cpu"),
         heartbeat: Heartbeat | None = None,
         virtual: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> None:
-        self.layout, self.rank, self.timeout_s = layout, rank, timeout_s
-        self.timeouts = timeouts or Timeouts.derive(timeout_s)  # each wait's bound
+        self.layout, self.rank = layout, rank
+        self.timeouts = timeouts  # each wait's bound
         coords = layout.coords(rank)
         self.virtual = virtual or VirtualLayout(
             layout.pp
@@ -265,7 +270,7 @@ class PipelineRuntime:
 
         ``timeouts``: each of those waits apart (rrfp/pipeline/timeouts.py); by default all
         derive from ``timeout_s``."""
-        waits = timeouts or Timeouts.derive(timeout_s)
+        waits = Timeouts.given(timeouts, timeout_s)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is not supported (gloo or nccl)")
         device = torch.device("cpu")
@@ -284,7 +289,7 @@ class PipelineRuntime:
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
-        layout = layout or plan_layout(world, pp, tp, dp, ep)  # fails before any group exists
+        layout = layout or layout_for(world, pp, tp, dp, ep)  # fails before any group exists
         if layout.ep > 1 and layout.tp > 1:
             raise ValueError(
                 f"{layout.short()}: expert parallelism with tensor parallelism is not supported; "
@@ -316,13 +321,11 @@ class PipelineRuntime:
                 layout,
                 device,
                 backend,
-                timeout_s,
+                waits,
                 unit_ms,
                 owns,
-                pg_timeout_s,
                 heartbeat=heartbeat and backend == "gloo",
                 stages=stages,
-                timeouts=waits,
             )
 
     @classmethod
@@ -331,21 +334,18 @@ class PipelineRuntime:
         layout: Layout,
         device: torch.device,
         backend: str,
-        timeout_s: float,
+        waits: Timeouts,
         unit_ms: float,
         owns: bool,
-        pg_timeout_s: float | None = None,
         *,
         ops=None,
         torch_module=None,
         heartbeat: bool = False,
         stages: VirtualLayout | None = None,
-        timeouts: Timeouts | None = None,
     ) -> PipelineRuntime:
         """Everything after the default group exists. ``ops`` and ``torch_module``: the CUDA calls
         of the channels and of the lane (tests pass a fake device, tests/harness/fake_cuda.py)."""
         rank = dist.get_rank()
-        waits = timeouts or Timeouts.derive(timeout_s, nccl_watchdog_s=pg_timeout_s)
         # NCCL's watchdog; gloo's groups detect dead peers in their process-group timeout
         pg_timeout_s = waits.nccl_watchdog_s if backend == "nccl" else waits.process_group_s
         poller = CompletionPoller()
@@ -417,7 +417,7 @@ class PipelineRuntime:
             layout,
             rank,
             channels,
-            timeout_s,
+            waits,
             unit_ms / 1000.0,
             lane,
             poller,
@@ -426,7 +426,6 @@ class PipelineRuntime:
             device=device,
             heartbeat=beat,
             virtual=stages,
-            timeouts=waits,
         )
 
     def stage_executor(
@@ -435,7 +434,7 @@ class PipelineRuntime:
         loss_fn,
         settings: ScheduleSettings | None = None,
         *,
-        microbatches: int | None = None,
+        n_microbatches: int | None = None,
         dispatch: Dispatch | str = DEFAULT_DISPATCH,
         hint: Hint | str = DEFAULT_HINT,
         budget: Budget | str | int = DEFAULT_BUDGET,
@@ -449,7 +448,7 @@ class PipelineRuntime:
         dw_builder=None,
     ) -> StageExecutor:
         """This stage's executor, running ``settings`` (a ScheduleSettings: TrainConfig builds
-        one). Without it, the keywords ``microbatches``, ``dispatch``, ``hint``, ``budget``,
+        one). Without it, the keywords ``n_microbatches``, ``dispatch``, ``hint``, ``budget``,
         ``split``, ``variability``, ``seed`` and ``cost`` make one (``ScheduleSettings.of``:
         strings are accepted here, at the public edge); not both. With ``cost`` (a CostModel, e.g.
         from ``rrfp calibrate``), every ``run_iteration`` and ``prepare`` needs the
@@ -498,10 +497,10 @@ class PipelineRuntime:
                 "modules are not supported"
             )
         if settings is None:
-            if microbatches is None:
-                raise TypeError("stage_executor needs settings= or microbatches=")
+            if n_microbatches is None:
+                raise TypeError("stage_executor needs settings= or n_microbatches=")
             settings = ScheduleSettings.of(
-                microbatches,
+                n_microbatches,
                 dispatch=dispatch,
                 hint=hint,
                 budget=budget,
@@ -510,9 +509,9 @@ class PipelineRuntime:
                 seed=seed,
                 cost=cost,
             )
-        elif microbatches is not None:
+        elif n_microbatches is not None:
             raise TypeError("stage_executor takes settings= or its keywords, not both")
-        microbatches, split = settings.microbatches, settings.split
+        microbatches, split = settings.n_microbatches, settings.split
         builders = (
             list(dw_builder)
             if isinstance(dw_builder, (list, tuple))
@@ -759,7 +758,16 @@ class PipelineRuntime:
         process groups if this runtime created them. A rank that tears down gloo
         pairs while a peer still uses them makes gloo abort that peer, so nobody
         leaves before everybody is done. Not for error paths: a dead peer would
-        fail the barrier only after the process-group timeout."""
+        fail the barrier only after the process-group timeout. After the caller took the groups
+        down itself (``destroy_process_group``), there is nothing to wait with: it closes."""
+        if group_destroyed(self.cpu_group):
+            log.warning(
+                "rank %d: the process group was destroyed before the runtime finished: closing "
+                "without the final barrier (destroy it after close())",
+                self.rank,
+            )
+            await self.aclose()
+            return
         if not self.owns_process_group:
             await collectives.completed(
                 self.poller,
@@ -845,6 +853,12 @@ class PipelineRuntime:
     def _silent(self, found) -> PeerSilent:
         """The PeerSilent that names what the heartbeat found silent (a peer, or the store)."""
         hb = self.heartbeat
+        if found.rank is None and found.closed:  # the store in torchrun's agent
+            return PeerSilent(
+                f"rank {self.rank}: {hb.where} closed its connection ({found.closed}): the agent "
+                "is gone, so this job cannot go on: stopping now",
+                None,
+            )
         if found.rank is None:
             host0 = "rank 0's process" in hb.where
             return PeerSilent(

@@ -15,7 +15,7 @@ from rrfp.core.variability import Variability
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    microbatches: int
+    n_microbatches: int
     dispatch: Dispatch = DEFAULT_DISPATCH  # ready: the best-priority ready task; fixed: hint order
     hint: Hint = field(default_factory=lambda: resolve(DEFAULT_HINT))  # the priority order
     # activations in flight
@@ -28,7 +28,7 @@ class ScheduleSettings:
     @classmethod
     def of(
         cls,
-        microbatches: int,
+        n_microbatches: int,
         *,
         dispatch: Dispatch | str = DEFAULT_DISPATCH,
         hint: Hint | str = DEFAULT_HINT,
@@ -42,7 +42,7 @@ class ScheduleSettings:
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
         h = resolve(hint)
         return cls(
-            microbatches,
+            n_microbatches,
             Dispatch.parse(dispatch),
             h,
             Budget.parse(budget),

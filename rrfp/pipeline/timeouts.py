@@ -58,6 +58,12 @@ class Timeouts:
         waits = replace(derived, **{k: v for k, v in overrides.items() if v})
         return waits if waits.task_s else replace(waits, task_s=TASK_PROGRESS * waits.progress_s)
 
+    @classmethod
+    def given(cls, timeouts: Timeouts | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Timeouts:
+        """The waits an entry point's two arguments set: ``timeouts`` when given, else each derived
+        from ``timeout_s``. The one road from those arguments to the waits."""
+        return timeouts or cls.derive(timeout_s)
+
     def key(self, wait: str) -> str:
         """The config key that set ``wait``, for a message: run.timeout_s unless set apart."""
         if wait == "task_s":  # derived from progress_s, whichever key set that

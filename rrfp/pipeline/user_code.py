@@ -81,7 +81,9 @@ def about_shapes(e: BaseException) -> bool:
 
 def counted(batches: Callable, where: str, data_cfg, step: int, n: int):
     """``batches(data_cfg, step, n)`` (a workload's ``batches`` or ``eval_batches``), checked to
-    be ``n`` microbatches: an error it raises, or another count, is the user's ``where``."""
+    be ``n`` (inputs, targets) pairs: an error it raises, another count, or a microbatch that is
+    no pair (a bare tensor, which the loop would split into two rows) is the user's ``where``."""
+    contract = "batches(data, step, n) must return exactly n (inputs, targets) pairs"
     with calling(where):
         found = batches(data_cfg, step, n)
         count = len(found)  # a generator has no len: as much the workload's error
@@ -91,8 +93,18 @@ def counted(batches: Callable, where: str, data_cfg, step: int, n: int):
                 f"returned {count} microbatch{'es' if count != 1 else ''} where {n} were asked for"
             ),
             where,
-            "batches(data, step, n) must return exactly n (inputs, targets) pairs",
+            contract,
         )
+    for i, b in enumerate(found):
+        if not (isinstance(b, (tuple, list)) and len(b) == 2):
+            raise blame(
+                WorkloadError(
+                    f"returned microbatch {i} as a {type(b).__name__} {shape_of(b)}, not an "
+                    "(inputs, targets) pair"
+                ),
+                where,
+                contract,
+            )
     return found
 
 

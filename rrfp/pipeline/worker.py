@@ -50,7 +50,7 @@ from rrfp.nn.moe_aux_loss import aux_loss_scale
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
-from rrfp.pipeline.split_backward.weight_split import WeightPlan, queued_parameters
+from rrfp.pipeline.split_backward.weight_split import WeightWork, queued_parameters
 from rrfp.pipeline.user_code import (
     about_shapes,
     blame,
@@ -82,7 +82,7 @@ class _Slot:
     output: torch.Tensor | tuple | list | None  # stage output, or the scaled loss on the last stage
     queue: WeightGradQueue
     nbytes: int
-    weights: WeightPlan | None = None  # split backward: what W computes with autograd
+    weights: WeightWork | None = None  # split backward: what W computes with autograd
     dw_runner: Callable[[], None] | None = None  # split backward with a dw_builder: what W runs
 
 
@@ -107,7 +107,7 @@ class StageWorker:
         module: nn.Module,
         stage: int,
         num_stages: int,
-        num_microbatches: int,
+        n_microbatches: int,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         split: bool,
         measure_activations: bool = True,
@@ -122,11 +122,11 @@ class StageWorker:
         )  # left to split-aware layers' own W queue (mode "layers")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-        if num_microbatches <= 0:
-            raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
+        if n_microbatches <= 0:
+            raise ValueError(f"n_microbatches must be positive, got {n_microbatches}")
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self._splat = takes_several(module)  # a tuple input becomes separate arguments
-        self.num_microbatches, self.loss_fn, self.split = num_microbatches, loss_fn, split
+        self.n_microbatches, self.loss_fn, self.split = n_microbatches, loss_fn, split
         # torch's PipelineStage(dw_builder=): weight gradients that the module's own autograd
         # functions leave to a runner (zero-bubble custom functions). As torch's stage does, B then
         # runs the whole autograd backward, and the runner dw_builder() builds right after it runs
@@ -180,7 +180,7 @@ class StageWorker:
             out = self._run_module(x)
             if self.is_last:
                 loss = self._loss(out, targets)
-                out = loss / self.num_microbatches
+                out = loss / self.n_microbatches
         outputs = _flat(out)
         if not self.is_last:
             self._check_output(mb, out, outputs)
@@ -191,7 +191,7 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split and self.dw_builder is None:
-            weights = weight_split.plan(
+            weights = weight_split.analyse(
                 self.module,
                 [t for t in outputs if _carries_grad(t)],
                 [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
@@ -461,10 +461,9 @@ class StageWorker:
 
     def _check(self, task: Task, want: _State | None) -> _Slot | None:
         mb = task.mb
-        if not 0 <= mb < self.num_microbatches:
+        if not 0 <= mb < self.n_microbatches:
             raise RuntimeError(
-                f"stage {self.stage}: {task} out of range "
-                f"(num_microbatches={self.num_microbatches})"
+                f"stage {self.stage}: {task} out of range (n_microbatches={self.n_microbatches})"
             )
         slot = self._slots.get(mb)
         have = None if slot is None else slot.state

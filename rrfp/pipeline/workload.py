@@ -54,14 +54,14 @@ class Workload:
     # (model_cfg, stage, num_stages, tp_group) -> this stage's module, from the current torch seed
     build_stage: Callable[[Any, int, int, Any], nn.Module]
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    # (data_cfg, step, num_microbatches) -> that step's microbatches, the same on every rank
+    # (data_cfg, step, n_microbatches) -> that step's microbatches, the same on every rank
     batches: Callable[[Any, int, int], Sequence[Batch]]
     # (model_cfg, data_cfg, num_stages, tp): ValueError when the layout cannot fit the model,
     # called before any process group exists
     check: Callable[[Any, Any, int, int], None] = _no_check
     # microbatch -> {"tokens", "attn", "patches"}: what its tasks cost, for data-driven durations
     features: Callable[[Batch], dict] = token_features
-    # (data_cfg, index, num_microbatches) -> held-out microbatches for evaluation ([eval]); None:
+    # (data_cfg, index, n_microbatches) -> held-out microbatches for evaluation ([eval]); None:
     # ``batches`` at step indices no run reaches (rrfp/app/train/evaluation.py)
     eval_batches: Callable[[Any, int, int], Sequence[Batch]] | None = None
     # (model_cfg, stage, num_stages) -> the ties that stage holds, {tie name: qualified parameter

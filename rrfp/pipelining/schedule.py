@@ -52,7 +52,7 @@ from rrfp.comm.loaded_class import PIPELINE_STAGE, loaded_class
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.errors import StartupError
 from rrfp.core.hints import DEFAULT_HINT, resolve
-from rrfp.core.layout import plan_layout
+from rrfp.core.layout import layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH
 from rrfp.loop.background import BackgroundLoop
@@ -233,7 +233,7 @@ class ScheduleReady:
         settings: ScheduleSettings | None = None,
         mesh=None,
     ) -> None:
-        waits = timeouts or Timeouts.derive(timeout_s)
+        waits = Timeouts.given(timeouts, timeout_s)
         stages, layout, virtual, placement, device, dp_dim = _layout_of(
             stage,
             n_microbatches,
@@ -250,9 +250,9 @@ class ScheduleReady:
         self._output_merge_spec, self.scale_grads = output_merge_spec, scale_grads
         self._has_backward = loss_fn is not None
         self._settings = dict(on_nonfinite=on_nonfinite, tied=_under_submod(tied))
-        if settings is not None and settings.microbatches != n_microbatches:
+        if settings is not None and settings.n_microbatches != n_microbatches:
             raise ValueError(
-                f"settings.microbatches = {settings.microbatches} but n_microbatches = "
+                f"settings.n_microbatches = {settings.n_microbatches} but n_microbatches = "
                 f"{n_microbatches}"
             )
         self._schedule = settings or ScheduleSettings.of(
@@ -767,7 +767,7 @@ def _checked(stages: list, n_microbatches, mesh=None, dp_sync: bool = False) -> 
         dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
     )
     dp_dim, ep = _mesh_checked(mesh, stages, ranks, dp_sync) if mesh is not None else (None, 1)
-    layout = plan_layout(world, pp, 1, world // pp, ep)
+    layout = layout_for(world, pp, 1, world // pp, ep)
     if ranks not in layout.pp_groups():
         raise NotImplementedError(
             f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
@@ -847,7 +847,6 @@ async def _start(
     return PipelineRuntime.start(
         layout=layout,
         backend=backend,
-        timeout_s=timeouts.timeout_s,
         timeouts=timeouts,
         unit_ms=unit_ms,
         virtual=virtual,

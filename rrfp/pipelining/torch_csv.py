@@ -83,7 +83,7 @@ def read_torch_csv(path: str | Path) -> tuple[Hint, bool]:
         )
     split = bool(types & {"I", "W"})
     stages = sorted(per_stage)
-    microbatches = 1 + max(t.mb for tasks in per_stage.values() for t in tasks)
+    n_microbatches = 1 + max(t.mb for tasks in per_stage.values() for t in tasks)
 
     def check(S: int, M: int, split_now: bool) -> None:
         if stages != list(range(S)):
@@ -96,9 +96,9 @@ def read_torch_csv(path: str | Path) -> tuple[Hint, bool]:
                 f"torch schedule CSV {path}: its backward is {'split' if split else 'whole'}, "
                 f"the executor's is {'split' if split_now else 'whole'}"
             )
-        if microbatches != M:
+        if n_microbatches != M:
             raise HintError(
-                f"torch schedule CSV {path}: written for {microbatches} microbatches, the "
+                f"torch schedule CSV {path}: written for {n_microbatches} microbatches, the "
                 f"schedule has {M}"
             )
 

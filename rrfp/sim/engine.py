@@ -40,8 +40,8 @@ class SimConfig:
     """One simulated iteration. Strings are accepted here, at the edge, and
     resolved once: ``replace(cfg, hint=...)`` with a resolved Hint costs nothing."""
 
-    stages: int  # pipeline ranks (S); with virtual stages the model has S x V stages
-    microbatches: int
+    pp: int  # pipeline ranks (S); with virtual stages the model has S x V stages
+    n_microbatches: int
     hint: str | Hint = DEFAULT_HINT
     dispatch: Dispatch | str = DEFAULT_DISPATCH  # ready or fixed
     budget: Budget | str | int = DEFAULT_BUDGET
@@ -58,10 +58,10 @@ class SimConfig:
     placement: Placement | str = Placement.INTERLEAVED
 
     def __post_init__(self) -> None:
-        if self.stages < 1:
-            raise ValueError(f"pipeline stages must be >= 1, got {self.stages}")
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.pp < 1:
+            raise ValueError(f"pp (pipeline ranks) must be >= 1, got {self.pp}")
+        if self.n_microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.n_microbatches}")
         object.__setattr__(self, "dispatch", Dispatch.parse(self.dispatch))
         object.__setattr__(self, "budget", Budget.parse(self.budget))
         object.__setattr__(self, "hint", resolve(self.hint))
@@ -86,12 +86,12 @@ class SimConfig:
 
     @property
     def layout(self) -> VirtualLayout:
-        return VirtualLayout(self.stages, self.virtual, self.placement)
+        return VirtualLayout(self.pp, self.virtual, self.placement)
 
     @property
     def num_stages(self) -> int:
         """Global stages: S x V."""
-        return self.stages * self.virtual
+        return self.pp * self.virtual
 
 
 @dataclass
@@ -149,7 +149,7 @@ def _durations(cfg: SimConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray, list
     """dur[s, m, kind] over global stages, message latencies lat_f/lat_b[s, m] (zero on the V turn,
     which is no message) and one local stage's activation sizes (a microbatch's over V), all drawn
     at once."""
-    N, M, V, var = cfg.num_stages, cfg.microbatches, cfg.virtual, cfg.variability
+    N, M, V, var = cfg.num_stages, cfg.n_microbatches, cfg.virtual, cfg.variability
     lay = cfg.layout
     times = TaskTimes(var, cfg.seed, cfg.split_backward, layout=lay)
     if cfg.durations is not None:
@@ -172,8 +172,8 @@ def _ranked(
     """The fast path (rrfp.sim.ranked) when it applies and finishes: ready dispatch, a hint
     that ranks every stage alike by one order, one latency per link."""
     S, M, N, split, lay = (
-        cfg.stages,
-        cfg.microbatches,
+        cfg.pp,
+        cfg.n_microbatches,
         cfg.num_stages,
         cfg.split_backward,
         cfg.layout,
@@ -224,7 +224,7 @@ def _ranked(
 def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     """One iteration. Ready dispatch of bf, bfw and plan takes the fast path (any V), which makes
     the trackers' every decision without stepping them; ``reference=True`` always steps them."""
-    S, M, split, lay = cfg.stages, cfg.microbatches, cfg.split_backward, cfg.layout
+    S, M, split, lay = cfg.pp, cfg.n_microbatches, cfg.split_backward, cfg.layout
     dur, lat_f, lat_b, sizes = _durations(cfg)
     fast = None if reference else _ranked(cfg, dur, lat_f, lat_b, sizes)
     if fast is not None:
@@ -261,7 +261,7 @@ def simulate(cfg: SimConfig, reference: bool = False) -> SimResult:
     if not all(tr.done for tr in trackers):
         left = sum(tr.spec.num_tasks - tr.finished for tr in trackers)
         raise SimDeadlock(
-            f"{cfg.dispatch} executor with hint {cfg.the_hint.name} stalled with {left} tasks "
+            f"{cfg.dispatch} dispatch with hint {cfg.the_hint.name} stalled with {left} tasks "
             "left: " + "; ".join(f"rank {r} {tr.blocked()}" for r, tr in enumerate(trackers))
         )
     stats = [

@@ -23,7 +23,7 @@ With V > 1 the runtime's rank tracker adds two policy devices the model
 leaves out: room reserved for later local stages' forwards (an F on local
 stage c needs V-1-c units free after it) and a bound on how far local stage
 c's forwards lead local stage c + 1's. Both only forbid schedules, so the
-optimum without them is a relaxation of what the ready executor may do under
+optimum without them is a relaxation of what ready dispatch may do under
 the same count budget: still a valid lower bound on it. A byte budget at V > 1
 is not a cap at the limit: the tracker lets a forward with nothing held at its
 local stage or later start past the bytes, so a rank may hold up to V - 1
@@ -177,13 +177,13 @@ def as_split_pairs(order: Sequence[tuple[int, Task]], split: bool) -> list[tuple
 def solve(
     cfg: SimConfig,
     time_limit: float = 10.0,
-    workers: int = 2,
+    threads: int = 2,
     scale: int = 1000,
     hints: Iterable[SimResult] = (),
     params: Mapping[str, object] | None = None,
 ) -> OracleResult:
     """Minimum makespan of ``cfg``'s iteration (its S, M, V and placement, split,
-    budget and seed's durations); hint, dispatch and executor of ``cfg`` are ignored.
+    budget and seed's durations); hint and dispatch of ``cfg`` are ignored.
 
     ``hints``: recorded simulations on the same durations whose schedules
     hold the budget (ready dispatch does by construction); the shortest one
@@ -191,11 +191,11 @@ def solve(
     keeps B whole; unsplit ones become split with W right after B). When the
     budget can bind, the problem without it is solved first, for up to half
     the time: its bound is a bound of the real problem, and its schedule (or
-    the ready executor following its order under the budget) is one more
+    ready dispatch following its order under the budget) is one more
     incumbent.
 
     ``time_limit`` is wall seconds for everything; a solve that hits it
-    reports its best schedule and proven bound, not an optimum. ``workers``
+    reports its best schedule and proven bound, not an optimum. ``threads``
     is CP-SAT's thread count, fixed: a proven optimum does not depend on it
     or on the machine, while what a timed-out solve reaches does. ``params``
     sets further CP-SAT parameters by name."""
@@ -213,7 +213,7 @@ def solve(
             0,
             _best_hint(candidates),
             RELAXED_SHARE * time_limit,
-            workers,
+            threads,
             params,
         )
         lower = relaxed.bound
@@ -228,7 +228,7 @@ def solve(
                 candidates.append(repaired)
     left = max(0.0, time_limit - (time.perf_counter() - t0))
     hint = _best_hint(candidates)
-    main = _run(cp_model, inst, True, lower, hint, left, workers, params)
+    main = _run(cp_model, inst, True, lower, hint, left, threads, params)
     best = replay(cfg, main.orders, record=False) if main.orders is not None else None
     return _result(inst, main, best, candidates, time.perf_counter() - t0)
 
@@ -248,14 +248,14 @@ def _run(
     lower: int,
     hint: SimResult | None,
     seconds: float,
-    workers: int,
+    threads: int,
     params: Mapping[str, object] | None,
 ) -> _Solve:
     """One CP-SAT solve of ``inst``, with or without the budget, its makespan at least ``lower``."""
     cfg = inst.cfg
     S, M, N, split, d, kinds = (
-        cfg.stages,
-        cfg.microbatches,
+        cfg.pp,
+        cfg.n_microbatches,
         cfg.num_stages,
         cfg.split_backward,
         inst.d,
@@ -304,7 +304,7 @@ def _run(
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
-    solver.parameters.num_workers = int(workers)
+    solver.parameters.num_workers = int(threads)
     solver.parameters.random_seed = 0
     for param, value in (params or {}).items():
         setattr(solver.parameters, param, value)
@@ -362,9 +362,9 @@ def _result(
     cfg = inst.cfg
     log.info(
         "oracle S=%d V=%d M=%d seed=%d: %s in %.2f s, makespan %s, bound %.4f",
-        cfg.stages,
+        cfg.pp,
         cfg.virtual,
-        cfg.microbatches,
+        cfg.n_microbatches,
         cfg.seed,
         solved.status,
         seconds,
@@ -396,8 +396,8 @@ def _budget_can_bind(inst: _Instance) -> bool:
     """Whether some rank's limit is below what its stages would hold with every microbatch in
     flight."""
     cfg = inst.cfg
-    held = cfg.virtual * cfg.microbatches  # (stage, microbatch) pairs a rank holds at most
-    for r in range(cfg.stages):
+    held = cfg.virtual * cfg.n_microbatches  # (stage, microbatch) pairs a rank holds at most
+    for r in range(cfg.pp):
         limit = _limit(cfg, r)
         if limit.count is not None and limit.count < held:
             return True
@@ -422,7 +422,7 @@ def _budget(
     limit). With V = 1 that is the stage's rule."""
     cfg = inst.cfg
     limit = _limit(cfg, rank)
-    M, last = cfg.microbatches, last_backward(cfg.split_backward)
+    M, last = cfg.n_microbatches, last_backward(cfg.split_backward)
     stages = cfg.layout.stages_of(rank)  # in local-stage order, as the rank tracker numbers them
     held = [
         model.new_interval_var(
@@ -463,7 +463,7 @@ def holds_budget(cfg: SimConfig, result: SimResult) -> bool | None:
             held.setdefault((s, task.mb), [a, b])[0] = a
         if task.kind is last:
             held.setdefault((s, task.mb), [a, b])[1] = b
-    for r in range(cfg.stages):
+    for r in range(cfg.pp):
         stages = cfg.layout.stages_of(r)
         for c, cap in enumerate(caps):
             spans = [(a, b, demand[m]) for (s, m), (a, b) in held.items() if s in stages[: c + 1]]
@@ -489,7 +489,7 @@ def _no_rule(S: int, s: int, M: int, split: bool) -> list[Task]:
 
 
 def _repair(cfg: SimConfig, orders: AnyOrders) -> SimResult | None:
-    """The ready executor under ``cfg``'s budget with ``orders`` as its priority: a schedule that
+    """Ready dispatch under ``cfg``'s budget with ``orders`` as its priority: a schedule that
     holds it."""
     try:
         return simulate(
@@ -504,7 +504,7 @@ def _orders(result: SimResult, split: bool) -> Orders:
     schedule if ``split``. Tasks of no time that start together keep F < B < W, the order their
     dependencies allow, and otherwise the order they were decided in."""
     cfg = result.config
-    per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.stages)]
+    per_rank: list[list[tuple[float, int, Task]]] = [[] for _ in range(cfg.pp)]
     for s, task, a, _ in result.timeline:
         per_rank[cfg.layout.rank_of(s)].append((a, s, task))
     return tuple(

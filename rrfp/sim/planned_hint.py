@@ -105,7 +105,7 @@ def plan_iteration(
     times: TaskTimes,
     iteration: int,
     stages: int,
-    microbatches: int,
+    n_microbatches: int,
     budget: Budget,
     dispatch: Dispatch,
     features: Sequence[Features] | None = None,
@@ -114,7 +114,7 @@ def plan_iteration(
     on ``features``, or the preset's size factors), never the realized durations. ``stages`` counts
     ranks; with virtual stages ``times.layout`` says how many stages each holds."""
     layout = times.layout or VirtualLayout(stages)
-    predicted = times.predicted(iteration, layout.num_stages, microbatches, features)
+    predicted = times.predicted(iteration, layout.num_stages, n_microbatches, features)
     return make_plan(
         predicted,
         budget,
@@ -147,8 +147,8 @@ def planned_config(cfg: SimConfig) -> tuple[SimConfig, Plan]:
     made_hint, made = plan_iteration(
         times,
         cfg.iteration,
-        cfg.stages,
-        cfg.microbatches,
+        cfg.pp,
+        cfg.n_microbatches,
         Budget.parse(cfg.budget),
         Dispatch.parse(cfg.dispatch),
     )

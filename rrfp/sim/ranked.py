@@ -55,10 +55,10 @@ class Ranking:
     priority: tuple[tuple[int, ...], ...]
 
 
-def ranking_of(priority: Mapping[Task, int], num_microbatches: int, split: bool) -> Ranking | None:
+def ranking_of(priority: Mapping[Task, int], n_microbatches: int, split: bool) -> Ranking | None:
     """``priority`` (one stage's) as a Ranking, or None when some kind ranks its microbatches in
     another order than the forwards do (then only the trackers can run it)."""
-    M = num_microbatches
+    M = n_microbatches
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     try:
         by_kind = [[priority[Task(k, m)] for m in range(M)] for k in kinds]

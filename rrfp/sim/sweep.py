@@ -18,7 +18,7 @@ from rrfp.sim.planned_hint import planned_config
 
 BASELINE = (Dispatch.FIXED, resolve("1f1b"))
 
-RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: executor, hint, budget, layout
+RowKey: TypeAlias = tuple[str, str, str | None, str]  # ``Row.key``: dispatch, hint, budget, layout
 Combo: TypeAlias = tuple[Dispatch, str, Budget | None, VirtualLayout]  # None: no budget applies
 Job: TypeAlias = tuple[int, Combo]  # (seed, combo)
 
@@ -71,7 +71,7 @@ class Row:
     def as_dict(self) -> dict[str, object]:
         lo, hi = self.spread
         return {
-            "executor": self.dispatch,  # the key that readers of `rrfp sim --json` read
+            "dispatch": self.dispatch,
             "hint": self.hint,
             "budget": self.budget,
             "median_speedup": self.median,
@@ -95,11 +95,11 @@ def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
     return dispatch is Dispatch.READY or hint.planned
 
 
-def applies(hint: Hint, layout: VirtualLayout, microbatches: int, split: bool) -> str | None:
+def applies(hint: Hint, layout: VirtualLayout, n_microbatches: int, split: bool) -> str | None:
     """None when ``hint`` has a form on ``layout``; else why not (e.g. zbh1 has no virtual
     order)."""
     try:
-        hint.check_layout(layout, microbatches, split)
+        hint.check_layout(layout, n_microbatches, split)
     except HintError as e:
         return str(e)
     return None
@@ -127,7 +127,7 @@ def sweep(
     budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
-    one = VirtualLayout(base.stages)
+    one = VirtualLayout(base.pp)
     by_name = {h.name: h for h in [BASELINE[1], *hints]}
     pairs = list(
         dict.fromkeys(
@@ -139,7 +139,7 @@ def sweep(
     )
     usable: list[tuple[Dispatch, str, VirtualLayout]] = []
     for d, name, lay in pairs:
-        why = applies(by_name[name], lay, base.microbatches, default_split(name, base.split))
+        why = applies(by_name[name], lay, base.n_microbatches, default_split(name, base.split))
         if why is None:
             usable.append((d, name, lay))
         elif skipped is not None and why not in skipped:

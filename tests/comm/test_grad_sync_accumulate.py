@@ -24,7 +24,7 @@ def _accumulate(rank, world, hint):
     async def main():
         async with PipelineRuntime.start(pp=1, dp=world, timeout_s=30) as rt:
             m = model()
-            ex = rt.stage_executor(m, nn.functional.mse_loss, microbatches=M, hint=hint)
+            ex = rt.stage_executor(m, nn.functional.mse_loss, n_microbatches=M, hint=hint)
             sync = rt.grad_sync(m, ex)
             for step in range(2):  # the second step shows the first left no stale state behind
                 m.zero_grad(set_to_none=True)

@@ -84,7 +84,7 @@ def _sparse(rank, world):
     async def main():
         async with PipelineRuntime.start(pp=1, dp=world, timeout_s=30) as rt:
             m = Net.make()
-            ex = rt.stage_executor(m, nn.functional.mse_loss, microbatches=M, hint="bfw")
+            ex = rt.stage_executor(m, nn.functional.mse_loss, n_microbatches=M, hint="bfw")
             sync = rt.grad_sync(m, ex)
             await ex.run_iteration(0, _data(rt.dp_rank))
             await sync.sync()

@@ -38,7 +38,7 @@ def _steps(rank, world):
         async with PipelineRuntime.start(pp=1, dp=world, timeout_s=30) as rt:
             m = model()
             m[0].requires_grad_(False)  # frozen when the sync is built
-            ex = rt.stage_executor(m, nn.functional.mse_loss, microbatches=M, hint="bfw")
+            ex = rt.stage_executor(m, nn.functional.mse_loss, n_microbatches=M, hint="bfw")
             sync = rt.grad_sync(m, ex)
             steps = []
             for step in range(3):

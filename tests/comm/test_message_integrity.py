@@ -93,7 +93,7 @@ def _out_of_step(rank, world):
                 ex = rt.stage_executor(
                     module,
                     lambda out, y: ((out - y) ** 2).mean(),
-                    microbatches=2,
+                    n_microbatches=2,
                     dispatch="fixed",
                     hint="1f1b",
                 )

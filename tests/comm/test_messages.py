@@ -344,7 +344,7 @@ def _pipeline_rank(rank, world):
                 ref_loss, ref = _reference(second)
                 module = _model(second)[rt.stage]
                 ex = rt.stage_executor(
-                    module, loss_fn, microbatches=M, dispatch=dispatch, hint=hint
+                    module, loss_fn, n_microbatches=M, dispatch=dispatch, hint=hint
                 )
                 res = await ex.run_iteration(0, batches)
                 loss_err = abs(res.loss - ref_loss) if res.loss is not None else None

@@ -47,7 +47,7 @@ def test_replay_uses_cost_times_the_presets_noise(tmp_path):
     assert dur[1, 2, 0] == pytest.approx(model.units(1, 0, feats[2]) * var.noise(3, 2, 1, 2, 0))
     doc = {
         "pp": 2,
-        "microbatches": 4,
+        "n_microbatches": 4,
         "seed": 3,
         "preset": "lang",
         "hint": "bfw",

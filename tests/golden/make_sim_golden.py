@@ -32,7 +32,7 @@ def case_args(pp, mb, preset, budget, extra):
     return [
         "--pp",
         str(pp),
-        "--mb",
+        "--n-microbatches",
         str(mb),
         "--preset",
         preset,
@@ -54,7 +54,7 @@ def run_case(args) -> dict:
             stdout=subprocess.DEVNULL,
         )
         doc = json.loads(out.read_text())
-    return {f"{r['executor']} {r['hint']}": r["makespans"] for r in doc["rows"]}
+    return {f"{r['dispatch']} {r['hint']}": r["makespans"] for r in doc["rows"]}
 
 
 if __name__ == "__main__":

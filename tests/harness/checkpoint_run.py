@@ -26,7 +26,7 @@ SMALL = [
     "--set",
     "data.max_seq_len=64",
     "--set",
-    "microbatches=4",
+    "n_microbatches=4",
     "--set",
     "model.dropout=0.1",
 ]  # dropout: the resumed RNG state matters

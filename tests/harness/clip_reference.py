@@ -10,7 +10,7 @@ STEPS, CLIP = 4, 0.05
 
 SETS = [
     f"steps={STEPS}",
-    "microbatches=2",
+    "n_microbatches=2",
     "timeout_s=30",
     "model.n_embd=16",
     "model.n_head=2",
@@ -40,7 +40,7 @@ def _reference(world: int, dp: int, nan_step: int | None, extra=(), clip: bool =
     )
     losses, norms = [], []
     for step in range(STEPS):
-        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches * dp)
+        batch = wl.batches(cfg.data, step, cfg.schedule.n_microbatches * dp)
         loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
         loss.backward()
         if step + 1 == nan_step:

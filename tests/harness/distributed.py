@@ -71,6 +71,10 @@ PRELOAD = [
     "rrfp.app.cli.main",
     "rrfp.app.train.training",
     "rrfp.models.gpt",
+    # the HF tests' ranks build transformers' Llama and Qwen3 (about 2 CPU-s of imports a rank);
+    # without the hf extra these are skipped (the server ignores a preload it cannot import)
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
 ]
 
 

@@ -18,7 +18,7 @@ def _args(tmp: Path, world: int, *sets: str) -> list[str]:
         f"timeout_s={TIMEOUT_S}",
         f"log_dir={tmp / 'logs'}",
         "unit_ms=1",
-        "microbatches=4",
+        "n_microbatches=4",
         "model.n_embd=32",
         "model.block_size=64",
         f"model.n_layer={world}",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 STEPS, CLIP, DECAY, MIN_LR = 3, 0.05, 0.1, 1e-4
-RECIPE = [f"steps={STEPS}", "microbatches=4", "timeout_s=60", f"clip_grad_norm={CLIP}"]
+RECIPE = [f"steps={STEPS}", "n_microbatches=4", "timeout_s=60", f"clip_grad_norm={CLIP}"]
 RECIPE += [f"weight_decay={DECAY}", "schedule=cosine", "warmup_steps=1", f"min_lr={MIN_LR}"]
 
 
@@ -23,14 +23,14 @@ def learning_rate(lr: float, step: int) -> float:
 
 def recipe(config: str) -> list[str]:
     """The recipe's keys this config knows: clipping, weight decay, and per-layer activation
-    checkpointing where the runtime section has it."""
+    checkpointing where the compute section has it."""
     import dataclasses
 
-    from rrfp.app.config.sections import RuntimeSection
+    from rrfp.app.config.sections import ComputeSection
 
-    runtime = {f.name for f in dataclasses.fields(RuntimeSection)}
+    compute = {f.name for f in dataclasses.fields(ComputeSection)}
     return RECIPE + (
-        ["activation_checkpointing=layers"] if "activation_checkpointing" in runtime else []
+        ["activation_checkpointing=layers"] if "activation_checkpointing" in compute else []
     )
 
 
@@ -68,7 +68,7 @@ def reference(config: str, sets: list[str], world: int):
         opt = adamw(model, cfg)
         losses, norms = [], []
         for step in range(STEPS):
-            mbs = wl.batches(cfg.data, step, cfg.schedule.microbatches)
+            mbs = wl.batches(cfg.data, step, cfg.schedule.n_microbatches)
             loss = sum(wl.loss_fn(model(x), y) for x, y in mbs) / len(mbs)
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -114,7 +114,7 @@ def train(rank, world, config: str, sets: list[str], module: str, cls: str):
     images = [
         x.images.size(1) if hasattr(x, "images") else 0
         for s in range(STEPS)
-        for x, _ in cfg.workload.batches(cfg.data, s, cfg.schedule.microbatches)
+        for x, _ in cfg.workload.batches(cfg.data, s, cfg.schedule.n_microbatches)
     ]
     return summary.losses, summary.grad_norms, trained, cfg.layout.coords(rank).tp, images
 

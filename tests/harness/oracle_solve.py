@@ -10,6 +10,6 @@ from rrfp.sim import (  # noqa: E402
 
 def solve(cfg: SimConfig, **options) -> oracle.OracleResult:
     """The oracle on one CP-SAT worker unless a test says otherwise: one worker's search is
-    deterministic, so what a proof costs does not depend on the machine's load (two workers race
+    deterministic, so what a proof costs does not depend on the machine's load (two threads race
     on two busy cores and take about twice the CPU for the same proofs)."""
-    return oracle.solve(cfg, **{"workers": 1, **options})
+    return oracle.solve(cfg, **{"threads": 1, **options})

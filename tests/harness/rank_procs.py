@@ -1,10 +1,12 @@
-"""`rrfp train` ranks as plain processes, each in its own session, for tests of
-how a run ends: stdout and stderr in files, and a check that nothing is left.
+"""`rrfp train` ranks started by hand, each in its own session, for tests of how a run ends:
+stdout and stderr in files, and a check that nothing is left.
 
-Plain processes (MASTER_ADDR, RANK, WORLD_SIZE set by hand), not torchrun
-children: torchrun's agent kills a failed rank's siblings, which would hide a
-survivor that hangs. Each rank leads its own process group, so the test can
-tell whether anything of it (a child included) is still alive.
+Ranks with MASTER_ADDR, RANK, WORLD_SIZE set by hand, not torchrun children: torchrun's agent
+kills a failed rank's siblings, which would hide a survivor that hangs. Each rank leads its own
+process group, so the test can tell whether anything of it (a child included) is still alive.
+A rank is a child of the test session's forkserver running ``python -m rrfp train`` as a fresh
+interpreter would (tests/harness/train_rows.py: torch and rrfp already imported, SIGINT raising
+KeyboardInterrupt), seen through the part of ``subprocess.Popen`` the tests use.
 """
 
 from __future__ import annotations
@@ -15,32 +17,46 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness import ROOT
-from harness.distributed import free_port
-from harness.launch import child_env, rrfp_argv
+from harness.distributed import _context, free_port
+from harness.train_rows import _rank_main
+
+
+class _Rank:
+    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, wait."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("rrfp train", timeout)
+        return self.process.exitcode
 
 
 class RankProcs:
     def __init__(self, tmp: Path, world: int, args: list[str], env: dict | None = None) -> None:
-        port = free_port()
+        ctx, port = _context(), free_port()
         self.tmp, self.world = tmp, world
-        self.procs: list[subprocess.Popen] = []
-        self.files = []
+        self.procs: list[_Rank] = []
         for rank in range(world):
-            e = child_env(rank, world, port, **(env or {}))
-            out, err = open(tmp / f"out{rank}", "w"), open(tmp / f"err{rank}", "w")
-            self.files += [out, err]
-            self.procs.append(
-                subprocess.Popen(
-                    rrfp_argv("train", *args),
-                    cwd=ROOT,
-                    env=e,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    start_new_session=True,
-                )
+            for name in (f"out{rank}", f"err{rank}"):  # readable from the start, as Popen's were
+                (tmp / name).write_text("")
+            p = ctx.Process(
+                target=_rank_main,
+                args=(rank, world, port, ["train", *args], str(tmp), env or {}),
+                kwargs={"sigint": signal.default_int_handler},
             )
+            p.start()
+            self.procs.append(_Rank(p))
 
     def out(self, rank: int) -> str:
         return (self.tmp / f"out{rank}").read_text(errors="replace")
@@ -89,5 +105,3 @@ class RankProcs:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for f in self.files:
-            f.close()

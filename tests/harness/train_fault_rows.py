@@ -16,6 +16,8 @@ TASK_S = 2 * PROGRESS_S  # timeouts.task_s, derived: the bound of a task once it
 SLACK_S = 6.0  # a loaded two-core machine: several jobs at once, a beat read late
 API = "rrfp train"
 FINISHES, NAMED, STOPS = "finishes exactly", "rank 1 named", "stops, one line"
+DISK = "the disk named"
+SET_ASIDE = "falls back, set aside"
 # the phase: (where the fault fires, the layout)
 PHASES = {
     "start-up": ("during=startup", "pp"),
@@ -68,4 +70,8 @@ ROWS = [
     for kind in KINDS
 ] + [(API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES]
 ROWS += [(API, kind, "EP F", _outcome(kind, "EP F")) for kind in ("kill", "stop")]
+ROWS += [
+    (API, "full", "save", DISK),  # torch's writer on rank 1 past its file size limit
+    (API, "flip", "resume", SET_ASIDE),  # a byte of the latest commit record, before a resume
+]
 LONG = ("pause", "slow", "term")  # rows that wait out their fault: the long tier

@@ -19,20 +19,31 @@ from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 
 
-def _rank_main(rank: int, world: int, port: int, argv: list[str], tmp: str) -> None:
-    """One rank: the environment a launcher gives it, stdout and stderr in files, then `rrfp`."""
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    argv: list[str],
+    tmp: str,
+    env: dict[str, str] | None = None,
+    sigint=signal.SIG_DFL,
+) -> None:
+    """One rank: the environment a launcher gives it (and ``env``), stdout and stderr in files,
+    then `rrfp`; SIGINT's handler is ``sigint`` until rrfp sets its own."""
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]
     os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.environ.update(env or {})
     os.chdir(ROOT)
     os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
     for fd, name in ((1, f"out{rank}"), (2, f"err{rank}")):
         os.dup2(os.open(Path(tmp) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    for s in (signal.SIGINT, signal.SIGTERM):  # a forkserver child inherits the server's
-        signal.signal(s, signal.SIG_DFL)
+    # a forkserver child inherits the server's handlers
+    signal.signal(signal.SIGINT, sigint)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from rrfp.app.cli.main import main
 
     code = main(argv)

@@ -25,7 +25,7 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
     doc = {
         "run": dict(model="hf", steps=steps, seed=0, timeout_s=60),
         "parallel": dict(pp=world, virtual=2),
-        "schedule": dict(microbatches=M),
+        "schedule": dict(n_microbatches=M),
         "optim": dict(lr=LR, warmup_steps=WARMUP, clip_grad_norm=CLIP),
         "checkpoint": dict(dir=folder, resume=resume),
         "model": dataclasses.asdict(model_config(family)),

@@ -87,7 +87,7 @@ def _embedding_rank(rank, world):
             torch.manual_seed(0)
             module = nn.Linear(4, 4)
             ex = rt.stage_executor(
-                module, loss_fn, microbatches=M, dispatch="fixed", hint="1f1b", cost=cost
+                module, loss_fn, n_microbatches=M, dispatch="fixed", hint="1f1b", cost=cost
             )
             for what, call in (
                 ("run", lambda: ex.run_iteration(0, batches)),
@@ -115,7 +115,7 @@ def _embedding_rank(rank, world):
             module.zero_grad()
 
             picky = Picky(4, 4) if rt.stage == 1 else nn.Linear(4, 4)
-            ex = rt.stage_executor(picky, loss_fn, microbatches=M, dispatch="fixed", hint="1f1b")
+            ex = rt.stage_executor(picky, loss_fn, n_microbatches=M, dispatch="fixed", hint="1f1b")
             await ex.run_iteration(5, batches)
 
     try:

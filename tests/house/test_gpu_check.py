@@ -124,7 +124,7 @@ def test_the_runs_the_gpu_checks_start_work_on_gloo():
 @pytest.mark.timeout(60)
 def test_memory_prediction_counts_weights_optimizer_and_the_budget():
     dev, world = fake_device()
-    f = run(gpu_check.memory_figures(dev, n_embd=32, n_layer=2, microbatches=4, iterations=1))
+    f = run(gpu_check.memory_figures(dev, n_embd=32, n_layer=2, n_microbatches=4, iterations=1))
     from rrfp.models.gpt import GPT, GPTConfig
 
     weights = sum(

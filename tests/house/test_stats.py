@@ -3,6 +3,7 @@ its share of modules, no setting's default is written outside its one declaratio
 word is written in rrfp/, docs/ or the CLI's help."""
 
 import importlib.util
+import re
 from pathlib import Path
 
 from harness import ROOT
@@ -100,4 +101,9 @@ def test_the_retired_word_search_can_fail(tmp_path):
     (tmp_path / "rrfp" / "old.py").write_text("from x import ExecutorSettings\n")
     uses = STATS.retired_uses(tmp_path, extra={"help": "--peer_timeout_s S"})
     assert uses["ExecutorSettings"] == ["rrfp/old.py"] and uses["peer_timeout_s"] == ["help"]
+    # a bracketed word and a flag are found where they stand alone, not inside longer ones
+    assert re.search(STATS._bounded("[runtime]"), "write [runtime] here")
+    assert not re.search(STATS._bounded("RuntimeSection"), "OldRuntimeSection")
+    assert re.search(STATS._bounded("--mb"), "rrfp sim --mb 8")
+    assert not re.search(STATS._bounded("--mb"), "rrfp sim --mb-size 8 ---mb")
     assert not STATS.report(tmp_path)[1]

@@ -51,13 +51,13 @@ def loss(out, y):
 
 async def unclosed():
     rt = rrfp.PipelineRuntime.start(pp=2, timeout_s=20)
-    ex = rt.stage_executor(module, loss, microbatches=2)
+    ex = rt.stage_executor(module, loss, n_microbatches=2)
     await ex.run_iteration(0, batches)
 
 
 async def concurrent():
     async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
-        ex = rt.stage_executor(module, loss, microbatches=2)
+        ex = rt.stage_executor(module, loss, n_microbatches=2)
         first = asyncio.ensure_future(ex.run_iteration(0, batches))
         await asyncio.sleep(0)
         try:
@@ -68,7 +68,7 @@ async def concurrent():
 
 async def cancelled():
     async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
-        ex = rt.stage_executor(module, loss, microbatches=2)
+        ex = rt.stage_executor(module, loss, n_microbatches=2)
         await ex.run_iteration(0, batches)
         it = asyncio.ensure_future(ex.run_iteration(1, batches))
         await asyncio.sleep(0.3)
@@ -82,7 +82,7 @@ async def cancelled():
 
 async def forever():
     async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
-        ex = rt.stage_executor(module, loss, microbatches=2)
+        ex = rt.stage_executor(module, loss, n_microbatches=2)
         for it in range(100000):
             await ex.run_iteration(it, batches)
             if it == 0:

@@ -230,7 +230,7 @@ class _Pipe:
 
 @pytest.fixture(scope="module")
 def data():
-    return batches(DATA, step=0, num_microbatches=M)
+    return batches(DATA, step=0, n_microbatches=M)
 
 
 @pytest.fixture(scope="module")

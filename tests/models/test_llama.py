@@ -207,7 +207,7 @@ def test_named_configs_load(name, world):
     gloo, not built)."""
     from rrfp.app.config.train_config import TrainConfig
 
-    sets = ["runtime.backend=gloo"] if name == "llama-1b" else []
+    sets = ["compute.backend=gloo"] if name == "llama-1b" else []
     cfg = TrainConfig.load(f"configs/{name}.toml", sets, world_size=world)
     assert cfg.workload is llama.workload and isinstance(cfg.model, LlamaConfig)
     if name == "llama-1b":  # its stages on the meta device: shapes, no memory

@@ -244,7 +244,7 @@ def _one_iteration(rank, world, configs):
                     )
                 )
                 e = rt.stage_executor(
-                    module, loss_fn, microbatches=M, dispatch=ex, hint=hint, budget="2x"
+                    module, loss_fn, n_microbatches=M, dispatch=ex, hint=hint, budget="2x"
                 )
                 res = await e.run_iteration(0, data)
                 missing = [n for n, p in module.named_parameters() if p.grad is None]

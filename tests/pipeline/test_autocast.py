@@ -1,6 +1,6 @@
 """The caller's autocast reaches every F, B and W of the call (rrfp/pipeline/thread_state.py):
 ``with torch.autocast("cpu", torch.bfloat16)`` around ``ScheduleReady.step``/``eval`` and around
-``await stage_executor(...).run_iteration(...)``, and ``runtime.autocast = "bfloat16"`` for ``rrfp
+``await stage_executor(...).run_iteration(...)``, and ``compute.autocast = "bfloat16"`` for ``rrfp
 train``, match a one-process bfloat16 run of the same model and data within bfloat16 tolerance, and
 differ measurably from the float32 run, on real gloo ranks."""
 
@@ -88,7 +88,7 @@ def _both_paths(rank, world):
             async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
                 module = copy.deepcopy(full_model()[rt.stage])
                 ex = rt.stage_executor(
-                    module, loss_fn, microbatches=M, hint="bfw"
+                    module, loss_fn, n_microbatches=M, hint="bfw"
                 )  # split: B and W
                 batches = list(zip(x.chunk(M), y.chunk(M)))
                 with torch.autocast("cpu", BF16):
@@ -135,10 +135,10 @@ def _train(rank, world, autocast):
     import torch.distributed as dist
 
     from rrfp.app.config.sections import (
+        ComputeSection,
         OptimSection,
         ParallelSection,
         RunSection,
-        RuntimeSection,
         ScheduleSection,
     )
     from rrfp.app.config.train_config import TrainConfig
@@ -151,9 +151,9 @@ def _train(rank, world, autocast):
         cfg = TrainConfig(
             RunSection(steps=STEPS, seed=0, timeout_s=60),
             ParallelSection(pp=world),
-            ScheduleSection(microbatches=M),
+            ScheduleSection(n_microbatches=M),
             OptimSection(lr=LR),
-            RuntimeSection(autocast=autocast),
+            ComputeSection(autocast=autocast),
             model=model,
             data=data,
         )
@@ -204,6 +204,6 @@ def test_train_autocast_matches_one_process_bfloat16():
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
     apart = max(abs(a - b) / abs(b) for a, b in zip(losses, far))
     assert worst < CLOSE, (
-        f"rrfp train under runtime.autocast = bfloat16 {losses} vs one process {want}"
+        f"rrfp train under compute.autocast = bfloat16 {losses} vs one process {want}"
     )
     assert apart > 10 * worst, f"{losses} vs float32 {far}: autocast made no measurable difference"

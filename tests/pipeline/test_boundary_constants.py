@@ -95,7 +95,7 @@ def _ranks(rank, world):
             owned = {0: [0, 1], 1: [2, 3]} if virtual == 1 else {s: [s] for s in range(4)}
             modules = [nn.Sequential(*(every[c] for c in owned[s])) for s in rt.stages]
             ex = rt.stage_executor(
-                modules if virtual > 1 else modules[0], loss_fn, microbatches=M, hint=hint
+                modules if virtual > 1 else modules[0], loss_fn, n_microbatches=M, hint=hint
             )
             sent_b, produced_b = [], []
             for s in rt.stages:

@@ -109,7 +109,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                 ex = rt.stage_executor(
                     mods,
                     _loss,
-                    microbatches=M,
+                    n_microbatches=M,
                     hint=hint,
                     split=split,
                     # slow: replica 1's stage 0 that many times slower, so that its peers offer

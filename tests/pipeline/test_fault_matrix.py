@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from harness import ROOT  # noqa: E402
 from harness.distributed import _child, _context, free_port  # noqa: E402
 
-from rrfp.app.faults import pause  # noqa: E402
+from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
@@ -187,7 +187,7 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
         waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
         layout = dict(pp=1, dp=world) if sync else dict(pp=world)
         async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
-            ex = rt.stage_executor(module, _loss, microbatches=M, split=phase == "W" or None)
+            ex = rt.stage_executor(module, _loss, n_microbatches=M, split=phase == "W" or None)
             # without the executor, sync() starts the DP all-reduce: rank 0 waits for it there
             dp = rt.grad_sync(module)
             if kind == "idle" and rank == 1:  # no message
@@ -283,14 +283,15 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
 
 
 def table() -> str:
+    from harness import agent_fault_rows as agents
     from harness import train_fault_rows as train
 
     lines = [
         "# Fault matrix",
         "",
-        "Generated from `ROWS` in tests/pipeline/test_fault_matrix.py and",
-        "tests/harness/train_fault_rows.py (`python tests/pipeline/test_fault_matrix.py` rewrites",
-        "it); each row is a test that injects the",
+        "Generated from `ROWS` in tests/pipeline/test_fault_matrix.py,",
+        "tests/harness/train_fault_rows.py and tests/harness/agent_fault_rows.py (`python",
+        "tests/pipeline/test_fault_matrix.py` rewrites it); each row is a test that injects the",
         "fault on rank 1 of two and asserts the outcome on rank 0. Rows marked long are the `long`",
         "tier (they wait out their fault): `make test-long` runs them, `make test` the others, and",
         "CI both.",
@@ -329,18 +330,28 @@ def table() -> str:
         f"{train.PROGRESS_S:g} for a hung rank), finishes exactly (both ranks exit 0;",
         "rank 0 prints the losses of the run without the fault), stops, one line (both ranks",
         "exit 143 within the bound; one 'stopped' line for the job, the last completed step",
-        "saved).",
+        "saved), the disk named (both ranks exit 1 with one line each that names the checkpoint,",
+        "rank 1 and the cause: `File too large (EFBIG)` and the limit; nothing of the step is",
+        "committed, and its partial folder is deleted), falls back, set aside (the resumed job",
+        "exits 0 with the uninterrupted run's loss of step 3, resumed from step 2; rank 0's",
+        "warning names step 3 and where it went; rejected-step-00000003 holds its files byte for",
+        "byte).",
         "",
         "Kinds: kill, stop (for good), pause (SIGSTOP, continued after half of timeout_s), slow",
         "(1.5 x the phase's bound more: a task's lane held, or a sleep in the phase), term",
-        "(SIGTERM, as torchrun's agent sends), hang (a sleep for good, alive and beating: rank 0",
+        "(SIGTERM, as torchrun's agent sends), full (rank 1's file size limit drops to",
+        f"{FULL_BYTES // 1024} KiB, as `ulimit -f` sets it, as the checkpoint after step 1 is",
+        "written: torch's writer fails on the real file, and rank 1 names the cause), hang (a",
+        "sleep for good, alive and beating: rank 0",
         "names it at its next collective once the job made no progress for progress_s, which",
         "every row sets, so the slow rows also show a slow phase under it is not blamed; inside",
         "the F task, rank 1 names its own task once it ran past timeouts.task_s, 2 x progress_s",
         f"= {train.TASK_S:g} s, as that task's kind was measured at step 1: `rank 1 (stage 1):",
         "iteration 1: task F1 (microbatch 1) has run for 12.0 s and not returned, over its bound",
         "of 12 s (...): stuck in its compute, a collective inside it or a kernel`; a task slower",
-        "than usual is not blamed until it runs 10 x the longest of its kind so far). Phases:",
+        "than usual is not blamed until it runs 10 x the longest of its kind so far), flip (one",
+        "byte of the latest checkpoint's commit record, between a complete run and its resume).",
+        "Phases:",
         "start-up (before rank 1 joins the",
         "rendezvous: no heartbeat yet, so a rank late past the rendezvous's bound is absent), the",
         "F, B or W (BFW's split) task of step 2's microbatch 1, step 2's gradient sync (2 DP",
@@ -348,7 +359,8 @@ def table() -> str:
         "after step 3 (a SIGTERM there comes after a complete run), and TP F: step 2's F1 on one",
         "stage of two TP ranks, where rank 1 hangs inside the task before its first TP all-reduce,",
         "and EP F: step 2's F1 on one MoE stage of two EP ranks (configs/moe-tiny.toml, ep = 2),",
-        "where rank 1 is killed, stopped or hangs inside the task before its first all-to-all.",
+        "where rank 1 is killed, stopped or hangs inside the task before its first all-to-all,",
+        "and the resume of a complete run from its checkpoints.",
         "Three steps, a two-layer GPT (EP F: a two-layer Llama whose second block is a MoE).",
         "",
         "A TP peer stuck inside a task: TP's all-reduces run inside the task, on the compute",
@@ -378,6 +390,34 @@ def table() -> str:
     lines += [
         f"| {api} | {kind} | {phase} | {outcome} | {'long' if kind in train.LONG else ''} |"
         for api, kind, phase, outcome in train.ROWS
+    ]
+    lines += [
+        "",
+        "## One job, one config, one checkpoint folder",
+        "",
+        "Two torchrun agents as one job (`--nnodes 2`, a c10d rendezvous on one machine, one",
+        "rank each), started alike but for one `--set` on node 1 (tests/app/job/",
+        "test_fault_matrix_agents.py). Every rank posts its identity on the agent store before",
+        "any process group: the resolved config key by key, the model's source file, the",
+        "fingerprints of the files [model] and [data] name, the world size. Outcomes: finishes",
+        "(both agents exit 0); refused (every rank exits 2 at once, none waiting for a timeout:",
+        "the job's waits are set beyond the test's; one `rrfp:` line for the job naming the key,",
+        "each value and the nodes and ranks that hold it: `rrfp: error: the ranks of this job",
+        "were started with different configs, models or data: run.seed: 0 (node 0 (HOST): rank",
+        "0) vs 5 (node 1 (HOST): rank 1) (...)`). Two jobs on one checkpoint.dir (2 ranks",
+        "each): a second job started while the first trains is refused",
+        "in one line naming the owner (`checkpoint.dir DIR is in use by job ID (host HOST, pid",
+        "PID, started TIME): ...`); once the first was killed, its OWNER record is stale (its",
+        "pid is gone) and a new job resumes from its newest checkpoint. Two jobs started at once",
+        "on an empty folder: one owns it, every step it commits verifies and names it in its",
+        "commit record; the other is refused naming it.",
+        "",
+        "| API | case | outcome | tier |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {api} | {case} | {outcome} | |"
+        for api, case, outcome in agents.ROWS + agents.OWNER_ROWS
     ]
     return "\n".join(lines) + "\n"
 

@@ -66,7 +66,7 @@ def _rank(rank, world):
             dispatch, split, hints, budgets = unequal
             how = dict(hint=hints[d], dispatch=dispatch, split=split, budget=budgets[d])
         held = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
-        ex = rt.stage_executor(modules, loss_fn, microbatches=M, **how)
+        ex = rt.stage_executor(modules, loss_fn, n_microbatches=M, **how)
         sync = rt.grad_sync(held, ex) if kind == "dp" else None
         opt = torch.optim.AdamW(held.parameters(), lr=LR)
         named = [
@@ -168,7 +168,7 @@ def _replica_stuck(rank, world, progress_s):
         async with rrfp.PipelineRuntime.start(pp=1, dp=2, timeout_s=2.0, timeouts=waits) as rt:
             torch.manual_seed(0)
             module = shard_stage(torch.nn.Linear(8, 8), rt.dp_group, "cpu")
-            ex = rt.stage_executor(module, lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
+            ex = rt.stage_executor(module, lambda y, t: ((y - t) ** 2).mean(), n_microbatches=2)
             if rank == 1:
                 await asyncio.sleep(3 * progress_s)
                 return

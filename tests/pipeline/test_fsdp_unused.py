@@ -61,7 +61,7 @@ def _rank(rank, world):
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
             fully_shard(module.extra, mesh=mesh)
             fully_shard(module, mesh=mesh)
-            ex = rt.stage_executor(module, _loss, microbatches=M, hint="bfw")
+            ex = rt.stage_executor(module, _loss, n_microbatches=M, hint="bfw")
             opt = torch.optim.AdamW(module.parameters(), lr=LR)
             for step in range(STEPS):
                 opt.zero_grad()

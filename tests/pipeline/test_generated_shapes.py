@@ -122,7 +122,7 @@ def _ranks(rank, world, todo):
                     ex = rt.stage_executor(
                         modules,
                         nn.functional.mse_loss,
-                        microbatches=shape["M"],
+                        n_microbatches=shape["M"],
                         dispatch=shape["dispatch"],
                         hint=shape["hint"],
                         budget=shape["budget"],

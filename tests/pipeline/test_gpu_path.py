@@ -31,10 +31,11 @@ from harness.fake_cuda import (
 )
 
 from rrfp.comm.message import HEADER_LEN
-from rrfp.core.layout import plan_layout
+from rrfp.core.layout import layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.core.variability import Variability
+from rrfp.pipeline.timeouts import Timeouts
 
 DEVICE = torch.device("cuda", 0)
 M = 4
@@ -96,7 +97,7 @@ def run_pipeline(
     from rrfp.models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
-    layout = plan_layout(world.size, pp, tp, dp)
+    layout = layout_for(world.size, pp, tp, dp)
     stages = VirtualLayout(pp, virtual, placement)
     model_cfg = GPTConfig(n_layer=2 * pp * virtual, n_embd=16, n_head=2, block_size=32)
     data = batches(DataConfig(seed=3, microbatch_size=2, min_seq_len=6, max_seq_len=24), 0, M * dp)
@@ -112,10 +113,9 @@ def run_pipeline(
             layout,
             DEVICE,
             "nccl",
-            timeout_s,
+            Timeouts.derive(timeout_s),
             unit_ms,
             False,
-            2 * timeout_s + 30,
             ops=FakeCudaOps(world, rank),
             torch_module=world.torch_for(rank),
             stages=stages,
@@ -129,7 +129,7 @@ def run_pipeline(
             ex = rt.stage_executor(
                 list(modules) if virtual > 1 else modules[0],
                 loss_fn,
-                microbatches=M,
+                n_microbatches=M,
                 hint=hint,
                 split=split,
                 variability=Variability(comm=0.0),
@@ -272,7 +272,7 @@ def test_virtual_stages_create_and_connect_nothing_after_startup(fake_dist, plac
     assert world.after_startup(world.host_syncs) == []
     # a channel's group joins two pipeline ranks; interleaved: boundaries 0-1, 1-2, 2-3 all cross
     # ranks; v: 0-1 and 2-3 (1-2 is the local turn); two groups (fwd, bwd) each, per TP rank
-    pp_of = plan_layout(4, 2, 2, 1).coords
+    pp_of = layout_for(4, 2, 2, 1).coords
     channels = [
         g for g in world.groups if g.backend == "nccl" and len({pp_of(r).pp for r in g.ranks}) == 2
     ]

@@ -58,7 +58,7 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
             torch.manual_seed(0)
             full = GPT(model_cfg)
             modules = [make_stage(full, s, rt.num_stages, tp_group=rt.tp_group) for s in rt.stages]
-            ex = rt.stage_executor(modules, loss_fn, microbatches=M)
+            ex = rt.stage_executor(modules, loss_fn, n_microbatches=M)
             sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
             mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
             for norm_type in norm_types:

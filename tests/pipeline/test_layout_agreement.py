@@ -34,7 +34,7 @@ def _runtime_rank(rank, world):
     async def main():
         waits = Timeouts.derive(2.0, progress_s=PROGRESS_S)
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
-            ex = rt.stage_executor(module, _loss, microbatches=M)
+            ex = rt.stage_executor(module, _loss, n_microbatches=M)
             await ex.run_iteration(0, list(zip(x.chunk(M), y.chunk(M))))
 
     began = time.monotonic()

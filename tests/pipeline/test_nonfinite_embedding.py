@@ -40,7 +40,7 @@ def _rank(rank, world, policy):
 
     async def main():
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=30) as rt:
-            ex = rt.stage_executor(stage, loss_fn, microbatches=M, on_nonfinite=policy)
+            ex = rt.stage_executor(stage, loss_fn, n_microbatches=M, on_nonfinite=policy)
             opt = torch.optim.SGD(stage.parameters(), lr=0.5)
             try:
                 result = await ex.run_iteration(0, batches)

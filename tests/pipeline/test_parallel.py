@@ -91,7 +91,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
                     for s in rt.stages
                 ]
                 module = modules[0] if virtual == 1 else torch.nn.ModuleList(modules)
-                e = rt.stage_executor(modules, loss_fn, microbatches=M, dispatch=ex, hint=hint)
+                e = rt.stage_executor(modules, loss_fn, n_microbatches=M, dispatch=ex, hint=hint)
                 sync = rt.grad_sync(module, e)
                 mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)
@@ -223,7 +223,9 @@ def _tp_peer_stuck(rank, world, progress_s, heartbeat, stuck_s):
         ) as rt:
             torch.manual_seed(0)
             layer = RowParallelLinear.from_full(torch.nn.Linear(8, 8), rt.tp_group)
-            ex = rt.stage_executor(Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), microbatches=2)
+            ex = rt.stage_executor(
+                Stuck(layer), lambda y, t: ((y - t) ** 2).mean(), n_microbatches=2
+            )
             await timed_iteration(ex, mark)
 
     return timed_outcome(main)

@@ -60,7 +60,7 @@ def _one_iteration(
                 e = rt.stage_executor(
                     module,
                     loss_fn,
-                    microbatches=M,
+                    n_microbatches=M,
                     dispatch=ex,
                     hint=hint,
                     budget=budget,
@@ -162,7 +162,7 @@ def _twenty_steps(rank, world, configs):
         cfg = TrainConfig(
             RunSection(steps=steps, seed=0, timeout_s=60),
             ParallelSection(pp=world),
-            ScheduleSection.parse(dict(microbatches=M, dispatch=ex, hint=hint)),
+            ScheduleSection.parse(dict(n_microbatches=M, dispatch=ex, hint=hint)),
             OptimSection(lr=lr),
             emulation=EmulationSection(unit_ms=0.1 if hint == "plan" else 0.0),
             model=model_cfg,
@@ -189,7 +189,7 @@ def _stage_main_once(rank, world):
     model_cfg, data_cfg = _model_and_data()
     cfg = TrainConfig(
         RunSection(steps=2, timeout_s=60),
-        schedule=ScheduleSection(microbatches=M),
+        schedule=ScheduleSection(n_microbatches=M),
         model=model_cfg,
         data=data_cfg,
     )

@@ -129,7 +129,7 @@ def _ranks(rank, world):
                 chunk = build()[rank]
                 opt = torch.optim.AdamW(chunk.parameters(), lr=1e-2)
                 ex = rt.stage_executor(
-                    chunk, nn.functional.mse_loss, microbatches=M, dispatch=dispatch, hint=hint
+                    chunk, nn.functional.mse_loss, n_microbatches=M, dispatch=dispatch, hint=hint
                 )
                 grad_err = None
                 for step in range(STEPS):

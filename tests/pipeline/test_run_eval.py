@@ -48,7 +48,7 @@ def _eval_rank(rank, world):
 
     async def main():
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=30) as rt:
-            ex = rt.stage_executor(stage, _loss, microbatches=M)
+            ex = rt.stage_executor(stage, _loss, n_microbatches=M)
             result = await ex.run_eval(0, batches)
             untouched = all(p.grad is None for p in stage.parameters())
             trained = await ex.run_iteration(1, batches)

@@ -246,8 +246,8 @@ def check_split(program, position: int, seed: int) -> bool:
     w = StageWorker(module, position, 3, 1, _loss, split=True)
     x = xs if len(xs) > 1 else xs[0]
     w.forward(0, x, targets if position == 2 else None)
-    plan = w._slots[0].weights
-    in_b = {id(p) for p in plan.in_b}
+    work = w._slots[0].weights
+    in_b = {id(p) for p in work.in_b}
     grad_in = w.backward(
         0, None if position == 2 else (grads if isinstance(out, tuple) else grads[0])
     )
@@ -294,15 +294,15 @@ def _before_15():
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
-    plan = module.plan
+    analyse = module.plan  # the fixture's name for weight_split.analyse
 
-    def plan_with_reasons(*args, **kwargs):  # the worker now reads why a parameter stays in B
-        result = plan(*args, **kwargs)
+    def analyse_with_reasons(*args, **kwargs):  # the worker now reads why a parameter stays in B
+        result = analyse(*args, **kwargs)
         result.reasons = {id(p): "used more than once" for p in result.in_b}
         result.whole = None  # and whether the whole backward stays in B (a reentrant checkpoint)
         return result
 
-    module.plan = plan_with_reasons
+    module.analyse = analyse_with_reasons
     return module
 
 

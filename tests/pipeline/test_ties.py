@@ -85,7 +85,7 @@ def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
                     for s in rt.stages
                 ],
             }[declare]
-            ex = rt.stage_executor(modules, loss_fn, microbatches=M, tied=tied)
+            ex = rt.stage_executor(modules, loss_fn, n_microbatches=M, tied=tied)
             sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
             params = list({id(p): p for m in modules for p in m.parameters()}.values())
             opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)
@@ -302,7 +302,7 @@ def _one_rank_never_sets_up(rank, world, bound_s, mark):
                 return
             began = time.monotonic()
             rt.stage_executor(
-                module, lambda y, t: ((y - t) ** 2).mean(), microbatches=2, tied={"w": "weight"}
+                module, lambda y, t: ((y - t) ** 2).mean(), n_microbatches=2, tied={"w": "weight"}
             )
 
     try:

@@ -202,7 +202,7 @@ def test_a_typo_in_check_is_one_line_naming_it_exit_1(tmp_path, monkeypatch):
 def test_batches_that_return_too_few_are_found_by_a_dry_run(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(
-        '[run]\nmodel = "tests.fixtures.user_mistakes:one_short"\n[schedule]\nmicrobatches = 2\n'
+        '[run]\nmodel = "tests.fixtures.user_mistakes:one_short"\n[schedule]\nn_microbatches = 2\n'
     )
     res = rrfp_in_process(
         "train", "--config", str(config), "--dry-run", "--set", f"log_dir={tmp_path}"

@@ -75,7 +75,7 @@ def _ranks(rank, world):
                     ex = rt.stage_executor(
                         modules,
                         nn.functional.mse_loss,
-                        microbatches=M,
+                        n_microbatches=M,
                         dispatch=dispatch,
                         hint=hint,
                     )
@@ -212,7 +212,7 @@ def _complex_turn(rank, world, placement):
     async def main():
         async with PipelineRuntime.start(pp=1, timeout_s=30, virtual=V, placement=placement) as rt:
             modules = [ToComplex().double(), FromComplex().double()]
-            ex = rt.stage_executor(modules, nn.functional.mse_loss, microbatches=M, hint="bfw")
+            ex = rt.stage_executor(modules, nn.functional.mse_loss, n_microbatches=M, hint="bfw")
             try:
                 await ex.run_iteration(0, batches(0))
             except MessageError as e:

@@ -159,7 +159,9 @@ def _plain_pipeline(rank, world, configs):
                         for _ in range(world)
                     ]
                 )[rank]
-                ex = rt.stage_executor(chunk, loss_fn, microbatches=4, dispatch=dispatch, hint=hint)
+                ex = rt.stage_executor(
+                    chunk, loss_fn, n_microbatches=4, dispatch=dispatch, hint=hint
+                )
                 res = await ex.run_iteration(0, data)
                 out[(dispatch, hint)] = (
                     max((p.grad - ref[n]).abs().max().item() for n, p in chunk.named_parameters()),

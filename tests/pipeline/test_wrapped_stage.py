@@ -88,7 +88,7 @@ def _stage_executor_refuses(rank, world):
                 for build, expected in per_rank[rank]:
                     modules = [b() for b in build] if isinstance(build, tuple) else build()
                     try:
-                        rt.stage_executor(modules, loss_fn, microbatches=2)
+                        rt.stage_executor(modules, loss_fn, n_microbatches=2)
                         seen.append((virtual, expected, None))
                     except NotImplementedError as e:
                         seen.append((virtual, expected, str(e)))

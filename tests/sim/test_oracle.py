@@ -36,7 +36,7 @@ FREE_COMM = Variability(comm=0.25)  # a binary fraction: exact in floats and in 
 def tolerance(cfg: SimConfig) -> float:
     """Times are rounded down to 1/SCALE per task and message: the most the
     integer optimum can differ from the real one."""
-    return 3 * 3 * cfg.stages * cfg.microbatches / SCALE
+    return 3 * 3 * cfg.pp * cfg.n_microbatches / SCALE
 
 
 def test_one_microbatch_by_hand():
@@ -97,9 +97,9 @@ def brute_force(cfg: SimConfig) -> float:
     """Shortest makespan over every combination of per-stage orders that runs
     and holds the budget: left-shifted schedules are enough for a makespan,
     and the in-flight count on a stage depends only on its order."""
-    per_stage = list(topological_orders(cfg.microbatches, cfg.split_backward))
+    per_stage = list(topological_orders(cfg.n_microbatches, cfg.split_backward))
     best = float("inf")
-    for orders in itertools.product(per_stage, repeat=cfg.stages):
+    for orders in itertools.product(per_stage, repeat=cfg.pp):
         try:
             r = replay(cfg, [[(s, t) for t in order] for s, order in enumerate(orders)])
         except SimDeadlock:
@@ -226,7 +226,7 @@ def test_cli_without_ortools_says_what_to_install(monkeypatch, capsys):
 
     for name in ("ortools", "ortools.sat", "ortools.sat.python", "ortools.sat.python.cp_model"):
         monkeypatch.setitem(sys.modules, name, None)
-    assert main(["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--oracle"]) == 2
+    assert main(["sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", "--oracle"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'rrfp[oracle]'" in err[0], err
 
@@ -236,7 +236,7 @@ def run_cli(*args):
 
 
 def test_cli_refuses_large_runs():
-    p = run_cli("sim", "--pp", "16", "--mb", "64", "--oracle")
+    p = run_cli("sim", "--pp", "16", "--n-microbatches", "64", "--oracle")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "--oracle is for small S and M" in lines[0] and "1024" in lines[0], (
@@ -251,7 +251,7 @@ def test_cli_column_and_json():
         "sim",
         "--pp",
         "3",
-        "--mb",
+        "--n-microbatches",
         "3",
         "--seeds",
         "2",
@@ -271,7 +271,7 @@ def test_cli_column_and_json():
         assert not d["upper_limit"]
         if d["holds_budget"]:
             assert min(d["per_seed"]) >= 1 - 3 * 3 * 3 * 3 / SCALE
-    rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"]): r for r in doc["rows"]}
     assert (
         rows[("fixed", "gpipe")]["vs_optimum"]["holds_budget"] is False
     )  # M = 3 in flight, limit 2 on stage 2
@@ -296,7 +296,7 @@ def test_cli_timed_out_seed_is_an_upper_limit():
         "sim",
         "--pp",
         "4",
-        "--mb",
+        "--n-microbatches",
         "16",
         "--seeds",
         "1",

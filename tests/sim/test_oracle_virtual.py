@@ -27,7 +27,7 @@ CLASSIC = {"v": "zbv", "interleaved": "1f1b"}  # each placement's fixed schedule
 
 def tolerance(cfg: SimConfig) -> float:
     """Times are rounded down to 1/SCALE per task and message, on every global stage."""
-    return 3 * 3 * cfg.num_stages * cfg.microbatches / SCALE
+    return 3 * 3 * cfg.num_stages * cfg.n_microbatches / SCALE
 
 
 def rank_spans(result):

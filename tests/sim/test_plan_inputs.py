@@ -16,7 +16,7 @@ from harness.synthetic_costs import synthetic
 
 import rrfp.core.variability as variability
 from rrfp.app.cli.calibrate_command import calibration_device
-from rrfp.app.config.sections import RuntimeSection
+from rrfp.app.config.sections import ComputeSection
 from rrfp.app.config.train_config import ConfigError, TrainConfig
 from rrfp.core.budget import Budget
 from rrfp.core.cost import CostModel
@@ -127,7 +127,7 @@ def test_replay_of_a_planned_run_follows_each_steps_plan():
     ]
     doc = {
         "pp": 2,
-        "microbatches": 8,
+        "n_microbatches": 8,
         "seed": 3,
         "preset": "lang",
         "hint": "plan",
@@ -167,10 +167,10 @@ def test_replay_of_a_planned_run_follows_each_steps_plan():
 
 
 def test_calibrate_measures_on_the_runs_device():
-    assert calibration_device(RuntimeSection()) == torch.device("cpu")
-    assert calibration_device(RuntimeSection(device="cpu")) == torch.device("cpu")
-    assert calibration_device(RuntimeSection(backend="nccl")) == torch.device("cuda")
-    assert calibration_device(RuntimeSection(backend="nccl", device="cuda")) == torch.device("cuda")
+    assert calibration_device(ComputeSection()) == torch.device("cpu")
+    assert calibration_device(ComputeSection(device="cpu")) == torch.device("cpu")
+    assert calibration_device(ComputeSection(backend="nccl")) == torch.device("cuda")
+    assert calibration_device(ComputeSection(backend="nccl", device="cuda")) == torch.device("cuda")
     if torch.cuda.is_available():
         # the CPU-only refusal below does not apply; scripts/gpu_check.py calibrates on the GPU
         return

@@ -67,9 +67,9 @@ def test_sim_shows_the_planned_row_with_its_planning_time():
 
     from harness.cli_run import rrfp_in_process
 
-    p = rrfp_in_process("sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--json", "-")
+    p = rrfp_in_process("sim", "--pp", "4", "--n-microbatches", "8", "--seeds", "2", "--json", "-")
     assert p.returncode == 0, p.stderr
-    rows = {(r["executor"], r["hint"]): r for r in json.loads(p.stdout)["rows"]}
+    rows = {(r["dispatch"], r["hint"]): r for r in json.loads(p.stdout)["rows"]}
     assert rows[("ready", "plan")]["median_plan_ms"] > 0 and "plan" in p.stderr
 
 

@@ -35,7 +35,7 @@ budgets = st.one_of(
 
 def check_invariants(r):
     cfg = r.config
-    S, M, split = cfg.stages, cfg.microbatches, cfg.split_backward
+    S, M, split = cfg.pp, cfg.n_microbatches, cfg.split_backward
     var, seed = cfg.variability, cfg.seed
     at = {}
     for s, t, a, b in r.timeline:
@@ -80,14 +80,14 @@ def check_invariants(r):
     S=st.integers(1, 8),
     M=st.integers(1, 32),
     hint=st.sampled_from(list(BUILTIN)),
-    executor=st.sampled_from(["ready", "fixed"]),
+    dispatch=st.sampled_from(["ready", "fixed"]),
     budget=budgets,
     var=variabilities,
     seed=st.integers(0, 2**31),
     split=st.sampled_from([None, True, False]),
 )
-def test_properties(S, M, hint, executor, budget, var, seed, split):
-    r = simulate(SimConfig(S, M, hint, executor, budget, var, seed=seed, split=split, record=True))
+def test_properties(S, M, hint, dispatch, budget, var, seed, split):
+    r = simulate(SimConfig(S, M, hint, dispatch, budget, var, seed=seed, split=split, record=True))
     check_invariants(r)
     assert r.makespan >= r.lower_bound - 1e-9
     assert 0 < r.efficiency <= 1 + 1e-9
@@ -142,7 +142,7 @@ def test_fixed_deadlock_is_reported():
         SimDeadlock, match="stage 1 waits for F1 in its fixed order, which needs its input"
     ):
         simulate(SimConfig(2, 2, hint, "fixed", variability=Variability.preset("none")))
-    # the ready executor is not fooled by the same hint
+    # ready dispatch is not fooled by the same hint
     simulate(SimConfig(2, 2, hint, "ready", budget=1, variability=Variability.preset("none")))
 
 
@@ -173,7 +173,7 @@ def test_sim_and_plot_commands_run_as_processes(tmp_path):
             rrfp_argv(*args), env=child_env(), capture_output=True, text=True, timeout=120
         )
 
-    p = rrfp("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--trace", str(trace))
+    p = rrfp("sim", "--pp", "2", "--n-microbatches", "4", "--seeds", "1", "--trace", str(trace))
     assert p.returncode == 0 and "1f1b" in p.stdout, p.stderr
     p = rrfp("plot", str(trace), "--out", str(png))
     assert p.returncode == 0 and png.read_bytes()[:4] == b"\x89PNG", p.stderr
@@ -188,7 +188,7 @@ def test_sim_and_plot_commands_run_as_processes(tmp_path):
     [
         (["sim", "--hints", "nope"], "unknown hint 'nope'"),
         (["sim", "--budget", "0"], "below 1"),
-        (["sim", "--mb", "0"], "--mb must be >= 1"),
+        (["sim", "--n-microbatches", "0"], "--n-microbatches must be >= 1"),
         (["sim", "--pp", "0"], "--pp must be >= 1"),
         (["sim", "--dispatch", "lazy"], "unknown dispatch mode"),
     ],
@@ -223,7 +223,7 @@ def test_cli_jitter_replaces_the_presets_and_is_checked():
         (["plot", "configs/gpt-tiny.toml"], "configs/gpt-tiny.toml: not a Chrome trace (not JSON)"),
         (["sim", "--cost", "/nonexistent.json"], "--cost is the cost model a recorded run used"),
         (
-            ["sim", "--pp", "100000", "--mb", "100000"],
+            ["sim", "--pp", "100000", "--n-microbatches", "100000"],
             "is 10,000,000,000 stage-microbatches per simulation",
         ),
     ],
@@ -241,7 +241,7 @@ def test_cli_refuses_in_one_line_in_process(argv, needle, capsys, monkeypatch):
 def test_cli_bad_csv(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text("stage,task\n0,F0\n0,BX\n")
-    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--hints", str(bad))
+    p = run_cli("sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", "--hints", str(bad))
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "bad.csv:3" in p.stderr
 
 
@@ -251,7 +251,7 @@ def test_cli_outputs(tmp_path):
         "sim",
         "--pp",
         "4",
-        "--mb",
+        "--n-microbatches",
         "8",
         "--seeds",
         "3",
@@ -267,7 +267,7 @@ def test_cli_outputs(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "speedup vs fixed 1f1b" in p.stdout
     doc = json.loads(out.read_text())
-    rows = {(r["executor"], r["hint"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"]): r for r in doc["rows"]}
     assert rows[("fixed", "1f1b")]["median_speedup"] == 1.0
     assert len(rows[("ready", "bfw")]["speedups"]) == 3
     assert len(rows[("ready", "bfw")]["stage_bubble"]) == 4 and all(
@@ -281,11 +281,21 @@ def test_cli_outputs(tmp_path):
 def test_cli_json_to_stdout_is_json_alone():
     """`rrfp sim --json -` pipes into jq: stdout is one JSON document, the table goes to stderr."""
     p = run_cli(
-        "sim", "--pp", "2", "--mb", "4", "--seeds", "2", "--hints", "1f1b,bfw", "--json", "-"
+        "sim",
+        "--pp",
+        "2",
+        "--n-microbatches",
+        "4",
+        "--seeds",
+        "2",
+        "--hints",
+        "1f1b,bfw",
+        "--json",
+        "-",
     )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert {(r["executor"], r["hint"]) for r in doc["rows"]} >= {
+    assert {(r["dispatch"], r["hint"]) for r in doc["rows"]} >= {
         ("fixed", "1f1b"),
         ("ready", "bfw"),
     }
@@ -302,7 +312,7 @@ def test_plot_draws_any_rrfp_trace(tmp_path):
             "sim",
             "--pp",
             "3",
-            "--mb",
+            "--n-microbatches",
             "4",
             "--seeds",
             "1",
@@ -371,11 +381,21 @@ def test_default_table_shows_every_speedup_beside_its_memory():
     """Without --budget, ready rows and plans run at 2x and at 1x (1F1B's memory), and every row
     says how many microbatches it held: ready plan at 1x holds no more than fixed 1F1B."""
     p = run_cli(
-        "sim", "--pp", "4", "--mb", "8", "--seeds", "2", "--hints", "1f1b,plan", "--json", "-"
+        "sim",
+        "--pp",
+        "4",
+        "--n-microbatches",
+        "8",
+        "--seeds",
+        "2",
+        "--hints",
+        "1f1b,plan",
+        "--json",
+        "-",
     )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    rows = {(r["executor"], r["hint"], r["budget"]): r for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"], r["budget"]): r for r in doc["rows"]}
     assert doc["budgets"] == ["2x", "1x"]
     assert set(rows) == {
         ("fixed", "1f1b", None),
@@ -398,7 +418,9 @@ def test_default_table_shows_every_speedup_beside_its_memory():
     assert (
         sum(" plan " in line and " 1x " in line for line in p.stderr.splitlines()) == 2
     )  # ready and fixed
-    p = run_cli("sim", "--pp", "2", "--mb", "4", "--seeds", "1", "--oracle", "--budget", "2x,1x")
+    p = run_cli(
+        "sim", "--pp", "2", "--n-microbatches", "4", "--seeds", "1", "--oracle", "--budget", "2x,1x"
+    )
     assert p.returncode == 2 and "--oracle solves one budget" in p.stderr, p.stderr
 
 
@@ -413,7 +435,7 @@ def test_a_named_hint_that_runs_in_no_layout_is_refused(tmp_path, capsys):
         "sim",
         "--pp",
         "4",
-        "--mb",
+        "--n-microbatches",
         "4",
         "--seeds",
         "1",

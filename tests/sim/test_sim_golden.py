@@ -18,7 +18,7 @@ def test_makespans_match_golden(case, tmp_path):
     out = tmp_path / "r.json"
     assert main([*["sim"], *case["args"], "--json", str(out)]) == 0
     rows = {
-        f"{r['executor']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]
+        f"{r['dispatch']} {r['hint']}": r["makespans"] for r in json.loads(out.read_text())["rows"]
     }
     assert (
         case["makespans"].keys() <= rows.keys()

@@ -25,7 +25,7 @@ ORDERS = {"interleaved": "1f1b", "v": "zbv"}  # each placement's classic schedul
 
 def check_virtual_invariants(r):
     cfg = r.config
-    lay, M, split = cfg.layout, cfg.microbatches, cfg.split_backward
+    lay, M, split = cfg.layout, cfg.n_microbatches, cfg.split_backward
     N = lay.num_stages
     dur, lat_f, lat_b, sizes = _durations(cfg)
     at = {}
@@ -88,20 +88,20 @@ def check_virtual_invariants(r):
     M=st.integers(1, 12),
     layout=st.sampled_from(LAYOUTS),
     hint=st.sampled_from(["bfw", "bf", "gpipe", "plan", "order"]),
-    executor=st.sampled_from(["ready", "fixed"]),
+    dispatch=st.sampled_from(["ready", "fixed"]),
     budget=st.sampled_from(["1x", "2x", "0.5x", "0.25x", "3"]),
     preset=st.sampled_from(["lang", "jitter", "mm"]),
     comm=st.sampled_from([0.0, 0.05, 0.5]),
     seed=st.integers(0, 2**31),
 )
-def test_invariants_at_virtual_stages(S, M, layout, hint, executor, budget, preset, comm, seed):
+def test_invariants_at_virtual_stages(S, M, layout, hint, dispatch, budget, preset, comm, seed):
     V, placement = layout
     hint = ORDERS[placement] if hint == "order" else hint
     if hint == "1f1b":
         M = S * max(1, M // S)  # torch's interleaved 1F1B takes whole rounds of microbatches
     var = Variability.preset(preset, comm=comm, comm_jitter=0.3)
     cfg = SimConfig(
-        S, M, hint, executor, budget, var, seed=seed, record=True, virtual=V, placement=placement
+        S, M, hint, dispatch, budget, var, seed=seed, record=True, virtual=V, placement=placement
     )
     if cfg.hint.planned:
         cfg = planned_config(cfg)[0]
@@ -270,7 +270,7 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
         "sim",
         "--pp",
         "4",
-        "--mb",
+        "--n-microbatches",
         "8",
         "--seeds",
         "2",
@@ -287,13 +287,13 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
     )
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    rows = {(r["executor"], r["hint"], r["virtual"], r["placement"]) for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"], r["virtual"], r["placement"]) for r in doc["rows"]}
     assert ("fixed", "zbv", 2, "v") in rows and ("fixed", "1f1b", 2, "interleaved") in rows
     assert ("ready", "bfw", 2, "v") in rows and ("ready", "bfw", 1, "interleaved") in rows
     assert ("fixed", "1f1b", 2, "v") not in rows and ("fixed", "zbv", 1, "interleaved") not in rows
     assert any("ZB-V needs the v placement" in why for why in doc["not_run"])
     base = next(
-        r for r in doc["rows"] if (r["executor"], r["hint"], r["virtual"]) == ("fixed", "1f1b", 1)
+        r for r in doc["rows"] if (r["dispatch"], r["hint"], r["virtual"]) == ("fixed", "1f1b", 1)
     )
     assert base["median_speedup"] == 1.0  # the baseline stays fixed 1F1B with one stage per rank
 
@@ -304,11 +304,14 @@ def test_cli_runs_virtual_layouts_beside_the_plain_pipeline():
         (["--virtual", "3", "--placement", "v"], "placement v needs exactly 2 stages per rank"),
         (["--virtual", "2", "--placement", "zigzag"], "unknown placement 'zigzag'"),
         (["--virtual", "two"], "--virtual: not a list of integers"),
-        (["--pp", "8", "--mb", "64", "--virtual", "2", "--oracle"], "S*V*M <= 512, here 1024"),
+        (
+            ["--pp", "8", "--n-microbatches", "64", "--virtual", "2", "--oracle"],
+            "S*V*M <= 512, here 1024",
+        ),
     ],
 )
 def test_cli_refuses_bad_virtual_input_in_one_line(args, needle):
-    p = run_cli("sim", "--pp", "2", "--mb", "2", "--seeds", "1", *args)
+    p = run_cli("sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", *args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -320,7 +323,7 @@ def test_cli_oracle_compares_each_row_with_its_own_layouts_optimum():
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "4",
         "--seeds",
         "1",
@@ -348,7 +351,7 @@ def test_cli_oracle_compares_each_row_with_its_own_layouts_optimum():
         assert d["per_seed"] == pytest.approx([row["makespans"][0] / ref]) and not d["upper_limit"]
         if d["holds_budget"]:
             assert d["per_seed"][0] >= 1 - 3 * 3 * 4 * 4 / 1000
-    rows = {(r["executor"], r["hint"], r["virtual"]) for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"], r["virtual"]) for r in doc["rows"]}
     assert {("ready", "bfw", 2), ("fixed", "zbv", 2), ("fixed", "1f1b", 1)} <= rows
     assert "optimum V2 v:" in p.stderr and "1 of 1 seeds solved to optimality" in p.stderr
     assert "vs optimum" in p.stderr
@@ -385,7 +388,7 @@ def test_trace_and_plot_show_a_row_per_stage_with_its_rank(tmp_path):
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "2",
         "--seeds",
         "1",
@@ -433,7 +436,7 @@ def test_replay_of_a_virtual_run_simulates_its_layout(tmp_path):
         "pp": 2,
         "virtual": 2,
         "placement": "v",
-        "microbatches": 6,
+        "n_microbatches": 6,
         "seed": 3,
         "preset": "lang",
         "hint": "plan",
@@ -487,7 +490,7 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
         "sim",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "3",
         "--seeds",
         "2",
@@ -507,7 +510,7 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
     doc = json.loads(p.stdout)
     assert {s["layout"] for s in doc["oracle"]["seeds"]} == {"V2 v", "V1"}
     assert doc["oracle"]["solved"] == 4  # 2 seeds x 2 layouts, each proven
-    rows = {(r["executor"], r["hint"], r["virtual"]): r["vs_optimum"] for r in doc["rows"]}
+    rows = {(r["dispatch"], r["hint"], r["virtual"]): r["vs_optimum"] for r in doc["rows"]}
     for key in (("ready", "bfw", 2), ("ready", "zbv", 2)):
         assert rows[key]["holds_budget"] is True
         assert min(rows[key]["per_seed"]) >= 1 - 1e-3, (

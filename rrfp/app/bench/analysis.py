@@ -67,7 +67,7 @@ def iteration_work(
     """The durations ``contender``'s ranks spent (TaskTimes, with its virtual layout's local
     stage times)."""
     layout = virtual_layout(spec, contender)
-    S, M, seed = spec.pp if layout is None else layout.num_stages, spec.mb, spec.seed
+    S, M, seed = spec.pp if layout is None else layout.num_stages, spec.n_microbatches, spec.seed
     times = TaskTimes(var, seed, split, cost, layout=layout)
     lat_f, lat_b = times.latencies(iteration, S, M)
     if layout is None:
@@ -115,7 +115,7 @@ def simulated_s(
             TaskTimes(var, spec.seed, work.split, cost, layout=layout),
             iteration,
             spec.pp,
-            spec.mb,
+            spec.n_microbatches,
             budget,
             dispatch,
             features,
@@ -131,7 +131,7 @@ def simulated_s(
             return None
     cfg = SimConfig(
         spec.pp,
-        spec.mb,
+        spec.n_microbatches,
         hint,
         dispatch,
         budget,
@@ -166,7 +166,7 @@ def realized_work(spec: BenchSpec, contender: Contender, spans: list[Span]) -> I
         layout = VirtualLayout(spec.pp, per_rank, ts.placement_of(contender.hint))
     else:
         layout = VirtualLayout(spec.pp, contender.virtual, contender.placement)
-    S, M = layout.num_stages, spec.mb
+    S, M = layout.num_stages, spec.n_microbatches
     dur = np.zeros((S, M, 3))
     for sp in spans:
         if sp.name[:1] not in KINDS or not sp.name[1:].isdigit():

@@ -18,8 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from rrfp.app.bench.rank import PROGRESS
 from rrfp.app.bench.suite import ROOT, BenchSpec
-from rrfp.app.bench.worker import PROGRESS
 
 
 class JobFailed(Exception):
@@ -69,7 +69,7 @@ def run_job(
         "--standalone",
         f"--nproc-per-node={spec.world}",
         "-m",
-        "rrfp.app.bench.worker",
+        "rrfp.app.bench.rank",
         str(job),
         str(rows),
     ]

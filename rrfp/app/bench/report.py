@@ -101,8 +101,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     load = f", load average {machine['load']}" if machine.get("load") else ""
     load += ", each rank pinned to a core of its own" if spec.pin else ""
     lines += [
-        f"PP={spec.pp} TP={spec.tp} M={spec.mb}, {spec.reps} measured iteration(s) per contender "
-        f"after one warm-up, contenders rotated each iteration; {time_is}; ready budget "
+        f"PP={spec.pp} TP={spec.tp} M={spec.n_microbatches}, {spec.reps} measured iteration(s) per "
+        f"contender after one warm-up, contenders rotated each iteration; {time_is}; ready budget "
         f"{spec.budget}. {machine['cpus']} CPUs{load}, torch {machine['torch']}, "
         f"{machine['hostname']}, {machine['date']}.",
         "",

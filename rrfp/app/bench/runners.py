@@ -65,7 +65,7 @@ def schedule_settings(
 ) -> ScheduleSettings:
     """What an rrfp executor of the suite runs: built here once for every runner that has one."""
     return ScheduleSettings.of(
-        spec.mb,
+        spec.n_microbatches,
         dispatch=contender.dispatch,
         hint=contender.hint,
         budget=spec.budget,
@@ -171,7 +171,7 @@ class TorchRunner:
             workload.loss_fn,
             rt.rank,
             rt.layout.world_size,
-            spec.mb,
+            spec.n_microbatches,
             rt.unit_s,
         )
         # two stages per rank, with the preset: each torch stage takes its own draw, as each local
@@ -260,7 +260,7 @@ class DropInRunner:
         self._module = module
         self._schedule = EmulatedScheduleReady(
             stage,
-            spec.mb,
+            spec.n_microbatches,
             workload.loss_fn,
             unit_ms=spec.unit_ms,
             instrument=self._recorder,

@@ -27,6 +27,7 @@ from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ lives here
 BASELINE = "fixed 1f1b"
@@ -179,7 +180,7 @@ class Case:
                 *self.overrides,
                 f"parallel.pp={pp}",
                 f"parallel.tp={tp}",
-                f"schedule.microbatches={spec.mb}",
+                f"schedule.n_microbatches={spec.n_microbatches}",
                 f"emulation.preset={self.preset}",
                 f"schedule.budget={spec.budget}",
                 f"emulation.unit_ms={spec.unit_ms}",
@@ -228,12 +229,12 @@ class BenchSpec:
     cases: tuple[Case, ...]
     pp: int = 4
     tp: int = 1
-    mb: int = 16
+    n_microbatches: int = 16
     reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET
     seed: int = 0
-    timeout_s: float = 120.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
     )

@@ -30,7 +30,7 @@ ROLES = (
 # the system's names of threads Python did not start (torch names its own) -> role
 NATIVE = (
     ("gloo_tcp", "gloo"),  # gloo's transport loop: its sockets' reads and writes
-    ("pt_gloo", "gloo"),  # the process groups' worker threads (collectives)
+    ("pt_gloo", "gloo"),  # the process groups' threads (collectives)
     ("pt_tcpstore", "store"),
     ("pt_workerserver", "store"),
 )

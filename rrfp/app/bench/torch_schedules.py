@@ -408,8 +408,13 @@ class _Target:
 class _ScaledLoss:
     """The workload's loss divided by M, as rrfp's last stage backpropagates it; ends the last F."""
 
-    def __init__(self, loss_fn, microbatches: int, clock: _Clock, last_stage: int) -> None:
-        self.loss_fn, self.M, self.clock, self.last_stage = loss_fn, microbatches, clock, last_stage
+    def __init__(self, loss_fn, n_microbatches: int, clock: _Clock, last_stage: int) -> None:
+        self.loss_fn, self.M, self.clock, self.last_stage = (
+            loss_fn,
+            n_microbatches,
+            clock,
+            last_stage,
+        )
 
     def __call__(self, output, target: _Target) -> torch.Tensor:
         loss = self.loss_fn(output, target.targets)
@@ -461,7 +466,7 @@ class TorchScheduleRunner:
         loss_fn,
         rank: int,
         world: int,
-        microbatches: int,
+        n_microbatches: int,
         unit_s: float,
         group=None,
         capacity: int | None = None,
@@ -483,7 +488,7 @@ class TorchScheduleRunner:
         self.rank, self.world, self.M, self.unit_s, self.group = (
             rank,
             world,
-            microbatches,
+            n_microbatches,
             unit_s,
             group,
         )

@@ -41,14 +41,14 @@ from rrfp.observe.trace import Span, write_atomic
 QUICK = {
     "workloads": ["gpt"],
     "pp": 2,
-    "mb": 4,
+    "n_microbatches": 4,
     "reps": 1,
     "unit_ms": 2.0,
 }  # --quick: a smoke run of seconds
 FULL = {
     "workloads": ["gpt", "vlm"],
     "pp": 4,
-    "mb": 16,
+    "n_microbatches": 16,
     "reps": 5,
     "unit_ms": 40.0,
 }  # unit_ms well above the vlm's real F, so the CPU load does not set the task times
@@ -116,7 +116,7 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         tuple(cases),
         pick["pp"],
         args.tp,
-        pick["mb"],
+        pick["n_microbatches"],
         pick["reps"],
         pick["unit_ms"],
         budget,

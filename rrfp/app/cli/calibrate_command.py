@@ -25,7 +25,7 @@ from rrfp.app.cli.calibration_quality import (
     negative_terms,
     split_held_out,
 )
-from rrfp.app.config.sections import RuntimeSection
+from rrfp.app.config.sections import ComputeSection
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.job.run_outputs import check_output
 from rrfp.app.train.metrics_files import model_slug
@@ -36,9 +36,9 @@ from rrfp.pipeline.calibration import measure_stages
 KINDS = "FBW"
 
 
-def calibration_device(runtime: RuntimeSection) -> torch.device:
+def calibration_device(compute: ComputeSection) -> torch.device:
     """Where the run computes, so where to measure: the GPU when it runs on CUDA, else this CPU."""
-    return torch.device(runtime.device_type)
+    return torch.device(compute.device_type)
 
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
@@ -46,8 +46,8 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
     split backward, on the run's device (``calibration_device``), each stage built as the run builds
     it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
-    device = calibration_device(cfg.runtime)
-    torch.set_num_threads(cfg.runtime.threads)
+    device = calibration_device(cfg.compute)
+    torch.set_num_threads(cfg.compute.threads)
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
     batches = [
@@ -96,7 +96,7 @@ def calibrate_command(args) -> int:
     S = cfg.num_stages
     out = args.out or f"runs/cost-{model_slug(cfg.run.model)}-pp{S}.json"
     check_output("--out", out)  # before minutes of measuring
-    device = calibration_device(cfg.runtime)
+    device = calibration_device(cfg.compute)
     where = (
         f"on {device} ({torch.cuda.get_device_name(device)}), where the run computes"
         if device.type == "cuda"

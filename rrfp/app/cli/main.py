@@ -62,7 +62,10 @@ def _add_sim(sub) -> None:
         help="pipeline ranks (default 8); each holds --virtual stages",
     )
     sim.add_argument(
-        "--mb", type=_positive("--mb"), default=32, help="microbatches per iteration (default 32)"
+        "--n-microbatches",
+        type=_positive("--n-microbatches"),
+        default=32,
+        help="microbatches per iteration (default 32)",
     )
     sim.add_argument(
         "--preset", default="lang", choices=PRESETS, help="variability preset (default lang)"
@@ -297,7 +300,10 @@ def _add_bench(sub) -> None:
         help="tensor-parallel ranks per stage (default 1)",
     )
     bench.add_argument(
-        "--mb", type=_positive("--mb"), default=None, help="microbatches per iteration (default 16)"
+        "--n-microbatches",
+        type=_positive("--n-microbatches"),
+        default=None,
+        help="microbatches per iteration (default 16)",
     )
     bench.add_argument(
         "--reps",
@@ -438,4 +444,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    # torch's C++ side logs each failed store call as a warning with its whole native stack
+    # (about 20 lines: a killed torchrun agent made some 110); rrfp says in one line what failed.
+    # Read when torch loads, so set before it does here and in every process started from here;
+    # TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings them back
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     sys.exit(main())

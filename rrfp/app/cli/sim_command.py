@@ -80,12 +80,13 @@ def _resolve(args) -> tuple[list[Budget], list[Dispatch], list, Variability, lis
         hints = [resolve(h) for h in names]
     except ValueError as e:  # HintError included
         raise UsageError(str(e)) from None
-    size = args.pp * max(lay.virtual for lay in layouts) * args.mb
+    size = args.pp * max(lay.virtual for lay in layouts) * args.n_microbatches
     if size > MAX_STAGE_MICROBATCHES:
         raise UsageError(
-            f"--pp {args.pp} x --virtual x --mb {args.mb} is {size:,} stage-microbatches per "
-            f"simulation; rrfp sim takes at most {MAX_STAGE_MICROBATCHES:,} (64 x 4096 takes "
-            f"about 12 s on one core, and time and memory grow with it)"
+            f"--pp {args.pp} x --virtual x --n-microbatches {args.n_microbatches} is {size:,} "
+            f"stage-microbatches per simulation; rrfp sim takes at most "
+            f"{MAX_STAGE_MICROBATCHES:,} (64 x 4096 takes about 12 s on one core, and time and "
+            "memory grow with it)"
         )
     flags = {"comm": args.comm, "comm_jitter": args.comm_jitter, "jitter": args.jitter}
     over = {k: v for k, v in flags.items() if v is not None}
@@ -124,7 +125,7 @@ def _table(
 ) -> None:
     virtual = any(r.virtual > 1 for r in rows)
     print(
-        f"rrfp sim: S={args.pp} M={args.mb} preset={args.preset} "
+        f"rrfp sim: S={args.pp} M={args.n_microbatches} preset={args.preset} "
         f"budget={','.join(map(str, budgets))} (ready rows and plans) seeds={args.seeds}; time in "
         f"average-forward units, comm {var.comm}/message; peak in-flight: the most microbatches a "
         "rank held (fixed 1F1B's is the 1x memory)"
@@ -137,7 +138,7 @@ def _table(
         file=out,
     )
     print(
-        f"{'executor':<8} {'hint':<12} {'budget':>6}"
+        f"{'dispatch':<8} {'hint':<12} {'budget':>6}"
         + (f" {'layout':<15}" if virtual else "")
         + f" {'speedup vs fixed 1f1b':>22} {'p10..p90':>13} "
         f"{'peak in-flight':>14} {'efficiency':>10} {'bubble':>7}"
@@ -196,7 +197,8 @@ def replay_command(args) -> int:
     )
     print(
         f"rrfp sim --replay: {doc['dispatch']} {doc['hint']} at {doc['budget']}, {stages}, "
-        f"{doc['microbatches']} microbatches, {doc['unit_ms']:g} ms per unit (emulated device time)"
+        f"{doc['n_microbatches']} microbatches, {doc['unit_ms']:g} ms per unit "
+        "(emulated device time)"
     )
     print(f"{'step':>4} {'simulated ms':>13} {'measured ms':>12} {'error':>7}")
     errs = []
@@ -226,7 +228,7 @@ def sim_command(args) -> int:
         from rrfp.app.cli import sim_oracle
 
         sim_oracle.check(args, layouts)
-    base = SimConfig(args.pp, args.mb, budget=budgets[0], variability=var)
+    base = SimConfig(args.pp, args.n_microbatches, budget=budgets[0], variability=var)
     skipped: list[str] = []
     try:
         runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
@@ -253,7 +255,7 @@ def sim_command(args) -> int:
     if args.json:
         doc = {
             "pp": args.pp,
-            "mb": args.mb,
+            "n_microbatches": args.n_microbatches,
             "preset": args.preset,
             "budget": ",".join(map(str, budgets)),
             "layouts": [

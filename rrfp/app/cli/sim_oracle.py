@@ -30,11 +30,11 @@ MAX_TASKS = 512  # S * V * M above which one seed's model is too large to solve 
 def check(args, layouts: Sequence[VirtualLayout]) -> None:
     """Refuse, before the sweep runs, what the oracle cannot do here."""
     V = max((lay.virtual for lay in layouts), default=1)
-    if args.pp * V * args.mb > MAX_TASKS:
+    if args.pp * V * args.n_microbatches > MAX_TASKS:
         size = (
-            f"S*V*M <= {MAX_TASKS}, here {args.pp * V * args.mb}"
+            f"S*V*M <= {MAX_TASKS}, here {args.pp * V * args.n_microbatches}"
             if V > 1
-            else f"S*M <= {MAX_TASKS}, here {args.pp * args.mb}"
+            else f"S*M <= {MAX_TASKS}, here {args.pp * args.n_microbatches}"
         )
         raise UsageError(
             f"--oracle is for small S and M ({size}); "

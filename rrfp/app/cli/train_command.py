@@ -17,18 +17,20 @@ import torch.distributed as dist
 
 from rrfp.app.cli.progress import StepProgress
 from rrfp.app.config.fields import toml_text
+from rrfp.app.config.job_identity import identity
 from rrfp.app.config.sections import OutputSection
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.job.environment import check_launcher, configure_logging
 from rrfp.app.job.failure import Failure, user_text, write_traceback
 from rrfp.app.job.failure_board import FailureBoard
+from rrfp.app.job.job_agreement import agree
 from rrfp.app.job.job_lines import rank_and_world, refuse_once, say, tell_torchrun
 from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
 from rrfp.app.job.run_outputs import check_end_files
 from rrfp.app.job.stop_relay import StopRelay
 from rrfp.app.train.checkpoint_dir import CheckpointDir
-from rrfp.app.train.checkpoints import plan_resume
+from rrfp.app.train.checkpoints import choose_resume
 from rrfp.app.train.run_summary import run_summary, summary_lines
 from rrfp.app.train.start_checks import (
     Footprint,
@@ -161,7 +163,7 @@ def train_command(args) -> int:
     # without torchrun the config is still checked first (in the world its layout implies), so a
     # bad key is not hidden behind the launcher's error
     standalone = "WORLD_SIZE" not in os.environ
-    rank, _ = rank_and_world()
+    rank, world = rank_and_world()
     cfg = None
     try:
         # the layout and model checks run here, before any process group: bad input exits 2 on
@@ -173,12 +175,16 @@ def train_command(args) -> int:
                 "ranks here, or start them with torchrun (torchrun --nproc-per-node N -m rrfp "
                 "train ...)"
             )
+        if not launching and not args.dry_run:
+            # every rank runs the same config, model and data: a difference exits 2 on every rank
+            # here, before any process group (compared through torchrun's store)
+            agree(identity(cfg), rank, world, cfg.waits.process_group_s)
         # rank 0 writes output.trace and output.sizes at the end, but every rank probes their
         # folders now: a refusal on rank 0 alone would leave the others waiting for it in the
         # rendezvous
         check_end_files(cfg.output)
         # a missing, corrupt or mismatched checkpoint exits 2 here, before any group
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
         # exits 2 when the config cannot fit this machine (a dry run shows the estimate instead);
         # a warning when a byte budget holds no microbatch
         prints = footprints(cfg) if args.dry_run else check_memory(cfg)
@@ -202,13 +208,15 @@ def train_command(args) -> int:
             os.write(2, f"rrfp: error: rank {rank}: {text}\n".encode(errors="replace"))
         exit_now(1)
     start = resume.start
-    if rank == 0 and resume.fallback_line():
-        say(f"rrfp: warning: {resume.fallback_line()}")
-    if rank == 0 and slow_timeout:
-        say(f"rrfp: warning: {slow_timeout}")
-    if rank == 0 and small_budget:
-        say(f"rrfp: warning: {small_budget}")
-    if rank == 0 and cfg.checkpoint.resume != "off":
+    # the launcher (--nproc-per-node) checked the same config for the same world and said these
+    # before it started the ranks; a restarted attempt checks anew, and says what it finds
+    tell = rank == 0 and not (
+        os.environ.get(LAUNCHED) == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    )
+    for warning in (resume.fallback_line(), slow_timeout, small_budget):
+        if tell and warning:
+            say(f"rrfp: warning: {warning}")
+    if tell and cfg.checkpoint.resume != "off":
         print(
             f"resume: from {start.path} (step {start.step} of {cfg.run.steps})"
             if start
@@ -291,13 +299,13 @@ def _load(args, implied_world: bool, launching: bool = False) -> TrainConfig:
 
 def dry_run_text(cfg: TrainConfig, prints: list[Footprint] | None) -> str:
     """What ``--dry-run`` prints: the stage layout, the memory estimate, the resolved config."""
-    lines = [cfg.layout.describe(), f"backend: {cfg.runtime.backend} ({cfg.backend_choice})"]
+    lines = [cfg.layout.describe(), f"backend: {cfg.compute.backend} ({cfg.backend_choice})"]
     if cfg.parallel.virtual > 1:
-        lines.append(f"stages: {cfg.stages.describe()}")
+        lines.append(f"stages: {cfg.virtual_layout.describe()}")
     if prints is None:
         lines.append("memory: not estimated (the model does not build on the meta device)")
     for r, fp in enumerate(prints or []):
-        stages = ", ".join(map(str, cfg.stages.stages_of(r)))
+        stages = ", ".join(map(str, cfg.virtual_layout.stages_of(r)))
         lines.append(
             f"memory: pipeline rank {r} (stage {stages}): at least {_gib(fp.total)} "
             f"({_gib(fp.state)} parameters, gradients and optimizer state; {_gib(fp.activations)} "
@@ -312,8 +320,8 @@ def _mfu_note(cfg: TrainConfig) -> str:
     """What the MFU column is against, said once at the end of a run."""
     from rrfp.app.train.metrics_mfu import device_peak
 
-    device = torch.device(cfg.runtime.device_type, 0 if cfg.runtime.device_type == "cuda" else None)
-    peak = device_peak(device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops)
+    device = torch.device(cfg.compute.device_type, 0 if cfg.compute.device_type == "cuda" else None)
+    peak = device_peak(device, cfg.compute.autocast, cfg.compute.threads, cfg.output.peak_tflops)
     if peak is None:
         return "; no MFU: no known peak for this device (set output.peak_tflops)"
     return f"; MFU against {peak.tflops:g} TFLOPS per rank ({peak.source})"
@@ -342,7 +350,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     path = write_traceback(e, cfg.output.log_dir, rank)
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    stage = cfg.stages.stages_of(cfg.layout.coords(rank).pp)
+    stage = cfg.virtual_layout.stages_of(cfg.layout.coords(rank).pp)
     line = f"rrfp: error: {failure.line(rank, stage, path, debug, origin, cfg.run.model)}"
     if isinstance(
         root_cause(e), UsageError

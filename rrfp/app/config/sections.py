@@ -149,7 +149,7 @@ class ScheduleSection(Section):
         "What each rank runs in which order: the microbatches, the dispatch, the hint, the budget."
     )
 
-    microbatches: int = setting(
+    n_microbatches: int = setting(
         8, "microbatches per step, per data-parallel replica", bounds=COUNT, least=ONE
     )
     dispatch: Dispatch = setting(
@@ -248,14 +248,14 @@ class OptimSection(Section):
 
 
 @dataclass(frozen=True)
-class RuntimeSection(Section):
-    NAME = "runtime"
+class ComputeSection(Section):
+    NAME = "compute"
     DOC = "Where a rank computes: the backend, the device, threads and autocast."
 
     backend: str = setting(
         "auto",
         "auto, gloo (CPU) or nccl (CUDA); auto: nccl where CUDA has a GPU for every rank of the "
-        "node (and runtime.device is not cpu), else gloo; the start-up summary says which",
+        "node (and compute.device is not cpu), else gloo; the start-up summary says which",
         choices=("auto", "gloo", "nccl"),
     )
     device: str = setting(
@@ -278,12 +278,12 @@ class RuntimeSection(Section):
     def check(self) -> None:
         if self.device == "cpu" and self.backend == "nccl":
             raise ConfigError(
-                "runtime.backend = nccl carries CUDA tensors only: set runtime.device = cuda "
-                "(or auto), or runtime.backend = gloo"
+                "compute.backend = nccl carries CUDA tensors only: set compute.device = cuda "
+                "(or auto), or compute.backend = gloo"
             )
         if self.device == "cuda" and self.backend == "gloo":
             raise ConfigError(
-                "runtime.device = cuda needs runtime.backend = nccl: rrfp's gloo channels carry "
+                "compute.device = cuda needs compute.backend = nccl: rrfp's gloo channels carry "
                 "CPU tensors only"
             )
 
@@ -297,10 +297,10 @@ class RuntimeSection(Section):
         """(backend, why): ``backend`` as given, or what ``auto`` picks for ``local_ranks`` ranks
         on this node: nccl where CUDA has a GPU for each, else gloo."""
         if self.backend != "auto":
-            return self.backend, f"runtime.backend = {self.backend}"
+            return self.backend, f"compute.backend = {self.backend}"
         if self.device != "auto":
             backend = "nccl" if self.device == "cuda" else "gloo"
-            return backend, f"auto: runtime.device = {self.device}"
+            return backend, f"auto: compute.device = {self.device}"
         import torch
 
         if not torch.cuda.is_available():
@@ -396,7 +396,7 @@ class EvalSection(Section):
     )
     batches: int = setting(
         2,
-        "held-out iterations per evaluation, each of schedule.microbatches microbatches per "
+        "held-out iterations per evaluation, each of schedule.n_microbatches microbatches per "
         "replica; the same ones every time",
         bounds=(1, 65536),
         least=ONE,
@@ -530,7 +530,7 @@ SECTIONS: tuple[type[Section], ...] = (
     ParallelSection,
     ScheduleSection,
     OptimSection,
-    RuntimeSection,
+    ComputeSection,
     CheckpointSection,
     OutputSection,
     EvalSection,

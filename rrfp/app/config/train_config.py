@@ -1,5 +1,5 @@
 """Run configuration: a TOML file in sections ([run], [parallel], [schedule], [optim],
-[runtime], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
+[compute], [checkpoint], [output], [eval], [emulation], [timeouts], [debug],
 rrfp/app/config/sections.py)
 plus the workload's own [model] and [data], and ``--set key=value`` overrides.
 
@@ -21,6 +21,7 @@ from rrfp.app.config.registry import find_workload
 from rrfp.app.config.sections import (
     SECTIONS,
     CheckpointSection,
+    ComputeSection,
     DebugSection,
     EmulationSection,
     EvalSection,
@@ -28,7 +29,6 @@ from rrfp.app.config.sections import (
     OutputSection,
     ParallelSection,
     RunSection,
-    RuntimeSection,
     ScheduleSection,
     TimeoutsSection,
 )
@@ -36,7 +36,7 @@ from rrfp.app.config.workload_fields import as_toml as workload_toml
 from rrfp.app.config.workload_fields import check_value, workload_keys
 from rrfp.app.errors import ConfigError
 from rrfp.core.hints import NOMINAL_BUDGET, HintError
-from rrfp.core.layout import Layout, plan_layout
+from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.pipeline.schedule_settings import ScheduleSettings
@@ -63,7 +63,7 @@ class TrainConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     optim: OptimSection = field(default_factory=OptimSection)
-    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    compute: ComputeSection = field(default_factory=ComputeSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     output: OutputSection = field(default_factory=OutputSection)
     eval: EvalSection = field(default_factory=EvalSection)
@@ -82,7 +82,7 @@ class TrainConfig:
             object.__setattr__(self, "data", wl.data_config())
         par = self.parallel
         try:
-            layout = plan_layout(self.world_size, par.pp, par.tp, par.replicas, par.ep)
+            layout = layout_for(self.world_size, par.pp, par.tp, par.replicas, par.ep)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)
@@ -98,16 +98,16 @@ class TrainConfig:
             raise ConfigError(f"{e}{split}") from None
         self._check_emulation()
         self._check_recipe()
-        _check_hint_layout(self.schedule, self.stages)
-        _check_fixed_budget(self.schedule, self.stages)
+        _check_hint_layout(self.schedule, self.virtual_layout)
+        _check_fixed_budget(self.schedule, self.virtual_layout)
         self._check_fault()
         self._check_dp_shard()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        backend, why = self.runtime.chosen(local)
+        backend, why = self.compute.chosen(local)
         object.__setattr__(self, "backend_choice", why)  # what the start-up summary says
-        if backend != self.runtime.backend:
-            object.__setattr__(self, "runtime", dataclasses.replace(self.runtime, backend=backend))
-        if self.runtime.device_type == "cuda":
+        if backend != self.compute.backend:
+            object.__setattr__(self, "compute", dataclasses.replace(self.compute, backend=backend))
+        if self.compute.device_type == "cuda":
             _check_cuda(self.world_size, why)
         cost = self.emulation.cost
         if cost is not None and cost.num_stages != self.num_stages:
@@ -128,9 +128,9 @@ class TrainConfig:
 
     def _check_recipe(self) -> None:
         wl = self.workload
-        if self.runtime.activation_checkpointing != "off" and wl.blocks is None:
+        if self.compute.activation_checkpointing != "off" and wl.blocks is None:
             raise ConfigError(
-                f"runtime.activation_checkpointing = {self.runtime.activation_checkpointing}: "
+                f"compute.activation_checkpointing = {self.compute.activation_checkpointing}: "
                 f"workload {wl.name!r} does not name its blocks (Workload.blocks); set it to off"
             )
 
@@ -166,9 +166,9 @@ class TrainConfig:
             )
         if fault.task is not None:
             split = sch.split_backward
-            if fault.task.mb >= sch.microbatches or (fault.task.kind.name == "W" and not split):
+            if fault.task.mb >= sch.n_microbatches or (fault.task.kind.name == "W" and not split):
                 raise ConfigError(
-                    f"debug.fault {fault}: no task {fault.task} with {sch.microbatches} "
+                    f"debug.fault {fault}: no task {fault.task} with {sch.n_microbatches} "
                     f"microbatches, split = {split}"
                 )
 
@@ -186,7 +186,7 @@ class TrainConfig:
         return self._layout.pp * self.parallel.virtual
 
     @property
-    def stages(self) -> VirtualLayout:
+    def virtual_layout(self) -> VirtualLayout:
         """Which of the num_stages stages each pipeline rank holds."""
         return VirtualLayout(self._layout.pp, self.parallel.virtual, self.parallel.placement)
 
@@ -199,7 +199,7 @@ class TrainConfig:
         """The executor's settings, built here once for stage_executor and the bench."""
         sch, em = self.schedule, self.emulation
         return ScheduleSettings.of(
-            sch.microbatches,
+            sch.n_microbatches,
             dispatch=sch.dispatch,
             hint=sch.hint,
             budget=sch.budget,
@@ -250,9 +250,10 @@ def _copy(doc: dict) -> dict:
 
 
 def read_config(path: str | Path) -> dict:
-    """The TOML document at ``path``, or one ConfigError saying why it cannot be read."""
+    """The TOML document at ``path``, or one ConfigError saying why it cannot be read. A UTF-8
+    byte order mark first (what some Windows editors write) is not part of the TOML."""
     try:
-        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
@@ -280,8 +281,9 @@ class _Loader:
         known = [*BY_NAME, *WORKLOAD_SECTIONS]
         for name, table in doc.items():
             if name not in known:
+                keys = table if isinstance(table, dict) else {}
                 raise ConfigError(
-                    f"{self.source}: unknown section [{name}]{did_you_mean(name, known)} "
+                    f"{self.source}: unknown section [{name}]{_holder(name, keys, known)} "
                     f"(expected {', '.join(known)})"
                 )
             if not isinstance(table, dict):
@@ -318,7 +320,7 @@ class _Loader:
         if section:
             if section not in known:
                 raise ConfigError(
-                    f"--set {key}: unknown section [{section}]{did_you_mean(section, known)} "
+                    f"--set {key}: unknown section [{section}]{_holder(section, [name], known)} "
                     f"(expected {', '.join(known)})"
                 )
             return section, name
@@ -399,14 +401,14 @@ def _check_hint_layout(sch: ScheduleSection, layout: VirtualLayout) -> None:
     checked once here, for a rank that finds none fails after the process groups exist."""
     split = sch.split_backward
     try:
-        sch.hint.check_layout(layout, sch.microbatches, split)
+        sch.hint.check_layout(layout, sch.n_microbatches, split)
     except HintError as e:
         shape = f"parallel.virtual = {layout.virtual}" + (
             f", parallel.placement = {layout.placement}" if layout.virtual > 1 else ""
         )
         raise ConfigError(
             f"schedule.hint = {sch.hint.name} does not fit {layout.ranks} pipeline rank(s), "
-            f"{shape}, schedule.microbatches = {sch.microbatches}: {e}"
+            f"{shape}, schedule.n_microbatches = {sch.n_microbatches}: {e}"
         ) from None
 
 
@@ -427,7 +429,7 @@ def _check_fixed_budget(sch: ScheduleSection, layout: VirtualLayout) -> None:
             f"or Nx budget, or schedule.dispatch = ready"
         )
     for r in range(layout.ranks):
-        needs = sch.hint.rank_peak(layout, r, sch.microbatches, split)
+        needs = sch.hint.rank_peak(layout, r, sch.n_microbatches, split)
         allowed = sch.budget.rank_limit(layout, r).count
         if needs > allowed:
             where, unit = (
@@ -450,8 +452,8 @@ def _check_cuda(world_size: int, why: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        given = "runtime.device = cuda" if why.startswith("auto") else "runtime.backend = nccl"
-        fix = "runtime.device = cpu" if why.startswith("auto") else "runtime.backend = gloo"
+        given = "compute.device = cuda" if why.startswith("auto") else "compute.backend = nccl"
+        fix = "compute.device = cpu" if why.startswith("auto") else "compute.backend = gloo"
         raise ConfigError(
             f"{given} needs CUDA, but torch {torch.__version__} sees none "
             f"(a CPU build or no GPU); use {fix}, or install a CUDA build "
@@ -464,6 +466,14 @@ def _check_cuda(world_size: int, why: str) -> None:
             f"{local} ranks on this node but only {gpus} GPU(s): each rank needs its own "
             "(use --nproc-per-node <= the GPU count)"
         )
+
+
+def _holder(name: str, keys, known: list[str]) -> str:
+    """`` (did you mean X?)`` for an unknown section ``name``: the one section that holds every key
+    written under it (a section's keys say what it is better than its name's spelling), else the
+    known name closest to ``name``."""
+    homes = [s.NAME for s in SECTIONS if keys and set(keys) <= set(s.keys())]
+    return f" (did you mean {homes[0]}?)" if len(homes) == 1 else did_you_mean(name, known)
 
 
 def _parse_value(raw: str):

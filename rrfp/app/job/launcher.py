@@ -46,7 +46,7 @@ def start_ranks(args) -> None:
     of the rank that failed first (launch_agent.py)."""
     env = dict(os.environ)
     env[LAUNCHED] = "1"
-    # rrfp sets each rank's threads (runtime.threads); without this torchrun prints a banner
+    # rrfp sets each rank's threads (compute.threads); without this torchrun prints a banner
     env.setdefault("OMP_NUM_THREADS", "1")
     sys.stdout.flush()
     sys.stderr.flush()

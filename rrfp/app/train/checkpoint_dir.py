@@ -4,6 +4,7 @@ atomic commit that makes one complete.
     DIR/step-00000010/          complete: the stage files, meta.json and COMMITTED
     DIR/.partial-step-00000012/ being written (or left by a crash): never read
     DIR/.trash-step-00000004/   being deleted (keep-last-K): never read
+    DIR/rejected-step-00000011/ failed verification at a resume: set aside, kept, never read
 
 Every rank writes its files into the partial directory; after a barrier,
 rank 0 writes ``meta.json`` and the ``COMMITTED`` marker (each fsynced) and
@@ -13,11 +14,17 @@ checkpoint. Deleting an old one first renames it out of the complete names,
 so a crash mid-delete never leaves a half-deleted "complete" checkpoint.
 
 The marker is the commit record: the size and SHA-256 of every file of the
-checkpoint (and a SHA-256 of the record itself), so a resume can tell a
+checkpoint, the job that wrote it and each file's rank (and a SHA-256 of the
+record itself): rank 0 commits only files whose bytes are those its own job's
+ranks wrote, so a step mixed with another job's files never gets a record
+(``checkpoint_owner.py`` keeps a second job out of the folder). A resume can tell a
 checkpoint whose bytes changed after the commit (a flipped bit, a truncated
 copy) from a good one before it loads any state (``problem``). Anything in
 the way of a commit (an unmarked ``step-N``, a plain file of that name, a
-left-over partial directory) is debris: it is moved aside, never an error.
+left-over partial directory) is debris: it is moved aside, never an error. A checkpoint that fails
+verification (a damaged record, a ``COMMITTED`` that is no file, a changed shard) is renamed to
+``rejected-step-N``, out of every name rrfp reads, prunes or clears: the bytes stay for its user to
+inspect or repair, and only that user deletes them.
 
 Plain files, no torch: what a stage puts inside is ``checkpoint_state.py``'s business.
 """
@@ -35,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rrfp.app.job.run_outputs import write_synced
+from rrfp.app.train.checkpoint_owner import OWNER, NotOurs, read_owner
 
 log = logging.getLogger("rrfp.app.train.checkpoint_dir")
 
@@ -42,6 +50,7 @@ MARKER = "COMMITTED"
 META = "meta.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
 _PARTIAL_PREFIXES = (".partial-", ".trash-")
+REJECTED_PREFIX = "rejected-"
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Checkpoint:
             return f"its {META} cannot be read as JSON"
         saved = (
             meta.get("step", self.step) if isinstance(meta, dict) else self.step
-        )  # else: plan_resume's to name
+        )  # else: choose_resume's to name
         if saved != self.step:
             return (
                 f"its {META} is of step {saved!r}, not of step {self.step} as its folder's name "
@@ -108,13 +117,15 @@ class CheckpointDir:
         self.root = Path(root)
 
     def complete(self) -> list[Checkpoint]:
-        """Committed checkpoints, oldest first. Anything else in the directory is ignored."""
+        """Committed checkpoints, oldest first: a ``step-N`` folder with a commit record (one that
+        is a folder or a link is a damaged record, which ``problem`` names). Anything else in the
+        directory is ignored."""
         if not self.root.is_dir():
             return []
         found = []
         for p in self.root.iterdir():
             m = _COMPLETE.fullmatch(p.name)
-            if m and p.is_dir() and (p / MARKER).is_file():
+            if m and p.is_dir() and os.path.lexists(p / MARKER):
                 found.append(Checkpoint(int(m.group(1)), p))
         return sorted(found, key=lambda c: c.step)
 
@@ -143,11 +154,16 @@ class CheckpointDir:
         """Where every rank writes the checkpoint of ``step`` before it is committed."""
         return self.root / f".partial-step-{step:08d}"
 
-    def commit(self, step: int, meta: dict) -> Checkpoint:
+    def commit(
+        self, step: int, meta: dict, job: str = "", written: list[dict[str, str]] | None = None
+    ) -> Checkpoint:
         """Rank 0, once every rank has written its part: meta.json, then the commit record of
         every file's size and SHA-256 (the marker, last), then the rename. A committed
         checkpoint of the same step is never replaced (FileExistsError); debris there is set
-        aside first."""
+        aside first. ``written``: per rank of ``job``, the files it wrote and their SHA-256
+        (``checkpoint_state.written_files``); every file but meta.json must be one of them, with
+        those bytes, else NotOurs (another job wrote into the folder) and nothing is committed;
+        the record then names the job and each file's rank, binding the step to them."""
         partial, final = self.partial_path(step), self.final_path(step)
         write_synced(partial / META, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
         files = {
@@ -155,10 +171,12 @@ class CheckpointDir:
             for p in sorted(partial.rglob("*"))
             if p.is_file() and p.name != MARKER
         }
-        write_synced(partial / MARKER, _record_text(step, files))
+        if written is not None:
+            _bind(files, written, job, partial)
+        write_synced(partial / MARKER, _record_text(step, files, job))
         _fsync_dir(partial)
         if os.path.lexists(final):
-            if final.is_dir() and not final.is_symlink() and (final / MARKER).is_file():
+            if final.is_dir() and not final.is_symlink() and os.path.lexists(final / MARKER):
                 raise FileExistsError(f"{final} is already a committed checkpoint")
             self._set_aside(final)  # an unmarked step-N directory, or a plain file of that name
         os.rename(partial, final)
@@ -166,19 +184,30 @@ class CheckpointDir:
         log.info("committed checkpoint %s", final)
         return Checkpoint(step, final)
 
-    def discard(self, checkpoints: list[Checkpoint]) -> None:
-        """Delete these checkpoints (rank 0: those that failed verification when the run
-        started, before its first save, so none blocks the commit of its own step)."""
+    def rejected_path(self, step: int) -> Path:
+        """Where a checkpoint of ``step`` that failed verification goes: ``rejected-step-N``, or
+        with ``.1``, ``.2`` ... when earlier rejects hold that name."""
+        name = f"{REJECTED_PREFIX}{self.final_path(step).name}"
+        names = (name + (f".{n}" if n else "") for n in itertools.count())
+        return next(self.root / n for n in names if not os.path.lexists(self.root / n))
+
+    def reject(self, checkpoints: list[Checkpoint]) -> list[Path]:
+        """Set these checkpoints aside, each renamed to its ``rejected_path`` (rank 0: those that
+        failed verification when the run started, before its first save, so none blocks the
+        commit of its own step); their files are kept. Returns where each went."""
+        moved = []
         for c in checkpoints:
             if c.path.is_dir():
-                self._remove(
-                    self._set_aside(c.path)
-                )  # no longer a checkpoint, before any of its files goes
-        if checkpoints:
-            log.info(
-                "deleted checkpoints that failed verification: %s",
-                ", ".join(c.path.name for c in checkpoints),
+                aside = self.rejected_path(c.step)
+                os.rename(c.path, aside)
+                moved.append(aside)
+        if moved:
+            _fsync_dir(self.root)
+            log.warning(
+                "set aside checkpoints that failed verification: %s",
+                ", ".join(f"{c.path.name} as {p.name}" for c, p in zip(checkpoints, moved)),
             )
+        return moved
 
     def prune(self, keep: int) -> list[Path]:
         """Delete all but the ``keep`` newest complete checkpoints, and every incomplete
@@ -222,10 +251,46 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _record_text(step: int, files: dict) -> str:
-    """The commit record: the files, and the SHA-256 of their listing (so a damaged record
-    is told apart from a damaged data file)."""
-    body = json.dumps({"step": step, "files": files}, sort_keys=True)
+def _bind(files: dict, written: list[dict[str, str]], job: str, partial: Path) -> None:
+    """Add to each file of ``files`` the rank of ``job`` that wrote it; NotOurs for a file no rank
+    of it wrote, or whose bytes are not those it wrote."""
+    by_name = {name: (rank, sha) for rank, own in enumerate(written) for name, sha in own.items()}
+    for name, entry in files.items():
+        if name == META:  # rank 0 writes it here, after the others
+            entry["rank"] = 0
+            continue
+        rank, sha = by_name.get(name, (None, None))
+        if rank is None or sha != entry["sha256"]:
+            whose = (
+                "no rank of this job wrote it"
+                if rank is None
+                else f"not the bytes rank {rank} wrote"
+            )
+            raise NotOurs(
+                f"{partial / name} is {whose}: another job writes into {partial.parent} (its "
+                f"{OWNER} record: {_owner_text(partial.parent)}); job {job} commits nothing there"
+            )
+        entry["rank"] = rank
+    missing = sorted(set(by_name) - set(files))
+    if missing:
+        raise NotOurs(
+            f"{partial / missing[0]}, written by rank {by_name[missing[0]][0]} of job {job}, is "
+            f"gone: another job writes into {partial.parent} (its {OWNER} record: "
+            f"{_owner_text(partial.parent)})"
+        )
+
+
+def _owner_text(root: Path) -> str:
+    found = read_owner(root)
+    return found[0].describe() if found is not None else "none"
+
+
+def _record_text(step: int, files: dict, job: str = "") -> str:
+    """The commit record: the files (each with the rank of ``job`` that wrote it, when bound), and
+    the SHA-256 of their listing (so a damaged record is told apart from a damaged data file)."""
+    body = json.dumps(
+        {"step": step, "files": files, **({"job": job} if job else {})}, sort_keys=True
+    )
     return json.dumps({"record": body, "sha256": hashlib.sha256(body.encode()).hexdigest()}) + "\n"
 
 

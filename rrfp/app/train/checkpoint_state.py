@@ -19,6 +19,7 @@ counter-based hash), so the torch generators are the only RNG state there is.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -152,9 +153,34 @@ def load_stage(
 
 
 def _causes(e: CheckpointException) -> str:
-    """Each failed rank's error on one line (DCP pairs each error with its stack)."""
-    excs = {r: x[0] if isinstance(x, tuple) else x for r, x in sorted(e.failures.items())}
-    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in excs.items())
+    """Each failed rank's error on one line (DCP pairs each error with its stack), the ranks
+    that failed alike together; a full disk's as its words (``disk_errors.py``)."""
+    from rrfp.app.train.disk_errors import DiskFull
+
+    said: dict[str, list[int]] = {}
+    for r, x in sorted(e.failures.items()):
+        x = x[0] if isinstance(x, tuple) else x
+        said.setdefault(
+            str(x) if isinstance(x, DiskFull) else f"{type(x).__name__}: {x}", []
+        ).append(r)
+    return "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {words}"
+        for words, ranks in said.items()
+    )
+
+
+def written_files(path: Path, group_rank: int) -> dict[str, str]:
+    """The files this rank's part of ``save_stage`` wrote into ``path``, by name, each with its
+    SHA-256: DCP's writer names a rank's files ``__R_N.distcp`` (R: its rank in the save's group),
+    and the coordinator (group rank 0) writes ``.metadata``. What a commit binds to the job."""
+    names = sorted(p.name for p in Path(path).glob(f"__{group_rank}_*.distcp"))
+    if group_rank == 0:
+        names.append(".metadata")
+    out = {}
+    for name in names:
+        with open(Path(path) / name, "rb") as f:
+            out[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return out
 
 
 def check_readable(path: Path, keys: list[str]) -> None:

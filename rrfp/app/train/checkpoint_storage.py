@@ -2,7 +2,9 @@
 
 Between those writes and reads the rank waits in DCP's collectives; its heartbeat says
 ``writing checkpoint NAME`` / ``reading checkpoint NAME`` meanwhile, so the peers waiting for it
-see a long write as progress (rrfp/comm/collective_wait.py). Subclasses of DCP's classes, so this
+see a long write as progress (rrfp/comm/collective_wait.py). A write that a full disk or a file
+size limit stops is raised as a ``DiskFull`` saying so (``disk_errors.py``), on the rank that
+wrote, before DCP sends the failure to the others. Subclasses of DCP's classes, so this
 module imports ``torch.distributed.checkpoint``: ``checkpoint_state.py`` imports it only when a
 checkpoint is written or read, and a run that saves none never loads DCP.
 """
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
+from rrfp.app.train.disk_errors import disk_errors
+
 # what a rank does meanwhile (``writing checkpoint ...``), as its heartbeat tells the peers
 Working = Callable[[str], contextlib.AbstractContextManager]
 
@@ -26,13 +30,14 @@ class MarkedWriter(dcp.FileSystemWriter):
     def __init__(self, path: Path, working: Working) -> None:
         super().__init__(path)
         self._what, self._working = f"writing checkpoint {Path(path).name}", working
+        self._folder = Path(path)
 
     def write_data(self, plan, planner):
-        with self._working(self._what):
+        with self._working(self._what), disk_errors(self._folder):
             return super().write_data(plan, planner)
 
     def finish(self, metadata, results) -> None:
-        with self._working(self._what):
+        with self._working(self._what), disk_errors(self._folder):
             super().finish(metadata, results)
 
 

@@ -5,14 +5,17 @@ saving one when the run asks (every N steps, at the end, on SIGTERM).
 Every checkpoint is verified against its commit record (each file's SHA-256)
 before anything of it is read: a latest checkpoint that fails is named, and
 the run falls back to the newest one that verifies, or stops, as
-``checkpoint.on_corrupt`` says. Those it passed over are deleted at the
-run's start (rank 0), so they neither block its commits nor count as kept.
+``checkpoint.on_corrupt`` says. Those it passed over are set aside at the
+run's start (rank 0, renamed ``rejected-step-N``, their files kept), so they
+neither block its commits nor count as kept.
 
 A checkpoint records the config that shaped its state (``fingerprint``): the
 workload, the layout, the microbatch count, the model and data configs. A
 different value in any of them is refused: the saved tensors would not fit, or
 the batches (a pure function of the data config and the step) would not
-continue where they stopped; so is another optimizer (optim.name), whose state would not fit. The
+continue where they stopped; so is another optimizer (optim.name), whose state would not fit; so
+are data files whose bytes changed since the save (their size and SHA-256, file_fingerprint.py,
+recorded in meta.json as ``data_files``), which the batches would be drawn from. The
 other [optim] keys may change; the config wins. The learning-rate schedule and the evaluation
 hold no state of their own: both are functions of the step the checkpoint records.
 """
@@ -28,17 +31,22 @@ from dataclasses import MISSING, dataclass
 import torch
 import torch.distributed as dist
 
+from rrfp.app.config.file_fingerprint import fingerprints
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
+from rrfp.app.job.job_agreement import job_id
 from rrfp.app.job.run_outputs import folder_problem
 from rrfp.app.train.checkpoint_dir import Checkpoint, CheckpointDir
+from rrfp.app.train.checkpoint_owner import FolderClaim, read_owner, refusal
 from rrfp.app.train.checkpoint_state import (
     CheckpointError,
     check_readable,
     load_stage,
     save_stage,
     stage_key,
+    written_files,
 )
+from rrfp.app.train.disk_errors import DISK_ERRNOS, explained
 from rrfp.app.train.optimizers import reconfigured
 from rrfp.comm.channels import lone_peer, lost_peer_reason, named_collective
 from rrfp.comm.collective_wait import working_marker
@@ -61,7 +69,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
                     "tp": lay.tp,
                     "dp": lay.dp,
                     "ep": lay.ep,
-                    "microbatches": cfg.schedule.microbatches,
+                    "n_microbatches": cfg.schedule.n_microbatches,
                     "virtual": cfg.parallel.virtual,
                     "placement": cfg.parallel.placement,
                 },
@@ -91,7 +99,7 @@ def differences(saved: dict, now: dict) -> list[str]:
 # the fingerprint's ``run`` keys that the config holds in another section
 _SECTION_OF = {
     **{k: "parallel" for k in ("pp", "tp", "dp", "virtual", "placement")},
-    "microbatches": "schedule",
+    "n_microbatches": "schedule",
 }
 
 
@@ -105,7 +113,8 @@ def _key_name(section: str, key: str) -> str:
 @dataclass(frozen=True)
 class Resume:
     """Where a run starts (``start``; None: step 0), and the newer checkpoints it passed
-    over because they failed verification, newest first, each with what is wrong."""
+    over because they failed verification, newest first, each with what is wrong (set aside
+    as ``rejected-step-N`` at the run's start, never deleted)."""
 
     start: Checkpoint | None
     rejected: tuple[tuple[Checkpoint, str], ...] = ()
@@ -117,13 +126,17 @@ class Resume:
         bad = "; ".join(
             f"checkpoint {c.path} failed verification: {why}" for c, why in self.rejected
         )
+        aside = ", ".join(
+            f"{c.path.name} as {CheckpointDir(c.path.parent).rejected_path(c.step).name}"
+            for c, _ in self.rejected
+        )
         return (
             f"{bad}; resuming from {self.start.path} instead, the newest that verifies "
-            f"(checkpoint.on_corrupt = fallback; it is deleted at this run's start)"
+            f"(checkpoint.on_corrupt = fallback; set aside at this run's start, kept: {aside})"
         )
 
 
-def plan_resume(cfg: TrainConfig) -> Resume:
+def choose_resume(cfg: TrainConfig) -> Resume:
     """Where this run starts. Reads files only (every checkpoint it considers, in full, to
     verify it); raises ConfigError when the run cannot start as configured."""
     run, ck = cfg.run, cfg.checkpoint
@@ -186,6 +199,12 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     diffs = differences(*_comparable(saved, _new_keys_at_default(saved, fingerprint(cfg), cfg)))
     if diffs:
         raise ConfigError(f"{where}: it was saved with a different config: {'; '.join(diffs)}")
+    changed = data_changes(meta.get("data_files"), fingerprints({"data": cfg.data}))
+    if changed:
+        raise ConfigError(
+            f"{where}: the data it was trained on changed since it was saved: {'; '.join(changed)} "
+            "(resume with the files it was saved with, or start in another checkpoint.dir)"
+        )
     if latest.step >= run.steps:
         raise ConfigError(
             f"{where}: it is at step {latest.step} and run.steps = {run.steps}: nothing left "
@@ -206,6 +225,18 @@ def plan_resume(cfg: TrainConfig) -> Resume:
     except CheckpointError as e:
         raise ConfigError(f"{where}: {e}") from None
     return Resume(latest, tuple(rejected))
+
+
+def data_changes(saved: object, now: dict[str, str]) -> list[str]:
+    """``data.KEY FILE: checkpoint A, now B`` for every data file whose fingerprint differs from
+    the one ``saved`` in a checkpoint (a checkpoint that recorded none: nothing to compare)."""
+    if not isinstance(saved, dict):
+        return []
+    return [
+        f"{name}: checkpoint {saved.get(name, '(absent)')}, now {now.get(name, '(absent)')}"
+        for name in sorted(set(saved) | set(now))
+        if saved.get(name) != now.get(name)
+    ]
 
 
 def _new_keys_at_default(saved: dict, now: dict, cfg: TrainConfig) -> dict:
@@ -243,8 +274,8 @@ def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
 
 
 def resume_point(cfg: TrainConfig) -> Checkpoint | None:
-    """The checkpoint this run starts from, or None to start fresh (``plan_resume``'s start)."""
-    return plan_resume(cfg).start
+    """The checkpoint this run starts from, or None to start fresh (``choose_resume``'s start)."""
+    return choose_resume(cfg).start
 
 
 class RunCheckpoints:
@@ -270,37 +301,51 @@ class RunCheckpoints:
             device=rt.device,
             process_group=rt.cpu_group,
         )  # DCP's collectives: gloo, the control plane
+        # what the data files held when this run started (file_fingerprint.py), in every
+        # checkpoint's meta.json: a resume on other bytes is refused
+        self.data_files = fingerprints({"data": cfg.data}) if rt.rank == 0 else {}
+        self.job = ""  # this job's id (begin), in the folder's OWNER record and commit records
+        self.claim: FolderClaim | None = None  # rank 0's hold on the folder, from begin
         # called with the step and the phase (save, commit) as this rank enters it (fault injection)
         self.on_write: list = []
 
     async def begin(self, resume: Resume) -> None:
         """Collective, at the run's start: every rank decided to resume from the same step,
         and sees a file rank 0 writes into the checkpoint directory (one file system for
-        every rank). Then rank 0 deletes the checkpoints passed over and any debris, so
+        every rank). Then rank 0 sets the checkpoints passed over aside (kept, as
+        ``rejected-step-N``) and deletes any debris, so
         nothing of an earlier crash is mixed into, or blocks, this run's commits."""
         rt, world = self.rt, self.rt.layout.world_size
         step = float(resume.start.step if resume.start is not None else -1)
         token = secrets.randbelow(2**50) + 1 if rt.rank == 0 else 0
+        job = job_id(self.cfg.waits.store_connect_s) if rt.rank == 0 else 0
         probe = self.store.root / f".partial-probe-{token}"
         if rt.rank == 0:
             probe.write_text(str(token))
-        agreed = torch.tensor([float(token), step, -step], dtype=torch.float64)
+        agreed = torch.tensor([float(token), step, -step, float(job)], dtype=torch.float64)
         await rt.all_reduce(
             agreed, dist.ReduceOp.MAX, what="checkpoint: world agreement on the resume step"
         )
         token, high, low = int(agreed[0].item()), agreed[1].item(), -agreed[2].item()
+        self.job = f"{int(agreed[3].item()):012x}"
         probe = self.store.root / f".partial-probe-{token}"
         try:
             seen = probe.read_text() == str(token)
         except OSError:
             seen = False
-        blind = torch.zeros(world, dtype=torch.float64)
+        blind = torch.zeros(world + 1, dtype=torch.float64)  # the last: the folder is taken
         blind[rt.rank] = float(not seen)
+        if rt.rank == 0 and seen:
+            self.claim = FolderClaim(self.store.root, self.job)
+            blind[world] = float(self.claim.claim() is not None)
         await rt.all_reduce(
             blind, what="checkpoint: world check of one shared checkpoint directory"
         )
         if rt.rank == 0:
             probe.unlink(missing_ok=True)
+        if blind[world].item():  # every rank reads the same record: the same line
+            found = read_owner(self.store.root)
+            raise ConfigError(refusal(self.store.root, found[0] if found else None))
         missing = [r for r in range(world) if blind[r].item()]
         if missing:
             raise ConfigError(
@@ -314,8 +359,13 @@ class RunCheckpoints:
                 f"{int(low)} to {int(high)}; -1: none): is it one file system for every rank?"
             )
         if rt.rank == 0:
-            self.store.discard([c for c, _ in resume.rejected])
+            self.store.reject([c for c, _ in resume.rejected])
             self.store.clear_debris()
+
+    def release(self) -> None:
+        """At the run's end, whatever ended it (rank 0): the folder is no longer this job's."""
+        if self.claim is not None:
+            self.claim.release()
 
     def due(self, done: int, stopping: bool) -> bool:
         """Save after ``done`` steps? Every checkpoint_every steps, at the end, and on a stop."""
@@ -349,10 +399,19 @@ class RunCheckpoints:
         then rank 0 commits it, and every rank learns that it did (so a line saying
         "saved" is true on every rank); then rank 0 deletes checkpoints beyond
         checkpoint_keep. A peer lost on the way is a PeerFailure whose line says which
-        checkpoint stays (the partial one is debris, cleared at the next run's start).
+        checkpoint stays (the partial one is debris, cleared at the next run's start); a write
+        that fails (a full disk) is a CheckpointError that says so, once rank 0 deleted the
+        partial folder.
         ``rng``: the generators to record, when not the current ones."""
         for hook in self.on_write:
             hook(done, "save")
+        found = read_owner(self.store.root)
+        if found is not None and found[0].job != self.job:  # every rank reads it: one line
+            raise ConfigError(
+                f"step {done}: checkpoint {self.store.final_path(done).name} was not saved: "
+                f"{refusal(self.store.root, found[0])}; this job {self.job} lost it "
+                f"({self._kept()})"
+            )
         try:
             return await self._save(done, rng)
         except PeerFailure as e:
@@ -363,7 +422,9 @@ class RunCheckpoints:
             ) from e
         except CheckpointError as e:
             if not lost_peer_reason(str(e)):
-                raise
+                if self.rt.rank == 0:  # every rank is past its writes: DCP gathered their errors
+                    self.store.clear_debris()  # the partial folder, whose space a full disk needs
+                raise CheckpointError(f"step {done}: {self._outcome(done)}: {e}") from None
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: checkpoint {self.store.final_path(done).name} "
                 f"was not saved, {self._kept()}: a peer was lost while writing it"
@@ -400,6 +461,13 @@ class RunCheckpoints:
                 rng=rng,
                 working=working_marker(),  # its writes are progress to its peers
             )
+        group = self.rt.cpu_group  # DCP's: its writers are named by their rank in it
+        mine = written_files(
+            self.store.partial_path(done),
+            dist.get_rank(group) if group is not None else self.rt.rank,
+        )
+        # rank 0: what each rank of this job wrote, which its commit binds to the job
+        written = await self.rt.gather_object(mine)
         committed, failure = torch.zeros(1), None
         if self.rt.rank == 0:
             try:
@@ -407,13 +475,18 @@ class RunCheckpoints:
                 with working_marker()(f"writing checkpoint {self.store.final_path(done).name}"):
                     for hook in self.on_write:  # a fault here is one in the write
                         hook(done, "commit")
+                    if self.claim is not None:
+                        self.claim.check()  # NotOurs: another job took the folder over
                     self.store.commit(
                         done,
                         {
                             "config": fingerprint(self.cfg),
+                            "data_files": self.data_files,
                             "world_size": self.rt.layout.world_size,
                             "torch": torch.__version__,
                         },
+                        job=self.job,
+                        written=written,
                     )
                 committed += 1
             except OSError as e:
@@ -427,7 +500,12 @@ class RunCheckpoints:
         if not committed.item():
             final = self.store.final_path(done)
             if self.rt.rank == 0:  # the rank that knows the cause says it; the others point at it
-                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {failure}")
+                why = (
+                    explained(failure, self.store.partial_path(done))
+                    if failure is not None and failure.errno in DISK_ERRNOS
+                    else failure
+                )
+                raise CheckpointError(f"rank 0 could not commit checkpoint {final}: {why}")
             raise PeerFailure(
                 f"rank {self.rt.rank}: step {done}: rank 0 could not commit it (its line says why)",
                 0,

@@ -21,14 +21,14 @@ from rrfp.pipeline.user_code import counted, function_name
 HELD_OUT_STEP = 1 << 40
 
 
-def held_out(workload, data_cfg, index: int, num_microbatches: int):
+def held_out(workload, data_cfg, index: int, n_microbatches: int):
     """Held-out iteration ``index``'s microbatches, the same on every rank; checked as a step's
     (rrfp/pipeline/user_code.py)."""
     own = workload.eval_batches is not None
     fn = workload.eval_batches if own else workload.batches
     what = "eval_batches" if own else "batches"
     where = f"{what} ({function_name(fn)}) for held-out iteration {index + 1}"
-    return counted(fn, where, data_cfg, index if own else HELD_OUT_STEP + index, num_microbatches)
+    return counted(fn, where, data_cfg, index if own else HELD_OUT_STEP + index, n_microbatches)
 
 
 def due(every: int, step: int, steps: int) -> bool:
@@ -37,7 +37,7 @@ def due(every: int, step: int, steps: int) -> bool:
 
 
 async def evaluate(
-    rt, ex, modules, workload, data_cfg, eval_cfg, microbatches: int, step: int, thread_state=None
+    rt, ex, modules, workload, data_cfg, eval_cfg, n_microbatches: int, step: int, thread_state=None
 ) -> float:
     """Collective: the mean loss over the held-out microbatches of every data-parallel replica,
     on every rank. ``step`` names the pass in the pipeline's messages."""
@@ -48,8 +48,8 @@ async def evaluate(
         m.eval()
     try:
         for index in range(eval_cfg.batches):
-            data = held_out(workload, data_cfg, index, microbatches * dp)
-            mine = data[dp_rank * microbatches : (dp_rank + 1) * microbatches]
+            data = held_out(workload, data_cfg, index, n_microbatches * dp)
+            mine = data[dp_rank * n_microbatches : (dp_rank + 1) * n_microbatches]
             if rt.device.type != "cpu":
                 mine = [
                     (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))

@@ -67,7 +67,7 @@ class RunMetrics:
         folder = run_folder(cfg.output.dir, cfg.run.model)
         flops = model_flops(cfg.workload, cfg.model, cfg.num_stages)
         peak = device_peak(
-            device, cfg.runtime.autocast, cfg.runtime.threads, cfg.output.peak_tflops
+            device, cfg.compute.autocast, cfg.compute.threads, cfg.output.peak_tflops
         )
         if peak is None:
             log.warning(

@@ -16,7 +16,7 @@ from rrfp.pipeline.user_code import calling, function_name
 def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, Any]:
     """The summary as plain values (what ``run.json`` holds under ``summary``). ``prints``: the
     memory check's footprints, None when the model did not build on the meta device."""
-    lay, sch, layout = cfg.layout, cfg.schedule, cfg.stages
+    lay, sch, layout = cfg.layout, cfg.schedule, cfg.virtual_layout
     baseline = at_1f1b(cfg, prints) if prints is not None else None
     ranks = []
     for r in range(lay.pp):
@@ -52,15 +52,15 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "hint": sch.hint.name,
             "dispatch": str(sch.dispatch),
             "budget": str(sch.budget),
-            "microbatches": sch.microbatches,  # per replica per step
-            "microbatches_per_step": sch.microbatches * lay.dp,
+            "n_microbatches": sch.n_microbatches,  # per replica per step
+            "microbatches_per_step": sch.n_microbatches * lay.dp,
         },
         "data": data_found(cfg),
-        "backend": cfg.runtime.backend,
+        "backend": cfg.compute.backend,
         "backend_choice": getattr(
-            cfg, "backend_choice", f"runtime.backend = {cfg.runtime.backend}"
+            cfg, "backend_choice", f"compute.backend = {cfg.compute.backend}"
         ),
-        "device": cfg.runtime.device_type,
+        "device": cfg.compute.device_type,
         "ranks": ranks,
         "memory_estimate": None
         if prints is None
@@ -90,8 +90,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"tp={lay['tp']} x dp={lay['dp']}{shard}; backend {summary['backend']} "
         f"({summary['backend_choice']}) on {summary['device']}",
         f"schedule: hint {sch['hint']}, dispatch {sch['dispatch']}, budget {sch['budget']}; "
-        f"{sch['microbatches']} microbatches per replica per step ({sch['microbatches_per_step']} "
-        "in all)",
+        f"{sch['n_microbatches']} microbatches per replica per step "
+        f"({sch['microbatches_per_step']} in all)",
         f"data: {summary['data']}",
     ]
     for rank in summary["ranks"]:

@@ -83,7 +83,7 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
         return None
     lay = cfg.layout
     if (
-        cfg.runtime.device_type == "cuda"
+        cfg.compute.device_type == "cuda"
     ):  # one device per rank: this rank's stage against its device
         rank = int(os.environ.get("RANK", "0"))
         need, mine = prints[lay.coords(rank).pp].total, [prints[lay.coords(rank).pp]]
@@ -107,7 +107,7 @@ def check_memory(cfg: TrainConfig, available: int | None = None) -> list[Footpri
         f"parameters, gradients and optimizer state; {_gib(sum(f.activations for f in mine))} "
         f"activations, up to {act.in_flight} {unit} in flight per rank; "
         f"{_gib(sum(f.batches for f in mine))} input batches), above the {_gib(available)} "
-        f"{where}: lower schedule.microbatches, schedule.budget, data.microbatch_size or the "
+        f"{where}: lower schedule.n_microbatches, schedule.budget, data.microbatch_size or the "
         "[model] sizes, or use more ranks (parallel.pp)"
     )
 
@@ -117,8 +117,8 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
     With virtual stages a rank holds its local stages' parameters and up to its rank limit of
     local-stage microbatches' activations (``Budget.rank_limit``), each at least its smallest local
     stage's."""
-    run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.stages
-    M, layout_tp = sch.microbatches, cfg.layout.tp
+    run, sch, wl, layout = cfg.run, cfg.schedule, cfg.workload, cfg.virtual_layout
+    M, layout_tp = sch.n_microbatches, cfg.layout.tp
     sample = wl.microbatches(cfg.data, 0, min(M, SAMPLE))
     smallest = min(sample, key=lambda b: _nbytes(b))
     batch_bytes = (
@@ -167,7 +167,7 @@ def footprints(cfg: TrainConfig) -> list[Footprint] | None:
 def at_1f1b(cfg: TrainConfig, prints: list[Footprint]) -> list[Footprint]:
     """``prints`` as 1F1B would hold them: each rank's 1F1B count in flight (S - r; with virtual
     stages the ``1x`` budget, ``Budget.rank_limit``), the baseline the budget is a multiple of."""
-    layout, M = cfg.stages, cfg.schedule.microbatches
+    layout, M = cfg.virtual_layout, cfg.schedule.n_microbatches
     one_x = Budget(multiple=1.0)
     return [
         fp.holding(max(1, min(one_x.rank_limit(layout, r).count or 1, M * layout.virtual)))
@@ -207,7 +207,7 @@ def _fixed_peak(sch, layout: VirtualLayout, rank: int, split: bool) -> int | Non
     if sch.dispatch is not Dispatch.FIXED or sch.hint.planned:
         return None
     try:
-        return sch.hint.rank_peak(layout, rank, sch.microbatches, split)
+        return sch.hint.rank_peak(layout, rank, sch.n_microbatches, split)
     except HintError:  # refused with its own message by the config (config._check_hint_layout)
         return None
 
@@ -262,7 +262,7 @@ def check_timeout(cfg: TrainConfig, bounds_waits: bool | None = None) -> str | N
     predicted without running). Only where it bounds every wait (``bounds_waits``; default: on
     nccl): on gloo the heartbeat tells a busy peer from a silent one, so the wait bounds silence,
     not a step (rrfp/comm/heartbeat.py)."""
-    if not (cfg.runtime.backend == "nccl" if bounds_waits is None else bounds_waits):
+    if not (cfg.compute.backend == "nccl" if bounds_waits is None else bounds_waits):
         return None
     step = predicted_step_s(cfg)
     wait = cfg.waits.peer_wait_s
@@ -294,7 +294,7 @@ def predicted_step_s(cfg: TrainConfig) -> float | None:
     if unit_s is None and not slow:
         return None
     if unit_s is not None:
-        M = cfg.schedule.microbatches
+        M = cfg.schedule.n_microbatches
         m = min(M, SAMPLE)
         feats = (
             [wl.features(b) for b in wl.batches(cfg.data, 0, m)] if em.cost is not None else None

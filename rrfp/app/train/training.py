@@ -23,7 +23,7 @@ from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.faults import FaultInjector
 from rrfp.app.train.checkpoint_state import rng_state
-from rrfp.app.train.checkpoints import Resume, RunCheckpoints, plan_resume
+from rrfp.app.train.checkpoints import Resume, RunCheckpoints, choose_resume
 from rrfp.app.train.evaluation import due as eval_due
 from rrfp.app.train.evaluation import evaluate
 from rrfp.app.train.lr_schedule import learning_rate as scheduled_lr
@@ -134,16 +134,16 @@ async def stage_main(
     it through the rendezvous store): a rank it did not reach would wait for its
     peers' messages until ``timeouts.peer_wait_s``. A stop seen only once the step's
     computation is done keeps that step. ``resume``: where to start,
-    when the caller has already decided (``plan_resume``). ``about``: what rank 0 adds to the
+    when the caller has already decided (``choose_resume``). ``about``: what rank 0 adds to the
     run folder's ``run.json`` (``rrfp train``: its start-up summary)."""
     if resume is None:  # before any process group: a mismatch fails every rank the same way
-        resume = plan_resume(cfg)
-    torch.set_num_threads(cfg.runtime.threads)
+        resume = choose_resume(cfg)
+    torch.set_num_threads(cfg.compute.threads)
     _startup_fault(cfg)  # testing aid (debug.fault during=startup), normally nothing
     # a heartbeat (gloo): timeouts.heartbeat_s bounds a peer's silence, not how long a step takes
     async with PipelineRuntime.start(
         layout=cfg.layout,
-        backend=cfg.runtime.backend,
+        backend=cfg.compute.backend,
         timeout_s=cfg.run.timeout_s,
         timeouts=cfg.waits,
         unit_ms=cfg.emulation.unit_ms,
@@ -152,9 +152,13 @@ async def stage_main(
         placement=cfg.parallel.placement,
     ) as rt:  # nccl: this rank's GPU is rt.device
         training = _RankTraining(cfg, rt, stop, about)
-        await training.begin(resume)
-        await training.run_steps(on_step)
-        await training.write_outputs()
+        try:
+            await training.begin(resume)
+            await training.run_steps(on_step)
+            await training.write_outputs()
+        finally:  # rank 0: the folder is free for the next job, however this one ended
+            if training.ckpts is not None:
+                training.ckpts.release()
         if training.injector is not None and not rt.abandoned:
             training.injector.phase("barrier")  # leaving the block waits for every rank
     return training.summary
@@ -192,7 +196,7 @@ class _RankTraining:
                 cfg.model, rt.stages, rt.num_stages, cfg.run.seed, rt.tp_group
             )
         ]
-        if cfg.runtime.activation_checkpointing == "layers":
+        if cfg.compute.activation_checkpointing == "layers":
             for m in self.modules:
                 checkpoint_blocks(self.wl.blocks(m))
         if cfg.parallel.ep > 1:  # the MoE layers' experts sharded over the EP group
@@ -231,8 +235,8 @@ class _RankTraining:
         self.peak = PeakMemory(rt.device)
         if self.metrics is not None:
             self.summary.metrics = str(self.metrics.path)
-        # runtime.autocast: every task under it, on this rank's device type (None: the caller's)
-        autocast = cfg.runtime.autocast
+        # compute.autocast: every task under it, on this rank's device type (None: the caller's)
+        autocast = cfg.compute.autocast
         self.amp = (
             ThreadState((Autocast(rt.device.type, getattr(torch, autocast), True),))
             if autocast != "off"
@@ -293,7 +297,7 @@ class _RankTraining:
 
     def batches(self, step: int):
         """This replica's microbatches of ``step`` and their features."""
-        m = self.cfg.schedule.microbatches
+        m = self.cfg.schedule.n_microbatches
         # DP replica d trains on its own M microbatches of a global batch of dp * M
         data = self.wl.microbatches(self.cfg.data, step, m * self.cfg.layout.dp)
         mine = data[self.rt.dp_rank * m : (self.rt.dp_rank + 1) * m]
@@ -440,7 +444,7 @@ class _RankTraining:
             self.wl,
             cfg.data,
             cfg.eval,
-            cfg.schedule.microbatches,
+            cfg.schedule.n_microbatches,
             step,
             thread_state=self.amp,
         )
@@ -534,7 +538,7 @@ class _RankTraining:
                 {
                     "pp": rt.layout.pp,
                     **virtual,
-                    "microbatches": sch.microbatches,
+                    "n_microbatches": sch.n_microbatches,
                     "seed": cfg.run.seed,
                     "preset": cfg.emulation.preset,
                     "hint": sch.hint.name,

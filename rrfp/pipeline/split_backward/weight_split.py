@@ -67,7 +67,7 @@ class Restart:
 
 
 @dataclass
-class WeightPlan:
+class WeightWork:
     """What W computes for one microbatch; ``captured`` is filled in B."""
 
     points: dict = field(default_factory=dict)  # B node -> Restart
@@ -152,19 +152,19 @@ class _Graph:
         return False
 
 
-def plan(
+def analyse(
     module: nn.Module,
     outputs: list[torch.Tensor],
     inputs: list[torch.Tensor],
     deferred: frozenset[int] = frozenset(),
-) -> WeightPlan:
+) -> WeightWork:
     """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
     left to their layer's own W queue (``queued_parameters``)."""
     params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
     roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
     if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
-        return WeightPlan(whole=WHOLE_REENTRANT)
+        return WeightWork(whole=WHOLE_REENTRANT)
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or
@@ -190,7 +190,7 @@ def plan(
     for pid in out_pids:
         owners.setdefault(pid, []).append(_OUTPUTS)
 
-    result = WeightPlan()
+    result = WeightWork()
     queuing = {
         n for n in frontier if deferred and n.name() == _QUEUES_OWN_W
     }  # B ran these: they queued W
@@ -222,7 +222,7 @@ def plan(
         if work.params or work.shared:
             result.points[n] = work
     if any(is_checkpointed(x) for x in _gathering_runs(g, result.points)):
-        return WeightPlan(whole=WHOLE_CHECKPOINT_GATHERED)
+        return WeightWork(whole=WHOLE_CHECKPOINT_GATHERED)
     _announce(module, result)
     return result
 
@@ -339,7 +339,7 @@ def _nodes_below(node) -> set:
     return seen
 
 
-def _announce(module: nn.Module, result: WeightPlan) -> None:
+def _announce(module: nn.Module, result: WeightWork) -> None:
     """Log once per module the parameters whose gradient stays in B, and why."""
     if not result.in_b:  # the common case, on every forward: no name lookup
         return
@@ -361,7 +361,7 @@ def _announce(module: nn.Module, result: WeightPlan) -> None:
         )
 
 
-def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
+def backward_input(weights: WeightWork, outputs, grads, inputs) -> list:
     """B: the inputs' gradients (and those of ``in_b``), capturing what W needs; the graph is kept
     for W. With ``whole`` set, the plain backward: every gradient, the graph freed."""
     if weights.whole:
@@ -390,7 +390,7 @@ def backward_input(weights: WeightPlan, outputs, grads, inputs) -> list:
     return found[: len(inputs)]
 
 
-def backward_weight(weights: WeightPlan) -> None:
+def backward_weight(weights: WeightWork) -> None:
     """W: every restart's parameters from its captured gradient, then drop the graph. Run it in one
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
     post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
@@ -402,7 +402,7 @@ def backward_weight(weights: WeightPlan) -> None:
     weights.outputs.clear()
 
 
-def _restart_all(weights: WeightPlan) -> None:
+def _restart_all(weights: WeightWork) -> None:
     if weights.from_outputs:
         _grad_into(
             weights.from_outputs, [e for e, _ in weights.outputs], [g for _, g in weights.outputs]

@@ -44,7 +44,11 @@ def test_quick_run_writes_a_well_formed_folder(quick):
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
     assert {"cpus", "torch", "hostname", "date"} <= doc["machine"].keys()
-    assert doc["config"]["pp"] == 2 and doc["config"]["mb"] == 4 and doc["config"]["reps"] == 1
+    assert (
+        doc["config"]["pp"] == 2
+        and doc["config"]["n_microbatches"] == 4
+        and doc["config"]["reps"] == 1
+    )
     [wl] = doc["workloads"]
     ran = [s["contender"] for s in wl["summary"]]
     skipped = wl["skipped"]
@@ -247,7 +251,7 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
         "fixed-1f1b,ready-bfw",
         "--pp",
         "2",
-        "--mb",
+        "--n-microbatches",
         "2",
         "--reps",
         "1",

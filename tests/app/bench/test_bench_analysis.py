@@ -22,7 +22,7 @@ def spec() -> BenchSpec:
         False,
         contenders=tuple(Contender.parse(e) for e in CONTENDERS),
     )
-    return BenchSpec((case,), pp=4, mb=8, reps=3, unit_ms=10.0)
+    return BenchSpec((case,), pp=4, n_microbatches=8, reps=3, unit_ms=10.0)
 
 
 def test_annotate_bounds_and_predicts_on_the_simulators_own_durations():

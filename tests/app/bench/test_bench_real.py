@@ -80,7 +80,7 @@ def span(process, stage, name, start, end, compute=None, it=1, **args):
 
 def test_realized_work_takes_the_lanes_compute_not_the_span():
     case = Case("gpt", "unused.toml", "lang", False)
-    spec = BenchSpec((case,), pp=2, mb=2, reps=1, unit_ms=0.0)
+    spec = BenchSpec((case,), pp=2, n_microbatches=2, reps=1, unit_ms=0.0)
     ready = Contender.parse("ready bfw")
     # each span is 1 s longer than the lane's work: the host time around it
     spans, want = [], np.zeros((2, 2, 3))
@@ -251,7 +251,7 @@ def test_a_microbatch_moves_to_the_device_whole():
 
     import torch
 
-    from rrfp.app.bench.worker import _on
+    from rrfp.app.bench.rank import _on
 
     Inputs = collections.namedtuple("Inputs", "images ids")
     x = (Inputs(torch.ones(1), torch.zeros(2, dtype=torch.long)), [torch.ones(3), None])

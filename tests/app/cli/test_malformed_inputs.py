@@ -35,7 +35,7 @@ SMALL = [
     "--set",
     "model.n_layer=2",
     "--set",
-    "microbatches=4",
+    "n_microbatches=4",
     "--set",
     "steps=4",
 ]
@@ -203,7 +203,7 @@ def _below_a_file(where: str, name: str) -> Callable[[Path], list[str]]:
         (tmp / "a-file").write_text("")
         path = tmp / "a-file" / name
         if where.startswith("--"):
-            return ["sim", "--pp", "2", "--mb", "2", "--seeds", "1", where, str(path)]
+            return ["sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", where, str(path)]
         return ["train", *SMALL, "--set", f"{where}={path}", "--dry-run"]
 
     return make
@@ -272,7 +272,10 @@ ROWS = [
     Row("config", "a value of the wrong type", _sets("steps=abc"), "wrong type"),
     Row("config", "`steps = 0`", _sets("steps=0"), "run.steps must be >= 1"),
     Row(
-        "config", "`microbatches = 100000000000`", _sets("microbatches=100000000000"), "[1, 65536]"
+        "config",
+        "`n_microbatches = 100000000000`",
+        _sets("n_microbatches=100000000000"),
+        "[1, 65536]",
     ),
     Row(
         "config",
@@ -343,7 +346,7 @@ ROWS = [
         "config",
         '`backend = "mpi"`',
         _sets("backend=mpi"),
-        "runtime.backend must be one of auto, gloo, nccl",
+        "compute.backend must be one of auto, gloo, nccl",
     ),
     Row("config", '`resume = "maybe"`', _sets("resume=maybe"), "checkpoint.resume must be one of"),
     Row(
@@ -356,7 +359,7 @@ ROWS = [
         "config",
         '`autocast = "fp8"`',
         _sets("autocast=fp8"),
-        "runtime.autocast must be one of off, bfloat16, float16, got 'fp8'",
+        "compute.autocast must be one of off, bfloat16, float16, got 'fp8'",
     ),
     Row(
         "config",
@@ -412,7 +415,7 @@ ROWS = [
         "config",
         "a model too big for this machine's memory (1.6 TB of parameters and AdamW state)",
         _sets("model.n_embd=65536", dry_run=False),
-        "lower schedule.microbatches, schedule.budget, data.microbatch_size",
+        "lower schedule.n_microbatches, schedule.budget, data.microbatch_size",
     ),
     Row("config", "a cost file of `[]`", _cost([]), "expected a JSON object"),
     Row("config", "a cost file of a string", _cost('"fast"'), "expected a JSON object"),
@@ -491,8 +494,8 @@ ROWS = [
     Row("CLI", "`rrfp train` outside torchrun", lambda tmp: ["train", *SMALL], "torchrun"),
     Row(
         "CLI",
-        "`rrfp sim --pp 100000 --mb 100000`",
-        lambda tmp: ["sim", "--pp", "100000", "--mb", "100000"],
+        "`rrfp sim --pp 100000 --n-microbatches 100000`",
+        lambda tmp: ["sim", "--pp", "100000", "--n-microbatches", "100000"],
         "rrfp sim takes at most",
     ),
     Row(

@@ -18,14 +18,20 @@ def _cases(blocked: Path):
     file, so nothing can be made under it."""
     bad = blocked / "sub" / "out.json"
     return [
-        (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--json", str(bad)], "--json"),
-        (["sim", "--pp", "2", "--mb", "2", "--seeds", "1", "--trace", str(bad)], "--trace"),
+        (
+            ["sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", "--json", str(bad)],
+            "--json",
+        ),
+        (
+            ["sim", "--pp", "2", "--n-microbatches", "2", "--seeds", "1", "--trace", str(bad)],
+            "--trace",
+        ),
         (
             [
                 "sim",
                 "--pp",
                 "2",
-                "--mb",
+                "--n-microbatches",
                 "2",
                 "--seeds",
                 "1",
@@ -79,7 +85,7 @@ def test_plot_refuses_an_unwritable_png(tmp_path, capsys):
                 "sim",
                 "--pp",
                 "2",
-                "--mb",
+                "--n-microbatches",
                 "2",
                 "--seeds",
                 "1",

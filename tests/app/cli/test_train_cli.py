@@ -240,13 +240,13 @@ def test_dry_run_shows_a_tp_dp_layout():
 DEVICE_ERRORS = [
     (
         ["backend=nccl"],
-        ["runtime.backend = nccl needs CUDA", "runtime.backend = gloo"],
+        ["compute.backend = nccl needs CUDA", "compute.backend = gloo"],
     ),  # this machine has no CUDA
     (["backend=nccl", "device=cpu"], ["carries CUDA tensors only"]),
-    (["device=cuda", "backend=gloo"], ["runtime.device = cuda needs runtime.backend = nccl"]),
-    (["device=cuda"], ["runtime.device = cuda needs CUDA", "runtime.device = cpu"]),  # auto: nccl
-    (["device=tpu"], ["runtime.device must be one of auto, cpu, cuda, got 'tpu'"]),
-    (["backend=mpi"], ["runtime.backend must be one of auto, gloo, nccl, got 'mpi'"]),
+    (["device=cuda", "backend=gloo"], ["compute.device = cuda needs compute.backend = nccl"]),
+    (["device=cuda"], ["compute.device = cuda needs CUDA", "compute.device = cpu"]),  # auto: nccl
+    (["device=tpu"], ["compute.device must be one of auto, cpu, cuda, got 'tpu'"]),
+    (["backend=mpi"], ["compute.backend must be one of auto, gloo, nccl, got 'mpi'"]),
 ]
 
 
@@ -272,7 +272,7 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch):
         TrainConfig.load(CONFIG, ["backend=nccl"], world_size=2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert (
-        TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).runtime.device_type
+        TrainConfig.load(CONFIG, ["backend=nccl", "pp=2"], world_size=2).compute.device_type
         == "cuda"
     )
 
@@ -286,15 +286,15 @@ def test_the_auto_backend_is_nccl_with_a_gpu_per_local_rank_else_gloo(monkeypatc
     for local, backend in (("2", "nccl"), ("4", "gloo")):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
         cfg = TrainConfig.load(CONFIG, [f"pp={local}"], world_size=int(local))
-        assert cfg.runtime.backend == backend, (local, cfg.backend_choice)
-        assert cfg.runtime.device_type == ("cuda" if backend == "nccl" else "cpu")
+        assert cfg.compute.backend == backend, (local, cfg.backend_choice)
+        assert cfg.compute.device_type == ("cuda" if backend == "nccl" else "cpu")
     assert cfg.backend_choice == "auto: 2 GPU(s) for 4 ranks on this node"
     cpu = TrainConfig.load(CONFIG, ["pp=2", "device=cpu"], world_size=2)
-    assert (cpu.runtime.backend, cpu.backend_choice) == ("gloo", "auto: runtime.device = cpu")
+    assert (cpu.compute.backend, cpu.backend_choice) == ("gloo", "auto: compute.device = cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     none = TrainConfig.load(CONFIG, ["pp=2"], world_size=2)
-    assert (none.runtime.backend, none.backend_choice) == ("gloo", "auto: no CUDA")
-    assert none.as_toml()["runtime"]["backend"] == "gloo"  # --dry-run shows what was chosen
+    assert (none.compute.backend, none.backend_choice) == ("gloo", "auto: no CUDA")
+    assert none.as_toml()["compute"]["backend"] == "gloo"  # --dry-run shows what was chosen
 
 
 def _launch(*args: str, timeout: float, config: str = CONFIG) -> subprocess.CompletedProcess:

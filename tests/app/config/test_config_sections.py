@@ -135,6 +135,23 @@ def test_a_typo_in_the_file_names_the_file(tmp_path):
         TrainConfig.load(path, world_size=4)
 
 
+def test_an_unknown_section_is_guessed_from_the_keys_written_under_it(tmp_path):
+    """A section's keys say which section was meant better than its spelling does: ``[machine]``
+    holding ``device`` and ``threads`` is [compute], which no spelling guess would find."""
+    path = tmp_path / "moved.toml"
+    path.write_text('[machine]\ndevice = "cpu"\nthreads = 2\n')
+    with pytest.raises(
+        ConfigError, match=r"unknown section \[machine\] \(did you mean compute\?\)"
+    ):
+        TrainConfig.load(path, world_size=4)
+    with pytest.raises(ConfigError, match=r"\[machine\] \(did you mean compute\?\)"):
+        TrainConfig.load(ROOT / "configs/gpt-tiny.toml", ["machine.threads=2"], world_size=4)
+    path.write_text("[machine]\nthreads = 2\nlr = 1\n")  # keys of two sections: no guess
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.load(path, world_size=4)
+    assert "did you mean compute" not in str(info.value)
+
+
 def test_without_torchrun_the_config_is_checked_first():
     bad = rrfp("train", "--config", "configs/gpt-tiny.toml", "--set", "schedule.hint=bfx")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
@@ -192,7 +209,7 @@ def _settings_and_waits(rank, world):
             b = rt.stage_executor(
                 module,
                 torch.nn.functional.mse_loss,
-                microbatches=4,
+                n_microbatches=4,
                 hint="1f1b",
                 budget="1x",
                 dispatch="fixed",

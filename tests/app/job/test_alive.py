@@ -23,7 +23,7 @@ from harness.rank_procs import RankProcs
 STARTUP_S = 90  # imports and rendezvous of every rank on a loaded 2-core machine
 SLACK_S = 10
 SETS = (
-    "microbatches=4",
+    "n_microbatches=4",
     "model.n_embd=32",
     "model.block_size=64",
     "model.n_layer=2",
@@ -53,7 +53,7 @@ def reference_losses(steps: int) -> list[float]:
     )
     losses = []
     for step in range(steps):
-        batch = wl.batches(cfg.data, step, cfg.schedule.microbatches)
+        batch = wl.batches(cfg.data, step, cfg.schedule.n_microbatches)
         loss = sum(wl.loss_fn(model(x), y) for x, y in batch) / len(batch)
         loss.backward()
         opt.step()

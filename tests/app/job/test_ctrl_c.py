@@ -15,9 +15,9 @@ import sys
 import time
 
 import pytest
+from harness import ROOT
 from harness.checkpoint_run import SMALL
 from harness.launch import TORCHRUN, child_env
-from harness.rank_procs import ROOT
 
 from rrfp.app.train.checkpoint_dir import CheckpointDir
 

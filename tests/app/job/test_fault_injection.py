@@ -195,7 +195,7 @@ def test_an_error_of_the_models_own_is_one_line_and_its_task_is_in_the_log(tmp_p
     sets = (
         "pp=2",
         "steps=5",
-        "microbatches=2",
+        "n_microbatches=2",
         f"timeout_s={TIMEOUT_S}",
         f"log_dir={tmp_path / 'logs'}",
         "unit_ms=1",
@@ -271,7 +271,7 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     import signal
     import subprocess
 
-    from harness.rank_procs import ROOT
+    from harness import ROOT
 
     world = 3
     proc = subprocess.Popen(

@@ -80,7 +80,7 @@ def test_fixed_class_hint_with_virtual_stages_is_checked_on_the_rank_order():
     Budget.rank_limit. It once read the one-stage-per-rank orders, and refused pp 4, M 4, v, fixed
     bfw at 1x, whose rank orders hold 8 local-stage microbatches, exactly the limit."""
     v = ["model.n_layer=8", "virtual=2", "placement=v", "dispatch=fixed"]
-    TrainConfig.load(CONFIG, v + ["microbatches=4", "budget=1x"], world_size=4)
+    TrainConfig.load(CONFIG, v + ["n_microbatches=4", "budget=1x"], world_size=4)
     TrainConfig.load(
         CONFIG, v + ["budget=2x"], world_size=4
     )  # M = 8: up to 16 local-stage microbatches held, 16 allowed
@@ -118,8 +118,8 @@ HINT_LAYOUT = [
         ],
     ),
     (
-        ["virtual=2", "model.n_layer=8", "hint=1f1b", "microbatches=9"],
-        ["schedule.hint = 1f1b", "schedule.microbatches = 9", "a multiple"],
+        ["virtual=2", "model.n_layer=8", "hint=1f1b", "n_microbatches=9"],
+        ["schedule.hint = 1f1b", "schedule.n_microbatches = 9", "a multiple"],
     ),
     (
         ["hint=os:getcwd"],
@@ -325,7 +325,7 @@ _KEYS = [
     "pp",
     "tp",
     "dp",
-    "microbatches",
+    "n_microbatches",
     "steps",
     "dispatch",
     "executor",

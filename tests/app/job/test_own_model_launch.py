@@ -24,7 +24,7 @@ from rrfp.app.config.registry import known
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(sys.executable).with_name("rrfp")  # the console script `pip install` wrote
-TINY = ["--set", "run.steps=2", "--set", "schedule.microbatches=2"]
+TINY = ["--set", "run.steps=2", "--set", "schedule.n_microbatches=2"]
 
 
 def user_folder(tmp: Path) -> Path:

@@ -20,7 +20,7 @@ from rrfp.app.cli.train_command import StopOnSignal
 SETS = [
     "steps=3",
     "timeout_s=30",
-    "microbatches=4",
+    "n_microbatches=4",
     "model.n_layer=2",
     "model.n_embd=16",
     "model.block_size=32",

@@ -156,7 +156,7 @@ MISMATCHES = [
         ["parallel.pp: checkpoint 2, this run 1", "parallel.tp: checkpoint 1, this run 2"],
     ),
     (["model.n_embd=64"], ["model.n_embd: checkpoint 32, this run 64"]),
-    (["microbatches=8"], ["schedule.microbatches: checkpoint 4, this run 8"]),
+    (["n_microbatches=8"], ["schedule.n_microbatches: checkpoint 4, this run 8"]),
     (["data.max_seq_len=32"], ["data.max_seq_len: checkpoint 64, this run 32"]),
     (
         ["virtual=2", "placement=v", "model.n_layer=4"],

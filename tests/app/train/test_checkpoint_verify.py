@@ -2,8 +2,9 @@
 model shard, an optimizer shard, DCP's .metadata, meta.json, the commit record)
 is found before anything is loaded and named; the run falls back to the newest
 checkpoint that verifies and repeats an uninterrupted run's losses, or exits 2
-(checkpoint.on_corrupt = stop). The checkpoints passed over are deleted,
-the good one it resumed from is kept, and debris never blocks a commit.
+(checkpoint.on_corrupt = stop). The checkpoints passed over are set aside as
+rejected-step-N (kept), the good one it resumed from is kept, and debris never
+blocks a commit.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _resume_after_corruption(rank, world, root):
     import torch.distributed as dist
 
     from rrfp.app.config.train_config import TrainConfig
-    from rrfp.app.train.checkpoints import plan_resume
+    from rrfp.app.train.checkpoints import choose_resume
     from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
@@ -78,7 +79,7 @@ def _resume_after_corruption(rank, world, root):
         dist.barrier()
         cfg = _config(STEPS, "ready", checkpoint_dir=str(ckdir), resume="auto")
         assert isinstance(cfg, TrainConfig)
-        resume = plan_resume(cfg)
+        resume = choose_resume(cfg)
         summary = run(stage_main(cfg, resume=resume))
         dist.barrier()
         good = f"step-{SAVED_AT:08d}"
@@ -129,10 +130,12 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corr
             # never continued from the corrupt state: the losses after step 2 are an uninterrupted
             # run's
             assert r["losses"] == whole[SAVED_AT:], f"{where}: {r['losses']} != {whole[SAVED_AT:]}"
-            # the corrupt step 4 was deleted, the good step 2 kept as it was, step 6 committed
-            assert r["after"] == [f"step-{SAVED_AT:08d}", f"step-{STEPS:08d}"], (
-                f"{where}: {r['after']}"
-            )
+            # the corrupt step 4 set aside, the good step 2 kept as it was, step 6 committed
+            assert r["after"] == [
+                f"rejected-step-{LATEST:08d}",
+                f"step-{SAVED_AT:08d}",
+                f"step-{STEPS:08d}",
+            ], f"{where}: {r['after']}"
             assert r["good_untouched"], where
 
 
@@ -217,13 +220,13 @@ def test_debris_never_blocks_a_commit(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "the user's"
 
 
-def test_prune_keeps_the_newest_and_discard_takes_only_what_it_is_given(tmp_path):
+def test_prune_keeps_the_newest_and_reject_takes_only_what_it_is_given(tmp_path):
     store = CheckpointDir(tmp_path)
     for step in (1, 2, 3):
         store.partial_path(step).mkdir()
         (store.partial_path(step) / "f").write_text(str(step))
         store.commit(step, {"config": {}})
-    store.discard([store.complete()[1]])
+    store.reject([store.complete()[1]])
     assert [c.step for c in store.complete()] == [1, 3]
     store.prune(keep=1)
     assert [c.step for c in store.complete()] == [3]
@@ -306,7 +309,7 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     from harness.checkpoint_run import SMALL, resume_error
 
     from rrfp.app.config.train_config import TrainConfig
-    from rrfp.app.train.checkpoints import plan_resume
+    from rrfp.app.train.checkpoints import choose_resume
 
     root, _ = corrupted
     copied = tmp_path / "copied"
@@ -318,7 +321,7 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
         + [f"checkpoint.dir={copied}", f"steps={STEPS}", "resume=auto"],
         world_size=2,
     )
-    plan = plan_resume(cfg)
+    plan = choose_resume(cfg)
     assert plan.start.step == LATEST and [c.step for c, _ in plan.rejected] == [LATEST + 1], plan
     assert "renamed or copied from another checkpoint" in plan.fallback_line(), plan.fallback_line()
     swapped = tmp_path / "swapped"

@@ -42,6 +42,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the harness
 from harness.train_fault_rows import (
+    DISK,
     FINISHES,
     LAYOUTS,
     LONG,
@@ -51,6 +52,7 @@ from harness.train_fault_rows import (
     PHASES,
     PROGRESS_S,
     ROWS,
+    SET_ASIDE,
     SLACK_S,
     START_S,
     TASK_S,
@@ -59,6 +61,7 @@ from harness.train_fault_rows import (
 )  # noqa: E402
 from harness.train_rows import TrainJob, losses  # noqa: E402
 
+from rrfp.app.faults import FULL_BYTES  # noqa: E402
 from rrfp.app.train.checkpoint_dir import MARKER  # noqa: E402
 
 LIMIT_S = 120.0  # a row that has not ended by then hangs
@@ -85,7 +88,7 @@ def _argv(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> 
         f"timeouts.progress_s={PROGRESS_S:g}",
         f"timeouts.process_group_s={meet_s:g}",
         f"timeouts.store_connect_s={meet_s:g}",
-        "microbatches=4",
+        "n_microbatches=4",
         "model.n_layer=2",
         "model.n_embd=16",
         "model.block_size=32",
@@ -114,6 +117,18 @@ class Outcome:
     ended_after: dict[int, float] = field(default_factory=dict)
     tails: str = ""
     committed: list[str] = field(default_factory=list)  # the checkpoints left committed
+    left: list[str] = field(default_factory=list)  # everything else left in the checkpoint folder
+
+
+def _left(ck: Path) -> list[str]:
+    """What a checkpoint folder holds besides its committed checkpoints."""
+    committed = re.compile(r"step-\d{8}")
+    return sorted(
+        p.name
+        for p in ck.glob("*")
+        if not (committed.fullmatch(p.name) and (p / MARKER).is_file())
+        and not p.name.startswith(".partial-probe-")
+    )
 
 
 def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> Outcome:
@@ -140,13 +155,44 @@ def run_job(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -
             ended_after={r: t - base for r, t in job.ended.items()},
             tails="\n".join(f"--- rank {r}:\n{job.err(r)[-1500:]}" for r in (0, 1)),
             committed=sorted(c.parent.name for c in (tmp / "ck").glob(f"step-*/{MARKER}")),
+            left=_left(tmp / "ck"),
         )
     finally:
         job.kill()
 
 
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
+def resume_after_flip(tmp: Path) -> tuple[Outcome, Outcome, dict, dict]:
+    """A job of three steps (checkpoints of steps 2 and 3 kept); then one byte of step 3's commit
+    record flipped; then the same job resumed: the first job, the resumed one, the files of step 3
+    as the resume found them and those of ``rejected-step-00000003`` after it."""
+    first = run_job(tmp, "pp", None)
+    latest = tmp / "ck" / "step-00000003"
+    record = bytearray((latest / MARKER).read_bytes())
+    record[40] ^= 0x40
+    (latest / MARKER).write_bytes(bytes(record))
+    found = _files(latest)
+    job = TrainJob(tmp / "resumed", [*_argv(tmp, "pp", None), "--set", "resume=auto"])
+    job.finish(LIMIT_S)
+    resumed = Outcome(
+        codes=job.codes(),
+        lines=[job.lines(r) for r in (0, 1)],
+        losses=losses(job.out(0)),
+        fault_at=0.0,
+        tails=job.tails(),
+        committed=sorted(c.parent.name for c in (tmp / "ck").glob(f"step-*/{MARKER}")),
+        left=_left(tmp / "ck"),
+    )
+    return first, resumed, found, _files(tmp / "ck" / "rejected-step-00000003")
+
+
 def _row_job(root: Path, kind: str, phase: str) -> tuple:
     """``run_job`` and its arguments for the row (kind, phase)."""
+    if kind == "flip":
+        return resume_after_flip, root / f"{kind}-{phase}"
     meet = START_S if phase == "start-up" else MEET_S
     return run_job, root / f"{kind}-{phase}", PHASES[phase][1], _spec(kind, phase), meet
 
@@ -179,6 +225,17 @@ def outcomes(request, tmp_path_factory):
     [pytest.param(*row, marks=[pytest.mark.long] if row[1] in LONG else []) for row in ROWS],
 )
 def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
+    if outcome == SET_ASIDE:  # the same losses from the newest that verifies, the bad one kept
+        first, got, found, kept = outcomes[kind, phase].result()
+        assert first.codes == [0, 0] and got.codes == [0, 0], first.tails + got.tails
+        assert got.losses == {3: first.losses[3]}, (got.losses, first.losses, got.tails)
+        warned = [ln for ln in got.lines[0] if "failed verification" in ln]
+        assert len(warned) == 1 and "resuming from" in warned[0], got.tails
+        assert "step-00000003 as rejected-step-00000003" in warned[0], warned
+        assert got.left == ["rejected-step-00000003"], got.left
+        assert kept == found, "the rejected checkpoint's files changed"  # byte for byte
+        assert got.committed == ["step-00000002", "step-00000003"], got.committed
+        return
     got: Outcome = outcomes[kind, phase].result()
     assert got.fault_at is not None, f"the fault never fired\n{got.tails}"
     bound = _bound(phase, kind) + SLACK_S
@@ -210,6 +267,16 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
         took = got.ended_after[0]
         assert took <= bound, f"named after {took:.1f} s\n{got.tails}"
         print(f"{api} {kind} {phase}: named after {took:.2f} s")
+        return
+    if outcome == DISK:  # each rank's one line names the checkpoint, the cause and the limit
+        assert got.codes == [1, 1], got.tails
+        partial = "ck/.partial-step-00000001: rank 1: File too large (EFBIG)"
+        for lines in got.lines:
+            assert len(lines) == 1 and partial in lines[0], got.tails
+            assert "checkpoint step-00000001 was not saved" in lines[0], got.tails
+            assert f"file size limit of {FULL_BYTES} bytes (ulimit -f" in lines[0], got.tails
+        assert got.committed == [] and got.left == [], (got.committed, got.left)
+        assert max(got.ended_after.values()) <= bound, got.ended_after
         return
     assert got.codes == [143, 143], got.tails
     stopped = [ln for lines in got.lines for ln in lines if ln.startswith("rrfp: stopped")]
@@ -243,5 +310,6 @@ if __name__ == "__main__":  # every row's outcome, as observed (no assertion)
             }
             for (kind, phase), f in jobs.items():
                 o = f.result()
+                o = o[1] if isinstance(o, tuple) else o  # flip: the resumed job
                 ends = {r: round(t, 2) for r, t in o.ended_after.items()}
                 print(kind, phase, o.codes, ends, o.losses, o.lines, sep=" | ", flush=True)

@@ -23,7 +23,7 @@ def _train(rank, world):
         "configs/gpt-tiny.toml",
         [
             f"steps={STEPS}",
-            "microbatches=2",
+            "n_microbatches=2",
             "timeout_s=30",
             "model.n_embd=32",
             "model.block_size=64",

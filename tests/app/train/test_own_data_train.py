@@ -1,5 +1,5 @@
-"""The README's commands for one's own data train and write their metrics: in process (one rank,
-its heartbeat's beater forked; the commands' own --set keys with smaller shapes), and `rrfp
+"""docs/training.md's commands for one's own data train and write their metrics: in process (one
+rank, its heartbeat's beater forked; the commands' own --set keys with smaller shapes), and `rrfp
 train` with a token file on 2 ranks; bad data is one line and exit 2 on every rank."""
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from harness.train_rows import TrainJob
 GPT2_EOT = 50256
 # smaller shapes, so a step takes a moment on one CPU rank
 SMALL = [
-    "--set", "steps=2", "--set", "microbatches=2", "--set", "model.n_layer=1",
+    "--set", "steps=2", "--set", "n_microbatches=2", "--set", "model.n_layer=1",
     "--set", "data.microbatch_size=2", "--set", "data.min_seq_len=8",
     "--set", "data.max_seq_len=32",
 ]  # fmt: skip
 
 
-def readme_command(key: str) -> list[str]:
-    """The README's `rrfp train` command that sets ``key``, as argv after `rrfp`."""
-    text = (ROOT / "README.md").read_text()
+def documented_command(key: str) -> list[str]:
+    """docs/training.md's `rrfp train` command that sets ``key``, as argv after `rrfp`."""
+    text = (ROOT / "docs" / "training.md").read_text()
     joined = text.replace("\\\n", " ")
     line = next(ln for ln in joined.splitlines() if ln.startswith(".venv/bin/rrfp") and key in ln)
     words = shlex.split(line.split("#")[0])
@@ -63,7 +63,7 @@ def _sub(argv: list[str], old: str, new: Path) -> list[str]:
 
 @pytest.mark.multirank  # one gloo rank in this process, and its heartbeat's forked beater
 def test_readme_token_file_command_trains(tmp_path):
-    argv = readme_command("data.tokens=")
+    argv = documented_command("data.tokens=")
     assert "--set" in argv and "data.eot=50256" in argv and "model.vocab_size=50304" in argv
     gpt2_token_file(tmp_path / "train.bin")
     rows = _train_in_process(_sub(argv, "train.bin", tmp_path / "train.bin"), tmp_path)
@@ -86,7 +86,7 @@ def test_readme_text_command_trains(tmp_path):
         [str(p) for p in texts.iterdir()], tk.trainers.WordLevelTrainer(special_tokens=["[UNK]"])
     )
     tok.save(str(tmp_path / "tokenizer.json"))
-    argv = readme_command("data.text=")
+    argv = documented_command("data.text=")
     argv = _sub(_sub(argv, "texts/", texts), "tokenizer.json", tmp_path / "tokenizer.json")
     rows = _train_in_process(argv, tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

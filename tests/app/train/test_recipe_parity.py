@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 STEPS, CLIP, LR, MIN_LR, WD, WARMUP, EVERY, HELD_OUT = 4, 0.05, 3e-3, 3e-4, 0.1, 1, 2, 2
 SETS = [
     f"steps={STEPS}",
-    "microbatches=4",
+    "n_microbatches=4",
     "timeout_s=30",
     "model.n_embd=16",
     "model.n_head=2",
@@ -55,7 +55,7 @@ def _reference():
 
     torch.set_default_dtype(torch.float64)
     cfg = TrainConfig.load("configs/gpt-tiny.toml", SETS, world_size=4)
-    wl, run, m = cfg.workload, cfg.run, cfg.schedule.microbatches
+    wl, run, m = cfg.workload, cfg.run, cfg.schedule.n_microbatches
     torch.manual_seed(run.seed)
     model = wl.build_stage(cfg.model, 0, 1, None)
     assert model.lm_head.weight is model.transformer.wte.weight

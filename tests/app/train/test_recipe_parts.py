@@ -139,7 +139,7 @@ def test_activation_checkpointing_needs_the_workloads_blocks():
     with pytest.raises(ConfigError) as e:
         TrainConfig.load(None, sets, world_size=2)
     assert str(e.value) == (
-        "runtime.activation_checkpointing = layers: workload 'my_model' does not name its blocks "
+        "compute.activation_checkpointing = layers: workload 'my_model' does not name its blocks "
         "(Workload.blocks); set it to off"
     )
     assert TrainConfig.load("configs/gpt-tiny.toml", sets[1:], world_size=4)

@@ -32,7 +32,7 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     from rrfp.app.config.train_config import TrainConfig
 
     _texts(tmp_path / "texts")
-    sets = [f"run.steps={STEPS}", "schedule.microbatches=4", f"data.text={tmp_path / 'texts'}"]
+    sets = [f"run.steps={STEPS}", "schedule.n_microbatches=4", f"data.text={tmp_path / 'texts'}"]
     sets.append(f"output.dir={tmp_path / 'runs' / '{model}'}")
     args = [a for s in sets for a in ("--set", s)]
     res = subprocess.run(
@@ -49,7 +49,7 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     lines = res.stdout.splitlines()
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     head = lines[:first_step]
-    backend = f"backend {cfg.runtime.backend} ({cfg.backend_choice})"
+    backend = f"backend {cfg.compute.backend} ({cfg.backend_choice})"
     assert head[0] == f"run: gpt on 2 rank(s): pp=2 x tp=1 x dp=1; {backend} on cpu", head
     assert head[1].startswith("schedule: hint bfw, dispatch ready, budget 2x; 4 microbatches")
     assert head[2].startswith(f"data: data.text = {tmp_path / 'texts'} (3 file(s)): 3 documents")
@@ -64,7 +64,7 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     about = json.loads((folder / "run.json").read_text())
     summary, measured = about["summary"], about["measured"]
-    assert summary["layout"]["pp"] == 2 and summary["backend"] == cfg.runtime.backend
+    assert summary["layout"]["pp"] == 2 and summary["backend"] == cfg.compute.backend
     tokens = sum(f.stat().st_size for f in (tmp_path / "texts").iterdir())  # UTF-8 bytes
     assert summary["data"].endswith(f"3 documents, {tokens:,} tokens (vocab 256)"), summary
     # the parameters per stage add up to the whole model's (no tie in gpt-tiny)

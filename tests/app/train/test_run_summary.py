@@ -28,7 +28,7 @@ def test_each_rank_beside_1f1b():
         "hint": "bfw",
         "dispatch": "ready",
         "budget": "2x",
-        "microbatches": 8,
+        "n_microbatches": 8,
         "microbatches_per_step": 8,
     }
     data = summary["data"]
@@ -40,7 +40,7 @@ def test_each_rank_beside_1f1b():
 
 
 def test_virtual_stages_and_data_parallel_replicas():
-    sets = ["pp=2", "dp=2", "virtual=2", "microbatches=4"]
+    sets = ["pp=2", "dp=2", "virtual=2", "n_microbatches=4"]
     cfg = TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=4)
     summary = run_summary(cfg, footprints(cfg))
     assert [r["stages"] for r in summary["ranks"]] == [[0, 2], [1, 3]]

@@ -44,10 +44,10 @@ def test_every_gpu_config_measures_on_meta(path):
     parameters; without CUDA its auto backend is gloo (so a laptop's --dry-run shows it), and
     nccl asked for outright is refused in one line."""
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="runtime.backend = nccl needs CUDA"):
-            TrainConfig.load(path, ["runtime.backend=nccl"], world_size=2)
+        with pytest.raises(ConfigError, match="compute.backend = nccl needs CUDA"):
+            TrainConfig.load(path, ["compute.backend=nccl"], world_size=2)
     cfg = TrainConfig.load(path, [], world_size=2)
-    assert cfg.runtime.backend == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
+    assert cfg.compute.backend == ("nccl" if torch.cuda.device_count() >= 2 else "gloo")
     prints = footprints(cfg)
     assert prints is not None and all(f.state > 0 and f.activations > 0 for f in prints), prints
 
@@ -57,7 +57,7 @@ def test_the_estimate_is_a_lower_bound_of_what_the_stages_hold():
     worker measures on the real CPU forward of that microbatch (the run's own count)."""
     cfg = TrainConfig.load(
         ROOT / "configs/gpt-tiny.toml",
-        ["model.n_layer=2", "microbatches=4", "model.dropout=0.1"],
+        ["model.n_layer=2", "n_microbatches=4", "model.dropout=0.1"],
         world_size=2,
     )
     prints = footprints(cfg)
@@ -88,10 +88,10 @@ def test_with_virtual_stages_a_rank_counts_its_local_stages():
     (fixed applies no budget)."""
     from rrfp.core.hints import peak_in_flight
 
-    sets = ["model.n_layer=4", "microbatches=8", "virtual=2", "placement=v"]
+    sets = ["model.n_layer=4", "n_microbatches=8", "virtual=2", "placement=v"]
     cfg = TrainConfig.load(ROOT / "configs/gpt-tiny.toml", sets, world_size=2)
     one = TrainConfig.load(
-        ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "microbatches=8"], world_size=2
+        ROOT / "configs/gpt-tiny.toml", ["model.n_layer=4", "n_microbatches=8"], world_size=2
     )
     prints, wl, lay = footprints(cfg), cfg.workload, VirtualLayout(2, 2, "v")
     sample = wl.batches(cfg.data, 0, 8)
@@ -137,7 +137,7 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
     assert (
         "\n" not in line
         and "above the" in line
-        and "lower schedule.microbatches, schedule.budget" in line
+        and "lower schedule.n_microbatches, schedule.budget" in line
     ), line
     assert f"{need / 2**20:.1f} MiB of memory" in line, line
 
@@ -145,7 +145,7 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_naming_what_to_lower():
 def test_timeout_below_three_steps_says_what_to_raise_it_to():
     cfg = TrainConfig.load(
         ROOT / "configs/gpt-tiny.toml",
-        ["unit_ms=1000", "timeout_s=5", "microbatches=4"],
+        ["unit_ms=1000", "timeout_s=5", "n_microbatches=4"],
         world_size=4,
     )
     assert predicted_step_s(cfg) == pytest.approx(
@@ -157,7 +157,7 @@ def test_timeout_below_three_steps_says_what_to_raise_it_to():
         check_timeout(
             TrainConfig.load(
                 ROOT / "configs/gpt-tiny.toml",
-                ["unit_ms=1000", "timeout_s=36", "microbatches=4"],
+                ["unit_ms=1000", "timeout_s=36", "n_microbatches=4"],
                 world_size=4,
             ),
             bounds_waits=True,

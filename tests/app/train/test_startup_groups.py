@@ -49,7 +49,7 @@ def _groups_created(rank, world, root):
             "model.block_size=64",
             "data.min_seq_len=16",
             "data.max_seq_len=64",
-            "microbatches=4",
+            "n_microbatches=4",
             "pp=2",
             f"steps={steps}",
             "timeout_s=60",

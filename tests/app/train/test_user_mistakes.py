@@ -21,7 +21,7 @@ FIXTURE = "tests.fixtures.user_mistakes"
 def _config(tmp: Path, workload: str) -> Path:
     path = tmp / f"{workload}.toml"
     path.write_text(
-        f'[run]\nmodel = "{FIXTURE}:{workload}"\nsteps = 1\n\n[schedule]\nmicrobatches = 2\n\n'
+        f'[run]\nmodel = "{FIXTURE}:{workload}"\nsteps = 1\n\n[schedule]\nn_microbatches = 2\n\n'
         f'[output]\nlog_dir = "{tmp / "logs"}"\ndir = "{tmp / "runs"}"\n'
     )
     return path
@@ -85,6 +85,33 @@ def test_batches_that_return_too_few_microbatches_are_one_line_before_any_rank_s
         f"rrfp: error: your code's batches ({FIXTURE}.batches_one_short) for step 1 returned 1 "
         "microbatch where 2 were asked for; batches(data, step, n) must return exactly n (inputs, "
         f"targets) pairs (traceback in {log})\n"
+    ), res.stderr
+    assert res.returncode == 1, res.returncode
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("workload", "said"),
+    [
+        (
+            "one_extra",
+            "batches_one_extra) for step 1 returned 3 microbatches where 2 were asked for",
+        ),
+        (
+            "bare_tensors",
+            "batches_of_bare_tensors) for step 1 returned microbatch 0 as a Tensor [4, 8], not an "
+            "(inputs, targets) pair",
+        ),
+    ],
+)
+def test_batches_with_one_too_many_or_bare_tensors_are_one_line_before_any_rank_starts(
+    tmp_path, workload, said
+):
+    res = launched(tmp_path, workload)
+    log = tmp_path / "logs" / "rank-0.log"
+    assert res.stderr == (
+        f"rrfp: error: your code's batches ({FIXTURE}.{said}; batches(data, step, n) must return "
+        f"exactly n (inputs, targets) pairs (traceback in {log})\n"
     ), res.stderr
     assert res.returncode == 1, res.returncode
 

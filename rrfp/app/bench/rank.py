@@ -1,6 +1,6 @@
 """One rank of the `rrfp bench` torchrun job:
 
-    python -m torch.distributed.run --nproc-per-node W -m rrfp.app.bench.worker JOB.json ROWS.json
+    python -m torch.distributed.run --nproc-per-node W -m rrfp.app.bench.rank JOB.json ROWS.json
 
 Every workload of the job runs every contender on the same iterations: one
 warm-up, then ``reps`` measured ones, the contenders' order rotated each
@@ -37,7 +37,7 @@ from rrfp.observe.trace import write_json
 from rrfp.pipeline.runtime import PipelineRuntime
 
 PROGRESS = "@rrfp-bench-progress "  # prefix of the progress lines rank 0 prints for the parent
-log = logging.getLogger("rrfp.app.bench.worker")
+log = logging.getLogger("rrfp.app.bench.rank")
 
 
 def rotated(items: list, k: int) -> list:
@@ -111,7 +111,7 @@ async def run_case(
     names = list(runners)
 
     def inputs(it: int):
-        data = wl.batches(cfg.data, it, spec.mb)
+        data = wl.batches(cfg.data, it, spec.n_microbatches)
         moved = data if device.type == "cpu" else [_on(device, b) for b in data]
         return moved, [wl.features(b) for b in data]
 
