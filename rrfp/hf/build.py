@@ -6,7 +6,9 @@ from a generator seeded by ``(seed, the module's name in the whole model)``, so 
 alone holds exactly the tensors of the whole model built by ``build_hf_model`` from the same
 seed, whatever the split. The rotary ``inv_freq`` buffers, which are not saved in checkpoints,
 are recomputed from the config. With a tied LM head on a last stage that lacks the embedding,
-the head starts as the embedding would: the same seed, the embedding's init.
+the head starts as the embedding would: the same seed, the embedding's init. A mixture of experts
+with ``output_router_logits`` gets its balance loss per layer (rrfp/hf/router_aux_loss.py), in the
+whole model as in each stage.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from rrfp.hf.extra import require
 from rrfp.hf.families import check_config
 from rrfp.hf.layers import hf_layer_ranges
+from rrfp.hf.router_aux_loss import add_router_aux_losses, moe_blocks
 from rrfp.hf.safetensors_load import load_stage_tensors
 from rrfp.hf.stage import HFStage
 
@@ -100,6 +103,8 @@ def build_hf_model(
         model._init_weights, model.named_modules(), seed, skip={HEAD} if _tied(config) else set()
     )
     _check_initialised(model, "the whole model")
+    blocks = moe_blocks(model.model.layers)
+    add_router_aux_losses(blocks, config, len(blocks))
     return model.train()
 
 
@@ -163,6 +168,9 @@ def build_hf_stage(
         )
         load_stage_tensors(module, checkpoint, tied=_tied(config))
     _check_initialised(module, f"stage {stage}")
+    add_router_aux_losses(
+        moe_blocks(module.model.layers.values()), config, len(moe_blocks(body.layers))
+    )
     log.debug(
         "stage %d of %d: layers %d..%d, %d parameters",
         stage,

@@ -9,11 +9,14 @@ FAMILIES = (
     "mistral",
     "qwen2",
     "qwen3",
-)  # their *ForCausalLM share one layout: embed, layers, norm, head
+    "qwen3_moe",
+    "mixtral",
+)  # their *ForCausalLM share one layout: embed, layers, norm, head (the last two: MoE MLPs)
 
 
 def hf_config(family: str, **values):
-    """A transformers config of ``family`` (llama, mistral, qwen2, qwen3) with ``values``, e.g. a
+    """A transformers config of ``family`` (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral) with
+    ``values``, e.g. a
     tiny model built from nothing but numbers:
     ``hf_config("qwen3", hidden_size=32, num_hidden_layers=8)``."""
     if family not in FAMILIES:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
@@ -78,9 +77,7 @@ class LlamaConfig:
     init_std: float = 0.02
     moe_experts: int = 0  # routed experts per MoE block; 0: every block's MLP is dense
     moe_top_k: int = 2  # experts each token goes to
-    moe_score_func: Literal["softmax", "sigmoid"] = (
-        "softmax"  # router scores (sigmoid: DeepSeek-V3)
-    )
+    moe_score_func: str = "softmax"  # router scores: softmax, or sigmoid (DeepSeek-V3)
     moe_norm_topk: bool = True  # the chosen experts' gates renormalised to sum to one
     moe_intermediate_size: int = 0  # each routed expert's SwiGLU width; 0: intermediate_size's
     moe_shared_intermediate_size: int = 0  # the shared experts' SwiGLU width; 0: no shared experts

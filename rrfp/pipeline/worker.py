@@ -170,7 +170,7 @@ class StageWorker:
         use_queue = self.split and self.weight_split == "layers"
         # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
         # losses inject (rrfp/nn/moe_aux_loss.py)
-        aux_scale = aux_loss_scale(1 / self.num_microbatches)
+        aux_scale = aux_loss_scale(1 / self.n_microbatches)
         with (
             torch.enable_grad(),
             collect_weight_grads(queue if use_queue else None),

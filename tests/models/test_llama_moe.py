@@ -60,7 +60,7 @@ def reference(sets: list[str], world: int):
         assert len(layers) == cfg.model.n_layer - 1  # the first block is dense
         assert all(m.shared_experts is not None for m in layers)
         losses, norms, auxes = [], [], []
-        n = cfg.schedule.microbatches * cfg.layout.dp  # the global batch: every replica's
+        n = cfg.schedule.n_microbatches * cfg.layout.dp  # the global batch: every replica's
         for step in range(STEPS):
             mbs = wl.batches(cfg.data, step, n)
             ce = aux = 0

@@ -1,11 +1,13 @@
 """The mixture-of-experts configs are valid configs of the llama workload, of the shapes their
 comments say (the 1B-active one for GPUs: read here with gloo, its stages built on the meta
-device), and the model config refuses MoE settings it cannot build."""
+device, its MFU counted on the parameters a token uses), and the model config refuses MoE
+settings it cannot build."""
 
 import pytest
 import torch
 
 from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.train.metrics_mfu import model_flops
 from rrfp.models import llama
 from rrfp.models.llama import Llama, LlamaConfig
 from rrfp.models.vit_vlm import ViTVLMConfig
@@ -38,12 +40,14 @@ def test_moe_tiny_is_pp2_dp2_with_both_balancers():
 
 
 def test_moe_1b_has_about_1b_active_parameters():
-    cfg = TrainConfig.load("configs/moe-1b.toml", ["runtime.backend=gloo"], world_size=2)
+    cfg = TrainConfig.load("configs/moe-1b.toml", ["compute.backend=gloo"], world_size=2)
     with torch.device("meta"):
         stages = [Llama(cfg.model, s, 2) for s in range(2)]
     active, total = _active_and_total(stages)
     assert 0.9e9 < active < 1.2e9, active
     assert 3.0e9 < total < 3.5e9, total
+    # MFU counts the parameters a token uses: top_k of the routed experts
+    assert model_flops(llama.workload, cfg.model, 2).params == active
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@ devices' peak.
 
 A step's model FLOPs are PaLM's count (Chowdhery et al. 2022, appendix B): 6 N per token for the
 matmuls of the forward and backward (N: the parameters used in a matmul; an embedding table that
-is only looked up is left out, a tied one counts once, as the lm head) plus 12 L d T per token for
+is only looked up is left out, a tied one counts once, as the lm head; of a mixture of experts'
+routed experts, the share a token uses, top_k of num_experts) plus 12 L d T per token for
 attention's two matmuls (L layers of width d, a row of T tokens), summed over the step's rows. It
 counts the model's work, not what the run executes: recomputation and a pipeline's idle time lower
 MFU, as they should.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from rrfp.nn.moe_layer import MoELayer
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +59,19 @@ class ModelFlops:
 
 
 def matmul_params(model: nn.Module) -> int:
-    """Parameters some module other than an embedding uses: an embedding table counts only when
-    it is tied to a linear (the lm head)."""
-    used: dict[int, int] = {}
+    """Parameters some module other than an embedding uses, as many as a token uses: an embedding
+    table counts only when it is tied to a linear (the lm head), routed experts by the top_k of
+    num_experts a token goes to."""
+    used: dict[int, float] = {}
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             continue
         for p in module.parameters(recurse=False):
             used[id(p)] = p.numel()
-    return sum(used.values())
+    for moe in (m for m in model.modules() if isinstance(m, MoELayer)):
+        for p in moe.experts.parameters():
+            used[id(p)] = p.numel() * moe.top_k / moe.num_experts
+    return round(sum(used.values()))
 
 
 def attention_dims(model_cfg) -> tuple[int | None, int | None]:

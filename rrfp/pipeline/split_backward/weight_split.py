@@ -192,7 +192,7 @@ def analyse(
 
     result = WeightWork()
     queuing = {
-        n for n in frontier if deferred and n.name() == _QUEUES_OWN_W
+        n for n in frontier if deferred and n.name() in _QUEUES_OWN_W
     }  # B ran these: they queued W
     for pid, who in owners.items():
         who = list(dict.fromkeys(who))
@@ -270,9 +270,10 @@ WHOLE_CHECKPOINT_GATHERED = (
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
-# rrfp.nn.split_linear's node: its backward queues its weights' W. W must not run it again, but its
-# use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
-_QUEUES_OWN_W = "_SplitLinearFnBackward"
+# the nodes of rrfp.nn.split_linear and rrfp.nn.grouped_experts (a mixture of experts' grouped
+# products): their backward queues their weights' W. W must not run them again, but their use of a
+# parameter still counts when another use is gathered (a rerun would queue that W twice).
+_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward")
 
 RERUN_LIMIT = (
     16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
