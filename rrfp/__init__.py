@@ -58,6 +58,8 @@ if TYPE_CHECKING:
         hf_ties as hf_ties,
     )
     from rrfp.loop import run as run
+    from rrfp.nn.expert_parallel import ExpertParallel as ExpertParallel
+    from rrfp.nn.expert_parallel import shard_experts as shard_experts
     from rrfp.nn.grouped_experts import GroupedExperts as GroupedExperts
     from rrfp.nn.moe_aux_loss import collect_aux_losses as collect_aux_losses
     from rrfp.nn.moe_layer import MoELayer as MoELayer
@@ -135,6 +137,9 @@ _HOMES = {
     "TopKRouter": "rrfp.nn.moe_router",
     "GroupedExperts": "rrfp.nn.grouped_experts",
     "collect_aux_losses": "rrfp.nn.moe_aux_loss",
+    # expert parallelism: the experts sharded over an EP group (rrfp/nn/expert_parallel.py)
+    "ExpertParallel": "rrfp.nn.expert_parallel",
+    "shard_experts": "rrfp.nn.expert_parallel",
     # the simulator
     "simulate": "rrfp.sim",
     "SimConfig": "rrfp.sim",

@@ -24,6 +24,12 @@ replicas: replicas with different layouts would pair all-reduces of different
 sizes. A sparse gradient (``nn.Embedding(sparse=True)``) is averaged dense and
 handed back sparse, as sparse optimizers (``SparseAdam``) need; its rows that
 average to exactly zero are left out.
+
+Expert-parallel shards (``experts``: their ids) are not in the buckets: each member of an EP group
+holds different experts, whose gradients already sum every member's tokens that reached them
+(the all-to-alls carried them back). They are summed over ``expert_group``, the replicas holding
+the same experts (none when dp = ep), and divided by dp like every other gradient: each replica's
+loss counts once in the mean over replicas.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ class GradSync:
         lane=None,
         bucket_bytes: int = 4 << 20,
         deadline_s: float | None = None,
+        experts: set[int] | None = None,
+        expert_group=None,
     ) -> None:
         self.group, self.size, self.poller, self.bucket_bytes = group, size, poller, bucket_bytes
         self.deadline_s = deadline_s  # NCCL: rrfp's peer deadline, before the watchdog's
@@ -59,6 +67,8 @@ class GradSync:
             lane  # gradients are written in the lane's order (its stream on GPU): read them there
         )
         self.module = module
+        self.experts = experts or set()  # ids of the expert-parallel shards: not in the buckets
+        self.expert_group = expert_group  # the replicas holding this rank's experts, or None
         self.params = self._trainable()
         self.ranks = dist.get_process_group_ranks(group) if size > 1 else []
         self.buckets = self._bucket()
@@ -68,7 +78,9 @@ class GradSync:
         self.launched_early = 0  # buckets launched before sync() was called, over all iterations
 
     def _trainable(self) -> list[nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        return [
+            p for p in self.module.parameters() if p.requires_grad and id(p) not in self.experts
+        ]
 
     def _refresh(self) -> None:
         """Rebuild the buckets if the parameters requiring grad changed since they were made: an
@@ -223,6 +235,7 @@ class GradSync:
                             else mean.clone()
                         )
                         offset += size
+            await self._sync_experts()
             if self._ties is not None:  # the mean of the sums is the sum of the means
                 await self._ties.sum_grads()
             if self.lane is not None:
@@ -230,6 +243,35 @@ class GradSync:
                 self.lane.caller_waits()
         finally:
             self._reset()
+
+    async def _sync_experts(self) -> None:
+        """The expert shards' gradients: summed over the replicas that hold the same experts,
+        divided by dp."""
+        grads = [
+            p.grad for p in self.module.parameters() if id(p) in self.experts and p.grad is not None
+        ]
+        if not grads:
+            return
+        with self._in_lane_order():
+            if self.expert_group is not None:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                work = dist.all_reduce(flat, group=self.expert_group, async_op=True)
+        if self.expert_group is not None:
+            await completed(
+                self.poller,
+                work,
+                "expert gradient all-reduce over the replicas holding the same experts",
+                self.deadline_s,
+                self.expert_group,
+            )
+            with self._in_lane_order():
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        with self._in_lane_order():
+            for g in grads:
+                g /= self.size
 
 
 def _dense(grad: torch.Tensor | None, param: nn.Parameter) -> torch.Tensor:

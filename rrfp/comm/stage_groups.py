@@ -4,7 +4,7 @@ one global order (``new_group`` is collective over the world, members or not).
 Under NCCL the TP and DP groups carry device collectives: each is created with
 ``device_id``, checked to be eager, and warmed up by a one-element all-reduce, all
 members in the same order, so that no communicator is created or connected on the
-event loop later (nccl_groups.py). The TP agreement and the control plane
+event loop later (nccl_groups.py). The TP and EP agreements and the control plane
 (statistics, gather, barrier, checkpoint) stay on gloo CPU groups: their results
 are read on the host, and gloo creates no NCCL communicator.
 """
@@ -28,8 +28,9 @@ def create_stage_groups(
     ops=None,
     nccl_timeout_s: float | None = None,
 ) -> dict:
-    """{"tp", "tp_control", "dp", "cpu"}: this rank's groups (absent: a group of one, or gloo's
-    default group doing the control plane). ``ops`` (``CudaOps``) is needed under NCCL."""
+    """{"tp", "tp_control", "dp", "ep", "ep_control", "expert_dp", "cpu"}: this rank's groups
+    (absent: a group of one, or gloo's default group doing the control plane). ``ops``
+    (``CudaOps``) is needed under NCCL."""
     gloo_timeout = datetime.timedelta(seconds=timeout_s)
     nccl = backend == "nccl"
     device_kw = (
@@ -43,10 +44,14 @@ def create_stage_groups(
         ("tp", layout.tp_groups()),
         ("tp_control", layout.tp_groups()),
         ("dp", layout.dp_groups()),
+        # without expert parallelism none of these (expert_dp would repeat dp)
+        ("ep", layout.ep_groups() if layout.ep > 1 else []),  # the experts' all-to-alls
+        ("ep_control", layout.ep_groups() if layout.ep > 1 else []),  # the EP agreement
+        # the sum of an expert shard's gradients over the replicas that hold it
+        ("expert_dp", layout.expert_dp_groups() if layout.ep > 1 else []),
     ):
-        on_device = (
-            key != "tp_control"
-        )  # TP agreement reads its result on the host: never through the device
+        # the agreements read their results on the host: never through the device
+        on_device = key not in ("tp_control", "ep_control")
         for ranks in lists:
             if len(ranks) == 1:
                 continue  # a group of one needs no process group
@@ -55,7 +60,7 @@ def create_stage_groups(
             if rank in ranks:
                 groups[key] = g
                 if nccl and on_device:
-                    what = f"{'TP' if key == 'tp' else 'DP'} group of ranks {list(ranks)}"
+                    what = f"{key.upper().replace('_', ' ')} group of ranks {list(ranks)}"
                     require_eager(g, device, what, rank)
                     warm.append((what, g))
     if nccl:

@@ -5,6 +5,11 @@ can be created in the same order everywhere without talking (docs/design.md, fac
 Rank order follows Megatron-LM: tensor-parallel ranks are adjacent (they talk
 most), then data-parallel replicas, then pipeline stages:
 ``rank = pp * (dp_size * tp_size) + dp * tp_size + tp``.
+
+Expert parallelism runs over the DP dimension, as in torchtitan and Megatron-LM: ``ep`` divides
+``dp``, and each block of ``ep`` adjacent replicas of a (stage, TP index) is one EP group, whose
+members hold different experts of the same layers. What remains of DP (``dp / ep``) replicates
+each expert shard: the members at one place of their EP groups.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ class Layout:
     pp: int
     tp: int = 1
     dp: int = 1
+    ep: int = 1  # expert-parallel replicas: a divisor of dp
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "pp", "tp", "dp"):
+        for name in ("world_size", "pp", "tp", "dp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"layout {name} must be an int, got {value!r}")
@@ -42,6 +48,11 @@ class Layout:
             raise ValueError(
                 f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} = {product} "
                 f"does not match world size {self.world_size}"
+            )
+        if self.dp % self.ep:
+            raise ValueError(
+                f"layout ep={self.ep} does not divide dp={self.dp}: expert parallelism runs over "
+                "the data-parallel replicas"
             )
 
     def coords(self, rank: int) -> Coords:
@@ -75,6 +86,26 @@ class Layout:
             for t in range(self.tp)
         ]
 
+    def ep_groups(self) -> list[list[int]]:
+        """Blocks of ``ep`` adjacent replicas of one (stage, TP index): one expert-parallel group
+        each, ordered by (pp, tp, block)."""
+        return [
+            [self.rank_of(p, t, d) for d in range(b, b + self.ep)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+            for b in range(0, self.dp, self.ep)
+        ]
+
+    def expert_dp_groups(self) -> list[list[int]]:
+        """Replicas of one (stage, TP index) at the same place of their EP groups: they hold the
+        same experts, whose gradients they sum. Ordered by (pp, tp, place)."""
+        return [
+            [self.rank_of(p, t, d) for d in range(m, self.dp, self.ep)]
+            for p in range(self.pp)
+            for t in range(self.tp)
+            for m in range(self.ep)
+        ]
+
     def pp_groups(self) -> list[list[int]]:
         """One pipeline each, stages in order, ordered by (dp, tp)."""
         return [
@@ -84,7 +115,10 @@ class Layout:
         ]
 
     def short(self) -> str:
-        return f"layout pp={self.pp} x tp={self.tp} x dp={self.dp} (world size {self.world_size})"
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
+        return (
+            f"layout pp={self.pp} x tp={self.tp} x dp={self.dp}{ep} (world size {self.world_size})"
+        )
 
     def describe(self) -> str:
         """A rank -> stage/tp/dp table to log or print at start-up."""
@@ -95,9 +129,9 @@ class Layout:
         return "\n".join(lines)
 
 
-def layout_for(world: int, pp: int = 0, tp: int = 1, dp: int = 1) -> Layout:
+def layout_for(world: int, pp: int = 0, tp: int = 1, dp: int = 1, ep: int = 1) -> Layout:
     """The one layout planner: ``pp = 0`` means world / (tp * dp). ValueError
     names the numbers that do not fit."""
     if pp == 0 and world % (tp * dp):
         raise ValueError(f"tp={tp} x dp={dp} does not divide world size {world}")
-    return Layout(world, pp or world // (tp * dp), tp, dp)
+    return Layout(world, pp or world // (tp * dp), tp, dp, ep)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rrfp.comm.collective_wait import waiting_at
+from rrfp.comm.ep_agreement import EPClass
 from rrfp.comm.message import Message, MessageError, header_words
 from rrfp.comm.pipeline_channels import RankChannels
 from rrfp.core.cost import FEATURES
@@ -33,7 +34,7 @@ from rrfp.core.errors import (
 from rrfp.core.hints import Hint
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.policy import Dispatch
-from rrfp.core.rank_tracker import RankSpec, RankTracker
+from rrfp.core.rank_tracker import RankSpec, RankTracker, StageTask
 from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import TrackerError
@@ -135,6 +136,7 @@ class StageExecutor:
         nonfinite=None,
         sharded=None,
         layout_check=None,
+        ep_agreement=None,
     ) -> None:
         self.workers = list(worker) if isinstance(worker, (list, tuple)) else [worker]
         first = self.workers[0]  # the rank's first stage
@@ -146,6 +148,9 @@ class StageExecutor:
         self.timeouts = Timeouts.given(timeouts)
         # TP agreement (tp > 1, ready dispatch only): a fixed order needs none.
         self.agreement = agreement if settings.dispatch is Dispatch.READY else None
+        # EP agreement (an EPAgreement: the stages with MoE layers in an EP group), ready dispatch
+        # only: a fixed order is the hint's, the same on every member of the group
+        self.ep_agreement = ep_agreement if settings.dispatch is Dispatch.READY else None
         self.rank, self.instrument, self.unit_s = rank, instrument, unit_s  # None: observe nothing
         S, s, M = first.num_stages, first.stage, settings.n_microbatches
         self.S, self.s, self.M = S, s, M
@@ -544,6 +549,8 @@ class _Iteration:
 
     async def _arbitrate(self, tg: asyncio.TaskGroup) -> None:
         ex, tr = self.ex, self.tracker
+        if ex.ep_agreement is not None:
+            return await self._arbitrate_ep(tg)
         agreed: asyncio.Task | None = (
             None  # TP: the next decision's round, started while a task runs
         )
@@ -586,38 +593,99 @@ class _Iteration:
                     ex.agreement.agree(tr.ready_tasks() | tr.unlocked_by(stage, task)),
                     name="rrfp-tp-agree",
                 )
-            self._doing(f"task {task}")
-            try:
-                if ex.task_bound is None:
+            await self._perform(stage, task)
+
+    async def _perform(self, stage: int, task: Task) -> None:
+        """Run ``task`` of ``stage`` (started in the tracker) and deliver what it made."""
+        ex, tr = self.ex, self.tracker
+        self._doing(f"task {task}")
+        try:
+            if ex.task_bound is None:
+                await self._run(self.io[stage], task)
+            else:
+                where = f"rank {ex.rank} stage {stage}"
+                async with ex.task_bound.running(where, stage, task, self.it):
                     await self._run(self.io[stage], task)
-                else:
-                    where = f"rank {ex.rank} stage {stage}"
-                    async with ex.task_bound.running(where, stage, task, self.it):
-                        await self._run(self.io[stage], task)
-            except TaskOverrun:  # no progress to the peers: they name this rank if it lives
-                self._doing(f"stuck in task {task}")
-                ex.lane.stuck = True  # the exit does not wait for it
-                raise
-            except (
-                Exception
-            ) as e:  # the model's own error keeps its type; this says where it happened
-                e.add_note(
-                    f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
-                    f"on stage {stage} of {ex.S} (rank {ex.rank})"
-                )
-                mark = user_code(e)
-                if mark is not None:  # the user's code: its line says which task called it
-                    mark.task, mark.iteration, mark.stage = str(task), self.it, stage
-                raise
-            to = tr.finish(stage, task)
-            if (
-                to is not None and to in self.io
-            ):  # the V turn: the rank's own next stage, no message
-                self._hand_over(to, task)
-            self.ran.append(picked)
-            for hook in ex.on_task_done:
-                hook(task)
-            self._doing("")
+        except TaskOverrun:  # no progress to the peers: they name this rank if it lives
+            self._doing(f"stuck in task {task}")
+            ex.lane.stuck = True  # the exit does not wait for it
+            raise
+        except Exception as e:  # the model's own error keeps its type; this says where it happened
+            e.add_note(
+                f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
+                f"on stage {stage} of {ex.S} (rank {ex.rank})"
+            )
+            mark = user_code(e)
+            if mark is not None:  # the user's code: its line says which task called it
+                mark.task, mark.iteration, mark.stage = str(task), self.it, stage
+            raise
+        to = tr.finish(stage, task)
+        if to is not None and to in self.io:  # the V turn: the rank's own next stage, no message
+            self._hand_over(to, task)
+        self.ran.append(StageTask(stage, task))
+        for hook in ex.on_task_done:
+            hook(task)
+        self._doing("")
+
+    async def _arbitrate_ep(self, tg: asyncio.TaskGroup) -> None:
+        """The arbiter of a rank in an EP group (docs/design.md, expert parallelism under
+        readiness): its tasks that issue EP all-to-alls run one agreed class at a time, in the
+        group's one order; the others (W, stages without MoE layers) run by readiness alone.
+
+        A round is started when no agreed task is pending, EP tasks remain and this rank offers a
+        class: after an agreed task at once, after a failed round only once the offer grew or holds
+        every class offered somewhere (then the others must catch up, and the round waits for them
+        while this rank runs its free tasks). Every member joins every round, so the rounds pair."""
+        ex, tr, ep = self.ex, self.tracker, self.ex.ep_agreement
+        left = ex.M * len(ep.classes)  # the iteration's EP tasks: M of each class
+        pending: asyncio.Task | None = None  # the round in flight
+        turn: EPClass | None = None  # the class agreed, not yet run here
+        offered: frozenset[EPClass] | None = None  # this rank's offer in the last failed round
+        somewhere: frozenset[EPClass] = frozenset()
+        decided_s = 0.0
+        while not tr.done:
+            c0 = time.perf_counter()
+            arrivals = tr.arrivals
+            if pending is not None and pending.done():
+                turn, somewhere = pending.result()
+                pending = None
+            ready = tr.ready_tasks()
+            by_class: dict[EPClass | None, set[StageTask]] = {}
+            for item in ready:
+                by_class.setdefault(ep.classify(item.stage, item.kind), set()).add(item)
+            picked = tr.next(among=by_class.get(turn, ())) if turn is not None else None
+            if picked is None and pending is None and turn is None and left:
+                offer = {
+                    c: best
+                    for c, items in by_class.items()
+                    if c is not None and (best := tr.next(among=items)) is not None
+                }
+                now = frozenset(offer)
+                if now and (offered is None or now != offered or now >= somewhere):
+                    mine = tr.next(among=offer.values())
+                    preferred = ep.classify(mine.stage, mine.kind) if mine is not None else None
+                    offered = now
+                    pending = tg.create_task(self._ep_round(now, preferred), name="rrfp-ep-agree")
+            if picked is None:
+                picked = tr.next(among=by_class.get(None, ()))
+            decided_s += time.perf_counter() - c0
+            self.decision_s += time.perf_counter() - c0
+            self.decisions += 1
+            if picked is None:
+                if pending is None or not pending.done():
+                    await self._wait_for_change(arrivals)
+                continue
+            stage, task = picked
+            if ep.classify(stage, task.kind) is not None:  # the agreed task: the next round is new
+                turn, offered, somewhere, left = None, None, frozenset(), left - 1
+            tr.start(stage, task)
+            self.decided_s, decided_s = decided_s, 0.0
+            await self._perform(stage, task)
+
+    async def _ep_round(self, offered: frozenset, preferred):
+        outcome = await self.ex.ep_agreement.agree(offered, preferred)
+        self.changed.set()  # the arbiter may wait for it
+        return outcome
 
     def _hand_over(self, to: int, task: Task) -> None:
         """What ``task`` produced arrives at once at stage ``to`` of this same rank, shaped as a

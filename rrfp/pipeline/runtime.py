@@ -37,6 +37,7 @@ from rrfp.comm.collective_wait import (
     stuck,
 )
 from rrfp.comm.device_ops import CudaOps
+from rrfp.comm.ep_agreement import EPAgreement
 from rrfp.comm.grad_norm import clip_grad_norm, clip_with_norm, local_share
 from rrfp.comm.grad_sync import GradSync
 from rrfp.comm.heartbeat import Heartbeat
@@ -54,6 +55,7 @@ from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 from rrfp.loop import CompletionPoller, make_lane
 from rrfp.loop.blocking import in_daemon_thread, interruptible
+from rrfp.nn.expert_parallel import ExpertParallel, expert_parameters, shard_experts
 from rrfp.nn.tensor_parallel import sharded_parameters
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import StageExecutor
@@ -142,11 +144,12 @@ def _attempt_store(world: int, timeout_s: float) -> dict:
 
 def _collective_bound(group_key: str, waits: Timeouts) -> datetime.timedelta:
     """How long a collective of the group ``group_key`` may wait once the heartbeat runs: the
-    backstop, as the watcher bounds what waits on the loop, except TP's, which a task issues from
-    the lane's thread, where no watcher sees it. Its members run the same task together, so a
-    member that keeps the others waiting ``progress_s`` there is stuck: the waiting rank names it
-    from its heartbeat (rrfp/pipeline/task_collectives.py)."""
-    if group_key == "tp":
+    backstop, as the watcher bounds what waits on the loop, except TP's and EP's, which a task
+    issues from the lane's thread, where no watcher sees it. Their members run the same task (TP)
+    or one agreed class of task (EP) together, so a member that keeps the others waiting
+    ``progress_s`` there is stuck: the waiting rank names it from its heartbeat
+    (rrfp/pipeline/task_collectives.py)."""
+    if group_key in ("tp", "ep"):
         return datetime.timedelta(seconds=waits.progress_s)
     return BACKSTOP
 
@@ -190,6 +193,11 @@ class PipelineRuntime:
         self.tp_group = groups.get("tp")  # the layers' TP collectives (on the lane)
         self.tp_control = groups.get("tp_control")  # TP agreement only
         self.dp_group = groups.get("dp")
+        # expert parallelism (layout.ep > 1): the experts' all-to-alls, the EP agreement, and the
+        # replicas holding the same experts
+        self.ep_group = groups.get("ep")
+        self.ep_control = groups.get("ep_control")
+        self.expert_dp_group = groups.get("expert_dp")
         self.cpu_group = groups.get(
             "cpu"
         )  # control plane (stats, gather, barrier); None: the default group
@@ -228,6 +236,7 @@ class PipelineRuntime:
         pp: int = 0,
         tp: int = 1,
         dp: int = 1,
+        ep: int = 1,
         layout: Layout | None = None,
         backend: str = "gloo",
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -280,7 +289,12 @@ class PipelineRuntime:
             world = int(os.environ["WORLD_SIZE"])
         else:
             world = dist.get_world_size()
-        layout = layout or layout_for(world, pp, tp, dp)  # fails before any group exists
+        layout = layout or layout_for(world, pp, tp, dp, ep)  # fails before any group exists
+        if layout.ep > 1 and layout.tp > 1:
+            raise ValueError(
+                f"{layout.short()}: expert parallelism with tensor parallelism is not supported; "
+                "choose ep or tp"
+            )
         if layout.world_size != world:
             raise ValueError(f"{layout.short()} does not match world size {world}")
         stages = VirtualLayout(layout.pp, virtual, placement)  # fails before any group exists
@@ -531,6 +545,22 @@ class PipelineRuntime:
             if self.tp_control is not None
             else None
         )
+        moe_stages = [s for m, s in zip(modules, self.stages) if expert_parameters(m)]
+        self._check_expert_groups(modules)
+        ep_agreement = (
+            EPAgreement(self.ep_control, moe_stages, self.poller, split)
+            if self.ep_control is not None and moe_stages
+            else None
+        )
+        if (
+            ep_agreement is not None
+            and settings.dispatch is Dispatch.FIXED
+            and settings.hint.planned
+        ):
+            raise ValueError(
+                "expert parallelism with dispatch fixed and hint plan: each replica plans its own "
+                "order, so their all-to-alls would not pair; use dispatch ready"
+            )
         ties = Ties.setup(self, modules, tied)
         v = self.virtual
         layout = f"{v.ranks} pipeline rank(s) x {v.virtual} stage(s) per rank ({v.placement})"
@@ -549,13 +579,14 @@ class PipelineRuntime:
             # the TP layers' collectives: a peer that never comes is named
             task_collectives=(
                 TaskCollectives(self.rank, self.heartbeat, self._tp_bound())
-                if self.layout.tp > 1
+                if self.layout.tp > 1 or ep_agreement is not None
                 else None
             ),
             ties=ties if ties.ties else None,
             nonfinite=guard,
             sharded=sharded,
             layout_check=self._layout_check(ExecutorShape(microbatches, self.num_stages, layout)),
+            ep_agreement=ep_agreement,
         )
         self._executors.append(ex)
         return ex
@@ -584,6 +615,35 @@ class PipelineRuntime:
             "nccl_watchdog_s" if self.device.type == "cuda" else "process_group_s"
         )
 
+    def _check_expert_groups(self, modules) -> None:
+        """Experts sharded over another group than this rank's EP group would issue all-to-alls
+        the EP agreement does not order: refused with the groups named."""
+        want = self.layout.ep_groups()
+        mine = next((g for g in want if self.rank in g), [self.rank])
+        for m, s in zip(modules, self.stages):
+            for name, layer in m.named_modules():
+                ranks = getattr(layer, "ranks", None)
+                if isinstance(layer, ExpertParallel) and ranks != mine:
+                    raise ValueError(
+                        f"rank {self.rank}: stage {s}'s {name} shards its experts over ranks "
+                        f"{ranks}, but this rank's EP group ({self.layout.short()}) is {mine}: "
+                        "shard them with rt.shard_experts(module) (ScheduleReady: over "
+                        "mesh['ep'].get_group())"
+                    )
+
+    def shard_experts(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` with the routed experts of its MoE layers sharded over this rank's EP group
+        (rrfp/nn/expert_parallel.py), in place; unchanged without expert parallelism. Call it on
+        every stage module before ``stage_executor`` and the optimizer."""
+        if self.ep_group is not None:
+            shard_experts(module, self.ep_group)
+        return module
+
+    @property
+    def ep_rank(self) -> int | None:
+        """This rank's place in its EP group (its experts), or None without expert parallelism."""
+        return self.dp_rank % self.layout.ep if self.layout.ep > 1 else None
+
     @property
     def dp_ranks(self) -> list[int]:
         """This stage's data-parallel replicas (this rank among them), in replica order."""
@@ -608,6 +668,8 @@ class PipelineRuntime:
             self.poller,
             self.lane,
             deadline_s=self.timeouts.cuda_deadline_s if self.device.type == "cuda" else None,
+            experts=expert_parameters(module),
+            expert_group=self.expert_dp_group,
         )
         if executor is not None:
             sync.attach(executor)
@@ -622,13 +684,19 @@ class PipelineRuntime:
             uncounted = ex.ties.uncounted if ex.ties is not None else set()
             for w in ex.workers:
                 sharded = sharded_parameters(w.module)
+                # an expert shard is counted by the first replica holding it (its EP group's)
+                experts = expert_parameters(w.module)
                 for p in w.module.parameters():
                     if id(p) in seen:
                         continue
                     seen.add(id(p))
                     scaled.append(p)
                     if (
-                        (self.dp_rank == 0 or isinstance(p, dtensor))  # an FSDP shard: every one
+                        (
+                            self.dp_rank == 0
+                            or isinstance(p, dtensor)  # an FSDP shard: every one
+                            or (id(p) in experts and self.dp_rank < self.layout.ep)
+                        )
                         and id(p) not in uncounted
                         and (self.tp_rank == 0 or id(p) in sharded)
                     ):

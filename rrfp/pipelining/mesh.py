@@ -9,6 +9,12 @@ Along the data-parallel dimension the gradients are made equal once per step, by
 - ``"dp"``: rrfp's GradSync averages them over the replicas (``dp_sync``);
 - ``"dp_shard"``: the stage modules are FSDP2-sharded (``fully_shard(..., mesh=mesh["dp_shard"])``)
   and FSDP reduce-scatters them after the step (rrfp/pipeline/sharded_stages.py).
+
+``("pp", "dp", "ep")`` adds expert parallelism over the replicas: the ``dp x ep`` replicas of a
+stage form blocks of ``ep`` (each ``mesh["ep"]`` slice, adjacent ranks: rrfp's EP groups), whose
+members hold different experts of the stage modules' MoE layers, sharded by the script with
+``rrfp.shard_experts(module, mesh["ep"].get_group())``; rrfp agrees on the order of their
+all-to-alls and averages the other gradients over all ``dp x ep`` replicas.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class MeshLayout:
     dp: int
     dp_dim: str  # "dp" or "dp_shard"
     pipeline: list[int]
+    ep: int = 1  # expert-parallel replicas, a divisor of dp (the mesh's "ep" dimension)
+    ep_group: list[int] | None = None  # this rank's slice along "ep"
 
 
 def read_mesh(mesh, world: int) -> MeshLayout:
@@ -36,13 +44,14 @@ def read_mesh(mesh, world: int) -> MeshLayout:
     tensor-parallel dimension larger than 1."""
     names = tuple(mesh.mesh_dim_names or ())
     allowed = [("pp", d) for d in DP_DIMS] + [("pp", d, "tp") for d in DP_DIMS]
-    if names not in allowed:
+    if names not in allowed + [("pp", "dp", "ep")]:
         raise ValueError(
             f"ScheduleReady(mesh=): the mesh's dimensions are {names or 'unnamed'}; name them "
-            "('pp', 'dp') or ('pp', 'dp_shard'), optionally with a trailing 'tp'"
+            "('pp', 'dp') or ('pp', 'dp_shard'), optionally with a trailing 'tp', or "
+            "('pp', 'dp', 'ep') for expert parallelism"
         )
     shape = tuple(mesh.mesh.shape)
-    if len(names) == 3 and shape[2] != 1:
+    if len(names) == 3 and names[2] == "tp" and shape[2] != 1:
         raise NotImplementedError(
             f"ScheduleReady(mesh=): tp = {shape[2]}: ScheduleReady runs no tensor-parallel "
             "dimension yet (tp = 1 only); rrfp train and PipelineRuntime(tp=) do"
@@ -57,4 +66,7 @@ def read_mesh(mesh, world: int) -> MeshLayout:
             f"init_device_mesh(device, {shape}, mesh_dim_names={names})"
         )
     pp, dp = shape[0], shape[1]
+    if names[-1] == "ep":  # the replicas are dp x ep, in blocks of ep adjacent ranks
+        ep = shape[2]
+        return MeshLayout(pp, dp * ep, "dp", mesh["pp"].mesh.tolist(), ep, mesh["ep"].mesh.tolist())
     return MeshLayout(pp, dp, names[1], mesh[names[0]].mesh.tolist())

@@ -763,11 +763,11 @@ def _checked(stages: list, n_microbatches, mesh=None, dp_sync: bool = False) -> 
         raise ValueError(
             f"the stage's group has {pp} ranks, which does not divide the world size {world}"
         )
-    layout = layout_for(world, pp, 1, world // pp)
     ranks = (
         dist.get_process_group_ranks(stage.group) if stage.group is not None else list(range(world))
     )
-    dp_dim = _mesh_checked(mesh, stages, ranks, dp_sync) if mesh is not None else None
+    dp_dim, ep = _mesh_checked(mesh, stages, ranks, dp_sync) if mesh is not None else (None, 1)
+    layout = layout_for(world, pp, 1, world // pp, ep)
     if ranks not in layout.pp_groups():
         raise NotImplementedError(
             f"the stage's group has ranks {ranks}; ScheduleReady supports the whole world "
@@ -782,9 +782,9 @@ def _checked(stages: list, n_microbatches, mesh=None, dp_sync: bool = False) -> 
     )
 
 
-def _mesh_checked(mesh, stages: list, ranks: list[int], dp_sync: bool) -> str:
-    """The mesh's data-parallel dimension, once the mesh, the stage's group and the stage modules
-    agree with it (rrfp/pipelining/mesh.py)."""
+def _mesh_checked(mesh, stages: list, ranks: list[int], dp_sync: bool) -> tuple[str, int]:
+    """The mesh's data-parallel dimension and its expert-parallel size, once the mesh, the stage's
+    group and the stage modules agree with it (rrfp/pipelining/mesh.py)."""
     read = read_mesh(mesh, dist.get_world_size())
     if ranks != read.pipeline:
         raise ValueError(
@@ -804,7 +804,7 @@ def _mesh_checked(mesh, stages: list, ranks: list[int], dp_sync: bool) -> str:
             "ScheduleReady: the stage modules are FSDP-sharded, so FSDP reduce-scatters their "
             "gradients: name the mesh's dimension 'dp_shard' and leave dp_sync off"
         )
-    return read.dp_dim
+    return read.dp_dim, read.ep
 
 
 def _placement_of(indices: list[int], num_stages: int, pp: int, rank: int) -> tuple[int, str]:

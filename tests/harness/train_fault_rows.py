@@ -29,11 +29,18 @@ PHASES = {
     "commit": ("step=1:during=commit", "pp"),
     "barrier": ("during=barrier", "pp"),
     "TP F": ("step=2:task=F1", "tp"),  # one stage on two TP ranks: hang only
+    # one MoE stage on two EP ranks (configs/moe-tiny.toml): kill, stop and hang only
+    "EP F": ("step=2:task=F1", "ep"),
 }
 KINDS = ("kill", "stop", "pause", "slow", "term")
 # where a rank may hang, alive: F inside the task itself, named by its own bound (timeouts.task_s)
-HANG_PHASES = ("F", "sync", "save", "commit", "barrier", "TP F")
-LAYOUTS = {"pp": ("pp=2",), "dp": ("pp=1", "dp=2"), "tp": ("pp=1", "tp=2")}
+HANG_PHASES = ("F", "sync", "save", "commit", "barrier", "TP F", "EP F")
+LAYOUTS = {
+    "pp": ("pp=2",),
+    "dp": ("pp=1", "dp=2"),
+    "tp": ("pp=1", "tp=2"),
+    "ep": ("pp=1", "dp=2", "parallel.ep=2"),
+}
 
 
 def _outcome(kind: str, phase: str) -> str:
@@ -59,9 +66,10 @@ def _bound(phase: str, kind: str = "") -> float:
 ROWS = [
     (API, kind, phase, _outcome(kind, phase))
     for phase in PHASES
-    if phase not in ("TP F",)
+    if phase not in ("TP F", "EP F")
     for kind in KINDS
 ] + [(API, "hang", phase, _outcome("hang", phase)) for phase in HANG_PHASES]
+ROWS += [(API, kind, "EP F", _outcome(kind, "EP F")) for kind in ("kill", "stop")]
 ROWS += [
     (API, "full", "save", DISK),  # torch's writer on rank 1 past its file size limit
     (API, "flip", "resume", SET_ASIDE),  # a byte of the latest commit record, before a resume

@@ -84,6 +84,13 @@ class ParallelSection(Section):
         bounds=COUNT,
         least=ONE,
     )
+    ep: int = setting(
+        1,
+        "expert-parallel replicas: the MoE layers' experts sharded over blocks of ep adjacent "
+        "data-parallel replicas (ep divides dp), tokens sent to their experts by all-to-all",
+        bounds=COUNT,
+        least=ONE,
+    )
     virtual: int = setting(
         1,
         "stages per pipeline rank: the model is split into pp x virtual stages",
@@ -112,6 +119,11 @@ class ParallelSection(Section):
             raise ConfigError(
                 f"parallel.dp_shard = {self.dp_shard} with parallel.tp = {self.tp}: FSDP-sharded "
                 "stages with tensor parallelism are not supported"
+            )
+        if self.ep > 1 and (self.dp_shard > 1 or self.tp > 1 or self.dp % self.ep):
+            raise ConfigError(
+                f"parallel.ep = {self.ep} needs parallel.dp a multiple of it (dp = {self.dp}), "
+                "without dp_shard or tp: the experts are sharded over the replicated replicas"
             )
         try:
             VirtualLayout(1, self.virtual, self.placement)

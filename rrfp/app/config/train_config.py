@@ -82,7 +82,7 @@ class TrainConfig:
             object.__setattr__(self, "data", wl.data_config())
         par = self.parallel
         try:
-            layout = layout_for(self.world_size, par.pp, par.tp, par.replicas)
+            layout = layout_for(self.world_size, par.pp, par.tp, par.replicas, par.ep)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         object.__setattr__(self, "_layout", layout)

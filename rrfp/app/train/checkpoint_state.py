@@ -3,7 +3,8 @@
 
 Each stage holds a different module, so the state dict is keyed by where it
 lives: ``stage{s}.tp{t}`` holds that shard's model and optimizer state (DP
-replicas hold the same values under the same keys, and DCP writes one copy),
+replicas hold the same values under the same keys, and DCP writes one copy; with expert
+parallelism, ``stage{s}.tp{t}.ep{e}`` that of the EP group's member ``e``, whose experts differ),
 ``rank{r}`` holds that rank's RNG states. Every rank writes its own file in
 parallel and DCP's coordinator writes ``.metadata`` once all have finished.
 The directory protocol around it (partial directory, marker, rename) is
@@ -44,8 +45,9 @@ def _idle(what: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def stage_key(stage: int, tp_rank: int) -> str:
-    return f"stage{stage}.tp{tp_rank}"
+def stage_key(stage: int, tp_rank: int, ep_rank: int | None = None) -> str:
+    """The key of a stage's state; ``ep_rank``: the member of its EP group (None: no EP)."""
+    return f"stage{stage}.tp{tp_rank}" + (f".ep{ep_rank}" if ep_rank is not None else "")
 
 
 def rng_state(device: torch.device) -> dict:
@@ -64,14 +66,21 @@ def _parts(module, opt, stage) -> list[tuple[int, torch.nn.Module, torch.optim.O
 
 
 def _state(
-    module, opt, rank: int, stage, tp_rank: int, device: torch.device, rng: dict | None = None
+    module,
+    opt,
+    rank: int,
+    stage,
+    tp_rank: int,
+    device: torch.device,
+    rng: dict | None = None,
+    ep_rank: int | None = None,
 ) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     state = {}
     for s, m, o in _parts(module, opt, stage):
         model_sd, optim_sd = get_state_dict(m, o)  # FQN-keyed; a fresh optimizer's state is created
-        state[stage_key(s, tp_rank)] = {"model": model_sd, "optim": optim_sd}
+        state[stage_key(s, tp_rank, ep_rank)] = {"model": model_sd, "optim": optim_sd}
     return {**state, f"rank{rank}": {"rng": rng if rng is not None else rng_state(device)}}
 
 
@@ -87,6 +96,7 @@ def save_stage(
     process_group=None,
     rng: dict | None = None,
     working: Working = _idle,
+    ep_rank: int | None = None,
 ) -> None:
     """Collective over ``process_group`` (every rank calls it); blocking, so the
     caller runs it off the event loop. Returns once every rank's files and the
@@ -98,7 +108,7 @@ def save_stage(
 
     from rrfp.app.train.checkpoint_storage import MarkedWriter
 
-    state = _state(module, opt, rank, stage, tp_rank, device, rng)
+    state = _state(module, opt, rank, stage, tp_rank, device, rng, ep_rank)
     try:
         dcp.save(state, storage_writer=MarkedWriter(path, working), process_group=process_group)
     except dcp.CheckpointException as e:
@@ -116,6 +126,7 @@ def load_stage(
     device: torch.device,
     process_group=None,
     working: Working = _idle,
+    ep_rank: int | None = None,
 ) -> None:
     """Collective, blocking: load this stage's model, optimizer and this rank's
     RNG state in place (virtual stages: lists, as ``save_stage``). A failure on any rank raises
@@ -125,7 +136,7 @@ def load_stage(
 
     from rrfp.app.train.checkpoint_storage import MarkedReader
 
-    state = _state(module, opt, rank, stage, tp_rank, device)
+    state = _state(module, opt, rank, stage, tp_rank, device, ep_rank=ep_rank)
     try:
         dcp.load(state, storage_reader=MarkedReader(path, working), process_group=process_group)
     except (
@@ -133,7 +144,7 @@ def load_stage(
     ) as e:  # a BaseException in torch: turn it into an error the CLI reports
         raise CheckpointError(f"cannot load checkpoint {path}: {_causes(e)}") from None
     for s, m, o in _parts(module, opt, stage):
-        part = state[stage_key(s, tp_rank)]
+        part = state[stage_key(s, tp_rank, ep_rank)]
         set_state_dict(m, o, model_state_dict=part["model"], optim_state_dict=part["optim"])
     rng = state[f"rank{rank}"]["rng"]
     torch.set_rng_state(rng["cpu"])

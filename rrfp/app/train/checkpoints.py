@@ -68,6 +68,7 @@ def fingerprint(cfg: TrainConfig) -> dict:
                     "pp": lay.pp,
                     "tp": lay.tp,
                     "dp": lay.dp,
+                    "ep": lay.ep,
                     "n_microbatches": cfg.schedule.n_microbatches,
                     "virtual": cfg.parallel.virtual,
                     "placement": cfg.parallel.placement,
@@ -213,7 +214,12 @@ def choose_resume(cfg: TrainConfig) -> Resume:
     try:
         check_readable(
             latest.path,
-            [stage_key(s, t) for s in range(cfg.num_stages) for t in range(lay.tp)]
+            [
+                stage_key(s, t, e if lay.ep > 1 else None)
+                for s in range(cfg.num_stages)
+                for t in range(lay.tp)
+                for e in range(lay.ep)
+            ]
             + [f"rank{r}" for r in range(lay.world_size)],
         )
     except CheckpointError as e:
@@ -258,7 +264,8 @@ def _comparable(saved: dict, now: dict) -> tuple[dict, dict]:
     saved = {"optim": {"name": "adamw"}, **saved}  # saved before optim.name existed: AdamW's
     if "run" not in saved:
         return saved, now
-    saved_run, now_run = {"virtual": 1, **saved["run"]}, now["run"]
+    # saved before run.ep existed: no expert parallelism
+    saved_run, now_run = {"virtual": 1, "ep": 1, **saved["run"]}, now["run"]
     if saved_run["virtual"] == 1 or now_run["virtual"] == 1:
         saved_run, now_run = (
             {k: v for k, v in r.items() if k != "placement"} for r in (saved_run, now_run)
@@ -290,6 +297,7 @@ class RunCheckpoints:
             rank=rt.rank,
             stage=rt.stage if one else list(rt.stages),
             tp_rank=rt.tp_rank,
+            ep_rank=rt.ep_rank,
             device=rt.device,
             process_group=rt.cpu_group,
         )  # DCP's collectives: gloo, the control plane

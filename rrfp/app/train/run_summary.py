@@ -45,6 +45,7 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "tp": lay.tp,
             "dp": lay.dp,
             "dp_shard": cfg.parallel.dp_shard,
+            "ep": lay.ep,
             "world_size": lay.world_size,
         },
         "schedule": {
@@ -83,6 +84,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lay, sch = summary["layout"], summary["schedule"]
     virtual = f", virtual={lay['virtual']} ({lay['placement']})" if lay["virtual"] > 1 else ""
     shard = f", dp_shard={lay['dp_shard']}" if lay["dp_shard"] > 1 else ""
+    shard += f" (ep={lay['ep']})" if lay.get("ep", 1) > 1 else ""
     lines = [
         f"run: {summary['model']} on {lay['world_size']} rank(s): pp={lay['pp']}{virtual} x "
         f"tp={lay['tp']} x dp={lay['dp']}{shard}; backend {summary['backend']} "

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.app.config.train_config import TrainConfig
+from rrfp.app.errors import ConfigError
 from rrfp.app.faults import FaultInjector
 from rrfp.app.train.checkpoint_state import rng_state
 from rrfp.app.train.checkpoints import Resume, RunCheckpoints, choose_resume
@@ -35,6 +36,7 @@ from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
 from rrfp.nn.activation_checkpointing import checkpoint_blocks
+from rrfp.nn.expert_parallel import expert_parameters
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.peak_memory import PeakMemory
 from rrfp.observe.trace import chrome_trace, write_json
@@ -197,6 +199,18 @@ class _RankTraining:
         if cfg.compute.activation_checkpointing == "layers":
             for m in self.modules:
                 checkpoint_blocks(self.wl.blocks(m))
+        if cfg.parallel.ep > 1:  # the MoE layers' experts sharded over the EP group
+            for m in self.modules:
+                try:
+                    rt.shard_experts(m)
+                except ValueError as e:  # the experts do not split over the group
+                    raise ConfigError(f"parallel.ep = {cfg.parallel.ep}: {e}") from None
+            if not any(expert_parameters(m) for m in self.modules):
+                raise ConfigError(
+                    f"parallel.ep = {cfg.parallel.ep}, but model {cfg.run.model!r} has no "
+                    "mixture-of-experts layer rrfp can shard (rrfp's MoELayer: a llama with "
+                    "model.moe_experts > 0; an HF family's experts stay local)"
+                )
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
             self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
         self.routing = RouterStatistics(self.modules)  # their MoE layers, if any

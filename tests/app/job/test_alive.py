@@ -269,7 +269,9 @@ def test_a_dcp_failure_is_a_lost_peer_only_when_its_causes_are_transport_errors(
     cfg = TrainConfig.load(
         "configs/gpt-tiny.toml", [*SETS, f"checkpoint.dir={tmp_path}"], world_size=2
     )
-    rt = SimpleNamespace(rank=0, stage=0, tp_rank=0, device=torch.device("cpu"), cpu_group=None)
+    rt = SimpleNamespace(
+        rank=0, stage=0, tp_rank=0, ep_rank=None, device=torch.device("cpu"), cpu_group=None
+    )
 
     def fail(path, *args, **kw):
         raise CheckpointError(f"cannot write checkpoint {path}: {text}")

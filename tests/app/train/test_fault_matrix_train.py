@@ -18,7 +18,9 @@ peer waits ``timeouts.progress_s``, set to ``PROGRESS_S`` in every row, at its n
 the F task, where rank 1 names its own task once it ran past ``timeouts.task_s``, 2 x progress_s,
 and rank 0 names rank 1 as failed first; or
 inside the F task of step 2's microbatch 1 on one stage of two TP ranks, "TP F", before the task's
-first TP all-reduce, where rank 0 waits for it: rank 0's line names that all-reduce too).
+first TP all-reduce, where rank 0 waits for it: rank 0's line names that all-reduce too; and the
+same on one MoE stage of two EP ranks, "EP F" (kill, stop and hang), before the task's first
+all-to-all, where rank 0 waits for it).
 The pause, slow and term rows are the ``long`` tier (they wait out their fault).
 
 Each rank is a child of the test session's forkserver running ``rrfp.app.cli.main.main``
@@ -98,7 +100,9 @@ def _argv(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> 
         *LAYOUTS[layout],
         *([f"fault={fault}"] if fault else []),
     ]
-    return ["--config", "configs/gpt-tiny.toml", *(a for s in sets for a in ("--set", s))]
+    # the EP rows need a mixture of experts: the Llama family's (its layers' sizes as above)
+    config = "configs/moe-tiny.toml" if layout == "ep" else "configs/gpt-tiny.toml"
+    return ["--config", config, *(a for s in sets for a in ("--set", s))]
 
 
 @dataclass
@@ -254,6 +258,10 @@ def test_train_fault_matrix_row(api, kind, phase, outcome, outcomes):
             assert said and f"over its bound of {TASK_S:g} s" in said[0], got.tails
         if phase == "TP F":  # the collective rank 0 waited at, and what rank 1's heartbeat said
             at = "the row-parallel all-reduce of transformer.h.0.attn.c_proj in task F1 of stage 0"
+            assert f"{at}: rank 1 (alive, in task F1 for " in line, line
+            assert "never reached it" in line and f"timeouts.progress_s = {PROGRESS_S:g} s" in line
+        if phase == "EP F" and kind == "hang":  # the all-to-all rank 0 waited at
+            at = "the EP count all-to-all of layers.1.mlp.experts in task F1 of stage 0"
             assert f"{at}: rank 1 (alive, in task F1 for " in line, line
             assert "never reached it" in line and f"timeouts.progress_s = {PROGRESS_S:g} s" in line
         took = got.ended_after[0]

@@ -1,0 +1,242 @@
+"""Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 3 AdamW
+steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own, so
+that the replicas pick different orders; the EP agreement keeps their all-to-alls paired, and
+losses, gradients and parameters equal one process running the whole model on both replicas'
+data."""
+
+from __future__ import annotations
+
+import pytest
+from harness.distributed import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+M, DIM, STEPS = 4, 8, 3
+UNIT_MS = 20.0  # emulated task lengths long against the compute, so that the seeds decide
+# blocks: dense first, MoE after: with V = 2 (v placement) rank 0 holds stage 0 (no MoE layer)
+# beside stage 3
+BLOCKS = ("dense", "moe", "moe", "moe")
+
+
+def _model():
+    import torch.nn as nn
+
+    from rrfp.nn.moe_layer import MoELayer
+
+    class Block(nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.ffn = (
+                MoELayer(DIM, 12, 4, 2, aux_loss_coeff=0.01)
+                if kind == "moe"
+                else nn.Sequential(nn.Linear(DIM, 12), nn.SiLU(), nn.Linear(12, DIM))
+            )
+
+        def forward(self, x):
+            return x + self.ffn(x)
+
+    return nn.Sequential(*(Block(k) for k in BLOCKS))
+
+
+def _loss(out, y):
+    return (out - y).square().mean()
+
+
+def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
+    import torch
+
+    from rrfp.core.variability import Variability
+    from rrfp.loop import run
+    from rrfp.nn.moe_aux_loss import collect_aux_losses
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    torch.set_default_dtype(torch.float64)
+    dp = world // pp
+    gen = torch.Generator().manual_seed(7)
+    data = [
+        [
+            (torch.randn(2, 5, DIM, generator=gen), torch.randn(2, 5, DIM, generator=gen))
+            for _ in range(M * dp)
+        ]
+        for _ in range(STEPS)
+    ]
+
+    def reference():
+        torch.manual_seed(0)
+        full = _model()
+        opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for step in range(STEPS):
+            with (
+                collect_aux_losses() as aux
+            ):  # each layer's weighted auxiliary loss, per microbatch
+                loss = sum(_loss(full(x), y) for x, y in data[step]) / (M * dp)
+            (loss + sum(aux) / (M * dp)).backward()
+            losses.append(loss.item())  # the trained loss is reported without them
+            grads.append({n: p.grad.clone() for n, p in full.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+        return losses, grads, dict(full.named_parameters())
+
+    ref_losses, ref_grads, ref_params = reference()
+
+    async def main():
+        rt = PipelineRuntime.start(
+            pp=pp,
+            dp=dp,
+            ep=dp,
+            timeout_s=60,
+            unit_ms=UNIT_MS,
+            virtual=virtual,
+            placement="v" if virtual == 2 else "interleaved",
+        )
+        n = rt.num_stages
+        per = len(BLOCKS) // n
+        out = {}
+        try:
+            for hint, split in configs:
+                torch.manual_seed(0)
+                full = _model()
+                mods = [full[s * per : (s + 1) * per] for s in rt.stages]
+                for m in mods:
+                    rt.shard_experts(m)
+                from rrfp.nn.expert_parallel import expert_parameters
+
+                shards = set().union(*(expert_parameters(m) for m in mods))
+                params = [p for m in mods for p in m.parameters()]
+                # a slice of a Sequential keeps the whole model's names
+                names = {id(p): n for m in mods for n, p in m.named_parameters()}
+                ex = rt.stage_executor(
+                    mods,
+                    _loss,
+                    n_microbatches=M,
+                    hint=hint,
+                    split=split,
+                    # slow: replica 1's stage 0 that many times slower, so that its peers offer
+                    # other classes than it does and rounds fail
+                    variability=Variability.preset("lang", slow_stage=0, slow_factor=slow)
+                    if slow and rt.dp_rank == 1
+                    else Variability.preset("lang"),
+                    seed=100 + rt.dp_rank,
+                )
+                if fail_every:
+                    _fail_rounds(ex.ep_agreement, fail_every)
+                module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
+                sync = rt.grad_sync(module, ex)
+                opt = torch.optim.AdamW(params, lr=1e-2)
+                k = 4 // dp  # experts per member
+                errs, losses, orders = [], [], []
+                for step in range(STEPS):
+                    mine = data[step][rt.dp_rank * M : (rt.dp_rank + 1) * M]
+                    res = await ex.run_iteration(step, mine)
+                    await sync.sync()
+                    losses.append(res.losses)
+                    orders.append([f"{t}@{s}" for s, t in res.ran])
+                    for p in params:
+                        want = ref_grads[step][names[id(p)]]
+                        if id(p) in shards:
+                            want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
+                        errs.append((p.grad - want).abs().max().item())
+                    opt.step()
+                    opt.zero_grad()
+                perr = 0.0
+                for p in params:
+                    want = ref_params[names[id(p)]].detach()
+                    if id(p) in shards:
+                        want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
+                    perr = max(perr, (p - want).abs().max().item())
+                ep = ex.ep_agreement
+                out[(hint, split)] = {
+                    "grad_err": max(errs),
+                    "param_err": perr,
+                    "losses": losses,
+                    "orders": orders,
+                    "coords": (rt.stage, rt.dp_rank),
+                    "rounds": (ep.rounds, ep.failed) if ep is not None else None,
+                }
+        finally:
+            await rt.aclose()
+        return out
+
+    return run(main()), ref_losses
+
+
+CONFIGS = [("bfw", True), ("zbh1", True), ("plan", True), ("bfw", False)]
+V_CONFIGS = [("bfw", True), ("zbv", True), ("plan", True)]
+
+
+def _fail_rounds(agreement, every: int) -> None:
+    """Every ``every``-th round agrees on nothing, on every member alike (a round's number is the
+    same everywhere): the members must retry it, whatever they offered."""
+    from rrfp.comm.ep_agreement import Outcome
+
+    agree = agreement.agree
+
+    async def failing(offered, preferred):
+        outcome = await agree(offered, preferred)
+        if agreement.rounds % every == 0:
+            agreement.failed += 1
+            return Outcome(None, outcome.somewhere)
+        return outcome
+
+    agreement.agree = failing
+
+
+def _check(results, configs):
+    """Every gradient and parameter equals the reference's; the replicas' mean loss its loss."""
+    for cfg in configs:
+        means = []
+        for rank, (out, _) in results.items():
+            r = out[cfg]
+            assert r["grad_err"] < 1e-10, (cfg, rank, r["grad_err"])
+            assert r["param_err"] < 1e-10, (cfg, rank, r["param_err"])
+            if r["losses"][0]:  # the last stage's rank
+                means.append([sum(ls.values()) / len(ls) for ls in r["losses"]])
+        ref = next(iter(results.values()))[1]
+        assert len(means) == 2
+        for step in range(STEPS):
+            assert abs(sum(m[step] for m in means) / 2 - ref[step]) < 1e-12, (cfg, step)
+
+
+def _orders_differ(results, cfg) -> bool:
+    """Whether the two replicas of some pipeline rank ran different task sequences."""
+    by_rank = {}
+    for out, _ in results.values():
+        r = out[cfg]
+        by_rank.setdefault(r["coords"][0], []).append(r["orders"])
+    return any(a != b for a, b in by_rank.values())
+
+
+def _exact(results, configs):
+    _check(results, configs)
+    for out, _ in results.values():
+        assert all(out[c]["rounds"][0] >= 2 * M * STEPS for c in configs), "EP tasks are agreed"
+    # each replica plans from its own durations: they run the microbatches in different orders, so
+    # tokens of different microbatches meet at the experts (with the other hints the replicas may
+    # differ too, where the W and the stage without MoE layers go, as timing has it)
+    assert _orders_differ(results, ("plan", True))
+
+
+@pytest.mark.timeout(420)
+def test_pp2_ep2_replicas_with_their_own_durations_equal_one_process():
+    """ready BFW, ZB-H1 and plan with the split backward, and BFW without it."""
+    _exact(run_ranks(_pipeline, 4, 2, CONFIGS, 1, timeout=400), CONFIGS)
+
+
+@pytest.mark.timeout(420)
+def test_pp2_ep2_two_stages_per_rank_one_without_moe():
+    """V = 2 (v placement): rank 0 holds the stage without a MoE layer (free of the agreement)
+    beside the last stage."""
+    _exact(run_ranks(_pipeline, 4, 2, V_CONFIGS, 2, timeout=400), V_CONFIGS)
+
+
+@pytest.mark.timeout(420)
+def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
+    """Every third round fails on every member (as a round fails when no class is offered
+    everywhere), with replica 1's first stage four times slower: the members retry at once when
+    their offer holds every class offered somewhere, else once it grew, and stay exact."""
+    configs = [("bfw", True), ("zbh1", True)]
+    results = run_ranks(_pipeline, 4, 2, configs, 1, 4.0, 3, timeout=200)
+    _check(results, configs)
+    for out, _ in results.values():
+        assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
