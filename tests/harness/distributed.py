@@ -7,10 +7,13 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
-from harness.launch import rank_vars
+from harness import ROOT
+from harness.launch import child_env, rank_vars
 
 # a generator of its own: a test that seeds the global one (hypothesis does) would have every test
 # process pick the same ports
@@ -32,6 +35,35 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port below {low}")
+
+
+def script_ranks(
+    script: Path, *args: str, world: int = 2, timeout: float = 90, **extra: str
+) -> list[tuple[int, str, str]]:
+    """Run ``python SCRIPT ARGS`` as the ``world`` ranks of one job (torchrun's variables, a fresh
+    store port, ``extra`` in their environment): each rank's (exit code, stdout, stderr). A rank
+    still running after ``timeout`` seconds kills them all and fails the test as a hang."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=child_env(rank, world, port, PYTHONPATH=str(ROOT), **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    out = []
+    for p in procs:
+        try:
+            stdout, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"{script.name} {' '.join(args)}: a rank hung") from None
+        out.append((p.returncode, stdout, err))
+    return out
 
 
 def _child(fn, rank, world, port, args, queue):

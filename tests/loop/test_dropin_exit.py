@@ -13,14 +13,10 @@ own exit code.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT
-from harness.distributed import free_port
+from harness.distributed import script_ranks
 
 SCRIPT = """
 import os, sys, time
@@ -69,38 +65,7 @@ except Exception as e:
 
 
 def _pair(script: Path, flag: Path) -> list[tuple[int, str]]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(ROOT),
-            EXIT_FLAG=str(flag),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError("a rank hung after its peer died") from None
-        out.append((p.returncode, err))
-    return out
+    return [(rc, err) for rc, _, err in script_ranks(script, EXIT_FLAG=str(flag))]
 
 
 @pytest.mark.e2e

@@ -11,14 +11,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from harness import ROOT
-from harness.distributed import free_port
-from harness.launch import TORCHRUN
+from harness.distributed import script_ranks
+from harness.launch import TORCHRUN, child_env
 
 pytestmark = pytest.mark.e2e
 
@@ -96,38 +95,7 @@ print(f"rank {rank}: returned", flush=True)
 
 
 def _pair(script: Path, case: str) -> list[tuple[int, str, str]]:
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=str(ROOT),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), case],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    out = []
-    for p in procs:
-        try:
-            stdout, err = p.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"{case}: a rank hung") from None
-        out.append((p.returncode, stdout, err))
-    return out
+    return script_ranks(script, case)
 
 
 def _no_abort(got) -> None:
@@ -177,8 +145,7 @@ def test_ctrl_c_to_torchrun_ends_every_rank_without_an_abort(tmp_path):
     script = tmp_path / "embed.py"
     script.write_text(SCRIPT)
     out, err = tmp_path / "out", tmp_path / "err"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RRFP_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = child_env(PYTHONPATH=str(ROOT))
     with open(out, "w") as o, open(err, "w") as e:
         agent = subprocess.Popen(
             [*TORCHRUN, "--nproc-per-node=2", str(script), "forever"],
