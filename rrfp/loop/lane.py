@@ -31,13 +31,18 @@ class ComputeLane:
     ``await lane.run(fn, *args, units=u)`` returns ``fn(*args)`` once the call
     has held the lane for at least ``u * unit_s`` seconds: after ``fn`` returns
     the thread sleeps off the rest, and does not sleep when ``fn`` alone took
-    longer. A call that raises spends no emulated time; its exception reaches
-    the awaiter. Cancelling the awaiter drops a queued call; a running call
-    finishes and its result is dropped. ``abandon()`` (a stop that does not
+    longer. ``more_s``, asked after ``fn`` returns, adds the seconds ``fn`` spent
+    on emulated time of its own (a MoE layer's experts and all-to-alls,
+    rrfp/nn/expert_time.py), which the units do not hold. A call that raises
+    spends no emulated time; its exception reaches the awaiter. Cancelling the
+    awaiter drops a queued call; a running call finishes and its result is
+    dropped. ``abandon()`` (a stop that does not
     wait for the step) also cuts short the emulated time being held, and any
     later: emulated time stands for a kernel that the device would still be
     running, and nobody waits for it any more.
     """
+
+    emulates_on_host = True  # emulated time is this thread's: a layer may spend some of it
 
     def __init__(self, unit_s: float = 0.0, name: str = "compute") -> None:
         self.unit_s = unit_s
@@ -57,10 +62,15 @@ class ComputeLane:
         self._abandoned = threading.Event()  # set: emulated time ends at once
 
     async def run(
-        self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        units: float = 0.0,
+        hold_s: float = 0.0,
+        more_s: Callable[[], float] | None = None,
     ) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at
-        least (``hold_s``: a testing aid, rrfp/app/faults.py's slow task)."""
+        least (``hold_s``: a testing aid, rrfp/app/faults.py's slow task), plus ``more_s()``."""
         if self._closed:
             raise RuntimeError(f"lane {self.name}: closed")
         if self._thread is None:
@@ -71,7 +81,7 @@ class ComputeLane:
             exit_guard.finish_at_exit(self._finish)
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._calls.put((loop, done, fn, args, units * self.unit_s + hold_s))
+        self._calls.put((loop, done, fn, args, units * self.unit_s + hold_s, more_s))
         return await done
 
     def _serve(self) -> None:
@@ -83,11 +93,11 @@ class ComputeLane:
             # arguments (a step's microbatches, targets, outputs) past the step
             del call
 
-    def _serve_one(self, loop, done, fn, args, hold_s) -> None:
+    def _serve_one(self, loop, done, fn, args, hold_s, more_s) -> None:
         if done.cancelled():
             return
         try:
-            outcome, value = _set_result, self._hold_lane(fn, args, hold_s)
+            outcome, value = _set_result, self._hold_lane(fn, args, hold_s, more_s)
         except BaseException as e:  # noqa: BLE001 - the awaiter gets it
             outcome, value = _set_exception, e
         try:
@@ -139,11 +149,19 @@ class ComputeLane:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _hold_lane(self, fn: Callable[..., Any], args: tuple, hold_s: float) -> Any:
+    def _hold_lane(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        hold_s: float,
+        more_s: Callable[[], float] | None = None,
+    ) -> Any:
         start, began = time.perf_counter(), time.time()
         try:
             result = fn(*args)
             self.last_call = (began, time.time())
+            if more_s is not None:
+                hold_s += more_s()
             remaining = start + hold_s - time.perf_counter()
             if remaining > 0:
                 self._abandoned.wait(remaining)
@@ -176,6 +194,8 @@ class CudaComputeLane:
     idle time between consecutive tasks, ``task_s`` each task's device time,
     ``enqueue_s`` the host time spent issuing them.
     """
+
+    emulates_on_host = False  # emulated time is a spin on the stream, not the host's
 
     def __init__(
         self,

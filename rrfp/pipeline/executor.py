@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import TrackerError
 from rrfp.nn.collective_marks import marking
+from rrfp.nn.expert_parallel import ExpertParallel
+from rrfp.nn.expert_time import ExpertClock, clocked
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
@@ -171,6 +174,12 @@ class StageExecutor:
         self.times = TaskTimes(
             settings.variability, settings.seed, settings.split, settings.cost, layout=self.layout
         )
+        # the expert-parallel MoE layers of each stage: under emulated time with
+        # ``settings.experts`` their tasks take the experts' and all-to-alls' time from the routing
+        self.expert_layers = {
+            w.stage: sum(isinstance(m, ExpertParallel) for m in w.module.modules())
+            for w in self.workers
+        }
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
             self.planner = IterationPlanner(
@@ -802,7 +811,11 @@ class _Iteration:
         ex, w, mb, s = self.ex, io.worker, task.mb, io.s
         units = self._units(s, task) if ex.unit_s else 0.0
         hold = sum(h(task) for h in ex.task_hold_s)
-        lane = {"units": units, **({"hold_s": hold} if hold else {})}
+        lane: dict[str, Any] = {"units": units, **({"hold_s": hold} if hold else {})}
+        clock = self._expert_clock(s, task)
+        if clock is not None:  # the routed part of the task in place of its share of the draw
+            drawn = units * ex.unit_s
+            lane["more_s"] = lambda: clock.held_s(drawn) - drawn
         start = time.time()
         if task.kind is Kind.F:
             x, bits = (self.batches[mb][0], None) if s == 0 else io.inputs.pop(mb)
@@ -812,7 +825,7 @@ class _Iteration:
                 if self.rng_base is None
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
-            forward = ex.in_task(self.state.wrap(forward), s, task)
+            forward = _clocked(ex.in_task(self.state.wrap(forward), s, task), clock)
             out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
             returned = time.time()
             if self.spec.limit.bytes is not None:
@@ -838,14 +851,15 @@ class _Iteration:
                 )
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
-            backward = ex.in_task(self.state.wrap(w.backward), s, task)
+            backward = _clocked(ex.in_task(self.state.wrap(w.backward), s, task), clock)
             grad_in = await ex.lane.run(backward, mb, grad, **lane)
             returned = time.time()
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         else:
-            await ex.lane.run(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
+            weight = _clocked(ex.in_task(self.state.wrap(w.weight), s, task), clock)
+            await ex.lane.run(weight, mb, **lane)
             returned = time.time()
         await asyncio.sleep(
             0
@@ -868,6 +882,20 @@ class _Iteration:
     def _units(self, stage: int, task: Task) -> float:
         """Emulated device time (``rrfp.core.durations``)."""
         return self.ex.times.units(self.it, stage, task.mb, task.kind, self.features)
+
+    def _expert_clock(self, stage: int, task: Task) -> ExpertClock | None:
+        """The clock on which ``task``'s expert-parallel MoE layers spend their routed time
+        (rrfp/nn/expert_time.py), in units of the task's kind at its mean; None where nothing is
+        emulated on the host, or the stage has no such layer."""
+        ex, times = self.ex, self.ex.settings.experts
+        layers = ex.expert_layers.get(stage, 0)
+        if times is None or not ex.unit_s or not layers:
+            return None
+        if not getattr(ex.lane, "emulates_on_host", False):
+            return None
+        var, split = ex.settings.variability, ex.settings.split
+        mean = {Kind.F: var.f, Kind.B: var.b if split else var.b + var.w, Kind.W: var.w}
+        return ExpertClock(times, mean[task.kind] * ex.unit_s / ex.times.virtual, layers)
 
     # -- communication -------------------------------------------------------
 
@@ -920,6 +948,18 @@ class _Iteration:
             else:
                 io.grads[mb] = value
             self.changed.set()
+
+
+def _clocked(fn: Callable, clock: ExpertClock | None) -> Callable:
+    """``fn`` with ``clock`` installed on the thread that runs it (the lane's)."""
+    if clock is None:
+        return fn
+
+    def run(*args):
+        with clocked(clock):
+            return fn(*args)
+
+    return run
 
 
 def _activation_sizes(ex: StageExecutor, batches) -> Callable[[int], int]:

@@ -1,6 +1,7 @@
 """Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 3 AdamW
-steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own, so
-that the replicas pick different orders; the EP agreement keeps their all-to-alls paired, and
+steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own and
+its MoE tasks' experts and all-to-alls timed by their routing, so that the replicas pick different
+orders; the EP agreement keeps their all-to-alls paired, and
 losses, gradients and parameters equal one process running the whole model on both replicas'
 data."""
 
@@ -47,8 +48,10 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
 
     from rrfp.core.variability import Variability
     from rrfp.loop import run
+    from rrfp.nn.expert_time import ExpertTimes
     from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     torch.set_default_dtype(torch.float64)
     dp = world // pp
@@ -106,10 +109,8 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                 params = [p for m in mods for p in m.parameters()]
                 # a slice of a Sequential keeps the whole model's names
                 names = {id(p): n for m in mods for n, p in m.named_parameters()}
-                ex = rt.stage_executor(
-                    mods,
-                    _loss,
-                    n_microbatches=M,
+                settings = ScheduleSettings.of(
+                    M,
                     hint=hint,
                     split=split,
                     # slow: replica 1's stage 0 that many times slower, so that its peers offer
@@ -118,7 +119,10 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     if slow and rt.dp_rank == 1
                     else Variability.preset("lang"),
                     seed=100 + rt.dp_rank,
+                    # the MoE tasks' experts and all-to-alls take their time from the routing
+                    experts=ExpertTimes(rows=2 * 5 * 2),
                 )
+                ex = rt.stage_executor(mods, _loss, settings=settings)
                 if fail_every:
                     _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
