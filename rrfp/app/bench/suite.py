@@ -166,6 +166,7 @@ class Case:
         """The run config every rank builds this workload from (for ``contender``'s virtual
         stages, if given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
+        replicas = [f"parallel.dp={spec.dp}", f"parallel.ep={spec.ep}"] if spec.dp > 1 else []
         stages = (
             []
             if contender is None or contender.virtual == 1
@@ -185,9 +186,10 @@ class Case:
                 f"schedule.budget={spec.budget}",
                 f"emulation.unit_ms={spec.unit_ms}",
                 f"run.seed={spec.seed}",
+                *replicas,
                 *stages,
             ],
-            world_size=pp * tp,
+            world_size=pp * tp * spec.dp,
         )
 
 
@@ -197,7 +199,29 @@ class Case:
 SUITE = {
     "gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
     "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",)),
+    "moe": ("configs/moe-tiny.toml", "lang", False, ()),
 }
+# The mixture of experts runs in a job of its own, on pp x ep ranks: each pipeline rank's two
+# replicas form an EP group (their experts sharded over it), each replica with its own data and
+# duration seed, the MoE tasks' experts and all-to-alls timed by their routing
+# (rrfp/nn/expert_time.py). Four layers: torch's two-stage-per-rank schedules get one each.
+MOE = "moe"
+MOE_SHAPE = {"pp": 2, "dp": 2, "ep": 2}
+# fixed and ready at the same hint and budget (1F1B has no ready twin: its order is its memory
+# bound); a planned hint runs ready only under EP (each replica plans its own order); torch's
+# schedules run the same stages, their experts sharded alike (every replica runs one fixed order,
+# so the all-to-alls pair)
+MOE_CONTENDERS = (
+    "fixed 1f1b",
+    "fixed zbh1",
+    "ready zbh1",
+    "fixed bfw",
+    "ready bfw",
+    "ready plan",
+    "torch 1f1b",
+    "torch zb",
+    "torch dualpipev",
+)
 
 
 def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
@@ -233,7 +257,9 @@ class BenchSpec:
     reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET
-    seed: int = 0
+    seed: int = 0  # replica d draws its durations from seed + d
+    dp: int = 1  # data-parallel replicas per pipeline rank
+    ep: int = 1  # expert-parallel group size (dividing dp)
     timeout_s: float = DEFAULT_TIMEOUT_S
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
@@ -248,7 +274,7 @@ class BenchSpec:
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp
+        return self.pp * self.tp * self.dp
 
     @property
     def runs(self) -> int:
@@ -291,6 +317,13 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
         return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
+    if spec.ep > 1 and contender.drop_in:
+        return "the bench's drop-in rows run one replica per stage"
+    if spec.ep > 1 and contender.dispatch == "fixed" and resolve(contender.hint).planned:
+        return (
+            "under expert parallelism each replica plans its own order, which a fixed dispatch "
+            "would not pair across the EP group"
+        )
     if contender.virtual > 1:
         if contender.drop_in:
             return "ScheduleReady runs one stage per rank"
