@@ -13,11 +13,17 @@ whoever runs a task installs an ``ExpertClock`` on the computing thread for the 
   sends to or receives from the others, the larger of the two (``link(rows)``), then the
   collective itself.
 
+With ``window`` (the lane's ``yielding``), the transfer and the collective run as a wait that
+leaves the device to other work: the lane may compute another ready task meanwhile (one that
+issues no collective of the group), and the task goes on once its rows are back and that task
+is done.
+
 Both are in units of the task's own kind (``ExpertTimes``): at balanced routing of the reference
 microbatch the experts take ``expert_share`` of the task and the all-to-alls ``link_share``; the
 rest of the task (its dense part) stays with the preset's draw. ``spent_s`` is the wall time the
 task spent in these blocks, collectives included: the lane holds the task for its dense part plus
-that. Without a clock (real compute, a layer used outside rrfp's executor) nothing is spent.
+that. Without a clock (a layer used outside rrfp's executor) nothing is spent; in real compute
+(``times`` None) a clock only opens the window.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 _CLOCK: contextvars.ContextVar[ExpertClock | None] = contextvars.ContextVar(
@@ -42,7 +48,7 @@ class ExpertTimes:
 
     rows: float
     expert_share: float = 0.4
-    link_share: float = 0.2
+    link_share: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.rows > 0:
@@ -67,9 +73,10 @@ class ExpertClock:
     """One task's emulated MoE time: ``task_s`` seconds is the task's kind at its mean (one unit
     of F, of B ...), ``layers`` the MoE layers its stage holds, each called once per task."""
 
-    times: ExpertTimes
+    times: ExpertTimes | None  # None: real compute, nothing emulated
     task_s: float
     layers: int
+    window: Callable[[], contextlib.AbstractContextManager] | None = None  # around each wait
     spent_s: float = 0.0  # wall time in the blocks below, collectives included
     log: list[tuple[str, float, float]] = field(default_factory=list)  # (what, rows, seconds)
 
@@ -77,10 +84,14 @@ class ExpertClock:
         """How long the task holds the lane whose draw was ``drawn_s`` seconds: its dense part
         and the time spent here, when it ran MoE layers; else the draw alone (a W that runs
         none)."""
-        return drawn_s * self.times.dense_share + self.spent_s if self.log else drawn_s
+        if self.times is None or not self.log:
+            return drawn_s
+        return drawn_s * self.times.dense_share + self.spent_s
 
     def experts(self, rows: float) -> None:
         """This member's experts compute ``rows`` copies: sleep their share of the task."""
+        if self.times is None:
+            return
         s = self.task_s * self.times.expert_share / self.layers * rows / self.times.rows
         self.log.append(("experts", rows, s))
         began = time.perf_counter()
@@ -90,15 +101,18 @@ class ExpertClock:
     @contextlib.contextmanager
     def link(self, rows: float, members: int) -> Iterator[None]:
         """Around a row all-to-all over ``members`` that moves ``rows`` to or from the others:
-        their transfer time first, then the collective (which waits for the slowest member)."""
-        # at balance a member keeps 1/n of its copies and exchanges the rest
-        balanced = self.times.rows * (members - 1) / members
-        s = self.task_s * self.times.link_share / (2 * self.layers) * rows / balanced
-        self.log.append(("link", rows, s))
+        their transfer time first, then the collective (which waits for the slowest member); in
+        the window, when there is one."""
+        s = 0.0
+        if self.times is not None:  # at balance a member keeps 1/n of its copies, sends the rest
+            balanced = self.times.rows * (members - 1) / members
+            s = self.task_s * self.times.link_share / (2 * self.layers) * rows / balanced
+            self.log.append(("link", rows, s))
         began = time.perf_counter()
-        time.sleep(s)
         try:
-            yield
+            with self.window() if self.window is not None else contextlib.nullcontext():
+                time.sleep(s)
+                yield
         finally:
             self.spent_s += time.perf_counter() - began
 

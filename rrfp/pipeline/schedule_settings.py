@@ -28,6 +28,9 @@ class ScheduleSettings:
     # emulated time of the expert-parallel MoE layers from their routing (rrfp/nn/expert_time.py);
     # None: the preset's draw holds the whole task
     experts: ExpertTimes | None = None
+    # ready dispatch with expert parallelism: while a MoE task waits at its all-to-all, the lane
+    # runs a ready W that issues no collective beside it (docs/design.md)
+    overlap: bool = False
 
     @classmethod
     def of(
@@ -42,6 +45,7 @@ class ScheduleSettings:
         seed: int = 0,
         cost: CostModel | None = None,
         experts: ExpertTimes | None = None,
+        overlap: bool = False,
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
@@ -56,4 +60,5 @@ class ScheduleSettings:
             seed,
             cost,
             experts,
+            overlap,
         )

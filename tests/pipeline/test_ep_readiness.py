@@ -43,7 +43,7 @@ def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
+def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap=False):
     import torch
 
     from rrfp.core.variability import Variability
@@ -121,6 +121,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     seed=100 + rt.dp_rank,
                     # the MoE tasks' experts and all-to-alls take their time from the routing
                     experts=ExpertTimes(rows=2 * 5 * 2),
+                    overlap=overlap,
                 )
                 ex = rt.stage_executor(mods, _loss, settings=settings)
                 if fail_every:
@@ -157,6 +158,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     "orders": orders,
                     "coords": (rt.stage, rt.dp_rank),
                     "rounds": (ep.rounds, ep.failed) if ep is not None else None,
+                    "beside": rt.lane.tasks_beside,
                 }
         finally:
             await rt.aclose()
@@ -244,3 +246,12 @@ def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
     _check(results, configs)
     for out, _ in results.values():
         assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
+
+
+@pytest.mark.timeout(420)
+def test_all_to_alls_with_a_w_beside_stay_exact():
+    """The overlap: while an EP task waits at its all-to-all, the lane runs a ready W beside it
+    (one that issues no EP collective), each replica with its own seeds and so its own W's in its
+    own windows; ready BFW, ZB-H1 and plan stay exact."""
+    configs = [("bfw", True), ("zbh1", True), ("plan", True)]
+    _exact(run_ranks(_pipeline, 4, 2, configs, 1, 0.0, 0, True, timeout=400), configs)

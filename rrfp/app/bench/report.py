@@ -51,6 +51,8 @@ ABLATIONS = (
     ("ready zbh1", "fixed zbh1", "same order and memory"),
     ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"),
 )
+# (with the overlap, without): the same hint, budget and dispatch, the all-to-alls yielding or not
+OVERLAPS = (("ready bfw overlap", "ready bfw"), ("ready plan overlap", "ready plan"))
 # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
 # rest
 AGAINST_TORCH = (
@@ -59,6 +61,8 @@ AGAINST_TORCH = (
     ("ready bfw", "torch zb"),
     ("ready plan", "torch dualpipev"),
     ("ready bfw", "torch dualpipev"),
+    ("ready plan overlap", "torch zb"),
+    ("ready plan overlap", "torch dualpipev"),
     ("ready plan v2", "torch zb"),
     ("ready plan v2", "torch dualpipev"),
     ("ready bfw v2", "torch zb"),
@@ -165,6 +169,10 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             )
         pairs = [
             (h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS
+        ]
+        pairs += [
+            (h, a, f"Overlap ablation, the all-to-alls yielding to a W or not: {h} vs {a}")
+            for h, a in OVERLAPS
         ]
         pairs += [
             (ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH

@@ -80,6 +80,7 @@ def schedule_settings(
         seed=spec.seed if seed is None else seed,
         cost=cost,
         experts=experts,
+        overlap=contender.overlap,
     )
 
 

@@ -56,6 +56,7 @@ VIRTUAL_SUFFIX = re.compile(
     r"(?P<placement>[vi])(?P<virtual>\d+)"
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
+OVERLAP = "overlap"  # the suffix of a contender whose EP tasks' all-to-alls take a W beside
 RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
 FLAG = "--contenders"  # the flag that names them, in error lines
 
@@ -76,16 +77,16 @@ class Contender:
     drop_in: bool = False  # rrfp's executor behind torch's schedule surface (rrfp.ScheduleReady)
     virtual: int = 1  # rrfp's stages per rank (the model splits into pp x virtual)
     placement: str = "interleaved"  # with virtual > 1: "interleaved" or "v"
+    # ready dispatch under EP: a W runs beside an EP task while it waits at its all-to-all
+    overlap: bool = False
 
     @property
     def name(self) -> str:
         first = TORCH if self.is_torch else self.dispatch
         base = f"{DROP_IN} {first} {self.hint}" if self.drop_in else f"{first} {self.hint}"
-        return (
-            base
-            if self.virtual == 1
-            else f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
-        )
+        if self.virtual > 1:
+            base = f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
+        return f"{base} {OVERLAP}" if self.overlap else base
 
     @property
     def is_torch(self) -> bool:
@@ -115,6 +116,13 @@ class Contender:
         first, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
         head, _, last = hint.replace("-", " ").rpartition(" ")
+        if head and last == OVERLAP:
+            if first != "ready":
+                raise UsageError(
+                    f"{FLAG}: {text!r}: the overlap picks the task beside an all-to-all by "
+                    "readiness: ready dispatch only"
+                )
+            return replace(cls.parse(f"{first} {head}"), overlap=True)
         if head and first != TORCH and (m := VIRTUAL_SUFFIX.fullmatch(last)):
             placement = "v" if m["placement"] == "v" else "interleaved"
             try:
@@ -218,6 +226,8 @@ MOE_CONTENDERS = (
     "fixed bfw",
     "ready bfw",
     "ready plan",
+    "ready bfw overlap",
+    "ready plan overlap",
     "torch 1f1b",
     "torch zb",
     "torch dualpipev",
@@ -317,6 +327,8 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
         return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
+    if contender.overlap and spec.ep == 1:
+        return "the overlap is at expert parallelism's all-to-alls (--workloads moe)"
     if spec.ep > 1 and contender.drop_in:
         return "the bench's drop-in rows run one replica per stage"
     if spec.ep > 1 and contender.dispatch == "fixed" and resolve(contender.hint).planned:

@@ -15,7 +15,7 @@ from harness.launch import child_env, rrfp_argv
 
 from rrfp.app.bench.suite import MOE_CONTENDERS
 
-CONTENDERS = ("fixed bfw", "ready bfw", "ready plan", "torch 1f1b", "torch zb")
+CONTENDERS = ("fixed bfw", "ready bfw", "ready bfw overlap", "ready plan", "torch 1f1b", "torch zb")
 
 
 @pytest.mark.e2e
@@ -73,6 +73,7 @@ def test_moe_runs_rrfp_and_torch_on_pp2_ep2(tmp_path):
     for line in (
         "Ablation, dispatch alone: ready bfw vs fixed bfw",
         "Against torch: ready plan vs torch zb",
+        "Overlap ablation, the all-to-alls yielding to a W or not: ready bfw overlap vs ready bfw",
     ):
         assert line in md, line
 
@@ -101,6 +102,11 @@ def test_moe_is_pp2_ep2_with_its_own_contenders(tmp_path):
             "fixed plan cannot run moe: under expert parallelism each replica plans its own",
         ),
         (["--workloads", "moe", "--contenders", "drop-in-ready-bfw"], "one replica per stage"),
+        (["--workloads", "moe", "--contenders", "fixed-bfw-overlap"], "ready dispatch only"),
+        (
+            ["--workloads", "gpt", "--contenders", "ready-bfw-overlap"],
+            "ready bfw overlap cannot run gpt: the overlap is at expert parallelism's all-to-alls",
+        ),
     ],
 )
 def test_what_cannot_run_moe_is_one_usage_error(tmp_path, args, needle):
