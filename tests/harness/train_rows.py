@@ -52,21 +52,40 @@ def _rank_main(
     os._exit(code)
 
 
+# what torchrun's agent adds to a rank's environment when it serves the job's store
+AGENT_STORE_VARS = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
 @dataclass
 class TrainJob:
-    """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output."""
+    """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output.
+    ``agent_store``: the job's store is served by this test process, as torchrun's agent serves
+    it, not by rank 0: what a rank says once for the whole job under torchrun (a refusal) it
+    says once here too."""
 
     tmp: Path
     argv: list[str]
     world: int = 2
+    agent_store: bool = False
 
     def __post_init__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
         ctx, port = _context(), free_port()
+        self.store, env = None, {}
+        if self.agent_store:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60)
+            )
+            env = AGENT_STORE_VARS
         self.started = time.monotonic()
         self.procs = [
             ctx.Process(
-                target=_rank_main, args=(r, self.world, port, ["train", *self.argv], str(self.tmp))
+                target=_rank_main,
+                args=(r, self.world, port, ["train", *self.argv], str(self.tmp), env),
             )
             for r in range(self.world)
         ]
@@ -139,6 +158,7 @@ class TrainJob:
                 except ProcessLookupError:
                     pass
             p.join(5)
+        self.store = None  # its server ends with it
 
 
 def losses(stdout: str) -> dict[int, str]:
