@@ -1,8 +1,8 @@
-"""`rrfp train` on two ranks, each rank a child of the test session's forkserver (torch and rrfp
-already imported) that runs
-``rrfp.app.cli.main.main`` as ``python -m rrfp`` would: its own stdout and
-stderr files, its own signal handlers, its exit status. A rank starts in milliseconds instead of
-the seconds an interpreter takes to import torch, so a table of faults costs what its faults do."""
+"""`rrfp train` (or a script) on two ranks, each rank a child of the test session's forkserver
+(torch and rrfp already imported) that runs ``rrfp.app.cli.main.main`` as ``python -m rrfp``
+would (or the script as ``python SCRIPT`` would): its own stdout and stderr files, its own
+signal handlers, its exit status. A rank starts in milliseconds instead of the seconds an
+interpreter takes to import torch, so a table of faults costs what its faults do."""
 
 from __future__ import annotations
 
@@ -19,22 +19,14 @@ from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 
 
-def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    argv: list[str],
-    tmp: str,
-    env: dict[str, str] | None = None,
-    sigint=signal.SIG_DFL,
-) -> None:
-    """One rank: the environment a launcher gives it (and ``env``), stdout and stderr in files,
-    then `rrfp`; SIGINT's handler is ``sigint`` until rrfp sets its own."""
+def _as_rank(rank: int, world: int, port: int, tmp: str, env: dict[str, str], sigint) -> None:
+    """This process as a launched rank: the environment a launcher gives it (and ``env``), stdout
+    and stderr in files, a process group of its own, SIGINT's handler ``sigint``."""
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]
     os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    os.environ.update(env or {})
+    os.environ.update(env)
     os.chdir(ROOT)
     os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
     for fd, name in ((1, f"out{rank}"), (2, f"err{rank}")):
@@ -44,12 +36,49 @@ def _rank_main(
     # a forkserver child inherits the server's handlers
     signal.signal(signal.SIGINT, sigint)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    from rrfp.app.cli.main import main
 
-    code = main(argv)
+
+def _leave(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    argv: list[str],
+    tmp: str,
+    env: dict[str, str] | None = None,
+    sigint=signal.SIG_DFL,
+) -> None:
+    """One rank of `rrfp ARGV`; SIGINT's handler is ``sigint`` until rrfp sets its own."""
+    _as_rank(rank, world, port, tmp, env or {}, sigint)
+    from rrfp.app.cli.main import main
+
+    _leave(main(argv))
+
+
+def _script_main(
+    rank: int, world: int, port: int, argv: list[str], tmp: str, env: dict[str, str]
+) -> None:
+    """One rank of ``python SCRIPT ARGS`` (``argv``: the script and its arguments), as torchrun
+    starts it: the script is ``__main__``, its folder first on sys.path."""
+    import runpy
+    import traceback
+
+    _as_rank(rank, world, port, tmp, env, signal.SIG_DFL)
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).parent))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        _leave(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        _leave(1)
+    _leave(0)
 
 
 # what torchrun's agent adds to a rank's environment when it serves the job's store
@@ -61,12 +90,14 @@ class TrainJob:
     """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output.
     ``agent_store``: the job's store is served by this test process, as torchrun's agent serves
     it, not by rank 0: what a rank says once for the whole job under torchrun (a refusal) it
-    says once here too."""
+    says once here too. ``script``: the ranks run ``python SCRIPT ARGV`` instead, as torchrun
+    runs a script."""
 
     tmp: Path
     argv: list[str]
     world: int = 2
     agent_store: bool = False
+    script: Path | None = None
 
     def __post_init__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -82,11 +113,13 @@ class TrainJob:
             )
             env = AGENT_STORE_VARS
         self.started = time.monotonic()
+        target, argv = (
+            (_rank_main, ["train", *self.argv])
+            if self.script is None
+            else (_script_main, [str(self.script), *self.argv])
+        )
         self.procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(r, self.world, port, ["train", *self.argv], str(self.tmp), env),
-            )
+            ctx.Process(target=target, args=(r, self.world, port, argv, str(self.tmp), env))
             for r in range(self.world)
         ]
         for p in self.procs:

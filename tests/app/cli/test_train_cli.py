@@ -297,18 +297,6 @@ def test_the_auto_backend_is_nccl_with_a_gpu_per_local_rank_else_gloo(monkeypatc
     assert none.as_toml()["compute"]["backend"] == "gloo"  # --dry-run shows what was chosen
 
 
-def _launch(*args: str, timeout: float, config: str = CONFIG) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        rrfp_argv("train", "--config", config, *args),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_the_launcher_refuses_a_bad_config_before_starting_ranks():
     """`rrfp train --nproc-per-node N` checks the config for the world it would start, in one
     process: a typo is one line and exit 2, with none of torchrun's failure summary (which only
@@ -329,15 +317,6 @@ def test_the_launcher_is_refused_under_torchrun():
         rrfp("--config", CONFIG, "--nproc-per-node", "2", world=2),
         "--nproc-per-node starts the ranks itself",
     )
-
-
-@pytest.mark.e2e
-@pytest.mark.timeout(180)
-def test_the_launcher_starts_the_ranks_when_the_config_is_good():
-    """Then it is torchrun: the ranks train and rank 0 reports once."""
-    res = _launch("--nproc-per-node", "2", "--set", "run.steps=2", timeout=170)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.count("done: 2 steps") == 1, res.stdout
 
 
 def test_the_launcher_hands_torchrun_the_same_train_command():
