@@ -301,7 +301,7 @@ def test_the_launcher_refuses_a_bad_config_before_starting_ranks():
     """`rrfp train --nproc-per-node N` checks the config for the world it would start, in one
     process: a typo is one line and exit 2, with none of torchrun's failure summary (which only
     ranks that failed under its agent produce). In this process: starting the ranks, which
-    replaces the process by torchrun's agent, fails the test instead."""
+    runs torchrun's agent, fails the test instead."""
     started = AssertionError("the launcher started the ranks")
     with mock.patch("rrfp.app.cli.train_command.start_ranks", side_effect=started):
         res = rrfp("--config", CONFIG, "--nproc-per-node", "2", "--set", "schedule.hnt=bfw")
@@ -322,13 +322,12 @@ def test_the_launcher_is_refused_under_torchrun():
 def test_the_launcher_hands_torchrun_the_same_train_command():
     from argparse import Namespace
 
-    from rrfp.app.job.launcher import torchrun_argv
+    from rrfp.app.job.launcher import agent_args
 
     args = Namespace(
         nproc_per_node=4, config="c.toml", set=["a=1", "b=2"], resume=True, debug=False
     )
-    argv = torchrun_argv(args)
-    assert argv[1:] == [
-        "-m", "rrfp.app.job.launch_agent", "--standalone", "--nproc-per-node", "4",
+    assert agent_args(args) == [
+        "--standalone", "--nproc-per-node", "4",
         "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
     ]  # fmt: skip
