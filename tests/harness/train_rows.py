@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -19,23 +20,36 @@ from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 
 
-def _as_rank(rank: int, world: int, port: int, tmp: str, env: dict[str, str], sigint) -> None:
-    """This process as a launched rank: the environment a launcher gives it (and ``env``), stdout
-    and stderr in files, a process group of its own, SIGINT's handler ``sigint``."""
+def _as_started(out: str, err: str, env: dict[str, str], sigint) -> None:
+    """This forkserver child as a process a test started: a child's environment (launcher and
+    rrfp variables dropped, one thread, unbuffered) and ``env``, the repository as its folder, a
+    session of its own, stdout and stderr in the files ``out`` and ``err``, SIGINT's handler
+    ``sigint``."""
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]
-    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     os.environ.update(env)
     os.chdir(ROOT)
     os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
-    for fd, name in ((1, f"out{rank}"), (2, f"err{rank}")):
-        os.dup2(os.open(Path(tmp) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     # a forkserver child inherits the server's handlers
     signal.signal(signal.SIGINT, sigint)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _as_rank(rank: int, world: int, port: int, tmp: str, env: dict[str, str], sigint) -> None:
+    """This process as a launched rank: the environment a launcher gives it (and ``env``), stdout
+    and stderr in TMP/outRANK and TMP/errRANK."""
+    _as_started(
+        str(Path(tmp) / f"out{rank}"),
+        str(Path(tmp) / f"err{rank}"),
+        {**rank_vars(rank, world, port), **env},
+        sigint,
+    )
 
 
 def _leave(code: int) -> None:
@@ -60,25 +74,98 @@ def _rank_main(
     _leave(main(argv))
 
 
-def _script_main(
-    rank: int, world: int, port: int, argv: list[str], tmp: str, env: dict[str, str]
-) -> None:
-    """One rank of ``python SCRIPT ARGS`` (``argv``: the script and its arguments), as torchrun
-    starts it: the script is ``__main__``, its folder first on sys.path."""
-    import runpy
+def _as_main(run) -> None:
+    """``run()`` as an interpreter's __main__, then leave with its exit status: SystemExit's
+    code, 1 after the traceback of any other exception, else 0."""
     import traceback
 
-    _as_rank(rank, world, port, tmp, env, signal.SIG_DFL)
-    sys.argv = list(argv)
-    sys.path.insert(0, str(Path(argv[0]).parent))
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        run()
     except SystemExit as e:
         _leave(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
     except BaseException:
         traceback.print_exc()
         _leave(1)
     _leave(0)
+
+
+def _script_main(
+    rank: int, world: int, port: int, argv: list[str], tmp: str, env: dict[str, str]
+) -> None:
+    """One rank of ``python SCRIPT ARGS`` (``argv``: the script and its arguments), as torchrun
+    starts it: the script is ``__main__``, its folder first on sys.path."""
+    import runpy
+
+    _as_rank(rank, world, port, tmp, env, signal.SIG_DFL)
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).parent))
+    _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
+
+
+def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
+    """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
+    sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
+    runs as its ``__main__`` block would run it."""
+    import runpy
+
+    _as_started(out, err, {}, signal.default_int_handler)
+    sys.argv = [module, *argv]
+    if module == "rrfp.app.job.launch_agent":
+        from rrfp.app.job.launch_agent import main
+
+        _as_main(lambda: sys.exit(main(argv)))
+    sys.path.insert(0, os.getcwd())
+    _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+class AsPopen:
+    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, wait."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.process.name), timeout)
+        return self.process.exitcode
+
+
+def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
+    """``python -m MODULE ARGV`` (``rrfp``, ``torch.distributed.run``, rrfp's agent...), started
+    now as a child of the preloaded forkserver instead of an interpreter that imports torch: a
+    child's environment, the repository as its folder, a session of its own, stdout and stderr
+    in the files ``out`` and ``err``. The ranks a launcher or agent starts are torchrun's, fresh
+    interpreters."""
+    p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))
+    p.start()
+    return AsPopen(p)
+
+
+def run_python_m(module: str, *argv: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``python_m`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it
+    (its output in ``tmp``); one still running after ``timeout`` seconds is killed, with all
+    it started, and raises TimeoutExpired."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    out, err = tmp / "python-m.out", tmp / "python-m.err"
+    p = python_m(module, *argv, out=out, err=err)
+    try:
+        code = p.wait(timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    return subprocess.CompletedProcess(
+        [module, *argv], code, out.read_text(errors="replace"), err.read_text(errors="replace")
+    )
 
 
 # what torchrun's agent adds to a rank's environment when it serves the job's store
