@@ -119,7 +119,8 @@ def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
 
 
 class AsPopen:
-    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, wait."""
+    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, send_signal,
+    wait."""
 
     def __init__(self, process) -> None:
         self.process = process
@@ -131,6 +132,9 @@ class AsPopen:
 
     def poll(self) -> int | None:
         return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
     def wait(self, timeout: float | None = None) -> int:
         self.process.join(timeout)
@@ -145,8 +149,18 @@ def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
     child's environment, the repository as its folder, a session of its own, stdout and stderr
     in the files ``out`` and ``err``. The ranks a launcher or agent starts are torchrun's, fresh
     interpreters."""
+    for path in (out, err):  # readable from the start, as a Popen's files are
+        path.write_text("")
     p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))
     p.start()
+    deadline = time.monotonic() + 30
+    while p.exitcode is None and time.monotonic() < deadline:  # its session, as Popen's is once
+        try:  # started: killpg reaches it
+            if os.getpgid(p.pid) == p.pid:
+                break
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
     return AsPopen(p)
 
 
