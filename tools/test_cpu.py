@@ -44,6 +44,9 @@ def report(rows: list[dict], top: int) -> str:
     every["all"] = [sum(v[i] for v in every.values()) for i in range(3)]
     for tier, (c, w, n) in every.items():
         lines.append(f"{tier:<10} {c:8.1f} {w:8.1f} {n:6d}")
+    bad = [r["test"] for r in rows if r.get("outcome", "passed") == "failed"]
+    if bad:  # a test that failed early spent less than it would have: not a saving
+        lines.append(f"failed ({len(bad)}, their CPU-s is short): " + ", ".join(bad))
     for key, title in (("file", "files"), ("test", "tests")):
         lines.append(f"\ndearest {top} {title}: CPU-s  wall-s  tests  name")
         for name, (c, w, n) in list(totals(rows, key).items())[:top]:

@@ -22,6 +22,8 @@ import pytest
 
 ENV = "RRFP_TEST_CPU"
 TICK = os.sysconf("SC_CLK_TCK")
+OUTCOME = pytest.StashKey[str]()
+WORST = {"passed": 0, "skipped": 1, "failed": 2}  # a test's outcome: the worst of its phases'
 
 
 def _stats() -> dict[int, tuple[int, int, float]]:
@@ -81,6 +83,15 @@ def _tier(item) -> str:
 
 
 @pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if os.environ.get(ENV):
+        item.stash[OUTCOME] = max(
+            item.stash.get(OUTCOME, "passed"), report.outcome, key=WORST.__getitem__
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     where = os.environ.get(ENV)
     if not where:
@@ -100,6 +111,7 @@ def pytest_runtest_protocol(item, nextitem):
         "file": item.nodeid.split("::")[0],
         "tier": _tier(item),
         "long": item.get_closest_marker("long") is not None,
+        "outcome": item.stash.get(OUTCOME, "passed"),
         "wall_s": round(wall, 3),
         "self_s": round(self_s, 3),
         "below_s": round(max(below, 0.0), 3),

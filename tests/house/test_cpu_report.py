@@ -58,6 +58,7 @@ def test_the_report_sums_by_tier_file_and_test(tmp_path):
         {"test": "a.py::y", "file": "a.py", "tier": "unit", "wall_s": 1, "self_s": 2, "below_s": 0},
         {"test": "b.py::z", "file": "b.py", "tier": "unit", "wall_s": 2, "self_s": 3, "below_s": 0},
     ]
+    rows[2]["outcome"] = "failed"
     for worker, part in (("gw0", rows[:2]), ("gw1", rows[2:])):
         (tmp_path / f"{worker}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
     read = TOOL.read_rows(tmp_path)
@@ -67,3 +68,4 @@ def test_the_report_sums_by_tier_file_and_test(tmp_path):
     text = TOOL.report(read, top=1)
     assert "all            15.0      7.0      3" in text
     assert "a.py::x" in text and "b.py::z" not in text.split("dearest 1 tests")[1]
+    assert "failed (1, their CPU-s is short): b.py::z" in text
