@@ -15,13 +15,8 @@ import json
 
 import numpy as np
 
-from rrfp.core.budget import Budget
-from rrfp.core.hints import resolve
-from rrfp.core.placement import VirtualLayout
-from rrfp.core.policy import Dispatch
-from rrfp.core.variability import Variability
-from rrfp.sim import SimConfig
-from rrfp.sim.sweep import sweep
+from rrfp.core import Budget, Dispatch, Variability, VirtualLayout, resolve
+from rrfp.sim import SimConfig, sweep
 
 HINTS = "1f1b,zbh1,zbv,bfw,plan"
 
@@ -112,6 +107,7 @@ def main() -> None:
             f"{q['hint']:<6} {q['layout']:<8} {q['budget'] or '':>6} {q['median']:>10.3f}x "
             f"{q['p10']:>5.3f}..{q['p90']:<5.3f} {q['ready_peak']:>4g}/{q['fixed_peak']:<4g} "
             f"{q['ready_vs_1f1b']:>12.3f}x {q['fixed_vs_1f1b']:>12.3f}x"
+            + ("" if q["ready_peak"] == q["fixed_peak"] else "  (not at equal memory)")
         )
 
 
