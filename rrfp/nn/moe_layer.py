@@ -62,7 +62,8 @@ class RouterStep:
     aux_loss: float  # the weighted auxiliary loss, summed over the microbatches
     microbatches: int
     dropped: int  # copies routed but not computed: 0, the layer is dropless
-    # [E] int64 per training forward, in the order they ran: one per microbatch this layer saw
+    # [E] int64 per training forward, in the order they ran, with ``record_counts``: one per
+    # microbatch this layer saw (empty otherwise)
     per_forward: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -98,7 +99,9 @@ class MoELayer(nn.Module):
             "step_microbatches", torch.zeros((), dtype=torch.int64), persistent=False
         )
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
-        self.step_counts: list[torch.Tensor] = []  # the step's counts, a tensor per forward
+        # a routing record (output.routing) sets it: then the step's counts, a tensor per forward
+        self.record_counts = False
+        self.step_counts: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -128,7 +131,8 @@ class MoELayer(nn.Module):
                 self.step_aux += aux.detach().to(self.step_aux.dtype)
         if counting:
             self.step_tokens += counts.detach()
-            self.step_counts.append(counts.detach())
+            if self.record_counts:
+                self.step_counts.append(counts.detach())
             self.step_dropped += tokens * k - counts.sum()
             self.step_microbatches += 1
         return out.view(shape)

@@ -29,6 +29,9 @@ class RoutingRecord:
             for i, _ in enumerate(moe_layers(module))
         ]
         self.replica, self.ep, self.keep = replica, ep, keep
+        for module in modules:
+            for layer in moe_layers(module):
+                layer.record_counts = keep
         self.rows: list[dict] = []
 
     def add(self, step: int, ran, layers: list[RouterStep]) -> None:

@@ -215,12 +215,10 @@ class _RankTraining:
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
             self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
         self.routing = RouterStatistics(self.modules)  # their MoE layers, if any
-        self.routing_record = (
-            RoutingRecord(  # output.routing: one TP rank's rows per group
-                self.modules, rt.stages, rt.dp_rank, cfg.parallel.ep, cfg.output.routing != ""
-            )
-            if rt.tp_rank == 0
-            else RoutingRecord([], [], rt.dp_rank, cfg.parallel.ep, False)
+        # output.routing: one TP rank of each group keeps rows (its peers route the same tokens)
+        keep = cfg.output.routing != "" and rt.tp_rank == 0
+        self.routing_record = RoutingRecord(
+            self.modules, rt.stages, rt.dp_rank, cfg.parallel.ep, keep
         )
         # the rank's parameters, as one module
         self.module = (
