@@ -1,7 +1,7 @@
 """The files a run writes only at its end (``output.trace``, ``.sizes``, ``.routing``), its
-checkpoint folder, and what the other commands write when they finish (``--json``, ``--out``): checked at the
-start, so a path that cannot be written costs one line (exit 2), not hours of training or minutes of
-work."""
+checkpoint folder, and what the other commands write when they finish (``--json``, ``--out``):
+checked at the start, so a path that cannot be written costs one line (exit 2), not hours of
+training or minutes of work."""
 
 from __future__ import annotations
 
