@@ -12,9 +12,9 @@ it prints).
   and pinned to one (as ``rrfp bench --pin`` pins a rank). "inline" is the same call made on
   the loop's thread, what a task would cost with no lane.
 - message: two gloo ranks bounce one activation of ``--tokens`` x ``--width`` float32 back and
-  forth: as rrfp's channel sends it (the header, then the payload: two operations each way) and
-  as one operation of the same bytes (header and payload in one buffer), per one-way message;
-  and ``encode_header`` alone, the host time of posting one.
+  forth: as rrfp's channel sends it (a header of 80 int64 words, about rrfp's, then the payload:
+  two operations each way) and as one operation of the same bytes (header and payload packed in
+  one buffer, the copy included), per one-way message.
 - decision: ``StageTracker.next`` under BFW, what ready dispatch spends choosing a task.
 
 On real compute, ``rrfp bench --real`` reports the same parts per task, measured on the run's
@@ -24,13 +24,14 @@ traces (decide, to lane, from lane, after): this script isolates them from a pip
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing as mp
 import os
 import statistics
 import time
 
 import torch
+
+HEADER_WORDS = 80  # about the size of rrfp's message header
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -63,7 +64,7 @@ def _matmuls(task_s: float):
 def lane_handoff(reps: int, task_s: float, pinned: bool) -> dict[str, list[float]]:
     import uvloop
 
-    from rrfp.loop.lane import ComputeLane
+    from rrfp.loop import ComputeLane
 
     if pinned:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -75,7 +76,7 @@ def lane_handoff(reps: int, task_s: float, pinned: bool) -> dict[str, list[float
         for label, work in (("no-op", lambda: None), (f"{1e3 * task_s:g} ms", _matmuls(task_s))):
             marks: list[float] = []
 
-            def fn(work=work) -> None:
+            def fn(work=work, marks=marks) -> None:
                 marks.append(time.perf_counter())
                 work()
                 marks.append(time.perf_counter())
@@ -108,25 +109,19 @@ def lane_handoff(reps: int, task_s: float, pinned: bool) -> dict[str, list[float
 def _bounce(rank: int, port: int, reps: int, tokens: int, width: int, queue) -> None:
     import torch.distributed as dist
 
-    from rrfp.comm.message import HEADER_LEN, Message, empty_header, encode_header
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     peer = 1 - rank
     x = torch.randn(tokens, width)
-    msg = Message(0, 0, 0, [x], [True])
-    packed = torch.empty(HEADER_LEN * 8 + x.numel() * 4, dtype=torch.uint8)
-    header_buf, payload_buf = empty_header(), torch.empty_like(x)
-    results: dict[str, list[float]] = {"encode_header": []}
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        encode_header(msg)
-        results["encode_header"].append(time.perf_counter() - t0)
+    header = torch.arange(HEADER_WORDS, dtype=torch.int64)
+    packed = torch.empty(HEADER_WORDS * 8 + x.numel() * 4, dtype=torch.uint8)
+    header_buf, payload_buf = torch.empty_like(header), torch.empty_like(x)
+    results: dict[str, list[float]] = {}
 
     def two_ops(sending: bool) -> None:
         if sending:
-            dist.send(encode_header(msg), peer)
+            dist.send(header, peer)
             dist.send(x, peer)
         else:
             dist.recv(header_buf, peer)
@@ -134,8 +129,8 @@ def _bounce(rank: int, port: int, reps: int, tokens: int, width: int, queue) -> 
 
     def one_op(sending: bool) -> None:
         if sending:
-            packed[: HEADER_LEN * 8].view(torch.int64).copy_(encode_header(msg))
-            packed[HEADER_LEN * 8 :].view(torch.float32).copy_(x.view(-1))
+            packed[: HEADER_WORDS * 8].view(torch.int64).copy_(header)
+            packed[HEADER_WORDS * 8 :].view(torch.float32).copy_(x.view(-1))
             dist.send(packed, peer)
         else:
             dist.recv(packed, peer)
@@ -176,11 +171,7 @@ def message_ops(reps: int, tokens: int, width: int) -> dict[str, list[float]]:
 
 
 def decision(reps: int, S: int = 2, M: int = 8) -> list[float]:
-    from rrfp.core import StageTracker
-    from rrfp.core.budget import Budget
-    from rrfp.core.hints import resolve
-    from rrfp.core.policy import Dispatch
-    from rrfp.core.tasks import Kind
+    from rrfp.core import Budget, Dispatch, Kind, StageTracker, resolve
 
     times = []
     spec = resolve("bfw").spec(S, 0, M, True, Dispatch.READY, Budget.parse("2x"))
