@@ -117,7 +117,6 @@ def _bounce(rank: int, port: int, reps: int, tokens: int, width: int, queue) -> 
     header = torch.arange(HEADER_WORDS, dtype=torch.int64)
     packed = torch.empty(HEADER_WORDS * 8 + x.numel() * 4, dtype=torch.uint8)
     header_buf, payload_buf = torch.empty_like(header), torch.empty_like(x)
-    results: dict[str, list[float]] = {}
 
     def two_ops(sending: bool) -> None:
         if sending:
@@ -135,17 +134,18 @@ def _bounce(rank: int, port: int, reps: int, tokens: int, width: int, queue) -> 
         else:
             dist.recv(packed, peer)
 
-    for name, op in (("header + payload, 2 ops", two_ops), ("packed, 1 op", one_op)):
-        for _ in range(20):  # warm-up
+    ops = {"header + payload, 2 ops": two_ops, "packed, 1 op": one_op}
+    for _ in range(200):  # warm-up: the first few hundred messages of a process run slow
+        for op in ops.values():
             op(rank == 0)
             op(rank == 1)
-        times = []
-        for _ in range(reps):
+    results = {name: [] for name in ops}
+    for i in range(reps):  # the two alternate, each first in turn: the same load on both
+        for name in list(ops)[:: 1 if i % 2 else -1]:
             t0 = time.perf_counter()
-            op(rank == 0)
-            op(rank == 1)
-            times.append((time.perf_counter() - t0) / 2)  # one message each way
-        results[name] = times
+            ops[name](rank == 0)
+            ops[name](rank == 1)
+            results[name].append((time.perf_counter() - t0) / 2)  # one message each way
     dist.destroy_process_group()
     if rank == 0:
         queue.put(results)
