@@ -7,9 +7,10 @@ deadlocks. A channel carries self-describing messages (``message.py``).
 
 On gloo a point-to-point ``Work`` completes only inside a blocking ``wait()``
 (fact 1), so each channel owns a :class:`BlockingWaiter` thread that runs its
-blocking sends or receives one after the other; one thread per channel keeps
-messages in order and lets the four channels of a stage progress
-independently. Nothing polls with short timed waits, which would break the
+blocking sends or receives one after the other (a message in one operation
+where it fits the largest payload so far, ``packed.py``; else its header,
+then each tensor); one thread per channel keeps messages in order and lets
+the four channels of a stage progress independently. Nothing polls with short timed waits, which would break the
 group (fact 8): the process-group timeout is the dead-peer detector.
 
 What surfaces where (gloo on CPU): a peer process that
@@ -197,7 +198,8 @@ class Channel(ChannelEnd):
     # -- loop side -------------------------------------------------------------
 
     async def send(self, msg: Message) -> None:
-        """Send ``msg`` (header, then each payload tensor; a None payload is in the header alone).
+        """Send ``msg`` (header and payload in one operation where the peer's buffer holds it, else
+        the header, then each payload tensor; a None payload is in the header alone).
 
         Returns once the peer has taken it: gloo point-to-point is a rendezvous,
         so each part completes only after the peer posted the matching receive.
