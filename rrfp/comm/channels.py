@@ -10,8 +10,9 @@ On gloo a point-to-point ``Work`` completes only inside a blocking ``wait()``
 blocking sends or receives one after the other (a message in one operation
 where it fits the largest payload so far, ``packed.py``; else its header,
 then each tensor); one thread per channel keeps messages in order and lets
-the four channels of a stage progress independently. Nothing polls with short timed waits, which would break the
-group (fact 8): the process-group timeout is the dead-peer detector.
+the four channels of a stage progress independently. Nothing polls with
+short timed waits, which would break the group (fact 8): the process-group
+timeout is the dead-peer detector.
 
 What surfaces where (gloo on CPU): a peer process that
 dies fails a posted receive or a send at once ("Connection closed/reset by
