@@ -19,10 +19,10 @@ arrives no earlier than clock + duration + latency. A lane decides only when no 
 whose arrival is unknown could be there and outrank its pick; an idle lane moves its clock
 to the next instant something can arrive (a known arrival or a bound) and decides again
 there. So every task starts at the instant ``RankedPipeline.run`` starts it, computed with
-the same float additions. Virtual stages, zero-length tasks, other rankings and a step in
-which no lane moves are declined (None): the caller then steps ``RankedPipeline.run``,
-which stays the definition; ``tests/sim/test_ranked_lanes.py`` holds the two to the same
-makespans.
+the same float additions. Virtual stages, zero-length tasks, other rankings, a step in which
+no lane moves and a run past a bound on its steps are declined (None): the caller then steps
+``RankedPipeline.run``, which stays the definition; ``tests/sim/test_ranked_lanes.py`` holds
+the two to the same makespans.
 """
 
 from __future__ import annotations
@@ -123,8 +123,9 @@ def _lanes(p: RankedPipeline, rankings: Sequence[Ranking]) -> list[float] | None
     clock[~quiet] = 0.0
     last_end = np.zeros(L)
     done = iW if split else iB  # a lane's last kind of task
-    step = 0
-    while True:
+    # a real run takes about one step per task of a stage (1.5 at 128 x 1024); past this many,
+    # give the run to the event loop rather than risk clocks that chase each other for ever
+    for step in range(1, 64 * (3 * M + S)):
         aF, aB = AF[iF], AB[iB]
         # where a head's arrival is unknown (inf), the neighbour has not started the task that
         # sends it: it starts it no earlier than its clock, so the message arrives no earlier
@@ -160,11 +161,10 @@ def _lanes(p: RankedPipeline, rankings: Sequence[Ranking]) -> list[float] | None
         np.copyto(last_end, end, where=start)
         # waiting lanes have an arrival at or before their clock, idle ones only after it
         wake = np.maximum(clock, np.fmin(f_time, b_time))
-        step += 1
-        if step % 32 == 0:
+        if step % 32 == 0 and not start.any():  # now and then: is every lane done, or stuck?
             if (done == last_head).all():
-                break
-            if not start.any() and np.array_equal(wake, clock):
+                return [float(x) for x in last_end[rows].max(axis=1)]
+            if np.array_equal(wake, clock):
                 return None  # nothing moves, so nothing ever will: the run stalls
         clock[:] = np.where(start, end, wake)
-    return [float(x) for x in last_end[rows].max(axis=1)]
+    return None
