@@ -159,6 +159,9 @@ class RankTracker:
         self.position = 0
         self.finished = 0
         self.running: StageTask | None = None
+        # one task run beside the running one while that one waits at a collective (an EP task
+        # at its all-to-all): the lane's device is free meanwhile
+        self.beside: StageTask | None = None
         self.arrivals = 0
 
     # -- events --------------------------------------------------------------
@@ -186,6 +189,24 @@ class RankTracker:
             self._admits,
         )
 
+    def next_beside(self, among: Iterable[StageTask]) -> StageTask | None:
+        """The task of ``among`` to run beside the running one, or None: none runs, or one runs
+        beside it already. The same policy and budget as ``next``."""
+        if self.running is None or self.beside is not None:
+            return None
+        spec = self.spec
+        return choose(
+            spec.dispatch,
+            cast(ReadyTasks[StageTask], among),
+            self._priority,
+            self._order,
+            self.position,
+            self.held,
+            spec.limit,
+            None,
+            self._admits,
+        )
+
     def start(self, stage: int, task: Task) -> None:
         if self.running is not None:
             raise TrackerError(
@@ -194,6 +215,21 @@ class RankTracker:
             )
         self._tracker(stage).start(task)
         self.running = StageTask(stage, task)
+        self._started(stage, task)
+
+    def start_beside(self, stage: int, task: Task) -> None:
+        """``task`` of ``stage`` runs beside the running task, which waits at a collective
+        meanwhile (``next_beside`` picked it); it finishes with ``finish`` like any task."""
+        if self.running is None or self.beside is not None:
+            raise TrackerError(
+                f"rank {self.spec.rank}: {task} of stage {stage} started beside "
+                f"{self.running if self.beside is None else self.beside}"
+            )
+        self._tracker(stage).start_beside(task)
+        self.beside = StageTask(stage, task)
+        self._started(stage, task)
+
+    def _started(self, stage: int, task: Task) -> None:
         self.position += 1
         if task.kind is Kind.F:
             self.forwards[self._local[stage]] += 1
@@ -204,13 +240,17 @@ class RankTracker:
     def finish(self, stage: int, task: Task) -> int | None:
         """``task`` of ``stage`` is done. Returns the global stage its output goes to, or None;
         the caller delivers it (``arrive`` at once when this rank holds it, else a message)."""
-        if self.running is None or self.running.stage != stage or self.running.task != task:
+        item = StageTask(stage, task)
+        if item == self.beside:
+            self.beside = None
+        elif self.running != item:
             raise TrackerError(
                 f"rank {self.spec.rank}: {task} of stage {stage} finished but "
                 f"{'nothing' if self.running is None else self.running} runs"
             )
+        else:
+            self.running = None
         dest = self._tracker(stage).finish(task)
-        self.running = None
         self.finished += 1
         if task.kind is self._last:
             self.held.release(self._sizes.pop((stage, task.mb)))

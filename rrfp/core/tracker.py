@@ -129,6 +129,8 @@ class StageTracker:
         self.position = 0  # tasks started: fixed dispatch's place in its order
         self.finished = 0
         self.running: Task | None = None
+        # a task run beside the running one while it waits at a collective (start_beside)
+        self.beside: Task | None = None
         self.arrivals = 0  # grows with every arrival: lets a waiter see that something came in
         if spec.is_first:
             for m in range(M):
@@ -179,10 +181,21 @@ class StageTracker:
     def start(self, task: Task) -> None:
         if self.running is not None:
             raise TrackerError(f"stage {self.spec.stage}: {task} started while {self.running} runs")
+        self._take(task)
+        self.running = task
+
+    def start_beside(self, task: Task) -> None:
+        """``task`` runs beside the running task (or beside another stage's, RankTracker), which
+        waits at a collective meanwhile; one at a time."""
+        if self.beside is not None:
+            raise TrackerError(f"stage {self.spec.stage}: {task} started beside {self.beside}")
+        self._take(task)
+        self.beside = task
+
+    def _take(self, task: Task) -> None:
         if not self._ready.flags[task.kind][task.mb]:
             raise TrackerError(f"stage {self.spec.stage}: {task} started but it is not ready")
         self._ready.remove(task)
-        self.running = task
         self.position += 1
         if task.kind is Kind.F:
             size = self._size_of(task.mb) if self._size_of is not None else 0
@@ -192,9 +205,12 @@ class StageTracker:
     def finish(self, task: Task) -> int | None:
         """``task`` is done. Returns the stage its output goes to (F: the next
         stage, B: the previous one), or None when it sends nothing."""
-        if task is not self.running and task != self.running:
+        if task == self.beside:
+            self.beside = None
+        elif task is not self.running and task != self.running:
             raise TrackerError(f"stage {self.spec.stage}: {task} finished but {self.running} runs")
-        self.running = None
+        else:
+            self.running = None
         self.finished += 1
         kind, mb = task.kind, task.mb
         if kind is self._last:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rrfp.loop import exit_guard
@@ -31,19 +31,33 @@ class ComputeLane:
     ``await lane.run(fn, *args, units=u)`` returns ``fn(*args)`` once the call
     has held the lane for at least ``u * unit_s`` seconds: after ``fn`` returns
     the thread sleeps off the rest, and does not sleep when ``fn`` alone took
-    longer. A call that raises spends no emulated time; its exception reaches
-    the awaiter. Cancelling the awaiter drops a queued call; a running call
-    finishes and its result is dropped. ``abandon()`` (a stop that does not
+    longer. ``more_s``, asked after ``fn`` returns, adds the seconds ``fn`` spent
+    on emulated time of its own (a MoE layer's experts and all-to-alls,
+    rrfp/nn/expert_time.py), which the units do not hold. A call that raises
+    spends no emulated time; its exception reaches the awaiter. Cancelling the
+    awaiter drops a queued call; a running call finishes and its result is
+    dropped. ``abandon()`` (a stop that does not
     wait for the step) also cuts short the emulated time being held, and any
     later: emulated time stands for a kernel that the device would still be
     running, and nobody waits for it any more.
+
+    A second thread runs calls *beside* the running one (``run_beside``): the lane's device is a
+    lock that the computing thread holds, emulated time included, and a call that waits at a
+    collective lets it go meanwhile (``yielding``: a MoE layer's all-to-all in flight), so that
+    the call beside computes then. The call that yielded gets the device back once the
+    collective is done and the call beside has finished; neither thread waits for the other
+    otherwise, so the two cannot block each other for good. ``window`` says that the running
+    call waits there now; ``on_window`` is called on the awaiter's loop when it starts to.
     """
+
+    emulates_on_host = True  # emulated time is this thread's: a layer may spend some of it
 
     def __init__(self, unit_s: float = 0.0, name: str = "compute") -> None:
         self.unit_s = unit_s
         self.name = name
         self.busy_s = 0.0  # wall time the lane spent on calls, emulation included
         self.tasks_run = 0
+        self.tasks_beside = 0  # of them, run beside another (run_beside)
         # wall-clock (time.time()) start and end of the last call's own work, emulation excluded:
         # what a trace needs to tell the compute from the host time around it
         self.last_call: tuple[float, float] | None = None
@@ -52,42 +66,85 @@ class ComputeLane:
         # At exit the thread finishes the call it runs (``_finish``), unless that call is stuck
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._beside: queue.SimpleQueue = queue.SimpleQueue()  # calls run beside (run_beside)
+        self._beside_thread: threading.Thread | None = None
+        self.last_beside_call: tuple[float, float] | None = None  # as last_call, beside
+        self._device = threading.Lock()  # held by the thread that computes
+        self.window = False  # the running call waits at a collective: the device is free
+        self.on_window: Callable[[], None] | None = None  # called on the loop as a window opens
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.stuck = False  # a call ran past its bound: nobody waits for it, the exit included
         self._abandoned = threading.Event()  # set: emulated time ends at once
 
     async def run(
-        self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        units: float = 0.0,
+        hold_s: float = 0.0,
+        more_s: Callable[[], float] | None = None,
     ) -> Any:
         """Run ``fn(*args)`` in the lane, holding it for ``units * unit_s + hold_s`` seconds at
-        least (``hold_s``: a testing aid, rrfp/app/faults.py's slow task)."""
+        least (``hold_s``: a testing aid, rrfp/app/faults.py's slow task), plus ``more_s()``."""
         if self._closed:
             raise RuntimeError(f"lane {self.name}: closed")
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._serve, name=f"rrfp-lane-{self.name}", daemon=True
-            )
-            self._thread.start()
+            self._thread = self._start(self._calls, False, f"rrfp-lane-{self.name}")
             exit_guard.finish_at_exit(self._finish)
-        loop = asyncio.get_running_loop()
+        return await self._submit(self._calls, fn, args, units * self.unit_s + hold_s, more_s)
+
+    async def run_beside(
+        self, fn: Callable[..., Any], *args: Any, units: float = 0.0, hold_s: float = 0.0
+    ) -> Any:
+        """As ``run``, on the second thread: the call computes while the running call lets the
+        device go (``yielding``), or once it has finished."""
+        if self._closed:
+            raise RuntimeError(f"lane {self.name}: closed")
+        if self._beside_thread is None:
+            self._beside_thread = self._start(self._beside, True, f"rrfp-lane-{self.name}-beside")
+        return await self._submit(self._beside, fn, args, units * self.unit_s + hold_s, None)
+
+    @contextlib.contextmanager
+    def yielding(self) -> Iterator[None]:
+        """On the lane's thread, around a wait at a collective inside a call: the device is free
+        for a call beside meanwhile, and back (after that call) before the call goes on."""
+        self._device.release()
+        self.window = True
+        if self._loop is not None and self.on_window is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for it
+                self._loop.call_soon_threadsafe(self.on_window)
+        try:
+            yield
+        finally:
+            self.window = False
+            self._device.acquire()
+
+    def _start(self, calls: queue.SimpleQueue, beside: bool, name: str) -> threading.Thread:
+        thread = threading.Thread(target=self._serve, args=(calls, beside), name=name, daemon=True)
+        thread.start()
+        return thread
+
+    async def _submit(self, calls: queue.SimpleQueue, fn, args, hold_s: float, more_s) -> Any:
+        loop = self._loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._calls.put((loop, done, fn, args, units * self.unit_s + hold_s))
+        calls.put((loop, done, fn, args, hold_s, more_s))
         return await done
 
-    def _serve(self) -> None:
-        """The lane's thread: each call in turn, its outcome handed to the awaiter's loop; a
-        call whose awaiter was cancelled while it queued is dropped."""
-        while (call := self._calls.get()) is not None:
-            self._serve_one(*call)
+    def _serve(self, calls: queue.SimpleQueue, beside: bool) -> None:
+        """One of the lane's threads: each call in turn, its outcome handed to the awaiter's
+        loop; a call whose awaiter was cancelled while it queued is dropped."""
+        while (call := calls.get()) is not None:
+            self._serve_one(*call, beside=beside)
             # this frame waits in get() until the next call: it must not hold this one's
             # arguments (a step's microbatches, targets, outputs) past the step
             del call
 
-    def _serve_one(self, loop, done, fn, args, hold_s) -> None:
+    def _serve_one(self, loop, done, fn, args, hold_s, more_s, beside: bool = False) -> None:
         if done.cancelled():
             return
         try:
-            outcome, value = _set_result, self._hold_lane(fn, args, hold_s)
+            outcome, value = _set_result, self._hold_lane(fn, args, hold_s, more_s, beside)
         except BaseException as e:  # noqa: BLE001 - the awaiter gets it
             outcome, value = _set_exception, e
         try:
@@ -99,8 +156,10 @@ class ComputeLane:
         """At exit: no new call, and the one running ends first (a thread that returns into
         torch's frames during finalization would abort the process), unless it is stuck."""
         self.close()
-        if self._thread is not None and not self.stuck:
-            self._thread.join()
+        if not self.stuck:
+            for thread in (self._thread, self._beside_thread):
+                if thread is not None:
+                    thread.join()
 
     def abandon(self) -> None:
         """Nobody waits for the lane's work any more: emulated time held now or later ends at
@@ -118,6 +177,7 @@ class ComputeLane:
         if not self._closed:
             self._closed = True
             self._calls.put(None)
+            self._beside.put(None)
 
     # On CPU every call has finished when ``run`` returns: there is nothing to drain or order.
     async def drain(self) -> None:
@@ -139,20 +199,34 @@ class ComputeLane:
     async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _hold_lane(self, fn: Callable[..., Any], args: tuple, hold_s: float) -> Any:
-        start, began = time.perf_counter(), time.time()
-        try:
-            result = fn(*args)
-            self.last_call = (began, time.time())
-            remaining = start + hold_s - time.perf_counter()
-            if remaining > 0:
-                self._abandoned.wait(remaining)
-            return result
-        finally:
-            # Only the lane thread writes these; readers on the loop see a
-            # slightly stale value at worst.
-            self.busy_s += time.perf_counter() - start
-            self.tasks_run += 1
+    def _hold_lane(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        hold_s: float,
+        more_s: Callable[[], float] | None = None,
+        beside: bool = False,
+    ) -> Any:
+        with self._device:
+            start, began = time.perf_counter(), time.time()
+            try:
+                result = fn(*args)
+                if beside:
+                    self.last_beside_call = (began, time.time())
+                    self.tasks_beside += 1
+                else:
+                    self.last_call = (began, time.time())
+                if more_s is not None:
+                    hold_s += more_s()
+                remaining = start + hold_s - time.perf_counter()
+                if remaining > 0:
+                    self._abandoned.wait(remaining)
+                return result
+            finally:
+                # Only the thread holding the device writes these; readers on the loop see a
+                # slightly stale value at worst.
+                self.busy_s += time.perf_counter() - start
+                self.tasks_run += 1
 
 
 class CudaComputeLane:
@@ -176,6 +250,8 @@ class CudaComputeLane:
     idle time between consecutive tasks, ``task_s`` each task's device time,
     ``enqueue_s`` the host time spent issuing them.
     """
+
+    emulates_on_host = False  # emulated time is a spin on the stream, not the host's
 
     def __init__(
         self,

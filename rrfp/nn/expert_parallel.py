@@ -15,16 +15,21 @@ The collectives are synchronous and run on the thread that computes the task (th
 through the task's marker (collective_marks.py) so that a peer that never comes is named. The
 members of a group must therefore enter their MoE tasks in one order: the executor's EP agreement
 (rrfp/comm/ep_agreement.py) sees to it. The group is used for nothing else meanwhile.
+
+Under emulated time the layer spends its experts' and all-to-alls' time on the task's clock
+(expert_time.py), from the rows this member received and exchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from rrfp.nn import expert_time
 from rrfp.nn.collective_marks import marked
 
 __all__ = ["ExpertParallel", "EXPERT_WEIGHTS", "expert_parameters", "shard_experts"]
@@ -33,28 +38,47 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")  # the routed experts' parameters, sharded a
 
 
 def _all_to_all(
-    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, what: str, layer
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    group,
+    what: str,
+    layer,
+    timed: bool = False,
 ) -> torch.Tensor:
+    """``timed``: a row all-to-all, whose transfer an emulating task's clock spends first."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with marked(what, layer, group):
+    clock = expert_time.current() if timed else None
+    link: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if clock is not None:  # the rows this member sends to or receives from the others
+        me = dist.get_rank(group)
+        moved = max(sum(out_splits) - out_splits[me], sum(in_splits) - in_splits[me])
+        link = clock.link(moved, len(out_splits))
+    with link, marked(what, layer, group):
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows ``in_splits`` to each member, ``out_splits`` from each; backward: the gradients back,
-    splits swapped."""
+    splits swapped. ``expert_rows``: the dispatch's, whose backward follows the local experts'
+    backward over that many rows (their time, on an emulating task's clock)."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, what, layer):
-        ctx.args = (out_splits, in_splits, group, what, layer)
-        return _all_to_all(x, out_splits, in_splits, group, what, layer)
+    def forward(ctx, x, out_splits, in_splits, group, what, layer, expert_rows=None):
+        ctx.args = (out_splits, in_splits, group, what, layer, expert_rows)
+        return _all_to_all(x, out_splits, in_splits, group, what, layer, timed=True)
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, group, what, layer = ctx.args
-        back = _all_to_all(grad, in_splits, out_splits, group, f"{what} (backward)", layer)
-        return back, None, None, None, None, None
+        out_splits, in_splits, group, what, layer, expert_rows = ctx.args
+        clock = expert_time.current()
+        if clock is not None and expert_rows is not None:
+            clock.experts(expert_rows)
+        back = _all_to_all(
+            grad, in_splits, out_splits, group, f"{what} (backward)", layer, timed=True
+        )
+        return back, None, None, None, None, None, None
 
 
 class ExpertParallel(nn.Module):
@@ -103,9 +127,15 @@ class ExpertParallel(nn.Module):
         send = counts.view(n, k).sum(1).tolist()
         by_source = got.view(n, k)  # [source member, local expert]
         recv = by_source.sum(1).tolist()
-        rows = _AllToAll.apply(x_sorted, recv, send, self.group, "EP dispatch all-to-all", self)
+        received = sum(recv)
+        rows = _AllToAll.apply(
+            x_sorted, recv, send, self.group, "EP dispatch all-to-all", self, received
+        )
         # rows arrive by source member, each source's sorted by local expert: sort by local expert
         order = _by_expert(by_source).to(x_sorted.device)
+        clock = expert_time.current()
+        if clock is not None:
+            clock.experts(received)
         y = self.local(rows.index_select(0, order), by_source.sum(0))
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

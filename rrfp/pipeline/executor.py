@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,8 @@ from rrfp.core.stats import StageStats
 from rrfp.core.tasks import Kind, Task
 from rrfp.core.tracker import TrackerError
 from rrfp.nn.collective_marks import marking
+from rrfp.nn.expert_parallel import ExpertParallel
+from rrfp.nn.expert_time import ExpertClock, clocked
 from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.plan_ahead import IterationPlanner, PlanReport
@@ -171,6 +174,12 @@ class StageExecutor:
         self.times = TaskTimes(
             settings.variability, settings.seed, settings.split, settings.cost, layout=self.layout
         )
+        # the expert-parallel MoE layers of each stage: under emulated time with
+        # ``settings.experts`` their tasks take the experts' and all-to-alls' time from the routing
+        self.expert_layers = {
+            w.stage: sum(isinstance(m, ExpertParallel) for m in w.module.modules())
+            for w in self.workers
+        }
         self.planner: IterationPlanner | None = None  # hint = plan: a new spec every iteration
         if settings.hint.planned:
             self.planner = IterationPlanner(
@@ -595,17 +604,18 @@ class _Iteration:
                 )
             await self._perform(stage, task)
 
-    async def _perform(self, stage: int, task: Task) -> None:
-        """Run ``task`` of ``stage`` (started in the tracker) and deliver what it made."""
+    async def _perform(self, stage: int, task: Task, beside: bool = False) -> None:
+        """Run ``task`` of ``stage`` (started in the tracker) and deliver what it made; ``beside``:
+        on the lane's second thread, beside the running task (``_perform_overlapped``)."""
         ex, tr = self.ex, self.tracker
         self._doing(f"task {task}")
         try:
             if ex.task_bound is None:
-                await self._run(self.io[stage], task)
+                await self._run(self.io[stage], task, beside)
             else:
                 where = f"rank {ex.rank} stage {stage}"
                 async with ex.task_bound.running(where, stage, task, self.it):
-                    await self._run(self.io[stage], task)
+                    await self._run(self.io[stage], task, beside)
         except TaskOverrun:  # no progress to the peers: they name this rank if it lives
             self._doing(f"stuck in task {task}")
             ex.lane.stuck = True  # the exit does not wait for it
@@ -626,6 +636,8 @@ class _Iteration:
         for hook in ex.on_task_done:
             hook(task)
         self._doing("")
+        if beside:
+            self.changed.set()  # the arbiter may wait for it
 
     async def _arbitrate_ep(self, tg: asyncio.TaskGroup) -> None:
         """The arbiter of a rank in an EP group (docs/design.md, expert parallelism under
@@ -637,6 +649,8 @@ class _Iteration:
         every class offered somewhere (then the others must catch up, and the round waits for them
         while this rank runs its free tasks). Every member joins every round, so the rounds pair."""
         ex, tr, ep = self.ex, self.tracker, self.ex.ep_agreement
+        if self._overlap:  # a window at an all-to-all wakes the arbiter (_perform_overlapped)
+            ex.lane.on_window = self.changed.set
         left = ex.M * len(ep.classes)  # the iteration's EP tasks: M of each class
         pending: asyncio.Task | None = None  # the round in flight
         turn: EPClass | None = None  # the class agreed, not yet run here
@@ -667,7 +681,12 @@ class _Iteration:
                     offered = now
                     pending = tg.create_task(self._ep_round(now, preferred), name="rrfp-ep-agree")
             if picked is None:
-                picked = tr.next(among=by_class.get(None, ()))
+                free = by_class.get(None, set())
+                if self._overlap and pending is not None:
+                    # the round in flight is about to start an EP task, whose all-to-alls can
+                    # take the W's beside: they wait for it
+                    free = {item for item in free if item.kind is not Kind.W}
+                picked = tr.next(among=free)
             decided_s += time.perf_counter() - c0
             self.decision_s += time.perf_counter() - c0
             self.decisions += 1
@@ -676,11 +695,48 @@ class _Iteration:
                     await self._wait_for_change(arrivals)
                 continue
             stage, task = picked
-            if ep.classify(stage, task.kind) is not None:  # the agreed task: the next round is new
+            agreed = ep.classify(stage, task.kind) is not None
+            if agreed:  # the agreed task: the next round is new
                 turn, offered, somewhere, left = None, None, frozenset(), left - 1
             tr.start(stage, task)
             self.decided_s, decided_s = decided_s, 0.0
-            await self._perform(stage, task)
+            if agreed and self._overlap:
+                await self._perform_overlapped(tg, stage, task)
+            else:
+                await self._perform(stage, task)
+
+    @property
+    def _overlap(self) -> bool:
+        """Whether EP tasks run with a task beside them at their all-to-alls (settings.overlap,
+        on a lane with a second thread)."""
+        ex = self.ex
+        return (
+            ex.settings.overlap and ex.ep_agreement is not None and hasattr(ex.lane, "run_beside")
+        )
+
+    async def _perform_overlapped(self, tg: asyncio.TaskGroup, stage: int, task: Task) -> None:
+        """Run the agreed EP task ``task``; while it waits at an all-to-all (the lane's window),
+        run beside it the best ready W that issues no EP collective, one at a time (docs/design.md,
+        the all-to-all as a point where the rank may run other work). The task beside may outlast
+        this one: the tracker holds it until it finishes."""
+        ex, tr, ep = self.ex, self.tracker, self.ex.ep_agreement
+        main = tg.create_task(self._perform(stage, task), name="rrfp-ep-task")
+        while not main.done():
+            self.changed.clear()
+            if ex.lane.window and tr.beside is None:
+                free = [
+                    item
+                    for item in tr.ready_tasks()
+                    if item.kind is Kind.W and ep.classify(item.stage, Kind.W) is None
+                ]
+                picked = tr.next_beside(free) if free else None
+                if picked is not None:
+                    tr.start_beside(picked.stage, picked.task)
+                    tg.create_task(self._perform(*picked, beside=True), name="rrfp-beside")
+            changed = asyncio.ensure_future(self.changed.wait())
+            await asyncio.wait((main, changed), return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+        await main
 
     async def _ep_round(self, offered: frozenset, preferred):
         outcome = await self.ex.ep_agreement.agree(offered, preferred)
@@ -797,12 +853,17 @@ class _Iteration:
         owed = [f"channel {c.name} (peer rank {c.peer})" for c in self._owing()]
         return self.tracker.blocked() + (f"; owed by {' and '.join(owed)}" if owed else "")
 
-    async def _run(self, io: _StageIO, task: Task) -> None:
-        """Compute ``task`` of ``io``'s stage on the lane and post what it sends."""
+    async def _run(self, io: _StageIO, task: Task, beside: bool = False) -> None:
+        """Compute ``task`` of ``io``'s stage on the lane (``beside``: on its second thread) and
+        post what it sends."""
         ex, w, mb, s = self.ex, io.worker, task.mb, io.s
         units = self._units(s, task) if ex.unit_s else 0.0
         hold = sum(h(task) for h in ex.task_hold_s)
-        lane = {"units": units, **({"hold_s": hold} if hold else {})}
+        lane: dict[str, Any] = {"units": units, **({"hold_s": hold} if hold else {})}
+        clock = None if beside else self._expert_clock(s, task)
+        if clock is not None:  # the routed part of the task in place of its share of the draw
+            drawn = units * ex.unit_s
+            lane["more_s"] = lambda: clock.held_s(drawn) - drawn
         start = time.time()
         if task.kind is Kind.F:
             x, bits = (self.batches[mb][0], None) if s == 0 else io.inputs.pop(mb)
@@ -812,7 +873,7 @@ class _Iteration:
                 if self.rng_base is None
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
-            forward = ex.in_task(self.state.wrap(forward), s, task)
+            forward = _clocked(ex.in_task(self.state.wrap(forward), s, task), clock)
             out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
             returned = time.time()
             if self.spec.limit.bytes is not None:
@@ -838,36 +899,61 @@ class _Iteration:
                 )
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
-            backward = ex.in_task(self.state.wrap(w.backward), s, task)
+            backward = _clocked(ex.in_task(self.state.wrap(w.backward), s, task), clock)
             grad_in = await ex.lane.run(backward, mb, grad, **lane)
             returned = time.time()
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
                 self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
+        elif beside:  # a W that issues no EP collective (_perform_overlapped)
+            await ex.lane.run_beside(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
+            returned = time.time()
         else:
-            await ex.lane.run(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
+            weight = _clocked(ex.in_task(self.state.wrap(w.weight), s, task), clock)
+            await ex.lane.run(weight, mb, **lane)
             returned = time.time()
         await asyncio.sleep(
             0
         )  # a send just posted is issued now, not after the next task's host work
         if ex.instrument is not None:
             end = time.time()
-            ex.instrument.task_detail(s, self.it, task, self._detail(returned))
+            ex.instrument.task_detail(s, self.it, task, self._detail(returned, beside))
             ex.instrument.task(s, self.it, task, start, end)
 
-    def _detail(self, returned: float) -> dict:
+    def _detail(self, returned: float, beside: bool = False) -> dict:
         """Where a task's host time went, for a trace: the decisions that picked it (seconds),
         when the lane ran its work (``compute``, wall clock; absent where the host cannot see it,
         e.g. a CUDA stream) and when the loop had the lane's answer back (``returned``)."""
-        call = getattr(self.ex.lane, "last_call", None)
-        detail = {"decide_s": self.decided_s, "returned": returned}
+        call = getattr(self.ex.lane, "last_beside_call" if beside else "last_call", None)
+        detail: dict = {"decide_s": self.decided_s, "returned": returned}
         if call is not None:
             detail["compute"] = list(call)
+        if beside:
+            detail["beside"] = True
         return detail
 
     def _units(self, stage: int, task: Task) -> float:
         """Emulated device time (``rrfp.core.durations``)."""
         return self.ex.times.units(self.it, stage, task.mb, task.kind, self.features)
+
+    def _expert_clock(self, stage: int, task: Task) -> ExpertClock | None:
+        """The clock on which ``task``'s expert-parallel MoE layers spend their routed time
+        (rrfp/nn/expert_time.py), in units of the task's kind at its mean; None where nothing is
+        emulated on the host, or the stage has no such layer."""
+        ex, times = self.ex, self.ex.settings.experts
+        layers = ex.expert_layers.get(stage, 0)
+        emulated = times is not None and ex.unit_s and getattr(ex.lane, "emulates_on_host", False)
+        if not layers or not (emulated or self._overlap):
+            return None
+        var, split = ex.settings.variability, ex.settings.split
+        mean = {Kind.F: var.f, Kind.B: var.b if split else var.b + var.w, Kind.W: var.w}
+        return ExpertClock(
+            times if emulated else None,
+            mean[task.kind] * ex.unit_s / ex.times.virtual,
+            layers,
+            # the all-to-alls leave the device to a task beside (_perform_overlapped)
+            window=ex.lane.yielding if self._overlap else None,
+        )
 
     # -- communication -------------------------------------------------------
 
@@ -920,6 +1006,18 @@ class _Iteration:
             else:
                 io.grads[mb] = value
             self.changed.set()
+
+
+def _clocked(fn: Callable, clock: ExpertClock | None) -> Callable:
+    """``fn`` with ``clock`` installed on the thread that runs it (the lane's)."""
+    if clock is None:
+        return fn
+
+    def run(*args):
+        with clocked(clock):
+            return fn(*args)
+
+    return run
 
 
 def _activation_sizes(ex: StageExecutor, batches) -> Callable[[int], int]:

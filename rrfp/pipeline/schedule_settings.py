@@ -11,6 +11,7 @@ from rrfp.core.cost import CostModel
 from rrfp.core.hints import DEFAULT_HINT, Hint, default_split, resolve
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
+from rrfp.nn.expert_time import ExpertTimes
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,12 @@ class ScheduleSettings:
     variability: Variability = field(default_factory=Variability)  # emulated time's noise
     seed: int = 0  # the noise's seed
     cost: CostModel | None = None  # emulated times from each microbatch's features
+    # emulated time of the expert-parallel MoE layers from their routing (rrfp/nn/expert_time.py);
+    # None: the preset's draw holds the whole task
+    experts: ExpertTimes | None = None
+    # ready dispatch with expert parallelism: while a MoE task waits at its all-to-all, the lane
+    # runs a ready W that issues no collective beside it (docs/design.md)
+    overlap: bool = False
 
     @classmethod
     def of(
@@ -37,6 +44,8 @@ class ScheduleSettings:
         variability: Variability | None = None,
         seed: int = 0,
         cost: CostModel | None = None,
+        experts: ExpertTimes | None = None,
+        overlap: bool = False,
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
@@ -50,4 +59,6 @@ class ScheduleSettings:
             variability or Variability(),
             seed,
             cost,
+            experts,
+            overlap,
         )

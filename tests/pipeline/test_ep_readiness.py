@@ -1,6 +1,7 @@
 """Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 3 AdamW
-steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own, so
-that the replicas pick different orders; the EP agreement keeps their all-to-alls paired, and
+steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own and
+its MoE tasks' experts and all-to-alls timed by their routing, so that the replicas pick different
+orders; the EP agreement keeps their all-to-alls paired, and
 losses, gradients and parameters equal one process running the whole model on both replicas'
 data."""
 
@@ -42,13 +43,15 @@ def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
+def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap=False):
     import torch
 
     from rrfp.core.variability import Variability
     from rrfp.loop import run
+    from rrfp.nn.expert_time import ExpertTimes
     from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     torch.set_default_dtype(torch.float64)
     dp = world // pp
@@ -106,10 +109,8 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                 params = [p for m in mods for p in m.parameters()]
                 # a slice of a Sequential keeps the whole model's names
                 names = {id(p): n for m in mods for n, p in m.named_parameters()}
-                ex = rt.stage_executor(
-                    mods,
-                    _loss,
-                    n_microbatches=M,
+                settings = ScheduleSettings.of(
+                    M,
                     hint=hint,
                     split=split,
                     # slow: replica 1's stage 0 that many times slower, so that its peers offer
@@ -118,7 +119,11 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     if slow and rt.dp_rank == 1
                     else Variability.preset("lang"),
                     seed=100 + rt.dp_rank,
+                    # the MoE tasks' experts and all-to-alls take their time from the routing
+                    experts=ExpertTimes(rows=2 * 5 * 2),
+                    overlap=overlap,
                 )
+                ex = rt.stage_executor(mods, _loss, settings=settings)
                 if fail_every:
                     _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
@@ -153,6 +158,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     "orders": orders,
                     "coords": (rt.stage, rt.dp_rank),
                     "rounds": (ep.rounds, ep.failed) if ep is not None else None,
+                    "beside": rt.lane.tasks_beside,
                 }
         finally:
             await rt.aclose()
@@ -240,3 +246,12 @@ def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
     _check(results, configs)
     for out, _ in results.values():
         assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
+
+
+@pytest.mark.timeout(420)
+def test_all_to_alls_with_a_w_beside_stay_exact():
+    """The overlap: while an EP task waits at its all-to-all, the lane runs a ready W beside it
+    (one that issues no EP collective), each replica with its own seeds and so its own W's in its
+    own windows; ready BFW, ZB-H1 and plan stay exact."""
+    configs = [("bfw", True), ("zbh1", True), ("plan", True)]
+    _exact(run_ranks(_pipeline, 4, 2, configs, 1, 0.0, 0, True, timeout=400), configs)

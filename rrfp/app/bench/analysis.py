@@ -190,6 +190,10 @@ def annotate(
     """Add ``lower_bound_s``, ``efficiency`` and ``simulated_s`` to every row, in place. With real
     compute the durations are each row's own, from ``spans``, and ``cost`` is by ``cost_key``
     (the models the planned hints planned with)."""
+    if spec.ep > 1:  # durations from the routing, per replica: the preset's draw is not them
+        for r in rows:
+            r["lower_bound_s"] = r["efficiency"] = r["simulated_s"] = None
+        return
     if spec.real:
         _annotate_real(spec, case, var, cost or {}, rows, iterations, spans or [])
         return
@@ -261,7 +265,7 @@ class Summary:
     iterations: int
     wall_s: Spread
     speedup: Spread | None  # fixed 1F1B's time / this one's, per iteration
-    efficiency: Spread
+    efficiency: Spread | None  # None: no bound (expert parallelism's routed durations)
     vs_simulated: Spread | None  # measured / simulated - 1
     peak_inflight: (
         float | None
@@ -342,7 +346,7 @@ def summarize(rows: list[dict], contenders: list[str]) -> list[Summary]:
                 len(mine),
                 Spread.of([r["wall_s"] for r in mine]),
                 Spread.of(paired_ratios(rows, BASELINE, name)),
-                Spread.of([r["efficiency"] for r in mine]),
+                Spread.of([r["efficiency"] for r in mine if r.get("efficiency") is not None]),
                 Spread.of(sims),
                 max(peaks) if peaks else None,
                 _median([r["decision_us"] for r in mine]),

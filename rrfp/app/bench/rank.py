@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 import traceback
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,9 @@ from rrfp.app.errors import exit_now, one_line
 from rrfp.core.cost import CostModel
 from rrfp.core.hints import resolve
 from rrfp.loop import run as run_loop
-from rrfp.observe.trace import write_json
+from rrfp.nn.expert_time import ExpertTimes
+from rrfp.nn.moe_layer import moe_layers
+from rrfp.observe.trace import Span, write_json
 from rrfp.pipeline.runtime import PipelineRuntime
 
 PROGRESS = "@rrfp-bench-progress "  # prefix of the progress lines rank 0 prints for the parent
@@ -69,11 +71,29 @@ def cost_of(
     return CostModel.from_json(Path(path).read_text())
 
 
+def expert_times(spec: BenchSpec, wl, cfg, modules: list) -> ExpertTimes | None:
+    """Emulated time with expert parallelism: the MoE tasks' experts and all-to-alls timed by
+    their routing (rrfp/nn/expert_time.py), the reference microbatch the mean of the first
+    iteration's over every replica (the same on every rank)."""
+    layers = moe_layers(modules)
+    if spec.ep == 1 or spec.real or not layers:
+        return None
+    data = wl.batches(cfg.data, 0, spec.n_microbatches * spec.dp)
+    tokens = sum(wl.features(b)["tokens"] for b in data) / len(data)
+    return ExpertTimes(rows=tokens * layers[0].top_k)
+
+
 async def run_case(
-    runtimes: dict, spec: BenchSpec, case: Case, cost_paths: dict[str, str], progress
+    runtimes: dict,
+    spec: BenchSpec,
+    case: Case,
+    cost_paths: dict[str, str],
+    progress,
+    replica_groups: list | None = None,
 ) -> dict:
     """``runtimes``: by (virtual, placement), the rank's runtime of each layout the contenders
-    use."""
+    use; ``replica_groups``: with replicas, each one's pipeline ranks as a group (torch's
+    schedules)."""
     rt = runtimes[(1, "interleaved")]
     cfg = case.train_config(spec)
     wl = cfg.workload
@@ -83,17 +103,22 @@ async def run_case(
     # the rrfp contenders of one layout share its stage modules; torch's runners build their own
     modules = {
         key: [
-            m.to(device)
+            r.shard_experts(m.to(device))
             for m in wl.build_stages(cfg.model, r.stages, r.num_stages, spec.seed, r.tp_group)
         ]
         for key, r in runtimes.items()
     }
     module = modules[(1, "interleaved")][0]
+    experts = expert_times(spec, wl, cfg, modules[(1, "interleaved")])
+    replica = rt.dp_rank  # its own data and its own duration seed
     runners: dict[str, Runner] = {}
     for contender in case.contenders:
         cost = cost_of(spec, case, contender, cost_paths, cfg.emulation.cost)
         if contender.is_torch:
-            runners[contender.name] = TorchRunner(rt, contender, wl, cfg.model, spec, var, cost)
+            group = replica_groups[replica] if replica_groups else None
+            runners[contender.name] = TorchRunner(
+                rt, contender, wl, cfg.model, spec, var, cost, group, experts
+            )
         elif contender.drop_in:  # the rrfp contenders' module again, behind torch's PipelineStage
             runners[contender.name] = DropInRunner(rt, contender, module, wl, spec, var, cost)
         else:
@@ -106,12 +131,14 @@ async def run_case(
                 spec,
                 var,
                 cost,
+                experts,
             )
     rows, iterations, threads = [], [], []
     names = list(runners)
+    M = spec.n_microbatches
 
     def inputs(it: int):
-        data = wl.batches(cfg.data, it, spec.n_microbatches)
+        data = wl.batches(cfg.data, it, M * spec.dp)[replica * M : (replica + 1) * M]
         moved = data if device.type == "cpu" else [_on(device, b) for b in data]
         return moved, [wl.features(b) for b in data]
 
@@ -162,7 +189,7 @@ async def run_case(
     for r in runners.values():
         r.close()
     spans = [
-        list(astuple(sp))
+        list(astuple(by_rank(sp, rt.rank) if spec.dp > 1 else sp))
         for r in runners.values()
         for sp in r.spans
         if sp.args.get("iteration", 0) > 0
@@ -175,6 +202,12 @@ async def run_case(
         "spans": None if gathered is None else [sp for part, _ in gathered for sp in part],
         "threads": None if gathered is None else [t for _, part in gathered for t in part],
     }
+
+
+def by_rank(sp: Span, rank: int) -> Span:
+    """With replicas, a span on its rank's row (the replicas of a stage would share one), its
+    stage kept in its args."""
+    return replace(sp, stage=rank, args={**sp.args, "stage": sp.stage})
 
 
 async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list[dict]:
@@ -199,6 +232,8 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
                 PipelineRuntime.start(
                     pp=spec.pp,
                     tp=spec.tp,
+                    dp=spec.dp,
+                    ep=spec.ep,
                     timeout_s=spec.timeout_s,
                     unit_ms=spec.unit_ms,
                     virtual=virtual,
@@ -206,7 +241,18 @@ async def run_job(spec: BenchSpec, cost_paths: dict[str, str], progress) -> list
                     backend=backend,
                 )
             )
-        return [await run_case(runtimes, spec, case, cost_paths, progress) for case in spec.cases]
+        replica_groups = None
+        if spec.dp > 1 and any(c.is_torch for case in spec.cases for c in case.contenders):
+            # each replica's pipeline for torch's schedules: created in one order on every rank
+            layout = runtimes[(1, "interleaved")].layout
+            replica_groups = [
+                dist.new_group([layout.rank_of(p, 0, d) for p in range(spec.pp)])
+                for d in range(spec.dp)
+            ]
+        return [
+            await run_case(runtimes, spec, case, cost_paths, progress, replica_groups)
+            for case in spec.cases
+        ]
 
 
 def pin_to_core(local_rank: int) -> int | None:

@@ -48,14 +48,21 @@ SMOKE = (
 # (headline, its ablation): each pair differs in dispatch alone
 ABLATIONS = (
     ("ready bfw", "fixed bfw", "same order and memory"),
+    ("ready zbh1", "fixed zbh1", "same order and memory"),
     ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"),
 )
+# (with the overlap, without): the same hint, budget and dispatch, the all-to-alls yielding or not
+OVERLAPS = (("ready bfw overlap", "ready bfw"), ("ready plan overlap", "ready plan"))
 # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
 # rest
 AGAINST_TORCH = (
     ("ready plan", "torch 1f1b"),
     ("ready plan", "torch zb"),
     ("ready bfw", "torch zb"),
+    ("ready plan", "torch dualpipev"),
+    ("ready bfw", "torch dualpipev"),
+    ("ready plan overlap", "torch zb"),
+    ("ready plan overlap", "torch dualpipev"),
     ("ready plan v2", "torch zb"),
     ("ready plan v2", "torch dualpipev"),
     ("ready bfw v2", "torch zb"),
@@ -119,6 +126,13 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             if res.cost_model
             else f"task times from the {c.preset} preset"
         )
+        if spec.ep > 1:
+            source += (
+                f", on pp {spec.pp} x ep {spec.ep} ranks (each replica its own data and duration "
+                "seed; in emulated time the MoE tasks' experts and all-to-alls timed by their "
+                "routing, the rest by the preset: no bound and no simulator, which know the "
+                "preset alone)"
+            )
         sets = f" with {', '.join(c.overrides)}" if c.overrides else ""
         lines += [
             f"## {c.name}",
@@ -141,7 +155,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             lines.append(
                 f"| {s.contender} | {s.wall_s.median * 1e3:.1f} | {_range(s.wall_s, '.1f', 1e3)} | "
                 f"{_fmt(s.speedup and s.speedup.median, '.3f', 'x')} | {_range(s.speedup, '.3f')} "
-                f"| {_fmt(s.peak_inflight, 'g')}{mark} | {s.efficiency.median:.3f} | "
+                f"| {_fmt(s.peak_inflight, 'g')}{mark} | "
+                f"{_fmt(s.efficiency and s.efficiency.median, '.3f')} | "
                 f"{_fmt(sim, '+.1%')} | {_fmt(s.decision_us, '.1f')} | "
                 f"{_fmt(s.plan_s and s.plan_s * 1e3, '.2f')} |"
             )
@@ -154,6 +169,10 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             )
         pairs = [
             (h, a, f"Ablation, dispatch alone: {h} vs {a} ({what})") for h, a, what in ABLATIONS
+        ]
+        pairs += [
+            (h, a, f"Overlap ablation, the all-to-alls yielding to a W or not: {h} vs {a}")
+            for h, a in OVERLAPS
         ]
         pairs += [
             (ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH

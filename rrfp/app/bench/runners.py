@@ -20,6 +20,7 @@ from rrfp.core.budget import peak_held
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
 from rrfp.core.variability import Variability
+from rrfp.nn.expert_time import ExpertTimes
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
 from rrfp.pipeline.runtime import PipelineRuntime
@@ -61,17 +62,25 @@ class Measured:
 
 
 def schedule_settings(
-    spec: BenchSpec, contender: Contender, variability: Variability, cost: CostModel | None
+    spec: BenchSpec,
+    contender: Contender,
+    variability: Variability,
+    cost: CostModel | None,
+    seed: int | None = None,
+    experts: ExpertTimes | None = None,
 ) -> ScheduleSettings:
-    """What an rrfp executor of the suite runs: built here once for every runner that has one."""
+    """What an rrfp executor of the suite runs: built here once for every runner that has one.
+    ``seed``: the replica's own (None: the spec's)."""
     return ScheduleSettings.of(
         spec.n_microbatches,
         dispatch=contender.dispatch,
         hint=contender.hint,
         budget=spec.budget,
         variability=variability,
-        seed=spec.seed,
+        seed=spec.seed if seed is None else seed,
         cost=cost,
+        experts=experts,
+        overlap=contender.overlap,
     )
 
 
@@ -104,6 +113,7 @@ class RrfpRunner:
         spec: BenchSpec,
         variability: Variability,
         cost: CostModel | None,
+        experts: ExpertTimes | None = None,
     ) -> None:
         self.name = contender.name
         self._virtual = contender.virtual
@@ -111,7 +121,8 @@ class RrfpRunner:
         self._executor = rt.stage_executor(
             module,
             workload.loss_fn,
-            schedule_settings(spec, contender, variability, cost),
+            # each replica draws its durations from its own seed
+            schedule_settings(spec, contender, variability, cost, spec.seed + rt.dp_rank, experts),
             instrument=self._recorder,
             on_nonfinite=None,
         )  # timed: no per-iteration agreement
@@ -160,19 +171,30 @@ class TorchRunner:
         spec: BenchSpec,
         variability: Variability,
         cost: CostModel | None,
+        group=None,
+        experts: ExpertTimes | None = None,
     ) -> None:
         from rrfp.app.bench.torch_schedules import TorchScheduleRunner, workload_stage_builder
 
         self.name = contender.name
         self._spec, self._var, self._cost, self._row = spec, variability, cost, rt.stage
+        self._seed = spec.seed + rt.dp_rank  # the replica's, as its rrfp executors draw
+        # with replicas, ``group`` is this one's pipeline, and the rank is its stage there
+        pipeline = rt.layout.coords(rt.rank).pp if group is not None else rt.rank
+        split = contender.split
+        means = (variability.f, variability.b, variability.w)
         self._runner = TorchScheduleRunner(
             contender.hint,
             workload_stage_builder(workload, model_cfg, spec.seed),
             workload.loss_fn,
-            rt.rank,
-            rt.layout.world_size,
+            pipeline,
+            spec.pp if group is not None else rt.layout.world_size,
             spec.n_microbatches,
             rt.unit_s,
+            group=group,
+            prepare=rt.shard_experts,
+            experts=experts,
+            means=means if split else (means[0], means[1] + means[2], 0.0),
         )
         # two stages per rank, with the preset: each torch stage takes its own draw, as each local
         # stage of rrfp's executor at V = 2 of the same placement does (a cost model is fitted per
@@ -190,7 +212,7 @@ class TorchRunner:
     async def run(self, iteration: int, batches: Sequence, features: Sequence[dict]) -> Measured:
         times = TaskTimes(
             self._var,
-            self._spec.seed,
+            self._seed,
             self._runner.split,
             self._cost,
             layout=self._runner.layout if self._by_stage else None,

@@ -56,6 +56,7 @@ VIRTUAL_SUFFIX = re.compile(
     r"(?P<placement>[vi])(?P<virtual>\d+)"
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
+OVERLAP = "overlap"  # the suffix of a contender whose EP tasks' all-to-alls take a W beside
 RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
 FLAG = "--contenders"  # the flag that names them, in error lines
 
@@ -76,16 +77,16 @@ class Contender:
     drop_in: bool = False  # rrfp's executor behind torch's schedule surface (rrfp.ScheduleReady)
     virtual: int = 1  # rrfp's stages per rank (the model splits into pp x virtual)
     placement: str = "interleaved"  # with virtual > 1: "interleaved" or "v"
+    # ready dispatch under EP: a W runs beside an EP task while it waits at its all-to-all
+    overlap: bool = False
 
     @property
     def name(self) -> str:
         first = TORCH if self.is_torch else self.dispatch
         base = f"{DROP_IN} {first} {self.hint}" if self.drop_in else f"{first} {self.hint}"
-        return (
-            base
-            if self.virtual == 1
-            else f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
-        )
+        if self.virtual > 1:
+            base = f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
+        return f"{base} {OVERLAP}" if self.overlap else base
 
     @property
     def is_torch(self) -> bool:
@@ -115,6 +116,13 @@ class Contender:
         first, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
         head, _, last = hint.replace("-", " ").rpartition(" ")
+        if head and last == OVERLAP:
+            if first != "ready":
+                raise UsageError(
+                    f"{FLAG}: {text!r}: the overlap picks the task beside an all-to-all by "
+                    "readiness: ready dispatch only"
+                )
+            return replace(cls.parse(f"{first} {head}"), overlap=True)
         if head and first != TORCH and (m := VIRTUAL_SUFFIX.fullmatch(last)):
             placement = "v" if m["placement"] == "v" else "interleaved"
             try:
@@ -166,6 +174,7 @@ class Case:
         """The run config every rank builds this workload from (for ``contender``'s virtual
         stages, if given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
+        replicas = [f"parallel.dp={spec.dp}", f"parallel.ep={spec.ep}"] if spec.dp > 1 else []
         stages = (
             []
             if contender is None or contender.virtual == 1
@@ -185,9 +194,10 @@ class Case:
                 f"schedule.budget={spec.budget}",
                 f"emulation.unit_ms={spec.unit_ms}",
                 f"run.seed={spec.seed}",
+                *replicas,
                 *stages,
             ],
-            world_size=pp * tp,
+            world_size=pp * tp * spec.dp,
         )
 
 
@@ -197,7 +207,31 @@ class Case:
 SUITE = {
     "gpt": ("configs/gpt-tiny.toml", "lang", False, ("model.n_layer=8",)),
     "vlm": ("configs/vlm-tiny.toml", "jitter", True, ("model.n_layer=8",)),
+    "moe": ("configs/moe-tiny.toml", "lang", False, ()),
 }
+# The mixture of experts runs in a job of its own, on pp x ep ranks: each pipeline rank's two
+# replicas form an EP group (their experts sharded over it), each replica with its own data and
+# duration seed, the MoE tasks' experts and all-to-alls timed by their routing
+# (rrfp/nn/expert_time.py). Four layers: torch's two-stage-per-rank schedules get one each.
+MOE = "moe"
+MOE_SHAPE = {"pp": 2, "dp": 2, "ep": 2}
+# fixed and ready at the same hint and budget (1F1B has no ready twin: its order is its memory
+# bound); a planned hint runs ready only under EP (each replica plans its own order); torch's
+# schedules run the same stages, their experts sharded alike (every replica runs one fixed order,
+# so the all-to-alls pair)
+MOE_CONTENDERS = (
+    "fixed 1f1b",
+    "fixed zbh1",
+    "ready zbh1",
+    "fixed bfw",
+    "ready bfw",
+    "ready plan",
+    "ready bfw overlap",
+    "ready plan overlap",
+    "torch 1f1b",
+    "torch zb",
+    "torch dualpipev",
+)
 
 
 def parse_case(text: str, preset: str | None, overrides: list[str]) -> Case:
@@ -233,7 +267,9 @@ class BenchSpec:
     reps: int = 5  # measured iterations per contender, after one warm-up
     unit_ms: float = 20.0  # 0: real compute, no emulated device time (`rrfp bench --real`)
     budget: str = DEFAULT_BUDGET
-    seed: int = 0
+    seed: int = 0  # replica d draws its durations from seed + d
+    dp: int = 1  # data-parallel replicas per pipeline rank
+    ep: int = 1  # expert-parallel group size (dividing dp)
     timeout_s: float = DEFAULT_TIMEOUT_S
     torch_sends: str = (
         "delayed"  # torch anchors: "delayed" by the link latency from sender threads, or "native"
@@ -248,7 +284,7 @@ class BenchSpec:
 
     @property
     def world(self) -> int:
-        return self.pp * self.tp
+        return self.pp * self.tp * self.dp
 
     @property
     def runs(self) -> int:
@@ -291,6 +327,15 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
         return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
+    if contender.overlap and spec.ep == 1:
+        return "the overlap is at expert parallelism's all-to-alls (--workloads moe)"
+    if spec.ep > 1 and contender.drop_in:
+        return "the bench's drop-in rows run one replica per stage"
+    if spec.ep > 1 and contender.dispatch == "fixed" and resolve(contender.hint).planned:
+        return (
+            "under expert parallelism each replica plans its own order, which a fixed dispatch "
+            "would not pair across the EP group"
+        )
     if contender.virtual > 1:
         if contender.drop_in:
             return "ScheduleReady runs one stage per rank"

@@ -30,6 +30,11 @@ task ends; torch then has no send of its own to wait on. ``run_iteration``
 drives the schedule through ``_step_microbatches`` (what ``step()`` calls
 after splitting one batch, which variable-length microbatches cannot be);
 checked against torch 2.13.
+
+Expert parallelism: ``prepare`` shards each of the rank's stage modules (not the capacity
+probe's copies, which compute alone) over the rank's EP group. Every replica runs the schedule's
+one fixed order, so the members' all-to-alls pair. With ``experts`` the MoE layers spend their
+routed time on a clock (rrfp/nn/expert_time.py) as under rrfp's lane.
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ from torch.distributed.pipelining import schedules as torch_schedules
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a sender to leave its wait
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
+from rrfp.nn.expert_parallel import ExpertParallel
+from rrfp.nn.expert_time import ExpertClock, ExpertTimes, clocked
 from rrfp.observe.trace import Span
 
 log = logging.getLogger("rrfp.app.bench.torch_schedules")
@@ -310,13 +317,24 @@ class _Clock:
     sends: _DelayedSends = field(default_factory=_DelayedSends)
     spans: list[Span] = field(default_factory=list)
     loss_tensors: dict[int, torch.Tensor] = field(default_factory=dict)
-    forward_started: dict[int, float] = field(
-        default_factory=dict
-    )  # last stage: F waits for its loss
+    # last stage: F waits for its loss (its start, and its MoE layers' clock)
+    forward_started: dict[int, tuple[float, ExpertClock | None]] = field(default_factory=dict)
 
     by_stage: bool = (
         False  # units and latency asked with torch's stage index (a local stage's own), share 1
     )
+    experts: ExpertTimes | None = None  # the MoE layers' routed time (expert-parallel stages)
+    expert_layers: dict[int, int] = field(default_factory=dict)  # torch stage -> its EP layers
+    means: tuple[float, float, float] = (1.0, 1.0, 1.0)  # F, B, W at their mean, in units
+
+    def expert_clock(self, stage: int, kinds: tuple[Kind, ...]) -> ExpertClock | None:
+        """The clock of one task of ``stage`` holding ``kinds``, or None (nothing routed)."""
+        layers = self.expert_layers.get(stage, 0)
+        if self.experts is None or not self.unit_s or not layers:
+            return None
+        share = 1.0 if self.by_stage else self.share
+        mean = sum(self.means[k] for k in kinds) * share
+        return ExpertClock(self.experts, mean * self.unit_s, layers)
 
     def duration(self, stage: int, mb: int, kinds: tuple[Kind, ...]) -> float:
         if not self.unit_s or self.units is None:
@@ -325,9 +343,19 @@ class _Clock:
             return sum(self.units(stage, mb, k) for k in kinds)
         return sum(self.units(self.rank, mb, k) for k in kinds) * self.share
 
-    def hold(self, stage: int, name: str, mb: int, start: float, kinds: tuple[Kind, ...]) -> None:
+    def hold(
+        self,
+        stage: int,
+        name: str,
+        mb: int,
+        start: float,
+        kinds: tuple[Kind, ...],
+        clock: ExpertClock | None = None,
+    ) -> None:
         """Wait out the task's emulated time left (as ComputeLane._hold_lane); record its span."""
-        remaining = start + self.duration(stage, mb, kinds) * self.unit_s - time.perf_counter()
+        drawn = self.duration(stage, mb, kinds) * self.unit_s
+        held = drawn if clock is None else clock.held_s(drawn)
+        remaining = start + held - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         self.spans.append(
@@ -363,26 +391,32 @@ class _TimedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
-        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        experts = self.clock.expert_clock(self.stage_index, (Kind.F,))
+        with clocked(experts):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.is_last:
-            self.clock.forward_started[fwd_chunk_id] = start  # the loss ends this F
+            self.clock.forward_started[fwd_chunk_id] = (start, experts)  # the loss ends this F
         else:
-            self.clock.hold(self.stage_index, "F", fwd_chunk_id, start, (Kind.F,))
+            self.clock.hold(self.stage_index, "F", fwd_chunk_id, start, (Kind.F,), experts)
         return out
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         start = time.perf_counter()
-        super().backward_one_chunk(
-            bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
-        )
         # a full backward inside a split schedule does B and W at once
         kinds = (Kind.B, Kind.W) if full_backward and self.clock.split else (Kind.B,)
-        self.clock.hold(self.stage_index, "B", bwd_chunk_id, start, kinds)
+        experts = self.clock.expert_clock(self.stage_index, kinds)
+        with clocked(experts):
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
+        self.clock.hold(self.stage_index, "B", bwd_chunk_id, start, kinds, experts)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         start = time.perf_counter()
-        super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
-        self.clock.hold(self.stage_index, "W", bwd_chunk_id, start, (Kind.W,))
+        experts = self.clock.expert_clock(self.stage_index, (Kind.W,))
+        with clocked(experts):
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self.clock.hold(self.stage_index, "W", bwd_chunk_id, start, (Kind.W,), experts)
 
     # sends to a stage on another rank leave after the emulated latency (same-rank hand-offs send
     # nothing)
@@ -420,9 +454,8 @@ class _ScaledLoss:
         loss = self.loss_fn(output, target.targets)
         self.clock.loss_tensors[target.mb] = loss.detach()
         scaled = loss / self.M
-        self.clock.hold(
-            self.last_stage, "F", target.mb, self.clock.forward_started.pop(target.mb), (Kind.F,)
-        )
+        start, experts = self.clock.forward_started.pop(target.mb)
+        self.clock.hold(self.last_stage, "F", target.mb, start, (Kind.F,), experts)
         return scaled
 
 
@@ -457,6 +490,10 @@ class TorchScheduleRunner:
 
     ``capacity``: elements of the stage-boundary envelope; None probes each iteration's
     microbatches locally with every stage (cheap for small models) and rebuilds when it grows.
+
+    ``prepare(module)``: applied to each of this rank's stage modules (the experts sharded over
+    the EP group); ``group`` is then this replica's pipeline. ``experts``: the MoE layers' routed
+    time, each kind's mean ``means`` (F, B, W) in units.
     """
 
     def __init__(
@@ -471,6 +508,9 @@ class TorchScheduleRunner:
         group=None,
         capacity: int | None = None,
         dtype: torch.dtype | None = None,
+        prepare: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+        experts: ExpertTimes | None = None,
+        means: tuple[float, float, float] = (1.0, 1.0, 1.0),
     ) -> None:
         self.schedule = resolve_schedule(schedule)
         cls_name, per_rank, placement, self.split = SCHEDULES[self.schedule]
@@ -500,7 +540,14 @@ class TorchScheduleRunner:
         self.build_stage, self.loss_fn = build_stage, loss_fn
         self.dtype = dtype or torch.get_default_dtype()
         self.modules = [build_stage(k, self.num_stages) for k in self.stage_indices]
+        if prepare is not None:  # e.g. the experts sharded over the EP group
+            self.modules = [prepare(m) for m in self.modules]
         self.clock = _Clock(rank, unit_s, 1.0 / per_rank, self.split)
+        self.clock.experts, self.clock.means = experts, means
+        self.clock.expert_layers = {
+            k: sum(isinstance(x, ExpertParallel) for x in m.modules())
+            for k, m in zip(self.stage_indices, self.modules)
+        }
         self.capacity = capacity
         self._fixed_capacity = capacity is not None
         self._probe_modules: list[torch.nn.Module] | None = None

@@ -23,6 +23,9 @@ from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import (
     DEFAULT_CONTENDERS,
     FLAG,
+    MOE,
+    MOE_CONTENDERS,
+    MOE_SHAPE,
     BenchSpec,
     Case,
     Contender,
@@ -61,7 +64,17 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     """The job, and per workload the contenders of the default set that cannot run it here (with
     why). A contender asked for by name that cannot run is an error instead."""
     base = QUICK if args.quick else FULL
+    moe = args.workloads is not None and MOE in args.workloads
+    if moe:  # its own job: pp x ep ranks
+        if len(args.workloads) > 1:
+            others = ", ".join(sorted(set(args.workloads) - {MOE}))
+            raise UsageError(
+                f"--workloads: {MOE} runs in a job of its own (pp {MOE_SHAPE['pp']} x ep "
+                f"{MOE_SHAPE['ep']} ranks): bench it apart from {others}"
+            )
+        base = {**base, "pp": MOE_SHAPE["pp"]}
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
+    replicas = MOE_SHAPE["dp"] if moe else 1
     device = getattr(args, "device", "cpu")
     if args.real:
         if args.unit_ms not in (None, 0):
@@ -85,17 +98,18 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if args.pp is None:
             pick["pp"] = 1  # one GPU: its two local stages (the default contenders' v2)
-        if pick["pp"] * args.tp > gpus:
+        if pick["pp"] * args.tp * replicas > gpus:
             raise UsageError(
-                f"--device cuda: {pick['pp'] * args.tp} ranks need as many GPUs, and this "
-                f"machine has {gpus}"
+                f"--device cuda: {pick['pp'] * args.tp * replicas} ranks need as many GPUs, and "
+                f"this machine has {gpus}"
             )
-    if real and device == "cpu" and args.pp is None and pick["pp"] > (os.cpu_count() or 1):
-        pick["pp"] = max(1, min(pick["pp"], os.cpu_count() or 1))  # the default fits the machine
-    if real and device == "cpu" and pick["pp"] * args.tp > (os.cpu_count() or 1):
+    cores = os.cpu_count() or 1
+    if real and device == "cpu" and args.pp is None and pick["pp"] * replicas > cores:
+        pick["pp"] = max(1, min(pick["pp"], cores // replicas))  # the default fits the machine
+    if real and device == "cpu" and pick["pp"] * args.tp * replicas > cores:
         raise UsageError(
-            f"--real on CPU runs one thread per rank: {pick['pp'] * args.tp} ranks need as many "
-            f"cores, and this machine has {os.cpu_count()} (lower --pp)"
+            f"--real on CPU runs one thread per rank: {pick['pp'] * args.tp * replicas} ranks "
+            f"need as many cores, and this machine has {os.cpu_count()} (lower --pp)"
         )
     try:
         budget = str(Budget.parse(args.budget))
@@ -108,7 +122,7 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
             f"--workloads: give each workload once ({', '.join(names) or 'none given'})"
         )
     explicit = args.contenders is not None
-    defaults = DEFAULT_CONTENDERS if device == "cpu" else GPU_CONTENDERS
+    defaults = MOE_CONTENDERS if moe else DEFAULT_CONTENDERS if device == "cpu" else GPU_CONTENDERS
     wanted = list(dict.fromkeys(Contender.parse(e) for e in (args.contenders or defaults)))
     if not wanted:
         raise UsageError(f"{FLAG}: no contender given")
@@ -123,6 +137,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         torch_sends=args.torch_sends,
         device=device,
         pin=args.pin,
+        dp=replicas,
+        ep=MOE_SHAPE["ep"] if moe else 1,
     )
     ready, skipped = [], {}
     for case in cases:

@@ -288,7 +288,9 @@ def _add_bench(sub) -> None:
         "--workloads",
         type=_csv_list,
         default=None,
-        help="comma list of gpt, vlm or .toml configs (default gpt,vlm)",
+        help="comma list of gpt, vlm or .toml configs (default gpt,vlm); moe, the mixture of "
+        "experts on pp 2 x ep 2 ranks, runs alone (its contenders: fixed and ready 1f1b, zbh1, "
+        "bfw, ready plan, torch's 1f1b, zb and dualpipev)",
     )
     bench.add_argument(
         "--contenders",
@@ -300,8 +302,9 @@ def _add_bench(sub) -> None:
         "interleaved-1f1b, interleaved-zb or dualpipev; drop-in-ready-HINT runs ready "
         "dispatch behind torch's schedule surface. A -v2 suffix on an rrfp one runs it on "
         "two virtual stages per rank in the v shape (ready-plan-v2, fixed-zbv-v2), -i2 "
-        "interleaved (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, fixed-plan, "
-        "ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
+        "interleaved; an -overlap suffix on a ready one (moe) runs a W beside each EP task's "
+        "all-to-alls (ready-bfw-overlap) (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, "
+        "fixed-plan, ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
         "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)",
     )
     bench.add_argument(
