@@ -42,13 +42,15 @@ def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
+def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, fsdp=False):
     import torch
 
     from rrfp.core.variability import Variability
     from rrfp.loop import run
+    from rrfp.nn.expert_parallel import expert_parameters
     from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.sharded_stages import shard_stage
 
     torch.set_default_dtype(torch.float64)
     dp = world // pp
@@ -100,7 +102,8 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                 mods = [full[s * per : (s + 1) * per] for s in rt.stages]
                 for m in mods:
                     rt.shard_experts(m)
-                from rrfp.nn.expert_parallel import expert_parameters
+                if fsdp:  # the rest FSDP-sharded over the replicas, the experts left out
+                    mods = [shard_stage(m, rt.dp_group, "cpu") for m in mods]
 
                 shards = set().union(*(expert_parameters(m) for m in mods))
                 params = [p for m in mods for p in m.parameters()]
@@ -122,21 +125,22 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                 if fail_every:
                     _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
-                sync = rt.grad_sync(module, ex)
+                sync = None if fsdp else rt.grad_sync(module, ex)
                 opt = torch.optim.AdamW(params, lr=1e-2)
                 k = 4 // dp  # experts per member
                 errs, losses, orders = [], [], []
                 for step in range(STEPS):
                     mine = data[step][rt.dp_rank * M : (rt.dp_rank + 1) * M]
                     res = await ex.run_iteration(step, mine)
-                    await sync.sync()
+                    if sync is not None:
+                        await sync.sync()
                     losses.append(res.losses)
                     orders.append([f"{t}@{s}" for s, t in res.ran])
                     for p in params:
                         want = ref_grads[step][names[id(p)]]
                         if id(p) in shards:
                             want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
-                        errs.append((p.grad - want).abs().max().item())
+                        errs.append((_whole(p.grad) - want).abs().max().item())
                     opt.step()
                     opt.zero_grad()
                 perr = 0.0
@@ -144,7 +148,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
                     want = ref_params[names[id(p)]].detach()
                     if id(p) in shards:
                         want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
-                    perr = max(perr, (p - want).abs().max().item())
+                    perr = max(perr, (_whole(p.detach()) - want).abs().max().item())
                 ep = ex.ep_agreement
                 out[(hint, split)] = {
                     "grad_err": max(errs),
@@ -159,6 +163,11 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0):
         return out
 
     return run(main()), ref_losses
+
+
+def _whole(t):
+    """An FSDP shard's whole tensor (a collective over its replicas), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 CONFIGS = [("bfw", True), ("zbh1", True), ("plan", True), ("bfw", False)]
@@ -228,6 +237,17 @@ def test_pp2_ep2_two_stages_per_rank_one_without_moe():
     """V = 2 (v placement): rank 0 holds the stage without a MoE layer (free of the agreement)
     beside the last stage."""
     _exact(run_ranks(_pipeline, 4, 2, V_CONFIGS, 2, timeout=400), V_CONFIGS)
+
+
+@pytest.mark.timeout(420)
+def test_pp2_ep2_over_fsdp_replicas_equal_one_process():
+    """FSDP2 (dp_shard 2 = ep 2): the stages fully_shard over the replicas, the experts left out
+    (the EP group shards them), under ready BFW and ZB-H1 with the split backward."""
+    configs = [("bfw", True), ("zbh1", True)]
+    results = run_ranks(_pipeline, 4, 2, configs, 1, 0.0, 0, True, timeout=400)
+    _check(results, configs)
+    for out, _ in results.values():
+        assert all(out[c]["rounds"][0] >= 2 * M * STEPS for c in configs), "EP tasks are agreed"
 
 
 @pytest.mark.timeout(420)

@@ -32,6 +32,7 @@ from rrfp.app.train.metrics import RunMetrics
 from rrfp.app.train.optimizers import agree_on_ties, build_optimizer, no_decay_names
 from rrfp.app.train.router_statistics import RouterStatistics
 from rrfp.app.train.step_statistics import StepStatistics
+from rrfp.comm.grad_norm import local
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
@@ -589,10 +590,11 @@ async def _unless_stopped(
 
 
 def _finite(module: torch.nn.Module, loss: float | None) -> bool:
-    """No NaN or Inf in this rank's loss (last stage) or in its gradients."""
+    """No NaN or Inf in this rank's loss (last stage) or in its gradients (an FSDP shard's own
+    part: no collective, and FSDP shards beside plain tensors, as with expert parallelism)."""
     if loss is not None and not math.isfinite(loss):
         return False
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
     return not grads or bool(torch.nn.utils.get_total_norm(grads).isfinite())
 
 

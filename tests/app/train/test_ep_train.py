@@ -1,5 +1,6 @@
 """``rrfp train`` with expert parallelism (configs/moe-tiny.toml, pp 2 x dp 2 on 4 gloo ranks,
-``parallel.ep = 2``): the run equals the one with the experts local, and a run resumed from its
+``parallel.ep = 2``): the run equals the one with the experts local, and with the rest of each stage
+FSDP-sharded (``dp_shard``) the one with it replicated; a run resumed from its
 step-2 checkpoint, whose EP members saved their own experts, repeats the unbroken run bit for bit:
 its losses, its gradient norms and every tensor of its final checkpoint."""
 
@@ -46,6 +47,31 @@ def test_experts_sharded_train_as_local_ones():
     # float32, the experts' products over other row groupings: equal to rounding
     assert sharded[1] == pytest.approx(local[1], rel=1e-5), (local[1], sharded[1])
     assert sharded[2] == pytest.approx(local[2], rel=1e-4), (local[2], sharded[2])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("pp, replicas", [(2, 2), (1, 4)])
+def test_experts_beside_fsdp_stages_train_as_beside_replicated_ones(pp, replicas):
+    """``dp_shard``: the rest of each stage FSDP-sharded over the replicas, the experts over the EP
+    group as with ``dp`` (pp 2 x dp_shard 2 = ep 2: every replica holds its own experts; pp 1 x
+    dp_shard 4 over ep 2: two replicas hold each, their gradients summed between them)."""
+    layout = [f"parallel.pp={pp}", "model.moe_first_dense=0"]
+    replicated = run_ranks(
+        _train, 4, 2, None, "off", [*layout, f"parallel.dp={replicas}"], timeout=180
+    )[0]
+    sharded = run_ranks(
+        _train,
+        4,
+        2,
+        None,
+        "off",
+        [*layout, "parallel.dp=1", f"parallel.dp_shard={replicas}"],
+        timeout=180,
+    )[0]
+    assert len(sharded[1]) == STEPS and sharded[1][-1] < sharded[1][0], sharded[1]
+    # float32, the FSDP shards' norms summed in other groupings: equal to rounding
+    assert sharded[1] == pytest.approx(replicated[1], rel=1e-6), (replicated[1], sharded[1])
+    assert sharded[2] == pytest.approx(replicated[2], rel=1e-6), (replicated[2], sharded[2])
 
 
 @pytest.mark.timeout(400)
