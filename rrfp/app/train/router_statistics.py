@@ -57,6 +57,15 @@ class RouterStatistics:
                 mine.load_max_over_mean = max(mine.load_max_over_mean, ratio)
         return mine
 
+    def own_steps(self) -> list[RouterStep]:
+        """The step's statistics of rrfp's own MoE layers (not an HF router's), in layer order:
+        what the routing record reads, forward by forward."""
+        return [
+            st
+            for layer, st in zip(self.layers, self.steps, strict=True)
+            if isinstance(layer, MoELayer)
+        ]
+
     async def update_biases(self, poller, dp_group, what: str) -> None:
         """DeepSeek-V3's bias update of every layer that has one, from the load of the step just
         taken summed over ``dp_group`` (None: a group of one)."""

@@ -356,7 +356,7 @@ class _RankTraining:
         if self.cfg.output.sizes:
             await self._record_sizes(step, res, feats)
         if self.routing:
-            self.routing_record.add(step, res.ran, self.routing.steps)
+            self.routing_record.add(step, res.ran, self.routing.own_steps())
         if on_step is not None and rt.rank == 0 and self._logs(step):
             on_step(report)
         return await self._after_step(step, stats)
