@@ -1,4 +1,5 @@
-"""HuggingFace causal LMs (Llama, Qwen2, Qwen3, Mistral) split into pipeline stages.
+"""HuggingFace causal LMs (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral) split into pipeline
+stages.
 
 ``build_hf_stage`` builds one stage of a ``*ForCausalLM`` from its config: only the
 stage's layers are materialised, their initial weights equal those of the whole model

@@ -25,6 +25,7 @@ from rrfp.hf.extra import require
 from rrfp.hf.families import check_config
 from rrfp.hf.layers import hf_layer_ranges
 from rrfp.hf.router_aux_loss import add_router_aux_losses, moe_blocks
+from rrfp.hf.router_steps import count_routes
 from rrfp.hf.safetensors_load import load_stage_tensors
 from rrfp.hf.stage import HFStage
 
@@ -104,6 +105,7 @@ def build_hf_model(
     )
     _check_initialised(model, "the whole model")
     blocks = moe_blocks(model.model.layers)
+    count_routes(blocks)
     add_router_aux_losses(blocks, config, len(blocks))
     return model.train()
 
@@ -168,9 +170,9 @@ def build_hf_stage(
         )
         load_stage_tensors(module, checkpoint, tied=_tied(config))
     _check_initialised(module, f"stage {stage}")
-    add_router_aux_losses(
-        moe_blocks(module.model.layers.values()), config, len(moe_blocks(body.layers))
-    )
+    blocks = moe_blocks(module.model.layers.values())
+    count_routes(blocks)
+    add_router_aux_losses(blocks, config, len(moe_blocks(body.layers)))
     log.debug(
         "stage %d of %d: layers %d..%d, %d parameters",
         stage,

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from rrfp.hf.router_steps import ATTRIBUTE
 from rrfp.nn.moe_aux_loss import inject
 
 
@@ -47,6 +48,9 @@ def add_router_aux_losses(blocks: list[nn.Module], config, moe_layers: int) -> i
     def hook(router: nn.Module, args, output):
         logits, weights, ids = output
         aux = coeff * balance((logits,), router.num_experts, top_k)
+        steps = getattr(router, ATTRIBUTE, None)  # the router's statistics (router_steps.py)
+        if steps is not None and steps.counting(logits):
+            steps.add_aux(aux)
         return logits, inject(weights, aux), ids
 
     for block in blocks:

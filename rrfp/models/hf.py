@@ -20,14 +20,30 @@ import rrfp
 from rrfp.models.data import DataConfig, batches, check_fits, describe
 from rrfp.models.gpt import loss_fn
 
-FAMILIES = ("llama", "qwen3", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+# the [model] keys of a mixture of experts, and what each family calls them (None: it has none)
+MOE_KEYS = {
+    "num_experts": {"qwen3_moe": "num_experts", "mixtral": "num_local_experts"},
+    "num_experts_per_tok": {"qwen3_moe": "num_experts_per_tok", "mixtral": "num_experts_per_tok"},
+    "moe_intermediate_size": {"qwen3_moe": "moe_intermediate_size", "mixtral": None},
+    "norm_topk_prob": {"qwen3_moe": "norm_topk_prob", "mixtral": None},
+    "output_router_logits": {
+        "qwen3_moe": "output_router_logits",
+        "mixtral": "output_router_logits",
+    },
+    "router_aux_loss_coef": {
+        "qwen3_moe": "router_aux_loss_coef",
+        "mixtral": "router_aux_loss_coef",
+    },
+}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 NOT_HF = ("family", "dtype", "gradient_checkpointing", "stage_layers", "checkpoint", "head_dim")
 
 
 @dataclass
 class HFConfig:
-    family: str = "llama"  # llama | qwen3 | qwen2 | mistral
+    family: str = "llama"  # llama | qwen3 | qwen2 | mistral | qwen3_moe | mixtral
     vocab_size: int = 256
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -46,6 +62,15 @@ class HFConfig:
         default_factory=list
     )  # decoder layers per stage, e.g. [3, 3, 2]; []: balanced
     checkpoint: str = ""  # a safetensors file or folder to start from; "": the seeded init
+    # qwen3_moe and mixtral only: every decoder layer's MLP is a mixture of experts
+    num_experts: int = 0  # routed experts per layer (mixtral: num_local_experts)
+    num_experts_per_tok: int = 2  # experts each token goes to
+    moe_intermediate_size: int = 0  # qwen3_moe: each expert's width; 0: intermediate_size
+    norm_topk_prob: bool = (
+        True  # qwen3_moe: the chosen experts' gates renormalised (mixtral: always)
+    )
+    output_router_logits: bool = True  # the balance loss on (rrfp/hf/router_aux_loss.py)
+    router_aux_loss_coef: float = 0.001  # its weight
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -93,17 +118,42 @@ class HFConfig:
             raise ValueError(
                 f"HFConfig.stage_layers must be positive layer counts, got {self.stage_layers!r}"
             )
+        self._check_moe()
         if self.stage_layers and sum(self.stage_layers) != self.num_hidden_layers:
             raise ValueError(
                 f"HFConfig.stage_layers {self.stage_layers} add up to {sum(self.stage_layers)} "
                 f"layers, the model has num_hidden_layers = {self.num_hidden_layers}"
             )
 
+    def _check_moe(self) -> None:
+        if self.family not in MOE_FAMILIES:
+            if self.num_experts:
+                raise ValueError(
+                    f"HFConfig.num_experts = {self.num_experts} with family {self.family!r}: "
+                    f"a mixture of experts is one of {', '.join(MOE_FAMILIES)}"
+                )
+            return
+        if self.num_experts <= 0:
+            raise ValueError(f"HFConfig.num_experts must be positive for {self.family!r}")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"HFConfig.num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.moe_intermediate_size < 0 or self.router_aux_loss_coef < 0:
+            raise ValueError("HFConfig.moe_intermediate_size and router_aux_loss_coef must be >= 0")
+
     def hf(self):
-        """The transformers config (LlamaConfig, Qwen3Config, ...)."""
-        values = {k: v for k, v in asdict(self).items() if k not in NOT_HF}
+        """The transformers config (LlamaConfig, Qwen3Config, Qwen3MoeConfig, ...)."""
+        values = {k: v for k, v in asdict(self).items() if k not in NOT_HF and k not in MOE_KEYS}
         if self.head_dim:
             values["head_dim"] = self.head_dim
+        if self.family in MOE_FAMILIES:
+            for key, names in MOE_KEYS.items():
+                if names[self.family] is not None:
+                    values[names[self.family]] = getattr(self, key)
+            if self.family == "qwen3_moe" and not self.moe_intermediate_size:
+                values["moe_intermediate_size"] = self.intermediate_size
         return rrfp.hf_config(self.family, **values)
 
     def ranges(self, num_stages: int) -> list[range] | None:

@@ -490,7 +490,9 @@ class PipelineRuntime:
             )
         for m in modules:
             refuse_wrapped(m, "PipelineRuntime.stage_executor")
-        sharded = ShardedStages.of(modules, self.dp_ranks, "PipelineRuntime.stage_executor")
+        sharded = ShardedStages.of(
+            modules, self.dp_ranks, "PipelineRuntime.stage_executor", self.expert_dp_group
+        )
         if sharded is not None and any(tied if isinstance(tied, (list, tuple)) else [tied]):
             raise NotImplementedError(
                 "PipelineRuntime.stage_executor: tied parameters (tied=) of FSDP-sharded stage "

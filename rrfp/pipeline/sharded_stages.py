@@ -18,6 +18,13 @@ The split backward's W accumulates weight gradients on the unsharded parameters,
 alone until ``finish``, so every gradient reaches the sharded parameters exactly once, after the
 last W. Every parameter that requires grad takes part in the reduce-scatter, with zeros where this
 replica has no gradient for it, so the replicas' reduce-scatters have one layout.
+
+Expert parallelism borrows the replicas, as torchtitan's does the dp_shard dimension: the
+expert-parallel shards (``ExpertParallel``) stay outside ``fully_shard`` (``ignored_params``), each
+EP member holding its own experts whole. Their gradients already sum every member's tokens that
+reached them (the all-to-alls carried them back); ``finish`` sums them over the replicas holding
+the same experts (none when dp_shard = ep) and divides them by the replicas, as the reduce-scatter
+averages the rest: each replica's loss counts once in the mean.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rrfp.comm.loaded_class import FSDP_MODULE, loaded_class
+from rrfp.nn.expert_parallel import expert_parameters
 
 log = logging.getLogger("rrfp.pipeline.sharded_stages")
 
@@ -64,8 +72,14 @@ class ShardedStages:
     after it. ``dp_ranks``: the stage's replicas (the runtime's DP group), which must be the ranks
     FSDP shards over."""
 
-    def __init__(self, modules: Sequence[nn.Module], dp_ranks: list[int], who: str) -> None:
+    def __init__(
+        self, modules: Sequence[nn.Module], dp_ranks: list[int], who: str, expert_group=None
+    ) -> None:
         self.modules = fsdp_modules(modules)
+        self.replicas, self.expert_group = len(dp_ranks), expert_group
+        # the expert-parallel shards, in model order: outside fully_shard, reduced in finish
+        ids = set().union(*(expert_parameters(m) for m in modules))
+        self.experts = [p for m in modules for p in m.parameters() if id(p) in ids]
         self._check(modules, dp_ranks, who)
         self._saved: list[tuple] = []
         # the group FSDP's all-gathers and reduce-scatters run over: every module's (``_check``)
@@ -74,10 +88,11 @@ class ShardedStages:
 
     @classmethod
     def of(
-        cls, modules: Sequence[nn.Module], dp_ranks: list[int], who: str
+        cls, modules: Sequence[nn.Module], dp_ranks: list[int], who: str, expert_group=None
     ) -> ShardedStages | None:
-        """None when no stage module holds an FSDP module."""
-        return cls(modules, dp_ranks, who) if fsdp_modules(modules) else None
+        """None when no stage module holds an FSDP module. ``expert_group``: the replicas holding
+        this rank's experts, None when it holds them alone (or without expert parallelism)."""
+        return cls(modules, dp_ranks, who, expert_group) if fsdp_modules(modules) else None
 
     def _check(self, modules: Sequence[nn.Module], dp_ranks: list[int], who: str) -> None:
         """NotImplementedError naming what this design does not cover: HSDP, FSDP over other ranks
@@ -100,6 +115,7 @@ class ShardedStages:
                         "fully_shard each stage over its replicas (the mesh's dp_shard dimension)"
                     )
                 managed.update(id(p.sharded_param) for p in group.fsdp_params)
+        managed.update(id(p) for p in self.experts)
         for module in modules:
             outside = [n for n, p in module.named_parameters() if id(p) not in managed]
             if outside:
@@ -141,7 +157,21 @@ class ShardedStages:
                 group.post_backward()
             for root in self._roots():
                 root._root_post_backward_final_callback()
+            self._reduce_experts()
         self._restore()
+
+    def _reduce_experts(self) -> None:
+        """The experts' gradients summed over the replicas holding them and divided by all
+        replicas, in model order (a missing one counts as zeros, so the all-reduces pair)."""
+        for p in self.experts:
+            if not p.requires_grad:
+                continue
+            if self.expert_group is not None:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.expert_group)
+            if p.grad is not None:
+                p.grad.div_(self.replicas)
 
     def _restore(self) -> None:
         """The user's settings back, for what runs outside an iteration (evaluation, own calls)."""
@@ -162,9 +192,12 @@ def shard_stage(module: nn.Module, group, device_type: str) -> nn.Module:
     """``fully_shard`` a stage module over ``group`` (the stage's replicas) as one unit, what
     ``rrfp train`` does with ``[parallel] dp_shard``. One unit is enough here: every unit is
     unsharded for the whole iteration anyway (``ShardedStages``), so finer ones would lower no
-    peak, only add collectives."""
+    peak, only add collectives. Expert-parallel shards (``rt.shard_experts`` first) stay out: the
+    EP group holds them sharded already."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
-    return fully_shard(module, mesh=mesh)
+    ids = expert_parameters(module)
+    experts = {p for p in module.parameters() if id(p) in ids}
+    return fully_shard(module, mesh=mesh, ignored_params=experts or None)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointError
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -530,16 +531,45 @@ class _GlobalOnly:
         return None
 
 
+class _CountAsRun(TorchDispatchMode):
+    """Runs every op with the kernel it would run anyway and counts it with torch's registry.
+    torch's own mode runs an op it has no count for through the op's Python decomposition when
+    there is one (``silu_backward``: ``math_silu_backward``), whose rounding differs from the
+    kernel's: the measured microbatch would compute other gradients than the rest, so a run
+    resumed from a checkpoint, which measures its own first step again, would leave the unbroken
+    run by an ulp."""
+
+    def __init__(self, counter: FlopCounterMode) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        return self.counter._count_flops(func._overloadpacket, out, args, kwargs)
+
+
 class StageFlopCounter(FlopCounterMode):
-    """torch's FLOP counter without its module tracker. The tracker (torch/utils/module_tracker.py)
-    installs process-wide module forward hooks that put multi-grad hooks on the tensors of every
-    forward any thread runs meanwhile; a later ``autograd.grad`` through such a tensor fails with
-    "A leaf node was passed to _will_engine_execute_node". Ranks run as threads in one process, a
-    user's own threads, or the drop-in's background loop would hit it. Only the total is used."""
+    """torch's FLOP counter without its module tracker and without decomposing. The tracker
+    (torch/utils/module_tracker.py) installs process-wide module forward hooks that put multi-grad
+    hooks on the tensors of every forward any thread runs meanwhile; a later ``autograd.grad``
+    through such a tensor fails with "A leaf node was passed to _will_engine_execute_node". Ranks
+    run as threads in one process, a user's own threads, or the drop-in's background loop would
+    hit it. Only the total is used, and the ops compute as they do uncounted (``_CountAsRun``)."""
 
     def __init__(self) -> None:
         super().__init__(display=False)
         self.mod_tracker = _GlobalOnly()
+
+    def __enter__(self) -> StageFlopCounter:
+        self.flop_counts.clear()
+        self._running = _CountAsRun(self)
+        self._running.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._running.__exit__(*exc)
+        del self._running  # breaks the cycle through the mode
 
 
 def _flops(fn) -> int:

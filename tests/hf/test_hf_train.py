@@ -116,8 +116,11 @@ def test_learning_rate_warms_up_linearly_from_zero():
         (["tp=2"], "parallel.tp = 2: rrfp.hf stages are not tensor-parallel; set parallel.tp = 1"),
         (
             ["model.family=gpt2"],
-            "HFConfig.family must be one of llama, qwen3, qwen2, mistral, got 'gpt2'",
+            "HFConfig.family must be one of llama, qwen3, qwen2, mistral, qwen3_moe, mixtral, "
+            "got 'gpt2'",
         ),
+        (["model.num_experts=4"], "HFConfig.num_experts = 4 with family 'llama': a mixture"),
+        (["model.family='mixtral'"], "HFConfig.num_experts must be positive for 'mixtral'"),
         (["model.stage_layers=[1, 1]"], "HFConfig.stage_layers [1, 1] add up to 2 layers"),
         (["model.stage_layers=[4, 4]"], "model.stage_layers has 2 entries for 4 pipeline stages"),
         (["model.checkpoint='/nonexistent/hf'"], "model.checkpoint /nonexistent/hf does not exist"),

@@ -19,7 +19,7 @@ UNIT_MS = 20.0  # emulated task lengths long against the compute, so that the se
 BLOCKS = ("dense", "moe", "moe", "moe")
 
 
-def _model():
+def _model(blocks=BLOCKS):
     import torch.nn as nn
 
     from rrfp.nn.moe_layer import MoELayer
@@ -36,23 +36,33 @@ def _model():
         def forward(self, x):
             return x + self.ffn(x)
 
-    return nn.Sequential(*(Block(k) for k in BLOCKS))
+    return nn.Sequential(*(Block(k) for k in blocks))
 
 
 def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap=False):
+def _pipeline(rank, world, pp, configs, virtual, opts=None):
+    """``opts``: ``slow`` (replica 1's stage 0 that many times slower), ``fail_every`` (every n-th
+    EP round fails), ``fsdp`` (the stages FSDP-sharded over the replicas), ``blocks`` (the model's),
+    ``tight`` (replica 0's budget one microbatch), ``overlap`` (a ready W beside an all-to-all)."""
     import torch
 
+    from rrfp.core.budget import DEFAULT_BUDGET
     from rrfp.core.variability import Variability
     from rrfp.loop import run
+    from rrfp.nn.expert_parallel import expert_parameters
     from rrfp.nn.expert_time import ExpertTimes
     from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.pipeline.runtime import PipelineRuntime
     from rrfp.pipeline.schedule_settings import ScheduleSettings
+    from rrfp.pipeline.sharded_stages import shard_stage
 
+    opts = opts or {}
+    slow, fail_every, fsdp = opts.get("slow", 0.0), opts.get("fail_every", 0), opts.get("fsdp")
+    blocks, tight = opts.get("blocks", BLOCKS), opts.get("tight", False)
+    overlap = opts.get("overlap", False)
     torch.set_default_dtype(torch.float64)
     dp = world // pp
     gen = torch.Generator().manual_seed(7)
@@ -66,7 +76,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap
 
     def reference():
         torch.manual_seed(0)
-        full = _model()
+        full = _model(blocks)
         opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
         losses, grads = [], []
         for step in range(STEPS):
@@ -94,16 +104,17 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap
             placement="v" if virtual == 2 else "interleaved",
         )
         n = rt.num_stages
-        per = len(BLOCKS) // n
+        per = len(blocks) // n
         out = {}
         try:
             for hint, split in configs:
                 torch.manual_seed(0)
-                full = _model()
+                full = _model(blocks)
                 mods = [full[s * per : (s + 1) * per] for s in rt.stages]
                 for m in mods:
                     rt.shard_experts(m)
-                from rrfp.nn.expert_parallel import expert_parameters
+                if fsdp:  # the rest FSDP-sharded over the replicas, the experts left out
+                    mods = [shard_stage(m, rt.dp_group, "cpu") for m in mods]
 
                 shards = set().union(*(expert_parameters(m) for m in mods))
                 params = [p for m in mods for p in m.parameters()]
@@ -122,26 +133,28 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap
                     # the MoE tasks' experts and all-to-alls take their time from the routing
                     experts=ExpertTimes(rows=2 * 5 * 2),
                     overlap=overlap,
+                    budget=1 if tight and rt.dp_rank == 0 else DEFAULT_BUDGET,
                 )
                 ex = rt.stage_executor(mods, _loss, settings=settings)
                 if fail_every:
                     _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
-                sync = rt.grad_sync(module, ex)
+                sync = None if fsdp else rt.grad_sync(module, ex)
                 opt = torch.optim.AdamW(params, lr=1e-2)
                 k = 4 // dp  # experts per member
                 errs, losses, orders = [], [], []
                 for step in range(STEPS):
                     mine = data[step][rt.dp_rank * M : (rt.dp_rank + 1) * M]
                     res = await ex.run_iteration(step, mine)
-                    await sync.sync()
+                    if sync is not None:
+                        await sync.sync()
                     losses.append(res.losses)
                     orders.append([f"{t}@{s}" for s, t in res.ran])
                     for p in params:
                         want = ref_grads[step][names[id(p)]]
                         if id(p) in shards:
                             want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
-                        errs.append((p.grad - want).abs().max().item())
+                        errs.append((_whole(p.grad) - want).abs().max().item())
                     opt.step()
                     opt.zero_grad()
                 perr = 0.0
@@ -149,7 +162,7 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap
                     want = ref_params[names[id(p)]].detach()
                     if id(p) in shards:
                         want = want[rt.dp_rank * k : (rt.dp_rank + 1) * k]
-                    perr = max(perr, (p - want).abs().max().item())
+                    perr = max(perr, (_whole(p.detach()) - want).abs().max().item())
                 ep = ex.ep_agreement
                 out[(hint, split)] = {
                     "grad_err": max(errs),
@@ -165,6 +178,11 @@ def _pipeline(rank, world, pp, configs, virtual, slow=0.0, fail_every=0, overlap
         return out
 
     return run(main()), ref_losses
+
+
+def _whole(t):
+    """An FSDP shard's whole tensor (a collective over its replicas), any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 CONFIGS = [("bfw", True), ("zbh1", True), ("plan", True), ("bfw", False)]
@@ -218,8 +236,8 @@ def _exact(results, configs):
     for out, _ in results.values():
         assert all(out[c]["rounds"][0] >= 2 * M * STEPS for c in configs), "EP tasks are agreed"
     # each replica plans from its own durations: they run the microbatches in different orders, so
-    # tokens of different microbatches meet at the experts (with the other hints the replicas may
-    # differ too, where the W and the stage without MoE layers go, as timing has it)
+    # tokens of different microbatches meet at the experts (under BFW and ZB-H1 the orders differ
+    # only where a stage without MoE layers leaves room: test_replicas_that_must_order_differently)
     assert _orders_differ(results, ("plan", True))
 
 
@@ -237,12 +255,49 @@ def test_pp2_ep2_two_stages_per_rank_one_without_moe():
 
 
 @pytest.mark.timeout(420)
+def test_replicas_that_must_order_differently_stay_exact():
+    """Ready BFW and ZB-H1 with orders that differ by construction, not by timing. With every
+    stage holding a MoE layer the replicas' orders cannot differ under these hints: each stage's
+    F and B (and the first stage's W) are agreed class by class, both rank microbatches by index
+    alike, and the one free task, the last stage's W, runs as soon as its B is done, before the
+    next round can agree. So stage 0 here is dense (free of the agreement) and replica 0 holds
+    one microbatch at a time: its stage 0 can only run F0 B0 W0 F1 B1 W1 ..., while replica 1,
+    whose budget admits F1 as soon as F0 is done, ranks F1 above W0 under both hints and so never
+    runs W0 straight after B0 while F1 waits."""
+    configs = [("bfw", True), ("zbh1", True)]
+    opts = {"blocks": ("dense", "dense", "moe", "moe"), "tight": True}
+    results = run_ranks(_pipeline, 4, 2, configs, 1, opts, timeout=400)
+    _check(results, configs)
+    alone = [f"{k}{m}@0" for m in range(M) for k in "FBW"]
+    for c in configs:
+        first = {
+            r["coords"][1]: r["orders"]
+            for out, _ in results.values()
+            if (r := out[c])["coords"][0] == 0
+        }
+        assert all(order == alone for order in first[0]), (c, first[0])
+        assert all(order != alone for order in first[1]), (c, first[1])
+        assert _orders_differ(results, c)
+
+
+@pytest.mark.timeout(420)
+def test_pp2_ep2_over_fsdp_replicas_equal_one_process():
+    """FSDP2 (dp_shard 2 = ep 2): the stages fully_shard over the replicas, the experts left out
+    (the EP group shards them), under ready BFW and ZB-H1 with the split backward."""
+    configs = [("bfw", True), ("zbh1", True)]
+    results = run_ranks(_pipeline, 4, 2, configs, 1, {"fsdp": True}, timeout=400)
+    _check(results, configs)
+    for out, _ in results.values():
+        assert all(out[c]["rounds"][0] >= 2 * M * STEPS for c in configs), "EP tasks are agreed"
+
+
+@pytest.mark.timeout(420)
 def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
     """Every third round fails on every member (as a round fails when no class is offered
     everywhere), with replica 1's first stage four times slower: the members retry at once when
     their offer holds every class offered somewhere, else once it grew, and stay exact."""
     configs = [("bfw", True), ("zbh1", True)]
-    results = run_ranks(_pipeline, 4, 2, configs, 1, 4.0, 3, timeout=200)
+    results = run_ranks(_pipeline, 4, 2, configs, 1, {"slow": 4.0, "fail_every": 3}, timeout=200)
     _check(results, configs)
     for out, _ in results.values():
         assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
@@ -254,4 +309,4 @@ def test_all_to_alls_with_a_w_beside_stay_exact():
     (one that issues no EP collective), each replica with its own seeds and so its own W's in its
     own windows; ready BFW, ZB-H1 and plan stay exact."""
     configs = [("bfw", True), ("zbh1", True), ("plan", True)]
-    _exact(run_ranks(_pipeline, 4, 2, configs, 1, 0.0, 0, True, timeout=400), configs)
+    _exact(run_ranks(_pipeline, 4, 2, configs, 1, {"overlap": True}, timeout=400), configs)

@@ -56,3 +56,30 @@ def test_the_total_is_torchs():
     with FlopCounterMode(display=False) as theirs:
         a @ b
     assert ours.get_total_flops() == theirs.get_total_flops() == 2 * 8 * 16 * 4
+
+
+def _silu_grads():
+    """The gradients of a linear layer under silu, whose backward (``silu_backward``) torch's
+    counter would run through its Python decomposition."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=g, requires_grad=True)
+    w = torch.randn(16, 32, generator=g, requires_grad=True)
+    return torch.autograd.grad(torch.nn.functional.silu(x @ w.T).sum(), [x, w])
+
+
+def test_counting_computes_what_runs_uncounted():
+    """The measured microbatch's gradients are bit for bit those of any other: a run resumed from
+    a checkpoint measures its first step again, where the unbroken run did not."""
+    plain = _silu_grads()
+    with StageFlopCounter() as counter:
+        counted = _silu_grads()
+    assert all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))
+    assert counter.get_total_flops() == 3 * 2 * 64 * 32 * 16  # forward, and both gradients
+
+
+def test_torchs_counter_rounds_otherwise():
+    """The bug class the test above guards against, on torch's own counter."""
+    plain = _silu_grads()
+    with FlopCounterMode(display=False):
+        counted = _silu_grads()
+    assert not all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))

@@ -87,7 +87,8 @@ class ParallelSection(Section):
     ep: int = setting(
         1,
         "expert-parallel replicas: the MoE layers' experts sharded over blocks of ep adjacent "
-        "data-parallel replicas (ep divides dp), tokens sent to their experts by all-to-all",
+        "data-parallel replicas (ep divides dp or dp_shard), tokens sent to their experts by "
+        "all-to-all",
         bounds=COUNT,
         least=ONE,
     )
@@ -120,10 +121,11 @@ class ParallelSection(Section):
                 f"parallel.dp_shard = {self.dp_shard} with parallel.tp = {self.tp}: FSDP-sharded "
                 "stages with tensor parallelism are not supported"
             )
-        if self.ep > 1 and (self.dp_shard > 1 or self.tp > 1 or self.dp % self.ep):
+        if self.ep > 1 and (self.tp > 1 or self.replicas % self.ep):
             raise ConfigError(
-                f"parallel.ep = {self.ep} needs parallel.dp a multiple of it (dp = {self.dp}), "
-                "without dp_shard or tp: the experts are sharded over the replicated replicas"
+                f"parallel.ep = {self.ep} needs parallel.dp or parallel.dp_shard a multiple of it "
+                f"(dp = {self.dp}, dp_shard = {self.dp_shard}), without tp: the experts are "
+                "sharded over the data-parallel replicas"
             )
         try:
             VirtualLayout(1, self.virtual, self.placement)

@@ -1,6 +1,7 @@
 """A mixture of experts' router statistics per step, and DeepSeek-V3's bias update after it.
 
-Each rank reads its MoE layers' step statistics (rrfp.nn.moe_layer) once the iteration is done:
+Each rank reads its MoE layers' step statistics (rrfp.nn.moe_layer; a HuggingFace mixture of
+experts' routers keep the same, rrfp/hf/router_steps.py) once the iteration is done:
 the weighted auxiliary loss of its layers (each layer's mean over the step's microbatches, as the
 loss is), the token copies nothing computed (``dropped``: 0, the layers are dropless) and the
 most loaded expert's tokens over the mean, for its worst layer. They ride in the step's statistics
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.comm import collectives
+from rrfp.hf.router_steps import RouterSteps, router_steps
 from rrfp.nn.moe_layer import MoELayer, RouterStep, moe_layers
 
 
@@ -35,7 +37,7 @@ class RouterStatistics:
     """The MoE layers of a rank's stage modules; empty (and every call a no-op) without any."""
 
     def __init__(self, modules) -> None:
-        self.layers: list[MoELayer] = moe_layers(modules)
+        self.layers: list[MoELayer | RouterSteps] = [*moe_layers(modules), *router_steps(modules)]
         self.steps: list[RouterStep] = []
 
     def __bool__(self) -> bool:
@@ -55,13 +57,22 @@ class RouterStatistics:
                 mine.load_max_over_mean = max(mine.load_max_over_mean, ratio)
         return mine
 
+    def own_steps(self) -> list[RouterStep]:
+        """The step's statistics of rrfp's own MoE layers (not an HF router's), in layer order:
+        what the routing record reads, forward by forward."""
+        return [
+            st
+            for layer, st in zip(self.layers, self.steps, strict=True)
+            if isinstance(layer, MoELayer)
+        ]
+
     async def update_biases(self, poller, dp_group, what: str) -> None:
         """DeepSeek-V3's bias update of every layer that has one, from the load of the step just
         taken summed over ``dp_group`` (None: a group of one)."""
         moving = [
             (layer, st)
             for layer, st in zip(self.layers, self.steps, strict=True)
-            if layer.router.bias_update_rate > 0
+            if isinstance(layer, MoELayer) and layer.router.bias_update_rate > 0
         ]
         if not moving:
             return

@@ -33,6 +33,7 @@ from rrfp.app.train.optimizers import agree_on_ties, build_optimizer, no_decay_n
 from rrfp.app.train.router_statistics import RouterStatistics
 from rrfp.app.train.routing_record import RoutingRecord, write_routing
 from rrfp.app.train.step_statistics import StepStatistics
+from rrfp.comm.grad_norm import local
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
 from rrfp.core.stats import StageStats
@@ -355,7 +356,7 @@ class _RankTraining:
         if self.cfg.output.sizes:
             await self._record_sizes(step, res, feats)
         if self.routing:
-            self.routing_record.add(step, res.ran, self.routing.steps)
+            self.routing_record.add(step, res.ran, self.routing.own_steps())
         if on_step is not None and rt.rank == 0 and self._logs(step):
             on_step(report)
         return await self._after_step(step, stats)
@@ -606,10 +607,11 @@ async def _unless_stopped(
 
 
 def _finite(module: torch.nn.Module, loss: float | None) -> bool:
-    """No NaN or Inf in this rank's loss (last stage) or in its gradients."""
+    """No NaN or Inf in this rank's loss (last stage) or in its gradients (an FSDP shard's own
+    part: no collective, and FSDP shards beside plain tensors, as with expert parallelism)."""
     if loss is not None and not math.isfinite(loss):
         return False
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    grads = [local(p.grad) for p in module.parameters() if p.grad is not None]
     return not grads or bool(torch.nn.utils.get_total_norm(grads).isfinite())
 
 

@@ -22,10 +22,20 @@ def test_ep_splits_the_replicas_into_blocks():
     [
         (["pp=1", "dp=2", "ep=4"], 2),
         (["pp=1", "dp=3", "ep=2"], 3),
-        (["pp=1", "dp=1", "dp_shard=2", "ep=2"], 2),
+        (["pp=1", "dp=1", "dp_shard=2", "ep=4"], 2),
         (["pp=1", "tp=2", "dp=1", "ep=2"], 2),
     ],
 )
 def test_what_expert_parallelism_does_not_cover_is_refused(sets, world):
-    with pytest.raises(ConfigError, match=r"parallel.ep = \d needs parallel.dp a multiple of it"):
+    with pytest.raises(
+        ConfigError, match=r"parallel.ep = \d needs parallel.dp or parallel.dp_shard a multiple"
+    ):
         TrainConfig.load("configs/moe-tiny.toml", sets, world_size=world)
+
+
+def test_ep_splits_fsdp_replicas_as_replicated_ones():
+    cfg = TrainConfig.load(
+        "configs/moe-tiny.toml", ["pp=1", "dp=1", "dp_shard=4", "ep=2"], world_size=4
+    )
+    assert (cfg.layout.dp, cfg.layout.ep) == (4, 2)
+    assert cfg.layout.ep_groups() == [[0, 1], [2, 3]]

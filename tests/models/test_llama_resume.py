@@ -1,7 +1,8 @@
-"""A mixture of experts resumed from a checkpoint (experts local, pp 2 x dp 2, both balancers on)
-repeats the unbroken run bit for bit: every step's loss and auxiliary loss, and the expert biases
-of the final checkpoint (a persistent buffer the bias update moves). (The final weights may differ
-by one float32 ulp between the two, as a dense model's do: not what this test is about.)"""
+"""A llama resumed from a checkpoint (pp 2 x dp 2, ready BFW with the split backward) repeats the
+unbroken run bit for bit: every step's loss, gradient norm and auxiliary loss, and every tensor of
+the final checkpoint (weights, AdamW's moments and step, the RNG states). Dense, and a mixture of
+experts with its experts local and both balancers on (the expert biases are a persistent buffer
+the bias update moves)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ SIZES = [
 ]
 
 
-def _runs(rank, world, root):
+def _runs(rank, world, root, sizes):
     import datetime
 
     import torch.distributed as dist
@@ -43,7 +44,7 @@ def _runs(rank, world, root):
     from rrfp.loop import run
 
     def cfg(steps, folder, *more):
-        sets = [*SIZES, f"steps={steps}", f"checkpoint.dir={Path(root) / folder}", *more]
+        sets = [*sizes, f"steps={steps}", f"checkpoint.dir={Path(root) / folder}", *more]
         return TrainConfig.load(CONFIG, sets, world_size=world)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -52,19 +53,30 @@ def _runs(rank, world, root):
     dist.barrier()
     second = run(stage_main(cfg(STEPS, "resumed", "checkpoint.resume=required")))
     dist.destroy_process_group()
-    return (
-        (whole.losses, whole.aux_losses),
-        (first.losses + second.losses, first.aux_losses + second.aux_losses),
-        second.first_step,
+    return _series(whole), _series(first, second), second.first_step
+
+
+def _series(*runs) -> tuple[list, list, list]:
+    """The runs' losses, gradient norms and auxiliary losses, one after the other."""
+    return tuple(
+        sum((getattr(r, k) for r in runs), []) for k in ("losses", "grad_norms", "aux_losses")
     )
 
 
 @pytest.mark.timeout(300)
-def test_moe_resume_equals_the_unbroken_run(tmp_path):
-    for rank, (whole, resumed, start) in run_ranks(_runs, 4, str(tmp_path), timeout=280).items():
+@pytest.mark.parametrize("model", ["moe", "dense"])
+def test_resume_equals_the_unbroken_run(tmp_path, model):
+    sizes = SIZES if model == "moe" else [*SIZES, "model.moe_experts=0"]
+    ranks = run_ranks(_runs, 4, str(tmp_path), sizes, timeout=280)
+    for rank, (whole, resumed, start) in ranks.items():
         assert start == STOP_AT, rank
         assert resumed == whole and len(whole[0]) == STEPS, (rank, whole, resumed)
+        assert bool(whole[2]) == (model == "moe"), whole[2]
     a, b = final_state(tmp_path / "whole", STEPS), final_state(tmp_path / "resumed", STEPS)
+    moments = [k for k in a if k.endswith("exp_avg_sq")]
+    assert moments and any(a[k].abs().max() > 0 for k in moments), moments
+    assert any(k.startswith("rank3.rng") for k in a), sorted(a)[:5]
+    assert a.keys() == b.keys() and not differing(a, b), differing(a, b)[:5]
     biases = [k for k in a if k.endswith("expert_bias")]
-    assert biases and any(a[k].abs().max() > 0 for k in biases), biases
-    assert a.keys() == b.keys() and not differing({k: a[k] for k in biases}, b), biases
+    assert bool(biases) == (model == "moe"), biases
+    assert not biases or any(a[k].abs().max() > 0 for k in biases), biases
