@@ -47,6 +47,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.moe_aux_loss import aux_loss_scale
+from rrfp.nn.split_functions import SplitFunctions
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
@@ -63,6 +64,12 @@ from rrfp.pipeline.user_code import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# how W is split from B: "autograd" (the generic split), "layers" (split-aware layers queue their
+# own W, the generic split the rest), "functions" (also the module's own linear, norm, embedding
+# and scale ops, rrfp/nn/split_functions.py)
+WEIGHT_SPLITS = ("autograd", "layers", "functions")
 
 
 class _State(enum.Enum):
@@ -114,12 +121,18 @@ class StageWorker:
         weight_split: str = "autograd",
         dw_builder: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
-        if weight_split not in ("layers", "autograd"):
-            raise ValueError(f"weight_split must be 'layers' or 'autograd', got {weight_split!r}")
+        if weight_split not in WEIGHT_SPLITS:
+            raise ValueError(
+                f"weight_split must be one of {', '.join(map(repr, WEIGHT_SPLITS))}, "
+                f"got {weight_split!r}"
+            )
         self.weight_split = weight_split
         self._queued = queued_parameters(
             module
-        )  # left to split-aware layers' own W queue (mode "layers")
+        )  # left to split-aware layers' own W queue (modes "layers" and "functions")
+        self._functions: set[int] = (
+            set()
+        )  # parameters split-aware functions queued (mode "functions")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if n_microbatches <= 0:
@@ -167,13 +180,15 @@ class StageWorker:
             if counter is not None
             else contextlib.nullcontext()
         )
-        use_queue = self.split and self.weight_split == "layers"
+        use_queue = self.split and self.weight_split != "autograd"
         # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
         # losses inject (rrfp/nn/moe_aux_loss.py)
         aux_scale = aux_loss_scale(1 / self.n_microbatches)
+        functions = self._split_functions(queue)
         with (
             torch.enable_grad(),
             collect_weight_grads(queue if use_queue else None),
+            functions,
             hooks,
             aux_scale,
         ):
@@ -191,11 +206,15 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split and self.dw_builder is None:
+            deferred = self._deferred
+            if isinstance(functions, SplitFunctions) and functions.deferred:
+                self._functions.update(functions.deferred)
+                deferred = deferred | functions.deferred
             weights = weight_split.analyse(
                 self.module,
                 [t for t in outputs if _carries_grad(t)],
                 [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
-                self._deferred,
+                deferred,
             )
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
@@ -335,7 +354,12 @@ class StageWorker:
                         else None
                     )
                 )
-            with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)), one_pass():
+            with (
+                self._counting(mb, "b"),
+                self._layers_checkpoint(Task(Kind.B, mb)),
+                one_pass(),
+                self._recomputing(slot.queue),
+            ):
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
             torch.autograd.backward(outs, grads)
@@ -369,6 +393,7 @@ class StageWorker:
             self._counting(mb, "w"),
             self._layers_checkpoint(Task(Kind.W, mb)),
             one_pass(),
+            self._recomputing(slot.queue),
         ):
             if (
                 slot.weights is not None
@@ -378,6 +403,23 @@ class StageWorker:
             if slot.dw_runner is not None:
                 slot.dw_runner()
         self._finish(mb, slot)
+
+    def _split_functions(self, queue: WeightGradQueue):
+        """Mode "functions" on a split backward: the split-aware formulas for the module's own
+        ops (rrfp/nn/split_functions.py) around its F, queueing to ``queue``."""
+        if self.split and self.weight_split == "functions":
+            return SplitFunctions(queue)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _recomputing(self, queue: WeightGradQueue):
+        """Around B and W in mode "functions": a checkpointed region that autograd recomputes
+        there runs the split-aware formulas as its forward did, so it saves what F saved."""
+        if self.weight_split != "functions":
+            yield
+            return
+        with collect_weight_grads(queue), self._split_functions(queue):
+            yield
 
     @contextlib.contextmanager
     def _layers_checkpoint(self, task: Task):
@@ -419,8 +461,11 @@ class StageWorker:
 
     @property
     def _deferred(self) -> frozenset[int]:
-        """Parameters that split-aware layers' W queue owns: none unless weight_split = "layers"."""
-        return self._queued if self.weight_split == "layers" else frozenset()
+        """Parameters that split-aware layers' W queue owns: none in mode "autograd"; in mode
+        "functions" also those the split-aware functions queued in a forward so far."""
+        if self.weight_split == "autograd":
+            return frozenset()
+        return self._queued | self._functions if self._functions else self._queued
 
     def _measured(self, mb: int) -> bool:
         """Whether mb is the microbatch whose split backward split_summary measures (the first)."""

@@ -198,3 +198,35 @@ def test_gathering_through_checkpointed_nodes_runs_unsplit_and_warns_once(positi
     ), lines
     assert set(w.split_summary().in_b) == {n for n, _ in module.named_parameters()}
     check_against_autograd(module, ref, position, xs, gs, got_in, calls, ref_calls)
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_split_functions_leave_w_nothing_to_recompute(position):
+    """Mode "functions": the blocks' norm and linears queue their W in B, from what B's one
+    recomputation unpacked, so W recomputes no region (the first stage's W runs its whole
+    backward, as its B computes nothing, and recomputes each region there once); gradients and
+    hooks as plain autograd."""
+    torch.manual_seed(0)
+    module = Stage(position == 0).double()
+    ref = copy.deepcopy(module)
+    xs, gs = data(position)
+    calls, ref_calls = {}, {}
+    count_hooks(module, calls)
+    count_hooks(ref, ref_calls)
+    w = StageWorker(module, position, 3, M, mse, split=True, weight_split="functions")
+    runs = lambda: [b.runs for b in module.blocks]  # noqa: E731
+    for mb in range(M):
+        w.forward(mb, xs[mb], gs[mb] if position == 2 else None)
+    got_in = []
+    for mb in range(M):
+        before = runs()
+        got_in.append(w.backward(mb, None if position == 2 else gs[mb]))
+        assert [r - b for r, b in zip(runs(), before)] == [0 if position == 0 else 1] * 2, f"B{mb}"
+    for mb in range(M):
+        before = runs()
+        w.weight(mb)
+        assert [r - b for r, b in zip(runs(), before)] == [1 if position == 0 else 0] * 2, (
+            f"W{mb} recomputed a region"
+        )
+    assert w.split_summary().in_b == {}
+    check_against_autograd(module, ref, position, xs, gs, got_in, calls, ref_calls)

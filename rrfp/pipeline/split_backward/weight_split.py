@@ -46,9 +46,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd import _make_grads
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
 from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.nn.split_functions import QUEUEING_NODES
 from rrfp.pipeline.split_backward.checkpointed_nodes import is_checkpointed
 
 log = logging.getLogger(__name__)
@@ -270,10 +272,11 @@ WHOLE_CHECKPOINT_GATHERED = (
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
-# the nodes of rrfp.nn.split_linear and rrfp.nn.grouped_experts (a mixture of experts' grouped
-# products): their backward queues their weights' W. W must not run them again, but their use of a
-# parameter still counts when another use is gathered (a rerun would queue that W twice).
-_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward")
+# the nodes of rrfp.nn.split_linear, rrfp.nn.grouped_experts (a mixture of experts' grouped
+# products) and rrfp.nn.split_functions: their backward queues their weights' W. W must not run
+# them again, but their use of a parameter still counts when another use is gathered (a rerun would
+# queue that W twice).
+_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward", *QUEUEING_NODES)
 
 RERUN_LIMIT = (
     16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
@@ -379,11 +382,7 @@ def backward_input(weights: WeightWork, outputs, grads, inputs) -> list:
             if (edge := get_gradient_edge(o)).node in weights.output_nodes
         ]
         asked = list(inputs) + weights.in_b
-        found = (
-            list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True))
-            if asked
-            else []
-        )
+        found = list(_grad(outputs, asked, grads)) if asked else []
         _accumulate(weights.in_b, found[len(inputs) :])
     finally:
         for h in handles:
@@ -414,13 +413,7 @@ def _restart_all(weights: WeightWork) -> None:
             continue  # no gradient reached this node (an output that did not matter)
         seeds = [(GradientEdge(node, k), g) for k, g in enumerate(captured) if g is not None]
         asked = work.params + [GradientEdge(c, nr) for c, nr in work.edges]
-        found = torch.autograd.grad(
-            [e for e, _ in seeds],
-            asked,
-            [g for _, g in seeds],
-            retain_graph=True,
-            allow_unused=True,
-        )
+        found = _grad([e for e, _ in seeds], asked, [g for _, g in seeds])
         _accumulate(work.params, found[: len(work.params)])
         flows = [
             (GradientEdge(c, nr), f)
@@ -433,9 +426,19 @@ def _restart_all(weights: WeightWork) -> None:
 
 def _grad_into(params: list, edges: list, grads: list) -> None:
     if edges:
-        _accumulate(
-            params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-        )
+        _accumulate(params, _grad(edges, params, grads))
+
+
+def _grad(outputs: list, inputs: list, grads: list) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)``. Under
+    a torch-function mode (the split-aware functions, rrfp/nn/split_functions.py) it goes to the
+    engine past torch.autograd.grad's dispatch to the mode, as torch.autograd.grad itself does when
+    no mode is active: the dispatch would run the engine with the mode set aside, so a checkpointed
+    region recomputed there would not run its ops as its forward did."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    made = _make_grads(tuple(outputs), tuple(grads), is_grads_batched=False)
+    return _engine_run_backward(tuple(outputs), made, True, False, tuple(inputs), True)
 
 
 def _accumulate(params, grads) -> None:
