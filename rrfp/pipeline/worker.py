@@ -91,6 +91,7 @@ class _Slot:
     nbytes: int
     weights: WeightWork | None = None  # split backward: what W computes with autograd
     dw_runner: Callable[[], None] | None = None  # split backward with a dw_builder: what W runs
+    functions: bool = False  # F ran the split-aware functions (mode "functions")
 
 
 @dataclass(frozen=True)
@@ -180,11 +181,22 @@ class StageWorker:
             if counter is not None
             else contextlib.nullcontext()
         )
-        use_queue = self.split and self.weight_split != "autograd"
+        # the split-aware functions where B has an input gradient to compute: on a first stage W
+        # runs the whole backward (weight_split.WeightWork.in_w), with nothing to split
+        functions = (
+            SplitFunctions(queue)
+            if self.split
+            and self.weight_split == "functions"
+            and not self.is_first
+            and any(_carries_grad(t) for t in _flat(x))
+            else contextlib.nullcontext()
+        )
+        use_queue = self.split and (
+            self.weight_split == "layers" or isinstance(functions, SplitFunctions)
+        )
         # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
         # losses inject (rrfp/nn/moe_aux_loss.py)
         aux_scale = aux_loss_scale(1 / self.n_microbatches)
-        functions = self._split_functions(queue)
         with (
             torch.enable_grad(),
             collect_weight_grads(queue if use_queue else None),
@@ -206,7 +218,7 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split and self.dw_builder is None:
-            deferred = self._deferred
+            deferred = self._deferred if use_queue else frozenset()
             if isinstance(functions, SplitFunctions) and functions.deferred:
                 self._functions.update(functions.deferred)
                 deferred = deferred | functions.deferred
@@ -221,7 +233,13 @@ class StageWorker:
             if weights.whole:
                 self._unsplit(weights.whole)
         self._slots[mb] = _Slot(
-            _State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights
+            _State.F_DONE,
+            None if self.is_first else x,
+            out,
+            queue,
+            nbytes,
+            weights,
+            functions=isinstance(functions, SplitFunctions),
         )
         if self.is_last:
             self.losses[mb] = (
@@ -358,7 +376,7 @@ class StageWorker:
                 self._counting(mb, "b"),
                 self._layers_checkpoint(Task(Kind.B, mb)),
                 one_pass(),
-                self._recomputing(slot.queue),
+                self._recomputing(slot),
             ):
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
@@ -393,7 +411,7 @@ class StageWorker:
             self._counting(mb, "w"),
             self._layers_checkpoint(Task(Kind.W, mb)),
             one_pass(),
-            self._recomputing(slot.queue),
+            self._recomputing(slot),
         ):
             if (
                 slot.weights is not None
@@ -404,21 +422,16 @@ class StageWorker:
                 slot.dw_runner()
         self._finish(mb, slot)
 
-    def _split_functions(self, queue: WeightGradQueue):
-        """Mode "functions" on a split backward: the split-aware formulas for the module's own
-        ops (rrfp/nn/split_functions.py) around its F, queueing to ``queue``."""
-        if self.split and self.weight_split == "functions":
-            return SplitFunctions(queue)
-        return contextlib.nullcontext()
-
+    @staticmethod
     @contextlib.contextmanager
-    def _recomputing(self, queue: WeightGradQueue):
-        """Around B and W in mode "functions": a checkpointed region that autograd recomputes
-        there runs the split-aware formulas as its forward did, so it saves what F saved."""
-        if self.weight_split != "functions":
+    def _recomputing(slot: _Slot):
+        """Around B and W of a microbatch whose F ran the split-aware functions: a checkpointed
+        region that autograd recomputes there runs them as its forward did, so it saves what F
+        saved."""
+        if not slot.functions:
             yield
             return
-        with collect_weight_grads(queue), self._split_functions(queue):
+        with collect_weight_grads(slot.queue), SplitFunctions(slot.queue):
             yield
 
     @contextlib.contextmanager

@@ -80,6 +80,10 @@ class WeightWork:
     in_b: list = field(default_factory=list)  # parameters whose gradient B computes
     reasons: dict = field(default_factory=dict)  # id(parameter in in_b) -> why it is in B
     whole: str | None = None  # why B runs the whole backward (and W nothing), if it must
+    # no input wants a gradient (a first stage): B has nothing to compute, and W runs the plain
+    # backward from the (output, gradient) pairs B keeps in ``plain``
+    in_w: bool = False
+    plain: list = field(default_factory=list)
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
@@ -167,6 +171,8 @@ def analyse(
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
     if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
         return WeightWork(whole=WHOLE_REENTRANT)
+    if not inputs and not deferred:  # (split-aware layers' queues want their own W)
+        return WeightWork(in_w=True)
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or
@@ -371,6 +377,9 @@ def backward_input(weights: WeightWork, outputs, grads, inputs) -> list:
     if weights.whole:
         torch.autograd.backward(outputs, grads)
         return [x.grad for x in inputs]
+    if weights.in_w:
+        weights.plain = [list(outputs), list(grads)]
+        return []
     handles = [
         node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
         for node in weights.points
@@ -395,6 +404,11 @@ def backward_weight(weights: WeightWork) -> None:
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
     post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
     once for all of W's calls, not once per call."""
+    if weights.in_w:
+        if weights.plain:
+            torch.autograd.backward(*weights.plain)  # torch's own accumulation, the graph freed
+        weights.plain = []
+        return
     with torch.utils.checkpoint.GraphExecGroup():
         _restart_all(weights)
     weights.points.clear()
