@@ -12,6 +12,10 @@ from rrfp.core.hints import DEFAULT_HINT, Hint, default_split, resolve
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 
+# the split backward's ways of leaving weight gradients to W that a run may choose (StageWorker's
+# weight_split; its "layers" is for experiments only)
+WEIGHT_SPLITS = ("autograd", "functions")
+
 
 @dataclass(frozen=True)
 class ScheduleSettings:
@@ -24,6 +28,8 @@ class ScheduleSettings:
     variability: Variability = field(default_factory=Variability)  # emulated time's noise
     seed: int = 0  # the noise's seed
     cost: CostModel | None = None  # emulated times from each microbatch's features
+    # how a split backward leaves the weight gradients to W (StageWorker's weight_split)
+    weight_split: str = "autograd"
 
     @classmethod
     def of(
@@ -37,10 +43,15 @@ class ScheduleSettings:
         variability: Variability | None = None,
         seed: int = 0,
         cost: CostModel | None = None,
+        weight_split: str = "autograd",
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
         h = resolve(hint)
+        if weight_split not in WEIGHT_SPLITS:
+            raise ValueError(
+                f"weight_split must be one of {', '.join(WEIGHT_SPLITS)}, got {weight_split!r}"
+            )
         return cls(
             n_microbatches,
             Dispatch.parse(dispatch),
@@ -50,4 +61,5 @@ class ScheduleSettings:
             variability or Variability(),
             seed,
             cost,
+            weight_split,
         )
