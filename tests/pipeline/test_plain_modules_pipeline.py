@@ -139,6 +139,7 @@ def _ranks(rank, world):
                     M, dispatch=dispatch, hint=hint, weight_split=weight_split
                 )
                 ex = rt.stage_executor(chunk, nn.functional.mse_loss, settings=settings)
+                assert ex.workers[0].weight_split == weight_split
                 grad_err = None
                 for step in range(STEPS):
                     opt.zero_grad()
