@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 TITAN_VENV ?= .venv-titan
 
-.PHONY: run test test-quick test-long test-titan check sim bench gpu-check stats clean
+.PHONY: run test test-cpu test-quick test-long test-titan check sim bench gpu-check stats clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,14 @@ sim: $(VENV)/.installed
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(XDIST) -m "not long"
+
+# `make test`'s tests with each test's CPU seconds recorded (tests/harness/cpu_times.py), then
+# where they went by tier, file and test (tools/test_cpu.py): CPU seconds do not depend on load.
+TEST_CPU ?= .test-cpu
+test-cpu: $(VENV)/.installed
+	rm -rf $(TEST_CPU)
+	RRFP_TEST_CPU=$(TEST_CPU) $(PY) -m pytest -q $(XDIST) -m "not long"; status=$$?; \
+		$(PY) tools/test_cpu.py $(TEST_CPU); exit $$status
 
 # The tests that wait out a fault (a rank killed, stopped, busy or slow) and the timeout that names
 # it: minutes of waiting by design, so not in `make test`; CI runs them after it.

@@ -29,6 +29,8 @@ PROCESS_MARKS = ("multirank", "e2e")
 # huggingface-hub that transformers 5, the hf extra, refuses): `make test-titan` installs it in a
 # venv of its own and sets RRFP_TITAN_TESTS=1, and only then are they collected.
 collect_ignore_glob = [] if os.environ.get("RRFP_TITAN_TESTS") == "1" else ["titan/*"]
+# each test's CPU seconds, with RRFP_TEST_CPU=DIR (`make test-cpu`)
+pytest_plugins = ["harness.cpu_times"]
 
 
 def pytest_configure(config):

@@ -23,8 +23,9 @@ from rrfp.core.variability import Variability
 
 def known(variability: Variability) -> Variability:
     """What a planner may know of a preset: per-microbatch size factors and a
-    persistently slow stage. Jitter, stragglers and link jitter stay hidden."""
-    return replace(variability, jitter=0.0, straggler_p=0.0, comm_jitter=0.0)
+    persistently slow stage. Jitter, stragglers, link jitter and the router's load (decided as
+    the task runs) stay hidden: a routed task is planned at its mean."""
+    return replace(variability, jitter=0.0, straggler_p=0.0, comm_jitter=0.0, moe_excess=0.0)
 
 
 @dataclass(frozen=True)

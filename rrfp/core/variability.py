@@ -22,11 +22,27 @@ Key: TypeAlias = npt.ArrayLike  # an integer key, or an array of them broadcast 
 Hashes: TypeAlias = np.uint64 | npt.NDArray[np.uint64]
 Draws: TypeAlias = np.float64 | npt.NDArray[np.float64]  # scalar keys give a scalar
 
-PRESETS = ("none", "jitter", "lang", "mm")
+PRESETS = ("none", "jitter", "lang", "mm", "moe")
 MM_IMAGES = np.array([0, 1, 2, 4, 8], dtype=np.float64)
 
 # One salt per random stream, so streams never share draws.
-_S_LENGTH, _S_JITTER_A, _S_JITTER_B, _S_STRAGGLE, _S_IMAGES, _S_COMM_A, _S_COMM_B = range(1, 8)
+(
+    _S_LENGTH,
+    _S_JITTER_A,
+    _S_JITTER_B,
+    _S_STRAGGLE,
+    _S_IMAGES,
+    _S_COMM_A,
+    _S_COMM_B,
+    _S_ROUTING,
+) = range(1, 9)
+
+# The moe preset, from published measurements (docs/simulator.md, "The moe preset"): the
+# busiest expert rank's tokens over the mean is 1 + excess, a mean-one lognormal times MOE_EXCESS.
+MOE_EXCESS = 0.23  # mean max/mean 1.23: 18.6% of an MoE layer's GPU time waits (FEPLB, EP 8)
+MOE_SIGMA = 0.65  # its 99th percentile near 1.9x: up to 47.6% from balancing alone (MicroMoE)
+MOE_EXPERT = 0.45  # routed experts' share of a balanced MoE task (DeepSeek-V3's layer shapes)
+MOE_A2A = 0.10  # the all-to-all's share when balanced: under 10% (LAER-MoE, Mixtral 8x7B)
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
@@ -76,6 +92,12 @@ class Variability:
     comm_jitter: float = 0.0  # lognormal sigma on each message's latency
     slow_stage: int = -1  # -1: none
     slow_factor: float = 1.0
+    # mixture of experts: every stage's tasks route tokens to experts on an EP group, which waits
+    # for its busiest rank; zero shares: a dense model
+    moe_expert: float = 0.0  # the routed experts' share of a task at balanced load
+    moe_a2a: float = 0.0  # the all-to-all's share of an F or B at balanced load (W sends none)
+    moe_excess: float = 0.0  # mean of (busiest EP rank's tokens / mean) - 1
+    moe_sigma: float = 0.0  # lognormal sigma of that excess, per (stage, microbatch)
 
     def __post_init__(self) -> None:
         for fld in fields(self):
@@ -84,6 +106,11 @@ class Variability:
                 raise ValueError(f"variability {fld.name}={v} must be a number >= 0")
         if not 0 <= self.straggler_p <= 1:
             raise ValueError(f"variability straggler_p={self.straggler_p} must be in [0, 1]")
+        if self.moe_expert + self.moe_a2a > 1:
+            raise ValueError(
+                f"variability moe_expert={self.moe_expert} + moe_a2a={self.moe_a2a} are shares of "
+                "one task and must sum to at most 1"
+            )
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> Variability:
@@ -95,6 +122,14 @@ class Variability:
             base = cls(name="lang", length_sigma=0.5, jitter=0.2, straggler_p=0.05)
         elif name == "mm":
             base = cls(name="mm", vision_stage0=True, length_sigma=0.3, jitter=0.2)
+        elif name == "moe":
+            base = cls(
+                name="moe",
+                moe_expert=MOE_EXPERT,
+                moe_a2a=MOE_A2A,
+                moe_excess=MOE_EXCESS,
+                moe_sigma=MOE_SIGMA,
+            )
         else:
             raise ValueError(
                 f"unknown variability preset {name!r} (choose from {', '.join(PRESETS)})"
@@ -111,6 +146,26 @@ class Variability:
         )
         return MM_IMAGES[idx]
 
+    def load(self, seed: Key, iteration: Key, stage: Key, mb: Key) -> Draws:
+        """Busiest EP rank's tokens over the mean (>= 1) for one microbatch on one stage. Keyed
+        without the kind: the backward routes the forward's tokens, so B and W see F's load."""
+        return 1.0 + self.moe_excess * lognormal(
+            self.moe_sigma, seed, iteration, stage, mb, _S_ROUTING
+        )
+
+    def routing(self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: int) -> Draws:
+        """Factor (mean one) the router puts on a task: its dense part stays, its expert part and
+        its all-to-all (F and B; W sends nothing) wait for the busiest rank, ``load``."""
+        a2a = 0.0 if kind == Kind.W else self.moe_a2a
+        routed = self.moe_expert + a2a
+        if routed == 0:
+            return np.ones(
+                np.broadcast_shapes(*(np.shape(k) for k in (seed, iteration, stage, mb)))
+            )
+        dense = 1.0 - routed
+        load = self.load(seed, iteration, stage, mb)
+        return (dense + routed * load) / (dense + routed * (1.0 + self.moe_excess))
+
     def _one(self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: int) -> Draws:
         base = (self.f, self.b, self.w)[kind]
         stage = np.asarray(stage)
@@ -120,6 +175,7 @@ class Variability:
             t = t * np.where(stage == 0, vision, self.length(seed, iteration, mb))
         else:
             t = t * self.length(seed, iteration, mb)
+        t = t * self.routing(seed, iteration, stage, mb, kind)
         if self.straggler_p > 0:
             hit = uniform(seed, iteration, stage, mb, kind, _S_STRAGGLE) < self.straggler_p
             t = t * np.where(hit, self.straggler_x, 1.0)
@@ -140,11 +196,13 @@ class Variability:
     def noise(
         self, seed: Key, iteration: Key, stage: Key, mb: Key, kind: Kind | int, split: bool = True
     ) -> float | Draws:
-        """What cannot be known from the data: jitter, stragglers and a slow stage, as a
-        factor (mean about one). Data-driven durations multiply their predicted cost by it."""
+        """What cannot be known from the data: jitter, stragglers, a slow stage and the router's
+        load, as a factor (mean about one). Data-driven durations multiply their predicted cost
+        by it."""
         kind = int(kind)
         stage = np.asarray(stage)
         t = lognormal(self.jitter, seed, iteration, stage, mb, kind, _S_JITTER_A)
+        t = t * self.routing(seed, iteration, stage, mb, kind)
         if self.straggler_p > 0:
             hit = uniform(seed, iteration, stage, mb, kind, _S_STRAGGLE) < self.straggler_p
             t = t * np.where(hit, self.straggler_x, 1.0)

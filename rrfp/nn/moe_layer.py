@@ -19,9 +19,9 @@ Load balancing, either or both:
   replicas by the caller so that every replica moves alike.
 
 The layer keeps the step's router statistics (tokens per expert, the weighted auxiliary loss,
-microbatches seen) in non-persistent buffers, counted in training forwards only (not in
-evaluation, nor in an activation-checkpointing recomputation inside backward); ``take_step``
-reads and clears them.
+microbatches seen, and each forward's tokens per expert for a routing record) in non-persistent
+buffers, counted in training forwards only (not in evaluation, nor in an activation-checkpointing
+recomputation inside backward); ``take_step`` reads and clears them.
 
 On the meta device (the start checks measure a stage there) nothing routes: the layer computes
 as if every expert got the same number of copies, the footprint of balanced routing.
@@ -29,7 +29,7 @@ as if every expert got the same number of copies, the footprint of balanced rout
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -62,6 +62,9 @@ class RouterStep:
     aux_loss: float  # the weighted auxiliary loss, summed over the microbatches
     microbatches: int
     dropped: int  # copies routed but not computed: 0, the layer is dropless
+    # [E] int64 per training forward, in the order they ran, with ``record_counts``: one per
+    # microbatch this layer saw (empty otherwise)
+    per_forward: list[torch.Tensor] = field(default_factory=list)
 
 
 class MoELayer(nn.Module):
@@ -96,6 +99,9 @@ class MoELayer(nn.Module):
             "step_microbatches", torch.zeros((), dtype=torch.int64), persistent=False
         )
         self.register_buffer("step_dropped", torch.zeros((), dtype=torch.int64), persistent=False)
+        # a routing record (output.routing) sets it: then the step's counts, a tensor per forward
+        self.record_counts = False
+        self.step_counts: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -125,6 +131,8 @@ class MoELayer(nn.Module):
                 self.step_aux += aux.detach().to(self.step_aux.dtype)
         if counting:
             self.step_tokens += counts.detach()
+            if self.record_counts:
+                self.step_counts.append(counts.detach())
             self.step_dropped += tokens * k - counts.sum()
             self.step_microbatches += 1
         return out.view(shape)
@@ -135,6 +143,7 @@ class MoELayer(nn.Module):
         given storage with ``to_empty`` has them uninitialised)."""
         for buf in (self.step_tokens, self.step_aux, self.step_microbatches, self.step_dropped):
             buf.zero_()
+        self.step_counts = []
         if self.router.bias_update_rate > 0:
             self.router.expert_bias.zero_()
 
@@ -145,7 +154,9 @@ class MoELayer(nn.Module):
             float(self.step_aux),
             int(self.step_microbatches),
             int(self.step_dropped),
+            self.step_counts,
         )
+        self.step_counts = []
         for buf in (self.step_tokens, self.step_aux, self.step_microbatches, self.step_dropped):
             buf.zero_()
         return step

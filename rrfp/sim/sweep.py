@@ -13,6 +13,7 @@ from rrfp.core.budget import Budget
 from rrfp.core.hints import Hint, HintError, default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.core.tasks import Kind
 from rrfp.sim.engine import SimConfig, SimResult, simulate
 from rrfp.sim.planned_hint import planned_config
 
@@ -89,6 +90,17 @@ class Row:
         }
 
 
+def as_run(durations: np.ndarray, split: bool) -> np.ndarray:
+    """``[stage, mb, kind]`` task times as a run with(out) a split backward holds them: unsplit, B
+    holds W and W is zero."""
+    if split:
+        return durations
+    out = np.array(durations, dtype=np.float64)
+    out[..., Kind.B] += out[..., Kind.W]
+    out[..., Kind.W] = 0.0
+    return out
+
+
 def budget_applies(dispatch: Dispatch, hint: Hint) -> bool:
     """Ready dispatch holds the budget; fixed dispatch follows its order and holds what the order
     implies, except a plan's, which ready dispatch made under the budget."""
@@ -115,6 +127,7 @@ def sweep(
     budgets: Sequence[Budget] = (),
     layouts: Sequence[VirtualLayout] = (),
     skipped: list[str] | None = None,
+    durations: Sequence[np.ndarray] = (),
 ) -> list[Row]:
     """Every (dispatch, hint, budget, layout) on the same durations for each seed; speedup is
     fixed 1F1B's makespan (one stage per rank) over the configuration's, seed by seed. ``budgets``
@@ -123,7 +136,10 @@ def sweep(
     ``layouts`` (default: the base config's) are the virtual-stage layouts to run; a hint with no
     form on a layout (zbh1 with V > 1, zbv with V = 1) is left out, and ``skipped`` receives why.
     ``runs``, when given, receives every (config as run, recorded result) by ``Row.key``, seed
-    by seed, for callers that need the schedules themselves (rrfp sim --oracle)."""
+    by seed, for callers that need the schedules themselves (rrfp sim --oracle).
+    ``durations``, when given, are each seed's task times (a recorded run's:
+    rrfp.sim.routing_replay) in place of the preset's draws; a plan is still made from what the
+    preset lets a planner know."""
     budgets = list(budgets) or [Budget.parse(base.budget)]
     layouts = list(dict.fromkeys(layouts or [base.layout]))
     base = replace(base, virtual=1, placement="interleaved")
@@ -167,6 +183,8 @@ def sweep(
         if by_name[name].planned:
             cfg, made = planned_config(cfg)
             plan_s[combo].append(made.seconds)
+        if durations:
+            cfg = replace(cfg, durations=as_run(durations[seed], cfg.split_backward))
         results[combo].append(simulate(cfg))
         if runs is not None:
             key = (

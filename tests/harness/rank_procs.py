@@ -18,35 +18,14 @@ import time
 from pathlib import Path
 
 from harness.distributed import _context, free_port
-from harness.train_rows import _rank_main
-
-
-class _Rank:
-    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, wait."""
-
-    def __init__(self, process) -> None:
-        self.process = process
-        self.pid = process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.process.exitcode
-
-    def poll(self) -> int | None:
-        return self.process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired("rrfp train", timeout)
-        return self.process.exitcode
+from harness.train_rows import AsPopen, _rank_main
 
 
 class RankProcs:
     def __init__(self, tmp: Path, world: int, args: list[str], env: dict | None = None) -> None:
         ctx, port = _context(), free_port()
         self.tmp, self.world = tmp, world
-        self.procs: list[_Rank] = []
+        self.procs: list[AsPopen] = []
         for rank in range(world):
             for name in (f"out{rank}", f"err{rank}"):  # readable from the start, as Popen's were
                 (tmp / name).write_text("")
@@ -56,7 +35,7 @@ class RankProcs:
                 kwargs={"sigint": signal.default_int_handler},
             )
             p.start()
-            self.procs.append(_Rank(p))
+            self.procs.append(AsPopen(p))
 
     def out(self, rank: int) -> str:
         return (self.tmp / f"out{rank}").read_text(errors="replace")

@@ -1,14 +1,15 @@
-"""`rrfp train` on two ranks, each rank a child of the test session's forkserver (torch and rrfp
-already imported) that runs
-``rrfp.app.cli.main.main`` as ``python -m rrfp`` would: its own stdout and
-stderr files, its own signal handlers, its exit status. A rank starts in milliseconds instead of
-the seconds an interpreter takes to import torch, so a table of faults costs what its faults do."""
+"""`rrfp train` (or a script) on two ranks, each rank a child of the test session's forkserver
+(torch and rrfp already imported) that runs ``rrfp.app.cli.main.main`` as ``python -m rrfp``
+would (or the script as ``python SCRIPT`` would): its own stdout and stderr files, its own
+signal handlers, its exit status. A rank starts in milliseconds instead of the seconds an
+interpreter takes to import torch, so a table of faults costs what its faults do."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -17,6 +18,44 @@ from pathlib import Path
 from harness import ROOT
 from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
+
+
+def _as_started(out: str, err: str, env: dict[str, str], sigint) -> None:
+    """This forkserver child as a process a test started: a child's environment (launcher and
+    rrfp variables dropped, one thread, unbuffered) and ``env``, the repository as its folder, a
+    session of its own, stdout and stderr in the files ``out`` and ``err``, SIGINT's handler
+    ``sigint``."""
+    for k in list(os.environ):
+        if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
+            del os.environ[k]
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.environ.update(env)
+    os.chdir(ROOT)
+    os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    # a forkserver child inherits the server's handlers
+    signal.signal(signal.SIGINT, sigint)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _as_rank(rank: int, world: int, port: int, tmp: str, env: dict[str, str], sigint) -> None:
+    """This process as a launched rank: the environment a launcher gives it (and ``env``), stdout
+    and stderr in TMP/outRANK and TMP/errRANK."""
+    _as_started(
+        str(Path(tmp) / f"out{rank}"),
+        str(Path(tmp) / f"err{rank}"),
+        {**rank_vars(rank, world, port), **env},
+        sigint,
+    )
+
+
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _rank_main(
@@ -28,46 +67,160 @@ def _rank_main(
     env: dict[str, str] | None = None,
     sigint=signal.SIG_DFL,
 ) -> None:
-    """One rank: the environment a launcher gives it (and ``env``), stdout and stderr in files,
-    then `rrfp`; SIGINT's handler is ``sigint`` until rrfp sets its own."""
-    for k in list(os.environ):
-        if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
-            del os.environ[k]
-    os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    os.environ.update(env or {})
-    os.chdir(ROOT)
-    os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
-    for fd, name in ((1, f"out{rank}"), (2, f"err{rank}")):
-        os.dup2(os.open(Path(tmp) / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    # a forkserver child inherits the server's handlers
-    signal.signal(signal.SIGINT, sigint)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """One rank of `rrfp ARGV`; SIGINT's handler is ``sigint`` until rrfp sets its own."""
+    _as_rank(rank, world, port, tmp, env or {}, sigint)
     from rrfp.app.cli.main import main
 
-    code = main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _leave(main(argv))
+
+
+def _as_main(run) -> None:
+    """``run()`` as an interpreter's __main__, then leave with its exit status: SystemExit's
+    code, 1 after the traceback of any other exception, else 0."""
+    import traceback
+
+    try:
+        run()
+    except SystemExit as e:
+        _leave(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        _leave(1)
+    _leave(0)
+
+
+def _script_main(
+    rank: int, world: int, port: int, argv: list[str], tmp: str, env: dict[str, str]
+) -> None:
+    """One rank of ``python SCRIPT ARGS`` (``argv``: the script and its arguments), as torchrun
+    starts it: the script is ``__main__``, its folder first on sys.path."""
+    import runpy
+
+    _as_rank(rank, world, port, tmp, env, signal.SIG_DFL)
+    sys.argv = list(argv)
+    sys.path.insert(0, str(Path(argv[0]).parent))
+    _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
+
+
+def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
+    """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
+    sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
+    runs as its ``__main__`` block would run it."""
+    import runpy
+
+    _as_started(out, err, {}, signal.default_int_handler)
+    sys.argv = [module, *argv]
+    if module == "rrfp.app.job.launch_agent":
+        from rrfp.app.job.launch_agent import main
+
+        _as_main(lambda: sys.exit(main(argv)))
+    sys.path.insert(0, os.getcwd())
+    _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+class AsPopen:
+    """A forkserver child as the tests read a ``Popen``: pid, returncode, poll, send_signal,
+    wait."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.process.name), timeout)
+        return self.process.exitcode
+
+
+def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
+    """``python -m MODULE ARGV`` (``rrfp``, ``torch.distributed.run``, rrfp's agent...), started
+    now as a child of the preloaded forkserver instead of an interpreter that imports torch: a
+    child's environment, the repository as its folder, a session of its own, stdout and stderr
+    in the files ``out`` and ``err``. The ranks a launcher or agent starts are torchrun's, fresh
+    interpreters."""
+    for path in (out, err):  # readable from the start, as a Popen's files are
+        path.write_text("")
+    p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))
+    p.start()
+    deadline = time.monotonic() + 30
+    while p.exitcode is None and time.monotonic() < deadline:  # its session, as Popen's is once
+        try:  # started: killpg reaches it
+            if os.getpgid(p.pid) == p.pid:
+                break
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    return AsPopen(p)
+
+
+def run_python_m(module: str, *argv: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``python_m`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it
+    (its output in ``tmp``); one still running after ``timeout`` seconds is killed, with all
+    it started, and raises TimeoutExpired."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    out, err = tmp / "python-m.out", tmp / "python-m.err"
+    p = python_m(module, *argv, out=out, err=err)
+    try:
+        code = p.wait(timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+    return subprocess.CompletedProcess(
+        [module, *argv], code, out.read_text(errors="replace"), err.read_text(errors="replace")
+    )
+
+
+# what torchrun's agent adds to a rank's environment when it serves the job's store
+AGENT_STORE_VARS = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 @dataclass
 class TrainJob:
-    """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output."""
+    """Two (or ``world``) ranks of ``rrfp train ARGV``, started now; ``tmp`` holds their output.
+    ``agent_store``: the job's store is served by this test process, as torchrun's agent serves
+    it, not by rank 0: what a rank says once for the whole job under torchrun (a refusal) it
+    says once here too. ``script``: the ranks run ``python SCRIPT ARGV`` instead, as torchrun
+    runs a script."""
 
     tmp: Path
     argv: list[str]
     world: int = 2
+    agent_store: bool = False
+    script: Path | None = None
 
     def __post_init__(self) -> None:
         self.tmp.mkdir(parents=True, exist_ok=True)
         ctx, port = _context(), free_port()
-        self.started = time.monotonic()
-        self.procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, self.world, port, ["train", *self.argv], str(self.tmp))
+        self.store, env = None, {}
+        if self.agent_store:
+            import datetime
+
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=60)
             )
+            env = AGENT_STORE_VARS
+        self.started = time.monotonic()
+        target, argv = (
+            (_rank_main, ["train", *self.argv])
+            if self.script is None
+            else (_script_main, [str(self.script), *self.argv])
+        )
+        self.procs = [
+            ctx.Process(target=target, args=(r, self.world, port, argv, str(self.tmp), env))
             for r in range(self.world)
         ]
         for p in self.procs:
@@ -139,6 +292,7 @@ class TrainJob:
                 except ProcessLookupError:
                     pass
             p.join(5)
+        self.store = None  # its server ends with it
 
 
 def losses(stdout: str) -> dict[int, str]:

@@ -1,18 +1,17 @@
-"""The embedding API as a newcomer meets it: docs/embedding.md's snippet runs as written
-under torchrun; an error raised by the user's own module reaches the driver as
-that exception, with where it happened noted on it; a cost model without the
-batches' features is a clear error, and with them it sets the task durations.
+"""The embedding API as a newcomer meets it: docs/embedding.md's snippet runs as written on 2
+ranks as torchrun runs a script (tests/harness/train_rows.py); an error raised by the user's own
+module reaches the driver as that exception, with where it happened noted on it; a cost model
+without the batches' features is a clear error, and with them it sets the task durations.
 Real gloo ranks (tests/harness/distributed.py), each test with a timeout."""
 
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 from harness import ROOT
 from harness.distributed import run_ranks
-from harness.launch import TORCHRUN, child_env
+from harness.train_rows import TrainJob
 
 M = 2
 UNIT_MS = 10.0
@@ -32,25 +31,12 @@ def readme_snippet() -> str:
 def test_readme_embedding_snippet_runs_as_written(tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(readme_snippet())
-    p = subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            str(script),
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=140,
-        env=child_env(),
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"stage 1: step \d+: loss (\d+\.\d+)", p.stdout)]
-    assert len(losses) == 10 and losses[-1] < losses[0], (
-        p.stdout
-    )  # the last stage reports, and it learns
-    assert re.search(r"stage 0: step 9: loss None", p.stdout), p.stdout  # the others hold no loss
+    job = TrainJob(tmp_path / "job", [], script=script).finish(140)  # as torchrun runs it
+    assert job.codes() == [0, 0], job.tails()
+    out = job.out(0) + job.out(1)
+    losses = [float(x) for x in re.findall(r"stage 1: step \d+: loss (\d+\.\d+)", out)]
+    assert len(losses) == 10 and losses[-1] < losses[0], out  # the last stage reports, and learns
+    assert re.search(r"stage 0: step 9: loss None", out), out  # the others hold no loss
 
 
 def _embedding_rank(rank, world):

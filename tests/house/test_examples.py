@@ -1,57 +1,41 @@
-"""The embedding example runs under torchrun: the pipeline trains while the
-driver's own coroutine keeps ticking on the same loop."""
+"""The examples run as their commands say, on 2 ranks with torchrun's variables (torchrun
+--nproc-per-node 2 examples/X.py; rrfp train for my_model.toml): the embedding example's pipeline
+trains while the driver's own coroutine keeps ticking on the same loop, the HF and own-model
+examples train. The ranks are children of the preloaded forkserver (tests/harness/train_rows.py)
+running the script as ``python SCRIPT`` would; the launcher and bare torchrun on a user's model
+are tests/app/job/test_own_model_launch.py's."""
 
 import re
-import subprocess
 
 import pytest
 from harness import ROOT
-from harness.launch import TORCHRUN, child_env
+from harness.train_rows import TrainJob
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.timeout(180)
-def test_embedded_driver_example():
-    p = subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            "examples/embedded_driver.py",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=child_env(),
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], p.stdout
-    ticks = [int(x) for x in re.findall(r"heartbeat ticked (\d+) times", p.stdout)]
-    assert len(ticks) == 2 and min(ticks) > 20, p.stdout
+def example(tmp, name: str) -> str:
+    """Both ranks' stdout (as torchrun's, rank 0's first) of examples/NAME run as a script."""
+    job = TrainJob(tmp, [], script=ROOT / "examples" / name).finish(170)
+    assert job.codes() == [0, 0], job.tails()
+    return job.out(0) + job.out(1)
 
 
 @pytest.mark.timeout(180)
-def test_hf_llama_example():
+def test_embedded_driver_example(tmp_path):
+    out = example(tmp_path, "embedded_driver.py")
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out
+    ticks = [int(x) for x in re.findall(r"heartbeat ticked (\d+) times", out)]
+    assert len(ticks) == 2 and min(ticks) > 20, out
+
+
+@pytest.mark.timeout(180)
+def test_hf_llama_example(tmp_path):
     pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
-    p = subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            "examples/hf_llama.py",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env=child_env(),
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", p.stdout)]
-    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, p.stdout
+    out = example(tmp_path, "hf_llama.py")
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, out
 
 
 def readme_workload() -> str:
@@ -70,25 +54,10 @@ def test_readme_shows_examples_my_model_as_it_is():
 
 
 @pytest.mark.timeout(240)
-def test_my_model_example_trains_under_rrfp_train():
+def test_my_model_example_trains_under_rrfp_train(tmp_path):
     """The README's command for one's own model, on 2 gloo ranks: it trains, and the loss falls."""
-    p = subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "rrfp",
-            "train",
-            "--config",
-            "examples/my_model.toml",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=220,
-        env=child_env(),
-    )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"step +\d+/20 +loss (\d+\.\d+)", p.stdout)]
-    assert len(losses) == 20 and losses[-1] < 0.5 * losses[0], p.stdout[-3000:]
+    job = TrainJob(tmp_path, ["--config", "examples/my_model.toml"]).finish(220)
+    assert job.codes() == [0, 0], job.tails()
+    out = job.out(0)
+    losses = [float(x) for x in re.findall(r"step +\d+/20 +loss (\d+\.\d+)", out)]
+    assert len(losses) == 20 and losses[-1] < 0.5 * losses[0], out[-3000:]

@@ -1,15 +1,15 @@
 """``configs/moe-tiny.toml`` trains as its comment says (4 CPU ranks, pp 2 x dp 2, experts
 local): the loss falls, and every step's router statistics are in the step line and in
-metrics.jsonl (the auxiliary loss, the expert load's max over mean, no dropped tokens)."""
+metrics.jsonl (the auxiliary loss, the expert load's max over mean, no dropped tokens). The ranks
+are children of the preloaded forkserver (tests/harness/train_rows.py); the comment's command
+line itself is tests/house/test_config_comments.py's."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from harness import ROOT
-from harness.launch import child_env, rrfp_argv
+from harness.train_rows import TrainJob
 
 pytestmark = pytest.mark.e2e
 
@@ -20,17 +20,9 @@ STEPS = 8
 def test_moe_tiny_trains_with_its_router_statistics(tmp_path):
     sets = [f"run.steps={STEPS}", f"output.dir={tmp_path / 'runs' / '{model}'}"]
     args = [a for s in sets for a in ("--set", s)]
-    res = subprocess.run(
-        rrfp_argv("train", "--nproc-per-node", "4", "--config", "configs/moe-tiny.toml", *args),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=390,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    job = TrainJob(tmp_path / "job", ["--config", "configs/moe-tiny.toml", *args], world=4)
+    assert job.finish(390).codes() == [0, 0, 0, 0], job.tails()
+    steps = [line for line in job.out(0).splitlines() if line.startswith("step ")]
     assert len(steps) == STEPS and all("  aux loss " in s and "max/mean" in s for s in steps)
     (folder,) = (tmp_path / "runs").iterdir()
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

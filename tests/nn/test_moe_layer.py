@@ -151,6 +151,24 @@ def test_statistics_count_training_forwards_once():
     assert layer.take_step().microbatches == 0  # cleared
 
 
+def test_counts_per_forward_only_when_recorded():
+    """A routing record asks for each training forward's counts; nobody else keeps them, so a
+    loop that never takes its steps holds nothing that grows."""
+    layer = _layer()
+    x = torch.randn(2, 3, D, dtype=torch.float64)
+    layer(x).sum().backward()
+    assert layer.take_step().per_forward == []
+    layer.record_counts = True
+    for n in (2, 5):
+        layer(torch.randn(1, n, D, dtype=torch.float64)).sum().backward()
+    with torch.no_grad():
+        layer(x)  # evaluation: not counted
+    step = layer.take_step()
+    assert [int(c.sum()) for c in step.per_forward] == [2 * 2, 5 * 2]
+    assert torch.equal(sum(step.per_forward), step.tokens_per_expert)
+    assert layer.take_step().per_forward == []
+
+
 def test_bias_moves_against_the_load_and_only_chooses():
     layer = _layer(bias_update_rate=0.5)
     assert "router.expert_bias" in layer.state_dict()  # saved and resumed with the model

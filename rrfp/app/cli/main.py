@@ -143,6 +143,20 @@ def _add_sim(sub) -> None:
         "--cost", metavar="FILE", help="the cost model that run used (rrfp calibrate), for --replay"
     )
     sim.add_argument(
+        "--routing",
+        metavar="FILE",
+        help="task times from a run's recorded routing (output.routing) under the moe preset's "
+        "shares, each recorded step a seed; the record's stages and microbatches set --pp and "
+        "--n-microbatches",
+    )
+    sim.add_argument(
+        "--ep",
+        type=_positive("--ep"),
+        default=None,
+        help="with --routing: the expert-parallel ranks the experts are spread over (default the "
+        "run's parallel.ep); it must divide the number of experts",
+    )
+    sim.add_argument(
         "--json",
         metavar="FILE",
         help="write results as JSON ('-': JSON alone on stdout, the table on stderr)",

@@ -215,12 +215,54 @@ def replay_command(args) -> int:
     return 0
 
 
+def _routing(args):
+    """``--routing FILE``: the record, with --pp, --n-microbatches, --seeds and --preset set from
+    it."""
+    from pathlib import Path
+
+    from rrfp.sim.routing_replay import Routing
+
+    for flag, given in (
+        ("--oracle", args.oracle),
+        ("--trace", args.trace),
+        ("--plot", args.plot),
+        ("--replay", args.replay),
+    ):
+        if given:
+            raise UsageError(f"--routing replays recorded task times; {flag} does not take them")
+    if args.virtual != ["1"]:
+        raise UsageError("--routing replays the record's stages one per rank: leave out --virtual")
+    try:
+        with open(args.routing) as f:
+            rec = Routing.parse(f, args.routing)
+    except OSError as e:
+        raise UsageError(f"--routing: cannot read {e.filename}: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"--routing: {e}") from None
+    args.pp, args.n_microbatches, args.seeds = rec.stages, rec.microbatches, len(rec.steps)
+    args.preset = "moe"
+    print(
+        f"rrfp sim --routing: {Path(args.routing).name}: {len(rec.steps)} step(s) x "
+        f"{rec.stages} stage(s) x {rec.microbatches} microbatch(es), {rec.experts} experts "
+        f"on {args.ep or rec.ep} EP rank(s); each step is one seed",
+        file=sys.stderr,
+    )
+    return rec
+
+
 def sim_command(args) -> int:
-    if args.replay:
+    if args.replay and not args.routing:
         return replay_command(args)
     if args.cost:
         raise UsageError("--cost is the cost model a recorded run used: it goes with --replay FILE")
+    if args.ep and not args.routing:
+        raise UsageError("--ep spreads a recorded run's experts: it goes with --routing FILE")
+    routing = _routing(args) if args.routing else None
     budgets, dispatches, hints, var, layouts = _resolve(args)
+    try:
+        durations = routing.durations(var, args.ep) if routing else []
+    except ValueError as e:
+        raise UsageError(f"--routing {args.routing}: {e}") from None
     for flag, path in (("--json", args.json), ("--trace", args.trace), ("--plot", args.plot)):
         if path and path != "-":
             check_output(flag, path)
@@ -233,7 +275,16 @@ def sim_command(args) -> int:
     try:
         runs = {} if args.oracle else None  # the oracle starts from the schedules the sweep ran
         rows = sweep(
-            base, dispatches, hints, args.seeds, _progress, runs, budgets, layouts, skipped
+            base,
+            dispatches,
+            hints,
+            args.seeds,
+            _progress,
+            runs,
+            budgets,
+            layouts,
+            skipped,
+            durations,
         )
     except HintError as e:
         raise UsageError(str(e)) from None

@@ -373,6 +373,11 @@ class OutputSection(Section):
     sizes: str = setting(
         "", "rank 0 writes every step's microbatch features and step time here, for rrfp sim"
     )
+    routing: str = setting(
+        "",
+        "rank 0 writes every MoE layer's tokens per expert here, a JSON line per step, stage, "
+        'microbatch and layer, for rrfp sim --routing; "": none',
+    )
     log_dir: str = setting("runs/logs", "a failing rank writes its traceback to LOG_DIR/rank-N.log")
     dir: str = setting(
         "runs/{model}-{time}",

@@ -1,5 +1,6 @@
-"""torchrun's agent as ``rrfp train --nproc-per-node`` runs it:
-``python -m rrfp.app.job.launch_agent TORCHRUN-ARGS``, torchrun's own arguments.
+"""torchrun's agent as ``rrfp train --nproc-per-node`` runs it, in its own process
+(rrfp/app/job/launcher.py), or as ``python -m rrfp.app.job.launch_agent TORCHRUN-ARGS``, with
+torchrun's own arguments.
 
 Each rank of a failed run writes its one line (rrfp/app/job/failure.py); torchrun's agent would then
 add its log lines and a ``ChildFailedError`` traceback of about 40 lines that say nothing more.

@@ -12,17 +12,17 @@ from __future__ import annotations
 import os
 import sys
 
-from rrfp.app.errors import UsageError
+from rrfp.app.errors import UsageError, exit_now
+from rrfp.app.job.launch_agent import main as run_agent
 
 # set for the ranks this launcher starts: the launcher has said the config's warnings already
 LAUNCHED = "RRFP_LAUNCHED"
 
 
-def torchrun_argv(args) -> list[str]:
-    """The torchrun command that runs this ``rrfp train`` on ``args.nproc_per_node`` local ranks:
-    torchrun's agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
-    argv = [sys.executable, "-m", "rrfp.app.job.launch_agent", "--standalone"]
-    argv += ["--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
+def agent_args(args) -> list[str]:
+    """torchrun's arguments that run this ``rrfp train`` on ``args.nproc_per_node`` local ranks,
+    for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
     argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
@@ -41,13 +41,13 @@ def check_launch(args) -> None:
 
 
 def start_ranks(args) -> None:
-    """Replace this process by torchrun's agent, so that signals (Ctrl-C, SIGTERM) reach the
-    agent directly, as when the user runs torchrun. Does not return. The job's exit code is that
-    of the rank that failed first (launch_agent.py)."""
-    env = dict(os.environ)
-    env[LAUNCHED] = "1"
+    """Run torchrun's agent in this process (launch_agent.py), which has imported torch already:
+    signals (Ctrl-C, SIGTERM) reach the agent directly, as when the user runs torchrun, and the
+    job starts without a second interpreter importing torch again. Does not return: the process
+    exits with the job's code, that of the rank that failed first."""
+    os.environ[LAUNCHED] = "1"
     # rrfp sets each rank's threads (compute.threads); without this torchrun prints a banner
-    env.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, torchrun_argv(args), env)
+    exit_now(run_agent(agent_args(args)))

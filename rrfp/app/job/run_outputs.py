@@ -1,7 +1,7 @@
-"""The files a run writes only at its end (``output.trace``, ``output.sizes``), its checkpoint
-folder, and what the other commands write when they finish (``--json``, ``--out``): checked at the
-start, so a path that cannot be written costs one line (exit 2), not hours of training or minutes of
-work."""
+"""The files a run writes only at its end (``output.trace``, ``.sizes``, ``.routing``), its
+checkpoint folder, and what the other commands write when they finish (``--json``, ``--out``):
+checked at the start, so a path that cannot be written costs one line (exit 2), not hours of
+training or minutes of work."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rrfp.app.errors import ConfigError, UsageError
 if TYPE_CHECKING:  # the other commands check outputs without loading a run's config
     from rrfp.app.config.sections import OutputSection
 
-END_FILES = ("trace", "sizes")  # output.* keys naming a file rank 0 writes when the run ends
+END_FILES = ("trace", "sizes", "routing")  # output.* keys naming a file rank 0 writes at the end
 
 
 def write_synced(path: Path, text: str) -> None:

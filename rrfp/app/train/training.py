@@ -31,6 +31,7 @@ from rrfp.app.train.lr_schedule import optim_learning_rate
 from rrfp.app.train.metrics import RunMetrics
 from rrfp.app.train.optimizers import agree_on_ties, build_optimizer, no_decay_names
 from rrfp.app.train.router_statistics import RouterStatistics
+from rrfp.app.train.routing_record import RoutingRecord, write_routing
 from rrfp.app.train.step_statistics import StepStatistics
 from rrfp.core.errors import NonFiniteError
 from rrfp.core.placement import VirtualLayout, stages_label
@@ -214,6 +215,11 @@ class _RankTraining:
         if cfg.parallel.dp_shard > 1:  # each stage FSDP-sharded over its replicas
             self.modules = [shard_stage(m, rt.dp_group, rt.device.type) for m in self.modules]
         self.routing = RouterStatistics(self.modules)  # their MoE layers, if any
+        # output.routing: one TP rank of each group keeps rows (its peers route the same tokens)
+        keep = cfg.output.routing != "" and rt.tp_rank == 0
+        self.routing_record = RoutingRecord(
+            self.modules, rt.stages, rt.dp_rank, cfg.parallel.ep, keep
+        )
         # the rank's parameters, as one module
         self.module = (
             self.modules[0] if len(self.modules) == 1 else torch.nn.ModuleList(self.modules)
@@ -348,6 +354,8 @@ class _RankTraining:
             self.metrics.step(report)
         if self.cfg.output.sizes:
             await self._record_sizes(step, res, feats)
+        if self.routing:
+            self.routing_record.add(step, res.ran, self.routing.steps)
         if on_step is not None and rt.rank == 0 and self._logs(step):
             on_step(report)
         return await self._after_step(step, stats)
@@ -551,6 +559,15 @@ class _RankTraining:
                 },
             )
             log.info("wrote microbatch sizes %s", out.sizes)
+        if out.routing:
+            rows = await rt.gather_object(self.routing_record.rows)
+            if rt.rank == 0:
+                n = write_routing(out.routing, rows)
+                log.info("wrote routing %s (%d rows)", out.routing, n)
+                if n == 0:
+                    log.warning(
+                        "output.routing: no MoE layer routed a token; %s is empty", out.routing
+                    )
         if self.recorder is not None:
             gathered = await rt.gather_object(self.recorder.spans)
             if rt.rank == 0:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from harness import ROOT
-from harness.launch import child_env, rrfp_argv
+from harness.train_rows import python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -60,16 +58,9 @@ def test_a_killed_agent_ends_each_rank_at_once_with_one_line(tmp_path):
     ]
     argv = ["train", "--nproc-per-node", "2", "--config", "configs/gpt-tiny.toml"]
     out, err = tmp_path / "out", tmp_path / "err"
-    with open(out, "w") as o, open(err, "w") as e:
-        agent = subprocess.Popen(
-            rrfp_argv(*argv, *(a for s in sets for a in ("--set", s))),
-            cwd=ROOT,
-            env=child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=o,
-            stderr=e,
-            start_new_session=True,
-        )
+    # the launcher from the preloaded forkserver (tests/harness/train_rows.py); its ranks are
+    # torchrun's, fresh interpreters
+    agent = python_m("rrfp", *argv, *(a for s in sets for a in ("--set", s)), out=out, err=err)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 180
@@ -79,7 +70,7 @@ def test_a_killed_agent_ends_each_rank_at_once_with_one_line(tmp_path):
             time.sleep(0.2)
         ranks = _children(agent.pid)
         assert len(ranks) == 2, ranks
-        agent.kill()
+        agent.send_signal(signal.SIGKILL)
         agent.wait()
         killed = time.monotonic()
         while any(_alive(r) for r in ranks) and time.monotonic() - killed < LIMIT_S:

@@ -1,6 +1,7 @@
 """``rrfp train --nproc-per-node 2`` checks the config once, in the launcher, for the world it
 starts, and says its warnings and the resume point there: rank 0 of the job it starts does not
-say them again (each appeared twice)."""
+say them again (each appeared twice). With a good config the launcher is torchrun: the ranks
+train and rank 0 reports once."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def test_the_launchers_warnings_and_resume_line_come_once(tmp_path):
         timeout=200,
     )
     assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("done: 1 steps") == 1, res.stdout
     warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("rrfp: warning:")]
     assert len(warnings) == 1 and "schedule.budget = 1B" in warnings[0], res.stderr
     resumes = [ln for ln in res.stdout.splitlines() if ln.startswith("resume:")]

@@ -1,6 +1,6 @@
 """Malformed input, of every kind (config, command line, checkpoint, message
 header), gives one line that names the problem, with no traceback, and exit 2;
-under torchrun at 4 ranks, one line for the whole job.
+at 4 ranks sharing torchrun's store, one line for the whole job.
 
 docs/malformed-inputs.md is this file's table: ``python tests/app/cli/test_malformed_inputs.py``
 prints it, and a test checks that the document says what rrfp prints.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -24,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the harness
 from harness import ROOT  # noqa: E402
 from harness.cli_run import rrfp_in_process  # noqa: E402
-from harness.launch import TORCHRUN, child_env, rank_vars  # noqa: E402
+from harness.launch import rank_vars  # noqa: E402
+from harness.train_rows import TrainJob  # noqa: E402
 
 DOC = ROOT / "docs" / "malformed-inputs.md"
 CONFIG = "configs/gpt-tiny.toml"
@@ -686,53 +686,31 @@ def test_the_documented_table_is_what_rrfp_prints():
     )
 
 
-# ---- under torchrun at 4 ranks: one line for the job, every rank exits 2 ----
+# ---- at 4 ranks sharing torchrun's store: one line for the job, every rank exits 2 ----
 
 TORCHRUN_ROWS = [ROWS[3], next(r for r in ROWS if "flipped byte in a shard" in r.what)]
 
 
 @pytest.mark.e2e
 @pytest.mark.timeout(180)
-def test_one_line_per_job_under_torchrun(tmp_path):
+def test_one_line_per_job_at_four_ranks(tmp_path):
+    """The four ranks of one job (pp 2 x dp 2), their store served outside them as torchrun's
+    agent serves it: rank 0 prints the one line, every rank exits 2, none with a traceback.
+    (Under real torchrun agents: tests/app/job/test_fault_matrix_agents.py's refused rows.)"""
     for i, row in enumerate(TORCHRUN_ROWS):
         tmp = tmp_path / str(i)
         tmp.mkdir()
         argv = [a for a in row.make(tmp) if a != "--dry-run"]
-        logs = tmp / "logs"
-        env = child_env()
-        res = subprocess.run(
-            [
-                *TORCHRUN,
-                "--nproc-per-node",
-                "4",
-                "--redirects",
-                "3",
-                "--log-dir",
-                str(logs),
-                "-m",
-                "rrfp",
-                *argv,
-                "--set",
-                "pp=2",
-                "--set",
-                "dp=2",
-            ],  # a layout of the 4 ranks
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
-        errs = {p.parent.name: p.read_text(errors="replace") for p in logs.rglob("stderr.log")}
-        assert len(errs) == 4, (sorted(errs), res.stderr[-3000:])
+        assert argv[0] == "train"
+        job = TrainJob(
+            tmp / "job", [*argv[1:], "--set", "pp=2", "--set", "dp=2"], world=4, agent_store=True
+        ).finish(150)
+        errs = {rank: job.err(rank) for rank in range(4)}
         lines = [ln for text in errs.values() for ln in text.splitlines() if ln.startswith("rrfp:")]
         assert len(lines) == 1 and row.needle in lines[0], (row.what, errs)
-        assert lines[0] in errs["0"], f"printed by a rank other than 0: {errs}"
+        assert lines[0] in errs[0], f"printed by a rank other than 0: {errs}"
         assert not any("Traceback" in text for text in errs.values()), errs
-        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", res.stderr)
-        assert codes and set(codes) == {"2"}, res.stderr[
-            -3000:
-        ]  # torchrun's report: every failed rank exited 2
+        assert job.codes() == [2, 2, 2, 2], job.tails()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import time
 import pytest
 from harness import ROOT
 from harness.checkpoint_run import SMALL
-from harness.launch import TORCHRUN, child_env
+from harness.launch import child_env
+from harness.train_rows import python_m
 
 from rrfp.app.train.checkpoint_dir import CheckpointDir
 
@@ -28,10 +29,10 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize("presses", [1, 2])
 def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, presses):
     ckdir, trace = tmp_path / "ck", tmp_path / "t.json"
-    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
-    proc = subprocess.Popen(
-        [
-            *TORCHRUN,
+    proc = python_m(
+        "torch.distributed.run",
+        *[
+            "--standalone",
             "--nproc-per-node=2",
             "-m",
             "rrfp",
@@ -50,12 +51,8 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
             "--set",
             f"log_dir={tmp_path / 'logs'}",
         ],
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=out,
-        stderr=err,
-        start_new_session=True,
+        out=tmp_path / "out",
+        err=tmp_path / "err",
     )
     try:
         t0 = time.monotonic()
@@ -74,8 +71,6 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        out.close()
-        err.close()
     text = (tmp_path / "err").read_text()
     print(f"torchrun ended {elapsed:.2f} s after {presses} SIGINT(s)")
     assert "terminate called" not in text and "rrfp: interrupted" not in text, text[-3000:]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from harness.fault_run import STARTUP_S, TIMEOUT_S, _args, _wait_for_fault
-from harness.launch import TORCHRUN, child_env
 from harness.rank_procs import RankProcs
+from harness.train_rows import run_python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -269,41 +269,26 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     their lines first (with the default 0.1 s, rank 0, still waiting, would end silently)."""
     import os
     import signal
-    import subprocess
-
-    from harness import ROOT
 
     world = 3
-    proc = subprocess.Popen(
-        [
-            *TORCHRUN,
-            f"--nproc-per-node={world}",
-            "--monitor-interval=3",
-            "-m",
-            "rrfp",
-            "train",
+    try:  # the agent from the preloaded forkserver (tests/harness/train_rows.py)
+        res = run_python_m(
+            "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "--monitor-interval=3", "-m", "rrfp", "train",
             *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1"),
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=STARTUP_S)
+            tmp=tmp_path / "torchrun", timeout=STARTUP_S,
+        )  # fmt: skip
         # torchrun has exited; its ranks run in sessions of their own: find them by this test's log
         # dir
         assert _processes_naming(tmp_path) == [], "a process of the run outlived torchrun"
     finally:
-        for pid in [proc.pid, *_processes_naming(tmp_path)]:
+        for pid in _processes_naming(tmp_path):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    assert proc.returncode != 0
+    err = res.stderr
+    assert res.returncode != 0
     lines = sorted(ln for ln in err.splitlines() if ln.startswith("rrfp: error:"))
     assert len(lines) == world, err[-3000:]
     assert lines[2].startswith("rrfp: error: rank 2 (stage 2): internal error, please report it"), (

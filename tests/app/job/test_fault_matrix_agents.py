@@ -1,14 +1,15 @@
 """The fault matrix's rows of one job's identity and one folder's owner.
 
-Two torchrun agents as one job (``--nnodes 2``, a c10d rendezvous on 127.0.0.1, one rank each,
-each agent ``python -m rrfp.app.job.launch_agent``, torchrun's agent as `rrfp train
---nproc-per-node` runs it), started with the same command line but for one ``--set`` on node 1:
-the same job finishes; another model, seed, learning rate, microbatch count or checkpoint folder
-is refused before any process group, in one ``rrfp:`` line for the whole job that names the key
-and both nodes, every rank exiting 2, and node 0's agent, which holds the store, too (node 1's
-agent exits 2, or 1 when node 0's agent and its store left before it read its rank's exit). The
-job's waits are set far beyond the test's own timeout, so a refusal that waited for a timeout
-would fail the test instead of passing it late.
+Two torchrun agents as one job (``--nnodes 2``, a c10d rendezvous on 127.0.0.1, one rank each, each
+agent ``python -m rrfp.app.job.launch_agent``, torchrun's agent as `rrfp train --nproc-per-node`
+runs it, started from the preloaded forkserver: tests/harness/train_rows.py's ``python_m``; their
+ranks are fresh interpreters, as torchrun starts them), started with the same command line but for
+one ``--set`` on node 1: the same job finishes; another model, seed, learning rate, microbatch
+count or checkpoint folder is refused before any process group, in one ``rrfp:`` line for the whole
+job that names the key and both nodes, every rank exiting 2, and node 0's agent, which holds the
+store, too (node 1's agent exits 2, or 1 when node 0's agent and its store left before it read its
+rank's exit). The job's waits are set far beyond the test's own timeout, so a refusal that waited
+for a timeout would fail the test instead of passing it late.
 
 Two jobs, one folder (each two ranks of ``rrfp train``, tests/harness/train_rows.py): a second job
 started while the first writes into its ``checkpoint.dir`` is refused in one line naming the
@@ -26,16 +27,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness import ROOT
 from harness.agent_fault_rows import CASES, FINISHES, ROWS
 from harness.distributed import free_port
-from harness.launch import child_env
-from harness.train_rows import TrainJob
+from harness.train_rows import AsPopen, TrainJob, python_m
 
 from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 from rrfp.app.train.checkpoint_owner import read_owner
@@ -52,21 +50,18 @@ SETS = [
 ]  # fmt: skip
 
 
-def _agent(tmp: Path, node: int, port: int, sets: list[str]) -> subprocess.Popen:
+def _agent(tmp: Path, node: int, port: int, sets: list[str]) -> AsPopen:
+    """Node ``node``'s agent, ``python -m rrfp.app.job.launch_agent``, in a session of its own
+    (the agent and its rank: one group, killed together at the end)."""
     argv = [
-        sys.executable, "-m", "rrfp.app.job.launch_agent", "--nnodes=2", "--nproc-per-node=1",
+        "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}",
         f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--max-restarts=0",
         "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml",
         *(a for s in sets for a in ("--set", s)),
     ]  # fmt: skip
-    return subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=child_env(),
-        stdout=open(tmp / f"out{node}", "w"),
-        stderr=open(tmp / f"err{node}", "w"),
-        start_new_session=True,  # the agent and its rank: one group, killed together at the end
+    return python_m(
+        "rrfp.app.job.launch_agent", *argv, out=tmp / f"out{node}", err=tmp / f"err{node}"
     )
 
 
@@ -169,18 +164,20 @@ def test_a_second_job_on_a_folder_is_refused_and_a_killed_owner_frees_it(tmp_pat
             first.poll()
             assert not first.ended and time.monotonic() < deadline, first.tails()
             time.sleep(0.1)
-        second = subprocess.run(
-            [sys.executable, "-m", "rrfp", *_argv(tmp_path, "b", "checkpoint.resume=auto")]
-            + ["--nproc-per-node", "2"],
-            cwd=ROOT,
-            env=child_env(),
-            capture_output=True,
-            text=True,
-            timeout=LIMIT_S,
-        )  # through torchrun's agent: its store says the refusal once for the job
-        assert second.returncode == 2, second.stderr[-3000:]
-        lines = [ln for ln in second.stderr.splitlines() if ln.startswith("rrfp:")]
-        assert len(lines) == 1, second.stderr[-3000:]
+        # through torchrun's agent: its store says the refusal once for the job
+        second = python_m(
+            "rrfp", *_argv(tmp_path, "b", "checkpoint.resume=auto"), "--nproc-per-node", "2",
+            out=tmp_path / "b.out", err=tmp_path / "b.err",
+        )  # fmt: skip
+        try:
+            code = second.wait(LIMIT_S)
+        finally:
+            if second.poll() is None:  # hung: the test fails, nothing of it is left
+                os.killpg(second.pid, signal.SIGKILL)
+        err = (tmp_path / "b.err").read_text(errors="replace")
+        assert code == 2, err[-3000:]
+        lines = [ln for ln in err.splitlines() if ln.startswith("rrfp:")]
+        assert len(lines) == 1, err[-3000:]
         pid = first.procs[0].pid
         assert f"checkpoint.dir {tmp_path / 'ck'} is in use by job " in lines[0], lines
         assert f", pid {pid}, started " in lines[0], lines
@@ -200,15 +197,14 @@ def test_two_jobs_started_at_once_on_one_folder_never_mix(tmp_path):
     and names that job in its commit record; the other is refused in one line naming it."""
     slow = "fault=slow:rank=1:step=3:task=F1:seconds=600"
     jobs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "rrfp", *_argv(tmp_path, name, "checkpoint.resume=auto", slow)]
-            + ["--nproc-per-node", "2"],
-            cwd=ROOT,
-            env=child_env(),
-            stdout=open(tmp_path / f"{name}.out", "w"),
-            stderr=open(tmp_path / f"{name}.err", "w"),
-            start_new_session=True,
-        )
+        name: python_m(
+            "rrfp",
+            *_argv(tmp_path, name, "checkpoint.resume=auto", slow),
+            "--nproc-per-node",
+            "2",
+            out=tmp_path / f"{name}.out",
+            err=tmp_path / f"{name}.err",
+        )  # fmt: skip
         for name in ("a", "b")
     }
     try:

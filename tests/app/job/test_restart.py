@@ -15,10 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import ROOT
 from harness.checkpoint_state import differing, final_state
-from harness.launch import TORCHRUN, child_env
-from harness.train_rows import TrainJob, losses
+from harness.train_rows import TrainJob, losses, run_python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -45,24 +43,12 @@ def _train_args(tmp: Path, *extra: str) -> list[str]:
 
 
 def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            "-m",
-            "rrfp",
-            "train",
-            *_train_args(tmp, *extra),
-        ],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    """``torchrun --nproc-per-node 2 --max-restarts 1 -m rrfp train``, the agent started from the
+    preloaded forkserver (tests/harness/train_rows.py), its ranks fresh interpreters."""
+    return run_python_m(
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+        "-m", "rrfp", "train", *_train_args(tmp, *extra), tmp=tmp, timeout=150,
+    )  # fmt: skip
 
 
 @pytest.mark.timeout(330)

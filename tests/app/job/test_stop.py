@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 from harness.checkpoint_state import differing, final_state
-from harness.launch import TORCHRUN, child_env
-from harness.train_rows import TrainJob, losses
+from harness.train_rows import TrainJob, losses, python_m
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's own, the same job shape)
@@ -60,31 +58,15 @@ def _train_args(tmp: Path, ck: Path, *extra: str) -> list[str]:
 
 
 def torchrun(tmp: Path, ck: Path, *extra: str):
-    """``rrfp train`` on 2 ranks under torchrun, started. --monitor-interval 3: once a rank has
-    exited, the agent SIGTERMs the other only after 3 s, so each rank's own line is what this test
-    reads."""
+    """``rrfp train`` on 2 ranks under torchrun, started (the agent from the preloaded
+    forkserver, tests/harness/train_rows.py; its ranks fresh interpreters). --monitor-interval 3:
+    once a rank has exited, the agent SIGTERMs the other only after 3 s, so each rank's own line
+    is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
-    env = child_env()
-    out, err = open(tmp / "out", "w"), open(tmp / "err", "w")
-    p = subprocess.Popen(
-        [
-            *TORCHRUN,
-            "--nproc-per-node",
-            "2",
-            "--monitor-interval",
-            "3",
-            "-m",
-            "rrfp",
-            "train",
-            *_train_args(tmp, ck, *extra),
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=out,
-        stderr=err,
-        start_new_session=True,
-    )
-    return p
+    return python_m(
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "3",
+        "-m", "rrfp", "train", *_train_args(tmp, ck, *extra), out=tmp / "out", err=tmp / "err",
+    )  # fmt: skip
 
 
 def train(tmp: Path, ck: Path, *extra: str) -> TrainJob:

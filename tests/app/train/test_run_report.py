@@ -1,4 +1,4 @@
-"""What a real run says about itself: ``rrfp train --nproc-per-node 2`` on your own text prints
+"""What a real run says about itself: ``rrfp train`` on 2 ranks on your own text prints
 the start-up summary before its first step (the layout, the backend and why, the schedule, the
 documents it found, each pipeline rank's stages, parameters and memory estimate beside 1F1B's),
 then step lines with the gradient norm and each rank's measured peak memory and microbatches in
@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
 import pytest
-from harness import ROOT
-from harness.launch import child_env, rrfp_argv
+from harness.train_rows import TrainJob
 
 pytestmark = pytest.mark.e2e
 
@@ -35,18 +33,10 @@ def test_a_two_rank_run_says_what_it_is_and_what_it_measured(tmp_path):
     sets = [f"run.steps={STEPS}", "schedule.n_microbatches=4", f"data.text={tmp_path / 'texts'}"]
     sets.append(f"output.dir={tmp_path / 'runs' / '{model}'}")
     args = [a for s in sets for a in ("--set", s)]
-    res = subprocess.run(
-        rrfp_argv("train", "--nproc-per-node", "2", "--config", "configs/gpt-tiny.toml", *args),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert res.returncode == 0, res.stderr
+    job = TrainJob(tmp_path / "job", ["--config", "configs/gpt-tiny.toml", *args]).finish(230)
+    assert job.codes() == [0, 0], job.tails()
     cfg = TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=2)
-    lines = res.stdout.splitlines()
+    lines = job.out(0).splitlines()
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     head = lines[:first_step]
     backend = f"backend {cfg.compute.backend} ({cfg.backend_choice})"

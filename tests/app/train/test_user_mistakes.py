@@ -10,8 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import ROOT
-from harness.launch import TORCHRUN, child_env, rrfp_argv
+from harness.train_rows import run_python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -27,22 +26,16 @@ def _config(tmp: Path, workload: str) -> Path:
     return path
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        argv,
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+def _run(tmp: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV`` from the repository, started from the preloaded forkserver
+    (tests/harness/train_rows.py); the ranks it starts are fresh interpreters."""
+    return run_python_m(module, *argv, tmp=tmp / "command", timeout=150)
 
 
 def launched(tmp: Path, workload: str) -> subprocess.CompletedProcess:
     """``rrfp train --nproc-per-node 2`` on the fixture's ``workload``."""
     return _run(
-        rrfp_argv("train", "--nproc-per-node", "2", "--config", str(_config(tmp, workload)))
+        tmp, "rrfp", "train", "--nproc-per-node", "2", "--config", str(_config(tmp, workload))
     )
 
 
@@ -119,7 +112,10 @@ def test_batches_with_one_too_many_or_bare_tensors_are_one_line_before_any_rank_
 @pytest.mark.timeout(180)
 def test_under_a_bare_torchrun_the_line_comes_first_and_its_summary_shows_it(tmp_path):
     config = _config(tmp_path, "boundary")
-    res = _run([*TORCHRUN, "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", str(config)])
+    res = _run(
+        tmp_path, "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "rrfp", "train", "--config", str(config),
+    )  # fmt: skip
     line = BOUNDARY.format(log=tmp_path / "logs" / "rank-1.log")
     first = next(ln for ln in res.stderr.splitlines() if ln.startswith("rrfp: "))
     assert first == line, res.stderr
