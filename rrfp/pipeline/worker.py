@@ -12,9 +12,13 @@ gradients, split with torch.autograd on the stage's own graph
 torch.utils.checkpoint(use_reentrant=False) around split-aware layers)
 instead lets split-aware layers (``SplitLinear``, the TP linears)
 queue their weight-gradient closures during F and splits only the other
-parameters with autograd. The autograd split is the default because it
-is the faster of the two for F and B, where the critical path runs
-(benchmarks/weight_split.py compares them). A stage given a ``dw_builder``
+parameters with autograd. ``weight_split = "functions"`` (a run's
+``schedule.weight_split``) also queues the W of the module's own linears, norms,
+embeddings and products with a parameter (rrfp/nn/split_functions.py), which
+spares W a second autograd pass and a second recomputation of checkpointed
+regions. The autograd split is the default: it covers every module as it is
+(benchmarks/split_cost.py and benchmarks/weight_split.py compare the modes).
+A stage given a ``dw_builder``
 (torch's ``PipelineStage(dw_builder=)``: custom autograd functions that leave
 their weight gradients to a runner) is split as torch splits it instead: B runs
 the whole autograd backward and builds the microbatch's runner, W runs it.
