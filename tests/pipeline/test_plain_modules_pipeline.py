@@ -3,8 +3,9 @@
 Each stage sends three tensors and a None on: a hidden state, an output computed
 from it (the shape that gave wrong LayerNorm gradients under the split backward
 before issue 15) and an int mask. Ready BFW and ready ZB-H1 split the backward (ready BFW
-also with the split-aware functions, schedule.weight_split = functions); fixed 1F1B does not. Every gradient of the first step, and every parameter after
-three AdamW steps, must equal a single-process run of the same model and data.
+also with the split-aware functions, schedule.weight_split = functions); fixed 1F1B does
+not. Every gradient of the first step, and every parameter after three AdamW steps, must
+equal a single-process run of the same model and data.
 """
 
 from __future__ import annotations
