@@ -7,10 +7,12 @@ deadlocks. A channel carries self-describing messages (``message.py``).
 
 On gloo a point-to-point ``Work`` completes only inside a blocking ``wait()``
 (fact 1), so each channel owns a :class:`BlockingWaiter` thread that runs its
-blocking sends or receives one after the other; one thread per channel keeps
-messages in order and lets the four channels of a stage progress
-independently. Nothing polls with short timed waits, which would break the
-group (fact 8): the process-group timeout is the dead-peer detector.
+blocking sends or receives one after the other (a message in one operation
+where it fits the largest payload so far, ``packed.py``; else its header,
+then each tensor); one thread per channel keeps messages in order and lets
+the four channels of a stage progress independently. Nothing polls with
+short timed waits, which would break the group (fact 8): the process-group
+timeout is the dead-peer detector.
 
 What surfaces where (gloo on CPU): a peer process that
 dies fails a posted receive or a send at once ("Connection closed/reset by
@@ -32,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from rrfp.comm.collective_wait import waiting_at
-from rrfp.comm.message import Message, MessageError, decode_header, empty_header, encode_header
+from rrfp.comm.message import Message, MessageError, decode_header, encode_header
+from rrfp.comm.packed import HEADER_BYTES, header_payload_bytes, pack, payload_bytes, unpack
 from rrfp.core.errors import PeerFailure, PipelineError
 from rrfp.loop.completions import BlockingWaiter
 
@@ -182,17 +185,22 @@ class Channel(ChannelEnd):
         self.outbound = outbound
         self.device = torch.device(device)
         self.messages = 0  # messages sent or received so far
+        self.whole = 0  # of which in one operation, header and payload (rrfp/comm/packed.py)
         self._waiter = BlockingWaiter(name)
         self._receive_job: asyncio.Future[Message] | None = None
         self._receiving = False
         self._last: str | None = None
         self._failure: BaseException | None = None
         self._closed = False
+        # the largest payload so far, in packed bytes: a message up to it travels in one operation
+        # (rrfp/comm/packed.py); only the waiter thread reads and writes it
+        self._capacity = 0
 
     # -- loop side -------------------------------------------------------------
 
     async def send(self, msg: Message) -> None:
-        """Send ``msg`` (header, then each payload tensor; a None payload is in the header alone).
+        """Send ``msg`` (header and payload in one operation where the peer's buffer holds it, else
+        the header, then each payload tensor; a None payload is in the header alone).
 
         Returns once the peer has taken it: gloo point-to-point is a rendezvous,
         so each part completes only after the peer posted the matching receive.
@@ -272,6 +280,17 @@ class Channel(ChannelEnd):
     def _send_blocking(
         self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str
     ) -> None:
+        size, capacity = payload_bytes(payload), self._capacity
+        self._capacity = max(capacity, size)  # what the receiver computes from the header
+        if 0 < size <= capacity:  # the peer's buffer holds it all: one operation
+            try:
+                self._p2p(dist.send, dist.isend, pack(header, payload))
+            except Exception as e:
+                raise self._peer_error(
+                    f"send of {label} (its header and payload in one) to rank {self.peer}", e
+                ) from e
+            self.whole += 1
+            return
         what = f"send of the header of {label} to rank {self.peer}"
         try:
             self._p2p(dist.send, dist.isend, header)
@@ -288,17 +307,32 @@ class Channel(ChannelEnd):
 
     def _receive_blocking(self, last: str | None) -> Message:
         after = f"after {last}" if last else "first message"
-        buf = empty_header(self.device)
+        # room for the largest payload so far: a message up to that size comes whole, header and
+        # payload; a header arriving short leaves the rest zero (its checksum then fails)
+        capacity = self._capacity
+        buf = torch.empty(HEADER_BYTES + capacity, dtype=torch.uint8, device=self.device)
+        buf[:HEADER_BYTES].zero_()
         try:
             self._p2p(dist.recv, dist.irecv, buf)
         except Exception as e:
             raise self._peer_error(f"receive of header ({after}) from rank {self.peer}", e) from e
         try:
-            header = decode_header(buf)
+            header = decode_header(buf[:HEADER_BYTES].view(torch.int64))
         except MessageError as e:
             raise MessageError(
                 f"{self.where}: bad header from rank {self.peer} ({after}): {e}"
             ) from e
+        size = header_payload_bytes(header)
+        self._capacity = max(capacity, size)
+        if 0 < size <= capacity:  # the payload came with it
+            self.whole += 1
+            return Message(
+                header.iteration,
+                header.microbatch,
+                header.kind,
+                unpack(buf, header),
+                header.requires_grad,
+            )
         tensors = header.empty_tensors(self.device)
         for i, t in enumerate(tensors):
             if t is None or t.numel() == 0:  # None and empty payloads are in the header alone

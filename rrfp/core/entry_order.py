@@ -69,12 +69,15 @@ def candidate_orders(cost: np.ndarray) -> list[tuple[int, ...]]:
     return list(seen)
 
 
-def plan(predicted: np.ndarray, score: Callable[[Sequence[int]], float]) -> Plan:
-    """``predicted[s, m, k]``: predicted durations; ``score(order)``: makespan of that
-    entry order on them (the simulator). The first candidate is plain BFW, so the plan
-    is never worse than BFW on the predicted durations."""
+def plan(
+    predicted: np.ndarray, scores: Callable[[Sequence[tuple[int, ...]]], Sequence[float]]
+) -> Plan:
+    """``predicted[s, m, k]``: predicted durations; ``scores(orders)``: the makespan of each
+    entry order on them (the simulator), all asked at once so that it can run them together.
+    The first candidate is plain BFW, so the plan is never worse than BFW on the predicted
+    durations."""
     t0 = time.perf_counter()
     cands = candidate_orders(predicted.sum(axis=(0, 2)))
-    scored = [(score(o), i, o) for i, o in enumerate(cands)]
+    scored = [(s, i, o) for i, (s, o) in enumerate(zip(scores(cands), cands))]
     best, _, order = min(scored)
     return Plan(order, best, scored[0][0], time.perf_counter() - t0)

@@ -29,7 +29,8 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.sim.engine import SimConfig, _durations, simulate
-from rrfp.sim.ranked import RankedPipeline, ranking_of
+from rrfp.sim.ranked import RankedPipeline, bfw_ranking, ranking_of
+from rrfp.sim.ranked_lanes import makespans
 
 
 def make_plan(
@@ -90,7 +91,15 @@ def make_plan(
             run.makespan if run is not None else simulate(replace(base, hint=hint(order))).makespan
         )
 
-    made = plan(predicted, score)
+    def scores(orders: Sequence[Sequence[int]]) -> list[float]:
+        """All candidates at once on the stepped lanes where they apply, else one by one."""
+        if pipeline is not None:
+            fast = makespans(pipeline, [bfw_ranking(o, split) for o in orders])
+            if fast is not None:
+                return fast
+        return [score(o) for o in orders]
+
+    made = plan(predicted, scores)
     if dispatch is not Dispatch.FIXED:
         return hint(made.order), made
     run = simulate(replace(base, hint=hint(made.order), record=True))

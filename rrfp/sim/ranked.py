@@ -71,6 +71,15 @@ def ranking_of(priority: Mapping[Task, int], n_microbatches: int, split: bool) -
     return Ranking(order, tuple(ranked))
 
 
+def bfw_ranking(order: Sequence[int], split: bool) -> Ranking:
+    """The Ranking of ``entry_order_hint(order)`` (B, then F, then W, each in ``order``), made
+    from the order itself: what ``ranking_of`` finds in its priority, without building it."""
+    M = len(order)
+    keys = range(M)
+    f, b, w = tuple(k + M for k in keys), tuple(keys), tuple(k + 2 * M for k in keys)
+    return Ranking(tuple(int(m) for m in order), (f, b, w if split else (0,) * M))
+
+
 @dataclass
 class RankedRun:
     makespan: float

@@ -443,12 +443,29 @@ def _pipeline_scenario(rank, world, pg_timeout_s):
                 tg.create_task(backward(to_backward))
 
     uvloop.run(main())
-    names = {
-        k: getattr(channels, k).name if getattr(channels, k) else None
-        for k in ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
-    }
+    ends = ("fwd_in", "fwd_out", "bwd_in", "bwd_out")
+    names = {k: getattr(channels, k).name if getattr(channels, k) else None for k in ends}
+    whole = {k: getattr(channels, k).whole for k in ends if getattr(channels, k)}
     dist.destroy_process_group()  # clean teardown works once the channels are closed
-    return {"received": received, "names": names, "timed_out_first": timed_out_first}
+    return {
+        "received": received,
+        "names": names,
+        "timed_out_first": timed_out_first,
+        "whole": whole,
+    }
+
+
+def _whole_messages(stage: int, kind: int) -> int:
+    """How many of ``stage``'s messages of ``kind`` fit the largest payload before them: those
+    travel in one operation (rrfp/comm/packed.py)."""
+    from rrfp.comm.packed import payload_bytes
+
+    count, capacity = 0, 0
+    for mb in ORDER:
+        size = payload_bytes(_message(stage, mb, kind).tensors)
+        count += 0 < size <= capacity
+        capacity = max(capacity, size)
+    return count
 
 
 @pytest.mark.multirank
@@ -471,6 +488,19 @@ def test_pipeline_channels_fifo_exact_values_pp4():
     }
     assert values[0]["names"]["fwd_in"] is None and values[0]["names"]["bwd_out"] is None
     assert values[3]["names"]["fwd_out"] is None and values[3]["names"]["bwd_in"] is None
+    # a message up to the largest before it comes in one operation, counted alike at both ends
+    for rank in range(4):
+        whole = values[rank]["whole"]
+        if rank < 3:
+            assert (
+                whole["fwd_out"] == values[rank + 1]["whole"]["fwd_in"] == _whole_messages(rank, 0)
+            )
+        if rank > 0:
+            assert (
+                whole["bwd_out"] == values[rank - 1]["whole"]["bwd_in"] == _whole_messages(rank, 1)
+            )
+    senders = [(s, 0) for s in range(3)] + [(s, 1) for s in range(1, 4)]
+    assert all(_whole_messages(s, k) for s, k in senders), "the test packs no message"
 
 
 DEAD_EXIT_CODE = 17
