@@ -20,11 +20,18 @@ from rrfp import StageWorker
 from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
 
 
-def one(mode: str, stage, x, g) -> tuple[float, float, float]:
+def worker(mode: str, stage) -> StageWorker:
+    """One worker per mode for the whole run: a worker's first split microbatch also counts its
+    FLOPs (split_summary), which no later one does."""
     split = mode != "unsplit"
-    w = StageWorker(
+    return StageWorker(
         stage, 1, 3, 1, loss_fn, split=split, weight_split="layers" if mode == "unsplit" else mode
     )
+
+
+def one(w: StageWorker, stage, x, g) -> tuple[float, float, float]:
+    split = w.split
+    w.reset()
     t0 = time.perf_counter()
     w.forward(0, x)
     t1 = time.perf_counter()
@@ -51,11 +58,12 @@ def main() -> None:
     stage = make_stage(GPT(cfg), 1, 3)
     x = torch.randn(a.batch, a.seq, a.embd)
     g = torch.randn(a.batch, a.seq, a.embd)
-    modes = ["layers", "autograd", "unsplit"]
+    modes = ["layers", "autograd", "functions", "unsplit"]
+    workers = {m: worker(m, stage) for m in modes}
     times = {m: [] for m in modes}
-    for rep in range(a.reps + 1):
+    for rep in range(a.reps + 1):  # the first repetition warms up
         for m in modes if rep % 2 else modes[::-1]:
-            t = one(m, stage, x, g)
+            t = one(workers[m], stage, x, g)
             if rep:
                 times[m].append(t)
     print(
@@ -68,6 +76,7 @@ def main() -> None:
         label = {
             "layers": "SplitLinear queue",
             "autograd": "autograd split",
+            "functions": "split functions",
             "unsplit": "unsplit backward",
         }[m]
         print(

@@ -33,13 +33,17 @@ _PASS: contextvars.ContextVar[dict[int, torch.Tensor] | None] = contextvars.Cont
 )
 
 
-def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor, owned: bool = False) -> None:
     """Add ``grad`` into ``param.grad`` (never overwrite it: a shared parameter's other uses
-    may be there already); the first gradient is copied, so the parameter owns it."""
+    may be there already); the first gradient is copied, so the parameter owns it, unless
+    ``owned``: the caller made ``grad`` and holds it nowhere else (a split-aware formula's
+    product), and a gradient of the parameter's dtype and strides is taken as it is, as torch's
+    AccumulateGrad takes a gradient nothing else holds."""
     with one_pass():
         grad = grad.detach()
         if param.grad is None:
-            param.grad = grad.to(param.dtype, copy=True)
+            take = owned and grad.dtype == param.dtype and grad.stride() == param.stride()
+            param.grad = grad if take else grad.to(param.dtype, copy=True)
         elif param.grad.is_sparse and not grad.is_sparse:  # as AccumulateGrad: the sum is dense
             param.grad = grad.to(param.grad.dtype) + param.grad
         else:

@@ -95,7 +95,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 def _weight_grad_closure(g, x, counts, param) -> Callable[[], None]:
     def run() -> None:
         with torch.no_grad():
-            accumulate_grad(param, grouped_weight_grad(g, x, counts))
+            accumulate_grad(param, grouped_weight_grad(g, x, counts), owned=True)
 
     return run
 

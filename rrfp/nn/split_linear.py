@@ -167,9 +167,9 @@ def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
         g = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.no_grad():
             if weight is not None:
-                accumulate_grad(weight, g.t().mm(x.reshape(-1, x.shape[-1])))
+                accumulate_grad(weight, g.t().mm(x.reshape(-1, x.shape[-1])), owned=True)
             if bias is not None:
-                accumulate_grad(bias, g.sum(0))
+                accumulate_grad(bias, g.sum(0), owned=True)
 
     return run
 

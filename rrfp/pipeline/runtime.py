@@ -533,6 +533,7 @@ class PipelineRuntime:
                 loss_fn,
                 split,
                 measure_activations=settings.budget.bytes is not None,
+                weight_split=settings.weight_split,
                 dw_builder=b,
             )
             for m, s, b in zip(modules, self.stages, builders)

@@ -13,6 +13,10 @@ from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import Variability
 from rrfp.nn.expert_time import ExpertTimes
 
+# the split backward's ways of leaving weight gradients to W that a run may choose (StageWorker's
+# weight_split; its "layers" is for experiments only)
+WEIGHT_SPLITS = ("autograd", "functions")
+
 
 @dataclass(frozen=True)
 class ScheduleSettings:
@@ -31,6 +35,8 @@ class ScheduleSettings:
     # ready dispatch with expert parallelism: while a MoE task waits at its all-to-all, the lane
     # runs a ready W that issues no collective beside it (docs/design.md)
     overlap: bool = False
+    # how a split backward leaves the weight gradients to W (StageWorker's weight_split)
+    weight_split: str = "autograd"
 
     @classmethod
     def of(
@@ -46,10 +52,15 @@ class ScheduleSettings:
         cost: CostModel | None = None,
         experts: ExpertTimes | None = None,
         overlap: bool = False,
+        weight_split: str = "autograd",
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
         h = resolve(hint)
+        if weight_split not in WEIGHT_SPLITS:
+            raise ValueError(
+                f"weight_split must be one of {', '.join(WEIGHT_SPLITS)}, got {weight_split!r}"
+            )
         return cls(
             n_microbatches,
             Dispatch.parse(dispatch),
@@ -61,4 +72,5 @@ class ScheduleSettings:
             cost,
             experts,
             overlap,
+            weight_split,
         )

@@ -12,9 +12,14 @@ gradients, split with torch.autograd on the stage's own graph
 torch.utils.checkpoint(use_reentrant=False) around split-aware layers)
 instead lets split-aware layers (``SplitLinear``, the TP linears)
 queue their weight-gradient closures during F and splits only the other
-parameters with autograd. The autograd split is the default because it
-is the faster of the two for F and B, where the critical path runs
-(benchmarks/weight_split.py compares them). A stage given a ``dw_builder``
+parameters with autograd. ``weight_split = "functions"`` (a run's
+``schedule.weight_split``) also queues the W of the module's own linears, norms,
+embeddings and products with a parameter (rrfp/nn/split_functions.py), which
+spares W a second autograd pass and a second recomputation of checkpointed
+regions. The autograd split is the default: mode functions gains clearly only
+under activation checkpointing, and tensor-parallel, FSDP and expert-parallel
+runs refuse it (benchmarks/split_cost.py and weight_split.py compare the modes).
+A stage given a ``dw_builder``
 (torch's ``PipelineStage(dw_builder=)``: custom autograd functions that leave
 their weight gradients to a runner) is split as torch splits it instead: B runs
 the whole autograd backward and builds the microbatch's runner, W runs it.
@@ -48,6 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.moe_aux_loss import aux_loss_scale
+from rrfp.nn.split_functions import SplitFunctions
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
@@ -64,6 +70,12 @@ from rrfp.pipeline.user_code import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# how W is split from B: "autograd" (the generic split), "layers" (split-aware layers queue their
+# own W, the generic split the rest), "functions" (also the module's own linear, norm, embedding
+# and scale ops, rrfp/nn/split_functions.py)
+WEIGHT_SPLITS = ("autograd", "layers", "functions")
 
 
 class _State(enum.Enum):
@@ -85,6 +97,7 @@ class _Slot:
     nbytes: int
     weights: WeightWork | None = None  # split backward: what W computes with autograd
     dw_runner: Callable[[], None] | None = None  # split backward with a dw_builder: what W runs
+    functions: bool = False  # F ran the split-aware functions (mode "functions")
 
 
 @dataclass(frozen=True)
@@ -115,12 +128,18 @@ class StageWorker:
         weight_split: str = "autograd",
         dw_builder: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
-        if weight_split not in ("layers", "autograd"):
-            raise ValueError(f"weight_split must be 'layers' or 'autograd', got {weight_split!r}")
+        if weight_split not in WEIGHT_SPLITS:
+            raise ValueError(
+                f"weight_split must be one of {', '.join(map(repr, WEIGHT_SPLITS))}, "
+                f"got {weight_split!r}"
+            )
         self.weight_split = weight_split
         self._queued = queued_parameters(
             module
-        )  # left to split-aware layers' own W queue (mode "layers")
+        )  # left to split-aware layers' own W queue (modes "layers" and "functions")
+        self._functions: set[int] = (
+            set()
+        )  # parameters split-aware functions queued (mode "functions")
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if n_microbatches <= 0:
@@ -168,13 +187,26 @@ class StageWorker:
             if counter is not None
             else contextlib.nullcontext()
         )
-        use_queue = self.split and self.weight_split == "layers"
+        # the split-aware functions where B has an input gradient to compute: on a first stage W
+        # runs the whole backward (weight_split.WeightWork.in_w), with nothing to split
+        functions = (
+            SplitFunctions(queue)
+            if self.split
+            and self.weight_split == "functions"
+            and not self.is_first
+            and any(_carries_grad(t) for t in _flat(x))
+            else contextlib.nullcontext()
+        )
+        use_queue = self.split and (
+            self.weight_split == "layers" or isinstance(functions, SplitFunctions)
+        )
         # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
         # losses inject (rrfp/nn/moe_aux_loss.py)
         aux_scale = aux_loss_scale(1 / self.n_microbatches)
         with (
             torch.enable_grad(),
             collect_weight_grads(queue if use_queue else None),
+            functions,
             hooks,
             aux_scale,
         ):
@@ -192,18 +224,28 @@ class StageWorker:
         nbytes = counter.total if counter is not None else 0
         weights = None
         if self.split and self.dw_builder is None:
+            deferred = self._deferred if use_queue else frozenset()
+            if isinstance(functions, SplitFunctions) and functions.deferred:
+                self._functions.update(functions.deferred)
+                deferred = deferred | functions.deferred
             weights = weight_split.analyse(
                 self.module,
                 [t for t in outputs if _carries_grad(t)],
                 [] if self.is_first else [t for t in _flat(x) if _carries_grad(t)],
-                self._deferred,
+                deferred,
             )
             for p in weights.in_b:
                 self._in_b.setdefault(self._names.get(id(p), "?"), weights.reasons[id(p)])
             if weights.whole:
                 self._unsplit(weights.whole)
         self._slots[mb] = _Slot(
-            _State.F_DONE, None if self.is_first else x, out, queue, nbytes, weights
+            _State.F_DONE,
+            None if self.is_first else x,
+            out,
+            queue,
+            nbytes,
+            weights,
+            functions=isinstance(functions, SplitFunctions),
         )
         if self.is_last:
             self.losses[mb] = (
@@ -336,7 +378,12 @@ class StageWorker:
                         else None
                     )
                 )
-            with self._counting(mb, "b"), self._layers_checkpoint(Task(Kind.B, mb)), one_pass():
+            with (
+                self._counting(mb, "b"),
+                self._layers_checkpoint(Task(Kind.B, mb)),
+                one_pass(),
+                self._recomputing(slot),
+            ):
                 found = weight_split.backward_input(slot.weights, outs, grads, inputs)
         else:
             torch.autograd.backward(outs, grads)
@@ -370,6 +417,7 @@ class StageWorker:
             self._counting(mb, "w"),
             self._layers_checkpoint(Task(Kind.W, mb)),
             one_pass(),
+            self._recomputing(slot),
         ):
             if (
                 slot.weights is not None
@@ -379,6 +427,18 @@ class StageWorker:
             if slot.dw_runner is not None:
                 slot.dw_runner()
         self._finish(mb, slot)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _recomputing(slot: _Slot):
+        """Around B and W of a microbatch whose F ran the split-aware functions: a checkpointed
+        region that autograd recomputes there runs them as its forward did, so it saves what F
+        saved."""
+        if not slot.functions:
+            yield
+            return
+        with collect_weight_grads(slot.queue), SplitFunctions(slot.queue):
+            yield
 
     @contextlib.contextmanager
     def _layers_checkpoint(self, task: Task):
@@ -420,8 +480,11 @@ class StageWorker:
 
     @property
     def _deferred(self) -> frozenset[int]:
-        """Parameters that split-aware layers' W queue owns: none unless weight_split = "layers"."""
-        return self._queued if self.weight_split == "layers" else frozenset()
+        """Parameters that split-aware layers' W queue owns: none in mode "autograd"; in mode
+        "functions" also those the split-aware functions queued in a forward so far."""
+        if self.weight_split == "autograd":
+            return frozenset()
+        return self._queued | self._functions if self._functions else self._queued
 
     def _measured(self, mb: int) -> bool:
         """Whether mb is the microbatch whose split backward split_summary measures (the first)."""

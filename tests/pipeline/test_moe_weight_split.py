@@ -1,4 +1,4 @@
-"""A mixture-of-experts stage under the split backward (StageWorker, both weight-split modes):
+"""A mixture-of-experts stage under the split backward (StageWorker, every weight-split mode):
 B leaves the routed experts' and the router's weight gradients to W, and after W every gradient,
 the auxiliary loss's share included, equals plain autograd's (float64)."""
 
@@ -25,7 +25,7 @@ CFG = LlamaConfig(
 )
 
 
-@pytest.mark.parametrize("weight_split", ["autograd", "layers"])
+@pytest.mark.parametrize("weight_split", ["autograd", "layers", "functions"])
 def test_expert_weight_grads_belong_to_w(weight_split):
     torch.manual_seed(0)
     stage = Llama(CFG, 1, 3).double()  # a middle stage: hidden in, hidden out, one MoE block

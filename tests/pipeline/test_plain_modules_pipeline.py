@@ -2,9 +2,10 @@
 
 Each stage sends three tensors and a None on: a hidden state, an output computed
 from it (the shape that gave wrong LayerNorm gradients under the split backward
-before issue 15) and an int mask. Ready BFW and ready ZB-H1 split the backward;
-fixed 1F1B does not. Every gradient of the first step, and every parameter after
-three AdamW steps, must equal a single-process run of the same model and data.
+before issue 15) and an int mask. Ready BFW and ready ZB-H1 split the backward (ready BFW
+also with the split-aware functions, schedule.weight_split = functions); fixed 1F1B does
+not. Every gradient of the first step, and every parameter after three AdamW steps, must
+equal a single-process run of the same model and data.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from torch import nn
 pytestmark = pytest.mark.multirank
 
 D, T, BATCH, M, STEPS = 8, 5, 2, 4, 3
-CONFIGS = [("ready", "bfw"), ("ready", "zbh1"), ("fixed", "1f1b")]
+# (dispatch, hint, weight_split): the last splits with the split-aware functions
+CONFIGS = [
+    ("ready", "bfw", "autograd"),
+    ("ready", "zbh1", "autograd"),
+    ("fixed", "1f1b", "autograd"),
+    ("ready", "bfw", "functions"),
+]
 
 
 class ConvStage(nn.Module):
@@ -109,6 +116,7 @@ def _ranks(rank, world):
     import asyncio
 
     from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     torch.set_default_dtype(torch.float64)
     full = build()
@@ -125,12 +133,14 @@ def _ranks(rank, world):
     async def main():
         out = {}
         async with PipelineRuntime.start(pp=world, timeout_s=60) as rt:
-            for dispatch, hint in CONFIGS:
+            for dispatch, hint, weight_split in CONFIGS:
                 chunk = build()[rank]
                 opt = torch.optim.AdamW(chunk.parameters(), lr=1e-2)
-                ex = rt.stage_executor(
-                    chunk, nn.functional.mse_loss, n_microbatches=M, dispatch=dispatch, hint=hint
+                settings = ScheduleSettings.of(
+                    M, dispatch=dispatch, hint=hint, weight_split=weight_split
                 )
+                ex = rt.stage_executor(chunk, nn.functional.mse_loss, settings=settings)
+                assert ex.workers[0].weight_split == weight_split
                 grad_err = None
                 for step in range(STEPS):
                     opt.zero_grad()
@@ -145,7 +155,12 @@ def _ranks(rank, world):
                 param_err = max(
                     (p.detach() - final[n]).abs().max().item() for n, p in chunk.named_parameters()
                 )
-                out[(dispatch, hint)] = (grad_err, param_err, splits, ex.workers[0].split_summary())
+                out[(dispatch, hint, weight_split)] = (
+                    grad_err,
+                    param_err,
+                    splits,
+                    ex.workers[0].split_summary(),
+                )
         return out
 
     return asyncio.run(main())
@@ -155,9 +170,10 @@ def _ranks(rank, world):
 def test_four_plain_stages_with_derived_outputs_match_one_process():
     results = run_ranks(_ranks, 4, timeout=200)
     for rank, out in sorted(results.items()):
-        for (dispatch, hint), (grad_err, param_err, splits, summary) in out.items():
+        for (dispatch, hint, split), (grad_err, param_err, splits, summary) in out.items():
             print(
-                f"stage {rank} {dispatch} {hint}: max |grad diff| {grad_err:.2e}, max |param diff| "
+                f"stage {rank} {dispatch} {hint} ({split}): max |grad diff| {grad_err:.2e}, "
+                "max |param diff| "
                 f"after {STEPS} AdamW steps {param_err:.2e}, in B: {summary.in_b or '-'}"
             )
             assert grad_err < 1e-10, (rank, dispatch, hint, grad_err)

@@ -214,9 +214,9 @@ def _loss(out, targets):
     return sum((o * targets[: o.shape[-1]]).sum() for o in outs if _carries(o))
 
 
-def check_split(program, position: int, seed: int) -> bool:
-    """Split B/W of ``program`` at ``position`` (0 first, 1 middle, 2 last) against plain autograd.
-    Returns whether B kept some parameter's gradient."""
+def check_split(program, position: int, seed: int, weight_split: str = "autograd") -> bool:
+    """Split B/W of ``program`` at ``position`` (0 first, 1 middle, 2 last) against plain autograd,
+    the split made by ``weight_split``. Returns whether B kept some parameter's gradient."""
     torch.manual_seed(seed)
     module = Generated(*program).double()
     ref = copy.deepcopy(module)
@@ -243,7 +243,7 @@ def check_split(program, position: int, seed: int) -> bool:
             [o for o, g in zip(outs, grads) if g is not None], [g for g in grads if g is not None]
         )
 
-    w = StageWorker(module, position, 3, 1, _loss, split=True)
+    w = StageWorker(module, position, 3, 1, _loss, split=True, weight_split=weight_split)
     x = xs if len(xs) > 1 else xs[0]
     w.forward(0, x, targets if position == 2 else None)
     work = w._slots[0].weights
@@ -279,10 +279,13 @@ def check_split(program, position: int, seed: int) -> bool:
     return bool(in_b)
 
 
+@pytest.mark.parametrize("weight_split", ["autograd", "functions"])
 @SETTINGS
 @given(program=stages(), position=st.sampled_from([1, 2, 0]), seed=st.integers(0, 2**16))
-def test_split_gradients_equal_autograd_on_generated_stages(program, position, seed):
-    kept = check_split(program, position, seed)
+def test_split_gradients_equal_autograd_on_generated_stages(weight_split, program, position, seed):
+    """The generic split, and the split-aware functions with the generic split as their fallback
+    (their linear, norm, embedding and scale ops queue W themselves)."""
+    kept = check_split(program, position, seed, weight_split)
     event(
         f"{('first', 'middle', 'last')[position]} stage, {'some' if kept else 'no'} parameters in B"
     )

@@ -493,6 +493,48 @@ def host_summary(name: str, spans: list[Span], threads: list[dict]) -> HostSumma
     )
 
 
+@dataclass(frozen=True)
+class ComputeSummary:
+    """One contender's real compute (seconds, medians over iterations): its tasks' compute per rank
+    and iteration, and its backward (B and W, or the unsplit B) per microbatch and rank, so a
+    split backward's cost shows beside an unsplit one's on the same stages."""
+
+    contender: str
+    split: bool
+    per_rank_s: float
+    backward_s: float | None  # None: no backward task ran
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def compute_summary(contender: Contender, spans: list[Span]) -> ComputeSummary | None:
+    """Real compute: ``contender``'s F, B and W spans summed per rank and iteration, and B + W per
+    microbatch and rank (a rank's stages together: torch's two-stage schedules hold half stages)."""
+    ranks: dict[int, dict[int, float]] = {}  # iteration -> rank -> compute
+    back: dict[int, dict[tuple[int, int], float]] = {}  # iteration -> (rank, microbatch) -> B + W
+    for sp in spans:
+        if sp.process != contender.name or sp.name[:1] not in KINDS or not sp.name[1:].isdigit():
+            continue
+        it, rank, t = sp.args.get("iteration", 0), _rank_of(sp), task_seconds(sp)
+        mine = ranks.setdefault(it, {})
+        mine[rank] = mine.get(rank, 0.0) + t
+        if sp.name[0] != "F":
+            theirs = back.setdefault(it, {})
+            key = (rank, int(sp.name[1:]))
+            theirs[key] = theirs.get(key, 0.0) + t
+    if not ranks:
+        return None
+    per_rank = [statistics.fmean(r.values()) for r in ranks.values()]
+    backward = [statistics.fmean(b.values()) for b in back.values() if b]
+    return ComputeSummary(
+        contender.name,
+        contender.split,
+        statistics.median(per_rank),
+        statistics.median(backward) if backward else None,
+    )
+
+
 def paired_parts(
     spans: list[Span], threads: list[dict], numerator: str, denominator: str
 ) -> dict[str, list[float]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from rrfp.app.bench.analysis import (
     HOST_PARTS,
     SETTLED,
+    ComputeSummary,
     HostSummary,
     Paired,
     Spread,
@@ -86,6 +87,7 @@ class CaseResult:
     skipped: dict[str, str] = field(default_factory=dict)  # contender -> why it did not run
     threads: list[dict] = field(default_factory=list)  # per run and rank: CPU and wake-ups by role
     hosts: list[HostSummary] = field(default_factory=list)  # real compute: rrfp's host time
+    computes: list[ComputeSummary] = field(default_factory=list)  # real compute: per row
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
@@ -229,6 +231,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                     f"median {s.plan_s * 1e3:.2f} ms of planning, "
                     f"{s.plan_waited_s * 1e3:.2f} ms waited at the iteration's start."
                 )
+        if res.computes:
+            lines += ["", *compute_lines(res.computes), ""]
         if res.hosts:
             lines += ["", *host_lines(res.hosts), ""]
         if not any(s.contender == BASELINE for s in res.summaries):
@@ -255,6 +259,36 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
 
 
 ROLES = ("loop", "lane", "channels", "gloo", "heartbeat", "store", "planner", "other")
+
+
+def compute_lines(computes: list[ComputeSummary]) -> list[str]:
+    """Each row's compute per rank and iteration, and its backward against the unsplit one's: what
+    the split backward costs, beside the bubbles it fills."""
+    ref = next(
+        (c for c in computes if c.contender == BASELINE and c.backward_s),
+        next((c for c in computes if not c.split and c.backward_s), None),
+    )
+    lines = [
+        "Compute (real, medians over iterations): the tasks' compute per rank and iteration, the "
+        "backward (B + W, or the unsplit B) per microbatch and rank, and that backward over "
+        + (
+            f"{ref.contender}'s (unsplit)"
+            if ref
+            else "an unsplit row's (none ran: add fixed-1f1b or torch-1f1b)"
+        )
+        + ".",
+        "",
+        "| contender | split | compute ms per rank and iteration | backward ms per microbatch "
+        "and rank | B + W over the unsplit backward |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for c in computes:
+        ratio = c.backward_s / ref.backward_s if ref and c.backward_s else None
+        lines.append(
+            f"| {c.contender} | {'B, W' if c.split else 'unsplit'} | {c.per_rank_s * 1e3:.1f} | "
+            f"{_fmt(c.backward_s and c.backward_s * 1e3, '.2f')} | {_fmt(ratio, '.3f', 'x')} |"
+        )
+    return lines
 
 
 def host_lines(hosts: list[HostSummary]) -> list[str]:
@@ -339,6 +373,7 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
                 "cost_model": res.cost_model,
                 "skipped": res.skipped,
                 "host": [h.as_dict() for h in res.hosts],
+                "compute": [c.as_dict() for c in res.computes],
                 "threads": res.threads,
                 "summary": [s.as_dict() for s in res.summaries],
                 "rows": res.rows,

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from rrfp.app.bench.analysis import annotate, host_summary, summarize
+from rrfp.app.bench.analysis import annotate, compute_summary, host_summary, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.suite import (
@@ -250,6 +250,9 @@ def bench_command(args) -> int:
             and not e.is_torch
             and (h := host_summary(e.name, spans, got["threads"])) is not None
         ]
+        computes = [
+            c for e in case.contenders if spec.real and (c := compute_summary(e, spans)) is not None
+        ]
         results.append(
             CaseResult(
                 case,
@@ -261,6 +264,7 @@ def bench_command(args) -> int:
                 skipped.get(case.name, {}),
                 got["threads"],
                 hosts,
+                computes,
             )
         )
     text = write_results(out, spec, results, machine())

@@ -25,6 +25,7 @@ from rrfp.core.hints import (
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import PRESETS, Variability
+from rrfp.pipeline.schedule_settings import WEIGHT_SPLITS
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 
 RESUME_MODES = ("off", "auto", "required")
@@ -181,6 +182,14 @@ class ScheduleSection(Section):
         "run B and W apart; unset: the hint's default (split for zbh1 and bfw)",
         toml=(bool,),
         shown="(the hint's)",
+    )
+
+    weight_split: str = setting(
+        "autograd",
+        "how a split backward leaves the weight gradients to W: autograd (restarts autograd in W, "
+        "any module), or functions (linear, layer norm, embedding and products with a parameter "
+        "queue their own W; the rest as autograd)",
+        choices=WEIGHT_SPLITS,
     )
 
     @property

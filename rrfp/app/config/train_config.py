@@ -102,6 +102,7 @@ class TrainConfig:
         _check_fixed_budget(self.schedule, self.virtual_layout)
         self._check_fault()
         self._check_dp_shard()
+        self._check_weight_split()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         backend, why = self.compute.chosen(local)
         object.__setattr__(self, "backend_choice", why)  # what the start-up summary says
@@ -149,6 +150,23 @@ class TrainConfig:
             raise ConfigError(
                 f"parallel.dp_shard = {self.parallel.dp_shard} with tied parameters (the model's "
                 "tie_embeddings): ties of FSDP-sharded stages are not supported yet"
+            )
+
+    def _check_weight_split(self) -> None:
+        """schedule.weight_split = functions queues W for linears that no tensor-parallel, FSDP or
+        expert-parallel run has put through its queue: refused there."""
+        par = self.parallel
+        if self.schedule.weight_split == "autograd":
+            return
+        wider = [
+            f"parallel.{k} = {v}"
+            for k, v in (("tp", par.tp), ("dp_shard", par.dp_shard), ("ep", par.ep))
+            if v > 1
+        ]
+        if wider:
+            raise ConfigError(
+                f"schedule.weight_split = {self.schedule.weight_split} with {', '.join(wider)}: "
+                "not supported; use schedule.weight_split = autograd"
             )
 
     def _check_fault(self) -> None:
@@ -207,6 +225,7 @@ class TrainConfig:
             variability=em.variability,
             seed=self.run.seed,
             cost=em.cost,
+            weight_split=sch.weight_split,
         )
 
     @classmethod

@@ -46,9 +46,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd import _make_grads
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
 from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.nn.split_functions import QUEUEING_NODES
 from rrfp.pipeline.split_backward.checkpointed_nodes import is_checkpointed
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,10 @@ class WeightWork:
     in_b: list = field(default_factory=list)  # parameters whose gradient B computes
     reasons: dict = field(default_factory=dict)  # id(parameter in in_b) -> why it is in B
     whole: str | None = None  # why B runs the whole backward (and W nothing), if it must
+    # no input wants a gradient (a first stage): B has nothing to compute, and W runs the plain
+    # backward from the (output, gradient) pairs B keeps in ``plain``
+    in_w: bool = False
+    plain: list = field(default_factory=list)
 
 
 def queued_parameters(module: nn.Module) -> frozenset[int]:
@@ -165,6 +171,8 @@ def analyse(
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
     if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
         return WeightWork(whole=WHOLE_REENTRANT)
+    if not inputs and not deferred:  # (split-aware layers' queues want their own W)
+        return WeightWork(in_w=True)
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or
@@ -270,10 +278,11 @@ WHOLE_CHECKPOINT_GATHERED = (
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
-# the nodes of rrfp.nn.split_linear and rrfp.nn.grouped_experts (a mixture of experts' grouped
-# products): their backward queues their weights' W. W must not run them again, but their use of a
-# parameter still counts when another use is gathered (a rerun would queue that W twice).
-_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward")
+# the nodes of rrfp.nn.split_linear, rrfp.nn.grouped_experts (a mixture of experts' grouped
+# products) and rrfp.nn.split_functions: their backward queues their weights' W. W must not run
+# them again, but their use of a parameter still counts when another use is gathered (a rerun would
+# queue that W twice).
+_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward", *QUEUEING_NODES)
 
 RERUN_LIMIT = (
     16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
@@ -368,6 +377,9 @@ def backward_input(weights: WeightWork, outputs, grads, inputs) -> list:
     if weights.whole:
         torch.autograd.backward(outputs, grads)
         return [x.grad for x in inputs]
+    if weights.in_w:
+        weights.plain = [list(outputs), list(grads)]
+        return []
     handles = [
         node.register_prehook(lambda g, node=node: weights.captured.__setitem__(node, g))
         for node in weights.points
@@ -379,11 +391,7 @@ def backward_input(weights: WeightWork, outputs, grads, inputs) -> list:
             if (edge := get_gradient_edge(o)).node in weights.output_nodes
         ]
         asked = list(inputs) + weights.in_b
-        found = (
-            list(torch.autograd.grad(outputs, asked, grads, retain_graph=True, allow_unused=True))
-            if asked
-            else []
-        )
+        found = list(_grad(outputs, asked, grads)) if asked else []
         _accumulate(weights.in_b, found[len(inputs) :])
     finally:
         for h in handles:
@@ -396,6 +404,11 @@ def backward_weight(weights: WeightWork) -> None:
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
     post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
     once for all of W's calls, not once per call."""
+    if weights.in_w:
+        if weights.plain:
+            torch.autograd.backward(*weights.plain)  # torch's own accumulation, the graph freed
+        weights.plain = []
+        return
     with torch.utils.checkpoint.GraphExecGroup():
         _restart_all(weights)
     weights.points.clear()
@@ -414,13 +427,7 @@ def _restart_all(weights: WeightWork) -> None:
             continue  # no gradient reached this node (an output that did not matter)
         seeds = [(GradientEdge(node, k), g) for k, g in enumerate(captured) if g is not None]
         asked = work.params + [GradientEdge(c, nr) for c, nr in work.edges]
-        found = torch.autograd.grad(
-            [e for e, _ in seeds],
-            asked,
-            [g for _, g in seeds],
-            retain_graph=True,
-            allow_unused=True,
-        )
+        found = _grad([e for e, _ in seeds], asked, [g for _, g in seeds])
         _accumulate(work.params, found[: len(work.params)])
         flows = [
             (GradientEdge(c, nr), f)
@@ -433,9 +440,19 @@ def _restart_all(weights: WeightWork) -> None:
 
 def _grad_into(params: list, edges: list, grads: list) -> None:
     if edges:
-        _accumulate(
-            params, torch.autograd.grad(edges, params, grads, retain_graph=True, allow_unused=True)
-        )
+        _accumulate(params, _grad(edges, params, grads))
+
+
+def _grad(outputs: list, inputs: list, grads: list) -> tuple:
+    """``torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)``. Under
+    a torch-function mode (the split-aware functions, rrfp/nn/split_functions.py) it goes to the
+    engine past torch.autograd.grad's dispatch to the mode, as torch.autograd.grad itself does when
+    no mode is active: the dispatch would run the engine with the mode set aside, so a checkpointed
+    region recomputed there would not run its ops as its forward did."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    made = _make_grads(tuple(outputs), tuple(grads), is_grads_batched=False)
+    return _engine_run_backward(tuple(outputs), made, True, False, tuple(inputs), True)
 
 
 def _accumulate(params, grads) -> None:

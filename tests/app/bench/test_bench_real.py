@@ -222,6 +222,10 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     assert {h["contender"] for h in wl["host"]} == names - {"torch 1f1b"}
     for h in wl["host"]:
         assert h["per_task"]["compute"] > 0 and h["wakes_per_task"]["lane"] > 0
+    # the compute table: every row, torch's included, against the one unsplit row (torch 1f1b)
+    assert {c["contender"] for c in wl["compute"]} == names
+    assert all(c["per_rank_s"] > 0 and c["backward_s"] > 0 for c in wl["compute"])
+    assert "over torch 1f1b's (unsplit)" in md
     # every rrfp task span carries the lane's own work inside it, and each row's bound is the one
     # of those realized task times (torch's: its spans)
     trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]

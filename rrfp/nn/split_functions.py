@@ -1,0 +1,200 @@
+"""Split-aware backward formulas for a module's own ops, with no change to the module.
+
+The generic split (rrfp/pipeline/split_backward/weight_split.py) restarts autograd in W at every
+node where B left weight work behind: one engine call per such node, a layer norm's backward run
+in B and again in W, and, under activation checkpointing, every checkpointed region recomputed a
+second time for W. The ops that carry a stage's weight FLOPs have simple gradients, so under
+``SplitFunctions`` (a ``TorchFunctionMode``, entered by the stage worker around F, B and W) each
+of them, applied to a leaf parameter in grad mode, runs as a custom autograd Function whose
+backward computes only the input gradient and queues a closure that computes the parameter's
+gradient from what B already holds (the saved input and the gradient arriving there), to run in W
+(``WeightGradQueue``). W then needs neither the graph nor a recomputation for those parameters.
+
+Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``F.embedding``
+(dense, no max_norm) and an elementwise product with a parameter (the weight of an RMSNorm written
+out by hand, as HF's Llama is). Anything else (a computed weight, a frozen one, other ops on
+parameters) stays with the generic split, which treats the queued parameters as another owner
+(mode "layers"). The mode is also active when B or W recomputes a checkpointed region, so the
+recomputation saves what the forward saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.nn.split_linear import WeightGradQueue, split_linear
+
+
+def _splits(w: torch.Tensor | None) -> bool:
+    """Whether a parameter's gradient can be queued: a leaf that wants one (or no parameter)."""
+    return w is None or (w.grad_fn is None and w.requires_grad)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shape, weight, bias, eps, queue):
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.shape, ctx.queue, ctx.params = shape, queue, (weight, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        need_x, need_w, need_b = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[2],
+            ctx.needs_input_grad[3],
+        )
+        grad_x = None
+        if need_x:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
+            )[0]
+        if need_w or need_b:
+            w, b = ctx.params
+            shape = ctx.shape
+
+            def run() -> None:
+                _, gw, gb = torch.ops.aten.native_layer_norm_backward(
+                    grad, x, shape, mean, rstd, weight, bias, [False, need_w, need_b]
+                )
+                if need_w:
+                    accumulate_grad(w, gw, owned=True)
+                if need_b:
+                    accumulate_grad(b, gb, owned=True)
+
+            ctx.queue.append(run)
+        return grad_x, None, None, None, None, None
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, indices, weight, padding_idx, scale_grad_by_freq, queue):
+        ctx.save_for_backward(indices)
+        ctx.param, ctx.queue = weight, queue
+        ctx.rows, ctx.padding_idx, ctx.scale = weight.shape[0], padding_idx, scale_grad_by_freq
+        return F.embedding(indices, weight, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (indices,) = ctx.saved_tensors
+        param, rows, pad, scale = ctx.param, ctx.rows, ctx.padding_idx, ctx.scale
+
+        def run() -> None:
+            g = torch.ops.aten.embedding_dense_backward(
+                grad, indices, rows, -1 if pad is None else pad, scale
+            )
+            accumulate_grad(param, g, owned=True)
+
+        ctx.queue.append(run)
+        return None, None, None, None, None
+
+
+class _ScaleFn(torch.autograd.Function):
+    """``x * weight`` for a parameter ``weight`` that broadcasts to ``x``'s shape."""
+
+    @staticmethod
+    def forward(ctx, x, weight, queue):
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.queue = weight, queue
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        param = ctx.param
+
+        def run() -> None:
+            accumulate_grad(param, (grad * x).sum_to_size(param.shape), owned=True)
+
+        ctx.queue.append(run)
+        return (grad * weight if ctx.needs_input_grad[0] else None), None, None
+
+
+def _linear(queue, x, weight, bias=None):
+    if not (_splits(weight) and weight.requires_grad and _splits(bias)):
+        return NotImplemented
+    return split_linear(x, weight, bias, queue), [weight, bias]
+
+
+def _layer_norm(queue, x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    if weight is None or not (_splits(weight) and _splits(bias)):
+        return NotImplemented
+    shape = list(normalized_shape)
+    return _LayerNormFn.apply(x, shape, weight, bias, eps, queue), [weight, bias]
+
+
+def _embedding(
+    queue,
+    indices,
+    weight,
+    padding_idx=None,
+    max_norm=None,
+    norm_type=2.0,
+    scale_grad_by_freq=False,
+    sparse=False,
+):
+    if max_norm is not None or sparse or not (_splits(weight) and weight.requires_grad):
+        return NotImplemented
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return _EmbeddingFn.apply(indices, weight, padding_idx, scale_grad_by_freq, queue), [weight]
+
+
+def _scale(queue, a, b):
+    """An elementwise product with a parameter that broadcasts to the other operand's shape, both
+    of one floating dtype (an RMSNorm's weight); anything else stays with autograd."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return NotImplemented
+    x, w = (a, b) if isinstance(b, torch.nn.Parameter) else (b, a)
+    if (
+        not isinstance(w, torch.nn.Parameter)
+        or isinstance(x, torch.nn.Parameter)
+        or not w.requires_grad
+        or w.dtype != x.dtype
+        or not w.is_floating_point()
+        or torch.broadcast_shapes(x.shape, w.shape) != x.shape
+    ):
+        return NotImplemented
+    return _ScaleFn.apply(x, w, queue), [w]
+
+
+_SPLITS: dict[Callable, Callable] = {
+    F.linear: _linear,
+    F.layer_norm: _layer_norm,
+    F.embedding: _embedding,
+    torch.mul: _scale,
+    torch.Tensor.mul: _scale,
+    torch.Tensor.__mul__: _scale,
+    torch.Tensor.__rmul__: _scale,
+}
+
+# the autograd nodes of these Functions: their backward queues their parameters' W
+QUEUEING_NODES = ("_LayerNormFnBackward", "_EmbeddingFnBackward", "_ScaleFnBackward")
+
+
+class SplitFunctions(TorchFunctionMode):
+    """Inside, the covered ops on leaf parameters queue their weight gradients to ``queue``;
+    ``deferred`` collects the ids of the parameters they queued for."""
+
+    def __init__(self, queue: WeightGradQueue) -> None:
+        super().__init__()
+        self.queue = queue
+        self.deferred: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        split = _SPLITS.get(func)
+        if split is not None and torch.is_grad_enabled():
+            got = split(self.queue, *args, **kwargs)
+            if got is not NotImplemented:
+                out, params = got
+                self.deferred.update(id(p) for p in params if p is not None)
+                return out
+        return func(*args, **kwargs)
