@@ -16,6 +16,7 @@ from rrfp.nn.expert_time import ExpertTimes
 # the split backward's ways of leaving weight gradients to W that a run may choose (StageWorker's
 # weight_split; its "layers" is for experiments only)
 WEIGHT_SPLITS = ("autograd", "functions")
+DEFAULT_WEIGHT_SPLIT = "autograd"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ScheduleSettings:
     # runs a ready W that issues no collective beside it (docs/design.md)
     overlap: bool = False
     # how a split backward leaves the weight gradients to W (StageWorker's weight_split)
-    weight_split: str = "autograd"
+    weight_split: str = DEFAULT_WEIGHT_SPLIT
 
     @classmethod
     def of(
@@ -52,7 +53,7 @@ class ScheduleSettings:
         cost: CostModel | None = None,
         experts: ExpertTimes | None = None,
         overlap: bool = False,
-        weight_split: str = "autograd",
+        weight_split: str = DEFAULT_WEIGHT_SPLIT,
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""

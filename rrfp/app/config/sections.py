@@ -25,7 +25,7 @@ from rrfp.core.hints import (
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import PRESETS, Variability
-from rrfp.pipeline.schedule_settings import WEIGHT_SPLITS
+from rrfp.pipeline.schedule_settings import DEFAULT_WEIGHT_SPLIT, WEIGHT_SPLITS
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 
 RESUME_MODES = ("off", "auto", "required")
@@ -185,7 +185,7 @@ class ScheduleSection(Section):
     )
 
     weight_split: str = setting(
-        "autograd",
+        DEFAULT_WEIGHT_SPLIT,
         "how a split backward leaves the weight gradients to W: autograd (restarts autograd in W, "
         "any module), or functions (linear, layer norm, embedding and products with a parameter "
         "queue their own W; the rest as autograd)",
