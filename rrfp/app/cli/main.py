@@ -311,6 +311,14 @@ def _add_bench(sub) -> None:
         "--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)"
     )
     bench.add_argument(
+        "--ep",
+        type=_positive("--ep"),
+        default=None,
+        help="with --workloads moe: the expert-parallel group, each pipeline rank's ep replicas "
+        "sharding its experts (default 2; with --real on CPU, 1 where pp x 2 ranks exceed the "
+        "cores: one replica per pipeline rank, its experts local, no all-to-all)",
+    )
+    bench.add_argument(
         "--tp",
         type=_positive("--tp"),
         default=1,
