@@ -289,8 +289,8 @@ def _add_bench(sub) -> None:
         type=_csv_list,
         default=None,
         help="comma list of gpt, vlm or .toml configs (default gpt,vlm); moe, the mixture of "
-        "experts on pp 2 x ep 2 ranks, runs alone (its contenders: fixed and ready 1f1b, zbh1, "
-        "bfw, ready plan, torch's 1f1b, zb and dualpipev)",
+        "experts on pp 2 x ep 2 ranks (--ep), runs alone (its contenders: fixed and ready 1f1b, "
+        "zbh1, bfw and plan, torch's 1f1b, zb and dualpipev)",
     )
     bench.add_argument(
         "--contenders",
