@@ -13,12 +13,8 @@ Workloads: gpt-tiny 8 layers of 192 at pp 2, the VLM at pp 2 (configs/vlm-tiny.t
 and a 2-layer middle stage of HF transformers' LlamaModel with and without activation
 checkpointing (``gradient_checkpointing_enable``, use_reentrant=False).
 
-Host memory as a CPU rank runs it: freed blocks stay in the process (``keep_freed_host_memory``,
-which the runtime calls for a split backward on CPU). ``--glibc-too`` first measures every case
-with glibc's own thresholds, under which each B faults in again the pages the previous W freed.
-
     .venv/bin/python benchmarks/split_cost.py [--reps 11] [--cases gpt,vlm,llama,llama-ckpt]
-        [--glibc-too] [--out docs/results/DATE-split-cost.md]
+        [--out docs/results/DATE-split-cost.md]
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ import torch
 from torch import nn
 
 from rrfp import StageWorker, TrainConfig
-from rrfp.pipeline.split_backward.host_memory import keep_freed_host_memory
 
 # the split modes measured (StageWorker's weight_split): the generic split alone, and the
 # split-aware functions with the generic split as the fallback
@@ -249,11 +244,6 @@ def main() -> None:
         help="also print the N ops per workload "
         "whose B + W differs most from the unsplit backward (torch.profiler)",
     )
-    p.add_argument(
-        "--glibc-too",
-        action="store_true",
-        help="first measure every case with glibc's own malloc thresholds (freed memory returned)",
-    )
     a = p.parse_args()
     torch.set_num_threads(1)
     names = a.cases.split(",")
@@ -264,32 +254,28 @@ def main() -> None:
         f"B + W over the unsplit backward, summed over each workload's stages; torch "
         f"{torch.__version__}, CPU, 1 thread; median of {a.reps} alternated repetitions",
         "",
-        "| workload | split | host memory | B + W CPU ms | unsplit CPU ms | ratio CPU (median) "
-        "| IQR | min..max | ratio wall (median) | wall IQR | load (1 min) |",
-        "|---|---|---|---:|---:|---:|---|---|---:|---|---:|",
+        "| workload | split | B + W CPU ms | unsplit CPU ms | ratio CPU (median) | IQR | min..max "
+        "| ratio wall (median) | wall IQR | load (1 min) |",
+        "|---|---|---:|---:|---:|---|---|---:|---|---:|",
     ]
     print("\n".join(lines), flush=True)
     profiles: list[str] = []
-    for memory in ("glibc", "kept") if a.glibc_too else ("kept",):
-        if memory == "kept" and not keep_freed_host_memory():
-            memory = "glibc (no mallopt)"
-        for name in names:
-            case = CASES[name]()
-            r = measure(case, a.reps)
+    for name in names:
+        case = CASES[name]()
+        r = measure(case, a.reps)
+        for m in MODES:
+            c, w = r[m, "cpu"], r[m, "wall"]
+            row = (
+                f"| {case.name} | {m} | {c['split_ms']:.1f} | {c['unsplit_ms']:.1f} | "
+                f"{c['ratio'][1]:.3f}x | {c['ratio'][0]:.3f}..{c['ratio'][2]:.3f} | "
+                f"{c['range'][0]:.3f}..{c['range'][1]:.3f} | {w['ratio'][1]:.3f}x | "
+                f"{w['ratio'][0]:.3f}..{w['ratio'][2]:.3f} | {os.getloadavg()[0]:.1f} |"
+            )
+            lines.append(row)
+            print(row, flush=True)
+        if a.profile:
             for m in MODES:
-                c, w = r[m, "cpu"], r[m, "wall"]
-                row = (
-                    f"| {case.name} | {m} | {memory} | {c['split_ms']:.1f} | "
-                    f"{c['unsplit_ms']:.1f} | {c['ratio'][1]:.3f}x | "
-                    f"{c['ratio'][0]:.3f}..{c['ratio'][2]:.3f} | "
-                    f"{c['range'][0]:.3f}..{c['range'][1]:.3f} | {w['ratio'][1]:.3f}x | "
-                    f"{w['ratio'][0]:.3f}..{w['ratio'][2]:.3f} | {os.getloadavg()[0]:.1f} |"
-                )
-                lines.append(row)
-                print(row, flush=True)
-            if a.profile and memory != "glibc":
-                for m in MODES:
-                    profiles += ["", *profile_ops(case, m, a.profile, a.reps)]
+                profiles += ["", *profile_ops(case, m, a.profile, a.reps)]
     print("\n".join(profiles))
     lines += profiles
     if a.out:

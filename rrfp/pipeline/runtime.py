@@ -63,7 +63,6 @@ from rrfp.pipeline.layout_agreement import ExecutorShape, LayoutCheck
 from rrfp.pipeline.nonfinite import NonFiniteGuard
 from rrfp.pipeline.schedule_settings import ScheduleSettings, resolve_weight_split
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
-from rrfp.pipeline.split_backward.host_memory import keep_freed_host_memory
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.ties import Ties
 from rrfp.pipeline.timeouts import BACKSTOP, DEFAULT_TIMEOUT_S, Timeouts
@@ -526,8 +525,6 @@ class PipelineRuntime:
                 f"({len(modules)}) expected"
             )
         weight_split = self._weight_split(settings.weight_split, split, sharded is not None)
-        if split and self.device.type == "cpu":  # B's held tensors, freed by W, stay in the process
-            keep_freed_host_memory()
         workers = [
             StageWorker(
                 m,
