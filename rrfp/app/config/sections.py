@@ -192,6 +192,11 @@ class ScheduleSection(Section):
         "parallel.tp, dp_shard or ep above 1)",
         choices=WEIGHT_SPLITS,
     )
+    overlap: bool = setting(
+        False,
+        "with ready dispatch, a split backward and parallel.ep > 1 on CPU: while a MoE task waits "
+        "at its all-to-all, the rank computes a ready W beside it",
+    )
 
     @property
     def split_backward(self) -> bool:
