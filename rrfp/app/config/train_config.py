@@ -157,7 +157,7 @@ class TrainConfig:
         """schedule.weight_split = functions queues W for linears that no tensor-parallel, FSDP or
         expert-parallel run has put through its queue: refused there."""
         par = self.parallel
-        if self.schedule.weight_split == "autograd":
+        if self.schedule.weight_split != "functions":  # auto resolves to autograd there
             return
         wider = [
             f"parallel.{k} = {v}"
@@ -167,7 +167,7 @@ class TrainConfig:
         if wider:
             raise ConfigError(
                 f"schedule.weight_split = {self.schedule.weight_split} with {', '.join(wider)}: "
-                "not supported; use schedule.weight_split = autograd"
+                "not supported; use schedule.weight_split = autograd or auto"
             )
 
     def _check_overlap(self) -> None:
