@@ -13,6 +13,7 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError, exit_now
+from rrfp.app.job import forked_rank
 from rrfp.app.job.launch_agent import main as run_agent
 
 # set for the ranks this launcher starts: the launcher has said the config's warnings already
@@ -21,8 +22,10 @@ LAUNCHED = "RRFP_LAUNCHED"
 
 def agent_args(args) -> list[str]:
     """torchrun's arguments that run this ``rrfp train`` on ``args.nproc_per_node`` local ranks,
-    for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
-    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
+    for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own. Each
+    rank is a fork of this process (forked_rank.py), which has imported torch and rrfp."""
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
+    argv += ["--start-method", "fork", "--run-path", forked_rank.__file__, "train"]
     argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
@@ -46,6 +49,7 @@ def start_ranks(args) -> None:
     job starts without a second interpreter importing torch again. Does not return: the process
     exits with the job's code, that of the rank that failed first."""
     os.environ[LAUNCHED] = "1"
+    forked_rank.save_launcher_signals()
     # rrfp sets each rank's threads (compute.threads); without this torchrun prints a banner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.stdout.flush()

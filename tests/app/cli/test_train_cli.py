@@ -322,12 +322,14 @@ def test_the_launcher_is_refused_under_torchrun():
 def test_the_launcher_hands_torchrun_the_same_train_command():
     from argparse import Namespace
 
+    from rrfp.app.job import forked_rank
     from rrfp.app.job.launcher import agent_args
 
     args = Namespace(
         nproc_per_node=4, config="c.toml", set=["a=1", "b=2"], resume=True, debug=False
     )
     assert agent_args(args) == [
-        "--standalone", "--nproc-per-node", "4",
-        "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
+        "--standalone", "--nproc-per-node", "4", "--start-method", "fork",
+        "--run-path", forked_rank.__file__,
+        "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
     ]  # fmt: skip
