@@ -25,7 +25,7 @@ def agent_args(args) -> list[str]:
     for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own. Each
     rank is a fork of this process (forked_rank.py), which has imported torch and rrfp."""
     argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
-    argv += ["--start-method", "fork", "--run-path", forked_rank.__file__, "train"]
+    argv += ["--start-method", "fork", "--run-path", forked_rank.__file__, "rrfp", "train"]
     argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]

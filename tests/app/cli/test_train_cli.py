@@ -331,5 +331,5 @@ def test_the_launcher_hands_torchrun_the_same_train_command():
     assert agent_args(args) == [
         "--standalone", "--nproc-per-node", "4", "--start-method", "fork",
         "--run-path", forked_rank.__file__,
-        "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
+        "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
     ]  # fmt: skip
