@@ -13,8 +13,8 @@ agent's ``sys.argv`` and ``sys.path`` (python -m: the current folder first).
 
 torch's multiprocessing ends a forked rank when its function returns, and its agent counts a
 rank done only by the value it returns: ``exit_now(0)``, which leaves a fresh rank at once, leaves
-a forked one by ``SystemExit(0)`` (rrfp/app/errors.py ``FORKED``); a failure's exit code is the
-process's, as for a fresh rank.
+a forked one by ``SystemExit(0)`` (``done``); a failure's exit code is the process's, as for a
+fresh rank.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ _DEFAULTS = {int(s): signal.SIG_DFL for s in STOP_SIGNALS} | {
 _LAUNCHERS: dict[int, object] = {}
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+_AGENT: list[int] = []  # the pid of the agent that forked this rank
 
 
 def save_launcher_signals() -> None:
@@ -43,11 +44,25 @@ def save_launcher_signals() -> None:
     _LAUNCHERS.update({int(s): signal.getsignal(s) for s in STOP_SIGNALS})
 
 
+def _parent_death_signal(sig: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def done() -> None:
+    """Leave a finished rank by returning to torch's multiprocessing, whose rank then waits for
+    the agent to read that it is done: SIGKILL if the agent dies meanwhile, and at once if it has
+    died already, so that no rank waits for an agent that is gone."""
+    _parent_death_signal(signal.SIGKILL)
+    if os.getppid() != _AGENT[0]:
+        os._exit(0)
+    raise SystemExit(0)
+
+
 def _as_fresh_interpreter(module_path: str, argv: list[str]) -> None:
     for sig, handler in (_LAUNCHERS or _DEFAULTS).items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
+    _parent_death_signal(0)
     for name in ("stdout", "stderr"):  # python -u: each write reaches the file as it is made
         stream = getattr(sys, name)
         raw = io.FileIO(stream.fileno(), "w", closefd=False)
@@ -64,8 +79,9 @@ def main() -> None:
     from rrfp.app import errors
 
     module, *argv = sys.argv[1:]
+    _AGENT.append(os.getppid())
     _as_fresh_interpreter(module, argv)
-    errors.FORKED = True
+    errors.forked_done = done
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
