@@ -63,12 +63,12 @@ def _as_fresh_interpreter(module_path: str, argv: list[str]) -> None:
     for sig, handler in (_LAUNCHERS or _DEFAULTS).items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
     _parent_death_signal(0)
-    for name in ("stdout", "stderr"):  # python -u: each write reaches the file as it is made
-        stream = getattr(sys, name)
-        raw = io.FileIO(stream.fileno(), "w", closefd=False)
-        setattr(
-            sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True)
-        )
+    # python -u: each write reaches the file as it is made; the files are the agent's fds 1 and 2,
+    # whatever object its sys.stdout was
+    for fd, name, errors in ((1, "stdout", "strict"), (2, "stderr", "backslashreplace")):
+        encoding = getattr(getattr(sys, name), "encoding", None) or "utf-8"
+        raw = io.FileIO(fd, "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(raw, encoding, errors, write_through=True))
     sys.argv = [module_path, *argv]
     sys.path.insert(0, os.getcwd())  # python -m: the current folder first
 
