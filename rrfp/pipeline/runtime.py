@@ -61,7 +61,7 @@ from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import StageExecutor
 from rrfp.pipeline.layout_agreement import ExecutorShape, LayoutCheck
 from rrfp.pipeline.nonfinite import NonFiniteGuard
-from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.schedule_settings import ScheduleSettings, resolve_weight_split
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.ties import Ties
@@ -524,6 +524,7 @@ class PipelineRuntime:
                 f"rank {self.rank}: dw_builder is a list of {len(builders)}, one per module "
                 f"({len(modules)}) expected"
             )
+        weight_split = self._weight_split(settings.weight_split, split, sharded is not None)
         workers = [
             StageWorker(
                 m,
@@ -533,7 +534,12 @@ class PipelineRuntime:
                 loss_fn,
                 split,
                 measure_activations=settings.budget.bytes is not None,
-                weight_split=settings.weight_split,
+                # a dw_builder's stage is split as torch splits it: auto leaves its module alone
+                weight_split=(
+                    "autograd"
+                    if b is not None and settings.weight_split == "auto"
+                    else weight_split
+                ),
                 dw_builder=b,
             )
             for m, s, b in zip(modules, self.stages, builders)
@@ -593,6 +599,23 @@ class PipelineRuntime:
         )
         self._executors.append(ex)
         return ex
+
+    def _weight_split(self, chosen: str, split: bool, sharded: bool) -> str:
+        """The StageWorker mode of this rank's stages for ``chosen`` (ScheduleSettings'
+        weight_split), logged with why when the backward is split."""
+        wider = [
+            name
+            for name, on in (
+                (f"parallel.tp = {self.layout.tp}", self.layout.tp > 1),
+                ("FSDP-sharded stages (parallel.dp_shard)", sharded),
+                (f"parallel.ep = {self.layout.ep}", self.layout.ep > 1),
+            )
+            if on
+        ]
+        mode, why = resolve_weight_split(chosen, wider)
+        if split:
+            log.info("rank %d: weight_split %s (%s)", self.rank, mode, why)
+        return mode
 
     def _layout_check(self, shape: ExecutorShape) -> LayoutCheck | None:
         """The check that every rank's n-th executor has ``shape``, on a store client of the

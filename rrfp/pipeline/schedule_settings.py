@@ -14,9 +14,23 @@ from rrfp.core.variability import Variability
 from rrfp.nn.expert_time import ExpertTimes
 
 # the split backward's ways of leaving weight gradients to W that a run may choose (StageWorker's
-# weight_split; its "layers" is for experiments only)
-WEIGHT_SPLITS = ("autograd", "functions")
-DEFAULT_WEIGHT_SPLIT = "autograd"
+# weight_split; its "layers" is for experiments only); "auto" is resolved per job
+# (``resolve_weight_split``)
+WEIGHT_SPLITS = ("auto", "autograd", "functions")
+DEFAULT_WEIGHT_SPLIT = "auto"
+
+
+def resolve_weight_split(chosen: str, wider: list[str]) -> tuple[str, str]:
+    """The StageWorker mode a job's stages run, and why, for ``chosen`` (a ``WEIGHT_SPLITS``).
+    ``wider``: the parallelisms above 1 whose layers the split-aware functions do not cover
+    (tensor parallel, FSDP shards, expert parallel). "auto" is "functions", whose B + W costs
+    least against the unsplit backward (benchmarks/split_cost.py), unless ``wider`` is not empty:
+    then the generic split, which any module's graph gets exactly."""
+    if chosen != "auto":
+        return chosen, f"schedule.weight_split = {chosen}"
+    if wider:
+        return "autograd", f"auto: the split-aware functions do not cover {', '.join(wider)}"
+    return "functions", "auto: the split-aware functions, the generic split for the rest"
 
 
 @dataclass(frozen=True)

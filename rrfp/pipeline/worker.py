@@ -16,9 +16,10 @@ parameters with autograd. ``weight_split = "functions"`` (a run's
 ``schedule.weight_split``) also queues the W of the module's own linears, norms,
 embeddings and products with a parameter (rrfp/nn/split_functions.py), which
 spares W a second autograd pass and a second recomputation of checkpointed
-regions. The autograd split is the default: mode functions gains clearly only
-under activation checkpointing, and tensor-parallel, FSDP and expert-parallel
-runs refuse it (benchmarks/split_cost.py and weight_split.py compare the modes).
+regions. A worker defaults to the autograd split; a run's default ("auto",
+rrfp/pipeline/schedule_settings.py) gives its stages mode functions except in
+tensor-parallel, FSDP and expert-parallel runs, which refuse it
+(benchmarks/split_cost.py compares the modes).
 A stage given a ``dw_builder``
 (torch's ``PipelineStage(dw_builder=)``: custom autograd functions that leave
 their weight gradients to a runner) is split as torch splits it instead: B runs

@@ -111,6 +111,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
                     "coords": (rt.stage, rt.tp_rank, rt.dp_rank),
                     "rounds": e.agreement.rounds if e.agreement else 0,
                     "launched_early": sync.launched_early,
+                    "weight_split": e.workers[0].weight_split,
                 }
         finally:
             await rt.aclose()
@@ -127,6 +128,9 @@ def _check(results, pp, tp, dp, configs=CONFIGS):
             assert r["grad_err"] < 1e-10, (
                 f"{cfg} rank {rank} {r['coords']}: gradient differs by {r['grad_err']}"
             )
+            # the default weight_split (auto): the split-aware functions, the generic split with TP
+            want = "autograd" if tp > 1 else "functions"
+            assert r["weight_split"] == want, f"{cfg} rank {rank}: weight_split {r['weight_split']}"
             stage, tp_rank, dp_rank = r["coords"]
             per_stage.setdefault((stage, dp_rank), []).append(r["order"])
             if r["loss"] is not None and dp == 1:

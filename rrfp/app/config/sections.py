@@ -187,9 +187,15 @@ class ScheduleSection(Section):
     weight_split: str = setting(
         DEFAULT_WEIGHT_SPLIT,
         "how a split backward leaves the weight gradients to W: autograd (restarts autograd in W, "
-        "any module), or functions (linear, layer norm, embedding and products with a parameter "
-        "queue their own W; the rest as autograd)",
+        "any module), functions (linear, layer norm, embedding and products with a parameter "
+        "queue their own W; the rest as autograd), or auto (functions, or autograd with "
+        "parallel.tp, dp_shard or ep above 1)",
         choices=WEIGHT_SPLITS,
+    )
+    overlap: bool = setting(
+        False,
+        "with ready dispatch, a split backward and parallel.ep > 1 on CPU: while a MoE task waits "
+        "at its all-to-all, the rank computes a ready W beside it",
     )
 
     @property
