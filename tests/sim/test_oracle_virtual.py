@@ -100,7 +100,9 @@ def test_optimum_is_below_every_executor_and_holds_the_rank_budget(S, M, placeme
     lay = cfg.layout
     ready = ready_runs(cfg)
     r = solve(cfg, time_limit=60, hints=ready)  # room for a loaded CI machine
-    assert r.optimal and r.status == "OPTIMAL", r
+    # proved: the solver's lower bound meets its makespan (under load it may reach that proof at
+    # its time limit and still say FEASIBLE)
+    assert r.optimal, r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
     dur, lat_f, lat_b, _ = _durations(cfg)
     assert (
@@ -197,7 +199,9 @@ def test_byte_budget_optimum_binds_and_is_below_every_run_that_holds_it(
     limit, sizes = cfg.budget.bytes, _durations(cfg)[3]
     assert max(sizes) <= limit  # so the relaxed rank limit below is the limit plus the largest one
     r = solve(cfg, time_limit=60)  # no hints: the optimum below the ready runs is the solver's own
-    assert r.optimal and r.status == "OPTIMAL", r
+    # proved: the solver's lower bound meets its makespan (under load it may reach that proof at
+    # its time limit and still say FEASIBLE)
+    assert r.optimal, r
     assert r.bound - 1e-9 <= r.makespan <= r.bound + tolerance(cfg)
     free = solve(replace(cfg, budget=M), time_limit=60)  # M microbatches: all may be held
     assert free.optimal and free.makespan < r.makespan - tolerance(cfg)  # the byte budget binds

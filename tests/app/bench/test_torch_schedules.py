@@ -245,11 +245,11 @@ def test_emulated_time_bounds_the_iteration(schedule):
         for mb in range(M):
             assert spans[(k + 1, f"F{mb}")][0] >= spans[(k, f"F{mb}")][1] + gap, (k, mb)
             assert spans[(k, f"B{mb}")][0] >= spans[(k + 1, f"B{mb}")][1] + gap, (k, mb)
-    # the slow rank (1) spends twice the emulated time of rank 0 in its tasks: M x 3 units more
-    # (half of it asked, so that real compute slowed by other jobs on the machine cannot make up the
-    # rest)
+    # the slow rank (1) spends at least twice the emulated time of the others in its tasks; only
+    # lower bounds are asserted, since other jobs on the machine can lengthen any rank's spans
     busy = {r: sum(sp.end - sp.start for sp in o["spans"]) for r, o in out.items()}
-    assert busy[1] >= 2 * M * 3 * unit_s and busy[1] - busy[0] >= 0.5 * M * 3 * unit_s, busy
+    for r in out:
+        assert busy[r] >= (2 if r == 1 else 1) * M * 3 * unit_s, (r, busy)
     # the memory the bench reports beside torch's speedups, read off the spans: 1F1B holds S - r
     from rrfp.app.bench.runners import held_peak
 
