@@ -6,8 +6,9 @@ A benchmark, not a test: run it and read the numbers.
         [--thread] [--keep-freed]
 
 - rrfp: ``StageWorker.forward`` and ``backward`` (split off), as fixed 1F1B calls them.
-- torch: the bench's envelope around the same stage modules (rrfp/app/bench/torch_schedules.py)
-  and a plain autograd backward, as torch's ``PipelineStage`` computes a chunk.
+- torch: the same stage modules called as they are, the received tensors made leaves that
+  require grad, and a plain autograd backward, as torch's ``PipelineStage`` computes a chunk
+  (without the bench's envelope, which adds a copy of the boundary to torch's side).
 
 Both build the stages from one seed and run the same microbatches; the two alternate, each first
 in turn, and the first iteration is a warm-up. ``--thread`` runs rrfp's tasks in a thread of their
@@ -45,10 +46,8 @@ def main() -> None:
     a.add_argument("--keep-freed", action="store_true", help="as a CPU lane keeps host memory")
     args = a.parse_args()
 
-    from rrfp.app.bench.torch_schedules import _Envelope, probe_capacity
-    from rrfp.app.config.train_config import TrainConfig
-    from rrfp.loop.host_memory import keep_freed_memory
-    from rrfp.pipeline.worker import StageWorker
+    from rrfp import StageWorker, TrainConfig
+    from rrfp.loop import keep_freed_memory
 
     if args.keep_freed:
         print(f"freed memory kept: {keep_freed_memory()}")
@@ -62,10 +61,6 @@ def main() -> None:
     batches = wl.batches(cfg.data, 0, M)
     mine = wl.build_stages(cfg.model, range(S), S, 0)
     theirs = wl.build_stages(cfg.model, range(S), S, 0)
-    cap = probe_capacity(lambda k, n: theirs[k], S, batches, theirs)
-    envelopes = [
-        _Envelope(m, k == 0, k == S - 1, cap, torch.float32, k) for k, m in enumerate(theirs)
-    ]
     workers = [StageWorker(m, k, S, M, wl.loss_fn, split=False) for k, m in enumerate(mine)]
     lane = concurrent.futures.ThreadPoolExecutor(1) if args.thread else None
     cpu: dict[tuple[str, int], list[float]] = {}
@@ -94,26 +89,35 @@ def main() -> None:
             grad = task("rrfp B1", mb, workers[1].backward, mb)
             task("rrfp B0", mb, workers[0].backward, mb, grad)
 
+    def floating(value) -> list[torch.Tensor]:
+        items = value if isinstance(value, (tuple, list)) else [value]
+        return [t for t in items if t.is_floating_point()]
+
     def forward_first(x):
         with torch.enable_grad():
-            return envelopes[0](x)
+            return theirs[0](x)
 
     def forward_last(sent, y):
-        received = sent[0].detach().requires_grad_(True)
+        if isinstance(sent, torch.Tensor):
+            received = sent.detach().requires_grad_(True)
+        else:
+            received = tuple(
+                t.detach().requires_grad_(t.is_floating_point()) for t in sent
+            )  # fmt: skip
         with torch.enable_grad():
-            loss = wl.loss_fn(envelopes[1](received, sent[1]), y) / M
+            loss = wl.loss_fn(theirs[1](received), y) / M
         return received, loss
 
     def backward_last(received, loss):
         torch.autograd.backward(loss)
-        return received.grad
+        return [t.grad for t in floating(received)]
 
     def torch_iteration() -> None:
         for mb, (x, y) in enumerate(batches):
             sent = task("torch F0", mb, forward_first, x)
             received, loss = task("torch F1", mb, forward_last, sent, y)
-            grad = task("torch B1", mb, backward_last, received, loss)
-            task("torch B0", mb, torch.autograd.backward, sent[0], grad)
+            grads = task("torch B1", mb, backward_last, received, loss)
+            task("torch B0", mb, torch.autograd.backward, floating(sent), grads)
 
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     for i in range(args.iterations):
