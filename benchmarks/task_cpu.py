@@ -61,7 +61,11 @@ def main() -> None:
     batches = wl.batches(cfg.data, 0, M)
     mine = wl.build_stages(cfg.model, range(S), S, 0)
     theirs = wl.build_stages(cfg.model, range(S), S, 0)
-    workers = [StageWorker(m, k, S, M, wl.loss_fn, split=False) for k, m in enumerate(mine)]
+    # as the runtime builds them without a byte budget: no hook on every saved tensor
+    workers = [
+        StageWorker(m, k, S, M, wl.loss_fn, split=False, measure_activations=False)
+        for k, m in enumerate(mine)
+    ]
     lane = concurrent.futures.ThreadPoolExecutor(1) if args.thread else None
     cpu: dict[tuple[str, int], list[float]] = {}
     faults: dict[tuple[str, int], list[int]] = {}

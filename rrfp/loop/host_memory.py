@@ -4,9 +4,9 @@ On CPU a stage's tensors come from glibc's malloc. Its default adapts two thresh
 time: blocks above the mmap threshold (128 KiB at first) are mapped for each allocation and
 unmapped when freed, and free memory above the trim threshold at a heap's top goes back to the
 kernel. Each task of a training iteration allocates and frees the same large activations, so
-with the defaults each one maps (or regrows) fresh pages and faults them in one by one; worse in
-the compute lane's thread, which allocates from an arena of its own: hundreds of page faults per
-task on the vlm's last stage, where the same work on the main thread faults a few dozen times.
+with the defaults each one maps (or regrows) fresh pages and faults them in one by one, in the
+kernel's time on the task's thread: hundreds of page faults per task on the vlm's last stage in
+the compute lane's thread, which allocates from an arena of its own.
 
 Fixing both thresholds at the largest values glibc's own rule reaches (32 MiB blocks mapped on
 their own, 64 MiB of free top kept) keeps an iteration's memory for the next task: the process
