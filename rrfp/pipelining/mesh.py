@@ -15,6 +15,10 @@ stage form blocks of ``ep`` (each ``mesh["ep"]`` slice, adjacent ranks: rrfp's E
 members hold different experts of the stage modules' MoE layers, sharded by the script with
 ``rrfp.shard_experts(module, mesh["ep"].get_group())``; rrfp agrees on the order of their
 all-to-alls and averages the other gradients over all ``dp x ep`` replicas.
+``("pp", "dp_shard", "ep")`` is the same over FSDP2 replicas, as torchtitan borrows its dp_shard
+dimension for EP: the stage modules are ``fully_shard``'ed over all ``dp_shard x ep`` replicas of
+the stage (``mesh["dp_shard", "ep"]._flatten()``, torchtitan's way to a 1-D mesh of them) with
+the experts left out (``ignored_params``: the EP group shards them already).
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ def read_mesh(mesh, world: int) -> MeshLayout:
     tensor-parallel dimension larger than 1."""
     names = tuple(mesh.mesh_dim_names or ())
     allowed = [("pp", d) for d in DP_DIMS] + [("pp", d, "tp") for d in DP_DIMS]
-    if names not in allowed + [("pp", "dp", "ep")]:
+    if names not in allowed + [("pp", d, "ep") for d in DP_DIMS]:
         raise ValueError(
             f"ScheduleReady(mesh=): the mesh's dimensions are {names or 'unnamed'}; name them "
             "('pp', 'dp') or ('pp', 'dp_shard'), optionally with a trailing 'tp', or "
-            "('pp', 'dp', 'ep') for expert parallelism"
+            "('pp', 'dp', 'ep') or ('pp', 'dp_shard', 'ep') for expert parallelism"
         )
     shape = tuple(mesh.mesh.shape)
     if len(names) == 3 and names[2] == "tp" and shape[2] != 1:
@@ -68,5 +72,6 @@ def read_mesh(mesh, world: int) -> MeshLayout:
     pp, dp = shape[0], shape[1]
     if names[-1] == "ep":  # the replicas are dp x ep, in blocks of ep adjacent ranks
         ep = shape[2]
-        return MeshLayout(pp, dp * ep, "dp", mesh["pp"].mesh.tolist(), ep, mesh["ep"].mesh.tolist())
+        pipeline, ep_group = mesh["pp"].mesh.tolist(), mesh["ep"].mesh.tolist()
+        return MeshLayout(pp, dp * ep, names[1], pipeline, ep, ep_group)
     return MeshLayout(pp, dp, names[1], mesh[names[0]].mesh.tolist())

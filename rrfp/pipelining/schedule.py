@@ -186,14 +186,15 @@ class ScheduleReady:
     the stage's group must be the mesh's ``"pp"`` slice of this rank. Under ``"dp"`` each ``step``
     averages the gradients over the replicas (as ``dp_sync``); under ``"dp_shard"`` the stage
     modules must be ``fully_shard``'ed over ``mesh["dp_shard"]``, and FSDP reduce-scatters them
-    after each step (rrfp/pipeline/sharded_stages.py). ``split`` (B and W apart; None: the hint's
-    default) and ``cost`` (a CostModel, e.g. from
-    ``rrfp calibrate``) are ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint,
-    budget, dispatch, split and cost as one object instead; with ``cost`` every ``step`` needs
-    ``cost_features=``, one dict per microbatch (``rrfp.token_features``), the same list on every
-    rank. Every rank must construct it, in the same order relative to other collectives (it creates
-    rrfp's process groups), and should ``close()`` it (or use ``with``) before destroying the
-    process group.
+    after each step (rrfp/pipeline/sharded_stages.py). A trailing ``"ep"`` adds expert
+    parallelism over the replicas (``rrfp.shard_experts(module, mesh["ep"].get_group())``; under
+    ``"dp_shard"`` the experts stay out of ``fully_shard``). ``split`` (B and W apart; None: the
+    hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``) are
+    ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint, budget, dispatch, split and
+    cost as one object instead; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
+    microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct
+    it, in the same order relative to other collectives (it creates rrfp's process groups), and
+    should ``close()`` it (or use ``with``) before destroying the process group.
     """
 
     # Emulated device time, for `rrfp bench`'s drop-in rows (rrfp/app/bench/dropin.py): ms of lane
@@ -794,9 +795,10 @@ def _mesh_checked(mesh, stages: list, ranks: list[int], dp_sync: bool) -> tuple[
         )
     sharded = bool(fsdp_modules([s.submod for s in stages]))
     if read.dp_dim == "dp_shard" and read.dp > 1 and not sharded:
+        over = "mesh['dp_shard', 'ep']._flatten()" if read.ep > 1 else "mesh['dp_shard']"
         raise ValueError(
             "ScheduleReady(mesh=): the mesh's 'dp_shard' dimension needs stage modules sharded "
-            "with fully_shard(module, mesh=mesh['dp_shard']); name it 'dp' for rrfp's gradient "
+            f"with fully_shard(module, mesh={over}); name it 'dp' for rrfp's gradient "
             "averaging of unsharded modules"
         )
     if sharded and (read.dp_dim == "dp" and read.dp > 1 or dp_sync):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -131,30 +133,66 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    results, errors = {}, {}
-    import queue as q
-
+    results: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    ok = False
     try:
-        for _ in range(world):
-            try:
-                rank, status, value = queue.get(timeout=timeout)
-            except q.Empty:
-                raise AssertionError(
-                    f"ranks {sorted(set(range(world)) - results.keys() - errors.keys())} "
-                    f"did not finish within {timeout} s"
-                ) from None
+        deadline = time.monotonic() + timeout
+        while len(results) < world and not errors:
+            got = next_report(queue, procs, results.keys())
+            if got is None:
+                if time.monotonic() > deadline:
+                    raise AssertionError(
+                        f"ranks {sorted(set(range(world)) - results.keys())} "
+                        f"did not finish within {timeout} s"
+                    )
+                continue
+            rank, status, value = got
             (results if status == "ok" else errors)[rank] = value
-            if errors:
-                break
+        ok = not errors
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if ok else 0)  # a failed job's other ranks may wait in a collective
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     if errors:
         rank, tb = next(iter(errors.items()))
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     return results
+
+
+def died(rank: int, exitcode: int) -> str:
+    """The line for a rank whose process ended before it reported: its exit code, or the signal
+    that ended it (an OOM kill is SIGKILL, a C-level abort SIGABRT)."""
+    how = (
+        f"was ended by {signal.Signals(-exitcode).name}"
+        if exitcode < 0
+        else f"exited with code {exitcode}"
+    )
+    return f"rank {rank} failed: its process {how} before it reported a result"
+
+
+def next_report(queue, procs, reported, wait: float = 0.2) -> tuple | None:
+    """The next report a rank put on ``queue``, None if there was none within ``wait`` seconds;
+    AssertionError at once, naming the rank, if a rank not in ``reported`` has ended without one.
+    A report is in the queue's pipe before its sender can end (a process flushes its queues as it
+    exits), so the queue is read once more after an end is seen."""
+    import queue as q
+
+    try:
+        return queue.get(timeout=wait)
+    except q.Empty:
+        pass
+    ended = [
+        (r, p.exitcode) for r, p in enumerate(procs) if r not in reported and p.exitcode is not None
+    ]
+    if not ended:
+        return None
+    try:
+        return queue.get(timeout=wait)
+    except q.Empty:
+        raise AssertionError(died(*ended[0])) from None
 
 
 def timed_outcome(main) -> dict:

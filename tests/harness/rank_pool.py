@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 
-from harness.distributed import _context, free_port
+from harness.distributed import _context, free_port, next_report
 from harness.launch import rank_vars
 
 
@@ -115,42 +115,34 @@ class RankPool:
         deadline = time.monotonic() + timeout
         try:
             while len(results) < self.world and not errors:
-                try:
-                    rank, status, value, done = self.results.get(timeout=0.2)
-                except queue.Empty:
-                    missing = sorted(set(range(self.world)) - results.keys())
-                    dead = [r for r in missing if not self.procs[r].is_alive()]
-                    if dead:
-                        codes = [self.procs[r].exitcode for r in dead]
-                        raise AssertionError(
-                            f"ranks {dead} exited (codes {codes}) without a result"
-                        ) from None
+                got = next_report(self.results, self.procs, results.keys())
+                if got is None:
                     if time.monotonic() > deadline:
-                        raise AssertionError(
-                            f"ranks {missing} did not finish within {timeout} s"
-                        ) from None
+                        missing = sorted(set(range(self.world)) - results.keys())
+                        raise AssertionError(f"ranks {missing} did not finish within {timeout} s")
                     continue
+                rank, status, value, done = got
                 (results if status == "ok" else errors)[rank] = value
                 retire |= done
         except BaseException:
-            self.close()
+            self.close(grace=0)  # what is left of the ranks may wait in a collective for good
             raise
         if errors or retire:
-            self.close()
+            self.close(grace=0 if errors else 5)
         if errors:
             rank, tb = next(iter(errors.items()))
             raise AssertionError(f"rank {rank} failed:\n{tb}")
         return results
 
-    def close(self) -> None:
-        """Ask the ranks to leave; kill what has not left within 5 s."""
+    def close(self, grace: float = 5) -> None:
+        """Ask the ranks to leave; kill what has not left within ``grace`` seconds."""
         for q in self.tasks:
             try:
                 q.put(None)
             except (OSError, ValueError):
                 pass
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)

@@ -46,7 +46,8 @@ def _loss(out, y):
 def _pipeline(rank, world, pp, configs, virtual, opts=None):
     """``opts``: ``slow`` (replica 1's stage 0 that many times slower), ``fail_every`` (every n-th
     EP round fails), ``fsdp`` (the stages FSDP-sharded over the replicas), ``blocks`` (the model's),
-    ``tight`` (replica 0's budget one microbatch), ``overlap`` (a ready W beside an all-to-all)."""
+    ``tight`` (replica 0's budget one microbatch), ``overlap`` (a ready W beside an all-to-all,
+    made to happen by construction: tests/harness/overlap_holds.py)."""
     import torch
 
     from rrfp.core.budget import DEFAULT_BUDGET
@@ -136,6 +137,10 @@ def _pipeline(rank, world, pp, configs, virtual, opts=None):
                     budget=1 if tight and rt.dp_rank == 0 else DEFAULT_BUDGET,
                 )
                 ex = rt.stage_executor(mods, _loss, settings=settings)
+                if overlap:
+                    from harness.overlap_holds import hold_windows
+
+                    hold_windows(ex, rt.lane)
                 if fail_every:
                     _fail_rounds(ex.ep_agreement, fail_every)
                 module = mods[0] if virtual == 1 else torch.nn.ModuleList(mods)
@@ -307,6 +312,17 @@ def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
 def test_all_to_alls_with_a_w_beside_stay_exact():
     """The overlap: while an EP task waits at its all-to-all, the lane runs a ready W beside it
     (one that issues no EP collective), each replica with its own seeds and so its own W's in its
-    own windows; ready BFW, ZB-H1 and plan stay exact."""
+    own windows; ready BFW, ZB-H1 and plan stay exact. The holds (tests/harness/overlap_holds.py)
+    make it happen in every iteration whatever the load: on the last stage W0 runs beside F1's
+    all-to-all, and on the first stage, where every W issues all-to-alls, W0 is ready at B1's or
+    a later forward's window and must not run beside it."""
     configs = [("bfw", True), ("zbh1", True), ("plan", True)]
-    _exact(run_ranks(_pipeline, 4, 2, configs, 1, {"overlap": True}, timeout=400), configs)
+    results = run_ranks(_pipeline, 4, 2, configs, 1, {"overlap": True}, timeout=400)
+    _exact(results, configs)
+    for out, _ in results.values():
+        last = out[configs[0]]["coords"][0] == 1
+        beside = [out[c]["beside"] for c in configs]  # the lane's count, over the configs so far
+        if last:  # at least W0 in each iteration
+            assert all(b >= STEPS * (i + 1) for i, b in enumerate(beside)), beside
+        else:
+            assert beside[-1] == 0, beside

@@ -68,6 +68,30 @@ def test_lanes_at_scale_with_ties():
         assert makespans(p, rankings) == _runs(p, rankings)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    S=st.integers(8, 24),
+    M=st.integers(32, 96),
+    preset=st.sampled_from(["lang", "mm"]),
+    seed=st.integers(0, 10_000),
+    budget=st.sampled_from(["1x", "2x", "3", "3000B"]),
+    split=st.booleans(),
+    data=st.data(),
+)
+def test_lanes_that_finish_at_different_steps(S, M, preset, seed, budget, split, data):
+    """Long enough runs that rankings finish many steps apart, in any order: the ones done last
+    in the list are dropped while the others still step, and every makespan stays the event
+    loop's."""
+    var = known(Variability.preset(preset))
+    cfg = SimConfig(S, M, "bfw", "ready", budget, var, seed=seed, split=split, mb_bytes=1000)
+    p = _pipeline(cfg)
+    orders = candidate_orders(p.dur.sum(axis=(0, 2)))
+    orders += [tuple(data.draw(st.permutations(range(M)))) for _ in range(2)]
+    orders = data.draw(st.permutations(orders))
+    rankings = [bfw_ranking(o, split) for o in orders]
+    assert makespans(p, rankings) == _runs(p, rankings)
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     S=st.integers(2, 12),

@@ -174,7 +174,7 @@ class Case:
         """The run config every rank builds this workload from (for ``contender``'s virtual
         stages, if given): ConfigError names what does not fit."""
         pp, tp = pp or spec.pp, tp or spec.tp
-        replicas = [f"parallel.dp={spec.dp}", f"parallel.ep={spec.ep}"] if spec.dp > 1 else []
+        replicas = [f"parallel.dp={spec.dp}", f"parallel.ep={spec.ep}"]
         stages = (
             []
             if contender is None or contender.virtual == 1
@@ -216,15 +216,16 @@ SUITE = {
 MOE = "moe"
 MOE_SHAPE = {"pp": 2, "dp": 2, "ep": 2}
 # fixed and ready at the same hint and budget (1F1B has no ready twin: its order is its memory
-# bound); a planned hint runs ready only under EP (each replica plans its own order); torch's
-# schedules run the same stages, their experts sharded alike (every replica runs one fixed order,
-# so the all-to-alls pair)
+# bound); a planned hint runs fixed only at ep 1 (under EP each replica plans its own order);
+# torch's schedules run the same stages, their experts sharded alike (every replica runs one fixed
+# order, so the all-to-alls pair)
 MOE_CONTENDERS = (
     "fixed 1f1b",
     "fixed zbh1",
     "ready zbh1",
     "fixed bfw",
     "ready bfw",
+    "fixed plan",
     "ready plan",
     "ready bfw overlap",
     "ready plan overlap",
@@ -328,7 +329,7 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
     if contender.overlap and spec.ep == 1:
-        return "the overlap is at expert parallelism's all-to-alls (--workloads moe)"
+        return "the overlap is at expert parallelism's all-to-alls (--workloads moe, --ep 2)"
     if spec.ep > 1 and contender.drop_in:
         return "the bench's drop-in rows run one replica per stage"
     if spec.ep > 1 and contender.dispatch == "fixed" and resolve(contender.hint).planned:

@@ -73,8 +73,11 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
                 f"{MOE_SHAPE['ep']} ranks): bench it apart from {others}"
             )
         base = {**base, "pp": MOE_SHAPE["pp"]}
+    elif args.ep is not None:
+        raise UsageError(
+            f"--ep sets the {MOE} workload's expert-parallel group: add --workloads moe"
+        )
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
-    replicas = MOE_SHAPE["dp"] if moe else 1
     device = getattr(args, "device", "cpu")
     if args.real:
         if args.unit_ms not in (None, 0):
@@ -88,6 +91,12 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
             f"got {pick['unit_ms']:g}"
         )
     real = pick["unit_ms"] == 0
+    # the mixture of experts: each pipeline rank's ep replicas form one EP group; with real
+    # compute on too few cores for ep 2 the default is one replica (experts local, no all-to-all)
+    ep = (args.ep or MOE_SHAPE["ep"]) if moe else 1
+    if moe and args.ep is None and real and device == "cpu":
+        ep = ep if pick["pp"] * ep <= (os.cpu_count() or 1) else 1
+    replicas = ep
     if args.pin and (not real or device != "cpu"):
         raise UsageError("--pin pins CPU ranks computing for real: add --real (on --device cpu)")
     if device != "cpu":
@@ -109,7 +118,8 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
     if real and device == "cpu" and pick["pp"] * args.tp * replicas > cores:
         raise UsageError(
             f"--real on CPU runs one thread per rank: {pick['pp'] * args.tp * replicas} ranks "
-            f"need as many cores, and this machine has {os.cpu_count()} (lower --pp)"
+            f"need as many cores, and this machine has {os.cpu_count()} "
+            f"(lower --pp{' or --ep' if replicas > 1 else ''})"
         )
     try:
         budget = str(Budget.parse(args.budget))
@@ -138,11 +148,14 @@ def build_spec(args) -> tuple[BenchSpec, dict[str, dict[str, str]]]:
         device=device,
         pin=args.pin,
         dp=replicas,
-        ep=MOE_SHAPE["ep"] if moe else 1,
+        ep=ep,
     )
     ready, skipped = [], {}
     for case in cases:
-        case.train_config(spec)  # ConfigError (exit 2) when the workload cannot take these sizes
+        # ConfigError (exit 2) when the workload cannot take these sizes
+        experts = getattr(case.train_config(spec).model, "moe_experts", 0)
+        if moe and experts % ep:
+            raise UsageError(f"--ep {ep}: {case.name}'s {experts} experts do not split over it")
         runs = []
         for contender in wanted:
             why = unavailable(contender, case, spec)

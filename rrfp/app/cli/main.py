@@ -289,8 +289,8 @@ def _add_bench(sub) -> None:
         type=_csv_list,
         default=None,
         help="comma list of gpt, vlm or .toml configs (default gpt,vlm); moe, the mixture of "
-        "experts on pp 2 x ep 2 ranks, runs alone (its contenders: fixed and ready 1f1b, zbh1, "
-        "bfw, ready plan, torch's 1f1b, zb and dualpipev)",
+        "experts on pp 2 x ep 2 ranks (--ep), runs alone (its contenders: fixed and ready 1f1b, "
+        "zbh1, bfw and plan, torch's 1f1b, zb and dualpipev)",
     )
     bench.add_argument(
         "--contenders",
@@ -309,6 +309,14 @@ def _add_bench(sub) -> None:
     )
     bench.add_argument(
         "--pp", type=_positive("--pp"), default=None, help="pipeline stages = ranks (default 4)"
+    )
+    bench.add_argument(
+        "--ep",
+        type=_positive("--ep"),
+        default=None,
+        help="with --workloads moe: the expert-parallel group, each pipeline rank's ep replicas "
+        "sharding its experts (default 2; with --real on CPU, 1 where pp x 2 ranks exceed the "
+        "cores: one replica per pipeline rank, its experts local, no all-to-all)",
     )
     bench.add_argument(
         "--tp",

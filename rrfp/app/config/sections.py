@@ -191,6 +191,11 @@ class ScheduleSection(Section):
         "queue their own W; the rest as autograd)",
         choices=WEIGHT_SPLITS,
     )
+    overlap: bool = setting(
+        False,
+        "with ready dispatch, a split backward and parallel.ep > 1 on CPU: while a MoE task waits "
+        "at its all-to-all, the rank computes a ready W beside it",
+    )
 
     @property
     def split_backward(self) -> bool:

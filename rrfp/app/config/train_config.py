@@ -110,6 +110,7 @@ class TrainConfig:
             object.__setattr__(self, "compute", dataclasses.replace(self.compute, backend=backend))
         if self.compute.device_type == "cuda":
             _check_cuda(self.world_size, why)
+        self._check_overlap()
         cost = self.emulation.cost
         if cost is not None and cost.num_stages != self.num_stages:
             raise ConfigError(
@@ -169,6 +170,26 @@ class TrainConfig:
                 "not supported; use schedule.weight_split = autograd"
             )
 
+    def _check_overlap(self) -> None:
+        """schedule.overlap runs a ready W beside an EP task's all-to-all: it needs ready dispatch,
+        W's apart, expert parallelism and a lane with a thread beside (the CPU's)."""
+        sch, par = self.schedule, self.parallel
+        if not sch.overlap:
+            return
+        need = (
+            "schedule.dispatch = ready (the W beside is picked by readiness)"
+            if sch.dispatch is not Dispatch.READY
+            else "a split backward (schedule.split = true): only a W runs beside"
+            if not sch.split_backward
+            else "parallel.ep > 1 (it overlaps expert parallelism's all-to-alls)"
+            if par.ep == 1
+            else "compute.device = cpu (a CUDA stream has no thread beside it)"
+            if self.compute.device_type != "cpu"
+            else None
+        )
+        if need is not None:
+            raise ConfigError(f"schedule.overlap = true needs {need}")
+
     def _check_fault(self) -> None:
         fault, sch = self.debug.fault, self.schedule
         if fault is None:
@@ -225,6 +246,7 @@ class TrainConfig:
             variability=em.variability,
             seed=self.run.seed,
             cost=em.cost,
+            overlap=sch.overlap,
             weight_split=sch.weight_split,
         )
 
