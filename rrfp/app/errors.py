@@ -3,6 +3,7 @@
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from rrfp.core.errors import PipelineError, leaves
 
@@ -20,14 +21,23 @@ def root_cause(e: BaseException) -> BaseException:
     return leaves(e)[0]
 
 
+# how a rank forked by torchrun's agent leaves once done (rrfp/app/job/forked_rank.py sets it): the
+# agent counts such a rank done by its function's return, and torch's multiprocessing then ends it
+# without the C++ teardown
+forked_done: Callable[[], None] | None = None
+
+
 def exit_now(code: int) -> None:
     """End a rank's process at once, its output flushed: a peer may be dead with gloo threads
     blocked in it, and torch's C++ teardown after gloo async collectives sometimes aborts
     ("terminate called without an active exception", about 1 run in 7 on 4 CPU ranks), which
-    would turn a finished run into exit 134."""
+    would turn a finished run into exit 134. A forked rank that finished leaves by
+    ``forked_done``."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 0 and forked_done is not None:
+        forked_done()
     os._exit(code)
 
 

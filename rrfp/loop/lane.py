@@ -21,6 +21,7 @@ from typing import Any
 
 from rrfp.loop import exit_guard
 from rrfp.loop.completions import CompletionPoller
+from rrfp.loop.host_memory import keep_freed_memory
 
 logger = logging.getLogger("rrfp.loop")
 
@@ -53,6 +54,9 @@ class ComputeLane:
     emulates_on_host = True  # emulated time is this thread's: a layer may spend some of it
 
     def __init__(self, unit_s: float = 0.0, name: str = "compute") -> None:
+        # the lane's thread allocates from a malloc arena of its own: without this, each task
+        # faults its activations' pages in afresh (rrfp/loop/host_memory.py)
+        keep_freed_memory()
         self.unit_s = unit_s
         self.name = name
         self.busy_s = 0.0  # wall time the lane spent on calls, emulation included

@@ -102,6 +102,18 @@ def _script_main(
     _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
 
 
+def _cpp_log_level_as_rrfp_sets_it() -> None:
+    """torch's C++ log level as in an ``rrfp`` process: its entry sets TORCH_CPP_LOG_LEVEL before
+    torch loads (rrfp/app/cli/main.py), and the ranks its launcher forks keep the level torch read
+    then; the forkserver loaded torch before, so torch's C++ side reads the variable again."""
+    import ctypes
+
+    import torch
+
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))._ZN3c1011initLoggingEv()
+
+
 def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
     """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
     sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
@@ -109,6 +121,8 @@ def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
     import runpy
 
     _as_started(out, err, {}, signal.default_int_handler)
+    if module == "rrfp":
+        _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
     if module == "rrfp.app.job.launch_agent":
         from rrfp.app.job.launch_agent import main
@@ -147,8 +161,8 @@ def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
     """``python -m MODULE ARGV`` (``rrfp``, ``torch.distributed.run``, rrfp's agent...), started
     now as a child of the preloaded forkserver instead of an interpreter that imports torch: a
     child's environment, the repository as its folder, a session of its own, stdout and stderr
-    in the files ``out`` and ``err``. The ranks a launcher or agent starts are torchrun's, fresh
-    interpreters."""
+    in the files ``out`` and ``err``. The ranks torchrun's agent starts are fresh interpreters;
+    those of ``rrfp train --nproc-per-node`` are forks of its launcher."""
     for path in (out, err):  # readable from the start, as a Popen's files are
         path.write_text("")
     p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rrfp.app.bench.rank import PROGRESS
 from rrfp.app.bench.suite import ROOT, BenchSpec
+from rrfp.app.job import forked_rank
 
 
 class JobFailed(Exception):
@@ -62,13 +63,16 @@ def run_job(
     ``bar.update(1)`` per finished run. Raises JobFailed with one line."""
     job, rows = job_dir / "job.json", job_dir / "rows.json"
     job.write_text(json.dumps({"spec": spec.as_dict(), "cost": cost}))
+    # each rank a fork of torchrun's agent, which has imported torch (rrfp/app/job/forked_rank.py)
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={spec.world}",
-        "-m",
+        "--start-method=fork",
+        "--run-path",
+        forked_rank.__file__,
         "rrfp.app.bench.rank",
         str(job),
         str(rows),

@@ -20,8 +20,9 @@ import sys
 
 from rrfp.app.job.job_lines import say
 
-# the loggers torchrun's agent logs with (torch.distributed.elastic's, torch.distributed.run's)
-AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
+# the loggers torchrun's agent logs with (torch.distributed.elastic's, torch.distributed.run's, and
+# torch.multiprocessing's for the ranks it forks)
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.multiprocessing")
 
 
 class _AgentLinesDropped(logging.Filter):

@@ -13,16 +13,23 @@ import os
 import sys
 
 from rrfp.app.errors import UsageError, exit_now
+from rrfp.app.job import forked_rank
 from rrfp.app.job.launch_agent import main as run_agent
 
 # set for the ranks this launcher starts: the launcher has said the config's warnings already
 LAUNCHED = "RRFP_LAUNCHED"
 
 
-def agent_args(args) -> list[str]:
+def agent_args(args, fork: bool) -> list[str]:
     """torchrun's arguments that run this ``rrfp train`` on ``args.nproc_per_node`` local ranks,
-    for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own."""
-    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node), "-m", "rrfp", "train"]
+    for its agent as ``launch_agent.py`` runs it, which prints rrfp's lines and not its own.
+    ``fork``: each rank is a fork of this process (forked_rank.py), which has imported torch and
+    rrfp; else a fresh ``python -m rrfp train``."""
+    argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
+    if fork:
+        argv += ["--start-method", "fork", "--run-path", forked_rank.__file__, "rrfp", "train"]
+    else:
+        argv += ["-m", "rrfp", "train"]
     argv += ["--config", args.config]
     for item in args.set:
         argv += ["--set", item]
@@ -43,11 +50,21 @@ def check_launch(args) -> None:
 def start_ranks(args) -> None:
     """Run torchrun's agent in this process (launch_agent.py), which has imported torch already:
     signals (Ctrl-C, SIGTERM) reach the agent directly, as when the user runs torchrun, and the
-    job starts without a second interpreter importing torch again. Does not return: the process
-    exits with the job's code, that of the rank that failed first."""
+    job starts without a second interpreter importing torch again, nor one per rank where there
+    is no CUDA. Does not return: the process exits with the job's code, that of the rank that
+    failed first."""
     os.environ[LAUNCHED] = "1"
+    forked_rank.save_launcher_signals()
     # rrfp sets each rank's threads (compute.threads); without this torchrun prints a banner
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.stdout.flush()
     sys.stderr.flush()
-    exit_now(run_agent(agent_args(args)))
+    exit_now(run_agent(agent_args(args, fork=can_fork())))
+
+
+def can_fork() -> bool:
+    """Whether the ranks can be forks of this process: not once it has asked CUDA for its devices
+    (the config's checks do where there is CUDA), after which a forked process cannot use CUDA."""
+    import torch
+
+    return not torch.cuda.is_available()

@@ -457,5 +457,5 @@ def _grad(outputs: list, inputs: list, grads: list) -> tuple:
 
 def _accumulate(params, grads) -> None:
     for p, g in zip(params, grads):
-        if g is not None:
-            accumulate_grad(p, g)
+        if g is not None:  # torch.autograd.grad ran the parameters' tensor hooks
+            accumulate_grad(p, g, hooked=True)

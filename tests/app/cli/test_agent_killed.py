@@ -59,7 +59,7 @@ def test_a_killed_agent_ends_each_rank_at_once_with_one_line(tmp_path):
     argv = ["train", "--nproc-per-node", "2", "--config", "configs/gpt-tiny.toml"]
     out, err = tmp_path / "out", tmp_path / "err"
     # the launcher from the preloaded forkserver (tests/harness/train_rows.py); its ranks are
-    # torchrun's, fresh interpreters
+    # forks of it, its children
     agent = python_m("rrfp", *argv, *(a for s in sets for a in ("--set", s)), out=out, err=err)
     ranks: list[int] = []
     try:

@@ -319,15 +319,30 @@ def test_the_launcher_is_refused_under_torchrun():
     )
 
 
+def test_the_launcher_forks_its_ranks_only_without_cuda():
+    """A process that asked CUDA for its devices cannot fork one that uses CUDA: with CUDA the
+    ranks are fresh interpreters."""
+    from rrfp.app.job.launcher import can_fork
+
+    for cuda in (True, False):
+        with mock.patch("torch.cuda.is_available", return_value=cuda):
+            assert can_fork() is not cuda
+
+
 def test_the_launcher_hands_torchrun_the_same_train_command():
     from argparse import Namespace
 
+    from rrfp.app.job import forked_rank
     from rrfp.app.job.launcher import agent_args
 
     args = Namespace(
         nproc_per_node=4, config="c.toml", set=["a=1", "b=2"], resume=True, debug=False
     )
-    assert agent_args(args) == [
-        "--standalone", "--nproc-per-node", "4",
-        "-m", "rrfp", "train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume",
+    train = ["train", "--config", "c.toml", "--set", "a=1", "--set", "b=2", "--resume"]
+    assert agent_args(args, fork=True) == [
+        "--standalone", "--nproc-per-node", "4", "--start-method", "fork",
+        "--run-path", forked_rank.__file__, "rrfp", *train,
+    ]  # fmt: skip
+    assert agent_args(args, fork=False) == [
+        "--standalone", "--nproc-per-node", "4", "-m", "rrfp", *train,
     ]  # fmt: skip

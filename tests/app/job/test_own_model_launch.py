@@ -1,8 +1,8 @@
 """A user's own model through the launcher the README recommends, `rrfp train --nproc-per-node 2`,
 as a new user runs it: the `rrfp` script, from a folder of their own. The script's process has its
-bin folder on sys.path, not the folder it runs in, and the ranks torchrun starts (`python -m
-rrfp`) have that folder; both must import the same module, and bad input stops in the launcher
-with one line and nothing of torchrun's.
+bin folder on sys.path, not the folder it runs in, and its ranks (forks of it, set up as `python
+-m rrfp` is) have that folder first; both must import the same module, and bad input stops in the
+launcher with one line and nothing of torchrun's.
 
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all."""

@@ -28,7 +28,8 @@ def _config(tmp: Path, workload: str) -> Path:
 
 def _run(tmp: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGV`` from the repository, started from the preloaded forkserver
-    (tests/harness/train_rows.py); the ranks it starts are fresh interpreters."""
+    (tests/harness/train_rows.py); rrfp's launcher forks its ranks, torchrun's agent starts
+    fresh interpreters."""
     return run_python_m(module, *argv, tmp=tmp / "command", timeout=150)
 
 
