@@ -10,10 +10,11 @@ unsplit backward, summed over the stages; the report gives its median, its quart
 range, the same for wall time, and the load average.
 
 Workloads: gpt-tiny 8 layers of 192 at pp 2, the VLM at pp 2 (configs/vlm-tiny.toml, 8 layers),
-and a 2-layer middle stage of HF transformers' LlamaModel with and without activation
+the mixture of experts at pp 2 (configs/moe-tiny.toml: grouped SwiGLU experts, router, shared
+expert), and a 2-layer middle stage of HF transformers' LlamaModel with and without activation
 checkpointing (``gradient_checkpointing_enable``, use_reentrant=False).
 
-    .venv/bin/python benchmarks/split_cost.py [--reps 11] [--cases gpt,vlm,llama,llama-ckpt]
+    .venv/bin/python benchmarks/split_cost.py [--reps 11] [--cases gpt,vlm,moe,llama,llama-ckpt]
         [--out docs/results/DATE-split-cost.md]
 """
 
@@ -94,6 +95,11 @@ CASES = {
     ),
     "vlm": lambda: config_case(
         "vlm-tiny, 8 layers, pp 2", "configs/vlm-tiny.toml", ["model.n_layer=8", "parallel.pp=2"]
+    ),
+    "moe": lambda: config_case(
+        "moe-tiny, 4 blocks (3 of 8 routed experts top-2), pp 2",
+        "configs/moe-tiny.toml",
+        ["parallel.dp=1"],
     ),
     "llama": lambda: llama_case("HF Llama stage, hidden 256, 2 layers", False),
     "llama-ckpt": lambda: llama_case(

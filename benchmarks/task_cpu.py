@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {
     "vlm": ("configs/vlm-tiny.toml", ["model.n_layer=8"]),
     "gpt": ("configs/gpt-tiny.toml", ["model.n_layer=8", "model.n_embd=192"]),
+    "moe": ("configs/moe-tiny.toml", ["parallel.dp=1"]),
 }
 
 

@@ -10,7 +10,8 @@ backward computes only the input gradient and queues a closure that computes the
 gradient from what B already holds (the saved input and the gradient arriving there), to run in W
 (``WeightGradQueue``). W then needs neither the graph nor a recomputation for those parameters.
 
-Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``F.embedding``
+Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``F.rms_norm``
+(nn.RMSNorm, rrfp/nn/split_rms_norm.py), ``F.embedding``
 (dense, no max_norm) and an elementwise product with a parameter (the weight of an RMSNorm written
 out by hand, as HF's Llama is). Anything else (a computed weight, a frozen one, other ops on
 parameters) stays with the generic split, which treats the queued parameters as another owner
@@ -28,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from rrfp.nn.grad_accumulation import accumulate_grad
 from rrfp.nn.split_linear import WeightGradQueue, split_linear
+from rrfp.nn.split_rms_norm import split_rms_norm
 
 
 def _splits(w: torch.Tensor | None) -> bool:
@@ -168,6 +170,7 @@ def _scale(queue, a, b):
 _SPLITS: dict[Callable, Callable] = {
     F.linear: _linear,
     F.layer_norm: _layer_norm,
+    F.rms_norm: split_rms_norm,  # nn.RMSNorm (rrfp/nn/split_rms_norm.py)
     F.embedding: _embedding,
     torch.mul: _scale,
     torch.Tensor.mul: _scale,
@@ -176,7 +179,12 @@ _SPLITS: dict[Callable, Callable] = {
 }
 
 # the autograd nodes of these Functions: their backward queues their parameters' W
-QUEUEING_NODES = ("_LayerNormFnBackward", "_EmbeddingFnBackward", "_ScaleFnBackward")
+QUEUEING_NODES = (
+    "_LayerNormFnBackward",
+    "_EmbeddingFnBackward",
+    "_ScaleFnBackward",
+    "_RMSNormFnBackward",
+)
 
 
 class SplitFunctions(TorchFunctionMode):

@@ -58,6 +58,7 @@ from rrfp.core.placement import VirtualLayout
 from rrfp.core.tasks import Kind
 from rrfp.nn.expert_parallel import ExpertParallel
 from rrfp.nn.expert_time import ExpertClock, ExpertTimes, clocked
+from rrfp.nn.moe_aux_loss import aux_loss_scale
 from rrfp.observe.trace import Span
 
 log = logging.getLogger("rrfp.app.bench.torch_schedules")
@@ -326,6 +327,9 @@ class _Clock:
     experts: ExpertTimes | None = None  # the MoE layers' routed time (expert-parallel stages)
     expert_layers: dict[int, int] = field(default_factory=dict)  # torch stage -> its EP layers
     means: tuple[float, float, float] = (1.0, 1.0, 1.0)  # F, B, W at their mean, in units
+    # what a microbatch's loss is scaled by (1 / M): the MoE layers' auxiliary losses get it too,
+    # as under rrfp's stage worker (rrfp/nn/moe_aux_loss.py)
+    loss_scale: float = 1.0
 
     def expert_clock(self, stage: int, kinds: tuple[Kind, ...]) -> ExpertClock | None:
         """The clock of one task of ``stage`` holding ``kinds``, or None (nothing routed)."""
@@ -392,7 +396,7 @@ class _TimedStage(PipelineStage):
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         start = time.perf_counter()
         experts = self.clock.expert_clock(self.stage_index, (Kind.F,))
-        with clocked(experts):
+        with clocked(experts), aux_loss_scale(self.clock.loss_scale):
             out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
         if self.is_last:
             self.clock.forward_started[fwd_chunk_id] = (start, experts)  # the loss ends this F
@@ -544,6 +548,7 @@ class TorchScheduleRunner:
             self.modules = [prepare(m) for m in self.modules]
         self.clock = _Clock(rank, unit_s, 1.0 / per_rank, self.split)
         self.clock.experts, self.clock.means = experts, means
+        self.clock.loss_scale = 1.0 / n_microbatches
         self.clock.expert_layers = {
             k: sum(isinstance(x, ExpertParallel) for x in m.modules())
             for k, m in zip(self.stage_indices, self.modules)

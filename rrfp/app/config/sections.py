@@ -187,8 +187,8 @@ class ScheduleSection(Section):
     weight_split: str = setting(
         DEFAULT_WEIGHT_SPLIT,
         "how a split backward leaves the weight gradients to W: autograd (restarts autograd in W, "
-        "any module), functions (linear, layer norm, embedding and products with a parameter "
-        "queue their own W; the rest as autograd), or auto (functions, or autograd with "
+        "any module), functions (linear, layer norm, RMS norm, embedding and products with a "
+        "parameter queue their own W; the rest as autograd), or auto (functions, or autograd with "
         "parallel.tp, dp_shard or ep above 1)",
         choices=WEIGHT_SPLITS,
     )

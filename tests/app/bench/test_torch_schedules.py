@@ -342,3 +342,56 @@ def test_two_stages_per_rank_hold_the_local_stage_draws_of_rrfps_virtual_stages(
         rank=1, unit_s=0.01, share=0.5, split=True, units=lambda st, mb, k: 4.0 if st == 1 else 0.0
     )
     assert old.duration(6, 2, (Kind.F,)) == 2.0, "one stage per rank: the rank's draw, halved"
+
+
+def _moe_grads_against_reference(rank, world):
+    """torch's 1F1B over the MoE workload's two stages in float64: each rank's gradients against
+    the whole model's in one process, whose loss adds the layers' auxiliary losses (mean over the
+    microbatches, as the pipeline scales each microbatch's loss by 1 / M)."""
+    import os
+
+    import torch.distributed as dist
+
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.nn.moe_aux_loss import collect_aux_losses
+
+    torch.set_default_dtype(torch.float64)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    cfg = TrainConfig.load(
+        os.path.join(root, "configs", "moe-tiny.toml"),
+        ["parallel.dp=1", "data.min_seq_len=8", "data.max_seq_len=16", "data.microbatch_size=2"],
+        world_size=world,
+    )
+    wl, m = cfg.workload, 4
+    batches = wl.batches(cfg.data, 0, m)
+    torch.manual_seed(0)
+    ref = wl.build_stage(cfg.model, 0, 1, None)
+    total = 0
+    for x, y in batches:
+        with collect_aux_losses() as found:
+            out = ref(x)
+        assert found, "the reference's MoE layers reported no auxiliary loss"
+        total = total + wl.loss_fn(out, y) + sum(found)
+    (total / m).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    dist.init_process_group("gloo")
+    try:
+        runner = ts.TorchScheduleRunner(
+            "1f1b", ts.workload_stage_builder(wl, cfg.model, 0), wl.loss_fn, rank, world, m, 0.0
+        )
+        runner.run_iteration(0, batches)
+        errs = {n: (p.grad - ref_grads[n]).abs().max().item() for n, p in runner.named_parameters()}
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return errs
+
+
+@pytest.mark.multirank
+def test_moe_stages_train_with_the_auxiliary_loss_scaled_as_the_reference():
+    out = run_ranks(_moe_grads_against_reference, 2, timeout=120)
+    routers = [n for o in out.values() for n in o if "router" in n or "gate" in n]
+    assert routers, "the MoE stages hold router parameters, which only the auxiliary loss moves"
+    for rank, errs in out.items():
+        worst = max(errs, key=errs.get)
+        assert errs[worst] < 1e-9, (rank, worst, errs[worst])
