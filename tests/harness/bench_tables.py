@@ -1,4 +1,4 @@
-"""The table of a bench run's results.md, read back by contender (the bench's e2e tests)."""
+"""The bench's e2e tests' helpers: a run's results.md read back by contender, a moe run."""
 
 from __future__ import annotations
 
@@ -15,3 +15,34 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
         ):
             rows[cells[0]] = cells
     return rows
+
+
+def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
+    """``rrfp bench --workloads moe`` with these contenders and flags, writing to ``out``: the
+    results.json document and the process's stdout, after asserting it exited 0."""
+    import json
+    import subprocess
+
+    from harness import ROOT
+    from harness.launch import child_env, rrfp_argv
+
+    res = subprocess.run(
+        rrfp_argv(
+            "bench",
+            "--workloads",
+            "moe",
+            *flags,
+            "--contenders",
+            ",".join(c.replace(" ", "-") for c in contenders),
+            "--out",
+            str(out),
+        ),
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), res.stdout

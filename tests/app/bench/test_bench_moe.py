@@ -6,12 +6,9 @@ with one line before any rank starts."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from harness import ROOT
-from harness.bench_tables import table_rows
-from harness.launch import child_env, rrfp_argv
+from harness.bench_tables import run_bench_moe, table_rows
 
 from rrfp.app.bench.suite import MOE_CONTENDERS
 
@@ -22,31 +19,9 @@ CONTENDERS = ("fixed bfw", "ready bfw", "ready bfw overlap", "ready plan", "torc
 @pytest.mark.timeout(400)
 def test_moe_runs_rrfp_and_torch_on_pp2_ep2(tmp_path):
     out = tmp_path / "results"
-    res = subprocess.run(
-        rrfp_argv(
-            "bench",
-            "--workloads",
-            "moe",
-            "--n-microbatches",
-            "4",
-            "--reps",
-            "1",
-            "--unit-ms",
-            "5",
-            "--contenders",
-            ",".join(c.replace(" ", "-") for c in CONTENDERS),
-            "--out",
-            str(out),
-        ),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=380,
+    doc, _ = run_bench_moe(
+        out, CONTENDERS, "--n-microbatches", "4", "--reps", "1", "--unit-ms", "5"
     )
-    assert res.returncode == 0, res.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
     assert (doc["config"]["pp"], doc["config"]["dp"], doc["config"]["ep"]) == (2, 2, 2)
     [wl] = doc["workloads"]
     assert [s["contender"] for s in wl["summary"]] == list(CONTENDERS)

@@ -6,11 +6,9 @@ name is one usage line; the overlap rows, which need EP's all-to-alls, are liste
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
-from harness import ROOT
-from harness.launch import child_env, rrfp_argv
+from harness.bench_tables import run_bench_moe
 
 from rrfp.app.errors import UsageError
 
@@ -67,32 +65,9 @@ def test_moe_real_at_pp2(tmp_path):
     """Every row computes every task of its iteration on both ranks, each with its peak in
     flight; the ablations and the comparison with torch are printed (never a timing)."""
     out = tmp_path / "results"
-    res = subprocess.run(
-        rrfp_argv(
-            "bench",
-            "--workloads",
-            "moe",
-            "--real",
-            "--ep",
-            "1",
-            "--n-microbatches",
-            "2",
-            "--reps",
-            "1",
-            "--contenders",
-            ",".join(c.replace(" ", "-") for c in CONTENDERS),
-            "--out",
-            str(out),
-        ),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=380,
+    doc, _ = run_bench_moe(
+        out, CONTENDERS, "--real", "--ep", "1", "--n-microbatches", "2", "--reps", "1"
     )
-    assert res.returncode == 0, res.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
     assert (doc["config"]["pp"], doc["config"]["dp"], doc["config"]["ep"]) == (2, 1, 1)
     assert doc["config"]["unit_ms"] == 0
     [wl] = doc["workloads"]
