@@ -60,7 +60,7 @@ from rrfp.loop.exit_guard import close_at_exit
 from rrfp.pipeline.executor import IterationResult
 from rrfp.pipeline.forward_pass import forward_only
 from rrfp.pipeline.runtime import PipelineRuntime
-from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.schedule_settings import DEFAULT_WEIGHT_SPLIT, ScheduleSettings
 from rrfp.pipeline.sharded_stages import fsdp_modules
 from rrfp.pipeline.thread_state import ThreadState
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
@@ -189,7 +189,8 @@ class ScheduleReady:
     after each step (rrfp/pipeline/sharded_stages.py). A trailing ``"ep"`` adds expert
     parallelism over the replicas (``rrfp.shard_experts(module, mesh["ep"].get_group())``; under
     ``"dp_shard"`` the experts stay out of ``fully_shard``). ``split`` (B and W apart; None: the
-    hint's default) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``) are
+    hint's default), ``weight_split`` (how W gets the weight gradients: ``auto``, ``autograd``,
+    ``functions``) and ``cost`` (a CostModel, e.g. from ``rrfp calibrate``) are
     ``stage_executor``'s. ``settings`` (a ScheduleSettings) gives hint, budget, dispatch, split and
     cost as one object instead; with ``cost`` every ``step`` needs ``cost_features=``, one dict per
     microbatch (``rrfp.token_features``), the same list on every rank. Every rank must construct
@@ -229,6 +230,7 @@ class ScheduleReady:
         on_nonfinite: str | None = "stop",
         dp_sync: bool = False,
         split: bool | None = None,
+        weight_split: str = DEFAULT_WEIGHT_SPLIT,
         cost=None,
         heartbeat: bool = True,
         settings: ScheduleSettings | None = None,
@@ -257,7 +259,13 @@ class ScheduleReady:
                 f"{n_microbatches}"
             )
         self._schedule = settings or ScheduleSettings.of(
-            n_microbatches, hint=hint, budget=budget, dispatch=dispatch, split=split, cost=cost
+            n_microbatches,
+            hint=hint,
+            budget=budget,
+            dispatch=dispatch,
+            split=split,
+            weight_split=weight_split,
+            cost=cost,
         )
         self._step_features: list[dict] | None = None
         self._modules = [_StageCall(s.submod) for s in stages]

@@ -19,7 +19,7 @@ from torchtitan.trainer import Trainer
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import DEFAULT_HINT
 from rrfp.core.policy import DEFAULT_DISPATCH
-from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.schedule_settings import DEFAULT_WEIGHT_SPLIT, ScheduleSettings
 from rrfp.titan.pipelining import pipeline_ready
 
 log = logging.getLogger("rrfp.titan")
@@ -39,6 +39,11 @@ class ReadyParallelism(ParallelismConfig):
     rrfp_dispatch: str = DEFAULT_DISPATCH.value
     """ready: run whichever task is ready, in the hint's order; fixed: the hint's order exactly."""
 
+    rrfp_weight_split: str = DEFAULT_WEIGHT_SPLIT
+    """How a split backward leaves weight gradients to W: auto (the split-aware functions where
+    they apply), autograd (the generic split: torchtitan's own backward ops, so the same float32
+    rounding as torchtitan's schedules), functions."""
+
     def __post_init__(self) -> None:
         post_init = getattr(ParallelismConfig, "__post_init__", None)
         if post_init is not None:  # not super(): a slots dataclass is a new class
@@ -47,6 +52,7 @@ class ReadyParallelism(ParallelismConfig):
             ("rrfp_hint", {"hint": self.rrfp_hint}),
             ("rrfp_budget", {"budget": self.rrfp_budget}),
             ("rrfp_dispatch", {"dispatch": self.rrfp_dispatch}),
+            ("rrfp_weight_split", {"weight_split": self.rrfp_weight_split}),
         ):
             try:
                 ScheduleSettings.of(1, **setting)

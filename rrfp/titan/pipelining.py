@@ -23,6 +23,7 @@ from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import DEFAULT_HINT
 from rrfp.core.policy import DEFAULT_DISPATCH
+from rrfp.pipeline.schedule_settings import DEFAULT_WEIGHT_SPLIT
 from rrfp.pipelining.schedule import ScheduleReady
 from rrfp.titan.deferred import DeferredReady
 
@@ -44,8 +45,9 @@ def pipeline_ready(
     the same stages, microbatch count, loss function and ``scale_grads``, and its CSV
     (``parallelism.pipeline_parallel_schedule_csv``) as rrfp's hint. With activation checkpointing
     (``ac_config``) the backward is not split into B and W.
-    The hint, budget and dispatch are ``parallelism.rrfp_hint``, ``rrfp_budget`` and
-    ``rrfp_dispatch`` (rrfp/titan/config.py), or rrfp's defaults when the section lacks them.
+    The hint, budget, dispatch and weight split are ``parallelism.rrfp_hint``, ``rrfp_budget``,
+    ``rrfp_dispatch`` and ``rrfp_weight_split`` (rrfp/titan/config.py), or rrfp's defaults when
+    the section lacks them.
     Collective: every pp rank calls it, as torchtitan's Trainer does."""
     if isinstance(loss_fn, ChunkedLossWrapper):
         raise NotImplementedError(
@@ -77,6 +79,7 @@ def pipeline_ready(
             budget=getattr(parallelism, "rrfp_budget", DEFAULT_BUDGET),
             dispatch=getattr(parallelism, "rrfp_dispatch", DEFAULT_DISPATCH),
             split=split,
+            weight_split=getattr(parallelism, "rrfp_weight_split", DEFAULT_WEIGHT_SPLIT),
         )
         if parallelism.pipeline_parallel_schedule_csv:
             schedule.load_csv(parallelism.pipeline_parallel_schedule_csv)

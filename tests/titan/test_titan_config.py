@@ -34,11 +34,13 @@ def test_module_path_gives_torchtitans_config_with_rrfps_schedule_and_keys():
         "rrfp.titan",
         *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.rrfp_hint", "zbh1"),
         *("--parallelism.rrfp_budget", "3", "--parallelism.rrfp_dispatch", "fixed"),
+        *("--parallelism.rrfp_weight_split", "autograd"),
     )
     titan = parse("llama3", "--parallelism.pipeline_parallel_degree", "2")
     assert isinstance(ready, ReadyTrainerConfig) and isinstance(ready.parallelism, ReadyParallelism)
     p = ready.parallelism
     assert (p.rrfp_hint, p.rrfp_budget, p.rrfp_dispatch) == ("zbh1", "3", "fixed")
+    assert p.rrfp_weight_split == "autograd" and ReadyParallelism().rrfp_weight_split == "auto"
     assert p.pipeline_parallel_degree == 2
     fn = ready.model_spec.pipelining_fn
     assert isinstance(fn, functools.partial) and fn.func is pipeline_ready
@@ -65,6 +67,7 @@ def test_module_path_gives_torchtitans_config_with_rrfps_schedule_and_keys():
         ("rrfp_hint", "zzz", "parallelism.rrfp_hint: unknown hint 'zzz'"),
         ("rrfp_dispatch", "eager", "parallelism.rrfp_dispatch:"),
         ("rrfp_budget", "lots", "parallelism.rrfp_budget:"),
+        ("rrfp_weight_split", "layers", "parallelism.rrfp_weight_split:"),
     ],
 )
 def test_a_bad_rrfp_key_is_one_error_naming_it_and_exit_2(key, value, says, capsys):
