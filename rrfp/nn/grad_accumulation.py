@@ -51,9 +51,8 @@ def accumulate_grad(
         grad = grad.detach()
         touched = _PASS.get()
         entry = touched.setdefault(id(param), [param, None, False])
-        if not hooked and _tensor_hooks(
-            param
-        ):  # summed over the pass: its hooks see the pass's gradient
+        # a parameter with tensor hooks: summed over the pass, so its hooks see the pass's gradient
+        if not hooked and getattr(param, "_backward_hooks", None):
             entry[1], entry[2] = (grad, owned) if entry[1] is None else (entry[1] + grad, True)
         else:
             _add(param, grad, owned)
