@@ -46,3 +46,18 @@ def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), res.stdout
+
+
+def tasks_per_lane(trace_path) -> dict[tuple[str, int], int]:
+    """(contender, trace thread) -> how many tasks it ran, from a bench run's trace file (its
+    waits left out)."""
+    import json
+
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    tasks: dict[tuple[str, int], int] = {}
+    for e in trace:
+        if e.get("ph") == "X" and e["name"] != "wait":
+            key = (names[e["pid"]], e["tid"])
+            tasks[key] = tasks.get(key, 0) + 1
+    return tasks

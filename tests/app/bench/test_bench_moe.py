@@ -5,10 +5,8 @@ with one line before any rank starts."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from harness.bench_tables import run_bench_moe, table_rows
+from harness.bench_tables import run_bench_moe, table_rows, tasks_per_lane
 
 from rrfp.app.bench.suite import MOE_CONTENDERS
 
@@ -28,13 +26,7 @@ def test_moe_runs_rrfp_and_torch_on_pp2_ep2(tmp_path):
     for s in wl["summary"]:  # every row with its peak in flight
         assert s["peak_inflight"] is not None and s["peak_inflight"] > 0, s
         assert s["wall_s"]["median"] > 0
-    trace = json.loads((out / "trace-moe.json").read_text())["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
-    tasks: dict[tuple[str, int], int] = {}
-    for e in trace:
-        if e.get("ph") == "X" and e["name"] != "wait":
-            key = (names[e["pid"]], e["tid"])
-            tasks[key] = tasks.get(key, 0) + 1
+    tasks = tasks_per_lane(out / "trace-moe.json")
     # one row per rank (the replicas of a stage apart): 4 microbatches x F, B(, W) each, and two
     # torch stages per rank under ZB-V
     for name in CONTENDERS:

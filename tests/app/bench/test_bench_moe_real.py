@@ -5,10 +5,8 @@ name is one usage line; the overlap rows, which need EP's all-to-alls, are liste
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from harness.bench_tables import run_bench_moe
+from harness.bench_tables import run_bench_moe, tasks_per_lane
 
 from rrfp.app.errors import UsageError
 
@@ -74,13 +72,7 @@ def test_moe_real_at_pp2(tmp_path):
     assert [s["contender"] for s in wl["summary"]] == list(CONTENDERS)
     for s in wl["summary"]:
         assert s["peak_inflight"] is not None and s["peak_inflight"] > 0, s
-    trace = json.loads((out / "trace-moe.json").read_text())["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
-    tasks: dict[tuple[str, int], int] = {}
-    for e in trace:
-        if e.get("ph") == "X" and e["name"] != "wait":
-            key = (names[e["pid"]], e["tid"])
-            tasks[key] = tasks.get(key, 0) + 1
+    tasks = tasks_per_lane(out / "trace-moe.json")
     for name in CONTENDERS:  # 2 microbatches x F, B(, W) on each of the two ranks
         kinds = 2 if name in ("fixed 1f1b", "torch 1f1b") else 3
         assert {r: tasks.get((name, r), 0) for r in range(2)} == dict.fromkeys(range(2), 2 * kinds)
