@@ -114,6 +114,19 @@ def _cpp_log_level_as_rrfp_sets_it() -> None:
     ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))._ZN3c1011initLoggingEv()
 
 
+FORKED_RANK = str(ROOT / "rrfp" / "app" / "job" / "forked_rank.py")
+
+
+def forked_rrfp(*argv: str) -> list[str]:
+    """torchrun's arguments that run ``python -m rrfp ARGV`` in each rank as a fork of its agent
+    (rrfp/app/job/forked_rank.py), as ``rrfp train --nproc-per-node`` has its ranks, instead of
+    ``-m rrfp ARGV``'s fresh interpreter per rank: an agent started by ``python_m`` has imported
+    torch and rrfp, so a rank starts without about 4 CPU-s of imports. For tests whose point is
+    the agent's handling of its ranks (signals, restarts), not an interpreter's start. Its
+    failure summary names the first failed rank alone."""
+    return ["--start-method", "fork", "--run-path", FORKED_RANK, "rrfp", *argv]
+
+
 def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
     """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
     sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
@@ -121,7 +134,7 @@ def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
     import runpy
 
     _as_started(out, err, {}, signal.default_int_handler)
-    if module == "rrfp":
+    if module == "rrfp" or FORKED_RANK in argv:  # the ranks run rrfp in this process's torch
         _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
     if module == "rrfp.app.job.launch_agent":

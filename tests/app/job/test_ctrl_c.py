@@ -3,7 +3,9 @@ every rank (each in a session of its own, so the terminal's reaches the agent al
 rank stops at a step boundary, saves, writes the trace and says what is saved, without
 "interrupted" or C++ teardown noise. Twice at once (a wrapper such as ``timeout`` forwards the
 terminal's Ctrl-C too): the agent then sends SIGINT and, from its ``finally``, SIGTERM; that is
-still one request."""
+still one request. The agent starts from the preloaded forkserver and its ranks are forks of it,
+as ``rrfp train --nproc-per-node`` has them (tests/harness/train_rows.py's ``forked_rrfp``): the
+agent's forwarding is the point, not an interpreter's start."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 from harness import ROOT
 from harness.checkpoint_run import SMALL
 from harness.launch import child_env
-from harness.train_rows import python_m
+from harness.train_rows import forked_rrfp, python_m
 
 from rrfp.app.train.checkpoint_dir import CheckpointDir
 
@@ -34,22 +36,22 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
         *[
             "--standalone",
             "--nproc-per-node=2",
-            "-m",
-            "rrfp",
-            "train",
-            *SMALL,
-            "--set",
-            "steps=100000",
-            "--set",
-            "unit_ms=20",
-            "--set",
-            f"checkpoint.dir={ckdir}",
-            "--set",
-            "checkpoint.every=3",
-            "--set",
-            f"trace={trace}",
-            "--set",
-            f"log_dir={tmp_path / 'logs'}",
+            *forked_rrfp(
+                "train",
+                *SMALL,
+                "--set",
+                "steps=100000",
+                "--set",
+                "unit_ms=20",
+                "--set",
+                f"checkpoint.dir={ckdir}",
+                "--set",
+                "checkpoint.every=3",
+                "--set",
+                f"trace={trace}",
+                "--set",
+                f"log_dir={tmp_path / 'logs'}",
+            ),
         ],
         out=tmp_path / "out",
         err=tmp_path / "err",
