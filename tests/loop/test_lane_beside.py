@@ -47,11 +47,12 @@ def test_a_call_beside_runs_while_the_running_call_waits():
 @pytest.mark.timeout(60)
 def test_the_running_call_goes_on_after_the_call_beside():
     lane = ComputeLane()
-    beside_started, release = threading.Event(), threading.Event()
+    in_window, beside_started, release = threading.Event(), threading.Event(), threading.Event()
     order: list[str] = []
 
     def running():
         with lane.yielding():
+            in_window.set()
             if not beside_started.wait(20):
                 raise AssertionError("the call beside did not start")
             release.set()  # the collective is done while the call beside still computes
@@ -59,11 +60,15 @@ def test_the_running_call_goes_on_after_the_call_beside():
 
     def beside():
         beside_started.set()
-        release.wait(20)
+        if not release.wait(20):
+            raise AssertionError("the call beside ran outside the running call's window")
         order.append("beside ends")
 
     async def main():
         first = asyncio.ensure_future(lane.run(running))
+        # the call beside is submitted once the running call waits: else it may take the device
+        # first and the running call never opens its window while it runs
+        await asyncio.to_thread(in_window.wait, 20)
         await lane.run_beside(beside)
         await first
 
