@@ -20,17 +20,17 @@ from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 
 
-def _as_started(out: str, err: str, env: dict[str, str], sigint) -> None:
+def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None = None) -> None:
     """This forkserver child as a process a test started: a child's environment (launcher and
-    rrfp variables dropped, one thread, unbuffered) and ``env``, the repository as its folder, a
-    session of its own, stdout and stderr in the files ``out`` and ``err``, SIGINT's handler
-    ``sigint``."""
+    rrfp variables dropped, one thread, unbuffered) and ``env``, ``cwd`` (the repository unless
+    given) as its folder, a session of its own, stdout and stderr in the files ``out`` and
+    ``err``, SIGINT's handler ``sigint``."""
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]
     os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     os.environ.update(env)
-    os.chdir(ROOT)
+    os.chdir(cwd or ROOT)
     os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
@@ -127,13 +127,20 @@ def forked_rrfp(*argv: str) -> list[str]:
     return ["--start-method", "fork", "--run-path", FORKED_RANK, "rrfp", *argv]
 
 
-def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
+def _module_main(
+    module: str,
+    argv: list[str],
+    out: str,
+    err: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> None:
     """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
     sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
     runs as its ``__main__`` block would run it."""
     import runpy
 
-    _as_started(out, err, {}, signal.default_int_handler)
+    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
     if module == "rrfp" or FORKED_RANK in argv:  # the ranks run rrfp in this process's torch
         _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
@@ -170,15 +177,25 @@ class AsPopen:
         return self.process.exitcode
 
 
-def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
+def python_m(
+    module: str,
+    *argv: str,
+    out: Path,
+    err: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> AsPopen:
     """``python -m MODULE ARGV`` (``rrfp``, ``torch.distributed.run``, rrfp's agent...), started
     now as a child of the preloaded forkserver instead of an interpreter that imports torch: a
-    child's environment, the repository as its folder, a session of its own, stdout and stderr
-    in the files ``out`` and ``err``. The ranks torchrun's agent starts are fresh interpreters;
-    those of ``rrfp train --nproc-per-node`` are forks of its launcher."""
+    child's environment and ``env``, ``cwd`` (else the repository) as its folder, a session of its
+    own, stdout and stderr in the files ``out`` and ``err``. The ranks torchrun's agent starts are
+    fresh interpreters; those of ``rrfp train --nproc-per-node`` are forks of its launcher."""
     for path in (out, err):  # readable from the start, as a Popen's files are
         path.write_text("")
-    p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))
+    p = _context().Process(
+        target=_module_main,
+        args=(module, list(argv), str(out), str(err), env, None if cwd is None else str(cwd)),
+    )
     p.start()
     deadline = time.monotonic() + 30
     while p.exitcode is None and time.monotonic() < deadline:  # its session, as Popen's is once
@@ -191,13 +208,20 @@ def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
     return AsPopen(p)
 
 
-def run_python_m(module: str, *argv: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+def run_python_m(
+    module: str,
+    *argv: str,
+    tmp: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
     """``python_m`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it
     (its output in ``tmp``); one still running after ``timeout`` seconds is killed, with all
     it started, and raises TimeoutExpired."""
     tmp.mkdir(parents=True, exist_ok=True)
     out, err = tmp / "python-m.out", tmp / "python-m.err"
-    p = python_m(module, *argv, out=out, err=err)
+    p = python_m(module, *argv, out=out, err=err, env=env, cwd=cwd)
     try:
         code = p.wait(timeout)
     finally:
