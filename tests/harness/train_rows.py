@@ -102,6 +102,19 @@ def _script_main(
     _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
 
 
+def script_rank(
+    script: Path, rank: int, world: int, port: int, tmp: Path, env: dict[str, str]
+) -> AsPopen:
+    """Rank ``rank`` of ``python SCRIPT`` alone, started now from the preloaded forkserver (its
+    output in TMP/outRANK and TMP/errRANK): a peer beside ranks a test starts otherwise, such as
+    a fresh interpreter whose own exit is the point."""
+    p = _context().Process(
+        target=_script_main, args=(rank, world, port, [str(script)], str(tmp), env)
+    )
+    p.start()
+    return AsPopen(p)
+
+
 def _cpp_log_level_as_rrfp_sets_it() -> None:
     """torch's C++ log level as in an ``rrfp`` process: its entry sets TORCH_CPP_LOG_LEVEL before
     torch loads (rrfp/app/cli/main.py), and the ranks its launcher forks keep the level torch read
