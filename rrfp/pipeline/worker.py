@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 # how W is split from B: "autograd" (the generic split), "layers" (split-aware layers queue their
 # own W, the generic split the rest), "functions" (also the module's own linear, norm, embedding
 # and scale ops, rrfp/nn/split_functions.py)
-WEIGHT_SPLITS = ("autograd", "layers", "functions")
+WORKER_SPLIT_MODES = ("autograd", "layers", "functions")
 
 
 class _State(enum.Enum):
@@ -129,9 +129,9 @@ class StageWorker:
         weight_split: str = "autograd",
         dw_builder: Callable[[], Callable[[], None]] | None = None,
     ) -> None:
-        if weight_split not in WEIGHT_SPLITS:
+        if weight_split not in WORKER_SPLIT_MODES:
             raise ValueError(
-                f"weight_split must be one of {', '.join(map(repr, WEIGHT_SPLITS))}, "
+                f"weight_split must be one of {', '.join(map(repr, WORKER_SPLIT_MODES))}, "
                 f"got {weight_split!r}"
             )
         self.weight_split = weight_split

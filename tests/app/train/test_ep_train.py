@@ -11,18 +11,12 @@ import shutil
 import pytest
 from harness.checkpoint_state import differing, final_state
 from harness.distributed import run_ranks
+from harness.moe_tiny_run import CONFIG, short_run
 
 pytestmark = pytest.mark.multirank
 
 STEPS, SAVED = 4, 2
-SETS = [
-    f"steps={STEPS}",
-    "timeout_s=60",
-    "model.block_size=32",
-    "data.microbatch_size=2",
-    "data.min_seq_len=8",
-    "data.max_seq_len=32",
-]
+SETS = short_run(STEPS)
 
 
 def _train(rank, world, ep, ckdir, resume, extra=()):
@@ -34,7 +28,7 @@ def _train(rank, world, ep, ckdir, resume, extra=()):
     if ckdir is not None:
         sets += [f"checkpoint.dir={ckdir}", f"checkpoint.every={SAVED}", "checkpoint.keep=5"]
         sets += [f"checkpoint.resume={resume}"]
-    cfg = TrainConfig.load("configs/moe-tiny.toml", sets, world_size=world)
+    cfg = TrainConfig.load(CONFIG, sets, world_size=world)
     s = run(stage_main(cfg))
     return s.first_step, s.losses, s.grad_norms
 

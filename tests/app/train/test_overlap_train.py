@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from harness.distributed import run_ranks
+from harness.moe_tiny_run import CONFIG, short_run
 
 pytestmark = pytest.mark.multirank
 
@@ -17,17 +18,8 @@ def _train(rank, world, overlap):
     from rrfp.app.train.training import stage_main
     from rrfp.loop import run
 
-    sets = [
-        f"steps={STEPS}",
-        "timeout_s=60",
-        "model.block_size=32",
-        "data.microbatch_size=2",
-        "data.min_seq_len=8",
-        "data.max_seq_len=32",
-        "parallel.ep=2",
-        f"schedule.overlap={str(overlap).lower()}",
-    ]
-    cfg = TrainConfig.load("configs/moe-tiny.toml", sets, world_size=world)
+    sets = [*short_run(STEPS), "parallel.ep=2", f"schedule.overlap={str(overlap).lower()}"]
+    cfg = TrainConfig.load(CONFIG, sets, world_size=world)
     assert cfg.schedule_settings().overlap is overlap
     s = run(stage_main(cfg))
     return s.losses, s.grad_norms

@@ -9,24 +9,15 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import ROOT
 from harness.distributed import run_ranks
+from harness.moe_tiny_run import CONFIG, short_run
 
 from rrfp.app.cli.main import main
 
 pytestmark = pytest.mark.multirank
 
 STEPS, M, DP = 2, 4, 2
-SETS = [
-    f"steps={STEPS}",
-    "timeout_s=60",
-    "model.block_size=32",
-    "data.microbatch_size=2",
-    "data.min_seq_len=8",
-    "data.max_seq_len=32",
-    "output.dir=",
-]
-CONFIG = str(ROOT / "configs" / "moe-tiny.toml")
+SETS = [*short_run(STEPS), "output.dir="]
 
 
 def _train(rank, world, path):
