@@ -73,10 +73,11 @@ class _Call:
     """One split product's state shared by its two autograd nodes: what the product needs, and
     the gradient arriving at its output, held from the product's backward to the input's."""
 
-    __slots__ = ("weight", "bias", "queue", "reduce", "shape", "grad_out")
+    __slots__ = ("weight", "bias", "queue", "reduce", "need_x", "shape", "grad_out")
 
-    def __init__(self, weight, bias, queue, reduce) -> None:
+    def __init__(self, weight, bias, queue, reduce, need_x: bool) -> None:
         self.weight, self.bias, self.queue, self.reduce = weight, bias, queue, reduce
+        self.need_x = need_x  # whether the input wants a gradient (the product's own always does)
         self.shape = None
         self.grad_out = None
 
@@ -91,6 +92,7 @@ class _SplitLinearInputFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, call):
         ctx.save_for_backward(x)
         ctx.call = call
+        ctx.set_materialize_grads(False)  # no input gradient: None, not zeros
         return x.view_as(x)
 
     @staticmethod
@@ -105,7 +107,7 @@ class _SplitLinearInputFn(torch.autograd.Function):
                     x, grad_out, call.weight if need_w else None, call.bias if need_b else None
                 )
             )
-        return (grad_x if ctx.needs_input_grad[0] else None), None, None, None
+        return grad_x, None, None, None
 
 
 class _SplitLinearFn(torch.autograd.Function):
@@ -126,7 +128,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         call = ctx.call
         call.grad_out = grad_out
-        return (grad_out @ call.weight).view(call.shape), None
+        return ((grad_out @ call.weight).view(call.shape) if call.need_x else None), None
 
 
 def split_linear(
@@ -146,7 +148,7 @@ def split_linear(
     # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of
     # its matmul, and a view made inside a custom Function cannot be modified in place
     # (``layer(x).relu_()``)
-    call = _Call(weight, bias, queue, reduce)
+    call = _Call(weight, bias, queue, reduce, x.requires_grad)
     rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
