@@ -20,17 +20,17 @@ from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 
 
-def _as_started(out: str, err: str, env: dict[str, str], sigint) -> None:
+def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None = None) -> None:
     """This forkserver child as a process a test started: a child's environment (launcher and
-    rrfp variables dropped, one thread, unbuffered) and ``env``, the repository as its folder, a
-    session of its own, stdout and stderr in the files ``out`` and ``err``, SIGINT's handler
-    ``sigint``."""
+    rrfp variables dropped, one thread, unbuffered) and ``env``, ``cwd`` (the repository unless
+    given) as its folder, a session of its own, stdout and stderr in the files ``out`` and
+    ``err``, SIGINT's handler ``sigint``."""
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]
     os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     os.environ.update(env)
-    os.chdir(ROOT)
+    os.chdir(cwd or ROOT)
     os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
@@ -102,6 +102,19 @@ def _script_main(
     _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
 
 
+def script_rank(
+    script: Path, rank: int, world: int, port: int, tmp: Path, env: dict[str, str]
+) -> AsPopen:
+    """Rank ``rank`` of ``python SCRIPT`` alone, started now from the preloaded forkserver (its
+    output in TMP/outRANK and TMP/errRANK): a peer beside ranks a test starts otherwise, such as
+    a fresh interpreter whose own exit is the point."""
+    p = _context().Process(
+        target=_script_main, args=(rank, world, port, [str(script)], str(tmp), env)
+    )
+    p.start()
+    return AsPopen(p)
+
+
 def _cpp_log_level_as_rrfp_sets_it() -> None:
     """torch's C++ log level as in an ``rrfp`` process: its entry sets TORCH_CPP_LOG_LEVEL before
     torch loads (rrfp/app/cli/main.py), and the ranks its launcher forks keep the level torch read
@@ -114,14 +127,34 @@ def _cpp_log_level_as_rrfp_sets_it() -> None:
     ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))._ZN3c1011initLoggingEv()
 
 
-def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
+FORKED_RANK = str(ROOT / "rrfp" / "app" / "job" / "forked_rank.py")
+
+
+def forked_rrfp(*argv: str) -> list[str]:
+    """torchrun's arguments that run ``python -m rrfp ARGV`` in each rank as a fork of its agent
+    (rrfp/app/job/forked_rank.py), as ``rrfp train --nproc-per-node`` has its ranks, instead of
+    ``-m rrfp ARGV``'s fresh interpreter per rank: an agent started by ``python_m`` has imported
+    torch and rrfp, so a rank starts without about 4 CPU-s of imports. For tests whose point is
+    the agent's handling of its ranks (signals, restarts), not an interpreter's start. Its
+    failure summary names the first failed rank alone."""
+    return ["--start-method", "fork", "--run-path", FORKED_RANK, "rrfp", *argv]
+
+
+def _module_main(
+    module: str,
+    argv: list[str],
+    out: str,
+    err: str,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> None:
     """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
     sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
     runs as its ``__main__`` block would run it."""
     import runpy
 
-    _as_started(out, err, {}, signal.default_int_handler)
-    if module == "rrfp":
+    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
+    if module == "rrfp" or FORKED_RANK in argv:  # the ranks run rrfp in this process's torch
         _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
     if module == "rrfp.app.job.launch_agent":
@@ -130,6 +163,51 @@ def _module_main(module: str, argv: list[str], out: str, err: str) -> None:
         _as_main(lambda: sys.exit(main(argv)))
     sys.path.insert(0, os.getcwd())
     _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def _code_main(code: str, out: str, err: str, env: dict[str, str]) -> None:
+    """``python -c CODE``: the code run as ``__main__``, the current folder first on sys.path;
+    leaving as an interpreter does, through the exit handlers it registered (atexit), unless it
+    leaves at once (os._exit, a signal). The server's own exit handlers are not the code's."""
+    import atexit
+
+    _as_started(out, err, env, signal.default_int_handler)
+    sys.argv = ["-c"]
+    sys.path.insert(0, "")
+    atexit._clear()
+
+    def run() -> None:
+        try:
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        finally:
+            atexit._run_exitfuncs()
+
+    _as_main(run)
+
+
+def run_python_c(
+    code: str, *, tmp: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -c CODE`` to its end as a child of the preloaded forkserver (torch and rrfp
+    imported), as ``subprocess.run(capture_output=True, text=True)`` gives it (its output in
+    ``tmp``); for tests whose point is what the code does and how it leaves (its exit status, a
+    signal's handler, its exit handlers), not an interpreter's start. One still running after
+    ``timeout`` seconds is killed and raises TimeoutExpired."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    out, err = tmp / "python-c.out", tmp / "python-c.err"
+    p = _context().Process(target=_code_main, args=(code, str(out), str(err), env or {}))
+    p.start()
+    p.join(timeout)
+    if p.exitcode is None:
+        p.kill()
+        p.join(10)
+        raise subprocess.TimeoutExpired(["python", "-c", code], timeout)
+    return subprocess.CompletedProcess(
+        ["python", "-c", code],
+        p.exitcode,
+        out.read_text(errors="replace"),
+        err.read_text(errors="replace"),
+    )
 
 
 class AsPopen:
@@ -157,15 +235,25 @@ class AsPopen:
         return self.process.exitcode
 
 
-def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
+def python_m(
+    module: str,
+    *argv: str,
+    out: Path,
+    err: Path,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> AsPopen:
     """``python -m MODULE ARGV`` (``rrfp``, ``torch.distributed.run``, rrfp's agent...), started
     now as a child of the preloaded forkserver instead of an interpreter that imports torch: a
-    child's environment, the repository as its folder, a session of its own, stdout and stderr
-    in the files ``out`` and ``err``. The ranks torchrun's agent starts are fresh interpreters;
-    those of ``rrfp train --nproc-per-node`` are forks of its launcher."""
+    child's environment and ``env``, ``cwd`` (else the repository) as its folder, a session of its
+    own, stdout and stderr in the files ``out`` and ``err``. The ranks torchrun's agent starts are
+    fresh interpreters; those of ``rrfp train --nproc-per-node`` are forks of its launcher."""
     for path in (out, err):  # readable from the start, as a Popen's files are
         path.write_text("")
-    p = _context().Process(target=_module_main, args=(module, list(argv), str(out), str(err)))
+    p = _context().Process(
+        target=_module_main,
+        args=(module, list(argv), str(out), str(err), env, None if cwd is None else str(cwd)),
+    )
     p.start()
     deadline = time.monotonic() + 30
     while p.exitcode is None and time.monotonic() < deadline:  # its session, as Popen's is once
@@ -178,13 +266,20 @@ def python_m(module: str, *argv: str, out: Path, err: Path) -> AsPopen:
     return AsPopen(p)
 
 
-def run_python_m(module: str, *argv: str, tmp: Path, timeout: float) -> subprocess.CompletedProcess:
+def run_python_m(
+    module: str,
+    *argv: str,
+    tmp: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:
     """``python_m`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it
     (its output in ``tmp``); one still running after ``timeout`` seconds is killed, with all
     it started, and raises TimeoutExpired."""
     tmp.mkdir(parents=True, exist_ok=True)
     out, err = tmp / "python-m.out", tmp / "python-m.err"
-    p = python_m(module, *argv, out=out, err=err)
+    p = python_m(module, *argv, out=out, err=err, env=env, cwd=cwd)
     try:
         code = p.wait(timeout)
     finally:

@@ -13,10 +13,16 @@ own exit code.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from harness.distributed import script_ranks
+from harness import ROOT
+from harness.distributed import free_port
+from harness.launch import child_env
+from harness.train_rows import script_rank
 
 SCRIPT = """
 import os, sys, time
@@ -65,7 +71,29 @@ except Exception as e:
 
 
 def _pair(script: Path, flag: Path) -> list[tuple[int, str]]:
-    return [(rc, err) for rc, _, err in script_ranks(script, EXIT_FLAG=str(flag))]
+    """Rank 0, whose exit is the point, a fresh interpreter as torchrun starts it; rank 1, the peer
+    that dies, a fork of the preloaded forkserver (tests/harness/train_rows.py): its own exit is
+    not what is tested. Each (exit code, stderr); a rank still running after 90 s fails the test
+    as a hang."""
+    port, env = free_port(), {"EXIT_FLAG": str(flag)}
+    peer = script_rank(script, 1, 2, port, flag.parent, env)
+    rank0 = subprocess.Popen(
+        [sys.executable, str(script)],
+        env=child_env(0, 2, port, PYTHONPATH=str(ROOT), **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err0 = rank0.communicate(timeout=90)
+        rc1 = peer.wait(90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{script.name}: a rank hung") from None
+    finally:
+        for p in (rank0, peer):
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+    return [(rank0.returncode, err0), (rc1, (flag.parent / "err1").read_text(errors="replace"))]
 
 
 @pytest.mark.e2e

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 from harness import ROOT
 from harness.distributed import script_ranks
-from harness.launch import TORCHRUN, child_env
+from harness.train_rows import python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -141,21 +140,16 @@ def test_an_iteration_after_a_cancelled_one_is_refused_in_one_line(tmp_path):
 @pytest.mark.timeout(120)
 def test_ctrl_c_to_torchrun_ends_every_rank_without_an_abort(tmp_path):
     """The terminal's Ctrl-C reaches torchrun's agent alone, which sends SIGINT to every rank:
-    each ends on its KeyboardInterrupt, mid-iteration, as a script does, without an abort."""
+    each ends on its KeyboardInterrupt, mid-iteration, as a script does, without an abort. The
+    agent starts from the preloaded forkserver (tests/harness/train_rows.py), in a session of its
+    own; its ranks are fresh interpreters, whose teardown is the point."""
     script = tmp_path / "embed.py"
     script.write_text(SCRIPT)
     out, err = tmp_path / "out", tmp_path / "err"
-    env = child_env(PYTHONPATH=str(ROOT))
-    with open(out, "w") as o, open(err, "w") as e:
-        agent = subprocess.Popen(
-            [*TORCHRUN, "--nproc-per-node=2", str(script), "forever"],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=o,
-            stderr=e,
-            start_new_session=True,
-        )
+    agent = python_m(
+        "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), "forever",
+        out=out, err=err, env={"PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
     try:
         t0 = time.monotonic()
         while out.read_text().count("iterating") < 2:

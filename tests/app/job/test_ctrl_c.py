@@ -3,22 +3,20 @@ every rank (each in a session of its own, so the terminal's reaches the agent al
 rank stops at a step boundary, saves, writes the trace and says what is saved, without
 "interrupted" or C++ teardown noise. Twice at once (a wrapper such as ``timeout`` forwards the
 terminal's Ctrl-C too): the agent then sends SIGINT and, from its ``finally``, SIGTERM; that is
-still one request."""
+still one request. The agent starts from the preloaded forkserver and its ranks are forks of it,
+as ``rrfp train --nproc-per-node`` has them (tests/harness/train_rows.py's ``forked_rrfp``): the
+agent's forwarding is the point, not an interpreter's start."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from harness import ROOT
 from harness.checkpoint_run import SMALL
-from harness.launch import child_env
-from harness.train_rows import python_m
+from harness.train_rows import forked_rrfp, python_m, run_python_c
 
 from rrfp.app.train.checkpoint_dir import CheckpointDir
 
@@ -34,22 +32,22 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
         *[
             "--standalone",
             "--nproc-per-node=2",
-            "-m",
-            "rrfp",
-            "train",
-            *SMALL,
-            "--set",
-            "steps=100000",
-            "--set",
-            "unit_ms=20",
-            "--set",
-            f"checkpoint.dir={ckdir}",
-            "--set",
-            "checkpoint.every=3",
-            "--set",
-            f"trace={trace}",
-            "--set",
-            f"log_dir={tmp_path / 'logs'}",
+            *forked_rrfp(
+                "train",
+                *SMALL,
+                "--set",
+                "steps=100000",
+                "--set",
+                "unit_ms=20",
+                "--set",
+                f"checkpoint.dir={ckdir}",
+                "--set",
+                "checkpoint.every=3",
+                "--set",
+                f"trace={trace}",
+                "--set",
+                f"log_dir={tmp_path / 'logs'}",
+            ),
         ],
         out=tmp_path / "out",
         err=tmp_path / "err",
@@ -85,7 +83,7 @@ def test_ctrl_c_to_torchrun_saves_the_last_step_and_writes_the_trace(tmp_path, p
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank):
+def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank, tmp_path):
     """A SIGINT before `rrfp train` installs its handler (while it loads the config) is Python's
     KeyboardInterrupt: rank 0 alone says so (the agent sent it to every rank), and the rank leaves
     through exit_now, not the interpreter's teardown."""
@@ -96,10 +94,10 @@ def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank)
         "import atexit; atexit.register(lambda: print('teardown ran', flush=True))\n"
         "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n"
     )
-    env = child_env(RANK=str(rank), WORLD_SIZE="2")
-    res = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
+    # from the preloaded forkserver, which leaves through the code's exit handlers as an
+    # interpreter's teardown does (tests/harness/train_rows.py's run_python_c)
+    env = {"RANK": str(rank), "WORLD_SIZE": "2"}
+    res = run_python_c(code, tmp=tmp_path, timeout=60, env=env)
     assert res.returncode == 130, (res.returncode, res.stderr)
     assert res.stderr.splitlines() == (["rrfp: interrupted"] if rank == 0 else []), res.stderr
     assert "teardown ran" not in res.stdout, "left through the interpreter's teardown"

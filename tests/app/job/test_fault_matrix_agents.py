@@ -3,13 +3,13 @@
 Two torchrun agents as one job (``--nnodes 2``, a c10d rendezvous on 127.0.0.1, one rank each, each
 agent ``python -m rrfp.app.job.launch_agent``, torchrun's agent as `rrfp train --nproc-per-node`
 runs it, started from the preloaded forkserver: tests/harness/train_rows.py's ``python_m``; their
-ranks are fresh interpreters, as torchrun starts them), started with the same command line but for
-one ``--set`` on node 1: the same job finishes; another model, seed, learning rate, microbatch
-count or checkpoint folder is refused before any process group, in one ``rrfp:`` line for the whole
-job that names the key and both nodes, every rank exiting 2, and node 0's agent, which holds the
-store, too (node 1's agent exits 2, or 1 when node 0's agent and its store left before it read its
-rank's exit). The job's waits are set far beyond the test's own timeout, so a refusal that waited
-for a timeout would fail the test instead of passing it late.
+ranks are forks of it, as that launcher has them: ``forked_rrfp``), started with the same command
+line but for one ``--set`` on node 1: the same job finishes; another model, seed, learning rate,
+microbatch count or checkpoint folder is refused before any process group, in one ``rrfp:`` line for
+the whole job that names the key and both nodes, every rank exiting 2, and node 0's agent, which
+holds the store, too (node 1's agent exits 2, or 1 when node 0's agent and its store left before it
+read its rank's exit). The job's waits are set far beyond the test's own timeout, so a refusal that
+waited for a timeout would fail the test instead of passing it late.
 
 Two jobs, one folder (each two ranks of ``rrfp train``, tests/harness/train_rows.py): a second job
 started while the first writes into its ``checkpoint.dir`` is refused in one line naming the
@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from harness.agent_fault_rows import CASES, FINISHES, ROWS
 from harness.distributed import free_port
-from harness.train_rows import AsPopen, TrainJob, python_m
+from harness.train_rows import AsPopen, TrainJob, forked_rrfp, python_m
 
 from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 from rrfp.app.train.checkpoint_owner import read_owner
@@ -57,8 +57,8 @@ def _agent(tmp: Path, node: int, port: int, sets: list[str]) -> AsPopen:
         "--nnodes=2", "--nproc-per-node=1",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}",
         f"--rdzv-conf=is_host={'true' if node == 0 else 'false'}", "--max-restarts=0",
-        "-m", "rrfp", "train", "--config", "configs/gpt-tiny.toml",
-        *(a for s in sets for a in ("--set", s)),
+        *forked_rrfp("train", "--config", "configs/gpt-tiny.toml",
+                     *(a for s in sets for a in ("--set", s))),
     ]  # fmt: skip
     return python_m(
         "rrfp.app.job.launch_agent", *argv, out=tmp / f"out{node}", err=tmp / f"err{node}"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 from harness import ROOT
-from harness.launch import TORCHRUN, child_env
+from harness.launch import child_env
+from harness.train_rows import run_python_m
 
 from rrfp.app.config.registry import known
 
@@ -77,12 +78,13 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
-    # bare torchrun, the README's other launcher: the same file, from the same folder
-    res = subprocess.run(
-        [*TORCHRUN, "--nproc-per-node", "2", "-m", "rrfp", "train", "--config", "run.toml", *TINY,
-         "--set", f"output.dir={tmp_path}/runs/{{model}}"],
-        cwd=scratch, env=child_env(PYTHONPATH=str(tmp_path / "lib")), stdin=subprocess.DEVNULL,
-        capture_output=True, text=True, timeout=140,
+    # bare torchrun, the README's other launcher: the same file, from the same folder; the agent
+    # from the preloaded forkserver (it imports no model), its ranks fresh interpreters
+    res = run_python_m(
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train",
+        "--config", "run.toml", *TINY, "--set", f"output.dir={tmp_path}/runs/{{model}}",
+        tmp=tmp_path / "torchrun", timeout=140, cwd=scratch,
+        env={"PYTHONPATH": str(tmp_path / "lib")},
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout

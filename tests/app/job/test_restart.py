@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from harness.checkpoint_state import differing, final_state
-from harness.train_rows import TrainJob, losses, run_python_m
+from harness.train_rows import TrainJob, forked_rrfp, losses, run_python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -44,10 +44,12 @@ def _train_args(tmp: Path, *extra: str) -> list[str]:
 
 def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 --max-restarts 1 -m rrfp train``, the agent started from the
-    preloaded forkserver (tests/harness/train_rows.py), its ranks fresh interpreters."""
+    preloaded forkserver (tests/harness/train_rows.py), each attempt's ranks forks of it as
+    ``rrfp train --nproc-per-node`` has them (``forked_rrfp``): the restart is the point here, not
+    a fresh interpreter's start (test_fault_matrix_agents.py's ranks are fresh)."""
     return run_python_m(
         "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-        "-m", "rrfp", "train", *_train_args(tmp, *extra), tmp=tmp, timeout=150,
+        *forked_rrfp("train", *_train_args(tmp, *extra)), tmp=tmp, timeout=150,
     )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from harness import ROOT
 from harness.checkpoint_state import differing, final_state
-from harness.train_rows import TrainJob, losses, python_m
+from harness.train_rows import TrainJob, forked_rrfp, losses, python_m
 
 sys.path.insert(0, str(ROOT))
 from benchmarks.sigterm_stop import workers  # noqa: E402  (the measurement's own, the same job shape)
@@ -57,15 +57,19 @@ def _train_args(tmp: Path, ck: Path, *extra: str) -> list[str]:
     return ["--config", "configs/gpt-tiny.toml", *[a for s in sets for a in ("--set", s)]]
 
 
-def torchrun(tmp: Path, ck: Path, *extra: str):
+def torchrun(tmp: Path, ck: Path, *extra: str, forked: bool = False):
     """``rrfp train`` on 2 ranks under torchrun, started (the agent from the preloaded
-    forkserver, tests/harness/train_rows.py; its ranks fresh interpreters). --monitor-interval 3:
+    forkserver, tests/harness/train_rows.py; its ranks fresh interpreters, whose every exit code
+    torchrun's failure summary lists, or with ``forked`` forks of the agent, as ``rrfp train
+    --nproc-per-node`` has them, whose summary names the first alone). --monitor-interval 3:
     once a rank has exited, the agent SIGTERMs the other only after 3 s, so each rank's own line
     is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
+    args = _train_args(tmp, ck, *extra)
+    ranks = forked_rrfp("train", *args) if forked else ["-m", "rrfp", "train", *args]
     return python_m(
         "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "3",
-        "-m", "rrfp", "train", *_train_args(tmp, ck, *extra), out=tmp / "out", err=tmp / "err",
+        *ranks, out=tmp / "out", err=tmp / "err",
     )  # fmt: skip
 
 
@@ -165,7 +169,8 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
 @pytest.mark.timeout(300)
 def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path, whole):
     run = tmp_path / "stopped"
-    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60")
+    # no exit code read: the ranks may be forks of the agent
+    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60", forked=True)
     try:
         _wait_for_the_slow_task(job, run / "err")
         time.sleep(1.0)
