@@ -47,11 +47,12 @@ def test_a_call_beside_runs_while_the_running_call_waits():
 @pytest.mark.timeout(60)
 def test_the_running_call_goes_on_after_the_call_beside():
     lane = ComputeLane()
-    beside_started, release = threading.Event(), threading.Event()
+    in_window, beside_started, release = threading.Event(), threading.Event(), threading.Event()
     order: list[str] = []
 
     def running():
         with lane.yielding():
+            in_window.set()
             if not beside_started.wait(20):
                 raise AssertionError("the call beside did not start")
             release.set()  # the collective is done while the call beside still computes
@@ -59,11 +60,13 @@ def test_the_running_call_goes_on_after_the_call_beside():
 
     def beside():
         beside_started.set()
-        release.wait(20)
+        if not release.wait(20):
+            raise AssertionError("the running call's collective did not complete")
         order.append("beside ends")
 
     async def main():
         first = asyncio.ensure_future(lane.run(running))
+        await asyncio.to_thread(in_window.wait, 20)  # the call beside comes in the window
         await lane.run_beside(beside)
         await first
 
