@@ -5,9 +5,11 @@ Each workload runs its pipeline's stages in one process, one after the other (F 
 then the backward from the last stage down), once with the backward split as the runtime splits it
 (B, then W) and once unsplit, the two alternating per repetition (A B, then B A). Every task is
 timed in the compute thread's CPU time (``time.thread_time``: the machine is shared, and a thread
-queued for a core spends no CPU) and in wall time. The ratio per repetition is B + W over the
-unsplit backward, summed over the stages; the report gives its median, its quartiles and its
-range, the same for wall time, and the load average.
+queued for a core spends no CPU) and in wall time. glibc's malloc keeps freed memory for reuse, as
+the runtime's CPU lane sets it (rrfp/loop/host_memory.py): with its defaults B would fault in
+afresh the pages W just freed, a cost the runtime does not pay. The ratio per repetition is B + W
+over the unsplit backward, summed over the stages; the report gives its median, its quartiles and
+its range, the same for wall time, and the load average.
 
 Workloads: gpt-tiny 8 layers of 192 at pp 2, the VLM at pp 2 (configs/vlm-tiny.toml, 8 layers),
 the mixture of experts at pp 2 (configs/moe-tiny.toml: grouped SwiGLU experts, router, shared
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from rrfp import StageWorker, TrainConfig
+from rrfp.loop import keep_freed_memory
 
 # the split modes measured (StageWorker's weight_split): the generic split alone, and the
 # split-aware functions with the generic split as the fallback
@@ -252,13 +255,15 @@ def main() -> None:
     )
     a = p.parse_args()
     torch.set_num_threads(1)
+    kept = keep_freed_memory()  # as the runtime's CPU lane does
     names = a.cases.split(",")
     unknown = [n for n in names if n not in CASES]
     if unknown:
         p.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
     lines = [
         f"B + W over the unsplit backward, summed over each workload's stages; torch "
-        f"{torch.__version__}, CPU, 1 thread; median of {a.reps} alternated repetitions",
+        f"{torch.__version__}, CPU, 1 thread; median of {a.reps} alternated repetitions; glibc "
+        f"malloc {'keeping freed memory, as the CPU lane' if kept else 'as it is (not glibc)'}",
         "",
         "| workload | split | B + W CPU ms | unsplit CPU ms | ratio CPU (median) | IQR | min..max "
         "| ratio wall (median) | wall IQR | load (1 min) |",

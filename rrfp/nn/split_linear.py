@@ -69,12 +69,56 @@ def active_queue() -> WeightGradQueue | None:
     return _ACTIVE.get()
 
 
-class _SplitLinearFn(torch.autograd.Function):
+class _Call:
+    """One split product's state shared by its two autograd nodes: what the product needs, and
+    the gradient arriving at its output, held from the product's backward to the input's."""
+
+    __slots__ = ("weight", "bias", "queue", "reduce", "need_x", "shape", "grad_out")
+
+    def __init__(self, weight, bias, queue, reduce, need_x: bool) -> None:
+        self.weight, self.bias, self.queue, self.reduce = weight, bias, queue, reduce
+        self.need_x = need_x  # whether the input wants a gradient (the product's own always does)
+        self.shape = None
+        self.grad_out = None
+
+
+class _SplitLinearInputFn(torch.autograd.Function):
+    """Before the product: saves its input and edges to the parameters. A non-reentrant
+    checkpoint's recomputation stops once the region's last saved tensor is saved again, and
+    torch's own ops save their inputs before computing, so the product that ends a region (an
+    MLP's down projection) is skipped there; saving here, before the product, keeps that."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, queue, reduce):
-        ctx.save_for_backward(x, weight)
-        ctx.params = (weight, bias)  # leaf parameters: referencing them makes no cycle
-        ctx.queue = queue
+    def forward(ctx, x, weight, bias, call):
+        ctx.save_for_backward(x)
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # no input gradient: None, not zeros
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        (x,) = ctx.saved_tensors
+        call = ctx.call
+        grad_out, call.grad_out = call.grad_out, None
+        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if (need_w or need_b) and grad_out is not None:
+            call.queue.append(
+                _weight_grad_closure(
+                    x, grad_out, call.weight if need_w else None, call.bias if need_b else None
+                )
+            )
+        return grad_x, None, None, None
+
+
+class _SplitLinearFn(torch.autograd.Function):
+    """The product: its backward computes the input gradient and hands the output's gradient to
+    the input's node, which queues the weight's."""
+
+    @staticmethod
+    def forward(ctx, x, call):
+        ctx.call = call
+        call.shape = x.shape
+        weight, bias, reduce = call.weight, call.bias, call.reduce
         if reduce is None:  # on 2-D rows: the result is no view (see split_linear)
             return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
         out = reduce(F.linear(x, weight))
@@ -82,17 +126,9 @@ class _SplitLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        param_w, param_b = ctx.params
-        grad_x = (grad_out @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if need_w or need_b:
-            ctx.queue.append(
-                _weight_grad_closure(
-                    x, grad_out, param_w if need_w else None, param_b if need_b else None
-                )
-            )
-        return grad_x, None, None, None, None
+        call = ctx.call
+        call.grad_out = grad_out
+        return ((grad_out @ call.weight).view(call.shape) if call.need_x else None), None
 
 
 def split_linear(
@@ -112,7 +148,8 @@ def split_linear(
     # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of
     # its matmul, and a view made inside a custom Function cannot be modified in place
     # (``layer(x).relu_()``)
-    rows = _SplitLinearFn.apply(x, weight, bias, queue, reduce)
+    call = _Call(weight, bias, queue, reduce, x.requires_grad)
+    rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
 

@@ -418,12 +418,14 @@ class StageWorker:
             self._counting(mb, "w"),
             self._layers_checkpoint(Task(Kind.W, mb)),
             one_pass(),
-            self._recomputing(slot),
         ):
             if (
                 slot.weights is not None
             ):  # first: on the first stage it also runs the layers that queue closures
-                weight_split.backward_weight(slot.weights)
+                with self._recomputing(slot):
+                    weight_split.backward_weight(slot.weights)
+            # the closures recompute nothing: outside the mode, their ops do not dispatch through
+            # Python
             slot.queue.run()
             if slot.dw_runner is not None:
                 slot.dw_runner()

@@ -3,7 +3,7 @@ float64 MLP (two stages, or four), a whole batch per step split between two repl
 
 from __future__ import annotations
 
-M, STEPS, ROWS, D = 4, 3, 16, 4  # ROWS: one step's whole batch, both replicas' together
+M, STEPS, ROWS, D = 4, 2, 16, 4  # ROWS: one step's whole batch, both replicas' together
 LR = 0.05
 
 

@@ -65,6 +65,21 @@ def test_deferred_matches_nn_linear(bias, x_requires_grad):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-13)
 
 
+def test_no_input_gradient_is_computed_for_an_input_that_wants_none():
+    """The weight alone wants a gradient: backward and W run one matmul, the weight's."""
+    _, lin = _pair(bias=False)
+    x, g = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 7, dtype=torch.float64)
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue):
+        y = lin(x)
+    with torch.profiler.profile() as prof:
+        y.backward(g)
+        queue.run()
+    mms = [e for e in prof.events() if e.name in ("aten::mm", "aten::addmm", "aten::matmul")]
+    assert [e.name for e in mms] == ["aten::mm"], [e.name for e in mms]
+    torch.testing.assert_close(lin.weight.grad, g.reshape(-1, 7).t() @ x.reshape(-1, 5))
+
+
 def test_accumulates_over_two_microbatches():
     ref, lin = _pair()
     xs = [torch.randn(2, 3 + i, 5, dtype=torch.float64) for i in range(2)]

@@ -1,4 +1,4 @@
-"""Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 3 AdamW
+"""Expert parallelism under readiness, on real gloo ranks: pp 2 x ep 2 (4 ranks, float64, 2 AdamW
 steps, the auxiliary loss on), each replica drawing its task durations from a seed of its own and
 its MoE tasks' experts and all-to-alls timed by their routing, so that the replicas pick different
 orders; the EP agreement keeps their all-to-alls paired, and
@@ -12,7 +12,7 @@ from harness.distributed import run_ranks
 
 pytestmark = pytest.mark.multirank
 
-M, DIM, STEPS = 4, 8, 3
+M, DIM, STEPS = 4, 8, 2
 UNIT_MS = 20.0  # emulated task lengths long against the compute, so that the seeds decide
 # blocks: dense first, MoE after: with V = 2 (v placement) rank 0 holds stage 0 (no MoE layer)
 # beside stage 3

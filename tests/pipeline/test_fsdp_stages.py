@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``) stage modules and rrfp's own DP under ready dispatch, on pp 2 x dp 2
 (4 gloo ranks; stage s of replica d on rank s * 2 + d), through PipelineRuntime.stage_executor:
-after 3 AdamW steps every rank's gradients and parameters equal one process's over the whole
+after 2 AdamW steps every rank's gradients and parameters equal one process's over the whole
 batch of both replicas (float64), for the hints bfw, zbh1 and plan, and with two stages per rank
 (v, FSDP, bfw). Under those hints the replicas draw their emulated task durations from different
 seeds, so they may run their tasks in different orders, as load decides. The runs in UNEQUAL make
@@ -51,7 +51,7 @@ def _rank(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]
 
     async def one(rt, kind: str, name: str):
-        """3 steps of one run: (gradients of the last step, parameters after it, the orders the
+        """STEPS steps of one run: (gradients of the last step, parameters after it, the orders the
         rank ran, the last stage's losses), names as in the whole model."""
         d, full_model = rt.dp_rank, model(rt.num_stages)
         modules = [full_model[s] for s in rt.stages]

@@ -136,36 +136,36 @@ def _check(results):
 
 @pytest.mark.multirank
 def test_tied_embedding_pp4_interleaved_v2_first_and_last_on_ranks_0_and_3():
-    _check(run_ranks(_tied, 4, 4, 1, 2, "interleaved", 0.0, timeout=180, shared=True))
+    _check(run_ranks(_tied, 4, 4, 1, 2, "interleaved", 0.0, timeout=180))
 
 
 @pytest.mark.multirank
 def test_tied_embedding_pp2_clipping_counts_the_tie_once():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.05, timeout=120, shared=True)
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.05, timeout=120)
     _check(results)
     assert all(n > 0.05 for n in results[0]["ref_norms"]), "the test must clip"
 
 
 @pytest.mark.multirank
 def test_tied_embedding_v_placement_two_parameters_on_one_rank():
-    _check(run_ranks(_tied, 2, 2, 1, 2, "v", 0.0, timeout=120, shared=True))
+    _check(run_ranks(_tied, 2, 2, 1, 2, "v", 0.0, timeout=120))
 
 
 @pytest.mark.multirank
 def test_tied_embedding_pp2_dp2_sums_after_the_dp_average():
-    _check(run_ranks(_tied, 4, 2, 2, 1, "interleaved", 0.0, timeout=180, shared=True))
+    _check(run_ranks(_tied, 4, 2, 2, 1, "interleaved", 0.0, timeout=180))
 
 
 @pytest.mark.multirank
 def test_tied_pair_of_different_shapes_is_refused_on_every_rank():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "shapes", timeout=120, shared=True)
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "shapes", timeout=120)
     for rank, r in results.items():
         assert "tie 'e'" in r.get("error", "") and "differ in shape" in r["error"], (rank, r)
 
 
 @pytest.mark.multirank
 def test_forgotten_tie_is_one_warning_naming_both():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "none", timeout=120, shared=True)
+    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "none", timeout=120)
     assert results[1]["warnings"] == []
     (line,) = results[0]["warnings"]
     assert "transformer.wte.weight" in line and "lm_head.weight" in line, line
@@ -240,7 +240,7 @@ def _schedule_tied(rank, world):
 
 @pytest.mark.multirank
 def test_schedule_ready_tied_and_clip_grad_norm():
-    for rank, r in run_ranks(_schedule_tied, 2, timeout=120, shared=True).items():
+    for rank, r in run_ranks(_schedule_tied, 2, timeout=120).items():
         assert r["err"] < 1e-10, (rank, r)
         assert all(n > 0.05 for n in r["ref_norms"]), "the test must clip"
         assert all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(r["norms"], r["ref_norms"])), (

@@ -13,7 +13,9 @@ import torch
 from harness.weight_split_hooks import count_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
+from rrfp.nn.split_functions import SplitFunctions
 from rrfp.pipeline.worker import StageWorker
 
 D, V, M = 6, 7, 2
@@ -149,6 +151,58 @@ def test_w_recomputes_each_region_once_per_microbatch(position, weight_split):
         )
     assert w.split_summary().in_b == {}
     check_against_autograd(module, ref, position, xs, gs, got_in, calls, ref_calls)
+
+
+def flops(fn) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_split_functions_recompute_no_more_than_the_unsplit_backward():
+    """A checkpoint's recomputation stops once the region's last saved tensor is saved again, so
+    the unsplit backward never recomputes a region's last product (each block's ``down``). B + W
+    under the split-aware functions computes the same FLOPs: the split linear saves its input
+    before its product, as torch's own ops do, and the recomputation stops there too."""
+    torch.manual_seed(0)
+    module = Stage(False).double()
+    ref = copy.deepcopy(module)
+    xs, gs = data(1)
+    split = StageWorker(module, 1, 3, 1, mse, split=True, weight_split="functions")
+    unsplit = StageWorker(ref, 1, 3, 1, mse, split=False)
+    split.forward(0, xs[0])
+    unsplit.forward(0, xs[0])
+    b = flops(lambda: split.backward(0, gs[0]))
+    w = flops(lambda: split.weight(0))
+    whole = flops(lambda: unsplit.backward(0, gs[0]))
+    n = 3 * 4  # rows
+    head, up, down = 2 * n * D * D, 2 * n * D * 2 * D, 2 * n * 2 * D * D  # each product's FLOPs
+    # every product's two gradients, and each block's recomputation: its up, not its down
+    assert whole == 2 * (head + 2 * (up + down)) + 2 * up, whole
+    assert b + w == whole, (b, w, whole)
+
+
+def test_w_runs_the_queued_closures_outside_the_functions_mode(monkeypatch):
+    """W recomputes nothing when the split-aware functions cover every parameter, so its closures'
+    ops need not dispatch through the torch-function mode (Python, per op) that B's recomputation
+    needs."""
+    seen = []
+    through = SplitFunctions.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return through(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(SplitFunctions, "__torch_function__", counted)
+    module = Stage(False).double()
+    xs, gs = data(1)
+    w = StageWorker(module, 1, 3, 1, mse, split=True, weight_split="functions")
+    w.forward(0, xs[0])
+    w.backward(0, gs[0])
+    assert seen, "B's recomputation ran outside the mode"
+    seen.clear()
+    w.weight(0)
+    assert seen == [] and all(p.grad is not None for p in module.blocks.parameters()), seen[:5]
 
 
 def test_gathering_outside_checkpointed_nodes_stays_split(caplog):

@@ -1,5 +1,5 @@
 """ScheduleReady(mesh=) in a pp 2 x dp 2 DeviceMesh (4 gloo ranks), and torch's Schedule1F1B on
-the same FSDP2 stages: after 3 AdamW steps every rank's gradients, parameters and losses equal
+the same FSDP2 stages: after 2 AdamW steps every rank's gradients, parameters and losses equal
 one process's over the whole batch of both replicas (float64), and so do the losses of an eval
 after them (forward only, FSDP's own all-gathers in one fixed order). Under ("pp", "dp_shard")
 the stage modules are fully_shard'ed over the replicas; under ("pp", "dp") ScheduleReady averages

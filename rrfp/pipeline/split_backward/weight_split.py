@@ -278,11 +278,11 @@ WHOLE_CHECKPOINT_GATHERED = (
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
-# the nodes of rrfp.nn.split_linear, rrfp.nn.grouped_experts (a mixture of experts' grouped
-# products) and rrfp.nn.split_functions: their backward queues their weights' W. W must not run
-# them again, but their use of a parameter still counts when another use is gathered (a rerun would
-# queue that W twice).
-_QUEUES_OWN_W = ("_SplitLinearFnBackward", "_GroupedLinearFnBackward", *QUEUEING_NODES)
+# the nodes of rrfp.nn.split_linear (its input's: the product's own has no edge to a parameter),
+# rrfp.nn.grouped_experts (a mixture of experts' grouped products) and rrfp.nn.split_functions:
+# their backward queues their weights' W. W must not run them again, but their use of a parameter
+# still counts when another use is gathered (a rerun would queue that W twice).
+_QUEUES_OWN_W = ("_SplitLinearInputFnBackward", "_GroupedLinearFnBackward", *QUEUEING_NODES)
 
 RERUN_LIMIT = (
     16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node

@@ -4,6 +4,8 @@ task for its emulated time, so an iteration lasts at least what its durations al
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from harness.distributed import run_ranks
@@ -30,27 +32,45 @@ def _model_and_data():
     )
 
 
-def _train_two_iterations(rank, world, schedule):
+@functools.cache
+def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """The whole model's two iterations in this process, in float64 (the SGD step between them):
+    each microbatch's loss per iteration, and the second iteration's gradients by name. Computed
+    once for the schedules that are compared with it."""
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, loss_fn
+
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model_cfg, data_cfgs = _model_and_data()
+        data = [make_batches(cfg, step, M) for step, cfg in enumerate(data_cfgs)]
+        torch.manual_seed(0)
+        ref = GPT(model_cfg)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        ref_losses = []
+        for batches in data:
+            ref_opt.zero_grad()
+            losses = [loss_fn(ref(x), y) for x, y in batches]
+            (sum(losses) / M).backward()
+            ref_losses.append([loss.item() for loss in losses])
+            if len(ref_losses) < len(data):
+                ref_opt.step()
+        return ref_losses, {n: p.grad for n, p in ref.named_parameters()}
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _train_two_iterations(rank, world, schedule, reference):
     import torch.distributed as dist
 
     from rrfp.models.data import batches as make_batches
-    from rrfp.models.gpt import GPT, loss_fn, workload
+    from rrfp.models.gpt import loss_fn, workload
 
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfgs = _model_and_data()
     data = [make_batches(cfg, step, M) for step, cfg in enumerate(data_cfgs)]
-    torch.manual_seed(0)
-    ref = GPT(model_cfg)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    ref_losses = []
-    for batches in data:
-        ref_opt.zero_grad()
-        losses = [loss_fn(ref(x), y) for x, y in batches]
-        (sum(losses) / M).backward()
-        ref_losses.append([loss.item() for loss in losses])
-        if len(ref_losses) < len(data):
-            ref_opt.step()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_losses, ref_grads = reference
 
     dist.init_process_group("gloo")
     try:
@@ -110,7 +130,7 @@ def _train_two_iterations(rank, world, schedule):
 @pytest.mark.multirank
 @pytest.mark.parametrize("schedule", ["1f1b", "zb"])
 def test_two_iterations_match_single_process_reference(schedule):
-    out = run_ranks(_train_two_iterations, WORLD, schedule, timeout=90)
+    out = run_ranks(_train_two_iterations, WORLD, schedule, _reference(), timeout=90)
     with_loss = [r for r, o in out.items() if o["loss_err"] is not None]
     assert len(with_loss) == 1, "exactly one rank holds the last stage and reports losses"
     assert out[with_loss[0]]["loss_err"] < 1e-9

@@ -2,7 +2,9 @@
 ``parallel.ep = 2``): the run equals the one with the experts local, and with the rest of each stage
 FSDP-sharded (``dp_shard``) the one with it replicated; a run resumed from its
 step-2 checkpoint, whose EP members saved their own experts, repeats the unbroken run bit for bit:
-its losses, its gradient norms and every tensor of its final checkpoint."""
+its losses, its gradient norms and every tensor of its final checkpoint. The unbroken run with the
+experts sharded is trained once for the module: the local-experts test compares against it and the
+resume test resumes from its checkpoint."""
 
 from __future__ import annotations
 
@@ -33,10 +35,18 @@ def _train(rank, world, ep, ckdir, resume, extra=()):
     return s.first_step, s.losses, s.grad_norms
 
 
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """The unbroken run with ``parallel.ep = 2``, saving every ``SAVED`` steps: (its folder,
+    rank 0's first step, losses and gradient norms)."""
+    whole = tmp_path_factory.mktemp("ep-train") / "whole"
+    return whole, run_ranks(_train, 4, 2, whole, "off", timeout=180)[0]
+
+
 @pytest.mark.timeout(400)
-def test_experts_sharded_train_as_local_ones():
+def test_experts_sharded_train_as_local_ones(sharded_run):
     local = run_ranks(_train, 4, 1, None, "off", timeout=180)[0]
-    sharded = run_ranks(_train, 4, 2, None, "off", timeout=180)[0]
+    sharded = sharded_run[1]
     assert len(sharded[1]) == STEPS and sharded[1][-1] < sharded[1][0], sharded[1]
     # float32, the experts' products over other row groupings: equal to rounding
     assert sharded[1] == pytest.approx(local[1], rel=1e-5), (local[1], sharded[1])
@@ -69,9 +79,8 @@ def test_experts_beside_fsdp_stages_train_as_beside_replicated_ones(pp, replicas
 
 
 @pytest.mark.timeout(400)
-def test_resume_with_sharded_experts_repeats_the_unbroken_run(tmp_path):
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    a = run_ranks(_train, 4, 2, whole, "off", timeout=180)[0]
+def test_resume_with_sharded_experts_repeats_the_unbroken_run(sharded_run, tmp_path):
+    (whole, a), broken = sharded_run, tmp_path / "broken"
     broken.mkdir()
     shutil.copytree(whole / f"step-{SAVED:08d}", broken / f"step-{SAVED:08d}")
     b = run_ranks(_train, 4, 2, broken, "required", timeout=180)[0]
