@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from harness import ROOT
 from harness.cli_run import rrfp_in_process
+from harness.forked_python import run_python
 from harness.launch import child_env
 from harness.synthetic_costs import synthetic
 
@@ -72,10 +71,12 @@ def test_replay_uses_cost_times_the_presets_noise(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_calibrate_fits_this_machine(tmp_path):
+    """`python -m rrfp calibrate` as a child of the preloaded forkserver (its entry, output and
+    exit code; a real interpreter runs it from a user's folder in
+    tests/app/job/test_own_model_launch.py)."""
     out = tmp_path / "cost.json"
-    p = subprocess.run(
+    p = run_python(
         [
-            sys.executable,
             "-m",
             "rrfp",
             "calibrate",
@@ -89,8 +90,6 @@ def test_calibrate_fits_this_machine(tmp_path):
             str(out),
         ],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=100,
         env=child_env(),
     )

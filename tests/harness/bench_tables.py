@@ -19,15 +19,18 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
 
 def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
     """``rrfp bench --workloads moe`` with these contenders and flags, writing to ``out``: the
-    results.json document and the process's stdout, after asserting it exited 0."""
+    results.json document and the process's stdout, after asserting it exited 0. The command is
+    a child of the preloaded forkserver (``python -m rrfp``, torch imported already)."""
     import json
-    import subprocess
 
     from harness import ROOT
-    from harness.launch import child_env, rrfp_argv
+    from harness.forked_python import run_python
+    from harness.launch import child_env
 
-    res = subprocess.run(
-        rrfp_argv(
+    res = run_python(
+        [
+            "-m",
+            "rrfp",
             "bench",
             "--workloads",
             "moe",
@@ -36,12 +39,9 @@ def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
             ",".join(c.replace(" ", "-") for c in contenders),
             "--out",
             str(out),
-        ),
+        ],
         cwd=ROOT,
         env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
         timeout=380,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,6 +1,9 @@
 """The CPU part of every `make gpu-check` check (benchmarks/gpu_check.py): the same code, on the
 fake CUDA/NCCL of tests/harness/fake_cuda.py, where device time is emulated by the lane. On a CPU
-machine the script itself reports every check as skipped, with the reason."""
+machine the script itself reports every check as skipped, with the reason. The interpreters the
+script starts (``python -c`` runs, the script itself) are children of the test session's preloaded
+forkserver (tests/harness/forked_python.py): the same output and exit code, without importing torch
+afresh for each; what the script's runs print is the point, not an interpreter's start."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 from harness import ROOT
 from harness.fake_cuda import FakeCudaOps, FakeEvent, FakeWorld, restore_late_sends
+from harness.forked_python import forked_subprocess_run, run_python
 
 from rrfp.loop import run
 
@@ -106,9 +110,10 @@ def test_nccl_inits_are_counted_before_and_after_startup():
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_the_runs_the_gpu_checks_start_work_on_gloo():
+def test_the_runs_the_gpu_checks_start_work_on_gloo(monkeypatch):
     """nccl-init's marked run and train's exact losses, here on gloo: the start-up mark is in the
     output (and no NCCL init around it), and the losses come back as floats, the same twice."""
+    monkeypatch.setattr(subprocess, "run", forked_subprocess_run(subprocess.run))
     marked = gpu_check.marked_run(2, backend="gloo")
     assert gpu_check.STARTUP_MARK in marked and gpu_check.nccl_inits(marked) == (0, 0)
     with pytest.raises(AssertionError, match="no NCCL communicator was initialized at start-up"):
@@ -138,13 +143,7 @@ def test_memory_prediction_counts_weights_optimizer_and_the_budget():
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_gpu_check_on_a_cpu_machine_skips_every_check_and_says_why():
-    p = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = run_python(["benchmarks/gpu_check.py"], cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[")]
     assert [ln.split("]")[1].split(":")[0].strip() for ln in lines] == list(gpu_check.CHECKS)

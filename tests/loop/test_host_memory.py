@@ -2,17 +2,18 @@
 (the lane's, in a malloc arena of its own) reuses their memory instead of faulting its pages in
 afresh each iteration.
 
-malloc's thresholds are the process's: each case runs in a fresh interpreter, so that what other
-tests did to them does not count."""
+malloc's thresholds are the process's: each case runs in a process of its own, a child of the
+preloaded forkserver (tests/harness/forked_python.py, torch imported but no test run in it), so
+that what other tests did to them does not count."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 from harness import ROOT
+from harness.forked_python import run_python
 from harness.launch import child_env
 
 pytestmark = [
@@ -48,11 +49,10 @@ print(json.dumps(faults))
 
 
 def _faults(mode: str) -> list[int]:
-    res = subprocess.run(
-        [sys.executable, "-c", ITERATIONS, mode, str(ROOT / "configs" / "vlm-tiny.toml")],
+    res = run_python(
+        ["-c", ITERATIONS, mode, str(ROOT / "configs" / "vlm-tiny.toml")],
         env=child_env(PYTHONPATH=str(ROOT)),
-        capture_output=True,
-        text=True,
+        cwd=ROOT,
         timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -63,11 +63,12 @@ def run_job(
     ``bar.update(1)`` per finished run. Raises JobFailed with one line."""
     job, rows = job_dir / "job.json", job_dir / "rows.json"
     job.write_text(json.dumps({"spec": spec.as_dict(), "cost": cost}))
-    # each rank a fork of torchrun's agent, which has imported torch (rrfp/app/job/forked_rank.py)
+    # each rank a fork of torchrun's agent, which has imported torch and what the ranks import
+    # (rrfp/app/bench/agent.py, rrfp/app/job/forked_rank.py)
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "rrfp.app.bench.agent",
         "--standalone",
         f"--nproc-per-node={spec.world}",
         "--start-method=fork",

@@ -14,22 +14,17 @@ import pytest
 from harness import ROOT
 from harness.bench_tables import table_rows
 from harness.cli_run import rrfp_in_process
-from harness.launch import child_env, rrfp_argv
+from harness.forked_python import run_python
+from harness.launch import child_env
 
 from rrfp.app.bench.suite import DEFAULT_CONTENDERS, file_slug
 from rrfp.app.bench.torch_schedules import stages_per_rank
 
 
 def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        rrfp_argv("bench", *args),
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python -m rrfp bench ARGS`` as a child of the preloaded forkserver: the command's entry,
+    output and exit code, without an interpreter importing torch for it."""
+    return run_python(["-m", "rrfp", "bench", *args], cwd=ROOT, env=child_env(), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

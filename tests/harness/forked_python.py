@@ -1,0 +1,102 @@
+"""``subprocess.run([sys.executable, ARGS...])`` as a child of the test session's preloaded
+forkserver (torch, dynamo and rrfp already imported): the same exit code, stdout and stderr for
+``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python SCRIPT ARGS``, without the seconds
+of CPU an interpreter takes to import torch. For code whose own runs start ``python`` (a
+script's checks), where the interpreter's start is not what the test is about."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.distributed import _context
+from harness.train_rows import _as_main, _cpp_log_level_as_rrfp_sets_it
+
+
+def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    """This forkserver child as ``python ARGV`` started with exactly ``env`` in ``cwd``, in a
+    session of its own, stdout and stderr in the files ``out`` and ``err``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.setsid()
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path.insert(0, "")
+        code = compile(argv[1], "<string>", "exec")
+        _as_main(lambda: exec(code, {"__name__": "__main__", "__builtins__": __builtins__}))
+    elif argv[0] == "-m":
+        if argv[1] == "rrfp":
+            _cpp_log_level_as_rrfp_sets_it()
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path.insert(0, os.getcwd())
+        _as_main(lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+    else:
+        sys.argv = list(argv)
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
+
+
+def run_python(
+    argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path, timeout: float
+) -> subprocess.CompletedProcess:
+    """``python ARGV`` to its end in a forkserver child, as ``subprocess.run(capture_output=True,
+    text=True)`` gives it; one still running after ``timeout`` seconds is killed, with all it
+    started, and raises TimeoutExpired."""
+    with tempfile.TemporaryDirectory(prefix="forked-python-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        p = _context().Process(
+            target=_python_main,
+            args=(
+                list(argv),
+                dict(os.environ if env is None else env),
+                str(cwd),
+                str(out),
+                str(err),
+            ),
+        )
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        return subprocess.CompletedProcess(
+            [sys.executable, *argv],
+            p.exitcode,
+            out.read_text(errors="replace") if out.exists() else "",
+            err.read_text(errors="replace") if err.exists() else "",
+        )
+
+
+def forked_subprocess_run(real_run):
+    """A stand-in for ``subprocess.run`` that runs ``[sys.executable, ...]`` commands through
+    ``run_python`` (capturing text, as the callers here ask) and hands any other to
+    ``real_run``."""
+
+    def run(cmd, *args, **kwargs):
+        if args or not isinstance(cmd, list) or cmd[0] != sys.executable:
+            return real_run(cmd, *args, **kwargs)
+        assert kwargs.get("capture_output") and kwargs.get("text"), kwargs
+        return run_python(
+            [str(a) for a in cmd[1:]],
+            env=kwargs.get("env"),
+            cwd=kwargs.get("cwd") or os.getcwd(),
+            timeout=kwargs.get("timeout") or 300,
+        )
+
+    return run
