@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 
 from harness.distributed import _context
-from harness.train_rows import _as_main, _as_started, _cpp_log_level_as_rrfp_sets_it
+from harness.train_rows import _as_main, _as_started, module_run
 
 
 def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
@@ -33,11 +33,7 @@ def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: 
         code = compile(argv[1], "<string>", "exec")
         run = partial(exec, code, {"__name__": "__main__", "__builtins__": __builtins__})
     elif argv[0] == "-m":
-        if argv[1] == "rrfp":
-            _cpp_log_level_as_rrfp_sets_it()
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path.insert(0, os.getcwd())
-        run = partial(runpy.run_module, argv[1], run_name="__main__", alter_sys=True)
+        run = module_run(argv[1], argv[2:])
     else:
         sys.argv = list(argv)
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))

@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from harness import ROOT
@@ -148,21 +150,26 @@ def _module_main(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
 ) -> None:
-    """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
-    sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
-    runs as its ``__main__`` block would run it."""
+    """``python -m MODULE ARGV`` in a child's environment and ``env``."""
+    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
+    _as_main(module_run(module, argv))
+
+
+def module_run(module: str, argv: list[str]) -> Callable[[], object]:
+    """What ``python -m MODULE ARGV`` runs, in this process set up as the child: the module as
+    ``__main__``, the current folder first on sys.path. rrfp's launcher imported torchrun's agent
+    as rrfp runs it already: that one's main runs as its ``__main__`` block would run it."""
     import runpy
 
-    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
     if module == "rrfp" or FORKED_RANK in argv:  # the ranks run rrfp in this process's torch
         _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
     if module == "rrfp.app.job.launch_agent":
         from rrfp.app.job.launch_agent import main
 
-        _as_main(lambda: sys.exit(main(argv)))
+        return lambda: sys.exit(main(argv))
     sys.path.insert(0, os.getcwd())
-    _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    return partial(runpy.run_module, module, run_name="__main__", alter_sys=True)
 
 
 class AsPopen:
