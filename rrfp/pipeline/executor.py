@@ -970,7 +970,11 @@ class _Iteration:
             self.handed[(to, Kind(msg.kind), msg.microbatch)] = (value, bits)
             return
         msg.ready = getattr(self.ex.lane, "last_task_done", None)
-        latency = self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
+        latency = (  # emulated link latency; real compute draws none (a numpy draw per message)
+            self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
+            if self.ex.unit_s
+            else 0.0
+        )
         io.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
 
     async def _send(self, channel, queue: asyncio.Queue) -> None:

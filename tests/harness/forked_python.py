@@ -6,46 +6,47 @@ script's checks), where the interpreter's start is not what the test is about.""
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
 import signal
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from harness.distributed import _context
-from harness.train_rows import _as_main, _cpp_log_level_as_rrfp_sets_it
+from harness.train_rows import _as_main, _as_started, module_run
 
 
 def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
-    """This forkserver child as ``python ARGV`` started with exactly ``env`` in ``cwd``, in a
-    session of its own, stdout and stderr in the files ``out`` and ``err``."""
+    """This forkserver child as ``python ARGV`` started with ``env`` in ``cwd`` (a session of its
+    own, stdout and stderr in the files ``out`` and ``err``), leaving as an interpreter does:
+    through the exit handlers the run registered (atexit), unless it leaves at once (os._exit, a
+    signal). The server's own exit handlers are not the run's."""
     os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    os.setsid()
-    for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _as_started(out, err, env, signal.default_int_handler, cwd)
     if argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")
         code = compile(argv[1], "<string>", "exec")
-        _as_main(lambda: exec(code, {"__name__": "__main__", "__builtins__": __builtins__}))
+        run = partial(exec, code, {"__name__": "__main__", "__builtins__": __builtins__})
     elif argv[0] == "-m":
-        if argv[1] == "rrfp":
-            _cpp_log_level_as_rrfp_sets_it()
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path.insert(0, os.getcwd())
-        _as_main(lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+        run = module_run(argv[1], argv[2:])
     else:
         sys.argv = list(argv)
         sys.path.insert(0, str(Path(argv[0]).resolve().parent))
-        _as_main(lambda: runpy.run_path(argv[0], run_name="__main__"))
+        run = partial(runpy.run_path, argv[0], run_name="__main__")
+    atexit._clear()
+
+    def as_interpreter() -> None:
+        try:
+            run()
+        finally:
+            atexit._run_exitfuncs()
+
+    _as_main(as_interpreter)
 
 
 def run_python(

@@ -12,7 +12,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from harness import ROOT
@@ -148,66 +150,26 @@ def _module_main(
     env: dict[str, str] | None = None,
     cwd: str | None = None,
 ) -> None:
-    """``python -m MODULE ARGV``: the module run as ``__main__``, the current folder first on
-    sys.path. rrfp's launcher imported torchrun's agent as rrfp runs it already: that one's main
-    runs as its ``__main__`` block would run it."""
+    """``python -m MODULE ARGV`` in a child's environment and ``env``."""
+    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
+    _as_main(module_run(module, argv))
+
+
+def module_run(module: str, argv: list[str]) -> Callable[[], object]:
+    """What ``python -m MODULE ARGV`` runs, in this process set up as the child: the module as
+    ``__main__``, the current folder first on sys.path. rrfp's launcher imported torchrun's agent
+    as rrfp runs it already: that one's main runs as its ``__main__`` block would run it."""
     import runpy
 
-    _as_started(out, err, env or {}, signal.default_int_handler, cwd)
     if module == "rrfp" or FORKED_RANK in argv:  # the ranks run rrfp in this process's torch
         _cpp_log_level_as_rrfp_sets_it()
     sys.argv = [module, *argv]
     if module == "rrfp.app.job.launch_agent":
         from rrfp.app.job.launch_agent import main
 
-        _as_main(lambda: sys.exit(main(argv)))
+        return lambda: sys.exit(main(argv))
     sys.path.insert(0, os.getcwd())
-    _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
-
-
-def _code_main(code: str, out: str, err: str, env: dict[str, str]) -> None:
-    """``python -c CODE``: the code run as ``__main__``, the current folder first on sys.path;
-    leaving as an interpreter does, through the exit handlers it registered (atexit), unless it
-    leaves at once (os._exit, a signal). The server's own exit handlers are not the code's."""
-    import atexit
-
-    _as_started(out, err, env, signal.default_int_handler)
-    sys.argv = ["-c"]
-    sys.path.insert(0, "")
-    atexit._clear()
-
-    def run() -> None:
-        try:
-            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
-        finally:
-            atexit._run_exitfuncs()
-
-    _as_main(run)
-
-
-def run_python_c(
-    code: str, *, tmp: Path, timeout: float, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """``python -c CODE`` to its end as a child of the preloaded forkserver (torch and rrfp
-    imported), as ``subprocess.run(capture_output=True, text=True)`` gives it (its output in
-    ``tmp``); for tests whose point is what the code does and how it leaves (its exit status, a
-    signal's handler, its exit handlers), not an interpreter's start. One still running after
-    ``timeout`` seconds is killed and raises TimeoutExpired."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    out, err = tmp / "python-c.out", tmp / "python-c.err"
-    p = _context().Process(target=_code_main, args=(code, str(out), str(err), env or {}))
-    p.start()
-    p.join(timeout)
-    if p.exitcode is None:
-        p.kill()
-        p.join(10)
-        raise subprocess.TimeoutExpired(["python", "-c", code], timeout)
-    return subprocess.CompletedProcess(
-        ["python", "-c", code],
-        p.exitcode,
-        out.read_text(errors="replace"),
-        err.read_text(errors="replace"),
-    )
+    return partial(runpy.run_module, module, run_name="__main__", alter_sys=True)
 
 
 class AsPopen:

@@ -15,8 +15,11 @@ import signal
 import time
 
 import pytest
+from harness import ROOT
 from harness.checkpoint_run import SMALL
-from harness.train_rows import forked_rrfp, python_m, run_python_c
+from harness.forked_python import run_python
+from harness.launch import child_env
+from harness.train_rows import forked_rrfp, python_m
 
 from rrfp.app.train.checkpoint_dir import CheckpointDir
 
@@ -95,9 +98,9 @@ def test_ctrl_c_before_the_run_handles_it_is_one_line_per_job_and_exit_130(rank,
         "sys.exit(cli.main(['train', '--config', 'configs/gpt-tiny.toml']))\n"
     )
     # from the preloaded forkserver, which leaves through the code's exit handlers as an
-    # interpreter's teardown does (tests/harness/train_rows.py's run_python_c)
-    env = {"RANK": str(rank), "WORLD_SIZE": "2"}
-    res = run_python_c(code, tmp=tmp_path, timeout=60, env=env)
+    # interpreter's teardown does (tests/harness/forked_python.py)
+    env = child_env(RANK=str(rank), WORLD_SIZE="2")
+    res = run_python(["-c", code], env=env, cwd=ROOT, timeout=60)
     assert res.returncode == 130, (res.returncode, res.stderr)
     assert res.stderr.splitlines() == (["rrfp: interrupted"] if rank == 0 else []), res.stderr
     assert "teardown ran" not in res.stdout, "left through the interpreter's teardown"

@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 from harness.checkpoint_run import SMALL, _config, one_error_line, resume_error, rrfp_alone
 from harness.distributed import run_ranks
-from harness.train_rows import TrainJob, run_python_c
+from harness.forked_python import run_python
+from harness.launch import child_env
+from harness.train_rows import TrainJob
 
 from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 
@@ -385,7 +388,7 @@ def test_second_sigterm_leaves_at_once(tmp_path, committed, sig):
         f"os.kill(os.getpid(), signal.{sig}); time.sleep(10)\n"
         "print('still here', flush=True)\n"
     )
-    res = run_python_c(code, tmp=tmp_path / "python-c", timeout=60)
+    res = run_python(["-c", code], env=child_env(), cwd=ROOT, timeout=60)
     code = 128 + getattr(signal, sig)
     assert (res.returncode, res.stdout) == (code, f"requested True {sig}\n"), (
         res.returncode,
