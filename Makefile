@@ -29,11 +29,12 @@ run: $(VENV)/.installed
 sim: $(VENV)/.installed
 	$(PY) -m rrfp sim --pp 8 --n-microbatches 32 --preset lang --seeds 20
 
-# Two test processes (pytest-xdist), each file's tests in one of them: most multi-rank tests wait on
-# emulated device time and timeouts, so two of them share 2 cores well. Files are handed out in
-# collection order, longest tiers first (tests/conftest.py), not xdist's most-tests-first, which
-# leaves the one-test torchrun files for last.
-XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+# Three test processes (pytest-xdist) on 2 cores, each file's tests in one of them: many multi-rank
+# tests wait on emulated device time, timeouts and their ranks, so a third keeps both cores busy
+# meanwhile (on a quiet 2-core machine `make test` took 532 s with three, 582 s with two). Files are
+# handed out in collection order, longest tiers first (tests/conftest.py), not xdist's
+# most-tests-first, which leaves the one-test torchrun files for last.
+XDIST := -n 3 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(XDIST) -m "not long"
 

@@ -66,10 +66,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         else:
             item.add_marker(pytest.mark.unit)
-    # `make test` hands whole files to two workers in collection order (--dist loadfile
+    # `make test` hands whole files to its workers in collection order (--dist loadfile
     # --no-loadscope-reorder): the files that start CLIs and torchrun jobs, the longest, go
-    # first, the in-process ones last, so the two workers end together instead of one waiting
-    # on a long file that was handed out last.
+    # first, the in-process ones last, so the workers end together instead of one waiting on a
+    # long file that was handed out last.
     first = {}
     for item in items:
         first[item.path] = min(first.get(item.path, 2), _tier(item))
