@@ -20,6 +20,7 @@ from pathlib import Path
 from harness import ROOT
 from harness.distributed import _context, free_port
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
+from rrfp.app.job import forked_rank
 
 
 def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None = None) -> None:
@@ -129,7 +130,7 @@ def _cpp_log_level_as_rrfp_sets_it() -> None:
     ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))._ZN3c1011initLoggingEv()
 
 
-FORKED_RANK = str(ROOT / "rrfp" / "app" / "job" / "forked_rank.py")
+FORKED_RANK = forked_rank.__file__
 
 
 def forked_rrfp(*argv: str) -> list[str]:
@@ -139,7 +140,7 @@ def forked_rrfp(*argv: str) -> list[str]:
     torch and rrfp, so a rank starts without about 4 CPU-s of imports. For tests whose point is
     the agent's handling of its ranks (signals, restarts), not an interpreter's start. Its
     failure summary names the first failed rank alone."""
-    return ["--start-method", "fork", "--run-path", FORKED_RANK, "rrfp", *argv]
+    return [*forked_rank.torchrun_args("rrfp"), *argv]
 
 
 def _module_main(

@@ -71,10 +71,7 @@ def run_job(
         "rrfp.app.bench.agent",
         "--standalone",
         f"--nproc-per-node={spec.world}",
-        "--start-method=fork",
-        "--run-path",
-        forked_rank.__file__,
-        "rrfp.app.bench.rank",
+        *forked_rank.torchrun_args("rrfp.app.bench.rank"),
         str(job),
         str(rows),
     ]

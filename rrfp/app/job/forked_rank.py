@@ -38,6 +38,12 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 _AGENT: list[int] = []  # the pid of the agent that forked this rank
 
 
+def torchrun_args(module: str) -> list[str]:
+    """torchrun's arguments that run ``python -u -m MODULE`` (the arguments that follow) in each
+    rank as a fork of its agent: this file as the script."""
+    return ["--start-method", "fork", "--run-path", __file__, module]
+
+
 def save_launcher_signals() -> None:
     """Remember this process's handlers of STOP_SIGNALS, which the ranks its agent forks start
     with: before torchrun's agent installs its own."""

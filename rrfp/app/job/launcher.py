@@ -27,7 +27,7 @@ def agent_args(args, fork: bool) -> list[str]:
     rrfp; else a fresh ``python -m rrfp train``."""
     argv = ["--standalone", "--nproc-per-node", str(args.nproc_per_node)]
     if fork:
-        argv += ["--start-method", "fork", "--run-path", forked_rank.__file__, "rrfp", "train"]
+        argv += [*forked_rank.torchrun_args("rrfp"), "train"]
     else:
         argv += ["-m", "rrfp", "train"]
     argv += ["--config", args.config]
