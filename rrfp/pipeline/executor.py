@@ -992,7 +992,13 @@ class _Iteration:
         if self.ex.sends_at_once and not self.ex.unit_s and hasattr(channel, "post"):
             # real compute, no link latency to emulate: the channel's thread has the message
             # before the lane has the next task, rather than once the loop comes round to it
-            io.out_queues[kind].put_nowait((None, channel.post(msg), msg))
+            try:
+                posted = channel.post(msg)
+            except Exception as e:  # noqa: BLE001 - raised by the sender, as a queued send's is
+                posted = asyncio.get_running_loop().create_future()
+                posted.set_exception(e)
+                posted.exception()  # retrieved: the sender raises it, unless cancelled first
+            io.out_queues[kind].put_nowait((None, posted, msg))
             return True
         latency = (  # emulated link latency; real compute draws none (a numpy draw per message)
             self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
