@@ -16,7 +16,9 @@ class Instrument:
 
     def task_detail(self, stage: int, iteration: int, task: Task, detail: dict) -> None:
         """Called just before ``task`` for the same task: where its host time went (the
-        executor's ``_detail``: ``decide_s``, ``returned`` and, on CPU, ``compute``)."""
+        executor's ``_detail``: ``decide_s``, ``decided`` (the picking decision's start and end),
+        ``returned``, on CPU ``compute``, and ``arrived``, the stamps of the peer's message it
+        took as input: ``Message.times``)."""
 
     def task_sent(self, stage: int, iteration: int, task: Task, times: dict) -> None:
         """The message ``task`` produced has been taken by its peer, after that task's span:
