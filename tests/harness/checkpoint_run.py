@@ -41,6 +41,7 @@ def _config(steps: int, dispatch: str, **run):
         f"schedule.dispatch={dispatch}",
         "timeout_s=60",
         "lr=3e-3",
+        "output.dir=",  # no run folder: metrics nobody reads
     ]
     sets += [f"{KEYS.get(k, k)}={json.dumps(v)}" for k, v in run.items()]
     return TrainConfig.load(SMALL[1], sets)

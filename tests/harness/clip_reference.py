@@ -21,6 +21,7 @@ SETS = [
     "data.max_seq_len=16",
     f"clip_grad_norm={CLIP}",
     "on_nonfinite=skip",
+    "output.dir=",  # no run folder: metrics nobody reads
 ]
 
 

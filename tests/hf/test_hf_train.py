@@ -37,6 +37,7 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
         "schedule": dict(n_microbatches=M),
         "optim": dict(lr=LR, warmup_steps=WARMUP, clip_grad_norm=CLIP),
         "checkpoint": dict(dir=folder, resume=resume),
+        "output": dict(dir=""),  # no run folder: metrics nobody reads
         "model": dataclasses.asdict(model_config(family)),
         "data": dataclasses.asdict(data_config()),
     }

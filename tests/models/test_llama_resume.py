@@ -33,6 +33,7 @@ SIZES = [
     "data.max_seq_len=16",
     "data.min_seq_len=8",
     "timeout_s=60",
+    "output.dir=",  # no run folder: metrics nobody reads
 ]
 
 

@@ -39,6 +39,7 @@ SETS = [
     "eval.batches=1",
     f"checkpoint.every={SAVED}",
     "checkpoint.keep=5",
+    "output.dir=",  # no run folder: metrics nobody reads
 ]
 
 
