@@ -306,10 +306,6 @@ def _run(
     solver.parameters.max_time_in_seconds = max(0.01, float(seconds))
     solver.parameters.num_workers = int(threads)
     solver.parameters.random_seed = 0
-    # no LP relaxation: with tasks on ranks that run one at a time it bounds the makespan no
-    # better than the propagators do, and solving it costs more than it prunes (a single worker
-    # proves the small virtual-stage optima in a quarter of the CPU, the same optima)
-    solver.parameters.linearization_level = 0
     for param, value in (params or {}).items():
         setattr(solver.parameters, param, value)
     status = solver.solve(model)
