@@ -22,7 +22,7 @@ WIDTH_IN = 12.0
 LABEL_PT = 6.0
 TICK_PT = 7.0
 # the frame around the timelines, in inches: the legend above, each title's band, the time axis
-# below, the right edge; the left one holds the longest row name (``_left_in``)
+# below, the right edge; the left one holds the longest row name
 TOP_IN, TITLE_IN, BOTTOM_IN, RIGHT_IN = 0.3, 0.45, 0.6, 0.15
 ROW_IN = 0.3  # each row's height
 
@@ -177,8 +177,8 @@ def plot_timelines(
         handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.55))
         labels.append("lighter: the rank's later stage")
     fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=8)
-    # a fixed frame in inches instead of tight_layout, which lays every text out once more
-    # before the figure is drawn: the figure's size was chosen for these bands
+    # a fixed frame in inches, the bands the figure's size was chosen for (tight_layout would lay
+    # every text out once more before the figure is drawn, a third of a plot's CPU)
     width, height = fig.get_size_inches()
     inner = ROW_IN * sum(heights)
     fig.subplots_adjust(
