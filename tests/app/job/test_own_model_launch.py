@@ -5,7 +5,13 @@ bin folder on sys.path, not the folder it runs in, and its ranks (forks of it, s
 launcher with one line and nothing of torchrun's.
 
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
-the repository, so that examples/ is found where the command runs, or not at all."""
+the repository, so that examples/ is found where the command runs, or not at all.
+
+The jobs that train are the console script as a user starts it, a fresh interpreter: its sys.path,
+and its ranks' as they fork from it, are the point. The commands that train nothing (a refusal at
+load, --dry-run, rrfp calibrate) run the same script in a child of the test session's preloaded
+forkserver (tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
+session's: where the model is found is still what is tested, without torch's import each time."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from harness import ROOT
+from harness.forked_python import run_python
 from harness.launch import child_env
 from harness.train_rows import run_python_m
 
@@ -49,6 +56,17 @@ def rrfp_script(folder: Path, tmp: Path, *args: str, timeout: float) -> subproce
         capture_output=True,
         text=True,
         timeout=timeout,
+    )
+
+
+def rrfp_forked(folder: Path, tmp: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``rrfp_script``'s command from the preloaded forkserver, with the script's own sys.path."""
+    return run_python(
+        [str(SCRIPT), *args, "--set", f"output.dir={tmp}/runs/{{model}}"],
+        cwd=folder,
+        env=child_env(PYTHONPATH=str(tmp / "lib")),
+        timeout=timeout,
+        own_path=True,
     )
 
 
@@ -116,7 +134,7 @@ def test_user_mistakes_at_load_are_one_line_under_the_launcher(tmp_path):
         ),
     ]
     for sets, stderr in cases:
-        res = rrfp_script(
+        res = rrfp_forked(
             here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
             *sets, timeout=60,
         )  # fmt: skip
@@ -126,11 +144,11 @@ def test_user_mistakes_at_load_are_one_line_under_the_launcher(tmp_path):
 @pytest.mark.timeout(200)
 def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
     here = user_folder(tmp_path)
-    res = rrfp_script(
+    res = rrfp_forked(
         here, tmp_path, "train", "--config", "examples/my_model.toml", "--dry-run", timeout=60
     )
     assert res.returncode == 0 and 'model = "examples.my_model"' in res.stdout, res.stderr
-    res = rrfp_script(
+    res = rrfp_forked(
         here, tmp_path, "calibrate", "--config", "examples/my_model.toml", "--pp", "2",
         "--samples", "2", "--out", str(tmp_path / "cost.json"), timeout=120,
     )  # fmt: skip
