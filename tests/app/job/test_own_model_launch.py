@@ -78,7 +78,8 @@ def losses(stdout: str) -> list[float]:
 def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     """examples/my_model.toml (a dotted module, from where the command runs) and a one-file model
     in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`;
-    the file under bare torchrun too."""
+    the file under bare torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file
+    from where it runs is the point there, which a second rank would only repeat."""
     here = user_folder(tmp_path)
     res = rrfp_script(
         here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
@@ -96,10 +97,10 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
-    # bare torchrun, the README's other launcher: the same file, from the same folder; the agent
-    # from the preloaded forkserver (it imports no model), its ranks fresh interpreters
+    # bare torchrun, the documented other launcher: the same file, from the same folder; the agent
+    # from the preloaded forkserver (it imports no model), its rank a fresh interpreter
     res = run_python_m(
-        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train",
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rrfp", "train",
         "--config", "run.toml", *TINY, "--set", f"output.dir={tmp_path}/runs/{{model}}",
         tmp=tmp_path / "torchrun", timeout=140, cwd=scratch,
         env={"PYTHONPATH": str(tmp_path / "lib")},
