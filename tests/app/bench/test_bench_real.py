@@ -206,6 +206,20 @@ def test_thread_roles_and_what_they_spent():
         worker.join()
     assert now[threading.main_thread().native_id][0] == "loop"
     assert now[worker.native_id][0] == "lane"
+    # the counts are the system's: between what its status file said just before and just after
+    main = threading.main_thread().native_id
+    first = _switches(main)
+    _, cpu, wakes, preempted, queued = threads.snapshot()[main][:5]
+    last = _switches(main)
+    assert first[0] <= wakes <= last[0] and first[1] <= preempted <= last[1]
+    assert first[0] > 0 and cpu > 0 and queued >= 0
+
+
+def _switches(tid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of thread ``tid``, read plainly."""
+    status = (threads.TASKS / str(tid) / "status").read_text()
+    got = dict(line.split(":\t") for line in status.splitlines() if "ctxt_switches" in line)
+    return int(got["voluntary_ctxt_switches"]), int(got["nonvoluntary_ctxt_switches"])
 
 
 @pytest.mark.e2e
