@@ -7,8 +7,6 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from harness.cli_run import rrfp_in_process
 from harness.launch import rank_vars
 
@@ -43,6 +41,7 @@ def _config(steps: int, dispatch: str, **run):
         f"schedule.dispatch={dispatch}",
         "timeout_s=60",
         "lr=3e-3",
+        "output.dir=",  # no run folder: metrics nobody reads
     ]
     sets += [f"{KEYS.get(k, k)}={json.dumps(v)}" for k, v in run.items()]
     return TrainConfig.load(SMALL[1], sets)
@@ -65,6 +64,8 @@ def one_error_line(stderr: str, *needles: str) -> str:
 
 def resume_error(ckdir: Path, *sets: str) -> str:
     """The ConfigError ``rrfp train`` prints for this run, from its check before any group."""
+    import pytest  # here: the ranks that build ``_config`` need no pytest (about 0.1 CPU-s each)
+
     from rrfp.app.config.train_config import TrainConfig
     from rrfp.app.errors import ConfigError
     from rrfp.app.train.checkpoints import resume_point

@@ -13,8 +13,6 @@ import signal
 import subprocess
 from unittest import mock
 
-import pytest
-
 from harness import ROOT
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 from rrfp.app.config.train_config import ConfigError, TrainConfig
@@ -92,6 +90,8 @@ def assert_usage_error(res: subprocess.CompletedProcess, *needles: str) -> str:
 
 def config_error(sets: list[str], *needles: str, world: int | None = None) -> str:
     """The one-line ConfigError that ``TrainConfig.load`` raises for ``sets``, with every needle."""
+    import pytest  # here: a rank that imports this module needs no pytest (about 0.1 CPU-s)
+
     with pytest.raises(ConfigError) as info:
         TrainConfig.load(ROOT / CONFIG, sets, world_size=world)
     line = str(info.value)

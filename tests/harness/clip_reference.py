@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-STEPS, CLIP = 4, 0.05
+STEPS, CLIP = 3, 0.05  # the NaN step (2) and one after it: training goes on
 
 
 SETS = [
@@ -21,6 +21,7 @@ SETS = [
     "data.max_seq_len=16",
     f"clip_grad_norm={CLIP}",
     "on_nonfinite=skip",
+    "output.dir=",  # no run folder: metrics nobody reads
 ]
 
 

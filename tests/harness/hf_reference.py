@@ -6,6 +6,8 @@ it)."""
 
 from __future__ import annotations
 
+import functools
+
 M, STEPS, LR, WARMUP, CLIP = 4, 3, 1e-2, 2, 0.5  # CLIP: below the first steps' gradient norms
 SIZES = dict(
     vocab_size=256,
@@ -57,3 +59,10 @@ def reference(cfg, data, seed: int = 0, batches=None) -> tuple[list[float], dict
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}, norms
+
+
+@functools.cache  # several tests of a process compare with the same family's run
+def family_reference(family: str) -> tuple[list[float], dict, list[float]]:
+    """``reference`` of ``family``'s tiny model on ``data_config()``'s data (its tensors are
+    shared: read them, do not change them)."""
+    return reference(model_config(family), data_config())

@@ -15,4 +15,5 @@ def short_run(steps: int) -> list[str]:
         "data.microbatch_size=2",
         "data.min_seq_len=8",
         "data.max_seq_len=32",
+        "output.dir=",  # no run folder: metrics nobody reads
     ]

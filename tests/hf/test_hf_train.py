@@ -12,7 +12,16 @@ from harness import ROOT
 pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 
 from harness.distributed import run_ranks  # noqa: E402
-from harness.hf_reference import CLIP, LR, STEPS, WARMUP, M, data_config, model_config, reference  # noqa: E402
+from harness.hf_reference import (  # noqa: E402
+    CLIP,
+    LR,
+    STEPS,
+    WARMUP,
+    M,
+    data_config,
+    family_reference,
+    model_config,
+)
 
 
 def _train(rank, world, family, folder, steps=STEPS, resume="off"):
@@ -28,6 +37,7 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
         "schedule": dict(n_microbatches=M),
         "optim": dict(lr=LR, warmup_steps=WARMUP, clip_grad_norm=CLIP),
         "checkpoint": dict(dir=folder, resume=resume),
+        "output": dict(dir=""),  # no run folder: metrics nobody reads
         "model": dataclasses.asdict(model_config(family)),
         "data": dataclasses.asdict(data_config()),
     }
@@ -57,7 +67,7 @@ def _saved_parameters(folder: str) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_rrfp_train_equals_one_process(family):
-    ref_losses, ref_params, ref_norms = reference(model_config(family), data_config())
+    ref_losses, ref_params, ref_norms = family_reference(family)
     with tempfile.TemporaryDirectory() as folder:
         results = run_ranks(_train, 2, family, folder, timeout=240)
         params = _saved_parameters(folder)
@@ -81,7 +91,7 @@ def test_rrfp_train_equals_one_process(family):
 @pytest.mark.timeout(300)
 def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
     """Stopped after step 1 of a 2-step warmup and resumed: steps 2 and 3 are the unbroken run's."""
-    ref_losses = reference(model_config("llama"), data_config())[0]
+    ref_losses = family_reference("llama")[0]
     first = run_ranks(_train, 2, "llama", str(tmp_path), 1, timeout=240)
     resumed = run_ranks(_train, 2, "llama", str(tmp_path), STEPS, "auto", timeout=240)
     assert first[0][0] == ref_losses[:1]

@@ -8,6 +8,8 @@ with B and W together, and with activation checkpointing."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from harness.distributed import run_ranks
 from harness.llama_reference import CLIP, STEPS, adamw, learning_rate, recipe
@@ -85,6 +87,16 @@ def reference(sets: list[str], world: int):
         torch.set_default_dtype(torch.float32)
 
 
+# how the pipeline orders its tasks, not what the whole model computes: one reference for every
+# value of these
+SCHEDULE_ONLY = ("hint=", "unit_ms=", "split=")
+
+
+@functools.cache
+def _reference_of(sets: tuple[str, ...]):
+    return reference(list(sets), 4)
+
+
 def train(rank, world, sets: list[str]):
     """A rank of ``rrfp train`` in float64: its losses, norms, auxiliary losses and the state of
     the stage modules it trained (caught as built)."""
@@ -131,7 +143,9 @@ def test_moe_train_equals_one_process(layout):
     import torch
 
     sets = [*recipe(CONFIG), *SIZES, *layout]
-    want_losses, want_norms, want_auxes, want_state = reference(sets, 4)
+    want_losses, want_norms, want_auxes, want_state = _reference_of(
+        tuple(s for s in sets if not s.startswith(SCHEDULE_ONLY))
+    )
     assert want_losses[-1] < want_losses[0], "the reference should learn"
     assert min(want_norms) > CLIP, "clipping should act"
     biases = [k for k in want_state if k.endswith("expert_bias")]

@@ -21,7 +21,9 @@ from harness.train_rows import TrainJob
 
 from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 
-STEPS, STOP_AT = 6, 3
+# three steps before the stop (keep-last-2 has one to prune), one after it: the resumed step crosses
+# a saved optimizer state, RNG state and data position
+STEPS, STOP_AT = 4, 3
 
 
 # executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by
@@ -107,7 +109,9 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
             assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
             # the resumed run committed its last step (no checkpoint_every) and cleaned the debris
             # up
-            assert r["after"] == ["step-00000003", "step-00000006"], f"{where}: {r['after']}"
+            assert r["after"] == [f"step-{STOP_AT:08d}", f"step-{STEPS:08d}"], (
+                f"{where}: {r['after']}"
+            )
             resumed = r["first"] + r["second"]
             whole = r["whole"][0]
             assert len(resumed) == len(whole) == STEPS, where

@@ -18,7 +18,9 @@ from harness.distributed import run_ranks
 
 from rrfp.app.train.checkpoint_dir import MARKER, META, CheckpointDir
 
-SAVED_AT, LATEST, STEPS = 2, 4, 6
+# a step saved, the latest saved after it, and one more step run from the fallback: what is found,
+# named and set aside, and the losses it repeats, do not depend on how many steps there are
+SAVED_AT, LATEST, STEPS = 1, 2, 3
 
 
 def _largest(path: Path, part: str) -> tuple[str, int]:
@@ -50,7 +52,7 @@ KINDS = ["model shard", "optimizer shard", ".metadata", "meta.json", "commit rec
 
 def _resume_after_corruption(rank, world, root):
     """One process group: an uninterrupted run; a run that saves steps 2 and 4; then, per kind
-    of file, a copy whose step 4 has a flipped byte, resumed to STEPS (fallback)."""
+    of file, a copy whose step LATEST has a flipped byte, resumed to STEPS (fallback)."""
     import datetime
     import filecmp
 
@@ -127,10 +129,10 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(corr
                 and "resuming from" in r["line"]
             ), r["line"]
             assert "\n" not in r["line"]
-            # never continued from the corrupt state: the losses after step 2 are an uninterrupted
+            # never continued from the corrupt state: the losses after SAVED_AT are an uninterrupted
             # run's
             assert r["losses"] == whole[SAVED_AT:], f"{where}: {r['losses']} != {whole[SAVED_AT:]}"
-            # the corrupt step 4 set aside, the good step 2 kept as it was, step 6 committed
+            # the corrupt LATEST set aside, the good SAVED_AT kept as it was, STEPS committed
             assert r["after"] == [
                 f"rejected-step-{LATEST:08d}",
                 f"step-{SAVED_AT:08d}",
@@ -153,9 +155,10 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
             message
         )
         assert name in message and "nothing was loaded" in message and "\n" not in message, message
-        assert sorted(p.name for p in ckdir.iterdir()) == ["step-00000002", "step-00000004"], (
-            "a refusal deleted files"
-        )
+        assert sorted(p.name for p in ckdir.iterdir()) == [
+            f"step-{SAVED_AT:08d}",
+            f"step-{LATEST:08d}",
+        ], "a refusal deleted files"
     # through the command: exit 2 and one line, before any process group (a rendezvous nobody
     # serves)
     res = rrfp_alone(
@@ -177,8 +180,8 @@ def test_stop_mode_exits_2_naming_the_file(corrupted, tmp_path):
     message = resume_error(both, f"steps={STEPS}", "resume=auto")
     assert "no checkpoint in" in message and "verifies, nothing was loaded" in message, message
     assert (
-        "step-00000004: meta.json does not match" in message
-        and "step-00000002: __0_0.distcp has 3 bytes" in message
+        f"step-{LATEST:08d}: meta.json does not match" in message
+        and f"step-{SAVED_AT:08d}: __0_0.distcp has 3 bytes" in message
     )
 
 
@@ -303,9 +306,9 @@ def test_a_record_sealed_over_a_body_that_lists_no_files_is_named(tmp_path):
 
 @pytest.mark.multirank
 def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
-    """Through the resume plan of a real run's checkpoints: step 4 copied in as step 5 is rejected
-    and the run falls back to step 4; steps 2 and 4 swapped by name verify nowhere: one line,
-    nothing loaded."""
+    """Through the resume plan of a real run's checkpoints: step LATEST copied in as the step after
+    it is rejected and the run falls back to LATEST; SAVED_AT and LATEST swapped by name verify
+    nowhere: one line, nothing loaded."""
     from harness.checkpoint_run import SMALL, resume_error
 
     from rrfp.app.config.train_config import TrainConfig
@@ -331,6 +334,5 @@ def test_a_renamed_checkpoint_is_passed_over_at_resume(corrupted, tmp_path):
     (swapped / "x").rename(swapped / f"step-{LATEST:08d}")
     message = resume_error(swapped, f"steps={STEPS}", "resume=auto")
     assert "verifies, nothing was loaded" in message and "\n" not in message, message
-    assert "not of step 4 as its folder's name says" in message and "not of step 2 as" in message, (
-        message
-    )
+    assert f"not of step {LATEST} as its folder's name says" in message, message
+    assert f"not of step {SAVED_AT} as" in message, message

@@ -3,8 +3,12 @@
 FSDP-sharded (``dp_shard``) the one with it replicated; a run resumed from its
 step-2 checkpoint, whose EP members saved their own experts, repeats the unbroken run bit for bit:
 its losses, its gradient norms and every tensor of its final checkpoint. The unbroken run with the
-experts sharded is trained once for the module: the local-experts test compares against it and the
-resume test resumes from its checkpoint."""
+experts sharded (every block a MoE block, as in the FSDP test's layouts) is trained once for the
+module: the local-experts test compares against it, the FSDP test's pp 2 x dp 2 row takes it as its
+replicated run, and the resume test resumes from its checkpoint. Three steps of two microbatches:
+what is compared (sharded or local experts, FSDP or replicated stages, resumed or unbroken) does
+not depend on how many; two steps before the save and one after it make the resume cross a saved
+optimizer state, data position and learning rate."""
 
 from __future__ import annotations
 
@@ -17,8 +21,8 @@ from harness.moe_tiny_run import CONFIG, short_run
 
 pytestmark = pytest.mark.multirank
 
-STEPS, SAVED = 4, 2
-SETS = short_run(STEPS)
+STEPS, SAVED = 3, 2
+SETS = [*short_run(STEPS), "n_microbatches=2", "model.moe_first_dense=0"]
 
 
 def _train(rank, world, ep, ckdir, resume, extra=()):
@@ -55,14 +59,18 @@ def test_experts_sharded_train_as_local_ones(sharded_run):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("pp, replicas", [(2, 2), (1, 4)])
-def test_experts_beside_fsdp_stages_train_as_beside_replicated_ones(pp, replicas):
+def test_experts_beside_fsdp_stages_train_as_beside_replicated_ones(pp, replicas, sharded_run):
     """``dp_shard``: the rest of each stage FSDP-sharded over the replicas, the experts over the EP
     group as with ``dp`` (pp 2 x dp_shard 2 = ep 2: every replica holds its own experts; pp 1 x
     dp_shard 4 over ep 2: two replicas hold each, their gradients summed between them)."""
-    layout = [f"parallel.pp={pp}", "model.moe_first_dense=0"]
-    replicated = run_ranks(
-        _train, 4, 2, None, "off", [*layout, f"parallel.dp={replicas}"], timeout=180
-    )[0]
+    layout = [f"parallel.pp={pp}"]
+    replicated = (  # the module's run is pp 2 x dp 2 (the config's layout)
+        sharded_run[1]
+        if (pp, replicas) == (2, 2)
+        else run_ranks(
+            _train, 4, 2, None, "off", [*layout, f"parallel.dp={replicas}"], timeout=180
+        )[0]
+    )
     sharded = run_ranks(
         _train,
         4,

@@ -95,6 +95,7 @@ def _argv(tmp: Path, layout: str, fault: str | None, meet_s: float = MEET_S) -> 
         "data.min_seq_len=8",
         "data.max_seq_len=32",
         f"log_dir={tmp / 'logs'}",
+        "output.dir=",  # no run folder: metrics nobody reads
         f"checkpoint.dir={tmp / 'ck'}",
         "checkpoint.every=1",
         *LAYOUTS[layout],

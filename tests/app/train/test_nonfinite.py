@@ -32,6 +32,7 @@ def _train(rank, world):
             "data.max_seq_len=32",
             "on_nonfinite=skip",
             f"fault=nan:step={NAN_STEP}:stage=1",
+            "output.dir=",  # no run folder: metrics nobody reads
         ],
         world_size=world,
     )

@@ -37,6 +37,7 @@ SETS = [
     "activation_checkpointing=layers",
     f"eval.every={EVERY}",
     f"eval.batches={HELD_OUT}",
+    "output.dir=",  # no run folder: metrics nobody reads
 ]
 
 
