@@ -118,12 +118,12 @@ def run_ranks(
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
     Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
     the shared ranks of tests/harness/rank_pool.py, started once for the tests of this test process,
-    instead of ranks started for this call alone; it pays only where ``fn`` leaves no thread
-    running: a PipelineRuntime's heartbeat thread is still in a store call seconds after the
-    runtime closed, so the pool waits 2 s for it and ends, and the next call starts fresh ranks
-    (dearer than fresh ranks alone, in wall time and CPU). The ranks are forkserver children, whose
-    stderr is the server's, not the test's: a test that reads what a rank prints has it write a
-    file."""
+    instead of ranks started for this call alone: no process start, imports or gloo warm-up per
+    call; what a function changes of the process is put back before the next one. It is for a
+    ``fn`` that leaves no thread or process running (a closed PipelineRuntime leaves none): one
+    that does ends the pool, and the next call starts fresh ranks. A test that kills, stops or hangs its ranks takes fresh ones. The ranks are forkserver
+    children, whose stderr is the server's, not the test's: a test that reads what a rank prints
+    has it write a file."""
     if shared:
         from harness.rank_pool import run_shared
 
