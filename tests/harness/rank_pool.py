@@ -82,7 +82,7 @@ class ProcessState:
         self.signals = {s: signal.getsignal(s) for s in SIGNALS}
         self.loggers, self.warnings = _loggers(), list(warnings.filters)
         self.threads = set(threading.enumerate())
-        self.children = set(_children())
+        self.children = set(children())
 
     def restore(self) -> None:
         import torch
@@ -114,7 +114,7 @@ class ProcessState:
                 if t.is_alive():
                     left.append(f"thread {t.name}")
         end = time.monotonic() + 2
-        for pid in set(_children()) - self.children:
+        for pid in set(children()) - self.children:
             while not _reaped(pid) and time.monotonic() < end:
                 time.sleep(0.02)
             if not _reaped(pid):
@@ -122,7 +122,7 @@ class ProcessState:
         return left
 
 
-def _children() -> list[int]:
+def children() -> list[int]:
     """This process's children, live or not yet reaped."""
     me, found = os.getpid(), []
     for stat in Path("/proc").glob("[0-9]*/stat"):

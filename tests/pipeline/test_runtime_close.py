@@ -11,25 +11,10 @@ from harness.distributed import run_ranks
 pytestmark = pytest.mark.multirank
 
 
-def _children() -> list[int]:
-    """The pids of this process's live children (a reaped or killed beater is not one)."""
-    import os
-    from pathlib import Path
-
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == me:
-            found.append((int(stat.parent.name), state))
-    return found
-
-
 def _start_and_close(rank, world, how):
     import threading
+
+    from harness.rank_pool import children
 
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime
@@ -47,7 +32,7 @@ def _start_and_close(rank, world, how):
 
     beating = run(main())
     threads = [t.name for t in threading.enumerate() if t.name.startswith("rrfp-heartbeat")]
-    return threads, beating, _children()
+    return threads, beating, children()
 
 
 @pytest.mark.timeout(120)
