@@ -7,14 +7,16 @@ A function runs in a rank as under ``run_ranks``: ``fn(rank, world, *args)`` wit
 variables set for a fresh port. It finds the process as a fresh rank would: what the last one
 changed is put back after it (environment, working directory, ``sys.path``, default dtype and
 device, thread count, grad mode, deterministic algorithms, signal handlers, loggers' handlers and
-levels, warning filters) and the random generators (torch's, Python's, numpy's) are set back to
-the state the rank started with; a process group it left open is ended, as the rank's exit would.
+levels, warning filters, the event loop policy, the globals of rrfp's and the tests' modules) and
+the random generators (torch's, Python's, numpy's) are set back to the state the rank started
+with; a process group it left open is ended, as the rank's exit would.
 A rank that fails, hangs past the timeout, or leaves a thread or a child process running ends the
 pool: the test fails with the rank's traceback, and the next test starts fresh ranks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import multiprocessing
@@ -29,6 +31,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from harness import ROOT
 from harness.distributed import _context, free_port, next_report
 from harness.launch import rank_vars
 
@@ -81,6 +84,8 @@ class ProcessState:
         )
         self.signals = {s: signal.getsignal(s) for s in SIGNALS}
         self.loggers, self.warnings = _loggers(), list(warnings.filters)
+        self.loop_policy = asyncio.get_event_loop_policy()
+        self.globals = {name: dict(vars(m)) for name, m in _own_modules().items()}
         self.threads = set(threading.enumerate())
         self.children = set(children())
 
@@ -103,6 +108,14 @@ class ProcessState:
                 signal.signal(s, handler)
         _restore_loggers(self.loggers)
         warnings.filters[:] = self.warnings
+        asyncio.set_event_loop_policy(self.loop_policy)
+        for name, saved in self.globals.items():  # a module attribute patched and not put back
+            now = vars(sys.modules[name])
+            for key in [k for k in now if k not in saved]:
+                del now[key]
+            for key, value in saved.items():
+                if now.get(key, _MISSING) is not value:
+                    now[key] = value
 
     def left_running(self) -> list[str]:
         """The threads and child processes a function started and left running, after giving them
@@ -120,6 +133,37 @@ class ProcessState:
             if not _reaped(pid):
                 left.append(f"process {pid}")
         return left
+
+
+_MISSING = object()
+
+
+def _import_rrfp() -> None:
+    """Every module of rrfp, imported before any function runs (a third of a CPU second): a module
+    a function imports first and patches would keep the patch, not being there to put back."""
+    import importlib
+    import pkgutil
+
+    import rrfp
+
+    for info in pkgutil.walk_packages(rrfp.__path__, "rrfp."):
+        if not info.name.endswith("__main__"):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an extra that is not installed (rrfp.titan's torchtitan)
+                pass
+
+
+def _own_modules() -> dict[str, object]:
+    """The modules of this repository imported so far (rrfp's, the tests'), whose globals a test
+    may patch: a fresh rank would import them unpatched."""
+    root, installed = str(ROOT), sys.prefix  # a virtual environment may live in the repository
+    return {
+        name: m
+        for name, m in list(sys.modules.items())
+        if (path := getattr(m, "__file__", None) or "").startswith(root)
+        and not path.startswith(installed)
+    }
 
 
 def children() -> list[int]:
@@ -174,6 +218,7 @@ def _serve(rank: int, world: int, tasks, results) -> None:
 
     torch.set_num_threads(1)
     parent = multiprocessing.parent_process()
+    _import_rrfp()
     generators = Generators()
     while True:
         try:

@@ -23,6 +23,8 @@ def _state(rank, world, change: bool):
 
     import torch
 
+    import rrfp.pipelining.schedule as schedule
+
     seen = {
         "pid": os.getpid(),
         "draws": (torch.rand(2).tolist(), random.random()),
@@ -35,6 +37,7 @@ def _state(rank, world, change: bool):
         "sigusr1": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
         "level": logging.getLogger("rrfp").level,
         "grad": torch.is_grad_enabled(),
+        "patched": (schedule._check_module.__name__, hasattr(schedule, "SPOOL_ADDED")),
     }
     if change:
         os.environ["SPOOL_LEFT"] = "1"
@@ -46,6 +49,7 @@ def _state(rank, world, change: bool):
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         logging.getLogger("rrfp").setLevel(logging.ERROR)
         torch.set_grad_enabled(False)
+        schedule._check_module, schedule.SPOOL_ADDED = len, 1  # patched, never put back
         if change == "child":
             subprocess.Popen(["sleep", "8"])  # left running: the ranks cannot be reused
     return seen
