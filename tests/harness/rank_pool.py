@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import gc
 import logging
 import multiprocessing
 import os
@@ -88,6 +89,7 @@ class ProcessState:
         self.globals = {name: dict(vars(m)) for name, m in _own_modules().items()}
         self.threads = set(threading.enumerate())
         self.children = set(children())
+        self.native = _native_threads()
 
     def restore(self) -> None:
         import torch
@@ -117,6 +119,9 @@ class ProcessState:
                 if now.get(key, _MISSING) is not value:
                     now[key] = value
 
+    def new_threads(self) -> list[str]:
+        return [name for tid, name in _native_threads().items() if tid not in self.native]
+
     def left_running(self) -> list[str]:
         """The threads and child processes a function started and left running, after giving them
         2 s to end (some of a runtime's end just after it closes); a child that ended is reaped."""
@@ -132,6 +137,12 @@ class ProcessState:
                 time.sleep(0.02)
             if not _reaped(pid):
                 left.append(f"process {pid}")
+        if not left and self.new_threads():  # held only by garbage, perhaps
+            gc.collect()
+        if grown := self.new_threads():
+            # gloo's transport threads of a group that something still holds: each wakes now
+            # and then, and a rank that gathered them over many tests spent CPU while idle
+            left.append(f"native threads {', '.join(sorted(set(grown)))}")
         return left
 
 
@@ -164,6 +175,17 @@ def _own_modules() -> dict[str, object]:
         if (path := getattr(m, "__file__", None) or "").startswith(root)
         and not path.startswith(installed)
     }
+
+
+def _native_threads() -> dict[int, str]:
+    """This process's threads, Python's and those started in C++ (gloo's), by id: their names."""
+    found = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            found[int(tid)] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # ended since the listing
+            pass
+    return found
 
 
 def children() -> list[int]:

@@ -1,6 +1,6 @@
 """The shared ranks (tests/harness/rank_pool.py): a function finds the process as a fresh rank
-would, whatever the last one changed of it; one that leaves a process running ends the pool; a
-failing one fails its test with the rank's traceback."""
+would, whatever the last one changed of it; one that leaves a process or a thread running ends the
+pool; a failing one fails its test with the rank's traceback."""
 
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ def _state(rank, world, change: bool):
         schedule._check_module, schedule.SPOOL_ADDED = len, 1  # patched, never put back
         if change == "child":
             subprocess.Popen(["sleep", "8"])  # left running: the ranks cannot be reused
+        if change == "native":  # a thread threading does not list, as gloo's own are
+            import _thread
+            import time
+
+            _thread.start_new_thread(time.sleep, (8,))
     return seen
 
 
@@ -63,8 +68,9 @@ def test_a_function_finds_the_process_as_a_fresh_rank_would():
         assert again[rank] == first[rank], f"rank {rank} kept what the last function changed"
 
 
-def test_a_function_that_leaves_a_process_running_ends_the_shared_ranks():
-    left = run_ranks(_state, 2, "child", timeout=TIMEOUT_S, shared=True)
+@pytest.mark.parametrize("what", ["child", "native"], ids=["a process", "a native thread"])
+def test_a_function_that_leaves_something_running_ends_the_shared_ranks(what):
+    left = run_ranks(_state, 2, what, timeout=TIMEOUT_S, shared=True)
     after = run_ranks(_state, 2, False, timeout=TIMEOUT_S, shared=True)
     assert {after[r]["pid"] for r in range(2)}.isdisjoint(left[r]["pid"] for r in range(2))
 
