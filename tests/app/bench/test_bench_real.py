@@ -170,6 +170,13 @@ def test_trace_recorder_keeps_a_tasks_detail_on_its_span():
     first, second = rec.spans
     assert first.args == {"iteration": 3, "decide_s": 1e-5, "compute": [1.0, 2.0]}
     assert second.args == {"iteration": 3}
+    # a task's message is taken by the peer after its span, or (rarely) before it is recorded
+    rec.task_sent(0, 3, Task(Kind.F, 1), {"posted": 2.5, "sent": 2.6, "taken": 2.7})
+    rec.task_sent(0, 3, Task(Kind.F, 2), {"posted": 4.5})
+    rec.task(0, 3, Task(Kind.F, 2), 4.0, 4.5)
+    assert first.args["sent"] == {"posted": 2.5, "sent": 2.6, "taken": 2.7}
+    assert rec.spans[2].args == {"iteration": 3, "sent": {"posted": 4.5}}
+    assert "sent" not in second.args
 
 
 def test_thread_roles_and_what_they_spent():
@@ -231,11 +238,25 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]
     pids = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
     tasks = [e for e in trace if e["ph"] == "X" and e["name"] != "wait"]
+    spans = {}
     for e in tasks:
         if pids[e["pid"]] == "torch 1f1b":
             continue
         c0, c1 = (t * 1e6 for t in e["args"]["compute"])
         assert e["ts"] - 1 <= c0 <= c1 <= e["ts"] + e["dur"] + 1, e
+        spans[(pids[e["pid"]], e["args"]["iteration"], e["tid"], e["name"])] = e["args"]
+    # a message's stamps follow its way, from the producer's compute to the consumer's decision
+    ways = 0
+    for (who, it, stage, name), args in spans.items():
+        if "arrived" not in args:
+            continue
+        producer = spans[(who, it, stage - 1 if name[0] == "F" else stage + 1, name)]
+        sent, got = producer["sent"], args["arrived"]
+        way = [producer["compute"][1], sent["posted"], sent["sent"], got["received"]]
+        way += [got["delivered"], *args["decided"], args["compute"][0]]
+        assert way == sorted(way) and sent["sent"] <= sent["taken"], (who, it, stage, name)
+        ways += 1
+    assert ways >= len(names - {"torch 1f1b"}) * 2 * 4  # every row's F and B messages
     for r in wl["rows"]:
         dur = np.zeros((2, 4, 3))
         for e in tasks:
