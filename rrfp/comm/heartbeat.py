@@ -132,6 +132,7 @@ class Heartbeat:
         self._activity: tuple[str, float] = ("", now)
         self._seq = 0
         self._stop = threading.Event()
+        self._in_round = False  # the thread is in a round of store calls (else it waits or ended)
         self._thread = threading.Thread(
             target=self._run, name=f"rrfp-heartbeat-{rank}", daemon=True
         )
@@ -203,10 +204,24 @@ class Heartbeat:
         return self
 
     def close(self) -> None:
-        """Stop beating (the thread ends after its current store call)."""
+        """Stop beating: end the beating process, and the thread, which is between rounds or in a
+        store call. That call returns within a round trip from a live store and fails at once from
+        one whose host is gone, so close waits for it as long as a round may take before the
+        heartbeat calls the store stuck (``stall_s``), and no longer: a round already stuck that
+        long (a stopped store host) ends with the store or with the process
+        (rrfp/loop/exit_guard.py), and close runs on the loop thread and on error paths, which a
+        stuck call must not hold. A process that builds runtime after runtime keeps no thread or
+        process of any closed one."""
         self._stop.set()
         if (child := self._beater) is not None:
             child.close()
+        thread = self._thread
+        if thread.ident is None or thread is threading.current_thread():
+            return  # never started, or closed from its own thread
+        now = time.monotonic()
+        thread.join(
+            max(0.0, self.round_at + self.stall_s - now) if self._in_round else self.stall_s
+        )
 
     # -- the thread -------------------------------------------------------------
 
@@ -217,12 +232,14 @@ class Heartbeat:
         try:
             while not self._stop.is_set():
                 self.round_at = time.monotonic()
+                self._in_round = True
                 child = self._beater
                 if child is not None and child.ended() and not self._stop.is_set():
                     self._take_over_beating(child.exit_code)
                 if self._beater is None:
                     self._beat()
                 self._read()
+                self._in_round = False
                 self._stop.wait(self.period_s)
         except (
             Exception

@@ -803,7 +803,7 @@ class PipelineRuntime:
             )
             await self.aclose()
             return
-        await self.aclose()
+        await self._close_work()
         # Taking the groups down: a blocking barrier (off the loop thread), so that no rank closes
         # its gloo pairs while a peer's async barrier is still finishing its last exchange on them.
         with named_collective("final barrier of every rank", self.cpu_group):
@@ -926,6 +926,14 @@ class PipelineRuntime:
             self.heartbeat.close()
 
     async def aclose(self) -> None:
+        """Close the executors, the poller, the lane and the channels, and stop the heartbeat: its
+        thread and beating process end here, so a process that builds runtime after runtime (a
+        notebook, a driver) keeps nothing of a closed one but what the process group holds."""
+        await self._close_work()
+        self._stop_watching()
+
+    async def _close_work(self) -> None:
+        """What ``aclose`` ends but the heartbeat, which watches ``finish``'s final barrier."""
         if self._closed:
             return
         self._closed = True

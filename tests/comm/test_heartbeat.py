@@ -270,3 +270,39 @@ def test_a_rank_waits_for_the_store_as_long_as_store_connect_s(monkeypatch):
         assert hb is not None, "no heartbeat: the connect gave up before store_connect_s"
     finally:
         later.join()
+
+
+class SlowStore:
+    """A live store that is slow to answer a read (a loaded store host): ``reading`` is set while
+    a ``multi_get`` is in flight, which returns after ``delay_s``."""
+
+    def __init__(self, client, delay_s: float) -> None:
+        self.client, self.delay_s, self.reading = client, delay_s, threading.Event()
+
+    def set(self, key, value):
+        self.client.set(key, value)
+
+    def check(self, keys):
+        return self.client.check(keys)
+
+    def multi_get(self, keys):
+        self.reading.set()
+        time.sleep(self.delay_s)
+        return self.client.multi_get(keys)
+
+
+@pytest.mark.multirank
+def test_close_ends_the_thread_and_the_beating_process(server):
+    """``close`` returns with the beating process reaped and the thread ended, even when it came
+    while the thread waited for a live store's answer: a closed heartbeat leaves nothing behind."""
+    a, b = _pair(server, timeout_s=10)  # stall_s 3 s: close's bound, far above the slow read
+    _start(a, b)
+    a.store = slow = SlowStore(a.store, delay_s=0.5)
+    beating = a._beater.pid
+    assert slow.reading.wait(10), "the heartbeat thread never read its peer"
+    a.close()
+    assert not a._thread.is_alive(), "close returned with the heartbeat thread in a store call"
+    with pytest.raises(ChildProcessError):  # reaped: no longer this process's child
+        os.waitpid(beating, os.WNOHANG)
+    b.close()
+    assert not b._thread.is_alive()
