@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from rrfp.pipeline.workload import Workload
 
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 WORKLOAD_SECTIONS = ("model", "data")
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][\w.]*")  # --set KEY: a name, or SECTION.NAME
 BY_NAME: dict[str, type[Section]] = {s.NAME: s for s in SECTIONS}
 
 
@@ -349,6 +351,8 @@ class _Loader:
         if not sep:
             raise ConfigError(f"--set {item!r} is not KEY=VALUE")
         key = key.strip()
+        if not _OVERRIDE_KEY.fullmatch(key):  # a key is a name: the messages below quote it bare
+            raise ConfigError(f"--set {item!r}: {key!r} is not a key (write SECTION.KEY=VALUE)")
         section, name = self._place(doc, key)
         doc.setdefault(section, {})[name] = _parse_value(raw.strip())
         full = f"{section}.{name}"

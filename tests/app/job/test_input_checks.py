@@ -444,6 +444,7 @@ _TOML_LINES = st.builds(
 @example(lines=["[model]", "block_size = 8"], overrides=["model=vlm"], world=2)
 @example(lines=["[[run]]", "x = 1"], overrides=["steps=2"], world=4)  # once an AttributeError
 @example(lines=["[run]", "model = [1, 2]"], overrides=["steps=2"], world=4)  # once a TypeError
+@example(lines=[], overrides=["0\n0=1"], world=4)  # once a two-line error
 def test_config_loader_raises_only_config_errors(tmp_path, lines, overrides, world):
     path = tmp_path / "fuzz.toml"
     path.write_text("\n".join(lines), errors="surrogateescape")
