@@ -43,7 +43,7 @@ def _task_s(ev: dict) -> float:
     return compute[1] - compute[0] if compute else ev["dur"] / 1e6
 
 
-def _spans(trace: Path) -> dict[str, list[dict]]:
+def task_events(trace: Path) -> dict[str, list[dict]]:
     """Per contender (the trace's process name), its task events."""
     doc = json.loads(trace.read_text())
     names, out = {}, defaultdict(list)
@@ -66,7 +66,7 @@ def _rank(ev: dict) -> int:
 
 
 def workload_report(w: dict, trace: Path, against: str) -> list[str]:
-    spans = _spans(trace)
+    spans = task_events(trace)
     rows = defaultdict(dict)  # contender -> iteration -> row
     for r in w["rows"]:
         rows[r["contender"]][r["iteration"]] = r

@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import logging
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -193,8 +194,10 @@ class Channel(ChannelEnd):
         self._failure: BaseException | None = None
         self._closed = False
         # the largest payload so far, in packed bytes: a message up to it travels in one operation
-        # (rrfp/comm/packed.py); only the waiter thread reads and writes it
+        # (rrfp/comm/packed.py); a sending channel's is the loop thread's, a receiving channel's
+        # the waiter thread's
         self._capacity = 0
+        self._last_send: asyncio.Future | None = None  # the send posted last (``post``)
 
     # -- loop side -------------------------------------------------------------
 
@@ -205,6 +208,17 @@ class Channel(ChannelEnd):
         Returns once the peer has taken it: gloo point-to-point is a rendezvous,
         so each part completes only after the peer posted the matching receive.
         """
+        await asyncio.shield(self.post(msg, begin_here=False))
+
+    def post(self, msg: Message, begin_here: bool = True) -> asyncio.Future:
+        """Start sending ``msg`` now, ``send`` without the await: the future is done once the peer
+        has taken it; cancelling it does not stop a send that began.
+
+        With ``begin_here``, a message that travels whole (``packed.py``) and has nothing of this
+        channel's ahead of it begins its one operation here, on the loop's thread: gloo moves it on
+        a thread of its own that needs no GIL, so it is on its way before the loop hands the lane
+        its next task, and the channel's thread only waits for its end. Else its operations are
+        queued for the channel's thread, which has to win the GIL and a core from that task."""
         self._check_usable("send", outbound=True)
         try:
             header = encode_header(msg, self.device)
@@ -221,13 +235,27 @@ class Channel(ChannelEnd):
                     f"but the channel sends from {self.device}"
                 )
             payload.append(t.detach().contiguous())
-        job = asyncio.ensure_future(
-            self._waiter.call(self._send_blocking, header, payload, msg.label())
-        )
+        label = msg.label()
+        size = payload_bytes(payload)
+        whole = 0 < size <= self._capacity  # the peer's buffer holds it: one operation
+        self._capacity = max(self._capacity, size)  # what the receiver computes from the header
+        ahead = self._last_send is not None and not self._last_send.done()
+        if begin_here and whole and not ahead:
+            # nothing of this channel's is ahead of it: the operation starts here, on gloo's own
+            # thread, which needs no GIL, and the channel's thread only waits for it to end
+            work = self._start_whole(header, payload, msg.times)
+            job = self._waiter.submit(self._send_started, work, label, msg.times)
+        else:
+            job = self._waiter.submit(self._send_blocking, header, payload, whole, label, msg.times)
+        self._last_send = job
         job.add_done_callback(self._note_failure)
-        await asyncio.shield(job)
-        self.messages += 1
-        self._last = msg.label()
+        job.add_done_callback(lambda done: self._note_sent(done, label))
+        return job
+
+    def _note_sent(self, job: asyncio.Future, label: str) -> None:
+        if not job.cancelled() and job.exception() is None:
+            self.messages += 1
+            self._last = label
 
     async def recv(self) -> Message:
         """The next message from the peer, in sending order."""
@@ -277,12 +305,43 @@ class Channel(ChannelEnd):
 
     # -- waiter thread side ------------------------------------------------------
 
+    def _start_whole(self, header, payload, times: dict[str, float] | None):
+        """Begin the one operation of a whole message (on the loop's thread): its Work, or the
+        error that kept it from starting, for the channel's thread to wait for or raise."""
+        if times is not None:
+            times["sent"] = time.time()
+        try:
+            return dist.isend(pack(header, payload), self.peer, group=self.group)
+        except Exception as e:  # noqa: BLE001 - raised by the channel's thread, as a send's is
+            return e
+
+    def _send_started(self, work, label: str, times: dict[str, float] | None) -> None:
+        """Wait for a whole message's operation begun by ``_start_whole``."""
+        what = f"send of {label} (its header and payload in one) to rank {self.peer}"
+        try:
+            if isinstance(work, Exception):
+                raise work
+            work.wait() if self.wait is None else work.wait(self.wait)
+        except Exception as e:
+            raise self._peer_error(what, e) from e
+        self.whole += 1
+        if times is not None:
+            times["taken"] = time.time()
+
     def _send_blocking(
-        self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str
+        self,
+        header: torch.Tensor,
+        payload: list[torch.Tensor | None],
+        whole: bool,
+        label: str,
+        times: dict[str, float] | None = None,
     ) -> None:
-        size, capacity = payload_bytes(payload), self._capacity
-        self._capacity = max(capacity, size)  # what the receiver computes from the header
-        if 0 < size <= capacity:  # the peer's buffer holds it all: one operation
+        """The message's transport operations, one (``whole``) or its parts; ``times`` (the
+        message's stamps, when it has them) gets when they began (``sent``) and when the peer had
+        taken them all (``taken``)."""
+        if times is not None:
+            times["sent"] = time.time()
+        if whole:
             try:
                 self._p2p(dist.send, dist.isend, pack(header, payload))
             except Exception as e:
@@ -290,7 +349,14 @@ class Channel(ChannelEnd):
                     f"send of {label} (its header and payload in one) to rank {self.peer}", e
                 ) from e
             self.whole += 1
-            return
+        else:
+            self._send_parts(header, payload, label)
+        if times is not None:
+            times["taken"] = time.time()
+
+    def _send_parts(
+        self, header: torch.Tensor, payload: list[torch.Tensor | None], label: str
+    ) -> None:
         what = f"send of the header of {label} to rank {self.peer}"
         try:
             self._p2p(dist.send, dist.isend, header)
@@ -332,6 +398,7 @@ class Channel(ChannelEnd):
                 header.kind,
                 unpack(buf, header),
                 header.requires_grad,
+                times={"received": time.time()},
             )
         tensors = header.empty_tensors(self.device)
         for i, t in enumerate(tensors):
@@ -346,7 +413,12 @@ class Channel(ChannelEnd):
                     e,
                 ) from e
         return Message(
-            header.iteration, header.microbatch, header.kind, tensors, header.requires_grad
+            header.iteration,
+            header.microbatch,
+            header.kind,
+            tensors,
+            header.requires_grad,
+            times={"received": time.time()},
         )
 
     def _p2p(self, blocking, posted, t: torch.Tensor) -> None:

@@ -105,6 +105,11 @@ class Message:
     # enqueued, so a send waits for its producer and nothing enqueued after it (docs/gpu.md,
     # "Sends on time"). None: the tensors are ready now (CPU), or the sender records it.
     ready: Any = field(default=None, compare=False, repr=False)
+    # Wall-clock (time.time()) stamps of the message's way, for a trace: the sender fills
+    # ``posted`` (queued after its task), ``sent`` and ``taken`` (its channel thread's transport
+    # operation began and ended); the receiver ``received`` (its channel thread had it whole). None:
+    # nobody stamps (a CUDA channel, whose host does not see the transfer).
+    times: dict[str, float] | None = field(default=None, compare=False, repr=False)
 
     def label(self) -> str:
         return _label(self.iteration, self.microbatch, self.kind)

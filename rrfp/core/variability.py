@@ -11,7 +11,7 @@ once with numpy. Units: one average forward of one stage (F = B = W = 1).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, TypeAlias, overload
+from typing import Any, TypeAlias, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -52,8 +52,31 @@ def _mix(h: Hashes) -> Hashes:
     return h ^ (h >> np.uint64(31))
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix_int(h: int) -> int:
+    """``_mix`` of one 64-bit value in Python's integers."""
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK
+    return h ^ (h >> 31)
+
+
+def _uniform_ints(keys: list[int]) -> np.float64:
+    """``uniform`` of integer keys alone in Python's integers: the same bits, without numpy's cost
+    per operation on one value (the simulator draws one task's at a time)."""
+    h = _GOLDEN
+    for k in keys:
+        h = _mix_int(h ^ ((k + _GOLDEN) & _MASK))
+    return np.float64((h >> 11) * (1.0 / 2**53))
+
+
 def uniform(*keys: Key) -> Draws:
     """U[0,1) that depends only on the integer keys (broadcast like numpy)."""
+    ints = [k for k in keys if isinstance(k, int)]
+    if len(ints) == len(keys):
+        return _uniform_ints(cast("list[int]", ints))
     with np.errstate(over="ignore"):
         h: Hashes = np.uint64(0x9E3779B97F4A7C15)
         for k in keys:

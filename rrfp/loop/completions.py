@@ -98,6 +98,12 @@ class BlockingWaiter:
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the waiter thread after earlier calls; return its result."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``call`` without the await, from the loop's thread: ``fn`` is queued for the waiter
+        thread before this returns, ahead of whatever the caller does next; the future has its
+        result. Cancelling the future drops the call if it has not begun."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         job = _Job(loop, future, fn, args)
@@ -106,7 +112,7 @@ class BlockingWaiter:
             if self._closed:
                 raise WaiterClosedError(f"waiter {self.name!r} is closed")
             self._jobs.put(job)
-        return await future
+        return future
 
     def close(self) -> None:
         """Stop the thread after its current call; calls still queued fail.

@@ -20,6 +20,17 @@ KINDS = {"F": "F forward", "B": "B backward", "W": "W weight gradients"}
 DPI = 110
 WIDTH_IN = 12.0
 LABEL_PT = 6.0
+TICK_PT = 7.0
+# the frame around the timelines, in inches: the legend above, each title's band, the time axis
+# below, the right edge; the left one holds the longest row name
+TOP_IN, TITLE_IN, BOTTOM_IN, RIGHT_IN = 0.3, 0.45, 0.6, 0.15
+ROW_IN = 0.3  # each row's height
+
+
+def _text_in(text: str, points: float) -> float:
+    """About how wide ``text`` is in inches at ``points`` (DejaVu Sans averages 0.6 em a
+    character)."""
+    return len(text) * 0.6 * points / 72
 
 
 def row_of(span: Span) -> int:
@@ -71,8 +82,24 @@ def _label(span: Span, shared: bool, width_px: float) -> str | None:
     options = [f"{span.name} s{span.stage}", span.name] if shared else [span.name]
     if span.name[1:].isdigit():
         options.append(span.name[1:])
-    char_px = 0.6 * LABEL_PT / 72 * DPI
-    return next((t for t in options if len(t) * char_px + 4 <= width_px), None)
+    return next((t for t in options if _text_in(t, LABEL_PT) * DPI + 4 <= width_px), None)
+
+
+def _stages_on(spans: Sequence[Span]) -> dict[int, list[int]]:
+    """Each row's stages, in stage order."""
+    stages_on: dict[int, list[int]] = defaultdict(list)
+    for sp in sorted(spans, key=lambda sp: sp.stage):
+        if sp.stage not in stages_on[row_of(sp)]:
+            stages_on[row_of(sp)].append(sp.stage)
+    return stages_on
+
+
+def _row_names(spans: Sequence[Span]) -> dict[int, str]:
+    """Each row's name on the axis: its rank and the stages it holds."""
+    return {
+        r: f"rank {r}: " + ",".join(f"s{s}" for s in stages)
+        for r, stages in _stages_on(spans).items()
+    }
 
 
 def plot_timelines(
@@ -93,19 +120,18 @@ def plot_timelines(
     fig, axes = plt.subplots(
         len(runs),
         1,
-        figsize=(WIDTH_IN, 0.9 + sum(0.3 * h + 0.45 for h in heights)),
+        figsize=(WIDTH_IN, TOP_IN + BOTTOM_IN + sum(ROW_IN * h + TITLE_IN for h in heights)),
         squeeze=False,
         sharex=True,
         gridspec_kw={"height_ratios": heights},
     )
     t_lo = min((sp.start for _, spans in runs for sp in spans), default=0.0) * scale
     t_hi = max((sp.end for _, spans in runs for sp in spans), default=1.0) * scale
-    px_per_t = (WIDTH_IN - 1.3) * DPI / max(t_hi - t_lo, 1e-12)
-    for ax, (title, spans) in zip(axes[:, 0], runs):
-        stages_on: dict[int, list[int]] = defaultdict(list)
-        for sp in sorted(spans, key=lambda sp: sp.stage):
-            if sp.stage not in stages_on[row_of(sp)]:
-                stages_on[row_of(sp)].append(sp.stage)
+    names = [_row_names(spans) for _, spans in runs]
+    left_in = 0.35 + max((_text_in(n, TICK_PT) for ns in names for n in ns.values()), default=0)
+    px_per_t = (WIDTH_IN - left_in - RIGHT_IN) * DPI / max(t_hi - t_lo, 1e-12)
+    for ax, (title, spans), row_names in zip(axes[:, 0], runs, names):
+        stages_on = _stages_on(spans)
         bars: dict[tuple[int, str, bool], list] = defaultdict(list)
         for sp in spans:
             row, kind = row_of(sp), sp.name[:1]
@@ -134,12 +160,8 @@ def plot_timelines(
                     color="white",
                     clip_on=True,
                 )
-        rows = sorted(stages_on)
-        ax.set_yticks(
-            rows,
-            [f"rank {r}: " + ",".join(f"s{s}" for s in stages_on[r]) for r in rows],
-            fontsize=7,
-        )
+        rows = sorted(row_names)
+        ax.set_yticks(rows, [row_names[r] for r in rows], fontsize=TICK_PT)
         ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1, 0].set_xlim(t_lo, t_hi)
@@ -155,7 +177,17 @@ def plot_timelines(
         handles.append(plt.Rectangle((0, 0), 1, 1, color="grey", alpha=0.55))
         labels.append("lighter: the rank's later stage")
     fig.legend(handles, labels, loc="upper right", ncol=len(labels), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    # a fixed frame in inches, the bands the figure's size was chosen for (tight_layout would lay
+    # every text out once more before the figure is drawn, a third of a plot's CPU)
+    width, height = fig.get_size_inches()
+    inner = ROW_IN * sum(heights)
+    fig.subplots_adjust(
+        left=left_in / width,
+        right=1 - RIGHT_IN / width,
+        top=1 - (TOP_IN + TITLE_IN) / height,
+        bottom=BOTTOM_IN / height,
+        hspace=TITLE_IN / (inner / len(runs)),
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=DPI)
     plt.close(fig)

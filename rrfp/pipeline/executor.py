@@ -221,6 +221,10 @@ class StageExecutor:
         # every rank's executor agrees on M and the stages beside the first iterations
         # (rrfp/pipeline/layout_agreement.py); None: nothing to agree with
         self.layout_check = layout_check
+        # real compute: a task's message goes to its channel's thread as the task returns, before
+        # the lane gets the next task (``_post``); False: through the stage's sender coroutine, as
+        # under emulated time, where a link's latency delays it (benchmarks/send_at_once.py)
+        self.sends_at_once = True
         self._running: int | None = None  # the iteration under way
         self._cancelled: int | None = None  # an iteration cancelled midway: no more
         self.task_bound = (  # with the runtime's timeouts; a bare executor's tasks are unbounded
@@ -467,6 +471,7 @@ class _StageIO:
         ] = {}  # F inputs that arrived: (tensors, their requires-grad bits)
         self.grads: dict[int, torch.Tensor] = {}  # output gradients that arrived
         self.out_queues: dict[Kind, asyncio.Queue] = {}
+        self.arrived: dict[tuple[Kind, int], dict] = {}  # traced: an input message's stamps
 
 
 class _Iteration:
@@ -510,6 +515,8 @@ class _Iteration:
         self.decisions = 0
         self.decision_s = 0.0
         self.decided_s = 0.0  # the decisions that picked the task now running (a trace's "decide")
+        # when the decision that picked it began, and ended with the task started (wall clock)
+        self.decided_at = (0.0, 0.0)
 
     async def execute(self) -> IterationResult:
         ex = self.ex
@@ -529,7 +536,7 @@ class _Iteration:
                     if channel is not None:
                         io.out_queues[kind] = asyncio.Queue()
                         tg.create_task(
-                            self._send(channel, io.out_queues[kind]),
+                            self._send(io.s, channel, io.out_queues[kind]),
                             name=f"rrfp-send-{channel.name}",
                         )
             await self._arbitrate(tg)
@@ -566,7 +573,7 @@ class _Iteration:
         arrivals = tr.arrivals  # what the ready set in use has seen
         decided_s = 0.0  # decision time since the last task started: the next task's share
         while not tr.done:
-            c0 = time.perf_counter()
+            c0, w0 = time.perf_counter(), time.time()
             if ex.agreement is None:
                 arrivals = tr.arrivals
                 picked = tr.next()
@@ -592,7 +599,7 @@ class _Iteration:
                 continue
             stage, task = picked
             tr.start(stage, task)
-            self.decided_s, decided_s = decided_s, 0.0
+            self.decided_s, decided_s, self.decided_at = decided_s, 0.0, (w0, time.time())
             if ex.agreement is not None and tr.finished + 1 < tr.spec.num_tasks:
                 # Agree on the next decision while this task runs, off the critical path. Every TP
                 # rank runs the same task, so every rank starts this round; arrivals during the task
@@ -658,7 +665,7 @@ class _Iteration:
         somewhere: frozenset[EPClass] = frozenset()
         decided_s = 0.0
         while not tr.done:
-            c0 = time.perf_counter()
+            c0, w0 = time.perf_counter(), time.time()
             arrivals = tr.arrivals
             if pending is not None and pending.done():
                 turn, somewhere = pending.result()
@@ -699,7 +706,7 @@ class _Iteration:
             if agreed:  # the agreed task: the next round is new
                 turn, offered, somewhere, left = None, None, frozenset(), left - 1
             tr.start(stage, task)
-            self.decided_s, decided_s = decided_s, 0.0
+            self.decided_s, decided_s, self.decided_at = decided_s, 0.0, (w0, time.time())
             if agreed and self._overlap:
                 await self._perform_overlapped(tg, stage, task)
             else:
@@ -865,6 +872,8 @@ class _Iteration:
             drawn = units * ex.unit_s
             lane["more_s"] = lambda: clock.held_s(drawn) - drawn
         start = time.time()
+        arrived = io.arrived.pop((task.kind, mb), None)
+        posted = False  # its message is on the channel's thread already (``_post``)
         if task.kind is Kind.F:
             x, bits = (self.batches[mb][0], None) if s == 0 else io.inputs.pop(mb)
             targets = self.batches[mb][1] if s == ex.S - 1 else None
@@ -885,7 +894,7 @@ class _Iteration:
                 # a tuple/list output travels as that many tensors; a lone tensor as one; each says
                 # whether it carries a gradient, so a constant arrives as one
                 bits = w.output_requires_grad(mb)
-                self._post(
+                posted = self._post(
                     io,
                     s + 1,
                     Message(
@@ -904,7 +913,7 @@ class _Iteration:
             returned = time.time()
             if s > 0:
                 grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
-                self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
+                posted = self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
         elif beside:  # a W that issues no EP collective (_perform_overlapped)
             await ex.lane.run_beside(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
             returned = time.time()
@@ -912,12 +921,14 @@ class _Iteration:
             weight = _clocked(ex.in_task(self.state.wrap(w.weight), s, task), clock)
             await ex.lane.run(weight, mb, **lane)
             returned = time.time()
-        await asyncio.sleep(
-            0
-        )  # a send just posted is issued now, not after the next task's host work
+        if not posted:  # a send just queued is issued now, not after the next task's host work
+            await asyncio.sleep(0)
         if ex.instrument is not None:
             end = time.time()
-            ex.instrument.task_detail(s, self.it, task, self._detail(returned, beside))
+            detail = self._detail(returned, beside)
+            if arrived is not None:
+                detail["arrived"] = arrived
+            ex.instrument.task_detail(s, self.it, task, detail)
             ex.instrument.task(s, self.it, task, start, end)
 
     def _detail(self, returned: float, beside: bool = False) -> dict:
@@ -925,7 +936,11 @@ class _Iteration:
         when the lane ran its work (``compute``, wall clock; absent where the host cannot see it,
         e.g. a CUDA stream) and when the loop had the lane's answer back (``returned``)."""
         call = getattr(self.ex.lane, "last_beside_call" if beside else "last_call", None)
-        detail: dict = {"decide_s": self.decided_s, "returned": returned}
+        detail: dict = {
+            "decide_s": self.decided_s,
+            "decided": list(self.decided_at),
+            "returned": returned,
+        }
         if call is not None:
             detail["compute"] = list(call)
         if beside:
@@ -957,33 +972,55 @@ class _Iteration:
 
     # -- communication -------------------------------------------------------
 
-    def _post(self, io: _StageIO, to: int, msg: Message, value) -> None:
+    def _post(self, io: _StageIO, to: int, msg: Message, value) -> bool:
         """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it
         carries that task's end event, so its send waits for the producer and not for tasks enqueued
         later. A stage of this same rank gets ``value`` itself once the tracker has the task
-        finished."""
+        finished. True: the message is on its channel's thread already (``sends_at_once``)."""
         if to in self.io:
             header_words(
                 msg
             )  # what no link could carry is refused here too, not silently cut from the graph
             bits = msg.requires_grad or [False] * len(msg.tensors)
             self.handed[(to, Kind(msg.kind), msg.microbatch)] = (value, bits)
-            return
+            return False
         msg.ready = getattr(self.ex.lane, "last_task_done", None)
+        if self.ex.instrument is not None:
+            msg.times = {"posted": time.time()}
+        kind = Kind(msg.kind)
+        channel = io.channels.fwd_out if kind is Kind.F else io.channels.bwd_out
+        if self.ex.sends_at_once and not self.ex.unit_s and hasattr(channel, "post"):
+            # real compute, no link latency to emulate: the channel's thread has the message
+            # before the lane has the next task, rather than once the loop comes round to it
+            try:
+                posted = channel.post(msg)
+            except Exception as e:  # noqa: BLE001 - raised by the sender, as a queued send's is
+                posted = asyncio.get_running_loop().create_future()
+                posted.set_exception(e)
+                posted.exception()  # retrieved: the sender raises it, unless cancelled first
+            io.out_queues[kind].put_nowait((None, posted, msg))
+            return True
         latency = (  # emulated link latency; real compute draws none (a numpy draw per message)
             self.ex.times.latency(self.it, io.s, msg.microbatch, msg.kind) * self.ex.unit_s
             if self.ex.unit_s
             else 0.0
         )
-        io.out_queues[Kind(msg.kind)].put_nowait((time.perf_counter() + latency, msg))
+        io.out_queues[kind].put_nowait((time.perf_counter() + latency, None, msg))
+        return False
 
-    async def _send(self, channel, queue: asyncio.Queue) -> None:
+    async def _send(self, stage: int, channel, queue: asyncio.Queue) -> None:
         for _ in range(self.ex.M):
-            due, msg = await queue.get()
-            delay = due - time.perf_counter()
-            if delay > 0:  # emulated link latency
-                await asyncio.sleep(delay)
-            await channel.send(msg)
+            due, posted, msg = await queue.get()
+            if posted is not None:  # its transport already queued on the channel's thread
+                await asyncio.shield(posted)
+            else:
+                delay = due - time.perf_counter()
+                if delay > 0:  # emulated link latency
+                    await asyncio.sleep(delay)
+                await channel.send(msg)
+            if msg.times is not None and self.ex.instrument is not None:
+                task = Task(Kind(msg.kind), msg.microbatch)
+                self.ex.instrument.task_sent(stage, self.it, task, msg.times)
 
     async def _receive(self, io: _StageIO, channel, kind: Kind) -> None:
         where = (
@@ -998,6 +1035,9 @@ class _Iteration:
                     f"iteration {msg.iteration} kind {msg.kind} microbatch {mb} "
                     f"with {len(msg.tensors)} tensor(s)"
                 )
+            if msg.times is not None and self.ex.instrument is not None:
+                msg.times["delivered"] = time.time()
+                io.arrived[(kind, mb)] = msg.times
             try:
                 self.tracker.arrive(io.s, kind, mb)
             except TrackerError as e:

@@ -503,6 +503,72 @@ def test_pipeline_channels_fifo_exact_values_pp4():
     assert all(_whole_messages(s, k) for s, k in senders), "the test packs no message"
 
 
+# rows of a message that rank 0 posts, in batches posted back to back, each batch awaited before
+# the next: a new largest payload goes in parts on the channel's thread, one that fits the largest
+# so far whole, begun on the loop's thread when nothing of the channel's is ahead of it
+POSTED = [[6], [2, 9, 3], [4, 5], [12, 1, 2], [3]]
+
+
+def _posted(mb: int, rows: int) -> Message:
+    g = torch.Generator().manual_seed(mb)
+    return Message(ITERATION, mb, 0, [torch.randn(rows, 3, generator=g)])
+
+
+def _posting_scenario(rank, world, pg_timeout_s):
+    import uvloop
+
+    from rrfp.comm.pipeline_channels import create_pipeline_channels
+
+    channels = create_pipeline_channels(Layout(world, world), rank, pg_timeout_s)
+    flat = [rows for batch in POSTED for rows in batch]
+
+    async def main():
+        async with channels:
+            if rank == 0:
+                stamps = []
+                for batch in POSTED:
+                    start = len(stamps)
+                    posted = []
+                    for rows in batch:
+                        msg = _posted(len(stamps), rows)
+                        msg.times = {"posted": time.time()}
+                        stamps.append(msg.times)
+                        posted.append(channels.fwd_out.post(msg))
+                    await asyncio.gather(*posted)
+                    assert all("taken" in t for t in stamps[start:])
+                return {"stamps": stamps, "whole": channels.fwd_out.whole}
+            got = []
+            for mb, rows in enumerate(flat):
+                msg = await channels.fwd_in.recv()
+                want = _posted(mb, rows)
+                assert msg.microbatch == mb, f"got {msg.label()}, expected {want.label()}"
+                assert torch.equal(msg.tensors[0], want.tensors[0])
+                got.append(msg.times["received"])
+            return {"received": got, "whole": channels.fwd_in.whole}
+
+    return uvloop.run(main())
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(90)
+def test_posted_messages_keep_their_order_where_the_loop_begins_them():
+    """``Channel.post``: a whole message with nothing ahead begins on the loop's thread, the
+    others queue on the channel's thread; messages posted back to back still arrive in order,
+    exact, and each carries its stamps in the order of its way."""
+    values, exit_codes = _run_ranks(_posting_scenario, 2, pg_timeout_s=30)
+    assert exit_codes == [0, 0]
+    sender, receiver = values[0], values[1]
+    flat = [rows for batch in POSTED for rows in batch]
+    assert (
+        sender["whole"]
+        == receiver["whole"]
+        == sum(rows <= max(flat[:i], default=0) for i, rows in enumerate(flat))
+    )
+    for times, received in zip(sender["stamps"], receiver["received"]):
+        assert times["posted"] <= times["sent"] <= times["taken"]
+        assert times["sent"] <= received
+
+
 DEAD_EXIT_CODE = 17
 
 

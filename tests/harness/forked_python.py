@@ -7,6 +7,7 @@ script's checks), where the interpreter's start is not what the test is about.""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import runpy
 import signal
@@ -20,13 +21,23 @@ from harness.distributed import _context
 from harness.train_rows import _as_main, _as_started, module_run
 
 
-def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+def _python_main(
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    out: str,
+    err: str,
+    path: list[str] | None = None,
+) -> None:
     """This forkserver child as ``python ARGV`` started with ``env`` in ``cwd`` (a session of its
     own, stdout and stderr in the files ``out`` and ``err``), leaving as an interpreter does:
     through the exit handlers the run registered (atexit), unless it leaves at once (os._exit, a
-    signal). The server's own exit handlers are not the run's."""
+    signal). The server's own exit handlers are not the run's. ``path``: sys.path after its first
+    entry (which ARGV decides), as an interpreter started with ``env`` has it."""
     os.environ.clear()
     _as_started(out, err, env, signal.default_int_handler, cwd)
+    if path is not None:
+        sys.path[:] = path
     if argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
         sys.path.insert(0, "")
@@ -49,23 +60,42 @@ def _python_main(argv: list[str], env: dict[str, str], cwd: str, out: str, err: 
     _as_main(as_interpreter)
 
 
+def interpreter_path(env: dict[str, str], cwd: str | Path) -> list[str]:
+    """sys.path after its first entry in an interpreter started with ``env`` in ``cwd``
+    (PYTHONPATH, the standard library, site-packages and what their .pth files add), read from
+    one that imports nothing else: milliseconds, not torch's seconds."""
+    res = subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(res.stdout)
+
+
 def run_python(
-    argv: list[str], *, env: dict[str, str] | None = None, cwd: str | Path, timeout: float
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | Path,
+    timeout: float,
+    own_path: bool = False,
 ) -> subprocess.CompletedProcess:
     """``python ARGV`` to its end in a forkserver child, as ``subprocess.run(capture_output=True,
     text=True)`` gives it; one still running after ``timeout`` seconds is killed, with all it
-    started, and raises TimeoutExpired."""
+    started, and raises TimeoutExpired. ``own_path``: the child's sys.path is the one an
+    interpreter started with ``env`` has (interpreter_path), not the test session's (the
+    repository, tests/): for what looks a module up from where it runs."""
+    env = dict(os.environ if env is None else env)
+    path = interpreter_path(env, cwd) if own_path else None
     with tempfile.TemporaryDirectory(prefix="forked-python-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
         p = _context().Process(
             target=_python_main,
-            args=(
-                list(argv),
-                dict(os.environ if env is None else env),
-                str(cwd),
-                str(out),
-                str(err),
-            ),
+            args=(list(argv), env, str(cwd), str(out), str(err), path),
         )
         p.start()
         p.join(timeout)

@@ -89,3 +89,39 @@ def test_an_iteration_leaves_no_cycle_holding_its_batches(budget):
         gc.enable()
         lane.close()
     assert len(result.losses) == M
+
+
+class _RefusingChannel:
+    """A sending channel end whose ``post`` refuses every message, as a gloo channel refuses one
+    it cannot encode or sends on after a failure; its receiving twin never delivers."""
+
+    name, peer = "fwd 0->1", 1
+
+    def post(self, msg):
+        from rrfp.comm.message import MessageError
+
+        raise MessageError(f"channel {self.name}: cannot send: {msg.label()} refused")
+
+    async def recv(self):
+        await asyncio.Event().wait()
+
+
+def test_a_message_its_channel_refuses_fails_the_sender_not_the_task():
+    """On real compute a task posts its message as it returns (``Channel.post``); what the channel
+    refuses there is raised where a queued send's would be, by the stage's sender, so it is the
+    iteration's one error and carries no task's note."""
+    from rrfp.comm.message import MessageError
+
+    torch.manual_seed(0)
+    module = nn.Linear(6, 8)
+    worker = StageWorker(module, 0, 2, M, _loss, split=True)
+    settings = ScheduleSettings(M, Dispatch.READY, resolve("1f1b"), Budget.parse("2x"), True)
+    lane = ComputeLane()
+    channels = PipelineChannels(0, fwd_out=_RefusingChannel(), bwd_in=_RefusingChannel())
+    ex = StageExecutor(worker, channels, lane, settings)
+    try:
+        with pytest.raises(MessageError, match="cannot send: F message .* refused") as got:
+            asyncio.run(asyncio.wait_for(ex.run_iteration(0, _batches()), 30))
+    finally:
+        lane.close()
+    assert not any("raised in task" in note for note in getattr(got.value, "__notes__", []))

@@ -503,6 +503,8 @@ def test_cli_oracle_takes_a_byte_budget_with_virtual_stages():
         "--budget",
         "1MiB",
         "--oracle",
+        "--oracle-time-limit",
+        "60",  # room for a loaded machine: each proof takes about a CPU-second
         "--json",
         "-",
     )

@@ -170,6 +170,13 @@ def test_trace_recorder_keeps_a_tasks_detail_on_its_span():
     first, second = rec.spans
     assert first.args == {"iteration": 3, "decide_s": 1e-5, "compute": [1.0, 2.0]}
     assert second.args == {"iteration": 3}
+    # a task's message is taken by the peer after its span, or (rarely) before it is recorded
+    rec.task_sent(0, 3, Task(Kind.F, 1), {"posted": 2.5, "sent": 2.6, "taken": 2.7})
+    rec.task_sent(0, 3, Task(Kind.F, 2), {"posted": 4.5})
+    rec.task(0, 3, Task(Kind.F, 2), 4.0, 4.5)
+    assert first.args["sent"] == {"posted": 2.5, "sent": 2.6, "taken": 2.7}
+    assert rec.spans[2].args == {"iteration": 3, "sent": {"posted": 4.5}}
+    assert "sent" not in second.args
 
 
 def test_thread_roles_and_what_they_spent():
@@ -199,6 +206,20 @@ def test_thread_roles_and_what_they_spent():
         worker.join()
     assert now[threading.main_thread().native_id][0] == "loop"
     assert now[worker.native_id][0] == "lane"
+    # the counts are the system's: between what its status file said just before and just after
+    main = threading.main_thread().native_id
+    first = _switches(main)
+    _, cpu, wakes, preempted, queued = threads.snapshot()[main][:5]
+    last = _switches(main)
+    assert first[0] <= wakes <= last[0] and first[1] <= preempted <= last[1]
+    assert first[0] > 0 and cpu > 0 and queued >= 0
+
+
+def _switches(tid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of thread ``tid``, read plainly."""
+    status = (threads.TASKS / str(tid) / "status").read_text()
+    got = dict(line.split(":\t") for line in status.splitlines() if "ctxt_switches" in line)
+    return int(got["voluntary_ctxt_switches"]), int(got["nonvoluntary_ctxt_switches"])
 
 
 @pytest.mark.e2e
@@ -231,11 +252,25 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]
     pids = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
     tasks = [e for e in trace if e["ph"] == "X" and e["name"] != "wait"]
+    spans = {}
     for e in tasks:
         if pids[e["pid"]] == "torch 1f1b":
             continue
         c0, c1 = (t * 1e6 for t in e["args"]["compute"])
         assert e["ts"] - 1 <= c0 <= c1 <= e["ts"] + e["dur"] + 1, e
+        spans[(pids[e["pid"]], e["args"]["iteration"], e["tid"], e["name"])] = e["args"]
+    # a message's stamps follow its way, from the producer's compute to the consumer's decision
+    ways = 0
+    for (who, it, stage, name), args in spans.items():
+        if "arrived" not in args:
+            continue
+        producer = spans[(who, it, stage - 1 if name[0] == "F" else stage + 1, name)]
+        sent, got = producer["sent"], args["arrived"]
+        way = [producer["compute"][1], sent["posted"], sent["sent"], got["received"]]
+        way += [got["delivered"], *args["decided"], args["compute"][0]]
+        assert way == sorted(way) and sent["sent"] <= sent["taken"], (who, it, stage, name)
+        ways += 1
+    assert ways >= len(names - {"torch 1f1b"}) * 2 * 4  # every row's F and B messages
     for r in wl["rows"]:
         dur = np.zeros((2, 4, 3))
         for e in tasks:

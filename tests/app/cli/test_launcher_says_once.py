@@ -1,15 +1,17 @@
 """``rrfp train --nproc-per-node 2`` checks the config once, in the launcher, for the world it
 starts, and says its warnings and the resume point there: rank 0 of the job it starts does not
 say them again (each appeared twice). With a good config the launcher is torchrun: the ranks
-train and rank 0 reports once."""
+train and rank 0 reports once. The launcher runs in a child of the test session's preloaded
+forkserver as ``python -m rrfp`` (tests/harness/forked_python.py), its agent in it and its ranks
+forks of it, as from a fresh interpreter: what the launcher and its ranks say is the point; the
+console script's own start is tests/app/job/test_own_model_launch.py's."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 from harness import ROOT
-from harness.launch import child_env, rrfp_argv
+from harness.forked_python import run_python
+from harness.launch import child_env
 
 pytestmark = pytest.mark.e2e
 
@@ -32,13 +34,10 @@ def test_the_launchers_warnings_and_resume_line_come_once(tmp_path):
         f"output.dir={tmp_path / 'run'}",
     ]
     argv = ["train", "--nproc-per-node", "2", "--config", "configs/gpt-tiny.toml"]
-    res = subprocess.run(
-        rrfp_argv(*argv, *(a for s in sets for a in ("--set", s))),
+    res = run_python(
+        ["-m", "rrfp", *argv, *(a for s in sets for a in ("--set", s))],
         cwd=ROOT,
         env=child_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
         timeout=200,
     )
     assert res.returncode == 0, res.stderr[-3000:]

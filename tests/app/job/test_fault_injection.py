@@ -5,18 +5,20 @@ The failing rank's line names the cause (or there is none: SIGKILL leaves no
 time to write one); every other rank stops with a short line that points at
 the rank that failed first (rrfp/app/job/failure_board.py), within run.timeout_s
 + 10 s, with a non-zero exit code; nothing of the run is left alive. The ranks
-are plain processes (rank_procs.py).
+are plain processes (rank_procs.py), or torchrun's forks of its agent.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 from harness.fault_run import STARTUP_S, TIMEOUT_S, _args, _wait_for_fault
 from harness.rank_procs import RankProcs
-from harness.train_rows import run_python_m
+from harness.train_rows import forked_rrfp, python_m
 
 pytestmark = pytest.mark.e2e
 
@@ -266,29 +268,33 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
     """The user's path: torchrun's agent holds the store, so the failure board works even after
     rank 0 is gone; rank 0 lost rank 1, yet names rank 2, whose line has the cause. The agent
     SIGTERMs the other ranks as soon as it sees one exit: --monitor-interval 3 lets them finish
-    their lines first (with the default 0.1 s, rank 0, still waiting, would end silently)."""
-    import os
-    import signal
-
+    their lines first (with the default 0.1 s, rank 0, still waiting, would end silently). The
+    agent starts from the preloaded forkserver and its ranks are forks of it, as ``rrfp train
+    --nproc-per-node`` has them (tests/harness/train_rows.py's ``forked_rrfp``): the agent's store
+    and its ending of the ranks are the point, not an interpreter's start. The agent leads a
+    session of its own, which its ranks and anything they start stay in: what is left of the run
+    after the agent ends is what is left in that session."""
     world = 3
-    try:  # the agent from the preloaded forkserver (tests/harness/train_rows.py)
-        res = run_python_m(
-            "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "--monitor-interval=3", "-m", "rrfp", "train",
-            *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1"),
-            tmp=tmp_path / "torchrun", timeout=STARTUP_S,
-        )  # fmt: skip
-        # torchrun has exited; its ranks run in sessions of their own: find them by this test's log
-        # dir
-        assert _processes_naming(tmp_path) == [], "a process of the run outlived torchrun"
+    agent = python_m(
+        "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        "--monitor-interval=3",
+        *forked_rrfp("train", *_args(tmp_path, world, "fault=bug:step=3:stage=2:task=B1")),
+        out=tmp_path / "out", err=tmp_path / "err",
+    )  # fmt: skip
+    try:
+        code = agent.wait(STARTUP_S)
+        assert _in_session(agent.pid) == [], "a process of the run outlived torchrun"
     finally:
-        for pid in _processes_naming(tmp_path):
+        for pid in _in_session(agent.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    err = res.stderr
-    assert res.returncode != 0
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait(10)
+    err = (tmp_path / "err").read_text()
+    assert code != 0
     lines = sorted(ln for ln in err.splitlines() if ln.startswith("rrfp: error:"))
     assert len(lines) == world, err[-3000:]
     assert lines[2].startswith("rrfp: error: rank 2 (stage 2): internal error, please report it"), (
@@ -300,17 +306,15 @@ def test_under_torchrun_the_pointer_names_the_first_failure_and_nothing_is_left(
         ), lines[r]
 
 
-def _processes_naming(text) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    import os
-
+def _in_session(sid: int) -> list[int]:
+    """Live processes of the session ``sid`` (a zombie has ended: it is not counted)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        if str(text) in cmdline and int(pid) != os.getpid():
+        fields = stat.rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
             found.append(int(pid))
     return found

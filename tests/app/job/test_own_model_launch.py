@@ -5,7 +5,13 @@ bin folder on sys.path, not the folder it runs in, and its ranks (forks of it, s
 launcher with one line and nothing of torchrun's.
 
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
-the repository, so that examples/ is found where the command runs, or not at all."""
+the repository, so that examples/ is found where the command runs, or not at all.
+
+The jobs that train are the console script as a user starts it, a fresh interpreter: its sys.path,
+and its ranks' as they fork from it, are the point. The commands that train nothing (a refusal at
+load, --dry-run, rrfp calibrate) run the same script in a child of the test session's preloaded
+forkserver (tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
+session's: where the model is found is still what is tested, without torch's import each time."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from harness import ROOT
+from harness.forked_python import run_python
 from harness.launch import child_env
 from harness.train_rows import run_python_m
 
@@ -52,6 +59,17 @@ def rrfp_script(folder: Path, tmp: Path, *args: str, timeout: float) -> subproce
     )
 
 
+def rrfp_forked(folder: Path, tmp: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``rrfp_script``'s command from the preloaded forkserver, with the script's own sys.path."""
+    return run_python(
+        [str(SCRIPT), *args, "--set", f"output.dir={tmp}/runs/{{model}}"],
+        cwd=folder,
+        env=child_env(PYTHONPATH=str(tmp / "lib")),
+        timeout=timeout,
+        own_path=True,
+    )
+
+
 def losses(stdout: str) -> list[float]:
     return [float(x) for x in re.findall(r"step +\d+/2 +loss (\d+\.\d+)", stdout)]
 
@@ -60,7 +78,8 @@ def losses(stdout: str) -> list[float]:
 def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     """examples/my_model.toml (a dotted module, from where the command runs) and a one-file model
     in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`;
-    the file under bare torchrun too."""
+    the file under bare torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file
+    from where it runs is the point there, which a second rank would only repeat."""
     here = user_folder(tmp_path)
     res = rrfp_script(
         here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
@@ -78,10 +97,10 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
-    # bare torchrun, the README's other launcher: the same file, from the same folder; the agent
-    # from the preloaded forkserver (it imports no model), its ranks fresh interpreters
+    # bare torchrun, the documented other launcher: the same file, from the same folder; the agent
+    # from the preloaded forkserver (it imports no model), its rank a fresh interpreter
     res = run_python_m(
-        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "rrfp", "train",
+        "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rrfp", "train",
         "--config", "run.toml", *TINY, "--set", f"output.dir={tmp_path}/runs/{{model}}",
         tmp=tmp_path / "torchrun", timeout=140, cwd=scratch,
         env={"PYTHONPATH": str(tmp_path / "lib")},
@@ -116,7 +135,7 @@ def test_user_mistakes_at_load_are_one_line_under_the_launcher(tmp_path):
         ),
     ]
     for sets, stderr in cases:
-        res = rrfp_script(
+        res = rrfp_forked(
             here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
             *sets, timeout=60,
         )  # fmt: skip
@@ -126,11 +145,11 @@ def test_user_mistakes_at_load_are_one_line_under_the_launcher(tmp_path):
 @pytest.mark.timeout(200)
 def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
     here = user_folder(tmp_path)
-    res = rrfp_script(
+    res = rrfp_forked(
         here, tmp_path, "train", "--config", "examples/my_model.toml", "--dry-run", timeout=60
     )
     assert res.returncode == 0 and 'model = "examples.my_model"' in res.stdout, res.stderr
-    res = rrfp_script(
+    res = rrfp_forked(
         here, tmp_path, "calibrate", "--config", "examples/my_model.toml", "--pp", "2",
         "--samples", "2", "--out", str(tmp_path / "cost.json"), timeout=120,
     )  # fmt: skip
