@@ -208,13 +208,20 @@ def _reported_error(handle: Any) -> BaseException | None:
 
 
 class _Watch:
-    __slots__ = ("handle", "probe", "future", "wait_after")
+    __slots__ = ("handle", "probe", "future", "wait_after", "signal")
 
     def __init__(self, handle: Any, future: asyncio.Future, wait_after: bool) -> None:
         self.handle = handle
         self.probe = _completion_probe(handle)
         self.future = future
         self.wait_after = wait_after
+        # the handle's torch future, when its completion will wake the poller: not done yet
+        # when watched (a gloo collective's completes as the work ends, an NCCL one's at enqueue)
+        self.signal: Any = None
+
+    def will_wake(self) -> bool:
+        """The handle's future is still to complete, and its callback will wake the poller."""
+        return self.signal is not None and not self.signal.done()
 
 
 class CompletionPoller:
@@ -243,16 +250,34 @@ class CompletionPoller:
     wake-up). NCCL completes that future at enqueue time; the extra wake-up
     then costs one poll.
 
+    Past the spin, while every pending handle's future is still to
+    complete (gloo collectives, whose wake-up says they are done), the task
+    does not back off but sleeps until a wake-up, or ``wake_wait_s`` at the
+    longest, a backstop: a rank waiting at a collective for a slow or
+    stopped peer polls a few times a second instead of a thousand times,
+    CPU its peers on the same cores may be computing with. The spin stays:
+    a collective that completes within it is seen at once, and a late
+    look at one keeps its peer's gloo thread spinning on the next message.
+    gloo completes the future a moment before the work reads complete; a
+    poll after that wake-up that finds the work not yet complete spins
+    again.
+
     Not for gloo point-to-point work, which never reports completion by
     itself (use :class:`BlockingWaiter`).
     """
 
     def __init__(
-        self, *, spin_rounds: int = 32, backoff_s: float = 100e-6, max_backoff_s: float = 1e-3
+        self,
+        *,
+        spin_rounds: int = 32,
+        backoff_s: float = 100e-6,
+        max_backoff_s: float = 1e-3,
+        wake_wait_s: float = 0.05,
     ) -> None:
         self.backoff_s = backoff_s
         self.max_backoff_s = max(backoff_s, max_backoff_s)
         self.spin_rounds = spin_rounds
+        self.wake_wait_s = wake_wait_s
         self.polls = 0  # poll rounds made, for tests and statistics
         self._watches: list[_Watch] = []
         self._work_arrived = asyncio.Event()
@@ -284,7 +309,11 @@ class CompletionPoller:
         self._watches.append(watch)
         self._work_arrived.set()
         if wake_on_future:
-            handle.get_future().add_done_callback(self._wake_threadsafe)
+            signal = handle.get_future()
+            signal.add_done_callback(self._wake_threadsafe)
+            if not signal.done():  # else its callback has run already, or runs now: poll for it
+                watch.signal = signal
+        self._wake()  # new handles are polled eagerly, not after a sleep for another's wake-up
         return watch.future
 
     def _wake_threadsafe(self, _done: Any) -> None:
@@ -363,6 +392,10 @@ class CompletionPoller:
             backoff_rounds = fruitless_rounds - self.spin_rounds
             if backoff_rounds < 0:
                 await asyncio.sleep(0)
+            elif all(w.will_wake() for w in self._watches):
+                await self._sleep(self.wake_wait_s)
+                if not all(w.will_wake() for w in self._watches):
+                    fruitless_rounds = 0  # woken: the work reads complete now or a moment later
             else:
                 await self._sleep(
                     min(self.backoff_s * 2 ** min(backoff_rounds, 32), self.max_backoff_s)

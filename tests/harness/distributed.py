@@ -110,6 +110,19 @@ PRELOAD = [
     # without the hf extra these are skipped (the server ignores a preload it cannot import)
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
+    # a rank's function comes from its test's module, which a rank imports to unpickle it, and a
+    # test module imports pytest (about 0.13 CPU-s, half a short fault row's rank), some hypothesis
+    "pytest",
+    "hypothesis",
+    # what a rank of `rrfp train` imports as it runs: its metrics' TensorBoard writer (rank 0, about
+    # 0.09 CPU-s), the Llama family's models, the start-up checks, the loop's uvloop
+    "torch.utils.tensorboard",
+    "rrfp.models.llama",
+    "rrfp.app.train.start_checks",
+    "uvloop",
+    # the drop-in's ranks and the torch schedules they are compared with (about 0.12 CPU-s a rank)
+    "torch.distributed.pipelining",
+    "rrfp.pipelining",
 ]
 
 
