@@ -101,13 +101,13 @@ def _ranks(rank, world):
             for s in rt.stages:
                 ch = rt.channels.of(s).bwd_out
                 if ch is not None:
-
-                    def record(msg, send=ch.send):
+                    # every message a channel sends goes through its post (send awaits it)
+                    def record(msg, *args, post=ch.post, **kwargs):
                         assert msg.kind == int(Kind.B)
                         sent_b.append(tuple(t is None for t in msg.tensors))
-                        return send(msg)
+                        return post(msg, *args, **kwargs)
 
-                    ch.send = record
+                    ch.post = record
             for w in ex.workers:
 
                 def backward(mb, grad=None, inner=w.backward):
