@@ -1,8 +1,7 @@
 """The test tiers, by what a test does, marked in its file:
 
 - ``unit`` (no mark needed): runs in the test process and starts no other.
-- ``multirank``: starts gloo ranks from the test (tests/harness/distributed.py,
-  tests/harness/rank_pool.py).
+- ``multirank``: starts gloo ranks from the test (tests/harness/distributed.py).
 - ``e2e``: starts the CLI, torchrun or another interpreter as a subprocess.
 - ``long`` (beside one of the two above): waits out a fault by design, a rank killed, stopped,
   busy or slow, and the timeout that names it or the run that finishes despite it.
@@ -127,15 +126,6 @@ def pytest_runtest_call(item):
         return
     with _no_process_starts(item):
         yield
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """The shared ranks end with the test process's session, not whenever it exits."""
-    import sys
-
-    pool = sys.modules.get("harness.rank_pool")
-    if pool is not None:
-        pool.close_all()
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """What the tests share and no test file defines: the processes they start and the environment
-those inherit (launch, distributed, rank_pool, rank_procs, cli_run, forked_python), the
+those inherit (launch, distributed, rank_procs, cli_run, forked_python), the
 single-process references they compare against, and where the repository is."""
 
 from pathlib import Path

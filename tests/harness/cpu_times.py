@@ -5,9 +5,8 @@ test. It is how `make test`'s time bound is kept: a test that got dearer shows a
 
 A test's CPU is its process's own (setup, call and teardown, module fixtures included) plus
 every process below it: the children it waited for (``RUSAGE_CHILDREN``), and those it did not,
-read from /proc: forkserver children are the forkserver's to reap, and the shared ranks outlive
-the test, so their CPU is counted as it grows, by a walk of the test process's descendants
-before and after the test.
+read from /proc: forkserver children are the forkserver's to reap, so their CPU is counted as it
+grows, by a walk of the test process's descendants before and after the test.
 """
 
 from __future__ import annotations

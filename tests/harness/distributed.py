@@ -20,7 +20,6 @@ from harness.launch import child_env, rank_vars
 # a generator of its own: a test that seeds the global one (hypothesis does) would have every test
 # process pick the same ports
 _PORTS = random.Random()
-FRESH_RANKS = "RRFP_FRESH_RANKS"  # "1": ``shared=True`` starts fresh ranks too
 
 
 def free_port() -> int:
@@ -126,26 +125,11 @@ PRELOAD = [
 ]
 
 
-def run_ranks(
-    fn, world: int, *args, timeout: float = 120.0, shared: bool = False
-) -> dict[int, object]:
+def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
-    Raises AssertionError with the child's traceback, or on timeout. ``shared=True`` runs it on
-    the shared ranks of tests/harness/rank_pool.py, started once for the tests of this test process,
-    instead of ranks started for this call alone: no process start, imports or gloo warm-up per
-    call (about 0.2 CPU-s a rank, measured: a fork of the preloaded server is cheap already, so
-    a test's own work decides its cost); what a function changes of the process is put back
-    before the next one. It is for a
-    ``fn`` that leaves no thread or process running (a closed PipelineRuntime leaves none): one
-    that does ends the pool, and the next call starts fresh ranks. A test that kills, stops or
-    hangs its ranks takes fresh ones. ``RRFP_FRESH_RANKS=1`` gives every call fresh ranks (a test
-    that fails only on shared ranks: what did an earlier test leave?). The ranks are forkserver
+    Raises AssertionError with the child's traceback, or on timeout. The ranks are forkserver
     children, whose stderr is the server's, not the test's: a test that reads what a rank prints
     has it write a file."""
-    if shared and os.environ.get(FRESH_RANKS) != "1":
-        from harness.rank_pool import run_shared
-
-        return run_shared(fn, world, *args, timeout=timeout)
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
