@@ -26,12 +26,11 @@ def _one_rank_ends(rank: int, world: int, how: str) -> str:
     return "finished"
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
 @pytest.mark.parametrize(
     ("how", "line"),
     [("exit", "exited with code 3"), ("kill", "was ended by SIGKILL")],
 )
-def test_a_rank_that_ends_without_a_result_is_named(how, line, shared):
+def test_a_rank_that_ends_without_a_result_is_named(how, line):
     with pytest.raises(AssertionError) as failed:
-        run_ranks(_one_rank_ends, 2, how, timeout=TIMEOUT_S, shared=shared)
+        run_ranks(_one_rank_ends, 2, how, timeout=TIMEOUT_S)
     assert str(failed.value) == f"rank 1 failed: its process {line} before it reported a result"
