@@ -229,31 +229,6 @@ def python_m(
     return AsPopen(p)
 
 
-def run_python_m(
-    module: str,
-    *argv: str,
-    tmp: Path,
-    timeout: float,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-) -> subprocess.CompletedProcess:
-    """``python_m`` to its end, as ``subprocess.run(capture_output=True, text=True)`` gives it
-    (its output in ``tmp``); one still running after ``timeout`` seconds is killed, with all
-    it started, and raises TimeoutExpired."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    out, err = tmp / "python-m.out", tmp / "python-m.err"
-    p = python_m(module, *argv, out=out, err=err, env=env, cwd=cwd)
-    try:
-        code = p.wait(timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-    return subprocess.CompletedProcess(
-        [module, *argv], code, out.read_text(errors="replace"), err.read_text(errors="replace")
-    )
-
-
 # what torchrun's agent adds to a rank's environment when it serves the job's store
 AGENT_STORE_VARS = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 

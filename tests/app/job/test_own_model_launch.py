@@ -15,6 +15,7 @@ session's: where the model is found is still what is tested, without torch's imp
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -25,7 +26,6 @@ import pytest
 from harness import ROOT
 from harness.forked_python import run_python
 from harness.launch import child_env
-from harness.train_rows import run_python_m
 
 from rrfp.app.config.registry import known
 
@@ -99,11 +99,10 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
     # bare torchrun, the documented other launcher: the same file, from the same folder; the agent
     # from the preloaded forkserver (it imports no model), its rank a fresh interpreter
-    res = run_python_m(
-        "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rrfp", "train",
-        "--config", "run.toml", *TINY, "--set", f"output.dir={tmp_path}/runs/{{model}}",
-        tmp=tmp_path / "torchrun", timeout=140, cwd=scratch,
-        env={"PYTHONPATH": str(tmp_path / "lib")},
+    res = run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "rrfp",
+         "train", "--config", "run.toml", *TINY, "--set", f"output.dir={tmp_path}/runs/{{model}}"],
+        timeout=140, cwd=scratch, env={**os.environ, "PYTHONPATH": str(tmp_path / "lib")},
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout

@@ -15,8 +15,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from harness import ROOT
 from harness.checkpoint_state import differing, final_state
-from harness.train_rows import TrainJob, forked_rrfp, losses, run_python_m
+from harness.forked_python import run_python
+from harness.train_rows import TrainJob, forked_rrfp, losses
 
 pytestmark = pytest.mark.e2e
 
@@ -44,12 +46,12 @@ def _train_args(tmp: Path, *extra: str) -> list[str]:
 
 def torchrun(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2 --max-restarts 1 -m rrfp train``, the agent started from the
-    preloaded forkserver (tests/harness/train_rows.py), each attempt's ranks forks of it as
+    preloaded forkserver (tests/harness/forked_python.py), each attempt's ranks forks of it as
     ``rrfp train --nproc-per-node`` has them (``forked_rrfp``): the restart is the point here, not
     a fresh interpreter's start (test_fault_matrix_agents.py's ranks are fresh)."""
-    return run_python_m(
-        "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-        *forked_rrfp("train", *_train_args(tmp, *extra)), tmp=tmp, timeout=150,
+    return run_python(
+        ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+         "1", *forked_rrfp("train", *_train_args(tmp, *extra))], cwd=ROOT, timeout=150,
     )  # fmt: skip
 
 

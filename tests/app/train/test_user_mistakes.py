@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.train_rows import run_python_m
+from harness import ROOT
+from harness.forked_python import run_python
 
 pytestmark = pytest.mark.e2e
 
@@ -28,9 +29,9 @@ def _config(tmp: Path, workload: str) -> Path:
 
 def _run(tmp: Path, module: str, *argv: str) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGV`` from the repository, started from the preloaded forkserver
-    (tests/harness/train_rows.py); rrfp's launcher forks its ranks, torchrun's agent starts
+    (tests/harness/forked_python.py); rrfp's launcher forks its ranks, torchrun's agent starts
     fresh interpreters."""
-    return run_python_m(module, *argv, tmp=tmp / "command", timeout=150)
+    return run_python(["-m", module, *argv], cwd=ROOT, timeout=150)
 
 
 def launched(tmp: Path, workload: str) -> subprocess.CompletedProcess:
