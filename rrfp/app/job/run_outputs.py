@@ -26,12 +26,18 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+# a probe's name (a file written and read back to check a folder): outside the checkpoint folder's
+# debris prefixes (rrfp/app/train/checkpoint_dir.py), so that a job starting beside another on one
+# folder never sweeps the other's probe away between its write and its read
+PROBE_PREFIX = ".probe-"
+
+
 def folder_problem(folder: str | Path) -> str | None:
     """Why ``folder`` (made if missing) cannot hold a file, or None: it is made, and a file is
     written in it, synced, and deleted. Every rank probes under its own name."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        probe = Path(folder) / f".partial-probe-{os.getpid()}-{socket.gethostname()}"
+        probe = Path(folder) / f"{PROBE_PREFIX}{os.getpid()}-{socket.gethostname()}"
         write_synced(probe, "probe\n")
         probe.unlink()
     except FileExistsError as e:  # mkdir of a path that is a plain file

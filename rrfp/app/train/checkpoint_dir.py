@@ -49,7 +49,7 @@ log = logging.getLogger("rrfp.app.train.checkpoint_dir")
 MARKER = "COMMITTED"
 META = "meta.json"
 _COMPLETE = re.compile(r"step-(\d{8})")
-_PARTIAL_PREFIXES = (".partial-", ".trash-")
+_PARTIAL_PREFIXES = (".partial-", ".trash-")  # debris; never PROBE_PREFIX, a live job's probe
 REJECTED_PREFIX = "rejected-"
 
 

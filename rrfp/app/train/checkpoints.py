@@ -35,7 +35,7 @@ from rrfp.app.config.file_fingerprint import fingerprints
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.job.job_agreement import job_id
-from rrfp.app.job.run_outputs import folder_problem
+from rrfp.app.job.run_outputs import PROBE_PREFIX, folder_problem
 from rrfp.app.train.checkpoint_dir import Checkpoint, CheckpointDir
 from rrfp.app.train.checkpoint_owner import FolderClaim, read_owner, refusal
 from rrfp.app.train.checkpoint_state import (
@@ -319,7 +319,7 @@ class RunCheckpoints:
         step = float(resume.start.step if resume.start is not None else -1)
         token = secrets.randbelow(2**50) + 1 if rt.rank == 0 else 0
         job = job_id(self.cfg.waits.store_connect_s) if rt.rank == 0 else 0
-        probe = self.store.root / f".partial-probe-{token}"
+        probe = self.store.root / f"{PROBE_PREFIX}{token}"
         if rt.rank == 0:
             probe.write_text(str(token))
         agreed = torch.tensor([float(token), step, -step, float(job)], dtype=torch.float64)
@@ -328,7 +328,7 @@ class RunCheckpoints:
         )
         token, high, low = int(agreed[0].item()), agreed[1].item(), -agreed[2].item()
         self.job = f"{int(agreed[3].item()):012x}"
-        probe = self.store.root / f".partial-probe-{token}"
+        probe = self.store.root / f"{PROBE_PREFIX}{token}"
         try:
             seen = probe.read_text() == str(token)
         except OSError:

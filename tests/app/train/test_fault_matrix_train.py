@@ -62,6 +62,7 @@ from harness.train_fault_rows import (
 from harness.train_rows import TrainJob, losses  # noqa: E402
 
 from rrfp.app.faults import FULL_BYTES  # noqa: E402
+from rrfp.app.job.run_outputs import PROBE_PREFIX  # noqa: E402
 from rrfp.app.train.checkpoint_dir import MARKER  # noqa: E402
 
 LIMIT_S = 120.0  # a row that has not ended by then hangs
@@ -128,7 +129,7 @@ def _left(ck: Path) -> list[str]:
         p.name
         for p in ck.glob("*")
         if not (committed.fullmatch(p.name) and (p / MARKER).is_file())
-        and not p.name.startswith(".partial-probe-")
+        and not p.name.startswith(PROBE_PREFIX)
     )
 
 
