@@ -2,7 +2,10 @@
 ``python -m torch.distributed.run`` it stands for, with what every rank imports imported first.
 
 The `rrfp bench` process has imported torch and rrfp already; an interpreter of its own for the
-agent would import them again, about 4 CPU-s a job. The fork is the process torchrun's agent would
+agent would import them again, about 4 CPU-s a job. It is one only where a fork would not compute
+as the ranks must (``forkable``): CUDA known to this process, whose forks cannot use it, or this
+process's torch loaded with more than one OpenMP thread, which a fork's
+``torch.set_num_threads(1)`` does not undo. The fork is the process torchrun's agent would
 be (rrfp/app/job/forked_rank.py's ``as_fresh_interpreter``): stdin /dev/null, stdout a pipe to the
 bench, stderr the job's log, the job's environment, the stop signals' default handlers. It leaves
 by ``os._exit`` with the exit status torchrun's would have (an exception: its traceback on stderr,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -47,8 +51,8 @@ class Agent:
     """The agent's process as the bench sees it: its pid, the read end of its stdout, and its exit
     status once it has ended (as Popen's ``returncode``: minus the signal that ended it)."""
 
-    def __init__(self, pid: int, stdout: int) -> None:
-        self.pid, self.stdout = pid, stdout
+    def __init__(self, pid: int, stdout: int, popen: subprocess.Popen | None = None) -> None:
+        self.pid, self.stdout, self.popen = pid, stdout, popen
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -56,6 +60,8 @@ class Agent:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
+                if self.popen is not None:  # reaped here: Popen must not wait for it again
+                    self.popen.returncode = self.returncode
         return self.returncode
 
     def wait(self, timeout: float) -> int | None:
@@ -70,9 +76,35 @@ class Agent:
             os.kill(self.pid, sig)
 
 
+def forkable() -> bool:
+    """Whether the agent, and so the ranks, can be forks of this process (the module's docstring):
+    the `rrfp` command loads torch with OMP_NUM_THREADS=1 unless the user set another count."""
+    from rrfp.app.job.launcher import can_fork
+
+    return os.environ.get("OMP_NUM_THREADS") == "1" and can_fork()
+
+
+def start_agent(argv: list[str], env: dict[str, str], stderr: int) -> Agent:
+    """torchrun's agent with torchrun's arguments ``argv``, ``env`` as its environment and the file
+    descriptor ``stderr`` as its stderr: a fork of this process where ``forkable``, else
+    ``python -m rrfp.app.bench.agent``."""
+    if forkable():
+        return fork_agent(argv, env, stderr)
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "rrfp.app.bench.agent", *argv],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    assert popen.stdout is not None
+    stdout = os.dup(popen.stdout.fileno())
+    popen.stdout.close()
+    return Agent(popen.pid, stdout, popen)
+
+
 def fork_agent(argv: list[str], env: dict[str, str], stderr: int) -> Agent:
-    """torchrun's agent with torchrun's arguments ``argv`` in a fork of this process, with ``env``
-    as its environment and the file descriptor ``stderr`` as its stderr."""
+    """torchrun's agent in a fork of this process (``start_agent``)."""
     read, write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -113,3 +145,7 @@ def run(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     torchrun(argv)
+
+
+if __name__ == "__main__":  # the agent as an interpreter of its own (start_agent)
+    run(sys.argv[1:])

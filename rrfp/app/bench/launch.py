@@ -1,7 +1,7 @@
 """Start the bench's torchrun job, follow its progress, and turn its failure
 into one line.
 
-torchrun's agent is a fork of the `rrfp bench` process (rrfp/app/bench/agent.py).
+torchrun's agent is a fork of the `rrfp bench` process where it can be (rrfp/app/bench/agent.py).
 Its and the ranks' stderr go to a log file in the results folder (a
 failing rank's traceback and torchrun's own report stay there); the parent
 shows a progress bar from rank 0's progress lines, and when the job fails it
@@ -18,7 +18,7 @@ import signal
 import time
 from pathlib import Path
 
-from rrfp.app.bench.agent import Agent, fork_agent
+from rrfp.app.bench.agent import Agent, start_agent
 from rrfp.app.bench.rank import PROGRESS
 from rrfp.app.bench.suite import ROOT, BenchSpec
 from rrfp.app.job import forked_rank
@@ -86,8 +86,8 @@ def run_job(
     ``bar.update(1)`` per finished run. Raises JobFailed with one line."""
     job, rows = job_dir / "job.json", job_dir / "rows.json"
     job.write_text(json.dumps({"spec": spec.as_dict(), "cost": cost}))
-    # the agent a fork of this process, each rank a fork of the agent, which has imported what the
-    # ranks import (rrfp/app/bench/agent.py, rrfp/app/job/forked_rank.py)
+    # the agent a fork of this process where it can be, each rank a fork of the agent, which has
+    # imported what the ranks import (rrfp/app/bench/agent.py, rrfp/app/job/forked_rank.py)
     argv = [
         "--standalone",
         f"--nproc-per-node={spec.world}",
@@ -102,7 +102,7 @@ def run_job(
     log.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + timeout_s
     with open(log, "w") as err:
-        agent = fork_agent(argv, env, err.fileno())
+        agent = start_agent(argv, env, err.fileno())
         try:
             finished = _follow(agent, bar, err, deadline)
             rc = agent.wait(max(0.0, deadline - time.monotonic())) if finished else None

@@ -320,3 +320,23 @@ def test_a_contender_is_its_framework_dispatch_and_hint():
     assert (v2.dispatch, v2.hint, v2.virtual, v2.placement) == ("ready", "bfw", 2, "v")
     for name in ("ready plan", "torch zb", "drop-in fixed 1f1b", "ready bfw v2"):
         assert Contender.parse(name).name == name
+
+
+def test_the_agent_is_a_fork_only_where_the_ranks_compute_as_they_must(monkeypatch):
+    """The job's agent (and so each rank) is a fork of the bench's process only where that
+    process's torch was loaded with one OpenMP thread (a fork's torch.set_num_threads(1) does not
+    undo more) and knows no CUDA (a fork cannot use it); else it is an interpreter of its own."""
+    import torch
+
+    from rrfp.app.bench.agent import forkable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert forkable()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not forkable()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert not forkable()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not forkable()
