@@ -9,6 +9,7 @@ import functools
 
 import pytest
 from harness.distributed import run_ranks
+from harness.whole_model import as_tensors, one_iteration
 
 pytestmark = pytest.mark.multirank
 
@@ -37,24 +38,16 @@ def _model_and_data():
 
 @functools.cache
 def _reference() -> tuple[float, dict]:
-    """The whole model's loss over the M microbatches of iteration 0 and its gradients by name
-    (numpy arrays: they travel to the ranks by value), in float64, once in the test process."""
-    import torch
+    """The whole model's loss and gradients over iteration 0's microbatches."""
 
-    from rrfp.models.data import batches as make_batches
-    from rrfp.models.gpt import GPT, loss_fn
+    def setup():
+        from rrfp.models.data import batches
+        from rrfp.models.gpt import GPT, loss_fn
 
-    model_cfg, data_cfg = _model_and_data()
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        torch.manual_seed(0)
-        ref = GPT(model_cfg)
-        loss = sum(loss_fn(ref(x), y) for x, y in make_batches(data_cfg, 0, M)) / M
-        loss.backward()
-        return loss.item(), {n: p.grad.numpy() for n, p in ref.named_parameters()}
-    finally:
-        torch.set_default_dtype(was)
+        model_cfg, data_cfg = _model_and_data()
+        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, M)
+
+    return one_iteration(setup)
 
 
 def _one_iteration(
@@ -70,7 +63,7 @@ def _one_iteration(
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfg = _model_and_data()
     batches = make_batches(data_cfg, 0, M)
-    ref_loss, ref_grads = ref[0], {n: torch.from_numpy(g) for n, g in ref[1].items()}
+    ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
     async def main():
         from rrfp.core.variability import Variability
