@@ -3,6 +3,7 @@ loopback port, results through a queue, and a deadline so a hang fails fast."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -69,6 +70,11 @@ def script_ranks(
 
 
 def _child(fn, rank, world, port, args, queue):
+    # what the forkserver imported (about 380,000 objects) to the collector's permanent generation:
+    # a full collection in the rank (gc.collect(), as the leak tests call) skips them instead of
+    # walking them all and writing to every page they are on, each of which the kernel then copies
+    # from the server's (about 0.5 CPU-s a collection); gc.freeze's own advice for forked workers
+    gc.freeze()
     os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
     try:
         import torch
