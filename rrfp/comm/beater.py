@@ -35,7 +35,9 @@ import time
 import torch.distributed as dist
 
 _HEAD = struct.Struct("=QdH")  # version, since (monotonic), length of the activity's bytes
+_COUNT = struct.Struct("=Q")  # the child's beats so far, at the page's end: the parent reads it
 _SIZE = 512
+_COUNT_AT = _SIZE - _COUNT.size
 CONNECT_S = 10.0  # how long one try to reach the store may wait (the C++ client logs each miss)
 
 
@@ -58,7 +60,7 @@ class Beater:
 
     def doing(self, what: str, since: float) -> None:
         """What the rank does from ``since`` on; read by the child at its next beat."""
-        data = what.encode()[: _SIZE - _HEAD.size]
+        data = what.encode()[: _COUNT_AT - _HEAD.size]
         self._version += 1
         self._page[_HEAD.size : _HEAD.size + len(data)] = data
         self._page[: _HEAD.size] = _HEAD.pack(self._version, since, len(data))
@@ -103,6 +105,7 @@ class Beater:
                 seq += 1
                 what, since = self._activity()
                 store.set(self.key, f"{seq} {time.monotonic() - since:.3f} {what}")
+                self._page[_COUNT_AT:] = _COUNT.pack(seq)
             time.sleep(self.period_s)
 
     def _connect(self, parent: int) -> dist.TCPStore:
@@ -122,6 +125,10 @@ class Beater:
                 if os.getppid() != parent:
                     raise
                 time.sleep(self.period_s)
+
+    def beats(self) -> int:
+        """How many beats the child has written so far (0 before its first)."""
+        return _COUNT.unpack(self._page[_COUNT_AT:])[0]
 
     def ended(self) -> bool:
         """The child exited on its own (not by ``close``); reaps it then."""

@@ -8,8 +8,8 @@ A peer whose SEQ has not moved for ``timeout_s`` went silent: stopped
 (SIGSTOP), killed, or cut off. The beats come from a forked child process
 (rrfp/comm/beater.py, which says why): a thread would need the GIL between two
 beats, and a forward that holds it in one long C call would silence it; where
-no child can be forked, or the child ends while the rank lives, the reading
-thread beats too.
+no child can be forked, or the child ends or stops beating while the rank
+lives, the reading thread beats too.
 
 Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
 2.13): one client's calls are serialized under one mutex (``activeOpLock_``),
@@ -131,6 +131,9 @@ class Heartbeat:
         self.progress_at = now
         self._activity: tuple[str, float] = ("", now)
         self._seq = 0
+        # the beating process's count of beats, as this thread last saw it move, and when
+        self._child_beats, self._child_beat_at, self._last_round = 0, now, now
+        self._child_was_quiet = False
         self._stop = threading.Event()
         self._in_round = False  # the thread is in a round of store calls (else it waits or ended)
         self._thread = threading.Thread(
@@ -194,6 +197,7 @@ class Heartbeat:
         return self._activity[0]
 
     def start(self) -> Heartbeat:
+        self._child_beat_at = self._last_round = time.monotonic()
         if self._beater is not None:
             try:
                 self._beater.start()
@@ -236,7 +240,7 @@ class Heartbeat:
                 child = self._beater
                 if child is not None and child.ended() and not self._stop.is_set():
                     self._take_over_beating(child.exit_code)
-                if self._beater is None:
+                if self._beater is None or self._child_quiet(self._beater):
                     self._beat()
                 self._read()
                 self._in_round = False
@@ -262,6 +266,27 @@ class Heartbeat:
             self.rank,
             code,
         )
+
+    def _child_quiet(self, child: beater.Beater) -> bool:
+        """The beating process lives but has not beaten for three periods (it cannot reach the
+        store, or it is stuck, e.g. on a lock another thread of the rank held when it forked): the
+        thread beats beside it until it beats again, so that the peers do not call a working rank
+        silent. A round after a gap of over half ``timeout_s`` (this rank was itself stopped, or
+        its GIL held) restarts the count, as ``check`` does for the peers."""
+        now, count = time.monotonic(), child.beats()
+        if count != self._child_beats or now - self._last_round > self.timeout_s / 2:
+            self._child_beats, self._child_beat_at = count, now
+        self._last_round = now
+        quiet = now - self._child_beat_at > 3 * self.period_s
+        if quiet and not self._child_was_quiet:
+            log.warning(
+                "rank %d: the heartbeat's beating process has not beaten for %.1f s; the heartbeat "
+                "thread beats beside it until it does",
+                self.rank,
+                now - self._child_beat_at,
+            )
+        self._child_was_quiet = quiet
+        return quiet
 
     def _beat(self) -> None:
         self._seq += 1

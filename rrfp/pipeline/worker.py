@@ -609,6 +609,14 @@ class _CountAsRun(TorchDispatchMode):
         super().__init__()
         self.counter = counter
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Leaves ``__torch_dispatch__`` unwrapped. torch wraps it in ``torch._disable_dynamo``,
+        which imports torch._dynamo at the first op (about 2 CPU-s a process: a script that builds
+        no optimizer would pay it for this count alone). Nothing is lost: dynamo compiles no frame
+        while a dispatch mode is on the stack."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

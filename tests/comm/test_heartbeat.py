@@ -229,6 +229,26 @@ def test_a_rank_whose_beating_process_ends_beats_from_its_thread(server, caplog)
 
 
 @pytest.mark.multirank
+def test_a_rank_whose_beating_process_lives_but_never_beats_beats_from_its_thread(
+    server, caplog, monkeypatch
+):
+    """A beating process can live without beating (stuck on a lock another thread held when the
+    rank forked it, or never accepted by the store): the rank's thread beats beside it, so its
+    peers do not call a working rank silent."""
+    # in the child, once it has closed the rank's descriptors: it never reaches the store
+    monkeypatch.setattr(Beater, "_connect", lambda self, parent: time.sleep(3600))
+    a, b = _pair(server)
+    try:
+        _start(a, b)
+        assert _watch(a, 3 * TIMEOUT_S) is None, a.describe(1)
+        assert a.describe(1) == "alive", a.describe(1)
+        assert b._beater is not None and not b._beater.ended(), "the child should live on"
+        assert "has not beaten for" in caplog.text
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.multirank
 def test_a_beating_process_the_store_accepts_late_still_beats():
     """On a loaded machine the store can take longer than a heartbeat's timeout to accept the
     beating process's connection: the process keeps trying instead of ending unheard."""

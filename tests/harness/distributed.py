@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 from harness import ROOT
@@ -94,11 +95,27 @@ def _context():
     fork of it instead of importing torch afresh (about 2 s of CPU per rank on this machine).
     The server starts no threads before it forks, which is what makes forking torch safe.
     Besides rrfp's modules it imports what rrfp imports only on use but nearly every rank uses:
-    torch's dynamo (the first torch optimizer built imports it, with DTensor and FSDP), DCP."""
+    torch's dynamo (the first torch optimizer built imports it, with DTensor and FSDP), DCP.
+
+    The server loads torch with one OpenMP thread, as a launched rank does (OMP_NUM_THREADS=1):
+    OpenMP reads the count once, when torch loads, and a fork's ``torch.set_num_threads(1)`` does
+    not make up for it. Started with the machine's count, the server's ranks spent several times
+    the CPU that ranks with one thread spend, though each called ``torch.set_num_threads(1)``
+    first (examples/embedded_driver.py on 2 ranks: 10.3 CPU-s against 2.0)."""
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(PRELOAD)
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()  # its environment is this process's, now
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _CONTEXT = context
     return _CONTEXT
 
 

@@ -3,7 +3,9 @@ the script's own exception and the script's own exit code: a script that uses
 ``PipelineRuntime.start()`` without ``async with`` and returns normally, two concurrent
 ``run_iteration`` calls (the second refused in one line), and an iteration cancelled on every
 rank followed by a new one (refused in one line: the cancelled one's messages may still be in
-flight). Two ranks started as torchrun would start them, each a script of its own."""
+flight). Two ranks started as torchrun would start them, each a script of its own: a fresh
+interpreter, whose exit is the point, and whose imports show what a script pays (an iteration
+without an optimizer loads no torch._dynamo)."""
 
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ async def forever():
 cases = {"unclosed": unclosed, "concurrent": concurrent, "cancelled": cancelled, "forever": forever}
 rrfp.run(cases[case]())
 print(f"rank {rank}: returned", flush=True)
+print(f"rank {rank}: loaded {sorted(m for m in sys.modules if m.startswith('torch._dynamo'))}")
 """
 
 
@@ -102,14 +105,27 @@ def _no_abort(got) -> None:
         assert "terminate called" not in err and code not in (-6, 134), (code, err[-3000:])
 
 
-@pytest.mark.timeout(180)
-def test_a_runtime_left_open_by_a_script_that_returns_exits_0(tmp_path):
-    script = tmp_path / "embed.py"
+@pytest.fixture(scope="module")
+def unclosed(tmp_path_factory) -> list[tuple[int, str, str]]:
+    """Both ranks of the script that leaves its runtime open after one iteration and returns."""
+    script = tmp_path_factory.mktemp("unclosed") / "embed.py"
     script.write_text(SCRIPT)
-    got = _pair(script, "unclosed")
-    _no_abort(got)
-    for rank, (code, out, err) in enumerate(got):
+    return _pair(script, "unclosed")
+
+
+@pytest.mark.timeout(180)
+def test_a_runtime_left_open_by_a_script_that_returns_exits_0(unclosed):
+    _no_abort(unclosed)
+    for rank, (code, out, err) in enumerate(unclosed):
         assert code == 0 and f"rank {rank}: returned" in out, (code, err[-3000:])
+
+
+@pytest.mark.timeout(180)
+def test_an_iteration_without_an_optimizer_loads_no_dynamo(unclosed):
+    """A script's pipeline costs the imports it uses: torch._dynamo (about 2 CPU-s a process)
+    comes with a torch optimizer, not with an iteration's FLOP count."""
+    for rank, (code, out, err) in enumerate(unclosed):
+        assert f"rank {rank}: loaded []" in out, (code, out[-3000:], err[-3000:])
 
 
 @pytest.mark.timeout(180)

@@ -261,7 +261,7 @@ LONG = ("gil", "busy")  # rows that wait out their fault: the long tier
 )
 def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
     results = _run(api, kind, phase, tmp_path)
-    assert results["fault_at"] is not None, "the fault never fired"
+    assert results["fault_at"] is not None, f"the fault never fired: {results}"
     if outcome == FINISHES:
         for rank in (0, 1):
             assert "error" not in results[rank], (rank, results[rank])

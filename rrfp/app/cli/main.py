@@ -474,4 +474,9 @@ def entry() -> None:
     # Read when torch loads, so set before it does here and in every process started from here;
     # TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings them back
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # OpenMP's thread count, also read once when torch loads: the ranks `--nproc-per-node` forks
+    # from this process keep it, and torch.set_num_threads(compute.threads) in a rank does not
+    # undo a larger one (2 ranks of examples/my_model.toml, 100 steps, 2 cores: 39 CPU-s with
+    # the machine's count, 6 with one). compute.threads raises it where asked
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.exit(main())
