@@ -4,6 +4,8 @@ training the whole model on both replicas' batch: what the drop-in's MoE tests c
 
 from __future__ import annotations
 
+import functools
+
 M, ROWS, T, STEPS, LR = 2, 8, 8, 3, 1e-2  # ROWS: the whole batch, half to each replica
 
 
@@ -102,3 +104,10 @@ def reference(cfg):
         return module_state(model), losses
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+@functools.cache
+def reference_of(**more):
+    """``reference(config(**more))``, computed once per test process: the parametrized tests share
+    it and none changes what it returns."""
+    return reference(config(**more))

@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from harness import ROOT
-from harness.distributed import _context, free_port
+from harness.distributed import _context, free_port, freeze_inherited_heap
 from harness.launch import DROPPED_PREFIXES, LAUNCHER_VARS, rank_vars
 from rrfp.app.job import forked_rank
 
@@ -28,6 +28,7 @@ def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None
     rrfp variables dropped, one thread, unbuffered) and ``env``, ``cwd`` (the repository unless
     given) as its folder, a session of its own, stdout and stderr in the files ``out`` and
     ``err``, SIGINT's handler ``sigint``."""
+    freeze_inherited_heap()
     for k in list(os.environ):
         if k in LAUNCHER_VARS or k.startswith(DROPPED_PREFIXES):
             del os.environ[k]

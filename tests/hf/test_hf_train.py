@@ -3,7 +3,7 @@ tied across the first and last stage) in float64, 4 stages on 2 gloo ranks (virt
 activation checkpointing, gradient clipping and a warmup of the learning rate, equal to the whole
 model trained on one process with the same seed and data."""
 
-import tempfile
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from harness.hf_reference import (  # noqa: E402
 )
 
 
-def _train(rank, world, family, folder, steps=STEPS, resume="off"):
+def _train(rank, world, family, folder, steps=STEPS, resume="off", every=0):
     import asyncio
     import dataclasses
 
@@ -36,7 +36,7 @@ def _train(rank, world, family, folder, steps=STEPS, resume="off"):
         "parallel": dict(pp=world, virtual=2),
         "schedule": dict(n_microbatches=M),
         "optim": dict(lr=LR, warmup_steps=WARMUP, clip_grad_norm=CLIP),
-        "checkpoint": dict(dir=folder, resume=resume),
+        "checkpoint": dict(dir=folder, resume=resume, every=every, keep=STEPS),
         "output": dict(dir=""),  # no run folder: metrics nobody reads
         "model": dataclasses.asdict(model_config(family)),
         "data": dataclasses.asdict(data_config()),
@@ -63,14 +63,35 @@ def _saved_parameters(folder: str) -> dict:
     }
 
 
+RESUMED = "llama"  # the family whose run the resume test resumes
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(family)``: the family's run on 2 ranks, once for the module: (its checkpoint
+    folder, each rank's losses and gradient norms). The RESUMED family's run saves every step:
+    the resume test resumes its step-1 checkpoint."""
+    runs = {}
+
+    def run(family: str):
+        if family not in runs:
+            folder, every = tmp_path_factory.mktemp(family), int(family == RESUMED)
+            runs[family] = (
+                folder,
+                run_ranks(_train, 2, family, str(folder), STEPS, "off", every, timeout=240),
+            )
+        return runs[family]
+
+    return run
+
+
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_rrfp_train_equals_one_process(family):
+def test_rrfp_train_equals_one_process(family, trained):
     ref_losses, ref_params, ref_norms = family_reference(family)
-    with tempfile.TemporaryDirectory() as folder:
-        results = run_ranks(_train, 2, family, folder, timeout=240)
-        params = _saved_parameters(folder)
+    folder, results = trained(family)
+    params = _saved_parameters(folder)
     losses, norms = results[0]
     assert results[1] == results[0] and len(losses) == STEPS
     assert max(ref_norms) > CLIP, f"clipping should act: norms {ref_norms}"
@@ -89,12 +110,14 @@ def test_rrfp_train_equals_one_process(family):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path):
-    """Stopped after step 1 of a 2-step warmup and resumed: steps 2 and 3 are the unbroken run's."""
-    ref_losses = family_reference("llama")[0]
-    first = run_ranks(_train, 2, "llama", str(tmp_path), 1, timeout=240)
-    resumed = run_ranks(_train, 2, "llama", str(tmp_path), STEPS, "auto", timeout=240)
-    assert first[0][0] == ref_losses[:1]
+def test_a_run_resumed_mid_warmup_continues_the_schedule(tmp_path, trained):
+    """Resumed from its step-1 checkpoint, inside the 2-step warmup: steps 2 and 3 are the unbroken
+    run's."""
+    ref_losses = family_reference(RESUMED)[0]
+    folder, first = trained(RESUMED)
+    shutil.copytree(folder / "step-00000001", tmp_path / "step-00000001")
+    resumed = run_ranks(_train, 2, RESUMED, str(tmp_path), STEPS, "auto", timeout=240)
+    assert first[0][0][:1] == ref_losses[:1]
     assert resumed[0][0] == ref_losses[1:], (resumed[0][0], ref_losses)
 
 

@@ -120,9 +120,9 @@ def train(rank, world, sets: list[str]):
     summary = run(stage_main(cfg))
     trained = {
         k: v.detach().numpy().copy()
-        for m in built
+        for m, persistent in ((m, set(m.state_dict())) for m in built)
         for k, v in _state(m).items()
-        if not v.is_meta and k in m.state_dict()
+        if not v.is_meta and k in persistent
     }
     return summary.losses, summary.grad_norms, summary.aux_losses, trained
 

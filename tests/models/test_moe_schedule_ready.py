@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 from harness.distributed import run_ranks
-from harness.moe_schedule_ready import M, config, module_state, reference, train_replica
+from harness.moe_schedule_ready import M, config, module_state, reference_of, train_replica
 
 pytestmark = pytest.mark.multirank
 
@@ -45,7 +45,7 @@ def _rank(rank, world, hint):
 def test_schedule_ready_moe_equals_one_process(hint):
     import torch
 
-    want, want_losses = reference(config(**MORE))
+    want, want_losses = reference_of(**MORE)
     assert any(t.abs().max() > 0 for n, t in want.items() if n.endswith("expert_bias"))
     seen = set()
     for rank, (s, state, losses) in run_ranks(_rank, 4, hint, timeout=180).items():

@@ -13,7 +13,9 @@ from harness.train_rows import TrainJob
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 8
+# enough for the loss to fall by more than 0.5 (5.57 to 4.71); each step's statistics are checked
+# alike, so more steps repeat the same checks
+STEPS = 4
 
 
 @pytest.mark.timeout(400)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness.distributed import run_ranks
+from harness.whole_model import as_tensors, one_iteration
 
 from rrfp.models.shapes import (
     COLOURS,
@@ -213,19 +214,19 @@ def test_a_microbatch_without_images_keeps_the_encoder_in_the_graph():
 # -- pipelined on gloo, against the single-process reference ------------------------
 
 
-def _one_iteration(rank, world, configs):
+def _data() -> list:
+    return [(VLMInputs(x.images.double(), x.ids), y) for x, y in batches(DATA, 0, M)]
+
+
+def _one_iteration(rank, world, configs, ref):
     import torch
 
     from rrfp.loop import run
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    data = [(VLMInputs(x.images.double(), x.ids), y) for x, y in batches(DATA, 0, M)]
-    torch.manual_seed(0)
-    ref = VLM(CFG)
-    ref_loss = sum(loss_fn(ref(x), y) for x, y in data) / M
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    data = _data()
+    ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
     async def main():
         rt = PipelineRuntime.start(pp=world, timeout_s=60)
@@ -252,7 +253,7 @@ def _one_iteration(rank, world, configs):
                 grad_err = max(
                     (p.grad - ref_grads[n]).abs().max().item() for n, p in module.named_parameters()
                 )
-                loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
+                loss_err = abs(res.loss - ref_loss) if res.loss is not None else None
                 out[(ex, hint)] = grad_err, loss_err, len(res.order), received
         finally:
             await rt.aclose()
@@ -270,7 +271,8 @@ def test_one_iteration_matches_reference(pp):
         counts
     )  # differing image counts, one microbatch with none
     configs = [("ready", "bfw"), ("fixed", "1f1b")]
-    results = run_ranks(_one_iteration, pp, configs, timeout=100)
+    reference = one_iteration(lambda: (VLM(CFG), loss_fn, _data()))
+    results = run_ranks(_one_iteration, pp, configs, reference, timeout=100)
     data = batches(DATA, 0, M)
     b, C = DATA.microbatch_size, CFG.n_embd
     for cfg in configs:
@@ -298,9 +300,10 @@ def test_one_iteration_matches_reference(pp):
 def test_loss_falls():
     torch.manual_seed(0)
     model = VLM(CFG)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    # 10 steps at this rate take the loss from 5.54 to 2.96
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
-    for step in range(30):
+    for step in range(10):
         loss = sum(loss_fn(model(x), y) for x, y in batches(DATA, step, M)) / M
         loss.backward()
         opt.step()

@@ -7,6 +7,8 @@ data."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from harness.distributed import run_ranks
 
@@ -43,31 +45,12 @@ def _loss(out, y):
     return (out - y).square().mean()
 
 
-def _pipeline(rank, world, pp, configs, virtual, opts=None):
-    """``opts``: ``slow`` (replica 1's stage 0 that many times slower), ``fail_every`` (every n-th
-    EP round fails), ``fsdp`` (the stages FSDP-sharded over the replicas), ``blocks`` (the model's),
-    ``tight`` (replica 0's budget one microbatch), ``overlap`` (a ready W beside an all-to-all,
-    made to happen by construction: tests/harness/overlap_holds.py)."""
+def _data(dp: int) -> list:
+    """Each step's microbatches, every replica's: M per replica."""
     import torch
 
-    from rrfp.core.budget import DEFAULT_BUDGET
-    from rrfp.core.variability import Variability
-    from rrfp.loop import run
-    from rrfp.nn.expert_parallel import expert_parameters
-    from rrfp.nn.expert_time import ExpertTimes
-    from rrfp.nn.moe_aux_loss import collect_aux_losses
-    from rrfp.pipeline.runtime import PipelineRuntime
-    from rrfp.pipeline.schedule_settings import ScheduleSettings
-    from rrfp.pipeline.sharded_stages import shard_stage
-
-    opts = opts or {}
-    slow, fail_every, fsdp = opts.get("slow", 0.0), opts.get("fail_every", 0), opts.get("fsdp")
-    blocks, tight = opts.get("blocks", BLOCKS), opts.get("tight", False)
-    overlap = opts.get("overlap", False)
-    torch.set_default_dtype(torch.float64)
-    dp = world // pp
     gen = torch.Generator().manual_seed(7)
-    data = [
+    return [
         [
             (torch.randn(2, 5, DIM, generator=gen), torch.randn(2, 5, DIM, generator=gen))
             for _ in range(M * dp)
@@ -75,7 +58,20 @@ def _pipeline(rank, world, pp, configs, virtual, opts=None):
         for _ in range(STEPS)
     ]
 
-    def reference():
+
+@functools.cache
+def _reference(blocks=BLOCKS, dp=2):
+    """One process training the whole model on every replica's data, in float64, once in the test
+    process: each step's loss and gradients, the final parameters (numpy arrays: they travel to
+    the ranks by value)."""
+    import torch
+
+    from rrfp.nn.moe_aux_loss import collect_aux_losses
+
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = _data(dp)
         torch.manual_seed(0)
         full = _model(blocks)
         opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
@@ -87,12 +83,41 @@ def _pipeline(rank, world, pp, configs, virtual, opts=None):
                 loss = sum(_loss(full(x), y) for x, y in data[step]) / (M * dp)
             (loss + sum(aux) / (M * dp)).backward()
             losses.append(loss.item())  # the trained loss is reported without them
-            grads.append({n: p.grad.clone() for n, p in full.named_parameters()})
+            grads.append({n: p.grad.numpy().copy() for n, p in full.named_parameters()})
             opt.step()
             opt.zero_grad()
-        return losses, grads, dict(full.named_parameters())
+        return losses, grads, {n: p.detach().numpy() for n, p in full.named_parameters()}
+    finally:
+        torch.set_default_dtype(was)
 
-    ref_losses, ref_grads, ref_params = reference()
+
+def _pipeline(rank, world, pp, configs, virtual, ref, opts=None):
+    """``ref``: ``_reference``'s for the model and data; ``opts``: ``slow`` (replica 1's stage 0
+    that many times slower), ``fail_every`` (every n-th EP round fails), ``fsdp`` (the stages
+    FSDP-sharded over the replicas), ``blocks`` (the model's), ``tight`` (replica 0's budget one
+    microbatch), ``overlap`` (a ready W beside an all-to-all, made to happen by construction:
+    tests/harness/overlap_holds.py)."""
+    import torch
+
+    from rrfp.core.budget import DEFAULT_BUDGET
+    from rrfp.core.variability import Variability
+    from rrfp.loop import run
+    from rrfp.nn.expert_parallel import expert_parameters
+    from rrfp.nn.expert_time import ExpertTimes
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
+    from rrfp.pipeline.sharded_stages import shard_stage
+
+    opts = opts or {}
+    slow, fail_every, fsdp = opts.get("slow", 0.0), opts.get("fail_every", 0), opts.get("fsdp")
+    blocks, tight = opts.get("blocks", BLOCKS), opts.get("tight", False)
+    overlap = opts.get("overlap", False)
+    torch.set_default_dtype(torch.float64)
+    dp = world // pp
+    data = _data(dp)
+    ref_losses = ref[0]
+    ref_grads = [{n: torch.from_numpy(g) for n, g in step.items()} for step in ref[1]]
+    ref_params = {n: torch.from_numpy(p) for n, p in ref[2].items()}
 
     async def main():
         rt = PipelineRuntime.start(
@@ -249,14 +274,14 @@ def _exact(results, configs):
 @pytest.mark.timeout(420)
 def test_pp2_ep2_replicas_with_their_own_durations_equal_one_process():
     """ready BFW, ZB-H1 and plan with the split backward, and BFW without it."""
-    _exact(run_ranks(_pipeline, 4, 2, CONFIGS, 1, timeout=400), CONFIGS)
+    _exact(run_ranks(_pipeline, 4, 2, CONFIGS, 1, _reference(), timeout=400), CONFIGS)
 
 
 @pytest.mark.timeout(420)
 def test_pp2_ep2_two_stages_per_rank_one_without_moe():
     """V = 2 (v placement): rank 0 holds the stage without a MoE layer (free of the agreement)
     beside the last stage."""
-    _exact(run_ranks(_pipeline, 4, 2, V_CONFIGS, 2, timeout=400), V_CONFIGS)
+    _exact(run_ranks(_pipeline, 4, 2, V_CONFIGS, 2, _reference(), timeout=400), V_CONFIGS)
 
 
 @pytest.mark.timeout(420)
@@ -271,7 +296,7 @@ def test_replicas_that_must_order_differently_stay_exact():
     runs W0 straight after B0 while F1 waits."""
     configs = [("bfw", True), ("zbh1", True)]
     opts = {"blocks": ("dense", "dense", "moe", "moe"), "tight": True}
-    results = run_ranks(_pipeline, 4, 2, configs, 1, opts, timeout=400)
+    results = run_ranks(_pipeline, 4, 2, configs, 1, _reference(opts["blocks"]), opts, timeout=400)
     _check(results, configs)
     alone = [f"{k}{m}@0" for m in range(M) for k in "FBW"]
     for c in configs:
@@ -290,7 +315,7 @@ def test_pp2_ep2_over_fsdp_replicas_equal_one_process():
     """FSDP2 (dp_shard 2 = ep 2): the stages fully_shard over the replicas, the experts left out
     (the EP group shards them), under ready BFW and ZB-H1 with the split backward."""
     configs = [("bfw", True), ("zbh1", True)]
-    results = run_ranks(_pipeline, 4, 2, configs, 1, {"fsdp": True}, timeout=400)
+    results = run_ranks(_pipeline, 4, 2, configs, 1, _reference(), {"fsdp": True}, timeout=400)
     _check(results, configs)
     for out, _ in results.values():
         assert all(out[c]["rounds"][0] >= 2 * M * STEPS for c in configs), "EP tasks are agreed"
@@ -302,7 +327,9 @@ def test_rounds_that_agree_on_nothing_are_retried_and_stay_exact():
     everywhere), with replica 1's first stage four times slower: the members retry at once when
     their offer holds every class offered somewhere, else once it grew, and stay exact."""
     configs = [("bfw", True), ("zbh1", True)]
-    results = run_ranks(_pipeline, 4, 2, configs, 1, {"slow": 4.0, "fail_every": 3}, timeout=200)
+    results = run_ranks(
+        _pipeline, 4, 2, configs, 1, _reference(), {"slow": 4.0, "fail_every": 3}, timeout=200
+    )
     _check(results, configs)
     for out, _ in results.values():
         assert all(out[c]["rounds"][1] >= 2 * M * STEPS // 3 for c in configs), "rounds failed"
@@ -317,7 +344,7 @@ def test_all_to_alls_with_a_w_beside_stay_exact():
     all-to-all, and on the first stage, where every W issues all-to-alls, W0 is ready at B1's or
     a later forward's window and must not run beside it."""
     configs = [("bfw", True), ("zbh1", True), ("plan", True)]
-    results = run_ranks(_pipeline, 4, 2, configs, 1, {"overlap": True}, timeout=400)
+    results = run_ranks(_pipeline, 4, 2, configs, 1, _reference(), {"overlap": True}, timeout=400)
     _exact(results, configs)
     for out, _ in results.values():
         last = out[configs[0]]["coords"][0] == 1

@@ -6,6 +6,7 @@ applied."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -17,28 +18,27 @@ M = 2
 INF = float("inf")
 
 
-def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
-    import logging
+def _model_and_data(dp: int):
+    from rrfp.models.data import DataConfig, batches
+    from rrfp.models.gpt import GPTConfig
 
+    model_cfg = GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=32, vocab_size=256)
+    data_cfg = DataConfig(seed=5, microbatch_size=2, min_seq_len=4, max_seq_len=12)
+    return model_cfg, batches(data_cfg, 0, M * dp)
+
+
+@functools.cache
+def _reference(dp: int, norm_type: float) -> tuple[float, float, dict]:
+    """torch.nn.utils.clip_grad_norm_ on the whole model in one process, in float64, once in the
+    test process: (max_norm, the total norm, the clipped gradients as numpy arrays)."""
     import torch
 
-    from rrfp.loop import run
-    from rrfp.models.data import DataConfig
-    from rrfp.models.data import batches as make_batches
-    from rrfp.models.gpt import GPT, GPTConfig, full_grad_slice, loss_fn, make_stage
-    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.models.gpt import GPT, loss_fn
 
+    was = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
-    model_cfg = GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=32, vocab_size=256)
-    data = make_batches(
-        DataConfig(seed=5, microbatch_size=2, min_seq_len=4, max_seq_len=12), 0, M * dp
-    )
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("rrfp.comm.grad_norm").addHandler(handler)
-
-    def reference(norm_type):
+    try:
+        model_cfg, data = _model_and_data(dp)
         torch.manual_seed(0)
         ref = GPT(model_cfg)
         (sum(loss_fn(ref(x), y) for x, y in data) / len(data)).backward()
@@ -47,7 +47,31 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
         ).item()
         max_norm = unclipped / 4  # small enough that clipping scales every gradient
         total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type).item()
-        return max_norm, total, {n: p.grad for n, p in ref.named_parameters()}
+        return max_norm, total, {n: p.grad.numpy() for n, p in ref.named_parameters()}
+    finally:
+        torch.set_default_dtype(was)
+
+
+def _references(dp: int, norm_types: list[float]) -> dict:
+    return {norm_type: _reference(dp, norm_type) for norm_type in norm_types}
+
+
+def _clip(rank, world, pp, tp, dp, virtual, placement, references, poison):
+    """``references``: ``_reference``'s for each norm type, run in that order."""
+    import logging
+
+    import torch
+
+    from rrfp.loop import run
+    from rrfp.models.gpt import GPT, full_grad_slice, loss_fn, make_stage
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    torch.set_default_dtype(torch.float64)
+    model_cfg, data = _model_and_data(dp)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("rrfp.comm.grad_norm").addHandler(handler)
 
     async def main():
         rt = PipelineRuntime.start(
@@ -61,12 +85,11 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
             ex = rt.stage_executor(modules, loss_fn, n_microbatches=M)
             sync = rt.grad_sync(torch.nn.ModuleList(modules), ex)
             mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
-            for norm_type in norm_types:
+            for norm_type, (max_norm, want_total, want) in references.items():
                 for m in modules:
                     m.zero_grad(set_to_none=True)
                 await ex.run_iteration(0, mine)
                 await sync.sync()
-                max_norm, want_total, want = reference(norm_type)
                 named = [(n, p) for m in modules for n, p in m.named_parameters()]
                 if poison is not None:  # one element of one gradient on the last rank
                     if rank == world - 1:
@@ -81,7 +104,10 @@ def _clip(rank, world, pp, tp, dp, virtual, placement, norm_types, poison):
                     out.append({"total": total, "unchanged": same, "warnings": list(warnings)})
                     continue
                 err = max(
-                    (p.grad - full_grad_slice(n, want[n], rt.tp_rank, tp)).abs().max().item()
+                    (p.grad - full_grad_slice(n, torch.from_numpy(want[n]), rt.tp_rank, tp))
+                    .abs()
+                    .max()
+                    .item()
                     for n, p in named
                 )
                 out.append(
@@ -103,29 +129,37 @@ def _check(results, norm_types):
 
 
 def test_pp4_global_norm_and_clipped_grads():
-    results = run_ranks(_clip, 4, 4, 1, 1, 1, "interleaved", [2.0], None, timeout=120)
+    results = run_ranks(
+        _clip, 4, 4, 1, 1, 1, "interleaved", _references(1, [2.0]), None, timeout=120
+    )
     _check(results, [2.0])
 
 
 def test_pp2_tp2_counts_shards_by_parts_and_replicated_once():
-    results = run_ranks(_clip, 4, 2, 2, 1, 1, "interleaved", [2.0, INF], None, timeout=120)
+    results = run_ranks(
+        _clip, 4, 2, 2, 1, 1, "interleaved", _references(1, [2.0, INF]), None, timeout=120
+    )
     _check(results, [2.0, INF])
 
 
 def test_pp2_dp2_counts_replicas_once():
-    results = run_ranks(_clip, 4, 2, 1, 2, 1, "interleaved", [2.0, 1.0], None, timeout=120)
+    results = run_ranks(
+        _clip, 4, 2, 1, 2, 1, "interleaved", _references(2, [2.0, 1.0]), None, timeout=120
+    )
     _check(results, [2.0, 1.0])
 
 
 @pytest.mark.parametrize("placement", ["interleaved", "v"])
 def test_virtual_stages_every_stage_of_the_rank(placement):
-    results = run_ranks(_clip, 2, 2, 1, 1, 2, placement, [2.0], None, timeout=120)
+    results = run_ranks(_clip, 2, 2, 1, 1, 2, placement, _references(1, [2.0]), None, timeout=120)
     _check(results, [2.0])
 
 
 @pytest.mark.parametrize("poison", [float("nan"), INF])
 def test_nonfinite_norm_reported_not_applied(poison):
-    results = run_ranks(_clip, 2, 2, 1, 1, 1, "interleaved", [2.0], poison, timeout=120)
+    results = run_ranks(
+        _clip, 2, 2, 1, 1, 1, "interleaved", _references(1, [2.0]), poison, timeout=120
+    )
     for rank, (r,) in results.items():
         assert math.isnan(r["total"]) if math.isnan(poison) else r["total"] == INF, (rank, r)
         assert r["unchanged"], f"rank {rank}: a non-finite norm scaled the gradients"

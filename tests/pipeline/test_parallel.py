@@ -4,8 +4,11 @@ same task sequence even when their messages arrive skewed."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from harness.distributed import run_ranks, timed_iteration, timed_outcome
+from harness.whole_model import as_tensors, one_iteration
 
 pytestmark = pytest.mark.multirank
 
@@ -35,26 +38,44 @@ class DelayedChannel:
         await self.inner.aclose()
 
 
-def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
+def _model_and_data():
+    from rrfp.models.data import DataConfig
+    from rrfp.models.gpt import GPTConfig
+
+    return (
+        GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
+        DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=40),
+    )
+
+
+@functools.cache
+def _reference(dp: int) -> tuple[float, dict]:
+    """The whole model's loss and gradients over every replica's microbatches."""
+
+    def setup():
+        from rrfp.models.data import batches
+        from rrfp.models.gpt import GPT, loss_fn
+
+        model_cfg, data_cfg = _model_and_data()
+        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, M * dp)
+
+    return one_iteration(setup)
+
+
+def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtual=1):
     import random
 
     import torch
 
     from rrfp.loop import run
-    from rrfp.models.data import DataConfig
     from rrfp.models.data import batches as make_batches
-    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
+    from rrfp.models.gpt import GPT, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    model_cfg = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64)
-    data_cfg = DataConfig(seed=3, microbatch_size=2, min_seq_len=8, max_seq_len=40)
+    model_cfg, data_cfg = _model_and_data()
     data = make_batches(data_cfg, 0, M * dp)
-    torch.manual_seed(0)
-    ref = GPT(model_cfg)
-    ref_loss = sum(loss_fn(ref(x), y) for x, y in data) / (M * dp)
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
     async def main():
         rt = PipelineRuntime.start(
@@ -115,7 +136,7 @@ def _parallel(rank, world, pp, tp, dp, configs, skew, use_tp_layers, virtual=1):
                 }
         finally:
             await rt.aclose()
-        return out, ref_loss.item()
+        return out, ref_loss
 
     return run(main())
 
@@ -143,7 +164,7 @@ def _check(results, pp, tp, dp, configs=CONFIGS):
 
 @pytest.mark.timeout(300)
 def test_dp2_pp2_matches_reference():
-    results = run_ranks(_parallel, 4, 2, 1, 2, CONFIGS, False, False, timeout=240)
+    results = run_ranks(_parallel, 4, 2, 1, 2, _reference(2), CONFIGS, False, False, timeout=240)
     _check(results, 2, 1, 2)
     # every bucket's all-reduce was launched from inside the iteration, as its gradients became
     # final
@@ -154,7 +175,7 @@ def test_dp2_pp2_matches_reference():
 def test_tp2_pp2_replicated_agreement_under_skew():
     """Replicated layers (no TP collectives inside): shows the agreement alone
     keeps TP ranks in lockstep when one rank's messages arrive late."""
-    results = run_ranks(_parallel, 4, 2, 2, 1, CONFIGS, True, False, timeout=240)
+    results = run_ranks(_parallel, 4, 2, 2, 1, _reference(1), CONFIGS, True, False, timeout=240)
     _check(results, 2, 2, 1)
     rounds = [out[("ready", "bfw")]["rounds"] for out, _ in results.values()]
     assert min(rounds) >= 3 * M, "every ready decision is agreed"
@@ -168,14 +189,23 @@ def test_tp2_pp2_tensor_parallel_layers_under_skew():
     """Megatron TP layers (collectives inside F and B) with skewed arrivals:
     TP ranks agree on every task, so their collectives pair up and training
     matches the reference; without agreement they would deadlock or diverge."""
-    results = run_ranks(_parallel, 4, 2, 2, 1, CONFIGS, True, True, timeout=240)
+    results = run_ranks(_parallel, 4, 2, 2, 1, _reference(1), CONFIGS, True, True, timeout=240)
     _check(results, 2, 2, 1)
 
 
 @pytest.mark.timeout(400)
 def test_tp2_pp2_dp2_matches_reference():
     results = run_ranks(
-        _parallel, 8, 2, 2, 2, [("ready", "bfw"), ("fixed", "bfw")], False, True, timeout=360
+        _parallel,
+        8,
+        2,
+        2,
+        2,
+        _reference(2),
+        [("ready", "bfw"), ("fixed", "bfw")],
+        False,
+        True,
+        timeout=360,
     )
     for cfg in [("ready", "bfw"), ("fixed", "bfw")]:
         for rank, (out, _) in results.items():
@@ -191,10 +221,12 @@ def test_virtual_stages_tp2_dp_and_agreement():
     arrivals on pp=2 x tp=2, then DP buckets on pp=2 x dp=2: the TP ranks agree on every
     (stage, task) and run one sequence, DP averages both stages' gradients, and every
     gradient matches the one-process model."""
-    results = run_ranks(_parallel, 4, 2, 2, 1, V_CONFIGS, True, True, 2, timeout=240)
+    results = run_ranks(_parallel, 4, 2, 2, 1, _reference(1), V_CONFIGS, True, True, 2, timeout=240)
     _check(results, 2, 2, 1, V_CONFIGS)
     assert all(out[("ready", "bfw")]["rounds"] >= 2 * 3 * M for out, _ in results.values())
-    results = run_ranks(_parallel, 4, 2, 1, 2, V_CONFIGS, False, False, 2, timeout=240)
+    results = run_ranks(
+        _parallel, 4, 2, 1, 2, _reference(2), V_CONFIGS, False, False, 2, timeout=240
+    )
     _check(results, 2, 1, 2, V_CONFIGS)
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
 

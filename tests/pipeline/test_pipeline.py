@@ -5,8 +5,11 @@ split backward, ready and fixed dispatch, the planned hint)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from harness.distributed import run_ranks
+from harness.whole_model import as_tensors, one_iteration
 
 pytestmark = pytest.mark.multirank
 
@@ -18,9 +21,9 @@ CONFIGS = [(e, h) for e in ("ready", "fixed") for h in HINTS]
 DRIFT_CONFIGS = [("ready", "bfw"), ("fixed", "1f1b"), ("fixed", "zbh1"), ("ready", "plan")]
 M = 4
 # enough steps for what a step leaves behind to show in the next ones (AdamW's moments and bias
-# correction, the planner's next plan) and for the reference to learn; each step is a full run of
-# every task, so more steps repeat the same checks
-STEPS = 8
+# correction, the planner's next plan: each from the second step on) and, at LR, for the reference
+# to learn; each step is a full run of every task, so more steps repeat the same checks
+STEPS, LR = 4, 1e-2
 
 
 def _model_and_data():
@@ -33,8 +36,22 @@ def _model_and_data():
     )
 
 
+@functools.cache
+def _reference() -> tuple[float, dict]:
+    """The whole model's loss and gradients over iteration 0's microbatches."""
+
+    def setup():
+        from rrfp.models.data import batches
+        from rrfp.models.gpt import GPT, loss_fn
+
+        model_cfg, data_cfg = _model_and_data()
+        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, M)
+
+    return one_iteration(setup)
+
+
 def _one_iteration(
-    rank, world, configs, budget="2x", plain_asyncio=False, preset="none", unit_ms=0.0
+    rank, world, configs, ref, budget="2x", plain_asyncio=False, preset="none", unit_ms=0.0
 ):
     import torch
 
@@ -46,11 +63,7 @@ def _one_iteration(
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfg = _model_and_data()
     batches = make_batches(data_cfg, 0, M)
-    torch.manual_seed(0)
-    ref = GPT(model_cfg)
-    ref_loss = sum(loss_fn(ref(x), y) for x, y in batches) / M
-    ref_loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
     async def main():
         from rrfp.core.variability import Variability
@@ -79,7 +92,7 @@ def _one_iteration(
                 ]
                 missing = [n for n, p in module.named_parameters() if p.grad is None]
                 assert not missing, missing
-                loss_err = abs(res.loss - ref_loss.item()) if res.loss is not None else None
+                loss_err = abs(res.loss - ref_loss) if res.loss is not None else None
                 out[(ex, hint)] = (
                     max(d for _, d in diffs),
                     loss_err,
@@ -102,7 +115,7 @@ def _one_iteration(
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_iteration_matches_reference(pp):
     # PP 2 on plain asyncio, PP 4 on uvloop
-    results = run_ranks(_one_iteration, pp, CONFIGS, "2x", pp == 2, timeout=240)
+    results = run_ranks(_one_iteration, pp, CONFIGS, _reference(), "2x", pp == 2, timeout=240)
     for cfg in CONFIGS:
         for rank in range(pp):
             grad_err, loss_err, order, peak, limit = results[rank][cfg]
@@ -140,7 +153,7 @@ def _steps(rank, world, configs):
     from rrfp.models.gpt import GPT, loss_fn
 
     model_cfg, data_cfg = _model_and_data()
-    steps, lr = STEPS, 3e-3
+    steps, lr = STEPS, LR
     ref_losses = []
     if rank == 0:
         torch.manual_seed(0)
@@ -260,9 +273,10 @@ def test_steps_match_reference(pp):
 def test_byte_budget_runs_each_microbatch_alone():
     """A 1-byte budget admits a microbatch only when none is in flight: peak 1,
     and the result is still the reference's."""
-    results = run_ranks(_one_iteration, 2, [("ready", "bfw"), ("ready", "1f1b")], "1B", timeout=100)
+    configs = [("ready", "bfw"), ("ready", "1f1b")]
+    results = run_ranks(_one_iteration, 2, configs, _reference(), "1B", timeout=100)
     for rank in range(2):
-        for cfg in [("ready", "bfw"), ("ready", "1f1b")]:
+        for cfg in configs:
             grad_err, loss_err, order, peak, limit = results[rank][cfg]
             assert grad_err < 1e-10 and peak == 1 and limit is None, (cfg, rank, grad_err, peak)
 
@@ -278,7 +292,9 @@ def test_variable_timing_reorders_tasks_but_not_results():
         ("ready", "plan"),
         ("fixed", "plan"),
     ]
-    results = run_ranks(_one_iteration, 4, cfgs, "2x", False, "lang", 3.0, timeout=100)
+    results = run_ranks(
+        _one_iteration, 4, cfgs, _reference(), "2x", False, "lang", 3.0, timeout=100
+    )
     from rrfp.core.hints import resolve
 
     left_nominal = 0

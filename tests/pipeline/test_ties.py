@@ -5,6 +5,7 @@ tie that differs in shape is refused on every rank, and a forgotten one is hinte
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -19,47 +20,73 @@ def _gpt_ties(stage, num_stages):
     return tied(GPTConfig(tie_embeddings=True), stage, num_stages)
 
 
-def _tied(rank, world, pp, dp, virtual, placement, clip, declare="ties"):
-    import logging
-
-    import torch
-
-    from rrfp.loop import run
+def _model_and_data(n_layer: int):
     from rrfp.models.data import DataConfig
-    from rrfp.models.data import batches as make_batches
-    from rrfp.models.gpt import GPT, GPTConfig, loss_fn, make_stage
-    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.models.gpt import GPTConfig
 
-    torch.set_default_dtype(torch.float64)
     cfg = GPTConfig(
-        n_layer=pp * virtual,
+        n_layer=n_layer,
         n_embd=16,
         n_head=2,
         block_size=32,
         vocab_size=256,
         tie_embeddings=True,
     )
-    data_cfg = DataConfig(seed=7, microbatch_size=2, min_seq_len=4, max_seq_len=12)
+    return cfg, DataConfig(seed=7, microbatch_size=2, min_seq_len=4, max_seq_len=12)
+
+
+@functools.cache
+def _reference(n_layer: int, dp: int, clip: float) -> tuple[list, list, dict]:
+    """One process training the truly tied model, in float64, once in the test process: each
+    step's loss and clipped norm, the final state (numpy arrays: they travel to the ranks by
+    value; lm_head.weight and transformer.wte.weight the one tensor)."""
+    import torch
+
+    from rrfp.models.data import batches
+    from rrfp.models.gpt import GPT, loss_fn
+
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg, data_cfg = _model_and_data(n_layer)
+        torch.manual_seed(0)
+        ref = GPT(cfg)
+        assert ref.lm_head.weight is ref.transformer.wte.weight
+        opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+        losses, norms = [], []
+        for step in range(STEPS):
+            data = batches(data_cfg, step, M * dp)
+            loss = sum(loss_fn(ref(x), y) for x, y in data) / len(data)
+            loss.backward()
+            if clip:
+                norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, norms, {n: t.numpy() for n, t in ref.state_dict().items()}
+    finally:
+        torch.set_default_dtype(was)
+
+
+def _tied(rank, world, pp, dp, virtual, placement, clip, ref, declare="ties"):
+    """``ref``: ``_reference``'s for the model (pp x virtual layers), dp and clip."""
+    import logging
+
+    import torch
+
+    from rrfp.loop import run
+    from rrfp.models.data import batches as make_batches
+    from rrfp.models.gpt import GPT, loss_fn, make_stage
+    from rrfp.pipeline.runtime import PipelineRuntime
+
+    torch.set_default_dtype(torch.float64)
+    cfg, data_cfg = _model_and_data(pp * virtual)
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("rrfp.pipeline.ties").addHandler(handler)
-
-    torch.manual_seed(0)
-    ref = GPT(cfg)
-    assert ref.lm_head.weight is ref.transformer.wte.weight
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    ref_losses, ref_norms = [], []
-    for step in range(STEPS):
-        data = make_batches(data_cfg, step, M * dp)
-        loss = sum(loss_fn(ref(x), y) for x, y in data) / len(data)
-        loss.backward()
-        if clip:
-            ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.item())
-    want = ref.state_dict()  # lm_head.weight and transformer.wte.weight: the one tensor
+    ref_losses, ref_norms = ref[0], ref[1]
+    want = {n: torch.from_numpy(t) for n, t in ref[2].items()}
 
     async def main():
         rt = PipelineRuntime.start(pp=pp, dp=dp, timeout_s=60, virtual=virtual, placement=placement)
@@ -136,36 +163,42 @@ def _check(results):
 
 @pytest.mark.multirank
 def test_tied_embedding_pp4_interleaved_v2_first_and_last_on_ranks_0_and_3():
-    _check(run_ranks(_tied, 4, 4, 1, 2, "interleaved", 0.0, timeout=180))
+    _check(run_ranks(_tied, 4, 4, 1, 2, "interleaved", 0.0, _reference(4 * 2, 1, 0.0), timeout=180))
 
 
 @pytest.mark.multirank
 def test_tied_embedding_pp2_clipping_counts_the_tie_once():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.05, timeout=120)
+    results = run_ranks(
+        _tied, 2, 2, 1, 1, "interleaved", 0.05, _reference(2 * 1, 1, 0.05), timeout=120
+    )
     _check(results)
     assert all(n > 0.05 for n in results[0]["ref_norms"]), "the test must clip"
 
 
 @pytest.mark.multirank
 def test_tied_embedding_v_placement_two_parameters_on_one_rank():
-    _check(run_ranks(_tied, 2, 2, 1, 2, "v", 0.0, timeout=120))
+    _check(run_ranks(_tied, 2, 2, 1, 2, "v", 0.0, _reference(2 * 2, 1, 0.0), timeout=120))
 
 
 @pytest.mark.multirank
 def test_tied_embedding_pp2_dp2_sums_after_the_dp_average():
-    _check(run_ranks(_tied, 4, 2, 2, 1, "interleaved", 0.0, timeout=180))
+    _check(run_ranks(_tied, 4, 2, 2, 1, "interleaved", 0.0, _reference(2 * 1, 2, 0.0), timeout=180))
 
 
 @pytest.mark.multirank
 def test_tied_pair_of_different_shapes_is_refused_on_every_rank():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "shapes", timeout=120)
+    results = run_ranks(
+        _tied, 2, 2, 1, 1, "interleaved", 0.0, _reference(2 * 1, 1, 0.0), "shapes", timeout=120
+    )
     for rank, r in results.items():
         assert "tie 'e'" in r.get("error", "") and "differ in shape" in r["error"], (rank, r)
 
 
 @pytest.mark.multirank
 def test_forgotten_tie_is_one_warning_naming_both():
-    results = run_ranks(_tied, 2, 2, 1, 1, "interleaved", 0.0, "none", timeout=120)
+    results = run_ranks(
+        _tied, 2, 2, 1, 1, "interleaved", 0.0, _reference(2 * 1, 1, 0.0), "none", timeout=120
+    )
     assert results[1]["warnings"] == []
     (line,) = results[0]["warnings"]
     assert "transformer.wte.weight" in line and "lm_head.weight" in line, line

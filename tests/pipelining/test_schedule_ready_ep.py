@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from harness.distributed import run_ranks
-from harness.moe_schedule_ready import M, config, module_state, reference, train_replica
+from harness.moe_schedule_ready import M, config, module_state, reference_of, train_replica
 
 pytestmark = pytest.mark.multirank
 
@@ -58,7 +58,7 @@ def _rank(rank, world, hint, dp_dim):
 def test_schedule_ready_with_an_ep_mesh_equals_one_process(hint, dp_dim):
     import torch
 
-    want, want_losses = reference(config())
+    want, want_losses = reference_of()
     k = config().moe_experts // 2
     for rank, (s, d, state, losses) in run_ranks(_rank, 4, hint, dp_dim, timeout=200).items():
         sharded = [n for n in state if n.endswith(("experts.w1", "experts.w2", "experts.w3"))]

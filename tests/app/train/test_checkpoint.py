@@ -21,9 +21,10 @@ from harness.train_rows import TrainJob
 
 from rrfp.app.train.checkpoint_dir import MARKER, CheckpointDir
 
-# three steps before the stop (keep-last-2 has one to prune), one after it: the resumed step crosses
-# a saved optimizer state, RNG state and data position
-STEPS, STOP_AT = 4, 3
+# a run of STEPS saves every step, keeping 2 (step 1 pruned); a crash then takes its last
+# checkpoint, and the run resumed from step STOP_AT runs the last step again: that step crosses a
+# saved optimizer state, RNG state and data position
+STEPS, STOP_AT = 3, 2
 
 
 # executor=fixed; ready BFW; ready BFW under lang noise in emulated time, where tasks interleave by
@@ -37,10 +38,21 @@ VARIANTS = {
 }
 
 
+def _crash_debris(ckdir: Path) -> None:
+    """What a crash while the last step was saved leaves: its checkpoint gone and a plain file where
+    the resumed run commits it, a partial directory, and a newer step without its marker."""
+    store = CheckpointDir(ckdir)
+    shutil.rmtree(store.final_path(STEPS))
+    store.final_path(STEPS).write_text("debris")
+    shutil.copytree(store.final_path(STOP_AT), store.partial_path(STOP_AT + 1))
+    shutil.copytree(store.final_path(STOP_AT), store.final_path(STEPS + 1))
+    (store.final_path(STEPS + 1) / MARKER).unlink()
+
+
 def _interrupted_and_whole(rank, world, root):
-    """In one process group: per executor, an uninterrupted STEPS-step run, a run of
-    STOP_AT steps that saves every step (keeping 2), and a run that resumes it to
-    STEPS after a crash left debris beside the checkpoints."""
+    """In one process group: per executor, an uninterrupted STEPS-step run, the same run saving
+    every step (keeping 2), and, after a crash took its last checkpoint and left debris beside the
+    others, a run that resumes it to STEPS."""
     import datetime
 
     import torch.distributed as dist
@@ -52,11 +64,11 @@ def _interrupted_and_whole(rank, world, root):
     out = {}
     for variant, (dispatch, extra) in VARIANTS.items():
         ckdir = Path(root) / variant
-        whole = [run(stage_main(_config(STEPS, dispatch, **extra))).losses for _ in range(2)]
-        first = run(
+        whole = run(stage_main(_config(STEPS, dispatch, **extra))).losses
+        saving = run(
             stage_main(
                 _config(
-                    STOP_AT,
+                    STEPS,
                     dispatch,
                     checkpoint_dir=str(ckdir),
                     checkpoint_every=1,
@@ -68,15 +80,8 @@ def _interrupted_and_whole(rank, world, root):
         dist.barrier()
         kept = sorted(p.name for p in ckdir.iterdir())
         dist.barrier()
-        if (
-            rank == 0
-        ):  # a crash mid-write: a partial directory, and a newer step without its marker;
-            # and a plain file where the resumed run commits its last step
-            store = CheckpointDir(ckdir)
-            shutil.copytree(store.final_path(STOP_AT), store.partial_path(STOP_AT + 1))
-            shutil.copytree(store.final_path(STOP_AT), store.final_path(STOP_AT + 2))
-            (store.final_path(STOP_AT + 2) / MARKER).unlink()
-            store.final_path(STEPS).write_text("debris")
+        if rank == 0:
+            _crash_debris(ckdir)
         dist.barrier()
         second = run(
             stage_main(
@@ -86,7 +91,7 @@ def _interrupted_and_whole(rank, world, root):
         dist.barrier()
         out[variant] = dict(
             whole=whole,
-            first=first.losses,
+            saving=saving.losses,
             second=second.losses,
             resumed_from=second.first_step,
             kept=kept,
@@ -103,7 +108,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
     for rank, out in results.items():
         for dispatch, r in out.items():
             where = f"rank {rank}, {dispatch}"
-            assert r["kept"] == ["step-00000002", "step-00000003"], (
+            assert r["kept"] == [f"step-{STEPS - 1:08d}", f"step-{STEPS:08d}"], (
                 f"{where}: keep-last-2 left {r['kept']}"
             )
             assert r["resumed_from"] == STOP_AT, f"{where}: resumed from step {r['resumed_from']}"
@@ -112,12 +117,12 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
             assert r["after"] == [f"step-{STOP_AT:08d}", f"step-{STEPS:08d}"], (
                 f"{where}: {r['after']}"
             )
-            resumed = r["first"] + r["second"]
-            whole = r["whole"][0]
-            assert len(resumed) == len(whole) == STEPS, where
+            resumed = r["saving"][:STOP_AT] + r["second"]
+            whole = r["whole"]
+            assert len(resumed) == len(whole) == len(r["saving"]) == STEPS, where
             print(
-                f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  a second uninterrupted "
-                f"run {r['whole'][1]}; largest difference to the resumed run "
+                f"{where}: uninterrupted {whole}\n  resumed {resumed}\n  the uninterrupted run "
+                f"that saved {r['saving']}; largest difference to the resumed run "
                 f"{max(abs(a - b) for a, b in zip(resumed, whole)):.3g}"
             )
             # bit-exact for both executors: readiness changes how F, B and W interleave, but on
@@ -125,12 +130,14 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
             # from downstream, and the hint ranks W by microbatch), so every parameter's gradient is
             # summed in the same order, and the loss is summed over microbatches in index order
             assert resumed == whole, f"{where}: not bit-exact"
-            assert r["whole"][1] == whole, f"{where}: two uninterrupted runs differ"
-        assert out["fixed"]["whole"][0] == results[0]["fixed"]["whole"][0], (
+            assert r["saving"] == whole, (
+                f"{where}: two uninterrupted runs differ (one saved, one did not)"
+            )
+        assert out["fixed"]["whole"] == results[0]["fixed"]["whole"], (
             "ranks report different losses"
         )
         for variant in ("ready", "ready-lang"):
-            assert out[variant]["whole"][0] == out["fixed"]["whole"][0], (
+            assert out[variant]["whole"] == out["fixed"]["whole"], (
                 f"{variant} and fixed BFW sum differently"
             )
 

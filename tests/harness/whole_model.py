@@ -1,0 +1,32 @@
+"""The one-process reference of a one-iteration test, computed once in the test process and
+handed to its ranks instead of computed again in every rank: the whole model's mean loss over the
+microbatches and every gradient by name, in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def one_iteration(setup: Callable[[], tuple]) -> tuple[float, dict]:
+    """``setup()`` (called in float64, torch seeded with 0) gives ``(model, loss_fn, data)``: the
+    mean of ``loss_fn(model(x), y)`` over ``data`` and its gradients, numpy arrays that travel to
+    the ranks by value (a tensor through a queue is shared memory)."""
+    import torch
+
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model, loss_fn, data = setup()
+        loss = sum(loss_fn(model(x), y) for x, y in data) / len(data)
+        loss.backward()
+        return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
+    finally:
+        torch.set_default_dtype(was)
+
+
+def as_tensors(grads: dict) -> dict:
+    """A rank's view of the reference's gradients: tensors by name."""
+    import torch
+
+    return {n: torch.from_numpy(g) for n, g in grads.items()}
