@@ -131,6 +131,11 @@ def plot_timelines(
     left_in = 0.35 + max((_text_in(n, TICK_PT) for ns in names for n in ns.values()), default=0)
     px_per_t = (WIDTH_IN - left_in - RIGHT_IN) * DPI / max(t_hi - t_lo, 1e-12)
     for ax, (title, spans), row_names in zip(axes[:, 0], runs, names):
+        # the limits before the bars: each bar added to an axes that scales itself would scale
+        # every axes that shares its x again (a quarter of the calls of a plot of a dozen runs)
+        rows = sorted(row_names)
+        ax.set_xlim(t_lo, t_hi)
+        ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)
         stages_on = _stages_on(spans)
         bars: dict[tuple[int, str, bool], list] = defaultdict(list)
         for sp in spans:
@@ -160,11 +165,9 @@ def plot_timelines(
                     color="white",
                     clip_on=True,
                 )
-        rows = sorted(row_names)
         ax.set_yticks(rows, [row_names[r] for r in rows], fontsize=TICK_PT)
-        ax.set_ylim(max(rows, default=0) + 0.6, min(rows, default=0) - 0.6)
-        ax.set_title(title, fontsize=9, loc="left")
-    axes[-1, 0].set_xlim(t_lo, t_hi)
+        # at the axes' top: no tick labels there for matplotlib to lay the title out above
+        ax.set_title(title, fontsize=9, loc="left", y=1.0)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     order = kinds_present(runs)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS.get(k, "grey")) for k in order]

@@ -1,4 +1,5 @@
-"""The bench's e2e tests' helpers: a run's results.md read back by contender, a moe run."""
+"""The bench's e2e tests' helpers: a run of the command, its results.md read back by contender, a
+moe run."""
 
 from __future__ import annotations
 
@@ -17,31 +18,31 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
     return rows
 
 
-def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
-    """``rrfp bench --workloads moe`` with these contenders and flags, writing to ``out``: the
-    results.json document and the process's stdout, after asserting it exited 0. The command is
-    a child of the preloaded forkserver (``python -m rrfp``, torch imported already)."""
-    import json
-
+def rrfp_bench(*args: str, timeout: float):
+    """``python -m rrfp bench ARGS`` as a child of the preloaded forkserver (torch imported
+    already): the command's entry, output and exit code, as ``subprocess.run`` gives them. Not in
+    the test process: the job's agent is a fork of the command's process."""
     from harness import ROOT
     from harness.forked_python import run_python
     from harness.launch import child_env
 
-    res = run_python(
-        [
-            "-m",
-            "rrfp",
-            "bench",
-            "--workloads",
-            "moe",
-            *flags,
-            "--contenders",
-            ",".join(c.replace(" ", "-") for c in contenders),
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        env=child_env(),
+    return run_python(["-m", "rrfp", "bench", *args], cwd=ROOT, env=child_env(), timeout=timeout)
+
+
+def run_bench_moe(out, contenders, *flags: str) -> tuple[dict, str]:
+    """``rrfp bench --workloads moe`` with these contenders and flags, writing to ``out``
+    (``rrfp_bench``): the results.json document and the process's stdout, after asserting it
+    exited 0."""
+    import json
+
+    res = rrfp_bench(
+        "--workloads",
+        "moe",
+        *flags,
+        "--contenders",
+        ",".join(c.replace(" ", "-") for c in contenders),
+        "--out",
+        str(out),
         timeout=380,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,7 +1,8 @@
 """Start the bench's torchrun job, follow its progress, and turn its failure
 into one line.
 
-torchrun's and the ranks' stderr go to a log file in the results folder (a
+torchrun's agent is a fork of the `rrfp bench` process where it can be (rrfp/app/bench/agent.py).
+Its and the ranks' stderr go to a log file in the results folder (a
 failing rank's traceback and torchrun's own report stay there); the parent
 shows a progress bar from rank 0's progress lines, and when the job fails it
 reports the first ``rrfp: error:`` line a rank printed. A job that outlives
@@ -12,15 +13,17 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
-import subprocess
-import sys
-import threading
+import time
 from pathlib import Path
 
+from rrfp.app.bench.agent import Agent, start_agent
 from rrfp.app.bench.rank import PROGRESS
 from rrfp.app.bench.suite import ROOT, BenchSpec
 from rrfp.app.job import forked_rank
+
+STOP_WAIT_S = 30.0  # how long a stopped agent has to stop its ranks before it is killed
 
 
 class JobFailed(Exception):
@@ -46,14 +49,34 @@ def _last_line(log: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun (it stops its ranks), then SIGKILL it if it lingers."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def _stop(agent: Agent) -> None:
+    """SIGTERM torchrun's agent (it stops its ranks), then SIGKILL it if it lingers."""
+    agent.send_signal(signal.SIGTERM)
+    if agent.wait(STOP_WAIT_S) is None:
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(STOP_WAIT_S)
+
+
+def _follow(agent: Agent, bar, err, deadline: float) -> bool:
+    """Show rank 0's progress lines on ``bar`` and keep any other line of the job's stdout in the
+    log ``err``: True once the agent and every rank have closed it, False if ``deadline``
+    (time.monotonic) comes first."""
+    rest = b""
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([agent.stdout], [], [], left)[0]:
+            continue
+        chunk = os.read(agent.stdout, 1 << 16)
+        if not chunk:
+            return True
+        *lines, rest = (rest + chunk).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace")
+            if line.startswith(PROGRESS):
+                bar.set_postfix_str(json.loads(line[len(PROGRESS) :])["label"], refresh=False)
+                bar.update(1)
+            else:
+                err.write(line + "\n")  # nothing else should print; keep it with the log
+    return False
 
 
 def run_job(
@@ -63,56 +86,35 @@ def run_job(
     ``bar.update(1)`` per finished run. Raises JobFailed with one line."""
     job, rows = job_dir / "job.json", job_dir / "rows.json"
     job.write_text(json.dumps({"spec": spec.as_dict(), "cost": cost}))
-    # each rank a fork of torchrun's agent, which has imported torch and what the ranks import
-    # (rrfp/app/bench/agent.py, rrfp/app/job/forked_rank.py)
-    cmd = [
-        sys.executable,
-        "-m",
-        "rrfp.app.bench.agent",
+    # the agent a fork of this process where it can be, each rank a fork of the agent, which has
+    # imported what the ranks import (rrfp/app/bench/agent.py, rrfp/app/job/forked_rank.py)
+    argv = [
         "--standalone",
         f"--nproc-per-node={spec.world}",
         *forked_rank.torchrun_args("rrfp.app.bench.rank"),
         str(job),
         str(rows),
     ]
-    # the ranks import this rrfp and the models beside it, wherever the command was started
+    # what the ranks start imports this rrfp and the models beside it, wherever the command was
+    # started
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     log.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
     with open(log, "w") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        expired = threading.Event()
-
-        def deadline() -> None:
-            expired.set()
-            _stop(proc)
-
-        timer = threading.Timer(timeout_s, deadline)
-        timer.daemon = True
-        timer.start()
+        agent = start_agent(argv, env, err.fileno())
         try:
-            for line in proc.stdout:
-                if line.startswith(PROGRESS):
-                    bar.set_postfix_str(json.loads(line[len(PROGRESS) :])["label"], refresh=False)
-                    bar.update(1)
-                else:
-                    err.write(line)  # nothing else should print; keep it with the log
-            rc = proc.wait()
+            finished = _follow(agent, bar, err, deadline)
+            rc = agent.wait(max(0.0, deadline - time.monotonic())) if finished else None
+            if rc is None:
+                _stop(agent)
         except BaseException:  # e.g. Ctrl-C: do not leave ranks behind
-            _stop(proc)
+            _stop(agent)
             raise
         finally:
-            timer.cancel()
+            os.close(agent.stdout)
     first = _rank_error(log)
-    if expired.is_set():
+    if rc is None:
         raise JobFailed(
             f"it did not finish within {timeout_s:g} s (--timeout) and was stopped"
             f"{f'; first rank error: {first}' if first else ''} (log: {log})"

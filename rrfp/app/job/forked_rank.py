@@ -65,12 +65,14 @@ def done() -> None:
     raise SystemExit(0)
 
 
-def _as_fresh_interpreter(module_path: str, argv: list[str]) -> None:
+def as_fresh_interpreter(module_path: str, argv: list[str]) -> None:
+    """Undo in this fork what a fresh ``python -u -m MODULE_PATH ARGV`` would not have: the stop
+    signals' handlers, the parent-death signal, buffered output on fds 1 and 2, ``sys.argv``."""
     for sig, handler in (_LAUNCHERS or _DEFAULTS).items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
     _parent_death_signal(0)
-    # python -u: each write reaches the file as it is made; the files are the agent's fds 1 and 2,
-    # whatever object its sys.stdout was
+    # python -u: each write reaches the file as it is made; the files are fds 1 and 2 as the parent
+    # left them, whatever object its sys.stdout was
     for fd, name, errors in ((1, "stdout", "strict"), (2, "stderr", "backslashreplace")):
         encoding = getattr(getattr(sys, name), "encoding", None) or "utf-8"
         raw = io.FileIO(fd, "w", closefd=False)
@@ -86,7 +88,7 @@ def main() -> None:
 
     module, *argv = sys.argv[1:]
     _AGENT.append(os.getppid())
-    _as_fresh_interpreter(module, argv)
+    as_fresh_interpreter(module, argv)
     errors.forked_done = done
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

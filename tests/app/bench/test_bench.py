@@ -11,20 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness import ROOT
-from harness.bench_tables import table_rows
+from harness.bench_tables import rrfp_bench, table_rows
 from harness.cli_run import rrfp_in_process
-from harness.forked_python import run_python
-from harness.launch import child_env
 
 from rrfp.app.bench.suite import DEFAULT_CONTENDERS, file_slug
 from rrfp.app.bench.torch_schedules import stages_per_rank
-
-
-def rrfp_bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python -m rrfp bench ARGS`` as a child of the preloaded forkserver: the command's entry,
-    output and exit code, without an interpreter importing torch for it."""
-    return run_python(["-m", "rrfp", "bench", *args], cwd=ROOT, env=child_env(), timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +229,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 @pytest.mark.timeout(120)
 def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
     out = tmp_path / "out"
-    res = rrfp_in_process(
-        "bench",
+    res = rrfp_bench(
         "--workloads",
         "tests/fixtures/failing_stage.toml",
         "--contenders",
@@ -254,6 +244,7 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
         "1",
         "--out",
         str(out),
+        timeout=100,
     )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
@@ -271,7 +262,26 @@ def test_a_failing_rank_is_one_line_not_a_hang(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(90)
 def test_a_job_past_its_deadline_is_stopped_with_one_line(tmp_path):
-    res = rrfp_in_process("bench", "--quick", "--timeout", "2", "--out", str(tmp_path / "out"))
+    """Its stage 1 never returns (tests/fixtures/hanging_stage.py): the deadline alone ends it."""
+    res = rrfp_bench(
+        "--workloads",
+        "tests/fixtures/hanging_stage.toml",
+        "--contenders",
+        "fixed-1f1b",
+        "--pp",
+        "2",
+        "--n-microbatches",
+        "2",
+        "--reps",
+        "1",
+        "--unit-ms",
+        "1",
+        "--timeout",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+        timeout=60,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert lines[0].startswith(
@@ -310,3 +320,23 @@ def test_a_contender_is_its_framework_dispatch_and_hint():
     assert (v2.dispatch, v2.hint, v2.virtual, v2.placement) == ("ready", "bfw", 2, "v")
     for name in ("ready plan", "torch zb", "drop-in fixed 1f1b", "ready bfw v2"):
         assert Contender.parse(name).name == name
+
+
+def test_the_agent_is_a_fork_only_where_the_ranks_compute_as_they_must(monkeypatch):
+    """The job's agent (and so each rank) is a fork of the bench's process only where that
+    process's torch was loaded with one OpenMP thread (a fork's torch.set_num_threads(1) does not
+    undo more) and knows no CUDA (a fork cannot use it); else it is an interpreter of its own."""
+    import torch
+
+    from rrfp.app.bench.agent import forkable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert forkable()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not forkable()
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert not forkable()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not forkable()

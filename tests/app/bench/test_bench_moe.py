@@ -11,6 +11,7 @@ from harness.bench_tables import run_bench_moe, table_rows, tasks_per_lane
 from rrfp.app.bench.suite import MOE_CONTENDERS
 
 CONTENDERS = ("fixed bfw", "ready bfw", "ready bfw overlap", "ready plan", "torch 1f1b", "torch zb")
+M = 2  # microbatches: every kind of task on every rank (a property of no particular M)
 
 
 @pytest.mark.e2e
@@ -18,7 +19,7 @@ CONTENDERS = ("fixed bfw", "ready bfw", "ready bfw overlap", "ready plan", "torc
 def test_moe_runs_rrfp_and_torch_on_pp2_ep2(tmp_path):
     out = tmp_path / "results"
     doc, _ = run_bench_moe(
-        out, CONTENDERS, "--n-microbatches", "4", "--reps", "1", "--unit-ms", "5"
+        out, CONTENDERS, "--n-microbatches", str(M), "--reps", "1", "--unit-ms", "5"
     )
     assert (doc["config"]["pp"], doc["config"]["dp"], doc["config"]["ep"]) == (2, 2, 2)
     [wl] = doc["workloads"]
@@ -27,13 +28,13 @@ def test_moe_runs_rrfp_and_torch_on_pp2_ep2(tmp_path):
         assert s["peak_inflight"] is not None and s["peak_inflight"] > 0, s
         assert s["wall_s"]["median"] > 0
     tasks = tasks_per_lane(out / "trace-moe.json")
-    # one row per rank (the replicas of a stage apart): 4 microbatches x F, B(, W) each, and two
+    # one row per rank (the replicas of a stage apart): M microbatches x F, B(, W) each, and two
     # torch stages per rank under ZB-V
     for name in CONTENDERS:
         per_rank = {r: tasks.get((name, r), 0) for r in range(4)}
         kinds = 2 if name == "torch 1f1b" else 3
         stages = 2 if name == "torch zb" else 1
-        assert per_rank == dict.fromkeys(range(4), 4 * kinds * stages), (name, per_rank)
+        assert per_rank == dict.fromkeys(range(4), M * kinds * stages), (name, per_rank)
     md = (out / "results.md").read_text()
     assert "pp 2 x ep 2 ranks" in md and "timed by their routing" in md
     assert set(table_rows(md)) == set(CONTENDERS)

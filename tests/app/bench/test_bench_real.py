@@ -10,8 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from harness.bench_tables import table_rows
-from harness.cli_run import rrfp_in_process
+from harness.bench_tables import rrfp_bench, table_rows
 
 from rrfp.app.bench import threads
 from rrfp.app.bench.analysis import (
@@ -226,8 +225,8 @@ def _switches(tid: int) -> tuple[int, int]:
 def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     out = tmp_path / "results"
     contenders = "fixed-bfw,ready-bfw,ready-plan,torch-1f1b,drop-in-ready-bfw"
-    res = rrfp_in_process(
-        "bench", "--real", "--quick", "--contenders", contenders, "--out", str(out)
+    res = rrfp_bench(
+        "--real", "--quick", "--contenders", contenders, "--out", str(out), timeout=240
     )
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())

@@ -13,12 +13,12 @@ from harness.distributed import run_ranks
 from rrfp.app.bench import torch_schedules as ts
 from rrfp.core.tasks import Kind
 
-WORLD = 4
-M = 8
+WORLD = 2  # the properties hold at any size: the smallest with a message between ranks
+M = 4  # torch's two-stage-per-rank schedules take at least as many microbatches as stages
 
 
 def _model_and_data():
-    """8 layers: the two-stage-per-rank schedules split the model into 2 x 4 stages.
+    """8 layers: the two-stage-per-rank schedules split the model into 2 x WORLD stages.
     Iteration 0's microbatches are shorter than iteration 1's, so the envelope must grow."""
     from rrfp.models.data import DataConfig
     from rrfp.models.gpt import GPTConfig
