@@ -4,7 +4,22 @@ microbatches and every gradient by name, in float64."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+
+
+@contextlib.contextmanager
+def float64() -> Iterator[None]:
+    """torch's default dtype float64 within, as it was after: a reference computed in the test
+    process leaves the process's dtype to the tests after it."""
+    import torch
+
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(was)
 
 
 def one_iteration(setup: Callable[[], tuple]) -> tuple[float, dict]:
@@ -13,16 +28,12 @@ def one_iteration(setup: Callable[[], tuple]) -> tuple[float, dict]:
     the ranks by value (a tensor through a queue is shared memory)."""
     import torch
 
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         torch.manual_seed(0)
         model, loss_fn, data = setup()
         loss = sum(loss_fn(model(x), y) for x, y in data) / len(data)
         loss.backward()
         return loss.item(), {n: p.grad.numpy() for n, p in model.named_parameters()}
-    finally:
-        torch.set_default_dtype(was)
 
 
 def as_tensors(grads: dict) -> dict:

@@ -11,6 +11,7 @@ import functools
 
 import pytest
 from harness.distributed import run_ranks
+from harness.whole_model import float64
 
 pytestmark = pytest.mark.multirank
 
@@ -68,9 +69,7 @@ def _reference(blocks=BLOCKS, dp=2):
 
     from rrfp.nn.moe_aux_loss import collect_aux_losses
 
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         data = _data(dp)
         torch.manual_seed(0)
         full = _model(blocks)
@@ -87,8 +86,6 @@ def _reference(blocks=BLOCKS, dp=2):
             opt.step()
             opt.zero_grad()
         return losses, grads, {n: p.detach().numpy() for n, p in full.named_parameters()}
-    finally:
-        torch.set_default_dtype(was)
 
 
 def _pipeline(rank, world, pp, configs, virtual, ref, opts=None):

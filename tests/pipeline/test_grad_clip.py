@@ -11,6 +11,7 @@ import math
 
 import pytest
 from harness.distributed import run_ranks
+from harness.whole_model import float64
 
 pytestmark = pytest.mark.multirank
 
@@ -35,9 +36,7 @@ def _reference(dp: int, norm_type: float) -> tuple[float, float, dict]:
 
     from rrfp.models.gpt import GPT, loss_fn
 
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         model_cfg, data = _model_and_data(dp)
         torch.manual_seed(0)
         ref = GPT(model_cfg)
@@ -48,8 +47,6 @@ def _reference(dp: int, norm_type: float) -> tuple[float, float, dict]:
         max_norm = unclipped / 4  # small enough that clipping scales every gradient
         total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type).item()
         return max_norm, total, {n: p.grad.numpy() for n, p in ref.named_parameters()}
-    finally:
-        torch.set_default_dtype(was)
 
 
 def _references(dp: int, norm_types: list[float]) -> dict:

@@ -10,6 +10,7 @@ import math
 
 import pytest
 from harness.distributed import run_ranks
+from harness.whole_model import float64
 
 M, STEPS = 2, 3
 
@@ -45,9 +46,7 @@ def _reference(n_layer: int, dp: int, clip: float) -> tuple[list, list, dict]:
     from rrfp.models.data import batches
     from rrfp.models.gpt import GPT, loss_fn
 
-    was = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         cfg, data_cfg = _model_and_data(n_layer)
         torch.manual_seed(0)
         ref = GPT(cfg)
@@ -64,8 +63,6 @@ def _reference(n_layer: int, dp: int, clip: float) -> tuple[list, list, dict]:
             opt.zero_grad()
             losses.append(loss.item())
         return losses, norms, {n: t.numpy() for n, t in ref.state_dict().items()}
-    finally:
-        torch.set_default_dtype(was)
 
 
 def _tied(rank, world, pp, dp, virtual, placement, clip, ref, declare="ties"):

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 from harness.distributed import run_ranks
+from harness.whole_model import float64
 
 from rrfp.app.bench import torch_schedules as ts
 from rrfp.core.tasks import Kind
@@ -40,9 +41,7 @@ def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     from rrfp.models.data import batches as make_batches
     from rrfp.models.gpt import GPT, loss_fn
 
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         model_cfg, data_cfgs = _model_and_data()
         data = [make_batches(cfg, step, M) for step, cfg in enumerate(data_cfgs)]
         torch.manual_seed(0)
@@ -57,8 +56,6 @@ def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
             if len(ref_losses) < len(data):
                 ref_opt.step()
         return ref_losses, {n: p.grad for n, p in ref.named_parameters()}
-    finally:
-        torch.set_default_dtype(before)
 
 
 def _train_two_iterations(rank, world, schedule, reference):
