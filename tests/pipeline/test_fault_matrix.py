@@ -39,6 +39,9 @@ from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
+# connecting to the store is no part of a row: on a loaded machine a rank's client has taken over
+# TIMEOUT_S to be accepted, and the rank then ran without its heartbeat
+STORE_CONNECT_S = 30.0
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = ROOT / "docs" / "faults.md"
@@ -148,7 +151,7 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     if rank == 1:
         module = _Faulty(module, kind, phase, Path(mark))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
+    waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
     schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits, split=phase == "W")
     if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
         Path(mark).write_text(repr(time.time()))
@@ -184,7 +187,7 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
         await asyncio.sleep(3 * PROGRESS_S)
 
     async def main():
-        waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S)
+        waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
         layout = dict(pp=1, dp=world) if sync else dict(pp=world)
         async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, n_microbatches=M, split=phase == "W" or None)

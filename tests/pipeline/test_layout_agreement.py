@@ -16,6 +16,9 @@ pytestmark = pytest.mark.multirank
 
 WIDTH, BATCH = 4, 8
 PROGRESS_S = 60.0  # the deadlock's bound: the refusal comes long before it
+# the check's store client: on a loaded machine one has taken over 2 s to be accepted, and its rank
+# then left the shapes unchecked while its peer waited for them
+STORE_CONNECT_S = 30.0
 
 
 def _loss(out, y):
@@ -32,7 +35,7 @@ def _runtime_rank(rank, world):
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
     async def main():
-        waits = Timeouts.derive(2.0, progress_s=PROGRESS_S)
+        waits = Timeouts.derive(2.0, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, n_microbatches=M)
             await ex.run_iteration(0, list(zip(x.chunk(M), y.chunk(M))))
@@ -56,7 +59,7 @@ def _schedule_rank(rank, world):
     M = 4 if rank == 0 else 2
     torch.manual_seed(rank)
     stage = PipelineStage(torch.nn.Linear(WIDTH, WIDTH), rank, world, torch.device("cpu"))
-    waits = Timeouts.derive(2.0, progress_s=PROGRESS_S)
+    waits = Timeouts.derive(2.0, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
     began = time.monotonic()
     try:
         schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits)
