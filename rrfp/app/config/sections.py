@@ -278,7 +278,12 @@ class ComputeSection(Section):
     device: str = setting(
         "auto", "auto, cpu or cuda; auto: cuda when backend = nccl", choices=("auto", "cpu", "cuda")
     )
-    threads: int = setting(1, "torch intra-op threads per rank", bounds=(1, 1024), least=ONE)
+    threads: int = setting(
+        1,
+        "torch intra-op threads per rank (the rrfp command loads torch with OMP_NUM_THREADS=1 unless the shell sets it)",
+        bounds=(1, 1024),
+        least=ONE,
+    )
     autocast: str = setting(
         "off",
         "torch.autocast around every task; parameters and the optimizer stay float32 "
