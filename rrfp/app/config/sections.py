@@ -280,7 +280,8 @@ class ComputeSection(Section):
     )
     threads: int = setting(
         1,
-        "torch intra-op threads per rank (the rrfp command loads torch with OMP_NUM_THREADS=1 unless the shell sets it)",
+        "torch intra-op threads per rank (the rrfp command loads torch with OMP_NUM_THREADS=1 "
+        "unless the shell sets it)",
         bounds=(1, 1024),
         least=ONE,
     )
