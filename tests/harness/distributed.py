@@ -15,6 +15,7 @@ import time
 import traceback
 from multiprocessing import forkserver
 from pathlib import Path
+from unittest import mock
 
 from harness import ROOT
 from harness.launch import child_env, rank_vars
@@ -111,15 +112,8 @@ def _context():
     if _CONTEXT is None:
         context = mp.get_context("forkserver")
         context.set_forkserver_preload(PRELOAD)
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
             forkserver.ensure_running()  # its environment is this process's, now
-        finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
         _CONTEXT = context
     return _CONTEXT
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from harness.whole_model import float64
+
 STEPS, CLIP, DECAY, MIN_LR = 3, 0.05, 0.1, 1e-4
 RECIPE = [f"steps={STEPS}", "n_microbatches=4", "timeout_s=60", f"clip_grad_norm={CLIP}"]
 RECIPE += [f"weight_decay={DECAY}", "schedule=cosine", "warmup_steps=1", f"min_lr={MIN_LR}"]
@@ -60,8 +62,7 @@ def reference(config: str, sets: list[str], world: int):
 
     from rrfp.app.config.train_config import TrainConfig
 
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         cfg = TrainConfig.load(config, sets, world_size=world)
         wl = cfg.workload
         torch.manual_seed(cfg.run.seed)
@@ -79,8 +80,6 @@ def reference(config: str, sets: list[str], world: int):
             opt.zero_grad()
             losses.append(loss.item())
         return losses, norms, {n: p.detach().clone() for n, p in params(model).items()}
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def train(rank, world, config: str, sets: list[str], module: str, cls: str):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 
+from harness.whole_model import float64
+
 M, ROWS, T, STEPS, LR = 2, 8, 8, 3, 1e-2  # ROWS: the whole batch, half to each replica
 
 
@@ -79,8 +81,7 @@ def reference(cfg):
     from rrfp import MoELayer, collect_aux_losses
     from rrfp.models.llama import Llama, loss_fn
 
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         torch.manual_seed(0)
         model = Llama(cfg)
         layers = [m for m in model.modules() if isinstance(m, MoELayer)]
@@ -102,8 +103,6 @@ def reference(cfg):
                 layer.update_bias(layer.take_step().tokens_per_expert)
             losses.append(ces)
         return module_state(model), losses
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import functools
 import pytest
 from harness.distributed import run_ranks
 from harness.llama_reference import CLIP, STEPS, adamw, learning_rate, recipe
+from harness.whole_model import float64
 
 pytestmark = pytest.mark.multirank
 
@@ -50,8 +51,7 @@ def reference(sets: list[str], world: int):
     from rrfp.nn.moe_aux_loss import collect_aux_losses
     from rrfp.nn.moe_layer import moe_layers
 
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         cfg = TrainConfig.load(CONFIG, sets, world_size=world)
         wl, persistent = cfg.workload, None
         torch.manual_seed(cfg.run.seed)
@@ -83,8 +83,6 @@ def reference(sets: list[str], world: int):
             auxes.append(aux.item() / n)
         state = {k: v.detach().clone() for k, v in _state(model).items() if k in persistent}
         return losses, norms, auxes, state
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 # how the pipeline orders its tasks, not what the whole model computes: one reference for every

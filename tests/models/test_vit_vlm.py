@@ -13,6 +13,7 @@ import pytest
 import torch
 from harness.distributed import run_ranks
 from harness.llama_reference import CLIP, differences, recipe, reference, train
+from harness.whole_model import float64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,8 +108,7 @@ def configs(draw):
 
 
 def _check_chain(cfg: ViTVLMConfig, num_stages: int, seed: int) -> None:
-    torch.set_default_dtype(torch.float64)
-    try:
+    with float64():
         whole = _built(cfg, 0, 1, seed)
         stages = [_built(cfg, s, num_stages, seed) for s in range(num_stages)]
         want = _params(whole)
@@ -127,8 +127,6 @@ def _check_chain(cfg: ViTVLMConfig, num_stages: int, seed: int) -> None:
                 else:
                     assert h.shape == (2, images * cfg.patches + x.ids.size(1), cfg.n_embd)
             assert torch.equal(stages[-1](h), whole(x))
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 @settings(max_examples=12, deadline=None)
