@@ -7,9 +7,10 @@ launcher with one line and nothing of torchrun's.
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all.
 
-The jobs that train are the console script as a user starts it, a fresh interpreter: its sys.path,
-and its ranks' as they fork from it, are the point. The commands that train nothing (a refusal at
-load, --dry-run, rrfp calibrate) run the same script in a child of the test session's preloaded
+The jobs that train a user's model are the console script as a user starts it, a fresh
+interpreter: its sys.path, and its ranks' as they fork from it, are the point. The commands that
+train nothing (a refusal at load, --dry-run, rrfp calibrate), and the built-in model's job beside a
+project's ``models`` package, run the same script in a child of the test session's preloaded
 forkserver (tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
 session's: where the model is found is still what is tested, without torch's import each time."""
 
@@ -158,7 +159,11 @@ def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_own(tmp_path):
     """``models`` is a common name for a project's package: with one in the folder the command
-    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's."""
+    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's. The
+    project's own model trains through the console script as a user starts it; ``gpt``, which the
+    preloaded forkserver has imported as rrfp.models.gpt, trains through the same command from a
+    child of it with the script's sys.path (``rrfp_forked``): which module the name resolves to is
+    the point there, and a fresh interpreter's start would only repeat the other run's."""
     project = tmp_path / "project"
     (project / "models").mkdir(parents=True)
     (project / "models" / "__init__.py").write_text('"""The project\'s own models."""\n')
@@ -169,12 +174,8 @@ def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_o
              "--set", "data.max_seq_len=64"]  # fmt: skip
     (project / "gpt.toml").write_text('[run]\nmodel = "gpt"\n')
     (project / "mine.toml").write_text('[run]\nmodel = "models.mine"\n')
-    for config, extra in (("gpt.toml", small), ("mine.toml", [])):
-        res = subprocess.run(
-            [str(SCRIPT), "train", "--nproc-per-node", "2", "--config", config, *TINY, *extra,
-             "--set", f"output.dir={tmp_path}/runs/{{model}}"],
-            cwd=project, env=child_env(PYTHONPATH=str(project / "lib")), stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=140,
-        )  # fmt: skip
+    train = ["train", "--nproc-per-node", "2", *TINY]
+    for run, config, extra in ((rrfp_forked, "gpt.toml", small), (rrfp_script, "mine.toml", [])):
+        res = run(project, project, *train, "--config", config, *extra, timeout=140)
         assert res.returncode == 0, config + res.stdout[-2000:] + res.stderr[-3000:]
         assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
