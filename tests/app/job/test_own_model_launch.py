@@ -7,12 +7,13 @@ launcher with one line and nothing of torchrun's.
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all.
 
-The jobs that train a user's model are the console script as a user starts it, a fresh
-interpreter: its sys.path, and its ranks' as they fork from it, are the point. The commands that
-train nothing (a refusal at load, --dry-run, rrfp calibrate), and the built-in model's job beside a
-project's ``models`` package, run the same script in a child of the test session's preloaded
-forkserver (tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
-session's: where the model is found is still what is tested, without torch's import each time."""
+Two jobs that train a user's model (the example, a project's own ``models.mine``) are the console
+script as a user starts it, a fresh interpreter: its sys.path, and its ranks' as they fork from it,
+are the point. The commands that train nothing (a refusal at load, --dry-run, rrfp calibrate), the
+one-file model's job and the built-in model's job beside a project's ``models`` package run the
+same script in a child of the test session's preloaded forkserver (tests/harness/forked_python.py)
+with the sys.path that interpreter would have, not the session's: where the model is found is
+still what is tested, without torch's import each time."""
 
 from __future__ import annotations
 
@@ -78,9 +79,12 @@ def losses(stdout: str) -> list[float]:
 @pytest.mark.timeout(450)
 def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     """examples/my_model.toml (a dotted module, from where the command runs) and a one-file model
-    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`;
-    the file under bare torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file
-    from where it runs is the point there, which a second rank would only repeat."""
+    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`:
+    the example as a user starts the console script, the file through the same command from a
+    forkserver child with the script's sys.path (``rrfp_forked``: where the file is found from is
+    the point, which a second fresh interpreter's start would only repeat); the file under bare
+    torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file from where it runs
+    is the point there, which a second rank would only repeat."""
     here = user_folder(tmp_path)
     res = rrfp_script(
         here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
@@ -92,7 +96,7 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     scratch.mkdir()
     (scratch / "convnet.py").write_text((ROOT / "examples" / "my_model.py").read_text())
     (scratch / "run.toml").write_text('[run]\nmodel = "convnet.py:workload"\n')
-    res = rrfp_script(
+    res = rrfp_forked(
         scratch, tmp_path, "train", "--nproc-per-node", "2", "--config", "run.toml", *TINY,
         timeout=140,
     )  # fmt: skip
