@@ -7,13 +7,13 @@ launcher with one line and nothing of torchrun's.
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all.
 
-Two jobs that train a user's model (the example, a project's own ``models.mine``) are the console
-script as a user starts it, a fresh interpreter: its sys.path, and its ranks' as they fork from it,
-are the point. The commands that train nothing (a refusal at load, --dry-run, rrfp calibrate), the
-one-file model's job and the built-in model's job beside a project's ``models`` package run the
-same script in a child of the test session's preloaded forkserver (tests/harness/forked_python.py)
-with the sys.path that interpreter would have, not the session's: where the model is found is
-still what is tested, without torch's import each time."""
+The job that trains the README's example is the console script as a user starts it, a fresh
+interpreter: its sys.path, and its ranks' as they fork from it, are the point. The commands that
+train nothing (a refusal at load, --dry-run, rrfp calibrate) and the jobs whose point is which
+module a name resolves to (a one-file model, a project's own ``models`` package beside rrfp's
+``gpt``) run the same script in a child of the test session's preloaded forkserver
+(tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
+session's: where the model is found is still what is tested, without torch's import each time."""
 
 from __future__ import annotations
 
@@ -163,11 +163,11 @@ def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_own(tmp_path):
     """``models`` is a common name for a project's package: with one in the folder the command
-    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's. The
-    project's own model trains through the console script as a user starts it; ``gpt``, which the
-    preloaded forkserver has imported as rrfp.models.gpt, trains through the same command from a
-    child of it with the script's sys.path (``rrfp_forked``): which module the name resolves to is
-    the point there, and a fresh interpreter's start would only repeat the other run's."""
+    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's.
+    Which module each name resolves to is the point: both jobs run the console script's command
+    from a child of the preloaded forkserver with the script's sys.path (``rrfp_forked``, the
+    ranks forks of it; the forkserver has imported rrfp.models.gpt), the example's job above
+    being the fresh interpreter's start."""
     project = tmp_path / "project"
     (project / "models").mkdir(parents=True)
     (project / "models" / "__init__.py").write_text('"""The project\'s own models."""\n')
@@ -179,7 +179,7 @@ def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_o
     (project / "gpt.toml").write_text('[run]\nmodel = "gpt"\n')
     (project / "mine.toml").write_text('[run]\nmodel = "models.mine"\n')
     train = ["train", "--nproc-per-node", "2", *TINY]
-    for run, config, extra in ((rrfp_forked, "gpt.toml", small), (rrfp_script, "mine.toml", [])):
-        res = run(project, project, *train, "--config", config, *extra, timeout=140)
+    for config, extra in (("gpt.toml", small), ("mine.toml", [])):
+        res = rrfp_forked(project, project, *train, "--config", config, *extra, timeout=140)
         assert res.returncode == 0, config + res.stdout[-2000:] + res.stderr[-3000:]
         assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout
