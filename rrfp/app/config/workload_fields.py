@@ -40,12 +40,20 @@ _SCALARS = {bool: "bool", int: "int", float: "float", str: "str", pathlib.Path: 
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadKey:
-    """One key of a workload's section: the field's name, its type, default and doc line."""
+    """One key of a workload's section: the field's name, its type, default and doc line. The doc
+    line is read from the dataclass's source only when asked for (``rrfp config``): parsing that
+    source takes about 0.1 CPU-s, which every rank of a run would otherwise pay as it loads its
+    config, for lines only the reference shows."""
 
     name: str
     type: Any
     default: Any  # MISSING: the dataclass requires it
-    doc: str
+    owner: type  # the dataclass whose field this is
+    given_doc: str  # the field's metadata["doc"], "" if none
+
+    @property
+    def doc(self) -> str:
+        return self.given_doc or _comment_docs(self.owner).get(self.name, "")
 
     @property
     def type_name(self) -> str:
@@ -68,7 +76,6 @@ def workload_keys(kind: type) -> dict[str, WorkloadKey]:
             f"{kind.__module__}.{kind.__qualname__}: its annotations do not resolve "
             f"({type(e).__name__}: {e}): import what they name in its module"
         ) from None
-    docs = _comment_docs(kind)
     out = {}
     for f in dataclasses.fields(kind):
         if not f.init:
@@ -80,8 +87,8 @@ def workload_keys(kind: type) -> dict[str, WorkloadKey]:
             if f.default_factory is not MISSING
             else MISSING
         )
-        doc = f.metadata.get("doc") or docs.get(f.name, "")
-        out[f.name] = WorkloadKey(f.name, hints.get(f.name, Any), default, doc)
+        given = f.metadata.get("doc") or ""
+        out[f.name] = WorkloadKey(f.name, hints.get(f.name, Any), default, kind, given)
     return out
 
 
