@@ -102,7 +102,9 @@ class _Graph:
     def __init__(self, params: dict, input_nodes: set, roots: list) -> None:
         self.params = params  # AccumulateGrad node -> parameter
         self.in_b: dict = {}  # node -> whether it lies on a path to an input
-        self.below: dict = {}  # node -> {id: parameter} it leads to
+        # node off every input's path -> {id: parameter} it leads to; only W asks these nodes for
+        # parameters, and a B node's set (nearly every parameter) would cost a copy per node
+        self.below: dict = {}
         for r in roots:
             self._visit(r, input_nodes)
 
@@ -120,6 +122,8 @@ class _Graph:
                 stack.extend((c, False) for c in children if c not in self.in_b)
                 continue
             self.in_b[n] = n in input_nodes or any(self.in_b[c] for c in children)
+            if self.in_b[n]:
+                continue
             found = {id(self.params[n]): self.params[n]} if n in self.params else {}
             for c in children:
                 found.update(self.below[c])
