@@ -83,8 +83,10 @@ def _rank(rank, world):
                 await sync.sync()
             orders.append([f"{t}@{s}" for s, t in res.ran])
             losses.append([res.losses[mb] for mb in range(M)] if res.losses else [])
-            grads = {n: full(p.grad) for n, p in named}
             opt.step()
+        # the last step's gradients (gathered once: a shard's full_tensor is a collective),
+        # which the optimizer step leaves as they are
+        grads = {n: full(p.grad) for n, p in named}
         return grads, {n: full(p) for n, p in named}, orders, losses
 
     async def main():

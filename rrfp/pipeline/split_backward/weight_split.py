@@ -102,7 +102,9 @@ class _Graph:
     def __init__(self, params: dict, input_nodes: set, roots: list) -> None:
         self.params = params  # AccumulateGrad node -> parameter
         self.in_b: dict = {}  # node -> whether it lies on a path to an input
-        self.below: dict = {}  # node -> {id: parameter} it leads to
+        # node off every input's path -> {id: parameter} it leads to; only W asks these nodes for
+        # parameters, and a B node's set (nearly every parameter) would cost a copy per node
+        self.below: dict = {}
         for r in roots:
             self._visit(r, input_nodes)
 
@@ -110,16 +112,20 @@ class _Graph:
         self, node, input_nodes
     ) -> None:  # iterative post-order: graphs can outgrow the recursion limit
         stack = [(node, False)]
+        pending: dict = {}  # node -> its children, from its first visit to its second
         while stack:
             n, done = stack.pop()
             if n in self.in_b:
                 continue
-            children = self.children(n)
             if not done:
+                children = pending[n] = self.children(n)
                 stack.append((n, True))
                 stack.extend((c, False) for c in children if c not in self.in_b)
                 continue
+            children = pending.pop(n)
             self.in_b[n] = n in input_nodes or any(self.in_b[c] for c in children)
+            if self.in_b[n]:
+                continue
             found = {id(self.params[n]): self.params[n]} if n in self.params else {}
             for c in children:
                 found.update(self.below[c])
@@ -166,12 +172,19 @@ def analyse(
 ) -> WeightWork:
     """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
     left to their layer's own W queue (``queued_parameters``)."""
-    params = {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
+    # no input wants a gradient and no layer queues its own W: W runs the plain backward, so the
+    # walk only looks for a reentrant checkpoint and maps no parameter
+    plain = not inputs and not deferred
+    params = (
+        {}
+        if plain
+        else {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
+    )
     roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
     g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
     if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
         return WeightWork(whole=WHOLE_REENTRANT)
-    if not inputs and not deferred:  # (split-aware layers' queues want their own W)
+    if plain:
         return WeightWork(in_w=True)
     by_id = {id(p): p for p in params.values()}
 
