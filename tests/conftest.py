@@ -41,6 +41,20 @@ def pytest_configure(config):
         "long: waits out a fault and the timeout that names it; `make test-long` runs it",
     ):
         config.addinivalue_line("markers", line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    if session.config.pluginmanager.hasplugin("dsession"):
+        # pytest-xdist's controller, which runs no test: it starts the one forkserver its workers
+        # fork their ranks from, before it starts them. Not when each test's CPU is recorded:
+        # that counts the processes below a test's own, and the shared server's are not.
+        from harness import cpu_times
+        from harness.distributed import start_session_forkserver
+
+        if not os.environ.get(cpu_times.ENV):
+            start_session_forkserver()
+        return
     # One intra-op thread in the test process: with two, OpenMP's spinning workers fight the
     # ranks and other jobs for the 2 cores (the spawned ranks already run with 1).
     import torch

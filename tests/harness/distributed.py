@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import traceback
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from unittest import mock
 
@@ -94,6 +94,9 @@ def _child(fn, rank, world, port, args, queue):
 
 
 _CONTEXT = None
+# the address of the session's forkserver, which pytest-xdist's controller starts for its workers
+SERVER_ENV = "RRFP_TEST_FORKSERVER"
+_JOINED: list[int] = []
 
 
 def _context():
@@ -102,6 +105,8 @@ def _context():
     The server starts no threads before it forks, which is what makes forking torch safe.
     Besides rrfp's modules it imports what rrfp imports only on use but nearly every rank uses:
     torch's dynamo (the first torch optimizer built imports it, with DTensor and FSDP), DCP.
+    Under `make test` the server is the one pytest-xdist's controller started
+    (``start_session_forkserver``), shared by the workers; a run without workers starts its own.
 
     The server loads torch with one OpenMP thread, as a launched rank does (OMP_NUM_THREADS=1):
     OpenMP reads the count once, when torch loads, and a fork's ``torch.set_num_threads(1)`` does
@@ -111,11 +116,43 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         context = mp.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
-            forkserver.ensure_running()  # its environment is this process's, now
+        address = os.environ.get(SERVER_ENV)
+        if not (address and _join(address)):
+            context.set_forkserver_preload(PRELOAD)
+            with mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):
+                forkserver.ensure_running()  # its environment is this process's, now
         _CONTEXT = context
     return _CONTEXT
+
+
+def start_session_forkserver() -> None:
+    """Start the session's forkserver in pytest-xdist's controller, before its workers, and tell
+    them where it listens: each worker then forks its ranks from it instead of starting and
+    preloading a server of its own (about 6 CPU-s each). The controller outlives the workers,
+    so the server does too. A server's child takes its working directory and ``sys.path`` from the
+    process that asked for it; its environment is the server's, which the rank functions and the
+    harness's children set for themselves."""
+    _context()
+    os.environ[SERVER_ENV] = forkserver._forkserver._forkserver_address
+
+
+def _join(address: str) -> bool:
+    """Send this process's forkserver requests to the server at ``address``, which another
+    process started: Python's ``ForkServer`` (multiprocessing/forkserver.py) connects to
+    ``_forkserver_address`` and checks first that the server it started is alive, which only its
+    parent can. False where the interpreter's ``ForkServer`` is not the one this relies on (later
+    versions authenticate each request with a key only the starting process holds): then this
+    process starts its own."""
+    server = forkserver._forkserver
+    if not hasattr(server, "_forkserver_address") or hasattr(server, "_forkserver_authkey"):
+        return False
+    # Each request also hands the server the write end of an "alive" pipe for the child; the
+    # server's own liveness is the controller's pipe. This one is only kept open.
+    _JOINED.extend(os.pipe())
+    server._forkserver_address = address
+    server._forkserver_alive_fd = _JOINED[1]
+    server.ensure_running = resource_tracker.ensure_running
+    return True
 
 
 PRELOAD = [

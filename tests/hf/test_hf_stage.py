@@ -3,8 +3,6 @@ layers materialised), hold exactly the whole model's tensors from the same seed,
 whole model's logits, and read only their own tensors from a safetensors checkpoint."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the rrfp[hf] extra (make installs it)")
 from harness import ROOT  # noqa: E402
+from harness.forked_python import run_python  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from rrfp.hf import build_hf_model, build_hf_stage, hf_layer_ranges, hf_ties  # noqa: E402
@@ -243,16 +242,22 @@ def test_bad_configs_are_one_clear_error():
         build_hf_stage(llama(), 2, 2)
 
 
+# rrfp and transformers unloaded from a child of the preloaded forkserver, which has torch: the
+# imports rrfp makes as a fresh interpreter would make them, without its 3 CPU-s of torch's import
+UNLOADED = (
+    "import sys\nfor name in [m for m in sys.modules if m.partition('.')[0] in ('rrfp', "
+    "'transformers')]:\n    del sys.modules[name]\n"
+)
+
+
 @pytest.mark.e2e
 def test_rrfp_loads_no_transformers_and_says_how_to_install_it():
-    code = (
+    code = UNLOADED + (
         "import sys, rrfp, rrfp.hf; rrfp.hf.HFStage; assert 'transformers' not in sys.modules, "
         "'loaded'\nsys.modules['transformers'] = None\ntry:\n    rrfp.build_hf_stage(None, 0, "
         "1)\nexcept ImportError as e:\n    print(e)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    out = run_python(["-c", code], cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "rrfp.hf needs transformers" in out.stdout and "pip install 'rrfp[hf]'" in out.stdout, (
         out.stdout

@@ -5,7 +5,9 @@ the script's own exception and the script's own exit code: a script that uses
 rank followed by a new one (refused in one line: the cancelled one's messages may still be in
 flight). Two ranks started as torchrun would start them, each a script of its own: a fresh
 interpreter, whose exit is the point, and whose imports show what a script pays (an iteration
-without an optimizer loads no torch._dynamo)."""
+without an optimizer loads no torch._dynamo). The two refusals come from one script, each in a
+runtime of its own: the concurrent one's exception caught and its line printed, the other's
+left to end the script, whose exit then follows both."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 
 SCRIPT = """
-import asyncio, os, sys, time
+import asyncio, os, sys, time, traceback
 import torch
 import rrfp
 
@@ -34,8 +36,10 @@ torch.manual_seed(rank)
 
 
 class Slow(torch.nn.Linear):
+    slow = case == "forever"  # an iteration lasts long enough to be cut midway
+
     def forward(self, x):
-        if case in ("cancelled", "forever"):  # an iteration lasts long enough to be cut midway
+        if Slow.slow:
             time.sleep(0.2)
         return super().forward(x)
 
@@ -67,6 +71,7 @@ async def concurrent():
 
 
 async def cancelled():
+    Slow.slow = True
     async with rrfp.PipelineRuntime.start(pp=2, timeout_s=20) as rt:
         ex = rt.stage_executor(module, loss, n_microbatches=2)
         await ex.run_iteration(0, batches)
@@ -89,7 +94,16 @@ async def forever():
                 print(f"rank {rank}: iterating", flush=True)
 
 
-cases = {"unclosed": unclosed, "concurrent": concurrent, "cancelled": cancelled, "forever": forever}
+async def refused():  # both refusals: the concurrent one caught and told, the other ends the script
+    try:
+        await concurrent()
+    except Exception as e:
+        lines = "".join(traceback.format_exception_only(e)).strip().splitlines()
+        print(f"rank {rank}: concurrent refused in {len(lines)} line(s): {lines[-1]}", flush=True)
+    await cancelled()
+
+
+cases = {"unclosed": unclosed, "refused": refused, "forever": forever}
 rrfp.run(cases[case]())
 print(f"rank {rank}: returned", flush=True)
 print(f"rank {rank}: loaded {sorted(m for m in sys.modules if m.startswith('torch._dynamo'))}")
@@ -128,25 +142,28 @@ def test_an_iteration_without_an_optimizer_loads_no_dynamo(unclosed):
         assert f"rank {rank}: loaded []" in out, (code, out[-3000:], err[-3000:])
 
 
-@pytest.mark.timeout(180)
-def test_a_second_concurrent_iteration_is_refused_in_one_line(tmp_path):
-    script = tmp_path / "embed.py"
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> list[tuple[int, str, str]]:
+    """Both ranks of the script that is refused twice: a second concurrent iteration (caught, its
+    line printed), then an iteration after a cancelled one, which ends the script."""
+    script = tmp_path_factory.mktemp("refused") / "embed.py"
     script.write_text(SCRIPT)
-    got = _pair(script, "concurrent")
-    _no_abort(got)
-    for code, _, err in got:
-        assert code == 1, (code, err[-3000:])
-        last = err.strip().splitlines()[-1]
-        assert "run_iteration(1) while iteration 0 runs" in last, err[-3000:]
+    return _pair(script, "refused")
 
 
 @pytest.mark.timeout(180)
-def test_an_iteration_after_a_cancelled_one_is_refused_in_one_line(tmp_path):
-    script = tmp_path / "embed.py"
-    script.write_text(SCRIPT)
-    got = _pair(script, "cancelled")
-    _no_abort(got)
-    for rank, (code, out, err) in enumerate(got):
+def test_a_second_concurrent_iteration_is_refused_in_one_line(refused):
+    _no_abort(refused)
+    for rank, (code, out, err) in enumerate(refused):
+        told = f"rank {rank}: concurrent refused in 1 line(s): "
+        line = next((ln for ln in out.splitlines() if ln.startswith(told)), "")
+        assert "run_iteration(1) while iteration 0 runs" in line, (code, out, err[-3000:])
+
+
+@pytest.mark.timeout(180)
+def test_an_iteration_after_a_cancelled_one_is_refused_in_one_line(refused):
+    _no_abort(refused)
+    for rank, (code, out, err) in enumerate(refused):
         assert f"rank {rank}: cancelled" in out, (code, err[-3000:])
         assert code == 1, (code, err[-3000:])
         last = err.strip().splitlines()[-1]

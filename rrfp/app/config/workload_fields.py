@@ -40,12 +40,19 @@ _SCALARS = {bool: "bool", int: "int", float: "float", str: "str", pathlib.Path: 
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadKey:
-    """One key of a workload's section: the field's name, its type, default and doc line."""
+    """One key of a workload's section: the field's name, its type, default and doc line. The doc
+    line is read from the source when asked (the reference pages), not when a config loads: reading
+    the source costs every process that loads a config about 0.03 CPU-s."""
 
     name: str
     type: Any
     default: Any  # MISSING: the dataclass requires it
-    doc: str
+    owner: type  # the workload config dataclass that declares the key
+    given_doc: str = ""  # the field's metadata "doc", which comes before its comment
+
+    @property
+    def doc(self) -> str:
+        return self.given_doc or _comment_docs(self.owner).get(self.name, "")
 
     @property
     def type_name(self) -> str:
@@ -68,7 +75,6 @@ def workload_keys(kind: type) -> dict[str, WorkloadKey]:
             f"{kind.__module__}.{kind.__qualname__}: its annotations do not resolve "
             f"({type(e).__name__}: {e}): import what they name in its module"
         ) from None
-    docs = _comment_docs(kind)
     out = {}
     for f in dataclasses.fields(kind):
         if not f.init:
@@ -80,8 +86,9 @@ def workload_keys(kind: type) -> dict[str, WorkloadKey]:
             if f.default_factory is not MISSING
             else MISSING
         )
-        doc = f.metadata.get("doc") or docs.get(f.name, "")
-        out[f.name] = WorkloadKey(f.name, hints.get(f.name, Any), default, doc)
+        out[f.name] = WorkloadKey(
+            f.name, hints.get(f.name, Any), default, kind, f.metadata.get("doc", "")
+        )
     return out
 
 
@@ -238,7 +245,7 @@ def _shown_value(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str) else toml_shown(value)
 
 
-@functools.cache  # a config loads many times in one process (tests, the bench); its source does not
+@functools.cache  # every key of a class asks for its doc: the source is read once per class
 def _comment_docs(kind: type) -> dict[str, str]:
     """Each field's comment on its line, or its docstring, in the source of ``kind`` and the
     dataclasses it extends ({} where the source cannot be read)."""

@@ -206,6 +206,16 @@ def test_a_keys_doc_is_its_metadata_its_comment_or_its_docstring():
     assert vit["n_kv_head"].doc.startswith("key/value heads") and vit["enc_layers"].type is int
 
 
+def test_loading_a_config_reads_no_source_for_the_docs():
+    """The docs are the reference pages' (read from the source when asked); a load that checks the
+    keys only has every rank pay no tokenizing."""
+    from rrfp.app.config import workload_fields
+
+    workload_fields._comment_docs.cache_clear()
+    TrainConfig.load(str(ROOT / "configs" / "moe-tiny.toml"), ["model.n_layer=3"], world_size=4)
+    assert workload_fields._comment_docs.cache_info().misses == 0
+
+
 # ---- every built-in model, and a user's Workload ----
 
 

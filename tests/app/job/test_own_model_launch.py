@@ -7,10 +7,12 @@ launcher with one line and nothing of torchrun's.
 The children import rrfp from a folder that holds nothing else (``lib``: rrfp/), never
 the repository, so that examples/ is found where the command runs, or not at all.
 
-The jobs that train are the console script as a user starts it, a fresh interpreter: its sys.path,
-and its ranks' as they fork from it, are the point. The commands that train nothing (a refusal at
-load, --dry-run, rrfp calibrate) run the same script in a child of the test session's preloaded
-forkserver (tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
+The job that trains the README's example is the console script as a user starts it, a fresh
+interpreter: its sys.path, and its ranks' as they fork from it, are the point. The commands that
+train nothing (a refusal at load, --dry-run, rrfp calibrate) and the jobs whose point is which
+module a name resolves to (a one-file model, a project's own ``models`` package beside rrfp's
+``gpt``) run the same script in a child of the test session's preloaded forkserver
+(tests/harness/forked_python.py) with the sys.path that interpreter would have, not the
 session's: where the model is found is still what is tested, without torch's import each time."""
 
 from __future__ import annotations
@@ -77,9 +79,12 @@ def losses(stdout: str) -> list[float]:
 @pytest.mark.timeout(450)
 def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     """examples/my_model.toml (a dotted module, from where the command runs) and a one-file model
-    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`;
-    the file under bare torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file
-    from where it runs is the point there, which a second rank would only repeat."""
+    in a scratch folder (a file path), each on 2 ranks started by `rrfp train --nproc-per-node`:
+    the example as a user starts the console script, the file through the same command from a
+    forkserver child with the script's sys.path (``rrfp_forked``: where the file is found from is
+    the point, which a second fresh interpreter's start would only repeat); the file under bare
+    torchrun too, on one rank: a fresh ``python -m rrfp`` that finds the file from where it runs
+    is the point there, which a second rank would only repeat."""
     here = user_folder(tmp_path)
     res = rrfp_script(
         here, tmp_path, "train", "--nproc-per-node", "2", "--config", "examples/my_model.toml",
@@ -91,7 +96,7 @@ def test_the_example_and_a_scratch_file_train_through_the_launcher(tmp_path):
     scratch.mkdir()
     (scratch / "convnet.py").write_text((ROOT / "examples" / "my_model.py").read_text())
     (scratch / "run.toml").write_text('[run]\nmodel = "convnet.py:workload"\n')
-    res = rrfp_script(
+    res = rrfp_forked(
         scratch, tmp_path, "train", "--nproc-per-node", "2", "--config", "run.toml", *TINY,
         timeout=140,
     )  # fmt: skip
@@ -158,7 +163,11 @@ def test_dry_run_and_calibrate_load_the_model_from_where_they_run(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_own(tmp_path):
     """``models`` is a common name for a project's package: with one in the folder the command
-    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's."""
+    runs in (first on sys.path), ``gpt`` is still rrfp's and ``models.mine`` is the project's.
+    Which module each name resolves to is the point: both jobs run the console script's command
+    from a child of the preloaded forkserver with the script's sys.path (``rrfp_forked``, the
+    ranks forks of it; the forkserver has imported rrfp.models.gpt), the example's job above
+    being the fresh interpreter's start."""
     project = tmp_path / "project"
     (project / "models").mkdir(parents=True)
     (project / "models" / "__init__.py").write_text('"""The project\'s own models."""\n')
@@ -169,12 +178,8 @@ def test_a_project_with_its_own_models_package_trains_a_built_in_model_and_its_o
              "--set", "data.max_seq_len=64"]  # fmt: skip
     (project / "gpt.toml").write_text('[run]\nmodel = "gpt"\n')
     (project / "mine.toml").write_text('[run]\nmodel = "models.mine"\n')
+    train = ["train", "--nproc-per-node", "2", *TINY]
     for config, extra in (("gpt.toml", small), ("mine.toml", [])):
-        res = subprocess.run(
-            [str(SCRIPT), "train", "--nproc-per-node", "2", "--config", config, *TINY, *extra,
-             "--set", f"output.dir={tmp_path}/runs/{{model}}"],
-            cwd=project, env=child_env(PYTHONPATH=str(project / "lib")), stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=140,
-        )  # fmt: skip
+        res = rrfp_forked(project, project, *train, "--config", config, *extra, timeout=140)
         assert res.returncode == 0, config + res.stdout[-2000:] + res.stderr[-3000:]
         assert len(losses(res.stdout)) == 2 and "done: 2 steps" in res.stdout, res.stdout

@@ -12,10 +12,11 @@ DCP makes up for a fresh AdamW (step 1, zero moments) and resume differently fro
 run after the stop (``resume = auto``) starts at step 0 and ends in the state, bit for bit, of a
 run that was never stopped.
 
-Both compare with one run never stopped, made once for the file. Only the stopped runs are
-torchrun jobs, the signal's path being the point; the run never stopped and the runs after a stop
-start their ranks as plain processes (tests/harness/train_rows.py), with the same command and
-config.
+Both compare with one run never stopped, made once for the file. The stop in step 1 is a torchrun
+job, whose agent ends what is left of the job once a rank has exited. The ranks of every other run
+are plain processes (tests/harness/train_rows.py) with the same command and config; the mid-step
+stop's are signalled as torchrun's agent signals its workers when it is stopped, the job's store
+served as that agent serves it, and each rank's exit code and output are read from the rank.
 """
 
 from __future__ import annotations
@@ -57,19 +58,15 @@ def _train_args(tmp: Path, ck: Path, *extra: str) -> list[str]:
     return ["--config", "configs/gpt-tiny.toml", *[a for s in sets for a in ("--set", s)]]
 
 
-def torchrun(tmp: Path, ck: Path, *extra: str, forked: bool = False):
-    """``rrfp train`` on 2 ranks under torchrun, started (the agent from the preloaded
-    forkserver, tests/harness/train_rows.py; its ranks fresh interpreters, whose every exit code
-    torchrun's failure summary lists, or with ``forked`` forks of the agent, as ``rrfp train
-    --nproc-per-node`` has them, whose summary names the first alone). --monitor-interval 3:
-    once a rank has exited, the agent SIGTERMs the other only after 3 s, so each rank's own line
-    is what this test reads."""
+def torchrun(tmp: Path, ck: Path, *extra: str):
+    """``rrfp train`` on 2 ranks under torchrun, started (the agent from the preloaded forkserver,
+    tests/harness/train_rows.py; its ranks forks of the agent, as ``rrfp train --nproc-per-node``
+    has them). --monitor-interval 3: once a rank has exited, the agent SIGTERMs the other only
+    after 3 s, so each rank's own line is what this test reads."""
     tmp.mkdir(parents=True, exist_ok=True)
-    args = _train_args(tmp, ck, *extra)
-    ranks = forked_rrfp("train", *args) if forked else ["-m", "rrfp", "train", *args]
     return python_m(
         "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "3",
-        *ranks, out=tmp / "out", err=tmp / "err",
+        *forked_rrfp("train", *_train_args(tmp, ck, *extra)), out=tmp / "out", err=tmp / "err",
     )  # fmt: skip
 
 
@@ -88,11 +85,17 @@ def whole(tmp_path_factory) -> tuple[str, Path]:
     return train(tmp, tmp / "ck").out(0), tmp / "ck"
 
 
-def _wait_for_the_slow_task(job, err: Path) -> None:
+def _wait_for_the_slow_task(running, said) -> None:
+    """Until the slow task has started, as ``said()`` (what the job printed to stderr) shows, while
+    ``running()``."""
     t0 = time.monotonic()
-    while "injecting fault slow" not in err.read_text():
-        assert job.poll() is None and time.monotonic() - t0 < 90, err.read_text()[-3000:]
+    while "injecting fault slow" not in said():
+        assert running() and time.monotonic() - t0 < 90, said()[-3000:]
         time.sleep(0.05)
+
+
+def _stopped_lines(text: str) -> dict[int, str]:
+    return {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", text, re.M)}
 
 
 @pytest.mark.timeout(240)
@@ -100,59 +103,57 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
     run = tmp_path / "stopped"
     # stage 0's W1: its first two microbatches' weight gradients are in, the last stage is done and
     # waits in the step's all-reduce: a stop must discard those gradients and meet that rank there
-    job = torchrun(run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}")
-    err = run / "err"
+    job = TrainJob(
+        run,
+        _train_args(
+            run, run / "ck", f"fault=slow:step={SLOW_STEP}:stage=0:task=W1:seconds={SLOW_S}"
+        ),
+        agent_store=True,
+    )
+
+    def said() -> str:
+        return job.err(0) + job.err(1)
+
     try:
-        _wait_for_the_slow_task(job, err)
+        _wait_for_the_slow_task(lambda: job.codes() == [None, None], said)
         time.sleep(1.5)  # well inside the 60 s task
-        ranks = workers(job.pid)
-        assert len(ranks) == 2, ranks
-        for pid in ranks:  # what torchrun's agent does when it is stopped
-            os.kill(pid, signal.SIGTERM)
+        for p in job.procs:  # what torchrun's agent does when it is stopped
+            os.kill(p.pid, signal.SIGTERM)
         t_sig = time.monotonic()
         lines: dict[int, str] = {}
         while not lines and time.monotonic() - t_sig < SAVED_WITHIN_S:
-            lines = {
-                int(m[1]): m[0]
-                for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", err.read_text(), re.M)
-            }
+            lines = _stopped_lines(said())
             time.sleep(0.02)
         elapsed = time.monotonic() - t_sig
         print(f"the job's 'saved' line {elapsed:.2f} s after SIGTERM, in a {SLOW_S} s task")
         assert lines, (
             f"no 'stopped' line within {SAVED_WITHIN_S} s of SIGTERM in a {SLOW_S} s step\n"
-            + err.read_text()[-3000:]
+            + said()[-3000:]
         )
-        job.wait(timeout=30)
+        assert job.wait(range(2), time.monotonic() + 30), job.tails()
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    text = err.read_text()
-    assert [int(c) for c in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", text, re.M)] == [143, 143], (
-        text[-3000:]
-    )
-    lines = {int(m[1]): m[0] for m in re.finditer(r"^rrfp: stopped: rank (\d+): .*$", text, re.M)}
-    assert list(lines) == [0], f"one line for the job, rank 0's: {lines}"
+        job.kill()
+    text = said()
+    assert job.codes() == [143, 143], job.tails()
+    lines = _stopped_lines(text)
+    assert list(lines) == [0] and lines[0] in job.err(0), f"one line for the job, rank 0's: {lines}"
     ck = run / "ck" / f"step-{SLOW_STEP - 1:08d}"
     for line in lines.values():
         assert (
             f"step {SLOW_STEP} of {STEPS} abandoned midway, not applied; checkpoint {ck} "
             f"(step {SLOW_STEP - 1}) is saved; continue with --resume"
         ) in line, line
-    assert f'File "{ROOT / "rrfp"}' not in text, text[
-        -3000:
-    ]  # torchrun's traceback is its own, none of rrfp's
+    assert f'File "{ROOT / "rrfp"}' not in text, text[-3000:]  # no traceback of rrfp's
     # the same checkpoint directory, no fault
     out = train(run / "resume", run / "ck", "resume=required").out(0)
     assert f"resume: from {ck} (step {SLOW_STEP - 1} of {STEPS})" in out, out
-    stopped = losses((run / "out").read_text())
+    stopped = losses(job.out(0))
     assert sorted(stopped) == list(range(1, SLOW_STEP)), (
         stopped
     )  # the abandoned step printed nothing
     whole_out, whole_ck = whole
     assert {**stopped, **losses(out)} == losses(whole_out), (
-        (run / "out").read_text(),
+        job.out(0),
         out,
         whole_out,
     )
@@ -169,10 +170,10 @@ def test_sigterm_mid_step_saves_within_seconds_and_resumes_bit_exact(tmp_path, w
 @pytest.mark.timeout(300)
 def test_a_stop_in_step_1_saves_nothing_and_the_next_run_is_exact(tmp_path, whole):
     run = tmp_path / "stopped"
-    # no exit code read: the ranks may be forks of the agent
-    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60", forked=True)
+    # no exit code read: the ranks are forks of the agent, whose summary names the first alone
+    job = torchrun(run, run / "ck", "fault=slow:step=1:stage=0:task=W1:seconds=60")
     try:
-        _wait_for_the_slow_task(job, run / "err")
+        _wait_for_the_slow_task(lambda: job.poll() is None, (run / "err").read_text)
         time.sleep(1.0)
         for pid in workers(job.pid):
             os.kill(pid, signal.SIGTERM)

@@ -145,10 +145,13 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
 # ---- the command line: separate `rrfp train` processes, as torchrun would start them ----
 
 
+NO_RUN_FOLDER = ("--set", "output.dir=")  # metrics nobody reads: rank 0 writes none each step
+
+
 def train(tmp: Path, *args: str, limit_s: float = 90) -> TrainJob:
     """`rrfp train` on 2 ranks, each a plain process (not torchrun's child: torchrun would end a
     rank's siblings itself, hiding whether each ends on its own), run to its end."""
-    return TrainJob(tmp, [*SMALL, "--set", "timeout_s=20", *args]).finish(limit_s)
+    return TrainJob(tmp, [*SMALL, *NO_RUN_FOLDER, "--set", "timeout_s=20", *args]).finish(limit_s)
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +316,7 @@ def test_sigterm_on_one_rank_stops_every_rank_with_a_saved_step(tmp_path):
         tmp_path / "logs",
         [
             *SMALL,
+            *NO_RUN_FOLDER,
             "--set",
             "steps=100000",
             "--set",
