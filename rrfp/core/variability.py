@@ -72,10 +72,22 @@ def _uniform_ints(keys: list[int]) -> np.float64:
     return np.float64((h >> 11) * (1.0 / 2**53))
 
 
+def _scalar_int(key: Key) -> int | None:
+    """``key`` as a Python integer where it is one value (an int, a numpy integer, a 0-d integer
+    array: what a caller's ``np.asarray`` of one stage gives); None for an array of several."""
+    if isinstance(key, int):
+        return key
+    if isinstance(key, np.integer) or (
+        isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iub"
+    ):
+        return int(key)
+    return None
+
+
 def uniform(*keys: Key) -> Draws:
     """U[0,1) that depends only on the integer keys (broadcast like numpy)."""
-    ints = [k for k in keys if isinstance(k, int)]
-    if len(ints) == len(keys):
+    ints = [_scalar_int(k) for k in keys]
+    if None not in ints:
         return _uniform_ints(cast("list[int]", ints))
     with np.errstate(over="ignore"):
         h: Hashes = np.uint64(0x9E3779B97F4A7C15)

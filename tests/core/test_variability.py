@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from rrfp.core.tasks import Kind
-from rrfp.core.variability import PRESETS, Variability
+from rrfp.core.variability import PRESETS, Variability, uniform
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -15,6 +15,19 @@ def test_deterministic_and_order_free(preset):
         )
     assert v.duration(7, 3, 1, 1, Kind.B) == v.duration(7, 3, 1, 1, Kind.B)
     assert v.duration(8, 3, 1, 1, Kind.B) != v.duration(7, 3, 1, 1, Kind.B) or preset == "none"
+
+
+def test_one_valued_numpy_keys_draw_the_bits_of_python_ints_and_of_array_elements():
+    """A numpy integer or a 0-d integer array (one stage through ``np.asarray``) draws on the
+    integers' path, bit for bit the draw of the Python int and of its element in an array."""
+    for k in (0, 7, -3, 2**63 + 5):
+        dtype = np.uint64 if k >= 2**63 else np.int64
+        element = uniform(np.asarray([k], dtype=dtype), 3, 1)[0]
+        for key in (k, dtype(k), np.asarray(k, dtype=dtype)):
+            assert uniform(key, 3, 1) == element, (k, key)
+            assert uniform(2, key) == uniform(np.asarray([2]), np.asarray([k], dtype=dtype))[0]
+    v = Variability.preset("lang")
+    assert v.duration(5, 1, np.asarray(2), np.int64(3), Kind.W) == v.duration(5, 1, 2, 3, Kind.W)
 
 
 def test_unsplit_backward_is_b_plus_w():

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.bench_tables import rrfp_bench, table_rows
+from harness.bench_tables import SMALL_DATA, rrfp_bench, table_rows
 from harness.cli_run import rrfp_in_process
 
 from rrfp.app.bench.suite import DEFAULT_CONTENDERS, file_slug
@@ -20,8 +20,11 @@ from rrfp.app.bench.torch_schedules import stages_per_rank
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The quick suite at one layer per stage of the v shape (pp 2 x 2 local stages) and short
+    sequences: every contender and every kind of row, at a quarter of the compute."""
     out = tmp_path_factory.mktemp("bench") / "results"
-    return out, rrfp_bench("--quick", "--out", str(out), timeout=240)
+    small = ("--set", "model.n_layer=4", *SMALL_DATA)
+    return out, rrfp_bench("--quick", *small, "--out", str(out), timeout=240)
 
 
 @pytest.mark.e2e

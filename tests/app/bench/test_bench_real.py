@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from harness.bench_tables import rrfp_bench, table_rows
+from harness.bench_tables import SMALL_DATA, rrfp_bench, table_rows
 
 from rrfp.app.bench import threads
 from rrfp.app.bench.analysis import (
@@ -226,7 +226,14 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     out = tmp_path / "results"
     contenders = "fixed-bfw,ready-bfw,ready-plan,torch-1f1b,drop-in-ready-bfw"
     res = rrfp_bench(
-        "--real", "--quick", "--contenders", contenders, "--out", str(out), timeout=240
+        "--real",
+        "--quick",
+        "--contenders",
+        contenders,
+        *("--set", "model.n_layer=4", *SMALL_DATA),  # two layers a stage, short sequences
+        "--out",
+        str(out),
+        timeout=240,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
