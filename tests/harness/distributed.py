@@ -131,8 +131,21 @@ def start_session_forkserver() -> None:
     preloading a server of its own (about 6 CPU-s each). The controller outlives the workers,
     so the server does too. A server's child takes its working directory and ``sys.path`` from the
     process that asked for it; its environment is the server's, which the rank functions and the
-    harness's children set for themselves."""
-    _context()
+    harness's children set for themselves. Its output goes nowhere, not to `make test`'s
+    terminal: a test that reads what a rank prints has it write a file."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(quiet, 1)
+        os.dup2(quiet, 2)
+        _context()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, quiet):
+            os.close(fd)
     os.environ[SERVER_ENV] = forkserver._forkserver._forkserver_address
 
 
