@@ -114,12 +114,12 @@ def test_a_peer_that_stops_beating_is_named_within_timeout_s(server):
     try:
         assert _watch(a, 2 * TIMEOUT_S) is None
         b.close()  # what SIGSTOP does to its thread
-        t0 = time.monotonic()
         found = _watch(a, 5 * TIMEOUT_S)
-        took = time.monotonic() - t0
         assert found is not None and found.rank == 1, found
-        assert TIMEOUT_S - 2 * a.period_s <= took <= TIMEOUT_S + 0.5, f"named after {took:.2f} s"
-        assert found.seconds >= TIMEOUT_S
+        # named once silent for timeout_s by a's own clock, and at the first check past it: a check
+        # more than timeout_s / 2 after the one before gives every peer a fresh timeout_s, so a
+        # peer is named before its silence reaches 1.5 x timeout_s, however loaded the machine
+        assert TIMEOUT_S <= found.seconds < 1.5 * TIMEOUT_S, found
         assert a.describe(1).startswith("no heartbeat for "), a.describe(1)
     finally:
         a.close()
