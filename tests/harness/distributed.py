@@ -4,16 +4,19 @@ loopback port, results through a queue, and a deadline so a hang fails fast."""
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
+import multiprocessing.context
+import multiprocessing.popen_forkserver
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from multiprocessing import forkserver, resource_tracker
+from multiprocessing.connection import wait
 from pathlib import Path
 from unittest import mock
 
@@ -93,6 +96,37 @@ def _child(fn, rank, world, port, args, queue):
         raise
 
 
+class _Popen(multiprocessing.popen_forkserver.Popen):
+    """A forkserver child's handle whose exit status is read once, however many threads ask. The
+    server writes the status once into a pipe, and ``Popen.poll`` (multiprocessing's
+    popen_forkserver.py) reads it without a lock; ``Process.start`` polls every child this process
+    started (``_cleanup`` in process.py). A test that starts jobs from several threads (the
+    fault matrix's rows) then had two readers of one status: the second read the pipe's end and
+    recorded the exit code 255."""
+
+    def __init__(self, process_obj) -> None:
+        self._read = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            if not wait([self.sentinel], 0 if flag == os.WNOHANG else None):
+                return None
+            with self._read:  # ready: the status or the pipe's end, for one reader
+                return super().poll(os.WNOHANG)
+        return self.returncode
+
+
+class _RankProcess(multiprocessing.context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _Popen(process_obj)
+
+
+class _Context(multiprocessing.context.ForkServerContext):
+    Process = _RankProcess
+
+
 _CONTEXT = None
 # the address of the session's forkserver, which pytest-xdist's controller starts for its workers
 SERVER_ENV = "RRFP_TEST_FORKSERVER"
@@ -115,7 +149,7 @@ def _context():
     first (examples/embedded_driver.py on 2 ranks: 10.3 CPU-s against 2.0)."""
     global _CONTEXT
     if _CONTEXT is None:
-        context = mp.get_context("forkserver")
+        context = _Context()
         address = os.environ.get(SERVER_ENV)
         if not (address and _join(address)):
             context.set_forkserver_preload(PRELOAD)
