@@ -166,7 +166,10 @@ def start_session_forkserver() -> None:
     so the server does too. A server's child takes its working directory and ``sys.path`` from the
     process that asked for it; its environment is the server's, which the rank functions and the
     harness's children set for themselves. Its output goes nowhere, not to `make test`'s
-    terminal: a test that reads what a rank prints has it write a file."""
+    terminal: a test that reads what a rank prints has it write a file. Where the workers could
+    not join it (``_shareable``), none is started here."""
+    if not _shareable():
+        return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -183,16 +186,22 @@ def start_session_forkserver() -> None:
     os.environ[SERVER_ENV] = forkserver._forkserver._forkserver_address
 
 
+def _shareable() -> bool:
+    """Whether this interpreter's ``ForkServer`` (multiprocessing/forkserver.py) is the one a
+    server shared between processes relies on: it connects to ``_forkserver_address``, and later
+    versions authenticate each request with a key only the starting process holds."""
+    server = forkserver._forkserver
+    return hasattr(server, "_forkserver_address") and not hasattr(server, "_forkserver_authkey")
+
+
 def _join(address: str) -> bool:
     """Send this process's forkserver requests to the server at ``address``, which another
-    process started: Python's ``ForkServer`` (multiprocessing/forkserver.py) connects to
-    ``_forkserver_address`` and checks first that the server it started is alive, which only its
-    parent can. False where the interpreter's ``ForkServer`` is not the one this relies on (later
-    versions authenticate each request with a key only the starting process holds): then this
-    process starts its own."""
-    server = forkserver._forkserver
-    if not hasattr(server, "_forkserver_address") or hasattr(server, "_forkserver_authkey"):
+    process started: ``ForkServer`` checks first that the server it started is alive, which only
+    its parent can, so that check is left out. False where the server cannot be shared
+    (``_shareable``): then this process starts its own."""
+    if not _shareable():
         return False
+    server = forkserver._forkserver
     # Each request also hands the server the write end of an "alive" pipe for the child; the
     # server's own liveness is the controller's pipe. This one is only kept open.
     _JOINED.extend(os.pipe())
