@@ -1,8 +1,9 @@
 """The fault matrix of the embedding APIs: a fault kind injected on rank 1 in one phase of a
 step, and what rank 0 sees. Each row asserts its outcome: the fault named (the error names
-rank 1, within ``timeout_s`` plus slack) or the step finished exactly (rank 1's losses are
-the single-process reference's). The table in docs/faults.md is generated from ``ROWS``
-(``python tests/pipeline/test_fault_matrix.py`` rewrites it; a test checks it is current).
+rank 1, within ``timeout_s`` plus slack, by the wait the error states where it states one) or
+the step finished exactly (rank 1's losses are the single-process reference's). The table in
+docs/faults.md is generated from ``ROWS`` (``python tests/pipeline/test_fault_matrix.py``
+rewrites it; a test checks it is current).
 
 Kinds: ``kill`` (SIGKILL: a crashed host), ``stop`` (SIGSTOP for good), ``pause`` (SIGSTOP,
 continued after a quarter of ``timeout_s``: a peer sees a stop as its length plus up to two beat
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import sys
 import time
@@ -39,9 +41,10 @@ from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
-# connecting to the store is no part of a row: on a loaded machine a rank's client has taken over
-# TIMEOUT_S to be accepted, and the rank then ran without its heartbeat
-STORE_CONNECT_S = 30.0
+# start-up is no part of a row: on a loaded machine a rank's store client has taken over TIMEOUT_S
+# to be accepted, and ScheduleReady's start-up group over TIMEOUT_S to form. With the heartbeat on,
+# process_group_s bounds nothing past start-up (every group's collectives take the beat's bound)
+START_S = 30.0
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = ROOT / "docs" / "faults.md"
@@ -71,6 +74,14 @@ ROWS = (
 NEVER = ("kill", "stop", "idle", "hang")  # rank 1 reports nothing: rank 0's line is the outcome
 ALIVE = ("idle", "hang")  # beating, never arriving: named after progress_s
 TASK_S = 2 * PROGRESS_S  # timeouts.task_s, derived: the bound of a task whose kind was measured
+
+
+def _waits():
+    from rrfp.pipeline.timeouts import Timeouts
+
+    return Timeouts.derive(
+        TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=START_S, process_group_s=START_S
+    )
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -143,7 +154,6 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from rrfp.pipeline.timeouts import Timeouts
     from rrfp.pipelining.schedule import ScheduleReady
 
     dist.init_process_group("gloo")
@@ -151,7 +161,7 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     if rank == 1:
         module = _Faulty(module, kind, phase, Path(mark))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
+    waits = _waits()
     schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits, split=phase == "W")
     if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
         Path(mark).write_text(repr(time.time()))
@@ -171,7 +181,6 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
     import asyncio
 
     import rrfp
-    from rrfp.pipeline.timeouts import Timeouts
 
     # the sync rows: one stage holding both layers, on two DP replicas
     sync = phase == "sync"
@@ -187,7 +196,7 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
         await asyncio.sleep(3 * PROGRESS_S)
 
     async def main():
-        waits = Timeouts.derive(TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
+        waits = _waits()
         layout = dict(pp=1, dp=world) if sync else dict(pp=world)
         async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, n_microbatches=M, split=phase == "W" or None)
@@ -254,6 +263,11 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     return results
 
 
+# The wait a naming line states: a silent peer's (``no heartbeat for 2.0 s``), a peer's that beats
+# but sends nothing (``sent nothing for 4.0 s``) or never reaches a collective (``waited 4.0 s``).
+# Rank 1 can idle or hang from before rank 0 has run its own tasks, so the wall clock from the
+# fault would count rank 0's work under the machine's load; the line's wait starts when it waits.
+MEASURED = re.compile(r"(?:no heartbeat for|sent nothing for|waited) ([0-9.]+) s")
 LONG = ("gil", "busy")  # rows that wait out their fault: the long tier
 
 
@@ -281,6 +295,10 @@ def test_fault_matrix_row(api, kind, phase, outcome, tmp_path):
         assert results[1]["error"].startswith("TaskOverrun: rank 1 stage 1:"), results[1]
         assert results["exit_code"] == 0, results["exit_code"]  # the rank function returned
     bound = PROGRESS_S if kind in ALIVE else TASK_S if kind == "stuck" else TIMEOUT_S
+    measured = MEASURED.search(error)
+    if measured:  # the runtime's own clock, from when the fault could be seen (see MEASURED)
+        took = float(measured.group(1))
+        assert bound - 0.05 <= took, f"named before its bound of {bound:g} s: {error}"
     assert took <= bound + SLACK_S, f"named after {took:.1f} s: {error}"
     print(f"{api} {kind} {phase}: named after {took:.2f} s")
 
@@ -304,7 +322,9 @@ def table() -> str:
         f"The fault named (its error names rank 1 within timeout_s + {SLACK_S:g} s,",
         f"timeout_s = {TIMEOUT_S:g}; an idle or hung peer within timeouts.progress_s +",
         f"{SLACK_S:g} s, progress_s = {PROGRESS_S:g}) or the step finished with the",
-        "single-process reference's losses.",
+        "single-process reference's losses. Where the error states the wait it ended (a silent",
+        "peer's, or an idle or hung peer's), that wait is the one bounded: it starts when rank 0",
+        "waits, not when rank 1 faulted; otherwise the wall clock from the fault is.",
         "",
         "Kinds: kill (SIGKILL), stop (SIGSTOP for good), pause (SIGSTOP, continued after a",
         "quarter of timeout_s), gil (one C call holding the GIL for 1.5 x timeout_s), busy (Python",
