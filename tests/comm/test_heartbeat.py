@@ -160,6 +160,24 @@ def test_a_store_that_stops_answering_is_named_as_the_store(server):
         a.close(), b.close()
 
 
+@pytest.mark.multirank
+def test_a_rank_that_hosts_the_store_never_names_it(server):
+    """The store's server is a thread of the hosting rank's process: its own read that does not
+    return says that process is starved, not that the store's host is gone, so the host names
+    nobody for it (its peers, reading from outside, name the store, as above)."""
+    a, b = _pair(server)
+    a.hosted = True
+    a.store = stalling = StallingStore(a.store)
+    _start(a, b)
+    try:
+        assert _watch(a, 2 * TIMEOUT_S) is None
+        stalling.stall.set()
+        assert _watch(a, 4 * TIMEOUT_S) is None
+    finally:
+        stalling.release.set()
+        a.close(), b.close()
+
+
 class StallingStore:
     """A client whose server stops answering when ``stall`` is set, as a SIGSTOPped store host does
     (TCPStore.cpp, torch 2.13): ``set`` only sends, so it returns; ``check`` and ``multi_get`` wait
