@@ -17,6 +17,13 @@ it prints).
   one buffer, the copy included), per one-way message.
 - decision: ``StageTracker.next`` under BFW, what ready dispatch spends choosing a task.
 
+- ``--parts``: where "from lane" goes, the same call stamped at the task's last line, once the
+  lane's bookkeeping is done (``_hold_lane`` returned), when the loop runs the callback that
+  sets the result, and when the awaiter resumes; the lane as it is (``call_soon_threadsafe``)
+  alternates in one process with a candidate that signals by ``os.write`` to a pipe the loop
+  reads (``add_reader``; the write releases the GIL), and with one whose future resumes its
+  awaiter inside that callback instead of one loop iteration later ("handback").
+
 On real compute, ``rrfp bench --real`` reports the same parts per task, measured on the run's
 traces (decide, to lane, from lane, after): this script isolates them from a pipeline's waits.
 """
@@ -24,6 +31,9 @@ traces (decide, to lane, from lane, after): this script isolates them from a pip
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -100,6 +110,119 @@ def lane_handoff(reps: int, task_s: float, pinned: bool) -> dict[str, list[float
             out[f"{label}: to lane"] = to
             out[f"{label}: from lane"] = back
             out[f"{label}: inline, both ways"] = inline
+        lane.close()
+
+    uvloop.run(main())
+    return out
+
+
+class _Handback(asyncio.Future):
+    """A future whose awaiter resumes inside ``resolve`` (the candidate "handback")."""
+
+    _waiters: tuple = ()
+
+    def add_done_callback(self, fn, *, context=None) -> None:  # type: ignore[override]
+        if self.done():
+            super().add_done_callback(fn, context=context)
+        else:
+            self._waiters = (*self._waiters, (fn, context))
+
+    def resolve(self, outcome, value) -> None:
+        if self.done():
+            return
+        outcome(self, value)
+        waiters, self._waiters = self._waiters, ()
+        for fn, ctx in waiters:
+            if ctx is None:
+                fn(self)
+            else:
+                ctx.run(fn, self)
+
+    def cancel(self, msg=None) -> bool:
+        if not super().cancel(msg):
+            return False
+        waiters, self._waiters = self._waiters, ()
+        for fn, ctx in waiters:
+            self.get_loop().call_soon(fn, self, context=ctx)
+        return True
+
+
+def handoff_parts(reps: int, task_s: float, pinned: bool) -> dict[str, list[float]]:
+    """ "from lane" in stamped parts, three ways of handing the result back alternating."""
+    import uvloop
+
+    from rrfp.loop import lane as lane_module
+
+    if pinned:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    stamps: dict[str, float] = {}
+    mode = ["as is"]
+    modes = ("as is", "pipe", "handback")
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    ready: collections.deque = collections.deque()
+
+    def on_readable() -> None:
+        stamps["callback"] = time.perf_counter()
+        with contextlib.suppress(BlockingIOError):
+            os.read(r, 4096)
+        while ready:
+            outcome, done, value = ready.popleft()
+            outcome(done, value)
+
+    class Lane(lane_module.ComputeLane):
+        async def _submit(self, calls, fn, args, hold_s, more_s):
+            loop = self._loop = asyncio.get_running_loop()
+            done = _Handback(loop=loop) if mode[0] == "handback" else loop.create_future()
+            calls.put((loop, done, fn, args, hold_s, more_s))
+            return await done
+
+        def _serve_one(self, loop, done, fn, args, hold_s, more_s, beside=False) -> None:
+            try:
+                outcome, value = lane_module._set_result, self._hold_lane(fn, args, hold_s, more_s)
+            except BaseException as e:  # noqa: BLE001
+                outcome, value = lane_module._set_exception, e
+            stamps["held"] = time.perf_counter()
+            if mode[0] == "pipe":
+                ready.append((outcome, done, value))
+                os.write(w, b"\0")
+            elif mode[0] == "handback":
+                loop.call_soon_threadsafe(_stamped, done.resolve, outcome, value)
+            else:
+                loop.call_soon_threadsafe(_stamped, outcome, done, value)
+
+    def _stamped(f, *a) -> None:
+        stamps["callback"] = time.perf_counter()
+        f(*a)
+
+    out: dict[str, list[float]] = {}
+
+    async def main() -> None:
+        asyncio.get_running_loop().add_reader(r, on_readable)
+        lane = Lane(0.0)
+        for label, work in (("no-op", lambda: None), (f"{1e3 * task_s:g} ms", _matmuls(task_s))):
+
+            def fn(work=work) -> None:
+                work()
+                stamps["last"] = time.perf_counter()
+
+            await lane.run(fn)
+            n = reps if label == "no-op" else max(20, reps // 20)
+            for i in range(n * len(modes)):
+                mode[0] = modes[(i + i // len(modes)) % len(modes)]  # each first in turn
+                stamps.clear()
+                await lane.run(fn)
+                t1 = time.perf_counter()
+                parts = {
+                    "last line to bookkeeping done": stamps["held"] - stamps["last"],
+                    "bookkeeping done to loop callback": stamps["callback"] - stamps["held"],
+                    "loop callback to awaiter": t1 - stamps["callback"],
+                    "from lane, in all": t1 - stamps["last"],
+                }
+                for part, x in parts.items():
+                    out.setdefault(f"{label}, {mode[0]}: {part}", []).append(x)
         lane.close()
 
     uvloop.run(main())
@@ -196,9 +319,18 @@ def main() -> None:
     a.add_argument("--task-ms", type=float, default=7.0)
     a.add_argument("--tokens", type=int, default=512, help="rows of the activation sent")
     a.add_argument("--width", type=int, default=192)
+    a.add_argument("--parts", action="store_true", help="only the hand-off back, in parts")
     args = a.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.1f}; medians and p90, µs")
     print(f"{'what':<44} {'p50':>8} {'p90':>8}")
+    if args.parts:
+        for pinned in (False, True):
+            with mp.get_context("spawn").Pool(1) as pool:
+                got = pool.apply(handoff_parts, (args.reps, args.task_ms / 1e3, pinned))
+            for name, xs in got.items():
+                print(f"{('pinned' if pinned else 'free') + ', ' + name:<62} {_us(xs)}")
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
+        return
     for pinned in (False, True):
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:
