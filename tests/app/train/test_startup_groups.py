@@ -68,8 +68,9 @@ def _groups_created(rank, world, root):
     phase[0] = "run"
     dist.new_group()  # the spy sees a group created after start-up
     seen = created.count("run")
-    # gloo's new_group has no barrier: a rank that forms its side of the mesh and destroys its
-    # groups at once can close the connection its peer still reads its handshake from
+    # new_group ends with no barrier (torch's TORCH_DIST_INIT_BARRIER is 0 by default), so the
+    # ranks leave it apart: one that tears its groups down at once may close a connection its peer
+    # is still forming (gloo's "Connection closed by peer" in that peer's new_group, under load)
     dist.barrier()
     dist.destroy_process_group()
     return counts, seen, second.first_step, len(first.losses) + len(second.losses)
