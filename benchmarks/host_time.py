@@ -147,11 +147,21 @@ class _Handback(asyncio.Future):
         return True
 
 
+def _set_result(done: asyncio.Future, value) -> None:
+    if not done.done():
+        done.set_result(value)
+
+
+def _set_exception(done: asyncio.Future, error: BaseException) -> None:
+    if not done.done():
+        done.set_exception(error)
+
+
 def handoff_parts(reps: int, task_s: float, pinned: bool) -> dict[str, list[float]]:
     """ "from lane" in stamped parts, three ways of handing the result back alternating."""
     import uvloop
 
-    from rrfp.loop import lane as lane_module
+    from rrfp.loop import ComputeLane
 
     if pinned:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -172,7 +182,7 @@ def handoff_parts(reps: int, task_s: float, pinned: bool) -> dict[str, list[floa
             outcome, done, value = ready.popleft()
             outcome(done, value)
 
-    class Lane(lane_module.ComputeLane):
+    class Lane(ComputeLane):
         async def _submit(self, calls, fn, args, hold_s, more_s):
             loop = self._loop = asyncio.get_running_loop()
             done = _Handback(loop=loop) if mode[0] == "handback" else loop.create_future()
@@ -181,9 +191,9 @@ def handoff_parts(reps: int, task_s: float, pinned: bool) -> dict[str, list[floa
 
         def _serve_one(self, loop, done, fn, args, hold_s, more_s, beside=False) -> None:
             try:
-                outcome, value = lane_module._set_result, self._hold_lane(fn, args, hold_s, more_s)
+                outcome, value = _set_result, self._hold_lane(fn, args, hold_s, more_s)
             except BaseException as e:  # noqa: BLE001
-                outcome, value = lane_module._set_exception, e
+                outcome, value = _set_exception, e
             stamps["held"] = time.perf_counter()
             if mode[0] == "pipe":
                 ready.append((outcome, done, value))
