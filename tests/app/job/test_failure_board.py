@@ -27,7 +27,9 @@ def board(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("WORLD_SIZE", "5")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
-    b = FailureBoard.connect()
+    # the board's own 1 s is a failing rank's best effort; here connecting is no part of a test,
+    # and a loaded machine has taken over 1 s to accept a client of this process's store
+    b = FailureBoard.connect(timeout_s=30.0)
     assert b is not None
     yield b
     del master
