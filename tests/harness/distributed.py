@@ -45,6 +45,21 @@ def free_port() -> int:
     raise RuntimeError(f"no free port below {low}")
 
 
+# start-up's own bound in a test whose subject comes after it: on a loaded two-core machine a
+# rank's store client has taken over 2 s to be accepted, and a start-up group over 2 s to form
+START_S = 30.0
+
+
+def started_waits(timeout_s: float, **waits: float):
+    """The waits of a test of what follows start-up: ``timeout_s`` and ``waits`` for the run,
+    connecting to the store and forming the groups bounded apart by START_S. With the heartbeat
+    on, ``process_group_s`` bounds nothing past start-up (every group's collectives take the
+    beat's bound), so only tests with the heartbeat on may use it."""
+    from rrfp.pipeline.timeouts import Timeouts
+
+    return Timeouts.derive(timeout_s, store_connect_s=START_S, process_group_s=START_S, **waits)
+
+
 def script_ranks(
     script: Path, *args: str, world: int = 2, timeout: float = 90, **extra: str
 ) -> list[tuple[int, str, str]]:

@@ -35,16 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the harness
 from harness import ROOT  # noqa: E402
-from harness.distributed import _child, _context, free_port  # noqa: E402
+from harness.distributed import _child, _context, free_port, started_waits  # noqa: E402
 
 from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
 TIMEOUT_S = 2.0
 PROGRESS_S = 2 * TIMEOUT_S  # timeouts.progress_s here (10 x timeout_s by default)
-# start-up is no part of a row: on a loaded machine a rank's store client has taken over TIMEOUT_S
-# to be accepted, and ScheduleReady's start-up group over TIMEOUT_S to form. With the heartbeat on,
-# process_group_s bounds nothing past start-up (every group's collectives take the beat's bound)
-START_S = 30.0
 SLACK_S = 3.0  # a loaded two-core machine: a beat read late, a process scheduled late
 M, BATCH, WIDTH = 4, 8, 8
 DOC = ROOT / "docs" / "faults.md"
@@ -74,14 +70,6 @@ ROWS = (
 NEVER = ("kill", "stop", "idle", "hang")  # rank 1 reports nothing: rank 0's line is the outcome
 ALIVE = ("idle", "hang")  # beating, never arriving: named after progress_s
 TASK_S = 2 * PROGRESS_S  # timeouts.task_s, derived: the bound of a task whose kind was measured
-
-
-def _waits():
-    from rrfp.pipeline.timeouts import Timeouts
-
-    return Timeouts.derive(
-        TIMEOUT_S, progress_s=PROGRESS_S, store_connect_s=START_S, process_group_s=START_S
-    )
 
 
 def _fault(kind: str, mark: Path) -> None:
@@ -161,7 +149,7 @@ def _schedule_ready_rank(rank, world, kind, phase, mark):
     if rank == 1:
         module = _Faulty(module, kind, phase, Path(mark))
     stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    waits = _waits()
+    waits = started_waits(TIMEOUT_S, progress_s=PROGRESS_S)  # start-up is no part of a row
     schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits, split=phase == "W")
     if kind == "idle" and rank == 1:  # alive (beating) but never in the step: no message
         Path(mark).write_text(repr(time.time()))
@@ -196,7 +184,7 @@ def _pipeline_runtime_rank(rank, world, kind, phase, mark):
         await asyncio.sleep(3 * PROGRESS_S)
 
     async def main():
-        waits = _waits()
+        waits = started_waits(TIMEOUT_S, progress_s=PROGRESS_S)  # start-up is no part of a row
         layout = dict(pp=1, dp=world) if sync else dict(pp=world)
         async with rrfp.PipelineRuntime.start(**layout, timeout_s=TIMEOUT_S, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, n_microbatches=M, split=phase == "W" or None)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from harness.distributed import run_ranks
+from harness.distributed import run_ranks, started_waits
 
 from rrfp.pipeline.layout_agreement import ExecutorShape, disagreement
 
@@ -16,9 +16,6 @@ pytestmark = pytest.mark.multirank
 
 WIDTH, BATCH = 4, 8
 PROGRESS_S = 60.0  # the deadlock's bound: the refusal comes long before it
-# the check's store client: on a loaded machine one has taken over 2 s to be accepted, and its rank
-# then left the shapes unchecked while its peer waited for them
-STORE_CONNECT_S = 30.0
 
 
 def _loss(out, y):
@@ -27,7 +24,6 @@ def _loss(out, y):
 
 def _runtime_rank(rank, world):
     import rrfp
-    from rrfp.pipeline.timeouts import Timeouts
 
     M = 4 if rank == 0 else 2
     torch.manual_seed(rank)
@@ -35,7 +31,7 @@ def _runtime_rank(rank, world):
     x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
 
     async def main():
-        waits = Timeouts.derive(2.0, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
+        waits = started_waits(2.0, progress_s=PROGRESS_S)
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
             ex = rt.stage_executor(module, _loss, n_microbatches=M)
             await ex.run_iteration(0, list(zip(x.chunk(M), y.chunk(M))))
@@ -52,14 +48,13 @@ def _schedule_rank(rank, world):
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
 
-    from rrfp.pipeline.timeouts import Timeouts
     from rrfp.pipelining.schedule import ScheduleReady
 
     dist.init_process_group("gloo")
     M = 4 if rank == 0 else 2
     torch.manual_seed(rank)
     stage = PipelineStage(torch.nn.Linear(WIDTH, WIDTH), rank, world, torch.device("cpu"))
-    waits = Timeouts.derive(2.0, progress_s=PROGRESS_S, store_connect_s=STORE_CONNECT_S)
+    waits = started_waits(2.0, progress_s=PROGRESS_S)
     began = time.monotonic()
     try:
         schedule = ScheduleReady(stage, M, loss_fn=_loss, timeouts=waits)
