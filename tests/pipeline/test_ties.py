@@ -353,5 +353,6 @@ def test_a_rank_that_never_sets_up_its_ties_is_named_after_process_group_s(tmp_p
     results = run_ranks(_one_rank_never_sets_up, 2, bound_s, str(tmp_path / "done"), timeout=70)
     error, took = results[0]["error"], results[0].get("took")
     assert error is not None and "tie setup" in error and "process_group_s" in error, error
-    assert bound_s - 0.5 <= took <= bound_s + 6, (took, error)
+    # rank 1's own outcome beside rank 0's: an exchange cut short means rank 1 left early, and why
+    assert bound_s - 0.5 <= took <= bound_s + 6, (took, error, results[1])
     print(f"rank 0: {error} (after {took:.1f} s)")
