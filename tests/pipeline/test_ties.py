@@ -9,7 +9,7 @@ import functools
 import math
 
 import pytest
-from harness.distributed import run_ranks
+from harness.distributed import START_S, run_ranks
 from harness.whole_model import float64
 
 M, STEPS = 2, 3
@@ -320,11 +320,16 @@ def _one_rank_never_sets_up(rank, world, bound_s, mark):
 
     torch.manual_seed(0)
     module = torch.nn.Linear(4, 4)
+    # process_group_s bounds the start-up's join as well as the exchange: the ranks start it
+    # together, so that a rank forked late on a loaded machine is not what the row measures
+    Path(mark).with_name(f"started-{rank}").touch()
+    while not all(Path(mark).with_name(f"started-{r}").exists() for r in range(world)):
+        time.sleep(0.01)  # run_ranks's timeout ends a rank that never comes
     began = time.monotonic()
 
     async def main():
         nonlocal began
-        waits = Timeouts.derive(2.0, process_group_s=bound_s)
+        waits = Timeouts.derive(2.0, process_group_s=bound_s, store_connect_s=START_S)
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
             if rank == 1:
                 while not Path(mark).exists() and time.monotonic() - began < bound_s + 30:
