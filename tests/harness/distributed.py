@@ -3,15 +3,18 @@ loopback port, results through a queue, and a deadline so a hang fails fast."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import multiprocessing.context
 import multiprocessing.popen_forkserver
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -98,13 +101,24 @@ def freeze_inherited_heap() -> None:
     gc.freeze()
 
 
-def _child(fn, rank, world, port, args, queue):
+START_TOGETHER_S = 60.0  # how long a rank waits for the job's others to be forked
+
+
+def _child(fn, rank, world, port, args, queue, started):
     freeze_inherited_heap()
     os.environ.update(rank_vars(rank, world, port), OMP_NUM_THREADS="1")
     try:
         import torch
 
         torch.set_num_threads(1)
+        # the job's ranks call ``fn`` together: forked one after the other on a loaded machine,
+        # they can be seconds apart, which a start-up bounded by a test's short timeout_s counts.
+        # A file each in the job's folder (a multiprocessing.Barrier's semaphore does not reach a
+        # child of the session's shared forkserver)
+        Path(started, str(rank)).touch()
+        end = time.monotonic() + START_TOGETHER_S
+        while len(os.listdir(started)) < world and time.monotonic() < end:
+            time.sleep(0.01)
         queue.put((rank, "ok", fn(rank, world, *args)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
@@ -257,20 +271,28 @@ PRELOAD = [
 ]
 
 
+def start_ranks(fn, world: int, args: tuple) -> tuple[list, object]:
+    """``fn(rank, world, *args)`` started in ``world`` forkserver children of one job (a fresh
+    store port), which call it together: (their processes, the queue each reports on as
+    ``(rank, "ok" or "error", result or traceback)``)."""
+    ctx = _context()
+    queue, port, started = ctx.Queue(), free_port(), tempfile.mkdtemp(prefix="rrfp-job-")
+    atexit.register(shutil.rmtree, started, True)
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world, port, args, queue, started), daemon=True)
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict[int, object]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return {rank: result}.
     Raises AssertionError with the child's traceback, or on timeout. The ranks are forkserver
     children, whose stderr is the server's, not the test's: a test that reads what a rank prints
     has it write a file."""
-    ctx = _context()
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
+    procs, queue = start_ranks(fn, world, args)
     results: dict[int, object] = {}
     errors: dict[int, str] = {}
     ok = False

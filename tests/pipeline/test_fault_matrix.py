@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the harness
 from harness import ROOT  # noqa: E402
-from harness.distributed import _child, _context, free_port, started_waits  # noqa: E402
+from harness.distributed import start_ranks, started_waits  # noqa: E402
 
 from rrfp.app.faults import FULL_BYTES, pause  # noqa: E402
 
@@ -214,18 +214,8 @@ RANK_FNS = {"ScheduleReady": _schedule_ready_rank, "PipelineRuntime": _pipeline_
 def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
     """Both ranks; rank 1's result unless it was killed or stopped, rank 0's always; whatever is
     left of rank 1 once rank 0 has reported is killed."""
-    ctx = _context()
-    queue, port, mark = ctx.Queue(), free_port(), tmp / "fault_at"
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(RANK_FNS[api], r, 2, port, (kind, phase, str(mark)), queue),
-            daemon=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
+    mark = tmp / "fault_at"
+    procs, queue = start_ranks(RANK_FNS[api], 2, (kind, phase, str(mark)))
     results: dict = {}
     want = {0} if kind in NEVER else {0, 1}
     try:
