@@ -109,18 +109,19 @@ class Heartbeat:
         prefix: str = PREFIX,
         where: str = "the rendezvous store",
         in_agent: bool = False,
-        hosted: bool = False,
+        host: int | None = None,
     ) -> None:
         self.store, self.rank, self.world = store, rank, world
         # the store lives in torchrun's agent, no rank: its closed connection is the only word
         # the ranks get of the agent's end (a rank that hosts it is found gone by its peers'
         # groups, whose lines name it)
         self.in_agent = in_agent
-        # the store's server is a thread of this process: a read of it that does not return says
-        # this process is starved (or that thread stuck), not that anything else failed, so this
-        # rank never names the store. Its peers, reading it from outside, do; and a wait that
-        # nothing moves still ends after progress_s, as the reads' progress stops with them
-        self.hosted = hosted
+        # the rank whose process runs the store's server (None: no rank's, or not known). There
+        # a read of it that does not return says that process is starved (or that thread stuck),
+        # not that anything else failed, so that rank never names the store. Its peers, reading
+        # it from outside, do; and a wait that nothing moves still ends after progress_s, as the
+        # reads' progress stops with them
+        self.host = host
         self.timeout_s, self.period_s = timeout_s, period_s or period_for(timeout_s)
         self.prefix, self.where = prefix, where
         self.peers = [r for r in range(world) if r != rank]
@@ -183,7 +184,7 @@ class Heartbeat:
             prefix=f"{PREFIX}/{attempt()}",
             where=f"the rendezvous store at {store.host}:{store.port} (in {owner})",
             in_agent=in_agent,
-            hosted=not in_agent and rank == 0,  # env://: rank 0 starts the store's server
+            host=None if in_agent else 0,  # env://: rank 0 starts the store's server
         )
 
     # -- this rank --------------------------------------------------------------
@@ -336,7 +337,7 @@ class Heartbeat:
         self.last_check = now
         if self.closed:  # no store to wait for: its host process is gone
             return Silence(None, now - self.last_read, self.closed)
-        if now - self.last_read >= self.timeout_s and not self.hosted:
+        if now - self.last_read >= self.timeout_s and self.host != self.rank:
             return Silence(None, now - self.last_read)
         stuck = self.round_at > self.last_read and now - self.round_at >= self.stall_s
         seen = self.round_at if stuck else now  # a peer is silent only as far as the store answered

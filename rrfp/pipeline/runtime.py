@@ -886,12 +886,11 @@ class PipelineRuntime:
                 None,
             )
         if found.rank is None:
-            host0 = "rank 0's process" in hb.where
             return PeerSilent(
                 f"rank {self.rank}: {hb.where} stopped answering: no heartbeat read for "
                 f"{found.seconds:.1f} s ({self._silence_key()}): "
-                f"{'rank 0 is' if host0 else 'it is'} stopped, hung or gone",
-                0 if host0 else None,
+                f"{'it is' if hb.host is None else f'rank {hb.host} is'} stopped, hung or gone",
+                hb.host,
             )
         return PeerSilent(
             f"rank {self.rank}: rank {found.rank} went silent: no heartbeat for "

@@ -166,7 +166,7 @@ def test_a_rank_that_hosts_the_store_never_names_it(server):
     return says that process is starved, not that the store's host is gone, so the host names
     nobody for it (its peers, reading from outside, name the store, as above)."""
     a, b = _pair(server)
-    a.hosted = True
+    a.host = a.rank
     a.store = stalling = StallingStore(a.store)
     _start(a, b)
     try:
