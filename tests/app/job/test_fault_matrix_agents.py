@@ -120,7 +120,9 @@ def test_two_agent_row(api, case, outcome, outcomes):
     assert not got["timed_out"], got["tails"]
     if outcome == FINISHES:
         assert got["codes"] == [0, 0], got["tails"]
-        assert "done: 2 steps" in got["out"][0], got["out"]
+        # the job's rank 0 says so: the worker of whichever agent torchrun's rendezvous made node
+        # 0, by the order the agents joined, which the machine's load decides
+        assert sum("done: 2 steps" in out for out in got["out"]) == 1, got["out"]
         assert got["lines"] == [], got["tails"]
         return
     _, key = CASES[case]
