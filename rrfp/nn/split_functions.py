@@ -4,8 +4,8 @@ The generic split (rrfp/pipeline/split_backward/weight_split.py) restarts autogr
 node where B left weight work behind: one engine call per such node, a layer norm's backward run
 in B and again in W, and, under activation checkpointing, every checkpointed region recomputed a
 second time for W. The ops that carry a stage's weight FLOPs have simple gradients, so under
-``SplitFunctions`` (a ``TorchFunctionMode``, entered by the stage worker around F, B and W) each
-of them, applied to a leaf parameter in grad mode, runs as a custom autograd Function whose
+``SplitFunctions`` (entered by the stage worker around F, B and W) each of them, applied to a
+leaf parameter in grad mode, runs as a custom autograd Function whose
 backward computes only the input gradient and queues a closure that computes the parameter's
 gradient from what B already holds (the saved input and the gradient arriving there), to run in W
 (``WeightGradQueue``). W then needs neither the graph nor a recomputation for those parameters.
@@ -15,16 +15,20 @@ Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``
 (dense, no max_norm) and an elementwise product with a parameter (the weight of an RMSNorm written
 out by hand, as HF's Llama is). Anything else (a computed weight, a frozen one, other ops on
 parameters) stays with the generic split, which treats the queued parameters as another owner
-(mode "layers"). The mode is also active when B or W recomputes a checkpointed region, so the
-recomputation saves what the forward saved.
+(mode "layers"). The ops reach the rules through the stage's own linear, norm and embedding
+modules (``split_modules``), and through a ``TorchFunctionMode`` that intercepts every op only
+where a parameter sits outside them. ``SplitFunctions`` is also active when B or W recomputes a
+checkpointed region, so the recomputation saves what the forward saved.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from rrfp.nn.grad_accumulation import accumulate_grad
@@ -189,20 +193,108 @@ QUEUEING_NODES = (
 
 class SplitFunctions(TorchFunctionMode):
     """Inside, the covered ops on leaf parameters queue their weight gradients to ``queue``;
-    ``deferred`` collects the ids of the parameters they queued for."""
+    ``deferred`` collects the ids of the parameters they queued for.
 
-    def __init__(self, queue: WeightGradQueue) -> None:
+    ``intercept=False``: only the modules ``split_modules`` made split-aware split their ops, and
+    no other op dispatches through Python. A torch-function mode costs every op of the forward a
+    call of ``__torch_function__`` (microseconds each, about a tenth of a small stage's forward),
+    so a stage whose parameters all sit in split-aware modules runs without it."""
+
+    def __init__(self, queue: WeightGradQueue, intercept: bool = True) -> None:
         super().__init__()
         self.queue = queue
+        self.intercept = intercept
         self.deferred: set[int] = set()
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> SplitFunctions:
+        self._token = _ACTIVE.set(self)
+        return super().__enter__() if self.intercept else self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.intercept:
+            super().__exit__(*exc_info)
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+
+    def split(self, func: Callable, *args, **kwargs):
+        """``func(*args, **kwargs)`` with its weight gradient queued, or NotImplemented where no
+        rule covers the call (autograd's own then)."""
+        rule = _SPLITS.get(func)
+        if rule is None or not torch.is_grad_enabled():
+            return NotImplemented
+        got = rule(self.queue, *args, **kwargs)
+        if got is NotImplemented:
+            return got
+        out, params = got
+        self.deferred.update(id(p) for p in params if p is not None)
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        split = _SPLITS.get(func)
-        if split is not None and torch.is_grad_enabled():
-            got = split(self.queue, *args, **kwargs)
-            if got is not NotImplemented:
-                out, params = got
-                self.deferred.update(id(p) for p in params if p is not None)
-                return out
-        return func(*args, **kwargs)
+        out = self.split(func, *args, **kwargs)
+        return func(*args, **kwargs) if out is NotImplemented else out
+
+
+_ACTIVE: contextvars.ContextVar[SplitFunctions | None] = contextvars.ContextVar(
+    "rrfp_split_functions", default=None
+)
+
+
+def _through(func: Callable, plain: Callable, *args):
+    """A split-aware module's forward: its op split under active SplitFunctions, else ``plain``."""
+    split = _ACTIVE.get()
+    if split is not None:
+        out = split.split(func, *args)
+        if out is not NotImplemented:
+            return out
+    return plain(args[0])
+
+
+class _SplitAwareLinear(nn.Linear):
+    def forward(self, input):
+        return _through(F.linear, super().forward, input, self.weight, self.bias)
+
+
+class _SplitAwareLayerNorm(nn.LayerNorm):
+    def forward(self, input):
+        args = (input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return _through(F.layer_norm, super().forward, *args)
+
+
+class _SplitAwareRMSNorm(nn.RMSNorm):
+    def forward(self, x):
+        args = (x, self.normalized_shape, self.weight, self.eps)
+        return _through(F.rms_norm, super().forward, *args)
+
+
+class _SplitAwareEmbedding(nn.Embedding):
+    def forward(self, input):
+        args = (input, self.weight, self.padding_idx, self.max_norm, self.norm_type)
+        return _through(F.embedding, super().forward, *args, self.scale_grad_by_freq, self.sparse)
+
+
+_SPLIT_AWARE: dict[type, type] = {
+    nn.Linear: _SplitAwareLinear,
+    nn.LayerNorm: _SplitAwareLayerNorm,
+    nn.RMSNorm: _SplitAwareRMSNorm,
+    nn.Embedding: _SplitAwareEmbedding,
+}
+
+
+def split_modules(module: nn.Module) -> bool:
+    """Make ``module``'s own nn.Linear, nn.LayerNorm, nn.RMSNorm and nn.Embedding split-aware (as
+    torch.nn.utils.parametrize does, by swapping each instance's class for a subclass): their
+    forward splits its op under active SplitFunctions, and is theirs otherwise. Subclasses of
+    those types keep their class: their forward may be anything. Returns whether a parameter that
+    wants a gradient sits outside every split-aware module, so that SplitFunctions must intercept
+    the ops to reach it (a weight applied with a bare product, as HF's Llama RMSNorm does)."""
+    covered: set[int] = set()
+    for m in module.modules():
+        aware = _SPLIT_AWARE.get(type(m))
+        if aware is not None:
+            m.__class__ = aware
+        if aware is not None or getattr(m, "defers_weight_grad", False):
+            covered.update(id(p) for p in m.parameters(recurse=False))
+    return any(p.requires_grad and id(p) not in covered for p in module.parameters())

@@ -54,7 +54,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rrfp.core.tasks import Kind, Task
 from rrfp.nn.grad_accumulation import one_pass
 from rrfp.nn.moe_aux_loss import aux_loss_scale
-from rrfp.nn.split_functions import SplitFunctions
+from rrfp.nn.split_functions import SplitFunctions, split_modules
 from rrfp.nn.split_linear import WeightGradQueue, collect_weight_grads
 from rrfp.pipeline.boundary import received, requires_grad_bits
 from rrfp.pipeline.split_backward import weight_split
@@ -141,6 +141,15 @@ class StageWorker:
         self._functions: set[int] = (
             set()
         )  # parameters split-aware functions queued (mode "functions")
+        # mode "functions": the module's own linears, norms and embeddings split their ops, and
+        # the torch-function mode intercepts every op where a parameter sits outside them. On
+        # CUDA always: autograd recomputes a checkpointed region on its device thread, which sees
+        # the caller's mode stack but not its context variables (split_functions._ACTIVE)
+        self._intercept = (
+            split
+            and weight_split == "functions"
+            and (split_modules(module) or any(p.is_cuda for p in module.parameters()))
+        )
         if not 0 <= stage < num_stages:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if n_microbatches <= 0:
@@ -191,7 +200,7 @@ class StageWorker:
         # the split-aware functions where B has an input gradient to compute: on a first stage W
         # runs the whole backward (weight_split.WeightWork.in_w), with nothing to split
         functions = (
-            SplitFunctions(queue)
+            SplitFunctions(queue, intercept=self._intercept)
             if self.split
             and self.weight_split == "functions"
             and not self.is_first
@@ -431,16 +440,18 @@ class StageWorker:
                 slot.dw_runner()
         self._finish(mb, slot)
 
-    @staticmethod
     @contextlib.contextmanager
-    def _recomputing(slot: _Slot):
+    def _recomputing(self, slot: _Slot):
         """Around B and W of a microbatch whose F ran the split-aware functions: a checkpointed
         region that autograd recomputes there runs them as its forward did, so it saves what F
         saved."""
         if not slot.functions:
             yield
             return
-        with collect_weight_grads(slot.queue), SplitFunctions(slot.queue):
+        with (
+            collect_weight_grads(slot.queue),
+            SplitFunctions(slot.queue, intercept=self._intercept),
+        ):
             yield
 
     @contextlib.contextmanager

@@ -182,10 +182,26 @@ def test_split_functions_recompute_no_more_than_the_unsplit_backward():
     assert b + w == whole, (b, w, whole)
 
 
-def test_w_runs_the_queued_closures_outside_the_functions_mode(monkeypatch):
-    """W recomputes nothing when the split-aware functions cover every parameter, so its closures'
-    ops need not dispatch through the torch-function mode (Python, per op) that B's recomputation
-    needs."""
+class ScaledStage(Stage):
+    """Stage with a weight applied as a bare product: outside every split-aware module, so the
+    split-aware functions reach it only by intercepting the ops (the torch-function mode)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__(first)
+        self.scale = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("stage", [Stage, ScaledStage])
+def test_only_a_bare_parameter_makes_ops_dispatch_through_the_mode_and_never_in_w(
+    stage, monkeypatch
+):
+    """Where every parameter sits in a linear, norm or embedding module, the modules split their
+    own ops and no op dispatches through the torch-function mode (Python, per op). A weight
+    outside them needs the mode in F and in B's recomputation; W recomputes nothing, so its
+    closures run outside it either way."""
     seen = []
     through = SplitFunctions.__torch_function__
 
@@ -194,15 +210,21 @@ def test_w_runs_the_queued_closures_outside_the_functions_mode(monkeypatch):
         return through(self, func, types, args, kwargs)
 
     monkeypatch.setattr(SplitFunctions, "__torch_function__", counted)
-    module = Stage(False).double()
+    module = stage(False).double()
     xs, gs = data(1)
     w = StageWorker(module, 1, 3, 1, mse, split=True, weight_split="functions")
     w.forward(0, xs[0])
+    in_f = len(seen)
     w.backward(0, gs[0])
-    assert seen, "B's recomputation ran outside the mode"
+    if stage is Stage:
+        assert seen == [], seen[:5]
+    else:
+        assert in_f and len(seen) > in_f, "F or B's recomputation ran outside the mode"
     seen.clear()
     w.weight(0)
-    assert seen == [] and all(p.grad is not None for p in module.blocks.parameters()), seen[:5]
+    used = [p for n, p in module.named_parameters() if not n.startswith("emb.")]
+    assert seen == [] and all(p.grad is not None for p in used), seen[:5]
+    assert w.split_summary().in_b == {}, w.split_summary()
 
 
 def test_gathering_outside_checkpointed_nodes_stays_split(caplog):
