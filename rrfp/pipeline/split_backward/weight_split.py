@@ -99,8 +99,11 @@ def queued_parameters(module: nn.Module) -> frozenset[int]:
 class _Graph:
     """One microbatch's autograd graph, walked once from the outputs."""
 
-    def __init__(self, params: dict, input_nodes: set, roots: list) -> None:
-        self.params = params  # AccumulateGrad node -> parameter
+    def __init__(self, wanted: set[int], input_nodes: set, roots: list) -> None:
+        # AccumulateGrad node -> parameter, for the parameters (ids in ``wanted``) the graph
+        # reaches: read off the nodes, where get_gradient_edge would make a view per parameter
+        self.params: dict = {}
+        self._wanted = wanted
         self.in_b: dict = {}  # node -> whether it lies on a path to an input
         # node off every input's path -> {id: parameter} it leads to; only W asks these nodes for
         # parameters, and a B node's set (nearly every parameter) would cost a copy per node
@@ -126,6 +129,8 @@ class _Graph:
             self.in_b[n] = n in input_nodes or any(self.in_b[c] for c in children)
             if self.in_b[n]:
                 continue
+            if not children and id(var := getattr(n, "variable", None)) in self._wanted:
+                self.params[n] = var
             found = {id(self.params[n]): self.params[n]} if n in self.params else {}
             for c in children:
                 found.update(self.below[c])
@@ -172,20 +177,16 @@ def analyse(
 ) -> WeightWork:
     """Analyse one microbatch's graph once its forward is done. ``deferred``: parameters
     left to their layer's own W queue (``queued_parameters``)."""
-    # no input wants a gradient and no layer queues its own W: W runs the plain backward, so the
-    # walk only looks for a reentrant checkpoint and maps no parameter
-    plain = not inputs and not deferred
-    params = (
-        {}
-        if plain
-        else {get_gradient_edge(p).node: p for p in module.parameters() if p.requires_grad}
-    )
+    # no input wants a gradient and no layer queues its own W: W runs the plain backward, which
+    # needs no walk (torch.autograd.backward also runs a reentrant checkpoint)
+    if not inputs and not deferred:
+        return WeightWork(in_w=True)
+    wanted = {id(p) for p in module.parameters() if p.requires_grad}
     roots = list(dict.fromkeys(get_gradient_edge(t).node for t in outputs))
-    g = _Graph(params, {get_gradient_edge(x).node for x in inputs}, roots)
+    g = _Graph(wanted, {get_gradient_edge(x).node for x in inputs}, roots)
     if any(n.name() == _REENTRANT_CHECKPOINT for n in g.in_b):
         return WeightWork(whole=WHOLE_REENTRANT)
-    if plain:
-        return WeightWork(in_w=True)
+    params = g.params
     by_id = {id(p): p for p in params.values()}
 
     # frontier[n]: (edge, parameter ids behind it) for B node n; owners[pid]: the B nodes (or
