@@ -281,6 +281,7 @@ _SPLIT_AWARE: dict[type, type] = {
     nn.RMSNorm: _SplitAwareRMSNorm,
     nn.Embedding: _SplitAwareEmbedding,
 }
+_SPLIT_AWARE_TYPES = frozenset(_SPLIT_AWARE.values())
 
 
 def split_modules(module: nn.Module) -> bool:
@@ -295,6 +296,8 @@ def split_modules(module: nn.Module) -> bool:
         aware = _SPLIT_AWARE.get(type(m))
         if aware is not None:
             m.__class__ = aware
+        elif type(m) in _SPLIT_AWARE_TYPES:  # made split-aware before (a worker built again)
+            aware = type(m)
         if aware is not None or getattr(m, "defers_weight_grad", False):
             covered.update(id(p) for p in m.parameters(recurse=False))
     return any(p.requires_grad and id(p) not in covered for p in module.parameters())
