@@ -252,24 +252,37 @@ def _through(func: Callable, plain: Callable, *args):
     return plain(args[0])
 
 
-class _SplitAwareLinear(nn.Linear):
+class _SplitAware:
+    """What the split-aware subclasses share: the user's class name in ``print(model)``."""
+
+    def _get_name(self) -> str:
+        return written_class(self).__name__  # type: ignore[arg-type]
+
+
+def written_class(module: nn.Module) -> type:
+    """The class the user wrote: a split-aware module's own type, which split_modules swapped."""
+    cls = type(module)
+    return cls.__mro__[2] if cls in _SPLIT_AWARE_TYPES else cls
+
+
+class _SplitAwareLinear(_SplitAware, nn.Linear):
     def forward(self, input):
         return _through(F.linear, super().forward, input, self.weight, self.bias)
 
 
-class _SplitAwareLayerNorm(nn.LayerNorm):
+class _SplitAwareLayerNorm(_SplitAware, nn.LayerNorm):
     def forward(self, input):
         args = (input, self.normalized_shape, self.weight, self.bias, self.eps)
         return _through(F.layer_norm, super().forward, *args)
 
 
-class _SplitAwareRMSNorm(nn.RMSNorm):
+class _SplitAwareRMSNorm(_SplitAware, nn.RMSNorm):
     def forward(self, x):
         args = (x, self.normalized_shape, self.weight, self.eps)
         return _through(F.rms_norm, super().forward, *args)
 
 
-class _SplitAwareEmbedding(nn.Embedding):
+class _SplitAwareEmbedding(_SplitAware, nn.Embedding):
     def forward(self, input):
         args = (input, self.weight, self.padding_idx, self.max_norm, self.norm_type)
         return _through(F.embedding, super().forward, *args, self.scale_grad_by_freq, self.sparse)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rrfp.nn.split_functions import written_class
+
 ATTRIBUTE = "rrfp_user_code"  # the attribute of the exception that holds its UserCode
 
 
@@ -120,7 +122,7 @@ def function_name(fn: Callable) -> str:
 def module_name(module: torch.nn.Module) -> str:
     """A stage module's class, as the user wrote it in ``build_stage`` (``torch.nn.Linear``,
     ``rrfp.models.gpt.GPTStage``)."""
-    cls = type(module)
+    cls = written_class(module)
     return f"{_short(cls.__module__)}.{cls.__qualname__}"
 
 
@@ -150,13 +152,13 @@ def first_layer_takes(module: torch.nn.Module) -> str | None:
     layer is the first run in a sequential stage, the common case."""
     for layer in module.modules():
         if isinstance(layer, torch.nn.Linear):
-            return f"{type(layer).__name__} takes [*, {layer.in_features}]"
+            return f"{written_class(layer).__name__} takes [*, {layer.in_features}]"
         if isinstance(layer, torch.nn.modules.conv._ConvNd):
             dims = ", ".join("*" for _ in layer.kernel_size)
-            return f"{type(layer).__name__} takes [N, {layer.in_channels}, {dims}]"
+            return f"{written_class(layer).__name__} takes [N, {layer.in_channels}, {dims}]"
         if isinstance(layer, (torch.nn.LayerNorm, torch.nn.RMSNorm)):
             shape = ", ".join(map(str, layer.normalized_shape))
-            return f"{type(layer).__name__} takes [*, {shape}]"
+            return f"{written_class(layer).__name__} takes [*, {shape}]"
         if isinstance(layer, torch.nn.Embedding):
             return f"Embedding takes integer indices below {layer.num_embeddings}"
     return None

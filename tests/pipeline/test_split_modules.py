@@ -13,6 +13,7 @@ from torch import nn
 
 from rrfp.nn.split_functions import SplitFunctions, split_modules
 from rrfp.nn.split_linear import WeightGradQueue
+from rrfp.pipeline.user_code import module_name
 from rrfp.pipeline.worker import StageWorker
 
 D = 5
@@ -46,6 +47,8 @@ def test_split_modules_swaps_exact_types_only_and_names_a_bare_parameter():
     assert split_modules(plain) is False  # again (a worker built again on the same stage)
     assert all(type(m).__name__.startswith("_SplitAware") for m in plain)
     assert all(isinstance(m, t) for m, t in zip(plain, (nn.Linear, nn.LayerNorm, nn.Embedding)))
+    # users see the class they wrote: in print(model), and in rrfp's lines about their module
+    assert repr(plain[0]).startswith("Linear(") and module_name(plain[1]) == "torch.nn.LayerNorm"
     mine = nn.Sequential(MyLinear(D, D))
     assert split_modules(mine) is True and type(mine[0]) is MyLinear
     bare = nn.Module()
