@@ -24,6 +24,7 @@ checkpointed region, so the recomputation saves what the forward saved.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -196,14 +197,15 @@ class SplitFunctions(TorchFunctionMode):
     ``deferred`` collects the ids of the parameters they queued for.
 
     ``intercept=False``: only the modules ``split_modules`` made split-aware split their ops, and
-    no other op dispatches through Python. A torch-function mode costs every op of the forward a
-    call of ``__torch_function__`` (microseconds each, about a tenth of a small stage's forward),
-    so a stage whose parameters all sit in split-aware modules runs without it."""
+    only the forwards of modules that own a bare parameter run under the mode. A torch-function
+    mode costs every op a call of ``__torch_function__`` in Python (about 8 µs, a few percent of a
+    small stage's forward), so it runs where nothing else reaches a parameter."""
 
     def __init__(self, queue: WeightGradQueue, intercept: bool = True) -> None:
         super().__init__()
         self.queue = queue
         self.intercept = intercept
+        self.depth = 0  # modules owning a bare parameter whose forward runs now (split_modules)
         self.deferred: set[int] = set()
         self._token: contextvars.Token | None = None
 
@@ -301,16 +303,48 @@ def split_modules(module: nn.Module) -> bool:
     """Make ``module``'s own nn.Linear, nn.LayerNorm, nn.RMSNorm and nn.Embedding split-aware (as
     torch.nn.utils.parametrize does, by swapping each instance's class for a subclass): their
     forward splits its op under active SplitFunctions, and is theirs otherwise. Subclasses of
-    those types keep their class: their forward may be anything. Returns whether a parameter that
-    wants a gradient sits outside every split-aware module, so that SplitFunctions must intercept
-    the ops to reach it (a weight applied with a bare product, as HF's Llama RMSNorm does)."""
-    covered: set[int] = set()
+    those types keep their class: their forward may be anything. Any other submodule that owns a
+    parameter wanting a gradient (HF Llama's RMSNorm, whose weight is a bare product) gets hooks
+    that have SplitFunctions intercept the ops of its own forward. Returns whether ``module``
+    itself owns such a parameter: its forward is the whole stage, so SplitFunctions must
+    intercept every op. A use of a parameter outside its module's forward that nothing intercepts
+    stays with autograd, and the generic split gives its gradient."""
+    whole = False
     for m in module.modules():
-        aware = _SPLIT_AWARE.get(type(m))
+        cls = type(m)
+        aware = _SPLIT_AWARE.get(cls)
         if aware is not None:
             m.__class__ = aware
-        elif type(m) in _SPLIT_AWARE_TYPES:  # made split-aware before (a worker built again)
-            aware = type(m)
-        if aware is not None or getattr(m, "defers_weight_grad", False):
-            covered.update(id(p) for p in m.parameters(recurse=False))
-    return any(p.requires_grad and id(p) not in covered for p in module.parameters())
+            continue
+        if cls in _SPLIT_AWARE_TYPES or getattr(m, "defers_weight_grad", False):
+            continue  # made split-aware before (a worker built again), or a split-aware layer
+        if not any(p.requires_grad for p in m.parameters(recurse=False)):
+            continue
+        if m is module:
+            whole = True
+        elif m not in _HOOKED:
+            m.register_forward_pre_hook(_intercept_begins)
+            m.register_forward_hook(_intercept_ends, always_call=True)
+            _HOOKED.add(m)
+    return whole
+
+
+_HOOKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _intercept_begins(module: nn.Module, args) -> None:
+    """Before a module that owns a bare parameter: the mode on, unless it already intercepts."""
+    split = _ACTIVE.get()
+    if split is not None and not split.intercept:
+        if split.depth == 0:
+            TorchFunctionMode.__enter__(split)
+        split.depth += 1
+
+
+def _intercept_ends(module: nn.Module, args, output) -> None:
+    """After it, also when its forward raised (``always_call``): the mode off again."""
+    split = _ACTIVE.get()
+    if split is not None and not split.intercept and split.depth:
+        split.depth -= 1
+        if split.depth == 0:
+            TorchFunctionMode.__exit__(split, None, None, None)

@@ -142,9 +142,10 @@ class StageWorker:
             set()
         )  # parameters split-aware functions queued (mode "functions")
         # mode "functions": the module's own linears, norms and embeddings split their ops, and
-        # the torch-function mode intercepts every op where a parameter sits outside them. On
-        # CUDA always: autograd recomputes a checkpointed region on its device thread, which sees
-        # the caller's mode stack but not its context variables (split_functions._ACTIVE)
+        # the torch-function mode intercepts the ops of the modules that own a bare parameter;
+        # every op where the stage module owns one, and on CUDA: autograd recomputes a
+        # checkpointed region on its device thread, which sees the caller's mode stack but not
+        # its context variables (split_functions._ACTIVE)
         self._intercept = (
             split
             and weight_split == "functions"

@@ -1,6 +1,7 @@
 """Mode "functions" through the stage's own modules (rrfp/nn/split_functions.py, split_modules):
 exact linears, norms and embeddings split their ops without the torch-function mode, anything
-else keeps its class, and a weight that a module owns but a bare op also uses is still exact."""
+else keeps its class, a module that owns a bare parameter runs its own forward under the mode,
+and a weight that a module owns but a bare op also uses is still exact."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def test_split_modules_swaps_exact_types_only_and_names_a_bare_parameter():
     assert all(isinstance(m, t) for m, t in zip(plain, (nn.Linear, nn.LayerNorm, nn.Embedding)))
     # users see the class they wrote: in print(model), and in rrfp's lines about their module
     assert repr(plain[0]).startswith("Linear(") and module_name(plain[1]) == "torch.nn.LayerNorm"
-    mine = nn.Sequential(MyLinear(D, D))
-    assert split_modules(mine) is True and type(mine[0]) is MyLinear
+    mine = nn.Sequential(MyLinear(D, D))  # its ops go through the mode, inside its forward
+    assert split_modules(mine) is False and type(mine[0]) is MyLinear
     bare = nn.Module()
     bare.lin, bare.scale = nn.Linear(D, D), nn.Parameter(torch.ones(D))
     assert split_modules(bare) is True
@@ -99,3 +100,65 @@ def test_reused_weights_are_exact_through_the_modules(weight_split):
         torch.testing.assert_close(got[mb], x.grad, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class BareNorm(nn.Module):
+    """HF Llama's RMSNorm as it is written: the weight applied with a bare product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * x
+
+
+class WithBareNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.a, self.b = BareNorm(), nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(self.norm(x))))
+
+
+def test_only_the_forward_of_a_module_with_a_bare_parameter_runs_under_the_mode(monkeypatch):
+    seen = []
+    through = SplitFunctions.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return through(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(SplitFunctions, "__torch_function__", counted)
+    torch.manual_seed(0)
+    module = WithBareNorm().double()
+    ref = copy.deepcopy(module)
+    w = StageWorker(module, 1, 3, 1, None, split=True, weight_split="functions")
+    assert not w._intercept
+    x = torch.randn(2, 3, D, dtype=torch.float64)
+    g = torch.randn(2, 3, D, dtype=torch.float64)
+    w.forward(0, x)
+    assert seen and F.linear not in seen and torch.tanh not in seen, seen  # the norm's ops only
+    assert id(module.norm.weight) in w._functions  # its product was split
+    assert torch._C._is_torch_function_mode_enabled() is False  # the mode is off again
+    got = w.backward(0, g)
+    assert module.norm.weight.grad is None  # its gradient waits for W
+    w.weight(0)
+    xr = x.clone().requires_grad_()
+    (ref(xr) * g).sum().backward()
+    torch.testing.assert_close(got, xr.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_the_mode_is_off_again_when_the_module_with_a_bare_parameter_raises():
+    module = WithBareNorm()
+    split_modules(module)
+    with SplitFunctions(WeightGradQueue(), intercept=False):
+        with pytest.raises(RuntimeError):
+            module.norm(torch.randn(2, D + 1))  # the product's shapes do not fit
+        assert not torch._C._is_torch_function_mode_enabled()
+        module(torch.randn(2, D))  # and the next forward runs as before
+        assert not torch._C._is_torch_function_mode_enabled()
