@@ -9,7 +9,9 @@ queued for a core spends no CPU) and in wall time. glibc's malloc keeps freed me
 the runtime's CPU lane sets it (rrfp/loop/host_memory.py): with its defaults B would fault in
 afresh the pages W just freed, a cost the runtime does not pay. The ratio per repetition is B + W
 over the unsplit backward, summed over the stages; the report gives its median, its quartiles and
-its range, the same for wall time, and the load average.
+its range, the same for wall time, and the load average. F is timed too: a split stage's forward
+builds what B and W need (the split-aware functions' nodes, the graph's analysis), so the split's
+cost per microbatch is F + B + W against the unsplit F + B, reported beside the backward's.
 
 Workloads: gpt-tiny 8 layers of 192 at pp 2, the VLM at pp 2 (configs/vlm-tiny.toml, 8 layers),
 the mixture of experts at pp 2 (configs/moe-tiny.toml: grouped SwiGLU experts, router, shared
@@ -135,14 +137,19 @@ class Pipeline:
 
     def run(self, profiles: dict | None = None) -> dict[str, float]:
         """One microbatch through every stage: CPU and wall seconds of backward tasks (B and W, or
-        the unsplit B), summed over the stages. ``profiles``: also profile each kind of task per
-        op (torch.profiler), into ``profiles[kind]``."""
+        the unsplit B), summed over the stages, and of the forwards (``f_cpu``, ``f_wall``).
+        ``profiles``: also profile each kind of task per op (torch.profiler), into
+        ``profiles[kind]``."""
         x, y = self.case.batch
         spent = {"cpu": 0.0, "wall": 0.0}
+        forwards = {"cpu": 0.0, "wall": 0.0}
         self.profiles = profiles
         last = len(self.workers) - 1
         for s, w in enumerate(self.workers):
+            c0, t0 = time.thread_time(), time.perf_counter()
             x = w.forward(0, x, None if self.middle or s < last else y)
+            forwards["cpu"] += time.thread_time() - c0
+            forwards["wall"] += time.perf_counter() - t0
         grad = torch.randn_like(x) if self.middle else None
         for w in reversed(self.workers):
             grad = self._timed(spent, w.backward, 0, grad, kind="B" if self.split else "unsplit")
@@ -152,7 +159,7 @@ class Pipeline:
         for w in self.workers:
             w.reset()
             w.module.zero_grad(set_to_none=True)
-        return spent
+        return spent | {"f_" + clock: t for clock, t in forwards.items()}
 
     def _timed(self, spent: dict, fn, *args, kind: str):
         if self.profiles is not None:
@@ -193,6 +200,16 @@ def measure(case: Case, reps: int) -> dict:
                 "ratio": quartiles(ratios),
                 "range": (min(ratios), max(ratios)),
             }
+        f_ratios = [r[m]["f_cpu"] / r[None]["f_cpu"] for r in rows]
+        all_ratios = [
+            (r[m]["f_cpu"] + r[m]["cpu"]) / (r[None]["f_cpu"] + r[None]["cpu"]) for r in rows
+        ]
+        out[m, "forward"] = {
+            "split_ms": statistics.median(r[m]["f_cpu"] for r in rows) * 1e3,
+            "unsplit_ms": statistics.median(r[None]["f_cpu"] for r in rows) * 1e3,
+            "ratio": quartiles(f_ratios),
+            "all": quartiles(all_ratios),
+        }
     return out
 
 
@@ -266,8 +283,9 @@ def main() -> None:
         f"malloc {'keeping freed memory, as the CPU lane' if kept else 'as it is (not glibc)'}",
         "",
         "| workload | split | B + W CPU ms | unsplit CPU ms | ratio CPU (median) | IQR | min..max "
-        "| ratio wall (median) | wall IQR | load (1 min) |",
-        "|---|---|---:|---:|---:|---|---|---:|---|---:|",
+        "| ratio wall (median) | wall IQR | F CPU ms, split / unsplit | F ratio (IQR) "
+        "| F + B + W over F + B, CPU (IQR) | load (1 min) |",
+        "|---|---|---:|---:|---:|---|---|---:|---|---|---|---|---:|",
     ]
     print("\n".join(lines), flush=True)
     profiles: list[str] = []
@@ -275,12 +293,15 @@ def main() -> None:
         case = CASES[name]()
         r = measure(case, a.reps)
         for m in MODES:
-            c, w = r[m, "cpu"], r[m, "wall"]
+            c, w, f = r[m, "cpu"], r[m, "wall"], r[m, "forward"]
             row = (
                 f"| {case.name} | {m} | {c['split_ms']:.1f} | {c['unsplit_ms']:.1f} | "
                 f"{c['ratio'][1]:.3f}x | {c['ratio'][0]:.3f}..{c['ratio'][2]:.3f} | "
                 f"{c['range'][0]:.3f}..{c['range'][1]:.3f} | {w['ratio'][1]:.3f}x | "
-                f"{w['ratio'][0]:.3f}..{w['ratio'][2]:.3f} | {os.getloadavg()[0]:.1f} |"
+                f"{w['ratio'][0]:.3f}..{w['ratio'][2]:.3f} | "
+                f"{f['split_ms']:.1f} / {f['unsplit_ms']:.1f} | {f['ratio'][1]:.3f}x "
+                f"({f['ratio'][0]:.3f}..{f['ratio'][2]:.3f}) | {f['all'][1]:.3f}x "
+                f"({f['all'][0]:.3f}..{f['all'][2]:.3f}) | {os.getloadavg()[0]:.1f} |"
             )
             lines.append(row)
             print(row, flush=True)
