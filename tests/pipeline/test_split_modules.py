@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from harness.split_mode import ops_through_the_mode
 from torch import nn
 
 from rrfp.nn.split_functions import SplitFunctions, split_modules
@@ -124,14 +125,7 @@ class WithBareNorm(nn.Module):
 
 
 def test_only_the_forward_of_a_module_with_a_bare_parameter_runs_under_the_mode(monkeypatch):
-    seen = []
-    through = SplitFunctions.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return through(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(SplitFunctions, "__torch_function__", counted)
+    seen = ops_through_the_mode(monkeypatch)
     torch.manual_seed(0)
     module = WithBareNorm().double()
     ref = copy.deepcopy(module)

@@ -10,12 +10,12 @@ import logging
 
 import pytest
 import torch
+from harness.split_mode import ops_through_the_mode
 from harness.weight_split_hooks import count_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from rrfp.nn.split_functions import SplitFunctions
 from rrfp.pipeline.worker import StageWorker
 
 D, V, M = 6, 7, 2
@@ -202,14 +202,7 @@ def test_only_a_bare_parameter_makes_ops_dispatch_through_the_mode_and_never_in_
     own ops and no op dispatches through the torch-function mode (Python, per op). A weight
     outside them needs the mode in F and in B's recomputation; W recomputes nothing, so its
     closures run outside it either way."""
-    seen = []
-    through = SplitFunctions.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return through(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(SplitFunctions, "__torch_function__", counted)
+    seen = ops_through_the_mode(monkeypatch)
     module = stage(False).double()
     xs, gs = data(1)
     w = StageWorker(module, 1, 3, 1, mse, split=True, weight_split="functions")
