@@ -16,9 +16,10 @@ Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``
 out by hand, as HF's Llama is). Anything else (a computed weight, a frozen one, other ops on
 parameters) stays with the generic split, which treats the queued parameters as another owner
 (mode "layers"). The ops reach the rules through the stage's own linear, norm and embedding
-modules (``split_modules``), and through a ``TorchFunctionMode`` that intercepts every op only
-where a parameter sits outside them. ``SplitFunctions`` is also active when B or W recomputes a
-checkpointed region, so the recomputation saves what the forward saved.
+modules (``split_modules``), and through a ``TorchFunctionMode`` that intercepts the ops of each
+module that owns a parameter outside them (every op, where the stage module itself owns one).
+``SplitFunctions`` is also active when B or W recomputes a checkpointed region, so the
+recomputation saves what the forward saved.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ class _SplitAware:
 def written_class(module: nn.Module) -> type:
     """The class the user wrote: a split-aware module's own type, which split_modules swapped."""
     cls = type(module)
-    return cls.__mro__[2] if cls in _SPLIT_AWARE_TYPES else cls
+    return _WRITTEN.get(cls, cls)
 
 
 class _SplitAwareLinear(_SplitAware, nn.Linear):
@@ -296,7 +297,7 @@ _SPLIT_AWARE: dict[type, type] = {
     nn.RMSNorm: _SplitAwareRMSNorm,
     nn.Embedding: _SplitAwareEmbedding,
 }
-_SPLIT_AWARE_TYPES = frozenset(_SPLIT_AWARE.values())
+_WRITTEN: dict[type, type] = {aware: cls for cls, aware in _SPLIT_AWARE.items()}
 
 
 def split_modules(module: nn.Module) -> bool:
@@ -316,7 +317,7 @@ def split_modules(module: nn.Module) -> bool:
         if aware is not None:
             m.__class__ = aware
             continue
-        if cls in _SPLIT_AWARE_TYPES or getattr(m, "defers_weight_grad", False):
+        if cls in _WRITTEN or getattr(m, "defers_weight_grad", False):
             continue  # made split-aware before (a worker built again), or a split-aware layer
         if not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue

@@ -141,6 +141,10 @@ class StageWorker:
         self._functions: set[int] = (
             set()
         )  # parameters split-aware functions queued (mode "functions")
+        if not 0 <= stage < num_stages:
+            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+        if n_microbatches <= 0:
+            raise ValueError(f"n_microbatches must be positive, got {n_microbatches}")
         # mode "functions": the module's own linears, norms and embeddings split their ops, and
         # the torch-function mode intercepts the ops of the modules that own a bare parameter;
         # every op where the stage module owns one, and on CUDA: autograd recomputes a
@@ -151,10 +155,6 @@ class StageWorker:
             and weight_split == "functions"
             and (split_modules(module) or any(p.is_cuda for p in module.parameters()))
         )
-        if not 0 <= stage < num_stages:
-            raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-        if n_microbatches <= 0:
-            raise ValueError(f"n_microbatches must be positive, got {n_microbatches}")
         self.module, self.stage, self.num_stages = module, stage, num_stages
         self._splat = takes_several(module)  # a tuple input becomes separate arguments
         self.n_microbatches, self.loss_fn, self.split = n_microbatches, loss_fn, split
