@@ -102,3 +102,15 @@ def one_pass() -> Iterator[None]:
                         "Tensor post accumulate grad hooks should return None "
                         f"(got one from {hook!r})."
                     )
+
+
+def queue_accumulation(queue, grads: list) -> None:
+    """Queue for W (a ``WeightGradQueue``) the accumulation of gradients that B computed: ``grads``
+    pairs each parameter with its gradient, a reduction as small as the parameter (a norm's
+    weight), so holding it until W costs little and W recomputes nothing."""
+
+    def run() -> None:
+        for param, grad in grads:
+            accumulate_grad(param, grad, owned=True)
+
+    queue.append(run)

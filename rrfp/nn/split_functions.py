@@ -6,9 +6,12 @@ in B and again in W, and, under activation checkpointing, every checkpointed reg
 second time for W. The ops that carry a stage's weight FLOPs have simple gradients, so under
 ``SplitFunctions`` (entered by the stage worker around F, B and W) each of them, applied to a
 leaf parameter in grad mode, runs as a custom autograd Function whose
-backward computes only the input gradient and queues a closure that computes the parameter's
-gradient from what B already holds (the saved input and the gradient arriving there), to run in W
-(``WeightGradQueue``). W then needs neither the graph nor a recomputation for those parameters.
+backward computes the input gradient and queues a closure for W (``WeightGradQueue``). A product's
+closure computes the parameter's gradient from what B already holds (the saved input and the
+gradient arriving there); a norm's or a scale's weight gradient is a reduction with no FLOPs worth
+deferring, so B computes it beside the input's (one kernel call, where W would recompute the
+normalized input) and its closure only adds it to ``.grad``. W then needs neither the graph nor a
+recomputation for those parameters, and every parameter's gradient is final after W.
 
 Covered: ``F.linear`` (nn.Linear, attention's projections), ``F.layer_norm``, ``F.rms_norm``
 (nn.RMSNorm, rrfp/nn/split_rms_norm.py), ``F.embedding``
@@ -33,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.nn.grad_accumulation import accumulate_grad, queue_accumulation
 from rrfp.nn.split_linear import WeightGradQueue, split_linear
 from rrfp.nn.split_rms_norm import split_rms_norm
 
@@ -44,6 +47,10 @@ def _splits(w: torch.Tensor | None) -> bool:
 
 
 class _LayerNormFn(torch.autograd.Function):
+    """A layer norm whose weight and bias gradients B computes in the same kernel call as the
+    input's (a reduction over rows: no FLOPs worth deferring, and W would recompute the normalized
+    input), and W adds to ``.grad``, so they are final after W as every other parameter's."""
+
     @staticmethod
     def forward(ctx, x, shape, weight, bias, eps, queue):
         out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
@@ -54,30 +61,13 @@ class _LayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, mean, rstd, weight, bias = ctx.saved_tensors
-        need_x, need_w, need_b = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[2],
-            ctx.needs_input_grad[3],
+        need = [ctx.needs_input_grad[i] for i in (0, 2, 3)]
+        grad_x, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad, x, ctx.shape, mean, rstd, weight, bias, need
         )
-        grad_x = None
-        if need_x:
-            grad_x = torch.ops.aten.native_layer_norm_backward(
-                grad, x, ctx.shape, mean, rstd, weight, bias, [True, False, False]
-            )[0]
-        if need_w or need_b:
-            w, b = ctx.params
-            shape = ctx.shape
-
-            def run() -> None:
-                _, gw, gb = torch.ops.aten.native_layer_norm_backward(
-                    grad, x, shape, mean, rstd, weight, bias, [False, need_w, need_b]
-                )
-                if need_w:
-                    accumulate_grad(w, gw, owned=True)
-                if need_b:
-                    accumulate_grad(b, gb, owned=True)
-
-            ctx.queue.append(run)
+        grads = [(p, g) for p, g, n in zip(ctx.params, (gw, gb), need[1:]) if n]
+        if grads:
+            queue_accumulation(ctx.queue, grads)
         return grad_x, None, None, None, None, None
 
 
@@ -105,7 +95,8 @@ class _EmbeddingFn(torch.autograd.Function):
 
 
 class _ScaleFn(torch.autograd.Function):
-    """``x * weight`` for a parameter ``weight`` that broadcasts to ``x``'s shape."""
+    """``x * weight`` for a parameter ``weight`` that broadcasts to ``x``'s shape. The weight's
+    gradient is a reduction, computed in B and added in W (as a layer norm's)."""
 
     @staticmethod
     def forward(ctx, x, weight, queue):
@@ -117,11 +108,7 @@ class _ScaleFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         param = ctx.param
-
-        def run() -> None:
-            accumulate_grad(param, (grad * x).sum_to_size(param.shape), owned=True)
-
-        ctx.queue.append(run)
+        queue_accumulation(ctx.queue, [(param, (grad * x).sum_to_size(param.shape))])
         return (grad * weight if ctx.needs_input_grad[0] else None), None, None
 
 

@@ -131,6 +131,41 @@ class _SplitLinearFn(torch.autograd.Function):
         return ((grad_out @ call.weight).view(call.shape) if call.need_x else None), None
 
 
+class _LinearFn(torch.autograd.Function):
+    """The split linear as one node, where no saved-tensor hooks are active: it saves its input
+    and computes the product; its backward returns the input gradient and queues the weight's.
+    (Under a hook, a checkpoint's, the two nodes above save before the product.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias, ctx.queue = weight, bias, queue
+        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w or need_b:
+            ctx.queue.append(
+                _weight_grad_closure(
+                    x, grad_out, ctx.weight if need_w else None, ctx.bias if need_b else None
+                )
+            )
+        return ((grad_out @ ctx.weight).view(x.shape) if need_x else None), None, None, None
+
+
+# the nodes whose backward queues their weight's W (the two-node form's is its input's)
+QUEUEING_NODES = ("_SplitLinearInputFnBackward", "_LinearFnBackward")
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are active (a non-reentrant checkpoint, an activation count);
+    a torch without the query counts as hooked, the form that is right either way."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
+
+
 def split_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -148,8 +183,11 @@ def split_linear(
     # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of
     # its matmul, and a view made inside a custom Function cannot be modified in place
     # (``layer(x).relu_()``)
-    call = _Call(weight, bias, queue, reduce, x.requires_grad)
-    rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
+    if reduce is None and not _saved_tensors_hooked():
+        rows = _LinearFn.apply(x, weight, bias, queue)
+    else:
+        call = _Call(weight, bias, queue, reduce, x.requires_grad)
+        rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
     return rows.view(*x.shape[:-1], rows.shape[-1])
 
 

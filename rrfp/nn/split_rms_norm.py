@@ -4,15 +4,16 @@
 weight is out of reach of ``SplitFunctions``' elementwise-product rule and would fall to the
 generic split, which restarts autograd at the norm in W. Here the forward is torch's own
 (``aten._fused_rms_norm``, which also returns the per-row ``rstd``; torch has no CPU kernel for
-its backward), and the backward computes the input gradient in B and queues the weight gradient,
-``sum(grad * x * rstd)`` from the same saved input, ``rstd`` and incoming gradient, for W.
+its backward), and the backward computes the input gradient and the weight's,
+``sum(grad * x * rstd)`` (a reduction: no FLOPs worth deferring), in B, and queues the weight's
+accumulation for W.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rrfp.nn.grad_accumulation import accumulate_grad
+from rrfp.nn.grad_accumulation import queue_accumulation
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -33,10 +34,7 @@ class _RMSNormFn(torch.autograd.Function):
             g_hat = grad * weight
             grad_x = rstd * (g_hat - x_hat * (g_hat * x_hat).mean(dims, keepdim=True))
 
-        def run() -> None:
-            accumulate_grad(param, (grad * x_hat).sum_to_size(param.shape), owned=True)
-
-        ctx.queue.append(run)
+        queue_accumulation(ctx.queue, [(param, (grad * x_hat).sum_to_size(param.shape))])
         return grad_x, None, None, None, None
 
 

@@ -1,3 +1,4 @@
+import contextlib
 import threading
 
 import pytest
@@ -40,17 +41,40 @@ def test_immediate_matches_nn_linear(bias, shape):
         assert torch.equal(a, b)
 
 
+def _hooked():
+    """Saved-tensor hooks that keep what they are given, as a non-reentrant checkpoint's are
+    active during its region: the split linear then takes its two-node form."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+# each form's node that queues the weight's W, under hooks or none
+FORMS = {
+    "one node": (contextlib.nullcontext, "_LinearFnBackward"),
+    "two nodes": (_hooked, "_SplitLinearFnBackward"),
+}
+
+
+def _product_node(y):
+    node = y.grad_fn
+    while node.name() == "ViewBackward0":
+        node = node.next_functions[0][0]
+    return node.name()
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("x_requires_grad", [True, False])
-def test_deferred_matches_nn_linear(bias, x_requires_grad):
+def test_deferred_matches_nn_linear(bias, x_requires_grad, form):
+    hooks, node = FORMS[form]
     ref, lin = _pair(bias)
     x = torch.randn(2, 3, 5, dtype=torch.float64)
     g = torch.randn(2, 3, 7, dtype=torch.float64)
     xr, xs = x.clone().requires_grad_(x_requires_grad), x.clone().requires_grad_(x_requires_grad)
     ref(xr).backward(g)
     queue = WeightGradQueue()
-    with collect_weight_grads(queue):
+    with collect_weight_grads(queue), hooks():
         ys = lin(xs)
+    assert _product_node(ys) == node
     ys.backward(g)
     # B is done: input grad is there, weight grads are not
     assert len(queue) == 1
@@ -65,13 +89,15 @@ def test_deferred_matches_nn_linear(bias, x_requires_grad):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-13)
 
 
-def test_no_input_gradient_is_computed_for_an_input_that_wants_none():
+@pytest.mark.parametrize("form", FORMS)
+def test_no_input_gradient_is_computed_for_an_input_that_wants_none(form):
     """The weight alone wants a gradient: backward and W run one matmul, the weight's."""
     _, lin = _pair(bias=False)
     x, g = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 7, dtype=torch.float64)
     queue = WeightGradQueue()
-    with collect_weight_grads(queue):
+    with collect_weight_grads(queue), FORMS[form][0]():
         y = lin(x)
+    assert _product_node(y) == FORMS[form][1]
     with torch.profiler.profile() as prof:
         y.backward(g)
         queue.run()
