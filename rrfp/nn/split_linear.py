@@ -128,7 +128,7 @@ class _SplitLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         call = ctx.call
         call.grad_out = grad_out
-        return ((grad_out @ call.weight).view(call.shape) if call.need_x else None), None
+        return (_input_grad(grad_out, call.weight, call.shape) if call.need_x else None), None
 
 
 class _LinearFn(torch.autograd.Function):
@@ -152,7 +152,7 @@ class _LinearFn(torch.autograd.Function):
                     x, grad_out, ctx.weight if need_w else None, ctx.bias if need_b else None
                 )
             )
-        return ((grad_out @ ctx.weight).view(x.shape) if need_x else None), None, None, None
+        return (_input_grad(grad_out, ctx.weight, x.shape) if need_x else None), None, None, None
 
 
 # the nodes whose backward queues their weight's W (the two-node form's is its input's)
@@ -238,15 +238,26 @@ def init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
+    """Called in B: W's closure for one product. The weight's gradient, a matmul, is computed in
+    W; the bias's, a reduction over rows, now, while the output's gradient is in cache (as a norm's
+    weight gradient, rrfp/nn/split_functions.py), and added in W."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_bias = g.sum(0) if bias is not None else None
+
     def run() -> None:
-        g = grad_out.reshape(-1, grad_out.shape[-1])
         with torch.no_grad():
             if weight is not None:
                 accumulate_grad(weight, g.t().mm(x.reshape(-1, x.shape[-1])), owned=True)
             if bias is not None:
-                accumulate_grad(bias, g.sum(0), owned=True)
+                accumulate_grad(bias, grad_bias, owned=True)
 
     return run
+
+
+def _input_grad(grad_rows: torch.Tensor, weight: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The input's gradient in the input's shape, a tensor of its own (``matmul`` folds the rows and
+    returns no view), so that autograd adds a second gradient into it in place."""
+    return torch.matmul(grad_rows.view(*shape[:-1], grad_rows.shape[-1]), weight)
 
 
 class SplitLinear(nn.Module):
