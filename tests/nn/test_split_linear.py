@@ -90,6 +90,28 @@ def test_deferred_matches_nn_linear(bias, x_requires_grad, form):
 
 
 @pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("shape", [(5,), (0, 5), (1, 5), (3, 0, 5), (2, 1, 4, 5)])
+def test_deferred_matches_nn_linear_on_any_leading_shape(shape, form):
+    """One row, no rows and more leading dims: B's input gradient and W's take the input's
+    shape, in either form."""
+    ref, lin = _pair(bias=True)
+    x = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], 7, dtype=torch.float64)
+    xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xr).backward(g)
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue), FORMS[form][0]():
+        ys = lin(xs)
+    assert ys.shape == (*shape[:-1], 7)
+    ys.backward(g)
+    queue.run()
+    assert xs.grad.shape == x.shape
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=1e-13)
+    for a, b in zip(_grads(ref), _grads(lin)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("form", FORMS)
 def test_no_input_gradient_is_computed_for_an_input_that_wants_none(form):
     """The weight alone wants a gradient: backward and W run one matmul, the weight's."""
     _, lin = _pair(bias=False)
