@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from harness.distributed import run_ranks, timed_iteration, timed_outcome
+from harness.distributed import run_ranks, started_waits, timed_iteration, timed_outcome
 from harness.whole_model import as_tensors, one_iteration
 
 pytestmark = pytest.mark.multirank
@@ -253,7 +253,13 @@ def _tp_peer_stuck(rank, world, progress_s, heartbeat, stuck_s):
             return self.inner(x[:, 4 * rank : 4 * rank + 4])  # a row-parallel layer takes a shard
 
     async def main(mark):
-        waits = Timeouts.derive(2.0, progress_s=progress_s)
+        # with the heartbeat the subject follows start-up, which is bounded apart; without it the
+        # groups' 2 s is the subject, start-up's included
+        waits = (
+            started_waits(2.0, progress_s=progress_s)
+            if heartbeat
+            else Timeouts.derive(2.0, progress_s=progress_s)
+        )
         async with rrfp.PipelineRuntime.start(
             pp=1, tp=2, timeout_s=2.0, timeouts=waits, heartbeat=heartbeat
         ) as rt:
