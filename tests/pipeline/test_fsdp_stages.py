@@ -11,7 +11,7 @@ rrfp/pipeline/sharded_stages.py)."""
 from __future__ import annotations
 
 import pytest
-from harness.distributed import run_ranks, timed_iteration, timed_outcome
+from harness.distributed import run_ranks, started_waits, timed_iteration, timed_outcome
 from harness.fsdp_parity import LR, ROWS, STEPS, M, batch, full, loss_fn, model, reference, shard
 
 pytestmark = pytest.mark.multirank
@@ -163,10 +163,9 @@ def _replica_stuck(rank, world, progress_s):
 
     import rrfp
     from rrfp.pipeline.sharded_stages import shard_stage
-    from rrfp.pipeline.timeouts import Timeouts
 
     async def main(mark):
-        waits = Timeouts.derive(2.0, progress_s=progress_s)
+        waits = started_waits(2.0, progress_s=progress_s)  # start-up is no part of the row
         async with rrfp.PipelineRuntime.start(pp=1, dp=2, timeout_s=2.0, timeouts=waits) as rt:
             torch.manual_seed(0)
             module = shard_stage(torch.nn.Linear(8, 8), rt.dp_group, "cpu")
