@@ -370,18 +370,24 @@ class CudaComputeLane:
 
     def _calibrate_sleep(self) -> float:
         """Clock cycles per second of ``torch.cuda._sleep`` on this device (blocking, start-up
-        only)."""
+        only): the shortest of three probes, since a host stall between enqueuing a probe's start
+        event and its kernel (the device idle meanwhile) lengthens that probe and never shortens
+        it, and one lengthened probe would make every emulated time short."""
         torch = self._torch
         probe_cycles = 20_000_000
+        probes = []
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             torch.cuda._sleep(probe_cycles // 10)  # warm-up
-            started = torch.cuda.Event(enable_timing=True)
-            finished = torch.cuda.Event(enable_timing=True)
-            started.record(self.stream)
-            torch.cuda._sleep(probe_cycles)
-            finished.record(self.stream)
-        finished.synchronize()
-        cycles_per_s = probe_cycles / (started.elapsed_time(finished) / 1e3)
+            for _ in range(3):
+                started = torch.cuda.Event(enable_timing=True)
+                finished = torch.cuda.Event(enable_timing=True)
+                started.record(self.stream)
+                torch.cuda._sleep(probe_cycles)
+                finished.record(self.stream)
+                probes.append((started, finished))
+        probes[-1][1].synchronize()
+        shortest_ms = min(started.elapsed_time(finished) for started, finished in probes)
+        cycles_per_s = probe_cycles / (shortest_ms / 1e3)
         logger.info(
             "lane %s: torch.cuda._sleep runs %.3g cycles/s on %s",
             self.name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from harness import ROOT
 from harness.fake_cuda import FakeCudaOps, FakeEvent, FakeWorld, restore_late_sends
 from harness.forked_python import forked_subprocess_run, run_python
 
-from rrfp.loop import run
+from rrfp.loop import CompletionPoller, CudaComputeLane, run
 
 
 def _script():
@@ -32,7 +33,9 @@ gpu_check = _script()
 
 
 def fake_device():
-    world = FakeWorld(1)
+    # 1e9 cycles/s: the lane's calibration probes are 20 ms, longer than a host stall on a loaded
+    # machine, so a probe enqueued behind another is timed on the device alone
+    world = FakeWorld(1, cycles_per_s=1e9)
     world.enter(0)
     return gpu_check.Device(
         world.torch_for(0),
@@ -60,6 +63,35 @@ def test_lane_figures_on_the_fake_device():
     )
     assert 0 <= f["idle_share"] < 1 and f["gap_p50_us"] <= f["gap_p99_us"]
     assert f["enqueue_ms_per_task"] > 0 and f["kernel_ms_per_task"] >= 4.99 and f["decision_us"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_host_stall_while_the_lane_calibrates_does_not_shorten_emulated_time():
+    """The lane measures torch.cuda._sleep's clock once, at start-up. The host stalls 30 ms between
+    the first probe's start event and its kernel (the device idle meanwhile, as a loaded host
+    leaves it): the calibration still finds the device's clock, so each emulated task holds
+    the lane as long as asked. The probes are 20 ms, so a later probe is enqueued while the
+    device still runs the one before."""
+    world = FakeWorld(1, cycles_per_s=1e9)
+    world.enter(0)
+    fake = world.torch_for(0)
+    enqueue, sleeps = fake.cuda._sleep, []
+
+    def stalled(cycles):
+        sleeps.append(cycles)
+        if len(sleeps) == 2:  # after the warm-up: the first probe
+            time.sleep(0.03)
+        enqueue(cycles)
+
+    fake.cuda._sleep = stalled
+
+    async def calibrated() -> float:
+        async with CompletionPoller() as poller:
+            lane = CudaComputeLane(poller, torch.device("cuda", 0), 0.005, torch_module=fake)
+            return lane._sleep_cycles_per_s
+
+    assert run(calibrated()) == pytest.approx(world.cycles_per_s, rel=0.01)
+    assert len(sleeps) > 2, "the calibration probed once: a stall there sets every emulated time"
 
 
 @pytest.mark.timeout(60)
