@@ -100,13 +100,8 @@ class _SplitLinearInputFn(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         call = ctx.call
         grad_out, call.grad_out = call.grad_out, None
-        need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if (need_w or need_b) and grad_out is not None:
-            call.queue.append(
-                _weight_grad_closure(
-                    x, grad_out, call.weight if need_w else None, call.bias if need_b else None
-                )
-            )
+        if grad_out is not None:
+            _queue_weight_grad(ctx, call.queue, x, grad_out, call.weight, call.bias)
         return grad_x, None, None, None
 
 
@@ -145,14 +140,9 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if need_w or need_b:
-            ctx.queue.append(
-                _weight_grad_closure(
-                    x, grad_out, ctx.weight if need_w else None, ctx.bias if need_b else None
-                )
-            )
-        return (_input_grad(grad_out, ctx.weight, x.shape) if need_x else None), None, None, None
+        _queue_weight_grad(ctx, ctx.queue, x, grad_out, ctx.weight, ctx.bias)
+        grad_x = _input_grad(grad_out, ctx.weight, x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
 
 
 # the nodes whose backward queues their weight's W (the two-node form's is its input's)
@@ -235,6 +225,16 @@ def init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         fan_in = weight.shape[1]
         bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
         nn.init.uniform_(bias, -bound, bound)
+
+
+def _queue_weight_grad(ctx, queue: WeightGradQueue, x, grad_out, weight, bias) -> None:
+    """In B, the backward of a node whose inputs 1 and 2 are the product's weight and bias:
+    queue W's closure for those of them that want a gradient."""
+    need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    if need_w or need_b:
+        queue.append(
+            _weight_grad_closure(x, grad_out, weight if need_w else None, bias if need_b else None)
+        )
 
 
 def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
