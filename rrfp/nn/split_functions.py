@@ -37,6 +37,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from rrfp.nn.grad_accumulation import accumulate_grad, queue_accumulation
+from rrfp.nn.split_linear import QUEUEING_NODES as split_linear_nodes
 from rrfp.nn.split_linear import WeightGradQueue, split_linear
 from rrfp.nn.split_rms_norm import split_rms_norm
 
@@ -171,8 +172,10 @@ _SPLITS: dict[Callable, Callable] = {
     torch.Tensor.__rmul__: _scale,
 }
 
-# the autograd nodes of these Functions: their backward queues their parameters' W
+# the autograd nodes of these Functions and of the split linear (rrfp/nn/split_linear.py): their
+# backward queues their parameters' W
 QUEUEING_NODES = (
+    *split_linear_nodes,
     "_LayerNormFnBackward",
     "_EmbeddingFnBackward",
     "_ScaleFnBackward",

@@ -51,7 +51,6 @@ from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradien
 
 from rrfp.nn.grad_accumulation import accumulate_grad
 from rrfp.nn.split_functions import QUEUEING_NODES
-from rrfp.nn.split_linear import QUEUEING_NODES as LINEAR_QUEUEING_NODES
 from rrfp.pipeline.split_backward.checkpointed_nodes import is_checkpointed
 
 log = logging.getLogger(__name__)
@@ -293,11 +292,11 @@ WHOLE_CHECKPOINT_GATHERED = (
     "(torch.utils.checkpoint.GraphExecGroup) cannot serve: B computes every gradient and W nothing"
 )
 
-# the nodes of rrfp.nn.split_linear (its input's: the product's own has no edge to a parameter),
-# rrfp.nn.grouped_experts (a mixture of experts' grouped products) and rrfp.nn.split_functions:
-# their backward queues their weights' W. W must not run them again, but their use of a parameter
-# still counts when another use is gathered (a rerun would queue that W twice).
-_QUEUES_OWN_W = (*LINEAR_QUEUEING_NODES, "_GroupedLinearFnBackward", *QUEUEING_NODES)
+# the nodes of rrfp.nn.split_functions and the split linear (in its two-node form, its input's: the
+# product's own has no edge to a parameter), and of rrfp.nn.grouped_experts (a mixture of experts'
+# grouped products): their backward queues their weights' W. W must not run them again, but their
+# use of a parameter still counts when another use is gathered (a rerun would queue that W twice).
+_QUEUES_OWN_W = (*QUEUEING_NODES, "_GroupedLinearFnBackward")
 
 RERUN_LIMIT = (
     16  # B nodes a restart may run again (wasted, never counted twice) to reach a shared node
