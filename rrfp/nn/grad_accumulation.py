@@ -58,6 +58,26 @@ def accumulate_grad(
             _add(param, grad, owned)
 
 
+def accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``accumulate_grad(param, a @ b, owned=True)``, as one ``addmm_`` into ``.grad`` where it
+    is a dense gradient of the product's dtype and shape and nothing hooks the parameter's
+    gradient (W's products add into a gradient the previous microbatches left)."""
+    grad = param.grad
+    fused = (
+        grad is not None
+        and not grad.is_sparse
+        and grad.dtype == a.dtype == b.dtype
+        and grad.shape == (a.shape[0], b.shape[1])
+        and not getattr(param, "_backward_hooks", None)
+    )
+    if not fused:
+        accumulate_grad(param, a.mm(b), owned=True)
+        return
+    with one_pass():
+        _PASS.get().setdefault(id(param), [param, None, False])
+        grad.addmm_(a, b)
+
+
 def _tensor_hooks(param: torch.Tensor) -> list:
     return list((getattr(param, "_backward_hooks", None) or {}).values())
 

@@ -24,10 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rrfp.nn.grad_accumulation import (
+from rrfp.nn.grad_accumulation import (  # accumulate_grad: also imported from here
     accumulate_grad,
+    accumulate_product,
     one_pass,
-)  # accumulate_grad: also imported from here
+)
 
 _ACTIVE: contextvars.ContextVar[WeightGradQueue | None] = contextvars.ContextVar(
     "rrfp_weight_grad_queue", default=None
@@ -126,27 +127,39 @@ class _SplitLinearFn(torch.autograd.Function):
         return (_input_grad(grad_out, call.weight, call.shape) if call.need_x else None), None
 
 
-class _LinearFn(torch.autograd.Function):
-    """The split linear as one node, where no saved-tensor hooks are active: it saves its input
-    and computes the product; its backward returns the input gradient and queues the weight's.
-    (Under a hook, a checkpoint's, the two nodes above save before the product.)"""
+def _hooked_linear(x, weight, bias, queue: WeightGradQueue) -> torch.Tensor:
+    """The split linear with no Python node: ``F.linear`` on 2-D rows and the detached parameters,
+    whose native backward computes the input gradient alone, and a pre-hook on that node that, in
+    B, queues W's closure from the gradient arriving there and the input the hook holds. (A node's
+    pre-hook sees its output's gradient whatever the output went through after, an in-place op on
+    a view of it among them; a tensor hook on a view changed in place never runs.) Needs an input
+    that wants a gradient: otherwise the product has no node to hook."""
+    need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
+    rows = F.linear(
+        x.reshape(-1, x.shape[-1]), weight.detach(), None if bias is None else bias.detach()
+    )
+    version = x._version
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, queue):
-        ctx.save_for_backward(x)
-        ctx.weight, ctx.bias, ctx.queue = weight, bias, queue
-        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    def queue_w(grad_outputs: tuple[torch.Tensor, ...]) -> None:
+        if x._version != version:  # as autograd checks a saved tensor
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a split linear's input is at version {x._version}; "
+                f"expected version {version} instead."
+            )
+        queue.append(
+            _weight_grad_closure(
+                x, grad_outputs[0], weight if need_w else None, bias if need_b else None
+            )
+        )
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        _queue_weight_grad(ctx, ctx.queue, x, grad_out, ctx.weight, ctx.bias)
-        grad_x = _input_grad(grad_out, ctx.weight, x.shape) if ctx.needs_input_grad[0] else None
-        return grad_x, None, None, None
+    rows.grad_fn.register_prehook(queue_w)
+    return rows
 
 
-# the nodes whose backward queues their weight's W (the two-node form's is its input's)
-QUEUEING_NODES = ("_SplitLinearInputFnBackward", "_LinearFnBackward")
+# the node whose backward queues the weight's W in the two-node form (its input's); the hooked
+# form's weight is not in the graph
+QUEUEING_NODES = ("_SplitLinearInputFnBackward",)
 
 
 def _saved_tensors_hooked() -> bool:
@@ -170,11 +183,12 @@ def split_linear(
     and is treated as identity in backward (a tensor-parallel "reduce from the TP
     region": an all-reduce SUM of partial products, see rrfp.nn.tensor_parallel).
     """
-    # without reduce the Function returns 2-D rows: F.linear on more dimensions returns a view of
-    # its matmul, and a view made inside a custom Function cannot be modified in place
-    # (``layer(x).relu_()``)
-    if reduce is None and not _saved_tensors_hooked():
-        rows = _LinearFn.apply(x, weight, bias, queue)
+    # both forms compute on 2-D rows (the result is no view: a view made inside a custom Function
+    # cannot be modified in place, ``layer(x).relu_()``); the hooked form needs no Python node, the
+    # two-node form serves saved-tensor hooks (a checkpoint's), ``reduce`` and an input that wants
+    # no gradient
+    if reduce is None and x.requires_grad and not _saved_tensors_hooked():
+        rows = _hooked_linear(x, weight, bias, queue)
     else:
         call = _Call(weight, bias, queue, reduce, x.requires_grad)
         rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
@@ -247,7 +261,7 @@ def _weight_grad_closure(x, grad_out, weight, bias) -> Callable[[], None]:
     def run() -> None:
         with torch.no_grad():
             if weight is not None:
-                accumulate_grad(weight, g.t().mm(x.reshape(-1, x.shape[-1])), owned=True)
+                accumulate_product(weight, g.t(), x.reshape(-1, x.shape[-1]))
             if bias is not None:
                 accumulate_grad(bias, grad_bias, owned=True)
 
