@@ -55,23 +55,39 @@ class FailureBoard:
         except RuntimeError:
             pass
 
-    def post_refusal(self, text: str) -> None:
-        """Rank 0: the bad-input error it printed for the job (job_lines.py)."""
-        self.post("refused", text)
+    def post_refusal(self, text: str, wait_s: float) -> bool:
+        """Rank 0: the bad-input error it printed for the job (job_lines.py), trying for up to
+        ``wait_s``: the other ranks print it again unless they read it, and the agent's store, which
+        outlives the ranks, can miss a client's bound on a loaded machine. Whether it was posted."""
+        return self._retried(lambda: self.store.set(f"{self.prefix}/refused", text) or True, wait_s)
 
     def refusal(self, wait_s: float) -> str | None:
-        """Rank 0's posted refusal, waiting up to ``wait_s`` for it; None if none came."""
-        deadline = time.monotonic() + wait_s
+        """Rank 0's posted refusal, waiting up to ``wait_s`` for it; None if none came. A store
+        operation that failed (timed out under load) is tried again until then."""
         key = f"{self.prefix}/refused"
+        found: list[str] = []
+
+        def read() -> bool:
+            if self.store.check([key]):
+                found.append(self.store.get(key).decode(errors="replace"))
+            return bool(found)
+
+        self._retried(read, wait_s)
+        return found[0] if found else None
+
+    def _retried(self, op, wait_s: float) -> bool:
+        """``op`` every 20 ms until it returns a true value or ``wait_s`` has passed, a failed store
+        operation counting as a false one; whether it came true."""
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 with _quiet():
-                    if self.store.check([key]):
-                        return self.store.get(key).decode(errors="replace")
+                    if op():
+                        return True
             except RuntimeError:
-                return None
+                pass
             if time.monotonic() >= deadline:
-                return None
+                return False
             time.sleep(0.02)
 
     def ticks(self, ranks) -> dict[int, int]:

@@ -63,7 +63,9 @@ def refuse_once(text: str, line: str, board=None) -> None:
     if world > 1 and board is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         from rrfp.app.job.failure_board import FailureBoard  # imports torch: only when it can help
 
-        board = FailureBoard.connect()
+        # the agent's store outlives the ranks: a loaded machine, not a gone store, is what keeps
+        # a client from connecting at once, so connecting gets the refusal's own bound
+        board = FailureBoard.connect(timeout_s=REFUSAL_WAIT_S)
     if board is not None:
         # torchrun's agent SIGTERMs every rank once one has exited: each still ends with its
         # line written (or known to be rank 0's) and exit code 2, not killed by the signal
@@ -71,7 +73,7 @@ def refuse_once(text: str, line: str, board=None) -> None:
     if rank == 0 or world <= 1 or board is None:
         say(line)
         if rank == 0 and board is not None:
-            board.post_refusal(text)
+            board.post_refusal(text, REFUSAL_WAIT_S)
         return
     if board.refusal(REFUSAL_WAIT_S) != text:
         say(line)

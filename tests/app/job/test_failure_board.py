@@ -116,3 +116,37 @@ def test_with_no_post_naming_it_the_rank_whose_alive_counter_stood_still_is_name
     finally:
         done.set()
         ticker.join()
+
+
+class _Stalling:
+    """The store as a loaded machine serves it: its first ``n`` operations time out."""
+
+    def __init__(self, store, n: int) -> None:
+        self.store, self.left = store, n
+
+    def __getattr__(self, name):
+        op = getattr(self.store, name)
+
+        def call(*args):
+            if self.left > 0:
+                self.left -= 1
+                raise dist.DistStoreError("wait timeout after 1000ms")
+            return op(*args)
+
+        return call
+
+
+def test_a_refusal_survives_store_operations_that_time_out(board):
+    """Rank 0's post and another rank's read each meet timeouts first: the text still gets across,
+    so the other rank stays silent rather than printing the refusal a second time."""
+    store = board.store
+    board.store = _Stalling(store, 3)
+    assert board.post_refusal("no such file", wait_s=30.0)
+    board.store = _Stalling(store, 3)
+    assert board.refusal(wait_s=30.0) == "no such file"
+
+
+def test_a_refusal_never_posted_is_none_after_the_wait(board):
+    board.store = _Stalling(board.store, 10**9)
+    assert board.refusal(wait_s=0.2) is None
+    assert not board.post_refusal("text", wait_s=0.2)
