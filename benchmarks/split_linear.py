@@ -1,0 +1,83 @@
+"""What the split linear costs alone: a stack of linears, B then W, against nn.Linear's backward.
+
+``split_cost.py`` times whole stages, where the linears' own overhead (a Python node or hook per
+linear in F and B, W's closure per linear) is a few percent inside the spread of the memory-bound
+ops around them. This isolates it: ``--layers`` linears of ``--width`` over ``--rows`` rows (an
+input that wants a gradient, no saved-tensor hooks: the form a stage without checkpointing takes),
+F, the backward and W each timed in the thread's CPU time, one torch thread, split and unsplit
+alternating per repetition. Reported: the medians of F and of the backward (B + W split), and per
+repetition the paired ratio split over unsplit (median and quartiles). A benchmark reading, not a
+test:
+
+    OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/split_linear.py [--reps 101]
+        [--layers 12] [--width 192] [--rows 512]
+
+To compare two trees in one window, run it with ``PYTHONPATH`` set to each tree in turn
+(``git worktree add``), alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rrfp.nn.split_linear import SplitLinear, WeightGradQueue, collect_weight_grads
+
+
+def one(stack: torch.nn.Sequential, x: torch.Tensor, split: bool) -> tuple[float, float]:
+    """F and the backward (B + W when split) of one pass: thread CPU seconds."""
+    queue = WeightGradQueue() if split else None
+    c0 = time.thread_time()
+    with collect_weight_grads(queue):
+        y = stack(x)
+    c1 = time.thread_time()
+    y.backward(torch.ones_like(y))
+    if queue is not None:
+        queue.run()
+    c2 = time.thread_time()
+    return c1 - c0, c2 - c1
+
+
+def quartiles(xs: list[float]) -> str:
+    q = statistics.quantiles(xs, n=4)
+    return f"{statistics.median(xs):.3f}x ({q[0]:.3f}..{q[2]:.3f})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=101)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--width", type=int, default=192)
+    p.add_argument("--rows", type=int, default=512)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*(SplitLinear(a.width, a.width) for _ in range(a.layers)))
+    x = torch.randn(a.rows // 64 or 1, 64, a.width, requires_grad=True)
+    for _ in range(5):  # warm-up
+        one(stack, x, True), one(stack, x, False)
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for r in range(a.reps):
+        for split in (True, False) if r % 2 else (False, True):
+            times[split].append(one(stack, x, split))
+            stack.zero_grad(set_to_none=False)  # W adds into a gradient, as from microbatch 2 on
+    f_ratio = [s[0] / u[0] for s, u in zip(times[True], times[False])]
+    b_ratio = [s[1] / u[1] for s, u in zip(times[True], times[False])]
+    print(
+        f"{a.layers} linears of {a.width} over {x.shape[0] * x.shape[1]} rows, torch "
+        f"{torch.__version__}, 1 thread, thread CPU, {a.reps} alternated repetitions\n"
+    )
+    print("| | F ms | backward ms | F ratio (IQR) | B + W over the backward (IQR) |")
+    print("|---|---:|---:|---|---|")
+    for split, name in ((False, "nn.Linear's backward"), (True, "split: B, then W")):
+        f = statistics.median(t[0] for t in times[split]) * 1e3
+        b = statistics.median(t[1] for t in times[split]) * 1e3
+        ratios = f"{quartiles(f_ratio)} | {quartiles(b_ratio)}" if split else "— | —"
+        print(f"| {name} | {f:.3f} | {b:.3f} | {ratios} |")
+
+
+if __name__ == "__main__":
+    main()
