@@ -2,12 +2,13 @@
 
 ``split_cost.py`` times whole stages, where the linears' own overhead (a Python node or hook per
 linear in F and B, W's closure per linear) is a few percent inside the spread of the memory-bound
-ops around them. This isolates it: ``--layers`` linears of ``--width`` over ``--rows`` rows (an
-input that wants a gradient, no saved-tensor hooks: the form a stage without checkpointing takes),
-F, the backward and W each timed in the thread's CPU time, one torch thread, split and unsplit
-alternating per repetition. Reported: the medians of F and of the backward (B + W split), and per
-repetition the paired ratio split over unsplit (median and quartiles). A benchmark reading, not a
-test:
+ops around them. This isolates it: ``--layers`` linears of ``--width`` over ``--rows`` rows, run
+as a middle stage by the runtime's ``StageWorker`` (``weight_split="functions"``: its nn.Linear
+modules take the split linear; an input that wants a gradient and no saved-tensor hooks, the form
+a stage without checkpointing takes). F and the backward (B, then W) are timed in the thread's
+CPU time, one torch thread, split and unsplit alternating per repetition. Reported: the medians of
+F and of the backward (B + W split), and per repetition the paired ratio split over unsplit
+(median and quartiles). A benchmark reading, not a test:
 
     OMP_NUM_THREADS=1 taskset -c 1 .venv/bin/python benchmarks/split_linear.py [--reps 101]
         [--layers 12] [--width 192] [--rows 512]
@@ -24,20 +25,21 @@ import time
 
 import torch
 
-from rrfp.nn.split_linear import SplitLinear, WeightGradQueue, collect_weight_grads
+from rrfp import StageWorker
+
+STAGE, STAGES = 1, 3  # a middle stage: its input wants a gradient, and B returns it
 
 
-def one(stack: torch.nn.Sequential, x: torch.Tensor, split: bool) -> tuple[float, float]:
-    """F and the backward (B + W when split) of one pass: thread CPU seconds."""
-    queue = WeightGradQueue() if split else None
+def one(worker: StageWorker, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, float]:
+    """F and the backward (B + W when split) of one microbatch: thread CPU seconds."""
     c0 = time.thread_time()
-    with collect_weight_grads(queue):
-        y = stack(x)
+    worker.forward(0, x)
     c1 = time.thread_time()
-    y.backward(torch.ones_like(y))
-    if queue is not None:
-        queue.run()
+    worker.backward(0, grad)
+    if worker.split:
+        worker.weight(0)
     c2 = time.thread_time()
+    worker.reset()
     return c1 - c0, c2 - c1
 
 
@@ -55,15 +57,29 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    stack = torch.nn.Sequential(*(SplitLinear(a.width, a.width) for _ in range(a.layers)))
-    x = torch.randn(a.rows // 64 or 1, 64, a.width, requires_grad=True)
+    stack = torch.nn.Sequential(*(torch.nn.Linear(a.width, a.width) for _ in range(a.layers)))
+    workers = {
+        split: StageWorker(
+            stack,
+            STAGE,
+            STAGES,
+            1,
+            None,
+            split=split,
+            measure_activations=False,
+            weight_split="functions",
+        )
+        for split in (True, False)
+    }
+    x = torch.randn(a.rows // 64 or 1, 64, a.width)
+    grad = torch.randn_like(x)
     for _ in range(5):  # warm-up
-        one(stack, x, True), one(stack, x, False)
+        one(workers[True], x, grad), one(workers[False], x, grad)
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for r in range(a.reps):
         for split in (True, False) if r % 2 else (False, True):
-            times[split].append(one(stack, x, split))
-            stack.zero_grad(set_to_none=False)  # W adds into a gradient, as from microbatch 2 on
+            times[split].append(one(workers[split], x, grad))
+        stack.zero_grad(set_to_none=False)  # W adds into a gradient, as from microbatch 2 on
     f_ratio = [s[0] / u[0] for s, u in zip(times[True], times[False])]
     b_ratio = [s[1] / u[1] for s, u in zip(times[True], times[False])]
     print(
