@@ -135,6 +135,8 @@ def _hooked_linear(x, weight, bias, queue: WeightGradQueue) -> torch.Tensor:
     a view of it among them; a tensor hook on a view changed in place never runs.) Needs an input
     that wants a gradient: otherwise the product has no node to hook."""
     need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
+    if not (need_w or need_b):  # frozen: nothing for W
+        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
     rows = F.linear(
         x.reshape(-1, x.shape[-1]), weight.detach(), None if bias is None else bias.detach()
     )

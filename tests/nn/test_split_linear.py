@@ -248,3 +248,26 @@ def test_an_output_changed_in_place_still_gives_the_products_gradient(form):
     torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=1e-13)
     for a, b in zip(_grads(ref), _grads(lin)):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("frozen", ["weight", "bias", "both"])
+def test_a_frozen_parameter_gets_no_gradient_and_queues_nothing_of_its_own(form, frozen):
+    ref, lin = _pair()
+    for m in (ref, lin):
+        for name in ("weight", "bias") if frozen == "both" else (frozen,):
+            getattr(m, name).requires_grad_(False)
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xr).pow(2).sum().backward()
+    queue = WeightGradQueue()
+    with collect_weight_grads(queue), FORMS[form][0]():
+        y = lin(xs)
+    y.pow(2).sum().backward()
+    assert len(queue) == (0 if frozen == "both" else 1)
+    queue.run()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=1e-13)
+    for a, b in zip(ref.parameters(), lin.parameters()):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-13)
