@@ -3,13 +3,13 @@
     python -m torch.distributed.run --nproc-per-node W -m rrfp.app.bench.rank JOB.json ROWS.json
 
 Every workload of the job runs every contender on the same iterations: one
-warm-up, then ``reps`` measured ones, the contenders' order rotated each
-iteration so that none always goes first. After each run the ranks all-reduce
-its wall time (the slowest rank's is the iteration's). Rank 0 prints one
-progress line per run on stdout for the parent's bar and writes every row and
-span to ROWS.json. A failure prints one ``rrfp: error: rank R: ...`` line
-(after its traceback) on stderr and exits 1 at once: torchrun then stops the
-other ranks, and the parent reports that line.
+warm-up, then ``reps`` measured ones, the contenders' order changed each
+iteration so that none always goes first or always follows the same other
+one. After each run the ranks all-reduce its wall time (the slowest rank's is
+the iteration's). Rank 0 prints one progress line per run on stdout for the
+parent's bar and writes every row and span to ROWS.json. A failure prints one
+``rrfp: error: rank R: ...`` line (after its traceback) on stderr and exits 1
+at once: torchrun then stops the other ranks, and the parent reports that line.
 """
 
 from __future__ import annotations
@@ -42,8 +42,22 @@ PROGRESS = "@rrfp-bench-progress "  # prefix of the progress lines rank 0 prints
 log = logging.getLogger("rrfp.app.bench.rank")
 
 
-def rotated(items: list, k: int) -> list:
-    return items[k % len(items) :] + items[: k % len(items)]
+def run_order(items: list, k: int) -> list:
+    """The contenders' order in iteration ``k``: a row of a Williams design, balanced for what ran
+    just before. A rotation keeps one cyclic order, so each contender would always follow the same
+    other one and inherit its caches and allocator state (a split row's held tensors before an
+    unsplit one); here, over ``n`` iterations (``2n`` for an odd count), each takes every position
+    equally often and follows every other one equally often within an iteration."""
+    n = len(items)
+    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: the adjacent differences are all apart
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = [items[(i + k) % n] for i in first]
+    return row[::-1] if n % 2 and (k // n) % 2 else row
 
 
 def _on(device: torch.device, value):
@@ -153,7 +167,7 @@ async def run_case(
                 r.prepare(it + 1, upcoming[1])
         if it > 0:
             iterations.append({"iteration": it, "features": feats})
-        for position, name in enumerate(rotated(names, it)):
+        for position, name in enumerate(run_order(names, it)):
             before = thread_stats.snapshot()
             m = await runners[name].run(it, data, feats)
             used = thread_stats.between(before, thread_stats.snapshot())

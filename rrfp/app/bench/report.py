@@ -111,7 +111,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
     load += ", each rank pinned to a core of its own" if spec.pin else ""
     lines += [
         f"PP={spec.pp} TP={spec.tp} M={spec.n_microbatches}, {spec.reps} measured iteration(s) per "
-        f"contender after one warm-up, contenders rotated each iteration; {time_is}; ready budget "
+        f"contender after one warm-up, contenders reordered each iteration (balanced for position "
+        f"and predecessor); {time_is}; ready budget "
         f"{spec.budget}. {machine['cpus']} CPUs{load}, torch {machine['torch']}, "
         f"{machine['hostname']}, {machine['date']}.",
         "",

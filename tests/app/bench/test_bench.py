@@ -49,7 +49,7 @@ def test_quick_run_writes_a_well_formed_folder(quick):
         [row] = [r for r in wl["rows"] if r["contender"] == name]
         assert row["iteration"] == 1 and row["wall_s"] > 0 and 0 < row["efficiency"]
         assert row["lower_bound_s"] > 0
-    # the order rotates: the contenders took different positions in the iteration
+    # the order changes: the contenders took different positions in the iteration
     assert len({r["position"] for r in wl["rows"]}) == len(ran)
     for s in wl["summary"]:
         assert math.isfinite(s["speedup"]["median"]) and s["speedup"]["median"] > 0
