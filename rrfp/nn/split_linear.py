@@ -127,31 +127,42 @@ class _SplitLinearFn(torch.autograd.Function):
         return (_input_grad(grad_out, call.weight, call.shape) if call.need_x else None), None
 
 
-def _hooked_linear(x, weight, bias, queue: WeightGradQueue) -> torch.Tensor:
+def _hooked_linear(x, weight, bias, queue: WeightGradQueue, hooks) -> torch.Tensor:
     """The split linear with no Python node: ``F.linear`` on 2-D rows and the detached parameters,
     whose native backward computes the input gradient alone, and a pre-hook on that node that, in
-    B, queues W's closure from the gradient arriving there and the input the hook holds. (A node's
+    B, queues W's closure from the gradient arriving there and the input it kept. (A node's
     pre-hook sees its output's gradient whatever the output went through after, an in-place op on
     a view of it among them; a tensor hook on a view changed in place never runs.) Needs an input
-    that wants a gradient: otherwise the product has no node to hook."""
+    that wants a gradient: otherwise the product has no node to hook.
+
+    The input is kept as autograd keeps a saved tensor: through the active saved-tensor hooks
+    (``hooks``: a non-reentrant checkpoint's, which then recomputes it in B; a count of saved
+    bytes), packed before the product, as torch's own ops save their inputs before they compute,
+    so a checkpoint's recomputation that ends at this product stops before computing it; with no
+    hooks, the tensor itself, its version checked in B as autograd checks a saved tensor."""
     need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
     if not (need_w or need_b):  # frozen: nothing for W
         return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    pack, unpack = hooks if hooks is not None else (None, None)
+    kept, version = (x if pack is None else pack(x)), x._version
     rows = F.linear(
         x.reshape(-1, x.shape[-1]), weight.detach(), None if bias is None else bias.detach()
     )
-    version = x._version
 
     def queue_w(grad_outputs: tuple[torch.Tensor, ...]) -> None:
-        if x._version != version:  # as autograd checks a saved tensor
+        if unpack is not None:
+            held = unpack(kept)
+        elif kept._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: a split linear's input is at version {x._version}; "
+                f"inplace operation: a split linear's input is at version {kept._version}; "
                 f"expected version {version} instead."
             )
+        else:
+            held = kept
         queue.append(
             _weight_grad_closure(
-                x, grad_outputs[0], weight if need_w else None, bias if need_b else None
+                held, grad_outputs[0], weight if need_w else None, bias if need_b else None
             )
         )
 
@@ -164,11 +175,15 @@ def _hooked_linear(x, weight, bias, queue: WeightGradQueue) -> torch.Tensor:
 QUEUEING_NODES = ("_SplitLinearInputFnBackward",)
 
 
-def _saved_tensors_hooked() -> bool:
-    """Whether saved-tensor hooks are active (a non-reentrant checkpoint, an activation count);
-    a torch without the query counts as hooked, the form that is right either way."""
+_UNKNOWN = object()
+
+
+def _saved_tensor_hooks():
+    """The active saved-tensor hooks, ``(pack, unpack)`` (a non-reentrant checkpoint's, an
+    activation count's), None when there are none, or ``_UNKNOWN`` on a torch without the query
+    (the two-node form, whose Function saves through autograd, is right either way)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(True) is not None
+    return _UNKNOWN if top is None else top(True)
 
 
 def split_linear(
@@ -187,10 +202,10 @@ def split_linear(
     """
     # both forms compute on 2-D rows (the result is no view: a view made inside a custom Function
     # cannot be modified in place, ``layer(x).relu_()``); the hooked form needs no Python node, the
-    # two-node form serves saved-tensor hooks (a checkpoint's), ``reduce`` and an input that wants
-    # no gradient
-    if reduce is None and x.requires_grad and not _saved_tensors_hooked():
-        rows = _hooked_linear(x, weight, bias, queue)
+    # two-node form serves ``reduce`` and an input that wants no gradient
+    hooks = _saved_tensor_hooks()
+    if reduce is None and x.requires_grad and hooks is not _UNKNOWN:
+        rows = _hooked_linear(x, weight, bias, queue, hooks)
     else:
         call = _Call(weight, bias, queue, reduce, x.requires_grad)
         rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)

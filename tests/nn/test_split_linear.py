@@ -43,7 +43,7 @@ def test_immediate_matches_nn_linear(bias, shape):
 
 def _hooked():
     """Saved-tensor hooks that keep what they are given, as a non-reentrant checkpoint's are
-    active during its region: the split linear then takes its two-node form."""
+    active during its region: the split linear keeps its input through them."""
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
@@ -54,7 +54,7 @@ FORMS = {
         contextlib.nullcontext,
         {True: "hook", False: "_SplitLinearFnBackward"},
     ),
-    "two nodes": (_hooked, {True: "_SplitLinearFnBackward", False: "_SplitLinearFnBackward"}),
+    "saved-tensor hooks": (_hooked, {True: "hook", False: "_SplitLinearFnBackward"}),
 }
 
 
@@ -223,7 +223,7 @@ def test_rejects_bad_sizes():
 def test_an_input_changed_in_place_before_backward_is_refused(x_requires_grad):
     """The input W needs, changed in place after the forward, would give a wrong weight gradient:
     B refuses, as autograd refuses a changed saved tensor. (Under saved-tensor hooks that keep the
-    tensor itself, as the two-node form runs, autograd checks nothing, for nn.Linear alike.)"""
+    tensor itself, autograd checks nothing, for nn.Linear alike.)"""
     _, lin = _pair()
     h = torch.randn(2, 3, 5, dtype=torch.float64).requires_grad_(x_requires_grad) * 1
     queue = WeightGradQueue()
