@@ -102,7 +102,8 @@ class _SplitLinearInputFn(torch.autograd.Function):
         call = ctx.call
         grad_out, call.grad_out = call.grad_out, None
         if grad_out is not None:
-            _queue_weight_grad(ctx, call.queue, x, grad_out, call.weight, call.bias)
+            need_w, need_b = ctx.needs_input_grad[1:3]
+            _queue_weight_grad(call.queue, x, grad_out, call.weight, call.bias, need_w, need_b)
         return grad_x, None, None, None
 
 
@@ -160,11 +161,7 @@ def _hooked_linear(x, weight, bias, queue: WeightGradQueue, hooks) -> torch.Tens
             )
         else:
             held = kept
-        queue.append(
-            _weight_grad_closure(
-                held, grad_outputs[0], weight if need_w else None, bias if need_b else None
-            )
-        )
+        _queue_weight_grad(queue, held, grad_outputs[0], weight, bias, need_w, need_b)
 
     rows.grad_fn.register_prehook(queue_w)
     return rows
@@ -175,15 +172,10 @@ def _hooked_linear(x, weight, bias, queue: WeightGradQueue, hooks) -> torch.Tens
 QUEUEING_NODES = ("_SplitLinearInputFnBackward",)
 
 
-_UNKNOWN = object()
-
-
-def _saved_tensor_hooks():
-    """The active saved-tensor hooks, ``(pack, unpack)`` (a non-reentrant checkpoint's, an
-    activation count's), None when there are none, or ``_UNKNOWN`` on a torch without the query
-    (the two-node form, whose Function saves through autograd, is right either way)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return _UNKNOWN if top is None else top(True)
+# the active saved-tensor hooks, ``(pack, unpack)`` (a non-reentrant checkpoint's, an activation
+# count's) or None, asked per call with True; None on a torch without the query, where the two-node
+# form, whose Function saves through autograd, is right either way
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def split_linear(
@@ -203,9 +195,8 @@ def split_linear(
     # both forms compute on 2-D rows (the result is no view: a view made inside a custom Function
     # cannot be modified in place, ``layer(x).relu_()``); the hooked form needs no Python node, the
     # two-node form serves ``reduce`` and an input that wants no gradient
-    hooks = _saved_tensor_hooks()
-    if reduce is None and x.requires_grad and hooks is not _UNKNOWN:
-        rows = _hooked_linear(x, weight, bias, queue, hooks)
+    if reduce is None and x.requires_grad and _TOP_SAVED_TENSOR_HOOKS is not None:
+        rows = _hooked_linear(x, weight, bias, queue, _TOP_SAVED_TENSOR_HOOKS(True))
     else:
         call = _Call(weight, bias, queue, reduce, x.requires_grad)
         rows = _SplitLinearFn.apply(_SplitLinearInputFn.apply(x, weight, bias, call), call)
@@ -258,10 +249,10 @@ def init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         nn.init.uniform_(bias, -bound, bound)
 
 
-def _queue_weight_grad(ctx, queue: WeightGradQueue, x, grad_out, weight, bias) -> None:
-    """In B, the backward of a node whose inputs 1 and 2 are the product's weight and bias:
-    queue W's closure for those of them that want a gradient."""
-    need_w, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+def _queue_weight_grad(
+    queue: WeightGradQueue, x, grad_out, weight, bias, need_w: bool, need_b: bool
+) -> None:
+    """In B, either form: queue W's closure for the weight and bias that want a gradient."""
     if need_w or need_b:
         queue.append(
             _weight_grad_closure(x, grad_out, weight if need_w else None, bias if need_b else None)
