@@ -49,10 +49,9 @@ def accumulate_grad(
     ``torch.autograd.grad``, which has run the parameter's tensor hooks on it already."""
     with one_pass():
         grad = grad.detach()
-        touched = _PASS.get()
-        entry = touched.setdefault(id(param), [param, None, False])
+        entry = _touch(param)
         # a parameter with tensor hooks: summed over the pass, so its hooks see the pass's gradient
-        if not hooked and getattr(param, "_backward_hooks", None):
+        if not hooked and _has_tensor_hooks(param):
             entry[1], entry[2] = (grad, owned) if entry[1] is None else (entry[1] + grad, True)
         else:
             _add(param, grad, owned)
@@ -68,14 +67,24 @@ def accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
         and not grad.is_sparse
         and grad.dtype == a.dtype == b.dtype
         and grad.shape == (a.shape[0], b.shape[1])
-        and not getattr(param, "_backward_hooks", None)
+        and not _has_tensor_hooks(param)
     )
     if not fused:
         accumulate_grad(param, a.mm(b), owned=True)
         return
     with one_pass():
-        _PASS.get().setdefault(id(param), [param, None, False])
+        _touch(param)
         grad.addmm_(a, b)
+
+
+def _touch(param: torch.Tensor) -> list:
+    """The current pass's entry for ``param`` ([param, gradient held for its tensor hooks, whether
+    the pass owns it]): its hooks run when the pass ends."""
+    return _PASS.get().setdefault(id(param), [param, None, False])
+
+
+def _has_tensor_hooks(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "_backward_hooks", None))
 
 
 def _tensor_hooks(param: torch.Tensor) -> list:
