@@ -59,35 +59,29 @@ class FailureBoard:
         """Rank 0: the bad-input error it printed for the job (job_lines.py), trying for up to
         ``wait_s``: the other ranks print it again unless they read it, and the agent's store, which
         outlives the ranks, can miss a client's bound on a loaded machine. Whether it was posted."""
-        return self._retried(lambda: self.store.set(f"{self.prefix}/refused", text) or True, wait_s)
+        key = f"{self.prefix}/refused"
+        return self._retried(lambda: self.store.set(key, text) or True, wait_s) is not None
 
     def refusal(self, wait_s: float) -> str | None:
         """Rank 0's posted refusal, waiting up to ``wait_s`` for it; None if none came. A store
         operation that failed (timed out under load) is tried again until then."""
         key = f"{self.prefix}/refused"
-        found: list[str] = []
+        got = self._retried(lambda: self.store.check([key]) and self.store.get(key), wait_s)
+        return None if got is None else got.decode(errors="replace")
 
-        def read() -> bool:
-            if self.store.check([key]):
-                found.append(self.store.get(key).decode(errors="replace"))
-            return bool(found)
-
-        self._retried(read, wait_s)
-        return found[0] if found else None
-
-    def _retried(self, op, wait_s: float) -> bool:
-        """``op`` every 20 ms until it returns a true value or ``wait_s`` has passed, a failed store
-        operation counting as a false one; whether it came true."""
+    def _retried(self, op, wait_s: float):
+        """``op``'s first true result, asked every 20 ms for up to ``wait_s``, a failed store
+        operation counting as none; None if none came."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
                 with _quiet():
-                    if op():
-                        return True
+                    if result := op():
+                        return result
             except RuntimeError:
                 pass
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(0.02)
 
     def ticks(self, ranks) -> dict[int, int]:
