@@ -49,13 +49,8 @@ def run_order(items: list, k: int) -> list:
     unsplit one); here, over ``n`` iterations (``2n`` for an odd count), each takes every position
     equally often and follows every other one equally often within an iteration."""
     n = len(items)
-    first, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...: the adjacent differences are all apart
-    while len(first) < n:
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
+    # 0, 1, n-1, 2, n-2, ...: the differences between neighbours are all apart
+    first = [(j + 1) // 2 if j % 2 else (n - j // 2) % n for j in range(n)]
     row = [items[(i + k) % n] for i in first]
     return row[::-1] if n % 2 and (k // n) % 2 else row
 
