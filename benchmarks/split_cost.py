@@ -94,20 +94,28 @@ def llama_case(name: str, checkpointing: bool, hidden: int = 256, seq: int = 128
     return Case(name, [LlamaStage(model)], None, (torch.randn(4, seq, hidden), None))
 
 
-CASES = {
-    "gpt": lambda: config_case(
+# the config workloads of the split benchmarks (split_order.py runs their stages too): name,
+# config, overrides
+CONFIGS = {
+    "gpt": (
         "gpt-tiny, 8 layers of 192, pp 2",
         "configs/gpt-tiny.toml",
         ["model.n_layer=8", "model.n_embd=192", "parallel.pp=2"],
     ),
-    "vlm": lambda: config_case(
-        "vlm-tiny, 8 layers, pp 2", "configs/vlm-tiny.toml", ["model.n_layer=8", "parallel.pp=2"]
+    "vlm": (
+        "vlm-tiny, 8 layers, pp 2",
+        "configs/vlm-tiny.toml",
+        ["model.n_layer=8", "parallel.pp=2"],
     ),
-    "moe": lambda: config_case(
+    "moe": (
         "moe-tiny, 4 blocks (3 of 8 routed experts top-2), pp 2",
         "configs/moe-tiny.toml",
         ["parallel.dp=1"],
     ),
+}
+
+CASES = {
+    **{key: (lambda c=c: config_case(*c)) for key, c in CONFIGS.items()},
     "llama": lambda: llama_case("HF Llama stage, hidden 256, 2 layers", False),
     "llama-ckpt": lambda: llama_case(
         "HF Llama stage, hidden 256, 2 layers, activation checkpointing", True
@@ -186,6 +194,12 @@ class Pipeline:
 def quartiles(values: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
     return q[0], statistics.median(values), q[2]
+
+
+def ratio_cell(values: list[float]) -> str:
+    """A ratio's median and quartiles, as the split benchmarks print them."""
+    q1, median, q3 = quartiles(values)
+    return f"{median:.3f}x ({q1:.3f}..{q3:.3f})"
 
 
 def measure(case: Case, reps: int) -> dict:

@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+from split_cost import ratio_cell
 
 from rrfp import StageWorker
 
@@ -41,11 +42,6 @@ def one(worker: StageWorker, x: torch.Tensor, grad: torch.Tensor) -> tuple[float
     c2 = time.thread_time()
     worker.reset()
     return c1 - c0, c2 - c1
-
-
-def quartiles(xs: list[float]) -> str:
-    q = statistics.quantiles(xs, n=4)
-    return f"{statistics.median(xs):.3f}x ({q[0]:.3f}..{q[2]:.3f})"
 
 
 def main() -> None:
@@ -91,7 +87,7 @@ def main() -> None:
     for split, name in ((False, "nn.Linear's backward"), (True, "split: B, then W")):
         f = statistics.median(t[0] for t in times[split]) * 1e3
         b = statistics.median(t[1] for t in times[split]) * 1e3
-        ratios = f"{quartiles(f_ratio)} | {quartiles(b_ratio)}" if split else "— | —"
+        ratios = f"{ratio_cell(f_ratio)} | {ratio_cell(b_ratio)}" if split else "— | —"
         print(f"| {name} | {f:.3f} | {b:.3f} | {ratios} |")
 
 

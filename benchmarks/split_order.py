@@ -32,15 +32,13 @@ import statistics
 import time
 
 import torch
+from split_cost import CONFIGS, ratio_cell
 
 from rrfp import StageWorker, TrainConfig
 from rrfp.loop import keep_freed_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKLOADS = {
-    "gpt": ("configs/gpt-tiny.toml", ["model.n_layer=8", "model.n_embd=192", "parallel.pp=2"]),
-    "vlm": ("configs/vlm-tiny.toml", ["model.n_layer=8", "parallel.pp=2"]),
-}
+WORKLOADS = CONFIGS  # split_cost.py's config workloads
 IN_FLIGHT = 4  # the deep order's microbatches in flight
 
 
@@ -60,7 +58,7 @@ class Stage:
     """One stage of a workload, its inputs for every microbatch of step 0 computed once."""
 
     def __init__(self, workload: str, stage: int) -> None:
-        config, overrides = WORKLOADS[workload]
+        _, config, overrides = WORKLOADS[workload]
         cfg = TrainConfig.load(os.path.join(ROOT, config), overrides, world_size=2)
         wl, S = cfg.workload, cfg.num_stages
         self.stage = stage % S
@@ -151,14 +149,9 @@ def main() -> None:
             if split:
                 base = rows[False, name]
                 for i, part in enumerate((("F", "B", "W"), ("B", "W"))):
-                    q = statistics.quantiles(
-                        [
-                            sum(x[k] for k in part) / sum(y[k] for k in part)
-                            for x, y in zip(r, base)
-                        ],
-                        n=4,
+                    cells[i] = ratio_cell(
+                        [sum(x[k] for k in part) / sum(y[k] for k in part) for x, y in zip(r, base)]
                     )
-                    cells[i] = f"{q[1]:.3f}x ({q[0]:.3f}..{q[2]:.3f})"
             print(
                 f"| {name} | {'split' if split else 'unsplit'} | {f:.1f} | {bw:.1f} | {f + bw:.1f} "
                 f"| {cells[0]} | {cells[1]} |"
