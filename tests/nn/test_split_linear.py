@@ -47,15 +47,11 @@ def _hooked():
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
-# the saved-tensor hooks each row runs under; the form taken, by whether the input wants a gradient
-# (with one and no saved-tensor hooks, a hook on the product's native node queues W: "hook")
-FORMS = {
-    "no saved-tensor hooks": (
-        contextlib.nullcontext,
-        {True: "hook", False: "_SplitLinearFnBackward"},
-    ),
-    "saved-tensor hooks": (_hooked, {True: "hook", False: "_SplitLinearFnBackward"}),
-}
+# the saved-tensor hooks each row runs under
+FORMS = {"no saved-tensor hooks": contextlib.nullcontext, "saved-tensor hooks": _hooked}
+# the form taken under either, by whether the input wants a gradient: with one, a hook on the
+# product's native node queues W ("hook"); without, the two-node form's product node
+NODE = {True: "hook", False: "_SplitLinearFnBackward"}
 
 
 def _product_node(y):
@@ -80,7 +76,7 @@ def _product_node(y):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("x_requires_grad", [True, False])
 def test_deferred_matches_nn_linear(bias, x_requires_grad, form):
-    hooks, node = FORMS[form][0], FORMS[form][1][x_requires_grad]
+    hooks, node = FORMS[form], NODE[x_requires_grad]
     ref, lin = _pair(bias)
     x = torch.randn(2, 3, 5, dtype=torch.float64)
     g = torch.randn(2, 3, 7, dtype=torch.float64)
@@ -115,7 +111,7 @@ def test_deferred_matches_nn_linear_on_any_leading_shape(shape, form):
     xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref(xr).backward(g)
     queue = WeightGradQueue()
-    with collect_weight_grads(queue), FORMS[form][0]():
+    with collect_weight_grads(queue), FORMS[form]():
         ys = lin(xs)
     assert ys.shape == (*shape[:-1], 7)
     ys.backward(g)
@@ -132,9 +128,9 @@ def test_no_input_gradient_is_computed_for_an_input_that_wants_none(form):
     _, lin = _pair(bias=False)
     x, g = torch.randn(2, 3, 5, dtype=torch.float64), torch.randn(2, 3, 7, dtype=torch.float64)
     queue = WeightGradQueue()
-    with collect_weight_grads(queue), FORMS[form][0]():
+    with collect_weight_grads(queue), FORMS[form]():
         y = lin(x)
-    assert _product_node(y) == FORMS[form][1][False]
+    assert _product_node(y) == NODE[False]
     with torch.profiler.profile() as prof:
         y.backward(g)
         queue.run()
@@ -241,7 +237,7 @@ def test_an_output_changed_in_place_still_gives_the_products_gradient(form):
     xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref(xr).relu_().pow(2).sum().backward()
     queue = WeightGradQueue()
-    with collect_weight_grads(queue), FORMS[form][0]():
+    with collect_weight_grads(queue), FORMS[form]():
         y = lin(xs).relu_()  # with a bias, on 3-D rows: a view of the product, changed in place
     y.pow(2).sum().backward()
     queue.run()
@@ -261,7 +257,7 @@ def test_a_frozen_parameter_gets_no_gradient_and_queues_nothing_of_its_own(form,
     xr, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
     ref(xr).pow(2).sum().backward()
     queue = WeightGradQueue()
-    with collect_weight_grads(queue), FORMS[form][0]():
+    with collect_weight_grads(queue), FORMS[form]():
         y = lin(xs)
     y.pow(2).sum().backward()
     assert len(queue) == (0 if frozen == "both" else 1)
