@@ -16,14 +16,17 @@ Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
 so the heartbeat has its own client connection and never queues behind, or
 holds up, the process group's store calls; ``set`` sends without waiting for
 a reply; ``check`` and ``get`` read the reply with no timeout (only a
-``wait`` is bounded), so a store whose server is stopped blocks the reader.
+``wait`` is bounded, and ``multi_get`` begins with one, which raises once the
+client's timeout passes), so a store whose server is stopped blocks the reader.
 Hence the verdict (``silent``) is never a store call: it is taken from the
 times of the last reads, by whoever asks, and a reader stuck on the store is
-itself a finding ("the store stopped answering"). A store in torchrun's agent whose connection
-closed (the agent is gone: the client's read fails at once) is that finding at once, not after
-``timeout_s``: nothing will answer again, and the ranks' own groups, all alive, tell nothing.
-Once a round has been stuck
-for ``stall_s``, a peer's silence counts only up to that round's start: what
+itself a finding ("the store stopped answering"), as is one whose calls keep
+failing. A failed call is tried again the next round: one call that timed out
+under load is no finding. A store in torchrun's agent whose connection closed
+(the agent is gone: the client's read fails at once) is that finding at once,
+not after ``timeout_s``: nothing will answer again, and the ranks' own groups,
+all alive, tell nothing. Once the reads have been stuck (or failing) for
+``stall_s``, a peer's silence counts only up to that round's start: what
 the store did not deliver is no evidence against the peer. Without that cap,
 a stopped store host was named as a silent peer or as the store depending on
 whether this rank's last good read happened to see a new beat.
@@ -241,27 +244,50 @@ class Heartbeat:
         return f"{self.prefix}/{rank}"
 
     def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
+        failing = False  # the last round's store call failed: its round_at still stands
+        while not self._stop.is_set():
+            if not failing:
                 self.round_at = time.monotonic()
-                self._in_round = True
-                child = self._beater
-                if child is not None and child.ended() and not self._stop.is_set():
-                    self._take_over_beating(child.exit_code)
-                if self._beater is None or self._child_quiet(self._beater):
-                    self._beat()
-                self._read()
-                self._in_round = False
-                self._stop.wait(self.period_s)
-        except (
-            Exception
-        ) as e:  # the store is gone (its host exited): the verdict comes from the times
-            self.error = e
-            text = " ".join(str(e).split())
-            closed = any(words in text for words in STORE_CLOSED)
-            if closed and self.in_agent and not self._stop.is_set():
-                self.closed = text.split(". Did ")[0]  # without the client's question
+            self._in_round = True
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 - the verdict comes from the times, not from e
+                if self._ends_reading(e, failing):
+                    return
+                failing = True
+            else:
+                if failing:
+                    log.info("rank %d: the heartbeat reads the store again", self.rank)
+                failing = False
+            self._in_round = False
+            self._stop.wait(self.period_s)
+
+    def _round(self) -> None:
+        child = self._beater
+        if child is not None and child.ended() and not self._stop.is_set():
+            self._take_over_beating(child.exit_code)
+        if self._beater is None or self._child_quiet(self._beater):
+            self._beat()
+        self._read()
+
+    def _ends_reading(self, e: Exception, failing: bool) -> bool:
+        """Whether a failed store call ends the reading. Only the agent's store whose connection
+        closed does (its end is the verdict, at once). Any other failure (a call that timed out on
+        a loaded machine, the host of the store gone) is tried again next round, from the same
+        ``round_at``: a store that never answers again is named once ``timeout_s`` has passed
+        since the last read, as one that hangs is, and one that answers again is not named at
+        all, where a reader that stopped at its first failure would name it ``timeout_s`` later."""
+        self.error = e
+        if self._stop.is_set():
+            return True
+        text = " ".join(str(e).split())
+        if self.in_agent and any(words in text for words in STORE_CLOSED):
+            self.closed = text.split(". Did ")[0]  # without the client's question
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
+            return True
+        if not failing:
+            log.info("rank %d: a heartbeat read failed (%s); reading again", self.rank, text)
+        return False
 
     def _take_over_beating(self, code: int | None) -> None:
         """The beating process ended while this rank lives (it lost the store, or was killed on

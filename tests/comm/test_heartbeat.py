@@ -329,6 +329,68 @@ class SlowStore:
         return self.client.multi_get(keys)
 
 
+class FailingStore:
+    """A live store whose reads fail ``failures`` times (None: for good) from when ``fail`` is set,
+    as ``multi_get``'s wait does once the client's timeout passes on a loaded store host."""
+
+    def __init__(self, client, failures: int | None) -> None:
+        self.client, self.failures, self.fail = client, failures, threading.Event()
+        self.failed = 0
+
+    def set(self, key, value):
+        self.client.set(key, value)
+
+    def check(self, keys):
+        return self.client.check(keys)
+
+    def multi_get(self, keys):
+        if self.fail.is_set() and (self.failures is None or self.failed < self.failures):
+            self.failed += 1
+            raise dist.DistStoreError(f"wait timeout after 5000ms, keys: {keys[0]}")
+        return self.client.multi_get(keys)
+
+
+@pytest.mark.multirank
+def test_a_read_that_failed_once_is_tried_again_and_names_nobody(server):
+    """One read that timed out under load is no finding: the next round reads again, so neither
+    the store nor the peer is named (a reader that stopped at its first failure named the store
+    timeout_s later)."""
+    a, b = _pair(server)
+    a.store = failing = FailingStore(a.store, failures=1)
+    _start(a, b)
+    try:
+        failing.fail.set()
+        assert _watch(a, 4 * TIMEOUT_S) is None
+        assert failing.failed == 1
+        assert a.describe(1) == "alive", a.describe(1)
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("hosts", [False, True])
+def test_a_store_whose_reads_keep_failing_is_named_as_the_store(server, hosts):
+    """Reads that fail round after round are a store that does not answer: named as the store
+    after timeout_s, never as the peer whose beats it no longer delivers; the rank that hosts the
+    store names nobody (its own server failing says this process is in trouble, not the peer)."""
+    a, b = _pair(server)
+    if hosts:
+        a.host = a.rank
+    a.store = failing = FailingStore(a.store, failures=None)
+    _start(a, b)
+    try:
+        failing.fail.set()
+        found = _watch(a, 5 * TIMEOUT_S)
+        assert failing.failed > 2, "the reader stopped trying"
+        if hosts:
+            assert found is None, found
+        else:
+            assert found is not None and found.rank is None, found
+            assert found.seconds >= TIMEOUT_S
+    finally:
+        a.close(), b.close()
+
+
 @pytest.mark.multirank
 def test_close_ends_the_thread_and_the_beating_process(server):
     """``close`` returns with the beating process reaped and the thread ended, even when it came
