@@ -43,12 +43,16 @@ def test_an_end_file_that_cannot_be_written_ends_every_rank_with_exit_2(tmp_path
 @pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
-    """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never comes (timeout_s = 60).
-    The test holds rank 0's port bound and not listening, so no other test's store can take it
-    (its resets would make torch's client print retry warnings): the port refuses, as a rank 0
-    not yet started does."""
+    """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never answers (timeout_s = 60).
+    The test holds rank 0's port, listening, so no other test's store can take it, and accepts
+    the rank's connection without a word: the rank is then in the rendezvous, waiting for its
+    store, when the signal comes (a fixed sleep for the imports signalled an interpreter still
+    importing once a loaded machine took longer)."""
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    held.settimeout(LIMIT_S)
+    conn = None
     p = subprocess.Popen(
         rrfp_argv("train", *SMALL, "--set", "timeout_s=60"),
         cwd=ROOT,
@@ -59,7 +63,7 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
         text=True,
     )
     try:
-        time.sleep(15)  # imports and checks done: in the rendezvous
+        conn, _ = held.accept()  # the rank's store client: in the rendezvous
         assert p.poll() is None, p.communicate()
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
@@ -67,6 +71,8 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
         took = time.monotonic() - t0
     finally:
         p.kill()
+        if conn is not None:
+            conn.close()
         held.close()
     assert p.returncode == 143, (p.returncode, err)
     assert took < 5, f"{took:.1f} s after SIGTERM"
