@@ -1,4 +1,4 @@
-"""`rrfp train` ranks started by hand, each in its own session, for tests of how a run ends:
+"""`rrfp train` ranks started by hand, each in its own process group, for tests of how a run ends:
 stdout and stderr in files, and a check that nothing is left.
 
 Ranks with MASTER_ADDR, RANK, WORLD_SIZE set by hand, not torchrun children: torchrun's agent

@@ -26,7 +26,7 @@ from rrfp.app.job import forked_rank
 def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None = None) -> None:
     """This forkserver child as a process a test started: a child's environment (launcher and
     rrfp variables dropped, one thread, unbuffered) and ``env``, ``cwd`` (the repository unless
-    given) as its folder, a session of its own, stdout and stderr in the files ``out`` and
+    given) as its folder, a process group of its own, stdout and stderr in the files ``out`` and
     ``err``, SIGINT's handler ``sigint``."""
     freeze_inherited_heap()
     for k in list(os.environ):
@@ -35,7 +35,11 @@ def _as_started(out: str, err: str, env: dict[str, str], sigint, cwd: str | None
     os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     os.environ.update(env)
     os.chdir(cwd or ROOT)
-    os.setsid()  # a group of its own, as a launched rank's: a fault's signal is its own
+    # a process group of its own, as a launched rank's: a fault's signal is its own. Not a session
+    # of its own: where the kernel groups CPU time by session (autogroup, on in CI's machine), each
+    # such process would get as much CPU as the whole test session besides, whose other ranks,
+    # bound by the same few seconds, then starve
+    os.setpgid(0, 0)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
