@@ -276,7 +276,7 @@ class Heartbeat:
         a loaded machine, the host of the store gone) is tried again next round, from the same
         ``round_at``: a store that never answers again is named once ``timeout_s`` has passed
         since the last read, as one that hangs is, and one that answers again is not named at
-        all, where a reader that stopped at its first failure would name it ``timeout_s`` later."""
+        all: one failed call is no evidence that the store is gone."""
         self.error = e
         if self._stop.is_set():
             return True
