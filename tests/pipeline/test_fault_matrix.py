@@ -232,6 +232,12 @@ def _run(api: str, kind: str, phase: str, tmp: Path) -> dict:
         if kind == "stuck":  # the script ends on its error: its process exits, its task stuck
             procs[1].join(10)
             results["exit_code"] = procs[1].exitcode
+        if 1 not in results and not mark.exists():  # the fault never fired: what rank 1 saw
+            try:
+                rank, _, value = queue.get(timeout=10)
+                results[rank] = value
+            except Exception:  # noqa: BLE001 - nothing more to show: rank 1 said nothing
+                pass
     finally:
         for p in procs:
             if p.is_alive():
