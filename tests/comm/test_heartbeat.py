@@ -353,8 +353,7 @@ class FailingStore:
 @pytest.mark.multirank
 def test_a_read_that_failed_once_is_tried_again_and_names_nobody(server):
     """One read that timed out under load is no finding: the next round reads again, so neither
-    the store nor the peer is named (a reader that stopped at its first failure named the store
-    timeout_s later)."""
+    the store nor the peer is named."""
     a, b = _pair(server)
     a.store = failing = FailingStore(a.store, failures=1)
     _start(a, b)

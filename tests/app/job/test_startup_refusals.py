@@ -46,8 +46,7 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(tmp_path):
     """Rank 1 of 2 alone: its rendezvous waits for a rank 0 that never answers (timeout_s = 60).
     The test holds rank 0's port, listening, so no other test's store can take it, and accepts
     the rank's connection without a word: the rank is then in the rendezvous, waiting for its
-    store, when the signal comes (a fixed sleep for the imports signalled an interpreter still
-    importing once a loaded machine took longer)."""
+    store, when the signal comes (a fixed sleep cannot know when a loaded machine's imports end)."""
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     held.listen(1)
