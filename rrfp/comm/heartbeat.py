@@ -14,21 +14,22 @@ lives, the reading thread beats too.
 Store semantics relied on (torch/csrc/distributed/c10d/TCPStore.cpp, torch
 2.13): one client's calls are serialized under one mutex (``activeOpLock_``),
 so the heartbeat has its own client connection and never queues behind, or
-holds up, the process group's store calls; ``set`` sends without waiting for
-a reply; ``check`` and ``get`` read the reply with no timeout (only a
-``wait`` is bounded, and ``multi_get`` begins with one, which raises once the
-client's timeout passes), so a store whose server is stopped blocks the reader.
-Hence the verdict (``silent``) is never a store call: it is taken from the
-times of the last reads, by whoever asks, and a reader stuck on the store is
-itself a finding ("the store stopped answering"), as is one whose calls keep
-failing. A failed call is tried again the next round: one call that timed out
-under load is no finding. A store in torchrun's agent whose connection closed
+holds up, the process group's store calls; ``set`` sends without waiting for a
+reply; ``check`` and ``get`` read the reply with no timeout (only a ``wait``
+is bounded, and ``multi_get`` begins with one, which raises once the client's
+timeout passes), so a store whose server is stopped blocks the reader. Hence
+the verdict (``silent``) is never a store call: it is taken from the times of
+the last reads, by whoever asks, and a reader stuck on the store is itself a
+finding ("the store stopped answering"), as is one whose calls keep failing. A
+failed call is tried again the next round (one call that timed out under load
+is no finding), unless the connection closed: the client never reconnects, so
+the reading ends there. A store in torchrun's agent whose connection closed
 (the agent is gone: the client's read fails at once) is that finding at once,
 not after ``timeout_s``: nothing will answer again, and the ranks' own groups,
 all alive, tell nothing. Once the reads have been stuck (or failing) for
-``stall_s``, a peer's silence counts only up to that round's start: what
-the store did not deliver is no evidence against the peer. Without that cap,
-a stopped store host was named as a silent peer or as the store depending on
+``stall_s``, a peer's silence counts only up to that round's start: what the
+store did not deliver is no evidence against the peer. Without that cap, a
+stopped store host was named as a silent peer or as the store depending on
 whether this rank's last good read happened to see a new beat.
 
 Cost: per beat, one ``set`` and one ``multi_get`` of every peer's key, so
@@ -271,18 +272,20 @@ class Heartbeat:
         self._read()
 
     def _ends_reading(self, e: Exception, failing: bool) -> bool:
-        """Whether a failed store call ends the reading. Only the agent's store whose connection
-        closed does (its end is the verdict, at once). Any other failure (a call that timed out on
-        a loaded machine, the host of the store gone) is tried again next round, from the same
-        ``round_at``: a store that never answers again is named once ``timeout_s`` has passed
-        since the last read, as one that hangs is, and one that answers again is not named at
-        all: one failed call is no evidence that the store is gone."""
+        """Whether a failed store call ends the reading: yes once the store's connection closed
+        (its host is gone, and the client never connects again; in torchrun's agent that is the
+        verdict at once); no for any other failure, such as a wait that timed out on a loaded
+        machine, which is tried again next round from the same ``round_at``. Either way a store
+        that does not answer again is named once ``timeout_s`` has passed since the last read,
+        as one that hangs is, and one that answers again is not named at all: one failed call is
+        no evidence that the store is gone."""
         self.error = e
         if self._stop.is_set():
             return True
         text = " ".join(str(e).split())
-        if self.in_agent and any(words in text for words in STORE_CLOSED):
-            self.closed = text.split(". Did ")[0]  # without the client's question
+        if any(words in text for words in STORE_CLOSED):
+            if self.in_agent:
+                self.closed = text.split(". Did ")[0]  # without the client's question
             log.info("rank %d: heartbeat stopped: %s", self.rank, e)
             return True
         if not failing:

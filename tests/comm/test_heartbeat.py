@@ -333,9 +333,11 @@ class FailingStore:
     """A live store whose reads fail ``failures`` times (None: for good) from when ``fail`` is set,
     as ``multi_get``'s wait does once the client's timeout passes on a loaded store host."""
 
-    def __init__(self, client, failures: int | None) -> None:
+    def __init__(
+        self, client, failures: int | None, error: str = "wait timeout after 5000ms"
+    ) -> None:
         self.client, self.failures, self.fail = client, failures, threading.Event()
-        self.failed = 0
+        self.failed, self.error = 0, error
 
     def set(self, key, value):
         self.client.set(key, value)
@@ -346,7 +348,7 @@ class FailingStore:
     def multi_get(self, keys):
         if self.fail.is_set() and (self.failures is None or self.failed < self.failures):
             self.failed += 1
-            raise dist.DistStoreError(f"wait timeout after 5000ms, keys: {keys[0]}")
+            raise dist.DistStoreError(f"{self.error}, keys: {keys[0]}")
         return self.client.multi_get(keys)
 
 
@@ -386,6 +388,23 @@ def test_a_store_whose_reads_keep_failing_is_named_as_the_store(server, hosts):
         else:
             assert found is not None and found.rank is None, found
             assert found.seconds >= TIMEOUT_S
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.multirank
+def test_a_closed_store_connection_ends_the_reading_and_names_the_store(server):
+    """A closed connection is for good (the client never reconnects): the reader stops at the
+    first such failure instead of retrying a dead socket (each retry a C++ warning with its stack
+    where torch's log level allows), and the store is named after timeout_s as before."""
+    a, b = _pair(server)
+    a.store = failing = FailingStore(a.store, failures=None, error="Broken pipe")
+    _start(a, b)
+    try:
+        failing.fail.set()
+        found = _watch(a, 5 * TIMEOUT_S)
+        assert found is not None and found.rank is None, found
+        assert failing.failed == 1, f"{failing.failed} calls on a closed connection"
     finally:
         a.close(), b.close()
 
