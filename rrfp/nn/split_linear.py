@@ -142,8 +142,6 @@ def _hooked_linear(x, weight, bias, queue: WeightGradQueue, hooks) -> torch.Tens
     so a checkpoint's recomputation that ends at this product stops before computing it; with no
     hooks, the tensor itself, its version checked in B as autograd checks a saved tensor."""
     need_w, need_b = weight.requires_grad, bias is not None and bias.requires_grad
-    if not (need_w or need_b):  # frozen: nothing for W
-        return F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
     pack, unpack = hooks if hooks is not None else (None, None)
     kept, version = (x if pack is None else pack(x)), x._version
     rows = F.linear(
@@ -223,16 +221,17 @@ def linear(
 ) -> torch.Tensor:
     """What every split-aware layer computes: ``reduce(x @ weight.T) + bias``.
 
-    Under an active queue (and grad mode), with a leaf weight and bias, their gradients
-    are deferred to W via ``split_linear``; otherwise it is plain autograd, exactly
-    ``F.linear`` when there is no ``reduce``.
+    Under an active queue (and grad mode), with a leaf weight and bias of which one wants a
+    gradient, their gradients are deferred to W via ``split_linear``; otherwise it is plain
+    autograd, exactly ``F.linear`` when there is no ``reduce``.
     """
     queue = _ACTIVE.get()
     # a computed weight (a parametrization: weight_norm, orthogonal) has no .grad of its own to
     # queue into, so only leaves are deferred; autograd carries the rest to the parameters they
-    # come from
+    # come from. A frozen weight and bias leave nothing for W to do
     leaves = weight.grad_fn is None and (bias is None or bias.grad_fn is None)
-    if queue is not None and torch.is_grad_enabled() and leaves:
+    wanted = weight.requires_grad or (bias is not None and bias.requires_grad)
+    if queue is not None and torch.is_grad_enabled() and leaves and wanted:
         return split_linear(x, weight, bias, queue, reduce)
     if reduce is None:
         return F.linear(x, weight, bias)
