@@ -202,17 +202,27 @@ def ratio_cell(values: list[float]) -> str:
     return f"{median:.3f}x ({q1:.3f}..{q3:.3f})"
 
 
+def alternated(run, sides: list, reps: int, warmup: int) -> dict:
+    """``run(side)`` for every side in turn, ``warmup`` rounds unrecorded then ``reps`` recorded,
+    the sides' order reversed every other round, so that none always runs first or after the
+    same other one: ``{side: [its result per recorded round]}``."""
+    out: dict = {side: [] for side in sides}
+    for r in range(warmup + reps):
+        for side in sides if r % 2 else sides[::-1]:
+            got = run(side)
+            if r >= warmup:
+                out[side].append(got)
+    return out
+
+
 def measure(case: Case, reps: int) -> dict:
     """``reps`` repetitions of every mode, unsplit included, their order reversed every other
     repetition (after two warm-ups: the first split microbatch also counts its FLOPs,
     split_summary's measurement). Per split mode and clock: medians and the ratio's spread."""
     modes = [None, *MODES]
     pipes = {m: Pipeline(case, m) for m in modes}
-    rows = []
-    for rep in range(reps + 2):
-        got = {m: pipes[m].run() for m in (modes if rep % 2 else modes[::-1])}
-        if rep >= 2:
-            rows.append(got)
+    runs = alternated(lambda m: pipes[m].run(), modes, reps, warmup=2)
+    rows = [{m: runs[m][i] for m in modes} for i in range(reps)]
     out = {}
     for m in MODES:
         for clock in ("cpu", "wall"):

@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 import torch
-from split_cost import CASES, Pipeline, ratio_cell
+from split_cost import CASES, Pipeline, alternated, ratio_cell
 
 
 def main() -> None:
@@ -46,12 +46,8 @@ def main() -> None:
         held.clear()
         return spent
 
-    for _ in range(3):  # warm-up, both ways
-        backward_cpu(False), backward_cpu(True)
-    plain, kept = [], []
-    for rep in range(args.reps):
-        for hold in (False, True) if rep % 2 else (True, False):
-            (kept if hold else plain).append(backward_cpu(hold))
+    runs = alternated(backward_cpu, [False, True], args.reps, warmup=4)
+    plain, kept = runs[False], runs[True]
     print(
         f"{case.name}: unsplit backward {statistics.median(plain) * 1e3:.1f} ms per microbatch; "
         f"holding each linear's input and output gradient to its end "

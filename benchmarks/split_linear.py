@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-from split_cost import ratio_cell
+from split_cost import alternated, ratio_cell
 
 from rrfp import StageWorker
 
@@ -69,13 +69,13 @@ def main() -> None:
     }
     x = torch.randn(a.rows // 64 or 1, 64, a.width)
     grad = torch.randn_like(x)
-    for _ in range(5):  # warm-up
-        one(workers[True], x, grad), one(workers[False], x, grad)
-    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    for r in range(a.reps):
-        for split in (True, False) if r % 2 else (False, True):
-            times[split].append(one(workers[split], x, grad))
+
+    def run(split: bool) -> tuple[float, float]:
+        spent = one(workers[split], x, grad)
         stack.zero_grad(set_to_none=False)  # W adds into a gradient, as from microbatch 2 on
+        return spent
+
+    times = alternated(run, [False, True], a.reps, warmup=6)
     f_ratio = [s[0] / u[0] for s, u in zip(times[True], times[False])]
     b_ratio = [s[1] / u[1] for s, u in zip(times[True], times[False])]
     print(
