@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rrfp.core.cost import CostModel
+from rrfp.pipeline.schedule_settings import unsplit_stages_of
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.workload import map_tensors, token_features
 
@@ -44,18 +45,24 @@ def measure_stages(
     device: torch.device | str = "cpu",
     warmup: int = 2,
     progress=None,
+    unsplit_stages: Sequence[int] = (),
 ) -> list[Sample]:
     """(stage, kind, features, seconds) for every task of every microbatch of ``batches`` after the
     first ``warmup``: each task's best of two passes (a shape seen for the first time pays one-off
-    costs). ``modules`` are the pipeline's stages in order, already on ``device``; ``batches``
-    yields (inputs, targets); ``features(batch)`` says what a microbatch costs
-    (``rrfp.token_features`` by default)."""
+    costs). ``unsplit_stages`` run as the run runs them: B the whole backward, W nothing.
+    ``modules`` are the pipeline's stages in order, already on ``device``; ``batches`` yields
+    (inputs, targets); ``features(batch)`` says what a microbatch costs (``rrfp.token_features`` by
+    default)."""
     device = torch.device(device)
     timed = _timer(device)
     S = len(modules)
     if S == 0:
         raise ValueError("calibrate needs at least one stage module")
-    workers = [StageWorker(m, s, S, 1, loss_fn, split=True) for s, m in enumerate(modules)]
+    whole = unsplit_stages_of(unsplit_stages, S)
+    workers = [
+        StageWorker(m, s, S, 1, loss_fn, split=True, whole=s in whole)
+        for s, m in enumerate(modules)
+    ]
 
     def one_pass(batch) -> dict:
         times = {}
@@ -100,8 +107,13 @@ def calibrate(
     features=token_features,
     device: torch.device | str = "cpu",
     warmup: int = 2,
+    unsplit_stages: Sequence[int] = (),
 ) -> CostModel:
     """The cost model of these stage modules, fitted on their measured F, B and W over ``batches``
     (``measure_stages``). Microbatches should vary as the run's will (lengths, images), or the fit
     cannot tell what they cost."""
-    return CostModel.fit(measure_stages(modules, loss_fn, batches, features, device, warmup))
+    return CostModel.fit(
+        measure_stages(
+            modules, loss_fn, batches, features, device, warmup, unsplit_stages=unsplit_stages
+        )
+    )

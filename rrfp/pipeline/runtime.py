@@ -61,7 +61,11 @@ from rrfp.observe.instrument import Instrument
 from rrfp.pipeline.executor import StageExecutor
 from rrfp.pipeline.layout_agreement import ExecutorShape, LayoutCheck
 from rrfp.pipeline.nonfinite import NonFiniteGuard
-from rrfp.pipeline.schedule_settings import ScheduleSettings, resolve_weight_split
+from rrfp.pipeline.schedule_settings import (
+    ScheduleSettings,
+    resolve_weight_split,
+    unsplit_stages_of,
+)
 from rrfp.pipeline.sharded_stages import ShardedStages, fsdp_modules
 from rrfp.pipeline.task_collectives import TaskCollectives
 from rrfp.pipeline.ties import Ties
@@ -525,6 +529,12 @@ class PipelineRuntime:
                 f"({len(modules)}) expected"
             )
         weight_split = self._weight_split(settings.weight_split, split, sharded is not None)
+        unsplit = unsplit_stages_of(settings.unsplit_stages, self.num_stages)
+        if unsplit and self.unit_s:
+            raise ValueError(
+                "unsplit_stages with emulated time: the emulation draws a split W for every "
+                "stage; run unsplit stages on real compute (unit_s = 0)"
+            )
         workers = [
             StageWorker(
                 m,
@@ -541,6 +551,7 @@ class PipelineRuntime:
                     else weight_split
                 ),
                 dw_builder=b,
+                whole=s in unsplit,
             )
             for m, s, b in zip(modules, self.stages, builders)
         ]

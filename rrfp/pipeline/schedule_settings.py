@@ -4,6 +4,7 @@ from keyword arguments at the public edge) and passed whole to ``stage_executor`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rrfp.core.budget import DEFAULT_BUDGET, Budget
@@ -52,6 +53,9 @@ class ScheduleSettings:
     overlap: bool = False
     # how a split backward leaves the weight gradients to W (StageWorker's weight_split)
     weight_split: str = DEFAULT_WEIGHT_SPLIT
+    # stages (negative: from the last) whose B runs the whole backward under a split schedule, W
+    # nothing (``unsplit_stages_of``)
+    unsplit_stages: tuple[int, ...] = ()
 
     @classmethod
     def of(
@@ -68,10 +72,18 @@ class ScheduleSettings:
         experts: ExpertTimes | None = None,
         overlap: bool = False,
         weight_split: str = DEFAULT_WEIGHT_SPLIT,
+        unsplit_stages: Sequence[int] = (),
     ) -> ScheduleSettings:
         """The one place strings become settings: a hint name, ``"2x"``, ``"ready"``; ``split``
         None is the hint's default (split for zbh1 and bfw). A bad value is a ValueError."""
         h = resolve(hint)
+        split = default_split(h.name, split)
+        unsplit = tuple(unsplit_stages)
+        if unsplit and not split:
+            raise ValueError(
+                f"unsplit_stages {list(unsplit)} needs a split backward (split=True, or a hint "
+                "that splits): without one no stage splits"
+            )
         if weight_split not in WEIGHT_SPLITS:
             raise ValueError(
                 f"weight_split must be one of {', '.join(WEIGHT_SPLITS)}, got {weight_split!r}"
@@ -81,11 +93,33 @@ class ScheduleSettings:
             Dispatch.parse(dispatch),
             h,
             Budget.parse(budget),
-            default_split(h.name, split),
+            split,
             variability or Variability(),
             seed,
             cost,
             experts,
             overlap,
             weight_split,
+            unsplit,
         )
+
+
+def unsplit_stages_of(stages: Sequence[int], num_stages: int) -> frozenset[int]:
+    """``stages`` (``ScheduleSettings.unsplit_stages``, negative counting from the last) as stage
+    numbers in ``[0, num_stages)``; one out of range, not an int, or named twice is a ValueError.
+    Such a stage's B runs its whole backward and its W nothing: the split costs a stage more
+    compute than its unsplit backward (docs/design.md, "Which stages split"), which pays only where
+    an earlier B fills a bubble, not on the stage that limits the pipeline."""
+    out: list[int] = []
+    for s in stages:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ValueError(f"unsplit_stages: {s!r} is not a stage number")
+        if not -num_stages <= s < num_stages:
+            raise ValueError(
+                f"unsplit_stages: stage {s} is out of range for {num_stages} stages "
+                f"(0..{num_stages - 1}, or -{num_stages}..-1 from the last)"
+            )
+        out.append(s % num_stages)
+    if len(set(out)) != len(out):
+        raise ValueError(f"unsplit_stages: {list(stages)} names a stage twice")
+    return frozenset(out)

@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 # own W, the generic split the rest), "functions" (also the module's own linear, norm, embedding
 # and scale ops, rrfp/nn/split_functions.py)
 WORKER_SPLIT_MODES = ("autograd", "layers", "functions")
+WHOLE_STAGE = "B runs this stage's whole backward and W nothing (schedule.unsplit_stages)"
 
 
 class _State(enum.Enum):
@@ -128,6 +129,7 @@ class StageWorker:
         measure_activations: bool = True,
         weight_split: str = "autograd",
         dw_builder: Callable[[], Callable[[], None]] | None = None,
+        whole: bool = False,
     ) -> None:
         if weight_split not in WORKER_SPLIT_MODES:
             raise ValueError(
@@ -145,6 +147,16 @@ class StageWorker:
             raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
         if n_microbatches <= 0:
             raise ValueError(f"n_microbatches must be positive, got {n_microbatches}")
+        if whole and not split:
+            raise ValueError(
+                "whole=True is a split schedule's stage whose B runs the whole backward; "
+                "with split=False every B does"
+            )
+        # a stage of a split schedule that does not split (schedule.unsplit_stages): its W tasks
+        # still run, in the schedule's order, and do nothing. The split's own cost (F's split-aware
+        # functions and graph analysis, B and W apart) buys overlap only where the stage has a
+        # bubble to fill; on the stage that limits the pipeline it is pure cost
+        self.whole = whole
         # mode "functions": the module's own linears, norms and embeddings split their ops, and
         # the torch-function mode intercepts the ops of the modules that own a bare parameter;
         # every op where the stage module owns one, and on CUDA: autograd recomputes a
@@ -203,13 +215,16 @@ class StageWorker:
         functions = (
             SplitFunctions(queue, intercept=self._intercept)
             if self.split
+            and not self.whole
             and self.weight_split == "functions"
             and not self.is_first
             and any(_carries_grad(t) for t in _flat(x))
             else contextlib.nullcontext()
         )
-        use_queue = self.split and (
-            self.weight_split == "layers" or isinstance(functions, SplitFunctions)
+        use_queue = (
+            self.split
+            and not self.whole
+            and (self.weight_split == "layers" or isinstance(functions, SplitFunctions))
         )
         # the loss of a microbatch is divided by M: so is the gradient its MoE layers' auxiliary
         # losses inject (rrfp/nn/moe_aux_loss.py)
@@ -234,7 +249,10 @@ class StageWorker:
                     counter.add(t)
         nbytes = counter.total if counter is not None else 0
         weights = None
-        if self.split and self.dw_builder is None:
+        if self.whole:
+            weights = WeightWork(whole=WHOLE_STAGE)
+            self._unsplit(WHOLE_STAGE, asked=True)
+        elif self.split and self.dw_builder is None:
             deferred = self._deferred if use_queue else frozenset()
             if isinstance(functions, SplitFunctions) and functions.deferred:
                 self._functions.update(functions.deferred)
@@ -360,7 +378,7 @@ class StageWorker:
         slot.input = slot.output = None
         if self.dw_builder is not None:
             with self._user_backward():
-                if self.split:
+                if self.split and not self.whole:
                     slot.dw_runner = self.dw_builder()
                 else:
                     self.dw_builder()()
@@ -471,12 +489,13 @@ class StageWorker:
                 f"{str(e).splitlines()[0]}"
             ) from e
 
-    def _unsplit(self, why: str) -> None:
-        """Unsplittable graph: say so once, and count the stage's parameters as computed in B."""
+    def _unsplit(self, why: str, asked: bool = False) -> None:
+        """Unsplittable graph (or a stage ``asked`` to run whole): say so once, and count the
+        stage's parameters as computed in B."""
         if self._said_unsplit:
             return
         self._said_unsplit = True
-        log.warning("stage %d: %s", self.stage, why)
+        log.log(logging.INFO if asked else logging.WARNING, "stage %d: %s", self.stage, why)
         for name, p in self.module.named_parameters():
             if p.requires_grad and id(p) not in self._deferred:
                 self._in_b[name] = why
@@ -497,7 +516,7 @@ class StageWorker:
     def _deferred(self) -> frozenset[int]:
         """Parameters that split-aware layers' W queue owns: none in mode "autograd"; in mode
         "functions" also those the split-aware functions queued in a forward so far."""
-        if self.weight_split == "autograd":
+        if self.weight_split == "autograd" or self.whole:
             return frozenset()
         return self._queued | self._functions if self._functions else self._queued
 

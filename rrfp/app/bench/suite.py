@@ -57,6 +57,7 @@ VIRTUAL_SUFFIX = re.compile(
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
 OVERLAP = "overlap"  # the suffix of a contender whose EP tasks' all-to-alls take a W beside
+LAST_UNSPLIT = "last unsplit"  # the suffix of a split contender whose last stage does not split
 RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
 FLAG = "--contenders"  # the flag that names them, in error lines
 
@@ -79,6 +80,8 @@ class Contender:
     placement: str = "interleaved"  # with virtual > 1: "interleaved" or "v"
     # ready dispatch under EP: a W runs beside an EP task while it waits at its all-to-all
     overlap: bool = False
+    # a split schedule whose last stage runs its backward whole (schedule.unsplit_stages = [-1])
+    last_unsplit: bool = False
 
     @property
     def name(self) -> str:
@@ -86,6 +89,8 @@ class Contender:
         base = f"{DROP_IN} {first} {self.hint}" if self.drop_in else f"{first} {self.hint}"
         if self.virtual > 1:
             base = f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
+        if self.last_unsplit:
+            base = f"{base} {LAST_UNSPLIT}"
         return f"{base} {OVERLAP}" if self.overlap else base
 
     @property
@@ -112,6 +117,11 @@ class Contender:
                     f"{FLAG}: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
                     f"not a torch schedule"
                 )
+            if contender.last_unsplit:
+                raise UsageError(
+                    f"{FLAG}: {text!r}: the drop-in runs torch's stage split as torch splits it; "
+                    f"'{LAST_UNSPLIT}' is for rrfp's own rows"
+                )
             return replace(contender, drop_in=True)
         first, _, hint = rest.replace("-", " ", 1).partition(" ")
         hint = hint.strip()
@@ -123,6 +133,14 @@ class Contender:
                     "readiness: ready dispatch only"
                 )
             return replace(cls.parse(f"{first} {head}"), overlap=True)
+        if f"{head} {last}".endswith(LAST_UNSPLIT) and first != TORCH:
+            base = cls.parse(f"{first} {hint[: -len(LAST_UNSPLIT)].strip()}")
+            if not base.split or base.drop_in:
+                raise UsageError(
+                    f"{FLAG}: {text!r}: '{LAST_UNSPLIT}' leaves the last stage of a split "
+                    f"schedule whole: {base.name} does not split"
+                )
+            return replace(base, last_unsplit=True)
         if head and first != TORCH and (m := VIRTUAL_SUFFIX.fullmatch(last)):
             placement = "v" if m["placement"] == "v" else "interleaved"
             try:
@@ -183,6 +201,8 @@ class Case:
                 f"parallel.placement={contender.placement}",
             ]
         )
+        if contender is not None and contender.last_unsplit:
+            stages += ["schedule.split=true", "schedule.unsplit_stages=[-1]"]
         return TrainConfig.load(
             self.config,
             [
@@ -316,10 +336,12 @@ class BenchSpec:
 
 def cost_key(case: str, contender: Contender) -> str:
     """Which calibrated cost model a contender plans with: its workload's, per layout (a model is
-    fitted per stage, and virtual stages cut the model finer)."""
-    if contender.virtual == 1:
-        return case
-    return f"{case}-{'v' if contender.placement == 'v' else 'i'}{contender.virtual}"
+    fitted per stage, virtual stages cut the model finer, and a stage left unsplit prices its B
+    whole and its W at nothing)."""
+    key = case
+    if contender.virtual > 1:
+        key = f"{key}-{'v' if contender.placement == 'v' else 'i'}{contender.virtual}"
+    return f"{key}-{file_slug(LAST_UNSPLIT)}" if contender.last_unsplit else key
 
 
 def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None:
@@ -328,6 +350,8 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
         return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
+    if contender.last_unsplit and not spec.real:
+        return "its emulated W would still be drawn apart: an unsplit stage runs on real compute"
     if contender.overlap and spec.ep == 1:
         return "the overlap is at expert parallelism's all-to-alls (--workloads moe, --ep 2)"
     if spec.ep > 1 and contender.drop_in:

@@ -43,8 +43,8 @@ def calibration_device(compute: ComputeSection) -> torch.device:
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
     """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload,
-    split backward, on the run's device (``calibration_device``), each stage built as the run builds
-    it."""
+    split backward (``schedule.unsplit_stages`` whole), on the run's device
+    (``calibration_device``), each stage built as the run builds it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.compute)
     torch.set_num_threads(cfg.compute.threads)
@@ -54,7 +54,14 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
         wl.batches(cfg.data, 10_000 + i, 1)[0] for i in range(samples + 2)
     ]  # the first two warm up
     return measure_stages(
-        stages, wl.loss_fn, batches, wl.features, device, warmup=2, progress=progress
+        stages,
+        wl.loss_fn,
+        batches,
+        wl.features,
+        device,
+        warmup=2,
+        progress=progress,
+        unsplit_stages=cfg.schedule.unsplit_stages,
     )
 
 

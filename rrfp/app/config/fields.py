@@ -67,6 +67,8 @@ def toml_value(value: Any) -> Any:
         return value.value
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, (list, tuple)):
+        return [toml_value(v) for v in value]
     name = getattr(value, "name", None)
     if isinstance(name, str) and type(value).__name__ == "Hint":
         return name

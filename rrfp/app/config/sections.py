@@ -145,6 +145,13 @@ def _hint(name: str) -> Hint:
         ) from None
 
 
+def _stage_numbers(value: list) -> tuple[int, ...]:
+    """A TOML list of stage numbers; their range is checked against the layout (TrainConfig)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{value!r} is not a list of stage numbers")
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class ScheduleSection(Section):
     NAME = "schedule"
@@ -191,6 +198,15 @@ class ScheduleSection(Section):
         "parameter queue their own W; the rest as autograd), or auto (functions, or autograd with "
         "parallel.tp, dp_shard or ep above 1)",
         choices=WEIGHT_SPLITS,
+    )
+    unsplit_stages: tuple[int, ...] = setting(
+        (),
+        "with a split backward, the stages (negative: from the last) whose B runs the whole "
+        "backward and W nothing: the split costs a stage more compute than its unsplit backward, "
+        "which pays only where it fills a bubble (not on the stage that limits the pipeline, "
+        "often the last); real compute only",
+        toml=(list,),
+        parse=_stage_numbers,
     )
     overlap: bool = setting(
         False,

@@ -36,11 +36,11 @@ from rrfp.app.config.sections import (
 from rrfp.app.config.workload_fields import as_toml as workload_toml
 from rrfp.app.config.workload_fields import check_value, workload_keys
 from rrfp.app.errors import ConfigError
-from rrfp.core.hints import NOMINAL_BUDGET, HintError
+from rrfp.core.hints import NOMINAL_BUDGET, SPLIT_BY_DEFAULT, HintError
 from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
-from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.schedule_settings import ScheduleSettings, unsplit_stages_of
 from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.user_code import calling, function_name
 from rrfp.pipeline.workload import Workload
@@ -105,6 +105,7 @@ class TrainConfig:
         self._check_fault()
         self._check_dp_shard()
         self._check_weight_split()
+        self._check_unsplit_stages()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         backend, why = self.compute.chosen(local)
         object.__setattr__(self, "backend_choice", why)  # what the start-up summary says
@@ -170,6 +171,29 @@ class TrainConfig:
             raise ConfigError(
                 f"schedule.weight_split = {self.schedule.weight_split} with {', '.join(wider)}: "
                 "not supported; use schedule.weight_split = autograd or auto"
+            )
+
+    def _check_unsplit_stages(self) -> None:
+        """schedule.unsplit_stages: stages of this layout, a split backward, real compute."""
+        sch = self.schedule
+        if not sch.unsplit_stages:
+            return
+        if not sch.split_backward:
+            raise ConfigError(
+                f"schedule.unsplit_stages = {list(sch.unsplit_stages)} needs a split backward "
+                f"(schedule.split = true, or a hint that splits: "
+                f"{', '.join(sorted(SPLIT_BY_DEFAULT))}); hint {sch.hint.name} runs every stage "
+                "unsplit already"
+            )
+        try:
+            unsplit_stages_of(sch.unsplit_stages, self.num_stages)
+        except ValueError as e:
+            raise ConfigError(f"schedule.{e}") from None
+        if self.emulation.unit_ms:
+            raise ConfigError(
+                f"schedule.unsplit_stages with emulation.unit_ms = {self.emulation.unit_ms}: the "
+                "emulation draws a split W for every stage; unsplit stages run on real compute "
+                "(emulation.unit_ms = 0)"
             )
 
     def _check_overlap(self) -> None:
@@ -250,6 +274,7 @@ class TrainConfig:
             cost=em.cost,
             overlap=sch.overlap,
             weight_split=sch.weight_split,
+            unsplit_stages=sch.unsplit_stages,
         )
 
     @classmethod

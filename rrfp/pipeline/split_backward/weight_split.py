@@ -418,6 +418,8 @@ def backward_weight(weights: WeightWork) -> None:
     ``one_pass()`` (the worker's W task) so that a parameter several restarts reach gets its
     post-accumulate-grad hooks called once. One GraphExecGroup: a checkpointed region is recomputed
     once for all of W's calls, not once per call."""
+    if weights.whole:  # B ran the whole backward
+        return
     if weights.in_w:
         if weights.plain:
             torch.autograd.backward(*weights.plain)  # torch's own accumulation, the graph freed

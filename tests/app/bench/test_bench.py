@@ -323,6 +323,31 @@ def test_a_contender_is_its_framework_dispatch_and_hint():
     assert (v2.dispatch, v2.hint, v2.virtual, v2.placement) == ("ready", "bfw", 2, "v")
     for name in ("ready plan", "torch zb", "drop-in fixed 1f1b", "ready bfw v2"):
         assert Contender.parse(name).name == name
+    whole = Contender.parse("ready-plan-last-unsplit")
+    assert (whole.hint, whole.last_unsplit, whole.name) == ("plan", True, "ready plan last unsplit")
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("fixed-1f1b-last-unsplit", "does not split"),
+        ("drop-in-ready-plan-last-unsplit", "rrfp's own rows"),
+    ],
+)
+def test_last_unsplit_is_for_rrfps_split_rows(text, needle):
+    from rrfp.app.bench.suite import Contender
+    from rrfp.app.errors import UsageError
+
+    with pytest.raises(UsageError, match=needle):
+        Contender.parse(text)
+
+
+def test_a_last_unsplit_row_plans_with_its_own_calibration():
+    """Its plan prices the last stage's B whole and W at nothing: a cost model of its own."""
+    from rrfp.app.bench.suite import Contender, cost_key
+
+    whole, split = Contender.parse("ready plan last unsplit"), Contender.parse("ready plan")
+    assert cost_key("gpt", whole) != cost_key("gpt", split) == "gpt"
 
 
 def test_the_agent_is_a_fork_only_where_the_ranks_compute_as_they_must(monkeypatch):
