@@ -51,14 +51,26 @@ ABLATIONS = (
     ("ready bfw", "fixed bfw", "same order and memory"),
     ("ready zbh1", "fixed zbh1", "same order and memory"),
     ("ready plan", "fixed plan", "the plan's predicted run replayed as a fixed order"),
+    (
+        "ready plan last unsplit",
+        "fixed plan last unsplit",
+        "the plan's predicted run replayed as a fixed order",
+    ),
 )
 # (with the overlap, without): the same hint, budget and dispatch, the all-to-alls yielding or not
 OVERLAPS = (("ready bfw overlap", "ready bfw"), ("ready plan overlap", "ready plan"))
-# (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
+# (the last stage unsplit, every stage split): the same hint and dispatch
+UNSPLIT_LAST = (
+    ("ready plan last unsplit", "ready plan"),
+    ("ready bfw last unsplit", "ready bfw"),
+    ("ready zbh1 last unsplit", "ready zbh1"),
+)  # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
 # rest
 AGAINST_TORCH = (
     ("ready plan", "torch 1f1b"),
     ("ready plan", "torch zb"),
+    ("ready plan last unsplit", "torch 1f1b"),
+    ("ready plan last unsplit", "torch zb"),
     ("ready bfw", "torch zb"),
     ("ready plan", "torch dualpipev"),
     ("ready bfw", "torch dualpipev"),
@@ -176,6 +188,10 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
         pairs += [
             (h, a, f"Overlap ablation, the all-to-alls yielding to a W or not: {h} vs {a}")
             for h, a in OVERLAPS
+        ]
+        pairs += [
+            (h, a, f"The last stage unsplit or split, nothing else changed: {h} vs {a}")
+            for h, a in UNSPLIT_LAST
         ]
         pairs += [
             (ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH
