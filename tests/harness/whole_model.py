@@ -5,6 +5,7 @@ microbatches and every gradient by name, in float64."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 
@@ -41,3 +42,28 @@ def as_tensors(grads: dict) -> dict:
     import torch
 
     return {n: torch.from_numpy(g) for n, g in grads.items()}
+
+
+def small_gpt() -> tuple:
+    """The pipeline tests' GPT and data: 4 layers of 32, microbatches of 2 of 8 to 40 tokens."""
+    from rrfp.models.data import DataConfig
+    from rrfp.models.gpt import GPTConfig
+
+    return (
+        GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
+        DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40),
+    )
+
+
+@functools.cache
+def small_gpt_reference(n_microbatches: int) -> tuple[float, dict]:
+    """``small_gpt``'s loss and gradients over iteration 0's ``n_microbatches`` microbatches."""
+
+    def setup():
+        from rrfp.models.data import batches
+        from rrfp.models.gpt import GPT, loss_fn
+
+        model_cfg, data_cfg = small_gpt()
+        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, n_microbatches)
+
+    return one_iteration(setup)

@@ -5,11 +5,9 @@ split backward, ready and fixed dispatch, the planned hint)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 from harness.distributed import run_ranks
-from harness.whole_model import as_tensors, one_iteration
+from harness.whole_model import as_tensors, small_gpt, small_gpt_reference
 
 pytestmark = pytest.mark.multirank
 
@@ -26,28 +24,9 @@ M = 4
 STEPS, LR = 4, 1e-2
 
 
-def _model_and_data():
-    from rrfp.models.data import DataConfig
-    from rrfp.models.gpt import GPTConfig
-
-    return (
-        GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
-        DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40),
-    )
-
-
-@functools.cache
 def _reference() -> tuple[float, dict]:
     """The whole model's loss and gradients over iteration 0's microbatches."""
-
-    def setup():
-        from rrfp.models.data import batches
-        from rrfp.models.gpt import GPT, loss_fn
-
-        model_cfg, data_cfg = _model_and_data()
-        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, M)
-
-    return one_iteration(setup)
+    return small_gpt_reference(M)
 
 
 def _one_iteration(
@@ -61,7 +40,7 @@ def _one_iteration(
     from rrfp.pipeline.runtime import PipelineRuntime
 
     torch.set_default_dtype(torch.float64)
-    model_cfg, data_cfg = _model_and_data()
+    model_cfg, data_cfg = small_gpt()
     batches = make_batches(data_cfg, 0, M)
     ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
@@ -152,7 +131,7 @@ def _steps(rank, world, configs):
     from rrfp.models.data import batches as make_batches
     from rrfp.models.gpt import GPT, loss_fn
 
-    model_cfg, data_cfg = _model_and_data()
+    model_cfg, data_cfg = small_gpt()
     steps, lr = STEPS, LR
     ref_losses = []
     if rank == 0:
@@ -203,7 +182,7 @@ def _stage_main_once(rank, world):
     from rrfp.app.config.train_config import TrainConfig
     from rrfp.app.train.training import stage_main
 
-    model_cfg, data_cfg = _model_and_data()
+    model_cfg, data_cfg = small_gpt()
     cfg = TrainConfig(
         RunSection(steps=2, timeout_s=60),
         schedule=ScheduleSection(n_microbatches=M),

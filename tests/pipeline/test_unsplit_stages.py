@@ -3,12 +3,10 @@ backward, W nothing, and the results are the reference's."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from harness.distributed import run_ranks
-from harness.whole_model import as_tensors, one_iteration
+from harness.whole_model import as_tensors, small_gpt, small_gpt_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -146,28 +144,6 @@ CONFIGS = [
 ]
 
 
-def _model_and_data():
-    from rrfp.models.data import DataConfig
-    from rrfp.models.gpt import GPTConfig
-
-    return (
-        GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=64),
-        DataConfig(seed=1, microbatch_size=2, min_seq_len=8, max_seq_len=40),
-    )
-
-
-@functools.cache
-def _reference() -> tuple[float, dict]:
-    def setup():
-        from rrfp.models.data import batches
-        from rrfp.models.gpt import GPT, loss_fn
-
-        model_cfg, data_cfg = _model_and_data()
-        return GPT(model_cfg), loss_fn, batches(data_cfg, 0, M)
-
-    return one_iteration(setup)
-
-
 def _one_iteration(rank, world, configs, ref):
     import torch
 
@@ -178,7 +154,7 @@ def _one_iteration(rank, world, configs, ref):
     from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     torch.set_default_dtype(torch.float64)
-    model_cfg, data_cfg = _model_and_data()
+    model_cfg, data_cfg = small_gpt()
     batches = make_batches(data_cfg, 0, M)
     ref_loss, ref_grads = ref[0], as_tensors(ref[1])
 
@@ -215,7 +191,7 @@ def _one_iteration(rank, world, configs, ref):
 @pytest.mark.timeout(200)
 def test_unsplit_stages_match_the_reference():
     pp = 2
-    results = run_ranks(_one_iteration, pp, CONFIGS, _reference(), timeout=160)
+    results = run_ranks(_one_iteration, pp, CONFIGS, small_gpt_reference(M), timeout=160)
     for cfg in CONFIGS:
         whole = unsplit_stages_of(cfg[2], pp)
         for rank in range(pp):
