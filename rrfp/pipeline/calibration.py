@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from rrfp.core.cost import CostModel
-from rrfp.pipeline.schedule_settings import unsplit_stages_of
+from rrfp.pipeline.schedule_settings import (
+    DEFAULT_WEIGHT_SPLIT,
+    resolve_weight_split,
+    unsplit_stages_of,
+)
 from rrfp.pipeline.worker import StageWorker
 from rrfp.pipeline.workload import map_tensors, token_features
 
@@ -46,10 +50,13 @@ def measure_stages(
     warmup: int = 2,
     progress=None,
     unsplit_stages: Sequence[int] = (),
+    weight_split: str = DEFAULT_WEIGHT_SPLIT,
 ) -> list[Sample]:
     """(stage, kind, features, seconds) for every task of every microbatch of ``batches`` after the
     first ``warmup``: each task's best of two passes (a shape seen for the first time pays one-off
-    costs). ``unsplit_stages`` run as the run runs them: B the whole backward, W nothing.
+    costs). ``weight_split`` (``ScheduleSettings``'; "auto" resolved as for stages with no tensor,
+    FSDP or expert parallelism) and ``unsplit_stages`` as the run has them: B and W cost what the
+    run's cost, and an unsplit stage's B is its whole backward, its W nothing.
     ``modules`` are the pipeline's stages in order, already on ``device``; ``batches`` yields
     (inputs, targets); ``features(batch)`` says what a microbatch costs (``rrfp.token_features`` by
     default)."""
@@ -59,8 +66,9 @@ def measure_stages(
     if S == 0:
         raise ValueError("calibrate needs at least one stage module")
     whole = unsplit_stages_of(unsplit_stages, S)
+    mode = resolve_weight_split(weight_split, [])[0]
     workers = [
-        StageWorker(m, s, S, 1, loss_fn, split=True, whole=s in whole)
+        StageWorker(m, s, S, 1, loss_fn, split=True, weight_split=mode, whole=s in whole)
         for s, m in enumerate(modules)
     ]
 
@@ -108,12 +116,20 @@ def calibrate(
     device: torch.device | str = "cpu",
     warmup: int = 2,
     unsplit_stages: Sequence[int] = (),
+    weight_split: str = DEFAULT_WEIGHT_SPLIT,
 ) -> CostModel:
     """The cost model of these stage modules, fitted on their measured F, B and W over ``batches``
     (``measure_stages``). Microbatches should vary as the run's will (lengths, images), or the fit
     cannot tell what they cost."""
     return CostModel.fit(
         measure_stages(
-            modules, loss_fn, batches, features, device, warmup, unsplit_stages=unsplit_stages
+            modules,
+            loss_fn,
+            batches,
+            features,
+            device,
+            warmup,
+            unsplit_stages=unsplit_stages,
+            weight_split=weight_split,
         )
     )

@@ -32,6 +32,7 @@ from rrfp.app.train.metrics_files import model_slug
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.calibration import measure_stages
+from rrfp.pipeline.schedule_settings import resolve_weight_split
 
 KINDS = "FBW"
 
@@ -43,13 +44,14 @@ def calibration_device(compute: ComputeSection) -> torch.device:
 
 def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
     """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload,
-    split backward (``schedule.unsplit_stages`` whole), on the run's device
-    (``calibration_device``), each stage built as the run builds it."""
+    split backward (``weight_split`` resolved as the run resolves it, ``unsplit_stages`` whole), on
+    the run's device (``calibration_device``), each stage built as the run builds it."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.compute)
     torch.set_num_threads(cfg.compute.threads)
     torch.manual_seed(cfg.run.seed)
     stages = [wl.build_stage(cfg.model, s, S, None).to(device) for s in range(S)]
+    mode = resolve_weight_split(cfg.schedule.weight_split, cfg.beyond_split_functions())[0]
     batches = [
         wl.batches(cfg.data, 10_000 + i, 1)[0] for i in range(samples + 2)
     ]  # the first two warm up
@@ -62,6 +64,7 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
         warmup=2,
         progress=progress,
         unsplit_stages=cfg.schedule.unsplit_stages,
+        weight_split=mode,
     )
 
 

@@ -159,19 +159,24 @@ class TrainConfig:
     def _check_weight_split(self) -> None:
         """schedule.weight_split = functions queues W for linears that no tensor-parallel, FSDP or
         expert-parallel run has put through its queue: refused there."""
-        par = self.parallel
         if self.schedule.weight_split != "functions":  # auto resolves to autograd there
             return
-        wider = [
-            f"parallel.{k} = {v}"
-            for k, v in (("tp", par.tp), ("dp_shard", par.dp_shard), ("ep", par.ep))
-            if v > 1
-        ]
+        wider = self.beyond_split_functions()
         if wider:
             raise ConfigError(
                 f"schedule.weight_split = {self.schedule.weight_split} with {', '.join(wider)}: "
                 "not supported; use schedule.weight_split = autograd or auto"
             )
+
+    def beyond_split_functions(self) -> list[str]:
+        """The parallelisms above 1 whose layers the split-aware functions do not cover (what
+        ``resolve_weight_split`` takes as ``wider``)."""
+        par = self.parallel
+        return [
+            f"parallel.{k} = {v}"
+            for k, v in (("tp", par.tp), ("dp_shard", par.dp_shard), ("ep", par.ep))
+            if v > 1
+        ]
 
     def _check_unsplit_stages(self) -> None:
         """schedule.unsplit_stages: stages of this layout, a split backward, real compute."""

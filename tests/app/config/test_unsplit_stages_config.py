@@ -39,9 +39,10 @@ def test_what_it_cannot_mean_is_one_line(sets, needle):
     assert "\n" not in msg
 
 
-def test_calibration_measures_an_unsplit_stage_as_the_run_runs_it(monkeypatch):
-    """`rrfp calibrate` (and the bench's calibration) prices the stage as it will run: its workers
-    are built whole where the config leaves the stage unsplit."""
+@pytest.mark.parametrize("weight_split, mode", [("auto", "functions"), ("autograd", "autograd")])
+def test_calibration_measures_the_stages_as_the_run_runs_them(monkeypatch, weight_split, mode):
+    """`rrfp calibrate` (and the bench's calibration) prices each stage as it will run: split as
+    the run resolves schedule.weight_split, and whole where the config leaves it unsplit."""
     from rrfp.app.cli import calibrate_command
     from rrfp.pipeline import calibration
 
@@ -49,11 +50,16 @@ def test_calibration_measures_an_unsplit_stage_as_the_run_runs_it(monkeypatch):
     real = calibration.StageWorker
 
     def spy(module, stage, *args, **kwargs):
-        built[stage] = kwargs.get("whole", False)
+        built[stage] = (kwargs.get("whole", False), kwargs.get("weight_split"))
         return real(module, stage, *args, **kwargs)
 
     monkeypatch.setattr(calibration, "StageWorker", spy)
-    cfg = TrainConfig.load(GPT, ["schedule.unsplit_stages=[-1]", "model.n_layer=4"], world_size=4)
+    sets = [
+        "schedule.unsplit_stages=[-1]",
+        "model.n_layer=4",
+        f"schedule.weight_split={weight_split}",
+    ]
+    cfg = TrainConfig.load(GPT, sets, world_size=4)
     samples = calibrate_command.measure(cfg, 1)
-    assert built == {0: False, 1: False, 2: False, 3: True}
+    assert built == {0: (False, mode), 1: (False, mode), 2: (False, mode), 3: (True, mode)}
     assert {(s, k) for s, k, _, _ in samples} == {(s, k) for s in range(4) for k in range(3)}
