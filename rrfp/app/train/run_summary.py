@@ -10,6 +10,7 @@ from typing import Any
 
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.train.start_checks import Footprint, _gib, at_1f1b
+from rrfp.pipeline.schedule_settings import unsplit_stages_of
 from rrfp.pipeline.user_code import calling, function_name
 
 
@@ -54,6 +55,11 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "budget": str(sch.budget),
             "n_microbatches": sch.n_microbatches,  # per replica per step
             "microbatches_per_step": sch.n_microbatches * lay.dp,
+            **(
+                {"unsplit_stages": sorted(unsplit_stages_of(sch.unsplit_stages, cfg.num_stages))}
+                if sch.unsplit_stages
+                else {}
+            ),
         },
         "data": data_found(cfg),
         "backend": cfg.compute.backend,
@@ -91,7 +97,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({summary['backend_choice']}) on {summary['device']}",
         f"schedule: hint {sch['hint']}, dispatch {sch['dispatch']}, budget {sch['budget']}; "
         f"{sch['n_microbatches']} microbatches per replica per step "
-        f"({sch['microbatches_per_step']} in all)",
+        f"({sch['microbatches_per_step']} in all)"
+        + (
+            f"; stage {', '.join(map(str, sch['unsplit_stages']))} unsplit (B the whole backward)"
+            if sch.get("unsplit_stages")
+            else ""
+        ),
         f"data: {summary['data']}",
     ]
     for rank in summary["ranks"]:

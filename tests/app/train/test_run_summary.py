@@ -39,6 +39,13 @@ def test_each_rank_beside_1f1b():
     assert len(lines) == 3 + 4 and lines[3].startswith("pipeline rank 0: stage 0 (")
 
 
+def test_the_schedule_line_names_the_stages_left_unsplit():
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", ["unsplit_stages=[-1, 0]"], world_size=4)
+    summary = run_summary(cfg, footprints(cfg))
+    assert summary["schedule"]["unsplit_stages"] == [0, 3]
+    assert summary_lines(summary)[1].endswith("; stage 0, 3 unsplit (B the whole backward)")
+
+
 def test_virtual_stages_and_data_parallel_replicas():
     sets = ["pp=2", "dp=2", "virtual=2", "n_microbatches=4"]
     cfg = TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=4)
