@@ -201,3 +201,30 @@ def test_unsplit_stages_match_the_reference():
                 assert loss_err < 1e-12, f"{cfg}: loss differs by {loss_err}"
             assert is_whole == (rank in whole), (cfg, rank)
             assert len(order) == 3 * M, "an unsplit stage still runs its W tasks"
+
+
+def _with_emulated_time(rank, world):
+    from rrfp.loop import run
+    from rrfp.models.gpt import GPT, loss_fn, make_stage
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
+
+    async def main():
+        async with PipelineRuntime.start(pp=world, timeout_s=60, unit_ms=1.0) as rt:
+            module = make_stage(GPT(small_gpt()[0]), rt.stage, rt.num_stages)
+            settings = ScheduleSettings.of(M, hint="bfw", unsplit_stages=[-1])
+            try:
+                rt.stage_executor(module, loss_fn, settings=settings)
+            except ValueError as e:
+                return str(e)
+            return None
+
+    return run(main())
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(100)
+def test_unsplit_stages_are_refused_with_emulated_time():
+    """The emulation draws a split W for every stage: an unsplit one would be timed wrongly."""
+    for said in run_ranks(_with_emulated_time, 2, timeout=80).values():
+        assert said is not None and "emulated time" in said, said
