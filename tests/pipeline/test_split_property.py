@@ -214,9 +214,12 @@ def _loss(out, targets):
     return sum((o * targets[: o.shape[-1]]).sum() for o in outs if _carries(o))
 
 
-def check_split(program, position: int, seed: int, weight_split: str = "autograd") -> bool:
+def check_split(
+    program, position: int, seed: int, weight_split: str = "autograd", whole: bool = False
+) -> bool:
     """Split B/W of ``program`` at ``position`` (0 first, 1 middle, 2 last) against plain autograd,
-    the split made by ``weight_split``. Returns whether B kept some parameter's gradient."""
+    the split made by ``weight_split`` (``whole``: a stage a split schedule leaves unsplit, every
+    gradient final after B). Returns whether B kept some parameter's gradient."""
     torch.manual_seed(seed)
     module = Generated(*program).double()
     ref = copy.deepcopy(module)
@@ -243,7 +246,9 @@ def check_split(program, position: int, seed: int, weight_split: str = "autograd
             [o for o, g in zip(outs, grads) if g is not None], [g for g in grads if g is not None]
         )
 
-    w = StageWorker(module, position, 3, 1, _loss, split=True, weight_split=weight_split)
+    w = StageWorker(
+        module, position, 3, 1, _loss, split=True, weight_split=weight_split, whole=whole
+    )
     x = xs if len(xs) > 1 else xs[0]
     w.forward(0, x, targets if position == 2 else None)
     work = w._slots[0].weights
@@ -252,8 +257,14 @@ def check_split(program, position: int, seed: int, weight_split: str = "autograd
         0, None if position == 2 else (grads if isinstance(out, tuple) else grads[0])
     )
     for name, p in module.named_parameters():
-        assert id(p) in in_b or p.grad is None, f"B computed {name}'s gradient, which W owns"
+        assert whole or id(p) in in_b or p.grad is None, (
+            f"B computed {name}'s gradient, which W owns"
+        )
+    after_b = [None if p.grad is None else p.grad.clone() for p in module.parameters()]
     w.weight(0)
+    if whole:
+        for (name, p), g in zip(module.named_parameters(), after_b):
+            assert (p.grad is None and g is None) or torch.equal(p.grad, g), f"W changed {name}"
     for (name, p), q in zip(module.named_parameters(), ref.parameters()):
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         want = q.grad if q.grad is not None else torch.zeros_like(q)
@@ -289,6 +300,13 @@ def test_split_gradients_equal_autograd_on_generated_stages(weight_split, progra
     event(
         f"{('first', 'middle', 'last')[position]} stage, {'some' if kept else 'no'} parameters in B"
     )
+
+
+@settings(SETTINGS, max_examples=60)
+@given(program=stages(), position=st.sampled_from([1, 2, 0]), seed=st.integers(0, 2**16))
+def test_a_stage_left_unsplit_equals_autograd_on_generated_stages(program, position, seed):
+    """schedule.unsplit_stages: B runs the stage's whole backward, W adds nothing."""
+    check_split(program, position, seed, "functions", whole=True)
 
 
 def _before_15():
