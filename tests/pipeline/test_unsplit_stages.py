@@ -105,6 +105,48 @@ def test_a_whole_stage_runs_no_split_function():
     assert not any("Fn" in n for n in split_nodes[True]), split_nodes[True]
 
 
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.out = _mlp(6, 2), nn.Linear(6, 6)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+        return self.out(h) + h
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("count_bytes", [False, True])
+def test_a_whole_stage_with_activation_checkpointing(reentrant, count_bytes):
+    """A checkpointed region is recomputed once, in B, as in an unsplit run; counting the saved
+    bytes (a byte budget) changes nothing of it."""
+    torch.manual_seed(0)
+    module = _Checkpointed(reentrant).double()
+    ref = _Checkpointed(reentrant).double()
+    ref.load_state_dict(module.state_dict())
+    x, g = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    w = StageWorker(
+        module,
+        1,
+        3,
+        1,
+        None,
+        split=True,
+        weight_split="functions",
+        whole=True,
+        measure_activations=count_bytes,
+    )
+    w.forward(0, x)
+    assert (w.activation_bytes(0) > 0) == count_bytes
+    torch.testing.assert_close(w.backward(0, g), xr.grad, rtol=0, atol=1e-12)
+    w.weight(0)
+    for (n, p), q in zip(module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=n)
+
+
 def test_whole_needs_a_split_worker():
     with pytest.raises(ValueError, match="split=False"):
         StageWorker(_mlp(4, 1), 0, 2, 1, None, split=False, whole=True)
