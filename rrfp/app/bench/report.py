@@ -64,7 +64,8 @@ UNSPLIT_LAST = (
     ("ready plan last unsplit", "ready plan"),
     ("ready bfw last unsplit", "ready bfw"),
     ("ready zbh1 last unsplit", "ready zbh1"),
-)  # (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
+)
+# (ours, torch's): rrfp's best against torch.distributed.pipelining's schedules, paired like the
 # rest
 AGAINST_TORCH = (
     ("ready plan", "torch 1f1b"),

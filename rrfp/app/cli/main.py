@@ -303,8 +303,10 @@ def _add_bench(sub) -> None:
         "dispatch behind torch's schedule surface. A -v2 suffix on an rrfp one runs it on "
         "two virtual stages per rank in the v shape (ready-plan-v2, fixed-zbv-v2), -i2 "
         "interleaved; an -overlap suffix on a ready one (moe) runs a W beside each EP task's "
-        "all-to-alls (ready-bfw-overlap) (default: fixed-1f1b, fixed-zbh1, fixed-bfw, ready-bfw, "
-        "fixed-plan, ready-plan, torch-1f1b, torch-zb, drop-in-ready-bfw, drop-in-ready-plan, "
+        "all-to-alls (ready-bfw-overlap); a -last-unsplit suffix on a split one (--real) "
+        "leaves its last stage's backward whole (ready-plan-last-unsplit) (default: fixed-1f1b, "
+        "fixed-zbh1, fixed-bfw, ready-bfw, fixed-plan, ready-plan, torch-1f1b, torch-zb, "
+        "drop-in-ready-bfw, drop-in-ready-plan, "
         "ready-bfw-v2, ready-plan-v2, torch-dualpipev: those this build runs)",
     )
     bench.add_argument(
