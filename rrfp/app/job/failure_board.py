@@ -156,6 +156,16 @@ def alive_key(rank: int) -> str:
     return f"{ALIVE}/{attempt()}/{rank}"
 
 
+def post_before_teardown(rank: int, note: str) -> None:
+    """Post this rank's ``note`` (``Failure.note``) while its process groups still stand: a peer
+    learns of the failure when those groups close, and reads the board then, giving a post only
+    ``GRACE_S``; posted after the teardown, on a loaded machine, it can come too late and the
+    peer names this rank silent. Best effort, as every post: no store, no post."""
+    board = FailureBoard.connect()
+    if board is not None:
+        board.post(rank, note)
+
+
 def connect_store(timeout_s: float = 1.0):
     """A new client of this run's rendezvous store (MASTER_ADDR:MASTER_PORT: torchrun's agent's, or
     rank 0's); None if it cannot be reached within about ``timeout_s``. In a thread: TCPStore's

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.faults import FaultInjector
+from rrfp.app.job.failure import Failure
+from rrfp.app.job.failure_board import post_before_teardown
 from rrfp.app.train.checkpoint_state import rng_state
 from rrfp.app.train.checkpoints import Resume, RunCheckpoints, choose_resume
 from rrfp.app.train.evaluation import due as eval_due
@@ -153,14 +155,18 @@ async def stage_main(
         virtual=cfg.parallel.virtual,
         placement=cfg.parallel.placement,
     ) as rt:  # nccl: this rank's GPU is rt.device
-        training = _RankTraining(cfg, rt, stop, about)
         try:
-            await training.begin(resume)
-            await training.run_steps(on_step)
-            await training.write_outputs()
-        finally:  # rank 0: the folder is free for the next job, however this one ended
-            if training.ckpts is not None:
-                training.ckpts.release()
+            training = _RankTraining(cfg, rt, stop, about)
+            try:
+                await training.begin(resume)
+                await training.run_steps(on_step)
+                await training.write_outputs()
+            finally:  # rank 0: the folder is free for the next job, however this one ended
+                if training.ckpts is not None:
+                    training.ckpts.release()
+        except Exception as e:  # before the runtime closes the groups that tell the peers
+            post_before_teardown(rt.rank, Failure.of(e).note)
+            raise
         if training.injector is not None and not rt.abandoned:
             training.injector.phase("barrier")  # leaving the block waits for every rank
     return training.summary
