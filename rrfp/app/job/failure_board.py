@@ -157,10 +157,12 @@ def alive_key(rank: int) -> str:
 
 
 def post_before_teardown(rank: int, note: str) -> None:
-    """Post this rank's ``note`` (``Failure.note``) while its process groups still stand: a peer
-    learns of the failure when those groups close, and reads the board then, giving a post only
-    ``GRACE_S``; posted after the teardown, on a loaded machine, it can come too late and the
-    peer names this rank silent. Best effort, as every post: no store, no post."""
+    """Post this rank's own failure (``Failure.note``, not a lost peer's) while its process groups
+    still stand: a peer learns of the failure when those groups close, and reads the board then,
+    giving a post only ``GRACE_S``; posted after the teardown, on a loaded machine, it can come too
+    late and the peer names this rank silent. A rank that lost a peer posts after its teardown,
+    as before: its store may be the one that died, and waiting for it here would hold up the
+    closing that tells the next rank. Best effort, as every post: no store, no post."""
     board = FailureBoard.connect()
     if board is not None:
         board.post(rank, note)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import ConfigError
 from rrfp.app.faults import FaultInjector
-from rrfp.app.job.failure import Failure
+from rrfp.app.job.failure import SECONDARY, Failure
 from rrfp.app.job.failure_board import post_before_teardown
 from rrfp.app.train.checkpoint_state import rng_state
 from rrfp.app.train.checkpoints import Resume, RunCheckpoints, choose_resume
@@ -164,8 +164,10 @@ async def stage_main(
             finally:  # rank 0: the folder is free for the next job, however this one ended
                 if training.ckpts is not None:
                     training.ckpts.release()
-        except Exception as e:  # before the runtime closes the groups that tell the peers
-            post_before_teardown(rt.rank, Failure.of(e).note)
+        except Exception as e:
+            failure = Failure.of(e)
+            if failure.kind != SECONDARY:  # this rank's own: before its groups' closing tells
+                post_before_teardown(rt.rank, failure.note)
             raise
         if training.injector is not None and not rt.abandoned:
             training.injector.phase("barrier")  # leaving the block waits for every rank

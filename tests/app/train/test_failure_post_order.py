@@ -1,6 +1,7 @@
-"""A failing rank posts how it failed on the failure board before its runtime closes the process
-groups: its peers learn of the failure when those groups close, and read the board then, waiting
-only a short grace for a post (rrfp/app/job/failure_board.py)."""
+"""A rank that fails on its own posts how on the failure board before its runtime closes the
+process groups: its peers learn of the failure when those groups close, and read the board then,
+waiting only a short grace for a post (rrfp/app/job/failure_board.py). A rank that lost a peer
+posts after (train_command's _fail): its store may be gone."""
 
 from __future__ import annotations
 
@@ -42,3 +43,6 @@ def test_a_failing_rank_posts_before_its_groups_close():
     seen, failed = results[1]
     assert failed is not None, "the injected fault should fail rank 1"
     assert seen[:2] == ["post primary", "close"], seen
+    # rank 0 lost its peer: it posts after its teardown (its store could be the dead one)
+    seen, failed = results[0]
+    assert failed is not None and seen == ["close"], (failed, seen)
