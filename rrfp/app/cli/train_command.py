@@ -23,7 +23,7 @@ from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.errors import UsageError, exit_now, root_cause
 from rrfp.app.job.environment import check_launcher, configure_logging
 from rrfp.app.job.failure import Failure, user_text, write_traceback
-from rrfp.app.job.failure_board import FAILURE_CONNECT_S, FailureBoard
+from rrfp.app.job.failure_board import FailureBoard
 from rrfp.app.job.job_agreement import agree
 from rrfp.app.job.job_lines import rank_and_world, refuse_once, say, tell_torchrun
 from rrfp.app.job.launcher import LAUNCHED, check_launch, start_ranks
@@ -341,8 +341,7 @@ def _fail(e: BaseException, cfg: TrainConfig, rank: int, debug: bool) -> None:
     # rrfp train --nproc-per-node: the job's one line is the first failed rank's, or the
     # launcher's for a rank that a signal ended (rrfp/app/job/launch_agent.py); this one is silent
     silent = failure.follows_peer and os.environ.get(LAUNCHED) == "1"
-    # best effort: tells the others how this rank failed
-    board = FailureBoard.connect(timeout_s=FAILURE_CONNECT_S)
+    board = FailureBoard.connect()  # best effort: tells the others how this rank failed
     origin = None
     if board is not None:
         board.post(rank, failure.note)

@@ -30,9 +30,6 @@ PREFIX = "rrfp/failed"
 # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
 ALIVE = "rrfp/alive"
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
-# how long a failing rank tries to reach the store: a live one, on a loaded two-core machine, has
-# taken over 1 s to take a client (then the rank's line could not name the rank that failed first)
-FAILURE_CONNECT_S = 3.0
 
 
 class FailureBoard:
@@ -166,7 +163,7 @@ def post_before_teardown(rank: int, note: str) -> None:
     late and the peer names this rank silent. A rank that lost a peer posts after its teardown,
     as before: its store may be the one that died, and waiting for it here would hold up the
     closing that tells the next rank. Best effort, as every post: no store, no post."""
-    board = FailureBoard.connect(timeout_s=FAILURE_CONNECT_S)
+    board = FailureBoard.connect()
     if board is not None:
         board.post(rank, note)
 
