@@ -162,8 +162,9 @@ class StageWorker:
         # every op where the stage module owns one, and on CUDA: autograd recomputes a
         # checkpointed region on its device thread, which sees the caller's mode stack but not
         # its context variables (split_functions._ACTIVE)
-        self._intercept = (
+        self._intercept = (  # nothing to make split-aware on a stage that runs whole
             split
+            and not whole
             and weight_split == "functions"
             and (split_modules(module) or any(p.is_cuda for p in module.parameters()))
         )
