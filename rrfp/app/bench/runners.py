@@ -81,7 +81,7 @@ def schedule_settings(
         cost=cost,
         experts=experts,
         overlap=contender.overlap,
-        unsplit_stages=(-1,) if contender.last_unsplit else (),
+        unsplit_stages=contender.unsplit_stages,
     )
 
 

@@ -94,6 +94,11 @@ class Contender:
         return f"{base} {OVERLAP}" if self.overlap else base
 
     @property
+    def unsplit_stages(self) -> tuple[int, ...]:
+        """The stages this row leaves unsplit (schedule.unsplit_stages)."""
+        return (-1,) if self.last_unsplit else ()
+
+    @property
     def is_torch(self) -> bool:
         return self.framework == TORCH
 
@@ -201,8 +206,11 @@ class Case:
                 f"parallel.placement={contender.placement}",
             ]
         )
-        if contender is not None and contender.last_unsplit:
-            stages += ["schedule.split=true", "schedule.unsplit_stages=[-1]"]
+        if contender is not None and contender.unsplit_stages:
+            stages += [
+                "schedule.split=true",
+                f"schedule.unsplit_stages={list(contender.unsplit_stages)}",
+            ]
         return TrainConfig.load(
             self.config,
             [

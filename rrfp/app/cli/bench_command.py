@@ -179,9 +179,8 @@ def to_calibrate(spec: BenchSpec) -> dict[str, tuple[Case, Contender | None]]:
     for case in spec.cases:
         for c in case.contenders:
             if not c.is_torch and resolve(c.hint).planned:
-                need.setdefault(
-                    cost_key(case.name, c), (case, c if c.virtual > 1 or c.last_unsplit else None)
-                )
+                # the contenders of one key build the same config (its layout, its unsplit stages)
+                need.setdefault(cost_key(case.name, c), (case, c))
     return need
 
 
