@@ -29,3 +29,12 @@ def store_client(timeout_s: float) -> dist.TCPStore:
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+def store_in_this_process() -> bool:
+    """Whether this process hosts the job's store: rank 0 under ``env://`` without torchrun's
+    agent store (init_process_group makes rank 0's TCPStore the master). Such a store is alive
+    while this process runs, however slowly it accepts a client on a loaded machine."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ.get("RANK") == "0"
+    )

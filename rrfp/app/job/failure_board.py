@@ -24,12 +24,14 @@ import threading
 import time
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a connect to leave torch
-from rrfp.comm.job_store import attempt, store_client
+from rrfp.comm.job_store import attempt, store_client, store_in_this_process
 
 PREFIX = "rrfp/failed"
 # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
 ALIVE = "rrfp/alive"
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
+# the bound on reaching a store this process hosts: it cannot be dead, only slow to accept
+OWN_STORE_CONNECT_S = 5.0
 
 
 class FailureBoard:
@@ -39,7 +41,12 @@ class FailureBoard:
 
     @classmethod
     def connect(cls, timeout_s: float = 1.0) -> FailureBoard | None:
-        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached."""
+        """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached.
+        ``timeout_s`` is short because the store may be dead with the rank that hosted it, and a
+        survivor's exit tells the next rank; a store in this very process is alive, so that
+        bound is raised to OWN_STORE_CONNECT_S (on a loaded machine it took over 1 s to accept)."""
+        if store_in_this_process():
+            timeout_s = max(timeout_s, OWN_STORE_CONNECT_S)
         with _quiet():
             store = connect_store(timeout_s)
         try:

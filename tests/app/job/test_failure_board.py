@@ -10,7 +10,8 @@ import pytest
 import torch.distributed as dist
 from harness.distributed import free_port
 
-from rrfp.app.job.failure_board import GRACE_S, FailureBoard
+from rrfp.app.job import failure_board
+from rrfp.app.job.failure_board import GRACE_S, OWN_STORE_CONNECT_S, FailureBoard
 
 
 @pytest.fixture
@@ -150,3 +151,30 @@ def test_a_refusal_never_posted_is_none_after_the_wait(board):
     board.store = _Stalling(board.store, 10**9)
     assert board.refusal(wait_s=0.2) is None
     assert not board.post_refusal("text", wait_s=0.2)
+
+
+@pytest.mark.parametrize(
+    ("rank", "agent_store", "bound"),
+    [("0", None, OWN_STORE_CONNECT_S), ("1", None, 1.0), ("0", "True", 1.0)],
+    ids=["rank0-hosts-it", "a-client-rank", "torchrun-agent-hosts-it"],
+)
+def test_a_store_this_process_hosts_gets_the_longer_connect_bound(
+    monkeypatch, rank, agent_store, bound
+):
+    """Rank 0 under env:// hosts the store, which cannot be dead while rank 0 reads it; a loaded
+    machine took over 1 s to accept its client, and the board then named no origin. Any other
+    rank keeps the short bound: the store may have died with its host."""
+    asked: list[float] = []
+
+    def client(timeout_s):
+        asked.append(timeout_s)
+        raise RuntimeError("not reached")
+
+    monkeypatch.setattr(failure_board, "store_client", client)
+    monkeypatch.setenv("RANK", rank)
+    if agent_store is None:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    assert FailureBoard.connect() is None
+    assert asked == [bound]
