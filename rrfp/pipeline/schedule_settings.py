@@ -19,6 +19,8 @@ from rrfp.nn.expert_time import ExpertTimes
 # (``resolve_weight_split``)
 WEIGHT_SPLITS = ("auto", "autograd", "functions")
 DEFAULT_WEIGHT_SPLIT = "auto"
+# schedule.unsplit_stages chosen from the cost model (rrfp.sim.unsplit_choice)
+AUTO_UNSPLIT = "auto"
 
 
 def resolve_weight_split(chosen: str, wider: list[str]) -> tuple[str, str]:

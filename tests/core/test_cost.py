@@ -32,6 +32,50 @@ def test_fit_recovers_known_costs_and_round_trips():
         CostModel.from_json(json.dumps({"features": ["x"], "coef": [], "reference_s": 1}))
 
 
+def test_whole_stage_costs_price_an_unsplit_stage_and_round_trip():
+    """``whole`` (a fit of every stage unsplit) prices the stages a run leaves unsplit: their F and
+    B from it, their W zero; the other stages as split. ``typical`` is the calibration's mean
+    microbatch. A file without them (fitted before they were kept) still loads."""
+    truth, rows = synthetic()
+    split = CostModel.fit(rows)
+    whole = CostModel.fit([(s, k, f, 2 * t) for s, k, f, t in rows if k < 2])
+    model = split.with_whole(whole)
+    assert CostModel.from_json(model.to_json()) == model
+    tokens = np.mean([f["tokens"] for s, k, f, _ in rows if k == 0])
+    assert model.typical_features()["tokens"] == pytest.approx(tokens)
+    run = model.run_whole([1])
+    feats = rows[0][2]
+    for k in range(2):
+        assert run.seconds(1, k, feats) == pytest.approx(whole.seconds(1, k, feats))
+        assert run.seconds(0, k, feats) == pytest.approx(split.seconds(0, k, feats))
+    assert run.seconds(1, 2, feats) == 0.0
+    assert run.seconds(0, 2, feats) == pytest.approx(split.seconds(0, 2, feats))
+    assert split.run_whole([1]) == split, "no whole fit: the model was fitted as the run runs"
+    old = json.loads(split.to_json())
+    del old["typical"]
+    assert CostModel.from_json(json.dumps(old)).whole is None
+    with pytest.raises(ValueError, match="the whole-stage fit has 1 stages"):
+        split.with_whole(CostModel.fit([r for r in rows if r[0] == 0]))
+
+
+@pytest.mark.parametrize(
+    "key, value, needle",
+    [
+        ("whole", [[[0, 0, 0, 0], [0, 0, 0, 0]]], "one entry per stage"),
+        ("whole", [[[0, 0, 0, 0]], [[0, 0, 0, 0]]], "whole[0] must hold 2 kinds"),
+        ("whole", [[[0, 0, 0, 0], [0, 0, 0]], [[0] * 4] * 2], "whole[0][1] must be 4 finite"),
+        ("typical", [1.0, 2.0], "typical must be 3 finite features"),
+        ("typical", [1.0, -2.0, 0.0], "typical must be 3 finite features"),
+    ],
+)
+def test_a_bad_whole_or_typical_is_named(key, value, needle):
+    doc = json.loads(CostModel.fit(synthetic()[1]).to_json())
+    doc[key] = value
+    with pytest.raises(ValueError) as e:
+        CostModel.from_json(json.dumps(doc))
+    assert needle in str(e.value), e.value
+
+
 def test_ranking_agreement():
     assert ranking_agreement([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
     assert ranking_agreement([3, 2, 1], [10, 20, 30]) == pytest.approx(-1.0)
@@ -101,6 +145,9 @@ def test_calibrate_fits_this_machine(tmp_path):
     assert quality["held_out_median_error"] > 0 and quality["cores"] >= 1
     model = CostModel.from_json(out.read_text())
     assert model.num_stages == 2 and model.reference_s > 0
+    # gpt-tiny's bfw splits: every stage is measured unsplit too, for unsplit_stages = "auto"
+    assert model.whole is not None and model.typical is not None
+    assert re.search(r"split over unsplit.*stage 0 F [\d.]+x, B \+ W [\d.]+x", p.stdout), p.stdout
     # a 4-stage run cannot use a 2-stage model: one clear error before any group
     r = rrfp_in_process(
         "train",

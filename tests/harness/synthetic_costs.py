@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rrfp.core.cost import FEATURES, CostModel
+
 
 def synthetic(seed=0, n=40, stages=2):
     rng = np.random.default_rng(seed)
@@ -21,3 +23,21 @@ def synthetic(seed=0, n=40, stages=2):
                 (s, k, feats, c[0] + c[1] * feats["tokens"] + c[2] * feats["attn"] + c[3] * patches)
             )
     return truth, rows
+
+
+def cost_file(tmp_path, stages: int = 4, pays: int = 3) -> str:
+    """A cost model of ``stages`` constant-time stages in which stage ``pays`` alone splits at a
+    price (F and B + W 20% over its whole F and B), as `rrfp calibrate` of a split schedule
+    writes it."""
+    zero = (0.0,) * len(FEATURES)
+    split = [[(1.2 if s == pays else 1.0, *zero)] * 3 for s in range(stages)]
+    whole = [[(1.0, *zero), (2.0, *zero)] for _ in range(stages)]
+    model = CostModel(
+        tuple(tuple(k) for k in split),
+        1.0,
+        whole=tuple((w[0], w[1]) for w in whole),
+        typical=(64.0, 0.0, 0.0),
+    )
+    path = tmp_path / "cost.json"
+    path.write_text(model.to_json())
+    return str(path)

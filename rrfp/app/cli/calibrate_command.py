@@ -32,7 +32,7 @@ from rrfp.app.train.metrics_files import model_slug
 from rrfp.core.cost import CostModel, ranking_agreement
 from rrfp.observe.trace import write_atomic
 from rrfp.pipeline.calibration import measure_stages
-from rrfp.pipeline.schedule_settings import resolve_weight_split
+from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, resolve_weight_split
 
 KINDS = "FBW"
 
@@ -42,10 +42,13 @@ def calibration_device(compute: ComputeSection) -> torch.device:
     return torch.device(compute.device_type)
 
 
-def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, int, dict, float]]:
+def measure(
+    cfg: TrainConfig, samples: int, progress=None, whole: bool = False
+) -> list[tuple[int, int, dict, float]]:
     """(stage, kind, features, seconds) for every task of ``samples`` microbatches of the workload,
-    split backward (``weight_split`` resolved as the run resolves it, ``unsplit_stages`` whole), on
-    the run's device (``calibration_device``), each stage built as the run builds it."""
+    split backward (``weight_split`` resolved as the run resolves it, ``unsplit_stages`` whole; with
+    "auto", every stage split), on the run's device (``calibration_device``), each stage built as
+    the run builds it. ``whole``: every stage unsplit instead (``CostModel.with_whole``)."""
     wl, S = cfg.workload, cfg.num_stages  # pp x virtual pieces
     device = calibration_device(cfg.compute)
     torch.set_num_threads(cfg.compute.threads)
@@ -63,7 +66,7 @@ def measure(cfg: TrainConfig, samples: int, progress=None) -> list[tuple[int, in
         device,
         warmup=2,
         progress=progress,
-        unsplit_stages=cfg.schedule.unsplit_stages,
+        unsplit_stages=range(S) if whole else as_run_unsplit(cfg),
         weight_split=mode,
     )
 
@@ -98,6 +101,31 @@ def report(
     return summary
 
 
+def split_over_whole(model: CostModel) -> str:
+    """Per stage, on the typical microbatch: what F and B + W cost split over their cost unsplit
+    (F, and B the whole backward), the price a stage pays for a W that can fill a bubble."""
+    feats = model.typical_features() or {}
+    assert model.whole is not None
+    parts = []
+    for s in range(model.num_stages):
+        whole = model.run_whole([s])
+        f = model.seconds(s, 0, feats) / max(whole.seconds(s, 0, feats), 1e-12)
+        bw = (model.seconds(s, 1, feats) + model.seconds(s, 2, feats)) / max(
+            whole.seconds(s, 1, feats), 1e-12
+        )
+        parts.append(f"stage {s} F {f:.2f}x, B + W {bw:.2f}x")
+    return (
+        'split over unsplit, the typical microbatch (unsplit_stages = "auto" weighs it): '
+        + "; ".join(parts)
+    )
+
+
+def as_run_unsplit(cfg: TrainConfig) -> tuple[int, ...]:
+    """The stages a calibration of ``cfg`` measures unsplit: the ones it names; none for "auto",
+    which chooses from the split costs beside the whole ones."""
+    return () if cfg.schedule.unsplit_stages == AUTO_UNSPLIT else cfg.unsplit_stages
+
+
 def calibrate_command(args) -> int:
     os.environ.setdefault(
         "LOCAL_WORLD_SIZE", "1"
@@ -113,6 +141,8 @@ def calibrate_command(args) -> int:
         else f"on this CPU ({torch.get_num_threads()} thread(s))"
     )
     samples = measure(cfg, 2 * args.samples)
+    # a split schedule: every stage measured unsplit too, so a run can choose which to split
+    whole = measure(cfg, args.samples, whole=True) if cfg.schedule.split_backward else None
     load = load_average()  # over the last minute: the measuring just done
     per_micro = 3 * S
     fit_rows, check_rows = split_held_out(samples, per_micro)
@@ -122,6 +152,9 @@ def calibrate_command(args) -> int:
         f"{args.samples} held out; real compute {where}"
     )
     report(model, check_rows, S)
+    if whole is not None:
+        model = model.with_whole(CostModel.fit(whole))
+        print(split_over_whole(model))
     f_meas = [t for _, k, _, t in check_rows if k == 0]
     f_pred = [model.seconds(s, 0, f) for s, k, f, _ in check_rows if k == 0]
     per_mb = [

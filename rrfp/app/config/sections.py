@@ -25,7 +25,7 @@ from rrfp.core.hints import (
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import DEFAULT_DISPATCH, Dispatch
 from rrfp.core.variability import PRESETS, Variability
-from rrfp.pipeline.schedule_settings import DEFAULT_WEIGHT_SPLIT, WEIGHT_SPLITS
+from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, DEFAULT_WEIGHT_SPLIT, WEIGHT_SPLITS
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S, Timeouts
 
 RESUME_MODES = ("off", "auto", "required")
@@ -145,8 +145,13 @@ def _hint(name: str) -> Hint:
         ) from None
 
 
-def _stage_numbers(value: list) -> tuple[int, ...]:
-    """A TOML list of stage numbers; their range is checked against the layout (TrainConfig)."""
+def _stage_numbers(value: list | str) -> tuple[int, ...] | str:
+    """A TOML list of stage numbers, or "auto"; their range is checked against the layout
+    (TrainConfig)."""
+    if isinstance(value, str):
+        if value != AUTO_UNSPLIT:
+            raise ValueError(f'{value!r} is neither a list of stage numbers nor "{AUTO_UNSPLIT}"')
+        return value
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise ValueError(f"{value!r} is not a list of stage numbers")
     return tuple(value)
@@ -199,13 +204,14 @@ class ScheduleSection(Section):
         "parallel.tp, dp_shard or ep above 1)",
         choices=WEIGHT_SPLITS,
     )
-    unsplit_stages: tuple[int, ...] = setting(
+    unsplit_stages: tuple[int, ...] | str = setting(
         (),
         "with a split backward, the stages (negative: from the last) whose B runs the whole "
         "backward and W nothing: the split costs a stage more compute than its unsplit backward, "
         "which pays only where it fills a bubble (not on the stage that limits the pipeline, "
-        "often the last); real compute only",
-        toml=(list,),
+        'often the last); "auto": the stages whose unsplit backward shortens the iteration '
+        "predicted from emulation.cost (rrfp calibrate measures both ways); real compute only",
+        toml=(list, str),
         parse=_stage_numbers,
     )
     overlap: bool = setting(

@@ -40,10 +40,11 @@ from rrfp.core.hints import NOMINAL_BUDGET, SPLIT_BY_DEFAULT, HintError
 from rrfp.core.layout import Layout, layout_for
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
-from rrfp.pipeline.schedule_settings import ScheduleSettings, unsplit_stages_of
+from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, ScheduleSettings, unsplit_stages_of
 from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.user_code import calling, function_name
 from rrfp.pipeline.workload import Workload
+from rrfp.sim.unsplit_choice import UnsplitChoice, choose_unsplit_stages
 
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 WORKLOAD_SECTIONS = ("model", "data")
@@ -179,27 +180,77 @@ class TrainConfig:
         ]
 
     def _check_unsplit_stages(self) -> None:
-        """schedule.unsplit_stages: stages of this layout, a split backward, real compute."""
+        """schedule.unsplit_stages: stages of this layout, a split backward, real compute; "auto"
+        chosen here when a cost model is given (``unsplit_choice``), so every rank and the
+        start-up line see the same stages."""
         sch = self.schedule
+        object.__setattr__(self, "_unsplit_choice", None)
         if not sch.unsplit_stages:
             return
+        shown = (
+            f'"{sch.unsplit_stages}"'
+            if isinstance(sch.unsplit_stages, str)
+            else str(list(sch.unsplit_stages))
+        )
         if not sch.split_backward:
             raise ConfigError(
-                f"schedule.unsplit_stages = {list(sch.unsplit_stages)} needs a split backward "
+                f"schedule.unsplit_stages = {shown} needs a split backward "
                 f"(schedule.split = true, or a hint that splits: "
                 f"{', '.join(sorted(SPLIT_BY_DEFAULT))}); hint {sch.hint.name} runs every stage "
                 "unsplit already"
             )
-        try:
-            unsplit_stages_of(sch.unsplit_stages, self.num_stages)
-        except ValueError as e:
-            raise ConfigError(f"schedule.{e}") from None
         if self.emulation.unit_ms:
             raise ConfigError(
                 f"schedule.unsplit_stages with emulation.unit_ms = {self.emulation.unit_ms}: the "
                 "emulation draws a split W for every stage; unsplit stages run on real compute "
                 "(emulation.unit_ms = 0)"
             )
+        if sch.unsplit_stages == AUTO_UNSPLIT:
+            cost = self.emulation.cost
+            if cost is None:
+                raise ConfigError(
+                    'schedule.unsplit_stages = "auto" has no costs to choose by: run `rrfp '
+                    "calibrate` with this split schedule (it prices each stage split and whole) "
+                    "and give emulation.cost = FILE"
+                )
+            if cost.num_stages == self.num_stages:  # else the stage count's check names it
+                object.__setattr__(self, "_unsplit_choice", self._choose_unsplit())
+            return
+        try:
+            unsplit_stages_of(sch.unsplit_stages, self.num_stages)
+        except ValueError as e:
+            raise ConfigError(f"schedule.{e}") from None
+
+    def _choose_unsplit(self) -> UnsplitChoice:
+        sch, cost = self.schedule, self.emulation.cost
+        assert cost is not None
+        try:
+            return choose_unsplit_stages(
+                cost,
+                self.virtual_layout,
+                sch.n_microbatches,
+                sch.hint,
+                sch.dispatch,
+                sch.budget,
+                self.emulation.variability,
+            )
+        except ValueError as e:
+            raise ConfigError(f'schedule.unsplit_stages = "auto": {e}') from None
+
+    @property
+    def unsplit_choice(self) -> UnsplitChoice | None:
+        """What schedule.unsplit_stages = "auto" chose, and the makespans it chose by."""
+        return getattr(self, "_unsplit_choice", None)
+
+    @property
+    def unsplit_stages(self) -> tuple[int, ...]:
+        """The stages this run leaves unsplit (numbers as schedule.unsplit_stages gives them, or
+        those "auto" chose)."""
+        sch = self.schedule
+        if sch.unsplit_stages != AUTO_UNSPLIT:
+            return tuple(sch.unsplit_stages)
+        assert self.unsplit_choice is not None, "chosen when the config was built"
+        return self.unsplit_choice.stages
 
     def _check_overlap(self) -> None:
         """schedule.overlap runs a ready W beside an EP task's all-to-all: it needs ready dispatch,
@@ -268,6 +319,7 @@ class TrainConfig:
     def schedule_settings(self) -> ScheduleSettings:
         """The executor's settings, built here once for stage_executor and the bench."""
         sch, em = self.schedule, self.emulation
+        unsplit = self.unsplit_stages
         return ScheduleSettings.of(
             sch.n_microbatches,
             dispatch=sch.dispatch,
@@ -276,10 +328,13 @@ class TrainConfig:
             split=sch.split,
             variability=em.variability,
             seed=self.run.seed,
-            cost=em.cost,
+            # the plan prices a stage left unsplit whole, where the model was fitted both ways
+            cost=None
+            if em.cost is None
+            else em.cost.run_whole(unsplit_stages_of(unsplit, self.num_stages)),
             overlap=sch.overlap,
             weight_split=sch.weight_split,
-            unsplit_stages=sch.unsplit_stages,
+            unsplit_stages=unsplit,
         )
 
     @classmethod

@@ -56,8 +56,13 @@ def run_summary(cfg: TrainConfig, prints: list[Footprint] | None) -> dict[str, A
             "n_microbatches": sch.n_microbatches,  # per replica per step
             "microbatches_per_step": sch.n_microbatches * lay.dp,
             **(
-                {"unsplit_stages": sorted(unsplit_stages_of(sch.unsplit_stages, cfg.num_stages))}
-                if sch.unsplit_stages
+                {"unsplit_stages": sorted(unsplit_stages_of(cfg.unsplit_stages, cfg.num_stages))}
+                if cfg.unsplit_stages
+                else {}
+            ),
+            **(
+                {"unsplit_choice": cfg.unsplit_choice.describe()}
+                if cfg.unsplit_choice is not None
                 else {}
             ),
         },
@@ -102,6 +107,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"; stage {', '.join(map(str, sch['unsplit_stages']))} unsplit (B the whole backward)"
             if sch.get("unsplit_stages")
             else ""
+        )
+        + (
+            f'; unsplit_stages "auto": {sch["unsplit_choice"]}' if sch.get("unsplit_choice") else ""
         ),
         f"data: {summary['data']}",
     ]

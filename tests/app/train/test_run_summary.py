@@ -5,6 +5,8 @@ says it found, and what is said when the model cannot be measured."""
 
 from __future__ import annotations
 
+from harness.synthetic_costs import cost_file
+
 from rrfp.app.config.train_config import TrainConfig
 from rrfp.app.train.run_summary import run_summary, summary_lines
 from rrfp.app.train.start_checks import footprints
@@ -44,6 +46,16 @@ def test_the_schedule_line_names_the_stages_left_unsplit():
     summary = run_summary(cfg, footprints(cfg))
     assert summary["schedule"]["unsplit_stages"] == [0, 3]
     assert summary_lines(summary)[1].endswith("; stage 0, 3 unsplit (B the whole backward)")
+
+
+def test_the_schedule_line_says_what_auto_chose_and_why(tmp_path):
+    sets = ['unsplit_stages="auto"', f"emulation.cost={cost_file(tmp_path, pays=3)}"]
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", sets, world_size=4)
+    summary = run_summary(cfg, footprints(cfg))
+    assert summary["schedule"]["unsplit_stages"] == [3]
+    line = summary_lines(summary)[1]
+    assert '; stage 3 unsplit (B the whole backward); unsplit_stages "auto": predicted ' in line
+    assert line.endswith("x the makespan split everywhere"), line
 
 
 def test_virtual_stages_and_data_parallel_replicas():

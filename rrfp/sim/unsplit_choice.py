@@ -1,0 +1,115 @@
+"""Which stages of a split schedule should run their backward whole (``unsplit_stages = "auto"``).
+
+A split backward costs a stage more compute than its unsplit one (the split's bookkeeping, and W's
+inputs held through B), and pays only where a W fills a bubble. Whether it pays on a stage depends
+on the whole pipeline, so the choice is simulated: each stage priced both ways from the cost
+model's ``whole`` fit, the iteration planned or simulated as the run would run it on the
+calibration's typical microbatch, and stages made unsplit one at a time, the one that shortens the
+predicted makespan most first, while any does. Pure: every rank makes the same choice from the
+same file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rrfp.core.budget import Budget
+from rrfp.core.cost import CostModel
+from rrfp.core.durations import TaskTimes, known
+from rrfp.core.hints import Hint
+from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import Dispatch
+from rrfp.core.variability import Variability
+from rrfp.sim.engine import SimConfig, simulate
+from rrfp.sim.planned_hint import make_plan
+
+# a stage is left unsplit only if that shortens the predicted makespan by more than this share:
+# below it the calibration's noise decides, and the split (the schedule as asked) stays
+MIN_GAIN = 0.005
+
+
+@dataclass(frozen=True)
+class UnsplitChoice:
+    stages: tuple[int, ...]  # the chosen unsplit stages, numbers from 0
+    makespan: float  # predicted, in units of the average forward, with those stages unsplit
+    split_makespan: float  # predicted with every stage split
+
+    def describe(self) -> str:
+        """Why these stages, for the start-up line."""
+        if not self.stages:
+            return f"no stage's unsplit backward shortens the predicted makespan by {MIN_GAIN:.1%}"
+        return f"predicted {self.makespan / self.split_makespan:.3f}x the makespan split everywhere"
+
+
+def predicted_makespan(
+    cost: CostModel,
+    unsplit: frozenset[int],
+    layout: VirtualLayout,
+    n_microbatches: int,
+    hint: Hint,
+    dispatch: Dispatch,
+    budget: Budget,
+    variability: Variability,
+) -> float:
+    """One iteration of ``n_microbatches`` typical microbatches with ``unsplit`` stages whole, as
+    the run plans (a planned hint) or orders (any other) it, in units of the average forward."""
+    feats = cost.typical_features()
+    if feats is None:
+        raise ValueError("the cost model holds no typical microbatch (fitted before it was kept)")
+    M = n_microbatches
+    predicted = TaskTimes(
+        known(variability), split=True, cost=cost.run_whole(unsplit), layout=layout
+    ).predicted(0, layout.num_stages, M, [feats] * M)
+    if hint.planned:
+        return make_plan(predicted, budget, variability, True, dispatch, layout=layout)[
+            1
+        ].predicted_makespan
+    cfg = SimConfig(
+        layout.ranks,
+        M,
+        hint,
+        dispatch,
+        budget,
+        known(variability),
+        split=True,
+        durations=predicted,
+        virtual=layout.virtual,
+        placement=layout.placement,
+    )
+    return simulate(cfg).makespan
+
+
+def choose_unsplit_stages(
+    cost: CostModel,
+    layout: VirtualLayout,
+    n_microbatches: int,
+    hint: Hint,
+    dispatch: Dispatch,
+    budget: Budget,
+    variability: Variability,
+) -> UnsplitChoice:
+    """The stages to leave unsplit: greedily, the one whose unsplit backward shortens the predicted
+    makespan most, while one does by more than ``MIN_GAIN``. ValueError when ``cost`` has no
+    whole-stage fit or typical microbatch (``rrfp calibrate`` of a split schedule writes both)."""
+    if cost.whole is None:
+        raise ValueError(
+            "the cost model has no whole-stage costs to choose unsplit stages by: "
+            "calibrate a split schedule again (rrfp calibrate measures both ways)"
+        )
+
+    def span(stages: frozenset[int]) -> float:
+        return predicted_makespan(
+            cost, stages, layout, n_microbatches, hint, dispatch, budget, variability
+        )
+
+    chosen: frozenset[int] = frozenset()
+    split_span = best = span(chosen)
+    while True:
+        tries = {s: span(chosen | {s}) for s in range(layout.num_stages) if s not in chosen}
+        if not tries:
+            break
+        stage = min(tries, key=lambda s: (tries[s], s))
+        if tries[stage] >= best * (1 - MIN_GAIN):
+            break
+        chosen, best = chosen | {stage}, tries[stage]
+    return UnsplitChoice(tuple(sorted(chosen)), best, split_span)
