@@ -34,6 +34,11 @@ class UnsplitChoice:
     makespan: float  # predicted, in units of the average forward, with those stages unsplit
     split_makespan: float  # predicted with every stage split
 
+    def line(self) -> str:
+        """What was chosen, and why."""
+        which = f"stage {', '.join(map(str, self.stages))} unsplit" if self.stages else "all split"
+        return f"{which} ({self.describe()})"
+
     def describe(self) -> str:
         """Why these stages, for the start-up line."""
         if not self.stages:

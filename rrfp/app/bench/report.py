@@ -56,11 +56,17 @@ ABLATIONS = (
         "fixed plan last unsplit",
         "the plan's predicted run replayed as a fixed order",
     ),
+    (
+        "ready plan auto unsplit",
+        "fixed plan auto unsplit",
+        "the plan's predicted run replayed as a fixed order",
+    ),
 )
 # (with the overlap, without): the same hint, budget and dispatch, the all-to-alls yielding or not
 OVERLAPS = (("ready bfw overlap", "ready bfw"), ("ready plan overlap", "ready plan"))
-# (the last stage unsplit, every stage split): the same hint and dispatch
-UNSPLIT_LAST = (
+# (some stages unsplit, every stage split): the same hint and dispatch
+UNSPLIT_PAIRS = (
+    ("ready plan auto unsplit", "ready plan"),
     ("ready plan last unsplit", "ready plan"),
     ("ready bfw last unsplit", "ready bfw"),
     ("ready zbh1 last unsplit", "ready zbh1"),
@@ -72,6 +78,8 @@ AGAINST_TORCH = (
     ("ready plan", "torch zb"),
     ("ready plan last unsplit", "torch 1f1b"),
     ("ready plan last unsplit", "torch zb"),
+    ("ready plan auto unsplit", "torch 1f1b"),
+    ("ready plan auto unsplit", "torch zb"),
     ("ready bfw", "torch zb"),
     ("ready plan", "torch dualpipev"),
     ("ready bfw", "torch dualpipev"),
@@ -191,8 +199,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
             for h, a in OVERLAPS
         ]
         pairs += [
-            (h, a, f"The last stage unsplit or split, nothing else changed: {h} vs {a}")
-            for h, a in UNSPLIT_LAST
+            (h, a, f"Stages unsplit or split, nothing else changed: {h} vs {a}")
+            for h, a in UNSPLIT_PAIRS
         ]
         pairs += [
             (ours, theirs, f"Against torch: {ours} vs {theirs}") for ours, theirs in AGAINST_TORCH

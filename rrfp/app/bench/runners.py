@@ -16,16 +16,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from rrfp.app.bench.suite import BenchSpec, Contender
-from rrfp.core.budget import peak_held
+from rrfp.core.budget import Budget, peak_held
 from rrfp.core.cost import CostModel
 from rrfp.core.durations import TaskTimes
+from rrfp.core.hints import resolve
+from rrfp.core.placement import VirtualLayout
+from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
 from rrfp.nn.expert_time import ExpertTimes
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
 from rrfp.pipeline.runtime import PipelineRuntime
-from rrfp.pipeline.schedule_settings import ScheduleSettings
+from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, ScheduleSettings
 from rrfp.pipeline.workload import Workload
+from rrfp.sim.unsplit_choice import UnsplitChoice, choose_unsplit_stages
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,13 @@ def schedule_settings(
     experts: ExpertTimes | None = None,
 ) -> ScheduleSettings:
     """What an rrfp executor of the suite runs: built here once for every runner that has one.
-    ``seed``: the replica's own (None: the spec's)."""
+    ``seed``: the replica's own (None: the spec's). A row that leaves its stages unsplit "auto"
+    chooses them from ``cost`` as a run's config does, and its plan prices them whole."""
+    unsplit = contender.unsplit_stages
+    if unsplit == AUTO_UNSPLIT:
+        assert cost is not None
+        unsplit = auto_unsplit(spec, contender, variability, cost).stages
+        cost = cost.run_whole(unsplit)
     return ScheduleSettings.of(
         spec.n_microbatches,
         dispatch=contender.dispatch,
@@ -81,7 +91,23 @@ def schedule_settings(
         cost=cost,
         experts=experts,
         overlap=contender.overlap,
-        unsplit_stages=contender.unsplit_stages,
+        unsplit_stages=unsplit,
+    )
+
+
+def auto_unsplit(
+    spec: BenchSpec, contender: Contender, variability: Variability, cost: CostModel
+) -> UnsplitChoice:
+    """The stages an "auto unsplit" row leaves unsplit, as ``unsplit_stages = "auto"`` chooses
+    them for a run of its settings (rrfp/sim/unsplit_choice.py)."""
+    return choose_unsplit_stages(
+        cost,
+        VirtualLayout(spec.pp, contender.virtual, contender.placement),
+        spec.n_microbatches,
+        resolve(contender.hint),
+        Dispatch.parse(contender.dispatch),
+        Budget.parse(spec.budget),
+        variability,
     )
 
 

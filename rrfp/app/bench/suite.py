@@ -57,7 +57,11 @@ VIRTUAL_SUFFIX = re.compile(
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
 OVERLAP = "overlap"  # the suffix of a contender whose EP tasks' all-to-alls take a W beside
-LAST_UNSPLIT = "last unsplit"  # the suffix of a split contender whose last stage does not split
+UNSPLIT = "unsplit"  # the suffix of a split contender that leaves stages unsplit: "last" or "auto"
+UNSPLIT_WHICH = (
+    "last",
+    "auto",
+)  # the last stage, or the stages schedule.unsplit_stages "auto" picks
 RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
 FLAG = "--contenders"  # the flag that names them, in error lines
 
@@ -80,8 +84,9 @@ class Contender:
     placement: str = "interleaved"  # with virtual > 1: "interleaved" or "v"
     # ready dispatch under EP: a W runs beside an EP task while it waits at its all-to-all
     overlap: bool = False
-    # a split schedule whose last stage runs its backward whole (schedule.unsplit_stages = [-1])
-    last_unsplit: bool = False
+    # a split schedule whose last stage ("last": schedule.unsplit_stages = [-1]) or the stages its
+    # cost model picks ("auto", planned rows) run their backward whole; "": every stage splits
+    unsplit: str = ""
 
     @property
     def name(self) -> str:
@@ -89,14 +94,15 @@ class Contender:
         base = f"{DROP_IN} {first} {self.hint}" if self.drop_in else f"{first} {self.hint}"
         if self.virtual > 1:
             base = f"{base} {'v' if self.placement == 'v' else 'i'}{self.virtual}"
-        if self.last_unsplit:
-            base = f"{base} {LAST_UNSPLIT}"
+        if self.unsplit:
+            base = f"{base} {self.unsplit} {UNSPLIT}"
         return f"{base} {OVERLAP}" if self.overlap else base
 
     @property
-    def unsplit_stages(self) -> tuple[int, ...]:
-        """The stages this row leaves unsplit (schedule.unsplit_stages)."""
-        return (-1,) if self.last_unsplit else ()
+    def unsplit_stages(self) -> tuple[int, ...] | str:
+        """The stages this row leaves unsplit (schedule.unsplit_stages; "auto" chosen from the cost
+        model where the row's settings are built)."""
+        return {"last": (-1,), "auto": "auto"}.get(self.unsplit, ())
 
     @property
     def is_torch(self) -> bool:
@@ -122,10 +128,10 @@ class Contender:
                     f"{FLAG}: {text!r}: the drop-in runs rrfp's executor (fixed or ready), "
                     f"not a torch schedule"
                 )
-            if contender.last_unsplit:
+            if contender.unsplit:
                 raise UsageError(
                     f"{FLAG}: {text!r}: the drop-in runs torch's stage split as torch splits it; "
-                    f"'{LAST_UNSPLIT}' is for rrfp's own rows"
+                    f"'{contender.unsplit} {UNSPLIT}' is for rrfp's own rows"
                 )
             return replace(contender, drop_in=True)
         first, _, hint = rest.replace("-", " ", 1).partition(" ")
@@ -138,14 +144,21 @@ class Contender:
                     "readiness: ready dispatch only"
                 )
             return replace(cls.parse(f"{first} {head}"), overlap=True)
-        if f"{head} {last}".endswith(LAST_UNSPLIT) and first != TORCH:
-            base = cls.parse(f"{first} {hint[: -len(LAST_UNSPLIT)].strip()}")
+        which = head.rpartition(" ")[2]
+        if last == UNSPLIT and which in UNSPLIT_WHICH and first != TORCH:
+            suffix = f"{which} {UNSPLIT}"
+            base = cls.parse(f"{first} {hint.replace('-', ' ')[: -len(suffix)].strip()}")
             if not base.split or base.drop_in:
                 raise UsageError(
-                    f"{FLAG}: {text!r}: '{LAST_UNSPLIT}' leaves the last stage of a split "
-                    f"schedule whole: {base.name} does not split"
+                    f"{FLAG}: {text!r}: '{suffix}' leaves stages of a split schedule whole: "
+                    f"{base.name} does not split"
                 )
-            return replace(base, last_unsplit=True)
+            if which == "auto" and not resolve(base.hint).planned:
+                raise UsageError(
+                    f"{FLAG}: {text!r}: '{suffix}' chooses from the calibrated cost model, which "
+                    "the bench fits for planned rows only (plan)"
+                )
+            return replace(base, unsplit=which)
         if head and first != TORCH and (m := VIRTUAL_SUFFIX.fullmatch(last)):
             placement = "v" if m["placement"] == "v" else "interleaved"
             try:
@@ -206,11 +219,12 @@ class Case:
                 f"parallel.placement={contender.placement}",
             ]
         )
-        if contender is not None and contender.unsplit_stages:
-            stages += [
-                "schedule.split=true",
-                f"schedule.unsplit_stages={list(contender.unsplit_stages)}",
-            ]
+        if contender is not None and contender.unsplit == "last":
+            stages += ["schedule.split=true", "schedule.unsplit_stages=[-1]"]
+        elif contender is not None and contender.unsplit:
+            # "auto": chosen where the row's settings are built, from the cost model calibrated
+            # with this config (every stage split, and every stage whole)
+            stages += ["schedule.split=true"]
         return TrainConfig.load(
             self.config,
             [
@@ -349,7 +363,7 @@ def cost_key(case: str, contender: Contender) -> str:
     key = case
     if contender.virtual > 1:
         key = f"{key}-{'v' if contender.placement == 'v' else 'i'}{contender.virtual}"
-    return f"{key}-{file_slug(LAST_UNSPLIT)}" if contender.last_unsplit else key
+    return f"{key}-{contender.unsplit}-{UNSPLIT}" if contender.unsplit else key
 
 
 def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None:
@@ -358,7 +372,7 @@ def unavailable(contender: Contender, case: Case, spec: BenchSpec) -> str | None
         return "the bench runs torch's schedules and the drop-in on CPU ranks only"
     if contender.drop_in and spec.tp != 1:
         return "ScheduleReady runs pipeline parallelism alone (--tp 1)"
-    if contender.last_unsplit and not spec.real:
+    if contender.unsplit and not spec.real:
         return "its emulated W would still be drawn apart: an unsplit stage runs on real compute"
     if contender.overlap and spec.ep == 1:
         return "the overlap is at expert parallelism's all-to-alls (--workloads moe, --ep 2)"

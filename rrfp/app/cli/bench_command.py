@@ -20,6 +20,7 @@ from pathlib import Path
 from rrfp.app.bench.analysis import annotate, compute_summary, host_summary, summarize
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
+from rrfp.app.bench.runners import auto_unsplit
 from rrfp.app.bench.suite import (
     DEFAULT_CONTENDERS,
     FLAG,
@@ -199,6 +200,17 @@ def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, Co
             )
         path = out / f"cost-{key}.json"
         models[key] = CostModel.fit(samples)
+        if contender.unsplit == "auto":  # every stage whole too, to choose which split
+            with progress(total=CALIBRATION_SAMPLES + 2, desc=f"calibrating {key} whole") as bar:
+                whole = measure(
+                    cfg,
+                    CALIBRATION_SAMPLES,
+                    lambda done, total: bar.update(done - bar.n),
+                    whole=True,
+                )
+            models[key] = models[key].with_whole(CostModel.fit(whole))
+            choice = auto_unsplit(spec, contender, cfg.emulation.variability, models[key])
+            print(f"{contender.name}: {choice.line()}")
         write_atomic(path, models[key].to_json())
         paths[key] = str(path)
     return paths, models

@@ -324,7 +324,16 @@ def test_a_contender_is_its_framework_dispatch_and_hint():
     for name in ("ready plan", "torch zb", "drop-in fixed 1f1b", "ready bfw v2"):
         assert Contender.parse(name).name == name
     whole = Contender.parse("ready-plan-last-unsplit")
-    assert (whole.hint, whole.last_unsplit, whole.name) == ("plan", True, "ready plan last unsplit")
+    assert (whole.hint, whole.unsplit, whole.name) == ("plan", "last", "ready plan last unsplit")
+    assert whole.unsplit_stages == (-1,)
+    auto = Contender.parse("fixed-plan-auto-unsplit")
+    assert (auto.dispatch, auto.hint, auto.unsplit, auto.name) == (
+        "fixed",
+        "plan",
+        "auto",
+        "fixed plan auto unsplit",
+    )
+    assert auto.unsplit_stages == "auto"
 
 
 @pytest.mark.parametrize(
@@ -332,6 +341,8 @@ def test_a_contender_is_its_framework_dispatch_and_hint():
     [
         ("fixed-1f1b-last-unsplit", "does not split"),
         ("drop-in-ready-plan-last-unsplit", "rrfp's own rows"),
+        ("ready-bfw-auto-unsplit", "planned rows only"),
+        ("ready-1f1b-auto-unsplit", "does not split"),
     ],
 )
 def test_last_unsplit_is_for_rrfps_split_rows(text, needle):
@@ -348,6 +359,31 @@ def test_a_last_unsplit_row_plans_with_its_own_calibration():
 
     whole, split = Contender.parse("ready plan last unsplit"), Contender.parse("ready plan")
     assert cost_key("gpt", whole) != cost_key("gpt", split) == "gpt"
+    auto = Contender.parse("ready plan auto unsplit")
+    assert (
+        cost_key("gpt", auto) == "gpt-auto-unsplit" and cost_key("gpt", whole) == "gpt-last-unsplit"
+    )
+
+
+def test_an_auto_unsplit_row_chooses_as_a_runs_config_does(tmp_path):
+    """The row's settings leave unsplit the stages ``unsplit_stages = "auto"`` picks from its cost
+    model, and its plan prices them whole; a config of the same settings chooses alike."""
+    from harness.synthetic_costs import cost_file
+
+    from rrfp.app.bench.runners import schedule_settings
+    from rrfp.app.bench.suite import BenchSpec, Contender
+    from rrfp.app.config.train_config import TrainConfig
+    from rrfp.core.cost import CostModel
+    from rrfp.core.variability import Variability
+
+    path = cost_file(tmp_path, stages=2, pays=1)
+    cost = CostModel.from_json(open(path).read())
+    spec = BenchSpec((), pp=2, n_microbatches=8, budget="4", unit_ms=0)
+    got = schedule_settings(spec, Contender.parse("ready plan auto unsplit"), Variability(), cost)
+    assert got.unsplit_stages == (1,) and got.cost.coef[1][2][0] == 0.0
+    sets = ["pp=2", "hint=plan", "budget=4", 'unsplit_stages="auto"', f"emulation.cost={path}"]
+    cfg = TrainConfig.load("configs/gpt-tiny.toml", [*sets, "emulation.preset=none"], world_size=2)
+    assert cfg.unsplit_stages == got.unsplit_stages
 
 
 def test_the_agent_is_a_fork_only_where_the_ranks_compute_as_they_must(monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -23,6 +24,7 @@ from rrfp.app.bench.analysis import (
 )
 from rrfp.app.bench.suite import BenchSpec, Case, Contender
 from rrfp.core.bounds import lower_bound
+from rrfp.core.cost import CostModel
 from rrfp.core.tasks import Kind, Task
 from rrfp.observe.instrument import TraceRecorder
 from rrfp.observe.trace import Span
@@ -224,7 +226,9 @@ def _switches(tid: int) -> tuple[int, int]:
 @pytest.mark.e2e
 def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     out = tmp_path / "results"
-    contenders = "fixed-bfw,ready-bfw,ready-plan,torch-1f1b,drop-in-ready-bfw"
+    contenders = (
+        "fixed-bfw,ready-bfw,ready-plan,ready-plan-auto-unsplit,torch-1f1b,drop-in-ready-bfw"
+    )
     res = rrfp_bench(
         "--real",
         "--quick",
@@ -240,8 +244,22 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     assert doc["config"]["unit_ms"] == 0 and doc["real_compute"]
     assert doc["emulated_device_time"] is None and doc["machine"]["load"]
     [wl] = doc["workloads"]
-    names = {"fixed bfw", "ready bfw", "ready plan", "torch 1f1b", "drop-in ready bfw"}
+    names = {
+        "fixed bfw",
+        "ready bfw",
+        "ready plan",
+        "ready plan auto unsplit",
+        "torch 1f1b",
+        "drop-in ready bfw",
+    }
     assert {s["contender"] for s in wl["summary"]} == names
+    # the auto row's model is fitted split and whole, and the bench says what it chose
+    auto = CostModel.from_json((out / "cost-gpt-auto-unsplit.json").read_text())
+    assert (
+        auto.whole is not None
+        and CostModel.from_json((out / "cost-gpt.json").read_text()).whole is None
+    )
+    assert re.search(r"ready plan auto unsplit: (stage [\d, ]+ unsplit|all split) \(", res.stdout)
     md = (out / "results.md").read_text()
     assert "real compute on cpu" in md and "vs replay" in md
     assert names <= set(table_rows(md))
