@@ -120,3 +120,16 @@ def test_the_choice_is_what_it_predicts_and_no_further_stage_helps(costs, schedu
         assert choice.makespan < choice.split_makespan * (1 - MIN_GAIN)
     for s in set(range(cost.num_stages)) - set(choice.stages):
         assert span((*choice.stages, s)) >= choice.makespan * (1 - MIN_GAIN)
+
+
+def test_virtual_stages_are_chosen_by_global_stage():
+    """With two stages per rank (pp 2, interleaved) the choice names global stages: the last one,
+    whose split alone costs."""
+    split = [(1.0, 1.0, 1.0)] * 3 + [(1.2, 1.2, 1.2)]
+    cost = model(split, [(1.0, 2.0)] * 4)
+    layout = VirtualLayout(2, 2)
+    choice = choose_unsplit_stages(
+        cost, layout, 8, resolve("plan"), Dispatch.READY, Budget.parse("4"), Variability()
+    )
+    assert choice.stages == (3,)
+    assert choice.makespan < choice.split_makespan

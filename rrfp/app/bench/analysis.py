@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from rrfp.app.bench.runners import planned_with
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, Contender, cost_key
 from rrfp.core.bounds import lower_bound
 from rrfp.core.budget import Budget
@@ -237,7 +238,7 @@ def _annotate_real(
         work = realized_work(spec, contender, by_row.get((contender.name, it), []))
         r["lower_bound_s"] = work.lower_bound_s
         r["efficiency"] = work.lower_bound_s / r["wall_s"]
-        cost = costs.get(cost_key(case.name, contender))
+        cost = planned_with(spec, contender, var, costs.get(cost_key(case.name, contender)))
         r["simulated_s"] = simulated_s(
             spec, var, cost, contender, it, work, feats.get(it), r.get("plan_order"), quiet
         )

@@ -67,6 +67,7 @@ OVERLAPS = (("ready bfw overlap", "ready bfw"), ("ready plan overlap", "ready pl
 # (some stages unsplit, every stage split): the same hint and dispatch
 UNSPLIT_PAIRS = (
     ("ready plan auto unsplit", "ready plan"),
+    ("ready plan auto unsplit", "ready plan last unsplit"),
     ("ready plan last unsplit", "ready plan"),
     ("ready bfw last unsplit", "ready bfw"),
     ("ready zbh1 last unsplit", "ready zbh1"),

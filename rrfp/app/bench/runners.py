@@ -95,6 +95,17 @@ def schedule_settings(
     )
 
 
+def planned_with(
+    spec: BenchSpec, contender: Contender, variability: Variability, cost: CostModel | None
+) -> CostModel | None:
+    """The cost model ``contender``'s plan prices its tasks with: an "auto unsplit" row's stages
+    priced whole where it leaves them unsplit (what the parent must plan with to plan as the
+    ranks did)."""
+    if contender.unsplit_stages != AUTO_UNSPLIT or cost is None:
+        return cost
+    return cost.run_whole(auto_unsplit(spec, contender, variability, cost).stages)
+
+
 def auto_unsplit(
     spec: BenchSpec, contender: Contender, variability: Variability, cost: CostModel
 ) -> UnsplitChoice:

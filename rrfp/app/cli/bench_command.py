@@ -210,7 +210,7 @@ def _calibrate(spec: BenchSpec, out: Path) -> tuple[dict[str, str], dict[str, Co
                 )
             models[key] = models[key].with_whole(CostModel.fit(whole))
             choice = auto_unsplit(spec, contender, cfg.emulation.variability, models[key])
-            print(f"{contender.name}: {choice.line()}")
+            print(f"{case.name}, the auto unsplit rows: {choice.line()}")
         write_atomic(path, models[key].to_json())
         paths[key] = str(path)
     return paths, models

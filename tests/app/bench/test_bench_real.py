@@ -259,7 +259,12 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
         auto.whole is not None
         and CostModel.from_json((out / "cost-gpt.json").read_text()).whole is None
     )
-    assert re.search(r"ready plan auto unsplit: (stage [\d, ]+ unsplit|all split) \(", res.stdout)
+    assert re.search(
+        r"gpt, the auto unsplit rows: (stage [\d, ]+ unsplit|all split) \(", res.stdout
+    )
+    # the parent plans each iteration again to replay it: priced as the ranks priced it
+    auto_rows = [r for r in wl["rows"] if r["contender"] == "ready plan auto unsplit"]
+    assert auto_rows and all(r["simulated_s"] is not None for r in auto_rows)
     md = (out / "results.md").read_text()
     assert "real compute on cpu" in md and "vs replay" in md
     assert names <= set(table_rows(md))
