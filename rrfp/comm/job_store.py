@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -38,3 +39,16 @@ def store_in_this_process() -> bool:
     return (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ.get("RANK") == "0"
     )
+
+
+def store_listens(timeout_s: float = 0.5) -> bool:
+    """Whether anything accepts a plain TCP connection at MASTER_ADDR:MASTER_PORT. A port whose
+    store is gone refuses at once, while TCPStore's own client retries a refused connect until its
+    timeout; the store's server takes the probe's close without a word."""
+    try:
+        with socket.create_connection(
+            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=timeout_s
+        ):
+            return True
+    except (KeyError, ValueError, OSError):
+        return False
