@@ -5,12 +5,15 @@ inputs held through B), and pays only where a W fills a bubble. Whether it pays 
 on the whole pipeline, so the choice is simulated: each stage priced both ways from the cost
 model's ``whole`` fit, the iteration planned or simulated as the run would run it on the
 calibration's typical microbatch, and stages made unsplit one at a time, the one that shortens the
-predicted makespan most first, while any does. Pure: every rank makes the same choice from the
-same file.
+predicted makespan most first, while any does. Where the split costs every stage alike, no single
+stage gains while the others bound the pipeline, so the search also starts from every stage
+unsplit and splits them again one at a time; the better end wins. Pure: every rank makes the same
+choice from the same file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rrfp.core.budget import Budget
@@ -93,9 +96,11 @@ def choose_unsplit_stages(
     budget: Budget,
     variability: Variability,
 ) -> UnsplitChoice:
-    """The stages to leave unsplit: greedily, the one whose unsplit backward shortens the predicted
-    makespan most, while one does by more than ``MIN_GAIN``. ValueError when ``cost`` has no
-    whole-stage fit or typical microbatch (``rrfp calibrate`` of a split schedule writes both)."""
+    """The stages to leave unsplit: greedily from every stage split (the stage whose unsplit
+    backward shortens the predicted makespan most, while one does by more than ``MIN_GAIN``) and
+    from none split (the stage whose split does), the better of the two. ValueError when ``cost``
+    has no whole-stage fit or typical microbatch (``rrfp calibrate`` of a split schedule writes
+    both)."""
     if cost.whole is None:
         raise ValueError(
             "the cost model has no whole-stage costs to choose unsplit stages by: "
@@ -107,14 +112,35 @@ def choose_unsplit_stages(
             cost, stages, layout, n_microbatches, hint, dispatch, budget, variability
         )
 
-    chosen: frozenset[int] = frozenset()
-    split_span = best = span(chosen)
-    while True:
-        tries = {s: span(chosen | {s}) for s in range(layout.num_stages) if s not in chosen}
-        if not tries:
-            break
-        stage = min(tries, key=lambda s: (tries[s], s))
-        if tries[stage] >= best * (1 - MIN_GAIN):
-            break
-        chosen, best = chosen | {stage}, tries[stage]
+    every = frozenset(range(layout.num_stages))
+    split_span = span(frozenset())
+    # from every stage split, leave unsplit the stage that gains most while one gains MIN_GAIN;
+    # and from none split, split again the stage that gains most: where the split costs every
+    # stage alike, leaving one stage unsplit gains nothing while the others bound the pipeline
+    added = _greedy(span, frozenset(), split_span, lambda c: [c | {s} for s in sorted(every - c)])
+    removed = _greedy(span, every, span(every), lambda c: [c - {s} for s in sorted(c)])
+    # the better of the two; a tie within MIN_GAIN keeps fewer stages unsplit (the schedule asked)
+    better = removed if removed[1] < added[1] * (1 - MIN_GAIN) else added
+    chosen, best = better
+    if best >= split_span * (1 - MIN_GAIN):
+        chosen, best = frozenset(), split_span
     return UnsplitChoice(tuple(sorted(chosen)), best, split_span)
+
+
+def _greedy(
+    span: Callable[[frozenset[int]], float],
+    start: frozenset[int],
+    start_span: float,
+    moves: Callable[[frozenset[int]], list[frozenset[int]]],
+) -> tuple[frozenset[int], float]:
+    """From ``start``, the move (``moves(chosen)``: the candidate sets, in stage order) that
+    shortens ``span`` most, while one shortens it by more than MIN_GAIN."""
+    chosen, best = start, start_span
+    while True:
+        tries = [(span(c), i, c) for i, c in enumerate(moves(chosen))]
+        if not tries:
+            return chosen, best
+        got, _, c = min(tries, key=lambda t: (t[0], t[1]))
+        if got >= best * (1 - MIN_GAIN):
+            return chosen, best
+        chosen, best = c, got
