@@ -34,6 +34,9 @@ def server():
 
 
 def _pair(server, timeout_s: float = TIMEOUT_S) -> list[Heartbeat]:
+    """Two heartbeats on clients of ``server``. Connecting is no part of these tests, and a loaded
+    machine has taken over 5 s to accept a client of this process's own store: 60 s to connect,
+    then the clients' operations bounded at 5 s as before."""
     beats = []
     for rank in range(2):
         client = dist.TCPStore(
@@ -41,8 +44,9 @@ def _pair(server, timeout_s: float = TIMEOUT_S) -> list[Heartbeat]:
             server.port,
             is_master=False,
             wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=5),
+            timeout=datetime.timedelta(seconds=60),
         )
+        client.set_timeout(datetime.timedelta(seconds=5))
         beats.append(Heartbeat(client, rank, 2, timeout_s, prefix=f"test/{id(server)}"))
     return beats
 
