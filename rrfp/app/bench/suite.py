@@ -27,6 +27,7 @@ from rrfp.core.budget import DEFAULT_BUDGET
 from rrfp.core.hints import default_split, resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
+from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT
 from rrfp.pipeline.timeouts import DEFAULT_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: configs/ lives here
@@ -57,11 +58,9 @@ VIRTUAL_SUFFIX = re.compile(
 )  # v2: v placement; i2, i3: interleaved
 DROP_IN = "drop-in"
 OVERLAP = "overlap"  # the suffix of a contender whose EP tasks' all-to-alls take a W beside
-UNSPLIT = "unsplit"  # the suffix of a split contender that leaves stages unsplit: "last" or "auto"
-UNSPLIT_WHICH = (
-    "last",
-    "auto",
-)  # the last stage, or the stages schedule.unsplit_stages "auto" picks
+UNSPLIT = "unsplit"  # the suffix of a split contender that leaves stages unsplit
+# which: the last stage, or the stages schedule.unsplit_stages = "auto" picks
+UNSPLIT_WHICH = ("last", AUTO_UNSPLIT)
 RRFP, TORCH = "rrfp", "torch"  # the frameworks a contender runs on
 FLAG = "--contenders"  # the flag that names them, in error lines
 
@@ -102,7 +101,7 @@ class Contender:
     def unsplit_stages(self) -> tuple[int, ...] | str:
         """The stages this row leaves unsplit (schedule.unsplit_stages; "auto" chosen from the cost
         model where the row's settings are built)."""
-        return {"last": (-1,), "auto": "auto"}.get(self.unsplit, ())
+        return {"last": (-1,), AUTO_UNSPLIT: AUTO_UNSPLIT}.get(self.unsplit, ())
 
     @property
     def is_torch(self) -> bool:
@@ -153,7 +152,7 @@ class Contender:
                     f"{FLAG}: {text!r}: '{suffix}' leaves stages of a split schedule whole: "
                     f"{base.name} does not split"
                 )
-            if which == "auto" and not resolve(base.hint).planned:
+            if which == AUTO_UNSPLIT and not resolve(base.hint).planned:
                 raise UsageError(
                     f"{FLAG}: {text!r}: '{suffix}' chooses from the calibrated cost model, which "
                     "the bench fits for planned rows only (plan)"
