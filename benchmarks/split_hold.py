@@ -15,6 +15,8 @@ import statistics
 import torch
 from split_cost import CASES, Pipeline, alternated, ratio_cell
 
+from rrfp.nn.split_linear import SplitLinear
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,7 +38,7 @@ def main() -> None:
 
     for w in pipe.workers:
         for m in w.module.modules():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, (torch.nn.Linear, SplitLinear)):  # gpt's linears are SplitLinear
                 m.register_forward_hook(keep_input)
                 m.register_full_backward_hook(keep_grad)
 
