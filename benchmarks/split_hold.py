@@ -15,7 +15,7 @@ import statistics
 import torch
 from split_cost import CASES, Pipeline, alternated, ratio_cell
 
-from rrfp.nn.split_linear import SplitLinear
+from rrfp import SplitLinear
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ def identity(cfg: TrainConfig) -> dict[str, str]:
     """``{key: value text}``: every resolved config key (less ``NODE_LOCAL`` and the ``REPORTING``
     sections), ``model.source``
     (a hash of the file that defines the workload), one ``data.KEY FILE`` / ``model.KEY FILE`` per
-    file those keys name (its fingerprint), and ``world.size``."""
+    file those keys name (its fingerprint), the cost model's hash (``emulation.cost``: ranks that
+    planned from other costs would order the microbatches differently), and ``world.size``."""
     out = {
         f"{section}.{key}": json.dumps(value, sort_keys=True, default=str)
         for section, values in cfg.as_toml().items()
@@ -37,6 +38,9 @@ def identity(cfg: TrainConfig) -> dict[str, str]:
     out = {k: v for k, v in out.items() if k not in NODE_LOCAL and k.split(".")[0] not in REPORTING}
     out["model.source"] = model_source(cfg)
     out.update(fingerprints({"model": cfg.model, "data": cfg.data}))
+    if cfg.emulation.cost is not None:  # the plan and "auto"'s choice come from it: one per job
+        digest = hashlib.sha256(cfg.emulation.cost.to_json().encode()).hexdigest()[:16]
+        out["emulation.cost"] = f"a cost model, sha256 {digest}"
     out["world.size"] = os.environ.get("WORLD_SIZE", str(cfg.world_size))
     return out
 

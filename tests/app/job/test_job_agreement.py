@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import torch.distributed as dist
+from harness.synthetic_costs import cost_file
 
 from rrfp.app.config.file_fingerprint import fingerprint, fingerprints
 from rrfp.app.config.job_identity import identity
@@ -90,6 +91,18 @@ def test_data_files_with_other_bytes_are_named(tmp_path):
     two[f"data.tokens {a}"] = fingerprint(b)  # what the other node's file at that path holds
     (line,) = {str(e) for e in _run_ranks([one, two])}
     assert f"data.tokens {a}: 200 bytes, sha256 " in line
+
+
+def test_cost_models_with_other_contents_are_named(tmp_path):
+    """Ranks that plan (and choose their unsplit stages) from other costs would order the
+    microbatches differently: the same path holding another model is one line."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = cost_file(tmp_path / "a", stages=2, pays=1), cost_file(tmp_path / "b", stages=2, pays=0)
+    one, two = identity(_cfg(f"emulation.cost={a}")), identity(_cfg(f"emulation.cost={b}"))
+    assert one["emulation.cost"] != two["emulation.cost"]
+    assert identity(_cfg(f"emulation.cost={a}")) == one
+    (line,) = {str(e) for e in _run_ranks([one, two])}
+    assert "emulation.cost: " in line and "a cost model, sha256 " in line
 
 
 def test_a_rank_that_never_posts_leaves_it_to_the_rendezvous():
