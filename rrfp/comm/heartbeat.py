@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for the reader to leave its store call
 from rrfp.comm import beater
-from rrfp.comm.job_store import attempt, store_client
+from rrfp.comm.job_store import attempt, connect_bound, store_client
 
 log = logging.getLogger("rrfp.comm.heartbeat")
 
@@ -167,9 +167,10 @@ class Heartbeat:
     ) -> Heartbeat | None:
         """A heartbeat on its own client of this job's store (MASTER_ADDR:MASTER_PORT, as torchrun
         and ``env://`` set them), one key space per torchrun attempt; None without that store.
-        ``connect_s``: how long connecting may take (default ``timeout_s``)."""
+        ``connect_s``: how long connecting may take (default ``timeout_s``; longer for a store in
+        this very process, which cannot be dead: ``connect_bound``)."""
         try:
-            store = store_client(max(1.0, connect_s or timeout_s))
+            store = store_client(connect_bound(max(1.0, connect_s or timeout_s)))
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(
                 "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts "

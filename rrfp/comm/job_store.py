@@ -32,6 +32,21 @@ def store_client(timeout_s: float) -> dist.TCPStore:
     )
 
 
+# the bound on reaching a store this process hosts and that listens: it cannot be dead, only slow
+# to accept on a loaded machine (it has taken over 2 s)
+OWN_STORE_CONNECT_S = 5.0
+
+
+def connect_bound(timeout_s: float) -> float:
+    """How long to give a new client of this job's store: ``timeout_s``, or OWN_STORE_CONNECT_S
+    when this process hosts the store and its port accepts (``store_in_this_process``,
+    ``store_listens``). Other stores may have died with their host, and a short bound then lets
+    the rank say so sooner."""
+    if store_in_this_process() and store_listens():
+        return max(timeout_s, OWN_STORE_CONNECT_S)
+    return timeout_s
+
+
 def store_in_this_process() -> bool:
     """Whether this process hosts the job's store: rank 0 under ``env://`` without torchrun's
     agent store (init_process_group makes rank 0's TCPStore the master). Such a store is alive

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -17,6 +18,7 @@ from harness.distributed import free_port
 
 from rrfp.comm.beater import Beater
 from rrfp.comm.heartbeat import Heartbeat
+from rrfp.comm.job_store import OWN_STORE_CONNECT_S
 
 TIMEOUT_S = 0.6
 
@@ -428,3 +430,29 @@ def test_close_ends_the_thread_and_the_beating_process(server):
         os.waitpid(beating, os.WNOHANG)
     b.close()
     assert not b._thread.is_alive()
+
+
+@pytest.mark.parametrize(("rank", "bound"), [("0", OWN_STORE_CONNECT_S), ("1", 2.0)])
+def test_rank0s_heartbeat_waits_longer_for_the_store_it_hosts(monkeypatch, rank, bound):
+    """Under env:// rank 0 hosts the store: alive while rank 0 runs, however slowly a loaded
+    machine accepts its heartbeat's client (it took over 2 s, and rank 0, left with no heartbeat,
+    named a busy peer silent). Other ranks keep ``connect_s``: their store may be gone."""
+    from rrfp.comm import heartbeat
+
+    asked: list[float] = []
+
+    def client(timeout_s):
+        asked.append(timeout_s)
+        raise RuntimeError("not reached")
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(heartbeat, "store_client", client)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(listener.getsockname()[1]))
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    try:
+        assert Heartbeat.connect(int(rank), 2, 2.0, 2.0) is None
+    finally:
+        listener.close()
+    assert asked == [bound]

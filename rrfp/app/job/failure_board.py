@@ -24,14 +24,18 @@ import threading
 import time
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a connect to leave torch
-from rrfp.comm.job_store import attempt, store_client, store_in_this_process, store_listens
+from rrfp.comm.job_store import (
+    attempt,
+    connect_bound,
+    store_client,
+    store_in_this_process,
+    store_listens,
+)
 
 PREFIX = "rrfp/failed"
 # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
 ALIVE = "rrfp/alive"
 GRACE_S, GRACE_POLLS = 1.0, 10  # how long a rank waits for a peer's post before calling it silent
-# the bound on reaching a store this process hosts: it cannot be dead, only slow to accept
-OWN_STORE_CONNECT_S = 5.0
 
 
 class FailureBoard:
@@ -49,7 +53,7 @@ class FailureBoard:
         if store_in_this_process():
             if not store_listens():
                 return None
-            timeout_s = max(timeout_s, OWN_STORE_CONNECT_S)
+            timeout_s = connect_bound(timeout_s)
         with _quiet():
             store = connect_store(timeout_s)
         try:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from harness.distributed import free_port
 
 from rrfp.app.job import failure_board
-from rrfp.app.job.failure_board import GRACE_S, OWN_STORE_CONNECT_S, FailureBoard
+from rrfp.app.job.failure_board import GRACE_S, FailureBoard
+from rrfp.comm.job_store import OWN_STORE_CONNECT_S
 
 
 @pytest.fixture
