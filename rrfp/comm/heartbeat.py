@@ -170,7 +170,10 @@ class Heartbeat:
         ``connect_s``: how long connecting may take (default ``timeout_s``; longer for a store in
         this very process, which cannot be dead: ``connect_bound``)."""
         try:
-            store = store_client(connect_bound(max(1.0, connect_s or timeout_s)))
+            bound = connect_bound(max(1.0, connect_s or timeout_s))
+            if bound is None:
+                raise RuntimeError("this process's store no longer listens")
+            store = store_client(bound)
         except (KeyError, ValueError, RuntimeError) as e:
             log.warning(
                 "rank %d: no heartbeat (the store cannot be reached: %s); a busy peer then counts "

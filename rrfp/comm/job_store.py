@@ -37,14 +37,15 @@ def store_client(timeout_s: float) -> dist.TCPStore:
 OWN_STORE_CONNECT_S = 5.0
 
 
-def connect_bound(timeout_s: float) -> float:
-    """How long to give a new client of this job's store: ``timeout_s``, or OWN_STORE_CONNECT_S
-    when this process hosts the store and its port accepts (``store_in_this_process``,
-    ``store_listens``). Other stores may have died with their host, and a short bound then lets
-    the rank say so sooner."""
-    if store_in_this_process() and store_listens():
-        return max(timeout_s, OWN_STORE_CONNECT_S)
-    return timeout_s
+def connect_bound(timeout_s: float) -> float | None:
+    """How long to give a new client of this job's store: ``timeout_s``, or, when this process
+    hosts the store (``store_in_this_process``), OWN_STORE_CONNECT_S if its port accepts and None
+    if it refuses: a failed rendezvous took the store, and TCPStore's client would only retry the
+    refused connect until its timeout. Another process's store may have died with its host, and
+    the short bound then lets the rank say so sooner."""
+    if not store_in_this_process():
+        return timeout_s
+    return max(timeout_s, OWN_STORE_CONNECT_S) if store_listens() else None
 
 
 def store_in_this_process() -> bool:

@@ -24,13 +24,7 @@ import threading
 import time
 
 import rrfp.loop.exit_guard  # noqa: F401 - at exit, waits for a connect to leave torch
-from rrfp.comm.job_store import (
-    attempt,
-    connect_bound,
-    store_client,
-    store_in_this_process,
-    store_listens,
-)
+from rrfp.comm.job_store import attempt, connect_bound, store_client
 
 PREFIX = "rrfp/failed"
 # a counter per rank that its stop relay's thread adds 1 to every POLL_S (stop_relay.py)
@@ -47,15 +41,13 @@ class FailureBoard:
     def connect(cls, timeout_s: float = 1.0) -> FailureBoard | None:
         """A client of this run's store (MASTER_ADDR:MASTER_PORT); None if it cannot be reached.
         ``timeout_s`` is short because the store may be dead with the rank that hosted it, and a
-        survivor's exit tells the next rank. A store this process hosts is either gone (a failed
-        rendezvous took it: its port refuses, and there is no board) or alive however slowly it
-        accepts on a loaded machine (it took over 1 s): then the bound is OWN_STORE_CONNECT_S."""
-        if store_in_this_process():
-            if not store_listens():
-                return None
-            timeout_s = connect_bound(timeout_s)
+        survivor's exit tells the next rank; a store this process hosts gets ``connect_bound``'s
+        (none at all once it is gone)."""
+        bound = connect_bound(timeout_s)
+        if bound is None:
+            return None
         with _quiet():
-            store = connect_store(timeout_s)
+            store = connect_store(bound)
         try:
             return cls(store, int(os.environ["WORLD_SIZE"])) if store is not None else None
         except (KeyError, ValueError):
