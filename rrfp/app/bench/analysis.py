@@ -233,12 +233,17 @@ def _annotate_real(
     for sp in spans:
         by_row.setdefault((sp.process, sp.args.get("iteration", 0)), []).append(sp)
     quiet = replace(var, comm=0.0, comm_jitter=0.0)
+    # each contender's plan prices its tasks as its ranks did: one choice per row, not per iteration
+    priced = {
+        c.name: planned_with(spec, c, var, costs.get(cost_key(case.name, c)))
+        for c in case.contenders
+    }
     for r in rows:
         contender, it = contenders[r["contender"]], r["iteration"]
         work = realized_work(spec, contender, by_row.get((contender.name, it), []))
         r["lower_bound_s"] = work.lower_bound_s
         r["efficiency"] = work.lower_bound_s / r["wall_s"]
-        cost = planned_with(spec, contender, var, costs.get(cost_key(case.name, contender)))
+        cost = priced[contender.name]
         r["simulated_s"] = simulated_s(
             spec, var, cost, contender, it, work, feats.get(it), r.get("plan_order"), quiet
         )

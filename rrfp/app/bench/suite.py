@@ -218,12 +218,12 @@ class Case:
                 f"parallel.placement={contender.placement}",
             ]
         )
-        if contender is not None and contender.unsplit == "last":
-            stages += ["schedule.split=true", "schedule.unsplit_stages=[-1]"]
-        elif contender is not None and contender.unsplit:
-            # "auto": chosen where the row's settings are built, from the cost model calibrated
-            # with this config (every stage split, and every stage whole)
+        if contender is not None and contender.unsplit:
             stages += ["schedule.split=true"]
+            # "auto" is chosen where the row's settings are built, from the cost model calibrated
+            # with this config (every stage split, and every stage whole)
+            if contender.unsplit_stages != AUTO_UNSPLIT:
+                stages += [f"schedule.unsplit_stages={list(contender.unsplit_stages)}"]
         return TrainConfig.load(
             self.config,
             [
