@@ -13,7 +13,7 @@ choice from the same file.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rrfp.core.budget import Budget
@@ -49,53 +49,50 @@ class UnsplitChoice:
         return f"predicted {self.makespan / self.split_makespan:.3f}x the makespan split everywhere"
 
 
-def predicted_makespan(
-    cost: CostModel,
-    unsplit: frozenset[int],
-    layout: VirtualLayout,
-    n_microbatches: int,
-    hint: Hint,
-    dispatch: Dispatch,
-    budget: Budget,
-    variability: Variability,
-) -> float:
-    """One iteration of ``n_microbatches`` typical microbatches with ``unsplit`` stages whole, as
-    the run plans (a planned hint) or orders (any other) it, in units of the average forward."""
-    feats = cost.typical_features()
-    if feats is None:
-        raise ValueError("the cost model holds no typical microbatch (fitted before it was kept)")
-    M = n_microbatches
-    predicted = TaskTimes(
-        known(variability), split=True, cost=cost.run_whole(unsplit), layout=layout
-    ).predicted(0, layout.num_stages, M, [feats] * M)
-    if hint.planned:
-        return make_plan(predicted, budget, variability, True, dispatch, layout=layout)[
-            1
-        ].predicted_makespan
-    cfg = SimConfig(
-        layout.ranks,
-        M,
-        hint,
-        dispatch,
-        budget,
-        known(variability),
-        split=True,
-        durations=predicted,
-        virtual=layout.virtual,
-        placement=layout.placement,
-    )
-    return simulate(cfg).makespan
+@dataclass(frozen=True)
+class RunSchedule:
+    """How the run orders an iteration, the setting each choice is simulated in."""
+
+    layout: VirtualLayout
+    n_microbatches: int
+    hint: Hint
+    dispatch: Dispatch
+    budget: Budget
+    variability: Variability
+
+    def predicted_makespan(self, cost: CostModel, unsplit: Iterable[int]) -> float:
+        """One iteration of typical microbatches with ``unsplit`` stages whole, as the run plans
+        (a planned hint) or orders (any other) it, in units of the average forward."""
+        feats = cost.typical_features()
+        if feats is None:
+            raise ValueError(
+                "the cost model holds no typical microbatch (fitted before it was kept)"
+            )
+        layout, M = self.layout, self.n_microbatches
+        predicted = TaskTimes(
+            known(self.variability), split=True, cost=cost.run_whole(unsplit), layout=layout
+        ).predicted(0, layout.num_stages, M, [feats] * M)
+        if self.hint.planned:
+            _, made = make_plan(
+                predicted, self.budget, self.variability, True, self.dispatch, layout=layout
+            )
+            return made.predicted_makespan
+        cfg = SimConfig(
+            layout.ranks,
+            M,
+            self.hint,
+            self.dispatch,
+            self.budget,
+            known(self.variability),
+            split=True,
+            durations=predicted,
+            virtual=layout.virtual,
+            placement=layout.placement,
+        )
+        return simulate(cfg).makespan
 
 
-def choose_unsplit_stages(
-    cost: CostModel,
-    layout: VirtualLayout,
-    n_microbatches: int,
-    hint: Hint,
-    dispatch: Dispatch,
-    budget: Budget,
-    variability: Variability,
-) -> UnsplitChoice:
+def choose_unsplit_stages(cost: CostModel, run: RunSchedule) -> UnsplitChoice:
     """The stages to leave unsplit: greedily from every stage split (the stage whose unsplit
     backward shortens the predicted makespan most, while one does by more than ``MIN_GAIN``) and
     from none split (the stage whose split does), the better of the two. ValueError when ``cost``
@@ -108,11 +105,9 @@ def choose_unsplit_stages(
         )
 
     def span(stages: frozenset[int]) -> float:
-        return predicted_makespan(
-            cost, stages, layout, n_microbatches, hint, dispatch, budget, variability
-        )
+        return run.predicted_makespan(cost, stages)
 
-    every = frozenset(range(layout.num_stages))
+    every = frozenset(range(run.layout.num_stages))
     split_span = span(frozenset())
     # from every stage split, leave unsplit the stage that gains most while one gains MIN_GAIN;
     # and from none split, split again the stage that gains most: where the split costs every

@@ -25,19 +25,25 @@ def synthetic(seed=0, n=40, stages=2):
     return truth, rows
 
 
+def constant_costs(
+    split: list[tuple[float, float, float]], whole: list[tuple[float, float]]
+) -> CostModel:
+    """Every task a constant (seconds = its intercept): split[s] = (F, B, W), whole[s] = (F, B)
+    when stage s runs unsplit; a typical microbatch, as `rrfp calibrate` of a split schedule
+    writes one."""
+    zero = (0.0,) * len(FEATURES)
+    return CostModel(
+        tuple(tuple((t, *zero) for t in kinds) for kinds in split),
+        1.0,
+        whole=tuple(((f, *zero), (b, *zero)) for f, b in whole),
+        typical=(100.0, 0.0, 0.0),
+    )
+
+
 def cost_file(tmp_path, stages: int = 4, pays: int = 3) -> str:
     """A cost model of ``stages`` constant-time stages in which stage ``pays`` alone splits at a
-    price (F and B + W 20% over its whole F and B), as `rrfp calibrate` of a split schedule
-    writes it."""
-    zero = (0.0,) * len(FEATURES)
-    split = [[(1.2 if s == pays else 1.0, *zero)] * 3 for s in range(stages)]
-    whole = [[(1.0, *zero), (2.0, *zero)] for _ in range(stages)]
-    model = CostModel(
-        tuple(tuple(k) for k in split),
-        1.0,
-        whole=tuple((w[0], w[1]) for w in whole),
-        typical=(64.0, 0.0, 0.0),
-    )
+    price (F and B + W 20% over its whole F and B), written to a file."""
+    split = [(1.2, 1.2, 1.2) if s == pays else (1.0, 1.0, 1.0) for s in range(stages)]
     path = tmp_path / "cost.json"
-    path.write_text(model.to_json())
+    path.write_text(constant_costs(split, [(1.0, 2.0)] * stages).to_json())
     return str(path)

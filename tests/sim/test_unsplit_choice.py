@@ -4,39 +4,38 @@ stages whose unsplit backward shortens the predicted iteration chosen, the same 
 from __future__ import annotations
 
 import pytest
+from harness.synthetic_costs import constant_costs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rrfp.core.budget import Budget
-from rrfp.core.cost import FEATURES, CostModel
+from rrfp.core.cost import CostModel
 from rrfp.core.hints import resolve
 from rrfp.core.placement import VirtualLayout
 from rrfp.core.policy import Dispatch
 from rrfp.core.variability import Variability
-from rrfp.sim.unsplit_choice import MIN_GAIN, choose_unsplit_stages, predicted_makespan
-
-ZERO = (0.0,) * len(FEATURES)
+from rrfp.sim.unsplit_choice import MIN_GAIN, RunSchedule, choose_unsplit_stages
 
 
-def model(split: list[tuple[float, float, float]], whole: list[tuple[float, float]]) -> CostModel:
-    """Every task a constant (seconds = its intercept): split[s] = (F, B, W), whole[s] = (F, B)."""
-    return CostModel(
-        tuple(tuple((t, *ZERO) for t in kinds) for kinds in split),
-        1.0,
-        whole=tuple(((f, *ZERO), (b, *ZERO)) for f, b in whole),
-        typical=(100.0, 0.0, 0.0),
+def run_schedule(
+    cost: CostModel, hint: str, budget: str = "2x", M: int = 8, dispatch=Dispatch.READY
+) -> RunSchedule:
+    return RunSchedule(
+        VirtualLayout(cost.num_stages),
+        M,
+        resolve(hint),
+        dispatch,
+        Budget.parse(budget),
+        Variability(),
     )
 
 
 def choose(cost: CostModel, hint: str, budget: str = "2x", M: int = 8, dispatch=Dispatch.READY):
-    layout = VirtualLayout(cost.num_stages)
-    return choose_unsplit_stages(
-        cost, layout, M, resolve(hint), dispatch, Budget.parse(budget), Variability()
-    )
+    return choose_unsplit_stages(cost, run_schedule(cost, hint, budget, M, dispatch))
 
 
 # the last stage's split costs 20% more F and B + W than its whole, the first's nothing
-LAST_PAYS = model([(1.0, 1.0, 1.0), (1.2, 1.2, 1.2)], [(1.0, 2.0), (1.0, 2.0)])
+LAST_PAYS = constant_costs([(1.0, 1.0, 1.0), (1.2, 1.2, 1.2)], [(1.0, 2.0), (1.0, 2.0)])
 
 
 @pytest.mark.parametrize(
@@ -59,7 +58,7 @@ def test_the_stage_whose_split_costs_more_than_it_fills_runs_whole(hint, budget,
 
 def test_a_split_that_costs_nothing_stays():
     """B + W at the whole backward's cost, F the same: the split can only fill bubbles."""
-    free = model([(1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)], [(1.0, 2.0)] * 3)
+    free = constant_costs([(1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (1.0, 1.0, 1.0)], [(1.0, 2.0)] * 3)
     for hint in ("plan", "bfw", "zbh1"):
         choice = choose(free, hint)
         assert choice.stages == (), hint
@@ -72,7 +71,7 @@ def test_where_the_split_costs_every_stage_alike_none_splits(hint):
     """Eight stages, each split 20% dearer than whole: unsplitting any one alone leaves the others
     bounding the pipeline (no gain), every one of them together does gain; the search from every
     stage unsplit finds it."""
-    cost = model([(1.2, 1.2, 1.2)] * 8, [(1.0, 2.0)] * 8)
+    cost = constant_costs([(1.2, 1.2, 1.2)] * 8, [(1.0, 2.0)] * 8)
     choice = choose(cost, hint, M=32)
     assert choice.stages == tuple(range(8))
     assert choice.makespan < 0.95 * choice.split_makespan
@@ -106,23 +105,14 @@ def test_the_choice_is_what_it_predicts_and_no_worse_than_either_end(costs, sche
     every stage split, better by MIN_GAIN where it leaves any unsplit, no worse than every stage
     unsplit but for the tie; two calls choose alike."""
     split, whole = costs
-    cost = model(split, whole)
+    cost = constant_costs(split, whole)
     hint, budget = schedule
     choice = choose(cost, hint, budget, M)
     assert choose(cost, hint, budget, M) == choice
-    layout = VirtualLayout(cost.num_stages)
+    run = run_schedule(cost, hint, budget, M)
 
     def span(stages):
-        return predicted_makespan(
-            cost,
-            frozenset(stages),
-            layout,
-            M,
-            resolve(hint),
-            Dispatch.READY,
-            Budget.parse(budget),
-            Variability(),
-        )
+        return run.predicted_makespan(cost, frozenset(stages))
 
     assert choice.makespan == pytest.approx(span(choice.stages))
     assert choice.split_makespan == pytest.approx(span(()))
@@ -137,10 +127,10 @@ def test_virtual_stages_are_chosen_by_global_stage():
     """With two stages per rank (pp 2, interleaved) the choice names global stages: the last one,
     whose split alone costs."""
     split = [(1.0, 1.0, 1.0)] * 3 + [(1.2, 1.2, 1.2)]
-    cost = model(split, [(1.0, 2.0)] * 4)
-    layout = VirtualLayout(2, 2)
-    choice = choose_unsplit_stages(
-        cost, layout, 8, resolve("plan"), Dispatch.READY, Budget.parse("4"), Variability()
+    cost = constant_costs(split, [(1.0, 2.0)] * 4)
+    run = RunSchedule(
+        VirtualLayout(2, 2), 8, resolve("plan"), Dispatch.READY, Budget.parse("4"), Variability()
     )
+    choice = choose_unsplit_stages(cost, run)
     assert choice.stages == (3,)
     assert choice.makespan < choice.split_makespan

@@ -29,7 +29,7 @@ from rrfp.observe.trace import Span
 from rrfp.pipeline.runtime import PipelineRuntime
 from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, ScheduleSettings
 from rrfp.pipeline.workload import Workload
-from rrfp.sim.unsplit_choice import UnsplitChoice, choose_unsplit_stages
+from rrfp.sim.unsplit_choice import RunSchedule, UnsplitChoice, choose_unsplit_stages
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,7 @@ def auto_unsplit(
 ) -> UnsplitChoice:
     """The stages an "auto unsplit" row leaves unsplit, as ``unsplit_stages = "auto"`` chooses
     them for a run of its settings (rrfp/sim/unsplit_choice.py)."""
-    return choose_unsplit_stages(
-        cost,
+    run = RunSchedule(
         VirtualLayout(spec.pp, contender.virtual, contender.placement),
         spec.n_microbatches,
         resolve(contender.hint),
@@ -120,6 +119,7 @@ def auto_unsplit(
         Budget.parse(spec.budget),
         variability,
     )
+    return choose_unsplit_stages(cost, run)
 
 
 class Runner(Protocol):

@@ -44,7 +44,7 @@ from rrfp.pipeline.schedule_settings import AUTO_UNSPLIT, ScheduleSettings, unsp
 from rrfp.pipeline.timeouts import Timeouts
 from rrfp.pipeline.user_code import calling, function_name
 from rrfp.pipeline.workload import Workload
-from rrfp.sim.unsplit_choice import UnsplitChoice, choose_unsplit_stages
+from rrfp.sim.unsplit_choice import RunSchedule, UnsplitChoice, choose_unsplit_stages
 
 SECTION_INT_BOUND = 2**31 - 1  # any integer of a workload's [model] or [data] section, in magnitude
 WORKLOAD_SECTIONS = ("model", "data")
@@ -225,8 +225,7 @@ class TrainConfig:
         sch, cost = self.schedule, self.emulation.cost
         assert cost is not None
         try:
-            return choose_unsplit_stages(
-                cost,
+            run = RunSchedule(
                 self.virtual_layout,
                 sch.n_microbatches,
                 sch.hint,
@@ -234,6 +233,7 @@ class TrainConfig:
                 sch.budget,
                 self.emulation.variability,
             )
+            return choose_unsplit_stages(cost, run)
         except ValueError as e:
             raise ConfigError(f'schedule.unsplit_stages = "auto": {e}') from None
 
