@@ -40,8 +40,36 @@ RUNS = (
 )
 
 
-def _rank(rank, world):
+async def _steps(rt, modules, ex, sync_dp: bool):
+    """STEPS AdamW steps of ``ex`` on this replica's half of each batch: (gradients of the last
+    step, parameters after it, the orders the rank ran, the last stage's losses), names as in the
+    whole model."""
     import torch
+
+    d = rt.dp_rank
+    held = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+    sync = rt.grad_sync(held, ex) if sync_dp else None
+    opt = torch.optim.AdamW(held.parameters(), lr=LR)
+    named = [(f"{s}.{n}", p) for s, m in zip(rt.stages, modules) for n, p in m.named_parameters()]
+    orders, losses = [], []
+    for step in range(STEPS):
+        x, y = batch(step)
+        half = slice(d * ROWS // 2, (d + 1) * ROWS // 2)
+        mbs = list(zip(x[half].chunk(M), y[half].chunk(M)))
+        opt.zero_grad()
+        res = await ex.run_iteration(step, mbs)
+        if sync is not None:
+            await sync.sync()
+        orders.append([f"{t}@{s}" for s, t in res.ran])
+        losses.append([res.losses[mb] for mb in range(M)] if res.losses else [])
+        opt.step()
+    # the last step's gradients (gathered once: a shard's full_tensor is a collective), which the
+    # optimizer step leaves as they are
+    grads = {n: full(p.grad) for n, p in named}
+    return grads, {n: full(p) for n, p in named}, orders, losses
+
+
+def _rank(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from rrfp.core.variability import Variability
@@ -65,29 +93,8 @@ def _rank(rank, world):
         else:
             dispatch, split, hints, budgets = unequal
             how = dict(hint=hints[d], dispatch=dispatch, split=split, budget=budgets[d])
-        held = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
         ex = rt.stage_executor(modules, loss_fn, n_microbatches=M, **how)
-        sync = rt.grad_sync(held, ex) if kind == "dp" else None
-        opt = torch.optim.AdamW(held.parameters(), lr=LR)
-        named = [
-            (f"{s}.{n}", p) for s, m in zip(rt.stages, modules) for n, p in m.named_parameters()
-        ]
-        orders, losses = [], []
-        for step in range(STEPS):
-            x, y = batch(step)
-            half = slice(d * ROWS // 2, (d + 1) * ROWS // 2)
-            mbs = list(zip(x[half].chunk(M), y[half].chunk(M)))
-            opt.zero_grad()
-            res = await ex.run_iteration(step, mbs)
-            if sync is not None:
-                await sync.sync()
-            orders.append([f"{t}@{s}" for s, t in res.ran])
-            losses.append([res.losses[mb] for mb in range(M)] if res.losses else [])
-            opt.step()
-        # the last step's gradients (gathered once: a shard's full_tensor is a collective),
-        # which the optimizer step leaves as they are
-        grads = {n: full(p.grad) for n, p in named}
-        return grads, {n: full(p) for n, p in named}, orders, losses
+        return await _steps(rt, modules, ex, sync_dp=kind == "dp")
 
     async def main():
         out = {}
@@ -111,41 +118,43 @@ def _rank(rank, world):
     return run(main())
 
 
-@pytest.mark.timeout(200)
-def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders():
+def _check_run(where: str, got, want, d: int, holds_last: bool) -> None:
+    """One run of one rank against the one-process reference: its last step's gradients, its
+    parameters after the steps and, on the last stage, its losses."""
     import torch
 
+    got_grads, got_params, _, got_losses = got
+    grads, params, losses = want
+    assert got_grads, where
+    for name, grad in got_grads.items():
+        for what, value, expected in (("grad", grad, grads), ("param", got_params[name], params)):
+            torch.testing.assert_close(
+                torch.tensor(value, dtype=torch.float64),
+                expected[name],
+                rtol=1e-10,
+                atol=1e-12,
+                msg=f"{where} {name} {what}",
+            )
+    assert bool(got_losses[0]) == holds_last, where
+    if holds_last:
+        for step in range(STEPS):
+            assert got_losses[step] == pytest.approx(
+                losses[step][d * M : (d + 1) * M], rel=1e-10
+            ), (where, step)
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders():
     results = run_ranks(_rank, 4, timeout=180)
     want = {v: reference(2 * v) for v in (1, 2)}
     diverged = set()
     for rank, ((pp_rank, d), out) in results.items():
         assert sorted(out) == sorted(RUNS), (rank, list(out))
-        for run, (got_grads, got_params, orders, got_losses) in out.items():
-            grads, params, losses = want[run[2]]
-            assert got_grads, (rank, run)
-            for name, got in got_grads.items():
-                where = f"rank {rank} {run} {name}"
-                torch.testing.assert_close(
-                    torch.tensor(got, dtype=torch.float64),
-                    grads[name],
-                    rtol=1e-10,
-                    atol=1e-12,
-                    msg=f"{where} grad",
-                )
-                torch.testing.assert_close(
-                    torch.tensor(got_params[name], dtype=torch.float64),
-                    params[name],
-                    rtol=1e-10,
-                    atol=1e-12,
-                    msg=f"{where} param",
-                )
-            holds_last = pp_rank == (0 if run[2] == 2 else 1)
-            assert bool(got_losses[0]) == holds_last, (rank, run)
-            if holds_last:
-                for step in range(STEPS):
-                    assert got_losses[step] == pytest.approx(
-                        losses[step][d * M : (d + 1) * M], rel=1e-10
-                    ), (rank, run, step)
+        for run, got in out.items():
+            _check_run(
+                f"rank {rank} {run}", got, want[run[2]], d, pp_rank == (0 if run[2] == 2 else 1)
+            )
+            orders = got[2]
             if orders != results[pp_rank * 2 + 1 - d][1][run][2]:
                 diverged.add(run)
             if run[1] == UNEQUAL[2][0] and pp_rank == 0:
@@ -153,6 +162,51 @@ def test_fsdp_and_dp_stages_equal_one_process_when_replicas_run_different_orders
     # the replicas ran different orders where their construction says they must; under the ready
     # hints they may or may not, as load decides, and the results are equal either way
     assert {("dp_shard", u[0], 1) for u in UNEQUAL} <= diverged, diverged
+
+
+# (dispatch, hint, unsplit stages): FSDP stages of a split schedule, one of them run whole
+UNSPLIT = (("ready", "bfw", (-1,)), ("fixed", "zbh1", (0,)))
+
+
+def _unsplit_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from rrfp.loop import run
+    from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]
+
+    async def main():
+        out = {}
+        # real compute: emulated time draws a split W for every stage and refuses unsplit ones
+        async with PipelineRuntime.start(pp=2, dp=2, timeout_s=60) as rt:
+            for dispatch, hint, unsplit in UNSPLIT:
+                modules = [shard(model(rt.num_stages)[s], mesh) for s in rt.stages]
+                settings = ScheduleSettings.of(
+                    M, dispatch=dispatch, hint=hint, unsplit_stages=unsplit
+                )
+                ex = rt.stage_executor(modules, loss_fn, settings=settings)
+                got = await _steps(rt, modules, ex, sync_dp=False)
+                out[(dispatch, hint, unsplit)] = (got, [w.whole for w in ex.workers])
+        return divmod(rank, 2), out
+
+    return run(main())
+
+
+@pytest.mark.timeout(200)
+def test_fsdp_stages_left_unsplit_equal_one_process():
+    """An FSDP stage whose B runs its whole backward accumulates on the unsharded parameters as
+    W would, and the one reduce-scatter after the iteration gives one process's gradients."""
+    from rrfp.pipeline.schedule_settings import unsplit_stages_of
+
+    results = run_ranks(_unsplit_rank, 4, timeout=180)
+    want = reference(2)
+    for rank, ((pp_rank, d), out) in results.items():
+        assert sorted(out) == sorted(UNSPLIT), (rank, list(out))
+        for run, (got, whole) in out.items():
+            assert whole == [pp_rank in unsplit_stages_of(run[2], 2)], (rank, run)
+            _check_run(f"rank {rank} {run}", got, want, d, pp_rank == 1)
 
 
 def _replica_stuck(rank, world, progress_s):

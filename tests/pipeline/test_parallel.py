@@ -71,6 +71,7 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
     from rrfp.models.data import batches as make_batches
     from rrfp.models.gpt import GPT, loss_fn, make_stage
     from rrfp.pipeline.runtime import PipelineRuntime
+    from rrfp.pipeline.schedule_settings import ScheduleSettings
 
     torch.set_default_dtype(torch.float64)
     model_cfg, data_cfg = _model_and_data()
@@ -102,7 +103,8 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
                         )
         out = {}
         try:
-            for ex, hint in configs:
+            for cfg in configs:
+                ex, hint, unsplit = (*cfg, ())[:3]  # (dispatch, hint[, unsplit stages])
                 torch.manual_seed(0)
                 full = GPT(model_cfg)
                 modules = [
@@ -112,7 +114,8 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
                     for s in rt.stages
                 ]
                 module = modules[0] if virtual == 1 else torch.nn.ModuleList(modules)
-                e = rt.stage_executor(modules, loss_fn, n_microbatches=M, dispatch=ex, hint=hint)
+                settings = ScheduleSettings.of(M, dispatch=ex, hint=hint, unsplit_stages=unsplit)
+                e = rt.stage_executor(modules, loss_fn, settings=settings)
                 sync = rt.grad_sync(module, e)
                 mine = data[rt.dp_rank * M : (rt.dp_rank + 1) * M]
                 res = await e.run_iteration(0, mine)
@@ -125,7 +128,7 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
 
                         want = full_grad_slice(n, want, rt.tp_rank, tp)
                     errs[n] = (p.grad - want).abs().max().item()
-                out[(ex, hint)] = {
+                out[cfg] = {
                     "grad_err": max(errs.values()),
                     "order": [f"{t}@{s}" for s, t in res.ran],
                     "loss": res.loss,
@@ -133,6 +136,7 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
                     "rounds": e.agreement.rounds if e.agreement else 0,
                     "launched_early": sync.launched_early,
                     "weight_split": e.workers[0].weight_split,
+                    "whole": [w.whole for w in e.workers],
                 }
         finally:
             await rt.aclose()
@@ -302,3 +306,35 @@ def test_without_a_heartbeat_a_tp_collective_that_times_out_says_what_and_the_bo
     assert "(run.timeout_s = 2 s)" in error and "(no heartbeat to tell which)" in error, error
     assert 1.5 <= took <= 2 + 5, results[0]
     print(f"rank 0 after {took:.1f} s: {error}")
+
+
+# (dispatch, hint, unsplit stages): a split schedule with a stage whose B runs its whole backward
+UNSPLIT = [("ready", "bfw", (-1,)), ("fixed", "zbh1", (0,))]
+
+
+def _check_whole(results, configs=UNSPLIT, pp=2):
+    from rrfp.pipeline.schedule_settings import unsplit_stages_of
+
+    for cfg in configs:
+        for rank, (out, _) in results.items():
+            stage = out[cfg]["coords"][0]
+            assert out[cfg]["whole"] == [stage in unsplit_stages_of(cfg[2], pp)], (cfg, rank)
+
+
+@pytest.mark.timeout(300)
+def test_unsplit_stages_with_tensor_parallel_layers_match_reference():
+    """A stage left unsplit runs its Megatron TP layers' whole backward in B, their collectives
+    included, and its TP ranks still run one sequence and match the one-process gradients."""
+    results = run_ranks(_parallel, 4, 2, 2, 1, _reference(1), UNSPLIT, False, True, timeout=240)
+    _check(results, 2, 2, 1, UNSPLIT)
+    _check_whole(results)
+
+
+@pytest.mark.timeout(300)
+def test_unsplit_stages_with_dp_match_reference():
+    """DP's buckets launch as an unsplit stage's gradients become final in B, as a split stage's
+    do in W, and average to the one-process gradients over both replicas."""
+    results = run_ranks(_parallel, 4, 2, 1, 2, _reference(2), UNSPLIT, False, False, timeout=240)
+    _check(results, 2, 1, 2, UNSPLIT)
+    _check_whole(results)
+    assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
