@@ -136,7 +136,7 @@ def _parallel(rank, world, pp, tp, dp, ref, configs, skew, use_tp_layers, virtua
                     "rounds": e.agreement.rounds if e.agreement else 0,
                     "launched_early": sync.launched_early,
                     "weight_split": e.workers[0].weight_split,
-                    "whole": [w.whole for w in e.workers],
+                    "whole": dict(zip(rt.stages, (w.whole for w in e.workers))),
                 }
         finally:
             await rt.aclose()
@@ -312,13 +312,14 @@ def test_without_a_heartbeat_a_tp_collective_that_times_out_says_what_and_the_bo
 UNSPLIT = [("ready", "bfw", (-1,)), ("fixed", "zbh1", (0,))]
 
 
-def _check_whole(results, configs=UNSPLIT, pp=2):
+def _check_whole(results, configs=UNSPLIT, num_stages=2):
     from rrfp.pipeline.schedule_settings import unsplit_stages_of
 
     for cfg in configs:
+        unsplit = unsplit_stages_of(cfg[2], num_stages)
         for rank, (out, _) in results.items():
-            stage = out[cfg]["coords"][0]
-            assert out[cfg]["whole"] == [stage in unsplit_stages_of(cfg[2], pp)], (cfg, rank)
+            whole = out[cfg]["whole"]
+            assert whole == {s: s in unsplit for s in whole}, (cfg, rank, whole)
 
 
 @pytest.mark.timeout(300)
@@ -330,11 +331,21 @@ def test_unsplit_stages_with_tensor_parallel_layers_match_reference():
     _check_whole(results)
 
 
+# two stages per rank (v: rank 0 holds stages 0 and 3): the unsplit one named by global number
+V_UNSPLIT = [("ready", "bfw", (1,)), ("fixed", "zbv", (-1, 0))]
+
+
 @pytest.mark.timeout(300)
 def test_unsplit_stages_with_dp_match_reference():
     """DP's buckets launch as an unsplit stage's gradients become final in B, as a split stage's
-    do in W, and average to the one-process gradients over both replicas."""
+    do in W, and average to the one-process gradients over both replicas; with two stages per
+    rank, only the stages named by global number run whole."""
     results = run_ranks(_parallel, 4, 2, 1, 2, _reference(2), UNSPLIT, False, False, timeout=240)
     _check(results, 2, 1, 2, UNSPLIT)
     _check_whole(results)
     assert all(r["launched_early"] > 0 for out, _ in results.values() for r in out.values())
+    results = run_ranks(
+        _parallel, 4, 2, 1, 2, _reference(2), V_UNSPLIT, False, False, 2, timeout=240
+    )
+    _check(results, 2, 1, 2, V_UNSPLIT)
+    _check_whole(results, V_UNSPLIT, num_stages=4)
