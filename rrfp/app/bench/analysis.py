@@ -150,11 +150,17 @@ def simulated_s(
 KINDS = "FBW"
 
 
-def task_seconds(sp: Span) -> float:
-    """A task's realized time: the lane's own work when the trace has it (the host time around it
-    excluded), else the span (torch's schedules: its call)."""
+def task_times(sp: Span) -> tuple[float, float]:
+    """When a task's own work ran: the lane's times when the trace has them (the host time around
+    it excluded), else the span's (torch's schedules: its call)."""
     compute = sp.args.get("compute")
-    return compute[1] - compute[0] if compute else sp.end - sp.start
+    return (compute[0], compute[1]) if compute else (sp.start, sp.end)
+
+
+def task_seconds(sp: Span) -> float:
+    """A task's realized time (``task_times``)."""
+    start, end = task_times(sp)
+    return end - start
 
 
 def realized_work(spec: BenchSpec, contender: Contender, spans: list[Span]) -> IterationWork:
@@ -440,7 +446,8 @@ class HostSummary:
         return dict(vars(self))
 
 
-def _rank_of(sp: Span) -> int:
+def rank_of(sp: Span) -> int:
+    """The rank a span ran on: its ``rank`` where a rank holds several stages, else its row."""
     return sp.args.get("rank", sp.stage)
 
 
@@ -454,7 +461,7 @@ def host_summary(name: str, spans: list[Span], threads: list[dict]) -> HostSumma
     split: dict[str, list[float]] = {}
     by: dict[tuple[int, int], list[Span]] = {}
     for sp in mine:
-        by.setdefault((sp.args.get("iteration", 0), _rank_of(sp)), []).append(sp)
+        by.setdefault((sp.args.get("iteration", 0), rank_of(sp)), []).append(sp)
     per_it: dict[int, list[dict]] = {}
     for (it, _), group in by.items():
         tasks = sorted((sp for sp in group if sp.name != "wait"), key=lambda sp: sp.start)
@@ -522,7 +529,7 @@ def compute_summary(contender: Contender, spans: list[Span]) -> ComputeSummary |
     for sp in spans:
         if sp.process != contender.name or sp.name[:1] not in KINDS or not sp.name[1:].isdigit():
             continue
-        it, rank, t = sp.args.get("iteration", 0), _rank_of(sp), task_seconds(sp)
+        it, rank, t = sp.args.get("iteration", 0), rank_of(sp), task_seconds(sp)
         mine = ranks.setdefault(it, {})
         mine[rank] = mine.get(rank, 0.0) + t
         if sp.name[0] != "F":

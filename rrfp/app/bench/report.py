@@ -23,6 +23,7 @@ from rrfp.app.bench.analysis import (
     paired_parts,
     paired_ratios,
 )
+from rrfp.app.bench.critical_path import CriticalPath
 from rrfp.app.bench.suite import BASELINE, BenchSpec, Case, file_slug
 from rrfp.observe.plot import plot_timelines
 from rrfp.observe.trace import Span, chrome_trace, write_atomic, write_json
@@ -110,6 +111,7 @@ class CaseResult:
     threads: list[dict] = field(default_factory=list)  # per run and rank: CPU and wake-ups by role
     hosts: list[HostSummary] = field(default_factory=list)  # real compute: rrfp's host time
     computes: list[ComputeSummary] = field(default_factory=list)  # real compute: per row
+    paths: list[CriticalPath] = field(default_factory=list)  # real compute: per row
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
@@ -260,6 +262,8 @@ def markdown(spec: BenchSpec, results: list[CaseResult], machine: dict) -> str:
                 )
         if res.computes:
             lines += ["", *compute_lines(res.computes), ""]
+        if res.paths:
+            lines += ["", *critical_path_lines(res.paths), ""]
         if res.hosts:
             lines += ["", *host_lines(res.hosts), ""]
         if not any(s.contender == BASELINE for s in res.summaries):
@@ -314,6 +318,36 @@ def compute_lines(computes: list[ComputeSummary]) -> list[str]:
         lines.append(
             f"| {c.contender} | {'B, W' if c.split else 'unsplit'} | {c.per_rank_s * 1e3:.1f} | "
             f"{_fmt(c.backward_s and c.backward_s * 1e3, '.2f')} | {_fmt(ratio, '.3f', 'x')} |"
+        )
+    return lines
+
+
+def critical_path_lines(paths: list[CriticalPath]) -> list[str]:
+    """Each row's critical path: the compute on it, and the gaps between its tasks on one rank
+    and across ranks, so that what the runtime costs shows beside what torch's schedules cost."""
+    lines = [
+        "Critical path (real compute; medians over iterations): walking back from each "
+        "iteration's last task to whichever came last of the task before it on its rank and the "
+        "task whose output it needed: the compute of the tasks on it, the gaps after a task on the "
+        "same rank (hand-off, decision, the next task starting) and after a task on another rank "
+        "(the message: posting, transport, delivery, the next task starting), and their share of "
+        "the iteration (first task's start to last task's end). torch's task times are its calls, "
+        "so its host time inside a call counts as compute: its gaps are a lower bound.",
+        "",
+        "| contender | compute ms | same-rank gaps ms | hops | µs each | message gaps ms | hops "
+        "| µs each | gaps over the iteration |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in paths:
+        each = [
+            _fmt(gaps / hops * 1e6 if hops else None, ".0f")
+            for gaps, hops in ((p.rank_gaps_s, p.rank_hops), (p.message_gaps_s, p.message_hops))
+        ]
+        share = (p.rank_gaps_s + p.message_gaps_s) / p.iteration_s if p.iteration_s else None
+        lines.append(
+            f"| {p.contender} | {p.tasks_s * 1e3:.1f} | {p.rank_gaps_s * 1e3:.2f} | "
+            f"{p.rank_hops:g} | {each[0]} | {p.message_gaps_s * 1e3:.2f} | {p.message_hops:g} | "
+            f"{each[1]} | {_fmt(share and share * 100, '.1f', '%')} |"
         )
     return lines
 
@@ -401,6 +435,7 @@ def write_results(out: Path, spec: BenchSpec, results: list[CaseResult], machine
                 "skipped": res.skipped,
                 "host": [h.as_dict() for h in res.hosts],
                 "compute": [c.as_dict() for c in res.computes],
+                "critical_path": [p.as_dict() for p in res.paths],
                 "threads": res.threads,
                 "summary": [s.as_dict() for s in res.summaries],
                 "rows": res.rows,

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rrfp.app.bench.analysis import annotate, compute_summary, host_summary, summarize
+from rrfp.app.bench.critical_path import critical_path
 from rrfp.app.bench.launch import JobFailed, run_job
 from rrfp.app.bench.report import CaseResult, write_results
 from rrfp.app.bench.runners import auto_unsplit
@@ -279,6 +280,11 @@ def bench_command(args) -> int:
         computes = [
             c for e in case.contenders if spec.real and (c := compute_summary(e, spans)) is not None
         ]
+        paths = [
+            p
+            for e in case.contenders
+            if spec.real and (p := critical_path(e.name, spans)) is not None
+        ]
         results.append(
             CaseResult(
                 case,
@@ -291,6 +297,7 @@ def bench_command(args) -> int:
                 got["threads"],
                 hosts,
                 computes,
+                paths,
             )
         )
     text = write_results(out, spec, results, machine())

@@ -276,6 +276,12 @@ def test_real_quick_runs_every_kind_of_row_on_real_compute(tmp_path):
     assert {c["contender"] for c in wl["compute"]} == names
     assert all(c["per_rank_s"] > 0 and c["backward_s"] > 0 for c in wl["compute"])
     assert "over torch 1f1b's (unsplit)" in md
+    # the critical path: every row's, torch's included; its compute and gaps fit its iteration
+    assert {p["contender"] for p in wl["critical_path"]} == names and "Critical path" in md
+    for p in wl["critical_path"]:
+        gaps = p["rank_gaps_s"] + p["message_gaps_s"]
+        assert p["tasks_s"] > 0 and p["rank_hops"] + p["message_hops"] > 0, p
+        assert p["tasks_s"] + gaps <= p["iteration_s"] * (1 + 1e-9), p
     # every rrfp task span carries the lane's own work inside it, and each row's bound is the one
     # of those realized task times (torch's: its spans)
     trace = json.loads((out / "trace-gpt.json").read_text())["traceEvents"]
