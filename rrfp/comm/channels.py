@@ -30,6 +30,7 @@ import datetime
 import logging
 import re
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -114,6 +115,16 @@ def named_collective(what: str, group=None):
         raise PeerFailure(
             f"rank {dist.get_rank()}: {what} failed{describe_failure(e)}", lone_peer(group)
         ) from e
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A message made ready to post off the loop (``Channel.prepare``): its header, its payload as
+    sent, and the one buffer it travels in where it fitted the channel's capacity."""
+
+    header: torch.Tensor
+    payload: list[torch.Tensor | None]
+    packed: torch.Tensor | None
 
 
 class ChannelEnd:
@@ -210,21 +221,29 @@ class Channel(ChannelEnd):
         """
         await asyncio.shield(self.post(msg, begin_here=False))
 
-    def post(self, msg: Message, begin_here: bool = True) -> asyncio.Future:
-        """Start sending ``msg`` now, ``send`` without the await: the future is done once the peer
-        has taken it; cancelling it does not stop a send that began.
+    def prepare(self, msg: Message) -> Prepared | None:
+        """``msg``'s header and payload, packed into one buffer where it will travel whole, made
+        on the calling thread: the compute lane's, as its task returns the payload, while the
+        payload is still in its cache and before the loop's turn. The capacity only grows, so a
+        message packed for the capacity now still travels whole when ``post`` sends it after
+        others; one that did not fit is packed by ``post`` if it fits by then. None where ``msg``
+        cannot be sent (``post`` raises why)."""
+        try:
+            header, payload = self._encode(msg)
+        except Exception:  # noqa: BLE001 - post raises it, where a send's error belongs
+            return None
+        size = payload_bytes(payload)
+        packed = pack(header, payload) if 0 < size <= self._capacity else None
+        return Prepared(header, payload, packed)
 
-        With ``begin_here``, a message that travels whole (``packed.py``) and has nothing of this
-        channel's ahead of it begins its one operation here, on the loop's thread: gloo moves it on
-        a thread of its own that needs no GIL, so it is on its way before the loop hands the lane
-        its next task, and the channel's thread only waits for its end. Else its operations are
-        queued for the channel's thread, which has to win the GIL and a core from that task."""
-        self._check_usable("send", outbound=True)
+    def _encode(self, msg: Message) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``msg``'s header and its payload as sent (detached, contiguous); raises what cannot be
+        sent."""
         try:
             header = encode_header(msg, self.device)
         except MessageError as e:
             raise MessageError(f"{self.where}: cannot send: {e}") from None
-        payload = []
+        payload: list[torch.Tensor | None] = []
         for i, t in enumerate(msg.tensors):
             if t is None:
                 payload.append(None)
@@ -235,18 +254,37 @@ class Channel(ChannelEnd):
                     f"but the channel sends from {self.device}"
                 )
             payload.append(t.detach().contiguous())
+        return header, payload
+
+    def post(
+        self, msg: Message, begin_here: bool = True, prepared: Prepared | None = None
+    ) -> asyncio.Future:
+        """Start sending ``msg`` now, ``send`` without the await: the future is done once the peer
+        has taken it; cancelling it does not stop a send that began. ``prepared``: what
+        ``prepare(msg)`` made of it off the loop.
+
+        With ``begin_here``, a message that travels whole (``packed.py``) and has nothing of this
+        channel's ahead of it begins its one operation here, on the loop's thread: gloo moves it on
+        a thread of its own that needs no GIL, so it is on its way before the loop hands the lane
+        its next task, and the channel's thread only waits for its end. Else its operations are
+        queued for the channel's thread, which has to win the GIL and a core from that task."""
+        self._check_usable("send", outbound=True)
+        header, payload = (prepared.header, prepared.payload) if prepared else self._encode(msg)
         label = msg.label()
         size = payload_bytes(payload)
         whole = 0 < size <= self._capacity  # the peer's buffer holds it: one operation
         self._capacity = max(self._capacity, size)  # what the receiver computes from the header
         ahead = self._last_send is not None and not self._last_send.done()
+        packed = prepared.packed if prepared is not None else None
         if begin_here and whole and not ahead:
             # nothing of this channel's is ahead of it: the operation starts here, on gloo's own
             # thread, which needs no GIL, and the channel's thread only waits for it to end
-            work = self._start_whole(header, payload, msg.times)
+            work = self._start_whole(header, payload, msg.times, packed)
             job = self._waiter.submit(self._send_started, work, label, msg.times)
         else:
-            job = self._waiter.submit(self._send_blocking, header, payload, whole, label, msg.times)
+            job = self._waiter.submit(
+                self._send_blocking, header, payload, whole, label, msg.times, packed
+            )
         self._last_send = job
         job.add_done_callback(self._note_failure)
         job.add_done_callback(lambda done: self._note_sent(done, label))
@@ -305,13 +343,15 @@ class Channel(ChannelEnd):
 
     # -- waiter thread side ------------------------------------------------------
 
-    def _start_whole(self, header, payload, times: dict[str, float] | None):
-        """Begin the one operation of a whole message (on the loop's thread): its Work, or the
-        error that kept it from starting, for the channel's thread to wait for or raise."""
+    def _start_whole(self, header, payload, times: dict[str, float] | None, packed=None):
+        """Begin the one operation of a whole message (on the loop's thread; ``packed``: the
+        buffer ``prepare`` made): its Work, or the error that kept it from starting, for the
+        channel's thread to wait for or raise."""
         if times is not None:
             times["sent"] = time.time()
         try:
-            return dist.isend(pack(header, payload), self.peer, group=self.group)
+            buf = packed if packed is not None else pack(header, payload)
+            return dist.isend(buf, self.peer, group=self.group)
         except Exception as e:  # noqa: BLE001 - raised by the channel's thread, as a send's is
             return e
 
@@ -335,15 +375,17 @@ class Channel(ChannelEnd):
         whole: bool,
         label: str,
         times: dict[str, float] | None = None,
+        packed: torch.Tensor | None = None,
     ) -> None:
-        """The message's transport operations, one (``whole``) or its parts; ``times`` (the
-        message's stamps, when it has them) gets when they began (``sent``) and when the peer had
-        taken them all (``taken``)."""
+        """The message's transport operations, one (``whole``: ``packed``, or packed here) or its
+        parts; ``times`` (the message's stamps, when it has them) gets when they began (``sent``)
+        and when the peer had taken them all (``taken``)."""
         if times is not None:
             times["sent"] = time.time()
         if whole:
             try:
-                self._p2p(dist.send, dist.isend, pack(header, payload))
+                buf = packed if packed is not None else pack(header, payload)
+                self._p2p(dist.send, dist.isend, buf)
             except Exception as e:
                 raise self._peer_error(
                     f"send of {label} (its header and payload in one) to rank {self.peer}", e

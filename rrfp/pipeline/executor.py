@@ -883,37 +883,39 @@ class _Iteration:
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
             forward = _clocked(ex.in_task(self.state.wrap(forward), s, task), clock)
-            out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
+            to = self._preparing(io, s + 1, Kind.F)
+            if to is None:
+                out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
+            else:  # the lane makes its message too, as it returns
+                made = _then_message(
+                    forward, lambda y: self._message(mb, Kind.F, y, w.output_requires_grad(mb)), to
+                )
+                out, msg, prepared = await ex.lane.run(made, mb, x, targets, bits, **lane)
             returned = time.time()
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
             if s == ex.S - 1:
                 self.losses[mb] = out
+            elif to is None:
+                msg = self._message(mb, Kind.F, out, w.output_requires_grad(mb))
+                posted = self._post(io, s + 1, msg, out)
             else:
-                # a tuple/list output travels as that many tensors; a lone tensor as one; each says
-                # whether it carries a gradient, so a constant arrives as one
-                bits = w.output_requires_grad(mb)
-                posted = self._post(
-                    io,
-                    s + 1,
-                    Message(
-                        self.it,
-                        mb,
-                        int(Kind.F),
-                        list(out) if isinstance(out, (tuple, list)) else [out],
-                        bits,
-                    ),
-                    out,
-                )
+                posted = self._post(io, s + 1, msg, out, prepared)
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
             backward = _clocked(ex.in_task(self.state.wrap(w.backward), s, task), clock)
-            grad_in = await ex.lane.run(backward, mb, grad, **lane)
+            to = self._preparing(io, s - 1, Kind.B) if s > 0 else None
+            if to is None:
+                grad_in = await ex.lane.run(backward, mb, grad, **lane)
+            else:  # the lane makes its message too, as it returns
+                made = _then_message(backward, lambda g: self._message(mb, Kind.B, g), to)
+                grad_in, msg, prepared = await ex.lane.run(made, mb, grad, **lane)
             returned = time.time()
-            if s > 0:
-                grads = list(grad_in) if isinstance(grad_in, (tuple, list)) else [grad_in]
-                posted = self._post(io, s - 1, Message(self.it, mb, int(Kind.B), grads), grad_in)
+            if s > 0 and to is None:
+                posted = self._post(io, s - 1, self._message(mb, Kind.B, grad_in), grad_in)
+            elif s > 0:
+                posted = self._post(io, s - 1, msg, grad_in, prepared)
         elif beside:  # a W that issues no EP collective (_perform_overlapped)
             await ex.lane.run_beside(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
             returned = time.time()
@@ -972,7 +974,21 @@ class _Iteration:
 
     # -- communication -------------------------------------------------------
 
-    def _post(self, io: _StageIO, to: int, msg: Message, value) -> bool:
+    def _message(self, mb: int, kind: Kind, value, bits: list[bool] | None = None) -> Message:
+        """What a task sends: a tuple or list as that many tensors, a lone tensor as one; ``bits``
+        (F) says which carry a gradient, so that a constant arrives as one."""
+        tensors = list(value) if isinstance(value, (tuple, list)) else [value]
+        return Message(self.it, mb, int(kind), tensors, bits)
+
+    def _preparing(self, io: _StageIO, to: int, kind: Kind):
+        """The channel to stage ``to`` when the lane makes the task's message as the task returns
+        (``Channel.prepare``: real compute, sent at once, to another rank); else None."""
+        if to in self.io or not self.ex.sends_at_once or self.ex.unit_s:
+            return None
+        channel = io.channels.fwd_out if kind is Kind.F else io.channels.bwd_out
+        return channel if hasattr(channel, "prepare") else None
+
+    def _post(self, io: _StageIO, to: int, msg: Message, value, prepared=None) -> bool:
         """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it
         carries that task's end event, so its send waits for the producer and not for tasks enqueued
         later. A stage of this same rank gets ``value`` itself once the tracker has the task
@@ -993,7 +1009,10 @@ class _Iteration:
             # real compute, no link latency to emulate: the channel's thread has the message
             # before the lane has the next task, rather than once the loop comes round to it
             try:
-                posted = channel.post(msg)
+                # a channel without ``prepare`` (a test's, a wrapper) takes the message alone
+                posted = (
+                    channel.post(msg) if prepared is None else channel.post(msg, prepared=prepared)
+                )
             except Exception as e:  # noqa: BLE001 - raised by the sender, as a queued send's is
                 posted = asyncio.get_running_loop().create_future()
                 posted.set_exception(e)
@@ -1050,6 +1069,18 @@ class _Iteration:
             else:
                 io.grads[mb] = value
             self.changed.set()
+
+
+def _then_message(fn: Callable, message: Callable, channel) -> Callable:
+    """``fn``, then on the same thread (the lane's) the message of what it returned, made ready to
+    post (``Channel.prepare``): (what ``fn`` returned, the message, the prepared message)."""
+
+    def run(*args):
+        value = fn(*args)
+        msg = message(value)
+        return value, msg, channel.prepare(msg)
+
+    return run
 
 
 def _clocked(fn: Callable, clock: ExpertClock | None) -> Callable:

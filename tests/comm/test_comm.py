@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import os
 import queue
 import time
@@ -506,7 +507,7 @@ def test_pipeline_channels_fifo_exact_values_pp4():
 # rows of a message that rank 0 posts, in batches posted back to back, each batch awaited before
 # the next: a new largest payload goes in parts on the channel's thread, one that fits the largest
 # so far whole, begun on the loop's thread when nothing of the channel's is ahead of it
-POSTED = [[6], [2, 9, 3], [4, 5], [12, 1, 2], [3]]
+POSTED = [[6], [2, 9, 3], [4, 5], [12, 1, 2], [14, 13], [3]]
 
 
 def _posted(mb: int, rows: int) -> Message:
@@ -514,13 +515,24 @@ def _posted(mb: int, rows: int) -> Message:
     return Message(ITERATION, mb, 0, [torch.randn(rows, 3, generator=g)])
 
 
-def _posting_scenario(rank, world, pg_timeout_s):
+def _posting_scenario(rank, world, pg_timeout_s, prepared: bool = False):
+    import threading
+
     import uvloop
 
+    import rrfp.comm.channels as channels_module
     from rrfp.comm.pipeline_channels import create_pipeline_channels
 
     channels = create_pipeline_channels(Layout(world, world), rank, pg_timeout_s)
     flat = [rows for batch in POSTED for rows in batch]
+    packed_on: list[str] = []  # the thread that packed each whole message
+    pack = channels_module.pack
+
+    def packing(*args):
+        packed_on.append(threading.current_thread().name)
+        return pack(*args)
+
+    channels_module.pack = packing
 
     async def main():
         async with channels:
@@ -528,15 +540,22 @@ def _posting_scenario(rank, world, pg_timeout_s):
                 stamps = []
                 for batch in POSTED:
                     start = len(stamps)
+                    msgs = [_posted(start + i, rows) for i, rows in enumerate(batch)]
+                    # with ``prepared``, a batch's messages are all made off the loop before the
+                    # first is posted: a later one was made for the capacity before an earlier
+                    # one of the batch raised it
+                    made = [
+                        await asyncio.to_thread(channels.fwd_out.prepare, msg) if prepared else None
+                        for msg in msgs
+                    ]
                     posted = []
-                    for rows in batch:
-                        msg = _posted(len(stamps), rows)
+                    for msg, ready in zip(msgs, made):
                         msg.times = {"posted": time.time()}
                         stamps.append(msg.times)
-                        posted.append(channels.fwd_out.post(msg))
+                        posted.append(channels.fwd_out.post(msg, prepared=ready))
                     await asyncio.gather(*posted)
                     assert all("taken" in t for t in stamps[start:])
-                return {"stamps": stamps, "whole": channels.fwd_out.whole}
+                return {"stamps": stamps, "whole": channels.fwd_out.whole, "packed_on": packed_on}
             got = []
             for mb, rows in enumerate(flat):
                 msg = await channels.fwd_in.recv()
@@ -551,22 +570,35 @@ def _posting_scenario(rank, world, pg_timeout_s):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(90)
-def test_posted_messages_keep_their_order_where_the_loop_begins_them():
+@pytest.mark.parametrize("prepared", [False, True])
+def test_posted_messages_keep_their_order_where_the_loop_begins_them(prepared):
     """``Channel.post``: a whole message with nothing ahead begins on the loop's thread, the
     others queue on the channel's thread; messages posted back to back still arrive in order,
-    exact, and each carries its stamps in the order of its way."""
-    values, exit_codes = _run_ranks(_posting_scenario, 2, pg_timeout_s=30)
+    exact, and each carries its stamps in the order of its way. ``prepared``: each message made
+    by ``Channel.prepare`` on another thread first (the lane's, in the executor), and a whole
+    one then sent from the buffer packed there, also when made before the capacity grew."""
+    scenario = functools.partial(_posting_scenario, prepared=prepared)
+    values, exit_codes = _run_ranks(scenario, 2, pg_timeout_s=30)
     assert exit_codes == [0, 0]
     sender, receiver = values[0], values[1]
     flat = [rows for batch in POSTED for rows in batch]
-    assert (
-        sender["whole"]
-        == receiver["whole"]
-        == sum(rows <= max(flat[:i], default=0) for i, rows in enumerate(flat))
-    )
+    whole = sum(rows <= max(flat[:i], default=0) for i, rows in enumerate(flat))
+    assert sender["whole"] == receiver["whole"] == whole
     for times, received in zip(sender["stamps"], receiver["received"]):
         assert times["posted"] <= times["sent"] <= times["taken"]
         assert times["sent"] <= received
+    # each whole message is packed once: where it was made when it fitted the capacity then (the
+    # batch's messages are made before any is posted); else, as the batch [14, 13]'s 13, which
+    # fits only once its 14 went, on the loop's thread or the channel's
+    made_fitting = sum(
+        rows <= max(flat[: sum(map(len, POSTED[:b]))], default=0)
+        for b, batch in enumerate(POSTED)
+        for rows in batch
+    )
+    where = sender["packed_on"]
+    made_there = [t for t in where if t != "MainThread" and "rrfp-waiter" not in t]
+    assert len(where) == whole, where
+    assert len(made_there) == (made_fitting if prepared else 0) < whole, where
 
 
 DEAD_EXIT_CODE = 17
