@@ -627,7 +627,14 @@ class _Iteration:
             self._doing(f"stuck in task {task}")
             ex.lane.stuck = True  # the exit does not wait for it
             raise
+        except asyncio.CancelledError:
+            # the iteration was abandoned (a send failed, a peer was lost): the rank no longer waits
+            # for the task, so its heartbeat must not tell the peers it is at work in it, which
+            # they count as progress while they wait for its messages
+            self._doing("")
+            raise
         except Exception as e:  # the model's own error keeps its type; this says where it happened
+            self._doing("")  # out of the task, as above
             e.add_note(
                 f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
                 f"on stage {stage} of {ex.S} (rank {ex.rank})"

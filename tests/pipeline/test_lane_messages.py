@@ -25,6 +25,20 @@ def _batches():
     return [(torch.randn(ROWS, D, generator=g, dtype=torch.float64),) * 2 for _ in range(M)]
 
 
+class RaisesOnSecond(nn.Module):
+    """A first stage whose forward raises on its second microbatch: the user's bug."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(D, D).double(), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            raise ValueError("the model's own bug")
+        return self.lin(x)
+
+
 class ToComplex(nn.Module):
     """A first stage whose output no link carries."""
 
@@ -36,10 +50,10 @@ class ToComplex(nn.Module):
         return torch.fft.rfft(self.lin(x), dim=-1)
 
 
-def _one_iteration(rank, world, unit_ms, complex_out, caught=False):
-    """One iteration of two stages; with ``complex_out`` the first stage's output is complex, and
-    the sender's MessageError leaves the runtime's block (or, ``caught``, the block catches it and
-    leaves normally): what each rank then raised, and how long it took."""
+def _one_iteration(rank, world, unit_ms, failing=None, caught=False):
+    """One iteration of two stages; with ``failing`` (a module class) as the first stage, whose
+    error leaves the runtime's block (or, ``caught``, the block catches it and leaves normally):
+    what each rank then raised, and how long it took."""
     import asyncio
     import threading
     import time
@@ -67,14 +81,14 @@ def _one_iteration(rank, world, unit_ms, complex_out, caught=False):
         waits = started_waits(2.0, progress_s=3.0)
         async with PipelineRuntime.start(pp=world, unit_ms=unit_ms, timeouts=waits) as rt:
             module = _stages()[rt.stage]
-            if complex_out and rt.stage == 0:
-                module = ToComplex()
+            if failing is not None and rt.stage == 0:
+                module = failing()
             ex = rt.stage_executor(
                 module, nn.functional.mse_loss, n_microbatches=M, hint="bfw", dispatch="ready"
             )
             try:
                 await ex.run_iteration(0, _batches())
-            except MessageError as e:
+            except (MessageError, ValueError) as e:
                 if not caught:
                     raise
                 errors.append(f"caught: {e}")
@@ -86,7 +100,7 @@ def _one_iteration(rank, world, unit_ms, complex_out, caught=False):
     began = time.monotonic()
     try:
         asyncio.run(main())
-    except (MessageError, PipelineError) as e:
+    except (MessageError, PipelineError, ValueError) as e:
         errors.append(f"{type(e).__name__}: {e}")
     return made, errors, grads, time.monotonic() - began
 
@@ -102,7 +116,7 @@ def _reference() -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(120)
 def test_real_compute_makes_each_message_on_the_lane_and_matches_one_process():
-    results = run_ranks(_one_iteration, 2, 0.0, False, timeout=90)
+    results = run_ranks(_one_iteration, 2, 0.0, timeout=90)
     want = _reference()
     for rank, (made, errors, grads, _) in results.items():
         assert errors == [], errors
@@ -118,23 +132,29 @@ def test_real_compute_makes_each_message_on_the_lane_and_matches_one_process():
 @pytest.mark.timeout(120)
 def test_emulated_time_sends_through_the_stages_sender():
     """A link's emulated latency delays the message, so the sender coroutine sends it."""
-    for made, errors, _, _ in run_ranks(_one_iteration, 2, 1.0, False, timeout=90).values():
+    for made, errors, _, _ in run_ranks(_one_iteration, 2, 1.0, timeout=90).values():
         assert errors == [] and made == [], (errors, made)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("caught", [False])
-def test_a_payload_no_link_carries_fails_both_ranks_in_one_line_each(caught):
-    """The lane cannot make the message, the post refuses it with the channel's line, and the
-    sender's block ends. Left to propagate, the block's exit closes the groups and the peer's
-    receive fails at once; caught, the block leaves normally into the final barrier, which its
-    heartbeat says it is at, not in the task it abandoned: the peer, waiting for the message,
-    names it after ``progress_s`` (3 s) instead of counting that task as progress for ever."""
-    results = run_ranks(_one_iteration, 2, 0.0, True, caught, timeout=90)
+@pytest.mark.parametrize("caught", [False, True])
+@pytest.mark.parametrize(
+    "failing,said",
+    [(ToComplex, ("cannot send", "complex128")), (RaisesOnSecond, ("the model's own bug",))],
+)
+def test_a_failed_first_stage_fails_both_ranks_in_one_line_each(caught, failing, said):
+    """A payload no link carries (the lane cannot make the message, the post refuses it with the
+    channel's line) or the model's own error, on rank 0. Left to propagate, the block's exit
+    closes the groups and rank 1's receive fails at once. Caught, the block leaves normally into
+    the final barrier, which rank 0's heartbeat then says it is at, not in the task it
+    abandoned: rank 1, waiting for its message, names it after ``progress_s`` (3 s) instead of
+    counting that task as progress for ever."""
+    results = run_ranks(_one_iteration, 2, 0.0, failing, caught, timeout=90)
     made, errors, _, took = results[0]
-    assert made and not any(ok for _, ok in made), made  # the lane could not make it
+    if failing is ToComplex:
+        assert made and not any(ok for _, ok in made), made  # the lane could not make it
     first = errors[0]
-    assert "cannot send" in first and "complex128" in first and "\n" not in first, errors
+    assert all(s in first for s in said) and "\n" not in first, errors
     if caught:  # then the final barrier ends: rank 1 never came to it (PeerStuck), or it named
         # rank 0 first and left (a lost peer)
         assert len(errors) == 2 and "final barrier" in errors[1], errors
