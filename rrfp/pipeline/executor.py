@@ -989,11 +989,14 @@ class _Iteration:
 
     def _preparing(self, io: _StageIO, to: int, kind: Kind):
         """The channel to stage ``to`` when the lane makes the task's message as the task returns
-        (``Channel.prepare``: real compute, sent at once, to another rank); else None."""
+        (``Channel.prepare``: real compute on the CPU lane's thread, sent at once, to another rank
+        over gloo); else None. A CUDA lane enqueues its work and returns before it ran: its
+        messages are made on the loop, after the task's end event (``_post``)."""
         if to in self.io or not self.ex.sends_at_once or self.ex.unit_s:
             return None
         channel = io.channels.fwd_out if kind is Kind.F else io.channels.bwd_out
-        return channel if hasattr(channel, "prepare") else None
+        on_cpu = getattr(channel, "device", None) == torch.device("cpu")
+        return channel if on_cpu and hasattr(channel, "prepare") else None
 
     def _post(self, io: _StageIO, to: int, msg: Message, value, prepared=None) -> bool:
         """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it
