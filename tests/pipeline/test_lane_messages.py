@@ -13,6 +13,7 @@ from torch import nn
 pytestmark = pytest.mark.multirank
 
 M, D, ROWS = 4, 6, 3
+PROGRESS_S = 5.0  # how long a rank waits with no progress anywhere before it names the peer
 
 
 def _stages() -> list[nn.Module]:
@@ -78,8 +79,11 @@ def _one_iteration(rank, world, unit_ms, failing=None, caught=False):
     grads: dict = {}
 
     async def main():
-        waits = started_waits(2.0, progress_s=3.0)
-        async with PipelineRuntime.start(pp=world, unit_ms=unit_ms, timeouts=waits) as rt:
+        # a failure is named after progress_s; a run that should pass keeps the default bounds
+        waits = started_waits(2.0, progress_s=PROGRESS_S) if failing else None
+        async with PipelineRuntime.start(
+            pp=world, timeout_s=30, unit_ms=unit_ms, timeouts=waits
+        ) as rt:
             module = _stages()[rt.stage]
             if failing is not None and rt.stage == 0:
                 module = failing()
@@ -147,7 +151,7 @@ def test_a_failed_first_stage_fails_both_ranks_in_one_line_each(caught, failing,
     channel's line) or the model's own error, on rank 0. Left to propagate, the block's exit
     closes the groups and rank 1's receive fails at once. Caught, the block leaves normally into
     the final barrier, which rank 0's heartbeat then says it is at, not in the task it
-    abandoned: rank 1, waiting for its message, names it after ``progress_s`` (3 s) instead of
+    abandoned: rank 1, waiting for its message, names it after ``PROGRESS_S`` instead of
     counting that task as progress for ever."""
     results = run_ranks(_one_iteration, 2, 0.0, failing, caught, timeout=90)
     made, errors, _, took = results[0]
