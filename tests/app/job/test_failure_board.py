@@ -19,13 +19,16 @@ from rrfp.comm.job_store import OWN_STORE_CONNECT_S
 @pytest.fixture
 def board(monkeypatch):
     port = free_port()
+    # the store's own client connects within 60 s (a loaded machine has taken over 5 s to accept
+    # it); its operations are bounded at 5 s after, as before
     master = dist.TCPStore(
         "127.0.0.1",
         port,
         is_master=True,
-        timeout=datetime.timedelta(seconds=5),
+        timeout=datetime.timedelta(seconds=60),
         wait_for_workers=False,
     )
+    master.set_timeout(datetime.timedelta(seconds=5))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("WORLD_SIZE", "5")
