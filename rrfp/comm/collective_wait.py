@@ -78,7 +78,9 @@ class CollectiveWaits:
         finally:
             if mine is not None:
                 with self._lock:
-                    if self.current is mine:
+                    # this wait, or the same wait counted afresh by ``overdue`` (a new Wait): no
+                    # other can have begun while it was current
+                    if self.current is not None and self.current.what == mine.what:
                         self.current = None
                     if self.hb.activity == AT + what:
                         self.hb.doing("")

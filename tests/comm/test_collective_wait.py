@@ -86,6 +86,20 @@ def test_a_rank_that_was_itself_stopped_waits_afresh():
         assert waits.current.since == start + 10.0
 
 
+def test_a_wait_counted_afresh_ends_with_its_collective():
+    """A wait that ``overdue`` counted afresh (this rank stalled during it) is still the one its
+    collective ends: left current, it was later named as stuck, with the collective long over
+    and this rank in its next step's task."""
+    hb = _hb()
+    waits = CollectiveWaits(hb)
+    with waits.at(WHAT, (1, 2)):
+        start = waits.current.since
+        waits.overdue(BOUND_S, start)
+        waits.overdue(BOUND_S, start + 10.0)  # a stall: counted afresh
+    assert waits.current is None and hb.activity == ""
+    assert _asked_every_beat(waits, start + 10.0, start + 30.0) is None
+
+
 def test_no_wait_is_never_overdue():
     waits = CollectiveWaits(_hb())
     assert waits.overdue(BOUND_S, 1e9) is None
