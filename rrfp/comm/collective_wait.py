@@ -33,10 +33,10 @@ from rrfp.core.errors import PeerStuck
 AT = "at "  # how a rank's activity says that it waits at a collective
 
 
-@dataclass(frozen=True)
+@dataclass
 class Wait:
     """This rank at the collective ``what`` since ``since`` (monotonic), with the ``peers`` of its
-    group."""
+    group. ``since`` moves on when the wait counts afresh; the wait stays the one ``at`` began."""
 
     what: str
     peers: tuple[int, ...]
@@ -78,9 +78,7 @@ class CollectiveWaits:
         finally:
             if mine is not None:
                 with self._lock:
-                    # this wait, or the same wait counted afresh by ``overdue`` (a new Wait): no
-                    # other can have begun while it was current
-                    if self.current is not None and self.current.what == mine.what:
+                    if self.current is mine:
                         self.current = None
                     if self.hb.activity == AT + what:
                         self.hb.doing("")
@@ -110,7 +108,7 @@ class CollectiveWaits:
         if wait is None:
             return None
         if slept:
-            wait = self.current = Wait(wait.what, wait.peers, now)
+            wait.since = now  # the same wait, counted afresh: ``at`` still ends it
         stalled = now - max(wait.since, self.hb.progress_at)
         if stalled < bound_s:
             return None
