@@ -627,21 +627,19 @@ class _Iteration:
             self._doing(f"stuck in task {task}")
             ex.lane.stuck = True  # the exit does not wait for it
             raise
-        except asyncio.CancelledError:
-            # the iteration was abandoned (a send failed, a peer was lost): the rank no longer waits
-            # for the task, so its heartbeat must not tell the peers it is at work in it, which
+        except BaseException as e:
+            # the task raised, or the iteration abandoned it (a send failed, a peer was lost): the
+            # rank is out of it, so its heartbeat must not tell the peers it is at work there, which
             # they count as progress while they wait for its messages
             self._doing("")
-            raise
-        except Exception as e:  # the model's own error keeps its type; this says where it happened
-            self._doing("")  # out of the task, as above
-            e.add_note(
-                f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
-                f"on stage {stage} of {ex.S} (rank {ex.rank})"
-            )
-            mark = user_code(e)
-            if mark is not None:  # the user's code: its line says which task called it
-                mark.task, mark.iteration, mark.stage = str(task), self.it, stage
+            if isinstance(e, Exception):  # the model's own error keeps its type; this says where
+                e.add_note(
+                    f"rrfp: raised in task {task} (microbatch {task.mb}) of iteration {self.it}, "
+                    f"on stage {stage} of {ex.S} (rank {ex.rank})"
+                )
+                mark = user_code(e)
+                if mark is not None:  # the user's code: its line says which task called it
+                    mark.task, mark.iteration, mark.stage = str(task), self.it, stage
             raise
         to = tr.finish(stage, task)
         if to is not None and to in self.io:  # the V turn: the rank's own next stage, no message
