@@ -888,38 +888,31 @@ class _Iteration:
                 else _seeded(w.forward, self.rng_base + s * ex.M + mb, self.rng_device)
             )
             forward = _clocked(ex.in_task(self.state.wrap(forward), s, task), clock)
-            to = self._preparing(io, s + 1, Kind.F)
-            if to is None:
-                out = await ex.lane.run(forward, mb, x, targets, bits, **lane)
-            else:  # the lane makes its message too, as it returns
-                made = _then_message(
-                    forward, lambda y: self._message(mb, Kind.F, y, w.output_requires_grad(mb)), to
-                )
-                out, msg, prepared = await ex.lane.run(made, mb, x, targets, bits, **lane)
+            last = s == ex.S - 1
+            made = self._sending(
+                io,
+                forward,
+                None if last else s + 1,
+                lambda y: self._message(mb, Kind.F, y, w.output_requires_grad(mb)),
+            )
+            out, msg, prepared = await ex.lane.run(made, mb, x, targets, bits, **lane)
             returned = time.time()
             if self.spec.limit.bytes is not None:
                 measured = w.activation_bytes(mb) / max(1, numel(self.batches[mb][0]))
                 ex._bytes_per_token = max(ex._bytes_per_token, measured)
-            if s == ex.S - 1:
+            if last:
                 self.losses[mb] = out
-            elif to is None:
-                msg = self._message(mb, Kind.F, out, w.output_requires_grad(mb))
-                posted = self._post(io, s + 1, msg, out)
             else:
                 posted = self._post(io, s + 1, msg, out, prepared)
         elif task.kind is Kind.B:
             grad = None if s == ex.S - 1 else io.grads.pop(mb)
             backward = _clocked(ex.in_task(self.state.wrap(w.backward), s, task), clock)
-            to = self._preparing(io, s - 1, Kind.B) if s > 0 else None
-            if to is None:
-                grad_in = await ex.lane.run(backward, mb, grad, **lane)
-            else:  # the lane makes its message too, as it returns
-                made = _then_message(backward, lambda g: self._message(mb, Kind.B, g), to)
-                grad_in, msg, prepared = await ex.lane.run(made, mb, grad, **lane)
+            made = self._sending(
+                io, backward, s - 1 if s > 0 else None, lambda g: self._message(mb, Kind.B, g)
+            )
+            grad_in, msg, prepared = await ex.lane.run(made, mb, grad, **lane)
             returned = time.time()
-            if s > 0 and to is None:
-                posted = self._post(io, s - 1, self._message(mb, Kind.B, grad_in), grad_in)
-            elif s > 0:
+            if s > 0:
                 posted = self._post(io, s - 1, msg, grad_in, prepared)
         elif beside:  # a W that issues no EP collective (_perform_overlapped)
             await ex.lane.run_beside(ex.in_task(self.state.wrap(w.weight), s, task), mb, **lane)
@@ -985,16 +978,29 @@ class _Iteration:
         tensors = list(value) if isinstance(value, (tuple, list)) else [value]
         return Message(self.it, mb, int(kind), tensors, bits)
 
-    def _preparing(self, io: _StageIO, to: int, kind: Kind):
-        """The channel to stage ``to`` when the lane makes the task's message as the task returns
-        (``Channel.prepare``: real compute on the CPU lane's thread, sent at once, to another rank
-        over gloo); else None. A CUDA lane enqueues its work and returns before it ran: its
-        messages are made on the loop, after the task's end event (``_post``)."""
-        if to in self.io or not self.ex.sends_at_once or self.ex.unit_s:
-            return None
-        channel = io.channels.fwd_out if kind is Kind.F else io.channels.bwd_out
-        on_cpu = getattr(channel, "device", None) == torch.device("cpu")
-        return channel if on_cpu and hasattr(channel, "prepare") else None
+    def _sending(self, io: _StageIO, fn: Callable, to: int | None, message: Callable) -> Callable:
+        """``fn`` as the lane runs it for a task that sends what it returns to stage ``to`` (None:
+        nothing), returning (its value, the message, the message prepared to post or None).
+
+        The lane makes the message (``Channel.prepare``) where the task computes on the CPU lane's
+        thread with real time and sends at once to another rank over gloo: its header encoded and
+        its payload packed while the payload is in cache, before the loop's turn. A CUDA lane
+        enqueues its work and returns before it ran; its messages, and the others, are made right
+        after the task, and their posts (``_post``) do the rest."""
+        channel = None
+        if to is not None and to not in self.io and self.ex.sends_at_once and not self.ex.unit_s:
+            out = io.channels.fwd_out if to > io.s else io.channels.bwd_out
+            on_cpu = getattr(out, "device", None) == torch.device("cpu")
+            channel = out if on_cpu and hasattr(out, "prepare") else None
+
+        def run(*args):
+            value = fn(*args)
+            if to is None:
+                return value, None, None
+            msg = message(value)
+            return value, msg, channel.prepare(msg) if channel is not None else None
+
+        return run
 
     def _post(self, io: _StageIO, to: int, msg: Message, value, prepared=None) -> bool:
         """Queue what the task just enqueued on the lane produced for stage ``to``; on GPU it
@@ -1077,18 +1083,6 @@ class _Iteration:
             else:
                 io.grads[mb] = value
             self.changed.set()
-
-
-def _then_message(fn: Callable, message: Callable, channel) -> Callable:
-    """``fn``, then on the same thread (the lane's) the message of what it returned, made ready to
-    post (``Channel.prepare``): (what ``fn`` returned, the message, the prepared message)."""
-
-    def run(*args):
-        value = fn(*args)
-        msg = message(value)
-        return value, msg, channel.prepare(msg)
-
-    return run
 
 
 def _clocked(fn: Callable, clock: ExpertClock | None) -> Callable:
