@@ -310,6 +310,7 @@ def _one_rank_never_sets_up(rank, world, bound_s, mark):
     """Rank 0 builds a tied stage executor; rank 1 stays in the runtime, beating, and never does
     (until rank 0 has its answer)."""
     import asyncio
+    import dataclasses
     import time
     from pathlib import Path
 
@@ -324,8 +325,12 @@ def _one_rank_never_sets_up(rank, world, bound_s, mark):
 
     async def main():
         nonlocal began
-        waits = Timeouts.derive(2.0, process_group_s=bound_s, store_connect_s=START_S)
+        # the groups' creation (gloo's connect, bounded by process_group_s too) gets the start-up's
+        # bound, so that a loaded machine's slow connect does not end the row before its point;
+        # the exchange then reads the bound under test
+        waits = Timeouts.derive(2.0, process_group_s=START_S, store_connect_s=START_S)
         async with rrfp.PipelineRuntime.start(pp=world, timeout_s=2.0, timeouts=waits) as rt:
+            rt.timeouts = dataclasses.replace(rt.timeouts, process_group_s=bound_s)
             if rank == 1:
                 while not Path(mark).exists() and time.monotonic() - began < bound_s + 30:
                     await asyncio.sleep(0.1)
