@@ -30,7 +30,7 @@ import datetime
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -119,12 +119,18 @@ def named_collective(what: str, group=None):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A message made ready to post off the loop (``Channel.prepare``): its header, its payload as
-    sent, and the one buffer it travels in where it fitted the channel's capacity."""
+    """A message made ready to post (``Channel.prepare``, or ``post`` itself): its header, its
+    payload as sent and that payload's bytes in one buffer, and that buffer where it was packed
+    ahead (it fitted the channel's capacity then)."""
 
     header: torch.Tensor
     payload: list[torch.Tensor | None]
-    packed: torch.Tensor | None
+    size: int
+    packed: torch.Tensor | None = None
+
+    def buffer(self) -> torch.Tensor:
+        """The one buffer the message travels in: the one packed ahead, else packed now."""
+        return self.packed if self.packed is not None else pack(self.header, self.payload)
 
 
 class ChannelEnd:
@@ -229,16 +235,14 @@ class Channel(ChannelEnd):
         others; one that did not fit is packed by ``post`` if it fits by then. None where ``msg``
         cannot be sent (``post`` raises why)."""
         try:
-            header, payload = self._encode(msg)
+            made = self._encode(msg)
         except Exception:  # noqa: BLE001 - post raises it, where a send's error belongs
             return None
-        size = payload_bytes(payload)
-        packed = pack(header, payload) if 0 < size <= self._capacity else None
-        return Prepared(header, payload, packed)
+        return replace(made, packed=made.buffer()) if 0 < made.size <= self._capacity else made
 
-    def _encode(self, msg: Message) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """``msg``'s header and its payload as sent (detached, contiguous); raises what cannot be
-        sent."""
+    def _encode(self, msg: Message) -> Prepared:
+        """``msg``'s header and its payload as sent (detached, contiguous), not packed; raises
+        what cannot be sent."""
         try:
             header = encode_header(msg, self.device)
         except MessageError as e:
@@ -254,7 +258,7 @@ class Channel(ChannelEnd):
                     f"but the channel sends from {self.device}"
                 )
             payload.append(t.detach().contiguous())
-        return header, payload
+        return Prepared(header, payload, payload_bytes(payload))
 
     def post(
         self, msg: Message, begin_here: bool = True, prepared: Prepared | None = None
@@ -269,22 +273,20 @@ class Channel(ChannelEnd):
         its next task, and the channel's thread only waits for its end. Else its operations are
         queued for the channel's thread, which has to win the GIL and a core from that task."""
         self._check_usable("send", outbound=True)
-        header, payload = (prepared.header, prepared.payload) if prepared else self._encode(msg)
+        made = prepared or self._encode(msg)
         label = msg.label()
-        size = payload_bytes(payload)
-        whole = 0 < size <= self._capacity  # the peer's buffer holds it: one operation
-        self._capacity = max(self._capacity, size)  # what the receiver computes from the header
+        whole = 0 < made.size <= self._capacity  # the peer's buffer holds it: one operation
+        self._capacity = max(
+            self._capacity, made.size
+        )  # what the receiver computes from the header
         ahead = self._last_send is not None and not self._last_send.done()
-        packed = prepared.packed if prepared is not None else None
         if begin_here and whole and not ahead:
             # nothing of this channel's is ahead of it: the operation starts here, on gloo's own
             # thread, which needs no GIL, and the channel's thread only waits for it to end
-            work = self._start_whole(header, payload, msg.times, packed)
+            work = self._start_whole(made, msg.times)
             job = self._waiter.submit(self._send_started, work, label, msg.times)
         else:
-            job = self._waiter.submit(
-                self._send_blocking, header, payload, whole, label, msg.times, packed
-            )
+            job = self._waiter.submit(self._send_blocking, made, whole, label, msg.times)
         self._last_send = job
         job.add_done_callback(self._note_failure)
         job.add_done_callback(lambda done: self._note_sent(done, label))
@@ -343,15 +345,13 @@ class Channel(ChannelEnd):
 
     # -- waiter thread side ------------------------------------------------------
 
-    def _start_whole(self, header, payload, times: dict[str, float] | None, packed=None):
-        """Begin the one operation of a whole message (on the loop's thread; ``packed``: the
-        buffer ``prepare`` made): its Work, or the error that kept it from starting, for the
-        channel's thread to wait for or raise."""
+    def _start_whole(self, made: Prepared, times: dict[str, float] | None):
+        """Begin the one operation of a whole message (on the loop's thread): its Work, or the
+        error that kept it from starting, for the channel's thread to wait for or raise."""
         if times is not None:
             times["sent"] = time.time()
         try:
-            buf = packed if packed is not None else pack(header, payload)
-            return dist.isend(buf, self.peer, group=self.group)
+            return dist.isend(made.buffer(), self.peer, group=self.group)
         except Exception as e:  # noqa: BLE001 - raised by the channel's thread, as a send's is
             return e
 
@@ -369,30 +369,23 @@ class Channel(ChannelEnd):
             times["taken"] = time.time()
 
     def _send_blocking(
-        self,
-        header: torch.Tensor,
-        payload: list[torch.Tensor | None],
-        whole: bool,
-        label: str,
-        times: dict[str, float] | None = None,
-        packed: torch.Tensor | None = None,
+        self, made: Prepared, whole: bool, label: str, times: dict[str, float] | None = None
     ) -> None:
-        """The message's transport operations, one (``whole``: ``packed``, or packed here) or its
-        parts; ``times`` (the message's stamps, when it has them) gets when they began (``sent``)
-        and when the peer had taken them all (``taken``)."""
+        """The message's transport operations, one (``whole``) or its parts; ``times`` (the
+        message's stamps, when it has them) gets when they began (``sent``) and when the peer had
+        taken them all (``taken``)."""
         if times is not None:
             times["sent"] = time.time()
         if whole:
             try:
-                buf = packed if packed is not None else pack(header, payload)
-                self._p2p(dist.send, dist.isend, buf)
+                self._p2p(dist.send, dist.isend, made.buffer())
             except Exception as e:
                 raise self._peer_error(
                     f"send of {label} (its header and payload in one) to rank {self.peer}", e
                 ) from e
             self.whole += 1
         else:
-            self._send_parts(header, payload, label)
+            self._send_parts(made.header, made.payload, label)
         if times is not None:
             times["taken"] = time.time()
 
