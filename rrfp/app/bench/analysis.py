@@ -150,6 +150,16 @@ def simulated_s(
 KINDS = "FBW"
 
 
+def is_task(sp: Span) -> bool:
+    """Whether a span is a task's (F3, B0, W7), not a wait's or a phase's."""
+    return sp.name[:1] in KINDS and sp.name[1:].isdigit()
+
+
+def stage_of(sp: Span) -> int:
+    """The stage a task span ran: torch's schedules record it apart from their row."""
+    return sp.args.get("torch_stage", sp.stage)
+
+
 def task_times(sp: Span) -> tuple[float, float]:
     """When a task's own work ran: the lane's times when the trace has them (the host time around
     it excluded), else the span's (torch's schedules: its call)."""
@@ -176,10 +186,9 @@ def realized_work(spec: BenchSpec, contender: Contender, spans: list[Span]) -> I
     S, M = layout.num_stages, spec.n_microbatches
     dur = np.zeros((S, M, 3))
     for sp in spans:
-        if sp.name[:1] not in KINDS or not sp.name[1:].isdigit():
+        if not is_task(sp):
             continue
-        stage = sp.args.get("torch_stage", sp.stage)
-        dur[stage, int(sp.name[1:]), KINDS.index(sp.name[0])] += task_seconds(sp)
+        dur[stage_of(sp), int(sp.name[1:]), KINDS.index(sp.name[0])] += task_seconds(sp)
     lat = np.zeros((S, M))
     rank_of = tuple(layout.rank_of(g) for g in range(S)) if layout.virtual > 1 else None
     return IterationWork(dur, lat, lat.copy(), contender.split, 1.0, rank_of)
@@ -527,7 +536,7 @@ def compute_summary(contender: Contender, spans: list[Span]) -> ComputeSummary |
     ranks: dict[int, dict[int, float]] = {}  # iteration -> rank -> compute
     back: dict[int, dict[tuple[int, int], float]] = {}  # iteration -> (rank, microbatch) -> B + W
     for sp in spans:
-        if sp.process != contender.name or sp.name[:1] not in KINDS or not sp.name[1:].isdigit():
+        if sp.process != contender.name or not is_task(sp):
             continue
         it, rank, t = sp.args.get("iteration", 0), rank_of(sp), task_seconds(sp)
         mine = ranks.setdefault(it, {})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from rrfp.app.bench.analysis import KINDS, rank_of, task_times
+from rrfp.app.bench.analysis import is_task, rank_of, stage_of, task_times
 from rrfp.observe.trace import Span
 
 
@@ -36,21 +36,17 @@ class CriticalPath:
         return dict(vars(self))
 
 
-def _stage(sp: Span) -> int:
-    return sp.args.get("torch_stage", sp.stage)
-
-
 def iteration_path(tasks: list[Span]) -> tuple[float, float, int, float, int, float]:
     """(compute, same-rank gaps, their count, message gaps, their count, first start to last end)
     of one iteration's critical path through ``tasks`` (that iteration's F, B and W spans)."""
-    by_task = {(_stage(sp), sp.name): sp for sp in tasks}
+    by_task = {(stage_of(sp), sp.name): sp for sp in tasks}
     on_rank: dict[int, list[Span]] = {}
     for sp in sorted(tasks, key=lambda sp: task_times(sp)[0]):
         on_rank.setdefault(rank_of(sp), []).append(sp)
     position = {id(sp): i for row in on_rank.values() for i, sp in enumerate(row)}
 
     def producer(sp: Span) -> Span | None:
-        kind, stage = sp.name[0], _stage(sp)
+        kind, stage = sp.name[0], stage_of(sp)
         source = {"F": (stage - 1, "F"), "B": (stage + 1, "B"), "W": (stage, "B")}[kind]
         return by_task.get((source[0], source[1] + sp.name[1:]))
 
@@ -81,7 +77,7 @@ def critical_path(name: str, spans: list[Span]) -> CriticalPath | None:
     """``name``'s critical path, medians over its iterations; None when it has no task spans."""
     iterations: dict[int, list[Span]] = {}
     for sp in spans:
-        if sp.process == name and sp.name[:1] in KINDS and sp.name[1:].isdigit():
+        if sp.process == name and is_task(sp):
             iterations.setdefault(sp.args.get("iteration", 0), []).append(sp)
     if not iterations:
         return None
