@@ -1023,10 +1023,7 @@ class _Iteration:
             # real compute, no link latency to emulate: the channel's thread has the message
             # before the lane has the next task, rather than once the loop comes round to it
             try:
-                # a channel without ``prepare`` (a test's, a wrapper) takes the message alone
-                posted = (
-                    channel.post(msg) if prepared is None else channel.post(msg, prepared=prepared)
-                )
+                posted = channel.post(msg, prepared=prepared)
             except Exception as e:  # noqa: BLE001 - raised by the sender, as a queued send's is
                 posted = asyncio.get_running_loop().create_future()
                 posted.set_exception(e)

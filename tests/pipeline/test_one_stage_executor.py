@@ -97,7 +97,7 @@ class _RefusingChannel:
 
     name, peer = "fwd 0->1", 1
 
-    def post(self, msg):
+    def post(self, msg, prepared=None):
         from rrfp.comm.message import MessageError
 
         raise MessageError(f"channel {self.name}: cannot send: {msg.label()} refused")
